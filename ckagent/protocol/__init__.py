@@ -1,0 +1,563 @@
+"""The wire protocol between a node agent and the master (docs/protocol.md, openapi.yaml).
+
+Every message is a frozen dataclass with snake_case attributes, built from JSON with
+``X.from_json(obj)`` (which validates) and turned back into JSON with ``x.to_json()`` (camelCase
+keys, ``None`` fields left out). Both the agent and the reference master use these types, so the
+two sides cannot drift apart; ``tests/test_protocol.py`` checks them against ``openapi.yaml``.
+
+Exceptions::
+
+    ValueError
+    └── ProtocolError      a payload breaks the schema; ``.field`` is the JSON path ("tasks[2].env.FOO")
+
+Conventions: times are ISO-8601 UTC strings ("2026-11-29T16:03:50.123Z"), durations are integer
+milliseconds, ids are strings (integers from an older backend are accepted and turned into strings).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, TypeVar
+
+from ckagent.protocol._fields import (
+    ProtocolError,
+    opt_int,
+    opt_number,
+    opt_object,
+    opt_str,
+    req_choice,
+    req_id,
+    req_int,
+    req_number,
+    req_object,
+    str_list,
+    str_map,
+)
+
+__all__ = [
+    "ERROR_CODES",
+    "FINAL_STATUSES",
+    "FRAMEWORKS",
+    "NODE_STATUSES",
+    "TASK_STATUSES",
+    "BadTask",
+    "CodePackage",
+    "Heartbeat",
+    "HeartbeatResponse",
+    "ItemBatch",
+    "LogBatch",
+    "PendingTasks",
+    "ProtocolError",
+    "RegisterRequest",
+    "RegisterResponse",
+    "SeqAccepted",
+    "SeqConflict",
+    "SpiderFile",
+    "Task",
+    "TaskResult",
+    "utc_iso",
+    "utc_now_iso",
+]
+
+TASK_STATUSES = ("RUNNING", "SUCCESS", "FAILED", "CANCELLED")
+"""Statuses an agent reports. RUNNING is the claim; the other three are final."""
+FINAL_STATUSES = ("SUCCESS", "FAILED", "CANCELLED")
+ERROR_CODES = (
+    "TIMEOUT",
+    "CANCELLED",
+    "EXIT_NONZERO",
+    "DEPLOY_FAILED",
+    "DEPS_FAILED",
+    "AGENT_LOST",
+    "BAD_TASK",
+)
+FRAMEWORKS = ("scrapy", "python", "node", "playwright", "selenium")
+NODE_STATUSES = ("RUNNING", "DRAINING")
+
+TIMEOUT_MESSAGE = "执行超时"
+"""errorMessage of a task that hit its timeout: what the existing CrawlerKeeper backend expects."""
+
+_T = TypeVar("_T")
+
+
+def utc_iso(moment: datetime) -> str:
+    """Format an aware or naive-UTC datetime as the protocol's ISO-8601 UTC string (millisecond precision)."""
+    if moment.tzinfo is not None:
+        moment = moment.astimezone(timezone.utc)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+
+
+def utc_now_iso() -> str:
+    """The current wall-clock time as a protocol timestamp."""
+    return utc_iso(datetime.now(timezone.utc))
+
+
+def _drop_none(obj: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in obj.items() if v is not None}
+
+
+# --------------------------------------------------------------------------- registration
+
+
+@dataclass(frozen=True)
+class RegisterRequest:
+    """``POST /api/nodes/register`` body. Sizes in bytes; ``runtimes`` maps a runtime name to what was found."""
+
+    name: str
+    ip: str
+    port: int
+    version: str
+    os: str
+    arch: str
+    python: str
+    cpu_count: int
+    memory_total_bytes: int
+    max_workers: int
+    runtimes: dict[str, Any] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, obj: Any) -> RegisterRequest:
+        """Validate a decoded JSON body. Raises ProtocolError naming the first bad field."""
+        o = req_object(obj, "")
+        return cls(
+            name=req_id(o, "name"),
+            ip=opt_str(o, "ip") or "",
+            port=req_int(o, "port", lo=0, hi=65535),
+            version=opt_str(o, "version") or "",
+            os=opt_str(o, "os") or "",
+            arch=opt_str(o, "arch") or "",
+            python=opt_str(o, "python") or "",
+            cpu_count=req_int(o, "cpuCount", lo=0),
+            memory_total_bytes=req_int(o, "memoryTotalBytes", lo=0),
+            max_workers=req_int(o, "maxWorkers", lo=1),
+            runtimes=opt_object(o, "runtimes") or {},
+            labels=str_map(o, "labels"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The camelCase JSON body."""
+        return {
+            "name": self.name,
+            "ip": self.ip,
+            "port": self.port,
+            "version": self.version,
+            "os": self.os,
+            "arch": self.arch,
+            "python": self.python,
+            "cpuCount": self.cpu_count,
+            "memoryTotalBytes": self.memory_total_bytes,
+            "maxWorkers": self.max_workers,
+            "runtimes": self.runtimes,
+            "labels": self.labels,
+        }
+
+
+@dataclass(frozen=True)
+class RegisterResponse:
+    """Answer to a registration: the node's id and the Bearer key for every later call."""
+
+    node_id: str
+    api_key: str
+
+    def __repr__(self) -> str:  # the key is a secret: keep it out of logs and tracebacks
+        return f"RegisterResponse(node_id={self.node_id!r}, api_key='***')"
+
+    @classmethod
+    def from_json(cls, obj: Any) -> RegisterResponse:
+        """Validate a decoded JSON body. Raises ProtocolError naming the bad field (never its value)."""
+        o = req_object(obj, "")
+        return cls(node_id=req_id(o, "nodeId"), api_key=req_id(o, "apiKey", secret=True))
+
+    def to_json(self) -> dict[str, Any]:
+        """The camelCase JSON body."""
+        return {"nodeId": self.node_id, "apiKey": self.api_key}
+
+
+# --------------------------------------------------------------------------- heartbeat
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """``POST /api/nodes/{id}/heartbeat`` body: the node's health. Percentages 0..100, sizes in bytes."""
+
+    status: str
+    cpu_percent: float
+    memory_percent: float
+    disk_percent: float
+    memory_used_bytes: int
+    disk_free_bytes: int
+    load1: float
+    running_task_ids: list[str]
+    running_spider_ids: list[str]
+    max_workers: int
+    free_slots: int
+    version: str
+    uptime_seconds: float
+    runtimes: dict[str, Any] | None = None
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Heartbeat:
+        """Validate a decoded JSON body. Raises ProtocolError naming the first bad field."""
+        o = req_object(obj, "")
+        return cls(
+            status=req_choice(o, "status", NODE_STATUSES),
+            cpu_percent=req_number(o, "cpuPercent", lo=0),
+            memory_percent=req_number(o, "memoryPercent", lo=0),
+            disk_percent=req_number(o, "diskPercent", lo=0),
+            memory_used_bytes=req_int(o, "memoryUsedBytes", lo=0),
+            disk_free_bytes=req_int(o, "diskFreeBytes", lo=0),
+            load1=req_number(o, "load1", lo=0),
+            running_task_ids=str_list(o, "runningTaskIds", ids=True),
+            running_spider_ids=str_list(o, "runningSpiderIds", ids=True),
+            max_workers=req_int(o, "maxWorkers", lo=1),
+            free_slots=req_int(o, "freeSlots", lo=0),
+            version=opt_str(o, "version") or "",
+            uptime_seconds=req_number(o, "uptimeSeconds", lo=0),
+            runtimes=opt_object(o, "runtimes"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The camelCase JSON body."""
+        return _drop_none(
+            {
+                "status": self.status,
+                "cpuPercent": self.cpu_percent,
+                "memoryPercent": self.memory_percent,
+                "diskPercent": self.disk_percent,
+                "memoryUsedBytes": self.memory_used_bytes,
+                "diskFreeBytes": self.disk_free_bytes,
+                "load1": self.load1,
+                "runningTaskIds": list(self.running_task_ids),
+                "runningSpiderIds": list(self.running_spider_ids),
+                "maxWorkers": self.max_workers,
+                "freeSlots": self.free_slots,
+                "version": self.version,
+                "uptimeSeconds": self.uptime_seconds,
+                "runtimes": self.runtimes,
+            }
+        )
+
+
+@dataclass(frozen=True)
+class HeartbeatResponse:
+    """The master's answer to a heartbeat: tasks of this node to cancel."""
+
+    cancel_task_ids: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, obj: Any) -> HeartbeatResponse:
+        """Validate a decoded JSON body (an empty object is fine). Raises ProtocolError."""
+        o = req_object(obj, "")
+        return cls(cancel_task_ids=str_list(o, "cancelTaskIds", ids=True))
+
+    def to_json(self) -> dict[str, Any]:
+        """The camelCase JSON body."""
+        return {"cancelTaskIds": list(self.cancel_task_ids)}
+
+
+# --------------------------------------------------------------------------- tasks
+
+
+@dataclass(frozen=True)
+class CodePackage:
+    """Where a task's code zip lives: absolute ``url``, hex ``sha256``, ``size_bytes``."""
+
+    url: str
+    sha256: str
+    size_bytes: int
+
+    @classmethod
+    def from_json(cls, obj: Any, path: str = "codePackage") -> CodePackage:
+        """Validate; ``path`` prefixes field names in errors. Raises ProtocolError."""
+        o = req_object(obj, path)
+        sha = req_id(o, "sha256", path=path).lower()
+        if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+            raise ProtocolError(f"{path}.sha256", "expected 64 hex digits")
+        return cls(url=req_id(o, "url", path=path), sha256=sha, size_bytes=req_int(o, "sizeBytes", lo=0, path=path))
+
+    def to_json(self) -> dict[str, Any]:
+        """The camelCase JSON object."""
+        return {"url": self.url, "sha256": self.sha256, "sizeBytes": self.size_bytes}
+
+
+@dataclass(frozen=True)
+class Task:
+    """A task handed out by ``GET /tasks/pending``.
+
+    ``command`` is an argv list or None (the agent picks the framework's default); a string on the
+    wire is split like a shell would. ``timeout_seconds``: None = the agent's default, 0 = no limit.
+    ``code_package`` None means "sync the spider files".
+    """
+
+    id: str
+    spider_id: str
+    spider_name: str
+    framework: str
+    command: list[str] | None = None
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    timeout_seconds: float | None = None
+    code_version: str | None = None
+    code_package: CodePackage | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, obj: Any, path: str = "task") -> Task:
+        """Validate one task; ``path`` prefixes field names in errors. Raises ProtocolError."""
+        o = req_object(obj, path)
+        command: list[str] | None
+        raw_command = o.get("command")
+        if raw_command is None:
+            command = None
+        elif isinstance(raw_command, str):
+            try:
+                command = shlex.split(raw_command)
+            except ValueError as exc:
+                raise ProtocolError(f"{path}.command", f"cannot split the command string: {exc}") from exc
+        else:
+            command = str_list(o, "command", path=path)
+        if command is not None and not command:
+            raise ProtocolError(f"{path}.command", "must not be empty (leave it out for the default)")
+        package = o.get("codePackage")
+        return cls(
+            id=req_id(o, "id", path=path),
+            spider_id=req_id(o, "spiderId", path=path),
+            spider_name=opt_str(o, "spiderName", path=path) or "",
+            framework=req_choice(o, "framework", FRAMEWORKS, path=path),
+            command=command,
+            args=str_list(o, "args", path=path),
+            env=str_map(o, "env", path=path, env_names=True),
+            timeout_seconds=opt_number(o, "timeoutSeconds", lo=0, path=path),
+            code_version=opt_str(o, "codeVersion", path=path),
+            code_package=None if package is None else CodePackage.from_json(package, f"{path}.codePackage"),
+            params=opt_object(o, "params", path=path) or {},
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The camelCase JSON object."""
+        return _drop_none(
+            {
+                "id": self.id,
+                "spiderId": self.spider_id,
+                "spiderName": self.spider_name,
+                "framework": self.framework,
+                "command": None if self.command is None else list(self.command),
+                "args": list(self.args),
+                "env": dict(self.env),
+                "timeoutSeconds": self.timeout_seconds,
+                "codeVersion": self.code_version,
+                "codePackage": None if self.code_package is None else self.code_package.to_json(),
+                "params": dict(self.params),
+            }
+        )
+
+
+@dataclass(frozen=True)
+class BadTask:
+    """A task in a poll answer that broke the schema: the agent reports it FAILED/BAD_TASK.
+
+    ``task_id`` is None when even the id was unreadable (then it can only be logged).
+    """
+
+    task_id: str | None
+    error: ProtocolError
+
+
+@dataclass(frozen=True)
+class PendingTasks:
+    """Answer of ``GET /tasks/pending``. One bad task does not spoil the others: it lands in ``bad_tasks``."""
+
+    tasks: list[Task] = field(default_factory=list)
+    cancel_task_ids: list[str] = field(default_factory=list)
+    bad_tasks: list[BadTask] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, obj: Any) -> PendingTasks:
+        """Validate the envelope strictly and each task on its own. Raises ProtocolError for a bad envelope."""
+        o = req_object(obj, "")
+        raw_tasks = o.get("tasks", [])
+        if not isinstance(raw_tasks, list):
+            raise ProtocolError("tasks", "expected an array")
+        tasks: list[Task] = []
+        bad: list[BadTask] = []
+        for i, raw in enumerate(raw_tasks):
+            try:
+                tasks.append(Task.from_json(raw, f"tasks[{i}]"))
+            except ProtocolError as exc:
+                task_id = raw.get("id") if isinstance(raw, dict) else None
+                ok_id = isinstance(task_id, (str, int)) and not isinstance(task_id, bool) and str(task_id)
+                bad.append(BadTask(task_id=str(task_id) if ok_id else None, error=exc))
+        return cls(tasks=tasks, cancel_task_ids=str_list(o, "cancelTaskIds", ids=True), bad_tasks=bad)
+
+    def to_json(self) -> dict[str, Any]:
+        """The camelCase JSON body (bad tasks are not re-serialised)."""
+        return {"tasks": [t.to_json() for t in self.tasks], "cancelTaskIds": list(self.cancel_task_ids)}
+
+
+# --------------------------------------------------------------------------- results and streams
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    """``POST /api/tasks/{id}/result``. RUNNING is the claim; SUCCESS/FAILED/CANCELLED are final.
+
+    Times are protocol timestamps (str), ``duration_ms`` integer milliseconds.
+    """
+
+    status: str
+    exit_code: int | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    started_at: str | None = None
+    finished_at: str | None = None
+    duration_ms: int | None = None
+    item_count: int | None = None
+    log_lines: int | None = None
+
+    @classmethod
+    def from_json(cls, obj: Any) -> TaskResult:
+        """Validate a decoded JSON body. Raises ProtocolError naming the first bad field."""
+        o = req_object(obj, "")
+        status = req_choice(o, "status", TASK_STATUSES)
+        error_code = o.get("errorCode")
+        if error_code is not None:
+            error_code = req_choice(o, "errorCode", ERROR_CODES)
+        if status in ("FAILED", "CANCELLED") and error_code is None:
+            raise ProtocolError("errorCode", f"required when status is {status}")
+        return cls(
+            status=status,
+            exit_code=opt_int(o, "exitCode"),
+            error_code=error_code,
+            error_message=opt_str(o, "errorMessage"),
+            started_at=opt_str(o, "startedAt"),
+            finished_at=opt_str(o, "finishedAt"),
+            duration_ms=opt_int(o, "durationMs", lo=0),
+            item_count=opt_int(o, "itemCount", lo=0),
+            log_lines=opt_int(o, "logLines", lo=0),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The camelCase JSON body."""
+        return _drop_none(
+            {
+                "status": self.status,
+                "exitCode": self.exit_code,
+                "errorCode": self.error_code,
+                "errorMessage": self.error_message,
+                "startedAt": self.started_at,
+                "finishedAt": self.finished_at,
+                "durationMs": self.duration_ms,
+                "itemCount": self.item_count,
+                "logLines": self.log_lines,
+            }
+        )
+
+
+@dataclass(frozen=True)
+class LogBatch:
+    """``POST /api/tasks/{id}/logs``: ``seq`` is the index of the first line of ``lines``."""
+
+    seq: int
+    lines: list[str]
+
+    @classmethod
+    def from_json(cls, obj: Any) -> LogBatch:
+        """Validate a decoded JSON body. Raises ProtocolError."""
+        o = req_object(obj, "")
+        return cls(seq=req_int(o, "seq", lo=0), lines=str_list(o, "lines", required=True))
+
+    def to_json(self) -> dict[str, Any]:
+        """The camelCase JSON body."""
+        return {"seq": self.seq, "lines": list(self.lines)}
+
+
+@dataclass(frozen=True)
+class ItemBatch:
+    """``POST /api/tasks/{id}/items``: ``seq`` is the index of the first item; items are JSON objects."""
+
+    seq: int
+    items: list[dict[str, Any]]
+
+    @classmethod
+    def from_json(cls, obj: Any) -> ItemBatch:
+        """Validate a decoded JSON body. Raises ProtocolError."""
+        o = req_object(obj, "")
+        raw = o.get("items")
+        if not isinstance(raw, list):
+            raise ProtocolError("items", "expected an array of objects")
+        for i, item in enumerate(raw):
+            if not isinstance(item, dict):
+                raise ProtocolError(f"items[{i}]", "expected an object")
+        return cls(seq=req_int(o, "seq", lo=0), items=raw)
+
+    def to_json(self) -> dict[str, Any]:
+        """The camelCase JSON body."""
+        return {"seq": self.seq, "items": list(self.items)}
+
+
+@dataclass(frozen=True)
+class SeqAccepted:
+    """200 answer to a logs/items batch: ``accepted_seq`` = how many elements the master now holds."""
+
+    accepted_seq: int
+
+    @classmethod
+    def from_json(cls, obj: Any) -> SeqAccepted:
+        """Validate a decoded JSON body. Raises ProtocolError."""
+        return cls(accepted_seq=req_int(req_object(obj, ""), "acceptedSeq", lo=0))
+
+    def to_json(self) -> dict[str, Any]:
+        """The camelCase JSON body."""
+        return {"acceptedSeq": self.accepted_seq}
+
+
+@dataclass(frozen=True)
+class SeqConflict:
+    """409 answer to a logs/items batch that left a gap: resend from ``expected_seq``."""
+
+    expected_seq: int
+
+    @classmethod
+    def from_json(cls, obj: Any) -> SeqConflict:
+        """Validate a decoded JSON body. Raises ProtocolError."""
+        return cls(expected_seq=req_int(req_object(obj, ""), "expectedSeq", lo=0))
+
+    def to_json(self) -> dict[str, Any]:
+        """The camelCase JSON body."""
+        return {"expectedSeq": self.expected_seq}
+
+
+@dataclass(frozen=True)
+class SpiderFile:
+    """One entry of ``GET /api/spider-files/spider/{spiderId}``: a file of the spider's code."""
+
+    id: str
+    path: str
+    size_bytes: int
+    sha256: str
+
+    @classmethod
+    def from_json(cls, obj: Any, path: str = "") -> SpiderFile:
+        """Validate one entry. Raises ProtocolError."""
+        o = req_object(obj, path)
+        return cls(
+            id=req_id(o, "id", path=path),
+            path=req_id(o, "path", path=path),
+            size_bytes=req_int(o, "sizeBytes", lo=0, path=path),
+            sha256=req_id(o, "sha256", path=path).lower(),
+        )
+
+    @classmethod
+    def list_from_json(cls, obj: Any) -> list[SpiderFile]:
+        """Validate the whole listing (a JSON array). Raises ProtocolError."""
+        if not isinstance(obj, list):
+            raise ProtocolError("", "expected an array of spider files")
+        return [cls.from_json(entry, f"[{i}]") for i, entry in enumerate(obj)]
+
+    def to_json(self) -> dict[str, Any]:
+        """The camelCase JSON object."""
+        return {"id": self.id, "path": self.path, "sizeBytes": self.size_bytes, "sha256": self.sha256}
+
