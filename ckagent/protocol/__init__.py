@@ -378,7 +378,9 @@ class PendingTasks:
     def from_json(cls, obj: Any) -> PendingTasks:
         """Validate the envelope strictly and each task on its own. Raises ProtocolError for a bad envelope."""
         o = req_object(obj, "")
-        raw_tasks = o.get("tasks", [])
+        raw_tasks = o.get("tasks")
+        if raw_tasks is None:  # absent or null → no tasks, like every other optional list
+            raw_tasks = []
         if not isinstance(raw_tasks, list):
             raise ProtocolError("tasks", "expected an array")
         tasks: list[Task] = []

@@ -44,7 +44,10 @@ def req_id(o: dict[str, Any], key: str, *, path: str = "", secret: bool = False)
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
     if not isinstance(value, str) or not value:
-        shown = "a missing or empty value" if secret or value in (None, "") else _describe(value)
+        if value is None or value == "":
+            shown = "a missing or empty value"
+        else:  # a secret's value is never shown, only its type
+            shown = type(value).__name__ if secret else _describe(value)
         raise ProtocolError(_name(path, key), f"expected a non-empty string, got {shown}")
     return value
 
@@ -154,7 +157,9 @@ def str_map(o: dict[str, Any], key: str, *, path: str = "", env_names: bool = Fa
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise ProtocolError(name, f"expected an object of strings, got {_describe(value)}")
+        # a malformed env ("TOKEN=..." as a string) may still hold secrets: name the type only
+        shown = type(value).__name__ if env_names else _describe(value)
+        raise ProtocolError(name, f"expected an object of strings, got {shown}")
     for k, v in value.items():
         if env_names and not _ENV_NAME.match(k):
             raise ProtocolError(f"{name}.{k}", "not a valid environment variable name")
