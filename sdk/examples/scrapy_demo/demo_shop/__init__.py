@@ -1,0 +1,1 @@
+"""Demo Scrapy project for CrawlerKeeper: crawls the dev master's demo shop."""
