@@ -1,0 +1,217 @@
+"""The ``ckagent`` command line (cyclopts). Argument handling only: every command delegates.
+
+Commands::
+
+    ckagent [-c FILE]                 same as `ckagent run -c FILE`
+    ckagent run [-c FILE]             run the agent until SIGTERM/SIGINT
+    ckagent config check [-c FILE]    validate the configuration, print "config OK: FILE"
+    ckagent config show [-c FILE]     print the effective settings as YAML (secrets masked)
+    ckagent version                   print the ckagent and Python versions
+    ckagent dev-master ...            run the reference master (SQLite)
+    ckagent demo [--work-dir DIR] [--keep]   dev master + agent + sample spider, end to end
+
+Exit codes: 0 ok; 2 usage or configuration error (``ckagent: config error: <msg>`` on stderr);
+1 runtime failure (or whatever the delegated command returns).
+"""
+
+from __future__ import annotations
+
+import difflib
+import platform
+import sys
+from pathlib import Path
+from typing import Annotated
+
+from cyclopts import App, Parameter
+from cyclopts.exceptions import CycloptsError
+
+from ckagent import __version__
+from ckagent.config import ConfigError, Settings, load_settings, missing_token_message, suspicious_env_vars
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+
+ConfigOption = Annotated[
+    Path | None,
+    Parameter(
+        name=["--config", "-c"],
+        help="YAML config file. Without it: defaults + AGENT_* environment variables only.",
+    ),
+]
+
+app = App(
+    name="ckagent",
+    help="CrawlerKeeper node agent: runs spiders and ships their logs, items and results to the master.",
+    version=__version__,
+    result_action="return_value",
+)
+config_app = App(name="config", help="Validate or show the agent configuration.", result_action="return_value")
+app.command(config_app)
+
+
+class _UsageError(Exception):
+    """A usage problem that cyclopts cannot see (e.g. a required value missing from flag and env)."""
+
+
+def _load(config: Path | None, *, require_token: bool) -> Settings:
+    return load_settings(config, require_token=require_token)
+
+
+@app.default
+def _default(*, config: ConfigOption = None) -> int:
+    """Without a command: `ckagent -c FILE` runs the agent; bare `ckagent` prints this help."""
+    if config is None:
+        app.help_print([])
+        return EXIT_USAGE
+    return run(config=config)
+
+
+@config_app.default
+def _config_default() -> int:
+    """Without a subcommand: print this help (exit 2)."""
+    config_app.help_print([])
+    return EXIT_USAGE
+
+
+@app.command
+def run(*, config: ConfigOption = None) -> int:
+    """Run the agent: register, heartbeat, poll and run tasks until SIGTERM (drain) or SIGINT (stop).
+
+    Needs a registration token (agent.registration_token or AGENT_REGISTRATION_TOKEN).
+    """
+    settings = _load(config, require_token=True)
+    from ckagent.agent import run_agent
+
+    return run_agent(settings)
+
+
+@config_app.command
+def check(*, config: ConfigOption = None) -> int:
+    """Validate the configuration (file and environment) and print "config OK: FILE".
+
+    A missing registration token is only a warning here (`ckagent run` refuses to start without one).
+    """
+    settings = _load(config, require_token=False)
+    if settings.agent.registration_token is None:
+        print(f"warning: {missing_token_message()}", file=sys.stderr)
+    for line in suspicious_env_vars():
+        print(f"warning: {line}", file=sys.stderr)
+    where = str(settings.config_file) if settings.config_file is not None else "(no file: defaults + environment)"
+    print(f"config OK: {where}")
+    return EXIT_OK
+
+
+@config_app.command
+def show(*, config: ConfigOption = None) -> int:
+    """Print the effective settings (defaults < file < environment) as YAML; secrets show as ***."""
+    import yaml
+
+    settings = _load(config, require_token=False)
+    source = str(settings.config_file) if settings.config_file is not None else "no file"
+    print(f"# effective ckagent settings ({source}; environment applied; secrets masked)")
+    print(yaml.safe_dump(settings.redacted(), sort_keys=False, allow_unicode=True), end="")
+    return EXIT_OK
+
+
+@app.command(name="version")
+def version_command() -> int:
+    """Print the ckagent version and the Python it runs on."""
+    print(f"ckagent {__version__} (Python {platform.python_version()}, {platform.python_implementation()})")
+    return EXIT_OK
+
+
+@app.command(name="dev-master")
+def dev_master(
+    *,
+    db: Path = Path("master.sqlite"),
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    registration_token: Annotated[str | None, Parameter(env_var="DEVMASTER_REGISTRATION_TOKEN")] = None,
+    admin_token: Annotated[str | None, Parameter(env_var="DEVMASTER_ADMIN_TOKEN")] = None,
+) -> int:
+    """Run the reference master (protocol + admin API over SQLite) until Ctrl-C.
+
+    Parameters
+    ----------
+    db
+        SQLite database file (created if missing).
+    host
+        Address to listen on.
+    port
+        TCP port to listen on (0 = any free port).
+    registration_token
+        Token agents must send to register. Prefer the environment variable: flags show up in `ps`.
+    admin_token
+        Bearer token for the admin API. Prefer the environment variable.
+    """
+    if not registration_token:
+        raise _UsageError("dev-master needs --registration-token or DEVMASTER_REGISTRATION_TOKEN")
+    if not admin_token:
+        raise _UsageError("dev-master needs --admin-token or DEVMASTER_ADMIN_TOKEN")
+    if not 0 <= port <= 65535:
+        raise _UsageError(f"--port: expected 0..65535, got {port}")
+    from ckagent.devmaster.server import serve_forever
+
+    serve_forever(
+        db_path=db, host=host, port=port, registration_token=registration_token, admin_token=admin_token
+    )
+    return EXIT_OK
+
+
+@app.command
+def demo(*, work_dir: Path | None = None, keep: bool = False) -> int:
+    """Run a dev master, an agent and a sample spider end to end, then report what happened.
+
+    Parameters
+    ----------
+    work_dir
+        Directory for the demo's data (default: a temporary directory).
+    keep
+        Keep the demo's data directory afterwards.
+    """
+    from ckagent.demo import run_demo
+
+    return run_demo(work_dir=work_dir, keep=keep)
+
+
+def _unknown_command(tokens: list[str]) -> str | None:
+    """A message if the leading words name no command (cyclopts would call them "unused tokens")."""
+    group, path = app, ""
+    for word in tokens:
+        if word.startswith("-"):
+            return None
+        if word not in group:
+            commands = [name for name in group if not name.startswith("-")]
+            close = difflib.get_close_matches(word, commands, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f"; commands: {', '.join(commands)}"
+            return f"unknown command {path + word!r}{hint}"
+        sub = group[word]
+        if not any(not name.startswith("-") for name in sub):
+            return None  # a leaf command: the rest are its arguments
+        group, path = sub, f"{path}{word} "
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: parse ``argv`` (default ``sys.argv[1:]``), run the command, ``sys.exit`` with its code.
+
+    Never returns: exits 0 on success, 2 on usage/config errors, else the command's code (1 = failure).
+    """
+    tokens = sys.argv[1:] if argv is None else argv
+    unknown = _unknown_command(tokens)
+    if unknown:
+        print(f"ckagent: {unknown}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    try:
+        result = app(tokens, exit_on_error=False, print_error=True)
+    except CycloptsError:
+        # cyclopts already printed the problem (to stderr).
+        sys.exit(EXIT_USAGE)
+    except ConfigError as exc:
+        print(f"ckagent: config error: {exc}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    except _UsageError as exc:
+        print(f"ckagent: {exc}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    sys.exit(result if isinstance(result, int) else EXIT_OK)

@@ -1,0 +1,205 @@
+"""The ckagent CLI, run as a real subprocess: exit codes and messages."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ckagent import __version__
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "config" / "config.yaml"
+TOKEN = "tok-6c1e0d93ab"
+API_KEY = "key-0b7f2e11c4"
+
+
+def ckagent(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m ckagent ARGS`` with a clean AGENT_*/DEVMASTER_* environment."""
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("AGENT_", "DEVMASTER_")) and k != "CONTAINER_CPU_LIMIT"
+    }
+    base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    base["COLUMNS"] = "200"  # keep cyclopts' error panels on one line
+    base.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "ckagent", *args],
+        cwd=cwd,
+        env=base,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_version(tmp_path: Path) -> None:
+    result = ckagent("version", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"ckagent {__version__} ")
+    assert f"Python {platform.python_version()}" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--help"], ["run", "config", "version", "dev-master", "demo", "--config"]),
+        (["run", "--help"], ["--config", "registration token"]),
+        (["config", "--help"], ["check", "show"]),
+        (["config", "check", "--help"], ["--config"]),
+        (["config", "show", "--help"], ["--config"]),
+        (["dev-master", "--help"], ["--db", "--port", "DEVMASTER_REGISTRATION_TOKEN", "DEVMASTER_ADMIN_TOKEN"]),
+        (["demo", "--help"], ["--work-dir", "--keep"]),
+    ],
+)
+def test_help(tmp_path: Path, args: list[str], expected: list[str]) -> None:
+    result = ckagent(*args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    for word in expected:
+        assert word in result.stdout
+
+
+def test_no_command_prints_help_and_is_a_usage_error(tmp_path: Path) -> None:
+    result = ckagent(cwd=tmp_path)
+    assert result.returncode == 2
+    assert "Usage: ckagent" in result.stdout
+
+
+def test_config_check_good_file(tmp_path: Path) -> None:
+    result = ckagent("config", "check", "-c", str(EXAMPLE), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"config OK: {EXAMPLE}"
+    # the example sets no token: a warning, not an error
+    assert result.stderr.startswith("warning: no registration token")
+
+
+def test_config_check_relative_path_and_token_from_env(tmp_path: Path) -> None:
+    write(tmp_path, "agent:\n  port: 9100\n")
+    result = ckagent(
+        "config", "check", "--config", "config.yaml", cwd=tmp_path, env={"AGENT_REGISTRATION_TOKEN": TOKEN}
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"config OK: {tmp_path / 'config.yaml'}"
+    assert result.stderr == ""
+
+
+def test_config_check_warns_about_misspelled_env_var(tmp_path: Path) -> None:
+    result = ckagent("config", "check", cwd=tmp_path, env={"AGENT_REGISTRATION_TOKEN": TOKEN, "AGENT_PROT": "1"})
+    assert result.returncode == 0, result.stderr
+    assert "warning: AGENT_PROT is not a setting (did you mean AGENT_PORT?)" in result.stderr
+
+
+def test_config_check_bad_yaml(tmp_path: Path) -> None:
+    path = write(tmp_path, "agent:\n  name: [oops\n")
+    result = ckagent("config", "check", "-c", str(path), cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"ckagent: config error: {path}:3:1: YAML syntax error")
+    assert result.stdout == ""
+
+
+def test_config_check_unknown_key(tmp_path: Path) -> None:
+    path = write(tmp_path, "server:\n  ulr: http://x\n")
+    result = ckagent("config", "check", "-c", str(path), cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"ckagent: config error: {path}:2:3: unknown key 'server.ulr' (did you mean 'url'?)"
+    )
+
+
+def test_config_check_missing_file(tmp_path: Path) -> None:
+    result = ckagent("config", "check", "-c", "missing.yaml", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "ckagent: config error: missing.yaml: config file not found"  # the path as given
+
+
+def test_config_check_bad_env_var(tmp_path: Path) -> None:
+    result = ckagent("config", "check", cwd=tmp_path, env={"AGENT_PORT": "abc"})
+    assert result.returncode == 2
+    assert result.stderr.strip() == "ckagent: config error: AGENT_PORT: expected an integer 1..65535, got 'abc'"
+
+
+def test_config_show_masks_secrets_and_applies_env(tmp_path: Path) -> None:
+    path = write(tmp_path, f"agent:\n  api_key: {API_KEY}\n  port: 9100\n  labels: {{zone: a}}\n")
+    result = ckagent(
+        "config", "show", "-c", str(path), cwd=tmp_path,
+        env={"AGENT_REGISTRATION_TOKEN": TOKEN, "AGENT_PORT": "9200"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert TOKEN not in result.stdout + result.stderr
+    assert API_KEY not in result.stdout + result.stderr
+    shown = yaml.safe_load(result.stdout)
+    assert shown["agent"]["registration_token"] == "***"
+    assert shown["agent"]["api_key"] == "***"
+    assert shown["agent"]["port"] == 9200
+    assert shown["agent"]["labels"] == {"zone": "a"}
+    assert shown["task"]["work_dir"] == str(tmp_path / "data")
+    assert list(shown) == ["server", "agent", "heartbeat", "task", "logging", "deps"]
+
+
+def test_unknown_command(tmp_path: Path) -> None:
+    result = ckagent("frobnicate", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "unknown command 'frobnicate'" in result.stderr
+    result = ckagent("config", "chek", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "unknown command 'config chek' (did you mean 'check'?)" in result.stderr
+
+
+def test_unknown_option_and_bad_option_value_are_usage_errors(tmp_path: Path) -> None:
+    assert ckagent("config", "check", "--frob", cwd=tmp_path).returncode == 2
+    result = ckagent("dev-master", "--port", "abc", "--registration-token", "r", "--admin-token", "a", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "--port" in result.stderr
+
+
+def test_run_without_token_is_a_config_error(tmp_path: Path) -> None:
+    result = ckagent("run", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.startswith("ckagent: config error: no registration token")
+    assert "AGENT_REGISTRATION_TOKEN" in result.stderr
+
+
+@pytest.mark.parametrize("args", [["run", "-c"], ["-c"], ["--config"]])
+def test_run_with_bad_file_is_a_config_error(tmp_path: Path, args: list[str]) -> None:
+    """`ckagent -c FILE` is `ckagent run -c FILE`: both validate the file before anything else."""
+    path = write(tmp_path, "task:\n  poll_interval: fast\n")
+    result = ckagent(*args, str(path), cwd=tmp_path, env={"AGENT_REGISTRATION_TOKEN": TOKEN})
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"ckagent: config error: {path}:2:18: task.poll_interval: expected a number of seconds > 0, got 'fast'"
+    )
+    assert TOKEN not in result.stderr
+
+
+def test_dev_master_needs_both_tokens(tmp_path: Path) -> None:
+    result = ckagent("dev-master", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "DEVMASTER_REGISTRATION_TOKEN" in result.stderr
+    result = ckagent("dev-master", cwd=tmp_path, env={"DEVMASTER_REGISTRATION_TOKEN": TOKEN})
+    assert result.returncode == 2
+    assert "DEVMASTER_ADMIN_TOKEN" in result.stderr
+    assert TOKEN not in result.stderr
+
+
+def test_main_in_process_exits_with_code(capsys: pytest.CaptureFixture[str]) -> None:
+    from ckagent.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.startswith(f"ckagent {__version__}")
+    with pytest.raises(SystemExit) as info:
+        main(["nope"])
+    assert info.value.code == 2
