@@ -1,0 +1,313 @@
+"""The agent: the root nursery and the shutdown state machine — composition only.
+
+::
+
+    trio.run(Agent.run)
+    └── root nursery
+        ├── signals            SIGTERM → drain (second SIGTERM → terminate), SIGINT → terminate
+        ├── heartbeat loop     until STOPPED (beats DRAINING while draining)
+        ├── outbox             results and streams left over from an earlier run (crash recovery)
+        └── work scope
+            ├── poller         (its own scope: cancelled when draining starts)
+            └── one run_task per claimed task
+
+States: RUNNING → DRAINING (stop claiming; running tasks get ``task.drain_timeout`` seconds) →
+TERMINATING (every task: TERM → ``task.kill_grace`` → KILL, reported CANCELLED; then a bounded
+flush) → STOPPED (work scope cancelled if it still runs; unsent data stays in the state store for
+the next start). The agent therefore exits within drain_timeout + kill_grace + FLUSH_TIMEOUT
+(plus a few seconds), even with the master down.
+
+Exit codes of :func:`run_agent`: 0 after a clean drain/terminate, 1 when the agent cannot run
+(registration refused, state store unusable), 2 for configuration problems found late.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import signal
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import psutil
+import trio
+
+from ckagent import __version__
+from ckagent.config import Settings
+from ckagent.delivery import Masker, StreamShipper, item_object, log_line, secret_values
+from ckagent.deps import Dependencies, IndexChooser, spider_base_env
+from ckagent.heartbeat import HeartbeatLoop
+from ckagent.logs import setup_logging
+from ckagent.master import MasterClient, RegistrationRefused
+from ckagent.poller import Poller
+from ckagent.process import sweep
+from ckagent.protocol import RegisterRequest, Task, TaskResult, utc_iso, utc_now_iso
+from ckagent.resources import HealthSampler, compute_max_workers
+from ckagent.runtimes import detect_runtimes, find_chromium
+from ckagent.state import AsyncStateStore, StateStore, StateStoreError, TaskRecord
+from ckagent.supervisor import RunnerConfig, Supervisor, send_result
+from ckagent.workspace import Workspaces
+
+log = logging.getLogger(__name__)
+
+FLUSH_TIMEOUT = 10.0
+"""Seconds the agent waits, when stopping, for unsent results and streams before leaving them on disk."""
+RUNTIME_SCAN_INTERVAL = 300.0
+
+
+class Agent:
+    """One node agent. Build it from Settings, then ``trio.run(agent.run)``; ``state`` is public."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.state = "STARTING"
+        self.work_dir = settings.task.work_dir
+        self.max_workers = compute_max_workers(settings.agent.max_workers, settings.agent.container_cpu_limit)
+        self.runtimes: dict[str, Any] = {}
+        self._work_scope = trio.CancelScope()
+        self._poll_scope = trio.CancelScope()
+        self._startup_scope = trio.CancelScope()
+        self.supervisor: Supervisor | None = None
+        self._work_done = trio.Event()
+        self._terminating = trio.Event()
+        token = settings.agent.registration_token
+        self._secrets = tuple(
+            s.reveal() for s in (token, settings.agent.api_key) if s is not None
+        )
+        self.master = MasterClient(
+            settings.server.url,
+            token.reveal() if token is not None else "",
+            self._register_body,
+            request_timeout=settings.server.request_timeout,
+            ca_file=str(settings.server.ca_file) if settings.server.ca_file else None,
+        )
+
+    def _register_body(self) -> RegisterRequest:
+        s = self.settings
+        return RegisterRequest(
+            name=s.agent.name,
+            ip=s.agent.ip,
+            port=s.agent.port,
+            version=__version__,
+            os=platform.system().lower(),
+            arch=platform.machine(),
+            python=platform.python_version(),
+            cpu_count=psutil.cpu_count() or 1,
+            memory_total_bytes=psutil.virtual_memory().total,
+            max_workers=self.max_workers,
+            runtimes=self.runtimes,
+            labels=dict(s.agent.labels),
+        )
+
+    async def run(self) -> int:
+        """Run until stopped by a signal (or :meth:`drain` / :meth:`terminate`). Returns the exit code."""
+        s = self.settings
+        try:
+            store = AsyncStateStore(await trio.to_thread.run_sync(StateStore, self.work_dir / "state.db"))
+        except StateStoreError as exc:
+            log.error("%s", exc)
+            return 1
+        self.runtimes = await trio.to_thread.run_sync(detect_runtimes, s.deps.uv_path)
+        base_env = spider_base_env()
+        extra_env: dict[str, str] = {}
+        chromium = find_chromium()
+        if chromium:
+            extra_env["CK_CHROMIUM_PATH"] = chromium
+        workspaces = Workspaces(self.work_dir / "spiders", self.master)
+        deps = Dependencies(
+            self.work_dir / "venvs",
+            uv_path=s.deps.uv_path,
+            index=IndexChooser(s.deps.uv_index_url, s.deps.uv_fallback_index_url),
+            uv_cache_dir=s.deps.uv_cache_dir,
+            timeout=s.deps.uv_sync_timeout,
+            base_env=base_env,
+        )
+        supervisor = self.supervisor = Supervisor(
+            RunnerConfig(self.work_dir, s.task.execute_timeout, s.task.kill_grace, self._secrets, extra_env),
+            self.master, store, workspaces, deps, self.max_workers,
+            on_finished=_canonical_line,
+        )
+        self.heartbeat = HeartbeatLoop(
+            self.master, supervisor, HealthSampler(self.work_dir), s.heartbeat.interval,
+            status=lambda: "DRAINING" if self.state in ("DRAINING", "TERMINATING") else "RUNNING",
+            runtimes=lambda: self.runtimes,
+        )
+        self.poller = Poller(
+            self.master, supervisor, poll_interval=s.task.poll_interval,
+            long_poll_wait=s.task.long_poll_wait, request_timeout=s.server.request_timeout,
+        )
+        log.info("ckagent %s starting: master %s, work_dir %s, max_workers %d",
+                 __version__, s.server.url, self.work_dir, self.max_workers)
+        try:
+            async with trio.open_nursery() as root:
+                root.start_soon(self._signals)
+                try:
+                    with self._startup_scope:
+                        await self.master.register()
+                except RegistrationRefused as exc:
+                    log.error("%s", exc)
+                    root.cancel_scope.cancel()
+                    return 1
+                if self._startup_scope.cancel_called:
+                    log.info("stopped before registration completed")
+                    root.cancel_scope.cancel()
+                    return 0
+                leftovers = await self._recover(store)
+                outbox_done = trio.Event()
+                root.start_soon(self._deliver_leftovers, store, leftovers, outbox_done)
+                root.start_soon(self.heartbeat.run)
+                root.start_soon(self._rescan_runtimes)
+                self.state = "RUNNING"
+                with self._work_scope:
+                    async with trio.open_nursery() as work:
+                        with self._poll_scope:
+                            await self.poller.run(work)
+                self._work_done.set()
+                self.state = "STOPPING"
+                with trio.move_on_after(FLUSH_TIMEOUT):
+                    await outbox_done.wait()
+                root.cancel_scope.cancel()
+        finally:
+            self.state = "STOPPED"
+            with trio.CancelScope(shield=True):
+                await self.master.aclose()
+                await trio.to_thread.run_sync(store.sync.close)
+            log.info("ckagent stopped")
+        return 0
+
+    # ------------------------------------------------------------------ shutdown
+
+    def drain(self) -> None:
+        """RUNNING → DRAINING: stop claiming; running tasks may finish (idempotent)."""
+        if self.state in ("RUNNING", "STARTING"):
+            running = len(self.supervisor.running) if self.supervisor is not None else 0
+            log.info("draining: no new tasks; %d running task(s) get up to %g s",
+                     running, self.settings.task.drain_timeout)
+            self.state = "DRAINING"
+        self._startup_scope.cancel()
+        self._poll_scope.cancel()
+
+    def terminate(self) -> None:
+        """→ TERMINATING: stop every task (TERM → grace → KILL, reported CANCELLED) (idempotent)."""
+        if self._terminating.is_set():
+            return
+        log.info("terminating: stopping every running task")
+        self.state = "TERMINATING"
+        self._terminating.set()
+        self._startup_scope.cancel()
+        self._poll_scope.cancel()
+        if self.supervisor is not None:
+            self.supervisor.cancel_all("agent terminating")
+
+    async def _signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                if signum == signal.SIGTERM and self.state not in ("DRAINING", "TERMINATING", "STOPPING"):
+                    self.drain()
+                    trio.lowlevel.spawn_system_task(self._drain_deadline)
+                else:
+                    self._begin_terminate()
+
+    async def _drain_deadline(self) -> None:
+        with trio.move_on_after(self.settings.task.drain_timeout):
+            await self._work_done.wait()
+            return
+        log.warning("drain deadline (%g s) passed with tasks still running", self.settings.task.drain_timeout)
+        self._begin_terminate()
+
+    def _begin_terminate(self) -> None:
+        if self._terminating.is_set():
+            return
+        self.terminate()
+        trio.lowlevel.spawn_system_task(self._terminate_deadline)
+
+    async def _terminate_deadline(self) -> None:
+        bound = self.settings.task.kill_grace + FLUSH_TIMEOUT
+        with trio.move_on_after(bound):
+            await self._work_done.wait()
+            return
+        log.warning("tasks did not finish reporting within %g s; leaving unsent data for the next start", bound)
+        self._work_scope.cancel()
+
+    # ------------------------------------------------------------------ recovery
+
+    async def _recover(self, store: AsyncStateStore) -> list[TaskRecord]:
+        """Before polling: kill leftovers of tasks that ran when the agent died; mark them AGENT_LOST."""
+        records = await store.pending_delivery()
+        for record in records:
+            if record.result is not None:
+                continue
+            killed = await sweep(record.task_id, record.pgid)
+            log.warning("task %s was running when the agent stopped; killed %d leftover process(es); "
+                        "reporting AGENT_LOST", record.task_id, killed)
+            now = time.time()
+            result = TaskResult(
+                status="FAILED", error_code="AGENT_LOST",
+                error_message="the agent stopped while the task ran (crash, kill or power loss)",
+                started_at=utc_iso_from(record.claimed_at), finished_at=utc_now_iso(),
+                duration_ms=int((now - record.claimed_at) * 1000),
+            )
+            await store.set_result(record.task_id, result.to_json())
+        return await store.pending_delivery()
+
+    async def _deliver_leftovers(self, store: AsyncStateStore, records: list[TaskRecord], done: trio.Event) -> None:
+        try:
+            for record in records:
+                try:
+                    task_env = Task.from_json(record.task_json).env
+                except ValueError:
+                    task_env = {}
+                masker = Masker(secret_values(task_env, self._secrets))
+                shippers = [
+                    StreamShipper(self.master, store, record.task_id, "log", "logs",
+                                  record.task_dir / "output.log", log_line(masker)),
+                    StreamShipper(self.master, store, record.task_id, "items", "items",
+                                  record.task_dir / "items.jsonl", item_object, cr_breaks=False,
+                                  max_line_bytes=16 * 1024 * 1024),
+                ]
+                async with trio.open_nursery() as nursery:
+                    for shipper in shippers:
+                        shipper.finish()
+                        nursery.start_soon(shipper.run)
+                assert record.result is not None
+                data = dict(record.result)
+                data.update({"itemCount": shippers[1].stats.acked, "logLines": shippers[0].stats.acked})
+                await send_result(self.master, store, record.task_id, TaskResult.from_json(data))
+                log.info("task %s: delivered what an earlier run left unsent", record.task_id)
+        finally:
+            done.set()
+
+    async def _rescan_runtimes(self) -> None:
+        while True:
+            await trio.sleep(RUNTIME_SCAN_INTERVAL)
+            self.runtimes = await trio.to_thread.run_sync(detect_runtimes, self.settings.deps.uv_path)
+
+
+def utc_iso_from(epoch: float) -> str:
+    """Epoch seconds → protocol timestamp."""
+    return utc_iso(datetime.fromtimestamp(epoch, timezone.utc))
+
+
+def _canonical_line(rt: Any, result: TaskResult) -> None:
+    task = rt.task
+    log.info(
+        "task finished id=%s spider=%s status=%s error_code=%s exit_code=%s duration_ms=%s items=%s log_lines=%s",
+        task.id, task.spider_name or task.spider_id, result.status, result.error_code or "-",
+        result.exit_code, result.duration_ms, result.item_count, result.log_lines,
+    )
+
+
+def run_agent(settings: Settings) -> int:
+    """Entry point for ``ckagent run``: set up logging, run the agent on Trio, return the exit code."""
+    setup_logging(settings.logging.level, settings.logging.file, settings.logging.format)
+    Path(settings.task.work_dir).mkdir(parents=True, exist_ok=True)
+    agent = Agent(settings)
+    try:
+        return trio.run(agent.run)
+    except KeyboardInterrupt:  # pragma: no cover - SIGINT is handled inside; this is a second Ctrl-C race
+        return 130
+    finally:
+        sys.stderr.flush()

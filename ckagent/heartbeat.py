@@ -1,0 +1,94 @@
+"""The heartbeat loop: the node's health to the master every ``heartbeat.interval`` seconds.
+
+The period does not drift when the node is busy: each beat is scheduled at ``start + k·interval``
+(``trio.sleep_until``), and a beat that runs late skips the missed slots instead of bunching up.
+It keeps beating while the node drains. The master's answer may carry ``cancelTaskIds``. A failed
+beat is not retried (the next one is due soon); failures are logged once per change by the master
+client's connectivity tracker.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from ckagent import __version__
+from ckagent.master import MasterClient, MasterError
+from ckagent.protocol import Heartbeat, HeartbeatResponse, ProtocolError
+from ckagent.resources import HealthSampler
+from ckagent.supervisor import Supervisor
+
+log = logging.getLogger(__name__)
+
+
+class HeartbeatLoop:
+    """Sends heartbeats; ``status()`` gives RUNNING or DRAINING; ``runtimes()`` the latest scan.
+
+    ``last_success`` is the ``trio.current_time()`` of the last acknowledged beat (None before the
+    first); /readyz and metrics read it.
+    """
+
+    def __init__(
+        self,
+        master: MasterClient,
+        supervisor: Supervisor,
+        sampler: HealthSampler,
+        interval: float,
+        status: Callable[[], str],
+        runtimes: Callable[[], dict[str, Any]],
+    ) -> None:
+        self._master = master
+        self._supervisor = supervisor
+        self._sampler = sampler
+        self.interval = interval
+        self._status = status
+        self._runtimes = runtimes
+        self.last_success: float | None = None
+        self.beats = 0
+
+    async def run(self) -> None:
+        """Beat until cancelled. Never raises for master trouble."""
+        start = trio.current_time()
+        k = 0
+        while True:
+            await self.beat_once()
+            k = max(k + 1, int((trio.current_time() - start) / self.interval) + 1)
+            await trio.sleep_until(start + k * self.interval)
+
+    async def beat_once(self) -> bool:
+        """Send one heartbeat; returns True when the master acknowledged it."""
+        sample = await trio.to_thread.run_sync(self._sampler.sample)
+        sup = self._supervisor
+        body = Heartbeat(
+            status=self._status(),
+            cpu_percent=sample.cpu_percent,
+            memory_percent=sample.memory_percent,
+            disk_percent=sample.disk_percent,
+            memory_used_bytes=sample.memory_used_bytes,
+            disk_free_bytes=sample.disk_free_bytes,
+            load1=sample.load1,
+            running_task_ids=sorted(sup.running),
+            running_spider_ids=sup.running_spider_ids(),
+            max_workers=sup.max_workers,
+            free_slots=sup.free_slots(),
+            version=__version__,
+            uptime_seconds=round(time.monotonic() - self._sampler.started, 1),
+            runtimes=self._runtimes() or None,
+        )
+        try:
+            with trio.move_on_after(max(self.interval, 1.0)):
+                answer = await self._master.call("heartbeat", "POST", "/api/nodes/{node}/heartbeat",
+                                                 json=body.to_json())
+                response = HeartbeatResponse.from_json(answer or {})
+                self.last_success = trio.current_time()
+                self.beats += 1
+                for task_id in response.cancel_task_ids:
+                    sup.cancel(task_id, "cancelled by the master")
+                return True
+        except (MasterError, ProtocolError) as exc:
+            log.debug("heartbeat failed: %s", exc)
+        return False

@@ -1,0 +1,122 @@
+"""The poller: asks the master for work when a slot is free, claims it, hands it to the supervisor.
+
+Each poll asks for ``limit = free slots`` and ``excludeSpiderIds = spiders running here`` and, with
+long poll on, ``waitSeconds``: the master may hold the request until a task is ready. A master
+that answers at once with nothing (no long poll) is asked again after ``poll_interval``; a master
+that held the request is asked again at once. When no slot is free the poller waits for one and
+polls the moment it frees. Each task is claimed (result RUNNING) before it runs; a 409 drops it.
+A task that breaks the schema is reported FAILED/BAD_TASK and the others run.
+
+Cancelling the poller (drain) stops claiming; tasks already claimed run on in the work nursery.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from ckagent.master import MasterClient, MasterConflict, MasterError, MasterRejected, MasterUnavailable
+from ckagent.protocol import BadTask, PendingTasks, ProtocolError, TaskResult, utc_now_iso
+from ckagent.supervisor import Supervisor
+
+log = logging.getLogger(__name__)
+
+CLAIM_RETRY_TIMEOUT = 60.0
+"""Seconds a claim is retried through master trouble before the task is left to the master."""
+
+
+class Poller:
+    """See module docstring. ``long_poll_wait`` 0 disables long polling (seconds)."""
+
+    def __init__(
+        self,
+        master: MasterClient,
+        supervisor: Supervisor,
+        *,
+        poll_interval: float,
+        long_poll_wait: float,
+        request_timeout: float,
+    ) -> None:
+        self._master = master
+        self._supervisor = supervisor
+        self.poll_interval = poll_interval
+        self.long_poll_wait = long_poll_wait
+        self._request_timeout = request_timeout
+        self.polls = 0
+
+    async def run(self, work: trio.Nursery) -> None:
+        """Poll until cancelled; claimed tasks are started in ``work`` (the work nursery)."""
+        while True:
+            await self._supervisor.wait_for_free_slot()
+            started = trio.current_time()
+            try:
+                answer = await self.poll_once()
+            except MasterRejected as exc:
+                log.error("polling for tasks failed: %s; retrying in %g s", exc, self.poll_interval)
+                await trio.sleep(self.poll_interval)
+                continue
+            except ProtocolError as exc:
+                log.error("the master's poll answer breaks the protocol (%s); retrying in %g s",
+                          exc, self.poll_interval)
+                await trio.sleep(self.poll_interval)
+                continue
+            for task_id in answer.cancel_task_ids:
+                self._supervisor.cancel(task_id, "cancelled by the master")
+            for bad in answer.bad_tasks:
+                work.start_soon(self._report_bad_task, bad)
+            for task in answer.tasks:
+                if task.id in self._supervisor.running:
+                    continue
+                if await self._claim(task.id):
+                    rt = self._supervisor.admit(task)
+                    work.start_soon(self._supervisor.run_task, rt, name=f"task {task.id}")
+            held = trio.current_time() - started >= self.long_poll_wait / 2
+            if not answer.tasks and not (self.long_poll_wait and held):
+                await trio.sleep(self.poll_interval)
+
+    async def poll_once(self) -> PendingTasks:
+        """One (long) poll, retried with backoff while the master is unavailable.
+
+        Raises MasterRejected (4xx) or ProtocolError (bad envelope).
+        """
+        sup = self._supervisor
+        params: dict[str, str | int | float] = {"limit": max(1, sup.free_slots())}
+        excluded = sup.running_spider_ids()
+        if excluded:
+            params["excludeSpiderIds"] = ",".join(excluded)
+        if self.long_poll_wait:
+            params["waitSeconds"] = self.long_poll_wait
+        answer = await self._master.call_retrying(
+            "poll", "GET", "/api/nodes/{node}/tasks/pending", params=params,
+            read_timeout=self.long_poll_wait + self._request_timeout,
+        )
+        self.polls += 1
+        return PendingTasks.from_json(answer if answer is not None else {})
+
+    async def _claim(self, task_id: str) -> bool:
+        body = TaskResult(status="RUNNING", started_at=utc_now_iso()).to_json()
+        try:
+            await self._master.call_retrying(
+                "claim", "POST", f"/api/tasks/{task_id}/result", json=body, retry_timeout=CLAIM_RETRY_TIMEOUT
+            )
+        except MasterConflict:
+            log.info("task %s: claimed elsewhere or cancelled (409); not running it", task_id)
+            return False
+        except (MasterRejected, MasterUnavailable) as exc:
+            log.warning("task %s: claim failed (%s); leaving it to the master", task_id, exc)
+            return False
+        return True
+
+    async def _report_bad_task(self, bad: BadTask) -> None:
+        log.error("task %s breaks the protocol: %s", bad.task_id or "<no id>", bad.error)
+        if bad.task_id is None:
+            return
+        now = utc_now_iso()
+        result = TaskResult(status="FAILED", error_code="BAD_TASK", error_message=str(bad.error),
+                            started_at=now, finished_at=now, duration_ms=0, item_count=0, log_lines=0)
+        try:
+            await self._master.call_retrying("result", "POST", f"/api/tasks/{bad.task_id}/result",
+                                             json=result.to_json(), retry_timeout=CLAIM_RETRY_TIMEOUT)
+        except MasterError as exc:
+            log.warning("task %s: could not report BAD_TASK (%s)", bad.task_id, exc)

@@ -1,0 +1,220 @@
+"""The durable state store: what must survive an agent crash, in ``work_dir/state.db`` (SQLite, WAL).
+
+Per task: the task as claimed, its directory, its process group, how far each stream (log lines,
+items) has been acknowledged by the master (element count and the byte offset in its file where
+that count ends), and the final result until the master acknowledged it. The task's own files
+are the spool; this store only holds positions, so it stays small.
+
+All methods are blocking (sqlite3): call them through ``trio.to_thread.run_sync`` — or use
+:class:`AsyncStateStore`, which does. One connection guarded by a lock; ``synchronous=NORMAL``
+in WAL mode survives a process crash (what we guard against) and costs ~no fsync per ack.
+
+Exceptions: sqlite3 errors propagate (a broken state db is an operator problem the agent cannot
+fix); opening an unreadable file raises ``StateStoreError`` naming the path.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS tasks (
+    task_id      TEXT PRIMARY KEY,
+    spider_id    TEXT NOT NULL,
+    task_json    TEXT NOT NULL,
+    task_dir     TEXT NOT NULL,
+    pid          INTEGER,
+    pgid         INTEGER,
+    claimed_at   REAL NOT NULL,
+    result_json  TEXT,
+    result_acked INTEGER NOT NULL DEFAULT 0,
+    finished_at  REAL
+);
+CREATE TABLE IF NOT EXISTS streams (
+    task_id      TEXT NOT NULL,
+    stream       TEXT NOT NULL,
+    acked_seq    INTEGER NOT NULL,
+    acked_offset INTEGER NOT NULL,
+    PRIMARY KEY (task_id, stream)
+);
+"""
+
+
+class StateStoreError(Exception):
+    """The state database cannot be opened or created."""
+
+
+@dataclass(frozen=True)
+class TaskRecord:
+    """A task row: ``result`` is the final result JSON (None while the task has not finished)."""
+
+    task_id: str
+    spider_id: str
+    task_json: dict[str, Any]
+    task_dir: Path
+    pid: int | None
+    pgid: int | None
+    claimed_at: float
+    result: dict[str, Any] | None
+    result_acked: bool
+    finished_at: float | None
+
+
+class StateStore:
+    """Blocking SQLite store (see module docstring). Thread-safe; one instance per agent."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+        except (OSError, sqlite3.Error) as exc:
+            raise StateStoreError(f"cannot open the state store {path}: {exc}") from exc
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        """Close the database."""
+        with self._lock:
+            self._db.close()
+
+    def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    def add_task(self, task_id: str, spider_id: str, task_json: dict[str, Any], task_dir: Path) -> None:
+        """Record a claimed task (idempotent)."""
+        self._exec(
+            "INSERT OR IGNORE INTO tasks (task_id, spider_id, task_json, task_dir, claimed_at) VALUES (?,?,?,?,?)",
+            (task_id, spider_id, json.dumps(task_json), str(task_dir), time.time()),
+        )
+
+    def set_process(self, task_id: str, pid: int | None, pgid: int | None) -> None:
+        """Record (or clear, with None) the spider's main pid and process group."""
+        self._exec("UPDATE tasks SET pid=?, pgid=? WHERE task_id=?", (pid, pgid, task_id))
+
+    def stream_position(self, task_id: str, stream: str) -> tuple[int, int]:
+        """(acknowledged element count, byte offset where it ends); (0, 0) for a new stream."""
+        rows = self._exec(
+            "SELECT acked_seq, acked_offset FROM streams WHERE task_id=? AND stream=?", (task_id, stream)
+        )
+        return (int(rows[0][0]), int(rows[0][1])) if rows else (0, 0)
+
+    def save_stream_position(self, task_id: str, stream: str, seq: int, offset: int) -> None:
+        """Record that the master acknowledged ``seq`` elements, ending at byte ``offset``."""
+        self._exec(
+            "INSERT INTO streams (task_id, stream, acked_seq, acked_offset) VALUES (?,?,?,?) "
+            "ON CONFLICT(task_id, stream) DO UPDATE SET acked_seq=excluded.acked_seq, "
+            "acked_offset=excluded.acked_offset",
+            (task_id, stream, seq, offset),
+        )
+
+    def streams(self, task_id: str) -> dict[str, tuple[int, int]]:
+        """Every stream of the task: name → (acked seq, acked offset)."""
+        rows = self._exec("SELECT stream, acked_seq, acked_offset FROM streams WHERE task_id=?", (task_id,))
+        return {str(r[0]): (int(r[1]), int(r[2])) for r in rows}
+
+    def set_result(self, task_id: str, result: dict[str, Any]) -> None:
+        """Store the final result before it is sent (so a crash cannot lose it)."""
+        self._exec(
+            "UPDATE tasks SET result_json=?, finished_at=?, pid=NULL, pgid=NULL WHERE task_id=?",
+            (json.dumps(result), time.time(), task_id),
+        )
+
+    def mark_result_acked(self, task_id: str) -> None:
+        """The master acknowledged the final result."""
+        self._exec("UPDATE tasks SET result_acked=1 WHERE task_id=?", (task_id,))
+
+    def get(self, task_id: str) -> TaskRecord | None:
+        """One task, or None."""
+        rows = self._exec(f"SELECT {_COLUMNS} FROM tasks WHERE task_id=?", (task_id,))
+        return _record(rows[0]) if rows else None
+
+    def pending_delivery(self) -> list[TaskRecord]:
+        """Tasks whose final result the master has not acknowledged yet (oldest first).
+
+        After a crash this includes tasks that were running (``result`` is None): the recovery
+        kills their leftovers and reports them AGENT_LOST.
+        """
+        rows = self._exec(f"SELECT {_COLUMNS} FROM tasks WHERE result_acked=0 ORDER BY claimed_at")
+        return [_record(r) for r in rows]
+
+    def delivered_before(self, cutoff: float) -> list[TaskRecord]:
+        """Fully acknowledged tasks that finished before ``cutoff`` (epoch seconds): retention candidates."""
+        rows = self._exec(
+            f"SELECT {_COLUMNS} FROM tasks WHERE result_acked=1 AND finished_at < ? ORDER BY finished_at",
+            (cutoff,),
+        )
+        return [_record(r) for r in rows]
+
+    def forget(self, task_id: str) -> None:
+        """Drop a task and its stream positions (after its directory was removed)."""
+        with self._lock:
+            self._db.execute("DELETE FROM streams WHERE task_id=?", (task_id,))
+            self._db.execute("DELETE FROM tasks WHERE task_id=?", (task_id,))
+
+
+_COLUMNS = "task_id, spider_id, task_json, task_dir, pid, pgid, claimed_at, result_json, result_acked, finished_at"
+
+
+def _record(row: tuple[Any, ...]) -> TaskRecord:
+    return TaskRecord(
+        task_id=row[0],
+        spider_id=row[1],
+        task_json=json.loads(row[2]),
+        task_dir=Path(row[3]),
+        pid=row[4],
+        pgid=row[5],
+        claimed_at=row[6],
+        result=None if row[7] is None else json.loads(row[7]),
+        result_acked=bool(row[8]),
+        finished_at=row[9],
+    )
+
+
+class AsyncStateStore:
+    """The same operations, each run in a worker thread so the Trio loop never blocks on SQLite.
+
+    Cancellation while a call runs abandons waiting for it; the SQL statement itself completes.
+    """
+
+    def __init__(self, store: StateStore) -> None:
+        self.sync = store
+
+    async def add_task(self, task_id: str, spider_id: str, task_json: dict[str, Any], task_dir: Path) -> None:
+        """See :meth:`StateStore.add_task`."""
+        await trio.to_thread.run_sync(self.sync.add_task, task_id, spider_id, task_json, task_dir)
+
+    async def set_process(self, task_id: str, pid: int | None, pgid: int | None) -> None:
+        """See :meth:`StateStore.set_process`."""
+        await trio.to_thread.run_sync(self.sync.set_process, task_id, pid, pgid)
+
+    async def stream_position(self, task_id: str, stream: str) -> tuple[int, int]:
+        """See :meth:`StateStore.stream_position`."""
+        return await trio.to_thread.run_sync(self.sync.stream_position, task_id, stream)
+
+    async def save_stream_position(self, task_id: str, stream: str, seq: int, offset: int) -> None:
+        """See :meth:`StateStore.save_stream_position`."""
+        await trio.to_thread.run_sync(self.sync.save_stream_position, task_id, stream, seq, offset)
+
+    async def set_result(self, task_id: str, result: dict[str, Any]) -> None:
+        """See :meth:`StateStore.set_result`."""
+        await trio.to_thread.run_sync(self.sync.set_result, task_id, result)
+
+    async def mark_result_acked(self, task_id: str) -> None:
+        """See :meth:`StateStore.mark_result_acked`."""
+        await trio.to_thread.run_sync(self.sync.mark_result_acked, task_id)
+
+    async def pending_delivery(self) -> list[TaskRecord]:
+        """See :meth:`StateStore.pending_delivery`."""
+        return await trio.to_thread.run_sync(self.sync.pending_delivery)

@@ -1,0 +1,371 @@
+"""One task's life on this node: queue → deploy → install → run → report, and who may run when.
+
+Concurrency: a ``trio.CapacityLimiter(max_workers)`` for the node and one ``trio.Lock`` per spider
+(same spider: serial; different spiders: parallel). The spider lock is taken first, then a
+capacity token, so a queued task never holds a slot.
+
+A task's stop has a reason: the master cancelled it, or the agent is terminating. Stopping is
+idempotent; it interrupts deploy/install at once and ends a running process with TERM → grace →
+KILL. Results:
+
+====================  ==========  ============  =================================
+outcome               status      errorCode     errorMessage
+====================  ==========  ============  =================================
+exit 0                SUCCESS     —             —
+exit ≠ 0              FAILED      EXIT_NONZERO  "exit code N" + stderr tail
+timeout               FAILED      TIMEOUT       "执行超时"
+stopped               CANCELLED   CANCELLED     the reason
+code refused          FAILED      DEPLOY_FAILED the entry and the rule
+install failed        FAILED      DEPS_FAILED   the installer's output tail
+not startable         FAILED      EXIT_NONZERO  what could not be started (exit 127)
+====================  ==========  ============  =================================
+
+The final result goes to the state store first, then the task's streams are flushed to the
+master, then the result is sent (retried forever, across restarts, until acknowledged).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import shlex
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from ckagent.delivery import LogSink, Masker, StreamShipper, item_object, log_line, secret_values
+from ckagent.deps import Dependencies, DepsError, Prepared, spider_base_env
+from ckagent.master import MasterClient, MasterConflict, MasterRejected
+from ckagent.process import MARKER_VAR, run_supervised
+from ckagent.protocol import TIMEOUT_MESSAGE, Task, TaskResult, utc_iso
+from ckagent.state import AsyncStateStore
+from ckagent.workspace import DeployError, Workspaces
+
+log = logging.getLogger(__name__)
+
+DEFAULT_COMMANDS: dict[str, list[str]] = {
+    "python": ["python", "main.py"],
+    "playwright": ["python", "main.py"],
+    "selenium": ["python", "main.py"],
+    "node": ["node", "index.js"],
+}
+
+
+def default_command(task: Task) -> list[str]:
+    """The command a task runs: its own, or its framework's default, plus its args."""
+    if task.command:
+        base = list(task.command)
+    elif task.framework == "scrapy":
+        base = ["scrapy", "crawl", task.spider_name or task.spider_id]
+    else:
+        base = list(DEFAULT_COMMANDS[task.framework])
+    return base + list(task.args)
+
+
+@dataclass
+class TaskOutcome:
+    """What happened, before it becomes a TaskResult."""
+
+    status: str
+    error_code: str | None = None
+    error_message: str | None = None
+    exit_code: int | None = None
+
+
+@dataclass
+class RunningTask:
+    """A task this node has claimed and not yet reported. Read by the heartbeat, /status and metrics."""
+
+    task: Task
+    claimed_at: float = field(default_factory=time.time)
+    started_at: float | None = None
+    pid: int | None = None
+    phase: str = "queued"
+    stop_reason: str | None = None
+    stop_event: trio.Event = field(default_factory=trio.Event)
+    prepare_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+    def request_stop(self, reason: str) -> bool:
+        """Ask the task to stop (idempotent). Returns False when a stop was already requested."""
+        if self.stop_reason is not None:
+            return False
+        self.stop_reason = reason
+        self.prepare_scope.cancel()
+        self.stop_event.set()
+        return True
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """What the supervisor needs from the settings (seconds; paths absolute)."""
+
+    work_dir: Path
+    execute_timeout: float
+    kill_grace: float
+    agent_secrets: tuple[str, ...] = ()
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+TaskObserver = Callable[[RunningTask, TaskResult], None]
+
+
+class Supervisor:
+    """Admits claimed tasks and runs each one's life (see module docstring)."""
+
+    def __init__(
+        self,
+        config: RunnerConfig,
+        master: MasterClient,
+        store: AsyncStateStore,
+        workspaces: Workspaces,
+        deps: Dependencies,
+        max_workers: int,
+        on_finished: TaskObserver | None = None,
+    ) -> None:
+        self.config = config
+        self._master = master
+        self._store = store
+        self._workspaces = workspaces
+        self._deps = deps
+        self.max_workers = max_workers
+        self.capacity = trio.CapacityLimiter(max_workers)
+        self.running: dict[str, RunningTask] = {}
+        self._spider_locks: dict[str, trio.Lock] = {}
+        self._slot_freed = trio.Event()
+        self._on_finished = on_finished
+
+    # ------------------------------------------------------------------ admission
+
+    def free_slots(self) -> int:
+        """Slots not taken by a claimed, unfinished task (queued ones count: we must not over-claim)."""
+        return max(0, self.max_workers - len(self.running))
+
+    def running_spider_ids(self) -> list[str]:
+        """Spiders with a claimed, unfinished task here: the poller excludes them."""
+        return sorted({rt.task.spider_id for rt in self.running.values()})
+
+    async def wait_for_free_slot(self) -> None:
+        """Return when at least one slot is free. Cancellation: returns nothing, as usual."""
+        while self.free_slots() <= 0:
+            await self._slot_freed.wait()
+            self._slot_freed = trio.Event()
+
+    def admit(self, task: Task) -> RunningTask:
+        """Record a claimed task as ours (call before spawning :meth:`run_task`)."""
+        rt = RunningTask(task=task)
+        self.running[task.id] = rt
+        return rt
+
+    def cancel(self, task_id: str, reason: str) -> bool:
+        """Stop a task of ours (idempotent). Returns True when this call requested the stop."""
+        rt = self.running.get(task_id)
+        if rt is None:
+            return False
+        if rt.request_stop(reason):
+            log.info("task %s: stopping (%s)", task_id, reason)
+            return True
+        return False
+
+    def cancel_all(self, reason: str) -> None:
+        """Stop every task (agent terminating)."""
+        for task_id in list(self.running):
+            self.cancel(task_id, reason)
+
+    # ------------------------------------------------------------------ a task's life
+
+    async def run_task(self, rt: RunningTask) -> None:
+        """The whole life of one claimed task. Never raises for task trouble; reports it instead.
+
+        Cancellation (the agent's hard stop) kills the process (shielded) and leaves the result
+        and unsent streams in the state store for the next start.
+        """
+        task = rt.task
+        task_dir = self.config.work_dir / "tasks" / task.id
+        try:
+            await trio.to_thread.run_sync(lambda: task_dir.mkdir(parents=True, exist_ok=True))
+            await self._store.add_task(task.id, task.spider_id, task.to_json(), task_dir)
+            masker = Masker(secret_values(task.env, self.config.agent_secrets))
+            log_shipper = StreamShipper(
+                self._master, self._store, task.id, "log", "logs", task_dir / "output.log", log_line(masker)
+            )
+            items_shipper = StreamShipper(
+                self._master, self._store, task.id, "items", "items", task_dir / "items.jsonl", item_object,
+                cr_breaks=False, max_line_bytes=16 * 1024 * 1024,
+            )
+            sink = LogSink(task_dir / "output.log", on_write=log_shipper.notify)
+            started_wall = time.time()
+            async with trio.open_nursery() as shipping:
+                shipping.start_soon(_guarded, log_shipper)
+                shipping.start_soon(_guarded, items_shipper)
+                try:
+                    outcome = await self._execute(rt, task_dir, sink)
+                except Exception as exc:  # a bug of ours must fail the task, not the agent
+                    log.exception("task %s: internal error", task.id)
+                    outcome = TaskOutcome("FAILED", "BAD_TASK", f"agent error: {type(exc).__name__}: {exc}")
+                finally:
+                    sink.close()
+                finished_wall = time.time()
+                result = TaskResult(
+                    status=outcome.status,
+                    exit_code=outcome.exit_code,
+                    error_code=outcome.error_code,
+                    error_message=outcome.error_message,
+                    started_at=utc_iso(datetime.fromtimestamp(rt.started_at or started_wall, timezone.utc)),
+                    finished_at=utc_iso(datetime.fromtimestamp(finished_wall, timezone.utc)),
+                    duration_ms=int((finished_wall - (rt.started_at or started_wall)) * 1000),
+                )
+                await self._store.set_result(task.id, result.to_json())
+                rt.phase = "reporting"
+                log_shipper.finish()
+                items_shipper.finish()
+            result = _with_counts(result, items_shipper.stats.acked, log_shipper.stats.acked)
+            await self._store.set_result(task.id, result.to_json())
+            await send_result(self._master, self._store, task.id, result)
+            if self._on_finished is not None:
+                self._on_finished(rt, result)
+        finally:
+            self.running.pop(task.id, None)
+            self._slot_freed.set()
+
+    async def _execute(self, rt: RunningTask, task_dir: Path, sink: LogSink) -> TaskOutcome:
+        task = rt.task
+
+        def notice(text: str) -> None:
+            stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+            sink.write(f"[ckagent {stamp}] {text}\n".encode())
+
+        # One lock per spider id ever seen: a few bytes each, and never a window with two locks.
+        lock = self._spider_locks.setdefault(task.spider_id, trio.Lock())
+        async with contextlib.AsyncExitStack() as held:
+            # Waiting for the lock or a slot, deploying and installing are interrupted by a stop at once.
+            with rt.prepare_scope:
+                await held.enter_async_context(lock)
+                await held.enter_async_context(self.capacity)
+                rt.phase = "deploying"
+                try:
+                    if task.code_package is not None:
+                        code_dir = await self._workspaces.deploy_package(
+                            task.spider_id, task.code_version, task.code_package
+                        )
+                    else:
+                        code_dir = await self._workspaces.deploy_files(task.spider_id)
+                except DeployError as exc:
+                    notice(f"deploy failed: {exc}")
+                    return TaskOutcome("FAILED", "DEPLOY_FAILED", str(exc))
+                self._workspaces.acquire(code_dir)
+                held.callback(self._workspaces.release, code_dir)
+                rt.phase = "installing"
+                try:
+                    prepared = await self._deps.prepare(task.framework, task.spider_id, code_dir, sink.write)
+                except DepsError as exc:
+                    notice(f"dependency install failed: {str(exc).splitlines()[0]}")
+                    return TaskOutcome("FAILED", "DEPS_FAILED", str(exc)[-4000:])
+                notice(f"dependencies {'cached' if prepared.cache_hit else 'installed'} in {prepared.seconds:.2f} s")
+            if rt.stop_reason is not None:
+                notice(f"stopped before the spider started: {rt.stop_reason}")
+                return TaskOutcome("CANCELLED", "CANCELLED", rt.stop_reason)
+            return await self._run(rt, task_dir, code_dir, prepared, notice, sink)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _run(
+        self,
+        rt: RunningTask,
+        task_dir: Path,
+        code_dir: Path,
+        prepared: Prepared,
+        notice: Callable[[str], None],
+        sink: LogSink,
+    ) -> TaskOutcome:
+        task = rt.task
+        argv = default_command(task)
+        env = spider_base_env(prepared.path_prefix)
+        env.update(prepared.env)
+        env.update(self.config.extra_env)
+        env.update(task.env)
+        env.update(
+            {
+                MARKER_VAR: task.id,
+                "CK_SPIDER_ID": task.spider_id,
+                "CK_SPIDER_NAME": task.spider_name,
+                "CK_ITEMS_FILE": str(task_dir / "items.jsonl"),
+                "CK_TASK_DIR": str(task_dir),
+                "CK_PARAMS": json.dumps(task.params, ensure_ascii=False),
+            }
+        )
+        timeout = self.config.execute_timeout if task.timeout_seconds is None else task.timeout_seconds
+        rt.phase = "running"
+        rt.started_at = time.time()
+        notice(f"running {shlex.join(argv)} (timeout {f'{timeout:g} s' if timeout else 'none'})")
+
+        async def started(pid: int) -> None:
+            rt.pid = pid
+            await self._store.set_process(task.id, pid, pid)
+
+        try:
+            outcome = await run_supervised(
+                _resolve(argv, env),
+                cwd=code_dir, env=env, task_id=task.id, output=sink.write,
+                deadline_seconds=timeout or None, grace=self.config.kill_grace,
+                stop=rt.stop_event, notice=notice, on_started=started,
+            )
+        except OSError as exc:
+            notice(f"cannot start {argv[0]!r}: {exc.strerror or exc}")
+            return TaskOutcome("FAILED", "EXIT_NONZERO", f"cannot start {argv[0]!r}: {exc.strerror or exc}", 127)
+        if outcome.timed_out:
+            return TaskOutcome("FAILED", "TIMEOUT", TIMEOUT_MESSAGE, outcome.returncode)
+        if outcome.stopped:
+            return TaskOutcome("CANCELLED", "CANCELLED", rt.stop_reason or "cancelled", outcome.returncode)
+        notice(f"process exited with code {outcome.returncode}")
+        if outcome.returncode == 0:
+            return TaskOutcome("SUCCESS", exit_code=0)
+        return TaskOutcome("FAILED", "EXIT_NONZERO", f"exit code {outcome.returncode}", outcome.returncode)
+
+
+async def _guarded(shipper: StreamShipper) -> None:
+    """Run a shipper; a bug in it is logged and ends that stream, never the agent."""
+    try:
+        await shipper.run()
+    except Exception:
+        log.exception("task %s: shipping %s failed", shipper.task_id, shipper.stream)
+
+
+def _resolve(argv: list[str], env: dict[str, str]) -> list[str]:
+    """Resolve argv[0] on the spider's PATH (not the agent's), so the venv's python/scrapy win."""
+    if "/" in argv[0]:
+        return argv
+    found = shutil.which(argv[0], path=env.get("PATH"))
+    return [found, *argv[1:]] if found else argv
+
+
+def _with_counts(result: TaskResult, items: int, lines: int) -> TaskResult:
+    data = result.to_json()
+    data.update({"itemCount": items, "logLines": lines})
+    return TaskResult.from_json(data)
+
+
+async def send_result(master: MasterClient, store: AsyncStateStore, task_id: str, result: TaskResult) -> None:
+    """Send a final result until the master acknowledges it (forever, with backoff), then mark it acked.
+
+    A 409 or other 4xx means the master will never take it (cancelled there, claimed by another
+    node): logged, and marked done so it is not retried across restarts. Cancellation stops the
+    retries; the result stays in the state store for the next start.
+    """
+    try:
+        await master.call_retrying("result", "POST", f"/api/tasks/{task_id}/result", json=result.to_json())
+    except MasterConflict as exc:
+        log.warning("task %s: master refused the final result %s (%s)", task_id, result.status, exc)
+    except MasterRejected as exc:
+        log.error("task %s: master rejected the final result (%s)", task_id, exc)
+    await store.mark_result_acked(task_id)
+
+
+def result_from_json(data: dict[str, Any]) -> TaskResult:
+    """Rebuild a stored result (state store JSON)."""
+    return TaskResult.from_json(data)
