@@ -83,7 +83,7 @@ SHA = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 
 def full_instances() -> dict[str, Any]:
     """One instance per type with every field given (nothing None, no list or map empty)."""
-    package = CodePackage(url="http://m.example/api/code-packages/x", sha256=SHA, size_bytes=1234)
+    package = CodePackage(url="http://m.example/api/packages/s1/v3.zip", sha256=SHA, size_bytes=1234)
     task = Task(
         id="t1",
         spider_id="s1",
@@ -289,7 +289,7 @@ OPERATIONS: dict[tuple[str, str], tuple[str | None, str | None, set[str]]] = {
         {"200", "401", "404", "429", "5XX"},
     ),
     ("get", "/api/spider-files/{fileId}"): (None, None, {"200", "401", "404", "429", "5XX"}),
-    ("get", "/api/code-packages/{packageId}"): (None, None, {"200", "401", "404", "429", "5XX"}),
+    ("get", "/api/packages/{spiderId}/{codeVersion}.zip"): (None, None, {"200", "401", "404", "429", "5XX"}),
 }
 HTTP_METHODS = {"get", "put", "post", "delete", "patch", "head", "options", "trace"}
 
