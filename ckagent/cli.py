@@ -160,15 +160,15 @@ def dev_master(
 
 
 @app.command
-def demo(*, work_dir: Path | None = None, keep: bool = False) -> int:
-    """Run a dev master, an agent and a sample spider end to end, then report what happened.
+def demo(*, work_dir: Path = Path("demo-data"), keep: bool = False) -> int:
+    """Run the reference master, an agent and the example spiders end to end, then print a table.
 
     Parameters
     ----------
     work_dir
-        Directory for the demo's data (default: a temporary directory).
+        Directory for the demo's data: master database, agent work dir, agent log (default ./demo-data).
     keep
-        Keep the demo's data directory afterwards.
+        Keep the master and the agent running afterwards (Ctrl-C stops them), to look around.
     """
     from ckagent.demo import run_demo
 

@@ -1,0 +1,142 @@
+"""Test helpers for running the real agent against the real dev master.
+
+- :func:`agent_settings` builds a Settings object the way `ckagent run` does (env overrides).
+- :func:`running_agent` runs an in-process :class:`ckagent.agent.Agent` in a nursery and stops it.
+- :func:`spider_zip` builds a code package from a dict of files.
+- :class:`AgentProcess` runs `python -m ckagent run -c FILE` as a real process (signals, kill -9).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import zipfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import trio
+import yaml
+
+from ckagent.agent import Agent
+from ckagent.config import Settings, load_settings
+
+
+def agent_settings(work_dir: Path, base_url: str, registration_token: str, **env: str) -> Settings:
+    """Settings for a test agent: fast heartbeat, short long poll, 2 workers; ``env`` overrides (AGENT_*)."""
+    values = {
+        "AGENT_SERVER_URL": base_url,
+        "AGENT_REGISTRATION_TOKEN": registration_token,
+        "AGENT_WORK_DIR": str(work_dir),
+        "AGENT_HEARTBEAT_INTERVAL": "1",
+        "AGENT_TASK_POLL_INTERVAL": "0.5",
+        "AGENT_TASK_LONG_POLL_WAIT": "2",
+        "AGENT_MAX_WORKERS": "2",
+        "AGENT_TASK_KILL_GRACE": "2",
+        "AGENT_NAME": "test-node",
+        "AGENT_IP": "127.0.0.1",
+    }
+    values.update(env)
+    return load_settings(None, env=values, require_token=True)
+
+
+@asynccontextmanager
+async def running_agent(nursery: trio.Nursery, settings: Settings) -> AsyncIterator[Agent]:
+    """Start an in-process agent; yields once it has registered. On exit: terminate and wait (≤ 30 s)."""
+    agent = Agent(settings)
+    done = trio.Event()
+    exit_codes: list[int] = []
+
+    async def run() -> None:
+        exit_codes.append(await agent.run())
+        done.set()
+
+    nursery.start_soon(run)
+    with trio.fail_after(20):
+        while not agent.master.registered or agent.state != "RUNNING":
+            if done.is_set():
+                raise RuntimeError(f"agent exited early with {exit_codes}")
+            await trio.sleep(0.02)
+    try:
+        yield agent
+    finally:
+        with trio.CancelScope(shield=True), trio.fail_after(30):
+            agent.terminate()
+            agent._begin_terminate()
+            await done.wait()
+
+
+def spider_zip(files: dict[str, str | bytes]) -> bytes:
+    """A zip holding ``files`` (path → text or bytes), deterministic."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name, data in sorted(files.items()):
+            info = zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0))
+            info.external_attr = 0o644 << 16
+            zf.writestr(info, data)
+    return buf.getvalue()
+
+
+async def submit(admin: Any, name: str, files: dict[str, str | bytes], framework: str = "python",
+                 **task: Any) -> str:
+    """Create a spider with ``files`` as its package and one task; returns the task id."""
+    spider_id = await admin.create_spider(name=name, framework=framework)
+    await admin.upload_package(spider_id, spider_zip(files))
+    return str(await admin.create_task(spider_id, **task))
+
+
+class AgentProcess:
+    """`python -m ckagent run -c <config>` as a real process; stderr goes to ``<dir>/agent.log``."""
+
+    def __init__(self, directory: Path, base_url: str, registration_token: str, **settings: Any) -> None:
+        self.directory = directory
+        self.config_path = directory / "agent.yaml"
+        self.log_path = directory / "agent.log"
+        config: dict[str, Any] = {
+            "server": {"url": base_url},
+            "agent": {"registration_token": registration_token, "name": "proc-node", "ip": "127.0.0.1",
+                      "max_workers": 2},
+            "heartbeat": {"interval": 1},
+            "task": {"work_dir": str(directory / "data"), "poll_interval": 0.5, "long_poll_wait": 2,
+                     "kill_grace": 2},
+        }
+        for dotted, value in settings.items():
+            section, key = dotted.split("__", 1)
+            config.setdefault(section, {})[key] = value
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.process: trio.Process | None = None
+
+    async def start(self, extra_env: dict[str, str] | None = None) -> None:
+        """Launch the agent process (does not wait for registration)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AGENT_")}
+        env.update(extra_env or {})
+        with self.log_path.open("ab") as log:
+            self.process = await trio.lowlevel.open_process(
+                [sys.executable, "-m", "ckagent", "run", "-c", str(self.config_path)],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+            )
+
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to the agent process."""
+        assert self.process is not None
+        self.process.send_signal(signum)
+
+    async def wait(self, timeout: float) -> int:
+        """Wait for the exit; raises trio.TooSlowError after ``timeout`` seconds."""
+        assert self.process is not None
+        with trio.fail_after(timeout):
+            return await self.process.wait()
+
+    async def kill(self) -> None:
+        """SIGKILL and reap (idempotent)."""
+        if self.process is not None and self.process.returncode is None:
+            self.process.send_signal(signal.SIGKILL)
+            await self.process.wait()
+
+    def log_text(self) -> str:
+        """The agent's own log so far."""
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
