@@ -73,6 +73,8 @@ class Agent:
         self.supervisor: Supervisor | None = None
         self._work_done = trio.Event()
         self._terminating = trio.Event()
+        self.started = trio.Event()
+        """Set once the agent has registered, recovered and begun polling (state RUNNING)."""
         token = settings.agent.registration_token
         self._secrets = tuple(
             s.reveal() for s in (token, settings.agent.api_key) if s is not None
@@ -161,6 +163,7 @@ class Agent:
                 root.start_soon(self.heartbeat.run)
                 root.start_soon(self._rescan_runtimes)
                 self.state = "RUNNING"
+                self.started.set()
                 with self._work_scope:
                     async with trio.open_nursery() as work:
                         with self._poll_scope:

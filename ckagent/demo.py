@@ -81,8 +81,7 @@ async def _demo(work_dir: Path, keep: bool) -> int:
 
         root.start_soon(run_agent)
         with trio.fail_after(30):
-            while agent.state != "RUNNING":
-                await trio.sleep(0.05)
+            await agent.started.wait()
         _say(f"2. agent registered as node {agent.master.node_id} "
              f"(max_workers {agent.max_workers}; work dir {settings.task.work_dir}; log {work_dir / 'agent.log'})")
         async with AdminClient(base_url, admin_token) as admin:

@@ -57,10 +57,13 @@ async def running_agent(nursery: trio.Nursery, settings: Settings) -> AsyncItera
 
     nursery.start_soon(run)
     with trio.fail_after(20):
-        while not agent.master.registered or agent.state != "RUNNING":
-            if done.is_set():
+        async with trio.open_nursery() as waiting:
+            async def early_exit() -> None:
+                await done.wait()
                 raise RuntimeError(f"agent exited early with {exit_codes}")
-            await trio.sleep(0.02)
+            waiting.start_soon(early_exit)
+            await agent.started.wait()
+            waiting.cancel_scope.cancel()
     try:
         yield agent
     finally:
@@ -125,11 +128,10 @@ class AgentProcess:
         assert self.process is not None
         self.process.send_signal(signum)
 
-    async def wait(self, timeout: float) -> int:
-        """Wait for the exit; raises trio.TooSlowError after ``timeout`` seconds."""
+    async def wait(self) -> int:
+        """Wait for the exit (bound it with ``trio.fail_after`` at the call site)."""
         assert self.process is not None
-        with trio.fail_after(timeout):
-            return await self.process.wait()
+        return await self.process.wait()
 
     async def kill(self) -> None:
         """SIGKILL and reap (idempotent)."""
