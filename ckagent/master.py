@@ -212,11 +212,14 @@ class MasterClient:
         """
         if not self.registered:
             await self.register()
+        target = path.replace("{node}", self.node_id or "")
         for second_try in (False, True):
             generation = self._key_generation
+            # The API key goes to the master only: a code package on another host (object storage,
+            # a CDN) gets no Authorization header.
+            headers = {"Authorization": f"Bearer {self._api_key}"} if self._same_origin(target) else {}
             response = await self._send(
-                endpoint, method, path.replace("{node}", self.node_id or ""), json=json, params=params,
-                headers={"Authorization": f"Bearer {self._api_key}"}, read_timeout=read_timeout,
+                endpoint, method, target, json=json, params=params, headers=headers, read_timeout=read_timeout,
             )
             if response.status_code == 401 and not second_try:
                 log.warning("%s: master answered 401; registering again", endpoint)
@@ -235,6 +238,13 @@ class MasterClient:
         if status == 409:
             raise MasterConflict(endpoint, status, body)
         raise MasterRejected(endpoint, status, body)
+
+    def _same_origin(self, target: str) -> bool:
+        """True for a relative path or an absolute URL on the master's scheme, host and port."""
+        if "://" not in target:
+            return True
+        base, url = httpx.URL(self._base_url), httpx.URL(target)
+        return (base.scheme, base.host, base.port) == (url.scheme, url.host, url.port)
 
     async def call_retrying(
         self,
