@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -267,6 +267,61 @@ class MasterClient:
             with attempt:
                 return await self.call(endpoint, method, path, **kwargs)
         raise AssertionError("unreachable: stamina re-raises the last error")  # pragma: no cover
+
+    async def download(
+        self,
+        endpoint: str,
+        url: str,
+        sink: Callable[[bytes], Awaitable[None]],
+        *,
+        read_timeout: float | None = None,
+    ) -> int:
+        """GET ``url`` (a path or an absolute URL) and hand the body to ``sink`` chunk by chunk as it arrives.
+
+        Nothing is buffered here: ``sink`` writes and enforces its caps (it may raise to abort; its
+        exception propagates unchanged). Returns the bytes received. Auth, the 401 re-registration and
+        the error classes are those of :meth:`call` (the key goes to the master's origin only;
+        redirects are followed, httpx drops the key on a cross-origin hop); a transport error mid-body
+        is MasterUnavailable, so a retrying caller must restart its sink. Cancellation abandons it.
+        """
+        if not self.registered:
+            await self.register()
+        for second_try in (False, True):
+            generation = self._key_generation
+            headers = {"Authorization": f"Bearer {self._api_key}"} if self._same_origin(url) else {}
+            started = trio.current_time()
+            try:
+                async with self._client.stream(
+                    "GET", url, headers=headers, timeout=read_timeout or self._timeout, follow_redirects=True
+                ) as response:
+                    status = response.status_code
+                    if status == 401 and not second_try:
+                        log.warning("%s: master answered 401; registering again", endpoint)
+                        if generation == self._key_generation:
+                            self._api_key = None
+                        await self.register()
+                        continue
+                    if status == 429 or status >= 500:
+                        self._observe(endpoint, str(status), started)
+                        self.connectivity.failed(endpoint, f"HTTP {status}")
+                        raise MasterUnavailable(f"{endpoint}: master answered {status}")
+                    if not 200 <= status < 300:
+                        self._observe(endpoint, str(status), started)
+                        await response.aread()
+                        cls = MasterConflict if status == 409 else MasterRejected
+                        raise cls(endpoint, status, _json_or_none(response))
+                    received = 0
+                    async for chunk in response.aiter_bytes():
+                        received += len(chunk)
+                        await sink(chunk)
+            except httpx.TransportError as exc:
+                self._observe(endpoint, "error", started)
+                self.connectivity.failed(endpoint, type(exc).__name__)
+                raise MasterUnavailable(f"{endpoint}: {type(exc).__name__}: {exc}") from exc
+            self._observe(endpoint, "ok", started)
+            self.connectivity.succeeded()
+            return received
+        raise MasterRejected(endpoint, 401, None)
 
     async def _send(
         self, endpoint: str, method: str, path: str, *, read_timeout: float | None = None, **kwargs: Any
