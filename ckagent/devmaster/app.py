@@ -1,0 +1,483 @@
+"""The dev master's HTTP API (Starlette, run on Trio by hypercorn): node protocol + admin API + demo site.
+
+Node endpoints (``Authorization: Bearer <apiKey>``; registration uses ``X-Registration-Token``)::
+
+    POST /api/nodes/register                    → {nodeId, apiKey}
+    POST /api/nodes/{nodeId}/heartbeat          → {cancelTaskIds}
+    GET  /api/nodes/{nodeId}/tasks/pending      → {tasks, cancelTaskIds}   (long poll: waitSeconds)
+    POST /api/tasks/{taskId}/result             → {ok: true}
+    POST /api/tasks/{taskId}/logs               → {acceptedSeq}            (409 {expectedSeq} on a gap)
+    POST /api/tasks/{taskId}/items              → {acceptedSeq}
+    GET  /api/spider-files/spider/{spiderId}    → [{id, path, sizeBytes, sha256}]
+    GET  /api/spider-files/{fileId}             → bytes
+    GET  /api/packages/{spiderId}/{codeVersion}.zip → zip bytes
+
+Admin endpoints (``Authorization: Bearer <admin token>``)::
+
+    POST /api/spiders, GET /api/spiders, GET /api/spiders/{id}, PUT /api/spiders/{id}/package,
+    POST /api/spiders/{id}/tasks, GET /api/tasks, GET /api/tasks/{id}, GET /api/tasks/{id}/logs,
+    GET /api/tasks/{id}/items, POST /api/tasks/{id}/cancel, GET /api/nodes
+
+Errors are JSON ``{"error": "..."}`` (plus ``field`` for 422, ``expectedSeq`` for a seq gap); the
+exception classes live in :mod:`ckagent.devmaster.store`. Secrets never appear in an answer or a log.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import math
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any, TypeVar
+
+import trio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from ckagent.devmaster import demosite
+from ckagent.devmaster.store import (
+    MAX_PACKAGE_BYTES,
+    ApiError,
+    BadRequestError,
+    ForbiddenError,
+    PayloadTooLargeError,
+    Store,
+    UnauthorizedError,
+    read_package,
+)
+from ckagent.protocol import (
+    FRAMEWORKS,
+    Heartbeat,
+    ItemBatch,
+    LogBatch,
+    ProtocolError,
+    RegisterRequest,
+    TaskResult,
+)
+
+__all__ = ["MAX_BATCH_ELEMENTS", "MAX_NODE_BODY_BYTES", "Notifier", "create_app"]
+
+MAX_NODE_BODY_BYTES = 8 * 1024 * 1024
+"""Largest request body a node may send (bytes); larger → 413."""
+MAX_DRAIN_BYTES = 64 * 1024 * 1024
+"""A too-large body up to this size is read and dropped before the 413 (so the client sees it)."""
+MAX_BATCH_ELEMENTS = 5000
+"""Most lines or items in one logs/items batch; more → 413."""
+MAX_POLL_LIMIT = 50
+"""Most tasks in one poll answer (a larger ``limit`` is capped)."""
+TASK_STATUSES = ("PENDING", "RUNNING", "SUCCESS", "FAILED", "CANCELLED")
+
+_T = TypeVar("_T")
+
+
+class Notifier:
+    """Wakes long polls when something a poll answer depends on changed.
+
+    Take ``event()`` *before* reading the state, then wait on it: a change between the read and the
+    wait is never lost. ``close()`` wakes every waiter for good (server shutdown).
+    """
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+        self.closed = False
+
+    def event(self) -> trio.Event:
+        """The event the next ``notify()`` sets."""
+        return self._event
+
+    def notify(self) -> None:
+        """Wake every current waiter (a task was created or returned to PENDING, or a cancel was asked)."""
+        self._event.set()
+        self._event = trio.Event()
+
+    def close(self) -> None:
+        """Wake everyone and make later polls answer at once."""
+        self.closed = True
+        self._event.set()
+
+
+# --------------------------------------------------------------------------- request helpers
+
+
+async def _body(request: Request, max_bytes: int) -> bytes:
+    """The request body, at most ``max_bytes``; PayloadTooLargeError beyond.
+
+    A too-large body is still read (and dropped) up to MAX_DRAIN_BYTES before the 413 goes out: a
+    client blocked writing the rest of its body would otherwise never see the answer.
+    """
+    too_large = PayloadTooLargeError(f"request body is larger than {max_bytes} bytes")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max(max_bytes, MAX_DRAIN_BYTES):
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            chunks.clear()
+            if size > MAX_DRAIN_BYTES:
+                break
+        else:
+            chunks.append(chunk)
+    if size > max_bytes:
+        raise too_large
+    return b"".join(chunks)
+
+
+async def _json_body(request: Request, max_bytes: int = MAX_NODE_BODY_BYTES) -> Any:
+    raw = await _body(request, max_bytes)
+    if not raw.strip():
+        return {}
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise BadRequestError(f"the body is not valid JSON: {exc}") from exc
+
+
+def _bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() != "bearer" or not value.strip():
+        return None
+    return value.strip()
+
+
+def _same_secret(given: str | None, expected: str) -> bool:
+    return given is not None and hmac.compare_digest(given.encode(), expected.encode())
+
+
+def _query_int(request: Request, name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ProtocolError(name, f"expected an integer, got {raw[:40]!r}") from None
+    if value < lo:
+        raise ProtocolError(name, f"must be >= {lo}, got {value}")
+    return min(value, hi)
+
+
+def _query_seconds(request: Request, name: str, hi: float) -> float:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ProtocolError(name, f"expected a number of seconds, got {raw[:40]!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise ProtocolError(name, f"must be a number >= 0, got {raw[:40]!r}")
+    return min(value, hi)
+
+
+# --------------------------------------------------------------------------- admin payload checks
+
+
+def _obj(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ProtocolError("", "expected a JSON object")
+    return body
+
+
+def _opt_str_list(o: dict[str, Any], key: str) -> list[str]:
+    value = o.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ProtocolError(key, "expected an array of strings")
+    return value
+
+
+def _opt_str_map(o: dict[str, Any], key: str) -> dict[str, str]:
+    # Names are not checked against the env-name rule on purpose: a bad name makes a task the agent
+    # must refuse with BAD_TASK, which is how that path is tested.
+    value = o.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise ProtocolError(key, "expected an object of strings")
+    return value
+
+
+def _opt_seconds(o: dict[str, Any], key: str) -> float | None:
+    value = o.get(key)
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ProtocolError(key, "expected a number of seconds >= 0 or null")
+    return float(value)
+
+
+def _command(o: dict[str, Any]) -> list[str] | str | None:
+    value = o.get("command")
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return value
+    raise ProtocolError("command", "expected a non-empty array of strings, a string or null")
+
+
+# --------------------------------------------------------------------------- the app
+
+
+def create_app(
+    store: Store,
+    notifier: Notifier,
+    *,
+    registration_token: str,
+    admin_token: str,
+    max_long_poll_seconds: float = 30.0,
+) -> Starlette:
+    """Build the ASGI app over ``store``. Must run inside a Trio loop (hypercorn's trio worker).
+
+    ``max_long_poll_seconds`` caps ``waitSeconds`` (never above 30 s).
+    """
+    poll_cap = min(max_long_poll_seconds, 30.0)
+
+    async def run(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        return await trio.to_thread.run_sync(partial(fn, *args, **kwargs))
+
+    async def node_auth(request: Request) -> str:
+        key = _bearer(request)
+        node_id = None if key is None else await run(store.node_for_key, key)
+        if node_id is None:
+            raise UnauthorizedError("missing, unknown or revoked api key: register again")
+        path_node = request.path_params.get("node_id")
+        if path_node is not None and path_node != node_id:
+            raise ForbiddenError("this api key belongs to another node")
+        return node_id
+
+    def admin_auth(request: Request) -> None:
+        if not _same_secret(_bearer(request), admin_token):
+            raise UnauthorizedError("missing or wrong admin token")
+
+    def base_url(request: Request) -> str:
+        return str(request.base_url).rstrip("/")
+
+    # ----------------------------------------------------------------------- node endpoints
+
+    async def register(request: Request) -> Response:
+        if not _same_secret(request.headers.get("x-registration-token"), registration_token):
+            raise UnauthorizedError("missing or wrong registration token")
+        req = RegisterRequest.from_json(await _json_body(request))
+        node_id, api_key = await run(store.register_node, req)
+        return JSONResponse({"nodeId": node_id, "apiKey": api_key})
+
+    async def heartbeat(request: Request) -> Response:
+        node_id = await node_auth(request)
+        beat = Heartbeat.from_json(await _json_body(request))
+        return JSONResponse({"cancelTaskIds": await run(store.heartbeat, node_id, beat)})
+
+    async def pending(request: Request) -> Response:
+        node_id = await node_auth(request)
+        limit = _query_int(request, "limit", 1, 1, MAX_POLL_LIMIT)
+        wait = _query_seconds(request, "waitSeconds", poll_cap)
+        raw_exclude = request.query_params.get("excludeSpiderIds", "")
+        exclude = [s.strip() for s in raw_exclude.split(",") if s.strip()]
+        deadline = trio.current_time() + wait
+        url = base_url(request)
+        while True:
+            changed = notifier.event()
+            tasks = await run(store.pending_tasks, limit=limit, exclude_spider_ids=exclude, base_url=url)
+            cancel_ids = await run(store.cancel_ids, node_id)
+            remaining = deadline - trio.current_time()
+            if tasks or cancel_ids or notifier.closed or remaining <= 0:
+                return JSONResponse({"tasks": tasks, "cancelTaskIds": cancel_ids})
+            with trio.move_on_after(remaining):
+                await changed.wait()
+
+    async def result(request: Request) -> Response:
+        node_id = await node_auth(request)
+        report = TaskResult.from_json(await _json_body(request))
+        task = await run(store.report_result, request.path_params["task_id"], node_id, report)
+        return JSONResponse({"ok": True, "status": task["status"]})
+
+    def check_batch_size(body: Any, key: str) -> None:
+        if isinstance(body, dict) and isinstance(body.get(key), list) and len(body[key]) > MAX_BATCH_ELEMENTS:
+            raise PayloadTooLargeError(f"a batch holds at most {MAX_BATCH_ELEMENTS} {key}")
+
+    async def logs(request: Request) -> Response:
+        node_id = await node_auth(request)
+        body = await _json_body(request)
+        check_batch_size(body, "lines")
+        batch = LogBatch.from_json(body)
+        accepted = await run(
+            store.append_logs, request.path_params["task_id"], node_id, batch.seq, batch.lines
+        )
+        return JSONResponse({"acceptedSeq": accepted})
+
+    async def items(request: Request) -> Response:
+        node_id = await node_auth(request)
+        body = await _json_body(request)
+        check_batch_size(body, "items")
+        batch = ItemBatch.from_json(body)
+        accepted = await run(
+            store.append_items, request.path_params["task_id"], node_id, batch.seq, batch.items
+        )
+        return JSONResponse({"acceptedSeq": accepted})
+
+    async def spider_files(request: Request) -> Response:
+        await node_auth(request)
+        return JSONResponse(await run(store.spider_files, request.path_params["spider_id"]))
+
+    async def spider_file(request: Request) -> Response:
+        await node_auth(request)
+        data = await run(store.spider_file, request.path_params["file_id"])
+        return Response(data, media_type="application/octet-stream")
+
+    async def package(request: Request) -> Response:
+        await node_auth(request)
+        name: str = request.path_params["file_name"]
+        if not name.endswith(".zip"):
+            return JSONResponse({"error": "package urls end in .zip"}, status_code=404)
+        data = await run(store.package_zip, request.path_params["spider_id"], name[: -len(".zip")])
+        return Response(data, media_type="application/zip")
+
+    # ----------------------------------------------------------------------- admin endpoints
+
+    async def create_spider(request: Request) -> Response:
+        admin_auth(request)
+        o = _obj(await _json_body(request))
+        name = o.get("name")
+        if not isinstance(name, str) or not name.strip():
+            raise ProtocolError("name", "expected a non-empty string")
+        framework = o.get("framework")
+        if framework not in FRAMEWORKS:
+            raise ProtocolError("framework", f"expected one of {', '.join(FRAMEWORKS)}")
+        code_mode = o.get("codeMode") or "package"
+        if code_mode not in ("package", "files"):
+            raise ProtocolError("codeMode", "expected package or files")
+        spider_id = await run(
+            store.create_spider,
+            name=name,
+            framework=framework,
+            command=_command(o),
+            timeout_seconds=_opt_seconds(o, "timeoutSeconds"),
+            code_mode=code_mode,
+            env=_opt_str_map(o, "env"),
+        )
+        return JSONResponse({"id": spider_id})
+
+    async def list_spiders(request: Request) -> Response:
+        admin_auth(request)
+        return JSONResponse(await run(store.list_spiders))
+
+    async def get_spider(request: Request) -> Response:
+        admin_auth(request)
+        return JSONResponse(await run(store.get_spider, request.path_params["spider_id"]))
+
+    async def upload_package(request: Request) -> Response:
+        admin_auth(request)
+        spider_id = request.path_params["spider_id"]
+        await run(store.get_spider, spider_id)  # 404 before reading a large body
+        data = await _body(request, MAX_PACKAGE_BYTES)
+        contents = await run(read_package, data)
+        answer = await run(store.store_package, spider_id, contents, data)
+        return JSONResponse(answer)
+
+    async def create_task(request: Request) -> Response:
+        admin_auth(request)
+        o = _obj(await _json_body(request))
+        params = o.get("params")
+        if params is not None and not isinstance(params, dict):
+            raise ProtocolError("params", "expected an object")
+        task_id = await run(
+            store.create_task,
+            request.path_params["spider_id"],
+            args=_opt_str_list(o, "args"),
+            env=_opt_str_map(o, "env"),
+            params=params or {},
+            timeout_seconds=_opt_seconds(o, "timeoutSeconds"),
+        )
+        notifier.notify()
+        return JSONResponse({"id": task_id})
+
+    async def list_tasks(request: Request) -> Response:
+        admin_auth(request)
+        status = request.query_params.get("status") or None
+        if status is not None and status not in TASK_STATUSES:
+            raise ProtocolError("status", f"expected one of {', '.join(TASK_STATUSES)}")
+        limit = _query_int(request, "limit", 1000, 1, 100_000)
+        spider_id = request.query_params.get("spiderId") or None
+        return JSONResponse(await run(store.list_tasks, status=status, spider_id=spider_id, limit=limit))
+
+    async def get_task(request: Request) -> Response:
+        admin_auth(request)
+        return JSONResponse(await run(store.get_task, request.path_params["task_id"]))
+
+    async def task_logs(request: Request) -> Response:
+        admin_auth(request)
+        lines = await run(store.task_logs, request.path_params["task_id"])
+        return PlainTextResponse("\n".join(lines))
+
+    async def task_items(request: Request) -> Response:
+        admin_auth(request)
+        return JSONResponse(await run(store.task_items, request.path_params["task_id"]))
+
+    async def cancel_task(request: Request) -> Response:
+        admin_auth(request)
+        task = await run(store.cancel_task, request.path_params["task_id"])
+        notifier.notify()
+        return JSONResponse(task)
+
+    async def list_nodes(request: Request) -> Response:
+        admin_auth(request)
+        return JSONResponse(await run(store.list_nodes))
+
+    async def index(request: Request) -> Response:
+        return JSONResponse({"service": "ckagent dev master", "demoSite": f"{base_url(request)}/demo-site/"})
+
+    async def healthz(request: Request) -> Response:
+        return PlainTextResponse("ok")
+
+    # ----------------------------------------------------------------------- errors
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
+        return JSONResponse({"error": exc.message, **exc.extra}, status_code=exc.status_code, headers=headers)
+
+    async def protocol_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ProtocolError)
+        return JSONResponse({"error": str(exc), "field": exc.field}, status_code=422)
+
+    routes: list[BaseRoute] = [
+        Route("/", index),
+        Route("/healthz", healthz),
+        Route("/api/nodes/register", register, methods=["POST"]),
+        Route("/api/nodes/{node_id}/heartbeat", heartbeat, methods=["POST"]),
+        Route("/api/nodes/{node_id}/tasks/pending", pending, methods=["GET"]),
+        Route("/api/nodes", list_nodes, methods=["GET"]),
+        Route("/api/tasks/{task_id}/result", result, methods=["POST"]),
+        Route("/api/tasks/{task_id}/logs", logs, methods=["POST"]),
+        Route("/api/tasks/{task_id}/logs", task_logs, methods=["GET"]),
+        Route("/api/tasks/{task_id}/items", items, methods=["POST"]),
+        Route("/api/tasks/{task_id}/items", task_items, methods=["GET"]),
+        Route("/api/tasks/{task_id}/cancel", cancel_task, methods=["POST"]),
+        Route("/api/tasks/{task_id}", get_task, methods=["GET"]),
+        Route("/api/tasks", list_tasks, methods=["GET"]),
+        Route("/api/spider-files/spider/{spider_id}", spider_files, methods=["GET"]),
+        Route("/api/spider-files/{file_id}", spider_file, methods=["GET"]),
+        Route("/api/packages/{spider_id}/{file_name}", package, methods=["GET"]),
+        Route("/api/spiders", create_spider, methods=["POST"]),
+        Route("/api/spiders", list_spiders, methods=["GET"]),
+        Route("/api/spiders/{spider_id}", get_spider, methods=["GET"]),
+        Route("/api/spiders/{spider_id}/package", upload_package, methods=["PUT"]),
+        Route("/api/spiders/{spider_id}/tasks", create_task, methods=["POST"]),
+        *demosite.routes(),
+    ]
+    handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+        ApiError: api_error,
+        ProtocolError: protocol_error,
+    }
+    return Starlette(routes=routes, exception_handlers=handlers)

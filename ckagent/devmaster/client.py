@@ -1,0 +1,208 @@
+"""A small async client of the dev master's admin API, for demos and end-to-end tests.
+
+Exceptions::
+
+    Exception
+    └── AdminApiError        the master answered non-2xx; ``status_code``, ``message`` (its "error" text)
+    TimeoutError             ``wait_task_final`` ran out of time (message names the last status)
+
+Transport failures surface as ``httpx.TransportError``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+import zipfile
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+import trio
+
+__all__ = ["FINAL_TASK_STATUSES", "SKIPPED_DIRS", "AdminApiError", "AdminClient", "zip_directory"]
+
+FINAL_TASK_STATUSES = frozenset({"SUCCESS", "FAILED", "CANCELLED"})
+SKIPPED_DIRS = frozenset({"__pycache__", ".venv", ".git", "node_modules"})
+"""Directory names ``zip_directory`` leaves out."""
+
+
+class AdminApiError(Exception):
+    """The dev master answered an admin call with a non-2xx status."""
+
+    def __init__(self, status_code: int, message: str) -> None:
+        super().__init__(f"dev master answered {status_code}: {message}")
+        self.status_code = status_code
+        self.message = message
+
+
+class AdminClient:
+    """Async client of the admin API. Use as ``async with AdminClient(base_url, admin_token) as admin:``.
+
+    Every method raises AdminApiError on a non-2xx answer and httpx.TransportError when the master
+    cannot be reached. Cancelling a call abandons the request.
+    """
+
+    def __init__(self, base_url: str, admin_token: str, *, request_timeout: float = 30.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers={"Authorization": f"Bearer {admin_token}"},
+            timeout=request_timeout,
+        )
+
+    def __repr__(self) -> str:
+        return f"AdminClient({self.base_url!r})"
+
+    async def __aenter__(self) -> AdminClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self._http.aclose()
+
+    async def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        response = await self._http.request(method, path, **kwargs)
+        if response.status_code >= 300:
+            try:
+                message = str(response.json().get("error", response.text))
+            except (ValueError, AttributeError):
+                message = response.text
+            raise AdminApiError(response.status_code, message)
+        return response
+
+    async def create_spider(
+        self,
+        name: str,
+        framework: str,
+        command: list[str] | str | None = None,
+        timeout_seconds: float | None = None,
+        code_mode: str = "package",
+        env: dict[str, str] | None = None,
+    ) -> str:
+        """Create a spider; returns its id. ``code_mode`` is "package" (zip) or "files" (file sync)."""
+        body = {
+            "name": name,
+            "framework": framework,
+            "command": command,
+            "timeoutSeconds": timeout_seconds,
+            "codeMode": code_mode,
+            "env": env or {},
+        }
+        return str((await self._call("POST", "/api/spiders", json=body)).json()["id"])
+
+    async def list_spiders(self) -> list[dict[str, Any]]:
+        """Every spider."""
+        result: list[dict[str, Any]] = (await self._call("GET", "/api/spiders")).json()
+        return result
+
+    async def upload_package(self, spider_id: str, zip_bytes: bytes) -> dict[str, Any]:
+        """Upload a zip as the spider's code; returns ``{codeVersion, sha256, sizeBytes, fileCount}``."""
+        response = await self._call(
+            "PUT",
+            f"/api/spiders/{spider_id}/package",
+            content=zip_bytes,
+            headers={"Content-Type": "application/zip"},
+        )
+        result: dict[str, Any] = response.json()
+        return result
+
+    async def create_task(
+        self,
+        spider_id: str,
+        *,
+        args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        params: dict[str, Any] | None = None,
+        timeout_seconds: float | None = None,
+    ) -> str:
+        """Queue a task of the spider; returns its id. ``timeout_seconds`` None = the spider's."""
+        body = {
+            "args": args or [],
+            "env": env or {},
+            "params": params or {},
+            "timeoutSeconds": timeout_seconds,
+        }
+        return str((await self._call("POST", f"/api/spiders/{spider_id}/tasks", json=body)).json()["id"])
+
+    async def get_task(self, task_id: str) -> dict[str, Any]:
+        """One task (status, exitCode, errorCode, nodeId, times, counts, cancelRequested, ...)."""
+        result: dict[str, Any] = (await self._call("GET", f"/api/tasks/{task_id}")).json()
+        return result
+
+    async def list_tasks(
+        self, *, status: str | None = None, spider_id: str | None = None
+    ) -> list[dict[str, Any]]:
+        """Tasks oldest first, optionally filtered by status and spider."""
+        params = {k: v for k, v in (("status", status), ("spiderId", spider_id)) if v}
+        result: list[dict[str, Any]] = (await self._call("GET", "/api/tasks", params=params)).json()
+        return result
+
+    async def get_logs(self, task_id: str) -> list[str]:
+        """The task's stored log lines, in order."""
+        text = (await self._call("GET", f"/api/tasks/{task_id}/logs")).text
+        return text.split("\n") if text else []
+
+    async def get_items(self, task_id: str) -> list[dict[str, Any]]:
+        """The task's stored items, in order."""
+        result: list[dict[str, Any]] = (await self._call("GET", f"/api/tasks/{task_id}/items")).json()
+        return result
+
+    async def cancel_task(self, task_id: str) -> dict[str, Any]:
+        """Cancel: a PENDING task becomes CANCELLED, a RUNNING one gets cancelRequested. Returns the task."""
+        result: dict[str, Any] = (await self._call("POST", f"/api/tasks/{task_id}/cancel")).json()
+        return result
+
+    async def list_nodes(self) -> list[dict[str, Any]]:
+        """Registered nodes with their last heartbeat figures."""
+        result: list[dict[str, Any]] = (await self._call("GET", "/api/nodes")).json()
+        return result
+
+    # `timeout` (seconds) is part of the agreed API; it bounds a polling loop, not one call: noqa ASYNC109
+    async def wait_task_final(self, task_id: str, timeout: float) -> dict[str, Any]:  # noqa: ASYNC109
+        """Poll every 0.1 s until the task is SUCCESS, FAILED or CANCELLED; returns it.
+
+        Raises TimeoutError (naming the last status seen) after ``timeout`` seconds.
+        """
+        last: dict[str, Any] = {}
+        with trio.move_on_after(timeout):
+            while True:
+                last = await self.get_task(task_id)
+                if last.get("status") in FINAL_TASK_STATUSES:
+                    return last
+                await trio.sleep(0.1)
+        raise TimeoutError(f"task {task_id} not final after {timeout} s (last status: {last.get('status')})")
+
+
+def zip_directory(path: Path) -> bytes:
+    """A deterministic zip of the regular files under ``path`` (blocking: call via trio.to_thread).
+
+    Entries are sorted, dated 1980-01-01, keep the owner-execute bit and skip ``SKIPPED_DIRS``,
+    symlinks and special files. The same tree always gives the same bytes (and so the same
+    codeVersion). Raises OSError if the tree cannot be read.
+    """
+    root = Path(path)
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS)
+            for name in sorted(filenames):
+                file_path = Path(dirpath) / name
+                st = file_path.lstat()
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                info = zipfile.ZipInfo(
+                    file_path.relative_to(root).as_posix(), date_time=(1980, 1, 1, 0, 0, 0)
+                )
+                mode = 0o755 if st.st_mode & stat.S_IXUSR else 0o644
+                info.external_attr = (stat.S_IFREG | mode) << 16
+                info.compress_type = zipfile.ZIP_DEFLATED
+                archive.writestr(info, file_path.read_bytes())
+    return buffer.getvalue()

@@ -1,0 +1,863 @@
+"""The dev master's storage: one SQLite file (WAL) holding nodes, spiders, packages, tasks, logs and items.
+
+Every method is synchronous and thread-safe (one connection guarded by a lock); the HTTP layer calls
+them through ``trio.to_thread.run_sync``. The rules of the wire protocol that depend on stored state
+(claims, final results, sequence numbers) live here, each inside one transaction, so the SQL reads
+as the contract.
+
+Exceptions (each carries the HTTP status the app answers with)::
+
+    Exception
+    └── ApiError                  status_code, message, extra (merged into the JSON error body)
+        ├── BadRequestError       400  the body is not JSON / the upload is not a zip
+        ├── UnauthorizedError     401  missing or wrong token / api key
+        ├── ForbiddenError        403  a valid node key used on another node's path
+        ├── NotFoundError         404  unknown node, spider, task, file or package
+        ├── ConflictError         409  the request contradicts the stored state (claims, seq gaps)
+        └── PayloadTooLargeError  413  body or batch over the limits
+
+A payload that breaks the schema raises ``ckagent.protocol.ProtocolError`` (422) instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import secrets
+import sqlite3
+import stat
+import threading
+import uuid
+import zipfile
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ckagent.protocol import FINAL_STATUSES, Heartbeat, RegisterRequest, TaskResult, utc_now_iso
+
+__all__ = [
+    "MAX_PACKAGE_BYTES",
+    "MAX_PACKAGE_UNCOMPRESSED_BYTES",
+    "ApiError",
+    "BadRequestError",
+    "ConflictError",
+    "ForbiddenError",
+    "NotFoundError",
+    "PackageContents",
+    "PayloadTooLargeError",
+    "Store",
+    "UnauthorizedError",
+    "read_package",
+]
+
+MAX_PACKAGE_BYTES = 256 * 1024 * 1024
+"""Largest zip the admin API accepts (bytes)."""
+MAX_PACKAGE_UNCOMPRESSED_BYTES = 512 * 1024 * 1024
+"""Largest total size of a package's files once unpacked (bytes): the files are stored in SQLite too."""
+
+_T = TypeVar("_T")
+
+
+class ApiError(Exception):
+    """An error the HTTP layer turns into ``{"error": message, **extra}`` with ``status_code``."""
+
+    status_code = 500
+
+    def __init__(self, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.extra = extra
+
+
+class BadRequestError(ApiError):
+    """400: the request body cannot be read (not JSON, not a zip)."""
+
+    status_code = 400
+
+
+class UnauthorizedError(ApiError):
+    """401: missing or wrong credentials. The message never contains the credential."""
+
+    status_code = 401
+
+
+class ForbiddenError(ApiError):
+    """403: a valid node key used on a path of another node."""
+
+    status_code = 403
+
+
+class NotFoundError(ApiError):
+    """404: the named object does not exist."""
+
+    status_code = 404
+
+
+class ConflictError(ApiError):
+    """409: the request contradicts the stored state; ``extra`` may carry ``expectedSeq``."""
+
+    status_code = 409
+
+
+class PayloadTooLargeError(ApiError):
+    """413: the body or a batch is over the limit."""
+
+    status_code = 413
+
+
+# --------------------------------------------------------------------------- packages
+
+
+@dataclass(frozen=True)
+class PackageFile:
+    """One regular file of a code package: ``path`` inside the zip, its bytes and their sha256 (hex)."""
+
+    path: str
+    data: bytes
+    sha256: str
+
+    @property
+    def size_bytes(self) -> int:
+        """Length of ``data`` in bytes."""
+        return len(self.data)
+
+
+@dataclass(frozen=True)
+class PackageContents:
+    """A validated code package: the zip's sha256 (hex), its size, ``code_version`` and regular files."""
+
+    sha256: str
+    size_bytes: int
+    files: list[PackageFile] = field(default_factory=list)
+
+    @property
+    def code_version(self) -> str:
+        """The first 12 hex digits of the zip's sha256."""
+        return self.sha256[:12]
+
+
+def read_package(data: bytes) -> PackageContents:
+    """Check that ``data`` is a readable zip and read its regular files (blocking: run in a thread).
+
+    Directories and symlink entries are skipped; paths are kept exactly as the zip names them (the
+    agent, not the master, decides what is safe to unpack). A later entry with the same path wins,
+    as it would on extraction. Raises BadRequestError (not a zip, or a file fails its CRC) and
+    PayloadTooLargeError (over MAX_PACKAGE_BYTES, or more than MAX_PACKAGE_UNCOMPRESSED_BYTES unpacked).
+    """
+    if len(data) > MAX_PACKAGE_BYTES:
+        raise PayloadTooLargeError(f"package is larger than {MAX_PACKAGE_BYTES} bytes")
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+    except zipfile.BadZipFile as exc:
+        raise BadRequestError(f"the package is not a zip file: {exc}") from exc
+    files: dict[str, PackageFile] = {}
+    total = 0
+    with archive:
+        for info in archive.infolist():
+            if info.is_dir() or stat.S_ISLNK(info.external_attr >> 16):
+                continue
+            total += info.file_size
+            if total > MAX_PACKAGE_UNCOMPRESSED_BYTES:
+                raise PayloadTooLargeError(
+                    f"the package unpacks to more than {MAX_PACKAGE_UNCOMPRESSED_BYTES} bytes"
+                )
+            try:
+                content = archive.read(info)
+            except (zipfile.BadZipFile, NotImplementedError, RuntimeError, OSError) as exc:
+                raise BadRequestError(f"cannot read {info.filename!r} from the package: {exc}") from exc
+            files[info.filename] = PackageFile(
+                path=info.filename, data=content, sha256=hashlib.sha256(content).hexdigest()
+            )
+    return PackageContents(
+        sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data), files=list(files.values())
+    )
+
+
+# --------------------------------------------------------------------------- schema
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS nodes (
+    id                TEXT PRIMARY KEY,
+    name              TEXT NOT NULL UNIQUE,
+    api_key_sha256    TEXT NOT NULL UNIQUE,
+    ip                TEXT NOT NULL,
+    port              INTEGER NOT NULL,
+    version           TEXT NOT NULL,
+    max_workers       INTEGER NOT NULL,
+    labels            TEXT NOT NULL,      -- JSON object
+    runtimes          TEXT NOT NULL,      -- JSON object
+    info              TEXT NOT NULL,      -- the whole registration body (JSON)
+    registered_at     TEXT NOT NULL,
+    last_heartbeat    TEXT,               -- the last heartbeat body (JSON)
+    last_heartbeat_at TEXT
+);
+CREATE TABLE IF NOT EXISTS spiders (
+    id              TEXT PRIMARY KEY,
+    name            TEXT NOT NULL,
+    framework       TEXT NOT NULL,
+    command         TEXT NOT NULL,        -- JSON: list, string or null
+    timeout_seconds REAL,
+    code_mode       TEXT NOT NULL,        -- package | files
+    env             TEXT NOT NULL,        -- JSON object
+    code_version    TEXT,                 -- current package, NULL before the first upload
+    created_at      TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS packages (
+    spider_id    TEXT NOT NULL,
+    code_version TEXT NOT NULL,
+    sha256       TEXT NOT NULL,
+    size_bytes   INTEGER NOT NULL,
+    data         BLOB NOT NULL,
+    uploaded_at  TEXT NOT NULL,
+    PRIMARY KEY (spider_id, code_version)
+);
+CREATE TABLE IF NOT EXISTS spider_files (
+    id           TEXT PRIMARY KEY,
+    spider_id    TEXT NOT NULL,
+    code_version TEXT NOT NULL,
+    path         TEXT NOT NULL,
+    size_bytes   INTEGER NOT NULL,
+    sha256       TEXT NOT NULL,
+    data         BLOB NOT NULL,
+    UNIQUE (spider_id, code_version, path)
+);
+CREATE TABLE IF NOT EXISTS tasks (
+    n                INTEGER PRIMARY KEY AUTOINCREMENT,   -- creation order
+    id               TEXT NOT NULL UNIQUE,
+    spider_id        TEXT NOT NULL,
+    spider_name      TEXT NOT NULL,
+    framework        TEXT NOT NULL,
+    command          TEXT NOT NULL,                       -- JSON: list, string or null
+    args             TEXT NOT NULL,                       -- JSON array
+    env              TEXT NOT NULL,                       -- JSON object
+    params           TEXT NOT NULL,                       -- JSON object
+    timeout_seconds  REAL,
+    code_version     TEXT,
+    code_mode        TEXT NOT NULL,
+    status           TEXT NOT NULL,                       -- PENDING RUNNING SUCCESS FAILED CANCELLED
+    node_id          TEXT,                                -- the claiming node
+    cancel_requested INTEGER NOT NULL DEFAULT 0,
+    exit_code        INTEGER,
+    error_code       TEXT,
+    error_message    TEXT,
+    created_at       TEXT NOT NULL,
+    claimed_at       TEXT,
+    started_at       TEXT,
+    finished_at      TEXT,
+    duration_ms      INTEGER,
+    item_count       INTEGER,
+    log_lines        INTEGER,
+    stored_log_lines INTEGER NOT NULL DEFAULT 0,
+    stored_items     INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS tasks_by_status ON tasks (status, n);
+CREATE TABLE IF NOT EXISTS task_logs (
+    task_id TEXT NOT NULL,
+    seq     INTEGER NOT NULL,
+    line    TEXT NOT NULL,
+    PRIMARY KEY (task_id, seq)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS task_items (
+    task_id TEXT NOT NULL,
+    seq     INTEGER NOT NULL,
+    data    TEXT NOT NULL,                                -- one JSON object
+    PRIMARY KEY (task_id, seq)
+) WITHOUT ROWID;
+"""
+
+
+def _hash_key(api_key: str) -> str:
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _loads(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+class Store:
+    """The dev master's state in one SQLite file (WAL mode). Thread-safe; every method blocks.
+
+    Open with ``Store(db_path)`` (creates the file and the schema), close with ``close()``.
+    """
+
+    def __init__(self, db_path: Path) -> None:
+        self.db_path = Path(db_path)
+        self._lock = threading.Lock()
+        self._conn = sqlite3.connect(str(self.db_path), check_same_thread=False, isolation_level=None)
+        self._conn.row_factory = sqlite3.Row
+        with self._lock:
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA synchronous=NORMAL")
+            self._conn.execute("PRAGMA foreign_keys=ON")
+            self._conn.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        """Close the connection (idempotent)."""
+        with self._lock:
+            self._conn.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction under the lock; commits on success, rolls back on any exception."""
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._conn
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
+    def _read(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        with self._lock:
+            return fn(self._conn)
+
+    # ----------------------------------------------------------------------- nodes
+
+    def register_node(self, req: RegisterRequest) -> tuple[str, str]:
+        """Register (or re-register by name) a node. Returns ``(node_id, api_key)``.
+
+        Re-registering the same name keeps the node id and issues a new key; the old key stops working.
+        Only the key's sha256 is stored.
+        """
+        api_key = secrets.token_urlsafe(32)
+        now = utc_now_iso()
+        values = (
+            _hash_key(api_key),
+            req.ip,
+            req.port,
+            req.version,
+            req.max_workers,
+            _dumps(req.labels),
+            _dumps(req.runtimes),
+            _dumps(req.to_json()),
+            now,
+        )
+        with self._tx() as db:
+            row = db.execute("SELECT id FROM nodes WHERE name = ?", (req.name,)).fetchone()
+            if row is None:
+                node_id = _new_id()
+                db.execute(
+                    "INSERT INTO nodes (api_key_sha256, ip, port, version, max_workers, labels, runtimes,"
+                    " info, registered_at, id, name) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (*values, node_id, req.name),
+                )
+            else:
+                node_id = row["id"]
+                db.execute(
+                    "UPDATE nodes SET api_key_sha256 = ?, ip = ?, port = ?, version = ?, max_workers = ?,"
+                    " labels = ?, runtimes = ?, info = ?, registered_at = ? WHERE id = ?",
+                    (*values, node_id),
+                )
+        return node_id, api_key
+
+    def node_for_key(self, api_key: str) -> str | None:
+        """The id of the node holding ``api_key``, or None for an unknown or revoked key."""
+        digest = _hash_key(api_key)
+        row = self._read(
+            lambda db: db.execute("SELECT id FROM nodes WHERE api_key_sha256 = ?", (digest,)).fetchone()
+        )
+        return None if row is None else str(row["id"])
+
+    def heartbeat(self, node_id: str, beat: Heartbeat) -> list[str]:
+        """Store a heartbeat's figures; returns the ids the node must stop (``cancelTaskIds``).
+
+        Those are the node's RUNNING tasks with a cancel request, plus every id in the beat's
+        ``runningTaskIds`` that is final or claimed by another node (the node should not be running
+        it). Pending or unknown ids are left alone: a node lists a task before its claim lands.
+        """
+        with self._tx() as db:
+            db.execute(
+                "UPDATE nodes SET last_heartbeat = ?, last_heartbeat_at = ? WHERE id = ?",
+                (_dumps(beat.to_json()), utc_now_iso(), node_id),
+            )
+            cancel = self._cancel_ids(db, node_id)
+            for task_id in beat.running_task_ids:
+                row = db.execute("SELECT status, node_id FROM tasks WHERE id = ?", (task_id,)).fetchone()
+                if row is None or task_id in cancel:
+                    continue
+                if row["status"] in FINAL_STATUSES or (
+                    row["status"] == "RUNNING" and row["node_id"] != node_id
+                ):
+                    cancel.append(task_id)
+            return cancel
+
+    @staticmethod
+    def _cancel_ids(db: sqlite3.Connection, node_id: str) -> list[str]:
+        rows = db.execute(
+            "SELECT id FROM tasks WHERE node_id = ? AND status = 'RUNNING' AND cancel_requested = 1 ORDER BY n",
+            (node_id,),
+        ).fetchall()
+        return [str(r["id"]) for r in rows]
+
+    def cancel_ids(self, node_id: str) -> list[str]:
+        """Tasks claimed by ``node_id`` that an operator asked to cancel (oldest first)."""
+        return self._read(lambda db: self._cancel_ids(db, node_id))
+
+    def list_nodes(self) -> list[dict[str, Any]]:
+        """Every node as admin JSON, in registration order of first appearance (name)."""
+        rows = self._read(lambda db: db.execute("SELECT * FROM nodes ORDER BY name").fetchall())
+        return [
+            {
+                "id": r["id"],
+                "name": r["name"],
+                "ip": r["ip"],
+                "port": r["port"],
+                "version": r["version"],
+                "maxWorkers": r["max_workers"],
+                "labels": _loads(r["labels"]),
+                "runtimes": _loads(r["runtimes"]),
+                "registeredAt": r["registered_at"],
+                "lastHeartbeatAt": r["last_heartbeat_at"],
+                "lastHeartbeat": _loads(r["last_heartbeat"]),
+            }
+            for r in rows
+        ]
+
+    # ----------------------------------------------------------------------- spiders and code
+
+    def create_spider(
+        self,
+        *,
+        name: str,
+        framework: str,
+        command: list[str] | str | None,
+        timeout_seconds: float | None,
+        code_mode: str,
+        env: dict[str, str],
+    ) -> str:
+        """Create a spider (arguments already validated). Returns its id."""
+        spider_id = _new_id()
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO spiders (id, name, framework, command, timeout_seconds, code_mode, env, created_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    spider_id,
+                    name,
+                    framework,
+                    _dumps(command),
+                    timeout_seconds,
+                    code_mode,
+                    _dumps(env),
+                    utc_now_iso(),
+                ),
+            )
+        return spider_id
+
+    @staticmethod
+    def _spider_json(r: sqlite3.Row) -> dict[str, Any]:
+        return {
+            "id": r["id"],
+            "name": r["name"],
+            "framework": r["framework"],
+            "command": _loads(r["command"]),
+            "timeoutSeconds": r["timeout_seconds"],
+            "codeMode": r["code_mode"],
+            "env": _loads(r["env"]),
+            "codeVersion": r["code_version"],
+            "createdAt": r["created_at"],
+        }
+
+    def list_spiders(self) -> list[dict[str, Any]]:
+        """Every spider as admin JSON, oldest first."""
+        rows = self._read(lambda db: db.execute("SELECT * FROM spiders ORDER BY created_at, id").fetchall())
+        return [self._spider_json(r) for r in rows]
+
+    def get_spider(self, spider_id: str) -> dict[str, Any]:
+        """One spider as admin JSON. Raises NotFoundError."""
+        row = self._read(lambda db: db.execute("SELECT * FROM spiders WHERE id = ?", (spider_id,)).fetchone())
+        if row is None:
+            raise NotFoundError(f"no spider {spider_id!r}")
+        return self._spider_json(row)
+
+    def store_package(self, spider_id: str, package: PackageContents, data: bytes) -> dict[str, Any]:
+        """Store a validated package (zip + files) and make it the spider's current code.
+
+        Returns ``{codeVersion, sha256, sizeBytes, fileCount}``. Uploading the same zip again is a no-op
+        apart from making it current. Raises NotFoundError for an unknown spider.
+        """
+        version = package.code_version
+        with self._tx() as db:
+            if db.execute("SELECT 1 FROM spiders WHERE id = ?", (spider_id,)).fetchone() is None:
+                raise NotFoundError(f"no spider {spider_id!r}")
+            known = db.execute(
+                "SELECT 1 FROM packages WHERE spider_id = ? AND code_version = ?", (spider_id, version)
+            ).fetchone()
+            if known is None:
+                db.execute(
+                    "INSERT INTO packages (spider_id, code_version, sha256, size_bytes, data, uploaded_at)"
+                    " VALUES (?, ?, ?, ?, ?, ?)",
+                    (spider_id, version, package.sha256, package.size_bytes, data, utc_now_iso()),
+                )
+                db.executemany(
+                    "INSERT INTO spider_files (id, spider_id, code_version, path, size_bytes, sha256, data)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    [
+                        (_new_id(), spider_id, version, f.path, f.size_bytes, f.sha256, f.data)
+                        for f in package.files
+                    ],
+                )
+            db.execute("UPDATE spiders SET code_version = ? WHERE id = ?", (version, spider_id))
+        return {
+            "codeVersion": version,
+            "sha256": package.sha256,
+            "sizeBytes": package.size_bytes,
+            "fileCount": len(package.files),
+        }
+
+    def spider_files(self, spider_id: str) -> list[dict[str, Any]]:
+        """The files of the spider's current package, by path: ``[{id, path, sizeBytes, sha256}]``.
+
+        An empty list for a spider without a package. Raises NotFoundError for an unknown spider.
+        """
+
+        def query(db: sqlite3.Connection) -> list[sqlite3.Row]:
+            spider = db.execute("SELECT code_version FROM spiders WHERE id = ?", (spider_id,)).fetchone()
+            if spider is None:
+                raise NotFoundError(f"no spider {spider_id!r}")
+            return db.execute(
+                "SELECT id, path, size_bytes, sha256 FROM spider_files WHERE spider_id = ? AND code_version = ?"
+                " ORDER BY path",
+                (spider_id, spider["code_version"]),
+            ).fetchall()
+
+        return [
+            {"id": r["id"], "path": r["path"], "sizeBytes": r["size_bytes"], "sha256": r["sha256"]}
+            for r in self._read(query)
+        ]
+
+    def spider_file(self, file_id: str) -> bytes:
+        """The bytes of one spider file. Raises NotFoundError."""
+        row = self._read(
+            lambda db: db.execute("SELECT data FROM spider_files WHERE id = ?", (file_id,)).fetchone()
+        )
+        if row is None:
+            raise NotFoundError(f"no spider file {file_id!r}")
+        return bytes(row["data"])
+
+    def package_zip(self, spider_id: str, code_version: str) -> bytes:
+        """The zip bytes of one package version. Raises NotFoundError."""
+        row = self._read(
+            lambda db: db.execute(
+                "SELECT data FROM packages WHERE spider_id = ? AND code_version = ?",
+                (spider_id, code_version),
+            ).fetchone()
+        )
+        if row is None:
+            raise NotFoundError(f"no package {code_version!r} for spider {spider_id!r}")
+        return bytes(row["data"])
+
+    # ----------------------------------------------------------------------- tasks (admin side)
+
+    def create_task(
+        self,
+        spider_id: str,
+        *,
+        args: list[str],
+        env: dict[str, str],
+        params: dict[str, Any],
+        timeout_seconds: float | None,
+    ) -> str:
+        """Create a PENDING task from a snapshot of the spider. Returns its id.
+
+        ``env`` is merged over the spider's env; ``timeout_seconds`` None takes the spider's.
+        Raises NotFoundError (unknown spider) and ConflictError (the spider has no package yet).
+        """
+        task_id = _new_id()
+        with self._tx() as db:
+            spider = db.execute("SELECT * FROM spiders WHERE id = ?", (spider_id,)).fetchone()
+            if spider is None:
+                raise NotFoundError(f"no spider {spider_id!r}")
+            if spider["code_version"] is None:
+                raise ConflictError(
+                    f"spider {spider_id!r} has no code package yet: PUT /api/spiders/{spider_id}/package first"
+                )
+            merged_env = {**_loads(spider["env"]), **env}
+            timeout = spider["timeout_seconds"] if timeout_seconds is None else timeout_seconds
+            db.execute(
+                "INSERT INTO tasks (id, spider_id, spider_name, framework, command, args, env, params,"
+                " timeout_seconds, code_version, code_mode, status, created_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'PENDING', ?)",
+                (
+                    task_id,
+                    spider_id,
+                    spider["name"],
+                    spider["framework"],
+                    spider["command"],
+                    _dumps(args),
+                    _dumps(merged_env),
+                    _dumps(params),
+                    timeout,
+                    spider["code_version"],
+                    spider["code_mode"],
+                    utc_now_iso(),
+                ),
+            )
+        return task_id
+
+    @staticmethod
+    def _task_json(r: sqlite3.Row) -> dict[str, Any]:
+        return {
+            "id": r["id"],
+            "spiderId": r["spider_id"],
+            "spiderName": r["spider_name"],
+            "framework": r["framework"],
+            "command": _loads(r["command"]),
+            "args": _loads(r["args"]),
+            "env": _loads(r["env"]),
+            "params": _loads(r["params"]),
+            "timeoutSeconds": r["timeout_seconds"],
+            "codeVersion": r["code_version"],
+            "codeMode": r["code_mode"],
+            "status": r["status"],
+            "exitCode": r["exit_code"],
+            "errorCode": r["error_code"],
+            "errorMessage": r["error_message"],
+            "nodeId": r["node_id"],
+            "createdAt": r["created_at"],
+            "claimedAt": r["claimed_at"],
+            "startedAt": r["started_at"],
+            "finishedAt": r["finished_at"],
+            "durationMs": r["duration_ms"],
+            "itemCount": r["item_count"],
+            "logLines": r["log_lines"],
+            "cancelRequested": bool(r["cancel_requested"]),
+            "storedLogLines": r["stored_log_lines"],
+            "storedItems": r["stored_items"],
+        }
+
+    @staticmethod
+    def _task_row(db: sqlite3.Connection, task_id: str) -> sqlite3.Row:
+        row: sqlite3.Row | None = db.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
+        if row is None:
+            raise NotFoundError(f"no task {task_id!r}")
+        return row
+
+    def get_task(self, task_id: str) -> dict[str, Any]:
+        """One task as admin JSON. Raises NotFoundError."""
+        return self._task_json(self._read(lambda db: self._task_row(db, task_id)))
+
+    def list_tasks(
+        self, *, status: str | None = None, spider_id: str | None = None, limit: int = 1000
+    ) -> list[dict[str, Any]]:
+        """Tasks as admin JSON, oldest first, optionally filtered; at most ``limit``."""
+        where: list[str] = []
+        params: list[Any] = []
+        if status:
+            where.append("status = ?")
+            params.append(status)
+        if spider_id:
+            where.append("spider_id = ?")
+            params.append(spider_id)
+        sql = (
+            "SELECT * FROM tasks" + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY n LIMIT ?"
+        )
+        rows = self._read(lambda db: db.execute(sql, (*params, limit)).fetchall())
+        return [self._task_json(r) for r in rows]
+
+    def task_logs(self, task_id: str) -> list[str]:
+        """The stored log lines of a task, in order. Raises NotFoundError."""
+
+        def query(db: sqlite3.Connection) -> list[sqlite3.Row]:
+            self._task_row(db, task_id)
+            return db.execute(
+                "SELECT line FROM task_logs WHERE task_id = ? ORDER BY seq", (task_id,)
+            ).fetchall()
+
+        return [str(r["line"]) for r in self._read(query)]
+
+    def task_items(self, task_id: str) -> list[Any]:
+        """The stored items of a task, in order. Raises NotFoundError."""
+
+        def query(db: sqlite3.Connection) -> list[sqlite3.Row]:
+            self._task_row(db, task_id)
+            return db.execute(
+                "SELECT data FROM task_items WHERE task_id = ? ORDER BY seq", (task_id,)
+            ).fetchall()
+
+        return [json.loads(r["data"]) for r in self._read(query)]
+
+    def cancel_task(self, task_id: str) -> dict[str, Any]:
+        """Operator cancel. PENDING → CANCELLED at once; RUNNING → cancelRequested (the agent reports
+        CANCELLED); a final task raises ConflictError. Returns the task as admin JSON.
+        """
+        with self._tx() as db:
+            row = self._task_row(db, task_id)
+            if row["status"] == "PENDING":
+                db.execute(
+                    "UPDATE tasks SET status = 'CANCELLED', error_code = 'CANCELLED',"
+                    " error_message = 'cancelled before any node claimed it', finished_at = ? WHERE id = ?",
+                    (utc_now_iso(), task_id),
+                )
+            elif row["status"] == "RUNNING":
+                db.execute("UPDATE tasks SET cancel_requested = 1 WHERE id = ?", (task_id,))
+            else:
+                raise ConflictError(f"task {task_id!r} is already {row['status']}")
+            return self._task_json(self._task_row(db, task_id))
+
+    # ----------------------------------------------------------------------- tasks (node side)
+
+    def pending_tasks(
+        self, *, limit: int, exclude_spider_ids: Sequence[str], base_url: str
+    ) -> list[dict[str, Any]]:
+        """PENDING tasks as wire JSON, oldest first, at most one per spider, none of the excluded spiders.
+
+        ``base_url`` (no trailing slash) makes the absolute codePackage url. Handing out does not assign.
+        """
+        excluded = set(exclude_spider_ids)
+
+        def query(db: sqlite3.Connection) -> list[tuple[sqlite3.Row, sqlite3.Row | None]]:
+            chosen: list[tuple[sqlite3.Row, sqlite3.Row | None]] = []
+            seen: set[str] = set()
+            for row in db.execute("SELECT * FROM tasks WHERE status = 'PENDING' ORDER BY n"):
+                spider_id = row["spider_id"]
+                if spider_id in excluded or spider_id in seen:
+                    continue
+                seen.add(spider_id)
+                package = db.execute(
+                    "SELECT sha256, size_bytes FROM packages WHERE spider_id = ? AND code_version = ?",
+                    (spider_id, row["code_version"]),
+                ).fetchone()
+                chosen.append((row, package))
+                if len(chosen) >= limit:
+                    break
+            return chosen
+
+        out = []
+        for r, found in self._read(query):
+            code_package = None
+            if r["code_mode"] == "package" and found is not None:
+                code_package = {
+                    "url": f"{base_url}/api/packages/{r['spider_id']}/{r['code_version']}.zip",
+                    "sha256": found["sha256"],
+                    "sizeBytes": found["size_bytes"],
+                }
+            out.append(
+                {
+                    "id": r["id"],
+                    "spiderId": r["spider_id"],
+                    "spiderName": r["spider_name"],
+                    "framework": r["framework"],
+                    "command": _loads(r["command"]),
+                    "args": _loads(r["args"]),
+                    "env": _loads(r["env"]),
+                    "timeoutSeconds": r["timeout_seconds"],
+                    "codeVersion": r["code_version"],
+                    "codePackage": code_package,
+                    "params": _loads(r["params"]),
+                }
+            )
+        return out
+
+    def report_result(self, task_id: str, node_id: str, result: TaskResult) -> dict[str, Any]:
+        """Apply a node's result report; returns the task as admin JSON.
+
+        RUNNING is the claim: PENDING → RUNNING for this node; the same node again is fine; claimed by
+        another node, final or cancelled → ConflictError. SUCCESS/FAILED/CANCELLED: only from the
+        claiming node; the same final status again is a no-op, a different one is ConflictError. A
+        PENDING task may be reported FAILED with errorCode BAD_TASK by a node that could not parse it.
+        Raises NotFoundError for an unknown task.
+        """
+        now = utc_now_iso()
+        with self._tx() as db:
+            row = self._task_row(db, task_id)
+            status, owner = row["status"], row["node_id"]
+            if result.status == "RUNNING":
+                if status == "PENDING":
+                    db.execute(
+                        "UPDATE tasks SET status = 'RUNNING', node_id = ?, claimed_at = ?, started_at = ?"
+                        " WHERE id = ?",
+                        (node_id, now, result.started_at or now, task_id),
+                    )
+                elif status == "RUNNING" and owner == node_id:
+                    pass
+                elif status == "RUNNING":
+                    raise ConflictError(f"task {task_id!r} is claimed by another node")
+                elif status == "CANCELLED" and owner is None:
+                    raise ConflictError(f"task {task_id!r} was cancelled")
+                else:
+                    raise ConflictError(f"task {task_id!r} is already {status}")
+            else:
+                if status == "PENDING":
+                    if result.error_code != "BAD_TASK":
+                        raise ConflictError(f"task {task_id!r} was never claimed: report RUNNING first")
+                    if result.status != "FAILED":
+                        raise ConflictError("errorCode BAD_TASK on an unclaimed task needs status FAILED")
+                    db.execute("UPDATE tasks SET node_id = ? WHERE id = ?", (node_id, task_id))
+                    self._finish(db, task_id, result, now)
+                elif owner != node_id:
+                    raise ConflictError(f"task {task_id!r} is not claimed by this node")
+                elif status == "RUNNING":
+                    self._finish(db, task_id, result, now)
+                elif status != result.status:
+                    raise ConflictError(f"task {task_id!r} is already {status}, not {result.status}")
+                # else: the same final result again: nothing to do
+            return self._task_json(self._task_row(db, task_id))
+
+    @staticmethod
+    def _finish(db: sqlite3.Connection, task_id: str, result: TaskResult, now: str) -> None:
+        assert result.status in FINAL_STATUSES
+        db.execute(
+            "UPDATE tasks SET status = ?, exit_code = ?, error_code = ?, error_message = ?,"
+            " started_at = COALESCE(?, started_at), finished_at = ?, duration_ms = ?, item_count = ?,"
+            " log_lines = ? WHERE id = ?",
+            (
+                result.status,
+                result.exit_code,
+                result.error_code,
+                result.error_message,
+                result.started_at,
+                result.finished_at or now,
+                result.duration_ms,
+                result.item_count,
+                result.log_lines,
+                task_id,
+            ),
+        )
+
+    def append_logs(self, task_id: str, node_id: str, seq: int, lines: Sequence[str]) -> int:
+        """Store log lines ``seq``.. once each; returns the new stored count (``acceptedSeq``).
+
+        A full repeat stores nothing; an overlap stores only the new tail; ``seq`` beyond the stored
+        count raises ConflictError with ``expectedSeq``. Only the claiming node may post (ConflictError).
+        """
+        return self._append("task_logs", "stored_log_lines", task_id, node_id, seq, list(lines))
+
+    def append_items(self, task_id: str, node_id: str, seq: int, items: Sequence[dict[str, Any]]) -> int:
+        """Store items ``seq``.. once each (as JSON text); same rules and answer as ``append_logs``."""
+        return self._append("task_items", "stored_items", task_id, node_id, seq, [_dumps(i) for i in items])
+
+    def _append(
+        self, table: str, counter: str, task_id: str, node_id: str, seq: int, values: list[str]
+    ) -> int:
+        column = "line" if table == "task_logs" else "data"
+        with self._tx() as db:
+            row = self._task_row(db, task_id)
+            if row["node_id"] != node_id:
+                raise ConflictError(f"task {task_id!r} is not claimed by this node")
+            stored = int(row[counter])
+            if seq > stored:
+                raise ConflictError(
+                    f"gap: this batch starts at {seq} but only {stored} are stored", expectedSeq=stored
+                )
+            tail = values[stored - seq :]
+            if tail:
+                db.executemany(
+                    f"INSERT INTO {table} (task_id, seq, {column}) VALUES (?, ?, ?)",
+                    [(task_id, stored + i, v) for i, v in enumerate(tail)],
+                )
+                stored += len(tail)
+                db.execute(f"UPDATE tasks SET {counter} = ? WHERE id = ?", (stored, task_id))
+            return stored

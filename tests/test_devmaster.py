@@ -1,0 +1,660 @@
+"""The dev master over real HTTP on 127.0.0.1 with a real SQLite file: the protocol's contract."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import re
+import secrets
+import sqlite3
+import zipfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+import trio
+
+from ckagent.devmaster import demosite
+from ckagent.devmaster.client import AdminApiError, AdminClient, zip_directory
+from ckagent.protocol import PendingTasks, SpiderFile
+
+if TYPE_CHECKING:
+    from conftest import DevMaster, DevMasterProcess
+
+pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def register_body(name: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "ip": "127.0.0.1",
+        "port": 9000,
+        "version": "0.1.0",
+        "os": "linux",
+        "arch": "x86_64",
+        "python": "3.11.9",
+        "cpuCount": 2,
+        "memoryTotalBytes": 8 * 1024**3,
+        "maxWorkers": 2,
+        "runtimes": {"python": "3.11.9", "node": None},
+        "labels": {"zone": "test"},
+    }
+
+
+HEARTBEAT = {
+    "status": "RUNNING",
+    "cpuPercent": 12.5,
+    "memoryPercent": 40.0,
+    "diskPercent": 50.0,
+    "memoryUsedBytes": 1024,
+    "diskFreeBytes": 4096,
+    "load1": 0.5,
+    "runningTaskIds": [],
+    "runningSpiderIds": [],
+    "maxWorkers": 2,
+    "freeSlots": 2,
+    "version": "0.1.0",
+    "uptimeSeconds": 3.0,
+}
+
+
+@dataclass
+class Node:
+    """A registered node talking raw HTTP, as an agent would."""
+
+    http: httpx.AsyncClient
+    node_id: str
+    api_key: str
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    async def heartbeat(self, **changes: Any) -> httpx.Response:
+        return await self.http.post(
+            f"/api/nodes/{self.node_id}/heartbeat", json={**HEARTBEAT, **changes}, headers=self.auth
+        )
+
+    async def poll(
+        self, *, limit: int = 10, wait: float = 0, exclude: list[str] | None = None
+    ) -> dict[str, Any]:
+        params: dict[str, Any] = {"limit": limit, "waitSeconds": wait}
+        if exclude:
+            params["excludeSpiderIds"] = ",".join(exclude)
+        r = await self.http.get(f"/api/nodes/{self.node_id}/tasks/pending", params=params, headers=self.auth)
+        assert r.status_code == 200, r.text
+        body: dict[str, Any] = r.json()
+        parsed = PendingTasks.from_json(body)  # every task the master hands out must satisfy the protocol
+        assert parsed.bad_tasks == []
+        return body
+
+    async def result(self, task_id: str, status: str, **fields: Any) -> httpx.Response:
+        return await self.http.post(
+            f"/api/tasks/{task_id}/result", json={"status": status, **fields}, headers=self.auth
+        )
+
+    async def claim(self, task_id: str) -> httpx.Response:
+        return await self.result(task_id, "RUNNING", startedAt="2026-11-29T16:03:50.123Z")
+
+    async def logs(self, task_id: str, seq: int, lines: list[str]) -> httpx.Response:
+        return await self.http.post(
+            f"/api/tasks/{task_id}/logs", json={"seq": seq, "lines": lines}, headers=self.auth
+        )
+
+    async def items(self, task_id: str, seq: int, items: list[dict[str, Any]]) -> httpx.Response:
+        return await self.http.post(
+            f"/api/tasks/{task_id}/items", json={"seq": seq, "items": items}, headers=self.auth
+        )
+
+
+async def register(http: httpx.AsyncClient, token: str, name: str = "node-a") -> Node:
+    r = await http.post(
+        "/api/nodes/register", json=register_body(name), headers={"X-Registration-Token": token}
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return Node(http=http, node_id=body["nodeId"], api_key=body["apiKey"])
+
+
+def make_zip(files: dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for path, data in files.items():
+            archive.writestr(path, data)
+    return buffer.getvalue()
+
+
+SPIDER_FILES = {"main.py": b"print('hello')\n", "pkg/util.py": b"X = 1\n", "requirements.txt": b""}
+
+
+async def make_spider(admin: AdminClient, name: str = "demo", *, code_mode: str = "package") -> str:
+    spider_id = await admin.create_spider(name, "python", command=["python", "main.py"], code_mode=code_mode)
+    await admin.upload_package(spider_id, make_zip(SPIDER_FILES))
+    return spider_id
+
+
+@pytest.fixture
+async def http(dev_master: DevMaster) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=dev_master.base_url, timeout=10) as client:
+        yield client
+
+
+@pytest.fixture
+async def node(dev_master: DevMaster, http: httpx.AsyncClient) -> Node:
+    return await register(http, dev_master.registration_token)
+
+
+# --------------------------------------------------------------------------- registration and auth
+
+
+async def test_register_needs_the_registration_token(dev_master: DevMaster, http: httpx.AsyncClient) -> None:
+    with trio.fail_after(10):
+        good = await register(http, dev_master.registration_token)
+        assert good.node_id and len(good.api_key) >= 32
+        for headers in ({"X-Registration-Token": "wrong"}, {}):
+            r = await http.post("/api/nodes/register", json=register_body("x"), headers=headers)
+            assert r.status_code == 401
+            assert dev_master.registration_token not in r.text
+        r = await http.post(
+            "/api/nodes/register",
+            json={**register_body("x"), "port": "nine"},
+            headers={"X-Registration-Token": dev_master.registration_token},
+        )
+        assert r.status_code == 422
+        assert r.json()["field"] == "port"
+
+
+async def test_bad_key_is_401(dev_master: DevMaster, http: httpx.AsyncClient, node: Node) -> None:
+    with trio.fail_after(10):
+        assert (await node.heartbeat()).status_code == 200
+        for headers in (
+            {"Authorization": "Bearer " + secrets.token_urlsafe(32)},
+            {"Authorization": f"Bearer {dev_master.admin_token}"},  # the admin token is not a node key
+            {"Authorization": f"Basic {node.api_key}"},
+            {},
+        ):
+            r = await http.post(f"/api/nodes/{node.node_id}/heartbeat", json=HEARTBEAT, headers=headers)
+            assert r.status_code == 401, headers
+            r = await http.get(f"/api/nodes/{node.node_id}/tasks/pending", headers=headers)
+            assert r.status_code == 401
+        other = await register(http, dev_master.registration_token, "node-b")
+        r = await http.post(f"/api/nodes/{node.node_id}/heartbeat", json=HEARTBEAT, headers=other.auth)
+        assert r.status_code == 403
+
+
+async def test_reregister_keeps_id_and_revokes_old_key(
+    dev_master: DevMaster, http: httpx.AsyncClient
+) -> None:
+    with trio.fail_after(10):
+        first = await register(http, dev_master.registration_token, "same")
+        second = await register(http, dev_master.registration_token, "same")
+        assert second.node_id == first.node_id
+        assert second.api_key != first.api_key
+        assert (await first.heartbeat()).status_code == 401
+        assert (await second.heartbeat()).status_code == 200
+        assert [n["id"] for n in await dev_master.admin.list_nodes()] == [first.node_id]
+
+
+async def test_heartbeat_figures_show_in_nodes(dev_master: DevMaster, node: Node) -> None:
+    with trio.fail_after(10):
+        r = await node.heartbeat(cpuPercent=77.5, freeSlots=1)
+        assert r.status_code == 200
+        assert r.json() == {"cancelTaskIds": []}
+        bad = await node.heartbeat(status="SLEEPING")
+        assert bad.status_code == 422 and bad.json()["field"] == "status"
+        [listed] = await dev_master.admin.list_nodes()
+        assert listed["name"] == "node-a"
+        assert listed["labels"] == {"zone": "test"}
+        assert listed["maxWorkers"] == 2
+        assert listed["lastHeartbeat"]["cpuPercent"] == 77.5
+        assert listed["lastHeartbeat"]["freeSlots"] == 1
+        assert listed["lastHeartbeatAt"].endswith("Z")
+
+
+async def test_admin_api_needs_the_admin_token(
+    dev_master: DevMaster, http: httpx.AsyncClient, node: Node
+) -> None:
+    with trio.fail_after(10):
+        for headers in ({}, {"Authorization": "Bearer nope"}, node.auth):
+            for method, path in (("GET", "/api/nodes"), ("GET", "/api/tasks"), ("POST", "/api/spiders")):
+                r = await http.request(method, path, headers=headers, json={})
+                assert r.status_code == 401, (method, path)
+        async with AdminClient(dev_master.base_url, "wrong") as bad_admin:
+            with pytest.raises(AdminApiError) as info:
+                await bad_admin.list_nodes()
+        assert info.value.status_code == 401
+
+
+# --------------------------------------------------------------------------- polling and claims
+
+
+async def test_claim_twice_second_is_409(dev_master: DevMaster, http: httpx.AsyncClient, node: Node) -> None:
+    with trio.fail_after(10):
+        other = await register(http, dev_master.registration_token, "node-b")
+        spider = await make_spider(dev_master.admin)
+        task_id = await dev_master.admin.create_task(spider)
+        # handing a task out does not assign it: both nodes see it
+        assert [t["id"] for t in (await node.poll())["tasks"]] == [task_id]
+        assert [t["id"] for t in (await other.poll())["tasks"]] == [task_id]
+        assert (await node.claim(task_id)).status_code == 200
+        second = await other.claim(task_id)
+        assert second.status_code == 409
+        assert "error" in second.json()
+        assert (await node.claim(task_id)).status_code == 200  # the same node again is fine
+        task = await dev_master.admin.get_task(task_id)
+        assert task["status"] == "RUNNING"
+        assert task["nodeId"] == node.node_id
+        assert task["startedAt"] == "2026-11-29T16:03:50.123Z"
+        assert task["claimedAt"]
+        assert (await other.poll())["tasks"] == []
+
+
+async def test_claim_of_cancelled_task_is_409(dev_master: DevMaster, node: Node) -> None:
+    with trio.fail_after(10):
+        spider = await make_spider(dev_master.admin)
+        task_id = await dev_master.admin.create_task(spider)
+        cancelled = await dev_master.admin.cancel_task(task_id)
+        assert cancelled["status"] == "CANCELLED"
+        assert cancelled["errorCode"] == "CANCELLED"
+        assert (await node.poll())["tasks"] == []
+        assert (await node.claim(task_id)).status_code == 409
+        with pytest.raises(AdminApiError) as info:
+            await dev_master.admin.cancel_task(task_id)
+        assert info.value.status_code == 409
+
+
+async def test_long_poll_returns_within_100ms_of_task_creation(dev_master: DevMaster, node: Node) -> None:
+    spider = await make_spider(dev_master.admin)
+    answer: dict[str, Any] = {}
+
+    async def poll() -> None:
+        answer["body"] = await node.poll(wait=10)
+        answer["at"] = trio.current_time()
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poll)
+            await trio.sleep(0.3)  # real time: let the poll reach the master and wait there
+            assert "body" not in answer, "the long poll answered before any task existed"
+            task_id = await dev_master.admin.create_task(spider)
+            created_at = trio.current_time()
+    assert [t["id"] for t in answer["body"]["tasks"]] == [task_id]
+    latency = answer["at"] - created_at
+    print(f"long poll answered {latency * 1000:.1f} ms after the task was created")
+    assert latency < 0.1
+
+
+async def test_long_poll_times_out_empty(dev_master: DevMaster, node: Node) -> None:
+    with trio.fail_after(10):
+        start = trio.current_time()
+        body = await node.poll(wait=0.3)
+        elapsed = trio.current_time() - start
+    assert body == {"tasks": [], "cancelTaskIds": []}
+    assert 0.3 <= elapsed < 2.0
+    with trio.fail_after(10):
+        start = trio.current_time()
+        assert await node.poll(wait=0) == {"tasks": [], "cancelTaskIds": []}
+        assert trio.current_time() - start < 1.0
+
+
+async def test_poll_one_task_per_spider_and_exclusions(dev_master: DevMaster, node: Node) -> None:
+    with trio.fail_after(10):
+        spider_a = await make_spider(dev_master.admin, "a")
+        spider_b = await make_spider(dev_master.admin, "b")
+        a1 = await dev_master.admin.create_task(spider_a, args=["-a", "x=1"], params={"p": 1})
+        a2 = await dev_master.admin.create_task(spider_a)
+        b1 = await dev_master.admin.create_task(spider_b, env={"TOKEN": "t"}, timeout_seconds=5)
+        tasks = (await node.poll(limit=10))["tasks"]
+        assert [t["id"] for t in tasks] == [a1, b1]  # oldest first, one per spider
+        first = tasks[0]
+        assert first["spiderId"] == spider_a and first["spiderName"] == "a"
+        assert first["framework"] == "python" and first["command"] == ["python", "main.py"]
+        assert first["args"] == ["-a", "x=1"] and first["params"] == {"p": 1}
+        assert first["codePackage"]["url"].startswith(dev_master.base_url + "/api/packages/")
+        assert tasks[1]["env"] == {"TOKEN": "t"} and tasks[1]["timeoutSeconds"] == 5
+        assert [t["id"] for t in (await node.poll(limit=1))["tasks"]] == [a1]
+        assert [t["id"] for t in (await node.poll(exclude=[spider_a]))["tasks"]] == [b1]
+        assert (await node.poll(exclude=[spider_a, spider_b]))["tasks"] == []
+        assert (await node.claim(a1)).status_code == 200
+        assert [t["id"] for t in (await node.poll())["tasks"]] == [a2, b1]
+        r = await node.http.get(f"/api/nodes/{node.node_id}/tasks/pending?limit=0", headers=node.auth)
+        assert r.status_code == 422 and r.json()["field"] == "limit"
+
+
+# --------------------------------------------------------------------------- results
+
+
+async def test_final_result_is_idempotent(dev_master: DevMaster, http: httpx.AsyncClient, node: Node) -> None:
+    with trio.fail_after(10):
+        other = await register(http, dev_master.registration_token, "node-b")
+        spider = await make_spider(dev_master.admin)
+        task_id = await dev_master.admin.create_task(spider)
+        assert (await node.claim(task_id)).status_code == 200
+        assert (await other.result(task_id, "SUCCESS", exitCode=0)).status_code == 409
+        final = {
+            "exitCode": 0,
+            "startedAt": "2026-11-29T16:03:50.123Z",
+            "finishedAt": "2026-11-29T16:03:52.623Z",
+            "durationMs": 2500,
+            "itemCount": 3,
+            "logLines": 7,
+        }
+        assert (await node.result(task_id, "SUCCESS", **final)).status_code == 200
+        assert (await node.result(task_id, "SUCCESS", **final)).status_code == 200  # the same again
+        assert (await node.result(task_id, "FAILED", errorCode="EXIT_NONZERO", exitCode=1)).status_code == 409
+        assert (await node.claim(task_id)).status_code == 409  # final: no claim
+        assert (await other.result(task_id, "SUCCESS", **final)).status_code == 409
+        task = await dev_master.admin.get_task(task_id)
+        assert task["status"] == "SUCCESS"
+        assert task["exitCode"] == 0 and task["errorCode"] is None
+        assert task["finishedAt"] == final["finishedAt"]
+        assert (task["durationMs"], task["itemCount"], task["logLines"]) == (2500, 3, 7)
+        bad = await node.result(task_id, "FAILED")  # FAILED needs an errorCode
+        assert bad.status_code == 422 and bad.json()["field"] == "errorCode"
+
+
+async def test_unclaimed_final_is_409_except_bad_task(dev_master: DevMaster, node: Node) -> None:
+    with trio.fail_after(10):
+        spider = await make_spider(dev_master.admin)
+        task_id = await dev_master.admin.create_task(spider)
+        assert (await node.result(task_id, "FAILED", errorCode="EXIT_NONZERO")).status_code == 409
+        assert (await node.result(task_id, "CANCELLED", errorCode="CANCELLED")).status_code == 409
+        assert (await node.result(task_id, "SUCCESS", exitCode=0)).status_code == 409
+        assert (await dev_master.admin.get_task(task_id))["status"] == "PENDING"
+        bad = {"errorCode": "BAD_TASK", "errorMessage": "tasks[0].env.1X: not a valid name"}
+        assert (await node.result(task_id, "FAILED", **bad)).status_code == 200
+        assert (await node.result(task_id, "FAILED", **bad)).status_code == 200
+        task = await dev_master.admin.get_task(task_id)
+        assert (task["status"], task["errorCode"], task["nodeId"]) == ("FAILED", "BAD_TASK", node.node_id)
+        assert (
+            await node.http.post("/api/tasks/nope/result", json={"status": "RUNNING"}, headers=node.auth)
+        ).status_code == 404
+
+
+async def test_cancel_flow(dev_master: DevMaster, node: Node) -> None:
+    admin = dev_master.admin
+    with trio.fail_after(10):
+        spider = await make_spider(admin)
+        task_id = await admin.create_task(spider)
+        assert (await node.claim(task_id)).status_code == 200
+        assert (await node.heartbeat()).json() == {"cancelTaskIds": []}
+
+        # a waiting long poll wakes up for the cancel request
+        answer: dict[str, Any] = {}
+
+        async def poll() -> None:
+            answer["body"] = await node.poll(wait=10)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poll)
+            await trio.sleep(0.2)
+            task = await admin.cancel_task(task_id)
+            requested_at = trio.current_time()
+        assert trio.current_time() - requested_at < 1.0
+        assert task["status"] == "RUNNING" and task["cancelRequested"] is True
+        assert answer["body"] == {"tasks": [], "cancelTaskIds": [task_id]}
+        assert (await node.heartbeat()).json() == {"cancelTaskIds": [task_id]}
+        assert (await node.poll())["cancelTaskIds"] == [task_id]
+
+        assert (
+            await node.result(task_id, "CANCELLED", errorCode="CANCELLED", exitCode=-15)
+        ).status_code == 200
+        assert (await node.heartbeat()).json() == {"cancelTaskIds": []}
+        final = await admin.get_task(task_id)
+        assert (final["status"], final["errorCode"]) == ("CANCELLED", "CANCELLED")
+        with pytest.raises(AdminApiError) as info:
+            await admin.cancel_task(task_id)
+        assert info.value.status_code == 409
+
+
+async def test_heartbeat_stops_tasks_the_node_should_not_run(
+    dev_master: DevMaster, http: httpx.AsyncClient, node: Node
+) -> None:
+    admin = dev_master.admin
+    with trio.fail_after(10):
+        other = await register(http, dev_master.registration_token, "node-b")
+        mine, theirs, finished, pending = [
+            await admin.create_task(await make_spider(admin, name)) for name in ("m", "t", "f", "p")
+        ]
+        assert (await node.claim(mine)).status_code == 200
+        assert (await other.claim(theirs)).status_code == 200
+        assert (await node.claim(finished)).status_code == 200
+        assert (await node.result(finished, "SUCCESS", exitCode=0)).status_code == 200
+        running = [mine, theirs, finished, pending, "unknown-task"]
+        answer = await node.heartbeat(runningTaskIds=running)
+        # final or someone else's: stop it; its own running task, a pending one (claim in flight) or an
+        # unknown id: leave alone
+        assert answer.json() == {"cancelTaskIds": [theirs, finished]}
+        await admin.cancel_task(mine)
+        answer = await node.heartbeat(runningTaskIds=running)
+        assert answer.json() == {"cancelTaskIds": [mine, theirs, finished]}
+
+
+# --------------------------------------------------------------------------- logs and items
+
+
+async def test_logs_seq_rules(dev_master: DevMaster, node: Node) -> None:
+    with trio.fail_after(10):
+        spider = await make_spider(dev_master.admin)
+        task_id = await dev_master.admin.create_task(spider)
+        assert (await node.logs(task_id, 0, ["a"])).status_code == 409  # not claimed yet
+        assert (await node.claim(task_id)).status_code == 200
+        first = await node.logs(task_id, 0, ["a", "b", "c"])
+        assert (first.status_code, first.json()) == (200, {"acceptedSeq": 3})
+        repeat = await node.logs(task_id, 0, ["a", "b", "c"])
+        assert (repeat.status_code, repeat.json()) == (200, {"acceptedSeq": 3})
+        overlap = await node.logs(task_id, 1, ["B?", "C?", "d", "e"])  # only the tail d, e is new
+        assert (overlap.status_code, overlap.json()) == (200, {"acceptedSeq": 5})
+        gap = await node.logs(task_id, 7, ["h"])
+        assert gap.status_code == 409
+        assert gap.json()["expectedSeq"] == 5
+        assert (await node.logs(task_id, 5, [])).json() == {"acceptedSeq": 5}
+        assert (await node.logs(task_id, 5, ["f", "✓ ünïcode"])).json() == {"acceptedSeq": 7}
+        assert await dev_master.admin.get_logs(task_id) == ["a", "b", "c", "d", "e", "f", "✓ ünïcode"]
+        assert (await dev_master.admin.get_task(task_id))["storedLogLines"] == 7
+        bad = await node.http.post(
+            f"/api/tasks/{task_id}/logs", json={"seq": -1, "lines": []}, headers=node.auth
+        )
+        assert bad.status_code == 422 and bad.json()["field"] == "seq"
+
+
+async def test_items_seq_rules(dev_master: DevMaster, node: Node) -> None:
+    with trio.fail_after(10):
+        spider = await make_spider(dev_master.admin)
+        task_id = await dev_master.admin.create_task(spider)
+        assert (await node.claim(task_id)).status_code == 200
+        items = [{"n": i, "title": f"Product {i:02d}", "nested": {"ok": True}} for i in range(6)]
+        assert (await node.items(task_id, 0, items[:4])).json() == {"acceptedSeq": 4}
+        assert (await node.items(task_id, 0, items[:2])).json() == {"acceptedSeq": 4}
+        assert (await node.items(task_id, 2, items[2:6])).json() == {"acceptedSeq": 6}
+        gap = await node.items(task_id, 9, items[:1])
+        assert (gap.status_code, gap.json()["expectedSeq"]) == (409, 6)
+        assert await dev_master.admin.get_items(task_id) == items
+        assert (await dev_master.admin.get_task(task_id))["storedItems"] == 6
+        not_object = await node.http.post(
+            f"/api/tasks/{task_id}/items", json={"seq": 6, "items": [1]}, headers=node.auth
+        )
+        assert not_object.status_code == 422 and not_object.json()["field"] == "items[0]"
+
+
+async def test_only_the_claiming_node_may_post(
+    dev_master: DevMaster, http: httpx.AsyncClient, node: Node
+) -> None:
+    with trio.fail_after(10):
+        other = await register(http, dev_master.registration_token, "node-b")
+        spider = await make_spider(dev_master.admin)
+        task_id = await dev_master.admin.create_task(spider)
+        assert (await node.claim(task_id)).status_code == 200
+        assert (await other.logs(task_id, 0, ["x"])).status_code == 409
+        assert (await other.items(task_id, 0, [{"x": 1}])).status_code == 409
+        assert (await node.logs(task_id, 0, ["x"])).status_code == 200
+        assert (await dev_master.admin.get_logs(task_id)) == ["x"]
+
+
+async def test_batch_and_body_limits(dev_master: DevMaster, node: Node) -> None:
+    with trio.fail_after(20):
+        spider = await make_spider(dev_master.admin)
+        task_id = await dev_master.admin.create_task(spider)
+        assert (await node.claim(task_id)).status_code == 200
+        assert (await node.logs(task_id, 0, ["x"] * 5000)).json() == {"acceptedSeq": 5000}
+        assert (await node.logs(task_id, 5000, ["x"] * 5001)).status_code == 413
+        assert (await node.items(task_id, 0, [{}] * 5001)).status_code == 413
+        huge = await node.logs(task_id, 5000, ["y" * (1024 * 1024)] * 9)
+        assert huge.status_code == 413
+        assert (await dev_master.admin.get_task(task_id))["storedLogLines"] == 5000
+
+
+# --------------------------------------------------------------------------- code
+
+
+async def test_spider_files_and_package_download(
+    dev_master: DevMaster, http: httpx.AsyncClient, node: Node, tmp_path: Path
+) -> None:
+    admin = dev_master.admin
+    with trio.fail_after(10):
+        source = tmp_path / "spider"
+        (source / "pkg").mkdir(parents=True)
+        (source / "__pycache__").mkdir()
+        (source / "main.py").write_text("print('hi')\n")
+        (source / "pkg" / "util.py").write_text("X = 1\n")
+        (source / "run.sh").write_text("#!/bin/sh\n")
+        (source / "run.sh").chmod(0o755)
+        (source / "__pycache__" / "main.cpython-311.pyc").write_bytes(b"junk")
+        package = await trio.to_thread.run_sync(zip_directory, source)
+        assert package == await trio.to_thread.run_sync(zip_directory, source)  # deterministic
+
+        files_spider = await admin.create_spider("files", "python", code_mode="files")
+        with pytest.raises(AdminApiError) as info:
+            await admin.create_task(files_spider)  # no package yet
+        assert info.value.status_code == 409
+        assert (await http.get(f"/api/spider-files/spider/{files_spider}", headers=node.auth)).json() == []
+        uploaded = await admin.upload_package(files_spider, package)
+        assert uploaded["sha256"] == hashlib.sha256(package).hexdigest()
+        assert uploaded["codeVersion"] == uploaded["sha256"][:12]
+
+        r = await http.get(f"/api/spider-files/spider/{files_spider}", headers=node.auth)
+        listing = SpiderFile.list_from_json(r.json())
+        assert [f.path for f in listing] == ["main.py", "pkg/util.py", "run.sh"]
+        for entry in listing:
+            assert (await http.get(f"/api/spider-files/{entry.id}")).status_code == 401
+            content = (await http.get(f"/api/spider-files/{entry.id}", headers=node.auth)).content
+            assert hashlib.sha256(content).hexdigest() == entry.sha256
+            assert len(content) == entry.size_bytes
+            assert content == (source / entry.path).read_bytes()
+        assert (await http.get("/api/spider-files/nope", headers=node.auth)).status_code == 404
+
+        files_task = await admin.create_task(files_spider)
+        [handed] = (await node.poll())["tasks"]
+        assert handed["id"] == files_task
+        assert handed["codePackage"] is None and handed["codeVersion"] == uploaded["codeVersion"]
+
+        zip_spider = await admin.create_spider("zipped", "python")
+        zipped = await admin.upload_package(zip_spider, package)
+        await admin.create_task(zip_spider)
+        [handed] = (await node.poll(exclude=[files_spider]))["tasks"]
+        code = handed["codePackage"]
+        assert code["sha256"] == zipped["sha256"] and code["sizeBytes"] == len(package)
+        assert (await http.get(code["url"])).status_code == 401
+        download = await http.get(code["url"], headers=node.auth)
+        assert download.status_code == 200 and download.content == package
+        missing = f"{dev_master.base_url}/api/packages/{zip_spider}/000000000000.zip"
+        assert (await http.get(missing, headers=node.auth)).status_code == 404
+
+        with pytest.raises(AdminApiError) as info:
+            await admin.upload_package(zip_spider, b"not a zip")
+        assert info.value.status_code == 400
+        spiders = {s["id"]: s for s in await admin.list_spiders()}
+        assert spiders[zip_spider]["codeVersion"] == zipped["codeVersion"]
+
+
+# --------------------------------------------------------------------------- demo site
+
+
+async def test_demo_site_pages(dev_master: DevMaster, http: httpx.AsyncClient) -> None:
+    item = re.compile(
+        r'<li class="product"><a class="title" href="(/demo-site/product/\d+/)">([^<]+)</a>'
+        r' <span class="price">([^<]+)</span> <span class="sku">([^<]+)</span></li>'
+    )
+    with trio.fail_after(10):
+        seen: list[dict[str, str]] = []
+        url: str | None = "/demo-site/"
+        pages = 0
+        while url is not None:
+            r = await http.get(url)
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+            pages += 1
+            assert f"<title>Demo shop – page {pages}</title>" in r.text
+            seen += [{"url": u, "title": t, "price": p, "sku": s} for u, t, p, s in item.findall(r.text)]
+            found = re.search(r'<a class="next" href="([^"]+)">next</a>', r.text)
+            url = found.group(1) if found else None
+        assert pages == 5
+        assert seen == demosite.expected_products()
+        assert seen[0] == {
+            "url": "/demo-site/product/1/",
+            "title": "Product 01",
+            "price": "3.99",
+            "sku": "SKU-0001",
+        }
+        assert (await http.get("/demo-site/page/1/")).text == (await http.get("/demo-site/")).text
+        detail = (await http.get("/demo-site/product/7/")).text
+        assert '<h1 class="title">Product 07</h1>' in detail
+        assert '<span class="price">21.99</span>' in detail and '<span class="sku">SKU-0007</span>' in detail
+        assert '<p class="description">Description of product 07.</p>' in detail
+        for missing in (
+            "/demo-site/page/6/",
+            "/demo-site/page/0/",
+            "/demo-site/product/31/",
+            "/demo-site/nope",
+        ):
+            assert (await http.get(missing)).status_code == 404, missing
+
+
+# --------------------------------------------------------------------------- restarts
+
+
+async def test_data_survives_a_restart(dev_master_process: DevMasterProcess) -> None:
+    master = dev_master_process
+    with trio.fail_after(60):
+        base_url = await master.start()
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+", base_url)
+        async with master.admin() as admin, httpx.AsyncClient(base_url=base_url) as http:
+            node = await register(http, master.registration_token)
+            spider = await make_spider(admin)
+            task_id = await admin.create_task(spider)
+            assert (await node.claim(task_id)).status_code == 200
+            assert (await node.logs(task_id, 0, ["one", "two"])).status_code == 200
+            assert (await node.items(task_id, 0, [{"a": 1}])).status_code == 200
+        assert await master.stop() == 0  # SIGTERM: a clean exit
+
+        expected_logs = ["one", "two"]
+        for restart in ("after SIGTERM", "after SIGKILL"):
+            base_url = await master.start()
+            async with master.admin() as admin, httpx.AsyncClient(base_url=base_url) as http:
+                task = await admin.get_task(task_id)
+                assert (task["status"], task["nodeId"]) == ("RUNNING", node.node_id), restart
+                assert await admin.get_logs(task_id) == expected_logs, restart
+                assert await admin.get_items(task_id) == [{"a": 1}], restart
+                assert [n["id"] for n in await admin.list_nodes()] == [node.node_id]
+                node.http = http  # the api key survives too
+                accepted = await node.logs(task_id, 0, [*expected_logs, restart])
+                expected_logs.append(restart)
+                assert accepted.json() == {"acceptedSeq": len(expected_logs)}
+            await master.kill()  # a crash right after the write: it must survive too
+        stderr = master.stderr_path.read_text()
+        for secret in (master.registration_token, master.admin_token, node.api_key):
+            assert secret not in stderr
+
+
+async def test_database_is_one_sqlite_file_in_wal_mode(dev_master: DevMaster) -> None:
+    def journal_mode() -> str:
+        with contextlib.closing(sqlite3.connect(dev_master.db_path)) as db:
+            return str(db.execute("PRAGMA journal_mode").fetchone()[0])
+
+    assert await trio.to_thread.run_sync(journal_mode) == "wal"
