@@ -1,12 +1,22 @@
-"""What this node can run: Python, uv, node, npm, Chromium and chromedriver, with versions.
+"""What this node can run: Python versions, uv, node versions (system and nvm), npm, Chromium, chromedriver.
 
 Reported to the master at registration and in heartbeats (``runtimes``) so it can schedule
-accordingly. Detection runs subprocesses (``--version``): call :func:`detect_runtimes` through
-``trio.to_thread``. A tool that is missing is simply absent from the answer.
+accordingly; rescanned every few minutes. Detection runs subprocesses (``--version``): call
+:func:`detect_runtimes` through ``trio.to_thread``. A tool that is missing is simply absent::
+
+    {"python": {"version": "3.11.7", "path": "...", "versions": ["3.10.14", "3.11.7", "3.12.3"]},
+     "uv": {"version": "0.5.1", "path": "..."},
+     "node": {"version": "20.11.0", "path": "/usr/bin/node", "versions": ["18.19.0", "20.11.0"],
+              "nvm": ["18.19.0"]},
+     "npm": {...}, "chromium": {...}, "chromedriver": {...}}
+
+Also here: node version parsing and npm-style range matching (``satisfies``), used to pick a node
+for a spider's ``.nvmrc`` / ``engines.node``.
 """
 
 from __future__ import annotations
 
+import os
 import platform
 import re
 import shutil
@@ -18,13 +28,17 @@ from typing import Any
 _VERSION = re.compile(r"(\d+\.\d+(?:\.\d+)*)")
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
+CHROMEDRIVER_NAMES = ("chromedriver",)
+NodeVersion = tuple[int, int, int]
 
 
-def _version_of(argv: list[str], timeout: float = 5.0) -> str | None:
+def _version_of(argv: list[str], timeout: float = 10.0) -> str | None:
     try:
         proc = subprocess.run(argv, capture_output=True, timeout=timeout, check=False,
                               stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode != 0:
         return None
     match = _VERSION.search((proc.stdout or proc.stderr).decode("utf-8", errors="replace"))
     return match.group(1) if match else None
@@ -39,29 +53,62 @@ def find_chromium() -> str | None:
     return None
 
 
-def detect_runtimes(uv_path: Path | None = None) -> dict[str, Any]:
-    """Scan the node (blocking, a few subprocesses). Keys: python, uv, node, npm, chromium, chromedriver.
+def find_chromedriver() -> str | None:
+    """Path of chromedriver on PATH, or None."""
+    return shutil.which("chromedriver")
 
-    Each value is ``{"version": str, "path": str}``; ``python`` also lists other interpreters
-    found on PATH (``python3.X``) under ``versions``.
+
+def nvm_node_versions(nvm_dir: Path) -> list[tuple[NodeVersion, Path]]:
+    """Node versions installed by nvm under ``nvm_dir/versions/node/v*/`` with their bin dirs (blocking)."""
+    base = nvm_dir / "versions" / "node"
+    found: list[tuple[NodeVersion, Path]] = []
+    if not base.is_dir():
+        return found
+    for entry in base.iterdir():
+        version = parse_node_version(entry.name)
+        if version is not None and (entry / "bin" / "node").is_file():
+            found.append((version, entry / "bin"))
+    return sorted(found)
+
+
+def _python_versions() -> list[str]:
+    """Interpreters named python3.X on PATH (plus the agent's), by their real version."""
+    versions = {platform.python_version()}
+    seen: set[str] = set()
+    for minor in range(8, 16):
+        path = shutil.which(f"python3.{minor}")
+        if path is None:
+            continue
+        real = os.path.realpath(path)
+        if real in seen:
+            continue
+        seen.add(real)
+        version = _version_of([path, "--version"])
+        if version is not None:
+            versions.add(version)
+    return sorted(versions, key=_sort_key)
+
+
+def _sort_key(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split(".") if p.isdigit())
+
+
+def detect_runtimes(uv_path: Path | None = None, nvm_dir: Path | None = None) -> dict[str, Any]:
+    """Scan the node (blocking, a few subprocesses; about a second). See the module docstring for the shape.
+
+    ``nvm_dir`` defaults to $NVM_DIR, else ``~/.nvm``. Never raises for a missing or broken tool.
     """
-    from ckagent.deps import find_uv  # local import: deps imports process/trio, keep this module light
+    from ckagent.deps import find_uv  # local import: deps imports this module
 
     found: dict[str, Any] = {
-        "python": {"version": platform.python_version(), "path": sys.executable, "versions": []},
+        "python": {"version": platform.python_version(), "path": sys.executable, "versions": _python_versions()},
     }
-    versions = set()
-    for minor in range(8, 15):
-        path = shutil.which(f"python3.{minor}")
-        if path:
-            versions.add(f"3.{minor}")
-    found["python"]["versions"] = sorted(versions, key=lambda v: int(v.split(".")[1]))
     tools: dict[str, str | None] = {
         "uv": find_uv(uv_path),
         "node": shutil.which("node"),
         "npm": shutil.which("npm"),
         "chromium": find_chromium(),
-        "chromedriver": shutil.which("chromedriver"),
+        "chromedriver": find_chromedriver(),
     }
     for name, path in tools.items():
         if path is None:
@@ -69,4 +116,110 @@ def detect_runtimes(uv_path: Path | None = None) -> dict[str, Any]:
         version = _version_of([path, "--version"])
         if version is not None:
             found[name] = {"version": version, "path": path}
+    nvm_home = nvm_dir or Path(os.environ.get("NVM_DIR") or Path.home() / ".nvm")
+    nvm = [".".join(map(str, v)) for v, _ in nvm_node_versions(nvm_home)] if (nvm_home / "nvm.sh").is_file() else []
+    if nvm or "node" in found:
+        node = found.setdefault("node", {})
+        node["nvm"] = nvm
+        system = [node["version"]] if "version" in node else []
+        node["versions"] = sorted(set(system + nvm), key=_sort_key)
     return found
+
+
+# --------------------------------------------------------------------------- node versions and ranges
+
+
+def parse_node_version(text: str) -> NodeVersion | None:
+    """``"v20.1.0"``/``"20.1.0"`` → (20, 1, 0); missing parts are 0; None when it is not a version."""
+    text = text.strip().lstrip("vV=")
+    parts = text.split("-", 1)[0].split("+", 1)[0].split(".")
+    if not parts or not all(p.isdigit() for p in parts) or len(parts) > 3:
+        return None
+    numbers = [int(p) for p in parts] + [0] * (3 - len(parts))
+    return (numbers[0], numbers[1], numbers[2])
+
+
+_COMPARATOR = re.compile(r"^(>=|<=|>|<|=|\^|~>?|)\s*v?([0-9xX*]+(?:\.[0-9xX*]+){0,2})?(?:[-+][0-9A-Za-z.-]+)?$")
+
+
+def _partial(text: str | None) -> list[int]:
+    """The given numeric parts of a partial version (``"1.x"`` → [1]; ``"*"``/None → [])."""
+    out: list[int] = []
+    for part in (text or "").split("."):
+        if not part.isdigit():
+            break
+        out.append(int(part))
+    return out
+
+
+def _bump(parts: list[int]) -> NodeVersion:
+    """The first version above every version matching the partial ``parts`` (``[1, 2]`` → 1.3.0)."""
+    p = parts[:]
+    p[-1] += 1
+    p += [0] * (3 - len(p))
+    return (p[0], p[1], p[2])
+
+
+def _full(parts: list[int]) -> NodeVersion:
+    p = parts + [0] * (3 - len(parts))
+    return (p[0], p[1], p[2])
+
+
+Bound = tuple[NodeVersion | None, NodeVersion | None]  # [low, high): None = unbounded
+
+
+def _comparator_bounds(op: str, parts: list[int]) -> Bound | None:
+    if not parts:
+        return (None, None) if op in ("", "=", ">=", "<=", "^", "~", "~>") else ((0, 0, 0), (0, 0, 0))
+    if op in ("", "="):
+        return (_full(parts), _bump(parts))
+    if op == ">=":
+        return (_full(parts), None)
+    if op == ">":
+        return (_bump(parts), None)
+    if op == "<":
+        return (None, _full(parts))
+    if op == "<=":
+        return (None, _bump(parts))
+    if op in ("~", "~>"):
+        return (_full(parts), _bump(parts[:2]) if len(parts) >= 2 else _bump(parts[:1]))
+    if op == "^":
+        full = _full(parts)
+        if full[0] > 0 or len(parts) == 1:
+            return (full, (full[0] + 1, 0, 0))
+        if full[1] > 0 or len(parts) == 2:
+            return (full, (0, full[1] + 1, 0))
+        return (full, (0, 0, full[2] + 1))
+    return None
+
+
+def satisfies(version: NodeVersion, spec: str) -> bool | None:
+    """Whether ``version`` matches an npm-style range (``>=18``, ``^20.1``, ``~18.2.0``, ``18.x``,
+    ``16 || >=20``, ``>=18 <21``, ``18 - 20``) or an .nvmrc version (``20``, ``v20.1.0``).
+
+    None when the spec cannot be interpreted (``lts/*``, ``node``, aliases): the caller must not warn.
+    """
+    spec = spec.strip()
+    if spec.lower() in ("node", "latest", "stable", "current", "*", "x", ""):
+        return True
+    if spec.lower().startswith(("lts", "iojs")):
+        return None
+    for alternative in spec.split("||"):
+        alternative = alternative.strip()
+        hyphen = re.match(r"^(\S+)\s+-\s+(\S+)$", alternative)
+        tokens = ([f">={hyphen.group(1)}", f"<={hyphen.group(2)}"] if hyphen
+                  else re.sub(r"(>=|<=|>|<|=|\^|~>?)\s+", r"\1", alternative).split())
+        ok = True
+        for token in tokens or ["*"]:
+            match = _COMPARATOR.match(token)
+            if match is None:
+                return None
+            bounds = _comparator_bounds(match.group(1), _partial(match.group(2)))
+            if bounds is None:
+                return None
+            low, high = bounds
+            if (low is not None and version < low) or (high is not None and version >= high):
+                ok = False
+        if ok:
+            return True
+    return False
