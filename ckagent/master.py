@@ -43,12 +43,13 @@ class MasterUnavailable(MasterError):
 class MasterRejected(MasterError):
     """The master answered a 4xx that retrying will not fix. ``status`` and decoded ``body``."""
 
-    def __init__(self, endpoint: str, status: int, body: Any) -> None:
+    def __init__(self, endpoint: str, status: int, body: Any, *, secrets: tuple[str, ...] = ()) -> None:
         self.endpoint = endpoint
         self.status = status
         self.body = body
         detail = body.get("error") if isinstance(body, dict) else None
-        super().__init__(f"{endpoint}: master answered {status}" + (f" ({detail})" if detail else ""))
+        text = f"{endpoint}: master answered {status}" + (f" ({detail})" if detail else "")
+        super().__init__(_redact(text, secrets))
 
 
 class MasterConflict(MasterRejected):
@@ -181,8 +182,9 @@ class MasterClient:
             self.connectivity.failed("register", "registration token not accepted (401)")
             raise MasterUnavailable("register: registration token not accepted (401)")
         if 400 <= response.status_code < 500:
+            reason = _redact(_error_text(response), (self._token,))
             raise RegistrationRefused(
-                f"the master refused registration with {response.status_code}: {_error_text(response)}; "
+                f"the master refused registration with {response.status_code}: {reason}; "
                 "check server.url and the agent section of the config"
             )
         try:
@@ -235,9 +237,10 @@ class MasterClient:
                 return response
             return response.json() if response.content else None
         body = _json_or_none(response)
+        secrets = (self._token, self._api_key or "")
         if status == 409:
-            raise MasterConflict(endpoint, status, body)
-        raise MasterRejected(endpoint, status, body)
+            raise MasterConflict(endpoint, status, body, secrets=secrets)
+        raise MasterRejected(endpoint, status, body, secrets=secrets)
 
     def _same_origin(self, target: str) -> bool:
         """True for a relative path or an absolute URL on the master's scheme, host and port."""
@@ -359,6 +362,14 @@ def _json_or_none(response: httpx.Response) -> Any:
         return response.json()
     except ValueError:
         return None
+
+
+def _redact(text: str, secrets: tuple[str, ...]) -> str:
+    """``text`` with every non-empty secret replaced by ``***`` (a master may echo what it was sent)."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "***")
+    return text
 
 
 def _error_text(response: httpx.Response) -> str:

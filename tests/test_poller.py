@@ -1,0 +1,290 @@
+"""The poller's logic against a scripted master (httpx.MockTransport) under the autojump clock.
+
+The supervisor is the real one (admission, free slots, running spiders, waiting for a slot); only
+``run_task`` is replaced by a task that holds its slot until the test releases it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from ckagent.master import MasterClient
+from ckagent.poller import Poller
+from ckagent.protocol import RegisterRequest
+from ckagent.supervisor import RunnerConfig, RunningTask, Supervisor
+
+POLL_INTERVAL = 5.0
+LONG_POLL_WAIT = 20.0
+PENDING = "/api/nodes/node-1/tasks/pending"
+
+
+def task_json(task_id: str, spider_id: str, **extra: Any) -> dict[str, Any]:
+    return {"id": task_id, "spiderId": spider_id, "spiderName": spider_id, "framework": "python",
+            "command": None, "args": [], "env": {}, "timeoutSeconds": None, "codeVersion": None,
+            "codePackage": None, "params": {}, **extra}
+
+
+class HoldingSupervisor(Supervisor):
+    """The real Supervisor, except that a task just holds its slot until ``release(task_id)``."""
+
+    def __init__(self, max_workers: int, tmp_path: Path) -> None:
+        super().__init__(RunnerConfig(tmp_path, 60.0, 1.0), None, None, None, None, max_workers)  # type: ignore[arg-type]
+        self.started: list[str] = []
+        self._release: dict[str, trio.Event] = {}
+
+    async def run_task(self, rt: RunningTask) -> None:
+        self.started.append(rt.task.id)
+        try:
+            await self._release.setdefault(rt.task.id, trio.Event()).wait()
+        finally:
+            self.running.pop(rt.task.id, None)
+            self._slot_freed.set()
+
+    def release(self, task_id: str) -> None:
+        self._release.setdefault(task_id, trio.Event()).set()
+
+
+@dataclass
+class Poll:
+    at: float
+    params: dict[str, str]
+
+
+@dataclass
+class FakeMaster:
+    """Scripted answers to /tasks/pending (one per poll; then empty) and a log of what the agent sent."""
+
+    answers: list[dict[str, Any]] = field(default_factory=list)
+    hold_empty: bool = False  # long poll: an empty answer is held for waitSeconds
+    claim_status: Callable[[str], int] = lambda task_id: 200
+    polls: list[Poll] = field(default_factory=list)
+    answered_at: list[float] = field(default_factory=list)
+    results: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    poll_event: trio.Event = field(default_factory=trio.Event)
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/api/nodes/register":
+            return httpx.Response(200, json={"nodeId": "node-1", "apiKey": "key-1"})
+        if path == PENDING:
+            self.polls.append(Poll(trio.current_time(), dict(request.url.params)))
+            self.poll_event.set()
+            self.poll_event = trio.Event()
+            answer = self.answers.pop(0) if self.answers else {"tasks": [], "cancelTaskIds": []}
+            if not answer["tasks"] and self.hold_empty:
+                await trio.sleep(float(request.url.params["waitSeconds"]))
+            self.answered_at.append(trio.current_time())
+            return httpx.Response(200, json=answer)
+        if path.startswith("/api/tasks/") and path.endswith("/result"):
+            task_id = path.split("/")[3]
+            body = json.loads(request.content)
+            self.results.setdefault(task_id, []).append(body)
+            status = self.claim_status(task_id) if body["status"] == "RUNNING" else 200
+            return httpx.Response(status, json={"error": "already claimed"} if status == 409 else {"ok": True})
+        return httpx.Response(404, json={"error": f"no route {path}"})
+
+    async def wait_polls(self, count: int) -> None:
+        while len(self.polls) < count:
+            await self.poll_event.wait()
+
+
+def register_body() -> RegisterRequest:
+    return RegisterRequest(name="n1", ip="127.0.0.1", port=9000, version="0", os="linux", arch="x86_64",
+                           python="3.11", cpu_count=2, memory_total_bytes=1 << 30, max_workers=2)
+
+
+async def run_poller(
+    master: FakeMaster, tmp_path: Path, body: Callable[[Poller, HoldingSupervisor], Awaitable[None]],
+    *, max_workers: int = 3, long_poll_wait: float = LONG_POLL_WAIT,
+) -> HoldingSupervisor:
+    """Run a poller against ``master`` while ``body`` runs, then cancel it."""
+    client = MasterClient("http://master.test", "token", register_body, transport=httpx.MockTransport(master))
+    supervisor = HoldingSupervisor(max_workers, tmp_path)
+    poller = Poller(client, supervisor, poll_interval=POLL_INTERVAL, long_poll_wait=long_poll_wait,
+                    request_timeout=10.0)
+    with trio.fail_after(3600):  # virtual seconds
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poller.run, nursery)
+            await body(poller, supervisor)
+            nursery.cancel_scope.cancel()
+    await client.aclose()
+    return supervisor
+
+
+# ---------------------------------------------------------------------------- limit and exclusion
+
+
+async def test_limit_is_free_slots_and_running_spiders_are_excluded(autojump_clock: Any, tmp_path: Path) -> None:
+    master = FakeMaster(answers=[
+        {"tasks": [task_json("t1", "s1")], "cancelTaskIds": []},
+        {"tasks": [task_json("t2", "s2")], "cancelTaskIds": []},
+        {"tasks": [task_json("t3", "s3")], "cancelTaskIds": []},
+    ], hold_empty=True)
+
+    async def body(poller: Poller, sup: HoldingSupervisor) -> None:
+        await master.wait_polls(3)
+        await trio.sleep(1)  # all three claimed, slots full: no fourth poll however long we wait
+        assert sorted(sup.started) == ["t1", "t2", "t3"]
+        await trio.sleep(600)
+        assert len(master.polls) == 3
+        released_at = trio.current_time()
+        sup.release("t2")
+        await master.wait_polls(4)
+        assert master.polls[3].at == released_at  # a freed slot is polled for at once
+        assert master.polls[3].params["limit"] == "1"
+        assert master.polls[3].params["excludeSpiderIds"] == "s1,s3"
+
+    await run_poller(master, tmp_path, body)
+    first, second, third = (p.params for p in master.polls[:3])
+    assert first["limit"] == "3" and "excludeSpiderIds" not in first
+    assert second["limit"] == "2" and second["excludeSpiderIds"] == "s1"
+    assert third["limit"] == "1" and third["excludeSpiderIds"] == "s1,s2"
+    assert all(float(p.params["waitSeconds"]) == LONG_POLL_WAIT for p in master.polls)
+    assert all(master.results[t][0]["status"] == "RUNNING" for t in ("t1", "t2", "t3"))
+
+
+# ---------------------------------------------------------------------------- pacing
+
+
+async def test_held_long_poll_is_followed_by_an_immediate_poll(autojump_clock: Any, tmp_path: Path) -> None:
+    master = FakeMaster(hold_empty=True)
+
+    async def body(poller: Poller, sup: HoldingSupervisor) -> None:
+        await master.wait_polls(4)
+
+    await run_poller(master, tmp_path, body)
+    starts = [p.at for p in master.polls]
+    assert [b - a for a, b in pairwise(starts)] == [LONG_POLL_WAIT] * 3
+    for answered, next_poll in zip(master.answered_at, starts[1:], strict=False):
+        assert next_poll == answered  # no poll_interval wait after a held poll
+
+
+async def test_instant_empty_answer_waits_poll_interval(autojump_clock: Any, tmp_path: Path) -> None:
+    master = FakeMaster(hold_empty=False)
+
+    async def body(poller: Poller, sup: HoldingSupervisor) -> None:
+        await master.wait_polls(4)
+
+    await run_poller(master, tmp_path, body)
+    starts = [p.at for p in master.polls]
+    assert [b - a for a, b in pairwise(starts)] == [POLL_INTERVAL] * 3
+
+
+async def test_without_long_poll_every_empty_answer_waits_poll_interval(autojump_clock: Any,
+                                                                        tmp_path: Path) -> None:
+    master = FakeMaster()
+
+    async def body(poller: Poller, sup: HoldingSupervisor) -> None:
+        await master.wait_polls(3)
+
+    await run_poller(master, tmp_path, body, long_poll_wait=0)
+    starts = [p.at for p in master.polls]
+    assert [b - a for a, b in pairwise(starts)] == [POLL_INTERVAL] * 2
+    assert all("waitSeconds" not in p.params for p in master.polls)
+
+
+async def test_an_answer_with_tasks_is_followed_by_an_immediate_poll(autojump_clock: Any, tmp_path: Path) -> None:
+    master = FakeMaster(answers=[{"tasks": [task_json("t1", "s1")], "cancelTaskIds": []}])
+
+    async def body(poller: Poller, sup: HoldingSupervisor) -> None:
+        await master.wait_polls(2)
+
+    await run_poller(master, tmp_path, body)
+    assert master.polls[1].at == master.polls[0].at
+
+
+# ---------------------------------------------------------------------------- claims
+
+
+async def test_a_task_claimed_elsewhere_is_not_admitted(autojump_clock: Any, tmp_path: Path) -> None:
+    master = FakeMaster(
+        answers=[{"tasks": [task_json("lost", "s1"), task_json("won", "s2")], "cancelTaskIds": []}],
+        claim_status=lambda task_id: 409 if task_id == "lost" else 200,
+    )
+
+    async def body(poller: Poller, sup: HoldingSupervisor) -> None:
+        await master.wait_polls(2)
+        await trio.sleep(1)
+        assert sup.started == ["won"]
+        assert set(sup.running) == {"won"}
+
+    sup = await run_poller(master, tmp_path, body)
+    assert sup.started == ["won"]
+    assert [r["status"] for r in master.results["lost"]] == ["RUNNING"]  # claimed once, no retry
+    # The lost task's slot is free again and its spider is not excluded.
+    assert master.polls[1].params["limit"] == "2"
+    assert master.polls[1].params["excludeSpiderIds"] == "s2"
+
+
+async def test_every_claim_lost_admits_nothing(autojump_clock: Any, tmp_path: Path) -> None:
+    master = FakeMaster(answers=[{"tasks": [task_json("t1", "s1")], "cancelTaskIds": []}],
+                        claim_status=lambda task_id: 409)
+
+    async def body(poller: Poller, sup: HoldingSupervisor) -> None:
+        await master.wait_polls(3)
+
+    sup = await run_poller(master, tmp_path, body)
+    assert sup.started == [] and sup.running == {}
+    assert all(p.params["limit"] == "3" and "excludeSpiderIds" not in p.params for p in master.polls)
+
+
+async def test_a_malformed_task_is_reported_bad_and_the_good_one_runs(autojump_clock: Any, tmp_path: Path) -> None:
+    bad = task_json("bad1", "s9", framework="cobol")
+    master = FakeMaster(answers=[{"tasks": [bad, task_json("good", "s1")], "cancelTaskIds": []}])
+
+    async def body(poller: Poller, sup: HoldingSupervisor) -> None:
+        await master.wait_polls(2)
+        await trio.sleep(1)
+
+    sup = await run_poller(master, tmp_path, body)
+    assert sup.started == ["good"]
+    [report] = master.results["bad1"]
+    assert report["status"] == "FAILED" and report["errorCode"] == "BAD_TASK"
+    assert "framework" in report["errorMessage"]
+    assert report["finishedAt"] and report["durationMs"] == 0
+
+
+async def test_cancel_ids_in_the_poll_answer_stop_running_tasks(autojump_clock: Any, tmp_path: Path) -> None:
+    master = FakeMaster(answers=[
+        {"tasks": [task_json("t1", "s1")], "cancelTaskIds": []},
+        {"tasks": [], "cancelTaskIds": ["t1", "unknown"]},
+    ])
+
+    async def body(poller: Poller, sup: HoldingSupervisor) -> None:
+        await master.wait_polls(3)
+        assert sup.running["t1"].stop_reason is not None
+
+    await run_poller(master, tmp_path, body)
+
+
+@pytest.mark.parametrize("status", [500, 403])
+async def test_poll_trouble_is_retried_not_fatal(status: int, autojump_clock: Any, tmp_path: Path) -> None:
+    failures = [status, status]
+    base = FakeMaster(answers=[{"tasks": [task_json("t1", "s1")], "cancelTaskIds": []}])
+
+    async def master(request: httpx.Request) -> httpx.Response:
+        if request.url.path == PENDING and failures:
+            failures.pop()
+            return httpx.Response(status, json={"error": "trouble"})
+        return await base(request)
+
+    client = MasterClient("http://master.test", "token", register_body, transport=httpx.MockTransport(master))
+    sup = HoldingSupervisor(2, tmp_path)
+    poller = Poller(client, sup, poll_interval=POLL_INTERVAL, long_poll_wait=LONG_POLL_WAIT, request_timeout=10.0)
+    with trio.fail_after(3600):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poller.run, nursery)
+            await base.wait_polls(2)
+            await trio.sleep(1)
+            nursery.cancel_scope.cancel()
+    await client.aclose()
+    assert sup.started == ["t1"]
