@@ -6,6 +6,7 @@ The supervisor is the real one (admission, free slots, running spiders, waiting 
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -37,7 +38,11 @@ class HoldingSupervisor(Supervisor):
     """The real Supervisor, except that a task just holds its slot until ``release(task_id)``."""
 
     def __init__(self, max_workers: int, tmp_path: Path) -> None:
-        super().__init__(RunnerConfig(tmp_path, 60.0, 1.0), None, None, None, None, max_workers)  # type: ignore[arg-type]
+        # Nothing but admission is used: every collaborator (master, store, workspaces, ...) is None.
+        required = {name: None for name, param in inspect.signature(Supervisor.__init__).parameters.items()
+                    if param.kind is param.KEYWORD_ONLY and param.default is param.empty}
+        super().__init__(RunnerConfig(tmp_path, 60.0, 1.0), None, None, None, None,  # type: ignore[arg-type]
+                         max_workers, **required)
         self.started: list[str] = []
         self._release: dict[str, trio.Event] = {}
 
