@@ -312,7 +312,8 @@ class MasterClient:
                         self._observe(endpoint, str(status), started)
                         await response.aread()
                         cls = MasterConflict if status == 409 else MasterRejected
-                        raise cls(endpoint, status, _json_or_none(response))
+                        raise cls(endpoint, status, _json_or_none(response),
+                                  secrets=(self._token, self._api_key or ""))
                     received = 0
                     async for chunk in response.aiter_bytes():
                         received += len(chunk)
