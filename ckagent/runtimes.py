@@ -22,6 +22,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -71,21 +72,23 @@ def nvm_node_versions(nvm_dir: Path) -> list[tuple[NodeVersion, Path]]:
     return sorted(found)
 
 
-def _python_versions() -> list[str]:
-    """Interpreters named python3.X on PATH (plus the agent's), by their real version."""
+def _python_versions(pool: ThreadPoolExecutor) -> list[str]:
+    """Python 3 versions on this node: python3.X on PATH (by running them), pyenv's installed versions
+    (by their directory names: its shims are slow to run and fail for versions not selected), the agent's."""
     versions = {platform.python_version()}
-    seen: set[str] = set()
+    paths: dict[str, str] = {}
     for minor in range(8, 16):
         path = shutil.which(f"python3.{minor}")
-        if path is None:
-            continue
-        real = os.path.realpath(path)
-        if real in seen:
-            continue
-        seen.add(real)
-        version = _version_of([path, "--version"])
+        if path is not None and f"{os.sep}shims{os.sep}" not in path:
+            paths.setdefault(os.path.realpath(path), path)
+    for version in pool.map(lambda path: _version_of([path, "--version"]), paths.values()):
         if version is not None:
             versions.add(version)
+    pyenv = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "versions"
+    if pyenv.is_dir():
+        for entry in pyenv.iterdir():
+            if re.fullmatch(r"3\.\d+\.\d+", entry.name) and (entry / "bin" / "python3").exists():
+                versions.add(entry.name)
     return sorted(versions, key=_sort_key)
 
 
@@ -100,9 +103,6 @@ def detect_runtimes(uv_path: Path | None = None, nvm_dir: Path | None = None) ->
     """
     from ckagent.deps import find_uv  # local import: deps imports this module
 
-    found: dict[str, Any] = {
-        "python": {"version": platform.python_version(), "path": sys.executable, "versions": _python_versions()},
-    }
     tools: dict[str, str | None] = {
         "uv": find_uv(uv_path),
         "node": shutil.which("node"),
@@ -110,12 +110,17 @@ def detect_runtimes(uv_path: Path | None = None, nvm_dir: Path | None = None) ->
         "chromium": find_chromium(),
         "chromedriver": find_chromedriver(),
     }
-    for name, path in tools.items():
-        if path is None:
-            continue
-        version = _version_of([path, "--version"])
-        if version is not None:
-            found[name] = {"version": version, "path": path}
+    present = {name: path for name, path in tools.items() if path is not None}
+    with ThreadPoolExecutor(max_workers=8, thread_name_prefix="runtimes") as pool:  # shims are slow: in parallel
+        pythons = pool.submit(_python_versions, pool)
+        versions = dict(zip(present, pool.map(lambda path: _version_of([path, "--version"]), present.values()),
+                            strict=True))
+        found: dict[str, Any] = {
+            "python": {"version": platform.python_version(), "path": sys.executable, "versions": pythons.result()},
+        }
+    for name, path in present.items():
+        if versions[name] is not None:
+            found[name] = {"version": versions[name], "path": path}
     nvm_home = nvm_dir or Path(os.environ.get("NVM_DIR") or Path.home() / ".nvm")
     nvm = [".".join(map(str, v)) for v, _ in nvm_node_versions(nvm_home)] if (nvm_home / "nvm.sh").is_file() else []
     if nvm or "node" in found:
