@@ -46,7 +46,7 @@ from ckagent.poller import Poller
 from ckagent.process import sweep
 from ckagent.protocol import RegisterRequest, Task, TaskResult, utc_iso, utc_now_iso
 from ckagent.resources import HealthSampler, compute_max_workers
-from ckagent.runtimes import detect_runtimes, find_chromium
+from ckagent.runtimes import detect_runtimes, find_chromedriver, find_chromium
 from ckagent.state import AsyncStateStore, StateStore, StateStoreError, TaskRecord
 from ckagent.supervisor import RunnerConfig, Supervisor, send_result
 from ckagent.workspace import Workspaces
@@ -115,9 +115,10 @@ class Agent:
         self.runtimes = await trio.to_thread.run_sync(detect_runtimes, s.deps.uv_path)
         base_env = spider_base_env()
         extra_env: dict[str, str] = {}
-        chromium = find_chromium()
-        if chromium:
-            extra_env["CK_CHROMIUM_PATH"] = chromium
+        # Browser spiders use the system's browser (nothing can be downloaded at run time).
+        for name, path in (("CK_CHROMIUM_PATH", find_chromium()), ("CK_CHROMEDRIVER_PATH", find_chromedriver())):
+            if path:
+                extra_env[name] = path
         workspaces = Workspaces(self.work_dir / "spiders", self.master)
         deps = Dependencies(
             self.work_dir / "venvs",

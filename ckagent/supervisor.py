@@ -267,7 +267,9 @@ class Supervisor:
                 except DepsError as exc:
                     notice(f"dependency install failed: {str(exc).splitlines()[0]}")
                     return TaskOutcome("FAILED", "DEPS_FAILED", str(exc)[-4000:])
-                notice(f"dependencies {'cached' if prepared.cache_hit else 'installed'} in {prepared.seconds:.2f} s")
+                for note in prepared.notes:
+                    notice(note)
+                notice(f"dependencies {'cached' if prepared.cache_hit else 'installed'} in {prepared.seconds:.3f} s")
             if rt.stop_reason is not None:
                 notice(f"stopped before the spider started: {rt.stop_reason}")
                 return TaskOutcome("CANCELLED", "CANCELLED", rt.stop_reason)
