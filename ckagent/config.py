@@ -486,16 +486,19 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("logging", "format", "AGENT_LOG_FORMAT", "text, json", "text",
             "Log line format.", _choice(("text", "json"), upper=False)),
     Setting("deps", "uv_index_url", "AGENT_UV_INDEX_URL", "http(s) URL", None,
-            "Package index for `uv`; unset = uv's default (PyPI).", _http_url),
+            "Package index for `uv`; unset = PyPI if it answers a short probe (once per agent run), "
+            "else deps.uv_fallback_index_url.", _http_url),
     Setting("deps", "uv_fallback_index_url", "AGENT_UV_FALLBACK_INDEX_URL", "http(s) URL",
             "https://pypi.tuna.tsinghua.edu.cn/simple",
-            "Index tried when installing from the first index fails.", _http_url),
+            "Index used when deps.uv_index_url is unset and PyPI is unreachable.", _http_url),
     Setting("deps", "uv_cache_dir", "AGENT_UV_CACHE_DIR", "path", None,
             "uv cache directory; unset = uv's default.", _path),
     Setting("deps", "uv_sync_timeout", "AGENT_UV_SYNC_TIMEOUT", "seconds > 0", 180.0,
-            "Time limit of one dependency installation.", _seconds()),
+            "Time limit of one dependency installer run (uv, npm, nvm); past it the task fails "
+            "DEPS_FAILED.", _seconds()),
     Setting("deps", "uv_path", "AGENT_UV_PATH", "path", None,
-            "The uv executable to use when `uv` is not on PATH.", _path),
+            "The uv executable to use when `uv` is not on PATH (without uv, Python spiders fail "
+            "DEPS_FAILED: `pip install uv`).", _path),
 )  # fmt: skip
 
 _SECTION_CLASSES: dict[str, type] = {
