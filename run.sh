@@ -1,0 +1,548 @@
+#!/usr/bin/env bash
+# run.sh — start, stop and upgrade the CrawlerKeeper node agent (ckagent). Full guide: docs/deploy.md.
+#
+#   ./run.sh start [--daemon=on] [--cleanup_temp_files=on] [AGENT ARGS...]   (default args: -c config/config.yaml)
+#   ./run.sh stop | restart [AGENT ARGS...] | status | logs [--follow=off]
+#   ./run.sh upgrade [VERSION]                   (install mode only)
+#
+# Everything lives next to this script: logs/agent.log, agent.pid, .last_daemon_args, data/ (the
+# agent's work_dir when the config says ./data), and .ckagent/ (pyz extraction, downloads, lock).
+#
+# Modes: a checkout next to run.sh (pyproject.toml + ckagent/) → source mode, runs
+# .venv/bin/python -m ckagent (the venv is created when missing). Otherwise install mode: runs
+# ckagent.pyz with python3, downloading it from AGENT_RELEASE_URL when absent.
+#
+# Environment: AGENT_RELEASE_URL (release index base URL: latest.json, <version>.json),
+# AGENT_AUTO_INSTALL=off, AGENT_UPGRADE_DRY_RUN=on, AGENT_PYTHON (default python3),
+# AGENT_STOP_TIMEOUT (default: drain_timeout + kill_grace + flush_timeout + 10 s from the config),
+# AGENT_START_TIMEOUT (15 s), AGENT_UPGRADE_HEALTH_TIMEOUT (60 s), AGENT_HEALTH_URL (default from
+# the config's agent.bind/agent.ip and agent.port), AGENT_DOWNLOAD_TIMEOUT (120 s).
+# Exit codes: 0 ok; 1 failure; 2 usage; 3 `status`: not running.
+set -euo pipefail
+
+DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)"
+PID_FILE="$DIR/agent.pid"
+ARGS_FILE="$DIR/.last_daemon_args"
+LOG_DIR="$DIR/logs"
+LOG_FILE="$LOG_DIR/agent.log"
+STATE_DIR="$DIR/.ckagent"
+PYZ="$DIR/ckagent.pyz"
+PYZ_PREV="$DIR/ckagent.pyz.prev"
+PYTHON="${AGENT_PYTHON:-python3}"
+DEFAULT_STOP_TIMEOUT=90
+
+say() { printf 'run.sh: %s\n' "$*"; }
+die() { printf 'run.sh: %s\n' "$*" >&2; exit "${2:-1}"; }
+is_on() { case "${1,,}" in on|1|yes|true) return 0 ;; *) return 1 ;; esac; }
+
+usage() {
+  sed -n '2,8p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  exit "${1:-2}"
+}
+
+# ---------------------------------------------------------------- helpers in Python (stdlib only)
+
+py() { "$PYTHON" -c "$1" "${@:2}"; }
+
+# release_info INDEX_URL → "version url sha256" (url resolved against the index URL)
+release_info() {
+  py '
+import json, sys, urllib.parse, urllib.request
+index = sys.argv[1]
+try:
+    with urllib.request.urlopen(index, timeout=30) as r:
+        data = json.load(r)
+    version, url, sha = str(data["version"]), str(data["url"]), str(data["sha256"]).lower()
+except Exception as exc:
+    sys.exit(f"run.sh: cannot read the release index {index}: {exc}")
+if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+    sys.exit(f"{index}: sha256 is not 64 hex digits")
+print(version, urllib.parse.urljoin(index, url), sha)
+' "$1"
+}
+
+# download URL DEST SHA256 — to DEST.part, verified, then renamed; nothing is left behind on failure
+download() {
+  py '
+import hashlib, os, sys, urllib.request
+url, dest, want = sys.argv[1], sys.argv[2], sys.argv[3]
+part = dest + ".part"
+digest = hashlib.sha256()
+try:
+    with urllib.request.urlopen(url, timeout=float(sys.argv[4])) as r, open(part, "wb") as out:
+        while chunk := r.read(1 << 16):
+            digest.update(chunk)
+            out.write(chunk)
+except Exception as exc:
+    if os.path.exists(part):
+        os.unlink(part)
+    sys.exit(f"run.sh: download of {url} failed: {exc}")
+if digest.hexdigest() != want:
+    os.unlink(part)
+    sys.exit(f"run.sh: sha256 mismatch for {url}: expected {want}, got {digest.hexdigest()}; nothing was replaced")
+os.chmod(part, 0o755)
+os.replace(part, dest)
+' "$1" "$2" "$3" "${AGENT_DOWNLOAD_TIMEOUT:-120}"
+}
+
+# pyz_version FILE → the __version__ inside a ckagent.pyz (read from the zip, nothing extracted)
+pyz_version() {
+  py '
+import re, sys, zipfile
+try:
+    with zipfile.ZipFile(sys.argv[1]) as z:
+        text = z.read("site-packages/ckagent/__init__.py").decode()
+    print(re.search(r"^__version__ = [\"\x27]([^\"\x27]+)", text, re.M).group(1))
+except Exception as exc:
+    sys.exit(f"{sys.argv[1]}: not a ckagent.pyz ({exc})")
+' "$1"
+}
+
+# pyz_build_id FILE → shiv build id (names its extraction directory)
+pyz_build_id() {
+  py 'import json, sys, zipfile; print(json.loads(zipfile.ZipFile(sys.argv[1]).read("environment.json"))["build_id"])' "$1"
+}
+
+# vercmp A B → prints -1, 0 or 1 (PEP 440 release numbers, with a/b/rc/post/dev suffixes)
+vercmp() {
+  py '
+import re, sys
+def key(v):
+    m = re.fullmatch(r"v?(\d+(?:\.\d+)*)(?:[-_.]?(a|b|rc)(\d+))?(?:[-_.]?post(\d+))?(?:[-_.]?dev(\d+))?", v.strip().lower())
+    if not m:
+        sys.exit(f"not a version: {v!r}")
+    nums = [int(x) for x in m.group(1).split(".")]
+    while nums and nums[-1] == 0:
+        nums.pop()
+    pre = ({"a": 0, "b": 1, "rc": 2}[m.group(2)], int(m.group(3))) if m.group(2) else (3, 0)
+    if m.group(5) and not m.group(2) and not m.group(4):
+        pre = (-1, 0)
+    post = int(m.group(4)) if m.group(4) else -1
+    dev = int(m.group(5)) if m.group(5) else 1 << 30
+    return (nums, pre, post, dev)
+a, b = key(sys.argv[1]), key(sys.argv[2])
+print((a > b) - (a < b))
+' "$1" "$2"
+}
+
+# http_status URL → the HTTP status code, or 000 when nothing answers
+http_status() {
+  py '
+import sys, urllib.error, urllib.request
+try:
+    with urllib.request.urlopen(sys.argv[1], timeout=2) as r:
+        print(r.status)
+except urllib.error.HTTPError as exc:
+    print(exc.code)
+except Exception:
+    print("000")
+' "$1"
+}
+
+# ---------------------------------------------------------------- mode, agent command, arguments
+
+source_mode() { [[ -f "$DIR/pyproject.toml" && -f "$DIR/ckagent/__init__.py" ]]; }
+
+release_url() {
+  [[ -n "${AGENT_RELEASE_URL:-}" ]] || die "AGENT_RELEASE_URL is not set: point it at the release index (the directory holding latest.json)"
+  printf '%s/%s' "${AGENT_RELEASE_URL%/}" "$1"
+}
+
+ensure_venv() {
+  [[ -x "$DIR/.venv/bin/python" ]] && return 0
+  say "source mode: creating $DIR/.venv"
+  local uv
+  uv="$(command -v uv || true)"
+  if [[ -n "$uv" ]]; then
+    "$uv" venv --quiet --python "$PYTHON" "$DIR/.venv"
+    "$uv" pip install --quiet --python "$DIR/.venv/bin/python" -e "$DIR"
+  else
+    "$PYTHON" -m venv "$DIR/.venv"
+    "$DIR/.venv/bin/python" -m pip install --quiet --disable-pip-version-check -e "$DIR"
+  fi
+}
+
+ensure_pyz() {
+  [[ -f "$PYZ" ]] && return 0
+  if ! is_on "${AGENT_AUTO_INSTALL:-on}"; then
+    local where="\$AGENT_RELEASE_URL/latest.json"
+    [[ -n "${AGENT_RELEASE_URL:-}" ]] && where="$(release_url latest.json)"
+    die "$PYZ is missing and AGENT_AUTO_INSTALL=off. Install it by hand:
+  1. read url and sha256 from $where
+  2. curl -fLo '$PYZ' <url> && echo '<sha256>  $PYZ' | sha256sum -c - && chmod +x '$PYZ'
+or run again with AGENT_AUTO_INSTALL=on."
+  fi
+  local info version url sha
+  [[ -n "${AGENT_RELEASE_URL:-}" ]] || die "$PYZ is missing: set AGENT_RELEASE_URL (the release index base URL) to download it, or copy it there"
+  info="$(release_info "$(release_url latest.json)")" || exit 1
+  read -r version url sha <<<"$info"
+  say "installing ckagent $version from $url"
+  mkdir -p "$STATE_DIR"
+  download "$url" "$PYZ" "$sha" || exit 1
+}
+
+# AGENT array: the command that runs ckagent (without its arguments)
+agent_command() {
+  if source_mode; then
+    ensure_venv
+    AGENT=("$DIR/.venv/bin/python" -m ckagent)
+  else
+    ensure_pyz
+    mkdir -p "$STATE_DIR/pyz"
+    AGENT=(env "SHIV_ROOT=$STATE_DIR/pyz" "$PYTHON" "$PYZ")
+  fi
+}
+
+# like agent_command, but never installs anything (stop/status): AGENT=(false) when there is nothing to run
+agent_command_if_installed() {
+  if source_mode || [[ -f "$PYZ" ]]; then agent_command; else AGENT=(false); fi
+}
+
+# ARGS array: agent arguments with -c/--config made absolute; the default config when none is given
+normalise_args() {
+  ARGS=()
+  local have_config=0 a
+  while (($#)); do
+    a="$1"; shift
+    case "$a" in
+      -c|--config)
+        (($#)) || die "$a needs a file" 2
+        ARGS+=("$a" "$(abspath "$1")"); shift; have_config=1 ;;
+      --config=*) ARGS+=("--config=$(abspath "${a#--config=}")"); have_config=1 ;;
+      *) ARGS+=("$a") ;;
+    esac
+  done
+  if ((have_config == 0)); then
+    if [[ -f "$DIR/config/config.yaml" ]]; then ARGS+=(-c "$DIR/config/config.yaml")
+    elif [[ -f "$DIR/config.yaml" ]]; then ARGS+=(-c "$DIR/config.yaml")
+    fi
+  fi
+}
+
+abspath() { [[ "$1" == /* ]] && printf '%s' "$1" || printf '%s/%s' "$CALLER_DIR" "$1"; }
+
+config_args() {  # only the -c/--config part of ARGS (for `config show`)
+  CONFIG_ARGS=()
+  local i
+  for ((i = 0; i < ${#ARGS[@]}; i++)); do
+    case "${ARGS[$i]}" in
+      -c|--config) CONFIG_ARGS+=("${ARGS[$i]}" "${ARGS[$((i + 1))]}") ;;
+      --config=*) CONFIG_ARGS+=("${ARGS[$i]}") ;;
+    esac
+  done
+}
+
+# load_settings: the effective settings (`ckagent config show` with ARGS' config and this environment)
+# into SETTINGS_YAML, once. Call it directly (not inside $(...)) after agent_command.
+SETTINGS_YAML=""
+load_settings() {
+  [[ -n "$SETTINGS_YAML" ]] && return 0
+  config_args
+  SETTINGS_YAML="$(cd "$DIR" && "${AGENT[@]}" config show "${CONFIG_ARGS[@]+"${CONFIG_ARGS[@]}"}" 2>/dev/null)" \
+    || SETTINGS_YAML="# unknown"
+}
+
+# settings_value SECTION KEY → a value from SETTINGS_YAML, empty if unknown
+settings_value() {
+  awk -v section="$1:" -v key="$2:" '
+    /^[^ #]/ { in_section = ($1 == section) }
+    in_section && $1 == key { print $2; exit }' <<<"$SETTINGS_YAML"
+}
+
+stop_timeout() {
+  if [[ -n "${AGENT_STOP_TIMEOUT:-}" ]]; then printf '%s' "$AGENT_STOP_TIMEOUT"; return; fi
+  local drain grace flush
+  drain="$(settings_value task drain_timeout)"; grace="$(settings_value task kill_grace)"
+  flush="$(settings_value task flush_timeout)"
+  if [[ -z "$drain" || -z "$grace" ]]; then printf '%s' "$DEFAULT_STOP_TIMEOUT"; return; fi
+  py 'import math, sys; print(math.ceil(sum(float(x) for x in sys.argv[1:]) + 10))' "$drain" "$grace" "${flush:-10}"
+}
+
+health_url() {
+  if [[ -n "${AGENT_HEALTH_URL:-}" ]]; then printf '%s' "$AGENT_HEALTH_URL"; return; fi
+  local host port
+  host="$(settings_value agent bind)"
+  [[ -z "$host" || "$host" == null || "$host" == 0.0.0.0 || "$host" == "::" ]] && host="$(settings_value agent ip)"
+  [[ -z "$host" || "$host" == null || "$host" == 0.0.0.0 || "$host" == "::" ]] && host=127.0.0.1
+  [[ "$host" == *:* ]] && host="[$host]"
+  port="$(settings_value agent port)"
+  printf 'http://%s:%s/healthz' "$host" "${port:-9000}"
+}
+
+# ---------------------------------------------------------------- process state
+
+agent_pid() {  # prints the pid and succeeds when the agent of agent.pid runs
+  [[ -f "$PID_FILE" ]] || return 1
+  local pid
+  pid="$(tr -dc '0-9' <"$PID_FILE")"
+  [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null || return 1
+  # guard against a recycled pid: the process must be a ckagent
+  tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q ckagent || return 1
+  printf '%s' "$pid"
+}
+
+wait_gone() {  # wait_gone PID SECONDS → success when the process has exited in time
+  local pid="$1" deadline=$((SECONDS + $2))
+  while kill -0 "$pid" 2>/dev/null; do
+    ((SECONDS >= deadline)) && return 1
+    sleep 0.2
+  done
+}
+
+wait_healthy() {  # wait_healthy PID SECONDS → success on /healthz 200; failure if it exits or stays unhealthy
+  local pid="$1" deadline=$((SECONDS + $2)) url
+  url="$(health_url)"
+  while ((SECONDS < deadline)); do
+    kill -0 "$pid" 2>/dev/null || return 1
+    [[ "$(http_status "$url")" == 200 ]] && return 0
+    sleep 0.3
+  done
+  return 1
+}
+
+lock_state() {  # one run.sh operation at a time
+  mkdir -p "$STATE_DIR"
+  exec 9>"$STATE_DIR/run.lock"
+  if command -v flock >/dev/null 2>&1; then
+    flock -n 9 || die "another run.sh operation is in progress (lock: $STATE_DIR/run.lock)"
+  fi
+}
+
+# ---------------------------------------------------------------- commands
+
+cleanup_temp_files() {
+  say "cleaning temporary files"
+  rm -f "$DIR"/ckagent.pyz.part "$STATE_DIR"/*.part
+  rm -rf "$STATE_DIR/check"
+  if [[ -d "$STATE_DIR/pyz" ]]; then
+    local keep=""
+    [[ -f "$PYZ" ]] && ! source_mode && keep="ckagent.pyz_$(pyz_build_id "$PYZ")"
+    local entry name
+    for entry in "$STATE_DIR/pyz"/* "$STATE_DIR/pyz"/.*_lock; do
+      [[ -e "$entry" ]] || continue
+      name="$(basename "$entry")"
+      [[ -n "$keep" && ( "$name" == "$keep" || "$name" == ".${keep}_lock" ) ]] && continue
+      rm -rf "$entry"
+    done
+  fi
+  # half-finished code deployments of a crashed agent (workspace temp dirs)
+  find "$DIR/data/spiders" -mindepth 2 -maxdepth 2 -name '.deploy-*' -exec rm -rf {} + 2>/dev/null || true
+}
+
+cmd_start() {
+  local daemon=0 cleanup=0 rest=()
+  while (($#)); do
+    case "$1" in
+      --daemon=*) is_on "${1#--daemon=}" && daemon=1 || daemon=0 ;;
+      --daemon) daemon=1 ;;
+      --cleanup_temp_files=*|--cleanup-temp-files=*) is_on "${1#*=}" && cleanup=1 || cleanup=0 ;;
+      *) rest+=("$1") ;;
+    esac
+    shift
+  done
+  local pid
+  if pid="$(agent_pid)"; then
+    say "ckagent is already running (pid $pid)"
+    return 0
+  fi
+  normalise_args "${rest[@]+"${rest[@]}"}"
+  ((cleanup)) && cleanup_temp_files
+  agent_command
+  mkdir -p "$LOG_DIR"
+  cd "$DIR"
+  if ((daemon == 0)); then
+    say "starting ckagent in the foreground (log also in $LOG_FILE)"
+    rm -f "$ARGS_FILE"
+    echo $$ >"$PID_FILE"
+    exec 9>&-
+    AGENT_LOG_FILE="${AGENT_LOG_FILE:-$LOG_FILE}" exec "${AGENT[@]}" run "${ARGS[@]+"${ARGS[@]}"}"
+  fi
+  printf '%s\0' "${ARGS[@]+"${ARGS[@]}"}" >"$ARGS_FILE"
+  load_settings
+  if command -v setsid >/dev/null 2>&1; then
+    nohup setsid "${AGENT[@]}" run "${ARGS[@]+"${ARGS[@]}"}" >>"$LOG_FILE" 2>&1 </dev/null 9>&- &
+  else
+    nohup "${AGENT[@]}" run "${ARGS[@]+"${ARGS[@]}"}" >>"$LOG_FILE" 2>&1 </dev/null 9>&- &
+  fi
+  pid=$!
+  echo "$pid" >"$PID_FILE"
+  if wait_healthy "$pid" "${AGENT_START_TIMEOUT:-15}"; then
+    say "ckagent started (pid $pid); log: $LOG_FILE"
+    return 0
+  fi
+  if kill -0 "$pid" 2>/dev/null; then
+    say "ckagent started (pid $pid) but $(health_url) does not answer 200 yet; see $LOG_FILE"
+    return 0
+  fi
+  rm -f "$PID_FILE"
+  printf 'run.sh: ckagent exited during start; the end of %s:\n' "$LOG_FILE" >&2
+  tail -n 20 "$LOG_FILE" >&2 || true
+  return 1
+}
+
+cmd_stop() {
+  local pid timeout
+  if ! pid="$(agent_pid)"; then
+    rm -f "$PID_FILE"
+    say "ckagent is not running"
+    return 0
+  fi
+  load_last_args
+  agent_command_if_installed
+  load_settings
+  timeout="$(stop_timeout)"
+  say "stopping ckagent (pid $pid): SIGTERM, draining up to ${timeout}s"
+  kill -TERM "$pid" 2>/dev/null || true
+  if ! wait_gone "$pid" "$timeout"; then
+    say "ckagent did not exit within ${timeout}s: SIGKILL"
+    kill -KILL "$pid" 2>/dev/null || true
+    wait_gone "$pid" 10 || die "pid $pid survived SIGKILL"
+  fi
+  rm -f "$PID_FILE"
+  say "ckagent stopped"
+}
+
+load_last_args() {  # ARGS from .last_daemon_args (or the defaults)
+  local saved=()
+  if [[ -f "$ARGS_FILE" ]]; then
+    while IFS= read -r -d '' a; do saved+=("$a"); done <"$ARGS_FILE"
+  fi
+  normalise_args "${saved[@]+"${saved[@]}"}"
+}
+
+cmd_restart() {
+  local rest=() flags=() a
+  for a in "$@"; do
+    case "$a" in
+      --daemon*|--cleanup*) flags+=("$a") ;;
+      *) rest+=("$a") ;;
+    esac
+  done
+  if ((${#rest[@]} == 0)); then
+    load_last_args
+    rest=("${ARGS[@]+"${ARGS[@]}"}")
+  fi
+  cmd_stop
+  SETTINGS_YAML=""
+  cmd_start --daemon=on "${flags[@]+"${flags[@]}"}" "${rest[@]+"${rest[@]}"}"
+}
+
+cmd_status() {
+  local pid mode version=""
+  source_mode && mode=source || mode=install
+  if ! source_mode && [[ -f "$PYZ" ]]; then version=" $(pyz_version "$PYZ" 2>/dev/null || true)"; fi
+  if pid="$(agent_pid)"; then
+    load_last_args
+    agent_command_if_installed
+    load_settings
+    local url code
+    url="$(health_url)"
+    code="$(http_status "$url")"
+    say "ckagent${version} is running (pid $pid, $mode mode); $url → $code"
+    return 0
+  fi
+  say "ckagent${version} is not running ($mode mode)"
+  return 3
+}
+
+cmd_logs() {
+  local follow=1
+  for a in "$@"; do
+    case "$a" in
+      --follow=*) is_on "${a#--follow=}" || follow=0 ;;
+      *) die "logs: unknown option $a" 2 ;;
+    esac
+  done
+  [[ -f "$LOG_FILE" ]] || die "no log yet: $LOG_FILE"
+  if ((follow)); then exec tail -n "${AGENT_LOG_LINES:-100}" -F "$LOG_FILE"; fi
+  tail -n "${AGENT_LOG_LINES:-100}" "$LOG_FILE"
+}
+
+cmd_upgrade() {
+  (($# <= 1)) || die "usage: ./run.sh upgrade [VERSION]" 2
+  source_mode && die "source mode ($DIR is a checkout): update it with git and run ./run.sh restart"
+  local wanted="${1:-}" index info version url sha current="" dry=0
+  is_on "${AGENT_UPGRADE_DRY_RUN:-off}" && dry=1
+  if [[ -n "$wanted" ]]; then index="$(release_url "$wanted.json")"; else index="$(release_url latest.json)"; fi
+  info="$(release_info "$index")" || exit 1
+  read -r version url sha <<<"$info"
+  [[ -z "$wanted" || "$(vercmp "$version" "$wanted")" == 0 ]] || die "$index names version $version, not $wanted"
+  if [[ -f "$PYZ" ]]; then
+    current="$(pyz_version "$PYZ")" || exit 1
+    case "$(vercmp "$version" "$current")" in
+      0) say "ckagent $current is installed and is the release offered ($index): nothing to do"; return 0 ;;
+      -1) say "not downgrading: installed $current is newer than $version ($index); nothing changed"; return 0 ;;
+    esac
+  fi
+  local pid="" running=0 health
+  pid="$(agent_pid)" && running=1
+  # Read the settings with the installed (known good) agent, before anything is replaced.
+  load_last_args
+  local saved=("${ARGS[@]+"${ARGS[@]}"}")
+  agent_command_if_installed
+  load_settings
+  health="$(health_url)"
+  if ((dry)); then
+    say "dry run (AGENT_UPGRADE_DRY_RUN=on): would download $url (sha256 $sha),"
+    say "  replace ckagent ${current:-(none)} by $version, keeping the old one as $(basename "$PYZ_PREV"),"
+    if ((running)); then say "  and restart the running agent (pid $pid), rolling back if $health fails"
+    else say "  and not start it (the agent is not running)"; fi
+    return 0
+  fi
+  mkdir -p "$STATE_DIR"
+  local new="$STATE_DIR/ckagent-$version.pyz"
+  say "downloading ckagent $version from $url"
+  download "$url" "$new" "$sha" || exit 1
+  # The new file must run here before it replaces anything (extracted into a throwaway root).
+  local check="$STATE_DIR/check"
+  rm -rf "$check"
+  local out
+  if ! out="$(SHIV_ROOT="$check" "$PYTHON" "$new" version 2>&1)"; then
+    rm -rf "$check" "$new"
+    die "the downloaded ckagent $version does not run with $PYTHON: $out; nothing was replaced"
+  fi
+  if [[ "$out" != "ckagent $version "* ]]; then
+    rm -rf "$check" "$new"
+    die "the downloaded file reports '$out', not ckagent $version; nothing was replaced"
+  fi
+  rm -rf "$check"
+  if [[ -f "$PYZ" ]]; then
+    ln -f "$PYZ" "$PYZ_PREV" 2>/dev/null || cp -p "$PYZ" "$PYZ_PREV"
+  fi
+  mv -f "$new" "$PYZ"   # atomic: same directory tree, rename(2)
+  say "installed ckagent $version (previous: ${current:-none}, kept as $PYZ_PREV)"
+  if ((running == 0)); then
+    say "the agent is not running: not starting it"
+    return 0
+  fi
+  cmd_stop
+  cmd_start --daemon=on "${saved[@]+"${saved[@]}"}" >/dev/null || true
+  local timeout="${AGENT_UPGRADE_HEALTH_TIMEOUT:-60}"
+  if pid="$(agent_pid)" && wait_healthy "$pid" "$timeout"; then
+    say "upgraded to $version: healthy (pid $pid)"
+    return 0
+  fi
+  say "ckagent $version is not healthy ($health) within ${timeout}s: rolling back to ${current:-the previous version}"
+  [[ -f "$PYZ_PREV" ]] || die "no previous pyz to roll back to; ckagent $version stays installed"
+  cmd_stop || true
+  mv -f "$PYZ" "$STATE_DIR/ckagent-$version.failed.pyz"
+  mv -f "$PYZ_PREV" "$PYZ"
+  cmd_start --daemon=on "${saved[@]+"${saved[@]}"}" || true
+  die "upgrade to $version failed its health check and was rolled back to ${current:-the previous pyz}; the failed file is $STATE_DIR/ckagent-$version.failed.pyz"
+}
+
+# ---------------------------------------------------------------- main
+
+CALLER_DIR="$(pwd -P)"
+(($#)) || usage 2
+command="$1"; shift
+case "$command" in
+  start) lock_state; cmd_start "$@" ;;
+  stop) (($# == 0)) || die "stop takes no arguments" 2; lock_state; cmd_stop ;;
+  restart) lock_state; cmd_restart "$@" ;;
+  status) cmd_status ;;
+  logs) cmd_logs "$@" ;;
+  upgrade) lock_state; cmd_upgrade "$@" ;;
+  -h|--help|help) usage 0 ;;
+  *) die "unknown command '$command' (start|stop|restart|status|logs|upgrade)" 2 ;;
+esac

@@ -1,0 +1,437 @@
+"""run.sh driven for real: bash, a release index served over HTTP on 127.0.0.1, the session's ckagent.pyz
+(and a real rebuilt one with a bumped version), real agents against the in-process dev master.
+
+Each test gets a node directory holding only run.sh and config/config.yaml (install mode), like an
+operator's server. The one stand-in is the "broken release" of the rollback test: a tiny zipapp
+that answers ``version`` but never serves /healthz.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import http.server
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import zipfile
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+import yaml
+from test_pyz import REPO, build_pyz, frozen_source, session_pyz
+
+import ckagent
+
+RUN_SH = REPO / "run.sh"
+BUMPED = "99.0.0"
+BROKEN = "100.0.0"
+
+
+@pytest.fixture(scope="session")
+def pyz(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's ckagent.pyz (shared with test_pyz.py)."""
+    return session_pyz(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def bumped_pyz(pyz: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real ckagent.pyz of version 99.0.0: the session's source, bumped with build/bump_version.sh."""
+    base = tmp_path_factory.mktemp("bumped")
+    source = frozen_source(base / "src")
+    bumped = subprocess.run(["bash", str(REPO / "build" / "bump_version.sh"), "--root", str(source), BUMPED],
+                            capture_output=True, text=True, check=False)
+    assert bumped.returncode == 0 and bumped.stdout.strip() == f"{ckagent.__version__} -> {BUMPED}", bumped
+    return build_pyz(source, base / "ckagent.pyz")
+
+
+_BROKEN_MAIN = f"""
+import signal, sys, time
+if sys.argv[1:2] == ["version"]:
+    print("ckagent {BROKEN} (a release that never becomes healthy)")
+    sys.exit(0)
+if sys.argv[1:2] == ["config"]:
+    sys.exit(2)
+signal.signal(signal.SIGTERM, lambda *args: sys.exit(0))
+while True:
+    time.sleep(1)
+"""
+
+
+@pytest.fixture(scope="session")
+def broken_pyz(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A zipapp that passes run.sh's `version` check but never answers /healthz."""
+    path = tmp_path_factory.mktemp("broken") / "ckagent.pyz"
+    with path.open("wb") as out:
+        out.write(b"#!/usr/bin/env python3\n")
+        with zipfile.ZipFile(out, "w") as archive:
+            archive.writestr("__main__.py", _BROKEN_MAIN)
+            archive.writestr("site-packages/ckagent/__init__.py", f'__version__ = "{BROKEN}"\n')
+    return path
+
+
+@dataclass
+class Releases:
+    """A release index served over HTTP: ``url`` is AGENT_RELEASE_URL, files live in ``directory``."""
+
+    url: str
+    directory: Path
+
+    def publish(self, pyz: Path, version: str, *, latest: bool = True, sha256: str | None = None) -> str:
+        """Copy ``pyz`` as ckagent-<version>.pyz and write <version>.json (and latest.json). Returns sha256."""
+        name = f"ckagent-{version}.pyz"
+        shutil.copyfile(pyz, self.directory / name)
+        digest = hashlib.sha256(pyz.read_bytes()).hexdigest()
+        entry = {"version": version, "url": name, "sha256": sha256 or digest, "sizeBytes": pyz.stat().st_size}
+        (self.directory / f"{version}.json").write_text(json.dumps(entry))
+        if latest:
+            (self.directory / "latest.json").write_text(json.dumps(entry))
+        return digest
+
+
+@pytest.fixture
+def releases(tmp_path: Path) -> Iterator[Releases]:
+    """A static HTTP server on 127.0.0.1 (port 0) serving a fresh release directory."""
+    root = tmp_path / "releases"
+    directory = root / "ckagent"
+    directory.mkdir(parents=True)
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, directory=str(root), **kwargs)  # type: ignore[arg-type]
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield Releases(f"http://127.0.0.1:{server.server_address[1]}/ckagent", directory)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Node:
+    """An operator's directory: run.sh + config/config.yaml; ``port`` is the agent's status port."""
+
+    directory: Path
+    port: int
+    env: dict[str, str]
+
+    @property
+    def run_sh(self) -> Path:
+        return self.directory / "run.sh"
+
+    def pid(self) -> int | None:
+        """The pid in agent.pid, if the file exists."""
+        path = self.directory / "agent.pid"
+        return int(path.read_text()) if path.exists() else None
+
+    async def sh(self, *args: str, **env: str) -> subprocess.CompletedProcess[bytes]:
+        """Run ``bash run.sh args`` (≤ 120 s) from the test's cwd; returns the completed process (any rc)."""
+        with trio.fail_after(120):
+            return await trio.run_process(["bash", str(self.run_sh), *args], env={**self.env, **env},
+                                          capture_stdout=True, capture_stderr=True, check=False)
+
+    async def healthz(self) -> int:
+        """The status code of the agent's /healthz (0 when nothing answers)."""
+        try:
+            async with httpx.AsyncClient(timeout=2) as client:
+                return (await client.get(f"http://127.0.0.1:{self.port}/healthz")).status_code
+        except httpx.HTTPError:
+            return 0
+
+
+def same(a: Path, b: Path) -> bool:
+    """Whether two files hold the same bytes."""
+    return a.read_bytes() == b.read_bytes()
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 30) -> None:  # noqa: ASYNC109
+    """Poll ``check`` every 0.1 s until it is true; raises trio.TooSlowError after ``timeout`` seconds."""
+    with trio.fail_after(timeout):
+        while not await check():  # noqa: ASYNC110 - polling another process, not a Trio task
+            await trio.sleep(0.1)
+
+
+def out(result: subprocess.CompletedProcess[bytes]) -> str:
+    """stdout + stderr of a run.sh call, as text."""
+    return result.stdout.decode(errors="replace") + result.stderr.decode(errors="replace")
+
+
+def _saved_args(node: Node) -> list[bytes]:
+    return (node.directory / ".last_daemon_args").read_bytes().split(b"\0")
+
+
+def _cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0) but has left /proc/<pid>/cmdline empty
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes() != b""
+    return False
+
+
+@pytest.fixture
+def node(tmp_path: Path, dev_master) -> Iterator[Node]:
+    """A node directory in install mode, configured for the dev master; its agent is killed afterwards."""
+    directory = tmp_path / "node"
+    (directory / "config").mkdir(parents=True)
+    shutil.copy2(RUN_SH, directory / "run.sh")
+    port = _free_port()
+    config = {
+        "server": {"url": dev_master.base_url},
+        "agent": {"registration_token": dev_master.registration_token, "name": "runsh-node", "ip": "127.0.0.1",
+                  "port": port, "max_workers": 1},
+        "heartbeat": {"interval": 1},
+        "task": {"poll_interval": 0.5, "long_poll_wait": 1, "kill_grace": 2, "drain_timeout": 5},
+    }
+    (directory / "config" / "config.yaml").write_text(yaml.safe_dump(config))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENT_", "SHIV_", "PYTHONPATH"))}
+    env.update(AGENT_START_TIMEOUT="30", AGENT_DOWNLOAD_TIMEOUT="30")
+    handle = Node(directory, port, env)
+    try:
+        yield handle
+    finally:
+        pid = handle.pid()
+        if pid is not None and _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+async def _node_registered(dev_master, name: str = "runsh-node") -> None:
+    async def beating() -> bool:
+        return any(n.get("name") == name and n.get("lastHeartbeatAt") for n in await dev_master.admin.list_nodes())
+
+    await eventually(beating)
+
+
+async def test_install_mode_downloads_starts_reports_and_stops(node: Node, releases: Releases, pyz: Path,
+                                                                dev_master) -> None:
+    refused = await node.sh("start", "--daemon=on", AGENT_AUTO_INSTALL="off", AGENT_RELEASE_URL=releases.url)
+    assert refused.returncode == 1
+    assert "AGENT_AUTO_INSTALL=off" in out(refused) and "sha256sum -c" in out(refused)
+    assert f"{releases.url}/latest.json" in out(refused)
+    assert not (node.directory / "ckagent.pyz").exists()
+
+    releases.publish(pyz, ckagent.__version__)
+    started = await node.sh("start", "--daemon=on", AGENT_RELEASE_URL=releases.url)
+    assert started.returncode == 0, out(started)
+    assert "started" in out(started)
+    assert same((node.directory / "ckagent.pyz"), pyz)
+    pid = node.pid()
+    assert pid is not None and _alive(pid)
+    saved = _saved_args(node)
+    assert saved[:2] == [b"-c", str(node.directory / "config" / "config.yaml").encode()]
+    assert list((node.directory / ".ckagent" / "pyz").glob("ckagent.pyz_*/site-packages/ckagent"))
+    assert (node.directory / "data" / "state.db").exists(), "work_dir ./data is next to run.sh"
+    await _node_registered(dev_master)
+    assert await node.healthz() == 200
+
+    status = await node.sh("status")
+    assert status.returncode == 0 and f"pid {pid}" in out(status) and "200" in out(status), out(status)
+    logs = await node.sh("logs", "--follow=off")
+    assert logs.returncode == 0 and "registered" in out(logs)
+    again = await node.sh("start", "--daemon=on")
+    assert again.returncode == 0 and "already running" in out(again) and node.pid() == pid
+
+    restarted = await node.sh("restart")
+    assert restarted.returncode == 0, out(restarted)
+    new_pid = node.pid()
+    assert new_pid is not None and new_pid != pid and not _alive(pid) and _alive(new_pid)
+    assert _saved_args(node)[:2] == saved[:2]
+
+    stopped = await node.sh("stop")
+    # the bound comes from the config: drain_timeout 5 + kill_grace 2 + flush_timeout 10 + 10
+    assert stopped.returncode == 0 and "up to 27s" in out(stopped) and "SIGKILL" not in out(stopped), out(stopped)
+    assert not _alive(new_pid) and node.pid() is None
+    assert "ckagent stopped" in (node.directory / "logs" / "agent.log").read_text()
+    down = await node.sh("status")
+    assert down.returncode == 3 and "not running" in out(down)
+
+
+async def test_stop_escalates_to_sigkill_after_the_bound(node: Node, releases: Releases, pyz: Path,
+                                                         dev_master) -> None:
+    releases.publish(pyz, ckagent.__version__)
+    assert (await node.sh("start", "--daemon=on", AGENT_RELEASE_URL=releases.url)).returncode == 0
+    pid = node.pid()
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)  # a stuck agent: SIGTERM stays pending
+    stopped = await node.sh("stop", AGENT_STOP_TIMEOUT="1")
+    assert stopped.returncode == 0 and "SIGKILL" in out(stopped), out(stopped)
+    assert not _alive(pid)
+    assert (await node.sh("status")).returncode == 3
+
+
+async def test_foreground_start_runs_in_place_and_drains_on_sigterm(node: Node, releases: Releases, pyz: Path,
+                                                                    dev_master) -> None:
+    releases.publish(pyz, ckagent.__version__)
+    process = await trio.lowlevel.open_process(
+        ["bash", str(node.run_sh), "start"], env={**node.env, "AGENT_RELEASE_URL": releases.url},
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        await _node_registered(dev_master)
+        assert node.pid() == process.pid, "run.sh execs the agent: agent.pid is the foreground process"
+        assert (await node.sh("status")).returncode == 0
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(40):
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert "draining" in (node.directory / "logs" / "agent.log").read_text()
+    assert not (node.directory / ".last_daemon_args").exists()
+
+
+async def test_cleanup_temp_files_removes_stale_extractions_and_partial_deployments(
+    node: Node, releases: Releases, pyz: Path, dev_master
+) -> None:
+    releases.publish(pyz, ckagent.__version__)
+    stale = node.directory / ".ckagent" / "pyz" / f"ckagent.pyz_{'a' * 64}"
+    (stale / "site-packages").mkdir(parents=True)
+    (stale.parent / f".{stale.name}_lock").touch()
+    partial = node.directory / ".ckagent" / "ckagent-9.9.9.pyz.part"
+    partial.write_bytes(b"half")
+    deploy = node.directory / "data" / "spiders" / "s1" / ".deploy-x1"
+    deploy.mkdir(parents=True)
+    kept = node.directory / "data" / "spiders" / "s1" / "code"
+    kept.mkdir()
+    started = await node.sh("start", "--daemon=on", "--cleanup_temp_files=on", AGENT_RELEASE_URL=releases.url)
+    assert started.returncode == 0, out(started)
+    assert not stale.exists() and not partial.exists() and not deploy.exists() and kept.exists()
+    assert len(list((node.directory / ".ckagent" / "pyz").glob("ckagent.pyz_*"))) == 1
+    assert (await node.sh("stop")).returncode == 0
+
+
+@pytest.mark.slow
+async def test_upgrade_verifies_never_downgrades_restarts_and_rolls_back(
+    node: Node, releases: Releases, pyz: Path, bumped_pyz: Path, broken_pyz: Path, dev_master
+) -> None:
+    env = {"AGENT_RELEASE_URL": releases.url, "AGENT_UPGRADE_HEALTH_TIMEOUT": "20"}
+    pyz_path = node.directory / "ckagent.pyz"
+    prev_path = node.directory / "ckagent.pyz.prev"
+    releases.publish(pyz, ckagent.__version__)
+    assert (await node.sh("start", "--daemon=on", **env)).returncode == 0
+    first_pid = node.pid()
+
+    # dry run: says what it would do, changes nothing
+    releases.publish(bumped_pyz, BUMPED)
+    dry = await node.sh("upgrade", AGENT_UPGRADE_DRY_RUN="on", **env)
+    assert dry.returncode == 0 and "dry run" in out(dry) and BUMPED in out(dry), out(dry)
+    assert same(pyz_path, pyz) and not prev_path.exists() and node.pid() == first_pid
+
+    # corrupt download: sha256 mismatch → nothing replaced, agent untouched
+    releases.publish(bumped_pyz, BUMPED, sha256="0" * 64)
+    corrupt = await node.sh("upgrade", **env)
+    assert corrupt.returncode == 1 and "sha256 mismatch" in out(corrupt), out(corrupt)
+    assert same(pyz_path, pyz) and not prev_path.exists()
+    assert node.pid() == first_pid and first_pid is not None and _alive(first_pid)
+    assert not list(node.directory.rglob("*.part")) and not list(node.directory.glob(".ckagent/ckagent-*.pyz"))
+
+    # a good release: replaced, previous kept, running agent restarted on it and healthy
+    releases.publish(bumped_pyz, BUMPED)
+    upgraded = await node.sh("upgrade", **env)
+    assert upgraded.returncode == 0 and f"upgraded to {BUMPED}: healthy" in out(upgraded), out(upgraded)
+    assert same(pyz_path, bumped_pyz) and same(prev_path, pyz)
+    second_pid = node.pid()
+    assert second_pid != first_pid and not _alive(first_pid) and await node.healthz() == 200
+    async def reported_new_version() -> bool:
+        return any(n.get("version") == BUMPED for n in await dev_master.admin.list_nodes())
+
+    await eventually(reported_new_version)
+    status = await node.sh("status")
+    assert status.returncode == 0 and f"ckagent {BUMPED} is running" in out(status)
+
+    # never downgrade, nothing to do at the same version
+    older = await node.sh("upgrade", ckagent.__version__, **env)
+    assert older.returncode == 0 and "not downgrading" in out(older), out(older)
+    current = await node.sh("upgrade", **env)
+    assert current.returncode == 0 and "nothing to do" in out(current)
+    assert same(pyz_path, bumped_pyz) and node.pid() == second_pid
+
+    # a release that never becomes healthy: rolled back to the previous pyz, which runs again
+    releases.publish(broken_pyz, BROKEN)
+    failed = await node.sh("upgrade", AGENT_UPGRADE_HEALTH_TIMEOUT="3", AGENT_START_TIMEOUT="1",
+                           AGENT_RELEASE_URL=releases.url)
+    assert failed.returncode == 1 and "rolled back" in out(failed), out(failed)
+    assert same(pyz_path, bumped_pyz)
+    third_pid = node.pid()
+    assert third_pid not in (None, second_pid) and _alive(third_pid)
+    async def healthy() -> bool:
+        return await node.healthz() == 200
+
+    await eventually(healthy)
+    assert list(node.directory.glob(f".ckagent/ckagent-{BROKEN}.failed.pyz"))
+
+    # not running: the new file is installed, nothing is started
+    assert (await node.sh("stop")).returncode == 0
+    releases.publish(bumped_pyz, "99.1.0")  # the bumped pyz under a newer index entry
+    quiet = await node.sh("upgrade", **env)
+    assert quiet.returncode == 1 and "nothing was replaced" in out(quiet), out(quiet)
+    assert same(pyz_path, bumped_pyz), "a file that reports another version is refused"
+    releases.publish(broken_pyz, BROKEN)
+    installed = await node.sh("upgrade", **env)
+    assert installed.returncode == 0 and "not running: not starting it" in out(installed), out(installed)
+    assert same(pyz_path, broken_pyz) and node.pid() is None
+    assert (await node.sh("status")).returncode == 3
+
+
+async def test_source_mode_runs_the_checkouts_virtualenv(tmp_path: Path, dev_master) -> None:
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    shutil.copy2(RUN_SH, checkout / "run.sh")
+    shutil.copy2(REPO / "pyproject.toml", checkout / "pyproject.toml")
+    (checkout / "ckagent").symlink_to(REPO / "ckagent")
+    (checkout / ".venv").symlink_to(REPO / ".venv")
+    port = _free_port()
+    (checkout / "agent.yaml").write_text(yaml.safe_dump({
+        "server": {"url": dev_master.base_url},
+        "agent": {"registration_token": dev_master.registration_token, "name": "source-node", "ip": "127.0.0.1",
+                  "port": port},
+        "heartbeat": {"interval": 1},
+        "task": {"drain_timeout": 2, "kill_grace": 1, "long_poll_wait": 1},
+    }))
+    node = Node(checkout, port, {k: v for k, v in os.environ.items() if not k.startswith(("AGENT_", "PYTHONPATH"))})
+    try:
+        started = await trio.run_process(["bash", "run.sh", "start", "--daemon=on", "-c", "agent.yaml"],
+                                         cwd=checkout, env=node.env, capture_stdout=True, capture_stderr=True,
+                                         check=False)
+        assert started.returncode == 0, out(started)
+        await _node_registered(dev_master, "source-node")
+        status = await node.sh("status")
+        assert status.returncode == 0 and "source mode" in out(status)
+        pid = node.pid()
+        assert pid is not None and b"-m\0ckagent" in _cmdline(pid)
+        upgrade = await node.sh("upgrade")
+        assert upgrade.returncode == 1 and "source mode" in out(upgrade)
+        assert not (checkout / "ckagent.pyz").exists()
+        assert (await node.sh("stop")).returncode == 0
+    finally:
+        pid = node.pid()
+        if pid is not None and _alive(pid):
+            os.kill(pid, signal.SIGKILL)
