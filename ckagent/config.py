@@ -125,7 +125,8 @@ class ServerSettings:
 class AgentSettings:
     """Who this node is.
 
-    ``port`` is the agent's own status/metrics port. ``labels`` is a read-only mapping str→str.
+    ``port`` is the agent's own status/metrics port (0 = any free port); it listens on ``bind``
+    (None = ``ip``). ``labels`` is a read-only mapping str→str.
     ``max_workers`` None = derived from the machine; ``container_cpu_limit`` is a Kubernetes-style CPU
     quantity ("2000m", "4", "1.5") or None (see :attr:`container_cpu_limit_cores`).
     """
@@ -133,6 +134,7 @@ class AgentSettings:
     name: str
     ip: str
     port: int
+    bind: str | None
     registration_token: Secret | None
     api_key: Secret | None
     labels: Mapping[str, str]
@@ -173,11 +175,17 @@ class TaskSettings:
 
 @dataclass(frozen=True)
 class LoggingSettings:
-    """``level`` (upper case), ``file`` (None = stderr only), ``format`` ("text" or "json")."""
+    """``level`` (upper case), ``file`` (None = stderr only), ``format`` ("text" or "json").
+
+    ``max_bytes``: the file is rotated when it would grow beyond this size (bytes); ``backup_count``
+    rotated files are kept (>= 1).
+    """
 
     level: LogLevel
     file: Path | None
     format: LogFormat
+    max_bytes: int
+    backup_count: int
 
 
 @dataclass(frozen=True)
@@ -448,8 +456,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("agent", "ip", "AGENT_IP", "IP address", _AUTO_IP,
             "Address reported to the master; default: the local address used to reach the master "
             "host (no packet is sent), else 127.0.0.1.", _ip),
-    Setting("agent", "port", "AGENT_PORT", "integer 1..65535", 9000,
-            "Port of the agent's own status/metrics HTTP server.", _integer(1, 65535)),
+    Setting("agent", "port", "AGENT_PORT", "integer 0..65535", 9000,
+            "Port of the agent's own HTTP server (/metrics, /healthz, /readyz, /status); 0 = any free "
+            "port (the bound one is logged and registered). A busy port stops the agent (exit 1).",
+            _integer(0, 65535)),
+    Setting("agent", "bind", "AGENT_BIND", "IP address", None,
+            "Address the status/metrics server listens on; unset = agent.ip; 0.0.0.0 or :: = every "
+            "interface. It serves no secrets, but shows what runs here: keep it to your monitoring.", _ip),
     Setting("agent", "registration_token", "AGENT_REGISTRATION_TOKEN", "secret string", None,
             "Token for POST /api/nodes/register. Required by `ckagent run`.", _secret, secret=True),
     Setting("agent", "api_key", "AGENT_API_KEY", "secret string", None,
@@ -482,9 +495,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("logging", "level", "AGENT_LOG_LEVEL", "DEBUG, INFO, WARNING, ERROR", "INFO",
             "Log level (case-insensitive).", _choice(("DEBUG", "INFO", "WARNING", "ERROR"), upper=True)),
     Setting("logging", "file", "AGENT_LOG_FILE", "path", None,
-            "Also write the agent log to this file; unset = stderr only.", _path),
+            "Write the agent log to this file (rotated); stderr then gets it only when it is a terminal. "
+            "Unset = stderr only.", _path),
     Setting("logging", "format", "AGENT_LOG_FORMAT", "text, json", "text",
-            "Log line format.", _choice(("text", "json"), upper=False)),
+            "Log line format: text, or json (one object per line, for Loki/ELK).",
+            _choice(("text", "json"), upper=False)),
+    Setting("logging", "max_bytes", "AGENT_LOG_MAX_BYTES", "integer >= 1024", 10 * 1024 * 1024,
+            "Size in bytes at which logging.file is rotated.", _integer(1024)),
+    Setting("logging", "backup_count", "AGENT_LOG_BACKUP_COUNT", "integer >= 1", 5,
+            "Rotated log files kept (agent.log.1 … agent.log.N).", _integer(1)),
     Setting("deps", "uv_index_url", "AGENT_UV_INDEX_URL", "http(s) URL", None,
             "Package index for `uv`; unset = PyPI if it answers a short probe (once per agent run), "
             "else deps.uv_fallback_index_url.", _http_url),

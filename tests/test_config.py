@@ -124,6 +124,7 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
     values = {
         "AGENT_SERVER_URL": "http://10.1.2.3:81", "AGENT_SERVER_CA_FILE": str(ca),
         "AGENT_SERVER_REQUEST_TIMEOUT": "5", "AGENT_NAME": "n1", "AGENT_IP": "10.9.8.7", "AGENT_PORT": "1",
+        "AGENT_BIND": "0.0.0.0", "AGENT_LOG_MAX_BYTES": "2048", "AGENT_LOG_BACKUP_COUNT": "1",
         "AGENT_REGISTRATION_TOKEN": TOKEN, "AGENT_API_KEY": API_KEY, "AGENT_LABELS": "a=b",
         "AGENT_MAX_WORKERS": "3", "CONTAINER_CPU_LIMIT": "1500m", "AGENT_HEARTBEAT_INTERVAL": "7",
         "AGENT_TASK_POLL_INTERVAL": "4", "AGENT_TASK_LONG_POLL_WAIT": "0", "AGENT_WORK_DIR": "/srv/ck",
@@ -136,12 +137,13 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
     s = load(None, values)
     assert s.redacted() == {
         "server": {"url": "http://10.1.2.3:81", "ca_file": str(ca), "request_timeout": 5.0},
-        "agent": {"name": "n1", "ip": "10.9.8.7", "port": 1, "registration_token": "***", "api_key": "***",
+        "agent": {"name": "n1", "ip": "10.9.8.7", "port": 1, "bind": "0.0.0.0", "registration_token": "***", "api_key": "***",
                   "labels": {"a": "b"}, "max_workers": 3, "container_cpu_limit": "1500m"},
         "heartbeat": {"interval": 7.0},
         "task": {"poll_interval": 4.0, "long_poll_wait": 0.0, "work_dir": "/srv/ck", "execute_timeout": 0.0,
                  "kill_grace": 1.0, "drain_timeout": 2.0},
-        "logging": {"level": "ERROR", "file": str(tmp_path / "x.log"), "format": "json"},
+        "logging": {"level": "ERROR", "file": str(tmp_path / "x.log"), "format": "json", "max_bytes": 2048,
+                    "backup_count": 1},
         "deps": {"uv_index_url": "https://pypi.org/simple", "uv_fallback_index_url": "http://idx/simple",
                  "uv_cache_dir": str(tmp_path / "cache"), "uv_sync_timeout": 9.0, "uv_path": "/opt/uv"},
     }  # fmt: skip
@@ -188,7 +190,7 @@ def test_wrong_type_names_position_key_and_value(tmp_path: Path) -> None:
     ("yaml_text", "where", "message"),
     [
         ("agent:\n  port: [1, 2]\n", "2:9", "agent.port: expected a single value, got a list"),
-        ("agent:\n  port: 9000.5\n", "2:9", "agent.port: expected an integer 1..65535, got '9000.5'"),
+        ("agent:\n  port: 9000.5\n", "2:9", "agent.port: expected an integer 0..65535, got '9000.5'"),
         ("agent:\n  labels: [a]\n", "2:11", "agent.labels: expected a mapping of str to str, got a list"),
         ("agent:\n  labels:\n    a:\n", "3:7", "agent.labels.a: expected a string value, got null"),
         ("agent:\n  labels:\n    a: {b: c}\n", "3:8", "agent.labels.a: expected a string value, got a mapping"),
@@ -219,8 +221,10 @@ def test_bad_values_in_file(tmp_path: Path, yaml_text: str, where: str, message:
         ("server.request_timeout", "-1", "a number of seconds > 0"),
         ("server.request_timeout", ".nan", "a number of seconds > 0"),
         ("server.request_timeout", ".inf", "a number of seconds > 0"),
-        ("agent.port", "0", "an integer 1..65535"),
-        ("agent.port", "65536", "an integer 1..65535"),
+        ("agent.port", "-1", "an integer 0..65535"),
+        ("agent.port", "65536", "an integer 0..65535"),
+        ("logging.max_bytes", "1023", "an integer >= 1024"),
+        ("logging.backup_count", "0", "an integer >= 1"),
         ("agent.max_workers", "0", "an integer >= 1"),
         ("heartbeat.interval", "0", "a number of seconds > 0"),
         ("task.poll_interval", "0", "a number of seconds > 0"),
@@ -310,8 +314,8 @@ def test_top_level_must_be_a_mapping(tmp_path: Path, text: str, got: str) -> Non
 @pytest.mark.parametrize(
     ("env", "message"),
     [
-        ({"AGENT_PORT": "abc"}, "AGENT_PORT: expected an integer 1..65535, got 'abc'"),
-        ({"AGENT_PORT": "80000"}, "AGENT_PORT: expected an integer 1..65535, got '80000'"),
+        ({"AGENT_PORT": "abc"}, "AGENT_PORT: expected an integer 0..65535, got 'abc'"),
+        ({"AGENT_PORT": "80000"}, "AGENT_PORT: expected an integer 0..65535, got '80000'"),
         ({"AGENT_TASK_POLL_INTERVAL": "fast"}, "AGENT_TASK_POLL_INTERVAL: expected a number of seconds > 0, got 'fast'"),
         ({"AGENT_LABELS": "a=1,oops"}, "AGENT_LABELS: expected key=value pairs separated by commas, got 'a=1,oops'"),
         ({"AGENT_LABELS": "a=1,a=2"}, "AGENT_LABELS: label 'a' given twice, got 'a=1,a=2'"),
