@@ -127,7 +127,7 @@ def test_config_check_missing_file(tmp_path: Path) -> None:
 def test_config_check_bad_env_var(tmp_path: Path) -> None:
     result = ckagent("config", "check", cwd=tmp_path, env={"AGENT_PORT": "abc"})
     assert result.returncode == 2
-    assert result.stderr.strip() == "ckagent: config error: AGENT_PORT: expected an integer 1..65535, got 'abc'"
+    assert result.stderr.strip() == "ckagent: config error: AGENT_PORT: expected an integer 0..65535, got 'abc'"
 
 
 def test_config_show_masks_secrets_and_applies_env(tmp_path: Path) -> None:
