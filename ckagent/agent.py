@@ -6,7 +6,9 @@
     └── root nursery
         ├── signals            SIGTERM → drain (second SIGTERM → terminate), SIGINT → terminate
         ├── heartbeat loop     until STOPPED (beats DRAINING while draining)
-        ├── outbox             results and streams left over from an earlier run (crash recovery)
+        ├── outbox             every task's logs, items and result (delivery.Outbox): tasks hand
+        │                      theirs over when their process ends (the slot frees at once); the
+        │                      leftovers of an earlier run are resumed at start; retention cleanup
         └── work scope
             ├── poller         (its own scope: cancelled when draining starts)
             └── one run_task per claimed task
@@ -37,18 +39,18 @@ import trio
 
 from ckagent import __version__
 from ckagent.config import Settings
-from ckagent.delivery import Masker, StreamShipper, item_object, log_line, secret_values
+from ckagent.delivery import Outbox, OutboxConfig, cleanup_task_dirs
 from ckagent.deps import Dependencies, IndexChooser, spider_base_env
 from ckagent.heartbeat import HeartbeatLoop
 from ckagent.logs import setup_logging
 from ckagent.master import MasterClient, RegistrationRefused
 from ckagent.poller import Poller
 from ckagent.process import sweep
-from ckagent.protocol import RegisterRequest, Task, TaskResult, utc_iso, utc_now_iso
+from ckagent.protocol import RegisterRequest, TaskResult, utc_iso, utc_now_iso
 from ckagent.resources import HealthSampler, compute_max_workers
 from ckagent.runtimes import detect_runtimes, find_chromedriver, find_chromium
 from ckagent.state import AsyncStateStore, StateStore, StateStoreError, TaskRecord
-from ckagent.supervisor import RunnerConfig, Supervisor, send_result
+from ckagent.supervisor import RunnerConfig, Supervisor
 from ckagent.workspace import Workspaces
 
 log = logging.getLogger(__name__)
@@ -128,10 +130,15 @@ class Agent:
             timeout=s.deps.uv_sync_timeout,
             base_env=base_env,
         )
+        outbox = self.outbox = Outbox(self.master, store, self.work_dir, OutboxConfig(
+            log_globs=tuple(g for g in s.task.log_files.split(",") if g),
+            max_log_bytes=s.task.max_log_bytes, min_free_disk_bytes=s.task.min_free_disk_bytes,
+            retention=s.task.retention, agent_secrets=self._secrets,
+        ))
         supervisor = self.supervisor = Supervisor(
             RunnerConfig(self.work_dir, s.task.execute_timeout, s.task.kill_grace, self._secrets, extra_env),
             self.master, store, workspaces, deps, self.max_workers,
-            on_finished=_canonical_line,
+            on_finished=_canonical_line, outbox=outbox,
         )
         self.heartbeat = HeartbeatLoop(
             self.master, supervisor, HealthSampler(self.work_dir), s.heartbeat.interval,
@@ -159,8 +166,11 @@ class Agent:
                     root.cancel_scope.cancel()
                     return 0
                 leftovers = await self._recover(store)
-                outbox_done = trio.Event()
-                root.start_soon(self._deliver_leftovers, store, leftovers, outbox_done)
+                if s.task.cleanup_temp_files:
+                    await cleanup_task_dirs(store, self.work_dir / "tasks", 0)
+                await root.start(outbox.run)
+                for record in leftovers:
+                    await outbox.resume(record)
                 root.start_soon(self.heartbeat.run)
                 root.start_soon(self._rescan_runtimes)
                 self.state = "RUNNING"
@@ -172,7 +182,10 @@ class Agent:
                 self._work_done.set()
                 self.state = "STOPPING"
                 with trio.move_on_after(FLUSH_TIMEOUT):
-                    await outbox_done.wait()
+                    await outbox.wait_idle()
+                if outbox.pending:
+                    log.warning("stopping with undelivered results or logs; they stay in %s for the next start",
+                                self.work_dir / "state.db")
                 root.cancel_scope.cancel()
         finally:
             self.state = "STOPPED"
@@ -256,33 +269,6 @@ class Agent:
             )
             await store.set_result(record.task_id, result.to_json())
         return await store.pending_delivery()
-
-    async def _deliver_leftovers(self, store: AsyncStateStore, records: list[TaskRecord], done: trio.Event) -> None:
-        try:
-            for record in records:
-                try:
-                    task_env = Task.from_json(record.task_json).env
-                except ValueError:
-                    task_env = {}
-                masker = Masker(secret_values(task_env, self._secrets))
-                shippers = [
-                    StreamShipper(self.master, store, record.task_id, "log", "logs",
-                                  record.task_dir / "output.log", log_line(masker)),
-                    StreamShipper(self.master, store, record.task_id, "items", "items",
-                                  record.task_dir / "items.jsonl", item_object, cr_breaks=False,
-                                  max_line_bytes=16 * 1024 * 1024),
-                ]
-                async with trio.open_nursery() as nursery:
-                    for shipper in shippers:
-                        shipper.finish()
-                        nursery.start_soon(shipper.run)
-                assert record.result is not None
-                data = dict(record.result)
-                data.update({"itemCount": shippers[1].stats.acked, "logLines": shippers[0].stats.acked})
-                await send_result(self.master, store, record.task_id, TaskResult.from_json(data))
-                log.info("task %s: delivered what an earlier run left unsent", record.task_id)
-        finally:
-            done.set()
 
     async def _rescan_runtimes(self) -> None:
         while True:

@@ -163,6 +163,10 @@ class TaskSettings:
     ``long_poll_wait`` 0 disables the long poll; ``execute_timeout`` 0 means no limit and applies when a
     task carries no timeout; ``kill_grace`` is SIGTERM → SIGKILL; ``drain_timeout`` bounds DRAINING.
     ``work_dir`` is absolute.
+    Task data: ``max_log_bytes`` caps a task's output.log and ``min_free_disk_bytes`` is the free-space
+    floor of the work dir's filesystem (bytes, 0 = none); ``log_files`` comma-separated globs of spider
+    log files under the task dir; ``retention`` seconds a delivered task dir is kept (0 = forever);
+    ``cleanup_temp_files`` deletes every delivered task dir at start.
     """
 
     poll_interval: float
@@ -171,6 +175,11 @@ class TaskSettings:
     execute_timeout: float
     kill_grace: float
     drain_timeout: float
+    max_log_bytes: int
+    min_free_disk_bytes: int
+    log_files: str
+    retention: float
+    cleanup_temp_files: bool
 
 
 @dataclass(frozen=True)
@@ -283,6 +292,23 @@ def _integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def _boolean(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("on", "true", "yes", "1"):
+        return True
+    if value in ("off", "false", "no", "0"):
+        return False
+    raise _Invalid("expected on/off (or true/false, yes/no, 1/0)")
+
+
+def _globs(raw: str) -> str:
+    patterns = [p.strip() for p in raw.split(",") if p.strip()]
+    for pattern in patterns:
+        if pattern.startswith("/") or ".." in pattern.split("/"):
+            raise _Invalid("expected glob patterns relative to the task dir (no leading '/', no '..')")
+    return ",".join(patterns)
 
 
 def _text(raw: str) -> str:
@@ -492,6 +518,21 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("task", "drain_timeout", "AGENT_TASK_DRAIN_TIMEOUT", "seconds >= 0", 60.0,
             "On SIGTERM: how long running tasks may finish before they are terminated.",
             _seconds(exclusive=False)),
+    Setting("task", "max_log_bytes", "AGENT_TASK_MAX_LOG_BYTES", "integer >= 0 (bytes)", 1024**3,
+            "Disk budget of one task's output.log: beyond it the spider's output is drained but dropped, "
+            "and one marker line says how many bytes; 0 = no limit.", _integer(0)),
+    Setting("task", "min_free_disk_bytes", "AGENT_TASK_MIN_FREE_DISK_BYTES", "integer >= 0 (bytes)", 512 * 1024**2,
+            "Free-space floor of the work dir's filesystem: task output that would go below it is dropped "
+            "(with a marker line); 0 = no floor.", _integer(0)),
+    Setting("task", "log_files", "AGENT_TASK_LOG_FILES", "comma-separated globs", "*.log",
+            "Spider log files under the task dir (CK_TASK_DIR) that are tailed into the task's log, each "
+            "line marked `[<file>] `; a task adds globs with `params.logFiles`.", _globs),
+    Setting("task", "retention", "AGENT_TASK_RETENTION", "seconds >= 0", 7 * 86400.0,
+            "How long a finished task's directory is kept after the master acknowledged all of it; "
+            "0 = keep forever.", _seconds(exclusive=False)),
+    Setting("task", "cleanup_temp_files", "AGENT_CLEANUP_TEMP_FILES", "on/off", False,
+            "At start, delete the directories of every task the master has fully acknowledged "
+            "(`run.sh --cleanup_temp_files=on`).", _boolean),
     Setting("logging", "level", "AGENT_LOG_LEVEL", "DEBUG, INFO, WARNING, ERROR", "INFO",
             "Log level (case-insensitive).", _choice(("DEBUG", "INFO", "WARNING", "ERROR"), upper=True)),
     Setting("logging", "file", "AGENT_LOG_FILE", "path", None,

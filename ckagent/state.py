@@ -1,16 +1,21 @@
 """The durable state store: what must survive an agent crash, in ``work_dir/state.db`` (SQLite, WAL).
 
 Per task: the task as claimed, its directory, its process group, how far each stream (log lines,
-items) has been acknowledged by the master (element count and the byte offset in its file where
-that count ends), and the final result until the master acknowledged it. The task's own files
-are the spool; this store only holds positions, so it stays small.
+items) has been acknowledged by the master (the element count and a small JSON *position* that lets
+the shipper resume reading right after the last acknowledged element), and the final result until
+the master acknowledged it. The task's own files are the spool; this store only holds positions, so
+it stays small.
 
-All methods are blocking (sqlite3): call them through ``trio.to_thread.run_sync`` — or use
-:class:`AsyncStateStore`, which does. One connection guarded by a lock; ``synchronous=NORMAL``
-in WAL mode survives a process crash (what we guard against) and costs ~no fsync per ack.
+All methods of :class:`StateStore` are blocking (sqlite3): call them through
+``trio.to_thread.run_sync`` — or use :class:`AsyncStateStore`, which does. One connection guarded by
+a lock; ``synchronous=NORMAL`` in WAL mode survives a process crash (what we guard against) and
+costs ~no fsync per acknowledgement.
 
-Exceptions: sqlite3 errors propagate (a broken state db is an operator problem the agent cannot
-fix); opening an unreadable file raises ``StateStoreError`` naming the path.
+Exception tree::
+
+    Exception
+    ├── StateStoreError    the database file cannot be opened or created (the message names the path)
+    └── sqlite3.Error      anything later propagates: a broken state db is an operator problem
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ CREATE TABLE IF NOT EXISTS streams (
     task_id      TEXT NOT NULL,
     stream       TEXT NOT NULL,
     acked_seq    INTEGER NOT NULL,
-    acked_offset INTEGER NOT NULL,
+    acked_offset INTEGER NOT NULL DEFAULT 0,
+    position     TEXT,
     PRIMARY KEY (task_id, stream)
 );
 """
@@ -54,7 +60,10 @@ class StateStoreError(Exception):
 
 @dataclass(frozen=True)
 class TaskRecord:
-    """A task row: ``result`` is the final result JSON (None while the task has not finished)."""
+    """A task row: ``result`` is the final result JSON (None while the task has not finished).
+
+    ``claimed_at`` and ``finished_at`` are epoch seconds.
+    """
 
     task_id: str
     spider_id: str
@@ -69,7 +78,10 @@ class TaskRecord:
 
 
 class StateStore:
-    """Blocking SQLite store (see module docstring). Thread-safe; one instance per agent."""
+    """Blocking SQLite store (see module docstring). Thread-safe; one instance per agent.
+
+    Raises StateStoreError when ``path`` cannot be opened or created.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -79,6 +91,9 @@ class StateStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(streams)")}
+            if "position" not in columns:  # a state.db written by an agent before positions were JSON
+                self._db.execute("ALTER TABLE streams ADD COLUMN position TEXT")
         except (OSError, sqlite3.Error) as exc:
             raise StateStoreError(f"cannot open the state store {path}: {exc}") from exc
         self._lock = threading.Lock()
@@ -103,36 +118,42 @@ class StateStore:
         """Record (or clear, with None) the spider's main pid and process group."""
         self._exec("UPDATE tasks SET pid=?, pgid=? WHERE task_id=?", (pid, pgid, task_id))
 
-    def stream_position(self, task_id: str, stream: str) -> tuple[int, int]:
-        """(acknowledged element count, byte offset where it ends); (0, 0) for a new stream."""
+    def stream_position(self, task_id: str, stream: str) -> tuple[int, Any]:
+        """(acknowledged element count, JSON position after it); ``(0, None)`` for a new stream."""
         rows = self._exec(
-            "SELECT acked_seq, acked_offset FROM streams WHERE task_id=? AND stream=?", (task_id, stream)
+            "SELECT acked_seq, position, acked_offset FROM streams WHERE task_id=? AND stream=?", (task_id, stream)
         )
-        return (int(rows[0][0]), int(rows[0][1])) if rows else (0, 0)
+        if not rows:
+            return 0, None
+        seq, position, offset = rows[0]
+        if position is None:  # written before positions were JSON: a byte offset in one file
+            return int(seq), {"offset": int(offset)}
+        return int(seq), json.loads(position)
 
-    def save_stream_position(self, task_id: str, stream: str, seq: int, offset: int) -> None:
-        """Record that the master acknowledged ``seq`` elements, ending at byte ``offset``."""
+    def save_stream_position(self, task_id: str, stream: str, seq: int, position: Any) -> None:
+        """Record that the master acknowledged ``seq`` elements; ``position`` (JSON-able) is where they end."""
         self._exec(
-            "INSERT INTO streams (task_id, stream, acked_seq, acked_offset) VALUES (?,?,?,?) "
+            "INSERT INTO streams (task_id, stream, acked_seq, acked_offset, position) VALUES (?,?,?,0,?) "
             "ON CONFLICT(task_id, stream) DO UPDATE SET acked_seq=excluded.acked_seq, "
-            "acked_offset=excluded.acked_offset",
-            (task_id, stream, seq, offset),
+            "position=excluded.position",
+            (task_id, stream, seq, json.dumps(position, separators=(",", ":"))),
         )
 
-    def streams(self, task_id: str) -> dict[str, tuple[int, int]]:
-        """Every stream of the task: name → (acked seq, acked offset)."""
-        rows = self._exec("SELECT stream, acked_seq, acked_offset FROM streams WHERE task_id=?", (task_id,))
-        return {str(r[0]): (int(r[1]), int(r[2])) for r in rows}
+    def streams(self, task_id: str) -> dict[str, int]:
+        """Every stream of the task: name → acknowledged element count."""
+        rows = self._exec("SELECT stream, acked_seq FROM streams WHERE task_id=?", (task_id,))
+        return {str(r[0]): int(r[1]) for r in rows}
 
     def set_result(self, task_id: str, result: dict[str, Any]) -> None:
-        """Store the final result before it is sent (so a crash cannot lose it)."""
+        """Store the final result before it is sent (so a crash cannot lose it). Keeps the first finish time."""
         self._exec(
-            "UPDATE tasks SET result_json=?, finished_at=?, pid=NULL, pgid=NULL WHERE task_id=?",
+            "UPDATE tasks SET result_json=?, finished_at=COALESCE(finished_at, ?), pid=NULL, pgid=NULL "
+            "WHERE task_id=?",
             (json.dumps(result), time.time(), task_id),
         )
 
     def mark_result_acked(self, task_id: str) -> None:
-        """The master acknowledged the final result."""
+        """The master acknowledged the final result (or refused it for good): nothing is left to send."""
         self._exec("UPDATE tasks SET result_acked=1 WHERE task_id=?", (task_id,))
 
     def get(self, task_id: str) -> TaskRecord | None:
@@ -157,11 +178,21 @@ class StateStore:
         )
         return [_record(r) for r in rows]
 
+    def task_ids(self) -> set[str]:
+        """Ids of every task the store knows (delivered or not)."""
+        return {str(r[0]) for r in self._exec("SELECT task_id FROM tasks")}
+
     def forget(self, task_id: str) -> None:
         """Drop a task and its stream positions (after its directory was removed)."""
         with self._lock:
-            self._db.execute("DELETE FROM streams WHERE task_id=?", (task_id,))
-            self._db.execute("DELETE FROM tasks WHERE task_id=?", (task_id,))
+            self._db.execute("BEGIN")
+            try:
+                self._db.execute("DELETE FROM streams WHERE task_id=?", (task_id,))
+                self._db.execute("DELETE FROM tasks WHERE task_id=?", (task_id,))
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
 
 
 _COLUMNS = "task_id, spider_id, task_json, task_dir, pid, pgid, claimed_at, result_json, result_acked, finished_at"
@@ -199,13 +230,17 @@ class AsyncStateStore:
         """See :meth:`StateStore.set_process`."""
         await trio.to_thread.run_sync(self.sync.set_process, task_id, pid, pgid)
 
-    async def stream_position(self, task_id: str, stream: str) -> tuple[int, int]:
+    async def stream_position(self, task_id: str, stream: str) -> tuple[int, Any]:
         """See :meth:`StateStore.stream_position`."""
         return await trio.to_thread.run_sync(self.sync.stream_position, task_id, stream)
 
-    async def save_stream_position(self, task_id: str, stream: str, seq: int, offset: int) -> None:
+    async def save_stream_position(self, task_id: str, stream: str, seq: int, position: Any) -> None:
         """See :meth:`StateStore.save_stream_position`."""
-        await trio.to_thread.run_sync(self.sync.save_stream_position, task_id, stream, seq, offset)
+        await trio.to_thread.run_sync(self.sync.save_stream_position, task_id, stream, seq, position)
+
+    async def streams(self, task_id: str) -> dict[str, int]:
+        """See :meth:`StateStore.streams`."""
+        return await trio.to_thread.run_sync(self.sync.streams, task_id)
 
     async def set_result(self, task_id: str, result: dict[str, Any]) -> None:
         """See :meth:`StateStore.set_result`."""
@@ -215,6 +250,22 @@ class AsyncStateStore:
         """See :meth:`StateStore.mark_result_acked`."""
         await trio.to_thread.run_sync(self.sync.mark_result_acked, task_id)
 
+    async def get(self, task_id: str) -> TaskRecord | None:
+        """See :meth:`StateStore.get`."""
+        return await trio.to_thread.run_sync(self.sync.get, task_id)
+
     async def pending_delivery(self) -> list[TaskRecord]:
         """See :meth:`StateStore.pending_delivery`."""
         return await trio.to_thread.run_sync(self.sync.pending_delivery)
+
+    async def delivered_before(self, cutoff: float) -> list[TaskRecord]:
+        """See :meth:`StateStore.delivered_before`."""
+        return await trio.to_thread.run_sync(self.sync.delivered_before, cutoff)
+
+    async def task_ids(self) -> set[str]:
+        """See :meth:`StateStore.task_ids`."""
+        return await trio.to_thread.run_sync(self.sync.task_ids)
+
+    async def forget(self, task_id: str) -> None:
+        """See :meth:`StateStore.forget`."""
+        await trio.to_thread.run_sync(self.sync.forget, task_id)

@@ -20,8 +20,10 @@ install failed        FAILED      DEPS_FAILED   the installer's output tail
 not startable         FAILED      EXIT_NONZERO  what could not be started (exit 127)
 ====================  ==========  ============  =================================
 
-The final result goes to the state store first, then the task's streams are flushed to the
-master, then the result is sent (retried forever, across restarts, until acknowledged).
+When the process has ended, the final result goes to the state store and the task's delivery
+(its log and items streams, then the result, retried forever across restarts until acknowledged)
+continues in the agent's outbox (``ckagent.delivery.Outbox``): the task leaves ``running`` and its
+slot is free at once, so a master outage never holds worker slots.
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ from typing import Any
 
 import trio
 
-from ckagent.delivery import LogSink, Masker, StreamShipper, item_object, log_line, secret_values
+from ckagent.delivery import LogSink, Outbox
 from ckagent.deps import Dependencies, DepsError, Prepared, spider_base_env
-from ckagent.master import MasterClient, MasterConflict, MasterRejected
+from ckagent.master import MasterClient
 from ckagent.process import MARKER_VAR, run_supervised
 from ckagent.protocol import TIMEOUT_MESSAGE, Task, TaskResult, utc_iso
 from ckagent.state import AsyncStateStore
@@ -128,10 +130,13 @@ class Supervisor:
         deps: Dependencies,
         max_workers: int,
         on_finished: TaskObserver | None = None,
+        *,
+        outbox: Outbox,
     ) -> None:
         self.config = config
         self._master = master
         self._store = store
+        self._outbox = outbox
         self._workspaces = workspaces
         self._deps = deps
         self.max_workers = max_workers
@@ -191,45 +196,31 @@ class Supervisor:
         try:
             await trio.to_thread.run_sync(lambda: task_dir.mkdir(parents=True, exist_ok=True))
             await self._store.add_task(task.id, task.spider_id, task.to_json(), task_dir)
-            masker = Masker(secret_values(task.env, self.config.agent_secrets))
-            log_shipper = StreamShipper(
-                self._master, self._store, task.id, "log", "logs", task_dir / "output.log", log_line(masker)
+            # Logs, items and the result are the outbox's: they outlive this slot (see delivery.py).
+            on_finished = self._on_finished
+            delivery = await self._outbox.open_task(
+                task, task_dir, on_delivered=None if on_finished is None else lambda final: on_finished(rt, final)
             )
-            items_shipper = StreamShipper(
-                self._master, self._store, task.id, "items", "items", task_dir / "items.jsonl", item_object,
-                cr_breaks=False, max_line_bytes=16 * 1024 * 1024,
-            )
-            sink = LogSink(task_dir / "output.log", on_write=log_shipper.notify)
+            sink = delivery.sink
+            assert sink is not None
             started_wall = time.time()
-            async with trio.open_nursery() as shipping:
-                shipping.start_soon(_guarded, log_shipper)
-                shipping.start_soon(_guarded, items_shipper)
-                try:
-                    outcome = await self._execute(rt, task_dir, sink)
-                except Exception as exc:  # a bug of ours must fail the task, not the agent
-                    log.exception("task %s: internal error", task.id)
-                    outcome = TaskOutcome("FAILED", "BAD_TASK", f"agent error: {type(exc).__name__}: {exc}")
-                finally:
-                    sink.close()
-                finished_wall = time.time()
-                result = TaskResult(
-                    status=outcome.status,
-                    exit_code=outcome.exit_code,
-                    error_code=outcome.error_code,
-                    error_message=outcome.error_message,
-                    started_at=utc_iso(datetime.fromtimestamp(rt.started_at or started_wall, timezone.utc)),
-                    finished_at=utc_iso(datetime.fromtimestamp(finished_wall, timezone.utc)),
-                    duration_ms=int((finished_wall - (rt.started_at or started_wall)) * 1000),
-                )
-                await self._store.set_result(task.id, result.to_json())
-                rt.phase = "reporting"
-                log_shipper.finish()
-                items_shipper.finish()
-            result = _with_counts(result, items_shipper.stats.acked, log_shipper.stats.acked)
-            await self._store.set_result(task.id, result.to_json())
-            await send_result(self._master, self._store, task.id, result)
-            if self._on_finished is not None:
-                self._on_finished(rt, result)
+            try:
+                outcome = await self._execute(rt, task_dir, sink)
+            except Exception as exc:  # a bug of ours must fail the task, not the agent
+                log.exception("task %s: internal error", task.id)
+                outcome = TaskOutcome("FAILED", "BAD_TASK", f"agent error: {type(exc).__name__}: {exc}")
+            finished_wall = time.time()
+            result = TaskResult(
+                status=outcome.status,
+                exit_code=outcome.exit_code,
+                error_code=outcome.error_code,
+                error_message=outcome.error_message,
+                started_at=utc_iso(datetime.fromtimestamp(rt.started_at or started_wall, timezone.utc)),
+                finished_at=utc_iso(datetime.fromtimestamp(finished_wall, timezone.utc)),
+                duration_ms=int((finished_wall - (rt.started_at or started_wall)) * 1000),
+            )
+            # Stores the result and hands the rest to the outbox; the slot is free when this returns.
+            await delivery.finish(result)
         finally:
             self.running.pop(task.id, None)
             self._slot_freed.set()
@@ -330,42 +321,12 @@ class Supervisor:
         return TaskOutcome("FAILED", "EXIT_NONZERO", f"exit code {outcome.returncode}", outcome.returncode)
 
 
-async def _guarded(shipper: StreamShipper) -> None:
-    """Run a shipper; a bug in it is logged and ends that stream, never the agent."""
-    try:
-        await shipper.run()
-    except Exception:
-        log.exception("task %s: shipping %s failed", shipper.task_id, shipper.stream)
-
-
 def _resolve(argv: list[str], env: dict[str, str]) -> list[str]:
     """Resolve argv[0] on the spider's PATH (not the agent's), so the venv's python/scrapy win."""
     if "/" in argv[0]:
         return argv
     found = shutil.which(argv[0], path=env.get("PATH"))
     return [found, *argv[1:]] if found else argv
-
-
-def _with_counts(result: TaskResult, items: int, lines: int) -> TaskResult:
-    data = result.to_json()
-    data.update({"itemCount": items, "logLines": lines})
-    return TaskResult.from_json(data)
-
-
-async def send_result(master: MasterClient, store: AsyncStateStore, task_id: str, result: TaskResult) -> None:
-    """Send a final result until the master acknowledges it (forever, with backoff), then mark it acked.
-
-    A 409 or other 4xx means the master will never take it (cancelled there, claimed by another
-    node): logged, and marked done so it is not retried across restarts. Cancellation stops the
-    retries; the result stays in the state store for the next start.
-    """
-    try:
-        await master.call_retrying("result", "POST", f"/api/tasks/{task_id}/result", json=result.to_json())
-    except MasterConflict as exc:
-        log.warning("task %s: master refused the final result %s (%s)", task_id, result.status, exc)
-    except MasterRejected as exc:
-        log.error("task %s: master rejected the final result (%s)", task_id, exc)
-    await store.mark_result_acked(task_id)
 
 
 def result_from_json(data: dict[str, Any]) -> TaskResult:
