@@ -3,9 +3,10 @@
 Each poll asks for ``limit = free slots`` and ``excludeSpiderIds = spiders running here`` and, with
 long poll on, ``waitSeconds``: the master may hold the request until a task is ready. A master
 that answers at once with nothing (no long poll) is asked again after ``poll_interval``; a master
-that held the request is asked again at once. When no slot is free the poller waits for one and
-polls the moment it frees. Each task is claimed (result RUNNING) before it runs; a 409 drops it.
-A task that breaks the schema is reported FAILED/BAD_TASK and the others run.
+that held the request is asked again at once, and so is one whose held poll excluded a spider that
+has since finished here (that spider's next task would otherwise wait out the long poll). When no
+slot is free the poller waits for one and polls the moment it frees. Each task is claimed (result
+RUNNING) before it runs; a 409 drops it. A task that breaks the schema is reported FAILED/BAD_TASK and the others run.
 
 Cancelling the poller (drain) stops claiming; tasks already claimed run on in the work nursery.
 """
@@ -51,7 +52,7 @@ class Poller:
             await self._supervisor.wait_for_free_slot()
             started = trio.current_time()
             try:
-                answer = await self.poll_once()
+                answer = await self._poll_until_stale()
             except MasterRejected as exc:
                 log.error("polling for tasks failed: %s; retrying in %g s", exc, self.poll_interval)
                 await trio.sleep(self.poll_interval)
@@ -60,6 +61,8 @@ class Poller:
                 log.error("the master's poll answer breaks the protocol (%s); retrying in %g s",
                           exc, self.poll_interval)
                 await trio.sleep(self.poll_interval)
+                continue
+            if answer is None:  # a spider the poll excluded has finished: ask again without it
                 continue
             for task_id in answer.cancel_task_ids:
                 self._supervisor.cancel(task_id, "cancelled by the master")
@@ -74,6 +77,34 @@ class Poller:
             held = trio.current_time() - started >= self.long_poll_wait / 2
             if not answer.tasks and not (self.long_poll_wait and held):
                 await trio.sleep(self.poll_interval)
+
+    async def _poll_until_stale(self) -> PendingTasks | None:
+        """:meth:`poll_once`, abandoned (None) once a spider it excluded has finished here: a held
+        long poll would otherwise keep that spider's next task waiting up to ``long_poll_wait`` s.
+
+        Raises what poll_once raises. The master has handed out nothing it loses: only a claim assigns.
+        """
+        excluded = self._supervisor.running_spider_ids()
+        if not excluded or not self.long_poll_wait:
+            return await self.poll_once()
+        answer: PendingTasks | None = None
+        error: MasterRejected | ProtocolError | None = None
+        async with trio.open_nursery() as nursery:
+
+            async def poll() -> None:
+                nonlocal answer, error
+                try:
+                    answer = await self.poll_once()
+                except (MasterRejected, ProtocolError) as exc:
+                    error = exc
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(poll)
+            await self._supervisor.wait_spider_free(excluded)
+            nursery.cancel_scope.cancel()
+        if error is not None:
+            raise error
+        return answer
 
     async def poll_once(self) -> PendingTasks:
         """One (long) poll, retried with backoff while the master is unavailable.

@@ -162,6 +162,15 @@ class Supervisor:
             await self._slot_freed.wait()
             self._slot_freed = trio.Event()
 
+    async def wait_spider_free(self, spider_ids: list[str]) -> None:
+        """Return once a spider of ``spider_ids`` has no claimed task here any more (a long poll that
+        excluded it has gone stale). Never returns for an empty list. Cancellation: as usual."""
+        while set(spider_ids) <= set(self.running_spider_ids()):
+            freed = self._slot_freed
+            await freed.wait()
+            if self._slot_freed is freed:
+                self._slot_freed = trio.Event()
+
     def admit(self, task: Task) -> RunningTask:
         """Record a claimed task as ours (call before spawning :meth:`run_task`)."""
         rt = RunningTask(task=task)

@@ -207,6 +207,26 @@ async def test_an_answer_with_tasks_is_followed_by_an_immediate_poll(autojump_cl
     assert master.polls[1].at == master.polls[0].at
 
 
+async def test_held_poll_excluding_a_spider_that_finished_is_asked_again(autojump_clock: Any,
+                                                                         tmp_path: Path) -> None:
+    # A spider's next task must not wait out a long poll that still excludes the spider (bench.dispatch).
+    master = FakeMaster(answers=[{"tasks": [task_json("t1", "s1")], "cancelTaskIds": []}], hold_empty=True)
+
+    async def body(poller: Poller, sup: HoldingSupervisor) -> None:
+        await master.wait_polls(2)
+        assert master.polls[1].params["excludeSpiderIds"] == "s1"
+        await trio.sleep(3)  # the second poll is being held
+        released_at = trio.current_time()
+        sup.release("t1")
+        await master.wait_polls(3)
+        assert master.polls[2].at == released_at
+        assert "excludeSpiderIds" not in master.polls[2].params
+        await master.wait_polls(4)  # an ordinary held poll (nothing excluded) runs its full wait
+        assert master.polls[3].at == master.polls[2].at + LONG_POLL_WAIT
+
+    await run_poller(master, tmp_path, body)
+
+
 # ---------------------------------------------------------------------------- claims
 
 

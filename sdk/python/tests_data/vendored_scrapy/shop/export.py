@@ -1,0 +1,7 @@
+"""Saves one item through the SDK (runs without Scrapy)."""
+import shop.vendor.crawlerkeeper_sdk
+from .vendor.crawlerkeeper_sdk import save_item
+
+if __name__ == "__main__":
+    save_item({"n": 1})
+    shop.vendor.crawlerkeeper_sdk.save_item({"n": 2})

@@ -1,0 +1,7 @@
+from shop.vendor.crawlerkeeper_sdk import save_item
+
+
+class CrawlerKeeperPipeline:
+    def process_item(self, item, spider):
+        save_item(item)
+        return item
