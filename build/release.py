@@ -15,7 +15,7 @@ Steps, each stopping the release when it fails:
 3. brand-word gate: no word listed in the gate file (default ``build/brand_words.txt``, or
    ``RELEASE_GATE_FILE``) occurs, case-insensitively, in any file name or content of any artifact;
 0. credentials (checked first): ``PYPI_TOKEN``, else the file ``PYPI_TOKEN_FILE`` (default ``~/.pypi_token``); it must
-   look like a PyPI API token (``pypi-…``) when uploading to (test.)pypi.org;
+   look like a PyPI API token (``pypi-…``) when uploading to PyPI;
 4. ``--publish`` only: ``uv publish`` with the token in its environment (never on a command line).
 
 The token is never printed, logged or put in an error message. Exit codes: 0 ok (dry run passed or
@@ -40,7 +40,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_GATE = REPO / "build" / "brand_words.txt"
-DEFAULT_REPOSITORY = "https://upload.pypi.org/legacy/"
 
 
 class ReleaseError(Exception):
@@ -201,7 +200,7 @@ def brand_gate(artifacts: list[Path], words: list[str]) -> None:
 # ----------------------------------------------------------------------------------------- token
 
 
-def load_token(repository_url: str) -> tuple[str, str]:
+def load_token(repository_url: str | None) -> tuple[str, str]:
     """(token, where it came from). Raises ReleaseError (which never contains the token)."""
     token = os.environ.get("PYPI_TOKEN", "").strip()
     source = "the PYPI_TOKEN environment variable"
@@ -221,16 +220,16 @@ def load_token(repository_url: str) -> tuple[str, str]:
         raise ReleaseError(f"the PyPI token from {source} is empty")
     if any(ch.isspace() for ch in token):
         raise ReleaseError(f"the PyPI token from {source} contains whitespace; it must be one line")
-    if "pypi.org" in repository_url and not token.startswith("pypi-"):
+    if (repository_url is None or "pypi" in repository_url) and not token.startswith("pypi-"):
         raise ReleaseError(f"the token from {source} does not look like a PyPI API token (they start with "
-                           "'pypi-'); create one at https://pypi.org/manage/account/token/")
+                           "'pypi-'); create an API token in your PyPI account settings")
     return token, source
 
 
 # ----------------------------------------------------------------------------------------- main
 
 
-def release(project_key: str, publish: bool, repository_url: str, gate_file: Path, pyz: Path | None,
+def release(project_key: str, publish: bool, repository_url: str | None, gate_file: Path, pyz: Path | None,
             dist: Path | None = None) -> None:
     """Run the release steps (module docstring) with artifacts in ``dist``. Raises ReleaseError."""
     project = PROJECTS[project_key]
@@ -251,12 +250,13 @@ def release(project_key: str, publish: bool, repository_url: str, gate_file: Pat
         write_release_index(pyz_artifact, version, dist / "release")
         say(f"run.sh release index in {dist / 'release'}: copy it to the host behind AGENT_RELEASE_URL")
     if not publish:
-        say(f"dry run passed: would upload {', '.join(a.name for a in uploads)} to {repository_url}")
+        say(f"dry run passed: would upload {', '.join(a.name for a in uploads)} to {repository_url or 'PyPI'}")
         return
     env = {**os.environ, "UV_PUBLISH_TOKEN": token}
     env.pop("PYPI_TOKEN", None)
-    run([find_uv(), "publish", "--publish-url", repository_url, *map(str, uploads)], env=env)
-    say(f"published {project.name} {version} to {repository_url}")
+    target = ["--publish-url", repository_url] if repository_url else []
+    run([find_uv(), "publish", *target, *map(str, uploads)], env=env)
+    say(f"published {project.name} {version} to {repository_url or 'PyPI'}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--dry-run", action="store_true", help="build and check everything, upload nothing")
     mode.add_argument("--publish", action="store_true", help="build, check and upload")
-    parser.add_argument("--repository-url", default=os.environ.get("PYPI_REPOSITORY_URL", DEFAULT_REPOSITORY))
+    parser.add_argument("--repository-url", default=os.environ.get("PYPI_REPOSITORY_URL") or None,
+                        help="upload endpoint (default: PyPI)")
     parser.add_argument("--gate-file", type=Path, default=Path(os.environ.get("RELEASE_GATE_FILE", DEFAULT_GATE)))
     parser.add_argument("--pyz", type=Path, default=None, help="agent: use this ckagent.pyz instead of building")
     parser.add_argument("--dist", type=Path, default=None, help="output directory (default: dist/<project>)")
