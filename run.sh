@@ -16,7 +16,8 @@
 # AGENT_AUTO_INSTALL=off, AGENT_UPGRADE_DRY_RUN=on, AGENT_PYTHON (default python3),
 # AGENT_STOP_TIMEOUT (default: drain_timeout + kill_grace + flush_timeout + 10 s from the config),
 # AGENT_START_TIMEOUT (15 s), AGENT_UPGRADE_HEALTH_TIMEOUT (60 s), AGENT_HEALTH_URL (default from
-# the config's agent.bind/agent.ip and agent.port), AGENT_DOWNLOAD_TIMEOUT (120 s).
+# the config's agent.bind/agent.ip and agent.port), AGENT_DOWNLOAD_TIMEOUT (120 s),
+# AGENT_SYSTEMD_UNIT (upgrade restarts through `systemctl restart UNIT` instead of stop/start).
 # Exit codes: 0 ok; 1 failure; 2 usage; 3 `status`: not running.
 set -euo pipefail
 
@@ -300,6 +301,30 @@ wait_healthy() {  # wait_healthy PID SECONDS → success on /healthz 200; failur
   return 1
 }
 
+# restart_agent ARGS...: stop (drain) and start again — through systemd when AGENT_SYSTEMD_UNIT names
+# the unit that runs this agent (run.sh start in the foreground), else as a daemon with ARGS.
+restart_agent() {
+  if [[ -n "${AGENT_SYSTEMD_UNIT:-}" ]]; then
+    systemctl restart "$AGENT_SYSTEMD_UNIT" || say "systemctl restart $AGENT_SYSTEMD_UNIT failed"
+  else
+    cmd_stop || true
+    cmd_start --daemon=on "$@" >/dev/null || true
+  fi
+}
+
+# wait_new_agent_healthy OLD_PID SECONDS: an agent other than OLD_PID runs and answers /healthz 200
+wait_new_agent_healthy() {
+  local old="$1" deadline=$((SECONDS + $2)) url pid
+  url="$(health_url)"
+  while ((SECONDS < deadline)); do
+    if pid="$(agent_pid)" && [[ "$pid" != "$old" && "$(http_status "$url")" == 200 ]]; then
+      return 0
+    fi
+    sleep 0.3
+  done
+  return 1
+}
+
 lock_state() {  # one run.sh operation at a time
   mkdir -p "$STATE_DIR"
   exec 9>"$STATE_DIR/run.lock"
@@ -515,19 +540,17 @@ cmd_upgrade() {
     say "the agent is not running: not starting it"
     return 0
   fi
-  cmd_stop
-  cmd_start --daemon=on "${saved[@]+"${saved[@]}"}" >/dev/null || true
+  restart_agent "${saved[@]+"${saved[@]}"}"
   local timeout="${AGENT_UPGRADE_HEALTH_TIMEOUT:-60}"
-  if pid="$(agent_pid)" && wait_healthy "$pid" "$timeout"; then
-    say "upgraded to $version: healthy (pid $pid)"
+  if wait_new_agent_healthy "$pid" "$timeout"; then
+    say "upgraded to $version: healthy (pid $(agent_pid))"
     return 0
   fi
   say "ckagent $version is not healthy ($health) within ${timeout}s: rolling back to ${current:-the previous version}"
   [[ -f "$PYZ_PREV" ]] || die "no previous pyz to roll back to; ckagent $version stays installed"
-  cmd_stop || true
   mv -f "$PYZ" "$STATE_DIR/ckagent-$version.failed.pyz"
   mv -f "$PYZ_PREV" "$PYZ"
-  cmd_start --daemon=on "${saved[@]+"${saved[@]}"}" || true
+  restart_agent "${saved[@]+"${saved[@]}"}"
   die "upgrade to $version failed its health check and was rolled back to ${current:-the previous pyz}; the failed file is $STATE_DIR/ckagent-$version.failed.pyz"
 }
 
