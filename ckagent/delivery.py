@@ -1223,6 +1223,11 @@ class LogSink:
         if self._on_write is not None:
             self._on_write()
 
+    def write_line(self, data: bytes) -> None:
+        """Append one line of the agent's own (a notice): on a line of its own even when the spider's
+        output so far ends without a newline. Counts against the budget like the spider's output."""
+        self.write(data if self._ends_line else b"\n" + data)
+
     def close(self) -> None:
         """Write the truncation marker (if output was dropped), close the file (idempotent)."""
         if self._fd < 0:

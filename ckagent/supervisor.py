@@ -239,7 +239,7 @@ class Supervisor:
 
         def notice(text: str) -> None:
             stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-            sink.write(f"[ckagent {stamp}] {text}\n".encode())
+            sink.write_line(f"[ckagent {stamp}] {text}\n".encode())
 
         # One lock per spider id ever seen: a few bytes each, and never a window with two locks.
         lock = self._spider_locks.setdefault(task.spider_id, trio.Lock())

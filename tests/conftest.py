@@ -56,6 +56,10 @@ async def dev_master(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[Dev
         )
 
 
+def _port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1].split("/", 1)[0])
+
+
 class DevMasterProcess:
     """A dev master in its own process (``python -m ckagent.devmaster``), restartable on the same db.
 
@@ -73,10 +77,11 @@ class DevMasterProcess:
         self.base_url: str | None = None
         self.process: trio.Process | None = None
 
-    async def start(self) -> str:
+    async def start(self, *, same_port: bool = False) -> str:
         """Start the process and wait for its "listening on URL" line. Returns the URL.
 
-        Raises RuntimeError (with the stderr tail) if it exits or stays silent for ``startup_timeout`` s.
+        ``same_port``: listen on the port of the previous start (agents configured with the old URL
+        find it again); otherwise a free port is picked. Raises RuntimeError (with the stderr tail) if it exits or stays silent for ``startup_timeout`` s.
         """
         if self.process is not None and self.process.returncode is None:
             raise RuntimeError("the dev master is already running")
@@ -93,7 +98,7 @@ class DevMasterProcess:
             "ckagent.devmaster",
             f"--db={self.db_path}",
             "--host=127.0.0.1",
-            "--port=0",
+            f"--port={_port_of(self.base_url) if same_port and self.base_url else 0}",
         ]
         with self.stderr_path.open("ab") as stderr:
             self.process = await trio.lowlevel.open_process(

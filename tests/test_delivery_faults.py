@@ -1,0 +1,318 @@
+"""Durable delivery against the real dev master on loopback, with real spiders, real faults.
+
+- Capture rules: split UTF-8, invalid bytes, a 5 MiB line, ``\\r`` progress bars, a binary blob,
+  secrets, a spider log file: the text at the master is what docs/protocol.md says.
+- The master stopped for ``OUTAGE_SECONDS`` (60) while 4 tasks print and save items: everything
+  arrives once, in order; the tasks finish during the outage and free their slots.
+- The agent SIGKILLed while a task streams 100k lines: after the restart the master holds every
+  line of output.log (what was written before the kill), once.
+- A proxy that drops connections, delays and answers 500/502/503 at random: the master's data
+  equals output.log and items.jsonl, and retries back off.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import signal
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from harness import AgentProcess, agent_settings, running_agent, submit
+
+from ckagent.delivery import LineSplitter, Masker, decode_lines
+
+OUTAGE_SECONDS = float(os.environ.get("CK_TEST_OUTAGE_SECONDS", "60"))
+"""The issue asks for 60 s: long enough for every shipper's backoff to reach its 30 s cap, so the test
+also shows that recovery after the cap comes within seconds (the early retry), not after 30 s."""
+
+
+async def wait_for(condition: Callable[[], Awaitable[bool]], timeout: float) -> None:  # noqa: ASYNC109
+    """Poll ``condition`` every 0.05 s; raises trio.TooSlowError after ``timeout`` seconds."""
+    with trio.fail_after(timeout):
+        while not await condition():  # noqa: ASYNC110 - the condition is remote state: polling is the way
+            await trio.sleep(0.05)
+
+
+async def all_stored(admin: Any, task_ids: list[str], lines: int) -> bool:
+    """True when the master stores at least ``lines`` log lines of every task."""
+    counts = [(await admin.get_task(t))["storedLogLines"] for t in task_ids]
+    return all(count >= lines for count in counts)
+
+
+def output_lines(task_dir: Path, secrets: list[str] | None = None) -> list[str]:
+    """The log lines the rules make of a task's output.log (stdout/stderr only)."""
+    splitter = LineSplitter()
+    data = (task_dir / "output.log").read_bytes()
+    lines = splitter.feed(data)[0] + splitter.flush()[0]
+    return decode_lines(lines, Masker(secrets or []))
+
+
+def items_of(task_dir: Path) -> list[dict[str, Any]]:
+    path = task_dir / "items.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+CAPTURE_SPIDER = r"""
+import os, sys, time
+import crawlerkeeper_sdk as ck
+out = sys.stdout.buffer
+def w(b):
+    out.write(b)
+    out.flush()
+started = time.monotonic()
+w("split: ".encode())
+for b in "中文字符".encode():
+    w(bytes([b]))
+    time.sleep(0.001)
+w(b"\nbad bytes: \xff\xfe end\n")
+w(b"L" * (5 * 1024 * 1024))
+for i in range(1, 6):
+    w(f"progress {i}/5\r".encode())
+w(b"\n")
+w(bytes(range(256)) * 1024)
+w(b"\nsecret: " + os.environ["API_TOKEN"].encode() + b"\n")
+with open(os.path.join(os.environ["CK_TASK_DIR"], "spider.log"), "w") as f:
+    f.write("from the log file\n")
+ck.save_item({"ok": True})
+w(b"spider took %.3f s\n" % (time.monotonic() - started))
+w(b"last line without newline")
+"""
+
+
+async def test_capture_rules_at_the_master(dev_master: Any, nursery: trio.Nursery, tmp_path: Path) -> None:
+    settings = agent_settings(tmp_path / "agent", dev_master.base_url, dev_master.registration_token)
+    token = "tok-" + "9" * 20
+    async with running_agent(nursery, settings):
+        task_id = await submit(dev_master.admin, "capture", {"main.py": CAPTURE_SPIDER}, env={"API_TOKEN": token})
+        task = await dev_master.admin.wait_task_final(task_id, 60)
+        after = await submit(dev_master.admin, "after", {"main.py": "print('still here')\n"})
+        assert (await dev_master.admin.wait_task_final(after, 60))["status"] == "SUCCESS"  # the agent survived
+    assert task["status"] == "SUCCESS", task
+    logs = await dev_master.admin.get_logs(task_id)
+    task_dir = tmp_path / "agent" / "tasks" / task_id
+    assert [line for line in logs if not line.startswith("[spider.log] ")] == output_lines(task_dir, [token])
+    assert "[spider.log] from the log file" in logs
+    assert "split: 中文字符" in logs
+    assert "bad bytes: \ufffd\ufffd end" in logs
+    pieces = [line for line in logs if line and set(line) == {"L"}]
+    assert sum(map(len, pieces)) == 5 * 1024 * 1024 and max(map(len, pieces)) == 64 * 1024
+    progress = [line for line in logs if "progress" in line]
+    assert progress[-5:] == [f"progress {i}/5" for i in range(1, 6)]
+    assert "secret: ***" in logs and not any(token in line for line in logs)
+    last = logs.index("last line without newline")  # the agent's notice after it starts a new line
+    assert logs[last + 1].startswith("[ckagent ") and "process exited with code 0" in logs[last + 1]
+    took = float(next(line for line in logs if line.startswith("spider took ")).split()[2])
+    assert took < 5  # writing ~5.3 MB never waited for the network
+    assert await dev_master.admin.get_items(task_id) == [{"ok": True}]
+    assert task["logLines"] == len(logs) and task["itemCount"] == 1
+
+
+TALKER = r"""
+import sys, time
+import crawlerkeeper_sdk as ck
+name = sys.argv[1]
+for i in range(400):
+    print(f"{name} line {i:04d}", flush=True)
+    if i % 10 == 0:
+        ck.save_item({"task": name, "n": i})
+    time.sleep(0.02)
+"""
+
+
+@pytest.mark.slow
+async def test_a_master_outage_loses_nothing_and_holds_no_slot(
+    dev_master_process: Any, nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    url = await dev_master_process.start()
+    settings = agent_settings(tmp_path / "agent", url, dev_master_process.registration_token, AGENT_MAX_WORKERS="4")
+    async with dev_master_process.admin() as admin:
+        ids = [await submit(admin, f"talker{i}", {"main.py": TALKER}, args=[f"t{i}"]) for i in range(4)]
+    async with running_agent(nursery, settings) as agent:
+        async with dev_master_process.admin() as admin:
+            await wait_for(lambda: all_stored(admin, ids, 20), 60)
+        await dev_master_process.stop()
+        down_at = trio.current_time()
+        assert agent.supervisor is not None
+        supervisor = agent.supervisor
+
+        async def all_ended_waiting_for_the_master() -> bool:
+            return not supervisor.running and agent.outbox.pending == 4
+
+        await wait_for(all_ended_waiting_for_the_master, OUTAGE_SECONDS)  # finished; slots free
+        assert all("process exited with code 0" in (tmp_path / "agent" / "tasks" / t / "output.log").read_text()
+                   for t in ids)
+        await trio.sleep_until(down_at + OUTAGE_SECONDS)
+        await dev_master_process.start(same_port=True)
+        back_at = trio.current_time()
+        async with dev_master_process.admin() as admin:
+            tasks = [await admin.wait_task_final(t, 90) for t in ids]
+            took = trio.current_time() - back_at
+            for i, (task_id, task) in enumerate(zip(ids, tasks, strict=True)):
+                task_dir = tmp_path / "agent" / "tasks" / task_id
+                assert task["status"] == "SUCCESS", task
+                logs = await admin.get_logs(task_id)
+                assert logs == output_lines(task_dir)
+                assert [line for line in logs if line.startswith(f"t{i} line")] == [
+                    f"t{i} line {n:04d}" for n in range(400)]
+                assert await admin.get_items(task_id) == items_of(task_dir) == [
+                    {"task": f"t{i}", "n": n} for n in range(0, 400, 10)]
+    assert took < 20, f"delivery resumed {took:.1f} s after the master came back"
+
+
+STREAMER = r"""
+import sys, time
+out = sys.stdout
+for i in range(100_000):
+    out.write(f"line {i:06d}\n")
+    if i % 1000 == 999:
+        out.flush()
+        time.sleep(0.03)
+out.flush()
+"""
+
+
+async def test_an_agent_killed_mid_stream_delivers_every_written_line_once(dev_master: Any, tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    agent = AgentProcess(tmp_path / "a", dev_master.base_url, dev_master.registration_token)
+    try:
+        await agent.start()
+        task_id = await submit(dev_master.admin, "streamer", {"main.py": STREAMER})
+        await wait_for(lambda: all_stored(dev_master.admin, [task_id], 20_000), 60)
+        agent.signal(signal.SIGKILL)
+        with trio.fail_after(10):
+            await agent.wait()
+        await agent.start()
+        task = await dev_master.admin.wait_task_final(task_id, 60)
+    finally:
+        await agent.kill()
+    assert task["errorCode"] == "AGENT_LOST", task
+    task_dir = tmp_path / "a" / "data" / "tasks" / task_id
+    logs = await dev_master.admin.get_logs(task_id)
+    assert logs == output_lines(task_dir)
+    numbered = [line for line in logs if line.startswith("line ")]
+    assert len(numbered) > 20_000
+    assert numbered == [f"line {i:06d}" for i in range(len(numbered))]
+
+
+# ---------------------------------------------------------------------------------------------- faulty proxy
+
+
+class FaultProxy:
+    """An HTTP/1.1 proxy for one request per connection that misbehaves at random (seeded).
+
+    Per request: pass, delay then pass, drop before forwarding, forward then drop the answer (the
+    master stored it; the agent must not store it twice), or answer 500/502/503 itself. Claims
+    (``status: RUNNING``) pass untouched: a lost claim leaves the task to the master (issue 3).
+    ``attempts`` records, per (path, seq), when each request arrived.
+    """
+
+    def __init__(self, upstream_port: int, seed: int) -> None:
+        self.upstream_port = upstream_port
+        self.rng = random.Random(seed)
+        self.attempts: dict[tuple[str, Any], list[float]] = defaultdict(list)
+        self.faults: dict[str, int] = defaultdict(int)
+
+    async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        task_status.started(listeners[0].socket.getsockname()[1])
+        await trio.serve_listeners(self._handle, listeners)
+
+    async def _handle(self, client: trio.SocketStream) -> None:
+        async with client:
+            try:
+                head, body = await _read_request(client)
+            except (trio.BrokenResourceError, ValueError):
+                return
+            if not head:
+                return
+            request_line = head.split(b"\r\n", 1)[0].decode()
+            path = request_line.split()[1].split("?")[0]
+            payload = json.loads(body) if body else None
+            claim = isinstance(payload, dict) and payload.get("status") == "RUNNING"
+            self.attempts[(path, payload.get("seq") if isinstance(payload, dict) else None)].append(
+                trio.current_time())
+            fault = "pass" if claim else self.rng.choices(
+                ["pass", "delay", "drop", "drop_answer", "500", "502", "503"], [45, 10, 15, 10, 7, 7, 6])[0]
+            self.faults[fault] += 1
+            if fault == "drop":
+                return
+            if fault in ("500", "502", "503"):
+                await client.send_all(f"HTTP/1.1 {fault} Oops\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode())
+                return
+            if fault == "delay":
+                await trio.sleep(self.rng.uniform(0.05, 0.8))
+            lines = [line for line in head.split(b"\r\n") if not line.lower().startswith(b"connection:")]
+            upstream = await trio.open_tcp_stream("127.0.0.1", self.upstream_port)
+            async with upstream:
+                await upstream.send_all(b"\r\n".join([*lines, b"Connection: close", b"", b""]) + body)
+                answer = b""
+                while chunk := await upstream.receive_some(65536):
+                    answer += chunk
+            if fault != "drop_answer":
+                await client.send_all(answer)
+
+
+async def _read_request(stream: trio.SocketStream) -> tuple[bytes, bytes]:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            return b"", b""
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    while len(body) < length:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            raise ValueError("short body")
+        body += chunk
+    return head, body
+
+
+CHATTY = r"""
+import sys, time
+import crawlerkeeper_sdk as ck
+for i in range(600):
+    print(f"chatty {sys.argv[1]} {i:04d} " + "é" * (i % 7), flush=(i % 50 == 0))
+    if i % 4 == 0:
+        ck.save_item({"i": i, "who": sys.argv[1]})
+    if i % 100 == 0:
+        time.sleep(0.3)
+"""
+
+
+async def test_a_faulty_network_changes_nothing_at_the_master(
+    dev_master: Any, nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    master_port = int(dev_master.base_url.rsplit(":", 1)[1])
+    proxy = FaultProxy(master_port, seed=4)
+    proxy_port = await nursery.start(proxy.serve)
+    settings = agent_settings(tmp_path / "agent", f"http://127.0.0.1:{proxy_port}", dev_master.registration_token)
+    ids = [await submit(dev_master.admin, f"chatty{i}", {"main.py": CHATTY}, args=[str(i)]) for i in range(2)]
+    async with running_agent(nursery, settings):
+        tasks = [await dev_master.admin.wait_task_final(t, 120) for t in ids]
+    for task_id, task in zip(ids, tasks, strict=True):
+        task_dir = tmp_path / "agent" / "tasks" / task_id
+        assert task["status"] == "SUCCESS", task
+        assert await dev_master.admin.get_logs(task_id) == output_lines(task_dir)
+        assert await dev_master.admin.get_items(task_id) == items_of(task_dir)
+        assert len(items_of(task_dir)) == 150
+    assert proxy.faults["drop"] and proxy.faults["drop_answer"] and proxy.faults["delay"]
+    assert proxy.faults["500"] + proxy.faults["502"] + proxy.faults["503"]
+    # Backoff, not a tight loop: repeats of one batch (or result) are spaced, and few.
+    for (path, _seq), times in proxy.attempts.items():
+        if path.endswith(("/logs", "/items")) or path.endswith("/result"):
+            gaps = [b - a for a, b in itertools.pairwise(times)]
+            assert all(gap >= 0.2 for gap in gaps), (path, gaps)
+            assert len(times) <= 12, (path, len(times))
