@@ -316,3 +316,24 @@ async def test_a_faulty_network_changes_nothing_at_the_master(
             gaps = [b - a for a, b in itertools.pairwise(times)]
             assert all(gap >= 0.2 for gap in gaps), (path, gaps)
             assert len(times) <= 12, (path, len(times))
+
+
+async def test_the_log_budget_truncates_with_one_marker_and_the_task_goes_on(
+    dev_master: Any, nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    settings = agent_settings(tmp_path / "agent", dev_master.base_url, dev_master.registration_token,
+                              AGENT_TASK_MAX_LOG_BYTES="3000")
+    spider = "import crawlerkeeper_sdk as ck\nfor i in range(20000):\n    print(f'line {i:05d}')\nck.save_item({'done': True})\n"
+    async with running_agent(nursery, settings):
+        task_id = await submit(dev_master.admin, "chatterbox", {"main.py": spider})
+        task = await dev_master.admin.wait_task_final(task_id, 60)
+    assert task["status"] == "SUCCESS", task  # the spider ran to its end; its pipe was drained
+    logs = await dev_master.admin.get_logs(task_id)
+    markers = [line for line in logs if "output truncated" in line]
+    assert len(markers) == 1 and logs[-1] == markers[0]
+    dropped = int(markers[0].split("output truncated: ")[1].split()[0])
+    task_dir = tmp_path / "agent" / "tasks" / task_id
+    size = (task_dir / "output.log").stat().st_size
+    assert size - len(markers[0]) - 2 <= 3000 < size
+    assert dropped > 20000 * 11 - 3000  # every spider line but the first few, and the agent's last notes
+    assert await dev_master.admin.get_items(task_id) == [{"done": True}]
