@@ -188,6 +188,7 @@ class AgentProcess:
     async def start(self, timeout: float = 60.0) -> None:  # noqa: ASYNC109 - bounds a startup wait
         """Start the agent and wait until the master lists the node. Raises RuntimeError if it exits."""
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.config["server"]["url"] = self.master.base_url  # known once the master has started
         self.config_path.write_text(yaml.safe_dump(self.config))
         env = {k: v for k, v in os.environ.items() if not k.startswith("AGENT_")}
         env.update(self.extra_env)

@@ -1,0 +1,196 @@
+"""Dispatch latency: task created → spider process started (its first line ran), one task at a time.
+
+Rows (each a fresh dev master + agent subprocess, or Scrapyd):
+
+- ``bare spawn``: ``time.time()`` → spawn ``python -c <stamp>`` → the stamp: the interpreter's own
+  start-up, the floor every launcher pays.
+- ``ckagent long poll``: the agent with its default long poll; latency = stamp − the task's
+  ``createdAt`` at the master (the same clock: both on this machine).
+- ``ckagent interval poll``: ``long_poll_wait 0`` and ``poll_interval`` = Scrapyd's default (5 s;
+  1 s with ``--quick``), the task submitted at a random phase of the poll cycle.
+- ``scrapyd``: ``schedule.json`` → the job's interpreter start (stamped by a ``.pth`` hook in the
+  bench venv, i.e. before any Scrapy import), Scrapyd's default poll interval (5 s).
+
+The stamp is the first statement the spider's interpreter runs, in every row. Each task waits for
+the previous one to finish, so the agent is idle when the task arrives. Target: ckagent long poll
+p50 ≤ 50 ms on loopback. Run: ``python -m bench.dispatch [--quick] [--no-scrapyd]``.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from bench import _scrapyd
+from bench._harness import (
+    STAMP_DIR_VAR,
+    STAMP_SPIDER,
+    AgentProcess,
+    DevMaster,
+    create_spiders,
+    markdown_table,
+    now,
+    parse_iso,
+    read_stamp,
+    stamp_command,
+    summary,
+    work_directory,
+    zip_files,
+)
+
+TARGET_P50_SECONDS = 0.050
+SCRAPYD_POLL_INTERVAL = 5.0
+"""Scrapyd's default ``poll_interval`` (seconds); the interval-polling agent row uses the same."""
+
+
+async def _wait_stamp(stamp_dir: Path, key: str, timeout: float) -> float:  # noqa: ASYNC109 - bounds a wait
+    with trio.fail_after(timeout):
+        while (stamp := read_stamp(stamp_dir, key)) is None:  # noqa: ASYNC110 - a file, no event to wait on
+            await trio.sleep(0.01)
+    return stamp
+
+
+async def bare_latency(workdir: Path, count: int) -> list[float]:
+    """Seconds from just before the spawn to the stamp of ``python -c <stamp>``, ``count`` times."""
+    stamps = workdir / "stamps-bare"
+    stamps.mkdir(parents=True, exist_ok=True)
+    env = {**_scrapyd.minimal_env(), STAMP_DIR_VAR: str(stamps)}
+    latencies = []
+    for i in range(count):
+        key = f"bare-{i}"
+        started = now()
+        await trio.run_process(stamp_command(), env={**env, "BENCH_ID": key}, stdout=subprocess.DEVNULL)
+        stamp = read_stamp(stamps, key)
+        assert stamp is not None, "the stamp process did not write its stamp"
+        latencies.append(stamp - started)
+    return latencies
+
+
+async def agent_latency(workdir: Path, count: int, *, long_poll_wait: float, poll_interval: float,
+                        label: str) -> dict[str, list[float]]:
+    """Run ``count`` tasks one at a time through a real agent; returns latency lists (seconds).
+
+    Keys: ``total`` (createdAt → stamp), ``claim`` (createdAt → claimedAt at the master: long poll
+    answer + claim), ``prepare`` (claimedAt → the spawn, the final result's startedAt: the agent's
+    own work) and ``interpreter`` (startedAt → stamp). The master's times have millisecond precision.
+    """
+    stamps = workdir / f"stamps-{label}"
+    stamps.mkdir(parents=True, exist_ok=True)
+    master = DevMaster(workdir / f"master-{label}")
+    await master.start()
+    agent = AgentProcess(workdir / f"agent-{label}", master, max_workers=2, name=f"bench-{label}",
+                         long_poll_wait=long_poll_wait, poll_interval=poll_interval)
+    out: dict[str, list[float]] = {"total": [], "claim": [], "prepare": [], "interpreter": []}
+    try:
+        await agent.start()
+        (spider,) = await create_spiders(master.admin, "stamp", 1, stamp_command(), zip_files(STAMP_SPIDER), stamps)
+        # Warm-up: the first task of a spider creates its virtualenv.
+        warm = await master.admin.create_task(spider)
+        await _wait_stamp(stamps, warm, 120)
+        await master.admin.wait_task_final(warm, 60)
+        for _ in range(count):
+            await trio.sleep(random.uniform(0, poll_interval) if not long_poll_wait else random.uniform(0.05, 0.2))
+            task_id = await master.admin.create_task(spider)
+            stamp = await _wait_stamp(stamps, task_id, poll_interval + 60)
+            task = await master.admin.wait_task_final(task_id, 60)
+            created = parse_iso(task["createdAt"])
+            claimed = parse_iso(task["claimedAt"])
+            spawned = parse_iso(task["startedAt"])
+            out["total"].append(stamp - created)
+            out["claim"].append(claimed - created)
+            out["prepare"].append(spawned - claimed)
+            out["interpreter"].append(stamp - spawned)
+    finally:
+        await agent.stop()
+        await master.stop()
+    return out
+
+
+async def scrapyd_latency(workdir: Path, count: int, python: Path) -> list[float]:
+    """``count`` jobs one at a time through Scrapyd (default poll interval); schedule.json → stamp (s)."""
+    stamps = workdir / "stamps-scrapyd"
+    stamps.mkdir(parents=True, exist_ok=True)
+    project = _scrapyd.write_project(workdir / "scrapy-project")
+    egg = await trio.to_thread.run_sync(_scrapyd.build_egg, project, python)
+    daemon = _scrapyd.Scrapyd(workdir / "scrapyd-dispatch", python, max_proc=2, stamp_dir=stamps)
+    latencies = []
+    try:
+        await daemon.start()
+        await daemon.deploy(egg)
+        warm = await daemon.schedule()
+        await daemon.wait_finished([warm], 120)
+        for _ in range(count):
+            await trio.sleep(random.uniform(0, SCRAPYD_POLL_INTERVAL))
+            started = now()
+            job = await daemon.schedule()
+            stamp = await _wait_stamp(stamps, job, SCRAPYD_POLL_INTERVAL + 60)
+            latencies.append(stamp - started)
+            await daemon.wait_finished([job], 120, interval=0.1)
+    finally:
+        await daemon.stop()
+    return latencies
+
+
+def _phases(latencies: dict[str, list[float]]) -> str:
+    p50 = {k: summary(v)["p50"] * 1000 for k, v in latencies.items()}
+    return (f"p50 phases: poll+claim {p50['claim']:.0f} ms, agent prepare+spawn {p50['prepare']:.0f} ms, "
+            f"interpreter {p50['interpreter']:.0f} ms")
+
+
+async def run_async(quick: bool, scrapyd: bool = True) -> dict[str, Any]:
+    """All rows; returns ``{"rows": [...], "table": markdown, "target_met": bool, ...}`` (seconds)."""
+    count = 5 if quick else 30
+    interval = 1.0 if quick else SCRAPYD_POLL_INTERVAL
+    with work_directory("bench-dispatch-") as workdir:
+        bare = summary(await bare_latency(workdir, count))
+        long_poll = await agent_latency(workdir, count, long_poll_wait=20.0, poll_interval=interval, label="long")
+        polled = await agent_latency(workdir, count, long_poll_wait=0.0, poll_interval=interval, label="interval")
+        sides: list[tuple[str, dict[str, float], str]] = [
+            ("bare spawn (python start-up)", bare, "–"),
+            ("ckagent long poll", summary(long_poll["total"]), _phases(long_poll)),
+            (f"ckagent interval poll {interval:g} s", summary(polled["total"]), _phases(polled)),
+        ]
+        if scrapyd:
+            python = await trio.to_thread.run_sync(_scrapyd.ensure_venv)
+            sides.append((f"scrapyd (poll_interval {SCRAPYD_POLL_INTERVAL:g} s)",
+                          summary(await scrapyd_latency(workdir, count, python)), "–"))
+    rows = [
+        [name, int(s["n"]), s["p50"] * 1000, s["p95"] * 1000, s["max"] * 1000, s["p50"] / bare["p50"], note]
+        for name, s, note in sides
+    ]
+    table = markdown_table(["dispatch: created → first line", "n", "p50 ms", "p95 ms", "max ms",
+                            "p50 / bare", "note"], rows)
+    lp50 = summary(long_poll["total"])["p50"]
+    return {
+        "name": "dispatch",
+        "table": table,
+        "rows": [dict(zip(["side", "n", "p50_ms", "p95_ms", "max_ms", "p50_over_bare", "note"], r, strict=True))
+                 for r in rows],
+        "long_poll_p50_seconds": lp50,
+        "long_poll_phases_p50_seconds": {k: summary(v)["p50"] for k, v in long_poll.items()},
+        "target": f"ckagent long poll p50 ≤ {TARGET_P50_SECONDS * 1000:.0f} ms",
+        "target_met": lp50 <= TARGET_P50_SECONDS,
+    }
+
+
+def run(quick: bool, scrapyd: bool = True) -> dict[str, Any]:
+    """Measure dispatch latency (see module docstring); blocking (runs its own Trio loop)."""
+    return trio.run(run_async, quick, scrapyd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.dispatch [--quick] [--no-scrapyd]``: print the table."""
+    args = sys.argv[1:] if argv is None else argv
+    result = run("--quick" in args, "--no-scrapyd" not in args)
+    print(result["table"])
+    print(f"target {result['target']}: {'met' if result['target_met'] else 'MISSED'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
