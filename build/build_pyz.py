@@ -141,6 +141,12 @@ def merge_tree(src: Path, dest: Path) -> None:
                          "of each package (run --relock; check for a package that forks by Python version)")
 
 
+def remove_setuptools_output(source: Path) -> None:
+    """Remove what setuptools leaves in ``source/build`` (lib/, bdist.*/) after a wheel build."""
+    for leftover in [source / "build" / "lib", *(source / "build").glob("bdist.*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
 def clean_records(site: Path) -> None:
     """Drop RECORD lines of files the merge left out, and check there is one dist-info per project."""
     projects: dict[str, str] = {}
@@ -183,6 +189,7 @@ def build(source: Path, output: Path, lock: Path, versions: tuple[str, ...], pla
         # ckagent itself, through its wheel, so the pyz holds exactly what `pip install .` installs.
         wheels = work / "wheel"
         run([uv, "build", "--wheel", "--quiet", "-o", str(wheels), str(source)])
+        remove_setuptools_output(source)
         (wheel,) = wheels.glob("ckagent-*.whl")
         run([uv, "pip", "install", "--quiet", "--target", str(work / "ckagent"), "--no-deps", "--no-compile",
              "--python-version", versions[0], "--python-platform", platform, str(wheel)])

@@ -25,6 +25,7 @@ published), 1 a step failed (the message says which and how to fix it), 2 usage.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -101,6 +102,10 @@ def build(project: Project, dist: Path, pyz: Path | None) -> list[Path]:
     shutil.rmtree(dist, ignore_errors=True)
     dist.mkdir(parents=True)
     run([find_uv(), "build", "--sdist", "--wheel", "--quiet", "-o", str(dist), str(project.source)])
+    for leftover in [project.source / "build" / "lib", *(project.source / "build").glob("bdist.*")]:
+        shutil.rmtree(leftover, ignore_errors=True)  # setuptools' in-tree build output
+    with contextlib.suppress(OSError):
+        (project.source / "build").rmdir()  # only when empty (the SDK's; the agent's holds these scripts)
     artifacts = sorted(dist.glob("*.whl")) + sorted(dist.glob("*.tar.gz"))
     if project.name == "ckagent":
         target = dist / "ckagent.pyz"

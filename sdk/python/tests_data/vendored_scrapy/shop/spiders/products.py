@@ -1,3 +1,4 @@
+# ruff: noqa  (sample legacy project for migrate_spiders.py, kept as spider teams wrote it)
 import scrapy
 
 from ..vendor.crawlerkeeper_sdk import save_item
