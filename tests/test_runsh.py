@@ -435,3 +435,14 @@ async def test_source_mode_runs_the_checkouts_virtualenv(tmp_path: Path, dev_mas
         pid = node.pid()
         if pid is not None and _alive(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_shell_scripts_pass_shellcheck() -> None:
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.skip("NOT LINTED: shellcheck is not installed (apt-get install shellcheck)")
+    scripts = [RUN_SH, REPO / "build" / "publish.sh", REPO / "build" / "bump_version.sh",
+               REPO / "sdk" / "python" / "publish.sh"]
+    result = subprocess.run([shellcheck, "--severity=style", *map(str, scripts)], capture_output=True, text=True,
+                            check=False)
+    assert result.returncode == 0, result.stdout
