@@ -4,6 +4,7 @@
 
     trio.run(Agent.run)
     └── root nursery
+        ├── status server      /metrics /healthz /readyz /status on agent.bind:agent.port (status.py)
         ├── signals            SIGTERM → drain (second SIGTERM → terminate), SIGINT → terminate
         ├── heartbeat loop     until STOPPED (beats DRAINING while draining)
         ├── outbox             every task's logs, items and result (delivery.Outbox): tasks hand
@@ -20,7 +21,8 @@ the next start). The agent therefore exits within drain_timeout + kill_grace + F
 (plus a few seconds), even with the master down.
 
 Exit codes of :func:`run_agent`: 0 after a clean drain/terminate, 1 when the agent cannot run
-(registration refused, state store unusable), 2 for configuration problems found late.
+(registration refused, state store unusable, status port in use), 2 for configuration problems
+found late.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import signal
 import sys
 import time
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -42,15 +45,17 @@ from ckagent.config import Settings
 from ckagent.delivery import Outbox, OutboxConfig, cleanup_task_dirs
 from ckagent.deps import Dependencies, IndexChooser, spider_base_env
 from ckagent.heartbeat import HeartbeatLoop
-from ckagent.logs import setup_logging
+from ckagent.logs import log_task_finished, setup_logging
 from ckagent.master import MasterClient, RegistrationRefused
+from ckagent.metrics import AgentMetrics, OutboxReader
 from ckagent.poller import Poller
 from ckagent.process import sweep
-from ckagent.protocol import RegisterRequest, TaskResult, utc_iso, utc_now_iso
+from ckagent.protocol import RegisterRequest, Task, TaskResult, utc_iso, utc_now_iso
 from ckagent.resources import HealthSampler, compute_max_workers
 from ckagent.runtimes import detect_runtimes, find_chromedriver, find_chromium
 from ckagent.state import AsyncStateStore, StateStore, StateStoreError, TaskRecord
-from ckagent.supervisor import RunnerConfig, Supervisor
+from ckagent.status import AgentStatus, StatusPortError, serve_status
+from ckagent.supervisor import RunnerConfig, RunningTask, Supervisor
 from ckagent.workspace import Workspaces
 
 log = logging.getLogger(__name__)
@@ -77,6 +82,9 @@ class Agent:
         self._terminating = trio.Event()
         self.started = trio.Event()
         """Set once the agent has registered, recovered and begun polling (state RUNNING)."""
+        self.metrics = AgentMetrics(__version__, settings.agent.name)
+        self.status_port: int | None = None
+        """The port the status/metrics server listens on (``agent.port``, or the one picked for 0)."""
         token = settings.agent.registration_token
         self._secrets = tuple(
             s.reveal() for s in (token, settings.agent.api_key) if s is not None
@@ -87,6 +95,7 @@ class Agent:
             self._register_body,
             request_timeout=settings.server.request_timeout,
             ca_file=str(settings.server.ca_file) if settings.server.ca_file else None,
+            observer=self.metrics.master_request,
         )
 
     def _register_body(self) -> RegisterRequest:
@@ -94,7 +103,7 @@ class Agent:
         return RegisterRequest(
             name=s.agent.name,
             ip=s.agent.ip,
-            port=s.agent.port,
+            port=self.status_port if self.status_port is not None else s.agent.port,
             version=__version__,
             os=platform.system().lower(),
             arch=platform.machine(),
@@ -121,7 +130,8 @@ class Agent:
         for name, path in (("CK_CHROMIUM_PATH", find_chromium()), ("CK_CHROMEDRIVER_PATH", find_chromedriver())):
             if path:
                 extra_env[name] = path
-        workspaces = Workspaces(self.work_dir / "spiders", self.master)
+        self.metrics.outbox = OutboxReader(store.sync)
+        workspaces = self.workspaces = Workspaces(self.work_dir / "spiders", self.master)
         deps = Dependencies(
             self.work_dir / "venvs",
             uv_path=s.deps.uv_path,
@@ -138,7 +148,7 @@ class Agent:
         supervisor = self.supervisor = Supervisor(
             RunnerConfig(self.work_dir, s.task.execute_timeout, s.task.kill_grace, self._secrets, extra_env),
             self.master, store, workspaces, deps, self.max_workers,
-            on_finished=_canonical_line, outbox=outbox,
+            on_finished=self._task_delivered, outbox=outbox, observer=self.metrics,
         )
         self.heartbeat = HeartbeatLoop(
             self.master, supervisor, HealthSampler(self.work_dir), s.heartbeat.interval,
@@ -153,6 +163,14 @@ class Agent:
                  __version__, s.server.url, self.work_dir, self.max_workers)
         try:
             async with trio.open_nursery() as root:
+                status = AgentStatus(self, self.metrics, self.metrics.outbox)
+                try:
+                    self.status_port = await root.start(
+                        serve_status, status.routes(), s.agent.bind or s.agent.ip, s.agent.port)
+                except StatusPortError as exc:
+                    log.error("%s", exc)
+                    root.cancel_scope.cancel()
+                    return 1
                 root.start_soon(self._signals)
                 try:
                     with self._startup_scope:
@@ -171,6 +189,9 @@ class Agent:
                 await root.start(outbox.run)
                 for record in leftovers:
                     await outbox.resume(record)
+                    delivery = outbox.deliveries.get(record.task_id)
+                    if delivery is not None:  # the canonical line of a task an earlier run left unsent
+                        delivery.on_delivered = partial(self._leftover_delivered, record)
                 root.start_soon(self.heartbeat.run)
                 root.start_soon(self._rescan_runtimes)
                 self.state = "RUNNING"
@@ -270,6 +291,22 @@ class Agent:
             await store.set_result(record.task_id, result.to_json())
         return await store.pending_delivery()
 
+    # ------------------------------------------------------------------ the canonical task line
+
+    def _task_delivered(self, rt: RunningTask, result: TaskResult) -> None:
+        """The master acknowledged a task's final result: log its canonical line, settle its metrics."""
+        install = self.metrics.install_info.pop(rt.task.id, None)
+        _canonical_line(rt.task, result, install)
+        self.metrics.task_reported(rt.task.id, result, rt.claimed_at)
+
+    def _leftover_delivered(self, record: TaskRecord, result: TaskResult) -> None:
+        try:
+            task: Task | None = Task.from_json(record.task_json)
+        except ValueError:
+            task = None
+        _canonical_line(task, result, None, task_id=record.task_id)
+        self.metrics.task_reported(record.task_id, result, record.claimed_at)
+
     async def _rescan_runtimes(self) -> None:
         while True:
             await trio.sleep(RUNTIME_SCAN_INTERVAL)
@@ -281,18 +318,30 @@ def utc_iso_from(epoch: float) -> str:
     return utc_iso(datetime.fromtimestamp(epoch, timezone.utc))
 
 
-def _canonical_line(rt: Any, result: TaskResult) -> None:
-    task = rt.task
-    log.info(
-        "task finished id=%s spider=%s status=%s error_code=%s exit_code=%s duration_ms=%s items=%s log_lines=%s",
-        task.id, task.spider_name or task.spider_id, result.status, result.error_code or "-",
-        result.exit_code, result.duration_ms, result.item_count, result.log_lines,
-    )
+def _canonical_line(task: Task | None, result: TaskResult, install: tuple[float, bool] | None,
+                    task_id: str | None = None) -> None:
+    """The one line per finished task (see :func:`ckagent.logs.log_task_finished`); ``install`` is
+    (seconds, cache hit) when the dependencies were prepared."""
+    log_task_finished(log, {
+        "task_id": task.id if task is not None else task_id,
+        "spider": (task.spider_name or task.spider_id) if task is not None else None,
+        "status": result.status,
+        "error_code": result.error_code,
+        "exit_code": result.exit_code,
+        "duration_seconds": None if result.duration_ms is None else round(result.duration_ms / 1000, 3),
+        "items": result.item_count,
+        "log_lines": result.log_lines,
+        "install_seconds": None if install is None else round(install[0], 3),
+        "cache_hit": None if install is None else install[1],
+    })
 
 
 def run_agent(settings: Settings) -> int:
     """Entry point for ``ckagent run``: set up logging, run the agent on Trio, return the exit code."""
-    setup_logging(settings.logging.level, settings.logging.file, settings.logging.format)
+    token, api_key = settings.agent.registration_token, settings.agent.api_key
+    setup_logging(settings.logging.level, settings.logging.file, settings.logging.format,
+                  max_bytes=settings.logging.max_bytes, backup_count=settings.logging.backup_count,
+                  secrets=[s.reveal() for s in (token, api_key) if s is not None])
     Path(settings.task.work_dir).mkdir(parents=True, exist_ok=True)
     agent = Agent(settings)
     try:

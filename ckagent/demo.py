@@ -69,6 +69,7 @@ async def _demo(work_dir: Path, keep: bool) -> int:
             "AGENT_WORK_DIR": str(work_dir / "agent"),
             "AGENT_NAME": "demo-node",
             "AGENT_IP": "127.0.0.1",
+            "AGENT_PORT": "0",
             "AGENT_HEARTBEAT_INTERVAL": "2",
             "AGENT_TASK_LONG_POLL_WAIT": "10",
         })
@@ -83,7 +84,8 @@ async def _demo(work_dir: Path, keep: bool) -> int:
         with trio.fail_after(30):
             await agent.started.wait()
         _say(f"2. agent registered as node {agent.master.node_id} "
-             f"(max_workers {agent.max_workers}; work dir {settings.task.work_dir}; log {work_dir / 'agent.log'})")
+             f"(max_workers {agent.max_workers}; work dir {settings.task.work_dir}; log {work_dir / 'agent.log'}; "
+             f"status http://127.0.0.1:{agent.status_port}/status)")
         async with AdminClient(base_url, admin_token) as admin:
             tasks: list[tuple[DemoSpider, str]] = []
             for spider in SPIDERS:

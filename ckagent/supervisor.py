@@ -118,6 +118,25 @@ class RunnerConfig:
 TaskObserver = Callable[[RunningTask, TaskResult], None]
 
 
+class SupervisorObserver:
+    """Hooks into a task's life for metrics (``ckagent.metrics.AgentMetrics``); no-ops here.
+
+    Called on the Trio thread at each step; an implementation must not block or raise.
+    """
+
+    def task_admitted(self, rt: RunningTask) -> None:
+        """A claimed task was admitted (it is queued)."""
+
+    def task_started(self, rt: RunningTask) -> None:
+        """The task now holds a slot and its spider's lock (its queue wait is over)."""
+
+    def deps_prepared(self, rt: RunningTask, prepared: Prepared) -> None:
+        """The task's dependencies are ready (``prepared.cache_hit``, ``prepared.seconds``)."""
+
+    def task_finished(self, rt: RunningTask, result: TaskResult) -> None:
+        """The outcome is known; streams are not flushed and the result not sent yet."""
+
+
 class Supervisor:
     """Admits claimed tasks and runs each one's life (see module docstring)."""
 
@@ -130,6 +149,7 @@ class Supervisor:
         deps: Dependencies,
         max_workers: int,
         on_finished: TaskObserver | None = None,
+        observer: SupervisorObserver | None = None,
         *,
         outbox: Outbox,
     ) -> None:
@@ -145,6 +165,7 @@ class Supervisor:
         self._spider_locks: dict[str, trio.Lock] = {}
         self._slot_freed = trio.Event()
         self._on_finished = on_finished
+        self._observer = observer or SupervisorObserver()
 
     # ------------------------------------------------------------------ admission
 
@@ -175,6 +196,7 @@ class Supervisor:
         """Record a claimed task as ours (call before spawning :meth:`run_task`)."""
         rt = RunningTask(task=task)
         self.running[task.id] = rt
+        self._observer.task_admitted(rt)
         return rt
 
     def cancel(self, task_id: str, reason: str) -> bool:
@@ -228,6 +250,7 @@ class Supervisor:
                 finished_at=utc_iso(datetime.fromtimestamp(finished_wall, timezone.utc)),
                 duration_ms=int((finished_wall - (rt.started_at or started_wall)) * 1000),
             )
+            self._observer.task_finished(rt, result)
             # Stores the result and hands the rest to the outbox; the slot is free when this returns.
             await delivery.finish(result)
         finally:
@@ -249,6 +272,7 @@ class Supervisor:
                 await held.enter_async_context(lock)
                 await held.enter_async_context(self.capacity)
                 rt.phase = "deploying"
+                self._observer.task_started(rt)
                 try:
                     if task.code_package is not None:
                         code_dir = await self._workspaces.deploy_package(
@@ -269,6 +293,7 @@ class Supervisor:
                     return TaskOutcome("FAILED", "DEPS_FAILED", str(exc)[-4000:])
                 for note in prepared.notes:
                     notice(note)
+                self._observer.deps_prepared(rt, prepared)
                 notice(f"dependencies {'cached' if prepared.cache_hit else 'installed'} in {prepared.seconds:.3f} s")
             if rt.stop_reason is not None:
                 notice(f"stopped before the spider started: {rt.stop_reason}")

@@ -39,6 +39,7 @@ def agent_settings(work_dir: Path, base_url: str, registration_token: str, **env
         "AGENT_TASK_KILL_GRACE": "2",
         "AGENT_NAME": "test-node",
         "AGENT_IP": "127.0.0.1",
+        "AGENT_PORT": "0",  # the status server on a free port: tests (and engineers) run side by side
     }
     values.update(env)
     return load_settings(None, env=values, require_token=True)
@@ -102,6 +103,7 @@ class AgentProcess:
         config: dict[str, Any] = {
             "server": {"url": base_url},
             "agent": {"registration_token": registration_token, "name": "proc-node", "ip": "127.0.0.1",
+                      "port": 0,
                       "max_workers": 2},
             "heartbeat": {"interval": 1},
             "task": {"work_dir": str(directory / "data"), "poll_interval": 0.5, "long_poll_wait": 2,

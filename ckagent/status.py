@@ -1,0 +1,317 @@
+"""The agent's own HTTP port: /metrics, /healthz, /readyz, /status — hypercorn on the agent's Trio loop.
+
+======== ===================================================================================
+path     answer
+======== ===================================================================================
+/metrics Prometheus text format (OpenMetrics when the scraper asks for it); see ckagent.metrics
+/healthz 200 ``ok`` — served by the agent's own event loop, so a stuck loop fails it
+/readyz  200 ``ready`` when registered and the last heartbeat was acknowledged within
+         ``3 × heartbeat.interval`` seconds and the agent is RUNNING; else 503 with the reason
+/status  JSON: state, node id, running tasks (id, spider, since, pid, phase), outbox, versions
+other    404 (a known path with a method other than GET/HEAD: 405)
+======== ===================================================================================
+
+It listens on ``agent.bind`` (default: ``agent.ip``) port ``agent.port``. Nothing it serves
+carries a secret (no token, key, task environment or arguments), but it does tell who runs what:
+bind it to an address only your monitoring can reach.
+
+Exception tree::
+
+    OSError
+    └── StatusPortError   the address cannot be bound (in use, not local, no permission); the
+                          message names the address and the setting to change
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import platform
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from functools import partial
+from typing import TYPE_CHECKING, Any, cast
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+from hypercorn.typing import ASGIFramework
+
+from ckagent import __version__
+from ckagent.metrics import PHASES, AgentMetrics, LiveFigures, OutboxFigures, OutboxReader
+from ckagent.protocol import utc_iso
+
+if TYPE_CHECKING:
+    from ckagent.agent import Agent
+
+log = logging.getLogger(__name__)
+
+READY_HEARTBEATS = 3
+"""/readyz fails once no heartbeat was acknowledged for this many heartbeat intervals."""
+
+Body = tuple[int, str, bytes]
+"""(HTTP status, content type, body)."""
+
+
+class StatusPortError(OSError):
+    """The status/metrics port cannot be bound; ``str()`` says which address and what to change."""
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """The answer of /readyz: ``ready`` and, when not, why (one line, no secrets)."""
+
+    ready: bool
+    reason: str = "ready"
+
+
+@dataclass(frozen=True)
+class StatusRoutes:
+    """What the server serves; each callable runs on the Trio loop.
+
+    ``metrics(accept_header)`` → (body, content type); ``readiness()`` → Readiness;
+    ``status()`` → a JSON-able dict. An exception in one of them answers 500 (and is logged).
+    """
+
+    metrics: Callable[[str], Awaitable[tuple[bytes, str]]]
+    readiness: Callable[[], Readiness]
+    status: Callable[[], Awaitable[dict[str, Any]]]
+
+
+class StatusApp:
+    """The ASGI application (plain ASGI: four routes need no framework)."""
+
+    def __init__(self, routes: StatusRoutes) -> None:
+        self._routes = routes
+        self._paths: dict[str, Callable[[dict[str, Any]], Awaitable[Body]]] = {
+            "/metrics": self._metrics,
+            "/healthz": self._healthz,
+            "/readyz": self._readyz,
+            "/status": self._status,
+        }
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]],
+                       send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        """ASGI entry point (``http`` and ``lifespan`` scopes)."""
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        handler = self._paths.get(scope["path"])
+        headers: list[tuple[bytes, bytes]] = []
+        if handler is None:
+            status, ctype, body = 404, "text/plain; charset=utf-8", b"not found\n"
+        elif scope["method"] not in ("GET", "HEAD"):
+            status, ctype, body = 405, "text/plain; charset=utf-8", b"method not allowed\n"
+            headers.append((b"allow", b"GET, HEAD"))
+        else:
+            try:
+                status, ctype, body = await handler(scope)
+            except Exception:
+                log.exception("status server: %s failed", scope["path"])
+                status, ctype, body = 500, "text/plain; charset=utf-8", b"internal error\n"
+        headers += [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode()),
+                    (b"cache-control", b"no-store")]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
+
+    async def _metrics(self, scope: dict[str, Any]) -> Body:
+        accept = ""
+        for name, value in scope.get("headers", []):
+            if name == b"accept":
+                accept = value.decode("latin-1")
+        body, ctype = await self._routes.metrics(accept)
+        return 200, ctype, body
+
+    async def _healthz(self, scope: dict[str, Any]) -> Body:
+        return 200, "text/plain; charset=utf-8", b"ok\n"
+
+    async def _readyz(self, scope: dict[str, Any]) -> Body:
+        answer = self._routes.readiness()
+        return (200 if answer.ready else 503), "text/plain; charset=utf-8", (answer.reason + "\n").encode()
+
+    async def _status(self, scope: dict[str, Any]) -> Body:
+        data = await self._routes.status()
+        return 200, "application/json", json.dumps(data, ensure_ascii=False, indent=1).encode() + b"\n"
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (port 0 = any free port), not yet listening.
+
+    Raises StatusPortError naming the address and the settings to change.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        shown = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+        hint = "is another ckagent (or another program) using it? " if exc.errno == errno.EADDRINUSE else ""
+        raise StatusPortError(
+            f"cannot listen on {shown} for the status/metrics server: {exc.strerror or exc}; "
+            f"{hint}set agent.port (AGENT_PORT) or agent.bind (AGENT_BIND)",
+        ) from exc
+    return sock
+
+
+async def serve_status(
+    routes: StatusRoutes,
+    host: str,
+    port: int,
+    *,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the status routes on ``host:port`` until cancelled; ``task_status.started(bound_port)``.
+
+    Raises StatusPortError (before ``started``) when the address cannot be bound. Cancellation
+    closes the socket; in-flight requests are abandoned (they are all short).
+    """
+    sock = bind_socket(host, port)
+    bound_port = int(sock.getsockname()[1])
+    config = HypercornConfig()
+    config.bind = [f"fd://{sock.detach()}"]  # hypercorn owns (and closes) the descriptor from here
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.include_server_header = False
+    config.graceful_timeout = 1.0
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(hypercorn_serve, cast(ASGIFramework, StatusApp(routes)), config))
+        shown = f"[{host}]" if ":" in host else host
+        log.info("status server on http://%s:%d (/metrics /healthz /readyz /status)", shown, bound_port)
+        task_status.started(bound_port)
+
+
+class AgentStatus:
+    """The agent's routes: reads ``agent`` (state, master, heartbeat, supervisor, workspaces) at request time.
+
+    ``started`` is the agent's start in ``trio.current_time()`` (heartbeat age before the first beat).
+    """
+
+    def __init__(self, agent: Agent, metrics: AgentMetrics, outbox: OutboxReader | None) -> None:
+        self._agent = agent
+        self._metrics = metrics
+        self._outbox = outbox
+        self._started = trio.current_time()
+
+    def routes(self) -> StatusRoutes:
+        """The callables :func:`serve_status` serves."""
+        return StatusRoutes(metrics=self.metrics, readiness=self.readiness, status=self.status)
+
+    def heartbeat_age(self) -> float:
+        """Seconds since the last acknowledged heartbeat (since the start when there was none)."""
+        heartbeat = getattr(self._agent, "heartbeat", None)
+        last = heartbeat.last_success if heartbeat is not None else None
+        return max(0.0, trio.current_time() - (self._started if last is None else last))
+
+    def readiness(self) -> Readiness:
+        """Ready = RUNNING, registered, and a heartbeat acknowledged within READY_HEARTBEATS intervals."""
+        agent = self._agent
+        if agent.state != "RUNNING":
+            return Readiness(False, f"not ready: the agent is {agent.state}")
+        if not agent.master.registered:
+            return Readiness(False, "not ready: not registered with the master yet")
+        heartbeat = agent.heartbeat
+        if heartbeat.last_success is None:
+            return Readiness(False, "not ready: no heartbeat acknowledged by the master yet")
+        age = trio.current_time() - heartbeat.last_success
+        limit = READY_HEARTBEATS * heartbeat.interval
+        if age > limit:
+            master = "reachable" if agent.master.connectivity.up else "unreachable"
+            return Readiness(False, f"not ready: the last heartbeat was acknowledged {age:.1f} s ago "
+                                    f"(limit {limit:g} s = {READY_HEARTBEATS} x heartbeat.interval); "
+                                    f"the master is {master}")
+        return Readiness(True, "ready")
+
+    async def _outbox_figures(self) -> OutboxFigures:
+        if self._outbox is None:
+            return OutboxFigures()
+        return await trio.to_thread.run_sync(self._outbox.read)
+
+    def live(self, outbox: OutboxFigures) -> LiveFigures:
+        """The scrape-time snapshot (on the Trio thread)."""
+        agent = self._agent
+        supervisor = agent.supervisor
+        phases = dict.fromkeys(PHASES, 0)
+        if supervisor is not None:
+            for rt in list(supervisor.running.values()):
+                phases[rt.phase] = phases.get(rt.phase, 0) + 1
+        workspaces = getattr(agent, "workspaces", None)
+        return LiveFigures(
+            state=agent.state,
+            registered=agent.master.registered,
+            master_up=agent.master.connectivity.up and agent.master.registered,
+            node_id=agent.master.node_id,
+            heartbeat_age_seconds=self.heartbeat_age(),
+            max_workers=agent.max_workers,
+            free_slots=supervisor.free_slots() if supervisor is not None else agent.max_workers,
+            phases=phases,
+            code_download_bytes=int(getattr(workspaces, "downloaded_bytes", 0)),
+            outbox=outbox,
+        )
+
+    async def metrics(self, accept: str) -> tuple[bytes, str]:
+        """/metrics: outbox figures and the exposition are produced in a worker thread."""
+        live = self.live(await self._outbox_figures())
+        return await trio.to_thread.run_sync(self._metrics.render, live, accept)
+
+    async def status(self) -> dict[str, Any]:
+        """/status as a JSON-able dict (camelCase keys, times ISO-8601 UTC, no secrets)."""
+        agent = self._agent
+        outbox = await self._outbox_figures()
+        readiness = self.readiness()
+        supervisor = agent.supervisor
+        tasks = []
+        for rt in list(supervisor.running.values()) if supervisor is not None else []:
+            tasks.append({
+                "id": rt.task.id,
+                "spiderId": rt.task.spider_id,
+                "spiderName": rt.task.spider_name,
+                "framework": rt.task.framework,
+                "phase": rt.phase,
+                "since": _iso(rt.claimed_at),
+                "startedAt": _iso(rt.started_at),
+                "pid": rt.pid,
+            })
+        return {
+            "state": agent.state,
+            "ready": readiness.ready,
+            "readyReason": readiness.reason,
+            "name": agent.settings.agent.name,
+            "nodeId": agent.master.node_id,
+            "registered": agent.master.registered,
+            "masterUp": agent.master.connectivity.up,
+            "heartbeatAgeSeconds": round(self.heartbeat_age(), 3),
+            "maxWorkers": agent.max_workers,
+            "freeSlots": supervisor.free_slots() if supervisor is not None else agent.max_workers,
+            "runningTasks": sorted(tasks, key=lambda t: str(t["since"])),
+            "outbox": {"logLines": outbox.log_lines, "items": outbox.items, "results": outbox.results,
+                       "tasks": outbox.tasks},
+            "versions": {"agent": __version__, "python": platform.python_version(),
+                         "runtimes": _runtime_versions(agent.runtimes)},
+        }
+
+
+def _iso(epoch: float | None) -> str | None:
+    return None if epoch is None else utc_iso(datetime.fromtimestamp(epoch, timezone.utc))
+
+
+def _runtime_versions(runtimes: dict[str, Any]) -> dict[str, Any]:
+    """Versions only (no paths) from the runtime scan."""
+    out: dict[str, Any] = {}
+    for name, info in runtimes.items():
+        if isinstance(info, dict):
+            out[name] = info.get("version")
+        elif isinstance(info, str | None):
+            out[name] = info
+    return out

@@ -1,0 +1,200 @@
+"""The agent's own log: JSON lines, rotation, redaction, where it goes, and the canonical task line —
+the last checked on a real agent process running real tasks against the dev master."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import signal
+import sqlite3
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+from harness import AgentProcess, submit
+
+from ckagent.logs import JsonFormatter, RedactingFormatter, log_task_finished, setup_logging
+
+CANONICAL_KEYS = ["task_id", "spider", "status", "error_code", "exit_code", "duration_seconds", "items",
+                  "log_lines", "install_seconds", "cache_hit"]
+
+
+@pytest.fixture
+def root_logger() -> Iterator[logging.Logger]:
+    """The root logger, restored after the test (setup_logging replaces its handlers)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        yield root
+    finally:
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+            if handler not in handlers:
+                handler.close()
+        for handler in handlers:
+            root.addHandler(handler)
+        root.setLevel(level)
+
+
+def record(message: str, *args: object, **extra: object) -> logging.LogRecord:
+    rec = logging.LogRecord("ckagent.test", logging.WARNING, __file__, 1, message, args, None)
+    for key, value in extra.items():
+        setattr(rec, key, value)
+    return rec
+
+
+def test_json_lines_carry_fields_as_keys_and_stay_one_line() -> None:
+    fmt = JsonFormatter()
+    line = fmt.format(record("two\nlines: %s", "ünïcode", fields={"task_id": "t1", "items": 3, "level": "x"}))
+    assert "\n" not in line
+    entry = json.loads(line)
+    assert entry["message"] == "two\nlines: ünïcode" and entry["logger"] == "ckagent.test"
+    assert entry["level"] == "WARNING"  # a field never overrides the record's own keys
+    assert entry["task_id"] == "t1" and entry["items"] == 3
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}\+00:00", entry["time"])
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        rec = record("failed")
+        rec.exc_info = sys.exc_info()
+    entry = json.loads(fmt.format(rec))
+    assert "ValueError: boom" in entry["exception"]
+
+
+def test_secrets_are_masked_in_every_format() -> None:
+    for inner in (JsonFormatter(), logging.Formatter("%(message)s")):
+        fmt = RedactingFormatter(inner, ["reg-token-123", "", "api-key-456"])
+        text = fmt.format(record("sent %s and %s", "reg-token-123", "Bearer api-key-456", fields={"k": "api-key-456"}))
+        assert "reg-token-123" not in text and "api-key-456" not in text and text.count("***") >= 2
+
+
+def test_rotation_by_size_and_count(tmp_path: Path, root_logger: logging.Logger) -> None:
+    path = tmp_path / "logs" / "agent.log"
+    setup_logging("INFO", path, "json", max_bytes=2048, backup_count=2)
+    log = logging.getLogger("ckagent.rotation")
+    for i in range(200):
+        log.info("line %d %s", i, "x" * 40)
+    files = sorted(p.name for p in path.parent.iterdir())
+    assert files == ["agent.log", "agent.log.1", "agent.log.2"]
+    for p in path.parent.iterdir():
+        assert p.stat().st_size <= 2048
+        for line in p.read_text().splitlines():
+            json.loads(line)
+    assert "line 199" in path.read_text()
+
+
+def test_stderr_only_in_the_foreground(tmp_path: Path, root_logger: logging.Logger,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    def kinds() -> list[str]:
+        return sorted(type(h).__name__ for h in root_logger.handlers)
+
+    setup_logging("INFO", None)
+    assert kinds() == ["StreamHandler"]  # no file: stderr, always
+    setup_logging("INFO", tmp_path / "a.log")  # pytest's stderr is not a terminal: the file only
+    assert kinds() == ["RotatingFileHandler"]
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    setup_logging("INFO", tmp_path / "a.log")  # running in a terminal: both
+    assert kinds() == ["RotatingFileHandler", "StreamHandler"]
+    setup_logging("DEBUG", tmp_path / "a.log", stderr=False)
+    assert kinds() == ["RotatingFileHandler"] and root_logger.level == logging.DEBUG
+
+
+def test_canonical_line_text_format(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    log_task_finished(logging.getLogger("ckagent.agent"), {
+        "task_id": "t1", "spider": "my shop", "status": "FAILED", "error_code": "EXIT_NONZERO", "exit_code": 3,
+        "duration_seconds": 1.5, "items": 0, "log_lines": 12, "install_seconds": None, "cache_hit": True,
+    })
+    (rec,) = caplog.records
+    assert rec.getMessage() == (
+        'task finished task_id=t1 spider="my shop" status=FAILED error_code=EXIT_NONZERO exit_code=3 '
+        "duration_seconds=1.500 items=0 log_lines=12 install_seconds=- cache_hit=true"
+    )
+    assert rec.fields["event"] == "task_finished" and rec.fields["exit_code"] == 3  # type: ignore[attr-defined]
+
+
+def _strings_hashing_to(text: str, sha256_hex: set[str], length: int) -> list[str]:
+    """Every ``length``-character window of URL-safe runs in ``text`` whose SHA-256 is in ``sha256_hex``."""
+    found = []
+    for run in re.findall(rf"[A-Za-z0-9_\-]{{{length},}}", text):
+        for i in range(len(run) - length + 1):
+            window = run[i : i + length]
+            if hashlib.sha256(window.encode()).hexdigest() in sha256_hex:
+                found.append(window)
+    return found
+
+
+async def test_real_agent_json_log_canonical_lines_and_no_secrets(dev_master, tmp_path: Path) -> None:
+    log_file = tmp_path / "agent-own.log"
+    agent = AgentProcess(tmp_path, dev_master.base_url, dev_master.registration_token,
+                         logging__format="json", logging__level="DEBUG", logging__file=str(log_file))
+    task_secret = "sekret-in-task-env-0042"
+    try:
+        with trio.fail_after(90):
+            await agent.start()
+            ok = await submit(dev_master.admin, "good spider", {
+                "main.py": "import crawlerkeeper_sdk as ck\nprint('hi')\nck.save_item({'a': 1})\nck.save_item({'a': 2})\n",
+            }, )
+            bad = await submit(dev_master.admin, "bad", {"main.py": "import sys\nsys.exit(4)\n"})
+            ok_task = await dev_master.admin.wait_task_final(ok, 60)
+            bad_task = await dev_master.admin.wait_task_final(bad, 60)
+            third = await submit(dev_master.admin, "envy", {"main.py": "import os\nprint(len(os.environ.get('API_TOKEN', '')))\n"})
+            spider_id = (await dev_master.admin.get_task(third))["spiderId"]
+            with_env = await dev_master.admin.create_task(spider_id, env={"API_TOKEN": task_secret})
+            await dev_master.admin.wait_task_final(third, 60)
+            await dev_master.admin.wait_task_final(with_env, 60)
+
+            def canonical() -> list[dict[str, object]]:
+                if not log_file.exists():
+                    return []
+                return [e for e in map(json.loads, log_file.read_text().splitlines())
+                        if e.get("event") == "task_finished"]
+
+            while True:  # each line is logged once the master has acknowledged the result
+                if len(canonical()) >= 4:
+                    break
+                await trio.sleep(0.05)
+            agent.signal(signal.SIGTERM)
+            assert await agent.wait() == 0
+    finally:
+        await agent.kill()
+
+    text = log_file.read_text()
+    entries = [json.loads(line) for line in text.splitlines()]  # every line is one JSON object
+    assert all({"time", "level", "logger", "message"} <= set(e) for e in entries)
+    assert any("status server on" in e["message"] for e in entries)
+    lines = [e for e in entries if e.get("event") == "task_finished"]
+    assert sorted(e["task_id"] for e in lines) == sorted([ok, bad, third, with_env])  # once per task
+    by_id = {e["task_id"]: e for e in lines}
+    good = by_id[ok]
+    assert [k for k in good if k in CANONICAL_KEYS] == CANONICAL_KEYS
+    assert (good["spider"], good["status"], good["error_code"], good["exit_code"]) == ("good spider", "SUCCESS",
+                                                                                        None, 0)
+    assert good["items"] == 2 == ok_task["itemCount"] and good["log_lines"] == ok_task["logLines"]
+    assert isinstance(good["duration_seconds"], float) and isinstance(good["install_seconds"], float)
+    assert isinstance(good["cache_hit"], bool)
+    assert good["message"].startswith(f"task finished task_id={ok} spider=\"good spider\" status=SUCCESS")
+    failed = by_id[bad]
+    assert (failed["status"], failed["error_code"], failed["exit_code"]) == ("FAILED", "EXIT_NONZERO", 4)
+    assert failed["log_lines"] == bad_task["logLines"]
+    assert by_id[with_env]["cache_hit"] is True  # the same spider's second run reuses its venv
+
+    # No secret in the agent's own log nor in what it wrote to stderr.
+    everything = text + agent.log_text()
+    assert dev_master.registration_token not in everything
+    assert task_secret not in everything
+    db = sqlite3.connect(f"file:{dev_master.db_path}?mode=ro", uri=True)
+    try:
+        key_hashes = {row[0] for row in db.execute("SELECT api_key_sha256 FROM nodes")}
+    finally:
+        db.close()
+    assert key_hashes
+    assert _strings_hashing_to(everything, key_hashes, 43) == []
+    # The scan does find a key when one is there.
+    probe = "Z" * 43
+    probe_hash = {hashlib.sha256(probe.encode()).hexdigest()}
+    assert _strings_hashing_to(f'{{"h": "Bearer {probe}"}}', probe_hash, 43) == [probe]
