@@ -455,7 +455,11 @@ cmd_restart() {
 cmd_status() {
   local pid mode version=""
   source_mode && mode=source || mode=install
-  if ! source_mode && [[ -f "$PYZ" ]]; then version=" $(pyz_version "$PYZ" 2>/dev/null || true)"; fi
+  if source_mode; then
+    version=" $(sed -n 's/^__version__ = "\(.*\)"$/\1/p' "$DIR/ckagent/__init__.py")"
+  elif [[ -f "$PYZ" ]]; then
+    version=" $(pyz_version "$PYZ" 2>/dev/null || true)"
+  fi
   if pid="$(agent_pid)"; then
     load_last_args
     agent_command_if_installed
