@@ -6,7 +6,7 @@ that answers at once with nothing (no long poll) is asked again after ``poll_int
 that held the request is asked again at once, and so is one whose held poll excluded a spider that
 has since finished here (that spider's next task would otherwise wait out the long poll). When no
 slot is free the poller waits for one and polls the moment it frees. Each task is claimed (result
-RUNNING) before it runs; a 409 drops it. A task that breaks the schema is reported FAILED/BAD_TASK and the others run.
+RUNNING; the claims of one answer go out together) before it runs; a 409 drops it. A task that breaks the schema is reported FAILED/BAD_TASK and the others run.
 
 Cancelling the poller (drain) stops claiming; tasks already claimed run on in the work nursery.
 """
@@ -18,7 +18,7 @@ import logging
 import trio
 
 from ckagent.master import MasterClient, MasterConflict, MasterError, MasterRejected, MasterUnavailable
-from ckagent.protocol import BadTask, PendingTasks, ProtocolError, TaskResult, utc_now_iso
+from ckagent.protocol import BadTask, PendingTasks, ProtocolError, Task, TaskResult, utc_now_iso
 from ckagent.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -68,12 +68,11 @@ class Poller:
                 self._supervisor.cancel(task_id, "cancelled by the master")
             for bad in answer.bad_tasks:
                 work.start_soon(self._report_bad_task, bad)
-            for task in answer.tasks:
-                if task.id in self._supervisor.running:
-                    continue
-                if await self._claim(task.id):
-                    rt = self._supervisor.admit(task)
-                    work.start_soon(self._supervisor.run_task, rt, name=f"task {task.id}")
+            # Claims go out together; each task starts as soon as its own claim is answered.
+            async with trio.open_nursery() as claims:
+                for task in answer.tasks:
+                    if task.id not in self._supervisor.running:
+                        claims.start_soon(self._claim_and_start, task, work)
             held = trio.current_time() - started >= self.long_poll_wait / 2
             if not answer.tasks and not (self.long_poll_wait and held):
                 await trio.sleep(self.poll_interval)
@@ -124,6 +123,11 @@ class Poller:
         )
         self.polls += 1
         return PendingTasks.from_json(answer if answer is not None else {})
+
+    async def _claim_and_start(self, task: Task, work: trio.Nursery) -> None:
+        if await self._claim(task.id):
+            rt = self._supervisor.admit(task)
+            work.start_soon(self._supervisor.run_task, rt, name=f"task {task.id}")
 
     async def _claim(self, task_id: str) -> bool:
         body = TaskResult(status="RUNNING", started_at=utc_now_iso()).to_json()

@@ -71,6 +71,7 @@ class FakeMaster:
     answers: list[dict[str, Any]] = field(default_factory=list)
     hold_empty: bool = False  # long poll: an empty answer is held for waitSeconds
     claim_status: Callable[[str], int] = lambda task_id: 200
+    claim_delay: float = 0.0  # seconds the master takes to answer a claim
     polls: list[Poll] = field(default_factory=list)
     answered_at: list[float] = field(default_factory=list)
     results: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
@@ -93,6 +94,8 @@ class FakeMaster:
             task_id = path.split("/")[3]
             body = json.loads(request.content)
             self.results.setdefault(task_id, []).append(body)
+            if body["status"] == "RUNNING":
+                await trio.sleep(self.claim_delay)
             status = self.claim_status(task_id) if body["status"] == "RUNNING" else 200
             return httpx.Response(status, json={"error": "already claimed"} if status == 409 else {"ok": True})
         return httpx.Response(404, json={"error": f"no route {path}"})
@@ -228,6 +231,20 @@ async def test_held_poll_excluding_a_spider_that_finished_is_asked_again(autojum
 
 
 # ---------------------------------------------------------------------------- claims
+
+
+async def test_the_claims_of_one_answer_go_out_together(autojump_clock: Any, tmp_path: Path) -> None:
+    master = FakeMaster(answers=[{"tasks": [task_json("t1", "s1"), task_json("t2", "s2")], "cancelTaskIds": []}],
+                        hold_empty=True, claim_delay=1.0)
+
+    async def body(poller: Poller, sup: HoldingSupervisor) -> None:
+        await master.wait_polls(1)
+        polled_at = master.polls[0].at
+        await master.wait_polls(2)
+        assert sorted(sup.started) == ["t1", "t2"]
+        assert master.polls[1].at == polled_at + 1.0  # one claim's time, not two in a row
+
+    await run_poller(master, tmp_path, body)
 
 
 async def test_a_task_claimed_elsewhere_is_not_admitted(autojump_clock: Any, tmp_path: Path) -> None:
