@@ -148,7 +148,7 @@ print(json.dumps({
 @pytest.mark.parametrize("version", SUPPORTED)
 def test_one_pyz_runs_on_each_supported_python(pyz: Path, version: str, tmp_path: Path) -> None:
     python = require_interpreter(version)
-    shiv_root = tmp_path / "shiv"
+    shiv_root = pyz.parent / "shiv-shared"  # one extraction serves every version (each adds its own .pyc)
     result = run_pyz(python, pyz, "version", shiv_root=shiv_root)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"ckagent {ckagent.__version__} (Python {version}."), result.stdout
