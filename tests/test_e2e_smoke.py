@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import trio
-
 from harness import agent_settings, running_agent, submit
 
 
