@@ -17,8 +17,13 @@
 States: RUNNING → DRAINING (stop claiming; running tasks get ``task.drain_timeout`` seconds) →
 TERMINATING (every task: TERM → ``task.kill_grace`` → KILL, reported CANCELLED; then a bounded
 flush) → STOPPED (work scope cancelled if it still runs; unsent data stays in the state store for
-the next start). The agent therefore exits within drain_timeout + kill_grace + FLUSH_TIMEOUT
-(plus a few seconds), even with the master down.
+the next start). The agent therefore exits within drain_timeout + kill_grace + flush_timeout
+(plus a few seconds), even with the master down: one deadline, set when TERMINATING starts, bounds
+both the tasks' reporting and the final flush. A signal while STOPPING (flushing) skips the rest
+of the flush.
+
+Crash recovery runs before registration (it needs no master): leftovers of tasks that ran when the
+agent died are killed at once, and their AGENT_LOST results wait in the state store.
 
 Exit codes of :func:`run_agent`: 0 after a clean drain/terminate, 1 when the agent cannot run
 (registration refused, state store unusable, status port in use), 2 for configuration problems
@@ -28,6 +33,7 @@ found late.
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import signal
 import sys
@@ -49,7 +55,7 @@ from ckagent.logs import log_task_finished, setup_logging
 from ckagent.master import MasterClient, RegistrationRefused
 from ckagent.metrics import AgentMetrics, OutboxReader
 from ckagent.poller import Poller
-from ckagent.process import sweep
+from ckagent.process import RunAs, sweep
 from ckagent.protocol import RegisterRequest, Task, TaskResult, utc_iso, utc_now_iso
 from ckagent.resources import HealthSampler, compute_max_workers
 from ckagent.runtimes import detect_runtimes, find_chromedriver, find_chromium
@@ -61,7 +67,8 @@ from ckagent.workspace import Workspaces
 log = logging.getLogger(__name__)
 
 FLUSH_TIMEOUT = 10.0
-"""Seconds the agent waits, when stopping, for unsent results and streams before leaving them on disk."""
+"""Default of ``task.flush_timeout``: seconds the agent waits, when stopping, for unsent results and
+streams before leaving them on disk."""
 RUNTIME_SCAN_INTERVAL = 300.0
 
 
@@ -80,6 +87,9 @@ class Agent:
         self.supervisor: Supervisor | None = None
         self._work_done = trio.Event()
         self._terminating = trio.Event()
+        self._flush_scope = trio.CancelScope()
+        self._exit_deadline = float("inf")
+        """trio time by which the agent stops waiting for tasks and the master (set by TERMINATING)."""
         self.started = trio.Event()
         """Set once the agent has registered, recovered and begun polling (state RUNNING)."""
         self.metrics = AgentMetrics(__version__, settings.agent.name)
@@ -123,6 +133,15 @@ class Agent:
         except StateStoreError as exc:
             log.error("%s", exc)
             return 1
+        try:
+            run_as = _run_as(s.task.run_as_user)
+        except ValueError as exc:
+            log.error("%s", exc)
+            return 2
+        if os.getpid() == 1:
+            log.warning("running as PID 1 without an init: processes orphaned by spiders are not reaped "
+                        "(<defunct> entries pile up); run the container with `--init` or tini "
+                        "(see docs/operations.md)")
         self.runtimes = await trio.to_thread.run_sync(detect_runtimes, s.deps.uv_path)
         base_env = spider_base_env()
         extra_env: dict[str, str] = {}
@@ -139,6 +158,7 @@ class Agent:
             uv_cache_dir=s.deps.uv_cache_dir,
             timeout=s.deps.uv_sync_timeout,
             base_env=base_env,
+            run_as=run_as,
         )
         outbox = self.outbox = Outbox(self.master, store, self.work_dir, OutboxConfig(
             log_globs=tuple(g for g in s.task.log_files.split(",") if g),
@@ -146,7 +166,8 @@ class Agent:
             retention=s.task.retention, agent_secrets=self._secrets,
         ))
         supervisor = self.supervisor = Supervisor(
-            RunnerConfig(self.work_dir, s.task.execute_timeout, s.task.kill_grace, self._secrets, extra_env),
+            RunnerConfig(self.work_dir, s.task.execute_timeout, s.task.kill_grace, self._secrets, extra_env,
+                         run_as=run_as),
             self.master, store, workspaces, deps, self.max_workers,
             on_finished=self._task_delivered, outbox=outbox, observer=self.metrics,
         )
@@ -172,6 +193,9 @@ class Agent:
                     root.cancel_scope.cancel()
                     return 1
                 root.start_soon(self._signals)
+                leftovers = await self._recover(store)
+                if s.task.cleanup_temp_files:
+                    await cleanup_task_dirs(store, self.work_dir / "tasks", 0)
                 try:
                     with self._startup_scope:
                         await self.master.register()
@@ -183,9 +207,6 @@ class Agent:
                     log.info("stopped before registration completed")
                     root.cancel_scope.cancel()
                     return 0
-                leftovers = await self._recover(store)
-                if s.task.cleanup_temp_files:
-                    await cleanup_task_dirs(store, self.work_dir / "tasks", 0)
                 await root.start(outbox.run)
                 for record in leftovers:
                     await outbox.resume(record)
@@ -194,7 +215,8 @@ class Agent:
                         delivery.on_delivered = partial(self._leftover_delivered, record)
                 root.start_soon(self.heartbeat.run)
                 root.start_soon(self._rescan_runtimes)
-                self.state = "RUNNING"
+                if self.state == "STARTING":
+                    self.state = "RUNNING"
                 self.started.set()
                 with self._work_scope:
                     async with trio.open_nursery() as work:
@@ -202,7 +224,8 @@ class Agent:
                             await self.poller.run(work)
                 self._work_done.set()
                 self.state = "STOPPING"
-                with trio.move_on_after(FLUSH_TIMEOUT):
+                flush_until = min(trio.current_time() + s.task.flush_timeout, self._exit_deadline)
+                with self._flush_scope, trio.move_on_at(flush_until):
                     await outbox.wait_idle()
                 if outbox.pending:
                     log.warning("stopping with undelivered results or logs; they stay in %s for the next start",
@@ -229,24 +252,36 @@ class Agent:
         self._poll_scope.cancel()
 
     def terminate(self) -> None:
-        """→ TERMINATING: stop every task (TERM → grace → KILL, reported CANCELLED) (idempotent)."""
+        """→ TERMINATING: stop every task (TERM → grace → KILL, reported CANCELLED) (idempotent).
+
+        From then on the agent stops within ``kill_grace + flush_timeout`` seconds: what the master
+        has not acknowledged by then stays in the state store. Call it from inside the agent's Trio run.
+        """
         if self._terminating.is_set():
             return
         log.info("terminating: stopping every running task")
+        self._exit_deadline = trio.current_time() + self.settings.task.kill_grace + self.settings.task.flush_timeout
         self.state = "TERMINATING"
         self._terminating.set()
         self._startup_scope.cancel()
         self._poll_scope.cancel()
         if self.supervisor is not None:
             self.supervisor.cancel_all("agent terminating")
+        trio.lowlevel.spawn_system_task(self._terminate_deadline)
 
     async def _signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
-                if signum == signal.SIGTERM and self.state not in ("DRAINING", "TERMINATING", "STOPPING"):
+                name = signal.Signals(signum).name
+                if self.state == "STOPPING":
+                    log.info("%s while flushing: leaving unsent data on disk and exiting now", name)
+                    self._flush_scope.cancel()
+                elif signum == signal.SIGTERM and self.state not in ("DRAINING", "TERMINATING"):
+                    log.info("SIGTERM: draining (a second SIGTERM or SIGINT terminates)")
                     self.drain()
                     trio.lowlevel.spawn_system_task(self._drain_deadline)
                 else:
+                    log.info("%s: terminating", name)
                     self._begin_terminate()
 
     async def _drain_deadline(self) -> None:
@@ -257,31 +292,41 @@ class Agent:
         self._begin_terminate()
 
     def _begin_terminate(self) -> None:
-        if self._terminating.is_set():
-            return
-        self.terminate()
-        trio.lowlevel.spawn_system_task(self._terminate_deadline)
+        self.terminate()  # kept for callers of the earlier name (test harness)
 
     async def _terminate_deadline(self) -> None:
-        bound = self.settings.task.kill_grace + FLUSH_TIMEOUT
-        with trio.move_on_after(bound):
+        with trio.move_on_at(self._exit_deadline):
             await self._work_done.wait()
             return
-        log.warning("tasks did not finish reporting within %g s; leaving unsent data for the next start", bound)
+        log.warning("tasks did not finish reporting within kill_grace + flush_timeout (%g s); leaving "
+                    "unsent data for the next start",
+                    self.settings.task.kill_grace + self.settings.task.flush_timeout)
         self._work_scope.cancel()
 
     # ------------------------------------------------------------------ recovery
 
     async def _recover(self, store: AsyncStateStore) -> list[TaskRecord]:
-        """Before polling: kill leftovers of tasks that ran when the agent died; mark them AGENT_LOST."""
+        """At start, before registering: kill leftovers of tasks that ran when the agent died, note it in
+        their logs, and store their AGENT_LOST results (the outbox delivers them after registering).
+
+        A recorded process group is only killed when one of its members still carries the task's
+        marker (after a reboot the number may belong to someone else); marked processes always are.
+        """
         records = await store.pending_delivery()
+        boot_time = await trio.to_thread.run_sync(psutil.boot_time)
         for record in records:
             if record.result is not None:
                 continue
-            killed = await sweep(record.task_id, record.pgid)
+            pgid = record.pgid if record.claimed_at >= boot_time else None
+            with trio.CancelScope(shield=True):  # quick, and must finish even if a signal arrives
+                killed = await sweep(record.task_id, pgid, verify_group=True)
             log.warning("task %s was running when the agent stopped; killed %d leftover process(es); "
                         "reporting AGENT_LOST", record.task_id, killed)
             now = time.time()
+            stamp = datetime.fromtimestamp(now, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+            note = (f"[ckagent {stamp}] the agent stopped while this task ran (crash, kill -9, OOM or power "
+                    f"loss); on restart it killed {killed} leftover process(es); task FAILED (AGENT_LOST)\n")
+            await trio.to_thread.run_sync(_append, record.task_dir / "output.log", note.encode())
             result = TaskResult(
                 status="FAILED", error_code="AGENT_LOST",
                 error_message="the agent stopped while the task ran (crash, kill or power loss)",
@@ -311,6 +356,36 @@ class Agent:
         while True:
             await trio.sleep(RUNTIME_SCAN_INTERVAL)
             self.runtimes = await trio.to_thread.run_sync(detect_runtimes, self.settings.deps.uv_path)
+
+
+def _append(path: Path, data: bytes) -> None:
+    """Append ``data`` to ``path`` (blocking); a missing task directory is not an error."""
+    try:
+        with path.open("ab+") as fh:
+            if fh.tell() > 0:
+                fh.seek(-1, os.SEEK_END)
+                if fh.read(1) != b"\n":  # the spider's last line was cut by the crash
+                    data = b"\n" + data
+            fh.write(data)
+    except FileNotFoundError:
+        pass
+
+
+def _run_as(user: str | None) -> RunAs | None:
+    """``task.run_as_user`` resolved; None when unset or when it is the agent's own user.
+
+    Raises ValueError for an unknown user, or when switching users needs root and the agent is not.
+    """
+    if user is None:
+        return None
+    run_as = RunAs.lookup(user)
+    if run_as.uid == os.geteuid():
+        return None
+    if os.geteuid() != 0:
+        raise ValueError(f"task.run_as_user={user!r} needs the agent to run as root (it runs as uid "
+                         f"{os.geteuid()}); unset it or start the agent as root")
+    log.info("spiders and installers run as %s (uid %d, gid %d)", run_as.name, run_as.uid, run_as.gid)
+    return run_as
 
 
 def utc_iso_from(epoch: float) -> str:

@@ -161,8 +161,9 @@ class TaskSettings:
     """Task polling and execution (all durations in seconds).
 
     ``long_poll_wait`` 0 disables the long poll; ``execute_timeout`` 0 means no limit and applies when a
-    task carries no timeout; ``kill_grace`` is SIGTERM → SIGKILL; ``drain_timeout`` bounds DRAINING.
-    ``work_dir`` is absolute.
+    task carries no timeout; ``kill_grace`` is SIGTERM → SIGKILL; ``drain_timeout`` bounds DRAINING;
+    ``flush_timeout`` bounds the final delivery when stopping. ``work_dir`` is absolute.
+    ``run_as_user``: user name (or uid) spiders run as when the agent is root; None = the agent's user.
     Task data: ``max_log_bytes`` caps a task's output.log and ``min_free_disk_bytes`` is the free-space
     floor of the work dir's filesystem (bytes, 0 = none); ``log_files`` comma-separated globs of spider
     log files under the task dir; ``retention`` seconds a delivered task dir is kept (0 = forever);
@@ -175,6 +176,8 @@ class TaskSettings:
     execute_timeout: float
     kill_grace: float
     drain_timeout: float
+    flush_timeout: float
+    run_as_user: str | None
     max_log_bytes: int
     min_free_disk_bytes: int
     log_files: str
@@ -518,6 +521,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("task", "drain_timeout", "AGENT_TASK_DRAIN_TIMEOUT", "seconds >= 0", 60.0,
             "On SIGTERM: how long running tasks may finish before they are terminated.",
             _seconds(exclusive=False)),
+    Setting("task", "flush_timeout", "AGENT_TASK_FLUSH_TIMEOUT", "seconds >= 0", 10.0,
+            "When stopping: how long unsent logs, items and results may take to reach the master before "
+            "they are left on disk for the next start. The agent exits within drain_timeout + kill_grace "
+            "+ flush_timeout (+ a few seconds).", _seconds(exclusive=False)),
+    Setting("task", "run_as_user", "AGENT_TASK_RUN_AS_USER", "user name or uid", None,
+            "When the agent runs as root: spiders and installers run as this user, which owns their "
+            "workspace, task directory and venv; unset = the agent's own user.", _text),
     Setting("task", "max_log_bytes", "AGENT_TASK_MAX_LOG_BYTES", "integer >= 0 (bytes)", 1024**3,
             "Disk budget of one task's output.log: beyond it the spider's output is drained but dropped, "
             "and one marker line says how many bytes; 0 = no limit.", _integer(0)),

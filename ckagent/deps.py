@@ -52,7 +52,7 @@ from pathlib import Path
 import httpx
 import trio
 
-from ckagent.process import terminate_group
+from ckagent.process import RunAs, popen_identity, terminate_group
 from ckagent.runtimes import NodeVersion, nvm_node_versions, parse_node_version, satisfies
 from ckagent.workspace import safe_name
 
@@ -177,6 +177,7 @@ class Dependencies:
     ``timeout`` bounds one installer run (seconds). ``node_root`` holds the Node spiders' installs
     (default: ``venvs_root``'s sibling ``node``); ``nvm_dir`` is nvm's home (default: $NVM_DIR or
     ``~/.nvm``; nvm counts as present when ``nvm.sh`` is there).
+    ``run_as``: installers run as that user and the venvs belong to it (``task.run_as_user``).
     """
 
     def __init__(
@@ -189,12 +190,14 @@ class Dependencies:
         timeout: float,
         base_env: dict[str, str],
         python: str = sys.executable,
+        run_as: RunAs | None = None,
         agent_bin: Path | None = AGENT_BIN,
         node_root: Path | None = None,
         nvm_dir: Path | None = None,
     ) -> None:
         self.venvs_root = venvs_root
         self.node_root = node_root or venvs_root.parent / "node"
+        self._run_as = run_as
         self._uv_path = uv_path
         self._agent_bin = agent_bin
         self._index = index
@@ -254,6 +257,11 @@ class Dependencies:
         env.update({"VIRTUAL_ENV": str(venv), "UV_PROJECT_ENVIRONMENT": str(venv),
                     "UV_PYTHON_DOWNLOADS": "never", "UV_NO_PROGRESS": "1"})
         cache_dir = self._cache_dir
+        if self._run_as is not None:
+            env.update(self._run_as.env())
+            # The user owns its venv; uv's cache must be writable by it too (its HOME may be bare).
+            cache_dir = cache_dir or self.venvs_root / ".uv-cache"
+            await trio.to_thread.run_sync(_give_dirs, self._run_as, [venv, cache_dir])
         if cache_dir is not None:
             env["UV_CACHE_DIR"] = str(cache_dir)
         env["UV_DEFAULT_INDEX"] = await self._index.index_url()
@@ -288,6 +296,8 @@ class Dependencies:
         prepared = Prepared()
         spec, source = await trio.to_thread.run_sync(wanted_node, code_dir)
         env = {**self._base_env, **task_env}
+        if self._run_as is not None:
+            env.update(self._run_as.env())
         if spec is not None:
             await self._select_node(spec, source, env, code_dir, output, prepared)
         if not (code_dir / "package.json").is_file():
@@ -307,6 +317,8 @@ class Dependencies:
                 raise DepsError(NPM_MISSING)
             env["PATH"] = path
             await trio.to_thread.run_sync(_stage_node_manifest, code_dir, install_dir, marker)
+            if self._run_as is not None:
+                await trio.to_thread.run_sync(_give_dirs, self._run_as, [install_dir])
             lock = any((install_dir / name).is_file() for name in ("package-lock.json", "npm-shrinkwrap.json"))
             argv = [npm, "ci" if lock else "install", "--no-audit", "--no-fund", "--no-progress",
                     "--no-update-notifier"]
@@ -359,7 +371,7 @@ class Dependencies:
                     partial(
                         trio.run_process, argv, cwd=str(cwd), env=env, stdin=subprocess.DEVNULL,
                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False,
-                        start_new_session=True,
+                        start_new_session=True, **popen_identity(self._run_as),
                         deliver_cancel=lambda p: terminate_group(p.pid, 5.0),
                     )
                 )
@@ -451,6 +463,14 @@ def _link_node_modules(code_dir: Path, target: Path) -> None:
     elif link.exists():
         return
     link.symlink_to(target, target_is_directory=True)
+
+
+def _give_dirs(run_as: RunAs, paths: list[Path]) -> None:
+    """Create ``paths`` if missing and give them (and their contents) to ``run_as`` (blocking)."""
+    for path in paths:
+        path.mkdir(parents=True, exist_ok=True)
+        if path.stat().st_uid != run_as.uid:
+            run_as.chown_tree(path)
 
 
 def _tail(chunks: deque[bytes], limit: int = 2000) -> str:

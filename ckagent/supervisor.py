@@ -45,7 +45,7 @@ import trio
 from ckagent.delivery import LogSink, Outbox
 from ckagent.deps import Dependencies, DepsError, Prepared, spider_base_env
 from ckagent.master import MasterClient
-from ckagent.process import MARKER_VAR, run_supervised
+from ckagent.process import MARKER_VAR, ProcessOutcome, RunAs, clock, run_supervised, sweep
 from ckagent.protocol import TIMEOUT_MESSAGE, Task, TaskResult, utc_iso
 from ckagent.state import AsyncStateStore
 from ckagent.workspace import DeployError, Workspaces
@@ -113,6 +113,8 @@ class RunnerConfig:
     kill_grace: float
     agent_secrets: tuple[str, ...] = ()
     extra_env: dict[str, str] = field(default_factory=dict)
+    run_as: RunAs | None = None
+    """Spiders and installers run as this user (``task.run_as_user``); their directories are given to it."""
 
 
 TaskObserver = Callable[[RunningTask, TaskResult], None]
@@ -224,8 +226,11 @@ class Supervisor:
         """
         task = rt.task
         task_dir = self.config.work_dir / "tasks" / task.id
+        run_as = self.config.run_as
         try:
             await trio.to_thread.run_sync(lambda: task_dir.mkdir(parents=True, exist_ok=True))
+            if run_as is not None:
+                await trio.to_thread.run_sync(run_as.chown_tree, task_dir)
             await self._store.add_task(task.id, task.spider_id, task.to_json(), task_dir)
             # Logs, items and the result are the outbox's: they outlive this slot (see delivery.py).
             on_finished = self._on_finished
@@ -240,16 +245,20 @@ class Supervisor:
             except Exception as exc:  # a bug of ours must fail the task, not the agent
                 log.exception("task %s: internal error", task.id)
                 outcome = TaskOutcome("FAILED", "BAD_TASK", f"agent error: {type(exc).__name__}: {exc}")
-            finished_wall = time.time()
-            result = TaskResult(
-                status=outcome.status,
-                exit_code=outcome.exit_code,
-                error_code=outcome.error_code,
-                error_message=outcome.error_message,
-                started_at=utc_iso(datetime.fromtimestamp(rt.started_at or started_wall, timezone.utc)),
-                finished_at=utc_iso(datetime.fromtimestamp(finished_wall, timezone.utc)),
-                duration_ms=int((finished_wall - (rt.started_at or started_wall)) * 1000),
-            )
+            except trio.Cancelled:
+                # The agent's hard stop: run_supervised has ended the processes (shielded). Keep a
+                # CANCELLED result, so it is delivered (now or at the next start) instead of AGENT_LOST.
+                with trio.CancelScope(shield=True):
+                    if rt.pid is None:
+                        await sweep(task.id, None)  # an interrupted installer's leftovers
+                    stopped = TaskOutcome("CANCELLED", "CANCELLED", rt.stop_reason or "agent terminating")
+                    await delivery.finish(_result(rt, stopped, started_wall))
+                raise
+            if rt.pid is None and rt.phase == "installing":
+                # The spider never ran, but an installer did (it carries the task's marker).
+                with trio.CancelScope(shield=True):
+                    await sweep(task.id, None)
+            result = _result(rt, outcome, started_wall)
             self._observer.task_finished(rt, result)
             # Stores the result and hands the rest to the outbox; the slot is free when this returns.
             await delivery.finish(result)
@@ -285,15 +294,19 @@ class Supervisor:
                     return TaskOutcome("FAILED", "DEPLOY_FAILED", str(exc))
                 self._workspaces.acquire(code_dir)
                 held.callback(self._workspaces.release, code_dir)
+                if self.config.run_as is not None:
+                    await trio.to_thread.run_sync(_give_tree, self.config.run_as, code_dir)
                 rt.phase = "installing"
                 try:
-                    prepared = await self._deps.prepare(task.framework, task.spider_id, code_dir, sink.write)
+                    prepared = await self._deps.prepare(
+                        task.framework, task.spider_id, code_dir, sink.write, marker={MARKER_VAR: task.id}
+                    )
                 except DepsError as exc:
                     notice(f"dependency install failed: {str(exc).splitlines()[0]}")
                     return TaskOutcome("FAILED", "DEPS_FAILED", str(exc)[-4000:])
+                self._observer.deps_prepared(rt, prepared)
                 for note in prepared.notes:
                     notice(note)
-                self._observer.deps_prepared(rt, prepared)
                 notice(f"dependencies {'cached' if prepared.cache_hit else 'installed'} in {prepared.seconds:.3f} s")
             if rt.stop_reason is not None:
                 notice(f"stopped before the spider started: {rt.stop_reason}")
@@ -313,6 +326,8 @@ class Supervisor:
         task = rt.task
         argv = default_command(task)
         env = spider_base_env(prepared.path_prefix)
+        if self.config.run_as is not None:
+            env.update(self.config.run_as.env())
         env.update(prepared.env)
         env.update(self.config.extra_env)
         env.update(task.env)
@@ -340,19 +355,57 @@ class Supervisor:
                 _resolve(argv, env),
                 cwd=code_dir, env=env, task_id=task.id, output=sink.write,
                 deadline_seconds=timeout or None, grace=self.config.kill_grace,
-                stop=rt.stop_event, notice=notice, on_started=started,
+                stop=rt.stop_event, notice=notice, on_started=started, run_as=self.config.run_as,
             )
         except OSError as exc:
             notice(f"cannot start {argv[0]!r}: {exc.strerror or exc}")
             return TaskOutcome("FAILED", "EXIT_NONZERO", f"cannot start {argv[0]!r}: {exc.strerror or exc}", 127)
         if outcome.timed_out:
+            notice(_ended_by_agent(f"timed out after {timeout:g} s", outcome) + "; task FAILED (TIMEOUT)")
             return TaskOutcome("FAILED", "TIMEOUT", TIMEOUT_MESSAGE, outcome.returncode)
         if outcome.stopped:
-            return TaskOutcome("CANCELLED", "CANCELLED", rt.stop_reason or "cancelled", outcome.returncode)
+            reason = rt.stop_reason or "cancelled"
+            notice(_ended_by_agent(f"stopped ({reason})", outcome) + "; task CANCELLED")
+            return TaskOutcome("CANCELLED", "CANCELLED", reason, outcome.returncode)
         notice(f"process exited with code {outcome.returncode}")
         if outcome.returncode == 0:
             return TaskOutcome("SUCCESS", exit_code=0)
         return TaskOutcome("FAILED", "EXIT_NONZERO", f"exit code {outcome.returncode}", outcome.returncode)
+
+
+def _result(rt: RunningTask, outcome: TaskOutcome, started_wall: float) -> TaskResult:
+    """The final result of a task that ends now (times from the spider's start, else the claim's)."""
+    finished_wall = time.time()
+    started = rt.started_at or started_wall
+    return TaskResult(
+        status=outcome.status,
+        exit_code=outcome.exit_code,
+        error_code=outcome.error_code,
+        error_message=outcome.error_message,
+        started_at=utc_iso(datetime.fromtimestamp(started, timezone.utc)),
+        finished_at=utc_iso(datetime.fromtimestamp(finished_wall, timezone.utc)),
+        duration_ms=int((finished_wall - started) * 1000),
+    )
+
+
+def _ended_by_agent(why: str, outcome: ProcessOutcome) -> str:
+    """One line saying what the agent did to end a task's processes, and when (UTC)."""
+    parts = [why]
+    if outcome.term_sent_at is not None:
+        parts.append(f"SIGTERM to the process group at {clock(outcome.term_sent_at)}")
+    if outcome.kill_sent_at is not None:
+        parts.append(f"SIGKILL at {clock(outcome.kill_sent_at)}")
+    elif outcome.term_sent_at is not None:
+        parts.append("the spider exited within the grace period")
+    if outcome.killed_leftovers:
+        parts.append(f"{outcome.killed_leftovers} leftover process(es) killed")
+    return "; ".join(parts)
+
+
+def _give_tree(run_as: RunAs, path: Path) -> None:
+    """Give a deployed code directory to the spider's user, once (blocking; the tree is immutable)."""
+    if path.stat().st_uid != run_as.uid:
+        run_as.chown_tree(path)
 
 
 def _resolve(argv: list[str], env: dict[str, str]) -> list[str]:
