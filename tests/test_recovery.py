@@ -1,0 +1,99 @@
+"""Crash recovery: ``kill -9`` of the agent (a real process) mid-task, then a restart.
+
+The restarted agent must, before it polls: kill the orphaned process tree (group members and
+escaped, marked processes), ship the logs written up to the crash, and report the task
+FAILED/AGENT_LOST exactly once (counted at the master). The agent's own log file must not hold a
+secret (registration token, any API key the master issued).
+"""
+
+from __future__ import annotations
+
+import signal
+import textwrap
+from pathlib import Path
+
+import trio
+from harness import submit
+from test_shutdown import agent_process, wait_exit, wait_registered
+from test_supervision import (  # noqa: F401 -- no_strays: autouse fixture
+    ESCAPE,
+    RecordingMaster,
+    alive,
+    eventually,
+    marked_pids,
+    no_strays,
+    pids_in,
+    recording_master,
+    wait_for_log,
+)
+
+SPIDER = textwrap.dedent("""
+    import os, subprocess, sys, time
+    CHILD = ("import os, subprocess, sys, time; "
+             "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+             "print('grandchild', g.pid, flush=True); "
+             "open(os.path.join(os.environ['CK_TASK_DIR'], 'child.ready'), 'w').close(); time.sleep(600)")
+    child = subprocess.Popen([sys.executable, "-c", CHILD])
+    print("child", child.pid, flush=True)
+    while not os.path.exists(os.path.join(os.environ["CK_TASK_DIR"], "child.ready")):
+        time.sleep(0.01)
+""") + ESCAPE + textwrap.dedent("""
+    escape("escaped")
+    for i in range(200):
+        print(f"line {i}", flush=True)
+    print("main", os.getpid(), flush=True)
+    print("ready", flush=True)
+    time.sleep(600)
+""")
+
+
+async def test_kill_9_mid_task_then_restart_kills_orphans_and_reports_agent_lost_once(
+    recording_master: RecordingMaster, tmp_path: Path  # noqa: F811 -- the imported fixture
+) -> None:
+    admin = recording_master.admin
+    log_file = tmp_path / "agent-own.log"
+    agent = agent_process(tmp_path, recording_master.base_url, recording_master.registration_token,
+                          logging__file=str(log_file), logging__level="DEBUG")
+    await agent.start(extra_env={"AGENT_REGISTRATION_TOKEN": recording_master.registration_token})
+    try:
+        await wait_registered(admin, agent)
+        task_id = await submit(admin, "crashy", {"main.py": SPIDER})
+        await wait_for_log(admin, task_id, "child")
+        # Kill as soon as the spider is up: part of its output has not been shipped yet (the point).
+        spool = tmp_path / "node" / "data" / "tasks" / task_id / "output.log"
+        async def ready() -> bool:
+            return b"ready" in await trio.Path(spool).read_bytes()
+
+        await eventually(ready)
+        await agent.kill()  # kill -9
+        written = spool.read_text().splitlines()
+        pids = [pid for label in ("child", "grandchild", "escaped", "main") for pid in pids_in(written, label)]
+        assert len(pids) == 4, written
+        assert all(alive(pid) for pid in pids), "the orphans outlive the crashed agent"
+        assert (await admin.get_task(task_id))["status"] == "RUNNING"
+
+        await agent.start(extra_env={"AGENT_REGISTRATION_TOKEN": recording_master.registration_token})
+        with trio.fail_after(30):
+            task = await admin.wait_task_final(task_id, 30)
+        await trio.sleep(1.5)  # a heartbeat later: still exactly one final result
+        agent.signal(signal.SIGTERM)
+        assert await wait_exit(agent, 20) == 0
+    finally:
+        await agent.kill()
+    assert (task["status"], task["errorCode"]) == ("FAILED", "AGENT_LOST"), task
+    assert [status for status, _ in recording_master.finals(task_id)] == [200]
+    assert not [pid for pid in pids if alive(pid)]
+    assert marked_pids(task_id) == []
+    lines = await admin.get_logs(task_id)
+    assert [line for line in lines if line.startswith("line ")] == [f"line {i}" for i in range(200)]
+    assert "ready" in lines
+    assert any("on restart it killed 4 leftover process(es); task FAILED (AGENT_LOST)" in line
+               for line in lines), lines[-3:]
+
+    own_log = log_file.read_text()
+    assert "AGENT_LOST" in own_log and task_id in own_log  # the file is the agent's log
+    secrets = [recording_master.registration_token, *recording_master.recorder.api_keys]
+    assert len(recording_master.recorder.api_keys) == 2  # registered twice
+    for secret in secrets:
+        assert secret not in own_log
+        assert secret not in agent.log_text()
