@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in wanted:
         module = _load(name)
         if module is None:
-            summary_rows.append([name, "not present", "–", "–"])
+            summary_rows.append([name, "not present", "–", "–", "–"])
             continue
         print(f"== {name} …", file=sys.stderr, flush=True)
         started = time.monotonic()
@@ -128,12 +128,12 @@ def main(argv: list[str] | None = None) -> int:
             failed = True
             text = traceback.format_exc()
             print(text, file=sys.stderr)
-            summary_rows.append([name, "FAILED", "–", f"{time.monotonic() - started:.0f} s"])
+            summary_rows.append([name, "–", "FAILED", "–", f"{time.monotonic() - started:.0f} s"])
             sections.append(f"## {name}\n\nFAILED:\n\n```\n{text[-3000:]}\n```\n")
             continue
         met = result.get("target_met")
         summary_rows.append([name, result.get("target", "–"), "–" if met is None else ("met" if met else "MISSED"),
-                             f"{time.monotonic() - started:.0f} s"])
+                             result.get("headline", "–"), f"{time.monotonic() - started:.0f} s"])
         sections.append(f"## {name}\n\n{_module_table(module, result)}")
         print(sections[-1], flush=True)
 
@@ -144,10 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{' --quick' if args.quick else ''}{'' if scrapyd else ' --no-scrapyd'}`; see bench/README.md.\n",
         markdown_table(["", ""], env_rows),
         "## Summary\n",
-        markdown_table(["benchmark", "target", "result", "time"], summary_rows),
+        markdown_table(["benchmark", "target", "result", "figure", "time"], summary_rows),
         *sections,
     ])
-    print("\n## Summary\n\n" + markdown_table(["benchmark", "target", "result", "time"], summary_rows))
+    print("\n## Summary\n\n" + markdown_table(["benchmark", "target", "result", "figure", "time"], summary_rows))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(report)
     print(f"written to {out}", file=sys.stderr)

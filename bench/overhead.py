@@ -166,6 +166,7 @@ async def run_async(quick: bool, scrapyd: bool = True) -> dict[str, Any]:
         "name": "overhead",
         "table": table,
         "agent": agent,
+        "headline": f"idle {agent['idle_cpu_percent']:.2f} % CPU, RSS {rss_mb:.0f} MB, {agent['task_cpu_ms']:.1f} ms CPU/task",
         "target": f"idle CPU ≤ {TARGET_IDLE_CPU_PERCENT} % of a core, RSS ≤ {TARGET_RSS_BYTES // MB} MB",
         "target_met": agent["idle_cpu_percent"] <= TARGET_IDLE_CPU_PERCENT and rss_mb * MB <= TARGET_RSS_BYTES,
     }
