@@ -20,6 +20,7 @@ import trio
 
 from ckagent.devmaster import demosite
 from ckagent.devmaster.client import AdminApiError, AdminClient, zip_directory
+from ckagent.devmaster.store import SCHEMA_VERSION, SchemaError, Store
 from ckagent.protocol import PendingTasks, SpiderFile
 
 if TYPE_CHECKING:
@@ -509,6 +510,92 @@ async def test_batch_and_body_limits(dev_master: DevMaster, node: Node) -> None:
         huge = await node.logs(task_id, 5000, ["y" * (1024 * 1024)] * 9)
         assert huge.status_code == 413
         assert (await dev_master.admin.get_task(task_id))["storedLogLines"] == 5000
+
+
+def chunk_rows(db_path: Path, table: str, task_id: str) -> list[tuple[Any, ...]]:
+    """``(first_seq, count, ...)`` of a task's stored chunks, read straight from the SQLite file."""
+    columns = "first_seq, count, format" if table == "task_log_chunks" else "first_seq, count"
+    with contextlib.closing(sqlite3.connect(db_path)) as db:
+        return db.execute(
+            f"SELECT {columns} FROM {table} WHERE task_id = ? ORDER BY first_seq", (task_id,)
+        ).fetchall()
+
+
+async def test_each_batch_is_one_chunk_and_reads_join_them_in_order(
+    dev_master: DevMaster, http: httpx.AsyncClient, node: Node
+) -> None:
+    with trio.fail_after(20):
+        spider = await make_spider(dev_master.admin)
+        task_id = await dev_master.admin.create_task(spider)
+        assert (await node.claim(task_id)).status_code == 200
+        lines = [f"line {n}" for n in range(5000)]
+        assert (await node.logs(task_id, 0, lines[:3000])).json() == {"acceptedSeq": 3000}
+        assert (await node.logs(task_id, 2000, lines[2000:5000])).json() == {"acceptedSeq": 5000}  # overlap
+        assert (await node.logs(task_id, 0, lines[:10])).json() == {"acceptedSeq": 5000}  # repeat
+        # lines an agent never sends but the protocol allows: newlines inside, empty, \r, non-ASCII
+        odd = ["two\nlines", "", "cr\rinside", "\n", "✓ ünïcode \u2028"]
+        assert (await node.logs(task_id, 5000, odd)).json() == {"acceptedSeq": 5005}
+        assert (await node.logs(task_id, 5005, ["", "last"])).json() == {"acceptedSeq": 5007}
+        rows = await trio.to_thread.run_sync(chunk_rows, dev_master.db_path, "task_log_chunks", task_id)
+        assert rows == [(0, 3000, "lines"), (3000, 2000, "lines"), (5000, 5, "json"), (5005, 2, "lines")]
+        expected = [*lines, *odd, "", "last"]
+        admin = {"Authorization": f"Bearer {dev_master.admin_token}"}
+        assert (await http.get(f"/api/tasks/{task_id}/logs", headers=admin)).text == "\n".join(expected)
+        assert (await dev_master.admin.get_task(task_id))["storedLogLines"] == len(expected)
+
+        items = [{"n": n, "title": f"Product {n}", "tags": ["a", "✓"]} for n in range(120)]
+        assert (await node.items(task_id, 0, items[:50])).json() == {"acceptedSeq": 50}
+        assert (await node.items(task_id, 40, items[40:120])).json() == {"acceptedSeq": 120}
+        assert (await node.items(task_id, 100, items[100:110])).json() == {"acceptedSeq": 120}
+        rows = await trio.to_thread.run_sync(chunk_rows, dev_master.db_path, "task_item_chunks", task_id)
+        assert rows == [(0, 50), (50, 70)]
+        assert await dev_master.admin.get_items(task_id) == items
+        assert (await dev_master.admin.get_task(task_id))["storedItems"] == 120
+
+
+async def test_a_task_without_logs_or_items_reads_empty(
+    dev_master: DevMaster, http: httpx.AsyncClient, node: Node
+) -> None:
+    with trio.fail_after(10):
+        spider = await make_spider(dev_master.admin)
+        task_id = await dev_master.admin.create_task(spider)
+        admin = {"Authorization": f"Bearer {dev_master.admin_token}"}
+        logs = await http.get(f"/api/tasks/{task_id}/logs", headers=admin)
+        assert (logs.text, logs.headers["content-type"]) == ("", "text/plain; charset=utf-8")
+        items = await http.get(f"/api/tasks/{task_id}/items", headers=admin)
+        assert (items.json(), items.headers["content-type"]) == ([], "application/json")
+        assert (await node.claim(task_id)).status_code == 200
+        assert (await node.logs(task_id, 0, [""])).json() == {"acceptedSeq": 1}  # one empty line
+        assert await dev_master.admin.get_logs(task_id) == []  # the client cannot tell: the text is ""
+        assert (await dev_master.admin.get_task(task_id))["storedLogLines"] == 1
+        with pytest.raises(AdminApiError) as missing:
+            await dev_master.admin.get_logs("no-such-task")
+        assert missing.value.status_code == 404
+
+
+def test_a_database_of_another_layout_is_refused_untouched(tmp_path: Path) -> None:
+    old = tmp_path / "old.sqlite"
+    with contextlib.closing(sqlite3.connect(old)) as db:  # what the per-line dev master wrote
+        db.execute("CREATE TABLE task_logs (task_id TEXT, seq INTEGER, line TEXT, PRIMARY KEY (task_id, seq))")
+        db.execute("INSERT INTO task_logs VALUES ('t', 0, 'kept')")
+        db.commit()
+    with pytest.raises(SchemaError, match=r"old\.sqlite .*schema version 2 \(it has version 0: an older"):
+        Store(old)
+    with contextlib.closing(sqlite3.connect(old)) as db:
+        assert db.execute("SELECT line FROM task_logs").fetchall() == [("kept",)]
+        assert db.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall() == [("task_logs",)]
+
+    newer = tmp_path / "newer.sqlite"
+    with contextlib.closing(sqlite3.connect(newer)) as db:
+        db.execute("PRAGMA user_version = 99")
+    with pytest.raises(SchemaError, match="it has version 99"):
+        Store(newer)
+
+    fresh = tmp_path / "fresh.sqlite"
+    Store(fresh).close()
+    Store(fresh).close()  # its own file opens again
+    with contextlib.closing(sqlite3.connect(fresh)) as db:
+        assert db.execute("PRAGMA user_version").fetchone() == (SCHEMA_VERSION,)
 
 
 # --------------------------------------------------------------------------- code

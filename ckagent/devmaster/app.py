@@ -415,14 +415,20 @@ def create_app(
         admin_auth(request)
         return JSONResponse(await run(store.get_task, request.path_params["task_id"]))
 
+    # These bodies (up to every line or item of a task) are built and encoded in the worker thread.
+    def log_text(task_id: str) -> Response:
+        return PlainTextResponse(store.task_log_text(task_id))
+
+    def items_json(task_id: str) -> Response:
+        return JSONResponse(store.task_items(task_id))
+
     async def task_logs(request: Request) -> Response:
         admin_auth(request)
-        lines = await run(store.task_logs, request.path_params["task_id"])
-        return PlainTextResponse("\n".join(lines))
+        return await run(log_text, request.path_params["task_id"])
 
     async def task_items(request: Request) -> Response:
         admin_auth(request)
-        return JSONResponse(await run(store.task_items, request.path_params["task_id"]))
+        return await run(items_json, request.path_params["task_id"])
 
     async def cancel_task(request: Request) -> Response:
         admin_auth(request)

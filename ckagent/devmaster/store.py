@@ -5,9 +5,20 @@ them through ``trio.to_thread.run_sync``. The rules of the wire protocol that de
 (claims, final results, sequence numbers) live here, each inside one transaction, so the SQL reads
 as the contract.
 
-Exceptions (each carries the HTTP status the app answers with)::
+Logs and items are stored as chunks, one row per accepted batch (or its new tail): ``first_seq``,
+``count`` and the elements as one text: log lines joined by ``\\n`` (when none contains a ``\\n``,
+which is every line an agent sends) or else a JSON array; items as a JSON array. The task row keeps
+the stored count of each stream, so a sequence check is one row read and a batch of 5000 lines is
+one insert. Reads concatenate the chunks in ``first_seq`` order.
+
+The file carries its schema version (``PRAGMA user_version`` = SCHEMA_VERSION). A file from an
+older dev master (one row per log line, version 0) is refused with SchemaError, not migrated:
+this is a development tool, delete the file or choose another one.
+
+Exceptions (each ApiError carries the HTTP status the app answers with)::
 
     Exception
+    ├── SchemaError               the file is not a dev master database of SCHEMA_VERSION (Store())
     └── ApiError                  status_code, message, extra (merged into the JSON error body)
         ├── BadRequestError       400  the body is not JSON / the upload is not a zip
         ├── UnauthorizedError     401  missing or wrong token / api key
@@ -41,6 +52,7 @@ from ckagent.protocol import FINAL_STATUSES, Heartbeat, RegisterRequest, TaskRes
 __all__ = [
     "MAX_PACKAGE_BYTES",
     "MAX_PACKAGE_UNCOMPRESSED_BYTES",
+    "SCHEMA_VERSION",
     "ApiError",
     "BadRequestError",
     "ConflictError",
@@ -48,6 +60,7 @@ __all__ = [
     "NotFoundError",
     "PackageContents",
     "PayloadTooLargeError",
+    "SchemaError",
     "Store",
     "UnauthorizedError",
     "read_package",
@@ -58,7 +71,22 @@ MAX_PACKAGE_BYTES = 256 * 1024 * 1024
 MAX_PACKAGE_UNCOMPRESSED_BYTES = 512 * 1024 * 1024
 """Largest total size of a package's files once unpacked (bytes): the files are stored in SQLite too."""
 
+SCHEMA_VERSION = 2
+"""The layout of the SQLite file (``PRAGMA user_version``): 2 = logs and items in chunks."""
+
 _T = TypeVar("_T")
+_E = TypeVar("_E")
+
+_LINES = "lines"
+"""Log chunk format: the lines joined by ``\\n`` (none of them holds one)."""
+_JSON = "json"
+"""Log chunk format: a JSON array of strings (some line holds a ``\n``)."""
+
+
+class SchemaError(Exception):
+    """The database file is not a dev master database of SCHEMA_VERSION (an older layout, a newer one,
+    or another application's file). Nothing in it is changed; the fix is another file.
+    """
 
 
 class ApiError(Exception):
@@ -254,18 +282,24 @@ CREATE TABLE IF NOT EXISTS tasks (
     stored_items     INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS tasks_by_status ON tasks (status, n);
-CREATE TABLE IF NOT EXISTS task_logs (
-    task_id TEXT NOT NULL,
-    seq     INTEGER NOT NULL,
-    line    TEXT NOT NULL,
-    PRIMARY KEY (task_id, seq)
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS task_items (
-    task_id TEXT NOT NULL,
-    seq     INTEGER NOT NULL,
-    data    TEXT NOT NULL,                                -- one JSON object
-    PRIMARY KEY (task_id, seq)
-) WITHOUT ROWID;
+-- One row per accepted batch (its new tail): elements first_seq .. first_seq + count - 1 of the
+-- stream, as one text. Chunks of a task are contiguous and never overlap, and their counts
+-- add up to tasks.stored_log_lines / tasks.stored_items. (Rowid tables: the rows are large.)
+CREATE TABLE IF NOT EXISTS task_log_chunks (
+    task_id   TEXT NOT NULL,
+    first_seq INTEGER NOT NULL,
+    count     INTEGER NOT NULL,
+    format    TEXT NOT NULL,                              -- lines (joined by newlines) or json (an array)
+    data      TEXT NOT NULL,
+    PRIMARY KEY (task_id, first_seq)
+);
+CREATE TABLE IF NOT EXISTS task_item_chunks (
+    task_id   TEXT NOT NULL,
+    first_seq INTEGER NOT NULL,
+    count     INTEGER NOT NULL,
+    data      TEXT NOT NULL,                              -- JSON array of objects
+    PRIMARY KEY (task_id, first_seq)
+);
 """
 
 
@@ -289,6 +323,8 @@ class Store:
     """The dev master's state in one SQLite file (WAL mode). Thread-safe; every method blocks.
 
     Open with ``Store(db_path)`` (creates the file and the schema), close with ``close()``.
+    Raises SchemaError if the file holds another layout (e.g. one written by an older dev master)
+    and sqlite3.Error if it cannot be opened.
     """
 
     def __init__(self, db_path: Path) -> None:
@@ -296,11 +332,30 @@ class Store:
         self._lock = threading.Lock()
         self._conn = sqlite3.connect(str(self.db_path), check_same_thread=False, isolation_level=None)
         self._conn.row_factory = sqlite3.Row
-        with self._lock:
-            self._conn.execute("PRAGMA journal_mode=WAL")
-            self._conn.execute("PRAGMA synchronous=NORMAL")
-            self._conn.execute("PRAGMA foreign_keys=ON")
-            self._conn.executescript(_SCHEMA)
+        try:
+            with self._lock:
+                self._conn.execute("PRAGMA journal_mode=WAL")
+                self._conn.execute("PRAGMA synchronous=NORMAL")
+                self._conn.execute("PRAGMA foreign_keys=ON")
+                self._create_schema()
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def _create_schema(self) -> None:
+        """Create the tables in an empty file; check the version of a used one (SchemaError)."""
+        db = self._conn
+        version = int(db.execute("PRAGMA user_version").fetchone()[0])
+        used = db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' LIMIT 1").fetchone()
+        if version != SCHEMA_VERSION and (used is not None or version != 0):
+            raise SchemaError(
+                f"{self.db_path} is not a dev master database of schema version {SCHEMA_VERSION}"
+                f" (it has version {version}"
+                + (": an older dev master that stored one row per log line" if version == 0 else "")
+                + "); the dev master does not migrate it: delete the file or pass another --db"
+            )
+        # one transaction: a file has all the tables and its version, or nothing
+        db.executescript(f"BEGIN IMMEDIATE; {_SCHEMA}; PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
 
     def close(self) -> None:
         """Close the connection (idempotent)."""
@@ -667,27 +722,45 @@ class Store:
         rows = self._read(lambda db: db.execute(sql, (*params, limit)).fetchall())
         return [self._task_json(r) for r in rows]
 
+    def _log_chunks(self, task_id: str) -> list[tuple[str, str]]:
+        """``(format, data)`` of a task's log chunks, in order. Raises NotFoundError."""
+
+        def query(db: sqlite3.Connection) -> list[tuple[str, str]]:
+            self._task_row(db, task_id)
+            rows = db.execute(
+                "SELECT format, data FROM task_log_chunks WHERE task_id = ? ORDER BY first_seq", (task_id,)
+            ).fetchall()
+            return [(str(r[0]), str(r[1])) for r in rows]
+
+        return self._read(query)
+
     def task_logs(self, task_id: str) -> list[str]:
         """The stored log lines of a task, in order. Raises NotFoundError."""
+        lines: list[str] = []
+        for fmt, data in self._log_chunks(task_id):
+            lines.extend(data.split("\n") if fmt == _LINES else json.loads(data))
+        return lines
 
-        def query(db: sqlite3.Connection) -> list[sqlite3.Row]:
-            self._task_row(db, task_id)
-            return db.execute(
-                "SELECT line FROM task_logs WHERE task_id = ? ORDER BY seq", (task_id,)
-            ).fetchall()
-
-        return [str(r["line"]) for r in self._read(query)]
+    def task_log_text(self, task_id: str) -> str:
+        """The stored log lines of a task joined by ``\\n`` (no trailing one). Raises NotFoundError."""
+        return "\n".join(
+            data if fmt == _LINES else "\n".join(json.loads(data)) for fmt, data in self._log_chunks(task_id)
+        )
 
     def task_items(self, task_id: str) -> list[Any]:
         """The stored items of a task, in order. Raises NotFoundError."""
 
-        def query(db: sqlite3.Connection) -> list[sqlite3.Row]:
+        def query(db: sqlite3.Connection) -> list[str]:
             self._task_row(db, task_id)
-            return db.execute(
-                "SELECT data FROM task_items WHERE task_id = ? ORDER BY seq", (task_id,)
+            rows = db.execute(
+                "SELECT data FROM task_item_chunks WHERE task_id = ? ORDER BY first_seq", (task_id,)
             ).fetchall()
+            return [str(r[0]) for r in rows]
 
-        return [json.loads(r["data"]) for r in self._read(query)]
+        items: list[Any] = []
+        for data in self._read(query):
+            items.extend(json.loads(data))
+        return items
 
     def cancel_task(self, task_id: str) -> dict[str, Any]:
         """Operator cancel. PENDING → CANCELLED at once; RUNNING → cancelRequested (the agent reports
@@ -832,31 +905,54 @@ class Store:
 
         A full repeat stores nothing; an overlap stores only the new tail; ``seq`` beyond the stored
         count raises ConflictError with ``expectedSeq``. Only the claiming node may post (ConflictError).
+        The new lines become one chunk row.
         """
-        return self._append("task_logs", "stored_log_lines", task_id, node_id, seq, list(lines))
+
+        def encode(tail: Sequence[str]) -> dict[str, str]:
+            text = "\n".join(tail)
+            if text.count("\n") == len(tail) - 1:  # no line holds a \n of its own
+                return {"format": _LINES, "data": text}
+            return {"format": _JSON, "data": _dumps(list(tail))}
+
+        return self._append("task_log_chunks", "stored_log_lines", task_id, node_id, seq, lines, encode)
 
     def append_items(self, task_id: str, node_id: str, seq: int, items: Sequence[dict[str, Any]]) -> int:
         """Store items ``seq``.. once each (as JSON text); same rules and answer as ``append_logs``."""
-        return self._append("task_items", "stored_items", task_id, node_id, seq, [_dumps(i) for i in items])
+        def encode(tail: Sequence[dict[str, Any]]) -> dict[str, str]:
+            return {"data": _dumps(list(tail))}
+
+        return self._append("task_item_chunks", "stored_items", task_id, node_id, seq, items, encode)
 
     def _append(
-        self, table: str, counter: str, task_id: str, node_id: str, seq: int, values: list[str]
+        self,
+        table: str,
+        counter: str,
+        task_id: str,
+        node_id: str,
+        seq: int,
+        values: Sequence[_E],
+        encode: Callable[[Sequence[_E]], dict[str, str]],
     ) -> int:
-        column = "line" if table == "task_logs" else "data"
+        """Store ``values[stored - seq:]`` as one chunk row, ``encode(tail)`` giving its other columns
+        (name → value). Returns the new stored count; ConflictError for another node or a gap.
+        """
         with self._tx() as db:
-            row = self._task_row(db, task_id)
-            if row["node_id"] != node_id:
+            row = db.execute(f"SELECT node_id, {counter} FROM tasks WHERE id = ?", (task_id,)).fetchone()
+            if row is None:
+                raise NotFoundError(f"no task {task_id!r}")
+            if row[0] != node_id:
                 raise ConflictError(f"task {task_id!r} is not claimed by this node")
-            stored = int(row[counter])
+            stored = int(row[1])
             if seq > stored:
                 raise ConflictError(
                     f"gap: this batch starts at {seq} but only {stored} are stored", expectedSeq=stored
                 )
-            tail = values[stored - seq :]
+            tail = values[stored - seq :] if stored > seq else values
             if tail:
-                db.executemany(
-                    f"INSERT INTO {table} (task_id, seq, {column}) VALUES (?, ?, ?)",
-                    [(task_id, stored + i, v) for i, v in enumerate(tail)],
+                columns = {"task_id": task_id, "first_seq": stored, "count": len(tail), **encode(tail)}
+                db.execute(
+                    f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})",
+                    tuple(columns.values()),
                 )
                 stored += len(tail)
                 db.execute(f"UPDATE tasks SET {counter} = ? WHERE id = ?", (stored, task_id))
