@@ -197,7 +197,7 @@ async def test_an_agent_killed_mid_stream_delivers_every_written_line_once(dev_m
     logs = await dev_master.admin.get_logs(task_id)
     assert logs == output_lines(task_dir)
     numbered = [line for line in logs if line.startswith("line ")]
-    assert len(numbered) > 20_000
+    assert len(numbered) >= 20_000  # the kill came after at least this many were stored
     assert numbered == [f"line {i:06d}" for i in range(len(numbered))]
 
 
