@@ -33,6 +33,7 @@ import json
 import logging
 import shlex
 import shutil
+import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,13 +45,16 @@ import trio
 
 from ckagent.delivery import LogSink, Outbox
 from ckagent.deps import Dependencies, DepsError, Prepared, spider_base_env
-from ckagent.master import MasterClient
+from ckagent.master import MasterClient, MasterError
 from ckagent.process import MARKER_VAR, ProcessOutcome, RunAs, clock, run_supervised, sweep
 from ckagent.protocol import TIMEOUT_MESSAGE, Task, TaskResult, utc_iso
 from ckagent.state import AsyncStateStore
 from ckagent.workspace import DeployError, Workspaces
 
 log = logging.getLogger(__name__)
+
+REPORT_RETRY_TIMEOUT = 300.0
+"""Seconds a task that could not even be prepared keeps trying to report its failure."""
 
 DEFAULT_COMMANDS: dict[str, list[str]] = {
     "python": ["python", "main.py"],
@@ -228,18 +232,24 @@ class Supervisor:
         task_dir = self.config.work_dir / "tasks" / task.id
         run_as = self.config.run_as
         try:
-            await trio.to_thread.run_sync(lambda: task_dir.mkdir(parents=True, exist_ok=True))
-            if run_as is not None:
-                await trio.to_thread.run_sync(run_as.chown_tree, task_dir)
-            await self._store.add_task(task.id, task.spider_id, task.to_json(), task_dir)
-            # Logs, items and the result are the outbox's: they outlive this slot (see delivery.py).
-            on_finished = self._on_finished
-            delivery = await self._outbox.open_task(
-                task, task_dir, on_delivered=None if on_finished is None else lambda final: on_finished(rt, final)
-            )
+            started_wall = time.time()
+            try:
+                await trio.to_thread.run_sync(lambda: task_dir.mkdir(parents=True, exist_ok=True))
+                if run_as is not None:
+                    await trio.to_thread.run_sync(run_as.chown_tree, task_dir)
+                await self._store.add_task(task.id, task.spider_id, task.to_json(), task_dir)
+                # Logs, items and the result are the outbox's: they outlive this slot (see delivery.py).
+                on_finished = self._on_finished
+                delivery = await self._outbox.open_task(
+                    task, task_dir,
+                    on_delivered=None if on_finished is None else lambda final: on_finished(rt, final),
+                )
+            except (OSError, sqlite3.Error) as exc:
+                # A full disk or a broken work dir fails this task, never the agent.
+                await self._report_unprepared(rt, exc, started_wall)
+                return
             sink = delivery.sink
             assert sink is not None
-            started_wall = time.time()
             try:
                 outcome = await self._execute(rt, task_dir, sink)
             except Exception as exc:  # a bug of ours must fail the task, not the agent
@@ -265,6 +275,24 @@ class Supervisor:
         finally:
             self.running.pop(task.id, None)
             self._slot_freed.set()
+
+    async def _report_unprepared(self, rt: RunningTask, exc: Exception, started_wall: float) -> None:
+        """The task's directory or state could not be created: report FAILED straight to the master.
+
+        Retried through master trouble for up to REPORT_RETRY_TIMEOUT seconds (there is no state
+        store row to resume from); then the task is left to the master.
+        """
+        message = f"the node cannot prepare the task's directory or state: {type(exc).__name__}: {exc}"
+        log.error("task %s: %s", rt.task.id, message)
+        result = _result(rt, TaskOutcome("FAILED", "DEPLOY_FAILED", message), started_wall)
+        try:
+            await self._master.call_retrying(
+                "result", "POST", f"/api/tasks/{rt.task.id}/result", json=result.to_json(),
+                retry_timeout=REPORT_RETRY_TIMEOUT,
+            )
+        except MasterError as report_exc:
+            log.error("task %s: could not report the failure either (%s)", rt.task.id, report_exc)
+        self._observer.task_finished(rt, result)
 
     async def _execute(self, rt: RunningTask, task_dir: Path, sink: LogSink) -> TaskOutcome:
         task = rt.task
