@@ -32,6 +32,7 @@ found late.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import platform
@@ -142,7 +143,9 @@ class Agent:
             log.warning("running as PID 1 without an init: processes orphaned by spiders are not reaped "
                         "(<defunct> entries pile up); run the container with `--init` or tini "
                         "(see docs/operations.md)")
-        self.runtimes = await trio.to_thread.run_sync(detect_runtimes, s.deps.uv_path)
+        # Registration uses the last scan (cached on disk): a fresh scan runs ~0.5-1 s of
+        # subprocesses, so it goes on in the background and reaches the master with the heartbeats.
+        self.runtimes = await trio.to_thread.run_sync(_load_runtimes, self.work_dir / RUNTIMES_CACHE)
         base_env = spider_base_env()
         extra_env: dict[str, str] = {}
         # Browser spiders use the system's browser (nothing can be downloaded at run time).
@@ -193,6 +196,7 @@ class Agent:
                     root.cancel_scope.cancel()
                     return 1
                 root.start_soon(self._signals)
+                root.start_soon(self._rescan_runtimes)
                 leftovers = await self._recover(store)
                 if s.task.cleanup_temp_files:
                     await cleanup_task_dirs(store, self.work_dir / "tasks", 0)
@@ -214,7 +218,6 @@ class Agent:
                     if delivery is not None:  # the canonical line of a task an earlier run left unsent
                         delivery.on_delivered = partial(self._leftover_delivered, record)
                 root.start_soon(self.heartbeat.run)
-                root.start_soon(self._rescan_runtimes)
                 if self.state == "STARTING":
                     self.state = "RUNNING"
                 self.started.set()
@@ -353,9 +356,33 @@ class Agent:
         self.metrics.task_reported(record.task_id, result, record.claimed_at)
 
     async def _rescan_runtimes(self) -> None:
+        """Scan what the node can run now and every RUNTIME_SCAN_INTERVAL seconds; keep the last scan on disk."""
         while True:
-            await trio.sleep(RUNTIME_SCAN_INTERVAL)
             self.runtimes = await trio.to_thread.run_sync(detect_runtimes, self.settings.deps.uv_path)
+            await trio.to_thread.run_sync(_save_runtimes, self.work_dir / RUNTIMES_CACHE, self.runtimes)
+            await trio.sleep(RUNTIME_SCAN_INTERVAL)
+
+
+RUNTIMES_CACHE = "runtimes.json"
+
+
+def _load_runtimes(path: Path) -> dict[str, Any]:
+    """The last runtime scan saved in the work dir, or {} (first start, unreadable file)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _save_runtimes(path: Path, runtimes: dict[str, Any]) -> None:
+    """Save a runtime scan (atomically: write a temp file, then rename)."""
+    tmp = path.with_suffix(".tmp")
+    try:
+        tmp.write_text(json.dumps(runtimes, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.debug("cannot cache the runtime scan in %s: %s", path, exc)
 
 
 def _append(path: Path, data: bytes) -> None:

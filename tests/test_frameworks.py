@@ -50,7 +50,12 @@ async def _run_example(dev_master: Any, nursery: trio.Nursery, tmp_path: Path, e
             spider_id, params={"start_url": f"{dev_master.base_url}/demo-site/", **(params or {})})
         with trio.fail_after(FRAMEWORK_TIMEOUT):
             task = await admin.wait_task_final(task_id, FRAMEWORK_TIMEOUT)
-        nodes = await admin.list_nodes()
+        # The runtime scan runs in the background at start and reaches the master with a heartbeat.
+        for _ in range(100):
+            nodes = await admin.list_nodes()
+            if "python" in nodes[0]["runtimes"]:
+                break
+            await trio.sleep(0.1)
     log_text = "\n".join(await admin.get_logs(task_id))
     assert task["status"] == "SUCCESS", (task, log_text[-3000:])
     # Nothing the task started survives it (chromium, chromedriver, node, ...): the sweep saw to it.

@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 import trio
-
 from harness import agent_settings, running_agent, submit
 
 

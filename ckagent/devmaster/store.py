@@ -426,7 +426,7 @@ class Store:
         return None if row is None else str(row["id"])
 
     def heartbeat(self, node_id: str, beat: Heartbeat) -> list[str]:
-        """Store a heartbeat's figures; returns the ids the node must stop (``cancelTaskIds``).
+        """Store a heartbeat's figures (and its ``runtimes``, when sent); returns ``cancelTaskIds``.
 
         Those are the node's RUNNING tasks with a cancel request, plus every id in the beat's
         ``runningTaskIds`` that is final or claimed by another node (the node should not be running
@@ -437,6 +437,8 @@ class Store:
                 "UPDATE nodes SET last_heartbeat = ?, last_heartbeat_at = ? WHERE id = ?",
                 (_dumps(beat.to_json()), utc_now_iso(), node_id),
             )
+            if beat.runtimes is not None:  # a fresher scan than the one sent at registration
+                db.execute("UPDATE nodes SET runtimes = ? WHERE id = ?", (_dumps(beat.runtimes), node_id))
             cancel = self._cancel_ids(db, node_id)
             for task_id in beat.running_task_ids:
                 row = db.execute("SELECT status, node_id FROM tasks WHERE id = ?", (task_id,)).fetchone()
