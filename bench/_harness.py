@@ -26,6 +26,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
 import trio
 import yaml
 
@@ -98,6 +99,20 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str
     return "\n".join(lines) + "\n"
 
 
+def _admin_client(base_url: str, admin_token: str) -> AdminClient:
+    """An AdminClient whose idle connections expire after 1 s.
+
+    hypercorn closes a connection idle for 5 s and httpx keeps one for 5 s: a request sent on a
+    connection idle for ~5 s (the benchmarks sleep up to 5 s at random) can meet the server's close
+    and fail with "connection reset".
+    """
+    admin = AdminClient(base_url, admin_token)
+    original = admin._http
+    admin._http = httpx.AsyncClient(base_url=original.base_url, headers=original.headers, timeout=original.timeout,
+                                    limits=httpx.Limits(keepalive_expiry=1.0))
+    return admin
+
+
 class DevMaster:
     """``python -m ckagent.devmaster`` on 127.0.0.1, port 0, SQLite under ``directory``.
 
@@ -139,7 +154,7 @@ class DevMaster:
             await self.stop()
             raise RuntimeError(f"dev master did not start: {text!r}; see {self.directory / 'master.log'}")
         self.base_url = text.split("listening on ", 1)[1].split()[0]
-        self._admin = AdminClient(self.base_url, self.admin_token)
+        self._admin = _admin_client(self.base_url, self.admin_token)
         return self.base_url
 
     @property

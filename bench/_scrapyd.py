@@ -161,7 +161,7 @@ class Scrapyd:
         self.port = 0
         self.url = ""
         self.process: trio.Process | None = None
-        self.http = httpx.AsyncClient(timeout=30.0)
+        self.http = httpx.AsyncClient(timeout=30.0, limits=httpx.Limits(keepalive_expiry=1.0))
 
     def _write_config(self) -> None:
         self.port = free_port()
