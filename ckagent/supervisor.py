@@ -238,7 +238,7 @@ class Supervisor:
                 if run_as is not None:
                     await trio.to_thread.run_sync(run_as.chown_tree, task_dir)
                 await self._store.add_task(task.id, task.spider_id, task.to_json(), task_dir)
-                # Logs, items and the result are the outbox's: they outlive this slot (see delivery.py).
+                # Logs, items and the result are the outbox's: they outlive this slot (see ckagent.delivery).
                 on_finished = self._on_finished
                 delivery = await self._outbox.open_task(
                     task, task_dir,

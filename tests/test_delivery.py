@@ -29,8 +29,6 @@ from ckagent.delivery import (
     LogSink,
     Masker,
     StreamShipper,
-    _JournalReader,
-    _Pending,
     cleanup_task_dirs,
     decode_lines,
     item_object,
@@ -39,6 +37,7 @@ from ckagent.delivery import (
     secret_values,
     send_result,
 )
+from ckagent.delivery.readers import _JournalReader, _Pending
 from ckagent.master import MasterClient
 from ckagent.protocol import RegisterRequest, TaskResult
 from ckagent.state import AsyncStateStore, StateStore

@@ -1,0 +1,109 @@
+"""Durable delivery: a task's files are the spool; the outbox ships them to the master exactly once.
+
+Files of a task (``work_dir/tasks/<task-id>/``)::
+
+    output.log       stdout + stderr bytes as received (LogSink), plus the agent's notices
+    items.jsonl      one JSON object per line, written by the spider (the SDK)
+    *.log ...        the spider's own log files (globs: ``task.log_files`` + the task's ``params.logFiles``)
+    output.journal   the order in which the log sources' bytes enter the task's ONE log stream
+
+**One log stream, several sources.** The master numbers a task's log lines with one ``seq`` space,
+so lines of the spider's log files must be merged with stdout/stderr in an order that is the same
+every time it is computed — after a crash too — or a resend could drop or repeat lines. The agent
+therefore writes that order down: the *journal* is an append-only text file of small records::
+
+    S <idx> <path>    source <idx> is the file <path> (relative to the task dir; 0 = output.log)
+    D <idx> <size>    the stream continues with source <idx>'s bytes up to offset <size>
+    F <idx>           source <idx> is complete: its unterminated last line becomes a line
+    E                 the stream is complete
+
+Every source is cut into lines by its own :class:`LineSplitter`; the log stream is the lines in the
+order the journal feeds the bytes. Lines of a spider log file are marked with their source:
+``[scrapy.log] <line>``; stdout/stderr lines are not marked. The journal is the only writer's
+decision; readers replay it, so the stream is a pure function of the files. Positions stored in the
+state store are ``{"j": <journal offset of the record being replayed>, "p": {<idx>: <end offset of
+the source's last acknowledged line>}}``; the items stream is one file (``{"offset": n}``).
+
+**Lines.** Splitting works on bytes, so offsets stay exact: a line ends at ``\\n``, ``\\r\\n`` or a
+lone ``\\r`` (progress bars become lines instead of one endless line); a line longer than
+``max_line_bytes`` (64 KiB) is cut into pieces at a UTF-8 character boundary. Bytes are decoded only
+once a line is complete (a character split across reads stays whole), as UTF-8 with replacement
+(invalid bytes become U+FFFD, never an exception). Values of secrets are masked (``***``) per line
+or piece (a secret cut by a 64 KiB piece boundary is not recognised).
+
+**Shipping** (:class:`StreamShipper`): read from the acknowledged position, cut batches (≤ 5000
+elements, ≤ 1 MiB of JSON, or ~1 s old), POST ``{seq, lines|items}``, store the new position only
+after a 2xx, one request at a time per stream. The master answers with the count it holds; a 409
+``{expectedSeq}`` rewinds (to an in-memory checkpoint, or the start) or skips what it already has.
+413/422 halve the batch; a single element the master refuses is replaced by a short placeholder (a
+gap would block the stream forever). 404 or a 409 without ``expectedSeq`` ends the stream.
+
+**The outbox** (:class:`Outbox`, one per agent, in the agent's root nursery) owns every task's
+delivery: the journal writer, the two shippers and, once both streams are complete, the final result
+(stored first, sent last, retried with exponential backoff and jitter until acknowledged). A task's
+worker slot is free as soon as its process has ended; delivery goes on without it. On start the
+agent hands unfinished deliveries from the state store to the outbox (:meth:`Outbox.resume`).
+Requests are sent by at most ``SEND_CONCURRENCY`` tasks at a time; a shipper waiting in backoff
+retries early (after ≥ 1 s) when another request has found the master reachable again.
+
+**Disk budget** (:class:`LogSink`): output.log stops growing at ``task.max_log_bytes`` or when the
+filesystem's free space would fall below ``task.min_free_disk_bytes``; the pipes are still drained
+(the spider never blocks) and one marker line at the end says how many bytes were dropped. The
+spider's own files (items, log files) are not the agent's to cut.
+
+**Retention** (:func:`cleanup_task_dirs`): a task's directory is deleted only after its result was
+acknowledged (which happens only after both streams were), and ``task.retention`` seconds later.
+
+Errors: shipping never raises for master trouble (MasterUnavailable is retried until cancelled;
+the stored position lets the next start resume). Nothing here raises into the agent for a
+task's data: an unexpected bug in one task's delivery is logged and that task is left in the
+state store for the next start. ``OSError`` writing output.log truncates it (marker) instead of
+failing the task.
+"""
+
+from ckagent.delivery.capture import DiskGuard, LogSink
+from ckagent.delivery.lines import LineSplitter, Masker, decode_lines, item_object, json_sizes, secret_values
+from ckagent.delivery.outbox import Outbox, OutboxConfig, TaskDelivery, cleanup_task_dirs
+from ckagent.delivery.readers import LogJournal, parse_journal, scan_log_files, task_log_globs
+from ckagent.delivery.shipper import StreamShipper, send_result
+from ckagent.delivery.spool import (
+    AGENT_FILES,
+    DEFAULT_LOG_GLOBS,
+    ITEMS_FILE,
+    JOURNAL_FILE,
+    MAX_BATCH_BYTES,
+    MAX_BATCH_COUNT,
+    MAX_ITEM_BYTES,
+    MAX_LINE_BYTES,
+    OUTPUT_LOG,
+)
+
+__all__ = [
+    "AGENT_FILES",
+    "DEFAULT_LOG_GLOBS",
+    "ITEMS_FILE",
+    "JOURNAL_FILE",
+    "MAX_BATCH_BYTES",
+    "MAX_BATCH_COUNT",
+    "MAX_ITEM_BYTES",
+    "MAX_LINE_BYTES",
+    "OUTPUT_LOG",
+    "DiskGuard",
+    "LineSplitter",
+    "LogJournal",
+    "LogSink",
+    "Masker",
+    "Outbox",
+    "OutboxConfig",
+    "StreamShipper",
+    "TaskDelivery",
+    "cleanup_task_dirs",
+    "decode_lines",
+    "item_object",
+    "json_sizes",
+    "parse_journal",
+    "scan_log_files",
+    "secret_values",
+    "send_result",
+    "task_log_globs",
+]

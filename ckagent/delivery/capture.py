@@ -1,0 +1,149 @@
+"""Capture: the spider's pipes into output.log, within the disk budget (DiskGuard, LogSink).
+
+See the package docstring (ckagent.delivery) for the whole design.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+import trio
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------- capture
+
+
+class DiskGuard:
+    """Free space of the filesystem holding ``path`` (bytes), refreshed by :meth:`refresh`.
+
+    Writers call :meth:`allows` before and :meth:`consumed` after writing, so the estimate follows
+    fast writers between refreshes. ``min_free_bytes`` 0 disables the floor.
+    """
+
+    def __init__(self, path: Path, min_free_bytes: int) -> None:
+        self.path = path
+        self.min_free_bytes = min_free_bytes
+        self.free_bytes: int | None = None
+
+    def allows(self, size: int) -> bool:
+        """True if writing ``size`` more bytes keeps the free space at or above the floor."""
+        if not self.min_free_bytes or self.free_bytes is None:
+            return True
+        return self.free_bytes - size >= self.min_free_bytes
+
+    def consumed(self, size: int) -> None:
+        """``size`` bytes were written."""
+        if self.free_bytes is not None:
+            self.free_bytes -= size
+
+    async def refresh(self) -> None:
+        """Measure the free space again (in a worker thread). OSError leaves the last figure."""
+        try:
+            usage = await trio.to_thread.run_sync(shutil.disk_usage, self.path)
+        except OSError as exc:
+            log.debug("cannot measure free space of %s: %s", self.path, exc)
+            return
+        self.free_bytes = usage.free
+
+
+class LogSink:
+    """Appends the spider's stdout/stderr bytes to ``output.log`` as they arrive (never blocks on the network).
+
+    Writes are plain ``os.write`` calls on an O_APPEND descriptor: page-cache writes of pipe-sized
+    chunks take microseconds, so the pipe readers never wait on a thread hop. ``on_write`` is called
+    after every write. Disk budget: once the file would exceed ``max_bytes`` (0 = no limit), or the
+    ``guard`` says the free-space floor is reached, or a write fails (ENOSPC, EIO...), later bytes
+    are counted and dropped; :meth:`close` then appends one marker line with the count.
+    ``size`` is the file's size (bytes), ``dropped_bytes`` what was not written.
+
+    Raises OSError only from the constructor (the file cannot be created).
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        on_write: Callable[[], None] | None = None,
+        *,
+        max_bytes: int = 0,
+        guard: DiskGuard | None = None,
+    ) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+        self.size = os.fstat(self._fd).st_size
+        self._on_write = on_write
+        self._max = max_bytes
+        self._guard = guard
+        self.bytes_written = 0
+        self.dropped_bytes = 0
+        self.truncated: str | None = None  # why output is being dropped
+        self._ends_line = True
+
+    def write(self, data: bytes | bytearray) -> None:
+        """Append ``data`` (as much as the budget allows; the rest is counted as dropped)."""
+        if self._fd < 0:
+            return
+        n = len(data)
+        if self.truncated is not None:
+            self.dropped_bytes += n
+            return
+        allowed = n
+        reason = None
+        if self._max and self.size + n > self._max:
+            allowed = max(0, self._max - self.size)
+            reason = f"the task's log budget of {self._max} bytes (task.max_log_bytes) was reached"
+        if allowed and self._guard is not None and not self._guard.allows(allowed):
+            allowed = 0
+            reason = (f"free disk space fell below {self._guard.min_free_bytes} bytes "
+                      "(task.min_free_disk_bytes)")
+        written = 0
+        if allowed:
+            view = memoryview(data)[:allowed]
+            try:
+                while view:
+                    k = os.write(self._fd, view)
+                    view = view[k:]
+                    written += k
+            except OSError as exc:
+                reason = f"writing output.log failed: {exc.strerror or exc}"
+        if written:
+            self.size += written
+            self.bytes_written += written
+            self._ends_line = data[written - 1] == 0x0A
+            if self._guard is not None:
+                self._guard.consumed(written)
+        if written < n:
+            self.dropped_bytes += n - written
+            self.truncated = reason or "output dropped"
+            log.warning("%s: output truncated: %s", self.path, self.truncated)
+        if self._on_write is not None:
+            self._on_write()
+
+    def write_line(self, data: bytes) -> None:
+        """Append one line of the agent's own (a notice): on a line of its own even when the spider's
+        output so far ends without a newline. Counts against the budget like the spider's output."""
+        self.write(data if self._ends_line else b"\n" + data)
+
+    def close(self) -> None:
+        """Write the truncation marker (if output was dropped), close the file (idempotent)."""
+        if self._fd < 0:
+            return
+        if self.dropped_bytes:
+            stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+            marker = (f"{'' if self._ends_line else chr(10)}[ckagent {stamp}] output truncated: "
+                      f"{self.dropped_bytes} bytes dropped because {self.truncated}\n").encode()
+            try:
+                os.write(self._fd, marker)
+                self.size += len(marker)
+            except OSError as exc:
+                log.error("%s: cannot write the truncation marker: %s", self.path, exc)
+        os.close(self._fd)
+        self._fd = -1
+        if self._on_write is not None:
+            self._on_write()

@@ -1,0 +1,223 @@
+"""Lines and elements: secret masking, the byte-exact line splitter, log/item converters.
+
+See the package docstring (ckagent.delivery) for the whole design.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from collections.abc import Iterable, Sequence
+from itertools import accumulate
+from typing import Any
+
+from ckagent.delivery.spool import MAX_LINE_BYTES
+
+log = logging.getLogger(__name__)
+_SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|KEY)$", re.IGNORECASE)
+
+# ---------------------------------------------------------------------------------------------- secrets
+
+
+def secret_values(env: dict[str, str], extra: Iterable[str] = ()) -> list[str]:
+    """Values to mask: env variables named like *TOKEN, *SECRET, *PASSWORD, *KEY, plus ``extra``.
+
+    Values shorter than 4 characters are not masked (they would mangle ordinary text). Longest first.
+    """
+    values = [v for k, v in env.items() if _SECRET_NAME.search(k)]
+    values.extend(extra)
+    return sorted({v for v in values if len(v) >= 4}, key=len, reverse=True)
+
+
+class Masker:
+    """Replaces every occurrence of the given secret values with ``***`` (``bool(masker)``: any secret)."""
+
+    def __init__(self, secrets: Iterable[str]) -> None:
+        # A value with a line break can never be inside one line: leaving it out lets callers mask
+        # many lines joined with "\n" at once without changing the line count.
+        values = sorted({s for s in secrets if s and "\n" not in s and "\r" not in s}, key=len, reverse=True)
+        self._pattern = re.compile("|".join(re.escape(v) for v in values)) if values else None
+
+    def __bool__(self) -> bool:
+        return self._pattern is not None
+
+    def __call__(self, text: str) -> str:
+        """Return ``text`` with secrets masked."""
+        if self._pattern is None or self._pattern.search(text) is None:
+            return text
+        return self._pattern.sub("***", text)
+
+
+# ---------------------------------------------------------------------------------------------- lines
+
+_TERM_CR = re.compile(rb"\r\n|\r|\n")
+_TERM_LF = re.compile(rb"\n")
+
+
+class LineSplitter:
+    """Incremental bytes → complete lines with the byte offset where each ends (see module docstring).
+
+    ``feed(data)`` returns ``(lines, ends)`` for the lines completed so far (terminators stripped;
+    ``ends[i]`` is the offset just after line i's terminator). ``flush()`` ends the stream: an
+    unterminated last line is returned too. ``offset`` is where the unfinished line starts (the
+    first byte not yet returned). The result does not depend on how the bytes were chunked, so a
+    splitter restarted at any returned end offset continues exactly as the first one did.
+    """
+
+    def __init__(self, start_offset: int = 0, max_line_bytes: int = MAX_LINE_BYTES, cr_breaks: bool = True) -> None:
+        if max_line_bytes < 4:
+            raise ValueError("max_line_bytes must be at least 4")
+        self._buf = b""
+        self._start = start_offset
+        self._max = max_line_bytes
+        self._cr = cr_breaks
+
+    @property
+    def offset(self) -> int:
+        """Offset of the first byte not yet returned as part of a line."""
+        return self._start
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held back (an unfinished line)."""
+        return len(self._buf)
+
+    def feed(self, data: bytes) -> tuple[list[bytes], list[int]]:
+        """Add bytes; return the lines they completed and their end offsets."""
+        buf = self._buf + data if self._buf else bytes(data)
+        return self._split(buf, final=False)
+
+    def flush(self) -> tuple[list[bytes], list[int]]:
+        """End of stream: return what is left (including an unterminated last line)."""
+        return self._split(self._buf, final=True)
+
+    def _split(self, buf: bytes, final: bool) -> tuple[list[bytes], list[int]]:
+        mx = self._max
+        if not (self._cr and b"\r" in buf):
+            # Fast path (no \r): C-level split, then check no line is too long.
+            parts = buf.split(b"\n")
+            rest = parts.pop()
+            if len(rest) <= mx and (not parts or max(map(len, parts)) <= mx):
+                start = self._start
+                ends = list(accumulate([len(p) + 1 for p in parts], initial=start))
+                del ends[0]
+                if final and rest:
+                    parts.append(rest)
+                    ends.append(start + len(buf))
+                    rest = b""
+                self._buf = rest
+                self._start = start + len(buf) - len(rest)
+                return parts, ends
+        return self._split_slow(buf, final)
+
+    def _split_slow(self, buf: bytes, final: bool) -> tuple[list[bytes], list[int]]:
+        mx = self._max
+        base = self._start
+        n = len(buf)
+        lines: list[bytes] = []
+        ends: list[int] = []
+        pos = 0
+        content_end = n  # where the content of the unfinished line ends (before a trailing lone \r)
+        for match in (_TERM_CR if self._cr else _TERM_LF).finditer(buf):
+            s, e = match.start(), match.end()
+            if e == n and not final and buf[s] == 0x0D:
+                content_end = s  # "\r" at the end of what we have: could be the start of "\r\n"
+                break
+            while s - pos > mx:
+                cut = _utf8_boundary(buf, pos + mx, pos)
+                lines.append(buf[pos:cut])
+                ends.append(base + cut)
+                pos = cut
+            lines.append(buf[pos:s])
+            ends.append(base + e)
+            pos = e
+        while content_end - pos > mx:
+            cut = _utf8_boundary(buf, pos + mx, pos)
+            lines.append(buf[pos:cut])
+            ends.append(base + cut)
+            pos = cut
+        if final and n > pos:
+            lines.append(buf[pos:])
+            ends.append(base + n)
+            pos = n
+        self._buf = buf[pos:]
+        self._start = base + pos
+        return lines, ends
+
+
+def _utf8_boundary(buf: bytes, cut: int, lo: int) -> int:
+    """Move ``cut`` back (at most 3 bytes, never to ``lo``) so it does not split a UTF-8 character."""
+    for back in range(4):
+        i = cut - back
+        if i <= lo:
+            break
+        if (buf[i] & 0xC0) != 0x80:  # not a continuation byte: a character starts here
+            return i
+    return cut
+
+
+# ---------------------------------------------------------------------------------------------- converters
+
+
+def decode_lines(lines: Sequence[bytes], masker: Masker | None = None, prefix: str = "") -> list[str]:
+    """Log lines as shipped: UTF-8 with replacement, secrets masked, ``prefix`` (the source mark) added.
+
+    The lines hold no ``\\n``, so they are decoded (and searched for secrets) in one piece: a newline
+    ends any invalid UTF-8 sequence, which makes this the same as decoding line by line.
+    """
+    if not lines:
+        return []
+    text = b"\n".join(lines).decode("utf-8", "replace")
+    if masker:
+        text = masker(text)
+    texts = text.split("\n")
+    if prefix:
+        texts = [prefix + t for t in texts]
+    return texts
+
+
+_PLAIN = bytes(b for b in range(0x20, 0x7F) if b not in b'"\\')
+_MILD = b'"\\\t' + bytes(range(0x80, 0x100))
+
+
+def json_sizes(lines: list[bytes], extra: int = 0) -> list[int]:
+    """Upper bounds of the JSON-encoded sizes (bytes, without quotes) of the decoded ``lines``.
+
+    Printable ASCII stays as it is (×1); a quote, backslash or tab becomes two bytes (×2); an invalid
+    UTF-8 byte becomes U+FFFD, three bytes (×3); a control character ``\\u00XX``, six bytes (×6).
+    One factor for the whole group, found with C-speed byte translations. ``extra`` (a source
+    prefix) is added to each.
+    """
+    rest = b"".join(lines).translate(None, _PLAIN)
+    if not rest:
+        factor = 1
+    elif rest.translate(None, _MILD):
+        factor = 6
+    else:
+        factor = 2 if rest.isascii() else 3
+    if factor == 1 and not extra:
+        return list(map(len, lines))
+    return [len(raw) * factor + extra for raw in lines]
+
+
+def _finite_float(text: str) -> Any:
+    value = float(text)
+    return value if math.isfinite(value) else text  # 1e999 would be Infinity: JSON cannot carry it
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def item_object(raw: bytes) -> Any:
+    """One items.jsonl line → the item; a blank line → None (skipped); anything else is wrapped, not lost."""
+    text = raw.decode("utf-8", "replace")
+    if not text.strip():
+        return None
+    try:
+        value = json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
+    except ValueError as exc:
+        return {"_invalidItem": text[:10000], "_error": f"not JSON: {exc}"}
+    return value if isinstance(value, dict) else {"_invalidItem": text[:10000], "_error": "not a JSON object"}

@@ -1,0 +1,269 @@
+"""The outbox: one per agent, owns every task's delivery (journal writer, shippers, result) and retention.
+
+See the package docstring (ckagent.delivery) for the whole design.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import trio
+
+from ckagent.delivery.capture import DiskGuard, LogSink
+from ckagent.delivery.lines import Masker, secret_values
+from ckagent.delivery.readers import LogJournal, scan_log_files, task_log_globs
+from ckagent.delivery.shipper import StreamShipper, send_result
+from ckagent.delivery.spool import DEFAULT_LOG_GLOBS, OUTPUT_LOG, SCAN_INTERVAL, SEND_CONCURRENCY
+from ckagent.master import MasterClient
+from ckagent.protocol import Task, TaskResult
+from ckagent.state import AsyncStateStore, TaskRecord
+
+log = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------------------------- outbox
+
+Delivered = Callable[[TaskResult], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class OutboxConfig:
+    """Settings of the outbox: globs of spider log files, the disk budget (bytes; 0 = none) and
+    retention (seconds; 0 = keep forever)."""
+
+    log_globs: tuple[str, ...] = DEFAULT_LOG_GLOBS
+    max_log_bytes: int = 0
+    min_free_disk_bytes: int = 0
+    retention: float = 0.0
+    agent_secrets: tuple[str, ...] = ()
+
+
+class TaskDelivery:
+    """One task's delivery, owned by the :class:`Outbox`. The supervisor writes to :attr:`sink`
+    while the process runs and calls :meth:`finish` once with the final result."""
+
+    def __init__(self, outbox: Outbox, task_id: str, task_dir: Path, masker: Masker, globs: list[str],
+                 sink: LogSink | None, journal: LogJournal, on_delivered: Delivered | None) -> None:
+        self.outbox = outbox
+        self.task_id = task_id
+        self.task_dir = task_dir
+        self.globs = globs
+        self.sink = sink
+        self.journal = journal
+        self.on_delivered = on_delivered
+        self.logs = StreamShipper.logs(outbox.master, outbox.store, task_id, task_dir, masker, outbox.limiter)
+        self.items = StreamShipper.items(outbox.master, outbox.store, task_id, task_dir, outbox.limiter)
+        journal.on_record = self.logs.notify
+        self._wake = trio.Event()
+        self.ended = trio.Event()
+        self.delivered = trio.Event()
+        self.result: TaskResult | None = None
+        self.ship_logs = True  # False when the journal cannot be opened (the result still goes)
+
+    def output_written(self) -> None:
+        """The sink wrote to output.log."""
+        self._wake.set()
+
+    async def finish(self, result: TaskResult) -> None:
+        """The process is over: close output.log, store ``result``, let the streams complete and the
+        result follow them. Returns at once (after the state store write); cancellation before that
+        write leaves the task to the next start (reported AGENT_LOST)."""
+        if self.sink is not None:
+            self.sink.close()
+        await self.outbox.store.set_result(self.task_id, result.to_json())
+        self.result = result
+        self.items.finish()
+        self.ended.set()
+        self._wake.set()
+
+    async def _journal_loop(self) -> None:
+        """Record the growth of output.log (when notified) and of spider log files (every SCAN_INTERVAL)."""
+        next_scan = trio.current_time()
+        while not self.ended.is_set():
+            with trio.move_on_at(next_scan):
+                await self._wake.wait()
+            self._wake = trio.Event()
+            sizes: dict[str, int] = {}
+            if self.sink is not None:
+                sizes[OUTPUT_LOG] = self.sink.size
+            if trio.current_time() >= next_scan:
+                sizes.update(await trio.to_thread.run_sync(scan_log_files, self.task_dir, self.globs))
+                next_scan = trio.current_time() + SCAN_INTERVAL
+            self.journal.note(sizes)
+        sizes = await trio.to_thread.run_sync(self._final_sizes)
+        self.journal.end(sizes)
+        self.journal.close()
+
+    def _final_sizes(self) -> dict[str, int]:
+        sizes = scan_log_files(self.task_dir, self.globs)
+        try:
+            sizes[OUTPUT_LOG] = (self.task_dir / OUTPUT_LOG).stat().st_size
+        except FileNotFoundError:
+            sizes[OUTPUT_LOG] = 0
+        return sizes
+
+    async def run(self) -> None:
+        """Journal, ship both streams, then send the result. Cancellation leaves it all for the next start."""
+        async with trio.open_nursery() as nursery:
+            if self.ship_logs:
+                nursery.start_soon(self._journal_loop)
+                nursery.start_soon(self.logs.run)
+            nursery.start_soon(self.items.run)
+            await self.ended.wait()
+        assert self.result is not None
+        result = dataclasses.replace(self.result, item_count=self.items.acked, log_lines=self.logs.acked)
+        await self.outbox.store.set_result(self.task_id, result.to_json())
+        await send_result(self.outbox.master, self.outbox.store, self.task_id, result, self.outbox.limiter)
+        self.delivered.set()
+        if self.on_delivered is not None:
+            self.on_delivered(result)
+
+
+class Outbox:
+    """Every task's delivery, in one nursery that outlives the tasks (see module docstring).
+
+    ``await nursery.start(outbox.run)`` starts it; :meth:`open_task` / :meth:`resume` add tasks;
+    :meth:`wait_idle` waits until nothing is left to send. Also keeps the free-space figure of the
+    work dir fresh and deletes expired task directories (retention).
+    """
+
+    def __init__(self, master: MasterClient, store: AsyncStateStore, work_dir: Path,
+                 config: OutboxConfig | None = None) -> None:
+        self.master = master
+        self.store = store
+        self.work_dir = work_dir
+        self.tasks_dir = work_dir / "tasks"
+        self.config = config or OutboxConfig()
+        self.limiter = trio.CapacityLimiter(SEND_CONCURRENCY)
+        self.guard = DiskGuard(work_dir, self.config.min_free_disk_bytes)
+        self.deliveries: dict[str, TaskDelivery] = {}
+        self._nursery: trio.Nursery | None = None
+        self._idle = trio.Event()
+        self._idle.set()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run until cancelled (the agent's stop). Unsent data stays on disk for the next start."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await self.guard.refresh()
+            nursery.start_soon(self._disk_loop)
+            if self.config.retention > 0:
+                nursery.start_soon(self._retention_loop)
+            task_status.started()
+            await trio.sleep_forever()
+
+    @property
+    def pending(self) -> int:
+        """Tasks whose delivery is not complete."""
+        return len(self.deliveries)
+
+    async def wait_idle(self) -> None:
+        """Return when every delivery is complete (at once if none is pending)."""
+        await self._idle.wait()
+
+    async def open_task(self, task: Task, task_dir: Path, on_delivered: Delivered | None = None) -> TaskDelivery:
+        """Start delivering a task that is about to run; write its output to ``.sink``.
+
+        Raises OSError when output.log or the journal cannot be created.
+        """
+        masker = Masker(secret_values(task.env, self.config.agent_secrets))
+        journal = LogJournal(task_dir)
+        await trio.to_thread.run_sync(journal.open)
+        delivery = TaskDelivery(self, task.id, task_dir, masker, task_log_globs(task, self.config.log_globs),
+                                None, journal, on_delivered)
+        delivery.sink = LogSink(task_dir / OUTPUT_LOG, delivery.output_written,
+                                max_bytes=self.config.max_log_bytes, guard=self.guard)
+        self._start(delivery)
+        return delivery
+
+    async def resume(self, record: TaskRecord) -> None:
+        """Deliver what an earlier run left: the streams from their stored positions, then the result."""
+        assert record.result is not None, "recover the task (AGENT_LOST) before resuming its delivery"
+        try:
+            task = Task.from_json(record.task_json)
+            env, globs = task.env, task_log_globs(task, self.config.log_globs)
+        except ValueError:
+            env, globs = {}, list(self.config.log_globs)
+        masker = Masker(secret_values(env, self.config.agent_secrets))
+        journal = LogJournal(record.task_dir)
+        ship_logs = True
+        try:
+            await trio.to_thread.run_sync(journal.open)
+        except (OSError, ValueError) as exc:
+            log.error("task %s: cannot open its log journal (%s); not sending its log", record.task_id, exc)
+            ship_logs = False
+        delivery = TaskDelivery(self, record.task_id, record.task_dir, masker, globs, None, journal, None)
+        delivery.ship_logs = ship_logs
+        delivery.result = TaskResult.from_json(record.result)
+        delivery.items.finish()
+        delivery.ended.set()
+        self._start(delivery)
+
+    def _start(self, delivery: TaskDelivery) -> None:
+        if self._nursery is None:
+            raise RuntimeError("the outbox is not running")
+        self.deliveries[delivery.task_id] = delivery
+        self._idle = trio.Event()
+        self._nursery.start_soon(self._guarded, delivery, name=f"deliver {delivery.task_id}")
+
+    async def _guarded(self, delivery: TaskDelivery) -> None:
+        try:
+            await delivery.run()
+        except Exception:
+            log.exception("task %s: delivery failed; it stays in the state store for the next start",
+                          delivery.task_id)
+        finally:
+            if delivery.sink is not None:
+                delivery.sink.close()
+            delivery.journal.close()
+            self.deliveries.pop(delivery.task_id, None)
+            if not self.deliveries:
+                self._idle.set()
+
+    async def _disk_loop(self) -> None:
+        while True:
+            await trio.sleep(1.0)
+            await self.guard.refresh()
+
+    async def _retention_loop(self) -> None:
+        interval = min(3600.0, max(1.0, self.config.retention / 4))
+        while True:
+            await cleanup_task_dirs(self.store, self.tasks_dir, self.config.retention)
+            await trio.sleep(interval)
+
+
+async def cleanup_task_dirs(store: AsyncStateStore, tasks_dir: Path, older_than: float) -> int:
+    """Delete the directories of tasks fully acknowledged more than ``older_than`` seconds ago.
+
+    ``older_than`` 0 deletes every acknowledged task's directory (``--cleanup-temp-files`` at start).
+    Never touches a task whose result the master has not acknowledged, nor anything outside
+    ``tasks_dir``. Returns how many were deleted; errors are logged, not raised.
+    """
+    cutoff = time.time() - older_than
+    deleted = 0
+    root = await trio.to_thread.run_sync(tasks_dir.resolve)
+    for record in await store.delivered_before(cutoff if older_than > 0 else time.time() + 1):
+        target = record.task_dir
+        if target.resolve().parent != root:
+            log.warning("task %s: not deleting %s (outside %s)", record.task_id, target, tasks_dir)
+            await store.forget(record.task_id)
+            continue
+        try:
+            await trio.to_thread.run_sync(_rmtree, target)
+        except OSError as exc:
+            log.warning("task %s: cannot delete %s: %s", record.task_id, target, exc)
+            continue
+        await store.forget(record.task_id)
+        deleted += 1
+    if deleted:
+        log.info("deleted %d delivered task director%s", deleted, "y" if deleted == 1 else "ies")
+    return deleted
+
+
+def _rmtree(path: Path) -> None:
+    if path.exists():
+        shutil.rmtree(path)

@@ -1,0 +1,531 @@
+"""Readers of the spool: pending elements, file tailers and the log journal that orders a task's log sources.
+
+See the package docstring (ckagent.delivery) for the whole design.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import logging
+import os
+import stat
+from collections.abc import Callable, Sequence
+from itertools import accumulate
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import trio
+
+from ckagent.delivery.lines import LineSplitter, Masker, decode_lines, json_sizes
+from ckagent.delivery.spool import (
+    AGENT_FILES,
+    JOURNAL_FILE,
+    MAX_LINE_BYTES,
+    MAX_LOG_SOURCES,
+    OUTPUT_LOG,
+    READ_CHUNK,
+)
+from ckagent.protocol import Task
+
+log = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------------------------- readers
+
+
+class _Pending:
+    """Elements read but not yet acknowledged, in order.
+
+    Parallel lists: the element, its mark (where it ends in its source: an int) and its estimated
+    JSON size in bytes (with 3 bytes of separators); ``runs`` groups consecutive elements by the
+    reader's tag (for the journal: which record and source they came from).
+    """
+
+    __slots__ = ("elements", "marks", "runs", "since", "size", "sizes")
+
+    def __init__(self) -> None:
+        self.elements: list[Any] = []
+        self.marks: list[int] = []
+        self.sizes: list[int] = []
+        self.runs: list[list[Any]] = []  # [count, tag]
+        self.size = 0
+        self.since = 0.0
+
+    def __len__(self) -> int:
+        return len(self.elements)
+
+    def add(self, elements: list[Any], marks: list[int], sizes: list[int], tag: Any = None) -> None:
+        if not elements:
+            return
+        if not self.elements:
+            self.since = trio.current_time()
+        self.elements += elements
+        self.marks += marks
+        sizes = [size + 3 for size in sizes]
+        self.sizes += sizes
+        self.size += sum(sizes)
+        if self.runs and self.runs[-1][1] == tag:
+            self.runs[-1][0] += len(elements)
+        else:
+            self.runs.append([len(elements), tag])
+
+    def take(self, n: int) -> list[tuple[Any, int]]:
+        """Drop the first ``n`` elements; returns ``(tag, last mark)`` of each run they touched, in order."""
+        touched: list[tuple[Any, int]] = []
+        left = n
+        while left:
+            run = self.runs[0]
+            used = min(left, run[0])
+            touched.append((run[1], self.marks[n - left + used - 1]))
+            left -= used
+            if used == run[0]:
+                del self.runs[0]
+            else:
+                run[0] -= used
+        self.size -= sum(self.sizes[:n])
+        del self.elements[:n], self.marks[:n], self.sizes[:n]
+        if self.elements:
+            self.since = trio.current_time()
+        return touched
+
+    def size_of(self, n: int) -> int:
+        """Estimated bytes of the first ``n`` elements."""
+        return sum(self.sizes[:n])
+
+    def clear(self) -> None:
+        self.elements, self.marks, self.sizes, self.runs, self.size = [], [], [], [], 0
+
+    def batch_len(self, max_count: int, max_bytes: int) -> int:
+        """How many leading elements make a batch of at most ``max_count`` and ``max_bytes`` (at least 1)."""
+        n = min(len(self.elements), max_count)
+        if self.size <= max_bytes and n == len(self.elements):
+            return n
+        totals = list(accumulate(self.sizes[:n]))
+        return max(1, min(n, bisect.bisect_right(totals, max_bytes)))
+
+
+async def _pread(fd: int, size: int, offset: int) -> bytes:
+    return await trio.to_thread.run_sync(os.pread, fd, size, offset)
+
+
+class _FileReader:
+    """Elements of one file (the items stream). Position: ``{"offset": <end of the last element>}``."""
+
+    def __init__(self, path: Path, convert: Callable[[bytes], Any], max_line_bytes: int, cr_breaks: bool) -> None:
+        self.path = path
+        self._convert = convert
+        self._max = max_line_bytes
+        self._cr = cr_breaks
+        self._fd = -1
+        self._read_at = 0
+        self._splitter = LineSplitter(0, max_line_bytes, cr_breaks)
+        self.finished = False  # set by the owner: the file will not grow any more
+        self.done = False
+        self.polls = True  # written by another process: look again every TAIL_INTERVAL
+
+    async def restore(self, position: Any) -> None:
+        offset = int(position.get("offset", 0)) if isinstance(position, dict) else 0
+        self._read_at = offset
+        self._splitter = LineSplitter(offset, self._max, self._cr)
+        self.done = False
+
+    async def read(self, pending: _Pending) -> bool:
+        if self.done:
+            return False
+        if self._fd < 0:
+            try:
+                self._fd = await trio.to_thread.run_sync(os.open, self.path, os.O_RDONLY)
+            except FileNotFoundError:
+                if self.finished:
+                    self.done = True
+                return False
+        finished = self.finished  # read before reading: a finish after an empty read still gets a last read
+        data = await _pread(self._fd, READ_CHUNK, self._read_at)
+        if data:
+            self._read_at += len(data)
+            lines, ends = self._splitter.feed(data)
+        elif finished:
+            lines, ends = self._splitter.flush()
+            self.done = True
+        else:
+            return False
+        elements, marks, sizes = [], [], []
+        for raw, end in zip(lines, ends, strict=True):
+            element = self._convert(raw)
+            if element is not None:
+                elements.append(element)
+                marks.append(end)
+                sizes.append(len(raw))
+        pending.add(elements, marks, sizes)
+        return True
+
+    def commit(self, runs: list[tuple[Any, int]]) -> Any:
+        """The position after the elements of ``runs`` (from :meth:`_Pending.take`)."""
+        return {"offset": runs[-1][1]}
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class _Source:
+    """One log source while the journal is replayed."""
+
+    __slots__ = ("fd", "fed", "finalized", "path", "prefix", "splitter")
+
+    def __init__(self, path: str, start: int, max_line_bytes: int) -> None:
+        self.path = path
+        self.prefix = "" if path == OUTPUT_LOG else f"[{path}] "
+        self.splitter = LineSplitter(start, max_line_bytes, True)
+        self.fed = start
+        self.fd = -1
+        self.finalized = False
+
+
+def parse_journal(data: bytes) -> tuple[list[tuple[int, str, int, str]], int]:
+    """Journal bytes → ``([(record offset, kind, idx, arg)], end of the last complete record)``.
+
+    ``arg`` is the path for S, the size (as text) for D, "" otherwise. A torn last record (no
+    newline) is not returned. Unknown record kinds raise ValueError.
+    """
+    records: list[tuple[int, str, int, str]] = []
+    pos = 0
+    while True:
+        nl = data.find(b"\n", pos)
+        if nl < 0:
+            return records, pos
+        text = data[pos:nl].decode("utf-8", "surrogateescape")
+        kind = text[:1]
+        if kind == "E":
+            records.append((pos, "E", -1, ""))
+        elif kind in ("S", "D", "F"):
+            _, _, rest = text.partition(" ")
+            idx_text, _, arg = rest.partition(" ")
+            records.append((pos, kind, int(idx_text), arg))
+        else:
+            raise ValueError(f"bad journal record at offset {pos}: {text[:80]!r}")
+        pos = nl + 1
+
+
+class _JournalReader:
+    """The log stream of a task: replays ``output.journal`` over its sources (see module docstring)."""
+
+    def __init__(self, task_dir: Path, masker: Masker, max_line_bytes: int = MAX_LINE_BYTES) -> None:
+        self.task_dir = task_dir
+        self._masker = masker
+        self._max = max_line_bytes
+        self._sources: dict[int, _Source] = {}
+        self._jfd = -1
+        self._jbuf = b""
+        self._jat = 0  # next unread byte of _jbuf
+        self._jpos = 0  # journal offset of _jbuf[_jat]
+        self._record: tuple[int, int, int] | None = None  # (record offset, idx, target size) being fed
+        self._acked: dict[int, int] = {}
+        self.done = False
+        self.polls = False  # the journal writer notifies
+
+    async def restore(self, position: Any) -> None:
+        self.close()
+        start = 0
+        acked: dict[int, int] = {}
+        if isinstance(position, dict) and "j" in position:
+            start = int(position["j"])
+            acked = {int(k): int(v) for k, v in dict(position.get("p", {})).items()}
+        elif isinstance(position, dict) and "offset" in position:  # stored before the journal existed
+            acked = {0: int(position["offset"])}
+        self._acked = dict(acked)
+        self._sources = {}
+        self._record = None
+        self.done = False
+        head = b""
+        if start:
+            head = await trio.to_thread.run_sync(_read_prefix, self.task_dir / JOURNAL_FILE, start)
+        records, _ = parse_journal(head)
+        fed_to: dict[int, int] = {}
+        for _, kind, idx, arg in records:
+            if kind == "S":
+                self._sources[idx] = _Source(arg, acked.get(idx, 0), self._max)
+            elif kind == "D":
+                fed_to[idx] = int(arg)
+            elif kind == "F" and idx in self._sources:
+                self._sources[idx].finalized = True
+        # Bytes of an unfinished line fed before the resume record: feed them again (they complete
+        # no line — every line they complete was acknowledged before the checkpoint).
+        for idx, source in self._sources.items():
+            target = fed_to.get(idx, 0)
+            if not source.finalized and target > source.fed:
+                data = await self._read_source(source, target - source.fed)
+                source.fed += len(data)
+                source.splitter.feed(data)
+        self._jpos = start
+        self._jbuf, self._jat = b"", 0
+
+    async def _read_source(self, source: _Source, size: int) -> bytes:
+        if source.fd < 0:
+            try:
+                source.fd = await trio.to_thread.run_sync(os.open, self.task_dir / source.path, os.O_RDONLY)
+            except OSError as exc:
+                log.warning("log source %s of %s cannot be read (%s); skipping it", source.path, self.task_dir, exc)
+                return b""
+        return await _pread(source.fd, size, source.fed)
+
+    async def _next_record(self) -> tuple[int, str, int, str] | None:
+        """The next complete journal record ``(offset, kind, idx, arg)``, or None for now."""
+        nl = self._jbuf.find(b"\n", self._jat)
+        if nl < 0:
+            if self._jfd < 0:
+                try:
+                    self._jfd = await trio.to_thread.run_sync(os.open, self.task_dir / JOURNAL_FILE, os.O_RDONLY)
+                except FileNotFoundError:
+                    return None
+            rest = self._jbuf[self._jat :]
+            more = await _pread(self._jfd, 65536, self._jpos + len(rest))
+            if not more:
+                return None
+            self._jbuf, self._jat = rest + more, 0
+            nl = self._jbuf.find(b"\n")
+            if nl < 0:
+                return None
+        records, _ = parse_journal(self._jbuf[self._jat : nl + 1])
+        _, kind, idx, arg = records[0]
+        at = self._jpos
+        self._jpos += nl + 1 - self._jat
+        self._jat = nl + 1
+        return at, kind, idx, arg
+
+    def _peek_d(self, idx: int) -> int | None:
+        """If the next record is already buffered and is ``D idx <size>``: consume it, return the size."""
+        at = self._jat
+        nl = self._jbuf.find(b"\n", at)
+        if nl < 0 or self._jbuf[at : at + 2] != b"D ":
+            return None
+        _, idx_text, size_text = self._jbuf[at:nl].split(b" ", 2)
+        if int(idx_text) != idx:
+            return None
+        self._jpos += nl + 1 - at
+        self._jat = nl + 1
+        return int(size_text)
+
+    async def read(self, pending: _Pending) -> bool:
+        progress = False
+        budget = READ_CHUNK
+        while budget > 0 and not self.done:
+            if self._record is not None:
+                at, idx, target = self._record
+                source = self._sources[idx]
+                want = min(READ_CHUNK, target - source.fed)
+                data = await self._read_source(source, want) if want > 0 else b""
+                if len(data) < want:
+                    log.warning("log source %s of %s is shorter than recorded; skipping to its end",
+                                source.path, self.task_dir)
+                source.fed = target if len(data) < want else source.fed + len(data)
+                if source.fed >= target:
+                    self._record = None
+                if data:
+                    self._emit(pending, at, idx, *source.splitter.feed(data))
+                    budget -= len(data)
+                progress = True
+                continue
+            record = await self._next_record()
+            if record is None:
+                break
+            progress = True
+            at, kind, idx, arg = record
+            if kind == "S":
+                self._sources[idx] = _Source(arg, self._acked.get(idx, 0), self._max)
+            elif kind == "D":
+                target = int(arg)
+                # Following D records of the same source continue the same bytes: read them in one go
+                # (the elements keep this record's offset: a replay from it skips what was fed).
+                while (ahead := self._peek_d(idx)) is not None:
+                    target = max(target, ahead)
+                known = self._sources.get(idx)
+                if known is not None and target > known.fed:
+                    self._record = (at, idx, target)
+            elif kind == "F":
+                ending = self._sources.get(idx)
+                if ending is not None and not ending.finalized:
+                    ending.finalized = True
+                    self._emit(pending, at, idx, *ending.splitter.flush())
+                    if ending.fd >= 0:
+                        os.close(ending.fd)
+                        ending.fd = -1
+            elif kind == "E":
+                self.done = True
+        return progress
+
+    def _emit(self, pending: _Pending, at: int, idx: int, lines: list[bytes], ends: list[int]) -> None:
+        if lines:
+            source = self._sources[idx]
+            pending.add(decode_lines(lines, self._masker, source.prefix), ends,
+                        json_sizes(lines, len(source.prefix)), (at, idx))
+
+    def commit(self, runs: list[tuple[Any, int]]) -> Any:
+        """The position after the elements of ``runs`` (from :meth:`_Pending.take`)."""
+        acked = self._acked
+        for (_, idx), end in runs:
+            acked[idx] = end
+        return {"j": runs[-1][0][0], "p": {str(k): v for k, v in acked.items()}}
+
+    def close(self) -> None:
+        for source in self._sources.values():
+            if source.fd >= 0:
+                os.close(source.fd)
+                source.fd = -1
+        if self._jfd >= 0:
+            os.close(self._jfd)
+            self._jfd = -1
+
+
+def _read_prefix(path: Path, size: int) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read(size)
+
+
+class LogJournal:
+    """Writes a task's ``output.journal`` (the merge order of its log sources; see module docstring).
+
+    Blocking but tiny: :meth:`open` reads an existing journal (use ``trio.to_thread``); the record
+    writes are small ``os.write`` calls on an O_APPEND descriptor (like :class:`LogSink`). Only the
+    outbox's journal task writes. Raises OSError when the file cannot be created.
+    """
+
+    def __init__(self, task_dir: Path) -> None:
+        self.task_dir = task_dir
+        self.path = task_dir / JOURNAL_FILE
+        self._fd = -1
+        self.paths: dict[int, str] = {}  # idx → path (the current idx of each path is in `current`)
+        self.current: dict[str, int] = {}
+        self.recorded: dict[int, int] = {}
+        self.finalized: set[int] = set()
+        self.ended = False
+        self.on_record: Callable[[], None] | None = None
+        self._warned_full = False
+
+    def open(self) -> None:
+        """Read what an earlier run wrote (cutting a torn last record), then open for appending."""
+        data = b""
+        with contextlib.suppress(FileNotFoundError):
+            data = self.path.read_bytes()
+        records, good = parse_journal(data)
+        if good < len(data):
+            log.warning("%s: dropping a torn last record (%d bytes)", self.path, len(data) - good)
+            os.truncate(self.path, good)
+        for _, kind, idx, arg in records:
+            if kind == "S":
+                self.paths[idx] = arg
+                self.current[arg] = idx
+                self.recorded[idx] = 0
+            elif kind == "D":
+                self.recorded[idx] = int(arg)
+            elif kind == "F":
+                self.finalized.add(idx)
+            elif kind == "E":
+                self.ended = True
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+        if 0 not in self.paths:
+            self._write([self._declare(OUTPUT_LOG)])
+
+    def _declare(self, path: str) -> str:
+        idx = max(self.paths, default=-1) + 1
+        self.paths[idx] = path
+        self.current[path] = idx
+        self.recorded[idx] = 0
+        return f"S {idx} {path}\n"
+
+    def _write(self, records: list[str]) -> None:
+        if records and self._fd >= 0:
+            data = "".join(records).encode("utf-8", "surrogateescape")
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
+            if self.on_record is not None:
+                self.on_record()
+
+    def note(self, sizes: dict[str, int]) -> None:
+        """Record growth: ``sizes`` maps source path → current size. New paths are declared; a file
+        that shrank (rotated or truncated) continues as a new source. Does nothing once ended."""
+        if self.ended:
+            return
+        records: list[str] = []
+        for path, size in sizes.items():
+            idx = self.current.get(path)
+            if idx is None:
+                if len(self.paths) >= MAX_LOG_SOURCES + 1:
+                    if not self._warned_full:
+                        log.warning("%s: more than %d log files; ignoring the others", self.task_dir, MAX_LOG_SOURCES)
+                        self._warned_full = True
+                    continue
+                records.append(self._declare(path))
+                idx = self.current[path]
+            elif idx in self.finalized:
+                continue
+            elif size < self.recorded[idx]:
+                log.info("%s: log file %s shrank (rotated?); reading it again from its start", self.task_dir, path)
+                records.append(f"F {idx}\n")
+                self.finalized.add(idx)
+                records.append(self._declare(path))
+                idx = self.current[path]
+            if size > self.recorded[idx]:
+                records.append(f"D {idx} {size}\n")
+                self.recorded[idx] = size
+        self._write(records)
+
+    def end(self, sizes: dict[str, int]) -> None:
+        """The task is over: record the last growth, complete every source, end the stream (idempotent)."""
+        if self.ended:
+            return
+        self.note(sizes)
+        records = [f"F {idx}\n" for idx in sorted(self.paths) if idx not in self.finalized]
+        self.finalized.update(self.paths)
+        records.append("E\n")
+        self.ended = True
+        self._write(records)
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _safe_glob(pattern: str) -> bool:
+    p = PurePosixPath(pattern)
+    return bool(pattern) and not p.is_absolute() and ".." not in p.parts and "\n" not in pattern
+
+
+def scan_log_files(task_dir: Path, globs: Sequence[str]) -> dict[str, int]:
+    """Spider log files under ``task_dir`` matching ``globs``: relative path → size (blocking).
+
+    Only regular files inside the task dir (no symlinks, nothing of the agent's own files, no path
+    with a newline); absolute or ``..`` patterns are ignored.
+    """
+    found: dict[str, int] = {}
+    root = task_dir.resolve()
+    for pattern in globs:
+        if not _safe_glob(pattern):
+            continue
+        for path in sorted(task_dir.glob(pattern)):
+            rel = path.relative_to(task_dir).as_posix()
+            if rel in AGENT_FILES or rel in found or "\n" in rel:
+                continue
+            try:
+                st = path.lstat()
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode) or not path.resolve().is_relative_to(root):
+                continue
+            found[rel] = st.st_size
+    return found
+
+
+def task_log_globs(task: Task, defaults: Sequence[str]) -> list[str]:
+    """The globs of a task's spider log files: ``defaults`` plus ``params.logFiles`` (a str or list of str)."""
+    extra = task.params.get("logFiles") if isinstance(task.params, dict) else None
+    if isinstance(extra, str):
+        extra = [extra]
+    globs = list(defaults)
+    if isinstance(extra, list):
+        globs += [g for g in extra if isinstance(g, str) and _safe_glob(g)]
+    return globs

@@ -1,0 +1,320 @@
+"""The stream shipper: batches with sequence numbers, acknowledged positions, 409 rewind/skip, backoff; the final result.
+
+See the package docstring (ckagent.delivery) for the whole design.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from ckagent.delivery.lines import Masker, item_object
+from ckagent.delivery.readers import _FileReader, _JournalReader, _Pending
+from ckagent.delivery.spool import (
+    BACKOFF_INITIAL,
+    BACKOFF_MAX,
+    BATCH_AGE,
+    CHECKPOINTS_KEPT,
+    EARLY_RETRY_AFTER,
+    ITEMS_FILE,
+    MAX_BATCH_BYTES,
+    MAX_BATCH_COUNT,
+    MAX_ITEM_BYTES,
+    MAX_LINE_BYTES,
+    TAIL_INTERVAL,
+)
+from ckagent.master import MasterClient, MasterConflict, MasterRejected, MasterUnavailable
+from ckagent.protocol import TaskResult
+from ckagent.state import AsyncStateStore
+
+log = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------------------------- shipping
+
+
+_RETRY_STATUSES = frozenset({401, 408})
+"""4xx answers retried with backoff like 5xx: 401 after re-registering did not help (yet), 408 timeout."""
+
+
+class _Flight:
+    """A batch on its way: ``count`` leading elements of the pending ones, ``size`` their estimated bytes."""
+
+    __slots__ = ("answer", "count", "size")
+
+    def __init__(self, count: int, size: int) -> None:
+        self.count = count
+        self.size = size
+        self.answer: _Answer | None = None
+
+
+class _Answer:
+    __slots__ = ("expected", "kind")
+
+    def __init__(self, kind: str, expected: int | None = None) -> None:
+        self.kind = kind  # ok | expected | shrink | refused
+        self.expected = expected
+
+
+async def _backoff_sleep(master: MasterClient, attempt: int) -> None:
+    """Sleep the backoff for ``attempt`` (1, 2, ...): exponential with jitter, capped at BACKOFF_MAX.
+
+    Ends early (but not before EARLY_RETRY_AFTER seconds) when the master becomes reachable again.
+    """
+    base = min(BACKOFF_MAX, BACKOFF_INITIAL * 2 ** (attempt - 1))
+    delay = random.uniform(base / 2, base)
+    was_up = master.connectivity.up
+    start = trio.current_time()
+    with trio.move_on_after(delay):
+        while True:
+            await trio.sleep(0.25)
+            if not was_up and master.connectivity.up and trio.current_time() - start >= EARLY_RETRY_AFTER:
+                return
+
+
+class StreamShipper:
+    """Ships one stream of one task (see module docstring): ``kind`` "logs" or "items".
+
+    Build it with :meth:`logs` or :meth:`items`. :meth:`notify` says the spool grew; :meth:`finish`
+    says the items file is complete (the log stream knows it from the journal's E record). ``stats``:
+    ``acked`` elements the master holds, ``read`` elements read. ``refused`` is True when the master
+    refused the stream for good.
+    """
+
+    def __init__(
+        self,
+        master: MasterClient,
+        store: AsyncStateStore,
+        task_id: str,
+        kind: str,
+        reader: _FileReader | _JournalReader,
+        limiter: trio.CapacityLimiter | None = None,
+    ) -> None:
+        if kind not in ("logs", "items"):
+            raise ValueError(f"unknown stream kind {kind!r}")
+        self._master = master
+        self._store = store
+        self.task_id = task_id
+        self.kind = kind
+        self.stream = "log" if kind == "logs" else "items"
+        self._key = "lines" if kind == "logs" else "items"
+        self._reader = reader
+        self._limiter = limiter or trio.CapacityLimiter(1)
+        self._wake = trio.Event()
+        self._count_limit = self._count_ceiling = MAX_BATCH_COUNT
+        self.acked = 0
+        self.refused = False
+        self.requests = 0
+
+    @classmethod
+    def logs(cls, master: MasterClient, store: AsyncStateStore, task_id: str, task_dir: Path, masker: Masker,
+             limiter: trio.CapacityLimiter | None = None, max_line_bytes: int = MAX_LINE_BYTES) -> StreamShipper:
+        """The log stream of the task in ``task_dir`` (its journal and sources)."""
+        return cls(master, store, task_id, "logs", _JournalReader(task_dir, masker, max_line_bytes), limiter)
+
+    @classmethod
+    def items(cls, master: MasterClient, store: AsyncStateStore, task_id: str, task_dir: Path,
+              limiter: trio.CapacityLimiter | None = None) -> StreamShipper:
+        """The items stream of the task in ``task_dir`` (``items.jsonl``)."""
+        reader = _FileReader(task_dir / ITEMS_FILE, item_object, MAX_ITEM_BYTES, cr_breaks=False)
+        return cls(master, store, task_id, "items", reader, limiter)
+
+    def notify(self) -> None:
+        """The spool grew: wake the shipper."""
+        self._wake.set()
+
+    def finish(self) -> None:
+        """The items file is complete (no-op for logs): ship the rest, then :meth:`run` returns."""
+        if isinstance(self._reader, _FileReader):
+            self._reader.finished = True
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Ship until the stream is complete and acknowledged (or refused by the master).
+
+        Resumes from the position in the state store. Cancellation stops shipping at once; the
+        acknowledged position is already on disk.
+        """
+        reader = self._reader
+        seq, position = await self._store.stream_position(self.task_id, self.stream)
+        self.acked = seq
+        await reader.restore(position)
+        checkpoints: dict[int, Any] = {0: None, seq: position}
+        pending = _Pending()
+        skip = 0  # elements the master already holds beyond `seq`: read them, do not send them
+        flight: _Flight | None = None  # the one request in flight (its elements lead `pending`)
+        try:
+            async with trio.open_nursery() as nursery:
+                while True:
+                    if flight is not None and flight.answer is not None:
+                        answer, n, flight = flight.answer, flight.count, None
+                        if answer.kind == "refused":
+                            self.refused = True
+                            return
+                        if answer.kind == "shrink":
+                            if n > 1:  # smaller batches from now on (up to the size that failed)
+                                self._count_limit = self._count_ceiling = max(1, n // 2)
+                            else:  # this element is the problem, not the batch size
+                                pending.elements[0] = self._placeholder(pending.elements[0])
+                                self._count_ceiling = MAX_BATCH_COUNT
+                            continue
+                        expected = seq + n if answer.expected is None else answer.expected
+                        if expected >= seq:
+                            done = min(expected - seq, len(pending))
+                            if done:
+                                position = reader.commit(pending.take(done))
+                                seq += done
+                                checkpoints[seq] = position
+                                while len(checkpoints) > CHECKPOINTS_KEPT:
+                                    del checkpoints[next(k for k in checkpoints if k)]
+                                await self._store.save_stream_position(self.task_id, self.stream, seq, position)
+                            skip = expected - seq
+                            self.acked = seq
+                            self._count_limit = min(self._count_ceiling, self._count_limit * 2)
+                        else:
+                            start = max(k for k in checkpoints if k <= expected)
+                            log.warning("task %s %s: the master holds %d elements, fewer than acknowledged "
+                                        "(%d); resending from element %d", self.task_id, self.stream, expected,
+                                        seq, start)
+                            seq, skip = start, expected - start
+                            self.acked = seq
+                            pending.clear()
+                            await reader.restore(checkpoints[start])
+                        continue
+                    if skip and pending and flight is None:
+                        n = min(skip, len(pending))
+                        seq += n
+                        skip -= n
+                        position = reader.commit(pending.take(n))
+                        if not skip:
+                            checkpoints[seq] = position
+                            await self._store.save_stream_position(self.task_id, self.stream, seq, position)
+                        self.acked = seq
+                        continue
+                    # Read ahead (up to one batch beyond the one in flight) while the master works.
+                    progress = False
+                    sending_count = flight.count if flight is not None else 0
+                    sending_size = flight.size if flight is not None else 0
+                    if (not reader.done and len(pending) - sending_count < self._count_limit
+                            and pending.size - sending_size < MAX_BATCH_BYTES):
+                        progress = await reader.read(pending)
+                    if flight is None and pending and not skip and (
+                        reader.done
+                        or len(pending) >= self._count_limit
+                        or pending.size >= MAX_BATCH_BYTES
+                        or trio.current_time() - pending.since >= BATCH_AGE
+                    ):
+                        n = pending.batch_len(self._count_limit, MAX_BATCH_BYTES)
+                        flight = _Flight(n, pending.size_of(n))
+                        nursery.start_soon(self._fly, flight, seq, pending.elements[:n])
+                        continue
+                    if reader.done and not pending and flight is None:
+                        if skip:
+                            log.warning("task %s %s: the master holds %d more elements than this node has",
+                                        self.task_id, self.stream, skip)
+                        return
+                    if not progress:
+                        wait = TAIL_INTERVAL
+                        if pending and flight is None:
+                            wait = min(wait, max(0.0, BATCH_AGE - (trio.current_time() - pending.since)))
+                        with trio.move_on_after(wait):
+                            await self._wake.wait()
+                        self._wake = trio.Event()
+        finally:
+            reader.close()
+
+    async def _fly(self, flight: _Flight, seq: int, elements: list[Any]) -> None:
+        flight.answer = await self._post(seq, elements)
+        self._wake.set()
+
+    def _placeholder(self, element: Any) -> Any:
+        size = len(json.dumps(element, ensure_ascii=False))
+        if self.kind == "logs":
+            return f"[ckagent] a log line of {size} bytes was refused by the master and dropped"
+        return {"_invalidItem": None, "_error": f"an item of {size} bytes was refused by the master and dropped"}
+
+    async def _post(self, seq: int, elements: list[Any]) -> _Answer:
+        """POST one batch until the master answers (backoff on MasterUnavailable). See module docstring."""
+        if self.kind == "items" and len(elements) > 1:
+            # An item's size is estimated from its line; re-encoding may differ: measure it.
+            size = len(json.dumps(elements, ensure_ascii=False, separators=(",", ":")).encode())
+            if size > MAX_BATCH_BYTES:
+                return _Answer("shrink")
+        path = f"/api/tasks/{self.task_id}/{self.kind}"
+        body = {"seq": seq, self._key: elements}
+        attempt = 0
+        while True:
+            try:
+                async with self._limiter:
+                    self.requests += 1
+                    answer = await self._master.call(self.kind, "POST", path, json=body)
+                accepted = answer.get("acceptedSeq") if isinstance(answer, dict) else None
+                return _Answer("ok", accepted if isinstance(accepted, int) and accepted >= 0 else None)
+            except MasterUnavailable:
+                attempt += 1
+                await _backoff_sleep(self._master, attempt)
+            except MasterConflict as exc:
+                expected = exc.body.get("expectedSeq") if isinstance(exc.body, dict) else None
+                if isinstance(expected, int) and expected >= 0:
+                    log.info("task %s %s: master expects element %d (sent %d)", self.task_id, self.stream,
+                             expected, seq)
+                    return _Answer("expected", expected)
+                log.error("task %s %s: the master refuses the stream (%s); not sending it any more",
+                          self.task_id, self.stream, exc)
+                return _Answer("refused")
+            except MasterRejected as exc:
+                if exc.status in _RETRY_STATUSES:
+                    attempt += 1
+                    await _backoff_sleep(self._master, attempt)
+                    continue
+                if exc.status == 404:
+                    log.error("task %s %s: the master does not know the task (404); not sending the stream",
+                              self.task_id, self.stream)
+                    return _Answer("refused")
+                log.error("task %s %s: the master rejected a batch of %d element(s) (%s); sending it smaller",
+                          self.task_id, self.stream, len(elements), exc)
+                if len(elements) == 1 and self._is_placeholder(elements[0]):
+                    return _Answer("refused")
+                return _Answer("shrink")
+
+    def _is_placeholder(self, element: Any) -> bool:
+        if isinstance(element, str):
+            return element.startswith("[ckagent] a log line of ")
+        return isinstance(element, dict) and "_invalidItem" in element and element.get("_invalidItem") is None
+
+
+async def send_result(
+    master: MasterClient, store: AsyncStateStore, task_id: str, result: TaskResult,
+    limiter: trio.CapacityLimiter | None = None,
+) -> None:
+    """Send a final result until the master acknowledges it (forever, with backoff), then mark it acked.
+
+    A 409 or other 4xx means the master will never take it (cancelled there, claimed by another
+    node): logged, and marked done so it is not retried across restarts. Cancellation stops the
+    retries; the result stays in the state store for the next start.
+    """
+    attempt = 0
+    while True:
+        try:
+            async with limiter if limiter is not None else contextlib.nullcontext():
+                await master.call("result", "POST", f"/api/tasks/{task_id}/result", json=result.to_json())
+            break
+        except MasterUnavailable:
+            attempt += 1
+            await _backoff_sleep(master, attempt)
+        except MasterConflict as exc:
+            log.warning("task %s: master refused the final result %s (%s)", task_id, result.status, exc)
+            break
+        except MasterRejected as exc:
+            if exc.status in _RETRY_STATUSES:
+                attempt += 1
+                await _backoff_sleep(master, attempt)
+                continue
+            log.error("task %s: master rejected the final result (%s)", task_id, exc)
+            break
+    await store.mark_result_acked(task_id)
