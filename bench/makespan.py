@@ -174,7 +174,8 @@ Side = BareSide | AgentSide | ScrapydSide
 
 async def compare(sides: list[Side], rounds: int) -> dict[str, list[float]]:
     """Start every side, run one warm-up round each, then ``rounds`` rounds taking the sides in
-    turn (so a noisy minute hits all of them); returns the timed spans (seconds) by side name."""
+    turn, the order rotating (so a noisy minute hits all of them); returns the timed spans (seconds)
+    by side name, in round order."""
     spans: dict[str, list[float]] = {side.name: [] for side in sides}
     async with contextlib.AsyncExitStack() as stack:
         for side in sides:
@@ -182,8 +183,9 @@ async def compare(sides: list[Side], rounds: int) -> dict[str, list[float]]:
             stack.push_async_callback(side.stop)
         for side in sides:
             await side.round()
-        for _ in range(rounds):
-            for side in sides:
+        for round_no in range(rounds):
+            for i in range(len(sides)):  # the order rotates from round to round
+                side = sides[(i + round_no) % len(sides)]
                 spans[side.name].append(await side.round())
     return spans
 
