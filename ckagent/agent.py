@@ -32,14 +32,11 @@ found late.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import platform
 import signal
 import sys
-import time
-from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -56,10 +53,18 @@ from ckagent.logs import log_task_finished, setup_logging
 from ckagent.master import MasterClient, RegistrationRefused
 from ckagent.metrics import AgentMetrics, OutboxReader
 from ckagent.poller import Poller
-from ckagent.process import RunAs, sweep
-from ckagent.protocol import RegisterRequest, Task, TaskResult, utc_iso, utc_now_iso
+from ckagent.process import RunAs
+from ckagent.protocol import RegisterRequest, Task, TaskResult
+from ckagent.recovery import recover_lost_tasks
 from ckagent.resources import HealthSampler, compute_max_workers
-from ckagent.runtimes import detect_runtimes, find_chromedriver, find_chromium
+from ckagent.runtimes import (
+    RUNTIMES_CACHE,
+    detect_runtimes,
+    find_chromedriver,
+    find_chromium,
+    load_cached_runtimes,
+    save_runtimes_cache,
+)
 from ckagent.state import AsyncStateStore, StateStore, StateStoreError, TaskRecord
 from ckagent.status import AgentStatus, StatusPortError, serve_status
 from ckagent.supervisor import RunnerConfig, RunningTask, Supervisor
@@ -145,7 +150,7 @@ class Agent:
                         "(see docs/operations.md)")
         # Registration uses the last scan (cached on disk): a fresh scan runs ~0.5-1 s of
         # subprocesses, so it goes on in the background and reaches the master with the heartbeats.
-        self.runtimes = await trio.to_thread.run_sync(_load_runtimes, self.work_dir / RUNTIMES_CACHE)
+        self.runtimes = await trio.to_thread.run_sync(load_cached_runtimes, self.work_dir / RUNTIMES_CACHE)
         base_env = spider_base_env()
         extra_env: dict[str, str] = {}
         # Browser spiders use the system's browser (nothing can be downloaded at run time).
@@ -197,7 +202,7 @@ class Agent:
                     return 1
                 root.start_soon(self._signals)
                 root.start_soon(self._rescan_runtimes)
-                leftovers = await self._recover(store)
+                leftovers = await recover_lost_tasks(store)
                 if s.task.cleanup_temp_files:
                     await cleanup_task_dirs(store, self.work_dir / "tasks", 0)
                 try:
@@ -285,17 +290,14 @@ class Agent:
                     trio.lowlevel.spawn_system_task(self._drain_deadline)
                 else:
                     log.info("%s: terminating", name)
-                    self._begin_terminate()
+                    self.terminate()
 
     async def _drain_deadline(self) -> None:
         with trio.move_on_after(self.settings.task.drain_timeout):
             await self._work_done.wait()
             return
         log.warning("drain deadline (%g s) passed with tasks still running", self.settings.task.drain_timeout)
-        self._begin_terminate()
-
-    def _begin_terminate(self) -> None:
-        self.terminate()  # kept for callers of the earlier name (test harness)
+        self.terminate()
 
     async def _terminate_deadline(self) -> None:
         with trio.move_on_at(self._exit_deadline):
@@ -305,39 +307,6 @@ class Agent:
                     "unsent data for the next start",
                     self.settings.task.kill_grace + self.settings.task.flush_timeout)
         self._work_scope.cancel()
-
-    # ------------------------------------------------------------------ recovery
-
-    async def _recover(self, store: AsyncStateStore) -> list[TaskRecord]:
-        """At start, before registering: kill leftovers of tasks that ran when the agent died, note it in
-        their logs, and store their AGENT_LOST results (the outbox delivers them after registering).
-
-        A recorded process group is only killed when one of its members still carries the task's
-        marker (after a reboot the number may belong to someone else); marked processes always are.
-        """
-        records = await store.pending_delivery()
-        boot_time = await trio.to_thread.run_sync(psutil.boot_time)
-        for record in records:
-            if record.result is not None:
-                continue
-            pgid = record.pgid if record.claimed_at >= boot_time else None
-            with trio.CancelScope(shield=True):  # quick, and must finish even if a signal arrives
-                killed = await sweep(record.task_id, pgid, verify_group=True)
-            log.warning("task %s was running when the agent stopped; killed %d leftover process(es); "
-                        "reporting AGENT_LOST", record.task_id, killed)
-            now = time.time()
-            stamp = datetime.fromtimestamp(now, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-            note = (f"[ckagent {stamp}] the agent stopped while this task ran (crash, kill -9, OOM or power "
-                    f"loss); on restart it killed {killed} leftover process(es); task FAILED (AGENT_LOST)\n")
-            await trio.to_thread.run_sync(_append, record.task_dir / "output.log", note.encode())
-            result = TaskResult(
-                status="FAILED", error_code="AGENT_LOST",
-                error_message="the agent stopped while the task ran (crash, kill or power loss)",
-                started_at=utc_iso_from(record.claimed_at), finished_at=utc_now_iso(),
-                duration_ms=int((now - record.claimed_at) * 1000),
-            )
-            await store.set_result(record.task_id, result.to_json())
-        return await store.pending_delivery()
 
     # ------------------------------------------------------------------ the canonical task line
 
@@ -359,43 +328,8 @@ class Agent:
         """Scan what the node can run now and every RUNTIME_SCAN_INTERVAL seconds; keep the last scan on disk."""
         while True:
             self.runtimes = await trio.to_thread.run_sync(detect_runtimes, self.settings.deps.uv_path)
-            await trio.to_thread.run_sync(_save_runtimes, self.work_dir / RUNTIMES_CACHE, self.runtimes)
+            await trio.to_thread.run_sync(save_runtimes_cache, self.work_dir / RUNTIMES_CACHE, self.runtimes)
             await trio.sleep(RUNTIME_SCAN_INTERVAL)
-
-
-RUNTIMES_CACHE = "runtimes.json"
-
-
-def _load_runtimes(path: Path) -> dict[str, Any]:
-    """The last runtime scan saved in the work dir, or {} (first start, unreadable file)."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _save_runtimes(path: Path, runtimes: dict[str, Any]) -> None:
-    """Save a runtime scan (atomically: write a temp file, then rename)."""
-    tmp = path.with_suffix(".tmp")
-    try:
-        tmp.write_text(json.dumps(runtimes, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError as exc:
-        log.debug("cannot cache the runtime scan in %s: %s", path, exc)
-
-
-def _append(path: Path, data: bytes) -> None:
-    """Append ``data`` to ``path`` (blocking); a missing task directory is not an error."""
-    try:
-        with path.open("ab+") as fh:
-            if fh.tell() > 0:
-                fh.seek(-1, os.SEEK_END)
-                if fh.read(1) != b"\n":  # the spider's last line was cut by the crash
-                    data = b"\n" + data
-            fh.write(data)
-    except FileNotFoundError:
-        pass
 
 
 def _run_as(user: str | None) -> RunAs | None:
@@ -413,11 +347,6 @@ def _run_as(user: str | None) -> RunAs | None:
                          f"{os.geteuid()}); unset it or start the agent as root")
     log.info("spiders and installers run as %s (uid %d, gid %d)", run_as.name, run_as.uid, run_as.gid)
     return run_as
-
-
-def utc_iso_from(epoch: float) -> str:
-    """Epoch seconds → protocol timestamp."""
-    return utc_iso(datetime.fromtimestamp(epoch, timezone.utc))
 
 
 def _canonical_line(task: Task | None, result: TaskResult, install: tuple[float, bool] | None,

@@ -16,6 +16,8 @@ for a spider's ``.nvmrc`` / ``engines.node``.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import platform
 import re
@@ -25,6 +27,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 _VERSION = re.compile(r"(\d+\.\d+(?:\.\d+)*)")
 
@@ -228,3 +232,25 @@ def satisfies(version: NodeVersion, spec: str) -> bool | None:
         if ok:
             return True
     return False
+
+
+RUNTIMES_CACHE = "runtimes.json"
+
+
+def load_cached_runtimes(path: Path) -> dict[str, Any]:
+    """The last runtime scan saved in the work dir, or {} (first start, unreadable file)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def save_runtimes_cache(path: Path, runtimes: dict[str, Any]) -> None:
+    """Save a runtime scan (atomically: write a temp file, then rename)."""
+    tmp = path.with_suffix(".tmp")
+    try:
+        tmp.write_text(json.dumps(runtimes, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.debug("cannot cache the runtime scan in %s: %s", path, exc)

@@ -70,7 +70,6 @@ async def running_agent(nursery: trio.Nursery, settings: Settings) -> AsyncItera
     finally:
         with trio.CancelScope(shield=True), trio.fail_after(30):
             agent.terminate()
-            agent._begin_terminate()
             await done.wait()
 
 
