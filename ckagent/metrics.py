@@ -55,6 +55,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from ckagent.delivery import ITEMS_FILE, JOURNAL_FILE, OUTPUT_LOG
+from ckagent.delivery.spool import read_spool
 from ckagent.deps import Prepared
 from ckagent.protocol import TaskResult
 from ckagent.state import StateStore
@@ -128,12 +129,10 @@ class _LineCount:
     def update(self) -> int:
         """Read what was appended (blocking); returns the count. A missing file counts 0."""
         try:
-            with self.path.open("rb") as fh:
-                fh.seek(self._read_to)
-                while chunk := fh.read(_READ_CHUNK):
-                    self._read_to += len(chunk)
-                    self._feed(chunk)
-        except FileNotFoundError:
+            while chunk := read_spool(self.path, self._read_to, _READ_CHUNK):
+                self._read_to += len(chunk)
+                self._feed(chunk)
+        except OSError:  # missing, or not a regular file (never followed, never blocked on)
             pass
         return self.count
 
@@ -176,10 +175,8 @@ class _TaskSpool:
 
     def _scan_journal(self) -> None:
         try:
-            with (self.task_dir / JOURNAL_FILE).open("rb") as fh:
-                fh.seek(self._journal_read_to)
-                data = fh.read()
-        except FileNotFoundError:
+            data = read_spool(self.task_dir / JOURNAL_FILE, self._journal_read_to)
+        except OSError:
             return
         self._journal_read_to += len(data)
         lines = (self._journal_carry + data).split(b"\n")

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import trio
 
+from ckagent.delivery.spool import open_spool
+
 log = logging.getLogger(__name__)
 
 
@@ -75,7 +77,7 @@ class LogSink:
         guard: DiskGuard | None = None,
     ) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+        self._fd = open_spool(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         self.size = os.fstat(self._fd).st_size
         self._on_write = on_write
         self._max = max_bytes

@@ -25,6 +25,8 @@ from ckagent.delivery.spool import (
     MAX_LOG_SOURCES,
     OUTPUT_LOG,
     READ_CHUNK,
+    open_spool,
+    read_spool,
 )
 from ckagent.protocol import Task
 
@@ -134,10 +136,14 @@ class _FileReader:
             return False
         if self._fd < 0:
             try:
-                self._fd = await trio.to_thread.run_sync(os.open, self.path, os.O_RDONLY)
+                self._fd = await trio.to_thread.run_sync(open_spool, self.path)
             except FileNotFoundError:
                 if self.finished:
                     self.done = True
+                return False
+            except OSError as exc:  # a symlink or FIFO put there by the spider: never followed
+                log.warning("%s: %s; this stream ends here", self.path.parent.name, exc)
+                self.done = True
                 return False
         finished = self.finished  # read before reading: a finish after an empty read still gets a last read
         data = await _pread(self._fd, READ_CHUNK, self._read_at)
@@ -264,7 +270,7 @@ class _JournalReader:
     async def _read_source(self, source: _Source, size: int) -> bytes:
         if source.fd < 0:
             try:
-                source.fd = await trio.to_thread.run_sync(os.open, self.task_dir / source.path, os.O_RDONLY)
+                source.fd = await trio.to_thread.run_sync(open_spool, self.task_dir / source.path)
             except OSError as exc:
                 log.warning("log source %s of %s cannot be read (%s); skipping it", source.path, self.task_dir, exc)
                 return b""
@@ -276,7 +282,7 @@ class _JournalReader:
         if nl < 0:
             if self._jfd < 0:
                 try:
-                    self._jfd = await trio.to_thread.run_sync(os.open, self.task_dir / JOURNAL_FILE, os.O_RDONLY)
+                    self._jfd = await trio.to_thread.run_sync(open_spool, self.task_dir / JOURNAL_FILE)
                 except FileNotFoundError:
                     return None
             rest = self._jbuf[self._jat :]
@@ -379,8 +385,7 @@ class _JournalReader:
 
 
 def _read_prefix(path: Path, size: int) -> bytes:
-    with open(path, "rb") as fh:
-        return fh.read(size)
+    return read_spool(path, 0, size)
 
 
 class LogJournal:
@@ -407,7 +412,7 @@ class LogJournal:
         """Read what an earlier run wrote (cutting a torn last record), then open for appending."""
         data = b""
         with contextlib.suppress(FileNotFoundError):
-            data = self.path.read_bytes()
+            data = read_spool(self.path)
         records, good = parse_journal(data)
         if good < len(data):
             log.warning("%s: dropping a torn last record (%d bytes)", self.path, len(data) - good)
@@ -423,7 +428,7 @@ class LogJournal:
                 self.finalized.add(idx)
             elif kind == "E":
                 self.ended = True
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+        self._fd = open_spool(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         if 0 not in self.paths:
             self._write([self._declare(OUTPUT_LOG)])
 

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
+from pathlib import Path
+
 MAX_LINE_BYTES = 64 * 1024
 """Longest log line (bytes); longer ones are cut into pieces."""
 MAX_ITEM_BYTES = 16 * 1024 * 1024
@@ -35,3 +40,42 @@ AGENT_FILES = frozenset({OUTPUT_LOG, ITEMS_FILE, JOURNAL_FILE})
 DEFAULT_LOG_GLOBS: tuple[str, ...] = ("*.log",)
 
 
+
+
+class SpoolFileError(OSError):
+    """A spool path is not a regular file (a symlink, FIFO, device, directory): it is not read or written.
+
+    A spider may replace files in its task dir; the agent (possibly root) must neither follow a
+    symlink to another file nor block on a FIFO.
+    """
+
+
+def open_spool(path: Path, flags: int = os.O_RDONLY, mode: int = 0o640) -> int:
+    """Open a file of a task's spool: never following a symlink, never blocking on a FIFO.
+
+    Returns a file descriptor (the caller closes it). Raises FileNotFoundError when it does not
+    exist (and ``flags`` lacks O_CREAT), SpoolFileError when it is anything but a regular file,
+    other OSError as ``os.open`` does. Blocking (a syscall or two): call it from a thread where it
+    matters.
+    """
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):  # a symlink; a FIFO without a writer
+            raise SpoolFileError(exc.errno, f"{path.name} is not a regular file; not following it") from exc
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise SpoolFileError(errno.EINVAL, f"{path.name} is not a regular file; not reading it")
+    return fd
+
+
+def read_spool(path: Path, offset: int = 0, size: int = -1) -> bytes:
+    """Read ``size`` bytes (all when -1) of a spool file from ``offset``; see :func:`open_spool`."""
+    fd = open_spool(path)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            fh.seek(offset)
+            return fh.read(size)
+    finally:
+        os.close(fd)
