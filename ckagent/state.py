@@ -21,6 +21,7 @@ Exception tree::
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -87,6 +88,13 @@ class StateStore:
         self.path = path
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            # Task records hold every task's env (its secrets): owner-only, also for spiders that run
+            # as another user. SQLite gives the -wal and -shm files the database file's mode.
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+            os.chmod(path, 0o600)
+            for extra in (path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+                if extra.exists():
+                    os.chmod(extra, 0o600)
             self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")

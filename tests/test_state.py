@@ -91,3 +91,17 @@ async def test_the_async_store_runs_the_same_operations(tmp_path: Path) -> None:
     assert await store.task_ids() == {"t"}
     await store.forget("t")
     assert await store.get("t") is None
+
+
+def test_state_db_is_owner_only_because_it_holds_task_env(tmp_path: Path) -> None:
+    """Task records carry every task's env (its secrets): spiders running as another user must not read them."""
+    store = StateStore(tmp_path / "state.db")
+    store.add_task("t1", "s1", {"env": {"DB_PASSWORD": "x"}}, tmp_path / "tasks" / "t1")
+    for name in ("state.db", "state.db-wal", "state.db-shm"):
+        path = tmp_path / name
+        if path.exists():
+            assert path.stat().st_mode & 0o777 == 0o600, name
+    store.close()
+    (tmp_path / "state.db").chmod(0o644)  # an older agent's file is tightened on open
+    StateStore(tmp_path / "state.db").close()
+    assert (tmp_path / "state.db").stat().st_mode & 0o777 == 0o600
