@@ -335,6 +335,10 @@ def _http_url(raw: str) -> str:
         raise _Invalid("expected an http:// or https:// URL") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise _Invalid("expected an http:// or https:// URL")
+    if parts.username is not None or parts.password is not None:
+        # A password in a URL ends up in logs and `config show`; the node authenticates with its tokens.
+        raise _Invalid("must not contain a user name or password (user:pass@); the agent authenticates "
+                       "with agent.registration_token and its API key", show_value=False)
     return value
 
 

@@ -546,3 +546,12 @@ def test_replace_marked_block() -> None:
     assert replace_marked_block(text, "new\n") == f"intro\n{TABLE_START_MARKER}\nnew\n{TABLE_END_MARKER}\nrest\n"
     with pytest.raises(ValueError):
         replace_marked_block("no markers", "x")
+
+
+def test_server_url_with_credentials_is_refused_without_echoing_them(tmp_path: Path) -> None:
+    path = tmp_path / "agent.yaml"
+    path.write_text("server:\n  url: http://ops:hunter2@master.example:8080\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, env={}, require_token=False)
+    assert "hunter2" not in str(info.value) and "ops" not in str(info.value)
+    assert "agent.yaml:2:" in str(info.value) and "user name or password" in str(info.value)
