@@ -55,6 +55,10 @@ class DiskGuard:
         self.free_bytes = usage.free
 
 
+LATE_NOTICES = 20
+"""Agent notices kept past the log budget and written after the truncation marker."""
+
+
 class LogSink:
     """Appends the spider's stdout/stderr bytes to ``output.log`` as they arrive (never blocks on the network).
 
@@ -86,6 +90,7 @@ class LogSink:
         self.dropped_bytes = 0
         self.truncated: str | None = None  # why output is being dropped
         self._ends_line = True
+        self._late_notices: list[bytes] = []
 
     def write(self, data: bytes | bytearray) -> None:
         """Append ``data`` (as much as the budget allows; the rest is counted as dropped)."""
@@ -129,7 +134,13 @@ class LogSink:
 
     def write_line(self, data: bytes) -> None:
         """Append one line of the agent's own (a notice): on a line of its own even when the spider's
-        output so far ends without a newline. Counts against the budget like the spider's output."""
+        output so far ends without a newline. Counts against the budget like the spider's output;
+        once output is being dropped, notices are kept (at most LATE_NOTICES) and written after the
+        truncation marker, so the log still says how the task ended."""
+        if self.truncated is not None:
+            if len(self._late_notices) < LATE_NOTICES:
+                self._late_notices.append(data[:4096])
+            return
         self.write(data if self._ends_line else b"\n" + data)
 
     def close(self) -> None:
@@ -140,6 +151,7 @@ class LogSink:
             stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
             marker = (f"{'' if self._ends_line else chr(10)}[ckagent {stamp}] output truncated: "
                       f"{self.dropped_bytes} bytes dropped because {self.truncated}\n").encode()
+            marker += b"".join(self._late_notices)
             try:
                 os.write(self._fd, marker)
                 self.size += len(marker)
