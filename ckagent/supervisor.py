@@ -17,7 +17,7 @@ timeout               FAILED      TIMEOUT       "执行超时"
 stopped               CANCELLED   CANCELLED     the reason
 code refused          FAILED      DEPLOY_FAILED the entry and the rule
 install failed        FAILED      DEPS_FAILED   the installer's output tail
-not startable         FAILED      EXIT_NONZERO  what could not be started (exit 127)
+not startable         FAILED      EXIT_NONZERO  what could not be started (exitCode null)
 ====================  ==========  ============  =================================
 
 When the process has ended, the final result goes to the state store and the task's delivery
@@ -387,7 +387,8 @@ class Supervisor:
             )
         except OSError as exc:
             notice(f"cannot start {argv[0]!r}: {exc.strerror or exc}")
-            return TaskOutcome("FAILED", "EXIT_NONZERO", f"cannot start {argv[0]!r}: {exc.strerror or exc}", 127)
+            # No process ran, so no exit code (docs/protocol.md); the message says what failed.
+            return TaskOutcome("FAILED", "EXIT_NONZERO", f"cannot start {argv[0]!r}: {exc.strerror or exc}")
         if outcome.timed_out:
             notice(_ended_by_agent(f"timed out after {timeout:g} s", outcome) + "; task FAILED (TIMEOUT)")
             return TaskOutcome("FAILED", "TIMEOUT", TIMEOUT_MESSAGE, outcome.returncode)
