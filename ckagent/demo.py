@@ -102,8 +102,8 @@ async def _demo(work_dir: Path, keep: bool) -> int:
                 results.append((spider, task_id, record))
                 _say(f"   - {spider.name}: {record['status']}")
             _print_table(results)
-            _say("\nLook further (admin API of the reference master, JSON / text):")
             spider, task_id, _ = results[0]
+            _say(f"\nLook further (admin API of the reference master; the {spider.name} task's logs and items):")
             _say(f"  curl -H 'Authorization: Bearer {admin_token}' {base_url}/api/tasks/{task_id}/logs")
             _say(f"  curl -H 'Authorization: Bearer {admin_token}' {base_url}/api/tasks/{task_id}/items")
             _say(f"  curl -H 'Authorization: Bearer {admin_token}' {base_url}/api/nodes")
