@@ -14,10 +14,12 @@ Targets: idle CPU ≤ 0.5 % of one core, RSS ≤ 60 MB. Run: ``python -m bench.o
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 import trio
 
@@ -151,11 +153,16 @@ async def run_async(quick: bool, scrapyd: bool = True) -> dict[str, Any]:
         agent = await agent_overhead(workdir, idle_seconds, tasks)
         sides = [("ckagent (python -c tasks)", agent)]
         if scrapyd:
-            sides.append(("scrapyd daemon (scrapy noop jobs)",
-                          await scrapyd_overhead(workdir, idle_seconds, 6 if quick else 16)))
+            try:
+                sides.append(("scrapyd daemon (scrapy noop jobs)",
+                              await scrapyd_overhead(workdir, idle_seconds, 6 if quick else 16)))
+            except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:  # keep the agent's figures
+                failed = f"{type(exc).__name__}: {exc}".replace("|", "/")[:200]
+                sides.append((f"scrapyd daemon: FAILED ({failed})", dict.fromkeys(
+                    ("idle_cpu_percent", "idle_rss_mb", "task_cpu_ms", "spider_cpu_ms", "busy_rss_mb"), math.nan)))
     rows = [
         [name, f["idle_cpu_percent"], f["idle_rss_mb"], f["task_cpu_ms"], f["spider_cpu_ms"],
-         f["task_cpu_ms"] / f["spider_cpu_ms"] if f["spider_cpu_ms"] else float("nan"), f["busy_rss_mb"]]
+         f["task_cpu_ms"] / f["spider_cpu_ms"] if f["spider_cpu_ms"] else math.nan, f["busy_rss_mb"]]
         for name, f in sides
     ]
     table = markdown_table(
