@@ -329,3 +329,12 @@ async def create_spiders(admin: AdminClient, prefix: str, count: int, command: l
         await admin.upload_package(spider_id, package)
         ids.append(spider_id)
     return ids
+
+
+def module_main(run: Callable[[bool, bool], dict[str, Any]], argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m bench.<name> [--quick] [--no-scrapyd]``: run, print the table and the target."""
+    args = sys.argv[1:] if argv is None else argv
+    result = run("--quick" in args, "--no-scrapyd" not in args)
+    print(result["table"])
+    print(f"target {result['target']}: {'met' if result['target_met'] else 'MISSED'}")
+    return 0

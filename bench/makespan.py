@@ -44,6 +44,7 @@ from bench._harness import (
     create_spiders,
     gather,
     markdown_table,
+    module_main,
     now,
     parse_iso,
     stamp_command,
@@ -245,12 +246,7 @@ def run(quick: bool, scrapyd: bool = True) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m bench.makespan [--quick] [--no-scrapyd]``: print the table."""
-    args = sys.argv[1:] if argv is None else argv
-    result = run("--quick" in args, "--no-scrapyd" not in args)
-    print(result["table"])
-    print(f"target {result['target']}: {'met' if result['target_met'] else 'MISSED'} "
-          f"(worst {result['worst_ckagent_ratio']:.2f})")
-    return 0
+    return module_main(run, argv)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from bench._harness import (
     check_success,
     create_spiders,
     markdown_table,
+    module_main,
     stamp_command,
     wait_final,
     work_directory,
@@ -186,11 +187,7 @@ def run(quick: bool, scrapyd: bool = True) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m bench.overhead [--quick] [--no-scrapyd]``: print the table."""
-    args = sys.argv[1:] if argv is None else argv
-    result = run("--quick" in args, "--no-scrapyd" not in args)
-    print(result["table"])
-    print(f"target {result['target']}: {'met' if result['target_met'] else 'MISSED'}")
-    return 0
+    return module_main(run, argv)
 
 
 if __name__ == "__main__":
