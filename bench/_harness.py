@@ -9,7 +9,6 @@ the same wall clock (``time.time()`` / the master's ``createdAt``), so times com
 from __future__ import annotations
 
 import contextlib
-import io
 import math
 import os
 import secrets
@@ -20,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import zipfile
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -297,17 +295,6 @@ def work_directory(prefix: str) -> Iterator[Path]:
 def now() -> float:
     """Wall-clock seconds (the clock every stamp uses)."""
     return time.time()
-
-
-def zip_files(files: dict[str, str]) -> bytes:
-    """A deterministic zip of ``files`` (path → text)."""
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
-        for name, text in sorted(files.items()):
-            info = zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0))
-            info.external_attr = 0o644 << 16
-            zf.writestr(info, text)
-    return buf.getvalue()
 
 
 STAMP_SPIDER = {"main.py": "# the benchmark runs its own command line\n"}

@@ -41,8 +41,8 @@ from bench._harness import (
     stamp_command,
     summary,
     work_directory,
-    zip_files,
 )
+from ckagent.devmaster.client import zip_files
 
 TARGET_P50_SECONDS = 0.050
 SCRAPYD_POLL_INTERVAL = 5.0

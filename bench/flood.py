@@ -34,8 +34,8 @@ from bench._harness import (
     markdown_table,
     wait_final,
     work_directory,
-    zip_files,
 )
+from ckagent.devmaster.client import zip_files
 
 FULL_LINES = 1_000_000
 QUICK_LINES = 50_000

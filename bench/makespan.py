@@ -50,9 +50,8 @@ from bench._harness import (
     stamp_command,
     wait_final,
     work_directory,
-    zip_files,
 )
-from ckagent.devmaster.client import zip_directory
+from ckagent.devmaster.client import zip_directory, zip_files
 
 TARGET_RATIO = 1.10
 WORKER_COUNTS = (2, 4)

@@ -35,8 +35,8 @@ from bench._harness import (
     stamp_command,
     wait_final,
     work_directory,
-    zip_files,
 )
+from ckagent.devmaster.client import zip_files
 
 TARGET_IDLE_CPU_PERCENT = 0.5
 TARGET_RSS_BYTES = 60 * 1024 * 1024

@@ -8,12 +8,10 @@
 
 from __future__ import annotations
 
-import io
 import os
 import signal
 import subprocess
 import sys
-import zipfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -24,6 +22,7 @@ import yaml
 
 from ckagent.agent import Agent
 from ckagent.config import Settings, load_settings
+from ckagent.devmaster.client import zip_files
 
 
 def agent_settings(work_dir: Path, base_url: str, registration_token: str, **env: str) -> Settings:
@@ -73,15 +72,8 @@ async def running_agent(nursery: trio.Nursery, settings: Settings) -> AsyncItera
             await done.wait()
 
 
-def spider_zip(files: dict[str, str | bytes]) -> bytes:
-    """A zip holding ``files`` (path → text or bytes), deterministic."""
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
-        for name, data in sorted(files.items()):
-            info = zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0))
-            info.external_attr = 0o644 << 16
-            zf.writestr(info, data)
-    return buf.getvalue()
+spider_zip = zip_files
+"""A deterministic zip of ``files`` (path → text or bytes); see ckagent.devmaster.client.zip_files."""
 
 
 async def submit(admin: Any, name: str, files: dict[str, str | bytes], framework: str = "python",

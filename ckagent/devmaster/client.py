@@ -15,6 +15,7 @@ import io
 import os
 import stat
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -205,4 +206,20 @@ def zip_directory(path: Path) -> bytes:
                 info.external_attr = (stat.S_IFREG | mode) << 16
                 info.compress_type = zipfile.ZIP_DEFLATED
                 archive.writestr(info, file_path.read_bytes())
+    return buffer.getvalue()
+
+
+def zip_files(files: Mapping[str, str | bytes]) -> bytes:
+    """A deterministic zip of ``files`` (archive path → text or bytes), as :func:`zip_directory` writes them.
+
+    For packages made in code (tests, benchmarks). Paths are taken as given: a hostile name such
+    as ``../x`` is written as is (the agent's checks are what such a package exercises).
+    """
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        for name, data in sorted(files.items()):
+            info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+            info.external_attr = (stat.S_IFREG | 0o644) << 16
+            info.compress_type = zipfile.ZIP_DEFLATED
+            archive.writestr(info, data)
     return buffer.getvalue()
