@@ -169,6 +169,26 @@ def test_one_pyz_runs_on_each_supported_python(pyz: Path, version: str, tmp_path
     assert checked.returncode == 0 and "config OK" in checked.stdout, checked.stderr
 
 
+def test_warm_start_loads_bytecode_cached_by_the_first_even_with_dont_write_bytecode(
+    pyz: Path, tmp_path: Path
+) -> None:
+    shiv_root = tmp_path / "shiv"
+    first = run_pyz(sys.executable, pyz, "version", shiv_root=shiv_root, PYTHONDONTWRITEBYTECODE="1")
+    assert first.returncode == 0, first.stderr
+    site = next(shiv_root.glob("ckagent.pyz_*/site-packages"))
+    tag = sys.implementation.cache_tag
+    cached = site / "ckagent" / "__pycache__" / f"cli.{tag}.pyc"
+    assert cached.is_file(), "the first start caches the bytecode of what it imported"
+    assert (site / "cyclopts" / "__pycache__" / f"core.{tag}.pyc").is_file()
+    assert not list((site / "ckagent" / "devmaster").rglob("*.pyc")), "only what was imported is compiled"
+    # -v names each module's origin: a warm start loads the cached bytecode instead of compiling again.
+    warm = run_pyz(sys.executable, pyz, "version", shiv_root=shiv_root, PYTHONDONTWRITEBYTECODE="1",
+                   PYTHONVERBOSE="1")
+    assert warm.returncode == 0, warm.stderr
+    assert f"code object from '{cached}'" in warm.stderr
+    assert f"code object from {site / 'ckagent' / 'cli.py'}" not in warm.stderr
+
+
 def _with_build_id(pyz: Path, dest: Path, build_id: str) -> Path:
     """A copy of ``pyz`` that shiv extracts under another build id (as a different build would)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
