@@ -201,11 +201,15 @@ class MasterClient:
         path: str,
         *,
         json: Any = None,
+        content: bytes | None = None,
         params: dict[str, Any] | None = None,
         read_timeout: float | None = None,
         raw: bool = False,
     ) -> Any:
         """One authenticated request; returns the decoded JSON (or the response when ``raw``).
+
+        The body is ``json`` (encoded here) or ``content``: JSON already encoded (UTF-8 bytes), sent
+        as it is with ``Content-Type: application/json`` (a stream batch is encoded once, by its reader).
 
         ``path`` may contain ``{node}``, replaced by the node id. A 401 re-registers once and
         retries. Raises MasterUnavailable, MasterConflict, MasterRejected (see module docstring).
@@ -220,8 +224,11 @@ class MasterClient:
             # The API key goes to the master only: a code package on another host (object storage,
             # a CDN) gets no Authorization header.
             headers = {"Authorization": f"Bearer {self._api_key}"} if self._same_origin(target) else {}
+            if content is not None:
+                headers["Content-Type"] = "application/json"
             response = await self._send(
-                endpoint, method, target, json=json, params=params, headers=headers, read_timeout=read_timeout,
+                endpoint, method, target, json=json, content=content, params=params, headers=headers,
+                read_timeout=read_timeout,
             )
             if response.status_code == 401 and not second_try:
                 log.warning("%s: master answered 401; registering again", endpoint)

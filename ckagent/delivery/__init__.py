@@ -62,7 +62,15 @@ failing the task.
 """
 
 from ckagent.delivery.capture import DiskGuard, LogSink
-from ckagent.delivery.lines import LineSplitter, Masker, decode_lines, item_object, json_sizes, secret_values
+from ckagent.delivery.lines import (
+    LineSplitter,
+    Masker,
+    decode_lines,
+    encode_json,
+    encode_lines,
+    item_object,
+    secret_values,
+)
 from ckagent.delivery.outbox import Outbox, OutboxConfig, TaskDelivery, cleanup_task_dirs
 from ckagent.delivery.readers import LogJournal, parse_journal, scan_log_files, task_log_globs
 from ckagent.delivery.shipper import StreamShipper, send_result
@@ -99,8 +107,9 @@ __all__ = [
     "TaskDelivery",
     "cleanup_task_dirs",
     "decode_lines",
+    "encode_json",
+    "encode_lines",
     "item_object",
-    "json_sizes",
     "parse_journal",
     "scan_log_files",
     "secret_values",

@@ -11,6 +11,7 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 from itertools import accumulate
+from operator import add
 from typing import Any
 
 from ckagent.delivery.spool import MAX_LINE_BYTES
@@ -32,13 +33,20 @@ def secret_values(env: dict[str, str], extra: Iterable[str] = ()) -> list[str]:
 
 
 class Masker:
-    """Replaces every occurrence of the given secret values with ``***`` (``bool(masker)``: any secret)."""
+    """Replaces every occurrence of the given secret values with ``***`` (``bool(masker)``: any secret).
+
+    Call it on text; :meth:`mask_bytes` does the same on UTF-8 bytes (the same result for valid
+    UTF-8: a character's encoding never starts inside another's).
+    """
 
     def __init__(self, secrets: Iterable[str]) -> None:
         # A value with a line break can never be inside one line: leaving it out lets callers mask
         # many lines joined with "\n" at once without changing the line count.
         values = sorted({s for s in secrets if s and "\n" not in s and "\r" not in s}, key=len, reverse=True)
         self._pattern = re.compile("|".join(re.escape(v) for v in values)) if values else None
+        self._bytes_pattern = (
+            re.compile(b"|".join(re.escape(v.encode("utf-8", "surrogatepass")) for v in values)) if values else None
+        )
 
     def __bool__(self) -> bool:
         return self._pattern is not None
@@ -48,6 +56,12 @@ class Masker:
         if self._pattern is None or self._pattern.search(text) is None:
             return text
         return self._pattern.sub("***", text)
+
+    def mask_bytes(self, data: bytes) -> bytes:
+        """Return UTF-8 ``data`` with secrets masked."""
+        if self._bytes_pattern is None or self._bytes_pattern.search(data) is None:
+            return data
+        return self._bytes_pattern.sub(b"***", data)
 
 
 # ---------------------------------------------------------------------------------------------- lines
@@ -101,8 +115,8 @@ class LineSplitter:
             rest = parts.pop()
             if len(rest) <= mx and (not parts or max(map(len, parts)) <= mx):
                 start = self._start
-                ends = list(accumulate([len(p) + 1 for p in parts], initial=start))
-                del ends[0]
+                # ends[i] = start + the lengths of lines 0..i + their i+1 newlines (C-level iterators)
+                ends = list(map(add, accumulate(map(len, parts)), range(start + 1, start + 1 + len(parts))))
                 if final and rest:
                     parts.append(rest)
                     ends.append(start + len(buf))
@@ -178,28 +192,39 @@ def decode_lines(lines: Sequence[bytes], masker: Masker | None = None, prefix: s
     return texts
 
 
-_PLAIN = bytes(b for b in range(0x20, 0x7F) if b not in b'"\\')
-_MILD = b'"\\\t' + bytes(range(0x80, 0x100))
+_PLAIN_LF = bytes(b for b in range(0x20, 0x7F) if b not in b'"\\') + b"\n"
+"""Bytes JSON carries as they are (printable ASCII but ``"`` and ``\\``), and the line separator."""
 
 
-def json_sizes(lines: list[bytes], extra: int = 0) -> list[int]:
-    """Upper bounds of the JSON-encoded sizes (bytes, without quotes) of the decoded ``lines``.
+def encode_lines(lines: Sequence[bytes], masker: Masker | None = None, prefix: str = "") -> list[bytes]:
+    """The JSON strings (UTF-8 bytes, quotes included) of ``decode_lines(lines, masker, prefix)``.
 
-    Printable ASCII stays as it is (×1); a quote, backslash or tab becomes two bytes (×2); an invalid
-    UTF-8 byte becomes U+FFFD, three bytes (×3); a control character ``\\u00XX``, six bytes (×6).
-    One factor for the whole group, found with C-speed byte translations. ``extra`` (a source
-    prefix) is added to each.
+    Exactly ``json.dumps(text, ensure_ascii=False).encode()`` for each shipped text, so a batch body
+    is the elements joined with ``,`` and the size of each element is known exactly. Lines of
+    printable ASCII (the common case) are never decoded: they are their own JSON text.
     """
-    rest = b"".join(lines).translate(None, _PLAIN)
-    if not rest:
-        factor = 1
-    elif rest.translate(None, _MILD):
-        factor = 6
-    else:
-        factor = 2 if rest.isascii() else 3
-    if factor == 1 and not extra:
-        return list(map(len, lines))
-    return [len(raw) * factor + extra for raw in lines]
+    if not lines:
+        return []
+    joined = b"\n".join(lines)
+    if joined.translate(None, _PLAIN_LF):  # something needs escaping or decoding: the general path
+        texts = decode_lines(lines, masker, prefix)
+        # A JSON string never holds a raw newline (it is escaped), so "\n" separates the elements.
+        encoded = json.dumps(texts, ensure_ascii=False, separators=("\n", ":")).encode()
+        return encoded[1:-1].split(b"\n")
+    if masker:
+        joined = masker.mask_bytes(joined)
+    head = b'"' + _json_prefix(prefix)
+    return (head + joined.replace(b"\n", b'"\n' + head) + b'"').split(b"\n")
+
+
+def _json_prefix(prefix: str) -> bytes:
+    """``prefix`` as it is inside a JSON string (UTF-8 bytes, no quotes)."""
+    return json.dumps(prefix, ensure_ascii=False).encode()[1:-1] if prefix else b""
+
+
+def encode_json(value: Any) -> bytes:
+    """One element as JSON (UTF-8 bytes), encoded like the HTTP client would: compact, no NaN."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
 def _finite_float(text: str) -> Any:

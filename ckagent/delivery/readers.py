@@ -12,12 +12,13 @@ import os
 import stat
 from collections.abc import Callable, Sequence
 from itertools import accumulate
+from operator import add
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import trio
 
-from ckagent.delivery.lines import LineSplitter, Masker, decode_lines, json_sizes
+from ckagent.delivery.lines import LineSplitter, Masker, encode_json, encode_lines
 from ckagent.delivery.spool import (
     AGENT_FILES,
     JOURNAL_FILE,
@@ -36,17 +37,18 @@ log = logging.getLogger(__name__)
 
 
 class _Pending:
-    """Elements read but not yet acknowledged, in order.
+    """Elements read but not yet acknowledged, in order, each already encoded as JSON (bytes).
 
-    Parallel lists: the element, its mark (where it ends in its source: an int) and its estimated
-    JSON size in bytes (with 3 bytes of separators); ``runs`` groups consecutive elements by the
-    reader's tag (for the journal: which record and source they came from).
+    Parallel lists: the element, its mark (where it ends in its source: an int) and its size in
+    the batch body (bytes, with its ``,`` separator); ``runs`` groups consecutive elements by the
+    reader's tag (for the journal: which record and source they came from). A batch body is the
+    elements joined with ``,`` — nothing is encoded twice.
     """
 
     __slots__ = ("elements", "marks", "runs", "since", "size", "sizes")
 
     def __init__(self) -> None:
-        self.elements: list[Any] = []
+        self.elements: list[bytes] = []
         self.marks: list[int] = []
         self.sizes: list[int] = []
         self.runs: list[list[Any]] = []  # [count, tag]
@@ -56,16 +58,17 @@ class _Pending:
     def __len__(self) -> int:
         return len(self.elements)
 
-    def add(self, elements: list[Any], marks: list[int], sizes: list[int], tag: Any = None) -> None:
+    def add(self, elements: list[bytes], marks: list[int], tag: Any = None) -> None:
+        """Append encoded ``elements`` ending at ``marks`` (same length), all from one run ``tag``."""
         if not elements:
             return
         if not self.elements:
             self.since = trio.current_time()
         self.elements += elements
         self.marks += marks
-        sizes = [size + 3 for size in sizes]
+        sizes = list(map(len, elements))
         self.sizes += sizes
-        self.size += sum(sizes)
+        self.size += sum(sizes) + len(sizes)
         if self.runs and self.runs[-1][1] == tag:
             self.runs[-1][0] += len(elements)
         else:
@@ -84,15 +87,21 @@ class _Pending:
                 del self.runs[0]
             else:
                 run[0] -= used
-        self.size -= sum(self.sizes[:n])
+        self.size -= self.size_of(n)
         del self.elements[:n], self.marks[:n], self.sizes[:n]
         if self.elements:
             self.since = trio.current_time()
         return touched
 
     def size_of(self, n: int) -> int:
-        """Estimated bytes of the first ``n`` elements."""
-        return sum(self.sizes[:n])
+        """Bytes the first ``n`` elements take in a batch body (each with a separator)."""
+        return sum(self.sizes[:n]) + n
+
+    def replace_first(self, element: bytes) -> None:
+        """Put ``element`` (encoded) in place of the first element (same mark and run)."""
+        self.size += len(element) - self.sizes[0]
+        self.elements[0] = element
+        self.sizes[0] = len(element)
 
     def clear(self) -> None:
         self.elements, self.marks, self.sizes, self.runs, self.size = [], [], [], [], 0
@@ -102,8 +111,13 @@ class _Pending:
         n = min(len(self.elements), max_count)
         if self.size <= max_bytes and n == len(self.elements):
             return n
-        totals = list(accumulate(self.sizes[:n]))
+        # total of the first i+1 elements with their separators: sizes[0..i] + (i + 1)
+        totals = list(map(add, accumulate(self.sizes[:n]), range(1, n + 1)))
         return max(1, min(n, bisect.bisect_right(totals, max_bytes)))
+
+    def body(self, n: int, seq: int, key: str) -> bytes:
+        """The JSON request body ``{"seq": seq, key: [first n elements]}`` (UTF-8 bytes)."""
+        return b'{"seq":%d,"%s":[%s]}' % (seq, key.encode(), b",".join(self.elements[:n]))
 
 
 async def _pread(fd: int, size: int, offset: int) -> bytes:
@@ -155,14 +169,13 @@ class _FileReader:
             self.done = True
         else:
             return False
-        elements, marks, sizes = [], [], []
+        elements, marks = [], []
         for raw, end in zip(lines, ends, strict=True):
             element = self._convert(raw)
             if element is not None:
-                elements.append(element)
+                elements.append(encode_json(element))
                 marks.append(end)
-                sizes.append(len(raw))
-        pending.add(elements, marks, sizes)
+        pending.add(elements, marks)
         return True
 
     def commit(self, runs: list[tuple[Any, int]]) -> Any:
@@ -364,8 +377,7 @@ class _JournalReader:
     def _emit(self, pending: _Pending, at: int, idx: int, lines: list[bytes], ends: list[int]) -> None:
         if lines:
             source = self._sources[idx]
-            pending.add(decode_lines(lines, self._masker, source.prefix), ends,
-                        json_sizes(lines, len(source.prefix)), (at, idx))
+            pending.add(encode_lines(lines, self._masker, source.prefix), ends, (at, idx))
 
     def commit(self, runs: list[tuple[Any, int]]) -> Any:
         """The position after the elements of ``runs`` (from :meth:`_Pending.take`)."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import trio
 
-from ckagent.delivery.lines import Masker, item_object
+from ckagent.delivery.lines import Masker, encode_json, item_object
 from ckagent.delivery.readers import _FileReader, _JournalReader, _Pending
 from ckagent.delivery.spool import (
     BACKOFF_INITIAL,
@@ -160,7 +160,7 @@ class StreamShipper:
                             if n > 1:  # smaller batches from now on (up to the size that failed)
                                 self._count_limit = self._count_ceiling = max(1, n // 2)
                             else:  # this element is the problem, not the batch size
-                                pending.elements[0] = self._placeholder(pending.elements[0])
+                                pending.replace_first(self._placeholder(pending.elements[0]))
                                 self._count_ceiling = MAX_BATCH_COUNT
                             continue
                         expected = seq + n if answer.expected is None else answer.expected
@@ -211,7 +211,7 @@ class StreamShipper:
                     ):
                         n = pending.batch_len(self._count_limit, MAX_BATCH_BYTES)
                         flight = _Flight(n, pending.size_of(n))
-                        nursery.start_soon(self._fly, flight, seq, pending.elements[:n])
+                        nursery.start_soon(self._fly, flight, seq, n, pending.body(n, seq, self._key))
                         continue
                     if reader.done and not pending and flight is None:
                         if skip:
@@ -228,31 +228,29 @@ class StreamShipper:
         finally:
             reader.close()
 
-    async def _fly(self, flight: _Flight, seq: int, elements: list[Any]) -> None:
-        flight.answer = await self._post(seq, elements)
+    async def _fly(self, flight: _Flight, seq: int, count: int, body: bytes) -> None:
+        flight.answer = await self._post(seq, count, body)
         self._wake.set()
 
-    def _placeholder(self, element: Any) -> Any:
-        size = len(json.dumps(element, ensure_ascii=False))
+    def _placeholder(self, element: bytes) -> bytes:
+        """The encoded stand-in for an encoded element the master refused on its own."""
+        size = len(element)
         if self.kind == "logs":
-            return f"[ckagent] a log line of {size} bytes was refused by the master and dropped"
-        return {"_invalidItem": None, "_error": f"an item of {size} bytes was refused by the master and dropped"}
+            return encode_json(f"[ckagent] a log line of {size} bytes was refused by the master and dropped")
+        return encode_json(
+            {"_invalidItem": None, "_error": f"an item of {size} bytes was refused by the master and dropped"}
+        )
 
-    async def _post(self, seq: int, elements: list[Any]) -> _Answer:
-        """POST one batch until the master answers (backoff on MasterUnavailable). See module docstring."""
-        if self.kind == "items" and len(elements) > 1:
-            # An item's size is estimated from its line; re-encoding may differ: measure it.
-            size = len(json.dumps(elements, ensure_ascii=False, separators=(",", ":")).encode())
-            if size > MAX_BATCH_BYTES:
-                return _Answer("shrink")
+    async def _post(self, seq: int, count: int, body: bytes) -> _Answer:
+        """POST one batch (``count`` elements from ``seq``, ``body`` its encoded JSON) until the master
+        answers (backoff on MasterUnavailable). See module docstring."""
         path = f"/api/tasks/{self.task_id}/{self.kind}"
-        body = {"seq": seq, self._key: elements}
         attempt = 0
         while True:
             try:
                 async with self._limiter:
                     self.requests += 1
-                    answer = await self._master.call(self.kind, "POST", path, json=body)
+                    answer = await self._master.call(self.kind, "POST", path, content=body)
                 accepted = answer.get("acceptedSeq") if isinstance(answer, dict) else None
                 return _Answer("ok", accepted if isinstance(accepted, int) and accepted >= 0 else None)
             except MasterUnavailable:
@@ -277,12 +275,17 @@ class StreamShipper:
                               self.task_id, self.stream)
                     return _Answer("refused")
                 log.error("task %s %s: the master rejected a batch of %d element(s) (%s); sending it smaller",
-                          self.task_id, self.stream, len(elements), exc)
-                if len(elements) == 1 and self._is_placeholder(elements[0]):
+                          self.task_id, self.stream, count, exc)
+                if count == 1 and self._is_placeholder(body):
                     return _Answer("refused")
                 return _Answer("shrink")
 
-    def _is_placeholder(self, element: Any) -> bool:
+    def _is_placeholder(self, body: bytes) -> bool:
+        """True when the one element of the batch ``body`` is a placeholder."""
+        try:
+            (element,) = json.loads(body)[self._key]
+        except (ValueError, KeyError, TypeError):
+            return False
         if isinstance(element, str):
             return element.startswith("[ckagent] a log line of ")
         return isinstance(element, dict) and "_invalidItem" in element and element.get("_invalidItem") is None
