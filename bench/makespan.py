@@ -19,12 +19,23 @@ Sides, each with the same parallelism and the same command lines:
 Each side runs a warm-up round (virtualenvs, caches), then 5 timed rounds (1 with ``--quick``), the sides
 taking turns within a round (the machine's noise then hits all of them); the table shows the
 median span and the median over rounds of the span ÷ the same round's bare span. Target: ckagent ≤ 1.10 × bare.
+
+Where the time goes: every process on the machine shares its cores, so each round also records CPU
+seconds per task (psutil / getrusage deltas over the round): the spiders' own, the launcher's (the
+bare spawner, the agent or the Scrapyd daemon) and the rest of the platform's (the dev master and
+this benchmark submitting and waiting). With every core busy running spiders, a side cannot finish
+before ``(bare spider + its launcher + platform CPU) ÷ (bare spider + bare spawner CPU)`` × the bare
+span: the ``CPU floor`` column (per task, medians over rounds). When the floor is above the target, the target is out of reach on this machine whatever the
+agent's latency (the dev master and the submitter would have to run elsewhere).
 Run: ``python -m bench.makespan [--quick] [--no-scrapyd]``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
+import resource
 import statistics
 import subprocess
 import sys
@@ -32,6 +43,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import psutil
 import trio
 
 from bench import _scrapyd
@@ -55,6 +67,49 @@ from ckagent.devmaster.client import zip_directory, zip_files
 
 TARGET_RATIO = 1.10
 WORKER_COUNTS = (2, 4)
+
+
+@dataclasses.dataclass
+class Cpu:
+    """CPU seconds (user + system) spent during one round, by role."""
+
+    spiders: float = 0.0
+    launcher: float = 0.0
+    platform: float = 0.0
+
+    def __sub__(self, other: Cpu) -> Cpu:
+        return Cpu(self.spiders - other.spiders, self.launcher - other.launcher, self.platform - other.platform)
+
+
+def _own(process: psutil.Process | None) -> float:
+    """User + system CPU seconds of ``process`` itself (0 when it is gone or None)."""
+    try:
+        return 0.0 if process is None else sum(process.cpu_times()[:2])
+    except psutil.Error:
+        return 0.0
+
+
+def _reaped_children(process: psutil.Process | None) -> float:
+    """User + system CPU seconds of the children ``process`` has reaped (its spiders)."""
+    try:
+        if process is None:
+            return 0.0
+        times = process.cpu_times()
+        return float(times.children_user + times.children_system)
+    except psutil.Error:
+        return 0.0
+
+
+def _bench_process() -> float:
+    """CPU seconds of this benchmark process (spawner, submitter, waiting loops)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _bench_children() -> float:
+    """CPU seconds of this process's reaped children (the bare spawner's commands)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 class Workload:
@@ -85,6 +140,10 @@ class BareSide:
 
     async def stop(self) -> None:
         """Nothing to stop."""
+
+    def cpu(self) -> Cpu:
+        """Cumulative CPU: the commands (reaped children) and this spawner (the benchmark process)."""
+        return Cpu(spiders=_bench_children(), launcher=_bench_process())
 
     async def round(self) -> float:
         """Seconds to run ``work.count`` commands, ``max_workers`` at a time, with nothing else."""
@@ -132,6 +191,12 @@ class AgentSide:
         await self.agent.stop()
         await self.master.stop()
 
+    def cpu(self) -> Cpu:
+        """Cumulative CPU: the spiders (reaped by the agent), the agent, the dev master + this submitter."""
+        agent = psutil.Process(self.agent.pid)
+        master = None if self.master.process is None else psutil.Process(self.master.process.pid)
+        return Cpu(spiders=_reaped_children(agent), launcher=_own(agent), platform=_own(master) + _bench_process())
+
     async def round(self) -> float:
         """Submit one task per spider at once; seconds until the last task's ``finishedAt``."""
         admin = self.master.admin
@@ -161,6 +226,11 @@ class ScrapydSide:
         """Stop the daemon."""
         await self.daemon.stop()
 
+    def cpu(self) -> Cpu:
+        """Cumulative CPU: the jobs (reaped by the daemon), the daemon, this submitter."""
+        daemon = None if self.daemon.process is None else psutil.Process(self.daemon.process.pid)
+        return Cpu(spiders=_reaped_children(daemon), launcher=_own(daemon), platform=_bench_process())
+
     async def round(self) -> float:
         """Schedule ``count`` jobs at once; seconds until the last job's ``end_time``."""
         started = now()
@@ -172,11 +242,19 @@ class ScrapydSide:
 Side = BareSide | AgentSide | ScrapydSide
 
 
-async def compare(sides: list[Side], rounds: int) -> dict[str, list[float]]:
+async def timed_round(side: Side) -> tuple[float, Cpu]:
+    """One round of ``side``: (span in seconds, CPU seconds spent by role during it)."""
+    before = side.cpu()
+    span = await side.round()
+    return span, side.cpu() - before
+
+
+async def compare(sides: list[Side], rounds: int) -> tuple[dict[str, list[float]], dict[str, list[Cpu]]]:
     """Start every side, run one warm-up round each, then ``rounds`` rounds taking the sides in
     turn, the order rotating (so a noisy minute hits all of them); returns the timed spans (seconds)
-    by side name, in round order."""
+    and the CPU spent in each (by role), by side name, in round order."""
     spans: dict[str, list[float]] = {side.name: [] for side in sides}
+    cpus: dict[str, list[Cpu]] = {side.name: [] for side in sides}
     async with contextlib.AsyncExitStack() as stack:
         for side in sides:
             await side.start()
@@ -186,8 +264,10 @@ async def compare(sides: list[Side], rounds: int) -> dict[str, list[float]]:
         for round_no in range(rounds):
             for i in range(len(sides)):  # the order rotates from round to round
                 side = sides[(i + round_no) % len(sides)]
-                spans[side.name].append(await side.round())
-    return spans
+                span, cpu = await timed_round(side)
+                spans[side.name].append(span)
+                cpus[side.name].append(cpu)
+    return spans, cpus
 
 
 async def run_async(quick: bool, scrapyd: bool = True) -> dict[str, Any]:
@@ -215,24 +295,32 @@ async def run_async(quick: bool, scrapyd: bool = True) -> dict[str, Any]:
                 sides: list[Side] = [BareSide(work, workers, stamps), AgentSide(workdir, work, workers, stamps)]
                 if python is not None and work.framework == "scrapy":
                     sides.append(ScrapydSide(workdir, python, egg, work.count, workers))
-                spans = await compare(sides, rounds)
+                spans, cpus = await compare(sides, rounds)
+                bare_spider = statistics.median(c.spiders for c in cpus["bare"]) / work.count * 1000
+                bare_total = bare_spider + statistics.median(c.launcher + c.platform for c in cpus["bare"]) \
+                    / work.count * 1000
                 for side in sides:
                     mine = spans[side.name]
                     ratio = statistics.median(m / b for m, b in zip(mine, spans["bare"], strict=True))
                     if side.name == "ckagent":
                         worst_ratio = max(worst_ratio, ratio)
+                    per_task = [statistics.median(getattr(c, role) for c in cpus[side.name]) / work.count * 1000
+                                for role in ("spiders", "launcher", "platform")]
+                    floor = (bare_spider + per_task[1] + per_task[2]) / bare_total if bare_total > 0 else math.nan
                     rows.append([work.name, work.count, workers, side.name, statistics.median(mine), min(mine),
-                                 max(mine), ratio])
+                                 max(mine), ratio, *per_task, floor])
     table = markdown_table(["makespan", "tasks", "workers", "side", "median s", "min s", "max s",
-                            "× bare (median of rounds)"], rows)
+                            "× bare (median of rounds)", "spider CPU ms/task", "launcher CPU ms/task",
+                            "master+submitter CPU ms/task", "CPU floor ×"], rows)
     return {
         "name": "makespan",
         "table": table,
-        "rows": [dict(zip(["workload", "tasks", "workers", "side", "median_s", "min_s", "max_s", "ratio"], r,
-                          strict=True)) for r in rows],
+        "rows": [dict(zip(["workload", "tasks", "workers", "side", "median_s", "min_s", "max_s", "ratio",
+                           "spider_cpu_ms", "launcher_cpu_ms", "platform_cpu_ms", "cpu_floor"], r, strict=True))
+                 for r in rows],
         "worst_ckagent_ratio": worst_ratio,
         "headline": f"worst ckagent/bare {worst_ratio:.2f}" + "".join(
-            f"; {r[0]} ×{r[2]} {r[7]:.2f}" for r in rows if r[3] == "ckagent"),
+            f"; {r[0]} ×{r[2]} {r[7]:.2f} (CPU floor {r[11]:.2f})" for r in rows if r[3] == "ckagent"),
         "target": f"ckagent ≤ {TARGET_RATIO:.2f} × bare",
         "target_met": worst_ratio <= TARGET_RATIO,
     }
