@@ -19,6 +19,7 @@ import pytest
 import trio
 
 from ckagent.devmaster import demosite
+from ckagent.devmaster import store as store_module
 from ckagent.devmaster.client import AdminApiError, AdminClient, zip_directory
 from ckagent.devmaster.store import SCHEMA_VERSION, SchemaError, Store
 from ckagent.protocol import PendingTasks, SpiderFile
@@ -745,3 +746,38 @@ async def test_database_is_one_sqlite_file_in_wal_mode(dev_master: DevMaster) ->
             return str(db.execute("PRAGMA journal_mode").fetchone()[0])
 
     assert await trio.to_thread.run_sync(journal_mode) == "wal"
+
+
+async def test_wal_checkpoints_run_off_the_request_path_and_keep_the_wal_bounded(
+    dev_master: DevMaster, node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite's autocheckpoint is off (it would stall whichever batch crossed it): the checkpointer
+    thread copies the WAL into the database file once CHECKPOINT_BYTES were written, and a write
+    truncates it every WAL_LIMIT_BYTES."""
+    monkeypatch.setattr(store_module, "WAL_LIMIT_BYTES", 9_000_000)
+    with trio.fail_after(30):
+        spider = await make_spider(dev_master.admin)
+        task_id = await dev_master.admin.create_task(spider)
+        assert (await node.claim(task_id)).status_code == 200
+        line = "x" * 190
+
+        async def post(batch: int) -> None:  # ~3.8 MB, in batches of 5000 lines
+            lines = [f"{batch * 20000 + n:08d} {line}" for n in range(20000)]
+            for start in range(0, 20000, 5000):
+                seq = batch * 20000 + start
+                answer = await node.logs(task_id, seq, lines[start : start + 5000])
+                assert answer.json() == {"acceptedSeq": seq + 5000}
+
+        await post(0)
+        await post(1)  # 7.6 MB: under the WAL limit, so only the checkpointer moves pages into the database
+        for _ in range(200):
+            if dev_master.db_path.stat().st_size > 3_000_000:
+                break
+            await trio.sleep(0.05)
+        assert dev_master.db_path.stat().st_size > 3_000_000
+        await post(2)
+        await post(3)
+        wal = dev_master.db_path.with_name(dev_master.db_path.name + "-wal")
+        assert wal.stat().st_size < 8_000_000  # truncated past 9 MB, not one ever-growing file
+        assert (await dev_master.admin.get_task(task_id))["storedLogLines"] == 80000
+        assert (await dev_master.admin.get_logs(task_id))[-1] == f"{79999:08d} {line}"

@@ -1,7 +1,10 @@
 """The dev master's storage: one SQLite file (WAL) holding nodes, spiders, packages, tasks, logs and items.
 
 Every method is synchronous and thread-safe (one connection guarded by a lock); the HTTP layer calls
-them through ``trio.to_thread.run_sync``. The rules of the wire protocol that depend on stored state
+them through ``trio.to_thread.run_sync``. WAL checkpoints run in a thread of their own (with its own
+connection), not in the commit of whichever request crossed SQLite's autocheckpoint threshold: a
+batch of log lines is acknowledged after its commit alone (every WAL_LIMIT_BYTES one write also
+truncates the WAL, so the file stays bounded under a steady stream). The rules of the wire protocol that depend on stored state
 (claims, final results, sequence numbers) live here, each inside one transaction, so the SQL reads
 as the contract.
 
@@ -32,6 +35,7 @@ A payload that breaks the schema raises ``ckagent.protocol.ProtocolError`` (422)
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -71,6 +75,12 @@ MAX_PACKAGE_BYTES = 256 * 1024 * 1024
 MAX_PACKAGE_UNCOMPRESSED_BYTES = 512 * 1024 * 1024
 """Largest total size of a package's files once unpacked (bytes): the files are stored in SQLite too."""
 
+CHECKPOINT_BYTES = 4 * 1024 * 1024
+"""Bytes written to the WAL (estimated) after which the checkpointer thread copies it into the database."""
+WAL_LIMIT_BYTES = 64 * 1024 * 1024
+"""Bytes written to the WAL (estimated) after which a write truncates it (the bound on the file: a
+PASSIVE checkpoint racing steady writes never lets SQLite restart the WAL from its start)."""
+_PAGE_BYTES = 4096
 SCHEMA_VERSION = 2
 """The layout of the SQLite file (``PRAGMA user_version``): 2 = logs and items in chunks."""
 
@@ -330,6 +340,11 @@ class Store:
     def __init__(self, db_path: Path) -> None:
         self.db_path = Path(db_path)
         self._lock = threading.Lock()
+        self._wal_bytes = 0  # estimated bytes written to the WAL since the last checkpoint request
+        self._wal_total = 0  # ... since the last truncation
+        self._checkpoint_wanted = threading.Event()
+        self._checkpointer: threading.Thread | None = None
+        self._closed = False
         self._conn = sqlite3.connect(str(self.db_path), check_same_thread=False, isolation_level=None)
         self._conn.row_factory = sqlite3.Row
         try:
@@ -337,6 +352,7 @@ class Store:
                 self._conn.execute("PRAGMA journal_mode=WAL")
                 self._conn.execute("PRAGMA synchronous=NORMAL")
                 self._conn.execute("PRAGMA foreign_keys=ON")
+                self._conn.execute("PRAGMA wal_autocheckpoint=0")  # the checkpointer thread does it
                 self._create_schema()
         except BaseException:
             self._conn.close()
@@ -358,9 +374,44 @@ class Store:
         db.executescript(f"BEGIN IMMEDIATE; {_SCHEMA}; PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
 
     def close(self) -> None:
-        """Close the connection (idempotent)."""
+        """Stop the checkpointer, close the connection (idempotent; SQLite checkpoints the WAL on close)."""
+        with self._lock:
+            self._closed = True
+            checkpointer, self._checkpointer = self._checkpointer, None
+        if checkpointer is not None:
+            self._checkpoint_wanted.set()
+            checkpointer.join()
         with self._lock:
             self._conn.close()
+
+    def _wrote(self, size: int) -> None:
+        """Count ``size`` bytes (estimated) written to the WAL; past CHECKPOINT_BYTES wake the checkpointer.
+        Call with the lock held."""
+        self._wal_bytes += size
+        self._wal_total += size
+        if self._wal_bytes < CHECKPOINT_BYTES or self._closed:
+            return
+        self._wal_bytes = 0
+        if self._checkpointer is None:
+            self._checkpointer = threading.Thread(target=self._checkpoint_loop, name="devmaster-checkpoint",
+                                                  daemon=True)
+            self._checkpointer.start()
+        self._checkpoint_wanted.set()
+
+    def _checkpoint_loop(self) -> None:
+        """The checkpointer thread: a PASSIVE checkpoint (never waits for readers or writers) per request."""
+        conn = sqlite3.connect(str(self.db_path), check_same_thread=False, isolation_level=None)
+        try:
+            while True:
+                self._checkpoint_wanted.wait()
+                self._checkpoint_wanted.clear()
+                if self._closed:
+                    return
+                # Busy or failing: the next request tries again, and close() checkpoints.
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        finally:
+            conn.close()
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -373,6 +424,12 @@ class Store:
                 self._conn.execute("ROLLBACK")
                 raise
             self._conn.execute("COMMIT")
+            self._wrote(2 * _PAGE_BYTES)
+            if self._wal_total >= WAL_LIMIT_BYTES:
+                self._wal_total = 0
+                # Most pages were copied by the checkpointer already; waits (busy timeout) for it.
+                with contextlib.suppress(sqlite3.Error):
+                    self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def _read(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
         with self._lock:
@@ -952,6 +1009,7 @@ class Store:
             tail = values[stored - seq :] if stored > seq else values
             if tail:
                 columns = {"task_id": task_id, "first_seq": stored, "count": len(tail), **encode(tail)}
+                self._wrote(sum(len(v) for v in columns.values() if isinstance(v, str)))
                 db.execute(
                     f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})",
                     tuple(columns.values()),
