@@ -43,23 +43,25 @@ class Masker:
         # A value with a line break can never be inside one line: leaving it out lets callers mask
         # many lines joined with "\n" at once without changing the line count.
         values = sorted({s for s in secrets if s and "\n" not in s and "\r" not in s}, key=len, reverse=True)
+        # Searching for each value with `in` (a fast substring search) first: a regex alternation is
+        # ~10x slower, and almost no text holds a secret.
+        self._values = values
         self._pattern = re.compile("|".join(re.escape(v) for v in values)) if values else None
-        self._bytes_pattern = (
-            re.compile(b"|".join(re.escape(v.encode("utf-8", "surrogatepass")) for v in values)) if values else None
-        )
+        self._bytes_values = [v.encode("utf-8", "surrogatepass") for v in values]
+        self._bytes_pattern = re.compile(b"|".join(re.escape(v) for v in self._bytes_values)) if values else None
 
     def __bool__(self) -> bool:
         return self._pattern is not None
 
     def __call__(self, text: str) -> str:
         """Return ``text`` with secrets masked."""
-        if self._pattern is None or self._pattern.search(text) is None:
+        if self._pattern is None or not any(v in text for v in self._values):
             return text
         return self._pattern.sub("***", text)
 
     def mask_bytes(self, data: bytes) -> bytes:
         """Return UTF-8 ``data`` with secrets masked."""
-        if self._bytes_pattern is None or self._bytes_pattern.search(data) is None:
+        if self._bytes_pattern is None or not any(v in data for v in self._bytes_values):
             return data
         return self._bytes_pattern.sub(b"***", data)
 

@@ -109,7 +109,7 @@ class _Pending:
     def batch_len(self, max_count: int, max_bytes: int) -> int:
         """How many leading elements make a batch of at most ``max_count`` and ``max_bytes`` (at least 1)."""
         n = min(len(self.elements), max_count)
-        if self.size <= max_bytes and n == len(self.elements):
+        if (self.size if n == len(self.elements) else self.size_of(n)) <= max_bytes:
             return n
         # total of the first i+1 elements with their separators: sizes[0..i] + (i + 1)
         totals = list(map(add, accumulate(self.sizes[:n]), range(1, n + 1)))
