@@ -16,38 +16,71 @@ Exit codes: 0 ok; 2 usage or configuration error (``ckagent: config error: <msg>
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import platform
 import sys
+from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
-from typing import Annotated
-
-from cyclopts import App, Parameter
-from cyclopts.exceptions import CycloptsError
+from typing import TYPE_CHECKING, Annotated
 
 from ckagent import __version__
 from ckagent.config import ConfigError, Settings, load_settings, missing_token_message, suspicious_env_vars
+
+if TYPE_CHECKING:
+    from cyclopts import App, Parameter
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 
-ConfigOption = Annotated[
-    Path | None,
-    Parameter(
-        name=["--config", "-c"],
-        help="YAML config file. Without it: defaults + AGENT_* environment variables only.",
-    ),
-]
+# Start-up time: `ckagent run -c FILE` (what run.sh and the service units start) is parsed by
+# :func:`_plain_run` without importing cyclopts (~40 ms with its dependencies); every other
+# command line goes to cyclopts, built on first use by :func:`_app`. The commands below are plain
+# functions whose cyclopts annotations are strings (``from __future__ import annotations``):
+# cyclopts resolves them from this module's globals when ``_app()`` registers the commands, after
+# ``_app()`` has put ``Parameter`` and ``ConfigOption`` there.
+if TYPE_CHECKING:
+    ConfigOption = Annotated[Path | None, Parameter(name=["--config", "-c"])]
 
-app = App(
-    name="ckagent",
-    help="CrawlerKeeper node agent: runs spiders and ships their logs, items and results to the master.",
-    version=__version__,
-    result_action="return_value",
-)
-config_app = App(name="config", help="Validate or show the agent configuration.", result_action="return_value")
-app.command(config_app)
+
+def _config_option() -> object:
+    from cyclopts import Parameter
+
+    return Annotated[
+        Path | None,
+        Parameter(
+            name=["--config", "-c"],
+            help="YAML config file. Without it: defaults + AGENT_* environment variables only.",
+        ),
+    ]
+
+
+@cache
+def _app() -> App:
+    """The cyclopts application (imports cyclopts; built once)."""
+    from cyclopts import App, Parameter
+
+    globals().update(Parameter=Parameter, ConfigOption=_config_option())
+    app = App(
+        name="ckagent",
+        help="CrawlerKeeper node agent: runs spiders and ships their logs, items and results to the master.",
+        version=__version__,
+        result_action="return_value",
+    )
+    config_app = App(name="config", help="Validate or show the agent configuration.",
+                     result_action="return_value")
+    app.command(config_app)
+    app.default(_default)
+    config_app.default(_config_default)
+    app.command(run)
+    config_app.command(check)
+    config_app.command(show)
+    app.command(version_command, name="version")
+    app.command(dev_master, name="dev-master")
+    app.command(demo)
+    return app
 
 
 class _UsageError(Exception):
@@ -58,35 +91,56 @@ def _load(config: Path | None, *, require_token: bool) -> Settings:
     return load_settings(config, require_token=require_token)
 
 
-@app.default
 def _default(*, config: ConfigOption = None) -> int:
     """Without a command: `ckagent -c FILE` runs the agent; bare `ckagent` prints this help."""
     if config is None:
-        app.help_print([])
+        _app().help_print([])
         return EXIT_USAGE
     return run(config=config)
 
 
-@config_app.default
 def _config_default() -> int:
     """Without a subcommand: print this help (exit 2)."""
-    config_app.help_print([])
+    _app()["config"].help_print([])
     return EXIT_USAGE
 
 
-@app.command
 def run(*, config: ConfigOption = None) -> int:
     """Run the agent: register, heartbeat, poll and run tasks until SIGTERM (drain) or SIGINT (stop).
 
     Needs a registration token (agent.registration_token or AGENT_REGISTRATION_TOKEN).
     """
     settings = _load(config, require_token=True)
-    from ckagent.agent import run_agent
+    with _httpx_without_its_cli():
+        from ckagent.agent import run_agent
 
     return run_agent(settings)
 
 
-@config_app.command
+@contextlib.contextmanager
+def _httpx_without_its_cli() -> Iterator[None]:
+    """Within the block, ``import httpx`` skips httpx's command-line client: ~50 ms less start-up.
+
+    ``httpx/__init__.py`` runs ``from ._main import main`` in a ``try``/``except ImportError`` that
+    falls back to a stub ``main`` (for installs without the ``httpx[cli]`` extras). ``httpx._main``
+    imports click, rich and pygments whenever they are installed (rich is: cyclopts needs it), none
+    of which the agent uses. A ``None`` entry in ``sys.modules`` is Python's documented way to make
+    one import raise ImportError, so httpx takes its fallback; the entry is removed on leaving, so a
+    later ``import httpx._main`` works as usual. The only difference in this process: ``httpx.main``
+    (the ``httpx`` console command's function) is the stub. Nothing changes when httpx is already
+    imported. tests/test_cli.py checks that httpx still works and that the CLI is skipped.
+    """
+    if "httpx" in sys.modules or "httpx._main" in sys.modules:
+        yield
+        return
+    sys.modules["httpx._main"] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if "httpx._main" in sys.modules and sys.modules["httpx._main"] is None:
+            del sys.modules["httpx._main"]
+
+
 def check(*, config: ConfigOption = None) -> int:
     """Validate the configuration (file and environment) and print "config OK: FILE".
 
@@ -102,7 +156,6 @@ def check(*, config: ConfigOption = None) -> int:
     return EXIT_OK
 
 
-@config_app.command
 def show(*, config: ConfigOption = None) -> int:
     """Print the effective settings (defaults < file < environment) as YAML; secrets show as ***."""
     import yaml
@@ -114,14 +167,12 @@ def show(*, config: ConfigOption = None) -> int:
     return EXIT_OK
 
 
-@app.command(name="version")
 def version_command() -> int:
     """Print the ckagent version and the Python it runs on."""
     print(f"ckagent {__version__} (Python {platform.python_version()}, {platform.python_implementation()})")
     return EXIT_OK
 
 
-@app.command(name="dev-master")
 def dev_master(
     *,
     db: Path = Path("master.sqlite"),
@@ -159,7 +210,6 @@ def dev_master(
     return EXIT_OK
 
 
-@app.command
 def demo(*, work_dir: Path = Path("demo-data"), keep: bool = False) -> int:
     """Run the reference master, an agent and the example spiders end to end, then print a table.
 
@@ -177,7 +227,7 @@ def demo(*, work_dir: Path = Path("demo-data"), keep: bool = False) -> int:
 
 def _unknown_command(tokens: list[str]) -> str | None:
     """A message if the leading words name no command (cyclopts would call them "unused tokens")."""
-    group, path = app, ""
+    group, path = _app(), ""
     for word in tokens:
         if word.startswith("-"):
             return None
@@ -193,21 +243,42 @@ def _unknown_command(tokens: list[str]) -> str | None:
     return None
 
 
+def _plain_run(tokens: list[str]) -> tuple[bool, Path | None]:
+    """Whether ``tokens`` is a plain ``[run] [-c FILE | --config FILE | --config=FILE]``, and its FILE.
+
+    Plain lines are what run.sh and the service manifests start; for them ``(True, FILE or None)``
+    is what cyclopts would pass to :func:`run`. Anything else (help, other commands, repeated or
+    unusual options, a value that looks like an option, bare ``ckagent``) is ``(False, None)``:
+    cyclopts parses it.
+    """
+    rest = tokens[1:] if tokens[:1] == ["run"] else tokens
+    if rest is tokens and not rest:
+        return False, None  # bare `ckagent` prints the help
+    if not rest:
+        return True, None
+    if len(rest) == 2 and rest[0] in ("-c", "--config"):
+        value = rest[1]
+    elif len(rest) == 1 and rest[0].startswith("--config="):
+        value = rest[0].partition("=")[2]
+    else:
+        return False, None
+    if not value or value.startswith("-"):
+        return False, None
+    return True, Path(value)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: parse ``argv`` (default ``sys.argv[1:]``), run the command, ``sys.exit`` with its code.
 
     Never returns: exits 0 on success, 2 on usage/config errors, else the command's code (1 = failure).
     """
     tokens = sys.argv[1:] if argv is None else argv
-    unknown = _unknown_command(tokens)
-    if unknown:
-        print(f"ckagent: {unknown}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
+    plain, config = _plain_run(tokens)
     try:
-        result = app(tokens, exit_on_error=False, print_error=True)
-    except CycloptsError:
-        # cyclopts already printed the problem (to stderr).
-        sys.exit(EXIT_USAGE)
+        if plain:  # without cyclopts: see the comment above _app()
+            result: object = run(config=config)
+        else:
+            result = _cyclopts_main(tokens)
     except ConfigError as exc:
         print(f"ckagent: config error: {exc}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
@@ -215,3 +286,18 @@ def main(argv: list[str] | None = None) -> None:
         print(f"ckagent: {exc}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
     sys.exit(result if isinstance(result, int) else EXIT_OK)
+
+
+def _cyclopts_main(tokens: list[str]) -> object:
+    """Run ``tokens`` through cyclopts; exits 2 (after printing why) for an unknown command or bad usage."""
+    from cyclopts.exceptions import CycloptsError
+
+    unknown = _unknown_command(tokens)
+    if unknown:
+        print(f"ckagent: {unknown}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    try:
+        return _app()(tokens, exit_on_error=False, print_error=True)
+    except CycloptsError:
+        # cyclopts already printed the problem (to stderr).
+        sys.exit(EXIT_USAGE)

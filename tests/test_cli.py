@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -203,3 +204,74 @@ def test_main_in_process_exits_with_code(capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit) as info:
         main(["nope"])
     assert info.value.code == 2
+
+
+def _python(code: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENT_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=60, check=False)
+
+
+_MODULES_AFTER_MAIN = """
+import json, sys
+from ckagent.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as exc:
+    code = exc.code
+print(json.dumps({"code": code, "cyclopts": "cyclopts" in sys.modules}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "cyclopts"),
+    [
+        (["run", "-c", "FILE"], False),
+        (["run", "--config", "FILE"], False),
+        (["run", "--config=FILE"], False),
+        (["-c", "FILE"], False),
+        (["--config", "FILE"], False),
+        (["run", "-cFILE"], True),  # unusual spellings still work, through cyclopts
+        (["-c=FILE"], True),
+    ],
+)
+def test_plain_run_lines_are_parsed_without_cyclopts(tmp_path: Path, args: list[str], cyclopts: bool) -> None:
+    """`ckagent run -c FILE` (what run.sh starts) skips importing cyclopts: a faster start, same result."""
+    path = write(tmp_path, "task:\n  poll_interval: fast\n")
+    result = _python(_MODULES_AFTER_MAIN, *[a.replace("FILE", str(path)) for a in args], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.startswith(f"ckagent: config error: {path}:2:18: task.poll_interval"), result.stderr
+    assert json.loads(result.stdout) == {"code": 2, "cyclopts": cyclopts}
+
+
+_HTTPX_PROBE = """
+import http.server, json, sys, threading
+from ckagent.cli import _httpx_without_its_cli
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+    def log_message(self, *args):
+        pass
+
+server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+with _httpx_without_its_cli():
+    import httpx
+facts = {"main_loaded": "httpx._main" in sys.modules, "rich": "rich" in sys.modules}  # nor its None entry
+facts["get"] = httpx.get(f"http://127.0.0.1:{server.server_address[1]}/").text
+import httpx._main  # an explicit import still works afterwards
+facts["main_later"] = callable(httpx._main.main)
+print(json.dumps(facts))
+"""
+
+
+def test_httpx_imported_without_its_cli_still_works(tmp_path: Path) -> None:
+    """The agent imports httpx without its CLI (click, rich, pygments); httpx itself is unaffected."""
+    result = _python(_HTTPX_PROBE, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"main_loaded": False, "rich": False, "get": "ok", "main_later": True}
