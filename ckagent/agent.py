@@ -4,7 +4,8 @@
 
     trio.run(Agent.run)
     └── root nursery
-        ├── status server      /metrics /healthz /readyz /status on agent.bind:agent.port (status.py)
+        ├── status server      /metrics /healthz /readyz /status on agent.bind:agent.port (status.py);
+    │                      listens from the start, serves from the first heartbeat on
         ├── signals            SIGTERM → drain (second SIGTERM → terminate), SIGINT → terminate
         ├── heartbeat loop     until STOPPED (beats DRAINING while draining)
         ├── outbox             every task's logs, items and result (delivery.Outbox): tasks hand
@@ -76,6 +77,9 @@ FLUSH_TIMEOUT = 10.0
 """Default of ``task.flush_timeout``: seconds the agent waits, when stopping, for unsent results and
 streams before leaving them on disk."""
 RUNTIME_SCAN_INTERVAL = 300.0
+DEFERRED_START_LIMIT = 1.0
+"""Seconds after the start by which the work kept off the way to the first heartbeat (see
+:meth:`Agent._after_first_heartbeat`) begins even if that heartbeat has not gone out (master slow or away)."""
 
 
 class Agent:
@@ -194,8 +198,9 @@ class Agent:
             async with trio.open_nursery() as root:
                 status = AgentStatus(self, self.metrics, self.metrics.outbox)
                 try:
-                    self.status_port = await root.start(
-                        serve_status, status.routes(), s.agent.bind or s.agent.ip, s.agent.port)
+                    self.status_port = await root.start(partial(
+                        serve_status, status.routes(), s.agent.bind or s.agent.ip, s.agent.port,
+                        serve_after=self._after_first_heartbeat))
                 except StatusPortError as exc:
                     log.error("%s", exc)
                     root.cancel_scope.cancel()
@@ -324,8 +329,21 @@ class Agent:
         _canonical_line(task, result, None, task_id=record.task_id)
         self.metrics.task_reported(record.task_id, result, record.claimed_at)
 
+    async def _after_first_heartbeat(self) -> None:
+        """Return once the first heartbeat was tried, or DEFERRED_START_LIMIT seconds after the call.
+
+        What the first heartbeat does not need waits here, so that it does not compete with the
+        start for the CPU: the status server's hypercorn (~45 ms of imports; the port listens from
+        the start and early requests wait in its backlog) and the runtime rescan's subprocesses
+        (registration uses the cached scan; the fresh one reaches the master with the heartbeats).
+        """
+        with trio.move_on_after(DEFERRED_START_LIMIT):
+            await self.heartbeat.first_beat.wait()
+
     async def _rescan_runtimes(self) -> None:
-        """Scan what the node can run now and every RUNTIME_SCAN_INTERVAL seconds; keep the last scan on disk."""
+        """Scan what the node can run (after the first heartbeat) and every RUNTIME_SCAN_INTERVAL seconds;
+        keep the last scan on disk."""
+        await self._after_first_heartbeat()
         while True:
             self.runtimes = await trio.to_thread.run_sync(detect_runtimes, self.settings.deps.uv_path)
             await trio.to_thread.run_sync(save_runtimes_cache, self.work_dir / RUNTIMES_CACHE, self.runtimes)

@@ -29,7 +29,8 @@ class HeartbeatLoop:
     """Sends heartbeats; ``status()`` gives RUNNING or DRAINING; ``runtimes()`` the latest scan.
 
     ``last_success`` is the ``trio.current_time()`` of the last acknowledged beat (None before the
-    first); /readyz and metrics read it.
+    first); /readyz and metrics read it. ``first_beat`` is set once :meth:`run` has tried its first
+    beat (acknowledged or not): the agent starts what that beat does not need after it.
     """
 
     def __init__(
@@ -49,6 +50,7 @@ class HeartbeatLoop:
         self._runtimes = runtimes
         self.last_success: float | None = None
         self.beats = 0
+        self.first_beat = trio.Event()
 
     async def run(self) -> None:
         """Beat until cancelled. Never raises for master trouble."""
@@ -56,6 +58,7 @@ class HeartbeatLoop:
         k = 0
         while True:
             await self.beat_once()
+            self.first_beat.set()
             k = max(k + 1, int((trio.current_time() - start) / self.interval) + 1)
             await trio.sleep_until(start + k * self.interval)
 

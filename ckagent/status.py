@@ -36,19 +36,20 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 import trio
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
-from hypercorn.typing import ASGIFramework
 
 from ckagent import __version__
 from ckagent.metrics import PHASES, AgentMetrics, LiveFigures, OutboxFigures, OutboxReader
 from ckagent.protocol import utc_iso
 
 if TYPE_CHECKING:
+    from hypercorn.typing import ASGIFramework
+
     from ckagent.agent import Agent
 
 log = logging.getLogger(__name__)
 
+LISTEN_BACKLOG = 100
+"""Connections the kernel queues before the server accepts them (hypercorn's default backlog)."""
 READY_HEARTBEATS = 3
 """/readyz fails once no heartbeat was acknowledged for this many heartbeat intervals."""
 
@@ -170,26 +171,42 @@ async def serve_status(
     host: str,
     port: int,
     *,
+    serve_after: Callable[[], Awaitable[object]] | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the status routes on ``host:port`` until cancelled; ``task_status.started(bound_port)``.
+
+    ``started`` comes as soon as the socket listens: a client may connect from then on, and its
+    request waits in the socket's backlog until the server answers it. hypercorn (~45 ms of imports,
+    hence imported here and not at module level) starts at once, or, with ``serve_after``, once that
+    returns: the agent uses it to keep this work off the way to its first heartbeat.
 
     Raises StatusPortError (before ``started``) when the address cannot be bound. Cancellation
     closes the socket; in-flight requests are abandoned (they are all short).
     """
     sock = bind_socket(host, port)
-    bound_port = int(sock.getsockname()[1])
-    config = HypercornConfig()
-    config.bind = [f"fd://{sock.detach()}"]  # hypercorn owns (and closes) the descriptor from here
+    try:
+        sock.listen(LISTEN_BACKLOG)
+        bound_port = int(sock.getsockname()[1])
+        task_status.started(bound_port)
+        if serve_after is not None:
+            await serve_after()
+        from hypercorn.config import Config as HypercornConfig
+        from hypercorn.trio import serve as hypercorn_serve
+
+        config = HypercornConfig()
+        config.bind = [f"fd://{sock.detach()}"]  # hypercorn owns (and closes) the descriptor from here
+    finally:
+        sock.close()  # a no-op once detached
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     config.include_server_header = False
     config.graceful_timeout = 1.0
+    config.backlog = LISTEN_BACKLOG
     async with trio.open_nursery() as nursery:
-        await nursery.start(partial(hypercorn_serve, cast(ASGIFramework, StatusApp(routes)), config))
+        await nursery.start(partial(hypercorn_serve, cast("ASGIFramework", StatusApp(routes)), config))
         shown = f"[{host}]" if ":" in host else host
         log.info("status server on http://%s:%d (/metrics /healthz /readyz /status)", shown, bound_port)
-        task_status.started(bound_port)
 
 
 class AgentStatus:

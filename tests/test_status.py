@@ -13,6 +13,7 @@ import shutil
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -26,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ckagent import __version__
 from ckagent.agent import Agent
 from ckagent.metrics import METRIC_NAMES, PHASES, STATES, AgentMetrics
-from ckagent.status import AgentStatus
+from ckagent.status import AgentStatus, Readiness, StatusRoutes, serve_status
 
 # Prints 25 lines and saves 7 items, then waits for the test to create "<task dir>/go".
 BLOCKING_SPIDER = """\
@@ -295,3 +296,43 @@ async def test_readiness_rules(autojump_clock: trio.abc.Clock) -> None:
         agent.state = state
         assert check() == (False, f"not ready: the agent is {state}")
     assert status.heartbeat_age() == 0.0
+
+
+async def test_the_port_listens_at_once_and_answers_when_serving_may_start() -> None:
+    """serve_status reports its port as soon as it listens; with ``serve_after`` (the agent: its first
+    heartbeat) a request made meanwhile waits in the backlog and is answered once serving starts."""
+    go = trio.Event()
+    routes = StatusRoutes(metrics=_unused_metrics, readiness=lambda: Readiness(True), status=_empty_status)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(partial(serve_status, routes, "127.0.0.1", 0, serve_after=go.wait))
+            answers: list[httpx.Response] = []
+            answered = trio.Event()
+
+            async def ask() -> None:
+                async with httpx.AsyncClient(timeout=10) as client:
+                    answers.append(await client.get(f"http://127.0.0.1:{port}/healthz"))
+                answered.set()
+
+            nursery.start_soon(ask)
+            await trio.sleep(0.3)
+            assert answers == [], "nothing answers before serving starts"
+            go.set()
+            await answered.wait()
+            assert (answers[0].status_code, answers[0].text) == (200, "ok\n")
+            nursery.cancel_scope.cancel()
+        # Cancelled before serving ever started: the socket is closed all the same.
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(partial(serve_status, routes, "127.0.0.1", 0, serve_after=trio.sleep_forever))
+            nursery.cancel_scope.cancel()
+        async with httpx.AsyncClient() as fresh:
+            with pytest.raises(httpx.ConnectError):
+                await fresh.get(f"http://127.0.0.1:{port}/healthz")
+
+
+async def _unused_metrics(accept: str) -> tuple[bytes, str]:
+    raise AssertionError("not scraped in this test")
+
+
+async def _empty_status() -> dict[str, Any]:
+    return {}
