@@ -138,7 +138,7 @@ class StreamShipper:
         """Ship until the stream is complete and acknowledged (or refused by the master).
 
         Resumes from the position in the state store. Cancellation stops shipping at once; the
-        acknowledged position is already on disk.
+        acknowledged position is on disk, or the one before it (the master drops the repeat).
         """
         reader = self._reader
         seq, position = await self._store.stream_position(self.task_id, self.stream)
@@ -148,6 +148,17 @@ class StreamShipper:
         pending = _Pending()
         skip = 0  # elements the master already holds beyond `seq`: read them, do not send them
         flight: _Flight | None = None  # the one request in flight (its elements lead `pending`)
+        # An acknowledged position not yet in the state store: saved once the next batch is on its
+        # way (the save is not on the path from one answer to the next request). A crash before the
+        # save only makes the next start send that batch again, which the master drops.
+        unsaved: tuple[int, Any] | None = None
+
+        async def save() -> None:
+            nonlocal unsaved
+            if unsaved is not None:
+                saving, unsaved = unsaved, None
+                await self._store.save_stream_position(self.task_id, self.stream, *saving)
+
         try:
             async with trio.open_nursery() as nursery:
                 while True:
@@ -155,6 +166,7 @@ class StreamShipper:
                         answer, n, flight = flight.answer, flight.count, None
                         if answer.kind == "refused":
                             self.refused = True
+                            await save()
                             return
                         if answer.kind == "shrink":
                             if n > 1:  # smaller batches from now on (up to the size that failed)
@@ -172,7 +184,7 @@ class StreamShipper:
                                 checkpoints[seq] = position
                                 while len(checkpoints) > CHECKPOINTS_KEPT:
                                     del checkpoints[next(k for k in checkpoints if k)]
-                                await self._store.save_stream_position(self.task_id, self.stream, seq, position)
+                                unsaved = (seq, position)
                             skip = expected - seq
                             self.acked = seq
                             self._count_limit = min(self._count_ceiling, self._count_limit * 2)
@@ -193,7 +205,7 @@ class StreamShipper:
                         position = reader.commit(pending.take(n))
                         if not skip:
                             checkpoints[seq] = position
-                            await self._store.save_stream_position(self.task_id, self.stream, seq, position)
+                            unsaved = (seq, position)
                         self.acked = seq
                         continue
                     # Read ahead (up to one batch beyond the one in flight) while the master works.
@@ -212,13 +224,16 @@ class StreamShipper:
                         n = pending.batch_len(self._count_limit, MAX_BATCH_BYTES)
                         flight = _Flight(n, pending.size_of(n))
                         nursery.start_soon(self._fly, flight, seq, n, pending.body(n, seq, self._key))
+                        await save()
                         continue
                     if reader.done and not pending and flight is None:
+                        await save()
                         if skip:
                             log.warning("task %s %s: the master holds %d more elements than this node has",
                                         self.task_id, self.stream, skip)
                         return
                     if not progress:
+                        await save()
                         wait = TAIL_INTERVAL
                         if pending and flight is None:
                             wait = min(wait, max(0.0, BATCH_AGE - (trio.current_time() - pending.since)))
