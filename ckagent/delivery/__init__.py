@@ -33,7 +33,9 @@ or piece (a secret cut by a 64 KiB piece boundary is not recognised).
 
 **Shipping** (:class:`StreamShipper`): read from the acknowledged position, cut batches (≤ 5000
 elements, ≤ 1 MiB of JSON, or ~1 s old), POST ``{seq, lines|items}``, store the new position only
-after a 2xx, one request at a time per stream. The master answers with the count it holds; a 409
+after a 2xx (saved while the next batch is on its way), one request at a time per stream. Each
+element is encoded to JSON once, when it is read (:func:`encode_lines`; printable-ASCII lines are
+never decoded): a batch body is the elements joined, and its size is exact. The master answers with the count it holds; a 409
 ``{expectedSeq}`` rewinds (to an in-memory checkpoint, or the start) or skips what it already has.
 413/422 halve the batch; a single element the master refuses is replaced by a short placeholder (a
 gap would block the stream forever). 404 or a 409 without ``expectedSeq`` ends the stream.
