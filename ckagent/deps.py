@@ -169,6 +169,41 @@ def _python_cached(venv: Path, code_dir: Path, extra: str) -> tuple[str, bool]:
     return wanted, (venv / "bin" / "python").exists() and _read_marker(venv / _MARKER) == wanted
 
 
+def _python_install_steps(uv: str, bin_dir: Path, code_dir: Path, framework: str) -> tuple[bool, list[list[str]]]:
+    """(whether the venv's python exists, the uv commands that install the spider's dependencies),
+    chosen from the dependency files in ``code_dir`` (blocking: a few stats)."""
+    pip_install = [uv, "pip", "install", "--python", str(bin_dir / "python")]
+    steps: list[list[str]] = []
+    if (code_dir / "uv.lock").is_file() and (code_dir / "pyproject.toml").is_file():
+        steps.append([uv, "sync", "--frozen", "--no-install-project"])
+    elif (code_dir / "pyproject.toml").is_file():
+        steps.append([*pip_install, "-r", "pyproject.toml"])
+    elif (code_dir / "requirements.txt").is_file():
+        steps.append([*pip_install, "-r", "requirements.txt"])
+    elif (code_dir / "scrapy.cfg").is_file():
+        steps.append([*pip_install, *DEFAULT_PACKAGES["scrapy"]])
+    elif framework in DEFAULT_PACKAGES:
+        steps.append([*pip_install, *DEFAULT_PACKAGES[framework]])
+    return (bin_dir / "python").exists(), steps
+
+
+def _node_cached(code_dir: Path, install_dir: Path, extra: str) -> tuple[str, str, bool]:
+    """(layout, wanted hash, cached) of a node spider (blocking: stats, hashing, one small read).
+
+    layout: ``"no-package"`` (no package.json: nothing to install), ``"ships-node-modules"`` (the
+    code carries its node_modules: npm is not run) or ``"install"``; for the last, ``cached`` says
+    whether ``install_dir`` holds node_modules installed for the same ``wanted`` hash.
+    """
+    if not (code_dir / "package.json").is_file():
+        return "no-package", "", False
+    shipped = code_dir / "node_modules"
+    if shipped.exists() and not shipped.is_symlink():
+        return "ships-node-modules", "", False
+    wanted = deps_hash(code_dir, _NODE_DEP_FILES, extra)
+    cached = _read_marker(install_dir / _MARKER) == wanted and (install_dir / "node_modules").is_dir()
+    return "install", wanted, cached
+
+
 class Dependencies:
     """Installs dependencies for tasks (see module docstring).
 
@@ -250,7 +285,7 @@ class Dependencies:
         if cached:
             return prepared
         prepared.cache_hit = False
-        uv = find_uv(self._uv_path, self._base_env.get("PATH"), self._agent_bin)
+        uv = await trio.to_thread.run_sync(find_uv, self._uv_path, self._base_env.get("PATH"), self._agent_bin)
         if uv is None:
             raise DepsError(UV_MISSING)
         env = {**self._base_env, **task_env}
@@ -267,21 +302,10 @@ class Dependencies:
         env["UV_DEFAULT_INDEX"] = await self._index.index_url()
         marker = venv / _MARKER
         await trio.to_thread.run_sync(partial(marker.unlink, missing_ok=True))
-        if not (bin_dir / "python").exists():
+        has_venv, steps = await trio.to_thread.run_sync(_python_install_steps, uv, bin_dir, code_dir, framework)
+        if not has_venv:
             await self._run([uv, "venv", "--quiet", "--allow-existing", "--python", self._python, str(venv)],
                             code_dir, env, output)
-        pip_install = [uv, "pip", "install", "--python", str(bin_dir / "python")]
-        steps: list[list[str]] = []
-        if (code_dir / "uv.lock").is_file() and (code_dir / "pyproject.toml").is_file():
-            steps.append([uv, "sync", "--frozen", "--no-install-project"])
-        elif (code_dir / "pyproject.toml").is_file():
-            steps.append([*pip_install, "-r", "pyproject.toml"])
-        elif (code_dir / "requirements.txt").is_file():
-            steps.append([*pip_install, "-r", "requirements.txt"])
-        elif (code_dir / "scrapy.cfg").is_file():
-            steps.append([*pip_install, *DEFAULT_PACKAGES["scrapy"]])
-        elif framework in DEFAULT_PACKAGES:
-            steps.append([*pip_install, *DEFAULT_PACKAGES[framework]])
         for argv in steps:
             await self._run(argv, code_dir, env, output)
         await trio.to_thread.run_sync(_install_sdk_pth, venv)
@@ -300,16 +324,16 @@ class Dependencies:
             env.update(self._run_as.env())
         if spec is not None:
             await self._select_node(spec, source, env, code_dir, output, prepared)
-        if not (code_dir / "package.json").is_file():
-            return prepared
-        if (code_dir / "node_modules").exists() and not (code_dir / "node_modules").is_symlink():
-            prepared.notes.append("node_modules ships with the code: npm is not run")
-            return prepared
         install_dir = self.node_root / safe_name(spider_id)
         extra = f"{spec}\0{prepared.path_prefix}"
-        wanted = await trio.to_thread.run_sync(deps_hash, code_dir, _NODE_DEP_FILES, extra)
+        layout, wanted, cached = await trio.to_thread.run_sync(_node_cached, code_dir, install_dir, extra)
+        if layout == "no-package":
+            return prepared
+        if layout == "ships-node-modules":
+            prepared.notes.append("node_modules ships with the code: npm is not run")
+            return prepared
         marker = install_dir / _MARKER
-        if await trio.to_thread.run_sync(_read_marker, marker) != wanted or not (install_dir / "node_modules").is_dir():
+        if not cached:
             prepared.cache_hit = False
             path = os.pathsep.join([*prepared.path_prefix, env.get("PATH", "")])
             npm = shutil.which("npm", path=path)
@@ -319,7 +343,9 @@ class Dependencies:
             await trio.to_thread.run_sync(_stage_node_manifest, code_dir, install_dir, marker)
             if self._run_as is not None:
                 await trio.to_thread.run_sync(_give_dirs, self._run_as, [install_dir])
-            lock = any((install_dir / name).is_file() for name in ("package-lock.json", "npm-shrinkwrap.json"))
+            lock = await trio.to_thread.run_sync(
+                lambda: any((install_dir / name).is_file() for name in ("package-lock.json", "npm-shrinkwrap.json"))
+            )
             argv = [npm, "ci" if lock else "install", "--no-audit", "--no-fund", "--no-progress",
                     "--no-update-notifier"]
             await self._run(argv, install_dir, env, output)
