@@ -44,17 +44,18 @@ TARGET_RSS_MB = 80.0
 MB = 1_000_000
 
 SPIDER = r"""
-import os, sys, time
-out = sys.stdout.buffer
-out.write(b"FLOOD-START %.6f\n" % time.time())
-out.flush()
+import os, time
+def write_all(data):
+    view = memoryview(data)
+    while view:  # a raw write may be cut short (a signal, a profiler attaching): finish it
+        view = view[os.write(1, view):]
+write_all(b"FLOOD-START %.6f\n" % time.time())
 with open(os.environ["FLOOD_FILE"], "rb") as src:
     while True:
         chunk = src.read(1 << 20)
         if not chunk:
             break
-        out.write(chunk)
-out.flush()
+        write_all(chunk)
 """
 
 
