@@ -215,6 +215,17 @@ class AgentProcess:
                 if self.process.returncode is not None:
                     raise RuntimeError(f"agent exited with {self.process.returncode}; see {self.log_path}")
                 await trio.sleep(0.05)
+            # Fully started: the status server (loaded after the first heartbeat) answers, so its
+            # start-up work does not fall into what a benchmark measures next.
+            status_url = f"http://127.0.0.1:{self.config['agent']['port']}/readyz"
+            async with httpx.AsyncClient(timeout=5.0) as client:
+                while True:
+                    with contextlib.suppress(httpx.HTTPError):
+                        if (await client.get(status_url)).status_code == 200:
+                            break
+                    if self.process.returncode is not None:
+                        raise RuntimeError(f"agent exited with {self.process.returncode}; see {self.log_path}")
+                    await trio.sleep(0.05)
 
     async def stop(self) -> None:
         """SIGINT (terminate), then SIGKILL after 20 s (idempotent)."""
