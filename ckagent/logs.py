@@ -7,7 +7,12 @@
 - Where: the file ``logging.file`` (rotated at ``logging.max_bytes``, keeping
   ``logging.backup_count`` old files) and stderr. With a file, stderr gets the log only when it is
   a terminal (running in the foreground); a daemon whose stderr is redirected writes each line once.
-- Secrets given to :func:`setup_logging` are replaced by ``***`` in every line, whatever logged them.
+- Secrets given to :func:`setup_logging` are replaced by ``***`` in every line, whatever logged them
+  (:class:`Masker`, which the delivery of spider logs uses too: a secret of at least
+  ``MASK_ANYWHERE_CHARS`` characters is masked wherever it occurs, a shorter one only where it stands
+  alone, so a token ``agent`` neither turns ``ckagent.agent`` into ``ck***.***`` nor shows where it is).
+- Quiet libraries: httpx/httpcore/hypercorn access lines and stamina's retry lines stay out (see
+  :func:`setup_logging`).
 
 :func:`log_task_finished` writes the one "canonical" line per finished task.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import logging.handlers
+import re
 import sys
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
@@ -48,21 +54,86 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False, default=str)
 
 
+MASK_ANYWHERE_CHARS = 8
+"""A secret this long (characters) is masked wherever it occurs; a shorter one only where it stands alone."""
+
+SHORT_TOKEN_CHARS = 16
+"""A registration token shorter than this (characters) gets a warning at start."""
+
+
+def _secret_regex(value: str) -> str:
+    """The pattern of one secret: the text itself, or for a short one, the text standing alone.
+
+    "Standing alone" = not preceded or followed by a letter, digit or underscore (``\\w``: Unicode
+    for text patterns, ASCII for bytes patterns). Masking a short secret inside words would
+    corrupt ordinary text (``0`` in every timestamp) and the stars would spell out the secret.
+    The literal comes first and the character before it is checked after it matched (a lookbehind
+    as wide as the secret plus one): a pattern starting with a literal is searched ~8x faster.
+    """
+    escaped = re.escape(value)
+    return escaped if len(value) >= MASK_ANYWHERE_CHARS else rf"{escaped}(?<!\w{escaped})(?!\w)"
+
+
+class Masker:
+    """Replaces the given secret values with ``***`` (``bool(masker)``: any secret).
+
+    A value of at least :data:`MASK_ANYWHERE_CHARS` characters is masked wherever it occurs; a
+    shorter one only where it stands alone (not next to a letter, digit or underscore: ``token=abc``
+    becomes ``token=***``, ``abcdef`` stays). Empty values are ignored. Unless ``multiline``, values
+    holding a line break are ignored too: they can never be inside one line, and leaving them out
+    lets callers mask many lines joined with ``\\n`` at once without changing the line count.
+
+    Call it on text; :meth:`mask_bytes` does the same on UTF-8 bytes (the same result for valid UTF-8).
+    """
+
+    def __init__(self, secrets: Iterable[str], *, multiline: bool = False) -> None:
+        # Longest first: where one secret holds another, the longer one is masked whole.
+        self._values = sorted({s for s in secrets if s and (multiline or ("\n" not in s and "\r" not in s))},
+                              key=len, reverse=True)
+        self._bytes_values = [v.encode("utf-8", "surrogatepass") for v in self._values]
+        self._patterns: dict[tuple[int, ...], tuple[re.Pattern[str], re.Pattern[bytes]]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._values)
+
+    def _pattern(self, present: tuple[int, ...]) -> tuple[re.Pattern[str], re.Pattern[bytes]]:
+        """The text and bytes patterns matching the values at indexes ``present`` (compiled once)."""
+        patterns = self._patterns.get(present)
+        if patterns is None:
+            source = "|".join(_secret_regex(self._values[i]) for i in present)
+            patterns = re.compile(source), re.compile(source.encode("utf-8", "surrogatepass"))
+            self._patterns[present] = patterns
+        return patterns
+
+    def __call__(self, text: str) -> str:
+        """Return ``text`` with secrets masked."""
+        # A substring search (`in`, fast) for each value first: almost no text holds a secret, and a
+        # regex of only the values found is faster than one of all of them.
+        present = tuple(i for i, v in enumerate(self._values) if v in text)
+        return self._pattern(present)[0].sub("***", text) if present else text
+
+    def mask_bytes(self, data: bytes) -> bytes:
+        """Return UTF-8 ``data`` with secrets masked (invalid UTF-8 is kept as it is)."""
+        present = tuple(i for i, v in enumerate(self._bytes_values) if v in data)
+        if not present:
+            return data
+        if data.isascii():  # bytes patterns know only ASCII letters: the same as text for ASCII data
+            return self._pattern(present)[1].sub(b"***", data)
+        # A non-ASCII letter may stand next to a short secret: only the text pattern knows it is one.
+        return self(data.decode("utf-8", "surrogateescape")).encode("utf-8", "surrogateescape")
+
+
 class RedactingFormatter(logging.Formatter):
-    """Wraps a formatter and replaces each secret value by ``***`` in the formatted line."""
+    """Wraps a formatter and masks each secret value (see :class:`Masker`) in the formatted line."""
 
     def __init__(self, inner: logging.Formatter, secrets: Iterable[str]) -> None:
         super().__init__()
         self._inner = inner
-        self._secrets = sorted({s for s in secrets if s}, key=len, reverse=True)
+        self._mask = Masker(secrets, multiline=True)
 
     def format(self, record: logging.LogRecord) -> str:
         """The inner formatter's line, secrets masked."""
-        text = self._inner.format(record)
-        for secret in self._secrets:
-            if secret in text:
-                text = text.replace(secret, "***")
-        return text
+        return self._mask(self._inner.format(record))
 
 
 def setup_logging(
@@ -79,8 +150,11 @@ def setup_logging(
 
     ``fmt`` is "text" or "json". ``stderr`` None = automatic: stderr when there is no ``file`` or
     stderr is a terminal. ``max_bytes`` (> 0) and ``backup_count`` (>= 0) rotate ``file``. Every
-    value in ``secrets`` is masked in every line. Raises OSError if the file cannot be opened.
+    value in ``secrets`` (the agent's registration token and API key) is masked in every line (see
+    :class:`Masker`); when one is shorter than :data:`SHORT_TOKEN_CHARS`, one WARNING advises a long
+    random token. Raises OSError if the file cannot be opened.
     """
+    secrets = [s for s in secrets if s]
     inner: logging.Formatter = JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT)
     formatter = RedactingFormatter(inner, secrets)
     root = logging.getLogger()
@@ -102,6 +176,15 @@ def setup_logging(
     root.setLevel(level.upper())
     for noisy in ("httpx", "httpcore", "hypercorn.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # stamina logs a WARNING "stamina.retry_scheduled" (no reason, no wait) before every retry, forever
+    # while the master is unreachable; master.Connectivity already logs one line per change of state.
+    logging.getLogger("stamina").setLevel(logging.ERROR)
+    if any(len(s) < SHORT_TOKEN_CHARS for s in secrets):
+        # Neither the value nor its length: either would help a guesser.
+        logging.getLogger(__name__).warning(
+            "the registration token (or API key) is short, under %d characters: it is easy to guess, and "
+            "log lines mask it only where it stands alone; a long random one is advised, e.g. "
+            "python3 -c 'import secrets; print(secrets.token_urlsafe(32))'", SHORT_TOKEN_CHARS)
 
 
 def _isatty(stream: Any) -> bool:

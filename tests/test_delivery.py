@@ -119,7 +119,7 @@ def test_a_5_mib_line_is_cut_into_pieces_at_character_boundaries() -> None:
 def test_encoded_lines_are_the_json_of_the_shipped_texts() -> None:
     """encode_lines (the batch body's elements) == json.dumps of decode_lines, on both of its paths."""
     rng = random.Random(7)
-    masker = Masker(["s3cret-value", "ключ-секрет", 'q"uote'])
+    masker = Masker(["s3cret-value", "ключ-секрет", 'q"uote', "yz", "9"])  # the short ones: standing alone
     plain_seen = general_seen = 0
     for round_ in range(400):
         if round_ % 2:  # printable ASCII only (the path that never decodes), sometimes with a secret
@@ -147,12 +147,23 @@ def test_encoded_lines_are_the_json_of_the_shipped_texts() -> None:
 def test_secrets_are_masked_in_shipped_lines() -> None:
     env = {"API_TOKEN": "tok-12345", "DB_PASSWORD": "hunter22", "MY_KEY": "k3y-value", "HOME": "/root",
            "SHORT_SECRET": "abc", "PLAIN": "tok-12345-not-a-name"}
-    values = secret_values(env, ["agent-registration-token"])
-    assert "abc" not in values and "/root" not in values and "tok-12345-not-a-name" not in values
+    values = secret_values({**env, "EMPTY_KEY": ""}, ["agent-registration-token", ""])
+    assert "/root" not in values and "tok-12345-not-a-name" not in values and "" not in values
     masker = Masker([*values, "multi\nline"])
     lines = [b"token=tok-12345 pw=hunter22", b"key k3y-value and agent-registration-token", b"multi", b"nothing"]
     assert decode_lines(lines, masker) == ["token=*** pw=***", "key *** and ***", "multi", "nothing"]
     assert not Masker([]) and Masker(["x" * 8])
+    # A short secret (< 8 characters) is masked where it stands alone, never inside a word: masking
+    # "abc" in "abcdef" would corrupt the line and the stars would give the secret away.
+    lines = [b"short=abc abcdef xabc abc_1 (abc)", "abc é abcé".encode(), b"2026-11-29 19:02:59 abc"]
+    assert decode_lines(lines, masker) == ["short=*** abcdef xabc abc_1 (***)", "*** é abcé",
+                                           "2026-11-29 19:02:59 ***"]
+    assert encode_lines(lines, masker) == [json.dumps(t, ensure_ascii=False).encode()
+                                           for t in decode_lines(lines, masker)]
+    zero = Masker(secret_values({"PIN_KEY": "0"}))
+    assert decode_lines([b"2026-11-29 19:02:59,100 pin 0"], zero) == ["2026-11-29 19:02:59,100 pin ***"]
+    assert encode_lines([b'{"time": "2026-11-29T19:02:59.100Z", "n": 10}'], zero) == [
+        b'"{\\"time\\": \\"2026-11-29T19:02:59.100Z\\", \\"n\\": 10}"']
 
 
 def test_items_are_parsed_and_anything_else_is_kept_wrapped() -> None:

@@ -17,7 +17,7 @@ import pytest
 import trio
 from harness import AgentProcess, submit
 
-from ckagent.logs import JsonFormatter, RedactingFormatter, log_task_finished, setup_logging
+from ckagent.logs import JsonFormatter, Masker, RedactingFormatter, log_task_finished, setup_logging
 
 CANONICAL_KEYS = ["task_id", "spider", "status", "error_code", "exit_code", "duration_seconds", "items",
                   "log_lines", "install_seconds", "cache_hit"]
@@ -70,6 +70,65 @@ def test_secrets_are_masked_in_every_format() -> None:
         fmt = RedactingFormatter(inner, ["reg-token-123", "", "api-key-456"])
         text = fmt.format(record("sent %s and %s", "reg-token-123", "Bearer api-key-456", fields={"k": "api-key-456"}))
         assert "reg-token-123" not in text and "api-key-456" not in text and text.count("***") >= 2
+
+
+def test_short_secrets_are_masked_only_where_they_stand_alone() -> None:
+    """A short token must neither corrupt words, timestamps or JSON keys nor spell itself out in stars."""
+    line = '2026-11-29 19:02:59,120 INFO ckagent.agent: token=agent sent; {"time": 0} abcdef'
+    for secret, expected in (
+        ("agent", '2026-11-29 19:02:59,120 INFO ckagent.***: token=*** sent; {"time": 0} abcdef'),
+        ("0", '2026-11-29 19:02:59,120 INFO ckagent.agent: token=agent sent; {"time": ***} abcdef'),
+        ("e", line),
+        ("abc", line),
+        ("_", line),
+        ("abcdefgh"[:7], line),  # 7 characters: still short
+    ):
+        for inner in (JsonFormatter(), logging.Formatter("%(message)s")):
+            text = RedactingFormatter(inner, [secret]).format(record("%s", line))
+            if isinstance(inner, JsonFormatter):
+                entry = json.loads(text)  # the JSON keys are intact
+                assert set(entry) == {"time", "level", "logger", "message"}
+                text = entry["message"]
+            assert text == expected, secret
+    # A secret of 8 characters or more is masked wherever it occurs, inside words too.
+    assert Masker(["s3cr3t-8"])("xs3cr3t-8y and s3cr3t-8") == "x***y and ***"
+    both = Masker(["tok", "s3cr3t-8"])
+    assert both("tok=s3cr3t-8 tokx") == "***=*** tokx" == both.mask_bytes(b"tok=s3cr3t-8 tokx").decode()
+    # Standing alone: next to punctuation, quotes, spaces, line ends — not next to letters (any
+    # script), digits or underscores.
+    mask = Masker(["tok", ""])
+    assert mask("tok 'tok' tok=tok,tok.tok\ntok") == "*** '***' ***=***,***.***\n***"
+    assert mask("toks stok tok1 1tok _tok tok_ étok toké") == "toks stok tok1 1tok _tok tok_ étok toké"
+    for text in ("tok étok toké tok", "tok \xff tok1 tok", "token=tok; ключ=tok"):
+        data = text.encode("utf-8", "surrogateescape")
+        assert mask.mask_bytes(data) == mask(data.decode("utf-8", "surrogateescape")).encode(
+            "utf-8", "surrogateescape")
+    assert mask.mask_bytes("tok étok".encode()) == "*** étok".encode()
+    assert not Masker(["", ""]) and mask
+
+
+def test_short_registration_token_warns_once_without_showing_it(
+        tmp_path: Path, root_logger: logging.Logger) -> None:
+    path = tmp_path / "agent.log"
+    setup_logging("INFO", path, secrets=["sh0rt-t0ken", "a" * 43])
+    setup_logging("INFO", path, secrets=["long-random-token-" + "x" * 20, "", "a" * 43])
+    for handler in root_logger.handlers:
+        handler.flush()
+    warnings = [line for line in path.read_text().splitlines() if "WARNING" in line]
+    assert len(warnings) == 1, warnings
+    assert "short" in warnings[0] and "long random" in warnings[0] and "sh0rt-t0ken" not in warnings[0]
+
+
+def test_stamina_retries_stay_out_of_the_agent_log(tmp_path: Path, root_logger: logging.Logger) -> None:
+    """stamina's per-retry WARNING has no reason nor wait; master.Connectivity logs the changes instead."""
+    path = tmp_path / "agent.log"
+    setup_logging("DEBUG", path)
+    logging.getLogger("stamina").warning("stamina.retry_scheduled")
+    logging.getLogger("stamina").error("a real stamina error")
+    for handler in root_logger.handlers:
+        handler.flush()
+    text = path.read_text()
+    assert "retry_scheduled" not in text and "a real stamina error" in text
 
 
 def test_rotation_by_size_and_count(tmp_path: Path, root_logger: logging.Logger) -> None:

@@ -29,7 +29,8 @@ lone ``\\r`` (progress bars become lines instead of one endless line); a line lo
 ``max_line_bytes`` (64 KiB) is cut into pieces at a UTF-8 character boundary. Bytes are decoded only
 once a line is complete (a character split across reads stays whole), as UTF-8 with replacement
 (invalid bytes become U+FFFD, never an exception). Values of secrets are masked (``***``) per line
-or piece (a secret cut by a 64 KiB piece boundary is not recognised).
+or piece (a secret cut by a 64 KiB piece boundary is not recognised); one shorter than 8 characters
+only where it stands alone (:class:`ckagent.logs.Masker`, the agent log's rule too).
 
 **Shipping** (:class:`StreamShipper`): read from the acknowledged position, cut batches (≤ 5000
 elements, ≤ 1 MiB of JSON, or ~1 s old), POST ``{seq, lines|items}``, store the new position only

@@ -15,6 +15,7 @@ from operator import add
 from typing import Any
 
 from ckagent.delivery.spool import MAX_LINE_BYTES
+from ckagent.logs import Masker
 
 log = logging.getLogger(__name__)
 _SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|KEY)$", re.IGNORECASE)
@@ -25,45 +26,12 @@ _SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|KEY)$", re.IGNORECASE)
 def secret_values(env: dict[str, str], extra: Iterable[str] = ()) -> list[str]:
     """Values to mask: env variables named like *TOKEN, *SECRET, *PASSWORD, *KEY, plus ``extra``.
 
-    Values shorter than 4 characters are not masked (they would mangle ordinary text). Longest first.
+    Empty values are left out. Longest first. How each is masked (a short one only where it stands
+    alone) is :class:`ckagent.logs.Masker`'s rule, the same as in the agent's own log.
     """
     values = [v for k, v in env.items() if _SECRET_NAME.search(k)]
     values.extend(extra)
-    return sorted({v for v in values if len(v) >= 4}, key=len, reverse=True)
-
-
-class Masker:
-    """Replaces every occurrence of the given secret values with ``***`` (``bool(masker)``: any secret).
-
-    Call it on text; :meth:`mask_bytes` does the same on UTF-8 bytes (the same result for valid
-    UTF-8: a character's encoding never starts inside another's).
-    """
-
-    def __init__(self, secrets: Iterable[str]) -> None:
-        # A value with a line break can never be inside one line: leaving it out lets callers mask
-        # many lines joined with "\n" at once without changing the line count.
-        values = sorted({s for s in secrets if s and "\n" not in s and "\r" not in s}, key=len, reverse=True)
-        # Searching for each value with `in` (a fast substring search) first: a regex alternation is
-        # ~10x slower, and almost no text holds a secret.
-        self._values = values
-        self._pattern = re.compile("|".join(re.escape(v) for v in values)) if values else None
-        self._bytes_values = [v.encode("utf-8", "surrogatepass") for v in values]
-        self._bytes_pattern = re.compile(b"|".join(re.escape(v) for v in self._bytes_values)) if values else None
-
-    def __bool__(self) -> bool:
-        return self._pattern is not None
-
-    def __call__(self, text: str) -> str:
-        """Return ``text`` with secrets masked."""
-        if self._pattern is None or not any(v in text for v in self._values):
-            return text
-        return self._pattern.sub("***", text)
-
-    def mask_bytes(self, data: bytes) -> bytes:
-        """Return UTF-8 ``data`` with secrets masked."""
-        if self._bytes_pattern is None or not any(v in data for v in self._bytes_values):
-            return data
-        return self._bytes_pattern.sub(b"***", data)
+    return sorted({v for v in values if v}, key=len, reverse=True)
 
 
 # ---------------------------------------------------------------------------------------------- lines
