@@ -48,6 +48,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
+def _not_chatter(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING
+
+
+_server_log = logging.getLogger(f"{__name__}.hypercorn")
+"""hypercorn's error log. Its INFO lines are startup chatter ("Running on http://… (CTRL + C to quit)",
+which reads like an error and speaks of Ctrl-C to a daemon): dropped; serve_status logs the address
+itself. A filter, not a level, so the agent's own log level still applies to hypercorn's warnings."""
+_server_log.addFilter(_not_chatter)
+
 LISTEN_BACKLOG = 100
 """Connections the kernel queues before the server accepts them (hypercorn's default backlog)."""
 READY_HEARTBEATS = 3
@@ -199,7 +210,7 @@ async def serve_status(
     finally:
         sock.close()  # a no-op once detached
     config.accesslog = None
-    config.errorlog = logging.getLogger("hypercorn.error")
+    config.errorlog = _server_log
     config.include_server_header = False
     config.graceful_timeout = 1.0
     config.backlog = LISTEN_BACKLOG

@@ -330,6 +330,26 @@ async def test_the_port_listens_at_once_and_answers_when_serving_may_start() -> 
                 await fresh.get(f"http://127.0.0.1:{port}/healthz")
 
 
+async def test_the_status_port_logs_its_address_not_hypercorns_chatter(caplog: pytest.LogCaptureFixture) -> None:
+    """One INFO line of ours with the address; not hypercorn's "Running on ... (CTRL + C to quit)"."""
+    caplog.set_level(logging.DEBUG)
+    routes = StatusRoutes(metrics=_unused_metrics, readiness=lambda: Readiness(True), status=_empty_status)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve_status, routes, "127.0.0.1", 0)
+            async with httpx.AsyncClient(timeout=10) as client:
+                assert (await client.get(f"http://127.0.0.1:{port}/healthz")).status_code == 200
+            nursery.cancel_scope.cancel()
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "Running on" in m or "CTRL" in m], messages
+    ours = [r.getMessage() for r in caplog.records if r.name.startswith(("ckagent.status", "hypercorn"))]
+    assert [m for m in ours if f"http://127.0.0.1:{port}" in m] == [
+        f"status server on http://127.0.0.1:{port} (/metrics /healthz /readyz /status)"]
+    # hypercorn's warnings and errors still reach the log.
+    logging.getLogger("ckagent.status.hypercorn").warning("a real hypercorn warning")
+    assert caplog.records[-1].getMessage() == "a real hypercorn warning"
+
+
 async def _unused_metrics(accept: str) -> tuple[bytes, str]:
     raise AssertionError("not scraped in this test")
 
