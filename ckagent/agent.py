@@ -28,7 +28,8 @@ agent died are killed at once, and their AGENT_LOST results wait in the state st
 
 Exit codes of :func:`run_agent`: 0 after a clean drain/terminate, 1 when the agent cannot run
 (registration refused, state store unusable, status port in use), 2 for configuration problems
-found late.
+found late. Before anything else it locks the work dir (ckagent.workdir): a second agent on the same
+work dir is refused (ConfigError, exit 2) instead of killing the first one's tasks as leftovers.
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ import psutil
 import trio
 
 from ckagent import __version__
-from ckagent.config import Settings
+from ckagent.config import ConfigError, Settings
 from ckagent.delivery import Outbox, OutboxConfig, cleanup_task_dirs
 from ckagent.deps import Dependencies, IndexChooser, spider_base_env
+from ckagent.hardening import protect_agent_memory
 from ckagent.heartbeat import HeartbeatLoop
 from ckagent.logs import log_task_finished, setup_logging
 from ckagent.master import MasterClient, RegistrationRefused
@@ -69,6 +71,7 @@ from ckagent.runtimes import (
 from ckagent.state import AsyncStateStore, StateStore, StateStoreError, TaskRecord
 from ckagent.status import AgentStatus, StatusPortError, serve_status
 from ckagent.supervisor import RunnerConfig, RunningTask, Supervisor
+from ckagent.workdir import WorkDirError, WorkDirLock
 from ckagent.workspace import Workspaces
 
 log = logging.getLogger(__name__)
@@ -357,7 +360,11 @@ def _run_as(user: str | None) -> RunAs | None:
     """
     if user is None:
         return None
-    run_as = RunAs.lookup(user)
+    try:
+        run_as = RunAs.lookup(user)
+    except ValueError as exc:
+        raise ValueError(f"task.run_as_user (AGENT_TASK_RUN_AS_USER): no user {user!r} on this node; "
+                         "create the user or unset the setting") from exc
     if run_as.uid == os.geteuid():
         return None
     if os.geteuid() != 0:
@@ -386,16 +393,32 @@ def _canonical_line(task: Task | None, result: TaskResult, install: tuple[float,
 
 
 def run_agent(settings: Settings) -> int:
-    """Entry point for ``ckagent run``: set up logging, run the agent on Trio, return the exit code."""
+    """Entry point for ``ckagent run``: set up logging, lock the work dir, run the agent on Trio;
+    returns the exit code.
+
+    Raises ConfigError (the CLI prints it, exit 2) when the log file cannot be opened or the work
+    dir cannot be created, written or locked (another agent uses it).
+    """
     token, api_key = settings.agent.registration_token, settings.agent.api_key
-    setup_logging(settings.logging.level, settings.logging.file, settings.logging.format,
-                  max_bytes=settings.logging.max_bytes, backup_count=settings.logging.backup_count,
-                  secrets=[s.reveal() for s in (token, api_key) if s is not None])
-    Path(settings.task.work_dir).mkdir(parents=True, exist_ok=True)
+    protect_agent_memory()  # spiders of the same user must not read the secrets in /proc/<pid>/environ
+    try:
+        setup_logging(settings.logging.level, settings.logging.file, settings.logging.format,
+                      max_bytes=settings.logging.max_bytes, backup_count=settings.logging.backup_count,
+                      secrets=[s.reveal() for s in (token, api_key) if s is not None])
+    except OSError as exc:
+        raise ConfigError(f"logging.file (AGENT_LOG_FILE) {str(settings.logging.file)!r} cannot be opened: "
+                          f"{exc.strerror or exc}; point it at a writable file (its directory is created)") from exc
+    try:
+        # Before anything touches the work dir: crash recovery would kill another agent's tasks.
+        lock = WorkDirLock.acquire(Path(settings.task.work_dir))
+    except WorkDirError as exc:
+        log.error("%s", exc)
+        raise ConfigError(str(exc)) from exc
     agent = Agent(settings)
     try:
         return trio.run(agent.run)
     except KeyboardInterrupt:  # pragma: no cover - SIGINT is handled inside; this is a second Ctrl-C race
         return 130
     finally:
+        lock.release()
         sys.stderr.flush()
