@@ -12,6 +12,7 @@ and never below 2. psutil does not know about cgroups, hence the explicit reads 
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import shutil
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+
+log = logging.getLogger(__name__)
 
 MIN_WORKERS = 2
 MAX_WORKERS = 8
@@ -111,7 +114,11 @@ def compute_max_workers(
 ) -> int:
     """Apply the module's rule. ``configured`` is agent.max_workers; raises ValueError for a bad CPU limit."""
     if configured is not None:
-        return min(max(configured, MIN_WORKERS), MAX_WORKERS)
+        clamped = min(max(configured, MIN_WORKERS), MAX_WORKERS)
+        if clamped != configured:
+            log.warning("agent.max_workers (AGENT_MAX_WORKERS) %d is outside [%d, %d]: using %d",
+                        configured, MIN_WORKERS, MAX_WORKERS, clamped)
+        return clamped
     if container_cpu_limit:
         cores = math.ceil(parse_cpu_limit(container_cpu_limit))
         return min(max(cores, MIN_WORKERS), MAX_WORKERS)
