@@ -25,6 +25,15 @@ import sys
 from pathlib import Path
 
 KEEP_OTHER_BUILDS = 1
+SUPPORTED = ((3, 10), (3, 13))
+"""Oldest and newest Python (major, minor) the bundled wheels were built for."""
+
+if not SUPPORTED[0] <= sys.version_info[:2] <= SUPPORTED[1]:
+    # Say so plainly instead of an ImportError deep in a dependency (this file must parse on old Pythons).
+    (lo_major, lo_minor), (hi_major, hi_minor) = SUPPORTED
+    sys.exit(f"ckagent needs Python {lo_major}.{lo_minor} to {hi_major}.{hi_minor}; this is "
+             f"{sys.version.split()[0]} ({sys.executable}): run the pyz with another python3 "
+             "(run.sh: AGENT_PYTHON=/path/to/python3)")
 
 
 def _remove_build(root: Path, name: str) -> None:

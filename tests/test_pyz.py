@@ -169,6 +169,14 @@ def test_one_pyz_runs_on_each_supported_python(pyz: Path, version: str, tmp_path
     assert checked.returncode == 0 and "config OK" in checked.stdout, checked.stderr
 
 
+def test_an_unsupported_python_gets_a_plain_message_not_a_traceback(pyz: Path, tmp_path: Path) -> None:
+    python = require_interpreter("3.9")
+    result = run_pyz(python, pyz, "version", shiv_root=tmp_path / "shiv")
+    assert result.returncode != 0
+    assert "ckagent needs Python 3.10 to 3.13; this is 3.9." in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and "AGENT_PYTHON" in result.stderr
+
+
 def test_warm_start_loads_bytecode_cached_by_the_first_even_with_dont_write_bytecode(
     pyz: Path, tmp_path: Path
 ) -> None:
