@@ -31,10 +31,14 @@ CHILD = textwrap.dedent("""
 """)
 
 
+def _pipe_max_size() -> int:
+    return int(Path("/proc/sys/fs/pipe-max-size").read_text())
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="F_GETPIPE_SZ is Linux only")
 async def test_spider_pipes_are_enlarged(tmp_path: Path) -> None:
     task_id = uuid.uuid4().hex
-    system_max = int(Path("/proc/sys/fs/pipe-max-size").read_text())
+    system_max = _pipe_max_size()
     out: list[bytes] = []
     with trio.fail_after(30):
         outcome = await run_supervised(
