@@ -103,13 +103,9 @@ async def _demo(work_dir: Path, keep: bool) -> int:
                 _say(f"   - {spider.name}: {record['status']}")
             _print_table(results)
             spider, task_id, _ = results[0]
-            _say(f"\nLook further (admin API of the reference master; the {spider.name} task's logs and items):")
-            _say(f"  curl -H 'Authorization: Bearer {admin_token}' {base_url}/api/tasks/{task_id}/logs")
-            _say(f"  curl -H 'Authorization: Bearer {admin_token}' {base_url}/api/tasks/{task_id}/items")
-            _say(f"  curl -H 'Authorization: Bearer {admin_token}' {base_url}/api/nodes")
-            _say(f"  task files on the node: {settings.task.work_dir / 'tasks' / task_id}/ "
-                 "(output.log, items.jsonl)")
-            _say("  (the admin token is a throwaway made for this demo run)")
+            for line in explore_lines(keep, base_url, admin_token, spider.name, task_id,
+                                      settings.task.work_dir / "tasks" / task_id):
+                _say(line)
         ok = all(r["status"] == expected for (s, _, r), expected in
                  zip(results, ("SUCCESS", "SUCCESS", "FAILED"), strict=True))
         if keep:
@@ -122,6 +118,27 @@ async def _demo(work_dir: Path, keep: bool) -> int:
     _say("\nDemo " + ("finished as expected: two spiders succeeded, one failed on purpose."
                       if ok else "did NOT finish as expected: see the table and the agent log."))
     return 0 if ok else 1
+
+
+def explore_lines(keep: bool, base_url: str, admin_token: str, spider_name: str, task_id: str,
+                  task_dir: Path) -> list[str]:
+    """What the demo prints to explore further. The curl commands only with ``keep``: otherwise the
+    master stops with the demo and they would fail, so one line says how to keep it running."""
+    lines = [""]
+    if keep:
+        lines += [
+            f"Look further (admin API of the reference master; the {spider_name} task's logs and items):",
+            f"  curl -H 'Authorization: Bearer {admin_token}' {base_url}/api/tasks/{task_id}/logs",
+            f"  curl -H 'Authorization: Bearer {admin_token}' {base_url}/api/tasks/{task_id}/items",
+            f"  curl -H 'Authorization: Bearer {admin_token}' {base_url}/api/nodes",
+        ]
+    else:
+        lines.append("The master and agent stop with the demo; to explore their HTTP APIs afterwards, "
+                     "re-run with --keep: `ckagent demo --keep`.")
+    lines.append(f"  task files on the node: {task_dir}/ (output.log, items.jsonl)")
+    if keep:
+        lines.append("  (the admin token is a throwaway made for this demo run)")
+    return lines
 
 
 def _print_table(results: list[tuple[DemoSpider, str, dict[str, Any]]]) -> None:

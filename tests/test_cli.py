@@ -275,3 +275,20 @@ def test_httpx_imported_without_its_cli_still_works(tmp_path: Path) -> None:
     result = _python(_HTTPX_PROBE, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"main_loaded": False, "rich": False, "get": "ok", "main_later": True}
+
+
+def test_demo_prints_curl_commands_only_when_the_master_keeps_running(tmp_path: Path) -> None:
+    """Without --keep the master stops with the demo: curl commands against it would fail."""
+    from ckagent.demo import explore_lines
+
+    args = ("http://127.0.0.1:8123", "adm-tok", "products", "t-1", tmp_path / "tasks" / "t-1")
+    stopped = "\n".join(explore_lines(False, *args))
+    assert "curl -H" not in stopped and "8123" not in stopped and "adm-tok" not in stopped
+    (hint,) = [line for line in stopped.splitlines() if "--keep" in line]
+    assert "re-run" in hint
+    assert "--keep" in ckagent("demo", "--help", cwd=tmp_path).stdout  # the option the hint names exists
+    kept = explore_lines(True, *args)
+    curls = [line for line in kept if "curl -H" in line]
+    assert len(curls) == 3 and all("Bearer adm-tok' http://127.0.0.1:8123/api/" in c for c in curls)
+    assert any("/api/tasks/t-1/logs" in c for c in curls)
+    assert any(str(tmp_path / "tasks" / "t-1") in line for line in (*kept, *stopped.splitlines()))
