@@ -2,7 +2,8 @@
 
 Each poll asks for ``limit = free slots`` and ``excludeSpiderIds = spiders running here`` and, with
 long poll on, ``waitSeconds``: the master may hold the request until a task is ready. A master
-that answers at once with nothing (no long poll) is asked again after ``poll_interval``; a master
+that answers at once with nothing (no long poll) is asked again after ``poll_interval`` (sooner
+if a spider running here finishes meanwhile: its next task is no longer excluded); a master
 that held the request is asked again at once, and so is one whose held poll excluded a spider that
 has since finished here (that spider's next task would otherwise wait out the long poll). When no
 slot is free the poller waits for one and polls the moment it frees. Each task is claimed (result
@@ -75,7 +76,18 @@ class Poller:
                         claims.start_soon(self._claim_and_start, task, work)
             held = trio.current_time() - started >= self.long_poll_wait / 2
             if not answer.tasks and not (self.long_poll_wait and held):
-                await trio.sleep(self.poll_interval)
+                await self._pause()
+
+    async def _pause(self) -> None:
+        """Wait ``poll_interval`` seconds before the next poll — or less, when a spider the next poll
+        would exclude finishes here (its next task may be waiting: e.g. a task cancelled through
+        the answer just received). Cancellation: as usual."""
+        excluded = self._supervisor.running_spider_ids()
+        with trio.move_on_after(self.poll_interval):
+            if excluded:
+                await self._supervisor.wait_spider_free(excluded)
+            else:
+                await trio.sleep_forever()
 
     async def _poll_until_stale(self) -> PendingTasks | None:
         """:meth:`poll_once`, abandoned (None) once a spider it excluded has finished here: a held

@@ -308,6 +308,30 @@ async def test_cancel_ids_in_the_poll_answer_stop_running_tasks(autojump_clock: 
     await run_poller(master, tmp_path, body)
 
 
+async def test_a_task_ending_during_the_poll_interval_is_followed_by_an_immediate_poll(
+    autojump_clock: Any, tmp_path: Path
+) -> None:
+    # A cancel arrives in an answer without tasks (the master answers at once): the cancelled task's
+    # spider frees a moment later, and its next task must not wait out poll_interval (new-user trial:
+    # 3.7 s instead of ~10 ms).
+    master = FakeMaster(answers=[
+        {"tasks": [task_json("t1", "s1")], "cancelTaskIds": []},
+        {"tasks": [], "cancelTaskIds": ["t1"]},
+        {"tasks": [], "cancelTaskIds": []},
+    ])
+
+    async def body(poller: Poller, sup: HoldingSupervisor) -> None:
+        await master.wait_polls(3)  # the third answer is empty and immediate: a poll_interval pause starts
+        await trio.sleep(1.0)
+        released_at = trio.current_time()
+        sup.release("t1")  # the cancelled task ends
+        await master.wait_polls(4)
+        assert master.polls[3].at == released_at
+        assert "excludeSpiderIds" not in master.polls[3].params
+
+    await run_poller(master, tmp_path, body, long_poll_wait=0)
+
+
 @pytest.mark.parametrize("status", [500, 403])
 async def test_poll_trouble_is_retried_not_fatal(status: int, autojump_clock: Any, tmp_path: Path) -> None:
     failures = [status, status]
