@@ -5,7 +5,7 @@
     trio.run(Agent.run)
     └── root nursery
         ├── status server      /metrics /healthz /readyz /status on agent.bind:agent.port (status.py);
-    │                      listens from the start, serves from the first heartbeat on
+        │                      listens from the start, serves from the first heartbeat on
         ├── signals            SIGTERM → drain (second SIGTERM → terminate), SIGINT → terminate
         ├── heartbeat loop     until STOPPED (beats DRAINING while draining)
         ├── outbox             every task's logs, items and result (delivery.Outbox): tasks hand
