@@ -153,9 +153,22 @@ async def _run(lines: int) -> dict[str, Any]:
     }
 
 
+def verdict(figures: dict[str, Any]) -> dict[str, Any]:
+    """The summary keys of ``figures`` (``target``, ``target_met``, ``headline``) for ``python -m bench``."""
+    mb_s, rss = figures["mb_per_s"], figures["agent_peak_rss_mb"]
+    return {
+        "target": f"≥ {TARGET_MB_S:g} MB/s end to end, agent RSS ≤ {TARGET_RSS_MB:g} MB, nothing lost",
+        "target_met": (mb_s >= TARGET_MB_S and rss <= TARGET_RSS_MB and not figures["lost_or_duplicated"]
+                       and figures["status"] == "SUCCESS"),
+        "headline": f"{mb_s:.1f} MB/s, agent CPU {figures['agent_cpu_seconds']:.2f} s, RSS {rss:.1f} MB, "
+                    f"{figures['lines_at_master']:,}/{figures['lines']:,} lines",
+    }
+
+
 def run(quick: bool) -> dict[str, Any]:
     """Run the flood once (``quick``: 50,000 lines, else 1,000,000) and return the figures."""
-    return trio.run(_run, QUICK_LINES if quick else FULL_LINES)
+    figures = trio.run(_run, QUICK_LINES if quick else FULL_LINES)
+    return {**figures, **verdict(figures)}
 
 
 def report(figures: dict[str, Any]) -> str:

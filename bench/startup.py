@@ -167,6 +167,9 @@ def run(quick: bool, pyz: Path | None = None) -> dict[str, Any]:
         "python": PYTHON,
         "target": f"warm start to first heartbeat p50 <= {TARGET_SECONDS * 1000:.0f} ms",
         "target_met": warm <= TARGET_SECONDS,
+        "headline": f"pyz warm start to first heartbeat p50 {warm * 1000:.0f} ms "
+                    f"(cold {figures['pyz first heartbeat, cold']['p50'] * 1000:.0f} ms, "
+                    f"python -c pass {baselines['version'] * 1000:.0f} ms)",
     }
 
 
