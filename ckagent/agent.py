@@ -167,13 +167,14 @@ class Agent:
         self.metrics.outbox = OutboxReader(store.sync)
         workspaces = self.workspaces = Workspaces(self.work_dir / "spiders", self.master)
         deps = Dependencies(
-            self.work_dir / "venvs",
+            self.work_dir / "envs",
             uv_path=s.deps.uv_path,
             index=IndexChooser(s.deps.uv_index_url, s.deps.uv_fallback_index_url),
             uv_cache_dir=s.deps.uv_cache_dir,
             timeout=s.deps.uv_sync_timeout,
             base_env=base_env,
             run_as=run_as,
+            budget_bytes=s.deps.env_budget_bytes,
         )
         outbox = self.outbox = Outbox(self.master, store, self.work_dir, OutboxConfig(
             log_globs=tuple(g for g in s.task.log_files.split(",") if g),

@@ -209,6 +209,7 @@ class DepsSettings:
     uv_cache_dir: Path | None
     uv_sync_timeout: float
     uv_path: Path | None
+    env_budget_bytes: int
 
 
 @dataclass(frozen=True)
@@ -573,6 +574,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("deps", "uv_path", "AGENT_UV_PATH", "path", None,
             "The uv executable to use when `uv` is not on PATH (without uv, Python spiders fail "
             "DEPS_FAILED: `pip install uv`).", _path),
+    Setting("deps", "env_budget_bytes", "AGENT_DEPS_ENV_BUDGET_BYTES", "integer >= 0 (bytes)", 10 * 1024**3,
+            "Disk budget of the spiders' dependency environments (`work_dir/envs`, shared by projects "
+            "with the same dependencies): beyond it the least recently used ones not in use are removed; "
+            "0 = no limit.", _integer(0)),
 )  # fmt: skip
 
 _SECTION_CLASSES: dict[str, type] = {

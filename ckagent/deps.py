@@ -1,49 +1,58 @@
-"""A spider's dependencies: one virtualenv per Python spider (uv), one node_modules per Node spider (npm).
+"""A spider's dependencies: content-addressed, shared, exact environments (uv for Python, npm for Node).
 
-Python spiders (scrapy, python, playwright, selenium) get ``work_dir/venvs/<spiderId>/``, outside
-the code dir and reused across code versions; its ``bin`` goes first on the spider's PATH:
+Every environment lives under one root (``work_dir/envs``), named by a key that hashes what
+determines it (ckagent.envstore): the dependency files, the interpreter (path and version), the
+framework's default packages, the SDK the agent bundles and the identity installers and spiders run
+as. Two spiders of one project share one environment; a changed pin, a removed package, another
+interpreter or ``run_as_user`` gives a new key and a new environment built from nothing (sync
+semantics: what the project declares is exactly what is installed); the old one is collected,
+least recently used first, when the environments exceed ``deps.env_budget_bytes``.
 
-- ``uv.lock`` + ``pyproject.toml`` → ``uv sync --frozen --no-install-project``
-- ``pyproject.toml`` → ``uv pip install -r pyproject.toml``
-- ``requirements.txt`` → ``uv pip install -r requirements.txt``
+Python spiders (scrapy, python, playwright, selenium) get ``envs/py-<key>/``, a virtualenv whose
+``bin`` goes first on the spider's PATH:
+
+- ``uv.lock`` + ``pyproject.toml`` → ``uv export --frozen`` (the lock's exact versions, without
+  the project itself) → ``uv pip sync`` (exactly those, through the configured index);
+- ``pyproject.toml`` → ``uv pip install -r pyproject.toml``; ``requirements.txt`` → ``uv pip install
+  -r requirements.txt`` (with the files it includes by ``-r``/``-c`` hashed into the key too);
 - no dependency file → the framework's package (:data:`DEFAULT_PACKAGES`: a Scrapy project — or
   any code with a ``scrapy.cfg`` — gets ``scrapy``, playwright ``playwright``, selenium
-  ``selenium``; a plain python spider gets an empty venv). A documented, sensible default.
+  ``selenium``; a plain python spider gets an empty venv).
 
-Node spiders (``package.json``) get ``work_dir/node/<spiderId>/``: the manifest and lockfile are
-copied there, ``npm ci`` (lockfile) or ``npm install`` runs there, and the code dir gets a
-``node_modules`` symlink to it (Node's resolution follows it), so a new code version with the same
-dependencies installs nothing. A version asked for in ``.nvmrc`` or ``engines.node`` is taken from
-nvm (``$NVM_DIR/nvm.sh``; an installed version satisfying it, else ``nvm install``) when nvm is
-present; otherwise the system node runs, with a warning in the task log if it does not satisfy it.
+The SDK is always there: the bundled ``crawlerkeeper_sdk`` is importable through a ``.pth`` file
+(which Python appends *after* site-packages), and a project requirement on ``crawlerkeeper-sdk``
+is satisfied by a wheel of that same copy (a uv override), never looked up on an index.
 
-Either install is skipped when the hash of the dependency files (and interpreter) matches the last
-successful install — the common case of the same spider running again; that check costs a few
-stat/read calls. The bundled ``crawlerkeeper_sdk`` is made importable through a ``.pth`` file,
-which Python appends *after* site-packages: a spider that installs its own SDK version gets its
-own, and nothing else of the agent leaks into the spider's import path.
+Node spiders (``package.json``) get ``envs/node-<key>/``: the manifest, lockfile and ``.npmrc``
+are copied there, ``npm ci`` (lockfile) or ``npm install`` runs there, and the task's working copy
+gets a ``node_modules`` symlink to it. A version asked for in ``.nvmrc`` or ``engines.node`` is
+taken from nvm when present (see ckagent.deps_node); otherwise the system node runs, with a warning
+in the task log if it does not satisfy it.
 
-Installer output streams into the task's log as it comes, line by line. ``deps.uv_sync_timeout``
-bounds each installer run (uv and npm alike). The package index is ``deps.uv_index_url`` when set;
-otherwise PyPI is probed once (short timeout, the answer kept for the agent's life) and the
-fallback mirror is used when it is unreachable. Exceptions::
+Installer output streams into the task's log as it comes. ``deps.uv_sync_timeout`` bounds each
+installer run (uv and npm alike). The package index is ``deps.uv_index_url`` when set; otherwise
+PyPI is probed once (short timeout, the answer kept for the agent's life) and the fallback mirror
+is used when it is unreachable. Exceptions::
 
     DepsError     the install failed, timed out or the tool is missing; the message says which
-                  and carries the tail of the installer's output (task → DEPS_FAILED)
+                  and carries the installer's last whole lines of output (task → DEPS_FAILED)
 """
 
 from __future__ import annotations
 
+import base64
 import functools
 import hashlib
+import io
 import itertools
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
-from collections import deque
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -52,24 +61,34 @@ from pathlib import Path
 import httpx
 import trio
 
+from ckagent.deps_node import (
+    NODE_DEP_FILES,
+    link_node_modules,
+    pick_nvm_node,
+    stage_node_manifest,
+    system_node_version,
+    wanted_node,
+)
+from ckagent.envstore import EnvStore, is_ready, mark_ready, start_build
+from ckagent.noderange import satisfies
 from ckagent.process import RunAs, popen_identity, terminate_group
-from ckagent.runtimes import NodeVersion, nvm_node_versions, parse_node_version, satisfies
-from ckagent.workspace import safe_name
+from ckagent.runtimes import AGENT_BIN, find_npm, find_uv
+from ckagent.tails import TailBuffer, last_lines
 
 log = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_PACKAGES", "NPM_MISSING", "PYTHON_FRAMEWORKS", "UV_MISSING", "Dependencies", "DepsError",
+           "IndexChooser", "Prepared", "bundled_sdk_dir", "spider_base_env", "wanted_node"]
 
 PYTHON_FRAMEWORKS = ("scrapy", "python", "playwright", "selenium")
 DEFAULT_PACKAGES: dict[str, list[str]] = {"scrapy": ["scrapy"], "playwright": ["playwright"],
                                           "selenium": ["selenium"]}
 """What a Python spider without a dependency file gets installed, by framework."""
 OFFICIAL_INDEX = "https://pypi.org/simple"
-_PY_DEP_FILES = ("uv.lock", "pyproject.toml", "requirements.txt", "scrapy.cfg")
-_NODE_DEP_FILES = ("package.json", "package-lock.json", "npm-shrinkwrap.json", ".nvmrc")
-_NODE_COPIED = ("package.json", "package-lock.json", "npm-shrinkwrap.json", ".npmrc")
-_MARKER = ".ckagent-deps"
+SDK_DISTRIBUTION = "crawlerkeeper-sdk"
 _SDK_PTH = "_crawlerkeeper_sdk_fallback.pth"
-AGENT_BIN = Path(sys.executable).parent
-"""The agent interpreter's bin dir: ``pip install uv`` next to the agent puts uv there."""
+_LOCKED_REQUIREMENTS = ".ckagent-locked.txt"
+_INCLUDE = re.compile(r"^\s*(?:-r|-c|--requirement|--constraint)(?:\s+|=)(\S+)", re.M)
 UV_MISSING = (
     "uv is not installed on this node. Install it into the agent's Python with `pip install uv` "
     "(or system-wide: see https://docs.astral.sh/uv/getting-started/installation/), or set "
@@ -86,7 +105,8 @@ class DepsError(Exception):
 class Prepared:
     """The outcome of :meth:`Dependencies.prepare`: what to put first on PATH and extra env vars.
 
-    ``notes`` are lines for the task log (e.g. a node version warning); ``seconds`` the time taken.
+    ``notes`` are lines for the task log (e.g. a node version warning); ``seconds`` the time taken;
+    ``env_dir`` the environment the task uses (hand the object back to :meth:`Dependencies.release`).
     """
 
     path_prefix: list[str] = field(default_factory=list)
@@ -94,6 +114,7 @@ class Prepared:
     cache_hit: bool = True
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    env_dir: Path | None = None
 
 
 def bundled_sdk_dir() -> Path | None:
@@ -105,16 +126,54 @@ def bundled_sdk_dir() -> Path | None:
     return None
 
 
-def find_uv(configured: Path | None, path: str | None = None, agent_bin: Path | None = AGENT_BIN) -> str | None:
-    """uv on ``path`` (default: the agent's PATH), else ``configured``, else in ``agent_bin``; None if absent."""
-    found = shutil.which("uv", path=path)
-    if found:
-        return found
-    if configured is not None and configured.is_file() and os.access(configured, os.X_OK):
-        return str(configured)
-    if agent_bin is not None and (agent_bin / "uv").is_file():
-        return str(agent_bin / "uv")
-    return None
+def _sdk_files(sdk_dir: Path) -> list[tuple[str, bytes]]:
+    """The SDK package's files (relative name, bytes), sorted; no caches."""
+    package = sdk_dir / "crawlerkeeper_sdk"
+    return [(path.relative_to(sdk_dir).as_posix(), path.read_bytes())
+            for path in sorted(package.rglob("*"))
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc"]
+
+
+def sdk_wheel(root: Path) -> tuple[str, Path] | None:
+    """Build (once) a wheel of the bundled SDK under ``root/.sdk/<hash>/``: (its tag, the overrides file).
+
+    The overrides file maps ``crawlerkeeper-sdk`` to that wheel for uv (``--override``). None when the
+    agent bundles no SDK. Blocking (a few small files).
+    """
+    sdk_dir = bundled_sdk_dir()
+    if sdk_dir is None:
+        return None
+    files = _sdk_files(sdk_dir)
+    digest = hashlib.sha256()
+    for name, data in files:
+        digest.update(name.encode() + b"\0" + data + b"\0")
+    tag = digest.hexdigest()[:16]
+    init = dict(files).get("crawlerkeeper_sdk/__init__.py", b"").decode(errors="replace")
+    match = re.search(r'^__version__ = "([^"]+)"', init, re.M)
+    version = match.group(1) if match else "0"
+    out = root / ".sdk" / tag
+    wheel = out / f"crawlerkeeper_sdk-{version}-py3-none-any.whl"
+    overrides = out / "overrides.txt"
+    if not overrides.is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        dist = f"crawlerkeeper_sdk-{version}.dist-info"
+        members = [*files,
+                   (f"{dist}/METADATA", f"Metadata-Version: 2.1\nName: {SDK_DISTRIBUTION}\nVersion: {version}\n".encode()),
+                   (f"{dist}/WHEEL", b"Wheel-Version: 1.0\nGenerator: ckagent\nRoot-Is-Purelib: true\nTag: py3-none-any\n")]
+        record = []
+        for name, data in members:
+            sha = hashlib.sha256(data).digest()
+            record.append(f"{name},sha256={base64.urlsafe_b64encode(sha).rstrip(b'=').decode()},{len(data)}")
+        record.append(f"{dist}/RECORD,,")
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as zf:
+            for name, data in [*members, (f"{dist}/RECORD", ("\n".join(record) + "\n").encode())]:
+                zf.writestr(zipfile.ZipInfo(name, (1980, 1, 1, 0, 0, 0)), data)
+        wheel.write_bytes(buffer.getvalue())
+        tmp = overrides.with_suffix(".tmp")
+        tmp.write_text(f"{SDK_DISTRIBUTION} @ {wheel.as_uri()}\n")
+        os.replace(tmp, overrides)
+    return f"{version}+{tag}", overrides
 
 
 class IndexChooser:
@@ -146,78 +205,128 @@ class IndexChooser:
             return self._chosen
 
 
-def deps_hash(code_dir: Path, names: tuple[str, ...], extra: str = "") -> str:
-    """Hash of the files ``names`` present in ``code_dir`` plus ``extra`` (blocking: a few small reads)."""
-    digest = hashlib.sha256(f"{extra}\0".encode())
-    for name in names:
-        path = code_dir / name
-        if path.is_file():
-            digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()
-
-
-def _read_marker(marker: Path) -> str | None:
+@functools.lru_cache(maxsize=16)
+def _interpreter_version(path: str, mtime: float) -> str:
     try:
-        return marker.read_text()
-    except OSError:
-        return None
+        proc = subprocess.run([path, "-c", "import sys; print(sys.version.split()[0])"], capture_output=True,
+                              timeout=30, check=False, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise DepsError(f"the spiders' interpreter {path} cannot run: {exc}") from exc
+    if proc.returncode != 0:
+        raise DepsError(f"the spiders' interpreter {path} cannot run: {proc.stderr.decode(errors='replace')[-500:]}")
+    return proc.stdout.decode().strip()
 
 
-def _python_cached(venv: Path, code_dir: Path, extra: str) -> tuple[str, bool]:
-    """(wanted hash, True when the venv's last successful install had it) — one thread hop for both."""
-    wanted = deps_hash(code_dir, _PY_DEP_FILES, extra)
-    return wanted, (venv / "bin" / "python").exists() and _read_marker(venv / _MARKER) == wanted
+def interpreter_identity(python: str) -> dict[str, str]:
+    """The interpreter's real path and version (``python --version`` once per binary; blocking)."""
+    found = python if "/" in python else shutil.which(python)
+    if found is None:
+        raise DepsError(f"the spiders' interpreter {python!r} is not on PATH")
+    real = os.path.realpath(found)
+    try:
+        mtime = os.stat(real).st_mtime
+    except OSError as exc:
+        raise DepsError(f"the spiders' interpreter {python} is missing: {exc}") from exc
+    return {"path": python, "realpath": real, "version": _interpreter_version(real, mtime)}
 
 
-def _python_install_steps(uv: str, bin_dir: Path, code_dir: Path, framework: str) -> tuple[bool, list[list[str]]]:
-    """(whether the venv's python exists, the uv commands that install the spider's dependencies),
-    chosen from the dependency files in ``code_dir`` (blocking: a few stats)."""
-    pip_install = [uv, "pip", "install", "--python", str(bin_dir / "python")]
-    steps: list[list[str]] = []
-    if (code_dir / "uv.lock").is_file() and (code_dir / "pyproject.toml").is_file():
-        steps.append([uv, "sync", "--frozen", "--no-install-project"])
-    elif (code_dir / "pyproject.toml").is_file():
-        steps.append([*pip_install, "-r", "pyproject.toml"])
-    elif (code_dir / "requirements.txt").is_file():
-        steps.append([*pip_install, "-r", "requirements.txt"])
-    elif (code_dir / "scrapy.cfg").is_file():
-        steps.append([*pip_install, *DEFAULT_PACKAGES["scrapy"]])
-    elif framework in DEFAULT_PACKAGES:
-        steps.append([*pip_install, *DEFAULT_PACKAGES[framework]])
-    return (bin_dir / "python").exists(), steps
+def _requirements_closure(code_dir: Path, name: str, into: dict[str, str], depth: int = 0) -> None:
+    """Hash ``name`` and the files it includes by ``-r``/``-c`` (inside the code dir; at most 5 deep)."""
+    path = code_dir / name
+    if name in into or depth > 5 or not path.is_file():
+        return
+    data = path.read_bytes()
+    into[name] = hashlib.sha256(data).hexdigest()
+    for match in _INCLUDE.finditer(data.decode(errors="replace")):
+        included = os.path.normpath(os.path.join(os.path.dirname(name), match.group(1)))
+        if not included.startswith(".."):
+            _requirements_closure(code_dir, included, into, depth + 1)
 
 
-def _node_cached(code_dir: Path, install_dir: Path, extra: str) -> tuple[str, str, bool]:
-    """(layout, wanted hash, cached) of a node spider (blocking: stats, hashing, one small read).
+_SDK_NAME = re.compile(r"(?i)(?<![\w./-])crawlerkeeper[-_.]sdk(?![\w.-])\s*(@)?")
+_LOCKED_SDK = re.compile(r'(?s)name = "crawlerkeeper-sdk"\nversion = "[^"]*"\nsource = \{ registry')
 
-    layout: ``"no-package"`` (no package.json: nothing to install), ``"ships-node-modules"`` (the
-    code carries its node_modules: npm is not run) or ``"install"``; for the last, ``cached`` says
-    whether ``install_dir`` holds node_modules installed for the same ``wanted`` hash.
+
+def requires_sdk_by_name(text: str) -> bool:
+    """Whether requirement text (requirements.txt, pyproject.toml) asks for ``crawlerkeeper-sdk`` by
+    name — to be found on an index — rather than by a path or URL of its own (``./x.whl``, ``name @ url``)."""
+    for line in text.splitlines():
+        stripped = line.split("#", 1)[0].strip().strip("\"',")
+        match = _SDK_NAME.search(stripped)
+        if match and not match.group(1) and not stripped.startswith((".", "/", "file:", "http", "git+", "-e")):
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class PythonPlan:
+    """How a Python spider's environment is made, and its key (sha256 hex).
+
+    ``sdk``: a by-name requirement on ``crawlerkeeper-sdk`` is satisfied by the bundled copy (an
+    override; for a lock: the lock's registry entry is left out and the ``.pth`` copy serves).
     """
-    if not (code_dir / "package.json").is_file():
-        return "no-package", "", False
-    shipped = code_dir / "node_modules"
-    if shipped.exists() and not shipped.is_symlink():
-        return "ships-node-modules", "", False
-    wanted = deps_hash(code_dir, _NODE_DEP_FILES, extra)
-    cached = _read_marker(install_dir / _MARKER) == wanted and (install_dir / "node_modules").is_dir()
-    return "install", wanted, cached
+
+    mode: str  # "locked", "pyproject", "requirements", "packages"
+    files: dict[str, str]
+    packages: tuple[str, ...]
+    key: str
+    sdk: bool = False
+
+
+def python_plan(code_dir: Path, framework: str, interpreter: dict[str, str], identity: str, sdk_tag: str) -> PythonPlan:
+    """Choose the install from the dependency files in ``code_dir`` and compute the key (blocking: small reads).
+
+    ``sdk_tag`` names the bundled SDK (its version and content hash); it enters the key only when
+    the project asks for the SDK by name, so an agent upgrade rebuilds only those environments.
+    """
+    files: dict[str, str] = {}
+    packages: tuple[str, ...] = ()
+    texts: list[str] = []
+
+    def digest(name: str) -> None:
+        data = (code_dir / name).read_bytes()
+        files[name] = hashlib.sha256(data).hexdigest()
+        texts.append(data.decode(errors="replace"))
+
+    if (code_dir / "uv.lock").is_file() and (code_dir / "pyproject.toml").is_file():
+        mode = "locked"
+        digest("uv.lock")
+        digest("pyproject.toml")
+        sdk = bool(_LOCKED_SDK.search(texts[0]))
+    elif (code_dir / "pyproject.toml").is_file():
+        mode = "pyproject"
+        digest("pyproject.toml")
+        sdk = requires_sdk_by_name(texts[0])
+    elif (code_dir / "requirements.txt").is_file():
+        mode = "requirements"
+        _requirements_closure(code_dir, "requirements.txt", files)
+        sdk = any(requires_sdk_by_name((code_dir / name).read_text(errors="replace")) for name in files)
+    else:
+        mode = "packages"
+        sdk = False
+        chosen = "scrapy" if (code_dir / "scrapy.cfg").is_file() else framework
+        packages = tuple(DEFAULT_PACKAGES.get(chosen, []))
+    key_source = {"schema": 1, "mode": mode, "files": files, "packages": packages, "interpreter": interpreter,
+                  "identity": identity, "sdk": sdk_tag if sdk else None, "sdk_dir": str(bundled_sdk_dir())}
+    key = hashlib.sha256(json.dumps(key_source, sort_keys=True).encode()).hexdigest()
+    return PythonPlan(mode, files, packages, key, sdk)
 
 
 class Dependencies:
-    """Installs dependencies for tasks (see module docstring).
+    """Makes tasks' environments ready (see module docstring).
 
-    ``base_env`` is the minimal environment installers run with (never the agent's secrets); its
-    PATH is also where uv and npm are looked for (uv also at ``uv_path`` and in ``agent_bin``).
-    ``timeout`` bounds one installer run (seconds). ``node_root`` holds the Node spiders' installs
-    (default: ``venvs_root``'s sibling ``node``); ``nvm_dir`` is nvm's home (default: $NVM_DIR or
-    ``~/.nvm``; nvm counts as present when ``nvm.sh`` is there).
-    ``run_as``: installers run as that user and the venvs belong to it (``task.run_as_user``).
+    ``envs_root`` holds every environment (``work_dir/envs``); ``budget_bytes`` bounds them (LRU
+    collection; 0 = unbounded). ``base_env`` is the minimal environment installers run with (never
+    the agent's secrets); its PATH is also where uv and npm are looked for (uv also at ``uv_path``
+    and in ``agent_bin``). ``timeout`` bounds one installer run (seconds). ``python`` is the
+    interpreter Python spiders' venvs are built on. ``nvm_dir`` is nvm's home (default: $NVM_DIR
+    or ``~/.nvm``; nvm counts as present when ``nvm.sh`` is there). ``run_as``: installers run as
+    that user and the environments belong to it (``task.run_as_user``).
     """
 
     def __init__(
         self,
-        venvs_root: Path,
+        envs_root: Path,
         *,
         uv_path: Path | None,
         index: IndexChooser,
@@ -227,11 +336,11 @@ class Dependencies:
         python: str = sys.executable,
         run_as: RunAs | None = None,
         agent_bin: Path | None = AGENT_BIN,
-        node_root: Path | None = None,
         nvm_dir: Path | None = None,
+        budget_bytes: int = 0,
     ) -> None:
-        self.venvs_root = venvs_root
-        self.node_root = node_root or venvs_root.parent / "node"
+        self.envs_root = envs_root
+        self.store = EnvStore(envs_root, budget_bytes)
         self._run_as = run_as
         self._uv_path = uv_path
         self._agent_bin = agent_bin
@@ -240,10 +349,9 @@ class Dependencies:
         self._timeout = timeout
         self._base_env = base_env
         self._python = python
+        self._identity = "agent" if run_as is None else f"uid={run_as.uid},gid={run_as.gid}"
         nvm_home = os.environ.get("NVM_DIR") or str(Path.home() / ".nvm")
         self.nvm_dir = nvm_dir if nvm_dir is not None else Path(nvm_home)
-        sdk = bundled_sdk_dir()
-        self._python_extra = f"{python}\0{sdk}"
 
     async def prepare(
         self,
@@ -254,104 +362,154 @@ class Dependencies:
         *,
         marker: dict[str, str] | None = None,
     ) -> Prepared:
-        """Make the spider's dependencies ready; returns PATH additions and env.
+        """Make the spider's environment ready; returns PATH additions and env (release it after the run).
 
+        ``code_dir`` is the task's working copy (a Node spider gets its ``node_modules`` link in it).
         ``output`` receives the installer's output bytes as they come (the task log); ``marker``
         (the task's ``CK_TASK_ID``) is added to the installers' environment so the task's sweep
         finds whatever they leave behind. Raises DepsError. Cancellation stops the installer
-        (TERM → 5 s → KILL of its process group) before it propagates.
+        (TERM → 5 s → KILL of its process group) before it propagates; the half-built environment
+        is removed by its next build or by collection.
         """
         started = trio.current_time()
         if framework in PYTHON_FRAMEWORKS:
-            prepared = await self._python_env(spider_id, code_dir, framework, output, dict(marker or {}))
+            prepared = await self._python_env(code_dir, framework, output, dict(marker or {}))
         elif framework == "node":
-            prepared = await self._node_env(spider_id, code_dir, output, dict(marker or {}))
+            prepared = await self._node_env(code_dir, output, dict(marker or {}))
         else:
             prepared = Prepared()
         prepared.seconds = trio.current_time() - started
+        if not prepared.cache_hit:
+            await self.store.collect()
         return prepared
+
+    def release(self, prepared: Prepared) -> None:
+        """The task that got ``prepared`` has finished with its environment (collection may take it)."""
+        if prepared.env_dir is not None:
+            self.store.release(prepared.env_dir)
+            prepared.env_dir = None
+
+    def _installer_env(self, task_env: dict[str, str]) -> dict[str, str]:
+        env = {**self._base_env, **task_env}
+        if self._run_as is not None:
+            env.update(self._run_as.env())
+        return env
 
     # ------------------------------------------------------------------ python
 
     async def _python_env(
-        self, spider_id: str, code_dir: Path, framework: str, output: Callable[[bytes], None],
-        task_env: dict[str, str],
+        self, code_dir: Path, framework: str, output: Callable[[bytes], None], task_env: dict[str, str],
     ) -> Prepared:
-        venv = self.venvs_root / safe_name(spider_id)
+        def plan_sync() -> tuple[PythonPlan, Path | None]:
+            sdk = sdk_wheel(self.envs_root)
+            interpreter = interpreter_identity(self._python)
+            return python_plan(code_dir, framework, interpreter, self._identity, sdk[0] if sdk else ""), \
+                (sdk[1] if sdk else None)
+
+        plan, overrides = await trio.to_thread.run_sync(plan_sync)
+        venv = self.store.path("py", plan.key)
         bin_dir = venv / "bin"
         prepared = Prepared(path_prefix=[str(bin_dir)], env={"VIRTUAL_ENV": str(venv)})
-        extra = f"{framework}\0{self._python_extra}"
-        wanted, cached = await trio.to_thread.run_sync(_python_cached, venv, code_dir, extra)
-        if cached:
-            return prepared
-        prepared.cache_hit = False
+        async with self.store.lock(plan.key):
+            if not await trio.to_thread.run_sync(is_ready, venv, plan.key):
+                prepared.cache_hit = False
+                with self.store.building(venv):
+                    await self._build_python(venv, plan, overrides, code_dir, output, task_env)
+            self.store.acquire(venv)
+            prepared.env_dir = venv
+        return prepared
+
+    async def _build_python(self, venv: Path, plan: PythonPlan, overrides: Path | None, code_dir: Path,
+                            output: Callable[[bytes], None], task_env: dict[str, str]) -> None:
         uv = await trio.to_thread.run_sync(find_uv, self._uv_path, self._base_env.get("PATH"), self._agent_bin)
         if uv is None:
             raise DepsError(UV_MISSING)
-        env = {**self._base_env, **task_env}
-        env.update({"VIRTUAL_ENV": str(venv), "UV_PROJECT_ENVIRONMENT": str(venv),
-                    "UV_PYTHON_DOWNLOADS": "never", "UV_NO_PROGRESS": "1"})
+        output(f"[ckagent] building environment {venv.name} ({plan.mode})\n".encode())
+        env = self._installer_env(task_env)
+        env.update({"VIRTUAL_ENV": str(venv), "UV_PYTHON_DOWNLOADS": "never", "UV_NO_PROGRESS": "1"})
+        await trio.to_thread.run_sync(start_build, venv)
         cache_dir = self._cache_dir
         if self._run_as is not None:
-            env.update(self._run_as.env())
             # The user owns its venv; uv's cache must be writable by it too (its HOME may be bare).
-            cache_dir = cache_dir or self.venvs_root / ".uv-cache"
+            cache_dir = cache_dir or self.envs_root / ".uv-cache"
             await trio.to_thread.run_sync(_give_dirs, self._run_as, [venv, cache_dir])
         if cache_dir is not None:
             env["UV_CACHE_DIR"] = str(cache_dir)
         env["UV_DEFAULT_INDEX"] = await self._index.index_url()
-        marker = venv / _MARKER
-        await trio.to_thread.run_sync(partial(marker.unlink, missing_ok=True))
-        has_venv, steps = await trio.to_thread.run_sync(_python_install_steps, uv, bin_dir, code_dir, framework)
-        if not has_venv:
-            await self._run([uv, "venv", "--quiet", "--allow-existing", "--python", self._python, str(venv)],
-                            code_dir, env, output)
-        for argv in steps:
-            await self._run(argv, code_dir, env, output)
+        python = str(venv / "bin" / "python")
+        await self._run([uv, "venv", "--quiet", "--allow-existing", "--python", self._python, str(venv)],
+                        code_dir, env, output)
+        override = ["--override", str(overrides)] if overrides is not None and plan.sdk else []
+        if plan.mode == "locked":
+            locked = venv / _LOCKED_REQUIREMENTS
+            skip_sdk = ["--no-emit-package", SDK_DISTRIBUTION] if plan.sdk else []
+            await self._run([uv, "export", "--frozen", "--no-emit-project", "--no-hashes", "--no-header",
+                             *skip_sdk, "--output-file", str(locked), "--quiet"], code_dir, env, output)
+            await self._run([uv, "pip", "sync", "--python", python, str(locked)], code_dir, env, output)
+        elif plan.mode in ("pyproject", "requirements"):
+            source = "pyproject.toml" if plan.mode == "pyproject" else "requirements.txt"
+            await self._run([uv, "pip", "install", "--python", python, "-r", source, *override], code_dir, env, output)
+        elif plan.packages:
+            await self._run([uv, "pip", "install", "--python", python, *plan.packages], code_dir, env, output)
         await trio.to_thread.run_sync(_install_sdk_pth, venv)
-        await trio.to_thread.run_sync(marker.write_text, wanted)
-        return prepared
+        size = await trio.to_thread.run_sync(mark_ready, venv, plan.key, "py")
+        log.info("built Python environment %s (%s, %d bytes)", venv.name, plan.mode, size)
 
     # ------------------------------------------------------------------ node
 
-    async def _node_env(
-        self, spider_id: str, code_dir: Path, output: Callable[[bytes], None], task_env: dict[str, str]
-    ) -> Prepared:
+    async def _node_env(self, code_dir: Path, output: Callable[[bytes], None], task_env: dict[str, str]) -> Prepared:
         prepared = Prepared()
         spec, source = await trio.to_thread.run_sync(wanted_node, code_dir)
-        env = {**self._base_env, **task_env}
-        if self._run_as is not None:
-            env.update(self._run_as.env())
+        env = self._installer_env(task_env)
         if spec is not None:
             await self._select_node(spec, source, env, code_dir, output, prepared)
-        install_dir = self.node_root / safe_name(spider_id)
-        extra = f"{spec}\0{prepared.path_prefix}"
-        layout, wanted, cached = await trio.to_thread.run_sync(_node_cached, code_dir, install_dir, extra)
+        path = os.pathsep.join([*prepared.path_prefix, env.get("PATH", "")])
+        layout, key = await trio.to_thread.run_sync(self._node_plan, code_dir, spec, path)
         if layout == "no-package":
             return prepared
         if layout == "ships-node-modules":
             prepared.notes.append("node_modules ships with the code: npm is not run")
             return prepared
-        marker = install_dir / _MARKER
-        if not cached:
-            prepared.cache_hit = False
-            path = os.pathsep.join([*prepared.path_prefix, env.get("PATH", "")])
-            npm = shutil.which("npm", path=path)
-            if npm is None:
-                raise DepsError(NPM_MISSING)
-            env["PATH"] = path
-            await trio.to_thread.run_sync(_stage_node_manifest, code_dir, install_dir, marker)
-            if self._run_as is not None:
-                await trio.to_thread.run_sync(_give_dirs, self._run_as, [install_dir])
-            lock = await trio.to_thread.run_sync(
-                lambda: any((install_dir / name).is_file() for name in ("package-lock.json", "npm-shrinkwrap.json"))
-            )
-            argv = [npm, "ci" if lock else "install", "--no-audit", "--no-fund", "--no-progress",
-                    "--no-update-notifier"]
-            await self._run(argv, install_dir, env, output)
-            await trio.to_thread.run_sync(_ensure_dir_and_write, install_dir / "node_modules", marker, wanted)
-        await trio.to_thread.run_sync(_link_node_modules, code_dir, install_dir / "node_modules")
+        install_dir = self.store.path("node", key)
+        async with self.store.lock(key):
+            if not await trio.to_thread.run_sync(is_ready, install_dir, key):
+                prepared.cache_hit = False
+                with self.store.building(install_dir):
+                    npm = find_npm(path)
+                    if npm is None:
+                        raise DepsError(NPM_MISSING)
+                    env["PATH"] = path
+                    await trio.to_thread.run_sync(start_build, install_dir)
+                    lock = await trio.to_thread.run_sync(stage_node_manifest, code_dir, install_dir)
+                    if self._run_as is not None:
+                        await trio.to_thread.run_sync(_give_dirs, self._run_as, [install_dir])
+                    argv = [npm, "ci" if lock else "install", "--no-audit", "--no-fund", "--no-progress",
+                            "--no-update-notifier"]
+                    await self._run(argv, install_dir, env, output)
+                    await trio.to_thread.run_sync(_finish_node_env, install_dir, key)
+            self.store.acquire(install_dir)
+            prepared.env_dir = install_dir
+        await trio.to_thread.run_sync(link_node_modules, code_dir, install_dir / "node_modules")
         return prepared
+
+    def _node_plan(self, code_dir: Path, spec: str | None, path: str) -> tuple[str, str]:
+        """(layout, key) of a Node spider (blocking: stats, hashing, ``node --version`` once per binary).
+
+        layout: ``"no-package"`` (no package.json: nothing to install), ``"ships-node-modules"`` (the
+        code carries its node_modules: npm is not run) or ``"install"``.
+        """
+        if not (code_dir / "package.json").is_file():
+            return "no-package", ""
+        shipped = code_dir / "node_modules"
+        if shipped.exists() and not shipped.is_symlink():
+            return "ships-node-modules", ""
+        files = {name: hashlib.sha256((code_dir / name).read_bytes()).hexdigest()
+                 for name in NODE_DEP_FILES if (code_dir / name).is_file()}
+        node = shutil.which("node", path=path)
+        version = system_node_version(path)
+        source = {"schema": 1, "files": files, "spec": spec, "node": node and os.path.realpath(node),
+                  "version": version, "identity": self._identity}
+        return "install", hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()
 
     async def _select_node(self, spec: str, source: str, env: dict[str, str], code_dir: Path,
                            output: Callable[[bytes], None], prepared: Prepared) -> None:
@@ -383,11 +541,11 @@ class Dependencies:
 
     async def _run(self, argv: list[str], cwd: Path, env: dict[str, str], output: Callable[[bytes], None],
                    label: str | None = None) -> None:
-        tail: deque[bytes] = deque(maxlen=64)
+        tail = TailBuffer(16384)
         output(f"[ckagent] $ {' '.join(Path(argv[0]).name if i == 0 else a for i, a in enumerate(argv))}\n".encode())
 
         def sink(chunk: bytes) -> None:
-            tail.append(chunk)
+            tail.write(chunk)
             output(chunk)
 
         result: subprocess.CompletedProcess[bytes] | None = None
@@ -409,86 +567,16 @@ class Dependencies:
         if scope.cancelled_caught:
             raise DepsError(
                 f"{name} timed out after {self._timeout:g} s and was stopped (the limit is "
-                f"deps.uv_sync_timeout / AGENT_UV_SYNC_TIMEOUT); its last output:\n{_tail(tail)}"
+                f"deps.uv_sync_timeout / AGENT_UV_SYNC_TIMEOUT); its last output:\n{last_lines(tail.text())}"
             )
         if result is None or result.returncode != 0:
             code = None if result is None else result.returncode
-            raise DepsError(f"{name} failed with exit code {code}:\n{_tail(tail)}")
+            raise DepsError(f"{name} failed with exit code {code}:\n{last_lines(tail.text())}")
 
 
-def wanted_node(code_dir: Path) -> tuple[str | None, str]:
-    """The node version a spider asks for: (spec, where from) from ``.nvmrc``, else ``engines.node``."""
-    nvmrc = code_dir / ".nvmrc"
-    if nvmrc.is_file():
-        lines = nvmrc.read_text(errors="replace").split()
-        if lines:
-            return lines[0].strip(), ".nvmrc"
-    manifest = code_dir / "package.json"
-    if manifest.is_file():
-        try:
-            engines = json.loads(manifest.read_text(errors="replace")).get("engines") or {}
-        except (ValueError, AttributeError):
-            return None, ""
-        spec = engines.get("node") if isinstance(engines, dict) else None
-        if isinstance(spec, str) and spec.strip():
-            return spec.strip(), "package.json engines.node"
-    return None, ""
-
-
-def pick_nvm_node(nvm_dir: Path, spec: str) -> tuple[str, Path] | None:
-    """The highest nvm-installed node satisfying ``spec``: (version, its bin dir), or None (blocking)."""
-    best: tuple[NodeVersion, Path] | None = None
-    for version, bin_dir in nvm_node_versions(nvm_dir):
-        if satisfies(version, spec) and (best is None or version > best[0]):
-            best = (version, bin_dir)
-    return None if best is None else (".".join(map(str, best[0])), best[1])
-
-
-@functools.lru_cache(maxsize=8)
-def _node_version_at(path: str, mtime: float) -> NodeVersion | None:
-    try:
-        proc = subprocess.run([path, "--version"], capture_output=True, timeout=10, check=False,
-                              stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return parse_node_version(proc.stdout.decode(errors="replace").strip())
-
-
-def system_node_version(path: str) -> NodeVersion | None:
-    """Version of the ``node`` found on ``path`` (cached per binary and mtime; blocking on a miss)."""
-    node = shutil.which("node", path=path)
-    if node is None:
-        return None
-    return _node_version_at(node, os.stat(node).st_mtime)
-
-
-def _stage_node_manifest(code_dir: Path, install_dir: Path, marker: Path) -> None:
-    """Copy package.json and lockfiles into ``install_dir`` (stale ones removed); forget the old marker."""
-    install_dir.mkdir(parents=True, exist_ok=True)
-    marker.unlink(missing_ok=True)
-    for name in _NODE_COPIED:
-        src, dst = code_dir / name, install_dir / name
-        if src.is_file():
-            shutil.copyfile(src, dst)
-        else:
-            dst.unlink(missing_ok=True)
-
-
-def _ensure_dir_and_write(directory: Path, marker: Path, text: str) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    marker.write_text(text)
-
-
-def _link_node_modules(code_dir: Path, target: Path) -> None:
-    """Make ``code_dir/node_modules`` a symlink to ``target`` (replacing a stale link)."""
-    link = code_dir / "node_modules"
-    if link.is_symlink():
-        if os.readlink(link) == str(target):
-            return
-        link.unlink()
-    elif link.exists():
-        return
-    link.symlink_to(target, target_is_directory=True)
+def _finish_node_env(install_dir: Path, key: str) -> None:
+    (install_dir / "node_modules").mkdir(exist_ok=True)
+    mark_ready(install_dir, key, "node")
 
 
 def _give_dirs(run_as: RunAs, paths: list[Path]) -> None:
@@ -497,11 +585,6 @@ def _give_dirs(run_as: RunAs, paths: list[Path]) -> None:
         path.mkdir(parents=True, exist_ok=True)
         if path.stat().st_uid != run_as.uid:
             run_as.chown_tree(path)
-
-
-def _tail(chunks: deque[bytes], limit: int = 2000) -> str:
-    text = b"".join(chunks).decode("utf-8", errors="replace").strip()
-    return text[-limit:]
 
 
 def _install_sdk_pth(venv: Path) -> None:

@@ -33,7 +33,8 @@ from ckagent.deps import (
     spider_base_env,
     wanted_node,
 )
-from ckagent.runtimes import detect_runtimes, parse_node_version, satisfies
+from ckagent.noderange import parse_node_version, satisfies
+from ckagent.runtimes import detect_runtimes
 
 NPM = shutil.which("npm")
 needs_npm = pytest.mark.skipif(NPM is None, reason="npm is not installed (apt-get install nodejs npm)")
@@ -274,9 +275,10 @@ async def test_npm_ci_then_cached_across_versions(tmp_path: Path, local_index: s
         assert not first.cache_hit and b"npm ci" in bytes(log)
         v2 = _code(tmp_path, "v2", {**files, "index.js": "console.log(2)"})
         second = await deps.prepare("node", "n1", v2, log.extend)
-    assert second.cache_hit
+    assert second.cache_hit and second.env_dir == first.env_dir
+    assert first.env_dir is not None and first.env_dir.parent == tmp_path / "venvs"
     assert (v2 / "node_modules").is_symlink() and (v2 / "node_modules").resolve() == (
-        tmp_path / "node" / "n1" / "node_modules").resolve()
+        first.env_dir / "node_modules").resolve()
     assert (v2 / "package-lock.json").read_text() == json.dumps(LOCK)  # the code dir is not modified
 
 
