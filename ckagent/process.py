@@ -314,6 +314,7 @@ async def run_supervised(
     on_started: Callable[[int], Awaitable[None]] | None = None,
     drain_window: float = DRAIN_WINDOW,
     run_as: RunAs | None = None,
+    on_stderr: Callable[[bytes], None] | None = None,
 ) -> ProcessOutcome:
     """Run ``argv`` as a spider: own session, pipes copied to ``output``, killed as a group.
 
@@ -322,7 +323,8 @@ async def run_supervised(
     exit, leftovers get ``drain_window`` seconds to finish writing; then the sweep kills every
     process of the group or carrying the task's marker (``env`` must hold ``CK_TASK_ID=task_id``).
     ``notice(text)`` receives one-line notes of what the agent did (they go into the task log).
-    ``run_as``: start the process as that user (the agent must be root).
+    ``run_as``: start the process as that user (the agent must be root). ``on_stderr`` also gets
+    the stderr bytes (after ``output``), e.g. to keep its last lines for the failure message.
 
     Raises OSError when the command cannot be started (e.g. not found). Cancellation from outside
     (agent termination) still ends the process: TERM → grace → KILL and the sweep run shielded,
@@ -349,9 +351,10 @@ async def run_supervised(
 
             async def pumps() -> None:
                 async with trio.open_nursery() as inner:
-                    for stream in (proc.stdout, proc.stderr):
-                        if stream is not None:
-                            inner.start_soon(_copy, stream, output)
+                    if proc.stdout is not None:
+                        inner.start_soon(_copy, proc.stdout, output)
+                    if proc.stderr is not None:
+                        inner.start_soon(_copy, proc.stderr, output if on_stderr is None else _tee(output, on_stderr))
                 pumps_done.set()
 
             nursery.start_soon(pumps)
@@ -409,6 +412,14 @@ def enlarge_pipe(fd: int, size: int = PIPE_BYTES) -> int:
         except OSError:
             continue
     return 0
+
+
+def _tee(first: Callable[[bytes], None], second: Callable[[bytes], None]) -> Callable[[bytes], None]:
+    def both(chunk: bytes) -> None:
+        first(chunk)
+        second(chunk)
+
+    return both
 
 
 async def _copy(stream: trio.abc.ReceiveStream, output: Callable[[bytes], None]) -> None:

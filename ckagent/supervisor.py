@@ -12,13 +12,18 @@ KILL. Results:
 outcome               status      errorCode     errorMessage
 ====================  ==========  ============  =================================
 exit 0                SUCCESS     —             —
-exit ≠ 0              FAILED      EXIT_NONZERO  "exit code N" + stderr tail
+exit ≠ 0 / signal     FAILED      EXIT_NONZERO  "exit code N" / "killed by SIGX" + stderr's last lines
 timeout               FAILED      TIMEOUT       "执行超时"
 stopped               CANCELLED   CANCELLED     the reason
-code refused          FAILED      DEPLOY_FAILED the entry and the rule
-install failed        FAILED      DEPS_FAILED   the installer's output tail
+code refused          FAILED      DEPLOY_FAILED the entry and the rule, or what the framework needs
+install failed        FAILED      DEPS_FAILED   the installer's last whole lines
 not startable         FAILED      EXIT_NONZERO  what could not be started (exitCode null)
 ====================  ==========  ============  =================================
+
+Each task runs in a private working copy of its code version (ckagent.workcopy), with its
+spider's ``CK_DATA_DIR`` and ``HOME``; the copy is removed when the task ends. The result reports
+the phases separately: ``deployMs`` (code + working copy), ``installMs`` (environment), ``runMs``
+(the spider's process), and ``durationMs`` from the claim to the end (docs/protocol.md).
 
 When the process has ended, the final result goes to the state store and the task's delivery
 (its log and items streams, then the result, retried forever across restarts until acknowledged)
@@ -33,6 +38,7 @@ import json
 import logging
 import shlex
 import shutil
+import signal
 import sqlite3
 import time
 from collections.abc import Callable
@@ -43,36 +49,34 @@ from typing import Any
 
 import trio
 
+from ckagent.commands import (
+    DEFAULT_COMMANDS,
+    default_command,
+    resolve_command,
+    scrapy_feed_settings,
+    with_scrapy_settings,
+)
 from ckagent.delivery import LogSink, Outbox
+from ckagent.delivery.lines import secret_values
 from ckagent.deps import Dependencies, DepsError, Prepared, spider_base_env
+from ckagent.logs import Masker
 from ckagent.master import MasterClient, MasterError
 from ckagent.process import MARKER_VAR, ProcessOutcome, RunAs, clock, run_supervised, sweep
 from ckagent.protocol import TIMEOUT_MESSAGE, Task, TaskResult, utc_iso
 from ckagent.state import AsyncStateStore
-from ckagent.workspace import DeployError, Workspaces
+from ckagent.tails import TailBuffer, last_lines
+from ckagent.workcopy import make_working_copy, remove_tree, spider_dirs
+from ckagent.workspace import DeployError, Workspaces, safe_name
 
 log = logging.getLogger(__name__)
 
 REPORT_RETRY_TIMEOUT = 300.0
 """Seconds a task that could not even be prepared keeps trying to report its failure."""
 
-DEFAULT_COMMANDS: dict[str, list[str]] = {
-    "python": ["python", "main.py"],
-    "playwright": ["python", "main.py"],
-    "selenium": ["python", "main.py"],
-    "node": ["node", "index.js"],
-}
-
-
-def default_command(task: Task) -> list[str]:
-    """The command a task runs: its own, or its framework's default, plus its args."""
-    if task.command:
-        base = list(task.command)
-    elif task.framework == "scrapy":
-        base = ["scrapy", "crawl", task.spider_name or task.spider_id]
-    else:
-        base = list(DEFAULT_COMMANDS[task.framework])
-    return base + list(task.args)
+__all__ = ["DEFAULT_COMMANDS", "RunnerConfig", "RunningTask", "Supervisor", "SupervisorObserver", "TaskOutcome",
+           "default_command", "result_from_json"]
+STDERR_TAIL_CHARS = 1500
+"""Characters of the spider's last stderr lines carried by an EXIT_NONZERO errorMessage."""
 
 
 @dataclass
@@ -97,6 +101,8 @@ class RunningTask:
     stop_reason: str | None = None
     stop_event: trio.Event = field(default_factory=trio.Event)
     prepare_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    """Seconds spent per phase so far: ``deploy``, ``install``, ``run`` (the result's deployMs/installMs/runMs)."""
 
     def request_stop(self, reason: str) -> bool:
         """Ask the task to stop (idempotent). Returns False when a stop was already requested."""
@@ -310,6 +316,7 @@ class Supervisor:
                 await held.enter_async_context(self.capacity)
                 rt.phase = "deploying"
                 self._observer.task_started(rt)
+                phase_started = trio.current_time()
                 try:
                     if task.code_package is not None:
                         code_dir = await self._workspaces.deploy_package(
@@ -317,45 +324,80 @@ class Supervisor:
                         )
                     else:
                         code_dir = await self._workspaces.deploy_files(task.spider_id)
+                    self._workspaces.acquire(code_dir)
+                    held.callback(self._workspaces.release, code_dir)
+                    argv, how = await trio.to_thread.run_sync(resolve_command, task, code_dir)
                 except DeployError as exc:
+                    rt.phase_seconds["deploy"] = trio.current_time() - phase_started
                     notice(f"deploy failed: {exc}")
                     return TaskOutcome("FAILED", "DEPLOY_FAILED", str(exc))
-                self._workspaces.acquire(code_dir)
-                held.callback(self._workspaces.release, code_dir)
-                if self.config.run_as is not None:
-                    await trio.to_thread.run_sync(_give_tree, self.config.run_as, code_dir)
+                if how is not None:
+                    notice(how)
+                work = self._workspaces.runs / safe_name(task.id)
+                held.push_async_callback(_remove_shielded, work)
+                try:
+                    copied = await trio.to_thread.run_sync(self._working_copy, task, code_dir, work)
+                except OSError as exc:
+                    rt.phase_seconds["deploy"] = trio.current_time() - phase_started
+                    notice(f"cannot make the task's working copy: {exc}")
+                    return TaskOutcome("FAILED", "DEPLOY_FAILED", f"cannot make the task's working copy: {exc}")
+                rt.phase_seconds["deploy"] = trio.current_time() - phase_started
+                notice(f"working copy of {code_dir.name}: {copied}")
                 rt.phase = "installing"
+                phase_started = trio.current_time()
                 try:
                     prepared = await self._deps.prepare(
-                        task.framework, task.spider_id, code_dir, sink.write, marker={MARKER_VAR: task.id}
+                        task.framework, task.spider_id, work, sink.write, marker={MARKER_VAR: task.id}
                     )
                 except DepsError as exc:
+                    rt.phase_seconds["install"] = trio.current_time() - phase_started
                     notice(f"dependency install failed: {str(exc).splitlines()[0]}")
-                    return TaskOutcome("FAILED", "DEPS_FAILED", str(exc)[-4000:])
+                    return TaskOutcome("FAILED", "DEPS_FAILED", _bounded(str(exc), 4000))
+                finally:
+                    rt.phase_seconds.setdefault("install", trio.current_time() - phase_started)
+                held.callback(self._deps.release, prepared)
                 self._observer.deps_prepared(rt, prepared)
                 for note in prepared.notes:
                     notice(note)
-                notice(f"dependencies {'cached' if prepared.cache_hit else 'installed'} in {prepared.seconds:.3f} s")
+                env_name = f" ({prepared.env_dir.name})" if prepared.env_dir is not None else ""
+                notice(f"dependencies {'cached' if prepared.cache_hit else 'installed'}{env_name} in "
+                       f"{prepared.seconds:.3f} s")
             if rt.stop_reason is not None:
                 notice(f"stopped before the spider started: {rt.stop_reason}")
                 return TaskOutcome("CANCELLED", "CANCELLED", rt.stop_reason)
-            return await self._run(rt, task_dir, code_dir, prepared, notice, sink)
+            return await self._run(rt, task_dir, work, argv, prepared, notice, sink)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _working_copy(self, task: Task, code_dir: Path, work: Path) -> str:
+        """Make the task's private working copy and its spider's data/home dirs (blocking; see ckagent.workcopy)."""
+        remove_tree(work)
+        stats = make_working_copy(code_dir, work)
+        run_as = self.config.run_as
+        if run_as is not None:
+            run_as.chown_tree(work)
+        spider_dirs(self.config.work_dir, safe_name(task.spider_id), run_as)
+        return stats.describe()
 
     async def _run(
         self,
         rt: RunningTask,
         task_dir: Path,
         code_dir: Path,
+        argv: list[str],
         prepared: Prepared,
         notice: Callable[[str], None],
         sink: LogSink,
     ) -> TaskOutcome:
         task = rt.task
-        argv = default_command(task)
+        items_file = task_dir / "items.jsonl"
+        if task.framework == "scrapy":
+            argv = with_scrapy_settings(argv, await trio.to_thread.run_sync(scrapy_feed_settings, items_file, code_dir))
+        data_dir = self.config.work_dir / "spider-data" / safe_name(task.spider_id)
+        home_dir = self.config.work_dir / "spider-home" / safe_name(task.spider_id)
         env = spider_base_env(prepared.path_prefix)
         if self.config.run_as is not None:
             env.update(self.config.run_as.env())
+        env["HOME"] = str(home_dir)
         env.update(prepared.env)
         env.update(self.config.extra_env)
         env.update(task.env)
@@ -364,14 +406,16 @@ class Supervisor:
                 MARKER_VAR: task.id,
                 "CK_SPIDER_ID": task.spider_id,
                 "CK_SPIDER_NAME": task.spider_name,
-                "CK_ITEMS_FILE": str(task_dir / "items.jsonl"),
+                "CK_ITEMS_FILE": str(items_file),
                 "CK_TASK_DIR": str(task_dir),
+                "CK_DATA_DIR": str(data_dir),
                 "CK_PARAMS": json.dumps(task.params, ensure_ascii=False),
             }
         )
         timeout = self.config.execute_timeout if task.timeout_seconds is None else task.timeout_seconds
         rt.phase = "running"
         rt.started_at = time.time()
+        stderr_tail = TailBuffer(16384)
         notice(f"running {shlex.join(argv)} (timeout {f'{timeout:g} s' if timeout else 'none'})")
 
         async def started(pid: int) -> None:
@@ -384,6 +428,7 @@ class Supervisor:
                 cwd=code_dir, env=env, task_id=task.id, output=sink.write,
                 deadline_seconds=timeout or None, grace=self.config.kill_grace,
                 stop=rt.stop_event, notice=notice, on_started=started, run_as=self.config.run_as,
+                on_stderr=stderr_tail.write,
             )
         except OSError as exc:
             notice(f"cannot start {argv[0]!r}: {exc.strerror or exc}")
@@ -399,13 +444,30 @@ class Supervisor:
         notice(f"process exited with code {outcome.returncode}")
         if outcome.returncode == 0:
             return TaskOutcome("SUCCESS", exit_code=0)
-        return TaskOutcome("FAILED", "EXIT_NONZERO", f"exit code {outcome.returncode}", outcome.returncode)
+        return TaskOutcome("FAILED", "EXIT_NONZERO", self._exit_message(outcome.returncode, stderr_tail, task),
+                           outcome.returncode)
+
+    def _exit_message(self, returncode: int | None, stderr_tail: TailBuffer, task: Task) -> str:
+        """``exit code N`` / ``killed by SIGX``, then the last lines of the spider's stderr (bounded, masked)."""
+        head = f"exit code {returncode}"
+        if returncode is not None and returncode < 0:
+            with contextlib.suppress(ValueError):
+                head = f"killed by {signal.Signals(-returncode).name} (exit code {returncode})"
+        masker = Masker(_secret_values(task, self.config.agent_secrets))
+        tail = last_lines(masker(stderr_tail.text()), STDERR_TAIL_CHARS)
+        return f"{head}; last lines of stderr:\n{tail}" if tail else f"{head} (nothing on stderr)"
 
 
 def _result(rt: RunningTask, outcome: TaskOutcome, started_wall: float) -> TaskResult:
-    """The final result of a task that ends now (times from the spider's start, else the claim's)."""
+    """The final result of a task that ends now: ``startedAt`` when the agent took it, the phases apart."""
     finished_wall = time.time()
-    started = rt.started_at or started_wall
+    started = started_wall
+    phases = rt.phase_seconds
+
+    def ms(name: str) -> int | None:
+        return None if name not in phases else max(0, int(phases[name] * 1000))
+
+    run_ms = None if rt.started_at is None else max(0, int((finished_wall - rt.started_at) * 1000))
     return TaskResult(
         status=outcome.status,
         exit_code=outcome.exit_code,
@@ -413,7 +475,10 @@ def _result(rt: RunningTask, outcome: TaskOutcome, started_wall: float) -> TaskR
         error_message=outcome.error_message,
         started_at=utc_iso(datetime.fromtimestamp(started, timezone.utc)),
         finished_at=utc_iso(datetime.fromtimestamp(finished_wall, timezone.utc)),
-        duration_ms=int((finished_wall - started) * 1000),
+        duration_ms=max(0, int((finished_wall - started) * 1000)),
+        deploy_ms=ms("deploy"),
+        install_ms=ms("install"),
+        run_ms=run_ms,
     )
 
 
@@ -431,10 +496,23 @@ def _ended_by_agent(why: str, outcome: ProcessOutcome) -> str:
     return "; ".join(parts)
 
 
-def _give_tree(run_as: RunAs, path: Path) -> None:
-    """Give a deployed code directory to the spider's user, once (blocking; the tree is immutable)."""
-    if path.stat().st_uid != run_as.uid:
-        run_as.chown_tree(path)
+async def _remove_shielded(path: Path) -> None:
+    """Remove a task's working copy when the task ends, even when it ends by cancellation."""
+    with trio.CancelScope(shield=True):
+        await trio.to_thread.run_sync(remove_tree, path)
+
+
+def _bounded(text: str, max_chars: int) -> str:
+    """``text`` within ``max_chars``: its first line and its last whole lines (never a line cut in the middle)."""
+    if len(text) <= max_chars:
+        return text
+    first, _, rest = text.partition("\n")
+    first = first[:300]
+    return f"{first}\n{last_lines(rest, max_chars - len(first) - 1, max_lines=60)}"
+
+
+def _secret_values(task: Task, agent_secrets: tuple[str, ...]) -> list[str]:
+    return list(secret_values(task.env, agent_secrets))
 
 
 def _resolve(argv: list[str], env: dict[str, str]) -> list[str]:

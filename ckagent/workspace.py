@@ -18,6 +18,9 @@ Rules, checked before a byte of an entry is written:
   ``max_ratio`` (for entries over 1 MiB) and the *actual* bytes written counted against the total
   too (a zip bomb lying about its sizes still stops at the cap).
 
+A package whose entries all sit under one top-level folder (GitHub's "Download ZIP") is unwrapped:
+that folder's content is the project root; macOS's ``__MACOSX/`` entries are dropped.
+
 Spider files: the same path and size rules per listed file, each download checked against its
 sha256, files unchanged since the newest existing version copied from it rather than downloaded.
 
@@ -59,6 +62,8 @@ KEEP_VERSIONS = 3
 """Code versions kept per spider (least recently used pruned first; in-use versions never)."""
 STAGING = ".staging"
 """Directory under the workspace root holding the temp dirs of deploys in progress."""
+RUNS = ".runs"
+"""Directory under the workspace root holding the tasks' private working copies (ckagent.workcopy)."""
 _RATIO_FLOOR_BYTES = 1 << 20
 _WRITE_CHUNK_BYTES = 1 << 20
 _DOWNLOAD_ATTEMPTS = 5
@@ -204,6 +209,7 @@ def extract_zip(zip_path: Path, dest: Path, limits: Limits) -> int:
                     f"{limits.max_ratio:.0f}:1 (zip bomb?)"
                 )
             plan.append((info, rel))
+        plan = unwrap_single_folder(plan)
         _check_layout([(info.filename, rel, info.is_dir()) for info, rel in plan])
         written_total = 0
         files = 0
@@ -229,6 +235,22 @@ def extract_zip(zip_path: Path, dest: Path, limits: Limits) -> int:
                 target.chmod(0o755)
             files += 1
         return files
+
+
+MAC_METADATA = "__MACOSX"
+"""Folder macOS's Archive Utility adds to zips (resource forks): never part of a project."""
+
+
+def unwrap_single_folder(
+    plan: list[tuple[zipfile.ZipInfo, PurePosixPath]],
+) -> list[tuple[zipfile.ZipInfo, PurePosixPath]]:
+    """Entries as they land in the code dir: ``__MACOSX/`` dropped, and when every entry sits under one
+    top-level folder (GitHub's "Download ZIP", ``git archive --prefix=x/``), that folder unwrapped."""
+    plan = [(info, rel) for info, rel in plan if rel.parts[0] != MAC_METADATA]
+    tops = {rel.parts[0] for _, rel in plan}
+    if len(tops) != 1 or any(len(rel.parts) == 1 and not info.is_dir() for info, rel in plan):
+        return plan
+    return [(info, PurePosixPath(*rel.parts[1:])) for info, rel in plan if len(rel.parts) > 1]
 
 
 def _symlink_target(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> str:
@@ -304,6 +326,7 @@ class Workspaces:
     def __init__(self, root: Path, master: MasterClient, limits: Limits | None = None) -> None:
         self.root = root
         self.staging = root / STAGING
+        self.runs = root / RUNS
         self._master = master
         self.limits = limits or Limits()
         self._in_use: Counter[Path] = Counter()
@@ -311,6 +334,9 @@ class Workspaces:
         self.downloaded_bytes = 0
         shutil.rmtree(self.staging, ignore_errors=True)
         self.staging.mkdir(parents=True, exist_ok=True)
+        # Working copies of tasks a crash interrupted: nothing reads them any more.
+        shutil.rmtree(self.runs, ignore_errors=True)
+        self.runs.mkdir(parents=True, exist_ok=True)
 
     def acquire(self, path: Path) -> None:
         """Mark a version dir as used by a running task (pruning skips it)."""

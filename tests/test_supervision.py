@@ -521,12 +521,17 @@ async def test_run_as_user_runs_the_installer_and_the_spider_as_that_user(
     seen = json.loads((user.report / "node.json").read_text())
     assert (seen["uid"], seen["gid"]) == (user.uid, user.gid)
     assert 0 not in seen["groups"], "root's supplementary groups are dropped"
-    assert (seen["home"], seen["user"]) == (user.home, user.name)
-    code_dir = Path(seen["cwd"])
+    # HOME is the spider's own (not the agent's, not the user's): its tools' files stay per spider.
+    assert Path(seen["home"]).parent == user.work / "agent" / "spider-home" and seen["user"] == user.name
+    code_dir = Path(seen["cwd"])  # the task's private working copy, given to the user
+    assert code_dir.parent == user.work / "agent" / "spiders" / ".runs"
     task_dir = user.work / "agent" / "tasks" / task_id
+    # The cached code version stays the agent's: the spider's user cannot change it for later runs.
+    [version] = [p for p in (user.work / "agent" / "spiders").glob("*/*") if p.parent.name != ".runs"]
+    assert await trio.to_thread.run_sync(owner, version / "index.js") == 0
     locks = await trio.to_thread.run_sync(lambda: list((user.work / "agent").rglob("package-lock.json")))
     assert locks, "npm install wrote a lockfile"
-    owned = [code_dir, code_dir / "written-by-spider.txt", task_dir, task_dir / "in-task-dir.txt", *locks]
+    owned = [task_dir, task_dir / "in-task-dir.txt", Path(seen["home"]), *locks]
     for path in owned:
         assert await trio.to_thread.run_sync(owner, path) == user.uid, path
 

@@ -418,6 +418,9 @@ class TaskResult:
     duration_ms: int | None = None
     item_count: int | None = None
     log_lines: int | None = None
+    deploy_ms: int | None = None
+    install_ms: int | None = None
+    run_ms: int | None = None
 
     @classmethod
     def from_json(cls, obj: Any) -> TaskResult:
@@ -439,6 +442,9 @@ class TaskResult:
             duration_ms=opt_int(o, "durationMs", lo=0),
             item_count=opt_int(o, "itemCount", lo=0),
             log_lines=opt_int(o, "logLines", lo=0),
+            deploy_ms=opt_int(o, "deployMs", lo=0),
+            install_ms=opt_int(o, "installMs", lo=0),
+            run_ms=opt_int(o, "runMs", lo=0),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -454,6 +460,9 @@ class TaskResult:
                 "durationMs": self.duration_ms,
                 "itemCount": self.item_count,
                 "logLines": self.log_lines,
+                "deployMs": self.deploy_ms,
+                "installMs": self.install_ms,
+                "runMs": self.run_ms,
             }
         )
 

@@ -1,0 +1,149 @@
+"""What a task runs: its command (or its framework's default), the check that the package can run
+it, and the settings the agent hands a Scrapy crawl.
+
+Default commands (docs/protocol.md "Running a task")::
+
+    scrapy      scrapy crawl <spiderName>          (needs scrapy.cfg at the project root)
+    python, playwright, selenium
+                python main.py                     (needs main.py)
+    node        npm start        if package.json has scripts.start
+                node <main>      else if package.json has main
+                node index.js    else (needs one of the three)
+
+:func:`check_package` raises DeployError naming what is missing and where it looked, so a package
+that cannot run fails DEPLOY_FAILED before anything is installed. A task with its own ``command``
+is not checked: its author knows what it runs.
+
+Scrapy items with no code change: :func:`scrapy_feed_settings` hands the crawl a feed to the task's
+items file (``-s FEEDS=...``, the way Scrapyd does), unless the project already sends its items
+through the SDK pipeline (``crawlerkeeper_sdk.scrapy``) — never both, so never an item twice. The
+feed replaces the project's own ``FEEDS`` for that run (Scrapy's command-line priority).
+
+The blocking functions read a few small files: call them through ``trio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ckagent.deps_node import node_default_command
+from ckagent.protocol import Task
+from ckagent.workspace import DeployError
+
+DEFAULT_COMMANDS: dict[str, list[str]] = {
+    "python": ["python", "main.py"],
+    "playwright": ["python", "main.py"],
+    "selenium": ["python", "main.py"],
+    "node": ["node", "index.js"],
+}
+"""Fixed defaults by framework (node's is refined by package.json: :func:`resolve_command`)."""
+SDK_PIPELINE_MARK = "crawlerkeeper_sdk"
+"""Text that shows a Scrapy project already ships its items through the SDK (its pipeline or save_item)."""
+_SCAN_SKIP = {".git", ".venv", "venv", "node_modules", "__pycache__", ".scrapy", "build", "dist"}
+_SCAN_MAX_FILES = 2000
+
+
+def default_command(task: Task) -> list[str]:
+    """The command a task runs: its own, or its framework's fixed default, plus its args (no file access)."""
+    if task.command:
+        base = list(task.command)
+    elif task.framework == "scrapy":
+        base = ["scrapy", "crawl", task.spider_name or task.spider_id]
+    else:
+        base = list(DEFAULT_COMMANDS[task.framework])
+    return base + list(task.args)
+
+
+def resolve_command(task: Task, code_dir: Path) -> tuple[list[str], str | None]:
+    """The command the task runs in ``code_dir`` and a note on how a default was chosen (blocking).
+
+    Raises DeployError when the framework's default needs a file the package lacks (see the module
+    docstring); a task with its own ``command`` is taken as it is.
+    """
+    if task.command:
+        return default_command(task), None
+    where = f"the package root ({_listing(code_dir)})"
+    if task.framework == "scrapy":
+        if not (code_dir / "scrapy.cfg").is_file():
+            raise DeployError(
+                f"scrapy.cfg is missing: a Scrapy task runs `scrapy crawl` in the project root, which must "
+                f"hold scrapy.cfg; looked in {where}. Zip the project folder's contents (or the folder "
+                "itself), or give the spider a command"
+            )
+        return default_command(task), None
+    if task.framework == "node":
+        argv, followed = node_default_command(code_dir)
+        if argv is None:
+            raise DeployError(
+                f"nothing to run: a Node task runs package.json's scripts.start, else its main, else index.js; "
+                f"looked for {followed} in {where}. Add one, or give the spider a command"
+            )
+        return argv + list(task.args), f"default command from {followed}"
+    if task.framework in DEFAULT_COMMANDS:
+        argv = default_command(task)
+        script = argv[1]
+        if not (code_dir / script).is_file():
+            raise DeployError(
+                f"{script} is missing: a {task.framework} task runs `python {script}` in the package root; "
+                f"looked in {where}. Add it, or give the spider a command"
+            )
+        return argv, None
+    return default_command(task), None
+
+
+def _listing(code_dir: Path, limit: int = 12) -> str:
+    """A short listing of the top of ``code_dir`` for error messages: ``"a.py, pkg/, ..."``."""
+    try:
+        names = sorted(e.name + ("/" if e.is_dir() else "") for e in code_dir.iterdir() if e.name != "node_modules")
+    except OSError:
+        return "unreadable"
+    if not names:
+        return "empty"
+    shown = ", ".join(names[:limit])
+    return shown + (f", … {len(names) - limit} more" if len(names) > limit else "")
+
+
+def uses_sdk_pipeline(code_dir: Path) -> bool:
+    """Whether the project's Python files mention ``crawlerkeeper_sdk`` (its pipeline or save_item) (blocking)."""
+    seen = 0
+    for dirpath, dirnames, filenames in os.walk(code_dir):
+        dirnames[:] = [d for d in dirnames if d not in _SCAN_SKIP and not d.endswith(".egg-info")]
+        for name in filenames:
+            if not name.endswith((".py", ".cfg", ".toml", ".ini", ".json", ".yaml", ".yml")):
+                continue
+            seen += 1
+            if seen > _SCAN_MAX_FILES:
+                return False
+            try:
+                with open(os.path.join(dirpath, name), "rb") as fh:
+                    if SDK_PIPELINE_MARK.encode() in fh.read(1 << 20):
+                        return True
+            except OSError:
+                continue
+    return False
+
+
+def scrapy_feed_settings(items_file: Path, code_dir: Path) -> list[str]:
+    """Scrapy ``-s`` options handing the crawl a JSON-lines feed to ``items_file`` (blocking: scans the project).
+
+    Empty when the project already sends items through the SDK (see the module docstring).
+    """
+    if uses_sdk_pipeline(code_dir):
+        return []
+    feeds = {items_file.as_uri(): {"format": "jsonlines", "encoding": "utf-8", "store_empty": False,
+                                   "overwrite": False}}
+    return ["-s", "FEEDS=" + json.dumps(feeds)]
+
+
+def is_scrapy_crawl(argv: list[str]) -> bool:
+    """``scrapy crawl ...`` (the executable by its name or a path ending in ``/scrapy``)."""
+    return len(argv) >= 2 and os.path.basename(argv[0]) == "scrapy" and argv[1] == "crawl"
+
+
+def with_scrapy_settings(argv: list[str], settings: list[str]) -> list[str]:
+    """``argv`` of a ``scrapy crawl`` with ``settings`` (``-s K=V`` pairs) right after ``crawl``."""
+    if not settings or not is_scrapy_crawl(argv):
+        return argv
+    return [argv[0], argv[1], *settings, *argv[2:]]
