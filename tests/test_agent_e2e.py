@@ -1,8 +1,8 @@
 """End to end: the real dev master, an in-process agent, real spider processes (issue 3's "Done when").
 
-Every spider here runs as a real subprocess in a real per-spider virtualenv made by uv. The Scrapy
-test installs Scrapy from PyPI into ``work_dir/venvs/<spiderId>`` (uv's default cache in ~/.cache/uv
-makes repeated runs fast) and is marked slow.
+Every spider here runs as a real subprocess in a real virtualenv made by uv (content-addressed:
+``work_dir/envs/py-<key>``, shared by spiders with the same dependencies). The Scrapy test installs
+Scrapy from PyPI (uv's default cache in ~/.cache/uv makes repeated runs fast) and is marked slow.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ async def test_scrapy_example_runs_in_its_own_venv(dev_master, nursery: trio.Nur
     assert task["itemCount"] == 30 and task["logLines"] == len(logs)
     assert any("Spider closed (finished)" in line for line in logs), logs[-20:]
     # Scrapy went into the spider's own venv, never into the agent's environment.
-    venv = work_dir / "venvs" / spider_id
+    [venv] = (work_dir / "envs").glob("py-*")
     assert (site_packages(venv) / "scrapy" / "__init__.py").is_file()
     assert importlib.util.find_spec("scrapy") is None
 
@@ -237,7 +237,7 @@ async def test_a_task_claimed_elsewhere_is_not_run(
     assert task["status"] == "RUNNING" and task["nodeId"] == rival_id, task
     assert not marker.exists()
     assert not (work_dir / "tasks" / task_id).exists()
-    assert not (work_dir / "venvs" / spider).exists()
+    assert not list((work_dir / "envs").glob("py-*"))
     assert await admin.get_logs(task_id) == []
 
 
@@ -295,7 +295,8 @@ async def test_sdk_is_provided_and_a_pinned_sdk_wins(dev_master, nursery: trio.N
     assert BUNDLED_SDK is not None and resolved_under(seen_plain["sdk_file"], BUNDLED_SDK)
     # ... and a spider that installs its own version gets that one, from its own venv.
     assert seen_pinned["sdk_version"] == "9.9.9"
-    assert Path(seen_pinned["sdk_file"]).is_relative_to(site_packages(work_dir / "venvs" / pinned))
+    assert Path(seen_pinned["sdk_file"]).is_relative_to(work_dir / "envs")
+    assert "site-packages" in Path(seen_pinned["sdk_file"]).parts
     for seen in (seen_plain, seen_pinned):
         assert seen["importable"] == dict.fromkeys(seen["importable"], False), seen["importable"]
         assert "PYTHONPATH" not in seen["env"]
@@ -367,8 +368,9 @@ async def test_default_and_given_commands(dev_master, nursery: trio.Nursery, tmp
     assert seen["default+args"]["argv"] == ["main.py", "x", "y z"]
     assert seen["string+args"]["argv"] == ["run.py", "--flag", "a b", "extra"]
     assert seen["list"]["argv"] == ["run.py", "it's"]
-    # `python` is the spider venv's interpreter, and the spider runs in its code directory.
-    venv = work_dir / "venvs" / default
-    assert Path(seen["default"]["executable"]).parent == venv / "bin"
-    assert Path(seen["default"]["cwd"]).is_relative_to(work_dir / "spiders" / default)
-    assert Path(seen["string+args"]["executable"]).parent == work_dir / "venvs" / as_string / "bin"
+    # `python` is the spider venv's interpreter — one venv for the three spiders, whose dependencies
+    # are the same — and each task runs in its own working copy of the code.
+    [venv] = (work_dir / "envs").glob("py-*")
+    assert {Path(s["executable"]).parent for s in seen.values()} == {venv / "bin"}
+    assert len({s["cwd"] for s in seen.values()}) == 4
+    assert all(Path(s["cwd"]).parent == work_dir / "spiders" / ".runs" for s in seen.values())
