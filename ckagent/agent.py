@@ -61,10 +61,10 @@ from ckagent.protocol import RegisterRequest, Task, TaskResult
 from ckagent.recovery import recover_lost_tasks
 from ckagent.resources import HealthSampler, compute_max_workers
 from ckagent.runtimes import (
+    BROWSER_VARS,
     RUNTIMES_CACHE,
+    browser_env,
     detect_runtimes,
-    find_chromedriver,
-    find_chromium,
     load_cached_runtimes,
     save_runtimes_cache,
 )
@@ -94,6 +94,7 @@ class Agent:
         self.work_dir = settings.task.work_dir
         self.max_workers = compute_max_workers(settings.agent.max_workers, settings.agent.container_cpu_limit)
         self.runtimes: dict[str, Any] = {}
+        self._browser_env: dict[str, str] = {}
         self._work_scope = trio.CancelScope()
         self._poll_scope = trio.CancelScope()
         self._startup_scope = trio.CancelScope()
@@ -159,11 +160,9 @@ class Agent:
         # subprocesses, so it goes on in the background and reaches the master with the heartbeats.
         self.runtimes = await trio.to_thread.run_sync(load_cached_runtimes, self.work_dir / RUNTIMES_CACHE)
         base_env = spider_base_env()
-        extra_env: dict[str, str] = {}
-        # Browser spiders use the system's browser (nothing can be downloaded at run time).
-        for name, path in (("CK_CHROMIUM_PATH", find_chromium()), ("CK_CHROMEDRIVER_PATH", find_chromedriver())):
-            if path:
-                extra_env[name] = path
+        # Browser spiders use the system's browser (nothing can be downloaded at run time): its path
+        # comes from the runtimes scan, updated in place after each rescan.
+        extra_env = self._browser_env = browser_env(self.runtimes)
         self.metrics.outbox = OutboxReader(store.sync)
         workspaces = self.workspaces = Workspaces(self.work_dir / "spiders", self.master)
         deps = Dependencies(
@@ -351,6 +350,10 @@ class Agent:
         while True:
             self.runtimes = await trio.to_thread.run_sync(detect_runtimes, self.settings.deps.uv_path)
             await trio.to_thread.run_sync(save_runtimes_cache, self.work_dir / RUNTIMES_CACHE, self.runtimes)
+            browsers = await trio.to_thread.run_sync(browser_env, self.runtimes)
+            for variable in BROWSER_VARS.values():
+                self._browser_env.pop(variable, None)
+            self._browser_env.update(browsers)
             await trio.sleep(RUNTIME_SCAN_INTERVAL)
 
 

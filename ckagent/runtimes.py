@@ -156,6 +156,27 @@ def detect_runtimes(uv_path: Path | None = None, nvm_dir: Path | None = None) ->
     return found
 
 
+BROWSER_VARS = {"chromium": "CK_CHROMIUM_PATH", "chromedriver": "CK_CHROMEDRIVER_PATH"}
+"""Runtime → the variable that hands its path to every spider (docs/protocol.md, the SDK README)."""
+
+
+def browser_env(runtimes: dict[str, Any]) -> dict[str, str]:
+    """``{"CK_CHROMIUM_PATH": ..., "CK_CHROMEDRIVER_PATH": ...}`` for the browsers a scan found.
+
+    Falls back to a PATH lookup (:func:`find_chromium`, :func:`find_chromedriver`) for a runtime the
+    scan has not reported (e.g. before the first scan).
+    """
+    found = {"chromium": find_chromium, "chromedriver": find_chromedriver}
+    env: dict[str, str] = {}
+    for runtime, variable in BROWSER_VARS.items():
+        entry = runtimes.get(runtime)
+        path = entry.get("path") if isinstance(entry, dict) else None
+        path = path if isinstance(path, str) and path else found[runtime]()
+        if path:
+            env[variable] = path
+    return env
+
+
 RUNTIMES_CACHE = "runtimes.json"
 
 

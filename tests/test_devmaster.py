@@ -20,7 +20,7 @@ import trio
 
 from ckagent.devmaster import demosite
 from ckagent.devmaster import store as store_module
-from ckagent.devmaster.client import AdminApiError, AdminClient, zip_directory
+from ckagent.devmaster.client import AdminApiError, AdminClient, zip_directory, zip_files
 from ckagent.devmaster.store import SCHEMA_VERSION, SchemaError, Store
 from ckagent.protocol import PendingTasks, SpiderFile
 
@@ -781,3 +781,32 @@ async def test_wal_checkpoints_run_off_the_request_path_and_keep_the_wal_bounded
         assert wal.stat().st_size < 8_000_000  # truncated past 9 MB, not one ever-growing file
         assert (await dev_master.admin.get_task(task_id))["storedLogLines"] == 80000
         assert (await dev_master.admin.get_logs(task_id))[-1] == f"{79999:08d} {line}"
+
+
+async def test_patch_spider_changes_what_later_tasks_run(dev_master: DevMaster, http: httpx.AsyncClient,
+                                                        node: Node) -> None:
+    admin = dev_master.admin
+    with trio.fail_after(10):
+        spider = await admin.create_spider("patched", "python", command="python old.py", env={"A": "1"})
+        await admin.upload_package(spider, zip_files({"main.py": "", "new.py": ""}))
+        before = await admin.create_task(spider)
+        changed = await admin.update_spider(spider, command=["python", "new.py"], env={"B": "2"},
+                                            timeoutSeconds=30, framework="scrapy")
+        assert (changed["command"], changed["env"], changed["timeoutSeconds"], changed["framework"]) == (
+            ["python", "new.py"], {"B": "2"}, 30.0, "scrapy")
+        assert changed["name"] == "patched"  # fields not given are kept
+        after = await admin.create_task(spider)
+        tasks = {t: await admin.get_task(t) for t in (before, after)}
+        assert tasks[before]["command"] == "python old.py" and tasks[before]["env"] == {"A": "1"}
+        assert tasks[after]["command"] == ["python", "new.py"] and tasks[after]["env"] == {"B": "2"}
+        assert tasks[after]["framework"] == "scrapy" and tasks[after]["timeoutSeconds"] == 30.0
+        # null clears the command and the timeout: the framework's default applies again.
+        cleared = await admin.update_spider(spider, command=None, timeoutSeconds=None)
+        assert cleared["command"] is None and cleared["timeoutSeconds"] is None
+        for bad in ({"codeMode": "files"}, {"framework": "cobol"}, {"command": []}, {"env": {"A": 1}}):
+            with pytest.raises(AdminApiError) as info:
+                await admin.update_spider(spider, **bad)
+            assert info.value.status_code == 422, bad
+        with pytest.raises(AdminApiError) as info:
+            await admin.update_spider("no-such-spider", command="x")
+        assert info.value.status_code == 404

@@ -14,7 +14,8 @@ Node endpoints (``Authorization: Bearer <apiKey>``; registration uses ``X-Regist
 
 Admin endpoints (``Authorization: Bearer <admin token>``)::
 
-    POST /api/spiders, GET /api/spiders, GET /api/spiders/{id}, PUT /api/spiders/{id}/package,
+    POST /api/spiders, GET /api/spiders, GET /api/spiders/{id}, PATCH /api/spiders/{id},
+    PUT /api/spiders/{id}/package,
     POST /api/spiders/{id}/tasks, GET /api/tasks, GET /api/tasks/{id}, GET /api/tasks/{id}/logs,
     GET /api/tasks/{id}/items, POST /api/tasks/{id}/cancel, GET /api/nodes
 
@@ -218,6 +219,10 @@ def _opt_seconds(o: dict[str, Any], key: str) -> float | None:
     return float(value)
 
 
+SPIDER_PATCH_FIELDS = ("name", "framework", "command", "env", "timeoutSeconds")
+"""What ``PATCH /api/spiders/{id}`` may change."""
+
+
 def _command(o: dict[str, Any]) -> list[str] | str | None:
     value = o.get("command")
     if value is None or isinstance(value, str):
@@ -376,6 +381,31 @@ def create_app(
         admin_auth(request)
         return JSONResponse(await run(store.get_spider, request.path_params["spider_id"]))
 
+    async def update_spider(request: Request) -> Response:
+        """PATCH: change the fields given (command, env, timeoutSeconds, framework, name); tasks created
+        afterwards use them (a task already created keeps what it had)."""
+        admin_auth(request)
+        o = _obj(await _json_body(request))
+        unknown = sorted(set(o) - set(SPIDER_PATCH_FIELDS))
+        if unknown:
+            raise ProtocolError(unknown[0], f"cannot be changed; a PATCH may hold {', '.join(SPIDER_PATCH_FIELDS)}")
+        changes: dict[str, Any] = {}
+        if "name" in o:
+            if not isinstance(o["name"], str) or not o["name"].strip():
+                raise ProtocolError("name", "expected a non-empty string")
+            changes["name"] = o["name"]
+        if "framework" in o:
+            if o["framework"] not in FRAMEWORKS:
+                raise ProtocolError("framework", f"expected one of {', '.join(FRAMEWORKS)}")
+            changes["framework"] = o["framework"]
+        if "command" in o:
+            changes["command"] = _command(o)
+        if "timeoutSeconds" in o:
+            changes["timeout_seconds"] = _opt_seconds(o, "timeoutSeconds")
+        if "env" in o:
+            changes["env"] = _opt_str_map(o, "env")
+        return JSONResponse(await run(store.update_spider, request.path_params["spider_id"], changes))
+
     async def upload_package(request: Request) -> Response:
         admin_auth(request)
         spider_id = request.path_params["spider_id"]
@@ -478,6 +508,7 @@ def create_app(
         Route("/api/spiders", create_spider, methods=["POST"]),
         Route("/api/spiders", list_spiders, methods=["GET"]),
         Route("/api/spiders/{spider_id}", get_spider, methods=["GET"]),
+        Route("/api/spiders/{spider_id}", update_spider, methods=["PATCH"]),
         Route("/api/spiders/{spider_id}/package", upload_package, methods=["PUT"]),
         Route("/api/spiders/{spider_id}/tasks", create_task, methods=["POST"]),
         *demosite.routes(),

@@ -99,6 +99,12 @@ class AdminClient:
         }
         return str((await self._call("POST", "/api/spiders", json=body)).json()["id"])
 
+    async def update_spider(self, spider_id: str, **changes: Any) -> dict[str, Any]:
+        """PATCH a spider: ``command``, ``env``, ``timeoutSeconds``, ``framework``, ``name`` (camelCase
+        keys, as on the wire; ``None`` clears command/timeout). Returns the spider."""
+        result: dict[str, Any] = (await self._call("PATCH", f"/api/spiders/{spider_id}", json=changes)).json()
+        return result
+
     async def list_spiders(self) -> list[dict[str, Any]]:
         """Every spider."""
         result: list[dict[str, Any]] = (await self._call("GET", "/api/spiders")).json()
