@@ -6,7 +6,7 @@ Default commands (docs/protocol.md "Running a task")::
     scrapy      scrapy crawl <spiderName>          (needs scrapy.cfg at the project root)
     python, playwright, selenium
                 python main.py                     (needs main.py)
-    node        npm start        if package.json has scripts.start
+    node        npm start        if package.json has scripts.start (task args after "--")
                 node <main>      else if package.json has main
                 node index.js    else (needs one of the three)
 
@@ -80,7 +80,9 @@ def resolve_command(task: Task, code_dir: Path) -> tuple[list[str], str | None]:
                 f"nothing to run: a Node task runs package.json's scripts.start, else its main, else index.js; "
                 f"looked for {followed} in {where}. Add one, or give the spider a command"
             )
-        return argv + list(task.args), f"default command from {followed}"
+        # npm passes arguments to the script only after "--" (before it they are npm's own options).
+        extra = (["--", *task.args] if argv[0] == "npm" else list(task.args)) if task.args else []
+        return argv + extra, f"default command from {followed}: {' '.join(argv)}"
     if task.framework in DEFAULT_COMMANDS:
         argv = default_command(task)
         script = argv[1]
