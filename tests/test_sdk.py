@@ -597,3 +597,41 @@ def test_sdk_builds_a_pure_python_wheel_with_only_the_sdk(tmp_path: Path) -> Non
     assert "Version: 0.1.0" in metadata
     assert "Requires-Python: >=3.8" in metadata
     assert "Requires-Dist" not in metadata, "the SDK must have no dependencies"
+
+
+def test_scrapy_pipeline_steps_aside_when_a_feed_writes_the_items_file(tmp_path: Path) -> None:
+    items_file = tmp_path / "items.jsonl"
+    proc = ok(
+        run_python(
+            """
+            import json, os, sys, types
+            from crawlerkeeper_sdk.scrapy import CrawlerKeeperPipeline, _feeds_items_file
+
+            class Settings:
+                def __init__(self, feeds):
+                    self.feeds = feeds
+                def getdict(self, name):
+                    return json.loads(self.feeds) if isinstance(self.feeds, str) else self.feeds
+
+            # Scrapy is not installed here: a stand-in for scrapy.exceptions.NotConfigured.
+            exceptions = types.ModuleType("scrapy.exceptions")
+            class NotConfigured(Exception):
+                pass
+            exceptions.NotConfigured = NotConfigured
+            sys.modules["scrapy"] = types.ModuleType("scrapy")
+            sys.modules["scrapy.exceptions"] = exceptions
+            uri = "file://" + os.environ["CK_ITEMS_FILE"]
+            agent_feed = Settings(json.dumps({uri: {"format": "jsonlines"}}))  # as `-s FEEDS=...` gives it
+            try:
+                CrawlerKeeperPipeline.from_crawler(types.SimpleNamespace(settings=agent_feed))
+                print("kept")
+            except NotConfigured:
+                print("stepped aside")
+            other = types.SimpleNamespace(settings=Settings({"exports/%(name)s.csv": {"format": "csv"}}))
+            print(type(CrawlerKeeperPipeline.from_crawler(other)).__name__)
+            print(_feeds_items_file(Settings({os.environ["CK_ITEMS_FILE"]: {}})))
+            """,
+            CK_ITEMS_FILE=str(items_file),
+        )
+    )
+    assert proc.stdout.splitlines() == ["stepped aside", "CrawlerKeeperPipeline", "True"]

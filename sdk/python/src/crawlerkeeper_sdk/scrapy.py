@@ -11,7 +11,9 @@ any Scrapy-supported item (``scrapy.Item``, dict, dataclass, attrs class) into a
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Dict
+from urllib.parse import unquote, urlparse
 
 from crawlerkeeper_sdk import save_item
 
@@ -53,7 +55,20 @@ class CrawlerKeeperPipeline:
 
     Put it last (a high order number) if other pipelines clean or drop items first. Items pass
     through unchanged, so later pipelines and feed exports still see them.
+
+    When the crawl already has a feed to the task's items file (``FEEDS``, as an agent hands a
+    Scrapy project that does not use this pipeline), the pipeline steps aside, so no item is
+    written twice.
     """
+
+    @classmethod
+    def from_crawler(cls, crawler: Any) -> CrawlerKeeperPipeline:
+        """Scrapy's factory: raises ``NotConfigured`` when a feed already writes the items file."""
+        if _feeds_items_file(crawler.settings):
+            from scrapy.exceptions import NotConfigured
+
+            raise NotConfigured("a feed already writes the task's items file (CK_ITEMS_FILE)")
+        return cls()
 
     def process_item(self, item: Any, spider: Any = None) -> Any:
         """Save ``item`` (see :func:`crawlerkeeper_sdk.save_item`) and return it unchanged.
@@ -63,3 +78,22 @@ class CrawlerKeeperPipeline:
         """
         save_item(item_to_dict(item))
         return item
+
+
+def _feeds_items_file(settings: Any) -> bool:
+    """Whether Scrapy's ``FEEDS`` setting has a feed to the file named by ``CK_ITEMS_FILE``."""
+    items_file = os.environ.get("CK_ITEMS_FILE")
+    if not items_file:
+        return False
+    try:
+        feeds = settings.getdict("FEEDS")
+    except (TypeError, ValueError):
+        return False
+    target = os.path.abspath(items_file)
+    for uri in feeds:
+        path = str(uri)
+        if path.startswith("file://"):
+            path = unquote(urlparse(path).path)
+        if os.path.isabs(path) and os.path.abspath(path) == target:
+            return True
+    return False
