@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 import zipfile
 from collections.abc import Iterator
 from functools import partial
@@ -30,7 +31,7 @@ from test_deps import _QuietHandler, _wheel
 
 import ckagent
 from ckagent.commands import resolve_command, scrapy_feed_settings, with_scrapy_settings
-from ckagent.deps import Dependencies, IndexChooser, bundled_sdk_dir, python_plan, spider_base_env
+from ckagent.deps import Dependencies, DepsError, IndexChooser, bundled_sdk_dir, python_plan, spider_base_env
 from ckagent.envstore import MARKER, collect, mark_ready
 from ckagent.protocol import Task
 from ckagent.tails import TailBuffer, last_lines
@@ -395,3 +396,32 @@ async def test_node_sdk_helper_works_from_esm_and_commonjs(tmp_path: Path) -> No
     no_agent = await trio.run_process([node, "cjs.cjs"], cwd=tmp_path, capture_stdout=True, check=True,
                                       env={k: v for k, v in os.environ.items() if k != "CK_ITEMS_FILE"})
     assert no_agent.stdout == b'{"via":"cjs"}\n'
+
+
+async def test_deps_failure_carries_whole_lines(tmp_path: Path, index_url: str) -> None:
+    log = bytearray()
+    code = _code(tmp_path / "bad", {"requirements.txt": "ckdemo-dep==1.0\nckagent-no-such-package-xyz\n"})
+    with trio.fail_after(120), pytest.raises(DepsError) as caught:
+        await _deps(tmp_path, index_url).prepare("python", "bad", code, log.extend)
+    head, *lines = str(caught.value).splitlines()
+    assert head.startswith("uv pip install failed with exit code ") and head.endswith(":")
+    output_lines = {line.rstrip() for line in bytes(log).decode().splitlines()}
+    assert lines and all(line in output_lines for line in lines), (lines, output_lines)
+    assert "ckagent-no-such-package-xyz" in str(caught.value)
+
+
+def test_result_reports_the_phases_apart() -> None:
+    from ckagent.supervisor import RunningTask, TaskOutcome, _result
+
+    rt = RunningTask(task=_task("python"))
+    rt.phase_seconds.update(deploy=0.25, install=12.5)
+    now = time.time()
+    rt.started_at = now - 3.0
+    result = _result(rt, TaskOutcome("SUCCESS", exit_code=0), started_wall=now - 16.0)
+    assert (result.deploy_ms, result.install_ms) == (250, 12500)
+    assert result.run_ms is not None and 3000 <= result.run_ms < 3500
+    assert result.duration_ms is not None and 16000 <= result.duration_ms < 16500  # from the claim: all phases
+    wire = result.to_json()
+    assert wire["installMs"] == 12500 and wire["deployMs"] == 250
+    never_ran = _result(RunningTask(task=_task("python")), TaskOutcome("FAILED", "DEPLOY_FAILED", "x"), now)
+    assert never_ran.run_ms is None and "runMs" not in never_ran.to_json()
