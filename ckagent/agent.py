@@ -49,7 +49,7 @@ import trio
 from ckagent import __version__
 from ckagent.config import ConfigError, Settings
 from ckagent.delivery import Outbox, OutboxConfig, cleanup_task_dirs
-from ckagent.deps import Dependencies, IndexChooser, spider_base_env
+from ckagent.deps import Dependencies, IndexChooser, remove_legacy_environments, spider_base_env
 from ckagent.hardening import protect_agent_memory
 from ckagent.heartbeat import HeartbeatLoop
 from ckagent.logs import log_task_finished, setup_logging
@@ -175,6 +175,7 @@ class Agent:
             run_as=run_as,
             budget_bytes=s.deps.env_budget_bytes,
         )
+        await trio.to_thread.run_sync(remove_legacy_environments, self.work_dir)
         outbox = self.outbox = Outbox(self.master, store, self.work_dir, OutboxConfig(
             log_globs=tuple(g for g in s.task.log_files.split(",") if g),
             max_log_bytes=s.task.max_log_bytes, min_free_disk_bytes=s.task.min_free_disk_bytes,

@@ -41,6 +41,7 @@ is used when it is unreachable. Exceptions::
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import hashlib
 import io
@@ -53,7 +54,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -380,7 +381,13 @@ class Dependencies:
             prepared = Prepared()
         prepared.seconds = trio.current_time() - started
         if not prepared.cache_hit:
-            await self.store.collect()
+            collected = False
+            try:
+                await self.store.collect()
+                collected = True
+            finally:
+                if not collected:  # cancelled: the caller never gets the environment to release
+                    self.release(prepared)
         return prepared
 
     def release(self, prepared: Prepared) -> None:
@@ -411,13 +418,27 @@ class Dependencies:
         bin_dir = venv / "bin"
         prepared = Prepared(path_prefix=[str(bin_dir)], env={"VIRTUAL_ENV": str(venv)})
         async with self.store.lock(plan.key):
-            if not await trio.to_thread.run_sync(is_ready, venv, plan.key):
-                prepared.cache_hit = False
-                with self.store.building(venv):
-                    await self._build_python(venv, plan, overrides, code_dir, output, task_env)
-            self.store.acquire(venv)
-            prepared.env_dir = venv
+            with self._using(venv, prepared):
+                if not await trio.to_thread.run_sync(is_ready, venv, plan.key):
+                    prepared.cache_hit = False
+                    with self.store.building(venv):
+                        await self._build_python(venv, plan, overrides, code_dir, output, task_env)
         return prepared
+
+    @contextlib.contextmanager
+    def _using(self, env_dir: Path, prepared: Prepared) -> Iterator[None]:
+        """Mark ``env_dir`` in use before it is checked or built (collection never takes it from under
+        a starting task); on success it is ``prepared.env_dir``, on any failure the mark is dropped."""
+        self.store.acquire(env_dir)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            if ok:
+                prepared.env_dir = env_dir
+            else:
+                self.store.release(env_dir)
 
     async def _build_python(self, venv: Path, plan: PythonPlan, overrides: Path | None, code_dir: Path,
                             output: Callable[[bytes], None], task_env: dict[str, str]) -> None:
@@ -472,23 +493,22 @@ class Dependencies:
             return prepared
         install_dir = self.store.path("node", key)
         async with self.store.lock(key):
-            if not await trio.to_thread.run_sync(is_ready, install_dir, key):
-                prepared.cache_hit = False
-                with self.store.building(install_dir):
-                    npm = find_npm(path)
-                    if npm is None:
-                        raise DepsError(NPM_MISSING)
-                    env["PATH"] = path
-                    await trio.to_thread.run_sync(start_build, install_dir)
-                    lock = await trio.to_thread.run_sync(stage_node_manifest, code_dir, install_dir)
-                    if self._run_as is not None:
-                        await trio.to_thread.run_sync(_give_dirs, self._run_as, [install_dir])
-                    argv = [npm, "ci" if lock else "install", "--no-audit", "--no-fund", "--no-progress",
-                            "--no-update-notifier"]
-                    await self._run(argv, install_dir, env, output)
-                    await trio.to_thread.run_sync(_finish_node_env, install_dir, key)
-            self.store.acquire(install_dir)
-            prepared.env_dir = install_dir
+            with self._using(install_dir, prepared):
+                if not await trio.to_thread.run_sync(is_ready, install_dir, key):
+                    prepared.cache_hit = False
+                    with self.store.building(install_dir):
+                        npm = find_npm(path)
+                        if npm is None:
+                            raise DepsError(NPM_MISSING)
+                        env["PATH"] = path
+                        await trio.to_thread.run_sync(start_build, install_dir)
+                        lock = await trio.to_thread.run_sync(stage_node_manifest, code_dir, install_dir)
+                        if self._run_as is not None:
+                            await trio.to_thread.run_sync(_give_dirs, self._run_as, [install_dir])
+                        argv = [npm, "ci" if lock else "install", "--no-audit", "--no-fund", "--no-progress",
+                                "--no-update-notifier"]
+                        await self._run(argv, install_dir, env, output)
+                        await trio.to_thread.run_sync(_finish_node_env, install_dir, key)
         await trio.to_thread.run_sync(link_node_modules, code_dir, install_dir / "node_modules")
         return prepared
 
@@ -572,6 +592,22 @@ class Dependencies:
         if result is None or result.returncode != 0:
             code = None if result is None else result.returncode
             raise DepsError(f"{name} failed with exit code {code}:\n{last_lines(tail.text())}")
+
+
+LEGACY_DIRS = ("venvs", "node")
+"""Per-spider environment roots of agents before content-addressed environments (``work_dir/envs``)."""
+
+
+def remove_legacy_environments(work_dir: Path) -> list[Path]:
+    """Remove the per-spider environments older agents left in ``work_dir`` (blocking; never raises)."""
+    removed = []
+    for name in LEGACY_DIRS:
+        path = work_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+            log.info("removed %s: environments are content-addressed under %s now", path, work_dir / "envs")
+    return removed
 
 
 def _finish_node_env(install_dir: Path, key: str) -> None:

@@ -27,6 +27,7 @@ import os
 import shutil
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import trio
@@ -73,9 +74,13 @@ class EnvStore:
         if self._in_use[path] <= 0:
             del self._in_use[path]
 
-    def protected(self) -> set[Path]:
-        """Environments collection must not touch now: in use or being built."""
-        return set(self._in_use) | set(self._building)
+    def is_protected(self, path: Path) -> bool:
+        """Whether collection must leave ``path`` alone now (in use or being built).
+
+        Read from the collection thread right before each removal: a task marks its environment in
+        use *before* checking that it is ready, so a removal and a new use never cross.
+        """
+        return path in self._in_use or path in self._building
 
     async def collect(self) -> list[Path]:
         """Remove least recently used ready environments over the budget, and abandoned builds.
@@ -85,7 +90,7 @@ class EnvStore:
         """
         if self.budget_bytes <= 0:
             return []
-        return await trio.to_thread.run_sync(collect, self.root, self.budget_bytes, self.protected())
+        return await trio.to_thread.run_sync(collect, self.root, self.budget_bytes, self.is_protected)
 
 
 class _Building:
@@ -154,13 +159,21 @@ def dir_size_bytes(path: Path) -> int:
     return total
 
 
-def collect(root: Path, budget_bytes: int, protected: set[Path]) -> list[Path]:
+ABANDONED_AGE = 3600.0
+"""Seconds after which a directory without a marker counts as an abandoned build (collection removes it)."""
+
+
+def collect(root: Path, budget_bytes: int, protected: Callable[[Path], bool] | set[Path],
+            now: float | None = None) -> list[Path]:
     """Keep the ready environments under ``root`` within ``budget_bytes`` (blocking; see EnvStore.collect).
 
-    Abandoned builds (no marker, not protected) go first; then ready environments, least recently
-    used (marker mtime) first, until the rest fits. Protected paths are never removed, even if the
+    Abandoned builds (no marker, untouched for ABANDONED_AGE seconds, not protected) go first; then
+    ready environments, least recently used (marker mtime) first, until the rest fits. A protected
+    path (``protected(path)`` true, asked right before its removal) is never removed, even if the
     budget stays exceeded.
     """
+    is_protected = protected.__contains__ if isinstance(protected, set) else protected
+    now = time.time() if now is None else now
     removed: list[Path] = []
     ready: list[tuple[float, int, Path]] = []
     try:
@@ -168,12 +181,17 @@ def collect(root: Path, budget_bytes: int, protected: set[Path]) -> list[Path]:
     except OSError:
         return removed
     for entry in entries:
-        if entry.name.startswith(".") or not entry.is_dir() or entry.is_symlink() or entry in protected:
+        if entry.name.startswith(".") or not entry.is_dir() or entry.is_symlink():
             continue
         marker = read_marker(entry)
         if marker is None:
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
+            try:
+                idle = now - entry.stat().st_mtime
+            except OSError:
+                continue
+            if idle > ABANDONED_AGE and not is_protected(entry):
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry)
             continue
         try:
             used = (entry / MARKER).stat().st_mtime
@@ -181,12 +199,12 @@ def collect(root: Path, budget_bytes: int, protected: set[Path]) -> list[Path]:
             continue
         size = marker.get("sizeBytes")
         ready.append((used, size if isinstance(size, int) else 0, entry))
-    total = sum(size for _, size, _ in ready) + sum(
-        _marker_size(p) for p in protected if p.parent == root
-    )
+    total = sum(size for _, size, _ in ready)
     for _used, size, entry in sorted(ready):
         if total <= budget_bytes:
             break
+        if is_protected(entry):
+            continue
         log.info("removing dependency environment %s (%d bytes, least recently used; budget %d bytes)",
                  entry.name, size, budget_bytes)
         shutil.rmtree(entry, ignore_errors=True)
@@ -194,8 +212,3 @@ def collect(root: Path, budget_bytes: int, protected: set[Path]) -> list[Path]:
         total -= size
     return removed
 
-
-def _marker_size(env_dir: Path) -> int:
-    marker = read_marker(env_dir)
-    size = marker.get("sizeBytes") if marker else None
-    return size if isinstance(size, int) else 0

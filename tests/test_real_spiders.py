@@ -205,11 +205,20 @@ def test_collection_keeps_the_budget_least_recently_used_first(tmp_path: Path) -
         sizes[name] = mark_ready(env, name, "py")
         os.utime(env / MARKER, (1000 + n, 1000 + n))
     os.utime(root / "py-busy" / MARKER, (1, 1))  # the oldest, but in use
-    (root / "py-broken").mkdir()  # a build that never finished
+    (root / "py-broken").mkdir()  # a build that never finished, long ago
+    os.utime(root / "py-broken", (1, 1))
+    (root / "py-building").mkdir()  # a build going on now (no marker yet): left alone
     budget = sizes["py-new"] + sizes["py-busy"] + 10
-    removed = collect(root, budget, {root / "py-busy"})
+    asked: list[str] = []
+
+    def busy(path: Path) -> bool:
+        asked.append(path.name)
+        return path.name == "py-busy"
+
+    removed = collect(root, budget, busy)
     assert sorted(p.name for p in removed) == ["py-broken", "py-mid", "py-old"]
-    assert sorted(p.name for p in root.iterdir()) == ["py-busy", "py-new"]
+    assert sorted(p.name for p in root.iterdir()) == ["py-building", "py-busy", "py-new"]
+    assert "py-busy" in asked  # asked right before removal, not from a snapshot
 
 
 # --------------------------------------------------------------------------- working copies, packages
@@ -425,3 +434,13 @@ def test_result_reports_the_phases_apart() -> None:
     assert wire["installMs"] == 12500 and wire["deployMs"] == 250
     never_ran = _result(RunningTask(task=_task("python")), TaskOutcome("FAILED", "DEPLOY_FAILED", "x"), now)
     assert never_ran.run_ms is None and "runMs" not in never_ran.to_json()
+
+
+def test_legacy_per_spider_environments_are_removed(tmp_path: Path) -> None:
+    from ckagent.deps import remove_legacy_environments
+
+    (tmp_path / "venvs" / "spider-1" / "bin").mkdir(parents=True)
+    (tmp_path / "node" / "spider-2").mkdir(parents=True)
+    (tmp_path / "envs" / "py-abc").mkdir(parents=True)
+    assert sorted(p.name for p in remove_legacy_environments(tmp_path)) == ["node", "venvs"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["envs"]
