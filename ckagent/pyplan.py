@@ -88,8 +88,11 @@ def sdk_wheel(root: Path) -> tuple[str, Path] | None:
         with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as zf:
             for name, data in [*members, (f"{dist}/RECORD", ("\n".join(record) + "\n").encode())]:
                 zf.writestr(zipfile.ZipInfo(name, (1980, 1, 1, 0, 0, 0)), data)
-        wheel.write_bytes(buffer.getvalue())
-        tmp = overrides.with_suffix(".tmp")
+        # Written aside and renamed: a uv run of another task may be reading the wheel already.
+        tmp_wheel = out / f".{wheel.name}.{os.getpid()}.{id(buffer)}.tmp"
+        tmp_wheel.write_bytes(buffer.getvalue())
+        os.replace(tmp_wheel, wheel)
+        tmp = out / f".overrides.{os.getpid()}.{id(buffer)}.tmp"
         tmp.write_text(f"{SDK_DISTRIBUTION} @ {wheel.as_uri()}\n")
         os.replace(tmp, overrides)
     return f"{version}+{tag}", overrides
