@@ -1,26 +1,47 @@
 """The agent's one long-lived connection to the master: auth, error classification, retries.
 
-Every call goes through :meth:`MasterClient.call`, which classifies the outcome once:
+Every call goes through :meth:`MasterClient.call` (or :meth:`MasterClient.download`), which
+classifies what came back once, into one exception tree (translated with ``raise … from exc``)::
 
     MasterError
-    ├── MasterUnavailable    transport error, timeout, 429 or 5xx — retry with backoff + jitter
-    ├── MasterRejected       any other 4xx (after a 401 was answered by re-registering once)
-    │   └── MasterConflict   409 — the master refuses a claim or wants a resend (``.body``)
-    └── RegistrationRefused  the master refused registration for good (4xx other than 401/429)
+    ├── MasterUnavailable        transport error, timeout, 429 or 5xx — retry with backoff + jitter
+    │   └── MasterProtocolError  a 2xx (or 1xx/3xx) whose body is not what the protocol says for
+    │                            that call: not JSON, truncated, or the wrong shape (checked with
+    │                            the types of ckagent.protocol) — a captive portal, a misrouted
+    │                            proxy; retried like an unavailable master
+    ├── MasterRejected           any other 4xx: that request fails (logged); a 401 was first
+    │   │                        answered by registering again, once
+    │   └── MasterConflict       409 — a protocol conflict its caller handles (a claim lost, a
+    │                            result that disagrees, a sequence gap: ``.body['expectedSeq']``)
+    └── RegistrationRefused      the master refused registration for good (4xx other than 401/429)
 
-Retrying is the caller's choice: :meth:`MasterClient.call_retrying` retries MasterUnavailable with
-stamina's exponential backoff and jitter (forever unless ``attempts``/``timeout`` say otherwise).
-Connectivity changes are logged once per change ("master unreachable …" / "reachable again after
-N attempts, T s"), not once per attempt. Secrets never appear in a message: errors quote the
-endpoint name and status, not headers.
+Nothing else leaves this module for an answer of the network: ``httpx`` errors, ``JSONDecodeError``
+and ProtocolError are all translated. Retrying is the caller's choice: :meth:`MasterClient.call_retrying`
+retries MasterUnavailable (so also MasterProtocolError) with stamina's exponential backoff and
+jitter (forever unless ``attempts``/``retry_timeout`` say otherwise); registration 401 (a wrong
+``AGENT_REGISTRATION_TOKEN``, or one the master does not know yet) is retried the same way.
+
+**One log line per episode.** :class:`Connectivity` keeps the trouble of each endpoint; the first
+failure of a kind logs one WARNING line saying what was answered (status, content type, the first
+bytes: "master answers 200 text/html to heartbeat: not the node protocol (…)"), the end of it one
+INFO line ("… again after N failed attempts, T s"); retries in between log nothing. The current
+trouble is :attr:`Connectivity.problem`, which /readyz shows. Secrets never appear in a message:
+errors quote the endpoint name, status and body head with the token and key masked, never headers.
+
+**URLs.** A path (or a URL relative to ``server.url``, e.g. ``/api/packages/…`` or
+``api/packages/…``) is resolved against ``server.url``, so a master behind a proxy or an ingress
+with a path prefix works. The API key goes to the master's origin only; a URL on another origin
+(object storage, a CDN) gets no key, and its 401/403 is reported as that origin's refusal, not as
+the master's (no re-registration).
 """
 
 from __future__ import annotations
 
+import json as jsonlib
 import logging
 import ssl
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -28,8 +49,15 @@ import stamina
 import trio
 
 from ckagent.protocol import ProtocolError, RegisterRequest, RegisterResponse
+from ckagent.protocol._fields import req_object
 
 log = logging.getLogger(__name__)
+
+HEAD_BYTES = 64
+"""How many leading bytes of an unexpected answer its message quotes."""
+STALE_TROUBLE = 90.0
+"""Seconds after which an endpoint's open trouble (a protocol error or a refusal) that was not tried
+again is forgotten once other calls succeed (its caller gave up, e.g. a claim past its retry time)."""
 
 
 class MasterError(Exception):
@@ -40,15 +68,31 @@ class MasterUnavailable(MasterError):
     """The master could not be reached or answered 429/5xx: worth retrying later."""
 
 
-class MasterRejected(MasterError):
-    """The master answered a 4xx that retrying will not fix. ``status`` and decoded ``body``."""
+class MasterProtocolError(MasterUnavailable):
+    """A 2xx whose body is not the protocol's answer for that call (not JSON, truncated, wrong shape).
 
-    def __init__(self, endpoint: str, status: int, body: Any, *, secrets: tuple[str, ...] = ()) -> None:
+    ``answered`` says what came back (status, content type, first bytes). Retried like an
+    unavailable master: what stands between the agent and the master is not the master yet.
+    """
+
+    def __init__(self, message: str, answered: Answered) -> None:
+        super().__init__(message)
+        self.answered = answered
+
+
+class MasterRejected(MasterError):
+    """The master answered a 4xx that retrying will not fix. ``status`` and decoded ``body``.
+
+    ``message`` replaces the default text ("<endpoint>: master answered <status> (<error>)").
+    """
+
+    def __init__(self, endpoint: str, status: int, body: Any, *, secrets: tuple[str, ...] = (),
+                 message: str | None = None) -> None:
         self.endpoint = endpoint
         self.status = status
         self.body = body
         detail = body.get("error") if isinstance(body, dict) else None
-        text = f"{endpoint}: master answered {status}" + (f" ({detail})" if detail else "")
+        text = message or f"{endpoint}: master answered {status}" + (f" ({detail})" if detail else "")
         super().__init__(_redact(text, secrets))
 
 
@@ -60,41 +104,165 @@ class RegistrationRefused(MasterError):
     """Registration failed for good (bad request, forbidden, ...); the agent cannot start."""
 
 
+# ---------------------------------------------------------------------------------------------- episodes
+
+
+@dataclass(frozen=True)
+class Answered:
+    """What came back for one request, for messages: HTTP status, media type, the first bytes."""
+
+    status: int
+    content_type: str
+    head: bytes
+
+    @classmethod
+    def of(cls, response: httpx.Response, body: bytes, secrets: tuple[str, ...] = ()) -> Answered:
+        """From a response and (the start of) its body; secrets in the body head are masked."""
+        media = response.headers.get("content-type", "").split(";")[0].strip() or "without content type"
+        head = body[:HEAD_BYTES]
+        for secret in secrets:
+            if secret:
+                head = head.replace(secret.encode(), b"***")
+        return cls(response.status_code, media, head)
+
+    def __str__(self) -> str:
+        more = "…" if len(self.head) >= HEAD_BYTES else ""
+        return f"{self.status} {self.content_type}" + (f", first bytes {self.head!r}{more}" if self.head else
+                                                       ", empty body")
+
+
+@dataclass(frozen=True)
+class Trouble:
+    """One failed call, classified: ``kind`` is unreachable (transport error, timeout), unavailable
+    (429/5xx), protocol (a 2xx that is not the protocol), unauthorized (registration 401) or
+    rejected (other 4xx). ``text`` is the one-line cause; ``key`` identifies its episode."""
+
+    kind: str
+    endpoint: str
+    text: str
+    key: tuple[Any, ...]
+
+
+_DOWN_KINDS = frozenset({"unreachable", "unavailable", "protocol", "unauthorized"})
+"""Kinds that mean "the master is not answering in the protocol": ``Connectivity.up`` goes False."""
+_GLOBAL_KINDS = frozenset({"unreachable", "unavailable"})
+"""Kinds any successful call ends (the master answers again); the others end with their endpoint's success."""
+_DOWN = ("down",)
+"""The one episode of transport errors, timeouts, 429 and 5xx: a master that is away, whatever the mix."""
+_NODE_ENDPOINTS = frozenset({"register", "heartbeat", "poll"})
+"""Endpoints whose refusals concern the node itself (the others concern one task): /readyz shows them."""
+
+
+@dataclass
+class _Open:
+    trouble: Trouble
+    last: float
+
+
+@dataclass
+class _Episode:
+    trouble: Trouble
+    started: float
+    failures: int = 1
+
+
 @dataclass
 class Connectivity:
-    """Tracks up/down of the master so retries are logged once per state change.
+    """The master's health as this agent sees it: one episode per kind of trouble, logged at its start
+    and its end (see module docstring), not per attempt.
 
-    ``on_change(up)`` (optional) is called on each transition — metrics and /readyz use it.
+    ``up`` is False while a call fails for a reason of :data:`_DOWN_KINDS`; ``on_change(up)`` (optional)
+    is called on each transition; ``failures`` counts the failed attempts since the last time it was
+    up. :attr:`problem` is the current cause, for /readyz.
     """
 
     up: bool = True
     failures: int = 0
     down_since: float = 0.0
     on_change: Callable[[bool], None] | None = None
+    _open: dict[str, _Open] = field(default_factory=dict)
+    _episodes: dict[tuple[Any, ...], _Episode] = field(default_factory=dict)
 
-    def failed(self, what: str, reason: str) -> None:
-        """Record a failed attempt; logs only on the up → down transition."""
-        self.failures += 1
-        if self.up:
-            self.up = False
-            self.down_since = trio.current_time()
-            log.warning("master unreachable (%s: %s); retrying with backoff", what, reason)
-            if self.on_change:
-                self.on_change(False)
+    def failed(self, trouble: Trouble) -> None:
+        """Record a failed attempt; logs only when it starts an episode."""
+        now = trio.current_time()
+        previous = self._open.get(trouble.endpoint)
+        self._open[trouble.endpoint] = _Open(trouble, now)
+        episode = self._episodes.get(trouble.key)
+        if episode is None:
+            self._episodes[trouble.key] = _Episode(trouble, now)
+            retry = "" if trouble.kind == "rejected" else "; retrying with backoff"
+            log.warning("%s%s", trouble.text, retry)
+        else:
+            episode.failures += 1
+        if previous is not None and previous.trouble.key != trouble.key:
+            self._maybe_end(previous.trouble.key, now)
+        if trouble.kind in _DOWN_KINDS:
+            self.failures += 1
+            if self.up:
+                self.up = False
+                self.down_since = now
+                if self.on_change:
+                    self.on_change(False)
 
-    def succeeded(self) -> None:
-        """Record a success; logs only on the down → up transition."""
-        if not self.up:
-            took = trio.current_time() - self.down_since
-            log.info("master reachable again after %d failed attempts, %.1f s", self.failures, took)
+    def succeeded(self, endpoint: str = "") -> None:
+        """Record a call of ``endpoint`` the master answered in the protocol (a 409 counts); logs only
+        when that ends an episode."""
+        now = trio.current_time()
+        ended = []
+        mine = self._open.pop(endpoint, None)
+        if mine is not None:
+            ended.append(mine.trouble.key)
+        for name, entry in list(self._open.items()):
+            if entry.trouble.kind in _GLOBAL_KINDS or now - entry.last > STALE_TROUBLE:
+                del self._open[name]
+                ended.append(entry.trouble.key)
+        for key in ended:
+            self._maybe_end(key, now)
+        if not self.up and not any(e.trouble.kind in _DOWN_KINDS for e in self._open.values()):
             self.up = True
+            self.failures = 0
             if self.on_change:
                 self.on_change(True)
-        self.failures = 0
+
+    @property
+    def problem(self) -> str | None:
+        """The cause of the oldest open episode that concerns the node (one line), or None."""
+        causes = [
+            (episode.started, episode.trouble.text) for episode in self._episodes.values()
+            if episode.trouble.kind != "rejected" or episode.trouble.endpoint in _NODE_ENDPOINTS
+        ]
+        return min(causes)[1] if causes else None
+
+    def problem_age(self) -> float:
+        """Seconds since the episode of :attr:`problem` started (0 when there is none)."""
+        starts = [e.started for e in self._episodes.values()
+                  if e.trouble.kind != "rejected" or e.trouble.endpoint in _NODE_ENDPOINTS]
+        return trio.current_time() - min(starts) if starts else 0.0
+
+    def _maybe_end(self, key: tuple[Any, ...], now: float) -> None:
+        if any(entry.trouble.key == key for entry in self._open.values()):
+            return
+        episode = self._episodes.pop(key, None)
+        if episode is None:
+            return
+        t = episode.trouble
+        attempts = f"after {episode.failures} failed attempt{'s' if episode.failures != 1 else ''}, " \
+                   f"{now - episode.started:.1f} s"
+        if t.kind in _GLOBAL_KINDS:
+            log.info("master reachable again %s", attempts)
+        elif t.kind == "protocol":
+            log.info("master answers %s in the node protocol again %s", t.endpoint, attempts)
+        elif t.kind == "unauthorized":
+            log.info("registration token accepted %s", attempts)
+        else:
+            log.info("master accepts %s again %s", t.endpoint, attempts)
 
 
 RequestObserver = Callable[[str, str, float], None]
-"""``observer(endpoint, outcome, seconds)``: metrics hook called once per HTTP attempt."""
+"""``observer(endpoint, outcome, seconds)``: metrics hook called once per HTTP attempt; ``outcome`` is
+``ok``, ``error`` (transport error or timeout), ``protocol_error`` (a 2xx that is not the protocol)
+or the HTTP status."""
 
 
 class MasterClient:
@@ -156,8 +324,9 @@ class MasterClient:
     async def register(self) -> RegisterResponse:
         """Register until the master answers; returns the node id and key (also kept here).
 
-        Transport errors, 401 (token not accepted yet), 429 and 5xx are retried forever with
-        backoff; any other 4xx raises RegistrationRefused with the master's reason. Cancellation
+        Transport errors, 401 (token not accepted, or not yet), 429, 5xx and an answer that is not
+        the protocol's (MasterProtocolError) are retried forever with backoff, each kind logged once
+        (see :class:`Connectivity`); any other 4xx raises RegistrationRefused with the master's reason. Cancellation
         stops the retries.
         """
         generation = self._key_generation
@@ -178,19 +347,22 @@ class MasterClient:
         body = self._register_body().to_json()
         response = await self._send("register", "POST", "/api/nodes/register", json=body,
                                     headers={"X-Registration-Token": self._token})
-        if response.status_code == 401:
-            self.connectivity.failed("register", "registration token not accepted (401)")
+        status = response.status_code
+        if status == 401:
+            self._observe("register", "401", response)
+            self._trouble("unauthorized", "register", ("unauthorized",),
+                          "registration refused: 401, check AGENT_REGISTRATION_TOKEN (the master does not "
+                          "accept this node's registration token)")
             raise MasterUnavailable("register: registration token not accepted (401)")
-        if 400 <= response.status_code < 500:
-            reason = _redact(_error_text(response), (self._token,))
+        if 400 <= status < 500 and status != 429:
+            self._observe("register", str(status), response)
+            reason = _redact(_error_text(response), self._secrets())
+            self.connectivity.succeeded("register")
             raise RegistrationRefused(
-                f"the master refused registration with {response.status_code}: {reason}; "
+                f"the master refused registration with {status}: {reason}; "
                 "check server.url and the agent section of the config"
             )
-        try:
-            return RegisterResponse.from_json(response.json())
-        except (ValueError, ProtocolError) as exc:
-            raise MasterUnavailable(f"register: unreadable answer: {exc}") from exc
+        return self._answer("register", response, RegisterResponse.from_json)
 
     # ------------------------------------------------------------------ calls
 
@@ -200,21 +372,27 @@ class MasterClient:
         method: str,
         path: str,
         *,
+        answer: Callable[[Any], Any] | None = None,
         json: Any = None,
         content: bytes | None = None,
         params: dict[str, Any] | None = None,
         read_timeout: float | None = None,
-        raw: bool = False,
     ) -> Any:
-        """One authenticated request; returns the decoded JSON (or the response when ``raw``).
+        """One authenticated request; returns the decoded answer.
+
+        ``answer`` is the protocol's reader for this call's 2xx body (``HeartbeatResponse.from_json``,
+        ``SeqAccepted.from_json``, …): it gets the decoded JSON (None for an empty body) and returns
+        what ``call`` returns, or raises ProtocolError/ValueError. Without it the body must be empty or
+        JSON, and the decoded JSON (or None) is returned. A body that fails either way raises
+        MasterProtocolError.
 
         The body is ``json`` (encoded here) or ``content``: JSON already encoded (UTF-8 bytes), sent
         as it is with ``Content-Type: application/json`` (a stream batch is encoded once, by its reader).
 
         ``path`` may contain ``{node}``, replaced by the node id. A 401 re-registers once and
-        retries. Raises MasterUnavailable, MasterConflict, MasterRejected (see module docstring).
-        ``read_timeout`` overrides the request timeout (seconds; the long poll needs more).
-        Cancellation abandons the request.
+        retries. Raises MasterUnavailable (MasterProtocolError), MasterConflict, MasterRejected (see
+        module docstring). ``read_timeout`` overrides the request timeout (seconds; the long poll
+        needs more). Cancellation abandons the request.
         """
         if not self.registered:
             await self.register()
@@ -230,7 +408,8 @@ class MasterClient:
                 endpoint, method, target, json=json, content=content, params=params, headers=headers,
                 read_timeout=read_timeout,
             )
-            if response.status_code == 401 and not second_try:
+            if response.status_code == 401 and not second_try and self._same_origin(target):
+                self._observe(endpoint, "401", response)
                 log.warning("%s: master answered 401; registering again", endpoint)
                 if generation == self._key_generation:
                     self._api_key = None
@@ -238,16 +417,58 @@ class MasterClient:
                 continue
             break
         status = response.status_code
-        if 200 <= status < 300:
-            self.connectivity.succeeded()
-            if raw:
-                return response
-            return response.json() if response.content else None
-        body = _json_or_none(response)
-        secrets = (self._token, self._api_key or "")
+        if 400 <= status < 500:
+            self._observe(endpoint, str(status), response)
+            self._rejected(endpoint, target, response, _json_or_none(response), response.content)
+        return self._answer(endpoint, response, answer)
+
+    def _answer(self, endpoint: str, response: httpx.Response, reader: Callable[[Any], Any] | None) -> Any:
+        """Classify a response that is not 429/5xx/4xx: decode and read its body, or raise
+        MasterProtocolError (observed and recorded here)."""
+        body = response.content
+        problem: str | None = None
+        if not 200 <= response.status_code < 300:
+            problem = "not a 2xx answer"
+        else:
+            try:
+                decoded = jsonlib.loads(body) if body.strip() else None
+            except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+                truncated = isinstance(exc, jsonlib.JSONDecodeError) and exc.pos >= len(exc.doc.rstrip())
+                problem = "truncated JSON" if truncated and body.lstrip()[:1] in (b"{", b"[") else "not JSON"
+            else:
+                try:
+                    value = reader(decoded) if reader is not None else decoded
+                except (ProtocolError, ValueError, TypeError, KeyError) as exc:
+                    problem = f"wrong shape: {exc}"
+                else:
+                    self._observe(endpoint, "ok", response)
+                    self.connectivity.succeeded(endpoint)
+                    return value
+        answered = Answered.of(response, body, self._secrets())
+        self._observe(endpoint, "protocol_error", response)
+        text = (f"master answers {answered.status} {answered.content_type} to {endpoint}: not the node "
+                f"protocol ({problem}; {answered})")
+        text = _redact(text, self._secrets())
+        self._trouble("protocol", endpoint, ("protocol", answered.status, answered.content_type), text)
+        raise MasterProtocolError(text, answered)
+
+    def _rejected(self, endpoint: str, target: str, response: httpx.Response, body: Any, head: bytes) -> None:
+        """Raise the MasterRejected (MasterConflict) for a 4xx other than 429; recorded here."""
+        status = response.status_code
+        secrets = self._secrets()
         if status == 409:
+            self.connectivity.succeeded(endpoint)  # the master answered in the protocol's own words
             raise MasterConflict(endpoint, status, body, secrets=secrets)
-        raise MasterRejected(endpoint, status, body, secrets=secrets)
+        if not self._same_origin(target):
+            origin = _origin(httpx.URL(target))
+            text = (f"{endpoint}: {origin} answered {status} ({Answered.of(response, head, secrets)}); it is not "
+                    f"the master's origin ({_origin(httpx.URL(self._base_url))}), so no API key was sent: "
+                    "the URL must be public (or pre-signed), or on the master (a relative URL)")
+            self._trouble("rejected", endpoint, ("rejected", endpoint, status, origin), _redact(text, secrets))
+            raise MasterRejected(endpoint, status, body, secrets=secrets, message=text)
+        error = MasterRejected(endpoint, status, body, secrets=secrets)
+        self._trouble("rejected", endpoint, ("rejected", endpoint, status), f"master answers {error}")
+        raise error
 
     def _same_origin(self, target: str) -> bool:
         """True for a relative path or an absolute URL on the master's scheme, host and port."""
@@ -286,57 +507,65 @@ class MasterClient:
         *,
         read_timeout: float | None = None,
     ) -> int:
-        """GET ``url`` (a path or an absolute URL) and hand the body to ``sink`` chunk by chunk as it arrives.
+        """GET ``url`` (a path, a URL relative to ``server.url`` or an absolute URL) and hand the body to
+        ``sink`` chunk by chunk as it arrives.
 
         Nothing is buffered here: ``sink`` writes and enforces its caps (it may raise to abort; its
         exception propagates unchanged). Returns the bytes received. Auth, the 401 re-registration and
         the error classes are those of :meth:`call` (the key goes to the master's origin only;
-        redirects are followed, httpx drops the key on a cross-origin hop); a transport error mid-body
-        is MasterUnavailable, so a retrying caller must restart its sink. Cancellation abandons it.
+        redirects are followed, httpx drops the key on a cross-origin hop; a 401/403 from another
+        origin is that origin's refusal: MasterRejected saying so, no re-registration); a transport
+        error mid-body is MasterUnavailable, so a retrying caller must restart its sink. The body is
+        not checked here (the caller checks size and sha256). Cancellation abandons it.
         """
         if not self.registered:
             await self.register()
         for second_try in (False, True):
             generation = self._key_generation
-            headers = {"Authorization": f"Bearer {self._api_key}"} if self._same_origin(url) else {}
+            same_origin = self._same_origin(url)
+            headers = {"Authorization": f"Bearer {self._api_key}"} if same_origin else {}
             started = trio.current_time()
             try:
                 async with self._client.stream(
                     "GET", url, headers=headers, timeout=read_timeout or self._timeout, follow_redirects=True
                 ) as response:
                     status = response.status_code
-                    if status == 401 and not second_try:
+                    final_same_origin = same_origin and self._same_origin(str(response.url))
+                    if status == 401 and not second_try and final_same_origin:
+                        self._observe(endpoint, "401", started)
                         log.warning("%s: master answered 401; registering again", endpoint)
                         if generation == self._key_generation:
                             self._api_key = None
                         await self.register()
                         continue
                     if status == 429 or status >= 500:
-                        self._observe(endpoint, str(status), started)
-                        self.connectivity.failed(endpoint, f"HTTP {status}")
-                        raise MasterUnavailable(f"{endpoint}: master answered {status}")
-                    if not 200 <= status < 300:
-                        self._observe(endpoint, str(status), started)
                         await response.aread()
-                        cls = MasterConflict if status == 409 else MasterRejected
-                        raise cls(endpoint, status, _json_or_none(response),
-                                  secrets=(self._token, self._api_key or ""))
+                        self._unavailable(endpoint, response, started)
+                    if not 200 <= status < 300:
+                        await response.aread()
+                        response.extensions["ckagent_started"] = started
+                        if 400 <= status < 500:
+                            self._observe(endpoint, str(status), started)
+                            target = url if final_same_origin or not same_origin else str(response.url)
+                            self._rejected(endpoint, target, response, _json_or_none(response), response.content)
+                        self._answer(endpoint, response, None)  # 1xx/3xx: raises MasterProtocolError
                     received = 0
                     async for chunk in response.aiter_bytes():
                         received += len(chunk)
                         await sink(chunk)
             except httpx.TransportError as exc:
                 self._observe(endpoint, "error", started)
-                self.connectivity.failed(endpoint, type(exc).__name__)
-                raise MasterUnavailable(f"{endpoint}: {type(exc).__name__}: {exc}") from exc
+                self._unreachable(endpoint, exc)
             self._observe(endpoint, "ok", started)
-            self.connectivity.succeeded()
+            self.connectivity.succeeded(endpoint)
             return received
         raise MasterRejected(endpoint, 401, None)
 
     async def _send(
         self, endpoint: str, method: str, path: str, *, read_timeout: float | None = None, **kwargs: Any
     ) -> httpx.Response:
+        """Send one request; raises MasterUnavailable for a transport error, a timeout, 429 or 5xx
+        (observed and recorded here). Any other answer is returned for the caller to classify."""
         started = trio.current_time()
         try:
             response = await self._client.request(method, path, timeout=read_timeout or self._timeout, **kwargs)
@@ -346,23 +575,57 @@ class MasterClient:
             old, self._client = self._client, self._new_client()
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 await old.aclose()
-            self.connectivity.failed(endpoint, "connection pool timeout")
-            raise MasterUnavailable(f"{endpoint}: connection pool timeout") from exc
+            self._unreachable(endpoint, exc, "connection pool timeout")
         except httpx.TransportError as exc:
             self._observe(endpoint, "error", started)
-            self.connectivity.failed(endpoint, type(exc).__name__)
-            raise MasterUnavailable(f"{endpoint}: {type(exc).__name__}: {exc}") from exc
+            self._unreachable(endpoint, exc)
         status = response.status_code
         if status == 429 or status >= 500:
-            self._observe(endpoint, str(status), started)
-            self.connectivity.failed(endpoint, f"HTTP {status}")
-            raise MasterUnavailable(f"{endpoint}: master answered {status}")
-        self._observe(endpoint, "ok" if status < 400 else str(status), started)
+            self._unavailable(endpoint, response, started)
+        response.extensions["ckagent_started"] = started
         return response
 
-    def _observe(self, endpoint: str, outcome: str, started: float) -> None:
+    def _unreachable(self, endpoint: str, exc: Exception, reason: str | None = None) -> None:
+        """Record and raise MasterUnavailable for a transport error or timeout."""
+        if reason is None:
+            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        text = _redact(f"master unreachable ({endpoint}: {reason} — {self._base_url})", self._secrets())
+        self._trouble("unreachable", endpoint, _DOWN, text)
+        raise MasterUnavailable(f"{endpoint}: {reason}") from exc
+
+    def _unavailable(self, endpoint: str, response: httpx.Response, started: float) -> None:
+        """Record and raise MasterUnavailable for a 429 or 5xx answer (its body already read)."""
+        status = response.status_code
+        self._observe(endpoint, str(status), started)
+        answered = Answered.of(response, response.content, self._secrets())
+        text = _redact(f"master unavailable ({endpoint}: answered {answered})", self._secrets())
+        self._trouble("unavailable", endpoint, _DOWN, text)
+        raise MasterUnavailable(f"{endpoint}: master answered {status}")
+
+    def _trouble(self, kind: str, endpoint: str, key: tuple[Any, ...], text: str) -> None:
+        self.connectivity.failed(Trouble(kind, endpoint, text, key))
+
+    def _secrets(self) -> tuple[str, ...]:
+        return (self._token, self._api_key or "")
+
+    def _observe(self, endpoint: str, outcome: str, started: float | httpx.Response) -> None:
+        """Tell the observer about one attempt; ``started`` is its trio start time, or a response of
+        :meth:`_send` (which carries it)."""
         if self._observer is not None:
+            if isinstance(started, httpx.Response):
+                started = float(started.extensions.get("ckagent_started", trio.current_time()))
             self._observer(endpoint, outcome, trio.current_time() - started)
+
+
+def json_object(obj: Any) -> dict[str, Any]:
+    """The ``answer`` reader of calls whose 2xx body the protocol defines as any JSON object (a claim,
+    a final result). Raises ProtocolError for anything else (an empty body included)."""
+    return req_object(obj, "")
+
+
+def _origin(url: httpx.URL) -> str:
+    port = f":{url.port}" if url.port is not None else ""
+    return f"{url.scheme}://{url.host}{port}"
 
 
 def _json_or_none(response: httpx.Response) -> Any:

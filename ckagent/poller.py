@@ -18,8 +18,15 @@ import logging
 
 import trio
 
-from ckagent.master import MasterClient, MasterConflict, MasterError, MasterRejected, MasterUnavailable
-from ckagent.protocol import BadTask, PendingTasks, ProtocolError, Task, TaskResult, utc_now_iso
+from ckagent.master import (
+    MasterClient,
+    MasterConflict,
+    MasterError,
+    MasterRejected,
+    MasterUnavailable,
+    json_object,
+)
+from ckagent.protocol import BadTask, PendingTasks, Task, TaskResult, utc_now_iso
 from ckagent.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -54,13 +61,8 @@ class Poller:
             started = trio.current_time()
             try:
                 answer = await self._poll_until_stale()
-            except MasterRejected as exc:
-                log.error("polling for tasks failed: %s; retrying in %g s", exc, self.poll_interval)
-                await trio.sleep(self.poll_interval)
-                continue
-            except ProtocolError as exc:
-                log.error("the master's poll answer breaks the protocol (%s); retrying in %g s",
-                          exc, self.poll_interval)
+            except MasterRejected as exc:  # logged once per episode by the master client
+                log.debug("polling for tasks failed: %s; retrying in %g s", exc, self.poll_interval)
                 await trio.sleep(self.poll_interval)
                 continue
             if answer is None:  # a spider the poll excluded has finished: ask again without it
@@ -99,14 +101,14 @@ class Poller:
         if not excluded or not self.long_poll_wait:
             return await self.poll_once()
         answer: PendingTasks | None = None
-        error: MasterRejected | ProtocolError | None = None
+        error: MasterRejected | None = None
         async with trio.open_nursery() as nursery:
 
             async def poll() -> None:
                 nonlocal answer, error
                 try:
                     answer = await self.poll_once()
-                except (MasterRejected, ProtocolError) as exc:
+                except MasterRejected as exc:
                     error = exc
                 nursery.cancel_scope.cancel()
 
@@ -118,9 +120,10 @@ class Poller:
         return answer
 
     async def poll_once(self) -> PendingTasks:
-        """One (long) poll, retried with backoff while the master is unavailable.
+        """One (long) poll, retried with backoff while the master is unavailable or answers something
+        that is not the protocol (a bad envelope is a MasterProtocolError, retried the same way).
 
-        Raises MasterRejected (4xx) or ProtocolError (bad envelope).
+        Raises MasterRejected (4xx).
         """
         sup = self._supervisor
         params: dict[str, str | int | float] = {"limit": max(1, sup.free_slots())}
@@ -129,12 +132,12 @@ class Poller:
             params["excludeSpiderIds"] = ",".join(excluded)
         if self.long_poll_wait:
             params["waitSeconds"] = self.long_poll_wait
-        answer = await self._master.call_retrying(
+        answer: PendingTasks = await self._master.call_retrying(
             "poll", "GET", "/api/nodes/{node}/tasks/pending", params=params,
-            read_timeout=self.long_poll_wait + self._request_timeout,
+            read_timeout=self.long_poll_wait + self._request_timeout, answer=PendingTasks.from_json,
         )
         self.polls += 1
-        return PendingTasks.from_json(answer if answer is not None else {})
+        return answer
 
     async def _claim_and_start(self, task: Task, work: trio.Nursery) -> None:
         if await self._claim(task.id):
@@ -145,7 +148,8 @@ class Poller:
         body = TaskResult(status="RUNNING", started_at=utc_now_iso()).to_json()
         try:
             await self._master.call_retrying(
-                "claim", "POST", f"/api/tasks/{task_id}/result", json=body, retry_timeout=CLAIM_RETRY_TIMEOUT
+                "claim", "POST", f"/api/tasks/{task_id}/result", json=body, retry_timeout=CLAIM_RETRY_TIMEOUT,
+                answer=json_object,
             )
         except MasterConflict:
             log.info("task %s: claimed elsewhere or cancelled (409); not running it", task_id)
@@ -164,6 +168,7 @@ class Poller:
                             started_at=now, finished_at=now, duration_ms=0, item_count=0, log_lines=0)
         try:
             await self._master.call_retrying("result", "POST", f"/api/tasks/{bad.task_id}/result",
-                                             json=result.to_json(), retry_timeout=CLAIM_RETRY_TIMEOUT)
+                                             json=result.to_json(), retry_timeout=CLAIM_RETRY_TIMEOUT,
+                                             answer=json_object)
         except MasterError as exc:
             log.warning("task %s: could not report BAD_TASK (%s)", bad.task_id, exc)

@@ -60,7 +60,7 @@ from ckagent.delivery import LogSink, Outbox
 from ckagent.delivery.lines import secret_values
 from ckagent.deps import Dependencies, DepsError, Prepared, spider_base_env
 from ckagent.logs import Masker
-from ckagent.master import MasterClient, MasterError
+from ckagent.master import MasterClient, MasterError, json_object
 from ckagent.process import MARKER_VAR, ProcessOutcome, RunAs, clock, run_supervised, sweep
 from ckagent.protocol import TIMEOUT_MESSAGE, Task, TaskResult, utc_iso
 from ckagent.state import AsyncStateStore
@@ -294,7 +294,7 @@ class Supervisor:
         try:
             await self._master.call_retrying(
                 "result", "POST", f"/api/tasks/{rt.task.id}/result", json=result.to_json(),
-                retry_timeout=REPORT_RETRY_TIMEOUT,
+                retry_timeout=REPORT_RETRY_TIMEOUT, answer=json_object,
             )
         except MasterError as report_exc:
             log.error("task %s: could not report the failure either (%s)", rt.task.id, report_exc)

@@ -53,7 +53,7 @@ import stamina
 import trio
 
 from ckagent.master import MasterClient, MasterError, MasterUnavailable
-from ckagent.protocol import CodePackage, ProtocolError, SpiderFile
+from ckagent.protocol import CodePackage, SpiderFile
 
 log = logging.getLogger(__name__)
 
@@ -388,13 +388,11 @@ class Workspaces:
         not in the new version. Raises DeployError.
         """
         try:
-            listing = SpiderFile.list_from_json(
-                await self._master.call_retrying(
-                    "spider_files", "GET", f"/api/spider-files/spider/{quote(spider_id, safe='')}",
-                    attempts=_DOWNLOAD_ATTEMPTS,
-                )
+            listing: list[SpiderFile] = await self._master.call_retrying(
+                "spider_files", "GET", f"/api/spider-files/spider/{quote(spider_id, safe='')}",
+                attempts=_DOWNLOAD_ATTEMPTS, answer=SpiderFile.list_from_json,
             )
-        except (MasterError, ProtocolError) as exc:
+        except MasterError as exc:
             raise DeployError(f"cannot list the spider's files: {exc}") from exc
         if not listing:
             raise DeployError("the master lists no files for this spider")

@@ -186,7 +186,9 @@ async def test_unavailable_is_retried_with_growing_backoff_and_logged_once_per_c
         assert floor <= gap <= floor + 1.0 + 1e-6, (n, gaps)
     assert gaps[-1] > gaps[0] and gaps[-1] > 8.0
     messages = [r.getMessage() for r in caplog.records]
-    assert sum("unreachable" in m for m in messages) == 1, messages
+    assert sum("retrying with backoff" in m for m in messages) == 1, messages
+    assert any(m.startswith("master unavailable (heartbeat: answered 503 text/plain, first bytes b'busy')")
+               for m in messages), messages
     assert sum("reachable again" in m for m in messages) == 1, messages
     assert any("after 6 failed attempts" in m for m in messages), messages
     assert all(TOKEN not in m and "key-1" not in m for m in messages)

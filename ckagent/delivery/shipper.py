@@ -29,8 +29,8 @@ from ckagent.delivery.spool import (
     MAX_LINE_BYTES,
     TAIL_INTERVAL,
 )
-from ckagent.master import MasterClient, MasterConflict, MasterRejected, MasterUnavailable
-from ckagent.protocol import TaskResult
+from ckagent.master import MasterClient, MasterConflict, MasterRejected, MasterUnavailable, json_object
+from ckagent.protocol import SeqAccepted, TaskResult
 from ckagent.state import AsyncStateStore
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,10 @@ class StreamShipper:
                                 pending.replace_first(self._placeholder(pending.elements[0]))
                                 self._count_ceiling = MAX_BATCH_COUNT
                             continue
-                        expected = seq + n if answer.expected is None else answer.expected
+                        # The acknowledgement in the protocol's own words: how many elements the
+                        # master holds (never assumed from a bare 2xx).
+                        assert answer.expected is not None
+                        expected = answer.expected
                         if expected >= seq:
                             done = min(expected - seq, len(pending))
                             if done:
@@ -265,10 +268,10 @@ class StreamShipper:
             try:
                 async with self._limiter:
                     self.requests += 1
-                    answer = await self._master.call(self.kind, "POST", path, content=body)
-                accepted = answer.get("acceptedSeq") if isinstance(answer, dict) else None
-                return _Answer("ok", accepted if isinstance(accepted, int) and accepted >= 0 else None)
-            except MasterUnavailable:
+                    answer: SeqAccepted = await self._master.call(
+                        self.kind, "POST", path, content=body, answer=SeqAccepted.from_json)
+                return _Answer("ok", answer.accepted_seq)
+            except MasterUnavailable:  # MasterProtocolError too: a 2xx without acceptedSeq is no acknowledgement
                 attempt += 1
                 await _backoff_sleep(self._master, attempt)
             except MasterConflict as exc:
@@ -320,9 +323,10 @@ async def send_result(
     while True:
         try:
             async with limiter if limiter is not None else contextlib.nullcontext():
-                await master.call("result", "POST", f"/api/tasks/{task_id}/result", json=result.to_json())
+                await master.call("result", "POST", f"/api/tasks/{task_id}/result", json=result.to_json(),
+                                  answer=json_object)
             break
-        except MasterUnavailable:
+        except MasterUnavailable:  # MasterProtocolError too: an HTML page is not an acknowledgement
             attempt += 1
             await _backoff_sleep(master, attempt)
         except MasterConflict as exc:
