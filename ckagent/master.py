@@ -7,10 +7,11 @@ classifies what came back once, into one exception tree (translated with ``raise
     ├── MasterUnavailable        transport error, timeout, 429 or 5xx — retry with backoff + jitter
     │   └── MasterProtocolError  a 2xx (or 1xx/3xx) whose body is not what the protocol says for
     │                            that call: not JSON, truncated, or the wrong shape (checked with
-    │                            the types of ckagent.protocol) — a captive portal, a misrouted
-    │                            proxy; retried like an unavailable master
-    ├── MasterRejected           any other 4xx: that request fails (logged); a 401 was first
-    │   │                        answered by registering again, once
+    │                            the types of ckagent.protocol); or a 4xx from the master's origin
+    │                            without the protocol's ``{"error": …}`` body — a captive portal, a
+    │                            misrouted proxy or ingress; retried like an unavailable master
+    ├── MasterRejected           any other 4xx (in the protocol's words): that request fails
+    │   │                        (logged); a 401 was first answered by registering again, once
     │   └── MasterConflict       409 — a protocol conflict its caller handles (a claim lost, a
     │                            result that disagrees, a sequence gap: ``.body['expectedSeq']``)
     └── RegistrationRefused      the master refused registration for good (4xx other than 401/429)
@@ -42,7 +43,7 @@ import logging
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 import stamina
@@ -355,6 +356,8 @@ class MasterClient:
                           "accept this node's registration token)")
             raise MasterUnavailable("register: registration token not accepted (401)")
         if 400 <= status < 500 and status != 429:
+            if not _in_protocol_words(_json_or_none(response)):
+                self._not_protocol("register", response, 'an error without the protocol\'s {"error": …} body')
             self._observe("register", str(status), response)
             reason = _redact(_error_text(response), self._secrets())
             self.connectivity.succeeded("register")
@@ -444,7 +447,11 @@ class MasterClient:
                     self._observe(endpoint, "ok", response)
                     self.connectivity.succeeded(endpoint)
                     return value
-        answered = Answered.of(response, body, self._secrets())
+        self._not_protocol(endpoint, response, problem)
+
+    def _not_protocol(self, endpoint: str, response: httpx.Response, problem: str) -> NoReturn:
+        """Record and raise MasterProtocolError: the answer is not in the protocol's words (``problem``)."""
+        answered = Answered.of(response, response.content, self._secrets())
         self._observe(endpoint, "protocol_error", response)
         text = (f"master answers {answered.status} {answered.content_type} to {endpoint}: not the node "
                 f"protocol ({problem}; {answered})")
@@ -452,10 +459,12 @@ class MasterClient:
         self._trouble("protocol", endpoint, ("protocol", answered.status, answered.content_type), text)
         raise MasterProtocolError(text, answered)
 
-    def _rejected(self, endpoint: str, target: str, response: httpx.Response, body: Any, head: bytes) -> None:
+    def _rejected(self, endpoint: str, target: str, response: httpx.Response, body: Any, head: bytes) -> NoReturn:
         """Raise the MasterRejected (MasterConflict) for a 4xx other than 429; recorded here."""
         status = response.status_code
         secrets = self._secrets()
+        if self._same_origin(target) and not _in_protocol_words(body):
+            self._not_protocol(endpoint, response, 'an error without the protocol\'s {"error": …} body')
         if status == 409:
             self.connectivity.succeeded(endpoint)  # the master answered in the protocol's own words
             raise MasterConflict(endpoint, status, body, secrets=secrets)
@@ -585,7 +594,7 @@ class MasterClient:
         response.extensions["ckagent_started"] = started
         return response
 
-    def _unreachable(self, endpoint: str, exc: Exception, reason: str | None = None) -> None:
+    def _unreachable(self, endpoint: str, exc: Exception, reason: str | None = None) -> NoReturn:
         """Record and raise MasterUnavailable for a transport error or timeout."""
         if reason is None:
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
@@ -593,7 +602,7 @@ class MasterClient:
         self._trouble("unreachable", endpoint, _DOWN, text)
         raise MasterUnavailable(f"{endpoint}: {reason}") from exc
 
-    def _unavailable(self, endpoint: str, response: httpx.Response, started: float) -> None:
+    def _unavailable(self, endpoint: str, response: httpx.Response, started: float) -> NoReturn:
         """Record and raise MasterUnavailable for a 429 or 5xx answer (its body already read)."""
         status = response.status_code
         self._observe(endpoint, str(status), started)
@@ -641,6 +650,12 @@ def _redact(text: str, secrets: tuple[str, ...]) -> str:
         if secret:
             text = text.replace(secret, "***")
     return text
+
+
+def _in_protocol_words(body: Any) -> bool:
+    """True for the protocol's error body, a JSON object with a string ``error`` (what a master answers;
+    a proxy's or a portal's page is not)."""
+    return isinstance(body, dict) and isinstance(body.get("error"), str)
 
 
 def _error_text(response: httpx.Response) -> str:

@@ -243,22 +243,31 @@ class AgentStatus:
         return max(0.0, trio.current_time() - (self._started if last is None else last))
 
     def readiness(self) -> Readiness:
-        """Ready = RUNNING, registered, and a heartbeat acknowledged within READY_HEARTBEATS intervals."""
+        """Ready = RUNNING, registered, a heartbeat acknowledged within READY_HEARTBEATS intervals, and
+        no trouble with the master (:attr:`ckagent.master.Connectivity.problem`) lasting longer than
+        that. When not ready, the reason names the master's trouble if there is one ("registration
+        refused: 401, check AGENT_REGISTRATION_TOKEN", "master answers 200 text/html to heartbeat: not
+        the node protocol (…)")."""
         agent = self._agent
+        connectivity = agent.master.connectivity
+        problem = connectivity.problem
+        if agent.state == "STARTING" and problem:
+            return Readiness(False, f"not ready: {problem}")
         if agent.state != "RUNNING":
             return Readiness(False, f"not ready: the agent is {agent.state}")
         if not agent.master.registered:
-            return Readiness(False, "not ready: not registered with the master yet")
+            return Readiness(False, f"not ready: {problem or 'not registered with the master yet'}")
         heartbeat = agent.heartbeat
         if heartbeat.last_success is None:
-            return Readiness(False, "not ready: no heartbeat acknowledged by the master yet")
+            return Readiness(False, f"not ready: {problem or 'no heartbeat acknowledged by the master yet'}")
         age = trio.current_time() - heartbeat.last_success
         limit = READY_HEARTBEATS * heartbeat.interval
         if age > limit:
-            master = "reachable" if agent.master.connectivity.up else "unreachable"
+            master = problem or ("the master is reachable" if connectivity.up else "the master is unreachable")
             return Readiness(False, f"not ready: the last heartbeat was acknowledged {age:.1f} s ago "
-                                    f"(limit {limit:g} s = {READY_HEARTBEATS} x heartbeat.interval); "
-                                    f"the master is {master}")
+                                    f"(limit {limit:g} s = {READY_HEARTBEATS} x heartbeat.interval); {master}")
+        if problem and connectivity.problem_age() > limit:
+            return Readiness(False, f"not ready: {problem}")
         return Readiness(True, "ready")
 
     async def _outbox_figures(self) -> OutboxFigures:

@@ -234,7 +234,7 @@ async def test_other_4xx_is_rejected_once(autojump_clock: Any) -> None:
     async def master(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/api/nodes/register":
             return registered_as("node-1", "key-1")
-        return httpx.Response(400, text="not json")
+        return httpx.Response(400, json={"error": "bad"})
 
     seen = Seen()
     client = client_for(master, seen)
@@ -242,7 +242,7 @@ async def test_other_4xx_is_rejected_once(autojump_clock: Any) -> None:
         await client.call_retrying("items", "POST", "/api/tasks/t1/items", json={})
     await client.aclose()
     assert not isinstance(info.value, MasterConflict)
-    assert info.value.status == 400 and info.value.body is None
+    assert info.value.status == 400 and info.value.body == {"error": "bad"}
     assert len(seen.times("/api/tasks/t1/items")) == 1
 
 

@@ -270,7 +270,7 @@ async def test_readyz_follows_the_master_away_and_back(
 async def test_readiness_rules(autojump_clock: trio.abc.Clock) -> None:
     """The /readyz decision on its own (a stand-in agent; the rules are pure logic over trio time)."""
     heartbeat = SimpleNamespace(last_success=None, interval=10.0)
-    master = SimpleNamespace(registered=False, connectivity=SimpleNamespace(up=True))
+    master = SimpleNamespace(registered=False, connectivity=SimpleNamespace(up=True, problem=None))
     agent = SimpleNamespace(state="STARTING", master=master, heartbeat=heartbeat)
     status = AgentStatus(cast(Agent, agent), AgentMetrics("0", "n"), None)
 

@@ -34,12 +34,16 @@ only where it stands alone (:class:`ckagent.logs.Masker`, the agent log's rule t
 
 **Shipping** (:class:`StreamShipper`): read from the acknowledged position, cut batches (≤ 5000
 elements, ≤ 1 MiB of JSON, or ~1 s old), POST ``{seq, lines|items}``, store the new position only
-after a 2xx (saved while the next batch is on its way), one request at a time per stream. Each
+after an acknowledgement in the protocol's own words — a 200 whose body is ``{"acceptedSeq": n}``
+(saved while the next batch is on its way; a 2xx without it is a protocol error, retried) — one
+request at a time per stream. Each
 element is encoded to JSON once, when it is read (:func:`encode_lines`; printable-ASCII lines are
 never decoded): a batch body is the elements joined, and its size is exact. The master answers with the count it holds; a 409
 ``{expectedSeq}`` rewinds (to an in-memory checkpoint, or the start) or skips what it already has.
 413/422 halve the batch; a single element the master refuses is replaced by a short placeholder (a
-gap would block the stream forever). 404 or a 409 without ``expectedSeq`` ends the stream.
+gap would block the stream forever). 404 or a 409 without ``expectedSeq`` ends the stream. Every
+other answer (transport errors, 429/5xx, a 2xx that is not the protocol's, other 4xx) is retried
+with backoff: nothing read from the spool is dropped because an answer was odd.
 
 **The outbox** (:class:`Outbox`, one per agent, in the agent's root nursery) owns every task's
 delivery: the journal writer, the two shippers and, once both streams are complete, the final result

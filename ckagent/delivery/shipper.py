@@ -38,8 +38,10 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------- shipping
 
 
-_RETRY_STATUSES = frozenset({401, 408})
-"""4xx answers retried with backoff like 5xx: 401 after re-registering did not help (yet), 408 timeout."""
+_SHRINK_STATUSES = frozenset({413, 422})
+"""4xx answers to a batch that the protocol gives a meaning: too large, an element it refuses."""
+_FINAL_REFUSALS = frozenset({404, 422})
+"""4xx answers to a final result that say the master will never take it: unknown task, invalid result."""
 
 
 class _Flight:
@@ -284,14 +286,17 @@ class StreamShipper:
                           self.task_id, self.stream, exc)
                 return _Answer("refused")
             except MasterRejected as exc:
-                if exc.status in _RETRY_STATUSES:
-                    attempt += 1
-                    await _backoff_sleep(self._master, attempt)
-                    continue
                 if exc.status == 404:
                     log.error("task %s %s: the master does not know the task (404); not sending the stream",
                               self.task_id, self.stream)
                     return _Answer("refused")
+                if exc.status not in _SHRINK_STATUSES:
+                    # Not an answer the protocol gives a batch (401 after re-registering, 403, 408, ...):
+                    # this request failed (logged once per episode by the master client); nothing read
+                    # from the spool is dropped for it.
+                    attempt += 1
+                    await _backoff_sleep(self._master, attempt)
+                    continue
                 log.error("task %s %s: the master rejected a batch of %d element(s) (%s); sending it smaller",
                           self.task_id, self.stream, count, exc)
                 if count == 1 and self._is_placeholder(body):
@@ -315,8 +320,10 @@ async def send_result(
 ) -> None:
     """Send a final result until the master acknowledges it (forever, with backoff), then mark it acked.
 
-    A 409 or other 4xx means the master will never take it (cancelled there, claimed by another
-    node): logged, and marked done so it is not retried across restarts. Cancellation stops the
+    A 409, 404 or 422 (in the protocol's words) means the master will never take it (cancelled
+    there, claimed by another node, unknown, invalid): logged, and marked done so it is not retried
+    across restarts. Any other answer — an answer that is not the protocol's (MasterProtocolError),
+    another 4xx — is not an acknowledgement: retried with backoff. Cancellation stops the
     retries; the result stays in the state store for the next start.
     """
     attempt = 0
@@ -333,7 +340,7 @@ async def send_result(
             log.warning("task %s: master refused the final result %s (%s)", task_id, result.status, exc)
             break
         except MasterRejected as exc:
-            if exc.status in _RETRY_STATUSES:
+            if exc.status not in _FINAL_REFUSALS:  # 401 after re-registering, 403, 408, ...: retried
                 attempt += 1
                 await _backoff_sleep(master, attempt)
                 continue
