@@ -301,6 +301,34 @@ wait_healthy() {  # wait_healthy PID SECONDS → success on /healthz 200; failur
   return 1
 }
 
+# wait_ready PID SECONDS → success once /readyz answers 200; failure, with the reason on stdout, as soon as
+# /readyz names a cause (a wrong token, a master that answers HTML, ...), or on time out (reason "").
+wait_ready() {
+  local pid="$1" deadline=$((SECONDS + $2)) url answer
+  url="$(health_url)"
+  url="${url%/healthz}/readyz"
+  while ((SECONDS < deadline)); do
+    kill -0 "$pid" 2>/dev/null || return 1
+    answer="$(py '
+import sys, urllib.error, urllib.request
+try:
+    with urllib.request.urlopen(sys.argv[1], timeout=2) as r:
+        print("ready")
+except urllib.error.HTTPError as exc:
+    print(exc.read(500).decode("utf-8", "replace").strip())
+except Exception:
+    pass
+' "$url")"
+    case "$answer" in
+      ready) return 0 ;;
+      ""|"not ready: the agent is STARTING"|"not ready: not registered with the master yet"|"not ready: no heartbeat acknowledged by the master yet") ;;
+      *) printf '%s' "${answer#not ready: }"; return 1 ;;
+    esac
+    sleep 0.3
+  done
+  return 1
+}
+
 # restart_agent ARGS...: stop (drain) and start again — through systemd when AGENT_SYSTEMD_UNIT names
 # the unit that runs this agent (run.sh start in the foreground), else as a daemon with ARGS.
 restart_agent() {
@@ -392,7 +420,16 @@ cmd_start() {
   pid=$!
   echo "$pid" >"$PID_FILE"
   if wait_healthy "$pid" "${AGENT_START_TIMEOUT:-15}"; then
-    say "ckagent started (pid $pid); log: $LOG_FILE"
+    local cause
+    if cause="$(wait_ready "$pid" "${AGENT_START_TIMEOUT:-15}")"; then
+      say "ckagent started and ready (pid $pid); log: $LOG_FILE"
+      return 0
+    elif [[ -n "$cause" ]]; then
+      printf 'run.sh: ckagent runs (pid %s) but is not ready: %s\nrun.sh: it keeps retrying; fix the cause, or stop it with ./run.sh stop (log: %s)\n' \
+        "$pid" "$cause" "$LOG_FILE" >&2
+      return 1
+    fi
+    say "ckagent started (pid $pid), not ready yet; log: $LOG_FILE"
     return 0
   fi
   if kill -0 "$pid" 2>/dev/null; then

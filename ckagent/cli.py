@@ -180,6 +180,7 @@ def dev_master(
     port: int = 8080,
     registration_token: Annotated[str | None, Parameter(env_var="DEVMASTER_REGISTRATION_TOKEN")] = None,
     admin_token: Annotated[str | None, Parameter(env_var="DEVMASTER_ADMIN_TOKEN")] = None,
+    public_url: Annotated[str | None, Parameter(env_var="DEVMASTER_PUBLIC_URL")] = None,
 ) -> int:
     """Run the reference master (protocol + admin API over SQLite) until Ctrl-C.
 
@@ -195,6 +196,10 @@ def dev_master(
         Token agents must send to register. Prefer the environment variable: flags show up in `ps`.
     admin_token
         Bearer token for the admin API. Prefer the environment variable.
+    public_url
+        The URL agents reach this master at (e.g. behind a proxy), used in the code package URLs it
+        hands out. Unset (the default): the URLs are relative, resolved by each agent against its
+        server.url.
     """
     if not registration_token:
         raise _UsageError("dev-master needs --registration-token or DEVMASTER_REGISTRATION_TOKEN")
@@ -205,7 +210,8 @@ def dev_master(
     from ckagent.devmaster.server import serve_forever
 
     serve_forever(
-        db_path=db, host=host, port=port, registration_token=registration_token, admin_token=admin_token
+        db_path=db, host=host, port=port, registration_token=registration_token, admin_token=admin_token,
+        public_url=public_url,
     )
     return EXIT_OK
 

@@ -128,8 +128,7 @@ class Answered:
 
     def __str__(self) -> str:
         more = "…" if len(self.head) >= HEAD_BYTES else ""
-        return f"{self.status} {self.content_type}" + (f", first bytes {self.head!r}{more}" if self.head else
-                                                       ", empty body")
+        return f"{self.status} {self.content_type}" + (f", first bytes {self.head!r}{more}" if self.head else "")
 
 
 @dataclass(frozen=True)
@@ -183,10 +182,18 @@ class Connectivity:
     on_change: Callable[[bool], None] | None = None
     _open: dict[str, _Open] = field(default_factory=dict)
     _episodes: dict[tuple[Any, ...], _Episode] = field(default_factory=dict)
+    _last_ok: dict[str, float] = field(default_factory=dict)
+    """Per endpoint ("" for any), the send time of the latest call that succeeded."""
 
-    def failed(self, trouble: Trouble) -> None:
-        """Record a failed attempt; logs only when it starts an episode."""
+    def failed(self, trouble: Trouble, sent: float | None = None) -> None:
+        """Record a failed attempt sent at trio time ``sent``; logs only when it starts an episode.
+
+        A call sent before one that has since succeeded (it timed out after the trouble was over)
+        is old news: ignored."""
         now = trio.current_time()
+        scope = "" if trouble.kind in _GLOBAL_KINDS else trouble.endpoint
+        if sent is not None and sent < self._last_ok.get(scope, float("-inf")):
+            return
         previous = self._open.get(trouble.endpoint)
         self._open[trouble.endpoint] = _Open(trouble, now)
         episode = self._episodes.get(trouble.key)
@@ -197,7 +204,7 @@ class Connectivity:
         else:
             episode.failures += 1
         if previous is not None and previous.trouble.key != trouble.key:
-            self._maybe_end(previous.trouble.key, now)
+            self._maybe_end(previous.trouble.key, now, quiet=True)  # the new episode's line says it
         if trouble.kind in _DOWN_KINDS:
             self.failures += 1
             if self.up:
@@ -206,16 +213,21 @@ class Connectivity:
                 if self.on_change:
                     self.on_change(False)
 
-    def succeeded(self, endpoint: str = "") -> None:
+    def succeeded(self, endpoint: str = "", started: float | None = None) -> None:
         """Record a call of ``endpoint`` the master answered in the protocol (a 409 counts); logs only
-        when that ends an episode."""
+        when that ends an episode. ``started`` is the trio time the call was sent: a call sent before
+        a failure (a long poll held by the master) says nothing about the trouble since, and ends none."""
         now = trio.current_time()
+        sent = now if started is None else started
+        for scope in ("", endpoint):
+            self._last_ok[scope] = max(sent, self._last_ok.get(scope, float("-inf")))
         ended = []
-        mine = self._open.pop(endpoint, None)
-        if mine is not None:
+        mine = self._open.get(endpoint)
+        if mine is not None and mine.last <= sent:
+            del self._open[endpoint]
             ended.append(mine.trouble.key)
         for name, entry in list(self._open.items()):
-            if entry.trouble.kind in _GLOBAL_KINDS or now - entry.last > STALE_TROUBLE:
+            if (entry.trouble.kind in _GLOBAL_KINDS and entry.last <= sent) or now - entry.last > STALE_TROUBLE:
                 del self._open[name]
                 ended.append(entry.trouble.key)
         for key in ended:
@@ -229,23 +241,27 @@ class Connectivity:
     @property
     def problem(self) -> str | None:
         """The cause of the oldest open episode that concerns the node (one line), or None."""
-        causes = [
-            (episode.started, episode.trouble.text) for episode in self._episodes.values()
-            if episode.trouble.kind != "rejected" or episode.trouble.endpoint in _NODE_ENDPOINTS
-        ]
+        causes = self._node_causes()
         return min(causes)[1] if causes else None
 
     def problem_age(self) -> float:
         """Seconds since the episode of :attr:`problem` started (0 when there is none)."""
-        starts = [e.started for e in self._episodes.values()
-                  if e.trouble.kind != "rejected" or e.trouble.endpoint in _NODE_ENDPOINTS]
-        return trio.current_time() - min(starts) if starts else 0.0
+        causes = self._node_causes()
+        return trio.current_time() - min(causes)[0] if causes else 0.0
 
-    def _maybe_end(self, key: tuple[Any, ...], now: float) -> None:
+    def _node_causes(self) -> list[tuple[float, str]]:
+        """(episode start, cause) of each endpoint in trouble, but a task call's refusal (one task's affair)."""
+        return [
+            (self._episodes[entry.trouble.key].started, entry.trouble.text) for entry in self._open.values()
+            if (entry.trouble.kind != "rejected" or entry.trouble.endpoint in _NODE_ENDPOINTS)
+            and entry.trouble.key in self._episodes
+        ]
+
+    def _maybe_end(self, key: tuple[Any, ...], now: float, *, quiet: bool = False) -> None:
         if any(entry.trouble.key == key for entry in self._open.values()):
             return
         episode = self._episodes.pop(key, None)
-        if episode is None:
+        if episode is None or quiet:
             return
         t = episode.trouble
         attempts = f"after {episode.failures} failed attempt{'s' if episode.failures != 1 else ''}, " \
@@ -339,9 +355,12 @@ class MasterClient:
             ):
                 with attempt:
                     answer = await self._register_once()
+            again = self.node_id == answer.node_id
             self.node_id, self._api_key = answer.node_id, answer.api_key
             self._key_generation += 1
-            log.info("registered with %s as node %s", self._base_url, answer.node_id)
+            # A re-registration after a 401 keeps the node id: not worth a line each time a proxy says 401.
+            log.log(logging.DEBUG if again else logging.INFO, "registered with %s as node %s",
+                    self._base_url, answer.node_id)
             return answer
 
     async def _register_once(self) -> RegisterResponse:
@@ -351,7 +370,7 @@ class MasterClient:
         status = response.status_code
         if status == 401:
             self._observe("register", "401", response)
-            self._trouble("unauthorized", "register", ("unauthorized",),
+            self._trouble("unauthorized", "register", ("unauthorized",), _sent(response),
                           "registration refused: 401, check AGENT_REGISTRATION_TOKEN (the master does not "
                           "accept this node's registration token)")
             raise MasterUnavailable("register: registration token not accepted (401)")
@@ -360,7 +379,7 @@ class MasterClient:
                 self._not_protocol("register", response, 'an error without the protocol\'s {"error": …} body')
             self._observe("register", str(status), response)
             reason = _redact(_error_text(response), self._secrets())
-            self.connectivity.succeeded("register")
+            self.connectivity.succeeded("register", _sent(response))
             raise RegistrationRefused(
                 f"the master refused registration with {status}: {reason}; "
                 "check server.url and the agent section of the config"
@@ -413,7 +432,7 @@ class MasterClient:
             )
             if response.status_code == 401 and not second_try and self._same_origin(target):
                 self._observe(endpoint, "401", response)
-                log.warning("%s: master answered 401; registering again", endpoint)
+                log.debug("%s: master answered 401; registering again", endpoint)
                 if generation == self._key_generation:
                     self._api_key = None
                 await self.register()
@@ -421,7 +440,6 @@ class MasterClient:
             break
         status = response.status_code
         if 400 <= status < 500:
-            self._observe(endpoint, str(status), response)
             self._rejected(endpoint, target, response, _json_or_none(response), response.content)
         return self._answer(endpoint, response, answer)
 
@@ -436,8 +454,10 @@ class MasterClient:
             try:
                 decoded = jsonlib.loads(body) if body.strip() else None
             except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-                truncated = isinstance(exc, jsonlib.JSONDecodeError) and exc.pos >= len(exc.doc.rstrip())
-                problem = "truncated JSON" if truncated and body.lstrip()[:1] in (b"{", b"[") else "not JSON"
+                problem = "not JSON"
+                if body.lstrip()[:1] in (b"{", b"[") and isinstance(exc, jsonlib.JSONDecodeError):
+                    cut = exc.pos >= len(exc.doc.rstrip()) or exc.msg.startswith("Unterminated")
+                    problem = "truncated JSON" if cut else "malformed JSON"
             else:
                 try:
                     value = reader(decoded) if reader is not None else decoded
@@ -445,18 +465,21 @@ class MasterClient:
                     problem = f"wrong shape: {exc}"
                 else:
                     self._observe(endpoint, "ok", response)
-                    self.connectivity.succeeded(endpoint)
+                    self.connectivity.succeeded(endpoint, _sent(response))
                     return value
         self._not_protocol(endpoint, response, problem)
 
     def _not_protocol(self, endpoint: str, response: httpx.Response, problem: str) -> NoReturn:
         """Record and raise MasterProtocolError: the answer is not in the protocol's words (``problem``)."""
-        answered = Answered.of(response, response.content, self._secrets())
+        # A registration answer may hold a new key: its bytes are never quoted.
+        shown = b"" if endpoint == "register" and 200 <= response.status_code < 300 else response.content
+        answered = Answered.of(response, shown, self._secrets())
         self._observe(endpoint, "protocol_error", response)
         text = (f"master answers {answered.status} {answered.content_type} to {endpoint}: not the node "
                 f"protocol ({problem}; {answered})")
         text = _redact(text, self._secrets())
-        self._trouble("protocol", endpoint, ("protocol", answered.status, answered.content_type), text)
+        self._trouble("protocol", endpoint, ("protocol", answered.status, answered.content_type), _sent(response),
+                      text)
         raise MasterProtocolError(text, answered)
 
     def _rejected(self, endpoint: str, target: str, response: httpx.Response, body: Any, head: bytes) -> NoReturn:
@@ -465,18 +488,23 @@ class MasterClient:
         secrets = self._secrets()
         if self._same_origin(target) and not _in_protocol_words(body):
             self._not_protocol(endpoint, response, 'an error without the protocol\'s {"error": …} body')
+        self._observe(endpoint, str(status), response)
         if status == 409:
-            self.connectivity.succeeded(endpoint)  # the master answered in the protocol's own words
+            self.connectivity.succeeded(endpoint, _sent(response))  # the master answered in the protocol's words
             raise MasterConflict(endpoint, status, body, secrets=secrets)
         if not self._same_origin(target):
             origin = _origin(httpx.URL(target))
             text = (f"{endpoint}: {origin} answered {status} ({Answered.of(response, head, secrets)}); it is not "
                     f"the master's origin ({_origin(httpx.URL(self._base_url))}), so no API key was sent: "
                     "the URL must be public (or pre-signed), or on the master (a relative URL)")
-            self._trouble("rejected", endpoint, ("rejected", endpoint, status, origin), _redact(text, secrets))
+            self._trouble("rejected", endpoint, ("rejected", status, origin), _sent(response),
+                          _redact(text, secrets))
             raise MasterRejected(endpoint, status, body, secrets=secrets, message=text)
         error = MasterRejected(endpoint, status, body, secrets=secrets)
-        self._trouble("rejected", endpoint, ("rejected", endpoint, status), f"master answers {error}")
+        detail = _redact(_error_text(response), secrets)
+        again = " even after registering again" if status == 401 else ""
+        self._trouble("rejected", endpoint, ("rejected", status), _sent(response),
+                      f"master refuses {endpoint} with {status}{again} ({detail}); that request fails")
         raise error
 
     def _same_origin(self, target: str) -> bool:
@@ -542,7 +570,7 @@ class MasterClient:
                     final_same_origin = same_origin and self._same_origin(str(response.url))
                     if status == 401 and not second_try and final_same_origin:
                         self._observe(endpoint, "401", started)
-                        log.warning("%s: master answered 401; registering again", endpoint)
+                        log.debug("%s: master answered 401; registering again", endpoint)
                         if generation == self._key_generation:
                             self._api_key = None
                         await self.register()
@@ -554,7 +582,6 @@ class MasterClient:
                         await response.aread()
                         response.extensions["ckagent_started"] = started
                         if 400 <= status < 500:
-                            self._observe(endpoint, str(status), started)
                             target = url if final_same_origin or not same_origin else str(response.url)
                             self._rejected(endpoint, target, response, _json_or_none(response), response.content)
                         self._answer(endpoint, response, None)  # 1xx/3xx: raises MasterProtocolError
@@ -564,9 +591,9 @@ class MasterClient:
                         await sink(chunk)
             except httpx.TransportError as exc:
                 self._observe(endpoint, "error", started)
-                self._unreachable(endpoint, exc)
+                self._unreachable(endpoint, exc, started)
             self._observe(endpoint, "ok", started)
-            self.connectivity.succeeded(endpoint)
+            self.connectivity.succeeded(endpoint, started)
             return received
         raise MasterRejected(endpoint, 401, None)
 
@@ -584,22 +611,22 @@ class MasterClient:
             old, self._client = self._client, self._new_client()
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 await old.aclose()
-            self._unreachable(endpoint, exc, "connection pool timeout")
+            self._unreachable(endpoint, exc, started, "connection pool timeout")
         except httpx.TransportError as exc:
             self._observe(endpoint, "error", started)
-            self._unreachable(endpoint, exc)
+            self._unreachable(endpoint, exc, started)
         status = response.status_code
         if status == 429 or status >= 500:
             self._unavailable(endpoint, response, started)
         response.extensions["ckagent_started"] = started
         return response
 
-    def _unreachable(self, endpoint: str, exc: Exception, reason: str | None = None) -> NoReturn:
+    def _unreachable(self, endpoint: str, exc: Exception, started: float, reason: str | None = None) -> NoReturn:
         """Record and raise MasterUnavailable for a transport error or timeout."""
         if reason is None:
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         text = _redact(f"master unreachable ({endpoint}: {reason} — {self._base_url})", self._secrets())
-        self._trouble("unreachable", endpoint, _DOWN, text)
+        self._trouble("unreachable", endpoint, _DOWN, started, text)
         raise MasterUnavailable(f"{endpoint}: {reason}") from exc
 
     def _unavailable(self, endpoint: str, response: httpx.Response, started: float) -> NoReturn:
@@ -608,11 +635,11 @@ class MasterClient:
         self._observe(endpoint, str(status), started)
         answered = Answered.of(response, response.content, self._secrets())
         text = _redact(f"master unavailable ({endpoint}: answered {answered})", self._secrets())
-        self._trouble("unavailable", endpoint, _DOWN, text)
+        self._trouble("unavailable", endpoint, _DOWN, started, text)
         raise MasterUnavailable(f"{endpoint}: master answered {status}")
 
-    def _trouble(self, kind: str, endpoint: str, key: tuple[Any, ...], text: str) -> None:
-        self.connectivity.failed(Trouble(kind, endpoint, text, key))
+    def _trouble(self, kind: str, endpoint: str, key: tuple[Any, ...], sent: float, text: str) -> None:
+        self.connectivity.failed(Trouble(kind, endpoint, text, key), sent)
 
     def _secrets(self) -> tuple[str, ...]:
         return (self._token, self._api_key or "")
@@ -622,7 +649,7 @@ class MasterClient:
         :meth:`_send` (which carries it)."""
         if self._observer is not None:
             if isinstance(started, httpx.Response):
-                started = float(started.extensions.get("ckagent_started", trio.current_time()))
+                started = _sent(started)
             self._observer(endpoint, outcome, trio.current_time() - started)
 
 
@@ -630,6 +657,11 @@ def json_object(obj: Any) -> dict[str, Any]:
     """The ``answer`` reader of calls whose 2xx body the protocol defines as any JSON object (a claim,
     a final result). Raises ProtocolError for anything else (an empty body included)."""
     return req_object(obj, "")
+
+
+def _sent(response: httpx.Response) -> float:
+    """The trio time the request of ``response`` was sent (now, if not recorded)."""
+    return float(response.extensions.get("ckagent_started", trio.current_time()))
 
 
 def _origin(url: httpx.URL) -> str:

@@ -17,13 +17,13 @@ import json
 import os
 import random
 import signal
-from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
+from faultproxy import FaultProxy, Request
 from harness import AgentProcess, agent_settings, running_agent, submit
 
 from ckagent.delivery import LineSplitter, Masker, decode_lines
@@ -204,80 +204,18 @@ async def test_an_agent_killed_mid_stream_delivers_every_written_line_once(dev_m
 # ---------------------------------------------------------------------------------------------- faulty proxy
 
 
-class FaultProxy:
-    """An HTTP/1.1 proxy for one request per connection that misbehaves at random (seeded).
+def random_faults(seed: int) -> Callable[[Request], str]:
+    """A FaultProxy chooser: per request pass, delay then pass, drop before forwarding, forward then drop
+    the answer (the master stored it; the agent must not store it twice), or answer 500/502/503 itself.
+    Claims pass untouched: a lost claim leaves the task to the master (issue 3)."""
+    rng = random.Random(seed)
 
-    Per request: pass, delay then pass, drop before forwarding, forward then drop the answer (the
-    master stored it; the agent must not store it twice), or answer 500/502/503 itself. Claims
-    (``status: RUNNING``) pass untouched: a lost claim leaves the task to the master (issue 3).
-    ``attempts`` records, per (path, seq), when each request arrived.
-    """
+    def choose(request: Request) -> str:
+        if request.call == "claim":
+            return "pass"
+        return rng.choices(["pass", "delay", "drop", "drop_answer", "500", "502", "503"], [45, 10, 15, 10, 7, 7, 6])[0]
 
-    def __init__(self, upstream_port: int, seed: int) -> None:
-        self.upstream_port = upstream_port
-        self.rng = random.Random(seed)
-        self.attempts: dict[tuple[str, Any], list[float]] = defaultdict(list)
-        self.faults: dict[str, int] = defaultdict(int)
-
-    async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        task_status.started(listeners[0].socket.getsockname()[1])
-        await trio.serve_listeners(self._handle, listeners)
-
-    async def _handle(self, client: trio.SocketStream) -> None:
-        async with client:
-            try:
-                head, body = await _read_request(client)
-            except (trio.BrokenResourceError, ValueError):
-                return
-            if not head:
-                return
-            request_line = head.split(b"\r\n", 1)[0].decode()
-            path = request_line.split()[1].split("?")[0]
-            payload = json.loads(body) if body else None
-            claim = isinstance(payload, dict) and payload.get("status") == "RUNNING"
-            self.attempts[(path, payload.get("seq") if isinstance(payload, dict) else None)].append(
-                trio.current_time())
-            fault = "pass" if claim else self.rng.choices(
-                ["pass", "delay", "drop", "drop_answer", "500", "502", "503"], [45, 10, 15, 10, 7, 7, 6])[0]
-            self.faults[fault] += 1
-            if fault == "drop":
-                return
-            if fault in ("500", "502", "503"):
-                await client.send_all(f"HTTP/1.1 {fault} Oops\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode())
-                return
-            if fault == "delay":
-                await trio.sleep(self.rng.uniform(0.05, 0.8))
-            lines = [line for line in head.split(b"\r\n") if not line.lower().startswith(b"connection:")]
-            upstream = await trio.open_tcp_stream("127.0.0.1", self.upstream_port)
-            async with upstream:
-                await upstream.send_all(b"\r\n".join([*lines, b"Connection: close", b"", b""]) + body)
-                answer = b""
-                while chunk := await upstream.receive_some(65536):
-                    answer += chunk
-            if fault != "drop_answer":
-                await client.send_all(answer)
-
-
-async def _read_request(stream: trio.SocketStream) -> tuple[bytes, bytes]:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = await stream.receive_some(65536)
-        if not chunk:
-            return b"", b""
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            length = int(value)
-    while len(body) < length:
-        chunk = await stream.receive_some(65536)
-        if not chunk:
-            raise ValueError("short body")
-        body += chunk
-    return head, body
+    return choose
 
 
 CHATTY = r"""
@@ -296,7 +234,7 @@ async def test_a_faulty_network_changes_nothing_at_the_master(
     dev_master: Any, nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     master_port = int(dev_master.base_url.rsplit(":", 1)[1])
-    proxy = FaultProxy(master_port, seed=4)
+    proxy = FaultProxy(master_port, chooser=random_faults(seed=4))
     proxy_port = await nursery.start(proxy.serve)
     settings = agent_settings(tmp_path / "agent", f"http://127.0.0.1:{proxy_port}", dev_master.registration_token)
     ids = [await submit(dev_master.admin, f"chatty{i}", {"main.py": CHATTY}, args=[str(i)]) for i in range(2)]

@@ -319,7 +319,7 @@ async def test_poll_one_task_per_spider_and_exclusions(dev_master: DevMaster, no
         assert first["spiderId"] == spider_a and first["spiderName"] == "a"
         assert first["framework"] == "python" and first["command"] == ["python", "main.py"]
         assert first["args"] == ["-a", "x=1"] and first["params"] == {"p": 1}
-        assert first["codePackage"]["url"].startswith(dev_master.base_url + "/api/packages/")
+        assert first["codePackage"]["url"].startswith("/api/packages/")  # relative to the agent's server.url
         assert tasks[1]["env"] == {"TOKEN": "t"} and tasks[1]["timeoutSeconds"] == 5
         assert [t["id"] for t in (await node.poll(limit=1))["tasks"]] == [a1]
         assert [t["id"] for t in (await node.poll(exclude=[spider_a]))["tasks"]] == [b1]
@@ -328,6 +328,23 @@ async def test_poll_one_task_per_spider_and_exclusions(dev_master: DevMaster, no
         assert [t["id"] for t in (await node.poll())["tasks"]] == [a2, b1]
         r = await node.http.get(f"/api/nodes/{node.node_id}/tasks/pending?limit=0", headers=node.auth)
         assert r.status_code == 422 and r.json()["field"] == "limit"
+
+
+async def test_package_urls_come_from_the_public_url_setting(nursery: trio.Nursery, tmp_path: Path) -> None:
+    from ckagent.devmaster.server import DevMasterConfig, serve
+
+    config = DevMasterConfig(db_path=tmp_path / "m.sqlite", registration_token=secrets.token_urlsafe(16),
+                             admin_token=secrets.token_urlsafe(16), port=0,
+                             public_url="https://crawl.example/master/")
+    with trio.fail_after(10):
+        base_url = await nursery.start(serve, config)
+        async with AdminClient(base_url, config.admin_token) as admin, \
+                httpx.AsyncClient(base_url=base_url, timeout=10) as http:
+            spider = await make_spider(admin, "public")
+            await admin.create_task(spider)
+            node = await register(http, config.registration_token)
+            (task,) = (await node.poll())["tasks"]
+    assert task["codePackage"]["url"].startswith("https://crawl.example/master/api/packages/")
 
 
 # --------------------------------------------------------------------------- results

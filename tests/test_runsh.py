@@ -273,6 +273,22 @@ async def test_install_mode_downloads_starts_reports_and_stops(node: Node, relea
     assert down.returncode == 3 and "not running" in out(down)
 
 
+async def test_start_waits_for_ready_and_prints_the_first_clear_error(node: Node, releases: Releases, pyz: Path,
+                                                                     dev_master) -> None:
+    releases.publish(pyz, ckagent.__version__)
+    wrong = await node.sh("start", "--daemon=on", AGENT_RELEASE_URL=releases.url,
+                          AGENT_REGISTRATION_TOKEN="not-the-token-0123456789")
+    assert wrong.returncode == 1, out(wrong)
+    assert "not ready: registration refused: 401, check AGENT_REGISTRATION_TOKEN" in out(wrong), out(wrong)
+    assert "not-the-token" not in out(wrong)
+    pid = node.pid()
+    assert pid is not None and _alive(pid)  # it keeps retrying: a token fixed on the master is picked up
+    stopped = await node.sh("stop")
+    assert stopped.returncode == 0 and not _alive(pid), out(stopped)
+    started = await node.sh("start", "--daemon=on")
+    assert started.returncode == 0 and "started and ready" in out(started), out(started)
+
+
 async def test_stop_escalates_to_sigkill_after_the_bound(node: Node, releases: Releases, pyz: Path,
                                                          dev_master) -> None:
     releases.publish(pyz, ckagent.__version__)

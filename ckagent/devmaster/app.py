@@ -242,10 +242,13 @@ def create_app(
     registration_token: str,
     admin_token: str,
     max_long_poll_seconds: float = 30.0,
+    public_url: str | None = None,
 ) -> Starlette:
     """Build the ASGI app over ``store``. Must run inside a Trio loop (hypercorn's trio worker).
 
-    ``max_long_poll_seconds`` caps ``waitSeconds`` (never above 30 s).
+    ``max_long_poll_seconds`` caps ``waitSeconds`` (never above 30 s). ``public_url`` prefixes the
+    codePackage urls handed out; None hands them out relative to the agent's ``server.url``
+    (``/api/packages/…``), which works behind any proxy or ingress.
     """
     poll_cap = min(max_long_poll_seconds, 30.0)
 
@@ -269,6 +272,8 @@ def create_app(
     def base_url(request: Request) -> str:
         return str(request.base_url).rstrip("/")
 
+    package_base = (public_url or "").rstrip("/")
+
     # ----------------------------------------------------------------------- node endpoints
 
     async def register(request: Request) -> Response:
@@ -290,7 +295,7 @@ def create_app(
         raw_exclude = request.query_params.get("excludeSpiderIds", "")
         exclude = [s.strip() for s in raw_exclude.split(",") if s.strip()]
         deadline = trio.current_time() + wait
-        url = base_url(request)
+        url = package_base
         while True:
             changed = notifier.event()
             tasks = await run(store.pending_tasks, limit=limit, exclude_spider_ids=exclude, base_url=url)

@@ -43,6 +43,9 @@ class DevMasterConfig:
     max_long_poll_seconds: float = 30.0
     graceful_timeout: float = 2.0
     """Seconds in-flight requests get to finish after a graceful shutdown starts."""
+    public_url: str | None = None
+    """The URL agents reach this master at, for the codePackage urls it hands out; None (the default)
+    hands them out relative (``/api/packages/…``), resolved by each agent against its ``server.url``."""
 
     def __repr__(self) -> str:  # tokens are secrets
         return (
@@ -86,6 +89,7 @@ async def serve(
             registration_token=config.registration_token,
             admin_token=config.admin_token,
             max_long_poll_seconds=config.max_long_poll_seconds,
+            public_url=config.public_url,
         )
 
         async def until_shutdown() -> None:
@@ -121,6 +125,7 @@ def serve_forever(
     port: int = 8080,
     registration_token: str,
     admin_token: str,
+    public_url: str | None = None,
 ) -> None:
     """Run the dev master in the foreground until SIGINT or SIGTERM, then return normally (exit 0).
 
@@ -133,6 +138,7 @@ def serve_forever(
         port=port,
         registration_token=registration_token,
         admin_token=admin_token,
+        public_url=public_url,
     )
 
     async def main_task() -> None:
@@ -171,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8080, help="0 picks a free port")
     parser.add_argument("--registration-token", default=os.environ.get("DEVMASTER_REGISTRATION_TOKEN"))
     parser.add_argument("--admin-token", default=os.environ.get("DEVMASTER_ADMIN_TOKEN"))
+    parser.add_argument("--public-url", default=os.environ.get("DEVMASTER_PUBLIC_URL"),
+                        help="URL agents reach this master at, for code package URLs (default: relative URLs)")
     args = parser.parse_args(argv)
     if not args.registration_token or not args.admin_token:
         parser.error(
@@ -183,5 +191,6 @@ def main(argv: list[str] | None = None) -> int:
         port=args.port,
         registration_token=args.registration_token,
         admin_token=args.admin_token,
+        public_url=args.public_url,
     )
     return 0

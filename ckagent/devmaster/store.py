@@ -864,7 +864,8 @@ class Store:
     ) -> list[dict[str, Any]]:
         """PENDING tasks as wire JSON, oldest first, at most one per spider, none of the excluded spiders.
 
-        ``base_url`` (no trailing slash) makes the absolute codePackage url. Handing out does not assign.
+        ``base_url`` (no trailing slash) prefixes the codePackage url: "" hands it out relative to the
+        agent's server.url (``/api/packages/…``). Handing out does not assign.
         """
         excluded = set(exclude_spider_ids)
 

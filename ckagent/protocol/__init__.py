@@ -263,7 +263,8 @@ class HeartbeatResponse:
 
 @dataclass(frozen=True)
 class CodePackage:
-    """Where a task's code zip lives: absolute ``url``, hex ``sha256``, ``size_bytes``."""
+    """Where a task's code zip lives: ``url`` (absolute, or relative to the agent's ``server.url``), hex
+    ``sha256``, ``size_bytes``."""
 
     url: str
     sha256: str

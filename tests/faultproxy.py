@@ -1,0 +1,238 @@
+"""A fault-injecting HTTP/1.1 proxy between an agent and the reference master (real sockets, 127.0.0.1 port 0).
+
+The agent is pointed at the proxy (``server.url = http://127.0.0.1:<proxy port>``); every request is
+classified as the node call it is (:func:`call_of`: register, heartbeat, poll, claim, result, logs,
+items, download, spider_files, other) and either forwarded to the master or answered by a fault.
+One request per connection: the proxy asks the master to close after answering.
+
+Two ways to choose a fault:
+
+- :meth:`FaultProxy.set` — from now on, every request of the named calls gets ``mode`` (until
+  :meth:`FaultProxy.heal`); what the tests of each answer class use;
+- a ``chooser(request) -> mode`` given to the constructor (e.g. seeded random faults), used while no
+  mode is set.
+
+Modes (:data:`MODES`), one per answer class of the master boundary (ckagent/master.py)::
+
+    pass         forward
+    html         200 text/html, a captive portal's page (not forwarded)
+    truncated    forwarded; the master's JSON answer cut in half (Content-Length of the cut body)
+    wrong_shape  200 application/json of the wrong shape (not forwarded)
+    429, 503     the proxy's own 429 (text/plain, Retry-After) / 503 (text/html); not forwarded
+    500, 502     the proxy's own empty 500 / 502
+    401          401 {"error": …} (not forwarded): the agent registers again
+    403          403 {"error": …}: another 4xx in the protocol's words (that request fails)
+    404_html     404 text/html: a misrouted ingress (a 4xx that is not the protocol's)
+    reset        the connection is reset (RST) without an answer
+    timeout      no answer: the request is held until the client gives up
+    drop         the connection is closed without an answer, before forwarding
+    drop_answer  forwarded (the master acts on it), then closed without the answer
+    delay        forwarded after a random pause of 0.05-0.8 s
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import struct
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+MODES = ("pass", "html", "truncated", "wrong_shape", "429", "503", "500", "502", "401", "403", "404_html",
+         "reset", "timeout", "drop", "drop_answer", "delay")
+CALLS = frozenset({"register", "heartbeat", "poll", "claim", "result", "logs", "items", "download",
+                   "spider_files", "other"})
+"""Every call :func:`call_of` can name."""
+
+PORTAL_PAGE = (b"<!DOCTYPE html><html><head><title>Sign in to the network</title></head>"
+               b"<body><form>Accept the terms to continue</form></body></html>")
+HOLD_LIMIT = 120.0
+"""Seconds a ``timeout`` request is held at most (the client normally gives up long before)."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request as the proxy saw it: ``call`` (see :func:`call_of`), ``payload`` the decoded JSON body."""
+
+    method: str
+    path: str
+    call: str
+    payload: Any
+
+
+def call_of(method: str, path: str, payload: Any) -> str:
+    """The node call a request is: register, heartbeat, poll, claim (result RUNNING), result, logs,
+    items, download (a code package), spider_files, or other."""
+    parts = path.strip("/").split("/")
+    if path == "/api/nodes/register":
+        return "register"
+    if parts[:2] == ["api", "nodes"] and parts[-1] == "heartbeat":
+        return "heartbeat"
+    if parts[:2] == ["api", "nodes"] and parts[-2:] == ["tasks", "pending"]:
+        return "poll"
+    if parts[:2] == ["api", "tasks"] and len(parts) == 4:
+        if parts[3] == "result":
+            return "claim" if isinstance(payload, dict) and payload.get("status") == "RUNNING" else "result"
+        if parts[3] in ("logs", "items"):
+            return parts[3]
+    if parts[:2] == ["api", "packages"]:
+        return "download"
+    if parts[:2] == ["api", "spider-files"]:
+        return "spider_files"
+    return "other"
+
+
+class FaultProxy:
+    """See module docstring. ``faults`` counts the modes applied; ``attempts`` records, per
+    (path, seq of the body), when each request arrived; ``seen`` lists (time, call, mode)."""
+
+    def __init__(self, upstream_port: int, *, chooser: Callable[[Request], str] | None = None) -> None:
+        self.upstream_port = upstream_port
+        self.chooser = chooser
+        self.mode = "pass"
+        self.calls: frozenset[str] = frozenset()
+        self.faults: Counter[str] = Counter()
+        self.attempts: dict[tuple[str, Any], list[float]] = defaultdict(list)
+        self.seen: list[tuple[float, str, str]] = []
+
+    def set(self, mode: str, calls: Iterable[str] = CALLS) -> None:
+        """Answer every request of ``calls`` with ``mode`` from now on."""
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
+        unknown = set(calls) - CALLS
+        if unknown:
+            raise ValueError(f"unknown calls {sorted(unknown)}; known: {sorted(CALLS)}")
+        self.mode, self.calls = mode, frozenset(calls)
+
+    def heal(self) -> None:
+        """Forward everything again (the chooser, if any, decides again)."""
+        self.mode, self.calls = "pass", frozenset()
+
+    def faulted(self, call: str, since: float = float("-inf")) -> int:
+        """How many requests of ``call`` got a fault (not ``pass``) since trio time ``since``."""
+        return sum(1 for t, c, m in self.seen if c == call and m != "pass" and t >= since)
+
+    async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen on 127.0.0.1 (a free port, handed to ``task_status.started``) until cancelled."""
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        task_status.started(listeners[0].socket.getsockname()[1])
+        await trio.serve_listeners(self._handle, listeners)
+
+    def _choose(self, request: Request) -> str:
+        if request.call in self.calls:
+            return self.mode
+        if self.chooser is not None:
+            return self.chooser(request)
+        return "pass"
+
+    async def _handle(self, client: trio.SocketStream) -> None:
+        async with client:
+            try:
+                head, body = await read_request(client)
+            except (trio.BrokenResourceError, ValueError):
+                return
+            if not head:
+                return
+            method, target = head.split(b"\r\n", 1)[0].decode().split()[:2]
+            path = target.split("?")[0]
+            try:
+                payload = json.loads(body) if body else None
+            except ValueError:
+                payload = None
+            request = Request(method, path, call_of(method, path, payload), payload)
+            now = trio.current_time()
+            self.attempts[(path, payload.get("seq") if isinstance(payload, dict) else None)].append(now)
+            mode = self._choose(request)
+            self.seen.append((now, request.call, mode))
+            self.faults[mode] += 1
+            try:
+                await self._answer(client, mode, head, body)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                return  # the client gave up first
+
+    async def _answer(self, client: trio.SocketStream, mode: str, head: bytes, body: bytes) -> None:
+        if mode in ("drop",):
+            return
+        if mode == "reset":
+            client.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            return
+        if mode == "timeout":
+            with trio.move_on_after(HOLD_LIMIT):
+                while await client.receive_some(65536):  # until the client closes its side
+                    pass
+            return
+        own = {
+            "html": (200, "OK", "text/html; charset=utf-8", PORTAL_PAGE),
+            "wrong_shape": (200, "OK", "application/json", b'{"hello": "from the proxy", "items": [1, 2]}'),
+            "429": (429, "Too Many Requests", "text/plain", b"slow down\n"),
+            "503": (503, "Service Unavailable", "text/html", b"<html><body>503 Service Unavailable</body></html>"),
+            "500": (500, "Oops", "", b""),
+            "502": (502, "Oops", "", b""),
+            "401": (401, "Unauthorized", "application/json", b'{"error": "the proxy wants credentials"}'),
+            "403": (403, "Forbidden", "application/json", b'{"error": "blocked by the proxy"}'),
+            "404_html": (404, "Not Found", "text/html", b"<html><body><h1>404 Not Found</h1>nginx</body></html>"),
+        }.get(mode)
+        if own is not None:
+            status, reason, ctype, content = own
+            extra = f"Content-Type: {ctype}\r\n" if ctype else ""
+            if mode == "429":
+                extra += "Retry-After: 1\r\n"
+            await client.send_all(f"HTTP/1.1 {status} {reason}\r\n{extra}Content-Length: {len(content)}\r\n"
+                                  f"Connection: close\r\n\r\n".encode() + content)
+            return
+        if mode == "delay":
+            await trio.sleep(random.uniform(0.05, 0.8))
+        answer = await self._forward(head, body)
+        if mode == "drop_answer":
+            return
+        if mode == "truncated":
+            answer = _truncate(answer)
+        await client.send_all(answer)
+
+    async def _forward(self, head: bytes, body: bytes) -> bytes:
+        lines = [line for line in head.split(b"\r\n") if not line.lower().startswith(b"connection:")]
+        upstream = await trio.open_tcp_stream("127.0.0.1", self.upstream_port)
+        async with upstream:
+            await upstream.send_all(b"\r\n".join([*lines, b"Connection: close", b"", b""]) + body)
+            answer = b""
+            while chunk := await upstream.receive_some(65536):
+                answer += chunk
+        return answer
+
+
+def _truncate(answer: bytes) -> bytes:
+    """The answer with its body cut in half and a Content-Length that says so (a cut, not a transport error)."""
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = [line for line in head.split(b"\r\n")
+             if not line.lower().startswith((b"content-length:", b"transfer-encoding:"))]
+    cut = body[: len(body) // 2]
+    return b"\r\n".join([*lines, f"Content-Length: {len(cut)}".encode(), b"", b""]) + cut
+
+
+async def read_request(stream: trio.SocketStream) -> tuple[bytes, bytes]:
+    """(head, body) of one HTTP/1.1 request with a Content-Length body; (b"", b"") if the peer closed.
+
+    Raises ValueError for a body shorter than announced."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            return b"", b""
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    while len(body) < length:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            raise ValueError("short body")
+        body += chunk
+    return head, body
