@@ -54,7 +54,7 @@ from ckagent.hardening import protect_agent_memory
 from ckagent.heartbeat import HeartbeatLoop
 from ckagent.logs import log_task_finished, setup_logging
 from ckagent.master import MasterClient, RegistrationRefused
-from ckagent.metrics import AgentMetrics, OutboxReader
+from ckagent.metrics import AgentMetrics
 from ckagent.poller import Poller
 from ckagent.process import RunAs
 from ckagent.protocol import RegisterRequest, Task, TaskResult
@@ -163,7 +163,6 @@ class Agent:
         # Browser spiders use the system's browser (nothing can be downloaded at run time): its path
         # comes from the runtimes scan, updated in place after each rescan.
         extra_env = self._browser_env = browser_env(self.runtimes)
-        self.metrics.outbox = OutboxReader(store.sync)
         workspaces = self.workspaces = Workspaces(self.work_dir / "spiders", self.master)
         deps = Dependencies(
             self.work_dir / "envs",
@@ -181,6 +180,7 @@ class Agent:
             max_log_bytes=s.task.max_log_bytes, min_free_disk_bytes=s.task.min_free_disk_bytes,
             retention=s.task.retention, agent_secrets=self._secrets,
         ))
+        self.metrics.outbox = outbox
         supervisor = self.supervisor = Supervisor(
             RunnerConfig(self.work_dir, s.task.execute_timeout, s.task.kill_grace, self._secrets, extra_env,
                          run_as=run_as),

@@ -11,8 +11,9 @@ Two kinds of figures:
   (the master client's ``observer``) and the supervisor observer methods (``task_admitted``,
   ``task_started``, ``deps_prepared``, ``task_finished``, ``task_reported``);
 - the live state, read at scrape time: a :class:`LiveFigures` snapshot taken on the Trio thread
-  (state, slots, phases, heartbeat age, ...) plus :class:`OutboxReader` figures read from the state
-  store and the spool files in a worker thread (what the master has not acknowledged yet).
+  (state, slots, phases, heartbeat age, ...) plus the outbox's :class:`OutboxStatistics` record
+  (:meth:`ckagent.delivery.Outbox.statistics`, in a worker thread: what the master has not
+  acknowledged yet), which this module only renders.
 
 Exported (see :data:`METRIC_NAMES`)::
 
@@ -42,24 +43,24 @@ from __future__ import annotations
 
 import logging
 import platform
-import re
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
-from ckagent.delivery import ITEMS_FILE, JOURNAL_FILE, OUTPUT_LOG
-from ckagent.delivery.spool import read_spool
+from ckagent.delivery import OutboxStatistics
 from ckagent.deps import Prepared
 from ckagent.protocol import TaskResult
-from ckagent.state import StateStore
 from ckagent.supervisor import RunningTask, SupervisorObserver
+
+if TYPE_CHECKING:
+    from ckagent.delivery import Outbox
 
 log = logging.getLogger(__name__)
 
@@ -86,177 +87,8 @@ METRIC_NAMES = frozenset({
 """The agent's own metric names as they appear on /metrics (histograms add _bucket/_sum/_count)."""
 
 
-# --------------------------------------------------------------------------------------------------
-# The outbox: what the master has not acknowledged yet
-
-
-@dataclass(frozen=True)
-class OutboxFigures:
-    """What waits for the master: log lines and items written to the spool but not acknowledged,
-    final results not acknowledged, and the number of tasks with anything left to deliver."""
-
-    log_lines: int = 0
-    items: int = 0
-    results: int = 0
-    tasks: int = 0
-
-
-_LINE_BREAK = re.compile(rb"\r\n|\r|\n")
-_READ_CHUNK = 1024 * 1024
-LOG_LINE_BYTES = 64 * 1024
-"""The shippers cut longer log lines into pieces of this size (each piece is one element)."""
-
-
-def _pieces(line: bytes) -> int:
-    return max(1, -(-len(line) // LOG_LINE_BYTES))
-
-
-class _LineCount:
-    """Complete elements of one growing spool file, counted the way the shippers cut them.
-
-    Logs: a line ends at LF, CR LF or a lone CR; a line longer than LOG_LINE_BYTES counts once per
-    piece. Items: one per non-blank LF-terminated line. Incremental: :meth:`update` reads only what
-    was appended since the last call (spool files only grow).
-    """
-
-    def __init__(self, path: Path, *, log: bool) -> None:
-        self.path = path
-        self._log = log
-        self._read_to = 0
-        self._carry = b""
-        self.count = 0
-
-    def update(self) -> int:
-        """Read what was appended (blocking); returns the count. A missing file counts 0."""
-        try:
-            while chunk := read_spool(self.path, self._read_to, _READ_CHUNK):
-                self._read_to += len(chunk)
-                self._feed(chunk)
-        except OSError:  # missing, or not a regular file (never followed, never blocked on)
-            pass
-        return self.count
-
-    def _feed(self, data: bytes) -> None:
-        buf = self._carry + data
-        if not self._log:
-            parts = buf.split(b"\n")
-            self._carry = parts.pop()
-            self.count += sum(1 for part in parts if part.strip())
-            return
-        # A CR at the very end may be the first half of CR LF: keep it (and its line) open, like the
-        # shippers' splitter does.
-        held = buf.endswith(b"\r")
-        parts = _LINE_BREAK.split(buf[:-1] if held else buf)
-        tail = parts.pop()
-        self.count += sum(_pieces(part) for part in parts)
-        open_bytes = len(tail) + held
-        if open_bytes > LOG_LINE_BYTES:
-            whole = (open_bytes - 1) // LOG_LINE_BYTES  # pieces cut; 1..LOG_LINE_BYTES bytes stay open
-            self.count += whole
-            tail = tail[whole * LOG_LINE_BYTES:]
-        self._carry = tail + b"\r" if held else tail
-
-
-class _TaskSpool:
-    """The spool files of one task in the outbox: its log sources (output.log and the spider log
-    files named by the journal's "S <idx> <path>" records) and items.jsonl."""
-
-    def __init__(self, task_dir: Path) -> None:
-        self.task_dir = task_dir
-        self.logs: dict[str, _LineCount] = {OUTPUT_LOG: _LineCount(task_dir / OUTPUT_LOG, log=True)}
-        self.items = _LineCount(task_dir / ITEMS_FILE, log=False)
-        self._journal_read_to = 0
-        self._journal_carry = b""
-
-    def log_lines(self) -> int:
-        """Lines written to every log source so far (blocking)."""
-        self._scan_journal()
-        return sum(counter.update() for counter in self.logs.values())
-
-    def _scan_journal(self) -> None:
-        try:
-            data = read_spool(self.task_dir / JOURNAL_FILE, self._journal_read_to)
-        except OSError:
-            return
-        self._journal_read_to += len(data)
-        lines = (self._journal_carry + data).split(b"\n")
-        self._journal_carry = lines.pop()
-        for line in lines:
-            fields = line.decode("utf-8", "replace").split(" ", 2)
-            if len(fields) == 3 and fields[0] == "S" and fields[2] not in self.logs:
-                relative = Path(fields[2])
-                if not relative.is_absolute() and ".." not in relative.parts:
-                    self.logs[fields[2]] = _LineCount(self.task_dir / relative, log=True)
-
-
-class OutboxReader:
-    """Reads the outbox from the state store and the spool files. **Blocking**: call it in a thread.
-
-    Unacknowledged elements = complete elements in the spool files (counted the way the shippers
-    cut them; a last line without its newline counts once the task ends) minus the acknowledged
-    count in the state store. Counting is incremental — each call reads only the bytes written
-    since the previous one — so a scrape costs little even while the master is away.
-
-    It also keeps the ``shipped`` counters (elements acknowledged by the master while this process
-    runs): the growth of each task's acknowledged position between calls, plus the rest when the
-    task leaves the outbox (:meth:`task_done`). Tasks already in the outbox when the agent started
-    count from where they were first seen.
-    """
-
-    def __init__(self, store: StateStore, started_at: float | None = None) -> None:
-        self._store = store
-        self._started_at = time.time() if started_at is None else started_at
-        self._lock = threading.Lock()
-        self._spools: dict[str, _TaskSpool] = {}
-        self._seen: dict[str, list[int]] = {}  # task id -> [log seq, items seq] already counted as shipped
-        self._done: set[str] = set()  # settled by task_done; may still be in a read that started before
-        self.shipped_log_lines = 0
-        self.shipped_items = 0
-        self.last = OutboxFigures()
-
-    def read(self) -> OutboxFigures:
-        """Figures now (blocking: SQLite and file reads). Also advances the shipped counters."""
-        records = self._store.pending_delivery()
-        with self._lock:
-            lines = items = results = 0
-            for record in records:
-                if record.result is not None:
-                    results += 1
-                spool = self._spools.get(record.task_id)
-                if spool is None or spool.task_dir != record.task_dir:
-                    spool = self._spools[record.task_id] = _TaskSpool(record.task_dir)
-                acked = [int(self._store.stream_position(record.task_id, stream)[0]) for stream in ("log", "items")]
-                lines += max(0, spool.log_lines() - acked[0])
-                items += max(0, spool.items.update() - acked[1])
-                self._advance(record.task_id, acked, before_start=record.claimed_at < self._started_at)
-            pending_ids = {record.task_id for record in records}
-            for task_id in set(self._spools) - pending_ids:
-                del self._spools[task_id]
-            self._done &= pending_ids
-            self.last = OutboxFigures(log_lines=lines, items=items, results=results, tasks=len(records))
-            return self.last
-
-    def task_done(self, task_id: str, log_lines: int, items: int, claimed_at: float) -> None:
-        """The master acknowledged the task's final result with these counts: settle its shipped figures."""
-        with self._lock:
-            self._done.add(task_id)
-            seen = self._seen.pop(task_id, None)
-            if seen is None:
-                if claimed_at < self._started_at:
-                    return  # shipped (at least partly) by an earlier run: unknown share, count nothing
-                seen = [0, 0]
-            self.shipped_log_lines += max(0, log_lines - seen[0])
-            self.shipped_items += max(0, items - seen[1])
-
-    def _advance(self, task_id: str, acked: list[int], *, before_start: bool) -> None:
-        if task_id in self._done:
-            return
-        seen = self._seen.get(task_id)
-        if seen is None:
-            seen = self._seen[task_id] = list(acked) if before_start else [0, 0]
-        self.shipped_log_lines += max(0, acked[0] - seen[0])
-        self.shipped_items += max(0, acked[1] - seen[1])
-        seen[0], seen[1] = max(seen[0], acked[0]), max(seen[1], acked[1])
+OutboxFigures = OutboxStatistics
+"""What the outbox holds unacknowledged (the record :meth:`ckagent.delivery.Outbox.statistics` returns)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -343,7 +175,7 @@ class AgentMetrics(SupervisorObserver):
     line; whoever logs that line pops the entry.
     """
 
-    def __init__(self, version: str, node_name: str, outbox: OutboxReader | None = None) -> None:
+    def __init__(self, version: str, node_name: str, outbox: Outbox | None = None) -> None:
         # No ``*_created`` series next to every counter and histogram (process-wide setting; the agent
         # process exports nothing else): they double the series count and no dashboard uses them.
         disable_created_metrics()
@@ -422,15 +254,15 @@ class AgentMetrics(SupervisorObserver):
     def task_reported(self, task_id: str, result: TaskResult, claimed_at: float) -> None:
         """The master acknowledged the final result (with its item and log line counts)."""
         if self.outbox is not None:
-            self.outbox.task_done(task_id, result.log_lines or 0, result.item_count or 0, claimed_at)
+            self.outbox.task_acknowledged(task_id, result.log_lines or 0, result.item_count or 0, claimed_at)
 
     # ------------------------------------------------------------------ exposition
 
     def shipped(self) -> tuple[int, int]:
         """(log lines, items) acknowledged by the master so far — never decreasing."""
         if self.outbox is not None:
-            self._shipped_floor = [max(self._shipped_floor[0], self.outbox.shipped_log_lines),
-                                   max(self._shipped_floor[1], self.outbox.shipped_items)]
+            lines, items = self.outbox.shipped()
+            self._shipped_floor = [max(self._shipped_floor[0], lines), max(self._shipped_floor[1], items)]
         return self._shipped_floor[0], self._shipped_floor[1]
 
     def render(self, live: LiveFigures, accept: str = "") -> tuple[bytes, str]:

@@ -38,13 +38,14 @@ from typing import TYPE_CHECKING, Any, cast
 import trio
 
 from ckagent import __version__
-from ckagent.metrics import PHASES, AgentMetrics, LiveFigures, OutboxFigures, OutboxReader
+from ckagent.metrics import PHASES, AgentMetrics, LiveFigures, OutboxFigures
 from ckagent.protocol import utc_iso
 
 if TYPE_CHECKING:
     from hypercorn.typing import ASGIFramework
 
     from ckagent.agent import Agent
+    from ckagent.delivery import Outbox
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +227,7 @@ class AgentStatus:
     ``started`` is the agent's start in ``trio.current_time()`` (heartbeat age before the first beat).
     """
 
-    def __init__(self, agent: Agent, metrics: AgentMetrics, outbox: OutboxReader | None) -> None:
+    def __init__(self, agent: Agent, metrics: AgentMetrics, outbox: Outbox | None) -> None:
         self._agent = agent
         self._metrics = metrics
         self._outbox = outbox
@@ -273,7 +274,7 @@ class AgentStatus:
     async def _outbox_figures(self) -> OutboxFigures:
         if self._outbox is None:
             return OutboxFigures()
-        return await trio.to_thread.run_sync(self._outbox.read)
+        return await trio.to_thread.run_sync(self._outbox.statistics)
 
     def live(self, outbox: OutboxFigures) -> LiveFigures:
         """The scrape-time snapshot (on the Trio thread)."""

@@ -46,7 +46,7 @@ other answer (transport errors, 429/5xx, a 2xx that is not the protocol's, other
 with backoff: nothing read from the spool is dropped because an answer was odd.
 
 **The outbox** (:class:`Outbox`, one per agent, in the agent's root nursery) owns every task's
-delivery: the journal writer, the two shippers and, once both streams are complete, the final result
+delivery: the journal writer (:mod:`ckagent.delivery.journal`), the two shippers and, once both streams are complete, the final result
 (stored first, sent last, retried with exponential backoff and jitter until acknowledged). A task's
 worker slot is free as soon as its process has ended; delivery goes on without it. On start the
 agent hands unfinished deliveries from the state store to the outbox (:meth:`Outbox.resume`).
@@ -69,6 +69,7 @@ failing the task.
 """
 
 from ckagent.delivery.capture import DiskGuard, LogSink
+from ckagent.delivery.journal import LogJournal, parse_journal, scan_log_files, task_log_globs
 from ckagent.delivery.lines import (
     LineSplitter,
     Masker,
@@ -79,7 +80,6 @@ from ckagent.delivery.lines import (
     secret_values,
 )
 from ckagent.delivery.outbox import Outbox, OutboxConfig, TaskDelivery, cleanup_task_dirs
-from ckagent.delivery.readers import LogJournal, parse_journal, scan_log_files, task_log_globs
 from ckagent.delivery.shipper import StreamShipper, send_result
 from ckagent.delivery.spool import (
     AGENT_FILES,
@@ -92,6 +92,7 @@ from ckagent.delivery.spool import (
     MAX_LINE_BYTES,
     OUTPUT_LOG,
 )
+from ckagent.delivery.statistics import OutboxStatistics, SpoolCounter
 
 __all__ = [
     "AGENT_FILES",
@@ -110,6 +111,8 @@ __all__ = [
     "Masker",
     "Outbox",
     "OutboxConfig",
+    "OutboxStatistics",
+    "SpoolCounter",
     "StreamShipper",
     "TaskDelivery",
     "cleanup_task_dirs",

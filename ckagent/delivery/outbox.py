@@ -15,10 +15,11 @@ from pathlib import Path
 import trio
 
 from ckagent.delivery.capture import DiskGuard, LogSink
+from ckagent.delivery.journal import LogJournal, scan_log_files, task_log_globs
 from ckagent.delivery.lines import Masker, secret_values
-from ckagent.delivery.readers import LogJournal, scan_log_files, task_log_globs
 from ckagent.delivery.shipper import StreamShipper, send_result
 from ckagent.delivery.spool import DEFAULT_LOG_GLOBS, OUTPUT_LOG, SCAN_INTERVAL, SEND_CONCURRENCY
+from ckagent.delivery.statistics import OutboxStatistics, SpoolCounter
 from ckagent.master import MasterClient
 from ckagent.protocol import Task, TaskResult
 from ckagent.state import AsyncStateStore, TaskRecord
@@ -127,7 +128,7 @@ class Outbox:
     """Every task's delivery, in one nursery that outlives the tasks (see module docstring).
 
     ``await nursery.start(outbox.run)`` starts it; :meth:`open_task` / :meth:`resume` add tasks;
-    :meth:`wait_idle` waits until nothing is left to send. Also keeps the free-space figure of the
+    :meth:`wait_idle` waits until nothing is left to send; :meth:`statistics` says what is left. Also keeps the free-space figure of the
     work dir fresh and deletes expired task directories (retention).
     """
 
@@ -141,6 +142,7 @@ class Outbox:
         self.limiter = trio.CapacityLimiter(SEND_CONCURRENCY)
         self.guard = DiskGuard(work_dir, self.config.min_free_disk_bytes)
         self.deliveries: dict[str, TaskDelivery] = {}
+        self._counter = SpoolCounter(store.sync)
         self._nursery: trio.Nursery | None = None
         self._idle = trio.Event()
         self._idle.set()
@@ -155,6 +157,19 @@ class Outbox:
                 nursery.start_soon(self._retention_loop)
             task_status.started()
             await trio.sleep_forever()
+
+    def statistics(self) -> OutboxStatistics:
+        """What waits for the master now (see ckagent.delivery.statistics). **Blocking** (SQLite and
+        spool reads, incremental): call it in a worker thread."""
+        return self._counter.read()
+
+    def shipped(self) -> tuple[int, int]:
+        """(log lines, items) the master acknowledged while this process runs (never decreasing)."""
+        return self._counter.shipped_log_lines, self._counter.shipped_items
+
+    def task_acknowledged(self, task_id: str, log_lines: int, items: int, claimed_at: float) -> None:
+        """The master acknowledged a task's final result with these counts (settles :meth:`shipped`)."""
+        self._counter.task_done(task_id, log_lines, items, claimed_at)
 
     @property
     def pending(self) -> int:

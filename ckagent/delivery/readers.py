@@ -1,4 +1,5 @@
-"""Readers of the spool: pending elements, file tailers and the log journal that orders a task's log sources.
+"""Readers of the spool: pending elements, the items file's tailer and the replay of a task's log journal
+(written by :mod:`ckagent.delivery.journal`).
 
 See the package docstring (ckagent.delivery) for the whole design.
 """
@@ -6,30 +7,26 @@ See the package docstring (ckagent.delivery) for the whole design.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import logging
 import os
-import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from itertools import accumulate
 from operator import add
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import trio
 
+from ckagent.delivery.journal import parse_journal
 from ckagent.delivery.lines import LineSplitter, Masker, encode_json, encode_lines
 from ckagent.delivery.spool import (
-    AGENT_FILES,
     JOURNAL_FILE,
     MAX_LINE_BYTES,
-    MAX_LOG_SOURCES,
     OUTPUT_LOG,
     READ_CHUNK,
     open_spool,
     read_spool,
 )
-from ckagent.protocol import Task
 
 log = logging.getLogger(__name__)
 
@@ -200,31 +197,6 @@ class _Source:
         self.fed = start
         self.fd = -1
         self.finalized = False
-
-
-def parse_journal(data: bytes) -> tuple[list[tuple[int, str, int, str]], int]:
-    """Journal bytes → ``([(record offset, kind, idx, arg)], end of the last complete record)``.
-
-    ``arg`` is the path for S, the size (as text) for D, "" otherwise. A torn last record (no
-    newline) is not returned. Unknown record kinds raise ValueError.
-    """
-    records: list[tuple[int, str, int, str]] = []
-    pos = 0
-    while True:
-        nl = data.find(b"\n", pos)
-        if nl < 0:
-            return records, pos
-        text = data[pos:nl].decode("utf-8", "surrogateescape")
-        kind = text[:1]
-        if kind == "E":
-            records.append((pos, "E", -1, ""))
-        elif kind in ("S", "D", "F"):
-            _, _, rest = text.partition(" ")
-            idx_text, _, arg = rest.partition(" ")
-            records.append((pos, kind, int(idx_text), arg))
-        else:
-            raise ValueError(f"bad journal record at offset {pos}: {text[:80]!r}")
-        pos = nl + 1
 
 
 class _JournalReader:
@@ -398,151 +370,3 @@ class _JournalReader:
 
 def _read_prefix(path: Path, size: int) -> bytes:
     return read_spool(path, 0, size)
-
-
-class LogJournal:
-    """Writes a task's ``output.journal`` (the merge order of its log sources; see module docstring).
-
-    Blocking but tiny: :meth:`open` reads an existing journal (use ``trio.to_thread``); the record
-    writes are small ``os.write`` calls on an O_APPEND descriptor (like :class:`LogSink`). Only the
-    outbox's journal task writes. Raises OSError when the file cannot be created.
-    """
-
-    def __init__(self, task_dir: Path) -> None:
-        self.task_dir = task_dir
-        self.path = task_dir / JOURNAL_FILE
-        self._fd = -1
-        self.paths: dict[int, str] = {}  # idx → path (the current idx of each path is in `current`)
-        self.current: dict[str, int] = {}
-        self.recorded: dict[int, int] = {}
-        self.finalized: set[int] = set()
-        self.ended = False
-        self.on_record: Callable[[], None] | None = None
-        self._warned_full = False
-
-    def open(self) -> None:
-        """Read what an earlier run wrote (cutting a torn last record), then open for appending."""
-        data = b""
-        with contextlib.suppress(FileNotFoundError):
-            data = read_spool(self.path)
-        records, good = parse_journal(data)
-        if good < len(data):
-            log.warning("%s: dropping a torn last record (%d bytes)", self.path, len(data) - good)
-            os.truncate(self.path, good)
-        for _, kind, idx, arg in records:
-            if kind == "S":
-                self.paths[idx] = arg
-                self.current[arg] = idx
-                self.recorded[idx] = 0
-            elif kind == "D":
-                self.recorded[idx] = int(arg)
-            elif kind == "F":
-                self.finalized.add(idx)
-            elif kind == "E":
-                self.ended = True
-        self._fd = open_spool(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-        if 0 not in self.paths:
-            self._write([self._declare(OUTPUT_LOG)])
-
-    def _declare(self, path: str) -> str:
-        idx = max(self.paths, default=-1) + 1
-        self.paths[idx] = path
-        self.current[path] = idx
-        self.recorded[idx] = 0
-        return f"S {idx} {path}\n"
-
-    def _write(self, records: list[str]) -> None:
-        if records and self._fd >= 0:
-            data = "".join(records).encode("utf-8", "surrogateescape")
-            view = memoryview(data)
-            while view:
-                view = view[os.write(self._fd, view):]
-            if self.on_record is not None:
-                self.on_record()
-
-    def note(self, sizes: dict[str, int]) -> None:
-        """Record growth: ``sizes`` maps source path → current size. New paths are declared; a file
-        that shrank (rotated or truncated) continues as a new source. Does nothing once ended."""
-        if self.ended:
-            return
-        records: list[str] = []
-        for path, size in sizes.items():
-            idx = self.current.get(path)
-            if idx is None:
-                if len(self.paths) >= MAX_LOG_SOURCES + 1:
-                    if not self._warned_full:
-                        log.warning("%s: more than %d log files; ignoring the others", self.task_dir, MAX_LOG_SOURCES)
-                        self._warned_full = True
-                    continue
-                records.append(self._declare(path))
-                idx = self.current[path]
-            elif idx in self.finalized:
-                continue
-            elif size < self.recorded[idx]:
-                log.info("%s: log file %s shrank (rotated?); reading it again from its start", self.task_dir, path)
-                records.append(f"F {idx}\n")
-                self.finalized.add(idx)
-                records.append(self._declare(path))
-                idx = self.current[path]
-            if size > self.recorded[idx]:
-                records.append(f"D {idx} {size}\n")
-                self.recorded[idx] = size
-        self._write(records)
-
-    def end(self, sizes: dict[str, int]) -> None:
-        """The task is over: record the last growth, complete every source, end the stream (idempotent)."""
-        if self.ended:
-            return
-        self.note(sizes)
-        records = [f"F {idx}\n" for idx in sorted(self.paths) if idx not in self.finalized]
-        self.finalized.update(self.paths)
-        records.append("E\n")
-        self.ended = True
-        self._write(records)
-
-    def close(self) -> None:
-        """Close the file (idempotent)."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
-def _safe_glob(pattern: str) -> bool:
-    p = PurePosixPath(pattern)
-    return bool(pattern) and not p.is_absolute() and ".." not in p.parts and "\n" not in pattern
-
-
-def scan_log_files(task_dir: Path, globs: Sequence[str]) -> dict[str, int]:
-    """Spider log files under ``task_dir`` matching ``globs``: relative path → size (blocking).
-
-    Only regular files inside the task dir (no symlinks, nothing of the agent's own files, no path
-    with a newline); absolute or ``..`` patterns are ignored.
-    """
-    found: dict[str, int] = {}
-    root = task_dir.resolve()
-    for pattern in globs:
-        if not _safe_glob(pattern):
-            continue
-        for path in sorted(task_dir.glob(pattern)):
-            rel = path.relative_to(task_dir).as_posix()
-            if rel in AGENT_FILES or rel in found or "\n" in rel:
-                continue
-            try:
-                st = path.lstat()
-            except OSError:
-                continue
-            if not stat.S_ISREG(st.st_mode) or not path.resolve().is_relative_to(root):
-                continue
-            found[rel] = st.st_size
-    return found
-
-
-def task_log_globs(task: Task, defaults: Sequence[str]) -> list[str]:
-    """The globs of a task's spider log files: ``defaults`` plus ``params.logFiles`` (a str or list of str)."""
-    extra = task.params.get("logFiles") if isinstance(task.params, dict) else None
-    if isinstance(extra, str):
-        extra = [extra]
-    globs = list(defaults)
-    if isinstance(extra, list):
-        globs += [g for g in extra if isinstance(g, str) and _safe_glob(g)]
-    return globs

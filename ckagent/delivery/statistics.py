@@ -1,0 +1,167 @@
+"""What the outbox holds that the master has not acknowledged: :class:`OutboxStatistics`, counted by
+:class:`SpoolCounter` from the state store and the spool files — with the delivery's own line
+cutting (:class:`~ckagent.delivery.lines.LineSplitter`) and journal reading
+(:func:`~ckagent.delivery.journal.parse_journal`), so the figures are the shippers' elements.
+
+:meth:`ckagent.delivery.Outbox.statistics` is the entry point; the metrics and /status only render
+the record.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckagent.delivery.journal import parse_journal
+from ckagent.delivery.lines import LineSplitter
+from ckagent.delivery.spool import (
+    ITEMS_FILE,
+    JOURNAL_FILE,
+    MAX_ITEM_BYTES,
+    MAX_LINE_BYTES,
+    OUTPUT_LOG,
+    read_spool,
+)
+from ckagent.state import StateStore
+
+READ_CHUNK = 1024 * 1024
+"""Bytes read from a spool file at a time while counting."""
+
+
+@dataclass(frozen=True)
+class OutboxStatistics:
+    """What waits for the master: log lines and items written to the spool but not acknowledged,
+    final results not acknowledged, and the number of tasks with anything left to deliver."""
+
+    log_lines: int = 0
+    items: int = 0
+    results: int = 0
+    tasks: int = 0
+
+
+class _ElementCount:
+    """Complete elements of one growing spool file, cut as the shippers cut them: log lines (LF, CR LF
+    or a lone CR; pieces of MAX_LINE_BYTES) or items (non-blank LF-terminated lines). Incremental:
+    :meth:`update` reads only what was appended since the last call (spool files only grow)."""
+
+    def __init__(self, path: Path, *, log: bool) -> None:
+        self.path = path
+        self._log = log
+        self._read_to = 0
+        self._splitter = LineSplitter(0, MAX_LINE_BYTES, True) if log else LineSplitter(0, MAX_ITEM_BYTES, False)
+        self.count = 0
+
+    def update(self) -> int:
+        """Read what was appended (blocking); returns the count. A missing file counts 0."""
+        try:
+            while chunk := read_spool(self.path, self._read_to, READ_CHUNK):
+                self._read_to += len(chunk)
+                lines, _ = self._splitter.feed(chunk)
+                self.count += len(lines) if self._log else sum(1 for line in lines if line.strip())
+        except OSError:  # missing, or not a regular file (never followed, never blocked on)
+            pass
+        return self.count
+
+
+class _TaskSpool:
+    """The spool files of one task: its log sources (output.log and the spider log files the
+    journal's S records name) and items.jsonl."""
+
+    def __init__(self, task_dir: Path) -> None:
+        self.task_dir = task_dir
+        self.logs: dict[str, _ElementCount] = {OUTPUT_LOG: _ElementCount(task_dir / OUTPUT_LOG, log=True)}
+        self.items = _ElementCount(task_dir / ITEMS_FILE, log=False)
+        self._journal_read_to = 0
+
+    def log_lines(self) -> int:
+        """Lines written to every log source so far (blocking)."""
+        self._scan_journal()
+        return sum(counter.update() for counter in self.logs.values())
+
+    def _scan_journal(self) -> None:
+        try:
+            data = read_spool(self.task_dir / JOURNAL_FILE, self._journal_read_to)
+        except OSError:
+            return
+        try:
+            records, good = parse_journal(data)
+        except ValueError:  # a damaged journal: its sources stay uncounted (the shipper says why)
+            return
+        self._journal_read_to += good
+        for _, kind, _, path in records:
+            if kind == "S" and path not in self.logs:
+                relative = Path(path)
+                if not relative.is_absolute() and ".." not in relative.parts:
+                    self.logs[path] = _ElementCount(self.task_dir / relative, log=True)
+
+
+class SpoolCounter:
+    """Counts the outbox from the state store and the spool files. **Blocking**: call it in a thread.
+
+    Unacknowledged elements = complete elements in the spool files (a last line without its newline
+    counts once the task ends) minus the acknowledged count in the state store. Counting is
+    incremental — each call reads only the bytes written since the previous one — so a scrape costs
+    little even while the master is away.
+
+    It also keeps the ``shipped`` counters (elements acknowledged by the master while this process
+    runs): the growth of each task's acknowledged position between calls, plus the rest when the
+    task's result is acknowledged (:meth:`task_done`). Tasks already in the outbox when the agent
+    started count from where they were first seen.
+    """
+
+    def __init__(self, store: StateStore, started_at: float | None = None) -> None:
+        self._store = store
+        self._started_at = time.time() if started_at is None else started_at
+        self._lock = threading.Lock()
+        self._spools: dict[str, _TaskSpool] = {}
+        self._seen: dict[str, list[int]] = {}  # task id -> [log seq, items seq] already counted as shipped
+        self._done: set[str] = set()  # settled by task_done; may still be in a read that started before
+        self.shipped_log_lines = 0
+        self.shipped_items = 0
+        self.last = OutboxStatistics()
+
+    def read(self) -> OutboxStatistics:
+        """Figures now (blocking: SQLite and file reads). Also advances the shipped counters."""
+        records = self._store.pending_delivery()
+        with self._lock:
+            lines = items = results = 0
+            for record in records:
+                if record.result is not None:
+                    results += 1
+                spool = self._spools.get(record.task_id)
+                if spool is None or spool.task_dir != record.task_dir:
+                    spool = self._spools[record.task_id] = _TaskSpool(record.task_dir)
+                acked = [int(self._store.stream_position(record.task_id, stream)[0]) for stream in ("log", "items")]
+                lines += max(0, spool.log_lines() - acked[0])
+                items += max(0, spool.items.update() - acked[1])
+                self._advance(record.task_id, acked, before_start=record.claimed_at < self._started_at)
+            pending_ids = {record.task_id for record in records}
+            for task_id in set(self._spools) - pending_ids:
+                del self._spools[task_id]
+            self._done &= pending_ids
+            self.last = OutboxStatistics(log_lines=lines, items=items, results=results, tasks=len(records))
+            return self.last
+
+    def task_done(self, task_id: str, log_lines: int, items: int, claimed_at: float) -> None:
+        """The master acknowledged the task's final result with these counts: settle its shipped figures."""
+        with self._lock:
+            self._done.add(task_id)
+            seen = self._seen.pop(task_id, None)
+            if seen is None:
+                if claimed_at < self._started_at:
+                    return  # shipped (at least partly) by an earlier run: unknown share, count nothing
+                seen = [0, 0]
+            self.shipped_log_lines += max(0, log_lines - seen[0])
+            self.shipped_items += max(0, items - seen[1])
+
+    def _advance(self, task_id: str, acked: list[int], *, before_start: bool) -> None:
+        if task_id in self._done:
+            return
+        seen = self._seen.get(task_id)
+        if seen is None:
+            seen = self._seen[task_id] = list(acked) if before_start else [0, 0]
+        self.shipped_log_lines += max(0, acked[0] - seen[0])
+        self.shipped_items += max(0, acked[1] - seen[1])
+        seen[0], seen[1] = max(seen[0], acked[0]), max(seen[1], acked[1])
