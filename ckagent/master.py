@@ -625,7 +625,8 @@ class MasterClient:
         """Record and raise MasterUnavailable for a transport error or timeout."""
         if reason is None:
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        text = _redact(f"master unreachable ({endpoint}: {reason} — {self._base_url})", self._secrets())
+        # No URL in the cause: /readyz shows it, and the status port never tells the master's address.
+        text = _redact(f"master unreachable ({endpoint}: {reason})", self._secrets())
         self._trouble("unreachable", endpoint, _DOWN, started, text)
         raise MasterUnavailable(f"{endpoint}: {reason}") from exc
 
