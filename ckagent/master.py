@@ -592,6 +592,10 @@ class MasterClient:
             except httpx.TransportError as exc:
                 self._observe(endpoint, "error", started)
                 self._unreachable(endpoint, exc, started)
+            except (httpx.DecodingError, httpx.TooManyRedirects) as exc:
+                self._undecodable(endpoint, exc, started)
+            except httpx.InvalidURL as exc:
+                raise MasterRejected(endpoint, 0, None, message=f"{endpoint}: not a valid URL: {exc}") from exc
             self._observe(endpoint, "ok", started)
             self.connectivity.succeeded(endpoint, started)
             return received
@@ -615,6 +619,8 @@ class MasterClient:
         except httpx.TransportError as exc:
             self._observe(endpoint, "error", started)
             self._unreachable(endpoint, exc, started)
+        except (httpx.DecodingError, httpx.TooManyRedirects) as exc:
+            self._undecodable(endpoint, exc, started)
         status = response.status_code
         if status == 429 or status >= 500:
             self._unavailable(endpoint, response, started)
@@ -629,6 +635,15 @@ class MasterClient:
         text = _redact(f"master unreachable ({endpoint}: {reason})", self._secrets())
         self._trouble("unreachable", endpoint, _DOWN, started, text)
         raise MasterUnavailable(f"{endpoint}: {reason}") from exc
+
+    def _undecodable(self, endpoint: str, exc: Exception, started: float) -> NoReturn:
+        """Record and raise MasterProtocolError for an answer httpx cannot read (a bad Content-Encoding,
+        endless redirects): not the protocol, whoever sent it."""
+        self._observe(endpoint, "protocol_error", started)
+        text = _redact(f"master answers {endpoint} with something that is not the node protocol "
+                       f"({type(exc).__name__}: {exc})", self._secrets())
+        self._trouble("protocol", endpoint, ("protocol", type(exc).__name__), started, text)
+        raise MasterProtocolError(text, Answered(0, "", b"")) from exc
 
     def _unavailable(self, endpoint: str, response: httpx.Response, started: float) -> NoReturn:
         """Record and raise MasterUnavailable for a 429 or 5xx answer (its body already read)."""

@@ -34,7 +34,8 @@ Exported (see :data:`METRIC_NAMES`)::
     ckagent_log_lines_shipped_total, ckagent_items_shipped_total   acknowledged by the master
     ckagent_outbox_log_lines, ckagent_outbox_items     written to the spool, not yet acknowledged
     ckagent_outbox_results                             final results not yet acknowledged
-    ckagent_master_requests_total{endpoint,outcome}    outcome: ok, error (transport) or the HTTP status
+    ckagent_master_requests_total{endpoint,outcome}    outcome: ok, error (transport), protocol_error (an
+                                                       answer not in the protocol's words) or the HTTP status
     ckagent_master_request_duration_seconds{endpoint}  histogram (a long poll includes its hold time)
     process_*                                          prometheus-client's process collector
 """
@@ -213,7 +214,7 @@ class AgentMetrics(SupervisorObserver):
                                          "dependencies.", registry=r)
         self.master_requests = Counter(
             "ckagent_master_requests", "HTTP requests to the master by endpoint and outcome (ok, error for a "
-            "transport failure, else the HTTP status).", ["endpoint", "outcome"], registry=r,
+            "transport failure, protocol_error for an answer that is not the protocol's, else the HTTP status).", ["endpoint", "outcome"], registry=r,
         )
         self.master_latency = Histogram(
             "ckagent_master_request_duration_seconds", "Latency of requests to the master (a long poll "

@@ -83,6 +83,8 @@ CLASSES: dict[str, tuple[Callable[[httpx.Request], httpx.Response], type[Excepti
     "403": (lambda r: httpx.Response(403, json={"error": "forbidden here"}), MasterRejected, "403",
             "master refuses heartbeat with 403 (forbidden here); that request fails"),
     "409": (lambda r: httpx.Response(409, json={"error": "not yours"}), MasterConflict, "409", ""),
+    "bad_encoding": (lambda r: httpx.Response(200, headers={"content-encoding": "gzip"}, content=b"not gzip"),
+                     MasterProtocolError, "protocol_error", "DecodingError"),
 }
 
 
