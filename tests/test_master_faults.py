@@ -23,7 +23,7 @@ import httpx
 import pytest
 import trio
 from faultproxy import CALLS, FaultProxy
-from harness import agent_settings, submit
+from harness import agent_settings, running_agent, submit
 
 from ckagent.agent import Agent
 from ckagent.delivery import LineSplitter, Masker, decode_lines
@@ -177,3 +177,45 @@ async def test_the_agent_survives_every_answer_class_and_delivers_everything(
 
 async def _ready(status: httpx.AsyncClient) -> bool:
     return (await status.get("/readyz")).status_code == 200
+
+
+FLOOD = r"""
+import sys, time
+for i in range(40_000):
+    sys.stdout.write(f"flood {i:05d}\n")
+    if i % 2000 == 1999:
+        sys.stdout.flush()
+        time.sleep(0.05)
+"""
+
+
+async def test_a_portal_page_on_logs_alone_mid_task_loses_no_line(
+    dev_master: Any, nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The issue's report: HTML on /logs alone for some seconds while a spider prints 40,000 lines
+    used to kill the task's delivery (JSONDecodeError) and stop reading its output."""
+    caplog.set_level(logging.INFO)
+    proxy = FaultProxy(int(dev_master.base_url.rsplit(":", 1)[1]))
+    proxy_port = await nursery.start(proxy.serve)
+    settings = agent_settings(tmp_path / "agent", f"http://127.0.0.1:{proxy_port}", dev_master.registration_token)
+    async with running_agent(nursery, settings) as agent:
+        task_id = await submit(dev_master.admin, "flood", {"main.py": FLOOD})
+
+        async def streaming() -> bool:
+            return (await dev_master.admin.get_task(task_id))["storedLogLines"] >= 1000
+
+        await eventually(streaming, 30, "the flood streams")
+        mark = len(caplog.records)
+        proxy.set("html", {"logs"})
+        faulted_at = trio.current_time()
+        await trio.sleep(FAULT_SECONDS)
+        proxy.heal()
+        assert proxy.faulted("logs", faulted_at) >= 2
+        task = await dev_master.admin.wait_task_final(task_id, 90)
+        assert agent.state == "RUNNING"
+    logs = await dev_master.admin.get_logs(task_id)
+    assert [line for line in logs if line.startswith("flood ")] == [f"flood {i:05d}" for i in range(40_000)]
+    assert logs == output_lines(tmp_path / "agent" / "tasks" / task_id)
+    assert task["status"] == "SUCCESS" and task["logLines"] == len(logs)
+    warnings = master_warnings(caplog, mark)
+    assert len(warnings) == 1 and warnings[0].startswith("master answers 200 text/html to logs"), warnings
