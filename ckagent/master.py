@@ -22,7 +22,7 @@ retries MasterUnavailable (so also MasterProtocolError) with stamina's exponenti
 jitter (forever unless ``attempts``/``retry_timeout`` say otherwise); registration 401 (a wrong
 ``AGENT_REGISTRATION_TOKEN``, or one the master does not know yet) is retried the same way.
 
-**One log line per episode.** :class:`Connectivity` keeps the trouble of each endpoint; the first
+**One log line per episode.** :class:`ckagent.connectivity.Connectivity` keeps the trouble of each endpoint; the first
 failure of a kind logs one WARNING line saying what was answered (status, content type, the first
 bytes: "master answers 200 text/html to heartbeat: not the node protocol (…)"), the end of it one
 INFO line ("… again after N failed attempts, T s"); retries in between log nothing. The current
@@ -42,23 +42,18 @@ import json as jsonlib
 import logging
 import ssl
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import httpx
 import stamina
 import trio
 
+from ckagent.connectivity import DOWN_EPISODE, Answered, Connectivity, Trouble
 from ckagent.protocol import ProtocolError, RegisterRequest, RegisterResponse
 from ckagent.protocol._fields import req_object
 
 log = logging.getLogger(__name__)
 
-HEAD_BYTES = 64
-"""How many leading bytes of an unexpected answer its message quotes."""
-STALE_TROUBLE = 90.0
-"""Seconds after which an endpoint's open trouble (a protocol error or a refusal) that was not tried
-again is forgotten once other calls succeed (its caller gave up, e.g. a claim past its retry time)."""
 
 
 class MasterError(Exception):
@@ -103,177 +98,6 @@ class MasterConflict(MasterRejected):
 
 class RegistrationRefused(MasterError):
     """Registration failed for good (bad request, forbidden, ...); the agent cannot start."""
-
-
-# ---------------------------------------------------------------------------------------------- episodes
-
-
-@dataclass(frozen=True)
-class Answered:
-    """What came back for one request, for messages: HTTP status, media type, the first bytes."""
-
-    status: int
-    content_type: str
-    head: bytes
-
-    @classmethod
-    def of(cls, response: httpx.Response, body: bytes, secrets: tuple[str, ...] = ()) -> Answered:
-        """From a response and (the start of) its body; secrets in the body head are masked."""
-        media = response.headers.get("content-type", "").split(";")[0].strip() or "without content type"
-        head = body[:HEAD_BYTES]
-        for secret in secrets:
-            if secret:
-                head = head.replace(secret.encode(), b"***")
-        return cls(response.status_code, media, head)
-
-    def __str__(self) -> str:
-        more = "…" if len(self.head) >= HEAD_BYTES else ""
-        return f"{self.status} {self.content_type}" + (f", first bytes {self.head!r}{more}" if self.head else "")
-
-
-@dataclass(frozen=True)
-class Trouble:
-    """One failed call, classified: ``kind`` is unreachable (transport error, timeout), unavailable
-    (429/5xx), protocol (a 2xx that is not the protocol), unauthorized (registration 401) or
-    rejected (other 4xx). ``text`` is the one-line cause; ``key`` identifies its episode."""
-
-    kind: str
-    endpoint: str
-    text: str
-    key: tuple[Any, ...]
-
-
-_DOWN_KINDS = frozenset({"unreachable", "unavailable", "protocol", "unauthorized"})
-"""Kinds that mean "the master is not answering in the protocol": ``Connectivity.up`` goes False."""
-_GLOBAL_KINDS = frozenset({"unreachable", "unavailable"})
-"""Kinds any successful call ends (the master answers again); the others end with their endpoint's success."""
-_DOWN = ("down",)
-"""The one episode of transport errors, timeouts, 429 and 5xx: a master that is away, whatever the mix."""
-_NODE_ENDPOINTS = frozenset({"register", "heartbeat", "poll"})
-"""Endpoints whose refusals concern the node itself (the others concern one task): /readyz shows them."""
-
-
-@dataclass
-class _Open:
-    trouble: Trouble
-    last: float
-
-
-@dataclass
-class _Episode:
-    trouble: Trouble
-    started: float
-    failures: int = 1
-
-
-@dataclass
-class Connectivity:
-    """The master's health as this agent sees it: one episode per kind of trouble, logged at its start
-    and its end (see module docstring), not per attempt.
-
-    ``up`` is False while a call fails for a reason of :data:`_DOWN_KINDS`; ``on_change(up)`` (optional)
-    is called on each transition; ``failures`` counts the failed attempts since the last time it was
-    up. :attr:`problem` is the current cause, for /readyz.
-    """
-
-    up: bool = True
-    failures: int = 0
-    down_since: float = 0.0
-    on_change: Callable[[bool], None] | None = None
-    _open: dict[str, _Open] = field(default_factory=dict)
-    _episodes: dict[tuple[Any, ...], _Episode] = field(default_factory=dict)
-    _last_ok: dict[str, float] = field(default_factory=dict)
-    """Per endpoint ("" for any), the send time of the latest call that succeeded."""
-
-    def failed(self, trouble: Trouble, sent: float | None = None) -> None:
-        """Record a failed attempt sent at trio time ``sent``; logs only when it starts an episode.
-
-        A call sent before one that has since succeeded (it timed out after the trouble was over)
-        is old news: ignored."""
-        now = trio.current_time()
-        scope = "" if trouble.kind in _GLOBAL_KINDS else trouble.endpoint
-        if sent is not None and sent < self._last_ok.get(scope, float("-inf")):
-            return
-        previous = self._open.get(trouble.endpoint)
-        self._open[trouble.endpoint] = _Open(trouble, now)
-        episode = self._episodes.get(trouble.key)
-        if episode is None:
-            self._episodes[trouble.key] = _Episode(trouble, now)
-            retry = "" if trouble.kind == "rejected" else "; retrying with backoff"
-            log.warning("%s%s", trouble.text, retry)
-        else:
-            episode.failures += 1
-        if previous is not None and previous.trouble.key != trouble.key:
-            self._maybe_end(previous.trouble.key, now, quiet=True)  # the new episode's line says it
-        if trouble.kind in _DOWN_KINDS:
-            self.failures += 1
-            if self.up:
-                self.up = False
-                self.down_since = now
-                if self.on_change:
-                    self.on_change(False)
-
-    def succeeded(self, endpoint: str = "", started: float | None = None) -> None:
-        """Record a call of ``endpoint`` the master answered in the protocol (a 409 counts); logs only
-        when that ends an episode. ``started`` is the trio time the call was sent: a call sent before
-        a failure (a long poll held by the master) says nothing about the trouble since, and ends none."""
-        now = trio.current_time()
-        sent = now if started is None else started
-        for scope in ("", endpoint):
-            self._last_ok[scope] = max(sent, self._last_ok.get(scope, float("-inf")))
-        ended = []
-        mine = self._open.get(endpoint)
-        if mine is not None and mine.last <= sent:
-            del self._open[endpoint]
-            ended.append(mine.trouble.key)
-        for name, entry in list(self._open.items()):
-            if (entry.trouble.kind in _GLOBAL_KINDS and entry.last <= sent) or now - entry.last > STALE_TROUBLE:
-                del self._open[name]
-                ended.append(entry.trouble.key)
-        for key in ended:
-            self._maybe_end(key, now)
-        if not self.up and not any(e.trouble.kind in _DOWN_KINDS for e in self._open.values()):
-            self.up = True
-            self.failures = 0
-            if self.on_change:
-                self.on_change(True)
-
-    @property
-    def problem(self) -> str | None:
-        """The cause of the oldest open episode that concerns the node (one line), or None."""
-        causes = self._node_causes()
-        return min(causes)[1] if causes else None
-
-    def problem_age(self) -> float:
-        """Seconds since the episode of :attr:`problem` started (0 when there is none)."""
-        causes = self._node_causes()
-        return trio.current_time() - min(causes)[0] if causes else 0.0
-
-    def _node_causes(self) -> list[tuple[float, str]]:
-        """(episode start, cause) of each endpoint in trouble, but a task call's refusal (one task's affair)."""
-        return [
-            (self._episodes[entry.trouble.key].started, entry.trouble.text) for entry in self._open.values()
-            if (entry.trouble.kind != "rejected" or entry.trouble.endpoint in _NODE_ENDPOINTS)
-            and entry.trouble.key in self._episodes
-        ]
-
-    def _maybe_end(self, key: tuple[Any, ...], now: float, *, quiet: bool = False) -> None:
-        if any(entry.trouble.key == key for entry in self._open.values()):
-            return
-        episode = self._episodes.pop(key, None)
-        if episode is None or quiet:
-            return
-        t = episode.trouble
-        attempts = f"after {episode.failures} failed attempt{'s' if episode.failures != 1 else ''}, " \
-                   f"{now - episode.started:.1f} s"
-        if t.kind in _GLOBAL_KINDS:
-            log.info("master reachable again %s", attempts)
-        elif t.kind == "protocol":
-            log.info("master answers %s in the node protocol again %s", t.endpoint, attempts)
-        elif t.kind == "unauthorized":
-            log.info("registration token accepted %s", attempts)
-        else:
-            log.info("master accepts %s again %s", t.endpoint, attempts)
 
 
 RequestObserver = Callable[[str, str, float], None]
@@ -633,7 +457,7 @@ class MasterClient:
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         # No URL in the cause: /readyz shows it, and the status port never tells the master's address.
         text = _redact(f"master unreachable ({endpoint}: {reason})", self._secrets())
-        self._trouble("unreachable", endpoint, _DOWN, started, text)
+        self._trouble("unreachable", endpoint, DOWN_EPISODE, started, text)
         raise MasterUnavailable(f"{endpoint}: {reason}") from exc
 
     def _undecodable(self, endpoint: str, exc: Exception, started: float) -> NoReturn:
@@ -651,7 +475,7 @@ class MasterClient:
         self._observe(endpoint, str(status), started)
         answered = Answered.of(response, response.content, self._secrets())
         text = _redact(f"master unavailable ({endpoint}: answered {answered})", self._secrets())
-        self._trouble("unavailable", endpoint, _DOWN, started, text)
+        self._trouble("unavailable", endpoint, DOWN_EPISODE, started, text)
         raise MasterUnavailable(f"{endpoint}: master answered {status}")
 
     def _trouble(self, kind: str, endpoint: str, key: tuple[Any, ...], sent: float, text: str) -> None:
