@@ -14,10 +14,9 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from ckagent.delivery import LineSplitter, Outbox
-from ckagent.delivery import SpoolCounter as OutboxReader
+from ckagent.delivery import LineSplitter, Outbox, SpoolCounter
 from ckagent.delivery.spool import MAX_LINE_BYTES as LOG_LINE_BYTES
-from ckagent.delivery.statistics import _ElementCount as _LineCount
+from ckagent.delivery.statistics import _ElementCount
 from ckagent.deps import Prepared
 from ckagent.metrics import (
     METRIC_NAMES,
@@ -163,7 +162,7 @@ def test_log_line_count_matches_the_shippers_splitter(tmp_path: Path, seed: int)
     ) + b"end\n"
     path = tmp_path / "output.log"
     path.write_bytes(b"")
-    counter = _LineCount(path, log=True)
+    counter = _ElementCount(path, log=True)
     splitter = LineSplitter(0, LOG_LINE_BYTES, True)
     expected = pos = 0
     while pos < len(data):
@@ -177,7 +176,7 @@ def test_log_line_count_matches_the_shippers_splitter(tmp_path: Path, seed: int)
 
 def test_item_count_skips_blank_lines_and_waits_for_the_newline(tmp_path: Path) -> None:
     path = tmp_path / "items.jsonl"
-    counter = _LineCount(path, log=False)
+    counter = _ElementCount(path, log=False)
     assert counter.update() == 0  # no file yet
     path.write_bytes(b'{"a": 1}\n\n   \n{"b"')
     assert counter.update() == 1
@@ -198,7 +197,7 @@ def _task_dir(tmp_path: Path, task_id: str) -> Path:
 
 def test_outbox_counts_what_the_master_has_not_acknowledged(tmp_path: Path) -> None:
     store = _store(tmp_path)
-    reader = OutboxReader(store, started_at=0.0)
+    reader = SpoolCounter(store, started_at=0.0)
     assert reader.read().tasks == 0
     t1 = _task_dir(tmp_path, "t1")
     store.add_task("t1", "s1", TASK_JSON, t1)
@@ -236,7 +235,7 @@ def test_shipped_counts_only_what_this_process_saw_acknowledged(tmp_path: Path) 
     old = _task_dir(tmp_path, "old")
     store.add_task("old", "s1", TASK_JSON, old)
     store.save_stream_position("old", "log", 100, {"j": 0, "p": {}})  # shipped by an earlier run
-    reader = OutboxReader(store)  # started now: "old" was claimed before
+    reader = SpoolCounter(store)  # started now: "old" was claimed before
     reader.read()
     assert reader.shipped_log_lines == 0
     store.save_stream_position("old", "log", 130, {"j": 0, "p": {}})
