@@ -404,6 +404,11 @@ def run_agent(settings: Settings) -> int:
     Raises ConfigError (the CLI prints it, exit 2) when the log file cannot be opened or the work
     dir cannot be created, written or locked (another agent uses it).
     """
+    from ckagent.preflight import preflight
+
+    errors = [p.message for p in preflight(settings, port=False) if p.error]  # the checks of `config check`
+    if errors:
+        raise ConfigError("; ".join(errors))
     token, api_key = settings.agent.registration_token, settings.agent.api_key
     protect_agent_memory()  # spiders of the same user must not read the secrets in /proc/<pid>/environ
     try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import os
 import platform
 import sys
 from collections.abc import Iterator
@@ -144,13 +145,22 @@ def _httpx_without_its_cli() -> Iterator[None]:
 def check(*, config: ConfigOption = None) -> int:
     """Validate the configuration (file and environment) and print "config OK: FILE".
 
-    A missing registration token is only a warning here (`ckagent run` refuses to start without one).
+    Runs the checks `ckagent run` runs (values, then users, paths and the port on this node). A missing
+    registration token and a port in use now are only warnings here (`ckagent run` refuses both).
     """
+    from ckagent.preflight import preflight
+
     settings = _load(config, require_token=False)
     if settings.agent.registration_token is None:
         print(f"warning: {missing_token_message()}", file=sys.stderr)
     for line in suspicious_env_vars():
         print(f"warning: {line}", file=sys.stderr)
+    problems = preflight(settings)
+    for problem in problems:
+        print(f"{'error' if problem.error else 'warning'}: {problem.message}", file=sys.stderr)
+    errors = [p for p in problems if p.error]
+    if errors:
+        raise ConfigError(f"{len(errors)} setting(s) cannot be used on this node (see above)")
     where = str(settings.config_file) if settings.config_file is not None else "(no file: defaults + environment)"
     print(f"config OK: {where}")
     return EXIT_OK
@@ -207,6 +217,12 @@ def dev_master(
         raise _UsageError("dev-master needs --admin-token or DEVMASTER_ADMIN_TOKEN")
     if not 0 <= port <= 65535:
         raise _UsageError(f"--port: expected 0..65535, got {port}")
+    _check_dev_master_db(db)
+    problem = _check_listen(host, port)
+    if problem:
+        print(f"ckagent: dev-master cannot listen on {host}:{port}: {problem}; choose another --port "
+              "(0 = any free port) or --host", file=sys.stderr)
+        return EXIT_FAILURE
     from ckagent.devmaster.server import serve_forever
 
     serve_forever(
@@ -214,6 +230,39 @@ def dev_master(
         public_url=public_url,
     )
     return EXIT_OK
+
+
+def _check_dev_master_db(db: Path) -> None:
+    """Raise _UsageError when ``db`` cannot be opened (or created) as an SQLite database."""
+    import sqlite3
+
+    if db.is_dir():
+        raise _UsageError(f"--db {str(db)!r} is a directory; name a database file in it (e.g. {db / 'master.sqlite'})")
+    if not db.parent.is_dir():
+        raise _UsageError(f"--db {str(db)!r}: the directory {str(db.parent)!r} does not exist; create it first")
+    try:
+        conn = sqlite3.connect(str(db))
+        try:
+            conn.execute("PRAGMA schema_version").fetchone()
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        raise _UsageError(f"--db {str(db)!r} cannot be opened as an SQLite database: {exc}") from None
+
+
+def _check_listen(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound now (the OS's words), or None."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, _, _, _, address = infos[0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
 
 
 def demo(*, work_dir: Path = Path("demo-data"), keep: bool = False) -> int:
@@ -285,6 +334,12 @@ def main(argv: list[str] | None = None) -> None:
             result: object = run(config=config)
         else:
             result = _cyclopts_main(tokens)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # `ckagent config show | head -1`: the reader left. No traceback; stdout goes to /dev/null so
+        # that the interpreter's final flush does not fail again (Python's documented recipe).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(EXIT_FAILURE)
     except ConfigError as exc:
         print(f"ckagent: config error: {exc}", file=sys.stderr)
         sys.exit(EXIT_USAGE)

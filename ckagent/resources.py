@@ -1,13 +1,17 @@
 """How much of the machine the agent may use, and the health figures it reports.
 
-``max_workers`` follows one rule (first that applies):
+``max_workers`` follows one rule:
 
-1. ``AGENT_MAX_WORKERS`` / ``agent.max_workers``, clamped to [2, 8];
-2. ``CONTAINER_CPU_LIMIT`` / ``agent.container_cpu_limit`` ("2000m" = 2, "4" = 4, "1.5" → 2: fractions round up);
-3. the cgroup CPU quota (v2 ``cpu.max``; v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``), rounded up;
-4. ``min(cpu_count, 8)``;
+* set (``AGENT_MAX_WORKERS`` / ``agent.max_workers``, an integer >= 1): honoured as it is — also 1, and
+  also above 8 (a big node running light spiders may want 64 slots). When it exceeds what the
+  node's CPU and memory suggest (:func:`suggested_ceiling`: 4 slots per core, one per 256 MiB), one
+  WARNING line says so, and the value is still used;
+* unset: the node's cores, from the first that applies — ``CONTAINER_CPU_LIMIT`` /
+  ``agent.container_cpu_limit`` ("2000m" = 2, "4" = 4, "1.5" → 2: fractions round up), the cgroup CPU
+  quota (v2 ``cpu.max``; v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, rounded up), the CPU
+  count — then ``min(cores, 8)`` and at least 2 (as crawlerkeeper-agent does).
 
-and never below 2. psutil does not know about cgroups, hence the explicit reads here.
+psutil does not know about cgroups, hence the explicit reads here.
 """
 
 from __future__ import annotations
@@ -105,28 +109,51 @@ def _positive_int(text: str) -> int | None:
     return value if value > 0 else None
 
 
+SLOTS_PER_CORE = 4
+"""Slots per core a node can be expected to carry with light (I/O-bound) spiders."""
+MEMORY_PER_SLOT_BYTES = 256 * 1024**2
+"""Memory one light spider needs at least (bytes)."""
+
+
+def node_cores(container_cpu_limit: str | None, *, cgroup_root: Path = CGROUP_ROOT,
+               cpu_count: int | None = None) -> int:
+    """Whole cores this node may use: the container limit, else the cgroup quota, else the CPU count
+    (fractions round up; at least 1). Raises ValueError for a bad container CPU limit."""
+    if container_cpu_limit:
+        return max(1, math.ceil(parse_cpu_limit(container_cpu_limit)))
+    quota = cgroup_cpu_quota(cgroup_root)
+    if quota is not None:
+        return max(1, math.ceil(quota))
+    return max(1, cpu_count if cpu_count is not None else (os.cpu_count() or 1))
+
+
+def suggested_ceiling(cores: int, memory_bytes: int) -> int:
+    """The most slots ``cores`` and ``memory_bytes`` (the cgroup limit, else the RAM) suggest: the
+    smaller of SLOTS_PER_CORE per core and one per MEMORY_PER_SLOT_BYTES; at least MIN_WORKERS."""
+    return max(MIN_WORKERS, min(cores * SLOTS_PER_CORE, memory_bytes // MEMORY_PER_SLOT_BYTES))
+
+
 def compute_max_workers(
     configured: int | None,
     container_cpu_limit: str | None,
     *,
     cgroup_root: Path = CGROUP_ROOT,
     cpu_count: int | None = None,
+    memory_bytes: int | None = None,
 ) -> int:
-    """Apply the module's rule. ``configured`` is agent.max_workers; raises ValueError for a bad CPU limit."""
-    if configured is not None:
-        clamped = min(max(configured, MIN_WORKERS), MAX_WORKERS)
-        if clamped != configured:
-            log.warning("agent.max_workers (AGENT_MAX_WORKERS) %d is outside [%d, %d]: using %d",
-                        configured, MIN_WORKERS, MAX_WORKERS, clamped)
-        return clamped
-    if container_cpu_limit:
-        cores = math.ceil(parse_cpu_limit(container_cpu_limit))
-        return min(max(cores, MIN_WORKERS), MAX_WORKERS)
-    quota = cgroup_cpu_quota(cgroup_root)
-    if quota is not None:
-        return min(max(math.ceil(quota), MIN_WORKERS), MAX_WORKERS)
-    count = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
-    return max(min(count, MAX_WORKERS), MIN_WORKERS)
+    """Apply the module's rule. ``configured`` is agent.max_workers (None = unset); ``memory_bytes``
+    None = the cgroup memory limit, else the RAM. Raises ValueError for a bad CPU limit."""
+    cores = node_cores(container_cpu_limit, cgroup_root=cgroup_root, cpu_count=cpu_count)
+    if configured is None:
+        return max(min(cores, MAX_WORKERS), MIN_WORKERS)
+    if memory_bytes is None:
+        memory_bytes = cgroup_memory_limit(cgroup_root) or psutil.virtual_memory().total
+    ceiling = suggested_ceiling(cores, memory_bytes)
+    if configured > ceiling:
+        log.warning("agent.max_workers (AGENT_MAX_WORKERS) %d is more than this node's %d core(s) and "
+                    "%d MiB suggest (%d); using %d as configured — lower it if tasks starve each other",
+                    configured, cores, memory_bytes // 1024**2, ceiling, configured)
+    return configured
 
 
 @dataclass(frozen=True)

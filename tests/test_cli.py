@@ -179,9 +179,86 @@ def test_run_with_bad_file_is_a_config_error(tmp_path: Path, args: list[str]) ->
     result = ckagent(*args, str(path), cwd=tmp_path, env={"AGENT_REGISTRATION_TOKEN": TOKEN})
     assert result.returncode == 2
     assert result.stderr.strip() == (
-        f"ckagent: config error: {path}:2:18: task.poll_interval: expected a number of seconds > 0, got 'fast'"
+        f"ckagent: config error: {path}:2:18: task.poll_interval: expected a number of seconds >= 0.1, got 'fast'"
     )
     assert TOKEN not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "message"),
+    [
+        ("task:\n  run_as_user: no-such-user-ck16\n", "task.run_as_user (AGENT_TASK_RUN_AS_USER): no user 'no-such-user-ck16'"),
+        ("task:\n  work_dir: {tmp}/afile/data\n", "task.work_dir (AGENT_WORK_DIR) '{tmp}/afile/data' cannot be used: "
+                                                    "{tmp}/afile is not a directory"),
+        ("logging:\n  file: {tmp}/afile/agent.log\n", "logging.file (AGENT_LOG_FILE) '{tmp}/afile/agent.log' cannot be opened"),
+        ("deps:\n  uv_path: {tmp}/afile\n", "deps.uv_path (AGENT_UV_PATH) '{tmp}/afile' is not an executable file"),
+    ],
+)  # fmt: skip
+def test_config_check_refuses_exactly_what_run_refuses(tmp_path: Path, yaml_text: str, message: str) -> None:
+    """Users and paths: `config check` fails with the message with which `run` then refuses to start."""
+    (tmp_path / "afile").write_text("not a directory\n")
+    path = write(tmp_path, "agent:\n  port: 0\n" + yaml_text.format(tmp=tmp_path))
+    env = {"AGENT_REGISTRATION_TOKEN": TOKEN, "AGENT_SERVER_URL": "http://127.0.0.1:9"}
+    checked = ckagent("config", "check", "-c", str(path), cwd=tmp_path, env=env)
+    assert checked.returncode == 2, checked
+    assert f"error: {message.format(tmp=tmp_path)}" in checked.stderr
+    ran = ckagent("run", "-c", str(path), cwd=tmp_path, env=env)
+    assert ran.returncode == 2, ran
+    assert ran.stderr.startswith(f"ckagent: config error: {message.format(tmp=tmp_path)}")
+
+
+def test_config_check_warns_about_a_port_in_use_and_refuses_a_foreign_address(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = ckagent("config", "check", cwd=tmp_path,
+                         env={"AGENT_REGISTRATION_TOKEN": TOKEN, "AGENT_BIND": "127.0.0.1", "AGENT_PORT": str(port)})
+    assert result.returncode == 0, result.stderr
+    assert f"warning: agent.port: cannot listen on 127.0.0.1:{port}" in result.stderr
+    result = ckagent("config", "check", cwd=tmp_path,
+                     env={"AGENT_REGISTRATION_TOKEN": TOKEN, "AGENT_BIND": "192.0.2.1", "AGENT_PORT": "0"})
+    assert result.returncode == 2
+    assert "error: agent.port: cannot listen on 192.0.2.1:0" in result.stderr
+
+
+def test_config_show_into_a_closed_pipe_prints_no_traceback(tmp_path: Path) -> None:
+    """`ckagent config show | head -1`: the reader is gone before the output is written."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENT_")}
+    env["PYTHONPATH"] = str(REPO)
+    try:
+        result = subprocess.run([sys.executable, "-m", "ckagent", "config", "show"], cwd=tmp_path, env=env,
+                                stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60, check=False)
+    finally:
+        os.close(write_end)
+    assert result.returncode == 1
+    assert result.stderr == ""
+
+
+def test_dev_master_bad_db_or_busy_port_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    import socket
+
+    tokens = {"DEVMASTER_REGISTRATION_TOKEN": TOKEN, "DEVMASTER_ADMIN_TOKEN": API_KEY}
+    for db, expected in ((tmp_path, "is a directory"), (tmp_path / "missing" / "m.sqlite", "does not exist")):
+        result = ckagent("dev-master", "--db", str(db), "--port", "0", cwd=tmp_path, env=tokens)
+        assert result.returncode == 2
+        assert expected in result.stderr and "Traceback" not in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+    (tmp_path / "junk.sqlite").write_bytes(b"this is not a database" * 100)
+    result = ckagent("dev-master", "--db", str(tmp_path / "junk.sqlite"), "--port", "0", cwd=tmp_path, env=tokens)
+    assert result.returncode == 2 and "cannot be opened as an SQLite database" in result.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = ckagent("dev-master", "--db", str(tmp_path / "m.sqlite"), "--port", str(port), cwd=tmp_path, env=tokens)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (f"ckagent: dev-master cannot listen on 127.0.0.1:{port}: Address already in use; "
+                                     "choose another --port (0 = any free port) or --host")
 
 
 def test_dev_master_needs_both_tokens(tmp_path: Path) -> None:

@@ -190,7 +190,7 @@ def test_unknown_key_without_close_match(tmp_path: Path) -> None:
 
 def test_wrong_type_names_position_key_and_value(tmp_path: Path) -> None:
     path = write(tmp_path, "# comment\n\ntask:\n  work_dir: d\n  poll_interval: fast\n")
-    assert error_of(path) == f"{path}:5:18: task.poll_interval: expected a number of seconds > 0, got 'fast'"
+    assert error_of(path) == f"{path}:5:18: task.poll_interval: expected a number of seconds >= 0.1, got 'fast'"
 
 
 @pytest.mark.parametrize(
@@ -224,23 +224,27 @@ def test_bad_values_in_file(tmp_path: Path, yaml_text: str, where: str, message:
 @pytest.mark.parametrize(
     ("key", "value", "expected"),
     [
-        ("server.request_timeout", "0", "a number of seconds > 0"),
-        ("server.request_timeout", "-1", "a number of seconds > 0"),
-        ("server.request_timeout", ".nan", "a number of seconds > 0"),
-        ("server.request_timeout", ".inf", "a number of seconds > 0"),
+        ("server.request_timeout", "0", "a number of seconds >= 1"),
+        ("server.request_timeout", "-1", "a number of seconds >= 1"),
+        ("server.request_timeout", ".nan", "a number of seconds >= 1"),
+        ("server.request_timeout", ".inf", "a number of seconds >= 1"),
         ("agent.port", "-1", "an integer 0..65535"),
         ("agent.port", "65536", "an integer 0..65535"),
         ("logging.max_bytes", "1023", "an integer >= 1024"),
         ("logging.backup_count", "0", "an integer >= 1"),
         ("agent.max_workers", "0", "an integer >= 1"),
-        ("heartbeat.interval", "0", "a number of seconds > 0"),
-        ("task.poll_interval", "0", "a number of seconds > 0"),
+        ("heartbeat.interval", "0", "a number of seconds >= 1"),
+        ("heartbeat.interval", "1e-9", "a number of seconds >= 1"),
+        ("heartbeat.interval", "0.5", "a number of seconds >= 1"),
+        ("task.poll_interval", "0", "a number of seconds >= 0.1"),
+        ("task.poll_interval", "0.01", "a number of seconds >= 0.1"),
+        ("server.request_timeout", "0.2", "a number of seconds >= 1"),
         ("task.long_poll_wait", "60.5", "a number of seconds 0..60"),
         ("task.long_poll_wait", "-1", "a number of seconds 0..60"),
         ("task.execute_timeout", "-0.1", "a number of seconds >= 0"),
         ("task.kill_grace", "-1", "a number of seconds >= 0"),
         ("task.drain_timeout", "-1", "a number of seconds >= 0"),
-        ("deps.uv_sync_timeout", "0", "a number of seconds > 0"),
+        ("deps.uv_sync_timeout", "0", "a number of seconds >= 1"),
     ],
 )
 def test_out_of_range(tmp_path: Path, key: str, value: str, expected: str) -> None:
@@ -323,7 +327,7 @@ def test_top_level_must_be_a_mapping(tmp_path: Path, text: str, got: str) -> Non
     [
         ({"AGENT_PORT": "abc"}, "AGENT_PORT: expected an integer 0..65535, got 'abc'"),
         ({"AGENT_PORT": "80000"}, "AGENT_PORT: expected an integer 0..65535, got '80000'"),
-        ({"AGENT_TASK_POLL_INTERVAL": "fast"}, "AGENT_TASK_POLL_INTERVAL: expected a number of seconds > 0, got 'fast'"),
+        ({"AGENT_TASK_POLL_INTERVAL": "fast"}, "AGENT_TASK_POLL_INTERVAL: expected a number of seconds >= 0.1, got 'fast'"),
         ({"AGENT_LABELS": "a=1,oops"}, "AGENT_LABELS: expected key=value pairs separated by commas, got 'a=1,oops'"),
         ({"AGENT_LABELS": "a=1,a=2"}, "AGENT_LABELS: label 'a' given twice, got 'a=1,a=2'"),
         ({"AGENT_LABELS": "=1"}, "AGENT_LABELS: expected label keys to be non-empty and contain no '=' or ',', got '=1'"),

@@ -40,11 +40,40 @@ def empty_cgroup(tmp_path: Path) -> Path:
 # ---------------------------------------------------------------------------- 1. AGENT_MAX_WORKERS
 
 
-@pytest.mark.parametrize(("configured", "expected"), [(1, 2), (2, 2), (5, 5), (8, 8), (9, 8), (64, 8)])
-def test_configured_max_workers_is_clamped_to_2_8(configured: int, expected: int, tmp_path: Path) -> None:
-    # A cgroup quota, a container limit and many CPUs are all there: the configured value still wins.
+@pytest.mark.parametrize("configured", [1, 2, 5, 8, 9, 24])
+def test_configured_max_workers_is_honoured_as_set(configured: int, tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    # A cgroup quota, a container limit and many CPUs are all there: the configured value still wins,
+    # also 1 and also above 8; within 4 per core (6 cores) and one per 256 MiB (8 GiB) no warning.
     root = tree(tmp_path / "cg", {"cpu.max": "300000 100000"})
-    assert compute_max_workers(configured, "6", cgroup_root=root, cpu_count=32) == expected
+    with caplog.at_level("WARNING"):
+        assert compute_max_workers(configured, "6", cgroup_root=root, cpu_count=32, memory_bytes=8 * GIB) == configured
+    assert not caplog.records
+
+
+@pytest.mark.parametrize(("cores", "memory", "configured"), [("2", 64 * GIB, 9), ("64", 1 * GIB, 5), ("1", 1 * GIB, 64)])
+def test_max_workers_above_what_cpu_and_memory_suggest_is_used_with_one_warning(
+    cores: str, memory: int, configured: int, empty_cgroup: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING"):
+        assert compute_max_workers(configured, cores, cgroup_root=empty_cgroup, memory_bytes=memory) == configured
+    [record] = caplog.records
+    assert f"agent.max_workers (AGENT_MAX_WORKERS) {configured} is more than" in record.getMessage()
+    assert f"using {configured} as configured" in record.getMessage()
+
+
+def test_max_workers_reads_the_cgroup_memory_limit_for_its_warning(tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    # 16 cores would carry 64 slots, but the cgroup allows 1 GiB: 4 slots.
+    root = tree(tmp_path / "cg", {"cpu.max": "1600000 100000", "memory.max": str(GIB)})
+    with caplog.at_level("WARNING"):
+        assert compute_max_workers(8, None, cgroup_root=root, cpu_count=32) == 8
+    assert "1024 MiB suggest (4)" in caplog.text
+
+
+def test_unset_max_workers_is_min_of_cores_and_8_and_at_least_2(empty_cgroup: Path) -> None:
+    assert [compute_max_workers(None, None, cgroup_root=empty_cgroup, cpu_count=n) for n in (1, 2, 5, 8, 64)] == [
+        2, 2, 5, 8, 8]
 
 
 # ---------------------------------------------------------------------------- 2. CONTAINER_CPU_LIMIT
@@ -143,13 +172,13 @@ def _settings(tmp_path: Path, **env: str):  # type: ignore[no-untyped-def]
 def test_environment_variables_feed_the_rule(tmp_path: Path, empty_cgroup: Path) -> None:
     both = _settings(tmp_path, AGENT_MAX_WORKERS="20", CONTAINER_CPU_LIMIT="3")
     assert compute_max_workers(both.agent.max_workers, both.agent.container_cpu_limit,
-                               cgroup_root=empty_cgroup, cpu_count=1) == 8
+                               cgroup_root=empty_cgroup, cpu_count=1) == 20
     limit_only = _settings(tmp_path, CONTAINER_CPU_LIMIT="2500m")
     assert compute_max_workers(limit_only.agent.max_workers, limit_only.agent.container_cpu_limit,
                                cgroup_root=empty_cgroup, cpu_count=1) == 3
     one = _settings(tmp_path, AGENT_MAX_WORKERS="1")
     assert compute_max_workers(one.agent.max_workers, one.agent.container_cpu_limit,
-                               cgroup_root=empty_cgroup, cpu_count=1) == 2
+                               cgroup_root=empty_cgroup, cpu_count=1) == 1
 
 
 # ---------------------------------------------------------------------------- memory

@@ -1,0 +1,123 @@
+"""Checks of a loaded configuration against this node: users, paths, ports.
+
+Parsing (config.py) knows what a value may look like; whether this node can use it — the user
+exists, the directories can be written, the port can be bound — only the node knows. ``ckagent run``
+and ``ckagent config check`` run the same checks (:func:`preflight`), so that `config check` passes
+exactly what `run` then accepts.
+
+=============  ==========================================================  =========================
+check          what                                                        `run`
+=============  ==========================================================  =========================
+users          task.run_as_user exists; switching users needs root          refuses (exit 2)
+paths          task.work_dir, logging.file, deps.uv_cache_dir can be        refuses (exit 2)
+               created and written; deps.uv_path is an executable file
+ports          agent.bind/agent.ip : agent.port can be bound                refuses (exit 1, when it
+                                                                            binds the port)
+=============  ==========================================================  =========================
+
+A port in use is a warning for `config check` (the node's own running agent holds it; a restart
+frees it) and an error for `run`. Every check is blocking (passwd lookups, stat, bind): call it
+before the event loop starts, or through ``trio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckagent.config import Settings
+
+__all__ = ["Problem", "check_paths", "check_port", "check_users", "preflight"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding: ``error`` False = a warning (the setting may work once something else changes)."""
+
+    message: str
+    error: bool = True
+
+
+def check_users(settings: Settings) -> list[Problem]:
+    """task.run_as_user: the user exists, and the agent runs as root (or as that user)."""
+    user = settings.task.run_as_user
+    if user is None:
+        return []
+    from ckagent.process import RunAs
+
+    try:
+        run_as = RunAs.lookup(user)
+    except ValueError:
+        return [Problem(f"task.run_as_user (AGENT_TASK_RUN_AS_USER): no user {user!r} on this node; "
+                        "create the user or unset the setting")]
+    if run_as.uid != os.geteuid() and os.geteuid() != 0:
+        return [Problem(f"task.run_as_user={user!r} needs the agent to run as root (it runs as uid "
+                        f"{os.geteuid()}); unset it or start the agent as root")]
+    return []
+
+
+def _writable_dir(path: Path) -> str | None:
+    """Why ``path`` cannot be (created as) a writable directory, or None when it can."""
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            return "no existing parent directory"
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable by this user (uid {os.geteuid()})"
+    return None
+
+
+def check_paths(settings: Settings) -> list[Problem]:
+    """The directories and files the agent creates or runs can be used by this user."""
+    problems: list[Problem] = []
+    why: str | None
+    for label, directory in (("task.work_dir (AGENT_WORK_DIR)", settings.task.work_dir),
+                             ("deps.uv_cache_dir (AGENT_UV_CACHE_DIR)", settings.deps.uv_cache_dir)):
+        if directory is None:
+            continue
+        why = _writable_dir(directory)
+        if why:
+            problems.append(Problem(f"{label} {str(directory)!r} cannot be used: {why}; point it at a "
+                                    "directory this user can create and write"))
+    log_file = settings.logging.file
+    if log_file is not None:
+        if log_file.is_dir():
+            why = "it is a directory"
+        elif log_file.exists():
+            why = None if os.access(log_file, os.W_OK) else "the file is not writable by this user"
+        else:
+            why = _writable_dir(log_file.parent)
+        if why:
+            problems.append(Problem(f"logging.file (AGENT_LOG_FILE) {str(log_file)!r} cannot be opened: {why}; "
+                                    "point it at a writable file (its directory is created)"))
+    uv = settings.deps.uv_path
+    if uv is not None and not (uv.is_file() and os.access(uv, os.X_OK)):
+        problems.append(Problem(f"deps.uv_path (AGENT_UV_PATH) {str(uv)!r} is not an executable file; "
+                                "point it at uv (e.g. the one run.sh installs in .ckagent/bin/uv) or unset it"))
+    return problems
+
+
+def check_port(settings: Settings) -> list[Problem]:
+    """The status/metrics address can be bound now (a port in use is a warning: see the module doc)."""
+    from ckagent.status import StatusPortError, bind_socket
+
+    host = settings.agent.bind or settings.agent.ip
+    try:
+        bind_socket(host, settings.agent.port).close()
+    except StatusPortError as exc:
+        in_use = isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.EADDRINUSE
+        return [Problem(f"agent.port: {exc}", error=not in_use)]
+    return []
+
+
+def preflight(settings: Settings, *, port: bool = True) -> list[Problem]:
+    """Every check of the module (``port`` False: without the port, which `run` checks by binding it)."""
+    problems = check_users(settings) + check_paths(settings)
+    if port:
+        problems += check_port(settings)
+    return problems
