@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
 # run.sh — start, stop and upgrade the CrawlerKeeper node agent (ckagent). Full guide: docs/deploy.md.
 #
-#   ./run.sh start [--daemon=on] [--cleanup_temp_files=on] [AGENT ARGS...]   (default args: -c config/config.yaml)
-#   ./run.sh stop | restart [AGENT ARGS...] | status | logs [--follow=off]
-#   ./run.sh upgrade [VERSION]                   (install mode only)
+#   ./run.sh [FLAGS] start [AGENT ARGS...]      (default AGENT ARGS: -c config/config.yaml, else -c config.yaml)
+#   ./run.sh [FLAGS] restart [AGENT ARGS...]    (default: the arguments of the last daemon start)
+#   ./run.sh stop | status | logs [--follow=off] | upgrade [VERSION] | help
+#
+# FLAGS may stand before or after the command (./run.sh --daemon=on start = ./run.sh start --daemon=on):
+#   --daemon=on|off               run in the background (log: logs/agent.log, rotated by the logging
+#                                 settings); off (default) = in the foreground, logging to stderr
+#                                 (the terminal, or the journal under systemd)
+#   --cleanup_temp_files=on|off   before starting, delete temporary files: partial downloads, old pyz
+#                                 extractions, half-finished code deployments, and (the agent, at its
+#                                 start) the directories of tasks the master has fully acknowledged
 #
 # Everything lives next to this script: logs/agent.log, agent.pid, .last_daemon_args, data/ (the
-# agent's work_dir when the config says ./data), and .ckagent/ (pyz extraction, downloads, lock).
+# agent's work_dir when the config says ./data), and .ckagent/ (pyz extraction, downloads, uv, lock).
 #
 # Modes: a checkout next to run.sh (pyproject.toml + ckagent/) → source mode, runs
 # .venv/bin/python -m ckagent (the venv is created when missing). Otherwise install mode: runs
@@ -33,11 +41,12 @@ PYTHON="${AGENT_PYTHON:-python3}"
 DEFAULT_STOP_TIMEOUT=90
 
 say() { printf 'run.sh: %s\n' "$*"; }
-die() { printf 'run.sh: %s\n' "$*" >&2; exit "${2:-1}"; }
+die() { printf 'run.sh: %s\n' "$1" >&2; exit 1; }
+usage_error() { printf 'run.sh: %s (./run.sh --help shows the usage)\n' "$1" >&2; exit 2; }
 is_on() { case "${1,,}" in on|1|yes|true) return 0 ;; *) return 1 ;; esac; }
 
-usage() {
-  sed -n '2,8p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+usage() {  # the whole header comment (up to `set -euo pipefail`), without the comment marks
+  sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
   exit "${1:-2}"
 }
 
@@ -207,7 +216,7 @@ normalise_args() {
     a="$1"; shift
     case "$a" in
       -c|--config)
-        (($#)) || die "$a needs a file" 2
+        (($#)) || usage_error "$a needs a file"
         ARGS+=("$a" "$(abspath "$1")"); shift; have_config=1 ;;
       --config=*) ARGS+=("--config=$(abspath "${a#--config=}")"); have_config=1 ;;
       *) ARGS+=("$a") ;;
@@ -399,19 +408,30 @@ cmd_start() {
     return 0
   fi
   normalise_args "${rest[@]+"${rest[@]}"}"
-  ((cleanup)) && cleanup_temp_files
+  if ((cleanup)); then
+    cleanup_temp_files
+    export AGENT_CLEANUP_TEMP_FILES=on  # the agent deletes the acknowledged task directories at its start
+  fi
   agent_command
   mkdir -p "$LOG_DIR"
   cd "$DIR"
   if ((daemon == 0)); then
-    say "starting ckagent in the foreground (log also in $LOG_FILE)"
+    # stderr: the terminal, or the journal under systemd (logging.file, if set, gets it too)
+    say "starting ckagent in the foreground (log on stderr)"
     rm -f "$ARGS_FILE"
     echo $$ >"$PID_FILE"
     exec 9>&-
-    AGENT_LOG_FILE="${AGENT_LOG_FILE:-$LOG_FILE}" exec "${AGENT[@]}" run "${ARGS[@]+"${ARGS[@]}"}"
+    exec "${AGENT[@]}" run "${ARGS[@]+"${ARGS[@]}"}"
   fi
   printf '%s\0' "${ARGS[@]+"${ARGS[@]}"}" >"$ARGS_FILE"
   load_settings
+  # The agent writes logs/agent.log itself, rotating it by logging.max_bytes/backup_count; its
+  # stdout/stderr (a crash before logging starts) go to the same file, and follow it when it rotates.
+  local configured_log
+  configured_log="$(settings_value logging file)"
+  if [[ -z "${AGENT_LOG_FILE:-}" && ( -z "$configured_log" || "$configured_log" == null ) ]]; then
+    export AGENT_LOG_FILE="$LOG_FILE"
+  fi
   if command -v setsid >/dev/null 2>&1; then
     nohup setsid "${AGENT[@]}" run "${ARGS[@]+"${ARGS[@]}"}" >>"$LOG_FILE" 2>&1 </dev/null 9>&- &
   else
@@ -516,7 +536,7 @@ cmd_logs() {
   for a in "$@"; do
     case "$a" in
       --follow=*) is_on "${a#--follow=}" || follow=0 ;;
-      *) die "logs: unknown option $a" 2 ;;
+      *) usage_error "logs: unknown option $a" ;;
     esac
   done
   [[ -f "$LOG_FILE" ]] || die "no log yet: $LOG_FILE"
@@ -525,7 +545,7 @@ cmd_logs() {
 }
 
 cmd_upgrade() {
-  (($# <= 1)) || die "usage: ./run.sh upgrade [VERSION]" 2
+  (($# <= 1)) || usage_error "upgrade takes at most one argument, a VERSION: ./run.sh upgrade [VERSION]"
   source_mode && die "source mode ($DIR is a checkout): update it with git and run ./run.sh restart"
   local wanted="${1:-}" index info version url sha current="" dry=0
   is_on "${AGENT_UPGRADE_DRY_RUN:-off}" && dry=1
@@ -598,15 +618,41 @@ cmd_upgrade() {
 # ---------------------------------------------------------------- main
 
 CALLER_DIR="$(pwd -P)"
-(($#)) || usage 2
-command="$1"; shift
+COMMANDS="start|stop|restart|status|logs|upgrade|help"
+# The command is the first word that names one; FLAGS (--daemon, --cleanup_temp_files) may stand
+# anywhere; everything else is the command's (the agent's -c FILE may also come first).
+command="" FLAGS=() REST=()
+while (($#)); do
+  case "$1" in
+    -h|--help) usage 0 ;;
+    --daemon|--daemon=*|--cleanup_temp_files|--cleanup_temp_files=*|--cleanup-temp-files|--cleanup-temp-files=*)
+      FLAGS+=("$1") ;;
+    -c|--config)
+      (($# >= 2)) || usage_error "$1 needs a file"
+      REST+=("$1" "$2"); shift ;;
+    -*) REST+=("$1") ;;
+    *)
+      if [[ -n "$command" ]]; then REST+=("$1")
+      elif [[ "|$COMMANDS|" == *"|$1|"* ]]; then command="$1"
+      else usage_error "unknown command '$1' (commands: ${COMMANDS//|/, })"
+      fi ;;
+  esac
+  shift
+done
+for flag in "${FLAGS[@]+"${FLAGS[@]}"}"; do
+  if [[ "$flag" == *=* ]]; then
+    value="${flag#*=}"
+    case "${value,,}" in on|off|1|0|yes|no|true|false) ;; *) usage_error "$flag: expected on or off" ;; esac
+  fi
+done
+[[ -n "$command" ]] || usage_error "no command given (commands: ${COMMANDS//|/, })"
 case "$command" in
-  start) lock_state; cmd_start "$@" ;;
-  stop) (($# == 0)) || die "stop takes no arguments" 2; lock_state; cmd_stop ;;
-  restart) lock_state; cmd_restart "$@" ;;
-  status) cmd_status ;;
-  logs) cmd_logs "$@" ;;
-  upgrade) lock_state; cmd_upgrade "$@" ;;
-  -h|--help|help) usage 0 ;;
-  *) die "unknown command '$command' (start|stop|restart|status|logs|upgrade)" 2 ;;
+  start) lock_state; cmd_start "${FLAGS[@]+"${FLAGS[@]}"}" "${REST[@]+"${REST[@]}"}" ;;
+  restart) lock_state; cmd_restart "${FLAGS[@]+"${FLAGS[@]}"}" "${REST[@]+"${REST[@]}"}" ;;
+  stop) ((${#REST[@]} == 0)) || usage_error "stop takes no arguments (it stops the agent of agent.pid)"
+    lock_state; cmd_stop ;;
+  status) ((${#REST[@]} == 0)) || usage_error "status takes no arguments"; cmd_status ;;
+  logs) cmd_logs "${REST[@]+"${REST[@]}"}" ;;
+  upgrade) lock_state; cmd_upgrade "${REST[@]+"${REST[@]}"}" ;;
+  help) usage 0 ;;
 esac

@@ -211,7 +211,7 @@ class Agent:
                     return 1
                 root.start_soon(self._signals)
                 root.start_soon(self._rescan_runtimes)
-                leftovers = await recover_lost_tasks(store)
+                leftovers = await recover_lost_tasks(store, self.metrics.task_lost)
                 if s.task.cleanup_temp_files:
                     await cleanup_task_dirs(store, self.work_dir / "tasks", 0)
                 try:

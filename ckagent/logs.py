@@ -6,7 +6,10 @@
   ``status``, ...), ``exception`` — for Loki/ELK.
 - Where: the file ``logging.file`` (rotated at ``logging.max_bytes``, keeping
   ``logging.backup_count`` old files) and stderr. With a file, stderr gets the log only when it is
-  a terminal (running in the foreground); a daemon whose stderr is redirected writes each line once.
+  a terminal (running in the foreground) or the systemd journal (``JOURNAL_STREAM`` names stderr);
+  a daemon whose stderr is redirected writes each line once. When stdout/stderr are that very file
+  (run.sh's daemon mode), they follow it at each rotation (:class:`FollowingRotatingFileHandler`),
+  so a traceback written to stderr lands in the current file, not in a rotated one.
 - Secrets given to :func:`setup_logging` are replaced by ``***`` in every line, whatever logged them
   (:class:`Masker`, which the delivery of spider logs uses too: a secret of at least
   ``MASK_ANYWHERE_CHARS`` characters is masked wherever it occurs, a shorter one only where it stands
@@ -19,9 +22,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import logging.handlers
+import os
 import re
 import sys
 from collections.abc import Iterable, Mapping
@@ -136,6 +141,58 @@ class RedactingFormatter(logging.Formatter):
         return self._mask(self._inner.format(record))
 
 
+class FollowingRotatingFileHandler(logging.handlers.RotatingFileHandler):
+    """A RotatingFileHandler that, after each rotation, points the file descriptors ``follow_fds``
+    (1 and 2 when they were the log file) at the new file (``os.dup2``).
+
+    Without it, stderr of a daemon started as ``agent >>agent.log 2>&1`` would keep writing into
+    ``agent.log.1`` after the first rotation. Raises OSError as RotatingFileHandler does.
+    """
+
+    def __init__(self, filename: Path, *, max_bytes: int, backup_count: int, follow_fds: tuple[int, ...]) -> None:
+        super().__init__(filename, maxBytes=max_bytes, backupCount=backup_count, encoding="utf-8")
+        self.follow_fds = follow_fds
+
+    def doRollover(self) -> None:
+        """Rotate (as RotatingFileHandler), then re-point ``follow_fds`` at the new file."""
+        for fd in self.follow_fds:  # what the fds buffered belongs to the old file
+            with contextlib.suppress(OSError, ValueError):
+                (sys.stdout if fd == 1 else sys.stderr).flush()
+        super().doRollover()
+        if self.stream is not None:
+            for fd in self.follow_fds:
+                with contextlib.suppress(OSError, ValueError):
+                    os.dup2(self.stream.fileno(), fd)
+
+
+def _same_file_fds(file: Path) -> tuple[int, ...]:
+    """Which of the fds 1 and 2 are open on ``file`` (same device and inode)."""
+    try:
+        target = os.stat(file)
+    except OSError:
+        return ()
+    fds = []
+    for fd in (1, 2):
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino):
+            fds.append(fd)
+    return tuple(fds)
+
+
+def stderr_is_journal(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether stderr is connected to the systemd journal (``JOURNAL_STREAM`` = "device:inode" of it)."""
+    value = (os.environ if environ is None else environ).get("JOURNAL_STREAM", "")
+    device, _, inode = value.partition(":")
+    try:
+        st = os.fstat(2)
+        return bool(device) and (st.st_dev, st.st_ino) == (int(device), int(inode))
+    except (OSError, ValueError):
+        return False
+
+
 def setup_logging(
     level: str,
     file: Path | None,
@@ -162,14 +219,18 @@ def setup_logging(
         root.removeHandler(handler)
         handler.close()
     if stderr is None:
-        stderr = file is None or _isatty(sys.stderr)
+        stderr = file is None or _isatty(sys.stderr) or stderr_is_journal()
     handlers: list[logging.Handler] = []
-    if stderr:
-        handlers.append(logging.StreamHandler(sys.stderr))
     if file is not None:
         file.parent.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.handlers.RotatingFileHandler(file, maxBytes=max_bytes,
-                                                             backupCount=backup_count, encoding="utf-8"))
+        file_handler = FollowingRotatingFileHandler(file, max_bytes=max_bytes, backup_count=backup_count,
+                                                    follow_fds=())
+        file_handler.follow_fds = _same_file_fds(file)
+        if 2 in file_handler.follow_fds:
+            stderr = False  # stderr is the file: each line once
+        handlers.append(file_handler)
+    if stderr:
+        handlers.insert(0, logging.StreamHandler(sys.stderr))
     for handler in handlers:
         handler.setFormatter(formatter)
         root.addHandler(handler)

@@ -252,6 +252,11 @@ class AgentMetrics(SupervisorObserver):
         self.tasks_finished.labels(result.status, result.error_code or "none").inc()
         self.task_duration.labels(result.status).observe(max(0.0, (result.duration_ms or 0) / 1000))
 
+    def task_lost(self, result: TaskResult) -> None:
+        """Crash recovery stored the AGENT_LOST result of a task an earlier run left running: it
+        counts as finished here (ckagent_tasks_finished_total), like a task that ended in this run."""
+        self.tasks_finished.labels(result.status, result.error_code or "none").inc()
+
     def task_reported(self, task_id: str, result: TaskResult, claimed_at: float) -> None:
         """The master acknowledged the final result (with its item and log line counts)."""
         if self.outbox is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -24,9 +25,11 @@ from ckagent.state import AsyncStateStore, TaskRecord
 log = logging.getLogger(__name__)
 
 
-async def recover_lost_tasks(store: AsyncStateStore) -> list[TaskRecord]:
+async def recover_lost_tasks(store: AsyncStateStore,
+                             on_lost: Callable[[TaskResult], None] | None = None) -> list[TaskRecord]:
     """At start, before registering: kill leftovers of tasks that ran when the agent died, note it in
     their logs, and store their AGENT_LOST results (the outbox delivers them after registering).
+    ``on_lost(result)`` is called for each such task (metrics: a finished task like any other).
 
     A recorded process group is only killed when one of its members still carries the task's
     marker (after a reboot the number may belong to someone else); marked processes always are.
@@ -53,6 +56,8 @@ async def recover_lost_tasks(store: AsyncStateStore) -> list[TaskRecord]:
             duration_ms=int((now - record.claimed_at) * 1000),
         )
         await store.set_result(record.task_id, result.to_json())
+        if on_lost is not None:
+            on_lost(result)
     return await store.pending_delivery()
 
 

@@ -519,3 +519,26 @@ async def test_cleanup_deletes_only_acknowledged_task_dirs_past_retention(tmp_pa
     assert await store.get("old") is None
     assert await cleanup_task_dirs(store, tasks, 0) == 1  # --cleanup-temp-files: every delivered one
     assert sorted(p.name for p in tasks.iterdir()) == ["running", "unsent"]
+
+
+async def test_rejected_log_file_globs_are_named_in_the_task_log_not_dropped_silently(
+    tmp_path: Path, store: AsyncStateStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    from ckagent.delivery import Outbox
+    from ckagent.protocol import Task
+
+    task = Task.from_json({"id": "t-globs", "spiderId": "s", "framework": "python",
+                           "params": {"logFiles": ["logs/*.log", "../secret.log", "/etc/*", 5]}})
+    outbox = Outbox(master_client(FakeMaster()), store, tmp_path)
+    task_dir = tmp_path / "tasks" / task.id
+    task_dir.mkdir(parents=True)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(outbox.run)
+            delivery = await outbox.open_task(task, task_dir)
+            assert "logs/*.log" in delivery.globs and "../secret.log" not in delivery.globs
+            nursery.cancel_scope.cancel()
+    log_text = (task_dir / "output.log").read_text()
+    assert "params.logFiles: ignored '../secret.log', '/etc/*', 5: each must be a glob relative to the task dir" in log_text
+    assert log_text.startswith("[ckagent ") and log_text.count("\n") == 1
+    assert "t-globs: params.logFiles: ignored" in caplog.text

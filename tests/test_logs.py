@@ -6,9 +6,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 import signal
 import sqlite3
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +21,7 @@ from harness import AgentProcess, submit
 
 from ckagent.logs import JsonFormatter, Masker, RedactingFormatter, log_task_finished, setup_logging
 
+REPO = Path(__file__).resolve().parents[1]
 CANONICAL_KEYS = ["task_id", "spider", "status", "error_code", "exit_code", "duration_seconds", "items",
                   "log_lines", "install_seconds", "cache_hit"]
 
@@ -153,13 +156,51 @@ def test_stderr_only_in_the_foreground(tmp_path: Path, root_logger: logging.Logg
 
     setup_logging("INFO", None)
     assert kinds() == ["StreamHandler"]  # no file: stderr, always
+    monkeypatch.delenv("JOURNAL_STREAM", raising=False)
     setup_logging("INFO", tmp_path / "a.log")  # pytest's stderr is not a terminal: the file only
-    assert kinds() == ["RotatingFileHandler"]
+    assert kinds() == ["FollowingRotatingFileHandler"]
+    st = os.fstat(2)
+    monkeypatch.setenv("JOURNAL_STREAM", f"{st.st_dev}:{st.st_ino}")
+    setup_logging("INFO", tmp_path / "a.log")  # under systemd, stderr is the journal: both
+    assert kinds() == ["FollowingRotatingFileHandler", "StreamHandler"]
+    monkeypatch.setenv("JOURNAL_STREAM", f"{st.st_dev}:{st.st_ino + 1}")  # a journal, but not our stderr
+    setup_logging("INFO", tmp_path / "a.log")
+    assert kinds() == ["FollowingRotatingFileHandler"]
+    monkeypatch.delenv("JOURNAL_STREAM")
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
     setup_logging("INFO", tmp_path / "a.log")  # running in a terminal: both
-    assert kinds() == ["RotatingFileHandler", "StreamHandler"]
+    assert kinds() == ["FollowingRotatingFileHandler", "StreamHandler"]
     setup_logging("DEBUG", tmp_path / "a.log", stderr=False)
-    assert kinds() == ["RotatingFileHandler"] and root_logger.level == logging.DEBUG
+    assert kinds() == ["FollowingRotatingFileHandler"] and root_logger.level == logging.DEBUG
+
+
+_DAEMON = """
+import logging, sys
+from pathlib import Path
+from ckagent.logs import setup_logging
+setup_logging("INFO", Path(sys.argv[1]), max_bytes=1024, backup_count=2)
+print("before rotation", file=sys.stderr, flush=True)
+for i in range(100):
+    logging.getLogger("ckagent.daemon").info("line %d %s", i, "x" * 40)
+print("STDERR AFTER ROTATION", file=sys.stderr, flush=True)
+print("STDOUT AFTER ROTATION", flush=True)
+"""
+
+
+def test_a_daemons_stdout_and_stderr_follow_the_rotated_log_file(tmp_path: Path) -> None:
+    """run.sh's daemon mode: `agent >>logs/agent.log 2>&1` with logging.file = logs/agent.log."""
+    log = tmp_path / "agent.log"
+    with log.open("ab") as out:
+        done = subprocess.run([sys.executable, "-c", _DAEMON, str(log)], stdout=out, stderr=out,
+                              stdin=subprocess.DEVNULL, timeout=60, check=False, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["agent.log", "agent.log.1", "agent.log.2"]
+    for p in tmp_path.iterdir():
+        assert p.stat().st_size <= 1024 + 100, p  # rotated by max_bytes (the stderr lines come on top)
+    current = log.read_text()
+    assert "STDERR AFTER ROTATION" in current and "STDOUT AFTER ROTATION" in current
+    assert "line 99" in current
+    assert current.count("line 99 ") == 1  # stderr is the file: each line once
 
 
 def test_canonical_line_text_format(caplog: pytest.LogCaptureFixture) -> None:

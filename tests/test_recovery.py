@@ -12,6 +12,7 @@ import signal
 import textwrap
 from pathlib import Path
 
+import httpx
 import trio
 from harness import submit
 from test_shutdown import agent_process, wait_exit, wait_registered
@@ -76,6 +77,11 @@ async def test_kill_9_mid_task_then_restart_kills_orphans_and_reports_agent_lost
         with trio.fail_after(30):
             task = await admin.wait_task_final(task_id, 30)
         await trio.sleep(1.5)  # a heartbeat later: still exactly one final result
+        # the lost task counts as finished in the restarted agent's metrics
+        [node] = [n for n in await admin.list_nodes() if n.get("status") != "OFFLINE"] or await admin.list_nodes()
+        async with httpx.AsyncClient(timeout=5) as client:
+            metrics = (await client.get(f"http://127.0.0.1:{node['port']}/metrics")).text
+        assert 'ckagent_tasks_finished_total{error_code="AGENT_LOST",status="FAILED"} 1.0' in metrics
         agent.signal(signal.SIGTERM)
         assert await wait_exit(agent, 20) == 0
     finally:

@@ -305,9 +305,10 @@ async def test_stop_escalates_to_sigkill_after_the_bound(node: Node, releases: R
 async def test_foreground_start_runs_in_place_and_drains_on_sigterm(node: Node, releases: Releases, pyz: Path,
                                                                     dev_master) -> None:
     releases.publish(pyz, ckagent.__version__)
+    stderr = (node.directory.parent / "foreground.stderr").open("wb")  # what systemd's journal would get
     process = await trio.lowlevel.open_process(
         ["bash", str(node.run_sh), "start"], env={**node.env, "AGENT_RELEASE_URL": releases.url},
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
     )
     try:
         await _node_registered(dev_master)
@@ -320,7 +321,11 @@ async def test_foreground_start_runs_in_place_and_drains_on_sigterm(node: Node, 
         if process.returncode is None:
             process.kill()
             await process.wait()
-    assert "draining" in (node.directory / "logs" / "agent.log").read_text()
+    stderr.close()
+    journal = (node.directory.parent / "foreground.stderr").read_text()
+    assert "registered" in journal and "draining" in journal and "ckagent stopped" in journal
+    log = node.directory / "logs" / "agent.log"
+    assert not log.exists() or "draining" not in log.read_text(), "in the foreground the log goes to stderr"
     assert not (node.directory / ".last_daemon_args").exists()
 
 
@@ -337,9 +342,26 @@ async def test_cleanup_temp_files_removes_stale_extractions_and_partial_deployme
     deploy.mkdir(parents=True)
     kept = node.directory / "data" / "spiders" / "s1" / "code"
     kept.mkdir()
-    started = await node.sh("start", "--daemon=on", "--cleanup_temp_files=on", AGENT_RELEASE_URL=releases.url)
+    # a task the master has fully acknowledged (deleted) and one it has not (kept)
+    from ckagent.state import StateStore
+
+    store = StateStore(node.directory / "data" / "state.db")
+    for task_id, acked in (("t-acked", True), ("t-pending", False)):
+        task_dir = node.directory / "data" / "tasks" / task_id
+        task_dir.mkdir(parents=True)
+        (task_dir / "output.log").write_text("spider output\n")
+        store.add_task(task_id, "s1", {"id": task_id}, task_dir)
+        store.set_result(task_id, {"status": "SUCCESS"})
+        if acked:
+            store.mark_result_acked(task_id)
+    store.close()
+    # the form crawlerkeeper-agent's operators use: flags before the command
+    started = await node.sh("--cleanup_temp_files=on", "--daemon=on", "start", AGENT_RELEASE_URL=releases.url)
     assert started.returncode == 0, out(started)
     assert not stale.exists() and not partial.exists() and not deploy.exists() and kept.exists()
+    tasks = node.directory / "data" / "tasks"
+    await eventually(lambda: trio.to_thread.run_sync(lambda: not (tasks / "t-acked").exists()))
+    assert (tasks / "t-pending" / "output.log").exists()
     assert len(list((node.directory / ".ckagent" / "pyz").glob("ckagent.pyz_*"))) == 1
     assert (await node.sh("stop")).returncode == 0
 
@@ -462,3 +484,64 @@ def test_shell_scripts_pass_shellcheck() -> None:
     result = subprocess.run([shellcheck, "--severity=style", *map(str, scripts)], capture_output=True, text=True,
                             check=False)
     assert result.returncode == 0, result.stdout
+
+
+def _sh(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(cwd / "run.sh"), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=60, check=False, env={k: v for k, v in os.environ.items() if not k.startswith("AGENT_")})
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["stop", "now"], "stop takes no arguments"),
+        (["status", "x"], "status takes no arguments"),
+        (["frob"], "unknown command 'frob' (commands: start, stop, restart, status, logs, upgrade, help)"),
+        ([], "no command given"),
+        (["--daemon=maybe", "start"], "--daemon=maybe: expected on or off"),
+        (["logs", "--tail"], "logs: unknown option --tail"),
+        (["upgrade", "1.0", "2.0"], "upgrade takes at most one argument"),
+        (["start", "-c"], "-c needs a file"),
+    ],
+)
+def test_usage_errors_are_one_line_with_exit_2_and_no_stray_code(tmp_path: Path, args: list[str], message: str) -> None:
+    shutil.copy2(RUN_SH, tmp_path / "run.sh")
+    result = _sh(*args, cwd=tmp_path)
+    assert result.returncode == 2, result
+    assert result.stdout == ""
+    assert result.stderr == f"run.sh: {message}{result.stderr.split(message, 1)[1]}"
+    assert result.stderr.endswith(" (./run.sh --help shows the usage)\n") and result.stderr.count("\n") == 1
+    assert " 2 (" not in result.stderr and not result.stderr.rstrip().endswith(" 2")
+
+
+@pytest.mark.parametrize("args", [["--help"], ["-h"], ["help"], ["--daemon=on", "--help"]])
+def test_help_prints_the_whole_header_and_exits_0(tmp_path: Path, args: list[str]) -> None:
+    shutil.copy2(RUN_SH, tmp_path / "run.sh")
+    result = _sh(*args, cwd=tmp_path)
+    assert result.returncode == 0 and result.stderr == ""
+    header = []
+    for line in RUN_SH.read_text().splitlines()[1:]:
+        if not line.startswith("#"):
+            break
+        header.append(line[2:] if line.startswith("# ") else line[1:])
+    assert result.stdout == "\n".join(header) + "\n"
+    for word in ("--daemon=on|off", "--cleanup_temp_files=on|off", "before or after the command", "upgrade [VERSION]",
+                 "AGENT_RELEASE_URL", "Exit codes: 0 ok; 1 failure; 2 usage; 3 `status`: not running."):
+        assert word in result.stdout
+
+
+def test_flags_before_or_after_the_command_are_the_same(tmp_path: Path) -> None:
+    """Parsed the same both ways: the same usage error for the same bad config path."""
+    shutil.copy2(RUN_SH, tmp_path / "run.sh")
+    before = _sh("--cleanup_temp_files=off", "--daemon=off", "status", cwd=tmp_path)
+    after = _sh("status", "--daemon=off", "--cleanup_temp_files=off", cwd=tmp_path)
+    assert before.returncode == after.returncode == 3
+    assert before.stdout == after.stdout and "not running" in before.stdout
+
+
+def test_run_sh_state_is_ignored_by_git() -> None:
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", ".ckagent/pyz/x", "agent.pid", "logs/agent.log",
+                              ".last_daemon_args", "ckagent.pyz.prev"],
+                             cwd=REPO, capture_output=True, text=True, check=False)
+    assert ignored.stdout.split() == [".ckagent/pyz/x", "agent.pid", "logs/agent.log", ".last_daemon_args",
+                                      "ckagent.pyz.prev"]

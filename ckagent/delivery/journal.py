@@ -191,12 +191,29 @@ def scan_log_files(task_dir: Path, globs: Sequence[str]) -> dict[str, int]:
     return found
 
 
+def _task_globs(task: Task) -> list[object] | None:
+    extra = task.params.get("logFiles") if isinstance(task.params, dict) else None
+    if extra is None:
+        return None
+    return [extra] if not isinstance(extra, list) else list(extra)
+
+
 def task_log_globs(task: Task, defaults: Sequence[str]) -> list[str]:
     """The globs of a task's spider log files: ``defaults`` plus ``params.logFiles`` (a str or list of str)."""
-    extra = task.params.get("logFiles") if isinstance(task.params, dict) else None
-    if isinstance(extra, str):
-        extra = [extra]
     globs = list(defaults)
-    if isinstance(extra, list):
-        globs += [g for g in extra if isinstance(g, str) and _safe_glob(g)]
+    globs += [g for g in _task_globs(task) or [] if isinstance(g, str) and _safe_glob(g)]
     return globs
+
+
+def rejected_log_globs(task: Task) -> str | None:
+    """One line saying which of ``params.logFiles`` are ignored and why, or None when all are used.
+
+    Rejected: a value that is not a string (or a list of strings), an empty, absolute or ``..``
+    pattern (log files must lie inside the task dir, CK_TASK_DIR).
+    """
+    rejected = [g for g in _task_globs(task) or [] if not (isinstance(g, str) and _safe_glob(g))]
+    if not rejected:
+        return None
+    shown = ", ".join(repr(g)[:200] for g in rejected)
+    return (f"params.logFiles: ignored {shown}: each must be a glob relative to the task dir (CK_TASK_DIR), "
+            "not empty, absolute or with '..'")

@@ -10,12 +10,13 @@ import logging
 import shutil
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
 
 import trio
 
 from ckagent.delivery.capture import DiskGuard, LogSink
-from ckagent.delivery.journal import LogJournal, scan_log_files, task_log_globs
+from ckagent.delivery.journal import LogJournal, rejected_log_globs, scan_log_files, task_log_globs
 from ckagent.delivery.lines import Masker, secret_values
 from ckagent.delivery.shipper import StreamShipper, send_result
 from ckagent.delivery.spool import DEFAULT_LOG_GLOBS, OUTPUT_LOG, SCAN_INTERVAL, SEND_CONCURRENCY
@@ -192,6 +193,11 @@ class Outbox:
                                 None, journal, on_delivered)
         delivery.sink = LogSink(task_dir / OUTPUT_LOG, delivery.output_written,
                                 max_bytes=self.config.max_log_bytes, guard=self.guard)
+        rejected = rejected_log_globs(task)
+        if rejected:  # said in the task's own log (and the agent's), not silently dropped
+            log.warning("task %s: %s", task.id, rejected)
+            stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+            delivery.sink.write_line(f"[ckagent {stamp}] {rejected}\n".encode())
         self._start(delivery)
         return delivery
 
