@@ -539,7 +539,7 @@ cmd_logs() {
       *) usage_error "logs: unknown option $a" ;;
     esac
   done
-  [[ -f "$LOG_FILE" ]] || die "no log yet: $LOG_FILE"
+  [[ -f "$LOG_FILE" ]] || die "no log yet: $LOG_FILE (a daemon writes it; in the foreground the log goes to stderr, under systemd to the journal: journalctl -u ckagent)"
   if ((follow)); then exec tail -n "${AGENT_LOG_LINES:-100}" -F "$LOG_FILE"; fi
   tail -n "${AGENT_LOG_LINES:-100}" "$LOG_FILE"
 }

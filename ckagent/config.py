@@ -554,8 +554,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("logging", "level", "AGENT_LOG_LEVEL", "DEBUG, INFO, WARNING, ERROR", "INFO",
             "Log level (case-insensitive).", _choice(("DEBUG", "INFO", "WARNING", "ERROR"), upper=True)),
     Setting("logging", "file", "AGENT_LOG_FILE", "path", None,
-            "Write the agent log to this file (rotated); stderr then gets it only when it is a terminal. "
-            "Unset = stderr only.", _path),
+            "Write the agent log to this file (rotated); stderr then gets it only when it is a terminal or "
+            "the systemd journal. Unset = stderr only (`run.sh --daemon=on`: logs/agent.log).", _path),
     Setting("logging", "format", "AGENT_LOG_FORMAT", "text, json", "text",
             "Log line format: text, or json (one object per line, for Loki/ELK).",
             _choice(("text", "json"), upper=False)),

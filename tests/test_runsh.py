@@ -289,6 +289,23 @@ async def test_start_waits_for_ready_and_prints_the_first_clear_error(node: Node
     assert started.returncode == 0 and "started and ready" in out(started), out(started)
 
 
+async def test_daemon_log_rotates_by_the_logging_settings(node: Node, releases: Releases, pyz: Path,
+                                                          dev_master) -> None:
+    releases.publish(pyz, ckagent.__version__)
+    settings = {"AGENT_RELEASE_URL": releases.url, "AGENT_LOG_MAX_BYTES": "1024", "AGENT_LOG_BACKUP_COUNT": "2"}
+    logs = node.directory / "logs"
+    for _ in range(8):  # each start and stop writes ~0.8 KB
+        started = await node.sh("--daemon=on", "start", **settings)
+        assert started.returncode == 0, out(started)
+        assert (await node.sh("stop", **settings)).returncode == 0
+        if (logs / "agent.log.2").exists():
+            break
+    assert sorted(p.name for p in logs.iterdir()) == ["agent.log", "agent.log.1", "agent.log.2"]
+    for path in logs.iterdir():
+        assert path.stat().st_size <= 1024, (path, path.stat().st_size)
+    assert "ckagent stopped" in (logs / "agent.log").read_text()
+
+
 async def test_stop_escalates_to_sigkill_after_the_bound(node: Node, releases: Releases, pyz: Path,
                                                          dev_master) -> None:
     releases.publish(pyz, ckagent.__version__)
