@@ -113,23 +113,33 @@ pyz_build_id() {
   py 'import json, sys, zipfile; print(json.loads(zipfile.ZipFile(sys.argv[1]).read("environment.json"))["build_id"])' "$1"
 }
 
-# vercmp A B → prints -1, 0 or 1 (PEP 440 release numbers, with a/b/rc/post/dev suffixes)
+# vercmp A B → prints -1, 0 or 1 (PEP 440: the pattern of its Appendix B, packaging's order); a text that
+# is not a PEP 440 version fails with a message (ckagent/versions.py is the same code; tests keep them equal)
 vercmp() {
   py '
 import re, sys
-def key(v):
-    m = re.fullmatch(r"v?(\d+(?:\.\d+)*)(?:[-_.]?(a|b|rc)(\d+))?(?:[-_.]?post(\d+))?(?:[-_.]?dev(\d+))?", v.strip().lower())
-    if not m:
-        sys.exit(f"not a version: {v!r}")
-    nums = [int(x) for x in m.group(1).split(".")]
-    while nums and nums[-1] == 0:
-        nums.pop()
-    pre = ({"a": 0, "b": 1, "rc": 2}[m.group(2)], int(m.group(3))) if m.group(2) else (3, 0)
-    if m.group(5) and not m.group(2) and not m.group(4):
-        pre = (-1, 0)
-    post = int(m.group(4)) if m.group(4) else -1
-    dev = int(m.group(5)) if m.group(5) else 1 << 30
-    return (nums, pre, post, dev)
+PATTERN = re.compile(r"""^\s*v?(?:(?:(?P<epoch>[0-9]+)!)?(?P<release>[0-9]+(?:\.[0-9]+)*)
+    (?P<pre>[-_\.]?(?P<pre_l>alpha|a|beta|b|preview|pre|c|rc)[-_\.]?(?P<pre_n>[0-9]+)?)?
+    (?P<post>(?:-(?P<post_n1>[0-9]+))|(?:[-_\.]?(?P<post_l>post|rev|r)[-_\.]?(?P<post_n2>[0-9]+)?))?
+    (?P<dev>[-_\.]?(?P<dev_l>dev)[-_\.]?(?P<dev_n>[0-9]+)?)?)(?:\+(?P<local>[a-z0-9]+(?:[-_\.][a-z0-9]+)*))?\s*$""",
+    re.VERBOSE | re.IGNORECASE)
+PRE = {"alpha": "a", "a": "a", "beta": "b", "b": "b", "c": "rc", "pre": "rc", "preview": "rc", "rc": "rc"}
+def key(text):
+    m = PATTERN.match(text)
+    if m is None:
+        sys.exit(f"run.sh: not a PEP 440 version: {text!r} (expected e.g. 1.2.0, 1.3.0rc1, 2.0.post1)")
+    release = [int(x) for x in m["release"].split(".")]
+    while len(release) > 1 and release[-1] == 0:
+        release.pop()
+    pre = (PRE[m["pre_l"].lower()], int(m["pre_n"] or 0)) if m["pre_l"] else None
+    post = int(m["post_n1"] or m["post_n2"] or 0) if m["post"] else None
+    dev = int(m["dev_n"] or 0) if m["dev"] else None
+    pre_key = (-1, "", 0) if pre is None and post is None and dev is not None else (
+        (1, "", 0) if pre is None else (0, pre[0], pre[1]))
+    local = (0,) if m["local"] is None else (1, tuple(
+        (1, int(p), "") if p.isdigit() else (0, 0, p.lower()) for p in re.split(r"[-_.]", m["local"])))
+    return (int(m["epoch"] or 0), tuple(release), pre_key, (-1, 0) if post is None else (0, post),
+            (1, "") if dev is None else (0, dev), local)
 a, b = key(sys.argv[1]), key(sys.argv[2])
 print((a > b) - (a < b))
 ' "$1" "$2"
@@ -191,8 +201,11 @@ or run again with AGENT_AUTO_INSTALL=on."
   download "$url" "$PYZ" "$sha" || exit 1
 }
 
-# AGENT array: the command that runs ckagent (without its arguments)
+# AGENT array: the command that runs ckagent (without its arguments). The agent learns where this
+# run.sh is (CKAGENT_RUN_SH): with agent.auto_upgrade on it upgrades itself through `run.sh upgrade`.
 agent_command() {
+  CKAGENT_RUN_SH="$DIR/${BASH_SOURCE[0]##*/}"
+  export CKAGENT_RUN_SH
   if source_mode; then
     ensure_venv
     AGENT=("$DIR/.venv/bin/python" -m ckagent)
@@ -349,16 +362,25 @@ restart_agent() {
   fi
 }
 
-# wait_new_agent_healthy OLD_PID SECONDS: an agent other than OLD_PID runs and answers /healthz 200
+# wait_new_agent_healthy OLD_PID SECONDS: an agent other than OLD_PID runs and answers /healthz 200.
+# Fails at once when no new agent runs (it exited during its start; under systemd: none for 5 s), else
+# after SECONDS; WAIT_FAILURE then says which.
+WAIT_FAILURE=""
 wait_new_agent_healthy() {
-  local old="$1" deadline=$((SECONDS + $2)) url pid
+  local old="$1" deadline=$((SECONDS + $2)) url pid absent_since=$SECONDS grace=0
+  [[ -n "${AGENT_SYSTEMD_UNIT:-}" ]] && grace=5
   url="$(health_url)"
   while ((SECONDS < deadline)); do
-    if pid="$(agent_pid)" && [[ "$pid" != "$old" && "$(http_status "$url")" == 200 ]]; then
-      return 0
+    if pid="$(agent_pid)" && [[ "$pid" != "$old" ]]; then
+      [[ "$(http_status "$url")" == 200 ]] && return 0
+      absent_since=$SECONDS
+    elif ((SECONDS - absent_since >= grace)); then
+      WAIT_FAILURE="exited during its start (see $LOG_FILE)"
+      return 1
     fi
     sleep 0.3
   done
+  WAIT_FAILURE="is not healthy ($url) within ${2}s"
   return 1
 }
 
@@ -547,18 +569,33 @@ cmd_logs() {
 cmd_upgrade() {
   (($# <= 1)) || usage_error "upgrade takes at most one argument, a VERSION: ./run.sh upgrade [VERSION]"
   source_mode && die "source mode ($DIR is a checkout): update it with git and run ./run.sh restart"
-  local wanted="${1:-}" index info version url sha current="" dry=0
+  local wanted="${1:-}" index info version url sha current="" dry=0 auto=0 order
   is_on "${AGENT_UPGRADE_DRY_RUN:-off}" && dry=1
-  if [[ -n "$wanted" ]]; then index="$(release_url "$wanted.json")"; else index="$(release_url latest.json)"; fi
+  # AGENT_UPGRADE_AUTO=on: the agent asks (agent.auto_upgrade); its VERSION is not the operator's choice
+  is_on "${AGENT_UPGRADE_AUTO:-off}" && auto=1
+  if [[ -n "$wanted" ]]; then
+    vercmp "$wanted" "$wanted" >/dev/null || exit 2
+    index="$(release_url "$wanted.json")"
+  else
+    index="$(release_url latest.json)"
+  fi
   info="$(release_info "$index")" || exit 1
   read -r version url sha <<<"$info"
+  # Refused before anything is downloaded: a version that is not PEP 440 cannot be ordered.
+  vercmp "$version" "$version" >/dev/null || die "$index names version '$version', which is not a PEP 440 version; nothing was downloaded"
   [[ -z "$wanted" || "$(vercmp "$version" "$wanted")" == 0 ]] || die "$index names version $version, not $wanted"
   if [[ -f "$PYZ" ]]; then
     current="$(pyz_version "$PYZ")" || exit 1
-    case "$(vercmp "$version" "$current")" in
+    order="$(vercmp "$version" "$current")" || exit 1
+    case "$order" in
       0) say "ckagent $current is installed and is the release offered ($index): nothing to do"; return 0 ;;
       -1) say "not downgrading: installed $current is newer than $version ($index); nothing changed"; return 0 ;;
     esac
+  fi
+  if failed_before "$version" && { [[ -z "$wanted" ]] || ((auto)); }; then
+    say "not retrying ckagent $version: it failed its health check here before ($FAILED_FILE); it is tried again"
+    say "  when a newer release is published, or when you name it: ./run.sh upgrade $version"
+    return 0
   fi
   local pid="" running=0 health
   pid="$(agent_pid)" && running=1
@@ -602,17 +639,30 @@ cmd_upgrade() {
     return 0
   fi
   restart_agent "${saved[@]+"${saved[@]}"}"
-  local timeout="${AGENT_UPGRADE_HEALTH_TIMEOUT:-60}"
+  local timeout="${AGENT_UPGRADE_HEALTH_TIMEOUT:-60}" why
   if wait_new_agent_healthy "$pid" "$timeout"; then
+    forget_failed "$version"
     say "upgraded to $version: healthy (pid $(agent_pid))"
     return 0
   fi
-  say "ckagent $version is not healthy ($health) within ${timeout}s: rolling back to ${current:-the previous version}"
+  why="$WAIT_FAILURE"
+  say "ckagent $version $why: rolling back to ${current:-the previous version}"
   [[ -f "$PYZ_PREV" ]] || die "no previous pyz to roll back to; ckagent $version stays installed"
+  remember_failed "$version"
   mv -f "$PYZ" "$STATE_DIR/ckagent-$version.failed.pyz"
   mv -f "$PYZ_PREV" "$PYZ"
   restart_agent "${saved[@]+"${saved[@]}"}"
-  die "upgrade to $version failed its health check and was rolled back to ${current:-the previous pyz}; the failed file is $STATE_DIR/ckagent-$version.failed.pyz"
+  die "upgrade to $version failed ($why) and was rolled back to ${current:-the previous pyz}; the failed file is $STATE_DIR/ckagent-$version.failed.pyz; $version is not tried again until you name it (./run.sh upgrade $version) or a newer one is published"
+}
+
+# Versions whose upgrade failed here, one per line: `upgrade` (latest, or asked by the agent) skips them.
+FAILED_FILE="$STATE_DIR/failed_versions"
+failed_before() { [[ -f "$FAILED_FILE" ]] && grep -qxF -- "$1" "$FAILED_FILE"; }
+remember_failed() { failed_before "$1" || printf '%s\n' "$1" >>"$FAILED_FILE"; }
+forget_failed() {
+  [[ -f "$FAILED_FILE" ]] || return 0
+  grep -vxF -- "$1" "$FAILED_FILE" >"$FAILED_FILE.tmp" || true
+  mv -f "$FAILED_FILE.tmp" "$FAILED_FILE"
 }
 
 # ---------------------------------------------------------------- main

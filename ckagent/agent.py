@@ -50,14 +50,16 @@ from ckagent import __version__
 from ckagent.config import ConfigError, Settings
 from ckagent.delivery import Outbox, OutboxConfig, cleanup_task_dirs
 from ckagent.deps import Dependencies, IndexChooser, remove_legacy_environments, spider_base_env
+from ckagent.fleet import VersionWatch, load_node_uid
 from ckagent.hardening import protect_agent_memory
 from ckagent.heartbeat import HeartbeatLoop
+from ckagent.intake import DiskFloorWatch, IntakeGate
 from ckagent.logs import log_task_finished, setup_logging
 from ckagent.master import MasterClient, RegistrationRefused
 from ckagent.metrics import AgentMetrics
 from ckagent.poller import Poller
 from ckagent.process import RunAs
-from ckagent.protocol import RegisterRequest, Task, TaskResult
+from ckagent.protocol import FEATURES, PROTOCOL_VERSION, RegisterRequest, Task, TaskResult
 from ckagent.recovery import recover_lost_tasks
 from ckagent.resources import HealthSampler, compute_max_workers
 from ckagent.runtimes import (
@@ -95,6 +97,10 @@ class Agent:
         self.max_workers = compute_max_workers(settings.agent.max_workers, settings.agent.container_cpu_limit)
         self.runtimes: dict[str, Any] = {}
         self._browser_env: dict[str, str] = {}
+        self.intake = IntakeGate()
+        """Closed while the node takes no tasks for a reason of its own (ckagent.intake)."""
+        self.versions = VersionWatch(self.intake, auto_upgrade=settings.agent.auto_upgrade)
+        self.node_uid: str | None = None
         self._work_scope = trio.CancelScope()
         self._poll_scope = trio.CancelScope()
         self._startup_scope = trio.CancelScope()
@@ -137,6 +143,9 @@ class Agent:
             max_workers=self.max_workers,
             runtimes=self.runtimes,
             labels=dict(s.agent.labels),
+            node_uid=self.node_uid,
+            protocol_version=PROTOCOL_VERSION,
+            features=list(FEATURES),
         )
 
     async def run(self) -> int:
@@ -159,6 +168,11 @@ class Agent:
         # Registration uses the last scan (cached on disk): a fresh scan runs ~0.5-1 s of
         # subprocesses, so it goes on in the background and reaches the master with the heartbeats.
         self.runtimes = await trio.to_thread.run_sync(load_cached_runtimes, self.work_dir / RUNTIMES_CACHE)
+        try:
+            self.node_uid = await trio.to_thread.run_sync(load_node_uid, self.work_dir)
+        except OSError as exc:
+            log.error("cannot keep the node's id in %s: %s", self.work_dir, exc)
+            return 1
         base_env = spider_base_env()
         # Browser spiders use the system's browser (nothing can be downloaded at run time): its path
         # comes from the runtimes scan, updated in place after each rescan.
@@ -191,11 +205,15 @@ class Agent:
             self.master, supervisor, HealthSampler(self.work_dir), s.heartbeat.interval,
             status=lambda: "DRAINING" if self.state in ("DRAINING", "TERMINATING") else "RUNNING",
             runtimes=lambda: self.runtimes,
+            paused_reason=lambda: self.intake.reason,
+            on_policy=self.versions.apply,
         )
         self.poller = Poller(
             self.master, supervisor, poll_interval=s.task.poll_interval,
             long_poll_wait=s.task.long_poll_wait, request_timeout=s.server.request_timeout,
+            gate=self.intake,
         )
+        disk_watch = self.disk_watch = DiskFloorWatch(self.intake, self.work_dir, s.task.min_free_disk_bytes)
         log.info("ckagent %s starting: master %s, work_dir %s, max_workers %d",
                  __version__, s.server.url, self.work_dir, self.max_workers)
         try:
@@ -214,9 +232,11 @@ class Agent:
                 leftovers = await recover_lost_tasks(store, self.metrics.task_lost)
                 if s.task.cleanup_temp_files:
                     await cleanup_task_dirs(store, self.work_dir / "tasks", 0)
+                self.versions.nursery = root
                 try:
                     with self._startup_scope:
-                        await self.master.register()
+                        registered = await self.master.register()
+                        self.versions.apply(registered.policy)
                 except RegistrationRefused as exc:
                     log.error("%s", exc)
                     root.cancel_scope.cancel()
@@ -232,6 +252,9 @@ class Agent:
                     if delivery is not None:  # the canonical line of a task an earlier run left unsent
                         delivery.on_delivered = partial(self._leftover_delivered, record)
                 root.start_soon(self.heartbeat.run)
+                if s.task.min_free_disk_bytes:
+                    await disk_watch.check()  # before the first poll
+                    root.start_soon(disk_watch.run)
                 if self.state == "STARTING":
                     self.state = "RUNNING"
                 self.started.set()

@@ -128,7 +128,8 @@ class AgentSettings:
     ``port`` is the agent's own status/metrics port (0 = any free port); it listens on ``bind``
     (None = ``ip``). ``labels`` is a read-only mapping str→str.
     ``max_workers`` None = derived from the machine; ``container_cpu_limit`` is a Kubernetes-style CPU
-    quantity ("2000m", "4", "1.5") or None (see :attr:`container_cpu_limit_cores`).
+    quantity ("2000m", "4", "1.5") or None (see :attr:`container_cpu_limit_cores`). ``auto_upgrade``:
+    follow the master's desired agent version through run.sh (ckagent.fleet).
     """
 
     name: str
@@ -140,6 +141,7 @@ class AgentSettings:
     labels: Mapping[str, str]
     max_workers: int | None
     container_cpu_limit: str | None
+    auto_upgrade: bool
 
     @property
     def container_cpu_limit_cores(self) -> float | None:
@@ -511,6 +513,9 @@ SETTINGS: tuple[Setting, ...] = (
             _integer(1)),
     Setting("agent", "container_cpu_limit", "CONTAINER_CPU_LIMIT", 'CPU quantity ("2000m", "4", "1.5")', None,
             "CPU limit of the agent's container when cgroups do not tell; unset = detect.", _cpu_quantity),
+    Setting("agent", "auto_upgrade", "AGENT_AUTO_UPGRADE", "on/off", False,
+            "When the master names a desired agent version newer than this one, drain and upgrade through "
+            "`run.sh upgrade` (verified, rolled back on failure). Needs run.sh (daemon mode).", _boolean),
     Setting("heartbeat", "interval", "AGENT_HEARTBEAT_INTERVAL", "seconds >= 1", 30.0,
             "Seconds between heartbeats.", _seconds(minimum=1.0, exclusive=False)),
     Setting("task", "poll_interval", "AGENT_TASK_POLL_INTERVAL", "seconds >= 0.1", 10.0,

@@ -18,7 +18,7 @@ import trio
 
 from ckagent import __version__
 from ckagent.master import MasterClient, MasterError
-from ckagent.protocol import Heartbeat, HeartbeatResponse
+from ckagent.protocol import Heartbeat, HeartbeatResponse, VersionPolicy
 from ckagent.resources import HealthSampler
 from ckagent.supervisor import Supervisor
 
@@ -41,6 +41,8 @@ class HeartbeatLoop:
         interval: float,
         status: Callable[[], str],
         runtimes: Callable[[], dict[str, Any]],
+        paused_reason: Callable[[], str | None] = lambda: None,
+        on_policy: Callable[[VersionPolicy], None] = lambda policy: None,
     ) -> None:
         self._master = master
         self._supervisor = supervisor
@@ -48,6 +50,8 @@ class HeartbeatLoop:
         self.interval = interval
         self._status = status
         self._runtimes = runtimes
+        self._paused_reason = paused_reason
+        self._on_policy = on_policy
         self.last_success: float | None = None
         self.beats = 0
         self.first_beat = trio.Event()
@@ -81,6 +85,7 @@ class HeartbeatLoop:
             version=__version__,
             uptime_seconds=round(time.monotonic() - self._sampler.started, 1),
             runtimes=self._runtimes() or None,
+            paused_reason=self._paused_reason(),
         )
         try:
             with trio.move_on_after(max(self.interval, 1.0)):
@@ -91,6 +96,7 @@ class HeartbeatLoop:
                 self.beats += 1
                 for task_id in response.cancel_task_ids:
                     sup.cancel(task_id, "cancelled by the master")
+                self._on_policy(response.policy)
                 return True
         except MasterError as exc:  # logged once per episode by the master client
             log.debug("heartbeat failed: %s", exc)

@@ -9,7 +9,9 @@ has since finished here (that spider's next task would otherwise wait out the lo
 slot is free the poller waits for one and polls the moment it frees. Each task is claimed (result
 RUNNING; the claims of one answer go out together) before it runs; a 409 drops it. A task that breaks the schema is reported FAILED/BAD_TASK and the others run.
 
-Cancelling the poller (drain) stops claiming; tasks already claimed run on in the work nursery.
+Cancelling the poller (drain) stops claiming; tasks already claimed run on in the work nursery. While
+the ``gate`` (ckagent.intake) is closed — disk below its floor, agent older than the master's minimum —
+the poller does not poll.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import logging
 
 import trio
 
+from ckagent.intake import IntakeGate
 from ckagent.master import (
     MasterClient,
     MasterConflict,
@@ -46,8 +49,10 @@ class Poller:
         poll_interval: float,
         long_poll_wait: float,
         request_timeout: float,
+        gate: IntakeGate | None = None,
     ) -> None:
         self._master = master
+        self._gate = gate
         self._supervisor = supervisor
         self.poll_interval = poll_interval
         self.long_poll_wait = long_poll_wait
@@ -57,6 +62,8 @@ class Poller:
     async def run(self, work: trio.Nursery) -> None:
         """Poll until cancelled; claimed tasks are started in ``work`` (the work nursery)."""
         while True:
+            if self._gate is not None:
+                await self._gate.wait_open()
             await self._supervisor.wait_for_free_slot()
             started = trio.current_time()
             try:

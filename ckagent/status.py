@@ -256,6 +256,9 @@ class AgentStatus:
             return Readiness(False, f"not ready: {problem}")
         if agent.state != "RUNNING":
             return Readiness(False, f"not ready: the agent is {agent.state}")
+        intake = getattr(agent, "intake", None)
+        if intake is not None and intake.reason:
+            return Readiness(False, f"not ready: {intake.reason}")
         if not agent.master.registered:
             return Readiness(False, f"not ready: {problem or 'not registered with the master yet'}")
         heartbeat = agent.heartbeat

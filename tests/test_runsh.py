@@ -77,6 +77,22 @@ def broken_pyz(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+CRASHING = "101.0.0"
+
+
+@pytest.fixture(scope="session")
+def crashing_pyz(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A zipapp that passes run.sh's `version` check and exits 1 as soon as it is started."""
+    path = tmp_path_factory.mktemp("crashing") / "ckagent.pyz"
+    main = _BROKEN_MAIN.replace(BROKEN, CRASHING).replace("signal.signal(", "sys.exit(1)\nsignal.signal(")
+    with path.open("wb") as out:
+        out.write(b"#!/usr/bin/env python3\n")
+        with zipfile.ZipFile(out, "w") as archive:
+            archive.writestr("__main__.py", main)
+            archive.writestr("site-packages/ckagent/__init__.py", f'__version__ = "{CRASHING}"\n')
+    return path
+
+
 @dataclass
 class Releases:
     """A release index served over HTTP: ``url`` is AGENT_RELEASE_URL, files live in ``directory``."""
@@ -385,7 +401,7 @@ async def test_cleanup_temp_files_removes_stale_extractions_and_partial_deployme
 
 @pytest.mark.slow
 async def test_upgrade_verifies_never_downgrades_restarts_and_rolls_back(
-    node: Node, releases: Releases, pyz: Path, bumped_pyz: Path, broken_pyz: Path, dev_master
+    node: Node, releases: Releases, pyz: Path, bumped_pyz: Path, broken_pyz: Path, crashing_pyz: Path, dev_master
 ) -> None:
     env = {"AGENT_RELEASE_URL": releases.url, "AGENT_UPGRADE_HEALTH_TIMEOUT": "20"}
     pyz_path = node.directory / "ckagent.pyz"
@@ -443,6 +459,30 @@ async def test_upgrade_verifies_never_downgrades_restarts_and_rolls_back(
     await eventually(healthy)
     assert list(node.directory.glob(f".ckagent/ckagent-{BROKEN}.failed.pyz"))
 
+    # the failed version is remembered: not tried again from latest.json (nor when the agent asks) ...
+    again = await node.sh("upgrade", **env)
+    assert again.returncode == 0 and f"not retrying ckagent {BROKEN}" in out(again), out(again)
+    auto = await node.sh("upgrade", BROKEN, AGENT_UPGRADE_AUTO="on", **env)
+    assert auto.returncode == 0 and f"not retrying ckagent {BROKEN}" in out(auto), out(auto)
+    assert same(pyz_path, bumped_pyz) and node.pid() == third_pid
+
+    # a release version that is not PEP 440 is refused before anything is downloaded
+    releases.publish(bumped_pyz, "banana")
+    banana = await node.sh("upgrade", **env)
+    assert banana.returncode == 1 and "'banana', which is not a PEP 440 version; nothing was downloaded" in out(banana)
+    assert not list(node.directory.glob(".ckagent/ckagent-banana*"))
+    bad_name = await node.sh("upgrade", "latest-please", **env)
+    assert bad_name.returncode == 2 and "not a PEP 440 version: 'latest-please'" in out(bad_name)
+
+    # a release that exits during its start is rolled back at once, not after the health timeout
+    releases.publish(crashing_pyz, CRASHING)
+    began = trio.current_time()
+    crashed = await node.sh("upgrade", AGENT_UPGRADE_HEALTH_TIMEOUT="120", AGENT_RELEASE_URL=releases.url)
+    assert crashed.returncode == 1 and "exited during its start" in out(crashed), out(crashed)
+    assert trio.current_time() - began < 60, "rolled back without waiting out the 120 s health timeout"
+    assert same(pyz_path, bumped_pyz)
+    await eventually(healthy)
+
     # not running: the new file is installed, nothing is started
     assert (await node.sh("stop")).returncode == 0
     releases.publish(bumped_pyz, "99.1.0")  # the bumped pyz under a newer index entry
@@ -450,7 +490,7 @@ async def test_upgrade_verifies_never_downgrades_restarts_and_rolls_back(
     assert quiet.returncode == 1 and "nothing was replaced" in out(quiet), out(quiet)
     assert same(pyz_path, bumped_pyz), "a file that reports another version is refused"
     releases.publish(broken_pyz, BROKEN)
-    installed = await node.sh("upgrade", **env)
+    installed = await node.sh("upgrade", BROKEN, **env)  # named by the operator: tried again
     assert installed.returncode == 0 and "not running: not starting it" in out(installed), out(installed)
     assert same(pyz_path, broken_pyz) and node.pid() is None
     assert (await node.sh("status")).returncode == 3

@@ -2,8 +2,9 @@
 
 Node endpoints (``Authorization: Bearer <apiKey>``; registration uses ``X-Registration-Token``)::
 
-    POST /api/nodes/register                    → {nodeId, apiKey}
-    POST /api/nodes/{nodeId}/heartbeat          → {cancelTaskIds}
+    POST /api/nodes/register                    → {nodeId, apiKey, minAgentVersion?, desiredAgentVersion?}
+                                                  (409 when the name belongs to another live nodeUid)
+    POST /api/nodes/{nodeId}/heartbeat          → {cancelTaskIds, minAgentVersion?, desiredAgentVersion?}
     GET  /api/nodes/{nodeId}/tasks/pending      → {tasks, cancelTaskIds}   (long poll: waitSeconds)
     POST /api/tasks/{taskId}/result             → {ok: true}
     POST /api/tasks/{taskId}/logs               → {acceptedSeq}            (409 {expectedSeq} on a gap)
@@ -17,7 +18,8 @@ Admin endpoints (``Authorization: Bearer <admin token>``)::
     POST /api/spiders, GET /api/spiders, GET /api/spiders/{id}, PATCH /api/spiders/{id},
     PUT /api/spiders/{id}/package,
     POST /api/spiders/{id}/tasks, GET /api/tasks, GET /api/tasks/{id}, GET /api/tasks/{id}/logs,
-    GET /api/tasks/{id}/items, POST /api/tasks/{id}/cancel, GET /api/nodes
+    GET /api/tasks/{id}/items, POST /api/tasks/{id}/cancel, GET /api/nodes,
+    GET /api/agent-versions, PUT /api/agent-versions {minAgentVersion, desiredAgentVersion} (null clears)
 
 Errors are JSON ``{"error": "..."}`` (plus ``field`` for 422, ``expectedSeq`` for a seq gap); the
 exception classes live in :mod:`ckagent.devmaster.store`. Secrets never appear in an answer or a log.
@@ -57,6 +59,7 @@ from ckagent.protocol import (
     ProtocolError,
     RegisterRequest,
     TaskResult,
+    VersionPolicy,
 )
 
 __all__ = ["MAX_BATCH_ELEMENTS", "MAX_NODE_BODY_BYTES", "Notifier", "create_app"]
@@ -281,12 +284,27 @@ def create_app(
             raise UnauthorizedError("missing or wrong registration token")
         req = RegisterRequest.from_json(await _json_body(request))
         node_id, api_key = await run(store.register_node, req)
-        return JSONResponse({"nodeId": node_id, "apiKey": api_key})
+        policy = await run(store.version_policy)
+        return JSONResponse({"nodeId": node_id, "apiKey": api_key, **policy.to_json()})
 
     async def heartbeat(request: Request) -> Response:
         node_id = await node_auth(request)
         beat = Heartbeat.from_json(await _json_body(request))
-        return JSONResponse({"cancelTaskIds": await run(store.heartbeat, node_id, beat)})
+        cancel = await run(store.heartbeat, node_id, beat)
+        return JSONResponse({"cancelTaskIds": cancel, **(await run(store.version_policy)).to_json()})
+
+    async def get_agent_versions(request: Request) -> Response:
+        admin_auth(request)
+        return JSONResponse((await run(store.version_policy)).to_json())
+
+    async def put_agent_versions(request: Request) -> Response:
+        admin_auth(request)
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            raise BadRequestError("expected a JSON object {minAgentVersion, desiredAgentVersion}")
+        policy = VersionPolicy.from_json(body)
+        await run(store.set_version_policy, policy)
+        return JSONResponse(policy.to_json())
 
     async def pending(request: Request) -> Response:
         node_id = await node_auth(request)
@@ -499,6 +517,8 @@ def create_app(
         Route("/api/nodes/{node_id}/heartbeat", heartbeat, methods=["POST"]),
         Route("/api/nodes/{node_id}/tasks/pending", pending, methods=["GET"]),
         Route("/api/nodes", list_nodes, methods=["GET"]),
+        Route("/api/agent-versions", get_agent_versions, methods=["GET"]),
+        Route("/api/agent-versions", put_agent_versions, methods=["PUT"]),
         Route("/api/tasks/{task_id}/result", result, methods=["POST"]),
         Route("/api/tasks/{task_id}/logs", logs, methods=["POST"]),
         Route("/api/tasks/{task_id}/logs", task_logs, methods=["GET"]),

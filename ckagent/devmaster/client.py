@@ -172,6 +172,12 @@ class AdminClient:
         result: list[dict[str, Any]] = (await self._call("GET", "/api/nodes")).json()
         return result
 
+    async def set_agent_versions(self, minimum: str | None, desired: str | None) -> dict[str, Any]:
+        """Set (None clears) the minimum and desired agent versions the master tells its agents."""
+        body = {"minAgentVersion": minimum, "desiredAgentVersion": desired}
+        result: dict[str, Any] = (await self._call("PUT", "/api/agent-versions", json=body)).json()
+        return result
+
     # `timeout` (seconds) is part of the agreed API; it bounds a polling loop, not one call: noqa ASYNC109
     async def wait_task_final(self, task_id: str, timeout: float) -> dict[str, Any]:  # noqa: ASYNC109
         """Poll every 0.1 s until the task is SUCCESS, FAILED or CANCELLED; returns it.

@@ -43,15 +43,25 @@ import secrets
 import sqlite3
 import stat
 import threading
+import time
 import uuid
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ckagent.protocol import FINAL_STATUSES, Heartbeat, RegisterRequest, TaskResult, utc_now_iso
+from ckagent.protocol import (
+    FINAL_STATUSES,
+    Heartbeat,
+    RegisterRequest,
+    TaskResult,
+    VersionPolicy,
+    utc_now_iso,
+)
+from ckagent.versions import InvalidVersion, Version
 
 __all__ = [
     "MAX_PACKAGE_BYTES",
@@ -81,6 +91,8 @@ WAL_LIMIT_BYTES = 64 * 1024 * 1024
 """Bytes written to the WAL (estimated) after which a write truncates it (the bound on the file: a
 PASSIVE checkpoint racing steady writes never lets SQLite restart the WAL from its start)."""
 _PAGE_BYTES = 4096
+NODE_LIVE_SECONDS = 90.0
+"""A node that heartbeated this recently (seconds) is live: its name is not given to another nodeUid."""
 SCHEMA_VERSION = 2
 """The layout of the SQLite file (``PRAGMA user_version``): 2 = logs and items in chunks."""
 
@@ -217,6 +229,10 @@ def read_package(data: bytes) -> PackageContents:
 # --------------------------------------------------------------------------- schema
 
 _SCHEMA = """
+CREATE TABLE IF NOT EXISTS master_settings (
+    key               TEXT PRIMARY KEY,   -- minAgentVersion, desiredAgentVersion
+    value             TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS nodes (
     id                TEXT PRIMARY KEY,
     name              TEXT NOT NULL UNIQUE,
@@ -315,6 +331,14 @@ CREATE TABLE IF NOT EXISTS task_item_chunks (
 
 def _hash_key(api_key: str) -> str:
     return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+def _seconds_since(iso: str | None, now: float | None = None) -> float:
+    """Seconds from the protocol timestamp ``iso`` to ``now`` (epoch seconds; default the clock); inf for None."""
+    if not iso:
+        return float("inf")
+    moment = datetime.strptime(iso, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc)
+    return (time.time() if now is None else now) - moment.timestamp()
 
 
 def _new_id() -> str:
@@ -437,11 +461,15 @@ class Store:
 
     # ----------------------------------------------------------------------- nodes
 
-    def register_node(self, req: RegisterRequest) -> tuple[str, str]:
+    def register_node(self, req: RegisterRequest, *, at: float | None = None) -> tuple[str, str]:
         """Register (or re-register by name) a node. Returns ``(node_id, api_key)``.
 
         Re-registering the same name keeps the node id and issues a new key; the old key stops working.
-        Only the key's sha256 is stored.
+        Only the key's sha256 is stored. One identity per name: when the request carries a ``nodeUid``
+        and the name belongs to a node that registered another ``nodeUid`` and heartbeated within
+        NODE_LIVE_SECONDS (``at``: epoch seconds, default the clock), ConflictError (409) — two live
+        agents with one name would otherwise take each other's key on every re-registration. Agents
+        that send no nodeUid keep the old rule.
         """
         api_key = secrets.token_urlsafe(32)
         now = utc_now_iso()
@@ -457,7 +485,14 @@ class Store:
             now,
         )
         with self._tx() as db:
-            row = db.execute("SELECT id FROM nodes WHERE name = ?", (req.name,)).fetchone()
+            row = db.execute("SELECT id, info, last_heartbeat_at FROM nodes WHERE name = ?", (req.name,)).fetchone()
+            if row is not None and req.node_uid:
+                other = (_loads(row["info"]) or {}).get("nodeUid")
+                if other and other != req.node_uid and _seconds_since(row["last_heartbeat_at"], at) < NODE_LIVE_SECONDS:
+                    raise ConflictError(
+                        f"node name {req.name!r} belongs to another live agent (another nodeUid, heartbeat "
+                        f"within {NODE_LIVE_SECONDS:g} s): give this agent its own agent.name (AGENT_NAME), "
+                        "or stop the other one and retry after its heartbeats stop")
             if row is None:
                 node_id = _new_id()
                 db.execute(
@@ -473,6 +508,30 @@ class Store:
                     (*values, node_id),
                 )
         return node_id, api_key
+
+    def version_policy(self) -> VersionPolicy:
+        """The agent version policy set through the admin API (both None when never set)."""
+        rows = self._read(lambda db: db.execute(
+            "SELECT key, value FROM master_settings WHERE key IN ('minAgentVersion', 'desiredAgentVersion')").fetchall())
+        values = {r["key"]: r["value"] for r in rows}
+        return VersionPolicy(values.get("minAgentVersion"), values.get("desiredAgentVersion"))
+
+    def set_version_policy(self, policy: VersionPolicy) -> None:
+        """Store both fields (None clears one). Raises BadRequestError for a version that is not PEP 440."""
+        for key, value in (("minAgentVersion", policy.min_agent_version),
+                           ("desiredAgentVersion", policy.desired_agent_version)):
+            if value is not None:
+                try:
+                    Version(value)
+                except InvalidVersion:
+                    raise BadRequestError(f"{key}: {value!r} is not a PEP 440 version (e.g. 0.2.0)") from None
+        with self._tx() as db:
+            for key, value in (("minAgentVersion", policy.min_agent_version),
+                               ("desiredAgentVersion", policy.desired_agent_version)):
+                if value is None:
+                    db.execute("DELETE FROM master_settings WHERE key = ?", (key,))
+                else:
+                    db.execute("INSERT OR REPLACE INTO master_settings (key, value) VALUES (?, ?)", (key, value))
 
     def node_for_key(self, api_key: str) -> str | None:
         """The id of the node holding ``api_key``, or None for an unknown or revoked key."""
@@ -535,6 +594,7 @@ class Store:
                 "registeredAt": r["registered_at"],
                 "lastHeartbeatAt": r["last_heartbeat_at"],
                 "lastHeartbeat": _loads(r["last_heartbeat"]),
+                "pausedReason": (_loads(r["last_heartbeat"]) or {}).get("pausedReason"),
             }
             for r in rows
         ]

@@ -38,9 +38,11 @@ from ckagent.protocol._fields import (
 
 __all__ = [
     "ERROR_CODES",
+    "FEATURES",
     "FINAL_STATUSES",
     "FRAMEWORKS",
     "NODE_STATUSES",
+    "PROTOCOL_VERSION",
     "TASK_STATUSES",
     "BadTask",
     "CodePackage",
@@ -57,6 +59,7 @@ __all__ = [
     "SpiderFile",
     "Task",
     "TaskResult",
+    "VersionPolicy",
     "utc_iso",
     "utc_now_iso",
 ]
@@ -75,6 +78,10 @@ ERROR_CODES = (
 )
 FRAMEWORKS = ("scrapy", "python", "node", "playwright", "selenium")
 NODE_STATUSES = ("RUNNING", "DRAINING")
+PROTOCOL_VERSION = 1
+"""The version of docs/protocol.md this agent speaks (sent at registration as ``protocolVersion``)."""
+FEATURES = ("long-poll", "exclude-spider-ids", "log-item-seq", "paused-reason", "node-uid", "agent-version-policy")
+"""What this agent supports beyond protocol version 1's core (sent at registration as ``features``)."""
 
 TIMEOUT_MESSAGE = "执行超时"
 """errorMessage of a task that hit its timeout: what the existing CrawlerKeeper backend expects."""
@@ -117,6 +124,10 @@ class RegisterRequest:
     max_workers: int
     runtimes: dict[str, Any] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
+    node_uid: str | None = None
+    """The agent's own identity, kept in its work dir (ckagent.fleet): one per node, not per name."""
+    protocol_version: int | None = None
+    features: list[str] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, obj: Any) -> RegisterRequest:
@@ -135,6 +146,9 @@ class RegisterRequest:
             max_workers=req_int(o, "maxWorkers", lo=1),
             runtimes=opt_object(o, "runtimes") or {},
             labels=str_map(o, "labels"),
+            node_uid=opt_str(o, "nodeUid"),
+            protocol_version=opt_int(o, "protocolVersion", lo=1),
+            features=str_list(o, "features"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -152,15 +166,41 @@ class RegisterRequest:
             "maxWorkers": self.max_workers,
             "runtimes": self.runtimes,
             "labels": self.labels,
+            **_drop_none({"nodeUid": self.node_uid, "protocolVersion": self.protocol_version,
+                          "features": list(self.features) or None}),
         }
 
 
 @dataclass(frozen=True)
+class VersionPolicy:
+    """The master's wishes about agent versions (PEP 440 strings, None = no wish).
+
+    Below ``min_agent_version`` an agent takes no tasks; ``desired_agent_version`` is what an agent with
+    ``agent.auto_upgrade`` on upgrades itself to.
+    """
+
+    min_agent_version: str | None = None
+    desired_agent_version: str | None = None
+
+    @classmethod
+    def from_json(cls, o: dict[str, Any]) -> VersionPolicy:
+        """The two optional fields of a register or heartbeat answer. Raises ProtocolError."""
+        return cls(opt_str(o, "minAgentVersion"), opt_str(o, "desiredAgentVersion"))
+
+    def to_json(self) -> dict[str, Any]:
+        """The camelCase fields that are set."""
+        return _drop_none({"minAgentVersion": self.min_agent_version,
+                           "desiredAgentVersion": self.desired_agent_version})
+
+
+@dataclass(frozen=True)
 class RegisterResponse:
-    """Answer to a registration: the node's id and the Bearer key for every later call."""
+    """Answer to a registration: the node's id and the Bearer key for every later call (and the
+    master's version policy, when it has one)."""
 
     node_id: str
     api_key: str
+    policy: VersionPolicy = field(default_factory=VersionPolicy)
 
     def __repr__(self) -> str:  # the key is a secret: keep it out of logs and tracebacks
         return f"RegisterResponse(node_id={self.node_id!r}, api_key='***')"
@@ -169,11 +209,12 @@ class RegisterResponse:
     def from_json(cls, obj: Any) -> RegisterResponse:
         """Validate a decoded JSON body. Raises ProtocolError naming the bad field (never its value)."""
         o = req_object(obj, "")
-        return cls(node_id=req_id(o, "nodeId"), api_key=req_id(o, "apiKey", secret=True))
+        return cls(node_id=req_id(o, "nodeId"), api_key=req_id(o, "apiKey", secret=True),
+                   policy=VersionPolicy.from_json(o))
 
     def to_json(self) -> dict[str, Any]:
         """The camelCase JSON body."""
-        return {"nodeId": self.node_id, "apiKey": self.api_key}
+        return {"nodeId": self.node_id, "apiKey": self.api_key, **self.policy.to_json()}
 
 
 # --------------------------------------------------------------------------- heartbeat
@@ -197,6 +238,9 @@ class Heartbeat:
     version: str
     uptime_seconds: float
     runtimes: dict[str, Any] | None = None
+    paused_reason: str | None = None
+    """Set while the node takes no tasks for a reason of its own (disk below its floor, agent older than
+    the master's minimum); ``status`` stays RUNNING so that masters that know no pause keep working."""
 
     @classmethod
     def from_json(cls, obj: Any) -> Heartbeat:
@@ -217,6 +261,7 @@ class Heartbeat:
             version=opt_str(o, "version") or "",
             uptime_seconds=req_number(o, "uptimeSeconds", lo=0),
             runtimes=opt_object(o, "runtimes"),
+            paused_reason=opt_str(o, "pausedReason"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -237,25 +282,27 @@ class Heartbeat:
                 "version": self.version,
                 "uptimeSeconds": self.uptime_seconds,
                 "runtimes": self.runtimes,
+                "pausedReason": self.paused_reason,
             }
         )
 
 
 @dataclass(frozen=True)
 class HeartbeatResponse:
-    """The master's answer to a heartbeat: tasks of this node to cancel."""
+    """The master's answer to a heartbeat: tasks of this node to cancel (and its version policy)."""
 
     cancel_task_ids: list[str] = field(default_factory=list)
+    policy: VersionPolicy = field(default_factory=VersionPolicy)
 
     @classmethod
     def from_json(cls, obj: Any) -> HeartbeatResponse:
         """Validate a decoded JSON body (an empty object is fine). Raises ProtocolError."""
         o = req_object(obj, "")
-        return cls(cancel_task_ids=str_list(o, "cancelTaskIds", ids=True))
+        return cls(cancel_task_ids=str_list(o, "cancelTaskIds", ids=True), policy=VersionPolicy.from_json(o))
 
     def to_json(self) -> dict[str, Any]:
         """The camelCase JSON body."""
-        return {"cancelTaskIds": list(self.cancel_task_ids)}
+        return {"cancelTaskIds": list(self.cancel_task_ids), **self.policy.to_json()}
 
 
 # --------------------------------------------------------------------------- tasks
