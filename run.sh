@@ -37,6 +37,8 @@ LOG_FILE="$LOG_DIR/agent.log"
 STATE_DIR="$DIR/.ckagent"
 PYZ="$DIR/ckagent.pyz"
 PYZ_PREV="$DIR/ckagent.pyz.prev"
+UV_DIR="$STATE_DIR/bin"
+UV="$UV_DIR/uv"
 PYTHON="${AGENT_PYTHON:-python3}"
 DEFAULT_STOP_TIMEOUT=90
 
@@ -67,6 +69,26 @@ except Exception as exc:
     sys.exit(f"run.sh: cannot read the release index {index}: {exc}")
 if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
     sys.exit(f"{index}: sha256 is not 64 hex digits")
+print(version, urllib.parse.urljoin(index, url), sha)
+' "$1"
+}
+
+# uv_info INDEX_URL → "version url sha256" of the uv build the release index names (url resolved
+# against the index URL), or nothing when it names none
+uv_info() {
+  py '
+import json, sys, urllib.parse, urllib.request
+index = sys.argv[1]
+try:
+    with urllib.request.urlopen(index, timeout=30) as r:
+        uv = json.load(r).get("uv")
+    if uv is None:
+        sys.exit(0)
+    version, url, sha = str(uv["version"]), str(uv["url"]), str(uv["sha256"]).lower()
+except Exception as exc:
+    sys.exit(f"run.sh: cannot read the uv entry of the release index {index}: {exc}")
+if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+    sys.exit(f"{index}: uv.sha256 is not 64 hex digits")
 print(version, urllib.parse.urljoin(index, url), sha)
 ' "$1"
 }
@@ -201,6 +223,38 @@ or run again with AGENT_AUTO_INSTALL=on."
   download "$url" "$PYZ" "$sha" || exit 1
 }
 
+# ensure_uv INDEX_URL: install mode — the uv build the release index names, verified, in .ckagent/bin/uv
+# (once; `upgrade` replaces it when a release names another version). Never fails the start: without
+# uv the agent says so and takes no Python spiders.
+ensure_uv() {
+  [[ -x "$UV" ]] && return 0
+  [[ -n "${AGENT_RELEASE_URL:-}" ]] && is_on "${AGENT_AUTO_INSTALL:-on}" || return 0
+  local info version url sha
+  if ! info="$(uv_info "$1")"; then
+    say "warning: no uv installed (see above); the agent takes no Python spiders without it"
+    return 0
+  fi
+  [[ -n "$info" ]] || return 0
+  read -r version url sha <<<"$info"
+  say "installing uv $version from $url"
+  mkdir -p "$UV_DIR"
+  if download "$url" "$UV" "$sha"; then
+    printf '%s\n' "$version" >"$UV_DIR/uv.version"
+  else
+    say "warning: uv $version was not installed (see above); the agent takes no Python spiders without it"
+  fi
+}
+
+# use_bundled_uv: the agent uses .ckagent/bin/uv unless AGENT_UV_PATH or deps.uv_path names another
+use_bundled_uv() {
+  [[ -x "$UV" && -z "${AGENT_UV_PATH:-}" ]] || return 0
+  load_settings
+  local configured
+  configured="$(settings_value deps uv_path)"
+  [[ -z "$configured" || "$configured" == null ]] && export AGENT_UV_PATH="$UV"
+  return 0
+}
+
 # AGENT array: the command that runs ckagent (without its arguments). The agent learns where this
 # run.sh is (CKAGENT_RUN_SH): with agent.auto_upgrade on it upgrades itself through `run.sh upgrade`.
 agent_command() {
@@ -211,6 +265,7 @@ agent_command() {
     AGENT=("$DIR/.venv/bin/python" -m ckagent)
   else
     ensure_pyz
+    [[ -n "${AGENT_RELEASE_URL:-}" ]] && ensure_uv "$(release_url latest.json)"
     mkdir -p "$STATE_DIR/pyz"
     AGENT=(env "SHIV_ROOT=$STATE_DIR/pyz" "$PYTHON" "$PYZ")
   fi
@@ -396,7 +451,7 @@ lock_state() {  # one run.sh operation at a time
 
 cleanup_temp_files() {
   say "cleaning temporary files"
-  rm -f "$DIR"/ckagent.pyz.part "$STATE_DIR"/*.part
+  rm -f "$DIR"/ckagent.pyz.part "$STATE_DIR"/*.part "$UV_DIR"/*.part "$UV_DIR"/*.new
   rm -rf "$STATE_DIR/check"
   if [[ -d "$STATE_DIR/pyz" ]]; then
     local keep=""
@@ -435,6 +490,7 @@ cmd_start() {
     export AGENT_CLEANUP_TEMP_FILES=on  # the agent deletes the acknowledged task directories at its start
   fi
   agent_command
+  use_bundled_uv
   mkdir -p "$LOG_DIR"
   cd "$DIR"
   if ((daemon == 0)); then
@@ -606,7 +662,7 @@ cmd_upgrade() {
   load_settings
   health="$(health_url)"
   if ((dry)); then
-    say "dry run (AGENT_UPGRADE_DRY_RUN=on): would download $url (sha256 $sha),"
+    say "dry run (AGENT_UPGRADE_DRY_RUN=on): would download $url (sha256 $sha) and the uv the release names,"
     say "  replace ckagent ${current:-(none)} by $version, keeping the old one as $(basename "$PYZ_PREV"),"
     if ((running)); then say "  and restart the running agent (pid $pid), rolling back if $health fails"
     else say "  and not start it (the agent is not running)"; fi
@@ -629,10 +685,31 @@ cmd_upgrade() {
     die "the downloaded file reports '$out', not ckagent $version; nothing was replaced"
   fi
   rm -rf "$check"
+  # uv travels with the agent: the release's uv build, when it names another one than installed
+  local uv_line uv_version="" uv_url uv_sha uv_new=""
+  uv_line="$(uv_info "$index")" || { rm -f "$new"; die "nothing was replaced"; }
+  if [[ -n "$uv_line" ]]; then
+    read -r uv_version uv_url uv_sha <<<"$uv_line"
+    if [[ "$(cat "$UV_DIR/uv.version" 2>/dev/null || true)" != "$uv_version" || ! -x "$UV" ]]; then
+      uv_new="$UV_DIR/uv-$uv_version.new"
+      mkdir -p "$UV_DIR"
+      say "downloading uv $uv_version from $uv_url"
+      download "$uv_url" "$uv_new" "$uv_sha" || { rm -f "$new"; die "uv $uv_version could not be installed; nothing was replaced"; }
+    fi
+  fi
   if [[ -f "$PYZ" ]]; then
     ln -f "$PYZ" "$PYZ_PREV" 2>/dev/null || cp -p "$PYZ" "$PYZ_PREV"
   fi
   mv -f "$new" "$PYZ"   # atomic: same directory tree, rename(2)
+  if [[ -n "$uv_new" ]]; then
+    if [[ -x "$UV" ]]; then
+      cp -p "$UV" "$UV.prev"
+      cp -p "$UV_DIR/uv.version" "$UV_DIR/uv.version.prev" 2>/dev/null || true
+    fi
+    mv -f "$uv_new" "$UV"
+    printf '%s\n' "$uv_version" >"$UV_DIR/uv.version"
+    say "installed uv $uv_version"
+  fi
   say "installed ckagent $version (previous: ${current:-none}, kept as $PYZ_PREV)"
   if ((running == 0)); then
     say "the agent is not running: not starting it"
@@ -651,6 +728,10 @@ cmd_upgrade() {
   remember_failed "$version"
   mv -f "$PYZ" "$STATE_DIR/ckagent-$version.failed.pyz"
   mv -f "$PYZ_PREV" "$PYZ"
+  if [[ -n "$uv_new" && -x "$UV.prev" ]]; then  # the uv that went with the previous pyz
+    mv -f "$UV.prev" "$UV"
+    mv -f "$UV_DIR/uv.version.prev" "$UV_DIR/uv.version" 2>/dev/null || true
+  fi
   restart_agent "${saved[@]+"${saved[@]}"}"
   die "upgrade to $version failed ($why) and was rolled back to ${current:-the previous pyz}; the failed file is $STATE_DIR/ckagent-$version.failed.pyz; $version is not tried again until you name it (./run.sh upgrade $version) or a newer one is published"
 }

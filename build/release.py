@@ -9,13 +9,15 @@ Steps, each stopping the release when it fails:
 
 1. build into ``dist/<project>/`` (or ``--dist DIR``; emptied first): sdist + wheel (``uv build``); for the agent also
    ``ckagent.pyz`` (build/build_pyz.py, or ``--pyz FILE``) and the release index for run.sh in
-   ``dist/agent/release/`` (``ckagent-<version>.pyz``, ``<version>.json``, ``latest.json``);
+   ``dist/agent/release/`` (``ckagent-<version>.pyz``, ``uv-<uv version>-linux-x86_64`` — ``--uv FILE``,
+   default the dev venv's uv —, ``<version>.json``, ``latest.json``);
 2. check the artifacts: readable archives, one version everywhere (the package's ``__version__``),
    the wheel holds only its package (and, for the agent, the bundled SDK);
 3. brand-word gate: no word listed in the gate file (default ``build/brand_words.txt``, or
    ``RELEASE_GATE_FILE``) occurs, case-insensitively, in any file name or content of any artifact;
-0. credentials (checked first): ``PYPI_TOKEN``, else the file ``PYPI_TOKEN_FILE`` (default ``~/.pypi_token``); it must
-   look like a PyPI API token (``pypi-…``) when uploading to PyPI;
+0. ``--publish`` only (checked first): credentials, ``PYPI_TOKEN``, else the file ``PYPI_TOKEN_FILE`` (default
+   ``~/.pypi_token``); it must look like a PyPI API token (``pypi-…``) when uploading to PyPI. A dry run
+   needs no token;
 4. ``--publish`` only: ``uv publish`` with the token in its environment (never on a command line).
 
 The token is never printed, logged or put in an error message. Exit codes: 0 ok (dry run passed or
@@ -117,14 +119,32 @@ def build(project: Project, dist: Path, pyz: Path | None) -> list[Path]:
     return artifacts
 
 
-def write_release_index(pyz: Path, version: str, directory: Path) -> None:
-    """``ckagent-<version>.pyz``, ``<version>.json`` and ``latest.json`` for run.sh (docs/deploy.md)."""
+def uv_version(uv: Path) -> str:
+    """The version a uv executable reports (``uv 0.9.2 (...)`` → "0.9.2"). Raises ReleaseError."""
+    result = subprocess.run([str(uv), "--version"], capture_output=True, text=True, check=False, timeout=30)
+    match = re.match(r"uv (\S+)", result.stdout)
+    if result.returncode != 0 or not match:
+        raise ReleaseError(f"{uv} --version did not name a uv version: {result.stdout}{result.stderr}".strip())
+    return match.group(1)
+
+
+def write_release_index(pyz: Path, version: str, directory: Path, uv: Path | None = None) -> None:
+    """``ckagent-<version>.pyz``, ``<version>.json`` and ``latest.json`` for run.sh (docs/deploy.md);
+    with ``uv``, also ``uv-<uv version>-linux-x86_64`` and its entry (run.sh installs it beside the pyz)."""
     directory.mkdir(parents=True, exist_ok=True)
     name = f"ckagent-{version}.pyz"
     shutil.copyfile(pyz, directory / name)
     data = pyz.read_bytes()
-    entry = {"version": version, "url": name, "sha256": hashlib.sha256(data).hexdigest(),
-             "sizeBytes": len(data), "python": ">=3.10,<3.14", "platform": "linux-x86_64"}
+    entry: dict[str, object] = {"version": version, "url": name, "sha256": hashlib.sha256(data).hexdigest(),
+                                "sizeBytes": len(data), "python": ">=3.10,<3.14", "platform": "linux-x86_64"}
+    if uv is not None:
+        uv_ver = uv_version(uv)
+        uv_name = f"uv-{uv_ver}-linux-x86_64"
+        shutil.copyfile(uv, directory / uv_name)
+        (directory / uv_name).chmod(0o755)
+        uv_data = (directory / uv_name).read_bytes()
+        entry["uv"] = {"version": uv_ver, "url": uv_name, "sha256": hashlib.sha256(uv_data).hexdigest(),
+                       "sizeBytes": len(uv_data)}
     text = json.dumps(entry, indent=2) + "\n"
     (directory / f"{version}.json").write_text(text)
     (directory / "latest.json").write_text(text)
@@ -235,12 +255,16 @@ def load_token(repository_url: str | None) -> tuple[str, str]:
 
 
 def release(project_key: str, publish: bool, repository_url: str | None, gate_file: Path, pyz: Path | None,
-            dist: Path | None = None) -> None:
+            dist: Path | None = None, uv: Path | None = None) -> None:
     """Run the release steps (module docstring) with artifacts in ``dist``. Raises ReleaseError."""
     project = PROJECTS[project_key]
     version = read_version(project.version_file)
-    token, source = load_token(repository_url)
-    say(f"credentials: PyPI token found in {source}")
+    token = ""
+    if publish:
+        token, source = load_token(repository_url)
+        say(f"credentials: PyPI token found in {source}")
+    else:
+        say("credentials: not needed for a dry run (--publish reads PYPI_TOKEN or ~/.pypi_token)")
     dist = dist or REPO / "dist" / project_key
     say(f"{project.name} {version}: building into {dist}")
     artifacts = build(project, dist, pyz)
@@ -252,7 +276,7 @@ def release(project_key: str, publish: bool, repository_url: str | None, gate_fi
     uploads = [a for a in artifacts if a.suffix != ".pyz"]
     pyz_artifact = next((a for a in artifacts if a.suffix == ".pyz"), None)
     if pyz_artifact is not None:
-        write_release_index(pyz_artifact, version, dist / "release")
+        write_release_index(pyz_artifact, version, dist / "release", uv or Path(find_uv()))
         say(f"run.sh release index in {dist / 'release'}: copy it to the host behind AGENT_RELEASE_URL")
     if not publish:
         say(f"dry run passed: would upload {', '.join(a.name for a in uploads)} to {repository_url or 'PyPI'}")
@@ -276,9 +300,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gate-file", type=Path, default=Path(os.environ.get("RELEASE_GATE_FILE", DEFAULT_GATE)))
     parser.add_argument("--pyz", type=Path, default=None, help="agent: use this ckagent.pyz instead of building")
     parser.add_argument("--dist", type=Path, default=None, help="output directory (default: dist/<project>)")
+    parser.add_argument("--uv", type=Path, default=None,
+                        help="agent: the uv executable (linux-x86_64) the release index names (default: the dev venv's)")
     args = parser.parse_args(argv)
     try:
-        release(args.project, args.publish, args.repository_url, args.gate_file, args.pyz, args.dist)
+        release(args.project, args.publish, args.repository_url, args.gate_file, args.pyz, args.dist, args.uv)
     except ReleaseError as exc:
         print(f"release: {exc}", file=sys.stderr)
         return 1

@@ -47,6 +47,7 @@ import psutil
 import trio
 
 from ckagent import __version__
+from ckagent.capabilities import Capabilities
 from ckagent.config import ConfigError, Settings
 from ckagent.delivery import Outbox, OutboxConfig, cleanup_task_dirs
 from ckagent.deps import Dependencies, IndexChooser, remove_legacy_environments, spider_base_env
@@ -101,6 +102,7 @@ class Agent:
         """Closed while the node takes no tasks for a reason of its own (ckagent.intake)."""
         self.versions = VersionWatch(self.intake, auto_upgrade=settings.agent.auto_upgrade)
         self.node_uid: str | None = None
+        self.capabilities = Capabilities(settings.deps.uv_path)
         self._work_scope = trio.CancelScope()
         self._poll_scope = trio.CancelScope()
         self._startup_scope = trio.CancelScope()
@@ -141,7 +143,7 @@ class Agent:
             cpu_count=psutil.cpu_count() or 1,
             memory_total_bytes=psutil.virtual_memory().total,
             max_workers=self.max_workers,
-            runtimes=self.runtimes,
+            runtimes=self._runtimes_report(),
             labels=dict(s.agent.labels),
             node_uid=self.node_uid,
             protocol_version=PROTOCOL_VERSION,
@@ -204,7 +206,7 @@ class Agent:
         self.heartbeat = HeartbeatLoop(
             self.master, supervisor, HealthSampler(self.work_dir), s.heartbeat.interval,
             status=lambda: "DRAINING" if self.state in ("DRAINING", "TERMINATING") else "RUNNING",
-            runtimes=lambda: self.runtimes,
+            runtimes=self._runtimes_report,
             paused_reason=lambda: self.intake.reason,
             on_policy=self.versions.apply,
         )
@@ -212,10 +214,12 @@ class Agent:
             self.master, supervisor, poll_interval=s.task.poll_interval,
             long_poll_wait=s.task.long_poll_wait, request_timeout=s.server.request_timeout,
             gate=self.intake,
+            cannot_run=self.capabilities.cannot_run,
         )
         disk_watch = self.disk_watch = DiskFloorWatch(self.intake, self.work_dir, s.task.min_free_disk_bytes)
         log.info("ckagent %s starting: master %s, work_dir %s, max_workers %d",
                  __version__, s.server.url, self.work_dir, self.max_workers)
+        self.capabilities.warn()
         try:
             async with trio.open_nursery() as root:
                 status = AgentStatus(self, self.metrics, self.metrics.outbox)
@@ -367,12 +371,22 @@ class Agent:
         with trio.move_on_after(DEFERRED_START_LIMIT):
             await self.heartbeat.first_beat.wait()
 
+    def _runtimes_report(self) -> dict[str, Any]:
+        """The runtimes scan, plus ``missing``: tool → what its absence costs (ckagent.capabilities)."""
+        missing = self.capabilities.missing
+        return {**self.runtimes, "missing": dict(missing)} if missing else self.runtimes
+
     async def _rescan_runtimes(self) -> None:
         """Scan what the node can run (after the first heartbeat) and every RUNTIME_SCAN_INTERVAL seconds;
         keep the last scan on disk."""
         await self._after_first_heartbeat()
         while True:
             self.runtimes = await trio.to_thread.run_sync(detect_runtimes, self.settings.deps.uv_path)
+            was_missing = set(self.capabilities.missing)
+            if was_missing - set(self.capabilities.refresh()):
+                log.info("found %s again: taking the spiders that need it",
+                         ", ".join(sorted(was_missing - set(self.capabilities.missing))))
+                self.poller.forget_unrunnable()
             await trio.to_thread.run_sync(save_runtimes_cache, self.work_dir / RUNTIMES_CACHE, self.runtimes)
             browsers = await trio.to_thread.run_sync(browser_env, self.runtimes)
             for variable in BROWSER_VARS.values():

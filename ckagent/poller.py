@@ -11,12 +11,15 @@ RUNNING; the claims of one answer go out together) before it runs; a 409 drops i
 
 Cancelling the poller (drain) stops claiming; tasks already claimed run on in the work nursery. While
 the ``gate`` (ckagent.intake) is closed — disk below its floor, agent older than the master's minimum —
-the poller does not poll.
+the poller does not poll. A task the node cannot run (``can_run``: its framework's tool is missing,
+ckagent.capabilities) is not claimed — the master keeps it for other nodes — and its spider is left
+out of the next polls (``excludeSpiderIds``) until :meth:`Poller.forget_unrunnable`.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import trio
 
@@ -50,9 +53,13 @@ class Poller:
         long_poll_wait: float,
         request_timeout: float,
         gate: IntakeGate | None = None,
+        cannot_run: Callable[[Task], str | None] | None = None,
     ) -> None:
         self._master = master
         self._gate = gate
+        self._cannot_run = cannot_run
+        self.unrunnable: set[str] = set()
+        """Spider ids this node does not take now (excluded from polls)."""
         self._supervisor = supervisor
         self.poll_interval = poll_interval
         self.long_poll_wait = long_poll_wait
@@ -81,11 +88,25 @@ class Poller:
             # Claims go out together; each task starts as soon as its own claim is answered.
             async with trio.open_nursery() as claims:
                 for task in answer.tasks:
-                    if task.id not in self._supervisor.running:
+                    why = self._cannot_run(task) if self._cannot_run is not None else None
+                    if why is not None:
+                        self._leave(task, why)
+                    elif task.id not in self._supervisor.running:
                         claims.start_soon(self._claim_and_start, task, work)
             held = trio.current_time() - started >= self.long_poll_wait / 2
             if not answer.tasks and not (self.long_poll_wait and held):
                 await self._pause()
+
+    def _leave(self, task: Task, why: str) -> None:
+        """Do not claim ``task``: the node cannot run it. One WARNING per spider; excluded from polls."""
+        if task.spider_id not in self.unrunnable:
+            log.warning("task %s (spider %s, framework %s) not taken: %s; the master keeps it for other nodes",
+                        task.id, task.spider_id, task.framework, why)
+        self.unrunnable.add(task.spider_id)
+
+    def forget_unrunnable(self) -> None:
+        """Offer every spider again (after a scan found the missing tools)."""
+        self.unrunnable.clear()
 
     async def _pause(self) -> None:
         """Wait ``poll_interval`` seconds before the next poll — or less, when a spider the next poll
@@ -134,7 +155,7 @@ class Poller:
         """
         sup = self._supervisor
         params: dict[str, str | int | float] = {"limit": max(1, sup.free_slots())}
-        excluded = sup.running_spider_ids()
+        excluded = sorted(set(sup.running_spider_ids()) | self.unrunnable)
         if excluded:
             params["excludeSpiderIds"] = ",".join(excluded)
         if self.long_poll_wait:

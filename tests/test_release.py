@@ -123,27 +123,25 @@ def test_wheel_holds_only_ckagent_with_the_bundled_sdk_and_installs_both_ways(tm
 # ------------------------------------------------------------------------------ publish.sh
 
 
-def test_dry_run_requires_a_valid_token_and_never_prints_it(release_env: dict[str, str], tmp_path: Path) -> None:
+def test_dry_run_needs_no_token_and_publish_needs_a_valid_one_never_printed(
+    release_env: dict[str, str], tmp_path: Path
+) -> None:
     dist = ["--dist", str(tmp_path / "dist")]
-    missing = run(["bash", str(SDK_PUBLISH), "--dry-run", *dist], env=release_env)
+    ok = run(["bash", str(SDK_PUBLISH), "--dry-run", *dist], env=release_env)  # no token anywhere
+    assert ok.returncode == 0, ok.stderr
+    assert "dry run passed" in ok.stdout and "not needed for a dry run" in ok.stdout
+    assert sorted(p.name for p in (tmp_path / "dist").iterdir() if p.name != ".gitignore") == [
+        f"crawlerkeeper_sdk-{_sdk_version()}-py3-none-any.whl", f"crawlerkeeper_sdk-{_sdk_version()}.tar.gz"]
+
+    missing = run(["bash", str(SDK_PUBLISH), "--publish", *dist], env=release_env)
     assert missing.returncode == 1
     assert "no PyPI token" in missing.stderr and ".pypi_token" in missing.stderr and "PYPI_TOKEN" in missing.stderr
 
     bad = tmp_path / "bad_token"
     bad.write_text("hunter2-not-a-token\n")
-    wrong = run(["bash", str(SDK_PUBLISH), "--dry-run", *dist], env={**release_env, "PYPI_TOKEN_FILE": str(bad)})
+    wrong = run(["bash", str(SDK_PUBLISH), "--publish", *dist], env={**release_env, "PYPI_TOKEN_FILE": str(bad)})
     assert wrong.returncode == 1 and "does not look like a PyPI API token" in wrong.stderr
     assert "hunter2" not in wrong.stdout + wrong.stderr
-
-    token_file = Path(release_env["HOME"]) / ".pypi_token"
-    token_file.write_text(TOKEN + "\n")
-    token_file.chmod(0o600)
-    ok = run(["bash", str(SDK_PUBLISH), "--dry-run", *dist], env=release_env)
-    assert ok.returncode == 0, ok.stderr
-    assert "dry run passed" in ok.stdout and f"the file {token_file}" in ok.stdout
-    assert TOKEN not in ok.stdout + ok.stderr
-    assert sorted(p.name for p in (tmp_path / "dist").iterdir() if p.name != ".gitignore") == [
-        f"crawlerkeeper_sdk-{_sdk_version()}-py3-none-any.whl", f"crawlerkeeper_sdk-{_sdk_version()}.tar.gz"]
 
 
 def _sdk_version() -> str:
@@ -179,21 +177,28 @@ def test_agent_dry_run_checks_the_artifacts_and_writes_the_release_index(
 ) -> None:
     pyz = session_pyz(tmp_path_factory)
     dist = tmp_path / "dist"
-    result = run(["bash", str(PUBLISH), "--dry-run", "--pyz", str(pyz), "--dist", str(dist)],
-                 env={**release_env, "PYPI_TOKEN": TOKEN})
+    result = run(["bash", str(PUBLISH), "--dry-run", "--pyz", str(pyz), "--dist", str(dist)], env=release_env)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "brand-word gate passed" in result.stdout and TOKEN not in result.stdout + result.stderr
+    assert "brand-word gate passed" in result.stdout
     latest = json.loads((dist / "release" / "latest.json").read_text())
     assert latest["version"] == ckagent.__version__
     assert latest["sha256"] == hashlib.sha256(pyz.read_bytes()).hexdigest()
     assert (dist / "release" / latest["url"]).read_bytes() == pyz.read_bytes()
+    # uv travels with the agent: the index names the uv it ships (version, file, sha256)
+    uv_entry = latest["uv"]
+    uv_file = dist / "release" / uv_entry["url"]
+    assert uv_entry["url"] == f"uv-{uv_entry['version']}-linux-x86_64"
+    assert uv_entry["sha256"] == hashlib.sha256(uv_file.read_bytes()).hexdigest()
+    assert uv_file.read_bytes() == Path(UV).read_bytes()
+    version = run([str(uv_file), "--version"])
+    assert version.returncode == 0 and version.stdout.startswith(f"uv {uv_entry['version']}")
     assert json.loads((dist / "release" / f"{ckagent.__version__}.json").read_text()) == latest
 
     # a gate word inside the pyz (a dependency's file) stops the agent's release too
     gate = tmp_path / "gate.txt"
     gate.write_text("sortedcontainers\n")
     gated = run(["bash", str(PUBLISH), "--dry-run", "--pyz", str(pyz), "--dist", str(dist), "--gate-file",
-                 str(gate)], env={**release_env, "PYPI_TOKEN": TOKEN})
+                 str(gate)], env=release_env)
     assert gated.returncode == 1 and "ckagent.pyz: site-packages/sortedcontainers" in gated.stderr
 
 

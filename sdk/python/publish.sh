@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # publish.sh — release the spider SDK (crawlerkeeper-sdk): wheel + sdist to PyPI.
 #
-#   sdk/python/publish.sh --dry-run    build, check artifacts, brand-word gate, credentials; upload nothing
+#   sdk/python/publish.sh --dry-run    build, check artifacts, brand-word gate; no token needed, upload nothing
 #   sdk/python/publish.sh --publish    the same, then upload with uv publish
 #
 # Options: --repository-url URL (or PYPI_REPOSITORY_URL), --gate-file FILE (or RELEASE_GATE_FILE,

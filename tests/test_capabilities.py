@@ -1,0 +1,89 @@
+"""A node without uv (or node/npm) says so once at start, reports it in its runtimes, and does not take
+the spiders that need it — they stay PENDING for other nodes — until the tool is there again."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+import trio
+from harness import agent_settings, running_agent, submit
+
+import ckagent.capabilities
+from ckagent.capabilities import Capabilities
+from ckagent.protocol import Task
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 20) -> None:  # noqa: ASYNC109
+    """Poll ``check`` every 0.2 s (the master's state) until true."""
+    with trio.fail_after(timeout):
+        while not await check():  # noqa: ASYNC110
+            await trio.sleep(0.2)
+
+
+@pytest.fixture
+def bare_node(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No uv anywhere the agent looks, and a PATH without node or npm."""
+    monkeypatch.setattr(ckagent.capabilities, "find_uv", lambda configured: None)
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+
+
+def _task(framework: str) -> Task:
+    return Task.from_json({"id": "t1", "spiderId": "s1", "framework": framework})
+
+
+def test_missing_tools_are_named_with_their_cost_and_fix_once(bare_node: None,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    caps = Capabilities(None)
+    assert set(caps.missing) == {"uv", "node", "npm"}
+    with caplog.at_level(logging.WARNING, "ckagent.capabilities"):
+        caps.warn()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3
+    assert lines[0].startswith("uv not found on this node: Python spiders (scrapy, python, playwright, selenium)")
+    assert "does not take them" in lines[0] and "fix: run.sh installs it from the release index" in lines[0]
+    assert all("fix: " in line for line in lines)
+    for framework in ("scrapy", "python", "playwright", "selenium"):
+        assert (caps.cannot_run(_task(framework)) or "").startswith("uv is missing")
+    assert (caps.cannot_run(_task("node")) or "").startswith("node and npm missing")
+
+
+def test_a_node_with_its_tools_runs_everything(tmp_path: Path) -> None:
+    caps = Capabilities(None)  # the dev venv has uv beside the interpreter
+    assert "uv" not in caps.missing
+    assert caps.cannot_run(_task("scrapy")) is None
+
+
+async def test_python_spiders_stay_pending_without_uv_and_run_once_it_is_there(
+    bare_node: None, dev_master, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    admin = dev_master.admin
+    settings = agent_settings(tmp_path / "w", dev_master.base_url, dev_master.registration_token)
+    async with trio.open_nursery() as nursery, running_agent(nursery, settings) as agent:
+        assert "uv" in agent.capabilities.missing
+        assert "uv not found on this node" in caplog.text
+        task_id = await submit(admin, "needs-uv", {"main.py": "print('ran')\n"})
+        task = await admin.get_task(task_id)
+
+        async def left_alone() -> bool:
+            return task["spiderId"] in agent.poller.unrunnable
+
+        await eventually(left_alone)
+
+        async def reported() -> bool:
+            return any("uv" in (n.get("runtimes") or {}).get("missing", {}) for n in await admin.list_nodes())
+
+        await eventually(reported)
+        await trio.sleep(1.5)
+        assert (await admin.get_task(task_id))["status"] == "PENDING"
+        assert caplog.text.count(f"(spider {task['spiderId']}, framework python) not taken: uv is missing") == 1
+        # uv appears (e.g. pip install uv): the next scan lets Python spiders in again
+        monkeypatch.undo()
+        agent.capabilities.refresh()
+        agent.poller.forget_unrunnable()
+        final = await admin.wait_task_final(task_id, 60)
+        assert final["status"] == "SUCCESS", final
