@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import zipfile
 from collections.abc import Awaitable, Callable, Iterator
@@ -100,12 +101,22 @@ class Releases:
     url: str
     directory: Path
 
-    def publish(self, pyz: Path, version: str, *, latest: bool = True, sha256: str | None = None) -> str:
-        """Copy ``pyz`` as ckagent-<version>.pyz and write <version>.json (and latest.json). Returns sha256."""
+    def publish(self, pyz: Path, version: str, *, latest: bool = True, sha256: str | None = None,
+                uv: Path | None = None) -> str:
+        """Copy ``pyz`` as ckagent-<version>.pyz and write <version>.json (and latest.json), naming ``uv``
+        (copied as uv-<its version>-linux-x86_64) when given. Returns the pyz's sha256."""
         name = f"ckagent-{version}.pyz"
         shutil.copyfile(pyz, self.directory / name)
         digest = hashlib.sha256(pyz.read_bytes()).hexdigest()
-        entry = {"version": version, "url": name, "sha256": sha256 or digest, "sizeBytes": pyz.stat().st_size}
+        entry: dict[str, object] = {"version": version, "url": name, "sha256": sha256 or digest,
+                                    "sizeBytes": pyz.stat().st_size}
+        if uv is not None:
+            uv_version = subprocess.run([str(uv), "--version"], capture_output=True, text=True,
+                                        check=True).stdout.split()[1]
+            uv_name = f"uv-{uv_version}-linux-x86_64"
+            shutil.copyfile(uv, self.directory / uv_name)
+            entry["uv"] = {"version": uv_version, "url": uv_name,
+                           "sha256": hashlib.sha256((self.directory / uv_name).read_bytes()).hexdigest()}
         (self.directory / f"{version}.json").write_text(json.dumps(entry))
         if latest:
             (self.directory / "latest.json").write_text(json.dumps(entry))
@@ -602,3 +613,71 @@ def test_run_sh_state_is_ignored_by_git() -> None:
                              cwd=REPO, capture_output=True, text=True, check=False)
     assert ignored.stdout.split() == [".ckagent/pyz/x", "agent.pid", "logs/agent.log", ".last_daemon_args",
                                       "ckagent.pyz.prev"]
+
+
+EXAMPLES = REPO / "sdk" / "examples"
+DEV_UV = Path(sys.executable).parent / "uv"
+
+
+def _path_without_uv() -> str:
+    """This PATH minus every directory holding a `uv` (a server with python3 and no uv)."""
+    keep = [d for d in os.environ.get("PATH", "").split(os.pathsep)
+            if d and not (Path(d) / "uv").exists() and Path(d) != DEV_UV.parent]
+    return os.pathsep.join(keep)
+
+
+@pytest.mark.slow
+async def test_a_bare_server_fetches_pyz_and_uv_and_runs_the_scrapy_example(
+    tmp_path: Path, releases: Releases, pyz: Path, dev_master
+) -> None:
+    """Done-when of issue 16: a fresh directory with only run.sh and config.yaml, python3 and no uv."""
+    from ckagent.devmaster.client import zip_directory
+
+    path = _path_without_uv()
+    no_uv = await trio.run_process(["bash", "-c", "command -v uv"], env={"PATH": path}, check=False)
+    has_python = await trio.run_process(["bash", "-c", "command -v python3"], env={"PATH": path}, check=False)
+    assert (no_uv.returncode, has_python.returncode) == (1, 0)
+    releases.publish(pyz, ckagent.__version__, uv=DEV_UV)
+    server = tmp_path / "server"
+    server.mkdir()
+    shutil.copy2(RUN_SH, server / "run.sh")
+    port = _free_port()
+    (server / "config.yaml").write_text(yaml.safe_dump({
+        "server": {"url": dev_master.base_url},
+        "agent": {"registration_token": dev_master.registration_token, "name": "bare-server", "ip": "127.0.0.1",
+                  "port": port},
+        "heartbeat": {"interval": 1},
+        "task": {"poll_interval": 0.5, "long_poll_wait": 1, "kill_grace": 2, "drain_timeout": 5},
+        "deps": {"uv_sync_timeout": 400},
+    }))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENT_", "SHIV_", "PYTHONPATH", "VIRTUAL_ENV"))}
+    env.update(PATH=path, AGENT_RELEASE_URL=releases.url, AGENT_START_TIMEOUT="60")
+    admin = dev_master.admin
+    spider_id = await admin.create_spider(name="products", framework="scrapy")
+    await admin.upload_package(spider_id, await trio.to_thread.run_sync(zip_directory, EXAMPLES / "scrapy_demo"))
+    task_id = await admin.create_task(spider_id, params={"start_url": f"{dev_master.base_url}/demo-site/"})
+    with trio.fail_after(120):
+        started = await trio.run_process(["bash", "./run.sh", "--daemon=on", "start"], cwd=server, env=env,
+                                         capture_stdout=True, capture_stderr=True, check=False)
+    try:
+        assert started.returncode == 0, out(started)
+        assert "installing uv" in out(started)
+        uv = server / ".ckagent" / "bin" / "uv"
+        assert uv.read_bytes() == DEV_UV.read_bytes()
+        with trio.fail_after(480):
+            task = await admin.wait_task_final(task_id, 470)
+        logs = await admin.get_logs(task_id)
+        assert task["status"] == "SUCCESS", (task, logs[-30:])
+        assert task["itemCount"] == 30
+
+        async def reports_its_uv() -> bool:
+            [node] = [n for n in await admin.list_nodes() if n["name"] == "bare-server"]
+            runtimes = node["runtimes"]
+            return runtimes.get("uv", {}).get("path") == str(uv) and "uv" not in runtimes.get("missing", {})
+
+        await eventually(reports_its_uv)
+        assert "uv not found" not in (server / "logs" / "agent.log").read_text()
+    finally:
+        with trio.fail_after(120):
+            await trio.run_process(["bash", "./run.sh", "stop"], cwd=server, env=env, check=False,
+                                   capture_stdout=True, capture_stderr=True)
