@@ -439,11 +439,11 @@ wait_new_agent_healthy() {
   return 1
 }
 
-lock_state() {  # one run.sh operation at a time
+lock_state() {  # one run.sh operation at a time; lock_state SECONDS waits that long for the lock
   mkdir -p "$STATE_DIR"
   exec 9>"$STATE_DIR/run.lock"
   if command -v flock >/dev/null 2>&1; then
-    flock -n 9 || die "another run.sh operation is in progress (lock: $STATE_DIR/run.lock)"
+    flock -w "${1:-0}" 9 || die "another run.sh operation is in progress (lock: $STATE_DIR/run.lock)"
   fi
 }
 
@@ -629,6 +629,7 @@ cmd_upgrade() {
   is_on "${AGENT_UPGRADE_DRY_RUN:-off}" && dry=1
   # AGENT_UPGRADE_AUTO=on: the agent asks (agent.auto_upgrade); its VERSION is not the operator's choice
   is_on "${AGENT_UPGRADE_AUTO:-off}" && auto=1
+  unset AGENT_UPGRADE_AUTO  # not for the agent this upgrade starts
   if [[ -n "$wanted" ]]; then
     vercmp "$wanted" "$wanted" >/dev/null || exit 2
     index="$(release_url "$wanted.json")"
@@ -784,6 +785,8 @@ case "$command" in
     lock_state; cmd_stop ;;
   status) ((${#REST[@]} == 0)) || usage_error "status takes no arguments"; cmd_status ;;
   logs) cmd_logs "${REST[@]+"${REST[@]}"}" ;;
-  upgrade) lock_state; cmd_upgrade "${REST[@]+"${REST[@]}"}" ;;
+  upgrade)  # asked by the agent (AGENT_UPGRADE_AUTO): wait for an upgrade still restarting it
+    if is_on "${AGENT_UPGRADE_AUTO:-off}"; then lock_state 300; else lock_state; fi
+    cmd_upgrade "${REST[@]+"${REST[@]}"}" ;;
   help) usage 0 ;;
 esac

@@ -681,3 +681,56 @@ async def test_a_bare_server_fetches_pyz_and_uv_and_runs_the_scrapy_example(
         with trio.fail_after(120):
             await trio.run_process(["bash", "./run.sh", "stop"], cwd=server, env=env, check=False,
                                    capture_stdout=True, capture_stderr=True)
+
+
+@pytest.mark.slow
+async def test_a_desired_version_upgrades_the_agent_itself_and_a_bad_one_rolls_back_once(
+    node: Node, releases: Releases, pyz: Path, bumped_pyz: Path, broken_pyz: Path, dev_master
+) -> None:
+    """agent.auto_upgrade on: the master's desiredAgentVersion → the agent runs `run.sh upgrade` (drain,
+    verify, swap, health check); a release that never becomes healthy is rolled back and not retried."""
+    config = yaml.safe_load((node.directory / "config" / "config.yaml").read_text())
+    config["agent"]["auto_upgrade"] = True
+    (node.directory / "config" / "config.yaml").write_text(yaml.safe_dump(config))
+    env = {"AGENT_RELEASE_URL": releases.url, "AGENT_UPGRADE_HEALTH_TIMEOUT": "5", "AGENT_START_TIMEOUT": "10"}
+    releases.publish(pyz, ckagent.__version__)
+    assert (await node.sh("--daemon=on", "start", **env)).returncode == 0
+    first = node.pid()
+    await _node_registered(dev_master)
+    admin = dev_master.admin
+
+    releases.publish(bumped_pyz, BUMPED)
+    await admin.set_agent_versions(None, BUMPED)
+
+    async def runs_bumped() -> bool:
+        return any(n.get("version") == BUMPED and n.get("lastHeartbeat") for n in await admin.list_nodes()) and (
+            await node.healthz() == 200)
+
+    await eventually(runs_bumped, 90)
+    second = node.pid()
+    assert second not in (None, first) and same(node.directory / "ckagent.pyz", bumped_pyz)
+    upgrade_log = node.directory / "logs" / "upgrade.log"
+
+    async def upgrade_done() -> bool:
+        return f"upgraded to {BUMPED}: healthy" in upgrade_log.read_text()
+
+    await eventually(upgrade_done)
+    assert f"upgrading to agent version {BUMPED} as the master asks" in (node.directory / "logs" / "agent.log").read_text()
+
+    releases.publish(broken_pyz, BROKEN, latest=False)
+    await admin.set_agent_versions(None, BROKEN)
+
+    async def rolled_back_and_not_retried() -> bool:
+        text = upgrade_log.read_text()
+        return "rolled back" in text and f"not retrying ckagent {BROKEN}" in text
+
+    await eventually(rolled_back_and_not_retried, 120)
+    assert same(node.directory / "ckagent.pyz", bumped_pyz)
+    assert (node.directory / ".ckagent" / "failed_versions").read_text() == f"{BROKEN}\n"
+
+    async def healthy_again() -> bool:
+        return await node.healthz() == 200
+
+    await eventually(healthy_again, 30)
+    assert node.pid() not in (None, second)
+    assert (await node.sh("stop")).returncode == 0
