@@ -157,3 +157,21 @@ async def test_the_master_refuses_a_version_policy_that_is_not_pep_440(dev_maste
         await dev_master.admin.set_agent_versions("banana", None)
     assert await dev_master.admin.set_agent_versions("0.1.0", "0.2.0") == {"minAgentVersion": "0.1.0",
                                                                            "desiredAgentVersion": "0.2.0"}
+
+
+async def test_the_master_keeps_working_with_agents_that_send_no_version(dev_master) -> None:
+    """An agent older than protocolVersion/features/nodeUid: registers, heartbeats, and gets the policy."""
+    await dev_master.admin.set_agent_versions("0.0.1", None)
+    body = {"name": "old-agent", "port": 9000, "cpuCount": 1, "memoryTotalBytes": 1 << 30, "maxWorkers": 2}
+    async with httpx.AsyncClient(base_url=dev_master.base_url, timeout=10) as client:
+        answer = await client.post("/api/nodes/register", json=body,
+                                   headers={"X-Registration-Token": dev_master.registration_token})
+        assert answer.status_code == 200 and answer.json()["minAgentVersion"] == "0.0.1"
+        again = await client.post("/api/nodes/register", json=body,  # same name, no nodeUid: the old rule
+                                  headers={"X-Registration-Token": dev_master.registration_token})
+        assert again.status_code == 200 and again.json()["nodeId"] == answer.json()["nodeId"]
+        beat = _beat().to_json()
+        del beat["version"]
+        hb = await client.post(f"/api/nodes/{answer.json()['nodeId']}/heartbeat", json=beat,
+                               headers={"Authorization": f"Bearer {again.json()['apiKey']}"})
+        assert hb.status_code == 200 and hb.json() == {"cancelTaskIds": [], "minAgentVersion": "0.0.1"}
