@@ -1,8 +1,9 @@
 """What this node cannot run, said once at start, reported in the runtimes, and kept off the node.
 
 A Python spider (frameworks scrapy, python, playwright, selenium) needs ``uv`` for its virtualenv; a
-Node spider (framework node) needs ``node`` and ``npm``. Without them such a task could only fail
-DEPS_FAILED. The choice made here: **the node does not take them**. The poller skips a task this node
+Node spider (framework node) needs ``node`` (and ``npm`` when it has a package.json). Without them
+such a task could only fail. The choice made here: **the node does not take them** (uv, node; a
+node without npm still takes Node spiders — those without dependencies run — and says so). The poller skips a task this node
 cannot run (it was only offered: nothing is claimed, the master keeps it for other nodes) and
 excludes that spider from its next polls; a scan that finds the tool again (every few minutes, see
 ckagent.agent) lets them in again. At start one WARNING per missing tool says what is missing, what
@@ -18,19 +19,19 @@ import logging
 import shutil
 from pathlib import Path
 
-from ckagent.deps import find_uv
+from ckagent.deps import PYTHON_FRAMEWORKS
 from ckagent.protocol import Task
+from ckagent.runtimes import find_npm, find_uv
 
 log = logging.getLogger(__name__)
 
-PYTHON_FRAMEWORKS = ("scrapy", "python", "playwright", "selenium")
 NODE_FRAMEWORKS = ("node",)
 
 _COST = {
     "uv": (f"Python spiders ({', '.join(PYTHON_FRAMEWORKS)}) cannot get their virtualenv, so this node does not "
            "take them (the master keeps them for other nodes)"),
     "node": "Node spiders cannot run, so this node does not take them (the master keeps them for other nodes)",
-    "npm": "Node spiders cannot get their dependencies, so this node does not take them",
+    "npm": "Node spiders with a package.json cannot get their dependencies (they fail DEPS_FAILED)",
 }
 _FIX = {
     "uv": ("run.sh installs it from the release index (set AGENT_RELEASE_URL), or `pip install uv` beside the "
@@ -52,7 +53,7 @@ class Capabilities:
 
     def refresh(self) -> dict[str, str]:
         """Look for the tools again; returns :attr:`missing`."""
-        found = {"uv": find_uv(self._uv_path), "node": shutil.which("node"), "npm": shutil.which("npm")}
+        found = {"uv": find_uv(self._uv_path), "node": shutil.which("node"), "npm": find_npm()}
         self.missing = {tool: _COST[tool] for tool, path in found.items() if path is None}
         return self.missing
 
@@ -65,8 +66,6 @@ class Capabilities:
         """Why this node does not take ``task`` (its framework's tool is missing), or None."""
         if task.framework in PYTHON_FRAMEWORKS and "uv" in self.missing:
             return f"uv is missing: {_FIX['uv']}"
-        if task.framework in NODE_FRAMEWORKS:
-            gone = [tool for tool in ("node", "npm") if tool in self.missing]
-            if gone:
-                return f"{' and '.join(gone)} missing: {_FIX[gone[0]]}"
+        if task.framework in NODE_FRAMEWORKS and "node" in self.missing:
+            return f"node is missing: {_FIX['node']}"
         return None
