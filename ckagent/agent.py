@@ -199,7 +199,7 @@ class Agent:
         self.metrics.outbox = outbox
         supervisor = self.supervisor = Supervisor(
             RunnerConfig(self.work_dir, s.task.execute_timeout, s.task.kill_grace, self._secrets, extra_env,
-                         run_as=run_as),
+                         run_as=run_as, stall_timeout=s.task.stall_timeout),
             self.master, store, workspaces, deps, self.max_workers,
             on_finished=self._task_delivered, outbox=outbox, observer=self.metrics,
         )

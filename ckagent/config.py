@@ -169,7 +169,8 @@ class TaskSettings:
     Task data: ``max_log_bytes`` caps a task's output.log and ``min_free_disk_bytes`` is the free-space
     floor of the work dir's filesystem (bytes, 0 = none); ``log_files`` comma-separated globs of spider
     log files under the task dir; ``retention`` seconds a delivered task dir is kept (0 = forever);
-    ``cleanup_temp_files`` deletes every delivered task dir at start.
+    ``cleanup_temp_files`` deletes every delivered task dir at start. ``stall_timeout``: seconds
+    without output, item or stats change before a task is stopped STALLED (0 = off).
     """
 
     poll_interval: float
@@ -185,6 +186,7 @@ class TaskSettings:
     log_files: str
     retention: float
     cleanup_temp_files: bool
+    stall_timeout: float
 
 
 @dataclass(frozen=True)
@@ -556,6 +558,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("task", "cleanup_temp_files", "AGENT_CLEANUP_TEMP_FILES", "on/off", False,
             "At start, delete the directories of every task the master has fully acknowledged "
             "(`run.sh --cleanup_temp_files=on`).", _boolean),
+    Setting("task", "stall_timeout", "AGENT_TASK_STALL_TIMEOUT", "seconds >= 0", 0.0,
+            "A task with no new output line, item or stats change for this long is stopped gracefully and "
+            "reported FAILED (STALLED); a task's `stallTimeoutSeconds` overrides it; 0 = off (the default: "
+            "execute_timeout bounds a hang; 3600 is a good value for long crawls).", _seconds(exclusive=False)),
     Setting("logging", "level", "AGENT_LOG_LEVEL", "DEBUG, INFO, WARNING, ERROR", "INFO",
             "Log level (case-insensitive).", _choice(("DEBUG", "INFO", "WARNING", "ERROR"), upper=True)),
     Setting("logging", "file", "AGENT_LOG_FILE", "path", None,

@@ -11,9 +11,12 @@ KILL. Results:
 ====================  ==========  ============  =================================
 outcome               status      errorCode     errorMessage
 ====================  ==========  ============  =================================
-exit 0                SUCCESS     —             —
-exit ≠ 0 / signal     FAILED      EXIT_NONZERO  "exit code N" / "killed by SIGX" + stderr's last lines
+exit 0                SUCCESS     —             — (finishReason from the final stats)
+exit 0, log cut       SUCCESS     LOG_BUDGET    how many bytes were dropped and why
+exit ≠ 0              FAILED      EXIT_NONZERO  "exit code N" + stderr's last lines
+killed by a signal    FAILED      SIGNALED      "killed by SIGX (exit code -N)" + stderr's last lines
 timeout               FAILED      TIMEOUT       "执行超时"
+stalled               FAILED      STALLED       how long nothing happened
 stopped               CANCELLED   CANCELLED     the reason
 code refused          FAILED      DEPLOY_FAILED the entry and the rule, or what the framework needs
 install failed        FAILED      DEPS_FAILED   the installer's last whole lines
@@ -24,6 +27,8 @@ Each task runs in a private working copy of its code version (ckagent.workcopy),
 spider's ``CK_DATA_DIR`` and ``HOME``; the copy is removed when the task ends. The result reports
 the phases separately: ``deployMs`` (code + working copy), ``installMs`` (environment), ``runMs``
 (the spider's process), and ``durationMs`` from the claim to the end (docs/protocol.md).
+
+The full table (with OOM_KILLED, AGENT_LOST, BAD_TASK) is docs/protocol.md's "Outcomes".
 
 When the process has ended, the final result goes to the state store and the task's delivery
 (its log and items streams, then the result, retried forever across restarts until acknowledged)
@@ -56,6 +61,7 @@ from ckagent.commands import (
     scrapy_feed_settings,
     with_scrapy_settings,
 )
+from ckagent.crawlstats import STATS_FILE, scrapy_stats_env
 from ckagent.delivery import LogSink, Outbox
 from ckagent.delivery.lines import secret_values
 from ckagent.deps import Dependencies, DepsError, Prepared, spider_base_env
@@ -103,6 +109,9 @@ class RunningTask:
     prepare_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     phase_seconds: dict[str, float] = field(default_factory=dict)
     """Seconds spent per phase so far: ``deploy``, ``install``, ``run`` (the result's deployMs/installMs/runMs)."""
+    stalled: bool = False
+    delivery: Any = None
+    """The task's ``ckagent.delivery.TaskDelivery`` once opened (live stats: ``delivery.stats.latest``)."""
 
     def request_stop(self, reason: str) -> bool:
         """Ask the task to stop (idempotent). Returns False when a stop was already requested."""
@@ -125,6 +134,8 @@ class RunnerConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
     run_as: RunAs | None = None
     """Spiders and installers run as this user (``task.run_as_user``); their directories are given to it."""
+    stall_timeout: float = 0.0
+    """Seconds without output, item or stats change before a task is stopped STALLED (0 = off)."""
 
 
 TaskObserver = Callable[[RunningTask, TaskResult], None]
@@ -254,6 +265,7 @@ class Supervisor:
                 # A full disk or a broken work dir fails this task, never the agent.
                 await self._report_unprepared(rt, exc, started_wall)
                 return
+            rt.delivery = delivery
             sink = delivery.sink
             assert sink is not None
             try:
@@ -407,19 +419,30 @@ class Supervisor:
                 "CK_SPIDER_ID": task.spider_id,
                 "CK_SPIDER_NAME": task.spider_name,
                 "CK_ITEMS_FILE": str(items_file),
+                "CK_STATS_FILE": str(task_dir / STATS_FILE),
                 "CK_TASK_DIR": str(task_dir),
                 "CK_DATA_DIR": str(data_dir),
                 "CK_PARAMS": json.dumps(task.params, ensure_ascii=False),
             }
         )
+        if task.framework == "scrapy":
+            env.update(scrapy_stats_env(task.env))
         timeout = self.config.execute_timeout if task.timeout_seconds is None else task.timeout_seconds
+        stall = self.config.stall_timeout if task.stall_timeout_seconds is None else task.stall_timeout_seconds
         rt.phase = "running"
         rt.started_at = time.time()
         stderr_tail = TailBuffer(16384)
         notice(f"running {shlex.join(argv)} (timeout {f'{timeout:g} s' if timeout else 'none'})")
 
+        def on_stall(idle: float) -> None:
+            if rt.request_stop(f"stalled: no output, items or stats for {idle:.0f} s (stall timeout {stall:g} s)"):
+                rt.stalled = True
+                log.warning("task %s: %s", task.id, rt.stop_reason)
+
         async def started(pid: int) -> None:
             rt.pid = pid
+            if stall and rt.delivery is not None:
+                rt.delivery.watch_stall(stall, on_stall)
             await self._store.set_process(task.id, pid, pid)
 
         try:
@@ -437,14 +460,22 @@ class Supervisor:
         if outcome.timed_out:
             notice(_ended_by_agent(f"timed out after {timeout:g} s", outcome) + "; task FAILED (TIMEOUT)")
             return TaskOutcome("FAILED", "TIMEOUT", TIMEOUT_MESSAGE, outcome.returncode)
+        if outcome.stopped and rt.stalled:
+            notice(_ended_by_agent(rt.stop_reason or "stalled", outcome) + "; task FAILED (STALLED)")
+            return TaskOutcome("FAILED", "STALLED", rt.stop_reason, outcome.returncode)
         if outcome.stopped:
             reason = rt.stop_reason or "cancelled"
             notice(_ended_by_agent(f"stopped ({reason})", outcome) + "; task CANCELLED")
             return TaskOutcome("CANCELLED", "CANCELLED", reason, outcome.returncode)
         notice(f"process exited with code {outcome.returncode}")
         if outcome.returncode == 0:
+            if sink.truncated is not None:
+                return TaskOutcome("SUCCESS", "LOG_BUDGET", f"output truncated: {sink.dropped_bytes} bytes "
+                                   f"dropped because {sink.truncated}", 0)
             return TaskOutcome("SUCCESS", exit_code=0)
-        return TaskOutcome("FAILED", "EXIT_NONZERO", self._exit_message(outcome.returncode, stderr_tail, task),
+        # A signal the agent did not send (it sent none: not stopped, not timed out): a crash, a kill.
+        code = "SIGNALED" if outcome.returncode is not None and outcome.returncode < 0 else "EXIT_NONZERO"
+        return TaskOutcome("FAILED", code, self._exit_message(outcome.returncode, stderr_tail, task),
                            outcome.returncode)
 
     def _exit_message(self, returncode: int | None, stderr_tail: TailBuffer, task: Task) -> str:

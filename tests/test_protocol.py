@@ -43,6 +43,7 @@ from ckagent.protocol import (
     SpiderFile,
     Task,
     TaskResult,
+    TaskStats,
     VersionPolicy,
     utc_iso,
     utc_now_iso,
@@ -64,6 +65,7 @@ TYPES: dict[str, Any] = {
     "Task": Task,
     "PendingTasks": PendingTasks,
     "TaskResult": TaskResult,
+    "TaskStats": TaskStats,
     "LogBatch": LogBatch,
     "ItemBatch": ItemBatch,
     "SeqAccepted": SeqAccepted,
@@ -97,7 +99,10 @@ def full_instances() -> dict[str, Any]:
         code_version="v3",
         code_package=package,
         params={"start_url": "https://shop.example/"},
+        stall_timeout_seconds=600.0,
     )
+    stats = TaskStats(seq=42, stats={"items": 3, "finishReason": "finished"}, progress={"done": 1, "total": 2},
+                      at="2026-11-29T16:04:00.000Z")
     return {
         "RegisterRequest": RegisterRequest(
             name="n1",
@@ -152,7 +157,10 @@ def full_instances() -> dict[str, Any]:
             deploy_ms=120,
             install_ms=2500,
             run_ms=7300,
+            finish_reason="finished",
+            stats=stats,
         ),
+        "TaskStats": stats,
         "LogBatch": LogBatch(seq=5, lines=["a", "b"]),
         "ItemBatch": ItemBatch(seq=2, items=[{"a": 1}]),
         "SeqAccepted": SeqAccepted(accepted_seq=7),
@@ -292,6 +300,7 @@ OPERATIONS: dict[tuple[str, str], tuple[str | None, str | None, set[str]]] = {
     ("post", "/api/tasks/{taskId}/result"): ("TaskResult", None, STREAM_STATUSES),
     ("post", "/api/tasks/{taskId}/logs"): ("LogBatch", "SeqAccepted", STREAM_STATUSES),
     ("post", "/api/tasks/{taskId}/items"): ("ItemBatch", "SeqAccepted", STREAM_STATUSES),
+    ("post", "/api/tasks/{taskId}/stats"): ("TaskStats", None, STREAM_STATUSES),
     ("get", "/api/spider-files/spider/{spiderId}"): (
         None,
         "SpiderFile[]",

@@ -590,8 +590,10 @@ def test_sdk_builds_a_pure_python_wheel_with_only_the_sdk(tmp_path: Path) -> Non
     package_files = sorted(n for n in names if n.startswith("crawlerkeeper_sdk/"))
     assert package_files == [
         "crawlerkeeper_sdk/__init__.py",
+        "crawlerkeeper_sdk/_stats.py",
         "crawlerkeeper_sdk/py.typed",
         "crawlerkeeper_sdk/scrapy.py",
+        "crawlerkeeper_sdk/scrapy_settings.py",
     ]
     assert "Name: crawlerkeeper-sdk" in metadata
     assert "Version: 0.1.0" in metadata

@@ -21,8 +21,10 @@ from ckagent.delivery.lines import Masker, secret_values
 from ckagent.delivery.shipper import StreamShipper, send_result
 from ckagent.delivery.spool import DEFAULT_LOG_GLOBS, OUTPUT_LOG, SCAN_INTERVAL, SEND_CONCURRENCY
 from ckagent.delivery.statistics import OutboxStatistics, SpoolCounter
+from ckagent.delivery.stats import StatsShipper, final_stats
 from ckagent.master import MasterClient
 from ckagent.protocol import Task, TaskResult
+from ckagent.stall import Activity, watch_stall
 from ckagent.state import AsyncStateStore, TaskRecord
 
 log = logging.getLogger(__name__)
@@ -59,16 +61,36 @@ class TaskDelivery:
         self.on_delivered = on_delivered
         self.logs = StreamShipper.logs(outbox.master, outbox.store, task_id, task_dir, masker, outbox.limiter)
         self.items = StreamShipper.items(outbox.master, outbox.store, task_id, task_dir, outbox.limiter)
+        self.stats = StatsShipper(outbox.master, task_id, task_dir, outbox.limiter)
+        self.activity = Activity(task_dir)
         journal.on_record = self.logs.notify
         self._wake = trio.Event()
         self.ended = trio.Event()
         self.delivered = trio.Event()
         self.result: TaskResult | None = None
         self.ship_logs = True  # False when the journal cannot be opened (the result still goes)
+        self._stall: tuple[float, Callable[[float], None]] = (0.0, lambda idle: None)
+        self._stall_armed = trio.Event()
 
     def output_written(self) -> None:
         """The sink wrote to output.log."""
+        self.activity.touch()
         self._wake.set()
+
+    def watch_stall(self, timeout: float, on_stall: Callable[[float], None]) -> None:
+        """Arm the stall watchdog (the process has started): ``on_stall(idle_seconds)`` is called once
+        when no output, item or stats change was seen for ``timeout`` seconds before :meth:`finish`."""
+        self.activity.touch()
+        self._stall = (timeout, on_stall)
+        self._stall_armed.set()
+
+    async def _stall_loop(self) -> None:
+        if not self.ended.is_set():
+            await self._stall_armed.wait()  # set by watch_stall() or finish()
+        if self.ended.is_set():
+            return
+        timeout, on_stall = self._stall
+        await watch_stall(timeout, self.activity.last, self.ended, on_stall)
 
     async def finish(self, result: TaskResult) -> None:
         """The process is over: close output.log, store ``result``, let the streams complete and the
@@ -80,6 +102,7 @@ class TaskDelivery:
         self.result = result
         self.items.finish()
         self.ended.set()
+        self._stall_armed.set()
         self._wake.set()
 
     async def _journal_loop(self) -> None:
@@ -115,9 +138,19 @@ class TaskDelivery:
                 nursery.start_soon(self._journal_loop)
                 nursery.start_soon(self.logs.run)
             nursery.start_soon(self.items.run)
+            nursery.start_soon(self.stats.run, self.ended)
+            nursery.start_soon(self._stall_loop)
             await self.ended.wait()
         assert self.result is not None
-        result = dataclasses.replace(self.result, item_count=self.items.acked, log_lines=self.logs.acked)
+        # The final stats snapshot is the stats file's last line (the spool): read again on every
+        # (re)start, so neither an agent crash nor a master outage loses it.
+        final = await trio.to_thread.run_sync(final_stats, self.task_dir)
+        stats = final if final is not None else self.result.stats
+        reason = self.result.finish_reason
+        if reason is None and stats is not None and isinstance(stats.stats.get("finishReason"), str):
+            reason = stats.stats["finishReason"] or None
+        result = dataclasses.replace(self.result, item_count=self.items.acked, log_lines=self.logs.acked,
+                                     stats=stats, finish_reason=reason)
         await self.outbox.store.set_result(self.task_id, result.to_json())
         await send_result(self.outbox.master, self.outbox.store, self.task_id, result, self.outbox.limiter)
         self.delivered.set()

@@ -59,6 +59,7 @@ from ckagent.protocol import (
     ProtocolError,
     RegisterRequest,
     TaskResult,
+    TaskStats,
     VersionPolicy,
 )
 
@@ -354,6 +355,16 @@ def create_app(
         )
         return JSONResponse({"acceptedSeq": accepted})
 
+    async def stats(request: Request) -> Response:
+        node_id = await node_auth(request)
+        snapshot = TaskStats.from_json(await _json_body(request))
+        stored = await run(store.save_stats, request.path_params["task_id"], node_id, snapshot)
+        return JSONResponse({"ok": True, "stored": stored})
+
+    async def task_stats(request: Request) -> Response:
+        admin_auth(request)
+        return JSONResponse(await run(store.task_stats, request.path_params["task_id"]))
+
     async def spider_files(request: Request) -> Response:
         await node_auth(request)
         return JSONResponse(await run(store.spider_files, request.path_params["spider_id"]))
@@ -524,6 +535,8 @@ def create_app(
         Route("/api/tasks/{task_id}/logs", task_logs, methods=["GET"]),
         Route("/api/tasks/{task_id}/items", items, methods=["POST"]),
         Route("/api/tasks/{task_id}/items", task_items, methods=["GET"]),
+        Route("/api/tasks/{task_id}/stats", stats, methods=["POST"]),
+        Route("/api/tasks/{task_id}/stats", task_stats, methods=["GET"]),
         Route("/api/tasks/{task_id}/cancel", cancel_task, methods=["POST"]),
         Route("/api/tasks/{task_id}", get_task, methods=["GET"]),
         Route("/api/tasks", list_tasks, methods=["GET"]),

@@ -53,11 +53,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ckagent.devmaster import stats as task_stats
 from ckagent.protocol import (
     FINAL_STATUSES,
     Heartbeat,
     RegisterRequest,
     TaskResult,
+    TaskStats,
     VersionPolicy,
     utc_now_iso,
 )
@@ -395,7 +397,8 @@ class Store:
                 + "); the dev master does not migrate it: delete the file or pass another --db"
             )
         # one transaction: a file has all the tables and its version, or nothing
-        db.executescript(f"BEGIN IMMEDIATE; {_SCHEMA}; PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
+        db.executescript(f"BEGIN IMMEDIATE; {_SCHEMA}; {task_stats.SCHEMA}; PRAGMA user_version = {SCHEMA_VERSION};"
+                         " COMMIT;")
 
     def close(self) -> None:
         """Stop the checkpointer, close the connection (idempotent; SQLite checkpoints the WAL on close)."""
@@ -838,8 +841,37 @@ class Store:
         return row
 
     def get_task(self, task_id: str) -> dict[str, Any]:
-        """One task as admin JSON. Raises NotFoundError."""
-        return self._task_json(self._read(lambda db: self._task_row(db, task_id)))
+        """One task as admin JSON, with its latest stats snapshot (``stats``, null when none) and
+        ``finishReason``. Raises NotFoundError."""
+        def query(db: sqlite3.Connection) -> tuple[sqlite3.Row, dict[str, Any] | None]:
+            return self._task_row(db, task_id), task_stats.latest(db, task_id)
+
+        row, latest = self._read(query)
+        task = self._task_json(row)
+        reason = (latest or {}).get("stats", {}).get("finishReason") if row["status"] in FINAL_STATUSES else None
+        task["stats"] = latest
+        task["finishReason"] = reason if isinstance(reason, str) else None
+        return task
+
+    def save_stats(self, task_id: str, node_id: str, snapshot: TaskStats) -> bool:
+        """Keep a live stats snapshot of a task claimed by ``node_id`` if it is the newest (True).
+
+        Raises NotFoundError (unknown task), ConflictError (another node's or an unclaimed task).
+        """
+        with self._tx() as db:
+            row = self._task_row(db, task_id)
+            if row["node_id"] != node_id:
+                raise ConflictError(f"task {task_id!r} is not claimed by this node")
+            stored = task_stats.save(db, task_id, snapshot)
+        return stored
+
+    def task_stats(self, task_id: str) -> dict[str, Any]:
+        """``{"latest", "final", "history"}`` of a task (see ckagent.devmaster.stats). Raises NotFoundError."""
+        def query(db: sqlite3.Connection) -> dict[str, Any]:
+            self._task_row(db, task_id)
+            return task_stats.read(db, task_id)
+
+        return self._read(query)
 
     def list_tasks(
         self, *, status: str | None = None, spider_id: str | None = None, limit: int = 1000
@@ -1037,6 +1069,8 @@ class Store:
                 task_id,
             ),
         )
+        if result.stats is not None:
+            task_stats.save(db, task_id, result.stats, final=True)
 
     def append_logs(self, task_id: str, node_id: str, seq: int, lines: Sequence[str]) -> int:
         """Store log lines ``seq``.. once each; returns the new stored count (``acceptedSeq``).

@@ -42,6 +42,7 @@ __all__ = [
     "FINAL_STATUSES",
     "FRAMEWORKS",
     "NODE_STATUSES",
+    "OUTCOME_STATUS",
     "PROTOCOL_VERSION",
     "TASK_STATUSES",
     "BadTask",
@@ -59,6 +60,7 @@ __all__ = [
     "SpiderFile",
     "Task",
     "TaskResult",
+    "TaskStats",
     "VersionPolicy",
     "utc_iso",
     "utc_now_iso",
@@ -71,11 +73,31 @@ ERROR_CODES = (
     "TIMEOUT",
     "CANCELLED",
     "EXIT_NONZERO",
+    "SIGNALED",
+    "STALLED",
+    "OOM_KILLED",
+    "LOG_BUDGET",
     "DEPLOY_FAILED",
     "DEPS_FAILED",
     "AGENT_LOST",
     "BAD_TASK",
 )
+"""Every errorCode of a result: the outcome table of docs/protocol.md lists exactly these (a test checks)."""
+OUTCOME_STATUS: dict[str, str] = {
+    "SUCCESS": "SUCCESS",
+    "EXIT_NONZERO": "FAILED",
+    "SIGNALED": "FAILED",
+    "TIMEOUT": "FAILED",
+    "CANCELLED": "CANCELLED",
+    "STALLED": "FAILED",
+    "OOM_KILLED": "FAILED",
+    "LOG_BUDGET": "SUCCESS",
+    "DEPLOY_FAILED": "FAILED",
+    "DEPS_FAILED": "FAILED",
+    "AGENT_LOST": "FAILED",
+    "BAD_TASK": "FAILED",
+}
+"""The outcome table: ``SUCCESS`` (no errorCode) and every errorCode → the status it goes with."""
 FRAMEWORKS = ("scrapy", "python", "node", "playwright", "selenium")
 NODE_STATUSES = ("RUNNING", "DRAINING")
 PROTOCOL_VERSION = 1
@@ -351,6 +373,8 @@ class Task:
     code_version: str | None = None
     code_package: CodePackage | None = None
     params: dict[str, Any] = field(default_factory=dict)
+    stall_timeout_seconds: float | None = None
+    """No output, item or stats change for this long → STALLED; None = the agent's default, 0 = off."""
 
     @classmethod
     def from_json(cls, obj: Any, path: str = "task") -> Task:
@@ -382,6 +406,7 @@ class Task:
             code_version=opt_str(o, "codeVersion", path=path),
             code_package=None if package is None else CodePackage.from_json(package, f"{path}.codePackage"),
             params=opt_object(o, "params", path=path) or {},
+            stall_timeout_seconds=opt_number(o, "stallTimeoutSeconds", lo=0, path=path),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -399,6 +424,7 @@ class Task:
                 "codeVersion": self.code_version,
                 "codePackage": None if self.code_package is None else self.code_package.to_json(),
                 "params": dict(self.params),
+                "stallTimeoutSeconds": self.stall_timeout_seconds,
             }
         )
 
@@ -469,6 +495,8 @@ class TaskResult:
     deploy_ms: int | None = None
     install_ms: int | None = None
     run_ms: int | None = None
+    finish_reason: str | None = None
+    stats: TaskStats | None = None
 
     @classmethod
     def from_json(cls, obj: Any) -> TaskResult:
@@ -493,6 +521,8 @@ class TaskResult:
             deploy_ms=opt_int(o, "deployMs", lo=0),
             install_ms=opt_int(o, "installMs", lo=0),
             run_ms=opt_int(o, "runMs", lo=0),
+            finish_reason=opt_str(o, "finishReason"),
+            stats=None if o.get("stats") is None else TaskStats.from_json(o["stats"], "stats"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -511,8 +541,40 @@ class TaskResult:
                 "deployMs": self.deploy_ms,
                 "installMs": self.install_ms,
                 "runMs": self.run_ms,
+                "finishReason": self.finish_reason,
+                "stats": None if self.stats is None else self.stats.to_json(),
             }
         )
+
+
+@dataclass(frozen=True)
+class TaskStats:
+    """``POST /api/tasks/{id}/stats``, and ``stats`` of a final result: one snapshot of a crawl's statistics.
+
+    ``seq`` grows with every newer snapshot of the task (the master keeps the highest); ``stats`` is
+    the spider's object (well-known keys: items, requests, responses, responsesByStatus, bytes,
+    itemsDropped, retries, errors, finishReason); ``progress`` ``{"done": n, "total": m|null}``;
+    ``at`` when the spider wrote it (protocol timestamp).
+    """
+
+    seq: int
+    stats: dict[str, Any]
+    progress: dict[str, Any] | None = None
+    at: str | None = None
+
+    @classmethod
+    def from_json(cls, obj: Any, path: str = "") -> TaskStats:
+        """Validate a decoded JSON body. Raises ProtocolError."""
+        o = req_object(obj, path)
+        stats = opt_object(o, "stats", path=path)
+        if stats is None:
+            raise ProtocolError(f"{path}.stats" if path else "stats", "required: an object")
+        return cls(seq=req_int(o, "seq", lo=0, path=path), stats=stats,
+                   progress=opt_object(o, "progress", path=path), at=opt_str(o, "at", path=path))
+
+    def to_json(self) -> dict[str, Any]:
+        """The camelCase JSON body."""
+        return _drop_none({"seq": self.seq, "stats": self.stats, "progress": self.progress, "at": self.at})
 
 
 @dataclass(frozen=True)

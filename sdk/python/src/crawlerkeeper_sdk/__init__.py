@@ -12,6 +12,9 @@ variables. The whole contract is small:
     The task's parameters as a JSON object (for example ``{"start_url": "..."}``).
 ``CK_TASK_DIR``
     The task's own directory (the agent keeps its logs and items there).
+``CK_STATS_FILE``
+    Where :func:`report_stats` and :func:`progress` write the crawl's statistics (each line one
+    complete snapshot, the newest wins); the agent ships them to the master. See ``_stats``.
 
 Outside an agent (no ``CK_ITEMS_FILE``) :func:`save_item` prints each item as one JSON line on
 stdout, so a spider still runs on a developer's machine.
@@ -37,6 +40,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Optional, Tuple
 
+from crawlerkeeper_sdk._stats import ENV_STATS_FILE, flush_stats, progress, report_stats
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -44,10 +49,14 @@ __all__ = [
     "ENV_PARAMS",
     "ENV_SPIDER_ID",
     "ENV_SPIDER_NAME",
+    "ENV_STATS_FILE",
     "ENV_TASK_DIR",
     "ENV_TASK_ID",
     "TaskContext",
     "__version__",
+    "flush_stats",
+    "progress",
+    "report_stats",
     "save_item",
     "save_items",
     "task_context",

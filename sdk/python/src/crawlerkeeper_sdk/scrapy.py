@@ -1,8 +1,15 @@
-"""Scrapy integration: an item pipeline that saves every item with :func:`crawlerkeeper_sdk.save_item`.
+"""Scrapy integration: an item pipeline that saves every item with :func:`crawlerkeeper_sdk.save_item`,
+and an extension that reports Scrapy's stats with :func:`crawlerkeeper_sdk.report_stats`.
 
-Enable it in the Scrapy project's ``settings.py``::
+Enable the pipeline in the Scrapy project's ``settings.py``::
 
     ITEM_PIPELINES = {"crawlerkeeper_sdk.scrapy.CrawlerKeeperPipeline": 300}
+
+The stats extension (:class:`CrawlerKeeperStats`) needs no change to the project: for a task of
+framework ``scrapy`` the agent points ``SCRAPY_SETTINGS_MODULE`` at
+:mod:`crawlerkeeper_sdk.scrapy_settings`, which loads the project's settings and adds it to
+``EXTENSIONS``. It snapshots the stats every ``CRAWLERKEEPER_STATS_INTERVAL`` seconds (default 5)
+and once at close, with the finish reason.
 
 This module does not import Scrapy itself; it uses ``itemadapter`` (installed with Scrapy) to turn
 any Scrapy-supported item (``scrapy.Item``, dict, dataclass, attrs class) into a plain dict.
@@ -22,7 +29,7 @@ try:  # itemadapter always comes with Scrapy; without it, plain dicts and datacl
 except ImportError:  # pragma: no cover - depends on the environment
     ItemAdapter = None
 
-__all__ = ["CrawlerKeeperPipeline", "item_to_dict"]
+__all__ = ["CrawlerKeeperPipeline", "CrawlerKeeperStats", "item_to_dict", "scrapy_summary"]
 
 
 def item_to_dict(item: Any) -> Dict[str, Any]:
@@ -97,3 +104,95 @@ def _feeds_items_file(settings: Any) -> bool:
         if os.path.isabs(path) and os.path.abspath(path) == target:
             return True
     return False
+
+
+def _count(stats: Dict[str, Any], key: str) -> int:
+    value = stats.get(key, 0)
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
+
+
+def scrapy_summary(stats: Dict[str, Any], finish_reason: Any = None) -> Dict[str, Any]:
+    """Scrapy's stats (``crawler.stats.get_stats()``) → a snapshot with the well-known keys.
+
+    ``requests``, ``responses``, ``responsesByStatus`` (``{"200": n}``), ``bytes`` (response bytes),
+    ``items``, ``itemsDropped``, ``retries``, ``errors`` (ERROR log lines), ``finishReason`` (the
+    close reason, e.g. ``finished`` or ``closespider_itemcount``), plus ``scrapy``: every stat with
+    JSON-safe values (datetimes as ISO strings).
+    """
+    by_status = {}
+    prefix = "downloader/response_status_count/"
+    for key, value in stats.items():
+        if key.startswith(prefix) and isinstance(value, int):
+            by_status[key[len(prefix):]] = value
+    raw = {}
+    for key, value in stats.items():
+        if isinstance(value, (int, float, str, bool)) or value is None:
+            raw[key] = value
+        elif hasattr(value, "isoformat"):
+            raw[key] = value.isoformat()
+        else:
+            raw[key] = str(value)
+    summary: Dict[str, Any] = {
+        "requests": _count(stats, "downloader/request_count"),
+        "responses": _count(stats, "downloader/response_count"),
+        "responsesByStatus": by_status,
+        "bytes": _count(stats, "downloader/response_bytes"),
+        "items": _count(stats, "item_scraped_count"),
+        "itemsDropped": _count(stats, "item_dropped_count"),
+        "retries": _count(stats, "retry/count"),
+        "errors": _count(stats, "log_count/ERROR"),
+        "scrapy": raw,
+    }
+    reason = finish_reason if finish_reason is not None else stats.get("finish_reason")
+    if reason is not None:
+        summary["finishReason"] = str(reason)
+    return summary
+
+
+class CrawlerKeeperStats:
+    """Scrapy extension: reports ``scrapy_summary(stats)`` every ``CRAWLERKEEPER_STATS_INTERVAL``
+    seconds (default 5; 0 = only at close) and at close (with the finish reason, written at once).
+
+    Does nothing outside an agent (no ``CK_STATS_FILE``). A failing write is logged, never raised
+    into the crawl.
+    """
+
+    def __init__(self, crawler: Any, interval: float) -> None:
+        self.crawler = crawler
+        self.interval = interval
+        self._loop: Any = None
+
+    @classmethod
+    def from_crawler(cls, crawler: Any) -> CrawlerKeeperStats:
+        """Scrapy's constructor hook: connects to ``spider_opened`` and ``spider_closed``."""
+        from scrapy import signals
+
+        ext = cls(crawler, crawler.settings.getfloat("CRAWLERKEEPER_STATS_INTERVAL", 5.0))
+        crawler.signals.connect(ext.spider_opened, signal=signals.spider_opened)
+        crawler.signals.connect(ext.spider_closed, signal=signals.spider_closed)
+        return ext
+
+    def _report(self, reason: Any = None, final: bool = False) -> None:
+        from crawlerkeeper_sdk import report_stats
+
+        try:
+            report_stats(scrapy_summary(dict(self.crawler.stats.get_stats()), reason), final=final)
+        except (OSError, TypeError, ValueError) as exc:
+            import logging
+
+            logging.getLogger(__name__).warning("crawlerkeeper: cannot report stats: %s", exc)
+
+    def spider_opened(self, spider: Any) -> None:
+        """Start the periodic snapshots."""
+        self._report()
+        if self.interval > 0:
+            from twisted.internet import task
+
+            self._loop = task.LoopingCall(self._report)
+            self._loop.start(self.interval, now=False)
+
+    def spider_closed(self, spider: Any, reason: Any = None) -> None:
+        """Stop the snapshots and write the final one (with ``reason``) at once."""
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+        self._report(reason, final=True)

@@ -1,0 +1,119 @@
+"""The stats shipper: a running task's newest stats snapshot → ``POST /api/tasks/{id}/stats``.
+
+Coalesced and rate-limited: the shipper looks at the task's stats file every LOOK_INTERVAL
+seconds (one ``fstat``, and a read of the last line only when the file grew), keeps the newest
+snapshot, and sends it at most once per STATS_INTERVAL seconds — only the newest one; those in
+between are never sent. Live snapshots are best effort: a master that is down, or answers 4xx,
+gets the next newest one later (a 404 or 409 ends live shipping for the task: the master does not
+know the task, or the endpoint). The *final* snapshot is durable: it is read from the stats file
+(the spool) when the result is built, and travels inside the result (``stats``, ``finishReason``),
+which is stored and retried until acknowledged (see :mod:`ckagent.delivery.outbox`).
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timezone
+from pathlib import Path
+
+import trio
+
+from ckagent.crawlstats import STATS_FILE, Snapshot, read_last_snapshot
+from ckagent.master import MasterClient, MasterError, MasterRejected
+from ckagent.protocol import TaskStats, utc_iso
+
+log = logging.getLogger(__name__)
+
+STATS_INTERVAL = 5.0
+"""Seconds between two live stats posts of one task (at most)."""
+LOOK_INTERVAL = 1.0
+"""Seconds between looks at a running task's stats file."""
+
+
+def snapshot_message(snapshot: Snapshot) -> TaskStats:
+    """The protocol message of a snapshot (``at`` from its ``time``; malformed parts left out)."""
+    data = snapshot.data
+    at = None
+    moment = data.get("time")
+    if isinstance(moment, int | float) and not isinstance(moment, bool) and 0 < moment < 1e11:
+        at = utc_iso(datetime.fromtimestamp(moment, timezone.utc))
+    progress = data.get("progress")
+    return TaskStats(seq=snapshot.seq, stats=snapshot.stats,
+                     progress=progress if isinstance(progress, dict) else None, at=at)
+
+
+def final_stats(task_dir: Path) -> TaskStats | None:
+    """The task's last snapshot as a message (blocking, one small read), or None."""
+    try:
+        snapshot = read_last_snapshot(task_dir / STATS_FILE)
+    except OSError as exc:
+        log.warning("cannot read the stats file of %s: %s", task_dir.name, exc)
+        return None
+    return None if snapshot is None else snapshot_message(snapshot)
+
+
+class StatsShipper:
+    """Ships one task's live stats (see module docstring). ``latest`` is the newest snapshot read
+    (for the status page, the metrics and the stall watchdog); ``changed_at`` when it last changed
+    (``trio.current_time()``); ``sent`` how many posts the master acknowledged."""
+
+    def __init__(self, master: MasterClient, task_id: str, task_dir: Path,
+                 limiter: trio.CapacityLimiter | None = None, interval: float = STATS_INTERVAL) -> None:
+        self._master = master
+        self.task_id = task_id
+        self.path = task_dir / STATS_FILE
+        self._limiter = limiter or trio.CapacityLimiter(1)
+        self.interval = interval
+        self.latest: Snapshot | None = None
+        self.changed_at: float | None = None
+        self.sent_seq = -1
+        self.sent = 0
+        self.refused = False
+
+    def look(self) -> Snapshot | None:
+        """Read a newer snapshot if the file grew (a syscall or two, page cache); returns the newest."""
+        try:
+            newer = read_last_snapshot(self.path, self.latest.seq if self.latest is not None else -1)
+        except OSError as exc:
+            log.debug("task %s: cannot read its stats file: %s", self.task_id, exc)
+            newer = None
+        if newer is not None:
+            self.latest = newer
+            self.changed_at = trio.current_time()
+        return self.latest
+
+    async def run(self, ended: trio.Event) -> None:
+        """Look and ship until ``ended`` is set (then return at once, even mid-request)."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._loop)
+            await ended.wait()
+            nursery.cancel_scope.cancel()
+
+    async def _loop(self) -> None:
+        next_send = trio.current_time()
+        while True:
+            latest = self.look()
+            now = trio.current_time()
+            if latest is not None and latest.seq > self.sent_seq and not self.refused and now >= next_send:
+                next_send = now + self.interval
+                await self._post(latest)
+            await trio.sleep(LOOK_INTERVAL)
+
+    async def _post(self, snapshot: Snapshot) -> None:
+        body = snapshot_message(snapshot).to_json()
+        try:
+            async with self._limiter:
+                await self._master.call("stats", "POST", f"/api/tasks/{self.task_id}/stats", json=body)
+        except MasterRejected as exc:
+            if exc.status in (404, 409):
+                log.info("task %s: the master takes no live stats for it (%s); the final ones go with the "
+                         "result", self.task_id, exc)
+                self.refused = True
+            else:
+                log.warning("task %s: the master rejected a stats snapshot (%s)", self.task_id, exc)
+                self.sent_seq = snapshot.seq
+            return
+        except MasterError:
+            return  # unavailable: the newest snapshot goes next time
+        self.sent_seq = snapshot.seq
+        self.sent += 1
