@@ -22,19 +22,16 @@ from pathlib import Path
 
 import trio
 
-from ckagent.crawlstats import STATS_FILE
-from ckagent.delivery.spool import ITEMS_FILE
-
 
 class Activity:
     """The last sign of life of a task (``trio.current_time()`` seconds).
 
-    :meth:`touch` records output now; :meth:`last` also looks at the items and stats files'
-    modification times (two ``stat`` calls, page cache).
+    :meth:`touch` records output now; :meth:`last` also looks at the modification times of
+    ``files`` (the task's items and stats files: one ``stat`` each, page cache).
     """
 
-    def __init__(self, task_dir: Path) -> None:
-        self._files = (task_dir / ITEMS_FILE, task_dir / STATS_FILE)
+    def __init__(self, files: tuple[Path, ...]) -> None:
+        self._files = files
         self._last: float | None = None
 
     def touch(self) -> None:

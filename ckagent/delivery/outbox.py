@@ -15,11 +15,12 @@ from pathlib import Path
 
 import trio
 
+from ckagent.crawlstats import STATS_FILE
 from ckagent.delivery.capture import DiskGuard, LogSink
 from ckagent.delivery.journal import LogJournal, rejected_log_globs, scan_log_files, task_log_globs
 from ckagent.delivery.lines import Masker, secret_values
 from ckagent.delivery.shipper import StreamShipper, send_result
-from ckagent.delivery.spool import DEFAULT_LOG_GLOBS, OUTPUT_LOG, SCAN_INTERVAL, SEND_CONCURRENCY
+from ckagent.delivery.spool import DEFAULT_LOG_GLOBS, ITEMS_FILE, OUTPUT_LOG, SCAN_INTERVAL, SEND_CONCURRENCY
 from ckagent.delivery.statistics import OutboxStatistics, SpoolCounter
 from ckagent.delivery.stats import StatsShipper, final_stats
 from ckagent.master import MasterClient
@@ -62,7 +63,7 @@ class TaskDelivery:
         self.logs = StreamShipper.logs(outbox.master, outbox.store, task_id, task_dir, masker, outbox.limiter)
         self.items = StreamShipper.items(outbox.master, outbox.store, task_id, task_dir, outbox.limiter)
         self.stats = StatsShipper(outbox.master, task_id, task_dir, outbox.limiter)
-        self.activity = Activity(task_dir)
+        self.activity = Activity((task_dir / ITEMS_FILE, task_dir / STATS_FILE))
         journal.on_record = self.logs.notify
         self._wake = trio.Event()
         self.ended = trio.Event()

@@ -58,12 +58,12 @@ class StatsShipper:
     (``trio.current_time()``); ``sent`` how many posts the master acknowledged."""
 
     def __init__(self, master: MasterClient, task_id: str, task_dir: Path,
-                 limiter: trio.CapacityLimiter | None = None, interval: float = STATS_INTERVAL) -> None:
+                 limiter: trio.CapacityLimiter | None = None, interval: float | None = None) -> None:
         self._master = master
         self.task_id = task_id
         self.path = task_dir / STATS_FILE
         self._limiter = limiter or trio.CapacityLimiter(1)
-        self.interval = interval
+        self.interval = STATS_INTERVAL if interval is None else interval
         self.latest: Snapshot | None = None
         self.changed_at: float | None = None
         self.sent_seq = -1

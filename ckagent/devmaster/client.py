@@ -162,6 +162,11 @@ class AdminClient:
         result: list[dict[str, Any]] = (await self._call("GET", f"/api/tasks/{task_id}/items")).json()
         return result
 
+    async def get_stats(self, task_id: str) -> dict[str, Any]:
+        """The task's stats: ``{"latest": snapshot | None, "final": bool, "history": [...]}``."""
+        result: dict[str, Any] = (await self._call("GET", f"/api/tasks/{task_id}/stats")).json()
+        return result
+
     async def cancel_task(self, task_id: str) -> dict[str, Any]:
         """Cancel: a PENDING task becomes CANCELLED, a RUNNING one gets cancelRequested. Returns the task."""
         result: dict[str, Any] = (await self._call("POST", f"/api/tasks/{task_id}/cancel")).json()

@@ -3,8 +3,9 @@
 Table ``task_stats``: one row per kept snapshot ``(task_id, seq, at, final, data)``. A live
 snapshot (``POST /api/tasks/{id}/stats``) is stored when its ``seq`` is higher than every kept one;
 the final snapshot (``stats`` of a final result) is stored in the result's transaction and marked
-``final``. At most HISTORY_LIMIT rows per task: beyond it every second of the older rows is dropped
-(the history thins evenly over the crawl; the newest and the final one always stay).
+``final``. At most HISTORY_LIMIT rows per task: beyond it every second row is dropped (the oldest,
+the newest and the final one always stay), so the history covers the whole crawl, denser towards
+the newest snapshot.
 
 Functions take the store's connection inside its transaction (``Store._tx``/``Store._read``); the
 table is created with the rest of the schema (``CREATE TABLE IF NOT EXISTS``, no version bump: an
@@ -20,7 +21,7 @@ from typing import Any
 from ckagent.protocol import TaskStats
 
 HISTORY_LIMIT = 100
-"""Snapshots kept per task (the newest, the final one, and an evenly thinned history)."""
+"""Snapshots kept per task (the first, the newest, the final one, and a thinned history between)."""
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS task_stats (

@@ -1,0 +1,270 @@
+"""The stats side channel in pieces: the SDK's writer, the agent's reader, Scrapy's summary, the stall
+watchdog's logic (autojump clock), the dev master's latest + bounded history.
+
+The end-to-end checks (a spider's stats at the master, durability, STALLED) are in
+tests/test_crawl_stats_e2e.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from ckagent.crawlstats import MAX_SNAPSHOT_BYTES, read_last_snapshot, scrapy_stats_env, summary
+from ckagent.devmaster import stats as master_stats
+from ckagent.devmaster.client import zip_files
+from ckagent.devmaster.store import ConflictError, NotFoundError, Store, read_package
+from ckagent.protocol import RegisterRequest, TaskResult, TaskStats
+from ckagent.stall import watch_stall
+
+REPO = Path(__file__).resolve().parents[1]
+SDK_SRC = REPO / "sdk" / "python" / "src"
+
+
+def run_sdk(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter with the SDK importable (never imported into the test process)."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("CK_")}
+    full.update(env, PYTHONPATH=str(SDK_SRC))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full, capture_output=True,
+                          text=True, timeout=60, check=False)
+
+
+# ---------------------------------------------------------------------------------------------- SDK
+
+
+def test_report_stats_and_progress_write_complete_snapshots(tmp_path: Path) -> None:
+    stats_file = tmp_path / "stats.jsonl"
+    done = run_sdk("""
+        from crawlerkeeper_sdk import report_stats, progress
+        report_stats({"items": 1, "requests": 2})          # written at once (first)
+        progress(3, 10)                                     # coalesced (within MIN_INTERVAL) ...
+        report_stats({"items": 5, "requests": 7, "title": "商品"})  # ... with this one: written at exit
+    """, CK_STATS_FILE=str(stats_file))
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in stats_file.read_text(encoding="utf-8").splitlines()]
+    assert [line["stats"] for line in lines] == [{"items": 1, "requests": 2},
+                                                 {"items": 5, "requests": 7, "title": "商品"}]
+    assert "progress" not in lines[0] and lines[1]["progress"] == {"done": 3, "total": 10}
+    assert all(isinstance(line["time"], float) for line in lines)
+
+
+def test_report_stats_final_writes_at_once_and_a_timer_flushes_a_pending_one(tmp_path: Path) -> None:
+    stats_file = tmp_path / "stats.jsonl"
+    done = run_sdk("""
+        import os, time
+        from crawlerkeeper_sdk import report_stats
+        report_stats({"n": 1})
+        report_stats({"n": 2})                 # pending: the timer writes it after MIN_INTERVAL
+        time.sleep(1.5)
+        print(len(open(os.environ["CK_STATS_FILE"]).readlines()))
+        report_stats({"n": 3}, final=True)     # at once
+        print(len(open(os.environ["CK_STATS_FILE"]).readlines()))
+        os._exit(0)                            # no atexit: nothing pending may be lost anyway
+    """, CK_STATS_FILE=str(stats_file))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["2", "3"]
+    assert [json.loads(line)["stats"]["n"] for line in stats_file.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_outside_an_agent_stats_are_ignored_and_bad_input_is_named() -> None:
+    done = run_sdk("""
+        from crawlerkeeper_sdk import report_stats, progress
+        report_stats({"items": 1})
+        progress(1)
+        for bad in (lambda: report_stats([1]), lambda: progress("x"), lambda: progress(-1)):
+            try:
+                bad()
+            except (TypeError, ValueError) as exc:
+                print(type(exc).__name__, exc)
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "TypeError report_stats() takes a mapping of name -> value, got list",
+        "TypeError progress(): done must be a number, got str",
+        "ValueError progress(): done must be >= 0, got -1",
+    ]
+
+
+def test_scrapy_summary_has_the_well_known_keys() -> None:
+    done = run_sdk("""
+        import datetime, json
+        from crawlerkeeper_sdk.scrapy import scrapy_summary
+        stats = {"downloader/request_count": 7, "downloader/response_count": 6,
+                 "downloader/response_status_count/200": 5, "downloader/response_status_count/404": 1,
+                 "downloader/response_bytes": 12345, "item_scraped_count": 30, "item_dropped_count": 2,
+                 "retry/count": 1, "log_count/ERROR": 3, "finish_reason": "closespider_itemcount",
+                 "start_time": datetime.datetime(2026, 12, 1, tzinfo=datetime.timezone.utc)}
+        print(json.dumps(scrapy_summary(stats)))
+    """)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    assert {k: v for k, v in got.items() if k != "scrapy"} == {
+        "requests": 7, "responses": 6, "responsesByStatus": {"200": 5, "404": 1}, "bytes": 12345,
+        "items": 30, "itemsDropped": 2, "retries": 1, "errors": 3, "finishReason": "closespider_itemcount"}
+    assert got["scrapy"]["start_time"] == "2026-12-01T00:00:00+00:00"
+
+
+def test_scrapy_settings_wrapper_loads_the_project_and_adds_the_extension(tmp_path: Path) -> None:
+    project = tmp_path / "proj"
+    (project / "shop").mkdir(parents=True)
+    (project / "scrapy.cfg").write_text("[settings]\ndefault = shop.settings\n")
+    (project / "shop" / "__init__.py").write_text("")
+    (project / "shop" / "settings.py").write_text(
+        'BOT_NAME = "shop"\nEXTENSIONS = {"shop.ext.Mine": 10}\nlowercase = 1\n')
+    fake_scrapy = tmp_path / "fake" / "scrapy" / "utils"
+    fake_scrapy.mkdir(parents=True)
+    (tmp_path / "fake" / "scrapy" / "__init__.py").write_text("")
+    (fake_scrapy / "__init__.py").write_text("")
+    # Scrapy's own two helpers, as scrapy/utils/conf.py has them (Scrapy is not installed here).
+    (fake_scrapy / "conf.py").write_text(textwrap.dedent("""
+        import os
+        from configparser import ConfigParser
+        from pathlib import Path
+        def closest_scrapy_cfg(path="."):
+            path = Path(path).resolve()
+            while True:
+                if (path / "scrapy.cfg").exists():
+                    return str(path / "scrapy.cfg")
+                if path.parent == path:
+                    return ""
+                path = path.parent
+        def get_config():
+            cfg = ConfigParser()
+            cfg.read([closest_scrapy_cfg()])
+            return cfg
+    """))
+    code = """
+        import json, crawlerkeeper_sdk.scrapy_settings as s
+        print(json.dumps({"bot": s.BOT_NAME, "ext": s.EXTENSIONS, "lower": hasattr(s, "lowercase")}))
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CK_")}
+    env["PYTHONPATH"] = f"{SDK_SRC}:{tmp_path / 'fake'}"
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=project, env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {
+        "bot": "shop", "lower": False,
+        "ext": {"shop.ext.Mine": 10, "crawlerkeeper_sdk.scrapy.CrawlerKeeperStats": 900}}
+
+
+def test_scrapy_env_keeps_a_task_settings_module() -> None:
+    assert scrapy_stats_env({}) == {"SCRAPY_SETTINGS_MODULE": "crawlerkeeper_sdk.scrapy_settings"}
+    assert scrapy_stats_env({"SCRAPY_SETTINGS_MODULE": "mine.settings"}) == {
+        "SCRAPY_SETTINGS_MODULE": "crawlerkeeper_sdk.scrapy_settings", "CK_SCRAPY_SETTINGS_MODULE": "mine.settings"}
+
+
+# ---------------------------------------------------------------------------------------------- reader
+
+
+def test_the_newest_complete_line_wins(tmp_path: Path) -> None:
+    path = tmp_path / "stats.jsonl"
+    assert read_last_snapshot(path) is None
+    path.write_bytes(b'{"stats": {"items": 1}}\n{"stats": {"items": 2}}\n{"stats": {"ite')  # a line being written
+    snap = read_last_snapshot(path)
+    assert snap is not None and snap.stats == {"items": 2}
+    assert snap.seq == len(b'{"stats": {"items": 1}}\n{"stats": {"items": 2}}\n')
+    assert read_last_snapshot(path, after=snap.seq) is None  # nothing newer
+    with path.open("ab") as fh:
+        fh.write(b'ms": 3}, "progress": {"done": 1}}\nnot json\n')
+    newer = read_last_snapshot(path, after=snap.seq)
+    assert newer is not None and newer.stats == {"items": 3} and newer.seq > snap.seq  # garbage skipped
+    assert summary(newer.stats) == {"items": 3, "requests": 0, "responses": 0, "errors": 0}
+    with path.open("ab") as fh:
+        fh.write(b'{"stats": {"x": "' + b"y" * MAX_SNAPSHOT_BYTES + b'"}}\n')
+    assert read_last_snapshot(path, after=newer.seq) is None  # too long: ignored, not half-read
+
+
+# ---------------------------------------------------------------------------------------------- stall
+
+
+async def test_stall_watchdog_fires_only_after_a_full_quiet_timeout(autojump_clock: trio.testing.MockClock) -> None:
+    last = [trio.current_time()]
+    fired: list[tuple[float, float]] = []
+    ended = trio.Event()
+    start = trio.current_time()
+
+    async def spider_activity() -> None:
+        for _ in range(5):  # a sign of life every 50 s for 250 s, then silence
+            await trio.sleep(50)
+            last[0] = trio.current_time()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(spider_activity)
+        await watch_stall(120, lambda: last[0], ended,
+                          lambda idle: fired.append((trio.current_time() - start, idle)))
+    assert fired == [(250 + 120, 120)]
+
+
+async def test_stall_watchdog_stops_when_the_task_ends(autojump_clock: trio.testing.MockClock) -> None:
+    ended = trio.Event()
+    fired: list[float] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch_stall, 100, trio.current_time, ended, fired.append)  # always active
+        await trio.sleep(1000)
+        ended.set()
+    assert fired == []
+    with trio.fail_after(1):
+        await watch_stall(0, lambda: 0.0, ended, fired.append)  # 0 = off
+    assert fired == []
+
+
+# ---------------------------------------------------------------------------------------------- master
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Any:
+    s = Store(tmp_path / "master.db")
+    yield s
+    s.close()
+
+
+def _claimed_task(store: Any) -> tuple[str, str]:
+    node_id, _ = store.register_node(RegisterRequest(name="n1", ip="", port=1, version="", os="", arch="",
+                                                     python="", cpu_count=1, memory_total_bytes=1, max_workers=1))
+    spider_id = store.create_spider(name="s", framework="python", command=None, timeout_seconds=None,
+                                    code_mode="package", env={})
+    data = zip_files({"main.py": "print(1)\n"})
+    store.store_package(spider_id, read_package(data), data)
+    task_id = store.create_task(spider_id, args=[], env={}, params={}, timeout_seconds=None)
+    store.report_result(task_id, node_id, TaskResult(status="RUNNING"))
+    return task_id, node_id
+
+
+def test_master_keeps_the_newest_and_a_bounded_history(store: Any) -> None:
+    task_id, node_id = _claimed_task(store)
+    for seq in range(1, 300):
+        assert store.save_stats(task_id, node_id, TaskStats(seq=seq * 10, stats={"items": seq}))
+    assert not store.save_stats(task_id, node_id, TaskStats(seq=50, stats={"items": -1}))  # late and old
+    got = store.task_stats(task_id)
+    assert got["latest"]["stats"] == {"items": 299} and not got["final"]
+    history = [h["seq"] for h in got["history"]]
+    assert len(history) < master_stats.HISTORY_LIMIT and history[0] == 10 and history == sorted(history)
+    assert history[-1] == 2990 and len(history) > master_stats.HISTORY_LIMIT // 2  # the whole crawl, thinned
+    gaps = [b - a for a, b in itertools.pairwise(history)]
+    assert gaps == sorted(gaps, reverse=True)  # denser towards the newest
+    final = TaskStats(seq=3000, stats={"items": 300, "finishReason": "finished"})
+    store.report_result(task_id, node_id, TaskResult(status="SUCCESS", exit_code=0, stats=final,
+                                                     finish_reason="finished"))
+    assert not store.save_stats(task_id, node_id, TaskStats(seq=4000, stats={"items": 1}))  # after the final
+    got = store.task_stats(task_id)
+    assert got["final"] and got["latest"] == final.to_json()
+    task = store.get_task(task_id)
+    assert task["stats"] == final.to_json() and task["finishReason"] == "finished"
+
+
+def test_master_stats_of_another_node_or_unknown_task_are_refused(store: Any) -> None:
+    task_id, _ = _claimed_task(store)
+    with pytest.raises(ConflictError):
+        store.save_stats(task_id, "someone-else", TaskStats(seq=1, stats={}))
+    with pytest.raises(NotFoundError):
+        store.save_stats("nope", "n1", TaskStats(seq=1, stats={}))
