@@ -9,6 +9,8 @@ Commands::
     ckagent version                   print the ckagent and Python versions
     ckagent dev-master ...            run the reference master (SQLite)
     ckagent demo [--work-dir DIR] [--keep]   dev master + agent + sample spider, end to end
+    ckagent exec PATH [--spider NAME] [--param K=V] [--env K=V] [--timeout S] [--items FILE] ...
+                                      run one local spider (folder or zip) exactly as a node would
 
 Exit codes: 0 ok; 2 usage or configuration error (``ckagent: config error: <msg>`` on stderr);
 1 runtime failure (or whatever the delegated command returns).
@@ -81,6 +83,7 @@ def _app() -> App:
     app.command(version_command, name="version")
     app.command(dev_master, name="dev-master")
     app.command(demo)
+    app.command(exec_command, name="exec")
     return app
 
 
@@ -278,6 +281,65 @@ def demo(*, work_dir: Path = Path("demo-data"), keep: bool = False) -> int:
     from ckagent.demo import run_demo
 
     return run_demo(work_dir=work_dir, keep=keep)
+
+
+def exec_command(
+    path: Path,
+    /,
+    *,
+    spider: str | None = None,
+    framework: str | None = None,
+    command: str | None = None,
+    param: list[str] | None = None,
+    env: list[str] | None = None,
+    timeout: float | None = None,
+    items: Path = Path("items.jsonl"),
+    work_dir: Path | None = None,
+    config: ConfigOption = None,
+) -> int:
+    """Run one spider from a local folder or zip exactly as a node runs it, without a master.
+
+    The same package checks, dependency install, environment, containment, capture, items and stats
+    as on a node. The log streams to stdout; items go to --items; the end says the outcome, the
+    counts and the resource figures. Exit code: 0 success, 1 failed, 3 not started (deploy or
+    dependencies), 124 timeout, 130 cancelled (Ctrl-C), 2 usage error.
+
+    Parameters
+    ----------
+    path
+        The spider's folder (zipped like an upload) or its .zip package.
+    spider
+        The spider's name (Scrapy: what `scrapy crawl NAME` runs; default: the folder's name).
+    framework
+        scrapy, python, node, playwright or selenium (default: scrapy.cfg → scrapy, package.json → node, else python).
+    command
+        The command to run instead of the framework's default (split like a shell does).
+    param
+        A task parameter NAME=VALUE (VALUE as JSON when it is valid JSON, else text); repeatable.
+    env
+        An environment variable NAME=VALUE for the spider; repeatable.
+    timeout
+        Run-time limit in seconds (default: the agent's task.execute_timeout; 0 = none).
+    items
+        JSON lines file the items are written to (default ./items.jsonl; emptied first).
+    work_dir
+        Agent work dir: environments are cached here for the next run (default ~/.cache/ckagent/exec).
+    """
+    from ckagent.localrun import ExecRequest, ExecUsageError, default_work_dir, exec_main, parse_assignments
+
+    try:
+        params = parse_assignments(param or [], "--param", json_values=True)
+        spider_env = {k: str(v) for k, v in parse_assignments(env or [], "--env", json_values=False).items()}
+    except ExecUsageError as exc:
+        raise _UsageError(f"exec: {exc}") from exc
+    if timeout is not None and not (timeout >= 0 and timeout != float("inf")):
+        raise _UsageError(f"exec: --timeout {timeout}: expected seconds >= 0")
+    request = ExecRequest(
+        source=path, items=items.absolute(), work_dir=(work_dir or default_work_dir()).absolute(),
+        framework=framework, command=command, spider=spider, params=params, env=spider_env,
+        timeout=timeout, config=config,
+    )
+    return exec_main(request)
 
 
 def _unknown_command(tokens: list[str]) -> str | None:

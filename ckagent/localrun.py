@@ -1,0 +1,405 @@
+"""``ckagent exec``: run one spider from a local folder or zip exactly as a node runs it — no master needed.
+
+Exactly as a node: the command composes the agent's own parts, unchanged. It starts a private
+reference master on 127.0.0.1 (port 0, SQLite in a temporary directory, random tokens; nothing
+leaves the machine), uploads the folder (zipped like ``ckagent dev-master`` uploads) or the zip as
+the spider's package, starts an agent against it with ``max_workers`` 1, and schedules one task
+with the given ``--param``, ``--env``, ``--timeout``, ``--framework``/``--command``. So the package
+checks, the dependency install (uv / npm, into the work dir's content-addressed environments, reused
+by the next run), the environment, the containment, the capture, items and stats are the node's.
+
+While it runs, the spider's output (``output.log``, the agent's notices included) streams to
+stdout, its items are copied to ``--items`` (JSON lines), and when stderr is a terminal one
+progress line (items, requests, elapsed) is kept at the bottom. At the end: the outcome, the
+counts, the stats and resource figures the result carries, and an exit code:
+
+==========  =================================================================
+exit code   outcome
+==========  =================================================================
+0           SUCCESS (also LOG_BUDGET: succeeded, output cut)
+1           FAILED in the spider: EXIT_NONZERO, SIGNALED, STALLED, OOM_KILLED…
+3           could not start: DEPLOY_FAILED, DEPS_FAILED, BAD_TASK
+124         TIMEOUT
+130         CANCELLED (Ctrl-C)
+2           usage error (bad arguments, not a package)
+==========  =================================================================
+
+The agent's own log goes to ``<work dir>/exec.log``. Ctrl-C terminates the agent, which stops the
+spider the graceful way (CANCELLED).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import trio
+
+from ckagent.crawlstats import STATS_FILE, read_last_snapshot
+from ckagent.protocol import FRAMEWORKS
+
+log = logging.getLogger(__name__)
+
+EXIT_SUCCESS = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_NOT_STARTED = 3
+EXIT_TIMEOUT = 124
+EXIT_CANCELLED = 130
+FOLLOW_INTERVAL = 0.2
+"""Seconds between looks at the task's files while it runs."""
+
+
+class ExecUsageError(ValueError):
+    """The command line cannot be run as given; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ExecRequest:
+    """What to run: ``source`` folder or zip; ``framework`` None = detected; ``command`` None = the
+    framework's default; ``spider`` the spider name (scrapy's ``scrapy crawl <spider>``); ``timeout``
+    seconds (None = the agent's default, 0 = none); ``items`` the JSON lines file to write."""
+
+    source: Path
+    items: Path
+    work_dir: Path
+    framework: str | None = None
+    command: str | None = None
+    spider: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    timeout: float | None = None
+    config: Path | None = None
+
+
+def detect_framework(source: Path) -> str:
+    """``scrapy`` (scrapy.cfg), ``node`` (package.json), else ``python``; a zip is looked into."""
+    import zipfile
+
+    if source.is_dir():
+        names = {p.name for p in source.iterdir()}
+    else:
+        with zipfile.ZipFile(source) as archive:
+            names = {n.rstrip("/").split("/")[-1] for n in archive.namelist() if n.count("/") <= 1}
+    if "scrapy.cfg" in names:
+        return "scrapy"
+    if "package.json" in names:
+        return "node"
+    return "python"
+
+
+def parse_assignments(values: list[str], what: str, *, json_values: bool) -> dict[str, Any]:
+    """``["k=v", ...]`` → dict. With ``json_values`` a value that is valid JSON is decoded
+    (``n=3`` → 3, ``tags=["a"]`` → list), else kept as text. Raises ExecUsageError naming the bad one."""
+    out: dict[str, Any] = {}
+    for raw in values:
+        key, sep, value = raw.partition("=")
+        if not sep or not key:
+            raise ExecUsageError(f"{what} {raw!r}: expected NAME=VALUE")
+        if json_values:
+            try:
+                out[key] = json.loads(value)
+            except ValueError:
+                out[key] = value
+        else:
+            out[key] = value
+    return out
+
+
+def exit_code_of(task: dict[str, Any]) -> int:
+    """The process exit code for a final task record (see module docstring)."""
+    status, code = task.get("status"), task.get("errorCode")
+    if status == "SUCCESS":
+        return EXIT_SUCCESS
+    if status == "CANCELLED":
+        return EXIT_CANCELLED
+    if code == "TIMEOUT":
+        return EXIT_TIMEOUT
+    if code in ("DEPLOY_FAILED", "DEPS_FAILED", "BAD_TASK"):
+        return EXIT_NOT_STARTED
+    return EXIT_FAILED
+
+
+class _Terminal:
+    """Log bytes to ``out``; a one-line progress at the bottom of ``err`` when it is a terminal."""
+
+    def __init__(self, out: TextIO, err: TextIO) -> None:
+        self.out = out
+        self.err = err
+        self.live = err.isatty()
+        self._progress = ""
+
+    def write_log(self, data: bytes) -> None:
+        if self.live and self._progress:
+            self.err.write("\r\033[K")
+            self.err.flush()
+        buffer = getattr(self.out, "buffer", None)
+        if buffer is not None:
+            self.out.flush()
+            buffer.write(data)
+            buffer.flush()
+        else:
+            self.out.write(data.decode("utf-8", "replace"))
+            self.out.flush()
+        if self.live and self._progress:
+            self.err.write(self._progress)
+            self.err.flush()
+
+    def progress(self, text: str) -> None:
+        if not self.live:
+            return
+        self._progress = text
+        self.err.write("\r\033[K" + text)
+        self.err.flush()
+
+    def done(self) -> None:
+        if self.live and self._progress:
+            self.err.write("\r\033[K")
+            self.err.flush()
+        self._progress = ""
+
+
+class _Follower:
+    """Copies the task's output.log to the terminal and items.jsonl to the items file as they grow."""
+
+    def __init__(self, task_dir: Path, items_path: Path, terminal: _Terminal) -> None:
+        self.task_dir = task_dir
+        self.items_path = items_path
+        self.terminal = terminal
+        self.log_offset = 0
+        self.items_offset = 0
+        self.items = 0
+        self.started = time.monotonic()
+
+    def step(self) -> None:
+        """One look (blocking, small reads)."""
+        chunk = _read_from(self.task_dir / "output.log", self.log_offset)
+        if chunk:
+            self.log_offset += len(chunk)
+            self.terminal.write_log(chunk)
+        chunk = _read_from(self.task_dir / "items.jsonl", self.items_offset)
+        end = chunk.rfind(b"\n") + 1
+        if end:
+            with self.items_path.open("ab") as fh:
+                fh.write(chunk[:end])
+            self.items_offset += end
+            self.items += chunk[:end].count(b"\n")
+        snap = read_last_snapshot(self.task_dir / STATS_FILE)
+        requests = snap.stats.get("requests") if snap is not None else None
+        elapsed = time.monotonic() - self.started
+        parts = [f"{self.items} items"]
+        if isinstance(requests, int):
+            parts.append(f"{requests} requests")
+        parts.append(f"{int(elapsed // 60):02d}:{int(elapsed % 60):02d} elapsed")
+        self.terminal.progress("[ckagent exec] " + ", ".join(parts))
+
+
+def _read_from(path: Path, offset: int) -> bytes:
+    try:
+        with path.open("rb") as fh:
+            fh.seek(offset)
+            return fh.read(4 << 20)
+    except FileNotFoundError:
+        return b""
+
+
+def _agent_env(request: ExecRequest, base_url: str, token: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k.startswith("AGENT_")}
+    env.update({
+        "AGENT_SERVER_URL": base_url,
+        "AGENT_REGISTRATION_TOKEN": token,
+        "AGENT_WORK_DIR": str(request.work_dir),
+        "AGENT_NAME": "ckagent-exec",
+        "AGENT_IP": "127.0.0.1",
+        "AGENT_BIND": "127.0.0.1",
+        "AGENT_PORT": "0",
+        "AGENT_MAX_WORKERS": "1",
+        "AGENT_HEARTBEAT_INTERVAL": "2",
+        "AGENT_TASK_POLL_INTERVAL": "0.5",
+        "AGENT_TASK_LONG_POLL_WAIT": "5",
+        "AGENT_LOG_FILE": str(request.work_dir / "exec.log"),
+    })
+    env.pop("AGENT_API_KEY", None)
+    return env
+
+
+def _summary(task: dict[str, Any], stats: dict[str, Any] | None, items_path: Path, seconds: float) -> list[str]:
+    code = task.get("errorCode")
+    outcome = str(task.get("status")) + (f" ({code})" if code else "")
+    if task.get("finishReason"):
+        outcome += f", finish reason {task['finishReason']}"
+    lines = [f"[ckagent exec] outcome: {outcome}"]
+    if task.get("errorMessage"):
+        lines.append(f"[ckagent exec] message: {task['errorMessage']}")
+    counts = f"{task.get('itemCount') or 0} items -> {items_path}, {task.get('logLines') or 0} log lines"
+    figures = (stats or {}).get("stats") or {}
+    for key in ("requests", "responses", "errors", "retries"):
+        if isinstance(figures.get(key), int):
+            counts += f", {figures[key]} {key}"
+    lines.append(f"[ckagent exec] counts: {counts}")
+    resources = [f"{seconds:.1f} s wall"]
+    if isinstance(task.get("durationMs"), int):
+        resources.append(f"{task['durationMs'] / 1000:.1f} s task")
+    if isinstance(task.get("cpuSeconds"), int | float):
+        resources.append(f"{task['cpuSeconds']:.1f} s CPU")
+    if isinstance(task.get("memoryPeakBytes"), int):
+        resources.append(f"{task['memoryPeakBytes'] / 2**20:.0f} MiB memory peak")
+    lines.append("[ckagent exec] resources: " + ", ".join(resources))
+    return lines
+
+
+async def run_exec(request: ExecRequest, out: TextIO, err: TextIO) -> int:
+    """Run ``request`` (see module docstring); returns the exit code. Raises ExecUsageError for bad
+    input (the spider did not run then). Cancellation terminates the agent and the master."""
+    from ckagent.devmaster.client import zip_directory
+
+    source = request.source
+    if not source.exists():
+        raise ExecUsageError(f"{source}: no such folder or zip")
+    if source.is_file() and source.suffix.lower() != ".zip":
+        raise ExecUsageError(f"{source}: expected a spider's folder or a .zip of it")
+    framework = request.framework or await trio.to_thread.run_sync(detect_framework, source)
+    if framework not in FRAMEWORKS:
+        raise ExecUsageError(f"--framework {framework!r}: expected one of {', '.join(FRAMEWORKS)}")
+    if framework == "scrapy" and request.command is None and request.spider is None:
+        raise ExecUsageError("a Scrapy project needs --spider NAME (what `scrapy crawl NAME` runs) or --command")
+    package = (await trio.to_thread.run_sync(zip_directory, source) if source.is_dir()
+               else await trio.to_thread.run_sync(source.read_bytes))
+
+    def prepare() -> Path:
+        request.work_dir.mkdir(parents=True, exist_ok=True)
+        request.items.parent.mkdir(parents=True, exist_ok=True)
+        request.items.write_bytes(b"")
+        return Path(tempfile.mkdtemp(prefix="ckagent-exec-"))
+
+    tmp = await trio.to_thread.run_sync(prepare)
+    terminal = _Terminal(out, err)
+    outcome: list[int] = []
+    refused: list[ExecUsageError] = []
+    try:
+        async with trio.open_nursery() as root:
+            root.start_soon(_session, request, framework, package, tmp, terminal, outcome, refused, root)
+    finally:
+        terminal.done()
+        await trio.to_thread.run_sync(lambda: shutil.rmtree(tmp, ignore_errors=True))
+    if refused:
+        raise refused[0]
+    return outcome[0] if outcome else EXIT_CANCELLED
+
+
+async def _session(request: ExecRequest, framework: str, package: bytes, tmp: Path, terminal: _Terminal,
+                   outcome: list[int], refused: list[ExecUsageError], root: trio.Nursery) -> None:
+    """Master + agent + the task in ``root``; appends the exit code to ``outcome`` (or the reason
+    the package was refused to ``refused``), then cancels ``root``."""
+    from ckagent.agent import Agent
+    from ckagent.config import load_settings
+    from ckagent.devmaster.client import AdminApiError, AdminClient
+    from ckagent.devmaster.server import DevMasterConfig, serve
+
+    source = request.source
+    name = request.spider or (source.stem if source.is_file() else source.resolve().name)
+    token, admin_token = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
+    started = time.monotonic()
+    config = DevMasterConfig(db_path=tmp / "master.sqlite", registration_token=token,
+                             admin_token=admin_token, port=0)
+    base_url = await root.start(serve, config)
+    settings = load_settings(request.config, env=_agent_env(request, base_url, token))
+    agent = Agent(settings)
+    agent_done = trio.Event()
+
+    async def run_agent() -> None:
+        try:
+            await agent.run()
+        finally:
+            agent_done.set()
+
+    root.start_soon(run_agent)
+    try:
+        with trio.fail_after(60):
+            await agent.started.wait()
+        async with AdminClient(base_url, admin_token) as admin:
+            spider_id = await admin.create_spider(name=name, framework=framework, command=request.command)
+            try:
+                await admin.upload_package(spider_id, package)
+            except AdminApiError as exc:
+                refused.append(ExecUsageError(f"{source}: not a spider package the agent can take: {exc.message}"))
+                return
+            task_id = await admin.create_task(spider_id, params=request.params, env=request.env,
+                                              timeout_seconds=request.timeout)
+            follower = _Follower(settings.task.work_dir / "tasks" / task_id, request.items, terminal)
+            task = await _follow(admin, task_id, follower, agent_done)
+            stats = (await admin.get_stats(task_id))["latest"]
+        await trio.to_thread.run_sync(follower.step)
+        terminal.done()
+        err = terminal.err
+        for line in _summary(task, stats, request.items, time.monotonic() - started):
+            err.write(line + "\n")
+        err.flush()
+        outcome.append(exit_code_of(task))
+    finally:
+        agent.terminate()
+        with trio.CancelScope(shield=True), trio.move_on_after(30):
+            await agent_done.wait()
+        root.cancel_scope.cancel()
+
+
+async def _follow(admin: Any, task_id: str, follower: _Follower, agent_done: trio.Event) -> dict[str, Any]:
+    """Follow the task's files until the master holds its final result; return the task record."""
+    while True:
+        await trio.to_thread.run_sync(follower.step)
+        task: dict[str, Any] = await admin.get_task(task_id)
+        if task["status"] in ("SUCCESS", "FAILED", "CANCELLED"):
+            return task
+        if agent_done.is_set():  # Ctrl-C: the agent stopped; its CANCELLED result may be on its way
+            with trio.move_on_after(5):
+                while task["status"] not in ("SUCCESS", "FAILED", "CANCELLED"):
+                    await trio.sleep(0.1)
+                    task = await admin.get_task(task_id)
+            if task["status"] == "RUNNING":
+                task = {**task, "status": "CANCELLED", "errorCode": "CANCELLED",
+                        "errorMessage": "interrupted"}
+            return task
+        await trio.sleep(FOLLOW_INTERVAL)
+
+
+def default_work_dir() -> Path:
+    """``$XDG_CACHE_HOME/ckagent/exec`` (``~/.cache/ckagent/exec``): environments are reused across runs."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ckagent" / "exec"
+
+
+def exec_main(request: ExecRequest) -> int:
+    """Entry point of ``ckagent exec``: runs :func:`run_exec` in Trio; ExecUsageError → exit 2."""
+    from ckagent.logs import setup_logging
+    from ckagent.workdir import WorkDirError, WorkDirLock
+
+    try:
+        request.work_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"ckagent exec: cannot create the work dir {request.work_dir}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        lock = WorkDirLock.acquire(request.work_dir)
+    except WorkDirError as exc:
+        print(f"ckagent exec: {exc}; pass another --work-dir", file=sys.stderr)
+        return EXIT_USAGE
+    setup_logging("INFO", request.work_dir / "exec.log", stderr=False)
+    logging.getLogger("ckagent.devmaster").setLevel(logging.WARNING)
+    try:
+        return trio.run(run_exec, request, sys.stdout, sys.stderr)
+    except ExecUsageError as exc:
+        print(f"ckagent exec: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return EXIT_CANCELLED
+    finally:
+        lock.release()
