@@ -186,6 +186,14 @@ class StateStore:
         )
         return [_record(r) for r in rows]
 
+    def recent_finished(self, limit: int) -> list[TaskRecord]:
+        """The ``limit`` tasks that finished last (newest first), delivered or not (the status page)."""
+        rows = self._exec(
+            f"SELECT {_COLUMNS} FROM tasks WHERE result_json IS NOT NULL ORDER BY finished_at DESC LIMIT ?",
+            (limit,),
+        )
+        return [_record(r) for r in rows]
+
     def task_ids(self) -> set[str]:
         """Ids of every task the store knows (delivered or not)."""
         return {str(r[0]) for r in self._exec("SELECT task_id FROM tasks")}
@@ -269,6 +277,10 @@ class AsyncStateStore:
     async def delivered_before(self, cutoff: float) -> list[TaskRecord]:
         """See :meth:`StateStore.delivered_before`."""
         return await trio.to_thread.run_sync(self.sync.delivered_before, cutoff)
+
+    async def recent_finished(self, limit: int) -> list[TaskRecord]:
+        """See :meth:`StateStore.recent_finished`."""
+        return await trio.to_thread.run_sync(self.sync.recent_finished, limit)
 
     async def task_ids(self) -> set[str]:
         """See :meth:`StateStore.task_ids`."""

@@ -8,6 +8,7 @@ path     answer
 /readyz  200 ``ready`` when registered and the last heartbeat was acknowledged within
          ``3 × heartbeat.interval`` seconds and the agent is RUNNING; else 503 with the reason
 /status  JSON: state, node id, running tasks (id, spider, since, pid, phase), outbox, versions
+/        the HTML status page, and /tasks/<id>/tail, /tasks/<id>/log.txt (see ckagent.statuspage)
 other    404 (a known path with a method other than GET/HEAD: 405)
 ======== ===================================================================================
 
@@ -92,6 +93,8 @@ class StatusRoutes:
     metrics: Callable[[str], Awaitable[tuple[bytes, str]]]
     readiness: Callable[[], Readiness]
     status: Callable[[], Awaitable[dict[str, Any]]]
+    page: Any = None
+    """An ASGI app with ``handles(path)`` for the HTML page (``ckagent.statuspage.StatusPage``), or None."""
 
 
 class StatusApp:
@@ -120,6 +123,13 @@ class StatusApp:
         if scope["type"] != "http":
             return
         handler = self._paths.get(scope["path"])
+        page = self._routes.page
+        if handler is None and page is not None and page.handles(scope["path"]) and scope["method"] in ("GET", "HEAD"):
+            try:
+                await page(scope, receive, send)
+            except Exception:
+                log.exception("status server: %s failed", scope["path"])
+            return
         headers: list[tuple[bytes, bytes]] = []
         if handler is None:
             status, ctype, body = 404, "text/plain; charset=utf-8", b"not found\n"
@@ -235,7 +245,10 @@ class AgentStatus:
 
     def routes(self) -> StatusRoutes:
         """The callables :func:`serve_status` serves."""
-        return StatusRoutes(metrics=self.metrics, readiness=self.readiness, status=self.status)
+        from ckagent.statuspage import StatusPage
+
+        return StatusRoutes(metrics=self.metrics, readiness=self.readiness, status=self.status,
+                            page=StatusPage(self._agent, self.status))
 
     def heartbeat_age(self) -> float:
         """Seconds since the last acknowledged heartbeat (since the start when there was none)."""

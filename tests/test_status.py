@@ -189,8 +189,11 @@ async def test_probes_status_and_unknown_paths(dev_master, nursery: trio.Nursery
 
             await wait_for(ready, 10, "/readyz 200")
             assert (await client.get("/readyz")).text == "ready\n"
-            for path in ("/", "/metrics/", "/status.json", "/admin", "/healthz/x"):
+            for path in ("/metrics/", "/status.json", "/admin", "/healthz/x", "/tasks/nope/log.txt",
+                         "/tasks/../state.db/log.txt"):
                 assert (await client.get(path)).status_code == 404, path
+            page = await client.get("/")  # the status page (tests/test_statuspage.py)
+            assert page.status_code == 200 and page.headers["content-type"] == "text/html; charset=utf-8"
             refused = await client.post("/metrics")
             assert refused.status_code == 405 and refused.headers["allow"] == "GET, HEAD"
             head = await client.head("/metrics")

@@ -1,0 +1,166 @@
+"""``ckagent exec`` gives what the node gives: each sdk/examples spider run by the real CLI (a
+subprocess, no master) and through the reference master with an agent has the same outcome, the
+same items and the same log lines (the agent's own timestamped notices and Scrapy's timings aside;
+as sorted lists, since how the stdout and stderr pipes interleave differs from run to run).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from harness import agent_settings, running_agent
+
+import ckagent
+from ckagent.devmaster.client import zip_directory
+from ckagent.localrun import _Terminal, detect_framework, exit_code_of, parse_assignments
+from ckagent.runtimes import find_chromedriver, find_chromium
+
+EXAMPLES = Path(ckagent.__file__).resolve().parent.parent / "sdk" / "examples"
+RUN_TIMEOUT = 420.0
+
+# (example, framework, spider name, expected exit code of `ckagent exec`, marks)
+CASES = [
+    pytest.param("python_demo", "python", None, 0, id="python_demo"),
+    pytest.param("fail_demo", "python", None, 1, id="fail_demo"),
+    pytest.param("httpx_demo", "python", None, 0, id="httpx_demo", marks=pytest.mark.slow),
+    pytest.param("scrapy_demo", "scrapy", "products", 0, id="scrapy_demo", marks=pytest.mark.slow),
+    pytest.param("node_demo", "node", None, 0, id="node_demo", marks=[pytest.mark.slow, pytest.mark.skipif(
+        shutil.which("node") is None or shutil.which("npm") is None, reason="node/npm are not installed")]),
+    pytest.param("playwright_demo", "playwright", None, 0, id="playwright_demo", marks=[
+        pytest.mark.slow, pytest.mark.skipif(find_chromium() is None, reason="Chromium is not installed")]),
+    pytest.param("selenium_demo", "selenium", None, 0, id="selenium_demo", marks=[
+        pytest.mark.slow, pytest.mark.skipif(find_chromium() is None or find_chromedriver() is None,
+                                             reason="Chromium/chromedriver are not installed")]),
+]
+
+_STAMP = re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:[+-]\d{4})?")
+_SCRAPY_VARIABLE = re.compile(r"(elapsed_time|memusage|_time'|time\b|Crawled \d+ pages|Telnet|Overridden"
+                              r"|pid|\bat 0x[0-9a-f]+|Versions:|Enabled|\[scrapy\.(?:utils\.log|addons|"
+                              r"middleware|extensions)\]|^\s|^\{|^\})")
+
+
+def spider_lines(lines: list[str], framework: str) -> list[str]:
+    """The spider's own log lines, comparable across runs: from the agent's "running ..." notice on
+    (installer output depends on what the cache held), without the agent's notices (timestamps,
+    paths) and, for Scrapy, without timestamps and the lines that hold timings."""
+    out = []
+    starts = [i for i, line in enumerate(lines) if line.startswith("[ckagent ") and "] running " in line]
+    for line in lines[starts[0] + 1 if starts else 0:]:
+        if line.startswith(("[ckagent", "[ckagent]")) or line.startswith("$ ") or not line.strip():
+            continue
+        if framework == "scrapy":
+            line = _STAMP.sub("<t>", line)
+            if _SCRAPY_VARIABLE.search(line):
+                continue
+        out.append(line)
+    return out
+
+
+def run_cli_exec(example: str, framework: str, spider: str | None, base_url: str, tmp_path: Path,
+                 work_dir: Path) -> tuple[subprocess.CompletedProcess[bytes], list[dict[str, Any]]]:
+    """`python -m ckagent exec` on the example; returns the finished process and the items it wrote."""
+    items = tmp_path / f"{example}.items.jsonl"
+    argv = [sys.executable, "-m", "ckagent", "exec", str(EXAMPLES / example), "--framework", framework,
+            "--param", f"start_url={base_url}/demo-site/", "--items", str(items), "--work-dir", str(work_dir)]
+    if spider:
+        argv += ["--spider", spider]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENT_", "CK_"))}
+    env["AGENT_UV_SYNC_TIMEOUT"] = "400"
+    done = subprocess.run(argv, capture_output=True, env=env, timeout=RUN_TIMEOUT, check=False, cwd=tmp_path)
+    got = [json.loads(line) for line in items.read_text(encoding="utf-8").splitlines()] if items.exists() else []
+    return done, got
+
+
+@pytest.mark.parametrize(("example", "framework", "spider", "exit_code"), CASES)
+async def test_exec_gives_what_the_master_path_gives(dev_master: Any, nursery: trio.Nursery, tmp_path: Path,
+                                                      example: str, framework: str, spider: str | None,
+                                                      exit_code: int) -> None:
+    admin = dev_master.admin
+    # Through the reference master, as a node runs it.
+    spider_id = await admin.create_spider(name=spider or example, framework=framework)
+    await admin.upload_package(spider_id, await trio.to_thread.run_sync(zip_directory, EXAMPLES / example))
+    settings = agent_settings(tmp_path / "agent", dev_master.base_url, dev_master.registration_token,
+                              AGENT_UV_SYNC_TIMEOUT="400")
+    async with running_agent(nursery, settings):
+        task_id = await admin.create_task(spider_id, params={"start_url": f"{dev_master.base_url}/demo-site/"})
+        task = await admin.wait_task_final(task_id, RUN_TIMEOUT)
+    master_items = await admin.get_items(task_id)
+    master_logs = await admin.get_logs(task_id)
+    # The same spider with `ckagent exec` (its own private master; the same demo site to crawl).
+    done, exec_items = await trio.to_thread.run_sync(
+        run_cli_exec, example, framework, spider, dev_master.base_url, tmp_path, tmp_path / "exec-work")
+    stdout = done.stdout.decode("utf-8", "replace")
+    stderr = done.stderr.decode("utf-8", "replace")
+    assert done.returncode == exit_code == exit_code_of(task), (task, stderr[-3000:])
+    assert exec_items == master_items
+    # stdout and stderr are two pipes: how their lines interleave differs from run to run.
+    assert sorted(spider_lines(stdout.splitlines(), framework)) == sorted(spider_lines(master_logs, framework))
+    assert spider_lines(master_logs, framework), master_logs  # not comparing two empty lists
+    code = task["errorCode"]
+    assert f"[ckagent exec] outcome: {task['status']}" + (f" ({code})" if code else "") in stderr
+    assert f"[ckagent exec] counts: {len(master_items)} items" in stderr
+    assert "[ckagent exec] resources: " in stderr
+
+
+def test_exec_refuses_bad_input_with_exit_2(tmp_path: Path) -> None:
+    not_zip = tmp_path / "spider.txt"
+    not_zip.write_text("x")
+    scrapy_project = tmp_path / "proj"
+    scrapy_project.mkdir()
+    (scrapy_project / "scrapy.cfg").write_text("[settings]\ndefault = p.settings\n")
+    cases = [
+        ([str(tmp_path / "missing")], "no such folder or zip"),
+        ([str(not_zip)], "expected a spider's folder or a .zip"),
+        ([str(scrapy_project)], "needs --spider NAME"),
+        ([str(tmp_path), "--framework", "ruby"], "expected one of scrapy"),
+        ([str(tmp_path), "--param", "novalue"], "expected NAME=VALUE"),
+    ]
+    for args, message in cases:
+        done = subprocess.run([sys.executable, "-m", "ckagent", "exec", *args, "--work-dir", str(tmp_path / "w")],
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 2, (args, done.stderr)
+        assert message in done.stderr, (args, done.stderr)
+
+
+def test_helpers() -> None:
+    assert parse_assignments(["n=3", "s=abc", "l=[1]", "e="], "--param", json_values=True) == {
+        "n": 3, "s": "abc", "l": [1], "e": ""}
+    assert parse_assignments(["A=1"], "--env", json_values=False) == {"A": "1"}
+    assert detect_framework(EXAMPLES / "scrapy_demo") == "scrapy"
+    assert detect_framework(EXAMPLES / "node_demo") == "node"
+    assert detect_framework(EXAMPLES / "python_demo") == "python"
+    assert [exit_code_of({"status": s, "errorCode": c}) for s, c in [
+        ("SUCCESS", None), ("SUCCESS", "LOG_BUDGET"), ("FAILED", "EXIT_NONZERO"), ("FAILED", "TIMEOUT"),
+        ("FAILED", "DEPS_FAILED"), ("CANCELLED", "CANCELLED"), ("FAILED", "STALLED")]] == [0, 0, 1, 124, 3, 130, 1]
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_line_stays_at_the_bottom_of_a_terminal() -> None:
+    out, err = io.StringIO(), _Tty()
+    terminal = _Terminal(out, err)
+    terminal.progress("[ckagent exec] 3 items, 00:01 elapsed")
+    terminal.write_log(b"a line\n")
+    terminal.done()
+    assert out.getvalue() == "a line\n"
+    assert err.getvalue() == ("\r\033[K[ckagent exec] 3 items, 00:01 elapsed"  # drawn
+                              "\r\033[K"  # cleared before the log line
+                              "[ckagent exec] 3 items, 00:01 elapsed"  # drawn again
+                              "\r\033[K")  # cleared at the end
+    plain_err = io.StringIO()
+    terminal = _Terminal(out, plain_err)
+    terminal.progress("nothing on a pipe")
+    assert plain_err.getvalue() == ""
