@@ -250,6 +250,7 @@ class Agent:
                     root.cancel_scope.cancel()
                     return 0
                 await root.start(outbox.run)
+                outbox.stats_observer = self.metrics.crawl.observe
                 for record in leftovers:
                     await outbox.resume(record)
                     delivery = outbox.deliveries.get(record.task_id)

@@ -55,6 +55,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
+from ckagent.crawlmetrics import CrawlMetrics
 from ckagent.delivery import OutboxStatistics
 from ckagent.deps import Prepared
 from ckagent.protocol import TaskResult
@@ -220,6 +221,7 @@ class AgentMetrics(SupervisorObserver):
             "ckagent_master_request_duration_seconds", "Latency of requests to the master (a long poll "
             "includes the time the master held it).", ["endpoint"], buckets=MASTER_LATENCY_BUCKETS, registry=r,
         )
+        self.crawl = CrawlMetrics(r)
         r.register(_LiveCollector(self))
         ProcessCollector(registry=r)
 

@@ -19,7 +19,9 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+from prometheus_client import CollectorRegistry
 
+from ckagent.crawlmetrics import MAX_SPIDERS, CrawlMetrics, status_class
 from ckagent.crawlstats import MAX_SNAPSHOT_BYTES, read_last_snapshot, scrapy_stats_env, summary
 from ckagent.devmaster import stats as master_stats
 from ckagent.devmaster.client import zip_files
@@ -216,6 +218,37 @@ async def test_stall_watchdog_stops_when_the_task_ends(autojump_clock: trio.test
     with trio.fail_after(1):
         await watch_stall(0, lambda: 0.0, ended, fired.append)  # 0 = off
     assert fired == []
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+
+
+def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in registry.collect() for s in family.samples if s.name.startswith("ckagent_crawl")}
+
+
+def test_crawl_metrics_count_deltas_per_spider_with_a_label_cap() -> None:
+    registry = CollectorRegistry()
+    crawl = CrawlMetrics(registry)
+    crawl.observe("t1", "shop", {"items": 5, "requests": 8, "responsesByStatus": {"200": 6, "404": 1, "x": 1}}, False)
+    crawl.observe("t1", "shop", {"items": 9, "requests": 12, "responsesByStatus": {"200": 9, "404": 1, "503": 2}},
+                  False)
+    crawl.observe("t1", "shop", {"items": 10, "requests": 12, "errors": 2,
+                                 "responsesByStatus": {"200": 9, "404": 1, "503": 2}}, True)
+    crawl.observe("t2", "shop", {"items": 1}, True)  # another task of the same spider adds up
+    got = _samples(registry)
+    assert got[("ckagent_crawl_items_total", (("spider", "shop"),))] == 11
+    assert got[("ckagent_crawl_requests_total", (("spider", "shop"),))] == 12
+    assert got[("ckagent_crawl_errors_total", (("spider", "shop"),))] == 2
+    responses = {dict(k[1])["status_class"]: v for k, v in got.items() if k[0] == "ckagent_crawl_responses_total"}
+    assert responses == {"2xx": 9, "4xx": 1, "5xx": 2, "other": 1}
+    for i in range(MAX_SPIDERS + 10):
+        crawl.observe(f"s{i}", f"spider-{i}", {"items": 1}, True)
+    spiders = {dict(k[1])["spider"] for k in _samples(registry) if k[0] == "ckagent_crawl_items_total"}
+    assert len(spiders) == MAX_SPIDERS + 1 and "other" in spiders  # "shop" + 49 + "other"
+    assert _samples(registry)[("ckagent_crawl_items_total", (("spider", "other"),))] == 11
+    assert status_class("200") == "2xx" and status_class("999") == "other" and status_class("20") == "other"
 
 
 # ---------------------------------------------------------------------------------------------- master

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import trio
 from harness import AgentProcess, agent_settings, running_agent, submit
@@ -70,7 +71,7 @@ async def test_live_stats_reach_the_master_and_the_final_ones_come_with_the_resu
     admin = dev_master.admin
     work_dir = tmp_path / "agent"
     settings = agent_settings(work_dir, dev_master.base_url, dev_master.registration_token)
-    async with running_agent(nursery, settings):
+    async with running_agent(nursery, settings) as agent:
         task_id = await submit(admin, "reporter", {"main.py": REPORTER}, **flag_params(tmp_path))
         first: list[dict[str, Any]] = []
         later: list[dict[str, Any]] = []
@@ -86,6 +87,8 @@ async def test_live_stats_reach_the_master_and_the_final_ones_come_with_the_resu
         assert later[-1]["seq"] > first[0]["seq"] and later[-1]["progress"]["done"] >= 1
         (tmp_path / "stop").touch()
         task = await admin.wait_task_final(task_id, 60)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{agent.status_port}") as client:
+            metrics = (await client.get("/metrics")).text
     assert task["status"] == "SUCCESS" and task["errorCode"] is None, task
     stats = await admin.get_stats(task_id)
     assert stats["final"] and stats["latest"]["stats"]["finishReason"] == "flagged"
@@ -94,6 +97,11 @@ async def test_live_stats_reach_the_master_and_the_final_ones_come_with_the_resu
     assert task["finishReason"] == "flagged"
     assert f"reporter done after {n}" in await admin.get_logs(task_id)
     assert len(stats["history"]) >= 3  # live snapshots, then the final one
+    # The crawl metrics count the same totals (per spider, from the snapshots' differences).
+    assert f'ckagent_crawl_requests_total{{spider="reporter"}} {float(n)}' in metrics
+    assert f'ckagent_crawl_items_total{{spider="reporter"}} {float(n // 10)}' in metrics
+    assert f'ckagent_crawl_responses_total{{spider="reporter",status_class="2xx"}} {float(n)}' in metrics
+    assert 'ckagent_tasks_finished_total{error_code="none",status="SUCCESS"} 1.0' in metrics
 
 
 async def test_an_agent_killed_mid_crawl_reports_the_last_stats_with_agent_lost(

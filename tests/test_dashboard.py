@@ -43,6 +43,8 @@ def exported() -> dict[str, set[str]]:
     metrics.deps_prepared(rt, Prepared(cache_hit=False, seconds=1.0))
     metrics.task_finished(rt, TaskResult(status="FAILED", error_code="TIMEOUT", duration_ms=10))
     metrics.master_request("poll", "ok", 0.1)
+    metrics.crawl.observe("t", "shop", {"items": 3, "requests": 4, "errors": 1,
+                                        "responsesByStatus": {"200": 3, "404": 1}}, True)
     body, _ = metrics.render(LiveFigures(state="RUNNING", outbox=OutboxFigures()))
     names: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(body.decode()):
@@ -59,7 +61,9 @@ def test_dashboard_is_well_formed() -> None:
     variables = {v["name"] for v in dashboard["templating"]["list"]}
     assert {"datasource", "instance"} <= variables
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
-    for topic in ("status", "running vs slots", "duration", "outbox", "master request errors", "per node"):
+    for topic in ("status", "running vs slots", "duration", "outbox", "master request errors", "per node",
+                  "items scraped per spider", "requests per spider", "responses by status class",
+                  "task outcomes by errorcode"):
         assert topic in titles, topic
     for p in dashboard["panels"]:
         assert set(p["gridPos"]) == {"h", "w", "x", "y"} and p["gridPos"]["x"] + p["gridPos"]["w"] <= 24
@@ -91,7 +95,9 @@ def test_every_queried_metric_and_label_is_exported() -> None:
     # The dashboard covers the families an operator needs.
     for family in ("ckagent_tasks_finished_total", "ckagent_tasks_running", "ckagent_max_workers",
                    "ckagent_task_duration_seconds_bucket", "ckagent_outbox_log_lines", "ckagent_outbox_results",
-                   "ckagent_master_requests_total", "ckagent_heartbeat_age_seconds", "ckagent_build_info"):
+                   "ckagent_master_requests_total", "ckagent_heartbeat_age_seconds", "ckagent_build_info",
+                   "ckagent_crawl_items_total", "ckagent_crawl_requests_total", "ckagent_crawl_responses_total",
+                   "ckagent_crawl_errors_total"):
         assert family in queried, family
 
 

@@ -12,10 +12,11 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import trio
 
-from ckagent.crawlstats import STATS_FILE
+from ckagent.crawlstats import STATS_FILE, Snapshot
 from ckagent.delivery.capture import DiskGuard, LogSink
 from ckagent.delivery.journal import LogJournal, rejected_log_globs, scan_log_files, task_log_globs
 from ckagent.delivery.lines import Masker, secret_values
@@ -52,7 +53,8 @@ class TaskDelivery:
     while the process runs and calls :meth:`finish` once with the final result."""
 
     def __init__(self, outbox: Outbox, task_id: str, task_dir: Path, masker: Masker, globs: list[str],
-                 sink: LogSink | None, journal: LogJournal, on_delivered: Delivered | None) -> None:
+                 sink: LogSink | None, journal: LogJournal, on_delivered: Delivered | None,
+                 spider: str = "") -> None:
         self.outbox = outbox
         self.task_id = task_id
         self.task_dir = task_dir
@@ -62,7 +64,8 @@ class TaskDelivery:
         self.on_delivered = on_delivered
         self.logs = StreamShipper.logs(outbox.master, outbox.store, task_id, task_dir, masker, outbox.limiter)
         self.items = StreamShipper.items(outbox.master, outbox.store, task_id, task_dir, outbox.limiter)
-        self.stats = StatsShipper(outbox.master, task_id, task_dir, outbox.limiter)
+        self.spider = spider
+        self.stats = StatsShipper(outbox.master, task_id, task_dir, outbox.limiter, on_snapshot=self._observe)
         self.activity = Activity((task_dir / ITEMS_FILE, task_dir / STATS_FILE))
         journal.on_record = self.logs.notify
         self._wake = trio.Event()
@@ -72,6 +75,14 @@ class TaskDelivery:
         self.ship_logs = True  # False when the journal cannot be opened (the result still goes)
         self._stall: tuple[float, Callable[[float], None]] = (0.0, lambda idle: None)
         self._stall_armed = trio.Event()
+
+    def _observe(self, snapshot: Snapshot, final: bool = False) -> None:
+        observer = self.outbox.stats_observer
+        if observer is not None:
+            try:
+                observer(self.task_id, self.spider, snapshot.stats, final)
+            except Exception:  # metrics must never break a delivery
+                log.exception("task %s: the stats observer failed", self.task_id)
 
     def output_written(self) -> None:
         """The sink wrote to output.log."""
@@ -146,6 +157,7 @@ class TaskDelivery:
         # The final stats snapshot is the stats file's last line (the spool): read again on every
         # (re)start, so neither an agent crash nor a master outage loses it.
         final = await trio.to_thread.run_sync(final_stats, self.task_dir)
+        self._observe(Snapshot(final.seq if final else 0, {"stats": final.stats if final else {}}), final=True)
         stats = final if final is not None else self.result.stats
         reason = self.result.finish_reason
         if reason is None and stats is not None and isinstance(stats.stats.get("finishReason"), str):
@@ -178,6 +190,8 @@ class Outbox:
         self.guard = DiskGuard(work_dir, self.config.min_free_disk_bytes)
         self.deliveries: dict[str, TaskDelivery] = {}
         self._counter = SpoolCounter(store.sync)
+        self.stats_observer: Callable[[str, str, dict[str, Any], bool], None] | None = None
+        """Called with (task id, spider name, stats, final) for every newer stats snapshot (metrics)."""
         self._nursery: trio.Nursery | None = None
         self._idle = trio.Event()
         self._idle.set()
@@ -224,7 +238,7 @@ class Outbox:
         journal = LogJournal(task_dir)
         await trio.to_thread.run_sync(journal.open)
         delivery = TaskDelivery(self, task.id, task_dir, masker, task_log_globs(task, self.config.log_globs),
-                                None, journal, on_delivered)
+                                None, journal, on_delivered, spider=task.spider_name or task.spider_id)
         delivery.sink = LogSink(task_dir / OUTPUT_LOG, delivery.output_written,
                                 max_bytes=self.config.max_log_bytes, guard=self.guard)
         rejected = rejected_log_globs(task)
@@ -251,7 +265,9 @@ class Outbox:
         except (OSError, ValueError) as exc:
             log.error("task %s: cannot open its log journal (%s); not sending its log", record.task_id, exc)
             ship_logs = False
-        delivery = TaskDelivery(self, record.task_id, record.task_dir, masker, globs, None, journal, None)
+        spider = str(record.task_json.get("spiderName") or record.spider_id)
+        delivery = TaskDelivery(self, record.task_id, record.task_dir, masker, globs, None, journal, None,
+                                spider=spider)
         delivery.ship_logs = ship_logs
         delivery.result = TaskResult.from_json(record.result)
         delivery.items.finish()

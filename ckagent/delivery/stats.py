@@ -13,6 +13,7 @@ which is stored and retried until acknowledged (see :mod:`ckagent.delivery.outbo
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -55,10 +56,12 @@ def final_stats(task_dir: Path) -> TaskStats | None:
 class StatsShipper:
     """Ships one task's live stats (see module docstring). ``latest`` is the newest snapshot read
     (for the status page, the metrics and the stall watchdog); ``changed_at`` when it last changed
-    (``trio.current_time()``); ``sent`` how many posts the master acknowledged."""
+    (``trio.current_time()``); ``sent`` how many posts the master acknowledged. ``on_snapshot(snapshot)``
+    is called on the Trio thread for every newer snapshot read (the crawl metrics)."""
 
     def __init__(self, master: MasterClient, task_id: str, task_dir: Path,
-                 limiter: trio.CapacityLimiter | None = None, interval: float | None = None) -> None:
+                 limiter: trio.CapacityLimiter | None = None, interval: float | None = None,
+                 on_snapshot: Callable[[Snapshot], None] | None = None) -> None:
         self._master = master
         self.task_id = task_id
         self.path = task_dir / STATS_FILE
@@ -69,6 +72,7 @@ class StatsShipper:
         self.sent_seq = -1
         self.sent = 0
         self.refused = False
+        self._on_snapshot = on_snapshot
 
     def look(self) -> Snapshot | None:
         """Read a newer snapshot if the file grew (a syscall or two, page cache); returns the newest."""
@@ -80,6 +84,8 @@ class StatsShipper:
         if newer is not None:
             self.latest = newer
             self.changed_at = trio.current_time()
+            if self._on_snapshot is not None:
+                self._on_snapshot(newer)
         return self.latest
 
     async def run(self, ended: trio.Event) -> None:
