@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -163,6 +164,30 @@ def test_scrapy_env_keeps_a_task_settings_module() -> None:
     assert scrapy_stats_env({}) == {"SCRAPY_SETTINGS_MODULE": "crawlerkeeper_sdk.scrapy_settings"}
     assert scrapy_stats_env({"SCRAPY_SETTINGS_MODULE": "mine.settings"}) == {
         "SCRAPY_SETTINGS_MODULE": "crawlerkeeper_sdk.scrapy_settings", "CK_SCRAPY_SETTINGS_MODULE": "mine.settings"}
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
+def test_the_node_helper_writes_the_same_snapshots(tmp_path: Path) -> None:
+    stats_file, items_file = tmp_path / "stats.jsonl", tmp_path / "items.jsonl"
+    script = textwrap.dedent(f"""
+        const ck = require({json.dumps(str(REPO / "sdk" / "node" / "crawlerkeeper.js"))});
+        ck.saveItem({{title: "商品 01"}});
+        ck.reportStats({{items: 1, requests: 2}});
+        ck.progress(3, 10);
+        ck.reportStats({{items: 5, requests: 7, finishReason: "done"}});  // coalesced: written at exit
+        try {{ ck.reportStats([1]); }} catch (err) {{ console.log(err.name); }}
+        console.log(JSON.stringify(ck.taskContext().params));
+    """)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("CK_")},
+           "CK_STATS_FILE": str(stats_file), "CK_ITEMS_FILE": str(items_file), "CK_PARAMS": '{"a": 1}'}
+    done = subprocess.run(["node", "-e", script], env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["TypeError", '{"a":1}']
+    assert [json.loads(line) for line in items_file.read_text(encoding="utf-8").splitlines()] == [{"title": "商品 01"}]
+    snap = read_last_snapshot(stats_file)
+    assert snap is not None and snap.stats == {"items": 5, "requests": 7, "finishReason": "done"}
+    assert snap.finish_reason == "done" and snap.data["progress"] == {"done": 3, "total": 10}
+    assert len(stats_file.read_text().splitlines()) == 2
 
 
 # ---------------------------------------------------------------------------------------------- reader

@@ -1,0 +1,97 @@
+// crawlerkeeper.js — the CrawlerKeeper SDK for Node spiders: items, stats and progress, like the Python SDK.
+//
+// No dependencies (Node 14+). Copy this file into your spider, or require it by path:
+//
+//   const ck = require("./crawlerkeeper");
+//   ck.saveItem({ title: "Product 01", price: 3.99 });      // one JSON line of CK_ITEMS_FILE
+//   ck.reportStats({ requests: 14, items: 120 });           // a complete stats snapshot (CK_STATS_FILE)
+//   ck.progress(3, 10);                                     // done / total (total may be null)
+//   const { params } = ck.taskContext();                    // CK_PARAMS as an object
+//
+// Outside an agent (no CK_ITEMS_FILE) items are printed on stdout and stats are ignored. Writes are
+// synchronous appends of whole lines (O_APPEND): safe next to other writers of the same file.
+// Stats lines are coalesced: at most one per second; a pending one is written by a timer or when
+// the process exits. reportStats(stats, { final: true }) writes at once.
+"use strict";
+
+const fs = require("fs");
+
+const MIN_INTERVAL_MS = 1000;
+let current = { stats: {}, progress: null };
+let pending = false;
+let lastWrite = 0;
+let timer = null;
+
+function line(obj) {
+  return JSON.stringify(obj).replace(/\u2028/g, "\\u2028").replace(/\u2029/g, "\\u2029") + "\n";
+}
+
+function saveItem(item) {
+  if (item === null || typeof item !== "object" || Array.isArray(item)) {
+    throw new TypeError("saveItem() takes an object (field -> value)");
+  }
+  const text = line(item);
+  if (process.env.CK_ITEMS_FILE) fs.appendFileSync(process.env.CK_ITEMS_FILE, text);
+  else process.stdout.write(text);
+}
+
+function writeNow() {
+  pending = false;
+  if (timer) { clearTimeout(timer); timer = null; }
+  const path = process.env.CK_STATS_FILE;
+  if (!path) return;
+  const snapshot = { time: Date.now() / 1000, stats: current.stats };
+  if (current.progress) snapshot.progress = current.progress;
+  fs.appendFileSync(path, line(snapshot));
+  lastWrite = Date.now();
+}
+
+function publish(force) {
+  if (!process.env.CK_STATS_FILE) return;
+  pending = true;
+  const wait = MIN_INTERVAL_MS - (Date.now() - lastWrite);
+  if (force || wait <= 0) { writeNow(); return; }
+  if (!timer) {
+    timer = setTimeout(() => { timer = null; if (pending) writeNow(); }, wait);
+    timer.unref();
+  }
+}
+
+function reportStats(stats, options = {}) {
+  if (stats === null || typeof stats !== "object" || Array.isArray(stats)) {
+    throw new TypeError("reportStats() takes an object of name -> value");
+  }
+  current.stats = { ...stats };
+  publish(Boolean(options.final));
+}
+
+function progress(done, total = null) {
+  for (const [name, value] of [["done", done], ["total", total]]) {
+    if (name === "total" && value === null) continue;
+    if (typeof value !== "number" || !Number.isFinite(value)) throw new TypeError(`progress(): ${name} must be a number`);
+    if (value < 0) throw new RangeError(`progress(): ${name} must be >= 0`);
+  }
+  current.progress = { done, total };
+  publish(false);
+}
+
+function flushStats() {
+  if (pending) writeNow();
+}
+
+process.on("exit", () => { try { flushStats(); } catch (err) { /* the process is ending */ } });
+
+function taskContext() {
+  const env = process.env;
+  return {
+    taskId: env.CK_TASK_ID || null,
+    spiderId: env.CK_SPIDER_ID || null,
+    spiderName: env.CK_SPIDER_NAME || null,
+    params: JSON.parse(env.CK_PARAMS || "{}") || {},
+    taskDir: env.CK_TASK_DIR || null,
+    itemsFile: env.CK_ITEMS_FILE || null,
+    statsFile: env.CK_STATS_FILE || null,
+  };
+}
+
+module.exports = { saveItem, reportStats, progress, flushStats, taskContext };
