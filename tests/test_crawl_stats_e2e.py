@@ -178,16 +178,20 @@ async def test_a_silent_hang_is_stopped_stalled_and_a_chatty_one_is_not(
     async with running_agent(nursery, settings):
         quiet = await submit(admin, "hanger", {"main.py": HANGER})
         chatty = await submit(admin, "chatty", {"main.py": CHATTY_HANGER}, timeout_seconds=8)
+        # The task's stallTimeoutSeconds overrides the node's: 0 turns the watchdog off for it.
+        exempt = await submit(admin, "exempt", {"main.py": HANGER}, timeout_seconds=4, stall_timeout_seconds=0)
         started = trio.current_time()
         task = await admin.wait_task_final(quiet, 60)
         took = trio.current_time() - started
         other = await admin.wait_task_final(chatty, 60)
+        off = await admin.wait_task_final(exempt, 60)
     assert (task["status"], task["errorCode"]) == ("FAILED", "STALLED"), task
     assert "no output, items or stats for 3 s" in task["errorMessage"]
     assert took < 30
     logs = await admin.get_logs(quiet)
     assert "about to hang" in logs and any("task FAILED (STALLED)" in line for line in logs), logs
     assert other["errorCode"] == "TIMEOUT", other  # printing every 0.5 s kept it alive until its timeout
+    assert off["errorCode"] == "TIMEOUT" and off["stallTimeoutSeconds"] == 0, off
 
 
 SEGFAULTER = r"""

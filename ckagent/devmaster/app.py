@@ -462,6 +462,7 @@ def create_app(
             env=_opt_str_map(o, "env"),
             params=params or {},
             timeout_seconds=_opt_seconds(o, "timeoutSeconds"),
+            stall_timeout_seconds=_opt_seconds(o, "stallTimeoutSeconds"),
         )
         notifier.notify()
         return JSONResponse({"id": task_id})

@@ -129,13 +129,16 @@ class AdminClient:
         env: dict[str, str] | None = None,
         params: dict[str, Any] | None = None,
         timeout_seconds: float | None = None,
+        stall_timeout_seconds: float | None = None,
     ) -> str:
-        """Queue a task of the spider; returns its id. ``timeout_seconds`` None = the spider's."""
+        """Queue a task of the spider; returns its id. ``timeout_seconds`` None = the spider's;
+        ``stall_timeout_seconds`` None = the node's ``task.stall_timeout``."""
         body = {
             "args": args or [],
             "env": env or {},
             "params": params or {},
             "timeoutSeconds": timeout_seconds,
+            "stallTimeoutSeconds": stall_timeout_seconds,
         }
         return str((await self._call("POST", f"/api/spiders/{spider_id}/tasks", json=body)).json()["id"])
 

@@ -307,7 +307,8 @@ CREATE TABLE IF NOT EXISTS tasks (
     item_count       INTEGER,
     log_lines        INTEGER,
     stored_log_lines INTEGER NOT NULL DEFAULT 0,
-    stored_items     INTEGER NOT NULL DEFAULT 0
+    stored_items     INTEGER NOT NULL DEFAULT 0,
+    stall_timeout_seconds REAL                            -- the task's stallTimeoutSeconds (null: the node's)
 );
 CREATE INDEX IF NOT EXISTS tasks_by_status ON tasks (status, n);
 -- One row per accepted batch (its new tail): elements first_seq .. first_seq + count - 1 of the
@@ -399,6 +400,8 @@ class Store:
         # one transaction: a file has all the tables and its version, or nothing
         db.executescript(f"BEGIN IMMEDIATE; {_SCHEMA}; {task_stats.SCHEMA}; PRAGMA user_version = {SCHEMA_VERSION};"
                          " COMMIT;")
+        if "stall_timeout_seconds" not in {r[1] for r in db.execute("PRAGMA table_info(tasks)")}:
+            db.execute("ALTER TABLE tasks ADD COLUMN stall_timeout_seconds REAL")  # a file from before it
 
     def close(self) -> None:
         """Stop the checkpointer, close the connection (idempotent; SQLite checkpoints the WAL on close)."""
@@ -764,6 +767,7 @@ class Store:
         env: dict[str, str],
         params: dict[str, Any],
         timeout_seconds: float | None,
+        stall_timeout_seconds: float | None = None,
     ) -> str:
         """Create a PENDING task from a snapshot of the spider. Returns its id.
 
@@ -783,8 +787,8 @@ class Store:
             timeout = spider["timeout_seconds"] if timeout_seconds is None else timeout_seconds
             db.execute(
                 "INSERT INTO tasks (id, spider_id, spider_name, framework, command, args, env, params,"
-                " timeout_seconds, code_version, code_mode, status, created_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'PENDING', ?)",
+                " timeout_seconds, code_version, code_mode, status, created_at, stall_timeout_seconds)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'PENDING', ?, ?)",
                 (
                     task_id,
                     spider_id,
@@ -798,6 +802,7 @@ class Store:
                     spider["code_version"],
                     spider["code_mode"],
                     utc_now_iso(),
+                    stall_timeout_seconds,
                 ),
             )
         return task_id
@@ -814,6 +819,7 @@ class Store:
             "env": _loads(r["env"]),
             "params": _loads(r["params"]),
             "timeoutSeconds": r["timeout_seconds"],
+            "stallTimeoutSeconds": r["stall_timeout_seconds"],
             "codeVersion": r["code_version"],
             "codeMode": r["code_mode"],
             "status": r["status"],
@@ -1000,6 +1006,7 @@ class Store:
                     "codeVersion": r["code_version"],
                     "codePackage": code_package,
                     "params": _loads(r["params"]),
+                    "stallTimeoutSeconds": r["stall_timeout_seconds"],
                 }
             )
         return out
