@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import trio
 import trio.testing
@@ -24,9 +25,11 @@ from prometheus_client import CollectorRegistry
 
 from ckagent.crawlmetrics import MAX_SPIDERS, CrawlMetrics, status_class
 from ckagent.crawlstats import MAX_SNAPSHOT_BYTES, read_last_snapshot, scrapy_stats_env, summary
+from ckagent.delivery.stats import StatsShipper
 from ckagent.devmaster import stats as master_stats
 from ckagent.devmaster.client import zip_files
 from ckagent.devmaster.store import ConflictError, NotFoundError, Store, read_package
+from ckagent.master import MasterClient
 from ckagent.protocol import RegisterRequest, TaskResult, TaskStats
 from ckagent.stall import watch_stall
 
@@ -326,3 +329,67 @@ def test_master_stats_of_another_node_or_unknown_task_are_refused(store: Any) ->
         store.save_stats(task_id, "someone-else", TaskStats(seq=1, stats={}))
     with pytest.raises(NotFoundError):
         store.save_stats("nope", "n1", TaskStats(seq=1, stats={}))
+
+
+# ---------------------------------------------------------------------------------------------- shipper
+
+
+def _fake_master(answers: list[int], posted: list[tuple[float, dict[str, Any]]]) -> MasterClient:
+    """A MasterClient on httpx.MockTransport: registration succeeds; each stats POST gets the next status."""
+    def register_body() -> RegisterRequest:
+        return RegisterRequest(name="n", ip="127.0.0.1", port=1, version="0", os="linux", arch="x86_64",
+                               python="3", cpu_count=1, memory_total_bytes=1, max_workers=1)
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/register"):
+            return httpx.Response(200, json={"nodeId": "n1", "apiKey": "k"})
+        posted.append((trio.current_time(), json.loads(request.content)))
+        status = answers.pop(0) if answers else 200
+        return httpx.Response(status, json={"ok": True} if status == 200 else {"error": "no"})
+
+    return MasterClient("http://master.test", "token", register_body, transport=httpx.MockTransport(handler))
+
+
+async def test_stats_shipper_sends_only_the_newest_at_most_every_interval(
+        tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
+    posted: list[tuple[float, dict[str, Any]]] = []
+    master = _fake_master([503], posted)  # the first post finds the master down
+    shipper = StatsShipper(master, "t1", tmp_path, interval=5.0)
+    ended = trio.Event()
+    path = tmp_path / "stats.jsonl"
+    start = trio.current_time()
+
+    async def spider() -> None:
+        for n in range(1, 41):  # a snapshot every 0.5 s for 20 s
+            with path.open("a") as fh:
+                fh.write(json.dumps({"time": 1764547200 + n, "stats": {"items": n}}) + "\n")
+            await trio.sleep(0.5)
+        await trio.sleep(10)
+        ended.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(spider)
+        nursery.start_soon(shipper.run, ended)
+    times = [t - start for t, _ in posted]
+    items = [body["stats"]["items"] for _, body in posted]
+    assert all(b - a >= 5.0 for a, b in itertools.pairwise(times)), times  # rate-limited
+    assert items == sorted(items) and items[-1] == 40 and len(items) <= 6, items  # newest only; the last one too
+    assert posted[0][1]["at"] == "2025-12-01T00:00:01.000Z" and posted[1][1]["seq"] > posted[0][1]["seq"]
+    assert shipper.sent == len(posted) - 1  # the 503 was not counted, the next newest went later
+    assert shipper.latest is not None and shipper.latest.stats == {"items": 40}
+
+
+async def test_stats_shipper_stops_live_stats_on_404(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
+    posted: list[tuple[float, dict[str, Any]]] = []
+    master = _fake_master([404], posted)  # a master without the endpoint
+    shipper = StatsShipper(master, "t1", tmp_path, interval=1.0)
+    ended = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(shipper.run, ended)
+        for n in range(10):
+            with (tmp_path / "stats.jsonl").open("a") as fh:
+                fh.write(json.dumps({"stats": {"n": n}}) + "\n")
+            await trio.sleep(2)
+        ended.set()
+    assert len(posted) == 1 and shipper.refused
+    assert shipper.latest is not None and shipper.latest.stats == {"n": 9}  # still read for the page and metrics
