@@ -293,6 +293,7 @@ def exec_command(
     param: list[str] | None = None,
     env: list[str] | None = None,
     timeout: float | None = None,
+    stall_timeout: float | None = None,
     items: Path = Path("items.jsonl"),
     work_dir: Path | None = None,
     config: ConfigOption = None,
@@ -320,6 +321,9 @@ def exec_command(
         An environment variable NAME=VALUE for the spider; repeatable.
     timeout
         Run-time limit in seconds (default: the agent's task.execute_timeout; 0 = none).
+    stall_timeout
+        Stop the spider as STALLED after this many seconds without output, items or stats (default: the
+        agent's task.stall_timeout, off; 0 = off).
     items
         JSON lines file the items are written to (default ./items.jsonl; emptied first).
     work_dir
@@ -332,12 +336,13 @@ def exec_command(
         spider_env = {k: str(v) for k, v in parse_assignments(env or [], "--env", json_values=False).items()}
     except ExecUsageError as exc:
         raise _UsageError(f"exec: {exc}") from exc
-    if timeout is not None and not (timeout >= 0 and timeout != float("inf")):
-        raise _UsageError(f"exec: --timeout {timeout}: expected seconds >= 0")
+    for flag, seconds in (("--timeout", timeout), ("--stall-timeout", stall_timeout)):
+        if seconds is not None and not (seconds >= 0 and seconds != float("inf")):
+            raise _UsageError(f"exec: {flag} {seconds}: expected seconds >= 0")
     request = ExecRequest(
         source=path, items=items.absolute(), work_dir=(work_dir or default_work_dir()).absolute(),
         framework=framework, command=command, spider=spider, params=params, env=spider_env,
-        timeout=timeout, config=config,
+        timeout=timeout, stall_timeout=stall_timeout, config=config,
     )
     return exec_main(request)
 

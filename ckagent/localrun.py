@@ -1,12 +1,13 @@
 """``ckagent exec``: run one spider from a local folder or zip exactly as a node runs it — no master needed.
 
 Exactly as a node: the command composes the agent's own parts, unchanged. It starts a private
-reference master on 127.0.0.1 (port 0, SQLite in a temporary directory, random tokens; nothing
-leaves the machine), uploads the folder (zipped like ``ckagent dev-master`` uploads) or the zip as
-the spider's package, starts an agent against it with ``max_workers`` 1, and schedules one task
-with the given ``--param``, ``--env``, ``--timeout``, ``--framework``/``--command``. So the package
-checks, the dependency install (uv / npm, into the work dir's content-addressed environments, reused
-by the next run), the environment, the containment, the capture, items and stats are the node's.
+reference master on 127.0.0.1 (port 0, random tokens, its SQLite file ``exec-master.sqlite`` in the
+work dir; nothing leaves the machine), uploads the folder (zipped like an upload to a master) or the
+zip as the package of the spider of that name, framework and command (the same spider as last time,
+so its code version and environment are reused), starts an agent against it, and schedules one task
+with the given ``--param``, ``--env``, ``--timeout``, ``--stall-timeout``. So the package checks,
+the dependency install (uv / npm), the environment, the containment, the capture, items and stats
+are the node's. Finished task directories are kept for a day (``task.retention``) for a look.
 
 While it runs, the spider's output (``output.log``, the agent's notices included) streams to
 stdout, its items are copied to ``--items`` (JSON lines), and when stderr is a terminal one
@@ -34,9 +35,7 @@ import json
 import logging
 import os
 import secrets
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +56,8 @@ EXIT_TIMEOUT = 124
 EXIT_CANCELLED = 130
 FOLLOW_INTERVAL = 0.2
 """Seconds between looks at the task's files while it runs."""
+_STARTED = time.monotonic()
+"""When the command started (this module is imported first thing): the summary's wall time."""
 
 
 class ExecUsageError(ValueError):
@@ -78,6 +79,7 @@ class ExecRequest:
     params: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     timeout: float | None = None
+    stall_timeout: float | None = None
     config: Path | None = None
 
 
@@ -212,6 +214,22 @@ def _read_from(path: Path, offset: int) -> bytes:
         return b""
 
 
+EXEC_RETENTION = 86400.0
+"""Seconds a finished task's directory stays in the exec work dir."""
+
+
+def _open_master_db(path: Path) -> None:
+    """Make sure the exec master's file can be opened: one of another schema version is a cache, so
+    it is replaced (blocking)."""
+    from ckagent.devmaster.store import SchemaError, Store
+
+    try:
+        Store(path).close()
+    except SchemaError:
+        for extra in ("", "-wal", "-shm"):
+            Path(f"{path}{extra}").unlink(missing_ok=True)
+
+
 def _agent_env(request: ExecRequest, base_url: str, token: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k.startswith("AGENT_")}
     env.update({
@@ -227,6 +245,7 @@ def _agent_env(request: ExecRequest, base_url: str, token: str) -> dict[str, str
         "AGENT_TASK_POLL_INTERVAL": "0.5",
         "AGENT_TASK_LONG_POLL_WAIT": "5",
         "AGENT_LOG_FILE": str(request.work_dir / "exec.log"),
+        "AGENT_TASK_RETENTION": str(EXEC_RETENTION),
     })
     env.pop("AGENT_API_KEY", None)
     return env
@@ -279,24 +298,25 @@ async def run_exec(request: ExecRequest, out: TextIO, err: TextIO) -> int:
         request.work_dir.mkdir(parents=True, exist_ok=True)
         request.items.parent.mkdir(parents=True, exist_ok=True)
         request.items.write_bytes(b"")
-        return Path(tempfile.mkdtemp(prefix="ckagent-exec-"))
+        db_path = request.work_dir / "exec-master.sqlite"
+        _open_master_db(db_path)
+        return db_path
 
-    tmp = await trio.to_thread.run_sync(prepare)
+    db_path = await trio.to_thread.run_sync(prepare)
     terminal = _Terminal(out, err)
     outcome: list[int] = []
     refused: list[ExecUsageError] = []
     try:
         async with trio.open_nursery() as root:
-            root.start_soon(_session, request, framework, package, tmp, terminal, outcome, refused, root)
+            root.start_soon(_session, request, framework, package, db_path, terminal, outcome, refused, root)
     finally:
         terminal.done()
-        await trio.to_thread.run_sync(lambda: shutil.rmtree(tmp, ignore_errors=True))
     if refused:
         raise refused[0]
     return outcome[0] if outcome else EXIT_CANCELLED
 
 
-async def _session(request: ExecRequest, framework: str, package: bytes, tmp: Path, terminal: _Terminal,
+async def _session(request: ExecRequest, framework: str, package: bytes, db_path: Path, terminal: _Terminal,
                    outcome: list[int], refused: list[ExecUsageError], root: trio.Nursery) -> None:
     """Master + agent + the task in ``root``; appends the exit code to ``outcome`` (or the reason
     the package was refused to ``refused``), then cancels ``root``."""
@@ -308,8 +328,7 @@ async def _session(request: ExecRequest, framework: str, package: bytes, tmp: Pa
     source = request.source
     name = request.spider or (source.stem if source.is_file() else source.resolve().name)
     token, admin_token = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
-    started = time.monotonic()
-    config = DevMasterConfig(db_path=tmp / "master.sqlite", registration_token=token,
+    config = DevMasterConfig(db_path=db_path, registration_token=token,
                              admin_token=admin_token, port=0)
     base_url = await root.start(serve, config)
     settings = load_settings(request.config, env=_agent_env(request, base_url, token))
@@ -327,21 +346,22 @@ async def _session(request: ExecRequest, framework: str, package: bytes, tmp: Pa
         with trio.fail_after(60):
             await agent.started.wait()
         async with AdminClient(base_url, admin_token) as admin:
-            spider_id = await admin.create_spider(name=name, framework=framework, command=request.command)
+            spider_id = await _spider(admin, name, framework, request.command)
             try:
                 await admin.upload_package(spider_id, package)
             except AdminApiError as exc:
                 refused.append(ExecUsageError(f"{source}: not a spider package the agent can take: {exc.message}"))
                 return
             task_id = await admin.create_task(spider_id, params=request.params, env=request.env,
-                                              timeout_seconds=request.timeout)
+                                              timeout_seconds=request.timeout,
+                                              stall_timeout_seconds=request.stall_timeout)
             follower = _Follower(settings.task.work_dir / "tasks" / task_id, request.items, terminal)
             task = await _follow(admin, task_id, follower, agent_done)
             stats = (await admin.get_stats(task_id))["latest"]
         await trio.to_thread.run_sync(follower.step)
         terminal.done()
         err = terminal.err
-        for line in _summary(task, stats, request.items, time.monotonic() - started):
+        for line in _summary(task, stats, request.items, time.monotonic() - _STARTED):
             err.write(line + "\n")
         err.flush()
         outcome.append(exit_code_of(task))
@@ -350,6 +370,14 @@ async def _session(request: ExecRequest, framework: str, package: bytes, tmp: Pa
         with trio.CancelScope(shield=True), trio.move_on_after(30):
             await agent_done.wait()
         root.cancel_scope.cancel()
+
+
+async def _spider(admin: Any, name: str, framework: str, command: str | None) -> str:
+    """The id of the exec master's spider of this name, framework and command (created if new)."""
+    for spider in await admin.list_spiders():
+        if (spider["name"], spider["framework"], spider["command"]) == (name, framework, command):
+            return str(spider["id"])
+    return str(await admin.create_spider(name=name, framework=framework, command=command))
 
 
 async def _follow(admin: Any, task_id: str, follower: _Follower, agent_done: trio.Event) -> dict[str, Any]:
