@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -164,3 +165,29 @@ def test_progress_line_stays_at_the_bottom_of_a_terminal() -> None:
     terminal = _Terminal(out, plain_err)
     terminal.progress("nothing on a pipe")
     assert plain_err.getvalue() == ""
+
+
+def test_exec_ctrl_c_stops_the_spider_gracefully(tmp_path: Path) -> None:
+    spider = tmp_path / "sleepy"
+    spider.mkdir()
+    (spider / "main.py").write_text(
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: (print('got SIGTERM, closing', flush=True), sys.exit(0)))\n"
+        "print('sleeping', flush=True)\n"
+        "time.sleep(120)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENT_", "CK_"))}
+    proc = subprocess.Popen([sys.executable, "-m", "ckagent", "exec", str(spider), "--work-dir", str(tmp_path / "w"),
+                             "--items", str(tmp_path / "items.jsonl")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+    try:
+        assert proc.stdout is not None
+        for raw in proc.stdout:  # the spider runs once its line reached the terminal
+            if b"sleeping" in raw:
+                break
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err.decode()[-2000:]
+    assert b"got SIGTERM, closing" in out  # stopped the graceful way, not killed
+    assert b"[ckagent exec] outcome: CANCELLED (CANCELLED)" in err
