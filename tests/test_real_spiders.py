@@ -380,7 +380,7 @@ async def test_github_zip_missing_files_and_failure_messages(dev_master: Any, nu
     assert message.endswith("fatal: the site changed its layout") and "noise 199" in message
     assert "s3cr3t-t0ken-value" not in message and "cannot log in with" in message
     assert len(message) < 1700 and "noise 0\n" not in message
-    assert (kill["errorCode"], kill["exitCode"]) == ("EXIT_NONZERO", -9)
+    assert (kill["errorCode"], kill["exitCode"]) == ("SIGNALED", -9)  # a signal the agent did not send (docs/protocol.md "Outcomes")
     assert kill["errorMessage"] == "killed by SIGKILL (exit code -9); last lines of stderr:\nabout to die"
 
 
