@@ -85,7 +85,7 @@ async def _demo(work_dir: Path, keep: bool) -> int:
             await agent.started.wait()
         _say(f"2. agent registered as node {agent.master.node_id} "
              f"(max_workers {agent.max_workers}; work dir {settings.task.work_dir}; log {work_dir / 'agent.log'}; "
-             f"status http://127.0.0.1:{agent.status_port}/status)")
+             f"status page http://127.0.0.1:{agent.status_port}/)")
         async with AdminClient(base_url, admin_token) as admin:
             tasks: list[tuple[DemoSpider, str]] = []
             for spider in SPIDERS:
@@ -130,6 +130,7 @@ def explore_lines(keep: bool, base_url: str, admin_token: str, spider_name: str,
             f"Look further (admin API of the reference master; the {spider_name} task's logs and items):",
             f"  curl -H 'Authorization: Bearer {admin_token}' {base_url}/api/tasks/{task_id}/logs",
             f"  curl -H 'Authorization: Bearer {admin_token}' {base_url}/api/tasks/{task_id}/items",
+            f"  curl -H 'Authorization: Bearer {admin_token}' {base_url}/api/tasks/{task_id}/stats",
             f"  curl -H 'Authorization: Bearer {admin_token}' {base_url}/api/nodes",
         ]
     else:
@@ -142,13 +143,16 @@ def explore_lines(keep: bool, base_url: str, admin_token: str, spider_name: str,
 
 
 def _print_table(results: list[tuple[DemoSpider, str, dict[str, Any]]]) -> None:
-    header = ("spider", "framework", "status", "error", "items", "log lines", "duration", "what")
+    header = ("spider", "framework", "status", "error", "items", "requests", "finish", "log lines", "duration",
+              "what")
     rows = [header]
     for spider, _, record in results:
         duration = record.get("durationMs")
+        stats = (record.get("stats") or {}).get("stats") or {}  # the final stats the spider reported
         rows.append((
             spider.name, spider.framework, str(record["status"]), str(record.get("errorCode") or "-"),
-            str(record.get("storedItems", record.get("itemCount"))),
+            str(record.get("storedItems", record.get("itemCount"))), str(stats.get("requests", "-")),
+            str(record.get("finishReason") or "-"),
             str(record.get("storedLogLines", record.get("logLines"))),
             f"{duration / 1000:.1f} s" if isinstance(duration, (int, float)) else "-", spider.what,
         ))

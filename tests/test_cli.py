@@ -366,6 +366,6 @@ def test_demo_prints_curl_commands_only_when_the_master_keeps_running(tmp_path: 
     assert "--keep" in ckagent("demo", "--help", cwd=tmp_path).stdout  # the option the hint names exists
     kept = explore_lines(True, *args)
     curls = [line for line in kept if "curl -H" in line]
-    assert len(curls) == 3 and all("Bearer adm-tok' http://127.0.0.1:8123/api/" in c for c in curls)
-    assert any("/api/tasks/t-1/logs" in c for c in curls)
+    assert len(curls) == 4 and all("Bearer adm-tok' http://127.0.0.1:8123/api/" in c for c in curls)
+    assert any("/api/tasks/t-1/logs" in c for c in curls) and any("/api/tasks/t-1/stats" in c for c in curls)
     assert any(str(tmp_path / "tasks" / "t-1") in line for line in (*kept, *stopped.splitlines()))

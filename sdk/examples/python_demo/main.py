@@ -1,7 +1,8 @@
 """Plain-Python demo spider for CrawlerKeeper (standard library only).
 
-Crawls the demo shop page by page, following the "next" link, and saves every product with
-crawlerkeeper_sdk.save_item. Run: `python main.py` (the agent does; so can you).
+Crawls the demo shop page by page, following the "next" link, saves every product with
+crawlerkeeper_sdk.save_item and reports its figures with report_stats. Run: `python main.py` (the
+agent does; so can you).
 
 Start URL, first found wins: the task parameter `start_url` (CK_PARAMS), the environment variable
 DEMO_SITE_URL, http://127.0.0.1:8080/demo-site/.
@@ -13,7 +14,7 @@ import urllib.request
 from html.parser import HTMLParser
 from urllib.parse import urljoin
 
-from crawlerkeeper_sdk import save_item, task_context
+from crawlerkeeper_sdk import report_stats, save_item, task_context
 
 DEFAULT_START_URL = "http://127.0.0.1:8080/demo-site/"
 MAX_PAGES = 1000
@@ -82,9 +83,13 @@ def main():
                 }
             )
         total += len(parser.products)
+        # The crawl's figures for the master, the node's status page and its metrics (CK_STATS_FILE).
+        report_stats({"requests": page, "responses": page, "responsesByStatus": {"200": page}, "items": total})
         print(f"page {page}: {len(parser.products)} products", flush=True)
         url = urljoin(url, parser.next_href) if parser.next_href else None
     print(f"done: {total} items from {page} pages", flush=True)
+    report_stats({"requests": page, "responses": page, "responsesByStatus": {"200": page}, "items": total,
+                  "finishReason": "finished"}, final=True)
     return 0
 
 
