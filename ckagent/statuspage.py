@@ -186,7 +186,7 @@ class StatusPage:
         supervisor = self._agent.supervisor
         rt = supervisor.running.get(task_id) if supervisor is not None else None
         if rt is not None:
-            return self._agent.work_dir / "tasks" / task_id, _masker(rt.task.to_json(), self._agent_secrets())
+            return _task_dir(self._agent, rt), _masker(rt.task.to_json(), self._agent_secrets())
         outbox = getattr(self._agent, "outbox", None)
         if outbox is None:
             return None
@@ -275,7 +275,7 @@ class StatusPage:
                 f"<td>{_e(resource_text(resources))}</td>"
                 f"<td><a href=\"/tasks/{_e(task.id)}/log.txt\">log</a></td></tr>")
             lines, offset = await trio.to_thread.run_sync(
-                last_lines, self._agent.work_dir / "tasks" / task.id / OUTPUT_LOG,
+                last_lines, _task_dir(self._agent, rt) / OUTPUT_LOG,
                 _masker(task.to_json(), secrets_), PAGE_TAIL_LINES)
             tails.append((task.id, task.spider_name or task.spider_id, lines, offset))
         recent_rows = []
@@ -337,6 +337,12 @@ class StatusPage:
             parts.append("<p>none yet</p>")
         parts.append(_SCRIPT + "</body></html>\n")
         return "".join(parts)
+
+
+def _task_dir(agent: Agent, rt: Any) -> Path:
+    """A running task's directory: its delivery's, else where the supervisor makes it."""
+    delivery = getattr(rt, "delivery", None)
+    return Path(delivery.task_dir) if delivery is not None else agent.work_dir / "tasks" / rt.task.id
 
 
 async def _respond(send: Send, scope: dict[str, Any], status: int, ctype: str, body: bytes) -> None:
