@@ -56,11 +56,15 @@ def read_last_snapshot(path: Path, after: int = -1) -> Snapshot | None:
     """The newest complete snapshot line of ``path`` ending after byte ``after`` (blocking; one small read).
 
     Returns None when there is none (no file, no complete line, nothing new, or only lines that are
-    not JSON objects / longer than MAX_SNAPSHOT_BYTES among the last bytes). Never raises for the
-    file's content; OSError other than a missing file propagates.
+    not JSON objects / longer than MAX_SNAPSHOT_BYTES among the last bytes). The file is the spider's:
+    it is opened like every spool file (never following a symlink, never blocking on a FIFO). Never
+    raises for the file's content; OSError other than a missing file propagates (SpoolFileError for
+    a file that is not a regular one).
     """
+    from ckagent.delivery.spool import open_spool  # here: ckagent.delivery imports this module
+
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_spool(path)
     except FileNotFoundError:
         return None
     try:

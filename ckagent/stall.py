@@ -45,7 +45,7 @@ class Activity:
         wall = time.time()
         for path in self._files:
             try:
-                mtime = os.stat(path).st_mtime
+                mtime = os.lstat(path).st_mtime  # the spider's file: a symlink is not followed
             except OSError:
                 continue
             latest = max(latest, now - max(0.0, wall - mtime))

@@ -25,7 +25,8 @@ from prometheus_client import CollectorRegistry
 
 from ckagent.crawlmetrics import MAX_SPIDERS, CrawlMetrics, status_class
 from ckagent.crawlstats import MAX_SNAPSHOT_BYTES, read_last_snapshot, scrapy_stats_env, summary
-from ckagent.delivery.stats import StatsShipper
+from ckagent.delivery.spool import SpoolFileError
+from ckagent.delivery.stats import StatsShipper, final_stats
 from ckagent.devmaster import stats as master_stats
 from ckagent.devmaster.client import zip_files
 from ckagent.devmaster.store import ConflictError, NotFoundError, Store, read_package
@@ -212,6 +213,20 @@ def test_the_newest_complete_line_wins(tmp_path: Path) -> None:
     with path.open("ab") as fh:
         fh.write(b'{"stats": {"x": "' + b"y" * MAX_SNAPSHOT_BYTES + b'"}}\n')
     assert read_last_snapshot(path, after=newer.seq) is None  # too long: ignored, not half-read
+
+
+def test_a_hostile_stats_file_is_not_followed_or_waited_on(tmp_path: Path) -> None:
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"stats": {"password": "hunter2"}}\n')
+    task_dir = tmp_path / "task"
+    task_dir.mkdir()
+    (task_dir / "stats.jsonl").symlink_to(secret)
+    with pytest.raises(SpoolFileError):
+        read_last_snapshot(task_dir / "stats.jsonl")
+    assert final_stats(task_dir) is None  # logged, not raised, not followed
+    (task_dir / "stats.jsonl").unlink()
+    os.mkfifo(task_dir / "stats.jsonl")  # a FIFO without a writer: opening it must not block
+    assert final_stats(task_dir) is None
 
 
 # ---------------------------------------------------------------------------------------------- stall

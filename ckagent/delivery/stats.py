@@ -89,11 +89,19 @@ class StatsShipper:
         return self.latest
 
     async def run(self, ended: trio.Event) -> None:
-        """Look and ship until ``ended`` is set (then return at once, even mid-request)."""
+        """Look and ship until ``ended`` is set (then return at once, even mid-request). Live stats are
+        a side channel: a bug here is logged and ends them, never the task's delivery."""
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._loop)
+            nursery.start_soon(self._guarded_loop)
             await ended.wait()
             nursery.cancel_scope.cancel()
+
+    async def _guarded_loop(self) -> None:
+        try:
+            await self._loop()
+        except Exception:
+            log.exception("task %s: live stats stopped", self.task_id)
+            self.refused = True
 
     async def _loop(self) -> None:
         next_send = trio.current_time()
@@ -119,7 +127,7 @@ class StatsShipper:
                 log.warning("task %s: the master rejected a stats snapshot (%s)", self.task_id, exc)
                 self.sent_seq = snapshot.seq
             return
-        except MasterError:
-            return  # unavailable: the newest snapshot goes next time
+        except (MasterError, ValueError):
+            return  # unavailable (or an answer that is not JSON): the newest snapshot goes next time
         self.sent_seq = snapshot.seq
         self.sent += 1
