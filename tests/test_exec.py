@@ -191,3 +191,23 @@ def test_exec_ctrl_c_stops_the_spider_gracefully(tmp_path: Path) -> None:
     assert proc.returncode == 130, err.decode()[-2000:]
     assert b"got SIGTERM, closing" in out  # stopped the graceful way, not killed
     assert b"[ckagent exec] outcome: CANCELLED (CANCELLED)" in err
+
+
+def test_exec_takes_a_zip_and_applies_the_node_package_checks(tmp_path: Path) -> None:
+    from ckagent.devmaster.client import zip_files
+
+    packages = {
+        "fail.zip": (zip_directory(EXAMPLES / "fail_demo"), 1, "FAILED (EXIT_NONZERO)"),
+        "evil.zip": (zip_files({"../evil.py": "x", "main.py": "print(1)\n"}), 3, "FAILED (DEPLOY_FAILED)"),
+        "nomain.zip": (zip_files({"other.py": "print(1)\n"}), 3, "FAILED (DEPLOY_FAILED)"),
+    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENT_", "CK_"))}
+    for name, (data, code, outcome) in packages.items():
+        (tmp_path / name).write_bytes(data)
+        done = subprocess.run([sys.executable, "-m", "ckagent", "exec", str(tmp_path / name), "--work-dir",
+                               str(tmp_path / "w"), "--items", str(tmp_path / "items.jsonl")],
+                              capture_output=True, text=True, timeout=120, check=False, env=env, cwd=tmp_path)
+        assert done.returncode == code, (name, done.stderr[-2000:])
+        assert f"[ckagent exec] outcome: {outcome}" in done.stderr, (name, done.stderr[-2000:])
+        if name == "fail.zip":
+            assert "something went wrong: demo failure" in done.stdout  # the spider's stderr, in the log
