@@ -13,7 +13,7 @@ path                          answer
 ============================  ==================================================================
 
 Read-only, no framework, no build step: the tables are plain HTML (readable without JavaScript);
-a dozen lines of script only feed the live tails. Log lines are masked like the shipped ones
+twenty lines of script feed the live tails and fetch the tables again every REFRESH_SECONDS. Log lines are masked like the shipped ones
 (the task's secret-looking env values and the agent's credentials become ``***``); the page shows
 no env, arguments, tokens or keys. Only tasks the agent knows (running, or in its state store) are
 served, by their directory in the state store, never by a path from the request; at most
@@ -57,6 +57,8 @@ TAIL_INTERVAL = 0.5
 """Seconds between looks at a tailed output.log."""
 MAX_TAILS = 8
 """Live tails served at the same time."""
+REFRESH_SECONDS = 5.0
+"""The page's script fetches the tables again this often (the log tails are live anyway)."""
 MAX_TAIL_SECONDS = 3600.0
 """A live tail ends after this long (the browser reconnects)."""
 
@@ -315,27 +317,29 @@ class StatusPage:
         parts.append(f"<h1>ckagent · {_e(status.get('name'))}</h1>")
         parts.append(f"<p class=small>as of {_iso(time.time())} UTC · <a href=\"/\">refresh</a> · "
                      "<a href=\"/status\">/status</a> · <a href=\"/metrics\">/metrics</a></p>")
-        parts.append("<h2>Node</h2><table class=kv>" + "".join(
-            f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in node_rows) + "</table>")
-        parts.append(f"<h2>Running tasks ({len(rows)})</h2>")
+        parts.append("<div data-live=node><h2>Node</h2><table class=kv>" + "".join(
+            f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in node_rows) + "</table></div>")
+        parts.append(f"<div data-live=running><h2>Running tasks ({len(rows)})</h2>")
         if rows:
             parts.append("<table><tr><th>task</th><th>spider</th><th>framework</th><th>phase</th><th>since</th>"
                          "<th>items</th><th>requests</th><th>responses</th><th>errors</th><th>progress</th>"
                          "<th>resources</th><th></th></tr>" + "".join(rows) + "</table>")
         else:
             parts.append("<p>none</p>")
+        parts.append("</div>")
         for task_id, name, lines, offset in tails:
             parts.append(f"<h3>Log of {_e(name)} <code>{_e(task_id)}</code> (live)</h3>"
                          f"<pre class=tail data-tail=\"/tasks/{_e(task_id)}/tail?from={offset}\">"
                          + "".join(_e(line) + "\n" for line in lines) + "</pre>")
-        parts.append(f"<h2>Recent tasks ({len(recent_rows)})</h2>")
+        parts.append(f"<div data-live=recent><h2>Recent tasks ({len(recent_rows)})</h2>")
         if recent_rows:
             parts.append("<table><tr><th>task</th><th>spider</th><th>outcome</th><th>finish reason</th>"
                          "<th>message</th><th>finished (UTC)</th><th>duration</th><th>items</th><th>log lines</th>"
                          "<th>resources</th><th>result</th><th></th></tr>" + "".join(recent_rows) + "</table>")
         else:
             parts.append("<p>none yet</p>")
-        parts.append(_SCRIPT + "</body></html>\n")
+        parts.append("</div>" + _SCRIPT.replace("REFRESH_MS", str(int(REFRESH_SECONDS * 1000)))
+                     + "</body></html>\n")
         return "".join(parts)
 
 
@@ -367,6 +371,15 @@ pre.tail{background:#111;color:#ddd;padding:.5em;max-height:22em;overflow:auto;w
 """
 
 _SCRIPT = """<script>
+setInterval(async () => {  // the tables again every few seconds (the log tails stay as they are)
+  try {
+    const page = new DOMParser().parseFromString(await (await fetch("/", {cache: "no-store"})).text(), "text/html");
+    for (const part of document.querySelectorAll("[data-live]")) {
+      const fresh = page.querySelector(`[data-live="${part.dataset.live}"]`);
+      if (fresh) part.innerHTML = fresh.innerHTML;
+    }
+  } catch (err) { /* the agent is restarting: try again later */ }
+}, REFRESH_MS);
 for (const pre of document.querySelectorAll("pre[data-tail]")) {
   const source = new EventSource(pre.dataset.tail);
   source.onmessage = (event) => {

@@ -35,6 +35,7 @@ report_stats({"items": 7, "requests": 11, "responsesByStatus": {"200": 10, "404"
 while not os.path.exists(params["go"]):
     time.sleep(0.1)
 print("printed after the page loaded: " + params["marker"], flush=True)
+report_stats({"items": 8, "requests": 12, "responsesByStatus": {"200": 11, "404": 1}}, final=True)
 while not os.path.exists(params["stop"]):
     time.sleep(0.1)
 """
@@ -125,6 +126,15 @@ async def test_status_page_in_headless_chromium(dev_master: Any, nursery: trio.N
                         tail = await script(client, session, "return document.querySelector('pre.tail').textContent")
                         await trio.sleep(0.2)
                 assert "spider started; token is ***" in tail and "s3cr3t" not in tail
+                # The tables are fetched again every few seconds: the newer stats show without a reload.
+                requests = ""
+                with trio.fail_after(30):
+                    while requests != "12":
+                        requests = await script(client, session, "const row = document.querySelector("
+                                                "'[data-live=running] tr:nth-child(2)'); "
+                                                "return row ? row.children[6].textContent : ''")
+                        await trio.sleep(0.3)
+                assert marker in await script(client, session, "return document.querySelector('pre.tail').textContent")
             stop.touch()
             task = await admin.wait_task_final(task_id, 30)
             assert task["status"] == "SUCCESS"
