@@ -174,7 +174,7 @@ def test_scrapy_env_keeps_a_task_settings_module() -> None:
 def test_the_node_helper_writes_the_same_snapshots(tmp_path: Path) -> None:
     stats_file, items_file = tmp_path / "stats.jsonl", tmp_path / "items.jsonl"
     script = textwrap.dedent(f"""
-        const ck = require({json.dumps(str(REPO / "sdk" / "node" / "crawlerkeeper.js"))});
+        const ck = require({json.dumps(str(REPO / "sdk" / "node" / "crawlerkeeper-sdk.cjs"))});
         ck.saveItem({{title: "商品 01"}});
         ck.reportStats({{items: 1, requests: 2}});
         ck.progress(3, 10);

@@ -1,36 +1,43 @@
-// CrawlerKeeper SDK for Node spiders: save scraped items and read the task context.
+// crawlerkeeper-sdk.cjs — the CrawlerKeeper SDK for Node spiders: items, stats and progress, like the
+// Python SDK.
 //
-// One file with no dependencies; copy it into your project. It works from CommonJS and from ES
-// modules ("type": "module") alike:
+// One file with no dependencies (Node 14+); copy it into your project. It works from CommonJS and from
+// ES modules ("type": "module") alike:
 //
-//   const { saveItem, taskContext } = require("./crawlerkeeper-sdk.cjs");   // CommonJS
-//   import { saveItem, taskContext } from "./crawlerkeeper-sdk.cjs";        // ESM
+//   import { saveItem, reportStats, progress, taskContext } from "./crawlerkeeper-sdk.cjs";   // ESM
+//   const ck = require("./crawlerkeeper-sdk.cjs");                                              // CommonJS
 //
-// saveItem(obj) appends one JSON line to the task's items file (CK_ITEMS_FILE) with one
-// synchronous write, so items are never interleaved or lost when the process is stopped; outside an
-// agent (no CK_ITEMS_FILE) it prints the item as a JSON line on stdout instead.
+//   saveItem({ title: "Product 01", price: 3.99 });      // one JSON line of CK_ITEMS_FILE
+//   reportStats({ requests: 14, items: 120 });           // a complete stats snapshot (CK_STATS_FILE)
+//   progress(3, 10);                                     // done / total (total may be null)
+//   const { params, dataDir } = taskContext();           // CK_PARAMS as an object, CK_DATA_DIR
+//
+// Outside an agent (no CK_ITEMS_FILE) items are printed on stdout and stats are ignored. Writes are
+// synchronous appends of whole lines (O_APPEND): safe next to other writers of the same file, never
+// interleaved or lost when the process is stopped. Stats lines are coalesced: at most one per second;
+// a pending one is written by a timer or when the process exits. reportStats(stats, { final: true })
+// writes at once.
 "use strict";
 
-const fs = require("node:fs");
+const fs = require("fs");
 
-let itemsFd = null;
-let itemsPath = null;
+const MIN_INTERVAL_MS = 1000;
+let current = { stats: {}, progress: null };
+let pending = false;
+let lastWrite = 0;
+let timer = null;
+
+function line(obj) {
+  return JSON.stringify(obj).replace(/\u2028/g, "\\u2028").replace(/\u2029/g, "\\u2029") + "\n";
+}
 
 function saveItem(item) {
   if (item === null || typeof item !== "object" || Array.isArray(item)) {
-    throw new TypeError("saveItem: an item is a plain object");
+    throw new TypeError("saveItem() takes an object (field -> value)");
   }
-  const line = JSON.stringify(item) + "\n";
-  const path = process.env.CK_ITEMS_FILE;
-  if (!path) {
-    process.stdout.write(line);
-    return;
-  }
-  if (itemsFd === null || itemsPath !== path) {
-    itemsFd = fs.openSync(path, "a");
-    itemsPath = path;
-  }
-  fs.writeSync(itemsFd, line);
+  const text = line(item);
+  if (process.env.CK_ITEMS_FILE) fs.appendFileSync(process.env.CK_ITEMS_FILE, text);
+  else process.stdout.write(text);
 }
 
 function saveItems(items) {
@@ -42,22 +49,73 @@ function saveItems(items) {
   return n;
 }
 
-function taskContext() {
-  let params = {};
-  try {
-    params = JSON.parse(process.env.CK_PARAMS || "{}");
-  } catch (err) {
-    params = {};
+function writeNow() {
+  pending = false;
+  if (timer) { clearTimeout(timer); timer = null; }
+  const path = process.env.CK_STATS_FILE;
+  if (!path) return;
+  const snapshot = { time: Date.now() / 1000, stats: current.stats };
+  if (current.progress) snapshot.progress = current.progress;
+  fs.appendFileSync(path, line(snapshot));
+  lastWrite = Date.now();
+}
+
+function publish(force) {
+  if (!process.env.CK_STATS_FILE) return;
+  pending = true;
+  const wait = MIN_INTERVAL_MS - (Date.now() - lastWrite);
+  if (force || wait <= 0) { writeNow(); return; }
+  if (!timer) {
+    timer = setTimeout(() => { timer = null; if (pending) writeNow(); }, wait);
+    timer.unref();
   }
+}
+
+function reportStats(stats, options = {}) {
+  if (stats === null || typeof stats !== "object" || Array.isArray(stats)) {
+    throw new TypeError("reportStats() takes an object of name -> value");
+  }
+  current.stats = { ...stats };
+  publish(Boolean(options.final));
+}
+
+function progress(done, total = null) {
+  for (const [name, value] of [["done", done], ["total", total]]) {
+    if (name === "total" && value === null) continue;
+    if (typeof value !== "number" || !Number.isFinite(value)) throw new TypeError(`progress(): ${name} must be a number`);
+    if (value < 0) throw new RangeError(`progress(): ${name} must be >= 0`);
+  }
+  current.progress = { done, total };
+  publish(false);
+}
+
+function flushStats() {
+  if (pending) writeNow();
+}
+
+process.on("exit", () => { try { flushStats(); } catch (err) { /* the process is ending */ } });
+
+function parseParams(text) {
+  try {
+    const params = JSON.parse(text || "{}");
+    return params !== null && typeof params === "object" ? params : {};
+  } catch (err) {
+    return {};
+  }
+}
+
+function taskContext() {
+  const env = process.env;
   return {
-    taskId: process.env.CK_TASK_ID || null,
-    spiderId: process.env.CK_SPIDER_ID || null,
-    spiderName: process.env.CK_SPIDER_NAME || null,
-    params,
-    itemsFile: process.env.CK_ITEMS_FILE || null,
-    taskDir: process.env.CK_TASK_DIR || null,
-    dataDir: process.env.CK_DATA_DIR || null,
+    taskId: env.CK_TASK_ID || null,
+    spiderId: env.CK_SPIDER_ID || null,
+    spiderName: env.CK_SPIDER_NAME || null,
+    params: parseParams(env.CK_PARAMS),
+    taskDir: env.CK_TASK_DIR || null,
+    itemsFile: env.CK_ITEMS_FILE || null,
+    statsFile: env.CK_STATS_FILE || null,
+    dataDir: env.CK_DATA_DIR || null,
   };
 }
 
-module.exports = { saveItem, saveItems, taskContext };
+module.exports = { saveItem, saveItems, reportStats, progress, flushStats, taskContext };
