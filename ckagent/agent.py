@@ -7,33 +7,47 @@
         ├── status server      /metrics /healthz /readyz /status on agent.bind:agent.port (status.py);
         │                      listens from the start, serves from the first heartbeat on
         ├── signals            SIGTERM → drain (second SIGTERM → terminate), SIGINT → terminate
-        ├── heartbeat loop     until STOPPED (beats DRAINING while draining)
+        ├── heartbeat loop     until STOPPED (each beat sends the state as it is)
         ├── outbox             every task's logs, items and result (delivery.Outbox): tasks hand
         │                      theirs over when their process ends (the slot frees at once); the
         │                      leftovers of an earlier run are resumed at start; retention cleanup
         └── work scope
-            ├── poller         (its own scope: cancelled when draining starts)
+            ├── poller         stops polling when draining starts; settles its claims on the wire
             └── one run_task per claimed task
 
-States: RUNNING → DRAINING (stop claiming; running tasks get ``task.drain_timeout`` seconds) →
-TERMINATING (every task: TERM → ``task.kill_grace`` → KILL, reported CANCELLED; then a bounded
-flush) → STOPPED (work scope cancelled if it still runs; unsent data stays in the state store for
-the next start). The agent therefore exits within drain_timeout + kill_grace + flush_timeout
-(plus a few seconds), even with the master down: one deadline, set when TERMINATING starts, bounds
-both the tasks' reporting and the final flush. A signal while STOPPING (flushing) skips the rest
-of the flush.
+The shutdown order is the nesting of :meth:`Agent.run` (as hypercorn's ``trio/run.py`` worker_serve)::
+
+    root nursery                          status server, signals, heartbeat, outbox: until STOPPED
+    └── work scope                        TERMINATING sets its deadline (kill_grace + flush_timeout)
+        └── work nursery                  one run_task per claimed task
+            ├── poller.run(work)          returns when DRAINING starts (claims on the wire settled:
+            │                             run, or given back to the master)
+            ├── move_on_at(drain deadline): supervisor.wait_idle()     DRAINING: tasks may finish
+            └── terminate()               TERMINATING: every task TERM → kill_grace → KILL, CANCELLED
+    STOPPING: move_on_at(flush deadline): outbox.wait_idle()            bounded flush
+    STOPPED: the root nursery is gone; one last heartbeat says so (≤ FINAL_BEAT_TIMEOUT s)
+
+States (:class:`AgentState`, reported truthfully in every heartbeat): STARTING → RUNNING → DRAINING
+(SIGTERM: stop claiming; running tasks get ``task.drain_timeout`` seconds) → TERMINATING (SIGINT, a
+second SIGTERM or the drain deadline) → STOPPING (a bounded flush; unsent data stays in the state
+store for the next start) → STOPPED. The agent therefore exits within drain_timeout + kill_grace +
+flush_timeout (plus a few seconds), even with the master down: one deadline, set when TERMINATING
+starts, bounds both the tasks' reporting and the final flush. A signal while STOPPING skips the rest
+of the flush (and the last heartbeat).
 
 Crash recovery runs before registration (it needs no master): leftovers of tasks that ran when the
 agent died are killed at once, and their AGENT_LOST results wait in the state store.
 
-Exit codes of :func:`run_agent`: 0 after a clean drain/terminate, 1 when the agent cannot run
-(registration refused, state store unusable, status port in use), 2 for configuration problems
-found late. Before anything else it locks the work dir (ckagent.workdir): a second agent on the same
-work dir is refused (ConfigError, exit 2) instead of killing the first one's tasks as leftovers.
+Exit codes are decided in one place (ckagent.errors): :meth:`Agent.run` returns 0 after a clean
+drain/terminate and raises StartupError (exit 1: state store unusable, status port in use,
+registration refused) or ConfigError (exit 2); ``ckagent.cli.main`` turns them into the exit status.
+Before anything else :func:`run_agent` locks the work dir (ckagent.workdir): a second agent on the
+same work dir is refused (ConfigError) instead of killing the first one's tasks as leftovers.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import platform
@@ -51,6 +65,7 @@ from ckagent.capabilities import Capabilities
 from ckagent.config import ConfigError, Settings
 from ckagent.delivery import Outbox, OutboxConfig, cleanup_task_dirs
 from ckagent.deps import Dependencies, IndexChooser, remove_legacy_environments, spider_base_env
+from ckagent.errors import StartupError
 from ckagent.fleet import VersionWatch, load_node_uid
 from ckagent.hardening import protect_agent_memory
 from ckagent.heartbeat import HeartbeatLoop
@@ -72,7 +87,15 @@ from ckagent.runtimes import (
     save_runtimes_cache,
 )
 from ckagent.state import AsyncStateStore, StateStore, StateStoreError, TaskRecord
-from ckagent.status import AgentStatus, StatusPortError, serve_status
+from ckagent.status import (
+    AgentStatistics,
+    AgentStatus,
+    StatusPortError,
+    TaskStatistics,
+    runtime_versions,
+    serve_status,
+)
+from ckagent.statuspage import StatusPage
 from ckagent.supervisor import RunnerConfig, RunningTask, Supervisor
 from ckagent.workdir import WorkDirError, WorkDirLock
 from ckagent.workspace import Workspaces
@@ -83,9 +106,25 @@ FLUSH_TIMEOUT = 10.0
 """Default of ``task.flush_timeout``: seconds the agent waits, when stopping, for unsent results and
 streams before leaving them on disk."""
 RUNTIME_SCAN_INTERVAL = 300.0
+FINAL_BEAT_TIMEOUT = 2.0
+"""Seconds the last heartbeat (status STOPPED) may take on the way out."""
 DEFERRED_START_LIMIT = 1.0
 """Seconds after the start by which the work kept off the way to the first heartbeat (see
 :meth:`Agent._after_first_heartbeat`) begins even if that heartbeat has not gone out (master slow or away)."""
+
+
+class AgentState(str, enum.Enum):
+    """The agent's lifetime states, in order (see the module docstring); the heartbeat sends the value."""
+
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    DRAINING = "DRAINING"
+    TERMINATING = "TERMINATING"
+    STOPPING = "STOPPING"
+    STOPPED = "STOPPED"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class Agent:
@@ -93,7 +132,7 @@ class Agent:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.state = "STARTING"
+        self.state = AgentState.STARTING
         self.work_dir = settings.task.work_dir
         self.max_workers = compute_max_workers(settings.agent.max_workers, settings.agent.container_cpu_limit)
         self.runtimes: dict[str, Any] = {}
@@ -103,15 +142,25 @@ class Agent:
         self.versions = VersionWatch(self.intake, auto_upgrade=settings.agent.auto_upgrade)
         self.node_uid: str | None = None
         self.capabilities = Capabilities(settings.deps.uv_path)
-        self._work_scope = trio.CancelScope()
-        self._poll_scope = trio.CancelScope()
         self._startup_scope = trio.CancelScope()
-        self.supervisor: Supervisor | None = None
-        self._work_done = trio.Event()
-        self._terminating = trio.Event()
+        """Registration: a stop before it completes ends it."""
+        self._work_scope = trio.CancelScope()
+        """The tasks' scope: TERMINATING sets its deadline."""
+        self._drain_scope = trio.CancelScope()
+        """DRAINING's wait for the tasks: TERMINATING ends it."""
         self._flush_scope = trio.CancelScope()
+        """STOPPING's flush: a signal while flushing ends it."""
+        self._drain_deadline = float("inf")
+        """trio time by which the running tasks must have finished (set when DRAINING starts)."""
         self._exit_deadline = float("inf")
         """trio time by which the agent stops waiting for tasks and the master (set by TERMINATING)."""
+        self._hurry = False
+        """A signal arrived while STOPPING: skip what is left, the last heartbeat included."""
+        self.supervisor: Supervisor | None = None
+        self.poller: Poller | None = None
+        self.outbox: Outbox | None = None
+        self.heartbeat: HeartbeatLoop | None = None
+        self.workspaces: Workspaces | None = None
         self.started = trio.Event()
         """Set once the agent has registered, recovered and begun polling (state RUNNING)."""
         self.metrics = AgentMetrics(__version__, settings.agent.name)
@@ -151,18 +200,65 @@ class Agent:
         )
 
     async def run(self) -> int:
-        """Run until stopped by a signal (or :meth:`drain` / :meth:`terminate`). Returns the exit code."""
+        """Run until stopped by a signal (or :meth:`drain` / :meth:`terminate`); returns 0.
+
+        Raises StartupError (exit code 1) when the agent cannot run: state store unusable, status
+        port in use, registration refused; ConfigError (exit code 2) for configuration found wrong
+        late (``task.run_as_user``). Cancellation: stops at once (tasks' processes are still ended).
+        """
         s = self.settings
         try:
             store = AsyncStateStore(await trio.to_thread.run_sync(StateStore, self.work_dir / "state.db"))
         except StateStoreError as exc:
-            log.error("%s", exc)
-            return 1
+            raise StartupError(str(exc)) from exc
+        failure: StartupError | None = None
+        try:
+            supervisor, outbox, poller = await self._assemble(store)
+            async with trio.open_nursery() as root:  # status, signals, heartbeat, outbox: until STOPPED
+                failure = await self._start(root, store)
+                if failure is None and self.state is AgentState.RUNNING:
+                    with self._work_scope:  # TERMINATING sets its deadline
+                        async with trio.open_nursery() as work:  # one run_task per claimed task
+                            await poller.run(work)  # until DRAINING; claims on the wire are settled
+                            self.drain()  # (when the poller ended by itself)
+                            with self._drain_scope, trio.move_on_at(self._drain_deadline):
+                                await supervisor.wait_idle()
+                            if supervisor.running:
+                                if not self._drain_scope.cancel_called:
+                                    log.warning("drain deadline (%g s) passed with %d task(s) still running",
+                                                s.task.drain_timeout, len(supervisor.running))
+                                self.terminate()
+                    if self._work_scope.cancelled_caught:
+                        log.warning("tasks did not finish reporting within kill_grace + flush_timeout "
+                                    "(%g s); leaving unsent data for the next start",
+                                    s.task.kill_grace + s.task.flush_timeout)
+                    self.state = AgentState.STOPPING
+                    flush_until = min(trio.current_time() + s.task.flush_timeout, self._exit_deadline)
+                    with self._flush_scope, trio.move_on_at(flush_until):
+                        await outbox.wait_idle()
+                    if outbox.pending:
+                        log.warning("stopping with undelivered results or logs; they stay in %s for the "
+                                    "next start", self.work_dir / "state.db")
+                root.cancel_scope.cancel()
+        finally:
+            self.state = AgentState.STOPPED
+            with trio.CancelScope(shield=True):
+                if failure is None and self.master.registered and not self._hurry:
+                    await self._final_beat(store)
+                await self.master.aclose()
+                await trio.to_thread.run_sync(store.sync.close)
+            log.info("ckagent stopped")
+        if failure is not None:
+            raise failure
+        return 0
+
+    async def _assemble(self, store: AsyncStateStore) -> tuple[Supervisor, Outbox, Poller]:
+        """Build the agent's parts (no master traffic). Raises ConfigError for ``task.run_as_user``."""
+        s = self.settings
         try:
             run_as = _run_as(s.task.run_as_user)
         except ValueError as exc:
-            log.error("%s", exc)
-            return 2
+            raise ConfigError(str(exc)) from exc
         if os.getpid() == 1:
             log.warning("running as PID 1 without an init: processes orphaned by spiders are not reaped "
                         "(<defunct> entries pile up); run the container with `--init` or tini "
@@ -173,8 +269,7 @@ class Agent:
         try:
             self.node_uid = await trio.to_thread.run_sync(load_node_uid, self.work_dir)
         except OSError as exc:
-            log.error("cannot keep the node's id in %s: %s", self.work_dir, exc)
-            return 1
+            raise StartupError(f"cannot keep the node's id in {self.work_dir}: {exc}") from exc
         base_env = spider_base_env()
         # Browser spiders use the system's browser (nothing can be downloaded at run time): its path
         # comes from the runtimes scan, updated in place after each rescan.
@@ -205,145 +300,159 @@ class Agent:
         )
         self.heartbeat = HeartbeatLoop(
             self.master, supervisor, HealthSampler(self.work_dir), s.heartbeat.interval,
-            status=lambda: "DRAINING" if self.state in ("DRAINING", "TERMINATING") else "RUNNING",
+            status=lambda: str(self.state),
             runtimes=self._runtimes_report,
             paused_reason=lambda: self.intake.reason,
             on_policy=self.versions.apply,
+            reporting=lambda: [t for t in outbox.deliveries if t not in supervisor.running],
         )
-        self.poller = Poller(
+        poller = self.poller = Poller(
             self.master, supervisor, poll_interval=s.task.poll_interval,
             long_poll_wait=s.task.long_poll_wait, request_timeout=s.server.request_timeout,
             gate=self.intake,
             cannot_run=self.capabilities.cannot_run,
+            reported=outbox.wait_delivered,
         )
-        disk_watch = self.disk_watch = DiskFloorWatch(self.intake, self.work_dir, s.task.min_free_disk_bytes)
+        self.disk_watch = DiskFloorWatch(self.intake, self.work_dir, s.task.min_free_disk_bytes)
+        return supervisor, outbox, poller
+
+    async def _start(self, root: trio.Nursery, store: AsyncStateStore) -> StartupError | None:
+        """STARTING → RUNNING: status server, signals, recovery, registration, outbox, heartbeat, each
+        started in ``root``. Returns the StartupError that stops the agent (None: it runs, or a stop
+        came first: the state says which)."""
+        s = self.settings
+        assert self.outbox is not None
         log.info("ckagent %s starting: master %s, work_dir %s, max_workers %d",
                  __version__, s.server.url, self.work_dir, self.max_workers)
         self.capabilities.warn()
+        status = AgentStatus(self.statistics, self.metrics, self.metrics.outbox)
+        routes = status.routes(page=StatusPage(self, status.status))
         try:
-            async with trio.open_nursery() as root:
-                status = AgentStatus(self, self.metrics, self.metrics.outbox)
-                try:
-                    self.status_port = await root.start(partial(
-                        serve_status, status.routes(), s.agent.bind or s.agent.ip, s.agent.port,
-                        serve_after=self._after_first_heartbeat))
-                except StatusPortError as exc:
-                    log.error("%s", exc)
-                    root.cancel_scope.cancel()
-                    return 1
-                root.start_soon(self._signals)
-                root.start_soon(self._rescan_runtimes)
-                leftovers = await recover_lost_tasks(store, self.metrics.task_lost)
-                if s.task.cleanup_temp_files:
-                    await cleanup_task_dirs(store, self.work_dir / "tasks", 0)
-                self.versions.nursery = root
-                try:
-                    with self._startup_scope:
-                        registered = await self.master.register()
-                        self.versions.apply(registered.policy)
-                except RegistrationRefused as exc:
-                    log.error("%s", exc)
-                    root.cancel_scope.cancel()
-                    return 1
-                if self._startup_scope.cancel_called:
-                    log.info("stopped before registration completed")
-                    root.cancel_scope.cancel()
-                    return 0
-                await root.start(outbox.run)
-                outbox.stats_observer = self.metrics.crawl.observe
-                for record in leftovers:
-                    await outbox.resume(record)
-                    delivery = outbox.deliveries.get(record.task_id)
-                    if delivery is not None:  # the canonical line of a task an earlier run left unsent
-                        delivery.on_delivered = partial(self._leftover_delivered, record)
-                root.start_soon(self.heartbeat.run)
-                if s.task.min_free_disk_bytes:
-                    await disk_watch.check()  # before the first poll
-                    root.start_soon(disk_watch.run)
-                if self.state == "STARTING":
-                    self.state = "RUNNING"
-                self.started.set()
-                with self._work_scope:
-                    async with trio.open_nursery() as work:
-                        with self._poll_scope:
-                            await self.poller.run(work)
-                self._work_done.set()
-                self.state = "STOPPING"
-                flush_until = min(trio.current_time() + s.task.flush_timeout, self._exit_deadline)
-                with self._flush_scope, trio.move_on_at(flush_until):
-                    await outbox.wait_idle()
-                if outbox.pending:
-                    log.warning("stopping with undelivered results or logs; they stay in %s for the next start",
-                                self.work_dir / "state.db")
-                root.cancel_scope.cancel()
-        finally:
-            self.state = "STOPPED"
-            with trio.CancelScope(shield=True):
-                await self.master.aclose()
-                await trio.to_thread.run_sync(store.sync.close)
-            log.info("ckagent stopped")
-        return 0
+            self.status_port = await root.start(partial(
+                serve_status, routes, s.agent.bind or s.agent.ip, s.agent.port,
+                serve_after=self._after_first_heartbeat))
+        except StatusPortError as exc:
+            return StartupError(str(exc))
+        root.start_soon(self._signals)
+        root.start_soon(self._rescan_runtimes)
+        leftovers = await recover_lost_tasks(store, self.metrics.task_lost)
+        if s.task.cleanup_temp_files:
+            await cleanup_task_dirs(store, self.work_dir / "tasks", 0)
+        self.versions.nursery = root
+        try:
+            with self._startup_scope:
+                registered = await self.master.register()
+                self.versions.apply(registered.policy)
+        except RegistrationRefused as exc:
+            return StartupError(str(exc))
+        if self._startup_scope.cancel_called:
+            log.info("stopped before registration completed")
+            return None
+        await root.start(self.outbox.run)
+        self.outbox.stats_observer = self.metrics.crawl.observe
+        for record in leftovers:
+            await self.outbox.resume(record)
+            delivery = self.outbox.deliveries.get(record.task_id)
+            if delivery is not None:  # the canonical line of a task an earlier run left unsent
+                delivery.on_delivered = partial(self._leftover_delivered, record)
+        assert self.heartbeat is not None
+        if self.state is AgentState.STARTING:  # (a drain may have come meanwhile)
+            self.state = AgentState.RUNNING  # before the first heartbeat: beats never say STARTING
+        root.start_soon(self.heartbeat.run)
+        if s.task.min_free_disk_bytes:
+            await self.disk_watch.check()  # before the first poll
+            root.start_soon(self.disk_watch.run)
+        self.started.set()
+        return None
+
+    async def _final_beat(self, store: AsyncStateStore) -> None:
+        """The last heartbeat (status STOPPED), at most FINAL_BEAT_TIMEOUT seconds; what the state store
+        still holds undelivered is listed as reporting (the master must not hand those tasks out again)."""
+        if self.heartbeat is None:
+            return
+        with trio.move_on_after(FINAL_BEAT_TIMEOUT):
+            held = [record.task_id for record in await store.pending_delivery()]
+            await self.heartbeat.beat_once(reporting=held)
+
+    def statistics(self) -> AgentStatistics:
+        """A frozen snapshot of the agent (state, master, heartbeat, slots, tasks) for /status and /metrics."""
+        supervisor = self.supervisor
+        heartbeat, workspaces = self.heartbeat, self.workspaces
+        tasks = tuple(
+            TaskStatistics(id=rt.task.id, spider_id=rt.task.spider_id, spider_name=rt.task.spider_name,
+                           framework=rt.task.framework, phase=rt.phase, claimed_at=rt.claimed_at,
+                           started_at=rt.started_at, pid=rt.pid)
+            for rt in (supervisor.running.values() if supervisor is not None else ())
+        )
+        return AgentStatistics(
+            state=str(self.state),
+            name=self.settings.agent.name,
+            node_id=self.master.node_id,
+            registered=self.master.registered,
+            master_up=self.master.connectivity.up,
+            heartbeat_last_success=heartbeat.last_success if heartbeat is not None else None,
+            heartbeat_interval=self.settings.heartbeat.interval,
+            max_workers=self.max_workers,
+            free_slots=supervisor.free_slots() if supervisor is not None else self.max_workers,
+            tasks=tasks,
+            code_download_bytes=workspaces.downloaded_bytes if workspaces is not None else 0,
+            runtimes=tuple(runtime_versions(self.runtimes).items()),
+            master_problem=self.master.connectivity.problem,
+            master_problem_age=self.master.connectivity.problem_age(),
+            intake_reason=self.intake.reason,
+        )
 
     # ------------------------------------------------------------------ shutdown
 
     def drain(self) -> None:
         """RUNNING → DRAINING: stop claiming; running tasks may finish (idempotent)."""
-        if self.state in ("RUNNING", "STARTING"):
+        drain_timeout = self.settings.task.drain_timeout
+        if self.state in (AgentState.RUNNING, AgentState.STARTING):
             running = len(self.supervisor.running) if self.supervisor is not None else 0
-            log.info("draining: no new tasks; %d running task(s) get up to %g s",
-                     running, self.settings.task.drain_timeout)
-            self.state = "DRAINING"
+            log.info("draining: no new tasks; %d running task(s) get up to %g s", running, drain_timeout)
+            self.state = AgentState.DRAINING
+        if self._drain_deadline == float("inf"):
+            self._drain_deadline = trio.current_time() + drain_timeout
         self._startup_scope.cancel()
-        self._poll_scope.cancel()
+        if self.poller is not None:  # claims on the wire are answered within the drain
+            self.poller.stop(claim_timeout=min(self.settings.server.request_timeout, drain_timeout))
 
     def terminate(self) -> None:
         """→ TERMINATING: stop every task (TERM → grace → KILL, reported CANCELLED) (idempotent).
 
-        From then on the agent stops within ``kill_grace + flush_timeout`` seconds: what the master
-        has not acknowledged by then stays in the state store. Call it from inside the agent's Trio run.
+        From then on the agent stops within ``kill_grace + flush_timeout`` seconds (the work scope's
+        deadline): what the master has not acknowledged by then stays in the state store. Call it
+        from inside the agent's Trio run.
         """
-        if self._terminating.is_set():
+        if self._exit_deadline != float("inf"):
             return
         log.info("terminating: stopping every running task")
-        self._exit_deadline = trio.current_time() + self.settings.task.kill_grace + self.settings.task.flush_timeout
-        self.state = "TERMINATING"
-        self._terminating.set()
+        s = self.settings.task
+        self._exit_deadline = trio.current_time() + s.kill_grace + s.flush_timeout
+        if self.state in (AgentState.STARTING, AgentState.RUNNING, AgentState.DRAINING):
+            self.state = AgentState.TERMINATING
         self._startup_scope.cancel()
-        self._poll_scope.cancel()
+        if self.poller is not None:
+            self.poller.stop(claim_timeout=0)
+        self._drain_scope.cancel()
+        self._work_scope.deadline = self._exit_deadline
         if self.supervisor is not None:
             self.supervisor.cancel_all("agent terminating")
-        trio.lowlevel.spawn_system_task(self._terminate_deadline)
 
     async def _signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
                 name = signal.Signals(signum).name
-                if self.state == "STOPPING":
+                if self.state is AgentState.STOPPING:
                     log.info("%s while flushing: leaving unsent data on disk and exiting now", name)
+                    self._hurry = True
                     self._flush_scope.cancel()
-                elif signum == signal.SIGTERM and self.state not in ("DRAINING", "TERMINATING"):
+                elif signum == signal.SIGTERM and self.state in (AgentState.STARTING, AgentState.RUNNING):
                     log.info("SIGTERM: draining (a second SIGTERM or SIGINT terminates)")
                     self.drain()
-                    trio.lowlevel.spawn_system_task(self._drain_deadline)
                 else:
                     log.info("%s: terminating", name)
                     self.terminate()
-
-    async def _drain_deadline(self) -> None:
-        with trio.move_on_after(self.settings.task.drain_timeout):
-            await self._work_done.wait()
-            return
-        log.warning("drain deadline (%g s) passed with tasks still running", self.settings.task.drain_timeout)
-        self.terminate()
-
-    async def _terminate_deadline(self) -> None:
-        with trio.move_on_at(self._exit_deadline):
-            await self._work_done.wait()
-            return
-        log.warning("tasks did not finish reporting within kill_grace + flush_timeout (%g s); leaving "
-                    "unsent data for the next start",
-                    self.settings.task.kill_grace + self.settings.task.flush_timeout)
-        self._work_scope.cancel()
 
     # ------------------------------------------------------------------ the canonical task line
 
@@ -369,6 +478,8 @@ class Agent:
         the start and early requests wait in its backlog) and the runtime rescan's subprocesses
         (registration uses the cached scan; the fresh one reaches the master with the heartbeats).
         """
+        if self.heartbeat is None:
+            return
         with trio.move_on_after(DEFERRED_START_LIMIT):
             await self.heartbeat.first_beat.wait()
 
@@ -387,7 +498,8 @@ class Agent:
             if was_missing - set(self.capabilities.refresh()):
                 log.info("found %s again: taking the spiders that need it",
                          ", ".join(sorted(was_missing - set(self.capabilities.missing))))
-                self.poller.forget_unrunnable()
+                if self.poller is not None:
+                    self.poller.forget_unrunnable()
             await trio.to_thread.run_sync(save_runtimes_cache, self.work_dir / RUNTIMES_CACHE, self.runtimes)
             browsers = await trio.to_thread.run_sync(browser_env, self.runtimes)
             for variable in BROWSER_VARS.values():
@@ -437,10 +549,12 @@ def _canonical_line(task: Task | None, result: TaskResult, install: tuple[float,
 
 def run_agent(settings: Settings) -> int:
     """Entry point for ``ckagent run``: set up logging, lock the work dir, run the agent on Trio;
-    returns the exit code.
+    returns 0 after a clean stop.
 
-    Raises ConfigError (the CLI prints it, exit 2) when the log file cannot be opened or the work
-    dir cannot be created, written or locked (another agent uses it).
+    Raises StartupError (exit code 1) when the agent cannot run, ConfigError (exit code 2) when the
+    log file cannot be opened or the work dir cannot be created, written or locked (another agent
+    uses it). An error raised once logging is set up is logged here first (``logged`` is then True
+    when that log line went to stderr, so the CLI does not print it twice).
     """
     from ckagent.preflight import preflight
 
@@ -457,16 +571,20 @@ def run_agent(settings: Settings) -> int:
         raise ConfigError(f"logging.file (AGENT_LOG_FILE) {str(settings.logging.file)!r} cannot be opened: "
                           f"{exc.strerror or exc}; point it at a writable file (its directory is created)") from exc
     try:
-        # Before anything touches the work dir: crash recovery would kill another agent's tasks.
-        lock = WorkDirLock.acquire(Path(settings.task.work_dir))
-    except WorkDirError as exc:
+        try:
+            # Before anything touches the work dir: crash recovery would kill another agent's tasks.
+            lock = WorkDirLock.acquire(Path(settings.task.work_dir))
+        except WorkDirError as exc:
+            raise ConfigError(str(exc)) from exc
+        try:
+            return trio.run(Agent(settings).run)
+        except KeyboardInterrupt:  # pragma: no cover - SIGINT is handled inside; a second Ctrl-C race
+            return 130
+        finally:
+            lock.release()
+            sys.stderr.flush()
+    except StartupError as exc:
         log.error("%s", exc)
-        raise ConfigError(str(exc)) from exc
-    agent = Agent(settings)
-    try:
-        return trio.run(agent.run)
-    except KeyboardInterrupt:  # pragma: no cover - SIGINT is handled inside; this is a second Ctrl-C race
-        return 130
-    finally:
-        lock.release()
-        sys.stderr.flush()
+        exc.logged = any(isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is sys.stderr
+                         for h in logging.getLogger().handlers)
+        raise

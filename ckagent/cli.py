@@ -12,8 +12,9 @@ Commands::
     ckagent exec PATH [--spider NAME] [--param K=V] [--env K=V] [--timeout S] [--items FILE] ...
                                       run one local spider (folder or zip) exactly as a node would
 
-Exit codes: 0 ok; 2 usage or configuration error (``ckagent: config error: <msg>`` on stderr);
-1 runtime failure (or whatever the delegated command returns).
+Exit codes (ckagent.errors, translated once in :func:`main`): 0 ok; 2 usage or configuration error
+(``ckagent: config error: <msg>`` on stderr); 1 the agent cannot run (``ckagent: cannot run: <msg>``,
+unless the agent's log already said it on stderr).
 """
 
 from __future__ import annotations
@@ -30,13 +31,12 @@ from typing import TYPE_CHECKING, Annotated
 
 from ckagent import __version__
 from ckagent.config import ConfigError, Settings, load_settings, missing_token_message, suspicious_env_vars
+from ckagent.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, StartupError
 
 if TYPE_CHECKING:
     from cyclopts import App, Parameter
 
-EXIT_OK = 0
-EXIT_FAILURE = 1
-EXIT_USAGE = 2
+__all__ = ["EXIT_FAILURE", "EXIT_OK", "EXIT_USAGE", "main"]
 
 # Start-up time: `ckagent run -c FILE` (what run.sh and the service units start) is parsed by
 # :func:`_plain_run` without importing cyclopts (~40 ms with its dependencies); every other
@@ -407,9 +407,10 @@ def main(argv: list[str] | None = None) -> None:
         # that the interpreter's final flush does not fail again (Python's documented recipe).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(EXIT_FAILURE)
-    except ConfigError as exc:
-        print(f"ckagent: config error: {exc}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
+    except StartupError as exc:  # the one place an error becomes an exit code (ckagent.errors)
+        if not exc.logged:
+            print(f"ckagent: {exc.label}: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
     except _UsageError as exc:
         print(f"ckagent: {exc}", file=sys.stderr)
         sys.exit(EXIT_USAGE)

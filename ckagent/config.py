@@ -42,6 +42,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from ckagent.errors import EXIT_USAGE, StartupError
+
 __all__ = [
     "SETTINGS",
     "AgentSettings",
@@ -67,11 +69,14 @@ TABLE_START_MARKER = "<!-- config-table:start -->"
 TABLE_END_MARKER = "<!-- config-table:end -->"
 
 
-class ConfigError(Exception):
+class ConfigError(StartupError):
     """The configuration is unusable. ``str(err)`` is one line naming ``file:line:column`` or the env var.
 
-    The message never contains a secret value.
+    The message never contains a secret value. Exit code 2 (ckagent.errors).
     """
+
+    exit_code = EXIT_USAGE
+    label = "config error"
 
 
 class Secret:

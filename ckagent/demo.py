@@ -25,6 +25,7 @@ from ckagent.agent import Agent
 from ckagent.config import load_settings
 from ckagent.devmaster.client import AdminClient, zip_directory
 from ckagent.devmaster.server import DevMasterConfig, serve
+from ckagent.errors import StartupError
 from ckagent.logs import setup_logging
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "sdk" / "examples"
@@ -56,6 +57,7 @@ def _say(text: str = "") -> None:
 async def _demo(work_dir: Path, keep: bool) -> int:
     admin_token = secrets.token_urlsafe(16)
     registration_token = secrets.token_urlsafe(16)
+    failure: list[StartupError] = []
     async with trio.open_nursery() as root:
         master_config = DevMasterConfig(
             db_path=work_dir / "master.sqlite", registration_token=registration_token,
@@ -77,8 +79,13 @@ async def _demo(work_dir: Path, keep: bool) -> int:
         agent_done = trio.Event()
 
         async def run_agent() -> None:
-            await agent.run()
-            agent_done.set()
+            try:
+                await agent.run()
+            except StartupError as exc:  # the CLI reports it (and its exit code) once the demo is down
+                failure.append(exc)
+                root.cancel_scope.cancel()
+            finally:
+                agent_done.set()
 
         root.start_soon(run_agent)
         with trio.fail_after(30):
@@ -115,6 +122,8 @@ async def _demo(work_dir: Path, keep: bool) -> int:
         with trio.move_on_after(30):
             await agent_done.wait()
         root.cancel_scope.cancel()
+    if failure:
+        raise failure[0]
     _say("\nDemo " + ("finished as expected: two spiders succeeded, one failed on purpose."
                       if ok else "did NOT finish as expected: see the table and the agent log."))
     return 0 if ok else 1

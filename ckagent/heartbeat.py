@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 
 class HeartbeatLoop:
-    """Sends heartbeats; ``status()`` gives RUNNING or DRAINING; ``runtimes()`` the latest scan.
+    """Sends heartbeats; ``status()`` gives the agent's state (ckagent.agent.AgentState);
+    ``runtimes()`` the latest scan; ``reporting()`` the tasks whose result is not acknowledged yet.
 
     ``last_success`` is the ``trio.current_time()`` of the last acknowledged beat (None before the
     first); /readyz and metrics read it. ``first_beat`` is set once :meth:`run` has tried its first
@@ -43,6 +44,7 @@ class HeartbeatLoop:
         runtimes: Callable[[], dict[str, Any]],
         paused_reason: Callable[[], str | None] = lambda: None,
         on_policy: Callable[[VersionPolicy], None] = lambda policy: None,
+        reporting: Callable[[], list[str]] = list,
     ) -> None:
         self._master = master
         self._supervisor = supervisor
@@ -52,6 +54,7 @@ class HeartbeatLoop:
         self._runtimes = runtimes
         self._paused_reason = paused_reason
         self._on_policy = on_policy
+        self._reporting = reporting
         self.last_success: float | None = None
         self.beats = 0
         self.first_beat = trio.Event()
@@ -66,8 +69,13 @@ class HeartbeatLoop:
             k = max(k + 1, int((trio.current_time() - start) / self.interval) + 1)
             await trio.sleep_until(start + k * self.interval)
 
-    async def beat_once(self) -> bool:
-        """Send one heartbeat; returns True when the master acknowledged it."""
+    async def beat_once(self, *, reporting: list[str] | None = None) -> bool:
+        """Send one heartbeat; returns True when the master acknowledged it.
+
+        The beat lists the tasks running here, those whose claim is on the wire and those whose
+        result is not acknowledged yet (``reporting``: default ``reporting()``), so that the master
+        can tell them from a task no node runs (docs/protocol.md, "Claims and releases").
+        """
         sample = await trio.to_thread.run_sync(self._sampler.sample)
         sup = self._supervisor
         body = Heartbeat(
@@ -86,6 +94,8 @@ class HeartbeatLoop:
             uptime_seconds=round(time.monotonic() - self._sampler.started, 1),
             runtimes=self._runtimes() or None,
             paused_reason=self._paused_reason(),
+            claiming_task_ids=sorted(sup.claiming),
+            reporting_task_ids=sorted(self._reporting() if reporting is None else reporting),
         )
         try:
             with trio.move_on_after(max(self.interval, 1.0)):

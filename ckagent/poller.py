@@ -5,12 +5,24 @@ long poll on, ``waitSeconds``: the master may hold the request until a task is r
 that answers at once with nothing (no long poll) is asked again after ``poll_interval`` (sooner
 if a spider running here finishes meanwhile: its next task is no longer excluded); a master
 that held the request is asked again at once, and so is one whose held poll excluded a spider that
-has since finished here (that spider's next task would otherwise wait out the long poll). When no
-slot is free the poller waits for one and polls the moment it frees. Each task is claimed (result
+has since finished here (that spider's next task would otherwise wait out the long poll). A master
+that answers at once only because it still lists tasks already stopped here (``cancelTaskIds``
+until their CANCELLED results arrive) is asked again as soon as one of those results is delivered
+(``reported``: the outbox's event), so the next poll can be held and hears the next cancel at once.
+When no slot is free the poller waits for one and polls the moment it frees. Each task is claimed (result
 RUNNING; the claims of one answer go out together) before it runs; a 409 drops it. A task that breaks the schema is reported FAILED/BAD_TASK and the others run.
 
-Cancelling the poller (drain) stops claiming; tasks already claimed run on in the work nursery. While
-the ``gate`` (ckagent.intake) is closed — disk below its floor, agent older than the master's minimum —
+Stopping (drain, :meth:`Poller.stop`) ends the poll in flight and the pauses at once, but never a
+claim on the wire: a claim the master answers is a task the master thinks runs here. Each claim
+still on the wire gets up to ``request_timeout`` more seconds for its answer; a task whose claim
+succeeds after the stop began is given back (``POST /api/tasks/{id}/release``: the master makes it
+PENDING again), and so is one whose claim was cut off without an answer (a release of a task the
+master never assigned is a no-op). ``run`` returns once every claim is settled: tasks already
+admitted run on in the work nursery. While a claim is on the wire its task id is in
+``Supervisor.claiming`` (the heartbeat reports it as ``claimingTaskIds``), so the master can tell a
+claim in flight from a task no node runs.
+
+While the ``gate`` (ckagent.intake) is closed — disk below its floor, agent older than the master's minimum —
 the poller does not poll. A task the node cannot run (``can_run``: its framework's tool is missing,
 ckagent.capabilities) is not claimed — the master keeps it for other nodes — and its spider is left
 out of the next polls (``excludeSpiderIds``) until :meth:`Poller.forget_unrunnable`.
@@ -19,7 +31,10 @@ out of the next polls (``excludeSpiderIds``) until :meth:`Poller.forget_unrunnab
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
 
 import trio
 
@@ -32,13 +47,24 @@ from ckagent.master import (
     MasterUnavailable,
     json_object,
 )
-from ckagent.protocol import BadTask, PendingTasks, Task, TaskResult, utc_now_iso
+from ckagent.protocol import BadTask, PendingTasks, Task, TaskRelease, TaskResult, utc_now_iso
 from ckagent.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
 CLAIM_RETRY_TIMEOUT = 60.0
 """Seconds a claim is retried through master trouble before the task is left to the master."""
+RELEASE_TIMEOUT = 5.0
+"""Seconds a release (a claim given back while stopping) may take; a release that does not get
+through is left to the master's reconciliation (docs/protocol.md, "Claims and releases")."""
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """One poll's answer and how long the master held it (seconds)."""
+
+    pending: PendingTasks
+    held_seconds: float
 
 
 class Poller:
@@ -54,8 +80,10 @@ class Poller:
         request_timeout: float,
         gate: IntakeGate | None = None,
         cannot_run: Callable[[Task], str | None] | None = None,
+        reported: Callable[[set[str]], Awaitable[None]] | None = None,
     ) -> None:
         self._master = master
+        self._reported = reported
         self._gate = gate
         self._cannot_run = cannot_run
         self.unrunnable: set[str] = set()
@@ -65,37 +93,78 @@ class Poller:
         self.long_poll_wait = long_poll_wait
         self._request_timeout = request_timeout
         self.polls = 0
+        self._stopping = False
+        self._idle_scope: trio.CancelScope | None = None
+        self._claim_deadline = math.inf
+        self._claim_scopes: set[trio.CancelScope] = set()
+
+    def stop(self, *, claim_timeout: float | None = None) -> None:
+        """Stop polling (idempotent): the poll in flight and any pause end at once; claims on the wire
+        get ``claim_timeout`` (default: ``request_timeout``) more seconds, then are cut off and
+        released. :meth:`run` returns once the claims are settled."""
+        self._stopping = True
+        deadline = trio.current_time() + (self._request_timeout if claim_timeout is None else claim_timeout)
+        if deadline < self._claim_deadline:  # a terminate after a drain shortens the claims' time
+            self._claim_deadline = deadline
+            for scope in self._claim_scopes:
+                scope.deadline = deadline
+        if self._idle_scope is not None:
+            self._idle_scope.cancel()
 
     async def run(self, work: trio.Nursery) -> None:
-        """Poll until cancelled; claimed tasks are started in ``work`` (the work nursery)."""
+        """Poll until :meth:`stop` (or cancelled); claimed tasks are started in ``work`` (the work nursery).
+
+        Cancellation from outside cuts claims off; their tasks are released (shielded, at most
+        RELEASE_TIMEOUT seconds each) before the Cancelled goes on.
+        """
+        while not self._stopping:
+            answer: _Answer | None = None
+            with trio.CancelScope() as idle:  # what a stop ends at once: waiting, polling, pausing
+                self._idle_scope = idle
+                answer = await self._next_answer()
+            self._idle_scope = None
+            if answer is None:
+                continue  # stopped (the loop ends), or a spider the poll excluded has finished
+            for task_id in answer.pending.cancel_task_ids:
+                self._supervisor.cancel(task_id, "cancelled by the master")
+            for bad in answer.pending.bad_tasks:
+                work.start_soon(self._report_bad_task, bad)
+            # Claims go out together; each task starts as soon as its own claim is answered. A stop
+            # does not cut them off (see the module docstring).
+            async with trio.open_nursery() as claims:
+                for task in answer.pending.tasks:
+                    why = self._cannot_run(task) if self._cannot_run is not None else None
+                    if why is not None:
+                        self._leave(task, why)
+                    elif task.id not in self._supervisor.running:
+                        claims.start_soon(self._claim_and_start, task, work)
+            if self._stopping:
+                return
+            held = answer.held_seconds >= self.long_poll_wait / 2
+            if not answer.pending.tasks and not (self.long_poll_wait and held):
+                # Cancel ids of tasks already ended here (their results on the way) make a master
+                # answer at once until those results arrive: the pause ends when one has arrived.
+                stale = {t for t in answer.pending.cancel_task_ids if t not in self._supervisor.running}
+                with trio.CancelScope() as idle:
+                    self._idle_scope = idle
+                    await self._pause(stale)
+                self._idle_scope = None
+
+    async def _next_answer(self) -> _Answer | None:
+        """Wait for a free slot, then poll; None when the poll went stale. Master trouble is retried
+        here (after ``poll_interval``); cancellation: as usual."""
         while True:
             if self._gate is not None:
                 await self._gate.wait_open()
             await self._supervisor.wait_for_free_slot()
             started = trio.current_time()
             try:
-                answer = await self._poll_until_stale()
+                pending = await self._poll_until_stale()
             except MasterRejected as exc:  # logged once per episode by the master client
                 log.debug("polling for tasks failed: %s; retrying in %g s", exc, self.poll_interval)
-                await trio.sleep(self.poll_interval)
-                continue
-            if answer is None:  # a spider the poll excluded has finished: ask again without it
-                continue
-            for task_id in answer.cancel_task_ids:
-                self._supervisor.cancel(task_id, "cancelled by the master")
-            for bad in answer.bad_tasks:
-                work.start_soon(self._report_bad_task, bad)
-            # Claims go out together; each task starts as soon as its own claim is answered.
-            async with trio.open_nursery() as claims:
-                for task in answer.tasks:
-                    why = self._cannot_run(task) if self._cannot_run is not None else None
-                    if why is not None:
-                        self._leave(task, why)
-                    elif task.id not in self._supervisor.running:
-                        claims.start_soon(self._claim_and_start, task, work)
-            held = trio.current_time() - started >= self.long_poll_wait / 2
-            if not answer.tasks and not (self.long_poll_wait and held):
-                await self._pause()
+            else:
+                return None if pending is None else _Answer(pending, trio.current_time() - started)
+            await trio.sleep(self.poll_interval)
 
     def _leave(self, task: Task, why: str) -> None:
         """Do not claim ``task``: the node cannot run it. One WARNING per spider; excluded from polls."""
@@ -108,16 +177,24 @@ class Poller:
         """Offer every spider again (after a scan found the missing tools)."""
         self.unrunnable.clear()
 
-    async def _pause(self) -> None:
+    async def _pause(self, stale: set[str] | frozenset[str] = frozenset()) -> None:
         """Wait ``poll_interval`` seconds before the next poll — or less, when a spider the next poll
         would exclude finishes here (its next task may be waiting: e.g. a task cancelled through
-        the answer just received). Cancellation: as usual."""
+        the answer just received), or when the result of a task in ``stale`` (cancel ids of tasks
+        ended here) has been delivered (a held poll is possible again). Cancellation: as usual."""
         excluded = self._supervisor.running_spider_ids()
         with trio.move_on_after(self.poll_interval):
-            if excluded:
-                await self._supervisor.wait_spider_free(excluded)
-            else:
-                await trio.sleep_forever()
+            async with trio.open_nursery() as nursery:
+
+                async def wake(wait: Callable[[], Awaitable[None]]) -> None:
+                    await wait()
+                    nursery.cancel_scope.cancel()
+
+                if excluded:
+                    nursery.start_soon(wake, partial(self._supervisor.wait_spider_free, excluded))
+                if stale and self._reported is not None:
+                    nursery.start_soon(wake, partial(self._reported, set(stale)))
+                nursery.start_soon(trio.sleep_forever)
 
     async def _poll_until_stale(self) -> PendingTasks | None:
         """:meth:`poll_once`, abandoned (None) once a spider it excluded has finished here: a held
@@ -168,9 +245,35 @@ class Poller:
         return answer
 
     async def _claim_and_start(self, task: Task, work: trio.Nursery) -> None:
-        if await self._claim(task.id):
-            rt = self._supervisor.admit(task)
-            work.start_soon(self._supervisor.run_task, rt, name=f"task {task.id}")
+        """Claim ``task``; start it when the claim succeeds, give it back when the poller stopped
+        meanwhile or the claim was cut off (see the module docstring)."""
+        sup = self._supervisor
+        sup.claiming.add(task.id)
+        owed = True  # the master may count the task as ours, and it is neither admitted nor given back
+        try:
+            claimed = False
+            with trio.CancelScope(deadline=self._claim_deadline) as scope:
+                self._claim_scopes.add(scope)
+                claimed = await self._claim(task.id)
+            self._claim_scopes.discard(scope)
+            if scope.cancelled_caught:
+                reason = "claim cut off: the node is stopping"
+            elif not claimed:
+                owed = False
+            elif self._stopping:
+                reason = "claimed while the node started draining"
+            else:
+                rt = sup.admit(task)
+                owed = False
+                work.start_soon(sup.run_task, rt, name=f"task {task.id}")
+            if owed:
+                await self._release(task.id, reason)
+                owed = False
+        finally:
+            if owed:  # cancelled from outside (the agent's hard stop) before the task was settled
+                with trio.CancelScope(shield=True):
+                    await self._release(task.id, "claim cut off: the agent is terminating")
+            sup.claiming.discard(task.id)
 
     async def _claim(self, task_id: str) -> bool:
         body = TaskResult(status="RUNNING", started_at=utc_now_iso()).to_json()
@@ -186,6 +289,23 @@ class Poller:
             log.warning("task %s: claim failed (%s); leaving it to the master", task_id, exc)
             return False
         return True
+
+    async def _release(self, task_id: str, reason: str) -> None:
+        """Give a task back to the master (``POST /api/tasks/{id}/release``), at most RELEASE_TIMEOUT
+        seconds. Never raises for master trouble: a release that does not get through is left to the
+        master's reconciliation (the node will not list the task). Cancellation: as usual."""
+        with trio.move_on_after(RELEASE_TIMEOUT) as scope:  # noqa: ASYNC912 - the call checkpoints before it raises
+            try:
+                await self._master.call("release", "POST", f"/api/tasks/{task_id}/release",
+                                        json=TaskRelease(reason=reason).to_json(), answer=json_object)
+            except MasterError as exc:
+                log.warning("task %s: could not give it back to the master (%s); the master's "
+                            "reconciliation will", task_id, exc)
+                return
+            log.info("task %s: given back to the master (%s)", task_id, reason)
+        if scope.cancelled_caught:
+            log.warning("task %s: giving it back took over %g s; the master's reconciliation will",
+                        task_id, RELEASE_TIMEOUT)
 
     async def _report_bad_task(self, bad: BadTask) -> None:
         log.error("task %s breaks the protocol: %s", bad.task_id or "<no id>", bad.error)

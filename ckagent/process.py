@@ -389,7 +389,7 @@ async def run_supervised(
                 await pumps_done.wait()
             nursery.cancel_scope.cancel()
     finally:
-        with trio.CancelScope(shield=True):
+        with trio.CancelScope(shield=True):  # noqa: ASYNC912 - shielded cleanup; each stream's aclose checkpoints
             if proc.returncode is None or not swept:
                 # Cancelled from outside (the agent is terminating): the processes must still go.
                 await stopper.stop("agent terminating")

@@ -45,7 +45,6 @@ from ckagent.protocol import utc_iso
 if TYPE_CHECKING:
     from hypercorn.typing import ASGIFramework
 
-    from ckagent.agent import Agent
     from ckagent.delivery import Outbox
 
 log = logging.getLogger(__name__)
@@ -68,6 +67,48 @@ READY_HEARTBEATS = 3
 
 Body = tuple[int, str, bytes]
 """(HTTP status, content type, body)."""
+
+
+@dataclass(frozen=True)
+class TaskStatistics:
+    """One claimed, unfinished task as /status shows it. Times: epoch seconds (None: not yet)."""
+
+    id: str
+    spider_id: str
+    spider_name: str
+    framework: str
+    phase: str
+    claimed_at: float
+    started_at: float | None
+    pid: int | None
+
+
+@dataclass(frozen=True)
+class AgentStatistics:
+    """A snapshot of the agent for its own HTTP port (``Agent.statistics()``); this module only renders it.
+
+    ``heartbeat_last_success`` is the ``trio.current_time()`` of the last acknowledged heartbeat
+    (None before the first); ``heartbeat_interval`` seconds; ``runtimes`` name → version only.
+    """
+
+    state: str
+    name: str
+    node_id: str | None
+    registered: bool
+    master_up: bool
+    heartbeat_last_success: float | None
+    heartbeat_interval: float
+    max_workers: int
+    free_slots: int
+    tasks: tuple[TaskStatistics, ...] = ()
+    code_download_bytes: int = 0
+    runtimes: tuple[tuple[str, Any], ...] = ()
+    master_problem: str | None = None
+    """What is wrong with the master, in one line (ckagent.connectivity), None when nothing is."""
+    master_problem_age: float = 0.0
+    """Seconds that problem has lasted."""
+    intake_reason: str | None = None
+    """Why the node takes no tasks for a reason of its own (ckagent.intake), None when it takes them."""
 
 
 class StatusPortError(OSError):
@@ -232,58 +273,52 @@ async def serve_status(
 
 
 class AgentStatus:
-    """The agent's routes: reads ``agent`` (state, master, heartbeat, supervisor, workspaces) at request time.
+    """The agent's routes: render ``statistics()`` (an AgentStatistics snapshot) at request time.
 
-    ``started`` is the agent's start in ``trio.current_time()`` (heartbeat age before the first beat).
+    The start (``trio.current_time()`` when built) stands in for the last heartbeat before the first.
     """
 
-    def __init__(self, agent: Agent, metrics: AgentMetrics, outbox: Outbox | None) -> None:
-        self._agent = agent
+    def __init__(self, statistics: Callable[[], AgentStatistics], metrics: AgentMetrics,
+                 outbox: Outbox | None) -> None:
+        self._statistics = statistics
         self._metrics = metrics
         self._outbox = outbox
         self._started = trio.current_time()
 
-    def routes(self) -> StatusRoutes:
-        """The callables :func:`serve_status` serves."""
-        from ckagent.statuspage import StatusPage
+    def routes(self, page: Any = None) -> StatusRoutes:
+        """The callables :func:`serve_status` serves; ``page``: the HTML page's app (StatusRoutes.page)."""
+        return StatusRoutes(metrics=self.metrics, readiness=self.readiness, status=self.status, page=page)
 
-        return StatusRoutes(metrics=self.metrics, readiness=self.readiness, status=self.status,
-                            page=StatusPage(self._agent, self.status))
-
-    def heartbeat_age(self) -> float:
+    def heartbeat_age(self, stats: AgentStatistics | None = None) -> float:
         """Seconds since the last acknowledged heartbeat (since the start when there was none)."""
-        heartbeat = getattr(self._agent, "heartbeat", None)
-        last = heartbeat.last_success if heartbeat is not None else None
+        last = (stats or self._statistics()).heartbeat_last_success
         return max(0.0, trio.current_time() - (self._started if last is None else last))
 
-    def readiness(self) -> Readiness:
+    def readiness(self, stats: AgentStatistics | None = None) -> Readiness:
         """Ready = RUNNING, registered, a heartbeat acknowledged within READY_HEARTBEATS intervals, and
-        no trouble with the master (:attr:`ckagent.master.Connectivity.problem`) lasting longer than
-        that. When not ready, the reason names the master's trouble if there is one ("registration
+        no trouble with the master (:attr:`ckagent.connectivity.Connectivity.problem`) lasting longer
+        than that. When not ready, the reason names the master's trouble if there is one ("registration
         refused: 401, check AGENT_REGISTRATION_TOKEN", "master answers 200 text/html to heartbeat: not
         the node protocol (…)")."""
-        agent = self._agent
-        connectivity = agent.master.connectivity
-        problem = connectivity.problem
-        if agent.state == "STARTING" and problem:
+        stats = stats or self._statistics()
+        problem = stats.master_problem
+        if stats.state == "STARTING" and problem:
             return Readiness(False, f"not ready: {problem}")
-        if agent.state != "RUNNING":
-            return Readiness(False, f"not ready: the agent is {agent.state}")
-        intake = getattr(agent, "intake", None)
-        if intake is not None and intake.reason:
-            return Readiness(False, f"not ready: {intake.reason}")
-        if not agent.master.registered:
+        if stats.state != "RUNNING":
+            return Readiness(False, f"not ready: the agent is {stats.state}")
+        if stats.intake_reason:
+            return Readiness(False, f"not ready: {stats.intake_reason}")
+        if not stats.registered:
             return Readiness(False, f"not ready: {problem or 'not registered with the master yet'}")
-        heartbeat = agent.heartbeat
-        if heartbeat.last_success is None:
+        if stats.heartbeat_last_success is None:
             return Readiness(False, f"not ready: {problem or 'no heartbeat acknowledged by the master yet'}")
-        age = trio.current_time() - heartbeat.last_success
-        limit = READY_HEARTBEATS * heartbeat.interval
+        age = trio.current_time() - stats.heartbeat_last_success
+        limit = READY_HEARTBEATS * stats.heartbeat_interval
         if age > limit:
-            master = problem or ("the master is reachable" if connectivity.up else "the master is unreachable")
+            master = problem or ("the master is reachable" if stats.master_up else "the master is unreachable")
             return Readiness(False, f"not ready: the last heartbeat was acknowledged {age:.1f} s ago "
                                     f"(limit {limit:g} s = {READY_HEARTBEATS} x heartbeat.interval); {master}")
-        if problem and connectivity.problem_age() > limit:
+        if problem and stats.master_problem_age > limit:
             return Readiness(False, f"not ready: {problem}")
         return Readiness(True, "ready")
 
@@ -292,25 +327,22 @@ class AgentStatus:
             return OutboxFigures()
         return await trio.to_thread.run_sync(self._outbox.statistics)
 
-    def live(self, outbox: OutboxFigures) -> LiveFigures:
+    def live(self, outbox: OutboxFigures, stats: AgentStatistics | None = None) -> LiveFigures:
         """The scrape-time snapshot (on the Trio thread)."""
-        agent = self._agent
-        supervisor = agent.supervisor
+        stats = stats or self._statistics()
         phases = dict.fromkeys(PHASES, 0)
-        if supervisor is not None:
-            for rt in list(supervisor.running.values()):
-                phases[rt.phase] = phases.get(rt.phase, 0) + 1
-        workspaces = getattr(agent, "workspaces", None)
+        for task in stats.tasks:
+            phases[task.phase] = phases.get(task.phase, 0) + 1
         return LiveFigures(
-            state=agent.state,
-            registered=agent.master.registered,
-            master_up=agent.master.connectivity.up and agent.master.registered,
-            node_id=agent.master.node_id,
-            heartbeat_age_seconds=self.heartbeat_age(),
-            max_workers=agent.max_workers,
-            free_slots=supervisor.free_slots() if supervisor is not None else agent.max_workers,
+            state=stats.state,
+            registered=stats.registered,
+            master_up=stats.master_up and stats.registered,
+            node_id=stats.node_id,
+            heartbeat_age_seconds=self.heartbeat_age(stats),
+            max_workers=stats.max_workers,
+            free_slots=stats.free_slots,
             phases=phases,
-            code_download_bytes=int(getattr(workspaces, "downloaded_bytes", 0)),
+            code_download_bytes=stats.code_download_bytes,
             outbox=outbox,
         )
 
@@ -321,38 +353,35 @@ class AgentStatus:
 
     async def status(self) -> dict[str, Any]:
         """/status as a JSON-able dict (camelCase keys, times ISO-8601 UTC, no secrets)."""
-        agent = self._agent
         outbox = await self._outbox_figures()
-        readiness = self.readiness()
-        supervisor = agent.supervisor
-        tasks = []
-        for rt in list(supervisor.running.values()) if supervisor is not None else []:
-            tasks.append({
-                "id": rt.task.id,
-                "spiderId": rt.task.spider_id,
-                "spiderName": rt.task.spider_name,
-                "framework": rt.task.framework,
-                "phase": rt.phase,
-                "since": _iso(rt.claimed_at),
-                "startedAt": _iso(rt.started_at),
-                "pid": rt.pid,
-            })
+        stats = self._statistics()
+        readiness = self.readiness(stats)
+        tasks = [{
+            "id": task.id,
+            "spiderId": task.spider_id,
+            "spiderName": task.spider_name,
+            "framework": task.framework,
+            "phase": task.phase,
+            "since": _iso(task.claimed_at),
+            "startedAt": _iso(task.started_at),
+            "pid": task.pid,
+        } for task in stats.tasks]
         return {
-            "state": agent.state,
+            "state": stats.state,
             "ready": readiness.ready,
             "readyReason": readiness.reason,
-            "name": agent.settings.agent.name,
-            "nodeId": agent.master.node_id,
-            "registered": agent.master.registered,
-            "masterUp": agent.master.connectivity.up,
-            "heartbeatAgeSeconds": round(self.heartbeat_age(), 3),
-            "maxWorkers": agent.max_workers,
-            "freeSlots": supervisor.free_slots() if supervisor is not None else agent.max_workers,
+            "name": stats.name,
+            "nodeId": stats.node_id,
+            "registered": stats.registered,
+            "masterUp": stats.master_up,
+            "heartbeatAgeSeconds": round(self.heartbeat_age(stats), 3),
+            "maxWorkers": stats.max_workers,
+            "freeSlots": stats.free_slots,
             "runningTasks": sorted(tasks, key=lambda t: str(t["since"])),
             "outbox": {"logLines": outbox.log_lines, "items": outbox.items, "results": outbox.results,
                        "tasks": outbox.tasks},
             "versions": {"agent": __version__, "python": platform.python_version(),
-                         "runtimes": _runtime_versions(agent.runtimes)},
+                         "runtimes": dict(stats.runtimes)},
         }
 
 
@@ -360,7 +389,7 @@ def _iso(epoch: float | None) -> str | None:
     return None if epoch is None else utc_iso(datetime.fromtimestamp(epoch, timezone.utc))
 
 
-def _runtime_versions(runtimes: dict[str, Any]) -> dict[str, Any]:
+def runtime_versions(runtimes: dict[str, Any]) -> dict[str, Any]:
     """Versions only (no paths) from the runtime scan."""
     out: dict[str, Any] = {}
     for name, info in runtimes.items():

@@ -185,6 +185,8 @@ class Supervisor:
         self.max_workers = max_workers
         self.capacity = trio.CapacityLimiter(max_workers)
         self.running: dict[str, RunningTask] = {}
+        self.claiming: set[str] = set()
+        """Tasks whose claim is on the wire (the poller's; the heartbeat reports them)."""
         self._spider_locks: dict[str, trio.Lock] = {}
         self._slot_freed = trio.Event()
         self._on_finished = on_finished
@@ -205,6 +207,14 @@ class Supervisor:
         while self.free_slots() <= 0:
             await self._slot_freed.wait()
             self._slot_freed = trio.Event()
+
+    async def wait_idle(self) -> None:
+        """Return once no claimed task is left (running or queued). Cancellation: as usual."""
+        while self.running:
+            freed = self._slot_freed
+            await freed.wait()
+            if self._slot_freed is freed:
+                self._slot_freed = trio.Event()
 
     async def wait_spider_free(self, spider_ids: list[str]) -> None:
         """Return once a spider of ``spider_ids`` has no claimed task here any more (a long poll that
@@ -268,20 +278,23 @@ class Supervisor:
             rt.delivery = delivery
             sink = delivery.sink
             assert sink is not None
+            outcome: TaskOutcome | None = None
             try:
                 outcome = await self._execute(rt, task_dir, sink)
             except Exception as exc:  # a bug of ours must fail the task, not the agent
                 log.exception("task %s: internal error", task.id)
                 outcome = TaskOutcome("FAILED", "BAD_TASK", f"agent error: {type(exc).__name__}: {exc}")
-            except trio.Cancelled:
-                # The agent's hard stop: run_supervised has ended the processes (shielded). Keep a
-                # CANCELLED result, so it is delivered (now or at the next start) instead of AGENT_LOST.
-                with trio.CancelScope(shield=True):
-                    if rt.pid is None:
-                        await sweep(task.id, None)  # an interrupted installer's leftovers
-                    stopped = TaskOutcome("CANCELLED", "CANCELLED", rt.stop_reason or "agent terminating")
-                    await delivery.finish(_result(rt, stopped, started_wall))
-                raise
+            finally:
+                if outcome is None:
+                    # The agent's hard stop (a Cancelled, maybe wrapped in an exception group from the
+                    # process or installer nurseries): run_supervised has ended the processes
+                    # (shielded). Store a CANCELLED result first, so it is delivered (now or at the
+                    # next start) instead of AGENT_LOST; then sweep an interrupted installer's leftovers.
+                    with trio.CancelScope(shield=True):
+                        stopped = TaskOutcome("CANCELLED", "CANCELLED", rt.stop_reason or "agent terminating")
+                        await delivery.finish(_result(rt, stopped, started_wall))
+                        if rt.pid is None:
+                            await sweep(task.id, None)
             if rt.pid is None and rt.phase == "installing":
                 # The spider never ran, but an installer did (it carries the task's marker).
                 with trio.CancelScope(shield=True):

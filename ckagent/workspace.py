@@ -456,7 +456,9 @@ class Workspaces:
             except MasterError as exc:
                 raise DeployError(f"{entry}: download failed: {exc}") from exc
         finally:
-            await trio.to_thread.run_sync(out.close)
+            # Shielded: a cancel (task stopped mid-download) must not skip the close and leak the fd.
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(out.close)
         self.downloads += 1
         self.downloaded_bytes += out.size
         if out.size != size:

@@ -106,7 +106,7 @@ class DevMasterProcess:
             )
         assert self.process.stdout is not None
         line = b""
-        with trio.move_on_after(self.startup_timeout):
+        with trio.move_on_after(self.startup_timeout):  # noqa: ASYNC912 - receive_some checkpoints
             while not line.endswith(b"\n"):
                 chunk = await self.process.stdout.receive_some(1)
                 if not chunk:

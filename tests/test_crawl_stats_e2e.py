@@ -120,7 +120,8 @@ async def test_an_agent_killed_mid_crawl_reports_the_last_stats_with_agent_lost(
         await agent.start()  # recovery kills the spider: its last line is the final snapshot
         task = await admin.wait_task_final(task_id, 60)
     finally:
-        await agent.kill()
+        with trio.move_on_after(10, shield=True):  # a cancelled test still reaps its agent
+            await agent.kill()
     assert task["errorCode"] == "AGENT_LOST", task
     stats_file = tmp_path / "a" / "data" / "tasks" / task_id / "stats.jsonl"
     last = json.loads(stats_file.read_text().splitlines()[-1])

@@ -442,7 +442,7 @@ async def test_lines_arrive_while_the_file_grows(tmp_path: Path, store: AsyncSta
     logs = StreamShipper.logs(master_client(fake), store, "t1", task_dir, Masker([]))
     journal.on_record = logs.notify
     sink = LogSink(task_dir / "output.log")
-    with trio.fail_after(10):
+    with trio.fail_after(10):  # noqa: ASYNC912 - the nursery's exit checkpoints
         async with trio.open_nursery() as nursery:
             nursery.start_soon(logs.run)
             sink.write(b"first\nsecond")

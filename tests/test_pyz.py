@@ -292,11 +292,12 @@ async def test_pyz_agent_runs_a_spider_that_cannot_see_the_agents_packages(
         assert await dev_master.admin.get_items(task_id) == [{"ok": True}]
     finally:
         process.terminate()
-        with trio.move_on_after(30):
+        with trio.move_on_after(30, shield=True):  # a cancelled test still stops the agent
             await process.wait()
         if process.returncode is None:
             process.kill()
-            await process.wait()
+            with trio.move_on_after(10, shield=True):
+                await process.wait()
     assert process.returncode == 0, log_path.read_text()
     line = next(line for line in logs if line.startswith("ISOLATION "))
     info = json.loads(line.split(" ", 1)[1])

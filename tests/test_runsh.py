@@ -364,7 +364,8 @@ async def test_foreground_start_runs_in_place_and_drains_on_sigterm(node: Node, 
     finally:
         if process.returncode is None:
             process.kill()
-            await process.wait()
+            with trio.move_on_after(10, shield=True):  # a cancelled test still reaps the agent
+                await process.wait()
     stderr.close()
     journal = (node.directory.parent / "foreground.stderr").read_text()
     assert "registered" in journal and "draining" in journal and "ckagent stopped" in journal
@@ -678,7 +679,7 @@ async def test_a_bare_server_fetches_pyz_and_uv_and_runs_the_scrapy_example(
         await eventually(reports_its_uv)
         assert "uv not found" not in (server / "logs" / "agent.log").read_text()
     finally:
-        with trio.fail_after(120):
+        with trio.fail_after(120, shield=True):  # a cancelled test still stops the daemon
             await trio.run_process(["bash", "./run.sh", "stop"], cwd=server, env=env, check=False,
                                    capture_stdout=True, capture_stderr=True)
 

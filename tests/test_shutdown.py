@@ -96,9 +96,11 @@ async def test_sigterm_lets_running_tasks_finish_reports_draining_and_exits_0(de
         code = await wait_exit(agent, 30 + 2 + 10 + SLACK)
         elapsed = trio.current_time() - signalled
     finally:
-        await agent.kill()
+        with trio.move_on_after(10, shield=True):  # a cancelled test still reaps its agents
+            await agent.kill()
     assert code == 0, agent.log_text()[-3000:]
     assert elapsed < 4 + SLACK, elapsed  # it left as soon as its tasks were done, not at the deadline
+    assert await node_status(admin) == "STOPPED"  # its last heartbeat says so
     for task_id in tasks:
         task = await admin.get_task(task_id)
         assert task["status"] == "SUCCESS", task
@@ -123,7 +125,8 @@ async def test_drain_deadline_terminates_long_tasks_as_cancelled(dev_master, tmp
         code = await wait_exit(agent, drain + grace + flush + SLACK)
         elapsed = trio.current_time() - signalled
     finally:
-        await agent.kill()
+        with trio.move_on_after(10, shield=True):  # a cancelled test still reaps its agents
+            await agent.kill()
     assert code == 0, agent.log_text()[-3000:]
     assert drain <= elapsed <= drain + grace + SLACK, elapsed
     for task_id in (polite, stubborn):
@@ -152,7 +155,8 @@ async def test_sigint_terminates_at_once(dev_master, tmp_path: Path) -> None:
         code = await wait_exit(agent, grace + flush + SLACK)
         elapsed = trio.current_time() - signalled
     finally:
-        await agent.kill()
+        with trio.move_on_after(10, shield=True):  # a cancelled test still reaps its agents
+            await agent.kill()
     assert code == 0, agent.log_text()[-3000:]
     assert elapsed <= grace + SLACK, elapsed  # no drain period
     task = await admin.get_task(task_id)
@@ -180,7 +184,8 @@ async def test_exit_is_bounded_with_the_master_down_and_the_next_start_delivers(
         code = await wait_exit(agent, drain + grace + flush + SLACK)
         elapsed = trio.current_time() - signalled
     finally:
-        await agent.kill()
+        with trio.move_on_after(10, shield=True):  # a cancelled test still reaps its agents
+            await agent.kill()
     assert code == 0, agent.log_text()[-3000:]
     assert elapsed <= drain + grace + flush + SLACK, elapsed
     assert marked_pids(task_id) == []
@@ -198,6 +203,7 @@ async def test_exit_is_bounded_with_the_master_down_and_the_next_start_delivers(
         again.signal(signal.SIGTERM)
         assert await wait_exit(again, drain + grace + flush + SLACK) == 0
     finally:
-        await again.kill()
+        with trio.move_on_after(10, shield=True):  # a cancelled test still reaps its agents
+            await again.kill()
     assert (task["status"], task["errorCode"]) == ("CANCELLED", "CANCELLED"), task
     assert "started" in lines and any("stopped (agent terminating)" in line for line in lines), lines

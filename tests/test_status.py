@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import socket
@@ -15,8 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 
 import httpx
 import pytest
@@ -26,8 +26,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ckagent import __version__
 from ckagent.agent import Agent
+from ckagent.errors import StartupError
 from ckagent.metrics import METRIC_NAMES, PHASES, STATES, AgentMetrics
-from ckagent.status import AgentStatus, Readiness, StatusRoutes, serve_status
+from ckagent.status import AgentStatistics, AgentStatus, Readiness, StatusRoutes, serve_status
 
 # Prints 25 lines and saves 7 items, then waits for the test to create "<task dir>/go".
 BLOCKING_SPIDER = """\
@@ -226,9 +227,10 @@ async def test_busy_port_stops_the_agent_with_a_clear_message(
         port = taken.getsockname()[1]
         settings = agent_settings(tmp_path / "agent", dev_master.base_url, dev_master.registration_token,
                                   AGENT_PORT=str(port))
-        with trio.fail_after(20):
-            assert await Agent(settings).run() == 1
-    (message,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        with trio.fail_after(20), pytest.raises(StartupError) as info:
+            await Agent(settings).run()
+    assert info.value.exit_code == 1
+    message = str(info.value)
     assert f"cannot listen on 127.0.0.1:{port}" in message and "AGENT_PORT" in message
     assert await dev_master.admin.list_nodes() == []  # it stopped before registering
 
@@ -271,34 +273,37 @@ async def test_readyz_follows_the_master_away_and_back(
 
 
 async def test_readiness_rules(autojump_clock: trio.abc.Clock) -> None:
-    """The /readyz decision on its own (a stand-in agent; the rules are pure logic over trio time)."""
-    heartbeat = SimpleNamespace(last_success=None, interval=10.0)
-    master = SimpleNamespace(registered=False, connectivity=SimpleNamespace(up=True, problem=None))
-    agent = SimpleNamespace(state="STARTING", master=master, heartbeat=heartbeat)
-    status = AgentStatus(cast(Agent, agent), AgentMetrics("0", "n"), None)
+    """The /readyz decision on its own (a statistics record stands in for the agent; the rules are
+    pure logic over trio time)."""
+    stats = AgentStatistics(state="STARTING", name="n", node_id=None, registered=False, master_up=True,
+                            heartbeat_last_success=None, heartbeat_interval=10.0, max_workers=1, free_slots=1)
+    status = AgentStatus(lambda: stats, AgentMetrics("0", "n"), None)
 
-    def check() -> tuple[bool, str]:
+    def check(**changes: Any) -> tuple[bool, str]:
+        nonlocal stats
+        stats = dataclasses.replace(stats, **changes)
         answer = status.readiness()
         return answer.ready, answer.reason
 
     assert check() == (False, "not ready: the agent is STARTING")
-    agent.state = "RUNNING"
-    assert check() == (False, "not ready: not registered with the master yet")
-    master.registered = True
-    assert check() == (False, "not ready: no heartbeat acknowledged by the master yet")
-    heartbeat.last_success = trio.current_time()
+    assert check(state="RUNNING") == (False, "not ready: not registered with the master yet")
+    assert check(registered=True) == (False, "not ready: no heartbeat acknowledged by the master yet")
+    beat = trio.current_time()
     await trio.sleep(30)
-    assert check() == (True, "ready")  # exactly 3 intervals: still ready
+    assert check(heartbeat_last_success=beat) == (True, "ready")  # exactly 3 intervals: still ready
     await trio.sleep(0.5)
-    master.connectivity.up = False
-    ready, reason = check()
+    ready, reason = check(master_up=False)
     assert not ready and "30.5 s ago (limit 30 s = 3 x heartbeat.interval)" in reason and "unreachable" in reason
-    heartbeat.last_success = trio.current_time()
-    assert check() == (True, "ready")
+    assert check(heartbeat_last_success=trio.current_time()) == (True, "ready")
+    assert check(intake_reason="free disk below its floor") == (False, "not ready: free disk below its floor")
+    assert check(intake_reason=None, master_problem="registration refused: 401") == (True, "ready")  # brief
+    await trio.sleep(0.1)
+    assert check(master_problem_age=30.1) == (False, "not ready: registration refused: 401")
+    assert check(state="STARTING") == (False, "not ready: registration refused: 401")
+    stats = dataclasses.replace(stats, master_problem=None)
     for state in ("DRAINING", "TERMINATING", "STOPPING", "STOPPED"):
-        agent.state = state
-        assert check() == (False, f"not ready: the agent is {state}")
-    assert status.heartbeat_age() == 0.0
+        assert check(state=state) == (False, f"not ready: the agent is {state}")
+    assert status.heartbeat_age() == pytest.approx(0.1)
 
 
 async def test_the_port_listens_at_once_and_answers_when_serving_may_start() -> None:

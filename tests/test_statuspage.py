@@ -121,14 +121,14 @@ async def test_status_page_in_headless_chromium(dev_master: Any, nursery: trio.N
                 assert task_id in rows
                 go.touch()  # now the spider prints a line the page has not seen
                 tail = ""
-                with trio.fail_after(30):
+                with trio.fail_after(30):  # noqa: ASYNC912 - the loop's body awaits
                     while marker not in tail:
                         tail = await script(client, session, "return document.querySelector('pre.tail').textContent")
                         await trio.sleep(0.2)
                 assert "spider started; token is ***" in tail and "s3cr3t" not in tail
                 # The tables are fetched again every few seconds: the newer stats show without a reload.
                 requests = ""
-                with trio.fail_after(30):
+                with trio.fail_after(30):  # noqa: ASYNC912 - the loop's body awaits
                     while requests != "12":
                         requests = await script(client, session, "const row = document.querySelector("
                                                 "'[data-live=running] tr:nth-child(2)'); "

@@ -118,5 +118,6 @@ async def test_a_second_agent_on_a_busy_work_dir_is_refused_and_the_first_ones_t
         assert task["status"] == "SUCCESS", task
         assert first.process is not None and first.process.returncode is None
     finally:
-        await first.kill()
-        await second.kill()
+        with trio.move_on_after(10, shield=True):  # a cancelled test still reaps its agents
+            await first.kill()
+            await second.kill()

@@ -333,7 +333,7 @@ async def test_agent_refuses_hostile_packages_and_keeps_running(dev_master, nurs
                     "agent/runtimes.json", "agent/runtimes.tmp", *MASTER_DB)  # the agent's own bookkeeping
     async with running_agent(nursery, settings):
         before = _tree(tmp_path, skip=outside_skip)
-        with trio.fail_after(60):
+        with trio.fail_after(60):  # noqa: ASYNC100 - the comprehension awaits
             results = {case: await dev_master.admin.wait_task_final(task_id, 60) for case, task_id in tasks.items()}
         after = _tree(tmp_path, skip=outside_skip)
         ok = await dev_master.admin.create_spider(name="good", framework="python")

@@ -195,6 +195,7 @@ class Outbox:
         self._nursery: trio.Nursery | None = None
         self._idle = trio.Event()
         self._idle.set()
+        self._delivered = trio.Event()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled (the agent's stop). Unsent data stays on disk for the next start."""
@@ -228,6 +229,12 @@ class Outbox:
     async def wait_idle(self) -> None:
         """Return when every delivery is complete (at once if none is pending)."""
         await self._idle.wait()
+
+    async def wait_delivered(self, task_ids: set[str]) -> None:
+        """Return once a task of ``task_ids`` has no delivery here any more (at once if none has).
+        The poller waits here for the results a master's stale ``cancelTaskIds`` are waiting for."""
+        while task_ids & self.deliveries.keys():
+            await self._delivered.wait()
 
     async def open_task(self, task: Task, task_dir: Path, on_delivered: Delivered | None = None) -> TaskDelivery:
         """Start delivering a task that is about to run; write its output to ``.sink``.
@@ -292,6 +299,8 @@ class Outbox:
                 delivery.sink.close()
             delivery.journal.close()
             self.deliveries.pop(delivery.task_id, None)
+            self._delivered.set()
+            self._delivered = trio.Event()
             if not self.deliveries:
                 self._idle.set()
 

@@ -7,6 +7,7 @@ Node endpoints (``Authorization: Bearer <apiKey>``; registration uses ``X-Regist
     POST /api/nodes/{nodeId}/heartbeat          → {cancelTaskIds, minAgentVersion?, desiredAgentVersion?}
     GET  /api/nodes/{nodeId}/tasks/pending      → {tasks, cancelTaskIds}   (long poll: waitSeconds)
     POST /api/tasks/{taskId}/result             → {ok: true}
+    POST /api/tasks/{taskId}/release            → {ok: true, status}         (a claim given back)
     POST /api/tasks/{taskId}/logs               → {acceptedSeq}            (409 {expectedSeq} on a gap)
     POST /api/tasks/{taskId}/items              → {acceptedSeq}
     GET  /api/spider-files/spider/{spiderId}    → [{id, path, sizeBytes, sha256}]
@@ -292,6 +293,8 @@ def create_app(
         node_id = await node_auth(request)
         beat = Heartbeat.from_json(await _json_body(request))
         cancel = await run(store.heartbeat, node_id, beat)
+        if await run(store.reconcile, node_id, beat):  # tasks the node does not run: PENDING again
+            notifier.notify()
         return JSONResponse({"cancelTaskIds": cancel, **(await run(store.version_policy)).to_json()})
 
     async def get_agent_versions(request: Request) -> Response:
@@ -329,6 +332,16 @@ def create_app(
         node_id = await node_auth(request)
         report = TaskResult.from_json(await _json_body(request))
         task = await run(store.report_result, request.path_params["task_id"], node_id, report)
+        return JSONResponse({"ok": True, "status": task["status"]})
+
+    async def release(request: Request) -> Response:
+        node_id = await node_auth(request)
+        body = _obj(await _json_body(request))
+        reason = body.get("reason")
+        if reason is not None and not isinstance(reason, str):
+            raise ProtocolError("reason", f"expected a string, got {type(reason).__name__}")
+        task = await run(store.release_task, request.path_params["task_id"], node_id, reason)
+        notifier.notify()
         return JSONResponse({"ok": True, "status": task["status"]})
 
     def check_batch_size(body: Any, key: str) -> None:
@@ -532,6 +545,7 @@ def create_app(
         Route("/api/agent-versions", get_agent_versions, methods=["GET"]),
         Route("/api/agent-versions", put_agent_versions, methods=["PUT"]),
         Route("/api/tasks/{task_id}/result", result, methods=["POST"]),
+        Route("/api/tasks/{task_id}/release", release, methods=["POST"]),
         Route("/api/tasks/{task_id}/logs", logs, methods=["POST"]),
         Route("/api/tasks/{task_id}/logs", task_logs, methods=["GET"]),
         Route("/api/tasks/{task_id}/items", items, methods=["POST"]),

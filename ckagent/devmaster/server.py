@@ -146,7 +146,9 @@ def serve_forever(
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
 
-                async def run_server(task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+                async def run_server(  # noqa: ASYNC128 - serve() calls task_status.started()
+                    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+                ) -> None:
                     await serve(config, shutdown_trigger=stop.wait, task_status=task_status)
                     nursery.cancel_scope.cancel()  # served to the end: stop watching signals
 

@@ -39,6 +39,7 @@ import contextlib
 import hashlib
 import io
 import json
+import logging
 import secrets
 import sqlite3
 import stat
@@ -96,7 +97,13 @@ _PAGE_BYTES = 4096
 NODE_LIVE_SECONDS = 90.0
 """A node that heartbeated this recently (seconds) is live: its name is not given to another nodeUid."""
 SCHEMA_VERSION = 2
+CLAIM_GRACE_SECONDS = 60.0
+"""A RUNNING task a node does not list in a heartbeat (running, claiming or reporting) goes back to
+PENDING only when it was claimed at least this long ago: a claim answered after the node took its
+heartbeat's snapshot must not be taken back (docs/protocol.md, "Claims and releases")."""
 """The layout of the SQLite file (``PRAGMA user_version``): 2 = logs and items in chunks."""
+
+_log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _E = TypeVar("_E")
@@ -348,6 +355,16 @@ def _new_id() -> str:
     return uuid.uuid4().hex
 
 
+def _epoch(iso: str | None) -> float:
+    """A stored ISO-8601 UTC time as epoch seconds (0 when missing or unreadable: counts as long ago)."""
+    if not iso:
+        return 0.0
+    try:
+        return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return 0.0
+
+
 def _loads(text: str | None) -> Any:
     return None if text is None else json.loads(text)
 
@@ -372,6 +389,7 @@ class Store:
         self._checkpoint_wanted = threading.Event()
         self._checkpointer: threading.Thread | None = None
         self._closed = False
+        self.claim_grace_seconds = CLAIM_GRACE_SECONDS
         self._conn = sqlite3.connect(str(self.db_path), check_same_thread=False, isolation_level=None)
         self._conn.row_factory = sqlite3.Row
         try:
@@ -571,6 +589,67 @@ class Store:
                 ):
                     cancel.append(task_id)
             return cancel
+
+    def reconcile(self, node_id: str, beat: Heartbeat) -> list[str]:
+        """Take back what ``node_id`` holds at the master but does not run: returns the task ids.
+
+        Only for a beat that lists the node's claims on the wire (``claimingTaskIds``; an older agent
+        does not, and is left alone). A task RUNNING for this node that the beat lists nowhere
+        (running, claiming, reporting) and that was claimed at least ``claim_grace_seconds`` ago
+        goes back to PENDING (CANCELLED when an operator asked to cancel it): the node never started
+        it (a claim whose answer was lost, a node killed between claim and start).
+        """
+        if beat.claiming_task_ids is None:
+            return []
+        held = {*beat.running_task_ids, *beat.claiming_task_ids, *(beat.reporting_task_ids or [])}
+        cutoff = datetime.now(timezone.utc).timestamp() - self.claim_grace_seconds
+        taken: list[str] = []
+        with self._tx() as db:
+            rows = db.execute(
+                "SELECT id, claimed_at, cancel_requested FROM tasks WHERE node_id = ? AND status = 'RUNNING'",
+                (node_id,),
+            ).fetchall()
+            for row in rows:
+                if row["id"] in held or _epoch(row["claimed_at"]) > cutoff:
+                    continue
+                self._give_back(db, str(row["id"]), bool(row["cancel_requested"]),
+                                "the node does not run it (reconciled against its heartbeat)")
+                taken.append(str(row["id"]))
+        return taken
+
+    def release_task(self, task_id: str, node_id: str, reason: str | None) -> dict[str, Any]:
+        """``POST /api/tasks/{id}/release``: the node gives back a task it claimed and did not start.
+
+        RUNNING for this node → PENDING (CANCELLED when an operator asked to cancel it); PENDING →
+        nothing to do (the claim never landed); claimed by another node or final → ConflictError.
+        Raises NotFoundError for an unknown task. Returns the task as admin JSON.
+        """
+        with self._tx() as db:
+            row = self._task_row(db, task_id)
+            if row["status"] == "RUNNING" and row["node_id"] == node_id:
+                self._give_back(db, task_id, bool(row["cancel_requested"]),
+                                f"given back by the node: {reason or 'no reason given'}")
+            elif row["status"] == "RUNNING":
+                raise ConflictError(f"task {task_id!r} is claimed by another node")
+            elif row["status"] != "PENDING":
+                raise ConflictError(f"task {task_id!r} is already {row['status']}")
+            return self._task_json(self._task_row(db, task_id))
+
+    @staticmethod
+    def _give_back(db: sqlite3.Connection, task_id: str, cancel_requested: bool, why: str) -> None:
+        if cancel_requested:
+            db.execute(
+                "UPDATE tasks SET status = 'CANCELLED', error_code = 'CANCELLED', error_message = ?,"
+                " finished_at = ? WHERE id = ?",
+                (f"cancelled before it started ({why})", utc_now_iso(), task_id),
+            )
+        else:
+            db.execute(
+                "UPDATE tasks SET status = 'PENDING', node_id = NULL, claimed_at = NULL, started_at = NULL"
+                " WHERE id = ?",
+                (task_id,),
+            )
+        _log.info("task %s: %s; %s", task_id, why, "CANCELLED" if cancel_requested else "PENDING again")
 
     @staticmethod
     def _cancel_ids(db: sqlite3.Connection, node_id: str) -> list[str]:

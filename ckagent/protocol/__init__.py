@@ -59,6 +59,7 @@ __all__ = [
     "SeqConflict",
     "SpiderFile",
     "Task",
+    "TaskRelease",
     "TaskResult",
     "TaskStats",
     "VersionPolicy",
@@ -99,7 +100,8 @@ OUTCOME_STATUS: dict[str, str] = {
 }
 """The outcome table: ``SUCCESS`` (no errorCode) and every errorCode → the status it goes with."""
 FRAMEWORKS = ("scrapy", "python", "node", "playwright", "selenium")
-NODE_STATUSES = ("RUNNING", "DRAINING")
+NODE_STATUSES = ("RUNNING", "DRAINING", "TERMINATING", "STOPPING", "STOPPED")
+"""A heartbeat's ``status``: the agent's state as it is (docs/protocol.md, Heartbeat)."""
 PROTOCOL_VERSION = 1
 """The version of docs/protocol.md this agent speaks (sent at registration as ``protocolVersion``)."""
 FEATURES = ("long-poll", "exclude-spider-ids", "log-item-seq", "paused-reason", "node-uid", "agent-version-policy")
@@ -263,6 +265,11 @@ class Heartbeat:
     paused_reason: str | None = None
     """Set while the node takes no tasks for a reason of its own (disk below its floor, agent older than
     the master's minimum); ``status`` stays RUNNING so that masters that know no pause keep working."""
+    claiming_task_ids: list[str] | None = None
+    """Tasks whose claim is on the wire (sent, not answered). None: the node does not say (an older
+    agent), and the master must not reconcile its RUNNING tasks against this beat."""
+    reporting_task_ids: list[str] | None = None
+    """Tasks whose process has ended here and whose final result the master has not acknowledged."""
 
     @classmethod
     def from_json(cls, obj: Any) -> Heartbeat:
@@ -284,6 +291,8 @@ class Heartbeat:
             uptime_seconds=req_number(o, "uptimeSeconds", lo=0),
             runtimes=opt_object(o, "runtimes"),
             paused_reason=opt_str(o, "pausedReason"),
+            claiming_task_ids=str_list(o, "claimingTaskIds", ids=True) if "claimingTaskIds" in o else None,
+            reporting_task_ids=str_list(o, "reportingTaskIds", ids=True) if "reportingTaskIds" in o else None,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -305,6 +314,8 @@ class Heartbeat:
                 "uptimeSeconds": self.uptime_seconds,
                 "runtimes": self.runtimes,
                 "pausedReason": self.paused_reason,
+                "claimingTaskIds": None if self.claiming_task_ids is None else list(self.claiming_task_ids),
+                "reportingTaskIds": None if self.reporting_task_ids is None else list(self.reporting_task_ids),
             }
         )
 
@@ -682,3 +693,22 @@ class SpiderFile:
         """The camelCase JSON object."""
         return {"id": self.id, "path": self.path, "sizeBytes": self.size_bytes, "sha256": self.sha256}
 
+
+@dataclass(frozen=True)
+class TaskRelease:
+    """``POST /api/tasks/{id}/release`` body: the node gives back a task it claimed and did not start.
+
+    ``reason`` is one line for the master's log (e.g. "claimed while the node started draining").
+    """
+
+    reason: str | None = None
+
+    @classmethod
+    def from_json(cls, obj: Any) -> TaskRelease:
+        """Validate a decoded JSON body. Raises ProtocolError."""
+        o = req_object(obj, "")
+        return cls(reason=opt_str(o, "reason"))
+
+    def to_json(self) -> dict[str, Any]:
+        """The camelCase JSON body."""
+        return _drop_none({"reason": self.reason})
