@@ -104,7 +104,8 @@ NODE_STATUSES = ("RUNNING", "DRAINING", "TERMINATING", "STOPPING", "STOPPED")
 """A heartbeat's ``status``: the agent's state as it is (docs/protocol.md, Heartbeat)."""
 PROTOCOL_VERSION = 1
 """The version of docs/protocol.md this agent speaks (sent at registration as ``protocolVersion``)."""
-FEATURES = ("long-poll", "exclude-spider-ids", "log-item-seq", "paused-reason", "node-uid", "agent-version-policy")
+FEATURES = ("long-poll", "exclude-spider-ids", "log-item-seq", "paused-reason", "node-uid", "agent-version-policy",
+            "claim-release")
 """What this agent supports beyond protocol version 1's core (sent at registration as ``features``)."""
 
 TIMEOUT_MESSAGE = "执行超时"
