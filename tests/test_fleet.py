@@ -16,6 +16,7 @@ from harness import agent_settings, running_agent, submit
 from ckagent import __version__
 from ckagent.agent import Agent
 from ckagent.devmaster.store import NODE_LIVE_SECONDS, ConflictError, Store
+from ckagent.errors import StartupError
 from ckagent.fleet import NODE_UID_FILE, VersionWatch, load_node_uid
 from ckagent.intake import IntakeGate
 from ckagent.protocol import FEATURES, PROTOCOL_VERSION, Heartbeat, RegisterRequest, VersionPolicy
@@ -74,9 +75,10 @@ async def test_two_agents_with_one_name_the_second_is_refused_with_a_clear_messa
             return agent.heartbeat.last_success is not None
 
         await eventually(beating)
-        with trio.fail_after(30):
-            assert await Agent(second).run() == 1
-        assert "belongs to another live agent" in caplog.text and "AGENT_NAME" in caplog.text
+        with trio.fail_after(30), pytest.raises(StartupError) as refused:
+            await Agent(second).run()
+        assert refused.value.exit_code == 1
+        assert "belongs to another live agent" in str(refused.value) and "AGENT_NAME" in str(refused.value)
         [node] = await dev_master.admin.list_nodes()
         assert node["name"] == "twin"
         assert agent.master.registered  # the first keeps its key: no ping-pong
