@@ -147,6 +147,20 @@ class StateStore:
             (task_id, stream, seq, json.dumps(position, separators=(",", ":"))),
         )
 
+    def save_stream_positions(self, positions: dict[tuple[str, str], tuple[int, Any]]) -> None:
+        """:meth:`save_stream_position` for many streams in one transaction:
+        ``{(task_id, stream): (seq, position)}``."""
+        rows = [(task_id, stream, seq, json.dumps(position, separators=(",", ":")))
+                for (task_id, stream), (seq, position) in positions.items()]
+        with self._lock, self._db:  # one transaction: BEGIN here, committed (or rolled back) by ``with``
+            self._db.execute("BEGIN")
+            self._db.executemany(
+                "INSERT INTO streams (task_id, stream, acked_seq, acked_offset, position) VALUES (?,?,?,0,?) "
+                "ON CONFLICT(task_id, stream) DO UPDATE SET acked_seq=excluded.acked_seq, "
+                "position=excluded.position",
+                rows,
+            )
+
     def streams(self, task_id: str) -> dict[str, int]:
         """Every stream of the task: name → acknowledged element count."""
         rows = self._exec("SELECT stream, acked_seq FROM streams WHERE task_id=?", (task_id,))
@@ -237,6 +251,8 @@ class AsyncStateStore:
 
     def __init__(self, store: StateStore) -> None:
         self.sync = store
+        self._positions: dict[tuple[str, str], tuple[int, Any]] = {}  # saves not yet on their way
+        self._writing: trio.Event | None = None  # set when the write on its way is done
 
     async def add_task(self, task_id: str, spider_id: str, task_json: dict[str, Any], task_dir: Path) -> None:
         """See :meth:`StateStore.add_task`."""
@@ -251,8 +267,30 @@ class AsyncStateStore:
         return await trio.to_thread.run_sync(self.sync.stream_position, task_id, stream)
 
     async def save_stream_position(self, task_id: str, stream: str, seq: int, position: Any) -> None:
-        """See :meth:`StateStore.save_stream_position`."""
-        await trio.to_thread.run_sync(self.sync.save_stream_position, task_id, stream, seq, position)
+        """See :meth:`StateStore.save_stream_position`; returns once the position is in the database.
+
+        Group commit: saves of every stream that arrive while a write is on its way go together in
+        the next one (one transaction, one thread hop), so many busy streams cost one hop per round,
+        not one per acknowledgement. Cancellation while waiting for another's write leaves this
+        position to that write or the next one (it is kept); a write itself always completes. An
+        sqlite3.Error reaches the caller that wrote, and its positions are kept for the next write.
+        """
+        self._positions[(task_id, stream)] = (seq, position)
+        while self._writing is not None:  # a write on its way may or may not carry this position
+            await self._writing.wait()
+        if not self._positions:
+            return  # another caller's write carried it
+        batch, self._positions = self._positions, {}
+        done = self._writing = trio.Event()
+        try:
+            await trio.to_thread.run_sync(self.sync.save_stream_positions, batch)
+        except BaseException:
+            for key, value in batch.items():  # newer saves of the same stream win
+                self._positions.setdefault(key, value)
+            raise
+        finally:
+            self._writing = None
+            done.set()
 
     async def streams(self, task_id: str) -> dict[str, int]:
         """See :meth:`StateStore.streams`."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -118,8 +119,10 @@ class TaskDelivery:
         self._wake.set()
 
     async def _journal_loop(self) -> None:
-        """Record the growth of output.log (when notified) and of spider log files (every SCAN_INTERVAL)."""
+        """Record the growth of output.log (when notified) and of spider log files (every SCAN_INTERVAL);
+        the same scan wakes the items shipper when items.jsonl grew."""
         next_scan = trio.current_time()
+        items_size = 0
         while not self.ended.is_set():
             with trio.move_on_at(next_scan):
                 await self._wake.wait()
@@ -128,12 +131,24 @@ class TaskDelivery:
             if self.sink is not None:
                 sizes[OUTPUT_LOG] = self.sink.size
             if trio.current_time() >= next_scan:
-                sizes.update(await trio.to_thread.run_sync(scan_log_files, self.task_dir, self.globs))
+                found, size = await trio.to_thread.run_sync(self._scan)
+                sizes.update(found)
+                if size != items_size:  # the items file grew: its shipper waits for this (no polling)
+                    items_size = size
+                    self.items.notify()
                 next_scan = trio.current_time() + SCAN_INTERVAL
             self.journal.note(sizes)
         sizes = await trio.to_thread.run_sync(self._final_sizes)
         self.journal.end(sizes)
         self.journal.close()
+
+    def _scan(self) -> tuple[dict[str, int], int]:
+        """(spider log files → size, items.jsonl's size or 0); blocking, one hop for both."""
+        try:
+            size = os.lstat(self.task_dir / ITEMS_FILE).st_size
+        except OSError:
+            size = 0
+        return scan_log_files(self.task_dir, self.globs), size
 
     def _final_sizes(self) -> dict[str, int]:
         sizes = scan_log_files(self.task_dir, self.globs)

@@ -27,6 +27,7 @@ from ckagent.delivery.spool import (
     MAX_BATCH_COUNT,
     MAX_ITEM_BYTES,
     MAX_LINE_BYTES,
+    NOTIFY_FALLBACK,
     TAIL_INTERVAL,
 )
 from ckagent.master import MasterClient, MasterConflict, MasterRejected, MasterUnavailable, json_object
@@ -66,17 +67,18 @@ class _Answer:
 async def _backoff_sleep(master: MasterClient, attempt: int) -> None:
     """Sleep the backoff for ``attempt`` (1, 2, ...): exponential with jitter, capped at BACKOFF_MAX.
 
-    Ends early (but not before EARLY_RETRY_AFTER seconds) when the master becomes reachable again.
+    Ends early (but not before EARLY_RETRY_AFTER seconds) when the master becomes reachable again:
+    it waits on the connectivity's event (another request got through), it does not poll.
     """
     base = min(BACKOFF_MAX, BACKOFF_INITIAL * 2 ** (attempt - 1))
     delay = random.uniform(base / 2, base)
-    was_up = master.connectivity.up
-    start = trio.current_time()
+    connectivity = master.connectivity
+    was_up = connectivity.up
     with trio.move_on_after(delay):
-        while True:
-            await trio.sleep(0.25)
-            if not was_up and master.connectivity.up and trio.current_time() - start >= EARLY_RETRY_AFTER:
-                return
+        if was_up:
+            await trio.sleep_forever()
+        await trio.sleep(EARLY_RETRY_AFTER)
+        await connectivity.wait_up()
 
 
 class StreamShipper:
@@ -239,7 +241,9 @@ class StreamShipper:
                         return
                     if not progress:
                         await save()
-                        wait = TAIL_INTERVAL
+                        # A reader whose file grows is looked at again soon; otherwise only a
+                        # notification wakes the shipper (NOTIFY_FALLBACK is a safety net, not a poll).
+                        wait = TAIL_INTERVAL if reader.polls else NOTIFY_FALLBACK
                         if pending and flight is None:
                             wait = min(wait, max(0.0, BATCH_AGE - (trio.current_time() - pending.since)))
                         with trio.move_on_after(wait):

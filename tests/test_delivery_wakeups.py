@@ -1,0 +1,178 @@
+"""What a task costs the agent while it runs: wake-ups and thread hops (issue 18).
+
+- a task that writes nothing: its shippers sleep until notified (no 0.25 s retries);
+- the items file's growth is seen by the outbox's once-a-second scan, which wakes the items shipper;
+- shippers in backoff wait on the connectivity's event, not a 0.25 s check;
+- stream positions of many streams are saved together (group commit: one thread hop per write).
+
+Logic against the in-memory master of test_delivery (httpx.MockTransport), real SQLite and spool
+files in tmp_path, Trio's autojump clock.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from test_delivery import FakeMaster, master_client
+
+from ckagent.connectivity import Trouble
+from ckagent.delivery import Outbox
+from ckagent.delivery.readers import _FileReader
+from ckagent.delivery.shipper import _backoff_sleep
+from ckagent.delivery.spool import EARLY_RETRY_AFTER, NOTIFY_FALLBACK
+from ckagent.protocol import Task, TaskResult
+from ckagent.state import AsyncStateStore, StateStore
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> AsyncStateStore:
+    return AsyncStateStore(StateStore(tmp_path / "state.db"))
+
+
+class CountingReads:
+    """Counts calls of ``_FileReader.read`` (the items shipper's looks at items.jsonl)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        original = _FileReader.read
+
+        async def read(reader: _FileReader, pending: Any) -> bool:
+            self.calls += 1
+            return await original(reader, pending)
+
+        monkeypatch.setattr(_FileReader, "read", read)
+
+
+async def test_a_task_that_writes_nothing_costs_at_most_one_wake_up_a_second(
+    tmp_path: Path, store: AsyncStateStore, autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads = CountingReads(monkeypatch)
+    hops = {"n": 0}
+
+    async def counting_run_sync(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        # Counted, and run inline: a real thread lets the autojump clock run ahead of its work.
+        if fn is not shutil.disk_usage:  # the agent's free-space figure, not the task's
+            hops["n"] += 1
+        await trio.lowlevel.checkpoint()
+        return fn(*args)
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", counting_run_sync)
+
+    fake = FakeMaster()
+    outbox = Outbox(master_client(fake), store, tmp_path)
+    task = Task.from_json({"id": "t1", "spiderId": "s1", "framework": "python"})
+    task_dir = tmp_path / "tasks" / "t1"
+    task_dir.mkdir(parents=True)
+    await store.add_task("t1", "s1", {}, task_dir)
+    with trio.fail_after(200):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(outbox.run)
+            delivery = await outbox.open_task(task, task_dir)
+            await trio.sleep(5)  # settle: the streams started
+            reads.calls = hops["n"] = 0
+            await trio.sleep(60)  # a minute of a task that writes nothing
+            idle_reads, idle_hops = reads.calls, hops["n"]
+            # The spider starts writing items: the once-a-second scan sees the file grow.
+            (task_dir / "items.jsonl").write_text("".join(json.dumps({"n": i}) + "\n" for i in range(10)))
+            for _ in range(40):
+                if len(fake.items) == 10:
+                    break
+                await trio.sleep(0.1)
+            assert len(fake.items) == 10
+            assert trio.current_time() - 65 < 3.5  # scan (≤ 1 s) + batch age (1 s) + slack
+            await delivery.finish(TaskResult(status="SUCCESS", exit_code=0))
+            await outbox.wait_idle()
+            nursery.cancel_scope.cancel()
+    assert fake.items == [{"n": i} for i in range(10)]
+    assert idle_reads <= 60 // NOTIFY_FALLBACK + 1  # the safety net only (was 4 a second: 240)
+    assert idle_hops <= 61  # the scan's one hop a second
+
+
+async def test_backoff_waits_on_the_connectivity_event(
+    tmp_path: Path, autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    master = master_client(FakeMaster())
+    connectivity = master.connectivity
+    sleeps: list[float] = []
+    original_sleep = trio.sleep
+
+    async def counting_sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        await original_sleep(seconds)
+
+    monkeypatch.setattr(trio, "sleep", counting_sleep)
+    connectivity.failed(Trouble("unreachable", "logs", "master unreachable", ("down",)))
+    assert not connectivity.up
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+
+        async def come_back() -> None:
+            await original_sleep(5)
+            connectivity.succeeded("heartbeat")
+
+        nursery.start_soon(come_back)
+        await _backoff_sleep(master, 10)  # a long backoff (≥ 128 s) cut short when the master is back
+    assert trio.current_time() - start == pytest.approx(5, abs=0.01)
+    assert sleeps == [EARLY_RETRY_AFTER]  # no 0.25 s checks
+    # Back within the first EARLY_RETRY_AFTER seconds: retried right after them.
+    connectivity.failed(Trouble("unreachable", "logs", "master unreachable", ("down",)))
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+
+        async def come_back_soon() -> None:
+            await original_sleep(0.3)
+            connectivity.succeeded("heartbeat")
+
+        nursery.start_soon(come_back_soon)
+        await _backoff_sleep(master, 10)
+    assert trio.current_time() - start == pytest.approx(EARLY_RETRY_AFTER)
+
+
+async def test_positions_of_many_streams_are_saved_together(
+    store: AsyncStateStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writes: list[int] = []
+    original = store.sync.save_stream_positions
+
+    def counting(positions: dict[tuple[str, str], tuple[int, Any]]) -> None:
+        writes.append(len(positions))
+        original(positions)
+
+    monkeypatch.setattr(store.sync, "save_stream_positions", counting)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            for i in range(50):
+                for stream in ("log", "items"):
+                    nursery.start_soon(store.save_stream_position, f"t{i}", stream, i + 1, {"offset": i})
+    assert sum(writes) <= 100 and len(writes) <= 3  # one write on its way, the rest in the next one
+    for i in range(50):
+        assert await store.stream_position(f"t{i}", "items") == (i + 1, {"offset": i})
+    # A later save of the same stream wins; a save returns only once it is in the database.
+    await store.save_stream_position("t1", "log", 99, {"j": 1, "p": {}})
+    assert store.sync.stream_position("t1", "log") == (99, {"j": 1, "p": {}})
+
+
+async def test_a_failed_position_write_keeps_the_positions_for_the_next_one(
+    store: AsyncStateStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = store.sync.save_stream_positions
+    calls = {"n": 0}
+
+    def flaky(positions: dict[tuple[str, str], tuple[int, Any]]) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError("disk I/O error")
+        original(positions)
+
+    monkeypatch.setattr(store.sync, "save_stream_positions", flaky)
+    with trio.fail_after(10):
+        with pytest.raises(OSError, match="disk I/O"):
+            await store.save_stream_position("t1", "log", 5, {"offset": 5})
+        await store.save_stream_position("t2", "log", 7, {"offset": 7})
+    assert store.sync.stream_position("t1", "log") == (5, {"offset": 5})
+    assert store.sync.stream_position("t2", "log") == (7, {"offset": 7})
