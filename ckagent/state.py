@@ -192,6 +192,18 @@ class StateStore:
         rows = self._exec(f"SELECT {_COLUMNS} FROM tasks WHERE result_acked=0 ORDER BY claimed_at")
         return [_record(r) for r in rows]
 
+    def pending_outbox(self) -> list[tuple[str, Path, float, bool, int, int]]:
+        """What the outbox figures need of :meth:`pending_delivery`, in one statement and without
+        decoding any JSON: ``(task_id, task_dir, claimed_at, has_result, log acked, items acked)``."""
+        rows = self._exec(
+            "SELECT t.task_id, t.task_dir, t.claimed_at, t.result_json IS NOT NULL, "
+            "COALESCE(l.acked_seq, 0), COALESCE(i.acked_seq, 0) FROM tasks t "
+            "LEFT JOIN streams l ON l.task_id = t.task_id AND l.stream = 'log' "
+            "LEFT JOIN streams i ON i.task_id = t.task_id AND i.stream = 'items' "
+            "WHERE t.result_acked=0 ORDER BY t.claimed_at"
+        )
+        return [(str(r[0]), Path(r[1]), float(r[2]), bool(r[3]), int(r[4]), int(r[5])) for r in rows]
+
     def delivered_before(self, cutoff: float) -> list[TaskRecord]:
         """Fully acknowledged tasks that finished before ``cutoff`` (epoch seconds): retention candidates."""
         rows = self._exec(

@@ -3,7 +3,8 @@
 - a task that writes nothing: its shippers sleep until notified (no 0.25 s retries);
 - the items file's growth is seen by the outbox's once-a-second scan, which wakes the items shipper;
 - shippers in backoff wait on the connectivity's event, not a 0.25 s check;
-- stream positions of many streams are saved together (group commit: one thread hop per write).
+- stream positions of many streams are saved together (group commit: one thread hop per write);
+- an acknowledged result does not wait for the lock a /metrics scrape holds in a worker thread.
 
 Logic against the in-memory master of test_delivery (httpx.MockTransport), real SQLite and spool
 files in tmp_path, Trio's autojump clock.
@@ -25,6 +26,7 @@ from ckagent.delivery import Outbox
 from ckagent.delivery.readers import _FileReader
 from ckagent.delivery.shipper import _backoff_sleep
 from ckagent.delivery.spool import EARLY_RETRY_AFTER, NOTIFY_FALLBACK
+from ckagent.delivery.statistics import SpoolCounter
 from ckagent.protocol import Task, TaskResult
 from ckagent.state import AsyncStateStore, StateStore
 
@@ -176,3 +178,22 @@ async def test_a_failed_position_write_keeps_the_positions_for_the_next_one(
         await store.save_stream_position("t2", "log", 7, {"offset": 7})
     assert store.sync.stream_position("t1", "log") == (5, {"offset": 5})
     assert store.sync.stream_position("t2", "log") == (7, {"offset": 7})
+
+
+def test_an_acknowledged_result_never_waits_for_a_scrape_in_progress(tmp_path: Path) -> None:
+    """task_done runs on the event loop; a scrape's count holds the counter's lock across file reads
+    in a worker thread: the loop must not wait for it (it only queues), and nothing is counted twice."""
+    state = StateStore(tmp_path / "state.db")
+    counter = SpoolCounter(state, started_at=0.0)
+    task_dir = tmp_path / "t1"
+    task_dir.mkdir()
+    state.add_task("t1", "s1", {}, task_dir)
+    (task_dir / "output.log").write_bytes(b"a\nb\nc\n")
+    state.save_stream_position("t1", "log", 2, {"j": 0, "p": {}})
+    assert counter.read().log_lines == 1
+    with counter._lock:  # a read in progress in another thread
+        counter.task_done("t1", log_lines=3, items=0, claimed_at=1.0)  # returns at once (a deadlock before)
+    state.mark_result_acked("t1")
+    assert (counter.shipped_log_lines, counter.shipped_items) == (3, 0)
+    assert counter.read().tasks == 0
+    assert counter.shipped_log_lines == 3
