@@ -23,6 +23,7 @@ from ckagent.delivery.spool import (
     CHECKPOINTS_KEPT,
     EARLY_RETRY_AFTER,
     ITEMS_FILE,
+    LOG_BATCH_AGE,
     MAX_BATCH_BYTES,
     MAX_BATCH_COUNT,
     MAX_ITEM_BYTES,
@@ -107,6 +108,7 @@ class StreamShipper:
         self.kind = kind
         self.stream = "log" if kind == "logs" else "items"
         self._key = "lines" if kind == "logs" else "items"
+        self._batch_age = LOG_BATCH_AGE if kind == "logs" else BATCH_AGE
         self._reader = reader
         self._limiter = limiter or trio.CapacityLimiter(1)
         self._wake = trio.Event()
@@ -226,7 +228,7 @@ class StreamShipper:
                         reader.done
                         or len(pending) >= self._count_limit
                         or pending.size >= MAX_BATCH_BYTES
-                        or trio.current_time() - pending.since >= BATCH_AGE
+                        or trio.current_time() - pending.since >= self._batch_age
                     ):
                         n = pending.batch_len(self._count_limit, MAX_BATCH_BYTES)
                         flight = _Flight(n, pending.size_of(n))
@@ -245,7 +247,7 @@ class StreamShipper:
                         # notification wakes the shipper (NOTIFY_FALLBACK is a safety net, not a poll).
                         wait = TAIL_INTERVAL if reader.polls else NOTIFY_FALLBACK
                         if pending and flight is None:
-                            wait = min(wait, max(0.0, BATCH_AGE - (trio.current_time() - pending.since)))
+                            wait = min(wait, max(0.0, self._batch_age - (trio.current_time() - pending.since)))
                         with trio.move_on_after(wait):
                             await self._wake.wait()
                         self._wake = trio.Event()

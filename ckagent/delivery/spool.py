@@ -16,7 +16,10 @@ MAX_BATCH_BYTES = 1024 * 1024
 MAX_BATCH_COUNT = 5000
 """Most elements in one batch."""
 BATCH_AGE = 1.0
-"""Seconds a non-full batch may wait for more elements before it is sent."""
+"""Seconds a non-full batch of items may wait for more elements before it is sent."""
+LOG_BATCH_AGE = 0.7
+"""The same for log lines: shorter, so a line reaches the master within a second (bench.manytasks:
+delivery lag p99 ≤ 1 s) while a trickling task still costs about one request a second per stream."""
 TAIL_INTERVAL = 0.25
 """Seconds between looks at the items file while it keeps growing (written by another process)."""
 SCAN_INTERVAL = 1.0
