@@ -265,6 +265,7 @@ class AsyncStateStore:
         self.sync = store
         self._positions: dict[tuple[str, str], tuple[int, Any]] = {}  # saves not yet on their way
         self._writing: trio.Event | None = None  # set when the write on its way is done
+        self._inflight: dict[tuple[str, str], tuple[int, Any]] = {}  # the write on its way
 
     async def add_task(self, task_id: str, spider_id: str, task_json: dict[str, Any], task_dir: Path) -> None:
         """See :meth:`StateStore.add_task`."""
@@ -275,8 +276,24 @@ class AsyncStateStore:
         await trio.to_thread.run_sync(self.sync.set_process, task_id, pid, pgid)
 
     async def stream_position(self, task_id: str, stream: str) -> tuple[int, Any]:
-        """See :meth:`StateStore.stream_position`."""
+        """See :meth:`StateStore.stream_position` (a noted position not yet written counts)."""
+        noted = self._positions.get((task_id, stream)) or self._inflight.get((task_id, stream))
+        if noted is not None:
+            return noted
         return await trio.to_thread.run_sync(self.sync.stream_position, task_id, stream)
+
+    def note_stream_position(self, task_id: str, stream: str, seq: int, position: Any) -> None:
+        """Record a position for the next write (:meth:`flush_positions` or any save) without waiting:
+        on the event loop, no I/O. Until then :meth:`stream_position` answers it from memory."""
+        self._positions[(task_id, stream)] = (seq, position)
+
+    async def flush_positions(self) -> None:
+        """Write every noted position (one transaction, one thread hop); nothing to do when none waits.
+        Same guarantees as :meth:`save_stream_position`."""
+        while self._writing is not None:
+            await self._writing.wait()
+        if self._positions:
+            await self._write_positions()
 
     async def save_stream_position(self, task_id: str, stream: str, seq: int, position: Any) -> None:
         """See :meth:`StateStore.save_stream_position`; returns once the position is in the database.
@@ -292,7 +309,11 @@ class AsyncStateStore:
             await self._writing.wait()
         if not self._positions:
             return  # another caller's write carried it
+        await self._write_positions()
+
+    async def _write_positions(self) -> None:
         batch, self._positions = self._positions, {}
+        self._inflight = batch
         done = self._writing = trio.Event()
         try:
             await trio.to_thread.run_sync(self.sync.save_stream_positions, batch)
@@ -302,6 +323,7 @@ class AsyncStateStore:
             raise
         finally:
             self._writing = None
+            self._inflight = {}
             done.set()
 
     async def streams(self, task_id: str) -> dict[str, int]:

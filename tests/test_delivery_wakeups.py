@@ -36,6 +36,12 @@ def store(tmp_path: Path) -> AsyncStateStore:
     return AsyncStateStore(StateStore(tmp_path / "state.db"))
 
 
+async def inline_run_sync(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """trio.to_thread.run_sync, run inline: a real thread lets the autojump clock run ahead of its work."""
+    await trio.lowlevel.checkpoint()
+    return fn(*args)
+
+
 class CountingReads:
     """Counts calls of ``_FileReader.read`` (the items shipper's looks at items.jsonl)."""
 
@@ -197,3 +203,31 @@ def test_an_acknowledged_result_never_waits_for_a_scrape_in_progress(tmp_path: P
     assert (counter.shipped_log_lines, counter.shipped_items) == (3, 0)
     assert counter.read().tasks == 0
     assert counter.shipped_log_lines == 3
+
+
+async def test_noted_positions_are_written_together_by_the_outbox_once_a_second(
+    tmp_path: Path, store: AsyncStateStore, autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writes: list[int] = []
+    original = store.sync.save_stream_positions
+
+    def counting(positions: dict[tuple[str, str], tuple[int, Any]]) -> None:
+        writes.append(len(positions))
+        original(positions)
+
+    monkeypatch.setattr(store.sync, "save_stream_positions", counting)
+    monkeypatch.setattr(trio.to_thread, "run_sync", inline_run_sync)  # no real thread under the autojump clock
+    outbox = Outbox(master_client(FakeMaster()), store, tmp_path)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(outbox.run)
+            for i in range(20):  # acknowledgements of many streams within one second: no write yet
+                store.note_stream_position(f"t{i}", "log", i + 1, {"j": 0, "p": {}})
+            assert writes == []
+            assert await store.stream_position("t3", "log") == (4, {"j": 0, "p": {}})  # answered from memory
+            await trio.sleep(1.5)
+            assert writes == [20]  # one write for all of them
+            assert store.sync.stream_position("t3", "log") == (4, {"j": 0, "p": {}})
+            store.note_stream_position("t1", "items", 7, {"offset": 70})
+            nursery.cancel_scope.cancel()  # the agent stops before the next round: written on the way out
+    assert store.sync.stream_position("t1", "items") == (7, {"offset": 70})

@@ -222,15 +222,20 @@ class Outbox:
         self._idle.set()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run until cancelled (the agent's stop). Unsent data stays on disk for the next start."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            await self.guard.refresh()
-            nursery.start_soon(self._disk_loop)
-            if self.config.retention > 0:
-                nursery.start_soon(self._retention_loop)
-            task_status.started()
-            await trio.sleep_forever()
+        """Run until cancelled (the agent's stop). Unsent data stays on disk for the next start; the
+        acknowledged positions noted since the last write are written on the way out (shielded, ≤ 5 s)."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                await self.guard.refresh()
+                nursery.start_soon(self._disk_loop)
+                if self.config.retention > 0:
+                    nursery.start_soon(self._retention_loop)
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(5.0):
+                await self.store.flush_positions()
 
     def statistics(self) -> OutboxStatistics:
         """What waits for the master now (see ckagent.delivery.statistics). **Blocking** (SQLite and
@@ -321,10 +326,11 @@ class Outbox:
                 self._idle.set()
 
     async def _disk_loop(self) -> None:
-        """Every SCAN_INTERVAL: the free-space figure and the files of every running task, in one
-        thread hop for the whole agent (not one per task)."""
+        """Every SCAN_INTERVAL: the shippers' noted positions (one write), the files of every running
+        task (one hop) and the free-space figure — for the whole agent, not per task or stream."""
         while True:
             await trio.sleep(SCAN_INTERVAL)
+            await self.store.flush_positions()  # the shippers' acknowledged positions, all streams at once
             live = [delivery for delivery in self.deliveries.values() if delivery.scanning]
             if live:
                 found = await trio.to_thread.run_sync(_scan_all, live)

@@ -160,10 +160,20 @@ class StreamShipper:
         unsaved: tuple[int, Any] | None = None
 
         async def save() -> None:
+            """The position into the database now (the stream ends)."""
             nonlocal unsaved
             if unsaved is not None:
                 saving, unsaved = unsaved, None
                 await self._store.save_stream_position(self.task_id, self.stream, *saving)
+
+        def note() -> None:
+            """The position to the state store's next batched write (the outbox's once-a-second hop
+            for every stream of the agent): no thread hop per acknowledgement. A crash before that
+            write only makes the next start send up to a second of batches again (dropped by the master)."""
+            nonlocal unsaved
+            if unsaved is not None:
+                saving, unsaved = unsaved, None
+                self._store.note_stream_position(self.task_id, self.stream, *saving)
 
         try:
             async with trio.open_nursery() as nursery:
@@ -233,7 +243,7 @@ class StreamShipper:
                         n = pending.batch_len(self._count_limit, MAX_BATCH_BYTES)
                         flight = _Flight(n, pending.size_of(n))
                         nursery.start_soon(self._fly, flight, seq, n, pending.body(n, seq, self._key))
-                        await save()
+                        note()
                         continue
                     if reader.done and not pending and flight is None:
                         await save()
@@ -242,7 +252,7 @@ class StreamShipper:
                                         self.task_id, self.stream, skip)
                         return
                     if not progress:
-                        await save()
+                        note()
                         # A reader whose file grows is looked at again soon; otherwise only a
                         # notification wakes the shipper (NOTIFY_FALLBACK is a safety net, not a poll).
                         wait = TAIL_INTERVAL if reader.polls else NOTIFY_FALLBACK
