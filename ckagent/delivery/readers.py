@@ -18,7 +18,7 @@ from typing import Any
 import trio
 
 from ckagent.delivery.journal import parse_journal
-from ckagent.delivery.lines import LineSplitter, Masker, encode_json, encode_lines
+from ckagent.delivery.lines import LineSplitter, Masker, encode_lines
 from ckagent.delivery.spool import (
     JOURNAL_FILE,
     MAX_LINE_BYTES,
@@ -128,9 +128,10 @@ def _pread(fd: int, size: int, offset: int) -> bytes:
 class _FileReader:
     """Elements of one file (the items stream). Position: ``{"offset": <end of the last element>}``."""
 
-    def __init__(self, path: Path, convert: Callable[[bytes], Any], max_line_bytes: int, cr_breaks: bool) -> None:
+    def __init__(self, path: Path, encode: Callable[[bytes], bytes | None], max_line_bytes: int,
+                 cr_breaks: bool) -> None:
         self.path = path
-        self._convert = convert
+        self._encode = encode  # a line → its encoded element, or None to skip it
         self._max = max_line_bytes
         self._cr = cr_breaks
         self._fd = -1
@@ -175,10 +176,11 @@ class _FileReader:
         else:
             return False
         elements, marks = [], []
+        encode = self._encode
         for raw, end in zip(lines, ends, strict=True):
-            element = self._convert(raw)
+            element = encode(raw)
             if element is not None:
-                elements.append(encode_json(element))
+                elements.append(element)
                 marks.append(end)
         pending.add(elements, marks)
         return True

@@ -14,7 +14,7 @@ from typing import Any
 
 import trio
 
-from ckagent.delivery.lines import Masker, encode_json, item_object
+from ckagent.delivery.lines import Masker, encode_item, encode_json
 from ckagent.delivery.readers import _FileReader, _JournalReader, _Pending
 from ckagent.delivery.spool import (
     BACKOFF_INITIAL,
@@ -127,7 +127,7 @@ class StreamShipper:
     def items(cls, master: MasterClient, store: AsyncStateStore, task_id: str, task_dir: Path,
               limiter: trio.CapacityLimiter | None = None) -> StreamShipper:
         """The items stream of the task in ``task_dir`` (``items.jsonl``)."""
-        reader = _FileReader(task_dir / ITEMS_FILE, item_object, MAX_ITEM_BYTES, cr_breaks=False)
+        reader = _FileReader(task_dir / ITEMS_FILE, encode_item, MAX_ITEM_BYTES, cr_breaks=False)
         return cls(master, store, task_id, "items", reader, limiter)
 
     def notify(self) -> None:

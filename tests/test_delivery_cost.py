@@ -1,10 +1,11 @@
-"""What a task costs the agent while it runs: wake-ups and thread hops (issue 18).
+"""What a task costs the agent while it runs: wake-ups, thread hops, work per element (issue 18).
 
 - a task that writes nothing: its shippers sleep until notified (no 0.25 s retries);
 - the items file's growth is seen by the outbox's once-a-second scan, which wakes the items shipper;
 - shippers in backoff wait on the connectivity's event, not a 0.25 s check;
 - stream positions of many streams are saved together (group commit: one thread hop per write);
-- an acknowledged result does not wait for the lock a /metrics scrape holds in a worker thread.
+- an acknowledged result does not wait for the lock a /metrics scrape holds in a worker thread;
+- an item line the SDK wrote is sent as written (checked, not encoded again), anything else as before.
 
 Logic against the in-memory master of test_delivery (httpx.MockTransport), real SQLite and spool
 files in tmp_path, Trio's autojump clock.
@@ -23,6 +24,7 @@ from test_delivery import FakeMaster, master_client
 
 from ckagent.connectivity import Trouble
 from ckagent.delivery import Outbox
+from ckagent.delivery.lines import encode_item, encode_json, item_object
 from ckagent.delivery.readers import _FileReader
 from ckagent.delivery.shipper import _backoff_sleep
 from ckagent.delivery.spool import EARLY_RETRY_AFTER, NOTIFY_FALLBACK
@@ -231,3 +233,30 @@ async def test_noted_positions_are_written_together_by_the_outbox_once_a_second(
             store.note_stream_position("t1", "items", 7, {"offset": 70})
             nursery.cancel_scope.cancel()  # the agent stops before the next round: written on the way out
     assert store.sync.stream_position("t1", "items") == (7, {"offset": 70})
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"n": 1, "title": "\xe5\x95\x86\xe5\x93\x81", "price": 1.5, "tags": ["a", {"b": null}]}',
+    b'  {"spaced": true}  ',
+    b'{"escaped": "\\u00e9 \\n \\""}',
+    b'{"big": 1e999}',
+    b'{"nan": NaN}',
+    b'{"bad utf-8": "\xff"}',
+    b'[1, 2]',
+    b'"a string"',
+    b'not json',
+    b'{"a": 1} {"b": 2}',
+    b'   ',
+    b'',
+])
+def test_an_item_line_is_sent_as_the_careful_path_would_send_it(raw: bytes) -> None:
+    careful = item_object(raw)
+    element = encode_item(raw)
+    if careful is None:
+        assert element is None
+        return
+    assert element is not None
+    assert json.loads(element) == json.loads(encode_json(careful))
+    plain = b"\xff" not in raw and b"1e999" not in raw and "_invalidItem" not in careful
+    if plain:
+        assert element == raw  # what the spider wrote, byte for byte
