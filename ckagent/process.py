@@ -348,13 +348,15 @@ async def run_supervised(
             await on_started(proc.pid)
         async with trio.open_nursery() as nursery:
             pumps_done = trio.Event()
+            exited = trio.Event()  # the main process ended: the pumps stop gathering small writes
 
             async def pumps() -> None:
                 async with trio.open_nursery() as inner:
                     if proc.stdout is not None:
-                        inner.start_soon(_copy, proc.stdout, output)
+                        inner.start_soon(_copy, proc.stdout, output, exited)
                     if proc.stderr is not None:
-                        inner.start_soon(_copy, proc.stderr, output if on_stderr is None else _tee(output, on_stderr))
+                        inner.start_soon(_copy, proc.stderr, output if on_stderr is None else _tee(output, on_stderr),
+                                         exited)
                 pumps_done.set()
 
             nursery.start_soon(pumps)
@@ -363,6 +365,7 @@ async def run_supervised(
 
                     async def until_exit() -> None:
                         await proc.wait()
+                        exited.set()
                         first.cancel_scope.cancel()
 
                     async def until_stop() -> None:
@@ -432,12 +435,18 @@ far more than a trickle writes in this time, so the spider never blocks; a flood
 and never pauses."""
 
 
-async def _copy(stream: trio.abc.ReceiveStream, output: Callable[[bytes], None]) -> None:
-    """Copy a pipe into ``output`` until EOF (see PIPE_COALESCE_INTERVAL). Cancellation stops at once."""
+async def _copy(stream: trio.abc.ReceiveStream, output: Callable[[bytes], None],
+                exited: trio.Event | None = None) -> None:
+    """Copy a pipe into ``output`` until EOF (see PIPE_COALESCE_INTERVAL; no gathering once ``exited``
+    is set, so the end of a task is not delayed). Cancellation stops at once."""
     while True:
         chunk = await stream.receive_some(65536)
         if not chunk:
             return
         output(bytes(chunk))
         if len(chunk) < PIPE_COALESCE_BELOW:
-            await trio.sleep(PIPE_COALESCE_INTERVAL)
+            if exited is None:
+                await trio.sleep(PIPE_COALESCE_INTERVAL)
+            elif not exited.is_set():
+                with trio.move_on_after(PIPE_COALESCE_INTERVAL):
+                    await exited.wait()

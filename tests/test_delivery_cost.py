@@ -5,7 +5,8 @@
 - shippers in backoff wait on the connectivity's event, not a 0.25 s check;
 - stream positions of many streams are saved together (group commit: one thread hop per write);
 - an acknowledged result does not wait for the lock a /metrics scrape holds in a worker thread;
-- an item line the SDK wrote is sent as written (checked, not encoded again), anything else as before.
+- an item line the SDK wrote is sent as written (checked, not encoded again), anything else as before;
+- small pipe writes gather for 50 ms before the next read, until the main process exits.
 
 Logic against the in-memory master of test_delivery (httpx.MockTransport), real SQLite and spool
 files in tmp_path, Trio's autojump clock.
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from test_delivery import FakeMaster, master_client
 
 from ckagent.connectivity import Trouble
@@ -29,6 +31,7 @@ from ckagent.delivery.readers import _FileReader
 from ckagent.delivery.shipper import _backoff_sleep
 from ckagent.delivery.spool import EARLY_RETRY_AFTER, NOTIFY_FALLBACK
 from ckagent.delivery.statistics import SpoolCounter
+from ckagent.process import _copy
 from ckagent.protocol import Task, TaskResult
 from ckagent.state import AsyncStateStore, StateStore
 
@@ -260,3 +263,26 @@ def test_an_item_line_is_sent_as_the_careful_path_would_send_it(raw: bytes) -> N
     plain = b"\xff" not in raw and b"1e999" not in raw and "_invalidItem" not in careful
     if plain:
         assert element == raw  # what the spider wrote, byte for byte
+
+
+async def test_small_spider_writes_gather_and_the_exit_ends_the_wait(autojump_clock: trio.abc.Clock) -> None:
+    """A spider printing a line every 10 ms costs one pipe read per 50 ms; after its main process
+    exited nothing waits (the task's end is not delayed)."""
+    send, receive = trio.testing.memory_stream_one_way_pair()
+    got: list[bytes] = []
+    exited = trio.Event()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_copy, receive, got.append, exited)
+            for line in (b"a\n", b"b\n", b"c\n", b"d\n"):
+                await send.send_all(line)
+                await trio.sleep(0.01)
+            await trio.sleep(0.1)
+            assert got == [b"a\n", b"b\nc\nd\n"]  # the first read at once, the next three in one
+            exited.set()
+            await send.send_all(b"e\n")
+            await trio.sleep(0.001)
+            await send.send_all(b"f\n")
+            await trio.sleep(0.001)
+            assert got[2:] == [b"e\n", b"f\n"]
+            await send.aclose()
