@@ -28,7 +28,8 @@ import psutil
 
 from bench._harness import REPO, markdown_table
 
-MODULES = ("dispatch", "makespan", "overhead", "flood", "items", "manytasks", "scrape", "prepare", "startup")
+MODULES = ("dispatch", "makespan", "overhead", "flood", "items", "manytasks", "scrape", "prepare", "startup",
+           "containment")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 

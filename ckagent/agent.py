@@ -49,6 +49,7 @@ import trio
 from ckagent import __version__
 from ckagent.capabilities import Capabilities
 from ckagent.config import ConfigError, Settings
+from ckagent.containment import Containment, ContainmentError, Limits, open_containment
 from ckagent.delivery import Outbox, OutboxConfig, cleanup_task_dirs
 from ckagent.deps import Dependencies, IndexChooser, remove_legacy_environments, spider_base_env
 from ckagent.fleet import VersionWatch, load_node_uid
@@ -116,6 +117,8 @@ class Agent:
         """Set once the agent has registered, recovered and begun polling (state RUNNING)."""
         self.metrics = AgentMetrics(__version__, settings.agent.name)
         self.status_port: int | None = None
+        self.containment: Containment | None = None
+        """The containment level in force (set at the start of :meth:`run`)."""
         """The port the status/metrics server listens on (``agent.port``, or the one picked for 0)."""
         token = settings.agent.registration_token
         self._secrets = tuple(
@@ -148,6 +151,7 @@ class Agent:
             node_uid=self.node_uid,
             protocol_version=PROTOCOL_VERSION,
             features=list(FEATURES),
+            containment=self.containment.to_json() if self.containment is not None else {},
         )
 
     async def run(self) -> int:
@@ -163,6 +167,14 @@ class Agent:
         except ValueError as exc:
             log.error("%s", exc)
             return 2
+        try:
+            containment = self.containment = await trio.to_thread.run_sync(
+                open_containment, s.task.containment, self.work_dir)
+        except ContainmentError as exc:
+            log.error("%s", exc)
+            await trio.to_thread.run_sync(store.sync.close)
+            return 2
+        self.metrics.containment_level(containment.level)
         if os.getpid() == 1:
             log.warning("running as PID 1 without an init: processes orphaned by spiders are not reaped "
                         "(<defunct> entries pile up); run the container with `--init` or tini "
@@ -199,7 +211,8 @@ class Agent:
         self.metrics.outbox = outbox
         supervisor = self.supervisor = Supervisor(
             RunnerConfig(self.work_dir, s.task.execute_timeout, s.task.kill_grace, self._secrets, extra_env,
-                         run_as=run_as, stall_timeout=s.task.stall_timeout),
+                         run_as=run_as, stall_timeout=s.task.stall_timeout, containment=containment,
+                         default_limits=Limits(s.task.memory_limit_bytes, s.task.pids_limit, s.task.cpus_limit)),
             self.master, store, workspaces, deps, self.max_workers,
             on_finished=self._task_delivered, outbox=outbox, observer=self.metrics,
         )
@@ -233,7 +246,7 @@ class Agent:
                     return 1
                 root.start_soon(self._signals)
                 root.start_soon(self._rescan_runtimes)
-                leftovers = await recover_lost_tasks(store, self.metrics.task_lost)
+                leftovers = await recover_lost_tasks(store, self.metrics.task_lost, containment)
                 if s.task.cleanup_temp_files:
                     await cleanup_task_dirs(store, self.work_dir / "tasks", 0)
                 self.versions.nursery = root
@@ -281,6 +294,7 @@ class Agent:
             with trio.CancelScope(shield=True):
                 await self.master.aclose()
                 await trio.to_thread.run_sync(store.sync.close)
+            containment.close()
             log.info("ckagent stopped")
         return 0
 

@@ -7,7 +7,8 @@ path     answer
 /healthz 200 ``ok`` — served by the agent's own event loop, so a stuck loop fails it
 /readyz  200 ``ready`` when registered and the last heartbeat was acknowledged within
          ``3 × heartbeat.interval`` seconds and the agent is RUNNING; else 503 with the reason
-/status  JSON: state, node id, running tasks (id, spider, since, pid, phase), outbox, versions
+/status  JSON: state, node id, containment level, running tasks (id, spider, since, pid, phase, live
+         resource figures), outbox, versions
 /        the HTML status page, and /tasks/<id>/tail, /tasks/<id>/log.txt (see ckagent.statuspage)
 other    404 (a known path with a method other than GET/HEAD: 405)
 ======== ===================================================================================
@@ -336,6 +337,8 @@ class AgentStatus:
                 "since": _iso(rt.claimed_at),
                 "startedAt": _iso(rt.started_at),
                 "pid": rt.pid,
+                # Live figures from the task's cgroup (small cgroupfs reads; none at the process-group level).
+                "resources": rt.jail.figures().to_json() if rt.jail is not None else {},
             })
         return {
             "state": agent.state,
@@ -346,6 +349,7 @@ class AgentStatus:
             "registered": agent.master.registered,
             "masterUp": agent.master.connectivity.up,
             "heartbeatAgeSeconds": round(self.heartbeat_age(), 3),
+            "containment": agent.containment.to_json() if agent.containment is not None else None,
             "maxWorkers": agent.max_workers,
             "freeSlots": supervisor.free_slots() if supervisor is not None else agent.max_workers,
             "runningTasks": sorted(tasks, key=lambda t: str(t["since"])),

@@ -58,9 +58,11 @@ from ckagent.protocol import (
     LogBatch,
     ProtocolError,
     RegisterRequest,
+    TaskResources,
     TaskResult,
     TaskStats,
     VersionPolicy,
+    parse_stop_signal,
 )
 
 __all__ = ["MAX_BATCH_ELEMENTS", "MAX_NODE_BODY_BYTES", "Notifier", "create_app"]
@@ -404,6 +406,8 @@ def create_app(
             timeout_seconds=_opt_seconds(o, "timeoutSeconds"),
             code_mode=code_mode,
             env=_opt_str_map(o, "env"),
+            resources=TaskResources.from_json(o.get("resources"), "resources").to_json(),
+            stop_signal=parse_stop_signal(o, ""),
         )
         return JSONResponse({"id": spider_id})
 
@@ -463,6 +467,8 @@ def create_app(
             params=params or {},
             timeout_seconds=_opt_seconds(o, "timeoutSeconds"),
             stall_timeout_seconds=_opt_seconds(o, "stallTimeoutSeconds"),
+            resources=TaskResources.from_json(o.get("resources"), "resources").to_json(),
+            stop_signal=parse_stop_signal(o, ""),
         )
         notifier.notify()
         return JSONResponse({"id": task_id})
