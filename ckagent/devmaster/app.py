@@ -225,7 +225,7 @@ def _opt_seconds(o: dict[str, Any], key: str) -> float | None:
     return float(value)
 
 
-SPIDER_PATCH_FIELDS = ("name", "framework", "command", "env", "timeoutSeconds")
+SPIDER_PATCH_FIELDS = ("name", "framework", "command", "env", "timeoutSeconds", "resources", "stopSignal")
 """What ``PATCH /api/spiders/{id}`` may change."""
 
 
@@ -420,7 +420,8 @@ def create_app(
         return JSONResponse(await run(store.get_spider, request.path_params["spider_id"]))
 
     async def update_spider(request: Request) -> Response:
-        """PATCH: change the fields given (command, env, timeoutSeconds, framework, name); tasks created
+        """PATCH: change the fields given (command, env, timeoutSeconds, framework, name, resources,
+        stopSignal; null clears the last two); tasks created
         afterwards use them (a task already created keeps what it had)."""
         admin_auth(request)
         o = _obj(await _json_body(request))
@@ -442,6 +443,10 @@ def create_app(
             changes["timeout_seconds"] = _opt_seconds(o, "timeoutSeconds")
         if "env" in o:
             changes["env"] = _opt_str_map(o, "env")
+        if "resources" in o:
+            changes["resources"] = TaskResources.from_json(o["resources"], "resources").to_json() or None
+        if "stopSignal" in o:
+            changes["stop_signal"] = parse_stop_signal(o, "")
         return JSONResponse(await run(store.update_spider, request.path_params["spider_id"], changes))
 
     async def upload_package(request: Request) -> Response:

@@ -691,14 +691,17 @@ class Store:
     def update_spider(self, spider_id: str, changes: dict[str, Any]) -> dict[str, Any]:
         """Change a spider's ``name``, ``framework``, ``command``, ``timeout_seconds``, ``env`` (validated
         values; only the keys given). Returns the spider's admin JSON. Raises NotFoundError."""
-        as_json = {"command", "env"}  # JSON columns; the others store the value itself
+        as_json = {"command", "env", "resources"}  # JSON columns; the others store the value itself
         sets: list[str] = []
         values: list[Any] = []
         for key, value in changes.items():
-            if key not in ("name", "framework", "command", "timeout_seconds", "env"):
+            if key not in ("name", "framework", "command", "timeout_seconds", "env", "resources", "stop_signal"):
                 raise ValueError(f"update_spider: {key!r} is not a changeable column")
             sets.append(f"{key} = ?")
-            values.append(_dumps(value) if key in as_json else value)
+            if key == "resources" and not value:
+                values.append(None)  # nullable column: no resources
+            else:
+                values.append(_dumps(value) if key in as_json else value)
         with self._tx() as db:
             if db.execute("SELECT 1 FROM spiders WHERE id = ?", (spider_id,)).fetchone() is None:
                 raise NotFoundError(f"no spider {spider_id!r}")
