@@ -533,3 +533,23 @@ async def test_a_death_by_signal_names_the_signal(
             task = await recording_master.admin.wait_task_final(task_id, 30)
     assert (task["status"], task["errorCode"], task["exitCode"]) == ("FAILED", "EXIT_NONZERO", -11), task
     assert task["errorMessage"].startswith("killed by SIGSEGV (exit code -11)"), task
+
+
+def test_without_a_shell_the_join_falls_back_to_a_preexec_fn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ckagent.containment.base as base
+
+    if "cgroup-v2" not in LEVELS_HERE:
+        pytest.skip("no cgroup-v2 tree here")
+    containment = open_containment("cgroup-v2", tmp_path)
+    jail = containment.jail("noshell", Limits())
+    try:
+        argv, options = jail.spawn(["true"], {"PATH": "/usr/bin:/bin"})
+        assert argv[0] == base.SHELL and argv[3].endswith("/true") and not options  # the shim: vfork spawn
+        with pytest.raises(FileNotFoundError):  # as Popen would raise it
+            jail.spawn(["no-such-program-ck"], {"PATH": "/usr/bin:/bin"})
+        monkeypatch.setattr(base, "SHELL", str(tmp_path / "no-sh"))
+        argv, options = jail.spawn(["true"], {"PATH": "/usr/bin:/bin"})
+        assert argv == ["true"] and callable(options["preexec_fn"])
+    finally:
+        jail.close()
+        containment.close()

@@ -118,7 +118,7 @@ class TaskJail:
         (a ``preexec_fn`` forces a fork of the whole agent, several ms; bench/containment.py).
         Raises FileNotFoundError/PermissionError, as Popen would, when ``argv[0]`` cannot be run.
         """
-        if forking:
+        if forking or not os.access(SHELL, os.X_OK):  # no /bin/sh (a distroless image): pay the fork
             return argv, {"preexec_fn": make_preexec(self.join_fds())}
         program = _resolve(argv[0], env.get("PATH"))
         return [SHELL, "-c", shim_script(self.join_paths()), program, *argv[1:]], {}
