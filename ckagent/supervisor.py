@@ -498,9 +498,7 @@ class Supervisor:
             notice(f"cannot start {argv[0]!r}: {exc.strerror or exc}")
             # No process ran, so no exit code (docs/protocol.md); the message says what failed.
             return TaskOutcome("FAILED", "EXIT_NONZERO", f"cannot start {argv[0]!r}: {exc.strerror or exc}")
-        figures = jail.figures()
-        if figures.cpu_seconds is not None or figures.memory_peak_bytes is not None:
-            notice("used: " + ", ".join(f"{k} {v}" for k, v in figures.to_json().items()))
+        figures = jail.figures()  # into the result (cpuSeconds, memoryPeakBytes, ...), not the log
         if figures.oom_kills and not outcome.stopped:
             verdict = _oom_outcome(jail, figures, outcome.returncode, "the spider")
             notice(f"{verdict.error_message}; task FAILED (OOM_KILLED)")
