@@ -69,7 +69,7 @@ from ckagent.deps_node import (
 )
 from ckagent.envstore import EnvStore, is_ready, mark_ready, start_build
 from ckagent.noderange import satisfies
-from ckagent.process import RunAs, popen_identity, terminate_group
+from ckagent.process import SPAWNED, RunAs, popen_identity, terminate_group
 from ckagent.pyplan import (
     DEFAULT_PACKAGES,
     SDK_DISTRIBUTION,
@@ -429,20 +429,26 @@ class Dependencies:
         result: subprocess.CompletedProcess[bytes] | None = None
         spawn = _SPAWN.get()
         spawn_argv, spawn_options = (argv, {}) if spawn is None else spawn(argv, env, forking=self._run_as is not None)
-        with trio.move_on_after(self._timeout) as scope:
-            async with trio.open_nursery() as nursery:
-                process: trio.Process = await nursery.start(
-                    partial(
-                        trio.run_process, spawn_argv, cwd=str(cwd), env=env, stdin=subprocess.DEVNULL,
-                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False,
-                        start_new_session=True, **popen_identity(self._run_as), **spawn_options,
-                        deliver_cancel=lambda p: terminate_group(p.pid, 5.0),
+        spawned: list[int] = []
+        try:
+            with trio.move_on_after(self._timeout) as scope:
+                async with trio.open_nursery() as nursery:
+                    process: trio.Process = await nursery.start(
+                        partial(
+                            trio.run_process, spawn_argv, cwd=str(cwd), env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False,
+                            start_new_session=True, **popen_identity(self._run_as), **spawn_options,
+                            deliver_cancel=lambda p: terminate_group(p.pid, 5.0),
+                        )
                     )
-                )
-                assert process.stdout is not None
-                while chunk := await process.stdout.receive_some(65536):
-                    sink(bytes(chunk))
-                result = subprocess.CompletedProcess(argv, await process.wait())
+                    spawned.append(process.pid)
+                    SPAWNED.add(process.pid)  # trio reaps it; the subreaper's reaper must not
+                    assert process.stdout is not None
+                    while chunk := await process.stdout.receive_some(65536):
+                        sink(bytes(chunk))
+                    result = subprocess.CompletedProcess(argv, await process.wait())
+        finally:  # run_process has reaped it by now
+            SPAWNED.difference_update(spawned)
         name = label or " ".join([Path(argv[0]).name, *itertools.takewhile(lambda a: not a.startswith("-"), argv[1:3])])
         if scope.cancelled_caught:
             raise DepsError(

@@ -44,9 +44,16 @@ from typing import Any
 import trio
 
 from ckagent.containment import TaskJail
-from ckagent.containment.process_group import MARKER_VAR, ProcessGroupJail, find_marked, signal_group, sweep
+from ckagent.containment.process_group import (
+    MARKER_VAR,
+    SPAWNED,
+    ProcessGroupJail,
+    find_marked,
+    signal_group,
+    sweep,
+)
 
-__all__ = ["MARKER_VAR", "ProcessOutcome", "RunAs", "find_marked", "run_supervised", "signal_group", "sweep"]
+__all__ = ["MARKER_VAR", "SPAWNED", "ProcessOutcome", "RunAs", "find_marked", "run_supervised", "signal_group", "sweep"]
 
 log = logging.getLogger(__name__)
 
@@ -252,6 +259,7 @@ async def run_supervised(
         spawn_argv, cwd=str(cwd), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, start_new_session=True, **popen_identity(run_as), **spawn_options,
     )  # fmt: skip
+    SPAWNED.add(proc.pid)  # trio reaps it; the subreaper's reaper must not
     jail.watch(proc.pid)
     for stream in (proc.stdout, proc.stderr):
         if isinstance(stream, trio.lowlevel.FdStream):
@@ -316,6 +324,8 @@ async def run_supervised(
             for stream in (proc.stdout, proc.stderr):
                 if stream is not None:
                     await stream.aclose()
+            if proc.returncode is not None:
+                SPAWNED.discard(proc.pid)
     return outcome
 
 

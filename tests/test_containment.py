@@ -553,3 +553,49 @@ def test_without_a_shell_the_join_falls_back_to_a_preexec_fn(tmp_path: Path, mon
     finally:
         jail.close()
         containment.close()
+
+
+DAEMON_THAT_ENDS = textwrap.dedent('''
+    import os, sys, time
+    r, w = os.pipe()
+    if os.fork() == 0:
+        os.setsid()
+        pid = os.fork()
+        if pid == 0:  # scrubbed and double-forked: the process-group level cannot attribute it
+            devnull = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(devnull, fd)
+            os.execve(sys.executable, [sys.executable, "-c", "import time; time.sleep(2.0)"], {})
+        os.write(w, str(pid).encode())
+        os._exit(0)
+    os.close(w)
+    print("daemon", int(os.read(r, 32)), flush=True)
+    os.wait()
+''')
+
+
+async def test_process_group_level_reaps_adopted_orphans_and_gives_the_subreaper_role_back(
+    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path  # noqa: F811 -- the imported fixture
+) -> None:
+    import ctypes
+
+    from ckagent.containment.base import libc
+
+    LEVEL["current"] = "process-group"
+    admin = recording_master.admin
+    async with running_agent(nursery, settings_for(tmp_path, recording_master)):
+        first = await submit(admin, "leaves-a-daemon", {"main.py": DAEMON_THAT_ENDS})
+        with trio.fail_after(30):
+            await admin.wait_task_final(first, 30)
+        [daemon] = [int(line.split()[1]) for line in await admin.get_logs(first) if line.startswith("daemon ")]
+        with open(f"/proc/{daemon}/stat") as fh:  # noqa: ASYNC230 -- procfs, instant
+            assert fh.read().rsplit(")", 1)[1].split()[1] == str(os.getpid()), "re-parented to the agent"
+        await eventually(lambda: _async(not alive(daemon)))  # it ended on its own: a zombie of the agent
+        assert await trio.Path(f"/proc/{daemon}").exists(), "nobody else reaped it"
+        second = await submit(admin, "next", {"main.py": "print('hi')\n"})
+        with trio.fail_after(30):
+            await admin.wait_task_final(second, 30)
+        assert not await trio.Path(f"/proc/{daemon}").exists(), "the next task's end reaped the adopted zombie"
+    flag = ctypes.c_int(-1)
+    assert libc().prctl(37, ctypes.byref(flag), 0, 0, 0) == 0  # PR_GET_CHILD_SUBREAPER
+    assert flag.value == 0, "the stopped agent is no longer the child subreaper"

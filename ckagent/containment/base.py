@@ -283,10 +283,10 @@ def lower_own_oom_score_adj(value: int = AGENT_OOM_SCORE_ADJ) -> int | None:
     return current
 
 
-def set_child_subreaper() -> bool:
+def set_child_subreaper(on: bool = True) -> bool:
     """Make the agent the child subreaper of its descendants (orphans re-parent to it, not to
-    init). Returns False where prctl refuses."""
-    return libc().prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    init; it must reap them), or stop being it. Returns False where prctl refuses."""
+    return libc().prctl(PR_SET_CHILD_SUBREAPER, 1 if on else 0, 0, 0, 0) == 0
 
 
 def read_text(path: Path) -> str | None:

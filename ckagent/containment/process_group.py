@@ -132,11 +132,39 @@ def _kill_pids(pids: Iterable[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+SPAWNED: set[int] = set()
+"""Pids of the agent's own children that trio waits for (spiders, installers): never reaped here."""
+
+
+def reap_adopted_zombies() -> int:
+    """Reap zombie children of the agent that it did not spawn: orphans of tasks re-parented to it
+    as child subreaper (blocking: reads /proc). Returns how many were reaped."""
+    me = os.getpid()
+    reaped = 0
+    try:
+        tids = os.listdir(f"/proc/{me}/task")
+    except OSError:
+        return 0
+    children: set[int] = set()
+    for tid in tids:
+        try:
+            with open(f"/proc/{me}/task/{tid}/children") as fh:
+                children.update(int(p) for p in fh.read().split())
+        except OSError:
+            continue
+    for pid in children - SPAWNED:
+        if is_zombie(pid) and _ppid(pid) == me and pid not in SPAWNED:
+            with contextlib.suppress(ChildProcessError, OSError):
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    reaped += 1
+    return reaped
+
+
 def _reap_adopted(pids: Iterable[int], keep: set[int]) -> None:
     """Reap killed orphans the agent adopted as subreaper (never a process trio waits for)."""
     me = os.getpid()
     for pid in pids:
-        if pid in keep or _ppid(pid) != me:
+        if pid in keep or pid in SPAWNED or _ppid(pid) != me:
             continue
         with contextlib.suppress(ChildProcessError, OSError):
             os.waitpid(pid, os.WNOHANG)
@@ -208,7 +236,9 @@ class ProcessGroupJail(TaskJail):
             await wait_pids_gone(pids)
 
     async def kill_all(self) -> int:
-        return await sweep(self.task_id, None, pgids=self.pgids, keep=self.pgids)
+        killed = await sweep(self.task_id, None, pgids=self.pgids, keep=self.pgids)
+        await trio.to_thread.run_sync(reap_adopted_zombies)  # orphans that ended on their own
+        return killed
 
     def figures(self) -> Figures:
         return Figures()
@@ -220,7 +250,7 @@ class ProcessGroup(Containment):
     level = "process-group"
 
     def __init__(self, *, subreaper: bool = True, why: str = "") -> None:
-        reaper = subreaper and set_child_subreaper()
+        reaper = self._subreaper = subreaper and set_child_subreaper()
         self.details = ("process groups + marker sweep" + ("; agent is child subreaper" if reaper else "")
                         + "; no limits, no resource figures" + (f" ({why})" if why else ""))
 
@@ -229,3 +259,9 @@ class ProcessGroup(Containment):
 
     async def recover(self, task_id: str, pgid: int | None) -> int:
         return await sweep(task_id, pgid, verify_group=True)
+
+    def close(self) -> None:
+        """Stop being the child subreaper (an agent run inside a longer-lived process, e.g. tests)."""
+        if self._subreaper:
+            set_child_subreaper(False)
+            reap_adopted_zombies()
