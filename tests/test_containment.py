@@ -531,7 +531,7 @@ async def test_a_death_by_signal_names_the_signal(
                                                                          "os.kill(os.getpid(), signal.SIGSEGV)\n"})
         with trio.fail_after(30):
             task = await recording_master.admin.wait_task_final(task_id, 30)
-    assert (task["status"], task["errorCode"], task["exitCode"]) == ("FAILED", "EXIT_NONZERO", -11), task
+    assert (task["status"], task["errorCode"], task["exitCode"]) == ("FAILED", "SIGNALED", -11), task
     assert task["errorMessage"].startswith("killed by SIGSEGV (exit code -11)"), task
 
 
