@@ -1,7 +1,7 @@
 """``python -m bench [--quick] [--no-scrapyd] [--only NAME[,NAME]] [--out FILE]``: every benchmark, one report.
 
-Runs each benchmark module it knows that is present (dispatch, makespan, overhead, flood,
-prepare, startup; each exposes ``run(quick) -> dict``), prints one summary table (target, met or
+Runs each benchmark module it knows that is present (dispatch, makespan, overhead, flood, items,
+manytasks, scrape, prepare, startup; each exposes ``run(quick) -> dict``), prints one summary table (target, met or
 not) followed by each module's own table, and writes the same Markdown — with the machine, Python,
 versions, commit and date — to ``bench/results/latest.md`` (``bench/results/quick.md`` with
 ``--quick``) or ``--out``. A module that fails is reported as failed; the others still run.
@@ -28,7 +28,8 @@ import psutil
 
 from bench._harness import REPO, markdown_table
 
-MODULES = ("dispatch", "makespan", "overhead", "flood", "prepare", "startup")
+MODULES = ("dispatch", "makespan", "overhead", "flood", "items", "manytasks", "scrape", "prepare", "startup",
+           "containment")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 

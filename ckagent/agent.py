@@ -63,6 +63,7 @@ import trio
 from ckagent import __version__
 from ckagent.capabilities import Capabilities
 from ckagent.config import ConfigError, Settings
+from ckagent.containment import Containment, ContainmentError, Limits, open_containment
 from ckagent.delivery import Outbox, OutboxConfig, cleanup_task_dirs
 from ckagent.deps import Dependencies, IndexChooser, remove_legacy_environments, spider_base_env
 from ckagent.errors import StartupError
@@ -165,6 +166,8 @@ class Agent:
         """Set once the agent has registered, recovered and begun polling (state RUNNING)."""
         self.metrics = AgentMetrics(__version__, settings.agent.name)
         self.status_port: int | None = None
+        self.containment: Containment | None = None
+        """The containment level in force (set at the start of :meth:`run`)."""
         """The port the status/metrics server listens on (``agent.port``, or the one picked for 0)."""
         token = settings.agent.registration_token
         self._secrets = tuple(
@@ -197,6 +200,7 @@ class Agent:
             node_uid=self.node_uid,
             protocol_version=PROTOCOL_VERSION,
             features=list(FEATURES),
+            containment=self.containment.to_json() if self.containment is not None else {},
         )
 
     async def run(self) -> int:
@@ -247,6 +251,8 @@ class Agent:
                     await self._final_beat(store)
                 await self.master.aclose()
                 await trio.to_thread.run_sync(store.sync.close)
+            if self.containment is not None:
+                self.containment.close()
             log.info("ckagent stopped")
         if failure is not None:
             raise failure
@@ -259,6 +265,12 @@ class Agent:
             run_as = _run_as(s.task.run_as_user)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
+        try:
+            containment = self.containment = await trio.to_thread.run_sync(
+                open_containment, s.task.containment, self.work_dir)
+        except ContainmentError as exc:
+            raise ConfigError(str(exc)) from exc
+        self.metrics.containment_level(containment.level)
         if os.getpid() == 1:
             log.warning("running as PID 1 without an init: processes orphaned by spiders are not reaped "
                         "(<defunct> entries pile up); run the container with `--init` or tini "
@@ -294,7 +306,8 @@ class Agent:
         self.metrics.outbox = outbox
         supervisor = self.supervisor = Supervisor(
             RunnerConfig(self.work_dir, s.task.execute_timeout, s.task.kill_grace, self._secrets, extra_env,
-                         run_as=run_as, stall_timeout=s.task.stall_timeout),
+                         run_as=run_as, stall_timeout=s.task.stall_timeout, containment=containment,
+                         default_limits=Limits(s.task.memory_limit_bytes, s.task.pids_limit, s.task.cpus_limit)),
             self.master, store, workspaces, deps, self.max_workers,
             on_finished=self._task_delivered, outbox=outbox, observer=self.metrics,
         )
@@ -335,7 +348,7 @@ class Agent:
             return StartupError(str(exc))
         root.start_soon(self._signals)
         root.start_soon(self._rescan_runtimes)
-        leftovers = await recover_lost_tasks(store, self.metrics.task_lost)
+        leftovers = await recover_lost_tasks(store, self.metrics.task_lost, self.containment)
         if s.task.cleanup_temp_files:
             await cleanup_task_dirs(store, self.work_dir / "tasks", 0)
         self.versions.nursery = root
@@ -381,7 +394,8 @@ class Agent:
         tasks = tuple(
             TaskStatistics(id=rt.task.id, spider_id=rt.task.spider_id, spider_name=rt.task.spider_name,
                            framework=rt.task.framework, phase=rt.phase, claimed_at=rt.claimed_at,
-                           started_at=rt.started_at, pid=rt.pid)
+                           started_at=rt.started_at, pid=rt.pid,
+                           resources=tuple(rt.jail.figures().to_json().items()) if rt.jail is not None else ())
             for rt in (supervisor.running.values() if supervisor is not None else ())
         )
         return AgentStatistics(
@@ -400,6 +414,7 @@ class Agent:
             master_problem=self.master.connectivity.problem,
             master_problem_age=self.master.connectivity.problem_age(),
             intake_reason=self.intake.reason,
+            containment=tuple(self.containment.to_json().items()) if self.containment is not None else None,
         )
 
     # ------------------------------------------------------------------ shutdown

@@ -176,6 +176,9 @@ class TaskSettings:
     log files under the task dir; ``retention`` seconds a delivered task dir is kept (0 = forever);
     ``cleanup_temp_files`` deletes every delivered task dir at start. ``stall_timeout``: seconds
     without output, item or stats change before a task is stopped STALLED (0 = off).
+    ``containment``: ``auto`` or a level of :data:`ckagent.containment.LEVELS`; node default limits
+    of a task that names none: ``memory_limit_bytes`` (bytes), ``pids_limit``, ``cpus_limit``
+    (cores); None = no limit.
     """
 
     poll_interval: float
@@ -192,6 +195,10 @@ class TaskSettings:
     retention: float
     cleanup_temp_files: bool
     stall_timeout: float
+    containment: str
+    memory_limit_bytes: int | None
+    pids_limit: int | None
+    cpus_limit: float | None
 
 
 @dataclass(frozen=True)
@@ -567,6 +574,20 @@ SETTINGS: tuple[Setting, ...] = (
             "A task with no new output line, item or stats change for this long is stopped gracefully and "
             "reported FAILED (STALLED); a task's `stallTimeoutSeconds` overrides it; 0 = off (the default: "
             "execute_timeout bounds a hang; 3600 is a good value for long crawls).", _seconds(exclusive=False)),
+    Setting("task", "containment", "AGENT_TASK_CONTAINMENT", "auto, cgroup-v2, cgroup-v1, process-group", "auto",
+            "How tasks are contained: auto = the strongest level this node allows (logged at start, shown "
+            "in /status); a named level fails the start when it is not available. See docs/operations.md.",
+            _choice(("auto", "cgroup-v2", "cgroup-v1", "process-group"), upper=False)),
+    Setting("task", "memory_limit_bytes", "AGENT_TASK_MEMORY_LIMIT_BYTES", "integer >= 1 (bytes)", None,
+            "Memory limit of a task that names none (`resources.memoryBytes`), its installers included; "
+            "past it the kernel kills the task (FAILED/OOM_KILLED). Unset = no limit. Needs a cgroup level.",
+            _integer(1)),
+    Setting("task", "pids_limit", "AGENT_TASK_PIDS_LIMIT", "integer >= 1", None,
+            "Most processes + threads of a task that names none (`resources.pids`); unset = no limit. "
+            "Needs a cgroup level.", _integer(1)),
+    Setting("task", "cpus_limit", "AGENT_TASK_CPUS_LIMIT", 'CPU quantity ("1.5", "500m")', None,
+            "CPU cores a task that names none (`resources.cpus`) may use; unset = no limit. Needs a cgroup "
+            "level with the cpu controller.", _cpu_quantity_cores),
     Setting("logging", "level", "AGENT_LOG_LEVEL", "DEBUG, INFO, WARNING, ERROR", "INFO",
             "Log level (case-insensitive).", _choice(("DEBUG", "INFO", "WARNING", "ERROR"), upper=True)),
     Setting("logging", "file", "AGENT_LOG_FILE", "path", None,

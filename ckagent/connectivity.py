@@ -109,6 +109,8 @@ class Connectivity:
     failures: int = 0
     down_since: float = 0.0
     on_change: Callable[[bool], None] | None = None
+    _back_up: trio.Event | None = None
+    """Set when the master is reachable again (created when it goes away): :meth:`wait_up`."""
     _open: dict[str, _Open] = field(default_factory=dict)
     _episodes: dict[tuple[Any, ...], _Episode] = field(default_factory=dict)
     _last_ok: dict[str, float] = field(default_factory=dict)
@@ -139,6 +141,7 @@ class Connectivity:
             if self.up:
                 self.up = False
                 self.down_since = now
+                self._back_up = trio.Event()
                 if self.on_change:
                     self.on_change(False)
 
@@ -164,8 +167,19 @@ class Connectivity:
         if not self.up and not any(e.trouble.kind in _DOWN_KINDS for e in self._open.values()):
             self.up = True
             self.failures = 0
+            if self._back_up is not None:
+                self._back_up.set()
+                self._back_up = None
             if self.on_change:
                 self.on_change(True)
+
+    async def wait_up(self) -> None:
+        """Return once the master is reachable (:attr:`up`), at once if it is; an event, no polling.
+        Cancellation just stops the wait."""
+        while not self.up:
+            if self._back_up is None:  # down without a transition seen here (set by hand): make one
+                self._back_up = trio.Event()
+            await self._back_up.wait()
 
     @property
     def problem(self) -> str | None:

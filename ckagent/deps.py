@@ -41,6 +41,7 @@ is used when it is unreachable. Exceptions::
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import itertools
 import json
@@ -53,6 +54,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import httpx
 import trio
@@ -67,7 +69,7 @@ from ckagent.deps_node import (
 )
 from ckagent.envstore import EnvStore, is_ready, mark_ready, start_build
 from ckagent.noderange import satisfies
-from ckagent.process import RunAs, popen_identity, terminate_group
+from ckagent.process import SPAWNED, RunAs, popen_identity, terminate_group
 from ckagent.pyplan import (
     DEFAULT_PACKAGES,
     SDK_DISTRIBUTION,
@@ -148,6 +150,13 @@ class IndexChooser:
             return self._chosen
 
 
+Spawn = Callable[..., tuple[list[str], dict[str, Any]]]
+"""``spawn(argv, env, forking=bool) -> (argv, Popen kwargs)``: how a task's process starts in its jail."""
+
+_SPAWN: contextvars.ContextVar[Spawn | None] = contextvars.ContextVar("ckagent_installer_spawn", default=None)
+"""The jail spawn of the task being prepared (set by Dependencies.prepare, read by each installer run)."""
+
+
 class Dependencies:
     """Makes tasks' environments ready (see module docstring).
 
@@ -197,6 +206,7 @@ class Dependencies:
         output: Callable[[bytes], None],
         *,
         marker: dict[str, str] | None = None,
+        spawn: Spawn | None = None,
     ) -> Prepared:
         """Make the spider's environment ready; returns PATH additions and env (release it after the run).
 
@@ -205,8 +215,18 @@ class Dependencies:
         (the task's ``CK_TASK_ID``) is added to the installers' environment so the task's sweep
         finds whatever they leave behind. Raises DepsError. Cancellation stops the installer
         (TERM → 5 s → KILL of its process group) before it propagates; the half-built environment
-        is removed by its next build or by collection.
+        is removed by its next build or by collection. ``spawn`` (the task's jail's
+        :meth:`~ckagent.containment.TaskJail.spawn`) wraps every installer's command so it joins
+        the task's cgroup before it execs.
         """
+        token = _SPAWN.set(spawn)
+        try:
+            return await self._prepare(framework, spider_id, code_dir, output, marker)
+        finally:
+            _SPAWN.reset(token)
+
+    async def _prepare(self, framework: str, spider_id: str, code_dir: Path, output: Callable[[bytes], None],
+                       marker: dict[str, str] | None) -> Prepared:
         started = trio.current_time()
         if framework in PYTHON_FRAMEWORKS:
             prepared = await self._python_env(code_dir, framework, output, dict(marker or {}))
@@ -407,20 +427,28 @@ class Dependencies:
             output(chunk)
 
         result: subprocess.CompletedProcess[bytes] | None = None
-        with trio.move_on_after(self._timeout) as scope:
-            async with trio.open_nursery() as nursery:
-                process: trio.Process = await nursery.start(
-                    partial(
-                        trio.run_process, argv, cwd=str(cwd), env=env, stdin=subprocess.DEVNULL,
-                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False,
-                        start_new_session=True, **popen_identity(self._run_as),
-                        deliver_cancel=lambda p: terminate_group(p.pid, 5.0),
+        spawn = _SPAWN.get()
+        spawn_argv, spawn_options = (argv, {}) if spawn is None else spawn(argv, env, forking=self._run_as is not None)
+        spawned: list[int] = []
+        try:
+            with trio.move_on_after(self._timeout) as scope:
+                async with trio.open_nursery() as nursery:
+                    process: trio.Process = await nursery.start(
+                        partial(
+                            trio.run_process, spawn_argv, cwd=str(cwd), env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False,
+                            start_new_session=True, **popen_identity(self._run_as), **spawn_options,
+                            deliver_cancel=lambda p: terminate_group(p.pid, 5.0),
+                        )
                     )
-                )
-                assert process.stdout is not None
-                while chunk := await process.stdout.receive_some(65536):
-                    sink(bytes(chunk))
-                result = subprocess.CompletedProcess(argv, await process.wait())
+                    spawned.append(process.pid)
+                    SPAWNED.add(process.pid)  # trio reaps it; the subreaper's reaper must not
+                    assert process.stdout is not None
+                    while chunk := await process.stdout.receive_some(65536):
+                        sink(bytes(chunk))
+                    result = subprocess.CompletedProcess(argv, await process.wait())
+        finally:  # run_process has reaped it by now
+            SPAWNED.difference_update(spawned)
         name = label or " ".join([Path(argv[0]).name, *itertools.takewhile(lambda a: not a.startswith("-"), argv[1:3])])
         if scope.cancelled_caught:
             raise DepsError(

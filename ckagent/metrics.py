@@ -50,7 +50,14 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, disable_created_metrics
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
@@ -74,6 +81,8 @@ PHASES = ("queued", "deploying", "installing", "running", "reporting")
 TASK_DURATION_BUCKETS = (1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400, 43200, 86400)
 QUEUE_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600)
 INSTALL_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
+TASK_CPU_BUCKETS = (0.1, 1, 10, 60, 300, 1800, 3600, 14400, 86400)
+TASK_MEMORY_BUCKETS = tuple(float(mib << 20) for mib in (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
 MASTER_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 METRIC_NAMES = frozenset({
@@ -84,7 +93,8 @@ METRIC_NAMES = frozenset({
     "ckagent_deps_cache_hits_total", "ckagent_deps_cache_misses_total", "ckagent_code_download_bytes_total",
     "ckagent_log_lines_shipped_total", "ckagent_items_shipped_total", "ckagent_outbox_log_lines",
     "ckagent_outbox_items", "ckagent_outbox_results", "ckagent_master_requests_total",
-    "ckagent_master_request_duration_seconds",
+    "ckagent_master_request_duration_seconds", "ckagent_containment_level", "ckagent_task_cpu_seconds",
+    "ckagent_task_memory_peak_bytes",
 })  # fmt: skip
 """The agent's own metric names as they appear on /metrics (histograms add _bucket/_sum/_count)."""
 
@@ -222,8 +232,24 @@ class AgentMetrics(SupervisorObserver):
             "includes the time the master held it).", ["endpoint"], buckets=MASTER_LATENCY_BUCKETS, registry=r,
         )
         self.crawl = CrawlMetrics(r)
+        self.containment = Gauge("ckagent_containment_level", "The containment level of tasks here: 1 for "
+                                 "the level in force (cgroup-v2, cgroup-v1, process-group).", ["level"], registry=r)
+        self.containment_level("")  # every level's series exists from the start (0 until known)
+        self.task_cpu = Histogram(
+            "ckagent_task_cpu_seconds", "CPU seconds (user + system) of finished tasks, installers included "
+            "(cgroup levels).", buckets=TASK_CPU_BUCKETS, registry=r,
+        )
+        self.task_memory_peak = Histogram(
+            "ckagent_task_memory_peak_bytes", "Memory peak of finished tasks (cgroup levels).",
+            buckets=TASK_MEMORY_BUCKETS, registry=r,
+        )
         r.register(_LiveCollector(self))
         ProcessCollector(registry=r)
+
+    def containment_level(self, level: str) -> None:
+        """Export the containment level in force (one series per level, 1 for the one in force)."""
+        for name in ("cgroup-v2", "cgroup-v1", "process-group"):
+            self.containment.labels(name).set(1 if name == level else 0)
 
     # ------------------------------------------------------------------ hooks
 
@@ -253,6 +279,10 @@ class AgentMetrics(SupervisorObserver):
         """The task's outcome is known (before its streams are flushed and the result is sent)."""
         self.tasks_finished.labels(result.status, result.error_code or "none").inc()
         self.task_duration.labels(result.status).observe(max(0.0, (result.duration_ms or 0) / 1000))
+        if result.cpu_seconds is not None:
+            self.task_cpu.observe(result.cpu_seconds)
+        if result.memory_peak_bytes is not None:
+            self.task_memory_peak.observe(result.memory_peak_bytes)
 
     def task_lost(self, result: TaskResult) -> None:
         """Crash recovery stored the AGENT_LOST result of a task an earlier run left running: it

@@ -1,24 +1,26 @@
 """Spawning spiders and making sure nothing they start outlives them.
 
-A spider runs in its own session (so its own process group, pgid == pid). Every kill goes to the
-whole group; after the main process has ended, :func:`sweep` kills what is left of the group *and*
-processes that escaped it (``setsid``, double fork), found by the task's marker variable
-(``CK_TASK_ID=<id>`` in ``/proc/<pid>/environ``), repeating until a pass finds none.
+A spider runs in its own session (own process group, pgid == pid) and inside its task's jail
+(:mod:`ckagent.containment`: a cgroup it joins before it execs, or at the last level its process
+groups plus the marker sweep). Stopping signals the **main process** only (so a Scrapy spider can
+run its close hooks and stop its browser itself); after the grace every process of the task is
+killed at once.
 
 Life of one supervised process (:func:`run_supervised`)::
 
-    spawn (own session) ──► main process exits ──► drain window (≤ 2 s, leftovers may still write)
-         │                                              └──► sweep (group + marker, SIGKILL) ──► done
+    spawn (own session, in the jail) ──► main exits ──► drain window (≤ 2 s, leftovers may still write)
+         │                                                  └──► kill all in the jail, wait until empty ──► done
          ├── deadline passes ─┐
-         └── stop requested ──┴──► SIGTERM group ──► grace ──► SIGKILL group ──► sweep ──► done
+         └── stop requested ──┴──► stop signal to main ──► grace ──► kill all in the jail ──► done
 
-Cancellation from outside (the agent's hard stop) takes the same TERM → grace → KILL → sweep path,
+Cancellation from outside (the agent's hard stop) takes the same signal → grace → kill-all path,
 shielded, so a cancelled supervisor never leaves a process behind.
 
 Nothing here raises for "process already gone": ``ProcessLookupError`` is the normal outcome of
-signalling a group that has finished. Exceptions::
+signalling a process that has finished. Exceptions::
 
-    OSError        run_supervised: the command cannot be started (not found, not executable)
+    OSError        run_supervised: the command cannot be started (not found, not executable, its
+                   cgroup refused it)
     ValueError     signal_group: a process group id <= 1; RunAs.lookup: no such user
 """
 
@@ -33,7 +35,7 @@ import pwd
 import signal
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -41,10 +43,19 @@ from typing import Any
 
 import trio
 
-log = logging.getLogger(__name__)
+from ckagent.containment import TaskJail
+from ckagent.containment.process_group import (
+    MARKER_VAR,
+    SPAWNED,
+    ProcessGroupJail,
+    find_marked,
+    signal_group,
+    sweep,
+)
 
-MARKER_VAR = "CK_TASK_ID"
-"""The variable every spider (and installer) process inherits; the sweep finds escaped processes by it."""
+__all__ = ["MARKER_VAR", "SPAWNED", "ProcessOutcome", "RunAs", "find_marked", "run_supervised", "signal_group", "sweep"]
+
+log = logging.getLogger(__name__)
 
 DRAIN_WINDOW = 2.0
 """Seconds leftovers may keep writing to the spider's pipes after its main process exited."""
@@ -58,23 +69,6 @@ write larger than the free pipe space that a signal handler interrupts is silent
 REAP_TIMEOUT = 5.0
 """Seconds to wait for a SIGKILLed main process to be reaped (a process stuck in the kernel, state D,
 cannot die); after that the agent gives up on it rather than hang."""
-
-
-def signal_group(pgid: int, sig: int) -> bool:
-    """Send ``sig`` to process group ``pgid``. Returns False when the group no longer exists.
-
-    Raises ValueError for ``pgid`` <= 1 (never our own group or init by accident).
-    """
-    if pgid <= 1:
-        raise ValueError(f"refusing to signal process group {pgid}")
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        log.warning("not allowed to signal process group %d", pgid)
-        return False
-    return True
 
 
 def group_alive(pgid: int) -> bool:
@@ -152,94 +146,6 @@ def popen_identity(run_as: RunAs | None) -> dict[str, Any]:
     return run_as.popen_options() if run_as is not None else {}
 
 
-# ---------------------------------------------------------------------------------------- the sweep
-
-
-def _environ_has_marker(pid: int, marker: bytes) -> bool:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as fh:
-            data = fh.read()
-    except OSError:  # gone, or not ours to read
-        return False
-    return marker in data.split(b"\0")
-
-
-def _is_zombie(pid: int) -> bool:
-    """True for a zombie (or dead, or vanished) process: state Z/X in /proc/<pid>/stat."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
-    except OSError:
-        return True
-    return stat[stat.rfind(b")") + 2:][:1] in (b"Z", b"X")
-
-
-def find_marked(
-    task_id: str, pgid: int | None = None, exclude: Iterable[int] = (), *, verify_group: bool = False
-) -> list[int]:
-    """Pids of live processes of the task: in group ``pgid`` or carrying ``CK_TASK_ID=<task_id>``.
-
-    ``verify_group``: count members of ``pgid`` only when at least one of them carries the marker
-    (after an agent restart a recorded pgid may have been reused by an unrelated process group).
-    Blocking (reads /proc): call it through ``trio.to_thread``. Zombies are ignored (they hold no
-    resources and vanish when their parent reaps them).
-    """
-    marker = f"{MARKER_VAR}={task_id}".encode()
-    skip = {os.getpid(), *exclude}
-    marked: list[int] = []
-    members: list[int] = []
-    group_is_ours = not verify_group
-    # /proc read directly (getpgid + environ; the state only for hits): 4x cheaper than psutil's
-    # process_iter, and this runs after every task (bench.overhead, bench.makespan measure it).
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) in skip:
-            continue
-        pid = int(name)
-        try:
-            in_group = pgid is not None and os.getpgid(pid) == pgid
-        except OSError:  # gone meanwhile
-            continue
-        has_marker = _environ_has_marker(pid, marker)  # a zombie's environ reads empty
-        if not (has_marker or in_group) or _is_zombie(pid):
-            continue
-        if has_marker:
-            marked.append(pid)
-            group_is_ours = group_is_ours or in_group
-        elif in_group:
-            members.append(pid)
-    return sorted(marked + members) if group_is_ours else sorted(marked)
-
-
-def _kill_pids(pids: Iterable[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-
-
-async def sweep(task_id: str, pgid: int | None, *, verify_group: bool = False, max_passes: int = 20) -> int:
-    """SIGKILL the task's group and every marked process, repeating until a pass finds none.
-
-    Returns how many processes were killed (0 when the task left nothing behind). Each pass reads
-    /proc in a worker thread. ``verify_group`` (crash recovery): the group is only killed when one
-    of its members carries the task's marker (see :func:`find_marked`). Cancellation stops between
-    passes; callers run it shielded when it must complete. Gives up (with a warning) after
-    ``max_passes`` passes.
-    """
-    killed = 0
-    for _ in range(max_passes):
-        if pgid is not None and pgid > 1 and not verify_group:
-            signal_group(pgid, signal.SIGKILL)
-        pids = await trio.to_thread.run_sync(lambda: find_marked(task_id, pgid, verify_group=verify_group))
-        if not pids:
-            return killed
-        log.info("task %s: killing %d leftover process(es): %s", task_id, len(pids), pids)
-        _kill_pids(pids)
-        killed += len(pids)
-        await trio.sleep(0.05)
-    log.warning("task %s: processes still appear after %d sweep passes", task_id, max_passes)
-    return killed
-
-
 # ---------------------------------------------------------------------------------------- running
 
 
@@ -250,7 +156,8 @@ class ProcessOutcome:
     ``returncode`` is the main process's exit status (negative = killed by that signal; None when it
     could not be reaped); ``timed_out``/``stopped`` say whether the agent ended it (deadline / stop
     request); ``term_sent_at``/``kill_sent_at`` are wall-clock times (epoch seconds) of the agent's
-    SIGTERM/SIGKILL to the group; ``killed_leftovers`` counts processes the sweep had to kill.
+    stop signal to the main process / its kill of every process; ``killed_leftovers`` counts
+    processes killed besides the main process (a cgroup kill counts what the cgroup held).
     """
 
     returncode: int | None = None
@@ -269,29 +176,37 @@ def clock(epoch: float) -> str:
     return datetime.fromtimestamp(epoch, timezone.utc).strftime("%H:%M:%S.%f")[:-3]
 
 
-class _GroupStopper:
-    """TERM → grace → KILL of one process group, remembering what was sent (so a second call, e.g.
-    after an outside cancel, only waits for what is left of the grace)."""
+class _Stopper:
+    """Stop signal to the main process → grace → kill every process of the task (the jail),
+    remembering what was sent (so a second call, e.g. after an outside cancel, only waits for what
+    is left of the grace)."""
 
-    def __init__(self, proc: trio.Process, pgid: int, grace: float, notice: Notice, outcome: ProcessOutcome):
-        self.proc, self.pgid, self.grace, self.notice, self.outcome = proc, pgid, grace, notice, outcome
+    def __init__(self, proc: trio.Process, jail: TaskJail, grace: float, stop_signal: int, notice: Notice,
+                 outcome: ProcessOutcome):
+        self.proc, self.jail, self.grace, self.notice, self.outcome = proc, jail, grace, notice, outcome
+        self.stop_signal = stop_signal
         self._term_deadline: float | None = None
         self._gave_up = False
 
     async def stop(self, why: str) -> None:
         if self.proc.returncode is not None or self._gave_up:
             return
+        name = signal.Signals(self.stop_signal).name
         if self._term_deadline is None:
             self.outcome.term_sent_at = time.time()
             self._term_deadline = trio.current_time() + self.grace
-            signal_group(self.pgid, signal.SIGTERM)
-            self.notice(f"{why}: sent SIGTERM to process group {self.pgid}; SIGKILL follows in {self.grace:g} s")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, self.stop_signal)
+            self.notice(f"{why}: sent {name} to the main process {self.proc.pid}; every process of the task "
+                        f"is killed in {self.grace:g} s")
         with trio.move_on_at(self._term_deadline):
             await self.proc.wait()
         if self.proc.returncode is None:
             self.outcome.kill_sent_at = time.time()
-            signal_group(self.pgid, signal.SIGKILL)
-            self.notice(f"process group {self.pgid} still running {self.grace:g} s after SIGTERM: sent SIGKILL")
+            killed = await self.jail.kill_all()
+            self.outcome.killed_leftovers += max(0, killed - 1)
+            self.notice(f"main process still running {self.grace:g} s after {name}: killed every process "
+                        f"of the task ({self.jail.level})")
             with trio.move_on_after(REAP_TIMEOUT):
                 await self.proc.wait()
             if self.proc.returncode is None:
@@ -315,46 +230,57 @@ async def run_supervised(
     drain_window: float = DRAIN_WINDOW,
     run_as: RunAs | None = None,
     on_stderr: Callable[[bytes], None] | None = None,
+    jail: TaskJail | None = None,
+    stop_signal: int = signal.SIGTERM,
 ) -> ProcessOutcome:
-    """Run ``argv`` as a spider: own session, pipes copied to ``output``, killed as a group.
+    """Run ``argv`` as a spider: own session, inside ``jail``, pipes copied to ``output``.
 
     The task ends when the main process exits, when ``deadline_seconds`` pass (None = never), or
-    when ``stop`` is set: then the group gets SIGTERM, ``grace`` seconds, SIGKILL. After a normal
-    exit, leftovers get ``drain_window`` seconds to finish writing; then the sweep kills every
-    process of the group or carrying the task's marker (``env`` must hold ``CK_TASK_ID=task_id``).
-    ``notice(text)`` receives one-line notes of what the agent did (they go into the task log).
-    ``run_as``: start the process as that user (the agent must be root). ``on_stderr`` also gets
-    the stderr bytes (after ``output``), e.g. to keep its last lines for the failure message.
+    when ``stop`` is set: then the **main process** gets ``stop_signal`` (SIGTERM by default), and
+    after ``grace`` seconds every process of the task is killed (``jail.kill_all``: cgroup.kill,
+    freeze + kill, or group + sweep). After the main process exited, leftovers get
+    ``drain_window`` seconds to finish writing; then every process left in the jail is killed and
+    waited for (the cgroup's ``populated 0``). ``jail`` None = a process-group jail (group + marker
+    sweep; ``env`` must hold ``CK_TASK_ID=task_id``). ``notice(text)`` receives one-line notes of
+    what the agent did (they go into the task log). ``run_as``: start the process as that user.
+    The caller owns the jail (figures, close). ``on_stderr`` also gets the stderr bytes (after
+    ``output``), e.g. to keep its last lines for the failure message.
 
     Raises OSError when the command cannot be started (e.g. not found). Cancellation from outside
-    (agent termination) still ends the process: TERM → grace → KILL and the sweep run shielded,
-    then Cancelled propagates.
+    (agent termination) still ends the process: stop signal → grace → kill-all run shielded, then
+    Cancelled propagates.
     """
     if env.get(MARKER_VAR) != task_id:
         raise ValueError(f"env must carry {MARKER_VAR}={task_id} (the sweep finds escaped processes by it)")
+    if jail is None:
+        jail = ProcessGroupJail(task_id)
+    spawn_argv, spawn_options = jail.spawn(argv, env, forking=run_as is not None)
     proc = await trio.lowlevel.open_process(
-        argv, cwd=str(cwd), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, start_new_session=True, **popen_identity(run_as),
+        spawn_argv, cwd=str(cwd), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, start_new_session=True, **popen_identity(run_as), **spawn_options,
     )  # fmt: skip
+    SPAWNED.add(proc.pid)  # trio reaps it; the subreaper's reaper must not
+    jail.watch(proc.pid)
     for stream in (proc.stdout, proc.stderr):
         if isinstance(stream, trio.lowlevel.FdStream):
             enlarge_pipe(stream.fileno())
-    pgid = proc.pid
     outcome = ProcessOutcome()
-    stopper = _GroupStopper(proc, pgid, grace, notice, outcome)
+    stopper = _Stopper(proc, jail, grace, stop_signal, notice, outcome)
     swept = False
     try:
         if on_started is not None:
             await on_started(proc.pid)
         async with trio.open_nursery() as nursery:
             pumps_done = trio.Event()
+            exited = trio.Event()  # the main process ended: the pumps stop gathering small writes
 
             async def pumps() -> None:
                 async with trio.open_nursery() as inner:
                     if proc.stdout is not None:
-                        inner.start_soon(_copy, proc.stdout, output)
+                        inner.start_soon(_copy, proc.stdout, output, exited)
                     if proc.stderr is not None:
-                        inner.start_soon(_copy, proc.stderr, output if on_stderr is None else _tee(output, on_stderr))
+                        inner.start_soon(_copy, proc.stderr, output if on_stderr is None else _tee(output, on_stderr),
+                                         exited)
                 pumps_done.set()
 
             nursery.start_soon(pumps)
@@ -363,6 +289,7 @@ async def run_supervised(
 
                     async def until_exit() -> None:
                         await proc.wait()
+                        exited.set()
                         first.cancel_scope.cancel()
 
                     async def until_stop() -> None:
@@ -381,7 +308,7 @@ async def run_supervised(
                 with trio.move_on_after(drain_window):
                     await pumps_done.wait()
             outcome.returncode = proc.returncode
-            outcome.killed_leftovers = await sweep(task_id, pgid)
+            outcome.killed_leftovers += await jail.kill_all()
             swept = True
             if outcome.killed_leftovers:
                 notice(f"killed {outcome.killed_leftovers} leftover process(es) of the task")
@@ -393,10 +320,12 @@ async def run_supervised(
             if proc.returncode is None or not swept:
                 # Cancelled from outside (the agent is terminating): the processes must still go.
                 await stopper.stop("agent terminating")
-                outcome.killed_leftovers += await sweep(task_id, pgid)
+                outcome.killed_leftovers += max(0, await jail.kill_all())
             for stream in (proc.stdout, proc.stderr):
                 if stream is not None:
                     await stream.aclose()
+            if proc.returncode is not None:
+                SPAWNED.discard(proc.pid)
     return outcome
 
 
@@ -422,10 +351,28 @@ def _tee(first: Callable[[bytes], None], second: Callable[[bytes], None]) -> Cal
     return both
 
 
-async def _copy(stream: trio.abc.ReceiveStream, output: Callable[[bytes], None]) -> None:
-    """Copy a pipe into ``output`` until EOF."""
+PIPE_COALESCE_BELOW = 16 * 1024
+"""A read shorter than this many bytes means the spider writes little at a time (a line now and then)."""
+PIPE_COALESCE_INTERVAL = 0.05
+"""Seconds to let such a spider's output gather in the pipe before the next read: one read, one
+output.log write, one journal record and one shipper wake-up for many small writes (bench.manytasks:
+a spider printing a line every 10 ms costs 20 reads a second instead of 100). The pipe (1 MiB) holds
+far more than a trickle writes in this time, so the spider never blocks; a flood reads full chunks
+and never pauses."""
+
+
+async def _copy(stream: trio.abc.ReceiveStream, output: Callable[[bytes], None],
+                exited: trio.Event | None = None) -> None:
+    """Copy a pipe into ``output`` until EOF (see PIPE_COALESCE_INTERVAL; no gathering once ``exited``
+    is set, so the end of a task is not delayed). Cancellation stops at once."""
     while True:
         chunk = await stream.receive_some(65536)
         if not chunk:
             return
         output(bytes(chunk))
+        if len(chunk) < PIPE_COALESCE_BELOW:
+            if exited is None:
+                await trio.sleep(PIPE_COALESCE_INTERVAL)
+            elif not exited.is_set():
+                with trio.move_on_after(PIPE_COALESCE_INTERVAL):
+                    await exited.wait()

@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import trio
 
+from ckagent.containment import Containment
 from ckagent.process import sweep
 from ckagent.protocol import TaskResult, utc_iso, utc_now_iso
 from ckagent.state import AsyncStateStore, TaskRecord
@@ -26,13 +27,16 @@ log = logging.getLogger(__name__)
 
 
 async def recover_lost_tasks(store: AsyncStateStore,
-                             on_lost: Callable[[TaskResult], None] | None = None) -> list[TaskRecord]:
+                             on_lost: Callable[[TaskResult], None] | None = None,
+                             containment: Containment | None = None) -> list[TaskRecord]:
     """At start, before registering: kill leftovers of tasks that ran when the agent died, note it in
     their logs, and store their AGENT_LOST results (the outbox delivers them after registering).
     ``on_lost(result)`` is called for each such task (metrics: a finished task like any other).
 
     A recorded process group is only killed when one of its members still carries the task's
     marker (after a reboot the number may belong to someone else); marked processes always are.
+    With ``containment``, the task's cgroup is killed first (whatever its processes did to their
+    session or environment), then stale task cgroups of this agent are emptied and removed.
     """
     records = await store.pending_delivery()
     boot_time = await trio.to_thread.run_sync(psutil.boot_time)
@@ -41,7 +45,8 @@ async def recover_lost_tasks(store: AsyncStateStore,
             continue
         pgid = record.pgid if record.claimed_at >= boot_time else None
         with trio.CancelScope(shield=True):  # quick, and must finish even if a signal arrives
-            killed = await sweep(record.task_id, pgid, verify_group=True)
+            killed = 0 if containment is None else max(0, await containment.recover(record.task_id, pgid))
+            killed += await sweep(record.task_id, pgid, verify_group=True)
         log.warning("task %s was running when the agent stopped; killed %d leftover process(es); "
                     "reporting AGENT_LOST", record.task_id, killed)
         now = time.time()
@@ -58,6 +63,11 @@ async def recover_lost_tasks(store: AsyncStateStore,
         await store.set_result(record.task_id, result.to_json())
         if on_lost is not None:
             on_lost(result)
+    if containment is not None:
+        with trio.CancelScope(shield=True):
+            stale = await containment.sweep_stale()
+        if stale:
+            log.warning("removed %d stale task cgroup(s) of an earlier run", stale)
     return await store.pending_delivery()
 
 

@@ -147,6 +147,20 @@ class StateStore:
             (task_id, stream, seq, json.dumps(position, separators=(",", ":"))),
         )
 
+    def save_stream_positions(self, positions: dict[tuple[str, str], tuple[int, Any]]) -> None:
+        """:meth:`save_stream_position` for many streams in one transaction:
+        ``{(task_id, stream): (seq, position)}``."""
+        rows = [(task_id, stream, seq, json.dumps(position, separators=(",", ":")))
+                for (task_id, stream), (seq, position) in positions.items()]
+        with self._lock, self._db:  # one transaction: BEGIN here, committed (or rolled back) by ``with``
+            self._db.execute("BEGIN")
+            self._db.executemany(
+                "INSERT INTO streams (task_id, stream, acked_seq, acked_offset, position) VALUES (?,?,?,0,?) "
+                "ON CONFLICT(task_id, stream) DO UPDATE SET acked_seq=excluded.acked_seq, "
+                "position=excluded.position",
+                rows,
+            )
+
     def streams(self, task_id: str) -> dict[str, int]:
         """Every stream of the task: name → acknowledged element count."""
         rows = self._exec("SELECT stream, acked_seq FROM streams WHERE task_id=?", (task_id,))
@@ -177,6 +191,18 @@ class StateStore:
         """
         rows = self._exec(f"SELECT {_COLUMNS} FROM tasks WHERE result_acked=0 ORDER BY claimed_at")
         return [_record(r) for r in rows]
+
+    def pending_outbox(self) -> list[tuple[str, Path, float, bool, int, int]]:
+        """What the outbox figures need of :meth:`pending_delivery`, in one statement and without
+        decoding any JSON: ``(task_id, task_dir, claimed_at, has_result, log acked, items acked)``."""
+        rows = self._exec(
+            "SELECT t.task_id, t.task_dir, t.claimed_at, t.result_json IS NOT NULL, "
+            "COALESCE(l.acked_seq, 0), COALESCE(i.acked_seq, 0) FROM tasks t "
+            "LEFT JOIN streams l ON l.task_id = t.task_id AND l.stream = 'log' "
+            "LEFT JOIN streams i ON i.task_id = t.task_id AND i.stream = 'items' "
+            "WHERE t.result_acked=0 ORDER BY t.claimed_at"
+        )
+        return [(str(r[0]), Path(r[1]), float(r[2]), bool(r[3]), int(r[4]), int(r[5])) for r in rows]
 
     def delivered_before(self, cutoff: float) -> list[TaskRecord]:
         """Fully acknowledged tasks that finished before ``cutoff`` (epoch seconds): retention candidates."""
@@ -237,6 +263,9 @@ class AsyncStateStore:
 
     def __init__(self, store: StateStore) -> None:
         self.sync = store
+        self._positions: dict[tuple[str, str], tuple[int, Any]] = {}  # saves not yet on their way
+        self._writing: trio.Event | None = None  # set when the write on its way is done
+        self._inflight: dict[tuple[str, str], tuple[int, Any]] = {}  # the write on its way
 
     async def add_task(self, task_id: str, spider_id: str, task_json: dict[str, Any], task_dir: Path) -> None:
         """See :meth:`StateStore.add_task`."""
@@ -247,12 +276,55 @@ class AsyncStateStore:
         await trio.to_thread.run_sync(self.sync.set_process, task_id, pid, pgid)
 
     async def stream_position(self, task_id: str, stream: str) -> tuple[int, Any]:
-        """See :meth:`StateStore.stream_position`."""
+        """See :meth:`StateStore.stream_position` (a noted position not yet written counts)."""
+        noted = self._positions.get((task_id, stream)) or self._inflight.get((task_id, stream))
+        if noted is not None:
+            return noted
         return await trio.to_thread.run_sync(self.sync.stream_position, task_id, stream)
 
+    def note_stream_position(self, task_id: str, stream: str, seq: int, position: Any) -> None:
+        """Record a position for the next write (:meth:`flush_positions` or any save) without waiting:
+        on the event loop, no I/O. Until then :meth:`stream_position` answers it from memory."""
+        self._positions[(task_id, stream)] = (seq, position)
+
+    async def flush_positions(self) -> None:
+        """Write every noted position (one transaction, one thread hop); nothing to do when none waits.
+        Same guarantees as :meth:`save_stream_position`."""
+        while self._writing is not None:
+            await self._writing.wait()
+        if self._positions:
+            await self._write_positions()
+
     async def save_stream_position(self, task_id: str, stream: str, seq: int, position: Any) -> None:
-        """See :meth:`StateStore.save_stream_position`."""
-        await trio.to_thread.run_sync(self.sync.save_stream_position, task_id, stream, seq, position)
+        """See :meth:`StateStore.save_stream_position`; returns once the position is in the database.
+
+        Group commit: saves of every stream that arrive while a write is on its way go together in
+        the next one (one transaction, one thread hop), so many busy streams cost one hop per round,
+        not one per acknowledgement. Cancellation while waiting for another's write leaves this
+        position to that write or the next one (it is kept); a write itself always completes. An
+        sqlite3.Error reaches the caller that wrote, and its positions are kept for the next write.
+        """
+        self._positions[(task_id, stream)] = (seq, position)
+        while self._writing is not None:  # a write on its way may or may not carry this position
+            await self._writing.wait()
+        if not self._positions:
+            return  # another caller's write carried it
+        await self._write_positions()
+
+    async def _write_positions(self) -> None:
+        batch, self._positions = self._positions, {}
+        self._inflight = batch
+        done = self._writing = trio.Event()
+        try:
+            await trio.to_thread.run_sync(self.sync.save_stream_positions, batch)
+        except BaseException:
+            for key, value in batch.items():  # newer saves of the same stream win
+                self._positions.setdefault(key, value)
+            raise
+        finally:
+            self._writing = None
+            self._inflight = {}
+            done.set()
 
     async def streams(self, task_id: str) -> dict[str, int]:
         """See :meth:`StateStore.streams`."""

@@ -7,7 +7,8 @@ path     answer
 /healthz 200 ``ok`` — served by the agent's own event loop, so a stuck loop fails it
 /readyz  200 ``ready`` when registered and the last heartbeat was acknowledged within
          ``3 × heartbeat.interval`` seconds and the agent is RUNNING; else 503 with the reason
-/status  JSON: state, node id, running tasks (id, spider, since, pid, phase), outbox, versions
+/status  JSON: state, node id, containment level, running tasks (id, spider, since, pid, phase, live
+         resource figures), outbox, versions
 /        the HTML status page, and /tasks/<id>/tail, /tasks/<id>/log.txt (see ckagent.statuspage)
 other    404 (a known path with a method other than GET/HEAD: 405)
 ======== ===================================================================================
@@ -81,6 +82,8 @@ class TaskStatistics:
     claimed_at: float
     started_at: float | None
     pid: int | None
+    resources: tuple[tuple[str, Any], ...] = ()
+    """Live figures of the task's cgroup (cpuSeconds, memoryBytes, ...; empty at the process-group level)."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,8 @@ class AgentStatistics:
     """Seconds that problem has lasted."""
     intake_reason: str | None = None
     """Why the node takes no tasks for a reason of its own (ckagent.intake), None when it takes them."""
+    containment: tuple[tuple[str, Any], ...] | None = None
+    """The containment level in force (``Containment.to_json()`` items), None before it is opened."""
 
 
 class StatusPortError(OSError):
@@ -365,6 +370,8 @@ class AgentStatus:
             "since": _iso(task.claimed_at),
             "startedAt": _iso(task.started_at),
             "pid": task.pid,
+            # Live figures from the task's cgroup (small cgroupfs reads; none at the process-group level).
+            "resources": dict(task.resources),
         } for task in stats.tasks]
         return {
             "state": stats.state,
@@ -375,6 +382,7 @@ class AgentStatus:
             "registered": stats.registered,
             "masterUp": stats.master_up,
             "heartbeatAgeSeconds": round(self.heartbeat_age(stats), 3),
+            "containment": dict(stats.containment) if stats.containment is not None else None,
             "maxWorkers": stats.max_workers,
             "freeSlots": stats.free_slots,
             "runningTasks": sorted(tasks, key=lambda t: str(t["since"])),

@@ -21,6 +21,7 @@ stopped               CANCELLED   CANCELLED     the reason
 code refused          FAILED      DEPLOY_FAILED the entry and the rule, or what the framework needs
 install failed        FAILED      DEPS_FAILED   the installer's last whole lines
 not startable         FAILED      EXIT_NONZERO  what could not be started (exitCode null)
+OOM kill in the task  FAILED      OOM_KILLED    the limit and the peak (cgroup levels)
 ====================  ==========  ============  =================================
 
 Each task runs in a private working copy of its code version (ckagent.workcopy), with its
@@ -29,6 +30,10 @@ the phases separately: ``deployMs`` (code + working copy), ``installMs`` (enviro
 (the spider's process), and ``durationMs`` from the claim to the end (docs/protocol.md).
 
 The full table (with OOM_KILLED, AGENT_LOST, BAD_TASK) is docs/protocol.md's "Outcomes".
+
+Every task runs in a jail of the node's containment level (:mod:`ckagent.containment`), created
+before its first installer and emptied and removed after its end; its resource figures (cpu
+seconds, memory peak, ...) go into the result.
 
 When the process has ended, the final result goes to the state store and the task's delivery
 (its log and items streams, then the result, retried forever across restarts until acknowledged)
@@ -61,6 +66,8 @@ from ckagent.commands import (
     scrapy_feed_settings,
     with_scrapy_settings,
 )
+from ckagent.containment import Containment, Figures, Limits, TaskJail, format_bytes
+from ckagent.containment.process_group import ProcessGroupJail
 from ckagent.crawlstats import STATS_FILE, scrapy_stats_env
 from ckagent.delivery import LogSink, Outbox
 from ckagent.delivery.lines import secret_values
@@ -93,6 +100,7 @@ class TaskOutcome:
     error_code: str | None = None
     error_message: str | None = None
     exit_code: int | None = None
+    figures: Figures | None = None
 
 
 @dataclass
@@ -112,6 +120,8 @@ class RunningTask:
     stalled: bool = False
     delivery: Any = None
     """The task's ``ckagent.delivery.TaskDelivery`` once opened (live stats: ``delivery.stats.latest``)."""
+    jail: TaskJail | None = None
+    """The task's containment (from the deploy on); /status reads its live figures."""
 
     def request_stop(self, reason: str) -> bool:
         """Ask the task to stop (idempotent). Returns False when a stop was already requested."""
@@ -136,6 +146,10 @@ class RunnerConfig:
     """Spiders and installers run as this user (``task.run_as_user``); their directories are given to it."""
     stall_timeout: float = 0.0
     """Seconds without output, item or stats change before a task is stopped STALLED (0 = off)."""
+    containment: Containment | None = None
+    """The node's containment level; None = process groups only (no subreaper, no limits)."""
+    default_limits: Limits = field(default_factory=Limits)
+    """Limits of a task that names none (``task.memory_limit_bytes`` ...)."""
 
 
 TaskObserver = Callable[[RunningTask, TaskResult], None]
@@ -342,6 +356,8 @@ class Supervisor:
                 rt.phase = "deploying"
                 self._observer.task_started(rt)
                 phase_started = trio.current_time()
+                jail = await self._open_jail(rt, notice)
+                held.push_async_callback(_empty_jail, jail)
                 try:
                     if task.code_package is not None:
                         code_dir = await self._workspaces.deploy_package(
@@ -372,12 +388,16 @@ class Supervisor:
                 phase_started = trio.current_time()
                 try:
                     prepared = await self._deps.prepare(
-                        task.framework, task.spider_id, work, sink.write, marker={MARKER_VAR: task.id}
+                        task.framework, task.spider_id, work, sink.write, marker={MARKER_VAR: task.id},
+                        spawn=jail.spawn,
                     )
                 except DepsError as exc:
                     rt.phase_seconds["install"] = trio.current_time() - phase_started
                     notice(f"dependency install failed: {str(exc).splitlines()[0]}")
-                    return TaskOutcome("FAILED", "DEPS_FAILED", _bounded(str(exc), 4000))
+                    figures = jail.figures()
+                    if figures.oom_kills:
+                        return _oom_outcome(jail, figures, None, "the dependency installer")
+                    return TaskOutcome("FAILED", "DEPS_FAILED", _bounded(str(exc), 4000), figures=figures)
                 finally:
                     rt.phase_seconds.setdefault("install", trio.current_time() - phase_started)
                 held.callback(self._deps.release, prepared)
@@ -390,7 +410,7 @@ class Supervisor:
             if rt.stop_reason is not None:
                 notice(f"stopped before the spider started: {rt.stop_reason}")
                 return TaskOutcome("CANCELLED", "CANCELLED", rt.stop_reason)
-            return await self._run(rt, task_dir, work, argv, prepared, notice, sink)
+            return await self._run(rt, task_dir, work, argv, prepared, notice, sink, jail)
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _working_copy(self, task: Task, code_dir: Path, work: Path) -> str:
@@ -403,6 +423,26 @@ class Supervisor:
         spider_dirs(self.config.work_dir, safe_name(task.spider_id), run_as)
         return stats.describe()
 
+    async def _open_jail(self, rt: RunningTask, notice: Callable[[str], None]) -> TaskJail:
+        """The task's jail at the node's level, with the task's limits (else the node's defaults)."""
+        task, default = rt.task, self.config.default_limits
+        wanted = Limits(
+            memory_bytes=task.resources.memory_bytes if task.resources.memory_bytes is not None else default.memory_bytes,
+            pids=task.resources.pids if task.resources.pids is not None else default.pids,
+            cpus=task.resources.cpus if task.resources.cpus is not None else default.cpus,
+        )
+        containment = self.config.containment
+        if containment is None:
+            jail: TaskJail = ProcessGroupJail(task.id)
+        else:
+            jail = await trio.to_thread.run_sync(containment.jail, task.id, wanted)
+        rt.jail = jail
+        if wanted != Limits() and jail.limits != wanted:
+            notice(f"limits asked: {wanted.describe()}; this node ({jail.level}) enforces: {jail.limits.describe()}")
+        elif wanted != Limits():
+            notice(f"limits: {wanted.describe()} ({jail.level})")
+        return jail
+
     async def _run(
         self,
         rt: RunningTask,
@@ -412,6 +452,7 @@ class Supervisor:
         prepared: Prepared,
         notice: Callable[[str], None],
         sink: LogSink,
+        jail: TaskJail,
     ) -> TaskOutcome:
         task = rt.task
         items_file = task_dir / "items.jsonl"
@@ -464,12 +505,25 @@ class Supervisor:
                 cwd=code_dir, env=env, task_id=task.id, output=sink.write,
                 deadline_seconds=timeout or None, grace=self.config.kill_grace,
                 stop=rt.stop_event, notice=notice, on_started=started, run_as=self.config.run_as,
-                on_stderr=stderr_tail.write,
+                on_stderr=stderr_tail.write, jail=jail, stop_signal=task.stop_signal_number,
             )
         except OSError as exc:
             notice(f"cannot start {argv[0]!r}: {exc.strerror or exc}")
             # No process ran, so no exit code (docs/protocol.md); the message says what failed.
             return TaskOutcome("FAILED", "EXIT_NONZERO", f"cannot start {argv[0]!r}: {exc.strerror or exc}")
+        figures = jail.figures()  # into the result (cpuSeconds, memoryPeakBytes, ...), not the log
+        if figures.oom_kills and not outcome.stopped:
+            verdict = _oom_outcome(jail, figures, outcome.returncode, "the spider")
+            notice(f"{verdict.error_message}; task FAILED (OOM_KILLED)")
+            return verdict
+        judged = self._judge_exit(rt, outcome, timeout, notice, stderr_tail, sink)
+        judged.figures = figures
+        return judged
+
+    def _judge_exit(self, rt: RunningTask, outcome: ProcessOutcome, timeout: float, notice: Callable[[str], None],
+                    stderr_tail: TailBuffer, sink: LogSink) -> TaskOutcome:
+        """TIMEOUT / CANCELLED / exit status (a death by signal names the signal)."""
+        task = rt.task
         if outcome.timed_out:
             notice(_ended_by_agent(f"timed out after {timeout:g} s", outcome) + "; task FAILED (TIMEOUT)")
             return TaskOutcome("FAILED", "TIMEOUT", TIMEOUT_MESSAGE, outcome.returncode)
@@ -502,6 +556,23 @@ class Supervisor:
         return f"{head}; last lines of stderr:\n{tail}" if tail else f"{head} (nothing on stderr)"
 
 
+def _oom_outcome(jail: TaskJail, figures: Figures, returncode: int | None, what: str) -> TaskOutcome:
+    """FAILED/OOM_KILLED naming the limit and the peak."""
+    limit = jail.limits.memory_bytes
+    peak = figures.memory_peak_bytes
+    message = (f"{what} was killed by the kernel's OOM killer ({figures.oom_kills} process(es)): memory limit "
+               f"{format_bytes(limit) if limit is not None else 'none (node memory ran out)'}, peak "
+               f"{format_bytes(peak) if peak is not None else 'unknown'}")
+    return TaskOutcome("FAILED", "OOM_KILLED", message, returncode, figures=figures)
+
+
+async def _empty_jail(jail: TaskJail) -> None:
+    """At the end of a task: kill what is left in its jail (an interrupted installer) and remove it."""
+    with trio.CancelScope(shield=True):
+        await jail.kill_all()
+        jail.close()
+
+
 def _result(rt: RunningTask, outcome: TaskOutcome, started_wall: float) -> TaskResult:
     """The final result of a task that ends now: ``startedAt`` when the agent took it, the phases apart."""
     finished_wall = time.time()
@@ -523,16 +594,26 @@ def _result(rt: RunningTask, outcome: TaskOutcome, started_wall: float) -> TaskR
         deploy_ms=ms("deploy"),
         install_ms=ms("install"),
         run_ms=run_ms,
+        **_figure_fields(outcome.figures),
     )
+
+
+def _figure_fields(figures: Figures | None) -> dict[str, Any]:
+    """TaskResult keyword arguments of the resource figures (none at the process-group level)."""
+    if figures is None:
+        return {}
+    return {"cpu_seconds": None if figures.cpu_seconds is None else round(figures.cpu_seconds, 3),
+            "memory_peak_bytes": figures.memory_peak_bytes, "pids_peak": figures.pids_peak,
+            "io_read_bytes": figures.io_read_bytes, "io_write_bytes": figures.io_write_bytes}
 
 
 def _ended_by_agent(why: str, outcome: ProcessOutcome) -> str:
     """One line saying what the agent did to end a task's processes, and when (UTC)."""
     parts = [why]
     if outcome.term_sent_at is not None:
-        parts.append(f"SIGTERM to the process group at {clock(outcome.term_sent_at)}")
+        parts.append(f"stop signal to the main process at {clock(outcome.term_sent_at)}")
     if outcome.kill_sent_at is not None:
-        parts.append(f"SIGKILL at {clock(outcome.kill_sent_at)}")
+        parts.append(f"every process killed at {clock(outcome.kill_sent_at)}")
     elif outcome.term_sent_at is not None:
         parts.append("the spider exited within the grace period")
     if outcome.killed_leftovers:

@@ -41,6 +41,27 @@ def test_quick_benchmarks_run_and_write_the_report(tmp_path: Path) -> None:
     assert "| ckagent (python -c tasks) |" in report
 
 
+@pytest.mark.slow
+def test_quick_node_load_benchmarks_run_and_write_the_report(tmp_path: Path) -> None:
+    """Items flood, many tasks and the /metrics scrape (issue 18) in smoke mode: each ran, lost nothing."""
+    out = tmp_path / "report.md"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENT_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--no-scrapyd", "--only", "items,manytasks,scrape",
+         "--out", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=240, check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    report = out.read_text()
+    for heading in ("## items", "## manytasks", "## scrape"):
+        assert heading in report, report
+    assert "FAILED" not in report, report
+    assert "| items at the master | 20,000 | all, once, in order |" in report
+    assert "| tasks incomplete | 0 |" in report
+    assert "| loop lateness while scraping | p50 " in report
+
+
 def test_summary_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(REPO))
     from bench._harness import summary

@@ -827,3 +827,23 @@ async def test_patch_spider_changes_what_later_tasks_run(dev_master: DevMaster, 
         with pytest.raises(AdminApiError) as info:
             await admin.update_spider("no-such-spider", command="x")
         assert info.value.status_code == 404
+
+
+async def test_spider_resources_and_stop_signal_are_task_defaults(dev_master: DevMaster, node: Node) -> None:
+    admin = dev_master.admin
+    with trio.fail_after(10):
+        spider = await admin.create_spider("limited", "python", resources={"memoryBytes": 256 << 20, "pids": 64},
+                                           stop_signal="SIGINT")
+        await admin.upload_package(spider, zip_files({"main.py": ""}))
+        first = await admin.create_task(spider, resources={"pids": 10})  # per key over the spider's
+        changed = await admin.update_spider(spider, resources={"cpus": 0.5}, stopSignal=None)
+        assert (changed["resources"], changed["stopSignal"]) == ({"cpus": 0.5}, None)
+        second = await admin.create_task(spider)
+        tasks = {t: await admin.get_task(t) for t in (first, second)}
+        assert tasks[first]["resources"] == {"memoryBytes": 256 << 20, "pids": 10}
+        assert tasks[first]["stopSignal"] == "SIGINT"
+        assert (tasks[second]["resources"], tasks[second]["stopSignal"]) == ({"cpus": 0.5}, None)
+        for bad in ({"stopSignal": "SIGKILL"}, {"resources": {"memoryBytes": 5}}, {"resources": {"pids": "x"}}):
+            with pytest.raises(AdminApiError) as info:
+                await admin.update_spider(spider, **bad)
+            assert info.value.status_code == 422, bad

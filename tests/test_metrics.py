@@ -76,10 +76,10 @@ def test_exposition_follows_prometheus_conventions() -> None:
         if family.type == "counter":
             assert all(s.name.endswith("_total") for s in family.samples), family.name
         if family.type == "histogram":
-            assert family.name.endswith("_seconds"), family.name
+            assert family.name.endswith(("_seconds", "_bytes")), family.name
         for s in family.samples:
             assert set(s.labels) <= {"status", "error_code", "phase", "endpoint", "outcome", "state", "le",
-                                     "version", "python", "name", "node_id"}, (s.name, s.labels)
+                                     "version", "python", "name", "node_id", "level"}, (s.name, s.labels)
     assert len(ours) >= 20
     assert 'ckagent_tasks_finished_total{error_code="TIMEOUT",status="FAILED"} 1.0' in text
     assert 'ckagent_build_info{python=' in text and 'version="1.2.3"' in text

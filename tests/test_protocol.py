@@ -27,6 +27,7 @@ from ckagent.protocol import (
     FINAL_STATUSES,
     FRAMEWORKS,
     NODE_STATUSES,
+    STOP_SIGNALS,
     TASK_STATUSES,
     TIMEOUT_MESSAGE,
     CodePackage,
@@ -43,6 +44,7 @@ from ckagent.protocol import (
     SpiderFile,
     Task,
     TaskRelease,
+    TaskResources,
     TaskResult,
     TaskStats,
     VersionPolicy,
@@ -102,6 +104,8 @@ def full_instances() -> dict[str, Any]:
         code_package=package,
         params={"start_url": "https://shop.example/"},
         stall_timeout_seconds=600.0,
+        resources=TaskResources(memory_bytes=200 << 20, pids=64, cpus=1.5),
+        stop_signal="SIGINT",
     )
     stats = TaskStats(seq=42, stats={"items": 3, "finishReason": "finished"}, progress={"done": 1, "total": 2},
                       at="2026-11-29T16:04:00.000Z")
@@ -122,6 +126,7 @@ def full_instances() -> dict[str, Any]:
             node_uid="5f0c1d2e3a4b4c5d8e9f0a1b2c3d4e5f",
             protocol_version=1,
             features=["paused-reason"],
+            containment={"level": "cgroup-v2", "details": "cgroup v2 at /sys/fs/cgroup/x", "limits": ["memory"]},
         ),
         "RegisterResponse": RegisterResponse(node_id="7", api_key="k-123",
                                              policy=VersionPolicy("0.1.0", "0.2.0")),
@@ -164,6 +169,11 @@ def full_instances() -> dict[str, Any]:
             run_ms=7300,
             finish_reason="finished",
             stats=stats,
+            cpu_seconds=1.25,
+            memory_peak_bytes=50 << 20,
+            pids_peak=3,
+            io_read_bytes=4096,
+            io_write_bytes=8192,
         ),
         "TaskStats": stats,
         "LogBatch": LogBatch(seq=5, lines=["a", "b"]),
@@ -440,6 +450,7 @@ def test_enums_equal_python_constants(name: str) -> None:
 ENUM_FIELDS = [
     ("Heartbeat", "status", NODE_STATUSES),
     ("Task", "framework", FRAMEWORKS),
+    ("Task", "stopSignal", STOP_SIGNALS),
     ("TaskResult", "status", TASK_STATUSES),
     ("TaskResult", "errorCode", ERROR_CODES),
 ]

@@ -33,7 +33,7 @@ or piece (a secret cut by a 64 KiB piece boundary is not recognised); one shorte
 only where it stands alone (:class:`ckagent.logs.Masker`, the agent log's rule too).
 
 **Shipping** (:class:`StreamShipper`): read from the acknowledged position, cut batches (≤ 5000
-elements, ≤ 1 MiB of JSON, or ~1 s old), POST ``{seq, lines|items}``, store the new position only
+elements, ≤ 1 MiB of JSON, or 0.7 s old for lines, 1 s for items), POST ``{seq, lines|items}``, store the new position only
 after an acknowledgement in the protocol's own words — a 200 whose body is ``{"acceptedSeq": n}``
 (saved while the next batch is on its way; a 2xx without it is a protocol error, retried) — one
 request at a time per stream. Each

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -69,6 +70,9 @@ class TaskDelivery:
         self.activity = Activity((task_dir / ITEMS_FILE, task_dir / STATS_FILE))
         journal.on_record = self.logs.notify
         self._wake = trio.Event()
+        self._found: dict[str, int] | None = None  # spider log files found by the last scan, not yet noted
+        self._items_size = 0  # items.jsonl's size at the last scan
+        self.scanning = False  # True while the task runs: the outbox scans its files every SCAN_INTERVAL
         self.ended = trio.Event()
         self.delivered = trio.Event()
         self.result: TaskResult | None = None
@@ -118,22 +122,43 @@ class TaskDelivery:
         self._wake.set()
 
     async def _journal_loop(self) -> None:
-        """Record the growth of output.log (when notified) and of spider log files (every SCAN_INTERVAL)."""
-        next_scan = trio.current_time()
-        while not self.ended.is_set():
-            with trio.move_on_at(next_scan):
+        """Record the growth of output.log (when notified) and of spider log files (when the outbox's
+        once-a-second scan, :meth:`scanned`, found them)."""
+        self.scanning = True
+        try:
+            while not self.ended.is_set():
                 await self._wake.wait()
-            self._wake = trio.Event()
-            sizes: dict[str, int] = {}
-            if self.sink is not None:
-                sizes[OUTPUT_LOG] = self.sink.size
-            if trio.current_time() >= next_scan:
-                sizes.update(await trio.to_thread.run_sync(scan_log_files, self.task_dir, self.globs))
-                next_scan = trio.current_time() + SCAN_INTERVAL
-            self.journal.note(sizes)
+                self._wake = trio.Event()
+                sizes: dict[str, int] = {}
+                if self.sink is not None:
+                    sizes[OUTPUT_LOG] = self.sink.size
+                if self._found is not None:
+                    sizes.update(self._found)
+                    self._found = None
+                self.journal.note(sizes)
+        finally:
+            self.scanning = False
         sizes = await trio.to_thread.run_sync(self._final_sizes)
         self.journal.end(sizes)
         self.journal.close()
+
+    def scan(self) -> tuple[dict[str, int], int]:
+        """(spider log files → size, items.jsonl's size or 0). Blocking: the outbox calls it in its
+        once-a-second worker thread, for every running task in one hop."""
+        try:
+            size = os.lstat(self.task_dir / ITEMS_FILE).st_size
+        except OSError:
+            size = 0
+        return scan_log_files(self.task_dir, self.globs), size
+
+    def scanned(self, found: dict[str, int], items_size: int) -> None:
+        """The result of :meth:`scan` (on the loop): the journal notes the log files; a grown items
+        file wakes its shipper (which does not poll a file that is not growing)."""
+        self._found = found
+        self._wake.set()
+        if items_size != self._items_size:
+            self._items_size = items_size
+            self.items.notify()
 
     def _final_sizes(self) -> dict[str, int]:
         sizes = scan_log_files(self.task_dir, self.globs)
@@ -198,15 +223,20 @@ class Outbox:
         self._delivered = trio.Event()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run until cancelled (the agent's stop). Unsent data stays on disk for the next start."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            await self.guard.refresh()
-            nursery.start_soon(self._disk_loop)
-            if self.config.retention > 0:
-                nursery.start_soon(self._retention_loop)
-            task_status.started()
-            await trio.sleep_forever()
+        """Run until cancelled (the agent's stop). Unsent data stays on disk for the next start; the
+        acknowledged positions noted since the last write are written on the way out (shielded, ≤ 5 s)."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                await self.guard.refresh()
+                nursery.start_soon(self._disk_loop)
+                if self.config.retention > 0:
+                    nursery.start_soon(self._retention_loop)
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(5.0):
+                await self.store.flush_positions()
 
     def statistics(self) -> OutboxStatistics:
         """What waits for the master now (see ckagent.delivery.statistics). **Blocking** (SQLite and
@@ -305,8 +335,16 @@ class Outbox:
                 self._idle.set()
 
     async def _disk_loop(self) -> None:
+        """Every SCAN_INTERVAL: the shippers' noted positions (one write), the files of every running
+        task (one hop) and the free-space figure — for the whole agent, not per task or stream."""
         while True:
-            await trio.sleep(1.0)
+            await trio.sleep(SCAN_INTERVAL)
+            await self.store.flush_positions()  # the shippers' acknowledged positions, all streams at once
+            live = [delivery for delivery in self.deliveries.values() if delivery.scanning]
+            if live:
+                found = await trio.to_thread.run_sync(_scan_all, live)
+                for delivery, (files, items_size) in zip(live, found, strict=True):
+                    delivery.scanned(files, items_size)
             await self.guard.refresh()
 
     async def _retention_loop(self) -> None:
@@ -314,6 +352,18 @@ class Outbox:
         while True:
             await cleanup_task_dirs(self.store, self.tasks_dir, self.config.retention)
             await trio.sleep(interval)
+
+
+def _scan_all(deliveries: list[TaskDelivery]) -> list[tuple[dict[str, int], int]]:
+    """:meth:`TaskDelivery.scan` of each (blocking); a task whose dir cannot be read is skipped."""
+    found = []
+    for delivery in deliveries:
+        try:
+            found.append(delivery.scan())
+        except OSError as exc:
+            log.debug("task %s: cannot scan its files: %s", delivery.task_id, exc)
+            found.append(({}, 0))
+    return found
 
 
 async def cleanup_task_dirs(store: AsyncStateStore, tasks_dir: Path, older_than: float) -> int:

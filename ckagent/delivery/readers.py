@@ -18,7 +18,7 @@ from typing import Any
 import trio
 
 from ckagent.delivery.journal import parse_journal
-from ckagent.delivery.lines import LineSplitter, Masker, encode_json, encode_lines
+from ckagent.delivery.lines import LineSplitter, Masker, encode_lines
 from ckagent.delivery.spool import (
     JOURNAL_FILE,
     MAX_LINE_BYTES,
@@ -117,16 +117,21 @@ class _Pending:
         return b'{"seq":%d,"%s":[%s]}' % (seq, key.encode(), b",".join(self.elements[:n]))
 
 
-async def _pread(fd: int, size: int, offset: int) -> bytes:
-    return await trio.to_thread.run_sync(os.pread, fd, size, offset)
+def _pread(fd: int, size: int, offset: int) -> bytes:
+    """Read on the event loop's thread: spool files were just written by the agent or its spider, so
+    their bytes are in the page cache and a read is a copy of at most READ_CHUNK bytes (tens of µs),
+    far cheaper than a hop to a worker thread and back (what restore's cold read of a journal prefix
+    after a restart still takes)."""
+    return os.pread(fd, size, offset)
 
 
 class _FileReader:
     """Elements of one file (the items stream). Position: ``{"offset": <end of the last element>}``."""
 
-    def __init__(self, path: Path, convert: Callable[[bytes], Any], max_line_bytes: int, cr_breaks: bool) -> None:
+    def __init__(self, path: Path, encode: Callable[[bytes], bytes | None], max_line_bytes: int,
+                 cr_breaks: bool) -> None:
         self.path = path
-        self._convert = convert
+        self._encode = encode  # a line → its encoded element, or None to skip it
         self._max = max_line_bytes
         self._cr = cr_breaks
         self._fd = -1
@@ -134,7 +139,10 @@ class _FileReader:
         self._splitter = LineSplitter(0, max_line_bytes, cr_breaks)
         self.finished = False  # set by the owner: the file will not grow any more
         self.done = False
-        self.polls = True  # written by another process: look again every TAIL_INTERVAL
+        # Written by another process, so nothing notifies its growth directly: while it grows the shipper
+        # looks again every TAIL_INTERVAL; once a read finds nothing new it waits for a notification
+        # (the outbox's once-a-second scan sees the file's size change, or the task's end).
+        self.polls = False
 
     async def restore(self, position: Any) -> None:
         offset = int(position.get("offset", 0)) if isinstance(position, dict) else 0
@@ -147,7 +155,7 @@ class _FileReader:
             return False
         if self._fd < 0:
             try:
-                self._fd = await trio.to_thread.run_sync(open_spool, self.path)
+                self._fd = open_spool(self.path)  # a missing file costs one failed open, on the loop
             except FileNotFoundError:
                 if self.finished:
                     self.done = True
@@ -157,7 +165,8 @@ class _FileReader:
                 self.done = True
                 return False
         finished = self.finished  # read before reading: a finish after an empty read still gets a last read
-        data = await _pread(self._fd, READ_CHUNK, self._read_at)
+        data = _pread(self._fd, READ_CHUNK, self._read_at)
+        self.polls = bool(data)
         if data:
             self._read_at += len(data)
             lines, ends = self._splitter.feed(data)
@@ -167,10 +176,11 @@ class _FileReader:
         else:
             return False
         elements, marks = [], []
+        encode = self._encode
         for raw, end in zip(lines, ends, strict=True):
-            element = self._convert(raw)
+            element = encode(raw)
             if element is not None:
-                elements.append(encode_json(element))
+                elements.append(element)
                 marks.append(end)
         pending.add(elements, marks)
         return True
@@ -255,11 +265,11 @@ class _JournalReader:
     async def _read_source(self, source: _Source, size: int) -> bytes:
         if source.fd < 0:
             try:
-                source.fd = await trio.to_thread.run_sync(open_spool, self.task_dir / source.path)
+                source.fd = open_spool(self.task_dir / source.path)
             except OSError as exc:
                 log.warning("log source %s of %s cannot be read (%s); skipping it", source.path, self.task_dir, exc)
                 return b""
-        return await _pread(source.fd, size, source.fed)
+        return _pread(source.fd, size, source.fed)
 
     async def _next_record(self) -> tuple[int, str, int, str] | None:
         """The next complete journal record ``(offset, kind, idx, arg)``, or None for now."""
@@ -267,11 +277,11 @@ class _JournalReader:
         if nl < 0:
             if self._jfd < 0:
                 try:
-                    self._jfd = await trio.to_thread.run_sync(open_spool, self.task_dir / JOURNAL_FILE)
+                    self._jfd = open_spool(self.task_dir / JOURNAL_FILE)
                 except FileNotFoundError:
                     return None
             rest = self._jbuf[self._jat :]
-            more = await _pread(self._jfd, 65536, self._jpos + len(rest))
+            more = _pread(self._jfd, 65536, self._jpos + len(rest))
             if not more:
                 return None
             self._jbuf, self._jat = rest + more, 0

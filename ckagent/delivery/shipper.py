@@ -14,7 +14,7 @@ from typing import Any
 
 import trio
 
-from ckagent.delivery.lines import Masker, encode_json, item_object
+from ckagent.delivery.lines import Masker, encode_item, encode_json
 from ckagent.delivery.readers import _FileReader, _JournalReader, _Pending
 from ckagent.delivery.spool import (
     BACKOFF_INITIAL,
@@ -23,10 +23,12 @@ from ckagent.delivery.spool import (
     CHECKPOINTS_KEPT,
     EARLY_RETRY_AFTER,
     ITEMS_FILE,
+    LOG_BATCH_AGE,
     MAX_BATCH_BYTES,
     MAX_BATCH_COUNT,
     MAX_ITEM_BYTES,
     MAX_LINE_BYTES,
+    NOTIFY_FALLBACK,
     TAIL_INTERVAL,
 )
 from ckagent.master import MasterClient, MasterConflict, MasterRejected, MasterUnavailable, json_object
@@ -66,17 +68,18 @@ class _Answer:
 async def _backoff_sleep(master: MasterClient, attempt: int) -> None:
     """Sleep the backoff for ``attempt`` (1, 2, ...): exponential with jitter, capped at BACKOFF_MAX.
 
-    Ends early (but not before EARLY_RETRY_AFTER seconds) when the master becomes reachable again.
+    Ends early (but not before EARLY_RETRY_AFTER seconds) when the master becomes reachable again:
+    it waits on the connectivity's event (another request got through), it does not poll.
     """
     base = min(BACKOFF_MAX, BACKOFF_INITIAL * 2 ** (attempt - 1))
     delay = random.uniform(base / 2, base)
-    was_up = master.connectivity.up
-    start = trio.current_time()
+    connectivity = master.connectivity
+    was_up = connectivity.up
     with trio.move_on_after(delay):
-        while True:
-            await trio.sleep(0.25)
-            if not was_up and master.connectivity.up and trio.current_time() - start >= EARLY_RETRY_AFTER:
-                return
+        if was_up:
+            await trio.sleep_forever()
+        await trio.sleep(EARLY_RETRY_AFTER)
+        await connectivity.wait_up()
 
 
 class StreamShipper:
@@ -105,6 +108,7 @@ class StreamShipper:
         self.kind = kind
         self.stream = "log" if kind == "logs" else "items"
         self._key = "lines" if kind == "logs" else "items"
+        self._batch_age = LOG_BATCH_AGE if kind == "logs" else BATCH_AGE
         self._reader = reader
         self._limiter = limiter or trio.CapacityLimiter(1)
         self._wake = trio.Event()
@@ -123,7 +127,7 @@ class StreamShipper:
     def items(cls, master: MasterClient, store: AsyncStateStore, task_id: str, task_dir: Path,
               limiter: trio.CapacityLimiter | None = None) -> StreamShipper:
         """The items stream of the task in ``task_dir`` (``items.jsonl``)."""
-        reader = _FileReader(task_dir / ITEMS_FILE, item_object, MAX_ITEM_BYTES, cr_breaks=False)
+        reader = _FileReader(task_dir / ITEMS_FILE, encode_item, MAX_ITEM_BYTES, cr_breaks=False)
         return cls(master, store, task_id, "items", reader, limiter)
 
     def notify(self) -> None:
@@ -156,10 +160,20 @@ class StreamShipper:
         unsaved: tuple[int, Any] | None = None
 
         async def save() -> None:
+            """The position into the database now (the stream ends)."""
             nonlocal unsaved
             if unsaved is not None:
                 saving, unsaved = unsaved, None
                 await self._store.save_stream_position(self.task_id, self.stream, *saving)
+
+        def note() -> None:
+            """The position to the state store's next batched write (the outbox's once-a-second hop
+            for every stream of the agent): no thread hop per acknowledgement. A crash before that
+            write only makes the next start send up to a second of batches again (dropped by the master)."""
+            nonlocal unsaved
+            if unsaved is not None:
+                saving, unsaved = unsaved, None
+                self._store.note_stream_position(self.task_id, self.stream, *saving)
 
         try:
             async with trio.open_nursery() as nursery:
@@ -224,12 +238,12 @@ class StreamShipper:
                         reader.done
                         or len(pending) >= self._count_limit
                         or pending.size >= MAX_BATCH_BYTES
-                        or trio.current_time() - pending.since >= BATCH_AGE
+                        or trio.current_time() - pending.since >= self._batch_age
                     ):
                         n = pending.batch_len(self._count_limit, MAX_BATCH_BYTES)
                         flight = _Flight(n, pending.size_of(n))
                         nursery.start_soon(self._fly, flight, seq, n, pending.body(n, seq, self._key))
-                        await save()
+                        note()
                         continue
                     if reader.done and not pending and flight is None:
                         await save()
@@ -238,10 +252,12 @@ class StreamShipper:
                                         self.task_id, self.stream, skip)
                         return
                     if not progress:
-                        await save()
-                        wait = TAIL_INTERVAL
+                        note()
+                        # A reader whose file grows is looked at again soon; otherwise only a
+                        # notification wakes the shipper (NOTIFY_FALLBACK is a safety net, not a poll).
+                        wait = TAIL_INTERVAL if reader.polls else NOTIFY_FALLBACK
                         if pending and flight is None:
-                            wait = min(wait, max(0.0, BATCH_AGE - (trio.current_time() - pending.since)))
+                            wait = min(wait, max(0.0, self._batch_age - (trio.current_time() - pending.since)))
                         with trio.move_on_after(wait):
                             await self._wake.wait()
                         self._wake = trio.Event()

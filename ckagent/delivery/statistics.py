@@ -9,8 +9,10 @@ the record.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,12 +24,15 @@ from ckagent.delivery.spool import (
     MAX_ITEM_BYTES,
     MAX_LINE_BYTES,
     OUTPUT_LOG,
+    open_spool,
     read_spool,
 )
 from ckagent.state import StateStore
 
-READ_CHUNK = 1024 * 1024
-"""Bytes read from a spool file at a time while counting."""
+READ_CHUNK = 64 * 1024
+"""Bytes read from a spool file at a time while counting. Small on purpose: counting runs in a worker
+thread, and each read lets go of the GIL, so the event loop never waits long for it (a thread that
+runs Python code without a pause keeps the loop waiting up to the interpreter's switch interval, 5 ms)."""
 
 
 @dataclass(frozen=True)
@@ -56,12 +61,18 @@ class _ElementCount:
     def update(self) -> int:
         """Read what was appended (blocking); returns the count. A missing file counts 0."""
         try:
-            while chunk := read_spool(self.path, self._read_to, READ_CHUNK):
+            fd = open_spool(self.path)
+        except OSError:  # missing, or not a regular file (never followed, never blocked on)
+            return self.count
+        try:
+            while chunk := os.pread(fd, READ_CHUNK, self._read_to):
                 self._read_to += len(chunk)
                 lines, _ = self._splitter.feed(chunk)
-                self.count += len(lines) if self._log else sum(1 for line in lines if line.strip())
-        except OSError:  # missing, or not a regular file (never followed, never blocked on)
+                self.count += len(lines) if self._log else sum(map(bool, map(bytes.strip, lines)))
+        except OSError:
             pass
+        finally:
+            os.close(fd)
         return self.count
 
 
@@ -118,26 +129,27 @@ class SpoolCounter:
         self._spools: dict[str, _TaskSpool] = {}
         self._seen: dict[str, list[int]] = {}  # task id -> [log seq, items seq] already counted as shipped
         self._done: set[str] = set()  # settled by task_done; may still be in a read that started before
-        self.shipped_log_lines = 0
-        self.shipped_items = 0
+        self._shipped = [0, 0]  # (log lines, items): see shipped_log_lines / shipped_items
+        self._settled: deque[tuple[str, int, int, float]] = deque()  # task_done calls not yet applied
         self.last = OutboxStatistics()
 
     def read(self) -> OutboxStatistics:
-        """Figures now (blocking: SQLite and file reads). Also advances the shipped counters."""
-        records = self._store.pending_delivery()
+        """Figures now (blocking: one SQLite statement and file reads). Also advances the shipped counters."""
+        records = self._store.pending_outbox()
         with self._lock:
+            self._settle()
             lines = items = results = 0
-            for record in records:
-                if record.result is not None:
+            for task_id, task_dir, claimed_at, has_result, log_acked, items_acked in records:
+                if has_result:
                     results += 1
-                spool = self._spools.get(record.task_id)
-                if spool is None or spool.task_dir != record.task_dir:
-                    spool = self._spools[record.task_id] = _TaskSpool(record.task_dir)
-                acked = [int(self._store.stream_position(record.task_id, stream)[0]) for stream in ("log", "items")]
+                spool = self._spools.get(task_id)
+                if spool is None or spool.task_dir != task_dir:
+                    spool = self._spools[task_id] = _TaskSpool(task_dir)
+                acked = [log_acked, items_acked]
                 lines += max(0, spool.log_lines() - acked[0])
                 items += max(0, spool.items.update() - acked[1])
-                self._advance(record.task_id, acked, before_start=record.claimed_at < self._started_at)
-            pending_ids = {record.task_id for record in records}
+                self._advance(task_id, acked, before_start=claimed_at < self._started_at)
+            pending_ids = {record[0] for record in records}
             for task_id in set(self._spools) - pending_ids:
                 del self._spools[task_id]
             self._done &= pending_ids
@@ -145,16 +157,38 @@ class SpoolCounter:
             return self.last
 
     def task_done(self, task_id: str, log_lines: int, items: int, claimed_at: float) -> None:
-        """The master acknowledged the task's final result with these counts: settle its shipped figures."""
+        """The master acknowledged the task's final result with these counts: settle its shipped figures.
+
+        Called on the event loop: it only queues (a deque append is atomic), so the loop never waits
+        for the lock a :meth:`read` in a worker thread holds across its file reads."""
+        self._settled.append((task_id, log_lines, items, claimed_at))
+
+    @property
+    def shipped_log_lines(self) -> int:
+        """Log lines acknowledged by the master while this process runs (takes the lock briefly)."""
         with self._lock:
+            self._settle()
+            return self._shipped[0]
+
+    @property
+    def shipped_items(self) -> int:
+        """Items acknowledged by the master while this process runs (takes the lock briefly)."""
+        with self._lock:
+            self._settle()
+            return self._shipped[1]
+
+    def _settle(self) -> None:
+        """Apply the queued :meth:`task_done` calls (the lock is held)."""
+        while self._settled:
+            task_id, log_lines, items, claimed_at = self._settled.popleft()
             self._done.add(task_id)
             seen = self._seen.pop(task_id, None)
             if seen is None:
                 if claimed_at < self._started_at:
-                    return  # shipped (at least partly) by an earlier run: unknown share, count nothing
+                    continue  # shipped (at least partly) by an earlier run: unknown share, count nothing
                 seen = [0, 0]
-            self.shipped_log_lines += max(0, log_lines - seen[0])
-            self.shipped_items += max(0, items - seen[1])
+            self._shipped[0] += max(0, log_lines - seen[0])
+            self._shipped[1] += max(0, items - seen[1])
 
     def _advance(self, task_id: str, acked: list[int], *, before_start: bool) -> None:
         if task_id in self._done:
@@ -162,6 +196,6 @@ class SpoolCounter:
         seen = self._seen.get(task_id)
         if seen is None:
             seen = self._seen[task_id] = list(acked) if before_start else [0, 0]
-        self.shipped_log_lines += max(0, acked[0] - seen[0])
-        self.shipped_items += max(0, acked[1] - seen[1])
+        self._shipped[0] += max(0, acked[0] - seen[0])
+        self._shipped[1] += max(0, acked[1] - seen[1])
         seen[0], seen[1] = max(seen[0], acked[0]), max(seen[1], acked[1])

@@ -59,9 +59,11 @@ from ckagent.protocol import (
     LogBatch,
     ProtocolError,
     RegisterRequest,
+    TaskResources,
     TaskResult,
     TaskStats,
     VersionPolicy,
+    parse_stop_signal,
 )
 
 __all__ = ["MAX_BATCH_ELEMENTS", "MAX_NODE_BODY_BYTES", "Notifier", "create_app"]
@@ -224,7 +226,7 @@ def _opt_seconds(o: dict[str, Any], key: str) -> float | None:
     return float(value)
 
 
-SPIDER_PATCH_FIELDS = ("name", "framework", "command", "env", "timeoutSeconds")
+SPIDER_PATCH_FIELDS = ("name", "framework", "command", "env", "timeoutSeconds", "resources", "stopSignal")
 """What ``PATCH /api/spiders/{id}`` may change."""
 
 
@@ -417,6 +419,8 @@ def create_app(
             timeout_seconds=_opt_seconds(o, "timeoutSeconds"),
             code_mode=code_mode,
             env=_opt_str_map(o, "env"),
+            resources=TaskResources.from_json(o.get("resources"), "resources").to_json(),
+            stop_signal=parse_stop_signal(o, ""),
         )
         return JSONResponse({"id": spider_id})
 
@@ -429,7 +433,8 @@ def create_app(
         return JSONResponse(await run(store.get_spider, request.path_params["spider_id"]))
 
     async def update_spider(request: Request) -> Response:
-        """PATCH: change the fields given (command, env, timeoutSeconds, framework, name); tasks created
+        """PATCH: change the fields given (command, env, timeoutSeconds, framework, name, resources,
+        stopSignal; null clears the last two); tasks created
         afterwards use them (a task already created keeps what it had)."""
         admin_auth(request)
         o = _obj(await _json_body(request))
@@ -451,6 +456,10 @@ def create_app(
             changes["timeout_seconds"] = _opt_seconds(o, "timeoutSeconds")
         if "env" in o:
             changes["env"] = _opt_str_map(o, "env")
+        if "resources" in o:
+            changes["resources"] = TaskResources.from_json(o["resources"], "resources").to_json() or None
+        if "stopSignal" in o:
+            changes["stop_signal"] = parse_stop_signal(o, "")
         return JSONResponse(await run(store.update_spider, request.path_params["spider_id"], changes))
 
     async def upload_package(request: Request) -> Response:
@@ -476,6 +485,8 @@ def create_app(
             params=params or {},
             timeout_seconds=_opt_seconds(o, "timeoutSeconds"),
             stall_timeout_seconds=_opt_seconds(o, "stallTimeoutSeconds"),
+            resources=TaskResources.from_json(o.get("resources"), "resources").to_json(),
+            stop_signal=parse_stop_signal(o, ""),
         )
         notifier.notify()
         return JSONResponse({"id": task_id})

@@ -87,9 +87,14 @@ class AdminClient:
         timeout_seconds: float | None = None,
         code_mode: str = "package",
         env: dict[str, str] | None = None,
+        resources: dict[str, Any] | None = None,
+        stop_signal: str | None = None,
     ) -> str:
-        """Create a spider; returns its id. ``code_mode`` is "package" (zip) or "files" (file sync)."""
+        """Create a spider; returns its id. ``code_mode`` is "package" (zip) or "files" (file sync).
+        ``resources`` ({memoryBytes, pids, cpus}) and ``stop_signal`` ("SIGINT") are its tasks' defaults."""
         body = {
+            "resources": resources,
+            "stopSignal": stop_signal,
             "name": name,
             "framework": framework,
             "command": command,
@@ -130,10 +135,15 @@ class AdminClient:
         params: dict[str, Any] | None = None,
         timeout_seconds: float | None = None,
         stall_timeout_seconds: float | None = None,
+        resources: dict[str, Any] | None = None,
+        stop_signal: str | None = None,
     ) -> str:
         """Queue a task of the spider; returns its id. ``timeout_seconds`` None = the spider's;
-        ``stall_timeout_seconds`` None = the node's ``task.stall_timeout``."""
+        ``stall_timeout_seconds`` None = the node's ``task.stall_timeout``; ``resources`` keys and
+        ``stop_signal`` None = the spider's."""
         body = {
+            "resources": resources,
+            "stopSignal": stop_signal,
             "args": args or [],
             "env": env or {},
             "params": params or {},

@@ -351,6 +351,14 @@ def _seconds_since(iso: str | None, now: float | None = None) -> float:
     return (time.time() if now is None else now) - moment.timestamp()
 
 
+_ADDED_COLUMNS: dict[str, tuple[str, ...]] = {
+    # resources: JSON {memoryBytes, pids, cpus}; stop_signal: "SIGINT" ...; figures: JSON of the
+    # result's resource figures {cpuSeconds, memoryPeakBytes, pidsPeak, ioReadBytes, ioWriteBytes}.
+    "spiders": ("resources", "stop_signal"),
+    "tasks": ("resources", "stop_signal", "figures"),
+}
+
+
 def _new_id() -> str:
     return uuid.uuid4().hex
 
@@ -420,6 +428,16 @@ class Store:
                          " COMMIT;")
         if "stall_timeout_seconds" not in {r[1] for r in db.execute("PRAGMA table_info(tasks)")}:
             db.execute("ALTER TABLE tasks ADD COLUMN stall_timeout_seconds REAL")  # a file from before it
+        self._add_columns()
+
+    def _add_columns(self) -> None:
+        """Columns added after schema 2 (nullable, JSON or text): added to a file that lacks them."""
+        db = self._conn
+        for table, columns in _ADDED_COLUMNS.items():
+            have = {r[1] for r in db.execute(f"PRAGMA table_info({table})").fetchall()}
+            for name in columns:
+                if name not in have:
+                    db.execute(f"ALTER TABLE {table} ADD COLUMN {name} TEXT")
 
     def close(self) -> None:
         """Stop the checkpointer, close the connection (idempotent; SQLite checkpoints the WAL on close)."""
@@ -676,6 +694,7 @@ class Store:
                 "maxWorkers": r["max_workers"],
                 "labels": _loads(r["labels"]),
                 "runtimes": _loads(r["runtimes"]),
+                "containment": _loads(r["info"]).get("containment"),
                 "registeredAt": r["registered_at"],
                 "lastHeartbeatAt": r["last_heartbeat_at"],
                 "lastHeartbeat": _loads(r["last_heartbeat"]),
@@ -695,13 +714,16 @@ class Store:
         timeout_seconds: float | None,
         code_mode: str,
         env: dict[str, str],
+        resources: dict[str, Any] | None = None,
+        stop_signal: str | None = None,
     ) -> str:
-        """Create a spider (arguments already validated). Returns its id."""
+        """Create a spider (arguments already validated). Returns its id. ``resources`` (limits of its
+        tasks) and ``stop_signal`` are the defaults of its tasks."""
         spider_id = _new_id()
         with self._tx() as db:
             db.execute(
-                "INSERT INTO spiders (id, name, framework, command, timeout_seconds, code_mode, env, created_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO spiders (id, name, framework, command, timeout_seconds, code_mode, env, created_at,"
+                " resources, stop_signal) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     spider_id,
                     name,
@@ -711,6 +733,8 @@ class Store:
                     code_mode,
                     _dumps(env),
                     utc_now_iso(),
+                    _dumps(resources) if resources else None,
+                    stop_signal,
                 ),
             )
         return spider_id
@@ -727,6 +751,8 @@ class Store:
             "env": _loads(r["env"]),
             "codeVersion": r["code_version"],
             "createdAt": r["created_at"],
+            "resources": _loads(r["resources"]) if r["resources"] else {},
+            "stopSignal": r["stop_signal"],
         }
 
     def list_spiders(self) -> list[dict[str, Any]]:
@@ -744,14 +770,17 @@ class Store:
     def update_spider(self, spider_id: str, changes: dict[str, Any]) -> dict[str, Any]:
         """Change a spider's ``name``, ``framework``, ``command``, ``timeout_seconds``, ``env`` (validated
         values; only the keys given). Returns the spider's admin JSON. Raises NotFoundError."""
-        as_json = {"command", "env"}  # JSON columns; the others store the value itself
+        as_json = {"command", "env", "resources"}  # JSON columns; the others store the value itself
         sets: list[str] = []
         values: list[Any] = []
         for key, value in changes.items():
-            if key not in ("name", "framework", "command", "timeout_seconds", "env"):
+            if key not in ("name", "framework", "command", "timeout_seconds", "env", "resources", "stop_signal"):
                 raise ValueError(f"update_spider: {key!r} is not a changeable column")
             sets.append(f"{key} = ?")
-            values.append(_dumps(value) if key in as_json else value)
+            if key == "resources" and not value:
+                values.append(None)  # nullable column: no resources
+            else:
+                values.append(_dumps(value) if key in as_json else value)
         with self._tx() as db:
             if db.execute("SELECT 1 FROM spiders WHERE id = ?", (spider_id,)).fetchone() is None:
                 raise NotFoundError(f"no spider {spider_id!r}")
@@ -847,8 +876,11 @@ class Store:
         params: dict[str, Any],
         timeout_seconds: float | None,
         stall_timeout_seconds: float | None = None,
+        resources: dict[str, Any] | None = None,
+        stop_signal: str | None = None,
     ) -> str:
-        """Create a PENDING task from a snapshot of the spider. Returns its id.
+        """Create a PENDING task from a snapshot of the spider. Returns its id. ``resources`` are merged
+        over the spider's (per key); ``stop_signal`` None takes the spider's.
 
         ``env`` is merged over the spider's env; ``timeout_seconds`` None takes the spider's.
         Raises NotFoundError (unknown spider) and ConflictError (the spider has no package yet).
@@ -864,10 +896,11 @@ class Store:
                 )
             merged_env = {**_loads(spider["env"]), **env}
             timeout = spider["timeout_seconds"] if timeout_seconds is None else timeout_seconds
+            merged_resources = {**(_loads(spider["resources"]) if spider["resources"] else {}), **(resources or {})}
             db.execute(
                 "INSERT INTO tasks (id, spider_id, spider_name, framework, command, args, env, params,"
-                " timeout_seconds, code_version, code_mode, status, created_at, stall_timeout_seconds)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'PENDING', ?, ?)",
+                " timeout_seconds, code_version, code_mode, status, created_at, stall_timeout_seconds, resources,"
+                " stop_signal) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'PENDING', ?, ?, ?, ?)",
                 (
                     task_id,
                     spider_id,
@@ -882,6 +915,8 @@ class Store:
                     spider["code_mode"],
                     utc_now_iso(),
                     stall_timeout_seconds,
+                    _dumps(merged_resources) if merged_resources else None,
+                    stop_signal or spider["stop_signal"],
                 ),
             )
         return task_id
@@ -916,6 +951,9 @@ class Store:
             "cancelRequested": bool(r["cancel_requested"]),
             "storedLogLines": r["stored_log_lines"],
             "storedItems": r["stored_items"],
+            "resources": _loads(r["resources"]) if r["resources"] else {},
+            "stopSignal": r["stop_signal"],
+            **(_loads(r["figures"]) if r["figures"] else {}),
         }
 
     @staticmethod
@@ -1086,6 +1124,8 @@ class Store:
                     "codePackage": code_package,
                     "params": _loads(r["params"]),
                     "stallTimeoutSeconds": r["stall_timeout_seconds"],
+                    "resources": _loads(r["resources"]) if r["resources"] else None,
+                    "stopSignal": r["stop_signal"],
                 }
             )
         return out
@@ -1141,7 +1181,7 @@ class Store:
         db.execute(
             "UPDATE tasks SET status = ?, exit_code = ?, error_code = ?, error_message = ?,"
             " started_at = COALESCE(?, started_at), finished_at = ?, duration_ms = ?, item_count = ?,"
-            " log_lines = ? WHERE id = ?",
+            " log_lines = ?, figures = ? WHERE id = ?",
             (
                 result.status,
                 result.exit_code,
@@ -1152,6 +1192,7 @@ class Store:
                 result.duration_ms,
                 result.item_count,
                 result.log_lines,
+                _result_figures(result),
                 task_id,
             ),
         )
@@ -1216,3 +1257,10 @@ class Store:
                 stored += len(tail)
                 db.execute(f"UPDATE tasks SET {counter} = ? WHERE id = ?", (stored, task_id))
             return stored
+
+
+def _result_figures(result: TaskResult) -> str | None:
+    """The resource figures of a result as stored JSON (None when it carries none)."""
+    figures = {k: v for k, v in result.to_json().items()
+               if k in ("cpuSeconds", "memoryPeakBytes", "pidsPeak", "ioReadBytes", "ioWriteBytes")}
+    return _dumps(figures) if figures else None

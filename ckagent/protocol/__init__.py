@@ -17,6 +17,7 @@ milliseconds, ids are strings (integers from an older backend are accepted and t
 from __future__ import annotations
 
 import shlex
+import signal
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, TypeVar
@@ -44,6 +45,7 @@ __all__ = [
     "NODE_STATUSES",
     "OUTCOME_STATUS",
     "PROTOCOL_VERSION",
+    "STOP_SIGNALS",
     "TASK_STATUSES",
     "BadTask",
     "CodePackage",
@@ -60,9 +62,11 @@ __all__ = [
     "SpiderFile",
     "Task",
     "TaskRelease",
+    "TaskResources",
     "TaskResult",
     "TaskStats",
     "VersionPolicy",
+    "parse_stop_signal",
     "utc_iso",
     "utc_now_iso",
 ]
@@ -153,6 +157,8 @@ class RegisterRequest:
     """The agent's own identity, kept in its work dir (ckagent.fleet): one per node, not per name."""
     protocol_version: int | None = None
     features: list[str] = field(default_factory=list)
+    containment: dict[str, Any] = field(default_factory=dict)
+    """The node's containment level: ``{"level", "details", "limits"}`` (docs/operations.md)."""
 
     @classmethod
     def from_json(cls, obj: Any) -> RegisterRequest:
@@ -174,11 +180,13 @@ class RegisterRequest:
             node_uid=opt_str(o, "nodeUid"),
             protocol_version=opt_int(o, "protocolVersion", lo=1),
             features=str_list(o, "features"),
+            containment=opt_object(o, "containment") or {},
         )
 
     def to_json(self) -> dict[str, Any]:
         """The camelCase JSON body."""
         return {
+            "containment": self.containment,
             "name": self.name,
             "ip": self.ip,
             "port": self.port,
@@ -365,6 +373,34 @@ class CodePackage:
         return {"url": self.url, "sha256": self.sha256, "sizeBytes": self.size_bytes}
 
 
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGQUIT", "SIGHUP", "SIGUSR1", "SIGUSR2")
+"""Signals a task may name as its ``stopSignal`` (sent to its main process when it is stopped)."""
+
+
+@dataclass(frozen=True)
+class TaskResources:
+    """``resources`` of a task: limits of the task's processes (installers included), None = the
+    node's default. ``memory_bytes`` bytes, ``pids`` processes+threads, ``cpus`` cores."""
+
+    memory_bytes: int | None = None
+    pids: int | None = None
+    cpus: float | None = None
+
+    @classmethod
+    def from_json(cls, obj: Any, path: str) -> TaskResources:
+        """Validate; raises ProtocolError."""
+        if obj is None:
+            return cls()
+        o = req_object(obj, path)
+        cpus = opt_number(o, "cpus", lo=0.01, path=path)
+        return cls(memory_bytes=opt_int(o, "memoryBytes", lo=1 << 20, path=path),
+                   pids=opt_int(o, "pids", lo=1, path=path), cpus=cpus)
+
+    def to_json(self) -> dict[str, Any]:
+        """camelCase, None left out."""
+        return _drop_none({"memoryBytes": self.memory_bytes, "pids": self.pids, "cpus": self.cpus})
+
+
 @dataclass(frozen=True)
 class Task:
     """A task handed out by ``GET /tasks/pending``.
@@ -387,6 +423,14 @@ class Task:
     params: dict[str, Any] = field(default_factory=dict)
     stall_timeout_seconds: float | None = None
     """No output, item or stats change for this long → STALLED; None = the agent's default, 0 = off."""
+    resources: TaskResources = field(default_factory=TaskResources)
+    stop_signal: str | None = None
+    """Signal name sent to the main process when the task is stopped (None = SIGTERM)."""
+
+    @property
+    def stop_signal_number(self) -> int:
+        """:attr:`stop_signal` as a number (SIGTERM when unset)."""
+        return int(getattr(signal, self.stop_signal or "SIGTERM"))
 
     @classmethod
     def from_json(cls, obj: Any, path: str = "task") -> Task:
@@ -419,6 +463,8 @@ class Task:
             code_package=None if package is None else CodePackage.from_json(package, f"{path}.codePackage"),
             params=opt_object(o, "params", path=path) or {},
             stall_timeout_seconds=opt_number(o, "stallTimeoutSeconds", lo=0, path=path),
+            resources=TaskResources.from_json(o.get("resources"), f"{path}.resources"),
+            stop_signal=parse_stop_signal(o, path),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -437,8 +483,21 @@ class Task:
                 "codePackage": None if self.code_package is None else self.code_package.to_json(),
                 "params": dict(self.params),
                 "stallTimeoutSeconds": self.stall_timeout_seconds,
+                "resources": self.resources.to_json() or None,
+                "stopSignal": self.stop_signal,
             }
         )
+
+
+def parse_stop_signal(o: dict[str, Any], path: str) -> str | None:
+    """The optional ``stopSignal`` of a task or spider object (one of :data:`STOP_SIGNALS`). Raises ProtocolError."""
+    field_name = f"{path}.stopSignal" if path else "stopSignal"
+    value = o.get("stopSignal")
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in STOP_SIGNALS:
+        raise ProtocolError(field_name, f"expected one of {', '.join(STOP_SIGNALS)}, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -509,6 +568,13 @@ class TaskResult:
     run_ms: int | None = None
     finish_reason: str | None = None
     stats: TaskStats | None = None
+    cpu_seconds: float | None = None
+    """Resource figures of the task's processes, installers included (cgroup levels; None = unknown):
+    user + system CPU seconds, memory peak (bytes), most processes+threads at once, block I/O bytes."""
+    memory_peak_bytes: int | None = None
+    pids_peak: int | None = None
+    io_read_bytes: int | None = None
+    io_write_bytes: int | None = None
 
     @classmethod
     def from_json(cls, obj: Any) -> TaskResult:
@@ -535,6 +601,11 @@ class TaskResult:
             run_ms=opt_int(o, "runMs", lo=0),
             finish_reason=opt_str(o, "finishReason"),
             stats=None if o.get("stats") is None else TaskStats.from_json(o["stats"], "stats"),
+            cpu_seconds=opt_number(o, "cpuSeconds", lo=0),
+            memory_peak_bytes=opt_int(o, "memoryPeakBytes", lo=0),
+            pids_peak=opt_int(o, "pidsPeak", lo=0),
+            io_read_bytes=opt_int(o, "ioReadBytes", lo=0),
+            io_write_bytes=opt_int(o, "ioWriteBytes", lo=0),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -555,6 +626,11 @@ class TaskResult:
                 "runMs": self.run_ms,
                 "finishReason": self.finish_reason,
                 "stats": None if self.stats is None else self.stats.to_json(),
+                "cpuSeconds": self.cpu_seconds,
+                "memoryPeakBytes": self.memory_peak_bytes,
+                "pidsPeak": self.pids_peak,
+                "ioReadBytes": self.io_read_bytes,
+                "ioWriteBytes": self.io_write_bytes,
             }
         )
 

@@ -1,0 +1,267 @@
+"""Level ``process-group``: no cgroup rights. Each spider and installer runs in its own session
+(own process group); the agent is the child subreaper of its descendants.
+
+Kill-all = SIGKILL each recorded process group, then a sweep of ``/proc`` for processes carrying the
+task's marker variable (``CK_TASK_ID=<id>`` in ``/proc/<pid>/environ``) and their descendants (by
+parent pid), repeated until a pass finds none.
+
+What this level cannot catch (docs/operations.md, "Containment"): a process that leaves the group
+(``setsid``/``setpgid``) **and** drops or replaces its environment (``env -i``, ``execve`` with a new
+environment) **and** whose parent chain up to a task process is broken (double fork: it is re-parented
+to the agent, which cannot tell which task it came from). Such a process outlives its task. Limits,
+OOM attribution and resource figures need cgroups: at this level results carry none of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import trio
+
+from ckagent.containment.base import (
+    SPIDER_OOM_SCORE_ADJ,
+    Containment,
+    Figures,
+    Limits,
+    TaskJail,
+    is_zombie,
+    make_preexec,
+    set_child_subreaper,
+    wait_pids_gone,
+)
+
+log = logging.getLogger(__name__)
+
+MARKER_VAR = "CK_TASK_ID"
+"""The variable every spider (and installer) process inherits; the sweep finds escaped processes by it."""
+
+
+def signal_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to process group ``pgid``. Returns False when the group no longer exists.
+
+    Raises ValueError for ``pgid`` <= 1 (never our own group or init by accident).
+    """
+    if pgid <= 1:
+        raise ValueError(f"refusing to signal process group {pgid}")
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        log.warning("not allowed to signal process group %d", pgid)
+        return False
+    return True
+
+
+def _environ_has_marker(pid: int, marker: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            data = fh.read()
+    except OSError:  # gone, or not ours to read
+        return False
+    return marker in data.split(b"\0")
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2:].split()
+    return int(fields[1]) if len(fields) > 1 else None
+
+
+def find_marked(
+    task_id: str, pgid: int | None = None, exclude: Iterable[int] = (), *, verify_group: bool = False,
+    pgids: Iterable[int] = (),
+) -> list[int]:
+    """Pids of live processes of the task: in group ``pgid`` (or any of ``pgids``), carrying
+    ``CK_TASK_ID=<task_id>``, or descending (by parent pid) from one of those.
+
+    ``verify_group``: count members of ``pgid`` only when at least one of them carries the marker
+    (after an agent restart a recorded pgid may have been reused by an unrelated process group).
+    Blocking (reads /proc): call it through ``trio.to_thread``. Zombies are ignored.
+    """
+    marker = f"{MARKER_VAR}={task_id}".encode()
+    skip = {os.getpid(), *exclude}
+    groups = {g for g in (pgid, *pgids) if g is not None and g > 1}
+    marked: set[int] = set()
+    members: set[int] = set()
+    parents: dict[int, int] = {}
+    group_is_ours = not verify_group
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in skip:
+            continue
+        pid = int(name)
+        try:
+            in_group = bool(groups) and os.getpgid(pid) in groups
+        except OSError:  # gone meanwhile
+            continue
+        ppid = _ppid(pid)
+        if ppid is not None:
+            parents[pid] = ppid
+        has_marker = _environ_has_marker(pid, marker)  # a zombie's environ reads empty
+        if not (has_marker or in_group) or is_zombie(pid):
+            continue
+        if has_marker:
+            marked.add(pid)
+            group_is_ours = group_is_ours or in_group
+        elif in_group:
+            members.add(pid)
+    found = marked | members if group_is_ours else marked
+    # Descendants of what was found (an escaped child that scrubbed its environment, parent alive).
+    grew = True
+    while grew:
+        grew = False
+        for pid, ppid in parents.items():
+            if ppid in found and pid not in found and pid not in skip and not is_zombie(pid):
+                found.add(pid)
+                grew = True
+    return sorted(found)
+
+
+def _kill_pids(pids: Iterable[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+SPAWNED: set[int] = set()
+"""Pids of the agent's own children that trio waits for (spiders, installers): never reaped here."""
+
+
+def reap_adopted_zombies() -> int:
+    """Reap zombie children of the agent that it did not spawn: orphans of tasks re-parented to it
+    as child subreaper (blocking: reads /proc). Returns how many were reaped."""
+    me = os.getpid()
+    reaped = 0
+    try:
+        tids = os.listdir(f"/proc/{me}/task")
+    except OSError:
+        return 0
+    children: set[int] = set()
+    for tid in tids:
+        try:
+            with open(f"/proc/{me}/task/{tid}/children") as fh:
+                children.update(int(p) for p in fh.read().split())
+        except OSError:
+            continue
+    for pid in children - SPAWNED:
+        if is_zombie(pid) and _ppid(pid) == me and pid not in SPAWNED:
+            with contextlib.suppress(ChildProcessError, OSError):
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    reaped += 1
+    return reaped
+
+
+def _reap_adopted(pids: Iterable[int], keep: set[int]) -> None:
+    """Reap killed orphans the agent adopted as subreaper (never a process trio waits for)."""
+    me = os.getpid()
+    for pid in pids:
+        if pid in keep or pid in SPAWNED or _ppid(pid) != me:
+            continue
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)
+
+
+async def sweep(task_id: str, pgid: int | None, *, verify_group: bool = False, max_passes: int = 20,
+                pgids: Iterable[int] = (), keep: Iterable[int] = ()) -> int:
+    """SIGKILL the task's group(s) and every marked process (and their descendants), repeating until
+    a pass finds none.
+
+    Returns how many processes were killed (0 when the task left nothing behind). Each pass reads
+    /proc in a worker thread. ``verify_group`` (crash recovery): the group is only killed when one
+    of its members carries the task's marker (see :func:`find_marked`). ``keep``: pids the caller
+    reaps itself (trio's children). Cancellation stops between passes; callers run it shielded when
+    it must complete. Gives up (with a warning) after ``max_passes`` passes.
+    """
+    groups = [g for g in (pgid, *pgids) if g is not None and g > 1]
+    keep_set = set(keep)
+    killed = 0
+    for _ in range(max_passes):
+        # Find first (descendants are found through their live parents), then kill groups and finds.
+        pids = await trio.to_thread.run_sync(
+            lambda: find_marked(task_id, pgid, verify_group=verify_group, pgids=pgids))
+        if not verify_group:
+            for group in groups:
+                signal_group(group, signal.SIGKILL)
+        if not pids:
+            return killed
+        log.info("task %s: killing %d leftover process(es): %s", task_id, len(pids), pids)
+        _kill_pids(pids)
+        killed += len(pids)
+        with trio.move_on_after(1.0):
+            await wait_pids_gone(pids)
+        _reap_adopted(pids, keep_set)
+    log.warning("task %s: processes still appear after %d sweep passes", task_id, max_passes)
+    return killed
+
+
+class ProcessGroupJail(TaskJail):
+    """A task held by its process groups and its marker (see module docstring)."""
+
+    level = "process-group"
+
+    def __init__(self, task_id: str) -> None:
+        self.task_id = task_id
+        self.limits = Limits()
+        self.pgids: list[int] = []
+
+    def spawn(self, argv: list[str], env: Mapping[str, str], *, forking: bool = False) -> tuple[list[str], dict[str, Any]]:
+        """No cgroup to join: the command as it is (vfork spawn); :meth:`watch` raises the main
+        process's oom_score_adj right after the spawn (installers keep the agent's)."""
+        if forking:
+            return argv, {"preexec_fn": make_preexec([])}
+        return argv, {}
+
+    def watch(self, pid: int) -> None:
+        self.pgids.append(pid)  # spawned with start_new_session: pgid == pid
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/oom_score_adj", "w") as fh:
+            fh.write(str(SPIDER_OOM_SCORE_ADJ))
+
+    def _find(self) -> list[int]:
+        return find_marked(self.task_id, pgids=self.pgids)
+
+    def populated(self) -> bool:
+        return bool(self._find())
+
+    async def wait_empty(self) -> None:
+        while pids := await trio.to_thread.run_sync(self._find):
+            await wait_pids_gone(pids)
+
+    async def kill_all(self) -> int:
+        killed = await sweep(self.task_id, None, pgids=self.pgids, keep=self.pgids)
+        await trio.to_thread.run_sync(reap_adopted_zombies)  # orphans that ended on their own
+        return killed
+
+    def figures(self) -> Figures:
+        return Figures()
+
+
+class ProcessGroup(Containment):
+    """The ``process-group`` level; ``subreaper`` makes the agent the child subreaper."""
+
+    level = "process-group"
+
+    def __init__(self, *, subreaper: bool = True, why: str = "") -> None:
+        reaper = self._subreaper = subreaper and set_child_subreaper()
+        self.details = ("process groups + marker sweep" + ("; agent is child subreaper" if reaper else "")
+                        + "; no limits, no resource figures" + (f" ({why})" if why else ""))
+
+    def jail(self, task_id: str, limits: Limits) -> TaskJail:
+        return ProcessGroupJail(task_id)
+
+    async def recover(self, task_id: str, pgid: int | None) -> int:
+        return await sweep(task_id, pgid, verify_group=True)
+
+    def close(self) -> None:
+        """Stop being the child subreaper (an agent run inside a longer-lived process, e.g. tests)."""
+        if self._subreaper:
+            set_child_subreaper(False)
+            reap_adopted_zombies()
