@@ -66,6 +66,12 @@ KINDS = ("session", "empty-env", "new-env", "exec", "forker")
 
 
 @pytest.fixture(params=LEVELS_HERE)
+
+def _read_proc(path: str) -> str:
+    """A procfs file's text (an instant read from the kernel, fine on the event loop's thread)."""
+    with open(path) as fh:
+        return fh.read()
+
 def level(request: pytest.FixtureRequest) -> str:
     """Each containment level this machine allows (settings_for picks it up)."""
     LEVEL["current"] = request.param
@@ -244,7 +250,8 @@ async def test_crash_recovery_kills_the_task_cgroup(
         assert await wait_exit(agent, 20) == 0
         survivors = kinds_alive(token)
     finally:
-        await agent.kill()
+        with trio.CancelScope(shield=True), trio.move_on_after(30):
+            await agent.kill()
         kill_token(token)
     assert (task["status"], task["errorCode"]) == ("FAILED", "AGENT_LOST"), task
     # After a crash the process-group level also loses the env-kept double fork's group... but not
@@ -450,8 +457,7 @@ async def test_a_child_joins_before_exec_and_kill_all_catches_a_racing_forker(
             first = (await proc.stdout.receive_some(4096)).decode()
             if jail_level != "process-group":
                 assert "task-" + token in first, first  # it ran its first line inside its cgroup
-            with open(f"/proc/{proc.pid}/oom_score_adj") as fh:  # noqa: ASYNC230 -- procfs, instant
-                assert fh.read().strip() == "500"
+            assert _read_proc(f"/proc/{proc.pid}/oom_score_adj").strip() == "500"
             await eventually(lambda: _async(len(with_token(token)) > 20))
             assert jail.populated()
             killed = await jail.kill_all()  # the forker keeps forking while this runs
@@ -588,8 +594,8 @@ async def test_process_group_level_reaps_adopted_orphans_and_gives_the_subreaper
         with trio.fail_after(30):
             await admin.wait_task_final(first, 30)
         [daemon] = [int(line.split()[1]) for line in await admin.get_logs(first) if line.startswith("daemon ")]
-        with open(f"/proc/{daemon}/stat") as fh:  # noqa: ASYNC230 -- procfs, instant
-            assert fh.read().rsplit(")", 1)[1].split()[1] == str(os.getpid()), "re-parented to the agent"
+        assert _read_proc(f"/proc/{daemon}/stat").rsplit(")", 1)[1].split()[1] == str(os.getpid()), \
+            "re-parented to the agent"
         await eventually(lambda: _async(not alive(daemon)))  # it ended on its own: a zombie of the agent
         assert await trio.Path(f"/proc/{daemon}").exists(), "nobody else reaped it"
         second = await submit(admin, "next", {"main.py": "print('hi')\n"})

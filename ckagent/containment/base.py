@@ -359,10 +359,10 @@ class FileWatch:
     async def changed(self) -> None:
         """Wait for the next event(s) and consume them."""
         while True:
+            await trio.lowlevel.wait_readable(self.fd)  # at once when events are already queued
             try:
                 data = os.read(self.fd, 4096)
             except BlockingIOError:
-                await trio.lowlevel.wait_readable(self.fd)
                 continue
             if data:
                 return
