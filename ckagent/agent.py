@@ -339,7 +339,8 @@ class Agent:
                  __version__, s.server.url, self.work_dir, self.max_workers)
         self.capabilities.warn()
         status = AgentStatus(self.statistics, self.metrics, self.metrics.outbox)
-        routes = status.routes(page=StatusPage(self, status.status))
+        assert self.supervisor is not None
+        routes = status.routes(page=StatusPage(self.supervisor, self.outbox, self.work_dir, status.status))
         try:
             self.status_port = await root.start(partial(
                 serve_status, routes, s.agent.bind or s.agent.ip, s.agent.port,

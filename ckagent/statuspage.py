@@ -42,7 +42,8 @@ from ckagent.delivery.spool import read_spool
 from ckagent.protocol import Task
 
 if TYPE_CHECKING:
-    from ckagent.agent import Agent
+    from ckagent.delivery import Outbox
+    from ckagent.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -132,10 +133,15 @@ def last_lines(path: Path, masker: Masker, count: int, *, unfinished: bool = Fal
 
 class StatusPage:
     """The ASGI app of ``/`` and ``/tasks/...`` (see module docstring). ``status()`` is the /status
-    JSON of :class:`ckagent.status.AgentStatus`; everything else is read from ``agent`` at request time."""
+    JSON of :class:`ckagent.status.AgentStatus`; the running tasks (their stats, task dirs) are read
+    from ``supervisor`` and the finished ones from ``outbox``'s state store, at request time.
+    ``work_dir`` is where a task's dir is made before its delivery starts (``<work_dir>/tasks/<id>``)."""
 
-    def __init__(self, agent: Agent, status: Callable[[], Awaitable[dict[str, Any]]]) -> None:
-        self._agent = agent
+    def __init__(self, supervisor: Supervisor, outbox: Outbox, work_dir: Path,
+                 status: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+        self._supervisor = supervisor
+        self._outbox = outbox
+        self._work_dir = work_dir
         self._status = status
         self._tails = trio.CapacityLimiter(MAX_TAILS)
 
@@ -181,18 +187,18 @@ class StatusPage:
     # ------------------------------------------------------------------ data
 
     def _agent_secrets(self) -> tuple[str, ...]:
-        outbox = getattr(self._agent, "outbox", None)
-        return tuple(outbox.config.agent_secrets) if outbox is not None else ()
+        return tuple(self._outbox.config.agent_secrets)
+
+    def _task_dir(self, rt: Any) -> Path:
+        """A running task's directory: its delivery's, else where the supervisor makes it."""
+        delivery = getattr(rt, "delivery", None)
+        return Path(delivery.task_dir) if delivery is not None else self._work_dir / "tasks" / rt.task.id
 
     async def _find(self, task_id: str) -> tuple[Path, Masker] | None:
-        supervisor = self._agent.supervisor
-        rt = supervisor.running.get(task_id) if supervisor is not None else None
+        rt = self._supervisor.running.get(task_id)
         if rt is not None:
-            return _task_dir(self._agent, rt), _masker(rt.task.to_json(), self._agent_secrets())
-        outbox = getattr(self._agent, "outbox", None)
-        if outbox is None:
-            return None
-        record = await outbox.store.get(task_id)
+            return self._task_dir(rt), _masker(rt.task.to_json(), self._agent_secrets())
+        record = await self._outbox.store.get(task_id)
         if record is None:
             return None
         return record.task_dir, _masker(record.task_json, self._agent_secrets())
@@ -216,8 +222,7 @@ class StatusPage:
             with trio.move_on_after(MAX_TAIL_SECONDS):
                 await send({"type": "http.response.body", "body": b": tail\n\n", "more_body": True})
                 while True:
-                    supervisor = self._agent.supervisor
-                    running = supervisor is not None and task_id in supervisor.running
+                    running = task_id in self._supervisor.running
                     try:
                         data = await trio.to_thread.run_sync(read_spool, path, offset, TAIL_READ_BYTES)
                     except OSError:
@@ -242,17 +247,15 @@ class StatusPage:
 
     async def render(self) -> str:
         """The whole page (HTML text)."""
-        agent = self._agent
         status = await self._status()
         secrets_ = self._agent_secrets()
-        outbox = getattr(agent, "outbox", None)
-        free_disk = outbox.guard.free_bytes if outbox is not None else None
-        containment = status.get("containment") or getattr(agent, "containment_level", None) or "—"
+        outbox = self._outbox
+        free_disk = outbox.guard.free_bytes
+        containment = status.get("containment") or "—"
         if isinstance(containment, dict):
             containment = containment.get("level") or json.dumps(containment)
         running_by_id = {t["id"]: t for t in status.get("runningTasks", [])}
-        supervisor = agent.supervisor
-        running = list(supervisor.running.values()) if supervisor is not None else []
+        running = list(self._supervisor.running.values())
         tails: list[tuple[str, str, list[str], int]] = []
         rows = []
         for rt in sorted(running, key=lambda r: r.claimed_at):
@@ -277,11 +280,11 @@ class StatusPage:
                 f"<td>{_e(resource_text(resources))}</td>"
                 f"<td><a href=\"/tasks/{_e(task.id)}/log.txt\">log</a></td></tr>")
             lines, offset = await trio.to_thread.run_sync(
-                last_lines, _task_dir(self._agent, rt) / OUTPUT_LOG,
+                last_lines, self._task_dir(rt) / OUTPUT_LOG,
                 _masker(task.to_json(), secrets_), PAGE_TAIL_LINES)
             tails.append((task.id, task.spider_name or task.spider_id, lines, offset))
         recent_rows = []
-        records = await outbox.store.recent_finished(RECENT_TASKS) if outbox is not None else []
+        records = await outbox.store.recent_finished(RECENT_TASKS)
         for record in records:
             result = record.result or {}
             try:
@@ -341,12 +344,6 @@ class StatusPage:
         parts.append("</div>" + _SCRIPT.replace("REFRESH_MS", str(int(REFRESH_SECONDS * 1000)))
                      + "</body></html>\n")
         return "".join(parts)
-
-
-def _task_dir(agent: Agent, rt: Any) -> Path:
-    """A running task's directory: its delivery's, else where the supervisor makes it."""
-    delivery = getattr(rt, "delivery", None)
-    return Path(delivery.task_dir) if delivery is not None else agent.work_dir / "tasks" / rt.task.id
 
 
 async def _respond(send: Send, scope: dict[str, Any], status: int, ctype: str, body: bytes) -> None:
