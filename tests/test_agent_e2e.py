@@ -127,6 +127,9 @@ async def test_python_and_failing_examples(dev_master, nursery: trio.Nursery, tm
     assert ok["status"] == "SUCCESS" and ok["exitCode"] == 0, (ok, await admin.get_logs(ok_id))
     assert [item["sku"] for item in await admin.get_items(ok_id)] == SKUS
     assert ok["itemCount"] == 30
+    # The phases apart, as the master stores them (docs/protocol.md: durationMs counts from the claim).
+    assert ok["deployMs"] >= 0 and ok["installMs"] >= 0 and ok["runMs"] > 0, ok
+    assert ok["durationMs"] >= ok["runMs"], ok
     assert (bad["status"], bad["errorCode"], bad["exitCode"]) == ("FAILED", "EXIT_NONZERO", 3)
     bad_logs = await admin.get_logs(bad_id)
     assert "something went wrong: demo failure" in bad_logs

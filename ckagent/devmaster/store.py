@@ -353,7 +353,8 @@ def _seconds_since(iso: str | None, now: float | None = None) -> float:
 
 _ADDED_COLUMNS: dict[str, tuple[str, ...]] = {
     # resources: JSON {memoryBytes, pids, cpus}; stop_signal: "SIGINT" ...; figures: JSON of the
-    # result's resource figures {cpuSeconds, memoryPeakBytes, pidsPeak, ioReadBytes, ioWriteBytes}.
+    # result's figures: resources {cpuSeconds, memoryPeakBytes, pidsPeak, ioReadBytes, ioWriteBytes}
+    # and phases {deployMs, installMs, runMs}.
     "spiders": ("resources", "stop_signal"),
     "tasks": ("resources", "stop_signal", "figures"),
 }
@@ -1260,7 +1261,8 @@ class Store:
 
 
 def _result_figures(result: TaskResult) -> str | None:
-    """The resource figures of a result as stored JSON (None when it carries none)."""
+    """The resource figures and phase durations of a result as stored JSON (None when it carries none)."""
     figures = {k: v for k, v in result.to_json().items()
-               if k in ("cpuSeconds", "memoryPeakBytes", "pidsPeak", "ioReadBytes", "ioWriteBytes")}
+               if k in ("cpuSeconds", "memoryPeakBytes", "pidsPeak", "ioReadBytes", "ioWriteBytes",
+                        "deployMs", "installMs", "runMs")}
     return _dumps(figures) if figures else None
