@@ -221,7 +221,8 @@ EXEC_RETENTION = 86400.0
 def _open_master_db(path: Path) -> None:
     """Make sure the exec master's file can be opened: one of another schema version is a cache, so
     it is replaced (blocking)."""
-    from ckagent.devmaster.store import SchemaError, Store
+    from ckagent.devmaster.errors import SchemaError
+    from ckagent.devmaster.store import Store
 
     try:
         Store(path).close()

@@ -29,7 +29,9 @@ from ckagent.delivery.spool import SpoolFileError
 from ckagent.delivery.stats import StatsShipper, final_stats
 from ckagent.devmaster import stats as master_stats
 from ckagent.devmaster.client import zip_files
-from ckagent.devmaster.store import ConflictError, NotFoundError, Store, read_package
+from ckagent.devmaster.errors import ConflictError, NotFoundError
+from ckagent.devmaster.packages import read_package
+from ckagent.devmaster.store import Store
 from ckagent.master import MasterClient
 from ckagent.protocol import RegisterRequest, TaskResult, TaskStats
 from ckagent.stall import watch_stall

@@ -21,7 +21,8 @@ import trio
 from ckagent.devmaster import demosite
 from ckagent.devmaster import store as store_module
 from ckagent.devmaster.client import AdminApiError, AdminClient, zip_directory, zip_files
-from ckagent.devmaster.store import SCHEMA_VERSION, SchemaError, Store
+from ckagent.devmaster.errors import SchemaError
+from ckagent.devmaster.store import SCHEMA_VERSION, Store
 from ckagent.protocol import PendingTasks, SpiderFile
 
 if TYPE_CHECKING:

@@ -15,7 +15,8 @@ from harness import agent_settings, running_agent, submit
 
 from ckagent import __version__
 from ckagent.agent import Agent
-from ckagent.devmaster.store import NODE_LIVE_SECONDS, ConflictError, Store
+from ckagent.devmaster.errors import ConflictError
+from ckagent.devmaster.store import NODE_LIVE_SECONDS, Store
 from ckagent.errors import StartupError
 from ckagent.fleet import NODE_UID_FILE, VersionWatch, load_node_uid
 from ckagent.intake import IntakeGate

@@ -28,7 +28,9 @@ from ckagent import workspace
 from ckagent.delivery import Outbox
 from ckagent.deps import Prepared
 from ckagent.devmaster.client import zip_files
-from ckagent.devmaster.store import ConflictError, Store, read_package
+from ckagent.devmaster.errors import ConflictError
+from ckagent.devmaster.packages import read_package
+from ckagent.devmaster.store import Store
 from ckagent.master import MasterClient
 from ckagent.poller import Poller
 from ckagent.process import MARKER_VAR, run_supervised

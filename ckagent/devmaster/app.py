@@ -42,16 +42,15 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from ckagent.devmaster import demosite
-from ckagent.devmaster.store import (
-    MAX_PACKAGE_BYTES,
+from ckagent.devmaster.errors import (
     ApiError,
     BadRequestError,
     ForbiddenError,
     PayloadTooLargeError,
-    Store,
     UnauthorizedError,
-    read_package,
 )
+from ckagent.devmaster.packages import MAX_PACKAGE_BYTES, read_package
+from ckagent.devmaster.store import Store
 from ckagent.protocol import (
     FRAMEWORKS,
     Heartbeat,

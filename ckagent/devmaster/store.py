@@ -18,17 +18,8 @@ The file carries its schema version (``PRAGMA user_version`` = SCHEMA_VERSION). 
 older dev master (one row per log line, version 0) is refused with SchemaError, not migrated:
 this is a development tool, delete the file or choose another one.
 
-Exceptions (each ApiError carries the HTTP status the app answers with)::
-
-    Exception
-    ├── SchemaError               the file is not a dev master database of SCHEMA_VERSION (Store())
-    └── ApiError                  status_code, message, extra (merged into the JSON error body)
-        ├── BadRequestError       400  the body is not JSON / the upload is not a zip
-        ├── UnauthorizedError     401  missing or wrong token / api key
-        ├── ForbiddenError        403  a valid node key used on another node's path
-        ├── NotFoundError         404  unknown node, spider, task, file or package
-        ├── ConflictError         409  the request contradicts the stored state (claims, seq gaps)
-        └── PayloadTooLargeError  413  body or batch over the limits
+The exceptions it raises are drawn in :mod:`ckagent.devmaster.errors`; code packages are read by
+:mod:`ckagent.devmaster.packages`.
 
 A payload that breaks the schema raises ``ckagent.protocol.ProtocolError`` (422) instead.
 """
@@ -37,24 +28,29 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import logging
 import secrets
 import sqlite3
-import stat
 import threading
 import time
 import uuid
-import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
 from ckagent.devmaster import stats as task_stats
+from ckagent.devmaster.errors import (
+    BadRequestError,
+    ConflictError,
+    NotFoundError,
+    SchemaError,
+)
+from ckagent.devmaster.packages import (
+    PackageContents,
+)
 from ckagent.protocol import (
     FINAL_STATUSES,
     Heartbeat,
@@ -66,27 +62,7 @@ from ckagent.protocol import (
 )
 from ckagent.versions import InvalidVersion, Version
 
-__all__ = [
-    "MAX_PACKAGE_BYTES",
-    "MAX_PACKAGE_UNCOMPRESSED_BYTES",
-    "SCHEMA_VERSION",
-    "ApiError",
-    "BadRequestError",
-    "ConflictError",
-    "ForbiddenError",
-    "NotFoundError",
-    "PackageContents",
-    "PayloadTooLargeError",
-    "SchemaError",
-    "Store",
-    "UnauthorizedError",
-    "read_package",
-]
-
-MAX_PACKAGE_BYTES = 256 * 1024 * 1024
-"""Largest zip the admin API accepts (bytes)."""
-MAX_PACKAGE_UNCOMPRESSED_BYTES = 512 * 1024 * 1024
-"""Largest total size of a package's files once unpacked (bytes): the files are stored in SQLite too."""
+__all__ = ["NODE_LIVE_SECONDS", "SCHEMA_VERSION", "Store"]
 
 CHECKPOINT_BYTES = 4 * 1024 * 1024
 """Bytes written to the WAL (estimated) after which the checkpointer thread copies it into the database."""
@@ -97,11 +73,11 @@ _PAGE_BYTES = 4096
 NODE_LIVE_SECONDS = 90.0
 """A node that heartbeated this recently (seconds) is live: its name is not given to another nodeUid."""
 SCHEMA_VERSION = 2
+"""The layout of the SQLite file (``PRAGMA user_version``): 2 = logs and items in chunks."""
 CLAIM_GRACE_SECONDS = 60.0
 """A RUNNING task a node does not list in a heartbeat (running, claiming or reporting) goes back to
 PENDING only when it was claimed at least this long ago: a claim answered after the node took its
 heartbeat's snapshot must not be taken back (docs/protocol.md, "Claims and releases")."""
-"""The layout of the SQLite file (``PRAGMA user_version``): 2 = logs and items in chunks."""
 
 _log = logging.getLogger(__name__)
 
@@ -112,127 +88,6 @@ _LINES = "lines"
 """Log chunk format: the lines joined by ``\\n`` (none of them holds one)."""
 _JSON = "json"
 """Log chunk format: a JSON array of strings (some line holds a ``\n``)."""
-
-
-class SchemaError(Exception):
-    """The database file is not a dev master database of SCHEMA_VERSION (an older layout, a newer one,
-    or another application's file). Nothing in it is changed; the fix is another file.
-    """
-
-
-class ApiError(Exception):
-    """An error the HTTP layer turns into ``{"error": message, **extra}`` with ``status_code``."""
-
-    status_code = 500
-
-    def __init__(self, message: str, **extra: Any) -> None:
-        super().__init__(message)
-        self.message = message
-        self.extra = extra
-
-
-class BadRequestError(ApiError):
-    """400: the request body cannot be read (not JSON, not a zip)."""
-
-    status_code = 400
-
-
-class UnauthorizedError(ApiError):
-    """401: missing or wrong credentials. The message never contains the credential."""
-
-    status_code = 401
-
-
-class ForbiddenError(ApiError):
-    """403: a valid node key used on a path of another node."""
-
-    status_code = 403
-
-
-class NotFoundError(ApiError):
-    """404: the named object does not exist."""
-
-    status_code = 404
-
-
-class ConflictError(ApiError):
-    """409: the request contradicts the stored state; ``extra`` may carry ``expectedSeq``."""
-
-    status_code = 409
-
-
-class PayloadTooLargeError(ApiError):
-    """413: the body or a batch is over the limit."""
-
-    status_code = 413
-
-
-# --------------------------------------------------------------------------- packages
-
-
-@dataclass(frozen=True)
-class PackageFile:
-    """One regular file of a code package: ``path`` inside the zip, its bytes and their sha256 (hex)."""
-
-    path: str
-    data: bytes
-    sha256: str
-
-    @property
-    def size_bytes(self) -> int:
-        """Length of ``data`` in bytes."""
-        return len(self.data)
-
-
-@dataclass(frozen=True)
-class PackageContents:
-    """A validated code package: the zip's sha256 (hex), its size, ``code_version`` and regular files."""
-
-    sha256: str
-    size_bytes: int
-    files: list[PackageFile] = field(default_factory=list)
-
-    @property
-    def code_version(self) -> str:
-        """The first 12 hex digits of the zip's sha256."""
-        return self.sha256[:12]
-
-
-def read_package(data: bytes) -> PackageContents:
-    """Check that ``data`` is a readable zip and read its regular files (blocking: run in a thread).
-
-    Directories and symlink entries are skipped; paths are kept exactly as the zip names them (the
-    agent, not the master, decides what is safe to unpack). A later entry with the same path wins,
-    as it would on extraction. Raises BadRequestError (not a zip, or a file fails its CRC) and
-    PayloadTooLargeError (over MAX_PACKAGE_BYTES, or more than MAX_PACKAGE_UNCOMPRESSED_BYTES unpacked).
-    """
-    if len(data) > MAX_PACKAGE_BYTES:
-        raise PayloadTooLargeError(f"package is larger than {MAX_PACKAGE_BYTES} bytes")
-    try:
-        archive = zipfile.ZipFile(io.BytesIO(data))
-    except zipfile.BadZipFile as exc:
-        raise BadRequestError(f"the package is not a zip file: {exc}") from exc
-    files: dict[str, PackageFile] = {}
-    total = 0
-    with archive:
-        for info in archive.infolist():
-            if info.is_dir() or stat.S_ISLNK(info.external_attr >> 16):
-                continue
-            total += info.file_size
-            if total > MAX_PACKAGE_UNCOMPRESSED_BYTES:
-                raise PayloadTooLargeError(
-                    f"the package unpacks to more than {MAX_PACKAGE_UNCOMPRESSED_BYTES} bytes"
-                )
-            try:
-                content = archive.read(info)
-            except (zipfile.BadZipFile, NotImplementedError, RuntimeError, OSError) as exc:
-                raise BadRequestError(f"cannot read {info.filename!r} from the package: {exc}") from exc
-            files[info.filename] = PackageFile(
-                path=info.filename, data=content, sha256=hashlib.sha256(content).hexdigest()
-            )
-    return PackageContents(
-        sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data), files=list(files.values())
-    )
 
 
 # --------------------------------------------------------------------------- schema
