@@ -65,13 +65,13 @@ SCRUBBED = {"empty-env", "new-env", "exec"}
 KINDS = ("session", "empty-env", "new-env", "exec", "forker")
 
 
-@pytest.fixture(params=LEVELS_HERE)
-
 def _read_proc(path: str) -> str:
     """A procfs file's text (an instant read from the kernel, fine on the event loop's thread)."""
     with open(path) as fh:
         return fh.read()
 
+
+@pytest.fixture(params=LEVELS_HERE)
 def level(request: pytest.FixtureRequest) -> str:
     """Each containment level this machine allows (settings_for picks it up)."""
     LEVEL["current"] = request.param
