@@ -361,18 +361,43 @@ far more than a trickle writes in this time, so the spider never blocks; a flood
 and never pauses."""
 
 
+PARTIAL_LINE_MAX_BYTES = 64 * 1024
+"""An unfinished line is held back (per pipe) until its newline comes, up to this many bytes."""
+
+
 async def _copy(stream: trio.abc.ReceiveStream, output: Callable[[bytes], None],
                 exited: trio.Event | None = None) -> None:
-    """Copy a pipe into ``output`` until EOF (see PIPE_COALESCE_INTERVAL; no gathering once ``exited``
-    is set, so the end of a task is not delayed). Cancellation stops at once."""
-    while True:
-        chunk = await stream.receive_some(65536)
-        if not chunk:
-            return
-        output(bytes(chunk))
-        if len(chunk) < PIPE_COALESCE_BELOW:
-            if exited is None:
-                await trio.sleep(PIPE_COALESCE_INTERVAL)
-            elif not exited.is_set():
-                with trio.move_on_after(PIPE_COALESCE_INTERVAL):
-                    await exited.wait()
+    """Copy a pipe into ``output`` until EOF, whole lines at a time (see PIPE_COALESCE_INTERVAL; no
+    gathering once ``exited`` is set, so the end of a task is not delayed).
+
+    stdout and stderr go into one task log: an unfinished line of one pipe is held back until its
+    newline arrives (or EOF, or PARTIAL_LINE_MAX_BYTES), so a line of the other pipe can never land
+    inside it. (Unbuffered Python writes a print's text and its newline apart, and a reader that
+    passed on the text alone let the other pipe's line in between.) Cancellation stops at once;
+    what was held back is passed on first.
+    """
+    partial = b""
+    try:
+        while True:
+            chunk = await stream.receive_some(65536)
+            if not chunk:
+                return
+            data = partial + chunk if partial else bytes(chunk)
+            cut = data.rfind(b"\n") + 1
+            if cut == 0 and len(data) < PARTIAL_LINE_MAX_BYTES:
+                partial = data
+            elif cut == 0 or len(data) - cut >= PARTIAL_LINE_MAX_BYTES:
+                partial = b""
+                output(data)
+            else:
+                partial = data[cut:]
+                output(data[:cut])
+            if len(chunk) < PIPE_COALESCE_BELOW:
+                if exited is None:
+                    await trio.sleep(PIPE_COALESCE_INTERVAL)
+                elif not exited.is_set():
+                    with trio.move_on_after(PIPE_COALESCE_INTERVAL):
+                        await exited.wait()
+    finally:
+        if partial:
+            output(partial)

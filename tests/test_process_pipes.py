@@ -49,3 +49,28 @@ async def test_spider_pipes_are_enlarged(tmp_path: Path) -> None:
     assert outcome.returncode == 0
     expected = min(PIPE_BYTES, system_max)
     assert b"".join(out).decode().split() == ["sizes", str(expected), str(expected)]
+
+
+INTERLEAVED = textwrap.dedent("""
+    import os, sys, time
+    os.write(1, b"stdout line, first half")   # what an unbuffered print() does: the text ...
+    time.sleep(0.3)
+    os.write(2, b"a whole stderr line\\n")      # ... another pipe's line meanwhile ...
+    time.sleep(0.3)
+    os.write(1, b", second half\\n")             # ... and then the newline
+    os.write(1, b"no newline at the end")
+""")
+
+
+async def test_a_line_of_one_pipe_never_lands_inside_a_line_of_the_other(tmp_path: Path) -> None:
+    task_id = uuid.uuid4().hex
+    out: list[bytes] = []
+    with trio.fail_after(30):
+        outcome = await run_supervised(
+            [sys.executable, "-c", INTERLEAVED], cwd=tmp_path, env={**os.environ, MARKER_VAR: task_id},
+            task_id=task_id, output=out.append, deadline_seconds=20, grace=1.0, stop=trio.Event(),
+            notice=lambda text: None,
+        )
+    assert outcome.returncode == 0
+    lines = b"".join(out).decode().splitlines()
+    assert lines[:3] == ["a whole stderr line", "stdout line, first half, second half", "no newline at the end"], lines
