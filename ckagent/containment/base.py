@@ -10,6 +10,7 @@ processes (its installers and its spider). Exceptions::
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import ctypes
 import ctypes.util
@@ -88,7 +89,7 @@ class Figures:
         return {k: v for k, v in out.items() if v is not None}
 
 
-class TaskJail:
+class TaskJail(abc.ABC):
     """Holds every process of one task (see the level modules). All methods are safe to call more
     than once; "already gone" is never an error.
 
@@ -125,21 +126,22 @@ class TaskJail:
 
     def watch(self, pid: int) -> None:
         """Record a main process (its process group is the task's at the process-group level)."""
+        return  # nothing to do by default
 
+    @abc.abstractmethod
     def populated(self) -> bool:
         """True while any process of the task lives (zombies do not count)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def wait_empty(self) -> None:
         """Return when no process of the task is left, woken by the kernel (cgroup.events ``populated``
         via inotify, or pidfds), not by sleeping. Cancellation: returns nothing, as usual."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def kill_all(self) -> int:
         """SIGKILL every process of the task, forks racing the kill included, and wait until none is
         left (bounded; a process stuck in the kernel is logged and given up). Returns how many
         processes were killed (-1 = unknown count, e.g. cgroup.kill). Cancellation: callers shield it."""
-        raise NotImplementedError
 
     def figures(self) -> Figures:
         """Sample the task's resource figures now (before :meth:`close`)."""
@@ -147,9 +149,10 @@ class TaskJail:
 
     def close(self) -> None:
         """Remove the task's cgroups (they must be empty). Never raises."""
+        return  # nothing to do by default
 
 
-class Containment:
+class Containment(abc.ABC):
     """The node's containment level. ``level`` is one of :data:`LEVELS`; ``details`` one line for
     the log and /status; ``can_limit`` the controllers limits work with (subset of memory, pids, cpu)."""
 
@@ -157,16 +160,16 @@ class Containment:
     details: str = ""
     can_limit: frozenset[str] = frozenset()
 
+    @abc.abstractmethod
     def jail(self, task_id: str, limits: Limits) -> TaskJail:
         """Create the jail of a task (blocking but quick: a few mkdir/write in cgroupfs).
         Raises ContainmentError when its cgroup cannot be created."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def recover(self, task_id: str, pgid: int | None) -> int:
         """Crash recovery: kill every leftover process of a task the state store lists as running
         when the agent died; ``pgid`` is its recorded process group (None = unknown/stale).
         Returns how many processes were killed (-1 = unknown)."""
-        raise NotImplementedError
 
     async def sweep_stale(self) -> int:
         """At start, before any task: kill and remove leftover task cgroups of this agent (a crash
@@ -179,6 +182,7 @@ class Containment:
 
     def close(self) -> None:
         """Release what the level holds (the per-agent cgroup directory if empty). Never raises."""
+        return  # nothing to do by default
 
 
 # ------------------------------------------------------------------------------------- helpers
