@@ -76,9 +76,12 @@ async def agent_latency(workdir: Path, count: int, *, long_poll_wait: float, pol
                         label: str) -> dict[str, list[float]]:
     """Run ``count`` tasks one at a time through a real agent; returns latency lists (seconds).
 
-    Keys: ``total`` (createdAt → stamp), ``claim`` (createdAt → claimedAt at the master: long poll
-    answer + claim), ``prepare`` (claimedAt → the spawn, the final result's startedAt: the agent's
-    own work) and ``interpreter`` (startedAt → stamp). The master's times have millisecond precision.
+    Keys: ``total`` (createdAt → stamp), ``spawned`` (createdAt → the spawn), and the phases apart:
+    ``claim`` (createdAt → claimedAt at the master: the long poll's wake-up, its answer and the claim),
+    ``take`` (claimedAt → the final result's startedAt, when the agent's task began: the claim's answer
+    and the admission), ``prepare`` (startedAt → the spawn: jail, deploy check, working copy,
+    environment, state store; the spawn = the result's finishedAt − runMs) and ``interpreter`` (the
+    spawn → stamp). The master's times have millisecond precision (the spawn: ±1 ms).
     """
     stamps = workdir / f"stamps-{label}"
     stamps.mkdir(parents=True, exist_ok=True)
@@ -86,7 +89,8 @@ async def agent_latency(workdir: Path, count: int, *, long_poll_wait: float, pol
     await master.start()
     agent = AgentProcess(workdir / f"agent-{label}", master, max_workers=2, name=f"bench-{label}",
                          long_poll_wait=long_poll_wait, poll_interval=poll_interval)
-    out: dict[str, list[float]] = {"total": [], "claim": [], "prepare": [], "interpreter": []}
+    out: dict[str, list[float]] = {"total": [], "spawned": [], "claim": [], "take": [], "prepare": [],
+                                   "interpreter": []}
     try:
         await agent.start()
         (spider,) = await create_spiders(master.admin, "stamp", 1, stamp_command(), zip_files(STAMP_SPIDER), stamps)
@@ -101,10 +105,13 @@ async def agent_latency(workdir: Path, count: int, *, long_poll_wait: float, pol
             task = await master.admin.wait_task_final(task_id, 60)
             created = parse_iso(task["createdAt"])
             claimed = parse_iso(task["claimedAt"])
-            spawned = parse_iso(task["startedAt"])
+            taken = parse_iso(task["startedAt"])
+            spawned = parse_iso(task["finishedAt"]) - task["runMs"] / 1000
             out["total"].append(stamp - created)
+            out["spawned"].append(spawned - created)
             out["claim"].append(claimed - created)
-            out["prepare"].append(spawned - claimed)
+            out["take"].append(taken - claimed)
+            out["prepare"].append(spawned - taken)
             out["interpreter"].append(stamp - spawned)
     finally:
         await agent.stop()
@@ -139,8 +146,8 @@ async def scrapyd_latency(workdir: Path, count: int, python: Path) -> list[float
 
 def _phases(latencies: dict[str, list[float]]) -> str:
     p50 = {k: summary(v)["p50"] * 1000 for k, v in latencies.items()}
-    return (f"p50 phases: poll+claim {p50['claim']:.0f} ms, agent prepare+spawn {p50['prepare']:.0f} ms, "
-            f"interpreter {p50['interpreter']:.0f} ms")
+    return (f"p50: created → spawned {p50['spawned']:.1f} ms = poll+claim {p50['claim']:.1f} + take "
+            f"{p50['take']:.1f} + prepare {p50['prepare']:.1f}; interpreter {p50['interpreter']:.1f} ms")
 
 
 async def run_async(quick: bool, scrapyd: bool = True) -> dict[str, Any]:

@@ -96,6 +96,8 @@ class HeartbeatLoop:
             paused_reason=self._paused_reason(),
             claiming_task_ids=sorted(sup.claiming),
             reporting_task_ids=sorted(self._reporting() if reporting is None else reporting),
+            claim_poll_ids=sorted(sup.claim_polls),
+            last_claim_poll_id=sup.last_claim_poll,
         )
         try:
             with trio.move_on_after(max(self.interval, 1.0)):

@@ -135,6 +135,8 @@ class MasterClient:
         self.node_id: str | None = None
         self._api_key: str | None = api_key
         self._key_generation = 0
+        self.features: frozenset[str] = frozenset()
+        """What the master said it supports at the last registration (e.g. ``claim-in-poll``)."""
         self._register_lock = trio.Lock()
         self.connectivity = Connectivity()
         self._client = self._new_client()
@@ -181,6 +183,7 @@ class MasterClient:
                     answer = await self._register_once()
             again = self.node_id == answer.node_id
             self.node_id, self._api_key = answer.node_id, answer.api_key
+            self.features = frozenset(answer.features)
             self._key_generation += 1
             # A re-registration after a 401 keeps the node id: not worth a line each time a proxy says 401.
             log.log(logging.DEBUG if again else logging.INFO, "registered with %s as node %s",

@@ -22,6 +22,19 @@ admitted run on in the work nursery. While a claim is on the wire its task id is
 ``Supervisor.claiming`` (the heartbeat reports it as ``claimingTaskIds``), so the master can tell a
 claim in flight from a task no node runs.
 
+**Claims in the poll answer** (``claim-in-poll``, when the master named it at registration): each
+poll also asks the master to claim what it hands out (``claim`` = free slots) and names itself
+(``pollId``: an integer that grows, by the wall clock across restarts). The answer's tasks are then
+this node's already (``claimed``): each is admitted at once, or given back (stopping, or a task the
+node cannot run) — one round trip instead of two. A poll whose answer does not arrive (cut off,
+timed out, abandoned because a spider it excluded finished here) is ambiguous like a claim cut off:
+its id stays open and the next poll (a retry, or the next one) sends it again, so the master answers
+the tasks it claimed for it again; the heartbeat lists the open id (``claimPollIds``) and the newest
+one sent (``lastClaimPollId``), so the master can take back, without waiting, the claims of a poll
+the node has settled without getting them (docs/protocol.md, "Claims in the poll answer"). An id is
+settled once its answer's tasks are admitted or given back, or when the poller ends (stopping cuts
+the poll in flight: the master's reconciliation takes its claims back).
+
 While the ``gate`` (ckagent.intake) is closed — disk below its floor, agent older than the master's minimum —
 the poller does not poll. A task the node cannot run (``can_run``: its framework's tool is missing,
 ckagent.capabilities) is not claimed — the master keeps it for other nodes — and its spider is left
@@ -32,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
@@ -47,7 +61,7 @@ from ckagent.master import (
     MasterUnavailable,
     json_object,
 )
-from ckagent.protocol import BadTask, PendingTasks, Task, TaskRelease, TaskResult, utc_now_iso
+from ckagent.protocol import CLAIM_IN_POLL, BadTask, PendingTasks, Task, TaskRelease, TaskResult, utc_now_iso
 from ckagent.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -65,6 +79,8 @@ class _Answer:
 
     pending: PendingTasks
     held_seconds: float
+    poll_id: int | None = None
+    """The claiming poll's id (claim-in-poll), None for a poll that claimed nothing."""
 
 
 class Poller:
@@ -97,6 +113,8 @@ class Poller:
         self._idle_scope: trio.CancelScope | None = None
         self._claim_deadline = math.inf
         self._claim_scopes: set[trio.CancelScope] = set()
+        self._poll_id: int | None = None  # the open claiming poll (sent, its answer not settled)
+        self._answered_poll: int | None = None  # the claiming poll the last answer came for
 
     def stop(self, *, claim_timeout: float | None = None) -> None:
         """Stop polling (idempotent): the poll in flight and any pause end at once; claims on the wire
@@ -117,38 +135,76 @@ class Poller:
         Cancellation from outside cuts claims off; their tasks are released (shielded, at most
         RELEASE_TIMEOUT seconds each) before the Cancelled goes on.
         """
-        while not self._stopping:
-            answer: _Answer | None = None
-            with trio.CancelScope() as idle:  # what a stop ends at once: waiting, polling, pausing
-                self._idle_scope = idle
-                answer = await self._next_answer()
-            self._idle_scope = None
-            if answer is None:
-                continue  # stopped (the loop ends), or a spider the poll excluded has finished
-            for task_id in answer.pending.cancel_task_ids:
-                self._supervisor.cancel(task_id, "cancelled by the master")
-            for bad in answer.pending.bad_tasks:
-                work.start_soon(self._report_bad_task, bad)
-            # Claims go out together; each task starts as soon as its own claim is answered. A stop
-            # does not cut them off (see the module docstring).
-            async with trio.open_nursery() as claims:
-                for task in answer.pending.tasks:
-                    why = self._cannot_run(task) if self._cannot_run is not None else None
-                    if why is not None:
-                        self._leave(task, why)
-                    elif task.id not in self._supervisor.running:
-                        claims.start_soon(self._claim_and_start, task, work)
-            if self._stopping:
-                return
-            held = answer.held_seconds >= self.long_poll_wait / 2
-            if not answer.pending.tasks and not (self.long_poll_wait and held):
-                # Cancel ids of tasks already ended here (their results on the way) make a master
-                # answer at once until those results arrive: the pause ends when one has arrived.
-                stale = {t for t in answer.pending.cancel_task_ids if t not in self._supervisor.running}
-                with trio.CancelScope() as idle:
+        try:
+            while not self._stopping:
+                answer: _Answer | None = None
+                with trio.CancelScope() as idle:  # what a stop ends at once: waiting, polling, pausing
                     self._idle_scope = idle
-                    await self._pause(stale)
+                    answer = await self._next_answer()
                 self._idle_scope = None
+                if answer is None:
+                    continue  # stopped (the loop ends), or a spider the poll excluded has finished
+                for task_id in answer.pending.cancel_task_ids:
+                    self._supervisor.cancel(task_id, "cancelled by the master")
+                for bad in answer.pending.bad_tasks:
+                    work.start_soon(self._report_bad_task, bad)
+                # Claims go out together; each task starts as soon as its own claim is answered. A stop
+                # does not cut them off (see the module docstring). Tasks the answer claimed start now.
+                async with trio.open_nursery() as claims:
+                    for task in answer.pending.tasks:
+                        why = self._cannot_run(task) if self._cannot_run is not None else None
+                        if task.claimed:
+                            self._settle_claimed(task, why, claims, work)
+                        elif why is not None:
+                            self._leave(task, why)
+                        elif task.id not in self._supervisor.running:
+                            claims.start_soon(self._claim_and_start, task, work)
+                if answer.poll_id is not None:
+                    self._close_claim_poll(answer.poll_id)
+                if self._stopping:
+                    return
+                held = answer.held_seconds >= self.long_poll_wait / 2
+                if not answer.pending.tasks and not (self.long_poll_wait and held):
+                    # Cancel ids of tasks already ended here (their results on the way) make a master
+                    # answer at once until those results arrive: the pause ends when one has arrived.
+                    stale = {t for t in answer.pending.cancel_task_ids if t not in self._supervisor.running}
+                    with trio.CancelScope() as idle:
+                        self._idle_scope = idle
+                        await self._pause(stale)
+                    self._idle_scope = None
+        finally:
+            if self._poll_id is not None:  # cut off unanswered: the master's reconciliation takes it back
+                self._close_claim_poll(self._poll_id)
+
+    def _settle_claimed(self, task: Task, why: str | None, claims: trio.Nursery, work: trio.Nursery) -> None:
+        """A task the poll answer claimed for this node: admit and start it, or give it back (in
+        ``claims``) when stopping or when the node cannot run it. Never awaits before the admission."""
+        sup = self._supervisor
+        if self._stopping:
+            claims.start_soon(self._release, task.id, "claimed while the node started draining")
+        elif why is not None:
+            self._leave(task, why)
+            claims.start_soon(self._release, task.id, f"this node cannot run it: {why}")
+        elif task.id not in sup.running:  # (a task already ours: the answer repeats it)
+            rt = sup.admit(task)
+            work.start_soon(sup.run_task, rt, name=f"task {task.id}")
+
+    def _open_claim_poll(self) -> int:
+        """The id of the claiming poll to send: the open one (its answer never settled), else a new
+        one, above every id sent before (microseconds of the wall clock, so also above the ids of
+        an earlier run of this node)."""
+        sup = self._supervisor
+        if self._poll_id is None:
+            self._poll_id = max(int(time.time() * 1_000_000), (sup.last_claim_poll or 0) + 1)
+            sup.claim_polls.add(self._poll_id)
+            sup.last_claim_poll = self._poll_id
+        return self._poll_id
+
+    def _close_claim_poll(self, poll_id: int) -> None:
+        """The claiming poll ``poll_id`` is settled: its tasks admitted or given back, or never received."""
+        self._supervisor.claim_polls.discard(poll_id)
+        if self._poll_id == poll_id:
+            self._poll_id = None
 
     async def _next_answer(self) -> _Answer | None:
         """Wait for a free slot, then poll; None when the poll went stale. Master trouble is retried
@@ -163,7 +219,9 @@ class Poller:
             except MasterRejected as exc:  # logged once per episode by the master client
                 log.debug("polling for tasks failed: %s; retrying in %g s", exc, self.poll_interval)
             else:
-                return None if pending is None else _Answer(pending, trio.current_time() - started)
+                if pending is None:
+                    return None
+                return _Answer(pending, trio.current_time() - started, self._answered_poll)
             await trio.sleep(self.poll_interval)
 
     def _leave(self, task: Task, why: str) -> None:
@@ -230,6 +288,8 @@ class Poller:
 
         Raises MasterRejected (4xx).
         """
+        if not self._master.registered:  # (the agent registers first; the features come with it)
+            await self._master.register()
         sup = self._supervisor
         params: dict[str, str | int | float] = {"limit": max(1, sup.free_slots())}
         excluded = sorted(set(sup.running_spider_ids()) | self.unrunnable)
@@ -237,11 +297,16 @@ class Poller:
             params["excludeSpiderIds"] = ",".join(excluded)
         if self.long_poll_wait:
             params["waitSeconds"] = self.long_poll_wait
+        poll_id = None
+        if CLAIM_IN_POLL in self._master.features:  # the answer carries the claims (module docstring)
+            params["claim"] = params["limit"]
+            params["pollId"] = poll_id = self._open_claim_poll()
         answer: PendingTasks = await self._master.call_retrying(
             "poll", "GET", "/api/nodes/{node}/tasks/pending", params=params,
             read_timeout=self.long_poll_wait + self._request_timeout, answer=PendingTasks.from_json,
         )
         self.polls += 1
+        self._answered_poll = poll_id
         return answer
 
     async def _claim_and_start(self, task: Task, work: trio.Nursery) -> None:

@@ -201,6 +201,10 @@ class Supervisor:
         self.running: dict[str, RunningTask] = {}
         self.claiming: set[str] = set()
         """Tasks whose claim is on the wire (the poller's; the heartbeat reports them)."""
+        self.claim_polls: set[int] = set()
+        """Claiming polls (``pollId``) not settled yet (the poller's; the heartbeat reports them)."""
+        self.last_claim_poll: int | None = None
+        """The newest claiming poll id the poller has sent (None: none yet)."""
         self._spider_locks: dict[str, trio.Lock] = {}
         self._slot_freed = trio.Event()
         self._on_finished = on_finished

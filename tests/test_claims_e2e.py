@@ -2,7 +2,9 @@
 reference master behind an ASGI gate that can hold claim answers or refuse final results.
 
 - SIGTERM with claims on the wire: no task is left RUNNING at the master (each claim is answered
-  and given back, or cut off and given back); the node's last heartbeat says STOPPED.
+  and given back, or cut off and given back); the node's last heartbeat says STOPPED. The same with
+  the claim in a poll answer (claim-in-poll) held on its way: the poll is cut off, and the master's
+  reconciliation against the node's heartbeat makes the task PENDING again; it never runs here.
 - A task cancelled during its dependency install, then ``kill -9`` of the agent before the result
   got through: the next start reports CANCELLED, not AGENT_LOST.
 - After a cancel, the spider's next task starts within 1 s with the default poll settings.
@@ -45,6 +47,7 @@ from ckagent.devmaster.client import AdminClient
 from ckagent.devmaster.store import Store
 
 _RESULT_PATH = re.compile(r"^/api/tasks/([^/]+)/(result|release)$")
+_POLL_PATH = re.compile(r"^/api/nodes/[^/]+/tasks/pending$")
 
 
 @dataclass
@@ -57,8 +60,24 @@ class Gate:
     claim_delay: float = 0.0
     refuse_finals: bool = False
     releases: list[str] = field(default_factory=list)
+    claimed_poll_delay: float = 0.0
+    """Seconds between a poll answer that carries claimed tasks and its sending (claim-in-poll)."""
+    claimed_polls: int = 0
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and _POLL_PATH.match(scope.get("path", "")) and self.claimed_poll_delay:
+            answer: list[dict[str, Any]] = []
+
+            async def keep(message: dict[str, Any]) -> None:
+                answer.append(message)
+
+            await self.app(scope, receive, keep)  # the master has claimed what the answer carries
+            if b'"claimed":true' in b"".join(m.get("body", b"") for m in answer):
+                self.claimed_polls += 1
+                await trio.sleep(self.claimed_poll_delay)
+            for message in answer:
+                await send(message)
+            return
         match = _RESULT_PATH.match(scope.get("path", "")) if scope["type"] == "http" else None
         if match is None or scope["method"] != "POST":
             await self.app(scope, receive, send)
@@ -104,11 +123,14 @@ class GatedMaster:
 
 
 @pytest.fixture
-async def gated_master(tmp_path: Path) -> AsyncIterator[GatedMaster]:
+async def gated_master(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[GatedMaster]:
+    """The gated dev master; ``claim_in_poll`` is its feature (parametrize indirectly with False to
+    make the agent claim with POST .../result)."""
+    claim_in_poll = getattr(request, "param", True)
     store = await trio.to_thread.run_sync(Store, tmp_path / "master.sqlite")
     registration_token, admin_token = uuid.uuid4().hex, uuid.uuid4().hex
     gate = Gate(create_app(store, Notifier(), registration_token=registration_token, admin_token=admin_token,
-                           max_long_poll_seconds=30.0))
+                           max_long_poll_seconds=30.0, claim_in_poll=claim_in_poll))
     config = HypercornConfig()
     config.bind = ["127.0.0.1:0"]
     config.accesslog = None
@@ -128,6 +150,7 @@ async def gated_master(tmp_path: Path) -> AsyncIterator[GatedMaster]:
 SLEEPER = {"main.py": "import time\nprint('started', flush=True)\ntime.sleep(600)\n"}
 
 
+@pytest.mark.parametrize("gated_master", [False], indirect=True, ids=["claim-by-result"])
 @pytest.mark.parametrize("claim_delay", [3.0, 30.0], ids=["answered-while-draining", "cut-off"])
 async def test_sigterm_with_claims_on_the_wire_leaves_no_task_running(
     gated_master: GatedMaster, tmp_path: Path, claim_delay: float
@@ -158,6 +181,34 @@ async def test_sigterm_with_claims_on_the_wire_leaves_no_task_running(
     reason = "claimed while the node started draining" if claim_delay < 10 else "claim cut off: the node is stopping"
     assert text.count(f"given back to the master ({reason})") == 2, text[-3000:]
     assert "started" not in "".join([line for t in tasks for line in await admin.get_logs(t)])
+    assert await node_status(admin) == "STOPPED"
+
+
+async def test_sigterm_with_a_claiming_poll_answer_on_the_wire_leaves_no_task_running(
+    gated_master: GatedMaster, tmp_path: Path
+) -> None:
+    admin = gated_master.admin
+    agent = agent_process(tmp_path, gated_master.base_url, gated_master.registration_token,
+                          server__request_timeout=5)
+    gated_master.gate.claimed_poll_delay = 30.0  # the answer carrying the claim never arrives in time
+    await agent.start()
+    try:
+        await wait_registered(admin, agent)
+        task_id = await submit(admin, "claimed-in-poll", SLEEPER)
+
+        async def claimed() -> bool:
+            return gated_master.gate.claimed_polls == 1 and (await admin.get_task(task_id))["status"] == "RUNNING"
+
+        await eventually(claimed)  # claimed at the master; the answer is held
+        agent.signal(signal.SIGTERM)
+        assert await wait_exit(agent, 20) == 0
+    finally:
+        with trio.move_on_after(10, shield=True):  # a cancelled test still reaps its agents
+            await agent.kill()
+    # The poll was cut off; the node's heartbeat showed it settled: PENDING again at once (no 60 s wait).
+    assert (await admin.get_task(task_id))["status"] == "PENDING", agent.log_text()[-3000:]
+    assert gated_master.gate.releases == []
+    assert "started" not in "".join(await admin.get_logs(task_id))
     assert await node_status(admin) == "STOPPED"
 
 

@@ -9,7 +9,8 @@ ingress, a reset connection, no answer at all), lasting some seconds:
    result): the agent keeps running, logs the trouble once (one WARNING line of ckagent.master per
    episode), /readyz names it, and once the proxy behaves the task's lines, items and result reach
    the master complete, once, in order (the result's counts are the master's counts);
-3. on the claim of the next task: the task still runs once the proxy behaves.
+3. on the claim of the next task (in the poll, with claim-in-poll): the task still runs, once, when
+   the proxy behaves.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from harness import agent_settings, running_agent, submit
 
 from ckagent.agent import Agent
 from ckagent.delivery import LineSplitter, Masker, decode_lines
+from ckagent.protocol import CLAIM_IN_POLL
 
 FAULT_SECONDS = 5.0
 """How long each fault lasts: more than /readyz's limit (3 heartbeat intervals of 1 s)."""
@@ -155,13 +157,14 @@ async def test_the_agent_survives_every_answer_class_and_delivers_everything(
             assert items == items_of(task_dir) == [{"n": n} for n in range(0, 300, 10)]
             assert task["logLines"] == len(logs) and task["itemCount"] == len(items)
 
-            # 3. the claim of the next task under the fault
-            proxy.set(mode, {"claim"})
+            # 3. the claim of the next task under the fault (it travels in the poll with claim-in-poll)
+            claim_call = "poll" if CLAIM_IN_POLL in agent.master.features else "claim"
+            proxy.set(mode, {claim_call})
             claimed_at = trio.current_time()
             second = await submit(dev_master.admin, "second", {"main.py": "print('second')\n"})
 
             async def claim_faulted() -> bool:
-                return proxy.faulted("claim", claimed_at) >= 2
+                return proxy.faulted(claim_call, claimed_at) >= 2
 
             await eventually(claim_faulted, 20, "the claim meets the fault")
             proxy.heal()

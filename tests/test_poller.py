@@ -20,7 +20,7 @@ import trio
 
 from ckagent.master import MasterClient
 from ckagent.poller import Poller
-from ckagent.protocol import RegisterRequest
+from ckagent.protocol import CLAIM_IN_POLL, RegisterRequest, Task
 from ckagent.supervisor import RunnerConfig, RunningTask, Supervisor
 
 POLL_INTERVAL = 5.0
@@ -76,15 +76,24 @@ class FakeMaster:
     answered_at: list[float] = field(default_factory=list)
     results: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     poll_event: trio.Event = field(default_factory=trio.Event)
+    features: list[str] = field(default_factory=list)  # the registration answer's (claim-in-poll)
+    lose_polls: int = 0  # the first polls' answers are lost on the way (a 502 after the master acted)
+    releases: list[str] = field(default_factory=list)
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
         if path == "/api/nodes/register":
-            return httpx.Response(200, json={"nodeId": "node-1", "apiKey": "key-1"})
+            return httpx.Response(200, json={"nodeId": "node-1", "apiKey": "key-1", "features": self.features})
+        if path.startswith("/api/tasks/") and path.endswith("/release"):
+            self.releases.append(path.split("/")[3])
+            return httpx.Response(200, json={"ok": True, "status": "PENDING"})
         if path == PENDING:
             self.polls.append(Poll(trio.current_time(), dict(request.url.params)))
             self.poll_event.set()
             self.poll_event = trio.Event()
+            if self.lose_polls:
+                self.lose_polls -= 1
+                return httpx.Response(502, text="bad gateway")
             answer = self.answers.pop(0) if self.answers else {"tasks": [], "cancelTaskIds": []}
             if not answer["tasks"] and self.hold_empty:
                 await trio.sleep(float(request.url.params["waitSeconds"]))
@@ -113,12 +122,13 @@ def register_body() -> RegisterRequest:
 async def run_poller(
     master: FakeMaster, tmp_path: Path, body: Callable[[Poller, HoldingSupervisor], Awaitable[None]],
     *, max_workers: int = 3, long_poll_wait: float = LONG_POLL_WAIT,
+    cannot_run: Callable[[Task], str | None] | None = None,
 ) -> HoldingSupervisor:
     """Run a poller against ``master`` while ``body`` runs, then cancel it."""
     client = MasterClient("http://master.test", "token", register_body, transport=httpx.MockTransport(master))
     supervisor = HoldingSupervisor(max_workers, tmp_path)
     poller = Poller(client, supervisor, poll_interval=POLL_INTERVAL, long_poll_wait=long_poll_wait,
-                    request_timeout=10.0)
+                    request_timeout=10.0, cannot_run=cannot_run)
     with trio.fail_after(3600):  # virtual seconds
         async with trio.open_nursery() as nursery:
             nursery.start_soon(poller.run, nursery)
@@ -158,6 +168,77 @@ async def test_limit_is_free_slots_and_running_spiders_are_excluded(autojump_clo
     assert third["limit"] == "1" and third["excludeSpiderIds"] == "s1,s2"
     assert all(float(p.params["waitSeconds"]) == LONG_POLL_WAIT for p in master.polls)
     assert all(master.results[t][0]["status"] == "RUNNING" for t in ("t1", "t2", "t3"))
+    # A master that did not offer claim-in-poll is not asked for it.
+    assert not any("claim" in p.params or "pollId" in p.params for p in master.polls)
+
+
+# ---------------------------------------------------------------------------- claims in the poll answer
+
+
+async def test_a_claimed_answer_starts_its_tasks_without_a_claim(autojump_clock: Any, tmp_path: Path) -> None:
+    master = FakeMaster(answers=[
+        {"tasks": [task_json("t1", "s1", claimed=True), task_json("t2", "s2", claimed=True)], "cancelTaskIds": []},
+    ], hold_empty=True, features=[CLAIM_IN_POLL])
+
+    async def body(poller: Poller, sup: HoldingSupervisor) -> None:
+        await master.wait_polls(2)
+        assert sorted(sup.started) == ["t1", "t2"]
+        assert master.polls[1].at == master.polls[0].at  # no claim round trip before the next poll
+        assert sup.claim_polls == {int(master.polls[1].params["pollId"])}  # the held poll is on the wire
+
+    sup = await run_poller(master, tmp_path, body)
+    assert master.results == {}  # no claim (POST .../result RUNNING) at all
+    first, second = (p.params for p in master.polls[:2])
+    assert (first["limit"], first["claim"]) == ("3", "3") and (second["limit"], second["claim"]) == ("1", "1")
+    assert int(second["pollId"]) > int(first["pollId"])  # a settled poll's id is never sent again
+    assert sup.claim_polls == set()  # the poll cut off by the end of the test is closed
+    assert sup.last_claim_poll == int(second["pollId"])
+
+
+async def test_a_lost_claiming_answer_is_asked_again_with_the_same_poll_id(autojump_clock: Any,
+                                                                           tmp_path: Path) -> None:
+    master = FakeMaster(answers=[{"tasks": [task_json("t1", "s1", claimed=True)], "cancelTaskIds": []}],
+                        hold_empty=True, features=[CLAIM_IN_POLL], lose_polls=2)
+
+    async def body(poller: Poller, sup: HoldingSupervisor) -> None:
+        await master.wait_polls(4)
+        assert sup.started == ["t1"]
+
+    await run_poller(master, tmp_path, body)
+    ids = [p.params["pollId"] for p in master.polls]
+    assert ids[0] == ids[1] == ids[2] != ids[3]  # the master answers the claims of the lost answers again
+
+
+async def test_a_claimed_task_the_node_cannot_run_is_given_back(autojump_clock: Any, tmp_path: Path) -> None:
+    master = FakeMaster(answers=[
+        {"tasks": [task_json("t1", "s1", claimed=True), task_json("t2", "nodejs", claimed=True)], "cancelTaskIds": []},
+    ], hold_empty=True, features=[CLAIM_IN_POLL])
+
+    async def body(poller: Poller, sup: HoldingSupervisor) -> None:
+        await master.wait_polls(2)
+        assert master.releases == ["t2"]  # given back before the poll's id was settled
+        assert master.polls[1].params["excludeSpiderIds"] == "nodejs,s1"
+
+    sup = await run_poller(master, tmp_path, body,
+                           cannot_run=lambda task: "node is missing" if task.spider_id == "nodejs" else None)
+    assert sup.started == ["t1"]
+
+
+async def test_a_stop_cuts_the_claiming_poll_off_and_settles_its_id(autojump_clock: Any, tmp_path: Path) -> None:
+    master = FakeMaster(hold_empty=True, features=[CLAIM_IN_POLL])
+    client = MasterClient("http://master.test", "token", register_body, transport=httpx.MockTransport(master))
+    sup = HoldingSupervisor(2, tmp_path)
+    poller = Poller(client, sup, poll_interval=POLL_INTERVAL, long_poll_wait=LONG_POLL_WAIT, request_timeout=10.0)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poller.run, nursery)
+            await master.wait_polls(1)
+            poll_id = int(master.polls[0].params["pollId"])
+            assert sup.claim_polls == {poll_id}
+            poller.stop()  # returns at once: nothing to wait for (the master's reconciliation settles it)
+    await client.aclose()
+    assert sup.claim_polls == set() and sup.last_claim_poll == poll_id
+    assert master.releases == [] and master.results == {}
 
 
 # ---------------------------------------------------------------------------- pacing

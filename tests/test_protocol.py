@@ -106,6 +106,7 @@ def full_instances() -> dict[str, Any]:
         stall_timeout_seconds=600.0,
         resources=TaskResources(memory_bytes=200 << 20, pids=64, cpus=1.5),
         stop_signal="SIGINT",
+        claimed=True,
     )
     stats = TaskStats(seq=42, stats={"items": 3, "finishReason": "finished"}, progress={"done": 1, "total": 2},
                       at="2026-11-29T16:04:00.000Z")
@@ -129,7 +130,7 @@ def full_instances() -> dict[str, Any]:
             containment={"level": "cgroup-v2", "details": "cgroup v2 at /sys/fs/cgroup/x", "limits": ["memory"]},
         ),
         "RegisterResponse": RegisterResponse(node_id="7", api_key="k-123",
-                                             policy=VersionPolicy("0.1.0", "0.2.0")),
+                                             policy=VersionPolicy("0.1.0", "0.2.0"), features=["claim-in-poll"]),
         "Heartbeat": Heartbeat(
             status="RUNNING",
             cpu_percent=12.5,
@@ -148,6 +149,8 @@ def full_instances() -> dict[str, Any]:
             paused_reason="free disk space below task.min_free_disk_bytes",
             claiming_task_ids=["t2"],
             reporting_task_ids=["t0"],
+            claim_poll_ids=[1764600000123456],
+            last_claim_poll_id=1764600000123456,
         ),
         "TaskRelease": TaskRelease(reason="claimed while the node started draining"),
         "HeartbeatResponse": HeartbeatResponse(cancel_task_ids=["t9"], policy=VersionPolicy("0.1.0", "0.2.0")),
@@ -381,12 +384,13 @@ def test_security_bearer_key_everywhere_but_register() -> None:
 
 def test_pending_query_parameters() -> None:
     params = {p["name"]: p for p in SPEC["paths"]["/api/nodes/{nodeId}/tasks/pending"]["get"]["parameters"]}
-    assert set(params) == {"limit", "excludeSpiderIds", "waitSeconds"}
+    assert set(params) == {"limit", "excludeSpiderIds", "waitSeconds", "claim", "pollId"}
     assert all(p["in"] == "query" and not p.get("required", False) for p in params.values())
     assert params["limit"]["schema"]["type"] == "integer"
     assert (params["excludeSpiderIds"]["style"], params["excludeSpiderIds"]["explode"]) == ("form", False)
     assert params["waitSeconds"]["schema"] == {"type": "number", "minimum": 0, "default": 0}
     assert "30" in params["waitSeconds"]["description"]
+    assert params["claim"]["schema"]["type"] == params["pollId"]["schema"]["type"] == "integer"
 
 
 # --------------------------------------------------------------------------- types vs schemas

@@ -5,7 +5,8 @@ Node endpoints (``Authorization: Bearer <apiKey>``; registration uses ``X-Regist
     POST /api/nodes/register                    → {nodeId, apiKey, minAgentVersion?, desiredAgentVersion?}
                                                   (409 when the name belongs to another live nodeUid)
     POST /api/nodes/{nodeId}/heartbeat          → {cancelTaskIds, minAgentVersion?, desiredAgentVersion?}
-    GET  /api/nodes/{nodeId}/tasks/pending      → {tasks, cancelTaskIds}   (long poll: waitSeconds)
+    GET  /api/nodes/{nodeId}/tasks/pending      → {tasks, cancelTaskIds}   (long poll: waitSeconds;
+                                                  claim=N&pollId=P: the tasks come claimed)
     POST /api/tasks/{taskId}/result             → {ok: true}
     POST /api/tasks/{taskId}/release            → {ok: true, status}         (a claim given back)
     POST /api/tasks/{taskId}/logs               → {acceptedSeq}            (409 {expectedSeq} on a gap)
@@ -52,6 +53,7 @@ from ckagent.devmaster.errors import (
 from ckagent.devmaster.packages import MAX_PACKAGE_BYTES, read_package
 from ckagent.devmaster.store import Store
 from ckagent.protocol import (
+    CLAIM_IN_POLL,
     FRAMEWORKS,
     Heartbeat,
     ItemBatch,
@@ -156,6 +158,12 @@ def _same_secret(given: str | None, expected: str) -> bool:
     return given is not None and hmac.compare_digest(given.encode(), expected.encode())
 
 
+async def _disconnected(request: Request) -> None:
+    """Return when the client of ``request`` (whose body was read, or that has none) has gone away."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _query_int(request: Request, name: str, default: int, lo: int, hi: int) -> int:
     raw = request.query_params.get(name)
     if raw is None or raw == "":
@@ -249,14 +257,17 @@ def create_app(
     admin_token: str,
     max_long_poll_seconds: float = 30.0,
     public_url: str | None = None,
+    claim_in_poll: bool = True,
 ) -> Starlette:
     """Build the ASGI app over ``store``. Must run inside a Trio loop (hypercorn's trio worker).
 
     ``max_long_poll_seconds`` caps ``waitSeconds`` (never above 30 s). ``public_url`` prefixes the
     codePackage urls handed out; None hands them out relative to the agent's ``server.url``
-    (``/api/packages/…``), which works behind any proxy or ingress.
+    (``/api/packages/…``), which works behind any proxy or ingress. ``claim_in_poll`` False leaves
+    the ``claim-in-poll`` feature out of registration answers and ignores ``claim`` (an older master).
     """
     poll_cap = min(max_long_poll_seconds, 30.0)
+    master_features = [CLAIM_IN_POLL] if claim_in_poll else []
 
     async def run(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         return await trio.to_thread.run_sync(partial(fn, *args, **kwargs))
@@ -288,7 +299,7 @@ def create_app(
         req = RegisterRequest.from_json(await _json_body(request))
         node_id, api_key = await run(store.register_node, req)
         policy = await run(store.version_policy)
-        return JSONResponse({"nodeId": node_id, "apiKey": api_key, **policy.to_json()})
+        return JSONResponse({"nodeId": node_id, "apiKey": api_key, **policy.to_json(), "features": master_features})
 
     async def heartbeat(request: Request) -> Response:
         node_id = await node_auth(request)
@@ -317,17 +328,54 @@ def create_app(
         wait = _query_seconds(request, "waitSeconds", poll_cap)
         raw_exclude = request.query_params.get("excludeSpiderIds", "")
         exclude = [s.strip() for s in raw_exclude.split(",") if s.strip()]
+        claim = _query_int(request, "claim", 0, 0, MAX_POLL_LIMIT) if claim_in_poll else 0
+        poll_id = None
+        if claim:
+            if "pollId" not in request.query_params:
+                raise BadRequestError("claim needs pollId (an integer naming the poll; see docs/protocol.md)")
+            poll_id = _query_int(request, "pollId", 0, 0, 2**53)
         deadline = trio.current_time() + wait
         url = package_base
-        while True:
-            changed = notifier.event()
-            tasks = await run(store.pending_tasks, limit=limit, exclude_spider_ids=exclude, base_url=url)
-            cancel_ids = await run(store.cancel_ids, node_id)
-            remaining = deadline - trio.current_time()
-            if tasks or cancel_ids or notifier.closed or remaining <= 0:
-                return JSONResponse({"tasks": tasks, "cancelTaskIds": cancel_ids})
-            with trio.move_on_after(remaining):
-                await changed.wait()
+        gone = trio.Event()  # the client went away: no answer will reach it
+        answer: dict[str, Any] = {"tasks": [], "cancelTaskIds": []}
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                await _disconnected(request)
+                gone.set()
+
+            nursery.start_soon(watch)
+            while True:
+                changed = notifier.event()
+                if poll_id is not None:
+                    # Claimed and answered in one transaction; a client gone meanwhile gets them given back.
+                    with trio.CancelScope(shield=True):
+                        tasks, cancel_ids = await run(store.claim_pending, node_id, poll_id=poll_id,
+                                                      limit=min(limit, claim), exclude_spider_ids=exclude,
+                                                      base_url=url)
+                        if tasks and gone.is_set():
+                            await run(store.give_back_claims, node_id, [t["id"] for t in tasks],
+                                      "the poll that claimed it was cut off before its answer")
+                            notifier.notify()
+                            tasks = []
+                else:
+                    tasks = await run(store.pending_tasks, limit=limit, exclude_spider_ids=exclude, base_url=url)
+                    cancel_ids = await run(store.cancel_ids, node_id)
+                remaining = deadline - trio.current_time()
+                if tasks or cancel_ids or notifier.closed or remaining <= 0 or gone.is_set():
+                    answer = {"tasks": tasks, "cancelTaskIds": cancel_ids}
+                    break
+                with trio.move_on_after(remaining):
+                    async with trio.open_nursery() as waiting:  # a change, or the client gone
+
+                        async def wake(event: trio.Event) -> None:
+                            await event.wait()
+                            waiting.cancel_scope.cancel()
+
+                        waiting.start_soon(wake, changed)
+                        waiting.start_soon(wake, gone)
+            nursery.cancel_scope.cancel()
+        return JSONResponse(answer)
 
     async def result(request: Request) -> Response:
         node_id = await node_auth(request)

@@ -46,6 +46,8 @@ class DevMasterConfig:
     public_url: str | None = None
     """The URL agents reach this master at, for the codePackage urls it hands out; None (the default)
     hands them out relative (``/api/packages/…``), resolved by each agent against its ``server.url``."""
+    claim_in_poll: bool = True
+    """Offer the ``claim-in-poll`` feature (False: behave as a master from before it)."""
 
     def __repr__(self) -> str:  # tokens are secrets
         return (
@@ -90,6 +92,7 @@ async def serve(
             admin_token=config.admin_token,
             max_long_poll_seconds=config.max_long_poll_seconds,
             public_url=config.public_url,
+            claim_in_poll=config.claim_in_poll,
         )
 
         async def until_shutdown() -> None:

@@ -209,9 +209,10 @@ def _seconds_since(iso: str | None, now: float | None = None) -> float:
 _ADDED_COLUMNS: dict[str, tuple[str, ...]] = {
     # resources: JSON {memoryBytes, pids, cpus}; stop_signal: "SIGINT" ...; figures: JSON of the
     # result's figures: resources {cpuSeconds, memoryPeakBytes, pidsPeak, ioReadBytes, ioWriteBytes}
-    # and phases {deployMs, installMs, runMs}.
+    # and phases {deployMs, installMs, runMs}; claim_poll_id: the pollId of the poll that claimed the
+    # task (claim-in-poll; decimal text), null for a claim by POST .../result.
     "spiders": ("resources", "stop_signal"),
-    "tasks": ("resources", "stop_signal", "figures"),
+    "tasks": ("resources", "stop_signal", "figures", "claim_poll_id"),
 }
 
 
@@ -471,7 +472,10 @@ class Store:
         does not, and is left alone). A task RUNNING for this node that the beat lists nowhere
         (running, claiming, reporting) and that was claimed at least ``claim_grace_seconds`` ago
         goes back to PENDING (CANCELLED when an operator asked to cancel it): the node never started
-        it (a claim whose answer was lost, a node killed between claim and start).
+        it (a claim whose answer was lost, a node killed between claim and start). A task claimed by a
+        poll (claim-in-poll) goes back at once, without the wait, when the beat shows that poll settled:
+        its ``pollId`` is at most the beat's ``lastClaimPollId`` and not among its ``claimPollIds``
+        (the node admitted every task of that poll's answer, or never got it).
         """
         if beat.claiming_task_ids is None:
             return []
@@ -480,11 +484,14 @@ class Store:
         taken: list[str] = []
         with self._tx() as db:
             rows = db.execute(
-                "SELECT id, claimed_at, cancel_requested FROM tasks WHERE node_id = ? AND status = 'RUNNING'",
+                "SELECT id, claimed_at, cancel_requested, claim_poll_id FROM tasks"
+                " WHERE node_id = ? AND status = 'RUNNING'",
                 (node_id,),
             ).fetchall()
             for row in rows:
-                if row["id"] in held or _epoch(row["claimed_at"]) > cutoff:
+                if row["id"] in held:
+                    continue
+                if not _poll_settled(row["claim_poll_id"], beat) and _epoch(row["claimed_at"]) > cutoff:
                     continue
                 self._give_back(db, str(row["id"]), bool(row["cancel_requested"]),
                                 "the node does not run it (reconciled against its heartbeat)")
@@ -519,8 +526,8 @@ class Store:
             )
         else:
             db.execute(
-                "UPDATE tasks SET status = 'PENDING', node_id = NULL, claimed_at = NULL, started_at = NULL"
-                " WHERE id = ?",
+                "UPDATE tasks SET status = 'PENDING', node_id = NULL, claimed_at = NULL, started_at = NULL,"
+                " claim_poll_id = NULL WHERE id = ?",
                 (task_id,),
             )
         _log.info("task %s: %s; %s", task_id, why, "CANCELLED" if cancel_requested else "PENDING again")
@@ -938,53 +945,98 @@ class Store:
         ``base_url`` (no trailing slash) prefixes the codePackage url: "" hands it out relative to the
         agent's server.url (``/api/packages/…``). Handing out does not assign.
         """
-        excluded = set(exclude_spider_ids)
+        chosen = self._read(lambda db: self._choose_pending(db, limit, set(exclude_spider_ids)))
+        return [self._wire_task(r, package, base_url) for r, package in chosen]
 
-        def query(db: sqlite3.Connection) -> list[tuple[sqlite3.Row, sqlite3.Row | None]]:
-            chosen: list[tuple[sqlite3.Row, sqlite3.Row | None]] = []
-            seen: set[str] = set()
-            for row in db.execute("SELECT * FROM tasks WHERE status = 'PENDING' ORDER BY n"):
-                spider_id = row["spider_id"]
-                if spider_id in excluded or spider_id in seen:
-                    continue
-                seen.add(spider_id)
-                package = db.execute(
-                    "SELECT sha256, size_bytes FROM packages WHERE spider_id = ? AND code_version = ?",
-                    (spider_id, row["code_version"]),
-                ).fetchone()
-                chosen.append((row, package))
-                if len(chosen) >= limit:
-                    break
+    def claim_pending(
+        self, node_id: str, *, poll_id: int, limit: int, exclude_spider_ids: Sequence[str], base_url: str
+    ) -> tuple[list[dict[str, Any]], list[str]]:
+        """Claim-in-poll (docs/protocol.md, "Claims in the poll answer"), in one transaction: the
+        tasks this poll (``poll_id``) claimed before and that are still RUNNING for ``node_id`` (a
+        re-sent poll whose answer was lost gets them again), then PENDING tasks chosen as
+        :meth:`pending_tasks` chooses them, at most ``limit`` in all; the new ones become RUNNING
+        for ``node_id`` (claimed now, by ``poll_id``). Returns ``(tasks as wire JSON with
+        "claimed": true, cancelTaskIds)``.
+        """
+        now = utc_now_iso()
+        with self._tx() as db:
+            again = db.execute(
+                "SELECT * FROM tasks WHERE node_id = ? AND status = 'RUNNING' AND claim_poll_id = ? ORDER BY n",
+                (node_id, str(poll_id)),
+            ).fetchall()[:limit]
+            chosen = [(r, self._package(db, r)) for r in again]
+            excluded = set(exclude_spider_ids) | {r["spider_id"] for r in again}
+            for r, _package in (fresh := self._choose_pending(db, limit - len(chosen), excluded)):
+                db.execute(
+                    "UPDATE tasks SET status = 'RUNNING', node_id = ?, claimed_at = ?, started_at = ?,"
+                    " claim_poll_id = ? WHERE id = ? AND status = 'PENDING'",
+                    (node_id, now, now, str(poll_id), r["id"]),
+                )
+            chosen += fresh
+            cancel = self._cancel_ids(db, node_id)
+        return [{**self._wire_task(r, package, base_url), "claimed": True} for r, package in chosen], cancel
+
+    def give_back_claims(self, node_id: str, task_ids: Sequence[str], why: str) -> None:
+        """Make tasks this node holds RUNNING and never got PENDING again (CANCELLED if cancel was
+        asked): the claims of a poll whose client went away before its answer was sent."""
+        with self._tx() as db:
+            for task_id in task_ids:
+                row = db.execute("SELECT status, node_id, cancel_requested FROM tasks WHERE id = ?",
+                                 (task_id,)).fetchone()
+                if row is not None and row["status"] == "RUNNING" and row["node_id"] == node_id:
+                    self._give_back(db, task_id, bool(row["cancel_requested"]), why)
+
+    @staticmethod
+    def _package(db: sqlite3.Connection, row: sqlite3.Row) -> sqlite3.Row | None:
+        return db.execute(
+            "SELECT sha256, size_bytes FROM packages WHERE spider_id = ? AND code_version = ?",
+            (row["spider_id"], row["code_version"]),
+        ).fetchone()
+
+    def _choose_pending(
+        self, db: sqlite3.Connection, limit: int, excluded: set[str]
+    ) -> list[tuple[sqlite3.Row, sqlite3.Row | None]]:
+        """Up to ``limit`` PENDING tasks, oldest first, one per spider, none of ``excluded``, with their package row."""
+        chosen: list[tuple[sqlite3.Row, sqlite3.Row | None]] = []
+        if limit <= 0:
             return chosen
+        seen: set[str] = set()
+        for row in db.execute("SELECT * FROM tasks WHERE status = 'PENDING' ORDER BY n"):
+            spider_id = row["spider_id"]
+            if spider_id in excluded or spider_id in seen:
+                continue
+            seen.add(spider_id)
+            chosen.append((row, self._package(db, row)))
+            if len(chosen) >= limit:
+                break
+        return chosen
 
-        out = []
-        for r, found in self._read(query):
-            code_package = None
-            if r["code_mode"] == "package" and found is not None:
-                code_package = {
-                    "url": f"{base_url}/api/packages/{r['spider_id']}/{r['code_version']}.zip",
-                    "sha256": found["sha256"],
-                    "sizeBytes": found["size_bytes"],
-                }
-            out.append(
-                {
-                    "id": r["id"],
-                    "spiderId": r["spider_id"],
-                    "spiderName": r["spider_name"],
-                    "framework": r["framework"],
-                    "command": _loads(r["command"]),
-                    "args": _loads(r["args"]),
-                    "env": _loads(r["env"]),
-                    "timeoutSeconds": r["timeout_seconds"],
-                    "codeVersion": r["code_version"],
-                    "codePackage": code_package,
-                    "params": _loads(r["params"]),
-                    "stallTimeoutSeconds": r["stall_timeout_seconds"],
-                    "resources": _loads(r["resources"]) if r["resources"] else None,
-                    "stopSignal": r["stop_signal"],
-                }
-            )
-        return out
+    @staticmethod
+    def _wire_task(r: sqlite3.Row, found: sqlite3.Row | None, base_url: str) -> dict[str, Any]:
+        """A task row as the poll answer's JSON."""
+        code_package = None
+        if r["code_mode"] == "package" and found is not None:
+            code_package = {
+                "url": f"{base_url}/api/packages/{r['spider_id']}/{r['code_version']}.zip",
+                "sha256": found["sha256"],
+                "sizeBytes": found["size_bytes"],
+            }
+        return {
+            "id": r["id"],
+            "spiderId": r["spider_id"],
+            "spiderName": r["spider_name"],
+            "framework": r["framework"],
+            "command": _loads(r["command"]),
+            "args": _loads(r["args"]),
+            "env": _loads(r["env"]),
+            "timeoutSeconds": r["timeout_seconds"],
+            "codeVersion": r["code_version"],
+            "codePackage": code_package,
+            "params": _loads(r["params"]),
+            "stallTimeoutSeconds": r["stall_timeout_seconds"],
+            "resources": _loads(r["resources"]) if r["resources"] else None,
+            "stopSignal": r["stop_signal"],
+        }
 
     def report_result(self, task_id: str, node_id: str, result: TaskResult) -> dict[str, Any]:
         """Apply a node's result report; returns the task as admin JSON.
@@ -1113,6 +1165,15 @@ class Store:
                 stored += len(tail)
                 db.execute(f"UPDATE tasks SET {counter} = ? WHERE id = ?", (stored, task_id))
             return stored
+
+
+def _poll_settled(claim_poll_id: str | None, beat: Heartbeat) -> bool:
+    """Whether ``beat`` shows the claiming poll ``claim_poll_id`` settled: sent before the beat's
+    snapshot and no longer on the wire (its answer's tasks admitted or given back, or never received)."""
+    if claim_poll_id is None or beat.claim_poll_ids is None or beat.last_claim_poll_id is None:
+        return False
+    poll = int(claim_poll_id)
+    return poll <= beat.last_claim_poll_id and poll not in beat.claim_poll_ids
 
 
 def _result_figures(result: TaskResult) -> str | None:

@@ -108,8 +108,11 @@ NODE_STATUSES = ("RUNNING", "DRAINING", "TERMINATING", "STOPPING", "STOPPED")
 """A heartbeat's ``status``: the agent's state as it is (docs/protocol.md, Heartbeat)."""
 PROTOCOL_VERSION = 1
 """The version of docs/protocol.md this agent speaks (sent at registration as ``protocolVersion``)."""
+CLAIM_IN_POLL = "claim-in-poll"
+"""Feature: the poll answer carries the claim (docs/protocol.md, "Claims in the poll answer"). A master
+that implements it names it in its registration answer's ``features``; the agent then asks for it."""
 FEATURES = ("long-poll", "exclude-spider-ids", "log-item-seq", "paused-reason", "node-uid", "agent-version-policy",
-            "claim-release")
+            "claim-release", CLAIM_IN_POLL)
 """What this agent supports beyond protocol version 1's core (sent at registration as ``features``)."""
 
 TIMEOUT_MESSAGE = "执行超时"
@@ -234,6 +237,8 @@ class RegisterResponse:
     node_id: str
     api_key: str
     policy: VersionPolicy = field(default_factory=VersionPolicy)
+    features: list[str] = field(default_factory=list)
+    """What the master supports beyond the core (e.g. :data:`CLAIM_IN_POLL`); an older master sends none."""
 
     def __repr__(self) -> str:  # the key is a secret: keep it out of logs and tracebacks
         return f"RegisterResponse(node_id={self.node_id!r}, api_key='***')"
@@ -243,11 +248,12 @@ class RegisterResponse:
         """Validate a decoded JSON body. Raises ProtocolError naming the bad field (never its value)."""
         o = req_object(obj, "")
         return cls(node_id=req_id(o, "nodeId"), api_key=req_id(o, "apiKey", secret=True),
-                   policy=VersionPolicy.from_json(o))
+                   policy=VersionPolicy.from_json(o), features=str_list(o, "features"))
 
     def to_json(self) -> dict[str, Any]:
-        """The camelCase JSON body."""
-        return {"nodeId": self.node_id, "apiKey": self.api_key, **self.policy.to_json()}
+        """The camelCase JSON body (``features`` left out when empty)."""
+        return {"nodeId": self.node_id, "apiKey": self.api_key, **self.policy.to_json(),
+                **({"features": list(self.features)} if self.features else {})}
 
 
 # --------------------------------------------------------------------------- heartbeat
@@ -279,6 +285,11 @@ class Heartbeat:
     agent), and the master must not reconcile its RUNNING tasks against this beat."""
     reporting_task_ids: list[str] | None = None
     """Tasks whose process has ended here and whose final result the master has not acknowledged."""
+    claim_poll_ids: list[int] | None = None
+    """Claiming polls (their ``pollId``) whose answer the node has not settled yet: on the wire, or
+    answered and its tasks not yet admitted or given back. None: the node sends no claiming polls."""
+    last_claim_poll_id: int | None = None
+    """The newest ``pollId`` the node had sent when it took this beat's snapshot (None: none yet)."""
 
     @classmethod
     def from_json(cls, obj: Any) -> Heartbeat:
@@ -302,6 +313,8 @@ class Heartbeat:
             paused_reason=opt_str(o, "pausedReason"),
             claiming_task_ids=str_list(o, "claimingTaskIds", ids=True) if "claimingTaskIds" in o else None,
             reporting_task_ids=str_list(o, "reportingTaskIds", ids=True) if "reportingTaskIds" in o else None,
+            claim_poll_ids=_int_list(o, "claimPollIds") if o.get("claimPollIds") is not None else None,
+            last_claim_poll_id=opt_int(o, "lastClaimPollId", lo=0),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -325,8 +338,18 @@ class Heartbeat:
                 "pausedReason": self.paused_reason,
                 "claimingTaskIds": None if self.claiming_task_ids is None else list(self.claiming_task_ids),
                 "reportingTaskIds": None if self.reporting_task_ids is None else list(self.reporting_task_ids),
+                "claimPollIds": None if self.claim_poll_ids is None else list(self.claim_poll_ids),
+                "lastClaimPollId": self.last_claim_poll_id,
             }
         )
+
+
+def _int_list(o: dict[str, Any], key: str) -> list[int]:
+    """A list of non-negative integers (``claimPollIds``). Raises ProtocolError naming the element."""
+    raw = o.get(key)
+    if not isinstance(raw, list):
+        raise ProtocolError(key, "expected an array of integers")
+    return [req_int({f"{key}[{i}]": v}, f"{key}[{i}]", lo=0) for i, v in enumerate(raw)]
 
 
 @dataclass(frozen=True)
@@ -426,6 +449,9 @@ class Task:
     resources: TaskResources = field(default_factory=TaskResources)
     stop_signal: str | None = None
     """Signal name sent to the main process when the task is stopped (None = SIGTERM)."""
+    claimed: bool = False
+    """The master claimed the task for this node in the poll answer (``claim-in-poll``): it is this
+    node's already, to run or to give back; False: handed out only, a claim decides."""
 
     @property
     def stop_signal_number(self) -> int:
@@ -465,10 +491,11 @@ class Task:
             stall_timeout_seconds=opt_number(o, "stallTimeoutSeconds", lo=0, path=path),
             resources=TaskResources.from_json(o.get("resources"), f"{path}.resources"),
             stop_signal=parse_stop_signal(o, path),
+            claimed=_opt_bool(o, "claimed", path),
         )
 
     def to_json(self) -> dict[str, Any]:
-        """The camelCase JSON object."""
+        """The camelCase JSON object (``claimed`` only when true)."""
         return _drop_none(
             {
                 "id": self.id,
@@ -485,8 +512,19 @@ class Task:
                 "stallTimeoutSeconds": self.stall_timeout_seconds,
                 "resources": self.resources.to_json() or None,
                 "stopSignal": self.stop_signal,
+                "claimed": True if self.claimed else None,
             }
         )
+
+
+def _opt_bool(o: dict[str, Any], key: str, path: str) -> bool:
+    """An optional boolean (absent or null: False). Raises ProtocolError for anything else."""
+    value = o.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ProtocolError(f"{path}.{key}" if path else key, f"expected true or false, got {type(value).__name__}")
+    return value
 
 
 def parse_stop_signal(o: dict[str, Any], path: str) -> str | None:
