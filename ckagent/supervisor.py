@@ -360,33 +360,38 @@ class Supervisor:
                 rt.phase = "deploying"
                 self._observer.task_started(rt)
                 phase_started = trio.current_time()
-                jail = await self._open_jail(rt, notice)
-                held.push_async_callback(_empty_jail, jail)
-                try:
-                    if task.code_package is not None:
-                        code_dir = await self._workspaces.deploy_package(
-                            task.spider_id, task.code_version, task.code_package
-                        )
-                    else:
-                        code_dir = await self._workspaces.deploy_files(task.spider_id)
-                    self._workspaces.acquire(code_dir)
-                    held.callback(self._workspaces.release, code_dir)
-                    argv, how = await trio.to_thread.run_sync(resolve_command, task, code_dir)
-                except DeployError as exc:
-                    rt.phase_seconds["deploy"] = trio.current_time() - phase_started
-                    notice(f"deploy failed: {exc}")
-                    return TaskOutcome("FAILED", "DEPLOY_FAILED", str(exc))
+                jails: list[TaskJail] = []
+
+                async def open_jail() -> None:
+                    jail = await self._open_jail(rt, notice)
+                    held.push_async_callback(_empty_jail, jail)
+                    jails.append(jail)
+
+                work = self._workspaces.runs / safe_name(task.id)
+                # The jail is made while the code is deployed and copied (one thread hop less before the spawn).
+                async with trio.open_nursery() as opening:
+                    opening.start_soon(open_jail)
+                    try:
+                        if task.code_package is not None:
+                            code_dir = await self._workspaces.deploy_package(
+                                task.spider_id, task.code_version, task.code_package
+                            )
+                        else:
+                            code_dir = await self._workspaces.deploy_files(task.spider_id)
+                        self._workspaces.acquire(code_dir)
+                        held.callback(self._workspaces.release, code_dir)
+                        held.push_async_callback(_remove_shielded, work)
+                        # One thread hop for the command and the working copy.
+                        (argv, how), copied = await trio.to_thread.run_sync(self._resolve_and_copy, task, code_dir,
+                                                                            work)
+                    except DeployError as exc:
+                        rt.phase_seconds["deploy"] = trio.current_time() - phase_started
+                        notice(str(exc) if exc.args and str(exc).startswith(_NO_COPY) else f"deploy failed: {exc}")
+                        return TaskOutcome("FAILED", "DEPLOY_FAILED", str(exc))
+                [jail] = jails
+                rt.phase_seconds["deploy"] = trio.current_time() - phase_started
                 if how is not None:
                     notice(how)
-                work = self._workspaces.runs / safe_name(task.id)
-                held.push_async_callback(_remove_shielded, work)
-                try:
-                    copied = await trio.to_thread.run_sync(self._working_copy, task, code_dir, work)
-                except OSError as exc:
-                    rt.phase_seconds["deploy"] = trio.current_time() - phase_started
-                    notice(f"cannot make the task's working copy: {exc}")
-                    return TaskOutcome("FAILED", "DEPLOY_FAILED", f"cannot make the task's working copy: {exc}")
-                rt.phase_seconds["deploy"] = trio.current_time() - phase_started
                 notice(f"working copy of {code_dir.name}: {copied}")
                 rt.phase = "installing"
                 phase_started = trio.current_time()
@@ -416,6 +421,15 @@ class Supervisor:
                 return TaskOutcome("CANCELLED", "CANCELLED", rt.stop_reason)
             return await self._run(rt, task_dir, work, argv, prepared, notice, sink, jail)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _resolve_and_copy(self, task: Task, code_dir: Path, work: Path) -> tuple[tuple[list[str], str | None], str]:
+        """The task's command, then its working copy (:meth:`_working_copy`). Blocking. Raises
+        DeployError (a copy that fails: its message starts with ``_NO_COPY``)."""
+        resolved = resolve_command(task, code_dir)
+        try:
+            return resolved, self._working_copy(task, code_dir, work)
+        except OSError as exc:
+            raise DeployError(f"{_NO_COPY}: {exc}") from exc
 
     def _working_copy(self, task: Task, code_dir: Path, work: Path) -> str:
         """Make the task's private working copy and its spider's data/home dirs (blocking; see ckagent.workcopy)."""
@@ -558,6 +572,9 @@ class Supervisor:
         masker = Masker(_secret_values(task, self.config.agent_secrets))
         tail = last_lines(masker(stderr_tail.text()), STDERR_TAIL_CHARS)
         return f"{head}; last lines of stderr:\n{tail}" if tail else f"{head} (nothing on stderr)"
+
+
+_NO_COPY = "cannot make the task's working copy"
 
 
 def _oom_outcome(jail: TaskJail, figures: Figures, returncode: int | None, what: str) -> TaskOutcome:

@@ -345,24 +345,20 @@ def create_app(
                 gone.set()
 
             nursery.start_soon(watch)
-            while True:
+            while not gone.is_set():  # a poll nobody waits for any more claims nothing
                 changed = notifier.event()
                 if poll_id is not None:
-                    # Claimed and answered in one transaction; a client gone meanwhile gets them given back.
-                    with trio.CancelScope(shield=True):
-                        tasks, cancel_ids = await run(store.claim_pending, node_id, poll_id=poll_id,
-                                                      limit=min(limit, claim), exclude_spider_ids=exclude,
-                                                      base_url=url)
-                        if tasks and gone.is_set():
-                            await run(store.give_back_claims, node_id, [t["id"] for t in tasks],
-                                      "the poll that claimed it was cut off before its answer")
-                            notifier.notify()
-                            tasks = []
+                    # Claimed and answered in one transaction. Claims whose answer does not reach the
+                    # node are never given back here (a re-sent poll with the same pollId may have
+                    # answered them already): the re-sent poll or the reconciliation settles them.
+                    tasks, cancel_ids = await run(store.claim_pending, node_id, poll_id=poll_id,
+                                                  limit=min(limit, claim), exclude_spider_ids=exclude,
+                                                  base_url=url)
                 else:
                     tasks = await run(store.pending_tasks, limit=limit, exclude_spider_ids=exclude, base_url=url)
                     cancel_ids = await run(store.cancel_ids, node_id)
                 remaining = deadline - trio.current_time()
-                if tasks or cancel_ids or notifier.closed or remaining <= 0 or gone.is_set():
+                if tasks or cancel_ids or notifier.closed or remaining <= 0:
                     answer = {"tasks": tasks, "cancelTaskIds": cancel_ids}
                     break
                 with trio.move_on_after(remaining):

@@ -976,16 +976,6 @@ class Store:
             cancel = self._cancel_ids(db, node_id)
         return [{**self._wire_task(r, package, base_url), "claimed": True} for r, package in chosen], cancel
 
-    def give_back_claims(self, node_id: str, task_ids: Sequence[str], why: str) -> None:
-        """Make tasks this node holds RUNNING and never got PENDING again (CANCELLED if cancel was
-        asked): the claims of a poll whose client went away before its answer was sent."""
-        with self._tx() as db:
-            for task_id in task_ids:
-                row = db.execute("SELECT status, node_id, cancel_requested FROM tasks WHERE id = ?",
-                                 (task_id,)).fetchone()
-                if row is not None and row["status"] == "RUNNING" and row["node_id"] == node_id:
-                    self._give_back(db, task_id, bool(row["cancel_requested"]), why)
-
     @staticmethod
     def _package(db: sqlite3.Connection, row: sqlite3.Row) -> sqlite3.Row | None:
         return db.execute(
