@@ -41,13 +41,13 @@ class DevMasterConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     max_long_poll_seconds: float = 30.0
+    claim_in_poll: bool = True
+    """Offer the ``claim-in-poll`` feature (False: behave as a master from before it)."""
     graceful_timeout: float = 2.0
     """Seconds in-flight requests get to finish after a graceful shutdown starts."""
     public_url: str | None = None
     """The URL agents reach this master at, for the codePackage urls it hands out; None (the default)
     hands them out relative (``/api/packages/…``), resolved by each agent against its ``server.url``."""
-    claim_in_poll: bool = True
-    """Offer the ``claim-in-poll`` feature (False: behave as a master from before it)."""
 
     def __repr__(self) -> str:  # tokens are secrets
         return (
