@@ -279,10 +279,13 @@ class Supervisor:
         try:
             started_wall = time.time()
             try:
-                await trio.to_thread.run_sync(lambda: task_dir.mkdir(parents=True, exist_ok=True))
-                if run_as is not None:
-                    await trio.to_thread.run_sync(run_as.chown_tree, task_dir)
-                await self._store.add_task(task.id, task.spider_id, task.to_json(), task_dir)
+                def open_task_dir() -> None:  # one thread hop: the task's directory, then its durable record
+                    task_dir.mkdir(parents=True, exist_ok=True)
+                    if run_as is not None:
+                        run_as.chown_tree(task_dir)
+                    self._store.sync.add_task(task.id, task.spider_id, task.to_json(), task_dir)
+
+                await trio.to_thread.run_sync(open_task_dir)
                 # Logs, items and the result are the outbox's: they outlive this slot (see ckagent.delivery).
                 on_finished = self._on_finished
                 delivery = await self._outbox.open_task(
@@ -371,19 +374,29 @@ class Supervisor:
                 # The jail is made while the code is deployed and copied (one thread hop less before the spawn).
                 async with trio.open_nursery() as opening:
                     opening.start_soon(open_jail)
+                    held.push_async_callback(_remove_shielded, work)
                     try:
+                        # A package deployed before (the usual case): one thread hop finds it, resolves
+                        # the command and makes the working copy.
+                        cached = None
                         if task.code_package is not None:
-                            code_dir = await self._workspaces.deploy_package(
-                                task.spider_id, task.code_version, task.code_package
-                            )
+                            cached = await trio.to_thread.run_sync(self._reuse_and_copy, task, work)
+                        if cached is not None:
+                            code_dir, (argv, how), copied = cached
+                            self._workspaces.acquire(code_dir)
+                            held.callback(self._workspaces.release, code_dir)
                         else:
-                            code_dir = await self._workspaces.deploy_files(task.spider_id)
-                        self._workspaces.acquire(code_dir)
-                        held.callback(self._workspaces.release, code_dir)
-                        held.push_async_callback(_remove_shielded, work)
-                        # One thread hop for the command and the working copy.
-                        (argv, how), copied = await trio.to_thread.run_sync(self._resolve_and_copy, task, code_dir,
-                                                                            work)
+                            if task.code_package is not None:
+                                code_dir = await self._workspaces.deploy_package(
+                                    task.spider_id, task.code_version, task.code_package
+                                )
+                            else:
+                                code_dir = await self._workspaces.deploy_files(task.spider_id)
+                            self._workspaces.acquire(code_dir)
+                            held.callback(self._workspaces.release, code_dir)
+                            # One thread hop for the command and the working copy.
+                            (argv, how), copied = await trio.to_thread.run_sync(self._resolve_and_copy, task,
+                                                                                code_dir, work)
                     except DeployError as exc:
                         rt.phase_seconds["deploy"] = trio.current_time() - phase_started
                         notice(str(exc) if exc.args and str(exc).startswith(_NO_COPY) else f"deploy failed: {exc}")
@@ -421,6 +434,15 @@ class Supervisor:
                 return TaskOutcome("CANCELLED", "CANCELLED", rt.stop_reason)
             return await self._run(rt, task_dir, work, argv, prepared, notice, sink, jail)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _reuse_and_copy(self, task: Task, work: Path) -> tuple[Path, tuple[list[str], str | None], str] | None:
+        """For a package deployed before: its version dir (touched: pruning keeps the newest), the
+        command and the working copy (:meth:`_resolve_and_copy`); None when it must be deployed. Blocking."""
+        assert task.code_package is not None
+        code_dir = self._workspaces.reuse_package(task.spider_id, task.code_version, task.code_package)
+        if code_dir is None:
+            return None
+        return code_dir, *self._resolve_and_copy(task, code_dir, work)
 
     def _resolve_and_copy(self, task: Task, code_dir: Path, work: Path) -> tuple[tuple[list[str], str | None], str]:
         """The task's command, then its working copy (:meth:`_working_copy`). Blocking. Raises

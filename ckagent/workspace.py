@@ -352,6 +352,12 @@ class Workspaces:
         """Where a spider's versions live (the id made safe as a single path component)."""
         return self.root / safe_name(spider_id)
 
+    def reuse_package(self, spider_id: str, version: str | None, package: CodePackage) -> Path | None:
+        """The version dir of a package deployed before (touched, so pruning keeps it), else None.
+        Blocking: call it in a thread (with the work that follows it, to spare a hop)."""
+        final = self.spider_dir(spider_id) / safe_name(version or package.sha256[:12])
+        return final if _reuse(final) else None
+
     async def deploy_package(self, spider_id: str, version: str | None, package: CodePackage) -> Path:
         """Download, verify and extract a code package; returns the version dir (reused if present).
 
@@ -359,7 +365,7 @@ class Workspaces:
         """
         spider_dir = self.spider_dir(spider_id)
         final = spider_dir / safe_name(version or package.sha256[:12])
-        if await trio.to_thread.run_sync(_reuse, final):
+        if await trio.to_thread.run_sync(self.reuse_package, spider_id, version, package) is not None:
             return final
         if package.size_bytes > self.limits.max_package_bytes:
             raise DeployError(

@@ -171,7 +171,8 @@ async def test_one_spider_is_serial_two_spiders_run_in_parallel(
 
         async def poll_once(self: Poller) -> PendingTasks:
             answer = await real_poll(self)
-            extra = [dataclasses.replace(t, id=a2) for t in answer.tasks if t.id == a1]
+            # (A2 as handed out, not claimed: the agent claims it itself; A1 may come claimed.)
+            extra = [dataclasses.replace(t, id=a2, claimed=False) for t in answer.tasks if t.id == a1]
             return dataclasses.replace(answer, tasks=[*answer.tasks, *extra])
 
         monkeypatch.setattr(Poller, "poll_once", poll_once)
@@ -226,6 +227,9 @@ async def test_a_task_claimed_elsewhere_is_not_run(
             return answer
 
         monkeypatch.setattr(Poller, "poll_once", poll_once)
+        # The claim path (POST .../result): the race staged here needs a poll that only hands out
+        # (with claim-in-poll the poll itself claims, and the rival is the one refused).
+        monkeypatch.setattr("ckagent.poller.CLAIM_IN_POLL", "not-offered")
         work_dir = tmp_path / "agent"
         settings = agent_settings(work_dir, dev_master.base_url, dev_master.registration_token,
                                   AGENT_TASK_LONG_POLL_WAIT="0.5", AGENT_TASK_POLL_INTERVAL="0.2")
