@@ -371,6 +371,7 @@ class Supervisor:
                     jails.append(jail)
 
                 work = self._workspaces.runs / safe_name(task.id)
+                refused: DeployError | None = None
                 # The jail is made while the code is deployed and copied (one thread hop less before the spawn).
                 async with trio.open_nursery() as opening:
                     opening.start_soon(open_jail)
@@ -398,9 +399,12 @@ class Supervisor:
                             (argv, how), copied = await trio.to_thread.run_sync(self._resolve_and_copy, task,
                                                                                 code_dir, work)
                     except DeployError as exc:
-                        rt.phase_seconds["deploy"] = trio.current_time() - phase_started
-                        notice(str(exc) if exc.args and str(exc).startswith(_NO_COPY) else f"deploy failed: {exc}")
-                        return TaskOutcome("FAILED", "DEPLOY_FAILED", str(exc))
+                        refused = exc
+                if refused is not None:
+                    rt.phase_seconds["deploy"] = trio.current_time() - phase_started
+                    text = str(refused)
+                    notice(text if text.startswith(_NO_COPY) else f"deploy failed: {text}")
+                    return TaskOutcome("FAILED", "DEPLOY_FAILED", text)
                 [jail] = jails
                 rt.phase_seconds["deploy"] = trio.current_time() - phase_started
                 if how is not None:
