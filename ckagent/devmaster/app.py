@@ -514,6 +514,10 @@ def create_app(
         admin_auth(request)
         return await run(log_text, request.path_params["task_id"])
 
+    async def task_log_digest(request: Request) -> Response:
+        admin_auth(request)
+        return JSONResponse(await run(store.log_digest, request.path_params["task_id"]))
+
     async def task_items(request: Request) -> Response:
         admin_auth(request)
         return await run(items_json, request.path_params["task_id"])
@@ -558,6 +562,7 @@ def create_app(
         Route("/api/tasks/{task_id}/release", release, methods=["POST"]),
         Route("/api/tasks/{task_id}/logs", logs, methods=["POST"]),
         Route("/api/tasks/{task_id}/logs", task_logs, methods=["GET"]),
+        Route("/api/tasks/{task_id}/logs/digest", task_log_digest, methods=["GET"]),
         Route("/api/tasks/{task_id}/items", items, methods=["POST"]),
         Route("/api/tasks/{task_id}/items", task_items, methods=["GET"]),
         Route("/api/tasks/{task_id}/stats", stats, methods=["POST"]),
