@@ -18,7 +18,7 @@ Admin endpoints (``Authorization: Bearer <admin token>``)::
 
     POST /api/spiders, GET /api/spiders, GET /api/spiders/{id}, PATCH /api/spiders/{id},
     PUT /api/spiders/{id}/package,
-    POST /api/spiders/{id}/tasks, GET /api/tasks, GET /api/tasks/{id}, GET /api/tasks/{id}/logs,
+    POST /api/spiders/{id}/tasks, GET /api/tasks, GET /api/tasks/{id}, GET /api/tasks/{id}/logs, GET /api/tasks/{id}/logs/digest,
     GET /api/tasks/{id}/items, POST /api/tasks/{id}/cancel, GET /api/nodes,
     GET /api/agent-versions, PUT /api/agent-versions {minAgentVersion, desiredAgentVersion} (null clears)
 
