@@ -67,6 +67,7 @@ async def test_blocks_give_the_same_batches_and_positions_as_one_element_per_lin
     reference = fill(data, chunks, False, masker, prefix)
     blocked = fill(data, chunks, True, masker, prefix)
     assert len(blocked) == len(reference) and blocked.size == reference.size
+    assert blocked.size_of(0) == reference.size_of(0) == 0
     seq = 0
     while len(reference):
         assert blocked.first() == reference.first()

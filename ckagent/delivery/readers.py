@@ -138,8 +138,8 @@ class _Pending:
 
     def _entries(self, n: int) -> int:
         """How many leading entries hold exactly the first ``n`` elements (a block across the boundary is cut)."""
-        if not self._blocks:
-            return n
+        if not self._blocks or n <= 0:
+            return max(n, 0)
         seen = 0
         for i, c in enumerate(self.counts):
             if seen + c >= n:

@@ -1078,7 +1078,8 @@ class Store:
 
     def _digest_logs(self, task_id: str, lines: Sequence[str]) -> None:
         digest = self._log_digests.setdefault(task_id, hashlib.sha256())
-        digest.update("".join(line + "\n" for line in lines).encode())
+        if lines:
+            digest.update(("\n".join(lines) + "\n").encode())
 
     def log_digest(self, task_id: str) -> dict[str, Any]:
         """``{"count", "sha256", "discarded"}``: how many log lines the task has and the SHA-256 of
