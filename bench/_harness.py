@@ -118,8 +118,9 @@ class DevMaster:
     ends the process (SIGTERM, then SIGKILL after 5 s).
     """
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, discard_logs: bool = False) -> None:
         self.directory = directory
+        self.discard_logs = discard_logs  # --discard-logs: a master that keeps up (see devmaster.server)
         self.registration_token = secrets.token_urlsafe(16)
         self.admin_token = secrets.token_urlsafe(16)
         self.base_url = ""
@@ -135,7 +136,8 @@ class DevMaster:
             [PYTHON, "-m", "ckagent.devmaster", "--db", str(self.directory / "master.sqlite"),
              "--host", "127.0.0.1", "--port", "0",
              # "--opt=value": a token may start with "-"
-             f"--registration-token={self.registration_token}", f"--admin-token={self.admin_token}"],
+             f"--registration-token={self.registration_token}", f"--admin-token={self.admin_token}",
+             *(["--discard-logs"] if self.discard_logs else [])],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr, env=env,
         )
         stderr.close()

@@ -54,6 +54,8 @@ from ckagent.protocol._fields import req_object
 
 log = logging.getLogger(__name__)
 
+URL_CACHE_SIZE = 256
+"""Request URLs kept parsed (see MasterClient._url); the cache starts over when full."""
 
 
 class MasterError(Exception):
@@ -126,6 +128,7 @@ class MasterClient:
         observer: RequestObserver | None = None,
     ) -> None:
         self._base_url = base_url.rstrip("/")
+        self._urls: dict[str, httpx.URL] = {}  # see _url()
         self._token = registration_token
         self._register_body = register_body
         self._timeout = request_timeout
@@ -435,7 +438,8 @@ class MasterClient:
         (observed and recorded here). Any other answer is returned for the caller to classify."""
         started = trio.current_time()
         try:
-            response = await self._client.request(method, path, timeout=read_timeout or self._timeout, **kwargs)
+            response = await self._client.request(method, self._url(path), timeout=read_timeout or self._timeout,
+                                                  **kwargs)
         except httpx.PoolTimeout as exc:
             # httpcore #1093: after cancellations the pool can stay jammed; start a fresh one.
             self._observe(endpoint, "error", started)
@@ -453,6 +457,19 @@ class MasterClient:
             self._unavailable(endpoint, response, started)
         response.extensions["ckagent_started"] = started
         return response
+
+    def _url(self, path: str) -> httpx.URL:
+        """``path`` (relative to server.url, or an absolute URL) as the URL the request goes to, parsed
+        once: httpx parses a string twice per request (the path, then its merge with the base URL),
+        which costs more CPU than the rest of building the request; a task's few paths are reused
+        (the long poll, each stream's batches). Raises httpx.InvalidURL as httpx does."""
+        url = self._urls.get(path)
+        if url is None:
+            if len(self._urls) >= URL_CACHE_SIZE:
+                self._urls.clear()
+            url = httpx.URL(path if "://" in path else f"{self._base_url}/{path.lstrip('/')}")
+            self._urls[path] = url
+        return url
 
     def _unreachable(self, endpoint: str, exc: Exception, started: float, reason: str | None = None) -> NoReturn:
         """Record and raise MasterUnavailable for a transport error or timeout."""

@@ -361,6 +361,12 @@ far more than a trickle writes in this time, so the spider never blocks; a flood
 and never pauses."""
 
 
+PIPE_READ_BYTES = 64 * 1024
+"""Bytes asked of a pipe per read."""
+PIPE_FLOOD_READ_BYTES = 1024 * 1024
+"""Bytes asked per read after a read that filled PIPE_READ_BYTES (the pipe's size, where the kernel allows it)."""
+
+
 PARTIAL_LINE_MAX_BYTES = 64 * 1024
 """An unfinished line is held back (per pipe) until its newline comes, up to this many bytes."""
 
@@ -377,9 +383,13 @@ async def _copy(stream: trio.abc.ReceiveStream, output: Callable[[bytes], None],
     what was held back is passed on first.
     """
     partial = b""
+    size = PIPE_READ_BYTES
     try:
         while True:
-            chunk = await stream.receive_some(65536)
+            chunk = await stream.receive_some(size)
+            # A full read means a flood: read up to the pipe's whole buffer at a time (fewer reads,
+            # output.log writes, journal records and shipper wake-ups per MB); a trickle reads small.
+            size = PIPE_FLOOD_READ_BYTES if len(chunk) == size else PIPE_READ_BYTES
             if not chunk:
                 return
             data = partial + chunk if partial else bytes(chunk)

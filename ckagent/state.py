@@ -115,12 +115,16 @@ class StateStore:
         with self._lock:
             return self._db.execute(sql, args).fetchall()
 
-    def add_task(self, task_id: str, spider_id: str, task_json: dict[str, Any], task_dir: Path) -> None:
-        """Record a claimed task (idempotent)."""
-        self._exec(
-            "INSERT OR IGNORE INTO tasks (task_id, spider_id, task_json, task_dir, claimed_at) VALUES (?,?,?,?,?)",
-            (task_id, spider_id, json.dumps(task_json), str(task_dir), time.time()),
-        )
+    def add_task(self, task_id: str, spider_id: str, task_json: dict[str, Any], task_dir: Path) -> bool:
+        """Record a claimed task (idempotent). Returns True when the task is new here and has no
+        stream positions (both streams start at ``(0, None)``)."""
+        with self._lock:
+            inserted = self._db.execute(
+                "INSERT OR IGNORE INTO tasks (task_id, spider_id, task_json, task_dir, claimed_at) VALUES (?,?,?,?,?)",
+                (task_id, spider_id, json.dumps(task_json), str(task_dir), time.time()),
+            ).rowcount == 1
+            return inserted and not self._db.execute(
+                "SELECT 1 FROM streams WHERE task_id=? LIMIT 1", (task_id,)).fetchall()
 
     def set_process(self, task_id: str, pid: int | None, pgid: int | None) -> None:
         """Record (or clear, with None) the spider's main pid and process group."""
@@ -255,6 +259,10 @@ def _record(row: tuple[Any, ...]) -> TaskRecord:
     )
 
 
+STREAMS = ("log", "items")
+"""The streams of a task (``stream`` in the positions)."""
+
+
 class AsyncStateStore:
     """The same operations, each run in a worker thread so the Trio loop never blocks on SQLite.
 
@@ -266,10 +274,12 @@ class AsyncStateStore:
         self._positions: dict[tuple[str, str], tuple[int, Any]] = {}  # saves not yet on their way
         self._writing: trio.Event | None = None  # set when the write on its way is done
         self._inflight: dict[tuple[str, str], tuple[int, Any]] = {}  # the write on its way
+        self._fresh: set[tuple[str, str]] = set()  # streams of tasks added by this run, not yet asked for
 
     async def add_task(self, task_id: str, spider_id: str, task_json: dict[str, Any], task_dir: Path) -> None:
         """See :meth:`StateStore.add_task`."""
-        await trio.to_thread.run_sync(self.sync.add_task, task_id, spider_id, task_json, task_dir)
+        if await trio.to_thread.run_sync(self.sync.add_task, task_id, spider_id, task_json, task_dir):
+            self._fresh.update((task_id, stream) for stream in STREAMS)  # known to start at (0, None)
 
     async def set_process(self, task_id: str, pid: int | None, pgid: int | None) -> None:
         """See :meth:`StateStore.set_process`."""
@@ -280,11 +290,15 @@ class AsyncStateStore:
         noted = self._positions.get((task_id, stream)) or self._inflight.get((task_id, stream))
         if noted is not None:
             return noted
+        if (task_id, stream) in self._fresh:  # asked once, by the stream's shipper: no hop for a new task
+            self._fresh.discard((task_id, stream))
+            return 0, None
         return await trio.to_thread.run_sync(self.sync.stream_position, task_id, stream)
 
     def note_stream_position(self, task_id: str, stream: str, seq: int, position: Any) -> None:
         """Record a position for the next write (:meth:`flush_positions` or any save) without waiting:
         on the event loop, no I/O. Until then :meth:`stream_position` answers it from memory."""
+        self._fresh.discard((task_id, stream))
         self._positions[(task_id, stream)] = (seq, position)
 
     async def flush_positions(self) -> None:
@@ -304,6 +318,7 @@ class AsyncStateStore:
         position to that write or the next one (it is kept); a write itself always completes. An
         sqlite3.Error reaches the caller that wrote, and its positions are kept for the next write.
         """
+        self._fresh.discard((task_id, stream))
         self._positions[(task_id, stream)] = (seq, position)
         while self._writing is not None:  # a write on its way may or may not carry this position
             await self._writing.wait()
@@ -360,4 +375,5 @@ class AsyncStateStore:
 
     async def forget(self, task_id: str) -> None:
         """See :meth:`StateStore.forget`."""
+        self._fresh.difference_update((task_id, stream) for stream in STREAMS)
         await trio.to_thread.run_sync(self.sync.forget, task_id)

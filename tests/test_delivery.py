@@ -183,7 +183,7 @@ async def read_all(reader: _JournalReader) -> tuple[list[str], _Pending]:
     while not reader.done:
         if not await reader.read(pending):
             break
-    return [json.loads(e) for e in pending.elements], pending
+    return [json.loads(e) for e in pending.encoded()], pending
 
 
 async def test_the_journal_replays_the_same_stream_from_any_acknowledged_element(tmp_path: Path) -> None:

@@ -73,6 +73,39 @@ class LineSplitter:
         buf = self._buf + data if self._buf else bytes(data)
         return self._split(buf, final=False)
 
+    def feed_block(self, data: bytes) -> tuple[bytes, int, int] | None:
+        """:meth:`feed` for a flood of ordinary lines, without a bytes object per line.
+
+        Returns ``(block, start, count)``: the ``count`` lines ``data`` completed, joined by ``\\n``
+        as they were (no final terminator), the first starting at offset ``start`` (line ``i`` ends
+        at ``start`` + the lengths of lines 0..i + i + 1). Returns None, changing nothing, when
+        :meth:`feed` must handle ``data``: no line completed, a ``\\r`` where it breaks lines, or a
+        line longer than ``max_line_bytes``. Cut with :meth:`split_block` it is what :meth:`feed`
+        would have returned.
+        """
+        buf = self._buf + data if self._buf else bytes(data)
+        last = buf.rfind(b"\n")
+        if last < 0 or len(buf) - last - 1 > self._max or (self._cr and b"\r" in buf):
+            return None
+        mx = self._max
+        pos = 0
+        while last - pos > mx:  # every line fits: find a newline in each max_line_bytes window
+            nl = buf.rfind(b"\n", pos, pos + mx + 1)
+            if nl < 0:
+                return None
+            pos = nl + 1
+        start = self._start
+        block = buf[:last]
+        self._buf = buf[last + 1 :]
+        self._start = start + last + 1
+        return block, start, block.count(b"\n") + 1
+
+    @staticmethod
+    def split_block(block: bytes, start: int) -> tuple[list[bytes], list[int]]:
+        """A block of :meth:`feed_block` as :meth:`feed` returns lines: ``(lines, ends)``."""
+        lines = block.split(b"\n")
+        return lines, list(map(add, accumulate(map(len, lines)), range(start + 1, start + 1 + len(lines))))
+
     def flush(self) -> tuple[list[bytes], list[int]]:
         """End of stream: return what is left (including an unterminated last line)."""
         return self._split(self._buf, final=True)
@@ -185,6 +218,20 @@ def encode_lines(lines: Sequence[bytes], masker: Masker | None = None, prefix: s
         joined = masker.mask_bytes(joined)
     head = b'"' + _json_prefix(prefix)
     return (head + joined.replace(b"\n", b'"\n' + head) + b'"').split(b"\n")
+
+
+def encode_block(block: bytes, masker: Masker | None = None, prefix: str = "") -> tuple[bytes, int] | None:
+    """Lines joined by ``\\n`` (a block of :meth:`LineSplitter.feed_block`) → ``(elements, prefix_bytes)``:
+    ``b",".join(encode_lines(block.split(b"\\n"), masker, prefix))`` made in one piece, and the length of
+    the prefix inside each JSON string. None when the lines need :func:`encode_lines` one by one: a
+    byte that is not printable ASCII, a secret to mask, a prefix holding a quote.
+    """
+    if block.translate(None, _PLAIN_LF) or (masker and masker.mask_bytes(block) is not block):
+        return None
+    head = _json_prefix(prefix)
+    if b'"' in head:
+        return None
+    return b'"%s%s"' % (head, block.replace(b"\n", b'","' + head)), len(head)
 
 
 def _json_prefix(prefix: str) -> bytes:

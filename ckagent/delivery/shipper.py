@@ -188,7 +188,7 @@ class StreamShipper:
                             if n > 1:  # smaller batches from now on (up to the size that failed)
                                 self._count_limit = self._count_ceiling = max(1, n // 2)
                             else:  # this element is the problem, not the batch size
-                                pending.replace_first(self._placeholder(pending.elements[0]))
+                                pending.replace_first(self._placeholder(pending.first()))
                                 self._count_ceiling = MAX_BATCH_COUNT
                             continue
                         # The acknowledgement in the protocol's own words: how many elements the

@@ -19,7 +19,7 @@ Admin endpoints (``Authorization: Bearer <admin token>``)::
 
     POST /api/spiders, GET /api/spiders, GET /api/spiders/{id}, PATCH /api/spiders/{id},
     PUT /api/spiders/{id}/package,
-    POST /api/spiders/{id}/tasks, GET /api/tasks, GET /api/tasks/{id}, GET /api/tasks/{id}/logs,
+    POST /api/spiders/{id}/tasks, GET /api/tasks, GET /api/tasks/{id}, GET /api/tasks/{id}/logs, GET /api/tasks/{id}/logs/digest,
     GET /api/tasks/{id}/items, POST /api/tasks/{id}/cancel, GET /api/nodes,
     GET /api/agent-versions, PUT /api/agent-versions {minAgentVersion, desiredAgentVersion} (null clears)
 
@@ -558,6 +558,10 @@ def create_app(
         admin_auth(request)
         return await run(log_text, request.path_params["task_id"])
 
+    async def task_log_digest(request: Request) -> Response:
+        admin_auth(request)
+        return JSONResponse(await run(store.log_digest, request.path_params["task_id"]))
+
     async def task_items(request: Request) -> Response:
         admin_auth(request)
         return await run(items_json, request.path_params["task_id"])
@@ -602,6 +606,7 @@ def create_app(
         Route("/api/tasks/{task_id}/release", release, methods=["POST"]),
         Route("/api/tasks/{task_id}/logs", logs, methods=["POST"]),
         Route("/api/tasks/{task_id}/logs", task_logs, methods=["GET"]),
+        Route("/api/tasks/{task_id}/logs/digest", task_log_digest, methods=["GET"]),
         Route("/api/tasks/{task_id}/items", items, methods=["POST"]),
         Route("/api/tasks/{task_id}/items", task_items, methods=["GET"]),
         Route("/api/tasks/{task_id}/stats", stats, methods=["POST"]),

@@ -170,6 +170,11 @@ class AdminClient:
         text = (await self._call("GET", f"/api/tasks/{task_id}/logs")).text
         return text.split("\n") if text else []
 
+    async def get_log_digest(self, task_id: str) -> dict[str, Any]:
+        """``{"count", "sha256", "discarded"}`` of the task's log lines (each followed by ``\\n``)."""
+        result: dict[str, Any] = (await self._call("GET", f"/api/tasks/{task_id}/logs/digest")).json()
+        return result
+
     async def get_items(self, task_id: str) -> list[dict[str, Any]]:
         """The task's stored items, in order."""
         result: list[dict[str, Any]] = (await self._call("GET", f"/api/tasks/{task_id}/items")).json()

@@ -48,6 +48,9 @@ class DevMasterConfig:
     public_url: str | None = None
     """The URL agents reach this master at, for the codePackage urls it hands out; None (the default)
     hands them out relative (``/api/packages/…``), resolved by each agent against its ``server.url``."""
+    discard_logs: bool = False
+    """Acknowledge log lines without storing them (count and SHA-256 only: ``GET /api/tasks/{id}/logs/digest``),
+    so the master keeps up with any agent; for benchmarks."""
 
     def __repr__(self) -> str:  # tokens are secrets
         return (
@@ -83,6 +86,7 @@ async def serve(
     sqlite3.Error if the database cannot be opened.
     """
     store = await trio.to_thread.run_sync(Store, config.db_path)
+    store.discard_logs = config.discard_logs
     try:
         notifier = Notifier()
         app = create_app(
@@ -129,6 +133,7 @@ def serve_forever(
     registration_token: str,
     admin_token: str,
     public_url: str | None = None,
+    discard_logs: bool = False,
 ) -> None:
     """Run the dev master in the foreground until SIGINT or SIGTERM, then return normally (exit 0).
 
@@ -142,6 +147,7 @@ def serve_forever(
         registration_token=registration_token,
         admin_token=admin_token,
         public_url=public_url,
+        discard_logs=discard_logs,
     )
 
     async def main_task() -> None:
@@ -184,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--admin-token", default=os.environ.get("DEVMASTER_ADMIN_TOKEN"))
     parser.add_argument("--public-url", default=os.environ.get("DEVMASTER_PUBLIC_URL"),
                         help="URL agents reach this master at, for code package URLs (default: relative URLs)")
+    parser.add_argument("--discard-logs", action="store_true",
+                        help="acknowledge log lines without storing them (count and SHA-256 only; benchmarks)")
     args = parser.parse_args(argv)
     if not args.registration_token or not args.admin_token:
         parser.error(
@@ -197,5 +205,6 @@ def main(argv: list[str] | None = None) -> int:
         registration_token=args.registration_token,
         admin_token=args.admin_token,
         public_url=args.public_url,
+        discard_logs=args.discard_logs,
     )
     return 0

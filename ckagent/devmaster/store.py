@@ -255,6 +255,10 @@ class Store:
         self._checkpointer: threading.Thread | None = None
         self._closed = False
         self.claim_grace_seconds = CLAIM_GRACE_SECONDS
+        self.discard_logs = False
+        """Acknowledge log lines without storing them, keeping only their count and SHA-256 (see
+        :meth:`log_digest`): a master that keeps up with any agent, for benchmarks of the agent alone."""
+        self._log_digests: dict[str, Any] = {}
         self._conn = sqlite3.connect(str(self.db_path), check_same_thread=False, isolation_level=None)
         self._conn.row_factory = sqlite3.Row
         try:
@@ -1111,7 +1115,24 @@ class Store:
                 return {"format": _LINES, "data": text}
             return {"format": _JSON, "data": _dumps(list(tail))}
 
-        return self._append("task_log_chunks", "stored_log_lines", task_id, node_id, seq, lines, encode)
+        discard = self._digest_logs if self.discard_logs else None
+        return self._append("task_log_chunks", "stored_log_lines", task_id, node_id, seq, lines, encode, discard)
+
+    def _digest_logs(self, task_id: str, lines: Sequence[str]) -> None:
+        digest = self._log_digests.setdefault(task_id, hashlib.sha256())
+        if lines:
+            digest.update(("\n".join(lines) + "\n").encode())
+
+    def log_digest(self, task_id: str) -> dict[str, Any]:
+        """``{"count", "sha256", "discarded"}``: how many log lines the task has and the SHA-256 of
+        them, each followed by ``\\n`` (UTF-8). Lines kept (not :attr:`discard_logs`) are read back
+        to hash them. Raises NotFoundError."""
+        count = self._read(lambda db: int(self._task_row(db, task_id)["stored_log_lines"]))
+        digest = self._log_digests.get(task_id)
+        if digest is None:
+            lines = [] if self.discard_logs else self.task_logs(task_id)
+            digest = hashlib.sha256("".join(line + "\n" for line in lines).encode())
+        return {"count": count, "sha256": digest.hexdigest(), "discarded": self.discard_logs}
 
     def append_items(self, task_id: str, node_id: str, seq: int, items: Sequence[dict[str, Any]]) -> int:
         """Store items ``seq``.. once each (as JSON text); same rules and answer as ``append_logs``."""
@@ -1129,9 +1150,11 @@ class Store:
         seq: int,
         values: Sequence[_E],
         encode: Callable[[Sequence[_E]], dict[str, str]],
+        discard: Callable[[str, Sequence[_E]], None] | None = None,
     ) -> int:
         """Store ``values[stored - seq:]`` as one chunk row, ``encode(tail)`` giving its other columns
-        (name → value). Returns the new stored count; ConflictError for another node or a gap.
+        (name → value), or only count it and hand it to ``discard(task_id, tail)``. Returns the new
+        stored count; ConflictError for another node or a gap.
         """
         with self._tx() as db:
             row = db.execute(f"SELECT node_id, {counter} FROM tasks WHERE id = ?", (task_id,)).fetchone()
@@ -1145,7 +1168,11 @@ class Store:
                     f"gap: this batch starts at {seq} but only {stored} are stored", expectedSeq=stored
                 )
             tail = values[stored - seq :] if stored > seq else values
-            if tail:
+            if tail and discard is not None:
+                discard(task_id, tail)
+                stored += len(tail)
+                db.execute(f"UPDATE tasks SET {counter} = ? WHERE id = ?", (stored, task_id))
+            elif tail:
                 columns = {"task_id": task_id, "first_seq": stored, "count": len(tail), **encode(tail)}
                 self._wrote(sum(len(v) for v in columns.values() if isinstance(v, str)))
                 db.execute(
