@@ -12,8 +12,14 @@ Two kinds of figures:
   ``task_started``, ``deps_prepared``, ``task_finished``, ``task_reported``);
 - the live state, read at scrape time: a :class:`LiveFigures` snapshot taken on the Trio thread
   (state, slots, phases, heartbeat age, ...) plus the outbox's :class:`OutboxStatistics` record
-  (:meth:`ckagent.delivery.Outbox.statistics`, in a worker thread: what the master has not
+  (:meth:`ckagent.delivery.Outbox.figures`, counted on the loop in slices: what the master has not
   acknowledged yet), which this module only renders.
+
+A scrape never holds the event loop for long: :meth:`AgentMetrics.render_sliced` renders on the
+loop's own thread, family by family (a large family in pieces; the request histogram one endpoint at
+a time), with a checkpoint whenever a slice has run for :data:`SLICE_SECONDS`. (Rendering in a worker thread looks cheaper but is not: a thread running
+Python code holds the GIL, and the loop waits for it up to ``sys.getswitchinterval()``, 5 ms, each
+time it wants to run — measured with bench/scrape.py.)
 
 Exported (see :data:`METRIC_NAMES`)::
 
@@ -46,10 +52,11 @@ import logging
 import platform
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import trio
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -58,7 +65,7 @@ from prometheus_client import (
     ProcessCollector,
     disable_created_metrics,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
@@ -83,6 +90,14 @@ QUEUE_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600)
 INSTALL_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
 TASK_CPU_BUCKETS = (0.1, 1, 10, 60, 300, 1800, 3600, 14400, 86400)
 TASK_MEMORY_BUCKETS = tuple(float(mib << 20) for mib in (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
+SLICE_SECONDS = 0.00025
+"""Longest run of rendering on the event loop before :meth:`AgentMetrics.render_sliced` lets other
+tasks run. Collecting one family cannot be cut (the largest, the request histogram by endpoint, takes
+about 0.6 ms here), so a slice plus that stays under 1 ms."""
+SAMPLES_PER_PIECE = 32
+"""Samples of one family rendered in one go (about 0.2 ms)."""
+OPENMETRICS_EOF = b"# EOF\n"
+
 MASTER_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 METRIC_NAMES = frozenset({
@@ -197,6 +212,7 @@ class AgentMetrics(SupervisorObserver):
         self.live = LiveFigures()
         self.install_info: dict[str, tuple[float, bool]] = {}
         self._render_lock = threading.Lock()
+        self._sliced_lock: trio.Lock | None = None  # made on the loop by the first render_sliced
         self._shipped_floor = [0, 0]
         r = self.registry
         build = GaugeMetricFamily("ckagent_build_info", "The agent's version.", labels=["version", "python"])
@@ -227,10 +243,10 @@ class AgentMetrics(SupervisorObserver):
             "ckagent_master_requests", "HTTP requests to the master by endpoint and outcome (ok, error for a "
             "transport failure, protocol_error for an answer that is not the protocol's, else the HTTP status).", ["endpoint", "outcome"], registry=r,
         )
-        self.master_latency = Histogram(
+        self.master_latency = _LatencyByEndpoint(
             "ckagent_master_request_duration_seconds", "Latency of requests to the master (a long poll "
-            "includes the time the master held it).", ["endpoint"], buckets=MASTER_LATENCY_BUCKETS, registry=r,
-        )
+            "includes the time the master held it).", MASTER_LATENCY_BUCKETS)
+        r.register(self.master_latency)
         self.crawl = CrawlMetrics(r)
         self.containment = Gauge("ckagent_containment_level", "The containment level of tasks here: 1 for "
                                  "the level in force (cgroup-v2, cgroup-v1, process-group).", ["level"], registry=r)
@@ -256,7 +272,7 @@ class AgentMetrics(SupervisorObserver):
     def master_request(self, endpoint: str, outcome: str, seconds: float) -> None:
         """The master client's ``observer``: one HTTP attempt."""
         self.master_requests.labels(endpoint, outcome).inc()
-        self.master_latency.labels(endpoint).observe(max(0.0, seconds))
+        self.master_latency.observe(endpoint, max(0.0, seconds))
 
     def task_admitted(self, rt: RunningTask) -> None:
         """A claimed task was admitted."""
@@ -304,14 +320,129 @@ class AgentMetrics(SupervisorObserver):
         return self._shipped_floor[0], self._shipped_floor[1]
 
     def render(self, live: LiveFigures, accept: str = "") -> tuple[bytes, str]:
-        """The exposition of every metric with ``live`` as the scrape-time state: (body, content type).
+        """The exposition of every metric with ``live`` as the scrape-time state: (body, content type),
+        in one go (blocking the caller for the whole render, a few ms: tests and tools; the agent's
+        /metrics uses :meth:`render_sliced`).
 
         ``accept`` is the request's Accept header (text format 0.0.4 by default, OpenMetrics on request).
         """
         encoder, content_type = choose_encoder(accept)
+        parts: list[bytes] = []
         with self._render_lock:
             self.live = live
-            return encoder(self.registry), content_type
+            for _ in _render_steps(self.registry, encoder, parts):
+                pass
+        return b"".join(parts), content_type
+
+    async def render_sliced(self, live: LiveFigures, accept: str = "") -> tuple[bytes, str]:
+        """:meth:`render` on the event loop's thread, in slices (no thread, so no wait for the GIL):
+        a checkpoint once a slice has run :data:`SLICE_SECONDS`, between families and between the
+        pieces of a large family (see :func:`_render_steps`).
+
+        The same bytes as :meth:`render`. Renders run one at a time. Cancellation between slices
+        abandons the exposition (rendering changes nothing).
+        """
+        encoder, content_type = choose_encoder(accept)
+        if self._sliced_lock is None:
+            self._sliced_lock = trio.Lock()
+        parts: list[bytes] = []
+        async with self._sliced_lock:
+            await trio.lowlevel.checkpoint()  # a fresh slice: not on top of what this step did before
+            self.live = live
+            deadline = time.perf_counter() + SLICE_SECONDS
+            for _ in _render_steps(self.registry, encoder, parts):
+                if time.perf_counter() >= deadline:
+                    await trio.lowlevel.checkpoint()
+                    deadline = time.perf_counter() + SLICE_SECONDS
+        body = b"".join(parts)
+        await trio.lowlevel.checkpoint()  # the caller's sending starts a slice of its own
+        return body, content_type
+
+
+def _render_steps(registry: CollectorRegistry, encoder: Callable[[Collector], bytes],
+                  parts: list[bytes]) -> Iterator[None]:
+    """Render ``registry`` into ``parts`` (bytes to join), yielding where a caller may pause: before
+    each family is collected and between the pieces of :data:`SAMPLES_PER_PIECE` samples a family is
+    rendered in. A collector may also yield one family as consecutive pieces of the same name
+    (:class:`_LatencyByEndpoint`): the pieces after the first lose their ``# HELP``/``# TYPE`` lines."""
+    families = iter(registry.collect())
+    previous = None
+    openmetrics = encoder(_Constant([])) == OPENMETRICS_EOF
+    while True:
+        yield
+        family = next(families, None)
+        if family is None:
+            break
+        continued = family.name == previous
+        previous = family.name
+        for index, piece in enumerate(_pieces(family)):
+            if index:
+                yield
+            text = encoder(_Constant([piece]))
+            if openmetrics and text.endswith(OPENMETRICS_EOF):  # the encoder ends every call with it
+                text = text[: -len(OPENMETRICS_EOF)]
+            if index or continued:
+                text = _without_headers(text)
+            parts.append(text)
+    if openmetrics:
+        parts.append(OPENMETRICS_EOF)
+
+
+def _pieces(family: Metric) -> list[Metric]:
+    """``family`` cut into families of at most SAMPLES_PER_PIECE samples each (itself when small).
+    A family with OpenMetrics-only samples (``_created``, ``_gsum``, ``_gcount``, which the text
+    format renders as families of their own after the rest) is never cut."""
+    samples = family.samples
+    if len(samples) <= SAMPLES_PER_PIECE or any(
+            s.name.endswith(("_created", "_gsum", "_gcount")) for s in samples):
+        return [family]
+    pieces = []
+    for at in range(0, len(samples), SAMPLES_PER_PIECE):
+        piece = Metric(family.name, family.documentation, family.type, family.unit)
+        piece.samples = samples[at:at + SAMPLES_PER_PIECE]
+        pieces.append(piece)
+    return pieces
+
+
+def _without_headers(text: bytes) -> bytes:
+    """A rendered piece without its leading ``# HELP`` / ``# TYPE`` / ``# UNIT`` lines (the first
+    piece of the family carries them)."""
+    while text.startswith(b"# "):
+        text = text[text.index(b"\n") + 1:]
+    return text
+
+
+class _LatencyByEndpoint(Collector):
+    """A histogram with an ``endpoint`` label, kept as one unlabelled prometheus-client ``Histogram``
+    per endpoint (made at its first observation) and collected one endpoint at a time: consecutive
+    pieces of one family, so a sliced render may pause between endpoints (collecting all of them at
+    once took 0.6–2 ms here: more than a scrape may hold the loop)."""
+
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float]) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._buckets = buckets
+        self._by_endpoint: dict[str, Histogram] = {}
+
+    def observe(self, endpoint: str, seconds: float) -> None:
+        """One observation (seconds) for ``endpoint``."""
+        histogram = self._by_endpoint.get(endpoint)
+        if histogram is None:
+            histogram = self._by_endpoint[endpoint] = Histogram(
+                self._name, self._documentation, buckets=self._buckets, registry=None)
+        histogram.observe(seconds)
+
+    def collect(self) -> Iterator[Metric]:
+        """One piece per endpoint (sorted), or the empty family before any observation."""
+        endpoints = sorted(self._by_endpoint.items())
+        if not endpoints:
+            yield HistogramMetricFamily(self._name, self._documentation, labels=["endpoint"])
+        for endpoint, histogram in endpoints:
+            for family in histogram.collect():
+                piece = Metric(family.name, family.documentation, family.type, family.unit)
+                piece.samples = [sample._replace(labels={"endpoint": endpoint, **sample.labels})
+                                 for sample in family.samples]
+                yield piece
 
 
 class _Constant(Collector):

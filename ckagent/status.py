@@ -84,6 +84,9 @@ class TaskStatistics:
     pid: int | None
     resources: tuple[tuple[str, Any], ...] = ()
     """Live figures of the task's cgroup (cpuSeconds, memoryBytes, ...; empty at the process-group level)."""
+    sample_resources: Callable[[], tuple[tuple[str, Any], ...]] | None = None
+    """Reads :attr:`resources` now (cgroupfs reads, tens of µs a file): /status calls it, one task at a
+    time with a checkpoint between tasks; /metrics never does. None: :attr:`resources` as given."""
 
 
 @dataclass(frozen=True)
@@ -240,6 +243,7 @@ async def serve_status(
     port: int,
     *,
     serve_after: Callable[[], Awaitable[object]] | None = None,
+    on_serving: Callable[[], object] | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the status routes on ``host:port`` until cancelled; ``task_status.started(bound_port)``.
@@ -247,7 +251,8 @@ async def serve_status(
     ``started`` comes as soon as the socket listens: a client may connect from then on, and its
     request waits in the socket's backlog until the server answers it. hypercorn (~45 ms of imports,
     hence imported here and not at module level) starts at once, or, with ``serve_after``, once that
-    returns: the agent uses it to keep this work off the way to its first heartbeat.
+    returns: the agent uses it to keep this work off the way to its first heartbeat. ``on_serving()``
+    is called once hypercorn serves (the agent freezes its start-up objects for the GC there).
 
     Raises StatusPortError (before ``started``) when the address cannot be bound. Cancellation
     closes the socket; in-flight requests are abandoned (they are all short).
@@ -273,6 +278,8 @@ async def serve_status(
     config.backlog = LISTEN_BACKLOG
     async with trio.open_nursery() as nursery:
         await nursery.start(partial(hypercorn_serve, cast("ASGIFramework", StatusApp(routes)), config))
+        if on_serving is not None:
+            on_serving()
         shown = f"[{host}]" if ":" in host else host
         log.info("status server on http://%s:%d (/metrics /healthz /readyz /status)", shown, bound_port)
 
@@ -330,7 +337,7 @@ class AgentStatus:
     async def _outbox_figures(self) -> OutboxFigures:
         if self._outbox is None:
             return OutboxFigures()
-        return await trio.to_thread.run_sync(self._outbox.statistics)
+        return await self._outbox.figures()  # on the loop, in slices: no thread holding the GIL
 
     def live(self, outbox: OutboxFigures, stats: AgentStatistics | None = None) -> LiveFigures:
         """The scrape-time snapshot (on the Trio thread)."""
@@ -352,15 +359,20 @@ class AgentStatus:
         )
 
     async def metrics(self, accept: str) -> tuple[bytes, str]:
-        """/metrics: outbox figures and the exposition are produced in a worker thread."""
+        """/metrics: the outbox figures and the exposition, both on the loop in slices of at most
+        0.5 ms (ckagent.metrics.SLICE_SECONDS): a scrape never holds the loop for longer."""
         live = self.live(await self._outbox_figures())
-        return await trio.to_thread.run_sync(self._metrics.render, live, accept)
+        return await self._metrics.render_sliced(live, accept)
 
     async def status(self) -> dict[str, Any]:
         """/status as a JSON-able dict (camelCase keys, times ISO-8601 UTC, no secrets)."""
         outbox = await self._outbox_figures()
         stats = self._statistics()
         readiness = self.readiness(stats)
+        resources: list[dict[str, Any]] = []
+        for task in stats.tasks:  # the cgroup reads: one task per loop step
+            resources.append(dict(task.resources if task.sample_resources is None else task.sample_resources()))
+            await trio.lowlevel.checkpoint()
         tasks = [{
             "id": task.id,
             "spiderId": task.spider_id,
@@ -370,9 +382,9 @@ class AgentStatus:
             "since": _iso(task.claimed_at),
             "startedAt": _iso(task.started_at),
             "pid": task.pid,
-            # Live figures from the task's cgroup (small cgroupfs reads; none at the process-group level).
-            "resources": dict(task.resources),
-        } for task in stats.tasks]
+            # Live figures from the task's cgroup (read above; none at the process-group level).
+            "resources": figures,
+        } for task, figures in zip(stats.tasks, resources, strict=True)]
         return {
             "state": stats.state,
             "ready": readiness.ready,

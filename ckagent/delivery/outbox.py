@@ -66,6 +66,7 @@ class TaskDelivery:
         self.logs = StreamShipper.logs(outbox.master, outbox.store, task_id, task_dir, masker, outbox.limiter)
         self.items = StreamShipper.items(outbox.master, outbox.store, task_id, task_dir, outbox.limiter)
         self.spider = spider
+        self.claimed_at = time.time()  # epoch seconds; a resumed delivery: the claim of an earlier run
         self.stats = StatsShipper(outbox.master, task_id, task_dir, outbox.limiter, on_snapshot=self._observe)
         self.activity = Activity((task_dir / ITEMS_FILE, task_dir / STATS_FILE))
         journal.on_record = self.logs.notify
@@ -243,6 +244,14 @@ class Outbox:
         spool reads, incremental): call it in a worker thread."""
         return self._counter.read()
 
+    async def figures(self) -> OutboxStatistics:
+        """What waits for the master now, from the deliveries in memory (their acknowledged
+        positions) and the spool files, counted on the event loop in slices (see
+        ckagent.delivery.statistics): no SQL, no thread. Cancellation: the figures are not updated."""
+        records = [(d.task_id, d.task_dir, d.claimed_at, d.result is not None, d.logs.acked, d.items.acked)
+                   for d in self.deliveries.values()]
+        return await self._counter.refresh(records)
+
     def shipped(self) -> tuple[int, int]:
         """(log lines, items) the master acknowledged while this process runs (never decreasing)."""
         return self._counter.shipped_log_lines, self._counter.shipped_items
@@ -306,6 +315,9 @@ class Outbox:
         delivery = TaskDelivery(self, record.task_id, record.task_dir, masker, globs, None, journal, None,
                                 spider=spider)
         delivery.ship_logs = ship_logs
+        delivery.claimed_at = record.claimed_at
+        for shipper in (delivery.logs, delivery.items):  # the outbox figures count from here at once
+            shipper.acked = (await self.store.stream_position(record.task_id, shipper.stream))[0]
         delivery.result = TaskResult.from_json(record.result)
         delivery.items.finish()
         delivery.ended.set()

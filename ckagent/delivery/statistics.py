@@ -1,10 +1,14 @@
 """What the outbox holds that the master has not acknowledged: :class:`OutboxStatistics`, counted by
-:class:`SpoolCounter` from the state store and the spool files — with the delivery's own line
-cutting (:class:`~ckagent.delivery.lines.LineSplitter`) and journal reading
+:class:`SpoolCounter` from the spool files and the acknowledged positions — with the delivery's own
+line cutting (:class:`~ckagent.delivery.lines.LineSplitter`) and journal reading
 (:func:`~ckagent.delivery.journal.parse_journal`), so the figures are the shippers' elements.
 
-:meth:`ckagent.delivery.Outbox.statistics` is the entry point; the metrics and /status only render
-the record.
+Two ways in: :meth:`ckagent.delivery.Outbox.figures` (what the agent's /metrics and /status use)
+counts on the event loop, in slices of at most :data:`SLICE_SECONDS` with a checkpoint between
+them, from the outbox's in-memory records (no SQL, no thread: a CPU-bound worker thread would
+hold the GIL, and so the loop, for up to ``sys.getswitchinterval()`` = 5 ms at a time);
+:meth:`ckagent.delivery.Outbox.statistics` counts from the state store, blocking (tools, tests).
+The metrics and /status only render the record.
 """
 
 from __future__ import annotations
@@ -13,8 +17,11 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import trio
 
 from ckagent.delivery.journal import parse_journal
 from ckagent.delivery.lines import LineSplitter
@@ -30,9 +37,15 @@ from ckagent.delivery.spool import (
 from ckagent.state import StateStore
 
 READ_CHUNK = 64 * 1024
-"""Bytes read from a spool file at a time while counting. Small on purpose: counting runs in a worker
-thread, and each read lets go of the GIL, so the event loop never waits long for it (a thread that
-runs Python code without a pause keeps the loop waiting up to the interpreter's switch interval, 5 ms)."""
+"""Bytes read from a spool file at a time while counting: one read and its line cutting take well
+under a millisecond (C-level splitting of page-cache bytes), the unit of a slice on the loop."""
+SLICE_SECONDS = 0.0005
+"""Longest run of counting on the event loop before it lets other tasks run (a checkpoint)."""
+
+OutboxRecord = tuple[str, Path, float, bool, int, int]
+"""One task with something to deliver: ``(task_id, task_dir, claimed_at, has_result, log lines
+acknowledged, items acknowledged)`` — a row of ``StateStore.pending_outbox`` or the same from the
+outbox's memory (:meth:`ckagent.delivery.Outbox.figures`)."""
 
 
 @dataclass(frozen=True)
@@ -60,20 +73,27 @@ class _ElementCount:
 
     def update(self) -> int:
         """Read what was appended (blocking); returns the count. A missing file counts 0."""
+        for _ in self.steps():
+            pass
+        return self.count
+
+    def steps(self) -> Iterator[None]:
+        """:meth:`update` one chunk at a time: yields after each chunk read and counted (the caller
+        may let the event loop run there); :attr:`count` is the figure once it is exhausted."""
         try:
             fd = open_spool(self.path)
         except OSError:  # missing, or not a regular file (never followed, never blocked on)
-            return self.count
+            return
         try:
             while chunk := os.pread(fd, READ_CHUNK, self._read_to):
                 self._read_to += len(chunk)
                 lines, _ = self._splitter.feed(chunk)
                 self.count += len(lines) if self._log else sum(map(bool, map(bytes.strip, lines)))
+                yield
         except OSError:
             pass
         finally:
             os.close(fd)
-        return self.count
 
 
 class _TaskSpool:
@@ -88,8 +108,17 @@ class _TaskSpool:
 
     def log_lines(self) -> int:
         """Lines written to every log source so far (blocking)."""
+        for _ in self.steps():
+            pass
+        return sum(counter.count for counter in self.logs.values())
+
+    def steps(self) -> Iterator[None]:
+        """Bring every count up to date, one chunk at a time (see :meth:`_ElementCount.steps`)."""
         self._scan_journal()
-        return sum(counter.update() for counter in self.logs.values())
+        yield
+        for counter in list(self.logs.values()):
+            yield from counter.steps()
+        yield from self.items.steps()
 
     def _scan_journal(self) -> None:
         try:
@@ -109,7 +138,8 @@ class _TaskSpool:
 
 
 class SpoolCounter:
-    """Counts the outbox from the state store and the spool files. **Blocking**: call it in a thread.
+    """Counts the outbox from acknowledged positions and the spool files: :meth:`refresh` on the
+    event loop in slices (the agent), or :meth:`read` from the state store, blocking (in a thread).
 
     Unacknowledged elements = complete elements in the spool files (a last line without its newline
     counts once the task ends) minus the acknowledged count in the state store. Counting is
@@ -125,7 +155,8 @@ class SpoolCounter:
     def __init__(self, store: StateStore, started_at: float | None = None) -> None:
         self._store = store
         self._started_at = time.time() if started_at is None else started_at
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the shipped figures (short sections, never across a read)
+        self._refreshing = trio.Lock()  # one refresh at a time (they share the incremental counts)
         self._spools: dict[str, _TaskSpool] = {}
         self._seen: dict[str, list[int]] = {}  # task id -> [log seq, items seq] already counted as shipped
         self._done: set[str] = set()  # settled by task_done; may still be in a read that started before
@@ -134,33 +165,55 @@ class SpoolCounter:
         self.last = OutboxStatistics()
 
     def read(self) -> OutboxStatistics:
-        """Figures now (blocking: one SQLite statement and file reads). Also advances the shipped counters."""
-        records = self._store.pending_outbox()
+        """Figures now from the state store (blocking: one SQLite statement and file reads). Also
+        advances the shipped counters. Not to be mixed with a :meth:`refresh` in progress."""
+        for _ in self._count(self._store.pending_outbox()):
+            pass
+        return self.last
+
+    async def refresh(self, records: Sequence[OutboxRecord]) -> OutboxStatistics:
+        """Figures now for ``records`` (the outbox's in-memory view), counted on the event loop's
+        thread in slices of at most :data:`SLICE_SECONDS`, with a checkpoint between them — the loop
+        never waits for a thread holding the GIL. Refreshes run one at a time (a second caller waits
+        for the first, then counts what was appended meanwhile). Cancellation between slices leaves
+        the counts consistent (each chunk is counted whole); the figures are then not updated."""
+        async with self._refreshing:
+            await trio.lowlevel.checkpoint()  # a fresh slice: not on top of what this step did before
+            deadline = time.perf_counter() + SLICE_SECONDS
+            for _ in self._count(records):
+                if time.perf_counter() >= deadline:
+                    await trio.lowlevel.checkpoint()
+                    deadline = time.perf_counter() + SLICE_SECONDS
+            return self.last
+
+    def _count(self, records: Sequence[OutboxRecord]) -> Iterator[None]:
+        """Count ``records``' spools (yielding between chunks); sets :attr:`last` when exhausted."""
         with self._lock:
             self._settle()
-            lines = items = results = 0
-            for task_id, task_dir, claimed_at, has_result, log_acked, items_acked in records:
-                if has_result:
-                    results += 1
-                spool = self._spools.get(task_id)
-                if spool is None or spool.task_dir != task_dir:
-                    spool = self._spools[task_id] = _TaskSpool(task_dir)
-                acked = [log_acked, items_acked]
-                lines += max(0, spool.log_lines() - acked[0])
-                items += max(0, spool.items.update() - acked[1])
-                self._advance(task_id, acked, before_start=claimed_at < self._started_at)
-            pending_ids = {record[0] for record in records}
-            for task_id in set(self._spools) - pending_ids:
-                del self._spools[task_id]
+        lines = items = results = 0
+        for task_id, task_dir, claimed_at, has_result, log_acked, items_acked in records:
+            if has_result:
+                results += 1
+            spool = self._spools.get(task_id)
+            if spool is None or spool.task_dir != task_dir:
+                spool = self._spools[task_id] = _TaskSpool(task_dir)
+            yield from spool.steps()
+            lines += max(0, sum(counter.count for counter in spool.logs.values()) - log_acked)
+            items += max(0, spool.items.count - items_acked)
+            with self._lock:
+                self._advance(task_id, [log_acked, items_acked], before_start=claimed_at < self._started_at)
+        pending_ids = {record[0] for record in records}
+        for task_id in set(self._spools) - pending_ids:
+            del self._spools[task_id]
+        with self._lock:
             self._done &= pending_ids
-            self.last = OutboxStatistics(log_lines=lines, items=items, results=results, tasks=len(records))
-            return self.last
+        self.last = OutboxStatistics(log_lines=lines, items=items, results=results, tasks=len(records))
 
     def task_done(self, task_id: str, log_lines: int, items: int, claimed_at: float) -> None:
         """The master acknowledged the task's final result with these counts: settle its shipped figures.
 
-        Called on the event loop: it only queues (a deque append is atomic), so the loop never waits
-        for the lock a :meth:`read` in a worker thread holds across its file reads."""
+        Called on the event loop: it only queues (a deque append is atomic); a count in progress
+        applies it at its next short locked section."""
         self._settled.append((task_id, log_lines, items, claimed_at))
 
     @property
