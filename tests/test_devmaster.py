@@ -504,6 +504,38 @@ async def test_items_seq_rules(dev_master: DevMaster, node: Node) -> None:
         assert not_object.status_code == 422 and not_object.json()["field"] == "items[0]"
 
 
+async def test_items_bodies_in_the_agents_form_and_others(dev_master: DevMaster, node: Node) -> None:
+    """A body of exactly {"seq", "items"} (what the agent sends: its items as the spider wrote them)
+    is stored as its own text; overlaps, other key orders, extra keys and broken bodies still get
+    the general path's answers."""
+    async def post(body: bytes) -> httpx.Response:
+        return await node.http.post(f"/api/tasks/{task_id}/items", content=body,
+                                    headers={**node.auth, "content-type": "application/json"})
+
+    with trio.fail_after(10):
+        spider = await make_spider(dev_master.admin)
+        task_id = await dev_master.admin.create_task(spider)
+        assert (await node.claim(task_id)).status_code == 200
+        # The SDK's spacing, non-ASCII text, a U+2028 escape, a nested object: kept as written.
+        first = b'{"seq":0,"items":[{"n": 0, "title": "caf\xc3\xa9 \\u2028"},{"n": 1, "tags": [1, {"a": null}]}]}'
+        assert (await post(first)).json() == {"acceptedSeq": 2}
+        # Overlapping (item 1 again): only the new one is stored, encoded anew.
+        assert (await post(b' { "seq" : 1 , "items" : [{"n": 1, "tags": []}, {"n": 2}] } ')).json() == {
+            "acceptedSeq": 3}
+        # Another key order and an extra key: the general path.
+        assert (await post(b'{"items":[{"n": 3}],"seq":3}')).json() == {"acceptedSeq": 4}
+        assert (await post(b'{"seq":4,"items":[{"n": 4}],"note":"x"}')).json() == {"acceptedSeq": 5}
+        # A duplicated key: the general path too (the last one wins, as in json.loads).
+        assert (await post(b'{"seq":5,"items":[{"n": "dropped"}],"items":[{"n": 5}]}')).json() == {"acceptedSeq": 6}
+        broken = await post(b'{"seq":6,"items":[{"n": 6}')
+        assert broken.status_code == 400
+        not_object = await post(b'{"seq":6,"items":[{"n": 6}, 7]}')
+        assert not_object.status_code == 422 and not_object.json()["field"] == "items[1]"
+        assert await dev_master.admin.get_items(task_id) == [
+            {"n": 0, "title": "caf\u00e9 \u2028"}, {"n": 1, "tags": [1, {"a": None}]}, {"n": 2}, {"n": 3},
+            {"n": 4}, {"n": 5}]
+
+
 async def test_only_the_claiming_node_may_post(
     dev_master: DevMaster, http: httpx.AsyncClient, node: Node
 ) -> None:

@@ -1134,9 +1134,14 @@ class Store:
             digest = hashlib.sha256("".join(line + "\n" for line in lines).encode())
         return {"count": count, "sha256": digest.hexdigest(), "discarded": self.discard_logs}
 
-    def append_items(self, task_id: str, node_id: str, seq: int, items: Sequence[dict[str, Any]]) -> int:
-        """Store items ``seq``.. once each (as JSON text); same rules and answer as ``append_logs``."""
+    def append_items(self, task_id: str, node_id: str, seq: int, items: Sequence[dict[str, Any]],
+                     text: str | None = None) -> int:
+        """Store items ``seq``.. once each (as JSON text); same rules and answer as ``append_logs``.
+        ``text``: the JSON array ``items`` were decoded from, kept as it is when every item is new
+        (no encoding again); when some were stored already, the new ones are encoded."""
         def encode(tail: Sequence[dict[str, Any]]) -> dict[str, str]:
+            if text is not None and tail is items:
+                return {"data": text}
             return {"data": _dumps(list(tail))}
 
         return self._append("task_item_chunks", "stored_items", task_id, node_id, seq, items, encode)

@@ -94,16 +94,21 @@ def _env(name: str) -> Optional[str]:
     return value if value else None
 
 
+# ``json.dumps(item, ensure_ascii=False, default=str)`` builds a new encoder per call when given
+# arguments; one encoder made once gives the same text about 30 % faster (bench/items.py).
+_JSON = json.JSONEncoder(ensure_ascii=False, default=str)
+
+
 def _encode(item: Any) -> bytes:
     """One item → one UTF-8 JSON line ending in ``\\n``."""
-    if not isinstance(item, Mapping):
-        raise TypeError(
-            "crawlerkeeper_sdk.save_item() takes a mapping (a dict of field -> value), "
-            f"got {type(item).__name__}: {item!r:.200}"
-        )
-    if not isinstance(item, dict):
+    if type(item) is not dict:  # the common case skips the (slower) ABC check
+        if not isinstance(item, Mapping):
+            raise TypeError(
+                "crawlerkeeper_sdk.save_item() takes a mapping (a dict of field -> value), "
+                f"got {type(item).__name__}: {item!r:.200}"
+            )
         item = dict(item)
-    text = json.dumps(item, ensure_ascii=False, default=str)
+    text = _JSON.encode(item)
     # JSON strings may hold U+2028/U+2029 raw, and some line readers (str.splitlines) break
     # lines there; escaped they mean the same thing and the line stays one line everywhere.
     if "\u2028" in text or "\u2029" in text:
@@ -130,10 +135,12 @@ def _items_fd(path: str) -> int:
 def _write_all(fd: int, data: bytes) -> None:
     # On a local file one write() of a whole line is appended atomically; the loop only matters
     # for the rare short write (a signal, a full disk), where keeping the bytes beats losing them.
-    view = memoryview(data)
+    written = os.write(fd, data)
+    if written == len(data):
+        return
+    view = memoryview(data)[written:]
     while view:
-        written = os.write(fd, view)
-        view = view[written:]
+        view = view[os.write(fd, view):]
 
 
 def _print_lines(data: bytes) -> None:
