@@ -359,8 +359,8 @@ class AgentStatus:
         )
 
     async def metrics(self, accept: str) -> tuple[bytes, str]:
-        """/metrics: the outbox figures and the exposition, both on the loop in slices of at most
-        0.5 ms (ckagent.metrics.SLICE_SECONDS): a scrape never holds the loop for longer."""
+        """/metrics: the outbox figures and the exposition, both on the loop in slices of about
+        0.25 ms of work each (SLICE_SECONDS in ckagent.metrics and ckagent.delivery.statistics)."""
         live = self.live(await self._outbox_figures())
         return await self._metrics.render_sliced(live, accept)
 

@@ -39,7 +39,7 @@ from ckagent.state import StateStore
 READ_CHUNK = 64 * 1024
 """Bytes read from a spool file at a time while counting: one read and its line cutting take well
 under a millisecond (C-level splitting of page-cache bytes), the unit of a slice on the loop."""
-SLICE_SECONDS = 0.0005
+SLICE_SECONDS = 0.00025
 """Longest run of counting on the event loop before it lets other tasks run (a checkpoint)."""
 
 OutboxRecord = tuple[str, Path, float, bool, int, int]
