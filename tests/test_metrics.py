@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
@@ -336,4 +337,32 @@ async def test_counting_the_outbox_lets_the_loop_run(tmp_path: Path) -> None:
     assert (figures.log_lines, figures.items, figures.tasks) == (199_000, 99_990, 1)
     assert during >= 3, "the count held the loop for the whole spool"
     assert SpoolCounter(store, started_at=0.0).read() == OutboxStatistics(log_lines=200_000, items=100_000, tasks=1)
+    store.close()
+
+
+async def test_outbox_figures_of_a_resumed_delivery_start_from_its_stored_positions(tmp_path: Path) -> None:
+    """Outbox.figures counts from the deliveries in memory: a task an earlier run left unsent counts
+    what its stored positions do not cover from the first look (not everything, nor as shipped now)."""
+    from test_delivery import FakeMaster, master_client
+
+    store = _store(tmp_path)
+    t1 = _task_dir(tmp_path, "t1")
+    store.add_task("t1", "s1", TASK_JSON, t1)
+    (t1 / "output.log").write_bytes(b"".join(b"line %d\n" % i for i in range(5)))
+    (t1 / "items.jsonl").write_bytes(b'{"n": 0}\n{"n": 1}\n{"n": 2}\n')
+    store.save_stream_position("t1", "log", 2, {"j": 0, "p": {}})
+    store.save_stream_position("t1", "items", 1, {"offset": 9})
+    store.set_result("t1", TaskResult(status="SUCCESS").to_json())
+    fake = FakeMaster()
+    fake.fault = lambda kind, seq, batch: httpx.Response(503, json={"error": "away"})  # nothing is acknowledged
+    outbox = Outbox(master_client(fake), AsyncStateStore(store), tmp_path)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(outbox.run)
+            (record,) = store.pending_delivery()
+            await outbox.resume(record)
+            figures = await outbox.figures()
+            nursery.cancel_scope.cancel()
+    assert (figures.log_lines, figures.items, figures.results, figures.tasks) == (3, 2, 1, 1)
+    assert outbox.shipped() == (0, 0)
     store.close()
