@@ -55,7 +55,8 @@ TAIL_TXT_LINES = 500
 TAIL_READ_BYTES = 256 * 1024
 """Bytes read from the end of output.log to find the last lines."""
 TAIL_INTERVAL = 0.5
-"""Seconds between looks at a tailed output.log."""
+"""Seconds between looks at a tailed output.log while its task has no delivery to say when it grew
+(between the claim and the process's start); otherwise the tail waits on the delivery's event."""
 MAX_TAILS = 8
 """Live tails served at the same time."""
 REFRESH_SECONDS = 5.0
@@ -222,7 +223,7 @@ class StatusPage:
             with trio.move_on_after(MAX_TAIL_SECONDS):
                 await send({"type": "http.response.body", "body": b": tail\n\n", "more_body": True})
                 while True:
-                    running = task_id in self._supervisor.running
+                    running = self._may_grow(task_id)
                     try:
                         data = await trio.to_thread.run_sync(read_spool, path, offset, TAIL_READ_BYTES)
                     except OSError:
@@ -239,9 +240,26 @@ class StatusPage:
                                     "more_body": True})
                         break
                     if not data:
-                        await trio.sleep(TAIL_INTERVAL)
+                        await self._output_grew(task_id)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             nursery.cancel_scope.cancel()
+
+    def _may_grow(self, task_id: str) -> bool:
+        """Whether the task's output.log may still grow: it runs and its process is not over."""
+        rt = self._supervisor.running.get(task_id)
+        delivery = getattr(rt, "delivery", None) if rt is not None else None
+        return rt is not None and (delivery is None or not delivery.ended.is_set())
+
+    async def _output_grew(self, task_id: str) -> None:
+        """Wait until the running task's output.log grew (the delivery's event: no timed look) or the
+        task is over; TAIL_INTERVAL while the task has no delivery yet."""
+        rt = self._supervisor.running.get(task_id)
+        delivery = getattr(rt, "delivery", None) if rt is not None else None
+        if delivery is None:
+            if rt is not None:
+                await trio.sleep(TAIL_INTERVAL)
+            return
+        await delivery.wait_output()
 
     # ------------------------------------------------------------------ the page
 

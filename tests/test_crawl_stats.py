@@ -380,6 +380,7 @@ async def test_stats_shipper_sends_only_the_newest_at_most_every_interval(
         for n in range(1, 41):  # a snapshot every 0.5 s for 20 s
             with path.open("a") as fh:
                 fh.write(json.dumps({"time": 1764547200 + n, "stats": {"items": n}}) + "\n")
+            shipper.notify()  # what the outbox's scan does when the file's size changed
             await trio.sleep(0.5)
         await trio.sleep(10)
         ended.set()
@@ -406,7 +407,29 @@ async def test_stats_shipper_stops_live_stats_on_404(tmp_path: Path, autojump_cl
         for n in range(10):
             with (tmp_path / "stats.jsonl").open("a") as fh:
                 fh.write(json.dumps({"stats": {"n": n}}) + "\n")
+            shipper.notify()
             await trio.sleep(2)
         ended.set()
     assert len(posted) == 1 and shipper.refused
     assert shipper.latest is not None and shipper.latest.stats == {"n": 9}  # still read for the page and metrics
+
+
+async def test_stats_shipper_of_a_silent_task_never_wakes(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
+    """Issue 18: a task that writes nothing costs no timed look; a notification (the outbox's scan
+    saw the file grow) is what wakes the shipper, and the newest snapshot then goes at once."""
+    posted: list[tuple[float, dict[str, Any]]] = []
+    master = _fake_master([], posted)
+    shipper = StatsShipper(master, "t1", tmp_path, interval=5.0)
+    ended = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(shipper.run, ended)
+        await trio.sleep(600)  # ten silent minutes
+        assert shipper.looks == 1 and not posted  # the first look only
+        with (tmp_path / "stats.jsonl").open("a") as fh:
+            fh.write(json.dumps({"stats": {"n": 1}}) + "\n")
+        await trio.sleep(300)  # written, but nobody said so: the shipper does not look by itself
+        assert shipper.looks == 1 and not posted
+        shipper.notify()
+        await trio.sleep(0.1)
+        assert shipper.looks == 2 and [body["stats"] for _, body in posted] == [{"n": 1}]
+        ended.set()

@@ -223,9 +223,16 @@ async def test_noted_positions_are_written_together_by_the_outbox_once_a_second(
     monkeypatch.setattr(store.sync, "save_stream_positions", counting)
     monkeypatch.setattr(trio.to_thread, "run_sync", inline_run_sync)  # no real thread under the autojump clock
     outbox = Outbox(master_client(FakeMaster()), store, tmp_path)
+    task_dir = tmp_path / "tasks" / "t0"
+    task_dir.mkdir(parents=True)
+    await store.add_task("t0", "s1", {}, task_dir)
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             await nursery.start(outbox.run)
+            # A running task's delivery: the outbox's once-a-second round runs while one is open.
+            await outbox.open_task(Task.from_json({"id": "t0", "spiderId": "s1", "framework": "python"}), task_dir)
+            await trio.sleep(0.5)
+            writes.clear()
             for i in range(20):  # acknowledgements of many streams within one second: no write yet
                 store.note_stream_position(f"t{i}", "log", i + 1, {"j": 0, "p": {}})
             assert writes == []
@@ -286,3 +293,57 @@ async def test_small_spider_writes_gather_and_the_exit_ends_the_wait(autojump_cl
             await trio.sleep(0.001)
             assert got[2:] == [b"e\n", b"f\n"]
             await send.aclose()
+
+
+class StepCounter(trio.abc.Instrument):
+    """Counts task steps (each is one wake-up of a task) by task name."""
+
+    def __init__(self) -> None:
+        self.steps: dict[str, int] = {}
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.steps[task.name] = self.steps.get(task.name, 0) + 1
+
+
+async def test_wake_ups_of_a_silent_task_and_of_an_idle_outbox(
+    tmp_path: Path, store: AsyncStateStore, autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 18: "a running task that writes nothing costs the agent at most one wake-up a second" —
+    counted as Trio task steps over a silent minute. The task's own tasks (journal, stats, stall
+    watchdog) do not wake; its two stream shippers only for their NOTIFY_FALLBACK safety net; the
+    outbox's once-a-second round (shared by every task) is the rest. An outbox with no task open
+    does not wake at all."""
+    monkeypatch.setattr(trio.to_thread, "run_sync", inline_run_sync)
+    outbox = Outbox(master_client(FakeMaster()), store, tmp_path)
+    task_dir = tmp_path / "tasks" / "t1"
+    task_dir.mkdir(parents=True)
+    await store.add_task("t1", "s1", {}, task_dir)
+    counter = StepCounter()
+    with trio.fail_after(400):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(outbox.run)
+            await trio.sleep(1)
+            trio.lowlevel.add_instrument(counter)
+            await trio.sleep(120)  # two idle minutes
+            idle = dict(counter.steps)
+            delivery = await outbox.open_task(Task.from_json({"id": "t1", "spiderId": "s1", "framework": "python"}),
+                                              task_dir)
+            delivery.watch_stall(3600, lambda idle_seconds: None)
+            await trio.sleep(5)  # settle: the streams started
+            counter.steps.clear()
+            await trio.sleep(60)  # a minute of a task that writes nothing
+            silent = dict(counter.steps)
+            trio.lowlevel.remove_instrument(counter)
+            await delivery.finish(TaskResult(status="SUCCESS", exit_code=0))
+            await outbox.wait_idle()
+            nursery.cancel_scope.cancel()
+    main = trio.lowlevel.current_task().name
+    rounds = {name: n for name, n in silent.items() if name.endswith("Outbox._disk_loop")}
+    own = {name: n for name, n in silent.items() if name not in rounds and name != main}
+    print(f"idle outbox, 120 s: {idle}; silent task, 60 s: outbox round {sum(rounds.values())} steps, "
+          f"the task's own tasks {own}")
+    assert {name: n for name, n in idle.items() if name != main} == {}, idle
+    shippers = own.pop("ckagent.delivery.shipper.StreamShipper.run", 0)
+    assert own == {}, own  # stats shipper, journal loop, stall watchdog: asleep (stats: 60 looks before)
+    assert shippers <= 2 * (60 // NOTIFY_FALLBACK + 1), shippers  # the safety net of logs and items
+    assert sum(rounds.values()) <= 60 * 2 + 2, rounds  # a round a second: its wake-up and its one thread hop

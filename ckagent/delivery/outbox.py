@@ -72,7 +72,10 @@ class TaskDelivery:
         journal.on_record = self.logs.notify
         self._wake = trio.Event()
         self._found: dict[str, int] | None = None  # spider log files found by the last scan, not yet noted
+        self._found_sizes: dict[str, int] = {}  # spider log files and sizes the last scan found
         self._items_size = 0  # items.jsonl's size at the last scan
+        self._stats_size = 0  # the stats file's size at the last scan
+        self._output_grew: trio.Event | None = None  # set by the next output write (see wait_output)
         self.scanning = False  # True while the task runs: the outbox scans its files every SCAN_INTERVAL
         self.ended = trio.Event()
         self.delivered = trio.Event()
@@ -93,6 +96,19 @@ class TaskDelivery:
         """The sink wrote to output.log."""
         self.activity.touch()
         self._wake.set()
+        if self._output_grew is not None:
+            self._output_grew.set()
+            self._output_grew = None
+
+    async def wait_output(self) -> None:
+        """Return after the next write to output.log, or once the process is over (at once if it is).
+        For readers of output.log beside the shipper (the status page's live tail): an event, not a
+        timed look. Cancellation: as usual, nothing to undo."""
+        if self.ended.is_set():
+            return
+        if self._output_grew is None:
+            self._output_grew = trio.Event()
+        await self._output_grew.wait()
 
     def watch_stall(self, timeout: float, on_stall: Callable[[float], None]) -> None:
         """Arm the stall watchdog (the process has started): ``on_stall(idle_seconds)`` is called once
@@ -121,6 +137,9 @@ class TaskDelivery:
         self.ended.set()
         self._stall_armed.set()
         self._wake.set()
+        if self._output_grew is not None:
+            self._output_grew.set()
+            self._output_grew = None
 
     async def _journal_loop(self) -> None:
         """Record the growth of output.log (when notified) and of spider log files (when the outbox's
@@ -143,23 +162,26 @@ class TaskDelivery:
         self.journal.end(sizes)
         self.journal.close()
 
-    def scan(self) -> tuple[dict[str, int], int]:
-        """(spider log files → size, items.jsonl's size or 0). Blocking: the outbox calls it in its
-        once-a-second worker thread, for every running task in one hop."""
-        try:
-            size = os.lstat(self.task_dir / ITEMS_FILE).st_size
-        except OSError:
-            size = 0
-        return scan_log_files(self.task_dir, self.globs), size
+    def scan(self) -> tuple[dict[str, int], int, int]:
+        """(spider log files → size, items.jsonl's size or 0, the stats file's size or 0). Blocking:
+        the outbox calls it in its once-a-second worker thread, for every running task in one hop."""
+        return scan_log_files(self.task_dir, self.globs), _size(self.task_dir / ITEMS_FILE), \
+            _size(self.task_dir / STATS_FILE)
 
-    def scanned(self, found: dict[str, int], items_size: int) -> None:
+    def scanned(self, found: dict[str, int], items_size: int, stats_size: int = 0) -> None:
         """The result of :meth:`scan` (on the loop): the journal notes the log files; a grown items
-        file wakes its shipper (which does not poll a file that is not growing)."""
-        self._found = found
-        self._wake.set()
+        file wakes its shipper, a grown stats file the stats shipper (neither polls a file that is
+        not growing)."""
+        if found != self._found_sizes:  # the journal loop wakes only for log files that changed
+            self._found_sizes = found
+            self._found = found
+            self._wake.set()
         if items_size != self._items_size:
             self._items_size = items_size
             self.items.notify()
+        if stats_size != self._stats_size:
+            self._stats_size = stats_size
+            self.stats.notify()
 
     def _final_sizes(self) -> dict[str, int]:
         sizes = scan_log_files(self.task_dir, self.globs)
@@ -221,6 +243,7 @@ class Outbox:
         self._nursery: trio.Nursery | None = None
         self._idle = trio.Event()
         self._idle.set()
+        self._busy = trio.Event()  # set while a delivery is open (the disk loop runs)
         self._delivered = trio.Event()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -328,6 +351,7 @@ class Outbox:
             raise RuntimeError("the outbox is not running")
         self.deliveries[delivery.task_id] = delivery
         self._idle = trio.Event()
+        self._busy.set()
         self._nursery.start_soon(self._guarded, delivery, name=f"deliver {delivery.task_id}")
 
     async def _guarded(self, delivery: TaskDelivery) -> None:
@@ -345,19 +369,26 @@ class Outbox:
             self._delivered = trio.Event()
             if not self.deliveries:
                 self._idle.set()
+                self._busy = trio.Event()
 
     async def _disk_loop(self) -> None:
-        """Every SCAN_INTERVAL: the shippers' noted positions (one write), the files of every running
-        task (one hop) and the free-space figure — for the whole agent, not per task or stream."""
+        """Every SCAN_INTERVAL while a delivery is open: the shippers' noted positions (one write), the
+        files of every running task and the free-space figure (one hop) — for the whole agent, not per
+        task or stream. With no delivery open it sleeps until one opens (an idle agent has nothing
+        here to look at: no wake-up), then refreshes the free-space figure at once."""
         while True:
+            if not self.deliveries:
+                await self.store.flush_positions()  # the last delivery's last positions
+                await self._busy.wait()
+                await self.guard.refresh()  # the figure may be hours old
             await trio.sleep(SCAN_INTERVAL)
             await self.store.flush_positions()  # the shippers' acknowledged positions, all streams at once
             live = [delivery for delivery in self.deliveries.values() if delivery.scanning]
-            if live:
-                found = await trio.to_thread.run_sync(_scan_all, live)
-                for delivery, (files, items_size) in zip(live, found, strict=True):
-                    delivery.scanned(files, items_size)
-            await self.guard.refresh()
+            found, free = await trio.to_thread.run_sync(_scan_round, live, self.guard.path)  # one hop
+            for delivery, (files, items_size, stats_size) in zip(live, found, strict=True):
+                delivery.scanned(files, items_size, stats_size)
+            if free is not None:
+                self.guard.free_bytes = free
 
     async def _retention_loop(self) -> None:
         interval = min(3600.0, max(1.0, self.config.retention / 4))
@@ -366,7 +397,26 @@ class Outbox:
             await trio.sleep(interval)
 
 
-def _scan_all(deliveries: list[TaskDelivery]) -> list[tuple[dict[str, int], int]]:
+def _size(path: Path) -> int:
+    """``path``'s size (bytes; 0 when it cannot be seen), without following a symlink. Blocking."""
+    try:
+        return os.lstat(path).st_size
+    except OSError:
+        return 0
+
+
+def _scan_round(deliveries: list[TaskDelivery], disk: Path) -> tuple[list[tuple[dict[str, int], int, int]], int | None]:
+    """One round of the disk loop in its worker thread (blocking): :func:`_scan_all` and the free
+    bytes of the filesystem holding ``disk`` (None when it cannot be measured)."""
+    try:
+        free: int | None = shutil.disk_usage(disk).free
+    except OSError as exc:
+        log.debug("cannot measure free space of %s: %s", disk, exc)
+        free = None
+    return _scan_all(deliveries), free
+
+
+def _scan_all(deliveries: list[TaskDelivery]) -> list[tuple[dict[str, int], int, int]]:
     """:meth:`TaskDelivery.scan` of each (blocking); a task whose dir cannot be read is skipped."""
     found = []
     for delivery in deliveries:
@@ -374,7 +424,7 @@ def _scan_all(deliveries: list[TaskDelivery]) -> list[tuple[dict[str, int], int]
             found.append(delivery.scan())
         except OSError as exc:
             log.debug("task %s: cannot scan its files: %s", delivery.task_id, exc)
-            found.append(({}, 0))
+            found.append(({}, 0, 0))
     return found
 
 

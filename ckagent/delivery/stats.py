@@ -1,8 +1,10 @@
 """The stats shipper: a running task's newest stats snapshot → ``POST /api/tasks/{id}/stats``.
 
-Coalesced and rate-limited: the shipper looks at the task's stats file every LOOK_INTERVAL
-seconds (one ``fstat``, and a read of the last line only when the file grew), keeps the newest
-snapshot, and sends it at most once per STATS_INTERVAL seconds — only the newest one; those in
+Coalesced and rate-limited: the shipper looks at the task's stats file when woken by
+:meth:`StatsShipper.notify` — the outbox's once-a-second scan of every running task's files calls it
+when the stats file's size changed, so a task that writes no stats costs the shipper no wake-up at
+all (a read of the last line only when the file grew) — keeps the newest snapshot, and sends it at
+most once per STATS_INTERVAL seconds — only the newest one; those in
 between are never sent. Live snapshots are best effort: a master that is down, or answers 4xx,
 gets the next newest one later (a 404 or 409 ends live shipping for the task: the master does not
 know the task, or the endpoint). The *final* snapshot is durable: it is read from the stats file
@@ -27,8 +29,6 @@ log = logging.getLogger(__name__)
 
 STATS_INTERVAL = 5.0
 """Seconds between two live stats posts of one task (at most)."""
-LOOK_INTERVAL = 1.0
-"""Seconds between looks at a running task's stats file."""
 
 
 def snapshot_message(snapshot: Snapshot) -> TaskStats:
@@ -73,6 +73,13 @@ class StatsShipper:
         self.sent = 0
         self.refused = False
         self._on_snapshot = on_snapshot
+        self._wake = trio.Event()
+        self.looks = 0
+        """How many times the loop woke to look at the file (a figure for tests and benchmarks)."""
+
+    def notify(self) -> None:
+        """The stats file changed (its size): look at it again (on the Trio thread; never blocks)."""
+        self._wake.set()
 
     def look(self) -> Snapshot | None:
         """Read a newer snapshot if the file grew (a syscall or two, page cache); returns the newest."""
@@ -104,14 +111,24 @@ class StatsShipper:
             self.refused = True
 
     async def _loop(self) -> None:
+        """Look when notified; post the newest unsent snapshot once ``interval`` has passed since the
+        last post (waiting for that moment when a newer one came sooner). No timed looks: without a
+        notification the loop sleeps until the task ends."""
         next_send = trio.current_time()
         while True:
+            self.looks += 1
             latest = self.look()
-            now = trio.current_time()
-            if latest is not None and latest.seq > self.sent_seq and not self.refused and now >= next_send:
+            if latest is not None and latest.seq > self.sent_seq and not self.refused:
+                now = trio.current_time()
+                if now < next_send:
+                    await trio.sleep_until(next_send)  # rate limit; a look then finds the newest
+                    continue
                 next_send = now + self.interval
                 await self._post(latest)
-            await trio.sleep(LOOK_INTERVAL)
+                if self.sent_seq < latest.seq and not self.refused:
+                    continue  # unavailable: the newest goes again after the interval
+            await self._wake.wait()
+            self._wake = trio.Event()
 
     async def _post(self, snapshot: Snapshot) -> None:
         body = snapshot_message(snapshot).to_json()
