@@ -327,7 +327,8 @@ class Agent:
             cannot_run=self.capabilities.cannot_run,
             reported=outbox.wait_delivered,
         )
-        self.disk_watch = DiskFloorWatch(self.intake, self.work_dir, s.task.min_free_disk_bytes)
+        self.disk_watch = DiskFloorWatch(self.intake, self.work_dir, s.task.min_free_disk_bytes,
+                                         idle=(lambda: not self.outbox.deliveries, self.outbox.wait_busy))
         return supervisor, outbox, poller
 
     async def _start(self, root: trio.Nursery, store: AsyncStateStore) -> StartupError | None:

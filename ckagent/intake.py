@@ -24,7 +24,10 @@ import trio
 log = logging.getLogger(__name__)
 
 DISK_CHECK_INTERVAL = 5.0
-"""Seconds between two looks at the work dir's free space."""
+"""Seconds between two looks at the work dir's free space while tasks run (or the gate is closed)."""
+IDLE_DISK_CHECK_INTERVAL = 30.0
+"""The same while the node is idle (nothing of the agent's fills the disk then; a task's start ends
+the wait at once): an idle agent wakes for it twice a minute instead of twelve times."""
 
 
 class IntakeGate:
@@ -81,17 +84,24 @@ class DiskFloorWatch:
     """Closes ``gate`` (key "disk") while the work dir's filesystem has less than ``floor_bytes`` free.
 
     ``free_bytes(path)`` reads the free space (default :func:`free_bytes_of`); tests pass their own.
-    One WARNING when the floor is crossed, one INFO when the space is back.
+    One WARNING when the floor is crossed, one INFO when the space is back. Looks every ``interval``
+    seconds; every ``idle_interval`` seconds instead while ``idle`` is given and says the node is
+    idle — ``idle`` is ``(is_idle() -> bool, wait_busy() -> awaitable)``, and ``wait_busy`` returning
+    (a task started) ends the idle wait at once.
     """
 
     def __init__(self, gate: IntakeGate, work_dir: Path, floor_bytes: int, *,
                  interval: float = DISK_CHECK_INTERVAL,
-                 free_bytes: Callable[[Path], Awaitable[int]] = free_bytes_of) -> None:
+                 free_bytes: Callable[[Path], Awaitable[int]] = free_bytes_of,
+                 idle: tuple[Callable[[], bool], Callable[[], Awaitable[None]]] | None = None,
+                 idle_interval: float = IDLE_DISK_CHECK_INTERVAL) -> None:
         self._gate = gate
         self._work_dir = work_dir
         self.floor_bytes = floor_bytes
         self.interval = interval
         self._free_bytes = free_bytes
+        self._idle = idle
+        self.idle_interval = idle_interval
 
     async def check(self) -> int:
         """Look once and close or open the gate; returns the free bytes seen. OSError is logged, not raised
@@ -120,4 +130,9 @@ class DiskFloorWatch:
             return
         while True:
             await self.check()
-            await trio.sleep(self.interval)
+            if self._idle is not None and self._idle[0]() and not self._gate.is_closed("disk"):
+                with trio.move_on_after(max(self.interval, self.idle_interval)):
+                    await self._idle[1]()
+                    await trio.sleep(self.interval)  # a task started: the next look comes at the busy pace
+            else:
+                await trio.sleep(self.interval)

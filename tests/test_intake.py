@@ -77,6 +77,31 @@ async def test_disk_floor_closes_the_gate_once_and_opens_it_when_space_returns(
     assert sum("taking tasks again" in m for m in messages) == 1
 
 
+async def test_an_idle_node_looks_at_its_disk_twice_a_minute_a_busy_one_every_interval(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    """Issue 18 (idle cost): with no task running nothing of the agent's fills the disk, so the watch
+    looks every idle_interval (30 s) instead of every interval (5 s); a task's start ends the idle wait."""
+    looks: list[float] = []
+    busy = trio.Event()
+
+    async def free_bytes(_: Path) -> int:
+        looks.append(trio.current_time())
+        return 900 * MIB
+
+    watch = DiskFloorWatch(IntakeGate(), tmp_path, 512 * MIB, interval=5, free_bytes=free_bytes,
+                           idle=(lambda: not busy.is_set(), busy.wait), idle_interval=30)
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch.run)
+        await trio.sleep(101)
+        assert [round(t - start) for t in looks] == [0, 30, 60, 90]  # idle: twice a minute
+        busy.set()  # a task starts
+        await trio.sleep(11)
+        assert [round(t - start) for t in looks[4:]] == [106, 111]  # at the busy pace at once
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_node_below_its_disk_floor_takes_no_task_says_why_and_resumes(dev_master, tmp_path: Path) -> None:
     admin = dev_master.admin
     free = shutil.disk_usage(tmp_path).free

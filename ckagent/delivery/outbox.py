@@ -292,6 +292,10 @@ class Outbox:
         """Return when every delivery is complete (at once if none is pending)."""
         await self._idle.wait()
 
+    async def wait_busy(self) -> None:
+        """Return once a delivery is open (at once if one is). Cancellation: as usual."""
+        await self._busy.wait()
+
     async def wait_delivered(self, task_ids: set[str]) -> None:
         """Return once a task of ``task_ids`` has no delivery here any more (at once if none has).
         The poller waits here for the results a master's stale ``cancelTaskIds`` are waiting for."""
