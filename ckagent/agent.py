@@ -328,7 +328,7 @@ class Agent:
             reported=outbox.wait_delivered,
         )
         self.disk_watch = DiskFloorWatch(self.intake, self.work_dir, s.task.min_free_disk_bytes,
-                                         idle=(lambda: not self.outbox.deliveries, self.outbox.wait_busy))
+                                         idle=(lambda: not outbox.deliveries, outbox.wait_busy))
         return supervisor, outbox, poller
 
     async def _start(self, root: trio.Nursery, store: AsyncStateStore) -> StartupError | None:
