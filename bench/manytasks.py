@@ -11,7 +11,10 @@ time it was written) and saves ``ITEMS_PER_S`` items a second with the SDK's ``s
   ``storedLogLines`` from the master every ``POLL_INTERVAL`` s (one list request); a line counts as
   stored at the first read that covers it, so the lag is exact to within one read interval
   (a line's write time is in the line itself); p50/p99/max over every line of every task;
-- the baseline: the spiders' own CPU (the agent's reaped children), for scale.
+- the baseline: the spiders' own CPU (the agent's reaped children), for scale; the dev master's CPU
+  (same 2 cores: its time per request is part of the lag);
+- where the lag comes from: the agent's requests to the master over the run (its ``/metrics``:
+  requests per task per second and mean latency per endpoint, log lines per logs request).
 
 Checks that nothing is lost: every task ends SUCCESS with all of its lines (in order) and items.
 Targets: agent CPU ≤ 5 % of a core per 10 tasks, RSS ≤ 80 MB, delivery lag p99 ≤ 1 s, nothing lost.
@@ -27,8 +30,10 @@ import sys
 import time
 from typing import Any
 
+import httpx
 import psutil
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench._harness import (
     PYTHON,
@@ -80,6 +85,23 @@ while True:
         break
     time.sleep(0.01)
 """
+
+
+async def _requests(port: int) -> dict[str, tuple[float, float]]:
+    """The agent's requests to the master so far: endpoint → (requests, seconds spent), from /metrics."""
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
+    found: dict[str, tuple[float, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "ckagent_master_request_duration_seconds":
+            for sample in family.samples:
+                endpoint = sample.labels.get("endpoint", "?")
+                count, total = found.get(endpoint, (0.0, 0.0))
+                if sample.name.endswith("_count"):
+                    found[endpoint] = (sample.value, total)
+                elif sample.name.endswith("_sum"):
+                    found[endpoint] = (count, sample.value)
+    return found
 
 
 async def _watch_stored(admin: Any, task_ids: list[str], seen: dict[str, list[tuple[int, float]]]) -> None:
@@ -136,6 +158,11 @@ async def _run(tasks: int, seconds: float) -> dict[str, Any]:
             await wait_final(master.admin, warm, 300, interval=0.25)
             await trio.sleep(1.0)
             sampler = Sampler(agent.pid, interval=0.1)
+            assert master.process is not None
+            master_ps = psutil.Process(master.process.pid)
+            port = int(agent.config["agent"]["port"])
+            requests0 = await _requests(port)
+            master0 = master_ps.cpu_times()
             times0 = agent_ps.cpu_times()
             seen: dict[str, list[tuple[int, float]]] = {}
             started = time.time()
@@ -149,12 +176,18 @@ async def _run(tasks: int, seconds: float) -> dict[str, Any]:
                 nursery.cancel_scope.cancel()
             elapsed = time.time() - started
             times1 = agent_ps.cpu_times()
+            master1 = master_ps.cpu_times()
+            requests1 = await _requests(port)
             stored = [(await master.admin.get_logs(task_id), await master.admin.get_items(task_id)) for task_id in ids]
         finally:
             await agent.stop()
             await master.stop()
     agent_cpu = (times1.user + times1.system) - (times0.user + times0.system)
     spider_cpu = (times1.children_user + times1.children_system) - (times0.children_user + times0.children_system)
+    master_cpu = (master1.user + master1.system) - (master0.user + master0.system)
+    requests = {endpoint: (count - requests0.get(endpoint, (0.0, 0.0))[0], total - requests0.get(endpoint, (0.0, 0.0))[1])
+                for endpoint, (count, total) in requests1.items()}
+    requests = {endpoint: figures for endpoint, figures in requests.items() if figures[0] > 0}
     expected_lines = int(seconds * LINES_PER_S)
     expected_items = int(seconds * ITEMS_PER_S)
     all_lags: list[float] = []
@@ -172,7 +205,10 @@ async def _run(tasks: int, seconds: float) -> dict[str, Any]:
         "tasks": tasks, "seconds": seconds, "elapsed": elapsed,
         "agent_cpu_seconds": agent_cpu, "agent_cpu_percent": cpu_percent,
         "agent_cpu_percent_per_10_tasks": cpu_percent / tasks * 10,
-        "spider_cpu_seconds": spider_cpu,
+        "spider_cpu_seconds": spider_cpu, "master_cpu_seconds": master_cpu,
+        "requests": {endpoint: {"count": count, "per_task_s": count / tasks / seconds,
+                                "mean_ms": total / count * 1000} for endpoint, (count, total) in requests.items()},
+        "lines_per_logs_request": tasks * expected_lines / requests["logs"][0] if requests.get("logs") else math.nan,
         "agent_peak_rss_mb": sampler.peak_rss / MB,
         "lag_p50": lag["p50"], "lag_p99": p99, "lag_max": lag["max"], "lines_measured": len(all_lags),
         "tasks_incomplete": lost,
@@ -208,6 +244,12 @@ def report(figures: dict[str, Any]) -> str:
         ("spiders' CPU (baseline)", f"{figures['spider_cpu_seconds']:.2f} s",
          f"agent ÷ spiders = {figures['agent_cpu_seconds'] / figures['spider_cpu_seconds']:.2f}×"
          if figures["spider_cpu_seconds"] else "–"),
+        ("dev master's CPU (same cores)", f"{figures['master_cpu_seconds']:.2f} s",
+         f"{figures['master_cpu_seconds'] / figures['elapsed'] * 100:.1f} % of a core"),
+        ("agent → master requests", ", ".join(
+            f"{endpoint} {r['per_task_s']:.2f}/task/s ({r['mean_ms']:.0f} ms)"
+            for endpoint, r in sorted(figures["requests"].items(), key=lambda kv: -kv[1]["count"])),
+         f"{figures['lines_per_logs_request']:.0f} lines per logs request; (mean latency as the agent sees it)"),
         ("agent peak RSS", f"{figures['agent_peak_rss_mb']:.1f} MB", f"≤ {TARGET_RSS_MB:g} MB"),
         ("delivery lag p50 / p99 / max", f"{figures['lag_p50']:.2f} / {figures['lag_p99']:.2f} / "
          f"{figures['lag_max']:.2f} s", f"p99 ≤ {TARGET_LAG_P99_S:g} s; ±{POLL_INTERVAL:g} s "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import logging
 import os
+from collections import deque
 from collections.abc import Callable
 from itertools import accumulate
 from operator import add
@@ -45,10 +46,12 @@ class _Pending:
     A block (:meth:`add_block`) is many printable-ASCII log lines read together, already joined as
     they travel in a body (``"a","b"``): a flood of plain lines costs one bytes object per read
     instead of several per line. A block is cut into its elements only where a batch ends inside it
-    (or an answer needs its first element). ``len()`` counts elements, never entries.
+    (or an answer needs its first element). ``len()`` counts elements, never entries. ``since`` is
+    when the oldest pending element was read (``trio.current_time()``): a batch's age is its oldest
+    element's, also for elements read while the batch before them was on its way.
     """
 
-    __slots__ = ("_blocks", "count", "counts", "cuts", "elements", "marks", "runs", "since", "size", "sizes")
+    __slots__ = ("_added", "_blocks", "_gone", "_reads", "count", "counts", "cuts", "elements", "marks", "runs", "since", "size", "sizes")
 
     def __init__(self) -> None:
         self.elements: list[bytes] = []
@@ -61,13 +64,19 @@ class _Pending:
         self.count = 0
         self.since = 0.0
         self._blocks = 0  # entries that are blocks: 0 keeps every operation on the one-entry-per-element path
+        self._reads: deque[tuple[int, float]] = deque()  # (elements added up to this read's end, its time)
+        self._added = 0  # elements ever added
+        self._gone = 0  # elements ever taken or cleared
 
     def __len__(self) -> int:
         return self.count
 
     def _run(self, count: int, tag: Any) -> None:
+        now = trio.current_time()
         if not self.count:
-            self.since = trio.current_time()
+            self.since = now
+        self._added += count
+        self._reads.append((self._added, now))
         self.count += count
         if self.runs and self.runs[-1][1] == tag:
             self.runs[-1][0] += count
@@ -189,8 +198,12 @@ class _Pending:
         if self._blocks:
             self._blocks -= sum(1 for c in counts[:m] if c > 1)
         del self.elements[:m], self.marks[:m], self.sizes[:m], self.counts[:m], self.cuts[:m]
-        if self.count:
-            self.since = trio.current_time()
+        self._gone += n
+        reads = self._reads
+        while reads and reads[0][0] <= self._gone:
+            reads.popleft()
+        if reads:
+            self.since = reads[0][1]  # when the oldest element left was read
         return touched
 
     def size_of(self, n: int) -> int:
@@ -208,6 +221,8 @@ class _Pending:
     def clear(self) -> None:
         self.elements, self.marks, self.sizes, self.counts, self.cuts, self.runs = [], [], [], [], [], []
         self.size = self.count = self._blocks = 0
+        self._gone = self._added
+        self._reads.clear()
 
     def batch_len(self, max_count: int, max_bytes: int) -> int:
         """How many leading elements make a batch of at most ``max_count`` and ``max_bytes`` (at least 1)."""
