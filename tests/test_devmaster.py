@@ -536,6 +536,48 @@ async def test_items_bodies_in_the_agents_form_and_others(dev_master: DevMaster,
             {"n": 4}, {"n": 5}]
 
 
+async def test_node_batches_answer_each_batch_as_its_own_endpoint_would(
+    dev_master: DevMaster, http: httpx.AsyncClient
+) -> None:
+    """POST /api/nodes/{id}/batches (issue 18, "node-batches"): several tasks' logs and items in one
+    request, one result per batch in order, each what the per-task endpoint answers (409 expectedSeq,
+    404, 422 field); a registration answer offers the feature."""
+    with trio.fail_after(10):
+        r = await http.post("/api/nodes/register", json=register_body("batcher"),
+                            headers={"X-Registration-Token": dev_master.registration_token})
+        assert "node-batches" in r.json()["features"]
+        node = Node(http=http, node_id=r.json()["nodeId"], api_key=r.json()["apiKey"])
+        spider = await make_spider(dev_master.admin)
+        one, two = await dev_master.admin.create_task(spider), await dev_master.admin.create_task(spider)
+        for task_id in (one, two):
+            assert (await node.claim(task_id)).status_code == 200
+        url = f"/api/nodes/{node.node_id}/batches"
+        batches = [
+            {"taskId": one, "stream": "logs", "seq": 0, "lines": ["a", "b"]},
+            {"taskId": two, "stream": "items", "seq": 0, "items": [{"n": 0}, {"n": 1}]},
+            {"taskId": one, "stream": "logs", "seq": 2, "lines": ["c"]},  # follows the first one
+            {"taskId": two, "stream": "logs", "seq": 5, "lines": ["gap"]},
+            {"taskId": "no-such-task", "stream": "logs", "seq": 0, "lines": ["x"]},
+            {"taskId": one, "stream": "items", "seq": 0, "items": [1]},
+            {"taskId": one, "stream": "stats", "seq": 0},
+        ]
+        answer = await http.post(url, json={"batches": batches}, headers=node.auth)
+        assert answer.status_code == 200, answer.text
+        results = answer.json()["results"]
+        assert results[:3] == [{"acceptedSeq": 2}, {"acceptedSeq": 2}, {"acceptedSeq": 3}]
+        assert results[3]["status"] == 409 and results[3]["expectedSeq"] == 0
+        assert results[4]["status"] == 404 and "error" in results[4]
+        assert results[5]["status"] == 422 and results[5]["field"] == "items[0]"
+        assert results[6]["status"] == 400
+        assert await dev_master.admin.get_logs(one) == ["a", "b", "c"]
+        assert await dev_master.admin.get_items(two) == [{"n": 0}, {"n": 1}]
+        other = await register(http, dev_master.registration_token, "node-b")  # another node's key
+        assert (await http.post(url, json={"batches": []}, headers=other.auth)).status_code == 403
+        assert (await http.post(url, json={"nope": []}, headers=node.auth)).status_code == 400
+        too_many = {"batches": [{"taskId": one, "stream": "logs", "seq": 3, "lines": []}] * 257}
+        assert (await http.post(url, json=too_many, headers=node.auth)).status_code == 413
+
+
 async def test_only_the_claiming_node_may_post(
     dev_master: DevMaster, http: httpx.AsyncClient, node: Node
 ) -> None:

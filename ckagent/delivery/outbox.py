@@ -21,6 +21,7 @@ from ckagent.crawlstats import STATS_FILE, Snapshot
 from ckagent.delivery.capture import DiskGuard, LogSink
 from ckagent.delivery.journal import LogJournal, rejected_log_globs, scan_log_files, task_log_globs
 from ckagent.delivery.lines import Masker, secret_values
+from ckagent.delivery.nodebatch import NodeBatcher
 from ckagent.delivery.shipper import StreamShipper, send_result
 from ckagent.delivery.spool import DEFAULT_LOG_GLOBS, ITEMS_FILE, OUTPUT_LOG, SCAN_INTERVAL, SEND_CONCURRENCY
 from ckagent.delivery.statistics import OutboxStatistics, SpoolCounter
@@ -69,6 +70,7 @@ class TaskDelivery:
         self.claimed_at = time.time()  # epoch seconds; a resumed delivery: the claim of an earlier run
         self.stats = StatsShipper(outbox.master, task_id, task_dir, outbox.limiter, on_snapshot=self._observe)
         self.activity = Activity((task_dir / ITEMS_FILE, task_dir / STATS_FILE))
+        self.logs.batcher = self.items.batcher = outbox.batcher
         journal.on_record = self.logs.notify
         self._wake = trio.Event()
         self._found: dict[str, int] | None = None  # spider log files found by the last scan, not yet noted
@@ -235,6 +237,8 @@ class Outbox:
         self.tasks_dir = work_dir / "tasks"
         self.config = config or OutboxConfig()
         self.limiter = trio.CapacityLimiter(SEND_CONCURRENCY)
+        self.batcher = NodeBatcher(master)
+        """Several tasks' batches in one request, when the master offers it (ckagent.delivery.nodebatch)."""
         self.guard = DiskGuard(work_dir, self.config.min_free_disk_bytes)
         self.deliveries: dict[str, TaskDelivery] = {}
         self._counter = SpoolCounter(store.sync)
@@ -253,6 +257,7 @@ class Outbox:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 await self.guard.refresh()
+                nursery.start_soon(self.batcher.run)
                 nursery.start_soon(self._disk_loop)
                 if self.config.retention > 0:
                     nursery.start_soon(self._retention_loop)

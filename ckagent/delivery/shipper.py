@@ -15,6 +15,7 @@ from typing import Any
 import trio
 
 from ckagent.delivery.lines import Masker, encode_item, encode_json
+from ckagent.delivery.nodebatch import NodeBatcher
 from ckagent.delivery.readers import _FileReader, _JournalReader, _Pending
 from ckagent.delivery.spool import (
     BACKOFF_INITIAL,
@@ -116,6 +117,8 @@ class StreamShipper:
         self.acked = 0
         self.refused = False
         self.requests = 0
+        self.batcher: NodeBatcher | None = None
+        """Set by the outbox: batches go through it while the master offers node batches."""
 
     @classmethod
     def logs(cls, master: MasterClient, store: AsyncStateStore, task_id: str, task_dir: Path, masker: Masker,
@@ -284,6 +287,10 @@ class StreamShipper:
         attempt = 0
         while True:
             try:
+                batcher = self.batcher
+                if batcher is not None and batcher.enabled:  # with other tasks' batches, one request
+                    self.requests += 1
+                    return _Answer("ok", await batcher.post(self.task_id, self.kind, body))
                 async with self._limiter:
                     self.requests += 1
                     answer: SeqAccepted = await self._master.call(

@@ -11,6 +11,8 @@ Node endpoints (``Authorization: Bearer <apiKey>``; registration uses ``X-Regist
     POST /api/tasks/{taskId}/release            → {ok: true, status}         (a claim given back)
     POST /api/tasks/{taskId}/logs               → {acceptedSeq}            (409 {expectedSeq} on a gap)
     POST /api/tasks/{taskId}/items              → {acceptedSeq}
+    POST /api/nodes/{nodeId}/batches            → {results: [{acceptedSeq} | {status, error, ...}]}
+                                                  (several tasks' logs/items batches; "node-batches")
     GET  /api/spider-files/spider/{spiderId}    → [{id, path, sizeBytes, sha256}]
     GET  /api/spider-files/{fileId}             → bytes
     GET  /api/packages/{spiderId}/{codeVersion}.zip → zip bytes
@@ -56,6 +58,7 @@ from ckagent.devmaster.store import Store
 from ckagent.protocol import (
     CLAIM_IN_POLL,
     FRAMEWORKS,
+    NODE_BATCHES,
     Heartbeat,
     ItemBatch,
     LogBatch,
@@ -76,6 +79,11 @@ MAX_DRAIN_BYTES = 64 * 1024 * 1024
 """A too-large body up to this size is read and dropped before the 413 (so the client sees it)."""
 MAX_BATCH_ELEMENTS = 5000
 """Most lines or items in one logs/items batch; more → 413."""
+MAX_NODE_BATCHES = 256
+"""Most batches in one ``POST /api/nodes/{id}/batches``; more → 413."""
+MASTER_FEATURES = [NODE_BATCHES]
+"""What this master always offers beyond the core (the registration answer's ``features``; claim-in-poll
+as configured)."""
 MAX_POLL_LIMIT = 50
 """Most tasks in one poll answer (a larger ``limit`` is capped)."""
 TASK_STATUSES = ("PENDING", "RUNNING", "SUCCESS", "FAILED", "CANCELLED")
@@ -304,6 +312,7 @@ def create_app(
     """
     poll_cap = min(max_long_poll_seconds, 30.0)
     master_features = [CLAIM_IN_POLL] if claim_in_poll else []
+    master_features += MASTER_FEATURES
 
     async def run(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         return await trio.to_thread.run_sync(partial(fn, *args, **kwargs))
@@ -448,6 +457,42 @@ def create_app(
             store.append_items, request.path_params["task_id"], node_id, batch.seq, batch.items, items_text
         )
         return JSONResponse({"acceptedSeq": accepted})
+
+    def apply_batch(node_id: str, entry: Any) -> dict[str, Any]:
+        """One batch of ``POST /api/nodes/{id}/batches``: its answer as the per-task endpoint would
+        give it — ``{"acceptedSeq": n}``, or ``{"status": s, "error": ..., **extra}``. Blocking."""
+        try:
+            if not isinstance(entry, dict):
+                raise BadRequestError("each batch is a JSON object {taskId, stream, seq, lines|items}")
+            task_id, stream = entry.get("taskId"), entry.get("stream")
+            if not isinstance(task_id, str) or not task_id:
+                raise BadRequestError("taskId: expected the task's id (a non-empty string)")
+            if stream == "logs":
+                check_batch_size(entry, "lines")
+                logs = LogBatch.from_json(entry)
+                accepted = store.append_logs(task_id, node_id, logs.seq, logs.lines)
+            elif stream == "items":
+                check_batch_size(entry, "items")
+                items = ItemBatch.from_json(entry)
+                accepted = store.append_items(task_id, node_id, items.seq, items.items)
+            else:
+                raise BadRequestError('stream: expected "logs" or "items"')
+        except ApiError as exc:
+            return {"status": exc.status_code, "error": exc.message, **exc.extra}
+        except ProtocolError as exc:
+            return {"status": 422, "error": str(exc), "field": exc.field}
+        return {"acceptedSeq": accepted}
+
+    async def node_batches(request: Request) -> Response:
+        node_id = await node_auth(request)
+        body = await _json_body(request)
+        entries = body.get("batches") if isinstance(body, dict) else None
+        if not isinstance(entries, list):
+            raise BadRequestError('expected a JSON object {"batches": [...]}')
+        if len(entries) > MAX_NODE_BATCHES:
+            raise PayloadTooLargeError(f"a request holds at most {MAX_NODE_BATCHES} batches")
+        results = await run(lambda: [apply_batch(node_id, entry) for entry in entries])  # one thread hop
+        return JSONResponse({"results": results})
 
     async def stats(request: Request) -> Response:
         node_id = await node_auth(request)
@@ -634,6 +679,7 @@ def create_app(
         Route("/healthz", healthz),
         Route("/api/nodes/register", register, methods=["POST"]),
         Route("/api/nodes/{node_id}/heartbeat", heartbeat, methods=["POST"]),
+        Route("/api/nodes/{node_id}/batches", node_batches, methods=["POST"]),
         Route("/api/nodes/{node_id}/tasks/pending", pending, methods=["GET"]),
         Route("/api/nodes", list_nodes, methods=["GET"]),
         Route("/api/agent-versions", get_agent_versions, methods=["GET"]),

@@ -114,6 +114,9 @@ that implements it names it in its registration answer's ``features``; the agent
 FEATURES = ("long-poll", "exclude-spider-ids", "log-item-seq", "paused-reason", "node-uid", "agent-version-policy",
             "claim-release", CLAIM_IN_POLL)
 """What this agent supports beyond protocol version 1's core (sent at registration as ``features``)."""
+NODE_BATCHES = "node-batches"
+"""A master feature (registration answer's ``features``): ``POST /api/nodes/{id}/batches`` takes
+several tasks' log and item batches in one request (docs/protocol.md, "Node batches")."""
 
 TIMEOUT_MESSAGE = "执行超时"
 """errorMessage of a task that hit its timeout: what the existing CrawlerKeeper backend expects."""

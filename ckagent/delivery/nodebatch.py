@@ -1,0 +1,176 @@
+"""Node batches: several tasks' log and item batches in one request, when the master offers it.
+
+With many tasks on one node every stream posting on its own makes the master's time per request
+the bottleneck (issue 18: 64 tasks × 2 streams ≈ 80 requests a second, each waiting its turn). A
+master whose registration answer lists ``"node-batches"`` (:data:`ckagent.protocol.NODE_BATCHES`)
+takes ``POST /api/nodes/{id}/batches`` ``{"batches": [{"taskId", "stream", "seq", "lines"|"items"},
+...]}`` and answers ``{"results": [...]}``, one per batch in order: ``{"acceptedSeq": n}`` or the
+error the per-task endpoint would have answered, ``{"status", "error", ...}`` (docs/protocol.md,
+"Node batches").
+
+:class:`NodeBatcher` is what the stream shippers post through then: :meth:`NodeBatcher.post` queues
+one stream's batch and waits for its own answer; the sender (:meth:`NodeBatcher.run`, in the outbox's
+nursery) sends whatever is queued in one request, at most ``MAX_IN_FLIGHT`` requests at a time — so
+batches queue up only while the master is busy, and a lone batch goes at once. Each waiter gets the
+same answer or exception as ``MasterClient.call`` on its own endpoint would give it (``acceptedSeq``;
+MasterConflict with ``expectedSeq``; MasterRejected; MasterUnavailable for the whole request's
+trouble), so the shipper's rules (acknowledged positions, 409 rewind, 413/422 halving, backoff) are
+unchanged. A master that does not offer the feature is never sent one: shippers post per task.
+
+Errors: :meth:`NodeBatcher.post` raises what ``MasterClient.call`` raises (see ckagent.master).
+Cancellation of a waiter leaves its batch to the request (the master drops a repeat by ``seq``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import trio
+
+from ckagent.master import MasterClient, MasterConflict, MasterError, MasterRejected, MasterUnavailable
+from ckagent.protocol import NODE_BATCHES, ProtocolError
+
+log = logging.getLogger(__name__)
+
+MAX_IN_FLIGHT = 2
+"""Node batch requests on their way at the same time (what queues meanwhile goes in the next one)."""
+MAX_BATCHES = 256
+"""Most streams' batches in one request (the reference master's limit)."""
+MAX_REQUEST_BYTES = 6 * 1024 * 1024
+"""Most body bytes of one request (below the reference master's 8 MiB; one larger batch goes alone)."""
+
+
+class _Waiter:
+    __slots__ = ("body", "done", "error", "stream", "task_id", "value")
+
+    def __init__(self, task_id: str, stream: str, body: bytes) -> None:
+        self.task_id = task_id
+        self.stream = stream
+        self.body = body
+        self.done = trio.Event()
+        self.value: int | None = None
+        self.error: MasterError | None = None
+
+
+def _results(obj: Any) -> list[Any]:
+    """The ``results`` array of a node batches answer. Raises ProtocolError."""
+    results = obj.get("results") if isinstance(obj, dict) else None
+    if not isinstance(results, list):
+        raise ProtocolError("results: expected an array", "results")
+    return results
+
+
+class NodeBatcher:
+    """Posts several streams' batches in one request (see module docstring). ``requests`` and
+    ``batches`` count what was sent (requests, stream batches in them)."""
+
+    def __init__(self, master: MasterClient) -> None:
+        self._master = master
+        self._queue: list[_Waiter] = []
+        self._wake = trio.Event()
+        self._slots = trio.Semaphore(MAX_IN_FLIGHT)
+        self._running = False
+        self.requests = 0
+        self.batches = 0
+
+    @property
+    def enabled(self) -> bool:
+        """True while the sender runs and the master offered node batches at its last registration."""
+        return self._running and NODE_BATCHES in self._master.features
+
+    async def post(self, task_id: str, stream: str, body: bytes) -> int:
+        """Send one stream's batch (``body``: the per-task endpoint's JSON ``{"seq":…,"lines"|"items":[…]}``,
+        UTF-8 bytes) with others; returns the master's ``acceptedSeq``. ``stream`` is "logs" or "items".
+        Raises MasterConflict, MasterRejected, MasterUnavailable as the per-task call would."""
+        waiter = _Waiter(task_id, stream, body)
+        self._queue.append(waiter)
+        self._wake.set()
+        await waiter.done.wait()
+        if waiter.error is not None:
+            raise waiter.error
+        assert waiter.value is not None
+        return waiter.value
+
+    async def run(self) -> None:
+        """The sender: until cancelled, send what is queued (see module docstring)."""
+        self._running = True
+        try:
+            async with trio.open_nursery() as nursery:
+                while True:
+                    await self._wake.wait()
+                    self._wake = trio.Event()
+                    while self._queue:
+                        await self._slots.acquire()  # meanwhile more batches queue for this request
+                        taken, size = 0, 0
+                        for waiter in self._queue:
+                            if taken and (taken >= MAX_BATCHES or size + len(waiter.body) > MAX_REQUEST_BYTES):
+                                break
+                            taken += 1
+                            size += len(waiter.body) + 64
+                        batch, self._queue = self._queue[:taken], self._queue[taken:]
+                        nursery.start_soon(self._send, batch)
+        finally:
+            self._running = False
+            for waiter in self._queue:  # never sent: their shippers retry (per task, or here again)
+                waiter.error = MasterUnavailable("node batches: the sender stopped")
+                waiter.done.set()
+            self._queue = []
+
+    async def _send(self, batch: list[_Waiter]) -> None:
+        try:
+            parts = []
+            for waiter in batch:
+                head = b'{"taskId":%s,"stream":"%s",' % (json.dumps(waiter.task_id).encode(), waiter.stream.encode())
+                parts.append(head + waiter.body[1:])  # the per-task body's members follow
+            content = b'{"batches":[' + b",".join(parts) + b"]}"
+            self.requests += 1
+            self.batches += len(batch)
+            try:
+                results = await self._master.call("batches", "POST", "/api/nodes/{node}/batches", content=content,
+                                                  answer=_results)
+            except MasterRejected as exc:  # the request as a whole: e.g. a master that no longer offers it
+                log.warning("node batches refused (%s); posting per task", exc)
+                self._master.features = self._master.features - {NODE_BATCHES}
+                for waiter in batch:
+                    waiter.error = MasterUnavailable(f"node batches refused: {exc}")
+                return
+            except MasterError as exc:
+                for waiter in batch:
+                    waiter.error = exc
+                return
+            if len(results) != len(batch):
+                error = MasterUnavailable(f"node batches: {len(results)} results for {len(batch)} batches")
+                for waiter in batch:
+                    waiter.error = error
+                return
+            for waiter, result in zip(batch, results, strict=True):
+                _settle(waiter, result)
+        finally:
+            self._slots.release()
+            for waiter in batch:
+                waiter.done.set()
+
+
+def _settle(waiter: _Waiter, result: Any) -> None:
+    """One result → the waiter's value or error, as ``MasterClient.call`` would classify the same answer."""
+    endpoint = waiter.stream
+    if isinstance(result, dict) and "acceptedSeq" in result:
+        accepted = result["acceptedSeq"]
+        if isinstance(accepted, int) and not isinstance(accepted, bool) and accepted >= 0:
+            waiter.value = accepted
+            return
+    status = result.get("status") if isinstance(result, dict) else None
+    if not isinstance(status, int) or isinstance(status, bool) or not isinstance(result.get("error"), str):
+        waiter.error = MasterUnavailable(f"{endpoint}: a node batch result that is not the protocol's")
+        return
+    body = {k: v for k, v in result.items() if k != "status"}
+    if status == 409:
+        waiter.error = MasterConflict(endpoint, status, body)
+    elif status == 429 or status >= 500:
+        waiter.error = MasterUnavailable(f"{endpoint}: master answered {status} ({body['error']})")
+    elif 400 <= status < 500:
+        waiter.error = MasterRejected(endpoint, status, body)
+    else:
+        waiter.error = MasterUnavailable(f"{endpoint}: a node batch result with status {status}")

@@ -1,0 +1,87 @@
+"""Node batches (issue 18): several tasks' log and item batches in one request when the master offers
+``node-batches``; per-task posts with a master that does not (older masters keep working).
+
+End to end with the in-process dev master and a real agent (real spiders); the result mapping of
+one batch's answer is pure logic.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from harness import agent_settings, running_agent, submit
+
+import ckagent.devmaster.app as devmaster_app
+from ckagent.delivery.nodebatch import _settle, _Waiter
+from ckagent.master import MasterConflict, MasterRejected, MasterUnavailable
+
+SPIDER = """\
+import crawlerkeeper_sdk as ck
+for i in range(300):
+    print("line", i, flush=i % 50 == 0)
+    if i % 10 == 0:
+        ck.save_item({"n": i // 10})
+"""
+
+
+async def _run_three(dev_master: Any, nursery: trio.Nursery, tmp_path: Path) -> tuple[Any, list[str]]:
+    settings = agent_settings(tmp_path / "work", dev_master.base_url, dev_master.registration_token,
+                              AGENT_MAX_WORKERS="3")
+    async with running_agent(nursery, settings) as agent:
+        ids = [await submit(dev_master.admin, f"batched-{i}", {"main.py": SPIDER}) for i in range(3)]
+        for task_id in ids:
+            task = await dev_master.admin.wait_task_final(task_id, 60)
+            assert task["status"] == "SUCCESS", task
+        with trio.fail_after(30):
+            await agent.outbox.wait_idle()
+        batcher = agent.outbox.batcher
+        figures = (batcher.requests, batcher.batches, agent.master.master_features)
+    for task_id in ids:
+        lines = [line for line in await dev_master.admin.get_logs(task_id) if not line.startswith("[ckagent")]
+        assert lines == [f"line {i}" for i in range(300)]
+        assert await dev_master.admin.get_items(task_id) == [{"n": n} for n in range(30)]
+    return figures, ids
+
+
+async def test_many_tasks_ship_through_node_batches(dev_master: Any, nursery: trio.Nursery, tmp_path: Path) -> None:
+    with trio.fail_after(120):
+        (requests, batches, features), _ = await _run_three(dev_master, nursery, tmp_path)
+    assert "node-batches" in features
+    assert requests >= 1 and batches >= 6  # every stream of every task went through them (≥ 1 batch each)
+
+
+async def test_a_master_without_node_batches_gets_per_task_posts(
+    dev_master: Any, nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(devmaster_app, "MASTER_FEATURES", ())  # an older master: no "features" offered
+    with trio.fail_after(120):
+        (requests, batches, features), _ = await _run_three(dev_master, nursery, tmp_path)
+    assert "node-batches" not in features
+    assert requests == batches == 0  # everything went per task, and arrived
+
+
+@pytest.mark.parametrize(("result", "kind", "status"), [
+    ({"acceptedSeq": 7}, None, None),
+    ({"status": 409, "error": "gap", "expectedSeq": 3}, MasterConflict, 409),
+    ({"status": 404, "error": "no such task"}, MasterRejected, 404),
+    ({"status": 422, "error": "bad", "field": "items[0]"}, MasterRejected, 422),
+    ({"status": 413, "error": "too many"}, MasterRejected, 413),
+    ({"status": 503, "error": "busy"}, MasterUnavailable, None),
+    ({"status": 429, "error": "slow down"}, MasterUnavailable, None),
+    ({"acceptedSeq": -1}, MasterUnavailable, None),
+    ({"status": 409}, MasterUnavailable, None),  # no error text: not the protocol's words
+    ("ok", MasterUnavailable, None),
+])
+def test_a_batch_result_is_classified_as_its_own_endpoints_answer(result: Any, kind: Any, status: Any) -> None:
+    waiter = _Waiter("t1", "logs", b'{"seq":0,"lines":[]}')
+    _settle(waiter, result)
+    if kind is None:
+        assert waiter.value == 7 and waiter.error is None
+        return
+    assert type(waiter.error) is kind
+    if status is not None:
+        assert isinstance(waiter.error, MasterRejected) and waiter.error.status == status
+        assert waiter.error.body == {k: v for k, v in result.items() if k != "status"}
