@@ -83,6 +83,9 @@ ENUMS: dict[str, tuple[str, ...]] = {
     "NodeStatus": NODE_STATUSES,
 }
 UNTYPED = {"Error"}  # written by the master, never parsed into a type by the agent
+# Node batches: the request is spliced from LogBatch/ItemBatch bodies, the results read by
+# ckagent.delivery.nodebatch (each result is a SeqAccepted or an Error with its status).
+UNTYPED |= {"NodeBatches", "NodeBatchResults"}
 # from_json names a field "<prefix><key>" for these types (their default path)
 FIELD_PREFIX = {"CodePackage": "codePackage.", "Task": "task."}
 SHA = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
@@ -130,7 +133,7 @@ def full_instances() -> dict[str, Any]:
             containment={"level": "cgroup-v2", "details": "cgroup v2 at /sys/fs/cgroup/x", "limits": ["memory"]},
         ),
         "RegisterResponse": RegisterResponse(node_id="7", api_key="k-123",
-                                             policy=VersionPolicy("0.1.0", "0.2.0"), features=["claim-in-poll"]),
+                                             policy=VersionPolicy("0.1.0", "0.2.0"), features=["claim-in-poll", "node-batches"]),
         "Heartbeat": Heartbeat(
             status="RUNNING",
             cpu_percent=12.5,
@@ -314,6 +317,7 @@ OPERATIONS: dict[tuple[str, str], tuple[str | None, str | None, set[str]]] = {
         "HeartbeatResponse",
         {"200", "401", "413", "422", "429", "5XX"},
     ),
+    ("post", "/api/nodes/{nodeId}/batches"): ("NodeBatches", "NodeBatchResults", {"200", "400", "401", "413", "429", "5XX"}),
     ("get", "/api/nodes/{nodeId}/tasks/pending"): (None, "PendingTasks", {"200", "401", "422", "429", "5XX"}),
     ("post", "/api/tasks/{taskId}/result"): ("TaskResult", None, STREAM_STATUSES),
     ("post", "/api/tasks/{taskId}/release"): ("TaskRelease", None, STREAM_STATUSES),
