@@ -29,6 +29,7 @@ from ckagent.delivery.spool import (
     MAX_BATCH_COUNT,
     MAX_ITEM_BYTES,
     MAX_LINE_BYTES,
+    NODE_LOG_BATCH_AGE,
     NOTIFY_FALLBACK,
     TAIL_INTERVAL,
 )
@@ -132,6 +133,14 @@ class StreamShipper:
         """The items stream of the task in ``task_dir`` (``items.jsonl``)."""
         reader = _FileReader(task_dir / ITEMS_FILE, encode_item, MAX_ITEM_BYTES, cr_breaks=False)
         return cls(master, store, task_id, "items", reader, limiter)
+
+    def _age(self) -> float:
+        """Seconds a non-full batch waits for more elements: shorter for lines going in node batches
+        (other tasks' batches share the request, so a short wait costs no extra request)."""
+        batcher = self.batcher
+        if self.kind == "logs" and batcher is not None and batcher.enabled:
+            return NODE_LOG_BATCH_AGE
+        return self._batch_age
 
     def notify(self) -> None:
         """The spool grew: wake the shipper."""
@@ -241,7 +250,7 @@ class StreamShipper:
                         reader.done
                         or len(pending) >= self._count_limit
                         or pending.size >= MAX_BATCH_BYTES
-                        or trio.current_time() - pending.since >= self._batch_age
+                        or trio.current_time() - pending.since >= self._age()
                     ):
                         n = pending.batch_len(self._count_limit, MAX_BATCH_BYTES)
                         flight = _Flight(n, pending.size_of(n))
@@ -260,7 +269,7 @@ class StreamShipper:
                         # notification wakes the shipper (NOTIFY_FALLBACK is a safety net, not a poll).
                         wait = TAIL_INTERVAL if reader.polls else NOTIFY_FALLBACK
                         if pending and flight is None:
-                            wait = min(wait, max(0.0, self._batch_age - (trio.current_time() - pending.since)))
+                            wait = min(wait, max(0.0, self._age() - (trio.current_time() - pending.since)))
                         with trio.move_on_after(wait):
                             await self._wake.wait()
                         self._wake = trio.Event()
