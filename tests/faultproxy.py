@@ -67,7 +67,8 @@ class Request:
 
 def call_of(method: str, path: str, payload: Any) -> str:
     """The node call a request is: register, heartbeat, poll, claim (result RUNNING), result, logs,
-    items, download (a code package), spider_files, or other."""
+    items, download (a code package), spider_files, or other. A node batch (several tasks' log and
+    item batches in one request) counts as logs."""
     parts = path.strip("/").split("/")
     if path == "/api/nodes/register":
         return "register"
@@ -75,6 +76,8 @@ def call_of(method: str, path: str, payload: Any) -> str:
         return "heartbeat"
     if parts[:2] == ["api", "nodes"] and parts[-2:] == ["tasks", "pending"]:
         return "poll"
+    if parts[:2] == ["api", "nodes"] and parts[-1] == "batches":
+        return "logs"
     if parts[:2] == ["api", "tasks"] and len(parts) == 4:
         if parts[3] == "result":
             return "claim" if isinstance(payload, dict) and payload.get("status") == "RUNNING" else "result"
