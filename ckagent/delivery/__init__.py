@@ -53,6 +53,19 @@ agent hands unfinished deliveries from the state store to the outbox (:meth:`Out
 Requests are sent by at most ``SEND_CONCURRENCY`` tasks at a time; a shipper waiting in backoff
 retries early (after ≥ 1 s) when another request has found the master reachable again.
 
+**Node batches** (:mod:`ckagent.delivery.nodebatch`): when the master's registration answer offers
+``node-batches``, the shippers hand their batches to the outbox's :class:`NodeBatcher`, which sends
+whatever is queued — many tasks' log and item batches — in one ``POST /api/nodes/{id}/batches``
+(at most two at a time; a lone batch goes at once). Each batch gets its own answer, handled exactly
+as above; a log batch then waits only 0.3 s for more lines (the request is shared). A batch's age is
+its oldest pending element's.
+
+**Wake-ups of a running task**: output.log's growth wakes the journal loop (the sink's callback);
+the outbox's once-a-second round (only while a delivery is open: one thread hop for every task)
+stats the spider log files, items.jsonl and the stats file and wakes only the journal loop, items
+shipper or stats shipper whose file changed. A task that writes nothing wakes none of them (the
+shippers' NOTIFY_FALLBACK safety net aside).
+
 **Disk budget** (:class:`LogSink`): output.log stops growing at ``task.max_log_bytes`` or when the
 filesystem's free space would fall below ``task.min_free_disk_bytes``; the pipes are still drained
 (the spider never blocks) and one marker line at the end says how many bytes were dropped. The
