@@ -185,9 +185,9 @@ async def _run(tasks: int, seconds: float) -> dict[str, Any]:
     agent_cpu = (times1.user + times1.system) - (times0.user + times0.system)
     spider_cpu = (times1.children_user + times1.children_system) - (times0.children_user + times0.children_system)
     master_cpu = (master1.user + master1.system) - (master0.user + master0.system)
-    requests = {endpoint: (count - requests0.get(endpoint, (0.0, 0.0))[0], total - requests0.get(endpoint, (0.0, 0.0))[1])
-                for endpoint, (count, total) in requests1.items()}
-    requests = {endpoint: figures for endpoint, figures in requests.items() if figures[0] > 0}
+    calls = {endpoint: (count - requests0.get(endpoint, (0.0, 0.0))[0], total - requests0.get(endpoint, (0.0, 0.0))[1])
+             for endpoint, (count, total) in requests1.items()}
+    calls = {endpoint: figures for endpoint, figures in calls.items() if figures[0] > 0}
     expected_lines = int(seconds * LINES_PER_S)
     expected_items = int(seconds * ITEMS_PER_S)
     all_lags: list[float] = []
@@ -207,10 +207,10 @@ async def _run(tasks: int, seconds: float) -> dict[str, Any]:
         "agent_cpu_percent_per_10_tasks": cpu_percent / tasks * 10,
         "spider_cpu_seconds": spider_cpu, "master_cpu_seconds": master_cpu,
         "requests": {endpoint: {"count": count, "per_task_s": count / tasks / seconds,
-                                "mean_ms": total / count * 1000} for endpoint, (count, total) in requests.items()},
+                                "mean_ms": total / count * 1000} for endpoint, (count, total) in calls.items()},
         # A node batch (POST /api/nodes/{id}/batches) carries several tasks' lines and items.
-        "lines_per_logs_request": tasks * expected_lines / sum(requests.get(e, (0.0, 0.0))[0] for e in ("logs", "batches"))
-        if requests.get("logs") or requests.get("batches") else math.nan,
+        "lines_per_logs_request": tasks * expected_lines / sum(calls.get(e, (0.0, 0.0))[0] for e in ("logs", "batches"))
+        if calls.get("logs") or calls.get("batches") else math.nan,
         "agent_peak_rss_mb": sampler.peak_rss / MB,
         "lag_p50": lag["p50"], "lag_p99": p99, "lag_max": lag["max"], "lines_measured": len(all_lags),
         "tasks_incomplete": lost,
