@@ -109,3 +109,69 @@ def test_lines_wait_less_when_they_share_node_batches(tmp_path: Path) -> None:
     batcher._running = True
     assert (logs._age(), items._age()) == (NODE_LOG_BATCH_AGE, BATCH_AGE)
     assert NODE_LOG_BATCH_AGE < LOG_BATCH_AGE
+
+
+async def test_the_batcher_joins_waiting_batches_and_passes_trouble_to_each() -> None:
+    """Batches posted while a request is on its way go together in the next one; a transport failure
+    of the request reaches every waiter as MasterUnavailable; a master refusing the endpoint as a
+    whole turns node batches off (the shippers post per task again)."""
+    import json
+
+    import httpx
+
+    from ckagent.delivery.nodebatch import MAX_IN_FLIGHT, NodeBatcher
+    from ckagent.master import MasterClient
+    from ckagent.protocol import RegisterRequest
+
+    sizes: list[int] = []
+    mode = {"answer": "ok"}
+    release = trio.Event()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/api/nodes/register":
+            return httpx.Response(200, json={"nodeId": "n1", "apiKey": "k" * 20, "features": ["node-batches"]})
+        assert request.url.path == "/api/nodes/n1/batches"
+        batches = json.loads(request.content)["batches"]
+        sizes.append(len(batches))
+        if len(sizes) <= MAX_IN_FLIGHT:
+            await release.wait()  # the first requests stay on their way while more batches queue
+        if mode["answer"] == "reset":
+            raise httpx.ConnectError("reset")
+        if mode["answer"] == "refused":
+            return httpx.Response(403, json={"error": "not here"})
+        return httpx.Response(200, json={"results": [{"acceptedSeq": b["seq"] + len(b["lines"])} for b in batches]})
+
+    def body() -> RegisterRequest:
+        return RegisterRequest(name="n", ip="127.0.0.1", port=1, version="t", os="linux", arch="x", python="3",
+                               cpu_count=1, memory_total_bytes=1, max_workers=1)
+
+    master = MasterClient("http://master.test", "token", body, transport=httpx.MockTransport(handler))
+    await master.register()
+    batcher = NodeBatcher(master)
+    accepted: dict[str, int] = {}
+
+    async def post(task_id: str, seq: int) -> None:
+        accepted[task_id] = await batcher.post(task_id, "logs", b'{"seq":%d,"lines":["a","b"]}' % seq)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(batcher.run)
+            await trio.sleep(0.01)  # the sender runs
+            assert batcher.enabled
+            async with trio.open_nursery() as posts:
+                for i in range(MAX_IN_FLIGHT + 10):
+                    posts.start_soon(post, f"t{i}", i)
+                    await trio.sleep(0.01)  # one by one: the first ones leave at once, alone
+                release.set()
+            assert accepted == {f"t{i}": i + 2 for i in range(MAX_IN_FLIGHT + 10)}
+            assert sizes[:MAX_IN_FLIGHT] == [1] * MAX_IN_FLIGHT and sizes[MAX_IN_FLIGHT:] == [10]  # queued: joined
+            mode["answer"] = "reset"
+            with pytest.raises(MasterUnavailable):
+                await post("t-reset", 0)
+            assert batcher.enabled
+            mode["answer"] = "refused"
+            with pytest.raises(MasterUnavailable):  # retried by the shipper, per task from now on
+                await post("t-refused", 0)
+            assert not batcher.enabled
+            nursery.cancel_scope.cancel()
+    await master.aclose()

@@ -131,6 +131,9 @@ class NodeBatcher:
                 results = await self._master.call("batches", "POST", "/api/nodes/{node}/batches", content=content,
                                                   answer=_results)
             except MasterRejected as exc:  # the request as a whole: e.g. a master that no longer offers it
+                if exc.status == 413 and len(batch) == 1:  # one batch too large on its own: its own answer
+                    batch[0].error = exc
+                    return
                 log.warning("node batches refused (%s); posting per task", exc)
                 self._master.features = self._master.features - {NODE_BATCHES}
                 for waiter in batch:
@@ -150,6 +153,8 @@ class NodeBatcher:
         finally:
             self._slots.release()
             for waiter in batch:
+                if waiter.value is None and waiter.error is None:  # cut short (a bug, or the stop)
+                    waiter.error = MasterUnavailable("node batches: the request did not complete")
                 waiter.done.set()
 
 
