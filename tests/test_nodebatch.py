@@ -38,7 +38,7 @@ async def _run_three(dev_master: Any, nursery: trio.Nursery, tmp_path: Path) -> 
         with trio.fail_after(30):
             await agent.outbox.wait_idle()
         batcher = agent.outbox.batcher
-        figures = (batcher.requests, batcher.batches, agent.master.master_features)
+        figures = (batcher.requests, batcher.batches, agent.master.features)
     for task_id in ids:
         lines = [line for line in await dev_master.admin.get_logs(task_id) if not line.startswith("[ckagent")]
         assert lines == [f"line {i}" for i in range(300)]
@@ -105,7 +105,7 @@ def test_lines_wait_less_when_they_share_node_batches(tmp_path: Path) -> None:
     batcher = NodeBatcher(master)
     logs.batcher = items.batcher = batcher
     assert (logs._age(), items._age()) == (LOG_BATCH_AGE, BATCH_AGE)  # the master does not offer them
-    master.master_features = frozenset({"node-batches"})
+    master.features = frozenset({"node-batches"})
     batcher._running = True
     assert (logs._age(), items._age()) == (NODE_LOG_BATCH_AGE, BATCH_AGE)
     assert NODE_LOG_BATCH_AGE < LOG_BATCH_AGE

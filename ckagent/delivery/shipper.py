@@ -29,6 +29,7 @@ from ckagent.delivery.spool import (
     MAX_BATCH_COUNT,
     MAX_ITEM_BYTES,
     MAX_LINE_BYTES,
+    NODE_BATCH_ENTRY_BYTES,
     NODE_LOG_BATCH_AGE,
     NOTIFY_FALLBACK,
     TAIL_INTERVAL,
@@ -297,7 +298,9 @@ class StreamShipper:
         while True:
             try:
                 batcher = self.batcher
-                if batcher is not None and batcher.enabled:  # with other tasks' batches, one request
+                # A small batch goes with other tasks' batches, in one request; a large one (a flood)
+                # gains nothing from company and keeps its endpoint's own fast path.
+                if batcher is not None and batcher.enabled and len(body) <= NODE_BATCH_ENTRY_BYTES:
                     self.requests += 1
                     return _Answer("ok", await batcher.post(self.task_id, self.kind, body))
                 async with self._limiter:

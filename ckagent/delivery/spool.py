@@ -20,6 +20,9 @@ BATCH_AGE = 1.0
 LOG_BATCH_AGE = 0.7
 """The same for log lines: shorter, so a line reaches the master within a second (bench.manytasks:
 delivery lag p99 ≤ 1 s) while a trickling task still costs about one request a second per stream."""
+NODE_BATCH_ENTRY_BYTES = 128 * 1024
+"""Largest batch body (bytes) sent in a node batch; a larger one (a flood's) goes to its own endpoint:
+sharing a request saves a small batch's per-request cost, a large one has none worth saving."""
 NODE_LOG_BATCH_AGE = 0.3
 """LOG_BATCH_AGE while lines go in node batches (ckagent.delivery.nodebatch): the request is shared with
 every other stream's batch, so waiting less costs the master no extra request."""

@@ -312,7 +312,6 @@ def create_app(
     """
     poll_cap = min(max_long_poll_seconds, 30.0)
     master_features = [CLAIM_IN_POLL] if claim_in_poll else []
-    master_features += MASTER_FEATURES
 
     async def run(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         return await trio.to_thread.run_sync(partial(fn, *args, **kwargs))
@@ -344,7 +343,7 @@ def create_app(
         req = RegisterRequest.from_json(await _json_body(request))
         node_id, api_key = await run(store.register_node, req)
         policy = await run(store.version_policy)
-        return JSONResponse({"nodeId": node_id, "apiKey": api_key, **policy.to_json(), "features": master_features})
+        return JSONResponse({"nodeId": node_id, "apiKey": api_key, **policy.to_json(), "features": [*master_features, *MASTER_FEATURES]})
 
     async def heartbeat(request: Request) -> Response:
         node_id = await node_auth(request)
