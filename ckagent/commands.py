@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 from ckagent.deps_node import node_default_command
@@ -137,6 +138,22 @@ def scrapy_feed_settings(items_file: Path, code_dir: Path) -> list[str]:
     feeds = {items_file.as_uri(): {"format": "jsonlines", "encoding": "utf-8", "store_empty": False,
                                    "overwrite": False}}
     return ["-s", "FEEDS=" + json.dumps(feeds)]
+
+
+def runs_in_env(argv: list[str], path: str | None, env_dir: Path | None) -> bool:
+    """Whether ``argv``'s executable, looked up on ``path`` (the spider's ``PATH``) as it will be at
+    the spawn, lies inside ``env_dir``: the environment the agent built, where the bundled SDK is
+    importable (blocking: a few ``stat`` calls). True when there is no such environment to compare
+    with (``env_dir`` None: nothing known to be missing). A command naming another interpreter (a
+    system ``scrapy``, a virtualenv of the author's own) is False: the SDK may be absent there, so
+    nothing that imports it is added to the spider's settings. Symlinks are not followed (a
+    virtualenv's ``bin/python`` points outside it)."""
+    if env_dir is None or not argv:
+        return True
+    found = shutil.which(argv[0], path=path)
+    if found is None:
+        return False
+    return Path(os.path.abspath(found)).is_relative_to(env_dir)
 
 
 def is_scrapy_crawl(argv: list[str]) -> bool:

@@ -63,6 +63,7 @@ from ckagent.commands import (
     DEFAULT_COMMANDS,
     default_command,
     resolve_command,
+    runs_in_env,
     scrapy_feed_settings,
     with_scrapy_settings,
 )
@@ -500,8 +501,6 @@ class Supervisor:
     ) -> TaskOutcome:
         task = rt.task
         items_file = task_dir / "items.jsonl"
-        if task.framework == "scrapy":
-            argv = with_scrapy_settings(argv, await trio.to_thread.run_sync(scrapy_feed_settings, items_file, code_dir))
         data_dir = self.config.work_dir / "spider-data" / safe_name(task.spider_id)
         home_dir = self.config.work_dir / "spider-home" / safe_name(task.spider_id)
         env = spider_base_env(prepared.path_prefix)
@@ -524,7 +523,15 @@ class Supervisor:
             }
         )
         if task.framework == "scrapy":
-            env.update(scrapy_stats_env(task.env))
+            def scrapy_settings() -> tuple[list[str], bool]:
+                return scrapy_feed_settings(items_file, code_dir), runs_in_env(argv, env.get("PATH"), prepared.env_dir)
+
+            feeds, sdk_importable = await trio.to_thread.run_sync(scrapy_settings)
+            argv = with_scrapy_settings(argv, feeds)
+            if sdk_importable:
+                env.update(scrapy_stats_env(task.env))
+            else:  # the SDK's settings wrapper would not import there: the crawl runs, without live stats
+                notice(f"live crawl stats off: {argv[0]} is not in the task's environment, where crawlerkeeper_sdk is")
         timeout = self.config.execute_timeout if task.timeout_seconds is None else task.timeout_seconds
         stall = self.config.stall_timeout if task.stall_timeout_seconds is None else task.stall_timeout_seconds
         rt.phase = "running"

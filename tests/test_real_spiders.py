@@ -30,7 +30,7 @@ from harness import agent_settings, running_agent, spider_zip
 from test_deps import _QuietHandler, _wheel
 
 import ckagent
-from ckagent.commands import resolve_command, scrapy_feed_settings, with_scrapy_settings
+from ckagent.commands import resolve_command, runs_in_env, scrapy_feed_settings, with_scrapy_settings
 from ckagent.deps import Dependencies, DepsError, IndexChooser, bundled_sdk_dir, python_plan, spider_base_env
 from ckagent.envstore import MARKER, collect, mark_ready
 from ckagent.protocol import Task
@@ -276,6 +276,28 @@ def test_scrapy_feed_unless_the_project_uses_the_sdk(tmp_path: Path) -> None:
     with_sdk = _code(tmp_path / "sdk", {"scrapy.cfg": "", "shop/settings.py":
                                         'ITEM_PIPELINES = {"crawlerkeeper_sdk.scrapy.CrawlerKeeperPipeline": 300}\n'})
     assert scrapy_feed_settings(items, with_sdk) == []
+
+
+def test_sdk_settings_only_for_a_command_in_the_agents_environment(tmp_path: Path) -> None:
+    """The Scrapy stats wrapper imports crawlerkeeper_sdk, which only the agent-built environment is
+    sure to have: a command that names another interpreter (a system scrapy, the author's own
+    virtualenv) must not get it, or the crawl dies on a ModuleNotFoundError before its first request."""
+    env_dir = tmp_path / "envs" / "py-abc"
+    own = tmp_path / "own-venv"
+    for bin_dir in (env_dir / "bin", own / "bin"):
+        bin_dir.mkdir(parents=True)
+        for name in ("scrapy", "python"):
+            (bin_dir / name).write_text("#!/bin/sh\n")
+            (bin_dir / name).chmod(0o755)
+    (env_dir / "bin" / "python").unlink()
+    (env_dir / "bin" / "python").symlink_to(sys.executable)  # a venv's python points outside it
+    path = os.pathsep.join([str(env_dir / "bin"), os.environ.get("PATH", "")])
+    assert runs_in_env(["scrapy", "crawl", "x"], path, env_dir)
+    assert runs_in_env(["python", "-m", "scrapy", "crawl", "x"], path, env_dir)
+    assert runs_in_env([str(env_dir / "bin" / "scrapy"), "crawl", "x"], path, env_dir)
+    assert not runs_in_env([str(own / "bin" / "scrapy"), "crawl", "x"], path, env_dir)
+    assert not runs_in_env(["no-such-tool-here", "crawl"], path, env_dir)
+    assert runs_in_env(["anything"], path, None)  # no environment to compare with: as before
 
 
 def test_tails_keep_whole_lines() -> None:
