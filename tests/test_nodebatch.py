@@ -119,7 +119,7 @@ async def test_the_batcher_joins_waiting_batches_and_passes_trouble_to_each() ->
 
     import httpx
 
-    from ckagent.delivery.nodebatch import MAX_IN_FLIGHT, NodeBatcher
+    from ckagent.delivery.nodebatch import MAX_IN_FLIGHT, MIN_SEND_INTERVAL, NodeBatcher
     from ckagent.master import MasterClient
     from ckagent.protocol import RegisterRequest
 
@@ -161,7 +161,8 @@ async def test_the_batcher_joins_waiting_batches_and_passes_trouble_to_each() ->
             async with trio.open_nursery() as posts:
                 for i in range(MAX_IN_FLIGHT + 10):
                     posts.start_soon(post, f"t{i}", i)
-                    await trio.sleep(0.01)  # one by one: the first ones leave at once, alone
+                    # one by one, a send interval apart: the first ones leave at once, alone
+                    await trio.sleep(MIN_SEND_INTERVAL + 0.01 if i < MAX_IN_FLIGHT else 0.01)
                 release.set()
             assert accepted == {f"t{i}": i + 2 for i in range(MAX_IN_FLIGHT + 10)}
             assert sizes[:MAX_IN_FLIGHT] == [1] * MAX_IN_FLIGHT and sizes[MAX_IN_FLIGHT:] == [10]  # queued: joined
@@ -175,3 +176,53 @@ async def test_the_batcher_joins_waiting_batches_and_passes_trouble_to_each() ->
             assert not batcher.enabled
             nursery.cancel_scope.cancel()
     await master.aclose()
+
+
+async def test_a_steady_flow_goes_in_one_request_per_send_interval(autojump_clock: trio.abc.Clock) -> None:
+    """20 streams each posting a batch every 50 ms (each at its own phase) to a master that answers at once: the batcher
+    sends one request per MIN_SEND_INTERVAL carrying every batch that came meanwhile (not one per
+    batch: 400 a second), and each batch still gets its own answer."""
+    import json
+
+    import httpx
+
+    from ckagent.delivery.nodebatch import MIN_SEND_INTERVAL, NodeBatcher
+    from ckagent.master import MasterClient
+    from ckagent.protocol import RegisterRequest
+
+    sizes: list[int] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/api/nodes/register":
+            return httpx.Response(200, json={"nodeId": "n1", "apiKey": "k" * 20, "features": ["node-batches"]})
+        batches = json.loads(request.content)["batches"]
+        sizes.append(len(batches))
+        return httpx.Response(200, json={"results": [{"acceptedSeq": b["seq"] + len(b["lines"])} for b in batches]})
+
+    def body() -> RegisterRequest:
+        return RegisterRequest(name="n", ip="127.0.0.1", port=1, version="t", os="linux", arch="x", python="3",
+                               cpu_count=1, memory_total_bytes=1, max_workers=1)
+
+    master = MasterClient("http://master.test", "token", body, transport=httpx.MockTransport(handler))
+    await master.register()
+    batcher = NodeBatcher(master)
+    answers = 0
+
+    async def stream(task_id: str, offset: float) -> None:
+        nonlocal answers
+        await trio.sleep(offset)  # the streams' batches age out spread over the interval, as in a real flow
+        for seq in range(20):  # 1 s of batches
+            assert await batcher.post(task_id, "logs", b'{"seq":%d,"lines":["a"]}' % seq) == seq + 1
+            answers += 1
+            await trio.sleep(0.05)
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(batcher.run)
+            async with trio.open_nursery() as streams:
+                for i in range(20):
+                    streams.start_soon(stream, f"t{i}", i * 0.0025)
+            nursery.cancel_scope.cancel()
+    await master.aclose()
+    assert answers == 400 and sum(sizes) == 400
+    assert len(sizes) <= 2.5 / MIN_SEND_INTERVAL, sizes  # about one per interval over the ~2 s the streams take

@@ -10,8 +10,9 @@ error the per-task endpoint would have answered, ``{"status", "error", ...}`` (d
 
 :class:`NodeBatcher` is what the stream shippers post through then: :meth:`NodeBatcher.post` queues
 one stream's batch and waits for its own answer; the sender (:meth:`NodeBatcher.run`, in the outbox's
-nursery) sends whatever is queued in one request, at most ``MAX_IN_FLIGHT`` requests at a time — so
-batches queue up only while the master is busy, and a lone batch goes at once. Each waiter gets the
+nursery) sends whatever is queued in one request, at most ``MAX_IN_FLIGHT`` requests at a time and
+one every ``MIN_SEND_INTERVAL`` — so batches queue up while the master is busy or the flow is steady,
+and a lone batch after a quiet spell goes at once. Each waiter gets the
 same answer or exception as ``MasterClient.call`` on its own endpoint would give it (``acceptedSeq``;
 MasterConflict with ``expectedSeq``; MasterRejected; MasterUnavailable for the whole request's
 trouble), so the shipper's rules (acknowledged positions, 409 rewind, 413/422 halving, backoff) are
@@ -36,6 +37,12 @@ log = logging.getLogger(__name__)
 
 MAX_IN_FLIGHT = 2
 """Node batch requests on their way at the same time (what queues meanwhile goes in the next one)."""
+MIN_SEND_INTERVAL = 0.1
+"""Seconds between the starts of two node batch requests while batches keep coming: what queues
+meanwhile goes in the next request. A batch after a quiet spell goes at once; under a steady flow
+each request carries every stream that aged meanwhile, instead of the one or two that aged since
+an answer that came back in 10 ms (64 tasks on a quiet machine: 72 requests a second otherwise).
+Adds at most this much to a line's delivery lag."""
 MAX_BATCHES = 256
 """Most streams' batches in one request (the reference master's limit)."""
 MAX_REQUEST_BYTES = 6 * 1024 * 1024
@@ -72,6 +79,7 @@ class NodeBatcher:
         self._wake = trio.Event()
         self._slots = trio.Semaphore(MAX_IN_FLIGHT)
         self._running = False
+        self._last_send = -MIN_SEND_INTERVAL  # trio.current_time() of the last request's start
         self.requests = 0
         self.batches = 0
 
@@ -103,6 +111,8 @@ class NodeBatcher:
                     self._wake = trio.Event()
                     while self._queue:
                         await self._slots.acquire()  # meanwhile more batches queue for this request
+                        await trio.sleep_until(self._last_send + MIN_SEND_INTERVAL)  # and meanwhile too
+                        self._last_send = trio.current_time()
                         taken, size = 0, 0
                         for waiter in self._queue:
                             if taken and (taken >= MAX_BATCHES or size + len(waiter.body) > MAX_REQUEST_BYTES):
