@@ -111,7 +111,7 @@ def test_lines_wait_less_when_they_share_node_batches(tmp_path: Path) -> None:
     assert NODE_LOG_BATCH_AGE < LOG_BATCH_AGE
 
 
-async def test_the_batcher_joins_waiting_batches_and_passes_trouble_to_each() -> None:
+async def test_the_batcher_joins_waiting_batches_and_passes_trouble_to_each(autojump_clock: trio.abc.Clock) -> None:
     """Batches posted while a request is on its way go together in the next one; a transport failure
     of the request reaches every waiter as MasterUnavailable; a master refusing the endpoint as a
     whole turns node batches off (the shippers post per task again)."""
