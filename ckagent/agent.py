@@ -65,8 +65,18 @@ from ckagent import __version__
 from ckagent.capabilities import Capabilities
 from ckagent.config import ConfigError, Settings
 from ckagent.containment import Containment, ContainmentError, Limits, TaskJail, open_containment
+from ckagent.containment.hierarchy import agent_group_name
 from ckagent.delivery import Outbox, OutboxConfig, cleanup_task_dirs
 from ckagent.deps import Dependencies, IndexChooser, remove_legacy_environments, spider_base_env
+from ckagent.egress import (
+    Egress,
+    EgressError,
+    PolicyError,
+    TaskRules,
+    describe_refusals,
+    open_egress,
+    parse_text,
+)
 from ckagent.errors import StartupError
 from ckagent.fleet import VersionWatch, load_node_uid
 from ckagent.hardening import protect_agent_memory
@@ -169,6 +179,8 @@ class Agent:
         self.status_port: int | None = None
         self.containment: Containment | None = None
         """The containment level in force (set at the start of :meth:`run`)."""
+        self.egress: Egress | None = None
+        """The egress level and node policy in force (set at the start of :meth:`run`)."""
         """The port the status/metrics server listens on (``agent.port``, or the one picked for 0)."""
         token = settings.agent.registration_token
         self._secrets = tuple(
@@ -202,6 +214,7 @@ class Agent:
             protocol_version=PROTOCOL_VERSION,
             features=list(FEATURES),
             containment=self.containment.to_json() if self.containment is not None else {},
+            egress=self.egress.to_json() if self.egress is not None else {},
         )
 
     async def run(self) -> int:
@@ -252,6 +265,8 @@ class Agent:
                     await self._final_beat(store)
                 await self.master.aclose()
                 await trio.to_thread.run_sync(store.sync.close)
+            if self.egress is not None:
+                await trio.to_thread.run_sync(self.egress.close)
             if self.containment is not None:
                 self.containment.close()
             log.info("ckagent stopped")
@@ -272,6 +287,14 @@ class Agent:
         except ContainmentError as exc:
             raise ConfigError(str(exc)) from exc
         self.metrics.containment_level(containment.level)
+        try:
+            policy = parse_text(s.task.egress_deny, s.task.egress_allow)
+            self.egress = await trio.to_thread.run_sync(partial(
+                open_egress, s.task.egress, containment, agent_group_name(self.work_dir), policy,
+                agent_port=s.agent.port or None))
+        except (EgressError, PolicyError) as exc:
+            raise ConfigError(str(exc)) from exc
+        self.metrics.egress_level(self.egress.level)
         if os.getpid() == 1:
             log.warning("running as PID 1 without an init: processes orphaned by spiders are not reaped "
                         "(<defunct> entries pile up); run the container with `--init` or tini "
@@ -308,6 +331,7 @@ class Agent:
         supervisor = self.supervisor = Supervisor(
             RunnerConfig(self.work_dir, s.task.execute_timeout, s.task.kill_grace, self._secrets, extra_env,
                          run_as=run_as, stall_timeout=s.task.stall_timeout, containment=containment,
+                         egress=self.egress,
                          default_limits=Limits(s.task.memory_limit_bytes, s.task.pids_limit, s.task.cpus_limit)),
             self.master, store, workspaces, deps, self.max_workers,
             on_finished=self._task_delivered, outbox=outbox, observer=self.metrics,
@@ -349,6 +373,8 @@ class Agent:
                 serve_after=self._after_first_heartbeat, on_serving=freeze_startup_objects))
         except StatusPortError as exc:
             return StartupError(str(exc))
+        if self.egress is not None:
+            self.egress.agent_port = self.status_port  # (agent.port 0: the one picked)
         root.start_soon(self._signals)
         root.start_soon(self._rescan_runtimes)
         leftovers = await recover_lost_tasks(store, self.metrics.task_lost, self.containment)
@@ -399,7 +425,9 @@ class Agent:
             TaskStatistics(id=rt.task.id, spider_id=rt.task.spider_id, spider_name=rt.task.spider_name,
                            framework=rt.task.framework, phase=rt.phase, claimed_at=rt.claimed_at,
                            started_at=rt.started_at, pid=rt.pid,
-                           sample_resources=None if rt.jail is None else partial(_jail_figures, rt.jail))
+                           sample_resources=None if rt.jail is None else partial(_jail_figures, rt.jail),
+                           sample_egress=None if rt.egress is None or self.egress is None
+                           else partial(_egress_refusals, self.egress, rt.egress))
             for rt in (supervisor.running.values() if supervisor is not None else ())
         )
         return AgentStatistics(
@@ -419,6 +447,7 @@ class Agent:
             master_problem_age=self.master.connectivity.problem_age(),
             intake_reason=self.intake.reason,
             containment=tuple(self.containment.to_json().items()) if self.containment is not None else None,
+            egress=tuple(self.egress.to_json().items()) if self.egress is not None else None,
         )
 
     # ------------------------------------------------------------------ shutdown
@@ -539,6 +568,13 @@ def freeze_startup_objects() -> None:
 def _jail_figures(jail: TaskJail) -> tuple[tuple[str, Any], ...]:
     """A task's live cgroup figures as /status shows them (cgroupfs reads)."""
     return tuple(jail.figures().to_json().items())
+
+
+def _egress_refusals(egress: Egress, rules: TaskRules) -> tuple[tuple[str, Any], ...]:
+    """A task's refused connections so far as /status shows them (nft counters, ~0.5 ms)."""
+    refused = egress.refusals(rules)
+    return (("refused", [{"address": r.address, "port": r.port, "count": r.count} for r in refused]),
+            ("summary", describe_refusals(refused)))
 
 
 def _run_as(user: str | None) -> RunAs | None:

@@ -178,7 +178,8 @@ class TaskSettings:
     without output, item or stats change before a task is stopped STALLED (0 = off).
     ``containment``: ``auto`` or a level of :data:`ckagent.containment.LEVELS`; node default limits
     of a task that names none: ``memory_limit_bytes`` (bytes), ``pids_limit``, ``cpus_limit``
-    (cores); None = no limit.
+    (cores); None = no limit. ``egress``: ``auto`` or a level of :data:`ckagent.egress.LEVELS`;
+    ``egress_deny`` / ``egress_allow``: comma-separated entries of :mod:`ckagent.egress.policy`.
     """
 
     poll_interval: float
@@ -199,6 +200,9 @@ class TaskSettings:
     memory_limit_bytes: int | None
     pids_limit: int | None
     cpus_limit: float | None
+    egress: str
+    egress_deny: str
+    egress_allow: str
 
 
 @dataclass(frozen=True)
@@ -374,6 +378,24 @@ def _readable_file(raw: str) -> Path:
     if not os.access(path, os.R_OK):
         raise _Invalid(f"file not readable: {path}", show_value=False)
     return path
+
+
+def _egress_deny(raw: str) -> str:
+    from ckagent.egress.policy import PolicyError, parse_deny
+
+    try:
+        return ",".join(parse_deny(raw.split(",")).to_json()["deny"])
+    except PolicyError as exc:
+        raise _Invalid(str(exc).removeprefix("deny: ")) from None
+
+
+def _egress_allow(raw: str) -> str:
+    from ckagent.egress.policy import PolicyError, parse_allow
+
+    try:
+        return ",".join(parse_allow(raw.split(",")).to_json()["allow"])
+    except PolicyError as exc:
+        raise _Invalid(str(exc).removeprefix("allow: ")) from None
 
 
 def _ip(raw: str) -> str:
@@ -588,6 +610,19 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("task", "cpus_limit", "AGENT_TASK_CPUS_LIMIT", 'CPU quantity ("1.5", "500m")', None,
             "CPU cores a task that names none (`resources.cpus`) may use; unset = no limit. Needs a cgroup "
             "level with the cpu controller.", _cpu_quantity_cores),
+    Setting("task", "egress", "AGENT_TASK_EGRESS", "auto, nftables, proxy, off", "auto",
+            "How a task's network policy is enforced: auto = nftables on the task's cgroup when the kernel "
+            "and the agent's rights allow it, else the advisory filtering proxy; a named level fails the "
+            "start when it is not available. See docs/operations.md, Egress.",
+            _choice(("auto", "nftables", "proxy", "off"), upper=False)),
+    Setting("task", "egress_deny", "AGENT_TASK_EGRESS_DENY", "comma-separated groups and IP networks",
+            "metadata,link-local,agent",
+            "Destinations no task may reach: groups metadata (cloud metadata services), link-local, agent "
+            "(the agent's own port), private (RFC 1918, CGNAT, ULA), loopback; or networks (192.0.2.0/24). "
+            "A task's `egress.deny` adds to it.", _egress_deny),
+    Setting("task", "egress_allow", "AGENT_TASK_EGRESS_ALLOW", "comma-separated IP networks[:port]", "",
+            "Exceptions that beat every denial (an internal proxy: 10.0.0.5:3128); a task's `egress.allow` "
+            "adds to it.", _egress_allow),
     Setting("logging", "level", "AGENT_LOG_LEVEL", "DEBUG, INFO, WARNING, ERROR", "INFO",
             "Log level (case-insensitive).", _choice(("DEBUG", "INFO", "WARNING", "ERROR"), upper=True)),
     Setting("logging", "file", "AGENT_LOG_FILE", "path", None,

@@ -110,7 +110,7 @@ METRIC_NAMES = frozenset({
     "ckagent_log_lines_shipped_total", "ckagent_items_shipped_total", "ckagent_outbox_log_lines",
     "ckagent_outbox_items", "ckagent_outbox_results", "ckagent_master_requests_total",
     "ckagent_master_request_duration_seconds", "ckagent_containment_level", "ckagent_task_cpu_seconds",
-    "ckagent_task_memory_peak_bytes",
+    "ckagent_task_memory_peak_bytes", "ckagent_egress_level", "ckagent_egress_refused_total",
 })  # fmt: skip
 """The agent's own metric names as they appear on /metrics (histograms add _bucket/_sum/_count)."""
 
@@ -253,6 +253,11 @@ class AgentMetrics(SupervisorObserver):
         self.containment = Gauge("ckagent_containment_level", "The containment level of tasks here: 1 for "
                                  "the level in force (cgroup-v2, cgroup-v1, process-group).", ["level"], registry=r)
         self.containment_level("")  # every level's series exists from the start (0 until known)
+        self.egress = Gauge("ckagent_egress_level", "How tasks' network policy is enforced here: 1 for the "
+                            "level in force (nftables, proxy, off).", ["level"], registry=r)
+        self.egress_level("")
+        self.egress_refused = Counter("ckagent_egress_refused", "Connections of finished tasks refused by "
+                                      "their network policy (kernel counters).", registry=r)
         self.task_cpu = Histogram(
             "ckagent_task_cpu_seconds", "CPU seconds (user + system) of finished tasks, installers included "
             "(cgroup levels).", buckets=TASK_CPU_BUCKETS, registry=r,
@@ -268,6 +273,11 @@ class AgentMetrics(SupervisorObserver):
         """Export the containment level in force (one series per level, 1 for the one in force)."""
         for name in ("cgroup-v2", "cgroup-v1", "process-group"):
             self.containment.labels(name).set(1 if name == level else 0)
+
+    def egress_level(self, level: str) -> None:
+        """Export the egress level in force (one series per level, 1 for the one in force)."""
+        for name in ("nftables", "proxy", "off"):
+            self.egress.labels(name).set(1 if name == level else 0)
 
     # ------------------------------------------------------------------ hooks
 
@@ -301,6 +311,8 @@ class AgentMetrics(SupervisorObserver):
             self.task_cpu.observe(result.cpu_seconds)
         if result.memory_peak_bytes is not None:
             self.task_memory_peak.observe(result.memory_peak_bytes)
+        if result.egress_refused:
+            self.egress_refused.inc(sum(r["count"] for r in result.egress_refused))
 
     def task_lost(self, result: TaskResult) -> None:
         """Crash recovery stored the AGENT_LOST result of a task an earlier run left running: it

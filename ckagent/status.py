@@ -87,6 +87,9 @@ class TaskStatistics:
     sample_resources: Callable[[], tuple[tuple[str, Any], ...]] | None = None
     """Reads :attr:`resources` now (cgroupfs reads, tens of µs a file): /status calls it, one task at a
     time with a checkpoint between tasks; /metrics never does. None: :attr:`resources` as given."""
+    sample_egress: Callable[[], tuple[tuple[str, Any], ...]] | None = None
+    """Reads the task's refused connections now (``{"refused": [...], "summary": str}``; nft counters,
+    /status only). None: no kernel egress rules for the task."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,8 @@ class AgentStatistics:
     """Why the node takes no tasks for a reason of its own (ckagent.intake), None when it takes them."""
     containment: tuple[tuple[str, Any], ...] | None = None
     """The containment level in force (``Containment.to_json()`` items), None before it is opened."""
+    egress: tuple[tuple[str, Any], ...] | None = None
+    """The egress level and node policy (``Egress.to_json()`` items), None before it is opened."""
 
 
 class StatusPortError(OSError):
@@ -370,8 +375,10 @@ class AgentStatus:
         stats = self._statistics()
         readiness = self.readiness(stats)
         resources: list[dict[str, Any]] = []
+        egress: list[dict[str, Any] | None] = []
         for task in stats.tasks:  # the cgroup reads: one task per loop step
             resources.append(dict(task.resources if task.sample_resources is None else task.sample_resources()))
+            egress.append(None if task.sample_egress is None else dict(task.sample_egress()))
             await trio.lowlevel.checkpoint()
         tasks = [{
             "id": task.id,
@@ -384,7 +391,9 @@ class AgentStatus:
             "pid": task.pid,
             # Live figures from the task's cgroup (read above; none at the process-group level).
             "resources": figures,
-        } for task, figures in zip(stats.tasks, resources, strict=True)]
+            # Connections its network policy refused so far (kernel counters; None without them).
+            "egress": refused,
+        } for task, figures, refused in zip(stats.tasks, resources, egress, strict=True)]
         return {
             "state": stats.state,
             "ready": readiness.ready,
@@ -395,6 +404,7 @@ class AgentStatus:
             "masterUp": stats.master_up,
             "heartbeatAgeSeconds": round(self.heartbeat_age(stats), 3),
             "containment": dict(stats.containment) if stats.containment is not None else None,
+            "egress": dict(stats.egress) if stats.egress is not None else None,
             "maxWorkers": stats.max_workers,
             "freeSlots": stats.free_slots,
             "runningTasks": sorted(tasks, key=lambda t: str(t["since"])),

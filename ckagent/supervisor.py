@@ -73,6 +73,7 @@ from ckagent.crawlstats import STATS_FILE, scrapy_stats_env
 from ckagent.delivery import LogSink, Outbox
 from ckagent.delivery.lines import secret_values
 from ckagent.deps import Dependencies, DepsError, Prepared, spider_base_env
+from ckagent.egress import Egress, EgressError, Refusal, TaskRules, report_refusals
 from ckagent.logs import Masker
 from ckagent.master import MasterClient, MasterError, json_object
 from ckagent.process import MARKER_VAR, ProcessOutcome, RunAs, clock, run_supervised, sweep
@@ -102,6 +103,7 @@ class TaskOutcome:
     error_message: str | None = None
     exit_code: int | None = None
     figures: Figures | None = None
+    egress_refused: list[Refusal] | None = None
 
 
 @dataclass
@@ -123,6 +125,8 @@ class RunningTask:
     """The task's ``ckagent.delivery.TaskDelivery`` once opened (live stats: ``delivery.stats.latest``)."""
     jail: TaskJail | None = None
     """The task's containment (from the deploy on); /status reads its live figures."""
+    egress: TaskRules | None = None
+    """The task's egress rules in the kernel (nftables level); /status reads their counters."""
 
     def request_stop(self, reason: str) -> bool:
         """Ask the task to stop (idempotent). Returns False when a stop was already requested."""
@@ -151,6 +155,8 @@ class RunnerConfig:
     """The node's containment level; None = process groups only (no subreaper, no limits)."""
     default_limits: Limits = field(default_factory=Limits)
     """Limits of a task that names none (``task.memory_limit_bytes`` ...)."""
+    egress: Egress | None = None
+    """The node's egress level and policy (None = no network policy)."""
 
 
 TaskObserver = Callable[[RunningTask, TaskResult], None]
@@ -368,7 +374,7 @@ class Supervisor:
 
                 async def open_jail() -> None:
                     jail = await self._open_jail(rt, notice)
-                    held.push_async_callback(_empty_jail, jail)
+                    held.push_async_callback(_empty_jail, jail, self._egress_detach(rt))
                     jails.append(jail)
 
                 work = self._workspaces.runs / safe_name(task.id)
@@ -437,8 +443,24 @@ class Supervisor:
             if rt.stop_reason is not None:
                 notice(f"stopped before the spider started: {rt.stop_reason}")
                 return TaskOutcome("CANCELLED", "CANCELLED", rt.stop_reason)
-            return await self._run(rt, task_dir, work, argv, prepared, notice, sink, jail)
+            outcome = await self._run(rt, task_dir, work, argv, prepared, notice, sink, jail)
+            if rt.egress is not None and self.config.egress is not None:
+                outcome.egress_refused = await trio.to_thread.run_sync(self.config.egress.refusals, rt.egress)
+                report_refusals(task.id, outcome.egress_refused, notice)
+            return outcome
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _egress_detach(self, rt: RunningTask) -> Callable[[], None] | None:
+        """What removes the task's egress rules at its end (blocking), or None without a policy."""
+        egress = self.config.egress
+        if egress is None:
+            return None
+
+        def detach() -> None:
+            if rt.egress is not None:
+                egress.detach(rt.egress, egress.refusals(rt.egress))
+
+        return detach
 
     def _reuse_and_copy(self, task: Task, work: Path) -> tuple[Path, tuple[list[str], str | None], str] | None:
         """For a package deployed before: its version dir (touched: pruning keeps the newest), the
@@ -476,11 +498,21 @@ class Supervisor:
             pids=task.resources.pids if task.resources.pids is not None else default.pids,
             cpus=task.resources.cpus if task.resources.cpus is not None else default.cpus,
         )
-        containment = self.config.containment
+        containment, egress = self.config.containment, self.config.egress
         if containment is None:
             jail: TaskJail = ProcessGroupJail(task.id)
         else:
             jail = await trio.to_thread.run_sync(containment.jail, task.id, wanted)
+        if egress is not None:
+            failed: EgressError | None = None
+            try:  # before any process of the task starts: its installers are filtered too
+                rt.egress = await trio.to_thread.run_sync(egress.attach, jail, task.id, task.egress)
+            except EgressError as exc:
+                failed = exc
+            if failed is not None:  # the task must not run unprotected
+                await _empty_jail(jail)
+                raise failed
+            notice(f"egress ({egress.level}): {egress.effective(task.egress).describe()}")
         rt.jail = jail
         if wanted != Limits() and jail.limits != wanted:
             notice(f"limits asked: {wanted.describe()}; this node ({jail.level}) enforces: {jail.limits.describe()}")
@@ -620,10 +652,13 @@ def _oom_outcome(jail: TaskJail, figures: Figures, returncode: int | None, what:
     return TaskOutcome("FAILED", "OOM_KILLED", message, returncode, figures=figures)
 
 
-async def _empty_jail(jail: TaskJail) -> None:
-    """At the end of a task: kill what is left in its jail (an interrupted installer) and remove it."""
+async def _empty_jail(jail: TaskJail, detach: Callable[[], None] | None = None) -> None:
+    """At the end of a task: kill what is left in its jail (an interrupted installer), remove its
+    egress rules (``detach``, blocking: after the kill, before the cgroup goes) and the jail."""
     with trio.CancelScope(shield=True):
         await jail.kill_all()
+        if detach is not None:
+            await trio.to_thread.run_sync(detach)
         jail.close()
 
 
@@ -649,6 +684,8 @@ def _result(rt: RunningTask, outcome: TaskOutcome, started_wall: float) -> TaskR
         install_ms=ms("install"),
         run_ms=run_ms,
         **_figure_fields(outcome.figures),
+        egress_refused=[{"address": r.address, "port": r.port, "count": r.count}
+                        for r in outcome.egress_refused] if outcome.egress_refused else None,
     )
 
 

@@ -109,6 +109,10 @@ class TaskJail(abc.ABC):
         """The same files opened by the agent (O_WRONLY), for a ``preexec_fn`` after setuid."""
         return []
 
+    def v2_path(self) -> Path | None:
+        """The task's cgroup directory in the cgroup v2 tree (what egress rules match), or None."""
+        return None
+
     def spawn(self, argv: list[str], env: Mapping[str, str], *, forking: bool = False) -> tuple[list[str], dict[str, Any]]:
         """``(argv, Popen keyword arguments)`` that start ``argv`` inside the jail: the new process
         joins the task's cgroups and raises its oom_score_adj **before** it execs ``argv``.
@@ -175,6 +179,10 @@ class Containment(abc.ABC):
         """At start, before any task: kill and remove leftover task cgroups of this agent (a crash
         between creating one and recording the task). Returns how many cgroups were removed."""
         return 0
+
+    def v2_group(self) -> Path | None:
+        """The v2 directory holding this agent's task cgroups (for egress rules), or None."""
+        return None
 
     def to_json(self) -> dict[str, Any]:
         """``{"level", "details", "limits"}`` for registration and /status."""

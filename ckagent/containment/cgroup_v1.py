@@ -94,6 +94,9 @@ class V1Jail(TaskJail):
     def join_fds(self) -> list[int]:
         return list(self.fds)
 
+    def v2_path(self) -> Path | None:
+        return None if self.unified is None else self.unified.path
+
     def _primary(self) -> Path:
         return self.dirs.get("freezer") or self.dirs.get("memory") or next(iter(self.dirs.values()))
 
@@ -251,6 +254,9 @@ class CgroupV1(Containment):
             await jail.kill_all()
             jail.close()
         return len(names)
+
+    def v2_group(self) -> Path | None:
+        return self.unified_group
 
     def close(self) -> None:
         for group in self.groups.values():

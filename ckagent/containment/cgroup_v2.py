@@ -167,6 +167,9 @@ class V2Jail(TaskJail):
     def join_fds(self) -> list[int]:
         return [self.cgroup.procs_fd]
 
+    def v2_path(self) -> Path | None:
+        return self.cgroup.path
+
     def populated(self) -> bool:
         return self.cgroup.populated()
 
@@ -277,6 +280,9 @@ class CgroupV2(Containment):
             cgroup.close()
             removed += not path.exists()
         return removed
+
+    def v2_group(self) -> Path | None:
+        return self.group
 
     def close(self) -> None:
         rmdir_quietly(self.group)

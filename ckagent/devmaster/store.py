@@ -562,6 +562,7 @@ class Store:
                 "labels": _loads(r["labels"]),
                 "runtimes": _loads(r["runtimes"]),
                 "containment": _loads(r["info"]).get("containment"),
+                "egress": _loads(r["info"]).get("egress"),
                 "registeredAt": r["registered_at"],
                 "lastHeartbeatAt": r["last_heartbeat_at"],
                 "lastHeartbeat": _loads(r["last_heartbeat"]),
@@ -1202,5 +1203,5 @@ def _result_figures(result: TaskResult) -> str | None:
     """The resource figures and phase durations of a result as stored JSON (None when it carries none)."""
     figures = {k: v for k, v in result.to_json().items()
                if k in ("cpuSeconds", "memoryPeakBytes", "pidsPeak", "ioReadBytes", "ioWriteBytes",
-                        "deployMs", "installMs", "runMs")}
+                        "deployMs", "installMs", "runMs", "egressRefused")}
     return _dumps(figures) if figures else None

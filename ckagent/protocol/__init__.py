@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, TypeVar
 
+from ckagent.egress.policy import EgressPolicy, PolicyError
+from ckagent.egress.policy import from_wire as egress_from_wire
 from ckagent.protocol._fields import (
     ProtocolError,
     opt_int,
@@ -165,6 +167,8 @@ class RegisterRequest:
     features: list[str] = field(default_factory=list)
     containment: dict[str, Any] = field(default_factory=dict)
     """The node's containment level: ``{"level", "details", "limits"}`` (docs/operations.md)."""
+    egress: dict[str, Any] = field(default_factory=dict)
+    """The node's egress level and policy: ``{"level", "details", "policy", "deny", "allow"}``."""
 
     @classmethod
     def from_json(cls, obj: Any) -> RegisterRequest:
@@ -187,12 +191,14 @@ class RegisterRequest:
             protocol_version=opt_int(o, "protocolVersion", lo=1),
             features=str_list(o, "features"),
             containment=opt_object(o, "containment") or {},
+            egress=opt_object(o, "egress") or {},
         )
 
     def to_json(self) -> dict[str, Any]:
         """The camelCase JSON body."""
         return {
             "containment": self.containment,
+            "egress": self.egress,
             "name": self.name,
             "ip": self.ip,
             "port": self.port,
@@ -452,6 +458,8 @@ class Task:
     resources: TaskResources = field(default_factory=TaskResources)
     stop_signal: str | None = None
     """Signal name sent to the main process when the task is stopped (None = SIGTERM)."""
+    egress: EgressPolicy | None = None
+    """The task's own network policy, added to the node's (``{"deny": [...], "allow": [...]}``)."""
     claimed: bool = False
     """The master claimed the task for this node in the poll answer (``claim-in-poll``): it is this
     node's already, to run or to give back; False: handed out only, a claim decides."""
@@ -494,6 +502,7 @@ class Task:
             stall_timeout_seconds=opt_number(o, "stallTimeoutSeconds", lo=0, path=path),
             resources=TaskResources.from_json(o.get("resources"), f"{path}.resources"),
             stop_signal=parse_stop_signal(o, path),
+            egress=parse_egress(o.get("egress"), f"{path}.egress"),
             claimed=_opt_bool(o, "claimed", path),
         )
 
@@ -515,9 +524,22 @@ class Task:
                 "stallTimeoutSeconds": self.stall_timeout_seconds,
                 "resources": self.resources.to_json() or None,
                 "stopSignal": self.stop_signal,
+                "egress": None if self.egress is None else self.egress.to_json(),
                 "claimed": True if self.claimed else None,
             }
         )
+
+
+def parse_egress(obj: Any, path: str) -> EgressPolicy | None:
+    """A task's (or spider's) ``egress`` object → its policy; None when absent. Raises ProtocolError."""
+    if obj is None:
+        return None
+    o = req_object(obj, path)
+    try:
+        return egress_from_wire(o, path)
+    except PolicyError as exc:
+        where, _, message = str(exc).partition(": ")
+        raise ProtocolError(where, message) from None
 
 
 def _opt_bool(o: dict[str, Any], key: str, path: str) -> bool:
@@ -616,6 +638,9 @@ class TaskResult:
     pids_peak: int | None = None
     io_read_bytes: int | None = None
     io_write_bytes: int | None = None
+    egress_refused: list[dict[str, Any]] | None = None
+    """Connections the task's network policy refused: ``[{"address", "port", "count"}]``, most first
+    (``port`` 0: not TCP/UDP); None = nothing refused or no kernel counters."""
 
     @classmethod
     def from_json(cls, obj: Any) -> TaskResult:
@@ -647,6 +672,7 @@ class TaskResult:
             pids_peak=opt_int(o, "pidsPeak", lo=0),
             io_read_bytes=opt_int(o, "ioReadBytes", lo=0),
             io_write_bytes=opt_int(o, "ioWriteBytes", lo=0),
+            egress_refused=_refusals(o.get("egressRefused")),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -672,8 +698,24 @@ class TaskResult:
                 "pidsPeak": self.pids_peak,
                 "ioReadBytes": self.io_read_bytes,
                 "ioWriteBytes": self.io_write_bytes,
+                "egressRefused": self.egress_refused,
             }
         )
+
+
+def _refusals(value: Any) -> list[dict[str, Any]] | None:
+    """``egressRefused`` of a result: a list of ``{"address": str, "port": int, "count": int}``."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) > 1000:
+        raise ProtocolError("egressRefused", "expected a list (at most 1000) of {address, port, count}")
+    out = []
+    for i, item in enumerate(value):
+        o = req_object(item, f"egressRefused[{i}]")
+        out.append({"address": req_id(o, "address", path=f"egressRefused[{i}]"),
+                    "port": req_int(o, "port", lo=0, hi=65535, path=f"egressRefused[{i}]"),
+                    "count": req_int(o, "count", lo=0, path=f"egressRefused[{i}]")})
+    return out
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,421 @@
+"""Egress: a task's network policy, enforced by the kernel on its cgroup (nftables ``socket cgroupv2``).
+
+Only loopback is ever a target: a rule that failed would let a packet out, so no test sends one to
+any other address, not even to show that it is blocked. The policy is proved with loopback aliases
+(this host routes all of 127/8 to ``lo``): deny ``127.0.0.2``, serve on it, show that a task cannot
+connect while the agent and a task under another policy can. The metadata and private-range rules
+are proved by reading back what the agent wrote (``nft -j list table``) and by the same rule shape
+matching a locally served socket (the ``loopback`` and ``agent`` groups). Every table a test makes
+is deleted in a ``finally`` (the ``tables`` fixture), also when the test fails.
+
+Levels: this machine is systemd hybrid (v1 controllers + a v2 tree without controllers): the
+``cgroup-v2`` and ``cgroup-v1`` containment levels both give tasks a v2 cgroup, so both run at the
+``nftables`` egress level; pure v1 (``use_unified=False``) and ``process-group`` have no v2 cgroup
+and fall back to the ``proxy`` level, which is what those tests assert.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+from harness import running_agent, submit
+from test_supervision import (  # noqa: F401 -- no_strays: autouse fixture
+    LEVEL,
+    RecordingMaster,
+    no_strays,
+    recording_master,
+    settings_for,
+    wait_for_log,
+)
+
+from ckagent.containment import Containment, Limits, TaskJail, available_levels, open_containment
+from ckagent.containment.hierarchy import agent_group_name
+from ckagent.egress import EgressError, describe_refusals, open_egress, parse_text
+from ckagent.egress.nft import BinaryNft, LibNft, NftError, open_nft
+from ckagent.egress.policy import PolicyError, from_wire, parse_allowed
+from ckagent.egress.table import Refusal, table_name
+from ckagent.protocol import ProtocolError, Task, TaskResult
+
+LEVELS_HERE = available_levels(Path(tempfile.gettempdir()) / "ckagent-levels-probe")
+V2_LEVELS = [lvl for lvl in LEVELS_HERE if lvl != "process-group"]
+
+
+def _kernel_can() -> str | None:
+    """Why nftables egress cannot be tested here (None = it can)."""
+    if os.geteuid() != 0:
+        return "needs root (CAP_NET_ADMIN)"
+    if shutil.which("nft") is None:
+        return "the nft program is not installed (apt-get install nftables)"
+    if not Path("/sys/fs/cgroup/unified").is_dir() and not Path("/sys/fs/cgroup/cgroup.controllers").exists():
+        return "no cgroup v2 tree"
+    return None
+
+
+needs_kernel = pytest.mark.skipif(_kernel_can() is not None, reason=str(_kernel_can()))
+
+
+def _list_table(name: str) -> dict[str, Any] | None:
+    done = subprocess.run(["nft", "-j", "list", "table", "inet", name], capture_output=True, text=True, check=False)
+    return json.loads(done.stdout) if done.returncode == 0 else None
+
+
+def _tables() -> set[str]:
+    done = subprocess.run(["nft", "-j", "list", "tables"], capture_output=True, text=True, check=True)
+    return {o["table"]["name"] for o in json.loads(done.stdout)["nftables"] if "table" in o}
+
+
+@pytest.fixture
+def tables() -> Iterator[list[str]]:
+    """Names of nft tables (family inet) the test makes: all deleted at the end, also on failure."""
+    made: list[str] = []
+    try:
+        yield made
+    finally:
+        for name in made:
+            subprocess.run(["nft", "delete", "table", "inet", name], capture_output=True, check=False)
+
+
+@contextlib.contextmanager
+def listener(address: str) -> Iterator[int]:
+    """A listening TCP socket on a loopback ``address``; yields its port."""
+    with socket.socket() as sock:
+        sock.bind((address, 0))
+        sock.listen(16)
+        yield sock.getsockname()[1]
+
+
+# A child that leaves its session, runs with an empty environment and ignores proxy variables,
+# then connects straight to the address it is given: exit 0 connected, 7 refused.
+ESCAPER = """
+import os, socket, sys
+os.setsid()
+for name in list(os.environ):
+    del os.environ[name]
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5).close()
+except ConnectionRefusedError:
+    sys.exit(7)
+sys.exit(0)
+"""
+
+
+def _connect_from(jail: TaskJail, address: str, port: int) -> int:
+    """Run ESCAPER inside ``jail`` (it joins before exec, like every task process); its exit code."""
+    env = {"PATH": os.environ.get("PATH", ""), "HTTP_PROXY": "http://127.0.0.1:9", "ALL_PROXY": "http://127.0.0.1:9"}
+    argv, options = jail.spawn([sys.executable, "-I", "-S", "-c", ESCAPER, address, str(port)], env)
+    return subprocess.run(argv, env={}, timeout=30, check=False, **options).returncode
+
+
+@contextlib.contextmanager
+def containment_at(level: str, work_dir: Path, *, use_unified: bool = True) -> Iterator[Containment]:
+    containment = open_containment(level, work_dir, use_unified=use_unified)
+    try:
+        yield containment
+    finally:
+        containment.close()
+
+
+# ------------------------------------------------------------------------------ the policy (pure logic)
+
+
+def test_policy_groups_networks_and_allow_entries() -> None:
+    policy = parse_text("metadata, link-local,agent,192.0.2.0/24", "10.0.0.5:3128, [fd12::1]:8080,10.9.0.0/16")
+    assert policy.describe() == ("deny metadata, link-local, agent, 192.0.2.0/24; "
+                                 "allow 10.0.0.5:3128, [fd12::1]:8080, 10.9.0.0/16")
+    assert policy.blocks("169.254.169.254", 80)
+    assert policy.blocks("::ffff:169.254.169.254", 80)  # an IPv4-mapped address is the IPv4 one
+    assert policy.blocks("fd00:ec2::254", 80) and policy.blocks("100.100.100.200", 80)
+    assert policy.blocks("168.63.129.16", 80) and policy.blocks("fe80::1", 22)
+    assert policy.blocks("192.0.2.9", 443)
+    assert not policy.blocks("10.0.0.5", 22)  # private ranges are one setting away, not default
+    assert policy.blocks("127.0.0.1", 9000, agent_port=9000) and not policy.blocks("127.0.0.1", 9001, agent_port=9000)
+    private = parse_text("private", "10.0.0.5:3128")
+    assert private.blocks("10.0.0.5", 22) and not private.blocks("10.0.0.5", 3128)  # allow beats deny
+    assert private.blocks("172.20.1.1", 80) and private.blocks("fd12::3", 80) and not private.blocks("8.8.8.8", 53)
+
+
+@pytest.mark.parametrize(("deny", "allow", "expected"), [
+    ("metadata,bogus", "", "'bogus' is neither a group"),
+    ("", "10.0.0.5:0", "the port must be 1..65535"),
+    ("", "example.com:80", "is not an IP network"),
+    ("", "[fd12::1:80", "expected [IPv6]:port"),
+])
+def test_bad_policy_entries_say_what_is_wrong(deny: str, allow: str, expected: str) -> None:
+    with pytest.raises(PolicyError, match=expected.replace("[", r"\[").replace("]", r"\]")):
+        parse_text(deny, allow)
+
+
+def test_a_tasks_egress_on_the_wire_adds_to_the_nodes_policy() -> None:
+    task = Task.from_json({"id": "t1", "spiderId": "s", "framework": "python",
+                           "egress": {"deny": ["private"], "allow": ["10.0.0.5:3128"]}})
+    assert task.egress is not None and task.to_json()["egress"] == {"deny": ["private"], "allow": ["10.0.0.5:3128"]}
+    node = parse_text("metadata,agent", "")
+    assert node.merged(task.egress).describe() == "deny metadata, agent, private; allow 10.0.0.5:3128"
+    with pytest.raises(ProtocolError, match=r"task\.egress\.deny"):
+        Task.from_json({"id": "t1", "spiderId": "s", "framework": "python", "egress": {"deny": ["10.0.0.0/33"]}})
+    with pytest.raises(ProtocolError, match="unknown field"):
+        Task.from_json({"id": "t1", "spiderId": "s", "framework": "python", "egress": {"block": []}})
+    with pytest.raises(PolicyError):
+        from_wire({"allow": "10.0.0.1"}, "egress")
+    result = TaskResult.from_json({"status": "SUCCESS", "egressRefused": [
+        {"address": "169.254.169.254", "port": 80, "count": 3}]})
+    assert result.to_json()["egressRefused"] == [{"address": "169.254.169.254", "port": 80, "count": 3}]
+    assert str(parse_allowed("[fd12::1]:8080")) == "[fd12::1]:8080"
+
+
+def test_the_refusal_line() -> None:
+    assert describe_refusals([]) == ""
+    assert describe_refusals([Refusal("169.254.169.254", 80, 3)]) == \
+        "egress: 3 connections refused: 169.254.169.254:80 ×3"
+    assert describe_refusals([Refusal("fd00:ec2::254", 443, 1), Refusal("127.0.0.2", 0, 1)]) == \
+        "egress: 2 connections refused: [fd00:ec2::254]:443 ×1, 127.0.0.2 ×1"
+
+
+# ------------------------------------------------------------------------------ the kernel rules
+
+
+@needs_kernel
+@pytest.mark.parametrize("level", V2_LEVELS)
+def test_a_task_is_refused_while_the_agent_and_another_task_connect(
+    tmp_path: Path, tables: list[str], level: str
+) -> None:
+    policy = parse_text("metadata,link-local,agent,127.0.0.2", "")
+    with containment_at(level, tmp_path) as containment, listener("127.0.0.2") as port:
+        egress = open_egress("nftables", containment, agent_group_name(tmp_path), policy, agent_port=9)
+        tables.append(table_name(agent_group_name(tmp_path)))
+        denied = containment.jail("denied", Limits())
+        other = containment.jail("other", Limits())
+        try:
+            rules = egress.attach(denied, "denied")
+            # The other task's own policy allows 127.0.0.2 (the allow entry beats the node's denial).
+            other_rules = egress.attach(other, "other", from_wire({"allow": ["127.0.0.2"]}, "egress"))
+            assert _connect_from(denied, "127.0.0.2", port) == 7
+            assert _connect_from(denied, "127.0.0.2", port) == 7
+            assert _connect_from(other, "127.0.0.2", port) == 0
+            socket.create_connection(("127.0.0.2", port), timeout=5).close()  # the agent itself
+            assert egress.refusals(rules) == [Refusal("127.0.0.2", port, 2)]
+            assert egress.refusals(other_rules) == []
+            egress.detach(rules, egress.refusals(rules))
+            egress.detach(other_rules)
+            assert _connect_from(denied, "127.0.0.2", port) == 0  # the rules went with the task
+            table = _list_table(egress.table.name if egress.table else "")
+            assert table is not None
+            leftovers = [o for o in table["nftables"] if "chain" in o and o["chain"]["name"].startswith("p_")]
+            elements = [o for o in table["nftables"] if ("set" in o and o["set"].get("elem"))
+                        or ("map" in o and o["map"].get("elem"))]
+            assert leftovers == [] and elements == [], table
+        finally:
+            for jail in (denied, other):
+                jail.close()
+            egress.close()
+    assert table_name(agent_group_name(tmp_path)) not in _tables()
+
+
+@needs_kernel
+def test_the_rules_read_back_deny_metadata_link_local_private_and_the_agent_port(
+    tmp_path: Path, tables: list[str]
+) -> None:
+    policy = parse_text("metadata,link-local,agent,private", "10.0.0.5:3128")
+    level = V2_LEVELS[0]
+    with containment_at(level, tmp_path) as containment:
+        egress = open_egress("nftables", containment, agent_group_name(tmp_path), policy, agent_port=9000)
+        name = table_name(agent_group_name(tmp_path))
+        tables.append(name)
+        jail = containment.jail("readback", Limits())
+        try:
+            egress.attach(jail, "readback")
+            text = subprocess.run(["nft", "list", "table", "inet", name], capture_output=True, text=True,
+                                  check=True).stdout
+            table = _list_table(name)
+        finally:
+            jail.close()
+            egress.close()
+    assert table is not None
+    for network in ("169.254.0.0/16", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10",
+                    "168.63.129.16", "fc00::/7", "fe80::/10"):
+        assert network in text, (network, text)
+    # 169.254.169.254 and fd00:ec2::254 are inside the link-local / ULA ranges the set holds.
+    assert "10.0.0.5 tcp dport 3128 accept" in text or "10.0.0.5 meta l4proto { tcp, udp } th dport 3128 accept" in text
+    assert "fib daddr type local" in text and "th dport 9000" in text
+    assert "reject with tcp reset" in text
+    assert '"unified/' in text or '"' + str(jail.v2_path()).removeprefix("/sys/fs/cgroup/") in text
+    chains = [o["chain"] for o in table["nftables"] if "chain" in o]
+    [hook] = [c for c in chains if c.get("hook")]
+    assert (hook["hook"], hook["policy"]) == ("output", "accept")
+
+
+@needs_kernel
+def test_the_agent_port_and_loopback_groups_match_a_local_socket(tmp_path: Path, tables: list[str]) -> None:
+    """The same rule shapes as for the metadata addresses, matched for real on loopback."""
+    with containment_at(V2_LEVELS[0], tmp_path) as containment, listener("127.0.0.1") as agent_port, \
+            listener("127.0.0.3") as other_port:
+        egress = open_egress("nftables", containment, agent_group_name(tmp_path), parse_text("agent", ""),
+                             agent_port=agent_port)
+        tables.append(table_name(agent_group_name(tmp_path)))
+        jail = containment.jail("ports", Limits())
+        loop_jail = containment.jail("loop", Limits())
+        try:
+            egress.attach(jail, "ports")
+            egress.attach(loop_jail, "loop", from_wire({"deny": ["loopback"]}, "egress"))
+            assert _connect_from(jail, "127.0.0.1", agent_port) == 7  # the agent's own port
+            assert _connect_from(jail, "127.0.0.3", other_port) == 0  # another local port
+            assert _connect_from(loop_jail, "127.0.0.3", other_port) == 7  # the whole loopback range
+        finally:
+            jail.close()
+            loop_jail.close()
+            egress.close()
+
+
+@needs_kernel
+def test_a_stale_table_is_replaced_and_other_tables_are_untouched(tmp_path: Path, tables: list[str]) -> None:
+    name = table_name(agent_group_name(tmp_path))
+    foreign = f"ck_foreign_{os.getpid()}"
+    tables.extend([name, foreign])
+    subprocess.run(["nft", "-f", "-"], input=f"add table inet {name}\nadd chain inet {name} stale_from_a_crash\n"
+                   f"add table inet {foreign}\nadd chain inet {foreign} theirs\n", text=True, check=True)
+    with containment_at(V2_LEVELS[0], tmp_path) as containment:
+        egress = open_egress("auto", containment, agent_group_name(tmp_path), parse_text("metadata", ""))
+        try:
+            assert egress.level == "nftables"
+            mine = _list_table(name)
+            assert mine is not None
+            assert not [o for o in mine["nftables"] if "chain" in o and o["chain"]["name"] == "stale_from_a_crash"]
+            theirs = _list_table(foreign)
+            assert theirs is not None and [o["chain"]["name"] for o in theirs["nftables"] if "chain" in o] == ["theirs"]
+        finally:
+            egress.close()
+    assert name not in _tables() and foreign in _tables()
+
+
+@needs_kernel
+def test_the_nft_program_is_the_fallback_of_the_library(tmp_path: Path, tables: list[str]) -> None:
+    assert open_nft().kind == "libnftables"
+    with pytest.raises(NftError, match="cannot be loaded"):
+        LibNft("libnftables-missing.so.9")
+    with containment_at(V2_LEVELS[0], tmp_path) as containment, listener("127.0.0.2") as port:
+        egress = open_egress("nftables", containment, agent_group_name(tmp_path), parse_text("127.0.0.2", ""),
+                             nft=BinaryNft())
+        tables.append(table_name(agent_group_name(tmp_path)))
+        jail = containment.jail("binary", Limits())
+        try:
+            rules = egress.attach(jail, "binary")
+            assert _connect_from(jail, "127.0.0.2", port) == 7
+            assert egress.refusals(rules) == [Refusal("127.0.0.2", port, 1)]
+            egress.detach(rules)
+        finally:
+            jail.close()
+            egress.close()
+
+
+# ------------------------------------------------------------------------------ the levels without the kernel
+
+
+@pytest.mark.skipif("cgroup-v1" not in LEVELS_HERE, reason="no cgroup v1 hierarchy here")
+def test_pure_v1_and_process_groups_fall_back_to_the_proxy_level(tmp_path: Path) -> None:
+    policy = parse_text("metadata", "")
+    with containment_at("cgroup-v1", tmp_path, use_unified=False) as v1:
+        egress = open_egress("auto", v1, agent_group_name(tmp_path), policy)
+        assert egress.level == "proxy" and "no cgroup in a cgroup v2 tree" in egress.details
+        with pytest.raises(EgressError, match=r"task\.egress=nftables is not available here"):
+            open_egress("nftables", v1, agent_group_name(tmp_path), policy)
+    with containment_at("process-group", tmp_path) as groups:
+        assert open_egress("auto", groups, agent_group_name(tmp_path), policy).level == "proxy"
+    off = open_egress("off", None, agent_group_name(tmp_path), policy)
+    assert off.level == "off" and off.attach(groups.jail("x", Limits()), "x") is None
+
+
+def test_without_nft_rights_the_level_is_the_proxy(tmp_path: Path) -> None:
+    class Refusing(BinaryNft):
+        def __init__(self) -> None:
+            self.program = "nft"
+
+        def run(self, commands: str) -> None:
+            raise NftError("Error: Could not process rule: Operation not permitted")
+
+    level = V2_LEVELS[0] if V2_LEVELS else "process-group"
+    with containment_at(level, tmp_path) as containment:
+        egress = open_egress("auto", containment, agent_group_name(tmp_path), parse_text("metadata", ""),
+                             nft=Refusing())
+    assert egress.level == "proxy"
+    if V2_LEVELS:
+        assert "CAP_NET_ADMIN" in egress.details
+
+
+# ------------------------------------------------------------------------------ the agent end to end
+
+
+@needs_kernel
+@pytest.mark.parametrize("level", V2_LEVELS)
+async def test_the_agent_refuses_reports_and_shows_a_tasks_connections(
+    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path, tables: list[str], level: str,  # noqa: F811
+) -> None:
+    LEVEL["current"] = level
+    tables.append(table_name(agent_group_name(tmp_path / "agent")))
+    admin = recording_master.admin
+    spider = ("import os, socket, sys, time\n"
+              "port = int(os.environ['TARGET_PORT'])\n"
+              "for _ in range(3):\n"
+              "    try:\n"
+              "        socket.create_connection(('127.0.0.2', port), timeout=5)\n"
+              "        print('connected', flush=True)\n"
+              "    except ConnectionRefusedError:\n"
+              "        print('refused', flush=True)\n"
+              "time.sleep(30)\n")
+    with listener("127.0.0.2") as port:
+        settings = settings_for(tmp_path, recording_master, AGENT_TASK_EGRESS="nftables",
+                                AGENT_TASK_EGRESS_DENY="metadata,link-local,agent,127.0.0.2")
+        async with running_agent(nursery, settings) as agent:
+            task_id = await submit(admin, "egress", {"main.py": spider}, env={"TARGET_PORT": str(port)})
+            await wait_for_log(admin, task_id, "refused")
+            with trio.fail_after(20):
+                while True:
+                    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{agent.status_port}") as client:
+                        status = (await client.get("/status")).json()
+                        metrics_before = (await client.get("/metrics")).text
+                    [running] = status["runningTasks"]
+                    if running["egress"] and running["egress"]["refused"] and \
+                            running["egress"]["refused"][0]["count"] == 3:
+                        break
+                    await trio.sleep(0.1)
+            await admin.cancel_task(task_id)
+            with trio.fail_after(20):
+                task = await admin.wait_task_final(task_id, 20)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{agent.status_port}") as client:
+                metrics = (await client.get("/metrics")).text
+            nodes = await admin.list_nodes()
+        lines = await admin.get_logs(task_id)
+    assert status["egress"]["level"] == "nftables"
+    assert status["egress"]["deny"] == ["metadata", "link-local", "agent", "127.0.0.2/32"]
+    assert running["egress"]["summary"] == f"egress: 3 connections refused: 127.0.0.2:{port} ×3"
+    assert 'ckagent_egress_level{level="nftables"} 1.0' in metrics_before
+    assert "ckagent_egress_refused_total 3.0" in metrics
+    assert task["egressRefused"] == [{"address": "127.0.0.2", "port": port, "count": 3}], task
+    assert lines.count("refused") == 3
+    assert any(line.endswith(f"egress: 3 connections refused: 127.0.0.2:{port} ×3") for line in lines), lines
+    [node] = [n for n in nodes if n["name"] == "test-node"]
+    assert node["egress"]["level"] == "nftables"
+    assert table_name(agent_group_name(tmp_path / "agent")) not in _tables()  # removed at the agent's stop
+
+
+@needs_kernel
+def test_the_egress_benchmark_runs(tables: list[str]) -> None:
+    """bench/egress.py in its quick mode (its figures mean nothing here; it must not rot)."""
+    from bench import egress as bench_egress
+
+    report = bench_egress.run(quick=True)
+    assert "add + remove (libnftables, 64 other tasks)" in report["table"], report
+    assert "from a task (default policy)" in report["table"]
+    assert report["figures"]["connect"]["task"][0] > 0
