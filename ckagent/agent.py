@@ -77,6 +77,7 @@ from ckagent.egress import (
     open_egress,
     parse_text,
 )
+from ckagent.egress.proxy import serve_proxy
 from ckagent.errors import StartupError
 from ckagent.fleet import VersionWatch, load_node_uid
 from ckagent.hardening import protect_agent_memory
@@ -266,7 +267,7 @@ class Agent:
                 await self.master.aclose()
                 await trio.to_thread.run_sync(store.sync.close)
             if self.egress is not None:
-                await trio.to_thread.run_sync(self.egress.close)
+                self.egress.close()  # one nft batch, at the very end (like the containment's rmdir)
             if self.containment is not None:
                 self.containment.close()
             log.info("ckagent stopped")
@@ -373,8 +374,12 @@ class Agent:
                 serve_after=self._after_first_heartbeat, on_serving=freeze_startup_objects))
         except StatusPortError as exc:
             return StartupError(str(exc))
-        if self.egress is not None:
-            self.egress.agent_port = self.status_port  # (agent.port 0: the one picked)
+        egress = self.egress
+        if egress is not None:
+            egress.agent_port = self.status_port  # (agent.port 0: the one picked)
+            if egress.level == "proxy":
+                egress.proxy_url = await root.start(partial(serve_proxy, egress.proxy_lookup,
+                                                            lambda: egress.agent_port))
         root.start_soon(self._signals)
         root.start_soon(self._rescan_runtimes)
         leftovers = await recover_lost_tasks(store, self.metrics.task_lost, self.containment)

@@ -542,6 +542,8 @@ class Supervisor:
         env.update(prepared.env)
         env.update(self.config.extra_env)
         env.update(task.env)
+        if self.config.egress is not None:  # the proxy variables of the advisory level ({} otherwise)
+            env.update(self.config.egress.task_env(rt.egress))
         env.update(
             {
                 MARKER_VAR: task.id,

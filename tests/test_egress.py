@@ -16,6 +16,7 @@ and fall back to the ``proxy`` level, which is what those tests assert.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -411,11 +413,68 @@ async def test_the_agent_refuses_reports_and_shows_a_tasks_connections(
 
 
 @needs_kernel
-def test_the_egress_benchmark_runs(tables: list[str]) -> None:
+def test_the_egress_benchmark_runs() -> None:
     """bench/egress.py in its quick mode (its figures mean nothing here; it must not rot)."""
-    from bench import egress as bench_egress
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "bench.egress", "--quick"], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "add + remove (libnftables, 64 other tasks)" in done.stdout, done.stdout
+    assert "from a task (default policy)" in done.stdout
+    assert not [t for t in _tables() if t.startswith("ckagent_bench")]
 
-    report = bench_egress.run(quick=True)
-    assert "add + remove (libnftables, 64 other tasks)" in report["table"], report
-    assert "from a task (default policy)" in report["table"]
-    assert report["figures"]["connect"]["task"][0] > 0
+
+# ------------------------------------------------------------------------------ the advisory proxy
+
+
+async def _http_ok(stream: trio.SocketStream) -> None:
+    """A one-answer HTTP server: reads a request head, answers 200 ``ok``."""
+    async with stream:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = await stream.receive_some(4096)
+            if not chunk:
+                return
+            data += chunk
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+
+
+async def test_the_proxy_level_refuses_denied_destinations_and_counts_them(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    from ckagent.egress.proxy import serve_proxy
+
+    with containment_at("process-group", tmp_path) as groups:
+        egress = open_egress("auto", groups, agent_group_name(tmp_path), parse_text("metadata,agent,127.0.0.2", ""))
+    assert egress.level == "proxy"
+    denied = await nursery.start(partial(trio.serve_tcp, _http_ok, 0, host="127.0.0.2"))
+    allowed = await nursery.start(partial(trio.serve_tcp, _http_ok, 0, host="127.0.0.3"))
+    denied_port, allowed_port = (listeners[0].socket.getsockname()[1] for listeners in (denied, allowed))
+    egress.proxy_url = await nursery.start(serve_proxy, egress.proxy_lookup, lambda: 9)
+    rules = egress.attach(groups.jail("t1", Limits()), "t1")
+    env = egress.task_env(rules)
+    assert env["HTTP_PROXY"] == env["https_proxy"] and env["HTTP_PROXY"].startswith("http://t") and env["NO_PROXY"] == ""
+    with trio.fail_after(20):
+        async with httpx.AsyncClient(proxy=env["HTTP_PROXY"]) as client:
+            ok = await client.get(f"http://127.0.0.3:{allowed_port}/x?y=1")
+            refused = await client.get(f"http://127.0.0.2:{denied_port}/")
+            agent = await client.get("http://127.0.0.1:9/")
+        async with httpx.AsyncClient(proxy=egress.proxy_url) as client:  # no task named: refused
+            anonymous = await client.get(f"http://127.0.0.3:{allowed_port}/")
+        # CONNECT (what HTTPS uses): the tunnel opens to an allowed destination only.
+        stream = await trio.open_tcp_stream("127.0.0.1", int(egress.proxy_url.rsplit(":", 1)[1]))
+        user = env["HTTP_PROXY"].split("//")[1].split("@")[0]
+        auth = base64.b64encode(f"{user}:".encode()).decode()
+        await stream.send_all(f"CONNECT 127.0.0.2:{denied_port} HTTP/1.1\r\nProxy-Authorization: Basic {auth}\r\n\r\n"
+                              .encode())
+        tunnel = await stream.receive_some(4096)
+        await stream.aclose()
+    assert (ok.status_code, ok.text) == (200, "ok")
+    assert refused.status_code == 403 and "egress policy" in refused.text
+    assert agent.status_code == 403  # the agent's own port
+    assert anonymous.status_code == 407
+    assert tunnel.startswith(b"HTTP/1.1 403")
+    assert egress.refusals(rules) == [Refusal("127.0.0.2", denied_port, 2), Refusal("127.0.0.1", 9, 1)]
+    egress.detach(rules)
+    assert egress.proxy_lookup(user) is None

@@ -25,6 +25,7 @@ Exceptions: :class:`EgressError` (a forced level is not available; a task's rule
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ipaddress
 import logging
@@ -101,14 +102,22 @@ class Egress:
         self.table, self.v2_root, self.agent_port, self.resolvers = table, v2_root, agent_port, resolvers
         self.proxy_url: str | None = None
         """At the ``proxy`` level: the filtering proxy's URL (set when the proxy listens)."""
+        self._proxied: dict[str, tuple[TaskRules, collections.Counter[tuple[str, int]]]] = {}
+        """At the ``proxy`` level: proxy user name → (the task's rules, its refusals)."""
 
     def effective(self, task_policy: EgressPolicy | None) -> EgressPolicy:
         """The node's policy with the task's denials and exceptions added."""
         return self.policy if task_policy is None else self.policy.merged(task_policy)
 
     def attach(self, jail: TaskJail, task_id: str, task_policy: EgressPolicy | None = None) -> TaskRules | None:
-        """Put the task's cgroup under its policy (blocking, ~0.3 ms). None below ``nftables``.
-        Raises EgressError when the rules cannot be added (the task must not run unprotected)."""
+        """Put the task's cgroup under its policy (blocking, ~0.3 ms); at the ``proxy`` level register
+        it with the proxy; None at ``off``. Raises EgressError when the rules cannot be added (the task
+        must not run unprotected)."""
+        if self.level == "proxy":
+            user = _proxy_user(task_id)
+            rules = TaskRules(task_id, "", user, self.effective(task_policy))
+            self._proxied[user] = (rules, collections.Counter())
+            return rules
         if self.table is None:
             return None
         path = jail.v2_path()
@@ -122,7 +131,11 @@ class Egress:
             raise EgressError(f"egress: cannot add the rules of task {task_id}: {exc}") from exc
 
     def refusals(self, rules: TaskRules | None) -> list[Refusal]:
-        """What the task was refused so far (blocking). [] below ``nftables`` or when nft fails."""
+        """What the task was refused so far (blocking), most refused first. [] at ``off`` or when
+        nft fails."""
+        if rules is not None and rules.chain in self._proxied:
+            counts = self._proxied[rules.chain][1]
+            return sorted((Refusal(a, p, n) for (a, p), n in counts.items()), key=lambda r: (-r.count, r.address))
         if rules is None or self.table is None or rules.removed:
             return []
         try:
@@ -133,6 +146,8 @@ class Egress:
 
     def detach(self, rules: TaskRules | None, refused: list[Refusal] | None = None) -> None:
         """Remove the task's rules (blocking; before its cgroup goes). Never raises."""
+        if rules is not None:
+            self._proxied.pop(rules.chain, None)
         if rules is None or self.table is None:
             return
         try:
@@ -140,11 +155,26 @@ class Egress:
         except NftError as exc:  # pragma: no cover - remove() logs and swallows nft's refusals
             log.warning("egress: cannot remove the rules of task %s: %s", rules.task_id, exc)
 
-    def task_env(self, task_id: str) -> dict[str, str]:
+    def proxy_lookup(self, user: str) -> tuple[EgressPolicy, Callable[[str, int], None]] | None:
+        """For the proxy: the policy of the task a proxy user name stands for, and its refusal counter."""
+        found = self._proxied.get(user)
+        if found is None:
+            return None
+        rules, counts = found
+
+        def count(address: str, port: int) -> None:
+            if counts[(address, port)] == 0:
+                log.warning("task %s: egress policy refused a connection to %s (proxy)", rules.task_id,
+                            Refusal(address, port, 1))
+            counts[(address, port)] += 1
+
+        return rules.policy, count
+
+    def task_env(self, rules: TaskRules | None) -> dict[str, str]:
         """Variables a task's environment gets at the ``proxy`` level ({} otherwise)."""
-        if self.level != "proxy" or self.proxy_url is None:
+        if self.level != "proxy" or self.proxy_url is None or rules is None:
             return {}
-        url = self.proxy_url.replace("://", f"://{_proxy_user(task_id)}@", 1)
+        url = self.proxy_url.replace("://", f"://{rules.chain}@", 1)
         env = {name: url for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy",
                                       "all_proxy")}
         env["NO_PROXY"] = env["no_proxy"] = ""
