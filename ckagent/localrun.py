@@ -274,6 +274,13 @@ def _summary(task: dict[str, Any], stats: dict[str, Any] | None, items_path: Pat
     if isinstance(task.get("memoryPeakBytes"), int):
         resources.append(f"{task['memoryPeakBytes'] / 2**20:.0f} MiB memory peak")
     lines.append("[ckagent exec] resources: " + ", ".join(resources))
+    refused = task.get("egressRefused")
+    if isinstance(refused, list) and refused:
+        from ckagent.egress import Refusal, describe_refusals
+
+        lines.append("[ckagent exec] " + describe_refusals(
+            [Refusal(str(r.get("address")), int(r.get("port") or 0), int(r.get("count") or 0))
+             for r in refused if isinstance(r, dict)]))
     return lines
 
 

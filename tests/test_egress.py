@@ -478,3 +478,11 @@ async def test_the_proxy_level_refuses_denied_destinations_and_counts_them(
     assert egress.refusals(rules) == [Refusal("127.0.0.2", denied_port, 2), Refusal("127.0.0.1", 9, 1)]
     egress.detach(rules)
     assert egress.proxy_lookup(user) is None
+
+
+def test_ckagent_exec_prints_the_refusal_line() -> None:
+    from ckagent.localrun import _summary
+
+    lines = _summary({"status": "SUCCESS", "egressRefused": [{"address": "169.254.169.254", "port": 80, "count": 3}]},
+                     None, Path("items.jsonl"), 1.0)
+    assert lines[-1] == "[ckagent exec] egress: 3 connections refused: 169.254.169.254:80 ×3"

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 import ckagent.protocol as protocol
+from ckagent.egress.policy import parse_text
 from ckagent.protocol import (
     ERROR_CODES,
     FINAL_STATUSES,
@@ -109,6 +110,7 @@ def full_instances() -> dict[str, Any]:
         stall_timeout_seconds=600.0,
         resources=TaskResources(memory_bytes=200 << 20, pids=64, cpus=1.5),
         stop_signal="SIGINT",
+        egress=parse_text("private", "10.0.0.5:3128"),
         claimed=True,
     )
     stats = TaskStats(seq=42, stats={"items": 3, "finishReason": "finished"}, progress={"done": 1, "total": 2},
@@ -131,6 +133,8 @@ def full_instances() -> dict[str, Any]:
             protocol_version=1,
             features=["paused-reason"],
             containment={"level": "cgroup-v2", "details": "cgroup v2 at /sys/fs/cgroup/x", "limits": ["memory"]},
+            egress={"level": "nftables", "details": "nftables table inet ckagent_x", "policy": "deny metadata",
+                    "deny": ["metadata"], "allow": []},
         ),
         "RegisterResponse": RegisterResponse(node_id="7", api_key="k-123",
                                              policy=VersionPolicy("0.1.0", "0.2.0"), features=["claim-in-poll", "node-batches"]),
@@ -180,6 +184,7 @@ def full_instances() -> dict[str, Any]:
             pids_peak=3,
             io_read_bytes=4096,
             io_write_bytes=8192,
+            egress_refused=[{"address": "169.254.169.254", "port": 80, "count": 3}],
         ),
         "TaskStats": stats,
         "LogBatch": LogBatch(seq=5, lines=["a", "b"]),

@@ -34,13 +34,14 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ckagent.containment import Containment, TaskJail
-from ckagent.containment.hierarchy import mounts
 from ckagent.egress.nft import Nft, NftError, open_nft
 from ckagent.egress.policy import DEFAULT_DENY, GROUPS, EgressPolicy, PolicyError, parse_text
 from ckagent.egress.table import NFT_CGROUP_ROOT, EgressTable, Refusal, TaskRules, table_name
+
+if TYPE_CHECKING:  # (the containment imports Trio: the protocol module imports this package's policy)
+    from ckagent.containment import Containment, TaskJail
 
 __all__ = [
     "DEFAULT_DENY",
@@ -239,6 +240,8 @@ def _open_nftables(containment: Containment | None, group_name: str, policy: Egr
     if group is None:
         level = containment.level if containment is not None else "none"
         raise EgressError(f"the tasks have no cgroup in a cgroup v2 tree (containment {level})")
+    from ckagent.containment.hierarchy import mounts  # (the containment package imports Trio)
+
     v2 = mounts(_read("/proc/self/mountinfo")).get("unified")
     if v2 is None:
         raise EgressError("no cgroup v2 tree is mounted")

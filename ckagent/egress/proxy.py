@@ -44,8 +44,10 @@ async def serve_proxy(lookup: Lookup, agent_port: Callable[[], int | None], *,
     port = listeners[0].socket.getsockname()[1]
     async with trio.open_nursery() as nursery:
         task_status.started(f"http://127.0.0.1:{port}")
-        await trio.serve_listeners(lambda stream: _serve(stream, lookup, agent_port), listeners,
-                                   handler_nursery=nursery)
+        async def handler(stream: trio.SocketStream) -> None:
+            await _serve(stream, lookup, agent_port)
+
+        await trio.serve_listeners(handler, listeners, handler_nursery=nursery)
 
 
 async def _serve(client: trio.SocketStream, lookup: Lookup, agent_port: Callable[[], int | None]) -> None:
