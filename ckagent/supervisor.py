@@ -668,6 +668,9 @@ def _ended_by_agent(why: str, outcome: ProcessOutcome) -> str:
         parts.append(f"stop signal to the main process at {clock(outcome.term_sent_at)}")
     if outcome.kill_sent_at is not None:
         parts.append(f"every process killed at {clock(outcome.kill_sent_at)}")
+    elif outcome.workers_left:
+        parts.append(f"the launcher exited, {outcome.workers_left} process(es) it ran outlived the grace period "
+                     "and were killed")
     elif outcome.term_sent_at is not None:
         parts.append("the spider exited within the grace period")
     if outcome.killed_leftovers:
