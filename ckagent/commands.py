@@ -1,5 +1,5 @@
 """What a task runs: its command (or its framework's default), the check that the package can run
-it, and the settings the agent hands a Scrapy crawl.
+it, and the checks ckagent.scrapyhook makes before it attaches to a Scrapy crawl.
 
 Default commands (docs/protocol.md "Running a task")::
 
@@ -14,17 +14,15 @@ Default commands (docs/protocol.md "Running a task")::
 that cannot run fails DEPLOY_FAILED before anything is installed. A task with its own ``command``
 is not checked: its author knows what it runs.
 
-Scrapy items with no code change: :func:`scrapy_feed_settings` hands the crawl a feed to the task's
-items file (``-s FEEDS=...``, the way Scrapyd does), unless the project already sends its items
-through the SDK pipeline (``crawlerkeeper_sdk.scrapy``) — never both, so never an item twice. The
-feed replaces the project's own ``FEEDS`` for that run (Scrapy's command-line priority).
+Scrapy items with no code change come from ckagent.scrapyhook (an environment-driven hook, beside
+the project's own ``FEEDS``); :func:`uses_sdk_pipeline` tells it whether the project already ships
+its items through the SDK.
 
 The blocking functions read a few small files: call them through ``trio.to_thread``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -128,18 +126,6 @@ def uses_sdk_pipeline(code_dir: Path) -> bool:
     return False
 
 
-def scrapy_feed_settings(items_file: Path, code_dir: Path) -> list[str]:
-    """Scrapy ``-s`` options handing the crawl a JSON-lines feed to ``items_file`` (blocking: scans the project).
-
-    Empty when the project already sends items through the SDK (see the module docstring).
-    """
-    if uses_sdk_pipeline(code_dir):
-        return []
-    feeds = {items_file.as_uri(): {"format": "jsonlines", "encoding": "utf-8", "store_empty": False,
-                                   "overwrite": False}}
-    return ["-s", "FEEDS=" + json.dumps(feeds)]
-
-
 def runs_in_env(argv: list[str], path: str | None, env_dir: Path | None) -> bool:
     """Whether ``argv``'s executable, looked up on ``path`` (the spider's ``PATH``) as it will be at
     the spawn, lies inside ``env_dir``: the environment the agent built, where the bundled SDK is
@@ -154,15 +140,3 @@ def runs_in_env(argv: list[str], path: str | None, env_dir: Path | None) -> bool
     if found is None:
         return False
     return Path(os.path.abspath(found)).is_relative_to(env_dir)
-
-
-def is_scrapy_crawl(argv: list[str]) -> bool:
-    """``scrapy crawl ...`` (the executable by its name or a path ending in ``/scrapy``)."""
-    return len(argv) >= 2 and os.path.basename(argv[0]) == "scrapy" and argv[1] == "crawl"
-
-
-def with_scrapy_settings(argv: list[str], settings: list[str]) -> list[str]:
-    """``argv`` of a ``scrapy crawl`` with ``settings`` (``-s K=V`` pairs) right after ``crawl``."""
-    if not settings or not is_scrapy_crawl(argv):
-        return argv
-    return [argv[0], argv[1], *settings, *argv[2:]]

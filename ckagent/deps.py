@@ -68,6 +68,7 @@ from ckagent.deps_node import (
     wanted_node,
 )
 from ckagent.envstore import EnvStore, is_ready, mark_ready, start_build
+from ckagent.installenv import install_key_env
 from ckagent.noderange import satisfies
 from ckagent.process import SPAWNED, RunAs, popen_identity, terminate_group
 from ckagent.pyplan import (
@@ -207,6 +208,8 @@ class Dependencies:
         *,
         marker: dict[str, str] | None = None,
         spawn: Spawn | None = None,
+        task_env: dict[str, str] | None = None,
+        home: Path | None = None,
     ) -> Prepared:
         """Make the spider's environment ready; returns PATH additions and env (release it after the run).
 
@@ -217,21 +220,27 @@ class Dependencies:
         (TERM → 5 s → KILL of its process group) before it propagates; the half-built environment
         is removed by its next build or by collection. ``spawn`` (the task's jail's
         :meth:`~ckagent.containment.TaskJail.spawn`) wraps every installer's command so it joins
-        the task's cgroup before it execs.
+        the task's cgroup before it execs. ``task_env`` (the task's ``env``) reaches every installer;
+        the variables of it that change what an install does enter the environment's key
+        (ckagent.installenv). ``home``: the spider's HOME, the installers' too when they run as
+        ``run_as_user`` (that user's passwd home may not exist or not be writable).
         """
         token = _SPAWN.set(spawn)
         try:
-            return await self._prepare(framework, spider_id, code_dir, output, marker)
+            env = {**(task_env or {}), **(marker or {})}
+            if home is not None and self._run_as is not None:
+                env["HOME"] = str(home)
+            return await self._prepare(framework, spider_id, code_dir, output, env)
         finally:
             _SPAWN.reset(token)
 
     async def _prepare(self, framework: str, spider_id: str, code_dir: Path, output: Callable[[bytes], None],
-                       marker: dict[str, str] | None) -> Prepared:
+                       task_env: dict[str, str]) -> Prepared:
         started = trio.current_time()
         if framework in PYTHON_FRAMEWORKS:
-            prepared = await self._python_env(code_dir, framework, output, dict(marker or {}))
+            prepared = await self._python_env(code_dir, framework, output, task_env)
         elif framework == "node":
-            prepared = await self._node_env(code_dir, output, dict(marker or {}))
+            prepared = await self._node_env(code_dir, output, task_env)
         else:
             prepared = Prepared()
         prepared.seconds = trio.current_time() - started
@@ -252,9 +261,11 @@ class Dependencies:
             prepared.env_dir = None
 
     def _installer_env(self, task_env: dict[str, str]) -> dict[str, str]:
-        env = {**self._base_env, **task_env}
+        """The base, the run-as identity (USER, LOGNAME; HOME unless the task's is given), the task's env."""
+        env = dict(self._base_env)
         if self._run_as is not None:
             env.update(self._run_as.env())
+        env.update(task_env)
         return env
 
     # ------------------------------------------------------------------ python
@@ -268,8 +279,8 @@ class Dependencies:
                 interpreter = interpreter_identity(self._python)
             except InterpreterError as exc:
                 raise DepsError(str(exc)) from exc
-            return python_plan(code_dir, framework, interpreter, self._identity, sdk[0] if sdk else ""), \
-                (sdk[1] if sdk else None)
+            return python_plan(code_dir, framework, interpreter, self._identity, sdk[0] if sdk else "",
+                               install_key_env(task_env)), (sdk[1] if sdk else None)
 
         plan, overrides = await trio.to_thread.run_sync(plan_sync)
         venv = self.store.path("py", plan.key)
@@ -281,6 +292,8 @@ class Dependencies:
                     prepared.cache_hit = False
                     with self.store.building(venv):
                         await self._build_python(venv, plan, overrides, code_dir, output, task_env)
+                else:
+                    await trio.to_thread.run_sync(_install_sdk_pth, venv)
         return prepared
 
     @contextlib.contextmanager
@@ -314,7 +327,8 @@ class Dependencies:
             await trio.to_thread.run_sync(_give_dirs, self._run_as, [venv, cache_dir])
         if cache_dir is not None:
             env["UV_CACHE_DIR"] = str(cache_dir)
-        env["UV_DEFAULT_INDEX"] = await self._index.index_url()
+        if not any(name in task_env for name in ("UV_DEFAULT_INDEX", "UV_INDEX_URL")):
+            env["UV_DEFAULT_INDEX"] = await self._index.index_url()  # else the spider's own index
         python = str(venv / "bin" / "python")
         await self._run([uv, "venv", "--quiet", "--allow-existing", "--python", self._python, str(venv)],
                         code_dir, env, output)
@@ -343,7 +357,7 @@ class Dependencies:
         if spec is not None:
             await self._select_node(spec, source, env, code_dir, output, prepared)
         path = os.pathsep.join([*prepared.path_prefix, env.get("PATH", "")])
-        layout, key = await trio.to_thread.run_sync(self._node_plan, code_dir, spec, path)
+        layout, key = await trio.to_thread.run_sync(self._node_plan, code_dir, spec, path, install_key_env(task_env))
         if layout == "no-package":
             return prepared
         if layout == "ships-node-modules":
@@ -370,7 +384,7 @@ class Dependencies:
         await trio.to_thread.run_sync(link_node_modules, code_dir, install_dir / "node_modules")
         return prepared
 
-    def _node_plan(self, code_dir: Path, spec: str | None, path: str) -> tuple[str, str]:
+    def _node_plan(self, code_dir: Path, spec: str | None, path: str, key_env: dict[str, str]) -> tuple[str, str]:
         """(layout, key) of a Node spider (blocking: stats, hashing, ``node --version`` once per binary).
 
         layout: ``"no-package"`` (no package.json: nothing to install), ``"ships-node-modules"`` (the
@@ -385,8 +399,10 @@ class Dependencies:
                  for name in NODE_DEP_FILES if (code_dir / name).is_file()}
         node = shutil.which("node", path=path)
         version = system_node_version(path)
-        source = {"schema": 1, "files": files, "spec": spec, "node": node and os.path.realpath(node),
-                  "version": version, "identity": self._identity}
+        source: dict[str, Any] = {"schema": 1, "files": files, "spec": spec, "node": node and os.path.realpath(node),
+                                  "version": version, "identity": self._identity}
+        if key_env:  # only then: environments of spiders without such variables keep their keys
+            source["env"] = key_env
         return "install", hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()
 
     async def _select_node(self, spec: str, source: str, env: dict[str, str], code_dir: Path,
@@ -489,14 +505,26 @@ def _give_dirs(run_as: RunAs, paths: list[Path]) -> None:
             run_as.chown_tree(path)
 
 
+_SCRAPY_HOOK_LINE = 'import os; os.environ.get("CK_SCRAPY_HOOK") and __import__("crawlerkeeper_sdk._scrapy_hook")\n'
+"""The ``.pth`` line that attaches the SDK's Scrapy extensions to any Scrapy run (ckagent.scrapyhook)."""
+
+
 def _install_sdk_pth(venv: Path) -> None:
+    """Write the SDK's ``.pth`` (its directory, then the Scrapy hook) where it is missing or out of date
+    (an environment built by an older agent gets the hook too). Blocking: a few small files."""
     sdk = bundled_sdk_dir()
     for site in (venv / "lib").glob("python*/site-packages"):
         pth = site / _SDK_PTH
         if sdk is None:
             pth.unlink(missing_ok=True)
-        else:
-            pth.write_text(str(sdk) + "\n")
+            continue
+        text = str(sdk) + "\n" + _SCRAPY_HOOK_LINE
+        with contextlib.suppress(OSError):
+            if pth.read_text() == text:
+                continue
+        tmp = pth.with_name(f".{pth.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, pth)
 
 
 def spider_base_env(path_prefix: list[str] | None = None) -> dict[str, str]:

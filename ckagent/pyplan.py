@@ -166,11 +166,14 @@ class PythonPlan:
     sdk: bool = False
 
 
-def python_plan(code_dir: Path, framework: str, interpreter: dict[str, str], identity: str, sdk_tag: str) -> PythonPlan:
+def python_plan(code_dir: Path, framework: str, interpreter: dict[str, str], identity: str, sdk_tag: str,
+                key_env: dict[str, str] | None = None) -> PythonPlan:
     """Choose the install from the dependency files in ``code_dir`` and compute the key (blocking: small reads).
 
     ``sdk_tag`` names the bundled SDK (its version and content hash); it enters the key only when
     the project asks for the SDK by name, so an agent upgrade rebuilds only those environments.
+    ``key_env``: the task's variables that change what an install does (ckagent.installenv); they
+    enter the key only when there are any, so other environments keep their keys.
     """
     files: dict[str, str] = {}
     packages: tuple[str, ...] = ()
@@ -201,5 +204,7 @@ def python_plan(code_dir: Path, framework: str, interpreter: dict[str, str], ide
         packages = tuple(DEFAULT_PACKAGES.get(chosen, []))
     key_source = {"schema": 1, "mode": mode, "files": files, "packages": packages, "interpreter": interpreter,
                   "identity": identity, "sdk": sdk_tag if sdk else None, "sdk_dir": str(bundled_sdk_dir())}
+    if key_env:
+        key_source["env"] = key_env
     key = hashlib.sha256(json.dumps(key_source, sort_keys=True).encode()).hexdigest()
     return PythonPlan(mode, files, packages, key, sdk)

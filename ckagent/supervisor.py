@@ -63,20 +63,18 @@ from ckagent.commands import (
     DEFAULT_COMMANDS,
     default_command,
     resolve_command,
-    runs_in_env,
-    scrapy_feed_settings,
-    with_scrapy_settings,
 )
 from ckagent.containment import Containment, Figures, Limits, TaskJail, format_bytes
 from ckagent.containment.process_group import ProcessGroupJail
-from ckagent.crawlstats import STATS_FILE, scrapy_stats_env
+from ckagent.crawlstats import STATS_FILE
 from ckagent.delivery import LogSink, Outbox
 from ckagent.delivery.lines import secret_values
-from ckagent.deps import Dependencies, DepsError, Prepared, spider_base_env
+from ckagent.deps import PYTHON_FRAMEWORKS, Dependencies, DepsError, Prepared, spider_base_env
 from ckagent.logs import Masker
 from ckagent.master import MasterClient, MasterError, json_object
 from ckagent.process import MARKER_VAR, ProcessOutcome, RunAs, clock, run_supervised, sweep
 from ckagent.protocol import TIMEOUT_MESSAGE, Task, TaskResult, utc_iso
+from ckagent.scrapyhook import scrapy_hook
 from ckagent.state import AsyncStateStore
 from ckagent.tails import TailBuffer, last_lines
 from ckagent.workcopy import make_working_copy, remove_tree, spider_dirs
@@ -416,7 +414,8 @@ class Supervisor:
                 try:
                     prepared = await self._deps.prepare(
                         task.framework, task.spider_id, work, sink.write, marker={MARKER_VAR: task.id},
-                        spawn=jail.spawn,
+                        spawn=jail.spawn, task_env={**self.config.extra_env, **task.env},
+                        home=self.config.work_dir / "spider-home" / safe_name(task.spider_id),
                     )
                 except DepsError as exc:
                     rt.phase_seconds["install"] = trio.current_time() - phase_started
@@ -424,7 +423,8 @@ class Supervisor:
                     figures = jail.figures()
                     if figures.oom_kills:
                         return _oom_outcome(jail, figures, None, "the dependency installer")
-                    return TaskOutcome("FAILED", "DEPS_FAILED", _bounded(str(exc), 4000), figures=figures)
+                    masker = Masker(_secret_values(task, self.config.agent_secrets))
+                    return TaskOutcome("FAILED", "DEPS_FAILED", _bounded(masker(str(exc)), 4000), figures=figures)
                 finally:
                     rt.phase_seconds.setdefault("install", trio.current_time() - phase_started)
                 held.callback(self._deps.release, prepared)
@@ -522,16 +522,12 @@ class Supervisor:
                 "CK_PARAMS": json.dumps(task.params, ensure_ascii=False),
             }
         )
-        if task.framework == "scrapy":
-            def scrapy_settings() -> tuple[list[str], bool]:
-                return scrapy_feed_settings(items_file, code_dir), runs_in_env(argv, env.get("PATH"), prepared.env_dir)
-
-            feeds, sdk_importable = await trio.to_thread.run_sync(scrapy_settings)
-            argv = with_scrapy_settings(argv, feeds)
-            if sdk_importable:
-                env.update(scrapy_stats_env(task.env))
-            else:  # the SDK's settings wrapper would not import there: the crawl runs, without live stats
-                notice(f"live crawl stats off: {argv[0]} is not in the task's environment, where crawlerkeeper_sdk is")
+        if prepared.env_dir is not None and task.framework in PYTHON_FRAMEWORKS:
+            hook_env, hook_note = await trio.to_thread.run_sync(
+                scrapy_hook, task.framework, argv, env.get("PATH"), code_dir, prepared.env_dir)
+            env.update(hook_env)
+            if hook_note:
+                notice(hook_note)
         timeout = self.config.execute_timeout if task.timeout_seconds is None else task.timeout_seconds
         stall = self.config.stall_timeout if task.stall_timeout_seconds is None else task.stall_timeout_seconds
         rt.phase = "running"
