@@ -47,6 +47,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -62,6 +63,7 @@ import trio
 from ckagent.deps_node import (
     NODE_DEP_FILES,
     link_node_modules,
+    node_install_command,
     pick_nvm_node,
     stage_node_manifest,
     system_node_version,
@@ -71,6 +73,7 @@ from ckagent.envstore import EnvStore, is_ready, mark_ready, start_build
 from ckagent.installenv import install_key_env
 from ckagent.noderange import satisfies
 from ckagent.process import SPAWNED, RunAs, popen_identity, terminate_group
+from ckagent.pylocks import LockError, lock_inputs
 from ckagent.pyplan import (
     DEFAULT_PACKAGES,
     SDK_DISTRIBUTION,
@@ -94,6 +97,7 @@ PYTHON_FRAMEWORKS = ("scrapy", "python", "playwright", "selenium")
 OFFICIAL_INDEX = "https://pypi.org/simple"
 _SDK_PTH = "_crawlerkeeper_sdk_fallback.pth"
 _LOCKED_REQUIREMENTS = ".ckagent-locked.txt"
+_LOCK_CONSTRAINTS = ".ckagent-lock-constraints.txt"
 UV_MISSING = (
     "uv is not installed on this node. Install it into the agent's Python with `pip install uv` "
     "(or system-wide: see https://docs.astral.sh/uv/getting-started/installation/), or set "
@@ -339,6 +343,8 @@ class Dependencies:
             await self._run([uv, "export", "--frozen", "--no-emit-project", "--no-hashes", "--no-header",
                              *skip_sdk, "--output-file", str(locked), "--quiet"], code_dir, env, output)
             await self._run([uv, "pip", "sync", "--python", python, str(locked)], code_dir, env, output)
+        elif plan.mode == "lock" and plan.lock is not None:
+            await self._install_lock(uv, python, venv, plan.lock, override, code_dir, env, output)
         elif plan.mode in ("pyproject", "requirements"):
             source = "pyproject.toml" if plan.mode == "pyproject" else "requirements.txt"
             await self._run([uv, "pip", "install", "--python", python, "-r", source, *override], code_dir, env, output)
@@ -347,6 +353,37 @@ class Dependencies:
         await trio.to_thread.run_sync(_install_sdk_pth, venv)
         size = await trio.to_thread.run_sync(mark_ready, venv, plan.key, "py")
         log.info("built Python environment %s (%s, %d bytes)", venv.name, plan.mode, size)
+
+    async def _install_lock(self, uv: str, python: str, venv: Path, lock: str, override: list[str], code_dir: Path,
+                            env: dict[str, str], output: Callable[[bytes], None]) -> None:
+        """Install what ``lock`` pins (ckagent.pylocks); a lock that cannot be honoured raises DepsError."""
+        try:
+            how, requirements, constraints = await trio.to_thread.run_sync(lock_inputs, code_dir, lock)
+        except LockError as exc:
+            raise DepsError(f"{exc}; the install was not attempted (the lock would not be honoured)") from exc
+
+        def not_sdk(line: str) -> bool:  # the bundled SDK (the .pth) serves it, never an index
+            return re.split(r"[\s=<>!~;@\[]", line.strip(), maxsplit=1)[0].lower().replace("_", "-") != SDK_DISTRIBUTION
+
+        if how == "sync-file":
+            output(f"[ckagent] installing exactly what {lock} pins (uv reads it)\n".encode())
+            await self._run([uv, "pip", "sync", "--python", python, lock], code_dir, env, output)
+            return
+        if not requirements:
+            output(f"[ckagent] {lock}: the project declares no dependencies; nothing to install\n".encode())
+            return
+        files = {venv / _LOCKED_REQUIREMENTS: "\n".join(filter(not_sdk, requirements)) + "\n",
+                 venv / _LOCK_CONSTRAINTS: "\n".join(filter(not_sdk, constraints)) + "\n"}
+        await trio.to_thread.run_sync(_write_files, files)
+        locked, pins = venv / _LOCKED_REQUIREMENTS, venv / _LOCK_CONSTRAINTS
+        if how == "sync":
+            output(f"[ckagent] installing exactly the {len(requirements)} packages {lock} pins\n".encode())
+            await self._run([uv, "pip", "sync", "--python", python, str(locked)], code_dir, env, output)
+        else:
+            output(f"[ckagent] installing the project's {len(requirements)} dependencies at the versions {lock} "
+                   f"pins ({len(constraints)} pins)\n".encode())
+            await self._run([uv, "pip", "install", "--python", python, "-r", str(locked), "-c", str(pins),
+                             *override], code_dir, env, output)
 
     # ------------------------------------------------------------------ node
 
@@ -374,11 +411,13 @@ class Dependencies:
                             raise DepsError(NPM_MISSING)
                         env["PATH"] = path
                         await trio.to_thread.run_sync(start_build, install_dir)
-                        lock = await trio.to_thread.run_sync(stage_node_manifest, code_dir, install_dir)
+                        await trio.to_thread.run_sync(stage_node_manifest, code_dir, install_dir)
                         if self._run_as is not None:
                             await trio.to_thread.run_sync(_give_dirs, self._run_as, [install_dir])
-                        argv = [npm, "ci" if lock else "install", "--no-audit", "--no-fund", "--no-progress",
-                                "--no-update-notifier"]
+                        argv, note = await trio.to_thread.run_sync(node_install_command, install_dir, npm, path)
+                        if note is not None:
+                            output(f"[ckagent] {note}\n".encode())
+                        env.setdefault("COREPACK_ENABLE_DOWNLOAD_PROMPT", "0")
                         await self._run(argv, install_dir, env, output)
                         await trio.to_thread.run_sync(_finish_node_env, install_dir, key)
         await trio.to_thread.run_sync(link_node_modules, code_dir, install_dir / "node_modules")
@@ -507,6 +546,11 @@ def _give_dirs(run_as: RunAs, paths: list[Path]) -> None:
 
 _SCRAPY_HOOK_LINE = 'import os; os.environ.get("CK_SCRAPY_HOOK") and __import__("crawlerkeeper_sdk._scrapy_hook")\n'
 """The ``.pth`` line that attaches the SDK's Scrapy extensions to any Scrapy run (ckagent.scrapyhook)."""
+
+
+def _write_files(files: dict[Path, str]) -> None:
+    for path, text in files.items():
+        path.write_text(text)
 
 
 def _install_sdk_pth(venv: Path) -> None:

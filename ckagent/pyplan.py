@@ -25,6 +25,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckagent.pylocks import find_lock
+
 SDK_DISTRIBUTION = "crawlerkeeper-sdk"
 _INCLUDE = re.compile(r"^\s*(?:-r|-c|--requirement|--constraint)(?:\s+|=)(\S+)", re.M)
 DEFAULT_PACKAGES: dict[str, list[str]] = {"scrapy": ["scrapy"], "playwright": ["playwright"],
@@ -159,11 +161,12 @@ class PythonPlan:
     override; for a lock: the lock's registry entry is left out and the ``.pth`` copy serves).
     """
 
-    mode: str  # "locked", "pyproject", "requirements", "packages"
+    mode: str  # "locked" (uv.lock), "lock" (another lock: ``lock``), "pyproject", "requirements", "packages"
     files: dict[str, str]
     packages: tuple[str, ...]
     key: str
     sdk: bool = False
+    lock: str | None = None
 
 
 def python_plan(code_dir: Path, framework: str, interpreter: dict[str, str], identity: str, sdk_tag: str,
@@ -189,6 +192,12 @@ def python_plan(code_dir: Path, framework: str, interpreter: dict[str, str], ide
         digest("uv.lock")
         digest("pyproject.toml")
         sdk = bool(_LOCKED_SDK.search(texts[0]))
+    elif (lock := find_lock(code_dir)) is not None:
+        mode = "lock"
+        digest(lock)
+        if (code_dir / "pyproject.toml").is_file():
+            digest("pyproject.toml")
+        sdk = False  # the bundled SDK (the .pth) serves a locked crawlerkeeper-sdk: see ckagent.deps
     elif (code_dir / "pyproject.toml").is_file():
         mode = "pyproject"
         digest("pyproject.toml")
@@ -207,4 +216,4 @@ def python_plan(code_dir: Path, framework: str, interpreter: dict[str, str], ide
     if key_env:
         key_source["env"] = key_env
     key = hashlib.sha256(json.dumps(key_source, sort_keys=True).encode()).hexdigest()
-    return PythonPlan(mode, files, packages, key, sdk)
+    return PythonPlan(mode, files, packages, key, sdk, lock if mode == "lock" else None)
