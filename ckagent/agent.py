@@ -291,6 +291,7 @@ class Agent:
         deps = Dependencies(
             self.work_dir / "envs",
             uv_path=s.deps.uv_path,
+            python=str(s.deps.python) if s.deps.python is not None else sys.executable,
             index=IndexChooser(s.deps.uv_index_url, s.deps.uv_fallback_index_url),
             uv_cache_dir=s.deps.uv_cache_dir,
             timeout=s.deps.uv_sync_timeout,

@@ -68,8 +68,8 @@ def resolve_command(task: Task, code_dir: Path) -> tuple[list[str], str | None]:
         if not (code_dir / "scrapy.cfg").is_file():
             raise DeployError(
                 f"scrapy.cfg is missing: a Scrapy task runs `scrapy crawl` in the project root, which must "
-                f"hold scrapy.cfg; looked in {where}. Zip the project folder's contents (or the folder "
-                "itself), or give the spider a command"
+                f"hold scrapy.cfg; looked in {where}.{_one_down(code_dir, ('scrapy.cfg',))} Zip the project "
+                "folder's contents (or the folder itself), or give the spider a command"
             )
         return default_command(task), None
     if task.framework == "node":
@@ -77,7 +77,8 @@ def resolve_command(task: Task, code_dir: Path) -> tuple[list[str], str | None]:
         if argv is None:
             raise DeployError(
                 f"nothing to run: a Node task runs package.json's scripts.start, else its main, else index.js; "
-                f"looked for {followed} in {where}. Add one, or give the spider a command"
+                f"looked for {followed} in {where}.{_one_down(code_dir, ('package.json',))} Add one, or give "
+                "the spider a command"
             )
         # npm passes arguments to the script only after "--" (before it they are npm's own options).
         extra = (["--", *task.args] if argv[0] == "npm" else list(task.args)) if task.args else []
@@ -88,10 +89,29 @@ def resolve_command(task: Task, code_dir: Path) -> tuple[list[str], str | None]:
         if not (code_dir / script).is_file():
             raise DeployError(
                 f"{script} is missing: a {task.framework} task runs `python {script}` in the package root; "
-                f"looked in {where}. Add it, or give the spider a command"
+                f"looked in {where}.{_one_down(code_dir, (script, 'scrapy.cfg', 'package.json'))} Add it, or "
+                "give the spider a command"
             )
         return argv, None
     return default_command(task), None
+
+
+def _one_down(code_dir: Path, markers: tuple[str, ...], limit: int = 200) -> str:
+    """`` Found bookscraper/scrapy.cfg one folder down: ...`` when a framework marker lies in a
+    sub-folder of ``code_dir`` (a zip of the repository root, not the project); else ``""``."""
+    found = []
+    try:
+        folders = sorted(e for e in code_dir.iterdir() if e.is_dir() and not e.is_symlink()
+                         and e.name not in _SCAN_SKIP)[:limit]
+    except OSError:
+        return ""
+    for folder in folders:
+        found.extend(f"{folder.name}/{m}" for m in markers if (folder / m).is_file())
+    if not found:
+        return ""
+    first = found[0].split("/")[0]
+    return (f" Found {', '.join(found[:4])} one folder down: the project is in {first}/ — zip that folder's "
+            f"contents, or give the spider a command that starts there (e.g. `sh -c 'cd {first} && ...'`).")
 
 
 def _listing(code_dir: Path, limit: int = 12) -> str:

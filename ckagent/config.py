@@ -226,6 +226,7 @@ class DepsSettings:
     uv_sync_timeout: float
     uv_path: Path | None
     env_budget_bytes: int
+    python: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -618,6 +619,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Disk budget of the spiders' dependency environments (`work_dir/envs`, shared by projects "
             "with the same dependencies): beyond it the least recently used ones not in use are removed; "
             "0 = no limit.", _integer(0)),
+    Setting("deps", "python", "AGENT_DEPS_PYTHON", "path", None,
+            "The interpreter Python spiders' environments are built on; unset = the agent's own. With "
+            "task.run_as_user that user must be able to execute it (checked at start).", _path),
 )  # fmt: skip
 
 _SECTION_CLASSES: dict[str, type] = {

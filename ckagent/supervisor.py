@@ -533,6 +533,11 @@ class Supervisor:
         rt.phase = "running"
         rt.started_at = time.time()
         stderr_tail = TailBuffer(16384)
+        output_tail = TailBuffer(16384)  # stdout and stderr: the cause when nothing came on stderr
+
+        def output(chunk: bytes) -> None:
+            sink.write(chunk)
+            output_tail.write(chunk)
         notice(f"running {shlex.join(argv)} (timeout {f'{timeout:g} s' if timeout else 'none'})")
 
         def on_stall(idle: float) -> None:
@@ -549,7 +554,7 @@ class Supervisor:
         try:
             outcome = await run_supervised(
                 _resolve(argv, env),
-                cwd=code_dir, env=env, task_id=task.id, output=sink.write,
+                cwd=code_dir, env=env, task_id=task.id, output=output,
                 deadline_seconds=timeout or None, grace=self.config.kill_grace,
                 stop=rt.stop_event, notice=notice, on_started=started, run_as=self.config.run_as,
                 on_stderr=stderr_tail.write, jail=jail, stop_signal=task.stop_signal_number,
@@ -563,12 +568,12 @@ class Supervisor:
             verdict = _oom_outcome(jail, figures, outcome.returncode, "the spider")
             notice(f"{verdict.error_message}; task FAILED (OOM_KILLED)")
             return verdict
-        judged = self._judge_exit(rt, outcome, timeout, notice, stderr_tail, sink)
+        judged = self._judge_exit(rt, outcome, timeout, notice, stderr_tail, sink, output_tail)
         judged.figures = figures
         return judged
 
     def _judge_exit(self, rt: RunningTask, outcome: ProcessOutcome, timeout: float, notice: Callable[[str], None],
-                    stderr_tail: TailBuffer, sink: LogSink) -> TaskOutcome:
+                    stderr_tail: TailBuffer, sink: LogSink, output_tail: TailBuffer | None = None) -> TaskOutcome:
         """TIMEOUT / CANCELLED / exit status (a death by signal names the signal)."""
         task = rt.task
         if outcome.timed_out:
@@ -589,18 +594,23 @@ class Supervisor:
             return TaskOutcome("SUCCESS", exit_code=0)
         # A signal the agent did not send (it sent none: not stopped, not timed out): a crash, a kill.
         code = "SIGNALED" if outcome.returncode is not None and outcome.returncode < 0 else "EXIT_NONZERO"
-        return TaskOutcome("FAILED", code, self._exit_message(outcome.returncode, stderr_tail, task),
+        return TaskOutcome("FAILED", code, self._exit_message(outcome.returncode, stderr_tail, task, output_tail),
                            outcome.returncode)
 
-    def _exit_message(self, returncode: int | None, stderr_tail: TailBuffer, task: Task) -> str:
-        """``exit code N`` / ``killed by SIGX``, then the last lines of the spider's stderr (bounded, masked)."""
+    def _exit_message(self, returncode: int | None, stderr_tail: TailBuffer, task: Task,
+                      output_tail: TailBuffer | None = None) -> str:
+        """``exit code N`` / ``killed by SIGX``, then the last lines of the spider's stderr — or, when it
+        wrote nothing there, of its stdout (``output_tail``: a spider that prints its error) — bounded, masked."""
         head = f"exit code {returncode}"
         if returncode is not None and returncode < 0:
             with contextlib.suppress(ValueError):
                 head = f"killed by {signal.Signals(-returncode).name} (exit code {returncode})"
         masker = Masker(_secret_values(task, self.config.agent_secrets))
         tail = last_lines(masker(stderr_tail.text()), STDERR_TAIL_CHARS)
-        return f"{head}; last lines of stderr:\n{tail}" if tail else f"{head} (nothing on stderr)"
+        if tail:
+            return f"{head}; last lines of stderr:\n{tail}"
+        out = last_lines(masker(output_tail.text()), STDERR_TAIL_CHARS) if output_tail is not None else ""
+        return f"{head}; nothing on stderr; last lines of stdout:\n{out}" if out else f"{head} (no output)"
 
 
 _NO_COPY = "cannot make the task's working copy"

@@ -244,6 +244,22 @@ def _task(framework: str, **extra: Any) -> Task:
                            "codeVersion": "v1", **extra})
 
 
+def test_deploy_failed_names_a_marker_one_folder_down(tmp_path: Path) -> None:
+    """A zip of the repository root: the project (scrapy.cfg, package.json) is one folder down."""
+    repo = _code(tmp_path / "repo", {"README.md": "", "bookscraper/scrapy.cfg": "", "bookscraper/books/x.py": ""})
+    with pytest.raises(DeployError) as caught:
+        resolve_command(_task("scrapy"), repo)
+    assert "Found bookscraper/scrapy.cfg one folder down" in str(caught.value)
+    assert "zip that folder's contents" in str(caught.value)
+    node = _code(tmp_path / "node", {"crawler/package.json": "{}"})
+    with pytest.raises(DeployError, match="Found crawler/package.json one folder down"):
+        resolve_command(_task("node"), node)
+    plain = _code(tmp_path / "plain", {"README.md": "", "docs/index.md": ""})
+    with pytest.raises(DeployError) as caught:
+        resolve_command(_task("scrapy"), plain)
+    assert "one folder down" not in str(caught.value)
+
+
 def test_missing_framework_files_name_what_and_where(tmp_path: Path) -> None:
     code = _code(tmp_path / "code", {"readme.md": "", "shop/settings.py": ""})
     with pytest.raises(DeployError, match=r"scrapy\.cfg is missing.*looked in the package root \(readme.md, shop/\)"):
