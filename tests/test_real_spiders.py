@@ -252,7 +252,7 @@ def test_deploy_failed_names_a_marker_one_folder_down(tmp_path: Path) -> None:
     assert "Found bookscraper/scrapy.cfg one folder down" in str(caught.value)
     assert "zip that folder's contents" in str(caught.value)
     node = _code(tmp_path / "node", {"crawler/package.json": "{}"})
-    with pytest.raises(DeployError, match="Found crawler/package.json one folder down"):
+    with pytest.raises(DeployError, match=r"Found crawler/package\.json one folder down"):
         resolve_command(_task("node"), node)
     plain = _code(tmp_path / "plain", {"README.md": "", "docs/index.md": ""})
     with pytest.raises(DeployError) as caught:
