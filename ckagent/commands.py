@@ -99,7 +99,7 @@ def resolve_command(task: Task, code_dir: Path) -> tuple[list[str], str | None]:
 def _one_down(code_dir: Path, markers: tuple[str, ...], limit: int = 200) -> str:
     """`` Found bookscraper/scrapy.cfg one folder down: ...`` when a framework marker lies in a
     sub-folder of ``code_dir`` (a zip of the repository root, not the project); else ``""``."""
-    found = []
+    found: list[str] = []
     try:
         folders = sorted(e for e in code_dir.iterdir() if e.is_dir() and not e.is_symlink()
                          and e.name not in _SCAN_SKIP)[:limit]

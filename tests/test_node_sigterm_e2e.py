@@ -34,7 +34,9 @@ async def test_npm_start_spider_flushes_on_cancel(dev_master: Any, nursery: trio
     async with running_agent(nursery, settings):
         task_id = await admin.create_task(spider)
         with trio.fail_after(180):
-            while not any("page 2:" in line for line in await admin.get_logs(task_id)):
+            for _ in range(900):  # the master has no log event to wait on: ask it again
+                if any("page 2:" in line for line in await admin.get_logs(task_id)):
+                    break
                 await trio.sleep(0.2)
             await admin.cancel_task(task_id)
             task = await admin.wait_task_final(task_id, 120)

@@ -5,10 +5,9 @@ Enable the pipeline in the Scrapy project's ``settings.py``::
 
     ITEM_PIPELINES = {"crawlerkeeper_sdk.scrapy.CrawlerKeeperPipeline": 300}
 
-The stats extension (:class:`CrawlerKeeperStats`) needs no change to the project: for a task of
-framework ``scrapy`` the agent points ``SCRAPY_SETTINGS_MODULE`` at
-:mod:`crawlerkeeper_sdk.scrapy_settings`, which loads the project's settings and adds it to
-``EXTENSIONS``. It snapshots the stats every ``CRAWLERKEEPER_STATS_INTERVAL`` seconds (default 5)
+The item extension (:class:`CrawlerKeeperItems`) and the stats extension (:class:`CrawlerKeeperStats`)
+need no change to the project: in the agent's environments ``crawlerkeeper_sdk._scrapy_hook`` adds
+them to Scrapy's ``EXTENSIONS_BASE``, however Scrapy is started. It snapshots the stats every ``CRAWLERKEEPER_STATS_INTERVAL`` seconds (default 5)
 and once at close, with the finish reason.
 
 This module does not import Scrapy itself; it uses ``itemadapter`` (installed with Scrapy) to turn
