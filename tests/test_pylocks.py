@@ -13,13 +13,19 @@ import threading
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
+from harness import agent_settings, running_agent
 from test_deps import _QuietHandler, _wheel
 
+import ckagent
 from ckagent.deps import Dependencies, DepsError, IndexChooser, spider_base_env
+from ckagent.devmaster.client import zip_directory
 from ckagent.pylocks import find_lock
+
+EXAMPLES = Path(ckagent.__file__).resolve().parent.parent / "sdk" / "examples"
 
 
 @pytest.fixture(scope="module")
@@ -162,3 +168,24 @@ async def test_a_lock_that_cannot_be_honoured_fails_naming_it(tmp_path: Path,
     broken = _project(tmp_path, "broken", {"pyproject.toml": PEP621, "pdm.lock": "[[package]\n"})
     with pytest.raises(DepsError, match=r"pdm\.lock cannot be read as TOML"):
         await _installed_version(tmp_path, two_versions[0], broken)
+
+
+@pytest.mark.slow
+async def test_the_poetry_example_runs_with_its_locked_versions(dev_master: Any, nursery: trio.Nursery,
+                                                               tmp_path: Path) -> None:
+    """sdk/examples/poetry_shop through a real agent (packages from PyPI or the mirror)."""
+    admin = dev_master.admin
+    spider = await admin.create_spider(name="poetry_shop", framework="python",
+                                       env={"START_URL": f"{dev_master.base_url}/demo-site/"})
+    await admin.upload_package(spider, await trio.to_thread.run_sync(zip_directory, EXAMPLES / "poetry_shop"))
+    settings = agent_settings(tmp_path / "agent", dev_master.base_url, dev_master.registration_token,
+                              AGENT_UV_SYNC_TIMEOUT="600")
+    async with running_agent(nursery, settings):
+        task_id = await admin.create_task(spider)
+        with trio.fail_after(700):
+            task = await admin.wait_task_final(task_id, 700)
+    log = "\n".join(await admin.get_logs(task_id))
+    assert task["status"] == "SUCCESS", (task, log[-3000:])
+    assert "at the versions poetry.lock pins" in log
+    assert "running with requests 2.31.0, beautifulsoup4 4.12.2" in log, log[-3000:]
+    assert "page 5: 30 products" in log
