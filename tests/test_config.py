@@ -138,7 +138,7 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
         "AGENT_LOG_LEVEL": "error", "AGENT_LOG_FILE": "x.log", "AGENT_LOG_FORMAT": "JSON",
         "AGENT_UV_INDEX_URL": "https://pypi.org/simple", "AGENT_UV_FALLBACK_INDEX_URL": "http://idx/simple",
         "AGENT_UV_CACHE_DIR": "cache", "AGENT_UV_SYNC_TIMEOUT": "9", "AGENT_UV_PATH": "/opt/uv",
-        "AGENT_DEPS_ENV_BUDGET_BYTES": "0",
+        "AGENT_DEPS_ENV_BUDGET_BYTES": "0", "AGENT_DEPS_PYTHON": "/usr/bin/python3",
         "AGENT_AUTO_UPGRADE": "on",
     }  # fmt: skip
     assert set(values) == {s.env for s in SETTINGS}
@@ -157,7 +157,7 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
                     "backup_count": 1},
         "deps": {"uv_index_url": "https://pypi.org/simple", "uv_fallback_index_url": "http://idx/simple",
                  "uv_cache_dir": str(tmp_path / "cache"), "uv_sync_timeout": 9.0, "uv_path": "/opt/uv",
-                 "env_budget_bytes": 0},
+                 "env_budget_bytes": 0, "python": "/usr/bin/python3"},
     }  # fmt: skip
     assert s.agent.registration_token == Secret(TOKEN)
     assert s.agent.container_cpu_limit_cores == 1.5
