@@ -19,7 +19,7 @@ exit code   outcome
 ==========  =================================================================
 0           SUCCESS (also LOG_BUDGET: succeeded, output cut)
 1           FAILED in the spider: EXIT_NONZERO, SIGNALED, STALLED, OOM_KILLED…
-3           could not start: DEPLOY_FAILED, DEPS_FAILED, BAD_TASK
+3           could not start: DEPLOY_FAILED, DEPS_FAILED, AGENT_ERROR, BAD_TASK
 124         TIMEOUT
 130         CANCELLED (Ctrl-C)
 2           usage error (bad arguments, not a package)
@@ -126,7 +126,7 @@ def exit_code_of(task: dict[str, Any]) -> int:
         return EXIT_CANCELLED
     if code == "TIMEOUT":
         return EXIT_TIMEOUT
-    if code in ("DEPLOY_FAILED", "DEPS_FAILED", "BAD_TASK"):
+    if code in ("DEPLOY_FAILED", "DEPS_FAILED", "AGENT_ERROR", "BAD_TASK"):
         return EXIT_NOT_STARTED
     return EXIT_FAILED
 
