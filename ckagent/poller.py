@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -86,6 +87,7 @@ class _Answer:
 
 MAX_BAD_LOGGED = 1024
 """Refused tasks remembered so each is logged once (the memory starts over when full)."""
+_AT_INDEX = re.compile(r"^tasks\[\d+\]")
 
 
 class Poller:
@@ -381,11 +383,12 @@ class Poller:
 
     async def _report_bad_task(self, bad: BadTask) -> None:
         shown = "<no id>" if bad.task_id is None else shown_id(bad.task_id)
-        first = (bad.task_id, str(bad.error)) not in self._bad_logged
+        key = (bad.task_id, _AT_INDEX.sub("", str(bad.error)))  # the same task at another place of an answer
+        first = key not in self._bad_logged
         if first:
             if len(self._bad_logged) >= MAX_BAD_LOGGED:
                 self._bad_logged.clear()
-            self._bad_logged.add((bad.task_id, str(bad.error)))
+            self._bad_logged.add(key)
         if bad.task_id is None:
             if first:
                 log.error("a task breaks the protocol and has no id it could be reported with: %s", bad.error)
