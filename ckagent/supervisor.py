@@ -517,13 +517,14 @@ class Supervisor:
             cpus=task.resources.cpus if task.resources.cpus is not None else default.cpus,
         )
         containment = self.config.containment
-        if containment is None:
-            jail: TaskJail = ProcessGroupJail(task.id)
-        else:
-            try:
+        try:
+            if containment is None:
+                jail: TaskJail = ProcessGroupJail(task.id)
+            else:
                 jail = await trio.to_thread.run_sync(containment.jail, task.id, wanted)
-            except ContainmentError as exc:
-                raise JailError(f"the node cannot contain the task ({containment.level}): {exc}") from exc
+        except ContainmentError as exc:
+            level = "process-group" if containment is None else containment.level
+            raise JailError(f"the node cannot contain the task ({level}): {exc}") from exc
         rt.jail = jail
         if wanted != Limits() and jail.limits != wanted:
             notice(f"limits asked: {wanted.describe()}; this node ({jail.level}) enforces: {jail.limits.describe()}")
