@@ -16,6 +16,8 @@ import pytest
 import trio
 from harness import agent_settings, running_agent, spider_zip
 
+from ckagent.devmaster.client import AdminApiError
+
 SPIDER = {
     "main.py": (
         "import os, pathlib\n"
@@ -134,3 +136,15 @@ async def test_hostile_ids_stay_data(dev_master: Any, nursery: trio.Nursery, tmp
     # The refusal of each task is logged once, however often the master offers it.
     lines = [r.getMessage() for r in caplog.records if "breaks the protocol" in r.getMessage()]
     assert len(lines) == len(refused), lines
+
+
+@pytest.mark.parametrize("name", ["a\x00b", "x" * 5000, "two\nlines", "tab\there", "   "])
+async def test_reference_master_refuses_names_it_would_not_hand_out(dev_master: Any, name: str) -> None:
+    admin = dev_master.admin
+    with pytest.raises(AdminApiError) as created:
+        await admin.create_spider(name=name, framework="python")
+    assert created.value.status_code == 422 and "name" in created.value.message, created.value.message
+    spider_id = await admin.create_spider(name="fine 名字", framework="python")
+    with pytest.raises(AdminApiError) as patched:
+        await admin.update_spider(spider_id, name=name)
+    assert patched.value.status_code == 422 and "name" in patched.value.message
