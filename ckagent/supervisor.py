@@ -22,7 +22,12 @@ code refused          FAILED      DEPLOY_FAILED the entry and the rule, or what 
 install failed        FAILED      DEPS_FAILED   the installer's last whole lines
 not startable         FAILED      EXIT_NONZERO  what could not be started (exitCode null)
 OOM kill in the task  FAILED      OOM_KILLED    the limit and the peak (cgroup levels)
+no jail / agent bug   FAILED      AGENT_ERROR   what failed (errno text and path kept)
 ====================  ==========  ============  =================================
+
+Setup failures are the TaskErrors of ckagent.errors (DeployError, DepsError, JailError, SpawnError),
+each carrying its errorCode; :meth:`Supervisor._execute` collapses the phases' exception groups once
+and ends in one ``except TaskError``; any other exception is the agent's own fault (AGENT_ERROR).
 
 Each task runs in a private working copy of its code version (ckagent.workcopy), with its
 spider's ``CK_DATA_DIR`` and ``HOME``; the copy is removed when the task ends. The result reports
