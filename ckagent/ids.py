@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import hashlib
 import re
+from pathlib import Path
 from urllib.parse import quote
 
-__all__ = ["MAX_ID_CHARS", "MAX_NAME_CHARS", "IdError", "api_path", "check_id", "safe_name", "shown_id", "url_segment"]
+__all__ = ["MAX_ID_CHARS", "MAX_NAME_CHARS", "IdError", "api_path", "check_id", "safe_name", "shown_id", "task_dir", "url_segment"]
 
 MAX_ID_CHARS = 512
 """Longest id (characters) the agent carries; a longer one fails its task with BAD_TASK."""
@@ -81,6 +82,11 @@ def shown_id(value: str, max_chars: int = 80) -> str:
         return value
     text = repr(value)
     return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
+
+
+def task_dir(work_dir: Path, task_id: str) -> Path:
+    """The directory of a task's own files: ``work_dir/tasks/<safe_name(task_id)>`` (never elsewhere)."""
+    return work_dir / "tasks" / safe_name(task_id)
 
 
 def url_segment(value: str) -> str:

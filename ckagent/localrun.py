@@ -44,6 +44,7 @@ from typing import Any, TextIO
 import trio
 
 from ckagent.crawlstats import STATS_FILE, read_last_snapshot
+from ckagent.ids import task_dir
 from ckagent.protocol import FRAMEWORKS
 
 log = logging.getLogger(__name__)
@@ -356,7 +357,7 @@ async def _session(request: ExecRequest, framework: str, package: bytes, db_path
             task_id = await admin.create_task(spider_id, params=request.params, env=request.env,
                                               timeout_seconds=request.timeout,
                                               stall_timeout_seconds=request.stall_timeout)
-            follower = _Follower(settings.task.work_dir / "tasks" / task_id, request.items, terminal)
+            follower = _Follower(task_dir(settings.task.work_dir, task_id), request.items, terminal)
             task = await _follow(admin, task_id, follower, agent_done)
             stats = (await admin.get_stats(task_id))["latest"]
         await trio.to_thread.run_sync(follower.step)

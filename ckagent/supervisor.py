@@ -90,6 +90,7 @@ from ckagent.errors import (
     os_error_text,
 )
 from ckagent.ids import api_path, safe_name
+from ckagent.ids import task_dir as task_dir_of
 from ckagent.logs import Masker
 from ckagent.master import MasterClient, MasterError, json_object
 from ckagent.process import MARKER_VAR, ProcessOutcome, RunAs, clock, run_supervised, sweep
@@ -292,7 +293,7 @@ class Supervisor:
         and unsent streams in the state store for the next start.
         """
         task = rt.task
-        task_dir = self.config.work_dir / "tasks" / safe_name(task.id)
+        task_dir = task_dir_of(self.config.work_dir, task.id)
         run_as = self.config.run_as
         try:
             started_wall = time.time()
