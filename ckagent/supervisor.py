@@ -13,8 +13,8 @@ outcome               status      errorCode     errorMessage
 ====================  ==========  ============  =================================
 exit 0                SUCCESS     —             — (finishReason from the final stats)
 exit 0, log cut       SUCCESS     LOG_BUDGET    how many bytes were dropped and why
-exit ≠ 0              FAILED      EXIT_NONZERO  "exit code N" + stderr's last lines
-killed by a signal    FAILED      SIGNALED      "killed by SIGX (exit code -N)" + stderr's last lines
+exit ≠ 0              FAILED      EXIT_NONZERO  "exit code N" + the output's last lines
+killed by a signal    FAILED      SIGNALED      "killed by SIGX (exit code -N)" + the output's last lines
 timeout               FAILED      TIMEOUT       "执行超时"
 stalled               FAILED      STALLED       how long nothing happened
 stopped               CANCELLED   CANCELLED     the reason
@@ -646,7 +646,7 @@ class Supervisor:
                            outcome.returncode)
 
     def _exit_message(self, returncode: int | None, stderr_tail: TailBuffer, task: Task) -> str:
-        """``exit code N`` / ``killed by SIGX``, then the last lines of the spider's stderr (bounded, masked)."""
+        """``exit code N`` / ``killed by SIGX``, then the last lines of the spider's output (bounded, masked)."""
         head = f"exit code {returncode}"
         if returncode is not None and returncode < 0:
             with contextlib.suppress(ValueError):
