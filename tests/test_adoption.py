@@ -12,7 +12,6 @@ state store of the previous schema (migrated, its tasks delivered) and one of a 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sqlite3
 import textwrap
@@ -269,4 +268,3 @@ async def test_a_previous_agents_running_task_is_reported_lost_with_the_reason(
     assert "not re-adopted: its spider had not started, or an agent without re-adoption ran it" in \
         task["errorMessage"], task
     assert marked_pids(task_id) == []
-    assert os.path.exists(db_path)
