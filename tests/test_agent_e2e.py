@@ -130,7 +130,7 @@ async def test_python_and_failing_examples(dev_master, nursery: trio.Nursery, tm
         quiet_id = await admin.create_task(quiet)
         ok, bad, printed = await final(admin, ok_id), await final(admin, bad_id), await final(admin, quiet_id)
     assert (printed["errorCode"], printed["exitCode"]) == ("EXIT_NONZERO", 4), printed
-    assert "exit code 4; nothing on stderr; last lines of stdout:" in printed["errorMessage"], printed
+    assert "exit code 4; last lines of output:" in printed["errorMessage"], printed
     assert "login failed: HTTP 403 from the shop" in printed["errorMessage"], printed
     assert ok["status"] == "SUCCESS" and ok["exitCode"] == 0, (ok, await admin.get_logs(ok_id))
     assert [item["sku"] for item in await admin.get_items(ok_id)] == SKUS
