@@ -13,8 +13,8 @@ outcome               status      errorCode     errorMessage
 ====================  ==========  ============  =================================
 exit 0                SUCCESS     —             — (finishReason from the final stats)
 exit 0, log cut       SUCCESS     LOG_BUDGET    how many bytes were dropped and why
-exit ≠ 0              FAILED      EXIT_NONZERO  "exit code N" + stderr's last lines
-killed by a signal    FAILED      SIGNALED      "killed by SIGX (exit code -N)" + stderr's last lines
+exit ≠ 0              FAILED      EXIT_NONZERO  "exit code N" + the output's last lines
+killed by a signal    FAILED      SIGNALED      "killed by SIGX (exit code -N)" + the output's last lines
 timeout               FAILED      TIMEOUT       "执行超时"
 stalled               FAILED      STALLED       how long nothing happened
 stopped               CANCELLED   CANCELLED     the reason
@@ -22,7 +22,12 @@ code refused          FAILED      DEPLOY_FAILED the entry and the rule, or what 
 install failed        FAILED      DEPS_FAILED   the installer's last whole lines
 not startable         FAILED      EXIT_NONZERO  what could not be started (exitCode null)
 OOM kill in the task  FAILED      OOM_KILLED    the limit and the peak (cgroup levels)
+no jail / agent bug   FAILED      AGENT_ERROR   what failed (errno text and path kept)
 ====================  ==========  ============  =================================
+
+Setup failures are the TaskErrors of ckagent.errors (DeployError, DepsError, JailError, SpawnError),
+each carrying its errorCode; :meth:`Supervisor._execute` collapses the phases' exception groups once
+and ends in one ``except TaskError``; any other exception is the agent's own fault (AGENT_ERROR).
 
 Each task runs in a private working copy of its code version (ckagent.workcopy), with its
 spider's ``CK_DATA_DIR`` and ``HOME``; the copy is removed when the task ends. The result reports
@@ -63,25 +68,37 @@ from ckagent.commands import (
     DEFAULT_COMMANDS,
     default_command,
     resolve_command,
-    runs_in_env,
-    scrapy_feed_settings,
-    with_scrapy_settings,
 )
-from ckagent.containment import Containment, Figures, Limits, TaskJail, format_bytes
+from ckagent.containment import Containment, ContainmentError, Figures, Limits, TaskJail, format_bytes
 from ckagent.containment.process_group import ProcessGroupJail
-from ckagent.crawlstats import STATS_FILE, scrapy_stats_env
+from ckagent.crawlstats import STATS_FILE
 from ckagent.delivery import LogSink, Outbox
 from ckagent.delivery.lines import secret_values
-from ckagent.deps import Dependencies, DepsError, Prepared, spider_base_env
+from ckagent.deps import PYTHON_FRAMEWORKS, Dependencies, Prepared, spider_base_env
 from ckagent.egress import Egress, EgressError, Refusal, TaskRules, report_refusals
+from ckagent.errors import (
+    AGENT_ERROR,
+    DeployError,
+    DepsError,
+    JailError,
+    SpawnError,
+    TaskError,
+    collapsed_groups,
+    describe_fault,
+    os_error_text,
+)
+from ckagent.ids import api_path, safe_name
+from ckagent.ids import task_dir as task_dir_of
 from ckagent.logs import Masker
 from ckagent.master import MasterClient, MasterError, json_object
-from ckagent.process import MARKER_VAR, ProcessOutcome, RunAs, clock, run_supervised, sweep
+from ckagent.monitor import Monitored, spawn_monitored, supervise
+from ckagent.process import MARKER_VAR, ProcessOutcome, RunAs, clock, sweep
 from ckagent.protocol import TIMEOUT_MESSAGE, Task, TaskResult, utc_iso
+from ckagent.scrapyhook import scrapy_hook
 from ckagent.state import AsyncStateStore
 from ckagent.tails import TailBuffer, last_lines
 from ckagent.workcopy import make_working_copy, remove_tree, spider_dirs
-from ckagent.workspace import DeployError, Workspaces, safe_name
+from ckagent.workspace import Workspaces
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +143,9 @@ class RunningTask:
     jail: TaskJail | None = None
     """The task's containment (from the deploy on); /status reads its live figures."""
     egress: TaskRules | None = None
-    """The task's egress rules in the kernel (nftables level); /status reads their counters."""
+    """The task's egress rules (nftables level: in the kernel); /status reads their counters."""
+    handed_over: bool = False
+    """The agent stopped and left this task's spider running for the next agent (ckagent.adoption)."""
 
     def request_stop(self, reason: str) -> bool:
         """Ask the task to stop (idempotent). Returns False when a stop was already requested."""
@@ -216,6 +235,35 @@ class Supervisor:
         self._slot_freed = trio.Event()
         self._on_finished = on_finished
         self._observer = observer or SupervisorObserver()
+        self.handing_over = False
+        """Set when the agent stops and leaves its running spiders to the next agent (not drain, not
+        terminate): a cancelled task whose spider runs is then left alone, its state kept for re-adoption."""
+
+    # ------------------------------------------------------------------ for re-adopted tasks
+
+    @property
+    def store(self) -> AsyncStateStore:
+        """The state store (ckagent.adoption)."""
+        return self._store
+
+    @property
+    def outbox(self) -> Outbox:
+        """The outbox every task's delivery goes to (ckagent.adoption)."""
+        return self._outbox
+
+    @property
+    def observer(self) -> SupervisorObserver:
+        """The metrics hooks (ckagent.adoption)."""
+        return self._observer
+
+    def spider_lock(self, spider_id: str) -> trio.Lock:
+        """The lock that keeps one spider's tasks serial (one per spider id ever seen)."""
+        return self._spider_locks.setdefault(spider_id, trio.Lock())
+
+    def task_left(self, task_id: str) -> None:
+        """A task is no longer ours to run: its slot is free."""
+        self.running.pop(task_id, None)
+        self._slot_freed.set()
 
     # ------------------------------------------------------------------ admission
 
@@ -281,7 +329,7 @@ class Supervisor:
         and unsent streams in the state store for the next start.
         """
         task = rt.task
-        task_dir = self.config.work_dir / "tasks" / task.id
+        task_dir = task_dir_of(self.config.work_dir, task.id)
         run_as = self.config.run_as
         try:
             started_wall = time.time()
@@ -309,11 +357,17 @@ class Supervisor:
             outcome: TaskOutcome | None = None
             try:
                 outcome = await self._execute(rt, task_dir, sink)
-            except Exception as exc:  # a bug of ours must fail the task, not the agent
+            except Exception as exc:  # a bug of ours must fail the task, not the agent (never BAD_TASK)
                 log.exception("task %s: internal error", task.id)
-                outcome = TaskOutcome("FAILED", "BAD_TASK", f"agent error: {type(exc).__name__}: {exc}")
+                outcome = TaskOutcome("FAILED", AGENT_ERROR, _bounded(describe_fault(exc), 4000))
+                with contextlib.suppress(Exception):
+                    sink.write_line(f"[ckagent] task FAILED ({AGENT_ERROR}): {outcome.error_message}\n".encode())
             finally:
-                if outcome is None:
+                if outcome is None and rt.handed_over:
+                    if delivery.sink is not None:
+                        delivery.sink.close()
+                    log.info("task %s: left running for the next agent (spider %s)", task.id, rt.pid)
+                elif outcome is None:
                     # The agent's hard stop (a Cancelled, maybe wrapped in an exception group from the
                     # process or installer nurseries): run_supervised has ended the processes
                     # (shielded). Store a CANCELLED result first, so it is delivered (now or at the
@@ -346,7 +400,7 @@ class Supervisor:
         result = _result(rt, TaskOutcome("FAILED", "DEPLOY_FAILED", message), started_wall)
         try:
             await self._master.call_retrying(
-                "result", "POST", f"/api/tasks/{rt.task.id}/result", json=result.to_json(),
+                "result", "POST", api_path("/api/tasks/{task}/result", task=rt.task.id), json=result.to_json(),
                 retry_timeout=REPORT_RETRY_TIMEOUT, answer=json_object,
             )
         except MasterError as report_exc:
@@ -354,101 +408,130 @@ class Supervisor:
         self._observer.task_finished(rt, result)
 
     async def _execute(self, rt: RunningTask, task_dir: Path, sink: LogSink) -> TaskOutcome:
-        task = rt.task
+        """Deploy → install → run one task; a TaskError of any phase becomes its FAILED outcome here.
+
+        Exception groups out of the phases' nurseries are collapsed first (ckagent.errors), so a
+        DeployError or DepsError raised inside one is still that error. Anything else propagates to
+        :meth:`run_task` (reported AGENT_ERROR). Cancellation: as usual (the caller stores CANCELLED).
+        """
 
         def notice(text: str) -> None:
             stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
             sink.write_line(f"[ckagent {stamp}] {text}\n".encode())
 
+        async with contextlib.AsyncExitStack() as held:
+            try:
+                with collapsed_groups():
+                    return await self._phases(rt, task_dir, sink, held, notice)
+            except TaskError as exc:
+                return self._failed(rt, exc, notice)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _failed(self, rt: RunningTask, exc: TaskError, notice: Callable[[str], None]) -> TaskOutcome:
+        """The FAILED outcome of a task whose phase raised ``exc`` (its jail not emptied yet: an
+        installer the kernel's OOM killer ended is reported OOM_KILLED)."""
+        text = str(exc)
+        jail, figures = rt.jail, None
+        if isinstance(exc, DeployError):
+            notice(text if text.startswith(_NO_COPY) else f"deploy failed: {text}")
+        elif isinstance(exc, DepsError):
+            notice(f"dependency install failed: {text.splitlines()[0] if text else ''}")
+            figures = jail.figures() if jail is not None else None
+            if jail is not None and figures is not None and figures.oom_kills:
+                return _oom_outcome(jail, figures, None, "the dependency installer")
+        else:
+            notice(f"task FAILED ({exc.error_code}): {text}")
+        if isinstance(exc, DepsError):  # the installer's output may echo the task's secrets
+            text = Masker(_secret_values(rt.task, self.config.agent_secrets))(text)
+        return TaskOutcome("FAILED", exc.error_code, _bounded(text, 4000), figures=figures)
+
+    async def _phases(self, rt: RunningTask, task_dir: Path, sink: LogSink, held: contextlib.AsyncExitStack,
+                      notice: Callable[[str], None]) -> TaskOutcome:
+        """The phases of :meth:`_execute`; ``held`` is the stack that outlives them (lock, slot, jail,
+        working copy, environment). Raises TaskError (maybe inside an exception group)."""
+        task = rt.task
         # One lock per spider id ever seen: a few bytes each, and never a window with two locks.
         lock = self._spider_locks.setdefault(task.spider_id, trio.Lock())
-        async with contextlib.AsyncExitStack() as held:
-            # Waiting for the lock or a slot, deploying and installing are interrupted by a stop at once.
-            with rt.prepare_scope:
-                await held.enter_async_context(lock)
-                await held.enter_async_context(self.capacity)
-                rt.phase = "deploying"
-                self._observer.task_started(rt)
-                phase_started = trio.current_time()
-                jails: list[TaskJail] = []
+        # Waiting for the lock or a slot, deploying and installing are interrupted by a stop at once.
+        with rt.prepare_scope:
+            await held.enter_async_context(lock)
+            await held.enter_async_context(self.capacity)
+            rt.phase = "deploying"
+            self._observer.task_started(rt)
+            phase_started = trio.current_time()
+            jails: list[TaskJail] = []
 
-                async def open_jail() -> None:
-                    jail = await self._open_jail(rt, notice)
-                    held.push_async_callback(_empty_jail, jail, self._egress_detach(rt))
-                    jails.append(jail)
+            async def open_jail() -> None:
+                jail = await self._open_jail(rt, notice)
+                held.push_async_callback(_empty_jail, jail, rt, self._egress_detach(rt))
+                jails.append(jail)
 
-                work = self._workspaces.runs / safe_name(task.id)
-                refused: DeployError | None = None
-                # The jail is made while the code is deployed and copied (one thread hop less before the spawn).
+            work = self._workspaces.runs / safe_name(task.id)
+            # The jail is made while the code is deployed and copied (one thread hop less before the spawn).
+            try:
                 async with trio.open_nursery() as opening:
                     opening.start_soon(open_jail)
-                    held.push_async_callback(_remove_shielded, work)
-                    try:
-                        # A package deployed before (the usual case): one thread hop finds it, resolves
-                        # the command and makes the working copy.
-                        cached = None
-                        if task.code_package is not None:
-                            cached = await trio.to_thread.run_sync(self._reuse_and_copy, task, work)
-                        if cached is not None:
-                            code_dir, (argv, how), copied = cached
-                            self._workspaces.acquire(code_dir)
-                            held.callback(self._workspaces.release, code_dir)
-                        else:
-                            if task.code_package is not None:
-                                code_dir = await self._workspaces.deploy_package(
-                                    task.spider_id, task.code_version, task.code_package
-                                )
-                            else:
-                                code_dir = await self._workspaces.deploy_files(task.spider_id)
-                            self._workspaces.acquire(code_dir)
-                            held.callback(self._workspaces.release, code_dir)
-                            # One thread hop for the command and the working copy.
-                            (argv, how), copied = await trio.to_thread.run_sync(self._resolve_and_copy, task,
-                                                                                code_dir, work)
-                    except DeployError as exc:
-                        refused = exc
-                if refused is not None:
-                    rt.phase_seconds["deploy"] = trio.current_time() - phase_started
-                    text = str(refused)
-                    notice(text if text.startswith(_NO_COPY) else f"deploy failed: {text}")
-                    return TaskOutcome("FAILED", "DEPLOY_FAILED", text)
-                [jail] = jails
+                    held.push_async_callback(_remove_shielded, work, rt)
+                    code_dir, argv, how, copied = await self._deploy(task, work, held)
+            finally:
                 rt.phase_seconds["deploy"] = trio.current_time() - phase_started
-                if how is not None:
-                    notice(how)
-                notice(f"working copy of {code_dir.name}: {copied}")
-                rt.phase = "installing"
-                phase_started = trio.current_time()
-                try:
-                    prepared = await self._deps.prepare(
-                        task.framework, task.spider_id, work, sink.write, marker={MARKER_VAR: task.id},
-                        spawn=jail.spawn,
-                    )
-                except DepsError as exc:
-                    rt.phase_seconds["install"] = trio.current_time() - phase_started
-                    notice(f"dependency install failed: {str(exc).splitlines()[0]}")
-                    figures = jail.figures()
-                    if figures.oom_kills:
-                        return _oom_outcome(jail, figures, None, "the dependency installer")
-                    return TaskOutcome("FAILED", "DEPS_FAILED", _bounded(str(exc), 4000), figures=figures)
-                finally:
-                    rt.phase_seconds.setdefault("install", trio.current_time() - phase_started)
-                held.callback(self._deps.release, prepared)
-                self._observer.deps_prepared(rt, prepared)
-                for note in prepared.notes:
-                    notice(note)
-                env_name = f" ({prepared.env_dir.name})" if prepared.env_dir is not None else ""
-                notice(f"dependencies {'cached' if prepared.cache_hit else 'installed'}{env_name} in "
-                       f"{prepared.seconds:.3f} s")
-            if rt.stop_reason is not None:
-                notice(f"stopped before the spider started: {rt.stop_reason}")
-                return TaskOutcome("CANCELLED", "CANCELLED", rt.stop_reason)
-            outcome = await self._run(rt, task_dir, work, argv, prepared, notice, sink, jail)
-            if rt.egress is not None and self.config.egress is not None:
-                outcome.egress_refused = await trio.to_thread.run_sync(self.config.egress.refusals, rt.egress)
-                report_refusals(task.id, outcome.egress_refused, notice)
-            return outcome
-        raise AssertionError("unreachable")  # pragma: no cover
+            [jail] = jails
+            if how is not None:
+                notice(how)
+            notice(f"working copy of {code_dir.name}: {copied}")
+            rt.phase = "installing"
+            phase_started = trio.current_time()
+            try:
+                prepared = await self._deps.prepare(
+                    task.framework, task.spider_id, work, sink.write, marker={MARKER_VAR: task.id},
+                    spawn=jail.spawn, task_env={**self.config.extra_env, **task.env},
+                    home=self.config.work_dir / "spider-home" / safe_name(task.spider_id),
+                )
+            finally:
+                rt.phase_seconds.setdefault("install", trio.current_time() - phase_started)
+            held.callback(self._deps.release, prepared)
+            self._observer.deps_prepared(rt, prepared)
+            for note in prepared.notes:
+                notice(note)
+            env_name = f" ({prepared.env_dir.name})" if prepared.env_dir is not None else ""
+            notice(f"dependencies {'cached' if prepared.cache_hit else 'installed'}{env_name} in "
+                   f"{prepared.seconds:.3f} s")
+        if rt.stop_reason is not None:
+            notice(f"stopped before the spider started: {rt.stop_reason}")
+            return TaskOutcome("CANCELLED", "CANCELLED", rt.stop_reason)
+        outcome = await self._run(rt, task_dir, work, argv, prepared, notice, sink, jail)
+        if rt.egress is not None and self.config.egress is not None:
+            outcome.egress_refused = await trio.to_thread.run_sync(self.config.egress.refusals, rt.egress)
+            report_refusals(task.id, outcome.egress_refused, notice)
+        return outcome
+
+    async def _deploy(self, task: Task, work: Path,
+                      held: contextlib.AsyncExitStack) -> tuple[Path, list[str], str | None, str]:
+        """The task's code version (deployed or found), its command and its working copy: ``(code dir,
+        argv, how the command was chosen, what was copied)``. Raises DeployError (a file system error
+        included, with its errno text and path)."""
+        try:
+            # A package deployed before (the usual case): one thread hop finds it, resolves the
+            # command and makes the working copy.
+            cached = None
+            if task.code_package is not None:
+                cached = await trio.to_thread.run_sync(self._reuse_and_copy, task, work)
+            if cached is not None:
+                code_dir, (argv, how), copied = cached
+                self._workspaces.acquire(code_dir)
+                held.callback(self._workspaces.release, code_dir)
+                return code_dir, argv, how, copied
+            if task.code_package is not None:
+                code_dir = await self._workspaces.deploy_package(task.spider_id, task.code_version, task.code_package)
+            else:
+                code_dir = await self._workspaces.deploy_files(task.spider_id)
+            self._workspaces.acquire(code_dir)
+            held.callback(self._workspaces.release, code_dir)
+            # One thread hop for the command and the working copy.
+            (argv, how), copied = await trio.to_thread.run_sync(self._resolve_and_copy, task, code_dir, work)
+            return code_dir, argv, how, copied
+        except OSError as exc:
+            raise DeployError(f"cannot deploy the spider's code: {os_error_text(exc)}") from exc
 
     def _egress_detach(self, rt: RunningTask) -> Callable[[], None] | None:
         """What removes the task's egress rules at its end (blocking), or None without a policy."""
@@ -498,11 +581,16 @@ class Supervisor:
             pids=task.resources.pids if task.resources.pids is not None else default.pids,
             cpus=task.resources.cpus if task.resources.cpus is not None else default.cpus,
         )
-        containment, egress = self.config.containment, self.config.egress
-        if containment is None:
-            jail: TaskJail = ProcessGroupJail(task.id)
-        else:
-            jail = await trio.to_thread.run_sync(containment.jail, task.id, wanted)
+        containment = self.config.containment
+        try:
+            if containment is None:
+                jail: TaskJail = ProcessGroupJail(task.id)
+            else:
+                jail = await trio.to_thread.run_sync(containment.jail, task.id, wanted)
+        except ContainmentError as exc:
+            level = "process-group" if containment is None else containment.level
+            raise JailError(f"the node cannot contain the task ({level}): {exc}") from exc
+        egress = self.config.egress
         if egress is not None:
             failed: EgressError | None = None
             try:  # before any process of the task starts: its installers are filtered too
@@ -511,7 +599,7 @@ class Supervisor:
                 failed = exc
             if failed is not None:  # the task must not run unprotected
                 await _empty_jail(jail)
-                raise failed
+                raise JailError(str(failed)) from failed
             notice(f"egress ({egress.level}): {egress.effective(task.egress).describe()}")
         rt.jail = jail
         if wanted != Limits() and jail.limits != wanted:
@@ -556,21 +644,16 @@ class Supervisor:
                 "CK_PARAMS": json.dumps(task.params, ensure_ascii=False),
             }
         )
-        if task.framework == "scrapy":
-            def scrapy_settings() -> tuple[list[str], bool]:
-                return scrapy_feed_settings(items_file, code_dir), runs_in_env(argv, env.get("PATH"), prepared.env_dir)
-
-            feeds, sdk_importable = await trio.to_thread.run_sync(scrapy_settings)
-            argv = with_scrapy_settings(argv, feeds)
-            if sdk_importable:
-                env.update(scrapy_stats_env(task.env))
-            else:  # the SDK's settings wrapper would not import there: the crawl runs, without live stats
-                notice(f"live crawl stats off: {argv[0]} is not in the task's environment, where crawlerkeeper_sdk is")
+        if prepared.env_dir is not None and task.framework in PYTHON_FRAMEWORKS:
+            hook_env, hook_note = await trio.to_thread.run_sync(
+                scrapy_hook, task.framework, argv, env.get("PATH"), code_dir, prepared.env_dir)
+            env.update(hook_env)
+            if hook_note:
+                notice(hook_note)
         timeout = self.config.execute_timeout if task.timeout_seconds is None else task.timeout_seconds
         stall = self.config.stall_timeout if task.stall_timeout_seconds is None else task.stall_timeout_seconds
         rt.phase = "running"
         rt.started_at = time.time()
-        stderr_tail = TailBuffer(16384)
         notice(f"running {shlex.join(argv)} (timeout {f'{timeout:g} s' if timeout else 'none'})")
 
         def on_stall(idle: float) -> None:
@@ -578,32 +661,47 @@ class Supervisor:
                 rt.stalled = True
                 log.warning("task %s: %s", task.id, rt.stop_reason)
 
-        async def started(pid: int) -> None:
-            rt.pid = pid
-            if stall and rt.delivery is not None:
-                rt.delivery.watch_stall(stall, on_stall)
-            await self._store.set_process(task.id, pid, pid)
-
         try:
-            outcome = await run_supervised(
-                _resolve(argv, env),
-                cwd=code_dir, env=env, task_id=task.id, output=sink.write,
-                deadline_seconds=timeout or None, grace=self.config.kill_grace,
-                stop=rt.stop_event, notice=notice, on_started=started, run_as=self.config.run_as,
-                on_stderr=stderr_tail.write, jail=jail, stop_signal=task.stop_signal_number,
+            mon = await spawn_monitored(
+                _resolve(argv, env), cwd=code_dir, env=env, task_id=task.id, task_dir=task_dir,
+                output_path=sink.path, jail=jail, run_as=self.config.run_as,
+                deadline_at=None if not timeout else rt.started_at + timeout, work=code_dir, stall_timeout=stall,
             )
         except OSError as exc:
-            notice(f"cannot start {argv[0]!r}: {exc.strerror or exc}")
             # No process ran, so no exit code (docs/protocol.md); the message says what failed.
-            return TaskOutcome("FAILED", "EXIT_NONZERO", f"cannot start {argv[0]!r}: {exc.strerror or exc}")
+            raise SpawnError(f"cannot start {argv[0]!r}: {os_error_text(exc)}") from exc
+        except ContainmentError as exc:
+            raise JailError(f"cannot put the spider into the task's {jail.level} jail: {exc}") from exc
+        rt.pid = mon.pid
+        if stall and rt.delivery is not None:
+            rt.delivery.watch_stall(stall, on_stall)
+        await self._store.set_process(task.id, mon.pid, mon.pid, mon.handle.to_json())
+        return await self.finish_run(rt, mon, jail, sink, notice, timeout)
+
+    async def finish_run(self, rt: RunningTask, mon: Monitored, jail: TaskJail, sink: LogSink,
+                         notice: Callable[[str], None], timeout_seconds: float) -> TaskOutcome:
+        """Supervise a spawned or re-adopted spider to its end and judge its outcome (ckagent.monitor)."""
+        task = rt.task
+        outcome = await supervise(
+            mon, jail=jail, sink=sink, grace=self.config.kill_grace, stop=rt.stop_event, notice=notice,
+            stop_signal=task.stop_signal_number, leave_running=lambda: self._hand_over(rt),
+        )
+        stderr_tail = TailBuffer(16384)
+        stderr_tail.write(await trio.to_thread.run_sync(_output_tail, sink.path))
         figures = jail.figures()  # into the result (cpuSeconds, memoryPeakBytes, ...), not the log
         if figures.oom_kills and not outcome.stopped:
             verdict = _oom_outcome(jail, figures, outcome.returncode, "the spider")
             notice(f"{verdict.error_message}; task FAILED (OOM_KILLED)")
             return verdict
-        judged = self._judge_exit(rt, outcome, timeout, notice, stderr_tail, sink)
+        judged = self._judge_exit(rt, outcome, timeout_seconds, notice, stderr_tail, sink)
         judged.figures = figures
         return judged
+
+    def _hand_over(self, rt: RunningTask) -> bool:
+        """True (and the task marked handed over) when the agent leaves this task's spider running."""
+        if self.handing_over and not rt.handed_over and rt.stop_reason in (None, "agent terminating"):
+            rt.handed_over = True
+        return rt.handed_over
 
     def _judge_exit(self, rt: RunningTask, outcome: ProcessOutcome, timeout: float, notice: Callable[[str], None],
                     stderr_tail: TailBuffer, sink: LogSink) -> TaskOutcome:
@@ -631,14 +729,14 @@ class Supervisor:
                            outcome.returncode)
 
     def _exit_message(self, returncode: int | None, stderr_tail: TailBuffer, task: Task) -> str:
-        """``exit code N`` / ``killed by SIGX``, then the last lines of the spider's stderr (bounded, masked)."""
+        """``exit code N`` / ``killed by SIGX``, then the last lines of the spider's output (bounded, masked)."""
         head = f"exit code {returncode}"
         if returncode is not None and returncode < 0:
             with contextlib.suppress(ValueError):
                 head = f"killed by {signal.Signals(-returncode).name} (exit code {returncode})"
         masker = Masker(_secret_values(task, self.config.agent_secrets))
         tail = last_lines(masker(stderr_tail.text()), STDERR_TAIL_CHARS)
-        return f"{head}; last lines of stderr:\n{tail}" if tail else f"{head} (nothing on stderr)"
+        return f"{head}; last lines of output:\n{tail}" if tail else f"{head} (no output)"
 
 
 _NO_COPY = "cannot make the task's working copy"
@@ -654,9 +752,13 @@ def _oom_outcome(jail: TaskJail, figures: Figures, returncode: int | None, what:
     return TaskOutcome("FAILED", "OOM_KILLED", message, returncode, figures=figures)
 
 
-async def _empty_jail(jail: TaskJail, detach: Callable[[], None] | None = None) -> None:
+async def _empty_jail(jail: TaskJail, rt: RunningTask | None = None,
+                      detach: Callable[[], None] | None = None) -> None:
     """At the end of a task: kill what is left in its jail (an interrupted installer), remove its
-    egress rules (``detach``, blocking: after the kill, before the cgroup goes) and the jail."""
+    egress rules (``detach``, blocking: after the kill, before the cgroup goes) and the jail (not
+    when the task was handed over to the next agent: its spider runs on in it)."""
+    if rt is not None and rt.handed_over:
+        return
     with trio.CancelScope(shield=True):
         await jail.kill_all()
         if detach is not None:
@@ -707,6 +809,9 @@ def _ended_by_agent(why: str, outcome: ProcessOutcome) -> str:
         parts.append(f"stop signal to the main process at {clock(outcome.term_sent_at)}")
     if outcome.kill_sent_at is not None:
         parts.append(f"every process killed at {clock(outcome.kill_sent_at)}")
+    elif outcome.workers_left:
+        parts.append(f"the launcher exited, {outcome.workers_left} process(es) it ran outlived the grace period "
+                     "and were killed")
     elif outcome.term_sent_at is not None:
         parts.append("the spider exited within the grace period")
     if outcome.killed_leftovers:
@@ -714,8 +819,11 @@ def _ended_by_agent(why: str, outcome: ProcessOutcome) -> str:
     return "; ".join(parts)
 
 
-async def _remove_shielded(path: Path) -> None:
-    """Remove a task's working copy when the task ends, even when it ends by cancellation."""
+async def _remove_shielded(path: Path, rt: RunningTask | None = None) -> None:
+    """Remove a task's working copy when the task ends, even when it ends by cancellation (not when
+    it was handed over to the next agent, which removes it at the task's end)."""
+    if rt is not None and rt.handed_over:
+        return
     with trio.CancelScope(shield=True):
         await trio.to_thread.run_sync(remove_tree, path)
 
@@ -731,6 +839,19 @@ def _bounded(text: str, max_chars: int) -> str:
 
 def _secret_values(task: Task, agent_secrets: tuple[str, ...]) -> list[str]:
     return list(secret_values(task.env, agent_secrets))
+
+
+def _output_tail(path: Path, size: int = 16384) -> bytes:
+    """The last ``size`` bytes of the task's output (stdout and stderr are one file), without the
+    agent's own notices. Blocking (one small read)."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(0, 2)
+            fh.seek(max(0, fh.tell() - size))
+            data = fh.read()
+    except OSError:
+        return b""
+    return b"".join(line for line in data.splitlines(keepends=True) if not line.startswith(b"[ckagent "))
 
 
 def _resolve(argv: list[str], env: dict[str, str]) -> list[str]:
