@@ -109,7 +109,9 @@ def resource_text(figures: dict[str, Any] | None) -> str:
 
 def _masker(task_json: dict[str, Any] | None, agent_secrets: tuple[str, ...]) -> Masker:
     env = (task_json or {}).get("env") or {}
-    return Masker(secret_values({str(k): str(v) for k, v in env.items()}, agent_secrets))
+    command = (task_json or {}).get("command") or []
+    words = [*(command.split() if isinstance(command, str) else command), *((task_json or {}).get("args") or [])]
+    return Masker(secret_values({str(k): str(v) for k, v in env.items()}, agent_secrets, [str(w) for w in words]))
 
 
 def last_lines(path: Path, masker: Masker, count: int, *, unfinished: bool = False) -> tuple[list[str], int]:

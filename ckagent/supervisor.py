@@ -537,7 +537,7 @@ class Supervisor:
         rt.phase = "running"
         rt.started_at = time.time()
         stderr_tail = TailBuffer(16384)
-        notice(f"running {shlex.join(argv)} (timeout {f'{timeout:g} s' if timeout else 'none'})")
+        notice(f"running {shown_argv(argv, task)} (timeout {f'{timeout:g} s' if timeout else 'none'})")
 
         def on_stall(idle: float) -> None:
             if rt.request_stop(f"stalled: no output, items or stats for {idle:.0f} s (stall timeout {stall:g} s)"):
@@ -691,7 +691,20 @@ def _bounded(text: str, max_chars: int) -> str:
 
 
 def _secret_values(task: Task, agent_secrets: tuple[str, ...]) -> list[str]:
-    return list(secret_values(task.env, agent_secrets))
+    return list(secret_values(task.env, agent_secrets, task_words(task)))
+
+
+def task_words(task: Task) -> list[str]:
+    """The words of a task's command line that came from the task (``command``, then ``args``)."""
+    return [*(task.command or ()), *task.args]
+
+
+def shown_argv(argv: list[str], task: Task) -> str:
+    """The command line for the ``running`` line: the program and the agent's own words; every word
+    the task supplied (its ``args``, its ``command`` after the program) is ``***`` — a task's
+    arguments may hold secrets and are never shown (docs/protocol.md, "Environment")."""
+    from_task = set(task.args) | set((task.command or [])[1:])
+    return shlex.join(argv[:1] + ["***" if word in from_task else word for word in argv[1:]])
 
 
 def _resolve(argv: list[str], env: dict[str, str]) -> list[str]:

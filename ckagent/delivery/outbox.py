@@ -312,7 +312,7 @@ class Outbox:
 
         Raises OSError when output.log or the journal cannot be created.
         """
-        masker = Masker(secret_values(task.env, self.config.agent_secrets))
+        masker = Masker(secret_values(task.env, self.config.agent_secrets, [*(task.command or ()), *task.args]))
         journal = LogJournal(task_dir)
         await trio.to_thread.run_sync(journal.open)
         delivery = TaskDelivery(self, task.id, task_dir, masker, task_log_globs(task, self.config.log_globs),
@@ -333,9 +333,10 @@ class Outbox:
         try:
             task = Task.from_json(record.task_json)
             env, globs = task.env, task_log_globs(task, self.config.log_globs)
+            words = [*(task.command or ()), *task.args]
         except ValueError:
-            env, globs = {}, list(self.config.log_globs)
-        masker = Masker(secret_values(env, self.config.agent_secrets))
+            env, globs, words = {}, list(self.config.log_globs), []
+        masker = Masker(secret_values(env, self.config.agent_secrets, words))
         journal = LogJournal(record.task_dir)
         ship_logs = True
         try:
