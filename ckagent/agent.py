@@ -75,6 +75,7 @@ from ckagent.intake import DiskFloorWatch, IntakeGate
 from ckagent.logs import log_task_finished, setup_logging
 from ckagent.master import MasterClient, RegistrationRefused
 from ckagent.metrics import AgentMetrics
+from ckagent.notices import Notices, spider_user, spiders_as_root
 from ckagent.poller import Poller
 from ckagent.process import RunAs
 from ckagent.protocol import FEATURES, PROTOCOL_VERSION, RegisterRequest, Task, TaskResult
@@ -169,6 +170,10 @@ class Agent:
         self.status_port: int | None = None
         self.containment: Containment | None = None
         """The containment level in force (set at the start of :meth:`run`)."""
+        self.notices = Notices()
+        """Operator notices (spiders as root, the master's clock): logged once, in /status and on the page."""
+        self.spider_user: dict[str, object] = spider_user(None)
+        """Whom spiders run as (registration's ``containment.spiderUser``)."""
         """The port the status/metrics server listens on (``agent.port``, or the one picked for 0)."""
         token = settings.agent.registration_token
         self._secrets = tuple(
@@ -201,7 +206,8 @@ class Agent:
             node_uid=self.node_uid,
             protocol_version=PROTOCOL_VERSION,
             features=list(FEATURES),
-            containment=self.containment.to_json() if self.containment is not None else {},
+            containment={**(self.containment.to_json() if self.containment is not None else {}),
+                         "spiderUser": self.spider_user},
         )
 
     async def run(self) -> int:
@@ -272,6 +278,10 @@ class Agent:
         except ContainmentError as exc:
             raise ConfigError(str(exc)) from exc
         self.metrics.containment_level(containment.level)
+        self.spider_user = spider_user(run_as)
+        as_root = spiders_as_root(run_as)
+        if as_root is not None:
+            self.notices.set("spiders-as-root", as_root)
         if os.getpid() == 1:
             log.warning("running as PID 1 without an init: processes orphaned by spiders are not reaped "
                         "(<defunct> entries pile up); run the container with `--init` or tini "
@@ -419,6 +429,7 @@ class Agent:
             master_problem_age=self.master.connectivity.problem_age(),
             intake_reason=self.intake.reason,
             containment=tuple(self.containment.to_json().items()) if self.containment is not None else None,
+            warnings=self.notices.texts(),
         )
 
     # ------------------------------------------------------------------ shutdown

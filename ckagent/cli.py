@@ -112,8 +112,13 @@ def _config_default() -> int:
 def run(*, config: ConfigOption = None) -> int:
     """Run the agent: register, heartbeat, poll and run tasks until SIGTERM (drain) or SIGINT (stop).
 
-    Needs a registration token (agent.registration_token or AGENT_REGISTRATION_TOKEN).
+    Needs a registration token (agent.registration_token or AGENT_REGISTRATION_TOKEN). A token or
+    key in the environment is first moved out of it: the process re-executes itself (same pid)
+    with the credentials in a memory file (ckagent.secretenv), so /proc/<pid>/environ never shows them.
     """
+    from ckagent.secretenv import reexec_without_secrets
+
+    reexec_without_secrets()
     settings = _load(config, require_token=True)
     with _httpx_without_its_cli():
         from ckagent.agent import run_agent

@@ -43,6 +43,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from ckagent.errors import EXIT_USAGE, StartupError
+from ckagent.secretenv import agent_environ
 
 __all__ = [
     "SETTINGS",
@@ -528,8 +529,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("agent", "container_cpu_limit", "CONTAINER_CPU_LIMIT", 'CPU quantity ("2000m", "4", "1.5")', None,
             "CPU limit of the agent's container when cgroups do not tell; unset = detect.", _cpu_quantity),
     Setting("agent", "auto_upgrade", "AGENT_AUTO_UPGRADE", "on/off", False,
-            "When the master names a desired agent version newer than this one, drain and upgrade through "
-            "`run.sh upgrade` (verified, rolled back on failure). Needs run.sh (daemon mode).", _boolean),
+            "When the master names a desired agent version other than this one, drain and upgrade through "
+            "`run.sh upgrade` (verified, rolled back on failure; an older one through `run.sh upgrade "
+            "--downgrade`). Needs run.sh (daemon mode).", _boolean),
     Setting("heartbeat", "interval", "AGENT_HEARTBEAT_INTERVAL", "seconds >= 1", 30.0,
             "Seconds between heartbeats.", _seconds(minimum=1.0, exclusive=False)),
     Setting("task", "poll_interval", "AGENT_TASK_POLL_INTERVAL", "seconds >= 0.1", 10.0,
@@ -826,14 +828,15 @@ def load_settings(
 ) -> Settings:
     """Load and validate the configuration.
 
-    ``path``: the YAML file, or None for defaults + environment only. ``env`` defaults to ``os.environ``.
+    ``path``: the YAML file, or None for defaults + environment only. ``env`` defaults to ``os.environ``
+    plus the credentials inherited in a memory file (ckagent.secretenv.agent_environ).
     ``require_token``: fail when no registration token is set (``ckagent run`` needs one).
 
     Relative paths resolve against the current directory; ``agent.ip`` may resolve the server host name
     (blocking). Raises :class:`ConfigError` on any problem, with a message naming the file position
     or the environment variable.
     """
-    environ: Mapping[str, str] = os.environ if env is None else env
+    environ: Mapping[str, str] = agent_environ() if env is None else env
     values: dict[str, Any] = {}
     config_file: Path | None = None
     if path is not None:

@@ -117,6 +117,8 @@ class AgentStatistics:
     """Why the node takes no tasks for a reason of its own (ckagent.intake), None when it takes them."""
     containment: tuple[tuple[str, Any], ...] | None = None
     """The containment level in force (``Containment.to_json()`` items), None before it is opened."""
+    warnings: tuple[str, ...] = ()
+    """Operator notices in force (ckagent.notices): spiders as root, the master's clock."""
 
 
 class StatusPortError(OSError):
@@ -395,6 +397,7 @@ class AgentStatus:
             "masterUp": stats.master_up,
             "heartbeatAgeSeconds": round(self.heartbeat_age(stats), 3),
             "containment": dict(stats.containment) if stats.containment is not None else None,
+            "warnings": list(stats.warnings),
             "maxWorkers": stats.max_workers,
             "freeSlots": stats.free_slots,
             "runningTasks": sorted(tasks, key=lambda t: str(t["since"])),

@@ -335,6 +335,7 @@ class StatusPage:
             ("slots", f"{status.get('freeSlots')} free of {status.get('maxWorkers')}"),
             ("free disk (work dir)", _size(free_disk)),
             ("master", "reachable" if status.get("masterUp") else "unreachable"),
+            *(("warning", text) for text in status.get("warnings") or ()),
         ]
         parts = [_HEAD.replace("{title}", _e(f"ckagent · {status.get('name')}"))]
         parts.append(f"<h1>ckagent · {_e(status.get('name'))}</h1>")
