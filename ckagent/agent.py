@@ -74,6 +74,7 @@ from ckagent.heartbeat import HeartbeatLoop
 from ckagent.intake import DiskFloorWatch, IntakeGate
 from ckagent.logs import log_task_finished, setup_logging
 from ckagent.master import MasterClient, RegistrationRefused
+from ckagent.masterclock import MasterClock
 from ckagent.metrics import AgentMetrics
 from ckagent.notices import Notices, spider_user, spiders_as_root
 from ckagent.poller import Poller
@@ -187,6 +188,7 @@ class Agent:
             ca_file=str(settings.server.ca_file) if settings.server.ca_file else None,
             observer=self.metrics.master_request,
         )
+        self.master.clock = MasterClock(self.notices)
 
     def _register_body(self) -> RegisterRequest:
         s = self.settings
@@ -602,24 +604,30 @@ def run_agent(settings: Settings) -> int:
     """
     from ckagent.preflight import preflight
 
-    errors = [p.message for p in preflight(settings, port=False) if p.error]  # the checks of `config check`
+    problems = preflight(settings, port=False)  # the checks of `config check`
+    errors = [p.message for p in problems if p.error]
     if errors:
         raise ConfigError("; ".join(errors))
     token, api_key = settings.agent.registration_token, settings.agent.api_key
     protect_agent_memory()  # spiders of the same user must not read the secrets in /proc/<pid>/environ
     try:
+        # Before the log is opened: a second agent on the same work dir is refused on its own stderr,
+        # not in the running agent's log file; and before anything touches the work dir (crash
+        # recovery would kill another agent's tasks).
+        lock = WorkDirLock.acquire(Path(settings.task.work_dir))
+    except WorkDirError as exc:
+        raise ConfigError(str(exc)) from exc
+    try:
         setup_logging(settings.logging.level, settings.logging.file, settings.logging.format,
                       max_bytes=settings.logging.max_bytes, backup_count=settings.logging.backup_count,
                       secrets=[s.reveal() for s in (token, api_key) if s is not None])
     except OSError as exc:
+        lock.release()
         raise ConfigError(f"logging.file (AGENT_LOG_FILE) {str(settings.logging.file)!r} cannot be opened: "
                           f"{exc.strerror or exc}; point it at a writable file (its directory is created)") from exc
+    for problem in problems:
+        log.warning("%s", problem.message)
     try:
-        try:
-            # Before anything touches the work dir: crash recovery would kill another agent's tasks.
-            lock = WorkDirLock.acquire(Path(settings.task.work_dir))
-        except WorkDirError as exc:
-            raise ConfigError(str(exc)) from exc
         try:
             return trio.run(Agent(settings).run)
         except KeyboardInterrupt:  # pragma: no cover - SIGINT is handled inside; a second Ctrl-C race

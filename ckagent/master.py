@@ -49,6 +49,7 @@ import stamina
 import trio
 
 from ckagent.connectivity import DOWN_EPISODE, Answered, Connectivity, Trouble
+from ckagent.masterclock import MasterClock
 from ckagent.protocol import ProtocolError, RegisterRequest, RegisterResponse
 from ckagent.protocol._fields import req_object
 
@@ -129,6 +130,8 @@ class MasterClient:
     ) -> None:
         self._base_url = base_url.rstrip("/")
         self._urls: dict[str, httpx.URL] = {}  # see _url()
+        self.clock: MasterClock | None = None
+        """Watches the answers' Date headers (ckagent.masterclock), when the agent sets one."""
         self._token = registration_token
         self._register_body = register_body
         self._timeout = request_timeout
@@ -452,6 +455,8 @@ class MasterClient:
             self._unreachable(endpoint, exc, started)
         except (httpx.DecodingError, httpx.TooManyRedirects) as exc:
             self._undecodable(endpoint, exc, started)
+        if self.clock is not None:
+            self.clock.observe(response.headers.get("date"))
         status = response.status_code
         if status == 429 or status >= 500:
             self._unavailable(endpoint, response, started)

@@ -21,6 +21,7 @@ running as root nothing in the agent can: run spiders as another user (``task.ru
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -83,10 +84,8 @@ def reexec_without_secrets() -> None:
     inherited = secrets_fd()
     if not found:
         if inherited is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.set_inheritable(inherited, False)
-            except OSError:
-                pass
         return
     if not hasattr(os, "memfd_create"):
         return

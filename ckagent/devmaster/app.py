@@ -364,6 +364,7 @@ def create_app(
             raise BadRequestError("expected a JSON object {minAgentVersion, desiredAgentVersion}")
         policy = VersionPolicy.from_json(body)
         await run(store.set_version_policy, policy)
+        notifier.notify()  # held polls look again: a node now below the minimum gets nothing
         return JSONResponse(policy.to_json())
 
     async def pending(request: Request) -> Response:
@@ -391,7 +392,10 @@ def create_app(
             nursery.start_soon(watch)
             while not gone.is_set():  # a poll nobody waits for any more claims nothing
                 changed = notifier.event()
-                if poll_id is not None:
+                if await run(store.below_minimum, node_id):  # told so: it gets nothing until upgraded
+                    tasks: list[dict[str, Any]] = []
+                    cancel_ids = await run(store.cancel_ids, node_id)
+                elif poll_id is not None:
                     # Claimed and answered in one transaction. Claims whose answer does not reach the
                     # node are never given back here (a re-sent poll with the same pollId may have
                     # answered them already): the re-sent poll or the reconciliation settles them.

@@ -419,6 +419,19 @@ class Store:
         values = {r["key"]: r["value"] for r in rows}
         return VersionPolicy(values.get("minAgentVersion"), values.get("desiredAgentVersion"))
 
+    def below_minimum(self, node_id: str) -> bool:
+        """Whether the node's agent version is below the minimum agent version (such a node gets no
+        tasks: it has been told, at registration and with every heartbeat). An unknown or unparsable
+        version counts as below a set minimum."""
+        minimum = self.version_policy().min_agent_version
+        if minimum is None:
+            return False
+        row = self._read(lambda db: db.execute("SELECT version FROM nodes WHERE id = ?", (node_id,)).fetchone())
+        try:
+            return row is None or Version(row["version"]) < Version(minimum)
+        except InvalidVersion:
+            return True
+
     def set_version_policy(self, policy: VersionPolicy) -> None:
         """Store both fields (None clears one). Raises BadRequestError for a version that is not PEP 440."""
         for key, value in (("minAgentVersion", policy.min_agent_version),
