@@ -315,7 +315,8 @@ def exec_command(
     path
         The spider's folder (zipped like an upload) or its .zip package.
     spider
-        The spider's name (Scrapy: what `scrapy crawl NAME` runs; default: the folder's name).
+        The spider's name. Scrapy: what `scrapy crawl NAME` runs; default: the project's only spider
+        (a project with several needs it). Others: default the folder's name.
     framework
         scrapy, python, node, playwright or selenium (default: scrapy.cfg → scrapy, package.json → node, else python).
     command

@@ -31,6 +31,7 @@ spider the graceful way (CANCELLED).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -291,7 +292,15 @@ async def run_exec(request: ExecRequest, out: TextIO, err: TextIO) -> int:
     if framework not in FRAMEWORKS:
         raise ExecUsageError(f"--framework {framework!r}: expected one of {', '.join(FRAMEWORKS)}")
     if framework == "scrapy" and request.command is None and request.spider is None:
-        raise ExecUsageError("a Scrapy project needs --spider NAME (what `scrapy crawl NAME` runs) or --command")
+        from ckagent.commands import scrapy_spider_names
+
+        names = await trio.to_thread.run_sync(scrapy_spider_names, source)
+        if len(names) != 1:
+            found = f"its spiders are {', '.join(names)}" if names else "no spider found in its spiders/ modules"
+            raise ExecUsageError(f"a Scrapy project with more or less than one spider needs --spider NAME (what "
+                                 f"`scrapy crawl NAME` runs) or --command; {found}")
+        request = dataclasses.replace(request, spider=names[0])
+        print(f"spider: {names[0]} (the project's only spider)", file=err)
     package = (await trio.to_thread.run_sync(zip_directory, source) if source.is_dir()
                else await trio.to_thread.run_sync(source.read_bytes))
 
