@@ -791,3 +791,31 @@ async def test_a_desired_version_upgrades_the_agent_itself_and_a_bad_one_rolls_b
     await eventually(healthy_again, 30)
     assert node.pid() not in (None, second)
     assert (await node.sh("stop")).returncode == 0
+
+
+def test_spider_user_is_created_on_request_and_remembered(tmp_path: Path) -> None:
+    """`--spider-user=NAME` creates a system user without login when missing (root only) and keeps the
+    choice for later starts; the user is removed again afterwards, also on failure."""
+    if os.geteuid() != 0 or shutil.which("useradd") is None:
+        pytest.skip("needs root and useradd")
+    name = f"ckspider{os.getpid() % 100000}"
+    assert subprocess.run(["id", "-u", name], capture_output=True, check=False).returncode != 0, "name taken"
+    shutil.copy2(RUN_SH, tmp_path / "run.sh")
+    try:
+        # no ckagent.pyz and AGENT_AUTO_INSTALL=off: the start itself fails after the user is made
+        result = subprocess.run(["bash", str(tmp_path / "run.sh"), f"--spider-user={name}", "start"], cwd=tmp_path,
+                                capture_output=True, text=True, timeout=60, check=False,
+                                env={**{k: v for k, v in os.environ.items() if not k.startswith("AGENT_")},
+                                     "AGENT_AUTO_INSTALL": "off"})
+        assert f"created the system user {name}" in result.stdout, result
+        assert result.returncode == 1 and "AGENT_AUTO_INSTALL=off" in result.stderr, result
+        entry = subprocess.run(["getent", "passwd", name], capture_output=True, text=True, check=True).stdout
+        assert entry.rstrip().endswith(":/usr/sbin/nologin") and ":0:" not in entry.split(":", 3)[2], entry
+        assert (tmp_path / ".ckagent" / "spider_user").read_text() == f"{name}\n"
+        off = subprocess.run(["bash", str(tmp_path / "run.sh"), "--spider-user=off", "start"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=60, check=False,
+                             env={"PATH": os.environ["PATH"], "AGENT_AUTO_INSTALL": "off"})
+        assert off.returncode == 1 and not (tmp_path / ".ckagent" / "spider_user").exists(), off
+    finally:
+        subprocess.run(["userdel", name], capture_output=True, check=False)
+        subprocess.run(["groupdel", name], capture_output=True, check=False)
