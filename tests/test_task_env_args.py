@@ -4,9 +4,11 @@ to override one is FAILED/BAD_TASK naming the variable)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import trio
 from harness import agent_settings, running_agent, submit
@@ -44,7 +46,15 @@ async def test_arguments_are_never_shown_and_secret_ones_are_masked(dev_master: 
                                                                       tmp_path: Path) -> None:
     admin = dev_master.admin
     settings = agent_settings(tmp_path / "agent", dev_master.base_url, dev_master.registration_token)
-    async with running_agent(nursery, settings):
+    async with running_agent(nursery, settings) as agent:
+        if os.geteuid() == 0:  # no task.run_as_user here: the agent says spiders run as root, everywhere
+            assert any("spiders run as root" in text for text in agent.notices.texts())
+            async with httpx.AsyncClient(timeout=10) as client:
+                status = (await client.get(f"http://127.0.0.1:{agent.status_port}/status")).json()
+                page = (await client.get(f"http://127.0.0.1:{agent.status_port}/")).text
+            assert any("spiders run as root" in w for w in status["warnings"]) and "spiders run as root" in page
+            nodes = await admin.list_nodes()
+            assert nodes[0]["containment"]["spiderUser"] == {"name": "root", "uid": 0, "root": True}, nodes
         ok = await submit(admin, "argy", {"main.py": PRINT_ARGS}, args=["--db-password", "hunter2", "visible-word"])
         bad = await submit(admin, "homey", {"main.py": PRINT_ARGS}, env={"HOME": "/root"})
         done = await admin.wait_task_final(ok, 180)
