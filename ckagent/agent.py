@@ -287,7 +287,8 @@ class Agent:
         # Browser spiders use the system's browser (nothing can be downloaded at run time): its path
         # comes from the runtimes scan, updated in place after each rescan.
         extra_env = self._browser_env = browser_env(self.runtimes)
-        workspaces = self.workspaces = Workspaces(self.work_dir / "spiders", self.master)
+        workspaces = self.workspaces = Workspaces(self.work_dir / "spiders", self.master,
+                                                  stall_timeout=s.server.download_stall_timeout)
         deps = Dependencies(
             self.work_dir / "envs",
             uv_path=s.deps.uv_path,
@@ -302,7 +303,7 @@ class Agent:
         outbox = self.outbox = Outbox(self.master, store, self.work_dir, OutboxConfig(
             log_globs=tuple(g for g in s.task.log_files.split(",") if g),
             max_log_bytes=s.task.max_log_bytes, min_free_disk_bytes=s.task.min_free_disk_bytes,
-            retention=s.task.retention, agent_secrets=self._secrets,
+            retention=s.task.retention, agent_secrets=self._secrets, refusal_timeout=s.server.refusal_timeout,
         ))
         self.metrics.outbox = outbox
         supervisor = self.supervisor = Supervisor(

@@ -119,11 +119,15 @@ class ServerSettings:
 
     ``url``: base URL, http(s). ``ca_file``: extra CA bundle (PEM) for TLS, or None for the system store.
     ``request_timeout``: seconds per HTTP request (a long poll adds its wait on top).
+    ``refusal_timeout``: seconds a stream or result retries a 404 (a lone element's 413) before giving up.
+    ``download_stall_timeout``: seconds a code download may receive nothing before it is retried.
     """
 
     url: str
     ca_file: Path | None
     request_timeout: float
+    refusal_timeout: float = 600.0
+    download_stall_timeout: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -501,6 +505,13 @@ SETTINGS: tuple[Setting, ...] = (
             _readable_file),
     Setting("server", "request_timeout", "AGENT_SERVER_REQUEST_TIMEOUT", "seconds >= 1", 30.0,
             "Timeout of one HTTP request to the master (a long poll adds its wait on top).",
+            _seconds(minimum=1.0, exclusive=False)),
+    Setting("server", "refusal_timeout", "AGENT_SERVER_REFUSAL_TIMEOUT", "seconds > 0", 600.0,
+            "How long a task's stream or result keeps retrying a 404 (unknown task), and a stream a 413 for a "
+            "single element, before giving up on it: the result then says incomplete (the spool stays on the "
+            "node), the element becomes a placeholder.", _seconds()),
+    Setting("server", "download_stall_timeout", "AGENT_SERVER_DOWNLOAD_STALL_TIMEOUT", "seconds >= 1", 30.0,
+            "A code download that receives nothing for this long is cut off and retried with backoff.",
             _seconds(minimum=1.0, exclusive=False)),
     Setting("agent", "name", "AGENT_NAME", "string", _HOSTNAME,
             "Node name shown in the master.", _text),

@@ -390,10 +390,10 @@ class Supervisor:
                         else:
                             if task.code_package is not None:
                                 code_dir = await self._workspaces.deploy_package(
-                                    task.spider_id, task.code_version, task.code_package
+                                    task.spider_id, task.code_version, task.code_package, notice
                                 )
                             else:
-                                code_dir = await self._workspaces.deploy_files(task.spider_id)
+                                code_dir = await self._workspaces.deploy_files(task.spider_id, notice)
                             self._workspaces.acquire(code_dir)
                             held.callback(self._workspaces.release, code_dir)
                             # One thread hop for the command and the working copy.

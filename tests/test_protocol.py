@@ -180,6 +180,7 @@ def full_instances() -> dict[str, Any]:
             pids_peak=3,
             io_read_bytes=4096,
             io_write_bytes=8192,
+            incomplete=True,
         ),
         "TaskStats": stats,
         "LogBatch": LogBatch(seq=5, lines=["a", "b"]),

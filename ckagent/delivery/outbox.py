@@ -22,7 +22,7 @@ from ckagent.delivery.capture import DiskGuard, LogSink
 from ckagent.delivery.journal import LogJournal, rejected_log_globs, scan_log_files, task_log_globs
 from ckagent.delivery.lines import Masker, secret_values
 from ckagent.delivery.nodebatch import NodeBatcher
-from ckagent.delivery.shipper import StreamShipper, send_result
+from ckagent.delivery.shipper import DEFAULT_REFUSAL_TIMEOUT, StreamShipper, send_result
 from ckagent.delivery.spool import DEFAULT_LOG_GLOBS, ITEMS_FILE, OUTPUT_LOG, SCAN_INTERVAL, SEND_CONCURRENCY
 from ckagent.delivery.statistics import OutboxStatistics, SpoolCounter
 from ckagent.delivery.stats import StatsShipper, final_stats
@@ -40,14 +40,16 @@ Delivered = Callable[[TaskResult], None]
 
 @dataclasses.dataclass(frozen=True)
 class OutboxConfig:
-    """Settings of the outbox: globs of spider log files, the disk budget (bytes; 0 = none) and
-    retention (seconds; 0 = keep forever)."""
+    """Settings of the outbox: globs of spider log files, the disk budget (bytes; 0 = none),
+    retention (seconds; 0 = keep forever) and how long a refusal of a task's data is retried before
+    the agent gives up on it (``refusal_timeout``, seconds: server.refusal_timeout)."""
 
     log_globs: tuple[str, ...] = DEFAULT_LOG_GLOBS
     max_log_bytes: int = 0
     min_free_disk_bytes: int = 0
     retention: float = 0.0
     agent_secrets: tuple[str, ...] = ()
+    refusal_timeout: float = DEFAULT_REFUSAL_TIMEOUT
 
 
 class TaskDelivery:
@@ -64,8 +66,11 @@ class TaskDelivery:
         self.sink = sink
         self.journal = journal
         self.on_delivered = on_delivered
-        self.logs = StreamShipper.logs(outbox.master, outbox.store, task_id, task_dir, masker, outbox.limiter)
-        self.items = StreamShipper.items(outbox.master, outbox.store, task_id, task_dir, outbox.limiter)
+        refusal_timeout = outbox.config.refusal_timeout
+        self.logs = StreamShipper.logs(outbox.master, outbox.store, task_id, task_dir, masker, outbox.limiter,
+                                       refusal_timeout=refusal_timeout)
+        self.items = StreamShipper.items(outbox.master, outbox.store, task_id, task_dir, outbox.limiter,
+                                         refusal_timeout)
         self.spider = spider
         self.claimed_at = time.time()  # epoch seconds; a resumed delivery: the claim of an earlier run
         self.stats = StatsShipper(outbox.master, task_id, task_dir, outbox.limiter, on_snapshot=self._observe)
@@ -212,10 +217,19 @@ class TaskDelivery:
         reason = self.result.finish_reason
         if reason is None and stats is not None and isinstance(stats.stats.get("finishReason"), str):
             reason = stats.stats["finishReason"] or None
+        refused = [shipper.stream for shipper in (self.logs, self.items) if shipper.refused]
+        if not self.ship_logs:
+            refused.insert(0, "log")
+        incomplete = True if refused or self.result.incomplete else None
+        if refused:
+            log.error("task %s: its result says incomplete: the master refused its %s for good; it holds %d log "
+                      "lines and %d items; the spool stays in %s until task.retention", self.task_id,
+                      " and ".join(refused), self.logs.acked, self.items.acked, self.task_dir)
         result = dataclasses.replace(self.result, item_count=self.items.acked, log_lines=self.logs.acked,
-                                     stats=stats, finish_reason=reason)
+                                     stats=stats, finish_reason=reason, incomplete=incomplete)
         await self.outbox.store.set_result(self.task_id, result.to_json())
-        await send_result(self.outbox.master, self.outbox.store, self.task_id, result, self.outbox.limiter)
+        await send_result(self.outbox.master, self.outbox.store, self.task_id, result, self.outbox.limiter,
+                          self.outbox.config.refusal_timeout)
         self.delivered.set()
         if self.on_delivered is not None:
             self.on_delivered(result)

@@ -208,8 +208,8 @@ def _seconds_since(iso: str | None, now: float | None = None) -> float:
 
 _ADDED_COLUMNS: dict[str, tuple[str, ...]] = {
     # resources: JSON {memoryBytes, pids, cpus}; stop_signal: "SIGINT" ...; figures: JSON of the
-    # result's figures: resources {cpuSeconds, memoryPeakBytes, pidsPeak, ioReadBytes, ioWriteBytes}
-    # and phases {deployMs, installMs, runMs}; claim_poll_id: the pollId of the poll that claimed the
+    # result's figures: resources {cpuSeconds, memoryPeakBytes, pidsPeak, ioReadBytes, ioWriteBytes},
+    # phases {deployMs, installMs, runMs} and incomplete (true: the node says data is missing); claim_poll_id: the pollId of the poll that claimed the
     # task (claim-in-poll; decimal text), null for a claim by POST .../result.
     "spiders": ("resources", "stop_signal"),
     "tasks": ("resources", "stop_signal", "figures", "claim_poll_id"),
@@ -1202,5 +1202,5 @@ def _result_figures(result: TaskResult) -> str | None:
     """The resource figures and phase durations of a result as stored JSON (None when it carries none)."""
     figures = {k: v for k, v in result.to_json().items()
                if k in ("cpuSeconds", "memoryPeakBytes", "pidsPeak", "ioReadBytes", "ioWriteBytes",
-                        "deployMs", "installMs", "runMs")}
+                        "deployMs", "installMs", "runMs", "incomplete")}
     return _dumps(figures) if figures else None

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from ckagent.protocol._fields import (
     ProtocolError,
+    opt_bool,
     opt_int,
     opt_number,
     opt_object,
@@ -86,6 +87,7 @@ ERROR_CODES = (
     "DEPS_FAILED",
     "AGENT_LOST",
     "BAD_TASK",
+    "DISK_FULL",
 )
 """Every errorCode of a result: the outcome table of docs/protocol.md lists exactly these (a test checks)."""
 OUTCOME_STATUS: dict[str, str] = {
@@ -101,6 +103,7 @@ OUTCOME_STATUS: dict[str, str] = {
     "DEPS_FAILED": "FAILED",
     "AGENT_LOST": "FAILED",
     "BAD_TASK": "FAILED",
+    "DISK_FULL": "FAILED",
 }
 """The outcome table: ``SUCCESS`` (no errorCode) and every errorCode → the status it goes with."""
 FRAMEWORKS = ("scrapy", "python", "node", "playwright", "selenium")
@@ -616,6 +619,10 @@ class TaskResult:
     pids_peak: int | None = None
     io_read_bytes: int | None = None
     io_write_bytes: int | None = None
+    incomplete: bool | None = None
+    """True when the master refused part of the task's data for good (a stream it ended with a 409,
+    or "unknown task" for longer than the agent's ``server.refusal_timeout``): ``logLines`` and
+    ``itemCount`` say what it acknowledged; the rest stays in the node's spool. Absent otherwise."""
 
     @classmethod
     def from_json(cls, obj: Any) -> TaskResult:
@@ -647,6 +654,7 @@ class TaskResult:
             pids_peak=opt_int(o, "pidsPeak", lo=0),
             io_read_bytes=opt_int(o, "ioReadBytes", lo=0),
             io_write_bytes=opt_int(o, "ioWriteBytes", lo=0),
+            incomplete=opt_bool(o, "incomplete"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -672,6 +680,7 @@ class TaskResult:
                 "pidsPeak": self.pids_peak,
                 "ioReadBytes": self.io_read_bytes,
                 "ioWriteBytes": self.io_write_bytes,
+                "incomplete": self.incomplete,
             }
         )
 
