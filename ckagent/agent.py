@@ -313,6 +313,7 @@ class Agent:
             self.master, store, workspaces, deps, self.max_workers,
             on_finished=self._task_delivered, outbox=outbox, observer=self.metrics,
         )
+        outbox.on_disk_full = supervisor.stop_disk_full  # the task that fills the disk ends DISK_FULL
         self.heartbeat = HeartbeatLoop(
             self.master, supervisor, HealthSampler(self.work_dir), s.heartbeat.interval,
             status=lambda: str(self.state),

@@ -22,6 +22,7 @@ code refused          FAILED      DEPLOY_FAILED the entry and the rule, or what 
 install failed        FAILED      DEPS_FAILED   the installer's last whole lines
 not startable         FAILED      EXIT_NONZERO  what could not be started (exitCode null)
 OOM kill in the task  FAILED      OOM_KILLED    the limit and the peak (cgroup levels)
+filled the disk       FAILED      DISK_FULL     how fast it wrote, the free space and the floor
 ====================  ==========  ============  =================================
 
 Each task runs in a private working copy of its code version (ckagent.workcopy), with its
@@ -119,6 +120,8 @@ class RunningTask:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     """Seconds spent per phase so far: ``deploy``, ``install``, ``run`` (the result's deployMs/installMs/runMs)."""
     stalled: bool = False
+    disk_full: bool = False
+    """Stopped because it filled the work dir's disk (ckagent.delivery.diskwatch): FAILED DISK_FULL."""
     delivery: Any = None
     """The task's ``ckagent.delivery.TaskDelivery`` once opened (live stats: ``delivery.stats.latest``)."""
     jail: TaskJail | None = None
@@ -260,6 +263,14 @@ class Supervisor:
             log.info("task %s: stopping (%s)", task_id, reason)
             return True
         return False
+
+    def stop_disk_full(self, task_id: str, reason: str) -> None:
+        """Stop a task that fills the work dir's disk: it ends FAILED DISK_FULL with ``reason`` (also
+        when it dies of the full disk on its own before the stop reaches it)."""
+        rt = self.running.get(task_id)
+        if rt is not None:
+            rt.disk_full = True
+            rt.request_stop(reason)
 
     def cancel_all(self, reason: str) -> None:
         """Stop every task (agent terminating)."""
@@ -578,6 +589,9 @@ class Supervisor:
         if outcome.timed_out:
             notice(_ended_by_agent(f"timed out after {timeout:g} s", outcome) + "; task FAILED (TIMEOUT)")
             return TaskOutcome("FAILED", "TIMEOUT", TIMEOUT_MESSAGE, outcome.returncode)
+        if rt.disk_full and (outcome.stopped or outcome.returncode != 0):
+            notice(_ended_by_agent(rt.stop_reason or "disk full", outcome) + "; task FAILED (DISK_FULL)")
+            return TaskOutcome("FAILED", "DISK_FULL", rt.stop_reason, outcome.returncode)
         if outcome.stopped and rt.stalled:
             notice(_ended_by_agent(rt.stop_reason or "stalled", outcome) + "; task FAILED (STALLED)")
             return TaskOutcome("FAILED", "STALLED", rt.stop_reason, outcome.returncode)

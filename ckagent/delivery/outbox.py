@@ -19,6 +19,7 @@ import trio
 
 from ckagent.crawlstats import STATS_FILE, Snapshot
 from ckagent.delivery.capture import DiskGuard, LogSink
+from ckagent.delivery.diskwatch import DiskWatch, tree_bytes
 from ckagent.delivery.journal import LogJournal, rejected_log_globs, scan_log_files, task_log_globs
 from ckagent.delivery.lines import Masker, secret_values
 from ckagent.delivery.nodebatch import NodeBatcher
@@ -26,12 +27,14 @@ from ckagent.delivery.shipper import DEFAULT_REFUSAL_TIMEOUT, StreamShipper, sen
 from ckagent.delivery.spool import DEFAULT_LOG_GLOBS, ITEMS_FILE, OUTPUT_LOG, SCAN_INTERVAL, SEND_CONCURRENCY
 from ckagent.delivery.statistics import OutboxStatistics, SpoolCounter
 from ckagent.delivery.stats import StatsShipper, final_stats
+from ckagent.diskfull import RESERVE_BYTES, SpaceReserve
 from ckagent.master import MasterClient
 from ckagent.protocol import Task, TaskResult
 from ckagent.stall import Activity, watch_stall
-from ckagent.state import AsyncStateStore, TaskRecord
+from ckagent.state import AsyncStateStore, StateStoreError, TaskRecord
 
 log = logging.getLogger(__name__)
+
 
 # ---------------------------------------------------------------------------------------------- outbox
 
@@ -138,7 +141,7 @@ class TaskDelivery:
         write leaves the task to the next start (reported AGENT_LOST)."""
         if self.sink is not None:
             self.sink.close()
-        await self.outbox.store.set_result(self.task_id, result.to_json())
+        await self._store_result(result)
         self.result = result
         self.items.finish()
         self.ended.set()
@@ -147,6 +150,14 @@ class TaskDelivery:
         if self._output_grew is not None:
             self._output_grew.set()
             self._output_grew = None
+
+    async def _store_result(self, result: TaskResult) -> None:
+        """The result into the state store; on a full disk it is kept in memory and sent all the same
+        (an agent crash before it is acknowledged then reports the task AGENT_LOST)."""
+        try:
+            await self.outbox.store.set_result(self.task_id, result.to_json())
+        except StateStoreError as exc:
+            log.error("task %s: cannot store its result (%s); sending it from memory", self.task_id, exc)
 
     async def _journal_loop(self) -> None:
         """Record the growth of output.log (when notified) and of spider log files (when the outbox's
@@ -167,6 +178,8 @@ class TaskDelivery:
             self.scanning = False
         sizes = await trio.to_thread.run_sync(self._final_sizes)
         self.journal.end(sizes)
+        while not self.journal.flush():  # a full disk: the stream's last records wait for room
+            await self.outbox.next_look()
         self.journal.close()
 
     def scan(self) -> tuple[dict[str, int], int, int]:
@@ -227,7 +240,7 @@ class TaskDelivery:
                       " and ".join(refused), self.logs.acked, self.items.acked, self.task_dir)
         result = dataclasses.replace(self.result, item_count=self.items.acked, log_lines=self.logs.acked,
                                      stats=stats, finish_reason=reason, incomplete=incomplete)
-        await self.outbox.store.set_result(self.task_id, result.to_json())
+        await self._store_result(result)
         await send_result(self.outbox.master, self.outbox.store, self.task_id, result, self.outbox.limiter,
                           self.outbox.config.refusal_timeout)
         self.delivered.set()
@@ -254,6 +267,18 @@ class Outbox:
         self.batcher = NodeBatcher(master)
         """Several tasks' batches in one request, when the master offers it (ckagent.delivery.nodebatch)."""
         self.guard = DiskGuard(work_dir, self.config.min_free_disk_bytes)
+        self.disk = DiskWatch(self.config.min_free_disk_bytes, SCAN_INTERVAL)
+        """Which running task fills the disk (ckagent.delivery.diskwatch); :attr:`on_disk_full` stops it."""
+        floor = self.config.min_free_disk_bytes
+        self.reserve = SpaceReserve(work_dir, min(RESERVE_BYTES, floor // 4)) if floor else None
+        """Disk space kept for the state store's writes on a full disk (ckagent.diskfull); with a floor only."""
+        if self.reserve is not None:
+            store.sync.reserve = self.reserve
+        self.on_disk_full: Callable[[str, str], None] | None = None
+        """Called with (task id, reason) for a running task that fills the disk: the agent stops it DISK_FULL."""
+        self._reserve_released: float | None = None  # the reserve's released_at seen by the last look
+        self._store_full = False  # the last flush of positions met a full disk (logged once)
+        self._looked = trio.Event()  # set (and replaced) after each look of the disk loop
         self.deliveries: dict[str, TaskDelivery] = {}
         self._counter = SpoolCounter(store.sync)
         self.stats_observer: Callable[[str, str, dict[str, Any], bool], None] | None = None
@@ -271,6 +296,8 @@ class Outbox:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 await self.guard.refresh()
+                if self.reserve is not None:
+                    await trio.to_thread.run_sync(self.reserve.restore)
                 nursery.start_soon(self.batcher.run)
                 nursery.start_soon(self._disk_loop)
                 if self.config.retention > 0:
@@ -279,7 +306,7 @@ class Outbox:
                 await trio.sleep_forever()
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(5.0):
-                await self.store.flush_positions()
+                await self._flush_positions()
 
     def statistics(self) -> OutboxStatistics:
         """What waits for the master now (see ckagent.delivery.statistics). **Blocking** (SQLite and
@@ -395,23 +422,63 @@ class Outbox:
                 self._busy = trio.Event()
 
     async def _disk_loop(self) -> None:
-        """Every SCAN_INTERVAL while a delivery is open: the shippers' noted positions (one write), the
-        files of every running task and the free-space figure (one hop) — for the whole agent, not per
-        task or stream. With no delivery open it sleeps until one opens (an idle agent has nothing
-        here to look at: no wake-up), then refreshes the free-space figure at once."""
+        """Every SCAN_INTERVAL while a delivery is open (sooner while the free space falls fast: see
+        ckagent.delivery.diskwatch): the shippers' noted positions (one write), the files of every
+        running task, their directories' sizes and the free-space figure (one hop) — for the whole
+        agent, not per task or stream; a task that fills the disk is handed to :attr:`on_disk_full`.
+        With no delivery open it sleeps until one opens (an idle agent has nothing here to look at:
+        no wake-up), then refreshes the free-space figure at once."""
         while True:
             if not self.deliveries:
-                await self.store.flush_positions()  # the last delivery's last positions
+                await self._flush_positions()  # the last delivery's last positions
                 await self._busy.wait()
                 await self.guard.refresh()  # the figure may be hours old
-            await trio.sleep(SCAN_INTERVAL)
-            await self.store.flush_positions()  # the shippers' acknowledged positions, all streams at once
+            await trio.sleep(self.disk.next_interval())
+            await self._flush_positions()  # the shippers' acknowledged positions, all streams at once
             live = [delivery for delivery in self.deliveries.values() if delivery.scanning]
-            found, free = await trio.to_thread.run_sync(_scan_round, live, self.guard.path)  # one hop
+            found, free, sizes = await trio.to_thread.run_sync(_scan_round, live, self.guard.path)  # one hop
             for delivery, (files, items_size, stats_size) in zip(live, found, strict=True):
                 delivery.scanned(files, items_size, stats_size)
             if free is not None:
                 self.guard.free_bytes = free
+            await self._watch_disk(free, {d.task_id: size for d, size in zip(live, sizes, strict=True)})
+            self._looked.set()
+            self._looked = trio.Event()
+
+    async def next_look(self) -> None:
+        """Return after the disk loop's next look at the disk (a writer waiting for room tries again
+        then). Cancellation: as usual."""
+        await self._looked.wait()
+
+    async def _watch_disk(self, free: int | None, sizes: dict[str, int]) -> None:
+        """One look of the disk watch: stop the task that fills the disk; make the reserve again once
+        there is room for it."""
+        released = self.reserve.released_at if self.reserve is not None else None
+        was_full = released is not None and released != self._reserve_released
+        self._reserve_released = released
+        for task_id, reason in self.disk.observe(trio.current_time(), free, sizes, was_full):
+            log.error("task %s: %s; stopping it (DISK_FULL)", task_id, reason)
+            if self.on_disk_full is not None:
+                self.on_disk_full(task_id, reason)
+        reserve = self.reserve
+        if (reserve is not None and free is not None and free > self.disk.critical_bytes + 2 * reserve.size_bytes
+                and not await trio.to_thread.run_sync(lambda: reserve.held)):
+            await trio.to_thread.run_sync(reserve.restore)
+
+    async def _flush_positions(self) -> None:
+        """The noted positions into the state store; on a full disk they stay noted for the next try
+        (logged once per episode), the agent goes on."""
+        try:
+            await self.store.flush_positions()
+        except StateStoreError as exc:
+            if not self._store_full:
+                self._store_full = True
+                log.error("cannot save the acknowledged positions: %s; they are kept in memory and saved when "
+                          "there is room (a crash meanwhile only makes the agent send those batches again)", exc)
+            return
+        if self._store_full:
+            self._store_full = False
+            log.info("the acknowledged positions are saved again")
 
     async def _retention_loop(self) -> None:
         interval = min(3600.0, max(1.0, self.config.retention / 4))
@@ -428,15 +495,16 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _scan_round(deliveries: list[TaskDelivery], disk: Path) -> tuple[list[tuple[dict[str, int], int, int]], int | None]:
-    """One round of the disk loop in its worker thread (blocking): :func:`_scan_all` and the free
-    bytes of the filesystem holding ``disk`` (None when it cannot be measured)."""
+def _scan_round(deliveries: list[TaskDelivery], disk: Path) -> tuple[list[tuple[dict[str, int], int, int]],
+                                                                     int | None, list[int]]:
+    """One round of the disk loop in its worker thread (blocking): :func:`_scan_all`, the free bytes of
+    the filesystem holding ``disk`` (None when it cannot be measured) and each task dir's bytes."""
     try:
         free: int | None = shutil.disk_usage(disk).free
     except OSError as exc:
         log.debug("cannot measure free space of %s: %s", disk, exc)
         free = None
-    return _scan_all(deliveries), free
+    return _scan_all(deliveries), free, [tree_bytes(delivery.task_dir) for delivery in deliveries]
 
 
 def _scan_all(deliveries: list[TaskDelivery]) -> list[tuple[dict[str, int], int, int]]:

@@ -36,7 +36,7 @@ from ckagent.delivery.spool import (
 )
 from ckagent.master import MasterClient, MasterConflict, MasterRejected, MasterUnavailable, json_object
 from ckagent.protocol import SeqAccepted, TaskResult
-from ckagent.state import AsyncStateStore
+from ckagent.state import AsyncStateStore, StateStoreError
 
 log = logging.getLogger(__name__)
 
@@ -206,11 +206,15 @@ class StreamShipper:
         unsaved: tuple[int, Any] | None = None
 
         async def save() -> None:
-            """The position into the database now (the stream ends)."""
+            """The position into the database now (the stream ends); on a full disk it stays noted for
+            the outbox's next write (the stream is complete all the same)."""
             nonlocal unsaved
             if unsaved is not None:
                 saving, unsaved = unsaved, None
-                await self._store.save_stream_position(self.task_id, self.stream, *saving)
+                try:
+                    await self._store.save_stream_position(self.task_id, self.stream, *saving)
+                except StateStoreError as exc:  # the positions stay noted (AsyncStateStore keeps them)
+                    log.warning("task %s %s: %s; the position is saved later", self.task_id, self.stream, exc)
 
         def note() -> None:
             """The position to the state store's next batched write (the outbox's once-a-second hop
@@ -471,4 +475,7 @@ async def send_result(
                 break
             attempt += 1  # 404 for a moment, 401 after re-registering, 403, 408, ...: retried
             await _backoff_sleep(master, attempt)
-    await store.mark_result_acked(task_id)
+    try:
+        await store.mark_result_acked(task_id)
+    except StateStoreError as exc:  # the next start sends it again; the master answers a repeat as such
+        log.error("task %s: the master has its result, but %s", task_id, exc)
