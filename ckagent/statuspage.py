@@ -74,6 +74,15 @@ def _e(value: Any) -> str:
     return html.escape("" if value is None else str(value), quote=True)
 
 
+def _backlog_text(outbox: dict[str, Any]) -> str:
+    """The node row of what waits for the master: lines, items, bytes, the oldest wait."""
+    lines, items = outbox.get("logLines", 0), outbox.get("items", 0)
+    if not lines and not items:
+        return "nothing"
+    return (f"{lines} log lines, {items} items (≈ {_size(outbox.get('bytes'))}), the oldest for "
+            f"{outbox.get('oldestSeconds', 0):.1f} s")
+
+
 def _size(n: Any) -> str:
     if not isinstance(n, int | float):
         return "—"
@@ -332,7 +341,9 @@ class StatusPage:
             ("containment", containment),
             ("slots", f"{status.get('freeSlots')} free of {status.get('maxWorkers')}"),
             ("free disk (work dir)", _size(free_disk)),
-            ("master", "reachable" if status.get("masterUp") else "unreachable"),
+            ("master", ("reachable" if status.get("masterUp") else "unreachable")
+             + (f"; {status['masterProblem']}" if status.get("masterProblem") else "")),
+            ("waiting for the master", _backlog_text(status.get("outbox") or {})),
         ]
         parts = [_HEAD.replace("{title}", _e(f"ckagent · {status.get('name')}"))]
         parts.append(f"<h1>ckagent · {_e(status.get('name'))}</h1>")
@@ -348,6 +359,14 @@ class StatusPage:
         else:
             parts.append("<p>none</p>")
         parts.append("</div>")
+        backlog = (status.get("outbox") or {}).get("backlog") or []
+        if backlog:  # each task's data the master has not taken yet, the longest wait first
+            parts.append(f"<div data-live=backlog><h2>Waiting for the master ({len(backlog)})</h2><table>"
+                         "<tr><th>task</th><th>log lines</th><th>items</th><th>≈ bytes</th><th>waiting</th></tr>"
+                         + "".join(f"<tr><td><code>{_e(b['taskId'])}</code></td><td class=n>{b['logLines']}</td>"
+                                   f"<td class=n>{b['items']}</td><td class=n>{_size(b['bytes'])}</td>"
+                                   f"<td class=n>{b['ageSeconds']:.1f} s</td></tr>" for b in backlog)
+                         + "</table></div>")
         for task_id, name, lines, offset in tails:
             parts.append(f"<h3>Log of {_e(name)} <code>{_e(task_id)}</code> (live)</h3>"
                          f"<pre class=tail data-tail=\"/tasks/{_e(task_id)}/tail?from={offset}\">"

@@ -27,6 +27,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import trio
 from faultproxy import FaultProxy
@@ -164,9 +165,20 @@ async def test_only_batches_hanging_mid_body_is_a_partial_outage_and_then_everyt
             return bool(problems)
 
         await wait_for(named, 12)
+        await trio.sleep(4)  # longer than /readyz's limit (3 heartbeat intervals)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{agent.status_port}", timeout=10) as client:
+            ready = await client.get("/readyz")
+            doc = (await client.get("/status")).json()
+            page = (await client.get("/")).text
         proxy.heal()
         task = await dev_master.admin.wait_task_final(task_id, 120)
     assert problems and "task streams" in problems[0], "the hang of /batches was never named"
+    assert "partial outage" in ready.text, ready.text  # /readyz names it
+    backlog = doc["outbox"]["backlog"]  # the status shows the task's data waiting, and for how long
+    assert backlog and backlog[0]["taskId"] == task_id and backlog[0]["logLines"] > 0, doc["outbox"]
+    assert backlog[0]["ageSeconds"] > 0 and doc["outbox"]["oldestSeconds"] > 0
+    assert "partial outage" in doc["masterProblem"]
+    assert "Waiting for the master" in page and task_id in page and "partial outage" in page
     starts = [r.getMessage() for r in caplog.records if "partial outage" in r.getMessage()]
     assert len(starts) == 1, starts  # logged once
     assert any("master answers task streams again" in r.getMessage() for r in caplog.records)
