@@ -319,7 +319,20 @@ class Outbox:
         ckagent.delivery.statistics): no SQL, no thread. Cancellation: the figures are not updated."""
         records = [(d.task_id, d.task_dir, d.claimed_at, d.result is not None, d.logs.acked, d.items.acked)
                    for d in self.deliveries.values()]
-        return await self._counter.refresh(records)
+        figures = await self._counter.refresh(records)
+        if not figures.backlog:
+            return figures
+        # How long a task's data has waited, as its shippers know it (the counter knows only since
+        # when it has seen the backlog).
+        now, backlog = time.time(), []
+        for entry in figures.backlog:
+            delivery = self.deliveries.get(entry.task_id)
+            since = [s.waiting_since for s in (delivery.logs, delivery.items) if s.waiting_since is not None] \
+                if delivery is not None else []
+            backlog.append(dataclasses.replace(entry, age_seconds=max(entry.age_seconds, now - min(since)))
+                           if since else entry)
+        backlog.sort(key=lambda b: -b.age_seconds)
+        return dataclasses.replace(figures, backlog=tuple(backlog), oldest_seconds=backlog[0].age_seconds)
 
     def shipped(self) -> tuple[int, int]:
         """(log lines, items) the master acknowledged while this process runs (never decreasing)."""

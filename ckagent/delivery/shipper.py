@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +116,8 @@ class StreamShipper:
     refused the stream for good (a 409 without ``expectedSeq``, or "unknown task" for longer than
     ``refusal_timeout`` seconds): the stream is then incomplete and the result says so.
     ``refusing_since`` is the trio time the batch on its way was first refused (None while it is not),
-    ``placeholders`` counts elements the master refused on their own (replaced by a placeholder).
+    ``placeholders`` counts elements the master refused on their own (replaced by a placeholder);
+    ``waiting_since`` (epoch seconds) how long what was read has waited (see the attribute).
     """
 
     def __init__(
@@ -148,6 +150,9 @@ class StreamShipper:
         self.refused = False
         self.refusing_since: float | None = None
         self.placeholders = 0
+        self.waiting_since: float | None = None
+        """Epoch seconds since elements read from the spool wait for the master: since the last
+        acknowledgement, or since they were read after the stream had caught up (None: none waits)."""
         self.requests = 0
         self.batcher: NodeBatcher | None = None
         """Set by the outbox: batches go through it while the master offers node batches."""
@@ -270,6 +275,7 @@ class StreamShipper:
                                 unsaved = (seq, position)
                             skip = expected - seq
                             self.acked = seq
+                            self.waiting_since = time.time() if pending else None  # the rest waits from now
                             self._ceiling_successes += 1
                             if self._lone_too_large:  # one element was "too large", then taken: a passing 413
                                 self._lone_too_large = False
@@ -306,6 +312,8 @@ class StreamShipper:
                     if (not reader.done and len(pending) - sending_count < self._count_limit
                             and pending.size - sending_size < MAX_BATCH_BYTES):
                         progress = await reader.read(pending)
+                        if pending and self.waiting_since is None:
+                            self.waiting_since = time.time()
                     if flight is None and pending and not skip and (
                         reader.done
                         or len(pending) >= self._count_limit
