@@ -193,8 +193,10 @@ class Connectivity:
             del self._open[endpoint]
             ended.append(mine.trouble.key)
         cls = endpoint_class(endpoint)
-        for name, entry in list(self._open.items()):  # a partial outage ends with a success of its class
-            if entry.trouble.kind == "partial" and endpoint_class(name) == cls and entry.last <= sent:
+        for name, entry in list(self._open.items()):  # a partial outage (a refusal of the task streams)
+            class_wide = entry.trouble.kind == "partial" or (  # ends with a success of its class
+                entry.trouble.kind == "rejected" and name in TASK_DATA_ENDPOINTS)
+            if class_wide and endpoint_class(name) == cls and entry.last <= sent:
                 del self._open[name]
                 ended.append(entry.trouble.key)
         for name, entry in list(self._open.items()):

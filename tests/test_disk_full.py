@@ -138,10 +138,10 @@ async def _check_filler(dev_master: Any, work: Path, filled: dict[str, Any], fil
 async def test_a_fast_writer_is_stopped_before_the_floor_and_the_other_task_loses_nothing(
     dev_master: Any, nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    with small_disk(tmp_path / "disk", DISK_BYTES) as work:
-        # 2 MiB every 20 ms: ~100 MB/s, the whole disk in about a second and a half.
+    with small_disk(tmp_path / "disk", 2 * DISK_BYTES) as work:
+        # 2 MiB every 40 ms: ~50 MB/s, the room above the floor in about four seconds.
         filled, calm, filler, steady = await _run_filler_and_steady(
-            dev_master, nursery, work, ["1.0", str(2 * MIB), "0.02"])
+            dev_master, nursery, work, ["1.0", str(2 * MIB), "0.04"])
         await _check_filler(dev_master, work, filled, filler)
         assert shutil.disk_usage(work).free > 0  # stopped before the disk was full
         assert calm["status"] == "SUCCESS" and calm.get("errorCode") is None, calm  # no LOG_BUDGET cut

@@ -92,7 +92,7 @@ class NodeBatcher:
     def enabled(self) -> bool:
         """True while the sender runs and the master offered node batches at its last registration."""
         return (self._running and NODE_BATCHES in self._master.features
-                and trio.current_time() >= self._off_until)
+                and (self._off_until == float("-inf") or trio.current_time() >= self._off_until))
 
     async def post(self, task_id: str, stream: str, body: bytes) -> int:
         """Send one stream's batch (``body``: the per-task endpoint's JSON ``{"seq":…,"lines"|"items":[…]}``,
