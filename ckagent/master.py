@@ -11,7 +11,9 @@ classifies what came back once, into one exception tree (translated with ``raise
     │                            without the protocol's ``{"error": …}`` body — a captive portal, a
     │                            misrouted proxy or ingress; retried like an unavailable master
     ├── MasterRejected           any other 4xx (in the protocol's words): that request fails
-    │   │                        (logged); a 401 was first answered by registering again, once
+    │   │                        (logged); a 401 was first answered by registering again, once.
+    │   │                        What it means is the caller's: a task stream's batch is kept and
+    │   │                        retried (ckagent.delivery.shipper), a heartbeat is just missed
     │   └── MasterConflict       409 — a protocol conflict its caller handles (a claim lost, a
     │                            result that disagrees, a sequence gap: ``.body['expectedSeq']``)
     └── RegistrationRefused      the master refused registration for good (4xx other than 401/429)
