@@ -88,7 +88,7 @@ class DiskWatch:
             return []
         task, grown = max(growth.items(), key=lambda pair: pair[1])
         rate = grown / elapsed
-        below = free_bytes < critical and (full or grown >= MIN_GROWTH_BYTES)
+        below = (free_bytes < critical or full) and (full or grown >= MIN_GROWTH_BYTES)
         outrun = grown >= MIN_GROWTH_BYTES and free_bytes - rate * self.interval < critical
         if not (below or outrun):
             return []
