@@ -16,6 +16,7 @@ Exception tree::
     Exception
     ├── StateStoreError    the database file cannot be opened or created (the message names the path)
     │   └── StateStoreFull a write met a full disk even after the agent's space reserve was released
+    │                      (also an sqlite3.OperationalError)
     └── sqlite3.Error      anything later propagates: a broken state db is an operator problem
 
 **A full disk** (ckagent.diskfull): a write that fails with SQLITE_FULL ("database or disk is full")
@@ -71,9 +72,10 @@ class StateStoreError(Exception):
     """The state database cannot be opened or created."""
 
 
-class StateStoreFull(StateStoreError):
+class StateStoreFull(StateStoreError, sqlite3.OperationalError):
     """A write failed because the disk is full, even after the space reserve was released. Nothing
-    was written; the caller keeps its data and tries again later."""
+    was written; the caller keeps its data and tries again later. Also an ``sqlite3.OperationalError``
+    (what the write raised before): callers that catch sqlite3.Error keep catching it."""
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ from ckagent.logs import Masker
 from ckagent.master import MasterClient, MasterError, json_object
 from ckagent.process import MARKER_VAR, ProcessOutcome, RunAs, clock, run_supervised, sweep
 from ckagent.protocol import TIMEOUT_MESSAGE, Task, TaskResult, utc_iso
-from ckagent.state import AsyncStateStore
+from ckagent.state import AsyncStateStore, StateStoreError
 from ckagent.tails import TailBuffer, last_lines
 from ckagent.workcopy import make_working_copy, remove_tree, spider_dirs
 from ckagent.workspace import DeployError, Workspaces, safe_name
@@ -559,7 +559,10 @@ class Supervisor:
             rt.pid = pid
             if stall and rt.delivery is not None:
                 rt.delivery.watch_stall(stall, on_stall)
-            await self._store.set_process(task.id, pid, pid)
+            try:
+                await self._store.set_process(task.id, pid, pid)
+            except StateStoreError as exc:  # a full disk: the task runs on, unrecorded (a crash: AGENT_LOST)
+                log.error("task %s: cannot record its process: %s", task.id, exc)
 
         try:
             outcome = await run_supervised(
