@@ -158,6 +158,8 @@ class Connectivity:
             trouble = Trouble("partial", trouble.endpoint,
                               f"{trouble.text}, while other calls get answers (a partial outage: {cls})",
                               ("partial", cls))
+        elif trouble.kind in _GLOBAL_KINDS:
+            self._shadowed.pop(trouble.endpoint, None)  # a failure in step with the others: not partial
         previous = self._open.get(trouble.endpoint)
         self._open[trouble.endpoint] = _Open(trouble, now)
         episode = self._episodes.get(trouble.key)
