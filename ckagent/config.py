@@ -571,7 +571,8 @@ SETTINGS: tuple[Setting, ...] = (
             "and one marker line says how many bytes; 0 = no limit.", _integer(0)),
     Setting("task", "min_free_disk_bytes", "AGENT_TASK_MIN_FREE_DISK_BYTES", "integer >= 0 (bytes)", 512 * 1024**2,
             "Free-space floor of the work dir's filesystem: task output that would go below it is dropped "
-            "(with a marker line); 0 = no floor.", _integer(0)),
+            "(with a marker line), a task whose writes take the free space below it is stopped (DISK_FULL) and "
+            "new tasks wait until it is back; 0 = no floor.", _integer(0)),
     Setting("task", "log_files", "AGENT_TASK_LOG_FILES", "comma-separated globs", "*.log",
             "Spider log files under the task dir (CK_TASK_DIR) that are tailed into the task's log, each "
             "line marked `[<file>] `; a task adds globs with `params.logFiles`.", _globs),
