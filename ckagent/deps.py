@@ -68,6 +68,7 @@ from ckagent.deps_node import (
     wanted_node,
 )
 from ckagent.envstore import EnvStore, is_ready, mark_ready, start_build
+from ckagent.errors import DepsError, os_error_text
 from ckagent.noderange import satisfies
 from ckagent.process import SPAWNED, RunAs, popen_identity, terminate_group
 from ckagent.pyplan import (
@@ -99,10 +100,6 @@ UV_MISSING = (
     "deps.uv_path / AGENT_UV_PATH to the uv executable"
 )
 NPM_MISSING = "npm is not installed on this node: install Node.js with npm (e.g. `apt-get install nodejs npm`)"
-
-
-class DepsError(Exception):
-    """Installing a spider's dependencies failed; the message is meant for the task's errorMessage."""
 
 
 @dataclass
@@ -222,6 +219,8 @@ class Dependencies:
         token = _SPAWN.set(spawn)
         try:
             return await self._prepare(framework, spider_id, code_dir, output, marker)
+        except OSError as exc:  # the environment's files (a full disk, a permission): the install fails
+            raise DepsError(f"cannot prepare the spider's environment: {os_error_text(exc)}") from exc
         finally:
             _SPAWN.reset(token)
 
@@ -433,14 +432,17 @@ class Dependencies:
         try:
             with trio.move_on_after(self._timeout) as scope:
                 async with trio.open_nursery() as nursery:
-                    process: trio.Process = await nursery.start(
-                        partial(
-                            trio.run_process, spawn_argv, cwd=str(cwd), env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False,
-                            start_new_session=True, **popen_identity(self._run_as), **spawn_options,
-                            deliver_cancel=lambda p: terminate_group(p.pid, 5.0),
+                    try:
+                        process: trio.Process = await nursery.start(
+                            partial(
+                                trio.run_process, spawn_argv, cwd=str(cwd), env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False,
+                                start_new_session=True, **popen_identity(self._run_as), **spawn_options,
+                                deliver_cancel=lambda p: terminate_group(p.pid, 5.0),
+                            )
                         )
-                    )
+                    except OSError as exc:  # not startable: no such file, not executable, no such cwd
+                        raise DepsError(f"cannot start the installer {argv[0]!r}: {os_error_text(exc)}") from exc
                     spawned.append(process.pid)
                     SPAWNED.add(process.pid)  # trio reaps it; the subreaper's reaper must not
                     assert process.stdout is not None

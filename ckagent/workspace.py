@@ -48,11 +48,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
-from urllib.parse import quote
 
 import stamina
 import trio
 
+from ckagent.errors import DeployError
+from ckagent.ids import api_path, safe_name
 from ckagent.master import MasterClient, MasterError, MasterUnavailable, retry_wait
 from ckagent.protocol import CodePackage, SpiderFile
 
@@ -74,10 +75,6 @@ DOWNLOAD_STALL_TIMEOUT = 30.0
 """Seconds a code download may receive nothing before it is cut off and retried (server.download_stall_timeout)."""
 DOWNLOAD_RETRY_TIMEOUT = 900.0
 """Seconds a code download is retried (with backoff) before the deploy fails."""
-
-
-class DeployError(Exception):
-    """The spider's code cannot be deployed (bad package, failed download, broken rule)."""
 
 
 @dataclass(frozen=True)
@@ -411,7 +408,7 @@ class Workspaces:
         """
         try:
             listing: list[SpiderFile] = await self._master.call_retrying(
-                "spider_files", "GET", f"/api/spider-files/spider/{quote(spider_id, safe='')}",
+                "spider_files", "GET", api_path("/api/spider-files/spider/{spider}", spider=spider_id),
                 attempts=_DOWNLOAD_ATTEMPTS, answer=SpiderFile.list_from_json,
             )
         except MasterError as exc:
@@ -450,7 +447,7 @@ class Workspaces:
                     continue
                 await trio.to_thread.run_sync(_make_parent, target)
                 await self._download(
-                    f"/api/spider-files/{quote(f.id, safe='')}", target, f.size_bytes, f.sha256, f"entry {f.path!r}",
+                    api_path("/api/spider-files/{file}", file=f.id), target, f.size_bytes, f.sha256, f"entry {f.path!r}",
                     notice,
                 )
             await trio.to_thread.run_sync(_move_into_place, code, final)
@@ -565,15 +562,3 @@ def _sha256_file(path: Path) -> str:
         while chunk := fh.read(_WRITE_CHUNK_BYTES):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-_SAFE = re.compile(r"[^A-Za-z0-9._-]")
-
-
-def safe_name(text: str) -> str:
-    """A path component made from an id: never ``..``, empty or hidden; ids that had to be altered get
-    a short hash suffix so two different ids never share a directory."""
-    name = _SAFE.sub("_", text)[:100]
-    if name == text and name.strip(".") and not name.startswith("."):
-        return name
-    return f"_{name.lstrip('.')[:80]}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"

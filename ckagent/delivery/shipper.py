@@ -35,6 +35,7 @@ from ckagent.delivery.spool import (
     NOTIFY_FALLBACK,
     TAIL_INTERVAL,
 )
+from ckagent.ids import api_path
 from ckagent.master import MasterClient, MasterConflict, MasterRejected, MasterUnavailable, json_object
 from ckagent.protocol import SeqAccepted, TaskResult
 from ckagent.state import AsyncStateStore, StateStoreError
@@ -372,7 +373,7 @@ class StreamShipper:
         answers in a way that moves the stream (see module docstring): an acknowledgement, a 409, a
         413 for several elements, a 422 naming an element; or a 404 / a lone element's 413 that lasted
         longer than ``refusal_timeout``. Everything else is retried with backoff, forever."""
-        path = f"/api/tasks/{self.task_id}/{self.kind}"
+        path = api_path("/api/tasks/{task}/" + self.kind, task=self.task_id)
         attempt = 0
         try:
             while True:
@@ -466,7 +467,7 @@ async def send_result(
     while True:
         try:
             async with limiter if limiter is not None else contextlib.nullcontext():
-                await master.call("result", "POST", f"/api/tasks/{task_id}/result", json=result.to_json(),
+                await master.call("result", "POST", api_path("/api/tasks/{task}/result", task=task_id), json=result.to_json(),
                                   answer=json_object)
             break
         except MasterUnavailable as exc:  # MasterProtocolError too: an HTML page is not an acknowledgement
