@@ -44,6 +44,7 @@ slot is free at once, so a master outage never holds worker slots.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import shlex
@@ -75,8 +76,9 @@ from ckagent.delivery.lines import secret_values
 from ckagent.deps import Dependencies, DepsError, Prepared, spider_base_env
 from ckagent.logs import Masker
 from ckagent.master import MasterClient, MasterError, json_object
+from ckagent.outputs import collect, kept_dir
 from ckagent.process import MARKER_VAR, ProcessOutcome, RunAs, clock, run_supervised, sweep
-from ckagent.protocol import TIMEOUT_MESSAGE, Task, TaskResult, utc_iso
+from ckagent.protocol import ARTIFACTS, TIMEOUT_MESSAGE, Task, TaskResult, utc_iso
 from ckagent.state import AsyncStateStore
 from ckagent.tails import TailBuffer, last_lines
 from ckagent.workcopy import make_working_copy, remove_tree, spider_dirs
@@ -151,6 +153,8 @@ class RunnerConfig:
     """The node's containment level; None = process groups only (no subreaper, no limits)."""
     default_limits: Limits = field(default_factory=Limits)
     """Limits of a task that names none (``task.memory_limit_bytes`` ...)."""
+    max_artifact_bytes: int = 100 * 1024**2
+    """Most bytes of a task's artifacts shipped to the master (``task.max_artifact_bytes``); over it, kept."""
 
 
 TaskObserver = Callable[[RunningTask, TaskResult], None]
@@ -437,8 +441,28 @@ class Supervisor:
             if rt.stop_reason is not None:
                 notice(f"stopped before the spider started: {rt.stop_reason}")
                 return TaskOutcome("CANCELLED", "CANCELLED", rt.stop_reason)
-            return await self._run(rt, task_dir, work, argv, prepared, notice, sink, jail)
+            outcome = await self._run(rt, task_dir, work, argv, prepared, notice, sink, jail)
+            if rt.started_at is not None:  # the spider ran: its files become items, artifacts or kept ones
+                await self._collect(rt, task_dir, work, code_dir, notice)
+            return outcome
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _collect(self, rt: RunningTask, task_dir: Path, work: Path, version_dir: Path,
+                       notice: Callable[[str], None]) -> None:
+        """What the task wrote in its working copy → items, artifacts or kept on the node (ckagent.outputs),
+        before the copy is removed; one ``outputs:`` line in the task log says what became of each file."""
+        task = rt.task
+        keep = kept_dir(self.config.work_dir, safe_name(task.spider_id), safe_name(task.id))
+        try:
+            collected = await trio.to_thread.run_sync(functools.partial(
+                collect, work=work, code_dir=version_dir, since=rt.started_at or 0.0, task_dir=task_dir,
+                outputs=task.outputs, budget_bytes=self.config.max_artifact_bytes,
+                master_takes_artifacts=ARTIFACTS in self._master.features, keep_dir=keep))
+        except OSError as exc:
+            notice(f"outputs: cannot collect the task's files ({exc.strerror or exc}); they are removed with "
+                   "the working copy")
+            return
+        notice(collected.line())
 
     def _reuse_and_copy(self, task: Task, work: Path) -> tuple[Path, tuple[list[str], str | None], str] | None:
         """For a package deployed before: its version dir (touched: pruning keeps the newest), the

@@ -18,6 +18,7 @@ from typing import Any
 import trio
 
 from ckagent.crawlstats import STATS_FILE, Snapshot
+from ckagent.delivery.artifacts import upload_artifacts
 from ckagent.delivery.capture import DiskGuard, LogSink
 from ckagent.delivery.journal import LogJournal, rejected_log_globs, scan_log_files, task_log_globs
 from ckagent.delivery.lines import Masker, secret_values
@@ -27,6 +28,7 @@ from ckagent.delivery.spool import DEFAULT_LOG_GLOBS, ITEMS_FILE, OUTPUT_LOG, SC
 from ckagent.delivery.statistics import OutboxStatistics, SpoolCounter
 from ckagent.delivery.stats import StatsShipper, final_stats
 from ckagent.master import MasterClient
+from ckagent.outputs import cleanup_kept
 from ckagent.protocol import Task, TaskResult
 from ckagent.stall import Activity, watch_stall
 from ckagent.state import AsyncStateStore, TaskRecord
@@ -212,8 +214,10 @@ class TaskDelivery:
         reason = self.result.finish_reason
         if reason is None and stats is not None and isinstance(stats.stats.get("finishReason"), str):
             reason = stats.stats["finishReason"] or None
+        # Artifacts go before the result, which lists what the master holds (ckagent.delivery.artifacts).
+        artifacts = await upload_artifacts(self.outbox.master, self.task_id, self.task_dir, self.outbox.limiter)
         result = dataclasses.replace(self.result, item_count=self.items.acked, log_lines=self.logs.acked,
-                                     stats=stats, finish_reason=reason)
+                                     stats=stats, finish_reason=reason, artifacts=artifacts)
         await self.outbox.store.set_result(self.task_id, result.to_json())
         await send_result(self.outbox.master, self.outbox.store, self.task_id, result, self.outbox.limiter)
         self.delivered.set()
@@ -403,6 +407,8 @@ class Outbox:
         interval = min(3600.0, max(1.0, self.config.retention / 4))
         while True:
             await cleanup_task_dirs(self.store, self.tasks_dir, self.config.retention)
+            # Files kept on the node (over the artifact budget, ...) follow the same retention.
+            await trio.to_thread.run_sync(cleanup_kept, self.work_dir, self.config.retention)
             await trio.sleep(interval)
 
 

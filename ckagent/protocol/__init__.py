@@ -36,8 +36,10 @@ from ckagent.protocol._fields import (
     str_list,
     str_map,
 )
+from ckagent.protocol.outputs import ARTIFACTS, ArtifactRef, TaskOutputs, artifact_list
 
 __all__ = [
+    "ARTIFACTS",
     "ERROR_CODES",
     "FEATURES",
     "FINAL_STATUSES",
@@ -47,6 +49,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "STOP_SIGNALS",
     "TASK_STATUSES",
+    "ArtifactRef",
     "BadTask",
     "CodePackage",
     "Heartbeat",
@@ -61,6 +64,7 @@ __all__ = [
     "SeqConflict",
     "SpiderFile",
     "Task",
+    "TaskOutputs",
     "TaskRelease",
     "TaskResources",
     "TaskResult",
@@ -455,6 +459,9 @@ class Task:
     claimed: bool = False
     """The master claimed the task for this node in the poll answer (``claim-in-poll``): it is this
     node's already, to run or to give back; False: handed out only, a claim decides."""
+    outputs: TaskOutputs | None = None
+    """Declared item files and artifacts (globs in the working copy); None = the conventions
+    (ckagent.outputs)."""
 
     @property
     def stop_signal_number(self) -> int:
@@ -495,6 +502,7 @@ class Task:
             resources=TaskResources.from_json(o.get("resources"), f"{path}.resources"),
             stop_signal=parse_stop_signal(o, path),
             claimed=_opt_bool(o, "claimed", path),
+            outputs=TaskOutputs.from_json(o.get("outputs"), f"{path}.outputs"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -516,6 +524,7 @@ class Task:
                 "resources": self.resources.to_json() or None,
                 "stopSignal": self.stop_signal,
                 "claimed": True if self.claimed else None,
+                "outputs": None if self.outputs is None else self.outputs.to_json(),
             }
         )
 
@@ -616,6 +625,8 @@ class TaskResult:
     pids_peak: int | None = None
     io_read_bytes: int | None = None
     io_write_bytes: int | None = None
+    artifacts: list[ArtifactRef] | None = None
+    """The task's artifacts the master holds (uploaded before this result); None = none collected."""
 
     @classmethod
     def from_json(cls, obj: Any) -> TaskResult:
@@ -647,6 +658,7 @@ class TaskResult:
             pids_peak=opt_int(o, "pidsPeak", lo=0),
             io_read_bytes=opt_int(o, "ioReadBytes", lo=0),
             io_write_bytes=opt_int(o, "ioWriteBytes", lo=0),
+            artifacts=artifact_list(o.get("artifacts")),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -672,6 +684,7 @@ class TaskResult:
                 "pidsPeak": self.pids_peak,
                 "ioReadBytes": self.io_read_bytes,
                 "ioWriteBytes": self.io_write_bytes,
+                "artifacts": None if self.artifacts is None else [a.to_json() for a in self.artifacts],
             }
         )
 
