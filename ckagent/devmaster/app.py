@@ -290,8 +290,12 @@ SPIDER_PATCH_FIELDS = ("name", "framework", "command", "env", "timeoutSeconds", 
 
 
 def _outputs(o: dict[str, Any]) -> dict[str, Any] | None:
-    """A spider's ``outputs`` (validated; null or absent = None: the conventions)."""
-    outputs = TaskOutputs.from_json(o.get("outputs"), "outputs")
+    """A spider's ``outputs`` (validated, a misspelt key refused; null or absent = None: the conventions)."""
+    raw = o.get("outputs")
+    unknown = sorted(set(raw) - {"items", "artifacts"}) if isinstance(raw, dict) else []
+    if unknown:
+        raise ProtocolError(f"outputs.{unknown[0]}", "unknown key: outputs takes 'items' and 'artifacts'")
+    outputs = TaskOutputs.from_json(raw, "outputs")
     return None if outputs is None else outputs.to_json()
 
 

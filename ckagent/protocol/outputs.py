@@ -67,8 +67,6 @@ def _globs(o: dict[str, Any], key: str, path: str) -> list[str]:
     where = f"{path}.{key}" if path else key
     if raw is None:
         return []
-    if isinstance(raw, str):
-        raw = [raw]
     if not isinstance(raw, list):
         raise ProtocolError(where, "expected an array of glob strings")
     if len(raw) > MAX_GLOBS:
@@ -95,9 +93,6 @@ class TaskOutputs:
         if obj is None:
             return None
         o = req_object(obj, path)
-        unknown = sorted(set(o) - {"items", "artifacts"})
-        if unknown:
-            raise ProtocolError(f"{path}.{unknown[0]}", "unknown key: outputs takes 'items' and 'artifacts'")
         return cls(items=_globs(o, "items", path), artifacts=_globs(o, "artifacts", path))
 
     def to_json(self) -> dict[str, Any]:
