@@ -40,7 +40,7 @@ def _log_line(lines: list[str], prefix: str) -> str:
     return found[-1]
 
 
-async def _spider(admin, name: str, files: dict[str, str | bytes], **spider) -> str:  # noqa: ANN001
+async def _spider(admin, name: str, files: dict[str, str | bytes], **spider) -> str:
     spider_id = await admin.create_spider(name=name, framework="python", **spider)
     await admin.upload_package(spider_id, spider_zip(files))
     return str(spider_id)
