@@ -98,6 +98,7 @@ async def test_artifacts_survive_an_agent_kill_mid_upload(dev_master: Any, nurse
         with trio.fail_after(120):
             task = await admin.wait_task_final(task_id, 120)
     finally:
-        await agent.kill()
+        with trio.CancelScope(shield=True), trio.move_on_after(10):
+            await agent.kill()
     assert task["status"] == "SUCCESS", (task, agent.log_text()[-3000:])
     await check_artifacts(admin, task_id, expected(FILES, 20_000), dev_master.db_path)

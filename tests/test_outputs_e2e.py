@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 from harness import agent_settings, running_agent, spider_zip
@@ -52,12 +53,20 @@ async def test_declared_outputs_and_artifacts(dev_master, nursery: trio.Nursery,
                               AGENT_TASK_MAX_ARTIFACT_BYTES="4000")
     admin = dev_master.admin
     files = {"main.py": WRITER, "shipped.txt": "as shipped"}
-    async with running_agent(nursery, settings):
+    async with running_agent(nursery, settings) as agent:
         spider_id = await _spider(admin, "writer", files,
                                   outputs={"items": ["results.json", "*.jsonl", "rows.csv"]})
         task_id = await admin.create_task(spider_id)
         with trio.fail_after(90):
             task = await admin.wait_task_final(task_id, 90)
+        # The agent's status page links the task's artifacts and serves them while the task dir is kept.
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{agent.status_port}", timeout=10) as status:
+            page = (await status.get("/")).text
+            assert f'href="/tasks/{task_id}/artifacts/images/full/0.bin"' in page
+            got = await status.get(f"/tasks/{task_id}/artifacts/images/full/0.bin")
+            assert got.status_code == 200 and got.content == bytes([0]) * 1000
+            assert (await status.get(f"/tasks/{task_id}/artifacts/main.py")).status_code == 404
+            assert (await status.get(f"/tasks/{task_id}/artifacts/..%2F..%2Fstate.db")).status_code == 404
     assert task["status"] == "SUCCESS", task
     assert task["outputs"] == {"items": ["results.json", "*.jsonl", "rows.csv"], "artifacts": []}
     items = await admin.get_items(task_id)

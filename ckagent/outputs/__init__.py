@@ -336,3 +336,20 @@ def cleanup_kept(work_dir: Path, older_than: float) -> int:
         except OSError:
             continue
     return deleted
+
+
+def artifact_file(task_dir: Path, rel: str) -> Path | None:
+    """Where the artifact ``rel`` of a task is on this node (its task directory, or the folder of kept
+    files after an upload that could not be made); None when ``rel`` is not in the task's manifest or
+    the file is gone. Never resolves a path from outside the manifest. Blocking."""
+    try:
+        refs, keep_dir = load_manifest(task_dir)
+    except (OSError, ValueError):
+        return None
+    if rel not in {ref.path for ref in refs}:
+        return None
+    for base in (task_dir / ARTIFACTS_DIR, keep_dir):
+        candidate = base / rel
+        if candidate.is_file() and not candidate.is_symlink():
+            return candidate
+    return None
