@@ -106,6 +106,9 @@ def test_collect_gives_each_file_its_fate(tmp_path: Path) -> None:
     assert [a.path for a in got.artifacts] == ["edited.txt"]
     assert got.kept == [("big.bin", 5000)] and (keep / "big.bin").stat().st_size == 5000
     assert (task_dir / "artifacts" / "edited.txt").read_text() == "4321"
+    # The working copy became the artifacts folder in one rename; all that is not an artifact is gone.
+    assert not work.exists()
+    assert sorted(str(p.relative_to(task_dir / "artifacts")) for p in (task_dir / "artifacts").rglob("*")) == ["edited.txt"]
     refs, keep_dir = load_manifest(task_dir)
     assert refs == got.artifacts and keep_dir == keep
     assert (task_dir / "items.jsonl").read_text().splitlines() == ['{"a":1}', '{"a":2}']

@@ -34,6 +34,7 @@ Blocking: :func:`collect` walks, copies and hashes; call it in one ``trio.to_thr
 
 from __future__ import annotations
 
+import contextlib
 import filecmp
 import fnmatch
 import hashlib
@@ -168,22 +169,30 @@ def kept_dir(work_dir: Path, safe_spider: str, safe_task: str) -> Path:
     return work_dir / "spider-data" / safe_spider / "outputs" / safe_task
 
 
-def changed_files(work: Path, code_dir: Path, since: float) -> list[tuple[str, os.stat_result]]:
+def changed_files(work: Path, code_dir: Path, since: float,
+                  others: list[str] | None = None) -> list[tuple[str, os.stat_result]]:
     """Regular files of ``work`` the task created or changed (POSIX relative paths, sorted), caches left out.
 
     A file counts when ``code_dir`` has none at its path, or one of another size, or when its mtime is
-    after ``since`` (epoch seconds) and its bytes differ."""
+    after ``since`` (epoch seconds) and its bytes differ. ``others`` (when given) gets every other
+    entry: unchanged files, symlinks, cache files and cache folders (a folder once, not its content)."""
     found: list[tuple[str, os.stat_result]] = []
+    other = others if others is not None else []
     for dirpath, dirnames, filenames in os.walk(work):
         rel_dir = os.path.relpath(dirpath, work)
         rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
-        dirnames[:] = sorted(d for d in dirnames if d not in CACHE_DIRS and not os.path.islink(os.path.join(dirpath, d)))
+        kept_dirs = []
+        for d in sorted(dirnames):
+            if d in CACHE_DIRS or os.path.islink(os.path.join(dirpath, d)):
+                other.append(rel_dir + d)
+            else:
+                kept_dirs.append(d)
+        dirnames[:] = kept_dirs
         for name in sorted(filenames):
             rel = rel_dir + name
-            if is_cache(rel):
-                continue
             st = os.lstat(os.path.join(dirpath, name))
-            if not stat.S_ISREG(st.st_mode):
+            if is_cache(rel) or not stat.S_ISREG(st.st_mode):
+                other.append(rel)
                 continue
             try:
                 original = os.lstat(code_dir / rel)
@@ -192,6 +201,8 @@ def changed_files(work: Path, code_dir: Path, since: float) -> list[tuple[str, o
                 continue
             if original.st_size != st.st_size or (st.st_mtime > since and not _same_bytes(code_dir / rel, work / rel)):
                 found.append((rel, st))
+            else:
+                other.append(rel)
     found.sort(key=lambda entry: entry[0])
     return found
 
@@ -214,7 +225,8 @@ def collect(*, work: Path, code_dir: Path, since: float, task_dir: Path, outputs
     when the items spool or the manifest cannot be written.
     """
     result = Collected()
-    files = changed_files(work, code_dir, since)
+    others: list[str] = []
+    files = changed_files(work, code_dir, since, others)
     item_globs = outputs.items if outputs is not None and outputs.items else None
     artifact_globs = outputs.artifacts if outputs is not None and outputs.artifacts else None
     item_files = [(rel, st) for rel, st in files
@@ -262,25 +274,54 @@ def collect(*, work: Path, code_dir: Path, since: float, task_dir: Path, outputs
         else:
             result.kept_why = "not named by outputs.artifacts"
     target = task_dir / ARTIFACTS_DIR
+    adopted = False
+    if shipped and not target.exists():
+        # One rename moves the whole working copy (10,000 files cost no more than one); what is not an
+        # artifact is deleted from it below (the code's files: a handful, not the task's output).
+        try:
+            os.rename(work, target)
+            adopted = True
+        except OSError:
+            adopted = False
+    source = target if adopted else work
     for rel, st in shipped:
         try:
-            digest = _move_and_hash(work / rel, target / rel)
+            digest = _hash(target / rel) if adopted else _move_and_hash(work / rel, target / rel)
         except OSError as exc:
             result.problems.append(f"{rel}: cannot collect ({exc.strerror or exc})")
             continue
         result.artifacts.append(ArtifactRef(path=rel, size_bytes=st.st_size, sha256=digest))
     for rel, st in kept:
         try:
-            _move(work / rel, keep_dir / rel)
+            _move(source / rel, keep_dir / rel)
         except OSError as exc:
             result.problems.append(f"{rel}: cannot keep ({exc.strerror or exc})")
             continue
         result.kept.append((rel, st.st_size))
     if result.kept:
         result.kept_dir = keep_dir
+    if adopted:
+        _prune(target, others + [rel for rel, _ in item_files])
     if result.artifacts or result.kept:
         _write_manifest(task_dir, result, keep_dir)
     return result
+
+
+def _prune(root: Path, rels: list[str]) -> None:
+    """Delete ``rels`` (files, symlinks, folders) under ``root``, then the folders left empty. Never raises."""
+    for rel in rels:
+        path = root / rel
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink()
+        except OSError:
+            continue
+    for dirpath, _dirnames, _filenames in sorted(os.walk(root, topdown=False), key=lambda e: -len(e[0])):
+        if dirpath != str(root):
+            with contextlib.suppress(OSError):
+                os.rmdir(dirpath)  # only when empty
 
 
 def _move(src: Path, dst: Path) -> None:
@@ -293,8 +334,12 @@ def _move(src: Path, dst: Path) -> None:
 
 def _move_and_hash(src: Path, dst: Path) -> str:
     _move(src, dst)
+    return _hash(dst)
+
+
+def _hash(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(dst, "rb") as fin:
+    with open(path, "rb") as fin:
         while chunk := fin.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
