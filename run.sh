@@ -3,7 +3,12 @@
 #
 #   ./run.sh [FLAGS] start [AGENT ARGS...]      (default AGENT ARGS: -c config/config.yaml, else -c config.yaml)
 #   ./run.sh [FLAGS] restart [AGENT ARGS...]    (default: the arguments of the last daemon start)
-#   ./run.sh stop | status | logs [--follow=off] | upgrade [VERSION] | help
+#   ./run.sh stop [--leave-running] | status | logs [--follow=off] | upgrade [VERSION] | help
+#
+# restart and upgrade hand over: the old agent stops (SIGUSR2) and leaves its running tasks running,
+# the new one re-adopts them (docs/operations.md, "Tasks outlive the agent"); --drain waits for them
+# instead (SIGTERM, as `stop` does). `stop --leave-running` stops the agent and leaves its tasks
+# running for the next start.
 #
 # FLAGS may stand before or after the command (./run.sh --daemon=on start = ./run.sh start --daemon=on):
 #   --daemon=on|off               run in the background (log: logs/agent.log, rotated by the logging
@@ -406,13 +411,58 @@ except Exception:
   return 1
 }
 
-# restart_agent ARGS...: stop (drain) and start again — through systemd when AGENT_SYSTEMD_UNIT names
+# Hand-over: SIGUSR2 stops the agent and leaves its running tasks running for the next agent, which
+# re-adopts them. DRAIN=1 (--drain) makes restart and upgrade drain instead; LEAVE_RUNNING=1
+# (stop --leave-running) makes stop hand over.
+DRAIN=0
+LEAVE_RUNNING=0
+handover_timeout() {  # flush_timeout + 15 s: the agent only writes its positions and says goodbye
+  local flush
+  flush="$(settings_value task flush_timeout)"
+  py 'import math, sys; print(math.ceil(float(sys.argv[1]) + 15))' "${flush:-10}"
+}
+
+# handover_stop: stop the agent of agent.pid with SIGUSR2 (its running tasks keep running), SIGKILL
+# after handover_timeout (the tasks survive that too).
+handover_stop() {
+  local pid timeout
+  if ! pid="$(agent_pid)"; then
+    rm -f "$PID_FILE"
+    say "ckagent is not running"
+    return 0
+  fi
+  load_last_args
+  agent_command_if_installed
+  load_settings
+  timeout="$(handover_timeout)"
+  say "stopping ckagent (pid $pid): SIGUSR2, its running tasks keep running for the next agent (up to ${timeout}s)"
+  kill -USR2 "$pid" 2>/dev/null || true
+  if ! wait_gone "$pid" "$timeout"; then
+    say "ckagent did not exit within ${timeout}s: SIGKILL (its tasks keep running)"
+    kill -KILL "$pid" 2>/dev/null || true
+    wait_gone "$pid" 10 || die "pid $pid survived SIGKILL"
+  fi
+  rm -f "$PID_FILE"
+  say "ckagent stopped; its running tasks are left to the next start"
+}
+
+# stop_for_restart: hand over (default) or drain (--drain) before a restart or an upgrade.
+stop_for_restart() {
+  if ((DRAIN)); then cmd_stop; else handover_stop; fi
+}
+
+# restart_agent ARGS...: stop (hand over, or drain with --drain) and start again — through systemd when AGENT_SYSTEMD_UNIT names
 # the unit that runs this agent (run.sh start in the foreground), else as a daemon with ARGS.
 restart_agent() {
-  if [[ -n "${AGENT_SYSTEMD_UNIT:-}" ]]; then
+  if [[ -n "${AGENT_SYSTEMD_UNIT:-}" ]] && ((DRAIN)); then
+    systemctl restart "$AGENT_SYSTEMD_UNIT" || say "systemctl restart $AGENT_SYSTEMD_UNIT failed"
+  elif [[ -n "${AGENT_SYSTEMD_UNIT:-}" ]]; then  # KillMode=process: the unit's stop leaves the tasks be
+    systemctl kill --kill-whom=main --signal=SIGUSR2 "$AGENT_SYSTEMD_UNIT" || say "systemctl kill $AGENT_SYSTEMD_UNIT failed"
+    local pid
+    if pid="$(agent_pid)"; then wait_gone "$pid" "$(handover_timeout)" || true; fi
     systemctl restart "$AGENT_SYSTEMD_UNIT" || say "systemctl restart $AGENT_SYSTEMD_UNIT failed"
   else
-    cmd_stop || true
+    stop_for_restart || true
     cmd_start --daemon=on "$@" >/dev/null || true
   fi
 }
@@ -582,7 +632,7 @@ cmd_restart() {
     load_last_args
     rest=("${ARGS[@]+"${ARGS[@]}"}")
   fi
-  cmd_stop
+  stop_for_restart
   SETTINGS_YAML=""
   cmd_start --daemon=on "${flags[@]+"${flags[@]}"}" "${rest[@]+"${rest[@]}"}"
 }
@@ -757,6 +807,8 @@ command="" FLAGS=() REST=()
 while (($#)); do
   case "$1" in
     -h|--help) usage 0 ;;
+    --drain) DRAIN=1 ;;
+    --leave-running) LEAVE_RUNNING=1 ;;
     --daemon|--daemon=*|--cleanup_temp_files|--cleanup_temp_files=*|--cleanup-temp-files|--cleanup-temp-files=*)
       FLAGS+=("$1") ;;
     -c|--config)
@@ -782,7 +834,8 @@ case "$command" in
   start) lock_state; cmd_start "${FLAGS[@]+"${FLAGS[@]}"}" "${REST[@]+"${REST[@]}"}" ;;
   restart) lock_state; cmd_restart "${FLAGS[@]+"${FLAGS[@]}"}" "${REST[@]+"${REST[@]}"}" ;;
   stop) ((${#REST[@]} == 0)) || usage_error "stop takes no arguments (it stops the agent of agent.pid)"
-    lock_state; cmd_stop ;;
+    lock_state
+    if ((LEAVE_RUNNING)); then handover_stop; else cmd_stop; fi ;;
   status) ((${#REST[@]} == 0)) || usage_error "status takes no arguments"; cmd_status ;;
   logs) cmd_logs "${REST[@]+"${REST[@]}"}" ;;
   upgrade)  # asked by the agent (AGENT_UPGRADE_AUTO): wait for an upgrade still restarting it

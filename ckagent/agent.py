@@ -6,7 +6,8 @@
     └── root nursery
         ├── status server      /metrics /healthz /readyz /status on agent.bind:agent.port (status.py);
         │                      listens from the start, serves from the first heartbeat on
-        ├── signals            SIGTERM → drain (second SIGTERM → terminate), SIGINT → terminate
+        ├── signals            SIGTERM → drain (second SIGTERM → terminate), SIGINT → terminate,
+        │                      SIGUSR2 → hand over (stop, leave running spiders to the next agent)
         ├── heartbeat loop     until STOPPED (each beat sends the state as it is)
         ├── outbox             every task's logs, items and result (delivery.Outbox): tasks hand
         │                      theirs over when their process ends (the slot frees at once); the
@@ -62,6 +63,7 @@ import psutil
 import trio
 
 from ckagent import __version__
+from ckagent.adoption import Adoption, admit_adopted, find_adoptable, run_adopted
 from ckagent.capabilities import Capabilities
 from ckagent.config import ConfigError, Settings
 from ckagent.containment import Containment, ContainmentError, Limits, TaskJail, open_containment
@@ -109,6 +111,9 @@ FLUSH_TIMEOUT = 10.0
 streams before leaving them on disk."""
 RUNTIME_SCAN_INTERVAL = 300.0
 FINAL_BEAT_TIMEOUT = 2.0
+HAND_OVER_SIGNAL = signal.SIGUSR2
+"""Stop the agent and leave its running tasks to the next agent, which re-adopts them (``run.sh
+upgrade``/``restart``). SIGTERM still drains, SIGINT terminates (docs/operations.md)."""
 """Seconds the last heartbeat (status STOPPED) may take on the way out."""
 DEFERRED_START_LIMIT = 1.0
 """Seconds after the start by which the work kept off the way to the first heartbeat (see
@@ -147,6 +152,8 @@ class Agent:
         self._startup_scope = trio.CancelScope()
         """Registration: a stop before it completes ends it."""
         self._work_scope = trio.CancelScope()
+        self._adopted: list[tuple[RunningTask, Adoption]] = []  # re-adopted at start (ckagent.adoption)
+        self._handed = 0  # running tasks left to the next agent (hand_over)
         """The tasks' scope: TERMINATING sets its deadline."""
         self._drain_scope = trio.CancelScope()
         """DRAINING's wait for the tasks: TERMINATING ends it."""
@@ -224,6 +231,8 @@ class Agent:
                 if failure is None and self.state is AgentState.RUNNING:
                     with self._work_scope:  # TERMINATING sets its deadline
                         async with trio.open_nursery() as work:  # one run_task per claimed task
+                            for rt, adoption in self._adopted:  # tasks an earlier agent left running
+                                work.start_soon(run_adopted, supervisor, rt, adoption, name=f"adopted {rt.task.id}")
                             await poller.run(work)  # until DRAINING; claims on the wire are settled
                             self.drain()  # (when the poller ended by itself)
                             with self._drain_scope, trio.move_on_at(self._drain_deadline):
@@ -239,9 +248,13 @@ class Agent:
                                     s.task.kill_grace + s.task.flush_timeout)
                     self.state = AgentState.STOPPING
                     flush_until = min(trio.current_time() + s.task.flush_timeout, self._exit_deadline)
-                    with self._flush_scope, trio.move_on_at(flush_until):
-                        await outbox.wait_idle()
-                    if outbox.pending:
+                    if not supervisor.handing_over:  # handing over: the next agent delivers what is left
+                        with self._flush_scope, trio.move_on_at(flush_until):
+                            await outbox.wait_idle()
+                    if supervisor.handing_over:
+                        log.info("handed over: %d task(s) left running for the next agent, %d delivery(ies) "
+                                 "left in %s", self._handed, outbox.pending, self.work_dir / "state.db")
+                    elif outbox.pending:
                         log.warning("stopping with undelivered results or logs; they stay in %s for the "
                                     "next start", self.work_dir / "state.db")
                 root.cancel_scope.cancel()
@@ -352,7 +365,10 @@ class Agent:
             return StartupError(str(exc))
         root.start_soon(self._signals)
         root.start_soon(self._rescan_runtimes)
-        leftovers = await recover_lost_tasks(store, self.metrics.task_lost, self.containment)
+        adoptions, refused = await find_adoptable(await store.pending_delivery())
+        adopted = {adoption.record.task_id for adoption in adoptions}
+        leftovers = await recover_lost_tasks(store, self.metrics.task_lost, self.containment, keep=adopted,
+                                             reasons=refused)
         if s.task.cleanup_temp_files:
             await cleanup_task_dirs(store, self.work_dir / "tasks", 0)
         self.versions.nursery = root
@@ -372,6 +388,9 @@ class Agent:
             delivery = self.outbox.deliveries.get(record.task_id)
             if delivery is not None:  # the canonical line of a task an earlier run left unsent
                 delivery.on_delivered = partial(self._leftover_delivered, record)
+        self._adopted = [(admit_adopted(self.supervisor, adoption), adoption) for adoption in adoptions]
+        if adoptions:
+            log.info("re-adopted %d task(s) an earlier agent left: %s", len(adoptions), ", ".join(sorted(adopted)))
         assert self.heartbeat is not None
         if self.state is AgentState.STARTING:  # (a drain may have come meanwhile)
             self.state = AgentState.RUNNING  # before the first heartbeat: beats never say STARTING
@@ -459,11 +478,33 @@ class Agent:
         if self.supervisor is not None:
             self.supervisor.cancel_all("agent terminating")
 
+    def hand_over(self) -> None:
+        """Stop the agent and leave its running spiders running, for the next agent to re-adopt
+        (``run.sh upgrade``/``restart``; HAND_OVER_SIGNAL). Tasks still deploying or installing are
+        stopped (CANCELLED); finished tasks' undelivered results stay in the state store. Idempotent."""
+        if self._exit_deadline != float("inf") or self.supervisor is None:
+            return
+        running = [rt.task.id for rt in self.supervisor.running.values() if rt.phase == "running"]
+        log.info("%s: stopping and leaving %d running task(s) to the next agent", HAND_OVER_SIGNAL.name,
+                 len(running))
+        self.supervisor.handing_over = True
+        self._handed = len(running)
+        self._exit_deadline = trio.current_time() + self.settings.task.flush_timeout
+        if self.state in (AgentState.STARTING, AgentState.RUNNING, AgentState.DRAINING):
+            self.state = AgentState.TERMINATING
+        self._startup_scope.cancel()
+        if self.poller is not None:
+            self.poller.stop(claim_timeout=0)
+        self._drain_scope.cancel()
+        self._work_scope.cancel()
+
     async def _signals(self) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, HAND_OVER_SIGNAL) as signals:
             async for signum in signals:
                 name = signal.Signals(signum).name
-                if self.state is AgentState.STOPPING:
+                if signum == HAND_OVER_SIGNAL and self.state is not AgentState.STOPPING:
+                    self.hand_over()
+                elif self.state is AgentState.STOPPING:
                     log.info("%s while flushing: leaving unsent data on disk and exiting now", name)
                     self._hurry = True
                     self._flush_scope.cancel()

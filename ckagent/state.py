@@ -42,7 +42,8 @@ CREATE TABLE IF NOT EXISTS tasks (
     claimed_at   REAL NOT NULL,
     result_json  TEXT,
     result_acked INTEGER NOT NULL DEFAULT 0,
-    finished_at  REAL
+    finished_at  REAL,
+    handle       TEXT
 );
 CREATE TABLE IF NOT EXISTS streams (
     task_id      TEXT NOT NULL,
@@ -55,8 +56,14 @@ CREATE TABLE IF NOT EXISTS streams (
 """
 
 
+SCHEMA_VERSION = 2
+"""The state store's schema (``PRAGMA user_version``). 0/1: stores written before it was versioned
+(``streams.position`` may be missing); 2: ``tasks.handle``, what a later agent needs to re-adopt a
+running task (ckagent.adoption). An agent migrates older stores up at open and refuses newer ones."""
+
+
 class StateStoreError(Exception):
-    """The state database cannot be opened or created."""
+    """The state database cannot be opened or created, or a newer agent wrote it."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,8 @@ class TaskRecord:
     result: dict[str, Any] | None
     result_acked: bool
     finished_at: float | None
+    handle: dict[str, Any] | None = None
+    """What re-adopting the running spider needs (ckagent.adoption); None: none recorded."""
 
 
 class StateStore:
@@ -98,10 +107,15 @@ class StateStore:
             self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
+            version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
+            if version > SCHEMA_VERSION:
+                self._db.close()
+                raise StateStoreError(
+                    f"the state store {path} was written by a newer ckagent (schema {version}; this agent "
+                    f"reads up to {SCHEMA_VERSION}): run that version again (or a newer one), or move "
+                    f"{path.parent} aside to start this one with an empty work dir")
             self._db.executescript(_SCHEMA)
-            columns = {row[1] for row in self._db.execute("PRAGMA table_info(streams)")}
-            if "position" not in columns:  # a state.db written by an agent before positions were JSON
-                self._db.execute("ALTER TABLE streams ADD COLUMN position TEXT")
+            _migrate(self._db)
         except (OSError, sqlite3.Error) as exc:
             raise StateStoreError(f"cannot open the state store {path}: {exc}") from exc
         self._lock = threading.Lock()
@@ -126,9 +140,18 @@ class StateStore:
             return inserted and not self._db.execute(
                 "SELECT 1 FROM streams WHERE task_id=? LIMIT 1", (task_id,)).fetchall()
 
-    def set_process(self, task_id: str, pid: int | None, pgid: int | None) -> None:
-        """Record (or clear, with None) the spider's main pid and process group."""
-        self._exec("UPDATE tasks SET pid=?, pgid=? WHERE task_id=?", (pid, pgid, task_id))
+    def set_process(self, task_id: str, pid: int | None, pgid: int | None,
+                    handle: dict[str, Any] | None = None) -> None:
+        """Record (or clear, with None) the spider's main pid and process group, and its re-adoption
+        handle (see :meth:`set_handle`)."""
+        self._exec("UPDATE tasks SET pid=?, pgid=?, handle=? WHERE task_id=?",
+                   (pid, pgid, None if handle is None else json.dumps(handle), task_id))
+
+    def set_handle(self, task_id: str, handle: dict[str, Any] | None) -> None:
+        """Record (or clear) what a later agent needs to re-adopt the task's running spider
+        (ckagent.adoption: the monitor's pid and start time, the boot, the status file, the deadline)."""
+        self._exec("UPDATE tasks SET handle=? WHERE task_id=?",
+                   (None if handle is None else json.dumps(handle), task_id))
 
     def stream_position(self, task_id: str, stream: str) -> tuple[int, Any]:
         """(acknowledged element count, JSON position after it); ``(0, None)`` for a new stream."""
@@ -173,7 +196,7 @@ class StateStore:
     def set_result(self, task_id: str, result: dict[str, Any]) -> None:
         """Store the final result before it is sent (so a crash cannot lose it). Keeps the first finish time."""
         self._exec(
-            "UPDATE tasks SET result_json=?, finished_at=COALESCE(finished_at, ?), pid=NULL, pgid=NULL "
+            "UPDATE tasks SET result_json=?, finished_at=COALESCE(finished_at, ?), pid=NULL, pgid=NULL, handle=NULL "
             "WHERE task_id=?",
             (json.dumps(result), time.time(), task_id),
         )
@@ -241,7 +264,19 @@ class StateStore:
             self._db.execute("COMMIT")
 
 
-_COLUMNS = "task_id, spider_id, task_json, task_dir, pid, pgid, claimed_at, result_json, result_acked, finished_at"
+_COLUMNS = ("task_id, spider_id, task_json, task_dir, pid, pgid, claimed_at, result_json, result_acked, finished_at, "
+            "handle")
+
+
+def _migrate(db: sqlite3.Connection) -> None:
+    """Bring a store written by an older agent up to SCHEMA_VERSION (each step idempotent)."""
+    streams = {row[1] for row in db.execute("PRAGMA table_info(streams)")}
+    if "position" not in streams:  # a state.db written by an agent before positions were JSON
+        db.execute("ALTER TABLE streams ADD COLUMN position TEXT")
+    tasks = {row[1] for row in db.execute("PRAGMA table_info(tasks)")}
+    if "handle" not in tasks:  # schema 1: no re-adoption handle
+        db.execute("ALTER TABLE tasks ADD COLUMN handle TEXT")
+    db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
 
 def _record(row: tuple[Any, ...]) -> TaskRecord:
@@ -256,6 +291,7 @@ def _record(row: tuple[Any, ...]) -> TaskRecord:
         result=None if row[7] is None else json.loads(row[7]),
         result_acked=bool(row[8]),
         finished_at=row[9],
+        handle=None if row[10] is None else json.loads(row[10]),
     )
 
 
@@ -281,9 +317,14 @@ class AsyncStateStore:
         if await trio.to_thread.run_sync(self.sync.add_task, task_id, spider_id, task_json, task_dir):
             self._fresh.update((task_id, stream) for stream in STREAMS)  # known to start at (0, None)
 
-    async def set_process(self, task_id: str, pid: int | None, pgid: int | None) -> None:
+    async def set_process(self, task_id: str, pid: int | None, pgid: int | None,
+                          handle: dict[str, Any] | None = None) -> None:
         """See :meth:`StateStore.set_process`."""
-        await trio.to_thread.run_sync(self.sync.set_process, task_id, pid, pgid)
+        await trio.to_thread.run_sync(self.sync.set_process, task_id, pid, pgid, handle)
+
+    async def set_handle(self, task_id: str, handle: dict[str, Any] | None) -> None:
+        """See :meth:`StateStore.set_handle`."""
+        await trio.to_thread.run_sync(self.sync.set_handle, task_id, handle)
 
     async def stream_position(self, task_id: str, stream: str) -> tuple[int, Any]:
         """See :meth:`StateStore.stream_position` (a noted position not yet written counts)."""

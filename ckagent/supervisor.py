@@ -13,8 +13,8 @@ outcome               status      errorCode     errorMessage
 ====================  ==========  ============  =================================
 exit 0                SUCCESS     —             — (finishReason from the final stats)
 exit 0, log cut       SUCCESS     LOG_BUDGET    how many bytes were dropped and why
-exit ≠ 0              FAILED      EXIT_NONZERO  "exit code N" + stderr's last lines
-killed by a signal    FAILED      SIGNALED      "killed by SIGX (exit code -N)" + stderr's last lines
+exit ≠ 0              FAILED      EXIT_NONZERO  "exit code N" + the output's last lines
+killed by a signal    FAILED      SIGNALED      "killed by SIGX (exit code -N)" + the output's last lines
 timeout               FAILED      TIMEOUT       "执行超时"
 stalled               FAILED      STALLED       how long nothing happened
 stopped               CANCELLED   CANCELLED     the reason
@@ -76,8 +76,9 @@ from ckagent.delivery.lines import secret_values
 from ckagent.deps import Dependencies, DepsError, Prepared, spider_base_env
 from ckagent.logs import Masker
 from ckagent.master import MasterClient, MasterError, json_object
+from ckagent.monitor import Monitored, spawn_monitored, supervise
 from ckagent.outputs import collect, kept_dir
-from ckagent.process import MARKER_VAR, ProcessOutcome, RunAs, clock, run_supervised, sweep
+from ckagent.process import MARKER_VAR, ProcessOutcome, RunAs, clock, sweep
 from ckagent.protocol import ARTIFACTS, TIMEOUT_MESSAGE, Task, TaskResult, utc_iso
 from ckagent.state import AsyncStateStore
 from ckagent.tails import TailBuffer, last_lines
@@ -125,6 +126,8 @@ class RunningTask:
     """The task's ``ckagent.delivery.TaskDelivery`` once opened (live stats: ``delivery.stats.latest``)."""
     jail: TaskJail | None = None
     """The task's containment (from the deploy on); /status reads its live figures."""
+    handed_over: bool = False
+    """The agent stopped and left this task's spider running for the next agent (ckagent.adoption)."""
 
     def request_stop(self, reason: str) -> bool:
         """Ask the task to stop (idempotent). Returns False when a stop was already requested."""
@@ -214,6 +217,35 @@ class Supervisor:
         self._slot_freed = trio.Event()
         self._on_finished = on_finished
         self._observer = observer or SupervisorObserver()
+        self.handing_over = False
+        """Set when the agent stops and leaves its running spiders to the next agent (not drain, not
+        terminate): a cancelled task whose spider runs is then left alone, its state kept for re-adoption."""
+
+    # ------------------------------------------------------------------ for re-adopted tasks
+
+    @property
+    def store(self) -> AsyncStateStore:
+        """The state store (ckagent.adoption)."""
+        return self._store
+
+    @property
+    def outbox(self) -> Outbox:
+        """The outbox every task's delivery goes to (ckagent.adoption)."""
+        return self._outbox
+
+    @property
+    def observer(self) -> SupervisorObserver:
+        """The metrics hooks (ckagent.adoption)."""
+        return self._observer
+
+    def spider_lock(self, spider_id: str) -> trio.Lock:
+        """The lock that keeps one spider's tasks serial (one per spider id ever seen)."""
+        return self._spider_locks.setdefault(spider_id, trio.Lock())
+
+    def task_left(self, task_id: str) -> None:
+        """A task is no longer ours to run: its slot is free."""
+        self.running.pop(task_id, None)
+        self._slot_freed.set()
 
     # ------------------------------------------------------------------ admission
 
@@ -311,7 +343,11 @@ class Supervisor:
                 log.exception("task %s: internal error", task.id)
                 outcome = TaskOutcome("FAILED", "BAD_TASK", f"agent error: {type(exc).__name__}: {exc}")
             finally:
-                if outcome is None:
+                if outcome is None and rt.handed_over:
+                    if delivery.sink is not None:
+                        delivery.sink.close()
+                    log.info("task %s: left running for the next agent (spider %s)", task.id, rt.pid)
+                elif outcome is None:
                     # The agent's hard stop (a Cancelled, maybe wrapped in an exception group from the
                     # process or installer nurseries): run_supervised has ended the processes
                     # (shielded). Store a CANCELLED result first, so it is delivered (now or at the
@@ -372,7 +408,7 @@ class Supervisor:
 
                 async def open_jail() -> None:
                     jail = await self._open_jail(rt, notice)
-                    held.push_async_callback(_empty_jail, jail)
+                    held.push_async_callback(_empty_jail, jail, rt)
                     jails.append(jail)
 
                 work = self._workspaces.runs / safe_name(task.id)
@@ -380,7 +416,7 @@ class Supervisor:
                 # The jail is made while the code is deployed and copied (one thread hop less before the spawn).
                 async with trio.open_nursery() as opening:
                     opening.start_soon(open_jail)
-                    held.push_async_callback(_remove_shielded, work)
+                    held.push_async_callback(_remove_shielded, work, rt)
                     try:
                         # A package deployed before (the usual case): one thread hop finds it, resolves
                         # the command and makes the working copy.
@@ -442,16 +478,25 @@ class Supervisor:
                 notice(f"stopped before the spider started: {rt.stop_reason}")
                 return TaskOutcome("CANCELLED", "CANCELLED", rt.stop_reason)
             outcome = await self._run(rt, task_dir, work, argv, prepared, notice, sink, jail)
-            if rt.started_at is not None:  # the spider ran: its files become items, artifacts or kept ones
-                await self._collect(rt, task_dir, work, code_dir, notice)
+            if rt.started_at is not None and not rt.handed_over:  # its files → items, artifacts or kept ones
+                await self.collect_outputs(rt, task_dir, work, code_dir, notice)
             return outcome
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _collect(self, rt: RunningTask, task_dir: Path, work: Path, version_dir: Path,
-                       notice: Callable[[str], None]) -> None:
+    async def collect_outputs(self, rt: RunningTask, task_dir: Path, work: Path, version_dir: Path | None,
+                              notice: Callable[[str], None]) -> None:
         """What the task wrote in its working copy → items, artifacts or kept on the node (ckagent.outputs),
-        before the copy is removed; one ``outputs:`` line in the task log says what became of each file."""
+        before the copy is removed; one ``outputs:`` line in the task log says what became of each file.
+        ``version_dir`` None: the task's code version (what the copy was made of) is not known — a
+        re-adopted task of a version gone meanwhile: the line says so. Never raises for the files."""
         task = rt.task
+        if version_dir is None and task.code_package is not None:
+            version_dir = await trio.to_thread.run_sync(
+                self._workspaces.reuse_package, task.spider_id, task.code_version, task.code_package)
+        if version_dir is None:
+            notice("outputs: the task's code version is not on this node any more, so the files it wrote "
+                   "cannot be told from its code; they are removed with the working copy")
+            return
         keep = kept_dir(self.config.work_dir, safe_name(task.spider_id), safe_name(task.id))
         try:
             collected = await trio.to_thread.run_sync(functools.partial(
@@ -560,7 +605,6 @@ class Supervisor:
         stall = self.config.stall_timeout if task.stall_timeout_seconds is None else task.stall_timeout_seconds
         rt.phase = "running"
         rt.started_at = time.time()
-        stderr_tail = TailBuffer(16384)
         notice(f"running {shlex.join(argv)} (timeout {f'{timeout:g} s' if timeout else 'none'})")
 
         def on_stall(idle: float) -> None:
@@ -568,32 +612,46 @@ class Supervisor:
                 rt.stalled = True
                 log.warning("task %s: %s", task.id, rt.stop_reason)
 
-        async def started(pid: int) -> None:
-            rt.pid = pid
-            if stall and rt.delivery is not None:
-                rt.delivery.watch_stall(stall, on_stall)
-            await self._store.set_process(task.id, pid, pid)
-
         try:
-            outcome = await run_supervised(
-                _resolve(argv, env),
-                cwd=code_dir, env=env, task_id=task.id, output=sink.write,
-                deadline_seconds=timeout or None, grace=self.config.kill_grace,
-                stop=rt.stop_event, notice=notice, on_started=started, run_as=self.config.run_as,
-                on_stderr=stderr_tail.write, jail=jail, stop_signal=task.stop_signal_number,
+            mon = await spawn_monitored(
+                _resolve(argv, env), cwd=code_dir, env=env, task_id=task.id, task_dir=task_dir,
+                output_path=sink.path, jail=jail, run_as=self.config.run_as,
+                deadline_at=None if not timeout else rt.started_at + timeout, work=code_dir, stall_timeout=stall,
             )
         except OSError as exc:
             notice(f"cannot start {argv[0]!r}: {exc.strerror or exc}")
             # No process ran, so no exit code (docs/protocol.md); the message says what failed.
             return TaskOutcome("FAILED", "EXIT_NONZERO", f"cannot start {argv[0]!r}: {exc.strerror or exc}")
+        rt.pid = mon.pid
+        if stall and rt.delivery is not None:
+            rt.delivery.watch_stall(stall, on_stall)
+        await self._store.set_process(task.id, mon.pid, mon.pid, mon.handle.to_json())
+        return await self.finish_run(rt, mon, jail, sink, notice, timeout)
+
+    async def finish_run(self, rt: RunningTask, mon: Monitored, jail: TaskJail, sink: LogSink,
+                         notice: Callable[[str], None], timeout_seconds: float) -> TaskOutcome:
+        """Supervise a spawned or re-adopted spider to its end and judge its outcome (ckagent.monitor)."""
+        task = rt.task
+        outcome = await supervise(
+            mon, jail=jail, sink=sink, grace=self.config.kill_grace, stop=rt.stop_event, notice=notice,
+            stop_signal=task.stop_signal_number, leave_running=lambda: self._hand_over(rt),
+        )
+        stderr_tail = TailBuffer(16384)
+        stderr_tail.write(await trio.to_thread.run_sync(_output_tail, sink.path))
         figures = jail.figures()  # into the result (cpuSeconds, memoryPeakBytes, ...), not the log
         if figures.oom_kills and not outcome.stopped:
             verdict = _oom_outcome(jail, figures, outcome.returncode, "the spider")
             notice(f"{verdict.error_message}; task FAILED (OOM_KILLED)")
             return verdict
-        judged = self._judge_exit(rt, outcome, timeout, notice, stderr_tail, sink)
+        judged = self._judge_exit(rt, outcome, timeout_seconds, notice, stderr_tail, sink)
         judged.figures = figures
         return judged
+
+    def _hand_over(self, rt: RunningTask) -> bool:
+        """True (and the task marked handed over) when the agent leaves this task's spider running."""
+        if self.handing_over and not rt.handed_over and rt.stop_reason in (None, "agent terminating"):
+            rt.handed_over = True
+        return rt.handed_over
 
     def _judge_exit(self, rt: RunningTask, outcome: ProcessOutcome, timeout: float, notice: Callable[[str], None],
                     stderr_tail: TailBuffer, sink: LogSink) -> TaskOutcome:
@@ -621,14 +679,14 @@ class Supervisor:
                            outcome.returncode)
 
     def _exit_message(self, returncode: int | None, stderr_tail: TailBuffer, task: Task) -> str:
-        """``exit code N`` / ``killed by SIGX``, then the last lines of the spider's stderr (bounded, masked)."""
+        """``exit code N`` / ``killed by SIGX``, then the last lines of the spider's output (bounded, masked)."""
         head = f"exit code {returncode}"
         if returncode is not None and returncode < 0:
             with contextlib.suppress(ValueError):
                 head = f"killed by {signal.Signals(-returncode).name} (exit code {returncode})"
         masker = Masker(_secret_values(task, self.config.agent_secrets))
         tail = last_lines(masker(stderr_tail.text()), STDERR_TAIL_CHARS)
-        return f"{head}; last lines of stderr:\n{tail}" if tail else f"{head} (nothing on stderr)"
+        return f"{head}; last lines of output:\n{tail}" if tail else f"{head} (no output)"
 
 
 _NO_COPY = "cannot make the task's working copy"
@@ -644,8 +702,11 @@ def _oom_outcome(jail: TaskJail, figures: Figures, returncode: int | None, what:
     return TaskOutcome("FAILED", "OOM_KILLED", message, returncode, figures=figures)
 
 
-async def _empty_jail(jail: TaskJail) -> None:
-    """At the end of a task: kill what is left in its jail (an interrupted installer) and remove it."""
+async def _empty_jail(jail: TaskJail, rt: RunningTask | None = None) -> None:
+    """At the end of a task: kill what is left in its jail (an interrupted installer) and remove it
+    (not when the task was handed over to the next agent: its spider runs on in it)."""
+    if rt is not None and rt.handed_over:
+        return
     with trio.CancelScope(shield=True):
         await jail.kill_all()
         jail.close()
@@ -699,8 +760,11 @@ def _ended_by_agent(why: str, outcome: ProcessOutcome) -> str:
     return "; ".join(parts)
 
 
-async def _remove_shielded(path: Path) -> None:
-    """Remove a task's working copy when the task ends, even when it ends by cancellation."""
+async def _remove_shielded(path: Path, rt: RunningTask | None = None) -> None:
+    """Remove a task's working copy when the task ends, even when it ends by cancellation (not when
+    it was handed over to the next agent, which removes it at the task's end)."""
+    if rt is not None and rt.handed_over:
+        return
     with trio.CancelScope(shield=True):
         await trio.to_thread.run_sync(remove_tree, path)
 
@@ -716,6 +780,19 @@ def _bounded(text: str, max_chars: int) -> str:
 
 def _secret_values(task: Task, agent_secrets: tuple[str, ...]) -> list[str]:
     return list(secret_values(task.env, agent_secrets))
+
+
+def _output_tail(path: Path, size: int = 16384) -> bytes:
+    """The last ``size`` bytes of the task's output (stdout and stderr are one file), without the
+    agent's own notices. Blocking (one small read)."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(0, 2)
+            fh.seek(max(0, fh.tell() - size))
+            data = fh.read()
+    except OSError:
+        return b""
+    return b"".join(line for line in data.splitlines(keepends=True) if not line.startswith(b"[ckagent "))
 
 
 def _resolve(argv: list[str], env: dict[str, str]) -> list[str]:

@@ -104,7 +104,7 @@ async def test_live_stats_reach_the_master_and_the_final_ones_come_with_the_resu
     assert 'ckagent_tasks_finished_total{error_code="none",status="SUCCESS"} 1.0' in metrics
 
 
-async def test_an_agent_killed_mid_crawl_reports_the_last_stats_with_agent_lost(
+async def test_an_agent_killed_mid_crawl_re_adopts_it_and_reports_the_last_stats(
         dev_master: Any, tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     agent = AgentProcess(tmp_path / "a", dev_master.base_url, dev_master.registration_token)
@@ -117,17 +117,23 @@ async def test_an_agent_killed_mid_crawl_reports_the_last_stats_with_agent_lost(
         with trio.fail_after(10):
             await agent.wait()
         await trio.sleep(0.5)  # the spider (in its own session) goes on writing stats meanwhile
-        await agent.start()  # recovery kills the spider: its last line is the final snapshot
+        await agent.start()  # re-adopts the running spider (ckagent.adoption)
+        await wait_for(lambda: _re_adopted(admin, task_id), 60)
+        (tmp_path / "stop").touch()  # the spider ends: its last line is the final snapshot
         task = await admin.wait_task_final(task_id, 60)
     finally:
         with trio.move_on_after(10, shield=True):  # a cancelled test still reaps its agent
             await agent.kill()
-    assert task["errorCode"] == "AGENT_LOST", task
+    assert (task["status"], task["finishReason"]) == ("SUCCESS", "flagged"), task
     stats_file = tmp_path / "a" / "data" / "tasks" / task_id / "stats.jsonl"
     last = json.loads(stats_file.read_text().splitlines()[-1])
     stats = await admin.get_stats(task_id)
     assert stats["final"] and stats["latest"]["stats"] == last["stats"]
     assert stats["latest"]["seq"] == stats_file.stat().st_size
+
+
+async def _re_adopted(admin: Any, task_id: str) -> bool:
+    return any("re-adopted after an agent restart" in line for line in await admin.get_logs(task_id))
 
 
 @pytest.mark.slow

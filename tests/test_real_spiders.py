@@ -398,12 +398,12 @@ async def test_github_zip_missing_files_and_failure_messages(dev_master: Any, nu
     assert "scrapy.cfg is missing" in cfg["errorMessage"] and "requirements.txt, shop/" in cfg["errorMessage"]
     assert (fail["errorCode"], fail["exitCode"]) == ("EXIT_NONZERO", 1)
     message = fail["errorMessage"]
-    assert message.startswith("exit code 1; last lines of stderr:\n")
+    assert message.startswith("exit code 1; last lines of output:\n")
     assert message.endswith("fatal: the site changed its layout") and "noise 199" in message
     assert "s3cr3t-t0ken-value" not in message and "cannot log in with" in message
     assert len(message) < 1700 and "noise 0\n" not in message
     assert (kill["errorCode"], kill["exitCode"]) == ("SIGNALED", -9)  # a signal the agent did not send (docs/protocol.md "Outcomes")
-    assert kill["errorMessage"] == "killed by SIGKILL (exit code -9); last lines of stderr:\nabout to die"
+    assert kill["errorMessage"] == "killed by SIGKILL (exit code -9); last lines of output:\nabout to die"
 
 
 async def test_node_sdk_helper_works_from_esm_and_commonjs(tmp_path: Path) -> None:

@@ -1,14 +1,17 @@
 """Crash recovery: ``kill -9`` of the agent (a real process) mid-task, then a restart.
 
-The restarted agent must, before it polls: kill the orphaned process tree (group members and
-escaped, marked processes), ship the logs written up to the crash, and report the task
-FAILED/AGENT_LOST exactly once (counted at the master). The agent's own log file must not hold a
+A task whose spider can be proven to be the same is re-adopted (tests/test_adoption.py). This
+one cannot: its re-adoption handle is gone from the state store (as a lost or older store would
+have it). The restarted agent must, before it polls: kill the orphaned process tree (group members
+and escaped, marked processes), ship the logs written up to the crash, and report the task
+FAILED/AGENT_LOST exactly once (counted at the master), saying why it was not re-adopted. The agent's own log file must not hold a
 secret (registration token, any API key the master issued).
 """
 
 from __future__ import annotations
 
 import signal
+import sqlite3
 import textwrap
 from pathlib import Path
 
@@ -72,6 +75,10 @@ async def test_kill_9_mid_task_then_restart_kills_orphans_and_reports_agent_lost
         assert len(pids) == 4, written
         assert all(alive(pid) for pid in pids), "the orphans outlive the crashed agent"
         assert (await admin.get_task(task_id))["status"] == "RUNNING"
+        db = sqlite3.connect(tmp_path / "node" / "data" / "state.db")
+        db.execute("UPDATE tasks SET handle=NULL")  # nothing proves the orphans are this task's spider
+        db.commit()
+        db.close()
 
         await agent.start(extra_env={"AGENT_REGISTRATION_TOKEN": recording_master.registration_token})
         with trio.fail_after(30):
@@ -94,7 +101,8 @@ async def test_kill_9_mid_task_then_restart_kills_orphans_and_reports_agent_lost
     lines = await admin.get_logs(task_id)
     assert [line for line in lines if line.startswith("line ")] == [f"line {i}" for i in range(200)]
     assert "ready" in lines
-    assert any("on restart it killed 4 leftover process(es); task FAILED (AGENT_LOST)" in line
+    # the four the spider printed and its monitor (ckagent.monitor)
+    assert any("on restart it killed 5 leftover process(es); task FAILED (AGENT_LOST): not re-adopted" in line
                for line in lines), lines[-3:]
 
     own_log = log_file.read_text()

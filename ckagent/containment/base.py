@@ -171,9 +171,10 @@ class Containment(abc.ABC):
         when the agent died; ``pgid`` is its recorded process group (None = unknown/stale).
         Returns how many processes were killed (-1 = unknown)."""
 
-    async def sweep_stale(self) -> int:
+    async def sweep_stale(self, keep: set[str] | None = None) -> int:
         """At start, before any task: kill and remove leftover task cgroups of this agent (a crash
-        between creating one and recording the task). Returns how many cgroups were removed."""
+        between creating one and recording the task), but not those of the task ids in ``keep``
+        (re-adopted tasks). Returns how many cgroups were removed."""
         return 0
 
     def to_json(self) -> dict[str, Any]:

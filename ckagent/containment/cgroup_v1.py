@@ -240,10 +240,11 @@ class CgroupV1(Containment):
         jail.close()
         return killed
 
-    async def sweep_stale(self) -> int:
+    async def sweep_stale(self, keep: set[str] | None = None) -> int:
         names: set[str] = set()
         for group in [*self.groups.values(), *([self.unified_group] if self.unified_group else [])]:
             names.update(p.name for p in group.glob("task-*"))
+        names -= {task_cgroup_name(task_id) for task_id in keep or ()}
         for name in sorted(names):
             jail = V1Jail({h: g / name for h, g in self.groups.items() if (g / name).exists()},
                           V2Cgroup(self.unified_group / name) if self.unified_group and

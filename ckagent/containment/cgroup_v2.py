@@ -269,9 +269,12 @@ class CgroupV2(Containment):
         cgroup.close()
         return killed
 
-    async def sweep_stale(self) -> int:
+    async def sweep_stale(self, keep: set[str] | None = None) -> int:
         removed = 0
+        kept = {task_cgroup_name(task_id) for task_id in keep or ()}
         for path in sorted(self.group.glob("task-*")):
+            if path.name in kept:
+                continue
             cgroup = V2Cgroup(path)
             await cgroup.kill_all()
             cgroup.close()

@@ -5,6 +5,7 @@ See the package docstring (ckagent.delivery) for the whole design.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -81,7 +82,7 @@ class LogSink:
         guard: DiskGuard | None = None,
     ) -> None:
         self.path = path
-        self._fd = open_spool(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        self._fd = open_spool(path, os.O_RDWR | os.O_CREAT | os.O_APPEND)  # read: the last byte (grown)
         self.size = os.fstat(self._fd).st_size
         self._on_write = on_write
         self._max = max_bytes
@@ -90,6 +91,9 @@ class LogSink:
         self.dropped_bytes = 0
         self.truncated: str | None = None  # why output is being dropped
         self._ends_line = True
+        if self.size:  # an output.log a spider went on writing while no agent ran (re-adoption)
+            with contextlib.suppress(OSError):
+                self._ends_line = os.pread(self._fd, 1, self.size - 1) == b"\n"
         self._late_notices: list[bytes] = []
 
     def write(self, data: bytes | bytearray) -> None:
@@ -132,11 +136,60 @@ class LogSink:
         if self._on_write is not None:
             self._on_write()
 
+    def grown(self) -> int:
+        """Take in what others appended to ``output.log`` since the last look: the spider writes there
+        itself (its stdout and stderr are this file, see ckagent.monitor). Within the budget the bytes
+        count as written; past ``max_bytes`` or the free-space floor the file is cut back (ftruncate
+        to the budget) and the cut bytes are counted as dropped, so the disk stays bounded by what
+        one look lets through. Returns how many new bytes were found (0: none). Never raises."""
+        if self._fd < 0:
+            return 0
+        try:
+            end = os.fstat(self._fd).st_size
+        except OSError:
+            return 0
+        new = end - self.size
+        if new <= 0:
+            return 0
+        keep = new
+        reason = None
+        if self.truncated is not None:
+            keep = 0
+        elif self._max and end > self._max:
+            keep = max(0, self._max - self.size)
+            reason = f"the task's log budget of {self._max} bytes (task.max_log_bytes) was reached"
+        if keep and self.truncated is None and self._guard is not None and not self._guard.allows(keep):
+            keep = 0
+            reason = (f"free disk space fell below {self._guard.min_free_bytes} bytes "
+                      "(task.min_free_disk_bytes)")
+        if keep < new:
+            try:
+                os.ftruncate(self._fd, self.size + keep)
+            except OSError as exc:  # cannot cut: the bytes stay, and count as written
+                log.warning("%s: cannot cut the log back to its budget: %s", self.path, exc)
+                keep = new
+            else:
+                self.dropped_bytes += new - keep
+                if self.truncated is None:
+                    self.truncated = reason or "output dropped"
+                    log.warning("%s: output truncated: %s", self.path, self.truncated)
+        if keep:
+            self.size += keep
+            self.bytes_written += keep
+            if self._guard is not None:
+                self._guard.consumed(keep)
+            with contextlib.suppress(OSError):
+                self._ends_line = os.pread(self._fd, 1, self.size - 1) == b"\n"
+        if self._on_write is not None:
+            self._on_write()
+        return new
+
     def write_line(self, data: bytes) -> None:
         """Append one line of the agent's own (a notice): on a line of its own even when the spider's
         output so far ends without a newline. Counts against the budget like the spider's output;
         once output is being dropped, notices are kept (at most LATE_NOTICES) and written after the
         truncation marker, so the log still says how the task ended."""
+        self.grown()  # the spider's own writes first: the notice lands after them, on a line of its own
         if self.truncated is not None:
             if len(self._late_notices) < LATE_NOTICES:
                 self._late_notices.append(data[:4096])
@@ -147,6 +200,7 @@ class LogSink:
         """Write the truncation marker (if output was dropped), close the file (idempotent)."""
         if self._fd < 0:
             return
+        self.grown()
         if self.dropped_bytes:
             stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
             marker = (f"{'' if self._ends_line else chr(10)}[ckagent {stamp}] output truncated: "
