@@ -38,6 +38,7 @@ import trio
 from ckagent.containment import Containment, ContainmentError, Limits, TaskJail
 from ckagent.containment.hierarchy import task_cgroup_name
 from ckagent.containment.process_group import MARKER_VAR, ProcessGroupJail
+from ckagent.errors import AGENT_ERROR, describe_fault
 from ckagent.monitor import Handle, Monitored, boot_id, read_status, start_ticks
 from ckagent.protocol import Task
 from ckagent.state import TaskRecord
@@ -190,9 +191,9 @@ async def run_adopted(supervisor: Supervisor, rt: RunningTask, adoption: Adoptio
             timeout = 0.0 if handle.deadline_at is None else handle.deadline_at - handle.spawned_at
             try:
                 outcome = await supervisor.finish_run(rt, adoption.monitored, jail, sink, notice, timeout)
-            except Exception as exc:  # a bug of ours must fail the task, not the agent
+            except Exception as exc:  # a bug of ours must fail the task, not the agent (never BAD_TASK)
                 log.exception("task %s: internal error", task.id)
-                outcome = TaskOutcome("FAILED", "BAD_TASK", f"agent error: {type(exc).__name__}: {exc}")
+                outcome = TaskOutcome("FAILED", AGENT_ERROR, describe_fault(exc)[:4000])
             finally:
                 if outcome is None and not rt.handed_over:
                     with trio.CancelScope(shield=True):

@@ -178,9 +178,7 @@ class Agent:
         """The containment level in force (set at the start of :meth:`run`)."""
         """The port the status/metrics server listens on (``agent.port``, or the one picked for 0)."""
         token = settings.agent.registration_token
-        self._secrets = tuple(
-            s.reveal() for s in (token, settings.agent.api_key) if s is not None
-        )
+        self._secrets = tuple(s.reveal() for s in (token,) if s is not None)
         self.master = MasterClient(
             settings.server.url,
             token.reveal() if token is not None else "",
@@ -304,6 +302,7 @@ class Agent:
         deps = Dependencies(
             self.work_dir / "envs",
             uv_path=s.deps.uv_path,
+            python=str(s.deps.python) if s.deps.python is not None else sys.executable,
             index=IndexChooser(s.deps.uv_index_url, s.deps.uv_fallback_index_url),
             uv_cache_dir=s.deps.uv_cache_dir,
             timeout=s.deps.uv_sync_timeout,
@@ -636,12 +635,12 @@ def run_agent(settings: Settings) -> int:
     errors = [p.message for p in preflight(settings, port=False) if p.error]  # the checks of `config check`
     if errors:
         raise ConfigError("; ".join(errors))
-    token, api_key = settings.agent.registration_token, settings.agent.api_key
+    token = settings.agent.registration_token
     protect_agent_memory()  # spiders of the same user must not read the secrets in /proc/<pid>/environ
     try:
         setup_logging(settings.logging.level, settings.logging.file, settings.logging.format,
                       max_bytes=settings.logging.max_bytes, backup_count=settings.logging.backup_count,
-                      secrets=[s.reveal() for s in (token, api_key) if s is not None])
+                      secrets=[token.reveal()] if token is not None else [])
     except OSError as exc:
         raise ConfigError(f"logging.file (AGENT_LOG_FILE) {str(settings.logging.file)!r} cannot be opened: "
                           f"{exc.strerror or exc}; point it at a writable file (its directory is created)") from exc

@@ -142,7 +142,6 @@ class AgentSettings:
     port: int
     bind: str | None
     registration_token: Secret | None
-    api_key: Secret | None
     labels: Mapping[str, str]
     max_workers: int | None
     container_cpu_limit: str | None
@@ -228,6 +227,7 @@ class DepsSettings:
     uv_sync_timeout: float
     uv_path: Path | None
     env_budget_bytes: int
+    python: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -518,8 +518,6 @@ SETTINGS: tuple[Setting, ...] = (
             "interface. It serves no secrets, but shows what runs here: keep it to your monitoring.", _ip),
     Setting("agent", "registration_token", "AGENT_REGISTRATION_TOKEN", "secret string", None,
             "Token for POST /api/nodes/register. Required by `ckagent run`.", _secret, secret=True),
-    Setting("agent", "api_key", "AGENT_API_KEY", "secret string", None,
-            "Pre-issued node API key; unset = obtained by registering.", _secret, secret=True),
     Setting("agent", "labels", "AGENT_LABELS", "mapping str→str (env: `k=v,k2=v2`)", _EMPTY_LABELS,
             "Free-form labels sent at registration.", _labels, mapping=True),
     Setting("agent", "max_workers", "AGENT_MAX_WORKERS", "integer >= 1", None,
@@ -625,6 +623,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Disk budget of the spiders' dependency environments (`work_dir/envs`, shared by projects "
             "with the same dependencies): beyond it the least recently used ones not in use are removed; "
             "0 = no limit.", _integer(0)),
+    Setting("deps", "python", "AGENT_DEPS_PYTHON", "path", None,
+            "The interpreter Python spiders' environments are built on; unset = the agent's own. With "
+            "task.run_as_user that user must be able to execute it (checked at start).", _path),
 )  # fmt: skip
 
 _SECTION_CLASSES: dict[str, type] = {
@@ -739,6 +740,11 @@ class _FileReader:
             specs = {s.key: s for s in _specs_in(section)}
             for key, (key_node, node) in self._pairs(value_node, prefix=f"{section}."):
                 spec = specs.get(key)
+                removed = REMOVED_SETTINGS.get(f"{section}.{key}")
+                if spec is None and removed is not None:
+                    if _is_null(node):
+                        continue  # the line of an older sample config: harmless
+                    raise self.fail(key_node, f"'{section}.{key}' is no setting any more: {removed}")
                 if spec is None:
                     raise self.fail(
                         key_node, f"unknown key '{section}.{key}'{_did_you_mean(key, list(specs))}"
@@ -877,6 +883,15 @@ def missing_token_message() -> str:
     )
 
 
+REMOVED_SETTINGS: dict[str, str] = {
+    "agent.api_key": "the node's API key is the one the master gives at registration (a key alone, "
+                     "without the node id it belongs to, cannot be used); delete the line",
+}
+"""Settings of earlier versions: a YAML file that still sets one fails with this reason (a null value is
+ignored); their environment variables are reported by :func:`suspicious_env_vars`."""
+_REMOVED_ENV = {"AGENT_API_KEY": "agent.api_key"}
+
+
 def suspicious_env_vars(env: Mapping[str, str] | None = None) -> list[str]:
     """Warnings for ``AGENT_*`` variables that are no setting but look like one (likely typos).
 
@@ -887,6 +902,9 @@ def suspicious_env_vars(env: Mapping[str, str] | None = None) -> list[str]:
     out: list[str] = []
     for name in sorted(environ):
         if not name.startswith("AGENT_") or name in _BY_ENV:
+            continue
+        if name in _REMOVED_ENV:
+            out.append(f"{name} is ignored: {REMOVED_SETTINGS[_REMOVED_ENV[name]]}")
             continue
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
         if close:

@@ -26,6 +26,7 @@ from ckagent.config import load_settings
 from ckagent.devmaster.client import AdminClient, zip_directory
 from ckagent.devmaster.server import DevMasterConfig, serve
 from ckagent.errors import StartupError
+from ckagent.ids import task_dir
 from ckagent.logs import setup_logging
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "sdk" / "examples"
@@ -111,7 +112,7 @@ async def _demo(work_dir: Path, keep: bool) -> int:
             _print_table(results)
             spider, task_id, _ = results[0]
             for line in explore_lines(keep, base_url, admin_token, spider.name, task_id,
-                                      settings.task.work_dir / "tasks" / task_id):
+                                      task_dir(settings.task.work_dir, task_id)):
                 _say(line)
         ok = all(r["status"] == expected for (s, _, r), expected in
                  zip(results, ("SUCCESS", "SUCCESS", "FAILED"), strict=True))

@@ -24,7 +24,7 @@ exit code   outcome
 ==========  =================================================================
 0           SUCCESS (also LOG_BUDGET: succeeded, output cut)
 1           FAILED in the spider: EXIT_NONZERO, SIGNALED, STALLED, OOM_KILLED…
-3           could not start: DEPLOY_FAILED, DEPS_FAILED, BAD_TASK
+3           could not start: DEPLOY_FAILED, DEPS_FAILED, AGENT_ERROR, BAD_TASK
 124         TIMEOUT
 130         CANCELLED (Ctrl-C)
 2           usage error (bad arguments, not a package)
@@ -49,6 +49,7 @@ from typing import Any, TextIO
 import trio
 
 from ckagent.crawlstats import STATS_FILE, read_last_snapshot
+from ckagent.ids import task_dir
 from ckagent.protocol import FRAMEWORKS
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,7 @@ def exit_code_of(task: dict[str, Any]) -> int:
         return EXIT_CANCELLED
     if code == "TIMEOUT":
         return EXIT_TIMEOUT
-    if code in ("DEPLOY_FAILED", "DEPS_FAILED", "BAD_TASK"):
+    if code in ("DEPLOY_FAILED", "DEPS_FAILED", "AGENT_ERROR", "BAD_TASK"):
         return EXIT_NOT_STARTED
     return EXIT_FAILED
 
@@ -367,7 +368,7 @@ async def _session(request: ExecRequest, framework: str, package: bytes, db_path
             task_id = await admin.create_task(spider_id, params=request.params, env=request.env,
                                               timeout_seconds=request.timeout, args=request.args,
                                               stall_timeout_seconds=request.stall_timeout)
-            follower = _Follower(settings.task.work_dir / "tasks" / task_id, request.items, terminal)
+            follower = _Follower(task_dir(settings.task.work_dir, task_id), request.items, terminal)
             task = await _follow(admin, task_id, follower, agent_done)
             stats = (await admin.get_stats(task_id))["latest"]
             saved = await _save_artifacts(admin, task_id, request.artifacts)

@@ -29,7 +29,8 @@ INFO line ("… again after N failed attempts, T s"); retries in between log not
 trouble is :attr:`Connectivity.problem`, which /readyz shows. Secrets never appear in a message:
 errors quote the endpoint name, status and body head with the token and key masked, never headers.
 
-**URLs.** A path (or a URL relative to ``server.url``, e.g. ``/api/packages/…`` or
+**URLs.** Ids go into a path as one percent-encoded segment each (:func:`ckagent.ids.api_path`; the
+node id of ``{node}`` here); a URL httpx cannot build is MasterRejected for that request. A path (or a URL relative to ``server.url``, e.g. ``/api/packages/…`` or
 ``api/packages/…``) is resolved against ``server.url``, so a master behind a proxy or an ingress
 with a path prefix works. The API key goes to the master's origin only; a URL on another origin
 (object storage, a CDN) gets no key, and its 401/403 is reported as that origin's refusal, not as
@@ -49,6 +50,7 @@ import stamina
 import trio
 
 from ckagent.connectivity import DOWN_EPISODE, Answered, Connectivity, Trouble
+from ckagent.ids import url_segment
 from ckagent.protocol import ProtocolError, RegisterRequest, RegisterResponse
 from ckagent.protocol._fields import req_object
 
@@ -251,7 +253,7 @@ class MasterClient:
         """
         if not self.registered:
             await self.register()
-        target = path.replace("{node}", self.node_id or "")
+        target = path.replace("{node}", url_segment(self.node_id or ""))
         for second_try in (False, True):
             generation = self._key_generation
             # The API key goes to the master only: a code package on another host (object storage,
@@ -429,7 +431,7 @@ class MasterClient:
                 self._unreachable(endpoint, exc, started)
             except (httpx.DecodingError, httpx.TooManyRedirects) as exc:
                 self._undecodable(endpoint, exc, started)
-            except httpx.InvalidURL as exc:
+            except (httpx.InvalidURL, UnicodeEncodeError) as exc:
                 raise MasterRejected(endpoint, 0, None, message=f"{endpoint}: not a valid URL: {exc}") from exc
             self._observe(endpoint, "ok", started)
             self.connectivity.succeeded(endpoint, started)
@@ -457,6 +459,10 @@ class MasterClient:
             self._unreachable(endpoint, exc, started)
         except (httpx.DecodingError, httpx.TooManyRedirects) as exc:
             self._undecodable(endpoint, exc, started)
+        except (httpx.InvalidURL, UnicodeEncodeError) as exc:
+            # A URL the master's data made (an id is one encoded path segment, so this is a bug or a
+            # bad codePackage URL): that request fails, never the agent.
+            raise MasterRejected(endpoint, 0, None, message=f"{endpoint}: not a valid URL ({exc})") from exc
         status = response.status_code
         if status == 429 or status >= 500:
             self._unavailable(endpoint, response, started)

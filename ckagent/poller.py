@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ from functools import partial
 
 import trio
 
+from ckagent.ids import api_path, shown_id
 from ckagent.intake import IntakeGate
 from ckagent.master import (
     MasterClient,
@@ -83,6 +85,11 @@ class _Answer:
     """The claiming poll's id (claim-in-poll), None for a poll that claimed nothing."""
 
 
+MAX_BAD_LOGGED = 1024
+"""Refused tasks remembered so each is logged once (the memory starts over when full)."""
+_AT_INDEX = re.compile(r"^tasks\[\d+\]")
+
+
 class Poller:
     """See module docstring. ``long_poll_wait`` 0 disables long polling (seconds)."""
 
@@ -102,6 +109,8 @@ class Poller:
         self._reported = reported
         self._gate = gate
         self._cannot_run = cannot_run
+        self._bad_logged: set[tuple[str | None, str]] = set()
+        """Refused tasks already logged (a master that offers one again gets no second line); bounded."""
         self.unrunnable: set[str] = set()
         """Spider ids this node does not take now (excluded from polls)."""
         self._supervisor = supervisor
@@ -344,7 +353,7 @@ class Poller:
         body = TaskResult(status="RUNNING", started_at=utc_now_iso()).to_json()
         try:
             await self._master.call_retrying(
-                "claim", "POST", f"/api/tasks/{task_id}/result", json=body, retry_timeout=CLAIM_RETRY_TIMEOUT,
+                "claim", "POST", api_path("/api/tasks/{task}/result", task=task_id), json=body, retry_timeout=CLAIM_RETRY_TIMEOUT,
                 answer=json_object,
             )
         except MasterConflict:
@@ -361,7 +370,7 @@ class Poller:
         master's reconciliation (the node will not list the task). Cancellation: as usual."""
         with trio.move_on_after(RELEASE_TIMEOUT) as scope:  # noqa: ASYNC912 - the call checkpoints before it raises
             try:
-                await self._master.call("release", "POST", f"/api/tasks/{task_id}/release",
+                await self._master.call("release", "POST", api_path("/api/tasks/{task}/release", task=task_id),
                                         json=TaskRelease(reason=reason).to_json(), answer=json_object)
             except MasterError as exc:
                 log.warning("task %s: could not give it back to the master (%s); the master's "
@@ -373,15 +382,25 @@ class Poller:
                         task_id, RELEASE_TIMEOUT)
 
     async def _report_bad_task(self, bad: BadTask) -> None:
-        log.error("task %s breaks the protocol: %s", bad.task_id or "<no id>", bad.error)
+        shown = "<no id>" if bad.task_id is None else shown_id(bad.task_id)
+        key = (bad.task_id, _AT_INDEX.sub("", str(bad.error)))  # the same task at another place of an answer
+        first = key not in self._bad_logged
+        if first:
+            if len(self._bad_logged) >= MAX_BAD_LOGGED:
+                self._bad_logged.clear()
+            self._bad_logged.add(key)
         if bad.task_id is None:
+            if first:
+                log.error("a task breaks the protocol and has no id it could be reported with: %s", bad.error)
             return
+        if first:
+            log.error("task %s breaks the protocol: %s; reporting it FAILED/BAD_TASK", shown, bad.error)
         now = utc_now_iso()
         result = TaskResult(status="FAILED", error_code="BAD_TASK", error_message=str(bad.error),
                             started_at=now, finished_at=now, duration_ms=0, item_count=0, log_lines=0)
         try:
-            await self._master.call_retrying("result", "POST", f"/api/tasks/{bad.task_id}/result",
+            await self._master.call_retrying("result", "POST", api_path("/api/tasks/{task}/result", task=bad.task_id),
                                              json=result.to_json(), retry_timeout=CLAIM_RETRY_TIMEOUT,
                                              answer=json_object)
         except MasterError as exc:
-            log.warning("task %s: could not report BAD_TASK (%s)", bad.task_id, exc)
+            log.warning("task %s: could not report BAD_TASK (%s)", shown, exc)

@@ -41,6 +41,7 @@ import trio
 from ckagent.crawlstats import summary
 from ckagent.delivery import OUTPUT_LOG, LineSplitter, Masker, decode_lines, secret_values
 from ckagent.delivery.spool import read_spool
+from ckagent.ids import task_dir as task_dir_of
 from ckagent.outputs import artifact_file
 from ckagent.protocol import Task
 
@@ -204,7 +205,7 @@ class StatusPage:
     def _task_dir(self, rt: Any) -> Path:
         """A running task's directory: its delivery's, else where the supervisor makes it."""
         delivery = getattr(rt, "delivery", None)
-        return Path(delivery.task_dir) if delivery is not None else self._work_dir / "tasks" / rt.task.id
+        return Path(delivery.task_dir) if delivery is not None else task_dir_of(self._work_dir, rt.task.id)
 
     async def _find(self, task_id: str) -> tuple[Path, Masker] | None:
         rt = self._supervisor.running.get(task_id)

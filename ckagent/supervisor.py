@@ -22,7 +22,12 @@ code refused          FAILED      DEPLOY_FAILED the entry and the rule, or what 
 install failed        FAILED      DEPS_FAILED   the installer's last whole lines
 not startable         FAILED      EXIT_NONZERO  what could not be started (exitCode null)
 OOM kill in the task  FAILED      OOM_KILLED    the limit and the peak (cgroup levels)
+no jail / agent bug   FAILED      AGENT_ERROR   what failed (errno text and path kept)
 ====================  ==========  ============  =================================
+
+Setup failures are the TaskErrors of ckagent.errors (DeployError, DepsError, JailError, SpawnError),
+each carrying its errorCode; :meth:`Supervisor._execute` collapses the phases' exception groups once
+and ends in one ``except TaskError``; any other exception is the agent's own fault (AGENT_ERROR).
 
 Each task runs in a private working copy of its code version (ckagent.workcopy), with its
 spider's ``CK_DATA_DIR`` and ``HOME``; the copy is removed when the task ends. The result reports
@@ -64,26 +69,37 @@ from ckagent.commands import (
     DEFAULT_COMMANDS,
     default_command,
     resolve_command,
-    runs_in_env,
-    scrapy_feed_settings,
-    with_scrapy_settings,
 )
-from ckagent.containment import Containment, Figures, Limits, TaskJail, format_bytes
+from ckagent.containment import Containment, ContainmentError, Figures, Limits, TaskJail, format_bytes
 from ckagent.containment.process_group import ProcessGroupJail
-from ckagent.crawlstats import STATS_FILE, scrapy_stats_env
+from ckagent.crawlstats import STATS_FILE
 from ckagent.delivery import LogSink, Outbox
 from ckagent.delivery.lines import secret_values
-from ckagent.deps import Dependencies, DepsError, Prepared, spider_base_env
+from ckagent.deps import PYTHON_FRAMEWORKS, Dependencies, Prepared, spider_base_env
+from ckagent.errors import (
+    AGENT_ERROR,
+    DeployError,
+    DepsError,
+    JailError,
+    SpawnError,
+    TaskError,
+    collapsed_groups,
+    describe_fault,
+    os_error_text,
+)
+from ckagent.ids import api_path, safe_name
+from ckagent.ids import task_dir as task_dir_of
 from ckagent.logs import Masker
 from ckagent.master import MasterClient, MasterError, json_object
 from ckagent.monitor import Monitored, spawn_monitored, supervise
 from ckagent.outputs import collect, kept_dir
 from ckagent.process import MARKER_VAR, ProcessOutcome, RunAs, clock, sweep
 from ckagent.protocol import ARTIFACTS, TIMEOUT_MESSAGE, Task, TaskResult, utc_iso
+from ckagent.scrapyhook import scrapy_hook
 from ckagent.state import AsyncStateStore
 from ckagent.tails import TailBuffer, last_lines
 from ckagent.workcopy import make_working_copy, remove_tree, spider_dirs
-from ckagent.workspace import DeployError, Workspaces, safe_name
+from ckagent.workspace import Workspaces
 
 log = logging.getLogger(__name__)
 
@@ -311,7 +327,7 @@ class Supervisor:
         and unsent streams in the state store for the next start.
         """
         task = rt.task
-        task_dir = self.config.work_dir / "tasks" / task.id
+        task_dir = task_dir_of(self.config.work_dir, task.id)
         run_as = self.config.run_as
         try:
             started_wall = time.time()
@@ -339,9 +355,11 @@ class Supervisor:
             outcome: TaskOutcome | None = None
             try:
                 outcome = await self._execute(rt, task_dir, sink)
-            except Exception as exc:  # a bug of ours must fail the task, not the agent
+            except Exception as exc:  # a bug of ours must fail the task, not the agent (never BAD_TASK)
                 log.exception("task %s: internal error", task.id)
-                outcome = TaskOutcome("FAILED", "BAD_TASK", f"agent error: {type(exc).__name__}: {exc}")
+                outcome = TaskOutcome("FAILED", AGENT_ERROR, _bounded(describe_fault(exc), 4000))
+                with contextlib.suppress(Exception):
+                    sink.write_line(f"[ckagent] task FAILED ({AGENT_ERROR}): {outcome.error_message}\n".encode())
             finally:
                 if outcome is None and rt.handed_over:
                     if delivery.sink is not None:
@@ -380,7 +398,7 @@ class Supervisor:
         result = _result(rt, TaskOutcome("FAILED", "DEPLOY_FAILED", message), started_wall)
         try:
             await self._master.call_retrying(
-                "result", "POST", f"/api/tasks/{rt.task.id}/result", json=result.to_json(),
+                "result", "POST", api_path("/api/tasks/{task}/result", task=rt.task.id), json=result.to_json(),
                 retry_timeout=REPORT_RETRY_TIMEOUT, answer=json_object,
             )
         except MasterError as report_exc:
@@ -388,100 +406,129 @@ class Supervisor:
         self._observer.task_finished(rt, result)
 
     async def _execute(self, rt: RunningTask, task_dir: Path, sink: LogSink) -> TaskOutcome:
-        task = rt.task
+        """Deploy → install → run one task; a TaskError of any phase becomes its FAILED outcome here.
+
+        Exception groups out of the phases' nurseries are collapsed first (ckagent.errors), so a
+        DeployError or DepsError raised inside one is still that error. Anything else propagates to
+        :meth:`run_task` (reported AGENT_ERROR). Cancellation: as usual (the caller stores CANCELLED).
+        """
 
         def notice(text: str) -> None:
             stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
             sink.write_line(f"[ckagent {stamp}] {text}\n".encode())
 
+        async with contextlib.AsyncExitStack() as held:
+            try:
+                with collapsed_groups():
+                    return await self._phases(rt, task_dir, sink, held, notice)
+            except TaskError as exc:
+                return self._failed(rt, exc, notice)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _failed(self, rt: RunningTask, exc: TaskError, notice: Callable[[str], None]) -> TaskOutcome:
+        """The FAILED outcome of a task whose phase raised ``exc`` (its jail not emptied yet: an
+        installer the kernel's OOM killer ended is reported OOM_KILLED)."""
+        text = str(exc)
+        jail, figures = rt.jail, None
+        if isinstance(exc, DeployError):
+            notice(text if text.startswith(_NO_COPY) else f"deploy failed: {text}")
+        elif isinstance(exc, DepsError):
+            notice(f"dependency install failed: {text.splitlines()[0] if text else ''}")
+            figures = jail.figures() if jail is not None else None
+            if jail is not None and figures is not None and figures.oom_kills:
+                return _oom_outcome(jail, figures, None, "the dependency installer")
+        else:
+            notice(f"task FAILED ({exc.error_code}): {text}")
+        if isinstance(exc, DepsError):  # the installer's output may echo the task's secrets
+            text = Masker(_secret_values(rt.task, self.config.agent_secrets))(text)
+        return TaskOutcome("FAILED", exc.error_code, _bounded(text, 4000), figures=figures)
+
+    async def _phases(self, rt: RunningTask, task_dir: Path, sink: LogSink, held: contextlib.AsyncExitStack,
+                      notice: Callable[[str], None]) -> TaskOutcome:
+        """The phases of :meth:`_execute`; ``held`` is the stack that outlives them (lock, slot, jail,
+        working copy, environment). Raises TaskError (maybe inside an exception group)."""
+        task = rt.task
         # One lock per spider id ever seen: a few bytes each, and never a window with two locks.
         lock = self._spider_locks.setdefault(task.spider_id, trio.Lock())
-        async with contextlib.AsyncExitStack() as held:
-            # Waiting for the lock or a slot, deploying and installing are interrupted by a stop at once.
-            with rt.prepare_scope:
-                await held.enter_async_context(lock)
-                await held.enter_async_context(self.capacity)
-                rt.phase = "deploying"
-                self._observer.task_started(rt)
-                phase_started = trio.current_time()
-                jails: list[TaskJail] = []
+        # Waiting for the lock or a slot, deploying and installing are interrupted by a stop at once.
+        with rt.prepare_scope:
+            await held.enter_async_context(lock)
+            await held.enter_async_context(self.capacity)
+            rt.phase = "deploying"
+            self._observer.task_started(rt)
+            phase_started = trio.current_time()
+            jails: list[TaskJail] = []
 
-                async def open_jail() -> None:
-                    jail = await self._open_jail(rt, notice)
-                    held.push_async_callback(_empty_jail, jail, rt)
-                    jails.append(jail)
+            async def open_jail() -> None:
+                jail = await self._open_jail(rt, notice)
+                held.push_async_callback(_empty_jail, jail, rt)
+                jails.append(jail)
 
-                work = self._workspaces.runs / safe_name(task.id)
-                refused: DeployError | None = None
-                # The jail is made while the code is deployed and copied (one thread hop less before the spawn).
+            work = self._workspaces.runs / safe_name(task.id)
+            # The jail is made while the code is deployed and copied (one thread hop less before the spawn).
+            try:
                 async with trio.open_nursery() as opening:
                     opening.start_soon(open_jail)
                     held.push_async_callback(_remove_shielded, work, rt)
-                    try:
-                        # A package deployed before (the usual case): one thread hop finds it, resolves
-                        # the command and makes the working copy.
-                        cached = None
-                        if task.code_package is not None:
-                            cached = await trio.to_thread.run_sync(self._reuse_and_copy, task, work)
-                        if cached is not None:
-                            code_dir, (argv, how), copied = cached
-                            self._workspaces.acquire(code_dir)
-                            held.callback(self._workspaces.release, code_dir)
-                        else:
-                            if task.code_package is not None:
-                                code_dir = await self._workspaces.deploy_package(
-                                    task.spider_id, task.code_version, task.code_package
-                                )
-                            else:
-                                code_dir = await self._workspaces.deploy_files(task.spider_id)
-                            self._workspaces.acquire(code_dir)
-                            held.callback(self._workspaces.release, code_dir)
-                            # One thread hop for the command and the working copy.
-                            (argv, how), copied = await trio.to_thread.run_sync(self._resolve_and_copy, task,
-                                                                                code_dir, work)
-                    except DeployError as exc:
-                        refused = exc
-                if refused is not None:
-                    rt.phase_seconds["deploy"] = trio.current_time() - phase_started
-                    text = str(refused)
-                    notice(text if text.startswith(_NO_COPY) else f"deploy failed: {text}")
-                    return TaskOutcome("FAILED", "DEPLOY_FAILED", text)
-                [jail] = jails
+                    code_dir, argv, how, copied = await self._deploy(task, work, held)
+            finally:
                 rt.phase_seconds["deploy"] = trio.current_time() - phase_started
-                if how is not None:
-                    notice(how)
-                notice(f"working copy of {code_dir.name}: {copied}")
-                rt.phase = "installing"
-                phase_started = trio.current_time()
-                try:
-                    prepared = await self._deps.prepare(
-                        task.framework, task.spider_id, work, sink.write, marker={MARKER_VAR: task.id},
-                        spawn=jail.spawn,
-                    )
-                except DepsError as exc:
-                    rt.phase_seconds["install"] = trio.current_time() - phase_started
-                    notice(f"dependency install failed: {str(exc).splitlines()[0]}")
-                    figures = jail.figures()
-                    if figures.oom_kills:
-                        return _oom_outcome(jail, figures, None, "the dependency installer")
-                    return TaskOutcome("FAILED", "DEPS_FAILED", _bounded(str(exc), 4000), figures=figures)
-                finally:
-                    rt.phase_seconds.setdefault("install", trio.current_time() - phase_started)
-                held.callback(self._deps.release, prepared)
-                self._observer.deps_prepared(rt, prepared)
-                for note in prepared.notes:
-                    notice(note)
-                env_name = f" ({prepared.env_dir.name})" if prepared.env_dir is not None else ""
-                notice(f"dependencies {'cached' if prepared.cache_hit else 'installed'}{env_name} in "
-                       f"{prepared.seconds:.3f} s")
-            if rt.stop_reason is not None:
-                notice(f"stopped before the spider started: {rt.stop_reason}")
-                return TaskOutcome("CANCELLED", "CANCELLED", rt.stop_reason)
-            outcome = await self._run(rt, task_dir, work, argv, prepared, notice, sink, jail)
-            if rt.started_at is not None and not rt.handed_over:  # its files → items, artifacts or kept ones
-                await self.collect_outputs(rt, task_dir, work, code_dir, notice)
-            return outcome
-        raise AssertionError("unreachable")  # pragma: no cover
+            [jail] = jails
+            if how is not None:
+                notice(how)
+            notice(f"working copy of {code_dir.name}: {copied}")
+            rt.phase = "installing"
+            phase_started = trio.current_time()
+            try:
+                prepared = await self._deps.prepare(
+                    task.framework, task.spider_id, work, sink.write, marker={MARKER_VAR: task.id},
+                    spawn=jail.spawn, task_env={**self.config.extra_env, **task.env},
+                    home=self.config.work_dir / "spider-home" / safe_name(task.spider_id),
+                )
+            finally:
+                rt.phase_seconds.setdefault("install", trio.current_time() - phase_started)
+            held.callback(self._deps.release, prepared)
+            self._observer.deps_prepared(rt, prepared)
+            for note in prepared.notes:
+                notice(note)
+            env_name = f" ({prepared.env_dir.name})" if prepared.env_dir is not None else ""
+            notice(f"dependencies {'cached' if prepared.cache_hit else 'installed'}{env_name} in "
+                   f"{prepared.seconds:.3f} s")
+        if rt.stop_reason is not None:
+            notice(f"stopped before the spider started: {rt.stop_reason}")
+            return TaskOutcome("CANCELLED", "CANCELLED", rt.stop_reason)
+        outcome = await self._run(rt, task_dir, work, argv, prepared, notice, sink, jail)
+        if rt.started_at is not None and not rt.handed_over:  # its files → items, artifacts or kept ones
+            await self.collect_outputs(rt, task_dir, work, code_dir, notice)
+        return outcome
+
+    async def _deploy(self, task: Task, work: Path,
+                      held: contextlib.AsyncExitStack) -> tuple[Path, list[str], str | None, str]:
+        """The task's code version (deployed or found), its command and its working copy: ``(code dir,
+        argv, how the command was chosen, what was copied)``. Raises DeployError (a file system error
+        included, with its errno text and path)."""
+        try:
+            # A package deployed before (the usual case): one thread hop finds it, resolves the
+            # command and makes the working copy.
+            cached = None
+            if task.code_package is not None:
+                cached = await trio.to_thread.run_sync(self._reuse_and_copy, task, work)
+            if cached is not None:
+                code_dir, (argv, how), copied = cached
+                self._workspaces.acquire(code_dir)
+                held.callback(self._workspaces.release, code_dir)
+                return code_dir, argv, how, copied
+            if task.code_package is not None:
+                code_dir = await self._workspaces.deploy_package(task.spider_id, task.code_version, task.code_package)
+            else:
+                code_dir = await self._workspaces.deploy_files(task.spider_id)
+            self._workspaces.acquire(code_dir)
+            held.callback(self._workspaces.release, code_dir)
+            # One thread hop for the command and the working copy.
+            (argv, how), copied = await trio.to_thread.run_sync(self._resolve_and_copy, task, code_dir, work)
+            return code_dir, argv, how, copied
+        except OSError as exc:
+            raise DeployError(f"cannot deploy the spider's code: {os_error_text(exc)}") from exc
 
     async def collect_outputs(self, rt: RunningTask, task_dir: Path, work: Path, version_dir: Path | None,
                               notice: Callable[[str], None]) -> None:
@@ -546,10 +593,14 @@ class Supervisor:
             cpus=task.resources.cpus if task.resources.cpus is not None else default.cpus,
         )
         containment = self.config.containment
-        if containment is None:
-            jail: TaskJail = ProcessGroupJail(task.id)
-        else:
-            jail = await trio.to_thread.run_sync(containment.jail, task.id, wanted)
+        try:
+            if containment is None:
+                jail: TaskJail = ProcessGroupJail(task.id)
+            else:
+                jail = await trio.to_thread.run_sync(containment.jail, task.id, wanted)
+        except ContainmentError as exc:
+            level = "process-group" if containment is None else containment.level
+            raise JailError(f"the node cannot contain the task ({level}): {exc}") from exc
         rt.jail = jail
         if wanted != Limits() and jail.limits != wanted:
             notice(f"limits asked: {wanted.describe()}; this node ({jail.level}) enforces: {jail.limits.describe()}")
@@ -591,16 +642,12 @@ class Supervisor:
                 "CK_PARAMS": json.dumps(task.params, ensure_ascii=False),
             }
         )
-        if task.framework == "scrapy":
-            def scrapy_settings() -> tuple[list[str], bool]:
-                return scrapy_feed_settings(items_file, code_dir), runs_in_env(argv, env.get("PATH"), prepared.env_dir)
-
-            feeds, sdk_importable = await trio.to_thread.run_sync(scrapy_settings)
-            argv = with_scrapy_settings(argv, feeds)
-            if sdk_importable:
-                env.update(scrapy_stats_env(task.env))
-            else:  # the SDK's settings wrapper would not import there: the crawl runs, without live stats
-                notice(f"live crawl stats off: {argv[0]} is not in the task's environment, where crawlerkeeper_sdk is")
+        if prepared.env_dir is not None and task.framework in PYTHON_FRAMEWORKS:
+            hook_env, hook_note = await trio.to_thread.run_sync(
+                scrapy_hook, task.framework, argv, env.get("PATH"), code_dir, prepared.env_dir)
+            env.update(hook_env)
+            if hook_note:
+                notice(hook_note)
         timeout = self.config.execute_timeout if task.timeout_seconds is None else task.timeout_seconds
         stall = self.config.stall_timeout if task.stall_timeout_seconds is None else task.stall_timeout_seconds
         rt.phase = "running"
@@ -619,9 +666,10 @@ class Supervisor:
                 deadline_at=None if not timeout else rt.started_at + timeout, work=code_dir, stall_timeout=stall,
             )
         except OSError as exc:
-            notice(f"cannot start {argv[0]!r}: {exc.strerror or exc}")
             # No process ran, so no exit code (docs/protocol.md); the message says what failed.
-            return TaskOutcome("FAILED", "EXIT_NONZERO", f"cannot start {argv[0]!r}: {exc.strerror or exc}")
+            raise SpawnError(f"cannot start {argv[0]!r}: {os_error_text(exc)}") from exc
+        except ContainmentError as exc:
+            raise JailError(f"cannot put the spider into the task's {jail.level} jail: {exc}") from exc
         rt.pid = mon.pid
         if stall and rt.delivery is not None:
             rt.delivery.watch_stall(stall, on_stall)
@@ -753,6 +801,9 @@ def _ended_by_agent(why: str, outcome: ProcessOutcome) -> str:
         parts.append(f"stop signal to the main process at {clock(outcome.term_sent_at)}")
     if outcome.kill_sent_at is not None:
         parts.append(f"every process killed at {clock(outcome.kill_sent_at)}")
+    elif outcome.workers_left:
+        parts.append(f"the launcher exited, {outcome.workers_left} process(es) it ran outlived the grace period "
+                     "and were killed")
     elif outcome.term_sent_at is not None:
         parts.append("the spider exited within the grace period")
     if outcome.killed_leftovers:

@@ -47,11 +47,12 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
-from urllib.parse import quote
 
 import stamina
 import trio
 
+from ckagent.errors import DeployError
+from ckagent.ids import api_path, safe_name
 from ckagent.master import MasterClient, MasterError, MasterUnavailable
 from ckagent.protocol import CodePackage, SpiderFile
 
@@ -67,10 +68,6 @@ RUNS = ".runs"
 _RATIO_FLOOR_BYTES = 1 << 20
 _WRITE_CHUNK_BYTES = 1 << 20
 _DOWNLOAD_ATTEMPTS = 5
-
-
-class DeployError(Exception):
-    """The spider's code cannot be deployed (bad package, failed download, broken rule)."""
 
 
 @dataclass(frozen=True)
@@ -395,7 +392,7 @@ class Workspaces:
         """
         try:
             listing: list[SpiderFile] = await self._master.call_retrying(
-                "spider_files", "GET", f"/api/spider-files/spider/{quote(spider_id, safe='')}",
+                "spider_files", "GET", api_path("/api/spider-files/spider/{spider}", spider=spider_id),
                 attempts=_DOWNLOAD_ATTEMPTS, answer=SpiderFile.list_from_json,
             )
         except MasterError as exc:
@@ -434,7 +431,7 @@ class Workspaces:
                     continue
                 await trio.to_thread.run_sync(_make_parent, target)
                 await self._download(
-                    f"/api/spider-files/{quote(f.id, safe='')}", target, f.size_bytes, f.sha256, f"entry {f.path!r}"
+                    api_path("/api/spider-files/{file}", file=f.id), target, f.size_bytes, f.sha256, f"entry {f.path!r}"
                 )
             await trio.to_thread.run_sync(_move_into_place, code, final)
             log.info("spider %s: synced %d files into %s (%d unchanged, copied)",
@@ -535,15 +532,3 @@ def _sha256_file(path: Path) -> str:
         while chunk := fh.read(_WRITE_CHUNK_BYTES):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-_SAFE = re.compile(r"[^A-Za-z0-9._-]")
-
-
-def safe_name(text: str) -> str:
-    """A path component made from an id: never ``..``, empty or hidden; ids that had to be altered get
-    a short hash suffix so two different ids never share a directory."""
-    name = _SAFE.sub("_", text)[:100]
-    if name == text and name.strip(".") and not name.startswith("."):
-        return name
-    return f"_{name.lstrip('.')[:80]}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"

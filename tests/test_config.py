@@ -65,7 +65,7 @@ def test_defaults(tmp_path: Path) -> None:
     assert s.agent.name == socket.gethostname()
     ipaddress.ip_address(s.agent.ip)
     assert s.agent.port == 9000
-    assert s.agent.registration_token is None and s.agent.api_key is None
+    assert s.agent.registration_token is None
     assert dict(s.agent.labels) == {}
     assert s.agent.max_workers is None and s.agent.container_cpu_limit is None
     assert s.heartbeat.interval == 30.0
@@ -125,7 +125,7 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
         "AGENT_SERVER_URL": "http://10.1.2.3:81", "AGENT_SERVER_CA_FILE": str(ca),
         "AGENT_SERVER_REQUEST_TIMEOUT": "5", "AGENT_NAME": "n1", "AGENT_IP": "10.9.8.7", "AGENT_PORT": "1",
         "AGENT_BIND": "0.0.0.0", "AGENT_LOG_MAX_BYTES": "2048", "AGENT_LOG_BACKUP_COUNT": "1",
-        "AGENT_REGISTRATION_TOKEN": TOKEN, "AGENT_API_KEY": API_KEY, "AGENT_LABELS": "a=b",
+        "AGENT_REGISTRATION_TOKEN": TOKEN, "AGENT_LABELS": "a=b",
         "AGENT_MAX_WORKERS": "3", "CONTAINER_CPU_LIMIT": "1500m", "AGENT_HEARTBEAT_INTERVAL": "7",
         "AGENT_TASK_POLL_INTERVAL": "4", "AGENT_TASK_LONG_POLL_WAIT": "0", "AGENT_WORK_DIR": "/srv/ck",
         "AGENT_TASK_EXECUTE_TIMEOUT": "0", "AGENT_TASK_KILL_GRACE": "1", "AGENT_TASK_DRAIN_TIMEOUT": "2",
@@ -139,14 +139,14 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
         "AGENT_LOG_LEVEL": "error", "AGENT_LOG_FILE": "x.log", "AGENT_LOG_FORMAT": "JSON",
         "AGENT_UV_INDEX_URL": "https://pypi.org/simple", "AGENT_UV_FALLBACK_INDEX_URL": "http://idx/simple",
         "AGENT_UV_CACHE_DIR": "cache", "AGENT_UV_SYNC_TIMEOUT": "9", "AGENT_UV_PATH": "/opt/uv",
-        "AGENT_DEPS_ENV_BUDGET_BYTES": "0",
+        "AGENT_DEPS_ENV_BUDGET_BYTES": "0", "AGENT_DEPS_PYTHON": "/usr/bin/python3",
         "AGENT_AUTO_UPGRADE": "on",
     }  # fmt: skip
     assert set(values) == {s.env for s in SETTINGS}
     s = load(None, values)
     assert s.redacted() == {
         "server": {"url": "http://10.1.2.3:81", "ca_file": str(ca), "request_timeout": 5.0},
-        "agent": {"name": "n1", "ip": "10.9.8.7", "port": 1, "bind": "0.0.0.0", "registration_token": "***", "api_key": "***",
+        "agent": {"name": "n1", "ip": "10.9.8.7", "port": 1, "bind": "0.0.0.0", "registration_token": "***",
                   "labels": {"a": "b"}, "max_workers": 3, "container_cpu_limit": "1500m", "auto_upgrade": True},
         "heartbeat": {"interval": 7.0},
         "task": {"poll_interval": 4.0, "long_poll_wait": 0.0, "work_dir": "/srv/ck", "execute_timeout": 0.0,
@@ -159,7 +159,7 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
                     "backup_count": 1},
         "deps": {"uv_index_url": "https://pypi.org/simple", "uv_fallback_index_url": "http://idx/simple",
                  "uv_cache_dir": str(tmp_path / "cache"), "uv_sync_timeout": 9.0, "uv_path": "/opt/uv",
-                 "env_budget_bytes": 0},
+                 "env_budget_bytes": 0, "python": "/usr/bin/python3"},
     }  # fmt: skip
     assert s.agent.registration_token == Secret(TOKEN)
     assert s.agent.container_cpu_limit_cores == 1.5
@@ -432,27 +432,36 @@ def test_secret_type() -> None:
 
 
 def test_secrets_never_leak_from_settings(tmp_path: Path) -> None:
-    path = write(tmp_path, f"agent:\n  api_key: {API_KEY}\n")
-    s = load(path, {"AGENT_REGISTRATION_TOKEN": TOKEN}, require_token=True)
+    path = write(tmp_path, f"agent:\n  registration_token: {API_KEY}\n")
+    s = load(path, {}, require_token=True)
     for text in (repr(s), str(s), repr(s.agent), str(s.redacted()), yaml.safe_dump(s.redacted())):
-        assert TOKEN not in text and API_KEY not in text
+        assert API_KEY not in text
     assert s.redacted()["agent"]["registration_token"] == "***"
-    assert s.redacted()["agent"]["api_key"] == "***"
-    assert s.agent.api_key is not None and s.agent.api_key.reveal() == API_KEY
+    assert s.agent.registration_token is not None and s.agent.registration_token.reveal() == API_KEY
+
+
+def test_the_removed_api_key_setting_says_why(tmp_path: Path) -> None:
+    """agent.api_key was never used: null (an older sample config) is ignored, a value fails saying so."""
+    assert load(write(tmp_path, "agent:\n  api_key: null\n"), {}).agent.name
+    message = error_of(write(tmp_path, f"agent:\n  api_key: {API_KEY}\n"))
+    assert "agent.api_key' is no setting any more" in message and "registration" in message
+    assert API_KEY not in message
+    [warning] = suspicious_env_vars({"AGENT_API_KEY": API_KEY})
+    assert warning.startswith("AGENT_API_KEY is ignored") and API_KEY not in warning
 
 
 @pytest.mark.parametrize(
     "yaml_text",
     [
         f"agent:\n  registration_token: [{TOKEN}]\n",
-        f"agent:\n  api_key: {{k: {TOKEN}}}\n",
+        f"agent:\n  registration_token: {{k: {TOKEN}}}\n",
         'agent:\n  registration_token: "   "\n',
     ],
 )
 def test_secret_values_never_in_error_messages(tmp_path: Path, yaml_text: str) -> None:
     message = error_of(write(tmp_path, yaml_text))
     assert TOKEN not in message
-    assert re.search(r"config\.yaml:2:\d+: agent\.(registration_token|api_key): expected", message)
+    assert re.search(r"config\.yaml:2:\d+: agent\.registration_token: expected", message)
 
 
 # --------------------------------------------------------------------------------------------------

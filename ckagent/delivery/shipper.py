@@ -34,6 +34,7 @@ from ckagent.delivery.spool import (
     NOTIFY_FALLBACK,
     TAIL_INTERVAL,
 )
+from ckagent.ids import api_path
 from ckagent.master import MasterClient, MasterConflict, MasterRejected, MasterUnavailable, json_object
 from ckagent.protocol import SeqAccepted, TaskResult
 from ckagent.state import AsyncStateStore
@@ -293,7 +294,7 @@ class StreamShipper:
     async def _post(self, seq: int, count: int, body: bytes) -> _Answer:
         """POST one batch (``count`` elements from ``seq``, ``body`` its encoded JSON) until the master
         answers (backoff on MasterUnavailable). See module docstring."""
-        path = f"/api/tasks/{self.task_id}/{self.kind}"
+        path = api_path("/api/tasks/{task}/" + self.kind, task=self.task_id)
         attempt = 0
         while True:
             try:
@@ -365,7 +366,7 @@ async def send_result(
     while True:
         try:
             async with limiter if limiter is not None else contextlib.nullcontext():
-                await master.call("result", "POST", f"/api/tasks/{task_id}/result", json=result.to_json(),
+                await master.call("result", "POST", api_path("/api/tasks/{task}/result", task=task_id), json=result.to_json(),
                                   answer=json_object)
             break
         except MasterUnavailable:  # MasterProtocolError too: an HTML page is not an acknowledgement

@@ -22,6 +22,7 @@ from pathlib import Path
 import trio
 
 from ckagent.crawlstats import STATS_FILE, Snapshot, read_last_snapshot
+from ckagent.ids import api_path
 from ckagent.master import MasterClient, MasterError, MasterRejected
 from ckagent.protocol import TaskStats, utc_iso
 
@@ -134,7 +135,7 @@ class StatsShipper:
         body = snapshot_message(snapshot).to_json()
         try:
             async with self._limiter:
-                await self._master.call("stats", "POST", f"/api/tasks/{self.task_id}/stats", json=body)
+                await self._master.call("stats", "POST", api_path("/api/tasks/{task}/stats", task=self.task_id), json=body)
         except MasterRejected as exc:
             if exc.status in (404, 409):
                 log.info("task %s: the master takes no live stats for it (%s); the final ones go with the "

@@ -45,6 +45,7 @@ from urllib.parse import quote
 
 import trio
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -59,6 +60,7 @@ from ckagent.devmaster.errors import (
     UnauthorizedError,
 )
 from ckagent.devmaster.packages import MAX_PACKAGE_BYTES, read_package
+from ckagent.devmaster.paths import SegmentPaths, check_spider_name
 from ckagent.devmaster.store import Store
 from ckagent.protocol import (
     ARTIFACTS,
@@ -547,9 +549,7 @@ def create_app(
     async def create_spider(request: Request) -> Response:
         admin_auth(request)
         o = _obj(await _json_body(request))
-        name = o.get("name")
-        if not isinstance(name, str) or not name.strip():
-            raise ProtocolError("name", "expected a non-empty string")
+        name = check_spider_name(o.get("name"))
         framework = o.get("framework")
         if framework not in FRAMEWORKS:
             raise ProtocolError("framework", f"expected one of {', '.join(FRAMEWORKS)}")
@@ -589,9 +589,7 @@ def create_app(
             raise ProtocolError(unknown[0], f"cannot be changed; a PATCH may hold {', '.join(SPIDER_PATCH_FIELDS)}")
         changes: dict[str, Any] = {}
         if "name" in o:
-            if not isinstance(o["name"], str) or not o["name"].strip():
-                raise ProtocolError("name", "expected a non-empty string")
-            changes["name"] = o["name"]
+            changes["name"] = check_spider_name(o["name"])
         if "framework" in o:
             if o["framework"] not in FRAMEWORKS:
                 raise ProtocolError("framework", f"expected one of {', '.join(FRAMEWORKS)}")
@@ -724,40 +722,41 @@ def create_app(
         Route("/", index),
         Route("/healthz", healthz),
         Route("/api/nodes/register", register, methods=["POST"]),
-        Route("/api/nodes/{node_id}/heartbeat", heartbeat, methods=["POST"]),
-        Route("/api/nodes/{node_id}/batches", node_batches, methods=["POST"]),
-        Route("/api/nodes/{node_id}/tasks/pending", pending, methods=["GET"]),
+        Route("/api/nodes/{node_id:seg}/heartbeat", heartbeat, methods=["POST"]),
+        Route("/api/nodes/{node_id:seg}/batches", node_batches, methods=["POST"]),
+        Route("/api/nodes/{node_id:seg}/tasks/pending", pending, methods=["GET"]),
         Route("/api/nodes", list_nodes, methods=["GET"]),
         Route("/api/agent-versions", get_agent_versions, methods=["GET"]),
         Route("/api/agent-versions", put_agent_versions, methods=["PUT"]),
-        Route("/api/tasks/{task_id}/result", result, methods=["POST"]),
-        Route("/api/tasks/{task_id}/release", release, methods=["POST"]),
-        Route("/api/tasks/{task_id}/logs", logs, methods=["POST"]),
-        Route("/api/tasks/{task_id}/logs", task_logs, methods=["GET"]),
-        Route("/api/tasks/{task_id}/logs/digest", task_log_digest, methods=["GET"]),
-        Route("/api/tasks/{task_id}/items", items, methods=["POST"]),
-        Route("/api/tasks/{task_id}/items", task_items, methods=["GET"]),
-        Route("/api/tasks/{task_id}/stats", stats, methods=["POST"]),
-        Route("/api/tasks/{task_id}/stats", task_stats, methods=["GET"]),
-        Route("/api/tasks/{task_id}/cancel", cancel_task, methods=["POST"]),
-        *([Route("/api/tasks/{task_id}/artifacts/{path:path}", put_artifact, methods=["PUT"]),
-           Route("/api/tasks/{task_id}/artifacts/{path:path}", get_artifact, methods=["GET"]),
-           Route("/api/tasks/{task_id}/artifacts", list_artifacts, methods=["GET"])] if artifacts else []),
-        Route("/api/tasks/{task_id}", get_task, methods=["GET"]),
+        Route("/api/tasks/{task_id:seg}/result", result, methods=["POST"]),
+        Route("/api/tasks/{task_id:seg}/release", release, methods=["POST"]),
+        Route("/api/tasks/{task_id:seg}/logs", logs, methods=["POST"]),
+        Route("/api/tasks/{task_id:seg}/logs", task_logs, methods=["GET"]),
+        Route("/api/tasks/{task_id:seg}/logs/digest", task_log_digest, methods=["GET"]),
+        Route("/api/tasks/{task_id:seg}/items", items, methods=["POST"]),
+        Route("/api/tasks/{task_id:seg}/items", task_items, methods=["GET"]),
+        Route("/api/tasks/{task_id:seg}/stats", stats, methods=["POST"]),
+        Route("/api/tasks/{task_id:seg}/stats", task_stats, methods=["GET"]),
+        Route("/api/tasks/{task_id:seg}/cancel", cancel_task, methods=["POST"]),
+        *([Route("/api/tasks/{task_id:seg}/artifacts/{path:path}", put_artifact, methods=["PUT"]),
+           Route("/api/tasks/{task_id:seg}/artifacts/{path:path}", get_artifact, methods=["GET"]),
+           Route("/api/tasks/{task_id:seg}/artifacts", list_artifacts, methods=["GET"])] if artifacts else []),
+        Route("/api/tasks/{task_id:seg}", get_task, methods=["GET"]),
         Route("/api/tasks", list_tasks, methods=["GET"]),
-        Route("/api/spider-files/spider/{spider_id}", spider_files, methods=["GET"]),
-        Route("/api/spider-files/{file_id}", spider_file, methods=["GET"]),
-        Route("/api/packages/{spider_id}/{file_name}", package, methods=["GET"]),
+        Route("/api/spider-files/spider/{spider_id:seg}", spider_files, methods=["GET"]),
+        Route("/api/spider-files/{file_id:seg}", spider_file, methods=["GET"]),
+        Route("/api/packages/{spider_id:seg}/{file_name:seg}", package, methods=["GET"]),
         Route("/api/spiders", create_spider, methods=["POST"]),
         Route("/api/spiders", list_spiders, methods=["GET"]),
-        Route("/api/spiders/{spider_id}", get_spider, methods=["GET"]),
-        Route("/api/spiders/{spider_id}", update_spider, methods=["PATCH"]),
-        Route("/api/spiders/{spider_id}/package", upload_package, methods=["PUT"]),
-        Route("/api/spiders/{spider_id}/tasks", create_task, methods=["POST"]),
+        Route("/api/spiders/{spider_id:seg}", get_spider, methods=["GET"]),
+        Route("/api/spiders/{spider_id:seg}", update_spider, methods=["PATCH"]),
+        Route("/api/spiders/{spider_id:seg}/package", upload_package, methods=["PUT"]),
+        Route("/api/spiders/{spider_id:seg}/tasks", create_task, methods=["POST"]),
         *demosite.routes(),
     ]
     handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
         ApiError: api_error,
         ProtocolError: protocol_error,
     }
-    return Starlette(routes=routes, exception_handlers=handlers)
+    # Ids are single percent-encoded path segments (``a%2Fb``): see ckagent.devmaster.paths.
+    return Starlette(routes=routes, exception_handlers=handlers, middleware=[Middleware(SegmentPaths)])

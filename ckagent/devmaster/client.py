@@ -24,6 +24,8 @@ from urllib.parse import quote
 import httpx
 import trio
 
+from ckagent.ids import api_path
+
 __all__ = ["FINAL_TASK_STATUSES", "SKIPPED_DIRS", "AdminApiError", "AdminClient", "zip_directory"]
 
 FINAL_TASK_STATUSES = frozenset({"SUCCESS", "FAILED", "CANCELLED"})
@@ -111,7 +113,7 @@ class AdminClient:
     async def update_spider(self, spider_id: str, **changes: Any) -> dict[str, Any]:
         """PATCH a spider: ``command``, ``env``, ``timeoutSeconds``, ``framework``, ``name`` (camelCase
         keys, as on the wire; ``None`` clears command/timeout). Returns the spider."""
-        result: dict[str, Any] = (await self._call("PATCH", f"/api/spiders/{spider_id}", json=changes)).json()
+        result: dict[str, Any] = (await self._call("PATCH", api_path("/api/spiders/{spider}", spider=spider_id), json=changes)).json()
         return result
 
     async def list_spiders(self) -> list[dict[str, Any]]:
@@ -123,7 +125,7 @@ class AdminClient:
         """Upload a zip as the spider's code; returns ``{codeVersion, sha256, sizeBytes, fileCount}``."""
         response = await self._call(
             "PUT",
-            f"/api/spiders/{spider_id}/package",
+            api_path("/api/spiders/{spider}/package", spider=spider_id),
             content=zip_bytes,
             headers={"Content-Type": "application/zip"},
         )
@@ -154,11 +156,11 @@ class AdminClient:
             "timeoutSeconds": timeout_seconds,
             "stallTimeoutSeconds": stall_timeout_seconds,
         }
-        return str((await self._call("POST", f"/api/spiders/{spider_id}/tasks", json=body)).json()["id"])
+        return str((await self._call("POST", api_path("/api/spiders/{spider}/tasks", spider=spider_id), json=body)).json()["id"])
 
     async def get_task(self, task_id: str) -> dict[str, Any]:
         """One task (status, exitCode, errorCode, nodeId, times, counts, cancelRequested, ...)."""
-        result: dict[str, Any] = (await self._call("GET", f"/api/tasks/{task_id}")).json()
+        result: dict[str, Any] = (await self._call("GET", api_path("/api/tasks/{task}", task=task_id))).json()
         return result
 
     async def list_tasks(
@@ -171,22 +173,22 @@ class AdminClient:
 
     async def get_logs(self, task_id: str) -> list[str]:
         """The task's stored log lines, in order."""
-        text = (await self._call("GET", f"/api/tasks/{task_id}/logs")).text
+        text = (await self._call("GET", api_path("/api/tasks/{task}/logs", task=task_id))).text
         return text.split("\n") if text else []
 
     async def get_log_digest(self, task_id: str) -> dict[str, Any]:
         """``{"count", "sha256", "discarded"}`` of the task's log lines (each followed by ``\\n``)."""
-        result: dict[str, Any] = (await self._call("GET", f"/api/tasks/{task_id}/logs/digest")).json()
+        result: dict[str, Any] = (await self._call("GET", api_path("/api/tasks/{task}/logs/digest", task=task_id))).json()
         return result
 
     async def get_items(self, task_id: str) -> list[dict[str, Any]]:
         """The task's stored items, in order."""
-        result: list[dict[str, Any]] = (await self._call("GET", f"/api/tasks/{task_id}/items")).json()
+        result: list[dict[str, Any]] = (await self._call("GET", api_path("/api/tasks/{task}/items", task=task_id))).json()
         return result
 
     async def get_stats(self, task_id: str) -> dict[str, Any]:
         """The task's stats: ``{"latest": snapshot | None, "final": bool, "history": [...]}``."""
-        result: dict[str, Any] = (await self._call("GET", f"/api/tasks/{task_id}/stats")).json()
+        result: dict[str, Any] = (await self._call("GET", api_path("/api/tasks/{task}/stats", task=task_id))).json()
         return result
 
     async def list_artifacts(self, task_id: str) -> list[dict[str, Any]]:
@@ -200,7 +202,7 @@ class AdminClient:
 
     async def cancel_task(self, task_id: str) -> dict[str, Any]:
         """Cancel: a PENDING task becomes CANCELLED, a RUNNING one gets cancelRequested. Returns the task."""
-        result: dict[str, Any] = (await self._call("POST", f"/api/tasks/{task_id}/cancel")).json()
+        result: dict[str, Any] = (await self._call("POST", api_path("/api/tasks/{task}/cancel", task=task_id))).json()
         return result
 
     async def list_nodes(self) -> list[dict[str, Any]]:

@@ -52,6 +52,7 @@ from ckagent.devmaster.errors import (
 from ckagent.devmaster.packages import (
     PackageContents,
 )
+from ckagent.ids import url_segment
 from ckagent.protocol import (
     FINAL_STATUSES,
     Heartbeat,
@@ -1019,7 +1020,7 @@ class Store:
         code_package = None
         if r["code_mode"] == "package" and found is not None:
             code_package = {
-                "url": f"{base_url}/api/packages/{r['spider_id']}/{r['code_version']}.zip",
+                "url": f"{base_url}/api/packages/{url_segment(r['spider_id'])}/{url_segment(r['code_version'] + '.zip')}",
                 "sha256": found["sha256"],
                 "sizeBytes": found["size_bytes"],
             }

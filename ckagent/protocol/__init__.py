@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from ckagent.protocol._fields import (
     ProtocolError,
+    master_id,
     opt_int,
     opt_number,
     opt_object,
@@ -89,6 +90,7 @@ ERROR_CODES = (
     "DEPLOY_FAILED",
     "DEPS_FAILED",
     "AGENT_LOST",
+    "AGENT_ERROR",
     "BAD_TASK",
 )
 """Every errorCode of a result: the outcome table of docs/protocol.md lists exactly these (a test checks)."""
@@ -104,6 +106,7 @@ OUTCOME_STATUS: dict[str, str] = {
     "DEPLOY_FAILED": "FAILED",
     "DEPS_FAILED": "FAILED",
     "AGENT_LOST": "FAILED",
+    "AGENT_ERROR": "FAILED",
     "BAD_TASK": "FAILED",
 }
 """The outcome table: ``SUCCESS`` (no errorCode) and every errorCode → the status it goes with."""
@@ -121,6 +124,9 @@ FEATURES = ("long-poll", "exclude-spider-ids", "log-item-seq", "paused-reason", 
 NODE_BATCHES = "node-batches"
 """A master feature (registration answer's ``features``): ``POST /api/nodes/{id}/batches`` takes
 several tasks' log and item batches in one request (docs/protocol.md, "Node batches")."""
+
+MAX_SENDABLE_ID_CHARS = 8192
+"""Longest id of a refused task the agent still reports BAD_TASK for (longer ones are only logged)."""
 
 TIMEOUT_MESSAGE = "执行超时"
 """errorMessage of a task that hit its timeout: what the existing CrawlerKeeper backend expects."""
@@ -254,7 +260,7 @@ class RegisterResponse:
     def from_json(cls, obj: Any) -> RegisterResponse:
         """Validate a decoded JSON body. Raises ProtocolError naming the bad field (never its value)."""
         o = req_object(obj, "")
-        return cls(node_id=req_id(o, "nodeId"), api_key=req_id(o, "apiKey", secret=True),
+        return cls(node_id=_id(o, "nodeId", ""), api_key=req_id(o, "apiKey", secret=True),
                    policy=VersionPolicy.from_json(o), features=str_list(o, "features"))
 
     def to_json(self) -> dict[str, Any]:
@@ -487,15 +493,15 @@ class Task:
             raise ProtocolError(f"{path}.command", "must not be empty (leave it out for the default)")
         package = o.get("codePackage")
         return cls(
-            id=req_id(o, "id", path=path),
-            spider_id=req_id(o, "spiderId", path=path),
-            spider_name=opt_str(o, "spiderName", path=path) or "",
+            id=_id(o, "id", path),
+            spider_id=_id(o, "spiderId", path),
+            spider_name=_spider_name(o, path),
             framework=req_choice(o, "framework", FRAMEWORKS, path=path),
             command=command,
             args=str_list(o, "args", path=path),
             env=str_map(o, "env", path=path, env_names=True),
             timeout_seconds=opt_number(o, "timeoutSeconds", lo=0, path=path),
-            code_version=opt_str(o, "codeVersion", path=path),
+            code_version=master_id(o, "codeVersion", path=path, required=False),
             code_package=None if package is None else CodePackage.from_json(package, f"{path}.codePackage"),
             params=opt_object(o, "params", path=path) or {},
             stall_timeout_seconds=opt_number(o, "stallTimeoutSeconds", lo=0, path=path),
@@ -527,6 +533,18 @@ class Task:
                 "outputs": None if self.outputs is None else self.outputs.to_json(),
             }
         )
+
+
+def _id(o: dict[str, Any], key: str, path: str) -> str:
+    """A required id chosen by the master (see ckagent.ids: what is accepted). Raises ProtocolError."""
+    value = master_id(o, key, path=path)
+    assert value is not None
+    return value
+
+
+def _spider_name(o: dict[str, Any], path: str) -> str:
+    """``spiderName``: optional (absent, null or empty → ""), otherwise a string ckagent.ids accepts."""
+    return master_id(o, "spiderName", path=path, required=False) or ""
 
 
 def _opt_bool(o: dict[str, Any], key: str, path: str) -> bool:
@@ -561,6 +579,15 @@ class BadTask:
     error: ProtocolError
 
 
+def _sendable(task_id: str) -> bool:
+    """True when a refused task's id can still name it in a URL (non-empty, UTF-8, not absurdly long)."""
+    try:
+        task_id.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return 0 < len(task_id) <= MAX_SENDABLE_ID_CHARS
+
+
 @dataclass(frozen=True)
 class PendingTasks:
     """Answer of ``GET /tasks/pending``. One bad task does not spoil the others: it lands in ``bad_tasks``."""
@@ -585,7 +612,7 @@ class PendingTasks:
                 tasks.append(Task.from_json(raw, f"tasks[{i}]"))
             except ProtocolError as exc:
                 task_id = raw.get("id") if isinstance(raw, dict) else None
-                ok_id = isinstance(task_id, (str, int)) and not isinstance(task_id, bool) and str(task_id)
+                ok_id = isinstance(task_id, (str, int)) and not isinstance(task_id, bool) and _sendable(str(task_id))
                 bad.append(BadTask(task_id=str(task_id) if ok_id else None, error=exc))
         return cls(tasks=tasks, cancel_task_ids=str_list(o, "cancelTaskIds", ids=True), bad_tasks=bad)
 
@@ -807,7 +834,7 @@ class SpiderFile:
         """Validate one entry. Raises ProtocolError."""
         o = req_object(obj, path)
         return cls(
-            id=req_id(o, "id", path=path),
+            id=_id(o, "id", path),
             path=req_id(o, "path", path=path),
             size_bytes=req_int(o, "sizeBytes", lo=0, path=path),
             sha256=req_id(o, "sha256", path=path).lower(),

@@ -11,6 +11,8 @@ import math
 import re
 from typing import Any
 
+from ckagent.ids import IdError, check_id
+
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -50,6 +52,23 @@ def req_id(o: dict[str, Any], key: str, *, path: str = "", secret: bool = False)
             shown = type(value).__name__ if secret else _describe(value)
         raise ProtocolError(_name(path, key), f"expected a non-empty string, got {shown}")
     return value
+
+
+def master_id(o: dict[str, Any], key: str, *, path: str = "", required: bool = True) -> str | None:
+    """An id chosen by the master (task, spider, node, code version, spider name), then
+    :func:`ckagent.ids.check_id` — NUL, too long or not Unicode raises ProtocolError naming the field
+    (the value is described, never echoed whole). ``required``: :func:`req_id` (integers become
+    strings); otherwise a string, and absent, null or empty → None."""
+    if not required:
+        value = opt_str(o, key, path=path)
+        if not value:
+            return None
+    else:
+        value = req_id(o, key, path=path)
+    try:
+        return check_id(value)
+    except IdError as exc:
+        raise ProtocolError(_name(path, key), f"{exc} ({_describe(value)})") from None
 
 
 def opt_str(o: dict[str, Any], key: str, *, path: str = "") -> str | None:
