@@ -303,6 +303,7 @@ class Agent:
         deps = Dependencies(
             self.work_dir / "envs",
             uv_path=s.deps.uv_path,
+            python=str(s.deps.python) if s.deps.python is not None else sys.executable,
             index=IndexChooser(s.deps.uv_index_url, s.deps.uv_fallback_index_url),
             uv_cache_dir=s.deps.uv_cache_dir,
             timeout=s.deps.uv_sync_timeout,
@@ -320,7 +321,8 @@ class Agent:
         supervisor = self.supervisor = Supervisor(
             RunnerConfig(self.work_dir, s.task.execute_timeout, s.task.kill_grace, self._secrets, extra_env,
                          run_as=run_as, stall_timeout=s.task.stall_timeout, containment=containment,
-                         default_limits=Limits(s.task.memory_limit_bytes, s.task.pids_limit, s.task.cpus_limit)),
+                         default_limits=Limits(s.task.memory_limit_bytes, s.task.pids_limit, s.task.cpus_limit),
+                         max_artifact_bytes=s.task.max_artifact_bytes),
             self.master, store, workspaces, deps, self.max_workers,
             on_finished=self._task_delivered, outbox=outbox, observer=self.metrics,
         )

@@ -1,5 +1,5 @@
 """What a task runs: its command (or its framework's default), the check that the package can run
-it, and the settings the agent hands a Scrapy crawl.
+it, and the checks ckagent.scrapyhook makes before it attaches to a Scrapy crawl.
 
 Default commands (docs/protocol.md "Running a task")::
 
@@ -14,17 +14,15 @@ Default commands (docs/protocol.md "Running a task")::
 that cannot run fails DEPLOY_FAILED before anything is installed. A task with its own ``command``
 is not checked: its author knows what it runs.
 
-Scrapy items with no code change: :func:`scrapy_feed_settings` hands the crawl a feed to the task's
-items file (``-s FEEDS=...``, the way Scrapyd does), unless the project already sends its items
-through the SDK pipeline (``crawlerkeeper_sdk.scrapy``) — never both, so never an item twice. The
-feed replaces the project's own ``FEEDS`` for that run (Scrapy's command-line priority).
+Scrapy items with no code change come from ckagent.scrapyhook (an environment-driven hook, beside
+the project's own ``FEEDS``); :func:`uses_sdk_pipeline` tells it whether the project already ships
+its items through the SDK.
 
 The blocking functions read a few small files: call them through ``trio.to_thread``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -70,8 +68,8 @@ def resolve_command(task: Task, code_dir: Path) -> tuple[list[str], str | None]:
         if not (code_dir / "scrapy.cfg").is_file():
             raise DeployError(
                 f"scrapy.cfg is missing: a Scrapy task runs `scrapy crawl` in the project root, which must "
-                f"hold scrapy.cfg; looked in {where}. Zip the project folder's contents (or the folder "
-                "itself), or give the spider a command"
+                f"hold scrapy.cfg; looked in {where}.{_one_down(code_dir, ('scrapy.cfg',))} Zip the project "
+                "folder's contents (or the folder itself), or give the spider a command"
             )
         return default_command(task), None
     if task.framework == "node":
@@ -79,7 +77,8 @@ def resolve_command(task: Task, code_dir: Path) -> tuple[list[str], str | None]:
         if argv is None:
             raise DeployError(
                 f"nothing to run: a Node task runs package.json's scripts.start, else its main, else index.js; "
-                f"looked for {followed} in {where}. Add one, or give the spider a command"
+                f"looked for {followed} in {where}.{_one_down(code_dir, ('package.json',))} Add one, or give "
+                "the spider a command"
             )
         # npm passes arguments to the script only after "--" (before it they are npm's own options).
         extra = (["--", *task.args] if argv[0] == "npm" else list(task.args)) if task.args else []
@@ -90,10 +89,29 @@ def resolve_command(task: Task, code_dir: Path) -> tuple[list[str], str | None]:
         if not (code_dir / script).is_file():
             raise DeployError(
                 f"{script} is missing: a {task.framework} task runs `python {script}` in the package root; "
-                f"looked in {where}. Add it, or give the spider a command"
+                f"looked in {where}.{_one_down(code_dir, (script, 'scrapy.cfg', 'package.json'))} Add it, or "
+                "give the spider a command"
             )
         return argv, None
     return default_command(task), None
+
+
+def _one_down(code_dir: Path, markers: tuple[str, ...], limit: int = 200) -> str:
+    """`` Found bookscraper/scrapy.cfg one folder down: ...`` when a framework marker lies in a
+    sub-folder of ``code_dir`` (a zip of the repository root, not the project); else ``""``."""
+    found: list[str] = []
+    try:
+        folders = sorted(e for e in code_dir.iterdir() if e.is_dir() and not e.is_symlink()
+                         and e.name not in _SCAN_SKIP)[:limit]
+    except OSError:
+        return ""
+    for folder in folders:
+        found.extend(f"{folder.name}/{m}" for m in markers if (folder / m).is_file())
+    if not found:
+        return ""
+    first = found[0].split("/")[0]
+    return (f" Found {', '.join(found[:4])} one folder down: the project is in {first}/ — zip that folder's "
+            f"contents, or give the spider a command that starts there (e.g. `sh -c 'cd {first} && ...'`).")
 
 
 def _listing(code_dir: Path, limit: int = 12) -> str:
@@ -128,18 +146,6 @@ def uses_sdk_pipeline(code_dir: Path) -> bool:
     return False
 
 
-def scrapy_feed_settings(items_file: Path, code_dir: Path) -> list[str]:
-    """Scrapy ``-s`` options handing the crawl a JSON-lines feed to ``items_file`` (blocking: scans the project).
-
-    Empty when the project already sends items through the SDK (see the module docstring).
-    """
-    if uses_sdk_pipeline(code_dir):
-        return []
-    feeds = {items_file.as_uri(): {"format": "jsonlines", "encoding": "utf-8", "store_empty": False,
-                                   "overwrite": False}}
-    return ["-s", "FEEDS=" + json.dumps(feeds)]
-
-
 def runs_in_env(argv: list[str], path: str | None, env_dir: Path | None) -> bool:
     """Whether ``argv``'s executable, looked up on ``path`` (the spider's ``PATH``) as it will be at
     the spawn, lies inside ``env_dir``: the environment the agent built, where the bundled SDK is
@@ -154,15 +160,3 @@ def runs_in_env(argv: list[str], path: str | None, env_dir: Path | None) -> bool
     if found is None:
         return False
     return Path(os.path.abspath(found)).is_relative_to(env_dir)
-
-
-def is_scrapy_crawl(argv: list[str]) -> bool:
-    """``scrapy crawl ...`` (the executable by its name or a path ending in ``/scrapy``)."""
-    return len(argv) >= 2 and os.path.basename(argv[0]) == "scrapy" and argv[1] == "crawl"
-
-
-def with_scrapy_settings(argv: list[str], settings: list[str]) -> list[str]:
-    """``argv`` of a ``scrapy crawl`` with ``settings`` (``-s K=V`` pairs) right after ``crawl``."""
-    if not settings or not is_scrapy_crawl(argv):
-        return argv
-    return [argv[0], argv[1], *settings, *argv[2:]]

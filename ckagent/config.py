@@ -175,7 +175,8 @@ class TaskSettings:
     ``flush_timeout`` bounds the final delivery when stopping. ``work_dir`` is absolute.
     ``run_as_user``: user name (or uid) spiders run as when the agent is root; None = the agent's user.
     Task data: ``max_log_bytes`` caps a task's output.log and ``min_free_disk_bytes`` is the free-space
-    floor of the work dir's filesystem (bytes, 0 = none); ``log_files`` comma-separated globs of spider
+    floor of the work dir's filesystem (bytes, 0 = none); ``max_artifact_bytes`` the most bytes of a
+    task's artifacts shipped to the master (0 = none: all kept on the node); ``log_files`` comma-separated globs of spider
     log files under the task dir; ``retention`` seconds a delivered task dir is kept (0 = forever);
     ``cleanup_temp_files`` deletes every delivered task dir at start. ``stall_timeout``: seconds
     without output, item or stats change before a task is stopped STALLED (0 = off).
@@ -194,6 +195,7 @@ class TaskSettings:
     run_as_user: str | None
     max_log_bytes: int
     min_free_disk_bytes: int
+    max_artifact_bytes: int
     log_files: str
     retention: float
     cleanup_temp_files: bool
@@ -229,6 +231,7 @@ class DepsSettings:
     uv_sync_timeout: float
     uv_path: Path | None
     env_budget_bytes: int
+    python: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -570,6 +573,11 @@ SETTINGS: tuple[Setting, ...] = (
             "Free-space floor of the work dir's filesystem: task output that would go below it is dropped "
             "(with a marker line), a task whose writes take the free space below it is stopped (DISK_FULL) and "
             "new tasks wait until it is back; 0 = no floor.", _integer(0)),
+    Setting("task", "max_artifact_bytes", "AGENT_TASK_MAX_ARTIFACT_BYTES", "integer >= 0 (bytes)", 100 * 1024**2,
+            "Artifact budget of one task: the files it created or changed in its working copy are shipped to "
+            "the master up to this many bytes (in path order); the rest stay on the node in "
+            "`spider-data/<spider>/outputs/<task>/` for `task.retention`, and the task log says where; "
+            "0 = ship none.", _integer(0)),
     Setting("task", "log_files", "AGENT_TASK_LOG_FILES", "comma-separated globs", "*.log",
             "Spider log files under the task dir (CK_TASK_DIR) that are tailed into the task's log, each "
             "line marked `[<file>] `; a task adds globs with `params.logFiles`.", _globs),
@@ -627,6 +635,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Disk budget of the spiders' dependency environments (`work_dir/envs`, shared by projects "
             "with the same dependencies): beyond it the least recently used ones not in use are removed; "
             "0 = no limit.", _integer(0)),
+    Setting("deps", "python", "AGENT_DEPS_PYTHON", "path", None,
+            "The interpreter Python spiders' environments are built on; unset = the agent's own. With "
+            "task.run_as_user that user must be able to execute it (checked at start).", _path),
 )  # fmt: skip
 
 _SECTION_CLASSES: dict[str, type] = {

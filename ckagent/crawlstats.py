@@ -1,6 +1,6 @@
-"""A crawl's statistics as the spider reports them: the stats file, its newest snapshot, the Scrapy hook.
+"""A crawl's statistics as the spider reports them: the stats file, its newest snapshot, the Scrapy stats (ckagent.scrapyhook).
 
-The spider (the SDK's ``report_stats``/``progress``, or the Scrapy extension the agent enables)
+The spider (the SDK's ``report_stats``/``progress``, or the Scrapy extension the agent's hook enables)
 appends snapshots to ``<task dir>/stats.jsonl`` (``CK_STATS_FILE``): each line one complete JSON
 object ``{"time": epoch seconds, "stats": {...}, "progress": {"done": n, "total": m}}``; the newest
 line wins. The file is the spool: whatever the agent or the master went through, the final snapshot
@@ -28,8 +28,6 @@ STATS_FILE = "stats.jsonl"
 MAX_SNAPSHOT_BYTES = 64 * 1024
 """A snapshot line longer than this is ignored (the previous one stays the newest)."""
 
-SCRAPY_EXTENSION_SETTINGS = "crawlerkeeper_sdk.scrapy_settings"
-"""The settings module that adds the SDK's stats extension to a Scrapy project's own settings."""
 
 
 @dataclass(frozen=True)
@@ -100,18 +98,3 @@ def summary(stats: dict[str, Any] | None) -> dict[str, int]:
         value = (stats or {}).get(key)
         out[key] = int(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0
     return out
-
-
-def scrapy_stats_env(task_env: dict[str, str]) -> dict[str, str]:
-    """Environment that enables the SDK's Scrapy stats extension without a change to the project.
-
-    ``SCRAPY_SETTINGS_MODULE`` names :data:`SCRAPY_EXTENSION_SETTINGS`, which loads the project's
-    own settings (the task's ``SCRAPY_SETTINGS_MODULE`` if it set one, passed on as
-    ``CK_SCRAPY_SETTINGS_MODULE``; else scrapy.cfg's) and adds the extension. Merged over the
-    task's env by the caller.
-    """
-    env = {"SCRAPY_SETTINGS_MODULE": SCRAPY_EXTENSION_SETTINGS}
-    own = task_env.get("SCRAPY_SETTINGS_MODULE")
-    if own and own != SCRAPY_EXTENSION_SETTINGS:
-        env["CK_SCRAPY_SETTINGS_MODULE"] = own
-    return env

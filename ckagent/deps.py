@@ -47,6 +47,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -62,6 +63,7 @@ import trio
 from ckagent.deps_node import (
     NODE_DEP_FILES,
     link_node_modules,
+    node_install_command,
     pick_nvm_node,
     stage_node_manifest,
     system_node_version,
@@ -69,8 +71,10 @@ from ckagent.deps_node import (
 )
 from ckagent.envstore import EnvStore, is_ready, mark_ready, start_build
 from ckagent.errors import DepsError, os_error_text
+from ckagent.installenv import install_key_env
 from ckagent.noderange import satisfies
 from ckagent.process import SPAWNED, RunAs, popen_identity, terminate_group
+from ckagent.pylocks import LockError, lock_inputs
 from ckagent.pyplan import (
     DEFAULT_PACKAGES,
     SDK_DISTRIBUTION,
@@ -94,6 +98,7 @@ PYTHON_FRAMEWORKS = ("scrapy", "python", "playwright", "selenium")
 OFFICIAL_INDEX = "https://pypi.org/simple"
 _SDK_PTH = "_crawlerkeeper_sdk_fallback.pth"
 _LOCKED_REQUIREMENTS = ".ckagent-locked.txt"
+_LOCK_CONSTRAINTS = ".ckagent-lock-constraints.txt"
 UV_MISSING = (
     "uv is not installed on this node. Install it into the agent's Python with `pip install uv` "
     "(or system-wide: see https://docs.astral.sh/uv/getting-started/installation/), or set "
@@ -204,6 +209,8 @@ class Dependencies:
         *,
         marker: dict[str, str] | None = None,
         spawn: Spawn | None = None,
+        task_env: dict[str, str] | None = None,
+        home: Path | None = None,
     ) -> Prepared:
         """Make the spider's environment ready; returns PATH additions and env (release it after the run).
 
@@ -214,23 +221,29 @@ class Dependencies:
         (TERM → 5 s → KILL of its process group) before it propagates; the half-built environment
         is removed by its next build or by collection. ``spawn`` (the task's jail's
         :meth:`~ckagent.containment.TaskJail.spawn`) wraps every installer's command so it joins
-        the task's cgroup before it execs.
+        the task's cgroup before it execs. ``task_env`` (the task's ``env``) reaches every installer;
+        the variables of it that change what an install does enter the environment's key
+        (ckagent.installenv). ``home``: the spider's HOME, the installers' too when they run as
+        ``run_as_user`` (that user's passwd home may not exist or not be writable).
         """
         token = _SPAWN.set(spawn)
         try:
-            return await self._prepare(framework, spider_id, code_dir, output, marker)
+            env = {**(task_env or {}), **(marker or {})}
+            if home is not None and self._run_as is not None:
+                env["HOME"] = str(home)
+            return await self._prepare(framework, spider_id, code_dir, output, env)
         except OSError as exc:  # the environment's files (a full disk, a permission): the install fails
             raise DepsError(f"cannot prepare the spider's environment: {os_error_text(exc)}") from exc
         finally:
             _SPAWN.reset(token)
 
     async def _prepare(self, framework: str, spider_id: str, code_dir: Path, output: Callable[[bytes], None],
-                       marker: dict[str, str] | None) -> Prepared:
+                       task_env: dict[str, str]) -> Prepared:
         started = trio.current_time()
         if framework in PYTHON_FRAMEWORKS:
-            prepared = await self._python_env(code_dir, framework, output, dict(marker or {}))
+            prepared = await self._python_env(code_dir, framework, output, task_env)
         elif framework == "node":
-            prepared = await self._node_env(code_dir, output, dict(marker or {}))
+            prepared = await self._node_env(code_dir, output, task_env)
         else:
             prepared = Prepared()
         prepared.seconds = trio.current_time() - started
@@ -251,9 +264,11 @@ class Dependencies:
             prepared.env_dir = None
 
     def _installer_env(self, task_env: dict[str, str]) -> dict[str, str]:
-        env = {**self._base_env, **task_env}
+        """The base, the run-as identity (USER, LOGNAME; HOME unless the task's is given), the task's env."""
+        env = dict(self._base_env)
         if self._run_as is not None:
             env.update(self._run_as.env())
+        env.update(task_env)
         return env
 
     # ------------------------------------------------------------------ python
@@ -267,8 +282,8 @@ class Dependencies:
                 interpreter = interpreter_identity(self._python)
             except InterpreterError as exc:
                 raise DepsError(str(exc)) from exc
-            return python_plan(code_dir, framework, interpreter, self._identity, sdk[0] if sdk else ""), \
-                (sdk[1] if sdk else None)
+            return python_plan(code_dir, framework, interpreter, self._identity, sdk[0] if sdk else "",
+                               install_key_env(task_env)), (sdk[1] if sdk else None)
 
         plan, overrides = await trio.to_thread.run_sync(plan_sync)
         venv = self.store.path("py", plan.key)
@@ -280,6 +295,8 @@ class Dependencies:
                     prepared.cache_hit = False
                     with self.store.building(venv):
                         await self._build_python(venv, plan, overrides, code_dir, output, task_env)
+                else:
+                    await trio.to_thread.run_sync(_install_sdk_pth, venv)
         return prepared
 
     @contextlib.contextmanager
@@ -313,7 +330,8 @@ class Dependencies:
             await trio.to_thread.run_sync(_give_dirs, self._run_as, [venv, cache_dir])
         if cache_dir is not None:
             env["UV_CACHE_DIR"] = str(cache_dir)
-        env["UV_DEFAULT_INDEX"] = await self._index.index_url()
+        if not any(name in task_env for name in ("UV_DEFAULT_INDEX", "UV_INDEX_URL")):
+            env["UV_DEFAULT_INDEX"] = await self._index.index_url()  # else the spider's own index
         python = str(venv / "bin" / "python")
         await self._run([uv, "venv", "--quiet", "--allow-existing", "--python", self._python, str(venv)],
                         code_dir, env, output)
@@ -324,6 +342,8 @@ class Dependencies:
             await self._run([uv, "export", "--frozen", "--no-emit-project", "--no-hashes", "--no-header",
                              *skip_sdk, "--output-file", str(locked), "--quiet"], code_dir, env, output)
             await self._run([uv, "pip", "sync", "--python", python, str(locked)], code_dir, env, output)
+        elif plan.mode == "lock" and plan.lock is not None:
+            await self._install_lock(uv, python, venv, plan.lock, override, code_dir, env, output)
         elif plan.mode in ("pyproject", "requirements"):
             source = "pyproject.toml" if plan.mode == "pyproject" else "requirements.txt"
             await self._run([uv, "pip", "install", "--python", python, "-r", source, *override], code_dir, env, output)
@@ -332,6 +352,37 @@ class Dependencies:
         await trio.to_thread.run_sync(_install_sdk_pth, venv)
         size = await trio.to_thread.run_sync(mark_ready, venv, plan.key, "py")
         log.info("built Python environment %s (%s, %d bytes)", venv.name, plan.mode, size)
+
+    async def _install_lock(self, uv: str, python: str, venv: Path, lock: str, override: list[str], code_dir: Path,
+                            env: dict[str, str], output: Callable[[bytes], None]) -> None:
+        """Install what ``lock`` pins (ckagent.pylocks); a lock that cannot be honoured raises DepsError."""
+        try:
+            how, requirements, constraints = await trio.to_thread.run_sync(lock_inputs, code_dir, lock)
+        except LockError as exc:
+            raise DepsError(f"{exc}; the install was not attempted (the lock would not be honoured)") from exc
+
+        def not_sdk(line: str) -> bool:  # the bundled SDK (the .pth) serves it, never an index
+            return re.split(r"[\s=<>!~;@\[]", line.strip(), maxsplit=1)[0].lower().replace("_", "-") != SDK_DISTRIBUTION
+
+        if how == "sync-file":
+            output(f"[ckagent] installing exactly what {lock} pins (uv reads it)\n".encode())
+            await self._run([uv, "pip", "sync", "--python", python, lock], code_dir, env, output)
+            return
+        if not requirements:
+            output(f"[ckagent] {lock}: the project declares no dependencies; nothing to install\n".encode())
+            return
+        files = {venv / _LOCKED_REQUIREMENTS: "\n".join(filter(not_sdk, requirements)) + "\n",
+                 venv / _LOCK_CONSTRAINTS: "\n".join(filter(not_sdk, constraints)) + "\n"}
+        await trio.to_thread.run_sync(_write_files, files)
+        locked, pins = venv / _LOCKED_REQUIREMENTS, venv / _LOCK_CONSTRAINTS
+        if how == "sync":
+            output(f"[ckagent] installing exactly the {len(requirements)} packages {lock} pins\n".encode())
+            await self._run([uv, "pip", "sync", "--python", python, str(locked)], code_dir, env, output)
+        else:
+            output(f"[ckagent] installing the project's {len(requirements)} dependencies at the versions {lock} "
+                   f"pins ({len(constraints)} pins)\n".encode())
+            await self._run([uv, "pip", "install", "--python", python, "-r", str(locked), "-c", str(pins),
+                             *override], code_dir, env, output)
 
     # ------------------------------------------------------------------ node
 
@@ -342,7 +393,7 @@ class Dependencies:
         if spec is not None:
             await self._select_node(spec, source, env, code_dir, output, prepared)
         path = os.pathsep.join([*prepared.path_prefix, env.get("PATH", "")])
-        layout, key = await trio.to_thread.run_sync(self._node_plan, code_dir, spec, path)
+        layout, key = await trio.to_thread.run_sync(self._node_plan, code_dir, spec, path, install_key_env(task_env))
         if layout == "no-package":
             return prepared
         if layout == "ships-node-modules":
@@ -359,17 +410,19 @@ class Dependencies:
                             raise DepsError(NPM_MISSING)
                         env["PATH"] = path
                         await trio.to_thread.run_sync(start_build, install_dir)
-                        lock = await trio.to_thread.run_sync(stage_node_manifest, code_dir, install_dir)
+                        await trio.to_thread.run_sync(stage_node_manifest, code_dir, install_dir)
                         if self._run_as is not None:
                             await trio.to_thread.run_sync(_give_dirs, self._run_as, [install_dir])
-                        argv = [npm, "ci" if lock else "install", "--no-audit", "--no-fund", "--no-progress",
-                                "--no-update-notifier"]
+                        argv, note = await trio.to_thread.run_sync(node_install_command, install_dir, npm, path)
+                        if note is not None:
+                            output(f"[ckagent] {note}\n".encode())
+                        env.setdefault("COREPACK_ENABLE_DOWNLOAD_PROMPT", "0")
                         await self._run(argv, install_dir, env, output)
                         await trio.to_thread.run_sync(_finish_node_env, install_dir, key)
         await trio.to_thread.run_sync(link_node_modules, code_dir, install_dir / "node_modules")
         return prepared
 
-    def _node_plan(self, code_dir: Path, spec: str | None, path: str) -> tuple[str, str]:
+    def _node_plan(self, code_dir: Path, spec: str | None, path: str, key_env: dict[str, str]) -> tuple[str, str]:
         """(layout, key) of a Node spider (blocking: stats, hashing, ``node --version`` once per binary).
 
         layout: ``"no-package"`` (no package.json: nothing to install), ``"ships-node-modules"`` (the
@@ -384,8 +437,10 @@ class Dependencies:
                  for name in NODE_DEP_FILES if (code_dir / name).is_file()}
         node = shutil.which("node", path=path)
         version = system_node_version(path)
-        source = {"schema": 1, "files": files, "spec": spec, "node": node and os.path.realpath(node),
-                  "version": version, "identity": self._identity}
+        source: dict[str, Any] = {"schema": 1, "files": files, "spec": spec, "node": node and os.path.realpath(node),
+                                  "version": version, "identity": self._identity}
+        if key_env:  # only then: environments of spiders without such variables keep their keys
+            source["env"] = key_env
         return "install", hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()
 
     async def _select_node(self, spec: str, source: str, env: dict[str, str], code_dir: Path,
@@ -491,14 +546,31 @@ def _give_dirs(run_as: RunAs, paths: list[Path]) -> None:
             run_as.chown_tree(path)
 
 
+_SCRAPY_HOOK_LINE = 'import os; os.environ.get("CK_SCRAPY_HOOK") and __import__("crawlerkeeper_sdk._scrapy_hook")\n'
+"""The ``.pth`` line that attaches the SDK's Scrapy extensions to any Scrapy run (ckagent.scrapyhook)."""
+
+
+def _write_files(files: dict[Path, str]) -> None:
+    for path, text in files.items():
+        path.write_text(text)
+
+
 def _install_sdk_pth(venv: Path) -> None:
+    """Write the SDK's ``.pth`` (its directory, then the Scrapy hook) where it is missing or out of date
+    (an environment built by an older agent gets the hook too). Blocking: a few small files."""
     sdk = bundled_sdk_dir()
     for site in (venv / "lib").glob("python*/site-packages"):
         pth = site / _SDK_PTH
         if sdk is None:
             pth.unlink(missing_ok=True)
-        else:
-            pth.write_text(str(sdk) + "\n")
+            continue
+        text = str(sdk) + "\n" + _SCRAPY_HOOK_LINE
+        with contextlib.suppress(OSError):
+            if pth.read_text() == text:
+                continue
+        tmp = pth.with_name(f".{pth.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, pth)
 
 
 def spider_base_env(path_prefix: list[str] | None = None) -> dict[str, str]:

@@ -16,7 +16,8 @@ from pathlib import Path
 from ckagent.noderange import NodeVersion, parse_node_version, satisfies
 from ckagent.runtimes import nvm_node_versions
 
-NODE_COPIED = ("package.json", "package-lock.json", "npm-shrinkwrap.json", ".npmrc")
+NODE_COPIED = ("package.json", "package-lock.json", "npm-shrinkwrap.json", ".npmrc", "yarn.lock", ".yarnrc",
+               ".yarnrc.yml", "pnpm-lock.yaml", "pnpm-workspace.yaml", ".pnpmfile.cjs")
 """What an install needs from the code: copied into the environment's directory before npm runs."""
 NODE_DEP_FILES = (*NODE_COPIED, ".nvmrc")
 """The files that determine a Node environment (hashed into its key)."""
@@ -77,6 +78,46 @@ def stage_node_manifest(code_dir: Path, install_dir: Path) -> bool:
         else:
             dst.unlink(missing_ok=True)
     return any((install_dir / name).is_file() for name in ("package-lock.json", "npm-shrinkwrap.json"))
+
+
+NPM_OPTIONS = ("--no-audit", "--no-fund", "--no-progress", "--no-update-notifier")
+
+
+def node_install_command(install_dir: Path, npm: str, path: str) -> tuple[list[str], str | None]:
+    """The install that honours the lock staged in ``install_dir``: (argv, a note for the task log).
+
+    ``package-lock.json``/``npm-shrinkwrap.json`` → ``npm ci``; ``pnpm-lock.yaml`` → ``pnpm install
+    --frozen-lockfile``; ``yarn.lock`` → ``yarn install --frozen-lockfile`` (Yarn 1) or ``--immutable``
+    (Yarn 2+, whose lock has ``__metadata``). pnpm and yarn are taken from ``path``, else run through
+    corepack (which fetches the version ``packageManager`` names). Without either, the documented
+    fallback: ``npm install`` from package.json's ranges, with a note saying the lock was not
+    honoured and how to make it be. No lock → ``npm install``. Blocking: a few stats and one small read.
+    """
+    corepack = shutil.which("corepack", path=path)
+
+    def tool(name: str) -> list[str] | None:
+        found = shutil.which(name, path=path)
+        if found is not None:
+            return [found]
+        return [corepack, name] if corepack is not None else None
+
+    if any((install_dir / name).is_file() for name in ("package-lock.json", "npm-shrinkwrap.json")):
+        return [npm, "ci", *NPM_OPTIONS], None
+    for lock, name in (("pnpm-lock.yaml", "pnpm"), ("yarn.lock", "yarn")):
+        if not (install_dir / lock).is_file():
+            continue
+        runner = tool(name)
+        if runner is None:
+            return [npm, "install", *NPM_OPTIONS], (
+                f"warning: {lock} is not honoured: neither {name} nor corepack is on this node, so npm install "
+                f"resolves package.json's ranges instead; install {name} (or Node.js with corepack) to honour it")
+        if name == "pnpm":
+            return [*runner, "install", "--frozen-lockfile"], f"{lock}: installing exactly what it pins with pnpm"
+        with open(install_dir / lock, "rb") as fh:
+            berry = b"__metadata:" in fh.read(4096)
+        flag = "--immutable" if berry else "--frozen-lockfile"
+        return [*runner, "install", flag], f"{lock}: installing exactly what it pins with yarn ({flag})"
+    return [npm, "install", *NPM_OPTIONS], None
 
 
 def link_node_modules(code_dir: Path, target: Path) -> None:

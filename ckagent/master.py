@@ -247,6 +247,8 @@ class MasterClient:
         content: bytes | None = None,
         params: dict[str, Any] | None = None,
         read_timeout: float | None = None,
+        content_type: str = "application/json",
+        headers: dict[str, str] | None = None,
     ) -> Any:
         """One authenticated request; returns the decoded answer.
 
@@ -257,7 +259,8 @@ class MasterClient:
         MasterProtocolError.
 
         The body is ``json`` (encoded here) or ``content``: JSON already encoded (UTF-8 bytes), sent
-        as it is with ``Content-Type: application/json`` (a stream batch is encoded once, by its reader).
+        as it is with ``Content-Type: application/json`` (a stream batch is encoded once, by its reader),
+        or with ``content_type`` (an artifact's bytes); ``headers`` are added to the request.
 
         ``path`` may contain ``{node}``, replaced by the node id. A 401 re-registers once and
         retries. Raises MasterUnavailable (MasterProtocolError), MasterConflict, MasterRejected (see
@@ -271,11 +274,13 @@ class MasterClient:
             generation = self._key_generation
             # The API key goes to the master only: a code package on another host (object storage,
             # a CDN) gets no Authorization header.
-            headers = {"Authorization": f"Bearer {self._api_key}"} if self._same_origin(target) else {}
+            sent = dict(headers or {})
+            if self._same_origin(target):
+                sent["Authorization"] = f"Bearer {self._api_key}"
             if content is not None:
-                headers["Content-Type"] = "application/json"
+                sent["Content-Type"] = content_type
             response = await self._send(
-                endpoint, method, target, json=json, content=content, params=params, headers=headers,
+                endpoint, method, target, json=json, content=content, params=params, headers=sent,
                 read_timeout=read_timeout,
             )
             if response.status_code == 401 and not second_try and self._same_origin(target):

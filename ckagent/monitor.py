@@ -49,6 +49,7 @@ from ckagent.containment.base import SHELL, SPIDER_OOM_SCORE_ADJ, FileWatch, mak
 from ckagent.containment.base import _resolve as resolve_program
 from ckagent.containment.process_group import MARKER_VAR, SPAWNED, signal_group
 from ckagent.process import REAP_TIMEOUT, ProcessOutcome, RunAs, popen_identity
+from ckagent.stoptarget import StopTarget, describe_targets, send_stop, wait_gone
 
 log = logging.getLogger(__name__)
 
@@ -292,6 +293,8 @@ class _Stopper:
         self.mon, self.jail, self.grace, self.notice, self.outcome = mon, jail, grace, notice, outcome
         self.stop_signal = stop_signal
         self._term_deadline: float | None = None
+        self._targets: list[StopTarget] = []
+        self._main = 0
         self._gave_up = False
 
     async def stop(self, why: str) -> None:
@@ -303,14 +306,23 @@ class _Stopper:
             self._term_deadline = trio.current_time() + self.grace
             target = self.mon.main_pid()
             if target is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(target, self.stop_signal)
+                # To the process that does the work, through launchers that pass nothing on (npm start).
+                self._targets = await trio.to_thread.run_sync(send_stop, target, self.stop_signal)
+                self._main = target
+                whom = describe_targets(target, self._targets)
             else:  # the monitor has not forked yet: its group (the monitor ignores the usual stop signals)
                 signal_group(self.mon.pid, self.stop_signal)
-            self.notice(f"{why}: sent {name} to the main process {target or self.mon.pid}; every process of "
-                        f"the task is killed in {self.grace:g} s")
+                whom = f"the main process {self.mon.pid}"
+            self.notice(f"{why}: sent {name} to {whom}; every process of the task is killed in {self.grace:g} s")
         with trio.move_on_at(self._term_deadline):
             await self.mon.wait()
+        if self.mon.exited and self._targets and [t.pid for t in self._targets] != [self._main]:
+            # The launcher ended; what it ran must end too before the grace counts as kept.
+            left = await wait_gone(self._targets, self._term_deadline)
+            self.outcome.workers_left = len(left)
+            if left:
+                self.notice(f"the launcher exited but {describe_targets(self._main, left)} still ran "
+                            f"{self.grace:g} s after {name}: killed")
         if not self.mon.exited:
             self.outcome.kill_sent_at = time.time()
             killed = await self.jail.kill_all()

@@ -8,7 +8,8 @@ exactly what `run` then accepts.
 =============  ==========================================================  =========================
 check          what                                                        `run`
 =============  ==========================================================  =========================
-users          task.run_as_user exists; switching users needs root          refuses (exit 2)
+users          task.run_as_user exists; switching users needs root; the     refuses (exit 2)
+               user can execute the spiders' interpreter (deps.python)
 paths          task.work_dir, logging.file, deps.uv_cache_dir can be        refuses (exit 2)
                created and written; deps.uv_path is an executable file
 ports          agent.bind/agent.ip : agent.port can be bound                refuses (exit 1, when it
@@ -24,10 +25,13 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from ckagent.config import Settings
+from ckagent.process import RunAs
 
 __all__ = ["Problem", "check_paths", "check_port", "check_users", "preflight"]
 
@@ -45,8 +49,6 @@ def check_users(settings: Settings) -> list[Problem]:
     user = settings.task.run_as_user
     if user is None:
         return []
-    from ckagent.process import RunAs
-
     try:
         run_as = RunAs.lookup(user)
     except ValueError:
@@ -55,7 +57,30 @@ def check_users(settings: Settings) -> list[Problem]:
     if run_as.uid != os.geteuid() and os.geteuid() != 0:
         return [Problem(f"task.run_as_user={user!r} needs the agent to run as root (it runs as uid "
                         f"{os.geteuid()}); unset it or start the agent as root")]
+    if run_as.uid != os.geteuid():
+        python = str(settings.deps.python) if settings.deps.python is not None else sys.executable
+        why = _cannot_exec_as(run_as, python)
+        if why is not None:
+            return [Problem(f"task.run_as_user (AGENT_TASK_RUN_AS_USER): user {run_as.name!r} cannot execute the "
+                            f"spiders' interpreter {python} ({why}); every Python spider's environment is built on "
+                            "it. Install the agent where that user can read it (e.g. /opt/ckagent, not under "
+                            "/root), or set deps.python (AGENT_DEPS_PYTHON) to an interpreter it can run, e.g. "
+                            "/usr/bin/python3")]
     return []
+
+
+def _cannot_exec_as(run_as: RunAs, python: str) -> str | None:
+    """Why ``run_as`` cannot run ``python -c pass`` (None when it can). Blocking: one short process."""
+    try:
+        done = subprocess.run([python, "-c", "pass"], capture_output=True, timeout=30, check=False,
+                              stdin=subprocess.DEVNULL, **run_as.popen_options())
+    except subprocess.TimeoutExpired:
+        return "it did not finish within 30 s"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if done.returncode != 0:
+        return f"exit code {done.returncode}: {done.stderr.decode(errors='replace').strip()[-300:]}"
+    return None
 
 
 def _writable_dir(path: Path) -> str | None:

@@ -26,7 +26,6 @@ signalling a process that has finished. Exceptions::
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import logging
 import math
@@ -52,6 +51,7 @@ from ckagent.containment.process_group import (
     signal_group,
     sweep,
 )
+from ckagent.stoptarget import StopTarget, describe_targets, send_stop, wait_gone
 
 __all__ = ["MARKER_VAR", "SPAWNED", "ProcessOutcome", "RunAs", "find_marked", "run_supervised", "signal_group", "sweep"]
 
@@ -157,7 +157,9 @@ class ProcessOutcome:
     could not be reaped); ``timed_out``/``stopped`` say whether the agent ended it (deadline / stop
     request); ``term_sent_at``/``kill_sent_at`` are wall-clock times (epoch seconds) of the agent's
     stop signal to the main process / its kill of every process; ``killed_leftovers`` counts
-    processes killed besides the main process (a cgroup kill counts what the cgroup held).
+    processes killed besides the main process (a cgroup kill counts what the cgroup held);
+    ``workers_left`` how many processes the stop signal went to below a launcher were still running
+    when the grace ended (killed then, though the launcher had exited).
     """
 
     returncode: int | None = None
@@ -166,6 +168,7 @@ class ProcessOutcome:
     term_sent_at: float | None = None
     kill_sent_at: float | None = None
     killed_leftovers: int = 0
+    workers_left: int = 0
 
 
 Notice = Callable[[str], None]
@@ -186,6 +189,7 @@ class _Stopper:
         self.proc, self.jail, self.grace, self.notice, self.outcome = proc, jail, grace, notice, outcome
         self.stop_signal = stop_signal
         self._term_deadline: float | None = None
+        self._targets: list[StopTarget] = []
         self._gave_up = False
 
     async def stop(self, why: str) -> None:
@@ -195,12 +199,20 @@ class _Stopper:
         if self._term_deadline is None:
             self.outcome.term_sent_at = time.time()
             self._term_deadline = trio.current_time() + self.grace
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, self.stop_signal)
-            self.notice(f"{why}: sent {name} to the main process {self.proc.pid}; every process of the task "
-                        f"is killed in {self.grace:g} s")
+            # To the process that does the work, through launchers that pass nothing on (npm start).
+            self._targets = await trio.to_thread.run_sync(send_stop, self.proc.pid, self.stop_signal)
+            self.notice(f"{why}: sent {name} to {describe_targets(self.proc.pid, self._targets)}; every "
+                        f"process of the task is killed in {self.grace:g} s")
         with trio.move_on_at(self._term_deadline):
             await self.proc.wait()
+        if self.proc.returncode is not None and self._targets != [] and \
+                [t.pid for t in self._targets] != [self.proc.pid]:
+            # The launcher ended; what it ran must end too before the grace counts as kept.
+            left = await wait_gone(self._targets, self._term_deadline)
+            self.outcome.workers_left = len(left)
+            if left:
+                self.notice(f"the launcher exited but {describe_targets(self.proc.pid, left)} still ran "
+                            f"{self.grace:g} s after {name}: killed")
         if self.proc.returncode is None:
             self.outcome.kill_sent_at = time.time()
             killed = await self.jail.kill_all()

@@ -25,6 +25,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckagent.pylocks import find_lock
+
 SDK_DISTRIBUTION = "crawlerkeeper-sdk"
 _INCLUDE = re.compile(r"^\s*(?:-r|-c|--requirement|--constraint)(?:\s+|=)(\S+)", re.M)
 DEFAULT_PACKAGES: dict[str, list[str]] = {"scrapy": ["scrapy"], "playwright": ["playwright"],
@@ -159,18 +161,22 @@ class PythonPlan:
     override; for a lock: the lock's registry entry is left out and the ``.pth`` copy serves).
     """
 
-    mode: str  # "locked", "pyproject", "requirements", "packages"
+    mode: str  # "locked" (uv.lock), "lock" (another lock: ``lock``), "pyproject", "requirements", "packages"
     files: dict[str, str]
     packages: tuple[str, ...]
     key: str
     sdk: bool = False
+    lock: str | None = None
 
 
-def python_plan(code_dir: Path, framework: str, interpreter: dict[str, str], identity: str, sdk_tag: str) -> PythonPlan:
+def python_plan(code_dir: Path, framework: str, interpreter: dict[str, str], identity: str, sdk_tag: str,
+                key_env: dict[str, str] | None = None) -> PythonPlan:
     """Choose the install from the dependency files in ``code_dir`` and compute the key (blocking: small reads).
 
     ``sdk_tag`` names the bundled SDK (its version and content hash); it enters the key only when
     the project asks for the SDK by name, so an agent upgrade rebuilds only those environments.
+    ``key_env``: the task's variables that change what an install does (ckagent.installenv); they
+    enter the key only when there are any, so other environments keep their keys.
     """
     files: dict[str, str] = {}
     packages: tuple[str, ...] = ()
@@ -186,6 +192,12 @@ def python_plan(code_dir: Path, framework: str, interpreter: dict[str, str], ide
         digest("uv.lock")
         digest("pyproject.toml")
         sdk = bool(_LOCKED_SDK.search(texts[0]))
+    elif (lock := find_lock(code_dir)) is not None:
+        mode = "lock"
+        digest(lock)
+        if (code_dir / "pyproject.toml").is_file():
+            digest("pyproject.toml")
+        sdk = False  # the bundled SDK (the .pth) serves a locked crawlerkeeper-sdk: see ckagent.deps
     elif (code_dir / "pyproject.toml").is_file():
         mode = "pyproject"
         digest("pyproject.toml")
@@ -201,5 +213,7 @@ def python_plan(code_dir: Path, framework: str, interpreter: dict[str, str], ide
         packages = tuple(DEFAULT_PACKAGES.get(chosen, []))
     key_source = {"schema": 1, "mode": mode, "files": files, "packages": packages, "interpreter": interpreter,
                   "identity": identity, "sdk": sdk_tag if sdk else None, "sdk_dir": str(bundled_sdk_dir())}
+    if key_env:
+        key_source["env"] = key_env
     key = hashlib.sha256(json.dumps(key_source, sort_keys=True).encode()).hexdigest()
-    return PythonPlan(mode, files, packages, key, sdk)
+    return PythonPlan(mode, files, packages, key, sdk, lock if mode == "lock" else None)

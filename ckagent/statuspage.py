@@ -10,6 +10,8 @@ path                          answer
 ``/tasks/<id>/tail?from=N``   server-sent events: the task's log lines from byte N of output.log
                               on, as they are written (``event: end`` when the task is over)
 ``/tasks/<id>/log.txt``       the last TAIL_TXT_LINES lines of the task's log as plain text
+``/tasks/<id>/artifacts/<p>`` one artifact of the task still on this node (listed in its manifest,
+                              linked from the recent tasks; ckagent.outputs), as a download
 ============================  ==================================================================
 
 Read-only, no framework, no build step: the tables are plain HTML (readable without JavaScript);
@@ -32,7 +34,7 @@ from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, quote, unquote
 
 import trio
 
@@ -40,6 +42,7 @@ from ckagent.crawlstats import summary
 from ckagent.delivery import OUTPUT_LOG, LineSplitter, Masker, decode_lines, secret_values
 from ckagent.delivery.spool import read_spool
 from ckagent.ids import task_dir as task_dir_of
+from ckagent.outputs import artifact_file
 from ckagent.protocol import Task
 
 if TYPE_CHECKING:
@@ -65,7 +68,7 @@ REFRESH_SECONDS = 5.0
 MAX_TAIL_SECONDS = 3600.0
 """A live tail ends after this long (the browser reconnects)."""
 
-_TASK_PATH = re.compile(r"^/tasks/([A-Za-z0-9._:-]{1,200})/(tail|log\.txt)$")
+_TASK_PATH = re.compile(r"^/tasks/([A-Za-z0-9._:-]{1,200})/(tail|log\.txt|artifacts/.{1,1024})$")
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -175,6 +178,14 @@ class StatusPage:
             await _respond(send, scope, 404, "text/plain; charset=utf-8", b"no such task on this node\n")
             return
         task_dir, masker = found
+        if what.startswith("artifacts/"):
+            rel = unquote(what[len("artifacts/"):])
+            data = await trio.to_thread.run_sync(_artifact_bytes, task_dir, rel)
+            if data is None:
+                await _respond(send, scope, 404, "text/plain; charset=utf-8", b"no such artifact on this node\n")
+            else:
+                await _respond(send, scope, 200, "application/octet-stream", data)
+            return
         if what == "log.txt":
             lines, _ = await trio.to_thread.run_sync(
                 partial(last_lines, unfinished=True), task_dir / OUTPUT_LOG, masker, TAIL_TXT_LINES)
@@ -333,7 +344,8 @@ class StatusPage:
                 f"<td class=n>{_e(result.get('itemCount', '—'))}</td><td class=n>{_e(result.get('logLines', '—'))}</td>"
                 f"<td>{_e(resource_text(result))}</td>"
                 f"<td>{'delivered' if record.result_acked else 'sending'}</td>"
-                f"<td><a href=\"/tasks/{_e(record.task_id)}/log.txt\">log</a></td></tr>")
+                f"<td><a href=\"/tasks/{_e(record.task_id)}/log.txt\">log</a>"
+                f"{_artifact_links(record.task_id, result.get('artifacts'))}</td></tr>")
         versions = status.get("versions", {})
         node_rows = [
             ("name", status.get("name")), ("node id", status.get("nodeId") or "— (not registered)"),
@@ -382,6 +394,29 @@ class StatusPage:
         parts.append("</div>" + _SCRIPT.replace("REFRESH_MS", str(int(REFRESH_SECONDS * 1000)))
                      + "</body></html>\n")
         return "".join(parts)
+
+
+MAX_ARTIFACT_LINKS = 20
+"""Artifacts linked per recent task (the rest are counted)."""
+
+
+def _artifact_links(task_id: str, artifacts: Any) -> str:
+    """`` · artifacts: a.json, images/1.jpg, … (+N)`` links of a result's ``artifacts`` (none: "")."""
+    if not isinstance(artifacts, list) or not artifacts:
+        return ""
+    paths = [str(a.get("path")) for a in artifacts if isinstance(a, dict) and a.get("path")]
+    links = [f"<a href=\"/tasks/{_e(task_id)}/artifacts/{_e(quote(p))}\">{_e(p)}</a>" for p in paths[:MAX_ARTIFACT_LINKS]]
+    more = f" (+{len(paths) - MAX_ARTIFACT_LINKS})" if len(paths) > MAX_ARTIFACT_LINKS else ""
+    return " · artifacts: " + ", ".join(links) + more
+
+
+def _artifact_bytes(task_dir: Path, rel: str) -> bytes | None:
+    """An artifact's bytes from this node (None: not in the manifest or gone). Blocking."""
+    path = artifact_file(task_dir, rel)
+    try:
+        return None if path is None else path.read_bytes()
+    except OSError:
+        return None
 
 
 async def _respond(send: Send, scope: dict[str, Any], status: int, ctype: str, body: bytes) -> None:

@@ -50,6 +50,7 @@ slot is free at once, so a master outage never holds worker slots.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import shlex
@@ -69,16 +70,13 @@ from ckagent.commands import (
     DEFAULT_COMMANDS,
     default_command,
     resolve_command,
-    runs_in_env,
-    scrapy_feed_settings,
-    with_scrapy_settings,
 )
 from ckagent.containment import Containment, ContainmentError, Figures, Limits, TaskJail, format_bytes
 from ckagent.containment.process_group import ProcessGroupJail
-from ckagent.crawlstats import STATS_FILE, scrapy_stats_env
+from ckagent.crawlstats import STATS_FILE
 from ckagent.delivery import LogSink, Outbox
 from ckagent.delivery.lines import secret_values
-from ckagent.deps import Dependencies, Prepared, spider_base_env
+from ckagent.deps import PYTHON_FRAMEWORKS, Dependencies, Prepared, spider_base_env
 from ckagent.errors import (
     AGENT_ERROR,
     DeployError,
@@ -95,8 +93,10 @@ from ckagent.ids import task_dir as task_dir_of
 from ckagent.logs import Masker
 from ckagent.master import MasterClient, MasterError, json_object
 from ckagent.monitor import Monitored, spawn_monitored, supervise
+from ckagent.outputs import collect, kept_dir
 from ckagent.process import MARKER_VAR, ProcessOutcome, RunAs, clock, sweep
-from ckagent.protocol import TIMEOUT_MESSAGE, Task, TaskResult, utc_iso
+from ckagent.protocol import ARTIFACTS, TIMEOUT_MESSAGE, Task, TaskResult, utc_iso
+from ckagent.scrapyhook import scrapy_hook
 from ckagent.state import AsyncStateStore, StateStoreError
 from ckagent.tails import TailBuffer, last_lines
 from ckagent.workcopy import make_working_copy, remove_tree, spider_dirs
@@ -175,6 +175,8 @@ class RunnerConfig:
     """The node's containment level; None = process groups only (no subreaper, no limits)."""
     default_limits: Limits = field(default_factory=Limits)
     """Limits of a task that names none (``task.memory_limit_bytes`` ...)."""
+    max_artifact_bytes: int = 100 * 1024**2
+    """Most bytes of a task's artifacts shipped to the master (``task.max_artifact_bytes``); over it, kept."""
 
 
 TaskObserver = Callable[[RunningTask, TaskResult], None]
@@ -448,6 +450,8 @@ class Supervisor:
                 return _oom_outcome(jail, figures, None, "the dependency installer")
         else:
             notice(f"task FAILED ({exc.error_code}): {text}")
+        if isinstance(exc, DepsError):  # the installer's output may echo the task's secrets
+            text = Masker(_secret_values(rt.task, self.config.agent_secrets))(text)
         return TaskOutcome("FAILED", exc.error_code, _bounded(text, 4000), figures=figures)
 
     async def _phases(self, rt: RunningTask, task_dir: Path, sink: LogSink, held: contextlib.AsyncExitStack,
@@ -489,7 +493,8 @@ class Supervisor:
             try:
                 prepared = await self._deps.prepare(
                     task.framework, task.spider_id, work, sink.write, marker={MARKER_VAR: task.id},
-                    spawn=jail.spawn,
+                    spawn=jail.spawn, task_env={**self.config.extra_env, **task.env},
+                    home=self.config.work_dir / "spider-home" / safe_name(task.spider_id),
                 )
             finally:
                 rt.phase_seconds.setdefault("install", trio.current_time() - phase_started)
@@ -503,7 +508,10 @@ class Supervisor:
         if rt.stop_reason is not None:
             notice(f"stopped before the spider started: {rt.stop_reason}")
             return TaskOutcome("CANCELLED", "CANCELLED", rt.stop_reason)
-        return await self._run(rt, task_dir, work, argv, prepared, notice, sink, jail)
+        outcome = await self._run(rt, task_dir, work, argv, prepared, notice, sink, jail)
+        if rt.started_at is not None and not rt.handed_over:  # its files → items, artifacts or kept ones
+            await self.collect_outputs(rt, task_dir, work, code_dir, notice)
+        return outcome
 
     async def _deploy(self, task: Task, work: Path, held: contextlib.AsyncExitStack,
                       notice: Callable[[str], None] | None = None) -> tuple[Path, list[str], str | None, str]:
@@ -533,6 +541,32 @@ class Supervisor:
             return code_dir, argv, how, copied
         except OSError as exc:
             raise DeployError(f"cannot deploy the spider's code: {os_error_text(exc)}") from exc
+
+    async def collect_outputs(self, rt: RunningTask, task_dir: Path, work: Path, version_dir: Path | None,
+                              notice: Callable[[str], None]) -> None:
+        """What the task wrote in its working copy → items, artifacts or kept on the node (ckagent.outputs),
+        before the copy is removed; one ``outputs:`` line in the task log says what became of each file.
+        ``version_dir`` None: the task's code version (what the copy was made of) is not known — a
+        re-adopted task of a version gone meanwhile: the line says so. Never raises for the files."""
+        task = rt.task
+        if version_dir is None and task.code_package is not None:
+            version_dir = await trio.to_thread.run_sync(
+                self._workspaces.reuse_package, task.spider_id, task.code_version, task.code_package)
+        if version_dir is None:
+            notice("outputs: the task's code version is not on this node any more, so the files it wrote "
+                   "cannot be told from its code; they are removed with the working copy")
+            return
+        keep = kept_dir(self.config.work_dir, safe_name(task.spider_id), safe_name(task.id))
+        try:
+            collected = await trio.to_thread.run_sync(functools.partial(
+                collect, work=work, code_dir=version_dir, since=rt.started_at or 0.0, task_dir=task_dir,
+                outputs=task.outputs, budget_bytes=self.config.max_artifact_bytes,
+                master_takes_artifacts=ARTIFACTS in self._master.features, keep_dir=keep))
+        except OSError as exc:
+            notice(f"outputs: cannot collect the task's files ({exc.strerror or exc}); they are removed with "
+                   "the working copy")
+            return
+        notice(collected.line())
 
     def _reuse_and_copy(self, task: Task, work: Path) -> tuple[Path, tuple[list[str], str | None], str] | None:
         """For a package deployed before: its version dir (touched: pruning keeps the newest), the
@@ -620,16 +654,12 @@ class Supervisor:
                 "CK_PARAMS": json.dumps(task.params, ensure_ascii=False),
             }
         )
-        if task.framework == "scrapy":
-            def scrapy_settings() -> tuple[list[str], bool]:
-                return scrapy_feed_settings(items_file, code_dir), runs_in_env(argv, env.get("PATH"), prepared.env_dir)
-
-            feeds, sdk_importable = await trio.to_thread.run_sync(scrapy_settings)
-            argv = with_scrapy_settings(argv, feeds)
-            if sdk_importable:
-                env.update(scrapy_stats_env(task.env))
-            else:  # the SDK's settings wrapper would not import there: the crawl runs, without live stats
-                notice(f"live crawl stats off: {argv[0]} is not in the task's environment, where crawlerkeeper_sdk is")
+        if prepared.env_dir is not None and task.framework in PYTHON_FRAMEWORKS:
+            hook_env, hook_note = await trio.to_thread.run_sync(
+                scrapy_hook, task.framework, argv, env.get("PATH"), code_dir, prepared.env_dir)
+            env.update(hook_env)
+            if hook_note:
+                notice(hook_note)
         timeout = self.config.execute_timeout if task.timeout_seconds is None else task.timeout_seconds
         stall = self.config.stall_timeout if task.stall_timeout_seconds is None else task.stall_timeout_seconds
         rt.phase = "running"
@@ -789,6 +819,9 @@ def _ended_by_agent(why: str, outcome: ProcessOutcome) -> str:
         parts.append(f"stop signal to the main process at {clock(outcome.term_sent_at)}")
     if outcome.kill_sent_at is not None:
         parts.append(f"every process killed at {clock(outcome.kill_sent_at)}")
+    elif outcome.workers_left:
+        parts.append(f"the launcher exited, {outcome.workers_left} process(es) it ran outlived the grace period "
+                     "and were killed")
     elif outcome.term_sent_at is not None:
         parts.append("the spider exited within the grace period")
     if outcome.killed_leftovers:

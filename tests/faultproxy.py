@@ -55,7 +55,7 @@ import trio
 MODES = ("pass", "html", "truncated", "wrong_shape", "429", "503", "500", "502", "401", "403", "404_html",
          "reset", "timeout", "drop", "drop_answer", "delay", "404_json", "404_spring", "413", "slow", "hang_body",
          "429_retry")
-CALLS = frozenset({"register", "heartbeat", "poll", "claim", "result", "logs", "items", "download",
+CALLS = frozenset({"register", "heartbeat", "poll", "claim", "result", "logs", "items", "artifact", "download",
                    "spider_files", "other", "batches"})
 """Every call :func:`call_of` can name."""
 
@@ -77,7 +77,7 @@ class Request:
 
 def call_of(method: str, path: str, payload: Any) -> str:
     """The node call a request is: register, heartbeat, poll, claim (result RUNNING), result, logs,
-    items, download (a code package), spider_files, or other. A node batch (several tasks' log and
+    items, artifact (an artifact's upload), download (a code package), spider_files, or other. A node batch (several tasks' log and
     item batches in one request) counts as logs."""
     parts = path.strip("/").split("/")
     if path == "/api/nodes/register":
@@ -93,6 +93,8 @@ def call_of(method: str, path: str, payload: Any) -> str:
             return "claim" if isinstance(payload, dict) and payload.get("status") == "RUNNING" else "result"
         if parts[3] in ("logs", "items"):
             return parts[3]
+    if parts[:2] == ["api", "tasks"] and len(parts) >= 5 and parts[3] == "artifacts" and method == "PUT":
+        return "artifact"
     if parts[:2] == ["api", "packages"]:
         return "download"
     if parts[:2] == ["api", "spider-files"]:

@@ -119,11 +119,19 @@ async def test_python_and_failing_examples(dev_master, nursery: trio.Nursery, tm
     await admin.upload_package(demo, await trio.to_thread.run_sync(zip_directory, EXAMPLES / "python_demo"))
     fail = await admin.create_spider(name="fail_demo", framework="python")
     await admin.upload_package(fail, await trio.to_thread.run_sync(zip_directory, EXAMPLES / "fail_demo"))
+    # A spider that prints its error on stdout and exits 4: the failure message shows that, not "nothing".
+    quiet = await admin.create_spider(name="stdout_error", framework="python", command=[
+        "python", "-c", "print('step 1 ok'); print('login failed: HTTP 403 from the shop'); raise SystemExit(4)"])
+    await admin.upload_package(quiet, await trio.to_thread.run_sync(zip_directory, EXAMPLES / "fail_demo"))
     settings = agent_settings(tmp_path / "agent", dev_master.base_url, dev_master.registration_token)
     async with running_agent(nursery, settings):
         ok_id = await admin.create_task(demo, params={"start_url": f"{dev_master.base_url}/demo-site/"})
         bad_id = await admin.create_task(fail)
-        ok, bad = await final(admin, ok_id), await final(admin, bad_id)
+        quiet_id = await admin.create_task(quiet)
+        ok, bad, printed = await final(admin, ok_id), await final(admin, bad_id), await final(admin, quiet_id)
+    assert (printed["errorCode"], printed["exitCode"]) == ("EXIT_NONZERO", 4), printed
+    assert "exit code 4; last lines of output:" in printed["errorMessage"], printed
+    assert "login failed: HTTP 403 from the shop" in printed["errorMessage"], printed
     assert ok["status"] == "SUCCESS" and ok["exitCode"] == 0, (ok, await admin.get_logs(ok_id))
     assert [item["sku"] for item in await admin.get_items(ok_id)] == SKUS
     assert ok["itemCount"] == 30

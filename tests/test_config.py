@@ -132,6 +132,7 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
         "AGENT_TASK_EXECUTE_TIMEOUT": "0", "AGENT_TASK_KILL_GRACE": "1", "AGENT_TASK_DRAIN_TIMEOUT": "2",
         "AGENT_TASK_FLUSH_TIMEOUT": "3", "AGENT_TASK_RUN_AS_USER": "crawler",
         "AGENT_TASK_MAX_LOG_BYTES": "1000", "AGENT_TASK_MIN_FREE_DISK_BYTES": "0",
+        "AGENT_TASK_MAX_ARTIFACT_BYTES": "5000",
         "AGENT_TASK_LOG_FILES": "*.log, logs/*.txt", "AGENT_TASK_RETENTION": "0", "AGENT_CLEANUP_TEMP_FILES": "on",
         "AGENT_TASK_STALL_TIMEOUT": "600",
         "AGENT_TASK_CONTAINMENT": "Process-Group", "AGENT_TASK_MEMORY_LIMIT_BYTES": "209715200",
@@ -139,7 +140,7 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
         "AGENT_LOG_LEVEL": "error", "AGENT_LOG_FILE": "x.log", "AGENT_LOG_FORMAT": "JSON",
         "AGENT_UV_INDEX_URL": "https://pypi.org/simple", "AGENT_UV_FALLBACK_INDEX_URL": "http://idx/simple",
         "AGENT_UV_CACHE_DIR": "cache", "AGENT_UV_SYNC_TIMEOUT": "9", "AGENT_UV_PATH": "/opt/uv",
-        "AGENT_DEPS_ENV_BUDGET_BYTES": "0",
+        "AGENT_DEPS_ENV_BUDGET_BYTES": "0", "AGENT_DEPS_PYTHON": "/usr/bin/python3",
         "AGENT_AUTO_UPGRADE": "on",
     }  # fmt: skip
     assert set(values) == {s.env for s in SETTINGS}
@@ -152,14 +153,15 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
         "heartbeat": {"interval": 7.0},
         "task": {"poll_interval": 4.0, "long_poll_wait": 0.0, "work_dir": "/srv/ck", "execute_timeout": 0.0,
                  "kill_grace": 1.0, "drain_timeout": 2.0, "flush_timeout": 3.0, "run_as_user": "crawler",
-                 "max_log_bytes": 1000, "min_free_disk_bytes": 0, "log_files": "*.log,logs/*.txt",
+                 "max_log_bytes": 1000, "min_free_disk_bytes": 0, "max_artifact_bytes": 5000,
+                 "log_files": "*.log,logs/*.txt",
                  "retention": 0.0, "cleanup_temp_files": True, "stall_timeout": 600.0, "containment": "process-group",
                  "memory_limit_bytes": 209715200, "pids_limit": 64, "cpus_limit": 0.5},
         "logging": {"level": "ERROR", "file": str(tmp_path / "x.log"), "format": "json", "max_bytes": 2048,
                     "backup_count": 1},
         "deps": {"uv_index_url": "https://pypi.org/simple", "uv_fallback_index_url": "http://idx/simple",
                  "uv_cache_dir": str(tmp_path / "cache"), "uv_sync_timeout": 9.0, "uv_path": "/opt/uv",
-                 "env_budget_bytes": 0},
+                 "env_budget_bytes": 0, "python": "/usr/bin/python3"},
     }  # fmt: skip
     assert s.agent.registration_token == Secret(TOKEN)
     assert s.agent.container_cpu_limit_cores == 1.5

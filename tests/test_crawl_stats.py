@@ -24,7 +24,7 @@ import trio.testing
 from prometheus_client import CollectorRegistry
 
 from ckagent.crawlmetrics import MAX_SPIDERS, CrawlMetrics, status_class
-from ckagent.crawlstats import MAX_SNAPSHOT_BYTES, read_last_snapshot, scrapy_stats_env, summary
+from ckagent.crawlstats import MAX_SNAPSHOT_BYTES, read_last_snapshot, summary
 from ckagent.delivery.spool import SpoolFileError
 from ckagent.delivery.stats import StatsShipper, final_stats
 from ckagent.devmaster import stats as master_stats
@@ -164,12 +164,6 @@ def test_scrapy_settings_wrapper_loads_the_project_and_adds_the_extension(tmp_pa
     assert json.loads(done.stdout) == {
         "bot": "shop", "lower": False,
         "ext": {"shop.ext.Mine": 10, "crawlerkeeper_sdk.scrapy.CrawlerKeeperStats": 900}}
-
-
-def test_scrapy_env_keeps_a_task_settings_module() -> None:
-    assert scrapy_stats_env({}) == {"SCRAPY_SETTINGS_MODULE": "crawlerkeeper_sdk.scrapy_settings"}
-    assert scrapy_stats_env({"SCRAPY_SETTINGS_MODULE": "mine.settings"}) == {
-        "SCRAPY_SETTINGS_MODULE": "crawlerkeeper_sdk.scrapy_settings", "CK_SCRAPY_SETTINGS_MODULE": "mine.settings"}
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")

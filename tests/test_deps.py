@@ -33,6 +33,8 @@ from ckagent.deps import (
     spider_base_env,
     wanted_node,
 )
+from ckagent.deps_node import NPM_OPTIONS
+from ckagent.installenv import changes_install, install_key_env
 from ckagent.noderange import parse_node_version, satisfies
 from ckagent.runtimes import detect_runtimes
 
@@ -383,3 +385,102 @@ def test_detect_runtimes_reports_what_is_installed() -> None:
         assert found["chromium"]["version"].count(".") >= 2
     if shutil.which("chromedriver"):
         assert found["chromedriver"]["version"]
+
+
+# --------------------------------------------------------------------------- the task's env reaches installers
+
+CLOSED_INDEX = "http://127.0.0.1:9/simple"
+"""Nothing listens on loopback port 9 (discard): the node's index is unusable."""
+
+
+def test_install_key_takes_what_changes_an_install_and_leaves_out_credentials() -> None:
+    env = {"UV_INDEX_URL": "https://x/simple", "npm_config_registry": "https://r/", "NODE_ENV": "production",
+           "PUPPETEER_SKIP_DOWNLOAD": "true", "NPM_TOKEN": "t", "UV_INDEX_PRIVATE_PASSWORD": "p",
+           "NPM_CONFIG__AUTH": "a", "HTTPS_PROXY": "http://proxy:3128", "START_URL": "http://site/",
+           "CFLAGS": "-O2"}
+    assert install_key_env(env) == {"CFLAGS": "-O2", "NODE_ENV": "production", "PUPPETEER_SKIP_DOWNLOAD": "true",
+                                    "UV_INDEX_URL": "https://x/simple", "npm_config_registry": "https://r/"}
+    assert not changes_install("NPM_CONFIG_//registry.npmjs.org/:_authToken")
+
+
+async def test_the_spiders_own_index_reaches_uv_and_keys_the_environment(tmp_path: Path, local_index: str) -> None:
+    deps = _deps(tmp_path, CLOSED_INDEX)
+    code = _code(tmp_path, "p", {"requirements.txt": "ckdemo-dep==1.0\n", "main.py": ""})
+    log = bytearray()
+    with trio.fail_after(120):
+        with pytest.raises(DepsError):  # the node's index is closed
+            await deps.prepare("python", "s", code, lambda _: None)
+        own = await deps.prepare("python", "s", code, log.extend, task_env={"UV_DEFAULT_INDEX": local_index})
+        assert not own.cache_hit
+        token = await deps.prepare("python", "s", code, log.extend,
+                                   task_env={"UV_DEFAULT_INDEX": local_index, "UV_INDEX_X_PASSWORD": "other"})
+        assert token.cache_hit and token.env_dir == own.env_dir  # a credential is not part of the key
+        other = await deps.prepare("python", "s", code, log.extend,
+                                   task_env={"UV_DEFAULT_INDEX": local_index, "UV_RESOLUTION": "lowest-direct"})
+    assert not other.cache_hit and other.env_dir != own.env_dir
+    assert own.env_dir is not None and list(own.env_dir.glob("lib/python*/site-packages/ckdemo_dep"))
+
+
+@pytest.mark.skipif(shutil.which("npm") is None, reason="needs npm")
+async def test_npm_install_scripts_see_the_tasks_env(tmp_path: Path, local_index: str) -> None:
+    """PUPPETEER_SKIP_DOWNLOAD-style switches: the project's install script reads the task's env."""
+    check = ("node -e \"if (process.env.PUPPETEER_SKIP_DOWNLOAD !== 'true') { console.error('would download "
+             "a browser'); process.exit(1) } console.log('download skipped')\"")
+    manifest = {"name": "p", "version": "1.0.0", "scripts": {"install": check}}
+    code = _code(tmp_path, "n", {"package.json": json.dumps(manifest), "index.js": ""})
+    deps = _deps(tmp_path, local_index)
+    log = bytearray()
+    with trio.fail_after(120):
+        with pytest.raises(DepsError) as caught:
+            await deps.prepare("node", "n", code, lambda _: None)
+        assert "would download a browser" in str(caught.value)
+        await deps.prepare("node", "n", code, log.extend, task_env={"PUPPETEER_SKIP_DOWNLOAD": "true"})
+    assert b"download skipped" in bytes(log)
+
+
+def _tool(bin_dir: Path, name: str) -> None:
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    (bin_dir / name).write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / name).chmod(0o755)
+
+
+def test_node_lock_picks_the_tool_that_honours_it(tmp_path: Path) -> None:
+    from ckagent.deps_node import node_install_command
+
+    empty, with_yarn, with_corepack = tmp_path / "empty", tmp_path / "yarn", tmp_path / "corepack"
+    empty.mkdir()
+    _tool(with_yarn, "yarn")
+    _tool(with_yarn, "pnpm")
+    _tool(with_corepack, "corepack")
+    install = tmp_path / "install"
+    install.mkdir()
+    assert node_install_command(install, "npm", str(empty)) == (["npm", "install", *NPM_OPTIONS], None)
+    (install / "yarn.lock").write_text("# yarn lockfile v1\n")
+    argv, note = node_install_command(install, "npm", str(with_yarn))
+    assert argv == [str(with_yarn / "yarn"), "install", "--frozen-lockfile"] and note and "yarn.lock" in note
+    (install / "yarn.lock").write_text('__metadata:\n  version: 8\n')
+    assert node_install_command(install, "npm", str(with_corepack))[0] == [
+        str(with_corepack / "corepack"), "yarn", "install", "--immutable"]
+    argv, note = node_install_command(install, "npm", str(empty))
+    assert argv[:2] == ["npm", "install"] and note is not None and "yarn.lock is not honoured" in note
+    (install / "pnpm-lock.yaml").write_text("lockfileVersion: '9.0'\n")
+    assert node_install_command(install, "npm", str(with_yarn))[0] == [
+        str(with_yarn / "pnpm"), "install", "--frozen-lockfile"]
+    (install / "package-lock.json").write_text("{}")
+    assert node_install_command(install, "npm", str(with_yarn))[0] == ["npm", "ci", *NPM_OPTIONS]
+
+
+@needs_npm
+async def test_a_yarn_lock_without_yarn_falls_back_and_says_so(tmp_path: Path, local_index: str) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("node", "npm"):
+        (bin_dir / name).symlink_to(shutil.which(name) or name)
+    deps = _deps(tmp_path, local_index, base_env={**spider_base_env(), "PATH": str(bin_dir)})
+    code = _code(tmp_path, "y", {"package.json": json.dumps(PACKAGE_JSON), "yarn.lock": "# yarn lockfile v1\n",
+                                 "index.js": ""})
+    log = bytearray()
+    with trio.fail_after(120):
+        await deps.prepare("node", "y", code, log.extend)
+    text = bytes(log).decode()
+    assert "yarn.lock is not honoured: neither yarn nor corepack is on this node" in text and "npm install" in text

@@ -2,7 +2,7 @@
 through one real agent on the dev master's demo site — only their start URLs point at it.
 
 - ``scrapy_shop``: `scrapy startproject` layout, two spiders, pipelines and middlewares, no SDK: its
-  items reach the master through the feed the agent hands `scrapy crawl` (FEEDS), once each. Its two
+  items reach the master through the SDK extension the agent's environment adds, once each. Its two
   spiders share one environment.
 - ``requests_bs4``: a requests + BeautifulSoup script with argparse, its requirements.txt asking for
   ``crawlerkeeper-sdk`` (as migrate_spiders.py writes it) — served by the agent's bundled copy.
@@ -81,7 +81,7 @@ async def test_public_shaped_projects_run_as_written(dev_master: Any, nursery: t
     first = by_sku["SKU-0001"]
     assert first["price"] == 3.99 and first["crawled_by"] == "products"
     assert first["description"] == "Description of product 01."
-    assert "FEEDS=" in logs["products"] and "Stored jsonlines feed (30 items)" in logs["products"]
+    assert "scraped items also go to the task's items file" in logs["products"]
     assert sorted(i["sku"] for i in items["listing"]) == skus and items["listing"][0]["price"] == 3.99
     # The project's two spiders share one environment: the second found it ready.
     envs = [line for name in ("products", "listing") for line in logs[name].splitlines()

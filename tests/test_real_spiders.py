@@ -30,10 +30,11 @@ from harness import agent_settings, running_agent, spider_zip
 from test_deps import _QuietHandler, _wheel
 
 import ckagent
-from ckagent.commands import resolve_command, runs_in_env, scrapy_feed_settings, with_scrapy_settings
+from ckagent.commands import resolve_command, runs_in_env
 from ckagent.deps import Dependencies, DepsError, IndexChooser, bundled_sdk_dir, python_plan, spider_base_env
 from ckagent.envstore import MARKER, collect, mark_ready
 from ckagent.protocol import Task
+from ckagent.scrapyhook import scrapy_hook
 from ckagent.tails import TailBuffer, last_lines
 from ckagent.workcopy import make_working_copy
 from ckagent.workspace import DeployError
@@ -243,6 +244,22 @@ def _task(framework: str, **extra: Any) -> Task:
                            "codeVersion": "v1", **extra})
 
 
+def test_deploy_failed_names_a_marker_one_folder_down(tmp_path: Path) -> None:
+    """A zip of the repository root: the project (scrapy.cfg, package.json) is one folder down."""
+    repo = _code(tmp_path / "repo", {"README.md": "", "bookscraper/scrapy.cfg": "", "bookscraper/books/x.py": ""})
+    with pytest.raises(DeployError) as caught:
+        resolve_command(_task("scrapy"), repo)
+    assert "Found bookscraper/scrapy.cfg one folder down" in str(caught.value)
+    assert "zip that folder's contents" in str(caught.value)
+    node = _code(tmp_path / "node", {"crawler/package.json": "{}"})
+    with pytest.raises(DeployError, match=r"Found crawler/package\.json one folder down"):
+        resolve_command(_task("node"), node)
+    plain = _code(tmp_path / "plain", {"README.md": "", "docs/index.md": ""})
+    with pytest.raises(DeployError) as caught:
+        resolve_command(_task("scrapy"), plain)
+    assert "one folder down" not in str(caught.value)
+
+
 def test_missing_framework_files_name_what_and_where(tmp_path: Path) -> None:
     code = _code(tmp_path / "code", {"readme.md": "", "shop/settings.py": ""})
     with pytest.raises(DeployError, match=r"scrapy\.cfg is missing.*looked in the package root \(readme.md, shop/\)"):
@@ -264,18 +281,36 @@ def test_node_default_command_follows_package_json(tmp_path: Path) -> None:
     assert resolve_command(_task("node"), plain)[0] == ["node", "index.js"]
 
 
-def test_scrapy_feed_unless_the_project_uses_the_sdk(tmp_path: Path) -> None:
-    items = tmp_path / "task" / "items.jsonl"
+def test_scrapy_hook_asks_for_items_unless_the_project_uses_the_sdk(tmp_path: Path) -> None:
     plain = _code(tmp_path / "plain", {"scrapy.cfg": "", "shop/settings.py": "ITEM_PIPELINES = {}\n"})
-    settings = scrapy_feed_settings(items, plain)
-    assert settings[0] == "-s" and json.loads(settings[1].split("=", 1)[1]) == {
-        items.as_uri(): {"format": "jsonlines", "encoding": "utf-8", "store_empty": False, "overwrite": False}}
-    assert with_scrapy_settings(["/venv/bin/scrapy", "crawl", "products", "-a", "x=1"], settings) == [
-        "/venv/bin/scrapy", "crawl", *settings, "products", "-a", "x=1"]
-    assert with_scrapy_settings(["python", "run.py"], settings) == ["python", "run.py"]
+    assert scrapy_hook("scrapy", ["scrapy", "crawl", "x"], os.environ.get("PATH"), plain, None) == (
+        {"CK_SCRAPY_HOOK": "items,stats"}, None)
     with_sdk = _code(tmp_path / "sdk", {"scrapy.cfg": "", "shop/settings.py":
                                         'ITEM_PIPELINES = {"crawlerkeeper_sdk.scrapy.CrawlerKeeperPipeline": 300}\n'})
-    assert scrapy_feed_settings(items, with_sdk) == []
+    assert scrapy_hook("scrapy", ["scrapy", "crawl", "x"], None, with_sdk, None)[0] == {"CK_SCRAPY_HOOK": "stats"}
+
+
+def test_scrapy_hook_says_plainly_when_it_cannot_attach(tmp_path: Path) -> None:
+    """A foreign interpreter gets no hook: the log says items will not be collected, and how to."""
+    env_dir = tmp_path / "envs" / "py-abc"
+    own = tmp_path / "own-venv"
+    for bin_dir in (env_dir / "bin", own / "bin"):
+        bin_dir.mkdir(parents=True)
+        for name in ("scrapy", "python"):
+            (bin_dir / name).write_text("#!/bin/sh\n")
+            (bin_dir / name).chmod(0o755)
+    code = _code(tmp_path / "code", {"scrapy.cfg": ""})
+    path = os.pathsep.join([str(env_dir / "bin"), os.environ.get("PATH", "")])
+    for argv in (["scrapy", "crawl", "x"], ["sh", "-c", "python setup.py && scrapy crawl x"],
+                 ["python", "-m", "scrapy", "crawl", "x"], ["env", "scrapy", "crawl", "x"]):
+        assert scrapy_hook("scrapy", argv, path, code, env_dir)[1] is None, argv
+    note = scrapy_hook("scrapy", [str(own / "bin" / "scrapy"), "crawl", "x"], path, code, env_dir)[1]
+    assert note is not None and "will not be collected" in note and "outputs.items" in note
+    assert '-o "$CK_ITEMS_FILE:jsonlines"' in note and "crawlerkeeper_sdk.save_item" in note
+    # The shell finds no environment interpreter either: the same plain note.
+    assert scrapy_hook("scrapy", ["sh", "-c", "scrapy crawl x"], os.environ.get("PATH"), code, env_dir)[1]
+    # Not a Scrapy project: nothing to say.
+    assert scrapy_hook("python", [str(own / "bin" / "python"), "main.py"], path, tmp_path / "none", env_dir)[1] is None
 
 
 def test_sdk_settings_only_for_a_command_in_the_agents_environment(tmp_path: Path) -> None:

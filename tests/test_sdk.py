@@ -590,6 +590,7 @@ def test_sdk_builds_a_pure_python_wheel_with_only_the_sdk(tmp_path: Path) -> Non
     package_files = sorted(n for n in names if n.startswith("crawlerkeeper_sdk/"))
     assert package_files == [
         "crawlerkeeper_sdk/__init__.py",
+        "crawlerkeeper_sdk/_scrapy_hook.py",
         "crawlerkeeper_sdk/_stats.py",
         "crawlerkeeper_sdk/py.typed",
         "crawlerkeeper_sdk/scrapy.py",

@@ -506,9 +506,11 @@ def spider_user() -> Any:
 
 def run_as_settings(user: SpiderUser, master: RecordingMaster) -> Any:
     """Agent settings with ``task.run_as_user`` and the work dir in the user-reachable directory."""
+    # The agent refuses a user that cannot execute the spiders' interpreter: give it the system's then.
+    python = {} if _can_exec_as(user.uid, user.gid, sys.executable) else {"AGENT_DEPS_PYTHON": "/usr/bin/python3"}
     return agent_settings(user.work / "agent", master.base_url, master.registration_token,
                           AGENT_TASK_RUN_AS_USER=user.name, AGENT_TASK_KILL_GRACE="1",
-                          AGENT_UV_INDEX_URL="http://127.0.0.1:9/simple")
+                          AGENT_UV_INDEX_URL="http://127.0.0.1:9/simple", **python)
 
 
 async def test_run_as_user_runs_the_installer_and_the_spider_as_that_user(
@@ -575,3 +577,22 @@ async def test_run_as_user_gives_the_python_venv_to_that_user(
     seen = json.loads((user.report / "py.json").read_text())
     assert seen["uid"] == user.uid
     assert await trio.to_thread.run_sync(owner, Path(seen["venv"])) == user.uid
+
+
+def test_agent_refuses_a_user_that_cannot_execute_the_spiders_interpreter(spider_user: SpiderUser,
+                                                                          tmp_path: Path) -> None:
+    """The interpreter lies in a directory only root may enter: refused at start, naming the fix."""
+    from ckagent.preflight import check_users
+
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    (private / "python3").symlink_to("/usr/bin/python3")
+    base = dict(AGENT_TASK_RUN_AS_USER=spider_user.name)
+    refused = check_users(agent_settings(tmp_path / "a", "http://127.0.0.1:9", "t", **base,
+                                         AGENT_DEPS_PYTHON=str(private / "python3")))
+    assert len(refused) == 1 and refused[0].error, refused
+    text = refused[0].message
+    assert f"user {spider_user.name!r} cannot execute the spiders' interpreter {private / 'python3'}" in text
+    assert "AGENT_TASK_RUN_AS_USER" in text and "AGENT_DEPS_PYTHON" in text
+    assert check_users(agent_settings(tmp_path / "b", "http://127.0.0.1:9", "t", **base,
+                                      AGENT_DEPS_PYTHON="/usr/bin/python3")) == []

@@ -18,6 +18,7 @@ from typing import Any
 import trio
 
 from ckagent.crawlstats import STATS_FILE, Snapshot
+from ckagent.delivery.artifacts import upload_artifacts
 from ckagent.delivery.capture import DiskGuard, LogSink
 from ckagent.delivery.diskwatch import DiskWatch, tree_bytes
 from ckagent.delivery.journal import LogJournal, rejected_log_globs, scan_log_files, task_log_globs
@@ -29,6 +30,7 @@ from ckagent.delivery.statistics import OutboxStatistics, SpoolCounter
 from ckagent.delivery.stats import StatsShipper, final_stats
 from ckagent.diskfull import RESERVE_BYTES, SpaceReserve
 from ckagent.master import MasterClient
+from ckagent.outputs import cleanup_kept
 from ckagent.protocol import Task, TaskResult
 from ckagent.stall import Activity, watch_stall
 from ckagent.state import AsyncStateStore, StateStoreError, TaskRecord
@@ -238,8 +240,11 @@ class TaskDelivery:
             log.error("task %s: its result says incomplete: the master refused its %s for good; it holds %d log "
                       "lines and %d items; the spool stays in %s until task.retention", self.task_id,
                       " and ".join(refused), self.logs.acked, self.items.acked, self.task_dir)
+        # Artifacts go before the result, which lists what the master holds (ckagent.delivery.artifacts).
+        artifacts = await upload_artifacts(self.outbox.master, self.task_id, self.task_dir, self.outbox.limiter)
         result = dataclasses.replace(self.result, item_count=self.items.acked, log_lines=self.logs.acked,
-                                     stats=stats, finish_reason=reason, incomplete=incomplete)
+                                     stats=stats, finish_reason=reason, incomplete=incomplete,
+                                     artifacts=artifacts)
         await self._store_result(result)
         await send_result(self.outbox.master, self.outbox.store, self.task_id, result, self.outbox.limiter,
                           self.outbox.config.refusal_timeout)
@@ -497,6 +502,8 @@ class Outbox:
         interval = min(3600.0, max(1.0, self.config.retention / 4))
         while True:
             await cleanup_task_dirs(self.store, self.tasks_dir, self.config.retention)
+            # Files kept on the node (over the artifact budget, ...) follow the same retention.
+            await trio.to_thread.run_sync(cleanup_kept, self.work_dir, self.config.retention)
             await trio.sleep(interval)
 
 

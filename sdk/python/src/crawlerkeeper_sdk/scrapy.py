@@ -5,10 +5,9 @@ Enable the pipeline in the Scrapy project's ``settings.py``::
 
     ITEM_PIPELINES = {"crawlerkeeper_sdk.scrapy.CrawlerKeeperPipeline": 300}
 
-The stats extension (:class:`CrawlerKeeperStats`) needs no change to the project: for a task of
-framework ``scrapy`` the agent points ``SCRAPY_SETTINGS_MODULE`` at
-:mod:`crawlerkeeper_sdk.scrapy_settings`, which loads the project's settings and adds it to
-``EXTENSIONS``. It snapshots the stats every ``CRAWLERKEEPER_STATS_INTERVAL`` seconds (default 5)
+The item extension (:class:`CrawlerKeeperItems`) and the stats extension (:class:`CrawlerKeeperStats`)
+need no change to the project: in the agent's environments ``crawlerkeeper_sdk._scrapy_hook`` adds
+them to Scrapy's ``EXTENSIONS_BASE``, however Scrapy is started. It snapshots the stats every ``CRAWLERKEEPER_STATS_INTERVAL`` seconds (default 5)
 and once at close, with the finish reason.
 
 This module does not import Scrapy itself; it uses ``itemadapter`` (installed with Scrapy) to turn
@@ -29,7 +28,7 @@ try:  # itemadapter always comes with Scrapy; without it, plain dicts and datacl
 except ImportError:  # pragma: no cover - depends on the environment
     ItemAdapter = None
 
-__all__ = ["CrawlerKeeperPipeline", "CrawlerKeeperStats", "item_to_dict", "scrapy_summary"]
+__all__ = ["CrawlerKeeperItems", "CrawlerKeeperPipeline", "CrawlerKeeperStats", "item_to_dict", "scrapy_summary"]
 
 
 def item_to_dict(item: Any) -> Dict[str, Any]:
@@ -85,6 +84,60 @@ class CrawlerKeeperPipeline:
         """
         save_item(item_to_dict(item))
         return item
+
+
+class CrawlerKeeperItems:
+    """Scrapy extension: every scraped item also becomes one JSON line of the task's items file.
+
+    The agent enables it for any Scrapy run in its environments (``crawlerkeeper_sdk._scrapy_hook``),
+    beside the project's own ``FEEDS``, which keep exporting as written. It listens to
+    ``item_scraped`` (what feeds export: items that passed every pipeline) and saves each with
+    :func:`crawlerkeeper_sdk.save_item`, so items stream to the agent as they are scraped.
+
+    It steps aside (``NotConfigured``), so no item is written twice, when ``CK_SCRAPY_HOOK`` does not
+    name ``items`` (the agent found the project ships items through the SDK itself), when
+    ``CK_ITEMS_FILE`` is unset (not run by an agent), when a feed already writes the items file
+    (``-o "$CK_ITEMS_FILE"``) or when :class:`CrawlerKeeperPipeline` is enabled.
+    """
+
+    @classmethod
+    def from_crawler(cls, crawler: Any) -> CrawlerKeeperItems:
+        """Scrapy's factory: connects to ``item_scraped``; raises ``NotConfigured`` as above."""
+        from scrapy import signals
+        from scrapy.exceptions import NotConfigured
+
+        if "items" not in os.environ.get("CK_SCRAPY_HOOK", "").split(","):
+            raise NotConfigured("the agent did not ask for items (the project uses the SDK)")
+        if not os.environ.get("CK_ITEMS_FILE"):
+            raise NotConfigured("not run by an agent (CK_ITEMS_FILE is unset)")
+        if _feeds_items_file(crawler.settings):
+            raise NotConfigured("a feed already writes the task's items file (CK_ITEMS_FILE)")
+        if _pipeline_enabled(crawler.settings):
+            raise NotConfigured("CrawlerKeeperPipeline already saves the items")
+        ext = cls()
+        crawler.signals.connect(ext.item_scraped, signal=signals.item_scraped)
+        import logging
+
+        logging.getLogger(__name__).info("crawlerkeeper: scraped items also go to the task's items file "
+                                         "(CK_ITEMS_FILE), beside the project's own feeds")
+        return ext
+
+    def item_scraped(self, item: Any, response: Any = None, spider: Any = None) -> None:
+        """Save ``item`` (see :func:`crawlerkeeper_sdk.save_item`)."""
+        save_item(item_to_dict(item))
+
+
+def _pipeline_enabled(settings: Any) -> bool:
+    """Whether ``ITEM_PIPELINES`` enables :class:`CrawlerKeeperPipeline` (by its path or the class)."""
+    try:
+        pipelines = settings.getwithbase("ITEM_PIPELINES")
+    except (AttributeError, TypeError, ValueError):
+        return False
+    for key, order in dict(pipelines).items():
+        name = key if isinstance(key, str) else f"{getattr(key, '__module__', '')}.{getattr(key, '__name__', '')}"
+        if order is not None and name.rsplit(".", 1)[-1] == "CrawlerKeeperPipeline":
+            return True
+    return False
 
 
 def _feeds_items_file(settings: Any) -> bool:

@@ -1,7 +1,8 @@
 """A Scrapy settings module that is the project's own settings plus the CrawlerKeeper stats extension.
 
-For a task of framework ``scrapy`` the agent sets ``SCRAPY_SETTINGS_MODULE`` to this module (and a
-``SCRAPY_SETTINGS_MODULE`` the task set itself moves to ``CK_SCRAPY_SETTINGS_MODULE``). Importing it:
+The agent itself no longer needs it (its environments add the extensions through
+``crawlerkeeper_sdk._scrapy_hook``); it stays for running the stats extension by hand: set
+``SCRAPY_SETTINGS_MODULE`` to this module (your own goes to ``CK_SCRAPY_SETTINGS_MODULE``). Importing it:
 
 1. finds the project's settings module: ``CK_SCRAPY_SETTINGS_MODULE``, else ``[settings]`` of the
    closest ``scrapy.cfg`` (project ``SCRAPY_PROJECT``, default ``default``), as Scrapy itself would;

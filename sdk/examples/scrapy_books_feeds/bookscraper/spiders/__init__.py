@@ -1,0 +1,1 @@
+# The spiders of the bookscraper project.
