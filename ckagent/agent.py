@@ -310,7 +310,8 @@ class Agent:
         # Browser spiders use the system's browser (nothing can be downloaded at run time): its path
         # comes from the runtimes scan, updated in place after each rescan.
         extra_env = self._browser_env = browser_env(self.runtimes)
-        workspaces = self.workspaces = Workspaces(self.work_dir / "spiders", self.master)
+        workspaces = self.workspaces = Workspaces(self.work_dir / "spiders", self.master,
+                                                  stall_timeout=s.server.download_stall_timeout)
         deps = Dependencies(
             self.work_dir / "envs",
             uv_path=s.deps.uv_path,
@@ -326,16 +327,18 @@ class Agent:
         outbox = self.outbox = Outbox(self.master, store, self.work_dir, OutboxConfig(
             log_globs=tuple(g for g in s.task.log_files.split(",") if g),
             max_log_bytes=s.task.max_log_bytes, min_free_disk_bytes=s.task.min_free_disk_bytes,
-            retention=s.task.retention, agent_secrets=self._secrets,
+            retention=s.task.retention, agent_secrets=self._secrets, refusal_timeout=s.server.refusal_timeout,
         ))
         self.metrics.outbox = outbox
         supervisor = self.supervisor = Supervisor(
             RunnerConfig(self.work_dir, s.task.execute_timeout, s.task.kill_grace, self._secrets, extra_env,
                          run_as=run_as, stall_timeout=s.task.stall_timeout, containment=containment,
-                         default_limits=Limits(s.task.memory_limit_bytes, s.task.pids_limit, s.task.cpus_limit)),
+                         default_limits=Limits(s.task.memory_limit_bytes, s.task.pids_limit, s.task.cpus_limit),
+                         max_artifact_bytes=s.task.max_artifact_bytes),
             self.master, store, workspaces, deps, self.max_workers,
             on_finished=self._task_delivered, outbox=outbox, observer=self.metrics,
         )
+        outbox.on_disk_full = supervisor.stop_disk_full  # the task that fills the disk ends DISK_FULL
         self.heartbeat = HeartbeatLoop(
             self.master, supervisor, HealthSampler(self.work_dir), s.heartbeat.interval,
             status=lambda: str(self.state),

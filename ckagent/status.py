@@ -402,10 +402,19 @@ class AgentStatus:
             "freeSlots": stats.free_slots,
             "runningTasks": sorted(tasks, key=lambda t: str(t["since"])),
             "outbox": {"logLines": outbox.log_lines, "items": outbox.items, "results": outbox.results,
-                       "tasks": outbox.tasks},
+                       "tasks": outbox.tasks, "bytes": outbox.bytes,
+                       "oldestSeconds": round(outbox.oldest_seconds, 1),
+                       "backlog": [{"taskId": b.task_id, "logLines": b.log_lines, "items": b.items,
+                                    "bytes": b.bytes, "ageSeconds": round(b.age_seconds, 1)}
+                                   for b in outbox.backlog[:BACKLOG_SHOWN]]},
+            "masterProblem": stats.master_problem,
             "versions": {"agent": __version__, "python": platform.python_version(),
                          "runtimes": dict(stats.runtimes)},
         }
+
+
+BACKLOG_SHOWN = 50
+"""Most tasks /status lists in ``outbox.backlog`` (the longest waits first)."""
 
 
 def _iso(epoch: float | None) -> str | None:

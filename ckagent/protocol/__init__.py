@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from ckagent.protocol._fields import (
     ProtocolError,
     master_id,
+    opt_bool,
     opt_int,
     opt_number,
     opt_object,
@@ -37,8 +38,10 @@ from ckagent.protocol._fields import (
     str_list,
     str_map,
 )
+from ckagent.protocol.outputs import ARTIFACTS, ArtifactRef, TaskOutputs, artifact_list
 
 __all__ = [
+    "ARTIFACTS",
     "ERROR_CODES",
     "FEATURES",
     "FINAL_STATUSES",
@@ -48,6 +51,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "STOP_SIGNALS",
     "TASK_STATUSES",
+    "ArtifactRef",
     "BadTask",
     "CodePackage",
     "Heartbeat",
@@ -62,6 +66,7 @@ __all__ = [
     "SeqConflict",
     "SpiderFile",
     "Task",
+    "TaskOutputs",
     "TaskRelease",
     "TaskResources",
     "TaskResult",
@@ -88,6 +93,7 @@ ERROR_CODES = (
     "AGENT_LOST",
     "AGENT_ERROR",
     "BAD_TASK",
+    "DISK_FULL",
 )
 """Every errorCode of a result: the outcome table of docs/protocol.md lists exactly these (a test checks)."""
 OUTCOME_STATUS: dict[str, str] = {
@@ -104,6 +110,7 @@ OUTCOME_STATUS: dict[str, str] = {
     "AGENT_LOST": "FAILED",
     "AGENT_ERROR": "FAILED",
     "BAD_TASK": "FAILED",
+    "DISK_FULL": "FAILED",
 }
 """The outcome table: ``SUCCESS`` (no errorCode) and every errorCode → the status it goes with."""
 FRAMEWORKS = ("scrapy", "python", "node", "playwright", "selenium")
@@ -461,6 +468,9 @@ class Task:
     claimed: bool = False
     """The master claimed the task for this node in the poll answer (``claim-in-poll``): it is this
     node's already, to run or to give back; False: handed out only, a claim decides."""
+    outputs: TaskOutputs | None = None
+    """Declared item files and artifacts (globs in the working copy); None = the conventions
+    (ckagent.outputs)."""
 
     @property
     def stop_signal_number(self) -> int:
@@ -501,6 +511,7 @@ class Task:
             resources=TaskResources.from_json(o.get("resources"), f"{path}.resources"),
             stop_signal=parse_stop_signal(o, path),
             claimed=_opt_bool(o, "claimed", path),
+            outputs=TaskOutputs.from_json(o.get("outputs"), f"{path}.outputs"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -522,6 +533,7 @@ class Task:
                 "resources": self.resources.to_json() or None,
                 "stopSignal": self.stop_signal,
                 "claimed": True if self.claimed else None,
+                "outputs": None if self.outputs is None else self.outputs.to_json(),
             }
         )
 
@@ -643,6 +655,12 @@ class TaskResult:
     pids_peak: int | None = None
     io_read_bytes: int | None = None
     io_write_bytes: int | None = None
+    incomplete: bool | None = None
+    """True when the master refused part of the task's data for good (a stream it ended with a 409,
+    or "unknown task" for longer than the agent's ``server.refusal_timeout``): ``logLines`` and
+    ``itemCount`` say what it acknowledged; the rest stays in the node's spool. Absent otherwise."""
+    artifacts: list[ArtifactRef] | None = None
+    """The task's artifacts the master holds (uploaded before this result); None = none collected."""
 
     @classmethod
     def from_json(cls, obj: Any) -> TaskResult:
@@ -674,6 +692,8 @@ class TaskResult:
             pids_peak=opt_int(o, "pidsPeak", lo=0),
             io_read_bytes=opt_int(o, "ioReadBytes", lo=0),
             io_write_bytes=opt_int(o, "ioWriteBytes", lo=0),
+            incomplete=opt_bool(o, "incomplete"),
+            artifacts=artifact_list(o.get("artifacts")),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -699,6 +719,8 @@ class TaskResult:
                 "pidsPeak": self.pids_peak,
                 "ioReadBytes": self.io_read_bytes,
                 "ioWriteBytes": self.io_write_bytes,
+                "incomplete": self.incomplete,
+                "artifacts": None if self.artifacts is None else [a.to_json() for a in self.artifacts],
             }
         )
 

@@ -89,6 +89,16 @@ def opt_str(o: dict[str, Any], key: str, *, path: str = "") -> str | None:
     return value
 
 
+def opt_bool(o: dict[str, Any], key: str, *, path: str = "") -> bool | None:
+    """An optional boolean (absent or null → None)."""
+    value = o.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, bool):
+        raise ProtocolError(_name(path, key), f"expected true or false, got {_describe(value)}")
+    return value
+
+
 def req_choice(o: dict[str, Any], key: str, choices: tuple[str, ...], *, path: str = "") -> str:
     """A required string out of ``choices``."""
     value = o.get(key)
