@@ -31,7 +31,8 @@ from collections.abc import Mapping
 log = logging.getLogger(__name__)
 
 SECRET_ENV = ("AGENT_REGISTRATION_TOKEN", "AGENT_API_KEY")
-"""The environment variables of the settings that are secrets (tests keep this equal to ckagent.config)."""
+"""The environment variables of the settings that are secrets (tests keep this equal to ckagent.config),
+and ``AGENT_API_KEY``: no longer a setting, but a key an operator still sets must not reach a spider either."""
 
 FD_ENV = "CKAGENT_SECRETS_FD"
 """Names the inherited memory file holding the secrets (a JSON object ``{name: value}``)."""
