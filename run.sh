@@ -3,7 +3,10 @@
 #
 #   ./run.sh [FLAGS] start [AGENT ARGS...]      (default AGENT ARGS: -c config/config.yaml, else -c config.yaml)
 #   ./run.sh [FLAGS] restart [AGENT ARGS...]    (default: the arguments of the last daemon start)
-#   ./run.sh stop [--leave-running] | status | logs [--follow=off] | upgrade [VERSION] | help
+#   ./run.sh stop [--leave-running] | status | logs [--follow=off] | help
+#   ./run.sh upgrade [VERSION]                  (default: latest.json; an older VERSION needs --downgrade)
+#   ./run.sh upgrade --downgrade VERSION        install an older release, verified and health-checked
+#   ./run.sh rollback                           back to the previous verified release (ckagent.pyz.prev)
 #
 # restart and upgrade hand over: the old agent stops (SIGUSR2) and leaves its running tasks running,
 # the new one re-adopts them (docs/operations.md, "Tasks outlive the agent"); --drain waits for them
@@ -17,6 +20,9 @@
 #   --cleanup_temp_files=on|off   before starting, delete temporary files: partial downloads, old pyz
 #                                 extractions, half-finished code deployments, and (the agent, at its
 #                                 start) the directories of tasks the master has fully acknowledged
+#   --spider-user=NAME|off        spiders and installers run as NAME (task.run_as_user), created as a
+#                                 system user without login when missing (the agent must run as root);
+#                                 remembered in .ckagent/spider_user for later starts; off forgets it
 #
 # Everything lives next to this script: logs/agent.log, agent.pid, .last_daemon_args, data/ (the
 # agent's work_dir when the config says ./data), and .ckagent/ (pyz extraction, downloads, uv, lock).
@@ -31,7 +37,24 @@
 # AGENT_START_TIMEOUT (15 s), AGENT_UPGRADE_HEALTH_TIMEOUT (60 s), AGENT_HEALTH_URL (default from
 # the config's agent.bind/agent.ip and agent.port), AGENT_DOWNLOAD_TIMEOUT (120 s),
 # AGENT_SYSTEMD_UNIT (upgrade restarts through `systemctl restart UNIT` instead of stop/start).
-# Exit codes: 0 ok; 1 failure; 2 usage; 3 `status`: not running.
+# Credentials (AGENT_REGISTRATION_TOKEN, AGENT_API_KEY) given in the environment are moved into a
+# memory file before anything else (CKAGENT_SECRETS_FD names it): no process's /proc/<pid>/environ
+# shows them, neither run.sh's nor the agent's.
+#
+# Exit codes (every command: 2 = usage error):
+#   start     0 running and /healthz answers 200 (also: already running and healthy); 1 it exited during
+#             its start, /healthz did not answer within AGENT_START_TIMEOUT (it is stopped; the end of
+#             its log is printed), /readyz named a cause (it keeps running and retrying), or an agent
+#             already runs but does not answer /healthz
+#   stop      0 stopped (or was not running); 1 it survived SIGKILL
+#   restart   as stop, then as start
+#   status    0 running and /healthz 200; 3 not running; 4 running but /healthz does not answer 200
+#   logs      0 shown; 1 no log file yet
+#   upgrade   0 upgraded and healthy, installed (agent not running), nothing to do, or a version that
+#             failed here before is skipped; 1 failed (download, verification, an older VERSION without
+#             --downgrade, or a health check: rolled back)
+#   rollback  0 back on the previous release (healthy, or installed when not running); 1 no previous
+#             release, it does not verify, or it is not healthy (then the current one is restored)
 set -euo pipefail
 
 DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)"
@@ -46,6 +69,8 @@ UV_DIR="$STATE_DIR/bin"
 UV="$UV_DIR/uv"
 PYTHON="${AGENT_PYTHON:-python3}"
 DEFAULT_STOP_TIMEOUT=90
+SPIDER_USER_FILE="$STATE_DIR/spider_user"
+KEEP_UNHEALTHY=0  # 1: start leaves an agent that is not healthy yet running (upgrade/rollback wait longer)
 
 say() { printf 'run.sh: %s\n' "$*"; }
 die() { printf 'run.sh: %s\n' "$1" >&2; exit 1; }
@@ -531,8 +556,8 @@ cmd_start() {
   done
   local pid
   if pid="$(agent_pid)"; then
-    say "ckagent is already running (pid $pid)"
-    return 0
+    already_running "$pid"
+    return
   fi
   normalise_args "${rest[@]+"${rest[@]}"}"
   if ((cleanup)); then
@@ -581,8 +606,12 @@ cmd_start() {
     return 0
   fi
   if kill -0 "$pid" 2>/dev/null; then
-    say "ckagent started (pid $pid) but $(health_url) does not answer 200 yet; see $LOG_FILE"
-    return 0
+    if ((KEEP_UNHEALTHY)); then
+      say "ckagent started (pid $pid) but $(health_url) does not answer 200 yet; see $LOG_FILE"
+      return 0
+    fi
+    start_timed_out "$pid"
+    return 1
   fi
   rm -f "$PID_FILE"
   printf 'run.sh: ckagent exited during start; the end of %s:\n' "$LOG_FILE" >&2
@@ -652,6 +681,11 @@ cmd_status() {
     local url code
     url="$(health_url)"
     code="$(http_status "$url")"
+    if [[ "$code" != 200 ]]; then
+      printf 'run.sh: ckagent%s runs (pid %s, %s mode) but does not answer: %s → %s (see %s)\n' \
+        "$version" "$pid" "$mode" "$url" "$code" "$LOG_FILE" >&2
+      return 4
+    fi
     say "ckagent${version} is running (pid $pid, $mode mode); $url → $code"
     return 0
   fi
@@ -673,7 +707,18 @@ cmd_logs() {
 }
 
 cmd_upgrade() {
-  (($# <= 1)) || usage_error "upgrade takes at most one argument, a VERSION: ./run.sh upgrade [VERSION]"
+  local downgrade=0 positional=()
+  while (($#)); do
+    case "$1" in
+      --downgrade|--allow-downgrade) downgrade=1 ;;
+      -*) usage_error "upgrade: unknown option $1 (./run.sh upgrade [--downgrade] [VERSION])" ;;
+      *) positional+=("$1") ;;
+    esac
+    shift
+  done
+  set -- "${positional[@]+"${positional[@]}"}"
+  (($# <= 1)) || usage_error "upgrade takes at most one argument, a VERSION: ./run.sh upgrade [--downgrade] [VERSION]"
+  ((downgrade == 0 || $# == 1)) || usage_error "upgrade --downgrade needs the VERSION to go back to: ./run.sh upgrade --downgrade VERSION"
   source_mode && die "source mode ($DIR is a checkout): update it with git and run ./run.sh restart"
   local wanted="${1:-}" index info version url sha current="" dry=0 auto=0 order
   is_on "${AGENT_UPGRADE_DRY_RUN:-off}" && dry=1
@@ -696,7 +741,13 @@ cmd_upgrade() {
     order="$(vercmp "$version" "$current")" || exit 1
     case "$order" in
       0) say "ckagent $current is installed and is the release offered ($index): nothing to do"; return 0 ;;
-      -1) say "not downgrading: installed $current is newer than $version ($index); nothing changed"; return 0 ;;
+      -1)
+        if [[ -z "$wanted" ]]; then
+          say "installed $current is newer than the latest release $version ($index): nothing to do"; return 0
+        elif ((downgrade == 0)); then
+          die "not downgrading: installed $current is newer than $version; nothing changed. To go back to it, say so: ./run.sh upgrade --downgrade $version (or ./run.sh rollback for the previous release)"
+        fi
+        say "downgrading from $current to $version, as asked (--downgrade)" ;;
     esac
   fi
   if failed_before "$version" && { [[ -z "$wanted" ]] || ((auto)); }; then
@@ -724,18 +775,10 @@ cmd_upgrade() {
   say "downloading ckagent $version from $url"
   download "$url" "$new" "$sha" || exit 1
   # The new file must run here before it replaces anything (extracted into a throwaway root).
-  local check="$STATE_DIR/check"
-  rm -rf "$check"
-  local out
-  if ! out="$(SHIV_ROOT="$check" "$PYTHON" "$new" version 2>&1)"; then
-    rm -rf "$check" "$new"
-    die "the downloaded ckagent $version does not run with $PYTHON: $out; nothing was replaced"
+  if ! verify_pyz "$new" "$version"; then
+    rm -f "$new"
+    die "the downloaded ckagent $version: $VERIFY_FAILURE; nothing was replaced"
   fi
-  if [[ "$out" != "ckagent $version "* ]]; then
-    rm -rf "$check" "$new"
-    die "the downloaded file reports '$out', not ckagent $version; nothing was replaced"
-  fi
-  rm -rf "$check"
   # uv travels with the agent: the release's uv build, when it names another one than installed
   local uv_line uv_version="" uv_url uv_sha uv_new=""
   uv_line="$(uv_info "$index")" || { rm -f "$new"; die "nothing was replaced"; }
@@ -752,6 +795,7 @@ cmd_upgrade() {
     ln -f "$PYZ" "$PYZ_PREV" 2>/dev/null || cp -p "$PYZ" "$PYZ_PREV"
   fi
   mv -f "$new" "$PYZ"   # atomic: same directory tree, rename(2)
+  rm -f "$UV.prev" "$UV_DIR/uv.version.prev"  # the previous pyz goes with the uv in place, unless replaced now
   if [[ -n "$uv_new" ]]; then
     if [[ -x "$UV" ]]; then
       cp -p "$UV" "$UV.prev"
@@ -766,6 +810,7 @@ cmd_upgrade() {
     say "the agent is not running: not starting it"
     return 0
   fi
+  KEEP_UNHEALTHY=1
   restart_agent "${saved[@]+"${saved[@]}"}"
   local timeout="${AGENT_UPGRADE_HEALTH_TIMEOUT:-60}" why
   if wait_new_agent_healthy "$pid" "$timeout"; then
@@ -787,6 +832,170 @@ cmd_upgrade() {
   die "upgrade to $version failed ($why) and was rolled back to ${current:-the previous pyz}; the failed file is $STATE_DIR/ckagent-$version.failed.pyz; $version is not tried again until you name it (./run.sh upgrade $version) or a newer one is published"
 }
 
+# ---------------------------------------------------------------- start's verdicts, verification, rollback
+
+# already_running PID: `start` when an agent runs: 0 when it answers /healthz, else 1 with the end of its log
+already_running() {
+  local pid="$1" url code
+  load_last_args
+  agent_command_if_installed
+  load_settings
+  url="$(health_url)"
+  code="$(http_status "$url")"
+  if [[ "$code" == 200 ]]; then
+    say "ckagent is already running (pid $pid)"
+    return 0
+  fi
+  printf 'run.sh: ckagent is already running (pid %s) but %s → %s; the end of %s:\n' "$pid" "$url" "$code" "$LOG_FILE" >&2
+  tail -n 20 "$LOG_FILE" >&2 2>/dev/null || true
+  printf 'run.sh: ./run.sh restart starts it again\n' >&2
+  return 1
+}
+
+# start_timed_out PID: the agent runs but /healthz did not answer in time: print the end of its log, stop it
+start_timed_out() {
+  local pid="$1"
+  printf 'run.sh: ckagent (pid %s) did not answer %s within %ss; stopping it. The end of %s:\n' \
+    "$pid" "$(health_url)" "${AGENT_START_TIMEOUT:-15}" "$LOG_FILE" >&2
+  tail -n 20 "$LOG_FILE" >&2 || true
+  kill -TERM "$pid" 2>/dev/null || true
+  if ! wait_gone "$pid" 10; then
+    kill -KILL "$pid" 2>/dev/null || true
+    wait_gone "$pid" 10 || true
+  fi
+  rm -f "$PID_FILE"
+  printf 'run.sh: raise AGENT_START_TIMEOUT if this agent needs longer to start\n' >&2
+}
+
+# verify_pyz FILE VERSION: FILE runs here and reports ckagent VERSION (extracted into a throwaway root);
+# else fails with VERIFY_FAILURE saying why
+VERIFY_FAILURE=""
+verify_pyz() {
+  local file="$1" version="$2" check="$STATE_DIR/check" out
+  rm -rf "$check"
+  if ! out="$(SHIV_ROOT="$check" "$PYTHON" "$file" version 2>&1)"; then
+    rm -rf "$check"
+    VERIFY_FAILURE="does not run with $PYTHON: $out"
+    return 1
+  fi
+  rm -rf "$check"
+  if [[ "$out" != "ckagent $version "* ]]; then
+    VERIFY_FAILURE="reports '$out', not ckagent $version"
+    return 1
+  fi
+}
+
+# swap_releases: ckagent.pyz <-> ckagent.pyz.prev, and the uv that went with each (uv.prev, when kept)
+swap_releases() {
+  mv -f "$PYZ" "$PYZ.swap"
+  mv -f "$PYZ_PREV" "$PYZ"
+  mv -f "$PYZ.swap" "$PYZ_PREV"
+  if [[ -x "$UV.prev" ]]; then
+    mv -f "$UV" "$UV.swap" 2>/dev/null || true
+    mv -f "$UV.prev" "$UV"
+    [[ -e "$UV.swap" ]] && mv -f "$UV.swap" "$UV.prev"
+    if [[ -f "$UV_DIR/uv.version.prev" ]]; then
+      mv -f "$UV_DIR/uv.version" "$UV_DIR/uv.version.swap" 2>/dev/null || true
+      mv -f "$UV_DIR/uv.version.prev" "$UV_DIR/uv.version"
+      [[ -e "$UV_DIR/uv.version.swap" ]] && mv -f "$UV_DIR/uv.version.swap" "$UV_DIR/uv.version.prev"
+    fi
+  fi
+  return 0
+}
+
+# rollback: back to the release before the last upgrade (kept as ckagent.pyz.prev, with its uv), verified
+# and health-checked like an upgrade; the release left is remembered as failed (not upgraded to again
+# from latest.json or by the agent, until named). Running it twice goes forward again.
+cmd_rollback() {
+  (($# == 0)) || usage_error "rollback takes no arguments (it goes back to $(basename "$PYZ_PREV"))"
+  source_mode && die "source mode ($DIR is a checkout): check out the previous revision with git and run ./run.sh restart"
+  [[ -f "$PYZ" ]] || die "no ckagent.pyz installed: nothing to roll back"
+  [[ -f "$PYZ_PREV" ]] || die "no previous release to roll back to: $PYZ_PREV is kept by ./run.sh upgrade (none ran here)"
+  local current previous
+  current="$(pyz_version "$PYZ")" || exit 1
+  previous="$(pyz_version "$PYZ_PREV")" || die "$PYZ_PREV is not a ckagent.pyz; nothing changed"
+  verify_pyz "$PYZ_PREV" "$previous" || die "the previous release $previous $VERIFY_FAILURE; nothing changed"
+  local pid="" running=0
+  pid="$(agent_pid)" && running=1
+  load_last_args
+  local saved=("${ARGS[@]+"${ARGS[@]}"}")
+  swap_releases
+  remember_failed "$current"
+  say "rolled back: ckagent $previous is installed ($current is kept as $PYZ_PREV and not upgraded to again until named)"
+  if ((running == 0)); then
+    say "the agent is not running: not starting it"
+    return 0
+  fi
+  agent_command_if_installed
+  load_settings
+  KEEP_UNHEALTHY=1
+  restart_agent "${saved[@]+"${saved[@]}"}"
+  if wait_new_agent_healthy "$pid" "${AGENT_UPGRADE_HEALTH_TIMEOUT:-60}"; then
+    say "rolled back to $previous: healthy (pid $(agent_pid))"
+    return 0
+  fi
+  local why="$WAIT_FAILURE"
+  swap_releases
+  forget_failed "$current"
+  restart_agent "${saved[@]+"${saved[@]}"}"
+  die "ckagent $previous $why: back on $current (rollback undone)"
+}
+
+# --spider-user=NAME: spiders run as NAME (AGENT_TASK_RUN_AS_USER), a system user created when missing;
+# remembered in .ckagent/spider_user; `off` forgets it. Applied by start (also in the foreground).
+set_spider_user() {
+  local name="$1"
+  mkdir -p "$STATE_DIR"
+  if [[ -z "$name" || "${name,,}" == off ]]; then
+    rm -f "$SPIDER_USER_FILE"
+    return 0
+  fi
+  [[ "$name" =~ ^[a-z_][a-z0-9_-]{0,30}$ ]] || usage_error "--spider-user=$name: not a user name (lower-case letters, digits, _ and -)"
+  if ! id -u "$name" >/dev/null 2>&1; then
+    ((EUID == 0)) || die "--spider-user=$name: no such user, and only root can create it (and only an agent running as root can run spiders as another user)"
+    command -v useradd >/dev/null 2>&1 || die "--spider-user=$name: no such user and no useradd to create it; create it yourself"
+    useradd --system --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin "$name" \
+      || die "--spider-user=$name: useradd failed"
+    say "created the system user $name (no login, no home) for spiders"
+  fi
+  printf '%s\n' "$name" >"$SPIDER_USER_FILE"
+}
+
+apply_spider_user() {  # the remembered spider user, unless AGENT_TASK_RUN_AS_USER is set
+  [[ -z "${AGENT_TASK_RUN_AS_USER:-}" && -f "$SPIDER_USER_FILE" ]] || return 0
+  AGENT_TASK_RUN_AS_USER="$(tr -d '[:space:]' <"$SPIDER_USER_FILE")"
+  export AGENT_TASK_RUN_AS_USER
+}
+
+# ---------------------------------------------------------------- credentials out of the environment
+
+# hide_secrets ARGS...: re-execute run.sh with the credentials moved from the environment into a memory
+# file (CKAGENT_SECRETS_FD; ckagent/secretenv.py is the agent's side). Once: CKAGENT_SECRETS_REEXEC marks it.
+hide_secrets() {
+  [[ -n "${AGENT_REGISTRATION_TOKEN:-}${AGENT_API_KEY:-}" && -z "${CKAGENT_SECRETS_REEXEC:-}" ]] || return 0
+  command -v "$PYTHON" >/dev/null 2>&1 || return 0
+  exec "$PYTHON" -c '
+import json, os, sys
+names = ("AGENT_REGISTRATION_TOKEN", "AGENT_API_KEY")
+env = {k: v for k, v in os.environ.items() if k not in names}
+env["CKAGENT_SECRETS_REEXEC"] = "1"
+if hasattr(os, "memfd_create"):
+    merged = {}
+    if os.environ.get("CKAGENT_SECRETS_FD", "").isdigit():
+        try:
+            merged.update(json.loads(os.pread(int(os.environ["CKAGENT_SECRETS_FD"]), 1 << 20, 0)))
+        except (OSError, ValueError):
+            pass
+    merged.update({n: os.environ[n] for n in names if os.environ.get(n)})
+    fd = os.memfd_create("ckagent-secrets", 0)
+    os.write(fd, json.dumps(merged).encode())
+    env["CKAGENT_SECRETS_FD"] = str(fd)
+else:  # no memory files here: the variables stay where they are
+    env = {**os.environ, "CKAGENT_SECRETS_REEXEC": "1"}
+os.execve(sys.argv[1], sys.argv[1:], env)
+' "$BASH" "${BASH_SOURCE[0]}" "$@"
+}
+
 # Versions whose upgrade failed here, one per line: `upgrade` (latest, or asked by the agent) skips them.
 FAILED_FILE="$STATE_DIR/failed_versions"
 failed_before() { [[ -f "$FAILED_FILE" ]] && grep -qxF -- "$1" "$FAILED_FILE"; }
@@ -799,11 +1008,12 @@ forget_failed() {
 
 # ---------------------------------------------------------------- main
 
+hide_secrets "$@"
 CALLER_DIR="$(pwd -P)"
-COMMANDS="start|stop|restart|status|logs|upgrade|help"
+COMMANDS="start|stop|restart|status|logs|upgrade|rollback|help"
 # The command is the first word that names one; FLAGS (--daemon, --cleanup_temp_files) may stand
 # anywhere; everything else is the command's (the agent's -c FILE may also come first).
-command="" FLAGS=() REST=()
+command="" FLAGS=() REST=() SPIDER_USER_FLAG="" HAVE_SPIDER_USER=0
 while (($#)); do
   case "$1" in
     -h|--help) usage 0 ;;
@@ -811,6 +1021,7 @@ while (($#)); do
     --leave-running) LEAVE_RUNNING=1 ;;
     --daemon|--daemon=*|--cleanup_temp_files|--cleanup_temp_files=*|--cleanup-temp-files|--cleanup-temp-files=*)
       FLAGS+=("$1") ;;
+    --spider-user=*|--spider_user=*) SPIDER_USER_FLAG="${1#*=}"; HAVE_SPIDER_USER=1 ;;
     -c|--config)
       (($# >= 2)) || usage_error "$1 needs a file"
       REST+=("$1" "$2"); shift ;;
@@ -830,6 +1041,11 @@ for flag in "${FLAGS[@]+"${FLAGS[@]}"}"; do
   fi
 done
 [[ -n "$command" ]] || usage_error "no command given (commands: ${COMMANDS//|/, })"
+if ((HAVE_SPIDER_USER)); then
+  [[ "$command" == start || "$command" == restart ]] || usage_error "--spider-user goes with start or restart"
+  set_spider_user "$SPIDER_USER_FLAG"
+fi
+[[ "$command" == start || "$command" == restart || "$command" == upgrade || "$command" == rollback ]] && apply_spider_user
 case "$command" in
   start) lock_state; cmd_start "${FLAGS[@]+"${FLAGS[@]}"}" "${REST[@]+"${REST[@]}"}" ;;
   restart) lock_state; cmd_restart "${FLAGS[@]+"${FLAGS[@]}"}" "${REST[@]+"${REST[@]}"}" ;;
@@ -841,5 +1057,6 @@ case "$command" in
   upgrade)  # asked by the agent (AGENT_UPGRADE_AUTO): wait for an upgrade still restarting it
     if is_on "${AGENT_UPGRADE_AUTO:-off}"; then lock_state 300; else lock_state; fi
     cmd_upgrade "${REST[@]+"${REST[@]}"}" ;;
+  rollback) lock_state; cmd_rollback "${REST[@]+"${REST[@]}"}" ;;
   help) usage 0 ;;
 esac

@@ -29,7 +29,7 @@ import psutil
 from bench._harness import REPO, markdown_table
 
 MODULES = ("dispatch", "makespan", "overhead", "flood", "items", "manytasks", "scrape", "prepare", "startup", "adoption",
-           "containment", "egress")
+           "containment", "egress", "outputs")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 

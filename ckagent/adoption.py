@@ -199,6 +199,8 @@ async def run_adopted(supervisor: Supervisor, rt: RunningTask, adoption: Adoptio
                     with trio.CancelScope(shield=True):
                         stopped = TaskOutcome("CANCELLED", "CANCELLED", rt.stop_reason or "agent terminating")
                         await delivery.finish(_result(rt, stopped, record.claimed_at))
+            if outcome is not None and not rt.handed_over:  # its files → items, artifacts or kept ones
+                await supervisor.collect_outputs(rt, record.task_dir, Path(handle.work), None, notice)
             result = _result(rt, outcome, record.claimed_at)
             supervisor.observer.task_finished(rt, result)
             await delivery.finish(result)

@@ -87,7 +87,9 @@ from ckagent.heartbeat import HeartbeatLoop
 from ckagent.intake import DiskFloorWatch, IntakeGate
 from ckagent.logs import log_task_finished, setup_logging
 from ckagent.master import MasterClient, RegistrationRefused
+from ckagent.masterclock import MasterClock
 from ckagent.metrics import AgentMetrics
+from ckagent.notices import Notices, spider_user, spiders_as_root
 from ckagent.poller import Poller
 from ckagent.process import RunAs
 from ckagent.protocol import FEATURES, PROTOCOL_VERSION, RegisterRequest, Task, TaskResult
@@ -189,6 +191,10 @@ class Agent:
         """The containment level in force (set at the start of :meth:`run`)."""
         self.egress: Egress | None = None
         """The egress level and node policy in force (set at the start of :meth:`run`)."""
+        self.notices = Notices()
+        """Operator notices (spiders as root, the master's clock): logged once, in /status and on the page."""
+        self.spider_user: dict[str, object] = spider_user(None)
+        """Whom spiders run as (registration's ``containment.spiderUser``)."""
         """The port the status/metrics server listens on (``agent.port``, or the one picked for 0)."""
         token = settings.agent.registration_token
         self._secrets = tuple(s.reveal() for s in (token,) if s is not None)
@@ -200,6 +206,7 @@ class Agent:
             ca_file=str(settings.server.ca_file) if settings.server.ca_file else None,
             observer=self.metrics.master_request,
         )
+        self.master.clock = MasterClock(self.notices)
 
     def _register_body(self) -> RegisterRequest:
         s = self.settings
@@ -219,7 +226,8 @@ class Agent:
             node_uid=self.node_uid,
             protocol_version=PROTOCOL_VERSION,
             features=list(FEATURES),
-            containment=self.containment.to_json() if self.containment is not None else {},
+            containment={**(self.containment.to_json() if self.containment is not None else {}),
+                         "spiderUser": self.spider_user},
             egress=self.egress.to_json() if self.egress is not None else {},
         )
 
@@ -307,6 +315,10 @@ class Agent:
         except (EgressError, PolicyError) as exc:
             raise ConfigError(str(exc)) from exc
         self.metrics.egress_level(self.egress.level)
+        self.spider_user = spider_user(run_as)
+        as_root = spiders_as_root(run_as)
+        if as_root is not None:
+            self.notices.set("spiders-as-root", as_root)
         if os.getpid() == 1:
             log.warning("running as PID 1 without an init: processes orphaned by spiders are not reaped "
                         "(<defunct> entries pile up); run the container with `--init` or tini "
@@ -322,7 +334,8 @@ class Agent:
         # Browser spiders use the system's browser (nothing can be downloaded at run time): its path
         # comes from the runtimes scan, updated in place after each rescan.
         extra_env = self._browser_env = browser_env(self.runtimes)
-        workspaces = self.workspaces = Workspaces(self.work_dir / "spiders", self.master)
+        workspaces = self.workspaces = Workspaces(self.work_dir / "spiders", self.master,
+                                                  stall_timeout=s.server.download_stall_timeout)
         deps = Dependencies(
             self.work_dir / "envs",
             uv_path=s.deps.uv_path,
@@ -338,17 +351,19 @@ class Agent:
         outbox = self.outbox = Outbox(self.master, store, self.work_dir, OutboxConfig(
             log_globs=tuple(g for g in s.task.log_files.split(",") if g),
             max_log_bytes=s.task.max_log_bytes, min_free_disk_bytes=s.task.min_free_disk_bytes,
-            retention=s.task.retention, agent_secrets=self._secrets,
+            retention=s.task.retention, agent_secrets=self._secrets, refusal_timeout=s.server.refusal_timeout,
         ))
         self.metrics.outbox = outbox
         supervisor = self.supervisor = Supervisor(
             RunnerConfig(self.work_dir, s.task.execute_timeout, s.task.kill_grace, self._secrets, extra_env,
                          run_as=run_as, stall_timeout=s.task.stall_timeout, containment=containment,
                          egress=self.egress,
-                         default_limits=Limits(s.task.memory_limit_bytes, s.task.pids_limit, s.task.cpus_limit)),
+                         default_limits=Limits(s.task.memory_limit_bytes, s.task.pids_limit, s.task.cpus_limit),
+                         max_artifact_bytes=s.task.max_artifact_bytes),
             self.master, store, workspaces, deps, self.max_workers,
             on_finished=self._task_delivered, outbox=outbox, observer=self.metrics,
         )
+        outbox.on_disk_full = supervisor.stop_disk_full  # the task that fills the disk ends DISK_FULL
         self.heartbeat = HeartbeatLoop(
             self.master, supervisor, HealthSampler(self.work_dir), s.heartbeat.interval,
             status=lambda: str(self.state),
@@ -471,6 +486,7 @@ class Agent:
             intake_reason=self.intake.reason,
             containment=tuple(self.containment.to_json().items()) if self.containment is not None else None,
             egress=tuple(self.egress.to_json().items()) if self.egress is not None else None,
+            warnings=self.notices.texts(),
         )
 
     # ------------------------------------------------------------------ shutdown
@@ -672,24 +688,30 @@ def run_agent(settings: Settings) -> int:
     """
     from ckagent.preflight import preflight
 
-    errors = [p.message for p in preflight(settings, port=False) if p.error]  # the checks of `config check`
+    problems = preflight(settings, port=False)  # the checks of `config check`
+    errors = [p.message for p in problems if p.error]
     if errors:
         raise ConfigError("; ".join(errors))
     token = settings.agent.registration_token
     protect_agent_memory()  # spiders of the same user must not read the secrets in /proc/<pid>/environ
     try:
+        # Before the log is opened: a second agent on the same work dir is refused on its own stderr,
+        # not in the running agent's log file; and before anything touches the work dir (crash
+        # recovery would kill another agent's tasks).
+        lock = WorkDirLock.acquire(Path(settings.task.work_dir))
+    except WorkDirError as exc:
+        raise ConfigError(str(exc)) from exc
+    try:
         setup_logging(settings.logging.level, settings.logging.file, settings.logging.format,
                       max_bytes=settings.logging.max_bytes, backup_count=settings.logging.backup_count,
                       secrets=[token.reveal()] if token is not None else [])
     except OSError as exc:
+        lock.release()
         raise ConfigError(f"logging.file (AGENT_LOG_FILE) {str(settings.logging.file)!r} cannot be opened: "
                           f"{exc.strerror or exc}; point it at a writable file (its directory is created)") from exc
+    for problem in problems:
+        log.warning("%s", problem.message)
     try:
-        try:
-            # Before anything touches the work dir: crash recovery would kill another agent's tasks.
-            lock = WorkDirLock.acquire(Path(settings.task.work_dir))
-        except WorkDirError as exc:
-            raise ConfigError(str(exc)) from exc
         try:
             return trio.run(Agent(settings).run)
         except KeyboardInterrupt:  # pragma: no cover - SIGINT is handled inside; a second Ctrl-C race

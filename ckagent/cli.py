@@ -9,7 +9,7 @@ Commands::
     ckagent version                   print the ckagent and Python versions
     ckagent dev-master ...            run the reference master (SQLite)
     ckagent demo [--work-dir DIR] [--keep]   dev master + agent + sample spider, end to end
-    ckagent exec PATH [--spider NAME] [--param K=V] [--env K=V] [--timeout S] [--items FILE] ...
+    ckagent exec PATH [--spider NAME] [--param K=V] [--env K=V] [--args "..."] [--items FILE] [--artifacts DIR] ...
                                       run one local spider (folder or zip) exactly as a node would
 
 Exit codes (ckagent.errors, translated once in :func:`main`): 0 ok; 2 usage or configuration error
@@ -23,6 +23,7 @@ import contextlib
 import difflib
 import os
 import platform
+import shlex
 import sys
 from collections.abc import Iterator
 from functools import cache
@@ -112,8 +113,13 @@ def _config_default() -> int:
 def run(*, config: ConfigOption = None) -> int:
     """Run the agent: register, heartbeat, poll and run tasks until SIGTERM (drain) or SIGINT (stop).
 
-    Needs a registration token (agent.registration_token or AGENT_REGISTRATION_TOKEN).
+    Needs a registration token (agent.registration_token or AGENT_REGISTRATION_TOKEN). A token or
+    key in the environment is first moved out of it: the process re-executes itself (same pid)
+    with the credentials in a memory file (ckagent.secretenv), so /proc/<pid>/environ never shows them.
     """
+    from ckagent.secretenv import reexec_without_secrets
+
+    reexec_without_secrets()
     settings = _load(config, require_token=True)
     with _httpx_without_its_cli():
         from ckagent.agent import run_agent
@@ -295,6 +301,10 @@ def exec_command(
     timeout: float | None = None,
     stall_timeout: float | None = None,
     items: Path = Path("items.jsonl"),
+    artifacts: Path = Path("artifacts"),
+    args: str | None = None,
+    output_items: list[str] | None = None,
+    output_artifacts: list[str] | None = None,
     work_dir: Path | None = None,
     config: ConfigOption = None,
 ) -> int:
@@ -310,7 +320,8 @@ def exec_command(
     path
         The spider's folder (zipped like an upload) or its .zip package.
     spider
-        The spider's name (Scrapy: what `scrapy crawl NAME` runs; default: the folder's name).
+        The spider's name. Scrapy: what `scrapy crawl NAME` runs; default: the project's only spider
+        (a project with several needs it). Others: default the folder's name.
     framework
         scrapy, python, node, playwright or selenium (default: scrapy.cfg → scrapy, package.json → node, else python).
     command
@@ -326,6 +337,14 @@ def exec_command(
         agent's task.stall_timeout, off; 0 = off).
     items
         JSON lines file the items are written to (default ./items.jsonl; emptied first).
+    artifacts
+        Folder the task's artifacts (files it created or changed) are written to (default ./artifacts/).
+    args
+        Arguments appended to the command, like a task's args (split like a shell does); write --args="--max-pages 2" when they start with a dash.
+    output_items
+        A glob of item files the spider writes (outputs.items, e.g. results.json); repeatable.
+    output_artifacts
+        A glob of the files that are its artifacts (outputs.artifacts; default: every file it created or changed); repeatable.
     work_dir
         Agent work dir: environments are cached here for the next run (default ~/.cache/ckagent/exec).
     """
@@ -336,6 +355,18 @@ def exec_command(
         spider_env = {k: str(v) for k, v in parse_assignments(env or [], "--env", json_values=False).items()}
     except ExecUsageError as exc:
         raise _UsageError(f"exec: {exc}") from exc
+    try:
+        task_args = shlex.split(args) if args else []
+    except ValueError as exc:
+        raise _UsageError(f"exec: --args {args!r}: {exc}") from exc
+    outputs = None
+    if output_items or output_artifacts:
+        from ckagent.protocol import ProtocolError, TaskOutputs
+        try:
+            declared = TaskOutputs.from_json({"items": output_items or [], "artifacts": output_artifacts or []})
+        except ProtocolError as exc:
+            raise _UsageError(f"exec: --output-items/--output-artifacts: {exc}") from exc
+        outputs = None if declared is None else declared.to_json()
     for flag, seconds in (("--timeout", timeout), ("--stall-timeout", stall_timeout)):
         if seconds is not None and not (seconds >= 0 and seconds != float("inf")):
             raise _UsageError(f"exec: {flag} {seconds}: expected seconds >= 0")
@@ -343,6 +374,7 @@ def exec_command(
         source=path, items=items.absolute(), work_dir=(work_dir or default_work_dir()).absolute(),
         framework=framework, command=command, spider=spider, params=params, env=spider_env,
         timeout=timeout, stall_timeout=stall_timeout, config=config,
+        artifacts=artifacts.absolute(), args=task_args, outputs=outputs,
     )
     return exec_main(request)
 

@@ -23,7 +23,9 @@ The blocking functions read a few small files: call them through ``trio.to_threa
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -160,3 +162,27 @@ def runs_in_env(argv: list[str], path: str | None, env_dir: Path | None) -> bool
     if found is None:
         return False
     return Path(os.path.abspath(found)).is_relative_to(env_dir)
+
+
+_SPIDER_NAME = re.compile(r"""^[ \t]+name[ \t]*(?::[^=\n]*)?=[ \t]*["']([^"'\n]+)["']""", re.M)
+
+
+def scrapy_spider_names(source: Path) -> list[str]:
+    """The spider names (``name = "..."`` in a class body) of the Python files under a ``spiders``
+    directory of a Scrapy project folder or zip, sorted; blocking. What ``scrapy list`` would say for
+    an ordinary project, without installing Scrapy; unreadable files are skipped."""
+    import zipfile
+
+    texts: list[str] = []
+    if source.is_dir():
+        for path in source.rglob("*.py"):
+            if "spiders" in path.relative_to(source).parts[:-1]:
+                with contextlib.suppress(OSError):
+                    texts.append(path.read_text(encoding="utf-8", errors="replace"))
+    else:
+        with contextlib.suppress(OSError, zipfile.BadZipFile), zipfile.ZipFile(source) as archive:
+            for info in archive.infolist():
+                parts = info.filename.split("/")
+                if info.filename.endswith(".py") and "spiders" in parts[:-1] and info.file_size < 1 << 20:
+                    texts.append(archive.read(info).decode("utf-8", "replace"))
+    return sorted({m.group(1) for text in texts for m in _SPIDER_NAME.finditer(text)})

@@ -43,6 +43,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from ckagent.errors import EXIT_USAGE, StartupError
+from ckagent.secretenv import agent_environ
 
 __all__ = [
     "SETTINGS",
@@ -119,11 +120,15 @@ class ServerSettings:
 
     ``url``: base URL, http(s). ``ca_file``: extra CA bundle (PEM) for TLS, or None for the system store.
     ``request_timeout``: seconds per HTTP request (a long poll adds its wait on top).
+    ``refusal_timeout``: seconds a stream or result retries a 404 (a lone element's 413) before giving up.
+    ``download_stall_timeout``: seconds a code download may receive nothing before it is retried.
     """
 
     url: str
     ca_file: Path | None
     request_timeout: float
+    refusal_timeout: float = 600.0
+    download_stall_timeout: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -171,7 +176,8 @@ class TaskSettings:
     ``flush_timeout`` bounds the final delivery when stopping. ``work_dir`` is absolute.
     ``run_as_user``: user name (or uid) spiders run as when the agent is root; None = the agent's user.
     Task data: ``max_log_bytes`` caps a task's output.log and ``min_free_disk_bytes`` is the free-space
-    floor of the work dir's filesystem (bytes, 0 = none); ``log_files`` comma-separated globs of spider
+    floor of the work dir's filesystem (bytes, 0 = none); ``max_artifact_bytes`` the most bytes of a
+    task's artifacts shipped to the master (0 = none: all kept on the node); ``log_files`` comma-separated globs of spider
     log files under the task dir; ``retention`` seconds a delivered task dir is kept (0 = forever);
     ``cleanup_temp_files`` deletes every delivered task dir at start. ``stall_timeout``: seconds
     without output, item or stats change before a task is stopped STALLED (0 = off).
@@ -191,6 +197,7 @@ class TaskSettings:
     run_as_user: str | None
     max_log_bytes: int
     min_free_disk_bytes: int
+    max_artifact_bytes: int
     log_files: str
     retention: float
     cleanup_temp_files: bool
@@ -524,6 +531,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("server", "request_timeout", "AGENT_SERVER_REQUEST_TIMEOUT", "seconds >= 1", 30.0,
             "Timeout of one HTTP request to the master (a long poll adds its wait on top).",
             _seconds(minimum=1.0, exclusive=False)),
+    Setting("server", "refusal_timeout", "AGENT_SERVER_REFUSAL_TIMEOUT", "seconds > 0", 600.0,
+            "How long a task's stream or result keeps retrying a 404 (unknown task), and a stream a 413 for a "
+            "single element, before giving up on it: the result then says incomplete (the spool stays on the "
+            "node), the element becomes a placeholder.", _seconds()),
+    Setting("server", "download_stall_timeout", "AGENT_SERVER_DOWNLOAD_STALL_TIMEOUT", "seconds >= 1", 30.0,
+            "A code download that receives nothing for this long is cut off and retried with backoff.",
+            _seconds(minimum=1.0, exclusive=False)),
     Setting("agent", "name", "AGENT_NAME", "string", _HOSTNAME,
             "Node name shown in the master.", _text),
     Setting("agent", "ip", "AGENT_IP", "IP address", _AUTO_IP,
@@ -548,8 +562,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("agent", "container_cpu_limit", "CONTAINER_CPU_LIMIT", 'CPU quantity ("2000m", "4", "1.5")', None,
             "CPU limit of the agent's container when cgroups do not tell; unset = detect.", _cpu_quantity),
     Setting("agent", "auto_upgrade", "AGENT_AUTO_UPGRADE", "on/off", False,
-            "When the master names a desired agent version newer than this one, drain and upgrade through "
-            "`run.sh upgrade` (verified, rolled back on failure). Needs run.sh (daemon mode).", _boolean),
+            "When the master names a desired agent version other than this one, drain and upgrade through "
+            "`run.sh upgrade` (verified, rolled back on failure; an older one through `run.sh upgrade "
+            "--downgrade`). Needs run.sh (daemon mode).", _boolean),
     Setting("heartbeat", "interval", "AGENT_HEARTBEAT_INTERVAL", "seconds >= 1", 30.0,
             "Seconds between heartbeats.", _seconds(minimum=1.0, exclusive=False)),
     Setting("task", "poll_interval", "AGENT_TASK_POLL_INTERVAL", "seconds >= 0.1", 10.0,
@@ -580,7 +595,13 @@ SETTINGS: tuple[Setting, ...] = (
             "and one marker line says how many bytes; 0 = no limit.", _integer(0)),
     Setting("task", "min_free_disk_bytes", "AGENT_TASK_MIN_FREE_DISK_BYTES", "integer >= 0 (bytes)", 512 * 1024**2,
             "Free-space floor of the work dir's filesystem: task output that would go below it is dropped "
-            "(with a marker line); 0 = no floor.", _integer(0)),
+            "(with a marker line), a task whose writes take the free space below it is stopped (DISK_FULL) and "
+            "new tasks wait until it is back; 0 = no floor.", _integer(0)),
+    Setting("task", "max_artifact_bytes", "AGENT_TASK_MAX_ARTIFACT_BYTES", "integer >= 0 (bytes)", 100 * 1024**2,
+            "Artifact budget of one task: the files it created or changed in its working copy are shipped to "
+            "the master up to this many bytes (in path order); the rest stay on the node in "
+            "`spider-data/<spider>/outputs/<task>/` for `task.retention`, and the task log says where; "
+            "0 = ship none.", _integer(0)),
     Setting("task", "log_files", "AGENT_TASK_LOG_FILES", "comma-separated globs", "*.log",
             "Spider log files under the task dir (CK_TASK_DIR) that are tailed into the task's log, each "
             "line marked `[<file>] `; a task adds globs with `params.logFiles`.", _globs),
@@ -867,14 +888,15 @@ def load_settings(
 ) -> Settings:
     """Load and validate the configuration.
 
-    ``path``: the YAML file, or None for defaults + environment only. ``env`` defaults to ``os.environ``.
+    ``path``: the YAML file, or None for defaults + environment only. ``env`` defaults to ``os.environ``
+    plus the credentials inherited in a memory file (ckagent.secretenv.agent_environ).
     ``require_token``: fail when no registration token is set (``ckagent run`` needs one).
 
     Relative paths resolve against the current directory; ``agent.ip`` may resolve the server host name
     (blocking). Raises :class:`ConfigError` on any problem, with a message naming the file position
     or the environment variable.
     """
-    environ: Mapping[str, str] = os.environ if env is None else env
+    environ: Mapping[str, str] = agent_environ() if env is None else env
     values: dict[str, Any] = {}
     config_file: Path | None = None
     if path is not None:

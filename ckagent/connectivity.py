@@ -10,12 +10,18 @@ success. Kinds, and what makes one episode of them and what ends it:
 - ``protocol`` (an answer not in the protocol's words): one episode per status and content type,
   ended by a success of each endpoint that had it (or forgotten 90 s after its last retry);
 - ``unauthorized`` (registration 401): ended by a registration that succeeds;
-- ``rejected`` (another 4xx in the protocol's words): one episode per status, ended as ``protocol``.
+- ``rejected`` (another 4xx in the protocol's words): one episode per status, ended as ``protocol``;
+- ``partial`` (one endpoint class hangs or fails while the others get answers — only ``/batches``
+  hangs mid-body, only downloads stall): one episode per class (:data:`ENDPOINT_CLASSES`: heartbeat,
+  poll, task streams, downloads), started by the second failure in a row of an endpoint whose
+  failures other calls' successes make look stale, ended by a success of that class.
 
 Stale news is ignored both ways: a success of a call sent before the latest failure (a long poll
 held by the master) ends nothing, and a failure of a call sent before the latest success (a request
-that timed out after the trouble was over) starts nothing. A refusal of a task's call (logs, items,
-result, claim, download) is that task's affair: logged, but not the node's problem on /readyz.
+that timed out after the trouble was over) starts nothing — once; twice in a row it is a partial
+outage. A refusal of a task's claim or download is that task's affair: logged, but not the node's
+problem on /readyz; a refusal of the task streams (logs, items, batches, result) is: the data waits
+on the node while it lasts.
 """
 
 from __future__ import annotations
@@ -78,8 +84,23 @@ _GLOBAL_KINDS = frozenset({"unreachable", "unavailable"})
 """Kinds any successful call ends (the master answers again); the others end with their endpoint's success."""
 DOWN_EPISODE = ("down",)
 """The one episode of transport errors, timeouts, 429 and 5xx: a master that is away, whatever the mix."""
-_NODE_ENDPOINTS = frozenset({"register", "heartbeat", "poll"})
-"""Endpoints whose refusals concern the node itself (the others concern one task): /readyz shows them."""
+TASK_DATA_ENDPOINTS = frozenset({"logs", "items", "batches", "result"})
+"""The task streams: what a refusal of them holds back is the spider's data, kept on the node."""
+_NODE_ENDPOINTS = frozenset({"register", "heartbeat", "poll"}) | TASK_DATA_ENDPOINTS
+"""Endpoints whose refusals concern the node (the others concern one task): /readyz shows them."""
+ENDPOINT_CLASSES: dict[str, str] = {
+    "register": "heartbeat", "heartbeat": "heartbeat",
+    "poll": "poll", "claim": "poll", "release": "poll",
+    "logs": "task streams", "items": "task streams", "batches": "task streams", "result": "task streams",
+    "stats": "task streams",
+    "download": "downloads", "spider_files": "downloads",
+}
+"""Endpoint → the class whose partial outage it is part of (unknown endpoints are a class of their own)."""
+
+
+def endpoint_class(endpoint: str) -> str:
+    """The class of ``endpoint`` (see :data:`ENDPOINT_CLASSES`)."""
+    return ENDPOINT_CLASSES.get(endpoint, endpoint)
 
 
 @dataclass
@@ -115,6 +136,8 @@ class Connectivity:
     _episodes: dict[tuple[Any, ...], _Episode] = field(default_factory=dict)
     _last_ok: dict[str, float] = field(default_factory=dict)
     """Per endpoint ("" for any), the send time of the latest call that succeeded."""
+    _shadowed: dict[str, int] = field(default_factory=dict)
+    """Per endpoint, failures in a row that other calls' successes made look stale (see ``partial``)."""
 
     def failed(self, trouble: Trouble, sent: float | None = None) -> None:
         """Record a failed attempt sent at trio time ``sent``; logs only when it starts an episode.
@@ -124,7 +147,19 @@ class Connectivity:
         now = trio.current_time()
         scope = "" if trouble.kind in _GLOBAL_KINDS else trouble.endpoint
         if sent is not None and sent < self._last_ok.get(scope, float("-inf")):
-            return
+            if trouble.kind not in _GLOBAL_KINDS or sent < self._last_ok.get(trouble.endpoint, float("-inf")):
+                return
+            # Others got answers since this call was sent, this endpoint none: once is old news (a
+            # request that timed out after an outage), twice in a row a partial outage of its class.
+            shadowed = self._shadowed[trouble.endpoint] = self._shadowed.get(trouble.endpoint, 0) + 1
+            if shadowed < 2:
+                return
+            cls = endpoint_class(trouble.endpoint)
+            trouble = Trouble("partial", trouble.endpoint,
+                              f"{trouble.text}, while other calls get answers (a partial outage: {cls})",
+                              ("partial", cls))
+        elif trouble.kind in _GLOBAL_KINDS:
+            self._shadowed.pop(trouble.endpoint, None)  # a failure in step with the others: not partial
         previous = self._open.get(trouble.endpoint)
         self._open[trouble.endpoint] = _Open(trouble, now)
         episode = self._episodes.get(trouble.key)
@@ -153,11 +188,19 @@ class Connectivity:
         sent = now if started is None else started
         for scope in ("", endpoint):
             self._last_ok[scope] = max(sent, self._last_ok.get(scope, float("-inf")))
+        self._shadowed.pop(endpoint, None)
         ended = []
         mine = self._open.get(endpoint)
         if mine is not None and mine.last <= sent:
             del self._open[endpoint]
             ended.append(mine.trouble.key)
+        cls = endpoint_class(endpoint)
+        for name, entry in list(self._open.items()):  # a partial outage (a refusal of the task streams)
+            class_wide = entry.trouble.kind == "partial" or (  # ends with a success of its class
+                entry.trouble.kind == "rejected" and name in TASK_DATA_ENDPOINTS)
+            if class_wide and endpoint_class(name) == cls and entry.last <= sent:
+                del self._open[name]
+                ended.append(entry.trouble.key)
         for name, entry in list(self._open.items()):
             if (entry.trouble.kind in _GLOBAL_KINDS and entry.last <= sent) or now - entry.last > STALE_TROUBLE:
                 del self._open[name]
@@ -211,6 +254,8 @@ class Connectivity:
                    f"{now - episode.started:.1f} s"
         if t.kind in _GLOBAL_KINDS:
             log.info("master reachable again %s", attempts)
+        elif t.kind == "partial":
+            log.info("master answers %s again %s", endpoint_class(t.endpoint), attempts)
         elif t.kind == "protocol":
             log.info("master answers %s in the node protocol again %s", t.endpoint, attempts)
         elif t.kind == "unauthorized":

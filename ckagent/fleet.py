@@ -7,7 +7,8 @@
   ``desiredAgentVersion`` (PEP 440). Below the minimum the agent takes no tasks — it closes the intake
   gate under "version", keeps heartbeating (with ``pausedReason``), /readyz and the log say why — and
   takes tasks again when the minimum is lowered. With ``agent.auto_upgrade`` on and a desired version
-  newer than this one, the agent starts ``run.sh upgrade VERSION`` once per process (detached, its
+  other than this one, the agent starts ``run.sh upgrade VERSION`` once per process (``run.sh upgrade
+  --downgrade VERSION`` when it is older: the master may point back to a good release) (detached, its
   output in ``logs/upgrade.log`` next to run.sh): run.sh downloads and verifies the release, stops
   this agent (SIGTERM: it drains), starts the new one and rolls back when it does not become healthy.
   run.sh tells the agent where it is (``CKAGENT_RUN_SH``); without it there is nothing to upgrade
@@ -29,6 +30,7 @@ import trio
 from ckagent import __version__
 from ckagent.intake import IntakeGate
 from ckagent.protocol import VersionPolicy
+from ckagent.secretenv import secrets_fd
 from ckagent.versions import InvalidVersion, Version
 
 log = logging.getLogger(__name__)
@@ -107,7 +109,7 @@ class VersionWatch:
                      policy.min_agent_version or "unset")
             self._gate.open("version")
         desired = self._parse("desiredAgentVersion", policy.desired_agent_version)
-        if desired is None or desired <= self._current:
+        if desired is None or desired == self._current:
             return
         if not self._auto_upgrade:
             if changed:
@@ -122,22 +124,26 @@ class VersionWatch:
                         "was not started by run.sh (%s unset): upgrade it the way it was installed",
                         desired, RUN_SH_ENV)
             return
-        self.nursery.start_soon(self._upgrade, str(desired))
+        self.nursery.start_soon(self._upgrade, str(desired), desired < self._current)
 
-    async def _upgrade(self, version: str) -> None:
-        """Run ``run.sh upgrade VERSION`` detached (its own session: it outlives this agent, which it stops)."""
+    async def _upgrade(self, version: str, downgrade: bool = False) -> None:
+        """Run ``run.sh upgrade [--downgrade] VERSION`` detached (its own session: it outlives this agent,
+        which it stops); ``--downgrade`` when the master's desired version is older than this one."""
         assert self.run_sh is not None
         log_dir = self._log_dir or Path(self.run_sh).parent / "logs"
-        log.warning("upgrading to agent version %s as the master asks: running %s upgrade %s (log: %s); "
-                    "this agent drains when run.sh stops it", version, self.run_sh, version,
-                    log_dir / "upgrade.log")
+        words = ["upgrade", *(["--downgrade"] if downgrade else []), version]
+        log.warning("%s to agent version %s as the master asks: running %s %s (log: %s); "
+                    "this agent drains when run.sh stops it", "downgrading" if downgrade else "upgrading",
+                    version, self.run_sh, " ".join(words), log_dir / "upgrade.log")
         env = {**os.environ, "AGENT_UPGRADE_AUTO": "on"}
+        fd = secrets_fd()  # the credentials travel in their memory file, never in run.sh's environment
         try:
             await trio.to_thread.run_sync(lambda: log_dir.mkdir(parents=True, exist_ok=True))
             with open(log_dir / "upgrade.log", "ab") as out:  # noqa: ASYNC230 - opening a log file is quick
                 process = await trio.lowlevel.open_process(
-                    ["bash", self.run_sh, "upgrade", version], stdin=subprocess.DEVNULL, stdout=out,
-                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                    ["bash", self.run_sh, *words], stdin=subprocess.DEVNULL, stdout=out,
+                    stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                    pass_fds=() if fd is None else (fd,))
         except OSError as exc:
             log.error("cannot start %s upgrade %s: %s", self.run_sh, version, exc)
             return

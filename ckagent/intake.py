@@ -40,6 +40,7 @@ class IntakeGate:
         self._closed: dict[str, str] = {}
         self._opened = trio.Event()
         self._opened.set()
+        self._closed_event = trio.Event()
 
     @property
     def reason(self) -> str | None:
@@ -51,16 +52,25 @@ class IntakeGate:
         self._closed[key] = reason
         if self._opened.is_set():
             self._opened = trio.Event()
+        self._closed_event.set()
 
     def open(self, key: str) -> None:
         """Withdraw cause ``key``; the gate opens when no cause is left (idempotent)."""
         self._closed.pop(key, None)
         if not self._closed:
             self._opened.set()
+            if self._closed_event.is_set():
+                self._closed_event = trio.Event()
 
     def is_closed(self, key: str) -> bool:
         """Whether cause ``key`` holds the gate closed."""
         return key in self._closed
+
+    async def wait_closed(self) -> None:
+        """Return at once when closed, else when a cause closes it (a poll in flight is then cut short:
+        what it would claim must not run here). Cancellation: as usual."""
+        while not self._closed:
+            await self._closed_event.wait()
 
     async def wait_open(self) -> None:
         """Return at once when open, else when the last cause is withdrawn. Cancellation: as usual."""

@@ -11,8 +11,13 @@ are the node's. Finished task directories are kept for a day (``task.retention``
 
 While it runs, the spider's output (``output.log``, the agent's notices included) streams to
 stdout, its items are copied to ``--items`` (JSON lines), and when stderr is a terminal one
-progress line (items, requests, elapsed) is kept at the bottom. At the end: the outcome, the
-counts, the stats and resource figures the result carries, and an exit code:
+progress line (items, requests, elapsed) is kept at the bottom. ``--args`` are appended to the
+command like a task's ``args``; ``--output-items``/``--output-artifacts`` declare the spider's
+``outputs`` (globs; without them the conventions apply). At the end the task's artifacts (the files it created or changed
+in its working copy, ckagent.outputs) are written to ``--artifacts`` (default ``./artifacts/``;
+files of the same path are replaced, others left alone), the log's ``outputs:`` line says what
+became of each file, and the summary says the outcome, the counts, the stats and resource figures
+the result carries, and an exit code:
 
 ==========  =================================================================
 exit code   outcome
@@ -31,6 +36,7 @@ spider the graceful way (CANCELLED).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -69,7 +75,8 @@ class ExecUsageError(ValueError):
 class ExecRequest:
     """What to run: ``source`` folder or zip; ``framework`` None = detected; ``command`` None = the
     framework's default; ``spider`` the spider name (scrapy's ``scrapy crawl <spider>``); ``timeout``
-    seconds (None = the agent's default, 0 = none); ``items`` the JSON lines file to write."""
+    seconds (None = the agent's default, 0 = none); ``items`` the JSON lines file to write;
+    ``artifacts`` the folder the task's artifacts are written to; ``args`` appended to the command."""
 
     source: Path
     items: Path
@@ -82,6 +89,10 @@ class ExecRequest:
     timeout: float | None = None
     stall_timeout: float | None = None
     config: Path | None = None
+    artifacts: Path = Path("artifacts")
+    args: list[str] = field(default_factory=list)
+    outputs: dict[str, list[str]] | None = None
+    """The spider's declared ``outputs`` ({items: [glob], artifacts: [glob]}); None = the conventions."""
 
 
 def detect_framework(source: Path) -> str:
@@ -299,7 +310,15 @@ async def run_exec(request: ExecRequest, out: TextIO, err: TextIO) -> int:
     if framework not in FRAMEWORKS:
         raise ExecUsageError(f"--framework {framework!r}: expected one of {', '.join(FRAMEWORKS)}")
     if framework == "scrapy" and request.command is None and request.spider is None:
-        raise ExecUsageError("a Scrapy project needs --spider NAME (what `scrapy crawl NAME` runs) or --command")
+        from ckagent.commands import scrapy_spider_names
+
+        names = await trio.to_thread.run_sync(scrapy_spider_names, source)
+        if len(names) != 1:
+            found = f"its spiders are {', '.join(names)}" if names else "no spider found in its spiders/ modules"
+            raise ExecUsageError(f"a Scrapy project with more or less than one spider needs --spider NAME (what "
+                                 f"`scrapy crawl NAME` runs) or --command; {found}")
+        request = dataclasses.replace(request, spider=names[0])
+        print(f"spider: {names[0]} (the project's only spider)", file=err)
     package = (await trio.to_thread.run_sync(zip_directory, source) if source.is_dir()
                else await trio.to_thread.run_sync(source.read_bytes))
 
@@ -356,22 +375,26 @@ async def _session(request: ExecRequest, framework: str, package: bytes, db_path
             await agent.started.wait()
         async with AdminClient(base_url, admin_token) as admin:
             spider_id = await _spider(admin, name, framework, request.command)
+            await admin.update_spider(spider_id, outputs=request.outputs)
             try:
                 await admin.upload_package(spider_id, package)
             except AdminApiError as exc:
                 refused.append(ExecUsageError(f"{source}: not a spider package the agent can take: {exc.message}"))
                 return
             task_id = await admin.create_task(spider_id, params=request.params, env=request.env,
-                                              timeout_seconds=request.timeout,
+                                              timeout_seconds=request.timeout, args=request.args,
                                               stall_timeout_seconds=request.stall_timeout)
             follower = _Follower(task_dir(settings.task.work_dir, task_id), request.items, terminal)
             task = await _follow(admin, task_id, follower, agent_done)
             stats = (await admin.get_stats(task_id))["latest"]
+            saved = await _save_artifacts(admin, task_id, request.artifacts)
         await trio.to_thread.run_sync(follower.step)
         terminal.done()
         err = terminal.err
         for line in _summary(task, stats, request.items, time.monotonic() - _STARTED):
             err.write(line + "\n")
+        if saved:
+            err.write(f"[ckagent exec] artifacts: {saved[0]} file(s), {saved[1]} bytes -> {request.artifacts}\n")
         err.flush()
         outcome.append(exit_code_of(task))
     finally:
@@ -379,6 +402,35 @@ async def _session(request: ExecRequest, framework: str, package: bytes, db_path
         with trio.CancelScope(shield=True), trio.move_on_after(30):
             await agent_done.wait()
         root.cancel_scope.cancel()
+
+
+async def _save_artifacts(admin: Any, task_id: str, folder: Path) -> tuple[int, int] | None:
+    """Write the task's artifacts (as the master holds them) under ``folder``; (files, bytes) or None
+    when there are none. A path that is not a plain relative path is skipped (never written outside)."""
+    from ckagent.protocol import ProtocolError
+    from ckagent.protocol.outputs import check_artifact_path
+
+    listed = await admin.list_artifacts(task_id)
+    if not listed:
+        return None
+    count = size = 0
+    for entry in listed:
+        try:
+            rel = check_artifact_path(entry.get("path"))
+        except ProtocolError as exc:
+            log.warning("exec: artifact skipped: %s", exc)
+            continue
+        data = await admin.get_artifact(task_id, rel)
+
+        def write(rel: str = rel, data: bytes = data) -> None:
+            target = folder / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+
+        await trio.to_thread.run_sync(write)
+        count += 1
+        size += len(data)
+    return count, size
 
 
 async def _spider(admin: Any, name: str, framework: str, command: str | None) -> str:

@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import logging
@@ -29,6 +30,7 @@ import logging.handlers
 import os
 import re
 import sys
+import urllib.parse
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
@@ -79,8 +81,30 @@ def _secret_regex(value: str) -> str:
     return escaped if len(value) >= MASK_ANYWHERE_CHARS else rf"{escaped}(?<!\w{escaped})(?!\w)"
 
 
+def secret_variants(value: str) -> list[str]:
+    """``value`` and the simple transforms of it a spider could print to slip past the masking: reversed,
+    base64 (standard and URL-safe, of the longest prefix of whole 3-byte groups, so ``echo $X | base64``
+    is caught too), hex (lower and upper case) and URL-encoded (``%XX`` and ``+`` for spaces).
+
+    Only for a value of at least :data:`MASK_ANYWHERE_CHARS` characters (a short one would mask
+    ordinary text); variants shorter than that are left out. Masking cannot catch every transform:
+    a spider that holds a secret can always encode it some other way (docs/operations.md).
+    """
+    if len(value) < MASK_ANYWHERE_CHARS:
+        return [value]
+    raw = value.encode("utf-8", "surrogatepass")
+    whole = raw[: len(raw) - len(raw) % 3]
+    variants = [value, value[::-1], base64.b64encode(whole).decode(), base64.urlsafe_b64encode(whole).decode(),
+                raw.hex(), raw.hex().upper(), urllib.parse.quote(value, safe=""), urllib.parse.quote(value),
+                urllib.parse.quote_plus(value, safe=""), urllib.parse.quote_plus(value)]
+    return list(dict.fromkeys(v for v in variants if len(v) >= MASK_ANYWHERE_CHARS))
+
+
 class Masker:
     """Replaces the given secret values with ``***`` (``bool(masker)``: any secret).
+
+    Each value is masked with its simple transforms (:func:`secret_variants`: reversed, base64, hex,
+    URL-encoded).
 
     A value of at least :data:`MASK_ANYWHERE_CHARS` characters is masked wherever it occurs; a
     shorter one only where it stands alone (not next to a letter, digit or underscore: ``token=abc``
@@ -93,8 +117,8 @@ class Masker:
 
     def __init__(self, secrets: Iterable[str], *, multiline: bool = False) -> None:
         # Longest first: where one secret holds another, the longer one is masked whole.
-        self._values = sorted({s for s in secrets if s and (multiline or ("\n" not in s and "\r" not in s))},
-                              key=len, reverse=True)
+        kept = [s for s in secrets if s and (multiline or ("\n" not in s and "\r" not in s))]
+        self._values = sorted({v for s in kept for v in secret_variants(s)}, key=len, reverse=True)
         self._bytes_values = [v.encode("utf-8", "surrogatepass") for v in self._values]
         self._patterns: dict[tuple[int, ...], tuple[re.Pattern[str], re.Pattern[bytes]]] = {}
 

@@ -11,7 +11,9 @@ classifies what came back once, into one exception tree (translated with ``raise
     │                            without the protocol's ``{"error": …}`` body — a captive portal, a
     │                            misrouted proxy or ingress; retried like an unavailable master
     ├── MasterRejected           any other 4xx (in the protocol's words): that request fails
-    │   │                        (logged); a 401 was first answered by registering again, once
+    │   │                        (logged); a 401 was first answered by registering again, once.
+    │   │                        What it means is the caller's: a task stream's batch is kept and
+    │   │                        retried (ckagent.delivery.shipper), a heartbeat is just missed
     │   └── MasterConflict       409 — a protocol conflict its caller handles (a claim lost, a
     │                            result that disagrees, a sequence gap: ``.body['expectedSeq']``)
     └── RegistrationRefused      the master refused registration for good (4xx other than 401/429)
@@ -39,9 +41,11 @@ the master's (no re-registration).
 
 from __future__ import annotations
 
+import email.utils
 import json as jsonlib
 import logging
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
@@ -49,8 +53,9 @@ import httpx
 import stamina
 import trio
 
-from ckagent.connectivity import DOWN_EPISODE, Answered, Connectivity, Trouble
+from ckagent.connectivity import DOWN_EPISODE, TASK_DATA_ENDPOINTS, Answered, Connectivity, Trouble
 from ckagent.ids import url_segment
+from ckagent.masterclock import MasterClock
 from ckagent.protocol import ProtocolError, RegisterRequest, RegisterResponse
 from ckagent.protocol._fields import req_object
 
@@ -58,6 +63,10 @@ log = logging.getLogger(__name__)
 
 URL_CACHE_SIZE = 256
 """Request URLs kept parsed (see MasterClient._url); the cache starts over when full."""
+REQUEST_DEADLINE_SLACK = 1.0
+"""Seconds beyond a request's timeout its whole exchange may take (httpx's timeout bounds each read)."""
+RETRY_AFTER_MAX = 300.0
+"""Longest ``Retry-After`` (seconds) a 429/503 answer is obeyed for; a longer one waits this long."""
 
 
 class MasterError(Exception):
@@ -65,7 +74,15 @@ class MasterError(Exception):
 
 
 class MasterUnavailable(MasterError):
-    """The master could not be reached or answered 429/5xx: worth retrying later."""
+    """The master could not be reached or answered 429/5xx: worth retrying later.
+
+    ``retry_after`` is the wait (seconds, at most RETRY_AFTER_MAX) a 429 or 503 asked for with its
+    ``Retry-After`` header, or None: the retrying caller waits at least that long (:func:`retry_wait`).
+    """
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class MasterProtocolError(MasterUnavailable):
@@ -131,6 +148,8 @@ class MasterClient:
     ) -> None:
         self._base_url = base_url.rstrip("/")
         self._urls: dict[str, httpx.URL] = {}  # see _url()
+        self.clock: MasterClock | None = None
+        """Watches the answers' Date headers (ckagent.masterclock), when the agent sets one."""
         self._token = registration_token
         self._register_body = register_body
         self._timeout = request_timeout
@@ -182,7 +201,7 @@ class MasterClient:
             if self._key_generation != generation and self.registered:
                 return RegisterResponse(node_id=self.node_id or "", api_key=self._api_key or "")
             async for attempt in stamina.retry_context(
-                on=MasterUnavailable, attempts=None, timeout=None, wait_initial=0.5, wait_max=30.0
+                on=retry_wait, attempts=None, timeout=None, wait_initial=0.5, wait_max=30.0
             ):
                 with attempt:
                     answer = await self._register_once()
@@ -231,6 +250,8 @@ class MasterClient:
         content: bytes | None = None,
         params: dict[str, Any] | None = None,
         read_timeout: float | None = None,
+        content_type: str = "application/json",
+        headers: dict[str, str] | None = None,
     ) -> Any:
         """One authenticated request; returns the decoded answer.
 
@@ -241,7 +262,8 @@ class MasterClient:
         MasterProtocolError.
 
         The body is ``json`` (encoded here) or ``content``: JSON already encoded (UTF-8 bytes), sent
-        as it is with ``Content-Type: application/json`` (a stream batch is encoded once, by its reader).
+        as it is with ``Content-Type: application/json`` (a stream batch is encoded once, by its reader),
+        or with ``content_type`` (an artifact's bytes); ``headers`` are added to the request.
 
         ``path`` may contain ``{node}``, replaced by the node id. A 401 re-registers once and
         retries. Raises MasterUnavailable (MasterProtocolError), MasterConflict, MasterRejected (see
@@ -255,11 +277,13 @@ class MasterClient:
             generation = self._key_generation
             # The API key goes to the master only: a code package on another host (object storage,
             # a CDN) gets no Authorization header.
-            headers = {"Authorization": f"Bearer {self._api_key}"} if self._same_origin(target) else {}
+            sent = dict(headers or {})
+            if self._same_origin(target):
+                sent["Authorization"] = f"Bearer {self._api_key}"
             if content is not None:
-                headers["Content-Type"] = "application/json"
+                sent["Content-Type"] = content_type
             response = await self._send(
-                endpoint, method, target, json=json, content=content, params=params, headers=headers,
+                endpoint, method, target, json=json, content=content, params=params, headers=sent,
                 read_timeout=read_timeout,
             )
             if response.status_code == 401 and not second_try and self._same_origin(target):
@@ -335,8 +359,10 @@ class MasterClient:
         error = MasterRejected(endpoint, status, body, secrets=secrets)
         detail = _redact(_error_text(response), secrets)
         again = " even after registering again" if status == 401 else ""
+        fate = ("the data stays on the node and is sent again with backoff" if endpoint in TASK_DATA_ENDPOINTS
+                else "that request fails")
         self._trouble("rejected", endpoint, ("rejected", status), _sent(response),
-                      f"master refuses {endpoint} with {status}{again} ({detail}); that request fails")
+                      f"master refuses {endpoint} with {status}{again} ({detail}); {fate}")
         raise error
 
     def _same_origin(self, target: str) -> bool:
@@ -362,7 +388,7 @@ class MasterClient:
         raised). Cancellation stops the retries.
         """
         async for attempt in stamina.retry_context(
-            on=MasterUnavailable, attempts=attempts, timeout=retry_timeout, wait_initial=0.5, wait_max=30.0
+            on=retry_wait, attempts=attempts, timeout=retry_timeout, wait_initial=0.5, wait_max=30.0
         ):
             with attempt:
                 return await self.call(endpoint, method, path, **kwargs)
@@ -439,9 +465,15 @@ class MasterClient:
         """Send one request; raises MasterUnavailable for a transport error, a timeout, 429 or 5xx
         (observed and recorded here). Any other answer is returned for the caller to classify."""
         started = trio.current_time()
+        timeout = read_timeout or self._timeout
         try:
-            response = await self._client.request(method, self._url(path), timeout=read_timeout or self._timeout,
-                                                  **kwargs)
+            # httpx bounds each read and write; this bounds the whole exchange (an answer that trickles
+            # in a byte at a time would otherwise hold its caller for ever).
+            with trio.move_on_after(timeout + REQUEST_DEADLINE_SLACK) as deadline:
+                response = await self._client.request(method, self._url(path), timeout=timeout, **kwargs)
+            if deadline.cancelled_caught:
+                self._observe(endpoint, "error", started)
+                self._unreachable(endpoint, None, started, f"no complete answer within {timeout:g} s")
         except httpx.PoolTimeout as exc:
             # httpcore #1093: after cancellations the pool can stay jammed; start a fresh one.
             self._observe(endpoint, "error", started)
@@ -458,6 +490,8 @@ class MasterClient:
             # A URL the master's data made (an id is one encoded path segment, so this is a bug or a
             # bad codePackage URL): that request fails, never the agent.
             raise MasterRejected(endpoint, 0, None, message=f"{endpoint}: not a valid URL ({exc})") from exc
+        if self.clock is not None:
+            self.clock.observe(response.headers.get("date"))
         status = response.status_code
         if status == 429 or status >= 500:
             self._unavailable(endpoint, response, started)
@@ -477,7 +511,8 @@ class MasterClient:
             self._urls[path] = url
         return url
 
-    def _unreachable(self, endpoint: str, exc: Exception, started: float, reason: str | None = None) -> NoReturn:
+    def _unreachable(self, endpoint: str, exc: Exception | None, started: float,
+                     reason: str | None = None) -> NoReturn:
         """Record and raise MasterUnavailable for a transport error or timeout."""
         if reason is None:
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
@@ -500,9 +535,11 @@ class MasterClient:
         status = response.status_code
         self._observe(endpoint, str(status), started)
         answered = Answered.of(response, response.content, self._secrets())
-        text = _redact(f"master unavailable ({endpoint}: answered {answered})", self._secrets())
+        retry_after = parse_retry_after(response.headers.get("retry-after")) if status in (429, 503) else None
+        wait = f"; it asks to wait {retry_after:g} s (Retry-After)" if retry_after else ""
+        text = _redact(f"master unavailable ({endpoint}: answered {answered}{wait})", self._secrets())
         self._trouble("unavailable", endpoint, DOWN_EPISODE, started, text)
-        raise MasterUnavailable(f"{endpoint}: master answered {status}")
+        raise MasterUnavailable(f"{endpoint}: master answered {status}", retry_after)
 
     def _trouble(self, kind: str, endpoint: str, key: tuple[Any, ...], sent: float, text: str) -> None:
         self.connectivity.failed(Trouble(kind, endpoint, text, key), sent)
@@ -517,6 +554,35 @@ class MasterClient:
             if isinstance(started, httpx.Response):
                 started = _sent(started)
             self._observer(endpoint, outcome, trio.current_time() - started)
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Seconds a ``Retry-After`` header value asks for (delta-seconds or an HTTP date), capped at
+    RETRY_AFTER_MAX; None when absent, unreadable or not in the future. ``now``: epoch seconds (tests)."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        seconds = float(value)
+    else:
+        try:
+            moment = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if moment.tzinfo is None:
+            return None
+        seconds = moment.timestamp() - (time.time() if now is None else now)
+    if seconds <= 0:
+        return None
+    return min(seconds, RETRY_AFTER_MAX)
+
+
+def retry_wait(exc: Exception) -> bool | float:
+    """stamina's retry hook for master calls: retry MasterUnavailable (MasterProtocolError too), after
+    the ``Retry-After`` the master asked for when it said one (else stamina's backoff); nothing else."""
+    if not isinstance(exc, MasterUnavailable):
+        return False
+    return exc.retry_after if exc.retry_after else True
 
 
 def json_object(obj: Any) -> dict[str, Any]:

@@ -40,6 +40,8 @@ Exported (see :data:`METRIC_NAMES`)::
     ckagent_log_lines_shipped_total, ckagent_items_shipped_total   acknowledged by the master
     ckagent_outbox_log_lines, ckagent_outbox_items     written to the spool, not yet acknowledged
     ckagent_outbox_results                             final results not yet acknowledged
+    ckagent_outbox_bytes                               their approximate spool bytes
+    ckagent_outbox_oldest_unshipped_seconds            how long the oldest of them has waited for the master
     ckagent_master_requests_total{endpoint,outcome}    outcome: ok, error (transport), protocol_error (an
                                                        answer not in the protocol's words) or the HTTP status
     ckagent_master_request_duration_seconds{endpoint}  histogram (a long poll includes its hold time)
@@ -108,7 +110,8 @@ METRIC_NAMES = frozenset({
     "ckagent_task_queue_wait_seconds", "ckagent_deps_install_duration_seconds",
     "ckagent_deps_cache_hits_total", "ckagent_deps_cache_misses_total", "ckagent_code_download_bytes_total",
     "ckagent_log_lines_shipped_total", "ckagent_items_shipped_total", "ckagent_outbox_log_lines",
-    "ckagent_outbox_items", "ckagent_outbox_results", "ckagent_master_requests_total",
+    "ckagent_outbox_items", "ckagent_outbox_results", "ckagent_outbox_bytes",
+    "ckagent_outbox_oldest_unshipped_seconds", "ckagent_master_requests_total",
     "ckagent_master_request_duration_seconds", "ckagent_containment_level", "ckagent_task_cpu_seconds",
     "ckagent_task_memory_peak_bytes", "ckagent_egress_level", "ckagent_egress_refused_total",
 })  # fmt: skip
@@ -192,6 +195,12 @@ class _LiveCollector(Collector):
                                 "Scraped items written and not yet acknowledged by the master.", value=out.items)
         yield GaugeMetricFamily("ckagent_outbox_results",
                                 "Final task results not yet acknowledged by the master.", value=out.results)
+        yield GaugeMetricFamily("ckagent_outbox_bytes",
+                                "Approximate spool bytes of the log lines and items not yet acknowledged.",
+                                value=out.bytes)
+        yield GaugeMetricFamily("ckagent_outbox_oldest_unshipped_seconds",
+                                "How long the oldest unacknowledged log line or item has waited for the master.",
+                                value=out.oldest_seconds)
 
 
 class AgentMetrics(SupervisorObserver):

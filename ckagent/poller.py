@@ -36,7 +36,8 @@ settled once its answer's tasks are admitted or given back, or when the poller e
 the poll in flight: the master's reconciliation takes its claims back).
 
 While the ``gate`` (ckagent.intake) is closed — disk below its floor, agent older than the master's minimum —
-the poller does not poll. A task the node cannot run (``can_run``: its framework's tool is missing,
+the poller does not poll; a poll in flight when it closes is cut short, and an answer that arrives
+after it closed claims nothing (what the answer claimed is given back at once). A task the node cannot run (``can_run``: its framework's tool is missing,
 ckagent.capabilities) is not claimed — the master keeps it for other nodes — and its spider is left
 out of the next polls (``excludeSpiderIds``) until :meth:`Poller.forget_unrunnable`.
 """
@@ -159,8 +160,13 @@ class Poller:
                     work.start_soon(self._report_bad_task, bad)
                 # Claims go out together; each task starts as soon as its own claim is answered. A stop
                 # does not cut them off (see the module docstring). Tasks the answer claimed start now.
+                closed = self._gate.reason if self._gate is not None else None
                 async with trio.open_nursery() as claims:
                     for task in answer.pending.tasks:
+                        if closed is not None:  # the gate closed while the answer was on its way
+                            if task.claimed and task.id not in self._supervisor.running:
+                                claims.start_soon(self._release, task.id, f"not run here: {closed}")
+                            continue
                         why = self._cannot_run(task) if self._cannot_run is not None else None
                         if task.claimed:
                             self._settle_claimed(task, why, claims, work)
@@ -270,7 +276,7 @@ class Poller:
         Raises what poll_once raises. The master has handed out nothing it loses: only a claim assigns.
         """
         excluded = self._supervisor.running_spider_ids()
-        if not excluded or not self.long_poll_wait:
+        if (not excluded or not self.long_poll_wait) and self._gate is None:
             return await self.poll_once()
         answer: PendingTasks | None = None
         error: MasterRejected | None = None
@@ -285,11 +291,22 @@ class Poller:
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(poll)
-            await self._supervisor.wait_spider_free(excluded)
+            if self._gate is not None:  # closed meanwhile (e.g. below the master's minimum): claim nothing
+                nursery.start_soon(self._cut_when_closed, nursery.cancel_scope)
+            if excluded and self.long_poll_wait:
+                await self._supervisor.wait_spider_free(excluded)
+            else:
+                await trio.sleep_forever()
             nursery.cancel_scope.cancel()
         if error is not None:
             raise error
         return answer
+
+    async def _cut_when_closed(self, scope: trio.CancelScope) -> None:
+        assert self._gate is not None
+        await self._gate.wait_closed()
+        log.info("a task poll in flight was cut short: %s", self._gate.reason)
+        scope.cancel()
 
     async def poll_once(self) -> PendingTasks:
         """One (long) poll, retried with backoff while the master is unavailable or answers something

@@ -11,7 +11,11 @@ check          what                                                        `run`
 users          task.run_as_user exists; switching users needs root; the     refuses (exit 2)
                user can execute the spiders' interpreter (deps.python)
 paths          task.work_dir, logging.file, deps.uv_cache_dir can be        refuses (exit 2)
-               created and written; deps.uv_path is an executable file
+               created and written (tried: an empty directory is made and
+               removed, since os.access says yes to root on /proc and
+               /sys); deps.uv_path is an executable file
+secrets        the config file holding a token or key is not readable or     warns (a log line)
+               writable by every user (nor writable by its group)
 ports          agent.bind/agent.ip : agent.port can be bound                refuses (exit 1, when it
                                                                             binds the port)
 =============  ==========================================================  =========================
@@ -27,13 +31,16 @@ import errno
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 from ckagent.config import Settings
 from ckagent.process import RunAs
 
-__all__ = ["Problem", "check_paths", "check_port", "check_users", "preflight"]
+__all__ = ["Problem", "check_paths", "check_port", "check_secret_file", "check_users", "preflight"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,12 @@ def _writable_dir(path: Path) -> str | None:
         return f"{probe} is not a directory"
     if not os.access(probe, os.W_OK | os.X_OK):
         return f"{probe} is not writable by this user (uid {os.geteuid()})"
+    # os.access says yes to root everywhere, also on /proc and /sys where nothing can be created:
+    # try it, as the agent will (an empty directory, removed at once).
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".ckagent-check-", dir=probe))
+    except OSError as exc:
+        return f"nothing can be created in {probe}: {exc.strerror or exc}"
     return None
 
 
@@ -127,6 +140,27 @@ def check_paths(settings: Settings) -> list[Problem]:
     return problems
 
 
+def check_secret_file(settings: Settings) -> list[Problem]:
+    """A warning when the config file holds a credential and other users may read or change it."""
+    path = settings.config_file
+    if path is None:
+        return []
+    try:
+        mode = path.stat().st_mode
+        if not mode & 0o077:
+            return []
+        data = yaml.safe_load(path.read_text(encoding="utf-8", errors="replace"))
+    except (OSError, ValueError, yaml.YAMLError):
+        return []
+    agent = data.get("agent") if isinstance(data, dict) else None
+    held = [k for k in ("registration_token", "api_key") if isinstance(agent, dict) and agent.get(k)]
+    if not held or not mode & (0o004 | 0o002 | 0o020):  # group-readable (e.g. 0640 root:ckagent) is fine
+        return []
+    return [Problem(f"{path} holds agent.{' and agent.'.join(held)} and is {'world-readable' if mode & 0o004 else 'writable by others'} "
+                    f"(mode {mode & 0o777:04o}): any user of this node can {'read' if mode & 0o004 else 'change'} it; "
+                    f"chmod 600 {path} (or pass the token as AGENT_REGISTRATION_TOKEN)", error=False)]
+
+
 def check_port(settings: Settings) -> list[Problem]:
     """The status/metrics address can be bound now (a port in use is a warning: see the module doc)."""
     from ckagent.status import StatusPortError, bind_socket
@@ -142,7 +176,7 @@ def check_port(settings: Settings) -> list[Problem]:
 
 def preflight(settings: Settings, *, port: bool = True) -> list[Problem]:
     """Every check of the module (``port`` False: without the port, which `run` checks by binding it)."""
-    problems = check_users(settings) + check_paths(settings)
+    problems = check_users(settings) + check_paths(settings) + check_secret_file(settings)
     if port:
         problems += check_port(settings)
     return problems

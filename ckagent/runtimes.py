@@ -111,12 +111,29 @@ def _python_versions(pool: ThreadPoolExecutor) -> list[str]:
     for version in pool.map(lambda path: _version_of([path, "--version"]), paths.values()):
         if version is not None:
             versions.add(version)
-    pyenv = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "versions"
-    if pyenv.is_dir():
-        for entry in pyenv.iterdir():
-            if re.fullmatch(r"3\.\d+\.\d+", entry.name) and (entry / "bin" / "python3").exists():
-                versions.add(entry.name)
+    versions.update(_pyenv_versions())
     return sorted(versions, key=_sort_key)
+
+
+def _pyenv_versions() -> list[str]:
+    """pyenv's installed Python 3 versions (``$PYENV_ROOT``, else ``~/.pyenv``). A root this user cannot
+    read (a non-root agent that inherited root's ``PYENV_ROOT``) is skipped with one warning."""
+    root = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv")
+    try:
+        if not (root / "versions").is_dir():
+            return []
+        return [entry.name for entry in (root / "versions").iterdir()
+                if re.fullmatch(r"3\.\d+\.\d+", entry.name) and (entry / "bin" / "python3").exists()]
+    except OSError as exc:
+        if str(root) not in _WARNED_PYENV:
+            _WARNED_PYENV.add(str(root))
+            log.warning("pyenv root %s cannot be read by this user (uid %d: %s): its Python versions are "
+                        "ignored; unset PYENV_ROOT or point it at a readable pyenv", root, os.geteuid(),
+                        exc.strerror or exc)
+        return []
+
+
+_WARNED_PYENV: set[str] = set()
 
 
 def _sort_key(version: str) -> tuple[int, ...]:

@@ -15,7 +15,15 @@ Exception tree::
 
     Exception
     ├── StateStoreError    the database file cannot be opened or created (the message names the path)
+    │   └── StateStoreFull a write met a full disk even after the agent's space reserve was released
+    │                      (also an sqlite3.OperationalError)
     └── sqlite3.Error      anything later propagates: a broken state db is an operator problem
+
+**A full disk** (ckagent.diskfull): a write that fails with SQLITE_FULL ("database or disk is full")
+releases the agent's space reserve (:attr:`StateStore.reserve`, when set) and is tried once more;
+failing again it raises StateStoreFull. Reads go on working on a full disk; callers of writes keep
+what they wrote in memory and try again later (the shippers, the outbox), so a full disk degrades
+the store, it never ends the agent.
 """
 
 from __future__ import annotations
@@ -25,11 +33,16 @@ import os
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
+
+from ckagent.diskfull import SpaceReserve, is_disk_full
+
+_R = TypeVar("_R")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tasks (
@@ -64,6 +77,12 @@ running task (ckagent.adoption). An agent migrates older stores up at open and r
 
 class StateStoreError(Exception):
     """The state database cannot be opened or created, or a newer agent wrote it."""
+
+
+class StateStoreFull(StateStoreError, sqlite3.OperationalError):
+    """A write failed because the disk is full, even after the space reserve was released. Nothing
+    was written; the caller keeps its data and tries again later. Also an ``sqlite3.OperationalError``
+    (what the write raised before): callers that catch sqlite3.Error keep catching it."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +138,8 @@ class StateStore:
         except (OSError, sqlite3.Error) as exc:
             raise StateStoreError(f"cannot open the state store {path}: {exc}") from exc
         self._lock = threading.Lock()
+        self.reserve: SpaceReserve | None = None
+        """Released (then the write retried) when a write meets a full disk; set by the agent."""
 
     def close(self) -> None:
         """Close the database."""
@@ -126,8 +147,28 @@ class StateStore:
             self._db.close()
 
     def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        return self._unless_full(self._exec_once, sql, args)
+
+    def _exec_once(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         with self._lock:
             return self._db.execute(sql, args).fetchall()
+
+    def _unless_full(self, write: Callable[..., _R], *args: Any) -> _R:
+        """``write(*args)``; on a full disk, release the reserve and try once more, then StateStoreFull."""
+        try:
+            return write(*args)
+        except sqlite3.OperationalError as exc:
+            if not is_disk_full(exc):
+                raise
+            if self.reserve is None or not self.reserve.release():
+                raise StateStoreFull(f"the state store {self.path} cannot be written: the disk is full") from exc
+        try:
+            return write(*args)
+        except sqlite3.OperationalError as exc:
+            if is_disk_full(exc):
+                raise StateStoreFull(f"the state store {self.path} cannot be written: the disk is full "
+                                     "(its space reserve is used up too)") from exc
+            raise
 
     def add_task(self, task_id: str, spider_id: str, task_json: dict[str, Any], task_dir: Path) -> bool:
         """Record a claimed task (idempotent). Returns True when the task is new here and has no
@@ -179,6 +220,9 @@ class StateStore:
         ``{(task_id, stream): (seq, position)}``."""
         rows = [(task_id, stream, seq, json.dumps(position, separators=(",", ":")))
                 for (task_id, stream), (seq, position) in positions.items()]
+        self._unless_full(self._save_rows, rows)
+
+    def _save_rows(self, rows: list[tuple[str, str, int, str]]) -> None:
         with self._lock, self._db:  # one transaction: BEGIN here, committed (or rolled back) by ``with``
             self._db.execute("BEGIN")
             self._db.executemany(
@@ -253,6 +297,9 @@ class StateStore:
 
     def forget(self, task_id: str) -> None:
         """Drop a task and its stream positions (after its directory was removed)."""
+        self._unless_full(self._forget, task_id)
+
+    def _forget(self, task_id: str) -> None:
         with self._lock:
             self._db.execute("BEGIN")
             try:

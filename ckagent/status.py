@@ -122,6 +122,8 @@ class AgentStatistics:
     """The containment level in force (``Containment.to_json()`` items), None before it is opened."""
     egress: tuple[tuple[str, Any], ...] | None = None
     """The egress level and node policy (``Egress.to_json()`` items), None before it is opened."""
+    warnings: tuple[str, ...] = ()
+    """Operator notices in force (ckagent.notices): spiders as root, the master's clock."""
 
 
 class StatusPortError(OSError):
@@ -405,14 +407,24 @@ class AgentStatus:
             "heartbeatAgeSeconds": round(self.heartbeat_age(stats), 3),
             "containment": dict(stats.containment) if stats.containment is not None else None,
             "egress": dict(stats.egress) if stats.egress is not None else None,
+            "warnings": list(stats.warnings),
             "maxWorkers": stats.max_workers,
             "freeSlots": stats.free_slots,
             "runningTasks": sorted(tasks, key=lambda t: str(t["since"])),
             "outbox": {"logLines": outbox.log_lines, "items": outbox.items, "results": outbox.results,
-                       "tasks": outbox.tasks},
+                       "tasks": outbox.tasks, "bytes": outbox.bytes,
+                       "oldestSeconds": round(outbox.oldest_seconds, 1),
+                       "backlog": [{"taskId": b.task_id, "logLines": b.log_lines, "items": b.items,
+                                    "bytes": b.bytes, "ageSeconds": round(b.age_seconds, 1)}
+                                   for b in outbox.backlog[:BACKLOG_SHOWN]]},
+            "masterProblem": stats.master_problem,
             "versions": {"agent": __version__, "python": platform.python_version(),
                          "runtimes": dict(stats.runtimes)},
         }
+
+
+BACKLOG_SHOWN = 50
+"""Most tasks /status lists in ``outbox.backlog`` (the longest waits first)."""
 
 
 def _iso(epoch: float | None) -> str | None:

@@ -10,6 +10,8 @@ path                          answer
 ``/tasks/<id>/tail?from=N``   server-sent events: the task's log lines from byte N of output.log
                               on, as they are written (``event: end`` when the task is over)
 ``/tasks/<id>/log.txt``       the last TAIL_TXT_LINES lines of the task's log as plain text
+``/tasks/<id>/artifacts/<p>`` one artifact of the task still on this node (listed in its manifest,
+                              linked from the recent tasks; ckagent.outputs), as a download
 ============================  ==================================================================
 
 Read-only, no framework, no build step: the tables are plain HTML (readable without JavaScript);
@@ -32,7 +34,7 @@ from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, quote, unquote
 
 import trio
 
@@ -40,6 +42,7 @@ from ckagent.crawlstats import summary
 from ckagent.delivery import OUTPUT_LOG, LineSplitter, Masker, decode_lines, secret_values
 from ckagent.delivery.spool import read_spool
 from ckagent.ids import task_dir as task_dir_of
+from ckagent.outputs import artifact_file
 from ckagent.protocol import Task
 
 if TYPE_CHECKING:
@@ -65,7 +68,7 @@ REFRESH_SECONDS = 5.0
 MAX_TAIL_SECONDS = 3600.0
 """A live tail ends after this long (the browser reconnects)."""
 
-_TASK_PATH = re.compile(r"^/tasks/([A-Za-z0-9._:-]{1,200})/(tail|log\.txt)$")
+_TASK_PATH = re.compile(r"^/tasks/([A-Za-z0-9._:-]{1,200})/(tail|log\.txt|artifacts/.{1,1024})$")
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -73,6 +76,15 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 
 def _e(value: Any) -> str:
     return html.escape("" if value is None else str(value), quote=True)
+
+
+def _backlog_text(outbox: dict[str, Any]) -> str:
+    """The node row of what waits for the master: lines, items, bytes, the oldest wait."""
+    lines, items = outbox.get("logLines", 0), outbox.get("items", 0)
+    if not lines and not items:
+        return "nothing"
+    return (f"{lines} log lines, {items} items (≈ {_size(outbox.get('bytes'))}), the oldest for "
+            f"{outbox.get('oldestSeconds', 0):.1f} s")
 
 
 def _size(n: Any) -> str:
@@ -110,7 +122,9 @@ def resource_text(figures: dict[str, Any] | None) -> str:
 
 def _masker(task_json: dict[str, Any] | None, agent_secrets: tuple[str, ...]) -> Masker:
     env = (task_json or {}).get("env") or {}
-    return Masker(secret_values({str(k): str(v) for k, v in env.items()}, agent_secrets))
+    command = (task_json or {}).get("command") or []
+    words = [*(command.split() if isinstance(command, str) else command), *((task_json or {}).get("args") or [])]
+    return Masker(secret_values({str(k): str(v) for k, v in env.items()}, agent_secrets, [str(w) for w in words]))
 
 
 def last_lines(path: Path, masker: Masker, count: int, *, unfinished: bool = False) -> tuple[list[str], int]:
@@ -166,6 +180,14 @@ class StatusPage:
             await _respond(send, scope, 404, "text/plain; charset=utf-8", b"no such task on this node\n")
             return
         task_dir, masker = found
+        if what.startswith("artifacts/"):
+            rel = unquote(what[len("artifacts/"):])
+            data = await trio.to_thread.run_sync(_artifact_bytes, task_dir, rel)
+            if data is None:
+                await _respond(send, scope, 404, "text/plain; charset=utf-8", b"no such artifact on this node\n")
+            else:
+                await _respond(send, scope, 200, "application/octet-stream", data)
+            return
         if what == "log.txt":
             lines, _ = await trio.to_thread.run_sync(
                 partial(last_lines, unfinished=True), task_dir / OUTPUT_LOG, masker, TAIL_TXT_LINES)
@@ -324,7 +346,8 @@ class StatusPage:
                 f"<td class=n>{_e(result.get('itemCount', '—'))}</td><td class=n>{_e(result.get('logLines', '—'))}</td>"
                 f"<td>{_e(resource_text(result))}</td>"
                 f"<td>{'delivered' if record.result_acked else 'sending'}</td>"
-                f"<td><a href=\"/tasks/{_e(record.task_id)}/log.txt\">log</a></td></tr>")
+                f"<td><a href=\"/tasks/{_e(record.task_id)}/log.txt\">log</a>"
+                f"{_artifact_links(record.task_id, result.get('artifacts'))}</td></tr>")
         versions = status.get("versions", {})
         node_rows = [
             ("name", status.get("name")), ("node id", status.get("nodeId") or "— (not registered)"),
@@ -333,7 +356,10 @@ class StatusPage:
             ("containment", containment),
             ("slots", f"{status.get('freeSlots')} free of {status.get('maxWorkers')}"),
             ("free disk (work dir)", _size(free_disk)),
-            ("master", "reachable" if status.get("masterUp") else "unreachable"),
+            ("master", ("reachable" if status.get("masterUp") else "unreachable")
+             + (f"; {status['masterProblem']}" if status.get("masterProblem") else "")),
+            ("waiting for the master", _backlog_text(status.get("outbox") or {})),
+            *(("warning", text) for text in status.get("warnings") or ()),
         ]
         parts = [_HEAD.replace("{title}", _e(f"ckagent · {status.get('name')}"))]
         parts.append(f"<h1>ckagent · {_e(status.get('name'))}</h1>")
@@ -349,6 +375,14 @@ class StatusPage:
         else:
             parts.append("<p>none</p>")
         parts.append("</div>")
+        backlog = (status.get("outbox") or {}).get("backlog") or []
+        if backlog:  # each task's data the master has not taken yet, the longest wait first
+            parts.append(f"<div data-live=backlog><h2>Waiting for the master ({len(backlog)})</h2><table>"
+                         "<tr><th>task</th><th>log lines</th><th>items</th><th>≈ bytes</th><th>waiting</th></tr>"
+                         + "".join(f"<tr><td><code>{_e(b['taskId'])}</code></td><td class=n>{b['logLines']}</td>"
+                                   f"<td class=n>{b['items']}</td><td class=n>{_size(b['bytes'])}</td>"
+                                   f"<td class=n>{b['ageSeconds']:.1f} s</td></tr>" for b in backlog)
+                         + "</table></div>")
         for task_id, name, lines, offset in tails:
             parts.append(f"<h3>Log of {_e(name)} <code>{_e(task_id)}</code> (live)</h3>"
                          f"<pre class=tail data-tail=\"/tasks/{_e(task_id)}/tail?from={offset}\">"
@@ -363,6 +397,29 @@ class StatusPage:
         parts.append("</div>" + _SCRIPT.replace("REFRESH_MS", str(int(REFRESH_SECONDS * 1000)))
                      + "</body></html>\n")
         return "".join(parts)
+
+
+MAX_ARTIFACT_LINKS = 20
+"""Artifacts linked per recent task (the rest are counted)."""
+
+
+def _artifact_links(task_id: str, artifacts: Any) -> str:
+    """`` · artifacts: a.json, images/1.jpg, … (+N)`` links of a result's ``artifacts`` (none: "")."""
+    if not isinstance(artifacts, list) or not artifacts:
+        return ""
+    paths = [str(a.get("path")) for a in artifacts if isinstance(a, dict) and a.get("path")]
+    links = [f"<a href=\"/tasks/{_e(task_id)}/artifacts/{_e(quote(p))}\">{_e(p)}</a>" for p in paths[:MAX_ARTIFACT_LINKS]]
+    more = f" (+{len(paths) - MAX_ARTIFACT_LINKS})" if len(paths) > MAX_ARTIFACT_LINKS else ""
+    return " · artifacts: " + ", ".join(links) + more
+
+
+def _artifact_bytes(task_dir: Path, rel: str) -> bytes | None:
+    """An artifact's bytes from this node (None: not in the manifest or gone). Blocking."""
+    path = artifact_file(task_dir, rel)
+    try:
+        return None if path is None else path.read_bytes()
+    except OSError:
+        return None
 
 
 async def _respond(send: Send, scope: dict[str, Any], status: int, ctype: str, body: bytes) -> None:

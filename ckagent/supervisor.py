@@ -23,6 +23,7 @@ install failed        FAILED      DEPS_FAILED   the installer's last whole lines
 not startable         FAILED      EXIT_NONZERO  what could not be started (exitCode null)
 OOM kill in the task  FAILED      OOM_KILLED    the limit and the peak (cgroup levels)
 no jail / agent bug   FAILED      AGENT_ERROR   what failed (errno text and path kept)
+filled the disk       FAILED      DISK_FULL     how fast it wrote, the free space and the floor
 ====================  ==========  ============  =================================
 
 Setup failures are the TaskErrors of ckagent.errors (DeployError, DepsError, JailError, SpawnError),
@@ -49,6 +50,7 @@ slot is free at once, so a master outage never holds worker slots.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import shlex
@@ -92,10 +94,11 @@ from ckagent.ids import task_dir as task_dir_of
 from ckagent.logs import Masker
 from ckagent.master import MasterClient, MasterError, json_object
 from ckagent.monitor import Monitored, spawn_monitored, supervise
+from ckagent.outputs import collect, kept_dir
 from ckagent.process import MARKER_VAR, ProcessOutcome, RunAs, clock, sweep
-from ckagent.protocol import TIMEOUT_MESSAGE, Task, TaskResult, utc_iso
+from ckagent.protocol import ARTIFACTS, TIMEOUT_MESSAGE, Task, TaskResult, utc_iso
 from ckagent.scrapyhook import scrapy_hook
-from ckagent.state import AsyncStateStore
+from ckagent.state import AsyncStateStore, StateStoreError
 from ckagent.tails import TailBuffer, last_lines
 from ckagent.workcopy import make_working_copy, remove_tree, spider_dirs
 from ckagent.workspace import Workspaces
@@ -138,6 +141,8 @@ class RunningTask:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     """Seconds spent per phase so far: ``deploy``, ``install``, ``run`` (the result's deployMs/installMs/runMs)."""
     stalled: bool = False
+    disk_full: bool = False
+    """Stopped because it filled the work dir's disk (ckagent.delivery.diskwatch): FAILED DISK_FULL."""
     delivery: Any = None
     """The task's ``ckagent.delivery.TaskDelivery`` once opened (live stats: ``delivery.stats.latest``)."""
     jail: TaskJail | None = None
@@ -176,6 +181,8 @@ class RunnerConfig:
     """Limits of a task that names none (``task.memory_limit_bytes`` ...)."""
     egress: Egress | None = None
     """The node's egress level and policy (None = no network policy)."""
+    max_artifact_bytes: int = 100 * 1024**2
+    """Most bytes of a task's artifacts shipped to the master (``task.max_artifact_bytes``); over it, kept."""
 
 
 TaskObserver = Callable[[RunningTask, TaskResult], None]
@@ -314,6 +321,14 @@ class Supervisor:
             log.info("task %s: stopping (%s)", task_id, reason)
             return True
         return False
+
+    def stop_disk_full(self, task_id: str, reason: str) -> None:
+        """Stop a task that fills the work dir's disk: it ends FAILED DISK_FULL with ``reason`` (also
+        when it dies of the full disk on its own before the stop reaches it)."""
+        rt = self.running.get(task_id)
+        if rt is not None:
+            rt.disk_full = True
+            rt.request_stop(reason)
 
     def cancel_all(self, reason: str) -> None:
         """Stop every task (agent terminating)."""
@@ -472,7 +487,7 @@ class Supervisor:
                 async with trio.open_nursery() as opening:
                     opening.start_soon(open_jail)
                     held.push_async_callback(_remove_shielded, work, rt)
-                    code_dir, argv, how, copied = await self._deploy(task, work, held)
+                    code_dir, argv, how, copied = await self._deploy(task, work, held, notice)
             finally:
                 rt.phase_seconds["deploy"] = trio.current_time() - phase_started
             [jail] = jails
@@ -503,10 +518,12 @@ class Supervisor:
         if rt.egress is not None and self.config.egress is not None:
             outcome.egress_refused = await trio.to_thread.run_sync(self.config.egress.refusals, rt.egress)
             report_refusals(task.id, outcome.egress_refused, notice)
+        if rt.started_at is not None and not rt.handed_over:  # its files → items, artifacts or kept ones
+            await self.collect_outputs(rt, task_dir, work, code_dir, notice)
         return outcome
 
-    async def _deploy(self, task: Task, work: Path,
-                      held: contextlib.AsyncExitStack) -> tuple[Path, list[str], str | None, str]:
+    async def _deploy(self, task: Task, work: Path, held: contextlib.AsyncExitStack,
+                      notice: Callable[[str], None] | None = None) -> tuple[Path, list[str], str | None, str]:
         """The task's code version (deployed or found), its command and its working copy: ``(code dir,
         argv, how the command was chosen, what was copied)``. Raises DeployError (a file system error
         included, with its errno text and path)."""
@@ -522,9 +539,10 @@ class Supervisor:
                 held.callback(self._workspaces.release, code_dir)
                 return code_dir, argv, how, copied
             if task.code_package is not None:
-                code_dir = await self._workspaces.deploy_package(task.spider_id, task.code_version, task.code_package)
+                code_dir = await self._workspaces.deploy_package(task.spider_id, task.code_version, task.code_package,
+                                                                  notice)
             else:
-                code_dir = await self._workspaces.deploy_files(task.spider_id)
+                code_dir = await self._workspaces.deploy_files(task.spider_id, notice)
             self._workspaces.acquire(code_dir)
             held.callback(self._workspaces.release, code_dir)
             # One thread hop for the command and the working copy.
@@ -544,6 +562,31 @@ class Supervisor:
                 egress.detach(rt.egress, egress.refusals(rt.egress))
 
         return detach
+    async def collect_outputs(self, rt: RunningTask, task_dir: Path, work: Path, version_dir: Path | None,
+                              notice: Callable[[str], None]) -> None:
+        """What the task wrote in its working copy → items, artifacts or kept on the node (ckagent.outputs),
+        before the copy is removed; one ``outputs:`` line in the task log says what became of each file.
+        ``version_dir`` None: the task's code version (what the copy was made of) is not known — a
+        re-adopted task of a version gone meanwhile: the line says so. Never raises for the files."""
+        task = rt.task
+        if version_dir is None and task.code_package is not None:
+            version_dir = await trio.to_thread.run_sync(
+                self._workspaces.reuse_package, task.spider_id, task.code_version, task.code_package)
+        if version_dir is None:
+            notice("outputs: the task's code version is not on this node any more, so the files it wrote "
+                   "cannot be told from its code; they are removed with the working copy")
+            return
+        keep = kept_dir(self.config.work_dir, safe_name(task.spider_id), safe_name(task.id))
+        try:
+            collected = await trio.to_thread.run_sync(functools.partial(
+                collect, work=work, code_dir=version_dir, since=rt.started_at or 0.0, task_dir=task_dir,
+                outputs=task.outputs, budget_bytes=self.config.max_artifact_bytes,
+                master_takes_artifacts=ARTIFACTS in self._master.features, keep_dir=keep))
+        except OSError as exc:
+            notice(f"outputs: cannot collect the task's files ({exc.strerror or exc}); they are removed with "
+                   "the working copy")
+            return
+        notice(collected.line())
 
     def _reuse_and_copy(self, task: Task, work: Path) -> tuple[Path, tuple[list[str], str | None], str] | None:
         """For a package deployed before: its version dir (touched: pruning keeps the newest), the
@@ -654,7 +697,7 @@ class Supervisor:
         stall = self.config.stall_timeout if task.stall_timeout_seconds is None else task.stall_timeout_seconds
         rt.phase = "running"
         rt.started_at = time.time()
-        notice(f"running {shlex.join(argv)} (timeout {f'{timeout:g} s' if timeout else 'none'})")
+        notice(f"running {shown_argv(argv, task)} (timeout {f'{timeout:g} s' if timeout else 'none'})")
 
         def on_stall(idle: float) -> None:
             if rt.request_stop(f"stalled: no output, items or stats for {idle:.0f} s (stall timeout {stall:g} s)"):
@@ -675,7 +718,10 @@ class Supervisor:
         rt.pid = mon.pid
         if stall and rt.delivery is not None:
             rt.delivery.watch_stall(stall, on_stall)
-        await self._store.set_process(task.id, mon.pid, mon.pid, mon.handle.to_json())
+        try:
+            await self._store.set_process(task.id, mon.pid, mon.pid, mon.handle.to_json())
+        except StateStoreError as exc:  # a full disk: the task runs on, unrecorded (a crash: AGENT_LOST)
+            log.error("task %s: cannot record its process: %s", task.id, exc)
         return await self.finish_run(rt, mon, jail, sink, notice, timeout)
 
     async def finish_run(self, rt: RunningTask, mon: Monitored, jail: TaskJail, sink: LogSink,
@@ -710,6 +756,9 @@ class Supervisor:
         if outcome.timed_out:
             notice(_ended_by_agent(f"timed out after {timeout:g} s", outcome) + "; task FAILED (TIMEOUT)")
             return TaskOutcome("FAILED", "TIMEOUT", TIMEOUT_MESSAGE, outcome.returncode)
+        if rt.disk_full and (outcome.stopped or outcome.returncode != 0):
+            notice(_ended_by_agent(rt.stop_reason or "disk full", outcome) + "; task FAILED (DISK_FULL)")
+            return TaskOutcome("FAILED", "DISK_FULL", rt.stop_reason, outcome.returncode)
         if outcome.stopped and rt.stalled:
             notice(_ended_by_agent(rt.stop_reason or "stalled", outcome) + "; task FAILED (STALLED)")
             return TaskOutcome("FAILED", "STALLED", rt.stop_reason, outcome.returncode)
@@ -838,7 +887,20 @@ def _bounded(text: str, max_chars: int) -> str:
 
 
 def _secret_values(task: Task, agent_secrets: tuple[str, ...]) -> list[str]:
-    return list(secret_values(task.env, agent_secrets))
+    return list(secret_values(task.env, agent_secrets, task_words(task)))
+
+
+def task_words(task: Task) -> list[str]:
+    """The words of a task's command line that came from the task (``command``, then ``args``)."""
+    return [*(task.command or ()), *task.args]
+
+
+def shown_argv(argv: list[str], task: Task) -> str:
+    """The command line for the ``running`` line: the program and the agent's own words; every word
+    the task supplied (its ``args``, its ``command`` after the program) is ``***`` — a task's
+    arguments may hold secrets and are never shown (docs/protocol.md, "Environment")."""
+    from_task = set(task.args) | set((task.command or [])[1:])
+    return shlex.join(argv[:1] + ["***" if word in from_task else word for word in argv[1:]])
 
 
 def _output_tail(path: Path, size: int = 16384) -> bytes:

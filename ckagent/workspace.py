@@ -44,6 +44,7 @@ import tempfile
 import zipfile
 import zlib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
@@ -53,7 +54,7 @@ import trio
 
 from ckagent.errors import DeployError
 from ckagent.ids import api_path, safe_name
-from ckagent.master import MasterClient, MasterError, MasterUnavailable
+from ckagent.master import MasterClient, MasterError, MasterUnavailable, retry_wait
 from ckagent.protocol import CodePackage, SpiderFile
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,12 @@ RUNS = ".runs"
 _RATIO_FLOOR_BYTES = 1 << 20
 _WRITE_CHUNK_BYTES = 1 << 20
 _DOWNLOAD_ATTEMPTS = 5
+Notice = Callable[[str], None]
+"""Writes one line into the task's log (the supervisor's notice)."""
+DOWNLOAD_STALL_TIMEOUT = 30.0
+"""Seconds a code download may receive nothing before it is cut off and retried (server.download_stall_timeout)."""
+DOWNLOAD_RETRY_TIMEOUT = 900.0
+"""Seconds a code download is retried (with backoff) before the deploy fails."""
 
 
 @dataclass(frozen=True)
@@ -318,10 +325,18 @@ class Workspaces:
     One deploy per spider at a time is guaranteed by the caller (the per-spider lock). Creating
     the object creates ``root/.staging`` and empties it (temp dirs a crash left behind).
     ``downloads``/``downloaded_bytes`` count what came from the master (metrics, tests).
+    A download that receives nothing for ``stall_timeout`` seconds (server.download_stall_timeout),
+    or fails as an unavailable master, is retried from the start with backoff for up to
+    ``retry_timeout`` seconds (the task's own deadline, a cancel scope around the deploy, may end
+    it sooner); each retry is said in the task's log (``notice``).
     """
 
-    def __init__(self, root: Path, master: MasterClient, limits: Limits | None = None) -> None:
+    def __init__(self, root: Path, master: MasterClient, limits: Limits | None = None, *,
+                 stall_timeout: float = DOWNLOAD_STALL_TIMEOUT,
+                 retry_timeout: float = DOWNLOAD_RETRY_TIMEOUT) -> None:
         self.root = root
+        self.stall_timeout = stall_timeout
+        self.retry_timeout = retry_timeout
         self.staging = root / STAGING
         self.runs = root / RUNS
         self._master = master
@@ -355,7 +370,8 @@ class Workspaces:
         final = self.spider_dir(spider_id) / safe_name(version or package.sha256[:12])
         return final if _reuse(final) else None
 
-    async def deploy_package(self, spider_id: str, version: str | None, package: CodePackage) -> Path:
+    async def deploy_package(self, spider_id: str, version: str | None, package: CodePackage,
+                             notice: Notice | None = None) -> Path:
         """Download, verify and extract a code package; returns the version dir (reused if present).
 
         Raises DeployError. Cancellation stops the download; the temp dir is removed.
@@ -371,7 +387,7 @@ class Workspaces:
         tmp = Path(await trio.to_thread.run_sync(lambda: tempfile.mkdtemp(prefix="pkg-", dir=self.staging)))
         try:
             zip_path = tmp / "package.zip"
-            await self._download(package.url, zip_path, package.size_bytes, package.sha256, "package")
+            await self._download(package.url, zip_path, package.size_bytes, package.sha256, "package", notice)
             code = tmp / "code"
             await trio.to_thread.run_sync(code.mkdir)
             files = await trio.to_thread.run_sync(extract_zip, zip_path, code, self.limits)
@@ -383,7 +399,7 @@ class Workspaces:
         await trio.to_thread.run_sync(self._prune, spider_dir)
         return final
 
-    async def deploy_files(self, spider_id: str) -> Path:
+    async def deploy_files(self, spider_id: str, notice: Notice | None = None) -> Path:
         """Sync the spider-files list into a version dir named by the listing's hash; returns it.
 
         A file whose path and sha256 match the newest existing version is copied from it, not
@@ -431,7 +447,8 @@ class Workspaces:
                     continue
                 await trio.to_thread.run_sync(_make_parent, target)
                 await self._download(
-                    api_path("/api/spider-files/{file}", file=f.id), target, f.size_bytes, f.sha256, f"entry {f.path!r}"
+                    api_path("/api/spider-files/{file}", file=f.id), target, f.size_bytes, f.sha256, f"entry {f.path!r}",
+                    notice,
                 )
             await trio.to_thread.run_sync(_move_into_place, code, final)
             log.info("spider %s: synced %d files into %s (%d unchanged, copied)",
@@ -442,19 +459,28 @@ class Workspaces:
         await trio.to_thread.run_sync(self._prune, spider_dir)
         return final
 
-    async def _download(self, url: str, dest: Path, size: int, sha256: str, entry: str) -> None:
-        """Stream ``url`` into ``dest`` (capped at the announced size and the package limit), check sha256."""
+    async def _download(self, url: str, dest: Path, size: int, sha256: str, entry: str,
+                        notice: Notice | None = None) -> None:
+        """Stream ``url`` into ``dest`` (capped at the announced size and the package limit), check sha256.
+        Retried as the class docstring says; raises DeployError."""
         cap = min(size, self.limits.max_package_bytes) if size > 0 else self.limits.max_package_bytes
         out = await trio.to_thread.run_sync(_HashingFile, dest, cap, entry)
+        failed: list[str] = []
         try:
             try:
                 async for attempt in stamina.retry_context(
-                    on=MasterUnavailable, attempts=_DOWNLOAD_ATTEMPTS, wait_initial=0.5, wait_max=10.0
+                    on=retry_wait, attempts=None, timeout=self.retry_timeout, wait_initial=1.0, wait_max=30.0
                 ):
                     with attempt:
+                        if failed and notice is not None:
+                            notice(f"{entry}: download attempt {attempt.num} after {failed[-1]}")
                         if out.size:
                             await trio.to_thread.run_sync(out.reset)
-                        await self._master.download("download", url, out.write, read_timeout=300)
+                        try:
+                            await self._master.download("download", url, out.write, read_timeout=self.stall_timeout)
+                        except MasterUnavailable as exc:
+                            failed.append(f"{_mib(out.size)} of {_mib(size)} received: {exc}")
+                            raise
                         await out.flush()
             except MasterError as exc:
                 raise DeployError(f"{entry}: download failed: {exc}") from exc
@@ -477,6 +503,10 @@ class Workspaces:
             if old not in self._in_use:
                 log.info("pruning old code version %s", old)
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def _mib(size: int) -> str:
+    return f"{size / 1024**2:.1f} MiB"
 
 
 def _versions(spider_dir: Path) -> list[Path]:

@@ -28,6 +28,15 @@ Modes (:data:`MODES`), one per answer class of the master boundary (ckagent/mast
     drop         the connection is closed without an answer, before forwarding
     drop_answer  forwarded (the master acts on it), then closed without the answer
     delay        forwarded after a random pause of 0.05-0.8 s
+    404_json     404 {"error": "task not found"}: the protocol's "unknown task" (a master restarting)
+    404_spring   404 in Spring Boot's shape {"timestamp", "status": 404, "error": "Not Found", "path"}
+    413          413 {"error": "request entity too large"}
+    slow         forwarded after ``slow_seconds`` (a master that takes its time to answer)
+    hang_body    forwarded; the answer's head and the first half of its body are sent, then nothing
+                 until the client gives up (at most HOLD_LIMIT)
+    429_retry    429 {"error": …} with ``Retry-After: <retry_after>``
+
+``batches`` in the calls of :meth:`FaultProxy.set` names node batches alone (they also count as logs).
 """
 
 from __future__ import annotations
@@ -44,9 +53,10 @@ from typing import Any
 import trio
 
 MODES = ("pass", "html", "truncated", "wrong_shape", "429", "503", "500", "502", "401", "403", "404_html",
-         "reset", "timeout", "drop", "drop_answer", "delay")
-CALLS = frozenset({"register", "heartbeat", "poll", "claim", "result", "logs", "items", "download",
-                   "spider_files", "other"})
+         "reset", "timeout", "drop", "drop_answer", "delay", "404_json", "404_spring", "413", "slow", "hang_body",
+         "429_retry")
+CALLS = frozenset({"register", "heartbeat", "poll", "claim", "result", "logs", "items", "artifact", "download",
+                   "spider_files", "other", "batches"})
 """Every call :func:`call_of` can name."""
 
 PORTAL_PAGE = (b"<!DOCTYPE html><html><head><title>Sign in to the network</title></head>"
@@ -67,7 +77,7 @@ class Request:
 
 def call_of(method: str, path: str, payload: Any) -> str:
     """The node call a request is: register, heartbeat, poll, claim (result RUNNING), result, logs,
-    items, download (a code package), spider_files, or other. A node batch (several tasks' log and
+    items, artifact (an artifact's upload), download (a code package), spider_files, or other. A node batch (several tasks' log and
     item batches in one request) counts as logs."""
     parts = path.strip("/").split("/")
     if path == "/api/nodes/register":
@@ -83,6 +93,8 @@ def call_of(method: str, path: str, payload: Any) -> str:
             return "claim" if isinstance(payload, dict) and payload.get("status") == "RUNNING" else "result"
         if parts[3] in ("logs", "items"):
             return parts[3]
+    if parts[:2] == ["api", "tasks"] and len(parts) >= 5 and parts[3] == "artifacts" and method == "PUT":
+        return "artifact"
     if parts[:2] == ["api", "packages"]:
         return "download"
     if parts[:2] == ["api", "spider-files"]:
@@ -102,6 +114,8 @@ class FaultProxy:
         self.faults: Counter[str] = Counter()
         self.attempts: dict[tuple[str, Any], list[float]] = defaultdict(list)
         self.seen: list[tuple[float, str, str]] = []
+        self.slow_seconds = 10.0
+        self.retry_after = 1
 
     def set(self, mode: str, calls: Iterable[str] = CALLS) -> None:
         """Answer every request of ``calls`` with ``mode`` from now on."""
@@ -127,7 +141,7 @@ class FaultProxy:
         await trio.serve_listeners(self._handle, listeners)
 
     def _choose(self, request: Request) -> str:
-        if request.call in self.calls:
+        if request.call in self.calls or ("batches" in self.calls and request.path.endswith("/batches")):
             return self.mode
         if self.chooser is not None:
             return self.chooser(request)
@@ -154,11 +168,11 @@ class FaultProxy:
             self.seen.append((now, request.call, mode))
             self.faults[mode] += 1
             try:
-                await self._answer(client, mode, head, body)
+                await self._answer(client, mode, head, body, path)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 return  # the client gave up first
 
-    async def _answer(self, client: trio.SocketStream, mode: str, head: bytes, body: bytes) -> None:
+    async def _answer(self, client: trio.SocketStream, mode: str, head: bytes, body: bytes, path: str = "") -> None:
         if mode in ("drop",):
             return
         if mode == "reset":
@@ -179,19 +193,36 @@ class FaultProxy:
             "401": (401, "Unauthorized", "application/json", b'{"error": "the proxy wants credentials"}'),
             "403": (403, "Forbidden", "application/json", b'{"error": "blocked by the proxy"}'),
             "404_html": (404, "Not Found", "text/html", b"<html><body><h1>404 Not Found</h1>nginx</body></html>"),
+            "404_json": (404, "Not Found", "application/json", b'{"error": "task not found"}'),
+            "404_spring": (404, "Not Found", "application/json", json.dumps(
+                {"timestamp": "2026-12-01T21:00:00.000+00:00", "status": 404, "error": "Not Found",
+                 "path": path}).encode()),
+            "413": (413, "Payload Too Large", "application/json", b'{"error": "request entity too large"}'),
+            "429_retry": (429, "Too Many Requests", "application/json", b'{"error": "slow down"}'),
         }.get(mode)
         if own is not None:
             status, reason, ctype, content = own
             extra = f"Content-Type: {ctype}\r\n" if ctype else ""
             if mode == "429":
                 extra += "Retry-After: 1\r\n"
+            if mode == "429_retry":
+                extra += f"Retry-After: {self.retry_after}\r\n"
             await client.send_all(f"HTTP/1.1 {status} {reason}\r\n{extra}Content-Length: {len(content)}\r\n"
                                   f"Connection: close\r\n\r\n".encode() + content)
             return
         if mode == "delay":
             await trio.sleep(random.uniform(0.05, 0.8))
+        if mode == "slow":
+            await trio.sleep(self.slow_seconds)
         answer = await self._forward(head, body)
         if mode == "drop_answer":
+            return
+        if mode == "hang_body":
+            top, _, rest = answer.partition(b"\r\n\r\n")
+            await client.send_all(top + b"\r\n\r\n" + rest[: max(1, len(rest) // 2)])
+            with trio.move_on_after(HOLD_LIMIT):
+                while await client.receive_some(65536):  # until the client closes its side
+                    pass
             return
         if mode == "truncated":
             answer = _truncate(answer)

@@ -123,7 +123,8 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
     ca = write(tmp_path, "pem", "ca.pem")
     values = {
         "AGENT_SERVER_URL": "http://10.1.2.3:81", "AGENT_SERVER_CA_FILE": str(ca),
-        "AGENT_SERVER_REQUEST_TIMEOUT": "5", "AGENT_NAME": "n1", "AGENT_IP": "10.9.8.7", "AGENT_PORT": "1",
+        "AGENT_SERVER_REQUEST_TIMEOUT": "5", "AGENT_SERVER_REFUSAL_TIMEOUT": "6",
+        "AGENT_SERVER_DOWNLOAD_STALL_TIMEOUT": "7", "AGENT_NAME": "n1", "AGENT_IP": "10.9.8.7", "AGENT_PORT": "1",
         "AGENT_BIND": "0.0.0.0", "AGENT_LOG_MAX_BYTES": "2048", "AGENT_LOG_BACKUP_COUNT": "1",
         "AGENT_REGISTRATION_TOKEN": TOKEN, "AGENT_LABELS": "a=b",
         "AGENT_MAX_WORKERS": "3", "CONTAINER_CPU_LIMIT": "1500m", "AGENT_HEARTBEAT_INTERVAL": "7",
@@ -131,6 +132,7 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
         "AGENT_TASK_EXECUTE_TIMEOUT": "0", "AGENT_TASK_KILL_GRACE": "1", "AGENT_TASK_DRAIN_TIMEOUT": "2",
         "AGENT_TASK_FLUSH_TIMEOUT": "3", "AGENT_TASK_RUN_AS_USER": "crawler",
         "AGENT_TASK_MAX_LOG_BYTES": "1000", "AGENT_TASK_MIN_FREE_DISK_BYTES": "0",
+        "AGENT_TASK_MAX_ARTIFACT_BYTES": "5000",
         "AGENT_TASK_LOG_FILES": "*.log, logs/*.txt", "AGENT_TASK_RETENTION": "0", "AGENT_CLEANUP_TEMP_FILES": "on",
         "AGENT_TASK_STALL_TIMEOUT": "600",
         "AGENT_TASK_CONTAINMENT": "Process-Group", "AGENT_TASK_MEMORY_LIMIT_BYTES": "209715200",
@@ -146,13 +148,15 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
     assert set(values) == {s.env for s in SETTINGS}
     s = load(None, values)
     assert s.redacted() == {
-        "server": {"url": "http://10.1.2.3:81", "ca_file": str(ca), "request_timeout": 5.0},
+        "server": {"url": "http://10.1.2.3:81", "ca_file": str(ca), "request_timeout": 5.0, "refusal_timeout": 6.0,
+                   "download_stall_timeout": 7.0},
         "agent": {"name": "n1", "ip": "10.9.8.7", "port": 1, "bind": "0.0.0.0", "registration_token": "***",
                   "labels": {"a": "b"}, "max_workers": 3, "container_cpu_limit": "1500m", "auto_upgrade": True},
         "heartbeat": {"interval": 7.0},
         "task": {"poll_interval": 4.0, "long_poll_wait": 0.0, "work_dir": "/srv/ck", "execute_timeout": 0.0,
                  "kill_grace": 1.0, "drain_timeout": 2.0, "flush_timeout": 3.0, "run_as_user": "crawler",
-                 "max_log_bytes": 1000, "min_free_disk_bytes": 0, "log_files": "*.log,logs/*.txt",
+                 "max_log_bytes": 1000, "min_free_disk_bytes": 0, "max_artifact_bytes": 5000,
+                 "log_files": "*.log,logs/*.txt",
                  "retention": 0.0, "cleanup_temp_files": True, "stall_timeout": 600.0, "containment": "process-group",
                  "memory_limit_bytes": 209715200, "pids_limit": 64, "cpus_limit": 0.5, "egress": "proxy",
                  "egress_deny": "metadata,private,192.0.2.7/32", "egress_allow": "10.0.0.5:3128,[fd12::1]:8080"},

@@ -402,8 +402,9 @@ async def test_too_large_batches_are_halved_and_a_refused_element_becomes_a_plac
     def fault(kind: str, seq: int, batch: list[Any]) -> httpx.Response | None:
         if kind == "logs" and len(batch) > 1000:
             return httpx.Response(413, json={"error": "too large"})
-        if kind == "items" and any(item.get("n") == 3 for item in batch):
-            return httpx.Response(422, json={"error": "bad item", "field": "items[0]"})
+        bad = [i for i, item in enumerate(batch) if item.get("n") == 3] if kind == "items" else []
+        if bad:  # the protocol's word to drop one element: a 422 naming it
+            return httpx.Response(422, json={"error": "bad item", "field": f"items[{bad[0]}].n"})
         return None
 
     fake.fault = fault

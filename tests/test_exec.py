@@ -225,3 +225,20 @@ def test_exec_takes_a_zip_and_applies_the_node_package_checks(tmp_path: Path) ->
         assert f"[ckagent exec] outcome: {outcome}" in done.stderr, (name, done.stderr[-2000:])
         if name == "fail.zip":
             assert "something went wrong: demo failure" in done.stdout  # the spider's stderr, in the log
+
+
+def test_a_scrapy_project_with_one_spider_needs_no_spider_name() -> None:
+    from ckagent.commands import scrapy_spider_names
+
+    assert scrapy_spider_names(EXAMPLES / "scrapy_demo") == ["products"]
+    assert scrapy_spider_names(EXAMPLES / "scrapy_playwright_shop") == ["rendered"]
+    assert scrapy_spider_names(EXAMPLES / "scrapy_shop") == ["listing", "products"]
+
+
+def test_a_scrapy_project_with_two_spiders_is_refused_naming_them(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "ckagent", "exec", str(EXAMPLES / "scrapy_shop"),
+                           "--work-dir", str(tmp_path / "w")], capture_output=True, text=True, timeout=120,
+                          check=False, cwd=tmp_path,
+                          env={k: v for k, v in os.environ.items() if not k.startswith(("AGENT_", "CK_"))})
+    assert done.returncode == 2, done
+    assert "needs --spider NAME" in done.stderr and "its spiders are listing, products" in done.stderr, done.stderr

@@ -127,6 +127,17 @@ async def test_auto_upgrade_runs_run_sh_upgrade_once_for_a_newer_desired_version
     assert watch.upgrade_requested == "1.1.0"
 
 
+async def test_auto_upgrade_to_an_older_desired_version_asks_run_sh_for_a_downgrade(tmp_path: Path) -> None:
+    fake = tmp_path / "run.sh"
+    record = tmp_path / "calls"
+    fake.write_text(f'#!/bin/bash\necho "$*" >> {record}\nexit 1\n')
+    async with trio.open_nursery() as nursery:
+        watch = VersionWatch(IntakeGate(), auto_upgrade=True, nursery=nursery, version="1.2.0", run_sh=str(fake),
+                             log_dir=tmp_path / "logs")
+        watch.apply(VersionPolicy(None, "1.1.0"))  # the master points back to a good release
+    assert record.read_text() == "upgrade --downgrade 1.1.0\n"
+
+
 async def test_a_forced_minimum_stops_task_intake_and_says_why_until_it_is_lowered(dev_master, tmp_path: Path) -> None:
     admin = dev_master.admin
     settings = agent_settings(tmp_path / "w", dev_master.base_url, dev_master.registration_token)

@@ -200,11 +200,39 @@ async def test_a_long_poll_sent_before_the_trouble_does_not_end_it(autojump_cloc
 
 async def test_a_refusal_of_one_task_call_is_not_the_nodes_problem(autojump_clock: Any) -> None:
     connectivity = Connectivity()
-    connectivity.failed(Trouble("rejected", "logs", "master refuses logs with 403", ("rejected", 403)))
+    connectivity.failed(Trouble("rejected", "claim", "master refuses claim with 403", ("rejected", 403)))
+    connectivity.failed(Trouble("rejected", "download", "master refuses download with 404", ("rejected", 404)))
     assert connectivity.problem is None and connectivity.up
     connectivity.failed(Trouble("rejected", "heartbeat", "master refuses heartbeat with 403", ("rejected", 403)))
     assert connectivity.problem == "master refuses heartbeat with 403"
     assert connectivity.problem_age() == 0
+
+
+async def test_a_refusal_of_the_task_streams_is_named_the_data_waits_on_the_node(autojump_clock: Any) -> None:
+    connectivity = Connectivity()
+    connectivity.failed(Trouble("rejected", "logs", "master refuses logs with 404", ("rejected", 404)))
+    assert connectivity.problem == "master refuses logs with 404" and connectivity.up  # reachable, refusing
+    connectivity.succeeded("logs")
+    assert connectivity.problem is None
+
+
+async def test_one_endpoint_failing_while_others_answer_is_a_partial_outage(autojump_clock: Any) -> None:
+    connectivity = Connectivity()
+    trouble = Trouble("unreachable", "batches", "master unreachable (batches: ReadTimeout)", ("down",))
+    sent = trio.current_time()
+    await trio.sleep(1)
+    connectivity.succeeded("heartbeat")  # sent after the batch: the master answers others
+    await trio.sleep(1)
+    connectivity.failed(trouble, sent)
+    assert connectivity.problem is None  # once: a request that outlived an outage, old news
+    sent = trio.current_time()
+    await trio.sleep(1)
+    connectivity.succeeded("heartbeat")
+    connectivity.failed(trouble, sent)  # twice in a row: the task streams are out
+    problem = connectivity.problem
+    assert problem is not None and "a partial outage: task streams" in problem and connectivity.up
+    connectivity.succeeded("items")  # the same class answers again
+    assert connectivity.problem is None
 
 
 # ---------------------------------------------------------------------------- URLs

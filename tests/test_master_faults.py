@@ -50,7 +50,7 @@ CAUSES = {
     "429": "master unavailable",
     "503": "answered 503 text/html",
     "401": "with 401 even after registering again",
-    "403": "with 403 (blocked by the proxy); that request fails",
+    "403": "with 403 (blocked by the proxy)",  # then: "that request fails", or for task data "… sent again"
     "404_html": "master answers 404 text/html to",
     "reset": "master unreachable",
     "timeout": "master unreachable",

@@ -15,7 +15,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from ckagent.delivery import LineSplitter, Outbox, OutboxStatistics, SpoolCounter
+from ckagent.delivery import LineSplitter, Outbox, SpoolCounter
 from ckagent.delivery.spool import MAX_LINE_BYTES as LOG_LINE_BYTES
 from ckagent.delivery.statistics import _ElementCount
 from ckagent.deps import Prepared
@@ -336,7 +336,10 @@ async def test_counting_the_outbox_lets_the_loop_run(tmp_path: Path) -> None:
             done = True
     assert (figures.log_lines, figures.items, figures.tasks) == (199_000, 99_990, 1)
     assert during >= 3, "the count held the loop for the whole spool"
-    assert SpoolCounter(store, started_at=0.0).read() == OutboxStatistics(log_lines=200_000, items=100_000, tasks=1)
+    again = SpoolCounter(store, started_at=0.0).read()
+    assert (again.log_lines, again.items, again.results, again.tasks) == (200_000, 100_000, 0, 1)
+    assert [(b.task_id, b.log_lines, b.items) for b in again.backlog] == [("t1", 200_000, 100_000)]
+    assert again.bytes == sum(f.stat().st_size for f in (t1 / "output.log", t1 / "items.jsonl"))  # all unsent
     store.close()
 
 

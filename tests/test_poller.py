@@ -435,3 +435,37 @@ async def test_poll_trouble_is_retried_not_fatal(status: int, autojump_clock: An
             nursery.cancel_scope.cancel()
     await client.aclose()
     assert sup.started == ["t1"]
+
+
+# ---------------------------------------------------------------------------- the intake gate
+
+
+async def test_a_gate_closing_cuts_the_poll_in_flight_and_no_poll_goes_out_until_it_opens(
+    autojump_clock: Any, tmp_path: Path
+) -> None:
+    """Below the master's minimum from the moment the agent learns it: the held poll is cut short (what
+    it would claim must not run here) and no poll goes out while the gate is closed."""
+    from ckagent.intake import IntakeGate
+
+    gate = IntakeGate()
+    master = FakeMaster(hold_empty=True, features=[CLAIM_IN_POLL])
+    client = MasterClient("http://master.test", "token", register_body, transport=httpx.MockTransport(master))
+    sup = HoldingSupervisor(2, tmp_path)
+    poller = Poller(client, sup, poll_interval=POLL_INTERVAL, long_poll_wait=LONG_POLL_WAIT, request_timeout=10.0,
+                    gate=gate)
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poller.run, nursery)
+            await master.wait_polls(1)
+            await trio.sleep(1)
+            gate.close("version", "older than the master's minimum")
+            await trio.sleep(LONG_POLL_WAIT * 3)
+            assert len(master.polls) == 1 and master.answered_at == []  # cut short, and no new poll
+            master.answers.append({"tasks": [task_json("t1", "s1", claimed=True)], "cancelTaskIds": []})
+            gate.open("version")
+            await master.wait_polls(2)
+            assert master.polls[1].params["pollId"] == master.polls[0].params["pollId"]  # the cut poll's id again
+            await trio.sleep(1)
+            nursery.cancel_scope.cancel()
+    await client.aclose()
+    assert sup.started == ["t1"]

@@ -31,6 +31,7 @@ from ckagent.protocol import (
     STOP_SIGNALS,
     TASK_STATUSES,
     TIMEOUT_MESSAGE,
+    ArtifactRef,
     CodePackage,
     Heartbeat,
     HeartbeatResponse,
@@ -44,6 +45,7 @@ from ckagent.protocol import (
     SeqConflict,
     SpiderFile,
     Task,
+    TaskOutputs,
     TaskRelease,
     TaskResources,
     TaskResult,
@@ -76,6 +78,8 @@ TYPES: dict[str, Any] = {
     "SeqConflict": SeqConflict,
     "SpiderFile": SpiderFile,
     "TaskRelease": TaskRelease,
+    "TaskOutputs": TaskOutputs,
+    "ArtifactRef": ArtifactRef,
 }
 ENUMS: dict[str, tuple[str, ...]] = {
     "TaskStatus": TASK_STATUSES,
@@ -112,6 +116,7 @@ def full_instances() -> dict[str, Any]:
         stop_signal="SIGINT",
         egress=parse_text("private", "10.0.0.5:3128"),
         claimed=True,
+        outputs=TaskOutputs(items=["results.json"], artifacts=["images/"]),
     )
     stats = TaskStats(seq=42, stats={"items": 3, "finishReason": "finished"}, progress={"done": 1, "total": 2},
                       at="2026-11-29T16:04:00.000Z")
@@ -185,7 +190,11 @@ def full_instances() -> dict[str, Any]:
             io_read_bytes=4096,
             io_write_bytes=8192,
             egress_refused=[{"address": "169.254.169.254", "port": 80, "count": 3}],
+            incomplete=True,
+            artifacts=[ArtifactRef(path="images/a.jpg", size_bytes=3, sha256=SHA)],
         ),
+        "TaskOutputs": TaskOutputs(items=["out/*.jsonl"], artifacts=["books.db"]),
+        "ArtifactRef": ArtifactRef(path="images/a.jpg", size_bytes=3, sha256=SHA),
         "TaskStats": stats,
         "LogBatch": LogBatch(seq=5, lines=["a", "b"]),
         "ItemBatch": ItemBatch(seq=2, items=[{"a": 1}]),
@@ -329,6 +338,9 @@ OPERATIONS: dict[tuple[str, str], tuple[str | None, str | None, set[str]]] = {
     ("post", "/api/tasks/{taskId}/logs"): ("LogBatch", "SeqAccepted", STREAM_STATUSES),
     ("post", "/api/tasks/{taskId}/items"): ("ItemBatch", "SeqAccepted", STREAM_STATUSES),
     ("post", "/api/tasks/{taskId}/stats"): ("TaskStats", None, STREAM_STATUSES),
+    ("put", "/api/tasks/{taskId}/artifacts/{path}"): (
+        "bytes", "ArtifactRef", {"200", "400", "401", "404", "409", "413", "422", "429", "5XX"},
+    ),
     ("get", "/api/spider-files/spider/{spiderId}"): (
         None,
         "SpiderFile[]",
@@ -355,6 +367,8 @@ def test_operations_match_the_protocol() -> None:
         body = op.get("requestBody")
         if request is None:
             assert body is None
+        elif request == "bytes":
+            assert body["required"] is True and set(body["content"]) == {"application/octet-stream"}
         else:
             assert body["required"] is True
             assert _schema_name(body["content"]["application/json"]["schema"]) == request

@@ -300,6 +300,28 @@ async def test_install_mode_downloads_starts_reports_and_stops(node: Node, relea
     assert down.returncode == 3 and "not running" in out(down)
 
 
+async def test_start_and_status_fail_for_an_agent_that_does_not_answer(node: Node, releases: Releases, pyz: Path,
+                                                                       broken_pyz: Path, dev_master) -> None:
+    releases.publish(pyz, ckagent.__version__)
+    assert (await node.sh("start", "--daemon=on", AGENT_RELEASE_URL=releases.url)).returncode == 0
+    pid = node.pid()
+    assert pid is not None
+    # running, but /healthz (here: a port nothing listens on) does not answer: status 4, start 1
+    deaf = f"http://127.0.0.1:{_free_port()}/healthz"
+    status = await node.sh("status", AGENT_HEALTH_URL=deaf)
+    assert status.returncode == 4 and "does not answer" in out(status) and "000" in out(status), out(status)
+    again = await node.sh("start", "--daemon=on", AGENT_HEALTH_URL=deaf)
+    assert again.returncode == 1 and "already running" in out(again) and "restart" in out(again), out(again)
+    assert (await node.sh("stop")).returncode == 0 and not _alive(pid)
+    # a release that hangs at start: start fails, prints the end of the log, leaves nothing running
+    shutil.copyfile(broken_pyz, node.directory / "ckagent.pyz")
+    hung = await node.sh("start", "--daemon=on", AGENT_START_TIMEOUT="2")
+    assert hung.returncode == 1, out(hung)
+    assert "did not answer" in out(hung) and "within 2s" in out(hung) and "The end of" in out(hung), out(hung)
+    assert node.pid() is None
+    assert (await node.sh("status")).returncode == 3
+
+
 async def test_start_waits_for_ready_and_prints_the_first_clear_error(node: Node, releases: Releases, pyz: Path,
                                                                      dev_master) -> None:
     releases.publish(pyz, ckagent.__version__)
@@ -310,6 +332,9 @@ async def test_start_waits_for_ready_and_prints_the_first_clear_error(node: Node
     assert "not-the-token" not in out(wrong)
     pid = node.pid()
     assert pid is not None and _alive(pid)  # it keeps retrying: a token fixed on the master is picked up
+    # the token came in run.sh's environment: neither the agent's environ nor any other shows it
+    assert b"not-the-token" not in Path(f"/proc/{pid}/environ").read_bytes()  # noqa: ASYNC240
+    assert b"CKAGENT_SECRETS_FD=" in Path(f"/proc/{pid}/environ").read_bytes()  # noqa: ASYNC240
     stopped = await node.sh("stop")
     assert stopped.returncode == 0 and not _alive(pid), out(stopped)
     started = await node.sh("start", "--daemon=on")
@@ -450,12 +475,31 @@ async def test_upgrade_verifies_never_downgrades_restarts_and_rolls_back(
     status = await node.sh("status")
     assert status.returncode == 0 and f"ckagent {BUMPED} is running" in out(status)
 
-    # never downgrade, nothing to do at the same version
+    # an older version only when asked with --downgrade; nothing to do at the same version
     older = await node.sh("upgrade", ckagent.__version__, **env)
-    assert older.returncode == 0 and "not downgrading" in out(older), out(older)
+    assert older.returncode == 1 and "not downgrading" in out(older) and "--downgrade" in out(older), out(older)
     current = await node.sh("upgrade", **env)
     assert current.returncode == 0 and "nothing to do" in out(current)
     assert same(pyz_path, bumped_pyz) and node.pid() == second_pid
+
+    # rollback: back to the previous verified release, healthy; the release left is not taken again
+    back = await node.sh("rollback", **env)
+    assert back.returncode == 0 and f"rolled back to {ckagent.__version__}: healthy" in out(back), out(back)
+    assert same(pyz_path, pyz) and same(prev_path, bumped_pyz)
+    rolled_pid = node.pid()
+    assert rolled_pid not in (None, second_pid) and await node.healthz() == 200
+    skipped = await node.sh("upgrade", **env)
+    assert skipped.returncode == 0 and f"not retrying ckagent {BUMPED}" in out(skipped), out(skipped)
+    # named by the operator: upgraded again (the same verification and health check)
+    forward = await node.sh("upgrade", BUMPED, **env)
+    assert forward.returncode == 0 and f"upgraded to {BUMPED}: healthy" in out(forward), out(forward)
+    # a downgrade asked for explicitly: verified, health-checked
+    down = await node.sh("upgrade", "--downgrade", ckagent.__version__, **env)
+    assert down.returncode == 0 and f"upgraded to {ckagent.__version__}: healthy" in out(down), out(down)
+    assert same(pyz_path, pyz) and same(prev_path, bumped_pyz)
+    forward = await node.sh("upgrade", BUMPED, **env)
+    assert forward.returncode == 0 and same(pyz_path, bumped_pyz), out(forward)
+    second_pid = node.pid()
 
     # a release that never becomes healthy: rolled back to the previous pyz, which runs again
     releases.publish(broken_pyz, BROKEN)
@@ -565,11 +609,16 @@ def _sh(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     [
         (["stop", "now"], "stop takes no arguments"),
         (["status", "x"], "status takes no arguments"),
-        (["frob"], "unknown command 'frob' (commands: start, stop, restart, status, logs, upgrade, help)"),
+        (["frob"], "unknown command 'frob' (commands: start, stop, restart, status, logs, upgrade, rollback, help)"),
         ([], "no command given"),
         (["--daemon=maybe", "start"], "--daemon=maybe: expected on or off"),
         (["logs", "--tail"], "logs: unknown option --tail"),
         (["upgrade", "1.0", "2.0"], "upgrade takes at most one argument"),
+        (["upgrade", "--downgrade"], "upgrade --downgrade needs the VERSION"),
+        (["upgrade", "--sideways", "1.0"], "upgrade: unknown option --sideways"),
+        (["rollback", "now"], "rollback takes no arguments"),
+        (["status", "--spider-user=ck"], "--spider-user goes with start or restart"),
+        (["start", "--spider-user=Bad User"], "--spider-user=Bad User: not a user name"),
         (["start", "-c"], "-c needs a file"),
     ],
 )
@@ -595,8 +644,15 @@ def test_help_prints_the_whole_header_and_exits_0(tmp_path: Path, args: list[str
         header.append(line[2:] if line.startswith("# ") else line[1:])
     assert result.stdout == "\n".join(header) + "\n"
     for word in ("--daemon=on|off", "--cleanup_temp_files=on|off", "before or after the command", "upgrade [VERSION]",
-                 "AGENT_RELEASE_URL", "Exit codes: 0 ok; 1 failure; 2 usage; 3 `status`: not running."):
+                 "AGENT_RELEASE_URL", "Exit codes (every command: 2 = usage error):", "upgrade --downgrade VERSION",
+                 "rollback", "--spider-user=NAME|off", "status    0 running and /healthz 200; 3 not running; 4 running"):
         assert word in result.stdout
+    # every command has its exit codes in the help, and docs/deploy.md says the same
+    codes = result.stdout.split("Exit codes", 1)[1]
+    deploy = (REPO / "docs" / "deploy.md").read_text()
+    for command in ("start", "stop", "restart", "status", "logs", "upgrade", "rollback"):
+        assert f"\n  {command} " in codes, command
+        assert f"| `{command}` |" in deploy, command
 
 
 def test_flags_before_or_after_the_command_are_the_same(tmp_path: Path) -> None:
@@ -735,3 +791,31 @@ async def test_a_desired_version_upgrades_the_agent_itself_and_a_bad_one_rolls_b
     await eventually(healthy_again, 30)
     assert node.pid() not in (None, second)
     assert (await node.sh("stop")).returncode == 0
+
+
+def test_spider_user_is_created_on_request_and_remembered(tmp_path: Path) -> None:
+    """`--spider-user=NAME` creates a system user without login when missing (root only) and keeps the
+    choice for later starts; the user is removed again afterwards, also on failure."""
+    if os.geteuid() != 0 or shutil.which("useradd") is None:
+        pytest.skip("needs root and useradd")
+    name = f"ckspider{os.getpid() % 100000}"
+    assert subprocess.run(["id", "-u", name], capture_output=True, check=False).returncode != 0, "name taken"
+    shutil.copy2(RUN_SH, tmp_path / "run.sh")
+    try:
+        # no ckagent.pyz and AGENT_AUTO_INSTALL=off: the start itself fails after the user is made
+        result = subprocess.run(["bash", str(tmp_path / "run.sh"), f"--spider-user={name}", "start"], cwd=tmp_path,
+                                capture_output=True, text=True, timeout=60, check=False,
+                                env={**{k: v for k, v in os.environ.items() if not k.startswith("AGENT_")},
+                                     "AGENT_AUTO_INSTALL": "off"})
+        assert f"created the system user {name}" in result.stdout, result
+        assert result.returncode == 1 and "AGENT_AUTO_INSTALL=off" in result.stderr, result
+        entry = subprocess.run(["getent", "passwd", name], capture_output=True, text=True, check=True).stdout
+        assert entry.rstrip().endswith(":/usr/sbin/nologin") and ":0:" not in entry.split(":", 3)[2], entry
+        assert (tmp_path / ".ckagent" / "spider_user").read_text() == f"{name}\n"
+        off = subprocess.run(["bash", str(tmp_path / "run.sh"), "--spider-user=off", "start"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=60, check=False,
+                             env={"PATH": os.environ["PATH"], "AGENT_AUTO_INSTALL": "off"})
+        assert off.returncode == 1 and not (tmp_path / ".ckagent" / "spider_user").exists(), off
+    finally:
+        subprocess.run(["userdel", name], capture_output=True, check=False)
+        subprocess.run(["groupdel", name], capture_output=True, check=False)

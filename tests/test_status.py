@@ -207,7 +207,8 @@ async def test_probes_status_and_unknown_paths(dev_master, nursery: trio.Nursery
             assert om.text.rstrip().endswith("# EOF")
             doc = (await client.get("/status")).json()
             assert doc["ready"] is True and doc["registered"] is True and doc["runningTasks"] == []
-            assert doc["outbox"] == {"logLines": 0, "items": 0, "results": 0, "tasks": 0}
+            assert doc["outbox"] == {"logLines": 0, "items": 0, "results": 0, "tasks": 0, "bytes": 0,
+                                     "oldestSeconds": 0.0, "backlog": []}
             text = (await client.get("/status")).text + (await client.get("/metrics")).text
             assert dev_master.registration_token not in text
             assert agent.master._api_key and agent.master._api_key not in text

@@ -40,10 +40,13 @@ request at a time per stream. Each
 element is encoded to JSON once, when it is read (:func:`encode_lines`; printable-ASCII lines are
 never decoded): a batch body is the elements joined, and its size is exact. The master answers with the count it holds; a 409
 ``{expectedSeq}`` rewinds (to an in-memory checkpoint, or the start) or skips what it already has.
-413/422 halve the batch; a single element the master refuses is replaced by a short placeholder (a
-gap would block the stream forever). 404 or a 409 without ``expectedSeq`` ends the stream. Every
-other answer (transport errors, 429/5xx, a 2xx that is not the protocol's, other 4xx) is retried
-with backoff: nothing read from the spool is dropped because an answer was odd.
+A 413 halves the batch (it grows back after a run of acknowledgements); only a 422 whose
+``field`` names an element (``items[i]``/``lines[i]``) replaces that element by a short placeholder
+(a gap would block the stream forever). A 409 without ``expectedSeq`` ends the stream; a 404
+("unknown task") or a lone element's 413 that lasts longer than ``server.refusal_timeout`` ends the
+stream, or replaces the element, and the final result says ``incomplete: true``. Every other answer
+(transport errors, 429/5xx — after their ``Retry-After`` —, a 2xx that is not the protocol's, other
+4xx) is retried with backoff: a refusal never drops what the spider produced.
 
 **The outbox** (:class:`Outbox`, one per agent, in the agent's root nursery) owns every task's
 delivery: the journal writer (:mod:`ckagent.delivery.journal`), the two shippers and, once both streams are complete, the final result
@@ -70,6 +73,11 @@ shippers' NOTIFY_FALLBACK safety net aside).
 filesystem's free space would fall below ``task.min_free_disk_bytes``; the pipes are still drained
 (the spider never blocks) and one marker line at the end says how many bytes were dropped. The
 spider's own files (items, log files) are not the agent's to cut.
+
+**A full disk** (:mod:`ckagent.delivery.diskwatch`, :mod:`ckagent.diskfull`): the disk loop stops
+the running task whose directory grows most when the free space is below the floor or would cross
+it within a look (FAILED DISK_FULL); state store writes fall back on the agent's space reserve;
+positions, journal records and results that cannot be written wait in memory for room.
 
 **Retention** (:func:`cleanup_task_dirs`): a task's directory is deleted only after its result was
 acknowledged (which happens only after both streams were), and ``task.retention`` seconds later.

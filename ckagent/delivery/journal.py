@@ -60,6 +60,10 @@ class LogJournal:
     Blocking but tiny: :meth:`open` reads an existing journal (use ``trio.to_thread``); the record
     writes are small ``os.write`` calls on an O_APPEND descriptor (like :class:`LogSink`). Only the
     outbox's journal task writes. Raises OSError when the file cannot be created.
+
+    A write that fails (a full disk: ENOSPC) leaves no torn record: the file is cut back to its
+    last whole record and the records wait in memory (:attr:`unwritten`) for the next write or
+    :meth:`flush` — the stream's order stays what the records say, it only reaches the file later.
     """
 
     def __init__(self, task_dir: Path) -> None:
@@ -73,6 +77,8 @@ class LogJournal:
         self.ended = False
         self.on_record: Callable[[], None] | None = None
         self._warned_full = False
+        self.unwritten = b""
+        """Records a failed write left in memory (written before any later record)."""
 
     def open(self) -> None:
         """Read what an earlier run wrote (cutting a torn last record), then open for appending."""
@@ -106,13 +112,28 @@ class LogJournal:
         return f"S {idx} {path}\n"
 
     def _write(self, records: list[str]) -> None:
-        if records and self._fd >= 0:
-            data = "".join(records).encode("utf-8", "surrogateescape")
+        if (records or self.unwritten) and self._fd >= 0:
+            data = self.unwritten + "".join(records).encode("utf-8", "surrogateescape")
+            self.unwritten = b""
+            start = os.fstat(self._fd).st_size
             view = memoryview(data)
-            while view:
-                view = view[os.write(self._fd, view):]
+            try:
+                while view:
+                    view = view[os.write(self._fd, view):]
+            except OSError as exc:
+                self.unwritten = data
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, start)  # no torn record
+                log.warning("%s: cannot write %d bytes of records (%s); kept in memory until there is room",
+                            self.path, len(data), exc.strerror or exc)
+                return
             if self.on_record is not None:
                 self.on_record()
+
+    def flush(self) -> bool:
+        """Write the records a failed write left (:attr:`unwritten`); True when none is left."""
+        self._write([])
+        return not self.unwritten
 
     def note(self, sizes: dict[str, int]) -> None:
         """Record growth: ``sizes`` maps source path → current size. New paths are declared; a file

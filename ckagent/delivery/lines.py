@@ -24,15 +24,34 @@ _SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|KEY)$", re.IGNORECASE)
 # ---------------------------------------------------------------------------------------------- secrets
 
 
-def secret_values(env: dict[str, str], extra: Iterable[str] = ()) -> list[str]:
-    """Values to mask: env variables named like *TOKEN, *SECRET, *PASSWORD, *KEY, plus ``extra``.
+def secret_values(env: dict[str, str], extra: Iterable[str] = (), args: Iterable[str] = ()) -> list[str]:
+    """Values to mask: env variables named like *TOKEN, *SECRET, *PASSWORD, *KEY, the same in ``args``
+    (see :func:`secret_args`), plus ``extra``.
 
     Empty values are left out. Longest first. How each is masked (a short one only where it stands
     alone) is :class:`ckagent.logs.Masker`'s rule, the same as in the agent's own log.
     """
     values = [v for k, v in env.items() if _SECRET_NAME.search(k)]
+    values.extend(secret_args(args))
     values.extend(extra)
     return sorted({v for v in values if v}, key=len, reverse=True)
+
+
+def secret_args(args: Iterable[str]) -> list[str]:
+    """The values in a command line that the env rule would mask: ``--db-password hunter2``,
+    ``--db-password=hunter2``, ``-a api_key=x`` and ``TOKEN=x`` give ``hunter2``/``x`` (a flag or
+    name ending in TOKEN, SECRET, PASSWORD, PASSWD or KEY, ``-`` read as ``_``)."""
+    found: list[str] = []
+    words = list(args)
+    for i, word in enumerate(words):
+        name, eq, value = word.partition("=")
+        name = name.lstrip("-").replace("-", "_")
+        if eq:
+            if _SECRET_NAME.search(name):
+                found.append(value)
+        elif word.startswith("-") and _SECRET_NAME.search(name) and i + 1 < len(words):
+            found.append(words[i + 1])
+    return found
 
 
 # ---------------------------------------------------------------------------------------------- lines

@@ -45,6 +45,10 @@ an answer that came back in 10 ms (64 tasks on a quiet machine: 72 requests a se
 Adds at most this much to a line's delivery lag."""
 MAX_BATCHES = 256
 """Most streams' batches in one request (the reference master's limit)."""
+OFF_AFTER_REFUSAL = 60.0
+"""Seconds node batches stay off after the master refused a whole request (a master that stopped
+offering them, or one restarting behind a proxy that answers 404 for a moment): shippers post per
+task meanwhile, then node batches are tried again."""
 MAX_REQUEST_BYTES = 6 * 1024 * 1024
 """Most body bytes of one request (below the reference master's 8 MiB; one larger batch goes alone)."""
 
@@ -80,13 +84,15 @@ class NodeBatcher:
         self._slots = trio.Semaphore(MAX_IN_FLIGHT)
         self._running = False
         self._last_send = -MIN_SEND_INTERVAL  # trio.current_time() of the last request's start
+        self._off_until = float("-inf")  # trio time until which node batches are off (a refusal)
         self.requests = 0
         self.batches = 0
 
     @property
     def enabled(self) -> bool:
         """True while the sender runs and the master offered node batches at its last registration."""
-        return self._running and NODE_BATCHES in self._master.features
+        return (self._running and NODE_BATCHES in self._master.features
+                and (self._off_until == float("-inf") or trio.current_time() >= self._off_until))
 
     async def post(self, task_id: str, stream: str, body: bytes) -> int:
         """Send one stream's batch (``body``: the per-task endpoint's JSON ``{"seq":…,"lines"|"items":[…]}``,
@@ -144,8 +150,8 @@ class NodeBatcher:
                 if exc.status == 413 and len(batch) == 1:  # one batch too large on its own: its own answer
                     batch[0].error = exc
                     return
-                log.warning("node batches refused (%s); posting per task", exc)
-                self._master.features = self._master.features - {NODE_BATCHES}
+                log.warning("node batches refused (%s); posting per task for %g s", exc, OFF_AFTER_REFUSAL)
+                self._off_until = trio.current_time() + OFF_AFTER_REFUSAL
                 for waiter in batch:
                     waiter.error = MasterUnavailable(f"node batches refused: {exc}")
                 return

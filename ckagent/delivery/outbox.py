@@ -18,20 +18,25 @@ from typing import Any
 import trio
 
 from ckagent.crawlstats import STATS_FILE, Snapshot
+from ckagent.delivery.artifacts import upload_artifacts
 from ckagent.delivery.capture import DiskGuard, LogSink
+from ckagent.delivery.diskwatch import DiskWatch, tree_bytes
 from ckagent.delivery.journal import LogJournal, rejected_log_globs, scan_log_files, task_log_globs
 from ckagent.delivery.lines import Masker, secret_values
 from ckagent.delivery.nodebatch import NodeBatcher
-from ckagent.delivery.shipper import StreamShipper, send_result
+from ckagent.delivery.shipper import DEFAULT_REFUSAL_TIMEOUT, StreamShipper, send_result
 from ckagent.delivery.spool import DEFAULT_LOG_GLOBS, ITEMS_FILE, OUTPUT_LOG, SCAN_INTERVAL, SEND_CONCURRENCY
 from ckagent.delivery.statistics import OutboxStatistics, SpoolCounter
 from ckagent.delivery.stats import StatsShipper, final_stats
+from ckagent.diskfull import RESERVE_BYTES, SpaceReserve
 from ckagent.master import MasterClient
+from ckagent.outputs import cleanup_kept
 from ckagent.protocol import Task, TaskResult
 from ckagent.stall import Activity, watch_stall
-from ckagent.state import AsyncStateStore, TaskRecord
+from ckagent.state import AsyncStateStore, StateStoreError, TaskRecord
 
 log = logging.getLogger(__name__)
+
 
 # ---------------------------------------------------------------------------------------------- outbox
 
@@ -40,14 +45,16 @@ Delivered = Callable[[TaskResult], None]
 
 @dataclasses.dataclass(frozen=True)
 class OutboxConfig:
-    """Settings of the outbox: globs of spider log files, the disk budget (bytes; 0 = none) and
-    retention (seconds; 0 = keep forever)."""
+    """Settings of the outbox: globs of spider log files, the disk budget (bytes; 0 = none),
+    retention (seconds; 0 = keep forever) and how long a refusal of a task's data is retried before
+    the agent gives up on it (``refusal_timeout``, seconds: server.refusal_timeout)."""
 
     log_globs: tuple[str, ...] = DEFAULT_LOG_GLOBS
     max_log_bytes: int = 0
     min_free_disk_bytes: int = 0
     retention: float = 0.0
     agent_secrets: tuple[str, ...] = ()
+    refusal_timeout: float = DEFAULT_REFUSAL_TIMEOUT
 
 
 class TaskDelivery:
@@ -64,8 +71,11 @@ class TaskDelivery:
         self.sink = sink
         self.journal = journal
         self.on_delivered = on_delivered
-        self.logs = StreamShipper.logs(outbox.master, outbox.store, task_id, task_dir, masker, outbox.limiter)
-        self.items = StreamShipper.items(outbox.master, outbox.store, task_id, task_dir, outbox.limiter)
+        refusal_timeout = outbox.config.refusal_timeout
+        self.logs = StreamShipper.logs(outbox.master, outbox.store, task_id, task_dir, masker, outbox.limiter,
+                                       refusal_timeout=refusal_timeout)
+        self.items = StreamShipper.items(outbox.master, outbox.store, task_id, task_dir, outbox.limiter,
+                                         refusal_timeout)
         self.spider = spider
         self.claimed_at = time.time()  # epoch seconds; a resumed delivery: the claim of an earlier run
         self.stats = StatsShipper(outbox.master, task_id, task_dir, outbox.limiter, on_snapshot=self._observe)
@@ -133,7 +143,7 @@ class TaskDelivery:
         write leaves the task to the next start (reported AGENT_LOST)."""
         if self.sink is not None:
             self.sink.close()
-        await self.outbox.store.set_result(self.task_id, result.to_json())
+        await self._store_result(result)
         self.result = result
         self.items.finish()
         self.ended.set()
@@ -142,6 +152,14 @@ class TaskDelivery:
         if self._output_grew is not None:
             self._output_grew.set()
             self._output_grew = None
+
+    async def _store_result(self, result: TaskResult) -> None:
+        """The result into the state store; on a full disk it is kept in memory and sent all the same
+        (an agent crash before it is acknowledged then reports the task AGENT_LOST)."""
+        try:
+            await self.outbox.store.set_result(self.task_id, result.to_json())
+        except StateStoreError as exc:
+            log.error("task %s: cannot store its result (%s); sending it from memory", self.task_id, exc)
 
     async def _journal_loop(self) -> None:
         """Record the growth of output.log (when notified) and of spider log files (when the outbox's
@@ -162,6 +180,8 @@ class TaskDelivery:
             self.scanning = False
         sizes = await trio.to_thread.run_sync(self._final_sizes)
         self.journal.end(sizes)
+        while not self.journal.flush():  # a full disk: the stream's last records wait for room
+            await self.outbox.next_look()
         self.journal.close()
 
     def scan(self) -> tuple[dict[str, int], int, int]:
@@ -212,10 +232,22 @@ class TaskDelivery:
         reason = self.result.finish_reason
         if reason is None and stats is not None and isinstance(stats.stats.get("finishReason"), str):
             reason = stats.stats["finishReason"] or None
+        refused = [shipper.stream for shipper in (self.logs, self.items) if shipper.refused]
+        if not self.ship_logs:
+            refused.insert(0, "log")
+        incomplete = True if refused or self.result.incomplete else None
+        if refused:
+            log.error("task %s: its result says incomplete: the master refused its %s for good; it holds %d log "
+                      "lines and %d items; the spool stays in %s until task.retention", self.task_id,
+                      " and ".join(refused), self.logs.acked, self.items.acked, self.task_dir)
+        # Artifacts go before the result, which lists what the master holds (ckagent.delivery.artifacts).
+        artifacts = await upload_artifacts(self.outbox.master, self.task_id, self.task_dir, self.outbox.limiter)
         result = dataclasses.replace(self.result, item_count=self.items.acked, log_lines=self.logs.acked,
-                                     stats=stats, finish_reason=reason)
-        await self.outbox.store.set_result(self.task_id, result.to_json())
-        await send_result(self.outbox.master, self.outbox.store, self.task_id, result, self.outbox.limiter)
+                                     stats=stats, finish_reason=reason, incomplete=incomplete,
+                                     artifacts=artifacts)
+        await self._store_result(result)
+        await send_result(self.outbox.master, self.outbox.store, self.task_id, result, self.outbox.limiter,
+                          self.outbox.config.refusal_timeout)
         self.delivered.set()
         if self.on_delivered is not None:
             self.on_delivered(result)
@@ -240,6 +272,18 @@ class Outbox:
         self.batcher = NodeBatcher(master)
         """Several tasks' batches in one request, when the master offers it (ckagent.delivery.nodebatch)."""
         self.guard = DiskGuard(work_dir, self.config.min_free_disk_bytes)
+        self.disk = DiskWatch(self.config.min_free_disk_bytes, SCAN_INTERVAL)
+        """Which running task fills the disk (ckagent.delivery.diskwatch); :attr:`on_disk_full` stops it."""
+        floor = self.config.min_free_disk_bytes
+        self.reserve = SpaceReserve(work_dir, min(RESERVE_BYTES, floor // 4)) if floor else None
+        """Disk space kept for the state store's writes on a full disk (ckagent.diskfull); with a floor only."""
+        if self.reserve is not None:
+            store.sync.reserve = self.reserve
+        self.on_disk_full: Callable[[str, str], None] | None = None
+        """Called with (task id, reason) for a running task that fills the disk: the agent stops it DISK_FULL."""
+        self._reserve_released: float | None = None  # the reserve's released_at seen by the last look
+        self._store_full = False  # the last flush of positions met a full disk (logged once)
+        self._looked = trio.Event()  # set (and replaced) after each look of the disk loop
         self.deliveries: dict[str, TaskDelivery] = {}
         self._counter = SpoolCounter(store.sync)
         self.stats_observer: Callable[[str, str, dict[str, Any], bool], None] | None = None
@@ -257,6 +301,8 @@ class Outbox:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 await self.guard.refresh()
+                if self.reserve is not None:
+                    await trio.to_thread.run_sync(self.reserve.restore)
                 nursery.start_soon(self.batcher.run)
                 nursery.start_soon(self._disk_loop)
                 if self.config.retention > 0:
@@ -265,7 +311,7 @@ class Outbox:
                 await trio.sleep_forever()
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(5.0):
-                await self.store.flush_positions()
+                await self._flush_positions()
 
     def statistics(self) -> OutboxStatistics:
         """What waits for the master now (see ckagent.delivery.statistics). **Blocking** (SQLite and
@@ -278,7 +324,20 @@ class Outbox:
         ckagent.delivery.statistics): no SQL, no thread. Cancellation: the figures are not updated."""
         records = [(d.task_id, d.task_dir, d.claimed_at, d.result is not None, d.logs.acked, d.items.acked)
                    for d in self.deliveries.values()]
-        return await self._counter.refresh(records)
+        figures = await self._counter.refresh(records)
+        if not figures.backlog:
+            return figures
+        # How long a task's data has waited, as its shippers know it (the counter knows only since
+        # when it has seen the backlog).
+        now, backlog = time.time(), []
+        for entry in figures.backlog:
+            delivery = self.deliveries.get(entry.task_id)
+            since = [s.waiting_since for s in (delivery.logs, delivery.items) if s.waiting_since is not None] \
+                if delivery is not None else []
+            backlog.append(dataclasses.replace(entry, age_seconds=max(entry.age_seconds, now - min(since)))
+                           if since else entry)
+        backlog.sort(key=lambda b: -b.age_seconds)
+        return dataclasses.replace(figures, backlog=tuple(backlog), oldest_seconds=backlog[0].age_seconds)
 
     def shipped(self) -> tuple[int, int]:
         """(log lines, items) the master acknowledged while this process runs (never decreasing)."""
@@ -312,7 +371,7 @@ class Outbox:
 
         Raises OSError when output.log or the journal cannot be created.
         """
-        masker = Masker(secret_values(task.env, self.config.agent_secrets))
+        masker = Masker(secret_values(task.env, self.config.agent_secrets, [*(task.command or ()), *task.args]))
         journal = LogJournal(task_dir)
         await trio.to_thread.run_sync(journal.open)
         delivery = TaskDelivery(self, task.id, task_dir, masker, task_log_globs(task, self.config.log_globs),
@@ -333,9 +392,10 @@ class Outbox:
         try:
             task = Task.from_json(record.task_json)
             env, globs = task.env, task_log_globs(task, self.config.log_globs)
+            words = [*(task.command or ()), *task.args]
         except ValueError:
-            env, globs = {}, list(self.config.log_globs)
-        masker = Masker(secret_values(env, self.config.agent_secrets))
+            env, globs, words = {}, list(self.config.log_globs), []
+        masker = Masker(secret_values(env, self.config.agent_secrets, words))
         journal = LogJournal(record.task_dir)
         ship_logs = True
         try:
@@ -381,28 +441,70 @@ class Outbox:
                 self._busy = trio.Event()
 
     async def _disk_loop(self) -> None:
-        """Every SCAN_INTERVAL while a delivery is open: the shippers' noted positions (one write), the
-        files of every running task and the free-space figure (one hop) — for the whole agent, not per
-        task or stream. With no delivery open it sleeps until one opens (an idle agent has nothing
-        here to look at: no wake-up), then refreshes the free-space figure at once."""
+        """Every SCAN_INTERVAL while a delivery is open (sooner while the free space falls fast: see
+        ckagent.delivery.diskwatch): the shippers' noted positions (one write), the files of every
+        running task, their directories' sizes and the free-space figure (one hop) — for the whole
+        agent, not per task or stream; a task that fills the disk is handed to :attr:`on_disk_full`.
+        With no delivery open it sleeps until one opens (an idle agent has nothing here to look at:
+        no wake-up), then refreshes the free-space figure at once."""
         while True:
             if not self.deliveries:
-                await self.store.flush_positions()  # the last delivery's last positions
+                await self._flush_positions()  # the last delivery's last positions
                 await self._busy.wait()
                 await self.guard.refresh()  # the figure may be hours old
-            await trio.sleep(SCAN_INTERVAL)
-            await self.store.flush_positions()  # the shippers' acknowledged positions, all streams at once
+            await trio.sleep(self.disk.next_interval())
+            await self._flush_positions()  # the shippers' acknowledged positions, all streams at once
             live = [delivery for delivery in self.deliveries.values() if delivery.scanning]
-            found, free = await trio.to_thread.run_sync(_scan_round, live, self.guard.path)  # one hop
+            found, free, sizes = await trio.to_thread.run_sync(_scan_round, live, self.guard.path)  # one hop
             for delivery, (files, items_size, stats_size) in zip(live, found, strict=True):
                 delivery.scanned(files, items_size, stats_size)
             if free is not None:
                 self.guard.free_bytes = free
+            await self._watch_disk(free, {d.task_id: size for d, size in zip(live, sizes, strict=True)})
+            self._looked.set()
+            self._looked = trio.Event()
+
+    async def next_look(self) -> None:
+        """Return after the disk loop's next look at the disk (a writer waiting for room tries again
+        then). Cancellation: as usual."""
+        await self._looked.wait()
+
+    async def _watch_disk(self, free: int | None, sizes: dict[str, int]) -> None:
+        """One look of the disk watch: stop the task that fills the disk; make the reserve again once
+        there is room for it."""
+        released = self.reserve.released_at if self.reserve is not None else None
+        was_full = released is not None and released != self._reserve_released
+        self._reserve_released = released
+        for task_id, reason in self.disk.observe(trio.current_time(), free, sizes, was_full):
+            log.error("task %s: %s; stopping it (DISK_FULL)", task_id, reason)
+            if self.on_disk_full is not None:
+                self.on_disk_full(task_id, reason)
+        reserve = self.reserve
+        if (reserve is not None and free is not None and free > self.disk.critical_bytes + 2 * reserve.size_bytes
+                and not await trio.to_thread.run_sync(lambda: reserve.held)):
+            await trio.to_thread.run_sync(reserve.restore)
+
+    async def _flush_positions(self) -> None:
+        """The noted positions into the state store; on a full disk they stay noted for the next try
+        (logged once per episode), the agent goes on."""
+        try:
+            await self.store.flush_positions()
+        except StateStoreError as exc:
+            if not self._store_full:
+                self._store_full = True
+                log.error("cannot save the acknowledged positions: %s; they are kept in memory and saved when "
+                          "there is room (a crash meanwhile only makes the agent send those batches again)", exc)
+            return
+        if self._store_full:
+            self._store_full = False
+            log.info("the acknowledged positions are saved again")
 
     async def _retention_loop(self) -> None:
         interval = min(3600.0, max(1.0, self.config.retention / 4))
         while True:
             await cleanup_task_dirs(self.store, self.tasks_dir, self.config.retention)
+            # Files kept on the node (over the artifact budget, ...) follow the same retention.
+            await trio.to_thread.run_sync(cleanup_kept, self.work_dir, self.config.retention)
             await trio.sleep(interval)
 
 
@@ -414,15 +516,16 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _scan_round(deliveries: list[TaskDelivery], disk: Path) -> tuple[list[tuple[dict[str, int], int, int]], int | None]:
-    """One round of the disk loop in its worker thread (blocking): :func:`_scan_all` and the free
-    bytes of the filesystem holding ``disk`` (None when it cannot be measured)."""
+def _scan_round(deliveries: list[TaskDelivery], disk: Path) -> tuple[list[tuple[dict[str, int], int, int]],
+                                                                     int | None, list[int]]:
+    """One round of the disk loop in its worker thread (blocking): :func:`_scan_all`, the free bytes of
+    the filesystem holding ``disk`` (None when it cannot be measured) and each task dir's bytes."""
     try:
         free: int | None = shutil.disk_usage(disk).free
     except OSError as exc:
         log.debug("cannot measure free space of %s: %s", disk, exc)
         free = None
-    return _scan_all(deliveries), free
+    return _scan_all(deliveries), free, [tree_bytes(delivery.task_dir) for delivery in deliveries]
 
 
 def _scan_all(deliveries: list[TaskDelivery]) -> list[tuple[dict[str, int], int, int]]:

@@ -19,7 +19,7 @@ from typing import Any
 import trio
 
 from ckagent.delivery.journal import parse_journal
-from ckagent.delivery.lines import LineSplitter, Masker, encode_block, encode_lines
+from ckagent.delivery.lines import LineSplitter, Masker, encode_block, encode_json, encode_lines
 from ckagent.delivery.spool import (
     JOURNAL_FILE,
     MAX_LINE_BYTES,
@@ -260,6 +260,14 @@ def _pread(fd: int, size: int, offset: int) -> bytes:
     return os.pread(fd, size, offset)
 
 
+def oversize_placeholder(size: int, limit: int) -> bytes:
+    """The one item that stands for an items.jsonl line over the limit (dropped, not cut into pieces)."""
+    return encode_json({"_invalidItem": None, "_error": (
+        f"an item of {size} bytes (its line, with the line end) is over the limit of {limit} bytes "
+        f"({limit / (1 << 20):g} MiB) for one item and was dropped; write smaller items (e.g. store large "
+        "content as a file in CK_TASK_DIR and put its name in the item)")})
+
+
 class _FileReader:
     """Elements of one file (the items stream). Position: ``{"offset": <end of the last element>}``."""
 
@@ -272,6 +280,8 @@ class _FileReader:
         self._fd = -1
         self._read_at = 0
         self._splitter = LineSplitter(0, max_line_bytes, cr_breaks)
+        self._line_start = 0  # where the next line (or piece of a cut one) starts
+        self._oversize = 0  # bytes so far of a line longer than max_line_bytes (0: none being read)
         self.finished = False  # set by the owner: the file will not grow any more
         self.done = False
         # Written by another process, so nothing notifies its growth directly: while it grows the shipper
@@ -283,6 +293,7 @@ class _FileReader:
         offset = int(position.get("offset", 0)) if isinstance(position, dict) else 0
         self._read_at = offset
         self._splitter = LineSplitter(offset, self._max, self._cr)
+        self._line_start, self._oversize = offset, 0
         self.done = False
 
     async def read(self, pending: _Pending) -> bool:
@@ -312,8 +323,20 @@ class _FileReader:
             return False
         elements, marks = [], []
         encode = self._encode
-        for raw, end in zip(lines, ends, strict=True):
-            element = encode(raw)
+        last = len(lines) - 1
+        for i, (raw, end) in enumerate(zip(lines, ends, strict=True)):
+            start, self._line_start = self._line_start, end
+            # A piece the splitter cut off a line longer than max_line_bytes consumed no terminator.
+            element: bytes | None
+            cut = end - start == len(raw) and len(raw) > self._max - 4 and not (self.done and i == last)
+            if cut or self._oversize:
+                self._oversize += end - start
+                if cut:
+                    continue
+                element = oversize_placeholder(self._oversize, self._max)
+                self._oversize = 0
+            else:
+                element = encode(raw)
             if element is not None:
                 elements.append(element)
                 marks.append(end)

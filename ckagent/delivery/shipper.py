@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,17 +38,33 @@ from ckagent.delivery.spool import (
 from ckagent.ids import api_path
 from ckagent.master import MasterClient, MasterConflict, MasterRejected, MasterUnavailable, json_object
 from ckagent.protocol import SeqAccepted, TaskResult
-from ckagent.state import AsyncStateStore
+from ckagent.state import AsyncStateStore, StateStoreError
 
 log = logging.getLogger(__name__)
+
+CEILING_RECOVERY = 8
+"""Acknowledgements in a row after which a batch size lowered by a 413 may double again."""
 
 # ---------------------------------------------------------------------------------------------- shipping
 
 
-_SHRINK_STATUSES = frozenset({413, 422})
-"""4xx answers to a batch that the protocol gives a meaning: too large, an element it refuses."""
-_FINAL_REFUSALS = frozenset({404, 422})
-"""4xx answers to a final result that say the master will never take it: unknown task, invalid result."""
+DEFAULT_REFUSAL_TIMEOUT = 600.0
+"""Seconds a stream (or a final result) retries a 404 "unknown task", and a stream a 413 for a single
+element, before it gives up on it (``server.refusal_timeout``)."""
+
+
+def refused_element(exc: MasterRejected, key: str, count: int) -> int | None:
+    """The index (0-based, within the batch of ``count`` elements) of the element a 422 names as the
+    one it refuses — its ``field`` is ``"<key>[i]"`` or a path inside it (``"items[3].price"``) —
+    or None: only such a 422 drops an element (docs/protocol.md, "When something fails")."""
+    body = exc.body
+    field = body.get("field") if isinstance(body, dict) else None
+    if exc.status != 422 or not isinstance(field, str) or not field.startswith(f"{key}["):
+        return None
+    digits, _, _ = field[len(key) + 1:].partition("]")
+    if not digits.isdigit() or int(digits) >= count:
+        return None
+    return int(digits)
 
 
 class _Flight:
@@ -65,18 +82,23 @@ class _Answer:
     __slots__ = ("expected", "kind")
 
     def __init__(self, kind: str, expected: int | None = None) -> None:
-        self.kind = kind  # ok | expected | shrink | refused
+        self.kind = kind  # ok | expected | shrink | element (expected = its index) | refused
         self.expected = expected
 
 
-async def _backoff_sleep(master: MasterClient, attempt: int) -> None:
-    """Sleep the backoff for ``attempt`` (1, 2, ...): exponential with jitter, capped at BACKOFF_MAX.
+async def _backoff_sleep(master: MasterClient, attempt: int, retry_after: float | None = None) -> None:
+    """Sleep the backoff for ``attempt`` (1, 2, ...): exponential with jitter, capped at BACKOFF_MAX;
+    at least ``retry_after`` seconds when the master asked for it (a 429/503's ``Retry-After``).
 
     Ends early (but not before EARLY_RETRY_AFTER seconds) when the master becomes reachable again:
-    it waits on the connectivity's event (another request got through), it does not poll.
+    it waits on the connectivity's event (another request got through), it does not poll. A wait
+    the master asked for is never cut short.
     """
     base = min(BACKOFF_MAX, BACKOFF_INITIAL * 2 ** (attempt - 1))
     delay = random.uniform(base / 2, base)
+    if retry_after:
+        await trio.sleep(retry_after)
+        return
     connectivity = master.connectivity
     was_up = connectivity.up
     with trio.move_on_after(delay):
@@ -92,7 +114,11 @@ class StreamShipper:
     Build it with :meth:`logs` or :meth:`items`. :meth:`notify` says the spool grew; :meth:`finish`
     says the items file is complete (the log stream knows it from the journal's E record). ``stats``:
     ``acked`` elements the master holds, ``read`` elements read. ``refused`` is True when the master
-    refused the stream for good.
+    refused the stream for good (a 409 without ``expectedSeq``, or "unknown task" for longer than
+    ``refusal_timeout`` seconds): the stream is then incomplete and the result says so.
+    ``refusing_since`` is the trio time the batch on its way was first refused (None while it is not),
+    ``placeholders`` counts elements the master refused on their own (replaced by a placeholder);
+    ``waiting_since`` (epoch seconds) how long what was read has waited (see the attribute).
     """
 
     def __init__(
@@ -103,6 +129,7 @@ class StreamShipper:
         kind: str,
         reader: _FileReader | _JournalReader,
         limiter: trio.CapacityLimiter | None = None,
+        refusal_timeout: float = DEFAULT_REFUSAL_TIMEOUT,
     ) -> None:
         if kind not in ("logs", "items"):
             raise ValueError(f"unknown stream kind {kind!r}")
@@ -117,24 +144,35 @@ class StreamShipper:
         self._limiter = limiter or trio.CapacityLimiter(1)
         self._wake = trio.Event()
         self._count_limit = self._count_ceiling = MAX_BATCH_COUNT
+        self._ceiling_successes = 0  # acknowledgements in a row since the ceiling was last lowered
+        self._lone_too_large = False  # a single element got a 413: if it is taken later, the 413 was passing
+        self._refusal_timeout = refusal_timeout
         self.acked = 0
         self.refused = False
+        self.refusing_since: float | None = None
+        self.placeholders = 0
+        self.waiting_since: float | None = None
+        """Epoch seconds since elements read from the spool wait for the master: since the last
+        acknowledgement, or since they were read after the stream had caught up (None: none waits)."""
         self.requests = 0
         self.batcher: NodeBatcher | None = None
         """Set by the outbox: batches go through it while the master offers node batches."""
 
     @classmethod
     def logs(cls, master: MasterClient, store: AsyncStateStore, task_id: str, task_dir: Path, masker: Masker,
-             limiter: trio.CapacityLimiter | None = None, max_line_bytes: int = MAX_LINE_BYTES) -> StreamShipper:
+             limiter: trio.CapacityLimiter | None = None, max_line_bytes: int = MAX_LINE_BYTES,
+             refusal_timeout: float = DEFAULT_REFUSAL_TIMEOUT) -> StreamShipper:
         """The log stream of the task in ``task_dir`` (its journal and sources)."""
-        return cls(master, store, task_id, "logs", _JournalReader(task_dir, masker, max_line_bytes), limiter)
+        return cls(master, store, task_id, "logs", _JournalReader(task_dir, masker, max_line_bytes), limiter,
+                   refusal_timeout)
 
     @classmethod
     def items(cls, master: MasterClient, store: AsyncStateStore, task_id: str, task_dir: Path,
-              limiter: trio.CapacityLimiter | None = None) -> StreamShipper:
+              limiter: trio.CapacityLimiter | None = None,
+              refusal_timeout: float = DEFAULT_REFUSAL_TIMEOUT) -> StreamShipper:
         """The items stream of the task in ``task_dir`` (``items.jsonl``)."""
         reader = _FileReader(task_dir / ITEMS_FILE, encode_item, MAX_ITEM_BYTES, cr_breaks=False)
-        return cls(master, store, task_id, "items", reader, limiter)
+        return cls(master, store, task_id, "items", reader, limiter, refusal_timeout)
 
     def _age(self) -> float:
         """Seconds a non-full batch waits for more elements: shorter for lines going in node batches
@@ -174,11 +212,15 @@ class StreamShipper:
         unsaved: tuple[int, Any] | None = None
 
         async def save() -> None:
-            """The position into the database now (the stream ends)."""
+            """The position into the database now (the stream ends); on a full disk it stays noted for
+            the outbox's next write (the stream is complete all the same)."""
             nonlocal unsaved
             if unsaved is not None:
                 saving, unsaved = unsaved, None
-                await self._store.save_stream_position(self.task_id, self.stream, *saving)
+                try:
+                    await self._store.save_stream_position(self.task_id, self.stream, *saving)
+                except StateStoreError as exc:  # the positions stay noted (AsyncStateStore keeps them)
+                    log.warning("task %s %s: %s; the position is saved later", self.task_id, self.stream, exc)
 
         def note() -> None:
             """The position to the state store's next batched write (the outbox's once-a-second hop
@@ -199,11 +241,25 @@ class StreamShipper:
                             await save()
                             return
                         if answer.kind == "shrink":
-                            if n > 1:  # smaller batches from now on (up to the size that failed)
+                            if n > 1:  # smaller batches for a while (up to the size that failed)
                                 self._count_limit = self._count_ceiling = max(1, n // 2)
-                            else:  # this element is the problem, not the batch size
-                                pending.replace_first(self._placeholder(pending.first()))
-                                self._count_ceiling = MAX_BATCH_COUNT
+                                self._ceiling_successes = 0
+                            else:  # too large on its own for longer than refusal_timeout: reported
+                                self._drop_first(pending, seq, "413 for longer than server.refusal_timeout")
+                            continue
+                        if answer.kind == "element":  # a 422 naming one element: the master's word
+                            assert answer.expected is not None
+                            if answer.expected == 0 and self._is_placeholder_element(pending.first()):
+                                log.error("task %s %s: the master refuses even the placeholder of element %d; "
+                                          "not sending the stream any more; the result will say incomplete",
+                                          self.task_id, self.stream, seq)
+                                self.refused = True
+                                await save()
+                                return
+                            if answer.expected == 0:
+                                self._drop_first(pending, seq, "422 naming it")
+                            else:  # send the elements before it first
+                                self._count_limit = answer.expected
                             continue
                         # The acknowledgement in the protocol's own words: how many elements the
                         # master holds (never assumed from a bare 2xx).
@@ -220,6 +276,15 @@ class StreamShipper:
                                 unsaved = (seq, position)
                             skip = expected - seq
                             self.acked = seq
+                            self.waiting_since = time.time() if pending else None  # the rest waits from now
+                            self._ceiling_successes += 1
+                            if self._lone_too_large:  # one element was "too large", then taken: a passing 413
+                                self._lone_too_large = False
+                                self._count_ceiling = MAX_BATCH_COUNT
+                            elif self._ceiling_successes >= CEILING_RECOVERY and self._count_ceiling < MAX_BATCH_COUNT:
+                                # a 413 may have been a moment's (a master restarting behind a proxy)
+                                self._count_ceiling = min(MAX_BATCH_COUNT, self._count_ceiling * 2)
+                                self._ceiling_successes = 0
                             self._count_limit = min(self._count_ceiling, self._count_limit * 2)
                         else:
                             start = max(k for k in checkpoints if k <= expected)
@@ -248,6 +313,8 @@ class StreamShipper:
                     if (not reader.done and len(pending) - sending_count < self._count_limit
                             and pending.size - sending_size < MAX_BATCH_BYTES):
                         progress = await reader.read(pending)
+                        if pending and self.waiting_since is None:
+                            self.waiting_since = time.time()
                     if flight is None and pending and not skip and (
                         reader.done
                         or len(pending) >= self._count_limit
@@ -291,95 +358,133 @@ class StreamShipper:
             {"_invalidItem": None, "_error": f"an item of {size} bytes was refused by the master and dropped"}
         )
 
+    def _drop_first(self, pending: _Pending, seq: int, why: str) -> None:
+        """Replace the first pending element (index ``seq`` of the stream) by its placeholder: the
+        master refused it on its own (``why``); said in the agent log, counted in :attr:`placeholders`."""
+        element = pending.first()
+        log.error("task %s %s: the master refuses element %d on its own (%s); it is replaced by a placeholder "
+                  "(the spool keeps the original)", self.task_id, self.stream, seq, why)
+        pending.replace_first(self._placeholder(element))
+        self.placeholders += 1
+        self._count_limit = self._count_ceiling = MAX_BATCH_COUNT
+
     async def _post(self, seq: int, count: int, body: bytes) -> _Answer:
         """POST one batch (``count`` elements from ``seq``, ``body`` its encoded JSON) until the master
-        answers (backoff on MasterUnavailable). See module docstring."""
+        answers in a way that moves the stream (see module docstring): an acknowledgement, a 409, a
+        413 for several elements, a 422 naming an element; or a 404 / a lone element's 413 that lasted
+        longer than ``refusal_timeout``. Everything else is retried with backoff, forever."""
         path = api_path("/api/tasks/{task}/" + self.kind, task=self.task_id)
         attempt = 0
-        while True:
-            try:
-                batcher = self.batcher
-                # A small batch goes with other tasks' batches, in one request; a large one (a flood)
-                # gains nothing from company and keeps its endpoint's own fast path.
-                if batcher is not None and batcher.enabled and len(body) <= NODE_BATCH_ENTRY_BYTES:
-                    self.requests += 1
-                    return _Answer("ok", await batcher.post(self.task_id, self.kind, body))
-                async with self._limiter:
-                    self.requests += 1
-                    answer: SeqAccepted = await self._master.call(
-                        self.kind, "POST", path, content=body, answer=SeqAccepted.from_json)
-                return _Answer("ok", answer.accepted_seq)
-            except MasterUnavailable:  # MasterProtocolError too: a 2xx without acceptedSeq is no acknowledgement
-                attempt += 1
-                await _backoff_sleep(self._master, attempt)
-            except MasterConflict as exc:
-                expected = exc.body.get("expectedSeq") if isinstance(exc.body, dict) else None
-                if isinstance(expected, int) and expected >= 0:
-                    log.info("task %s %s: master expects element %d (sent %d)", self.task_id, self.stream,
-                             expected, seq)
-                    return _Answer("expected", expected)
-                log.error("task %s %s: the master refuses the stream (%s); not sending it any more",
-                          self.task_id, self.stream, exc)
-                return _Answer("refused")
-            except MasterRejected as exc:
-                if exc.status == 404:
-                    log.error("task %s %s: the master does not know the task (404); not sending the stream",
-                              self.task_id, self.stream)
+        try:
+            while True:
+                try:
+                    batcher = self.batcher
+                    # A small batch goes with other tasks' batches, in one request; a large one (a flood)
+                    # gains nothing from company and keeps its endpoint's own fast path.
+                    if batcher is not None and batcher.enabled and len(body) <= NODE_BATCH_ENTRY_BYTES:
+                        self.requests += 1
+                        return _Answer("ok", await batcher.post(self.task_id, self.kind, body))
+                    async with self._limiter:
+                        self.requests += 1
+                        answer: SeqAccepted = await self._master.call(
+                            self.kind, "POST", path, content=body, answer=SeqAccepted.from_json)
+                    return _Answer("ok", answer.accepted_seq)
+                except MasterUnavailable as exc:  # MasterProtocolError too: a 2xx without acceptedSeq is none
+                    attempt += 1
+                    await _backoff_sleep(self._master, attempt, exc.retry_after)
+                except MasterConflict as exc:
+                    expected = exc.body.get("expectedSeq") if isinstance(exc.body, dict) else None
+                    if isinstance(expected, int) and expected >= 0:
+                        log.info("task %s %s: master expects element %d (sent %d)", self.task_id, self.stream,
+                                 expected, seq)
+                        return _Answer("expected", expected)
+                    log.error("task %s %s: the master refuses the stream (%s); not sending it any more; the "
+                              "result will say incomplete", self.task_id, self.stream, exc)
                     return _Answer("refused")
-                if exc.status not in _SHRINK_STATUSES:
-                    # Not an answer the protocol gives a batch (401 after re-registering, 403, 408, ...):
-                    # this request failed (logged once per episode by the master client); nothing read
-                    # from the spool is dropped for it.
+                except MasterRejected as exc:
+                    answer_kind = self._refusal(exc, count)
+                    if answer_kind is not None:
+                        return answer_kind
                     attempt += 1
                     await _backoff_sleep(self._master, attempt)
-                    continue
-                log.error("task %s %s: the master rejected a batch of %d element(s) (%s); sending it smaller",
-                          self.task_id, self.stream, count, exc)
-                if count == 1 and self._is_placeholder(body):
-                    return _Answer("refused")
-                return _Answer("shrink")
+        finally:
+            self.refusing_since = None
 
-    def _is_placeholder(self, body: bytes) -> bool:
-        """True when the one element of the batch ``body`` is a placeholder."""
+    def _refusal(self, exc: MasterRejected, count: int) -> _Answer | None:
+        """What a 4xx (not 409) to the batch means: an answer that moves the stream, or None (retry)."""
+        now = trio.current_time()
+        if self.refusing_since is None:
+            self.refusing_since = now
+        lasted = now - self.refusing_since
+        if exc.status == 413 and count == 1:
+            self._lone_too_large = True
+        if exc.status == 413 and count > 1:
+            log.warning("task %s %s: the master finds a batch of %d elements too large (413); sending it smaller",
+                        self.task_id, self.stream, count)
+            return _Answer("shrink")
+        index = refused_element(exc, self._key, count)
+        if index is not None:
+            return _Answer("element", index)
+        if lasted >= self._refusal_timeout:
+            if exc.status == 413:  # count == 1: this element, not the batch size
+                return _Answer("shrink")
+            if exc.status == 404:
+                log.error("task %s %s: the master has not known the task for %.0f s (404; server.refusal_timeout); "
+                          "not sending the stream any more; the result will say incomplete, the spool stays on "
+                          "the node", self.task_id, self.stream, lasted)
+                return _Answer("refused")
+        # Not the master's word to drop anything (a 404 of a master restarting, 403, 408, a lone 413
+        # for a moment, ...): the batch is retried with backoff; logged once per episode by the client.
+        return None
+
+    def _is_placeholder_element(self, element: bytes) -> bool:
+        """True when the encoded ``element`` is a placeholder (see :meth:`_placeholder`)."""
         try:
-            (element,) = json.loads(body)[self._key]
-        except (ValueError, KeyError, TypeError):
+            decoded = json.loads(element)
+        except ValueError:
             return False
-        if isinstance(element, str):
-            return element.startswith("[ckagent] a log line of ")
-        return isinstance(element, dict) and "_invalidItem" in element and element.get("_invalidItem") is None
+        if isinstance(decoded, str):
+            return decoded.startswith("[ckagent] a log line of ")
+        return isinstance(decoded, dict) and "_invalidItem" in decoded and decoded.get("_invalidItem") is None
 
 
 async def send_result(
     master: MasterClient, store: AsyncStateStore, task_id: str, result: TaskResult,
-    limiter: trio.CapacityLimiter | None = None,
+    limiter: trio.CapacityLimiter | None = None, refusal_timeout: float = DEFAULT_REFUSAL_TIMEOUT,
 ) -> None:
     """Send a final result until the master acknowledges it (forever, with backoff), then mark it acked.
 
-    A 409, 404 or 422 (in the protocol's words) means the master will never take it (cancelled
-    there, claimed by another node, unknown, invalid): logged, and marked done so it is not retried
-    across restarts. Any other answer — an answer that is not the protocol's (MasterProtocolError),
-    another 4xx — is not an acknowledgement: retried with backoff. Cancellation stops the
-    retries; the result stays in the state store for the next start.
+    A 409 or 422 (in the protocol's words) means the master will never take it (cancelled there,
+    claimed by another node, invalid): logged, and marked done so it is not retried across restarts;
+    so is a 404 ("unknown task") that lasts longer than ``refusal_timeout`` seconds (a master
+    restarting behind a proxy answers 404 for a moment). Any other answer — an answer that is not
+    the protocol's (MasterProtocolError), another 4xx — is not an acknowledgement: retried with
+    backoff (at least a 429/503's ``Retry-After``). Cancellation stops the retries; the result
+    stays in the state store for the next start.
     """
     attempt = 0
+    refused_since: float | None = None
     while True:
         try:
             async with limiter if limiter is not None else contextlib.nullcontext():
                 await master.call("result", "POST", api_path("/api/tasks/{task}/result", task=task_id), json=result.to_json(),
                                   answer=json_object)
             break
-        except MasterUnavailable:  # MasterProtocolError too: an HTML page is not an acknowledgement
+        except MasterUnavailable as exc:  # MasterProtocolError too: an HTML page is not an acknowledgement
             attempt += 1
-            await _backoff_sleep(master, attempt)
+            await _backoff_sleep(master, attempt, exc.retry_after)
         except MasterConflict as exc:
             log.warning("task %s: master refused the final result %s (%s)", task_id, result.status, exc)
             break
         except MasterRejected as exc:
-            if exc.status not in _FINAL_REFUSALS:  # 401 after re-registering, 403, 408, ...: retried
-                attempt += 1
-                await _backoff_sleep(master, attempt)
-                continue
-            log.error("task %s: master rejected the final result (%s)", task_id, exc)
-            break
-    await store.mark_result_acked(task_id)
+            now = trio.current_time()
+            refused_since = now if refused_since is None else refused_since
+            if exc.status == 422 or (exc.status == 404 and now - refused_since >= refusal_timeout):
+                log.error("task %s: master rejected the final result (%s)", task_id, exc)
+                break
+            attempt += 1  # 404 for a moment, 401 after re-registering, 403, 408, ...: retried
+            await _backoff_sleep(master, attempt)
+    try:
+        await store.mark_result_acked(task_id)
+    except StateStoreError as exc:  # the next start sends it again; the master answers a repeat as such
+        log.error("task %s: the master has its result, but %s", task_id, exc)

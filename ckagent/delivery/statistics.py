@@ -49,14 +49,33 @@ outbox's memory (:meth:`ckagent.delivery.Outbox.figures`)."""
 
 
 @dataclass(frozen=True)
+class TaskBacklog:
+    """One task's data waiting for the master: ``log_lines`` and ``items`` written and not acknowledged,
+    ``bytes`` their approximate spool bytes (the task's spool bytes × the unacknowledged share of its
+    elements), ``age_seconds`` how long the oldest of them has waited — since the master last took
+    any of the task's data while some was waiting (0 when none waits)."""
+
+    task_id: str
+    log_lines: int
+    items: int
+    bytes: int
+    age_seconds: float
+
+
+@dataclass(frozen=True)
 class OutboxStatistics:
     """What waits for the master: log lines and items written to the spool but not acknowledged,
-    final results not acknowledged, and the number of tasks with anything left to deliver."""
+    final results not acknowledged, and the number of tasks with anything left to deliver;
+    ``backlog`` per task that has lines or items waiting (oldest wait first), ``oldest_seconds``
+    the longest wait among them."""
 
     log_lines: int = 0
     items: int = 0
     results: int = 0
     tasks: int = 0
+    backlog: tuple[TaskBacklog, ...] = ()
+    bytes: int = 0
+    oldest_seconds: float = 0.0
 
 
 class _ElementCount:
@@ -70,6 +89,11 @@ class _ElementCount:
         self._read_to = 0
         self._splitter = LineSplitter(0, MAX_LINE_BYTES, True) if log else LineSplitter(0, MAX_ITEM_BYTES, False)
         self.count = 0
+
+    @property
+    def read_bytes(self) -> int:
+        """Bytes of the file counted so far."""
+        return self._read_to
 
     def update(self) -> int:
         """Read what was appended (blocking); returns the count. A missing file counts 0."""
@@ -105,6 +129,10 @@ class _TaskSpool:
         self.logs: dict[str, _ElementCount] = {OUTPUT_LOG: _ElementCount(task_dir / OUTPUT_LOG, log=True)}
         self.items = _ElementCount(task_dir / ITEMS_FILE, log=False)
         self._journal_read_to = 0
+
+    def spool_bytes(self) -> int:
+        """Bytes of the spool files counted so far."""
+        return sum(counter.read_bytes for counter in self.logs.values()) + self.items.read_bytes
 
     def log_lines(self) -> int:
         """Lines written to every log source so far (blocking)."""
@@ -162,6 +190,7 @@ class SpoolCounter:
         self._done: set[str] = set()  # settled by task_done; may still be in a read that started before
         self._shipped = [0, 0]  # (log lines, items): see shipped_log_lines / shipped_items
         self._settled: deque[tuple[str, int, int, float]] = deque()  # task_done calls not yet applied
+        self._waiting: dict[str, tuple[int, int, float]] = {}  # task id -> (log acked, items acked, waiting since)
         self.last = OutboxStatistics()
 
     def read(self) -> OutboxStatistics:
@@ -191,6 +220,8 @@ class SpoolCounter:
         with self._lock:
             self._settle()
         lines = items = results = 0
+        backlog: list[TaskBacklog] = []
+        now = time.time()
         for task_id, task_dir, claimed_at, has_result, log_acked, items_acked in records:
             if has_result:
                 results += 1
@@ -198,16 +229,33 @@ class SpoolCounter:
             if spool is None or spool.task_dir != task_dir:
                 spool = self._spools[task_id] = _TaskSpool(task_dir)
             yield from spool.steps()
-            lines += max(0, sum(counter.count for counter in spool.logs.values()) - log_acked)
-            items += max(0, spool.items.count - items_acked)
+            written = sum(counter.count for counter in spool.logs.values()) + spool.items.count
+            task_lines = max(0, sum(counter.count for counter in spool.logs.values()) - log_acked)
+            task_items = max(0, spool.items.count - items_acked)
+            lines += task_lines
+            items += task_items
+            if task_lines or task_items:
+                seen = self._waiting.get(task_id)
+                since = now if seen is None or (seen[0], seen[1]) != (log_acked, items_acked) else seen[2]
+                self._waiting[task_id] = (log_acked, items_acked, since)
+                share = (task_lines + task_items) / written if written else 0.0
+                backlog.append(TaskBacklog(task_id, task_lines, task_items, int(spool.spool_bytes() * share),
+                                           now - since))
+            else:
+                self._waiting.pop(task_id, None)
             with self._lock:
                 self._advance(task_id, [log_acked, items_acked], before_start=claimed_at < self._started_at)
         pending_ids = {record[0] for record in records}
         for task_id in set(self._spools) - pending_ids:
             del self._spools[task_id]
+        for task_id in set(self._waiting) - pending_ids:
+            del self._waiting[task_id]
         with self._lock:
             self._done &= pending_ids
-        self.last = OutboxStatistics(log_lines=lines, items=items, results=results, tasks=len(records))
+        backlog.sort(key=lambda b: -b.age_seconds)
+        self.last = OutboxStatistics(log_lines=lines, items=items, results=results, tasks=len(records),
+                                     backlog=tuple(backlog), bytes=sum(b.bytes for b in backlog),
+                                     oldest_seconds=backlog[0].age_seconds if backlog else 0.0)
 
     def task_done(self, task_id: str, log_lines: int, items: int, claimed_at: float) -> None:
         """The master acknowledged the task's final result with these counts: settle its shipped figures.

@@ -16,13 +16,16 @@ Node endpoints (``Authorization: Bearer <apiKey>``; registration uses ``X-Regist
     GET  /api/spider-files/spider/{spiderId}    → [{id, path, sizeBytes, sha256}]
     GET  /api/spider-files/{fileId}             → bytes
     GET  /api/packages/{spiderId}/{codeVersion}.zip → zip bytes
+    PUT  /api/tasks/{taskId}/artifacts/{path}   → {path, sizeBytes, sha256}  (body: the file; header
+                                                  X-Content-SHA256; "artifacts", ckagent.devmaster.artifacts)
 
 Admin endpoints (``Authorization: Bearer <admin token>``)::
 
     POST /api/spiders, GET /api/spiders, GET /api/spiders/{id}, PATCH /api/spiders/{id},
     PUT /api/spiders/{id}/package,
     POST /api/spiders/{id}/tasks, GET /api/tasks, GET /api/tasks/{id}, GET /api/tasks/{id}/logs, GET /api/tasks/{id}/logs/digest,
-    GET /api/tasks/{id}/items, POST /api/tasks/{id}/cancel, GET /api/nodes,
+    GET /api/tasks/{id}/items, GET /api/tasks/{id}/artifacts, GET /api/tasks/{id}/artifacts/{path},
+    POST /api/tasks/{id}/cancel, GET /api/nodes,
     GET /api/agent-versions, PUT /api/agent-versions {minAgentVersion, desiredAgentVersion} (null clears)
 
 Errors are JSON ``{"error": "..."}`` (plus ``field`` for 422, ``expectedSeq`` for a seq gap); the
@@ -38,15 +41,17 @@ import re
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 import trio
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from ckagent.devmaster import demosite
+from ckagent.devmaster.artifacts import MAX_ARTIFACT_BYTES
 from ckagent.devmaster.errors import (
     ApiError,
     BadRequestError,
@@ -58,6 +63,7 @@ from ckagent.devmaster.packages import MAX_PACKAGE_BYTES, read_package
 from ckagent.devmaster.paths import SegmentPaths, check_spider_name
 from ckagent.devmaster.store import Store
 from ckagent.protocol import (
+    ARTIFACTS,
     CLAIM_IN_POLL,
     FRAMEWORKS,
     NODE_BATCHES,
@@ -66,12 +72,14 @@ from ckagent.protocol import (
     LogBatch,
     ProtocolError,
     RegisterRequest,
+    TaskOutputs,
     TaskResources,
     TaskResult,
     TaskStats,
     VersionPolicy,
     parse_stop_signal,
 )
+from ckagent.protocol.outputs import check_artifact_path
 
 __all__ = ["MAX_BATCH_ELEMENTS", "MAX_NODE_BODY_BYTES", "Notifier", "create_app"]
 
@@ -279,8 +287,18 @@ def _opt_seconds(o: dict[str, Any], key: str) -> float | None:
     return float(value)
 
 
-SPIDER_PATCH_FIELDS = ("name", "framework", "command", "env", "timeoutSeconds", "resources", "stopSignal")
+SPIDER_PATCH_FIELDS = ("name", "framework", "command", "env", "timeoutSeconds", "resources", "stopSignal", "outputs")
 """What ``PATCH /api/spiders/{id}`` may change."""
+
+
+def _outputs(o: dict[str, Any]) -> dict[str, Any] | None:
+    """A spider's ``outputs`` (validated, a misspelt key refused; null or absent = None: the conventions)."""
+    raw = o.get("outputs")
+    unknown = sorted(set(raw) - {"items", "artifacts"}) if isinstance(raw, dict) else []
+    if unknown:
+        raise ProtocolError(f"outputs.{unknown[0]}", "unknown key: outputs takes 'items' and 'artifacts'")
+    outputs = TaskOutputs.from_json(raw, "outputs")
+    return None if outputs is None else outputs.to_json()
 
 
 def _command(o: dict[str, Any]) -> list[str] | str | None:
@@ -304,16 +322,20 @@ def create_app(
     max_long_poll_seconds: float = 30.0,
     public_url: str | None = None,
     claim_in_poll: bool = True,
+    artifacts: bool = True,
 ) -> Starlette:
     """Build the ASGI app over ``store``. Must run inside a Trio loop (hypercorn's trio worker).
 
     ``max_long_poll_seconds`` caps ``waitSeconds`` (never above 30 s). ``public_url`` prefixes the
     codePackage urls handed out; None hands them out relative to the agent's ``server.url``
     (``/api/packages/…``), which works behind any proxy or ingress. ``claim_in_poll`` False leaves
-    the ``claim-in-poll`` feature out of registration answers and ignores ``claim`` (an older master).
+    the ``claim-in-poll`` feature out of registration answers and ignores ``claim`` (an older master);
+    ``artifacts`` False leaves out the ``artifacts`` feature and its endpoints (404, as an older master).
     """
     poll_cap = min(max_long_poll_seconds, 30.0)
     master_features = [CLAIM_IN_POLL] if claim_in_poll else []
+    if artifacts:
+        master_features.append(ARTIFACTS)
 
     async def run(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         return await trio.to_thread.run_sync(partial(fn, *args, **kwargs))
@@ -366,6 +388,7 @@ def create_app(
             raise BadRequestError("expected a JSON object {minAgentVersion, desiredAgentVersion}")
         policy = VersionPolicy.from_json(body)
         await run(store.set_version_policy, policy)
+        notifier.notify()  # held polls look again: a node now below the minimum gets nothing
         return JSONResponse(policy.to_json())
 
     async def pending(request: Request) -> Response:
@@ -393,7 +416,10 @@ def create_app(
             nursery.start_soon(watch)
             while not gone.is_set():  # a poll nobody waits for any more claims nothing
                 changed = notifier.event()
-                if poll_id is not None:
+                if await run(store.below_minimum, node_id):  # told so: it gets nothing until upgraded
+                    tasks: list[dict[str, Any]] = []
+                    cancel_ids = await run(store.cancel_ids, node_id)
+                elif poll_id is not None:
                     # Claimed and answered in one transaction. Claims whose answer does not reach the
                     # node are never given back here (a re-sent poll with the same pollId may have
                     # answered them already): the re-sent poll or the reconciliation settles them.
@@ -544,6 +570,7 @@ def create_app(
             env=_opt_str_map(o, "env"),
             resources=TaskResources.from_json(o.get("resources"), "resources").to_json(),
             stop_signal=parse_stop_signal(o, ""),
+            outputs=_outputs(o),
         )
         return JSONResponse({"id": spider_id})
 
@@ -581,6 +608,8 @@ def create_app(
             changes["resources"] = TaskResources.from_json(o["resources"], "resources").to_json() or None
         if "stopSignal" in o:
             changes["stop_signal"] = parse_stop_signal(o, "")
+        if "outputs" in o:
+            changes["outputs"] = _outputs(o)
         return JSONResponse(await run(store.update_spider, request.path_params["spider_id"], changes))
 
     async def upload_package(request: Request) -> Response:
@@ -644,6 +673,28 @@ def create_app(
         admin_auth(request)
         return await run(items_json, request.path_params["task_id"])
 
+    async def put_artifact(request: Request) -> Response:
+        """A node uploads one artifact of its task (ckagent.devmaster.artifacts)."""
+        node_id = await node_auth(request)
+        task_id = request.path_params["task_id"]
+        path = check_artifact_path(request.path_params["path"], "path")
+        sha256 = (request.headers.get("x-content-sha256") or "").lower()
+        if not re.fullmatch(r"[0-9a-f]{64}", sha256):
+            raise ProtocolError("X-Content-SHA256", "required: the body's sha256 as 64 hexadecimal digits")
+        data = await _body(request, MAX_ARTIFACT_BYTES)
+        return JSONResponse(await run(store.store_artifact, task_id, node_id, path, data, sha256))
+
+    async def list_artifacts(request: Request) -> Response:
+        admin_auth(request)
+        return JSONResponse(await run(store.list_artifacts, request.path_params["task_id"]))
+
+    async def get_artifact(request: Request) -> Response:
+        admin_auth(request)
+        path = check_artifact_path(request.path_params["path"], "path")
+        blob = await run(store.artifact_path, request.path_params["task_id"], path)
+        return FileResponse(blob, media_type="application/octet-stream",
+                            headers={"Content-Disposition": f"attachment; filename*=UTF-8''{quote(path.rsplit('/', 1)[-1])}"})
+
     async def cancel_task(request: Request) -> Response:
         admin_auth(request)
         task = await run(store.cancel_task, request.path_params["task_id"])
@@ -691,6 +742,9 @@ def create_app(
         Route("/api/tasks/{task_id:seg}/stats", stats, methods=["POST"]),
         Route("/api/tasks/{task_id:seg}/stats", task_stats, methods=["GET"]),
         Route("/api/tasks/{task_id:seg}/cancel", cancel_task, methods=["POST"]),
+        *([Route("/api/tasks/{task_id:seg}/artifacts/{path:path}", put_artifact, methods=["PUT"]),
+           Route("/api/tasks/{task_id:seg}/artifacts/{path:path}", get_artifact, methods=["GET"]),
+           Route("/api/tasks/{task_id:seg}/artifacts", list_artifacts, methods=["GET"])] if artifacts else []),
         Route("/api/tasks/{task_id:seg}", get_task, methods=["GET"]),
         Route("/api/tasks", list_tasks, methods=["GET"]),
         Route("/api/spider-files/spider/{spider_id:seg}", spider_files, methods=["GET"]),

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import trio
@@ -91,10 +92,13 @@ class AdminClient:
         env: dict[str, str] | None = None,
         resources: dict[str, Any] | None = None,
         stop_signal: str | None = None,
+        outputs: dict[str, Any] | None = None,
     ) -> str:
         """Create a spider; returns its id. ``code_mode`` is "package" (zip) or "files" (file sync).
-        ``resources`` ({memoryBytes, pids, cpus}) and ``stop_signal`` ("SIGINT") are its tasks' defaults."""
+        ``resources`` ({memoryBytes, pids, cpus}), ``stop_signal`` ("SIGINT") and ``outputs``
+        ({items: [glob], artifacts: [glob]}) are its tasks' defaults."""
         body = {
+            "outputs": outputs,
             "resources": resources,
             "stopSignal": stop_signal,
             "name": name,
@@ -186,6 +190,15 @@ class AdminClient:
         """The task's stats: ``{"latest": snapshot | None, "final": bool, "history": [...]}``."""
         result: dict[str, Any] = (await self._call("GET", api_path("/api/tasks/{task}/stats", task=task_id))).json()
         return result
+
+    async def list_artifacts(self, task_id: str) -> list[dict[str, Any]]:
+        """The task's artifacts ``[{path, sizeBytes, sha256, storedAt}]`` in path order."""
+        result: list[dict[str, Any]] = (await self._call("GET", f"/api/tasks/{task_id}/artifacts")).json()
+        return result
+
+    async def get_artifact(self, task_id: str, path: str) -> bytes:
+        """One artifact's bytes (``path`` as listed)."""
+        return (await self._call("GET", f"/api/tasks/{task_id}/artifacts/{quote(path)}")).content
 
     async def cancel_task(self, task_id: str) -> dict[str, Any]:
         """Cancel: a PENDING task becomes CANCELLED, a RUNNING one gets cancelRequested. Returns the task."""

@@ -43,6 +43,8 @@ class DevMasterConfig:
     max_long_poll_seconds: float = 30.0
     claim_in_poll: bool = True
     """Offer the ``claim-in-poll`` feature (False: behave as a master from before it)."""
+    artifacts: bool = True
+    """Offer the ``artifacts`` feature and its endpoints (False: behave as a master from before it)."""
     graceful_timeout: float = 2.0
     """Seconds in-flight requests get to finish after a graceful shutdown starts."""
     public_url: str | None = None
@@ -97,6 +99,7 @@ async def serve(
             max_long_poll_seconds=config.max_long_poll_seconds,
             public_url=config.public_url,
             claim_in_poll=config.claim_in_poll,
+            artifacts=config.artifacts,
         )
 
         async def until_shutdown() -> None:

@@ -41,6 +41,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ckagent.devmaster import artifacts as task_artifacts
 from ckagent.devmaster import stats as task_stats
 from ckagent.devmaster.errors import (
     BadRequestError,
@@ -209,11 +210,12 @@ def _seconds_since(iso: str | None, now: float | None = None) -> float:
 
 _ADDED_COLUMNS: dict[str, tuple[str, ...]] = {
     # resources: JSON {memoryBytes, pids, cpus}; stop_signal: "SIGINT" ...; figures: JSON of the
-    # result's figures: resources {cpuSeconds, memoryPeakBytes, pidsPeak, ioReadBytes, ioWriteBytes}
-    # and phases {deployMs, installMs, runMs}; claim_poll_id: the pollId of the poll that claimed the
+    # result's figures: resources {cpuSeconds, memoryPeakBytes, pidsPeak, ioReadBytes, ioWriteBytes},
+    # phases {deployMs, installMs, runMs} and incomplete (true: the node says data is missing); claim_poll_id: the pollId of the poll that claimed the
     # task (claim-in-poll; decimal text), null for a claim by POST .../result.
-    "spiders": ("resources", "stop_signal"),
-    "tasks": ("resources", "stop_signal", "figures", "claim_poll_id"),
+    # outputs: JSON {items: [glob], artifacts: [glob]} (a spider's default, copied into its tasks).
+    "spiders": ("resources", "stop_signal", "outputs"),
+    "tasks": ("resources", "stop_signal", "figures", "claim_poll_id", "outputs"),
 }
 
 
@@ -286,8 +288,8 @@ class Store:
                 + "); the dev master does not migrate it: delete the file or pass another --db"
             )
         # one transaction: a file has all the tables and its version, or nothing
-        db.executescript(f"BEGIN IMMEDIATE; {_SCHEMA}; {task_stats.SCHEMA}; PRAGMA user_version = {SCHEMA_VERSION};"
-                         " COMMIT;")
+        db.executescript(f"BEGIN IMMEDIATE; {_SCHEMA}; {task_stats.SCHEMA}; {task_artifacts.SCHEMA};"
+                         f" PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
         if "stall_timeout_seconds" not in {r[1] for r in db.execute("PRAGMA table_info(tasks)")}:
             db.execute("ALTER TABLE tasks ADD COLUMN stall_timeout_seconds REAL")  # a file from before it
         self._add_columns()
@@ -419,6 +421,19 @@ class Store:
             "SELECT key, value FROM master_settings WHERE key IN ('minAgentVersion', 'desiredAgentVersion')").fetchall())
         values = {r["key"]: r["value"] for r in rows}
         return VersionPolicy(values.get("minAgentVersion"), values.get("desiredAgentVersion"))
+
+    def below_minimum(self, node_id: str) -> bool:
+        """Whether the node's agent version is below the minimum agent version (such a node gets no
+        tasks: it has been told, at registration and with every heartbeat). An unknown or unparsable
+        version counts as below a set minimum."""
+        minimum = self.version_policy().min_agent_version
+        if minimum is None:
+            return False
+        row = self._read(lambda db: db.execute("SELECT version FROM nodes WHERE id = ?", (node_id,)).fetchone())
+        try:
+            return row is None or Version(row["version"]) < Version(minimum)
+        except InvalidVersion:
+            return True
 
     def set_version_policy(self, policy: VersionPolicy) -> None:
         """Store both fields (None clears one). Raises BadRequestError for a version that is not PEP 440."""
@@ -585,14 +600,15 @@ class Store:
         env: dict[str, str],
         resources: dict[str, Any] | None = None,
         stop_signal: str | None = None,
+        outputs: dict[str, Any] | None = None,
     ) -> str:
         """Create a spider (arguments already validated). Returns its id. ``resources`` (limits of its
-        tasks) and ``stop_signal`` are the defaults of its tasks."""
+        tasks), ``stop_signal`` and ``outputs`` (declared item files and artifacts) are the defaults of its tasks."""
         spider_id = _new_id()
         with self._tx() as db:
             db.execute(
                 "INSERT INTO spiders (id, name, framework, command, timeout_seconds, code_mode, env, created_at,"
-                " resources, stop_signal) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " resources, stop_signal, outputs) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     spider_id,
                     name,
@@ -604,6 +620,7 @@ class Store:
                     utc_now_iso(),
                     _dumps(resources) if resources else None,
                     stop_signal,
+                    _dumps(outputs) if outputs is not None else None,
                 ),
             )
         return spider_id
@@ -622,6 +639,7 @@ class Store:
             "createdAt": r["created_at"],
             "resources": _loads(r["resources"]) if r["resources"] else {},
             "stopSignal": r["stop_signal"],
+            "outputs": _loads(r["outputs"]),
         }
 
     def list_spiders(self) -> list[dict[str, Any]]:
@@ -639,15 +657,16 @@ class Store:
     def update_spider(self, spider_id: str, changes: dict[str, Any]) -> dict[str, Any]:
         """Change a spider's ``name``, ``framework``, ``command``, ``timeout_seconds``, ``env`` (validated
         values; only the keys given). Returns the spider's admin JSON. Raises NotFoundError."""
-        as_json = {"command", "env", "resources"}  # JSON columns; the others store the value itself
+        as_json = {"command", "env", "resources", "outputs"}  # JSON columns; the others store the value itself
         sets: list[str] = []
         values: list[Any] = []
         for key, value in changes.items():
-            if key not in ("name", "framework", "command", "timeout_seconds", "env", "resources", "stop_signal"):
+            if key not in ("name", "framework", "command", "timeout_seconds", "env", "resources", "stop_signal",
+                           "outputs"):
                 raise ValueError(f"update_spider: {key!r} is not a changeable column")
             sets.append(f"{key} = ?")
-            if key == "resources" and not value:
-                values.append(None)  # nullable column: no resources
+            if key in ("resources", "outputs") and not value:
+                values.append(None)  # nullable column: none
             else:
                 values.append(_dumps(value) if key in as_json else value)
         with self._tx() as db:
@@ -769,7 +788,7 @@ class Store:
             db.execute(
                 "INSERT INTO tasks (id, spider_id, spider_name, framework, command, args, env, params,"
                 " timeout_seconds, code_version, code_mode, status, created_at, stall_timeout_seconds, resources,"
-                " stop_signal) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'PENDING', ?, ?, ?, ?)",
+                " stop_signal, outputs) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'PENDING', ?, ?, ?, ?, ?)",
                 (
                     task_id,
                     spider_id,
@@ -786,6 +805,7 @@ class Store:
                     stall_timeout_seconds,
                     _dumps(merged_resources) if merged_resources else None,
                     stop_signal or spider["stop_signal"],
+                    spider["outputs"],
                 ),
             )
         return task_id
@@ -822,6 +842,7 @@ class Store:
             "storedItems": r["stored_items"],
             "resources": _loads(r["resources"]) if r["resources"] else {},
             "stopSignal": r["stop_signal"],
+            "outputs": _loads(r["outputs"]),
             **(_loads(r["figures"]) if r["figures"] else {}),
         }
 
@@ -1032,7 +1053,34 @@ class Store:
             "stallTimeoutSeconds": r["stall_timeout_seconds"],
             "resources": _loads(r["resources"]) if r["resources"] else None,
             "stopSignal": r["stop_signal"],
+            "outputs": _loads(r["outputs"]),
         }
+
+    # ----------------------------------------------------------------------- artifacts (ckagent.devmaster.artifacts)
+
+    def store_artifact(self, task_id: str, node_id: str, path: str, data: bytes, sha256: str) -> dict[str, Any]:
+        """Keep one artifact of a task claimed by ``node_id`` (idempotent for the same bytes). Returns
+        ``{path, sizeBytes, sha256}``. Raises NotFoundError, ConflictError (another node's task, or
+        another file at that path), BadRequestError (the bytes do not match ``sha256``)."""
+        with self._tx() as db:
+            if self._task_row(db, task_id)["node_id"] != node_id:
+                raise ConflictError(f"task {task_id!r} is not claimed by this node")
+        task_artifacts.write_blob(self.db_path, data, sha256)
+        with self._tx() as db:
+            task_artifacts.record(db, task_id, path, len(data), sha256, utc_now_iso())
+        return {"path": path, "sizeBytes": len(data), "sha256": sha256}
+
+    def list_artifacts(self, task_id: str) -> list[dict[str, Any]]:
+        """A task's artifacts ``[{path, sizeBytes, sha256, storedAt}]``. Raises NotFoundError."""
+        def read(db: sqlite3.Connection) -> list[dict[str, Any]]:
+            self._task_row(db, task_id)
+            return task_artifacts.listing(db, task_id)
+        return self._read(read)
+
+    def artifact_path(self, task_id: str, path: str) -> Path:
+        """The file holding one artifact's bytes. Raises NotFoundError."""
+        sha = self._read(lambda db: task_artifacts.find(db, task_id, path))
+        return task_artifacts.blob_path(self.db_path, sha)
 
     def report_result(self, task_id: str, node_id: str, result: TaskResult) -> dict[str, Any]:
         """Apply a node's result report; returns the task as admin JSON.
@@ -1204,5 +1252,5 @@ def _result_figures(result: TaskResult) -> str | None:
     """The resource figures and phase durations of a result as stored JSON (None when it carries none)."""
     figures = {k: v for k, v in result.to_json().items()
                if k in ("cpuSeconds", "memoryPeakBytes", "pidsPeak", "ioReadBytes", "ioWriteBytes",
-                        "deployMs", "installMs", "runMs", "egressRefused")}
+                        "deployMs", "installMs", "runMs", "egressRefused", "incomplete")}
     return _dumps(figures) if figures else None

@@ -27,6 +27,7 @@ from ckagent.egress.policy import from_wire as egress_from_wire
 from ckagent.protocol._fields import (
     ProtocolError,
     master_id,
+    opt_bool,
     opt_int,
     opt_number,
     opt_object,
@@ -39,8 +40,10 @@ from ckagent.protocol._fields import (
     str_list,
     str_map,
 )
+from ckagent.protocol.outputs import ARTIFACTS, ArtifactRef, TaskOutputs, artifact_list
 
 __all__ = [
+    "ARTIFACTS",
     "ERROR_CODES",
     "FEATURES",
     "FINAL_STATUSES",
@@ -50,6 +53,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "STOP_SIGNALS",
     "TASK_STATUSES",
+    "ArtifactRef",
     "BadTask",
     "CodePackage",
     "Heartbeat",
@@ -64,6 +68,7 @@ __all__ = [
     "SeqConflict",
     "SpiderFile",
     "Task",
+    "TaskOutputs",
     "TaskRelease",
     "TaskResources",
     "TaskResult",
@@ -90,6 +95,7 @@ ERROR_CODES = (
     "AGENT_LOST",
     "AGENT_ERROR",
     "BAD_TASK",
+    "DISK_FULL",
 )
 """Every errorCode of a result: the outcome table of docs/protocol.md lists exactly these (a test checks)."""
 OUTCOME_STATUS: dict[str, str] = {
@@ -106,6 +112,7 @@ OUTCOME_STATUS: dict[str, str] = {
     "AGENT_LOST": "FAILED",
     "AGENT_ERROR": "FAILED",
     "BAD_TASK": "FAILED",
+    "DISK_FULL": "FAILED",
 }
 """The outcome table: ``SUCCESS`` (no errorCode) and every errorCode → the status it goes with."""
 FRAMEWORKS = ("scrapy", "python", "node", "playwright", "selenium")
@@ -469,6 +476,9 @@ class Task:
     claimed: bool = False
     """The master claimed the task for this node in the poll answer (``claim-in-poll``): it is this
     node's already, to run or to give back; False: handed out only, a claim decides."""
+    outputs: TaskOutputs | None = None
+    """Declared item files and artifacts (globs in the working copy); None = the conventions
+    (ckagent.outputs)."""
 
     @property
     def stop_signal_number(self) -> int:
@@ -510,6 +520,7 @@ class Task:
             stop_signal=parse_stop_signal(o, path),
             egress=parse_egress(o.get("egress"), f"{path}.egress"),
             claimed=_opt_bool(o, "claimed", path),
+            outputs=TaskOutputs.from_json(o.get("outputs"), f"{path}.outputs"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -532,6 +543,7 @@ class Task:
                 "stopSignal": self.stop_signal,
                 "egress": None if self.egress is None else self.egress.to_json(),
                 "claimed": True if self.claimed else None,
+                "outputs": None if self.outputs is None else self.outputs.to_json(),
             }
         )
 
@@ -668,6 +680,12 @@ class TaskResult:
     egress_refused: list[dict[str, Any]] | None = None
     """Connections the task's network policy refused: ``[{"address", "port", "count"}]``, most first
     (``port`` 0: not TCP/UDP); None = nothing refused or no kernel counters."""
+    incomplete: bool | None = None
+    """True when the master refused part of the task's data for good (a stream it ended with a 409,
+    or "unknown task" for longer than the agent's ``server.refusal_timeout``): ``logLines`` and
+    ``itemCount`` say what it acknowledged; the rest stays in the node's spool. Absent otherwise."""
+    artifacts: list[ArtifactRef] | None = None
+    """The task's artifacts the master holds (uploaded before this result); None = none collected."""
 
     @classmethod
     def from_json(cls, obj: Any) -> TaskResult:
@@ -700,6 +718,8 @@ class TaskResult:
             io_read_bytes=opt_int(o, "ioReadBytes", lo=0),
             io_write_bytes=opt_int(o, "ioWriteBytes", lo=0),
             egress_refused=_refusals(o.get("egressRefused")),
+            incomplete=opt_bool(o, "incomplete"),
+            artifacts=artifact_list(o.get("artifacts")),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -726,6 +746,8 @@ class TaskResult:
                 "ioReadBytes": self.io_read_bytes,
                 "ioWriteBytes": self.io_write_bytes,
                 "egressRefused": self.egress_refused,
+                "incomplete": self.incomplete,
+                "artifacts": None if self.artifacts is None else [a.to_json() for a in self.artifacts],
             }
         )
 

@@ -15,6 +15,14 @@ from ckagent.ids import IdError, check_id
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
+AGENT_SET_ENV = ("HOME", "PATH")
+"""Variables the agent sets for every spider; a task's ``env`` naming one (or any ``CK_*``) is BAD_TASK."""
+
+
+def agent_set_env(name: str) -> bool:
+    """True for a variable the agent sets itself (``HOME``, ``PATH``, ``CK_*``), which a task may not override."""
+    return name in AGENT_SET_ENV or name.startswith("CK_")
+
 
 class ProtocolError(ValueError):
     """A payload breaks the protocol schema. ``field`` is the JSON path of the offending field."""
@@ -78,6 +86,16 @@ def opt_str(o: dict[str, Any], key: str, *, path: str = "") -> str | None:
         return None
     if not isinstance(value, str):
         raise ProtocolError(_name(path, key), f"expected a string, got {_describe(value)}")
+    return value
+
+
+def opt_bool(o: dict[str, Any], key: str, *, path: str = "") -> bool | None:
+    """An optional boolean (absent or null → None)."""
+    value = o.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, bool):
+        raise ProtocolError(_name(path, key), f"expected true or false, got {_describe(value)}")
     return value
 
 
@@ -182,6 +200,12 @@ def str_map(o: dict[str, Any], key: str, *, path: str = "", env_names: bool = Fa
     for k, v in value.items():
         if env_names and not _ENV_NAME.match(k):
             raise ProtocolError(f"{name}.{k}", "not a valid environment variable name")
+        if env_names and agent_set_env(k):
+            raise ProtocolError(
+                f"{name}.{k}",
+                f"{k} is set by the agent for every spider (HOME: the spider's own home, PATH: its prepared "
+                "environment first, CK_*: the task's files and ids) and a task may not override it; "
+                "leave it out of env (pass your own setting under another name, or in params)")
         if not isinstance(v, str):
             # env values may be secrets: name the type, never the value
             shown = type(v).__name__ if env_names else _describe(v)

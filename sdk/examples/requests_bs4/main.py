@@ -3,6 +3,8 @@
 
     python main.py --start-url http://127.0.0.1:8080/demo-site/ [--max-pages N] [--delay S]
 
+Run by the agent, the task parameter `start_url` (CK_PARAMS) is the default of --start-url.
+
 Items go through `crawlerkeeper_sdk.save_item` (requirements.txt asks for crawlerkeeper-sdk, as
 `migrate_spiders.py` writes it; the agent serves that requirement with its own copy). Without the
 SDK installed the script still runs and prints each item as a JSON line.
@@ -10,6 +12,7 @@ SDK installed the script still runs and prints each item as a JSON line.
 
 import argparse
 import json
+import os
 import sys
 import time
 from urllib.parse import urljoin
@@ -24,9 +27,17 @@ except ImportError:  # run by hand, outside an agent
         print(json.dumps(item, ensure_ascii=False))
 
 
+def param_start_url():
+    """The task parameter `start_url` (CK_PARAMS, a JSON object the agent sets), or None."""
+    try:
+        return json.loads(os.environ.get("CK_PARAMS") or "{}").get("start_url")
+    except (ValueError, AttributeError):
+        return None
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--start-url", default="http://127.0.0.1:8080/demo-site/")
+    parser.add_argument("--start-url", default=param_start_url() or "http://127.0.0.1:8080/demo-site/")
     parser.add_argument("--max-pages", type=int, default=100)
     parser.add_argument("--delay", type=float, default=0.0, help="seconds between requests")
     return parser.parse_args(argv)

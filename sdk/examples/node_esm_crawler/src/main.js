@@ -1,9 +1,18 @@
 // A cheerio crawler: the listing pages of a shop, following "next" links.
-// START_URL (environment) points it at the target; items go through the SDK's helper.
+// START_URL (environment), else the task parameter start_url (CK_PARAMS), points it at the target;
+// items go through the SDK's helper.
 import * as cheerio from "cheerio";
 import { saveItem } from "./crawlerkeeper-sdk.cjs";
 
-const startUrls = [process.env.START_URL ?? "http://127.0.0.1:8080/demo-site/"];
+function paramStartUrl() {
+  try {
+    return JSON.parse(process.env.CK_PARAMS || "{}").start_url;
+  } catch {
+    return undefined;
+  }
+}
+
+const startUrls = [process.env.START_URL ?? paramStartUrl() ?? "http://127.0.0.1:8080/demo-site/"];
 const maxPages = Number(process.env.MAX_PAGES ?? 50);
 
 async function crawl(url) {

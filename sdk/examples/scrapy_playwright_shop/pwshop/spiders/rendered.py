@@ -1,4 +1,15 @@
+import json
+import os
+
 import scrapy
+
+
+def param_start_url():
+    """The task parameter `start_url` (CK_PARAMS, a JSON object the agent sets), or None."""
+    try:
+        return json.loads(os.environ.get("CK_PARAMS") or "{}").get("start_url")
+    except (ValueError, AttributeError):
+        return None
 
 
 class RenderedSpider(scrapy.Spider):
@@ -9,6 +20,7 @@ class RenderedSpider(scrapy.Spider):
 
     def __init__(self, start_url=None, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        start_url = start_url or param_start_url()  # `-a start_url=...`, else the task's params
         if start_url:
             self.start_urls = [start_url]
 

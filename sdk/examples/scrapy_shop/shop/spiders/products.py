@@ -1,6 +1,17 @@
+import json
+import os
+
 import scrapy
 
 from shop.items import ProductItem
+
+
+def param_start_url():
+    """The task parameter `start_url` (CK_PARAMS, a JSON object the agent sets), or None."""
+    try:
+        return json.loads(os.environ.get("CK_PARAMS") or "{}").get("start_url")
+    except (ValueError, AttributeError):
+        return None
 
 
 class ProductsSpider(scrapy.Spider):
@@ -12,6 +23,7 @@ class ProductsSpider(scrapy.Spider):
 
     def __init__(self, start_url=None, persist_seen=None, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        start_url = start_url or param_start_url()  # `-a start_url=...`, else the task's params
         if start_url:
             self.start_urls = [start_url]
         self.persist_seen = persist_seen

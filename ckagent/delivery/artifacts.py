@@ -1,0 +1,168 @@
+"""Artifact upload: each file of a task's ``artifacts.json`` to the master, once, before the final result.
+
+The collector (:mod:`ckagent.outputs`) moved the files into ``work_dir/tasks/<task-id>/artifacts/``
+and wrote their list (path, size, sha256) to ``artifacts.json`` before the final result was stored,
+so the spool outlives a crash. After both streams are complete the task's delivery calls
+:func:`upload_artifacts`: ``PUT /api/tasks/{id}/artifacts/{path}`` with the bytes, the
+``X-Content-SHA256`` header and ``Content-Type: application/octet-stream``, one file at a time.
+The master answers ``{"path", "sizeBytes", "sha256"}`` (the same as asked: an acknowledgement);
+a path it already holds with the same sha256 is acknowledged again, never stored twice, so a resend
+after an outage or a restart duplicates nothing. Acknowledged paths are appended to
+``artifacts.sent``, so a restart resumes after the last acknowledged one.
+
+Answers:
+
+- transport errors, 429/5xx, a 2xx that is not the protocol's → retried with backoff, forever
+  (cancellation leaves the rest for the next start);
+- 409 (the master holds another file at that path) and 413 (too large for it) → that file is not
+  shipped: logged and kept on the node (its folder is named);
+- a master without the ``artifacts`` feature (an older one), or one answering 404/405 to the
+  endpoint → nothing more is uploaded; the files are moved to the spider's kept folder and the
+  agent's log says where (the task log said so already when the master lacked it at the task's end).
+
+The final result then lists what the master acknowledged (``artifacts``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import trio
+
+from ckagent.master import MasterClient, MasterConflict, MasterRejected, MasterUnavailable
+from ckagent.outputs import ARTIFACTS_DIR, load_manifest
+from ckagent.protocol import ARTIFACTS, ArtifactRef
+
+log = logging.getLogger(__name__)
+
+SENT_FILE = "artifacts.sent"
+"""Paths the master acknowledged, one per line (append-only)."""
+_NOT_SHIPPED = frozenset({409, 413, 422})
+_NO_ENDPOINT = frozenset({404, 405, 501})
+
+
+def _read_state(task_dir: Path) -> tuple[list[ArtifactRef], Path, set[str]]:
+    """(the manifest's artifacts, its folder for kept files, the acknowledged paths). Blocking."""
+    refs, keep_dir = load_manifest(task_dir)
+    try:
+        sent = set((task_dir / SENT_FILE).read_text(encoding="utf-8").splitlines())
+    except FileNotFoundError:
+        sent = set()
+    return refs, keep_dir, sent
+
+
+def _read_checked(path: Path, ref: ArtifactRef) -> bytes | None:
+    """The file's bytes, or None when it is gone or no longer what the manifest says. Blocking."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if len(data) != ref.size_bytes or hashlib.sha256(data).hexdigest() != ref.sha256:
+        return None
+    return data
+
+
+def _mark_sent(task_dir: Path, path: str) -> None:
+    with open(task_dir / SENT_FILE, "a", encoding="utf-8") as fout:
+        fout.write(path + "\n")
+
+
+def _keep(task_dir: Path, keep_dir: Path, paths: list[str]) -> None:
+    """Move artifacts that will not be shipped to ``keep_dir`` (blocking; a file already gone is skipped)."""
+    for rel in paths:
+        src = task_dir / ARTIFACTS_DIR / rel
+        dst = keep_dir / rel
+        with contextlib.suppress(FileNotFoundError):
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.replace(src, dst)
+            except OSError:
+                shutil.copy2(src, dst)
+
+
+async def upload_artifacts(master: MasterClient, task_id: str, task_dir: Path,
+                           limiter: trio.CapacityLimiter | None = None) -> list[ArtifactRef] | None:
+    """Upload the task's artifacts not acknowledged yet (module docstring).
+
+    Returns the artifacts the master holds (for the result's ``artifacts``), or None when the task
+    has none. Never raises for master trouble (retried with backoff until cancelled); a broken
+    manifest is logged and treated as no artifacts. Cancellation: what was acknowledged is on disk.
+    """
+    from ckagent.delivery.shipper import _backoff_sleep
+
+    try:
+        refs, keep_dir, sent = await trio.to_thread.run_sync(_read_state, task_dir)
+    except (OSError, ValueError) as exc:
+        log.error("task %s: cannot read its artifact list (%s); no artifacts sent", task_id, exc)
+        return None
+    if not refs:
+        return None
+    held: list[ArtifactRef] = [ref for ref in refs if ref.path in sent]
+    not_shipped: list[str] = []
+    for index, ref in enumerate(refs):
+        if ref.path in sent:
+            continue
+        data = await trio.to_thread.run_sync(_read_checked, task_dir / ARTIFACTS_DIR / ref.path, ref)
+        if data is None:
+            log.warning("task %s: artifact %s is gone or changed on disk; not sent", task_id, ref.path)
+            continue
+        attempt = 0
+        while True:
+            if master.registered and ARTIFACTS not in master.features:
+                rest = [r.path for r in refs[index:] if r.path not in sent]
+                await trio.to_thread.run_sync(_keep, task_dir, keep_dir, rest)
+                log.warning("task %s: the master does not take artifacts (no %r feature): %d file(s) kept at %s",
+                            task_id, ARTIFACTS, len(rest), keep_dir)
+                return held or None
+            try:
+                async with limiter if limiter is not None else contextlib.nullcontext():
+                    await master.call(
+                        "artifact", "PUT", f"/api/tasks/{quote(task_id, safe='')}/artifacts/{quote(ref.path)}",
+                        content=data, content_type="application/octet-stream",
+                        headers={"X-Content-SHA256": ref.sha256}, answer=_acknowledges(ref),
+                    )
+            except MasterUnavailable:  # a protocol error too: not an acknowledgement
+                attempt += 1
+                await _backoff_sleep(master, attempt)
+                continue
+            except MasterConflict as exc:
+                log.warning("task %s: master refused artifact %s (%s); kept at %s", task_id, ref.path, exc, keep_dir)
+                not_shipped.append(ref.path)
+                break
+            except MasterRejected as exc:
+                if exc.status in _NOT_SHIPPED:
+                    log.warning("task %s: master refused artifact %s (%s); kept at %s", task_id, ref.path, exc,
+                                keep_dir)
+                    not_shipped.append(ref.path)
+                    break
+                if exc.status in _NO_ENDPOINT:
+                    master.features = master.features - {ARTIFACTS}
+                    continue  # the check above keeps the rest
+                attempt += 1
+                await _backoff_sleep(master, attempt)
+                continue
+            await trio.to_thread.run_sync(_mark_sent, task_dir, ref.path)
+            sent.add(ref.path)
+            held.append(ref)
+            break
+    if not_shipped:
+        await trio.to_thread.run_sync(_keep, task_dir, keep_dir, not_shipped)
+    return held or None
+
+
+def _acknowledges(ref: ArtifactRef) -> Callable[[Any], ArtifactRef]:
+    """The answer reader: the master's ``{path, sizeBytes, sha256}`` must be the file sent."""
+    def read(body: Any) -> ArtifactRef:
+        got = ArtifactRef.from_json(body)
+        if got != ref:
+            raise ValueError(f"acknowledged {got.to_json()} for {ref.to_json()}")
+        return got
+    return read

@@ -1,0 +1,178 @@
+"""Item files by extension → lines of the task's items spool (``items.jsonl``).
+
+=====================  ===========================================================================
+extension              read as
+=====================  ===========================================================================
+.jsonl .ndjson .jl     one JSON object per line; the bytes are appended as they are (in the
+                       kernel: ``copy_file_range``); a line that is not an object is wrapped by the
+                       items reader (``_invalidItem``), never dropped
+.json                  an array of objects (each element one item, read incrementally: a large
+                       array is never held whole), or one object (one item)
+.csv                   a header row, then one item per row (``{column: text}``)
+=====================  ===========================================================================
+
+All functions block (file I/O): call them in a worker thread. They raise OSError for a file that
+cannot be read and :class:`ItemFileError` for one whose content is not what its extension says
+(the items read before the bad spot are appended: nothing is lost silently).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+from typing import BinaryIO
+
+__all__ = ["ITEM_EXTENSIONS", "ItemFileError", "append_item_file"]
+
+ITEM_EXTENSIONS = (".jsonl", ".ndjson", ".jl", ".json", ".csv")
+CHUNK_BYTES = 1 << 20
+_WS = " \t\r\n"
+
+
+class ItemFileError(ValueError):
+    """An item file whose content does not fit its extension; ``.items`` were appended before the fault."""
+
+    def __init__(self, path: Path, message: str, items: int) -> None:
+        super().__init__(f"{path.name}: {message}")
+        self.items = items
+
+
+def append_item_file(source: Path, spool: BinaryIO) -> int:
+    """Append the items of ``source`` to ``spool`` (an items.jsonl opened ``ab``), one JSON line each.
+
+    Returns the number of items appended. Raises OSError, ItemFileError (see module docstring),
+    ValueError for an extension that is not an item file's.
+    """
+    suffix = source.suffix.lower()
+    if suffix in (".jsonl", ".ndjson", ".jl"):
+        return _append_lines(source, spool)
+    if suffix == ".json":
+        return _append_json(source, spool)
+    if suffix == ".csv":
+        return _append_csv(source, spool)
+    raise ValueError(f"{source.name}: not an item file (item files end in {', '.join(ITEM_EXTENSIONS)})")
+
+
+def _append_lines(source: Path, spool: BinaryIO) -> int:
+    """JSON Lines: copy the bytes (in the kernel where it can), count the non-blank lines."""
+    spool.flush()
+    count = 0
+    last = b"\n"
+    with open(source, "rb") as fin:
+        while chunk := fin.read(CHUNK_BYTES):
+            count += chunk.count(b"\n")
+            last = chunk[-1:]
+        size = fin.tell()
+        fin.seek(0)
+        out_fd = spool.fileno()
+        remaining = size
+        try:
+            while remaining > 0:
+                copied = os.copy_file_range(fin.fileno(), out_fd, remaining)
+                if copied == 0:
+                    break
+                remaining -= copied
+        except OSError:
+            fin.seek(size - remaining)
+            while remaining > 0 and (chunk := fin.read(min(CHUNK_BYTES, remaining))):
+                os.write(out_fd, chunk)
+                remaining -= len(chunk)
+    if last != b"\n":
+        os.write(spool.fileno(), b"\n")
+        count += 1
+    return count - _blank_lines(source) if count else 0
+
+
+def _blank_lines(source: Path) -> int:
+    """Blank lines of a JSON Lines file (skipped by the items reader: not counted as items)."""
+    blank = 0
+    with open(source, "rb") as fin:
+        carry = b""
+        while chunk := fin.read(CHUNK_BYTES):
+            data = carry + chunk
+            lines = data.split(b"\n")
+            carry = lines.pop()
+            blank += sum(1 for line in lines if not line.strip())
+    return blank
+
+
+def _write(spool: BinaryIO, value: object) -> None:
+    spool.write(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode() + b"\n")
+
+
+def _append_json(source: Path, spool: BinaryIO) -> int:
+    """A JSON array (read element by element) or one object."""
+    decoder = json.JSONDecoder()
+    count = 0
+    with open(source, encoding="utf-8-sig", errors="replace") as fin:
+        buf = fin.read(CHUNK_BYTES)
+        eof = not buf
+        pos = _skip(buf, 0)
+        while pos >= len(buf) and not eof:
+            more = fin.read(CHUNK_BYTES)
+            eof = not more
+            buf += more
+            pos = _skip(buf, pos)
+        if pos >= len(buf):
+            return 0  # an empty file: no items
+        if buf[pos] != "[":
+            try:
+                value = json.loads(buf[pos:] + fin.read())
+            except ValueError as exc:
+                raise ItemFileError(source, f"not JSON ({exc})", 0) from exc
+            if not isinstance(value, dict):
+                raise ItemFileError(source, "expected an array of objects or one object", 0)
+            _write(spool, value)
+            return 1
+        pos += 1
+        while True:
+            pos = _skip(buf, pos, commas=count > 0)
+            if pos < len(buf) and buf[pos] == "]":
+                return count
+            try:
+                value, end = decoder.raw_decode(buf, pos)
+                if end >= len(buf) and not eof:  # a number may go on in the next chunk
+                    raise ValueError("at the chunk's end")
+            except ValueError as exc:
+                if eof:
+                    raise ItemFileError(source, f"array element {count + 1} is not JSON ({exc})", count) from exc
+                more = fin.read(CHUNK_BYTES)
+                eof = not more
+                buf = buf[pos:] + more
+                pos = 0
+                continue
+            _write(spool, value if isinstance(value, dict) else {"_invalidItem": json.dumps(value)[:10000],
+                                                                  "_error": "not a JSON object"})
+            count += 1
+            pos = end
+            if pos > CHUNK_BYTES:  # keep the buffer small: drop what was read
+                buf, pos = buf[pos:], 0
+
+
+def _skip(buf: str, pos: int, commas: bool = False) -> int:
+    """The index of the next character that is not white space (nor, with ``commas``, one comma)."""
+    while pos < len(buf) and buf[pos] in _WS:
+        pos += 1
+    if commas and pos < len(buf) and buf[pos] == ",":
+        pos += 1
+        while pos < len(buf) and buf[pos] in _WS:
+            pos += 1
+    return pos
+
+
+def _append_csv(source: Path, spool: BinaryIO) -> int:
+    """A header row, then one item per row."""
+    count = 0
+    with open(source, newline="", encoding="utf-8-sig", errors="replace") as fin:
+        try:
+            for row in csv.DictReader(fin):
+                extra = row.pop(None, None)
+                if extra:
+                    row["_extra"] = extra
+                _write(spool, row)
+                count += 1
+        except csv.Error as exc:
+            raise ItemFileError(source, f"not CSV ({exc})", count) from exc
+    return count
