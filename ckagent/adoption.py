@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -38,6 +39,7 @@ import trio
 from ckagent.containment import Containment, ContainmentError, Limits, TaskJail
 from ckagent.containment.hierarchy import task_cgroup_name
 from ckagent.containment.process_group import MARKER_VAR, ProcessGroupJail
+from ckagent.egress import EgressError, report_refusals
 from ckagent.errors import AGENT_ERROR, describe_fault
 from ckagent.monitor import Handle, Monitored, boot_id, read_status, start_ticks
 from ckagent.protocol import Task
@@ -180,6 +182,7 @@ async def run_adopted(supervisor: Supervisor, rt: RunningTask, adoption: Adoptio
                 jail = ProcessGroupJail(task.id)
                 jail.watch(handle.monitor_pid)
             rt.jail = jail
+            await _egress_again(supervisor, rt, jail, notice)
             stall = handle.stall_timeout
 
             def on_stall(idle: float) -> None:
@@ -199,6 +202,10 @@ async def run_adopted(supervisor: Supervisor, rt: RunningTask, adoption: Adoptio
                     with trio.CancelScope(shield=True):
                         stopped = TaskOutcome("CANCELLED", "CANCELLED", rt.stop_reason or "agent terminating")
                         await delivery.finish(_result(rt, stopped, record.claimed_at))
+            egress = supervisor.config.egress
+            if outcome is not None and rt.egress is not None and egress is not None:
+                outcome.egress_refused = await trio.to_thread.run_sync(egress.refusals, rt.egress)
+                report_refusals(task.id, outcome.egress_refused, notice)
             if outcome is not None and not rt.handed_over:  # its files → items, artifacts or kept ones
                 await supervisor.collect_outputs(rt, record.task_dir, Path(handle.work), None, notice)
             result = _result(rt, outcome, record.claimed_at)
@@ -209,6 +216,9 @@ async def run_adopted(supervisor: Supervisor, rt: RunningTask, adoption: Adoptio
             if not rt.handed_over:
                 if jail is not None:
                     await jail.kill_all()
+                    detach = supervisor.egress_detach(rt)
+                    if detach is not None:  # after the kill, before the cgroup goes
+                        await trio.to_thread.run_sync(detach)
                     jail.close()
                 await trio.to_thread.run_sync(remove_tree, Path(handle.work))
             elif rt.delivery is not None and rt.delivery.sink is not None:
@@ -216,6 +226,24 @@ async def run_adopted(supervisor: Supervisor, rt: RunningTask, adoption: Adoptio
         if took_slot:
             supervisor.capacity.release()
         supervisor.task_left(task.id)
+
+
+async def _egress_again(supervisor: Supervisor, rt: RunningTask, jail: TaskJail,
+                        notice: Callable[[str], None]) -> None:
+    """Put an adopted task under its network policy again: the previous agent left its table in place
+    when it handed over, and this agent's start made the table afresh (ckagent.egress). A task whose
+    rules cannot be added again is stopped: it must not crawl unprotected."""
+    egress = supervisor.config.egress
+    if egress is None or egress.level == "off":
+        return
+    try:
+        rt.egress = await trio.to_thread.run_sync(egress.attach, jail, rt.task.id, rt.task.egress)
+    except EgressError as exc:
+        log.warning("task %s: %s; stopping it", rt.task.id, exc)
+        notice(f"{exc}; the task is stopped (it must not run without its network policy)")
+        rt.request_stop(f"egress: cannot apply the task's network policy again after the restart ({exc})")
+        return
+    notice(f"egress ({egress.level}): {egress.effective(rt.task.egress).describe()}")
 
 
 def admit_adopted(supervisor: Supervisor, adoption: Adoption) -> RunningTask:

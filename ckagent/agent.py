@@ -285,7 +285,9 @@ class Agent:
                     await self._final_beat(store)
                 await self.master.aclose()
                 await trio.to_thread.run_sync(store.sync.close)
-            if self.egress is not None:
+            if self.egress is not None and self._handed:  # their rules stay in force until the next agent
+                log.info("egress: the table stays for the %d task(s) left running", self._handed)
+            elif self.egress is not None:
                 self.egress.close()  # one nft batch, at the very end (like the containment's rmdir)
             if self.containment is not None:
                 self.containment.close()

@@ -478,7 +478,7 @@ class Supervisor:
 
             async def open_jail() -> None:
                 jail = await self._open_jail(rt, notice)
-                held.push_async_callback(_empty_jail, jail, rt, self._egress_detach(rt))
+                held.push_async_callback(_empty_jail, jail, rt, self.egress_detach(rt))
                 jails.append(jail)
 
             work = self._workspaces.runs / safe_name(task.id)
@@ -551,7 +551,7 @@ class Supervisor:
         except OSError as exc:
             raise DeployError(f"cannot deploy the spider's code: {os_error_text(exc)}") from exc
 
-    def _egress_detach(self, rt: RunningTask) -> Callable[[], None] | None:
+    def egress_detach(self, rt: RunningTask) -> Callable[[], None] | None:
         """What removes the task's egress rules at its end (blocking), or None without a policy."""
         egress = self.config.egress
         if egress is None:

@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -486,3 +487,61 @@ def test_ckagent_exec_prints_the_refusal_line() -> None:
     lines = _summary({"status": "SUCCESS", "egressRefused": [{"address": "169.254.169.254", "port": 80, "count": 3}]},
                      None, Path("items.jsonl"), 1.0)
     assert lines[-1] == "[ckagent exec] egress: 3 connections refused: 169.254.169.254:80 ×3"
+
+
+HANDED = """
+import os, socket, time
+port = int(os.environ["TARGET_PORT"])
+print("ready", flush=True)
+go = os.path.join(os.environ["CK_TASK_DIR"], "go")
+for _ in range(600):  # bounded: at most a minute
+    if os.path.exists(go):
+        break
+    time.sleep(0.1)
+for _ in range(3):
+    try:
+        socket.create_connection(("127.0.0.2", port), timeout=5).close()
+        print("connected", flush=True)
+    except ConnectionRefusedError:
+        print("refused", flush=True)
+"""
+
+
+@needs_kernel
+@pytest.mark.parametrize("level", V2_LEVELS)
+async def test_a_task_handed_over_to_the_next_agent_stays_under_its_policy(
+    recording_master: RecordingMaster, tmp_path: Path, tables: list[str], level: str,  # noqa: F811
+) -> None:
+    """SIGUSR2 leaves the task running and its rules in the kernel; the next agent re-adopts it and
+    puts it under its policy again: every connection the task makes after the restart is refused."""
+    from test_shutdown import agent_process, wait_exit, wait_registered
+
+    admin = recording_master.admin
+    table = table_name(agent_group_name(tmp_path / "node" / "data"))
+    tables.append(table)
+    with listener("127.0.0.2") as port:
+        agent = agent_process(tmp_path, recording_master.base_url, recording_master.registration_token,
+                              task__containment=level, task__egress="nftables",
+                              task__egress_deny="metadata,link-local,agent,127.0.0.2")
+        await agent.start()
+        try:
+            await wait_registered(admin, agent)
+            task_id = await submit(admin, "handed-egress", {"main.py": HANDED}, env={"TARGET_PORT": str(port)})
+            await wait_for_log(admin, task_id, "ready")
+            agent.signal(signal.SIGUSR2)
+            assert await wait_exit(agent, 15) == 0
+            assert table in _tables()  # the handed-over task stays filtered while no agent runs
+            await agent.start()
+            await wait_for_log(admin, task_id, "re-adopted")
+            (tmp_path / "node" / "data" / "tasks" / task_id / "go").write_text("")
+            task = await admin.wait_task_final(task_id, 30)
+            agent.signal(signal.SIGTERM)
+            assert await wait_exit(agent, 30) == 0
+        finally:
+            with trio.move_on_after(10, shield=True):
+                await agent.kill()
+    lines = await admin.get_logs(task_id)
+    assert task["status"] == "SUCCESS", task
+    assert [line for line in lines if line in ("refused", "connected")] == ["refused"] * 3, lines
+    assert task["egressRefused"] == [{"address": "127.0.0.2", "port": port, "count": 3}], task
+    assert table not in _tables()  # a drain (SIGTERM) removes the table
