@@ -45,13 +45,13 @@ def recipe() -> list[tuple[str, list[str], int]]:
 def test_the_recipe_names_every_bundled_example_once() -> None:
     named = [example for example, _, _ in recipe()]
     bundled = sorted(p.name for p in EXAMPLES.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
-    assert sorted(named) == bundled and len(named) == 11
+    assert sorted(named) == bundled and len(named) == 16
     for _example, words, _ in recipe():
         assert "--param" in words and words[words.index("--param") + 1] == "start_url=$URL"
 
 
 def _missing(example: str) -> str | None:
-    if example.startswith("node") and (shutil.which("node") is None or shutil.which("npm") is None):
+    if example.startswith(("node", "crawlee")) and (shutil.which("node") is None or shutil.which("npm") is None):
         return "node/npm"
     if ("playwright" in example or "selenium" in example) and find_chromium() is None:
         return "Chromium"

@@ -4,7 +4,8 @@
 // process itself. Items go to CK_ITEMS_FILE as JSON lines (stdout outside an agent).
 const fs = require('fs');
 
-const START_URL = process.env.START_URL || 'http://127.0.0.1:8080/demo-site/';
+const PARAMS = JSON.parse(process.env.CK_PARAMS || '{}');  // the task's params: start_url first
+const START_URL = PARAMS.start_url || process.env.START_URL || 'http://127.0.0.1:8080/demo-site/';
 const PAGE_DELAY_MS = Number(process.env.PAGE_DELAY_MS || 1000);
 const BATCH = 100;
 let buffer = [];

@@ -11,7 +11,9 @@ from urllib.parse import urljoin
 import bs4
 import requests
 
-start = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("START_URL", "http://127.0.0.1:8080/demo-site/")
+params = json.loads(os.environ.get("CK_PARAMS") or "{}")  # the task's params: start_url first
+start = (sys.argv[1] if len(sys.argv) > 1 else params.get("start_url")
+         or os.environ.get("START_URL", "http://127.0.0.1:8080/demo-site/"))
 print(f"running with requests {requests.__version__}, beautifulsoup4 {bs4.__version__}", flush=True)
 rows, url, page = [], start, 1
 while url:

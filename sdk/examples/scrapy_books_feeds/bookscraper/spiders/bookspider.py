@@ -1,3 +1,4 @@
+import json
 import os
 
 import scrapy
@@ -10,7 +11,9 @@ class BookSpider(scrapy.Spider):
 
     def __init__(self, start_url=None, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.start_urls = [start_url or os.environ.get("START_URL", "http://127.0.0.1:8080/demo-site/")]
+        params = json.loads(os.environ.get("CK_PARAMS") or "{}")  # the task's params (--param start_url=)
+        self.start_urls = [start_url or params.get("start_url")
+                           or os.environ.get("START_URL", "http://127.0.0.1:8080/demo-site/")]
 
     def parse(self, response):
         for product in response.css("ul.products li.product"):
