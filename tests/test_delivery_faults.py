@@ -193,13 +193,13 @@ async def test_an_agent_killed_mid_stream_delivers_every_written_line_once(dev_m
     finally:
         with trio.move_on_after(10, shield=True):  # a cancelled test still reaps its agents
             await agent.kill()
-    assert task["errorCode"] == "AGENT_LOST", task
+    # The spider outlived the agent (ckagent.monitor): the next agent re-adopted it and shipped the rest.
+    assert (task["status"], task["exitCode"]) == ("SUCCESS", 0), task
     task_dir = tmp_path / "a" / "data" / "tasks" / task_id
     logs = await dev_master.admin.get_logs(task_id)
     assert logs == output_lines(task_dir)
     numbered = [line for line in logs if line.startswith("line ")]
-    assert len(numbered) >= 20_000  # the kill came after at least this many were stored
-    assert numbered == [f"line {i:06d}" for i in range(len(numbered))]
+    assert numbered == [f"line {i:06d}" for i in range(100_000)]  # every line once, in order
 
 
 # ---------------------------------------------------------------------------------------------- faulty proxy

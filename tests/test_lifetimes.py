@@ -213,7 +213,7 @@ class FakeWorkspaces:
         self.runs = code_dir.parent / "runs"
         self.downloaded_bytes = 0
 
-    async def deploy_files(self, spider_id: str) -> Path:
+    async def deploy_files(self, spider_id: str, notice: Any = None) -> Path:
         await trio.lowlevel.checkpoint()
         return self.code_dir
 
@@ -232,7 +232,8 @@ class HangingInstaller:
         self.entered = trio.Event()
 
     async def prepare(self, framework: str, spider_id: str, code_dir: Path, output: Any, *,
-                      marker: dict[str, str] | None = None, spawn: Any = None) -> Prepared:
+                      marker: dict[str, str] | None = None, spawn: Any = None, task_env: Any = None,
+                      home: Any = None) -> Prepared:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(trio.sleep_forever)
             nursery.start_soon(trio.sleep_forever)

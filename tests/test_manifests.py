@@ -159,7 +159,7 @@ def test_systemd_unit_verifies_and_leaves_time_to_drain(tmp_path: Path) -> None:
     parser.optionxform = str  # type: ignore[assignment,method-assign]
     parser.read(UNIT)
     service = parser["Service"]
-    assert service["KillMode"] == "mixed" and service["KillSignal"] == "SIGTERM"
+    assert service["KillMode"] == "process" and service["KillSignal"] == "SIGTERM"
     assert float(service["TimeoutStopSec"]) > DEFAULT_STOP_SECONDS
     assert service["ExecStart"].startswith("/opt/ckagent/run.sh start ")
     assert "--daemon" not in service["ExecStart"], "systemd supervises a foreground process"

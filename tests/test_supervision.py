@@ -298,7 +298,9 @@ async def test_timeout_of_a_tree_ignoring_sigterm_ends_at_deadline_plus_grace(
     pids = pids_in(lines, "child") + pids_in(lines, "grandchild") + pids_in(lines, "escaped") + pids_in(lines, "main")
     assert len(pids) == 4, lines
     assert "sent SIGTERM to the main process" in "\n".join(lines)
-    last = lines[-1] if lines[-1] else lines[-2]
+    ended = [line for line in lines if line]
+    assert "] outputs: " in ended[-1], ended[-1]  # the log's very end says what became of the task's files
+    last = ended[-2]
     assert re.match(r"\[ckagent \d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] timed out after 2 s", last), last
     assert "every process killed at" in last and "task FAILED (TIMEOUT)" in last, last
     assert not [pid for pid in pids if alive(pid)]
