@@ -12,6 +12,7 @@ can answer in JSON (``nft -j``). Exceptions::
 
 from __future__ import annotations
 
+import abc
 import ctypes
 import ctypes.util
 import json
@@ -31,19 +32,19 @@ class NftError(Exception):
     """nftables refused a command, or cannot be used here (see the module docstring)."""
 
 
-class Nft:
+class Nft(abc.ABC):
     """One way to run nft commands. ``kind`` is ``libnftables`` or ``nft``; thread-safe."""
 
     kind = ""
 
+    @abc.abstractmethod
     def run(self, commands: str) -> None:
         """Run ``commands`` (one atomic batch). Raises NftError with nft's message."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def run_json(self, command: str) -> Any:
         """Run one listing command and return its JSON answer (``{"nftables": [...]}``).
         Raises NftError."""
-        raise NotImplementedError
 
 
 class LibNft(Nft):
