@@ -166,7 +166,7 @@ pyz_build_id() {
 }
 
 # vercmp A B → prints -1, 0 or 1 (PEP 440: the pattern of its Appendix B, packaging's order); a text that
-# is not a PEP 440 version fails with a message (ckagent/versions.py is the same code; tests keep them equal)
+# is not a PEP 440 version fails with a message (ckagent/node/versions.py is the same code; tests keep them equal)
 vercmp() {
   py '
 import re, sys
@@ -970,7 +970,7 @@ apply_spider_user() {  # the remembered spider user, unless AGENT_TASK_RUN_AS_US
 # ---------------------------------------------------------------- credentials out of the environment
 
 # hide_secrets ARGS...: re-execute run.sh with the credentials moved from the environment into a memory
-# file (CKAGENT_SECRETS_FD; ckagent/secretenv.py is the agent's side). Once: CKAGENT_SECRETS_REEXEC marks it.
+# file (CKAGENT_SECRETS_FD; ckagent/node/secretenv.py is the agent's side). Once: CKAGENT_SECRETS_REEXEC marks it.
 hide_secrets() {
   [[ -n "${AGENT_REGISTRATION_TOKEN:-}${AGENT_API_KEY:-}" && -z "${CKAGENT_SECRETS_REEXEC:-}" ]] || return 0
   command -v "$PYTHON" >/dev/null 2>&1 || return 0

@@ -1,7 +1,7 @@
 """Package layout that pyproject.toml cannot express: the bundled spider SDK.
 
 The agent makes ``crawlerkeeper_sdk`` importable in spider virtualenvs through a ``.pth`` file that
-points at a directory holding only that package (``ckagent/deps.py: bundled_sdk_dir``). The wheel
+points at a directory holding only that package (``ckagent/code/deps.py: bundled_sdk_dir``). The wheel
 therefore ships ``sdk/python/src/crawlerkeeper_sdk`` as ``ckagent/_sdk/crawlerkeeper_sdk`` — mapped
 here with ``package_dir``, so git holds one copy. Everything else is configured in pyproject.toml.
 """

@@ -3,7 +3,7 @@
 Rows:
 
 - ``monitor per task``: 64 (8 with ``--quick``) silent spiders (``sleep``) spawned as the agent spawns
-  them (ckagent.monitor.spawn_monitored, in a jail of the level ``auto`` picks); for each monitor (the
+  them (ckagent.containment.monitor.spawn_monitored, in a jail of the level ``auto`` picks); for each monitor (the
   ``/bin/sh`` that outlives the agent): its RSS, its PSS and private memory (``smaps_rollup``: what
   it really adds; its RSS is mostly the shared libc and dash pages) and its context switches over
   10 s (3 s quick) while the spider is silent (= wake-ups).
@@ -29,8 +29,8 @@ import trio
 
 from bench._harness import AgentProcess, DevMaster, markdown_table, summary, work_directory
 from ckagent.containment import Limits, open_containment
+from ckagent.containment.monitor import spawn_monitored
 from ckagent.devmaster.client import zip_files
-from ckagent.monitor import spawn_monitored
 
 TARGET_MEMORY_BYTES = 1 << 20
 TARGET_READOPT_SECONDS = 2.0

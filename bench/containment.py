@@ -1,7 +1,7 @@
 """Containment cost per task: task start → the spider's first line, with and without containment.
 
 Side by side in one run, rounds interleaved (the order rotating each round), through the agent's
-own :func:`ckagent.process.run_supervised`:
+own :func:`ckagent.containment.process.run_supervised`:
 
 - ``none (before)``: what the agent did before containment — own session, no ``preexec_fn``
   (Python spawns with vfork), process group + marker sweep at the end;
@@ -31,14 +31,14 @@ from typing import Any
 import trio
 
 from bench._harness import markdown_table, summary, work_directory
+from ckagent.code.deps import Dependencies, IndexChooser, spider_base_env
+from ckagent.code.workspace import Workspaces
 from ckagent.containment import Containment, Limits, TaskJail, open_containment
 from ckagent.containment.base import LEVELS
+from ckagent.containment.process import run_supervised
 from ckagent.containment.process_group import ProcessGroupJail
-from ckagent.deps import Dependencies, IndexChooser, spider_base_env
-from ckagent.master import MasterClient
-from ckagent.process import run_supervised
-from ckagent.protocol import CodePackage, RegisterRequest
-from ckagent.workspace import Workspaces
+from ckagent.master.client import MasterClient
+from ckagent.master.protocol import CodePackage, RegisterRequest
 
 TARGET_ADDED_SECONDS = 0.002
 SPIDER = [sys.executable, "-I", "-S", "-c", "print('first', flush=True)"]

@@ -1,6 +1,6 @@
 """Egress cost: adding and removing a task's network policy rules, and what 64 tasks' rules cost a connection.
 
-Through the agent's own :mod:`ckagent.egress` on this machine's containment (``auto``), in one run:
+Through the agent's own :mod:`ckagent.containment.egress` on this machine's containment (``auto``), in one run:
 
 - **add + remove** of one task's rules (the map element, the counters read at the end, the removal of
   the element and the task's hit elements) with 0 and with 64 other tasks' rules in the table, through
@@ -26,9 +26,9 @@ from typing import Any
 
 from bench._harness import markdown_table, summary, work_directory
 from ckagent.containment import Limits, open_containment
+from ckagent.containment.egress import EgressError, open_egress, parse_text
+from ckagent.containment.egress.nft import BinaryNft, LibNft
 from ckagent.containment.hierarchy import agent_group_name
-from ckagent.egress import EgressError, open_egress, parse_text
-from ckagent.egress.nft import BinaryNft, LibNft
 
 TARGET_ADD_REMOVE_SECONDS = 0.001
 TARGET_CONNECT_ADDED_SECONDS = 10e-6

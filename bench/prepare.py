@@ -2,8 +2,8 @@
 
 A task's prepare is deploy (the code version is already on disk: reused, no download) plus
 dependencies (the dependency files' hash matches the last successful install: no uv/npm run). Both
-are measured with the real :class:`~ckagent.workspace.Workspaces` and
-:class:`~ckagent.deps.Dependencies` on a real venv / node install made once beforehand, next to the
+are measured with the real :class:`~ckagent.code.workspace.Workspaces` and
+:class:`~ckagent.code.deps.Dependencies` on a real venv / node install made once beforehand, next to the
 baseline of a bare ``python -c pass`` spawn measured in the same run.
 
 Target: a cached prepare adds well under 100 ms (p95 < 100 ms).
@@ -21,10 +21,10 @@ from typing import Any
 import trio
 
 from bench._harness import markdown_table, summary, work_directory
-from ckagent.deps import Dependencies, IndexChooser, spider_base_env
-from ckagent.master import MasterClient
-from ckagent.protocol import CodePackage, RegisterRequest
-from ckagent.workspace import Workspaces
+from ckagent.code.deps import Dependencies, IndexChooser, spider_base_env
+from ckagent.code.workspace import Workspaces
+from ckagent.master.client import MasterClient
+from ckagent.master.protocol import CodePackage, RegisterRequest
 
 TARGET_SECONDS = 0.1
 PACKAGE_JSON = {"name": "bench", "version": "1.0.0", "private": True}

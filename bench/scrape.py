@@ -36,8 +36,8 @@ import trio
 
 from bench._harness import PYTHON, REPO, DevMaster, free_port, markdown_table, summary, work_directory
 from ckagent.agent import Agent
-from ckagent.config import load_settings
 from ckagent.devmaster.client import zip_files
+from ckagent.node.config import load_settings
 
 PROBE_INTERVAL = 0.002
 TARGET_LAG_S = 0.001

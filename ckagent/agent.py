@@ -39,10 +39,10 @@ of the flush (and the last heartbeat).
 Crash recovery runs before registration (it needs no master): leftovers of tasks that ran when the
 agent died are killed at once, and their AGENT_LOST results wait in the state store.
 
-Exit codes are decided in one place (ckagent.errors): :meth:`Agent.run` returns 0 after a clean
+Exit codes are decided in one place (ckagent.node.errors): :meth:`Agent.run` returns 0 after a clean
 drain/terminate and raises StartupError (exit 1: state store unusable, status port in use,
 registration refused) or ConfigError (exit 2); ``ckagent.cli.main`` turns them into the exit status.
-Before anything else :func:`run_agent` locks the work dir (ckagent.workdir): a second agent on the
+Before anything else :func:`run_agent` locks the work dir (ckagent.node.workdir): a second agent on the
 same work dir is refused (ConfigError) instead of killing the first one's tasks as leftovers.
 """
 
@@ -63,14 +63,19 @@ import psutil
 import trio
 
 from ckagent import __version__
-from ckagent.adoption import Adoption, admit_adopted, find_adoptable, run_adopted
-from ckagent.capabilities import Capabilities
-from ckagent.config import ConfigError, Settings
+from ckagent.code.capabilities import Capabilities
+from ckagent.code.deps import Dependencies, IndexChooser, remove_legacy_environments, spider_base_env
+from ckagent.code.runtimes import (
+    BROWSER_VARS,
+    RUNTIMES_CACHE,
+    browser_env,
+    detect_runtimes,
+    load_cached_runtimes,
+    save_runtimes_cache,
+)
+from ckagent.code.workspace import Workspaces
 from ckagent.containment import Containment, ContainmentError, Limits, TaskJail, open_containment
-from ckagent.containment.hierarchy import agent_group_name
-from ckagent.delivery import Outbox, OutboxConfig, cleanup_task_dirs
-from ckagent.deps import Dependencies, IndexChooser, remove_legacy_environments, spider_base_env
-from ckagent.egress import (
+from ckagent.containment.egress import (
     Egress,
     EgressError,
     PolicyError,
@@ -79,43 +84,32 @@ from ckagent.egress import (
     open_egress,
     parse_text,
 )
-from ckagent.egress.proxy import serve_proxy
-from ckagent.errors import StartupError
-from ckagent.fleet import VersionWatch, load_node_uid
-from ckagent.hardening import protect_agent_memory
-from ckagent.heartbeat import HeartbeatLoop
-from ckagent.intake import DiskFloorWatch, IntakeGate
-from ckagent.logs import log_task_finished, setup_logging
-from ckagent.master import MasterClient, RegistrationRefused
-from ckagent.masterclock import MasterClock
-from ckagent.metrics import AgentMetrics
-from ckagent.notices import Notices, spider_user, spiders_as_root
-from ckagent.poller import Poller
-from ckagent.process import RunAs
-from ckagent.protocol import FEATURES, PROTOCOL_VERSION, RegisterRequest, Task, TaskResult
-from ckagent.recovery import recover_lost_tasks
-from ckagent.resources import HealthSampler, compute_max_workers
-from ckagent.runtimes import (
-    BROWSER_VARS,
-    RUNTIMES_CACHE,
-    browser_env,
-    detect_runtimes,
-    load_cached_runtimes,
-    save_runtimes_cache,
-)
-from ckagent.state import AsyncStateStore, StateStore, StateStoreError, TaskRecord
-from ckagent.status import (
-    AgentStatistics,
-    AgentStatus,
-    StatusPortError,
-    TaskStatistics,
-    runtime_versions,
-    serve_status,
-)
-from ckagent.statuspage import StatusPage
-from ckagent.supervisor import RunnerConfig, RunningTask, Supervisor
-from ckagent.workdir import WorkDirError, WorkDirLock
-from ckagent.workspace import Workspaces
+from ckagent.containment.egress.proxy import serve_proxy
+from ckagent.containment.hierarchy import agent_group_name
+from ckagent.delivery import Outbox, OutboxConfig, cleanup_task_dirs
+from ckagent.master.client import MasterClient, RegistrationRefused
+from ckagent.master.fleet import VersionWatch, load_node_uid
+from ckagent.master.heartbeat import HeartbeatLoop
+from ckagent.master.masterclock import MasterClock
+from ckagent.master.protocol import FEATURES, PROTOCOL_VERSION, RegisterRequest, Task, TaskResult
+from ckagent.node.config import ConfigError, Settings
+from ckagent.node.errors import StartupError
+from ckagent.node.hardening import protect_agent_memory
+from ckagent.node.intake import DiskFloorWatch, IntakeGate
+from ckagent.node.listen import StatusPortError
+from ckagent.node.logs import log_task_finished, setup_logging
+from ckagent.node.notices import Notices, spider_user, spiders_as_root
+from ckagent.node.resources import HealthSampler, compute_max_workers
+from ckagent.node.runas import RunAs
+from ckagent.node.state import AsyncStateStore, StateStore, StateStoreError, TaskRecord
+from ckagent.node.workdir import WorkDirError, WorkDirLock
+from ckagent.port.metrics import AgentMetrics
+from ckagent.port.status import AgentStatistics, AgentStatus, TaskStatistics, runtime_versions, serve_status
+from ckagent.port.statuspage import StatusPage
+from ckagent.task.adoption import Adoption, admit_adopted, find_adoptable, run_adopted
+from ckagent.task.poller import Poller
+from ckagent.task.recovery import recover_lost_tasks
+from ckagent.task.supervisor import RunnerConfig, RunningTask, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -158,14 +152,14 @@ class Agent:
         self.runtimes: dict[str, Any] = {}
         self._browser_env: dict[str, str] = {}
         self.intake = IntakeGate()
-        """Closed while the node takes no tasks for a reason of its own (ckagent.intake)."""
+        """Closed while the node takes no tasks for a reason of its own (ckagent.node.intake)."""
         self.versions = VersionWatch(self.intake, auto_upgrade=settings.agent.auto_upgrade)
         self.node_uid: str | None = None
         self.capabilities = Capabilities(settings.deps.uv_path)
         self._startup_scope = trio.CancelScope()
         """Registration: a stop before it completes ends it."""
         self._work_scope = trio.CancelScope()
-        self._adopted: list[tuple[RunningTask, Adoption]] = []  # re-adopted at start (ckagent.adoption)
+        self._adopted: list[tuple[RunningTask, Adoption]] = []  # re-adopted at start (ckagent.task.adoption)
         self._handed = 0  # running tasks left to the next agent (hand_over)
         """The tasks' scope: TERMINATING sets its deadline."""
         self._drain_scope = trio.CancelScope()
@@ -595,7 +589,7 @@ class Agent:
             await self.heartbeat.first_beat.wait()
 
     def _runtimes_report(self) -> dict[str, Any]:
-        """The runtimes scan, plus ``missing``: tool → what its absence costs (ckagent.capabilities)."""
+        """The runtimes scan, plus ``missing``: tool → what its absence costs (ckagent.code.capabilities)."""
         missing = self.capabilities.missing
         return {**self.runtimes, "missing": dict(missing)} if missing else self.runtimes
 
@@ -663,7 +657,7 @@ def _run_as(user: str | None) -> RunAs | None:
 
 def _canonical_line(task: Task | None, result: TaskResult, install: tuple[float, bool] | None,
                     task_id: str | None = None) -> None:
-    """The one line per finished task (see :func:`ckagent.logs.log_task_finished`); ``install`` is
+    """The one line per finished task (see :func:`ckagent.node.logs.log_task_finished`); ``install`` is
     (seconds, cache hit) when the dependencies were prepared."""
     log_task_finished(log, {
         "task_id": task.id if task is not None else task_id,
@@ -688,7 +682,7 @@ def run_agent(settings: Settings) -> int:
     uses it). An error raised once logging is set up is logged here first (``logged`` is then True
     when that log line went to stderr, so the CLI does not print it twice).
     """
-    from ckagent.preflight import preflight
+    from ckagent.node.preflight import preflight
 
     problems = preflight(settings, port=False)  # the checks of `config check`
     errors = [p.message for p in problems if p.error]

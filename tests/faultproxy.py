@@ -12,7 +12,7 @@ Two ways to choose a fault:
 - a ``chooser(request) -> mode`` given to the constructor (e.g. seeded random faults), used while no
   mode is set.
 
-Modes (:data:`MODES`), one per answer class of the master boundary (ckagent/master.py)::
+Modes (:data:`MODES`), one per answer class of the master boundary (ckagent/master/client.py)::
 
     pass         forward
     html         200 text/html, a captive portal's page (not forwarded)

@@ -21,8 +21,8 @@ import trio
 import yaml
 
 from ckagent.agent import Agent
-from ckagent.config import Settings, load_settings
 from ckagent.devmaster.client import zip_files
+from ckagent.node.config import Settings, load_settings
 
 
 def agent_settings(work_dir: Path, base_url: str, registration_token: str, **env: str) -> Settings:

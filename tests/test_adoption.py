@@ -35,7 +35,7 @@ from test_supervision import (  # noqa: F401 -- no_strays: autouse fixture
     wait_for_log,
 )
 
-from ckagent.state import SCHEMA_VERSION, StateStore, StateStoreError
+from ckagent.node.state import SCHEMA_VERSION, StateStore, StateStoreError
 
 LINES = 3000
 

@@ -23,10 +23,10 @@ import trio
 from harness import agent_settings, running_agent, spider_zip
 
 import ckagent
-from ckagent.deps import bundled_sdk_dir
+from ckagent.code.deps import bundled_sdk_dir
 from ckagent.devmaster.client import zip_directory
-from ckagent.poller import Poller
-from ckagent.protocol import PendingTasks, RegisterRequest, TaskResult, utc_now_iso
+from ckagent.master.protocol import PendingTasks, RegisterRequest, TaskResult, utc_now_iso
+from ckagent.task.poller import Poller
 
 EXAMPLES = Path(ckagent.__file__).resolve().parent.parent / "sdk" / "examples"
 BUNDLED_SDK = bundled_sdk_dir()
@@ -237,7 +237,7 @@ async def test_a_task_claimed_elsewhere_is_not_run(
         monkeypatch.setattr(Poller, "poll_once", poll_once)
         # The claim path (POST .../result): the race staged here needs a poll that only hands out
         # (with claim-in-poll the poll itself claims, and the rival is the one refused).
-        monkeypatch.setattr("ckagent.poller.CLAIM_IN_POLL", "not-offered")
+        monkeypatch.setattr("ckagent.task.poller.CLAIM_IN_POLL", "not-offered")
         work_dir = tmp_path / "agent"
         settings = agent_settings(work_dir, dev_master.base_url, dev_master.registration_token,
                                   AGENT_TASK_LONG_POLL_WAIT="0.5", AGENT_TASK_POLL_INTERVAL="0.2")

@@ -11,10 +11,10 @@ import pytest
 import trio
 from harness import agent_settings, running_agent, submit
 
-import ckagent.capabilities
-import ckagent.runtimes
-from ckagent.capabilities import Capabilities
-from ckagent.protocol import Task
+import ckagent.code.capabilities
+import ckagent.code.runtimes
+from ckagent.code.capabilities import Capabilities
+from ckagent.master.protocol import Task
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 20) -> None:  # noqa: ASYNC109
@@ -27,7 +27,7 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 20) 
 @pytest.fixture
 def bare_node(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """No uv anywhere the agent looks, and a PATH without node or npm."""
-    monkeypatch.setattr(ckagent.capabilities, "find_uv", lambda configured: None)
+    monkeypatch.setattr(ckagent.code.capabilities, "find_uv", lambda configured: None)
     empty = tmp_path / "empty-bin"
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))
@@ -41,7 +41,7 @@ def test_missing_tools_are_named_with_their_cost_and_fix_once(bare_node: None,
                                                                caplog: pytest.LogCaptureFixture) -> None:
     caps = Capabilities(None)
     assert set(caps.missing) == {"uv", "node", "npm"}
-    with caplog.at_level(logging.WARNING, "ckagent.capabilities"):
+    with caplog.at_level(logging.WARNING, "ckagent.code.capabilities"):
         caps.warn()
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 3

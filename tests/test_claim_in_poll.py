@@ -33,7 +33,7 @@ from ckagent.devmaster.client import AdminClient, zip_files
 from ckagent.devmaster.packages import read_package
 from ckagent.devmaster.server import DevMasterConfig, serve
 from ckagent.devmaster.store import Store
-from ckagent.protocol import CLAIM_IN_POLL, Heartbeat
+from ckagent.master.protocol import CLAIM_IN_POLL, Heartbeat
 
 # --------------------------------------------------------------------------- the reference master's rules
 

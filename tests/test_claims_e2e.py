@@ -41,10 +41,10 @@ from test_supervision import (  # noqa: F401 -- no_strays: autouse fixture
     wait_for_path,
 )
 
-from ckagent.config import load_settings
 from ckagent.devmaster.app import Notifier, create_app
 from ckagent.devmaster.client import AdminClient
 from ckagent.devmaster.store import Store
+from ckagent.node.config import load_settings
 
 _RESULT_PATH = re.compile(r"^/api/tasks/([^/]+)/(result|release)$")
 _POLL_PATH = re.compile(r"^/api/nodes/[^/]+/tasks/pending$")

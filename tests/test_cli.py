@@ -354,7 +354,7 @@ def test_httpx_imported_without_its_cli_still_works(tmp_path: Path) -> None:
 
 def test_demo_prints_curl_commands_only_when_the_master_keeps_running(tmp_path: Path) -> None:
     """Without --keep the master stops with the demo: curl commands against it would fail."""
-    from ckagent.demo import explore_lines
+    from ckagent.cli.demo import explore_lines
 
     args = ("http://127.0.0.1:8123", "adm-tok", "products", "t-1", tmp_path / "tasks" / "t-1")
     stopped = "\n".join(explore_lines(False, *args))

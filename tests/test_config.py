@@ -1,4 +1,4 @@
-"""ckagent.config: loading, validation, error messages, secrets, and the docs/example sync."""
+"""ckagent.node.config: loading, validation, error messages, secrets, and the docs/example sync."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ckagent.config import (
+from ckagent.node.config import (
     SETTINGS,
     TABLE_END_MARKER,
     TABLE_START_MARKER,
@@ -562,7 +562,7 @@ def _marked_block(path: Path) -> str:
 def test_docs_table_is_up_to_date(doc: str) -> None:
     block = _marked_block(REPO / doc)
     assert block == settings_markdown_table(), (
-        f"{doc} is out of date: run `python -m ckagent.config README.md docs/configuration.md`"
+        f"{doc} is out of date: run `python -m ckagent.node.config README.md docs/configuration.md`"
     )
     rows = [line for line in block.splitlines() if line.startswith("| `")]
     assert [re.findall(r"`([^`]+)`", row)[:2] for row in rows] == [[s.dotted, s.env] for s in SETTINGS]

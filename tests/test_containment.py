@@ -232,7 +232,7 @@ async def test_after_a_crash_the_task_is_re_adopted_and_its_cancel_kills_the_cgr
     recording_master: RecordingMaster, tmp_path: Path, level: str  # noqa: F811 -- the imported fixture
 ) -> None:
     """kill -9 of the agent: every escaper of every kind runs on; the restarted agent re-adopts the
-    task (ckagent.adoption), and a cancel then kills what the level can find: at a cgroup level all."""
+    task (ckagent.task.adoption), and a cancel then kills what the level can find: at a cgroup level all."""
     token = "ckesc" + uuid.uuid4().hex[:12]
     admin = recording_master.admin
     agent = agent_process(tmp_path, recording_master.base_url, recording_master.registration_token,

@@ -23,18 +23,18 @@ import trio
 import trio.testing
 from prometheus_client import CollectorRegistry
 
-from ckagent.crawlmetrics import MAX_SPIDERS, CrawlMetrics, status_class
-from ckagent.crawlstats import MAX_SNAPSHOT_BYTES, read_last_snapshot, summary
+from ckagent.delivery.crawlstats import MAX_SNAPSHOT_BYTES, read_last_snapshot, summary
 from ckagent.delivery.spool import SpoolFileError
+from ckagent.delivery.stall import watch_stall
 from ckagent.delivery.stats import StatsShipper, final_stats
 from ckagent.devmaster import stats as master_stats
 from ckagent.devmaster.client import zip_files
 from ckagent.devmaster.errors import ConflictError, NotFoundError
 from ckagent.devmaster.packages import read_package
 from ckagent.devmaster.store import Store
-from ckagent.master import MasterClient
-from ckagent.protocol import RegisterRequest, TaskResult, TaskStats
-from ckagent.stall import watch_stall
+from ckagent.master.client import MasterClient
+from ckagent.master.protocol import RegisterRequest, TaskResult, TaskStats
+from ckagent.port.crawlmetrics import MAX_SPIDERS, CrawlMetrics, status_class
 
 REPO = Path(__file__).resolve().parents[1]
 SDK_SRC = REPO / "sdk" / "python" / "src"

@@ -117,7 +117,7 @@ async def test_an_agent_killed_mid_crawl_re_adopts_it_and_reports_the_last_stats
         with trio.fail_after(10):
             await agent.wait()
         await trio.sleep(0.5)  # the spider (in its own session) goes on writing stats meanwhile
-        await agent.start()  # re-adopts the running spider (ckagent.adoption)
+        await agent.start()  # re-adopts the running spider (ckagent.task.adoption)
         await wait_for(lambda: _re_adopted(admin, task_id), 60)
         (tmp_path / "stop").touch()  # the spider ends: its last line is the final snapshot
         task = await admin.wait_task_final(task_id, 60)

@@ -13,10 +13,10 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from ckagent.deps import Prepared
-from ckagent.metrics import AgentMetrics, LiveFigures, OutboxFigures
-from ckagent.protocol import Task, TaskResult
-from ckagent.supervisor import RunningTask
+from ckagent.code.deps import Prepared
+from ckagent.master.protocol import Task, TaskResult
+from ckagent.port.metrics import AgentMetrics, LiveFigures, OutboxFigures
+from ckagent.task.supervisor import RunningTask
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "config" / "grafana-dashboard.json"
 TARGET_LABELS = {"instance", "job", "le"}  # added by Prometheus (and the histogram's own)

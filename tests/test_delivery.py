@@ -38,9 +38,9 @@ from ckagent.delivery import (
     send_result,
 )
 from ckagent.delivery.readers import _JournalReader, _Pending
-from ckagent.master import MasterClient
-from ckagent.protocol import RegisterRequest, TaskResult
-from ckagent.state import AsyncStateStore, StateStore
+from ckagent.master.client import MasterClient
+from ckagent.master.protocol import RegisterRequest, TaskResult
+from ckagent.node.state import AsyncStateStore, StateStore
 
 # ---------------------------------------------------------------------------------------------- lines
 
@@ -526,7 +526,7 @@ async def test_rejected_log_file_globs_are_named_in_the_task_log_not_dropped_sil
     tmp_path: Path, store: AsyncStateStore, caplog: pytest.LogCaptureFixture
 ) -> None:
     from ckagent.delivery import Outbox
-    from ckagent.protocol import Task
+    from ckagent.master.protocol import Task
 
     task = Task.from_json({"id": "t-globs", "spiderId": "s", "framework": "python",
                            "params": {"logFiles": ["logs/*.log", "../secret.log", "/etc/*", 5]}})

@@ -10,7 +10,7 @@ import pytest
 
 from ckagent.delivery.lines import LineSplitter, encode_block, encode_lines
 from ckagent.delivery.readers import _Pending
-from ckagent.logs import Masker
+from ckagent.node.logs import Masker
 
 SECRET = "s3cr3t-value-0042"
 

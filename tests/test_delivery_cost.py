@@ -24,16 +24,16 @@ import trio
 import trio.testing
 from test_delivery import FakeMaster, master_client
 
-from ckagent.connectivity import Trouble
+from ckagent.containment.process import _copy
 from ckagent.delivery import Outbox
 from ckagent.delivery.lines import encode_item, encode_json, item_object
 from ckagent.delivery.readers import _FileReader
 from ckagent.delivery.shipper import _backoff_sleep
 from ckagent.delivery.spool import EARLY_RETRY_AFTER, NOTIFY_FALLBACK
 from ckagent.delivery.statistics import SpoolCounter
-from ckagent.process import _copy
-from ckagent.protocol import Task, TaskResult
-from ckagent.state import AsyncStateStore, StateStore
+from ckagent.master.connectivity import Trouble
+from ckagent.master.protocol import Task, TaskResult
+from ckagent.node.state import AsyncStateStore, StateStore
 
 
 @pytest.fixture

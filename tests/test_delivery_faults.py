@@ -193,7 +193,7 @@ async def test_an_agent_killed_mid_stream_delivers_every_written_line_once(dev_m
     finally:
         with trio.move_on_after(10, shield=True):  # a cancelled test still reaps its agents
             await agent.kill()
-    # The spider outlived the agent (ckagent.monitor): the next agent re-adopted it and shipped the rest.
+    # The spider outlived the agent (ckagent.containment.monitor): the next agent re-adopted it and shipped the rest.
     assert (task["status"], task["exitCode"]) == ("SUCCESS", 0), task
     task_dir = tmp_path / "a" / "data" / "tasks" / task_id
     logs = await dev_master.admin.get_logs(task_id)

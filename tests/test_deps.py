@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from ckagent.deps import (
+from ckagent.code.deps import (
     NPM_MISSING,
     UV_MISSING,
     Dependencies,
@@ -33,10 +33,10 @@ from ckagent.deps import (
     spider_base_env,
     wanted_node,
 )
-from ckagent.deps_node import NPM_OPTIONS
-from ckagent.installenv import changes_install, install_key_env
-from ckagent.noderange import parse_node_version, satisfies
-from ckagent.runtimes import detect_runtimes
+from ckagent.code.deps_node import NPM_OPTIONS
+from ckagent.code.installenv import changes_install, install_key_env
+from ckagent.code.runtimes import detect_runtimes
+from ckagent.node.noderange import parse_node_version, satisfies
 
 NPM = shutil.which("npm")
 needs_npm = pytest.mark.skipif(NPM is None, reason="npm is not installed (apt-get install nodejs npm)")
@@ -212,7 +212,7 @@ async def test_index_chooser_falls_back_when_pypi_is_unreachable(monkeypatch: py
     with socket.socket() as sock:  # a port nobody listens on
         sock.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{sock.getsockname()[1]}/simple"
-    monkeypatch.setattr("ckagent.deps.OFFICIAL_INDEX", closed)
+    monkeypatch.setattr("ckagent.code.deps.OFFICIAL_INDEX", closed)
     chooser = IndexChooser(None, "https://mirror.example/simple", probe_timeout=1.0)
     with trio.fail_after(10):
         assert await chooser.index_url() == "https://mirror.example/simple"
@@ -445,7 +445,7 @@ def _tool(bin_dir: Path, name: str) -> None:
 
 
 def test_node_lock_picks_the_tool_that_honours_it(tmp_path: Path) -> None:
-    from ckagent.deps_node import node_install_command
+    from ckagent.code.deps_node import node_install_command
 
     empty, with_yarn, with_corepack = tmp_path / "empty", tmp_path / "yarn", tmp_path / "corepack"
     empty.mkdir()

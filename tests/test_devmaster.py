@@ -23,7 +23,7 @@ from ckagent.devmaster import store as store_module
 from ckagent.devmaster.client import AdminApiError, AdminClient, zip_directory, zip_files
 from ckagent.devmaster.errors import SchemaError
 from ckagent.devmaster.store import SCHEMA_VERSION, Store
-from ckagent.protocol import PendingTasks, SpiderFile
+from ckagent.master.protocol import PendingTasks, SpiderFile
 
 if TYPE_CHECKING:
     from conftest import DevMaster, DevMasterProcess

@@ -45,12 +45,12 @@ from test_supervision import (  # noqa: F401 -- no_strays: autouse fixture
 )
 
 from ckagent.containment import Containment, Limits, TaskJail, available_levels, open_containment
+from ckagent.containment.egress import EgressError, describe_refusals, open_egress, parse_text
+from ckagent.containment.egress.nft import BinaryNft, LibNft, NftError, open_nft
+from ckagent.containment.egress.table import Refusal, table_name
 from ckagent.containment.hierarchy import agent_group_name
-from ckagent.egress import EgressError, describe_refusals, open_egress, parse_text
-from ckagent.egress.nft import BinaryNft, LibNft, NftError, open_nft
-from ckagent.egress.policy import PolicyError, from_wire, parse_allowed
-from ckagent.egress.table import Refusal, table_name
-from ckagent.protocol import ProtocolError, Task, TaskResult
+from ckagent.master.protocol import ProtocolError, Task, TaskResult
+from ckagent.node.egress_policy import PolicyError, from_wire, parse_allowed
 
 LEVELS_HERE = available_levels(Path(tempfile.gettempdir()) / "ckagent-levels-probe")
 V2_LEVELS = [lvl for lvl in LEVELS_HERE if lvl != "process-group"]
@@ -444,7 +444,7 @@ async def _http_ok(stream: trio.SocketStream) -> None:
 async def test_the_proxy_level_refuses_denied_destinations_and_counts_them(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    from ckagent.egress.proxy import serve_proxy
+    from ckagent.containment.egress.proxy import serve_proxy
 
     with containment_at("process-group", tmp_path) as groups:
         egress = open_egress("auto", groups, agent_group_name(tmp_path), parse_text("metadata,agent,127.0.0.2", ""))
@@ -482,7 +482,7 @@ async def test_the_proxy_level_refuses_denied_destinations_and_counts_them(
 
 
 def test_ckagent_exec_prints_the_refusal_line() -> None:
-    from ckagent.localrun import _summary
+    from ckagent.cli.localrun import _summary
 
     lines = _summary({"status": "SUCCESS", "egressRefused": [{"address": "169.254.169.254", "port": 80, "count": 3}]},
                      None, Path("items.jsonl"), 1.0)

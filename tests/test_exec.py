@@ -22,9 +22,9 @@ import trio
 from harness import agent_settings, running_agent
 
 import ckagent
+from ckagent.cli.localrun import _Terminal, detect_framework, exit_code_of, parse_assignments
+from ckagent.code.runtimes import find_chromedriver, find_chromium
 from ckagent.devmaster.client import zip_directory
-from ckagent.localrun import _Terminal, detect_framework, exit_code_of, parse_assignments
-from ckagent.runtimes import find_chromedriver, find_chromium
 
 EXAMPLES = Path(ckagent.__file__).resolve().parent.parent / "sdk" / "examples"
 RUN_TIMEOUT = 420.0
@@ -228,7 +228,7 @@ def test_exec_takes_a_zip_and_applies_the_node_package_checks(tmp_path: Path) ->
 
 
 def test_a_scrapy_project_with_one_spider_needs_no_spider_name() -> None:
-    from ckagent.commands import scrapy_spider_names
+    from ckagent.task.commands import scrapy_spider_names
 
     assert scrapy_spider_names(EXAMPLES / "scrapy_demo") == ["products"]
     assert scrapy_spider_names(EXAMPLES / "scrapy_playwright_shop") == ["rendered"]

@@ -1,5 +1,5 @@
 """A fleet: one identity per node (nodeUid), protocol version and features at registration, and the
-master's minimum / desired agent versions (ckagent.fleet, the reference master's side in devmaster)."""
+master's minimum / desired agent versions (ckagent.master.fleet, the reference master's side in devmaster)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from ckagent import __version__
 from ckagent.agent import Agent
 from ckagent.devmaster.errors import ConflictError
 from ckagent.devmaster.store import NODE_LIVE_SECONDS, Store
-from ckagent.errors import StartupError
-from ckagent.fleet import NODE_UID_FILE, VersionWatch, load_node_uid
-from ckagent.intake import IntakeGate
-from ckagent.protocol import FEATURES, PROTOCOL_VERSION, Heartbeat, RegisterRequest, VersionPolicy
+from ckagent.master.fleet import NODE_UID_FILE, VersionWatch, load_node_uid
+from ckagent.master.protocol import FEATURES, PROTOCOL_VERSION, Heartbeat, RegisterRequest, VersionPolicy
+from ckagent.node.errors import StartupError
+from ckagent.node.intake import IntakeGate
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 20) -> None:  # noqa: ASYNC109
@@ -97,7 +97,7 @@ async def test_registration_sends_protocol_version_features_and_node_uid(dev_mas
 def test_version_watch_gates_below_the_minimum_and_opens_when_lowered(caplog: pytest.LogCaptureFixture) -> None:
     gate = IntakeGate()
     watch = VersionWatch(gate, auto_upgrade=False, version="1.2.0")
-    caplog.set_level(logging.INFO, "ckagent.fleet")
+    caplog.set_level(logging.INFO, "ckagent.master.fleet")
     watch.apply(VersionPolicy("1.10.0", None))  # PEP 440: 1.10 > 1.2 (not a string comparison)
     assert gate.reason is not None and "older than the master's minimum 1.10.0" in gate.reason
     watch.apply(VersionPolicy("1.10.0", None))

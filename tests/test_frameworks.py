@@ -20,10 +20,10 @@ import trio
 from harness import agent_settings, running_agent
 
 import ckagent
+from ckagent.code.runtimes import find_chromedriver, find_chromium
+from ckagent.containment.process import find_marked
 from ckagent.devmaster.client import zip_directory
 from ckagent.devmaster.demosite import expected_products
-from ckagent.process import find_marked
-from ckagent.runtimes import find_chromedriver, find_chromium
 
 EXAMPLES = Path(ckagent.__file__).resolve().parent.parent / "sdk" / "examples"
 FRAMEWORK_TIMEOUT = 240.0

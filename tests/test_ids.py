@@ -1,4 +1,4 @@
-"""ckagent.ids: which ids are accepted, and the one way each becomes a file name, a cgroup name or a URL."""
+"""ckagent.master.ids: which ids are accepted, and the one way each becomes a file name, a cgroup name or a URL."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from ckagent.containment.hierarchy import task_cgroup_name
-from ckagent.ids import (
+from ckagent.master.ids import (
     MAX_ID_CHARS,
     MAX_NAME_CHARS,
     IdError,
@@ -20,7 +20,7 @@ from ckagent.ids import (
     shown_id,
     url_segment,
 )
-from ckagent.protocol import PendingTasks, ProtocolError
+from ckagent.master.protocol import PendingTasks, ProtocolError
 
 HOSTILE = ["../x", "../../../../etc/passwd", "/abs/dir/x", "%2e%2e%2fx", ".", "..", "...", ".hidden", "a\nb",
            "a/b", "a\\b", "q?x#y", "~", " ", "_x-0123456789", "_x-012345678", "爬虫", "\u1234", "\x1234",

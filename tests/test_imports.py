@@ -107,10 +107,10 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_imports() -> None:
     graph = import_graph()
-    assert "ckagent.supervisor" in graph["ckagent.agent"]
-    assert "ckagent.delivery" in graph["ckagent.supervisor"]
+    assert "ckagent.task.supervisor" in graph["ckagent.agent"]
+    assert "ckagent.delivery" in graph["ckagent.task.supervisor"]
     assert "ckagent.agent" in graph["ckagent.cli"]  # a function-level import counts
-    assert "ckagent.agent" not in graph["ckagent.status"]  # so does nothing under TYPE_CHECKING
+    assert "ckagent.agent" not in graph["ckagent.port.status"]  # so does nothing under TYPE_CHECKING
 
 
 def test_the_cycle_finder_finds_a_circle() -> None:

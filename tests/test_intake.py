@@ -1,4 +1,4 @@
-"""The intake gate: a node that cannot work takes no tasks and says so (disk floor; ckagent.intake).
+"""The intake gate: a node that cannot work takes no tasks and says so (disk floor; ckagent.node.intake).
 
 Logic with Trio's autojump clock and a fake free-space reader; then a real in-process agent against the
 dev master, whose work dir is "full" because its floor is set above the free space.
@@ -15,7 +15,7 @@ import pytest
 import trio
 from harness import agent_settings, running_agent, submit
 
-from ckagent.intake import DiskFloorWatch, IntakeGate
+from ckagent.node.intake import DiskFloorWatch, IntakeGate
 
 MIB = 1024**2
 
@@ -59,7 +59,7 @@ async def test_disk_floor_closes_the_gate_once_and_opens_it_when_space_returns(
         return free[0]
 
     watch = DiskFloorWatch(gate, tmp_path, 512 * MIB, interval=5, free_bytes=free_bytes)
-    caplog.set_level("INFO", "ckagent.intake")
+    caplog.set_level("INFO", "ckagent.node.intake")
     async with trio.open_nursery() as nursery:
         nursery.start_soon(watch.run)
         await trio.sleep(1)

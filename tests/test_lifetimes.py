@@ -25,18 +25,18 @@ import trio
 from test_poller import FakeMaster, HoldingSupervisor, register_body, task_json
 
 from ckagent import workspace
+from ckagent.code.deps import Prepared
+from ckagent.containment.process import MARKER_VAR, run_supervised
 from ckagent.delivery import Outbox
-from ckagent.deps import Prepared
 from ckagent.devmaster.client import zip_files
 from ckagent.devmaster.errors import ConflictError
 from ckagent.devmaster.packages import read_package
 from ckagent.devmaster.store import Store
-from ckagent.master import MasterClient
-from ckagent.poller import Poller
-from ckagent.process import MARKER_VAR, run_supervised
-from ckagent.protocol import CodePackage, Heartbeat, RegisterRequest, Task, TaskResult
-from ckagent.state import AsyncStateStore, StateStore
-from ckagent.supervisor import RunnerConfig, Supervisor
+from ckagent.master.client import MasterClient
+from ckagent.master.protocol import CodePackage, Heartbeat, RegisterRequest, Task, TaskResult
+from ckagent.node.state import AsyncStateStore, StateStore
+from ckagent.task.poller import Poller
+from ckagent.task.supervisor import RunnerConfig, Supervisor
 
 # ------------------------------------------------------------------------------ claims and releases
 

@@ -19,7 +19,7 @@ import pytest
 import trio
 from harness import AgentProcess, submit
 
-from ckagent.logs import JsonFormatter, Masker, RedactingFormatter, log_task_finished, setup_logging
+from ckagent.node.logs import JsonFormatter, Masker, RedactingFormatter, log_task_finished, setup_logging
 
 REPO = Path(__file__).resolve().parents[1]
 CANONICAL_KEYS = ["task_id", "spider", "status", "error_code", "exit_code", "duration_seconds", "items",
@@ -177,7 +177,7 @@ def test_stderr_only_in_the_foreground(tmp_path: Path, root_logger: logging.Logg
 _DAEMON = """
 import logging, sys
 from pathlib import Path
-from ckagent.logs import setup_logging
+from ckagent.node.logs import setup_logging
 setup_logging("INFO", Path(sys.argv[1]), max_bytes=1024, backup_count=2)
 print("before rotation", file=sys.stderr, flush=True)
 for i in range(100):

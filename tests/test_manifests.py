@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from ckagent.config import load_settings
+from ckagent.node.config import load_settings
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "config" / "k8s"

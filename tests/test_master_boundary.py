@@ -1,5 +1,5 @@
 """The master boundary's classification, one class at a time (httpx.MockTransport, autojump clock):
-every answer becomes one exception of the tree in ckagent/master.py, one metric outcome, one log line
+every answer becomes one exception of the tree in ckagent/master/client.py, one metric outcome, one log line
 per episode, and a cause /readyz can show. Plus the URL rules (relative package URLs, other origins).
 """
 
@@ -13,7 +13,7 @@ import httpx
 import pytest
 import trio
 
-from ckagent.master import (
+from ckagent.master.client import (
     Connectivity,
     MasterClient,
     MasterConflict,
@@ -23,7 +23,7 @@ from ckagent.master import (
     RegistrationRefused,
     Trouble,
 )
-from ckagent.protocol import HeartbeatResponse, RegisterRequest, SeqAccepted
+from ckagent.master.protocol import HeartbeatResponse, RegisterRequest, SeqAccepted
 
 TOKEN = "reg-token-SECRET-0123456789"
 KEY = "api-key-SECRET-4242"
@@ -94,7 +94,7 @@ async def test_every_answer_is_classified_once(name: str, autojump_clock: Any,
     answer, exception, outcome, cause = CLASSES[name]
     recorder = Recorder()
     master = client(answer, recorder=recorder)
-    caplog.set_level(logging.DEBUG, logger="ckagent.master")
+    caplog.set_level(logging.DEBUG, logger="ckagent.master.client")
     for _ in range(3):
         with pytest.raises(exception) as info:
             await master.call("heartbeat", "POST", "/api/nodes/{node}/heartbeat", json={},
@@ -102,7 +102,7 @@ async def test_every_answer_is_classified_once(name: str, autojump_clock: Any,
         assert type(info.value) is exception
     await master.aclose()
     assert recorder.outcomes[-3:] == [("heartbeat", outcome)] * 3
-    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name == "ckagent.master"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name == "ckagent.master.client"]
     if name == "409":  # a conflict is the protocol's own answer: the caller's business, no trouble
         assert warnings == [] and master.connectivity.problem is None and master.connectivity.up
         return
@@ -116,7 +116,7 @@ async def test_an_episode_ends_once_with_the_first_success(autojump_clock: Any,
                                                            caplog: pytest.LogCaptureFixture) -> None:
     answers = [HTML] * 4 + [httpx.Response(200, json={"acceptedSeq": 3})]
     master = client(lambda r: answers.pop(0))
-    caplog.set_level(logging.INFO, logger="ckagent.master")
+    caplog.set_level(logging.INFO, logger="ckagent.master.client")
     accepted = await master.call_retrying("logs", "POST", "/api/tasks/t/logs", content=b"{}",
                                           answer=SeqAccepted.from_json)
     await master.aclose()
@@ -146,7 +146,7 @@ async def test_registration_401_names_the_token_setting_and_html_is_retried(
         return answers.pop(0)
 
     master = MasterClient("http://master.test", TOKEN, register_body, transport=httpx.MockTransport(handler))
-    caplog.set_level(logging.INFO, logger="ckagent.master")
+    caplog.set_level(logging.INFO, logger="ckagent.master.client")
     problems: list[str | None] = []
 
     async def watch() -> None:
@@ -162,7 +162,7 @@ async def test_registration_401_names_the_token_setting_and_html_is_retried(
     assert answer.node_id == "n-9" and not answers
     assert any(p and p.startswith("registration refused: 401, check AGENT_REGISTRATION_TOKEN") for p in problems)
     assert any(p and p.startswith("master answers 200 text/html to register") for p in problems)
-    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name == "ckagent.master"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name == "ckagent.master.client"]
     assert len(warnings) == 3, warnings  # 401, then the portal page, then the ingress's 404: three episodes
     assert all(KEY not in m and TOKEN not in m for m in warnings)
 

@@ -13,14 +13,14 @@ import httpx
 import pytest
 import trio
 
-from ckagent.master import (
+from ckagent.master.client import (
     MasterClient,
     MasterConflict,
     MasterRejected,
     MasterUnavailable,
     RegistrationRefused,
 )
-from ckagent.protocol import RegisterRequest
+from ckagent.master.protocol import RegisterRequest
 
 TOKEN = "reg-token-SECRET-0123456789"
 BASE = "http://master.test"
@@ -173,7 +173,7 @@ async def test_unavailable_is_retried_with_growing_backoff_and_logged_once_per_c
 
     seen = Seen()
     client = client_for(master, seen)
-    caplog.set_level(logging.INFO, logger="ckagent.master")
+    caplog.set_level(logging.INFO, logger="ckagent.master.client")
     answer = await client.call_retrying("heartbeat", "POST", path, json={})
     await client.aclose()
     assert answer == {"cancelTaskIds": ["t9"]}

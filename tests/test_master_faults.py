@@ -6,7 +6,7 @@ ingress, a reset connection, no answer at all), lasting some seconds:
 
 1. at start-up, on registration: the agent waits, /readyz names the cause, then it registers;
 2. while a task streams lines and items and ends, on every node call (heartbeat, poll, logs, items,
-   result): the agent keeps running, logs the trouble once (one WARNING line of ckagent.master per
+   result): the agent keeps running, logs the trouble once (one WARNING line of ckagent.master.client per
    episode), /readyz names it, and once the proxy behaves the task's lines, items and result reach
    the master complete, once, in order (the result's counts are the master's counts);
 3. on the claim of the next task (in the poll, with claim-in-poll): the task still runs, once, when
@@ -28,7 +28,7 @@ from harness import agent_settings, running_agent, submit
 
 from ckagent.agent import Agent
 from ckagent.delivery import LineSplitter, Masker, decode_lines
-from ckagent.protocol import CLAIM_IN_POLL
+from ckagent.master.protocol import CLAIM_IN_POLL
 
 FAULT_SECONDS = 5.0
 """How long each fault lasts: more than /readyz's limit (3 heartbeat intervals of 1 s)."""
@@ -82,7 +82,7 @@ async def eventually(check: Any, seconds: float, what: str) -> Any:
 
 
 def master_warnings(caplog: pytest.LogCaptureFixture, since: int) -> list[str]:
-    return [r.getMessage() for r in caplog.records[since:] if r.name == "ckagent.master" and r.levelno >= logging.WARNING]
+    return [r.getMessage() for r in caplog.records[since:] if r.name == "ckagent.master.client" and r.levelno >= logging.WARNING]
 
 
 @pytest.mark.parametrize("mode", list(CAUSES))

@@ -1,4 +1,4 @@
-"""ckagent.metrics on its own: the exposition (names, units, labels, promtool), the hooks, and the
+"""ckagent.port.metrics on its own: the exposition (names, units, labels, promtool), the hooks, and the
 outbox statistics (ckagent.delivery.statistics, what Outbox.statistics() returns) read from a real
 state store and real spool files."""
 
@@ -15,19 +15,19 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from ckagent.code.deps import Prepared
 from ckagent.delivery import LineSplitter, Outbox, SpoolCounter
 from ckagent.delivery.spool import MAX_LINE_BYTES as LOG_LINE_BYTES
 from ckagent.delivery.statistics import _ElementCount
-from ckagent.deps import Prepared
-from ckagent.metrics import (
+from ckagent.master.protocol import Task, TaskResult
+from ckagent.node.state import AsyncStateStore, StateStore
+from ckagent.port.metrics import (
     METRIC_NAMES,
     PHASES,
     AgentMetrics,
     LiveFigures,
 )
-from ckagent.protocol import Task, TaskResult
-from ckagent.state import AsyncStateStore, StateStore
-from ckagent.supervisor import RunningTask
+from ckagent.task.supervisor import RunningTask
 
 TASK_JSON = {"id": "t1", "spiderId": "s1", "spiderName": "shop", "framework": "python"}
 

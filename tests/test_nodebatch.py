@@ -16,7 +16,7 @@ from harness import agent_settings, running_agent, submit
 
 import ckagent.devmaster.app as devmaster_app
 from ckagent.delivery.nodebatch import _settle, _Waiter
-from ckagent.master import MasterConflict, MasterRejected, MasterUnavailable
+from ckagent.master.client import MasterConflict, MasterRejected, MasterUnavailable
 
 SPIDER = """\
 import crawlerkeeper_sdk as ck
@@ -95,7 +95,7 @@ def test_lines_wait_less_when_they_share_node_batches(tmp_path: Path) -> None:
     from ckagent.delivery import Masker, StreamShipper
     from ckagent.delivery.nodebatch import NodeBatcher
     from ckagent.delivery.spool import BATCH_AGE, LOG_BATCH_AGE, NODE_LOG_BATCH_AGE
-    from ckagent.state import AsyncStateStore, StateStore
+    from ckagent.node.state import AsyncStateStore, StateStore
 
     master = master_client(FakeMaster())
     store = AsyncStateStore(StateStore(tmp_path / "state.db"))
@@ -120,8 +120,8 @@ async def test_the_batcher_joins_waiting_batches_and_passes_trouble_to_each(auto
     import httpx
 
     from ckagent.delivery.nodebatch import MAX_IN_FLIGHT, MIN_SEND_INTERVAL, NodeBatcher
-    from ckagent.master import MasterClient
-    from ckagent.protocol import RegisterRequest
+    from ckagent.master.client import MasterClient
+    from ckagent.master.protocol import RegisterRequest
 
     sizes: list[int] = []
     mode = {"answer": "ok"}
@@ -187,8 +187,8 @@ async def test_a_steady_flow_goes_in_one_request_per_send_interval(autojump_cloc
     import httpx
 
     from ckagent.delivery.nodebatch import MIN_SEND_INTERVAL, NodeBatcher
-    from ckagent.master import MasterClient
-    from ckagent.protocol import RegisterRequest
+    from ckagent.master.client import MasterClient
+    from ckagent.master.protocol import RegisterRequest
 
     sizes: list[int] = []
 

@@ -17,11 +17,11 @@ import trio
 import yaml
 from harness import AgentProcess, agent_settings, running_agent, submit
 
-from ckagent.config import load_settings
 from ckagent.delivery.spool import MAX_ITEM_BYTES
-from ckagent.masterclock import MAX_SKEW_SECONDS, MasterClock
-from ckagent.notices import Notices
-from ckagent.preflight import check_paths, check_secret_file
+from ckagent.master.masterclock import MAX_SKEW_SECONDS, MasterClock
+from ckagent.node.config import load_settings
+from ckagent.node.notices import Notices
+from ckagent.node.preflight import check_paths, check_secret_file
 
 TOKEN = "tok-0123456789abcdef"
 
@@ -182,8 +182,8 @@ async def test_a_master_clock_far_off_shows_on_the_status_page(tmp_path: Path) -
     """Through the real master client: a Date header hours off raises the notice in /status."""
     import httpx
 
-    from ckagent.master import MasterClient
-    from ckagent.protocol import RegisterRequest
+    from ckagent.master.client import MasterClient
+    from ckagent.master.protocol import RegisterRequest
 
     notices = Notices()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ckagent.protocol import ERROR_CODES, FINAL_STATUSES, OUTCOME_STATUS
+from ckagent.master.protocol import ERROR_CODES, FINAL_STATUSES, OUTCOME_STATUS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
 

@@ -1,4 +1,4 @@
-"""ckagent.outputs: item files by extension, the cache rule, globs, what becomes of each file (real files)."""
+"""ckagent.delivery.outputs: item files by extension, the cache rule, globs, what becomes of each file (real files)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ckagent.outputs import collect, is_cache, itemfiles, load_manifest, match_glob
-from ckagent.outputs.itemfiles import ItemFileError, append_item_file
-from ckagent.protocol import ProtocolError, TaskOutputs
+from ckagent.delivery.outputs import collect, is_cache, itemfiles, load_manifest, match_glob
+from ckagent.delivery.outputs.itemfiles import ItemFileError, append_item_file
+from ckagent.master.protocol import ProtocolError, TaskOutputs
 
 
 def read_items(source: Path, tmp_path: Path) -> tuple[int, list[object]]:

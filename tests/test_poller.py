@@ -18,10 +18,10 @@ import httpx
 import pytest
 import trio
 
-from ckagent.master import MasterClient
-from ckagent.poller import Poller
-from ckagent.protocol import CLAIM_IN_POLL, RegisterRequest, Task
-from ckagent.supervisor import RunnerConfig, RunningTask, Supervisor
+from ckagent.master.client import MasterClient
+from ckagent.master.protocol import CLAIM_IN_POLL, RegisterRequest, Task
+from ckagent.task.poller import Poller
+from ckagent.task.supervisor import RunnerConfig, RunningTask, Supervisor
 
 POLL_INTERVAL = 5.0
 LONG_POLL_WAIT = 20.0
@@ -445,7 +445,7 @@ async def test_a_gate_closing_cuts_the_poll_in_flight_and_no_poll_goes_out_until
 ) -> None:
     """Below the master's minimum from the moment the agent learns it: the held poll is cut short (what
     it would claim must not run here) and no poll goes out while the gate is closed."""
-    from ckagent.intake import IntakeGate
+    from ckagent.node.intake import IntakeGate
 
     gate = IntakeGate()
     master = FakeMaster(hold_empty=True, features=[CLAIM_IN_POLL])

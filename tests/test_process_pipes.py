@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from ckagent.process import MARKER_VAR, PIPE_BYTES, run_supervised
+from ckagent.containment.process import MARKER_VAR, PIPE_BYTES, run_supervised
 
 CHILD = textwrap.dedent("""
     import fcntl, os, sys, time

@@ -1,4 +1,4 @@
-"""The wire types (``ckagent.protocol``) against their written contract (``ckagent/protocol/openapi.yaml``).
+"""The wire types (``ckagent.master.protocol``) against their written contract (``ckagent/master/protocol/openapi.yaml``).
 
 The contract tests read the OpenAPI file and drive the Python types with it: field names, required
 vs optional (by removing fields from valid payloads), nullability, enums, and every example in the
@@ -21,9 +21,8 @@ from typing import Any
 import pytest
 import yaml
 
-import ckagent.protocol as protocol
-from ckagent.egress.policy import parse_text
-from ckagent.protocol import (
+import ckagent.master.protocol as protocol
+from ckagent.master.protocol import (
     ERROR_CODES,
     FINAL_STATUSES,
     FRAMEWORKS,
@@ -54,6 +53,7 @@ from ckagent.protocol import (
     utc_iso,
     utc_now_iso,
 )
+from ckagent.node.egress_policy import parse_text
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC_PATH = Path(protocol.__file__).with_name("openapi.yaml")

@@ -26,9 +26,9 @@ import trio
 from harness import agent_settings, running_agent
 
 import ckagent
+from ckagent.code.runtimes import find_chromium
 from ckagent.devmaster.client import zip_directory
 from ckagent.devmaster.demosite import expected_products
-from ckagent.runtimes import find_chromium
 
 EXAMPLES = Path(ckagent.__file__).resolve().parent.parent / "sdk" / "examples"
 TIMEOUT = 900.0

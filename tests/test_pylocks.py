@@ -21,9 +21,9 @@ from harness import agent_settings, running_agent
 from test_deps import _QuietHandler, _wheel
 
 import ckagent
-from ckagent.deps import Dependencies, DepsError, IndexChooser, spider_base_env
+from ckagent.code.deps import Dependencies, DepsError, IndexChooser, spider_base_env
+from ckagent.code.pylocks import find_lock
 from ckagent.devmaster.client import zip_directory
-from ckagent.pylocks import find_lock
 
 EXAMPLES = Path(ckagent.__file__).resolve().parent.parent / "sdk" / "examples"
 

@@ -131,7 +131,7 @@ _PROBE = """
 import json, sys
 import yaml, psutil, trio, httpx, cyclopts, starlette, hypercorn, prometheus_client, stamina
 import ckagent
-from ckagent.deps import bundled_sdk_dir
+from ckagent.code.deps import bundled_sdk_dir
 sdk = bundled_sdk_dir()
 print(json.dumps({
     "python": "%d.%d" % sys.version_info[:2],

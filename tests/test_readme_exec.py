@@ -20,7 +20,7 @@ import pytest
 import trio
 
 import ckagent
-from ckagent.runtimes import find_chromedriver, find_chromium
+from ckagent.code.runtimes import find_chromedriver, find_chromium
 
 REPO = Path(ckagent.__file__).resolve().parent.parent
 EXAMPLES = REPO / "sdk" / "examples"

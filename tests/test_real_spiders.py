@@ -30,14 +30,21 @@ from harness import agent_settings, running_agent, spider_zip
 from test_deps import _QuietHandler, _wheel
 
 import ckagent
-from ckagent.commands import resolve_command, runs_in_env
-from ckagent.deps import Dependencies, DepsError, IndexChooser, bundled_sdk_dir, python_plan, spider_base_env
-from ckagent.envstore import MARKER, collect, mark_ready
-from ckagent.protocol import Task
-from ckagent.scrapyhook import scrapy_hook
-from ckagent.tails import TailBuffer, last_lines
-from ckagent.workcopy import make_working_copy
-from ckagent.workspace import DeployError
+from ckagent.code.deps import (
+    Dependencies,
+    DepsError,
+    IndexChooser,
+    bundled_sdk_dir,
+    python_plan,
+    spider_base_env,
+)
+from ckagent.code.envstore import MARKER, collect, mark_ready
+from ckagent.code.workcopy import make_working_copy
+from ckagent.code.workspace import DeployError
+from ckagent.containment.tails import TailBuffer, last_lines
+from ckagent.master.protocol import Task
+from ckagent.task.commands import resolve_command, runs_in_env
+from ckagent.task.scrapyhook import scrapy_hook
 
 REPO = Path(ckagent.__file__).resolve().parent.parent
 SDK_VERSION = "0.1.0"
@@ -477,7 +484,7 @@ async def test_deps_failure_carries_whole_lines(tmp_path: Path, index_url: str) 
 
 
 def test_result_reports_the_phases_apart() -> None:
-    from ckagent.supervisor import RunningTask, TaskOutcome, _result
+    from ckagent.task.supervisor import RunningTask, TaskOutcome, _result
 
     rt = RunningTask(task=_task("python"))
     rt.phase_seconds.update(deploy=0.25, install=12.5)
@@ -494,7 +501,7 @@ def test_result_reports_the_phases_apart() -> None:
 
 
 def test_legacy_per_spider_environments_are_removed(tmp_path: Path) -> None:
-    from ckagent.deps import remove_legacy_environments
+    from ckagent.code.deps import remove_legacy_environments
 
     (tmp_path / "venvs" / "spider-1" / "bin").mkdir(parents=True)
     (tmp_path / "node" / "spider-2").mkdir(parents=True)

@@ -101,7 +101,7 @@ async def test_kill_9_mid_task_then_restart_kills_orphans_and_reports_agent_lost
     lines = await admin.get_logs(task_id)
     assert [line for line in lines if line.startswith("line ")] == [f"line {i}" for i in range(200)]
     assert "ready" in lines
-    # the four the spider printed and its monitor (ckagent.monitor)
+    # the four the spider printed and its monitor (ckagent.containment.monitor)
     assert any("on restart it killed 5 leftover process(es); task FAILED (AGENT_LOST): not re-adopted" in line
                for line in lines), lines[-3:]
 

@@ -15,9 +15,15 @@ import pytest
 from ckagent.delivery import LogJournal, parse_journal
 from ckagent.delivery.diskwatch import FULL_BYTES, DiskWatch
 from ckagent.delivery.shipper import refused_element
-from ckagent.diskfull import SpaceReserve, is_disk_full
-from ckagent.master import RETRY_AFTER_MAX, MasterRejected, MasterUnavailable, parse_retry_after, retry_wait
-from ckagent.state import StateStore, StateStoreFull
+from ckagent.master.client import (
+    RETRY_AFTER_MAX,
+    MasterRejected,
+    MasterUnavailable,
+    parse_retry_after,
+    retry_wait,
+)
+from ckagent.node.diskfull import SpaceReserve, is_disk_full
+from ckagent.node.state import StateStore, StateStoreFull
 
 MIB = 1024 * 1024
 

@@ -151,7 +151,7 @@ async def test_a_404_longer_than_the_refusal_timeout_reports_the_result_incomple
 async def test_only_batches_hanging_mid_body_is_a_partial_outage_and_then_everything_arrives(
     dev_master: Any, nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="ckagent.master")
+    caplog.set_level(logging.INFO, logger="ckagent.master.client")
     async with behind_proxy(dev_master, nursery, tmp_path, AGENT_SERVER_REQUEST_TIMEOUT="2") as (proxy, agent):
         task_id = await submit(dev_master.admin, "numbered", {"main.py": NUMBERED}, args=["items", "0.2"])
         await wait_for(lambda: stored_lines(dev_master.admin, task_id, 50), 60)

@@ -98,9 +98,9 @@ def test_wheel_holds_only_ckagent_with_the_bundled_sdk_and_installs_both_ways(tm
     expected = sorted(f"ckagent/_sdk/crawlerkeeper_sdk/{p.name}"
                       for p in (REPO / "sdk/python/src/crawlerkeeper_sdk").iterdir() if p.is_file())
     assert sdk_files == expected, "the SDK ships as ckagent/_sdk/crawlerkeeper_sdk, nothing else in _sdk"
-    assert "ckagent/protocol/openapi.yaml" in names
+    assert "ckagent/master/protocol/openapi.yaml" in names
 
-    probe = "from ckagent.deps import bundled_sdk_dir; print(bundled_sdk_dir())"
+    probe = "from ckagent.code.deps import bundled_sdk_dir; print(bundled_sdk_dir())"
     for editable in (False, True):
         venv = tmp_path / ("venv-e" if editable else "venv")
         assert run([UV, "venv", "--quiet", "--python", sys.executable, str(venv)]).returncode == 0

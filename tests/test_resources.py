@@ -7,8 +7,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ckagent.config import load_settings
-from ckagent.resources import (
+from ckagent.node.config import load_settings
+from ckagent.node.resources import (
     HealthSampler,
     cgroup_cpu_quota,
     cgroup_memory_limit,

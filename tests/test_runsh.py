@@ -413,7 +413,7 @@ async def test_cleanup_temp_files_removes_stale_extractions_and_partial_deployme
     kept = node.directory / "data" / "spiders" / "s1" / "code"
     kept.mkdir()
     # a task the master has fully acknowledged (deleted) and one it has not (kept)
-    from ckagent.state import StateStore
+    from ckagent.node.state import StateStore
 
     store = StateStore(node.directory / "data" / "state.db")
     for task_id, acked in (("t-acked", True), ("t-pending", False)):

@@ -12,9 +12,9 @@ from typing import Any
 import trio
 from harness import AgentProcess, submit
 
-from ckagent.config import SETTINGS
-from ckagent.logs import Masker, secret_variants
-from ckagent.secretenv import SECRET_ENV
+from ckagent.node.config import SETTINGS
+from ckagent.node.logs import Masker, secret_variants
+from ckagent.node.secretenv import SECRET_ENV
 
 LOOK = r"""
 import base64, os, sys, urllib.parse

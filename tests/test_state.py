@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ckagent.state import AsyncStateStore, StateStore, StateStoreError
+from ckagent.node.state import AsyncStateStore, StateStore, StateStoreError
 
 
 def test_a_task_survives_a_reopen_until_its_result_is_acknowledged(tmp_path: Path) -> None:

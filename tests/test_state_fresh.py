@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from ckagent.state import AsyncStateStore, StateStore
+from ckagent.node.state import AsyncStateStore, StateStore
 
 
 async def test_a_new_task_s_streams_start_at_zero_without_a_thread_hop(

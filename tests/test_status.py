@@ -26,10 +26,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ckagent import __version__
 from ckagent.agent import Agent
-from ckagent.errors import StartupError
-from ckagent.metrics import METRIC_NAMES, PHASES, STATES, AgentMetrics
-from ckagent.protocol import CLAIM_IN_POLL
-from ckagent.status import AgentStatistics, AgentStatus, Readiness, StatusRoutes, serve_status
+from ckagent.master.protocol import CLAIM_IN_POLL
+from ckagent.node.errors import StartupError
+from ckagent.port.metrics import METRIC_NAMES, PHASES, STATES, AgentMetrics
+from ckagent.port.status import AgentStatistics, AgentStatus, Readiness, StatusRoutes, serve_status
 
 # Prints 25 lines and saves 7 items, then waits for the test to create "<task dir>/go".
 BLOCKING_SPIDER = """\
@@ -270,7 +270,7 @@ async def test_readyz_follows_the_master_away_and_back(
             await wait_for(lambda: readyz(200), 15, "/readyz 200 after the master returned")
             assert value(await scrape(client), "ckagent_master_up") == 1
     # The outage was logged once going down and once coming back, not once per failed attempt.
-    messages = [r.getMessage() for r in caplog.records if r.name == "ckagent.master"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "ckagent.master.client"]
     assert len([m for m in messages if m.startswith("master unreachable")]) == 1, messages
     back = [m for m in messages if m.startswith("master reachable again")]
     assert len(back) == 1 and "failed attempts" in back[0], messages
@@ -354,11 +354,11 @@ async def test_the_status_port_logs_its_address_not_hypercorns_chatter(caplog: p
             nursery.cancel_scope.cancel()
     messages = [r.getMessage() for r in caplog.records]
     assert not [m for m in messages if "Running on" in m or "CTRL" in m], messages
-    ours = [r.getMessage() for r in caplog.records if r.name.startswith(("ckagent.status", "hypercorn"))]
+    ours = [r.getMessage() for r in caplog.records if r.name.startswith(("ckagent.port.status", "hypercorn"))]
     assert [m for m in ours if f"http://127.0.0.1:{port}" in m] == [
         f"status server on http://127.0.0.1:{port} (/metrics /healthz /readyz /status)"]
     # hypercorn's warnings and errors still reach the log.
-    logging.getLogger("ckagent.status.hypercorn").warning("a real hypercorn warning")
+    logging.getLogger("ckagent.port.status.hypercorn").warning("a real hypercorn warning")
     assert caplog.records[-1].getMessage() == "a real hypercorn warning"
 
 

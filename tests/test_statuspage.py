@@ -18,7 +18,7 @@ import pytest
 import trio
 from harness import agent_settings, running_agent, submit
 
-from ckagent.runtimes import find_chromedriver, find_chromium
+from ckagent.code.runtimes import find_chromedriver, find_chromium
 
 CHROMIUM = find_chromium()
 CHROMEDRIVER = find_chromedriver()

@@ -22,8 +22,8 @@ import psutil
 import pytest
 import trio
 
-from ckagent.process import MARKER_VAR, ProcessOutcome, run_supervised
-from ckagent.stoptarget import is_launcher, stop_targets
+from ckagent.containment.process import MARKER_VAR, ProcessOutcome, run_supervised
+from ckagent.containment.stoptarget import is_launcher, stop_targets
 
 TRAP_JS = textwrap.dedent("""
     process.on('SIGTERM', () => {

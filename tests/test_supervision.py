@@ -584,7 +584,7 @@ async def test_run_as_user_gives_the_python_venv_to_that_user(
 def test_agent_refuses_a_user_that_cannot_execute_the_spiders_interpreter(spider_user: SpiderUser,
                                                                           tmp_path: Path) -> None:
     """The interpreter lies in a directory only root may enter: refused at start, naming the fix."""
-    from ckagent.preflight import check_users
+    from ckagent.node.preflight import check_users
 
     private = tmp_path / "private"
     private.mkdir(mode=0o700)

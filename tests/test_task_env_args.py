@@ -14,7 +14,7 @@ import trio
 from harness import agent_settings, running_agent, submit
 
 from ckagent.delivery.lines import secret_args, secret_values
-from ckagent.protocol import ProtocolError, Task
+from ckagent.master.protocol import ProtocolError, Task
 
 PRINT_ARGS = "import sys\nprint('args:', ' '.join(sys.argv[1:]))\n"
 

@@ -16,10 +16,10 @@ import pytest
 import trio
 from harness import agent_settings, running_agent, submit
 
-import ckagent.supervisor
+import ckagent.task.supervisor
+from ckagent.code.deps import Dependencies, DepsError, IndexChooser
 from ckagent.containment import ContainmentError
-from ckagent.deps import Dependencies, DepsError, IndexChooser
-from ckagent.errors import AGENT_ERROR, DeployError, TaskError, collapse, collapsed_groups
+from ckagent.node.errors import AGENT_ERROR, DeployError, TaskError, collapse, collapsed_groups
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup, ExceptionGroup
@@ -70,14 +70,14 @@ async def test_working_copy_refused_by_the_file_system_is_deploy_failed(
 async def test_jail_refused_and_agent_bug_are_agent_error_never_bad_task(
     dev_master: Any, nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_copy = ckagent.supervisor.make_working_copy
+    real_copy = ckagent.task.supervisor.make_working_copy
 
     def buggy_copy(code_dir: Path, work: Path) -> Any:
         if "bug" in str(code_dir.parent.name) or (code_dir / "bug.txt").exists():
             raise RuntimeError("a bug of the agent")
         return real_copy(code_dir, work)
 
-    monkeypatch.setattr(ckagent.supervisor, "make_working_copy", buggy_copy)
+    monkeypatch.setattr(ckagent.task.supervisor, "make_working_copy", buggy_copy)
     settings = agent_settings(tmp_path / "agent", dev_master.base_url, dev_master.registration_token)
     async with running_agent(nursery, settings) as agent:
         sup = agent.supervisor
@@ -91,7 +91,7 @@ async def test_jail_refused_and_agent_bug_are_agent_error_never_bad_task(
             raise ContainmentError("cannot create the task's cgroup /sys/fs/cgroup/x: Read-only file system")
 
         if containment is None:
-            monkeypatch.setattr(ckagent.supervisor, "ProcessGroupJail", refuse)
+            monkeypatch.setattr(ckagent.task.supervisor, "ProcessGroupJail", refuse)
         else:
             monkeypatch.setattr(containment, "jail", refuse)
         jailless = await submit(dev_master.admin, "no-jail", OK)

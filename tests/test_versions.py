@@ -1,4 +1,4 @@
-"""PEP 440 without dependencies (ckagent.versions and run.sh's embedded copy) agree with packaging."""
+"""PEP 440 without dependencies (ckagent.node.versions and run.sh's embedded copy) agree with packaging."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ckagent.versions import InvalidVersion, Version, version_key
+from ckagent.node.versions import InvalidVersion, Version, version_key
 
 packaging_version = pytest.importorskip("packaging.version")
 

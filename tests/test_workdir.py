@@ -1,4 +1,4 @@
-"""One agent per work dir (ckagent.workdir), and start-up problems reported as configuration errors.
+"""One agent per work dir (ckagent.node.workdir), and start-up problems reported as configuration errors.
 
 A second agent on a work dir in use must be refused before its crash recovery runs: recovery would
 take the first agent's running tasks for leftovers of a crash, kill them and report AGENT_LOST.
@@ -18,7 +18,7 @@ import pytest
 import trio
 from harness import AgentProcess, submit
 
-from ckagent.workdir import LOCK_FILE, WorkDirError, WorkDirInUse, WorkDirLock
+from ckagent.node.workdir import LOCK_FILE, WorkDirError, WorkDirInUse, WorkDirLock
 
 
 def test_a_second_lock_on_the_same_work_dir_is_refused_until_the_first_is_released(tmp_path: Path) -> None:
@@ -46,7 +46,7 @@ def test_the_lock_dies_with_its_process(tmp_path: Path) -> None:
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys, time
             from pathlib import Path
-            from ckagent.workdir import WorkDirLock
+            from ckagent.node.workdir import WorkDirLock
             WorkDirLock.acquire(Path({str(work_dir)!r}))
             print("held", flush=True)
             time.sleep(60)
@@ -87,7 +87,7 @@ def test_unusable_work_dir_or_log_file_exits_2_naming_the_setting(key: str, env_
 def test_the_agent_makes_itself_non_dumpable(tmp_path: Path) -> None:
     if not sys.platform.startswith("linux"):
         pytest.skip("prctl is Linux only")
-    code = ("import ctypes; from ckagent.hardening import protect_agent_memory; "
+    code = ("import ctypes; from ckagent.node.hardening import protect_agent_memory; "
             "ok = protect_agent_memory(); print(ok, ctypes.CDLL(None).prctl(3, 0, 0, 0, 0))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["True", "0"]  # PR_GET_DUMPABLE (3) answers 0 once protected

@@ -24,9 +24,9 @@ import pytest
 import trio
 from harness import agent_settings, running_agent, spider_zip
 
-from ckagent.master import MasterClient
-from ckagent.protocol import CodePackage, RegisterRequest
-from ckagent.workspace import KEEP_VERSIONS, DeployError, Limits, Workspaces, extract_zip, safe_name
+from ckagent.code.workspace import KEEP_VERSIONS, DeployError, Limits, Workspaces, extract_zip, safe_name
+from ckagent.master.client import MasterClient
+from ckagent.master.protocol import CodePackage, RegisterRequest
 
 # --------------------------------------------------------------------------- zip builders
 

@@ -1,5 +1,11 @@
 """Containment: every task (its installers too) in a box the agent can count, limit and empty.
 
+This package also holds the processes in the box: :mod:`.process` (spawning and supervising
+spiders and installers), :mod:`.stoptarget` (which processes a stop signal goes to), :mod:`.monitor`
+(a spider that needs no living agent), :mod:`.tails` (the last lines of a stream), and
+:mod:`.egress` (the task's network policy, on its cgroup). May import :mod:`ckagent.node` and
+:mod:`ckagent.master` (ids) only.
+
 Levels, strongest first (``task.containment``: ``auto`` picks the first that works here):
 
 ``cgroup-v2``      (:mod:`.cgroup_v2`) the agent's own cgroup in the unified tree is writable

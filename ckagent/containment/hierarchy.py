@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from ckagent.ids import MAX_NAME_CHARS, safe_name
+from ckagent.master.ids import MAX_NAME_CHARS, safe_name
 
 V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct", "freezer", "blkio")
 
@@ -91,7 +91,7 @@ def task_cgroup_name(task_id: str) -> str:
     """A cgroup directory name for a task id, bounded and collision-free: ``task-<id>`` with anything
     but letters, digits and ``._-`` escaped as ``%xx`` (as before, so a restarted agent finds its
     tasks' cgroups); an id that needs a wider escape or whose name would be longer than 100
-    characters gets ``task-%-`` + :func:`ckagent.ids.safe_name` (``%-`` never occurs in an escape)."""
+    characters gets ``task-%-`` + :func:`ckagent.master.ids.safe_name` (``%-`` never occurs in an escape)."""
     if all(c.isalnum() or c in "._-" or ord(c) < 256 for c in task_id):
         safe = "".join(c if c.isalnum() or c in "._-" else f"%{ord(c):02x}" for c in task_id)
         if len(safe) <= MAX_NAME_CHARS:

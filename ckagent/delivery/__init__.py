@@ -30,7 +30,7 @@ lone ``\\r`` (progress bars become lines instead of one endless line); a line lo
 once a line is complete (a character split across reads stays whole), as UTF-8 with replacement
 (invalid bytes become U+FFFD, never an exception). Values of secrets are masked (``***``) per line
 or piece (a secret cut by a 64 KiB piece boundary is not recognised); one shorter than 8 characters
-only where it stands alone (:class:`ckagent.logs.Masker`, the agent log's rule too).
+only where it stands alone (:class:`ckagent.node.logs.Masker`, the agent log's rule too).
 
 **Shipping** (:class:`StreamShipper`): read from the acknowledged position, cut batches (≤ 5000
 elements, ≤ 1 MiB of JSON, or 0.7 s old for lines, 1 s for items), POST ``{seq, lines|items}``, store the new position only
@@ -74,7 +74,7 @@ filesystem's free space would fall below ``task.min_free_disk_bytes``; the pipes
 (the spider never blocks) and one marker line at the end says how many bytes were dropped. The
 spider's own files (items, log files) are not the agent's to cut.
 
-**A full disk** (:mod:`ckagent.delivery.diskwatch`, :mod:`ckagent.diskfull`): the disk loop stops
+**A full disk** (:mod:`ckagent.delivery.diskwatch`, :mod:`ckagent.node.diskfull`): the disk loop stops
 the running task whose directory grows most when the free space is below the floor or would cross
 it within a look (FAILED DISK_FULL); state store writes fall back on the agent's space reserve;
 positions, journal records and results that cannot be written wait in memory for room.
@@ -87,6 +87,10 @@ the stored position lets the next start resume). Nothing here raises into the ag
 task's data: an unexpected bug in one task's delivery is logged and that task is left in the
 state store for the next start. ``OSError`` writing output.log truncates it (marker) instead of
 failing the task.
+
+The package also holds what feeds the streams: :mod:`.outputs` (the files a task wrote: items,
+artifacts, kept), :mod:`.crawlstats` (the crawl's stats file), :mod:`.stall` (activity and the stall
+watchdog). May import :mod:`ckagent.node`, :mod:`ckagent.master`, :mod:`ckagent.containment`.
 """
 
 from ckagent.delivery.capture import DiskGuard, LogSink

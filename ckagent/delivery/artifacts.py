@@ -1,6 +1,6 @@
 """Artifact upload: each file of a task's ``artifacts.json`` to the master, once, before the final result.
 
-The collector (:mod:`ckagent.outputs`) moved the files into ``work_dir/tasks/<task-id>/artifacts/``
+The collector (:mod:`ckagent.delivery.outputs`) moved the files into ``work_dir/tasks/<task-id>/artifacts/``
 and wrote their list (path, size, sha256) to ``artifacts.json`` before the final result was stored,
 so the spool outlives a crash. After both streams are complete the task's delivery calls
 :func:`upload_artifacts`: ``PUT /api/tasks/{id}/artifacts/{path}`` with the bytes, the
@@ -37,9 +37,9 @@ from urllib.parse import quote
 
 import trio
 
-from ckagent.master import MasterClient, MasterConflict, MasterRejected, MasterUnavailable
-from ckagent.outputs import ARTIFACTS_DIR, load_manifest
-from ckagent.protocol import ARTIFACTS, ArtifactRef
+from ckagent.delivery.outputs import ARTIFACTS_DIR, load_manifest
+from ckagent.master.client import MasterClient, MasterConflict, MasterRejected, MasterUnavailable
+from ckagent.master.protocol import ARTIFACTS, ArtifactRef
 
 log = logging.getLogger(__name__)
 

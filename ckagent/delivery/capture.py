@@ -138,7 +138,7 @@ class LogSink:
 
     def grown(self) -> int:
         """Take in what others appended to ``output.log`` since the last look: the spider writes there
-        itself (its stdout and stderr are this file, see ckagent.monitor). Within the budget the bytes
+        itself (its stdout and stderr are this file, see ckagent.containment.monitor). Within the budget the bytes
         count as written; past ``max_bytes`` or the free-space floor the file is cut back (ftruncate
         to the budget) and the cut bytes are counted as dropped, so the disk stays bounded by what
         one look lets through. Returns how many new bytes were found (0: none). Never raises."""

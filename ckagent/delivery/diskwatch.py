@@ -18,7 +18,7 @@ look and
   it can write between two usual looks).
 
 A disk that fills while no task grows (another program) stops nothing: new tasks wait for the floor
-(ckagent.intake) and the log says so once.
+(ckagent.node.intake) and the log says so once.
 """
 
 from __future__ import annotations

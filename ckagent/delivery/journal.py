@@ -24,7 +24,7 @@ from ckagent.delivery.spool import (
     open_spool,
     read_spool,
 )
-from ckagent.protocol import Task
+from ckagent.master.protocol import Task
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from operator import add
 from typing import Any
 
 from ckagent.delivery.spool import MAX_LINE_BYTES
-from ckagent.logs import Masker
+from ckagent.node.logs import Masker
 
 log = logging.getLogger(__name__)
 _SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|KEY)$", re.IGNORECASE)
@@ -29,7 +29,7 @@ def secret_values(env: dict[str, str], extra: Iterable[str] = (), args: Iterable
     (see :func:`secret_args`), plus ``extra``.
 
     Empty values are left out. Longest first. How each is masked (a short one only where it stands
-    alone) is :class:`ckagent.logs.Masker`'s rule, the same as in the agent's own log.
+    alone) is :class:`ckagent.node.logs.Masker`'s rule, the same as in the agent's own log.
     """
     values = [v for k, v in env.items() if _SECRET_NAME.search(k)]
     values.extend(secret_args(args))

@@ -2,7 +2,7 @@
 
 With many tasks on one node every stream posting on its own makes the master's time per request
 the bottleneck (issue 18: 64 tasks × 2 streams ≈ 80 requests a second, each waiting its turn). A
-master whose registration answer lists ``"node-batches"`` (:data:`ckagent.protocol.NODE_BATCHES`)
+master whose registration answer lists ``"node-batches"`` (:data:`ckagent.master.protocol.NODE_BATCHES`)
 takes ``POST /api/nodes/{id}/batches`` ``{"batches": [{"taskId", "stream", "seq", "lines"|"items"},
 ...]}`` and answers ``{"results": [...]}``, one per batch in order: ``{"acceptedSeq": n}`` or the
 error the per-task endpoint would have answered, ``{"status", "error", ...}`` (docs/protocol.md,
@@ -18,7 +18,7 @@ MasterConflict with ``expectedSeq``; MasterRejected; MasterUnavailable for the w
 trouble), so the shipper's rules (acknowledged positions, 409 rewind, 413/422 halving, backoff) are
 unchanged. A master that does not offer the feature is never sent one: shippers post per task.
 
-Errors: :meth:`NodeBatcher.post` raises what ``MasterClient.call`` raises (see ckagent.master).
+Errors: :meth:`NodeBatcher.post` raises what ``MasterClient.call`` raises (see ckagent.master.client).
 Cancellation of a waiter leaves its batch to the request (the master drops a repeat by ``seq``).
 """
 
@@ -30,8 +30,8 @@ from typing import Any
 
 import trio
 
-from ckagent.master import MasterClient, MasterConflict, MasterError, MasterRejected, MasterUnavailable
-from ckagent.protocol import NODE_BATCHES, ProtocolError
+from ckagent.master.client import MasterClient, MasterConflict, MasterError, MasterRejected, MasterUnavailable
+from ckagent.master.protocol import NODE_BATCHES, ProtocolError
 
 log = logging.getLogger(__name__)
 

@@ -17,23 +17,23 @@ from typing import Any
 
 import trio
 
-from ckagent.crawlstats import STATS_FILE, Snapshot
 from ckagent.delivery.artifacts import upload_artifacts
 from ckagent.delivery.capture import DiskGuard, LogSink
+from ckagent.delivery.crawlstats import STATS_FILE, Snapshot
 from ckagent.delivery.diskwatch import DiskWatch, tree_bytes
 from ckagent.delivery.journal import LogJournal, rejected_log_globs, scan_log_files, task_log_globs
 from ckagent.delivery.lines import Masker, secret_values
 from ckagent.delivery.nodebatch import NodeBatcher
+from ckagent.delivery.outputs import cleanup_kept
 from ckagent.delivery.shipper import DEFAULT_REFUSAL_TIMEOUT, StreamShipper, send_result
 from ckagent.delivery.spool import DEFAULT_LOG_GLOBS, ITEMS_FILE, OUTPUT_LOG, SCAN_INTERVAL, SEND_CONCURRENCY
+from ckagent.delivery.stall import Activity, watch_stall
 from ckagent.delivery.statistics import OutboxStatistics, SpoolCounter
 from ckagent.delivery.stats import StatsShipper, final_stats
-from ckagent.diskfull import RESERVE_BYTES, SpaceReserve
-from ckagent.master import MasterClient
-from ckagent.outputs import cleanup_kept
-from ckagent.protocol import Task, TaskResult
-from ckagent.stall import Activity, watch_stall
-from ckagent.state import AsyncStateStore, StateStoreError, TaskRecord
+from ckagent.master.client import MasterClient
+from ckagent.master.protocol import Task, TaskResult
+from ckagent.node.diskfull import RESERVE_BYTES, SpaceReserve
+from ckagent.node.state import AsyncStateStore, StateStoreError, TaskRecord
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ class Outbox:
         """Which running task fills the disk (ckagent.delivery.diskwatch); :attr:`on_disk_full` stops it."""
         floor = self.config.min_free_disk_bytes
         self.reserve = SpaceReserve(work_dir, min(RESERVE_BYTES, floor // 4)) if floor else None
-        """Disk space kept for the state store's writes on a full disk (ckagent.diskfull); with a floor only."""
+        """Disk space kept for the state store's writes on a full disk (ckagent.node.diskfull); with a floor only."""
         if self.reserve is not None:
             store.sync.reserve = self.reserve
         self.on_disk_full: Callable[[str, str], None] | None = None

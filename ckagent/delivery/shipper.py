@@ -35,10 +35,10 @@ from ckagent.delivery.spool import (
     NOTIFY_FALLBACK,
     TAIL_INTERVAL,
 )
-from ckagent.ids import api_path
-from ckagent.master import MasterClient, MasterConflict, MasterRejected, MasterUnavailable, json_object
-from ckagent.protocol import SeqAccepted, TaskResult
-from ckagent.state import AsyncStateStore, StateStoreError
+from ckagent.master.client import MasterClient, MasterConflict, MasterRejected, MasterUnavailable, json_object
+from ckagent.master.ids import api_path
+from ckagent.master.protocol import SeqAccepted, TaskResult
+from ckagent.node.state import AsyncStateStore, StateStoreError
 
 log = logging.getLogger(__name__)
 

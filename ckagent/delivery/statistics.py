@@ -34,7 +34,7 @@ from ckagent.delivery.spool import (
     open_spool,
     read_spool,
 )
-from ckagent.state import StateStore
+from ckagent.node.state import StateStore
 
 READ_CHUNK = 64 * 1024
 """Bytes read from a spool file at a time while counting: one read and its line cutting take well

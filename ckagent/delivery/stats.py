@@ -21,10 +21,10 @@ from pathlib import Path
 
 import trio
 
-from ckagent.crawlstats import STATS_FILE, Snapshot, read_last_snapshot
-from ckagent.ids import api_path
-from ckagent.master import MasterClient, MasterError, MasterRejected
-from ckagent.protocol import TaskStats, utc_iso
+from ckagent.delivery.crawlstats import STATS_FILE, Snapshot, read_last_snapshot
+from ckagent.master.client import MasterClient, MasterError, MasterRejected
+from ckagent.master.ids import api_path
+from ckagent.master.protocol import TaskStats, utc_iso
 
 log = logging.getLogger(__name__)
 

@@ -62,7 +62,7 @@ from ckagent.devmaster.errors import (
 from ckagent.devmaster.packages import MAX_PACKAGE_BYTES, read_package
 from ckagent.devmaster.paths import SegmentPaths, check_spider_name
 from ckagent.devmaster.store import Store
-from ckagent.protocol import (
+from ckagent.master.protocol import (
     ARTIFACTS,
     CLAIM_IN_POLL,
     FRAMEWORKS,
@@ -79,7 +79,7 @@ from ckagent.protocol import (
     VersionPolicy,
     parse_stop_signal,
 )
-from ckagent.protocol.outputs import check_artifact_path
+from ckagent.master.protocol.outputs import check_artifact_path
 
 __all__ = ["MAX_BATCH_ELEMENTS", "MAX_NODE_BODY_BYTES", "Notifier", "create_app"]
 

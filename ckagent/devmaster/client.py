@@ -24,7 +24,7 @@ from urllib.parse import quote
 import httpx
 import trio
 
-from ckagent.ids import api_path
+from ckagent.master.ids import api_path
 
 __all__ = ["FINAL_TASK_STATUSES", "SKIPPED_DIRS", "AdminApiError", "AdminClient", "zip_directory"]
 

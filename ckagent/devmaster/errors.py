@@ -12,7 +12,7 @@
         ├── ConflictError         409  the request contradicts the stored state (claims, seq gaps)
         └── PayloadTooLargeError  413  body or batch over the limits
 
-A payload that breaks the schema raises ``ckagent.protocol.ProtocolError`` (422) instead.
+A payload that breaks the schema raises ``ckagent.master.protocol.ProtocolError`` (422) instead.
 """
 
 from __future__ import annotations

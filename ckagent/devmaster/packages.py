@@ -1,7 +1,7 @@
 """Code packages as the reference master receives them: a zip checked and read into its regular files.
 
 The master only checks that a package is a readable zip within the size limits; what is safe to
-unpack is the agent's decision (ckagent.workspace).
+unpack is the agent's decision (ckagent.code.workspace).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ ASGI server hands Starlette a path that is already decoded, in which ``a%2Fb`` h
 segment kept as :data:`SLASH`, and the ``seg`` convertor of the routes (``{task_id:seg}``) turns it back.
 
 :func:`check_spider_name` is what the admin API accepts as a spider's name: what an agent accepts as
-an id (ckagent.ids) and printable, so this master never hands out a name an agent would refuse.
+an id (ckagent.master.ids) and printable, so this master never hands out a name an agent would refuse.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from urllib.parse import unquote
 
 from starlette.convertors import Convertor, register_url_convertor
 
-from ckagent.ids import IdError, check_id, url_segment
-from ckagent.protocol import ProtocolError
+from ckagent.master.ids import IdError, check_id, url_segment
+from ckagent.master.protocol import ProtocolError
 
 SLASH = "\uf8ff"
 """Stands for a ``/`` inside one segment between the path rebuild and the route's convertor."""
@@ -56,7 +56,7 @@ class SegmentPaths:
 
 def check_spider_name(value: Any, field: str = "name") -> str:
     """A spider name the admin API accepts, or ProtocolError naming ``field`` (422): a non-empty
-    string an agent can carry as an id (no NUL, at most ckagent.ids.MAX_ID_CHARS characters) without
+    string an agent can carry as an id (no NUL, at most ckagent.master.ids.MAX_ID_CHARS characters) without
     control characters."""
     if not isinstance(value, str) or not value.strip():
         raise ProtocolError(field, "expected a non-empty string")

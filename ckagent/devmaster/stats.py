@@ -18,7 +18,7 @@ import json
 import sqlite3
 from typing import Any
 
-from ckagent.protocol import TaskStats
+from ckagent.master.protocol import TaskStats
 
 HISTORY_LIMIT = 100
 """Snapshots kept per task (the first, the newest, the final one, and a thinned history between)."""

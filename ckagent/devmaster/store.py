@@ -21,7 +21,7 @@ this is a development tool, delete the file or choose another one.
 The exceptions it raises are drawn in :mod:`ckagent.devmaster.errors`; code packages are read by
 :mod:`ckagent.devmaster.packages`.
 
-A payload that breaks the schema raises ``ckagent.protocol.ProtocolError`` (422) instead.
+A payload that breaks the schema raises ``ckagent.master.protocol.ProtocolError`` (422) instead.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ from ckagent.devmaster.errors import (
 from ckagent.devmaster.packages import (
     PackageContents,
 )
-from ckagent.ids import url_segment
-from ckagent.protocol import (
+from ckagent.master.ids import url_segment
+from ckagent.master.protocol import (
     FINAL_STATUSES,
     Heartbeat,
     RegisterRequest,
@@ -62,7 +62,7 @@ from ckagent.protocol import (
     VersionPolicy,
     utc_now_iso,
 )
-from ckagent.versions import InvalidVersion, Version
+from ckagent.node.versions import InvalidVersion, Version
 
 __all__ = ["NODE_LIVE_SECONDS", "SCHEMA_VERSION", "Store"]
 

@@ -1,0 +1,564 @@
+"""A spider's code on this node: ``work_dir/spiders/<spiderId>/<version>/``, written atomically.
+
+Two modes (docs/protocol.md): a code package (zip: url, sha256, sizeBytes) or the spider-files
+list. Either way the code is assembled in a private temp dir under ``spiders/.staging/``, checked,
+and renamed into place in one step; until that rename nothing is written anywhere else, so a
+refused package leaves the node exactly as it was. A version already present is reused (no
+download). Old versions are pruned, least recently used first, keeping :data:`KEEP_VERSIONS` and
+never one a running task uses.
+
+Rules, checked before a byte of an entry is written:
+
+- the package: at most ``max_package_bytes`` (declared and while streaming: the download is
+  streamed to a file and aborted at the cap, never held in memory), its sha256 and size as
+  announced, zip magic bytes, a readable central directory, at most ``max_entries`` entries;
+- each entry: a relative path (no ``/``-absolute path, drive letter, ``..``, NUL), no symlink, no
+  device file/fifo/socket, no duplicate or file-vs-directory clash;
+- sizes: the declared total at most ``max_total_bytes``, an entry's compression ratio at most
+  ``max_ratio`` (for entries over 1 MiB) and the *actual* bytes written counted against the total
+  too (a zip bomb lying about its sizes still stops at the cap).
+
+A package whose entries all sit under one top-level folder (GitHub's "Download ZIP") is unwrapped:
+that folder's content is the project root; macOS's ``__MACOSX/`` entries are dropped.
+
+Spider files: the same path and size rules per listed file, each download checked against its
+sha256, files unchanged since the newest existing version copied from it rather than downloaded.
+
+Exceptions::
+
+    DeployError        the code cannot be deployed; the message names the entry and the rule
+                       (the task fails with DEPLOY_FAILED, the agent carries on)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import lzma
+import os
+import re
+import shutil
+import stat
+import struct
+import tempfile
+import zipfile
+import zlib
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import BinaryIO
+
+import stamina
+import trio
+
+from ckagent.master.client import MasterClient, MasterError, MasterUnavailable, retry_wait
+from ckagent.master.ids import api_path, safe_name
+from ckagent.master.protocol import CodePackage, SpiderFile
+from ckagent.node.errors import DeployError
+
+log = logging.getLogger(__name__)
+
+ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
+KEEP_VERSIONS = 3
+"""Code versions kept per spider (least recently used pruned first; in-use versions never)."""
+STAGING = ".staging"
+"""Directory under the workspace root holding the temp dirs of deploys in progress."""
+RUNS = ".runs"
+"""Directory under the workspace root holding the tasks' private working copies (ckagent.code.workcopy)."""
+_RATIO_FLOOR_BYTES = 1 << 20
+_WRITE_CHUNK_BYTES = 1 << 20
+_DOWNLOAD_ATTEMPTS = 5
+Notice = Callable[[str], None]
+"""Writes one line into the task's log (the supervisor's notice)."""
+DOWNLOAD_STALL_TIMEOUT = 30.0
+"""Seconds a code download may receive nothing before it is cut off and retried (server.download_stall_timeout)."""
+DOWNLOAD_RETRY_TIMEOUT = 900.0
+"""Seconds a code download is retried (with backoff) before the deploy fails."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps on what a package may contain. Sizes in bytes; ``max_ratio`` is uncompressed:compressed."""
+
+    max_package_bytes: int = 256 * 1024 * 1024
+    max_total_bytes: int = 1024 * 1024 * 1024
+    max_entries: int = 20000
+    max_ratio: float = 200.0
+
+
+_DRIVE = re.compile(r"^[A-Za-z]:")
+
+
+def check_member_path(name: str) -> PurePosixPath:
+    """Validate a relative path from a package or a file listing; returns it normalised.
+
+    Raises DeployError naming the entry and the rule (absolute path, drive letter, ``..``, NUL, empty).
+    """
+    if not name or "\0" in name:
+        raise DeployError(f"entry {name!r}: empty name or NUL byte")
+    unified = name.replace("\\", "/")
+    if unified.startswith("/"):
+        raise DeployError(f"entry {name!r}: absolute paths are not allowed")
+    if _DRIVE.match(unified):
+        raise DeployError(f"entry {name!r}: drive letters are not allowed")
+    parts = [p for p in unified.split("/") if p not in ("", ".")]
+    if any(p == ".." for p in parts):
+        raise DeployError(f"entry {name!r}: '..' path components are not allowed")
+    if not parts:
+        raise DeployError(f"entry {name!r}: names no file")
+    return PurePosixPath(*parts)
+
+
+def _check_layout(entries: list[tuple[str, PurePosixPath, bool]]) -> None:
+    """Refuse two entries with the same path and a file that is also a directory of another entry.
+
+    ``entries`` holds (original name, normalised path, is_dir). Raises DeployError.
+    """
+    files: dict[PurePosixPath, str] = {}
+    dirs: dict[PurePosixPath, str] = {}
+    for name, rel, is_dir in entries:
+        if not is_dir:
+            if rel in files:
+                raise DeployError(f"entry {name!r}: appears more than once")
+            files[rel] = name
+        else:
+            dirs.setdefault(rel, name)
+        for parent in list(rel.parents)[:-1]:
+            dirs.setdefault(parent, name)
+    for rel, name in files.items():
+        if rel in dirs:
+            raise DeployError(f"entry {name!r}: is a file and also a directory of {dirs[rel]!r}")
+
+
+def _declared_entry_count(fh: BinaryIO) -> int | None:
+    """Entry count from the end-of-central-directory record (zip64 aware), read before zipfile parses it.
+
+    A hostile central directory of millions of entries would otherwise be loaded whole into memory
+    before the count could be checked. None when no record is found (the zip is unreadable).
+    """
+    size = fh.seek(0, os.SEEK_END)
+    tail_len = min(size, 22 + 65535)
+    fh.seek(size - tail_len)
+    tail = fh.read(tail_len)
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or len(tail) - at < 22:
+        return None
+    count: int = struct.unpack("<H", tail[at + 10 : at + 12])[0]
+    if count != 0xFFFF or at < 20 or tail[at - 20 : at - 16] != b"PK\x06\x07":
+        return count
+    zip64_offset: int = struct.unpack("<Q", tail[at - 12 : at - 4])[0]
+    if zip64_offset + 56 > size:
+        return None
+    fh.seek(zip64_offset)
+    record = fh.read(56)
+    if record[:4] != b"PK\x06\x06":
+        return None
+    total: int = struct.unpack("<Q", record[32:40])[0]
+    return total
+
+
+_READ_ERRORS = (zipfile.BadZipFile, EOFError, zlib.error, lzma.LZMAError, NotImplementedError, RuntimeError,
+                ValueError)
+
+
+def extract_zip(zip_path: Path, dest: Path, limits: Limits) -> int:
+    """Check every entry of ``zip_path`` and extract it under ``dest`` (which must exist, empty).
+
+    Returns the number of files written. Blocking: run it in a thread. Raises DeployError (the
+    first broken rule, naming the entry) — possibly after some files were written under ``dest``,
+    which is a temp dir the caller removes. Nothing is ever written outside ``dest``: paths are
+    checked before extraction and no symlink is created.
+    """
+    with open(zip_path, "rb") as fh:
+        if fh.read(4) not in ZIP_MAGIC:
+            raise DeployError("package: not a zip file (wrong magic bytes)")
+        declared_entries = _declared_entry_count(fh)
+    if declared_entries is None:
+        raise DeployError("package: not a readable zip (no end-of-central-directory record; truncated?)")
+    if declared_entries > limits.max_entries:
+        raise DeployError(f"package: {declared_entries} entries; the limit is {limits.max_entries}")
+    try:
+        archive = zipfile.ZipFile(zip_path)
+    except (*_READ_ERRORS, OSError) as exc:
+        raise DeployError(f"package: not a readable zip ({exc}; truncated?)") from exc
+    with archive:
+        infos = archive.infolist()
+        if len(infos) > limits.max_entries:
+            raise DeployError(f"package: {len(infos)} entries; the limit is {limits.max_entries}")
+        declared = 0
+        plan: list[tuple[zipfile.ZipInfo, PurePosixPath]] = []
+        for info in infos:
+            rel = check_member_path(info.filename)
+            kind = stat.S_IFMT(info.external_attr >> 16)
+            if kind == stat.S_IFLNK:
+                points_to = _symlink_target(archive, info)
+                raise DeployError(
+                    f"entry {info.filename!r}: symlinks are not allowed (it points to {points_to!r})"
+                )
+            if kind not in (0, stat.S_IFREG, stat.S_IFDIR):
+                raise DeployError(f"entry {info.filename!r}: device files, fifos and sockets are not allowed")
+            declared += info.file_size
+            if declared > limits.max_total_bytes:
+                raise DeployError(
+                    f"entry {info.filename!r}: the package unpacks to more than {limits.max_total_bytes} "
+                    "bytes (total size cap; zip bomb?)"
+                )
+            if info.file_size > _RATIO_FLOOR_BYTES and (
+                info.compress_size == 0 or info.file_size / info.compress_size > limits.max_ratio
+            ):
+                ratio = info.file_size / max(info.compress_size, 1)
+                raise DeployError(
+                    f"entry {info.filename!r}: compression ratio {ratio:.0f}:1 exceeds "
+                    f"{limits.max_ratio:.0f}:1 (zip bomb?)"
+                )
+            plan.append((info, rel))
+        plan = unwrap_single_folder(plan)
+        _check_layout([(info.filename, rel, info.is_dir()) for info, rel in plan])
+        written_total = 0
+        files = 0
+        for info, rel in plan:
+            target = dest.joinpath(*rel.parts)
+            if info.is_dir():
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                with archive.open(info) as src, open(target, "xb") as out:
+                    while chunk := src.read(_WRITE_CHUNK_BYTES):
+                        written_total += len(chunk)
+                        if written_total > limits.max_total_bytes:
+                            raise DeployError(
+                                f"entry {info.filename!r}: the package unpacks to more than "
+                                f"{limits.max_total_bytes} bytes (total size cap; zip bomb?)"
+                            )
+                        out.write(chunk)
+            except _READ_ERRORS as exc:
+                raise DeployError(f"entry {info.filename!r}: cannot be read ({exc}; truncated zip?)") from exc
+            if (info.external_attr >> 16) & 0o111:
+                target.chmod(0o755)
+            files += 1
+        return files
+
+
+MAC_METADATA = "__MACOSX"
+"""Folder macOS's Archive Utility adds to zips (resource forks): never part of a project."""
+
+
+def unwrap_single_folder(
+    plan: list[tuple[zipfile.ZipInfo, PurePosixPath]],
+) -> list[tuple[zipfile.ZipInfo, PurePosixPath]]:
+    """Entries as they land in the code dir: ``__MACOSX/`` dropped, and when every entry sits under one
+    top-level folder (GitHub's "Download ZIP", ``git archive --prefix=x/``), that folder unwrapped."""
+    plan = [(info, rel) for info, rel in plan if rel.parts[0] != MAC_METADATA]
+    tops = {rel.parts[0] for _, rel in plan}
+    if len(tops) != 1 or any(len(rel.parts) == 1 and not info.is_dir() for info, rel in plan):
+        return plan
+    return [(info, PurePosixPath(*rel.parts[1:])) for info, rel in plan if len(rel.parts) > 1]
+
+
+def _symlink_target(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> str:
+    """What a symlink entry points to (for the error message), or '?' when unreadable."""
+    if info.file_size > 4096:
+        return "?"
+    try:
+        return archive.read(info).decode("utf-8", errors="replace")[:200]
+    except (*_READ_ERRORS, OSError):
+        return "?"
+
+
+class _HashingFile:
+    """A file being downloaded: bytes go to disk off the event loop, hashed and counted against a cap."""
+
+    def __init__(self, path: Path, cap_bytes: int, entry: str) -> None:
+        self.path = path
+        self.cap_bytes = cap_bytes
+        self.entry = entry
+        self.size = 0
+        self._digest = hashlib.sha256()
+        self._fh = open(path, "wb")  # noqa: SIM115  (closed in close())
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+
+    async def write(self, chunk: bytes) -> None:
+        """Append ``chunk``; DeployError as soon as the cap is passed (the download is aborted)."""
+        self.size += len(chunk)
+        if self.size > self.cap_bytes:
+            raise DeployError(
+                f"{self.entry}: the master sent more than {self.cap_bytes} bytes (size cap; download aborted)"
+            )
+        self._pending.append(chunk)
+        self._pending_bytes += len(chunk)
+        if self._pending_bytes >= _WRITE_CHUNK_BYTES:
+            await self.flush()
+
+    async def flush(self) -> None:
+        """Hash and write what is buffered (at most ~1 MiB), in a worker thread."""
+        data, self._pending, self._pending_bytes = b"".join(self._pending), [], 0
+        if data:
+            await trio.to_thread.run_sync(self._write_sync, data)
+
+    def _write_sync(self, data: bytes) -> None:
+        self._digest.update(data)
+        self._fh.write(data)
+
+    def reset(self) -> None:
+        """Start over (a retried download)."""
+        self._fh.seek(0)
+        self._fh.truncate()
+        self._digest = hashlib.sha256()
+        self.size = 0
+        self._pending, self._pending_bytes = [], 0
+
+    def hexdigest(self) -> str:
+        """sha256 of everything flushed so far."""
+        return self._digest.hexdigest()
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        self._fh.close()
+
+
+class Workspaces:
+    """Deploys spiders' code under ``root`` (= ``work_dir/spiders``) and tracks versions in use.
+
+    One deploy per spider at a time is guaranteed by the caller (the per-spider lock). Creating
+    the object creates ``root/.staging`` and empties it (temp dirs a crash left behind).
+    ``downloads``/``downloaded_bytes`` count what came from the master (metrics, tests).
+    A download that receives nothing for ``stall_timeout`` seconds (server.download_stall_timeout),
+    or fails as an unavailable master, is retried from the start with backoff for up to
+    ``retry_timeout`` seconds (the task's own deadline, a cancel scope around the deploy, may end
+    it sooner); each retry is said in the task's log (``notice``).
+    """
+
+    def __init__(self, root: Path, master: MasterClient, limits: Limits | None = None, *,
+                 stall_timeout: float = DOWNLOAD_STALL_TIMEOUT,
+                 retry_timeout: float = DOWNLOAD_RETRY_TIMEOUT) -> None:
+        self.root = root
+        self.stall_timeout = stall_timeout
+        self.retry_timeout = retry_timeout
+        self.staging = root / STAGING
+        self.runs = root / RUNS
+        self._master = master
+        self.limits = limits or Limits()
+        self._in_use: Counter[Path] = Counter()
+        self.downloads = 0
+        self.downloaded_bytes = 0
+        shutil.rmtree(self.staging, ignore_errors=True)
+        self.staging.mkdir(parents=True, exist_ok=True)
+        # Working copies of tasks a crash interrupted: nothing reads them any more.
+        shutil.rmtree(self.runs, ignore_errors=True)
+        self.runs.mkdir(parents=True, exist_ok=True)
+
+    def acquire(self, path: Path) -> None:
+        """Mark a version dir as used by a running task (pruning skips it)."""
+        self._in_use[path] += 1
+
+    def release(self, path: Path) -> None:
+        """The task that used ``path`` finished."""
+        self._in_use[path] -= 1
+        if self._in_use[path] <= 0:
+            del self._in_use[path]
+
+    def spider_dir(self, spider_id: str) -> Path:
+        """Where a spider's versions live (the id made safe as a single path component)."""
+        return self.root / safe_name(spider_id)
+
+    def reuse_package(self, spider_id: str, version: str | None, package: CodePackage) -> Path | None:
+        """The version dir of a package deployed before (touched, so pruning keeps it), else None.
+        Blocking: call it in a thread (with the work that follows it, to spare a hop)."""
+        final = self.spider_dir(spider_id) / safe_name(version or package.sha256[:12])
+        return final if _reuse(final) else None
+
+    async def deploy_package(self, spider_id: str, version: str | None, package: CodePackage,
+                             notice: Notice | None = None) -> Path:
+        """Download, verify and extract a code package; returns the version dir (reused if present).
+
+        Raises DeployError. Cancellation stops the download; the temp dir is removed.
+        """
+        spider_dir = self.spider_dir(spider_id)
+        final = spider_dir / safe_name(version or package.sha256[:12])
+        if await trio.to_thread.run_sync(self.reuse_package, spider_id, version, package) is not None:
+            return final
+        if package.size_bytes > self.limits.max_package_bytes:
+            raise DeployError(
+                f"package: {package.size_bytes} bytes announced; the limit is {self.limits.max_package_bytes}"
+            )
+        tmp = Path(await trio.to_thread.run_sync(lambda: tempfile.mkdtemp(prefix="pkg-", dir=self.staging)))
+        try:
+            zip_path = tmp / "package.zip"
+            await self._download(package.url, zip_path, package.size_bytes, package.sha256, "package", notice)
+            code = tmp / "code"
+            await trio.to_thread.run_sync(code.mkdir)
+            files = await trio.to_thread.run_sync(extract_zip, zip_path, code, self.limits)
+            await trio.to_thread.run_sync(_move_into_place, code, final)
+            log.info("spider %s: deployed package %s (%d files)", spider_id, final.name, files)
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(shutil.rmtree, tmp, True)
+        await trio.to_thread.run_sync(self._prune, spider_dir)
+        return final
+
+    async def deploy_files(self, spider_id: str, notice: Notice | None = None) -> Path:
+        """Sync the spider-files list into a version dir named by the listing's hash; returns it.
+
+        A file whose path and sha256 match the newest existing version is copied from it, not
+        downloaded; every download is checked against its sha256; files no longer listed are simply
+        not in the new version. Raises DeployError.
+        """
+        try:
+            listing: list[SpiderFile] = await self._master.call_retrying(
+                "spider_files", "GET", api_path("/api/spider-files/spider/{spider}", spider=spider_id),
+                attempts=_DOWNLOAD_ATTEMPTS, answer=SpiderFile.list_from_json,
+            )
+        except MasterError as exc:
+            raise DeployError(f"cannot list the spider's files: {exc}") from exc
+        if not listing:
+            raise DeployError("the master lists no files for this spider")
+        if len(listing) > self.limits.max_entries:
+            raise DeployError(f"the spider has {len(listing)} files; the limit is {self.limits.max_entries}")
+        rels = [check_member_path(f.path) for f in listing]
+        _check_layout([(f.path, rel, False) for f, rel in zip(listing, rels, strict=True)])
+        total = 0
+        for f in listing:
+            if len(f.sha256) != 64 or any(c not in "0123456789abcdef" for c in f.sha256):
+                raise DeployError(f"entry {f.path!r}: the listing's sha256 is not 64 hex digits")
+            total += f.size_bytes
+            if total > self.limits.max_total_bytes:
+                raise DeployError(
+                    f"entry {f.path!r}: the spider's files exceed {self.limits.max_total_bytes} bytes (total size cap)"
+                )
+        digest = hashlib.sha256()
+        for f, rel in sorted(zip(listing, rels, strict=True), key=lambda pair: str(pair[1])):
+            digest.update(f"{rel}\0{f.sha256}\n".encode())
+        spider_dir = self.spider_dir(spider_id)
+        final = spider_dir / f"files-{digest.hexdigest()[:16]}"
+        if await trio.to_thread.run_sync(_reuse, final):
+            return final
+        previous = await trio.to_thread.run_sync(_newest, spider_dir)
+        tmp = Path(await trio.to_thread.run_sync(lambda: tempfile.mkdtemp(prefix="files-", dir=self.staging)))
+        try:
+            code = tmp / "code"
+            wanted = [(f, code.joinpath(*rel.parts), None if previous is None else previous.joinpath(*rel.parts))
+                      for f, rel in zip(listing, rels, strict=True)]
+            copied = await trio.to_thread.run_sync(_copy_unchanged, wanted)
+            for f, target, _ in wanted:
+                if target in copied:
+                    continue
+                await trio.to_thread.run_sync(_make_parent, target)
+                await self._download(
+                    api_path("/api/spider-files/{file}", file=f.id), target, f.size_bytes, f.sha256, f"entry {f.path!r}",
+                    notice,
+                )
+            await trio.to_thread.run_sync(_move_into_place, code, final)
+            log.info("spider %s: synced %d files into %s (%d unchanged, copied)",
+                     spider_id, len(listing), final.name, len(copied))
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(shutil.rmtree, tmp, True)
+        await trio.to_thread.run_sync(self._prune, spider_dir)
+        return final
+
+    async def _download(self, url: str, dest: Path, size: int, sha256: str, entry: str,
+                        notice: Notice | None = None) -> None:
+        """Stream ``url`` into ``dest`` (capped at the announced size and the package limit), check sha256.
+        Retried as the class docstring says; raises DeployError."""
+        cap = min(size, self.limits.max_package_bytes) if size > 0 else self.limits.max_package_bytes
+        out = await trio.to_thread.run_sync(_HashingFile, dest, cap, entry)
+        failed: list[str] = []
+        try:
+            try:
+                async for attempt in stamina.retry_context(
+                    on=retry_wait, attempts=None, timeout=self.retry_timeout, wait_initial=1.0, wait_max=30.0
+                ):
+                    with attempt:
+                        if failed and notice is not None:
+                            notice(f"{entry}: download attempt {attempt.num} after {failed[-1]}")
+                        if out.size:
+                            await trio.to_thread.run_sync(out.reset)
+                        try:
+                            await self._master.download("download", url, out.write, read_timeout=self.stall_timeout)
+                        except MasterUnavailable as exc:
+                            failed.append(f"{_mib(out.size)} of {_mib(size)} received: {exc}")
+                            raise
+                        await out.flush()
+            except MasterError as exc:
+                raise DeployError(f"{entry}: download failed: {exc}") from exc
+        finally:
+            # Shielded: a cancel (task stopped mid-download) must not skip the close and leak the fd.
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(out.close)
+        self.downloads += 1
+        self.downloaded_bytes += out.size
+        if out.size != size:
+            raise DeployError(f"{entry}: expected {size} bytes, got {out.size} (truncated or wrong size)")
+        actual = out.hexdigest()
+        if actual != sha256.lower():
+            raise DeployError(f"{entry}: sha256 mismatch (expected {sha256.lower()}, got {actual})")
+
+    def _prune(self, spider_dir: Path) -> None:
+        """Remove the least recently used versions beyond KEEP_VERSIONS, never one in use (blocking)."""
+        versions = sorted(_versions(spider_dir), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in versions[KEEP_VERSIONS:]:
+            if old not in self._in_use:
+                log.info("pruning old code version %s", old)
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def _mib(size: int) -> str:
+    return f"{size / 1024**2:.1f} MiB"
+
+
+def _versions(spider_dir: Path) -> list[Path]:
+    if not spider_dir.is_dir():
+        return []
+    return [p for p in spider_dir.iterdir() if p.is_dir() and not p.is_symlink() and not p.name.startswith(".")]
+
+
+def _newest(spider_dir: Path) -> Path | None:
+    return max(_versions(spider_dir), key=lambda p: p.stat().st_mtime, default=None)
+
+
+def _reuse(final: Path) -> bool:
+    """True when ``final`` exists; it is touched so pruning sees it as recently used (blocking)."""
+    if not final.is_dir():
+        return False
+    os.utime(final)
+    return True
+
+
+def _copy_unchanged(wanted: list[tuple[SpiderFile, Path, Path | None]]) -> set[Path]:
+    """Copy files whose previous copy (same path) has the listed size and sha256; returns the targets done."""
+    done: set[Path] = set()
+    for f, target, old in wanted:
+        if old is None or old.is_symlink() or not old.is_file() or old.stat().st_size != f.size_bytes:
+            continue
+        if _sha256_file(old) != f.sha256:
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(old, target)
+        done.add(target)
+    return done
+
+
+def _make_parent(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _move_into_place(staged: Path, final: Path) -> None:
+    """Rename the checked code dir into place in one step (a version that appeared meanwhile wins)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.rename(staged, final)
+    except OSError:
+        if not final.is_dir():
+            raise
+    os.utime(final)
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_WRITE_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -1,0 +1,234 @@
+"""The agent's own nftables table: a task's sockets are looked up by their cgroup v2 id.
+
+Layout (family ``inet``, IPv4 and IPv6 alike; ``<P>`` = 12 hex of a policy's hash)::
+
+    table inet ckagent_<work-dir hash>                this agent's only table (never another's)
+        map tasks { type cgroupsv2 : verdict }        task cgroup → jump p_<P>   (one per task)
+        chain output  hook output, priority filter:   socket cgroupv2 level <L> vmap @tasks
+        chain p_<P>   one per policy in use: allow entries → accept; denied networks and the
+                      agent's port → goto refuse
+        chain refuse  record (cgroup . address . port) in @h4/@h6, (cgroup . address) in @x4/@x6
+                      for what is not TCP/UDP, each element with its counter; then reject
+        sets h4 h6 x4 x6   the refused destinations of every task, per task cgroup
+
+Adding a task is one map element, removing it deletes that element and the task's hit elements:
+the cost does not grow with the policy or the number of tasks (bench/egress.py). Only packets of
+sockets whose cgroup is (below) a task's are looked at; everything else on the host passes the one
+vmap lookup untouched. TCP is refused with a reset (the spider sees "connection refused" at once),
+everything else with ICMP admin-prohibited.
+
+A task's elements must be removed before its cgroup is: nft names a cgroup by its path and
+resolves it to the kernel's id when a command is parsed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckagent.containment.egress.nft import Nft, NftError
+from ckagent.node.egress_policy import EgressPolicy, Network
+
+log = logging.getLogger(__name__)
+
+NFT_CGROUP_ROOT = Path("/sys/fs/cgroup")
+"""nft resolves ``socket cgroupv2`` paths below this directory (hard-coded in nftables)."""
+
+HITS_SET_SIZE = 65536
+"""Distinct refused (task, destination) pairs remembered per family (beyond: refused, not itemised)."""
+
+HIT_SETS = ("h4", "h6", "x4", "x6")
+
+
+def table_name(group_name: str) -> str:
+    """``ckagent_<hash>`` from the containment's agent group name (``ckagent-<hash>``)."""
+    return group_name.replace("-", "_")
+
+
+def policy_key(policy: EgressPolicy, agent_port: int | None, resolvers: tuple[tuple[str, int], ...]) -> str:
+    """12 hex naming the chain of one policy (the same policy → the same chain)."""
+    text = repr((policy.to_json(), agent_port if policy.denies_agent_port else None, resolvers))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+@dataclass
+class TaskRules:
+    """One task's entry in the table: ``cgroup`` is the path nft knows it by (relative to
+    /sys/fs/cgroup), ``chain`` the policy chain it jumps to."""
+
+    task_id: str
+    cgroup: str
+    chain: str
+    policy: EgressPolicy
+    removed: bool = False
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Connections refused to one destination: ``address``, ``port`` (0 = not TCP/UDP), ``count``
+    (packets: one per refused TCP connection)."""
+
+    address: str
+    port: int
+    count: int
+
+    def __str__(self) -> str:
+        if not self.port:
+            return self.address
+        return f"[{self.address}]:{self.port}" if ":" in self.address else f"{self.address}:{self.port}"
+
+
+def quote(text: str) -> str:
+    """``text`` as an nft string; raises NftError for what nft cannot quote."""
+    if any(c in text for c in '"\\\n\r\0'):
+        raise NftError(f"{text!r} cannot be named in an nft command")
+    return f'"{text}"'
+
+
+def _set(items: Iterable[str]) -> str:
+    return "{ " + ", ".join(items) + " }"
+
+
+class EgressTable:
+    """The table (see module docstring). ``level`` is the depth of task cgroups in the v2 tree.
+    Methods are blocking (netlink round trips, ~0.1-0.3 ms each with libnftables); call them from a
+    worker thread. They raise :class:`NftError`."""
+
+    def __init__(self, nft: Nft, name: str, level: int) -> None:
+        self.nft, self.name, self.level = nft, name, level
+        self.ref = f"inet {name}"
+        self.chains: dict[str, int] = {}
+        """Policy chains in the table → how many tasks use them."""
+
+    def create(self) -> None:
+        """Start clean: delete this agent's stale table (a crashed run's) and create it afresh."""
+        self.delete()
+        cg = f"socket cgroupv2 level {self.level}"
+        sets = "".join(
+            f"add set {self.ref} {name} {{ typeof {cg} . {key}; flags dynamic; counter; size {HITS_SET_SIZE}; }}\n"
+            for name, key in (("h4", "ip daddr . th dport"), ("h6", "ip6 daddr . th dport"),
+                              ("x4", "ip daddr"), ("x6", "ip6 daddr")))
+        self.nft.run(
+            f"add table {self.ref}\n"
+            f"add map {self.ref} tasks {{ type cgroupsv2 : verdict; }}\n" + sets +
+            f"add chain {self.ref} refuse\n"
+            f"add rule {self.ref} refuse meta nfproto ipv4 meta l4proto {{ tcp, udp }} add @h4 {{ {cg} . ip daddr . th dport }}\n"
+            f"add rule {self.ref} refuse meta nfproto ipv6 meta l4proto {{ tcp, udp }} add @h6 {{ {cg} . ip6 daddr . th dport }}\n"
+            f"add rule {self.ref} refuse meta nfproto ipv4 meta l4proto != {{ tcp, udp }} add @x4 {{ {cg} . ip daddr }}\n"
+            f"add rule {self.ref} refuse meta nfproto ipv6 meta l4proto != {{ tcp, udp }} add @x6 {{ {cg} . ip6 daddr }}\n"
+            f"add rule {self.ref} refuse meta l4proto tcp counter reject with tcp reset\n"
+            f"add rule {self.ref} refuse counter reject with icmpx type admin-prohibited\n"
+            f"add chain {self.ref} output {{ type filter hook output priority filter; policy accept; }}\n"
+            f"add rule {self.ref} output {cg} vmap @tasks\n"
+        )
+        self.chains.clear()
+
+    def delete(self) -> bool:
+        """Delete the whole table if it exists. Returns True when there was one."""
+        try:
+            self.nft.run(f"delete table {self.ref}")
+        except NftError as exc:
+            if "No such file" in str(exc) or "does not exist" in str(exc):
+                return False
+            raise
+        self.chains.clear()
+        return True
+
+    def policy_text(self, chain: str, policy: EgressPolicy, agent_port: int | None,
+                    resolvers: Iterable[tuple[str, int]] = ()) -> str:
+        """The batch that adds the chain of one policy."""
+        ref = self.ref
+        lines = [f"add chain {ref} {chain}"]
+        for address, dns_port in resolvers:  # name resolution keeps working whatever is denied
+            family = "ip" if ipaddress.ip_address(address).version == 4 else "ip6"
+            lines.append(f"add rule {ref} {chain} {family} daddr {address} meta l4proto {{ tcp, udp }} "
+                         f"th dport {dns_port} accept")
+        for entry in policy.allow:
+            family = "ip" if entry.network.version == 4 else "ip6"
+            port = "" if entry.port is None else f" meta l4proto {{ tcp, udp }} th dport {entry.port}"
+            lines.append(f"add rule {ref} {chain} {family} daddr {entry.network}{port} accept")
+        v4, v6 = _split(policy.denied_networks())
+        if v4:
+            lines.append(f"add rule {ref} {chain} ip daddr {_set(v4)} goto refuse")
+        if v6:
+            lines.append(f"add rule {ref} {chain} ip6 daddr {_set(v6)} goto refuse")
+        if agent_port is not None and policy.denies_agent_port:
+            lines.append(f"add rule {ref} {chain} fib daddr type local meta l4proto {{ tcp, udp }} "
+                         f"th dport {agent_port} goto refuse")
+        return "\n".join(lines) + "\n"
+
+    def add(self, task_id: str, cgroup: str, policy: EgressPolicy, agent_port: int | None,
+            resolvers: tuple[tuple[str, int], ...] = ()) -> TaskRules:
+        """Put a task (its cgroup path relative to /sys/fs/cgroup) under ``policy``: one atomic
+        batch (with the policy's chain when no task uses it yet)."""
+        chain = "p_" + policy_key(policy, agent_port, resolvers)
+        text = "" if chain in self.chains else self.policy_text(chain, policy, agent_port, resolvers)
+        self.nft.run(text + f"add element {self.ref} tasks {{ {quote(cgroup)} : jump {chain} }}\n")
+        self.chains[chain] = self.chains.get(chain, 0) + 1
+        return TaskRules(task_id, cgroup, chain, policy)
+
+    def refusals(self, rules: TaskRules) -> list[Refusal]:
+        """The task's refused destinations with their counts, most refused first."""
+        found: list[Refusal] = []
+        for name in HIT_SETS:
+            answer = self.nft.run_json(f"list set {self.ref} {name}")
+            for obj in answer.get("nftables", []):
+                for elem in (obj.get("set", {}) if isinstance(obj, dict) else {}).get("elem", []) or []:
+                    refusal = _refusal(elem, rules.cgroup)
+                    if refusal is not None:
+                        found.append(refusal[0])
+        return sorted(found, key=lambda r: (-r.count, r.address, r.port))
+
+    def remove(self, rules: TaskRules, refused: Iterable[Refusal] = ()) -> None:
+        """Remove a task's map element and its ``refused`` hit elements (idempotent); the policy
+        chain goes with its last task. When the cgroup is already gone nft cannot name it: the
+        element stays (a dead cgroup id matches no socket) until the table is recreated."""
+        if rules.removed:
+            return
+        ref, cg = self.ref, quote(rules.cgroup)
+        lines = [f"delete element {ref} tasks {{ {cg} }}"]
+        for r in refused:
+            family = "6" if ":" in r.address else "4"
+            if r.port:
+                lines.append(f"delete element {ref} h{family} {{ {cg} . {r.address} . {r.port} }}")
+            else:
+                lines.append(f"delete element {ref} x{family} {{ {cg} . {r.address} }}")
+        left = self.chains.get(rules.chain, 1) - 1
+        if left <= 0:
+            lines.append(f"delete chain {ref} {rules.chain}")
+        try:
+            self.nft.run("\n".join(lines) + "\n")
+        except NftError as exc:
+            log.debug("egress: cannot remove the rules of task %s (%s)", rules.task_id, exc)
+        else:
+            if left <= 0:
+                self.chains.pop(rules.chain, None)
+            else:
+                self.chains[rules.chain] = left
+        rules.removed = True
+
+
+def _split(networks: list[Network]) -> tuple[list[str], list[str]]:
+    v4 = [n for n in networks if isinstance(n, ipaddress.IPv4Network)]
+    v6 = [n for n in networks if isinstance(n, ipaddress.IPv6Network)]
+    # Collapse overlaps: nft refuses overlapping interval elements in one set.
+    return [str(n) for n in ipaddress.collapse_addresses(v4)], [str(n) for n in ipaddress.collapse_addresses(v6)]
+
+
+def _refusal(elem: Any, cgroup: str) -> tuple[Refusal] | None:
+    """``{"elem": {"val": {"concat": [cgroup, addr(, port)]}, "counter": {"packets": n}}}`` of
+    ``cgroup`` → (Refusal,); None for another task's element or an unexpected shape."""
+    inner = elem.get("elem") if isinstance(elem, dict) else None
+    if not isinstance(inner, dict) or not isinstance(inner.get("val"), dict):
+        return None
+    concat = inner["val"].get("concat")
+    if not isinstance(concat, list) or len(concat) not in (2, 3) or str(concat[0]) != cgroup:
+        return None
+    port = int(concat[2]) if len(concat) == 3 else 0
+    packets = int((inner.get("counter") or {}).get("packets", 0))
+    return (Refusal(str(concat[1]), port, packets),)

@@ -1,0 +1,403 @@
+"""A spider that needs no living agent: its output goes to a file, its exit status is kept by a monitor.
+
+Why (docs/operations.md, "Tasks outlive the agent"): a spider whose stdout is a pipe to the agent dies
+of SIGPIPE when the agent dies, and only a process's parent learns its exit status. So each spider
+runs behind a **monitor**: the ``/bin/sh`` that already joins the task's cgroup before the spider's
+exec (ckagent.containment's spawn shim) stays behind as the spider's parent instead of exec'ing it::
+
+    agent ──spawn──► sh monitor (own session; in the task's cgroup; ignores TERM/INT/HUP/QUIT)
+                        └── spider (stdout + stderr = output.log, O_APPEND; signals at their defaults)
+                     spider exits ──► monitor writes its status ($?) to the task's exit-status file, exits
+
+The monitor is one dash process per task: ~0.1 MB of private memory (its RSS is mostly shared
+libc pages) and no wake-up while the spider runs (it sleeps in wait4). The agent is the monitor's
+parent while it lives; a later agent is not, and waits for the monitor's exit on a pidfd (a kernel
+notification, no polling). The agent follows output.log by inotify (:func:`follow_output`).
+
+What a shell can tell of its child's end: ``$?`` is the exit code, or 128 + N for a death by
+signal N; :func:`returncode_of` turns 129..192 back into ``-N`` (an exit code in that range is read
+as that signal: the one ambiguity, documented). The monitor's own stderr is /dev/null, so the
+shell's "Segmentation fault" notes do not reach the task log.
+
+Exceptions::
+
+    OSError      spawn_monitored: the command cannot be started (not found, not executable, its
+                 cgroup refused it); output.log cannot be opened
+    ValueError   Handle.from_json: a stored handle of the wrong shape
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import math
+import os
+import shlex
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from ckagent.containment import TaskJail
+from ckagent.containment.base import SHELL, SPIDER_OOM_SCORE_ADJ, FileWatch, make_preexec
+from ckagent.containment.base import _resolve as resolve_program
+from ckagent.containment.process import REAP_TIMEOUT, ProcessOutcome
+from ckagent.containment.process_group import MARKER_VAR, SPAWNED, signal_group
+from ckagent.containment.stoptarget import StopTarget, describe_targets, send_stop, wait_gone
+from ckagent.node.runas import RunAs, popen_identity
+
+log = logging.getLogger(__name__)
+
+STATUS_FILE = "exit-status"
+"""The monitor writes the spider's ``$?`` here (task dir), after the spider exited."""
+
+IGNORED_BY_MONITOR = ("TERM", "INT", "HUP", "QUIT")
+"""Signals the monitor ignores (a stop or a terminal hang-up must reach the spider, not end its
+monitor); the spider gets them back at their defaults before its exec."""
+
+OUTPUT_COALESCE_BELOW = 16 * 1024
+"""Growth of output.log below this many bytes means a trickle: let more gather before the next look."""
+OUTPUT_COALESCE_INTERVAL = 0.05
+"""Seconds a trickle's output gathers before the next look (one journal record for many lines)."""
+
+
+def monitor_script(join: list[Path], status_path: Path, oom_score_adj: int = SPIDER_OOM_SCORE_ADJ) -> str:
+    """The monitor's shell script (``sh -c <script> <program> <args...>``): join each cgroup (exit 126
+    with a message if one refuses), raise oom_score_adj, ignore the stop signals, run the program in
+    the foreground with them back at their defaults, then write its ``$?`` to ``status_path`` and
+    exit with it. The monitor's own stderr is /dev/null (the spider keeps the real one as fd 2)."""
+    lines = [f"echo 0 >{shlex.quote(str(path))} || {{ echo 'ckagent: cannot join the task cgroup "
+             f"{shlex.quote(str(path.parent))}' >&2; exit 126; }}" for path in join]
+    lines.append(f"echo {oom_score_adj} >/proc/self/oom_score_adj 2>/dev/null")
+    sigs = " ".join(IGNORED_BY_MONITOR)
+    lines.append(f"exec 3>&2 2>/dev/null; trap '' {sigs}")
+    lines.append(f'(trap - {sigs}; exec 2>&3 3>&-; exec "$0" "$@")')
+    lines.append(f"code=$?; echo $code >{shlex.quote(str(status_path))}; exit $code")
+    return "\n".join(lines)
+
+
+def returncode_of(status: int) -> int:
+    """A shell's ``$?`` as a Popen-style return code: 128 + N (N a signal number) → -N."""
+    if 128 < status <= 128 + 64:
+        return -(status - 128)
+    return status
+
+
+def read_status(path: Path) -> int | None:
+    """The return code the monitor recorded in ``path`` (see :func:`returncode_of`), None when it
+    recorded none (still running, or killed before it could write). Blocking but tiny."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return returncode_of(int(text)) if text.isdigit() else None
+
+
+_BOOT_ID: str | None = None
+
+
+def boot_id() -> str:
+    """This boot's id (``/proc/sys/kernel/random/boot_id``; "" when unreadable)."""
+    global _BOOT_ID
+    if _BOOT_ID is None:
+        try:
+            _BOOT_ID = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        except OSError:
+            _BOOT_ID = ""
+    return _BOOT_ID
+
+
+def start_ticks(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot, /proc/<pid>/stat field 22), None if gone.
+    With the boot id, (pid, start time) names one process for good: a recycled pid starts later."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2:].split()
+    return int(fields[19]) if len(fields) > 19 else None
+
+
+def main_pid(monitor_pid: int) -> int | None:
+    """The spider behind its monitor (the monitor's one child), None before its fork or after its end."""
+    try:
+        with open(f"/proc/{monitor_pid}/task/{monitor_pid}/children") as fh:
+            children = fh.read().split()
+    except OSError:
+        return None
+    return int(children[0]) if children else None
+
+
+@dataclass(frozen=True)
+class Handle:
+    """What the state store keeps of a running spider so that a later agent can re-adopt it.
+
+    ``monitor_pid``/``monitor_start``/``boot_id`` name the monitor process (see :func:`start_ticks`);
+    ``status_file`` its exit-status file; ``spawned_at`` and ``deadline_at`` are epoch seconds
+    (``deadline_at`` None: no timeout); ``work`` is the task's working copy (removed at its end);
+    ``stall_timeout`` seconds (0: off); ``level`` the containment level it was spawned at.
+    """
+
+    monitor_pid: int
+    monitor_start: int
+    boot_id: str
+    spawned_at: float
+    status_file: str
+    deadline_at: float | None
+    work: str
+    stall_timeout: float
+    level: str
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict (``from_json`` reads it back)."""
+        return {"v": 1, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Handle:
+        """Rebuild a stored handle. Raises ValueError when it does not have the right shape."""
+        try:
+            return cls(int(data["monitor_pid"]), int(data["monitor_start"]), str(data["boot_id"]),
+                       float(data["spawned_at"]), str(data["status_file"]),
+                       None if data.get("deadline_at") is None else float(data["deadline_at"]),
+                       str(data["work"]), float(data.get("stall_timeout") or 0.0), str(data.get("level") or ""))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"a stored task handle of the wrong shape: {exc}") from exc
+
+
+class Monitored:
+    """A spider behind its monitor: spawned by this agent (``proc`` set) or adopted from an earlier one.
+
+    :meth:`wait` returns once the monitor has exited; :attr:`returncode` is then the spider's
+    return code (negative: killed by that signal; None: not recorded, e.g. the monitor itself
+    was killed with the whole task at a later agent).
+    """
+
+    def __init__(self, handle: Handle, proc: trio.Process | None = None) -> None:
+        self.handle = handle
+        self.proc = proc
+        self.exited = False
+        self.returncode: int | None = None
+
+    @property
+    def pid(self) -> int:
+        """The monitor's pid (also the task's process group)."""
+        return self.handle.monitor_pid
+
+    def main_pid(self) -> int | None:
+        """The spider's pid (:func:`main_pid`)."""
+        return None if self.exited else main_pid(self.pid)
+
+    async def wait(self) -> None:
+        """Return once the monitor has exited (a pidfd for one that is not our child). Cancellation: as usual."""
+        if not self.exited:
+            if self.proc is not None:
+                await self.proc.wait()
+            else:
+                await _wait_pid_exit(self.pid)
+            self._ended()
+
+    def _ended(self) -> None:
+        self.exited = True
+        recorded = read_status(Path(self.handle.status_file))
+        if recorded is not None:
+            self.returncode = recorded
+        elif self.proc is not None:
+            self.returncode = self.proc.returncode
+        if self.proc is not None and self.proc.returncode is not None:
+            SPAWNED.discard(self.pid)
+
+
+async def _wait_pid_exit(pid: int) -> None:
+    """Wait for a process that is not our child to exit (pidfd: readable once it is a zombie or gone)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError as exc:
+        if exc.errno == errno.ESRCH:
+            return
+        raise
+    try:
+        await trio.lowlevel.wait_readable(fd)
+    finally:
+        os.close(fd)
+
+
+async def spawn_monitored(
+    argv: list[str], *, cwd: Path, env: dict[str, str], task_id: str, task_dir: Path, output_path: Path,
+    jail: TaskJail, run_as: RunAs | None, deadline_at: float | None, work: Path, stall_timeout: float,
+) -> Monitored:
+    """Start ``argv`` behind its monitor, in ``jail``, stdout and stderr appended to ``output_path``.
+
+    ``env`` must carry ``CK_TASK_ID=task_id`` (the sweep's marker). Raises OSError when the command
+    cannot be started. The caller supervises the result (:func:`supervise`) and stores its handle.
+    """
+    if env.get(MARKER_VAR) != task_id:
+        raise ValueError(f"env must carry {MARKER_VAR}={task_id} (the sweep finds escaped processes by it)")
+    status_path = task_dir / STATUS_FILE
+    with contextlib.suppress(FileNotFoundError):
+        status_path.unlink()
+    program = resolve_program(argv[0], env.get("PATH"))
+    forking = run_as is not None
+    options: dict[str, Any] = {}
+    if forking:  # the cgroup is joined between fork and exec (after setuid): the script joins nothing
+        script, options["preexec_fn"] = monitor_script([], status_path), make_preexec(jail.join_fds())
+    else:
+        script = monitor_script(jail.join_paths(), status_path)
+    out = os.open(output_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+    try:
+        proc = await trio.lowlevel.open_process(
+            [SHELL, "-c", script, program, *argv[1:]], cwd=str(cwd), env=env, stdin=subprocess.DEVNULL,
+            stdout=out, stderr=out, start_new_session=True, **popen_identity(run_as), **options,
+        )  # fmt: skip
+    finally:
+        os.close(out)
+    SPAWNED.add(proc.pid)  # trio reaps it; the subreaper's reaper must not
+    jail.watch(proc.pid)
+    handle = Handle(proc.pid, start_ticks(proc.pid) or 0, boot_id(), time.time(), str(status_path), deadline_at,
+                    str(work), stall_timeout, jail.level)
+    return Monitored(handle, proc)
+
+
+async def follow_output(sink: Any, exited: trio.Event) -> None:
+    """Take in output.log's growth as the kernel reports it (inotify IN_MODIFY), trickles gathered
+    for OUTPUT_COALESCE_INTERVAL (not once ``exited`` is set). A silent spider wakes nothing. Runs
+    until cancelled; an inotify that cannot be set up leaves it to the end of the task (logged)."""
+    sink.grown()  # what was written before the watch (or while no agent ran)
+    try:
+        watch = FileWatch(sink.path)
+    except OSError as exc:
+        log.warning("%s: cannot watch it (%s); its lines are sent at the task's end", sink.path, exc)
+        await trio.sleep_forever()
+    with watch:
+        while True:
+            await watch.changed()
+            if sink.grown() < OUTPUT_COALESCE_BELOW and not exited.is_set():
+                with trio.move_on_after(OUTPUT_COALESCE_INTERVAL):
+                    await exited.wait()
+
+
+Notice = Callable[[str], None]
+
+
+class _Stopper:
+    """Stop signal to the spider (behind its monitor) → grace → kill every process of the task,
+    remembering what was sent (a second call only waits for what is left of the grace)."""
+
+    def __init__(self, mon: Monitored, jail: TaskJail, grace: float, stop_signal: int, notice: Notice,
+                 outcome: ProcessOutcome) -> None:
+        self.mon, self.jail, self.grace, self.notice, self.outcome = mon, jail, grace, notice, outcome
+        self.stop_signal = stop_signal
+        self._term_deadline: float | None = None
+        self._targets: list[StopTarget] = []
+        self._main = 0
+        self._gave_up = False
+
+    async def stop(self, why: str) -> None:
+        if self.mon.exited or self._gave_up:
+            return
+        name = signal.Signals(self.stop_signal).name
+        if self._term_deadline is None:
+            self.outcome.term_sent_at = time.time()
+            self._term_deadline = trio.current_time() + self.grace
+            target = self.mon.main_pid()
+            if target is not None:
+                # To the process that does the work, through launchers that pass nothing on (npm start).
+                self._targets = await trio.to_thread.run_sync(send_stop, target, self.stop_signal)
+                self._main = target
+                whom = describe_targets(target, self._targets)
+            else:  # the monitor has not forked yet: its group (the monitor ignores the usual stop signals)
+                signal_group(self.mon.pid, self.stop_signal)
+                whom = f"the main process {self.mon.pid}"
+            self.notice(f"{why}: sent {name} to {whom}; every process of the task is killed in {self.grace:g} s")
+        with trio.move_on_at(self._term_deadline):
+            await self.mon.wait()
+        if self.mon.exited and self._targets and [t.pid for t in self._targets] != [self._main]:
+            # The launcher ended; what it ran must end too before the grace counts as kept.
+            left = await wait_gone(self._targets, self._term_deadline)
+            self.outcome.workers_left = len(left)
+            if left:
+                self.notice(f"the launcher exited but {describe_targets(self._main, left)} still ran "
+                            f"{self.grace:g} s after {name}: killed")
+        if not self.mon.exited:
+            self.outcome.kill_sent_at = time.time()
+            killed = await self.jail.kill_all()
+            self.outcome.killed_leftovers += max(0, killed - 2)  # the spider and its monitor
+            self.notice(f"main process still running {self.grace:g} s after {name}: killed every process "
+                        f"of the task ({self.jail.level})")
+            with trio.move_on_after(REAP_TIMEOUT):
+                await self.mon.wait()
+            if not self.mon.exited:
+                self._gave_up = True
+                log.error("monitor %d did not die %g s after SIGKILL (stuck in the kernel?); giving up on it",
+                          self.mon.pid, REAP_TIMEOUT)
+
+
+async def supervise(
+    mon: Monitored, *, jail: TaskJail, sink: Any, grace: float, stop: trio.Event, notice: Notice,
+    stop_signal: int = signal.SIGTERM, drain_window: float = 2.0, leave_running: Callable[[], bool] = lambda: False,
+) -> ProcessOutcome:
+    """Supervise a monitored spider to its end: its exit, its deadline (``mon.handle.deadline_at``,
+    epoch seconds; one already passed stops it at once) or ``stop``: then the stop signal to the
+    spider, ``grace`` seconds, and every process of the task killed. After a normal exit leftovers
+    get ``drain_window`` seconds before they are killed. ``sink`` follows output.log meanwhile.
+
+    Cancellation from outside: when ``leave_running()`` is true (the agent hands its tasks over to
+    the next one) the spider is left running, untouched; otherwise it is stopped (signal → grace →
+    kill-all, shielded), then Cancelled propagates.
+    """
+    outcome = ProcessOutcome()
+    stopper = _Stopper(mon, jail, grace, stop_signal, notice, outcome)
+    deadline_at = mon.handle.deadline_at
+    deadline = math.inf if deadline_at is None else trio.current_time() + (deadline_at - time.time())
+    swept = False
+    try:
+        async with trio.open_nursery() as nursery:
+            exited = trio.Event()
+            nursery.start_soon(follow_output, sink, exited)
+            with trio.move_on_at(deadline) as deadline_scope:
+                async with trio.open_nursery() as first:
+
+                    async def until_exit() -> None:
+                        await mon.wait()
+                        exited.set()
+                        first.cancel_scope.cancel()
+
+                    async def until_stop() -> None:
+                        await stop.wait()
+                        first.cancel_scope.cancel()
+
+                    first.start_soon(until_exit)
+                    first.start_soon(until_stop)
+            if not mon.exited:
+                outcome.timed_out = deadline_scope.cancelled_caught
+                outcome.stopped = not outcome.timed_out
+                timeout = None if deadline_at is None else deadline_at - mon.handle.spawned_at
+                why = f"timeout after {timeout:g} s" if outcome.timed_out and timeout is not None else "stop requested"
+                await stopper.stop(why)
+            else:
+                with trio.move_on_after(drain_window):  # what the spider left behind may still write
+                    await jail.wait_empty()
+            exited.set()
+            outcome.returncode = mon.returncode
+            outcome.killed_leftovers += max(0, await jail.kill_all())
+            swept = True
+            if outcome.killed_leftovers:
+                notice(f"killed {outcome.killed_leftovers} leftover process(es) of the task")
+            sink.grown()
+            nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):  # noqa: ASYNC912 - shielded cleanup
+            if mon.exited and swept:
+                pass
+            elif leave_running():
+                pass  # handed over: the next agent re-adopts the spider (its handle is in the state store)
+            else:
+                await stopper.stop("agent terminating")
+                outcome.killed_leftovers += max(0, await jail.kill_all())
+    return outcome

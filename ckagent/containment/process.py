@@ -1,0 +1,376 @@
+"""Spawning spiders and making sure nothing they start outlives them.
+
+A spider runs in its own session (own process group, pgid == pid) and inside its task's jail
+(:mod:`ckagent.containment`: a cgroup it joins before it execs, or at the last level its process
+groups plus the marker sweep). Stopping signals the **main process** only (so a Scrapy spider can
+run its close hooks and stop its browser itself); after the grace every process of the task is
+killed at once.
+
+Life of one supervised process (:func:`run_supervised`)::
+
+    spawn (own session, in the jail) ──► main exits ──► drain window (≤ 2 s, leftovers may still write)
+         │                                                  └──► kill all in the jail, wait until empty ──► done
+         ├── deadline passes ─┐
+         └── stop requested ──┴──► stop signal to main ──► grace ──► kill all in the jail ──► done
+
+Cancellation from outside (the agent's hard stop) takes the same signal → grace → kill-all path,
+shielded, so a cancelled supervisor never leaves a process behind.
+
+Nothing here raises for "process already gone": ``ProcessLookupError`` is the normal outcome of
+signalling a process that has finished. Exceptions::
+
+    OSError        run_supervised: the command cannot be started (not found, not executable, its
+                   cgroup refused it)
+    ValueError     signal_group: a process group id <= 1; RunAs.lookup: no such user
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import math
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import trio
+
+from ckagent.containment import TaskJail
+from ckagent.containment.process_group import (
+    MARKER_VAR,
+    SPAWNED,
+    ProcessGroupJail,
+    find_marked,
+    signal_group,
+    sweep,
+)
+from ckagent.containment.stoptarget import StopTarget, describe_targets, send_stop, wait_gone
+from ckagent.node.runas import RunAs, popen_identity
+
+__all__ = ["MARKER_VAR", "SPAWNED", "ProcessOutcome", "RunAs", "find_marked", "run_supervised", "signal_group", "sweep"]
+
+log = logging.getLogger(__name__)
+
+DRAIN_WINDOW = 2.0
+"""Seconds leftovers may keep writing to the spider's pipes after its main process exited."""
+
+PIPE_BYTES = 1 << 20
+"""Capacity asked for each of a spider's stdout/stderr pipes (Linux default 64 KiB; at most
+/proc/sys/fs/pipe-max-size, 1 MiB by default). A spider whose burst fits never blocks on a write,
+which matters beyond speed: under ``PYTHONUNBUFFERED=1`` CPython's stdout is a raw file, and a
+write larger than the free pipe space that a signal handler interrupts is silently cut short."""
+
+REAP_TIMEOUT = 5.0
+"""Seconds to wait for a SIGKILLed main process to be reaped (a process stuck in the kernel, state D,
+cannot die); after that the agent gives up on it rather than hang."""
+
+
+def group_alive(pgid: int) -> bool:
+    """True while any process of group ``pgid`` exists (zombies included)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+async def terminate_group(pgid: int, grace: float) -> None:
+    """SIGTERM the group, sleep ``grace`` seconds, then SIGKILL the group.
+
+    Meant as trio's ``deliver_cancel``: trio runs it shielded and cancels it as soon as the main
+    process has exited, so a process that stops on TERM is not waited for; whatever else of the
+    group survives is then the sweep's job (:func:`sweep`).
+    """
+    if not signal_group(pgid, signal.SIGTERM):
+        return
+    await trio.sleep(grace)
+    signal_group(pgid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------------------- identity
+
+
+# ---------------------------------------------------------------------------------------- running
+
+
+@dataclass
+class ProcessOutcome:
+    """How a supervised process ended.
+
+    ``returncode`` is the main process's exit status (negative = killed by that signal; None when it
+    could not be reaped); ``timed_out``/``stopped`` say whether the agent ended it (deadline / stop
+    request); ``term_sent_at``/``kill_sent_at`` are wall-clock times (epoch seconds) of the agent's
+    stop signal to the main process / its kill of every process; ``killed_leftovers`` counts
+    processes killed besides the main process (a cgroup kill counts what the cgroup held);
+    ``workers_left`` how many processes the stop signal went to below a launcher were still running
+    when the grace ended (killed then, though the launcher had exited).
+    """
+
+    returncode: int | None = None
+    timed_out: bool = False
+    stopped: bool = False
+    term_sent_at: float | None = None
+    kill_sent_at: float | None = None
+    killed_leftovers: int = 0
+    workers_left: int = 0
+
+
+Notice = Callable[[str], None]
+
+
+def clock(epoch: float) -> str:
+    """Epoch seconds → ``HH:MM:SS.mmm`` UTC, for notices in the task log."""
+    return datetime.fromtimestamp(epoch, timezone.utc).strftime("%H:%M:%S.%f")[:-3]
+
+
+class _Stopper:
+    """Stop signal to the main process → grace → kill every process of the task (the jail),
+    remembering what was sent (so a second call, e.g. after an outside cancel, only waits for what
+    is left of the grace)."""
+
+    def __init__(self, proc: trio.Process, jail: TaskJail, grace: float, stop_signal: int, notice: Notice,
+                 outcome: ProcessOutcome):
+        self.proc, self.jail, self.grace, self.notice, self.outcome = proc, jail, grace, notice, outcome
+        self.stop_signal = stop_signal
+        self._term_deadline: float | None = None
+        self._targets: list[StopTarget] = []
+        self._gave_up = False
+
+    async def stop(self, why: str) -> None:
+        if self.proc.returncode is not None or self._gave_up:
+            return
+        name = signal.Signals(self.stop_signal).name
+        if self._term_deadline is None:
+            self.outcome.term_sent_at = time.time()
+            self._term_deadline = trio.current_time() + self.grace
+            # To the process that does the work, through launchers that pass nothing on (npm start).
+            self._targets = await trio.to_thread.run_sync(send_stop, self.proc.pid, self.stop_signal)
+            self.notice(f"{why}: sent {name} to {describe_targets(self.proc.pid, self._targets)}; every "
+                        f"process of the task is killed in {self.grace:g} s")
+        with trio.move_on_at(self._term_deadline):
+            await self.proc.wait()
+        if self.proc.returncode is not None and self._targets != [] and \
+                [t.pid for t in self._targets] != [self.proc.pid]:
+            # The launcher ended; what it ran must end too before the grace counts as kept.
+            left = await wait_gone(self._targets, self._term_deadline)
+            self.outcome.workers_left = len(left)
+            if left:
+                self.notice(f"the launcher exited but {describe_targets(self.proc.pid, left)} still ran "
+                            f"{self.grace:g} s after {name}: killed")
+        if self.proc.returncode is None:
+            self.outcome.kill_sent_at = time.time()
+            killed = await self.jail.kill_all()
+            self.outcome.killed_leftovers += max(0, killed - 1)
+            self.notice(f"main process still running {self.grace:g} s after {name}: killed every process "
+                        f"of the task ({self.jail.level})")
+            with trio.move_on_after(REAP_TIMEOUT):
+                await self.proc.wait()
+            if self.proc.returncode is None:
+                self._gave_up = True
+                log.error("process %d did not die %g s after SIGKILL (stuck in the kernel?); giving up on it",
+                          self.proc.pid, REAP_TIMEOUT)
+
+
+async def run_supervised(
+    argv: list[str],
+    *,
+    cwd: Path,
+    env: dict[str, str],
+    task_id: str,
+    output: Callable[[bytes], None],
+    deadline_seconds: float | None,
+    grace: float,
+    stop: trio.Event,
+    notice: Notice,
+    on_started: Callable[[int], Awaitable[None]] | None = None,
+    drain_window: float = DRAIN_WINDOW,
+    run_as: RunAs | None = None,
+    on_stderr: Callable[[bytes], None] | None = None,
+    jail: TaskJail | None = None,
+    stop_signal: int = signal.SIGTERM,
+) -> ProcessOutcome:
+    """Run ``argv`` as a spider: own session, inside ``jail``, pipes copied to ``output``.
+
+    The task ends when the main process exits, when ``deadline_seconds`` pass (None = never), or
+    when ``stop`` is set: then the **main process** gets ``stop_signal`` (SIGTERM by default), and
+    after ``grace`` seconds every process of the task is killed (``jail.kill_all``: cgroup.kill,
+    freeze + kill, or group + sweep). After the main process exited, leftovers get
+    ``drain_window`` seconds to finish writing; then every process left in the jail is killed and
+    waited for (the cgroup's ``populated 0``). ``jail`` None = a process-group jail (group + marker
+    sweep; ``env`` must hold ``CK_TASK_ID=task_id``). ``notice(text)`` receives one-line notes of
+    what the agent did (they go into the task log). ``run_as``: start the process as that user.
+    The caller owns the jail (figures, close). ``on_stderr`` also gets the stderr bytes (after
+    ``output``), e.g. to keep its last lines for the failure message.
+
+    Raises OSError when the command cannot be started (e.g. not found). Cancellation from outside
+    (agent termination) still ends the process: stop signal → grace → kill-all run shielded, then
+    Cancelled propagates.
+    """
+    if env.get(MARKER_VAR) != task_id:
+        raise ValueError(f"env must carry {MARKER_VAR}={task_id} (the sweep finds escaped processes by it)")
+    if jail is None:
+        jail = ProcessGroupJail(task_id)
+    spawn_argv, spawn_options = jail.spawn(argv, env, forking=run_as is not None)
+    proc = await trio.lowlevel.open_process(
+        spawn_argv, cwd=str(cwd), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, start_new_session=True, **popen_identity(run_as), **spawn_options,
+    )  # fmt: skip
+    SPAWNED.add(proc.pid)  # trio reaps it; the subreaper's reaper must not
+    jail.watch(proc.pid)
+    for stream in (proc.stdout, proc.stderr):
+        if isinstance(stream, trio.lowlevel.FdStream):
+            enlarge_pipe(stream.fileno())
+    outcome = ProcessOutcome()
+    stopper = _Stopper(proc, jail, grace, stop_signal, notice, outcome)
+    swept = False
+    try:
+        if on_started is not None:
+            await on_started(proc.pid)
+        async with trio.open_nursery() as nursery:
+            pumps_done = trio.Event()
+            exited = trio.Event()  # the main process ended: the pumps stop gathering small writes
+
+            async def pumps() -> None:
+                async with trio.open_nursery() as inner:
+                    if proc.stdout is not None:
+                        inner.start_soon(_copy, proc.stdout, output, exited)
+                    if proc.stderr is not None:
+                        inner.start_soon(_copy, proc.stderr, output if on_stderr is None else _tee(output, on_stderr),
+                                         exited)
+                pumps_done.set()
+
+            nursery.start_soon(pumps)
+            with trio.move_on_after(math.inf if deadline_seconds is None else deadline_seconds) as deadline:
+                async with trio.open_nursery() as first:
+
+                    async def until_exit() -> None:
+                        await proc.wait()
+                        exited.set()
+                        first.cancel_scope.cancel()
+
+                    async def until_stop() -> None:
+                        await stop.wait()
+                        first.cancel_scope.cancel()
+
+                    first.start_soon(until_exit)
+                    first.start_soon(until_stop)
+            if proc.returncode is None:
+                outcome.timed_out = deadline.cancelled_caught
+                outcome.stopped = not outcome.timed_out
+                why = f"timeout after {deadline_seconds:g} s" if outcome.timed_out else "stop requested"
+                await stopper.stop(why)
+            else:
+                # A normal end: what the spider left behind may still be writing its last lines.
+                with trio.move_on_after(drain_window):
+                    await pumps_done.wait()
+            outcome.returncode = proc.returncode
+            outcome.killed_leftovers += await jail.kill_all()
+            swept = True
+            if outcome.killed_leftovers:
+                notice(f"killed {outcome.killed_leftovers} leftover process(es) of the task")
+            with trio.move_on_after(1.0):  # leftovers are dead: their pipe ends close at once
+                await pumps_done.wait()
+            nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):  # noqa: ASYNC912 - shielded cleanup; each stream's aclose checkpoints
+            if proc.returncode is None or not swept:
+                # Cancelled from outside (the agent is terminating): the processes must still go.
+                await stopper.stop("agent terminating")
+                outcome.killed_leftovers += max(0, await jail.kill_all())
+            for stream in (proc.stdout, proc.stderr):
+                if stream is not None:
+                    await stream.aclose()
+            if proc.returncode is not None:
+                SPAWNED.discard(proc.pid)
+    return outcome
+
+
+def enlarge_pipe(fd: int, size: int = PIPE_BYTES) -> int:
+    """Ask for a pipe capacity of ``size`` bytes on ``fd`` (best effort: the system maximum or a
+    per-user limit may refuse it). Returns the capacity the pipe has now (bytes), 0 if unknown."""
+    set_size = getattr(fcntl, "F_SETPIPE_SZ", None)  # Linux only
+    if set_size is None:
+        return 0
+    for wanted in (size, size // 4):
+        try:
+            return int(fcntl.fcntl(fd, set_size, wanted))
+        except OSError:
+            continue
+    return 0
+
+
+def _tee(first: Callable[[bytes], None], second: Callable[[bytes], None]) -> Callable[[bytes], None]:
+    def both(chunk: bytes) -> None:
+        first(chunk)
+        second(chunk)
+
+    return both
+
+
+PIPE_COALESCE_BELOW = 16 * 1024
+"""A read shorter than this many bytes means the spider writes little at a time (a line now and then)."""
+PIPE_COALESCE_INTERVAL = 0.05
+"""Seconds to let such a spider's output gather in the pipe before the next read: one read, one
+output.log write, one journal record and one shipper wake-up for many small writes (bench.manytasks:
+a spider printing a line every 10 ms costs 20 reads a second instead of 100). The pipe (1 MiB) holds
+far more than a trickle writes in this time, so the spider never blocks; a flood reads full chunks
+and never pauses."""
+
+
+PIPE_READ_BYTES = 64 * 1024
+"""Bytes asked of a pipe per read."""
+PIPE_FLOOD_READ_BYTES = 1024 * 1024
+"""Bytes asked per read after a read that filled PIPE_READ_BYTES (the pipe's size, where the kernel allows it)."""
+
+
+PARTIAL_LINE_MAX_BYTES = 64 * 1024
+"""An unfinished line is held back (per pipe) until its newline comes, up to this many bytes."""
+
+
+async def _copy(stream: trio.abc.ReceiveStream, output: Callable[[bytes], None],
+                exited: trio.Event | None = None) -> None:
+    """Copy a pipe into ``output`` until EOF, whole lines at a time (see PIPE_COALESCE_INTERVAL; no
+    gathering once ``exited`` is set, so the end of a task is not delayed).
+
+    stdout and stderr go into one task log: an unfinished line of one pipe is held back until its
+    newline arrives (or EOF, or PARTIAL_LINE_MAX_BYTES), so a line of the other pipe can never land
+    inside it. (Unbuffered Python writes a print's text and its newline apart, and a reader that
+    passed on the text alone let the other pipe's line in between.) Cancellation stops at once;
+    what was held back is passed on first.
+    """
+    partial = b""
+    size = PIPE_READ_BYTES
+    try:
+        while True:
+            chunk = await stream.receive_some(size)
+            # A full read means a flood: read up to the pipe's whole buffer at a time (fewer reads,
+            # output.log writes, journal records and shipper wake-ups per MB); a trickle reads small.
+            size = PIPE_FLOOD_READ_BYTES if len(chunk) == size else PIPE_READ_BYTES
+            if not chunk:
+                return
+            data = partial + chunk if partial else bytes(chunk)
+            cut = data.rfind(b"\n") + 1
+            if cut == 0 and len(data) < PARTIAL_LINE_MAX_BYTES:
+                partial = data
+            elif cut == 0 or len(data) - cut >= PARTIAL_LINE_MAX_BYTES:
+                partial = b""
+                output(data)
+            else:
+                partial = data[cut:]
+                output(data[:cut])
+            if len(chunk) < PIPE_COALESCE_BELOW:
+                if exited is None:
+                    await trio.sleep(PIPE_COALESCE_INTERVAL)
+                elif not exited.is_set():
+                    with trio.move_on_after(PIPE_COALESCE_INTERVAL):
+                        await exited.wait()
+    finally:
+        if partial:
+            output(partial)

@@ -1,0 +1,400 @@
+"""What becomes of the files a task wrote: items, artifacts, or kept on the node — never deleted silently.
+
+When a task's process has ended (and before its working copy is removed), :func:`collect` walks the
+working copy and finds every regular file the task **created or changed** (not in the code version,
+another size, or newer than the spider's start with other bytes). Each one gets a fate:
+
+1. **Items** — files named by ``outputs.items`` (globs relative to the working directory), else the
+   conventions of the frameworks: crawlee's datasets (``storage/datasets/<name>/*.json``, one item
+   per file, in name order). Their items are appended to the task's items spool (``items.jsonl``),
+   in file order, before the items stream is closed: they reach the master like the SDK's, exactly
+   once (the outbox's guarantees). See :mod:`ckagent.delivery.outputs.itemfiles` for the formats.
+2. **Artifacts** — files named by ``outputs.artifacts``; without that list, every other created or
+   changed file except the **cache rule** below. They are moved into the task directory
+   (``work_dir/tasks/<task-id>/artifacts/``) with a manifest (``artifacts.json``: path, size,
+   sha256) and uploaded by the outbox before the final result (:mod:`ckagent.delivery.artifacts`).
+3. **Kept on the node** — artifacts over the size budget (``task.max_artifact_bytes``; files are
+   taken in path order while they fit), every artifact when the master does not take artifacts (no
+   ``artifacts`` feature), and, when ``outputs.artifacts`` is declared, the created files it does
+   not name: moved to ``work_dir/spider-data/<spider>/outputs/<task-id>/`` (deleted after
+   ``task.retention`` like a delivered task's directory). The log says where.
+
+**The cache rule** (never items nor artifacts, not mentioned): a path with a folder named
+``__pycache__``, ``.pytest_cache``, ``.mypy_cache``, ``.ruff_cache``, ``.cache``, ``.npm``, ``.yarn``,
+``.pnpm-store``, ``node_modules``, ``.venv``, ``.git`` or ``.scrapy`` (Scrapy's HTTP cache and job
+state), a ``*.pyc``/``*.pyo`` file, crawlee's own state (``storage/request_queues/``, and
+``storage/key_value_stores/*/SDK_*``). Symlinks are never followed nor collected.
+
+The last line of every task's log that ran says what became of its files::
+
+    outputs: results.json → 100 items; images/ (30 files, 1.2 MB) → artifacts; books.db kept at /…/books.db
+
+Blocking: :func:`collect` walks, copies and hashes; call it in one ``trio.to_thread`` hop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import filecmp
+import fnmatch
+import hashlib
+import json
+import os
+import re
+import shutil
+import stat
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckagent.containment import format_bytes
+from ckagent.delivery.outputs.itemfiles import ITEM_EXTENSIONS, ItemFileError, append_item_file
+from ckagent.master.protocol import ArtifactRef, TaskOutputs
+
+__all__ = ["ARTIFACTS_DIR", "MANIFEST", "Collected", "cleanup_kept", "collect", "is_cache", "kept_dir",
+           "load_manifest", "match_glob"]
+
+ARTIFACTS_DIR = "artifacts"
+"""Folder of the task directory holding the artifacts until the master has them."""
+MANIFEST = "artifacts.json"
+"""The task directory's artifact list: ``{"artifacts": [ArtifactRef JSON], "keepDir": str}``."""
+
+CACHE_DIRS = frozenset({"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".cache", ".npm", ".yarn",
+                        ".pnpm-store", "node_modules", ".venv", ".git", ".scrapy"})
+CACHE_SUFFIXES = (".pyc", ".pyo")
+_CRAWLEE_DATASET = re.compile(r"^storage/datasets/[^/]+/[^/]+\.json$")
+
+
+def is_cache(rel: str) -> bool:
+    """True for a path (POSIX, relative to the working copy) the cache rule leaves out."""
+    parts = rel.split("/")
+    if any(part in CACHE_DIRS for part in parts[:-1]) or rel.endswith(CACHE_SUFFIXES):
+        return True
+    if rel.startswith("storage/request_queues/"):
+        return True
+    return len(parts) == 4 and parts[0] == "storage" and parts[1] == "key_value_stores" and parts[3].startswith("SDK_")
+
+
+def match_glob(rel: str, pattern: str) -> bool:
+    """``rel`` matches ``pattern``: ``*`` within a folder, ``**`` any folders, a trailing ``/`` or a
+    folder name = everything under it."""
+    pattern = pattern.strip()
+    while pattern.startswith("./"):
+        pattern = pattern[2:]
+    if pattern.endswith("/"):
+        pattern += "**"
+    return bool(_glob_regex(pattern).match(rel)) or bool(_glob_regex(pattern.rstrip("/") + "/**").match(rel))
+
+
+def _glob_regex(pattern: str) -> re.Pattern[str]:
+    out = []
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        elif pattern[i] == "[":
+            end = pattern.find("]", i + 1)
+            if end < 0:
+                out.append(re.escape("["))
+                i += 1
+            else:
+                out.append(fnmatch.translate(pattern[i:end + 1])[4:-3])
+                i = end + 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("^" + "".join(out) + "$")
+
+
+@dataclass
+class Collected:
+    """What :func:`collect` did: for the log line, the result and ``ckagent exec``."""
+
+    items: list[tuple[str, int]] = field(default_factory=list)
+    """(item file, items appended) in the order read."""
+    artifacts: list[ArtifactRef] = field(default_factory=list)
+    """Artifacts moved to the task directory for upload."""
+    kept: list[tuple[str, int]] = field(default_factory=list)
+    """(path, bytes) of files kept on the node in :attr:`kept_dir`."""
+    kept_dir: Path | None = None
+    kept_why: str = ""
+    problems: list[str] = field(default_factory=list)
+    """Files that could not be read or moved (named in the log; they stay where they were)."""
+
+    def line(self) -> str:
+        """``outputs: results.json → 100 items; images/ (30 files, 1.2 MB) → artifacts; …``."""
+        parts = [f"{path} → {count} item{'' if count == 1 else 's'}" for path, count in self.items]
+        parts += [f"{what} → artifacts" for what in _grouped([(a.path, a.size_bytes) for a in self.artifacts])]
+        if self.kept:
+            where = str(self.kept_dir)
+            parts += [f"{what} kept at {where}/" for what in _grouped(self.kept)]
+            if self.kept_why:
+                parts[-1] += f" ({self.kept_why})"
+        parts += self.problems
+        return "outputs: " + ("; ".join(parts) if parts else "no file created or changed in the working copy")
+
+
+def _grouped(files: list[tuple[str, int]]) -> list[str]:
+    """Files at the top of the working copy by name; those in a folder as ``folder/ (n files, size)``."""
+    groups: dict[str, list[int]] = {}
+    order: list[str] = []
+    for path, size in files:
+        top = path.split("/", 1)[0] + "/" if "/" in path else path
+        if top not in groups:
+            groups[top] = []
+            order.append(top)
+        groups[top].append(size)
+    out = []
+    for top in order:
+        sizes = groups[top]
+        if top.endswith("/"):
+            out.append(f"{top} ({len(sizes)} file{'' if len(sizes) == 1 else 's'}, {format_bytes(sum(sizes))})")
+        else:
+            out.append(f"{top} ({format_bytes(sizes[0])})")
+    return out
+
+
+def kept_dir(work_dir: Path, safe_spider: str, safe_task: str) -> Path:
+    """Where a task's files kept on the node go: ``work_dir/spider-data/<spider>/outputs/<task>/``."""
+    return work_dir / "spider-data" / safe_spider / "outputs" / safe_task
+
+
+def changed_files(work: Path, code_dir: Path, since: float,
+                  others: list[str] | None = None) -> list[tuple[str, os.stat_result]]:
+    """Regular files of ``work`` the task created or changed (POSIX relative paths, sorted), caches left out.
+
+    A file counts when ``code_dir`` has none at its path, or one of another size, or when its mtime is
+    after ``since`` (epoch seconds) and its bytes differ. ``others`` (when given) gets every other
+    entry: unchanged files, symlinks, cache files and cache folders (a folder once, not its content)."""
+    found: list[tuple[str, os.stat_result]] = []
+    other = others if others is not None else []
+    for dirpath, dirnames, filenames in os.walk(work):
+        rel_dir = os.path.relpath(dirpath, work)
+        rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
+        kept_dirs = []
+        for d in sorted(dirnames):
+            if d in CACHE_DIRS or os.path.islink(os.path.join(dirpath, d)):
+                other.append(rel_dir + d)
+            else:
+                kept_dirs.append(d)
+        dirnames[:] = kept_dirs
+        for name in sorted(filenames):
+            rel = rel_dir + name
+            st = os.lstat(os.path.join(dirpath, name))
+            if is_cache(rel) or not stat.S_ISREG(st.st_mode):
+                other.append(rel)
+                continue
+            try:
+                original = os.lstat(code_dir / rel)
+            except OSError:
+                found.append((rel, st))
+                continue
+            if original.st_size != st.st_size or (st.st_mtime > since and not _same_bytes(code_dir / rel, work / rel)):
+                found.append((rel, st))
+            else:
+                other.append(rel)
+    found.sort(key=lambda entry: entry[0])
+    return found
+
+
+def _same_bytes(a: Path, b: Path) -> bool:
+    try:
+        return filecmp.cmp(a, b, shallow=False)
+    except OSError:
+        return False
+
+
+def collect(*, work: Path, code_dir: Path, since: float, task_dir: Path, outputs: TaskOutputs | None,
+            budget_bytes: int, master_takes_artifacts: bool, keep_dir: Path) -> Collected:
+    """Give each created or changed file of the working copy ``work`` its fate (module docstring).
+
+    ``since``: the spider's start (epoch seconds). ``budget_bytes``: most artifact bytes shipped (0 =
+    none shipped, all kept). Appends items to ``task_dir/items.jsonl``; moves artifacts to
+    ``task_dir/artifacts/`` and writes ``task_dir/artifacts.json``; moves kept files to ``keep_dir``.
+    Never raises for one file's trouble (it is named in :attr:`Collected.problems`); raises OSError
+    when the items spool or the manifest cannot be written.
+    """
+    result = Collected()
+    others: list[str] = []
+    files = changed_files(work, code_dir, since, others)
+    item_globs = outputs.items if outputs is not None and outputs.items else None
+    artifact_globs = outputs.artifacts if outputs is not None and outputs.artifacts else None
+    item_files = [(rel, st) for rel, st in files
+                  if (any(match_glob(rel, g) for g in item_globs) if item_globs is not None
+                      else bool(_CRAWLEE_DATASET.match(rel)))]
+    item_set = {rel for rel, _ in item_files}
+    rest = [(rel, st) for rel, st in files if rel not in item_set]
+    if item_files:
+        with open(task_dir / "items.jsonl", "ab") as spool:
+            for rel, _st in item_files:
+                if not rel.lower().endswith(ITEM_EXTENSIONS):
+                    result.problems.append(f"{rel} is not an item file ({', '.join(ITEM_EXTENSIONS)}): left as it is")
+                    rest.append((rel, _st))
+                    continue
+                try:
+                    count = append_item_file(work / rel, spool)
+                except ItemFileError as exc:
+                    result.problems.append(f"{exc} (after {exc.items} items)")
+                    count = exc.items
+                except OSError as exc:
+                    result.problems.append(f"{rel}: cannot read ({exc.strerror or exc})")
+                    continue
+                result.items.append((rel, count))
+                spool.flush()
+            os.fsync(spool.fileno())
+        rest.sort(key=lambda entry: entry[0])
+    crawlee = item_globs is None and any(_CRAWLEE_DATASET.match(rel) for rel in item_set)
+    if crawlee:  # one line for a dataset of many files
+        total = sum(count for _, count in result.items)
+        result.items = [(f"storage/datasets/ ({len(item_set)} files)", total)]
+    shipped: list[tuple[str, os.stat_result]] = []
+    kept: list[tuple[str, os.stat_result]] = []
+    used = 0
+    for rel, st in rest:
+        if (artifact_globs is not None and not any(match_glob(rel, g) for g in artifact_globs)) or not master_takes_artifacts or used + st.st_size > budget_bytes:
+            kept.append((rel, st))
+        else:
+            used += st.st_size
+            shipped.append((rel, st))
+    if kept:
+        if not master_takes_artifacts:
+            result.kept_why = "the master does not take artifacts"
+        elif any(artifact_globs is None or any(match_glob(rel, g) for g in artifact_globs) for rel, _ in kept):
+            result.kept_why = f"over the artifact budget of {format_bytes(budget_bytes)}"
+        else:
+            result.kept_why = "not named by outputs.artifacts"
+    target = task_dir / ARTIFACTS_DIR
+    adopted = False
+    if shipped and not target.exists():
+        # One rename moves the whole working copy (10,000 files cost no more than one); what is not an
+        # artifact is deleted from it below (the code's files: a handful, not the task's output).
+        try:
+            os.rename(work, target)
+            adopted = True
+        except OSError:
+            adopted = False
+    source = target if adopted else work
+    for rel, st in shipped:
+        try:
+            digest = _hash(target / rel) if adopted else _move_and_hash(work / rel, target / rel)
+        except OSError as exc:
+            result.problems.append(f"{rel}: cannot collect ({exc.strerror or exc})")
+            continue
+        result.artifacts.append(ArtifactRef(path=rel, size_bytes=st.st_size, sha256=digest))
+    for rel, st in kept:
+        try:
+            _move(source / rel, keep_dir / rel)
+        except OSError as exc:
+            result.problems.append(f"{rel}: cannot keep ({exc.strerror or exc})")
+            continue
+        result.kept.append((rel, st.st_size))
+    if result.kept:
+        result.kept_dir = keep_dir
+    if adopted:
+        _prune(target, others + [rel for rel, _ in item_files])
+    if result.artifacts or result.kept:
+        _write_manifest(task_dir, result, keep_dir)
+    return result
+
+
+def _prune(root: Path, rels: list[str]) -> None:
+    """Delete ``rels`` (files, symlinks, folders) under ``root``, then the folders left empty. Never raises."""
+    for rel in rels:
+        path = root / rel
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink()
+        except OSError:
+            continue
+    for dirpath, _dirnames, _filenames in sorted(os.walk(root, topdown=False), key=lambda e: -len(e[0])):
+        if dirpath != str(root):
+            with contextlib.suppress(OSError):
+                os.rmdir(dirpath)  # only when empty
+
+
+def _move(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)  # another filesystem
+
+
+def _move_and_hash(src: Path, dst: Path) -> str:
+    _move(src, dst)
+    return _hash(dst)
+
+
+def _hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fin:
+        while chunk := fin.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_manifest(task_dir: Path, result: Collected, keep_dir: Path) -> None:
+    tmp = task_dir / (MANIFEST + ".tmp")
+    body = {"artifacts": [a.to_json() for a in result.artifacts], "keepDir": str(keep_dir)}
+    with open(tmp, "w", encoding="utf-8") as fout:
+        json.dump(body, fout, ensure_ascii=False)
+        fout.flush()
+        os.fsync(fout.fileno())
+    os.replace(tmp, task_dir / MANIFEST)
+
+
+def load_manifest(task_dir: Path) -> tuple[list[ArtifactRef], Path]:
+    """(the artifacts listed by ``task_dir/artifacts.json``, the folder for files kept on the node).
+    No manifest: ([], ``task_dir/kept``). A broken one raises OSError/ValueError. Blocking."""
+    try:
+        with open(task_dir / MANIFEST, encoding="utf-8") as fin:
+            body = json.load(fin)
+    except FileNotFoundError:
+        return [], task_dir / "kept"
+    refs = [ArtifactRef.from_json(entry, f"artifacts[{i}]") for i, entry in enumerate(body.get("artifacts", []))]
+    keep = body.get("keepDir")
+    return refs, Path(keep) if isinstance(keep, str) and keep else task_dir / "kept"
+
+
+def cleanup_kept(work_dir: Path, older_than: float) -> int:
+    """Delete folders of kept files (``spider-data/*/outputs/<task>/``) not changed for ``older_than``
+    seconds. Returns how many; never raises. Blocking."""
+    cutoff = time.time() - older_than
+    deleted = 0
+    for folder in (work_dir / "spider-data").glob("*/outputs/*"):
+        try:
+            if folder.is_dir() and not folder.is_symlink() and folder.stat().st_mtime < cutoff:
+                shutil.rmtree(folder)
+                deleted += 1
+        except OSError:
+            continue
+    return deleted
+
+
+def artifact_file(task_dir: Path, rel: str) -> Path | None:
+    """Where the artifact ``rel`` of a task is on this node (its task directory, or the folder of kept
+    files after an upload that could not be made); None when ``rel`` is not in the task's manifest or
+    the file is gone. Never resolves a path from outside the manifest. Blocking."""
+    try:
+        refs, keep_dir = load_manifest(task_dir)
+    except (OSError, ValueError):
+        return None
+    if rel not in {ref.path for ref in refs}:
+        return None
+    for base in (task_dir / ARTIFACTS_DIR, keep_dir):
+        candidate = base / rel
+        if candidate.is_file() and not candidate.is_symlink():
+            return candidate
+    return None

@@ -1,0 +1,153 @@
+"""The agent in a fleet: one identity per node, and the master's wishes about agent versions.
+
+- **Identity**: ``<work_dir>/node_uid`` holds a random id created on the first start and sent at every
+  registration (``nodeUid``). A master that sees a second live agent with the same name and another
+  id refuses it (409, the reference master does) instead of handing the node's key back and forth.
+- **Versions**: the master may answer registration and heartbeats with ``minAgentVersion`` and
+  ``desiredAgentVersion`` (PEP 440). Below the minimum the agent takes no tasks — it closes the intake
+  gate under "version", keeps heartbeating (with ``pausedReason``), /readyz and the log say why — and
+  takes tasks again when the minimum is lowered. With ``agent.auto_upgrade`` on and a desired version
+  other than this one, the agent starts ``run.sh upgrade VERSION`` once per process (``run.sh upgrade
+  --downgrade VERSION`` when it is older: the master may point back to a good release) (detached, its
+  output in ``logs/upgrade.log`` next to run.sh): run.sh downloads and verifies the release, stops
+  this agent (SIGTERM: it drains), starts the new one and rolls back when it does not become healthy.
+  run.sh tells the agent where it is (``CKAGENT_RUN_SH``); without it there is nothing to upgrade
+  with, and the agent says so once. A version that is not PEP 440 is ignored with a warning.
+
+The version an agent reports is ``ckagent.__version__``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import uuid
+from pathlib import Path
+
+import trio
+
+from ckagent import __version__
+from ckagent.master.protocol import VersionPolicy
+from ckagent.node.intake import IntakeGate
+from ckagent.node.secretenv import secrets_fd
+from ckagent.node.versions import InvalidVersion, Version
+
+log = logging.getLogger(__name__)
+
+NODE_UID_FILE = "node_uid"
+RUN_SH_ENV = "CKAGENT_RUN_SH"
+"""Set by run.sh for the agent it starts: the absolute path of that run.sh."""
+
+
+def load_node_uid(work_dir: Path) -> str:
+    """The node's own id from ``work_dir/node_uid``, created (32 hex digits) when missing or unreadable.
+
+    Blocking (small file I/O). Raises OSError when the file cannot be written.
+    """
+    path = work_dir / NODE_UID_FILE
+    try:
+        text = path.read_text(encoding="ascii").strip()
+        if len(text) == 32 and all(c in "0123456789abcdef" for c in text):
+            return text
+    except (OSError, UnicodeDecodeError):
+        pass
+    uid = uuid.uuid4().hex
+    work_dir.mkdir(parents=True, exist_ok=True)
+    part = path.with_suffix(".part")
+    part.write_text(uid + "\n", encoding="ascii")
+    os.replace(part, path)
+    return uid
+
+
+class VersionWatch:
+    """Applies the master's :class:`VersionPolicy` to this agent (see the module docstring).
+
+    ``apply`` is called with every register and heartbeat answer; it logs only changes. ``spawn`` starts
+    the upgrade command (argv, env) and returns a trio.Process — tests pass their own.
+    """
+
+    def __init__(self, gate: IntakeGate, *, auto_upgrade: bool, nursery: trio.Nursery | None = None,
+                 version: str = __version__, run_sh: str | None = None, log_dir: Path | None = None) -> None:
+        self._gate = gate
+        self._auto_upgrade = auto_upgrade
+        self.nursery = nursery
+        """Where the upgrade runs (the agent's root nursery, set once it is open)."""
+        self.version = version
+        self._current = Version(version)
+        self.run_sh = run_sh if run_sh is not None else os.environ.get(RUN_SH_ENV) or None
+        self._log_dir = log_dir
+        self.policy = VersionPolicy()
+        self.upgrade_requested: str | None = None
+        """The desired version this process has started `run.sh upgrade` for (once per process)."""
+        self._warned: set[tuple[str, str]] = set()
+
+    def _parse(self, field: str, text: str | None) -> Version | None:
+        if text is None:
+            return None
+        try:
+            return Version(text)
+        except InvalidVersion:
+            if (field, text) not in self._warned:
+                self._warned.add((field, text))
+                log.warning("the master's %s %r is not a PEP 440 version: ignored", field, text)
+            return None
+
+    def apply(self, policy: VersionPolicy) -> None:
+        """Take a policy from the master: gate on the minimum, maybe start an upgrade to the desired one."""
+        changed = policy != self.policy
+        self.policy = policy
+        minimum = self._parse("minAgentVersion", policy.min_agent_version)
+        if minimum is not None and self._current < minimum:
+            reason = (f"this agent is version {self.version}, older than the master's minimum {minimum}: "
+                      "taking no tasks until it is upgraded (./run.sh upgrade, or agent.auto_upgrade on)")
+            if not self._gate.is_closed("version"):
+                log.warning("%s", reason)
+            self._gate.close("version", reason)
+        elif self._gate.is_closed("version"):
+            log.info("the master's minimum agent version is now %s: taking tasks again",
+                     policy.min_agent_version or "unset")
+            self._gate.open("version")
+        desired = self._parse("desiredAgentVersion", policy.desired_agent_version)
+        if desired is None or desired == self._current:
+            return
+        if not self._auto_upgrade:
+            if changed:
+                log.info("the master would like agent version %s (this is %s); agent.auto_upgrade is off: "
+                         "upgrade with ./run.sh upgrade %s", desired, self.version, desired)
+            return
+        if self.upgrade_requested is not None:
+            return
+        self.upgrade_requested = str(desired)
+        if self.run_sh is None or self.nursery is None:
+            log.warning("the master would like agent version %s and agent.auto_upgrade is on, but this agent "
+                        "was not started by run.sh (%s unset): upgrade it the way it was installed",
+                        desired, RUN_SH_ENV)
+            return
+        self.nursery.start_soon(self._upgrade, str(desired), desired < self._current)
+
+    async def _upgrade(self, version: str, downgrade: bool = False) -> None:
+        """Run ``run.sh upgrade [--downgrade] VERSION`` detached (its own session: it outlives this agent,
+        which it stops); ``--downgrade`` when the master's desired version is older than this one."""
+        assert self.run_sh is not None
+        log_dir = self._log_dir or Path(self.run_sh).parent / "logs"
+        words = ["upgrade", *(["--downgrade"] if downgrade else []), version]
+        log.warning("%s to agent version %s as the master asks: running %s %s (log: %s); "
+                    "this agent drains when run.sh stops it", "downgrading" if downgrade else "upgrading",
+                    version, self.run_sh, " ".join(words), log_dir / "upgrade.log")
+        env = {**os.environ, "AGENT_UPGRADE_AUTO": "on"}
+        fd = secrets_fd()  # the credentials travel in their memory file, never in run.sh's environment
+        try:
+            await trio.to_thread.run_sync(lambda: log_dir.mkdir(parents=True, exist_ok=True))
+            with open(log_dir / "upgrade.log", "ab") as out:  # noqa: ASYNC230 - opening a log file is quick
+                process = await trio.lowlevel.open_process(
+                    ["bash", self.run_sh, *words], stdin=subprocess.DEVNULL, stdout=out,
+                    stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                    pass_fds=() if fd is None else (fd,))
+        except OSError as exc:
+            log.error("cannot start %s upgrade %s: %s", self.run_sh, version, exc)
+            return
+        code = await process.wait()  # cancelled when run.sh stops this agent: the process lives on
+        if code != 0:
+            log.error("%s upgrade %s exited with %d (nothing changed, or rolled back): see %s",
+                      self.run_sh, version, code, log_dir / "upgrade.log")

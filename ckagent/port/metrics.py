@@ -1,0 +1,540 @@
+"""The agent's Prometheus metrics: its own ``CollectorRegistry`` (never the global one), served on /metrics.
+
+Names follow Prometheus conventions: ``ckagent_`` prefix, ``_total`` counters, ``_seconds`` and
+``_bytes`` units, and only bounded labels (status, errorCode, phase, endpoint, outcome — never a
+task, spider or node id). The metrics carry no secrets: no token, key, URL, environment or argument
+of a task appears in any name, label or value.
+
+Two kinds of figures:
+
+- events, counted as they happen by hooks the agent wires in: :meth:`AgentMetrics.master_request`
+  (the master client's ``observer``) and the supervisor observer methods (``task_admitted``,
+  ``task_started``, ``deps_prepared``, ``task_finished``, ``task_reported``);
+- the live state, read at scrape time: a :class:`LiveFigures` snapshot taken on the Trio thread
+  (state, slots, phases, heartbeat age, ...) plus the outbox's :class:`OutboxStatistics` record
+  (:meth:`ckagent.delivery.Outbox.figures`, counted on the loop in slices: what the master has not
+  acknowledged yet), which this module only renders.
+
+A scrape never holds the event loop for long: :meth:`AgentMetrics.render_sliced` renders on the
+loop's own thread, family by family (a large family in pieces; the request histogram one endpoint at
+a time), with a checkpoint whenever a slice has run for :data:`SLICE_SECONDS`. (Rendering in a worker thread looks cheaper but is not: a thread running
+Python code holds the GIL, and the loop waits for it up to ``sys.getswitchinterval()``, 5 ms, each
+time it wants to run — measured with bench/scrape.py.)
+
+Exported (see :data:`METRIC_NAMES`)::
+
+    ckagent_build_info{version,python}                 1
+    ckagent_node_info{name,node_id}                    1 (node_id "" until registered)
+    ckagent_state{state}                               1 for the current state, 0 for the others
+    ckagent_registered, ckagent_master_up              0/1
+    ckagent_heartbeat_age_seconds                      since the last acknowledged heartbeat (or the start)
+    ckagent_max_workers, ckagent_free_slots            slots
+    ckagent_tasks_running{phase}                       claimed, unfinished tasks by phase
+    ckagent_tasks_started_total                        tasks claimed and admitted
+    ckagent_tasks_finished_total{status,error_code}    error_code "none" for a success
+    ckagent_task_duration_seconds{status}              histogram: start of the spider (or of the task) → end
+    ckagent_task_queue_wait_seconds                    histogram: claim → a slot and the spider's lock held
+    ckagent_deps_install_duration_seconds              histogram: dependency installs that ran (cache misses)
+    ckagent_deps_cache_hits_total, ckagent_deps_cache_misses_total
+    ckagent_code_download_bytes_total                  code packages and spider files downloaded
+    ckagent_log_lines_shipped_total, ckagent_items_shipped_total   acknowledged by the master
+    ckagent_outbox_log_lines, ckagent_outbox_items     written to the spool, not yet acknowledged
+    ckagent_outbox_results                             final results not yet acknowledged
+    ckagent_outbox_bytes                               their approximate spool bytes
+    ckagent_outbox_oldest_unshipped_seconds            how long the oldest of them has waited for the master
+    ckagent_master_requests_total{endpoint,outcome}    outcome: ok, error (transport), protocol_error (an
+                                                       answer not in the protocol's words) or the HTTP status
+    ckagent_master_request_duration_seconds{endpoint}  histogram (a long poll includes its hold time)
+    process_*                                          the process collector's series (cpu, memory, fds, start time)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import resource
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import trio
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+
+from ckagent.code.deps import Prepared
+from ckagent.delivery import OutboxStatistics
+from ckagent.master.protocol import TaskResult
+from ckagent.port.crawlmetrics import CrawlMetrics
+from ckagent.task.supervisor import RunningTask, SupervisorObserver
+
+if TYPE_CHECKING:
+    from ckagent.delivery import Outbox
+
+log = logging.getLogger(__name__)
+
+STATES = ("STARTING", "RUNNING", "DRAINING", "TERMINATING", "STOPPING", "STOPPED")
+"""Every value of ``Agent.state`` (one ``ckagent_state`` series each)."""
+PHASES = ("queued", "deploying", "installing", "running", "reporting")
+"""Every value of ``RunningTask.phase``."""
+
+TASK_DURATION_BUCKETS = (1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400, 43200, 86400)
+QUEUE_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600)
+INSTALL_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
+TASK_CPU_BUCKETS = (0.1, 1, 10, 60, 300, 1800, 3600, 14400, 86400)
+TASK_MEMORY_BUCKETS = tuple(float(mib << 20) for mib in (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
+SLICE_SECONDS = 0.00025
+"""Longest run of rendering on the event loop before :meth:`AgentMetrics.render_sliced` lets other
+tasks run. Collecting one family cannot be cut (the largest, the request histogram by endpoint, takes
+about 0.6 ms here), so a slice plus that stays under 1 ms."""
+SAMPLES_PER_PIECE = 32
+"""Samples of one family rendered in one go (about 0.2 ms)."""
+OPENMETRICS_EOF = b"# EOF\n"
+
+MASTER_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+METRIC_NAMES = frozenset({
+    "ckagent_build_info", "ckagent_node_info", "ckagent_state", "ckagent_registered", "ckagent_master_up",
+    "ckagent_heartbeat_age_seconds", "ckagent_max_workers", "ckagent_free_slots", "ckagent_tasks_running",
+    "ckagent_tasks_started_total", "ckagent_tasks_finished_total", "ckagent_task_duration_seconds",
+    "ckagent_task_queue_wait_seconds", "ckagent_deps_install_duration_seconds",
+    "ckagent_deps_cache_hits_total", "ckagent_deps_cache_misses_total", "ckagent_code_download_bytes_total",
+    "ckagent_log_lines_shipped_total", "ckagent_items_shipped_total", "ckagent_outbox_log_lines",
+    "ckagent_outbox_items", "ckagent_outbox_results", "ckagent_outbox_bytes",
+    "ckagent_outbox_oldest_unshipped_seconds", "ckagent_master_requests_total",
+    "ckagent_master_request_duration_seconds", "ckagent_containment_level", "ckagent_task_cpu_seconds",
+    "ckagent_task_memory_peak_bytes", "ckagent_egress_level", "ckagent_egress_refused_total",
+})  # fmt: skip
+"""The agent's own metric names as they appear on /metrics (histograms add _bucket/_sum/_count)."""
+
+
+OutboxFigures = OutboxStatistics
+"""What the outbox holds unacknowledged (the record :meth:`ckagent.delivery.Outbox.statistics` returns)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Live figures and the registry
+
+
+@dataclass(frozen=True)
+class LiveFigures:
+    """The agent's state at scrape time (taken on the Trio thread; see :meth:`AgentMetrics.render`).
+
+    ``heartbeat_age_seconds``: since the last acknowledged heartbeat, or since the agent started
+    when none was acknowledged yet. ``phases``: running tasks per phase.
+    """
+
+    state: str = "STARTING"
+    registered: bool = False
+    master_up: bool = False
+    node_id: str | None = None
+    heartbeat_age_seconds: float = 0.0
+    max_workers: int = 0
+    free_slots: int = 0
+    phases: Mapping[str, int] = field(default_factory=dict)
+    code_download_bytes: int = 0
+    outbox: OutboxFigures = field(default_factory=OutboxFigures)
+
+
+class _LiveCollector(Collector):
+    """Yields the scrape-time figures from the last :class:`LiveFigures` handed to it."""
+
+    def __init__(self, metrics: AgentMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        m = self._metrics
+        live = m.live
+        info = GaugeMetricFamily("ckagent_node_info", "This node's name and the id the master gave it.",
+                                 labels=["name", "node_id"])
+        info.add_metric([m.node_name, live.node_id or ""], 1)
+        yield info
+        state = GaugeMetricFamily("ckagent_state", "The agent's state: 1 for the current one.", labels=["state"])
+        for name in STATES:
+            state.add_metric([name], 1 if live.state == name else 0)
+        yield state
+        yield GaugeMetricFamily("ckagent_registered", "1 once the master has given this node an id and key.",
+                                value=int(live.registered))
+        yield GaugeMetricFamily("ckagent_master_up", "1 while the last request to the master got an answer.",
+                                value=int(live.master_up))
+        yield GaugeMetricFamily(
+            "ckagent_heartbeat_age_seconds",
+            "Seconds since the master last acknowledged a heartbeat (since the start if never).",
+            value=live.heartbeat_age_seconds,
+        )
+        yield GaugeMetricFamily("ckagent_max_workers", "Maximum concurrent tasks on this node.",
+                                value=live.max_workers)
+        yield GaugeMetricFamily("ckagent_free_slots", "Slots not taken by a claimed, unfinished task.",
+                                value=live.free_slots)
+        running = GaugeMetricFamily("ckagent_tasks_running", "Claimed, unfinished tasks by phase.",
+                                    labels=["phase"])
+        for phase in PHASES:
+            running.add_metric([phase], live.phases.get(phase, 0))
+        yield running
+        yield CounterMetricFamily("ckagent_code_download_bytes", "Bytes of spider code downloaded from the master.",
+                                  value=live.code_download_bytes)
+        shipped = m.shipped()
+        yield CounterMetricFamily("ckagent_log_lines_shipped", "Task log lines acknowledged by the master.",
+                                  value=shipped[0])
+        yield CounterMetricFamily("ckagent_items_shipped", "Scraped items acknowledged by the master.",
+                                  value=shipped[1])
+        out = live.outbox
+        yield GaugeMetricFamily("ckagent_outbox_log_lines",
+                                "Task log lines written and not yet acknowledged by the master.", value=out.log_lines)
+        yield GaugeMetricFamily("ckagent_outbox_items",
+                                "Scraped items written and not yet acknowledged by the master.", value=out.items)
+        yield GaugeMetricFamily("ckagent_outbox_results",
+                                "Final task results not yet acknowledged by the master.", value=out.results)
+        yield GaugeMetricFamily("ckagent_outbox_bytes",
+                                "Approximate spool bytes of the log lines and items not yet acknowledged.",
+                                value=out.bytes)
+        yield GaugeMetricFamily("ckagent_outbox_oldest_unshipped_seconds",
+                                "How long the oldest unacknowledged log line or item has waited for the master.",
+                                value=out.oldest_seconds)
+
+
+class AgentMetrics(SupervisorObserver):
+    """The agent's metrics in their own registry (see module docstring for the list).
+
+    Hook methods are called on the Trio thread and never block or raise. :meth:`render` reads
+    /proc (the process collector): the status server calls it in a worker thread.
+    ``install_info`` keeps (install seconds, cache hit) per running task for the canonical log
+    line; whoever logs that line pops the entry.
+    """
+
+    def __init__(self, version: str, node_name: str, outbox: Outbox | None = None) -> None:
+        # No ``*_created`` series next to every counter and histogram (process-wide setting; the agent
+        # process exports nothing else): they double the series count and no dashboard uses them.
+        disable_created_metrics()
+        self.registry = CollectorRegistry()
+        self.node_name = node_name
+        self.outbox = outbox
+        self.live = LiveFigures()
+        self.install_info: dict[str, tuple[float, bool]] = {}
+        self._render_lock = threading.Lock()
+        self._sliced_lock: trio.Lock | None = None  # made on the loop by the first render_sliced
+        self._collect_costs: dict[str | None, float] = {}  # see _render_steps
+        self._shipped_floor = [0, 0]
+        r = self.registry
+        build = GaugeMetricFamily("ckagent_build_info", "The agent's version.", labels=["version", "python"])
+        build.add_metric([version, platform.python_version()], 1)
+        r.register(_Constant([build]))
+        self.tasks_started = Counter("ckagent_tasks_started", "Tasks claimed and admitted to run here.", registry=r)
+        self.tasks_finished = Counter(
+            "ckagent_tasks_finished", "Tasks finished here, by status and errorCode (\"none\" on success).",
+            ["status", "error_code"], registry=r,
+        )
+        self.task_duration = Histogram(
+            "ckagent_task_duration_seconds", "Task run time (from the spider's start; from the claim if it "
+            "never started), by status.", ["status"], buckets=TASK_DURATION_BUCKETS, registry=r,
+        )
+        self.queue_wait = Histogram(
+            "ckagent_task_queue_wait_seconds", "Seconds from the claim until the task held a slot and its "
+            "spider's lock.", buckets=QUEUE_WAIT_BUCKETS, registry=r,
+        )
+        self.deps_install = Histogram(
+            "ckagent_deps_install_duration_seconds", "Dependency installs that ran (cache misses), seconds.",
+            buckets=INSTALL_BUCKETS, registry=r,
+        )
+        self.deps_cache_hits = Counter("ckagent_deps_cache_hits", "Tasks whose dependencies were already "
+                                       "installed.", registry=r)
+        self.deps_cache_misses = Counter("ckagent_deps_cache_misses", "Tasks that had to install "
+                                         "dependencies.", registry=r)
+        self.master_requests = Counter(
+            "ckagent_master_requests", "HTTP requests to the master by endpoint and outcome (ok, error for a "
+            "transport failure, protocol_error for an answer that is not the protocol's, else the HTTP status).", ["endpoint", "outcome"], registry=r,
+        )
+        self.master_latency = _LatencyByEndpoint(
+            "ckagent_master_request_duration_seconds", "Latency of requests to the master (a long poll "
+            "includes the time the master held it).", MASTER_LATENCY_BUCKETS)
+        r.register(self.master_latency)
+        self.crawl = CrawlMetrics(r)
+        self.containment = Gauge("ckagent_containment_level", "The containment level of tasks here: 1 for "
+                                 "the level in force (cgroup-v2, cgroup-v1, process-group).", ["level"], registry=r)
+        self.containment_level("")  # every level's series exists from the start (0 until known)
+        self.egress = Gauge("ckagent_egress_level", "How tasks' network policy is enforced here: 1 for the "
+                            "level in force (nftables, proxy, off).", ["level"], registry=r)
+        self.egress_level("")
+        self.egress_refused = Counter("ckagent_egress_refused", "Connections of finished tasks refused by "
+                                      "their network policy (kernel counters).", registry=r)
+        self.task_cpu = Histogram(
+            "ckagent_task_cpu_seconds", "CPU seconds (user + system) of finished tasks, installers included "
+            "(cgroup levels).", buckets=TASK_CPU_BUCKETS, registry=r,
+        )
+        self.task_memory_peak = Histogram(
+            "ckagent_task_memory_peak_bytes", "Memory peak of finished tasks (cgroup levels).",
+            buckets=TASK_MEMORY_BUCKETS, registry=r,
+        )
+        r.register(_LiveCollector(self))
+        r.register(_ProcessFigures())
+
+    def containment_level(self, level: str) -> None:
+        """Export the containment level in force (one series per level, 1 for the one in force)."""
+        for name in ("cgroup-v2", "cgroup-v1", "process-group"):
+            self.containment.labels(name).set(1 if name == level else 0)
+
+    def egress_level(self, level: str) -> None:
+        """Export the egress level in force (one series per level, 1 for the one in force)."""
+        for name in ("nftables", "proxy", "off"):
+            self.egress.labels(name).set(1 if name == level else 0)
+
+    # ------------------------------------------------------------------ hooks
+
+    def master_request(self, endpoint: str, outcome: str, seconds: float) -> None:
+        """The master client's ``observer``: one HTTP attempt."""
+        self.master_requests.labels(endpoint, outcome).inc()
+        self.master_latency.observe(endpoint, max(0.0, seconds))
+
+    def task_admitted(self, rt: RunningTask) -> None:
+        """A claimed task was admitted."""
+        self.tasks_started.inc()
+
+    def task_started(self, rt: RunningTask) -> None:
+        """The task holds its slot and its spider's lock: observe the queue wait."""
+        self.queue_wait.observe(max(0.0, time.time() - rt.claimed_at))
+
+    def deps_prepared(self, rt: RunningTask, prepared: Prepared) -> None:
+        """Dependencies are ready: count the cache hit or miss, observe the install time."""
+        self.install_info[rt.task.id] = (float(prepared.seconds), bool(prepared.cache_hit))
+        if prepared.cache_hit:
+            self.deps_cache_hits.inc()
+        else:
+            self.deps_cache_misses.inc()
+            self.deps_install.observe(max(0.0, float(prepared.seconds)))
+
+    def task_finished(self, rt: RunningTask, result: TaskResult) -> None:
+        """The task's outcome is known (before its streams are flushed and the result is sent)."""
+        self.tasks_finished.labels(result.status, result.error_code or "none").inc()
+        self.task_duration.labels(result.status).observe(max(0.0, (result.duration_ms or 0) / 1000))
+        if result.cpu_seconds is not None:
+            self.task_cpu.observe(result.cpu_seconds)
+        if result.memory_peak_bytes is not None:
+            self.task_memory_peak.observe(result.memory_peak_bytes)
+        if result.egress_refused:
+            self.egress_refused.inc(sum(r["count"] for r in result.egress_refused))
+
+    def task_lost(self, result: TaskResult) -> None:
+        """Crash recovery stored the AGENT_LOST result of a task an earlier run left running: it
+        counts as finished here (ckagent_tasks_finished_total), like a task that ended in this run."""
+        self.tasks_finished.labels(result.status, result.error_code or "none").inc()
+
+    def task_reported(self, task_id: str, result: TaskResult, claimed_at: float) -> None:
+        """The master acknowledged the final result (with its item and log line counts)."""
+        if self.outbox is not None:
+            self.outbox.task_acknowledged(task_id, result.log_lines or 0, result.item_count or 0, claimed_at)
+
+    # ------------------------------------------------------------------ exposition
+
+    def shipped(self) -> tuple[int, int]:
+        """(log lines, items) acknowledged by the master so far — never decreasing."""
+        if self.outbox is not None:
+            lines, items = self.outbox.shipped()
+            self._shipped_floor = [max(self._shipped_floor[0], lines), max(self._shipped_floor[1], items)]
+        return self._shipped_floor[0], self._shipped_floor[1]
+
+    def render(self, live: LiveFigures, accept: str = "") -> tuple[bytes, str]:
+        """The exposition of every metric with ``live`` as the scrape-time state: (body, content type),
+        in one go (blocking the caller for the whole render, a few ms: tests and tools; the agent's
+        /metrics uses :meth:`render_sliced`).
+
+        ``accept`` is the request's Accept header (text format 0.0.4 by default, OpenMetrics on request).
+        """
+        encoder, content_type = choose_encoder(accept)
+        parts: list[bytes] = []
+        with self._render_lock:
+            self.live = live
+            for _ in _render_steps(self.registry, encoder, parts):
+                pass
+        return b"".join(parts), content_type
+
+    async def render_sliced(self, live: LiveFigures, accept: str = "") -> tuple[bytes, str]:
+        """:meth:`render` on the event loop's thread, in slices (no thread, so no wait for the GIL):
+        a checkpoint once a slice has run :data:`SLICE_SECONDS` (or would, with the next family's
+        collection as long as last time), between families and between the pieces of a large family
+        (see :func:`_render_steps`).
+
+        The same bytes as :meth:`render`. Renders run one at a time. Cancellation between slices
+        abandons the exposition (rendering changes nothing).
+        """
+        encoder, content_type = choose_encoder(accept)
+        if self._sliced_lock is None:
+            self._sliced_lock = trio.Lock()
+        parts: list[bytes] = []
+        async with self._sliced_lock:
+            await trio.lowlevel.checkpoint()  # a fresh slice: not on top of what this step did before
+            self.live = live
+            deadline = time.perf_counter() + SLICE_SECONDS
+            for expected in _render_steps(self.registry, encoder, parts, self._collect_costs):
+                if time.perf_counter() + expected >= deadline:
+                    await trio.lowlevel.checkpoint()
+                    deadline = time.perf_counter() + SLICE_SECONDS
+        body = b"".join(parts)
+        await trio.lowlevel.checkpoint()  # the caller's sending starts a slice of its own
+        return body, content_type
+
+
+def _render_steps(registry: CollectorRegistry, encoder: Callable[[Collector], bytes], parts: list[bytes],
+                  costs: dict[str | None, float] | None = None) -> Iterator[float]:
+    """Render ``registry`` into ``parts`` (bytes to join), yielding where a caller may pause: before
+    each family is collected and between the pieces of :data:`SAMPLES_PER_PIECE` samples a family is
+    rendered in. Each yield gives the seconds the next step is expected to take: ``costs`` (kept by
+    the caller across renders) holds, by the name of the family before, what collecting the next one
+    took last time — the process collector's /proc reads take a few tenths of a millisecond, so a
+    caller can start them in a slice of their own. A collector may also yield one family as
+    consecutive pieces of the same name (:class:`_LatencyByEndpoint`): the pieces after the first
+    lose their ``# HELP``/``# TYPE`` lines."""
+    families = iter(registry.collect())
+    previous = None
+    openmetrics = encoder(_Constant([])) == OPENMETRICS_EOF
+    costs = {} if costs is None else costs
+    while True:
+        yield costs.get(previous, 0.0)
+        started = time.perf_counter()
+        family = next(families, None)
+        costs[previous] = time.perf_counter() - started
+        if family is None:
+            break
+        continued = family.name == previous
+        previous = family.name
+        for index, piece in enumerate(_pieces(family)):
+            if index:
+                yield 0.0
+            text = encoder(_Constant([piece]))
+            if openmetrics and text.endswith(OPENMETRICS_EOF):  # the encoder ends every call with it
+                text = text[: -len(OPENMETRICS_EOF)]
+            if index or continued:
+                text = _without_headers(text)
+            parts.append(text)
+    if openmetrics:
+        parts.append(OPENMETRICS_EOF)
+
+
+def _pieces(family: Metric) -> list[Metric]:
+    """``family`` cut into families of at most SAMPLES_PER_PIECE samples each (itself when small).
+    A family with OpenMetrics-only samples (``_created``, ``_gsum``, ``_gcount``, which the text
+    format renders as families of their own after the rest) is never cut."""
+    samples = family.samples
+    if len(samples) <= SAMPLES_PER_PIECE or any(
+            s.name.endswith(("_created", "_gsum", "_gcount")) for s in samples):
+        return [family]
+    pieces = []
+    for at in range(0, len(samples), SAMPLES_PER_PIECE):
+        piece = Metric(family.name, family.documentation, family.type, family.unit)
+        piece.samples = samples[at:at + SAMPLES_PER_PIECE]
+        pieces.append(piece)
+    return pieces
+
+
+def _without_headers(text: bytes) -> bytes:
+    """A rendered piece without its leading ``# HELP`` / ``# TYPE`` / ``# UNIT`` lines (the first
+    piece of the family carries them)."""
+    while text.startswith(b"# "):
+        text = text[text.index(b"\n") + 1:]
+    return text
+
+
+class _LatencyByEndpoint(Collector):
+    """A histogram with an ``endpoint`` label, kept as one unlabelled prometheus-client ``Histogram``
+    per endpoint (made at its first observation) and collected one endpoint at a time: consecutive
+    pieces of one family, so a sliced render may pause between endpoints (collecting all of them at
+    once took 0.6–2 ms here: more than a scrape may hold the loop)."""
+
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float]) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._buckets = buckets
+        self._by_endpoint: dict[str, Histogram] = {}
+
+    def observe(self, endpoint: str, seconds: float) -> None:
+        """One observation (seconds) for ``endpoint``."""
+        histogram = self._by_endpoint.get(endpoint)
+        if histogram is None:
+            histogram = self._by_endpoint[endpoint] = Histogram(
+                self._name, self._documentation, buckets=self._buckets, registry=None)
+        histogram.observe(seconds)
+
+    def collect(self) -> Iterator[Metric]:
+        """One piece per endpoint (sorted), or the empty family before any observation."""
+        endpoints = sorted(self._by_endpoint.items())
+        if not endpoints:
+            yield HistogramMetricFamily(self._name, self._documentation, labels=["endpoint"])
+        for endpoint, histogram in endpoints:
+            for family in histogram.collect():
+                piece = Metric(family.name, family.documentation, family.type, family.unit)
+                piece.samples = [sample._replace(labels={"endpoint": endpoint, **sample.labels})
+                                 for sample in family.samples]
+                yield piece
+
+
+class _ProcessFigures(Collector):
+    """prometheus-client's process collector, the same ``process_*`` series, from cheaper sources and
+    one family per step of a sliced render: CPU from ``os.times()`` and memory from
+    ``/proc/self/statm`` instead of ``/proc/self/stat`` (which sums over every thread of the process),
+    the fd limit from ``getrlimit``, the start time read once. Counting open fds still lists
+    ``/proc/self/fd`` (a few tenths of a millisecond with hundreds of fds): a family of its own.
+    Off Linux, only what ``os.times()`` and ``getrlimit`` give."""
+
+    def __init__(self) -> None:
+        self._page_bytes = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        self._start_time = time.time() - time.monotonic() + _process_start_monotonic()
+
+    def collect(self) -> Iterator[Metric]:
+        times = os.times()
+        yield CounterMetricFamily("process_cpu_seconds", "Total user and system CPU time spent in seconds.",
+                                  value=times.user + times.system)
+        try:
+            with open("/proc/self/statm", "rb") as statm:
+                size, resident = statm.read().split()[:2]
+        except (OSError, ValueError):
+            pass
+        else:
+            yield GaugeMetricFamily("process_virtual_memory_bytes", "Virtual memory size in bytes.",
+                                    value=float(int(size) * self._page_bytes))
+            yield GaugeMetricFamily("process_resident_memory_bytes", "Resident memory size in bytes.",
+                                    value=float(int(resident) * self._page_bytes))
+        yield GaugeMetricFamily("process_start_time_seconds",
+                                "Start time of the process since unix epoch in seconds.", value=self._start_time)
+        try:
+            open_fds = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            pass
+        else:
+            yield GaugeMetricFamily("process_open_fds", "Number of open file descriptors.", value=open_fds)
+        yield GaugeMetricFamily("process_max_fds", "Maximum number of open file descriptors.",
+                                value=float(resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
+
+
+def _process_start_monotonic() -> float:
+    """When this process started, on the ``time.monotonic()`` clock (the process's age from /proc;
+    the import of this module when /proc cannot tell)."""
+    try:
+        with open("/proc/self/stat", "rb") as stat:
+            start_ticks = float(stat.read().split(b")")[-1].split()[19])
+        with open("/proc/uptime", "rb") as uptime:
+            uptime_s = float(uptime.read().split()[0])
+        age = uptime_s - start_ticks / os.sysconf("SC_CLK_TCK")
+        return time.monotonic() - max(0.0, age)
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED_MONOTONIC
+
+
+_IMPORTED_MONOTONIC = time.monotonic()
+
+
+class _Constant(Collector):
+    def __init__(self, metrics: list[Metric]) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._metrics)
+

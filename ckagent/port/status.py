@@ -1,0 +1,416 @@
+"""The agent's own HTTP port: /metrics, /healthz, /readyz, /status — hypercorn on the agent's Trio loop.
+
+======== ===================================================================================
+path     answer
+======== ===================================================================================
+/metrics Prometheus text format (OpenMetrics when the scraper asks for it); see ckagent.port.metrics
+/healthz 200 ``ok`` — served by the agent's own event loop, so a stuck loop fails it
+/readyz  200 ``ready`` when registered and the last heartbeat was acknowledged within
+         ``3 × heartbeat.interval`` seconds and the agent is RUNNING; else 503 with the reason
+/status  JSON: state, node id, containment level, running tasks (id, spider, since, pid, phase, live
+         resource figures), outbox, versions
+/        the HTML status page, and /tasks/<id>/tail, /tasks/<id>/log.txt (see ckagent.port.statuspage)
+other    404 (a known path with a method other than GET/HEAD: 405)
+======== ===================================================================================
+
+It listens on ``agent.bind`` (default: ``agent.ip``) port ``agent.port``. Nothing it serves
+carries a secret (no token, key, task environment or arguments), but it does tell who runs what:
+bind it to an address only your monitoring can reach.
+
+Exception tree::
+
+    OSError
+    └── StatusPortError   the address cannot be bound (in use, not local, no permission); the
+                          message names the address and the setting to change
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from functools import partial
+from typing import TYPE_CHECKING, Any, cast
+
+import trio
+
+from ckagent import __version__
+from ckagent.master.protocol import utc_iso
+from ckagent.node.listen import bind_socket
+from ckagent.port.metrics import PHASES, AgentMetrics, LiveFigures, OutboxFigures
+
+if TYPE_CHECKING:
+    from hypercorn.typing import ASGIFramework
+
+    from ckagent.delivery import Outbox
+
+log = logging.getLogger(__name__)
+
+
+def _not_chatter(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING
+
+
+_server_log = logging.getLogger(f"{__name__}.hypercorn")
+"""hypercorn's error log. Its INFO lines are startup chatter ("Running on http://… (CTRL + C to quit)",
+which reads like an error and speaks of Ctrl-C to a daemon): dropped; serve_status logs the address
+itself. A filter, not a level, so the agent's own log level still applies to hypercorn's warnings."""
+_server_log.addFilter(_not_chatter)
+
+LISTEN_BACKLOG = 100
+"""Connections the kernel queues before the server accepts them (hypercorn's default backlog)."""
+READY_HEARTBEATS = 3
+"""/readyz fails once no heartbeat was acknowledged for this many heartbeat intervals."""
+
+Body = tuple[int, str, bytes]
+"""(HTTP status, content type, body)."""
+
+
+@dataclass(frozen=True)
+class TaskStatistics:
+    """One claimed, unfinished task as /status shows it. Times: epoch seconds (None: not yet)."""
+
+    id: str
+    spider_id: str
+    spider_name: str
+    framework: str
+    phase: str
+    claimed_at: float
+    started_at: float | None
+    pid: int | None
+    resources: tuple[tuple[str, Any], ...] = ()
+    """Live figures of the task's cgroup (cpuSeconds, memoryBytes, ...; empty at the process-group level)."""
+    sample_resources: Callable[[], tuple[tuple[str, Any], ...]] | None = None
+    """Reads :attr:`resources` now (cgroupfs reads, tens of µs a file): /status calls it, one task at a
+    time with a checkpoint between tasks; /metrics never does. None: :attr:`resources` as given."""
+    sample_egress: Callable[[], tuple[tuple[str, Any], ...]] | None = None
+    """Reads the task's refused connections now (``{"refused": [...], "summary": str}``; nft counters,
+    /status only). None: no kernel egress rules for the task."""
+
+
+@dataclass(frozen=True)
+class AgentStatistics:
+    """A snapshot of the agent for its own HTTP port (``Agent.statistics()``); this module only renders it.
+
+    ``heartbeat_last_success`` is the ``trio.current_time()`` of the last acknowledged heartbeat
+    (None before the first); ``heartbeat_interval`` seconds; ``runtimes`` name → version only.
+    """
+
+    state: str
+    name: str
+    node_id: str | None
+    registered: bool
+    master_up: bool
+    heartbeat_last_success: float | None
+    heartbeat_interval: float
+    max_workers: int
+    free_slots: int
+    tasks: tuple[TaskStatistics, ...] = ()
+    code_download_bytes: int = 0
+    runtimes: tuple[tuple[str, Any], ...] = ()
+    master_problem: str | None = None
+    """What is wrong with the master, in one line (ckagent.master.connectivity), None when nothing is."""
+    master_problem_age: float = 0.0
+    """Seconds that problem has lasted."""
+    intake_reason: str | None = None
+    """Why the node takes no tasks for a reason of its own (ckagent.node.intake), None when it takes them."""
+    containment: tuple[tuple[str, Any], ...] | None = None
+    """The containment level in force (``Containment.to_json()`` items), None before it is opened."""
+    egress: tuple[tuple[str, Any], ...] | None = None
+    """The egress level and node policy (``Egress.to_json()`` items), None before it is opened."""
+    warnings: tuple[str, ...] = ()
+    """Operator notices in force (ckagent.node.notices): spiders as root, the master's clock."""
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """The answer of /readyz: ``ready`` and, when not, why (one line, no secrets)."""
+
+    ready: bool
+    reason: str = "ready"
+
+
+@dataclass(frozen=True)
+class StatusRoutes:
+    """What the server serves; each callable runs on the Trio loop.
+
+    ``metrics(accept_header)`` → (body, content type); ``readiness()`` → Readiness;
+    ``status()`` → a JSON-able dict. An exception in one of them answers 500 (and is logged).
+    """
+
+    metrics: Callable[[str], Awaitable[tuple[bytes, str]]]
+    readiness: Callable[[], Readiness]
+    status: Callable[[], Awaitable[dict[str, Any]]]
+    page: Any = None
+    """An ASGI app with ``handles(path)`` for the HTML page (``ckagent.port.statuspage.StatusPage``), or None."""
+
+
+class StatusApp:
+    """The ASGI application (plain ASGI: four routes need no framework)."""
+
+    def __init__(self, routes: StatusRoutes) -> None:
+        self._routes = routes
+        self._paths: dict[str, Callable[[dict[str, Any]], Awaitable[Body]]] = {
+            "/metrics": self._metrics,
+            "/healthz": self._healthz,
+            "/readyz": self._readyz,
+            "/status": self._status,
+        }
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]],
+                       send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        """ASGI entry point (``http`` and ``lifespan`` scopes)."""
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        handler = self._paths.get(scope["path"])
+        page = self._routes.page
+        if handler is None and page is not None and page.handles(scope["path"]) and scope["method"] in ("GET", "HEAD"):
+            try:
+                await page(scope, receive, send)
+            except Exception:
+                log.exception("status server: %s failed", scope["path"])
+            return
+        headers: list[tuple[bytes, bytes]] = []
+        if handler is None:
+            status, ctype, body = 404, "text/plain; charset=utf-8", b"not found\n"
+        elif scope["method"] not in ("GET", "HEAD"):
+            status, ctype, body = 405, "text/plain; charset=utf-8", b"method not allowed\n"
+            headers.append((b"allow", b"GET, HEAD"))
+        else:
+            try:
+                status, ctype, body = await handler(scope)
+            except Exception:
+                log.exception("status server: %s failed", scope["path"])
+                status, ctype, body = 500, "text/plain; charset=utf-8", b"internal error\n"
+        headers += [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode()),
+                    (b"cache-control", b"no-store")]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
+
+    async def _metrics(self, scope: dict[str, Any]) -> Body:
+        accept = ""
+        for name, value in scope.get("headers", []):
+            if name == b"accept":
+                accept = value.decode("latin-1")
+        body, ctype = await self._routes.metrics(accept)
+        return 200, ctype, body
+
+    async def _healthz(self, scope: dict[str, Any]) -> Body:
+        return 200, "text/plain; charset=utf-8", b"ok\n"
+
+    async def _readyz(self, scope: dict[str, Any]) -> Body:
+        answer = self._routes.readiness()
+        return (200 if answer.ready else 503), "text/plain; charset=utf-8", (answer.reason + "\n").encode()
+
+    async def _status(self, scope: dict[str, Any]) -> Body:
+        data = await self._routes.status()
+        return 200, "application/json", json.dumps(data, ensure_ascii=False, indent=1).encode() + b"\n"
+
+
+async def serve_status(
+    routes: StatusRoutes,
+    host: str,
+    port: int,
+    *,
+    serve_after: Callable[[], Awaitable[object]] | None = None,
+    on_serving: Callable[[], object] | None = None,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the status routes on ``host:port`` until cancelled; ``task_status.started(bound_port)``.
+
+    ``started`` comes as soon as the socket listens: a client may connect from then on, and its
+    request waits in the socket's backlog until the server answers it. hypercorn (~45 ms of imports,
+    hence imported here and not at module level) starts at once, or, with ``serve_after``, once that
+    returns: the agent uses it to keep this work off the way to its first heartbeat. ``on_serving()``
+    is called once hypercorn serves (the agent freezes its start-up objects for the GC there).
+
+    Raises StatusPortError (before ``started``) when the address cannot be bound. Cancellation
+    closes the socket; in-flight requests are abandoned (they are all short).
+    """
+    sock = bind_socket(host, port)
+    try:
+        sock.listen(LISTEN_BACKLOG)
+        bound_port = int(sock.getsockname()[1])
+        task_status.started(bound_port)
+        if serve_after is not None:
+            await serve_after()
+        from hypercorn.config import Config as HypercornConfig
+        from hypercorn.trio import serve as hypercorn_serve
+
+        config = HypercornConfig()
+        config.bind = [f"fd://{sock.detach()}"]  # hypercorn owns (and closes) the descriptor from here
+    finally:
+        sock.close()  # a no-op once detached
+    config.accesslog = None
+    config.errorlog = _server_log
+    config.include_server_header = False
+    config.graceful_timeout = 1.0
+    config.backlog = LISTEN_BACKLOG
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(hypercorn_serve, cast("ASGIFramework", StatusApp(routes)), config))
+        if on_serving is not None:
+            on_serving()
+        shown = f"[{host}]" if ":" in host else host
+        log.info("status server on http://%s:%d (/metrics /healthz /readyz /status)", shown, bound_port)
+
+
+class AgentStatus:
+    """The agent's routes: render ``statistics()`` (an AgentStatistics snapshot) at request time.
+
+    The start (``trio.current_time()`` when built) stands in for the last heartbeat before the first.
+    """
+
+    def __init__(self, statistics: Callable[[], AgentStatistics], metrics: AgentMetrics,
+                 outbox: Outbox | None) -> None:
+        self._statistics = statistics
+        self._metrics = metrics
+        self._outbox = outbox
+        self._started = trio.current_time()
+
+    def routes(self, page: Any = None) -> StatusRoutes:
+        """The callables :func:`serve_status` serves; ``page``: the HTML page's app (StatusRoutes.page)."""
+        return StatusRoutes(metrics=self.metrics, readiness=self.readiness, status=self.status, page=page)
+
+    def heartbeat_age(self, stats: AgentStatistics | None = None) -> float:
+        """Seconds since the last acknowledged heartbeat (since the start when there was none)."""
+        last = (stats or self._statistics()).heartbeat_last_success
+        return max(0.0, trio.current_time() - (self._started if last is None else last))
+
+    def readiness(self, stats: AgentStatistics | None = None) -> Readiness:
+        """Ready = RUNNING, registered, a heartbeat acknowledged within READY_HEARTBEATS intervals, and
+        no trouble with the master (:attr:`ckagent.master.connectivity.Connectivity.problem`) lasting longer
+        than that. When not ready, the reason names the master's trouble if there is one ("registration
+        refused: 401, check AGENT_REGISTRATION_TOKEN", "master answers 200 text/html to heartbeat: not
+        the node protocol (…)")."""
+        stats = stats or self._statistics()
+        problem = stats.master_problem
+        if stats.state == "STARTING" and problem:
+            return Readiness(False, f"not ready: {problem}")
+        if stats.state != "RUNNING":
+            return Readiness(False, f"not ready: the agent is {stats.state}")
+        if stats.intake_reason:
+            return Readiness(False, f"not ready: {stats.intake_reason}")
+        if not stats.registered:
+            return Readiness(False, f"not ready: {problem or 'not registered with the master yet'}")
+        if stats.heartbeat_last_success is None:
+            return Readiness(False, f"not ready: {problem or 'no heartbeat acknowledged by the master yet'}")
+        age = trio.current_time() - stats.heartbeat_last_success
+        limit = READY_HEARTBEATS * stats.heartbeat_interval
+        if age > limit:
+            master = problem or ("the master is reachable" if stats.master_up else "the master is unreachable")
+            return Readiness(False, f"not ready: the last heartbeat was acknowledged {age:.1f} s ago "
+                                    f"(limit {limit:g} s = {READY_HEARTBEATS} x heartbeat.interval); {master}")
+        if problem and stats.master_problem_age > limit:
+            return Readiness(False, f"not ready: {problem}")
+        return Readiness(True, "ready")
+
+    async def _outbox_figures(self) -> OutboxFigures:
+        if self._outbox is None:
+            return OutboxFigures()
+        return await self._outbox.figures()  # on the loop, in slices: no thread holding the GIL
+
+    def live(self, outbox: OutboxFigures, stats: AgentStatistics | None = None) -> LiveFigures:
+        """The scrape-time snapshot (on the Trio thread)."""
+        stats = stats or self._statistics()
+        phases = dict.fromkeys(PHASES, 0)
+        for task in stats.tasks:
+            phases[task.phase] = phases.get(task.phase, 0) + 1
+        return LiveFigures(
+            state=stats.state,
+            registered=stats.registered,
+            master_up=stats.master_up and stats.registered,
+            node_id=stats.node_id,
+            heartbeat_age_seconds=self.heartbeat_age(stats),
+            max_workers=stats.max_workers,
+            free_slots=stats.free_slots,
+            phases=phases,
+            code_download_bytes=stats.code_download_bytes,
+            outbox=outbox,
+        )
+
+    async def metrics(self, accept: str) -> tuple[bytes, str]:
+        """/metrics: the outbox figures and the exposition, both on the loop in slices of about
+        0.25 ms of work each (SLICE_SECONDS in ckagent.port.metrics and ckagent.delivery.statistics)."""
+        live = self.live(await self._outbox_figures())
+        return await self._metrics.render_sliced(live, accept)
+
+    async def status(self) -> dict[str, Any]:
+        """/status as a JSON-able dict (camelCase keys, times ISO-8601 UTC, no secrets)."""
+        outbox = await self._outbox_figures()
+        stats = self._statistics()
+        readiness = self.readiness(stats)
+        resources: list[dict[str, Any]] = []
+        egress: list[dict[str, Any] | None] = []
+        for task in stats.tasks:  # the cgroup reads: one task per loop step
+            resources.append(dict(task.resources if task.sample_resources is None else task.sample_resources()))
+            egress.append(None if task.sample_egress is None else dict(task.sample_egress()))
+            await trio.lowlevel.checkpoint()
+        tasks = [{
+            "id": task.id,
+            "spiderId": task.spider_id,
+            "spiderName": task.spider_name,
+            "framework": task.framework,
+            "phase": task.phase,
+            "since": _iso(task.claimed_at),
+            "startedAt": _iso(task.started_at),
+            "pid": task.pid,
+            # Live figures from the task's cgroup (read above; none at the process-group level).
+            "resources": figures,
+            # Connections its network policy refused so far (kernel counters; None without them).
+            "egress": refused,
+        } for task, figures, refused in zip(stats.tasks, resources, egress, strict=True)]
+        return {
+            "state": stats.state,
+            "ready": readiness.ready,
+            "readyReason": readiness.reason,
+            "name": stats.name,
+            "nodeId": stats.node_id,
+            "registered": stats.registered,
+            "masterUp": stats.master_up,
+            "heartbeatAgeSeconds": round(self.heartbeat_age(stats), 3),
+            "containment": dict(stats.containment) if stats.containment is not None else None,
+            "egress": dict(stats.egress) if stats.egress is not None else None,
+            "warnings": list(stats.warnings),
+            "maxWorkers": stats.max_workers,
+            "freeSlots": stats.free_slots,
+            "runningTasks": sorted(tasks, key=lambda t: str(t["since"])),
+            "outbox": {"logLines": outbox.log_lines, "items": outbox.items, "results": outbox.results,
+                       "tasks": outbox.tasks, "bytes": outbox.bytes,
+                       "oldestSeconds": round(outbox.oldest_seconds, 1),
+                       "backlog": [{"taskId": b.task_id, "logLines": b.log_lines, "items": b.items,
+                                    "bytes": b.bytes, "ageSeconds": round(b.age_seconds, 1)}
+                                   for b in outbox.backlog[:BACKLOG_SHOWN]]},
+            "masterProblem": stats.master_problem,
+            "versions": {"agent": __version__, "python": platform.python_version(),
+                         "runtimes": dict(stats.runtimes)},
+        }
+
+
+BACKLOG_SHOWN = 50
+"""Most tasks /status lists in ``outbox.backlog`` (the longest waits first)."""
+
+
+def _iso(epoch: float | None) -> str | None:
+    return None if epoch is None else utc_iso(datetime.fromtimestamp(epoch, timezone.utc))
+
+
+def runtime_versions(runtimes: dict[str, Any]) -> dict[str, Any]:
+    """Versions only (no paths) from the runtime scan."""
+    out: dict[str, Any] = {}
+    for name, info in runtimes.items():
+        if isinstance(info, dict):
+            out[name] = info.get("version")
+        elif isinstance(info, str | None):
+            out[name] = info
+    return out

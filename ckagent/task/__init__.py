@@ -1,0 +1,11 @@
+"""A task's run on this node: from the poll's answer to the reported outcome.
+
+- :mod:`.poller` — asks the master for work when a slot is free, claims it, hands it on;
+- :mod:`.supervisor` — admission (slots, spider locks), the phases (deploy → install → run → judge),
+  the outcome rules;
+- :mod:`.commands`, :mod:`.scrapyhook` — what a task runs, and Scrapy's items and stats however it starts;
+- :mod:`.recovery`, :mod:`.adoption` — at start: tasks the previous agent left (lost, or carried on).
+
+May import: every lower layer — :mod:`ckagent.node`, :mod:`ckagent.master`, :mod:`ckagent.containment`,
+:mod:`ckagent.code`, :mod:`ckagent.delivery`; never :mod:`ckagent.port` or the agent.
+"""

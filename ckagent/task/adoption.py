@@ -1,0 +1,258 @@
+"""Re-adoption at start: a task whose spider outlived the previous agent is carried on, not killed.
+
+At start, before crash recovery (ckagent.task.recovery), every task of the state store without a final
+result is judged by its handle (ckagent.containment.monitor.Handle, stored when its spider was spawned):
+
+=====================================================  ==========================================
+what is found                                          what the agent does
+=====================================================  ==========================================
+the monitor runs: same boot, same pid *and* start      re-adopt: follow output.log from where the
+time, the task's marker in its environment, and at a   journal stopped, enforce the original
+cgroup level the task's cgroup names it                deadline, honour cancels, stall watchdog
+the monitor has ended and recorded the exit status     re-adopt an ended task: leftovers killed,
+                                                       the true outcome with its exit code
+no handle (the spider had not started), another        not proven to be the same task: killed and
+boot, a recycled pid, no marker, no recorded status    reported AGENT_LOST with the reason (as before)
+=====================================================  ==========================================
+
+The lines and items the master has are not sent again: the shippers resume from the positions the
+state store holds (acknowledged by the master), and the journal from what it recorded. The task log
+gets one note; the master sees nothing else of the restart (heartbeats list the task as running).
+
+Errors: :func:`judge` never raises (a handle of the wrong shape is "not proven"); :func:`run_adopted`
+never raises for task trouble (like ``Supervisor.run_task``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import trio
+
+from ckagent.code.workcopy import remove_tree
+from ckagent.containment import Containment, ContainmentError, Limits, TaskJail
+from ckagent.containment.egress import EgressError, report_refusals
+from ckagent.containment.hierarchy import task_cgroup_name
+from ckagent.containment.monitor import Handle, Monitored, boot_id, read_status, start_ticks
+from ckagent.containment.process_group import MARKER_VAR, ProcessGroupJail
+from ckagent.master.protocol import Task
+from ckagent.node.errors import AGENT_ERROR, describe_fault
+from ckagent.node.state import TaskRecord
+
+if TYPE_CHECKING:
+    from ckagent.task.supervisor import RunningTask, Supervisor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Adoption:
+    """A task of the state store this agent carries on: its record, task, handle and spider."""
+
+    record: TaskRecord
+    task: Task
+    handle: Handle
+    monitored: Monitored
+    ended: bool
+    """True when the spider ended while no agent ran (its exit status is recorded)."""
+
+
+def _environ_has(pid: int, marker: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            return marker in fh.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def _in_cgroup(pid: int, name: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/cgroup") as fh:
+            return any(line.rstrip("\n").endswith("/" + name) for line in fh)
+    except OSError:
+        return False
+
+
+def _zombie_or_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return True
+    return stat[stat.rfind(b")") + 2:][:1] in (b"Z", b"X")
+
+
+def judge(record: TaskRecord) -> tuple[Adoption | None, str]:
+    """Can ``record`` (a task without a final result) be re-adopted? ``(adoption, "")`` or
+    ``(None, why not)``. Blocking (reads /proc and the status file): call it in a worker thread."""
+    if record.handle is None:
+        return None, "its spider had not started, or an agent without re-adoption ran it"
+    try:
+        handle = Handle.from_json(record.handle)
+        task = Task.from_json(record.task_json)
+    except ValueError as exc:
+        return None, f"its stored state cannot be read ({exc})"
+    if handle.boot_id != boot_id():
+        return None, "the node restarted since its spider started (another boot)"
+    running = start_ticks(handle.monitor_pid) == handle.monitor_start and not _zombie_or_gone(handle.monitor_pid)
+    if running:
+        if not _environ_has(handle.monitor_pid, f"{MARKER_VAR}={record.task_id}".encode()):
+            return None, f"process {handle.monitor_pid} does not carry the task's marker"
+        if handle.level.startswith("cgroup") and not _in_cgroup(handle.monitor_pid, task_cgroup_name(record.task_id)):
+            return None, f"process {handle.monitor_pid} is not in the task's cgroup"
+        return Adoption(record, task, handle, Monitored(handle), ended=False), ""
+    code = read_status(Path(handle.status_file))
+    if code is None:
+        return None, "its spider's monitor is gone and recorded no exit status"
+    monitored = Monitored(handle)
+    monitored.exited, monitored.returncode = True, code
+    return Adoption(record, task, handle, monitored, ended=True), ""
+
+
+async def find_adoptable(records: list[TaskRecord]) -> tuple[list[Adoption], dict[str, str]]:
+    """Judge every task without a final result (one thread hop): ``(adoptions, {task id: why not})``."""
+    def judge_all() -> tuple[list[Adoption], dict[str, str]]:
+        found, refused = [], {}
+        for record in records:
+            if record.result is not None:
+                continue
+            adoption, why = judge(record)
+            if adoption is not None:
+                found.append(adoption)
+            else:
+                refused[record.task_id] = why
+        return found, refused
+
+    return await trio.to_thread.run_sync(judge_all)
+
+
+def adopted_jail(containment: Containment | None, adoption: Adoption) -> TaskJail:
+    """The task's jail again: its cgroup (at the level it was spawned at), or its process group and
+    marker. Blocking but quick. Raises ContainmentError when the cgroup cannot be opened."""
+    handle = adoption.handle
+    if containment is not None and containment.level == handle.level and handle.level.startswith("cgroup"):
+        jail = containment.jail(adoption.record.task_id, Limits())  # the cgroup exists: its limits stay
+    else:
+        jail = ProcessGroupJail(adoption.record.task_id)
+    jail.watch(handle.monitor_pid)
+    return jail
+
+
+async def run_adopted(supervisor: Supervisor, rt: RunningTask, adoption: Adoption) -> None:
+    """The rest of an adopted task's life: supervise it to its end (or at once for one that ended
+    while no agent ran), report the outcome, remove its working copy and jail. Never raises for
+    task trouble. Cancellation: as ``Supervisor.run_task`` (a hand-over leaves it running again)."""
+    from ckagent.task.supervisor import TaskOutcome, _result
+
+    task, record, handle = adoption.task, adoption.record, adoption.handle
+    outbox = supervisor.outbox
+    lock = supervisor.spider_lock(task.spider_id)
+    took_slot = False
+    with contextlib.suppress(trio.WouldBlock):
+        supervisor.capacity.acquire_nowait()
+        took_slot = True
+    outcome: TaskOutcome | None = None
+    jail: TaskJail | None = None
+    try:
+        async with lock:
+            delivery = await outbox.open_task(task, record.task_dir)
+            rt.delivery = delivery
+            sink = delivery.sink
+            assert sink is not None
+
+            def notice(text: str) -> None:
+                stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+                sink.write_line(f"[ckagent {stamp}] {text}\n".encode())
+
+            downtime = "" if not adoption.ended else "; it ended while no agent ran"
+            notice(f"re-adopted after an agent restart: spider behind monitor {handle.monitor_pid}, started at "
+                   f"{datetime.fromtimestamp(handle.spawned_at, timezone.utc):%H:%M:%S} UTC{downtime}")
+            log.info("task %s: re-adopted (monitor %d%s)", task.id, handle.monitor_pid, downtime)
+            try:
+                jail = await trio.to_thread.run_sync(adopted_jail, supervisor.config.containment, adoption)
+            except (ContainmentError, OSError) as exc:  # its process group and marker still hold it
+                log.warning("task %s: cannot open its cgroup again (%s); using its process group", task.id, exc)
+                jail = ProcessGroupJail(task.id)
+                jail.watch(handle.monitor_pid)
+            rt.jail = jail
+            await _egress_again(supervisor, rt, jail, notice)
+            stall = handle.stall_timeout
+
+            def on_stall(idle: float) -> None:
+                if rt.request_stop(f"stalled: no output, items or stats for {idle:.0f} s (stall timeout {stall:g} s)"):
+                    rt.stalled = True
+
+            if stall:
+                delivery.watch_stall(stall, on_stall)
+            timeout = 0.0 if handle.deadline_at is None else handle.deadline_at - handle.spawned_at
+            try:
+                outcome = await supervisor.finish_run(rt, adoption.monitored, jail, sink, notice, timeout)
+            except Exception as exc:  # a bug of ours must fail the task, not the agent (never BAD_TASK)
+                log.exception("task %s: internal error", task.id)
+                outcome = TaskOutcome("FAILED", AGENT_ERROR, describe_fault(exc)[:4000])
+            finally:
+                if outcome is None and not rt.handed_over:
+                    with trio.CancelScope(shield=True):
+                        stopped = TaskOutcome("CANCELLED", "CANCELLED", rt.stop_reason or "agent terminating")
+                        await delivery.finish(_result(rt, stopped, record.claimed_at))
+            egress = supervisor.config.egress
+            if outcome is not None and rt.egress is not None and egress is not None:
+                outcome.egress_refused = await trio.to_thread.run_sync(egress.refusals, rt.egress)
+                report_refusals(task.id, outcome.egress_refused, notice)
+            if outcome is not None and not rt.handed_over:  # its files → items, artifacts or kept ones
+                await supervisor.collect_outputs(rt, record.task_dir, Path(handle.work), None, notice)
+            result = _result(rt, outcome, record.claimed_at)
+            supervisor.observer.task_finished(rt, result)
+            await delivery.finish(result)
+    finally:
+        with trio.CancelScope(shield=True):  # noqa: ASYNC912 - shielded cleanup
+            if not rt.handed_over:
+                if jail is not None:
+                    await jail.kill_all()
+                    detach = supervisor.egress_detach(rt)
+                    if detach is not None:  # after the kill, before the cgroup goes
+                        await trio.to_thread.run_sync(detach)
+                    jail.close()
+                await trio.to_thread.run_sync(remove_tree, Path(handle.work))
+            elif rt.delivery is not None and rt.delivery.sink is not None:
+                rt.delivery.sink.close()
+        if took_slot:
+            supervisor.capacity.release()
+        supervisor.task_left(task.id)
+
+
+async def _egress_again(supervisor: Supervisor, rt: RunningTask, jail: TaskJail,
+                        notice: Callable[[str], None]) -> None:
+    """Put an adopted task under its network policy again: the previous agent left its table in place
+    when it handed over, and this agent's start made the table afresh (ckagent.containment.egress). A task whose
+    rules cannot be added again is stopped: it must not crawl unprotected."""
+    egress = supervisor.config.egress
+    if egress is None or egress.level == "off":
+        return
+    try:
+        rt.egress = await trio.to_thread.run_sync(egress.attach, jail, rt.task.id, rt.task.egress)
+    except EgressError as exc:
+        log.warning("task %s: %s; stopping it", rt.task.id, exc)
+        notice(f"{exc}; the task is stopped (it must not run without its network policy)")
+        rt.request_stop(f"egress: cannot apply the task's network policy again after the restart ({exc})")
+        return
+    notice(f"egress ({egress.level}): {egress.effective(rt.task.egress).describe()}")
+
+
+def admit_adopted(supervisor: Supervisor, adoption: Adoption) -> RunningTask:
+    """Record an adopted task as running here (before the first poll: its slot is taken)."""
+    rt = supervisor.admit(adoption.task)
+    rt.claimed_at = adoption.record.claimed_at
+    rt.started_at = adoption.handle.spawned_at
+    rt.pid = adoption.handle.monitor_pid
+    rt.phase = "running"
+    if adoption.handle.deadline_at is not None and adoption.handle.deadline_at <= time.time():
+        log.info("task %s: its deadline passed while no agent ran", adoption.task.id)
+    return rt
