@@ -24,7 +24,7 @@ import pytest
 import trio
 from test_poller import FakeMaster, HoldingSupervisor, register_body, task_json
 
-from ckagent import workspace
+from ckagent.code import workspace
 from ckagent.code.deps import Prepared
 from ckagent.containment.process import MARKER_VAR, run_supervised
 from ckagent.delivery import Outbox

@@ -87,7 +87,7 @@ def test_an_unreadable_inherited_pyenv_root_is_ignored_with_a_warning(tmp_path: 
         pytest.skip("needs root to become another user")
     import pwd
 
-    from ckagent import runtimes
+    from ckagent.code import runtimes
 
     root = tmp_path / "pyenv"
     (root / "versions" / "3.11.7" / "bin").mkdir(parents=True)
