@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from ckagent.devmaster import demosite
-from ckagent.devmaster import store as store_module
+from ckagent.devmaster.store import database as store_database
 from ckagent.devmaster.client import AdminApiError, AdminClient, zip_directory, zip_files
 from ckagent.devmaster.errors import SchemaError
 from ckagent.devmaster.store import SCHEMA_VERSION, Store
@@ -846,7 +846,7 @@ async def test_wal_checkpoints_run_off_the_request_path_and_keep_the_wal_bounded
     """SQLite's autocheckpoint is off (it would stall whichever batch crossed it): the checkpointer
     thread copies the WAL into the database file once CHECKPOINT_BYTES were written, and a write
     truncates it every WAL_LIMIT_BYTES."""
-    monkeypatch.setattr(store_module, "WAL_LIMIT_BYTES", 9_000_000)
+    monkeypatch.setattr(store_database, "WAL_LIMIT_BYTES", 9_000_000)
     with trio.fail_after(30):
         spider = await make_spider(dev_master.admin)
         task_id = await dev_master.admin.create_task(spider)

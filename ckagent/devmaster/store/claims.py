@@ -1,0 +1,294 @@
+"""The dev master's claims: the queue of PENDING tasks, claims (by poll or by result), releases,
+reconciliation against a node's heartbeat, final results (docs/protocol.md, "Claims and releases").
+
+Each rule is one transaction, so the SQL reads as the contract.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+from ckagent.devmaster import stats as task_stats
+from ckagent.devmaster.errors import ConflictError
+from ckagent.devmaster.store.database import Database, dumps, epoch, loads, task_row
+from ckagent.devmaster.store.tasks import task_json
+from ckagent.master.ids import url_segment
+from ckagent.master.protocol import FINAL_STATUSES, Heartbeat, TaskResult, utc_now_iso
+
+CLAIM_GRACE_SECONDS = 60.0
+"""A RUNNING task a node does not list in a heartbeat (running, claiming or reporting) goes back to
+PENDING only when it was claimed at least this long ago: a claim answered after the node took its
+heartbeat's snapshot must not be taken back (docs/protocol.md, "Claims and releases")."""
+
+_log = logging.getLogger(__name__)
+
+
+def cancel_ids_of(db: sqlite3.Connection, node_id: str) -> list[str]:
+    """Tasks claimed by ``node_id`` that an operator asked to cancel (oldest first)."""
+    rows = db.execute(
+        "SELECT id FROM tasks WHERE node_id = ? AND status = 'RUNNING' AND cancel_requested = 1 ORDER BY n",
+        (node_id,),
+    ).fetchall()
+    return [str(r["id"]) for r in rows]
+
+
+class ClaimStore(Database):
+    """Who runs which task (part of :class:`ckagent.devmaster.store.Store`)."""
+
+    claim_grace_seconds: float = CLAIM_GRACE_SECONDS
+
+    def reconcile(self, node_id: str, beat: Heartbeat) -> list[str]:
+        """Take back what ``node_id`` holds at the master but does not run: returns the task ids.
+
+        Only for a beat that lists the node's claims on the wire (``claimingTaskIds``; an older agent
+        does not, and is left alone). A task RUNNING for this node that the beat lists nowhere
+        (running, claiming, reporting) and that was claimed at least ``claim_grace_seconds`` ago
+        goes back to PENDING (CANCELLED when an operator asked to cancel it): the node never started
+        it (a claim whose answer was lost, a node killed between claim and start). A task claimed by a
+        poll (claim-in-poll) goes back at once, without the wait, when the beat shows that poll settled:
+        its ``pollId`` is at most the beat's ``lastClaimPollId`` and not among its ``claimPollIds``
+        (the node admitted every task of that poll's answer, or never got it).
+        """
+        if beat.claiming_task_ids is None:
+            return []
+        held = {*beat.running_task_ids, *beat.claiming_task_ids, *(beat.reporting_task_ids or [])}
+        cutoff = datetime.now(timezone.utc).timestamp() - self.claim_grace_seconds
+        taken: list[str] = []
+        with self._tx() as db:
+            rows = db.execute(
+                "SELECT id, claimed_at, cancel_requested, claim_poll_id FROM tasks"
+                " WHERE node_id = ? AND status = 'RUNNING'",
+                (node_id,),
+            ).fetchall()
+            for row in rows:
+                if row["id"] in held:
+                    continue
+                if not _poll_settled(row["claim_poll_id"], beat) and epoch(row["claimed_at"]) > cutoff:
+                    continue
+                self._give_back(db, str(row["id"]), bool(row["cancel_requested"]),
+                                "the node does not run it (reconciled against its heartbeat)")
+                taken.append(str(row["id"]))
+        return taken
+
+    def release_task(self, task_id: str, node_id: str, reason: str | None) -> dict[str, Any]:
+        """``POST /api/tasks/{id}/release``: the node gives back a task it claimed and did not start.
+
+        RUNNING for this node → PENDING (CANCELLED when an operator asked to cancel it); PENDING →
+        nothing to do (the claim never landed); claimed by another node or final → ConflictError.
+        Raises NotFoundError for an unknown task. Returns the task as admin JSON.
+        """
+        with self._tx() as db:
+            row = task_row(db, task_id)
+            if row["status"] == "RUNNING" and row["node_id"] == node_id:
+                self._give_back(db, task_id, bool(row["cancel_requested"]),
+                                f"given back by the node: {reason or 'no reason given'}")
+            elif row["status"] == "RUNNING":
+                raise ConflictError(f"task {task_id!r} is claimed by another node")
+            elif row["status"] != "PENDING":
+                raise ConflictError(f"task {task_id!r} is already {row['status']}")
+            return task_json(task_row(db, task_id))
+
+    @staticmethod
+    def _give_back(db: sqlite3.Connection, task_id: str, cancel_requested: bool, why: str) -> None:
+        if cancel_requested:
+            db.execute(
+                "UPDATE tasks SET status = 'CANCELLED', error_code = 'CANCELLED', error_message = ?,"
+                " finished_at = ? WHERE id = ?",
+                (f"cancelled before it started ({why})", utc_now_iso(), task_id),
+            )
+        else:
+            db.execute(
+                "UPDATE tasks SET status = 'PENDING', node_id = NULL, claimed_at = NULL, started_at = NULL,"
+                " claim_poll_id = NULL WHERE id = ?",
+                (task_id,),
+            )
+        _log.info("task %s: %s; %s", task_id, why, "CANCELLED" if cancel_requested else "PENDING again")
+
+
+    def cancel_ids(self, node_id: str) -> list[str]:
+        """Tasks claimed by ``node_id`` that an operator asked to cancel (oldest first)."""
+        return self._read(lambda db: cancel_ids_of(db, node_id))
+
+
+    def pending_tasks(
+        self, *, limit: int, exclude_spider_ids: Sequence[str], base_url: str
+    ) -> list[dict[str, Any]]:
+        """PENDING tasks as wire JSON, oldest first, at most one per spider, none of the excluded spiders.
+
+        ``base_url`` (no trailing slash) prefixes the codePackage url: "" hands it out relative to the
+        agent's server.url (``/api/packages/…``). Handing out does not assign.
+        """
+        chosen = self._read(lambda db: self._choose_pending(db, limit, set(exclude_spider_ids)))
+        return [self._wire_task(r, package, base_url) for r, package in chosen]
+
+    def claim_pending(
+        self, node_id: str, *, poll_id: int, limit: int, exclude_spider_ids: Sequence[str], base_url: str
+    ) -> tuple[list[dict[str, Any]], list[str]]:
+        """Claim-in-poll (docs/protocol.md, "Claims in the poll answer"), in one transaction: the
+        tasks this poll (``poll_id``) claimed before and that are still RUNNING for ``node_id`` (a
+        re-sent poll whose answer was lost gets them again), then PENDING tasks chosen as
+        :meth:`pending_tasks` chooses them, at most ``limit`` in all; the new ones become RUNNING
+        for ``node_id`` (claimed now, by ``poll_id``). Returns ``(tasks as wire JSON with
+        "claimed": true, cancelTaskIds)``.
+        """
+        now = utc_now_iso()
+        with self._tx() as db:
+            again = db.execute(
+                "SELECT * FROM tasks WHERE node_id = ? AND status = 'RUNNING' AND claim_poll_id = ? ORDER BY n",
+                (node_id, str(poll_id)),
+            ).fetchall()[:limit]
+            chosen = [(r, self._package(db, r)) for r in again]
+            excluded = set(exclude_spider_ids) | {r["spider_id"] for r in again}
+            for r, _package in (fresh := self._choose_pending(db, limit - len(chosen), excluded)):
+                db.execute(
+                    "UPDATE tasks SET status = 'RUNNING', node_id = ?, claimed_at = ?, started_at = ?,"
+                    " claim_poll_id = ? WHERE id = ? AND status = 'PENDING'",
+                    (node_id, now, now, str(poll_id), r["id"]),
+                )
+            chosen += fresh
+            cancel = cancel_ids_of(db, node_id)
+        return [{**self._wire_task(r, package, base_url), "claimed": True} for r, package in chosen], cancel
+
+    @staticmethod
+    def _package(db: sqlite3.Connection, row: sqlite3.Row) -> sqlite3.Row | None:
+        return db.execute(
+            "SELECT sha256, size_bytes FROM packages WHERE spider_id = ? AND code_version = ?",
+            (row["spider_id"], row["code_version"]),
+        ).fetchone()
+
+    def _choose_pending(
+        self, db: sqlite3.Connection, limit: int, excluded: set[str]
+    ) -> list[tuple[sqlite3.Row, sqlite3.Row | None]]:
+        """Up to ``limit`` PENDING tasks, oldest first, one per spider, none of ``excluded``, with their package row."""
+        chosen: list[tuple[sqlite3.Row, sqlite3.Row | None]] = []
+        if limit <= 0:
+            return chosen
+        seen: set[str] = set()
+        for row in db.execute("SELECT * FROM tasks WHERE status = 'PENDING' ORDER BY n"):
+            spider_id = row["spider_id"]
+            if spider_id in excluded or spider_id in seen:
+                continue
+            seen.add(spider_id)
+            chosen.append((row, self._package(db, row)))
+            if len(chosen) >= limit:
+                break
+        return chosen
+
+    @staticmethod
+    def _wire_task(r: sqlite3.Row, found: sqlite3.Row | None, base_url: str) -> dict[str, Any]:
+        """A task row as the poll answer's JSON."""
+        code_package = None
+        if r["code_mode"] == "package" and found is not None:
+            code_package = {
+                "url": f"{base_url}/api/packages/{url_segment(r['spider_id'])}/{url_segment(r['code_version'] + '.zip')}",
+                "sha256": found["sha256"],
+                "sizeBytes": found["size_bytes"],
+            }
+        return {
+            "id": r["id"],
+            "spiderId": r["spider_id"],
+            "spiderName": r["spider_name"],
+            "framework": r["framework"],
+            "command": loads(r["command"]),
+            "args": loads(r["args"]),
+            "env": loads(r["env"]),
+            "timeoutSeconds": r["timeout_seconds"],
+            "codeVersion": r["code_version"],
+            "codePackage": code_package,
+            "params": loads(r["params"]),
+            "stallTimeoutSeconds": r["stall_timeout_seconds"],
+            "resources": loads(r["resources"]) if r["resources"] else None,
+            "stopSignal": r["stop_signal"],
+            "outputs": loads(r["outputs"]),
+        }
+
+    def report_result(self, task_id: str, node_id: str, result: TaskResult) -> dict[str, Any]:
+        """Apply a node's result report; returns the task as admin JSON.
+
+        RUNNING is the claim: PENDING → RUNNING for this node; the same node again is fine; claimed by
+        another node, final or cancelled → ConflictError. SUCCESS/FAILED/CANCELLED: only from the
+        claiming node; the same final status again is a no-op, a different one is ConflictError. A
+        PENDING task may be reported FAILED with errorCode BAD_TASK by a node that could not parse it.
+        Raises NotFoundError for an unknown task.
+        """
+        now = utc_now_iso()
+        with self._tx() as db:
+            row = task_row(db, task_id)
+            status, owner = row["status"], row["node_id"]
+            if result.status == "RUNNING":
+                if status == "PENDING":
+                    db.execute(
+                        "UPDATE tasks SET status = 'RUNNING', node_id = ?, claimed_at = ?, started_at = ?"
+                        " WHERE id = ?",
+                        (node_id, now, result.started_at or now, task_id),
+                    )
+                elif status == "RUNNING" and owner == node_id:
+                    pass
+                elif status == "RUNNING":
+                    raise ConflictError(f"task {task_id!r} is claimed by another node")
+                elif status == "CANCELLED" and owner is None:
+                    raise ConflictError(f"task {task_id!r} was cancelled")
+                else:
+                    raise ConflictError(f"task {task_id!r} is already {status}")
+            else:
+                if status == "PENDING":
+                    if result.error_code != "BAD_TASK":
+                        raise ConflictError(f"task {task_id!r} was never claimed: report RUNNING first")
+                    if result.status != "FAILED":
+                        raise ConflictError("errorCode BAD_TASK on an unclaimed task needs status FAILED")
+                    db.execute("UPDATE tasks SET node_id = ? WHERE id = ?", (node_id, task_id))
+                    self._finish(db, task_id, result, now)
+                elif owner != node_id:
+                    raise ConflictError(f"task {task_id!r} is not claimed by this node")
+                elif status == "RUNNING":
+                    self._finish(db, task_id, result, now)
+                elif status != result.status:
+                    raise ConflictError(f"task {task_id!r} is already {status}, not {result.status}")
+                # else: the same final result again: nothing to do
+            return task_json(task_row(db, task_id))
+
+    @staticmethod
+    def _finish(db: sqlite3.Connection, task_id: str, result: TaskResult, now: str) -> None:
+        assert result.status in FINAL_STATUSES
+        db.execute(
+            "UPDATE tasks SET status = ?, exit_code = ?, error_code = ?, error_message = ?,"
+            " started_at = COALESCE(?, started_at), finished_at = ?, duration_ms = ?, item_count = ?,"
+            " log_lines = ?, figures = ? WHERE id = ?",
+            (
+                result.status,
+                result.exit_code,
+                result.error_code,
+                result.error_message,
+                result.started_at,
+                result.finished_at or now,
+                result.duration_ms,
+                result.item_count,
+                result.log_lines,
+                _result_figures(result),
+                task_id,
+            ),
+        )
+        if result.stats is not None:
+            task_stats.save(db, task_id, result.stats, final=True)
+
+
+
+def _poll_settled(claim_poll_id: str | None, beat: Heartbeat) -> bool:
+    """Whether ``beat`` shows the claiming poll ``claim_poll_id`` settled: sent before the beat's
+    snapshot and no longer on the wire (its answer's tasks admitted or given back, or never received)."""
+    if claim_poll_id is None or beat.claim_poll_ids is None or beat.last_claim_poll_id is None:
+        return False
+    poll = int(claim_poll_id)
+    return poll <= beat.last_claim_poll_id and poll not in beat.claim_poll_ids
+
+
+def _result_figures(result: TaskResult) -> str | None:
+    """The resource figures and phase durations of a result as stored JSON (None when it carries none)."""
+    figures = {k: v for k, v in result.to_json().items()
+               if k in ("cpuSeconds", "memoryPeakBytes", "pidsPeak", "ioReadBytes", "ioWriteBytes",
+                        "deployMs", "installMs", "runMs", "egressRefused", "incomplete")}
+    return dumps(figures) if figures else None

@@ -1,0 +1,162 @@
+"""The dev master's nodes: registration (one identity per name), api keys, heartbeats, the agent version policy."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from ckagent.devmaster.errors import BadRequestError, ConflictError
+from ckagent.devmaster.store.claims import cancel_ids_of
+from ckagent.devmaster.store.database import Database, dumps, hash_key, loads, new_id, seconds_since
+from ckagent.master.protocol import FINAL_STATUSES, Heartbeat, RegisterRequest, VersionPolicy, utc_now_iso
+from ckagent.node.versions import InvalidVersion, Version
+
+NODE_LIVE_SECONDS = 90.0
+"""A node that heartbeated this recently (seconds) is live: its name is not given to another nodeUid."""
+
+
+class NodeStore(Database):
+    """Nodes and what they report (part of :class:`ckagent.devmaster.store.Store`)."""
+
+    def register_node(self, req: RegisterRequest, *, at: float | None = None) -> tuple[str, str]:
+        """Register (or re-register by name) a node. Returns ``(node_id, api_key)``.
+
+        Re-registering the same name keeps the node id and issues a new key; the old key stops working.
+        Only the key's sha256 is stored. One identity per name: when the request carries a ``nodeUid``
+        and the name belongs to a node that registered another ``nodeUid`` and heartbeated within
+        NODE_LIVE_SECONDS (``at``: epoch seconds, default the clock), ConflictError (409) — two live
+        agents with one name would otherwise take each other's key on every re-registration. Agents
+        that send no nodeUid keep the old rule.
+        """
+        api_key = secrets.token_urlsafe(32)
+        now = utc_now_iso()
+        values = (
+            hash_key(api_key),
+            req.ip,
+            req.port,
+            req.version,
+            req.max_workers,
+            dumps(req.labels),
+            dumps(req.runtimes),
+            dumps(req.to_json()),
+            now,
+        )
+        with self._tx() as db:
+            row = db.execute("SELECT id, info, last_heartbeat_at FROM nodes WHERE name = ?", (req.name,)).fetchone()
+            if row is not None and req.node_uid:
+                other = (loads(row["info"]) or {}).get("nodeUid")
+                if other and other != req.node_uid and seconds_since(row["last_heartbeat_at"], at) < NODE_LIVE_SECONDS:
+                    raise ConflictError(
+                        f"node name {req.name!r} belongs to another live agent (another nodeUid, heartbeat "
+                        f"within {NODE_LIVE_SECONDS:g} s): give this agent its own agent.name (AGENT_NAME), "
+                        "or stop the other one and retry after its heartbeats stop")
+            if row is None:
+                node_id = new_id()
+                db.execute(
+                    "INSERT INTO nodes (api_key_sha256, ip, port, version, max_workers, labels, runtimes,"
+                    " info, registered_at, id, name) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (*values, node_id, req.name),
+                )
+            else:
+                node_id = row["id"]
+                db.execute(
+                    "UPDATE nodes SET api_key_sha256 = ?, ip = ?, port = ?, version = ?, max_workers = ?,"
+                    " labels = ?, runtimes = ?, info = ?, registered_at = ? WHERE id = ?",
+                    (*values, node_id),
+                )
+        return node_id, api_key
+
+    def version_policy(self) -> VersionPolicy:
+        """The agent version policy set through the admin API (both None when never set)."""
+        rows = self._read(lambda db: db.execute(
+            "SELECT key, value FROM master_settings WHERE key IN ('minAgentVersion', 'desiredAgentVersion')").fetchall())
+        values = {r["key"]: r["value"] for r in rows}
+        return VersionPolicy(values.get("minAgentVersion"), values.get("desiredAgentVersion"))
+
+    def below_minimum(self, node_id: str) -> bool:
+        """Whether the node's agent version is below the minimum agent version (such a node gets no
+        tasks: it has been told, at registration and with every heartbeat). An unknown or unparsable
+        version counts as below a set minimum."""
+        minimum = self.version_policy().min_agent_version
+        if minimum is None:
+            return False
+        row = self._read(lambda db: db.execute("SELECT version FROM nodes WHERE id = ?", (node_id,)).fetchone())
+        try:
+            return row is None or Version(row["version"]) < Version(minimum)
+        except InvalidVersion:
+            return True
+
+    def set_version_policy(self, policy: VersionPolicy) -> None:
+        """Store both fields (None clears one). Raises BadRequestError for a version that is not PEP 440."""
+        for key, value in (("minAgentVersion", policy.min_agent_version),
+                           ("desiredAgentVersion", policy.desired_agent_version)):
+            if value is not None:
+                try:
+                    Version(value)
+                except InvalidVersion:
+                    raise BadRequestError(f"{key}: {value!r} is not a PEP 440 version (e.g. 0.2.0)") from None
+        with self._tx() as db:
+            for key, value in (("minAgentVersion", policy.min_agent_version),
+                               ("desiredAgentVersion", policy.desired_agent_version)):
+                if value is None:
+                    db.execute("DELETE FROM master_settings WHERE key = ?", (key,))
+                else:
+                    db.execute("INSERT OR REPLACE INTO master_settings (key, value) VALUES (?, ?)", (key, value))
+
+    def node_for_key(self, api_key: str) -> str | None:
+        """The id of the node holding ``api_key``, or None for an unknown or revoked key."""
+        digest = hash_key(api_key)
+        row = self._read(
+            lambda db: db.execute("SELECT id FROM nodes WHERE api_key_sha256 = ?", (digest,)).fetchone()
+        )
+        return None if row is None else str(row["id"])
+
+    def heartbeat(self, node_id: str, beat: Heartbeat) -> list[str]:
+        """Store a heartbeat's figures (and its ``runtimes``, when sent); returns ``cancelTaskIds``.
+
+        Those are the node's RUNNING tasks with a cancel request, plus every id in the beat's
+        ``runningTaskIds`` that is final or claimed by another node (the node should not be running
+        it). Pending or unknown ids are left alone: a node lists a task before its claim lands.
+        """
+        with self._tx() as db:
+            db.execute(
+                "UPDATE nodes SET last_heartbeat = ?, last_heartbeat_at = ? WHERE id = ?",
+                (dumps(beat.to_json()), utc_now_iso(), node_id),
+            )
+            if beat.runtimes is not None:  # a fresher scan than the one sent at registration
+                db.execute("UPDATE nodes SET runtimes = ? WHERE id = ?", (dumps(beat.runtimes), node_id))
+            cancel = cancel_ids_of(db, node_id)
+            for task_id in beat.running_task_ids:
+                row = db.execute("SELECT status, node_id FROM tasks WHERE id = ?", (task_id,)).fetchone()
+                if row is None or task_id in cancel:
+                    continue
+                if row["status"] in FINAL_STATUSES or (
+                    row["status"] == "RUNNING" and row["node_id"] != node_id
+                ):
+                    cancel.append(task_id)
+            return cancel
+
+
+    def list_nodes(self) -> list[dict[str, Any]]:
+        """Every node as admin JSON, in registration order of first appearance (name)."""
+        rows = self._read(lambda db: db.execute("SELECT * FROM nodes ORDER BY name").fetchall())
+        return [
+            {
+                "id": r["id"],
+                "name": r["name"],
+                "ip": r["ip"],
+                "port": r["port"],
+                "version": r["version"],
+                "maxWorkers": r["max_workers"],
+                "labels": loads(r["labels"]),
+                "runtimes": loads(r["runtimes"]),
+                "containment": loads(r["info"]).get("containment"),
+                "egress": loads(r["info"]).get("egress"),
+                "registeredAt": r["registered_at"],
+                "lastHeartbeatAt": r["last_heartbeat_at"],
+                "lastHeartbeat": loads(r["last_heartbeat"]),
+                "pausedReason": (loads(r["last_heartbeat"]) or {}).get("pausedReason"),
+            }
+            for r in rows
+        ]
+

@@ -1,0 +1,155 @@
+"""The dev master's SQLite layout: the tables, the schema version, the columns added since.
+
+The file carries its schema version (``PRAGMA user_version`` = SCHEMA_VERSION). A file from an
+older dev master (one row per log line, version 0) is refused with SchemaError, not migrated:
+this is a development tool, delete the file or choose another one. Columns added after version 2
+are nullable and added to a file that lacks them (:data:`ADDED_COLUMNS`).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+from ckagent.devmaster import artifacts as task_artifacts
+from ckagent.devmaster import stats as task_stats
+from ckagent.devmaster.errors import SchemaError
+
+SCHEMA_VERSION = 2
+"""The layout of the SQLite file (``PRAGMA user_version``): 2 = logs and items in chunks."""
+
+TABLES = """
+CREATE TABLE IF NOT EXISTS master_settings (
+    key               TEXT PRIMARY KEY,   -- minAgentVersion, desiredAgentVersion
+    value             TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS nodes (
+    id                TEXT PRIMARY KEY,
+    name              TEXT NOT NULL UNIQUE,
+    api_key_sha256    TEXT NOT NULL UNIQUE,
+    ip                TEXT NOT NULL,
+    port              INTEGER NOT NULL,
+    version           TEXT NOT NULL,
+    max_workers       INTEGER NOT NULL,
+    labels            TEXT NOT NULL,      -- JSON object
+    runtimes          TEXT NOT NULL,      -- JSON object
+    info              TEXT NOT NULL,      -- the whole registration body (JSON)
+    registered_at     TEXT NOT NULL,
+    last_heartbeat    TEXT,               -- the last heartbeat body (JSON)
+    last_heartbeat_at TEXT
+);
+CREATE TABLE IF NOT EXISTS spiders (
+    id              TEXT PRIMARY KEY,
+    name            TEXT NOT NULL,
+    framework       TEXT NOT NULL,
+    command         TEXT NOT NULL,        -- JSON: list, string or null
+    timeout_seconds REAL,
+    code_mode       TEXT NOT NULL,        -- package | files
+    env             TEXT NOT NULL,        -- JSON object
+    code_version    TEXT,                 -- current package, NULL before the first upload
+    created_at      TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS packages (
+    spider_id    TEXT NOT NULL,
+    code_version TEXT NOT NULL,
+    sha256       TEXT NOT NULL,
+    size_bytes   INTEGER NOT NULL,
+    data         BLOB NOT NULL,
+    uploaded_at  TEXT NOT NULL,
+    PRIMARY KEY (spider_id, code_version)
+);
+CREATE TABLE IF NOT EXISTS spider_files (
+    id           TEXT PRIMARY KEY,
+    spider_id    TEXT NOT NULL,
+    code_version TEXT NOT NULL,
+    path         TEXT NOT NULL,
+    size_bytes   INTEGER NOT NULL,
+    sha256       TEXT NOT NULL,
+    data         BLOB NOT NULL,
+    UNIQUE (spider_id, code_version, path)
+);
+CREATE TABLE IF NOT EXISTS tasks (
+    n                INTEGER PRIMARY KEY AUTOINCREMENT,   -- creation order
+    id               TEXT NOT NULL UNIQUE,
+    spider_id        TEXT NOT NULL,
+    spider_name      TEXT NOT NULL,
+    framework        TEXT NOT NULL,
+    command          TEXT NOT NULL,                       -- JSON: list, string or null
+    args             TEXT NOT NULL,                       -- JSON array
+    env              TEXT NOT NULL,                       -- JSON object
+    params           TEXT NOT NULL,                       -- JSON object
+    timeout_seconds  REAL,
+    code_version     TEXT,
+    code_mode        TEXT NOT NULL,
+    status           TEXT NOT NULL,                       -- PENDING RUNNING SUCCESS FAILED CANCELLED
+    node_id          TEXT,                                -- the claiming node
+    cancel_requested INTEGER NOT NULL DEFAULT 0,
+    exit_code        INTEGER,
+    error_code       TEXT,
+    error_message    TEXT,
+    created_at       TEXT NOT NULL,
+    claimed_at       TEXT,
+    started_at       TEXT,
+    finished_at      TEXT,
+    duration_ms      INTEGER,
+    item_count       INTEGER,
+    log_lines        INTEGER,
+    stored_log_lines INTEGER NOT NULL DEFAULT 0,
+    stored_items     INTEGER NOT NULL DEFAULT 0,
+    stall_timeout_seconds REAL                            -- the task's stallTimeoutSeconds (null: the node's)
+);
+CREATE INDEX IF NOT EXISTS tasks_by_status ON tasks (status, n);
+-- One row per accepted batch (its new tail): elements first_seq .. first_seq + count - 1 of the
+-- stream, as one text. Chunks of a task are contiguous and never overlap, and their counts
+-- add up to tasks.stored_log_lines / tasks.stored_items. (Rowid tables: the rows are large.)
+CREATE TABLE IF NOT EXISTS task_log_chunks (
+    task_id   TEXT NOT NULL,
+    first_seq INTEGER NOT NULL,
+    count     INTEGER NOT NULL,
+    format    TEXT NOT NULL,                              -- lines (joined by newlines) or json (an array)
+    data      TEXT NOT NULL,
+    PRIMARY KEY (task_id, first_seq)
+);
+CREATE TABLE IF NOT EXISTS task_item_chunks (
+    task_id   TEXT NOT NULL,
+    first_seq INTEGER NOT NULL,
+    count     INTEGER NOT NULL,
+    data      TEXT NOT NULL,                              -- JSON array of objects
+    PRIMARY KEY (task_id, first_seq)
+);
+"""
+
+
+ADDED_COLUMNS: dict[str, tuple[str, ...]] = {
+    # resources: JSON {memoryBytes, pids, cpus}; stop_signal: "SIGINT" ...; figures: JSON of the
+    # result's figures: resources {cpuSeconds, memoryPeakBytes, pidsPeak, ioReadBytes, ioWriteBytes},
+    # phases {deployMs, installMs, runMs} and incomplete (true: the node says data is missing); claim_poll_id: the pollId of the poll that claimed the
+    # task (claim-in-poll; decimal text), null for a claim by POST .../result.
+    # outputs: JSON {items: [glob], artifacts: [glob]} (a spider's default, copied into its tasks).
+    "spiders": ("resources", "stop_signal", "outputs"),
+    "tasks": ("resources", "stop_signal", "figures", "claim_poll_id", "outputs"),
+}
+
+
+def create_schema(db: sqlite3.Connection, db_path: Path) -> None:
+    """Create the tables in an empty file; check the version of a used one (SchemaError naming
+    ``db_path``); add the columns a used file lacks."""
+    version = int(db.execute("PRAGMA user_version").fetchone()[0])
+    used = db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' LIMIT 1").fetchone()
+    if version != SCHEMA_VERSION and (used is not None or version != 0):
+        raise SchemaError(
+            f"{db_path} is not a dev master database of schema version {SCHEMA_VERSION}"
+            f" (it has version {version}"
+            + (": an older dev master that stored one row per log line" if version == 0 else "")
+            + "); the dev master does not migrate it: delete the file or pass another --db"
+        )
+    # one transaction: a file has all the tables and its version, or nothing
+    db.executescript(f"BEGIN IMMEDIATE; {TABLES}; {task_stats.SCHEMA}; {task_artifacts.SCHEMA};"
+                     f" PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
+    if "stall_timeout_seconds" not in {r[1] for r in db.execute("PRAGMA table_info(tasks)")}:
+        db.execute("ALTER TABLE tasks ADD COLUMN stall_timeout_seconds REAL")  # a file from before it
+    for table, columns in ADDED_COLUMNS.items():
+        have = {r[1] for r in db.execute(f"PRAGMA table_info({table})").fetchall()}
+        for name in columns:
+            if name not in have:
+                db.execute(f"ALTER TABLE {table} ADD COLUMN {name} TEXT")

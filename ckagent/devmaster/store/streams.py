@@ -1,0 +1,162 @@
+"""The dev master's streams: a task's log lines and items, stored once each by sequence number.
+
+Logs and items are stored as chunks, one row per accepted batch (or its new tail): ``first_seq``,
+``count`` and the elements as one text: log lines joined by ``\\n`` (when none contains a ``\\n``,
+which is every line an agent sends) or else a JSON array; items as a JSON array. The task row keeps
+the stored count of each stream, so a sequence check is one row read and a batch of 5000 lines is
+one insert. Reads concatenate the chunks in ``first_seq`` order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from ckagent.devmaster.errors import ConflictError, NotFoundError
+from ckagent.devmaster.store.database import Database, dumps, task_row
+
+_E = TypeVar("_E")
+
+_LINES = "lines"
+"""Log chunk format: the lines joined by ``\\n`` (none of them holds one)."""
+_JSON = "json"
+"""Log chunk format: a JSON array of strings (some line holds a ``\n``)."""
+
+
+class StreamStore(Database):
+    """Log and item streams (part of :class:`ckagent.devmaster.store.Store`)."""
+
+    discard_logs: bool = False
+    """Acknowledge log lines without storing them, keeping only their count and SHA-256 (see
+    :meth:`log_digest`): a master that keeps up with any agent, for benchmarks of the agent alone."""
+
+    def _log_chunks(self, task_id: str) -> list[tuple[str, str]]:
+        """``(format, data)`` of a task's log chunks, in order. Raises NotFoundError."""
+
+        def query(db: sqlite3.Connection) -> list[tuple[str, str]]:
+            task_row(db, task_id)
+            rows = db.execute(
+                "SELECT format, data FROM task_log_chunks WHERE task_id = ? ORDER BY first_seq", (task_id,)
+            ).fetchall()
+            return [(str(r[0]), str(r[1])) for r in rows]
+
+        return self._read(query)
+
+    def task_logs(self, task_id: str) -> list[str]:
+        """The stored log lines of a task, in order. Raises NotFoundError."""
+        lines: list[str] = []
+        for fmt, data in self._log_chunks(task_id):
+            lines.extend(data.split("\n") if fmt == _LINES else json.loads(data))
+        return lines
+
+    def task_log_text(self, task_id: str) -> str:
+        """The stored log lines of a task joined by ``\\n`` (no trailing one). Raises NotFoundError."""
+        return "\n".join(
+            data if fmt == _LINES else "\n".join(json.loads(data)) for fmt, data in self._log_chunks(task_id)
+        )
+
+    def task_items(self, task_id: str) -> list[Any]:
+        """The stored items of a task, in order. Raises NotFoundError."""
+
+        def query(db: sqlite3.Connection) -> list[str]:
+            task_row(db, task_id)
+            rows = db.execute(
+                "SELECT data FROM task_item_chunks WHERE task_id = ? ORDER BY first_seq", (task_id,)
+            ).fetchall()
+            return [str(r[0]) for r in rows]
+
+        items: list[Any] = []
+        for data in self._read(query):
+            items.extend(json.loads(data))
+        return items
+
+    def append_logs(self, task_id: str, node_id: str, seq: int, lines: Sequence[str]) -> int:
+        """Store log lines ``seq``.. once each; returns the new stored count (``acceptedSeq``).
+
+        A full repeat stores nothing; an overlap stores only the new tail; ``seq`` beyond the stored
+        count raises ConflictError with ``expectedSeq``. Only the claiming node may post (ConflictError).
+        The new lines become one chunk row.
+        """
+
+        def encode(tail: Sequence[str]) -> dict[str, str]:
+            text = "\n".join(tail)
+            if text.count("\n") == len(tail) - 1:  # no line holds a \n of its own
+                return {"format": _LINES, "data": text}
+            return {"format": _JSON, "data": dumps(list(tail))}
+
+        discard = self._digest_logs if self.discard_logs else None
+        return self._append("task_log_chunks", "stored_log_lines", task_id, node_id, seq, lines, encode, discard)
+
+    def _digest_logs(self, task_id: str, lines: Sequence[str]) -> None:
+        digest = self._log_digests.setdefault(task_id, hashlib.sha256())
+        if lines:
+            digest.update(("\n".join(lines) + "\n").encode())
+
+    def log_digest(self, task_id: str) -> dict[str, Any]:
+        """``{"count", "sha256", "discarded"}``: how many log lines the task has and the SHA-256 of
+        them, each followed by ``\\n`` (UTF-8). Lines kept (not :attr:`discard_logs`) are read back
+        to hash them. Raises NotFoundError."""
+        count = self._read(lambda db: int(task_row(db, task_id)["stored_log_lines"]))
+        digest = self._log_digests.get(task_id)
+        if digest is None:
+            lines = [] if self.discard_logs else self.task_logs(task_id)
+            digest = hashlib.sha256("".join(line + "\n" for line in lines).encode())
+        return {"count": count, "sha256": digest.hexdigest(), "discarded": self.discard_logs}
+
+    def append_items(self, task_id: str, node_id: str, seq: int, items: Sequence[dict[str, Any]],
+                     text: str | None = None) -> int:
+        """Store items ``seq``.. once each (as JSON text); same rules and answer as ``append_logs``.
+        ``text``: the JSON array ``items`` were decoded from, kept as it is when every item is new
+        (no encoding again); when some were stored already, the new ones are encoded."""
+        def encode(tail: Sequence[dict[str, Any]]) -> dict[str, str]:
+            if text is not None and tail is items:
+                return {"data": text}
+            return {"data": dumps(list(tail))}
+
+        return self._append("task_item_chunks", "stored_items", task_id, node_id, seq, items, encode)
+
+    def _append(
+        self,
+        table: str,
+        counter: str,
+        task_id: str,
+        node_id: str,
+        seq: int,
+        values: Sequence[_E],
+        encode: Callable[[Sequence[_E]], dict[str, str]],
+        discard: Callable[[str, Sequence[_E]], None] | None = None,
+    ) -> int:
+        """Store ``values[stored - seq:]`` as one chunk row, ``encode(tail)`` giving its other columns
+        (name → value), or only count it and hand it to ``discard(task_id, tail)``. Returns the new
+        stored count; ConflictError for another node or a gap.
+        """
+        with self._tx() as db:
+            row = db.execute(f"SELECT node_id, {counter} FROM tasks WHERE id = ?", (task_id,)).fetchone()
+            if row is None:
+                raise NotFoundError(f"no task {task_id!r}")
+            if row[0] != node_id:
+                raise ConflictError(f"task {task_id!r} is not claimed by this node")
+            stored = int(row[1])
+            if seq > stored:
+                raise ConflictError(
+                    f"gap: this batch starts at {seq} but only {stored} are stored", expectedSeq=stored
+                )
+            tail = values[stored - seq :] if stored > seq else values
+            if tail and discard is not None:
+                discard(task_id, tail)
+                stored += len(tail)
+                db.execute(f"UPDATE tasks SET {counter} = ? WHERE id = ?", (stored, task_id))
+            elif tail:
+                columns = {"task_id": task_id, "first_seq": stored, "count": len(tail), **encode(tail)}
+                self._wrote(sum(len(v) for v in columns.values() if isinstance(v, str)))
+                db.execute(
+                    f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})",
+                    tuple(columns.values()),
+                )
+                stored += len(tail)
+                db.execute(f"UPDATE tasks SET {counter} = ? WHERE id = ?", (stored, task_id))
+            return stored
+
