@@ -19,11 +19,11 @@ import pytest
 import trio
 
 from ckagent.devmaster import demosite
-from ckagent.devmaster.store import database as store_database
 from ckagent.devmaster.client import AdminApiError, AdminClient, zip_directory, zip_files
 from ckagent.devmaster.errors import SchemaError
 from ckagent.devmaster.store import SCHEMA_VERSION, Store
-from ckagent.master.protocol import PendingTasks, SpiderFile
+from ckagent.devmaster.store import database as store_database
+from ckagent.master.protocol import PendingTasks, SpiderFile, Task
 
 if TYPE_CHECKING:
     from conftest import DevMaster, DevMasterProcess
@@ -235,6 +235,39 @@ async def test_admin_api_needs_the_admin_token(
         assert info.value.status_code == 401
 
 
+async def test_the_route_table_lists_what_is_served_by_side(
+    dev_master: DevMaster, http: httpx.AsyncClient, node: Node, tmp_path: Path
+) -> None:
+    """route_table: every (method, path) it lists for a side is served and guarded as that side is
+    (an admin route refuses a node key, a node route refuses the admin token); without artifacts the
+    artifact routes are gone from the table too."""
+    from ckagent.devmaster.app import Notifier, create_app, route_table
+
+    store = Store(tmp_path / "table.db")
+    try:
+        app = create_app(store, Notifier(), registration_token="r", admin_token=dev_master.admin_token)
+        node_side, admin_side = route_table(app, "node"), route_table(app, "admin")
+        older = route_table(create_app(store, Notifier(), registration_token="r", admin_token="a", artifacts=False))
+    finally:
+        store.close()
+    assert ("POST", "/api/nodes/register") in node_side and ("GET", "/api/nodes/{node_id}/tasks/pending") in node_side
+    assert ("PATCH", "/api/spiders/{spider_id}") in admin_side and ("GET", "/api/tasks") in admin_side
+    assert not set(node_side) & set(admin_side)
+    assert set(route_table(app)) == {*node_side, *admin_side, *route_table(app, "page")}
+    assert [p for p in route_table(app) if "artifacts" in p[1]] and not [p for p in older if "artifacts" in p[1]]
+    with pytest.raises(ValueError, match="scope"):
+        route_table(app, "nodes")
+    admin_auth = {"Authorization": f"Bearer {dev_master.admin_token}"}
+    with trio.fail_after(30):
+        for side, pairs, wrong in (("node", node_side, admin_auth), ("admin", admin_side, node.auth)):
+            for method, template in pairs:
+                if template == "/api/nodes/register":
+                    continue
+                path = re.sub(r"\{node_id\}", node.node_id, template)
+                path = re.sub(r"\{(\w+)\}", "x", path)
+                r = await http.request(method, path, headers=wrong, content=b"{}")
+                assert r.status_code == 401, (side, method, path, r.status_code, r.text)
+
 # --------------------------------------------------------------------------- polling and claims
 
 
@@ -305,6 +338,41 @@ async def test_long_poll_times_out_empty(dev_master: DevMaster, node: Node) -> N
         start = trio.current_time()
         assert await node.poll(wait=0) == {"tasks": [], "cancelTaskIds": []}
         assert trio.current_time() - start < 1.0
+
+
+async def test_a_spiders_egress_is_validated_copied_into_its_tasks_and_sent(
+    dev_master: DevMaster, http: httpx.AsyncClient, node: Node
+) -> None:
+    """egress: {deny, allow} on POST/PATCH /api/spiders (422 naming the entry), copied into its tasks,
+    replaced by a task's own, in the poll answer as the agent parses it."""
+    admin = dev_master.admin
+    auth = {"Authorization": f"Bearer {dev_master.admin_token}"}
+    with trio.fail_after(20):
+        for bad, field in (({"deny": ["10.0.0.0/33"]}, "egress.deny"), ({"allow": ["10.0.0.5:0"]}, "egress.allow"),
+                           ({"block": []}, "egress"), ({"deny": "private"}, "egress.deny"), ("private", "egress")):
+            r = await http.post("/api/spiders", headers=auth, json={"name": "e", "framework": "python", "egress": bad})
+            assert (r.status_code, r.json()["field"]) == (422, field), (bad, r.text)
+        spider_id = await admin.create_spider("e", "python", egress={"deny": ["private", "192.0.2.7"],
+                                                                    "allow": ["10.0.0.5:3128"]})
+        policy = {"deny": ["private", "192.0.2.7/32"], "allow": ["10.0.0.5:3128"]}  # as the agent writes it
+        assert (await admin.get_spider(spider_id))["egress"] == policy
+        r = await http.patch(f"/api/spiders/{spider_id}", headers=auth, json={"egress": {"deny": ["bogus"]}})
+        assert (r.status_code, r.json()["field"]) == (422, "egress.deny") and "bogus" in r.json()["error"], r.text
+        await admin.upload_package(spider_id, make_zip(SPIDER_FILES))
+        copied = await admin.create_task(spider_id)
+        own = await admin.create_task(spider_id, egress={"deny": [], "allow": []})
+        assert (await admin.get_task(copied))["egress"] == policy
+        assert (await admin.get_task(own))["egress"] == {"deny": [], "allow": []}
+        [first] = (await node.poll())["tasks"]
+        assert first["id"] == copied and first["egress"] == policy
+        parsed = Task.from_json(first)
+        assert parsed.egress is not None and parsed.egress.describe() == "deny private, 192.0.2.7/32; allow 10.0.0.5:3128"
+        assert (await admin.update_spider(spider_id, egress={"deny": ["loopback"]}))["egress"] == \
+            {"deny": ["loopback"], "allow": []}
+        assert (await admin.get_task(copied))["egress"] == policy  # a task keeps what it was created with
+        assert (await admin.update_spider(spider_id, egress=None))["egress"] is None
+        plain = await admin.create_task(spider_id)
+        assert (await admin.get_task(plain))["egress"] is None
 
 
 async def test_poll_one_task_per_spider_and_exclusions(dev_master: DevMaster, node: Node) -> None:

@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from harness import running_agent, submit
+from harness import running_agent, spider_zip, submit
 from test_supervision import (  # noqa: F401 -- no_strays: autouse fixture
     LEVEL,
     RecordingMaster,
@@ -411,6 +411,57 @@ async def test_the_agent_refuses_reports_and_shows_a_tasks_connections(
     [node] = [n for n in nodes if n["name"] == "test-node"]
     assert node["egress"]["level"] == "nftables"
     assert table_name(agent_group_name(tmp_path / "agent")) not in _tables()  # removed at the agent's stop
+
+
+# Connects once to each "address:port" of its argv and prints what happened.
+PROBE = """
+import socket, sys
+for target in sys.argv[1:]:
+    address, port = target.rsplit(":", 1)
+    try:
+        socket.create_connection((address, int(port)), timeout=5).close()
+        print("connected", target, flush=True)
+    except ConnectionRefusedError:
+        print("refused", target, flush=True)
+"""
+
+
+@needs_kernel
+@pytest.mark.parametrize("level", V2_LEVELS[:1])
+async def test_a_spiders_egress_from_the_reference_master_reaches_the_agent(
+    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path, tables: list[str], level: str,  # noqa: F811
+) -> None:
+    """The spider's ``egress`` (set through the admin API) travels in its tasks to the agent and is
+    enforced by the kernel: its deny entry refuses 127.0.0.2, its allow entry beats the node's denial
+    of 127.0.0.3; a task with its own ``egress`` replaces the spider's (127.0.0.2 reachable, the node's
+    127.0.0.3 denial back)."""
+    LEVEL["current"] = level
+    tables.append(table_name(agent_group_name(tmp_path / "agent")))
+    admin = recording_master.admin
+    with listener("127.0.0.2") as port2, listener("127.0.0.3") as port3:
+        targets = [f"127.0.0.2:{port2}", f"127.0.0.3:{port3}"]
+        settings = settings_for(tmp_path, recording_master, AGENT_TASK_EGRESS="nftables",
+                                AGENT_TASK_EGRESS_DENY="metadata,link-local,agent,127.0.0.3")
+        async with running_agent(nursery, settings):
+            spider_id = await admin.create_spider(name="spider-egress", framework="python",
+                                                  command=["python", "main.py", *targets],
+                                                  egress={"deny": ["127.0.0.2"], "allow": ["127.0.0.3"]})
+            await admin.upload_package(spider_id, spider_zip({"main.py": PROBE}))
+            copied = await admin.create_task(spider_id)
+            own = await admin.create_task(spider_id, egress={"deny": []})
+            with trio.fail_after(60):
+                first = await admin.wait_task_final(copied, 60)
+                second = await admin.wait_task_final(own, 60)
+        first_lines, second_lines = await admin.get_logs(copied), await admin.get_logs(own)
+    assert first["status"] == second["status"] == "SUCCESS", (first, second)
+    assert first["egress"] == {"deny": ["127.0.0.2/32"], "allow": ["127.0.0.3"]}
+    assert [line for line in first_lines if line.startswith(("connected", "refused"))] == \
+        [f"refused {targets[0]}", f"connected {targets[1]}"], first_lines
+    assert first["egressRefused"] == [{"address": "127.0.0.2", "port": port2, "count": 1}], first
+    assert [line for line in second_lines if line.startswith(("connected", "refused"))] == \
+        [f"connected {targets[0]}", f"refused {targets[1]}"], second_lines
+    assert second["egressRefused"] == [{"address": "127.0.0.3", "port": port3, "count": 1}], second
+    assert table_name(agent_group_name(tmp_path / "agent")) not in _tables()
 
 
 @needs_kernel

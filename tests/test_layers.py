@@ -41,8 +41,6 @@ OVER_LIMIT = {
 
     "ckagent/master/client.py",
 
-    "ckagent/devmaster/app.py",
-
     "ckagent/code/deps.py",
 
     "ckagent/code/workspace.py",

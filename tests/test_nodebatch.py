@@ -14,7 +14,7 @@ import pytest
 import trio
 from harness import agent_settings, running_agent, submit
 
-import ckagent.devmaster.app as devmaster_app
+import ckagent.devmaster.node_api as devmaster_node_api
 from ckagent.delivery.nodebatch import _settle, _Waiter
 from ckagent.master.client import MasterConflict, MasterRejected, MasterUnavailable
 
@@ -34,7 +34,7 @@ async def _run_three(dev_master: Any, nursery: trio.Nursery, tmp_path: Path) -> 
         ids = [await submit(dev_master.admin, f"batched-{i}", {"main.py": SPIDER}) for i in range(3)]
         for task_id in ids:
             task = await dev_master.admin.wait_task_final(task_id, 60)
-            assert task["status"] == "SUCCESS", task
+            assert task["status"] == "SUCCESS", (task["errorCode"], task["errorMessage"])
         with trio.fail_after(30):
             await agent.outbox.wait_idle()
         batcher = agent.outbox.batcher
@@ -56,7 +56,7 @@ async def test_many_tasks_ship_through_node_batches(dev_master: Any, nursery: tr
 async def test_a_master_without_node_batches_gets_per_task_posts(
     dev_master: Any, nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(devmaster_app, "MASTER_FEATURES", ())  # an older master: no "features" offered
+    monkeypatch.setattr(devmaster_node_api, "MASTER_FEATURES", ())  # an older master: no "features" offered
     with trio.fail_after(120):
         (requests, batches, features), _ = await _run_three(dev_master, nursery, tmp_path)
     assert "node-batches" not in features

@@ -93,12 +93,15 @@ class AdminClient:
         resources: dict[str, Any] | None = None,
         stop_signal: str | None = None,
         outputs: dict[str, Any] | None = None,
+        egress: dict[str, Any] | None = None,
     ) -> str:
         """Create a spider; returns its id. ``code_mode`` is "package" (zip) or "files" (file sync).
-        ``resources`` ({memoryBytes, pids, cpus}), ``stop_signal`` ("SIGINT") and ``outputs``
-        ({items: [glob], artifacts: [glob]}) are its tasks' defaults."""
+        Its tasks' defaults: ``resources`` ({memoryBytes, pids, cpus}), ``stop_signal`` ("SIGINT"),
+        ``outputs`` ({items: [glob], artifacts: [glob]}) and ``egress`` ({deny: [str], allow: [str]}: the
+        network policy added to the node's)."""
         body = {
             "outputs": outputs,
+            "egress": egress,
             "resources": resources,
             "stopSignal": stop_signal,
             "name": name,
@@ -111,9 +114,15 @@ class AdminClient:
         return str((await self._call("POST", "/api/spiders", json=body)).json()["id"])
 
     async def update_spider(self, spider_id: str, **changes: Any) -> dict[str, Any]:
-        """PATCH a spider: ``command``, ``env``, ``timeoutSeconds``, ``framework``, ``name`` (camelCase
-        keys, as on the wire; ``None`` clears command/timeout). Returns the spider."""
+        """PATCH a spider: ``command``, ``env``, ``timeoutSeconds``, ``framework``, ``name``, ``resources``,
+        ``stopSignal``, ``outputs``, ``egress`` (camelCase keys, as on the wire; ``None`` clears command,
+        timeout and the last four). Returns the spider."""
         result: dict[str, Any] = (await self._call("PATCH", api_path("/api/spiders/{spider}", spider=spider_id), json=changes)).json()
+        return result
+
+    async def get_spider(self, spider_id: str) -> dict[str, Any]:
+        """One spider (its fields and the defaults of its tasks)."""
+        result: dict[str, Any] = (await self._call("GET", api_path("/api/spiders/{spider}", spider=spider_id))).json()
         return result
 
     async def list_spiders(self) -> list[dict[str, Any]]:
@@ -143,11 +152,13 @@ class AdminClient:
         stall_timeout_seconds: float | None = None,
         resources: dict[str, Any] | None = None,
         stop_signal: str | None = None,
+        egress: dict[str, Any] | None = None,
     ) -> str:
         """Queue a task of the spider; returns its id. ``timeout_seconds`` None = the spider's;
         ``stall_timeout_seconds`` None = the node's ``task.stall_timeout``; ``resources`` keys and
-        ``stop_signal`` None = the spider's."""
+        ``stop_signal`` None = the spider's; ``egress`` ({deny, allow}) replaces the spider's, None = the spider's."""
         body = {
+            "egress": egress,
             "resources": resources,
             "stopSignal": stop_signal,
             "args": args or [],

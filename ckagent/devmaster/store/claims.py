@@ -204,6 +204,7 @@ class ClaimStore(Database):
             "resources": loads(r["resources"]) if r["resources"] else None,
             "stopSignal": r["stop_signal"],
             "outputs": loads(r["outputs"]),
+            "egress": loads(r["egress"]),
         }
 
     def report_result(self, task_id: str, node_id: str, result: TaskResult) -> dict[str, Any]:

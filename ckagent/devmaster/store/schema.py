@@ -126,8 +126,9 @@ ADDED_COLUMNS: dict[str, tuple[str, ...]] = {
     # phases {deployMs, installMs, runMs} and incomplete (true: the node says data is missing); claim_poll_id: the pollId of the poll that claimed the
     # task (claim-in-poll; decimal text), null for a claim by POST .../result.
     # outputs: JSON {items: [glob], artifacts: [glob]} (a spider's default, copied into its tasks).
-    "spiders": ("resources", "stop_signal", "outputs"),
-    "tasks": ("resources", "stop_signal", "figures", "claim_poll_id", "outputs"),
+    # egress: JSON {deny: [str], allow: [str]} (a spider's default network policy; a task's own or the copy).
+    "spiders": ("resources", "stop_signal", "outputs", "egress"),
+    "tasks": ("resources", "stop_signal", "figures", "claim_poll_id", "outputs", "egress"),
 }
 
 

@@ -26,14 +26,16 @@ class SpiderStore(Database):
         resources: dict[str, Any] | None = None,
         stop_signal: str | None = None,
         outputs: dict[str, Any] | None = None,
+        egress: dict[str, Any] | None = None,
     ) -> str:
         """Create a spider (arguments already validated). Returns its id. ``resources`` (limits of its
-        tasks), ``stop_signal`` and ``outputs`` (declared item files and artifacts) are the defaults of its tasks."""
+        tasks), ``stop_signal`` and ``outputs`` (declared item files and artifacts) and ``egress`` (its network policy, the wire shape)
+        are the defaults of its tasks."""
         spider_id = new_id()
         with self._tx() as db:
             db.execute(
                 "INSERT INTO spiders (id, name, framework, command, timeout_seconds, code_mode, env, created_at,"
-                " resources, stop_signal, outputs) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " resources, stop_signal, outputs, egress) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     spider_id,
                     name,
@@ -46,6 +48,7 @@ class SpiderStore(Database):
                     dumps(resources) if resources else None,
                     stop_signal,
                     dumps(outputs) if outputs is not None else None,
+                    dumps(egress) if egress is not None else None,
                 ),
             )
         return spider_id
@@ -65,6 +68,7 @@ class SpiderStore(Database):
             "resources": loads(r["resources"]) if r["resources"] else {},
             "stopSignal": r["stop_signal"],
             "outputs": loads(r["outputs"]),
+            "egress": loads(r["egress"]),
         }
 
     def list_spiders(self) -> list[dict[str, Any]]:
@@ -80,17 +84,17 @@ class SpiderStore(Database):
         return self._spider_json(row)
 
     def update_spider(self, spider_id: str, changes: dict[str, Any]) -> dict[str, Any]:
-        """Change a spider's ``name``, ``framework``, ``command``, ``timeout_seconds``, ``env`` (validated
-        values; only the keys given). Returns the spider's admin JSON. Raises NotFoundError."""
-        as_json = {"command", "env", "resources", "outputs"}  # JSON columns; the others store the value itself
+        """Change a spider's ``name``, ``framework``, ``command``, ``timeout_seconds``, ``env``, ``resources``,
+        ``stop_signal``, ``outputs``, ``egress`` (validated values; only the keys given). Returns the spider's admin JSON. Raises NotFoundError."""
+        as_json = {"command", "env", "resources", "outputs", "egress"}  # JSON columns; the others: the value
         sets: list[str] = []
         values: list[Any] = []
         for key, value in changes.items():
             if key not in ("name", "framework", "command", "timeout_seconds", "env", "resources", "stop_signal",
-                           "outputs"):
+                           "outputs", "egress"):
                 raise ValueError(f"update_spider: {key!r} is not a changeable column")
             sets.append(f"{key} = ?")
-            if key in ("resources", "outputs") and not value:
+            if key in ("resources", "outputs", "egress") and not value:
                 values.append(None)  # nullable column: none
             else:
                 values.append(dumps(value) if key in as_json else value)

@@ -46,6 +46,7 @@ def task_json(r: sqlite3.Row) -> dict[str, Any]:
             "resources": loads(r["resources"]) if r["resources"] else {},
             "stopSignal": r["stop_signal"],
             "outputs": loads(r["outputs"]),
+            "egress": loads(r["egress"]),
             **(loads(r["figures"]) if r["figures"] else {}),
         }
 
@@ -65,9 +66,11 @@ class TaskStore(Database):
         stall_timeout_seconds: float | None = None,
         resources: dict[str, Any] | None = None,
         stop_signal: str | None = None,
+        egress: dict[str, Any] | None = None,
     ) -> str:
         """Create a PENDING task from a snapshot of the spider. Returns its id. ``resources`` are merged
-        over the spider's (per key); ``stop_signal`` None takes the spider's.
+        over the spider's (per key); ``stop_signal`` None takes the spider's; ``egress`` (the wire shape)
+        replaces the spider's network policy, None takes the spider's.
 
         ``env`` is merged over the spider's env; ``timeout_seconds`` None takes the spider's.
         Raises NotFoundError (unknown spider) and ConflictError (the spider has no package yet).
@@ -87,7 +90,7 @@ class TaskStore(Database):
             db.execute(
                 "INSERT INTO tasks (id, spider_id, spider_name, framework, command, args, env, params,"
                 " timeout_seconds, code_version, code_mode, status, created_at, stall_timeout_seconds, resources,"
-                " stop_signal, outputs) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'PENDING', ?, ?, ?, ?, ?)",
+                " stop_signal, outputs, egress) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'PENDING', ?, ?, ?, ?, ?, ?)",
                 (
                     task_id,
                     spider_id,
@@ -105,6 +108,7 @@ class TaskStore(Database):
                     dumps(merged_resources) if merged_resources else None,
                     stop_signal or spider["stop_signal"],
                     spider["outputs"],
+                    spider["egress"] if egress is None else dumps(egress),
                 ),
             )
         return task_id
