@@ -41,12 +41,6 @@ OVER_LIMIT = {
 
     "ckagent/master/client.py",
 
-    "ckagent/code/deps.py",
-
-    "ckagent/code/workspace.py",
-
-    "ckagent/delivery/outbox.py",
-
     "ckagent/delivery/readers.py",
 
     "ckagent/port/metrics.py",
