@@ -375,6 +375,45 @@ async def test_a_spiders_egress_is_validated_copied_into_its_tasks_and_sent(
         assert (await admin.get_task(plain))["egress"] is None
 
 
+async def test_artifact_uploads_small_in_the_database_large_as_synced_files(
+    dev_master: DevMaster, http: httpx.AsyncClient, node: Node
+) -> None:
+    """PUT .../artifacts/{path}: a small artifact is kept in the SQLite file with its record (one
+    transaction), a large one as a file beside it; resends are acknowledged once, another digest at a
+    held path is 409, a cut body 400, another node's upload 409; GET gives the bytes back."""
+    from ckagent.devmaster.artifacts import INLINE_MAX_BYTES, blob_dir, blob_path
+
+    small, large = secrets.token_bytes(1024), secrets.token_bytes(INLINE_MAX_BYTES + 1)
+    digest = {data: hashlib.sha256(data).hexdigest() for data in (small, large)}
+
+    def put(path: str, data: bytes, sha: str, who: Node = node) -> Any:
+        return http.put(f"/api/tasks/{task_id}/artifacts/{path}", content=data,
+                        headers={**who.auth, "X-Content-SHA256": sha})
+
+    with trio.fail_after(30):
+        spider = await make_spider(dev_master.admin)
+        task_id = await dev_master.admin.create_task(spider)
+        assert (await node.claim(task_id)).status_code == 200
+        for _ in range(2):  # the second time: a resend after a lost answer
+            for path, data in (("out/small.bin", small), ("out/large.bin", large)):
+                r = await put(path, data, digest[data])
+                assert (r.status_code, r.json()) == (200, {"path": path, "sizeBytes": len(data),
+                                                           "sha256": digest[data]}), r.text
+        assert (await put("out/small.bin", large, digest[large])).status_code == 409  # another file there
+        assert (await put("out/cut.bin", small[:-1], digest[small])).status_code == 400
+        other = await register(http, dev_master.registration_token, "node-b")
+        assert (await put("out/theirs.bin", small, digest[small], other)).status_code == 409
+        listed = await dev_master.admin.list_artifacts(task_id)
+        assert [(a["path"], a["sizeBytes"]) for a in listed] == [("out/large.bin", len(large)),
+                                                                 ("out/small.bin", len(small))]
+        assert await dev_master.admin.get_artifact(task_id, "out/small.bin") == small
+        assert await dev_master.admin.get_artifact(task_id, "out/large.bin") == large
+    files = [p for p in blob_dir(dev_master.db_path).rglob("*") if p.is_file()]
+    assert files == [blob_path(dev_master.db_path, digest[large])]  # no temporary leftovers, no small file
+    with contextlib.closing(sqlite3.connect(dev_master.db_path)) as db:
+        assert db.execute("SELECT sha256 FROM artifact_blobs").fetchall() == [(digest[small],)]
+
+
 async def test_poll_one_task_per_spider_and_exclusions(dev_master: DevMaster, node: Node) -> None:
     with trio.fail_after(10):
         spider_a = await make_spider(dev_master.admin, "a")

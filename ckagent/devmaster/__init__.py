@@ -1,12 +1,17 @@
 """The reference master: the node protocol and an admin API over one SQLite file, for demos and tests.
 
-    store.py     the state and the protocol's stateful rules (claims, final results, seq numbers)
-    app.py       the Starlette app: node endpoints, admin endpoints, long poll
+    store/       the state and the protocol's stateful rules (claims, final results, seq numbers),
+                 one module per concern (schema, database, nodes, spiders, tasks, claims, streams)
+    app.py       the Starlette app: composition, pages, ``route_table`` (the (method, path) pairs by side)
+    node_api.py  the node protocol's routes (long poll, claims, streams, artifact uploads, code)
+    admin_api.py the admin API's routes and the checks of its payloads
+    web.py       what the routes share: request bodies, authentication, the long-poll notifier
+    artifacts.py where a task's artifacts live (small ones in SQLite, large ones as synced files)
     demosite.py  the deterministic demo shop the example spiders crawl (/demo-site/)
     server.py    hypercorn (Trio worker): ``serve`` (startable) and ``serve_forever`` (the CLI's)
     client.py    ``AdminClient`` and ``zip_directory`` for demos and end-to-end tests
 
-Backend teams can read store.py and app.py as the executable contract of docs/protocol.md.
+Backend teams can read store/ and node_api.py as the executable contract of docs/protocol.md.
 """
 
 from __future__ import annotations

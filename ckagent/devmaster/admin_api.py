@@ -260,9 +260,11 @@ def routes(api: Api) -> list[BaseRoute]:
     async def get_artifact(request: Request) -> Response:
         admin_auth(request)
         path = check_artifact_path(request.path_params["path"], "path")
-        blob = await run(store.artifact_path, request.path_params["task_id"], path)
-        return FileResponse(blob, media_type="application/octet-stream",
-                            headers={"Content-Disposition": f"attachment; filename*=UTF-8''{quote(path.rsplit('/', 1)[-1])}"})
+        blob = await run(store.artifact_bytes, request.path_params["task_id"], path)
+        headers = {"Content-Disposition": f"attachment; filename*=UTF-8''{quote(path.rsplit('/', 1)[-1])}"}
+        if isinstance(blob, bytes):  # a small artifact, kept in the database
+            return Response(blob, media_type="application/octet-stream", headers=headers)
+        return FileResponse(blob, media_type="application/octet-stream", headers=headers)
 
     async def cancel_task(request: Request) -> Response:
         admin_auth(request)

@@ -186,16 +186,31 @@ class TaskStore(Database):
     # ----------------------------------------------------------------------- artifacts (ckagent.devmaster.artifacts)
 
     def store_artifact(self, task_id: str, node_id: str, path: str, data: bytes, sha256: str) -> dict[str, Any]:
-        """Keep one artifact of a task claimed by ``node_id`` (idempotent for the same bytes). Returns
-        ``{path, sizeBytes, sha256}``. Raises NotFoundError, ConflictError (another node's task, or
-        another file at that path), BadRequestError (the bytes do not match ``sha256``)."""
-        with self._tx() as db:
+        """Keep one artifact of a task claimed by ``node_id`` (idempotent for the same bytes): a small one
+        with its bytes in one transaction, a large one as a synced file first (ckagent.devmaster.artifacts).
+        Returns ``{path, sizeBytes, sha256}``. Raises NotFoundError, ConflictError (another node's task,
+        or another file at that path), BadRequestError (the bytes do not match ``sha256``)."""
+        task_artifacts.check_digest(data, sha256)
+        answer: dict[str, Any] = {"path": path, "sizeBytes": len(data), "sha256": sha256}
+
+        def owned(db: sqlite3.Connection) -> None:
             if task_row(db, task_id)["node_id"] != node_id:
                 raise ConflictError(f"task {task_id!r} is not claimed by this node")
-        task_artifacts.write_blob(self.db_path, data, sha256)
+
+        if len(data) > task_artifacts.INLINE_MAX_BYTES:
+            def known(db: sqlite3.Connection) -> str | None:
+                owned(db)
+                return task_artifacts.recorded(db, task_id, path)
+
+            if self._read(known) != sha256:  # not a resend: the file first, then its record
+                task_artifacts.write_blob(self.db_path, data, sha256)
         with self._tx() as db:
+            owned(db)
             task_artifacts.record(db, task_id, path, len(data), sha256, utc_now_iso())
-        return {"path": path, "sizeBytes": len(data), "sha256": sha256}
+            if len(data) <= task_artifacts.INLINE_MAX_BYTES:
+                task_artifacts.keep_inline(db, data, sha256)
+                self._wrote(len(data))
+        return answer
 
     def list_artifacts(self, task_id: str) -> list[dict[str, Any]]:
         """A task's artifacts ``[{path, sizeBytes, sha256, storedAt}]``. Raises NotFoundError."""
@@ -204,8 +219,11 @@ class TaskStore(Database):
             return task_artifacts.listing(db, task_id)
         return self._read(read)
 
-    def artifact_path(self, task_id: str, path: str) -> Path:
-        """The file holding one artifact's bytes. Raises NotFoundError."""
-        sha = self._read(lambda db: task_artifacts.find(db, task_id, path))
-        return task_artifacts.blob_path(self.db_path, sha)
-
+    def artifact_bytes(self, task_id: str, path: str) -> bytes | Path:
+        """One artifact: its bytes (a small one, kept in the database) or the file holding them.
+        Raises NotFoundError."""
+        def read(db: sqlite3.Connection) -> bytes | Path:
+            sha = task_artifacts.find(db, task_id, path)
+            data = task_artifacts.inline_bytes(db, sha)
+            return task_artifacts.blob_path(self.db_path, sha) if data is None else data
+        return self._read(read)
