@@ -12,6 +12,9 @@ Two ways to choose a fault:
 - a ``chooser(request) -> mode`` given to the constructor (e.g. seeded random faults), used while no
   mode is set.
 
+:class:`MockFaults` applies the same modes inside an ``httpx.MockTransport`` (logic tests on the
+autojump clock, a master in memory).
+
 Modes (:data:`MODES`), one per answer class of the master boundary (ckagent/master/client.py)::
 
     pass         forward
@@ -50,6 +53,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import trio
 
 MODES = ("pass", "html", "truncated", "wrong_shape", "429", "503", "500", "502", "401", "403", "404_html",
@@ -183,30 +187,10 @@ class FaultProxy:
                 while await client.receive_some(65536):  # until the client closes its side
                     pass
             return
-        own = {
-            "html": (200, "OK", "text/html; charset=utf-8", PORTAL_PAGE),
-            "wrong_shape": (200, "OK", "application/json", b'{"hello": "from the proxy", "items": [1, 2]}'),
-            "429": (429, "Too Many Requests", "text/plain", b"slow down\n"),
-            "503": (503, "Service Unavailable", "text/html", b"<html><body>503 Service Unavailable</body></html>"),
-            "500": (500, "Oops", "", b""),
-            "502": (502, "Oops", "", b""),
-            "401": (401, "Unauthorized", "application/json", b'{"error": "the proxy wants credentials"}'),
-            "403": (403, "Forbidden", "application/json", b'{"error": "blocked by the proxy"}'),
-            "404_html": (404, "Not Found", "text/html", b"<html><body><h1>404 Not Found</h1>nginx</body></html>"),
-            "404_json": (404, "Not Found", "application/json", b'{"error": "task not found"}'),
-            "404_spring": (404, "Not Found", "application/json", json.dumps(
-                {"timestamp": "2026-12-01T21:00:00.000+00:00", "status": 404, "error": "Not Found",
-                 "path": path}).encode()),
-            "413": (413, "Payload Too Large", "application/json", b'{"error": "request entity too large"}'),
-            "429_retry": (429, "Too Many Requests", "application/json", b'{"error": "slow down"}'),
-        }.get(mode)
+        own = own_answer(mode, path, self.retry_after)
         if own is not None:
-            status, reason, ctype, content = own
-            extra = f"Content-Type: {ctype}\r\n" if ctype else ""
-            if mode == "429":
-                extra += "Retry-After: 1\r\n"
-            if mode == "429_retry":
-                extra += f"Retry-After: {self.retry_after}\r\n"
+            status, reason, headers, content = own
+            extra = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
             await client.send_all(f"HTTP/1.1 {status} {reason}\r\n{extra}Content-Length: {len(content)}\r\n"
                                   f"Connection: close\r\n\r\n".encode() + content)
             return
@@ -237,6 +221,37 @@ class FaultProxy:
             while chunk := await upstream.receive_some(65536):
                 answer += chunk
         return answer
+
+
+def own_answer(mode: str, path: str, retry_after: int = 1) -> tuple[int, str, dict[str, str], bytes] | None:
+    """The answer the proxy gives itself in ``mode`` (status, reason, headers, body), or None for a mode
+    that forwards, cuts or withholds the answer. Shared by the proxy and :class:`MockFaults`."""
+    own = {
+        "html": (200, "OK", "text/html; charset=utf-8", PORTAL_PAGE),
+        "wrong_shape": (200, "OK", "application/json", b'{"hello": "from the proxy", "items": [1, 2]}'),
+        "429": (429, "Too Many Requests", "text/plain", b"slow down\n"),
+        "503": (503, "Service Unavailable", "text/html", b"<html><body>503 Service Unavailable</body></html>"),
+        "500": (500, "Oops", "", b""),
+        "502": (502, "Oops", "", b""),
+        "401": (401, "Unauthorized", "application/json", b'{"error": "the proxy wants credentials"}'),
+        "403": (403, "Forbidden", "application/json", b'{"error": "blocked by the proxy"}'),
+        "404_html": (404, "Not Found", "text/html", b"<html><body><h1>404 Not Found</h1>nginx</body></html>"),
+        "404_json": (404, "Not Found", "application/json", b'{"error": "task not found"}'),
+        "404_spring": (404, "Not Found", "application/json", json.dumps(
+            {"timestamp": "2026-12-01T21:00:00.000+00:00", "status": 404, "error": "Not Found",
+             "path": path}).encode()),
+        "413": (413, "Payload Too Large", "application/json", b'{"error": "request entity too large"}'),
+        "429_retry": (429, "Too Many Requests", "application/json", b'{"error": "slow down"}'),
+    }.get(mode)
+    if own is None:
+        return None
+    status, reason, ctype, content = own
+    headers = {"Content-Type": ctype} if ctype else {}
+    if mode == "429":
+        headers["Retry-After"] = "1"
+    if mode == "429_retry":
+        headers["Retry-After"] = str(retry_after)
+    return status, reason, headers, content
 
 
 def _truncate(answer: bytes) -> bytes:
@@ -270,3 +285,83 @@ async def read_request(stream: trio.SocketStream) -> tuple[bytes, bytes]:
             raise ValueError("short body")
         body += chunk
     return head, body
+
+
+class MockFaults:
+    """The proxy's modes for ``httpx.MockTransport``: logic tests of the master boundary (autojump clock,
+    a master in memory) meet the same faults as the end-to-end ones, classified by :func:`call_of` and
+    answered with the proxy's own bytes (:func:`own_answer`). Where the proxy acts on the socket:
+
+    reset        httpx.ReadError (the connection reset while the answer was awaited)
+    drop         httpx.RemoteProtocolError (closed without an answer; not forwarded)
+    drop_answer  forwarded, then httpx.RemoteProtocolError
+    timeout      the request's read timeout passes (trio.sleep), then httpx.ReadTimeout; not forwarded
+    hang_body    forwarded; the read timeout passes, then httpx.ReadTimeout
+    truncated    forwarded; the answer's body cut in half
+    delay, slow  a pause (0.05-0.8 s; ``slow_seconds``), then forwarded
+
+    ``master(request) -> httpx.Response`` is the master behind it. ``set``/``heal``/``faulted``/``seen``
+    work as on :class:`FaultProxy`.
+    """
+
+    def __init__(self, master: Callable[[httpx.Request], httpx.Response]) -> None:
+        self.master = master
+        self.mode = "pass"
+        self.calls: frozenset[str] = frozenset()
+        self.seen: list[tuple[float, str, str]] = []
+        self.slow_seconds = 10.0
+        self.retry_after = 1
+
+    def set(self, mode: str, calls: Iterable[str] = CALLS) -> None:
+        """Answer every request of ``calls`` with ``mode`` from now on (as :meth:`FaultProxy.set`)."""
+        FaultProxy.set(self, mode, calls)  # type: ignore[arg-type]  # the same attributes
+
+    def heal(self) -> None:
+        """Forward everything again."""
+        self.mode, self.calls = "pass", frozenset()
+
+    def faulted(self, call: str, since: float = float("-inf")) -> int:
+        """How many requests of ``call`` got a fault (not ``pass``) since trio time ``since``."""
+        return FaultProxy.faulted(self, call, since)  # type: ignore[arg-type]  # the same attributes
+
+    def transport(self) -> httpx.MockTransport:
+        """A transport for ``MasterClient(..., transport=...)``."""
+        return httpx.MockTransport(self.handle)
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        """Answer ``request`` as the proxy would in the mode that applies to its call."""
+        try:
+            payload = json.loads(request.content) if request.content else None
+        except ValueError:
+            payload = None
+        call = call_of(request.method, request.url.path, payload)
+        applies = call in self.calls or ("batches" in self.calls and request.url.path.endswith("/batches"))
+        mode = self.mode if applies else "pass"
+        self.seen.append((trio.current_time(), call, mode))
+        own = own_answer(mode, request.url.path, self.retry_after)
+        if own is not None:
+            status, _reason, headers, content = own
+            return httpx.Response(status, headers=headers, content=content)
+        read_timeout = (request.extensions.get("timeout") or {}).get("read") or HOLD_LIMIT
+        if mode == "reset":
+            raise httpx.ReadError("[Errno 104] Connection reset by peer", request=request)
+        if mode == "drop":
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+        if mode == "timeout":
+            await trio.sleep(min(read_timeout, HOLD_LIMIT))
+            raise httpx.ReadTimeout("timed out", request=request)
+        if mode == "delay":
+            await trio.sleep(random.uniform(0.05, 0.8))
+        if mode == "slow":
+            await trio.sleep(self.slow_seconds)
+        answer = self.master(request)
+        if mode == "drop_answer":
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+        if mode == "hang_body":
+            await trio.sleep(min(read_timeout, HOLD_LIMIT))
+            raise httpx.ReadTimeout("timed out", request=request)
+        if mode == "truncated":
+            content = answer.content[: len(answer.content) // 2]
+            headers = {k: v for k, v in answer.headers.items() if k.lower() not in ("content-length", "transfer-encoding")}
+            return httpx.Response(answer.status_code, headers=headers, content=content)
+        return answer
