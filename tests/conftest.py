@@ -175,6 +175,23 @@ async def dev_master_process(tmp_path: Path) -> AsyncIterator[DevMasterProcess]:
 SLOW_SECONDS = 5.0
 """A test that takes longer than this (wall, setup + call + teardown) is marked ``slow``."""
 
+SLOW: tuple[str, ...] = (
+    # end to end through and through: real agents (in process or not) with real spiders, run.sh,
+    # zipapp builds, package installs, outages
+    "test_runsh.py", "test_adoption_runsh.py", "test_pyz.py", "test_release.py", "test_shutdown.py",
+    "test_crawl_stats_e2e.py", "test_delivery_faults.py", "test_containment.py", "test_adoption.py",
+    "test_claims_e2e.py", "test_agent_e2e.py", "test_refusals.py", "test_disk_full.py",
+    "test_artifacts_delivery.py", "test_outputs_e2e.py", "test_e2e_smoke.py", "test_hostile_spider.py",
+    "test_task_setup_failure.py", "test_recovery.py", "test_real_spiders.py", "test_bench_smoke.py",
+    "test_bench_flood_smoke.py", "test_outputs_examples.py", "test_public_examples.py",
+    "test_scrapy_anyhow.py", "test_node_sigterm_e2e.py",
+    # a dev master in its own process, restarted
+    "fixture:dev_master_process",
+)
+"""Marked ``slow`` here as a whole (entries as in :data:`SERIAL_GROUPS`); single tests elsewhere carry
+``@pytest.mark.slow`` in their file. The summary of every run lists the tests over
+:data:`SLOW_SECONDS` that are marked neither way."""
+
 _STARTED = pytest.StashKey[tuple[float, float]]()
 
 # ----------------------------------------------------------------- what must not run side by side (xdist)
@@ -194,25 +211,29 @@ group and table names come from its work_dir under ``tmp_path``; ports are 0); t
 ckagent.pyz is built once for all workers under a file lock (tests/test_pyz.py)."""
 
 
-def _group_of(item: pytest.Item) -> str | None:
+def _is_member(item: pytest.Item, members: tuple[str, ...]) -> bool:
     nodeid = item.nodeid.removeprefix("tests/")
     fixtures = set(getattr(item, "fixturenames", ()))
-    for group, members in SERIAL_GROUPS.items():
-        for member in members:
-            if member.startswith("fixture:") and member.removeprefix("fixture:") in fixtures:
-                return group
-            if nodeid == member or nodeid.startswith((member + "::", member + "[")):
-                return group
-    return None
+    for member in members:
+        if member.startswith("fixture:") and member.removeprefix("fixture:") in fixtures:
+            return True
+        if nodeid == member or nodeid.startswith((member + "::", member + "[")):
+            return True
+    return False
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects: the markers added here count
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not config.pluginmanager.hasplugin("xdist"):
-        return  # run with -p no:xdist: one process, nothing runs side by side
+    xdist = config.pluginmanager.hasplugin("xdist")  # without it (-p no:xdist) nothing runs side by side
     for item in items:
-        group = _group_of(item)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+        if _is_member(item, SLOW):
+            item.add_marker(pytest.mark.slow)
+        if not xdist:
+            continue
+        for group, members in SERIAL_GROUPS.items():
+            if _is_member(item, members):
+                item.add_marker(pytest.mark.xdist_group(group))
+                break
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -94,6 +94,7 @@ async def test_an_idle_node_looks_at_its_disk_twice_a_minute_a_busy_one_every_in
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_a_node_below_its_disk_floor_takes_no_task_says_why_and_resumes(dev_master, tmp_path: Path) -> None:
     admin = dev_master.admin
     free = shutil.disk_usage(tmp_path).free

@@ -257,6 +257,43 @@ async def test_every_fault_as_logic(
     assert not tracebacks, [r.getMessage() for r in tracebacks]
 
 
+OUTAGE_SECONDS = 60.0
+"""Long enough for every backoff to reach its 30 s cap (virtual time: it costs nothing here)."""
+
+
+async def test_a_long_outage_ends_in_seconds_once_the_master_is_back(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    """The logic of tests/test_delivery_faults.py's outage (a real 60 s there): the streams back off to
+    the cap during a 60 s outage, and once the master answers again they finish within seconds, not
+    after a whole capped backoff."""
+    memory = MemoryMaster()
+    faults = MockFaults(memory)
+    master = memory_client(faults)
+    await master.register()
+    write_task(tmp_path / "t1")
+    store = AsyncStateStore(StateStore(tmp_path / "state.db"))
+    await store.add_task("t1", "s1", {}, tmp_path / "t1")
+    logs = StreamShipper.logs(master, store, "t1", tmp_path / "t1", Masker([]))
+    items = StreamShipper.items(master, store, "t1", tmp_path / "t1")
+    items.finish()
+    faults.set("reset", NODE_CALLS)
+    async with trio.open_nursery() as beating:
+        beating.start_soon(heartbeats, master)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(logs.run)
+            nursery.start_soon(items.run)
+            await trio.sleep(OUTAGE_SECONDS)
+            assert "t1" not in memory.logs and faults.faulted("logs") >= 3
+            faults.heal()
+            back_at = trio.current_time()
+        took = trio.current_time() - back_at
+        beating.cancel_scope.cancel()
+    assert memory.logs["t1"] == LINES and memory.items["t1"] == ITEMS
+    assert took < 20, f"delivery resumed {took:.1f} s after the master came back"
+    await master.aclose()
+
+
 # --------------------------------------------------------------------------- one per class, end to end
 
 @pytest.mark.slow
@@ -367,6 +404,7 @@ for i in range(40_000):
 """
 
 
+@pytest.mark.slow
 async def test_a_portal_page_on_logs_alone_mid_task_loses_no_line(
     dev_master: Any, nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
