@@ -105,6 +105,7 @@ def test_the_python_runtime_hooks_scrapy_and_browser_frameworks_say_a_missing_br
     assert spawn_additions(ctx("python", path, built=None)).env == {}
     assert spawn_additions(ctx("node", path, built=None)).env == {}
     assert spawn_additions(ctx("python", path)).notices == []
+    assert frameworks.has_spawn_hooks("python") and not frameworks.has_spawn_hooks("node")
     missing = spawn_additions(ctx("selenium", path)).notices
     assert len(missing) == 1 and "chromium and chromedriver" in missing[0] and "CK_CHROMIUM_PATH" in missing[0]
     found = {**path, "CK_CHROMIUM_PATH": "/usr/bin/chromium"}

@@ -218,6 +218,12 @@ def default_packages(name: str, code_dir: Path) -> tuple[str, ...]:
     return (found or own).packages
 
 
+def has_spawn_hooks(name: str) -> bool:
+    """Whether a task of framework ``name`` has spawn hooks at all (no thread hop for one that has none)."""
+    record = framework(name)
+    return bool(record.runtime.hooks or record.hooks)
+
+
 def spawn_additions(ctx: SpawnContext) -> SpawnAdditions:
     """What the runtime's hooks, then the framework's, add at the spawn (blocking: hooks read files)."""
     record = framework(ctx.framework)
