@@ -79,8 +79,9 @@ from ckagent.delivery import LogSink, Outbox
 from ckagent.delivery.crawlstats import STATS_FILE
 from ckagent.delivery.lines import secret_values
 from ckagent.delivery.outputs import collect, kept_dir
-from ckagent.master.client import MasterClient, MasterError, json_object
-from ckagent.master.ids import api_path, safe_name
+from ckagent.master.client import MasterClient, MasterError
+from ckagent.master.endpoints import Retry
+from ckagent.master.ids import safe_name
 from ckagent.master.ids import task_dir as task_dir_of
 from ckagent.master.protocol import ARTIFACTS, TIMEOUT_MESSAGE, Task, TaskResult, utc_iso
 from ckagent.node.errors import (
@@ -415,10 +416,7 @@ class Supervisor:
         log.error("task %s: %s", rt.task.id, message)
         result = _result(rt, TaskOutcome("FAILED", "DEPLOY_FAILED", message), started_wall)
         try:
-            await self._master.call_retrying(
-                "result", "POST", api_path("/api/tasks/{task}/result", task=rt.task.id), json=result.to_json(),
-                retry_timeout=REPORT_RETRY_TIMEOUT, answer=json_object,
-            )
+            await self._master.report_result(rt.task.id, result, retry=Retry(timeout=REPORT_RETRY_TIMEOUT))
         except MasterError as report_exc:
             log.error("task %s: could not report the failure either (%s)", rt.task.id, report_exc)
         self._observer.task_finished(rt, result)
