@@ -3,7 +3,8 @@
 - ``ckagent/master/protocol/openapi.yaml``: every node operation is a row of the table and every row
   an operation (same method, same path with its parameters), answering the schema the row reads;
 - the reference master: every row's route is served (read from the app's own route list);
-- what derives from it: connectivity's node and task-data endpoints, the fault proxy's calls;
+- what derives from it: connectivity's node and task-data endpoints, the fault proxy's calls, the
+  request metric's endpoint label;
 - paths: each id quoted once, as one segment (or segments, for an artifact's path).
 """
 
@@ -18,6 +19,7 @@ import pytest
 import trio
 import yaml
 from faultproxy import CALLS, call_of
+from prometheus_client.parser import text_string_to_metric_families
 from starlette.routing import BaseRoute, Match, Mount
 
 from ckagent.devmaster.app import Notifier, create_app
@@ -25,6 +27,7 @@ from ckagent.devmaster.store import Store
 from ckagent.master import connectivity, endpoints
 from ckagent.master.endpoints import ENDPOINTS, TASK_DATA_ENDPOINTS, Endpoint
 from ckagent.master.protocol import SpiderFile
+from ckagent.port.metrics import AgentMetrics, LiveFigures
 
 SPEC = yaml.safe_load(Path(endpoints.__file__).with_name("protocol").joinpath("openapi.yaml").read_text())
 HTTP_METHODS = {"get", "put", "post", "delete", "patch"}
@@ -127,16 +130,16 @@ def test_a_path_built_by_the_table_is_matched_back_to_its_row() -> None:
 
 
 def test_connectivity_derives_its_endpoint_sets_from_the_table() -> None:
-    assert TASK_DATA_ENDPOINTS == {"logs", "items", "batches", "result"}
+    assert {"logs", "items", "batches", "result"} == TASK_DATA_ENDPOINTS
     assert connectivity.TASK_DATA_ENDPOINTS is TASK_DATA_ENDPOINTS
-    assert connectivity._NODE_ENDPOINTS == {"register", "heartbeat", "poll"} | TASK_DATA_ENDPOINTS
+    assert {"register", "heartbeat", "poll"} | TASK_DATA_ENDPOINTS == connectivity._NODE_ENDPOINTS
     assert set(connectivity.ENDPOINT_CLASSES) == set(ENDPOINTS)
     assert {connectivity.endpoint_class(n) for n in ("download", "spider_files", "spider_file")} == {"downloads"}
     assert {connectivity.endpoint_class(n) for n in ("poll", "claim", "release")} == {"poll"}
 
 
 def test_the_fault_proxy_names_every_call_of_the_table() -> None:
-    assert CALLS == set(ENDPOINTS) | {"other"}
+    assert set(ENDPOINTS) | {"other"} == CALLS
     for e in ENDPOINTS.values():
         path = e.path(**{name: SAMPLE_IDS[name] for name in e.params})
         payload = {"status": "RUNNING"} if e is endpoints.CLAIM else {"status": "SUCCESS"}
@@ -152,3 +155,20 @@ def test_an_endpoints_reader_is_its_answer_type() -> None:
     with pytest.raises(ValueError):
         endpoints.node_batch_results({"results": "no"})
     assert endpoints.node_batch_results({"results": [{"acceptedSeq": 1}]}) == [{"acceptedSeq": 1}]
+
+
+def test_the_request_metric_has_one_series_per_endpoint_from_the_start() -> None:
+    metrics = AgentMetrics("1.2.3", "node-a")
+    body, _ = metrics.render(LiveFigures(state="RUNNING"))
+    families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    series = {(s.labels["endpoint"], s.labels["outcome"]): s.value
+              for s in families["ckagent_master_requests"].samples if s.name == "ckagent_master_requests_total"}
+    assert series == {(name, "ok"): 0.0 for name in ENDPOINTS}
+
+
+def test_the_protocol_docs_name_every_call_of_the_table() -> None:
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
+    section = doc.split("\n## Endpoints\n", 1)[1].split("\n### ", 1)[0]
+    named = {name for row in section.splitlines() if row.startswith("| `")
+             for name in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
+    assert named == set(ENDPOINTS)
