@@ -250,8 +250,11 @@ class MasterClient(MasterCalls):
         if not self.registered:
             await self.register()
         endpoint, method = row.name, row.method
+        given = dict(ids or {})
+        if "node" in row.params:
+            given["node"] = self.node_id or ""
         try:
-            target = row.path(**{"node": self.node_id or "", **(ids or {})} if "node" in row.params else (ids or {}))
+            target = row.path(**given)
         except KeyError as exc:
             raise MasterRejected(endpoint, 0, None, message=f"{endpoint}: cannot build its path ({exc})") from None
         for second_try in (False, True):

@@ -98,9 +98,15 @@ class Endpoint(Generic[A]):
     holds_data: bool = False
     params: tuple[str, ...] = field(init=False)
     """The template's parameters, in order (``node`` included)."""
+    _pattern: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", tuple(m.group(1) for m in _PARAM.finditer(self.template)))
+        parts = _PARAM.split(self.template)  # text, (name, kind, text)*: kind ":path" or None
+        pattern = re.escape(parts[0])
+        for i in range(1, len(parts), 3):
+            pattern += (".+" if parts[i + 1] else "[^/]+") + re.escape(parts[i + 2])
+        object.__setattr__(self, "_pattern", re.compile(pattern))
 
     def path(self, **ids: str) -> str:
         """The path with ``ids`` put in, each quoted once (one segment, or segments for ``{x:path}``);
@@ -122,16 +128,6 @@ class Endpoint(Generic[A]):
     def matches(self, method: str, path: str) -> bool:
         """True when a request (``method``, a raw ``path`` without its query) is this route."""
         return method.upper() == self.method and self._pattern.fullmatch(path) is not None
-
-    @property
-    def _pattern(self) -> re.Pattern[str]:
-        parts = _PARAM.split(self.template)  # text, name, kind, text, name, kind, ...
-        out = []
-        for i in range(0, len(parts), 3):
-            out.append(re.escape(parts[i]))
-            if i + 1 < len(parts):
-                out.append(".+" if parts[i + 2] else "[^/]+")
-        return re.compile("".join(out))
 
 
 REGISTER: Endpoint[RegisterResponse] = Endpoint(
