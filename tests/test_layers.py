@@ -35,8 +35,6 @@ OVER_LIMIT = {
 
     "ckagent/node/config.py",
 
-    "ckagent/task/supervisor.py",
-
     "ckagent/devmaster/store.py",
 
     "ckagent/devmaster/app.py",
