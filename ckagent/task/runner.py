@@ -44,8 +44,9 @@ from ckagent.containment.process import MARKER_VAR, sweep
 from ckagent.containment.tails import TailBuffer
 from ckagent.delivery import LogSink, Outbox
 from ckagent.delivery.crawlstats import STATS_FILE
-from ckagent.master.client import MasterClient, MasterError, json_object
-from ckagent.master.ids import api_path, safe_name
+from ckagent.master.client import MasterClient, MasterError
+from ckagent.master.endpoints import Retry
+from ckagent.master.ids import safe_name
 from ckagent.master.ids import task_dir as task_dir_of
 from ckagent.master.protocol import ARTIFACTS
 from ckagent.node.errors import (
@@ -183,10 +184,7 @@ class TaskRunner:
         log.error("task %s: %s", rt.task.id, message)
         result = task_result(rt, TaskOutcome("FAILED", "DEPLOY_FAILED", message), started_wall)
         try:
-            await self._master.call_retrying(
-                "result", "POST", api_path("/api/tasks/{task}/result", task=rt.task.id), json=result.to_json(),
-                retry_timeout=REPORT_RETRY_TIMEOUT, answer=json_object,
-            )
+            await self._master.report_result(rt.task.id, result, retry=Retry(timeout=REPORT_RETRY_TIMEOUT))
         except MasterError as report_exc:
             log.error("task %s: could not report the failure either (%s)", rt.task.id, report_exc)
         self._admission.observer.task_finished(rt, result)
