@@ -35,7 +35,8 @@ from pathlib import Path
 
 import trio
 
-from ckagent.code.deps import PYTHON_FRAMEWORKS, Dependencies, Prepared, spider_base_env
+from ckagent.code import frameworks
+from ckagent.code.deps import Dependencies, Prepared, spider_base_env
 from ckagent.code.workspace import Workspaces
 from ckagent.containment import ContainmentError, TaskJail
 from ckagent.containment.egress import report_refusals
@@ -74,7 +75,6 @@ from ckagent.task.outcome import (
     task_result,
 )
 from ckagent.task.runconfig import RunnerConfig
-from ckagent.task.scrapyhook import scrapy_hook
 
 log = logging.getLogger(__name__)
 
@@ -312,12 +312,12 @@ class TaskRunner:
                 "CK_PARAMS": json.dumps(task.params, ensure_ascii=False),
             }
         )
-        if prepared.env_dir is not None and task.framework in PYTHON_FRAMEWORKS:
-            hook_env, hook_note = await trio.to_thread.run_sync(
-                scrapy_hook, task.framework, argv, env.get("PATH"), code.work, prepared.env_dir)
-            env.update(hook_env)
-            if hook_note:
-                notice(hook_note)
+        if frameworks.has_spawn_hooks(task.framework):  # the framework's (and its runtime's) hooks: Scrapy's items …
+            added = await trio.to_thread.run_sync(frameworks.spawn_additions, frameworks.SpawnContext(
+                task.framework, argv, env, code.work, prepared.env_dir))
+            env.update(added.env)
+            for line in added.notices:
+                notice(line)
         timeout = self.config.execute_timeout if task.timeout_seconds is None else task.timeout_seconds
         stall = self.config.stall_timeout if task.stall_timeout_seconds is None else task.stall_timeout_seconds
         rt.phase = "running"
