@@ -1,8 +1,10 @@
 """A fault-injecting HTTP/1.1 proxy between an agent and the reference master (real sockets, 127.0.0.1 port 0).
 
 The agent is pointed at the proxy (``server.url = http://127.0.0.1:<proxy port>``); every request is
-classified as the node call it is (:func:`call_of`: register, heartbeat, poll, claim, result, logs,
-items, download, spider_files, other) and either forwarded to the master or answered by a fault.
+classified as the node call it is (:func:`call_of`: a name of the agent's endpoint table,
+ckagent.master.endpoints — register, heartbeat, poll, claim, result, release, logs, items, batches,
+stats, artifact, spider_files, spider_file, download — or other) and either forwarded to the master or
+answered by a fault.
 One request per connection: the proxy asks the master to close after answering.
 
 Two ways to choose a fault:
@@ -39,7 +41,9 @@ Modes (:data:`MODES`), one per answer class of the master boundary (ckagent/mast
                  until the client gives up (at most HOLD_LIMIT)
     429_retry    429 {"error": …} with ``Retry-After: <retry_after>``
 
-``batches`` in the calls of :meth:`FaultProxy.set` names node batches alone (they also count as logs).
+``batches`` in the calls of :meth:`FaultProxy.set` names node batches alone; ``logs`` names them too
+(they carry the log batches), and ``spider_files`` names a spider file's download as well as the
+listing (:data:`COUNTS_AS`; :meth:`FaultProxy.faulted` counts them the same way).
 """
 
 from __future__ import annotations
@@ -56,12 +60,15 @@ from typing import Any
 import httpx
 import trio
 
+from ckagent.master.endpoints import CLAIM, ENDPOINTS
+
 MODES = ("pass", "html", "truncated", "wrong_shape", "429", "503", "500", "502", "401", "403", "404_html",
          "reset", "timeout", "drop", "drop_answer", "delay", "404_json", "404_spring", "413", "slow", "hang_body",
          "429_retry")
-CALLS = frozenset({"register", "heartbeat", "poll", "claim", "result", "logs", "items", "artifact", "download",
-                   "spider_files", "other", "batches"})
-"""Every call :func:`call_of` can name."""
+CALLS = frozenset(ENDPOINTS) | {"other"}
+"""Every call :func:`call_of` can name: the agent's endpoints, and ``other``."""
+COUNTS_AS = {"batches": "logs", "spider_file": "spider_files"}
+"""A call that the calls of :meth:`FaultProxy.set` (and :meth:`FaultProxy.faulted`) also name by another."""
 
 PORTAL_PAGE = (b"<!DOCTYPE html><html><head><title>Sign in to the network</title></head>"
                b"<body><form>Accept the terms to continue</form></body></html>")
@@ -80,30 +87,12 @@ class Request:
 
 
 def call_of(method: str, path: str, payload: Any) -> str:
-    """The node call a request is: register, heartbeat, poll, claim (result RUNNING), result, logs,
-    items, artifact (an artifact's upload), download (a code package), spider_files, or other. A node batch (several tasks' log and
-    item batches in one request) counts as logs."""
-    parts = path.strip("/").split("/")
-    if path == "/api/nodes/register":
-        return "register"
-    if parts[:2] == ["api", "nodes"] and parts[-1] == "heartbeat":
-        return "heartbeat"
-    if parts[:2] == ["api", "nodes"] and parts[-2:] == ["tasks", "pending"]:
-        return "poll"
-    if parts[:2] == ["api", "nodes"] and parts[-1] == "batches":
-        return "logs"
-    if parts[:2] == ["api", "tasks"] and len(parts) == 4:
-        if parts[3] == "result":
-            return "claim" if isinstance(payload, dict) and payload.get("status") == "RUNNING" else "result"
-        if parts[3] in ("logs", "items"):
-            return parts[3]
-    if parts[:2] == ["api", "tasks"] and len(parts) >= 5 and parts[3] == "artifacts" and method == "PUT":
-        return "artifact"
-    if parts[:2] == ["api", "packages"]:
-        return "download"
-    if parts[:2] == ["api", "spider-files"]:
-        return "spider_files"
-    return "other"
+    """The node call a request (``path`` raw, without its query) is: the name of the endpoint whose route
+    it is, or ``other``. A claim and a final result share their route: a claim's status is RUNNING."""
+    names = [e.name for e in ENDPOINTS.values() if e.matches(method, path)]
+    if CLAIM.name in names:
+        return CLAIM.name if isinstance(payload, dict) and payload.get("status") == "RUNNING" else "result"
+    return names[0] if names else "other"
 
 
 class FaultProxy:
@@ -136,7 +125,7 @@ class FaultProxy:
 
     def faulted(self, call: str, since: float = float("-inf")) -> int:
         """How many requests of ``call`` got a fault (not ``pass``) since trio time ``since``."""
-        return sum(1 for t, c, m in self.seen if c == call and m != "pass" and t >= since)
+        return sum(1 for t, c, m in self.seen if call in (c, COUNTS_AS.get(c)) and m != "pass" and t >= since)
 
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen on 127.0.0.1 (a free port, handed to ``task_status.started``) until cancelled."""
@@ -145,7 +134,7 @@ class FaultProxy:
         await trio.serve_listeners(self._handle, listeners)
 
     def _choose(self, request: Request) -> str:
-        if request.call in self.calls or ("batches" in self.calls and request.path.endswith("/batches")):
+        if request.call in self.calls or COUNTS_AS.get(request.call) in self.calls:
             return self.mode
         if self.chooser is not None:
             return self.chooser(request)

@@ -349,7 +349,7 @@ async def test_the_agent_survives_every_answer_class_and_delivers_everything(
             await eventually(streaming, 30, "the task streams")
             mark = len(caplog.records)
             faulted_at = trio.current_time()
-            proxy.set(mode, CALLS - {"register", "claim", "download", "spider_files"})
+            proxy.set(mode, CALLS - {"register", "claim", "download", "spider_files", "spider_file"})
             await eventually(lambda: readyz_names(CAUSES[mode]), FAULT_SECONDS + 2, f"/readyz names {mode}")
             await trio.sleep_until(faulted_at + FAULT_SECONDS)
             assert proxy.faulted("heartbeat", faulted_at) and proxy.faulted("logs", faulted_at), proxy.seen[-20:]

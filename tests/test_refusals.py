@@ -226,7 +226,7 @@ async def test_retry_after_of_a_429_is_waited_out(dev_master: Any, nursery: trio
         await trio.sleep(7)
         proxy.heal()
         task = await dev_master.admin.wait_task_final(task_id, 120)
-    refused = [t for t, call, mode in proxy.seen if call == "logs" and mode == "429_retry"]
+    refused = [t for t, call, mode in proxy.seen if call in ("logs", "batches") and mode == "429_retry"]
     assert len(refused) >= 2, refused
     gaps = [b - a for a, b in itertools.pairwise(refused)]
     assert all(gap >= 2.9 for gap in gaps), gaps  # one stream, each try after the 3 s asked for
