@@ -49,8 +49,6 @@ OVER_LIMIT = {
 
     "ckagent/code/workspace.py",
 
-    "ckagent/delivery/readers.py",
-
     "ckagent/port/metrics.py",
 }
 

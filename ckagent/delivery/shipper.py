@@ -17,7 +17,8 @@ import trio
 
 from ckagent.delivery.lines import Masker, encode_item, encode_json
 from ckagent.delivery.nodebatch import NodeBatcher
-from ckagent.delivery.readers import _FileReader, _JournalReader, _Pending
+from ckagent.delivery.pending import Pending
+from ckagent.delivery.readers import _FileReader, _JournalReader
 from ckagent.delivery.spool import (
     BACKOFF_INITIAL,
     BACKOFF_MAX,
@@ -203,7 +204,7 @@ class StreamShipper:
         self.acked = seq
         await reader.restore(position)
         checkpoints: dict[int, Any] = {0: None, seq: position}
-        pending = _Pending()
+        pending = Pending()
         skip = 0  # elements the master already holds beyond `seq`: read them, do not send them
         flight: _Flight | None = None  # the one request in flight (its elements lead `pending`)
         # An acknowledged position not yet in the state store: saved once the next batch is on its
@@ -358,7 +359,7 @@ class StreamShipper:
             {"_invalidItem": None, "_error": f"an item of {size} bytes was refused by the master and dropped"}
         )
 
-    def _drop_first(self, pending: _Pending, seq: int, why: str) -> None:
+    def _drop_first(self, pending: Pending, seq: int, why: str) -> None:
         """Replace the first pending element (index ``seq`` of the stream) by its placeholder: the
         master refused it on its own (``why``); said in the agent log, counted in :attr:`placeholders`."""
         element = pending.first()
