@@ -18,6 +18,7 @@ from ckagent.delivery.journal import parse_journal
 from ckagent.delivery.lines import LineSplitter, Masker, encode_block, encode_json, encode_lines
 from ckagent.delivery.pending import Pending
 from ckagent.delivery.spool import (
+    ITEMS_JOURNAL,
     JOURNAL_FILE,
     MAX_LINE_BYTES,
     OUTPUT_LOG,
@@ -44,6 +45,43 @@ def oversize_placeholder(size: int, limit: int) -> bytes:
         "content as a file in CK_TASK_DIR and put its name in the item)")})
 
 
+class _ItemLines:
+    """Complete lines of an items file → their elements: each line encoded (None: skipped), a line
+    longer than the limit (the splitter's pieces of it) replaced by one placeholder."""
+
+    __slots__ = ("_encode", "_max", "line_start", "oversize")
+
+    def __init__(self, start: int, encode: Callable[[bytes], bytes | None], max_line_bytes: int) -> None:
+        self.line_start = start  # where the next line (or piece of a cut one) starts
+        self.oversize = 0  # bytes so far of a line longer than max_line_bytes (0: none being read)
+        self._encode = encode
+        self._max = max_line_bytes
+
+    def elements(self, lines: list[bytes], ends: list[int], final: bool) -> tuple[list[bytes], list[int]]:
+        """(elements, their marks) of ``lines`` ending at ``ends``; ``final``: the last is the file's
+        unterminated last line (flushed), not a piece of a longer one."""
+        elements, marks = [], []
+        encode = self._encode
+        last = len(lines) - 1
+        for i, (raw, end) in enumerate(zip(lines, ends, strict=True)):
+            start, self.line_start = self.line_start, end
+            # A piece the splitter cut off a line longer than max_line_bytes consumed no terminator.
+            element: bytes | None
+            cut = end - start == len(raw) and len(raw) > self._max - 4 and not (final and i == last)
+            if cut or self.oversize:
+                self.oversize += end - start
+                if cut:
+                    continue
+                element = oversize_placeholder(self.oversize, self._max)
+                self.oversize = 0
+            else:
+                element = encode(raw)
+            if element is not None:
+                elements.append(element)
+                marks.append(end)
+        return elements, marks
+
+
 class _FileReader:
     """Elements of one file (the items stream). Position: ``{"offset": <end of the last element>}``."""
 
@@ -56,8 +94,7 @@ class _FileReader:
         self._fd = -1
         self._read_at = 0
         self._splitter = LineSplitter(0, max_line_bytes, cr_breaks)
-        self._line_start = 0  # where the next line (or piece of a cut one) starts
-        self._oversize = 0  # bytes so far of a line longer than max_line_bytes (0: none being read)
+        self._lines = _ItemLines(0, encode, max_line_bytes)
         self.finished = False  # set by the owner: the file will not grow any more
         self.done = False
         # Written by another process, so nothing notifies its growth directly: while it grows the shipper
@@ -69,7 +106,7 @@ class _FileReader:
         offset = int(position.get("offset", 0)) if isinstance(position, dict) else 0
         self._read_at = offset
         self._splitter = LineSplitter(offset, self._max, self._cr)
-        self._line_start, self._oversize = offset, 0
+        self._lines = _ItemLines(offset, self._encode, self._max)
         self.done = False
 
     async def read(self, pending: Pending) -> bool:
@@ -97,26 +134,7 @@ class _FileReader:
             self.done = True
         else:
             return False
-        elements, marks = [], []
-        encode = self._encode
-        last = len(lines) - 1
-        for i, (raw, end) in enumerate(zip(lines, ends, strict=True)):
-            start, self._line_start = self._line_start, end
-            # A piece the splitter cut off a line longer than max_line_bytes consumed no terminator.
-            element: bytes | None
-            cut = end - start == len(raw) and len(raw) > self._max - 4 and not (self.done and i == last)
-            if cut or self._oversize:
-                self._oversize += end - start
-                if cut:
-                    continue
-                element = oversize_placeholder(self._oversize, self._max)
-                self._oversize = 0
-            else:
-                element = encode(raw)
-            if element is not None:
-                elements.append(element)
-                marks.append(end)
-        pending.add(elements, marks)
+        pending.add(*self._lines.elements(lines, ends, self.done))
         return True
 
     def commit(self, runs: list[tuple[Any, int]]) -> Any:
@@ -132,12 +150,13 @@ class _FileReader:
 class _Source:
     """One log source while the journal is replayed."""
 
-    __slots__ = ("fd", "fed", "finalized", "path", "prefix", "splitter")
+    __slots__ = ("fd", "fed", "finalized", "items", "path", "prefix", "splitter")
 
-    def __init__(self, path: str, start: int, max_line_bytes: int) -> None:
+    def __init__(self, path: str, start: int, max_line_bytes: int, items: _ItemLines | None = None) -> None:
         self.path = path
         self.prefix = "" if path == OUTPUT_LOG else f"[{path}] "
-        self.splitter = LineSplitter(start, max_line_bytes, True)
+        self.splitter = LineSplitter(start, max_line_bytes, items is None)
+        self.items = items  # an items source (the items journal's): its lines become items
         self.fed = start
         self.fd = -1
         self.finalized = False
@@ -146,8 +165,10 @@ class _Source:
 class _JournalReader:
     """The log stream of a task: replays ``output.journal`` over its sources (see module docstring)."""
 
-    def __init__(self, task_dir: Path, masker: Masker, max_line_bytes: int = MAX_LINE_BYTES) -> None:
+    def __init__(self, task_dir: Path, masker: Masker, max_line_bytes: int = MAX_LINE_BYTES,
+                 journal: str = JOURNAL_FILE) -> None:
         self.task_dir = task_dir
+        self._journal = journal
         self._masker = masker
         self._max = max_line_bytes
         self._sources: dict[int, _Source] = {}
@@ -159,6 +180,9 @@ class _JournalReader:
         self._acked: dict[int, int] = {}
         self.done = False
         self.polls = False  # the journal writer notifies
+
+    def _source(self, path: str, start: int) -> _Source:
+        return _Source(path, start, self._max)
 
     async def restore(self, position: Any) -> None:
         self.close()
@@ -175,12 +199,12 @@ class _JournalReader:
         self.done = False
         head = b""
         if start:
-            head = await trio.to_thread.run_sync(_read_prefix, self.task_dir / JOURNAL_FILE, start)
+            head = await trio.to_thread.run_sync(_read_prefix, self.task_dir / self._journal, start)
         records, _ = parse_journal(head)
         fed_to: dict[int, int] = {}
         for _, kind, idx, arg in records:
             if kind == "S":
-                self._sources[idx] = _Source(arg, acked.get(idx, 0), self._max)
+                self._sources[idx] = self._source(arg, acked.get(idx, 0))
             elif kind == "D":
                 fed_to[idx] = int(arg)
             elif kind == "F" and idx in self._sources:
@@ -211,7 +235,7 @@ class _JournalReader:
         if nl < 0:
             if self._jfd < 0:
                 try:
-                    self._jfd = open_spool(self.task_dir / JOURNAL_FILE)
+                    self._jfd = open_spool(self.task_dir / self._journal)
                 except FileNotFoundError:
                     return None
             rest = self._jbuf[self._jat :]
@@ -268,7 +292,7 @@ class _JournalReader:
             progress = True
             at, kind, idx, arg = record
             if kind == "S":
-                self._sources[idx] = _Source(arg, self._acked.get(idx, 0), self._max)
+                self._sources[idx] = self._source(arg, self._acked.get(idx, 0))
             elif kind == "D":
                 target = int(arg)
                 # Following D records of the same source continue the same bytes: read them in one go
@@ -282,7 +306,7 @@ class _JournalReader:
                 ending = self._sources.get(idx)
                 if ending is not None and not ending.finalized:
                     ending.finalized = True
-                    self._emit(pending, at, idx, *ending.splitter.flush())
+                    self._emit_final(pending, at, idx)
                     if ending.fd >= 0:
                         os.close(ending.fd)
                         ending.fd = -1
@@ -305,6 +329,10 @@ class _JournalReader:
         else:
             pending.add_block(encoded[0], count, start, start + len(block) + 1, encoded[1], (at, idx))
 
+    def _emit_final(self, pending: Pending, at: int, idx: int) -> None:
+        """Source ``idx`` is complete: its unterminated last line becomes a line."""
+        self._emit(pending, at, idx, *self._sources[idx].splitter.flush())
+
     def _emit(self, pending: Pending, at: int, idx: int, lines: list[bytes], ends: list[int]) -> None:
         if lines:
             source = self._sources[idx]
@@ -325,6 +353,33 @@ class _JournalReader:
         if self._jfd >= 0:
             os.close(self._jfd)
             self._jfd = -1
+
+
+class _ItemJournalReader(_JournalReader):
+    """The items stream of a task with declared item files: replays ``items.journal`` over
+    items.jsonl and the links of its JSON Lines files (ckagent.delivery.outputs.live). Positions as
+    the log stream's; each source's lines become items as :class:`_FileReader`'s do."""
+
+    def __init__(self, task_dir: Path, encode: Callable[[bytes], bytes | None], max_line_bytes: int) -> None:
+        super().__init__(task_dir, Masker([]), max_line_bytes, journal=ITEMS_JOURNAL)
+        self._encode = encode
+
+    def _source(self, path: str, start: int) -> _Source:
+        return _Source(path, start, self._max, _ItemLines(start, self._encode, self._max))
+
+    def _emit_fed(self, pending: Pending, at: int, idx: int, data: bytes) -> None:
+        source = self._sources[idx]
+        lines, ends = source.splitter.feed(data)
+        if lines:
+            assert source.items is not None
+            pending.add(*source.items.elements(lines, ends, False), (at, idx))
+
+    def _emit_final(self, pending: Pending, at: int, idx: int) -> None:
+        source = self._sources[idx]
+        lines, ends = source.splitter.flush()
+        if lines:
+            assert source.items is not None
+            pending.add(*source.items.elements(lines, ends, True), (at, idx))
 
 
 def _read_prefix(path: Path, size: int) -> bytes:

@@ -582,7 +582,8 @@ class Supervisor:
             collected = await trio.to_thread.run_sync(functools.partial(
                 collect, work=work, code_dir=version_dir, since=rt.started_at or 0.0, task_dir=task_dir,
                 outputs=task.outputs, budget_bytes=self.config.max_artifact_bytes,
-                master_takes_artifacts=ARTIFACTS in self._master.features, keep_dir=keep))
+                master_takes_artifacts=ARTIFACTS in self._master.features, keep_dir=keep,
+                streamed=None if rt.delivery is None or rt.delivery.live is None else rt.delivery.live.link))
         except OSError as exc:
             notice(f"outputs: cannot collect the task's files ({exc.strerror or exc}); they are removed with "
                    "the working copy")
@@ -717,6 +718,8 @@ class Supervisor:
         except ContainmentError as exc:
             raise JailError(f"cannot put the spider into the task's {jail.level} jail: {exc}") from exc
         rt.pid = mon.pid
+        if rt.delivery is not None:
+            rt.delivery.watch_item_files(code_dir)  # declared JSON Lines files stream while they grow
         if stall and rt.delivery is not None:
             rt.delivery.watch_stall(stall, on_stall)
         try:

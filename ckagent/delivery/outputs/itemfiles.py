@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["ITEM_EXTENSIONS", "ItemFileError", "append_item_file"]
+__all__ = ["ITEM_EXTENSIONS", "ItemFileError", "append_item_file", "count_lines"]
 
 ITEM_EXTENSIONS = (".jsonl", ".ndjson", ".jl", ".json", ".csv")
 CHUNK_BYTES = 1 << 20
@@ -82,6 +82,18 @@ def _append_lines(source: Path, spool: BinaryIO) -> int:
     if last != b"\n":
         os.write(spool.fileno(), b"\n")
         count += 1
+    return count - _blank_lines(source) if count else 0
+
+
+def count_lines(source: Path) -> int:
+    """The items of a JSON Lines file: its lines that are not blank (an unterminated last one counts)."""
+    count = 0
+    last = b"\n"
+    with open(source, "rb") as fin:
+        while chunk := fin.read(CHUNK_BYTES):
+            count += chunk.count(b"\n")
+            last = chunk[-1:]
+    count += last != b"\n"
     return count - _blank_lines(source) if count else 0
 
 
