@@ -45,10 +45,6 @@ OVER_LIMIT = {
 
     "ckagent/devmaster/app.py",
 
-    "ckagent/code/deps.py",
-
-    "ckagent/code/workspace.py",
-
     "ckagent/port/metrics.py",
 }
 

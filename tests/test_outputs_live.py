@@ -119,7 +119,7 @@ async def test_the_items_stream_merges_items_jsonl_and_declared_files_and_resume
     # In the order the scans recorded growth (items.jsonl first within one scan), whole lines only.
     assert everything == [{"sdk": 0}, {"a": 0}, {"a": 1}, {"sdk": 1}, {"a": 2}, {"a": 3}, {"late": 0}]
     for k in range(1, len(everything)):  # resumed after any acknowledged item: the rest, once
-        first, reader, pending = await _stream(task_dir)
+        _, reader, pending = await _stream(task_dir)
         position = json.loads(json.dumps(reader.commit(pending.take(k))))  # as stored
         reader.close()
         rest, resumed, _ = await _stream(task_dir, position)
