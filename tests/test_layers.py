@@ -33,8 +33,6 @@ MAX_LINES = 500
 OVER_LIMIT = {
     "ckagent/agent.py",
 
-    "ckagent/node/config.py",
-
     "ckagent/task/supervisor.py",
 
     "ckagent/master/protocol/__init__.py",

@@ -341,7 +341,7 @@ class AgentStatus:
 
     async def metrics(self, accept: str) -> tuple[bytes, str]:
         """/metrics: the outbox figures and the exposition, both on the loop in slices of about
-        0.25 ms of work each (SLICE_SECONDS in ckagent.port.metrics and ckagent.delivery.statistics)."""
+        0.25 ms of work each (SLICE_SECONDS in ckagent.port.exposition and ckagent.delivery.statistics)."""
         live = self.live(await self._outbox_figures())
         return await self._metrics.render_sliced(live, accept)
 
