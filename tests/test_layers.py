@@ -47,8 +47,6 @@ OVER_LIMIT = {
 
     "ckagent/code/workspace.py",
 
-    "ckagent/delivery/outbox.py",
-
     "ckagent/delivery/readers.py",
 
     "ckagent/port/metrics.py",
