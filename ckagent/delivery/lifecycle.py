@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Union
+from typing import TypeAlias
 
 import trio
 
@@ -107,7 +107,8 @@ class TaskLost:
     result: TaskResult
 
 
-Record = Union[TaskAdmitted, TaskStarted, DepsPrepared, TaskFinished, TaskDelivered, TaskLost]
+Record: TypeAlias = TaskAdmitted | TaskStarted | DepsPrepared | TaskFinished | TaskDelivered | TaskLost
+"""One lifecycle fact (a frozen record)."""
 Consumer = Callable[[Record], None]
 
 
