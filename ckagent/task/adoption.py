@@ -162,7 +162,7 @@ async def run_adopted(supervisor: Supervisor, rt: RunningTask, adoption: Adoptio
     jail: TaskJail | None = None
     try:
         async with lock:
-            delivery = await outbox.open_task(task, record.task_dir)
+            delivery = await outbox.open_task(task, record.task_dir, claimed_at=record.claimed_at)
             rt.delivery = delivery
             sink = delivery.sink
             assert sink is not None
