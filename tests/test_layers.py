@@ -41,10 +41,6 @@ OVER_LIMIT = {
 
     "ckagent/devmaster/app.py",
 
-    "ckagent/code/deps.py",
-
-    "ckagent/code/workspace.py",
-
     "ckagent/delivery/readers.py",
 
 }
