@@ -1,7 +1,10 @@
 """A task's run on this node: from the poll's answer to the reported outcome.
 
 - :mod:`.poller` — asks the master for work when a slot is free, claims it, hands it on;
-- :mod:`.supervisor` — admission (slots, spider locks), the phases (deploy → install → run → judge),
+- :mod:`.admission` — slots, spider locks, the running set, the poller's claim bookkeeping;
+- :mod:`.runner`, :mod:`.deploy` — the phases (open dir → slot → deploy + jail → install → run → judge);
+- :mod:`.outcome` — the outcome rules (exit → status, errorCode, errorMessage);
+- :mod:`.supervisor` — the handle the agent passes around: admission with the runner beside it;
   the outcome rules;
 - :mod:`.commands`, :mod:`.scrapyhook` — what a task runs, and Scrapy's items and stats however it starts;
 - :mod:`.recovery`, :mod:`.adoption` — at start: tasks the previous agent left (lost, or carried on).
