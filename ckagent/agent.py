@@ -315,7 +315,7 @@ class Agent:
                          default_limits=Limits(s.task.memory_limit_bytes, s.task.pids_limit, s.task.cpus_limit),
                          max_artifact_bytes=s.task.max_artifact_bytes),
             self.master, store, workspaces, deps, self.max_workers,
-            on_finished=self._task_delivered, outbox=outbox, observer=self.metrics,
+            outbox=outbox, lifecycle=self.lifecycle,
         )
         outbox.on_disk_full = supervisor.stop_disk_full  # the task that fills the disk ends DISK_FULL
         self.heartbeat = HeartbeatLoop(self.master, HealthSampler(self.work_dir), s.heartbeat.interval,
