@@ -6,7 +6,8 @@
 - :mod:`.outcome` — the outcome rules (exit → status, errorCode, errorMessage);
 - :mod:`.supervisor` — the handle the agent passes around: admission with the runner beside it;
   the outcome rules;
-- :mod:`.commands`, :mod:`.scrapyhook` — what a task runs, and Scrapy's items and stats however it starts;
+- :mod:`.commands` — what a task runs (its framework's default from ckagent.code.frameworks) and the
+  check that the package can run it;
 - :mod:`.recovery`, :mod:`.adoption` — at start: tasks the previous agent left (lost, or carried on).
 
 May import: every lower layer — :mod:`ckagent.node`, :mod:`ckagent.master`, :mod:`ckagent.containment`,
