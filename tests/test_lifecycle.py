@@ -52,8 +52,7 @@ async def test_records_reach_every_consumer_in_order_and_a_failing_consumer_spoi
             await nursery.start(lifecycle.run)
             for record in records[2:]:
                 lifecycle.emit(record)
-            while len(seen) < len(records):
-                await trio.lowlevel.checkpoint()
+            await trio.testing.wait_all_tasks_blocked()  # the reader has handed over all
             nursery.cancel_scope.cancel()
     assert seen == records
     assert records[1].queue_wait_seconds == 2.5  # type: ignore[union-attr]
@@ -73,11 +72,9 @@ async def test_a_full_channel_drops_and_counts_instead_of_blocking_the_task(capl
         with trio.fail_after(5):
             async with trio.open_nursery() as nursery:
                 await nursery.start(lifecycle.run)
-                while len(seen) < 2:
-                    await trio.lowlevel.checkpoint()
+                await trio.testing.wait_all_tasks_blocked()  # the reader has handed over all
                 lifecycle.emit(TaskAdmitted("t9", "s", 0.0))  # room again: the episode ends, said once
-                while len(seen) < 3:
-                    await trio.lowlevel.checkpoint()
+                await trio.testing.wait_all_tasks_blocked()  # the reader has handed over all
                 nursery.cancel_scope.cancel()
     assert [r.task_id for r in seen] == ["t0", "t1", "t9"]  # type: ignore[union-attr]
     assert any("caught up; 3 record(s) dropped" in r.getMessage() for r in caplog.records)
