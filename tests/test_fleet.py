@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
 import pytest
 import trio
-from harness import agent_settings, running_agent, submit
+from harness import agent_settings, eventually, running_agent, submit
 
 from ckagent import __version__
 from ckagent.agent import Agent
@@ -21,13 +20,6 @@ from ckagent.master.fleet import NODE_UID_FILE, VersionWatch, load_node_uid
 from ckagent.master.protocol import FEATURES, PROTOCOL_VERSION, Heartbeat, RegisterRequest, VersionPolicy
 from ckagent.node.errors import StartupError
 from ckagent.node.intake import IntakeGate
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 20) -> None:  # noqa: ASYNC109
-    """Poll ``check`` every 0.2 s (another process's state) until true."""
-    with trio.fail_after(timeout):
-        while not await check():  # noqa: ASYNC110
-            await trio.sleep(0.2)
 
 
 def test_node_uid_is_created_once_and_kept(tmp_path: Path) -> None:

@@ -141,9 +141,7 @@ class HeartbeatLoop:
             # Bounded by server.request_timeout (the master client's deadline), not by the interval: a
             # slow master's answer still arrives and is used (its cancels applied); the beats it made
             # late are skipped, not bunched up (see run()).
-            response: HeartbeatResponse = await self._master.call(
-                "heartbeat", "POST", "/api/nodes/{node}/heartbeat", json=body.to_json(),
-                answer=HeartbeatResponse.from_json)
+            response = await self._master.heartbeat(body)
         except MasterError as exc:  # logged once per episode by the master client
             log.debug("heartbeat failed: %s", exc)
             return False

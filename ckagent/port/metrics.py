@@ -43,8 +43,10 @@ Exported (see :data:`METRIC_NAMES`)::
     ckagent_outbox_results                             final results not yet acknowledged
     ckagent_outbox_bytes                               their approximate spool bytes
     ckagent_outbox_oldest_unshipped_seconds            how long the oldest of them has waited for the master
-    ckagent_master_requests_total{endpoint,outcome}    outcome: ok, error (transport), protocol_error (an
-                                                       answer not in the protocol's words) or the HTTP status
+    ckagent_master_requests_total{endpoint,outcome}    endpoint: a name of ckagent.master.endpoints (each
+                                                       endpoint's ok series exists from the start); outcome: ok,
+                                                       error (transport), protocol_error (an answer not in
+                                                       the protocol's words) or the HTTP status
     ckagent_master_request_duration_seconds{endpoint}  histogram (a long poll includes its hold time)
     process_*                                          the process collector's series (cpu, memory, fds, start time)
 """
@@ -81,6 +83,7 @@ from ckagent.delivery.lifecycle import (
     TaskLost,
     TaskStarted,
 )
+from ckagent.master.endpoints import ENDPOINTS
 from ckagent.master.protocol import TaskResult
 from ckagent.port.crawlmetrics import CrawlMetrics
 from ckagent.port.exposition import SLICE_SECONDS, Constant, LatencyByEndpoint, ProcessFigures, render_steps
@@ -251,6 +254,8 @@ class AgentMetrics:
             "ckagent_master_requests", "HTTP requests to the master by endpoint and outcome (ok, error for a "
             "transport failure, protocol_error for an answer that is not the protocol's, else the HTTP status).", ["endpoint", "outcome"], registry=r,
         )
+        for endpoint in ENDPOINTS:  # the endpoint table's names are the label's values: each series exists at 0
+            self.master_requests.labels(endpoint, "ok")
         self.master_latency = LatencyByEndpoint(
             "ckagent_master_request_duration_seconds", "Latency of requests to the master (a long poll "
             "includes the time the master held it).", MASTER_LATENCY_BUCKETS)

@@ -35,7 +35,8 @@ from pathlib import Path
 
 import trio
 
-from ckagent.code.deps import PYTHON_FRAMEWORKS, Dependencies, Prepared, spider_base_env
+from ckagent.code import frameworks
+from ckagent.code.deps import Dependencies, Prepared, spider_base_env
 from ckagent.code.workspace import Workspaces
 from ckagent.containment import ContainmentError, TaskJail
 from ckagent.containment.egress import report_refusals
@@ -45,8 +46,9 @@ from ckagent.containment.tails import TailBuffer
 from ckagent.delivery import LogSink, Outbox
 from ckagent.delivery.crawlstats import STATS_FILE
 from ckagent.delivery.lifecycle import DepsPrepared, TaskFinished, TaskStarted
-from ckagent.master.client import MasterClient, MasterError, json_object
-from ckagent.master.ids import api_path, safe_name
+from ckagent.master.client import MasterClient, MasterError
+from ckagent.master.endpoints import Retry
+from ckagent.master.ids import safe_name
 from ckagent.master.ids import task_dir as task_dir_of
 from ckagent.master.protocol import ARTIFACTS
 from ckagent.node.errors import (
@@ -74,7 +76,6 @@ from ckagent.task.outcome import (
     task_result,
 )
 from ckagent.task.runconfig import RunnerConfig
-from ckagent.task.scrapyhook import scrapy_hook
 
 log = logging.getLogger(__name__)
 
@@ -178,10 +179,7 @@ class TaskRunner:
         log.error("task %s: %s", rt.task.id, message)
         result = task_result(rt, TaskOutcome("FAILED", "DEPLOY_FAILED", message), started_wall)
         try:
-            await self._master.call_retrying(
-                "result", "POST", api_path("/api/tasks/{task}/result", task=rt.task.id), json=result.to_json(),
-                retry_timeout=REPORT_RETRY_TIMEOUT, answer=json_object,
-            )
+            await self._master.report_result(rt.task.id, result, retry=Retry(timeout=REPORT_RETRY_TIMEOUT))
         except MasterError as report_exc:
             log.error("task %s: could not report the failure either (%s)", rt.task.id, report_exc)
         self._admission.lifecycle.emit(TaskFinished(rt.task.id, result))
@@ -309,12 +307,12 @@ class TaskRunner:
                 "CK_PARAMS": json.dumps(task.params, ensure_ascii=False),
             }
         )
-        if prepared.env_dir is not None and task.framework in PYTHON_FRAMEWORKS:
-            hook_env, hook_note = await trio.to_thread.run_sync(
-                scrapy_hook, task.framework, argv, env.get("PATH"), code.work, prepared.env_dir)
-            env.update(hook_env)
-            if hook_note:
-                notice(hook_note)
+        if frameworks.has_spawn_hooks(task.framework):  # the framework's (and its runtime's) hooks: Scrapy's items …
+            added = await trio.to_thread.run_sync(frameworks.spawn_additions, frameworks.SpawnContext(
+                task.framework, argv, env, code.work, prepared.env_dir))
+            env.update(added.env)
+            for line in added.notices:
+                notice(line)
         timeout = self.config.execute_timeout if task.timeout_seconds is None else task.timeout_seconds
         stall = self.config.stall_timeout if task.stall_timeout_seconds is None else task.stall_timeout_seconds
         rt.phase = "running"
