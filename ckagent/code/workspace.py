@@ -37,7 +37,8 @@ import trio
 
 from ckagent.code.unpack import WRITE_CHUNK_BYTES, Limits, check_layout, check_member_path, extract_zip
 from ckagent.master.client import MasterClient, MasterError, MasterUnavailable, retry_wait
-from ckagent.master.ids import api_path, safe_name
+from ckagent.master.endpoints import DOWNLOAD, SPIDER_FILE, Endpoint, Retry
+from ckagent.master.ids import safe_name
 from ckagent.master.protocol import CodePackage, SpiderFile
 from ckagent.node.errors import DeployError
 
@@ -142,11 +143,11 @@ class Workspaces:
         # Working copies an earlier agent left stay until prune_runs: a re-adopted task runs in its own.
         self.runs.mkdir(parents=True, exist_ok=True)
 
-    def prune_runs(self, keep: Collection[Path]) -> int:
+    def prune_runs(self, keep: Collection[str | Path]) -> int:
         """Delete the working copies an earlier agent left, except ``keep`` (those of the tasks it
         re-adopts: their spiders still run in them, and what they write there is their output).
         Returns how many were deleted; never raises (what cannot be deleted is logged). Blocking."""
-        kept = {path.name for path in keep}
+        kept = {Path(path).name for path in keep}
         deleted = 0
         for entry in sorted(self.runs.iterdir()) if self.runs.is_dir() else []:
             if entry.name in kept:
@@ -219,10 +220,7 @@ class Workspaces:
         not in the new version. Raises DeployError.
         """
         try:
-            listing: list[SpiderFile] = await self._master.call_retrying(
-                "spider_files", "GET", api_path("/api/spider-files/spider/{spider}", spider=spider_id),
-                attempts=_DOWNLOAD_ATTEMPTS, answer=SpiderFile.list_from_json,
-            )
+            listing = await self._master.spider_files(spider_id, retry=Retry(attempts=_DOWNLOAD_ATTEMPTS))
         except MasterError as exc:
             raise DeployError(f"cannot list the spider's files: {exc}") from exc
         if not listing:
@@ -259,8 +257,8 @@ class Workspaces:
                     continue
                 await trio.to_thread.run_sync(_make_parent, target)
                 await self._download(
-                    api_path("/api/spider-files/{file}", file=f.id), target, f.size_bytes, f.sha256, f"entry {f.path!r}",
-                    notice,
+                    SPIDER_FILE.path(file=f.id), target, f.size_bytes, f.sha256, f"entry {f.path!r}", notice,
+                    endpoint=SPIDER_FILE,
                 )
             await trio.to_thread.run_sync(_move_into_place, code, final)
             log.info("spider %s: synced %d files into %s (%d unchanged, copied)",
@@ -272,8 +270,8 @@ class Workspaces:
         return final
 
     async def _download(self, url: str, dest: Path, size: int, sha256: str, entry: str,
-                        notice: Notice | None = None) -> None:
-        """Stream ``url`` into ``dest`` (capped at the announced size and the package limit), check sha256.
+                        notice: Notice | None = None, *, endpoint: Endpoint[None] = DOWNLOAD) -> None:
+        """Stream ``url`` (a code package, or the ``endpoint`` it is of) into ``dest`` (capped at the announced size and the package limit), check sha256.
         Retried as the class docstring says; raises DeployError."""
         cap = min(size, self.limits.max_package_bytes) if size > 0 else self.limits.max_package_bytes
         out = await trio.to_thread.run_sync(_HashingFile, dest, cap, entry)
@@ -289,7 +287,7 @@ class Workspaces:
                         if out.size:
                             await trio.to_thread.run_sync(out.reset)
                         try:
-                            await self._master.download("download", url, out.write, read_timeout=self.stall_timeout)
+                            await self._master.download(endpoint, url, out.write, read_timeout=self.stall_timeout)
                         except MasterUnavailable as exc:
                             failed.append(f"{_mib(out.size)} of {_mib(size)} received: {exc}")
                             raise

@@ -42,6 +42,7 @@ from ckagent.containment.egress import EgressError, report_refusals
 from ckagent.containment.hierarchy import task_cgroup_name
 from ckagent.containment.monitor import Handle, Monitored, boot_id, read_status, start_ticks
 from ckagent.containment.process_group import MARKER_VAR, ProcessGroupJail
+from ckagent.delivery.lifecycle import TaskFinished
 from ckagent.master.protocol import Task
 from ckagent.node.errors import AGENT_ERROR, describe_fault
 from ckagent.node.state import TaskRecord
@@ -149,7 +150,8 @@ async def run_adopted(supervisor: Supervisor, rt: RunningTask, adoption: Adoptio
     """The rest of an adopted task's life: supervise it to its end (or at once for one that ended
     while no agent ran), report the outcome, remove its working copy and jail. Never raises for
     task trouble. Cancellation: as ``Supervisor.run_task`` (a hand-over leaves it running again)."""
-    from ckagent.task.supervisor import TaskOutcome, _result
+    from ckagent.task.outcome import TaskOutcome
+    from ckagent.task.outcome import task_result as _result
 
     task, record, handle = adoption.task, adoption.record, adoption.handle
     outbox = supervisor.outbox
@@ -162,7 +164,7 @@ async def run_adopted(supervisor: Supervisor, rt: RunningTask, adoption: Adoptio
     jail: TaskJail | None = None
     try:
         async with lock:
-            delivery = await outbox.open_task(task, record.task_dir)
+            delivery = await outbox.open_task(task, record.task_dir, claimed_at=record.claimed_at)
             rt.delivery = delivery
             sink = delivery.sink
             assert sink is not None
@@ -210,7 +212,7 @@ async def run_adopted(supervisor: Supervisor, rt: RunningTask, adoption: Adoptio
             if outcome is not None and not rt.handed_over:  # its files → items, artifacts or kept ones
                 await supervisor.collect_outputs(rt, record.task_dir, Path(handle.work), None, notice)
             result = _result(rt, outcome, record.claimed_at)
-            supervisor.observer.task_finished(rt, result)
+            supervisor.lifecycle.emit(TaskFinished(task.id, result))
             await delivery.finish(result)
     finally:
         with trio.CancelScope(shield=True):  # noqa: ASYNC912 - shielded cleanup
