@@ -109,8 +109,9 @@ async def test_auto_upgrade_runs_run_sh_upgrade_once_for_a_newer_desired_version
     record = tmp_path / "calls"
     fake.write_text(f'#!/bin/bash\necho "$* auto=$AGENT_UPGRADE_AUTO" >> {record}\nexit 1\n')
     async with trio.open_nursery() as nursery:
-        watch = VersionWatch(IntakeGate(), auto_upgrade=True, nursery=nursery, version="1.0.0", run_sh=str(fake),
+        watch = VersionWatch(IntakeGate(), auto_upgrade=True, version="1.0.0", run_sh=str(fake),
                              log_dir=tmp_path / "logs")
+        nursery.start_soon(watch.run)  # returns once the upgrade it is asked for has run
         watch.apply(VersionPolicy(None, "1.0.0"))  # not newer: nothing
         watch.apply(VersionPolicy(None, "1.1.0"))
         watch.apply(VersionPolicy(None, "1.1.0"))
@@ -124,8 +125,9 @@ async def test_auto_upgrade_to_an_older_desired_version_asks_run_sh_for_a_downgr
     record = tmp_path / "calls"
     fake.write_text(f'#!/bin/bash\necho "$*" >> {record}\nexit 1\n')
     async with trio.open_nursery() as nursery:
-        watch = VersionWatch(IntakeGate(), auto_upgrade=True, nursery=nursery, version="1.2.0", run_sh=str(fake),
+        watch = VersionWatch(IntakeGate(), auto_upgrade=True, version="1.2.0", run_sh=str(fake),
                              log_dir=tmp_path / "logs")
+        nursery.start_soon(watch.run)  # returns once the upgrade it is asked for has run
         watch.apply(VersionPolicy(None, "1.1.0"))  # the master points back to a good release
     assert record.read_text() == "upgrade --downgrade 1.1.0\n"
 

@@ -20,14 +20,16 @@ import trio
 from ckagent.delivery.capture import DiskGuard, LogSink
 from ckagent.delivery.diskwatch import DiskWatch, tree_bytes
 from ckagent.delivery.journal import LogJournal, rejected_log_globs, task_log_globs
+from ckagent.delivery.lifecycle import Lifecycle
 from ckagent.delivery.lines import Masker, secret_values
 from ckagent.delivery.nodebatch import NodeBatcher
 from ckagent.delivery.retention import retention_loop
-from ckagent.delivery.spool import OUTPUT_LOG, SCAN_INTERVAL, SEND_CONCURRENCY
+from ckagent.delivery.spool import ITEMS_FILE, ITEMS_JOURNAL, OUTPUT_LOG, SCAN_INTERVAL, SEND_CONCURRENCY
 from ckagent.delivery.statistics import OutboxStatistics, SpoolCounter
-from ckagent.delivery.taskdelivery import Delivered, OutboxConfig, TaskDelivery
+from ckagent.delivery.taskdelivery import OutboxConfig, Scanned, TaskDelivery
 from ckagent.master.client import MasterClient
 from ckagent.master.protocol import Task, TaskResult
+from ckagent.node.broadcast import Broadcast
 from ckagent.node.diskfull import RESERVE_BYTES, SpaceReserve
 from ckagent.node.state import AsyncStateStore, StateStoreError, TaskRecord
 
@@ -43,8 +45,10 @@ class Outbox:
     """
 
     def __init__(self, master: MasterClient, store: AsyncStateStore, work_dir: Path,
-                 config: OutboxConfig | None = None) -> None:
+                 config: OutboxConfig | None = None, lifecycle: Lifecycle | None = None) -> None:
         self.master = master
+        self.lifecycle = lifecycle or Lifecycle()
+        """Where each delivery emits its TaskDelivered record (ckagent.delivery.lifecycle; none: discarded)."""
         self.store = store
         self.work_dir = work_dir
         self.tasks_dir = work_dir / "tasks"
@@ -64,7 +68,7 @@ class Outbox:
         """Called with (task id, reason) for a running task that fills the disk: the agent stops it DISK_FULL."""
         self._reserve_released: float | None = None  # the reserve's released_at seen by the last look
         self._store_full = False  # the last flush of positions met a full disk (logged once)
-        self._looked = trio.Event()  # set (and replaced) after each look of the disk loop
+        self._looked = Broadcast()  # after each look of the disk loop
         self.deliveries: dict[str, TaskDelivery] = {}
         self._counter = SpoolCounter(store.sync)
         self.stats_observer: Callable[[str, str, dict[str, Any], bool], None] | None = None
@@ -73,7 +77,7 @@ class Outbox:
         self._idle = trio.Event()
         self._idle.set()
         self._busy = trio.Event()  # set while a delivery is open (the disk loop runs)
-        self._delivered = trio.Event()
+        self._delivered = Broadcast()  # a delivery ended
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled (the agent's stop). Unsent data stays on disk for the next start; the
@@ -147,16 +151,27 @@ class Outbox:
         while task_ids & self.deliveries.keys():
             await self._delivered.wait()
 
-    async def open_task(self, task: Task, task_dir: Path, on_delivered: Delivered | None = None) -> TaskDelivery:
-        """Start delivering a task that is about to run; write its output to ``.sink``.
+    async def open_task(self, task: Task, task_dir: Path, claimed_at: float | None = None) -> TaskDelivery:
+        """Start delivering a task that is about to run; write its output to ``.sink``. ``claimed_at``:
+        epoch seconds of its claim (default: now); its TaskDelivered record carries it.
 
         Raises OSError when output.log or the journal cannot be created.
         """
         masker = Masker(secret_values(task.env, self.config.agent_secrets, [*(task.command or ()), *task.args]))
         journal = LogJournal(task_dir)
         await trio.to_thread.run_sync(journal.open)
+        item_globs = list(task.outputs.items) if task.outputs is not None else []
+        item_journal = None
+        if item_globs:  # declared item files: the items stream is a journal's merge (ckagent.delivery.outputs.live)
+            item_journal = LogJournal(task_dir, ITEMS_JOURNAL, ITEMS_FILE, "item file")
+            try:
+                await trio.to_thread.run_sync(item_journal.open)
+            except BaseException:
+                journal.close()
+                raise
         delivery = TaskDelivery(self, task.id, task_dir, masker, task_log_globs(task, self.config.log_globs),
-                                None, journal, on_delivered, spider=task.spider_name or task.spider_id)
+                                None, journal, spider=task.spider_name or task.spider_id, claimed_at=claimed_at,
+                                item_journal=item_journal, item_globs=item_globs)
         delivery.sink = LogSink(task_dir / OUTPUT_LOG, delivery.output_written,
                                 max_bytes=self.config.max_log_bytes, guard=self.guard)
         rejected = rejected_log_globs(task)
@@ -185,10 +200,10 @@ class Outbox:
             log.error("task %s: cannot open its log journal (%s); not sending its log", record.task_id, exc)
             ship_logs = False
         spider = str(record.task_json.get("spiderName") or record.spider_id)
-        delivery = TaskDelivery(self, record.task_id, record.task_dir, masker, globs, None, journal, None,
-                                spider=spider)
+        item_journal = await trio.to_thread.run_sync(_item_journal_of, record.task_dir)
+        delivery = TaskDelivery(self, record.task_id, record.task_dir, masker, globs, None, journal,
+                                spider=spider, claimed_at=record.claimed_at, item_journal=item_journal)
         delivery.ship_logs = ship_logs
-        delivery.claimed_at = record.claimed_at
         for shipper in (delivery.logs, delivery.items):  # the outbox figures count from here at once
             shipper.acked = (await self.store.stream_position(record.task_id, shipper.stream))[0]
         delivery.result = TaskResult.from_json(record.result)
@@ -214,9 +229,10 @@ class Outbox:
             if delivery.sink is not None:
                 delivery.sink.close()
             delivery.journal.close()
+            if delivery.item_journal is not None:
+                delivery.item_journal.close()
             self.deliveries.pop(delivery.task_id, None)
             self._delivered.set()
-            self._delivered = trio.Event()
             if not self.deliveries:
                 self._idle.set()
                 self._busy = trio.Event()
@@ -237,13 +253,12 @@ class Outbox:
             await self._flush_positions()  # the shippers' acknowledged positions, all streams at once
             live = [delivery for delivery in self.deliveries.values() if delivery.scanning]
             found, free, sizes = await trio.to_thread.run_sync(_scan_round, live, self.guard.path)  # one hop
-            for delivery, (files, items_size, stats_size) in zip(live, found, strict=True):
-                delivery.scanned(files, items_size, stats_size)
+            for delivery, (files, items_size, stats_size, item_sizes) in zip(live, found, strict=True):
+                delivery.scanned(files, items_size, stats_size, item_sizes)
             if free is not None:
                 self.guard.free_bytes = free
             await self._watch_disk(free, {d.task_id: size for d, size in zip(live, sizes, strict=True)})
             self._looked.set()
-            self._looked = trio.Event()
 
     async def next_look(self) -> None:
         """Return after the disk loop's next look at the disk (a writer waiting for room tries again
@@ -281,8 +296,7 @@ class Outbox:
             log.info("the acknowledged positions are saved again")
 
 
-def _scan_round(deliveries: list[TaskDelivery], disk: Path) -> tuple[list[tuple[dict[str, int], int, int]],
-                                                                     int | None, list[int]]:
+def _scan_round(deliveries: list[TaskDelivery], disk: Path) -> tuple[list[Scanned], int | None, list[int]]:
     """One round of the disk loop in its worker thread (blocking): :func:`_scan_all`, the free bytes of
     the filesystem holding ``disk`` (None when it cannot be measured) and each task dir's bytes."""
     try:
@@ -293,7 +307,7 @@ def _scan_round(deliveries: list[TaskDelivery], disk: Path) -> tuple[list[tuple[
     return _scan_all(deliveries), free, [tree_bytes(delivery.task_dir) for delivery in deliveries]
 
 
-def _scan_all(deliveries: list[TaskDelivery]) -> list[tuple[dict[str, int], int, int]]:
+def _scan_all(deliveries: list[TaskDelivery]) -> list[Scanned]:
     """:meth:`TaskDelivery.scan` of each (blocking); a task whose dir cannot be read is skipped."""
     found = []
     for delivery in deliveries:
@@ -301,5 +315,19 @@ def _scan_all(deliveries: list[TaskDelivery]) -> list[tuple[dict[str, int], int,
             found.append(delivery.scan())
         except OSError as exc:
             log.debug("task %s: cannot scan its files: %s", delivery.task_id, exc)
-            found.append(({}, 0, 0))
+            found.append(({}, 0, 0, {}))
     return found
+
+
+def _item_journal_of(task_dir: Path) -> LogJournal | None:
+    """The items journal an earlier run left in ``task_dir`` (opened), or None: a task without one.
+    A journal that cannot be read is logged and ignored (the items stream is items.jsonl alone). Blocking."""
+    if not (task_dir / ITEMS_JOURNAL).exists():
+        return None
+    journal = LogJournal(task_dir, ITEMS_JOURNAL, ITEMS_FILE, "item file")
+    try:
+        journal.open()
+    except (OSError, ValueError) as exc:
+        log.error("%s: cannot open its items journal (%s); sending items.jsonl alone", task_dir.name, exc)
+        return None
+    return journal

@@ -10,6 +10,6 @@
 - :mod:`.heartbeat` — the node's health and running set, every ``heartbeat.interval`` seconds;
 - :mod:`.fleet` — the node's identity and the master's wishes about agent versions.
 
-May import: :mod:`ckagent.node` — nothing of a task's run (the heartbeat reads the running set
-through the small ``RunningSet`` protocol it declares).
+May import: :mod:`ckagent.node` — nothing of a task's run (the heartbeat sends the snapshot the
+agent hands it, a :class:`~ckagent.master.heartbeat.NodeReport`).
 """
