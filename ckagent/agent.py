@@ -307,7 +307,7 @@ class Agent:
             policy = parse_text(s.task.egress_deny, s.task.egress_allow)
             self.egress = await trio.to_thread.run_sync(partial(
                 open_egress, s.task.egress, containment, agent_group_name(self.work_dir), policy,
-                agent_port=s.agent.port or None))
+                agent_port=s.agent.port or None, work_dir=self.work_dir))
         except (EgressError, PolicyError) as exc:
             raise ConfigError(str(exc)) from exc
         self.metrics.egress_level(self.egress.level)
