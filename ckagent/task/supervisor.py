@@ -552,6 +552,12 @@ class Supervisor:
         except OSError as exc:
             raise DeployError(f"cannot deploy the spider's code: {os_error_text(exc)}") from exc
 
+    def adopt_environment(self, env_dir: Path) -> Callable[[], None]:
+        """A re-adopted task's dependency environment is in use again (collection skips it); call
+        what this returns when the task has ended here."""
+        prepared = self._deps.adopt(env_dir)
+        return lambda: self._deps.release(prepared)
+
     def egress_detach(self, rt: RunningTask) -> Callable[[], None] | None:
         """What removes the task's egress rules at its end (blocking), or None without a policy."""
         egress = self.config.egress
@@ -710,6 +716,7 @@ class Supervisor:
                 _resolve(argv, env), cwd=code_dir, env=env, task_id=task.id, task_dir=task_dir,
                 output_path=sink.path, jail=jail, run_as=self.config.run_as,
                 deadline_at=None if not timeout else rt.started_at + timeout, work=code_dir, stall_timeout=stall,
+                env_dir=prepared.env_dir,
             )
         except OSError as exc:
             # No process ran, so no exit code (docs/protocol.md); the message says what failed.
