@@ -268,9 +268,8 @@ def _open_nftables(containment: Containment | None, group_name: str, policy: Egr
     except NftError as exc:
         raise EgressError(str(exc)) from exc
     table = EgressTable(backend, table_name(group_name), depth, "" if work_dir is None else str(work_dir))
-    with contextlib.suppress(NftError):  # (no rights: create() says so)
-        for orphan in remove_orphans(backend, keep=table.name):
-            log.info("egress: removed the table inet %s: its agent's work dir no longer exists", orphan)
+    for orphan in remove_orphans(keep=table.name):
+        log.info("egress: removed the table inet %s: its agent's work dir no longer exists", orphan)
     try:
         table.create()
     except NftError as exc:

@@ -33,11 +33,14 @@ from collections.abc import Iterator
 NETLINK_NETFILTER = 12
 NFNL_SUBSYS_NFTABLES = 10
 NFNL_MSG_BATCH_BEGIN, NFNL_MSG_BATCH_END = 16, 17
+NFT_MSG_NEWTABLE, NFT_MSG_GETTABLE, NFT_MSG_DELTABLE = 0, 1, 2
 NFT_MSG_NEWSETELEM, NFT_MSG_GETSETELEM, NFT_MSG_DELSETELEM = 12, 13, 14
 NLMSG_ERROR, NLMSG_DONE = 2, 3
 NLM_F_REQUEST, NLM_F_MULTI, NLM_F_ACK, NLM_F_DUMP, NLM_F_CREATE = 0x1, 0x2, 0x4, 0x300, 0x400
 NLA_F_NESTED = 0x8000
 NFPROTO_INET = 1
+NFTA_TABLE_NAME, NFTA_TABLE_USERDATA = 1, 6
+NFTNL_UDATA_TABLE_COMMENT = 0
 NFTA_SET_ELEM_LIST_TABLE, NFTA_SET_ELEM_LIST_SET, NFTA_SET_ELEM_LIST_ELEMENTS = 1, 2, 3
 NFTA_LIST_ELEM = 1
 NFTA_SET_ELEM_KEY, NFTA_SET_ELEM_DATA, NFTA_SET_ELEM_EXPR, NFTA_SET_ELEM_EXPRESSIONS = 1, 2, 7, 10
@@ -47,6 +50,8 @@ NFT_JUMP = -3
 NFTA_EXPR_NAME, NFTA_EXPR_DATA = 1, 2
 NFTA_COUNTER_PACKETS = 2
 RECEIVE_BYTES = 1 << 17
+REPLY_TIMEOUT = 5.0
+"""Seconds the kernel may take to answer (it answers in microseconds; past this: NetlinkError)."""
 
 _HEADER = struct.Struct("=IHHII")
 _ATTR = struct.Struct("=HH")
@@ -85,15 +90,16 @@ def _attrs(data: bytes) -> Iterator[tuple[int, bytes]]:
         offset += (length + 3) & ~3
 
 
-class SetElements:
-    """Set elements of one ``inet`` table (see the module docstring). Raises NetlinkError (an
-    OSError) when the socket cannot be opened."""
+class Netlink:
+    """Set elements of one ``inet`` table, and the host's ``inet`` tables (see the module
+    docstring). Raises NetlinkError (an OSError) when the socket cannot be opened."""
 
-    def __init__(self, table: str) -> None:
+    def __init__(self, table: str = "") -> None:
         self.table = table
         try:
             self._sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_NETFILTER)
             self._sock.bind((0, 0))
+            self._sock.settimeout(REPLY_TIMEOUT)
         except OSError as exc:
             raise NetlinkError(exc.errno or errno_.EPROTO, f"netlink: cannot open a netfilter socket: {exc}") from exc
         self._seq = itertools.count(int.from_bytes(os.urandom(2), "big") << 8)
@@ -129,14 +135,39 @@ class SetElements:
         """Every element of ``set_name``: (key bytes, packets of its counter; 0 without one)."""
         payload = _attr(NFTA_SET_ELEM_LIST_TABLE, _name(self.table)) + _attr(NFTA_SET_ELEM_LIST_SET, _name(set_name))
         found: list[tuple[bytes, int]] = []
-        with self._lock:
-            seq, message = self._message((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETSETELEM,
-                                         NLM_F_REQUEST | NLM_F_DUMP, payload)
-            self._sock.send(message)
-            for kind, body in self._replies(seq, until_done=True):
-                if kind == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWSETELEM:
-                    found.extend(_parse_elements(body[4:]))
+        for body in self._dump(NFT_MSG_GETSETELEM, NFT_MSG_NEWSETELEM, payload):
+            found.extend(_parse_elements(body))
         return found
+
+    def tables(self) -> list[tuple[str, str]]:
+        """The host's ``inet`` tables: (name, comment; '' without one)."""
+        found = []
+        for body in self._dump(NFT_MSG_GETTABLE, NFT_MSG_NEWTABLE, b""):
+            parts = dict(_attrs(body))
+            found.append((parts.get(NFTA_TABLE_NAME, b"").rstrip(b"\0").decode(errors="replace"),
+                          _comment(parts.get(NFTA_TABLE_USERDATA, b""))))
+        return found
+
+    def delete_table(self, name: str) -> None:
+        """Delete the ``inet`` table ``name`` with everything in it. Raises NetlinkError (ENOENT: none)."""
+        self._batch([(NFT_MSG_DELTABLE, 0, _attr(NFTA_TABLE_NAME, _name(name)))])
+
+    def _dump(self, request: int, answer: int, payload: bytes) -> list[bytes]:
+        """The bodies (after the nfgenmsg) of a dump's ``answer`` messages."""
+        bodies = []
+        with self._lock:
+            seq, message = self._message((NFNL_SUBSYS_NFTABLES << 8) | request, NLM_F_REQUEST | NLM_F_DUMP, payload)
+            self._send(message)
+            for kind, body in self._replies(seq, until_done=True):
+                if kind == (NFNL_SUBSYS_NFTABLES << 8) | answer:
+                    bodies.append(body[4:])
+        return bodies
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self._sock.send(data)
+        except OSError as exc:
+            raise NetlinkError(exc.errno or errno_.EPROTO, f"netlink: cannot send: {exc}") from exc
 
     def _batch(self, messages: list[tuple[int, int, bytes]]) -> None:
         with self._lock:
@@ -144,7 +175,7 @@ class SetElements:
             sent = [self._message((NFNL_SUBSYS_NFTABLES << 8) | kind, NLM_F_REQUEST | NLM_F_ACK | flags, payload)
                     for kind, flags, payload in messages]
             _, end = self._message(NFNL_MSG_BATCH_END, NLM_F_REQUEST, b"", socket.AF_UNSPEC, NFNL_SUBSYS_NFTABLES)
-            self._sock.send(begin + b"".join(m for _, m in sent) + end)
+            self._send(begin + b"".join(m for _, m in sent) + end)
             waiting = {seq for seq, _ in sent}
             for _ in self._replies(None, until_done=False, acks=waiting):
                 pass
@@ -155,7 +186,10 @@ class SetElements:
         NetlinkError for an error answer."""
         failure: NetlinkError | None = None
         while True:
-            data = self._sock.recv(RECEIVE_BYTES)
+            try:
+                data = self._sock.recv(RECEIVE_BYTES)
+            except OSError as exc:  # (a timeout included)
+                raise NetlinkError(exc.errno or errno_.ETIMEDOUT, f"netlink: no answer from the kernel: {exc}") from exc
             offset = 0
             while offset + _HEADER.size <= len(data):
                 length, kind, _flags, got, _pid = _HEADER.unpack_from(data, offset)
@@ -184,6 +218,17 @@ class SetElements:
     def close(self) -> None:
         """Close the socket (idempotent)."""
         self._sock.close()
+
+
+def _comment(udata: bytes) -> str:
+    """The comment in a table's user data (libnftnl's TLVs: type byte, length byte, value)."""
+    offset = 0
+    while offset + 2 <= len(udata):
+        kind, length = udata[offset], udata[offset + 1]
+        if kind == NFTNL_UDATA_TABLE_COMMENT:
+            return udata[offset + 2:offset + 2 + length].rstrip(b"\0").decode(errors="replace")
+        offset += 2 + length
+    return ""
 
 
 def _parse_elements(data: bytes) -> Iterator[tuple[bytes, int]]:

@@ -23,7 +23,6 @@ import threading
 from typing import Any
 
 NFT_CTX_OUTPUT_JSON = 1 << 4
-NFT_CTX_OUTPUT_TERSE = 1 << 11
 LIBRARY_NAMES = ("libnftables.so.1", "libnftables.so")
 NFT_TIMEOUT = 10.0
 """Seconds the ``nft`` binary may take for one batch before it counts as failed."""
@@ -46,11 +45,6 @@ class Nft(abc.ABC):
     def run_json(self, command: str) -> Any:
         """Run one listing command and return its JSON answer (``{"nftables": [...]}``).
         Raises NftError."""
-
-    def list_text(self, command: str) -> str:
-        """Run one listing command and return nft's text, set elements left out (what JSON does
-        not show, such as a table's comment). '' where this way cannot (a test's stand-in)."""
-        return ""
 
 
 class LibNft(Nft):
@@ -90,7 +84,6 @@ class LibNft(Nft):
         self._lock = threading.Lock()
         self._text = self._context(0)
         self._json = self._context(NFT_CTX_OUTPUT_JSON)
-        self._terse = 0
 
     def _context(self, flags: int) -> int:
         ctx = self._lib.nft_ctx_new(0)
@@ -117,19 +110,13 @@ class LibNft(Nft):
     def run_json(self, command: str) -> Any:
         return _parse_json(self._call(self._json, command))
 
-    def list_text(self, command: str) -> str:
-        with self._lock:
-            if not self._terse:
-                self._terse = self._context(NFT_CTX_OUTPUT_TERSE)
-        return self._call(self._terse, command)
-
     def close(self) -> None:
         """Free the contexts (idempotent)."""
         with self._lock:
-            for ctx in (self._text, self._json, self._terse):
+            for ctx in (self._text, self._json):
                 if ctx:
                     self._lib.nft_ctx_free(ctx)
-            self._text = self._json = self._terse = 0
+            self._text = self._json = 0
 
 
 class BinaryNft(Nft):
@@ -159,9 +146,6 @@ class BinaryNft(Nft):
 
     def run_json(self, command: str) -> Any:
         return _parse_json(self._call(["-j", *shlex.split(command)], None))
-
-    def list_text(self, command: str) -> str:
-        return self._call(["-t", *shlex.split(command)], None)
 
 
 def open_nft(prefer: str = "auto") -> Nft:

@@ -34,14 +34,13 @@ import hashlib
 import ipaddress
 import logging
 import os
-import re
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckagent.containment.egress.netlink import NetlinkError, SetElements, cgroup_key
+from ckagent.containment.egress.netlink import Netlink, NetlinkError, cgroup_key
 from ckagent.containment.egress.nft import Nft, NftError
 from ckagent.node.egress_policy import EgressPolicy, Network
 
@@ -123,7 +122,7 @@ class EgressTable:
         self.ref = f"inet {name}"
         self.chains: dict[str, int] = {}
         """Policy chains in the table → how many tasks use them."""
-        self.elements: SetElements | None = None
+        self.elements: Netlink | None = None
         """The nfnetlink path of the per-task changes (None: nft does them; see :mod:`.netlink`)."""
         self._netlink = netlink
 
@@ -154,7 +153,7 @@ class EgressTable:
         self.chains.clear()
         if self._netlink and self.elements is None:
             try:
-                self.elements = SetElements(self.name)
+                self.elements = Netlink(self.name)
             except NetlinkError as exc:
                 log.info("egress: per-task changes go through nft (%s)", exc)
 
@@ -314,34 +313,33 @@ def _delete_table(nft: Nft, name: str) -> bool:
     return True
 
 
-def owned_tables(nft: Nft) -> dict[str, str | None]:
-    """The ``inet ckagent_*`` tables on the host → the work dir their comment names (None: no
-    comment, e.g. an older agent's). Raises NftError."""
-    answer = nft.run_json("list tables inet")
-    names = [o["table"]["name"] for o in answer.get("nftables", []) if isinstance(o, dict) and "table" in o
-             and str(o["table"].get("name", "")).startswith(TABLE_PREFIX)]
-    found: dict[str, str | None] = {}
-    for name in names:
-        try:
-            text = nft.list_text(f"list table inet {name}")
-        except NftError:  # gone meanwhile
-            continue
-        match = re.search(r'^\s*comment "' + re.escape(OWNER_COMMENT) + r'(.*)"\s*$', text, re.MULTILINE)
-        found[name] = match.group(1) if match else None
-    return found
+def owned_tables(netlink: Netlink) -> dict[str, str | None]:
+    """The ``inet ckagent_*`` tables on the host → the work dir their comment names (None: no such
+    comment, e.g. an older agent's). One netlink dump. Raises NetlinkError."""
+    return {name: comment[len(OWNER_COMMENT):] if comment.startswith(OWNER_COMMENT) else None
+            for name, comment in netlink.tables() if name.startswith(TABLE_PREFIX)}
 
 
-def remove_orphans(nft: Nft, orphaned: Callable[[str], bool] = lambda work_dir: not os.path.exists(work_dir),
+def remove_orphans(orphaned: Callable[[str], bool] = lambda work_dir: not os.path.exists(work_dir),
                    keep: str = "") -> list[str]:
     """Delete the ckagent tables whose comment names a work dir ``orphaned`` says is gone (by
     default: it does not exist; no agent can run there, no task of one is left), except ``keep``.
-    Returns the deleted names. Raises NftError when the tables cannot be listed."""
-    removed = []
-    for name, work_dir in owned_tables(nft).items():
-        if name != keep and work_dir is not None and orphaned(work_dir):
-            with contextlib.suppress(NftError):
-                if _delete_table(nft, name):
+    Returns the deleted names; [] when netlink cannot be used (no rights). Never raises."""
+    removed: list[str] = []
+    try:
+        netlink = Netlink()
+    except NetlinkError:
+        return removed
+    try:
+        for name, work_dir in owned_tables(netlink).items():
+            if name != keep and work_dir is not None and orphaned(work_dir):
+                with contextlib.suppress(NetlinkError):  # (gone meanwhile)
+                    netlink.delete_table(name)
                     removed.append(name)
+    except NetlinkError as exc:
+        log.debug("egress: cannot list the tables (%s)", exc)
+    finally:
+        netlink.close()
     return removed
 
 
