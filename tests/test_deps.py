@@ -212,7 +212,7 @@ async def test_index_chooser_falls_back_when_pypi_is_unreachable(monkeypatch: py
     with socket.socket() as sock:  # a port nobody listens on
         sock.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{sock.getsockname()[1]}/simple"
-    monkeypatch.setattr("ckagent.code.deps.OFFICIAL_INDEX", closed)
+    monkeypatch.setattr("ckagent.code.deps_python.OFFICIAL_INDEX", closed)
     chooser = IndexChooser(None, "https://mirror.example/simple", probe_timeout=1.0)
     with trio.fail_after(10):
         assert await chooser.index_url() == "https://mirror.example/simple"

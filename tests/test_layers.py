@@ -45,12 +45,6 @@ OVER_LIMIT = {
 
     "ckagent/devmaster/app.py",
 
-    "ckagent/code/deps.py",
-
-    "ckagent/code/workspace.py",
-
-    "ckagent/delivery/outbox.py",
-
     "ckagent/delivery/readers.py",
 
     "ckagent/port/metrics.py",

@@ -112,7 +112,7 @@ async def test_installer_not_startable_raises_deps_error_not_a_group(tmp_path: P
                         uv_cache_dir=tmp_path / "cache", timeout=10.0, base_env={"PATH": "/usr/bin:/bin"})
     missing = tmp_path / "no-such-installer"
     with pytest.raises(DepsError) as caught, collapsed_groups():
-        await deps._run([str(missing), "install"], tmp_path, {"PATH": "/usr/bin:/bin"}, lambda _: None)
+        await deps.installers.run([str(missing), "install"], tmp_path, {"PATH": "/usr/bin:/bin"}, lambda _: None)
     assert "No such file or directory" in str(caught.value) and str(missing) in str(caught.value)
     assert isinstance(caught.value.__cause__, FileNotFoundError)
 

@@ -29,7 +29,7 @@ from ckagent.node.config import load_settings
 from ckagent.node.errors import StartupError
 from ckagent.node.logs import setup_logging
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "sdk" / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "sdk" / "examples"  # ckagent/cli/demo.py → the checkout
 DEMO_TIMEOUT = 900.0
 """Seconds the demo waits for its tasks (the first Scrapy install downloads ~40 packages)."""
 

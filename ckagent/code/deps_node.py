@@ -1,20 +1,37 @@
-"""Node spiders' helpers: which node a project asks for, which one to run, the manifest an install needs.
+"""Node spiders' environments: which node a project asks for, which one runs, its ``node_modules``.
 
-Blocking functions (small reads, ``node --version`` once per binary): call them through
-``trio.to_thread``. The installs themselves are in ckagent.code.deps.
+Node spiders (``package.json``) get ``envs/node-<key>/`` (:class:`NodeEnvs`): the manifest, lockfile
+and ``.npmrc`` are copied there, ``npm ci`` (lockfile) or ``npm install`` runs there, and the task's
+working copy gets a ``node_modules`` symlink to it. A version asked for in ``.nvmrc`` or
+``engines.node`` is taken from nvm when present (installed with nvm when missing); otherwise the
+system node runs, with a warning in the task log if it does not satisfy it. Code that ships its own
+``node_modules`` runs as it is (npm is not run).
+
+The other functions are blocking (small reads, ``node --version`` once per binary): call them through
+``trio.to_thread``. Raises DepsError (ckagent.code.installer).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
-from ckagent.code.runtimes import nvm_node_versions
+import trio
+
+from ckagent.code.envstore import EnvStore, Prepared, is_ready, mark_ready, start_build
+from ckagent.code.installenv import install_key_env
+from ckagent.code.installer import Installers, Output
+from ckagent.code.runtimes import find_npm, nvm_node_versions
+from ckagent.node.errors import DepsError
 from ckagent.node.noderange import NodeVersion, parse_node_version, satisfies
+
+NPM_MISSING = "npm is not installed on this node: install Node.js with npm (e.g. `apt-get install nodejs npm`)"
 
 NODE_COPIED = ("package.json", "package-lock.json", "npm-shrinkwrap.json", ".npmrc", "yarn.lock", ".yarnrc",
                ".yarnrc.yml", "pnpm-lock.yaml", "pnpm-workspace.yaml", ".pnpmfile.cjs")
@@ -157,3 +174,106 @@ def node_default_command(code_dir: Path) -> tuple[list[str] | None, str]:
     looked = "package.json scripts.start, package.json main, index.js" if manifest.is_file() else \
         "package.json (absent), index.js"
     return None, looked
+
+
+class NodeEnvs:
+    """Makes Node spiders' ``node_modules`` ready in ``store`` (see module docstring); ``nvm_dir`` is
+    nvm's home (nvm counts as present when ``nvm.sh`` is there)."""
+
+    def __init__(self, store: EnvStore, installers: Installers, nvm_dir: Path) -> None:
+        self.store = store
+        self._installers = installers
+        self.nvm_dir = nvm_dir
+
+    async def prepare(self, code_dir: Path, output: Output, task_env: dict[str, str]) -> Prepared:
+        """The node on PATH and the ``node_modules`` link in ``code_dir`` (the working copy), installed
+        if its key has none ready. Raises DepsError; cancellation stops the installer."""
+        prepared = Prepared()
+        spec, source = await trio.to_thread.run_sync(wanted_node, code_dir)
+        env = self._installers.env(task_env)
+        if spec is not None:
+            await self._select_node(spec, source, env, code_dir, output, prepared)
+        path = os.pathsep.join([*prepared.path_prefix, env.get("PATH", "")])
+        layout, key = await trio.to_thread.run_sync(self._plan, code_dir, spec, path, install_key_env(task_env))
+        if layout == "no-package":
+            return prepared
+        if layout == "ships-node-modules":
+            prepared.notes.append("node_modules ships with the code: npm is not run")
+            return prepared
+        install_dir = self.store.path("node", key)
+        async with self.store.lock(key):
+            with self.store.using(install_dir, prepared):
+                if not await trio.to_thread.run_sync(is_ready, install_dir, key):
+                    prepared.cache_hit = False
+                    with self.store.building(install_dir):
+                        await self._build(install_dir, key, code_dir, path, env, output)
+        await trio.to_thread.run_sync(link_node_modules, code_dir, install_dir / "node_modules")
+        return prepared
+
+    async def _build(self, install_dir: Path, key: str, code_dir: Path, path: str, env: dict[str, str],
+                     output: Output) -> None:
+        npm = find_npm(path)
+        if npm is None:
+            raise DepsError(NPM_MISSING)
+        env["PATH"] = path
+        await trio.to_thread.run_sync(start_build, install_dir)
+        await trio.to_thread.run_sync(stage_node_manifest, code_dir, install_dir)
+        await trio.to_thread.run_sync(self._installers.give_dirs, [install_dir])
+        argv, note = await trio.to_thread.run_sync(node_install_command, install_dir, npm, path)
+        if note is not None:
+            output(f"[ckagent] {note}\n".encode())
+        env.setdefault("COREPACK_ENABLE_DOWNLOAD_PROMPT", "0")
+        await self._installers.run(argv, install_dir, env, output)
+        await trio.to_thread.run_sync(_finish_node_env, install_dir, key)
+
+    def _plan(self, code_dir: Path, spec: str | None, path: str, key_env: dict[str, str]) -> tuple[str, str]:
+        """(layout, key) of a Node spider (blocking: stats, hashing, ``node --version`` once per binary).
+
+        layout: ``"no-package"`` (no package.json: nothing to install), ``"ships-node-modules"`` (the
+        code carries its node_modules: npm is not run) or ``"install"``.
+        """
+        if not (code_dir / "package.json").is_file():
+            return "no-package", ""
+        shipped = code_dir / "node_modules"
+        if shipped.exists() and not shipped.is_symlink():
+            return "ships-node-modules", ""
+        files = {name: hashlib.sha256((code_dir / name).read_bytes()).hexdigest()
+                 for name in NODE_DEP_FILES if (code_dir / name).is_file()}
+        node = shutil.which("node", path=path)
+        version = system_node_version(path)
+        source: dict[str, Any] = {"schema": 1, "files": files, "spec": spec, "node": node and os.path.realpath(node),
+                                  "version": version, "identity": self._installers.identity}
+        if key_env:  # only then: environments of spiders without such variables keep their keys
+            source["env"] = key_env
+        return "install", hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()
+
+    async def _select_node(self, spec: str, source: str, env: dict[str, str], code_dir: Path,
+                           output: Output, prepared: Prepared) -> None:
+        """Put an nvm node satisfying ``spec`` first on PATH (installing it with nvm if needed), or warn."""
+        nvm_sh = self.nvm_dir / "nvm.sh"
+        has_nvm = await trio.to_thread.run_sync(nvm_sh.is_file)
+        if has_nvm:
+            chosen = await trio.to_thread.run_sync(pick_nvm_node, self.nvm_dir, spec)
+            if chosen is None:
+                nvm_env = {**env, "NVM_DIR": str(self.nvm_dir)}
+                await self._installers.run(["bash", "-c", '. "$NVM_DIR/nvm.sh" && nvm install "$1"', "nvm-install",
+                                            spec], code_dir, nvm_env, output, label="nvm install")
+                chosen = await trio.to_thread.run_sync(pick_nvm_node, self.nvm_dir, spec)
+            if chosen is not None:
+                prepared.path_prefix.insert(0, str(chosen[1]))
+                prepared.notes.append(f"node {chosen[0]} from nvm ({source} wants {spec!r})")
+                return
+        system = await trio.to_thread.run_sync(system_node_version, env.get("PATH", ""))
+        where = "nvm has none installed" if has_nvm else f"nvm not found ({nvm_sh})"
+        if system is None:
+            prepared.notes.append(f"warning: {source} wants node {spec!r} but no node is installed ({where})")
+        elif satisfies(system, spec) is False:
+            prepared.notes.append(
+                f"warning: {source} wants node {spec!r} but the system node is v{system} ({where}); "
+                "running with it anyway"
+            )
+
+
+def _finish_node_env(install_dir: Path, key: str) -> None:
+    (install_dir / "node_modules").mkdir(exist_ok=True)
+    mark_ready(install_dir, key, "node")

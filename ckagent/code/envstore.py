@@ -21,13 +21,15 @@ removes it first, and so does collection. The blocking helpers (:func:`is_ready`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
@@ -36,6 +38,22 @@ log = logging.getLogger(__name__)
 
 MARKER = ".ckagent-env.json"
 """Written into an environment when its build succeeded: ``{"key", "kind", "sizeBytes", "builtAt"}``."""
+
+
+@dataclass
+class Prepared:
+    """The outcome of :meth:`ckagent.code.deps.Dependencies.prepare`: what to put first on PATH and extra env vars.
+
+    ``notes`` are lines for the task log (e.g. a node version warning); ``seconds`` the time taken;
+    ``env_dir`` the environment the task uses (hand the object back to ``Dependencies.release``).
+    """
+
+    path_prefix: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    cache_hit: bool = True
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    env_dir: Path | None = None
 
 
 class EnvStore:
@@ -73,6 +91,21 @@ class EnvStore:
         self._in_use[path] -= 1
         if self._in_use[path] <= 0:
             del self._in_use[path]
+
+    @contextlib.contextmanager
+    def using(self, env_dir: Path, prepared: Prepared) -> Iterator[None]:
+        """Mark ``env_dir`` in use before it is checked or built (collection never takes it from under
+        a starting task); on success it is ``prepared.env_dir``, on any failure the mark is dropped."""
+        self.acquire(env_dir)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            if ok:
+                prepared.env_dir = env_dir
+            else:
+                self.release(env_dir)
 
     def is_protected(self, path: Path) -> bool:
         """Whether collection must leave ``path`` alone now (in use or being built).

@@ -40,8 +40,8 @@ class InterpreterError(Exception):
 
 def bundled_sdk_dir() -> Path | None:
     """A directory holding only ``crawlerkeeper_sdk/`` (inside the installed agent, or the checkout)."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "_sdk", here.parent / "sdk" / "python" / "src"):
+    package = Path(__file__).resolve().parent.parent  # ckagent/
+    for candidate in (package / "_sdk", package.parent / "sdk" / "python" / "src"):
         if (candidate / "crawlerkeeper_sdk" / "__init__.py").is_file():
             return candidate
     return None

@@ -49,7 +49,7 @@ stream, or replaces the element, and the final result says ``incomplete: true``.
 4xx) is retried with backoff: a refusal never drops what the spider produced.
 
 **The outbox** (:class:`Outbox`, one per agent, in the agent's root nursery) owns every task's
-delivery: the journal writer (:mod:`ckagent.delivery.journal`), the two shippers and, once both streams are complete, the final result
+delivery (:class:`TaskDelivery`, :mod:`ckagent.delivery.taskdelivery`): the journal writer (:mod:`ckagent.delivery.journal`), the two shippers and, once both streams are complete, the final result
 (stored first, sent last, retried with exponential backoff and jitter until acknowledged). A task's
 worker slot is free as soon as its process has ended; delivery goes on without it. On start the
 agent hands unfinished deliveries from the state store to the outbox (:meth:`Outbox.resume`).
@@ -79,7 +79,7 @@ the running task whose directory grows most when the free space is below the flo
 it within a look (FAILED DISK_FULL); state store writes fall back on the agent's space reserve;
 positions, journal records and results that cannot be written wait in memory for room.
 
-**Retention** (:func:`cleanup_task_dirs`): a task's directory is deleted only after its result was
+**Retention** (:mod:`ckagent.delivery.retention`): a task's directory is deleted only after its result was
 acknowledged (which happens only after both streams were), and ``task.retention`` seconds later.
 
 Errors: shipping never raises for master trouble (MasterUnavailable is retried until cancelled;
@@ -104,7 +104,8 @@ from ckagent.delivery.lines import (
     item_object,
     secret_values,
 )
-from ckagent.delivery.outbox import Outbox, OutboxConfig, TaskDelivery, cleanup_task_dirs
+from ckagent.delivery.outbox import Outbox
+from ckagent.delivery.retention import cleanup_task_dirs
 from ckagent.delivery.shipper import StreamShipper, send_result
 from ckagent.delivery.spool import (
     AGENT_FILES,
@@ -118,6 +119,7 @@ from ckagent.delivery.spool import (
     OUTPUT_LOG,
 )
 from ckagent.delivery.statistics import OutboxStatistics, SpoolCounter
+from ckagent.delivery.taskdelivery import OutboxConfig, TaskDelivery
 
 __all__ = [
     "AGENT_FILES",

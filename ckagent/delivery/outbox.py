@@ -1,4 +1,5 @@
-"""The outbox: one per agent, owns every task's delivery (journal writer, shippers, result) and retention.
+"""The outbox: one per agent, owns every task's delivery (:mod:`ckagent.delivery.taskdelivery`), the
+disk loop (positions, scans of running tasks' files, the disk watch) and retention.
 
 See the package docstring (ckagent.delivery) for the whole design.
 """
@@ -7,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -17,240 +17,21 @@ from typing import Any
 
 import trio
 
-from ckagent.delivery.artifacts import upload_artifacts
 from ckagent.delivery.capture import DiskGuard, LogSink
-from ckagent.delivery.crawlstats import STATS_FILE, Snapshot
 from ckagent.delivery.diskwatch import DiskWatch, tree_bytes
-from ckagent.delivery.journal import LogJournal, rejected_log_globs, scan_log_files, task_log_globs
+from ckagent.delivery.journal import LogJournal, rejected_log_globs, task_log_globs
 from ckagent.delivery.lines import Masker, secret_values
 from ckagent.delivery.nodebatch import NodeBatcher
-from ckagent.delivery.outputs import cleanup_kept
-from ckagent.delivery.shipper import DEFAULT_REFUSAL_TIMEOUT, StreamShipper, send_result
-from ckagent.delivery.spool import DEFAULT_LOG_GLOBS, ITEMS_FILE, OUTPUT_LOG, SCAN_INTERVAL, SEND_CONCURRENCY
-from ckagent.delivery.stall import Activity, watch_stall
+from ckagent.delivery.retention import retention_loop
+from ckagent.delivery.spool import OUTPUT_LOG, SCAN_INTERVAL, SEND_CONCURRENCY
 from ckagent.delivery.statistics import OutboxStatistics, SpoolCounter
-from ckagent.delivery.stats import StatsShipper, final_stats
+from ckagent.delivery.taskdelivery import Delivered, OutboxConfig, TaskDelivery
 from ckagent.master.client import MasterClient
 from ckagent.master.protocol import Task, TaskResult
 from ckagent.node.diskfull import RESERVE_BYTES, SpaceReserve
 from ckagent.node.state import AsyncStateStore, StateStoreError, TaskRecord
 
 log = logging.getLogger(__name__)
-
-
-# ---------------------------------------------------------------------------------------------- outbox
-
-Delivered = Callable[[TaskResult], None]
-
-
-@dataclasses.dataclass(frozen=True)
-class OutboxConfig:
-    """Settings of the outbox: globs of spider log files, the disk budget (bytes; 0 = none),
-    retention (seconds; 0 = keep forever) and how long a refusal of a task's data is retried before
-    the agent gives up on it (``refusal_timeout``, seconds: server.refusal_timeout)."""
-
-    log_globs: tuple[str, ...] = DEFAULT_LOG_GLOBS
-    max_log_bytes: int = 0
-    min_free_disk_bytes: int = 0
-    retention: float = 0.0
-    agent_secrets: tuple[str, ...] = ()
-    refusal_timeout: float = DEFAULT_REFUSAL_TIMEOUT
-
-
-class TaskDelivery:
-    """One task's delivery, owned by the :class:`Outbox`. The supervisor writes to :attr:`sink`
-    while the process runs and calls :meth:`finish` once with the final result."""
-
-    def __init__(self, outbox: Outbox, task_id: str, task_dir: Path, masker: Masker, globs: list[str],
-                 sink: LogSink | None, journal: LogJournal, on_delivered: Delivered | None,
-                 spider: str = "") -> None:
-        self.outbox = outbox
-        self.task_id = task_id
-        self.task_dir = task_dir
-        self.globs = globs
-        self.sink = sink
-        self.journal = journal
-        self.on_delivered = on_delivered
-        refusal_timeout = outbox.config.refusal_timeout
-        self.logs = StreamShipper.logs(outbox.master, outbox.store, task_id, task_dir, masker, outbox.limiter,
-                                       refusal_timeout=refusal_timeout)
-        self.items = StreamShipper.items(outbox.master, outbox.store, task_id, task_dir, outbox.limiter,
-                                         refusal_timeout)
-        self.spider = spider
-        self.claimed_at = time.time()  # epoch seconds; a resumed delivery: the claim of an earlier run
-        self.stats = StatsShipper(outbox.master, task_id, task_dir, outbox.limiter, on_snapshot=self._observe)
-        self.activity = Activity((task_dir / ITEMS_FILE, task_dir / STATS_FILE))
-        self.logs.batcher = self.items.batcher = outbox.batcher
-        journal.on_record = self.logs.notify
-        self._wake = trio.Event()
-        self._found: dict[str, int] | None = None  # spider log files found by the last scan, not yet noted
-        self._found_sizes: dict[str, int] = {}  # spider log files and sizes the last scan found
-        self._items_size = 0  # items.jsonl's size at the last scan
-        self._stats_size = 0  # the stats file's size at the last scan
-        self._output_grew: trio.Event | None = None  # set by the next output write (see wait_output)
-        self.scanning = False  # True while the task runs: the outbox scans its files every SCAN_INTERVAL
-        self.ended = trio.Event()
-        self.delivered = trio.Event()
-        self.result: TaskResult | None = None
-        self.ship_logs = True  # False when the journal cannot be opened (the result still goes)
-        self._stall: tuple[float, Callable[[float], None]] = (0.0, lambda idle: None)
-        self._stall_armed = trio.Event()
-
-    def _observe(self, snapshot: Snapshot, final: bool = False) -> None:
-        observer = self.outbox.stats_observer
-        if observer is not None:
-            try:
-                observer(self.task_id, self.spider, snapshot.stats, final)
-            except Exception:  # metrics must never break a delivery
-                log.exception("task %s: the stats observer failed", self.task_id)
-
-    def output_written(self) -> None:
-        """The sink wrote to output.log."""
-        self.activity.touch()
-        self._wake.set()
-        if self._output_grew is not None:
-            self._output_grew.set()
-            self._output_grew = None
-
-    async def wait_output(self) -> None:
-        """Return after the next write to output.log, or once the process is over (at once if it is).
-        For readers of output.log beside the shipper (the status page's live tail): an event, not a
-        timed look. Cancellation: as usual, nothing to undo."""
-        if self.ended.is_set():
-            return
-        if self._output_grew is None:
-            self._output_grew = trio.Event()
-        await self._output_grew.wait()
-
-    def watch_stall(self, timeout: float, on_stall: Callable[[float], None]) -> None:
-        """Arm the stall watchdog (the process has started): ``on_stall(idle_seconds)`` is called once
-        when no output, item or stats change was seen for ``timeout`` seconds before :meth:`finish`."""
-        self.activity.touch()
-        self._stall = (timeout, on_stall)
-        self._stall_armed.set()
-
-    async def _stall_loop(self) -> None:
-        if not self.ended.is_set():
-            await self._stall_armed.wait()  # set by watch_stall() or finish()
-        if self.ended.is_set():
-            return
-        timeout, on_stall = self._stall
-        await watch_stall(timeout, self.activity.last, self.ended, on_stall)
-
-    async def finish(self, result: TaskResult) -> None:
-        """The process is over: close output.log, store ``result``, let the streams complete and the
-        result follow them. Returns at once (after the state store write); cancellation before that
-        write leaves the task to the next start (reported AGENT_LOST)."""
-        if self.sink is not None:
-            self.sink.close()
-        await self._store_result(result)
-        self.result = result
-        self.items.finish()
-        self.ended.set()
-        self._stall_armed.set()
-        self._wake.set()
-        if self._output_grew is not None:
-            self._output_grew.set()
-            self._output_grew = None
-
-    async def _store_result(self, result: TaskResult) -> None:
-        """The result into the state store; on a full disk it is kept in memory and sent all the same
-        (an agent crash before it is acknowledged then reports the task AGENT_LOST)."""
-        try:
-            await self.outbox.store.set_result(self.task_id, result.to_json())
-        except StateStoreError as exc:
-            log.error("task %s: cannot store its result (%s); sending it from memory", self.task_id, exc)
-
-    async def _journal_loop(self) -> None:
-        """Record the growth of output.log (when notified) and of spider log files (when the outbox's
-        once-a-second scan, :meth:`scanned`, found them)."""
-        self.scanning = True
-        try:
-            while not self.ended.is_set():
-                await self._wake.wait()
-                self._wake = trio.Event()
-                sizes: dict[str, int] = {}
-                if self.sink is not None:
-                    sizes[OUTPUT_LOG] = self.sink.size
-                if self._found is not None:
-                    sizes.update(self._found)
-                    self._found = None
-                self.journal.note(sizes)
-        finally:
-            self.scanning = False
-        sizes = await trio.to_thread.run_sync(self._final_sizes)
-        self.journal.end(sizes)
-        while not self.journal.flush():  # a full disk: the stream's last records wait for room
-            await self.outbox.next_look()
-        self.journal.close()
-
-    def scan(self) -> tuple[dict[str, int], int, int]:
-        """(spider log files → size, items.jsonl's size or 0, the stats file's size or 0). Blocking:
-        the outbox calls it in its once-a-second worker thread, for every running task in one hop."""
-        return scan_log_files(self.task_dir, self.globs), _size(self.task_dir / ITEMS_FILE), \
-            _size(self.task_dir / STATS_FILE)
-
-    def scanned(self, found: dict[str, int], items_size: int, stats_size: int = 0) -> None:
-        """The result of :meth:`scan` (on the loop): the journal notes the log files; a grown items
-        file wakes its shipper, a grown stats file the stats shipper (neither polls a file that is
-        not growing)."""
-        if found != self._found_sizes:  # the journal loop wakes only for log files that changed
-            self._found_sizes = found
-            self._found = found
-            self._wake.set()
-        if items_size != self._items_size:
-            self._items_size = items_size
-            self.items.notify()
-        if stats_size != self._stats_size:
-            self._stats_size = stats_size
-            self.stats.notify()
-
-    def _final_sizes(self) -> dict[str, int]:
-        sizes = scan_log_files(self.task_dir, self.globs)
-        try:
-            sizes[OUTPUT_LOG] = (self.task_dir / OUTPUT_LOG).stat().st_size
-        except FileNotFoundError:
-            sizes[OUTPUT_LOG] = 0
-        return sizes
-
-    async def run(self) -> None:
-        """Journal, ship both streams, then send the result. Cancellation leaves it all for the next start."""
-        async with trio.open_nursery() as nursery:
-            if self.ship_logs:
-                nursery.start_soon(self._journal_loop)
-                nursery.start_soon(self.logs.run)
-            nursery.start_soon(self.items.run)
-            nursery.start_soon(self.stats.run, self.ended)
-            nursery.start_soon(self._stall_loop)
-            await self.ended.wait()
-        assert self.result is not None
-        # The final stats snapshot is the stats file's last line (the spool): read again on every
-        # (re)start, so neither an agent crash nor a master outage loses it.
-        final = await trio.to_thread.run_sync(final_stats, self.task_dir)
-        self._observe(Snapshot(final.seq if final else 0, {"stats": final.stats if final else {}}), final=True)
-        stats = final if final is not None else self.result.stats
-        reason = self.result.finish_reason
-        if reason is None and stats is not None and isinstance(stats.stats.get("finishReason"), str):
-            reason = stats.stats["finishReason"] or None
-        refused = [shipper.stream for shipper in (self.logs, self.items) if shipper.refused]
-        if not self.ship_logs:
-            refused.insert(0, "log")
-        incomplete = True if refused or self.result.incomplete else None
-        if refused:
-            log.error("task %s: its result says incomplete: the master refused its %s for good; it holds %d log "
-                      "lines and %d items; the spool stays in %s until task.retention", self.task_id,
-                      " and ".join(refused), self.logs.acked, self.items.acked, self.task_dir)
-        # Artifacts go before the result, which lists what the master holds (ckagent.delivery.artifacts).
-        artifacts = await upload_artifacts(self.outbox.master, self.task_id, self.task_dir, self.outbox.limiter)
-        result = dataclasses.replace(self.result, item_count=self.items.acked, log_lines=self.logs.acked,
-                                     stats=stats, finish_reason=reason, incomplete=incomplete,
-                                     artifacts=artifacts)
-        await self._store_result(result)
-        await send_result(self.outbox.master, self.outbox.store, self.task_id, result, self.outbox.limiter,
-                          self.outbox.config.refusal_timeout)
-        self.delivered.set()
-        if self.on_delivered is not None:
-            self.on_delivered(result)
 
 
 class Outbox:
@@ -306,7 +87,7 @@ class Outbox:
                 nursery.start_soon(self.batcher.run)
                 nursery.start_soon(self._disk_loop)
                 if self.config.retention > 0:
-                    nursery.start_soon(self._retention_loop)
+                    nursery.start_soon(retention_loop, self.store, self.work_dir, self.config.retention)
                 task_status.started()
                 await trio.sleep_forever()
         finally:
@@ -499,22 +280,6 @@ class Outbox:
             self._store_full = False
             log.info("the acknowledged positions are saved again")
 
-    async def _retention_loop(self) -> None:
-        interval = min(3600.0, max(1.0, self.config.retention / 4))
-        while True:
-            await cleanup_task_dirs(self.store, self.tasks_dir, self.config.retention)
-            # Files kept on the node (over the artifact budget, ...) follow the same retention.
-            await trio.to_thread.run_sync(cleanup_kept, self.work_dir, self.config.retention)
-            await trio.sleep(interval)
-
-
-def _size(path: Path) -> int:
-    """``path``'s size (bytes; 0 when it cannot be seen), without following a symlink. Blocking."""
-    try:
-        return os.lstat(path).st_size
-    except OSError:
-        return 0
-
 
 def _scan_round(deliveries: list[TaskDelivery], disk: Path) -> tuple[list[tuple[dict[str, int], int, int]],
                                                                      int | None, list[int]]:
@@ -538,36 +303,3 @@ def _scan_all(deliveries: list[TaskDelivery]) -> list[tuple[dict[str, int], int,
             log.debug("task %s: cannot scan its files: %s", delivery.task_id, exc)
             found.append(({}, 0, 0))
     return found
-
-
-async def cleanup_task_dirs(store: AsyncStateStore, tasks_dir: Path, older_than: float) -> int:
-    """Delete the directories of tasks fully acknowledged more than ``older_than`` seconds ago.
-
-    ``older_than`` 0 deletes every acknowledged task's directory (``--cleanup-temp-files`` at start).
-    Never touches a task whose result the master has not acknowledged, nor anything outside
-    ``tasks_dir``. Returns how many were deleted; errors are logged, not raised.
-    """
-    cutoff = time.time() - older_than
-    deleted = 0
-    root = await trio.to_thread.run_sync(tasks_dir.resolve)
-    for record in await store.delivered_before(cutoff if older_than > 0 else time.time() + 1):
-        target = record.task_dir
-        if target.resolve().parent != root:
-            log.warning("task %s: not deleting %s (outside %s)", record.task_id, target, tasks_dir)
-            await store.forget(record.task_id)
-            continue
-        try:
-            await trio.to_thread.run_sync(_rmtree, target)
-        except OSError as exc:
-            log.warning("task %s: cannot delete %s: %s", record.task_id, target, exc)
-            continue
-        await store.forget(record.task_id)
-        deleted += 1
-    if deleted:
-        log.info("deleted %d delivered task director%s", deleted, "y" if deleted == 1 else "ies")
-    return deleted
-
-
-def _rmtree(path: Path) -> None:
-    if path.exists():
-        shutil.rmtree(path)
