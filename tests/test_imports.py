@@ -120,3 +120,24 @@ def test_the_cycle_finder_finds_a_circle() -> None:
 
 def test_no_import_circles_inside_ckagent() -> None:
     assert find_cycles(import_graph()) == []
+
+
+def test_the_agents_start_leaves_httpxs_command_line_client_out() -> None:
+    """rich, click and pygments (httpx's own CLI, ~a fifth of the start-up imports) are not imported
+    on the agent's path; ``httpx.main`` still imports and runs the real client when called."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from ckagent.node.lazycli import defer_httpx_cli\n"
+        "assert defer_httpx_cli()\n"
+        "import ckagent.agent, httpx\n"
+        "heavy = [m for m in ('rich', 'click', 'pygments') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "httpx.main(['--help'], standalone_mode=False)\n"
+        "assert 'click' in sys.modules  # the real client ran\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "Usage" in done.stdout or "usage" in done.stdout.lower(), done.stdout
