@@ -118,6 +118,9 @@ FLUSH_TIMEOUT = 10.0
 streams before leaving them on disk."""
 RUNTIME_SCAN_INTERVAL = 300.0
 FINAL_BEAT_TIMEOUT = 2.0
+HAND_OVER_FLUSH_TIMEOUT = 2.0
+"""Seconds a hand-over spends sending what was already read (lines, items, finished tasks' results)
+before exiting; the next agent sends the rest from the acknowledged positions (docs/operations.md)."""
 HAND_OVER_SIGNAL = signal.SIGUSR2
 """Stop the agent and leave its running tasks to the next agent, which re-adopts them (``run.sh
 upgrade``/``restart``). SIGTERM still drains, SIGINT terminates (docs/operations.md)."""
@@ -256,19 +259,26 @@ class Agent:
                                     log.warning("drain deadline (%g s) passed with %d task(s) still running",
                                                 s.task.drain_timeout, len(supervisor.running))
                                 self.terminate()
-                    if self._work_scope.cancelled_caught:
+                    if self._work_scope.cancelled_caught and not supervisor.handing_over:
                         log.warning("tasks did not finish reporting within kill_grace + flush_timeout "
                                     "(%g s); leaving unsent data for the next start",
                                     s.task.kill_grace + s.task.flush_timeout)
                     self.state = AgentState.STOPPING
                     flush_until = min(trio.current_time() + s.task.flush_timeout, self._exit_deadline)
-                    if not supervisor.handing_over:  # handing over: the next agent delivers what is left
+                    if not supervisor.handing_over:
                         with self._flush_scope, trio.move_on_at(flush_until):
                             await outbox.wait_idle()
-                    if supervisor.handing_over:
-                        log.info("handed over: %d task(s) left running for the next agent, %d delivery(ies) "
-                                 "left in %s", self._handed, outbox.pending, self.work_dir / "state.db")
-                    elif outbox.pending:
+                    else:  # what was read goes now, for at most HAND_OVER_FLUSH_TIMEOUT: the next agent waits
+                        flushing = trio.current_time()
+                        bound = trio.move_on_at(min(flushing + HAND_OVER_FLUSH_TIMEOUT, flush_until))
+                        with self._flush_scope, bound:
+                            await outbox.flush_read()
+                        cut = bound.cancelled_caught or self._flush_scope.cancelled_caught
+                        log.info("handed over: %d task(s) left running for the next agent (%s what was read in "
+                                 "%.2f s); %d delivery(ies) left in %s for it", self._handed,
+                                 "stopped sending" if cut else "sent", trio.current_time() - flushing,
+                                 outbox.pending, self.work_dir / "state.db")
+                    if not supervisor.handing_over and outbox.pending:
                         log.warning("stopping with undelivered results or logs; they stay in %s for the "
                                     "next start", self.work_dir / "state.db")
                 root.cancel_scope.cancel()

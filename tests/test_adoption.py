@@ -204,6 +204,7 @@ async def test_the_hand_over_signal_leaves_the_task_to_the_next_agent(
     assert [line for line in lines if line.startswith("tick")] == [f"tick {i}" for i in range(40)]
     assert sum(line.startswith("[ckagent") and "running " in line for line in lines) == 1  # started once
     assert "leaving 1 running task(s) to the next agent" in agent.log_text()
+    assert "handed over: 1 task(s) left running for the next agent (" in agent.log_text()  # the bounded flush
 
 
 ENV_HOLDER = textwrap.dedent("""

@@ -137,6 +137,13 @@ class Outbox:
         """Return when every delivery is complete (at once if none is pending)."""
         await self._idle.wait()
 
+    async def flush_read(self) -> None:
+        """Every delivery sends what it has read at once; returns when nothing read waits for the
+        master (a hand-over: the next agent sends the rest). Bound it with a cancel scope."""
+        async with trio.open_nursery() as nursery:
+            for delivery in list(self.deliveries.values()):
+                nursery.start_soon(delivery.flush_read)
+
     async def wait_busy(self) -> None:
         """Return once a delivery is open (at once if one is). Cancellation: as usual."""
         await self._busy.wait()

@@ -220,6 +220,17 @@ class TaskDelivery:
             sizes[OUTPUT_LOG] = 0
         return sizes
 
+    async def flush_read(self) -> None:
+        """Send what was read so far at once (a hand-over's last flush): returns when nothing read
+        waits for the master, or, for a task that has ended, when its result is delivered. Call it
+        while :meth:`run` runs; bound it with a cancel scope (a master that does not answer)."""
+        if self.ended.is_set():
+            await self.delivered.wait()
+            return
+        async with trio.open_nursery() as nursery:
+            for shipper in (self.logs, self.items) if self.ship_logs else (self.items,):
+                nursery.start_soon(_flushed, shipper)
+
     async def run(self) -> None:
         """Journal, ship both streams, then send the result. Cancellation leaves it all for the next start."""
         async with trio.open_nursery() as nursery:
@@ -258,6 +269,13 @@ class TaskDelivery:
         self.delivered.set()
         if self.on_delivered is not None:
             self.on_delivered(result)
+
+
+async def _flushed(shipper: StreamShipper) -> None:
+    idle = trio.Event()
+    shipper.hurry, shipper.on_idle = True, idle.set
+    shipper.notify()
+    await idle.wait()
 
 
 def _size(path: Path) -> int:
