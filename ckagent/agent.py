@@ -118,6 +118,8 @@ FLUSH_TIMEOUT = 10.0
 streams before leaving them on disk."""
 RUNTIME_SCAN_INTERVAL = 300.0
 FINAL_BEAT_TIMEOUT = 2.0
+PROXY_PORT_FILE = "egress-proxy.port"
+"""In the work dir: the port of the egress proxy (``proxy`` level), taken again by the next agent."""
 HAND_OVER_FLUSH_TIMEOUT = 2.0
 """Seconds a hand-over spends sending what was already read (lines, items, finished tasks' results)
 before exiting; the next agent sends the rest from the acknowledged positions (docs/operations.md)."""
@@ -410,9 +412,12 @@ class Agent:
         egress = self.egress
         if egress is not None:
             egress.agent_port = self.status_port  # (agent.port 0: the one picked)
-            if egress.level == "proxy":
-                egress.proxy_url = await root.start(partial(serve_proxy, egress.proxy_lookup,
-                                                            lambda: egress.agent_port))
+            if egress.level == "proxy":  # on the previous agent's port: handed-over tasks' variables name it
+                port_file = self.work_dir / PROXY_PORT_FILE
+                egress.proxy_url = await root.start(partial(
+                    serve_proxy, egress.proxy_lookup, lambda: egress.agent_port,
+                    port=await trio.to_thread.run_sync(_read_port, port_file)))
+                await trio.to_thread.run_sync(_write_port, port_file, int(egress.proxy_url.rsplit(":", 1)[1]))
         root.start_soon(self._signals)
         root.start_soon(self._rescan_runtimes)
         adoptions, refused = await find_adoptable(await store.pending_delivery())
@@ -635,6 +640,22 @@ def freeze_startup_objects() -> None:
 def _jail_figures(jail: TaskJail) -> tuple[tuple[str, Any], ...]:
     """A task's live cgroup figures as /status shows them (cgroupfs reads)."""
     return tuple(jail.figures().to_json().items())
+
+
+def _read_port(path: Path) -> int:
+    """The port a previous agent's proxy listened on (0: none recorded, or unreadable)."""
+    try:
+        port = int(path.read_text().strip())
+    except (OSError, ValueError):
+        return 0
+    return port if 0 < port < 65536 else 0
+
+
+def _write_port(path: Path, port: int) -> None:
+    try:
+        path.write_text(f"{port}\n")
+    except OSError as exc:  # the next agent picks another port: its handed-over tasks' proxying fails
+        log.warning("egress proxy: cannot record its port in %s: %s", path, exc)
 
 
 def _egress_refusals(egress: Egress, rules: TaskRules) -> tuple[tuple[str, Any], ...]:

@@ -540,7 +540,7 @@ async def test_the_proxy_level_refuses_denied_destinations_and_counts_them(
             anonymous = await client.get(f"http://127.0.0.3:{allowed_port}/")
         # CONNECT (what HTTPS uses): the tunnel opens to an allowed destination only.
         stream = await trio.open_tcp_stream("127.0.0.1", int(egress.proxy_url.rsplit(":", 1)[1]))
-        user = env["HTTP_PROXY"].split("//")[1].split("@")[0]
+        user = env["HTTP_PROXY"].split("//")[1].split("@")[0].split(":")[0]
         auth = base64.b64encode(f"{user}:".encode()).decode()
         await stream.send_all(f"CONNECT 127.0.0.2:{denied_port} HTTP/1.1\r\nProxy-Authorization: Basic {auth}\r\n\r\n"
                               .encode())
@@ -620,3 +620,63 @@ async def test_a_task_handed_over_to_the_next_agent_stays_under_its_policy(
     assert [line for line in lines if line in ("refused", "connected")] == ["refused"] * 3, lines
     assert task["egressRefused"] == [{"address": "127.0.0.2", "port": port, "count": 3}], task
     assert table not in _tables()  # a drain (SIGTERM) removes the table
+
+
+PROXIED = """
+import os, time, urllib.error, urllib.request
+print("ready", os.environ["HTTP_PROXY"].rsplit(":", 1)[1], flush=True)
+go = os.path.join(os.environ["CK_TASK_DIR"], "go")
+for _ in range(600):  # bounded: at most a minute
+    if os.path.exists(go):
+        break
+    time.sleep(0.1)
+for name in ("DENIED", "ALLOWED"):
+    url = os.environ[name]
+    try:
+        urllib.request.urlopen(url, timeout=10).read()
+        print("ok", name, flush=True)
+    except urllib.error.HTTPError as exc:
+        print("http", exc.code, name, flush=True)
+    except OSError as exc:
+        print("failed", name, exc, flush=True)
+"""
+
+
+async def test_a_task_handed_over_at_the_proxy_level_keeps_its_proxy(
+    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path  # noqa: F811
+) -> None:
+    """Where the kernel cannot filter, a task's proxy variables name the agent's proxy port: the
+    next agent serves the proxy on that same port, so a re-adopted task's requests still go through
+    its policy (denied: 403, allowed: through)."""
+    from test_shutdown import agent_process, wait_exit, wait_registered
+
+    admin = recording_master.admin
+    denied = await nursery.start(partial(trio.serve_tcp, _http_ok, 0, host="127.0.0.2"))
+    allowed = await nursery.start(partial(trio.serve_tcp, _http_ok, 0, host="127.0.0.3"))
+    denied_port, allowed_port = (listeners[0].socket.getsockname()[1] for listeners in (denied, allowed))
+    agent = agent_process(tmp_path, recording_master.base_url, recording_master.registration_token,
+                          task__egress="proxy", task__egress_deny="metadata,link-local,agent,127.0.0.2")
+    await agent.start()
+    try:
+        await wait_registered(admin, agent)
+        task_id = await submit(admin, "proxied", {"main.py": PROXIED},
+                               env={"DENIED": f"http://127.0.0.2:{denied_port}/",
+                                    "ALLOWED": f"http://127.0.0.3:{allowed_port}/"})
+        [ready] = [line for line in await wait_for_log(admin, task_id, "ready") if line.startswith("ready")]
+        agent.signal(signal.SIGUSR2)
+        assert await wait_exit(agent, 15) == 0
+        await agent.start()
+        await wait_for_log(admin, task_id, "re-adopted", 60)
+        (tmp_path / "node" / "data" / "tasks" / task_id / "go").write_text("")
+        task = await admin.wait_task_final(task_id, 60)
+        agent.signal(signal.SIGTERM)
+        assert await wait_exit(agent, 30) == 0
+    finally:
+        with trio.move_on_after(10, shield=True):
+            await agent.kill()
+    lines = await admin.get_logs(task_id)
+    assert task["status"] == "SUCCESS", task
+    assert [line for line in lines if line.split(" ")[0] in ("ok", "http", "failed")] == \
+        ["http 403 DENIED", "ok ALLOWED"], lines
+    assert task["egressRefused"] == [{"address": "127.0.0.2", "port": denied_port, "count": 1}], task
+    assert (tmp_path / "node" / "data" / "egress-proxy.port").read_text().strip() == ready.split()[1]

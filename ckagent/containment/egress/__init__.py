@@ -182,7 +182,8 @@ class Egress:
         """Variables a task's environment gets at the ``proxy`` level ({} otherwise)."""
         if self.level != "proxy" or self.proxy_url is None or rules is None:
             return {}
-        url = self.proxy_url.replace("://", f"://{rules.chain}@", 1)
+        # user:password (the password says nothing): Python's urllib sends no credentials without one.
+        url = self.proxy_url.replace("://", f"://{rules.chain}:task@", 1)
         env = {name: url for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy",
                                       "all_proxy")}
         env["NO_PROXY"] = env["no_proxy"] = ""

@@ -1,6 +1,6 @@
 """The filtering proxy of the ``proxy`` egress level: advisory, for hosts where the kernel cannot help.
 
-The tasks' ``HTTP_PROXY``/``HTTPS_PROXY``/``ALL_PROXY`` point at ``http://t<key>@127.0.0.1:<port>``;
+The tasks' ``HTTP_PROXY``/``HTTPS_PROXY``/``ALL_PROXY`` point at ``http://t<key>:task@127.0.0.1:<port>``;
 the user name says which task asks (:meth:`ckagent.containment.egress.Egress.task_env`). For ``CONNECT
 host:port`` (HTTPS) and absolute-form requests (``GET http://host/...``) the proxy resolves the host,
 checks every address against the task's policy, connects to the first allowed address it checked
@@ -36,11 +36,20 @@ Lookup = Callable[[str], "tuple[EgressPolicy, Callable[[str, int], None]] | None
 """user name → (the task's policy, count a refusal(address, port)), None = unknown task."""
 
 
-async def serve_proxy(lookup: Lookup, agent_port: Callable[[], int | None], *,
+async def serve_proxy(lookup: Lookup, agent_port: Callable[[], int | None], *, port: int = 0,
                       task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-    """Listen on 127.0.0.1 (a port the OS picks) and serve until cancelled; ``task_status.started``
-    gets the URL ``http://127.0.0.1:<port>``."""
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    """Listen on 127.0.0.1 and serve until cancelled; ``task_status.started`` gets the URL
+    ``http://127.0.0.1:<port>``. ``port``: the previous agent's (its handed-over tasks' proxy
+    variables name it); when it cannot be had (another program took it), a port the OS picks, and
+    a warning says those tasks' proxied connections fail until they end (0: the OS picks)."""
+    try:
+        listeners = await trio.open_tcp_listeners(port, host="127.0.0.1")
+    except OSError as exc:
+        if not port:
+            raise
+        log.warning("egress proxy: cannot listen on 127.0.0.1:%d again (%s): the proxy variables of tasks "
+                    "left by the previous agent name it, so their proxied connections fail", port, exc)
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     port = listeners[0].socket.getsockname()[1]
     async with trio.open_nursery() as nursery:
         task_status.started(f"http://127.0.0.1:{port}")
