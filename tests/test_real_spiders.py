@@ -39,12 +39,12 @@ from ckagent.code.deps import (
     spider_base_env,
 )
 from ckagent.code.envstore import MARKER, collect, mark_ready
+from ckagent.code.scrapyhook import scrapy_hook
 from ckagent.code.workcopy import make_working_copy
 from ckagent.code.workspace import DeployError
 from ckagent.containment.tails import TailBuffer, last_lines
 from ckagent.master.protocol import Task
 from ckagent.task.commands import resolve_command, runs_in_env
-from ckagent.task.scrapyhook import scrapy_hook
 
 REPO = Path(ckagent.__file__).resolve().parent.parent
 SDK_VERSION = "0.1.0"

@@ -49,9 +49,9 @@ from typing import Any, TextIO
 
 import trio
 
+from ckagent.code import frameworks
 from ckagent.delivery.crawlstats import STATS_FILE, read_last_snapshot
 from ckagent.master.ids import task_dir
-from ckagent.master.protocol import FRAMEWORKS
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,9 @@ class ExecRequest:
 
 
 def detect_framework(source: Path) -> str:
-    """``scrapy`` (scrapy.cfg), ``node`` (package.json), else ``python``; a zip is looked into."""
+    """The framework whose marker files the project's top holds (ckagent.code.frameworks: scrapy.cfg →
+    ``scrapy``, package.json → ``node``), else ``python``; a zip is looked into (its top and one folder
+    down, as a single top folder is unwrapped)."""
     import zipfile
 
     if source.is_dir():
@@ -104,11 +106,7 @@ def detect_framework(source: Path) -> str:
     else:
         with zipfile.ZipFile(source) as archive:
             names = {n.rstrip("/").split("/")[-1] for n in archive.namelist() if n.count("/") <= 1}
-    if "scrapy.cfg" in names:
-        return "scrapy"
-    if "package.json" in names:
-        return "node"
-    return "python"
+    return (frameworks.detect(names.__contains__) or frameworks.DEFAULT).name
 
 
 def parse_assignments(values: list[str], what: str, *, json_values: bool) -> dict[str, Any]:
@@ -306,17 +304,21 @@ async def run_exec(request: ExecRequest, out: TextIO, err: TextIO) -> int:
         raise ExecUsageError(f"{source}: no such folder or zip")
     if source.is_file() and source.suffix.lower() != ".zip":
         raise ExecUsageError(f"{source}: expected a spider's folder or a .zip of it")
-    framework = request.framework or await trio.to_thread.run_sync(detect_framework, source)
-    if framework not in FRAMEWORKS:
-        raise ExecUsageError(f"--framework {framework!r}: expected one of {', '.join(FRAMEWORKS)}")
-    if framework == "scrapy" and request.command is None and request.spider is None:
-        from ckagent.task.commands import scrapy_spider_names
-
-        names = await trio.to_thread.run_sync(scrapy_spider_names, source)
+    framework = request.framework
+    if not framework:
+        framework = await trio.to_thread.run_sync(detect_framework, source)
+    try:
+        record = frameworks.framework(framework)
+    except frameworks.UnknownFramework as exc:
+        raise ExecUsageError(f"--framework: {exc}") from None
+    if (record.spider_names is not None and frameworks.SPIDER_NAME in record.command and request.command is None
+            and request.spider is None):
+        names = await trio.to_thread.run_sync(record.spider_names, source)
         if len(names) != 1:
             found = f"its spiders are {', '.join(names)}" if names else "no spider found in its spiders/ modules"
-            raise ExecUsageError(f"a Scrapy project with more or less than one spider needs --spider NAME (what "
-                                 f"`scrapy crawl NAME` runs) or --command; {found}")
+            shown = " ".join("NAME" if part == frameworks.SPIDER_NAME else part for part in record.command)
+            raise ExecUsageError(f"a {record.title} project with more or less than one spider needs --spider NAME "
+                                 f"(what `{shown}` runs) or --command; {found}")
         request = dataclasses.replace(request, spider=names[0])
         print(f"spider: {names[0]} (the project's only spider)", file=err)
     package = (await trio.to_thread.run_sync(zip_directory, source) if source.is_dir()

@@ -1,5 +1,7 @@
 """A spider's code and dependencies: its package on this node, its working copy, its environments.
 
+- :mod:`.frameworks` — one record per framework (runtime, tool, packages, default command, markers,
+  hooks), read by everything below and above that asks; :mod:`.scrapyhook` — Scrapy's hooks;
 - :mod:`.workspace`, :mod:`.unpack` — ``work_dir/spiders/<spiderId>/<version>/``, fetched and written
   atomically; a package's rules (paths, kinds, sizes) and its extraction;
 - :mod:`.workcopy` — a task's private working copy, and the per-spider directories that outlive runs;

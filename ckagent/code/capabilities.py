@@ -1,8 +1,9 @@
 """What this node cannot run, said once at start, reported in the runtimes, and kept off the node.
 
-A Python spider (frameworks scrapy, python, playwright, selenium) needs ``uv`` for its virtualenv; a
-Node spider (framework node) needs ``node`` (and ``npm`` when it has a package.json). Without them
-such a task could only fail. The choice made here: **the node does not take them** (uv, node; a
+Each runtime of ckagent.code.frameworks names the tool it needs: a Python spider (frameworks
+scrapy, python, playwright, selenium) needs ``uv`` for its virtualenv; a Node spider (framework
+node) needs ``node`` (and its helper ``npm`` when it has a package.json). Without them such a task
+could only fail. The choice made here: **the node does not take them** (uv, node; a
 node without npm still takes Node spiders — those without dependencies run — and says so). The poller skips a task this node
 cannot run (it was only offered: nothing is claimed, the master keeps it for other nodes) and
 excludes that spider from its next polls; a scan that finds the tool again (every few minutes, see
@@ -19,16 +20,14 @@ import logging
 import shutil
 from pathlib import Path
 
-from ckagent.code.deps import PYTHON_FRAMEWORKS
+from ckagent.code.frameworks import PYTHON, RUNTIMES, framework, names
 from ckagent.code.runtimes import find_npm, find_uv
 from ckagent.master.protocol import Task
 
 log = logging.getLogger(__name__)
 
-NODE_FRAMEWORKS = ("node",)
-
 _COST = {
-    "uv": (f"Python spiders ({', '.join(PYTHON_FRAMEWORKS)}) cannot get their virtualenv, so this node does not "
+    "uv": (f"Python spiders ({', '.join(names(PYTHON))}) cannot get their virtualenv, so this node does not "
            "take them (the master keeps them for other nodes)"),
     "node": "Node spiders cannot run, so this node does not take them (the master keeps them for other nodes)",
     "npm": "Node spiders with a package.json cannot get their dependencies (they fail DEPS_FAILED)",
@@ -53,8 +52,9 @@ class Capabilities:
 
     def refresh(self) -> dict[str, str]:
         """Look for the tools again; returns :attr:`missing`."""
-        found = {"uv": find_uv(self._uv_path), "node": shutil.which("node"), "npm": find_npm()}
-        self.missing = {tool: _COST[tool] for tool, path in found.items() if path is None}
+        finders = {"uv": lambda: find_uv(self._uv_path), "node": lambda: shutil.which("node"), "npm": find_npm}
+        tools = dict.fromkeys(t for r in RUNTIMES.values() for t in (r.tool, *r.helpers))
+        self.missing = {tool: _COST[tool] for tool in tools if finders[tool]() is None}
         return self.missing
 
     def warn(self) -> None:
@@ -64,8 +64,5 @@ class Capabilities:
 
     def cannot_run(self, task: Task) -> str | None:
         """Why this node does not take ``task`` (its framework's tool is missing), or None."""
-        if task.framework in PYTHON_FRAMEWORKS and "uv" in self.missing:
-            return f"uv is missing: {_FIX['uv']}"
-        if task.framework in NODE_FRAMEWORKS and "node" in self.missing:
-            return f"node is missing: {_FIX['node']}"
-        return None
+        tool = framework(task.framework).runtime.tool
+        return f"{tool} is missing: {_FIX[tool]}" if tool in self.missing else None

@@ -35,22 +35,24 @@ from pathlib import Path
 
 import trio
 
+from ckagent.code import frameworks
 from ckagent.code.deps_node import NPM_MISSING, NodeEnvs, wanted_node
 from ckagent.code.deps_python import UV_MISSING, IndexChooser, PythonEnvs
 from ckagent.code.envstore import EnvStore, Prepared
 from ckagent.code.installer import SPAWN, Installers, Output, Spawn
-from ckagent.code.pyplan import DEFAULT_PACKAGES, bundled_sdk_dir, python_plan
+from ckagent.code.pyplan import bundled_sdk_dir, python_plan
 from ckagent.code.runtimes import AGENT_BIN
 from ckagent.node.errors import DepsError, os_error_text
 from ckagent.node.runas import RunAs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_PACKAGES", "NPM_MISSING", "PYTHON_FRAMEWORKS", "UV_MISSING", "Dependencies", "DepsError",
+__all__ = ["NPM_MISSING", "PYTHON_FRAMEWORKS", "UV_MISSING", "Dependencies", "DepsError",
            "IndexChooser", "Prepared", "bundled_sdk_dir", "python_plan", "remove_legacy_environments",
            "spider_base_env", "wanted_node"]
 
-PYTHON_FRAMEWORKS = ("scrapy", "python", "playwright", "selenium")
+PYTHON_FRAMEWORKS = frameworks.names(frameworks.PYTHON)
+"""The frameworks of the Python runtime (ckagent.code.frameworks)."""
 
 
 class Dependencies:
@@ -126,14 +128,15 @@ class Dependencies:
         finally:
             SPAWN.reset(token)
 
-    async def _prepare(self, framework: str, spider_id: str, code_dir: Path, output: Output,
+    async def _prepare(self, name: str, spider_id: str, code_dir: Path, output: Output,
                        task_env: dict[str, str]) -> Prepared:
         started = trio.current_time()
-        if framework in PYTHON_FRAMEWORKS:
-            prepared = await self.python.prepare(code_dir, framework, output, task_env)
-        elif framework == "node":
+        runtime = frameworks.framework(name).runtime
+        if runtime is frameworks.PYTHON:
+            prepared = await self.python.prepare(code_dir, name, output, task_env)
+        elif runtime is frameworks.NODE:
             prepared = await self.node.prepare(code_dir, output, task_env)
-        else:
+        else:  # a runtime without an environment builder yet
             prepared = Prepared()
         prepared.seconds = trio.current_time() - started
         if not prepared.cache_hit:

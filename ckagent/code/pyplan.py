@@ -2,7 +2,7 @@
 
 :func:`python_plan` reads the dependency files of a code dir and chooses how the environment is
 made (``locked``: uv.lock + pyproject.toml; ``pyproject``; ``requirements``; ``packages``: the
-framework's default packages) and its key — a sha256 over the files it uses (a requirements file
+framework's default packages, ckagent.code.frameworks) and its key — a sha256 over the files it uses (a requirements file
 with the files it includes by ``-r``/``-c``), the interpreter's path and version, the default
 packages, the identity the environment runs as and, when the project asks for
 ``crawlerkeeper-sdk`` by name, the bundled SDK. :func:`sdk_wheel` builds a wheel of the bundled SDK
@@ -25,13 +25,11 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckagent.code.frameworks import default_packages
 from ckagent.code.pylocks import find_lock
 
 SDK_DISTRIBUTION = "crawlerkeeper-sdk"
 _INCLUDE = re.compile(r"^\s*(?:-r|-c|--requirement|--constraint)(?:\s+|=)(\S+)", re.M)
-DEFAULT_PACKAGES: dict[str, list[str]] = {"scrapy": ["scrapy"], "playwright": ["playwright"],
-                                          "selenium": ["selenium"]}
-"""What a Python spider without a dependency file gets installed, by framework."""
 
 
 class InterpreterError(Exception):
@@ -209,8 +207,7 @@ def python_plan(code_dir: Path, framework: str, interpreter: dict[str, str], ide
     else:
         mode = "packages"
         sdk = False
-        chosen = "scrapy" if (code_dir / "scrapy.cfg").is_file() else framework
-        packages = tuple(DEFAULT_PACKAGES.get(chosen, []))
+        packages = default_packages(framework, code_dir)
     key_source = {"schema": 1, "mode": mode, "files": files, "packages": packages, "interpreter": interpreter,
                   "identity": identity, "sdk": sdk_tag if sdk else None, "sdk_dir": str(bundled_sdk_dir())}
     if key_env:

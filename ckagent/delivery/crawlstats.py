@@ -1,4 +1,4 @@
-"""A crawl's statistics as the spider reports them: the stats file, its newest snapshot, the Scrapy stats (ckagent.task.scrapyhook).
+"""A crawl's statistics as the spider reports them: the stats file, its newest snapshot, the Scrapy stats (ckagent.code.scrapyhook).
 
 The spider (the SDK's ``report_stats``/``progress``, or the Scrapy extension the agent's hook enables)
 appends snapshots to ``<task dir>/stats.jsonl`` (``CK_STATS_FILE``): each line one complete JSON

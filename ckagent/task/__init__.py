@@ -3,7 +3,8 @@
 - :mod:`.poller` — asks the master for work when a slot is free, claims it, hands it on;
 - :mod:`.supervisor` — admission (slots, spider locks), the phases (deploy → install → run → judge),
   the outcome rules;
-- :mod:`.commands`, :mod:`.scrapyhook` — what a task runs, and Scrapy's items and stats however it starts;
+- :mod:`.commands` — what a task runs (its framework's default from ckagent.code.frameworks) and the
+  check that the package can run it;
 - :mod:`.recovery`, :mod:`.adoption` — at start: tasks the previous agent left (lost, or carried on).
 
 May import: every lower layer — :mod:`ckagent.node`, :mod:`ckagent.master`, :mod:`ckagent.containment`,
