@@ -134,7 +134,7 @@ class Egress:
         policy = self.effective(task_policy)
         try:
             return self.table.add(task_id, str(path.relative_to(NFT_CGROUP_ROOT)), policy, self.agent_port,
-                                  self.resolvers)
+                                  self.resolvers, pin=task_policy is None)  # (the node's: most tasks')
         except (NftError, ValueError) as exc:
             raise EgressError(f"egress: cannot add the rules of task {task_id}: {exc}") from exc
 

@@ -122,6 +122,9 @@ class EgressTable:
         self.ref = f"inet {name}"
         self.chains: dict[str, int] = {}
         """Policy chains in the table → how many tasks use them."""
+        self.pinned: set[str] = set()
+        """Chains kept when their last task goes (the node's default policy: most tasks use it, and
+        adding a chain goes through nft, whose cost grows with the host's ruleset)."""
         self.elements: Netlink | None = None
         """The nfnetlink path of the per-task changes (None: nft does them; see :mod:`.netlink`)."""
         self._netlink = netlink
@@ -195,10 +198,13 @@ class EgressTable:
         return "\n".join(lines) + "\n"
 
     def add(self, task_id: str, cgroup: str, policy: EgressPolicy, agent_port: int | None,
-            resolvers: tuple[tuple[str, int], ...] = ()) -> TaskRules:
+            resolvers: tuple[tuple[str, int], ...] = (), *, pin: bool = False) -> TaskRules:
         """Put a task (its cgroup path relative to /sys/fs/cgroup) under ``policy``: one atomic
-        batch (with the policy's chain when no task uses it yet)."""
+        batch (with the policy's chain when no task uses it yet; ``pin``: the chain stays when its
+        last task goes)."""
         chain = "p_" + policy_key(policy, agent_port, resolvers)
+        if pin:
+            self.pinned.add(chain)
         try:
             key = cgroup_key(NFT_CGROUP_ROOT / cgroup)
         except OSError:
@@ -242,35 +248,29 @@ class EgressTable:
     def remove(self, rules: TaskRules, refused: Iterable[Refusal] = ()) -> None:
         """Remove a task's map element and its hit elements (idempotent; never raises): by the
         cgroup's id over netlink (the hits the last :meth:`refusals` read), else through nft by its
-        path (the ``refused`` ones). The policy chain goes with its last task. Through nft, a cgroup
+        path (the ``refused`` ones). The policy chain goes with its last task, unless pinned. Through nft, a cgroup
         already gone cannot be named: its element stays (a dead cgroup id matches no socket) until
         the table is recreated."""
         if rules.removed:
             return
         left = self.chains.get(rules.chain, 1) - 1
-        if self.elements is not None and rules.key and left > 0:  # the common case: one batch
+        drop_chain = left <= 0 and rules.chain not in self.pinned
+        ref, cg = self.ref, quote(rules.cgroup)
+        lines: list[str] = []
+        if self.elements is not None and rules.key:  # by id: one batch, also when the cgroup is gone
             try:
                 self._delete_elements({"tasks": [rules.key], **rules.hits})
             except NetlinkError as exc:
-                log.debug("egress: cannot remove the rules of task %s (%s)", rules.task_id, exc)
-            else:
-                self.chains[rules.chain] = left
-            rules.removed = True
-            return
-        ref, cg = self.ref, quote(rules.cgroup)
-        if self.elements is not None and rules.key:  # by id: also when the cgroup is gone
-            with contextlib.suppress(NetlinkError):
-                self._delete_elements({"tasks": [rules.key], **rules.hits})
-            refused, lines = [], []
+                log.debug("egress: cannot remove the elements of task %s (%s)", rules.task_id, exc)
         else:
-            lines = [f"delete element {ref} tasks {{ {cg} }}"]
-        for r in refused:
-            family = "6" if ":" in r.address else "4"
-            if r.port:
-                lines.append(f"delete element {ref} h{family} {{ {cg} . {r.address} . {r.port} }}")
-            else:
-                lines.append(f"delete element {ref} x{family} {{ {cg} . {r.address} }}")
-        if left <= 0:
+            lines.append(f"delete element {ref} tasks {{ {cg} }}")
+            for r in refused:
+                family = "6" if ":" in r.address else "4"
+                if r.port:
+                    lines.append(f"delete element {ref} h{family} {{ {cg} . {r.address} . {r.port} }}")
+                else:
+                    lines.append(f"delete element {ref} x{family} {{ {cg} . {r.address} }}")
+        if drop_chain:
             lines.append(f"delete chain {ref} {rules.chain}")
         try:
             if lines:
@@ -278,12 +278,11 @@ class EgressTable:
         except NftError as exc:
             log.debug("egress: cannot remove the rules of task %s (%s)", rules.task_id, exc)
         else:
-            if left <= 0:
+            if drop_chain:
                 self.chains.pop(rules.chain, None)
             else:
-                self.chains[rules.chain] = left
+                self.chains[rules.chain] = max(left, 0)
         rules.removed = True
-
 
     def _delete_elements(self, keys: dict[str, list[bytes]]) -> None:
         """Delete elements by key in one batch; when one is gone already (the batch is refused
