@@ -35,8 +35,6 @@ OVER_LIMIT = {
 
     "ckagent/node/config.py",
 
-    "ckagent/task/supervisor.py",
-
     "ckagent/master/protocol/__init__.py",
 
     "ckagent/master/client.py",

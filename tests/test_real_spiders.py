@@ -484,7 +484,9 @@ async def test_deps_failure_carries_whole_lines(tmp_path: Path, index_url: str) 
 
 
 def test_result_reports_the_phases_apart() -> None:
-    from ckagent.task.supervisor import RunningTask, TaskOutcome, _result
+    from ckagent.task.admission import RunningTask
+    from ckagent.task.outcome import TaskOutcome
+    from ckagent.task.outcome import task_result as _result
 
     rt = RunningTask(task=_task("python"))
     rt.phase_seconds.update(deploy=0.25, install=12.5)

@@ -16,7 +16,7 @@ import pytest
 import trio
 from harness import agent_settings, running_agent, submit
 
-import ckagent.task.supervisor
+import ckagent.task.deploy
 from ckagent.code.deps import Dependencies, DepsError, IndexChooser
 from ckagent.containment import ContainmentError
 from ckagent.node.errors import AGENT_ERROR, DeployError, TaskError, collapse, collapsed_groups
@@ -70,14 +70,14 @@ async def test_working_copy_refused_by_the_file_system_is_deploy_failed(
 async def test_jail_refused_and_agent_bug_are_agent_error_never_bad_task(
     dev_master: Any, nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_copy = ckagent.task.supervisor.make_working_copy
+    real_copy = ckagent.task.deploy.make_working_copy
 
     def buggy_copy(code_dir: Path, work: Path) -> Any:
         if "bug" in str(code_dir.parent.name) or (code_dir / "bug.txt").exists():
             raise RuntimeError("a bug of the agent")
         return real_copy(code_dir, work)
 
-    monkeypatch.setattr(ckagent.task.supervisor, "make_working_copy", buggy_copy)
+    monkeypatch.setattr(ckagent.task.deploy, "make_working_copy", buggy_copy)
     settings = agent_settings(tmp_path / "agent", dev_master.base_url, dev_master.registration_token)
     async with running_agent(nursery, settings) as agent:
         sup = agent.supervisor
@@ -91,7 +91,7 @@ async def test_jail_refused_and_agent_bug_are_agent_error_never_bad_task(
             raise ContainmentError("cannot create the task's cgroup /sys/fs/cgroup/x: Read-only file system")
 
         if containment is None:
-            monkeypatch.setattr(ckagent.task.supervisor, "ProcessGroupJail", refuse)
+            monkeypatch.setattr(ckagent.task.deploy, "ProcessGroupJail", refuse)
         else:
             monkeypatch.setattr(containment, "jail", refuse)
         jailless = await submit(dev_master.admin, "no-jail", OK)

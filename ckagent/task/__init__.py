@@ -1,7 +1,10 @@
 """A task's run on this node: from the poll's answer to the reported outcome.
 
 - :mod:`.poller` — asks the master for work when a slot is free, claims it, hands it on;
-- :mod:`.supervisor` — admission (slots, spider locks), the phases (deploy → install → run → judge),
+- :mod:`.admission` — slots, spider locks, the running set, the poller's claim bookkeeping;
+- :mod:`.runner`, :mod:`.deploy` — the phases (open dir → slot → deploy + jail → install → run → judge);
+- :mod:`.outcome` — the outcome rules (exit → status, errorCode, errorMessage);
+- :mod:`.supervisor` — the handle the agent passes around: admission with the runner beside it;
   the outcome rules;
 - :mod:`.commands` — what a task runs (its framework's default from ckagent.code.frameworks) and the
   check that the package can run it;

@@ -151,7 +151,8 @@ async def run_adopted(supervisor: Supervisor, rt: RunningTask, adoption: Adoptio
     """The rest of an adopted task's life: supervise it to its end (or at once for one that ended
     while no agent ran), report the outcome, remove its working copy and jail. Never raises for
     task trouble. Cancellation: as ``Supervisor.run_task`` (a hand-over leaves it running again)."""
-    from ckagent.task.supervisor import TaskOutcome, _result
+    from ckagent.task.outcome import TaskOutcome
+    from ckagent.task.outcome import task_result as _result
 
     task, record, handle = adoption.task, adoption.record, adoption.handle
     outbox = supervisor.outbox

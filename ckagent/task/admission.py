@@ -1,0 +1,187 @@
+"""Admission: who may run when — the node's slots, one lock per spider, the running set, and the
+poller's claim bookkeeping.
+
+A ``trio.CapacityLimiter(max_workers)`` for the node and one ``trio.Lock`` per spider (same spider:
+serial; different spiders: parallel). The runner takes the spider lock first, then a capacity token,
+so a queued task never holds a slot. :attr:`Admission.running` holds every claimed, unfinished task
+(queued ones included): it is what the heartbeat reports, what the poller excludes
+(``excludeSpiderIds``) and what limits the next claim (:meth:`Admission.free_slots`). A task that
+leaves it (:meth:`Admission.task_left`) wakes whoever waits for a slot, for idleness or for a spider.
+
+Everything here runs on the Trio thread and never blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from ckagent.containment import TaskJail
+from ckagent.containment.egress import TaskRules
+from ckagent.master.protocol import Task, TaskResult
+
+if TYPE_CHECKING:
+    from ckagent.code.deps import Prepared
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunningTask:
+    """A task this node has claimed and not yet reported. Read by the heartbeat, /status and metrics."""
+
+    task: Task
+    claimed_at: float = field(default_factory=time.time)
+    started_at: float | None = None
+    pid: int | None = None
+    phase: str = "queued"
+    stop_reason: str | None = None
+    stop_event: trio.Event = field(default_factory=trio.Event)
+    prepare_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    """Seconds spent per phase so far: ``deploy``, ``install``, ``run`` (the result's deployMs/installMs/runMs)."""
+    stalled: bool = False
+    disk_full: bool = False
+    """Stopped because it filled the work dir's disk (ckagent.delivery.diskwatch): FAILED DISK_FULL."""
+    delivery: Any = None
+    """The task's ``ckagent.delivery.TaskDelivery`` once opened (live stats: ``delivery.stats.latest``)."""
+    jail: TaskJail | None = None
+    """The task's containment (from the deploy on); /status reads its live figures."""
+    egress: TaskRules | None = None
+    """The task's egress rules (nftables level: in the kernel); /status reads their counters."""
+    handed_over: bool = False
+    """The agent stopped and left this task's spider running for the next agent (ckagent.task.adoption)."""
+
+    def request_stop(self, reason: str) -> bool:
+        """Ask the task to stop (idempotent). Returns False when a stop was already requested."""
+        if self.stop_reason is not None:
+            return False
+        self.stop_reason = reason
+        self.prepare_scope.cancel()
+        self.stop_event.set()
+        return True
+
+
+TaskObserver = Callable[[RunningTask, TaskResult], None]
+"""Called with a task and its final result once the master acknowledged it (the outbox's ``on_delivered``)."""
+
+
+class SupervisorObserver:
+    """Hooks into a task's life for metrics (``ckagent.port.metrics.AgentMetrics``); no-ops here.
+
+    Called on the Trio thread at each step; an implementation must not block or raise.
+    """
+
+    def task_admitted(self, rt: RunningTask) -> None:
+        """A claimed task was admitted (it is queued)."""
+
+    def task_started(self, rt: RunningTask) -> None:
+        """The task now holds a slot and its spider's lock (its queue wait is over)."""
+
+    def deps_prepared(self, rt: RunningTask, prepared: Prepared) -> None:
+        """The task's dependencies are ready (``prepared.cache_hit``, ``prepared.seconds``)."""
+
+    def task_finished(self, rt: RunningTask, result: TaskResult) -> None:
+        """The outcome is known; streams are not flushed and the result not sent yet."""
+
+
+class Admission:
+    """The node's slots, spider locks and running set (see module docstring); ``max_workers`` ≥ 1."""
+
+    def __init__(self, max_workers: int, observer: SupervisorObserver | None = None) -> None:
+        self.max_workers = max_workers
+        self.capacity = trio.CapacityLimiter(max_workers)
+        self.running: dict[str, RunningTask] = {}
+        self.claiming: set[str] = set()
+        """Tasks whose claim is on the wire (the poller's; the heartbeat reports them)."""
+        self.claim_polls: set[int] = set()
+        """Claiming polls (``pollId``) not settled yet (the poller's; the heartbeat reports them)."""
+        self.last_claim_poll: int | None = None
+        """The newest claiming poll id the poller has sent (None: none yet)."""
+        self._spider_locks: dict[str, trio.Lock] = {}
+        self._slot_freed = trio.Event()
+        self._observer = observer or SupervisorObserver()
+        self.handing_over = False
+        """Set when the agent stops and leaves its running spiders to the next agent (not drain, not
+        terminate): a cancelled task whose spider runs is then left alone, its state kept for re-adoption."""
+
+    @property
+    def observer(self) -> SupervisorObserver:
+        """The metrics hooks."""
+        return self._observer
+
+    def spider_lock(self, spider_id: str) -> trio.Lock:
+        """The lock that keeps one spider's tasks serial (one per spider id ever seen: a few bytes
+        each, and never a window with two locks)."""
+        return self._spider_locks.setdefault(spider_id, trio.Lock())
+
+    def task_left(self, task_id: str) -> None:
+        """A task is no longer ours to run: its slot is free."""
+        self.running.pop(task_id, None)
+        self._slot_freed.set()
+
+    def free_slots(self) -> int:
+        """Slots not taken by a claimed, unfinished task (queued ones count: we must not over-claim)."""
+        return max(0, self.max_workers - len(self.running))
+
+    def running_spider_ids(self) -> list[str]:
+        """Spiders with a claimed, unfinished task here: the poller excludes them."""
+        return sorted({rt.task.spider_id for rt in self.running.values()})
+
+    async def wait_for_free_slot(self) -> None:
+        """Return when at least one slot is free. Cancellation: returns nothing, as usual."""
+        while self.free_slots() <= 0:
+            await self._slot_freed.wait()
+            self._slot_freed = trio.Event()
+
+    async def wait_idle(self) -> None:
+        """Return once no claimed task is left (running or queued). Cancellation: as usual."""
+        while self.running:
+            freed = self._slot_freed
+            await freed.wait()
+            if self._slot_freed is freed:
+                self._slot_freed = trio.Event()
+
+    async def wait_spider_free(self, spider_ids: list[str]) -> None:
+        """Return once a spider of ``spider_ids`` has no claimed task here any more (a long poll that
+        excluded it has gone stale). Never returns for an empty list. Cancellation: as usual."""
+        while set(spider_ids) <= set(self.running_spider_ids()):
+            freed = self._slot_freed
+            await freed.wait()
+            if self._slot_freed is freed:
+                self._slot_freed = trio.Event()
+
+    def admit(self, task: Task) -> RunningTask:
+        """Record a claimed task as ours (call before spawning the task's runner)."""
+        rt = RunningTask(task=task)
+        self.running[task.id] = rt
+        self._observer.task_admitted(rt)
+        return rt
+
+    def cancel(self, task_id: str, reason: str) -> bool:
+        """Stop a task of ours (idempotent). Returns True when this call requested the stop."""
+        rt = self.running.get(task_id)
+        if rt is None:
+            return False
+        if rt.request_stop(reason):
+            log.info("task %s: stopping (%s)", task_id, reason)
+            return True
+        return False
+
+    def stop_disk_full(self, task_id: str, reason: str) -> None:
+        """Stop a task that fills the work dir's disk: it ends FAILED DISK_FULL with ``reason`` (also
+        when it dies of the full disk on its own before the stop reaches it)."""
+        rt = self.running.get(task_id)
+        if rt is not None:
+            rt.disk_full = True
+            rt.request_stop(reason)
+
+    def cancel_all(self, reason: str) -> None:
+        """Stop every task (agent terminating)."""
+        for task_id in list(self.running):
+            self.cancel(task_id, reason)

@@ -1,0 +1,237 @@
+"""The outcome rules: how a task's end becomes its result (status, errorCode, errorMessage).
+
+====================  ==========  ============  =================================
+outcome               status      errorCode     errorMessage
+====================  ==========  ============  =================================
+exit 0                SUCCESS     —             — (finishReason from the final stats)
+exit 0, log cut       SUCCESS     LOG_BUDGET    how many bytes were dropped and why
+exit ≠ 0              FAILED      EXIT_NONZERO  "exit code N" + the output's last lines
+killed by a signal    FAILED      SIGNALED      "killed by SIGX (exit code -N)" + the output's last lines
+timeout               FAILED      TIMEOUT       "执行超时"
+stalled               FAILED      STALLED       how long nothing happened
+stopped               CANCELLED   CANCELLED     the reason
+code refused          FAILED      DEPLOY_FAILED the entry and the rule, or what the framework needs
+install failed        FAILED      DEPS_FAILED   the installer's last whole lines
+not startable         FAILED      EXIT_NONZERO  what could not be started (exitCode null)
+OOM kill in the task  FAILED      OOM_KILLED    the limit and the peak (cgroup levels)
+no jail / agent bug   FAILED      AGENT_ERROR   what failed (errno text and path kept)
+filled the disk       FAILED      DISK_FULL     how fast it wrote, the free space and the floor
+====================  ==========  ============  =================================
+
+The full table (with AGENT_LOST, BAD_TASK) is docs/protocol.md's "Outcomes". Everything here is pure
+logic on the Trio thread except :func:`output_tail` (one small blocking read).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shlex
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckagent.containment import Figures, TaskJail, format_bytes
+from ckagent.containment.egress import Refusal
+from ckagent.containment.process import ProcessOutcome, clock
+from ckagent.containment.tails import TailBuffer, last_lines
+from ckagent.delivery import LogSink
+from ckagent.delivery.lines import secret_values
+from ckagent.master.protocol import TIMEOUT_MESSAGE, Task, TaskResult, utc_iso
+from ckagent.node.errors import DeployError, DepsError, TaskError
+from ckagent.node.logs import Masker
+
+if TYPE_CHECKING:
+    from ckagent.task.admission import RunningTask
+
+STDERR_TAIL_CHARS = 1500
+"""Characters of the spider's last stderr lines carried by an EXIT_NONZERO errorMessage."""
+MESSAGE_CHARS = 4000
+"""Most characters of an errorMessage built from an installer's or the agent's own text."""
+NO_COPY = "cannot make the task's working copy"
+"""How a DeployError of the working copy begins (its notice is the message itself)."""
+
+Notice = Callable[[str], None]
+"""Writes one ``[ckagent …]`` line into the task's log."""
+
+
+@dataclass
+class TaskOutcome:
+    """What happened, before it becomes a TaskResult."""
+
+    status: str
+    error_code: str | None = None
+    error_message: str | None = None
+    exit_code: int | None = None
+    figures: Figures | None = None
+    egress_refused: list[Refusal] | None = None
+
+
+def judge_exit(rt: RunningTask, outcome: ProcessOutcome, timeout: float, notice: Notice,
+               stderr_tail: TailBuffer, sink: LogSink, agent_secrets: tuple[str, ...]) -> TaskOutcome:
+    """TIMEOUT / DISK_FULL / STALLED / CANCELLED / exit status of an ended spider (a death by signal
+    names the signal); ``timeout`` in seconds, for the line. Writes one notice."""
+    if outcome.timed_out:
+        notice(ended_by_agent(f"timed out after {timeout:g} s", outcome) + "; task FAILED (TIMEOUT)")
+        return TaskOutcome("FAILED", "TIMEOUT", TIMEOUT_MESSAGE, outcome.returncode)
+    if rt.disk_full and (outcome.stopped or outcome.returncode != 0):
+        notice(ended_by_agent(rt.stop_reason or "disk full", outcome) + "; task FAILED (DISK_FULL)")
+        return TaskOutcome("FAILED", "DISK_FULL", rt.stop_reason, outcome.returncode)
+    if outcome.stopped and rt.stalled:
+        notice(ended_by_agent(rt.stop_reason or "stalled", outcome) + "; task FAILED (STALLED)")
+        return TaskOutcome("FAILED", "STALLED", rt.stop_reason, outcome.returncode)
+    if outcome.stopped:
+        reason = rt.stop_reason or "cancelled"
+        notice(ended_by_agent(f"stopped ({reason})", outcome) + "; task CANCELLED")
+        return TaskOutcome("CANCELLED", "CANCELLED", reason, outcome.returncode)
+    notice(f"process exited with code {outcome.returncode}")
+    if outcome.returncode == 0:
+        if sink.truncated is not None:
+            return TaskOutcome("SUCCESS", "LOG_BUDGET", f"output truncated: {sink.dropped_bytes} bytes "
+                               f"dropped because {sink.truncated}", 0)
+        return TaskOutcome("SUCCESS", exit_code=0)
+    # A signal the agent did not send (it sent none: not stopped, not timed out): a crash, a kill.
+    code = "SIGNALED" if outcome.returncode is not None and outcome.returncode < 0 else "EXIT_NONZERO"
+    return TaskOutcome("FAILED", code, exit_message(outcome.returncode, stderr_tail, rt.task, agent_secrets),
+                       outcome.returncode)
+
+
+def exit_message(returncode: int | None, stderr_tail: TailBuffer, task: Task, agent_secrets: tuple[str, ...]) -> str:
+    """``exit code N`` / ``killed by SIGX``, then the last lines of the spider's output (bounded, masked)."""
+    head = f"exit code {returncode}"
+    if returncode is not None and returncode < 0:
+        with contextlib.suppress(ValueError):
+            head = f"killed by {signal.Signals(-returncode).name} (exit code {returncode})"
+    masker = Masker(secret_words(task, agent_secrets))
+    tail = last_lines(masker(stderr_tail.text()), STDERR_TAIL_CHARS)
+    return f"{head}; last lines of output:\n{tail}" if tail else f"{head} (no output)"
+
+
+def failed_outcome(rt: RunningTask, exc: TaskError, notice: Notice, agent_secrets: tuple[str, ...]) -> TaskOutcome:
+    """The FAILED outcome of a task whose phase raised ``exc`` (its jail not emptied yet: an
+    installer the kernel's OOM killer ended is reported OOM_KILLED). Writes one notice."""
+    text = str(exc)
+    jail, figures = rt.jail, None
+    if isinstance(exc, DeployError):
+        notice(text if text.startswith(NO_COPY) else f"deploy failed: {text}")
+    elif isinstance(exc, DepsError):
+        notice(f"dependency install failed: {text.splitlines()[0] if text else ''}")
+        figures = jail.figures() if jail is not None else None
+        if jail is not None and figures is not None and figures.oom_kills:
+            return oom_outcome(jail, figures, None, "the dependency installer")
+    else:
+        notice(f"task FAILED ({exc.error_code}): {text}")
+    if isinstance(exc, DepsError):  # the installer's output may echo the task's secrets
+        text = Masker(secret_words(rt.task, agent_secrets))(text)
+    return TaskOutcome("FAILED", exc.error_code, bounded(text, MESSAGE_CHARS), figures=figures)
+
+
+def oom_outcome(jail: TaskJail, figures: Figures, returncode: int | None, what: str) -> TaskOutcome:
+    """FAILED/OOM_KILLED naming the limit and the peak; ``what`` names the victim (``the spider``)."""
+    limit = jail.limits.memory_bytes
+    peak = figures.memory_peak_bytes
+    message = (f"{what} was killed by the kernel's OOM killer ({figures.oom_kills} process(es)): memory limit "
+               f"{format_bytes(limit) if limit is not None else 'none (node memory ran out)'}, peak "
+               f"{format_bytes(peak) if peak is not None else 'unknown'}")
+    return TaskOutcome("FAILED", "OOM_KILLED", message, returncode, figures=figures)
+
+
+def task_result(rt: RunningTask, outcome: TaskOutcome, started_wall: float) -> TaskResult:
+    """The final result of a task that ends now: ``startedAt`` when the agent took it (``started_wall``,
+    epoch seconds), the phases apart (deployMs, installMs, runMs)."""
+    finished_wall = time.time()
+    phases = rt.phase_seconds
+
+    def ms(name: str) -> int | None:
+        return None if name not in phases else max(0, int(phases[name] * 1000))
+
+    run_ms = None if rt.started_at is None else max(0, int((finished_wall - rt.started_at) * 1000))
+    return TaskResult(
+        status=outcome.status,
+        exit_code=outcome.exit_code,
+        error_code=outcome.error_code,
+        error_message=outcome.error_message,
+        started_at=utc_iso(datetime.fromtimestamp(started_wall, timezone.utc)),
+        finished_at=utc_iso(datetime.fromtimestamp(finished_wall, timezone.utc)),
+        duration_ms=max(0, int((finished_wall - started_wall) * 1000)),
+        deploy_ms=ms("deploy"),
+        install_ms=ms("install"),
+        run_ms=run_ms,
+        **figure_fields(outcome.figures),
+        egress_refused=[{"address": r.address, "port": r.port, "count": r.count}
+                        for r in outcome.egress_refused] if outcome.egress_refused else None,
+    )
+
+
+def figure_fields(figures: Figures | None) -> dict[str, Any]:
+    """TaskResult keyword arguments of the resource figures (none at the process-group level)."""
+    if figures is None:
+        return {}
+    return {"cpu_seconds": None if figures.cpu_seconds is None else round(figures.cpu_seconds, 3),
+            "memory_peak_bytes": figures.memory_peak_bytes, "pids_peak": figures.pids_peak,
+            "io_read_bytes": figures.io_read_bytes, "io_write_bytes": figures.io_write_bytes}
+
+
+def ended_by_agent(why: str, outcome: ProcessOutcome) -> str:
+    """One line saying what the agent did to end a task's processes, and when (UTC)."""
+    parts = [why]
+    if outcome.term_sent_at is not None:
+        parts.append(f"stop signal to the main process at {clock(outcome.term_sent_at)}")
+    if outcome.kill_sent_at is not None:
+        parts.append(f"every process killed at {clock(outcome.kill_sent_at)}")
+    elif outcome.workers_left:
+        parts.append(f"the launcher exited, {outcome.workers_left} process(es) it ran outlived the grace period "
+                     "and were killed")
+    elif outcome.term_sent_at is not None:
+        parts.append("the spider exited within the grace period")
+    if outcome.killed_leftovers:
+        parts.append(f"{outcome.killed_leftovers} leftover process(es) killed")
+    return "; ".join(parts)
+
+
+def bounded(text: str, max_chars: int) -> str:
+    """``text`` within ``max_chars``: its first line and its last whole lines (never a line cut in the middle)."""
+    if len(text) <= max_chars:
+        return text
+    first, _, rest = text.partition("\n")
+    first = first[:300]
+    return f"{first}\n{last_lines(rest, max_chars - len(first) - 1, max_lines=60)}"
+
+
+def secret_words(task: Task, agent_secrets: tuple[str, ...]) -> list[str]:
+    """What a message about ``task`` must mask: its env values, the agent's secrets, its command's words."""
+    return list(secret_values(task.env, agent_secrets, task_words(task)))
+
+
+def task_words(task: Task) -> list[str]:
+    """The words of a task's command line that came from the task (``command``, then ``args``)."""
+    return [*(task.command or ()), *task.args]
+
+
+def shown_argv(argv: list[str], task: Task) -> str:
+    """The command line for the ``running`` line: the program and the agent's own words; every word
+    the task supplied (its ``args``, its ``command`` after the program) is ``***`` — a task's
+    arguments may hold secrets and are never shown (docs/protocol.md, "Environment")."""
+    from_task = set(task.args) | set((task.command or [])[1:])
+    return shlex.join(argv[:1] + ["***" if word in from_task else word for word in argv[1:]])
+
+
+def output_tail(path: Path, size_bytes: int = 16384) -> bytes:
+    """The last ``size_bytes`` of the task's output (stdout and stderr are one file), without the
+    agent's own notices. Blocking (one small read); b"" when the file cannot be read."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(0, 2)
+            fh.seek(max(0, fh.tell() - size_bytes))
+            data = fh.read()
+    except OSError:
+        return b""
+    return b"".join(line for line in data.splitlines(keepends=True) if not line.startswith(b"[ckagent "))
+
+
+def result_from_json(data: dict[str, Any]) -> TaskResult:
+    """Rebuild a stored result (state store JSON)."""
+    return TaskResult.from_json(data)

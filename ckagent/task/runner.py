@@ -1,0 +1,392 @@
+"""The phase runner: one claimed task's life — open its dir → slot → deploy + jail → install → run → judge.
+
+Each phase is an ``async with`` step that holds what it made until the task ends (the spider lock
+and slot, the code version, working copy and jail, the environment), entered in that order and left
+in the reverse one; a stop interrupts waiting, deploying and installing at once
+(``RunningTask.prepare_scope``) and ends a running process with TERM → grace → KILL.
+
+Setup failures are the TaskErrors of ckagent.node.errors (DeployError, DepsError, JailError,
+SpawnError), each carrying its errorCode; :meth:`TaskRunner._execute` collapses the phases'
+exception groups once and ends in one ``except TaskError``; any other exception is the agent's own
+fault (AGENT_ERROR). What each ending becomes is ckagent.task.outcome's.
+
+The result reports the phases separately: ``deployMs`` (code + working copy), ``installMs``
+(environment), ``runMs`` (the spider's process), and ``durationMs`` from the claim to the end
+(docs/protocol.md); the jail's resource figures (cpu seconds, memory peak, ...) go into it too.
+
+When the process has ended, the final result goes to the state store and the task's delivery
+(its log and items streams, then the result, retried forever across restarts until acknowledged)
+continues in the agent's outbox (``ckagent.delivery.Outbox``): the task leaves ``running`` and its
+slot is free at once, so a master outage never holds worker slots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import shutil
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import trio
+
+from ckagent.code.deps import PYTHON_FRAMEWORKS, Dependencies, Prepared, spider_base_env
+from ckagent.code.workspace import Workspaces
+from ckagent.containment import ContainmentError, TaskJail
+from ckagent.containment.egress import report_refusals
+from ckagent.containment.monitor import Monitored, spawn_monitored, supervise
+from ckagent.containment.process import MARKER_VAR, sweep
+from ckagent.containment.tails import TailBuffer
+from ckagent.delivery import LogSink, Outbox
+from ckagent.delivery.crawlstats import STATS_FILE
+from ckagent.master.client import MasterClient, MasterError, json_object
+from ckagent.master.ids import api_path, safe_name
+from ckagent.master.ids import task_dir as task_dir_of
+from ckagent.master.protocol import ARTIFACTS
+from ckagent.node.errors import (
+    AGENT_ERROR,
+    JailError,
+    SpawnError,
+    TaskError,
+    collapsed_groups,
+    describe_fault,
+    os_error_text,
+)
+from ckagent.node.state import AsyncStateStore, StateStoreError
+from ckagent.task.admission import Admission, RunningTask, TaskObserver
+from ckagent.task.deploy import Deployer, empty_jail, remove_shielded
+from ckagent.task.outcome import (
+    MESSAGE_CHARS,
+    Notice,
+    TaskOutcome,
+    bounded,
+    failed_outcome,
+    judge_exit,
+    oom_outcome,
+    output_tail,
+    shown_argv,
+    task_result,
+)
+from ckagent.task.runconfig import RunnerConfig
+from ckagent.task.scrapyhook import scrapy_hook
+
+log = logging.getLogger(__name__)
+
+REPORT_RETRY_TIMEOUT = 300.0
+"""Seconds a task that could not even be prepared keeps trying to report its failure."""
+
+
+@dataclass(frozen=True)
+class Code:
+    """What the deploy phase holds: the version dir, the command, the working copy and the jail."""
+
+    code_dir: Path
+    argv: list[str]
+    work: Path
+    jail: TaskJail
+
+
+class TaskRunner:
+    """Runs each admitted task's life (see module docstring); ``admission`` owns the slots and locks."""
+
+    def __init__(self, config: RunnerConfig, master: MasterClient, store: AsyncStateStore, workspaces: Workspaces,
+                 deps: Dependencies, admission: Admission, outbox: Outbox,
+                 on_finished: TaskObserver | None = None) -> None:
+        self.config = config
+        self._master = master
+        self._store = store
+        self._outbox = outbox
+        self._deps = deps
+        self._admission = admission
+        self._on_finished = on_finished
+        self.deployer = Deployer(config, workspaces, lambda: ARTIFACTS in master.features)
+
+    async def run_task(self, rt: RunningTask) -> None:
+        """The whole life of one admitted task. Never raises for task trouble; reports it instead.
+
+        Cancellation (the agent's hard stop) kills the process (shielded) and leaves the result
+        and unsent streams in the state store for the next start. The task leaves the running set
+        when this returns, however it returns.
+        """
+        task = rt.task
+        task_dir = task_dir_of(self.config.work_dir, task.id)
+        run_as = self.config.run_as
+        try:
+            started_wall = time.time()
+            try:
+                def open_task_dir() -> None:  # one thread hop: the task's directory, then its durable record
+                    task_dir.mkdir(parents=True, exist_ok=True)
+                    if run_as is not None:
+                        run_as.chown_tree(task_dir)
+                    self._store.sync.add_task(task.id, task.spider_id, task.to_json(), task_dir)
+
+                await trio.to_thread.run_sync(open_task_dir)
+                # Logs, items and the result are the outbox's: they outlive this slot (see ckagent.delivery).
+                on_finished = self._on_finished
+                delivery = await self._outbox.open_task(
+                    task, task_dir,
+                    on_delivered=None if on_finished is None else lambda final: on_finished(rt, final),
+                )
+            except (OSError, sqlite3.Error) as exc:
+                # A full disk or a broken work dir fails this task, never the agent.
+                await self._report_unprepared(rt, exc, started_wall)
+                return
+            rt.delivery = delivery
+            sink = delivery.sink
+            assert sink is not None
+            outcome: TaskOutcome | None = None
+            try:
+                outcome = await self._execute(rt, task_dir, sink)
+            except Exception as exc:  # a bug of ours must fail the task, not the agent (never BAD_TASK)
+                log.exception("task %s: internal error", task.id)
+                outcome = TaskOutcome("FAILED", AGENT_ERROR, bounded(describe_fault(exc), MESSAGE_CHARS))
+                with contextlib.suppress(Exception):
+                    sink.write_line(f"[ckagent] task FAILED ({AGENT_ERROR}): {outcome.error_message}\n".encode())
+            finally:
+                if outcome is None and rt.handed_over:
+                    if delivery.sink is not None:
+                        delivery.sink.close()
+                    log.info("task %s: left running for the next agent (spider %s)", task.id, rt.pid)
+                elif outcome is None:
+                    # The agent's hard stop (a Cancelled, maybe wrapped in an exception group from the
+                    # process or installer nurseries): run_supervised has ended the processes
+                    # (shielded). Store a CANCELLED result first, so it is delivered (now or at the
+                    # next start) instead of AGENT_LOST; then sweep an interrupted installer's leftovers.
+                    with trio.CancelScope(shield=True):
+                        stopped = TaskOutcome("CANCELLED", "CANCELLED", rt.stop_reason or "agent terminating")
+                        await delivery.finish(task_result(rt, stopped, started_wall))
+                        if rt.pid is None:
+                            await sweep(task.id, None)
+            if rt.pid is None and rt.phase == "installing":
+                # The spider never ran, but an installer did (it carries the task's marker).
+                with trio.CancelScope(shield=True):
+                    await sweep(task.id, None)
+            result = task_result(rt, outcome, started_wall)
+            self._admission.observer.task_finished(rt, result)
+            # Stores the result and hands the rest to the outbox; the slot is free when this returns.
+            await delivery.finish(result)
+        finally:
+            self._admission.task_left(task.id)
+
+    def adopt_environment(self, env_dir: Path) -> Callable[[], None]:
+        """A re-adopted task's dependency environment is in use again (collection skips it); call
+        what this returns when the task has ended here."""
+        prepared = self._deps.adopt(env_dir)
+        return lambda: self._deps.release(prepared)
+
+    async def _report_unprepared(self, rt: RunningTask, exc: Exception, started_wall: float) -> None:
+        """The task's directory or state could not be created: report FAILED straight to the master.
+
+        Retried through master trouble for up to REPORT_RETRY_TIMEOUT seconds (there is no state
+        store row to resume from); then the task is left to the master.
+        """
+        message = f"the node cannot prepare the task's directory or state: {type(exc).__name__}: {exc}"
+        log.error("task %s: %s", rt.task.id, message)
+        result = task_result(rt, TaskOutcome("FAILED", "DEPLOY_FAILED", message), started_wall)
+        try:
+            await self._master.call_retrying(
+                "result", "POST", api_path("/api/tasks/{task}/result", task=rt.task.id), json=result.to_json(),
+                retry_timeout=REPORT_RETRY_TIMEOUT, answer=json_object,
+            )
+        except MasterError as report_exc:
+            log.error("task %s: could not report the failure either (%s)", rt.task.id, report_exc)
+        self._admission.observer.task_finished(rt, result)
+
+    async def _execute(self, rt: RunningTask, task_dir: Path, sink: LogSink) -> TaskOutcome:
+        """Slot → deploy → install → run one task; a TaskError of any phase becomes its FAILED outcome here.
+
+        Exception groups out of the phases' nurseries are collapsed first (ckagent.node.errors), so a
+        DeployError or DepsError raised inside one is still that error. Anything else propagates to
+        :meth:`run_task` (reported AGENT_ERROR). Cancellation: as usual (the caller stores CANCELLED).
+        """
+
+        def notice(text: str) -> None:
+            stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+            sink.write_line(f"[ckagent {stamp}] {text}\n".encode())
+
+        async with contextlib.AsyncExitStack() as held:  # the phases' holdings, until the outcome is known
+            try:
+                with collapsed_groups():
+                    # Waiting for the lock or a slot, deploying and installing are interrupted by a stop at once.
+                    with rt.prepare_scope:
+                        await held.enter_async_context(self._slot(rt))
+                        code = await held.enter_async_context(self._deployed(rt, notice))
+                        prepared = await held.enter_async_context(self._installed(rt, code, sink, notice))
+                    if rt.stop_reason is not None:
+                        notice(f"stopped before the spider started: {rt.stop_reason}")
+                        return TaskOutcome("CANCELLED", "CANCELLED", rt.stop_reason)
+                    outcome = await self._run(rt, task_dir, code, prepared, notice, sink)
+                    if rt.egress is not None and self.config.egress is not None:
+                        outcome.egress_refused = await trio.to_thread.run_sync(self.config.egress.refusals, rt.egress)
+                        report_refusals(rt.task.id, outcome.egress_refused, notice)
+                    if rt.started_at is not None and not rt.handed_over:  # its files → items, artifacts or kept
+                        await self.deployer.collect_outputs(rt, task_dir, code.work, code.code_dir, notice)
+                    return outcome
+            except TaskError as exc:
+                return failed_outcome(rt, exc, notice, self.config.agent_secrets)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    @contextlib.asynccontextmanager
+    async def _slot(self, rt: RunningTask) -> AsyncIterator[None]:
+        """The spider's lock, then a capacity token (a queued task never holds a slot)."""
+        async with self._admission.spider_lock(rt.task.spider_id), self._admission.capacity:
+            rt.phase = "deploying"
+            self._admission.observer.task_started(rt)
+            yield
+
+    @contextlib.asynccontextmanager
+    async def _deployed(self, rt: RunningTask, notice: Notice) -> AsyncIterator[Code]:
+        """The code version, command and working copy, and (meanwhile) the jail. Raises DeployError, JailError."""
+        task = rt.task
+        started = trio.current_time()
+        jails: list[TaskJail] = []
+        async with contextlib.AsyncExitStack() as held:
+
+            async def open_jail() -> None:
+                jail = await self.deployer.open_jail(rt, notice)
+                held.push_async_callback(empty_jail, jail, rt, self.deployer.egress_detach(rt))
+                jails.append(jail)
+
+            work = self.deployer.work_of(task)
+            # The jail is made while the code is deployed and copied (one thread hop less before the spawn).
+            try:
+                async with trio.open_nursery() as opening:
+                    opening.start_soon(open_jail)
+                    held.push_async_callback(remove_shielded, work, rt)
+                    code_dir, argv, how, copied = await self.deployer.deploy(task, work, held, notice)
+            finally:
+                rt.phase_seconds["deploy"] = trio.current_time() - started
+            [jail] = jails
+            if how is not None:
+                notice(how)
+            notice(f"working copy of {code_dir.name}: {copied}")
+            yield Code(code_dir, argv, work, jail)
+
+    @contextlib.asynccontextmanager
+    async def _installed(self, rt: RunningTask, code: Code, sink: LogSink, notice: Notice) -> AsyncIterator[Prepared]:
+        """The task's environment (uv / npm, in its jail), released at the end. Raises DepsError."""
+        task = rt.task
+        rt.phase = "installing"
+        started = trio.current_time()
+        try:
+            prepared = await self._deps.prepare(
+                task.framework, task.spider_id, code.work, sink.write, marker={MARKER_VAR: task.id},
+                spawn=code.jail.spawn, task_env={**self.config.extra_env, **task.env},
+                home=self.config.work_dir / "spider-home" / safe_name(task.spider_id),
+            )
+        finally:
+            rt.phase_seconds.setdefault("install", trio.current_time() - started)
+        try:
+            self._admission.observer.deps_prepared(rt, prepared)
+            for note in prepared.notes:
+                notice(note)
+            env_name = f" ({prepared.env_dir.name})" if prepared.env_dir is not None else ""
+            notice(f"dependencies {'cached' if prepared.cache_hit else 'installed'}{env_name} in "
+                   f"{prepared.seconds:.3f} s")
+            yield prepared
+        finally:
+            self._deps.release(prepared)
+
+    async def _run(self, rt: RunningTask, task_dir: Path, code: Code, prepared: Prepared, notice: Notice,
+                   sink: LogSink) -> TaskOutcome:
+        """Spawn the spider in its jail, record its process, supervise it to its end. Raises SpawnError, JailError."""
+        task, jail, argv = rt.task, code.jail, code.argv
+        items_file = task_dir / "items.jsonl"
+        data_dir = self.config.work_dir / "spider-data" / safe_name(task.spider_id)
+        home_dir = self.config.work_dir / "spider-home" / safe_name(task.spider_id)
+        env = spider_base_env(prepared.path_prefix)
+        if self.config.run_as is not None:
+            env.update(self.config.run_as.env())
+        env["HOME"] = str(home_dir)
+        env.update(prepared.env)
+        env.update(self.config.extra_env)
+        env.update(task.env)
+        if self.config.egress is not None:  # the proxy variables of the advisory level ({} otherwise)
+            env.update(self.config.egress.task_env(rt.egress))
+        env.update(
+            {
+                MARKER_VAR: task.id,
+                "CK_SPIDER_ID": task.spider_id,
+                "CK_SPIDER_NAME": task.spider_name,
+                "CK_ITEMS_FILE": str(items_file),
+                "CK_STATS_FILE": str(task_dir / STATS_FILE),
+                "CK_TASK_DIR": str(task_dir),
+                "CK_DATA_DIR": str(data_dir),
+                "CK_PARAMS": json.dumps(task.params, ensure_ascii=False),
+            }
+        )
+        if prepared.env_dir is not None and task.framework in PYTHON_FRAMEWORKS:
+            hook_env, hook_note = await trio.to_thread.run_sync(
+                scrapy_hook, task.framework, argv, env.get("PATH"), code.work, prepared.env_dir)
+            env.update(hook_env)
+            if hook_note:
+                notice(hook_note)
+        timeout = self.config.execute_timeout if task.timeout_seconds is None else task.timeout_seconds
+        stall = self.config.stall_timeout if task.stall_timeout_seconds is None else task.stall_timeout_seconds
+        rt.phase = "running"
+        rt.started_at = time.time()
+        notice(f"running {shown_argv(argv, task)} (timeout {f'{timeout:g} s' if timeout else 'none'})")
+
+        def on_stall(idle: float) -> None:
+            if rt.request_stop(f"stalled: no output, items or stats for {idle:.0f} s (stall timeout {stall:g} s)"):
+                rt.stalled = True
+                log.warning("task %s: %s", task.id, rt.stop_reason)
+
+        try:
+            mon = await spawn_monitored(
+                _resolve(argv, env), cwd=code.work, env=env, task_id=task.id, task_dir=task_dir,
+                output_path=sink.path, jail=jail, run_as=self.config.run_as,
+                deadline_at=None if not timeout else rt.started_at + timeout, work=code.work, stall_timeout=stall,
+                env_dir=prepared.env_dir,
+            )
+        except OSError as exc:
+            # No process ran, so no exit code (docs/protocol.md); the message says what failed.
+            raise SpawnError(f"cannot start {argv[0]!r}: {os_error_text(exc)}") from exc
+        except ContainmentError as exc:
+            raise JailError(f"cannot put the spider into the task's {jail.level} jail: {exc}") from exc
+        rt.pid = mon.pid
+        if stall and rt.delivery is not None:
+            rt.delivery.watch_stall(stall, on_stall)
+        try:
+            await self._store.set_process(task.id, mon.pid, mon.pid, mon.handle.to_json())
+        except StateStoreError as exc:  # a full disk: the task runs on, unrecorded (a crash: AGENT_LOST)
+            log.error("task %s: cannot record its process: %s", task.id, exc)
+        return await self.finish_run(rt, mon, jail, sink, notice, timeout)
+
+    async def finish_run(self, rt: RunningTask, mon: Monitored, jail: TaskJail, sink: LogSink,
+                         notice: Notice, timeout_seconds: float) -> TaskOutcome:
+        """Supervise a spawned or re-adopted spider to its end and judge its outcome (ckagent.containment.monitor)."""
+        task = rt.task
+        outcome = await supervise(
+            mon, jail=jail, sink=sink, grace=self.config.kill_grace, stop=rt.stop_event, notice=notice,
+            stop_signal=task.stop_signal_number, leave_running=lambda: self._hand_over(rt),
+        )
+        stderr_tail = TailBuffer(16384)
+        stderr_tail.write(await trio.to_thread.run_sync(output_tail, sink.path))
+        figures = jail.figures()  # into the result (cpuSeconds, memoryPeakBytes, ...), not the log
+        if figures.oom_kills and not outcome.stopped:
+            verdict = oom_outcome(jail, figures, outcome.returncode, "the spider")
+            notice(f"{verdict.error_message}; task FAILED (OOM_KILLED)")
+            return verdict
+        judged = judge_exit(rt, outcome, timeout_seconds, notice, stderr_tail, sink, self.config.agent_secrets)
+        judged.figures = figures
+        return judged
+
+    def _hand_over(self, rt: RunningTask) -> bool:
+        """True (and the task marked handed over) when the agent leaves this task's spider running."""
+        if self._admission.handing_over and not rt.handed_over and rt.stop_reason in (None, "agent terminating"):
+            rt.handed_over = True
+        return rt.handed_over
+
+
+def _resolve(argv: list[str], env: dict[str, str]) -> list[str]:
+    """Resolve argv[0] on the spider's PATH (not the agent's), so the venv's python/scrapy win."""
+    if "/" in argv[0]:
+        return argv
+    found = shutil.which(argv[0], path=env.get("PATH"))
+    return [found, *argv[1:]] if found else argv
