@@ -8,7 +8,9 @@
         │                      listens from the start, serves from the first heartbeat on
         ├── signals            SIGTERM → drain (second SIGTERM → terminate), SIGINT → terminate,
         │                      SIGUSR2 → hand over (stop, leave running spiders to the next agent)
-        ├── heartbeat loop     until STOPPED (each beat sends the state as it is)
+        ├── heartbeat loop     until STOPPED (each beat sends one NodeReport: the state as it is)
+        ├── lifecycle records  the tasks' facts, one channel → metrics, the canonical task line
+        ├── runtime scan, version watch (the upgrade the master may ask for)
         ├── outbox             every task's logs, items and result (delivery.Outbox): tasks hand
         │                      theirs over when their process ends (the slot frees at once); the
         │                      leftovers of an earlier run are resumed at start; retention cleanup
@@ -48,63 +50,44 @@ same work dir is refused (ConfigError) instead of killing the first one's tasks 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-import gc
 import logging
 import os
-import platform
 import signal
 import sys
 from functools import partial
-from pathlib import Path
-from typing import Any
 
-import psutil
 import trio
 
 from ckagent import __version__
 from ckagent.code.capabilities import Capabilities
 from ckagent.code.deps import Dependencies, IndexChooser, remove_legacy_environments, spider_base_env
-from ckagent.code.runtimes import (
-    BROWSER_VARS,
-    RUNTIMES_CACHE,
-    browser_env,
-    detect_runtimes,
-    load_cached_runtimes,
-    save_runtimes_cache,
-)
+from ckagent.code.runtimescan import RuntimeScan
 from ckagent.code.workspace import Workspaces
-from ckagent.containment import Containment, ContainmentError, Limits, TaskJail, open_containment
-from ckagent.containment.egress import (
-    Egress,
-    EgressError,
-    PolicyError,
-    TaskRules,
-    describe_refusals,
-    open_egress,
-    parse_text,
-)
+from ckagent.containment import Containment, ContainmentError, Limits, open_containment
+from ckagent.containment.egress import Egress, EgressError, PolicyError, open_egress, parse_text
 from ckagent.containment.egress.proxy import serve_proxy
 from ckagent.containment.hierarchy import agent_group_name
 from ckagent.delivery import Outbox, OutboxConfig, cleanup_task_dirs
+from ckagent.delivery.lifecycle import CanonicalLine, Lifecycle
 from ckagent.master.client import MasterClient, RegistrationRefused
-from ckagent.master.fleet import VersionWatch, load_node_uid
-from ckagent.master.heartbeat import HeartbeatLoop
+from ckagent.master.fleet import VersionWatch, load_node_uid, register_request
+from ckagent.master.heartbeat import HeartbeatLoop, NodeReport
 from ckagent.master.masterclock import MasterClock
-from ckagent.master.protocol import FEATURES, PROTOCOL_VERSION, RegisterRequest, Task, TaskResult
+from ckagent.master.protocol import HeartbeatResponse, RegisterRequest
 from ckagent.node.config import ConfigError, Settings
 from ckagent.node.errors import StartupError
-from ckagent.node.hardening import protect_agent_memory
+from ckagent.node.hardening import freeze_startup_objects
 from ckagent.node.intake import DiskFloorWatch, IntakeGate
 from ckagent.node.listen import StatusPortError
-from ckagent.node.logs import log_task_finished, setup_logging
 from ckagent.node.notices import Notices, spider_user, spiders_as_root
 from ckagent.node.resources import HealthSampler, compute_max_workers
-from ckagent.node.runas import RunAs
-from ckagent.node.state import AsyncStateStore, StateStore, StateStoreError, TaskRecord
-from ckagent.node.workdir import WorkDirError, WorkDirLock
+from ckagent.node.runas import spider_run_as
+from ckagent.node.state import AsyncStateStore, StateStore, StateStoreError
 from ckagent.port.metrics import AgentMetrics
-from ckagent.port.status import AgentStatistics, AgentStatus, TaskStatistics, runtime_versions, serve_status
+from ckagent.port.snapshot import agent_statistics
+from ckagent.port.status import AgentStatistics, AgentStatus, serve_status
 from ckagent.port.statuspage import StatusPage
 from ckagent.task.adoption import Adoption, admit_adopted, find_adoptable, run_adopted
 from ckagent.task.poller import Poller
@@ -113,23 +96,11 @@ from ckagent.task.supervisor import RunnerConfig, RunningTask, Supervisor
 
 log = logging.getLogger(__name__)
 
-FLUSH_TIMEOUT = 10.0
-"""Default of ``task.flush_timeout``: seconds the agent waits, when stopping, for unsent results and
-streams before leaving them on disk."""
-RUNTIME_SCAN_INTERVAL = 300.0
 FINAL_BEAT_TIMEOUT = 2.0
-PROXY_PORT_FILE = "egress-proxy.port"
-"""In the work dir: the port of the egress proxy (``proxy`` level), taken again by the next agent."""
-HAND_OVER_FLUSH_TIMEOUT = 2.0
-"""Seconds a hand-over spends sending what was already read (lines, items, finished tasks' results)
-before exiting; the next agent sends the rest from the acknowledged positions (docs/operations.md)."""
+"""Seconds the last heartbeat (status STOPPED) may take on the way out."""
 HAND_OVER_SIGNAL = signal.SIGUSR2
 """Stop the agent and leave its running tasks to the next agent, which re-adopts them (``run.sh
 upgrade``/``restart``). SIGTERM still drains, SIGINT terminates (docs/operations.md)."""
-"""Seconds the last heartbeat (status STOPPED) may take on the way out."""
-DEFERRED_START_LIMIT = 1.0
-"""Seconds after the start by which the work kept off the way to the first heartbeat (see
-:meth:`Agent._after_first_heartbeat`) begins even if that heartbeat has not gone out (master slow or away)."""
 
 
 class AgentState(str, enum.Enum):
@@ -154,19 +125,19 @@ class Agent:
         self.state = AgentState.STARTING
         self.work_dir = settings.task.work_dir
         self.max_workers = compute_max_workers(settings.agent.max_workers, settings.agent.container_cpu_limit)
-        self.runtimes: dict[str, Any] = {}
-        self._browser_env: dict[str, str] = {}
         self.intake = IntakeGate()
         """Closed while the node takes no tasks for a reason of its own (ckagent.node.intake)."""
         self.versions = VersionWatch(self.intake, auto_upgrade=settings.agent.auto_upgrade)
         self.node_uid: str | None = None
         self.capabilities = Capabilities(settings.deps.uv_path)
+        self.scan = RuntimeScan(self.work_dir, settings.deps.uv_path, self.capabilities)
+        """What the node can run (``scan.runtimes``), rescanned in the background."""
         self._startup_scope = trio.CancelScope()
         """Registration: a stop before it completes ends it."""
         self._work_scope = trio.CancelScope()
+        """The tasks' scope: TERMINATING sets its deadline."""
         self._adopted: list[tuple[RunningTask, Adoption]] = []  # re-adopted at start (ckagent.task.adoption)
         self._handed = 0  # running tasks left to the next agent (hand_over)
-        """The tasks' scope: TERMINATING sets its deadline."""
         self._drain_scope = trio.CancelScope()
         """DRAINING's wait for the tasks: TERMINATING ends it."""
         self._flush_scope = trio.CancelScope()
@@ -185,7 +156,10 @@ class Agent:
         self.started = trio.Event()
         """Set once the agent has registered, recovered and begun polling (state RUNNING)."""
         self.metrics = AgentMetrics(__version__, settings.agent.name)
+        self.lifecycle = Lifecycle([self.metrics.record, CanonicalLine()])
+        """The one channel of the tasks' lifecycle records (ckagent.delivery.lifecycle), read in the root nursery."""
         self.status_port: int | None = None
+        """The port the status/metrics server listens on (``agent.port``, or the one picked for 0)."""
         self.containment: Containment | None = None
         """The containment level in force (set at the start of :meth:`run`)."""
         self.egress: Egress | None = None
@@ -194,7 +168,6 @@ class Agent:
         """Operator notices (spiders as root, the master's clock): logged once, in /status and on the page."""
         self.spider_user: dict[str, object] = spider_user(None)
         """Whom spiders run as (registration's ``containment.spiderUser``)."""
-        """The port the status/metrics server listens on (``agent.port``, or the one picked for 0)."""
         token = settings.agent.registration_token
         self._secrets = tuple(s.reveal() for s in (token,) if s is not None)
         self.master = MasterClient(
@@ -209,26 +182,12 @@ class Agent:
 
     def _register_body(self) -> RegisterRequest:
         s = self.settings
-        return RegisterRequest(
-            name=s.agent.name,
-            ip=s.agent.ip,
-            port=self.status_port if self.status_port is not None else s.agent.port,
-            version=__version__,
-            os=platform.system().lower(),
-            arch=platform.machine(),
-            python=platform.python_version(),
-            cpu_count=psutil.cpu_count() or 1,
-            memory_total_bytes=psutil.virtual_memory().total,
-            max_workers=self.max_workers,
-            runtimes=self._runtimes_report(),
-            labels=dict(s.agent.labels),
-            node_uid=self.node_uid,
-            protocol_version=PROTOCOL_VERSION,
-            features=list(FEATURES),
+        return register_request(
+            s.agent, port=self.status_port if self.status_port is not None else s.agent.port,
+            max_workers=self.max_workers, runtimes=self.scan.report(), node_uid=self.node_uid,
             containment={**(self.containment.to_json() if self.containment is not None else {}),
                          "spiderUser": self.spider_user},
-            egress=self.egress.to_json() if self.egress is not None else {},
-        )
+            egress=self.egress.to_json() if self.egress is not None else {})
 
     async def run(self) -> int:
         """Run until stopped by a signal (or :meth:`drain` / :meth:`terminate`); returns 0.
@@ -245,7 +204,7 @@ class Agent:
         failure: StartupError | None = None
         try:
             supervisor, outbox, poller = await self._assemble(store)
-            async with trio.open_nursery() as root:  # status, signals, heartbeat, outbox: until STOPPED
+            async with trio.open_nursery() as root:  # status, signals, heartbeat, records, outbox: until STOPPED
                 failure = await self._start(root, store)
                 if failure is None and self.state is AgentState.RUNNING:
                     with self._work_scope:  # TERMINATING sets its deadline
@@ -270,16 +229,10 @@ class Agent:
                     if not supervisor.handing_over:
                         with self._flush_scope, trio.move_on_at(flush_until):
                             await outbox.wait_idle()
-                    else:  # what was read goes now, for at most HAND_OVER_FLUSH_TIMEOUT: the next agent waits
-                        flushing = trio.current_time()
-                        bound = trio.move_on_at(min(flushing + HAND_OVER_FLUSH_TIMEOUT, flush_until))
-                        with self._flush_scope, bound:
-                            await outbox.flush_read()
-                        cut = bound.cancelled_caught or self._flush_scope.cancelled_caught
-                        log.info("handed over: %d task(s) left running for the next agent (%s what was read in "
-                                 "%.2f s); %d delivery(ies) left in %s for it", self._handed,
-                                 "stopped sending" if cut else "sent", trio.current_time() - flushing,
-                                 outbox.pending, self.work_dir / "state.db")
+                    else:  # what was read goes now (HAND_OVER_FLUSH_TIMEOUT at most): the next agent waits
+                        with self._flush_scope:
+                            flushed = await outbox.flush_read(flush_until - trio.current_time())
+                        log.info("handed over: %d task(s) left running for the next agent (%s)", self._handed, flushed)
                     if not supervisor.handing_over and outbox.pending:
                         log.warning("stopping with undelivered results or logs; they stay in %s for the "
                                     "next start", self.work_dir / "state.db")
@@ -306,7 +259,7 @@ class Agent:
         """Build the agent's parts (no master traffic). Raises ConfigError for ``task.run_as_user``."""
         s = self.settings
         try:
-            run_as = _run_as(s.task.run_as_user)
+            run_as = spider_run_as(s.task.run_as_user)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         try:
@@ -333,7 +286,7 @@ class Agent:
                         "(see docs/operations.md)")
         # Registration uses the last scan (cached on disk): a fresh scan runs ~0.5-1 s of
         # subprocesses, so it goes on in the background and reaches the master with the heartbeats.
-        self.runtimes = await trio.to_thread.run_sync(load_cached_runtimes, self.work_dir / RUNTIMES_CACHE)
+        await self.scan.load_cached()
         try:
             self.node_uid = await trio.to_thread.run_sync(load_node_uid, self.work_dir)
         except OSError as exc:
@@ -341,26 +294,20 @@ class Agent:
         base_env = spider_base_env()
         # Browser spiders use the system's browser (nothing can be downloaded at run time): its path
         # comes from the runtimes scan, updated in place after each rescan.
-        extra_env = self._browser_env = browser_env(self.runtimes)
+        extra_env = self.scan.browser_env
         workspaces = self.workspaces = Workspaces(self.work_dir / "spiders", self.master,
                                                   stall_timeout=s.server.download_stall_timeout)
         deps = Dependencies(
-            self.work_dir / "envs",
-            uv_path=s.deps.uv_path,
+            self.work_dir / "envs", uv_path=s.deps.uv_path,
             python=str(s.deps.python) if s.deps.python is not None else sys.executable,
-            index=IndexChooser(s.deps.uv_index_url, s.deps.uv_fallback_index_url),
-            uv_cache_dir=s.deps.uv_cache_dir,
-            timeout=s.deps.uv_sync_timeout,
-            base_env=base_env,
-            run_as=run_as,
-            budget_bytes=s.deps.env_budget_bytes,
-        )
+            index=IndexChooser(s.deps.uv_index_url, s.deps.uv_fallback_index_url), uv_cache_dir=s.deps.uv_cache_dir,
+            timeout=s.deps.uv_sync_timeout, base_env=base_env, run_as=run_as, budget_bytes=s.deps.env_budget_bytes)
         await trio.to_thread.run_sync(remove_legacy_environments, self.work_dir)
         outbox = self.outbox = Outbox(self.master, store, self.work_dir, OutboxConfig(
             log_globs=tuple(g for g in s.task.log_files.split(",") if g),
             max_log_bytes=s.task.max_log_bytes, min_free_disk_bytes=s.task.min_free_disk_bytes,
             retention=s.task.retention, agent_secrets=self._secrets, refusal_timeout=s.server.refusal_timeout,
-        ))
+        ), lifecycle=self.lifecycle)
         self.metrics.outbox = outbox
         supervisor = self.supervisor = Supervisor(
             RunnerConfig(self.work_dir, s.task.execute_timeout, s.task.kill_grace, self._secrets, extra_env,
@@ -369,24 +316,15 @@ class Agent:
                          default_limits=Limits(s.task.memory_limit_bytes, s.task.pids_limit, s.task.cpus_limit),
                          max_artifact_bytes=s.task.max_artifact_bytes),
             self.master, store, workspaces, deps, self.max_workers,
-            on_finished=self._task_delivered, outbox=outbox, observer=self.metrics,
+            outbox=outbox, lifecycle=self.lifecycle,
         )
         outbox.on_disk_full = supervisor.stop_disk_full  # the task that fills the disk ends DISK_FULL
-        self.heartbeat = HeartbeatLoop(
-            self.master, supervisor, HealthSampler(self.work_dir), s.heartbeat.interval,
-            status=lambda: str(self.state),
-            runtimes=self._runtimes_report,
-            paused_reason=lambda: self.intake.reason,
-            on_policy=self.versions.apply,
-            reporting=lambda: [t for t in outbox.deliveries if t not in supervisor.running],
-        )
+        self.heartbeat = HeartbeatLoop(self.master, HealthSampler(self.work_dir), s.heartbeat.interval,
+                                       report=self._node_report, on_answer=self._heartbeat_answer)
         poller = self.poller = Poller(
-            self.master, supervisor, poll_interval=s.task.poll_interval,
-            long_poll_wait=s.task.long_poll_wait, request_timeout=s.server.request_timeout,
-            gate=self.intake,
-            cannot_run=self.capabilities.cannot_run,
-            reported=outbox.wait_delivered,
-        )
+            self.master, supervisor, poll_interval=s.task.poll_interval, long_poll_wait=s.task.long_poll_wait,
+            request_timeout=s.server.request_timeout, gate=self.intake, cannot_run=self.capabilities.cannot_run,
+            reported=outbox.wait_delivered)
         self.disk_watch = DiskFloorWatch(self.intake, self.work_dir, s.task.min_free_disk_bytes,
                                          idle=(lambda: not outbox.deliveries, outbox.wait_busy))
         return supervisor, outbox, poller
@@ -396,37 +334,34 @@ class Agent:
         started in ``root``. Returns the StartupError that stops the agent (None: it runs, or a stop
         came first: the state says which)."""
         s = self.settings
-        assert self.outbox is not None
+        assert self.outbox is not None and self.supervisor is not None and self.heartbeat is not None
+        assert self.poller is not None
         log.info("ckagent %s starting: master %s, work_dir %s, max_workers %d",
                  __version__, s.server.url, self.work_dir, self.max_workers)
         self.capabilities.warn()
         status = AgentStatus(self.statistics, self.metrics, self.metrics.outbox)
-        assert self.supervisor is not None
         routes = status.routes(page=StatusPage(self.supervisor, self.outbox, self.work_dir, status.status))
         try:
             self.status_port = await root.start(partial(
                 serve_status, routes, s.agent.bind or s.agent.ip, s.agent.port,
-                serve_after=self._after_first_heartbeat, on_serving=freeze_startup_objects))
+                serve_after=self.heartbeat.after_first_beat, on_serving=freeze_startup_objects))
         except StatusPortError as exc:
             return StartupError(str(exc))
         egress = self.egress
         if egress is not None:
             egress.agent_port = self.status_port  # (agent.port 0: the one picked)
             if egress.level == "proxy":  # on the previous agent's port: handed-over tasks' variables name it
-                port_file = self.work_dir / PROXY_PORT_FILE
-                egress.proxy_url = await root.start(partial(
-                    serve_proxy, egress.proxy_lookup, lambda: egress.agent_port,
-                    port=await trio.to_thread.run_sync(_read_port, port_file)))
-                await trio.to_thread.run_sync(_write_port, port_file, int(egress.proxy_url.rsplit(":", 1)[1]))
+                egress.proxy_url = await root.start(partial(serve_proxy, egress.proxy_lookup, lambda: egress.agent_port, self.work_dir))
         root.start_soon(self._signals)
-        root.start_soon(self._rescan_runtimes)
+        await root.start(self.lifecycle.run)
+        root.start_soon(partial(self.scan.run, self.heartbeat.after_first_beat, self.poller.forget_unrunnable))
         adoptions, refused = await find_adoptable(await store.pending_delivery())
         adopted = {adoption.record.task_id for adoption in adoptions}
-        leftovers = await recover_lost_tasks(store, self.metrics.task_lost, self.containment, keep=adopted,
+        leftovers = await recover_lost_tasks(store, self.lifecycle, self.containment, keep=adopted,
                                              reasons=refused)
         if s.task.cleanup_temp_files:
             await cleanup_task_dirs(store, self.work_dir / "tasks", 0)
-        self.versions.nursery = root
+        root.start_soon(self.versions.run)  # the upgrade the master's policy may ask for
         try:
             with self._startup_scope:
                 registered = await self.master.register()
@@ -440,13 +375,9 @@ class Agent:
         self.outbox.stats_observer = self.metrics.crawl.observe
         for record in leftovers:
             await self.outbox.resume(record)
-            delivery = self.outbox.deliveries.get(record.task_id)
-            if delivery is not None:  # the canonical line of a task an earlier run left unsent
-                delivery.on_delivered = partial(self._leftover_delivered, record)
         self._adopted = [(admit_adopted(self.supervisor, adoption), adoption) for adoption in adoptions]
         if adoptions:
             log.info("re-adopted %d task(s) an earlier agent left: %s", len(adoptions), ", ".join(sorted(adopted)))
-        assert self.heartbeat is not None
         if self.state is AgentState.STARTING:  # (a drain may have come meanwhile)
             self.state = AgentState.RUNNING  # before the first heartbeat: beats never say STARTING
         root.start_soon(self.heartbeat.run)
@@ -463,42 +394,11 @@ class Agent:
             return
         with trio.move_on_after(FINAL_BEAT_TIMEOUT):
             held = [record.task_id for record in await store.pending_delivery()]
-            await self.heartbeat.beat_once(reporting=held)
+            await self.heartbeat.beat_once(dataclasses.replace(self._node_report(), reporting_task_ids=held))
 
     def statistics(self) -> AgentStatistics:
-        """A frozen snapshot of the agent (state, master, heartbeat, slots, tasks) for /status and /metrics.
-        Reads nothing: a task's cgroup figures are read by /status alone (``sample_resources``)."""
-        supervisor = self.supervisor
-        heartbeat, workspaces = self.heartbeat, self.workspaces
-        tasks = tuple(
-            TaskStatistics(id=rt.task.id, spider_id=rt.task.spider_id, spider_name=rt.task.spider_name,
-                           framework=rt.task.framework, phase=rt.phase, claimed_at=rt.claimed_at,
-                           started_at=rt.started_at, pid=rt.pid,
-                           sample_resources=None if rt.jail is None else partial(_jail_figures, rt.jail),
-                           sample_egress=None if rt.egress is None or self.egress is None
-                           else partial(_egress_refusals, self.egress, rt.egress))
-            for rt in (supervisor.running.values() if supervisor is not None else ())
-        )
-        return AgentStatistics(
-            state=str(self.state),
-            name=self.settings.agent.name,
-            node_id=self.master.node_id,
-            registered=self.master.registered,
-            master_up=self.master.connectivity.up,
-            heartbeat_last_success=heartbeat.last_success if heartbeat is not None else None,
-            heartbeat_interval=self.settings.heartbeat.interval,
-            max_workers=self.max_workers,
-            free_slots=supervisor.free_slots() if supervisor is not None else self.max_workers,
-            tasks=tasks,
-            code_download_bytes=workspaces.downloaded_bytes if workspaces is not None else 0,
-            runtimes=tuple(runtime_versions(self.runtimes).items()),
-            master_problem=self.master.connectivity.problem,
-            master_problem_age=self.master.connectivity.problem_age(),
-            intake_reason=self.intake.reason,
-            containment=tuple(self.containment.to_json().items()) if self.containment is not None else None,
-            egress=tuple(self.egress.to_json().items()) if self.egress is not None else None,
-            warnings=self.notices.texts(),
-        )
+        """A frozen snapshot of the agent for /status and /metrics (ckagent.port.snapshot)."""
+        return agent_statistics(self)
 
     # ------------------------------------------------------------------ shutdown
 
@@ -574,180 +474,25 @@ class Agent:
                     log.info("%s: terminating", name)
                     self.terminate()
 
-    # ------------------------------------------------------------------ the canonical task line
+    # ------------------------------------------------------------------ the heartbeat's report
 
-    def _task_delivered(self, rt: RunningTask, result: TaskResult) -> None:
-        """The master acknowledged a task's final result: log its canonical line, settle its metrics."""
-        install = self.metrics.install_info.pop(rt.task.id, None)
-        _canonical_line(rt.task, result, install)
-        self.metrics.task_reported(rt.task.id, result, rt.claimed_at)
+    def _node_report(self) -> NodeReport:
+        """What the next heartbeat says of the node (a snapshot of the state, the running set, the
+        claims on the wire and the results the master has not acknowledged)."""
+        supervisor, outbox = self.supervisor, self.outbox
+        assert supervisor is not None and outbox is not None
+        return NodeReport(
+            status=str(self.state), max_workers=supervisor.max_workers, free_slots=supervisor.free_slots(),
+            running_task_ids=tuple(supervisor.running), running_spider_ids=supervisor.running_spider_ids(),
+            claiming_task_ids=tuple(supervisor.claiming), claim_poll_ids=tuple(supervisor.claim_polls),
+            last_claim_poll_id=supervisor.last_claim_poll,
+            reporting_task_ids=tuple(t for t in outbox.deliveries if t not in supervisor.running),
+            runtimes=self.scan.report(), paused_reason=self.intake.reason,
+        )
 
-    def _leftover_delivered(self, record: TaskRecord, result: TaskResult) -> None:
-        try:
-            task: Task | None = Task.from_json(record.task_json)
-        except ValueError:
-            task = None
-        _canonical_line(task, result, None, task_id=record.task_id)
-        self.metrics.task_reported(record.task_id, result, record.claimed_at)
-
-    async def _after_first_heartbeat(self) -> None:
-        """Return once the first heartbeat was tried, or DEFERRED_START_LIMIT seconds after the call.
-
-        What the first heartbeat does not need waits here, so that it does not compete with the
-        start for the CPU: the status server's hypercorn (~45 ms of imports; the port listens from
-        the start and early requests wait in its backlog) and the runtime rescan's subprocesses
-        (registration uses the cached scan; the fresh one reaches the master with the heartbeats).
-        """
-        if self.heartbeat is None:
-            return
-        with trio.move_on_after(DEFERRED_START_LIMIT):
-            await self.heartbeat.first_beat.wait()
-
-    def _runtimes_report(self) -> dict[str, Any]:
-        """The runtimes scan, plus ``missing``: tool → what its absence costs (ckagent.code.capabilities)."""
-        missing = self.capabilities.missing
-        return {**self.runtimes, "missing": dict(missing)} if missing else self.runtimes
-
-    async def _rescan_runtimes(self) -> None:
-        """Scan what the node can run (after the first heartbeat) and every RUNTIME_SCAN_INTERVAL seconds;
-        keep the last scan on disk."""
-        await self._after_first_heartbeat()
-        while True:
-            self.runtimes = await trio.to_thread.run_sync(detect_runtimes, self.settings.deps.uv_path)
-            was_missing = set(self.capabilities.missing)
-            if was_missing - set(self.capabilities.refresh()):
-                log.info("found %s again: taking the spiders that need it",
-                         ", ".join(sorted(was_missing - set(self.capabilities.missing))))
-                if self.poller is not None:
-                    self.poller.forget_unrunnable()
-            await trio.to_thread.run_sync(save_runtimes_cache, self.work_dir / RUNTIMES_CACHE, self.runtimes)
-            browsers = await trio.to_thread.run_sync(browser_env, self.runtimes)
-            for variable in BROWSER_VARS.values():
-                self._browser_env.pop(variable, None)
-            self._browser_env.update(browsers)
-            await trio.sleep(RUNTIME_SCAN_INTERVAL)
-
-
-def freeze_startup_objects() -> None:
-    """Collect once, then move every object alive (modules, settings, clients, the status server: what
-    the agent keeps for its life) to the GC's permanent generation (``gc.freeze``): a full collection
-    no longer walks them. Measured in bench/scrape.py's process: full collections of 17–39 ms CPU on
-    the loop's thread, at any allocation, before. Called once, when the status server serves."""
-    gc.collect()
-    gc.freeze()
-
-
-def _jail_figures(jail: TaskJail) -> tuple[tuple[str, Any], ...]:
-    """A task's live cgroup figures as /status shows them (cgroupfs reads)."""
-    return tuple(jail.figures().to_json().items())
-
-
-def _read_port(path: Path) -> int:
-    """The port a previous agent's proxy listened on (0: none recorded, or unreadable)."""
-    try:
-        port = int(path.read_text().strip())
-    except (OSError, ValueError):
-        return 0
-    return port if 0 < port < 65536 else 0
-
-
-def _write_port(path: Path, port: int) -> None:
-    try:
-        path.write_text(f"{port}\n")
-    except OSError as exc:  # the next agent picks another port: its handed-over tasks' proxying fails
-        log.warning("egress proxy: cannot record its port in %s: %s", path, exc)
-
-
-def _egress_refusals(egress: Egress, rules: TaskRules) -> tuple[tuple[str, Any], ...]:
-    """A task's refused connections so far as /status shows them (nft counters, ~0.5 ms)."""
-    refused = egress.refusals(rules)
-    return (("refused", [{"address": r.address, "port": r.port, "count": r.count} for r in refused]),
-            ("summary", describe_refusals(refused)))
-
-
-def _run_as(user: str | None) -> RunAs | None:
-    """``task.run_as_user`` resolved; None when unset or when it is the agent's own user.
-
-    Raises ValueError for an unknown user, or when switching users needs root and the agent is not.
-    """
-    if user is None:
-        return None
-    try:
-        run_as = RunAs.lookup(user)
-    except ValueError as exc:
-        raise ValueError(f"task.run_as_user (AGENT_TASK_RUN_AS_USER): no user {user!r} on this node; "
-                         "create the user or unset the setting") from exc
-    if run_as.uid == os.geteuid():
-        return None
-    if os.geteuid() != 0:
-        raise ValueError(f"task.run_as_user={user!r} needs the agent to run as root (it runs as uid "
-                         f"{os.geteuid()}); unset it or start the agent as root")
-    log.info("spiders and installers run as %s (uid %d, gid %d)", run_as.name, run_as.uid, run_as.gid)
-    return run_as
-
-
-def _canonical_line(task: Task | None, result: TaskResult, install: tuple[float, bool] | None,
-                    task_id: str | None = None) -> None:
-    """The one line per finished task (see :func:`ckagent.node.logs.log_task_finished`); ``install`` is
-    (seconds, cache hit) when the dependencies were prepared."""
-    log_task_finished(log, {
-        "task_id": task.id if task is not None else task_id,
-        "spider": (task.spider_name or task.spider_id) if task is not None else None,
-        "status": result.status,
-        "error_code": result.error_code,
-        "exit_code": result.exit_code,
-        "duration_seconds": None if result.duration_ms is None else round(result.duration_ms / 1000, 3),
-        "items": result.item_count,
-        "log_lines": result.log_lines,
-        "install_seconds": None if install is None else round(install[0], 3),
-        "cache_hit": None if install is None else install[1],
-    })
-
-
-def run_agent(settings: Settings) -> int:
-    """Entry point for ``ckagent run``: set up logging, lock the work dir, run the agent on Trio;
-    returns 0 after a clean stop.
-
-    Raises StartupError (exit code 1) when the agent cannot run, ConfigError (exit code 2) when the
-    log file cannot be opened or the work dir cannot be created, written or locked (another agent
-    uses it). An error raised once logging is set up is logged here first (``logged`` is then True
-    when that log line went to stderr, so the CLI does not print it twice).
-    """
-    from ckagent.node.preflight import preflight
-
-    problems = preflight(settings, port=False)  # the checks of `config check`
-    errors = [p.message for p in problems if p.error]
-    if errors:
-        raise ConfigError("; ".join(errors))
-    token = settings.agent.registration_token
-    protect_agent_memory()  # spiders of the same user must not read the secrets in /proc/<pid>/environ
-    try:
-        # Before the log is opened: a second agent on the same work dir is refused on its own stderr,
-        # not in the running agent's log file; and before anything touches the work dir (crash
-        # recovery would kill another agent's tasks).
-        lock = WorkDirLock.acquire(Path(settings.task.work_dir))
-    except WorkDirError as exc:
-        raise ConfigError(str(exc)) from exc
-    try:
-        setup_logging(settings.logging.level, settings.logging.file, settings.logging.format,
-                      max_bytes=settings.logging.max_bytes, backup_count=settings.logging.backup_count,
-                      secrets=[token.reveal()] if token is not None else [])
-    except OSError as exc:
-        lock.release()
-        raise ConfigError(f"logging.file (AGENT_LOG_FILE) {str(settings.logging.file)!r} cannot be opened: "
-                          f"{exc.strerror or exc}; point it at a writable file (its directory is created)") from exc
-    for problem in problems:
-        log.warning("%s", problem.message)
-    try:
-        try:
-            return trio.run(Agent(settings).run)
-        except KeyboardInterrupt:  # pragma: no cover - SIGINT is handled inside; a second Ctrl-C race
-            return 130
-        finally:
-            lock.release()
-            sys.stderr.flush()
-    except StartupError as exc:
-        log.error("%s", exc)
-        exc.logged = any(isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is sys.stderr
-                         for h in logging.getLogger().handlers)
-        raise
+    def _heartbeat_answer(self, answer: HeartbeatResponse) -> None:
+        """The master's answer to a heartbeat: stop the tasks it cancelled, follow its version policy."""
+        if self.supervisor is not None:
+            for task_id in answer.cancel_task_ids:
+                self.supervisor.cancel(task_id, "cancelled by the master")
+        self.versions.apply(answer.policy)

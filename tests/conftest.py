@@ -2,18 +2,27 @@
 
 Both listen on 127.0.0.1 with a port picked by the OS and keep their data in a SQLite file under the
 test's ``tmp_path``.
+
+The suite's clock (the hooks at the end): every test's wall time (setup + call + teardown) and CPU time
+(the test process's own plus that of the child processes it reaped) are measured; the summary lists
+the tests over :data:`SLOW_SECONDS` that are not marked ``slow`` (the marker ``./scripts/test --quick``
+skips), and ``--file-times`` adds a table of wall and CPU seconds per test file.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import secrets
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -187,3 +196,125 @@ async def dev_master_process(tmp_path: Path) -> AsyncIterator[DevMasterProcess]:
     finally:
         with trio.CancelScope(shield=True):
             await handle.kill()
+
+
+# ------------------------------------------------------------------------------------ the suite's clock
+
+SLOW_SECONDS = 5.0
+"""A test that takes longer than this (wall, setup + call + teardown) is marked ``slow``."""
+
+SLOW: tuple[str, ...] = (
+    # end to end through and through: real agents (in process or not) with real spiders, run.sh,
+    # zipapp builds, package installs, outages
+    "test_runsh.py", "test_adoption_runsh.py", "test_pyz.py", "test_release.py", "test_shutdown.py",
+    "test_crawl_stats_e2e.py", "test_delivery_faults.py", "test_containment.py", "test_adoption.py",
+    "test_claims_e2e.py", "test_agent_e2e.py", "test_refusals.py", "test_disk_full.py",
+    "test_artifacts_delivery.py", "test_outputs_e2e.py", "test_e2e_smoke.py", "test_hostile_spider.py",
+    "test_task_setup_failure.py", "test_recovery.py", "test_real_spiders.py", "test_bench_smoke.py",
+    "test_bench_flood_smoke.py", "test_outputs_examples.py", "test_public_examples.py",
+    "test_scrapy_anyhow.py", "test_node_sigterm_e2e.py",
+    # a dev master in its own process, restarted
+    "fixture:dev_master_process",
+)
+"""Marked ``slow`` here as a whole (entries as in :data:`SERIAL_GROUPS`); single tests elsewhere carry
+``@pytest.mark.slow`` in their file. The summary of every run lists the tests over
+:data:`SLOW_SECONDS` that are marked neither way."""
+
+_STARTED = pytest.StashKey[tuple[float, float]]()
+
+# ----------------------------------------------------------------- what must not run side by side (xdist)
+
+SERIAL_GROUPS: dict[str, tuple[str, ...]] = {
+    # useradd/userdel lock /etc/passwd and /etc/group: two at once fail ("cannot lock /etc/passwd")
+    "system-users": ("fixture:spider_user", "test_runsh.py::test_spider_user_is_created_on_request_and_remembered"),
+    # the session-scoped releases (a bumped ckagent.pyz, built with uv: ~1 min) serve both files: one build
+    "run-sh": ("test_runsh.py", "test_adoption_runsh.py"),
+}
+"""Tests that share a machine-wide resource, by group: ``./scripts/test`` runs the suite with
+``--dist loadgroup``, which runs each group's tests in one worker, one after the other. An entry is a
+test file, a ``file::test`` node id prefix, or ``fixture:NAME`` (every test that uses that fixture).
+
+What needs no group: nft tables, cgroups, task directories and ports are named per test (the agent's
+group and table names come from its work_dir under ``tmp_path``; ports are 0); the session's
+ckagent.pyz is built once for all workers under a file lock (tests/test_pyz.py)."""
+
+
+def _is_member(item: pytest.Item, members: tuple[str, ...]) -> bool:
+    nodeid = item.nodeid.removeprefix("tests/")
+    fixtures = set(getattr(item, "fixturenames", ()))
+    for member in members:
+        if member.startswith("fixture:") and member.removeprefix("fixture:") in fixtures:
+            return True
+        if nodeid == member or nodeid.startswith((member + "::", member + "[")):
+            return True
+    return False
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects: the markers added here count
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    xdist = config.pluginmanager.hasplugin("xdist")  # without it (-p no:xdist) nothing runs side by side
+    for item in items:
+        if _is_member(item, SLOW):
+            item.add_marker(pytest.mark.slow)
+        if not xdist:
+            continue
+        for group, members in SERIAL_GROUPS.items():
+            if _is_member(item, members):
+                item.add_marker(pytest.mark.xdist_group(group))
+                break
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--file-times", action="store_true",
+                     help="after the run, print wall and CPU seconds per test file (CPU: the test "
+                          "process's own and that of the child processes it reaped)")
+
+
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_STARTED] = (time.perf_counter(), _cpu_seconds())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    started = item.stash.get(_STARTED, None)
+    if report.when == "teardown" and started is not None:
+        wall, cpu = time.perf_counter() - started[0], _cpu_seconds() - started[1]
+        # user_properties travel with the report to the controller under pytest-xdist
+        report.user_properties.append(("wall_seconds", round(wall, 3)))
+        report.user_properties.append(("cpu_seconds", round(cpu, 3)))
+        report.user_properties.append(("marked_slow", item.get_closest_marker("slow") is not None))
+    return report
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    measured: dict[str, dict[str, Any]] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) == "teardown" and report.user_properties:
+                measured[report.nodeid] = dict(report.user_properties)
+    unmarked = sorted(((m["wall_seconds"], nodeid) for nodeid, m in measured.items()
+                       if m.get("wall_seconds", 0) > SLOW_SECONDS and not m.get("marked_slow")), reverse=True)
+    if unmarked:
+        terminalreporter.write_sep("=", f"{len(unmarked)} tests over {SLOW_SECONDS:g} s not marked slow")
+        for wall, nodeid in unmarked:
+            terminalreporter.write_line(f"{wall:8.1f} s  {nodeid}")
+    if config.getoption("file_times"):
+        files: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+        for nodeid, m in measured.items():
+            row = files[nodeid.split("::", 1)[0]]
+            row[0] += m.get("wall_seconds", 0.0)
+            row[1] += m.get("cpu_seconds", 0.0)
+            row[2] += 1
+        terminalreporter.write_sep("=", "wall and CPU seconds per test file")
+        terminalreporter.write_line(f"{'wall s':>9} {'cpu s':>9} {'tests':>6}  file")
+        for name, (wall, cpu, count) in sorted(files.items(), key=lambda kv: -kv[1][0]):
+            terminalreporter.write_line(f"{wall:9.1f} {cpu:9.1f} {int(count):6d}  {name}")
+        total = [sum(row[i] for row in files.values()) for i in range(3)]
+        terminalreporter.write_line(f"{total[0]:9.1f} {total[1]:9.1f} {int(total[2]):6d}  total")

@@ -1,8 +1,10 @@
 """A fault-injecting HTTP/1.1 proxy between an agent and the reference master (real sockets, 127.0.0.1 port 0).
 
 The agent is pointed at the proxy (``server.url = http://127.0.0.1:<proxy port>``); every request is
-classified as the node call it is (:func:`call_of`: register, heartbeat, poll, claim, result, logs,
-items, download, spider_files, other) and either forwarded to the master or answered by a fault.
+classified as the node call it is (:func:`call_of`: a name of the agent's endpoint table,
+ckagent.master.endpoints — register, heartbeat, poll, claim, result, release, logs, items, batches,
+stats, artifact, spider_files, spider_file, download — or other) and either forwarded to the master or
+answered by a fault.
 One request per connection: the proxy asks the master to close after answering.
 
 Two ways to choose a fault:
@@ -11,6 +13,9 @@ Two ways to choose a fault:
   :meth:`FaultProxy.heal`); what the tests of each answer class use;
 - a ``chooser(request) -> mode`` given to the constructor (e.g. seeded random faults), used while no
   mode is set.
+
+:class:`MockFaults` applies the same modes inside an ``httpx.MockTransport`` (logic tests on the
+autojump clock, a master in memory).
 
 Modes (:data:`MODES`), one per answer class of the master boundary (ckagent/master/client.py)::
 
@@ -36,7 +41,9 @@ Modes (:data:`MODES`), one per answer class of the master boundary (ckagent/mast
                  until the client gives up (at most HOLD_LIMIT)
     429_retry    429 {"error": …} with ``Retry-After: <retry_after>``
 
-``batches`` in the calls of :meth:`FaultProxy.set` names node batches alone (they also count as logs).
+``batches`` in the calls of :meth:`FaultProxy.set` names node batches alone; ``logs`` names them too
+(they carry the log batches), and ``spider_files`` names a spider file's download as well as the
+listing (:data:`COUNTS_AS`; :meth:`FaultProxy.faulted` counts them the same way).
 """
 
 from __future__ import annotations
@@ -50,14 +57,18 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import trio
+
+from ckagent.master.endpoints import CLAIM, ENDPOINTS
 
 MODES = ("pass", "html", "truncated", "wrong_shape", "429", "503", "500", "502", "401", "403", "404_html",
          "reset", "timeout", "drop", "drop_answer", "delay", "404_json", "404_spring", "413", "slow", "hang_body",
          "429_retry")
-CALLS = frozenset({"register", "heartbeat", "poll", "claim", "result", "logs", "items", "artifact", "download",
-                   "spider_files", "other", "batches"})
-"""Every call :func:`call_of` can name."""
+CALLS = frozenset(ENDPOINTS) | {"other"}
+"""Every call :func:`call_of` can name: the agent's endpoints, and ``other``."""
+COUNTS_AS = {"batches": "logs", "spider_file": "spider_files"}
+"""A call that the calls of :meth:`FaultProxy.set` (and :meth:`FaultProxy.faulted`) also name by another."""
 
 PORTAL_PAGE = (b"<!DOCTYPE html><html><head><title>Sign in to the network</title></head>"
                b"<body><form>Accept the terms to continue</form></body></html>")
@@ -76,30 +87,12 @@ class Request:
 
 
 def call_of(method: str, path: str, payload: Any) -> str:
-    """The node call a request is: register, heartbeat, poll, claim (result RUNNING), result, logs,
-    items, artifact (an artifact's upload), download (a code package), spider_files, or other. A node batch (several tasks' log and
-    item batches in one request) counts as logs."""
-    parts = path.strip("/").split("/")
-    if path == "/api/nodes/register":
-        return "register"
-    if parts[:2] == ["api", "nodes"] and parts[-1] == "heartbeat":
-        return "heartbeat"
-    if parts[:2] == ["api", "nodes"] and parts[-2:] == ["tasks", "pending"]:
-        return "poll"
-    if parts[:2] == ["api", "nodes"] and parts[-1] == "batches":
-        return "logs"
-    if parts[:2] == ["api", "tasks"] and len(parts) == 4:
-        if parts[3] == "result":
-            return "claim" if isinstance(payload, dict) and payload.get("status") == "RUNNING" else "result"
-        if parts[3] in ("logs", "items"):
-            return parts[3]
-    if parts[:2] == ["api", "tasks"] and len(parts) >= 5 and parts[3] == "artifacts" and method == "PUT":
-        return "artifact"
-    if parts[:2] == ["api", "packages"]:
-        return "download"
-    if parts[:2] == ["api", "spider-files"]:
-        return "spider_files"
-    return "other"
+    """The node call a request (``path`` raw, without its query) is: the name of the endpoint whose route
+    it is, or ``other``. A claim and a final result share their route: a claim's status is RUNNING."""
+    names = [e.name for e in ENDPOINTS.values() if e.matches(method, path)]
+    if CLAIM.name in names:
+        return CLAIM.name if isinstance(payload, dict) and payload.get("status") == "RUNNING" else "result"
+    return names[0] if names else "other"
 
 
 class FaultProxy:
@@ -132,7 +125,7 @@ class FaultProxy:
 
     def faulted(self, call: str, since: float = float("-inf")) -> int:
         """How many requests of ``call`` got a fault (not ``pass``) since trio time ``since``."""
-        return sum(1 for t, c, m in self.seen if c == call and m != "pass" and t >= since)
+        return sum(1 for t, c, m in self.seen if call in (c, COUNTS_AS.get(c)) and m != "pass" and t >= since)
 
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen on 127.0.0.1 (a free port, handed to ``task_status.started``) until cancelled."""
@@ -141,7 +134,7 @@ class FaultProxy:
         await trio.serve_listeners(self._handle, listeners)
 
     def _choose(self, request: Request) -> str:
-        if request.call in self.calls or ("batches" in self.calls and request.path.endswith("/batches")):
+        if request.call in self.calls or COUNTS_AS.get(request.call) in self.calls:
             return self.mode
         if self.chooser is not None:
             return self.chooser(request)
@@ -183,30 +176,10 @@ class FaultProxy:
                 while await client.receive_some(65536):  # until the client closes its side
                     pass
             return
-        own = {
-            "html": (200, "OK", "text/html; charset=utf-8", PORTAL_PAGE),
-            "wrong_shape": (200, "OK", "application/json", b'{"hello": "from the proxy", "items": [1, 2]}'),
-            "429": (429, "Too Many Requests", "text/plain", b"slow down\n"),
-            "503": (503, "Service Unavailable", "text/html", b"<html><body>503 Service Unavailable</body></html>"),
-            "500": (500, "Oops", "", b""),
-            "502": (502, "Oops", "", b""),
-            "401": (401, "Unauthorized", "application/json", b'{"error": "the proxy wants credentials"}'),
-            "403": (403, "Forbidden", "application/json", b'{"error": "blocked by the proxy"}'),
-            "404_html": (404, "Not Found", "text/html", b"<html><body><h1>404 Not Found</h1>nginx</body></html>"),
-            "404_json": (404, "Not Found", "application/json", b'{"error": "task not found"}'),
-            "404_spring": (404, "Not Found", "application/json", json.dumps(
-                {"timestamp": "2026-12-01T21:00:00.000+00:00", "status": 404, "error": "Not Found",
-                 "path": path}).encode()),
-            "413": (413, "Payload Too Large", "application/json", b'{"error": "request entity too large"}'),
-            "429_retry": (429, "Too Many Requests", "application/json", b'{"error": "slow down"}'),
-        }.get(mode)
+        own = own_answer(mode, path, self.retry_after)
         if own is not None:
-            status, reason, ctype, content = own
-            extra = f"Content-Type: {ctype}\r\n" if ctype else ""
-            if mode == "429":
-                extra += "Retry-After: 1\r\n"
-            if mode == "429_retry":
-                extra += f"Retry-After: {self.retry_after}\r\n"
+            status, reason, headers, content = own
+            extra = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
             await client.send_all(f"HTTP/1.1 {status} {reason}\r\n{extra}Content-Length: {len(content)}\r\n"
                                   f"Connection: close\r\n\r\n".encode() + content)
             return
@@ -237,6 +210,37 @@ class FaultProxy:
             while chunk := await upstream.receive_some(65536):
                 answer += chunk
         return answer
+
+
+def own_answer(mode: str, path: str, retry_after: int = 1) -> tuple[int, str, dict[str, str], bytes] | None:
+    """The answer the proxy gives itself in ``mode`` (status, reason, headers, body), or None for a mode
+    that forwards, cuts or withholds the answer. Shared by the proxy and :class:`MockFaults`."""
+    own = {
+        "html": (200, "OK", "text/html; charset=utf-8", PORTAL_PAGE),
+        "wrong_shape": (200, "OK", "application/json", b'{"hello": "from the proxy", "items": [1, 2]}'),
+        "429": (429, "Too Many Requests", "text/plain", b"slow down\n"),
+        "503": (503, "Service Unavailable", "text/html", b"<html><body>503 Service Unavailable</body></html>"),
+        "500": (500, "Oops", "", b""),
+        "502": (502, "Oops", "", b""),
+        "401": (401, "Unauthorized", "application/json", b'{"error": "the proxy wants credentials"}'),
+        "403": (403, "Forbidden", "application/json", b'{"error": "blocked by the proxy"}'),
+        "404_html": (404, "Not Found", "text/html", b"<html><body><h1>404 Not Found</h1>nginx</body></html>"),
+        "404_json": (404, "Not Found", "application/json", b'{"error": "task not found"}'),
+        "404_spring": (404, "Not Found", "application/json", json.dumps(
+            {"timestamp": "2026-12-01T21:00:00.000+00:00", "status": 404, "error": "Not Found",
+             "path": path}).encode()),
+        "413": (413, "Payload Too Large", "application/json", b'{"error": "request entity too large"}'),
+        "429_retry": (429, "Too Many Requests", "application/json", b'{"error": "slow down"}'),
+    }.get(mode)
+    if own is None:
+        return None
+    status, reason, ctype, content = own
+    headers = {"Content-Type": ctype} if ctype else {}
+    if mode == "429":
+        headers["Retry-After"] = "1"
+    if mode == "429_retry":
+        headers["Retry-After"] = str(retry_after)
+    return status, reason, headers, content
 
 
 def _truncate(answer: bytes) -> bytes:
@@ -270,3 +274,83 @@ async def read_request(stream: trio.SocketStream) -> tuple[bytes, bytes]:
             raise ValueError("short body")
         body += chunk
     return head, body
+
+
+class MockFaults:
+    """The proxy's modes for ``httpx.MockTransport``: logic tests of the master boundary (autojump clock,
+    a master in memory) meet the same faults as the end-to-end ones, classified by :func:`call_of` and
+    answered with the proxy's own bytes (:func:`own_answer`). Where the proxy acts on the socket:
+
+    reset        httpx.ReadError (the connection reset while the answer was awaited)
+    drop         httpx.RemoteProtocolError (closed without an answer; not forwarded)
+    drop_answer  forwarded, then httpx.RemoteProtocolError
+    timeout      the request's read timeout passes (trio.sleep), then httpx.ReadTimeout; not forwarded
+    hang_body    forwarded; the read timeout passes, then httpx.ReadTimeout
+    truncated    forwarded; the answer's body cut in half
+    delay, slow  a pause (0.05-0.8 s; ``slow_seconds``), then forwarded
+
+    ``master(request) -> httpx.Response`` is the master behind it. ``set``/``heal``/``faulted``/``seen``
+    work as on :class:`FaultProxy`.
+    """
+
+    def __init__(self, master: Callable[[httpx.Request], httpx.Response]) -> None:
+        self.master = master
+        self.mode = "pass"
+        self.calls: frozenset[str] = frozenset()
+        self.seen: list[tuple[float, str, str]] = []
+        self.slow_seconds = 10.0
+        self.retry_after = 1
+
+    def set(self, mode: str, calls: Iterable[str] = CALLS) -> None:
+        """Answer every request of ``calls`` with ``mode`` from now on (as :meth:`FaultProxy.set`)."""
+        FaultProxy.set(self, mode, calls)  # type: ignore[arg-type]  # the same attributes
+
+    def heal(self) -> None:
+        """Forward everything again."""
+        self.mode, self.calls = "pass", frozenset()
+
+    def faulted(self, call: str, since: float = float("-inf")) -> int:
+        """How many requests of ``call`` got a fault (not ``pass``) since trio time ``since``."""
+        return FaultProxy.faulted(self, call, since)  # type: ignore[arg-type]  # the same attributes
+
+    def transport(self) -> httpx.MockTransport:
+        """A transport for ``MasterClient(..., transport=...)``."""
+        return httpx.MockTransport(self.handle)
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        """Answer ``request`` as the proxy would in the mode that applies to its call."""
+        try:
+            payload = json.loads(request.content) if request.content else None
+        except ValueError:
+            payload = None
+        call = call_of(request.method, request.url.path, payload)
+        applies = call in self.calls or ("batches" in self.calls and request.url.path.endswith("/batches"))
+        mode = self.mode if applies else "pass"
+        self.seen.append((trio.current_time(), call, mode))
+        own = own_answer(mode, request.url.path, self.retry_after)
+        if own is not None:
+            status, _reason, headers, content = own
+            return httpx.Response(status, headers=headers, content=content)
+        read_timeout = (request.extensions.get("timeout") or {}).get("read") or HOLD_LIMIT
+        if mode == "reset":
+            raise httpx.ReadError("[Errno 104] Connection reset by peer", request=request)
+        if mode == "drop":
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+        if mode == "timeout":
+            await trio.sleep(min(read_timeout, HOLD_LIMIT))
+            raise httpx.ReadTimeout("timed out", request=request)
+        if mode == "delay":
+            await trio.sleep(random.uniform(0.05, 0.8))
+        if mode == "slow":
+            await trio.sleep(self.slow_seconds)
+        answer = self.master(request)
+        if mode == "drop_answer":
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+        if mode == "hang_body":
+            await trio.sleep(min(read_timeout, HOLD_LIMIT))
+            raise httpx.ReadTimeout("timed out", request=request)
+        if mode == "truncated":
+            content = answer.content[: len(answer.content) // 2]
+            headers = {k: v for k, v in answer.headers.items() if k.lower() not in ("content-length", "transfer-encoding")}
+            return httpx.Response(answer.status_code, headers=headers, content=content)
+        return answer

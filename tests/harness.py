@@ -1,26 +1,37 @@
-"""Test helpers for running the real agent against the real dev master.
+"""The suite's support module: helpers for running the real agent against the real dev master.
+
+The fixtures (``dev_master``, ``dev_master_process``) live in conftest.py; the fault-injecting proxy
+in faultproxy.py. Everything else a test file would otherwise write for itself lives here:
 
 - :func:`agent_settings` builds a Settings object the way `ckagent run` does (env overrides).
 - :func:`running_agent` runs an in-process :class:`ckagent.agent.Agent` in a nursery and stops it.
-- :func:`spider_zip` builds a code package from a dict of files.
+- :func:`spider_zip` builds a code package from a dict of files; :func:`submit` makes spider + task.
 - :class:`AgentProcess` runs `python -m ckagent run -c FILE` as a real process (signals, kill -9).
+- :func:`eventually` waits for the state of another process (the master, a spider) to come true.
+- :func:`output_lines` and :func:`items_of` read what a task wrote on the node, as the master must
+  hold it.
+- :class:`MemoryMaster` is the node protocol's seq rules in memory, for ``httpx.MockTransport``
+  (put :class:`faultproxy.MockFaults` in front of it for the proxy's faults on the autojump clock).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import trio
 import yaml
 
 from ckagent.agent import Agent
+from ckagent.delivery import LineSplitter, Masker, decode_lines
 from ckagent.devmaster.client import zip_files
 from ckagent.node.config import Settings, load_settings
 
@@ -135,3 +146,79 @@ class AgentProcess:
     def log_text(self) -> str:
         """The agent's own log so far."""
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+async def eventually(check: Callable[[], Awaitable[Any]], timeout: float = 20.0, what: str = "",  # noqa: ASYNC109
+                     *, interval: float = 0.1) -> Any:
+    """Call the async ``check()`` every ``interval`` seconds until it returns something truthy; return that.
+
+    For the state of another process (the master's database, a spider, run.sh), which no Trio event
+    announces: polling is the way. Raises AssertionError naming ``what`` and the last value after
+    ``timeout`` seconds (real time: not for tests on the autojump clock).
+    """
+    last: Any = None
+    with trio.move_on_after(timeout):
+        while True:
+            last = await check()
+            if last:
+                return last
+            await trio.sleep(interval)
+    raise AssertionError(f"not within {timeout} s: {what or getattr(check, '__name__', 'the check')} (last: {last!r})")
+
+
+def output_lines(task_dir: Path, secrets: list[str] | None = None) -> list[str]:
+    """The log lines the capture rules make of a task's ``output.log`` (stdout and stderr only), with
+    ``secrets`` masked: what the master must hold, once and in this order."""
+    splitter = LineSplitter()
+    data = (task_dir / "output.log").read_bytes()
+    return decode_lines(splitter.feed(data)[0] + splitter.flush()[0], Masker(secrets or []))
+
+
+def items_of(task_dir: Path) -> list[dict[str, Any]]:
+    """The items of a task's ``items.jsonl`` (blank lines skipped); [] when it wrote none."""
+    path = task_dir / "items.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MemoryMaster:
+    """The node protocol in memory (docs/protocol.md), for ``httpx.MockTransport``: registration (a new
+    API key each time), heartbeats (no cancels), an empty long poll, and per task the seq rules of the
+    log and item streams (a batch at ``seq`` ≤ what is held is stored from where it overlaps; beyond
+    it: 409 with ``expectedSeq``) and the result (each one kept, in order).
+
+    ``logs[task]``, ``items[task]``, ``results[task]`` hold what arrived; ``requests`` lists
+    (trio time, method, path) of every request. Not thread-safe: one Trio run.
+    """
+
+    def __init__(self) -> None:
+        self.logs: dict[str, list[str]] = {}
+        self.items: dict[str, list[Any]] = {}
+        self.results: dict[str, list[dict[str, Any]]] = {}
+        self.registrations = 0
+        self.requests: list[tuple[float, str, str]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        self.requests.append((trio.current_time(), request.method, path))
+        parts = path.strip("/").split("/")
+        if path == "/api/nodes/register":
+            self.registrations += 1
+            return httpx.Response(200, json={"nodeId": "n-1", "apiKey": f"key-{self.registrations:04d}-0123456789"})
+        if parts[:2] == ["api", "nodes"] and parts[-1] == "heartbeat":
+            return httpx.Response(200, json={"cancelTaskIds": []})
+        if parts[:2] == ["api", "nodes"] and parts[-2:] == ["tasks", "pending"]:
+            return httpx.Response(200, json={"tasks": []})
+        if parts[:2] == ["api", "tasks"] and len(parts) == 4 and parts[3] in ("logs", "items", "result"):
+            task, kind, body = parts[2], parts[3], json.loads(request.content)
+            if kind == "result":
+                self.results.setdefault(task, []).append(body)
+                return httpx.Response(200, json={})
+            stored = (self.logs if kind == "logs" else self.items).setdefault(task, [])
+            seq, batch = body["seq"], body["lines" if kind == "logs" else "items"]
+            if seq > len(stored):
+                return httpx.Response(409, json={"error": "gap", "expectedSeq": len(stored)})
+            stored.extend(batch[len(stored) - seq:])
+            return httpx.Response(200, json={"acceptedSeq": len(stored)})
+        return httpx.Response(404, json={"error": f"no route {request.method} {path} in the memory master"})

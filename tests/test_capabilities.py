@@ -4,24 +4,16 @@ the spiders that need it — they stay PENDING for other nodes — until the too
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
 import trio
-from harness import agent_settings, running_agent, submit
+from harness import agent_settings, eventually, running_agent, submit
 
 import ckagent.code.capabilities
 import ckagent.code.runtimes
 from ckagent.code.capabilities import Capabilities
 from ckagent.master.protocol import Task
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 20) -> None:  # noqa: ASYNC109
-    """Poll ``check`` every 0.2 s (the master's state) until true."""
-    with trio.fail_after(timeout):
-        while not await check():  # noqa: ASYNC110
-            await trio.sleep(0.2)
 
 
 @pytest.fixture

@@ -14,16 +14,18 @@ import yaml
 
 from ckagent.node.config import (
     SETTINGS,
-    TABLE_END_MARKER,
-    TABLE_START_MARKER,
     ConfigError,
     Secret,
     Settings,
     detect_local_ip,
     load_settings,
+    suspicious_env_vars,
+)
+from ckagent.node.configdocs import (
+    TABLE_END_MARKER,
+    TABLE_START_MARKER,
     replace_marked_block,
     settings_markdown_table,
-    suspicious_env_vars,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -562,7 +564,7 @@ def _marked_block(path: Path) -> str:
 def test_docs_table_is_up_to_date(doc: str) -> None:
     block = _marked_block(REPO / doc)
     assert block == settings_markdown_table(), (
-        f"{doc} is out of date: run `python -m ckagent.node.config README.md docs/configuration.md`"
+        f"{doc} is out of date: run `python -m ckagent.node.configdocs README.md docs/configuration.md`"
     )
     rows = [line for line in block.splitlines() if line.startswith("| `")]
     assert [re.findall(r"`([^`]+)`", row)[:2] for row in rows] == [[s.dotted, s.env] for s in SETTINGS]
@@ -582,3 +584,17 @@ def test_server_url_with_credentials_is_refused_without_echoing_them(tmp_path: P
         load_settings(path, env={}, require_token=False)
     assert "hunter2" not in str(info.value) and "ops" not in str(info.value)
     assert "agent.yaml:2:" in str(info.value) and "user name or password" in str(info.value)
+
+
+@pytest.mark.parametrize("module", ["ckagent.node.configdocs", "ckagent.node.config"])
+def test_the_docs_generator_rewrites_the_marked_block(module: str, tmp_path: Path) -> None:
+    """``python -m ckagent.node.configdocs FILE`` (and its former name, ckagent.node.config) rewrites the
+    block between the markers and leaves the rest of the file as it was."""
+    import subprocess
+    import sys
+
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"intro\n{TABLE_START_MARKER}\nstale\n{TABLE_END_MARKER}\nrest\n", encoding="utf-8")
+    subprocess.run([sys.executable, "-m", module, str(doc)], check=True, timeout=60, cwd=REPO)
+    assert doc.read_text(encoding="utf-8") == (
+        f"intro\n{TABLE_START_MARKER}\n{settings_markdown_table()}{TABLE_END_MARKER}\nrest\n")

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import signal
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import trio
-from harness import AgentProcess, agent_settings, running_agent, submit
+from harness import AgentProcess, agent_settings, eventually, running_agent, submit
 
 import ckagent
 from ckagent.devmaster.client import zip_directory
@@ -42,13 +41,6 @@ print(f"reporter done after {n}", flush=True)
 report_stats({"requests": n, "items": n // 10, "responsesByStatus": {"200": n}, "finishReason": "flagged"},
              final=True)
 """
-
-
-async def wait_for(condition: Callable[[], Awaitable[bool]], timeout: float) -> None:  # noqa: ASYNC109
-    """Poll remote state every 0.1 s; trio.TooSlowError after ``timeout`` seconds."""
-    with trio.fail_after(timeout):
-        while not await condition():  # noqa: ASYNC110 - remote state: polling is the way
-            await trio.sleep(0.1)
 
 
 async def live_stats(admin: Any, task_id: str, at_least: int = 1) -> dict[str, Any] | None:
@@ -82,8 +74,8 @@ async def test_live_stats_reach_the_master_and_the_final_ones_come_with_the_resu
                 into.append(got)
             return got is not None
 
-        await wait_for(lambda: seen(first, 1), 60)
-        await wait_for(lambda: seen(later, first[0]["stats"]["requests"] + 5), 30)  # it keeps moving
+        await eventually(lambda: seen(first, 1), 60)
+        await eventually(lambda: seen(later, first[0]["stats"]["requests"] + 5), 30)  # it keeps moving
         assert later[-1]["seq"] > first[0]["seq"] and later[-1]["progress"]["done"] >= 1
         (tmp_path / "stop").touch()
         task = await admin.wait_task_final(task_id, 60)
@@ -112,13 +104,13 @@ async def test_an_agent_killed_mid_crawl_re_adopts_it_and_reports_the_last_stats
     try:
         await agent.start()
         task_id = await submit(admin, "reporter", {"main.py": REPORTER}, **flag_params(tmp_path))
-        await wait_for(lambda: live_stats(admin, task_id, 1), 60)
+        await eventually(lambda: live_stats(admin, task_id, 1), 60)
         agent.signal(signal.SIGKILL)
         with trio.fail_after(10):
             await agent.wait()
         await trio.sleep(0.5)  # the spider (in its own session) goes on writing stats meanwhile
         await agent.start()  # re-adopts the running spider (ckagent.task.adoption)
-        await wait_for(lambda: _re_adopted(admin, task_id), 60)
+        await eventually(lambda: _re_adopted(admin, task_id), 60)
         (tmp_path / "stop").touch()  # the spider ends: its last line is the final snapshot
         task = await admin.wait_task_final(task_id, 60)
     finally:
@@ -145,14 +137,14 @@ async def test_a_master_outage_loses_no_final_stats(
     async with running_agent(nursery, settings) as agent:
         async with dev_master_process.admin() as admin:
             task_id = await submit(admin, "reporter", {"main.py": REPORTER}, **flag_params(tmp_path))
-            await wait_for(lambda: live_stats(admin, task_id, 1), 60)
+            await eventually(lambda: live_stats(admin, task_id, 1), 60)
         await dev_master_process.stop()
         (tmp_path / "stop").touch()  # the spider ends while the master is down
 
         async def ended() -> bool:
             return agent.supervisor is not None and not agent.supervisor.running
 
-        await wait_for(ended, 30)
+        await eventually(ended, 30)
         await trio.sleep(1.0)
         await dev_master_process.start(same_port=True)
         async with dev_master_process.admin() as admin:
@@ -252,7 +244,7 @@ async def test_the_scrapy_demo_shows_requests_and_items_while_it_runs(
                 return True
             return False
 
-        await wait_for(items_while_running, 420)
+        await eventually(items_while_running, 420)
         task = await admin.wait_task_final(task_id, 120)
     logs = await admin.get_logs(task_id)
     assert task["status"] == "SUCCESS", (task, logs[-30:])

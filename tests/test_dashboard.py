@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from ckagent.code.deps import Prepared
+from ckagent.delivery.lifecycle import DepsPrepared, TaskAdmitted, TaskFinished, TaskStarted
 from ckagent.master.protocol import Task, TaskResult
 from ckagent.port.metrics import AgentMetrics, LiveFigures, OutboxFigures
 from ckagent.task.supervisor import RunningTask
@@ -38,10 +39,10 @@ def exported() -> dict[str, set[str]]:
     """Sample name → label names, from the agent's own exposition with every hook exercised once."""
     metrics = AgentMetrics("0.0.0", "node")
     rt = RunningTask(task=Task.from_json({"id": "t", "spiderId": "s", "framework": "python"}))
-    metrics.task_admitted(rt)
-    metrics.task_started(rt)
-    metrics.deps_prepared(rt, Prepared(cache_hit=False, seconds=1.0))
-    metrics.task_finished(rt, TaskResult(status="FAILED", error_code="TIMEOUT", duration_ms=10))
+    metrics.record(TaskAdmitted(rt.task.id, rt.task.spider_id, rt.claimed_at))
+    metrics.record(TaskStarted(rt.task.id, rt.claimed_at, time.time()))
+    metrics.record(DepsPrepared(rt.task.id, 1.0, False))
+    metrics.record(TaskFinished(rt.task.id, TaskResult(status="FAILED", error_code="TIMEOUT", duration_ms=10)))
     metrics.master_request("poll", "ok", 0.1)
     metrics.crawl.observe("t", "shop", {"items": 3, "requests": 4, "errors": 1,
                                         "responsesByStatus": {"200": 3, "404": 1}}, True)

@@ -551,7 +551,7 @@ async def test_a_hand_over_flush_sends_what_was_read_at_once(
     tmp_path: Path, store: AsyncStateStore, autojump_clock: trio.abc.Clock, hurry: bool
 ) -> None:
     """Read items wait up to BATCH_AGE for a fuller batch; a hurried shipper (the hand-over's last
-    flush, ckagent.agent.HAND_OVER_FLUSH_TIMEOUT) sends them at once and says when nothing waits."""
+    flush, ckagent.delivery.outbox.HAND_OVER_FLUSH_TIMEOUT) sends them at once and says when nothing waits."""
     fake = FakeMaster()
     write_task(tmp_path / "t1", [], ITEMS[:5])
     items = StreamShipper.items(master_client(fake), store, "t1", tmp_path / "t1")

@@ -13,50 +13,27 @@
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import random
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 from faultproxy import FaultProxy, Request
-from harness import AgentProcess, agent_settings, running_agent, submit
-
-from ckagent.delivery import LineSplitter, Masker, decode_lines
+from harness import AgentProcess, agent_settings, eventually, items_of, output_lines, running_agent, submit
 
 OUTAGE_SECONDS = float(os.environ.get("CK_TEST_OUTAGE_SECONDS", "60"))
 """The issue asks for 60 s: long enough for every shipper's backoff to reach its 30 s cap, so the test
 also shows that recovery after the cap comes within seconds (the early retry), not after 30 s."""
 
 
-async def wait_for(condition: Callable[[], Awaitable[bool]], timeout: float) -> None:  # noqa: ASYNC109
-    """Poll ``condition`` every 0.05 s; raises trio.TooSlowError after ``timeout`` seconds."""
-    with trio.fail_after(timeout):
-        while not await condition():  # noqa: ASYNC110 - the condition is remote state: polling is the way
-            await trio.sleep(0.05)
-
-
 async def all_stored(admin: Any, task_ids: list[str], lines: int) -> bool:
     """True when the master stores at least ``lines`` log lines of every task."""
     counts = [(await admin.get_task(t))["storedLogLines"] for t in task_ids]
     return all(count >= lines for count in counts)
-
-
-def output_lines(task_dir: Path, secrets: list[str] | None = None) -> list[str]:
-    """The log lines the rules make of a task's output.log (stdout/stderr only)."""
-    splitter = LineSplitter()
-    data = (task_dir / "output.log").read_bytes()
-    lines = splitter.feed(data)[0] + splitter.flush()[0]
-    return decode_lines(lines, Masker(secrets or []))
-
-
-def items_of(task_dir: Path) -> list[dict[str, Any]]:
-    path = task_dir / "items.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 CAPTURE_SPIDER = r"""
@@ -136,7 +113,7 @@ async def test_a_master_outage_loses_nothing_and_holds_no_slot(
         ids = [await submit(admin, f"talker{i}", {"main.py": TALKER}, args=[f"t{i}"]) for i in range(4)]
     async with running_agent(nursery, settings) as agent:
         async with dev_master_process.admin() as admin:
-            await wait_for(lambda: all_stored(admin, ids, 20), 60)
+            await eventually(lambda: all_stored(admin, ids, 20), 60)
         await dev_master_process.stop()
         down_at = trio.current_time()
         assert agent.supervisor is not None
@@ -145,7 +122,7 @@ async def test_a_master_outage_loses_nothing_and_holds_no_slot(
         async def all_ended_waiting_for_the_master() -> bool:
             return not supervisor.running and agent.outbox.pending == 4
 
-        await wait_for(all_ended_waiting_for_the_master, OUTAGE_SECONDS)  # finished; slots free
+        await eventually(all_ended_waiting_for_the_master, OUTAGE_SECONDS)  # finished; slots free
         assert all("process exited with code 0" in (tmp_path / "agent" / "tasks" / t / "output.log").read_text()
                    for t in ids)
         await trio.sleep_until(down_at + OUTAGE_SECONDS)
@@ -184,7 +161,7 @@ async def test_an_agent_killed_mid_stream_delivers_every_written_line_once(dev_m
     try:
         await agent.start()
         task_id = await submit(dev_master.admin, "streamer", {"main.py": STREAMER})
-        await wait_for(lambda: all_stored(dev_master.admin, [task_id], 20_000), 60)
+        await eventually(lambda: all_stored(dev_master.admin, [task_id], 20_000), 60)
         agent.signal(signal.SIGKILL)
         with trio.fail_after(10):
             await agent.wait()

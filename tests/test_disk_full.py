@@ -15,7 +15,6 @@ once, in order), the other task goes on, the agent lives, and new tasks run once
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import subprocess
@@ -25,9 +24,7 @@ from typing import Any
 
 import pytest
 import trio
-from harness import agent_settings, running_agent, submit
-
-from ckagent.delivery import LineSplitter, Masker, decode_lines
+from harness import agent_settings, items_of, output_lines, running_agent, submit
 
 MIB = 1024 * 1024
 DISK_BYTES = 128 * MIB
@@ -50,17 +47,6 @@ def small_disk(path: Path, size_bytes: int) -> Iterator[Path]:
     finally:
         if subprocess.run(["umount", str(path)], capture_output=True, check=False).returncode != 0:
             subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
-
-
-def output_lines(task_dir: Path) -> list[str]:
-    splitter = LineSplitter()
-    data = (task_dir / "output.log").read_bytes()
-    return decode_lines(splitter.feed(data)[0] + splitter.flush()[0], Masker([]))
-
-
-def items_of(task_dir: Path) -> list[dict[str, Any]]:
-    path = task_dir / "items.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 FILLER = r"""

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
 import pytest
 import trio
-from harness import agent_settings, running_agent, submit
+from harness import agent_settings, eventually, running_agent, submit
 
 from ckagent import __version__
 from ckagent.agent import Agent
@@ -21,13 +20,6 @@ from ckagent.master.fleet import NODE_UID_FILE, VersionWatch, load_node_uid
 from ckagent.master.protocol import FEATURES, PROTOCOL_VERSION, Heartbeat, RegisterRequest, VersionPolicy
 from ckagent.node.errors import StartupError
 from ckagent.node.intake import IntakeGate
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 20) -> None:  # noqa: ASYNC109
-    """Poll ``check`` every 0.2 s (another process's state) until true."""
-    with trio.fail_after(timeout):
-        while not await check():  # noqa: ASYNC110
-            await trio.sleep(0.2)
 
 
 def test_node_uid_is_created_once_and_kept(tmp_path: Path) -> None:
@@ -117,8 +109,9 @@ async def test_auto_upgrade_runs_run_sh_upgrade_once_for_a_newer_desired_version
     record = tmp_path / "calls"
     fake.write_text(f'#!/bin/bash\necho "$* auto=$AGENT_UPGRADE_AUTO" >> {record}\nexit 1\n')
     async with trio.open_nursery() as nursery:
-        watch = VersionWatch(IntakeGate(), auto_upgrade=True, nursery=nursery, version="1.0.0", run_sh=str(fake),
+        watch = VersionWatch(IntakeGate(), auto_upgrade=True, version="1.0.0", run_sh=str(fake),
                              log_dir=tmp_path / "logs")
+        nursery.start_soon(watch.run)  # returns once the upgrade it is asked for has run
         watch.apply(VersionPolicy(None, "1.0.0"))  # not newer: nothing
         watch.apply(VersionPolicy(None, "1.1.0"))
         watch.apply(VersionPolicy(None, "1.1.0"))
@@ -132,8 +125,9 @@ async def test_auto_upgrade_to_an_older_desired_version_asks_run_sh_for_a_downgr
     record = tmp_path / "calls"
     fake.write_text(f'#!/bin/bash\necho "$*" >> {record}\nexit 1\n')
     async with trio.open_nursery() as nursery:
-        watch = VersionWatch(IntakeGate(), auto_upgrade=True, nursery=nursery, version="1.2.0", run_sh=str(fake),
+        watch = VersionWatch(IntakeGate(), auto_upgrade=True, version="1.2.0", run_sh=str(fake),
                              log_dir=tmp_path / "logs")
+        nursery.start_soon(watch.run)  # returns once the upgrade it is asked for has run
         watch.apply(VersionPolicy(None, "1.1.0"))  # the master points back to a good release
     assert record.read_text() == "upgrade --downgrade 1.1.0\n"
 

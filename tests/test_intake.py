@@ -7,24 +7,16 @@ dev master, whose work dir is "full" because its floor is set above the free spa
 from __future__ import annotations
 
 import shutil
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
 import pytest
 import trio
-from harness import agent_settings, running_agent, submit
+from harness import agent_settings, eventually, running_agent, submit
 
 from ckagent.node.intake import DiskFloorWatch, IntakeGate
 
 MIB = 1024**2
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 20) -> None:  # noqa: ASYNC109
-    """Poll ``check`` every 0.2 s (another process's state: nothing to wait on) until true."""
-    with trio.fail_after(timeout):
-        while not await check():  # noqa: ASYNC110
-            await trio.sleep(0.2)
 
 
 async def test_gate_opens_only_when_every_cause_is_withdrawn(autojump_clock: trio.abc.Clock) -> None:
@@ -102,6 +94,7 @@ async def test_an_idle_node_looks_at_its_disk_twice_a_minute_a_busy_one_every_in
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_a_node_below_its_disk_floor_takes_no_task_says_why_and_resumes(dev_master, tmp_path: Path) -> None:
     admin = dev_master.admin
     free = shutil.disk_usage(tmp_path).free

@@ -23,7 +23,8 @@ from ckagent.master.client import (
     RegistrationRefused,
     Trouble,
 )
-from ckagent.master.protocol import HeartbeatResponse, RegisterRequest, SeqAccepted
+from ckagent.master.endpoints import HEARTBEAT, LOGS, Retry
+from ckagent.master.protocol import RegisterRequest, SeqAccepted
 
 TOKEN = "reg-token-SECRET-0123456789"
 KEY = "api-key-SECRET-4242"
@@ -97,8 +98,7 @@ async def test_every_answer_is_classified_once(name: str, autojump_clock: Any,
     caplog.set_level(logging.DEBUG, logger="ckagent.master.client")
     for _ in range(3):
         with pytest.raises(exception) as info:
-            await master.call("heartbeat", "POST", "/api/nodes/{node}/heartbeat", json={},
-                              answer=HeartbeatResponse.from_json)
+            await master.call(HEARTBEAT, json={})
         assert type(info.value) is exception
     await master.aclose()
     assert recorder.outcomes[-3:] == [("heartbeat", outcome)] * 3
@@ -117,8 +117,7 @@ async def test_an_episode_ends_once_with_the_first_success(autojump_clock: Any,
     answers = [HTML] * 4 + [httpx.Response(200, json={"acceptedSeq": 3})]
     master = client(lambda r: answers.pop(0))
     caplog.set_level(logging.INFO, logger="ckagent.master.client")
-    accepted = await master.call_retrying("logs", "POST", "/api/tasks/t/logs", content=b"{}",
-                                          answer=SeqAccepted.from_json)
+    accepted = await master.call(LOGS, {"task": "t"}, content=b"{}", retry=Retry())
     await master.aclose()
     assert accepted == SeqAccepted(3)
     messages = [r.getMessage() for r in caplog.records if "logs" in r.getMessage()]
@@ -131,7 +130,7 @@ async def test_an_episode_ends_once_with_the_first_success(autojump_clock: Any,
 async def test_a_missing_accepted_seq_is_no_acknowledgement(autojump_clock: Any) -> None:
     master = client(lambda r: httpx.Response(200, json={"ok": True}))
     with pytest.raises(MasterProtocolError, match="acceptedSeq"):
-        await master.call("items", "POST", "/api/tasks/t/items", content=b"{}", answer=SeqAccepted.from_json)
+        await master.post_stream("items", "t", b"{}")
     await master.aclose()
 
 
@@ -253,7 +252,7 @@ async def test_relative_urls_resolve_against_server_url_with_its_prefix_and_carr
     async def sink(chunk: bytes) -> None:
         chunks.append(chunk)
 
-    assert await master.download("download", "/api/packages/s1/v1.zip", sink) == 9
+    assert await master.download_package("/api/packages/s1/v1.zip", sink) == 9
     await master.aclose()
     assert seen == [("https://gateway.test/crawler/api/packages/s1/v1.zip", f"Bearer {KEY}")]
 
@@ -277,7 +276,7 @@ async def test_another_origins_refusal_is_reported_as_what_it_is(status: int, au
         raise AssertionError("no body expected")
 
     with pytest.raises(MasterRejected) as info:
-        await master.download("download", "https://bucket.storage.test/pkg.zip", sink)
+        await master.download_package("https://bucket.storage.test/pkg.zip", sink)
     await master.aclose()
     message = str(info.value)
     assert f"https://bucket.storage.test answered {status}" in message

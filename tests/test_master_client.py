@@ -20,7 +20,8 @@ from ckagent.master.client import (
     MasterUnavailable,
     RegistrationRefused,
 )
-from ckagent.master.protocol import RegisterRequest
+from ckagent.master.endpoints import HEARTBEAT, ITEMS, LOGS, POLL, Retry
+from ckagent.master.protocol import HeartbeatResponse, RegisterRequest
 
 TOKEN = "reg-token-SECRET-0123456789"
 BASE = "http://master.test"
@@ -74,9 +75,9 @@ async def test_401_re_registers_once_and_retries_with_the_new_key(autojump_clock
 
     seen = Seen()
     client = client_for(master, seen)
-    answer = await client.call("heartbeat", "POST", "/api/nodes/{node}/heartbeat", json={})
+    answer = await client.call(HEARTBEAT, json={})
     await client.aclose()
-    assert answer == {"cancelTaskIds": []}
+    assert answer == HeartbeatResponse(cancel_task_ids=[])
     assert seen.paths() == ["/api/nodes/register", "/api/nodes/node-7/heartbeat",
                             "/api/nodes/register", "/api/nodes/node-7/heartbeat"]
     assert [h.get("Authorization") for _, _, p, h in seen.requests if "heartbeat" in p] == [
@@ -92,7 +93,7 @@ async def test_a_second_401_is_rejected_not_a_registration_loop(autojump_clock: 
     seen = Seen()
     client = client_for(master, seen)
     with pytest.raises(MasterRejected) as info:
-        await client.call_retrying("heartbeat", "POST", "/api/nodes/{node}/heartbeat", json={})
+        await client.call(HEARTBEAT, json={}, retry=Retry())
     await client.aclose()
     assert info.value.status == 401
     assert seen.paths().count("/api/nodes/register") == 2
@@ -174,9 +175,9 @@ async def test_unavailable_is_retried_with_growing_backoff_and_logged_once_per_c
     seen = Seen()
     client = client_for(master, seen)
     caplog.set_level(logging.INFO, logger="ckagent.master.client")
-    answer = await client.call_retrying("heartbeat", "POST", path, json={})
+    answer = await client.call(HEARTBEAT, json={}, retry=Retry())
     await client.aclose()
-    assert answer == {"cancelTaskIds": ["t9"]}
+    assert answer.cancel_task_ids == ["t9"]
     times = seen.times(path)
     assert len(times) == 7
     gaps = [b - a for a, b in pairwise(times)]
@@ -203,7 +204,7 @@ async def test_bounded_retries_give_up_with_master_unavailable(autojump_clock: A
     seen = Seen()
     client = client_for(master, seen)
     with pytest.raises(MasterUnavailable, match="503"):
-        await client.call_retrying("poll", "GET", "/api/nodes/{node}/tasks/pending", attempts=3)
+        await client.call(POLL, retry=Retry(attempts=3))
     await client.aclose()
     assert len(seen.times("/api/nodes/node-1/tasks/pending")) == 3
     assert not client.connectivity.up
@@ -222,7 +223,7 @@ async def test_409_is_a_conflict_with_its_body_and_not_retried(autojump_clock: A
     seen = Seen()
     client = client_for(master, seen)
     with pytest.raises(MasterConflict) as info:
-        await client.call_retrying("logs", "POST", "/api/tasks/t1/logs", json={"seq": 7, "lines": ["x"]})
+        await client.call(LOGS, {"task": "t1"}, json={"seq": 7, "lines": ["x"]}, retry=Retry())
     await client.aclose()
     assert info.value.status == 409
     assert info.value.body == {"expectedSeq": 5, "error": "gap"}
@@ -239,7 +240,7 @@ async def test_other_4xx_is_rejected_once(autojump_clock: Any) -> None:
     seen = Seen()
     client = client_for(master, seen)
     with pytest.raises(MasterRejected) as info:
-        await client.call_retrying("items", "POST", "/api/tasks/t1/items", json={})
+        await client.call(ITEMS, {"task": "t1"}, json={}, retry=Retry())
     await client.aclose()
     assert not isinstance(info.value, MasterConflict)
     assert info.value.status == 400 and info.value.body == {"error": "bad"}
@@ -254,7 +255,7 @@ async def test_a_rejection_never_quotes_the_api_key_even_if_the_master_does(auto
 
     client = client_for(master, Seen())
     with pytest.raises(MasterRejected) as info:
-        await client.call("items", "POST", "/api/tasks/t1/items", json={})
+        await client.call(ITEMS, {"task": "t1"}, json={})
     await client.aclose()
     assert "api-key-SECRET-42" not in str(info.value)
     assert "may not do this" in str(info.value) and "403" in str(info.value)

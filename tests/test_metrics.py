@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,8 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from ckagent.code.deps import Prepared
 from ckagent.delivery import LineSplitter, Outbox, SpoolCounter
+from ckagent.delivery.lifecycle import DepsPrepared, TaskAdmitted, TaskDelivered, TaskFinished, TaskStarted
 from ckagent.delivery.spool import MAX_LINE_BYTES as LOG_LINE_BYTES
 from ckagent.delivery.statistics import _ElementCount
 from ckagent.master.protocol import Task, TaskResult
@@ -58,8 +59,8 @@ def sample(fams: dict[str, Any], family: str, name: str, **labels: str) -> float
 def test_exposition_follows_prometheus_conventions() -> None:
     metrics = AgentMetrics("1.2.3", "node-a")
     rt = running_task()
-    metrics.task_admitted(rt)
-    metrics.task_finished(rt, TaskResult(status="FAILED", error_code="TIMEOUT", duration_ms=1500))
+    metrics.record(TaskAdmitted(rt.task.id, rt.task.spider_id, rt.claimed_at))
+    metrics.record(TaskFinished(rt.task.id, TaskResult(status="FAILED", error_code="TIMEOUT", duration_ms=1500)))
     metrics.master_request("poll", "ok", 0.2)
     body, _ = metrics.render(LiveFigures(state="RUNNING"))
     text = body.decode()
@@ -90,11 +91,11 @@ def test_exposition_follows_prometheus_conventions() -> None:
 def test_hooks_move_the_right_figures() -> None:
     metrics = AgentMetrics("0", "n")
     rt = running_task(claimed_at=0.0)  # claimed long ago: a big queue wait
-    metrics.task_admitted(rt)
-    metrics.task_started(rt)
-    metrics.deps_prepared(rt, Prepared(cache_hit=False, seconds=2.5))
-    metrics.deps_prepared(running_task("t2"), Prepared(cache_hit=True, seconds=0.01))
-    metrics.task_finished(rt, TaskResult(status="SUCCESS", duration_ms=90_000))
+    metrics.record(TaskAdmitted(rt.task.id, rt.task.spider_id, rt.claimed_at))
+    metrics.record(TaskStarted(rt.task.id, rt.claimed_at, time.time()))
+    metrics.record(DepsPrepared(rt.task.id, 2.5, False))
+    metrics.record(DepsPrepared("t2", 0.01, True))
+    metrics.record(TaskFinished(rt.task.id, TaskResult(status="SUCCESS", duration_ms=90_000)))
     metrics.master_request("claim", "409", 0.03)
     metrics.master_request("claim", "ok", 0.02)
     metrics.master_request("heartbeat", "error", 5.0)
@@ -106,7 +107,6 @@ def test_hooks_move_the_right_figures() -> None:
     assert sample(fams, "ckagent_deps_install_duration_seconds", "ckagent_deps_install_duration_seconds_sum") == 2.5
     assert sample(fams, "ckagent_deps_cache_hits", "ckagent_deps_cache_hits_total") == 1
     assert sample(fams, "ckagent_deps_cache_misses", "ckagent_deps_cache_misses_total") == 1
-    assert metrics.install_info == {"t1": (2.5, False), "t2": (0.01, True)}
     assert sample(fams, "ckagent_task_duration_seconds", "ckagent_task_duration_seconds_bucket",
                   status="SUCCESS", le="60.0") == 0
     assert sample(fams, "ckagent_task_duration_seconds", "ckagent_task_duration_seconds_bucket",
@@ -139,10 +139,10 @@ def test_a_registry_of_its_own() -> None:
 def test_promtool_accepts_the_exposition() -> None:
     metrics = AgentMetrics("0.1.0", "node-a")
     rt = running_task()
-    metrics.task_admitted(rt)
-    metrics.task_started(rt)
-    metrics.deps_prepared(rt, Prepared(cache_hit=False, seconds=1.0))
-    metrics.task_finished(rt, TaskResult(status="SUCCESS", duration_ms=1000))
+    metrics.record(TaskAdmitted(rt.task.id, rt.task.spider_id, rt.claimed_at))
+    metrics.record(TaskStarted(rt.task.id, rt.claimed_at, time.time()))
+    metrics.record(DepsPrepared(rt.task.id, 1.0, False))
+    metrics.record(TaskFinished(rt.task.id, TaskResult(status="SUCCESS", duration_ms=1000)))
     metrics.master_request("heartbeat", "ok", 0.01)
     body, _ = metrics.render(LiveFigures(state="RUNNING", registered=True, master_up=True, node_id="n1"))
     checked = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True, timeout=60)
@@ -264,7 +264,7 @@ async def test_outbox_figures_reach_the_exposition(tmp_path: Path) -> None:
     assert sample(fams, "ckagent_outbox_log_lines", "ckagent_outbox_log_lines") == 2
     assert sample(fams, "ckagent_outbox_results", "ckagent_outbox_results") == 1
     assert sample(fams, "ckagent_log_lines_shipped", "ckagent_log_lines_shipped_total") == 1
-    metrics.task_reported("t1", TaskResult(status="FAILED", log_lines=3, item_count=0), claimed_at=1.0)
+    metrics.record(TaskDelivered("t1", "shop", 1.0, TaskResult(status="FAILED", log_lines=3, item_count=0)))
     fams = families(metrics)
     assert sample(fams, "ckagent_log_lines_shipped", "ckagent_log_lines_shipped_total") == 3
     store.close()
@@ -276,9 +276,9 @@ def test_metrics_carry_no_secret() -> None:
         "id": "task-0f3a9", "spiderId": "spider-77c1", "spiderName": "shop-crawler", "framework": "python",
         "env": {"API_TOKEN": "tok-123456"}, "args": ["--password=hunter22"],
     }))
-    metrics.task_admitted(rt)
-    metrics.task_started(rt)
-    metrics.task_finished(rt, TaskResult(status="SUCCESS", duration_ms=1))
+    metrics.record(TaskAdmitted(rt.task.id, rt.task.spider_id, rt.claimed_at))
+    metrics.record(TaskStarted(rt.task.id, rt.claimed_at, time.time()))
+    metrics.record(TaskFinished(rt.task.id, TaskResult(status="SUCCESS", duration_ms=1)))
     body, _ = metrics.render(LiveFigures(phases={"running": 1}))
     text = body.decode()
     for secret in ("tok-123456", "hunter22", "task-0f3a9", "spider-77c1", "shop-crawler"):
@@ -292,8 +292,8 @@ async def test_a_sliced_render_is_the_same_exposition() -> None:
     """render_sliced (on the loop, family by family) gives the bytes render gives, in both formats."""
     metrics = AgentMetrics("1.2.3", "node-a")
     rt = running_task()
-    metrics.task_admitted(rt)
-    metrics.task_finished(rt, TaskResult(status="FAILED", error_code="EXIT_NONZERO", duration_ms=5000))
+    metrics.record(TaskAdmitted(rt.task.id, rt.task.spider_id, rt.claimed_at))
+    metrics.record(TaskFinished(rt.task.id, TaskResult(status="FAILED", error_code="EXIT_NONZERO", duration_ms=5000)))
     for endpoint in ("heartbeat", "logs", "items", "pending", "claim", "result"):
         metrics.master_request(endpoint, "200", 0.02)
     live = LiveFigures(state="RUNNING", registered=True, phases={"running": 1})

@@ -71,9 +71,16 @@ def build_pyz(source: Path, output: Path) -> Path:
     return output
 
 
+def pyz_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the session's ckagent.pyz and its frozen source live: the session's base temp directory,
+    or under pytest-xdist the one all workers share (the parent of theirs), so it is built once."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "ckagent-pyz"
+
+
 def session_pyz(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The session's ckagent.pyz (built on first use, under a file lock; later calls reuse it)."""
-    base = tmp_path_factory.getbasetemp() / "ckagent-pyz"
+    base = pyz_dir(tmp_path_factory)
     base.mkdir(exist_ok=True)
     pyz = base / "ckagent.pyz"
     with (base / ".lock").open("w") as lock:
@@ -103,7 +110,7 @@ def run_pyz(python: Path | str, pyz: Path, *args: str, shiv_root: Path, timeout:
 def test_pyz_is_reproducible_compressed_and_holds_only_what_it_needs(
     pyz: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    again = build_pyz(tmp_path_factory.getbasetemp() / "ckagent-pyz" / "src", tmp_path_factory.mktemp("again")
+    again = build_pyz(pyz_dir(tmp_path_factory) / "src", tmp_path_factory.mktemp("again")
                       / "ckagent.pyz")
     assert again.read_bytes() == pyz.read_bytes(), "same input must give the same bytes"
     assert pyz.read_bytes().startswith(b"#!/usr/bin/env python3\n")

@@ -20,9 +20,8 @@ reported. Outages are kept to seconds by settings (``server.request_timeout``,
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -31,10 +30,9 @@ import httpx
 import pytest
 import trio
 from faultproxy import FaultProxy
-from harness import agent_settings, running_agent, submit
+from harness import agent_settings, eventually, items_of, output_lines, running_agent, submit
 
 from ckagent.agent import Agent
-from ckagent.delivery import LineSplitter, Masker, decode_lines
 
 LINES = 1000
 
@@ -49,23 +47,6 @@ for i in range(1000):
     if i % 50 == 49:
         time.sleep(float(sys.argv[2]))
 """
-
-
-async def wait_for(condition: Callable[[], Awaitable[bool]], timeout: float) -> None:  # noqa: ASYNC109
-    with trio.fail_after(timeout):
-        while not await condition():  # noqa: ASYNC110 - remote state: polling is the way
-            await trio.sleep(0.05)
-
-
-def output_lines(task_dir: Path) -> list[str]:
-    splitter = LineSplitter()
-    data = (task_dir / "output.log").read_bytes()
-    return decode_lines(splitter.feed(data)[0] + splitter.flush()[0], Masker([]))
-
-
-def items_of(task_dir: Path) -> list[dict[str, Any]]:
-    path = task_dir / "items.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 @asynccontextmanager
@@ -101,7 +82,7 @@ async def run_with_fault(dev_master: Any, nursery: trio.Nursery, tmp_path: Path,
     """Run NUMBERED (1000 lines and items); ``mode`` on ``calls`` for ``seconds`` once lines flow."""
     async with behind_proxy(dev_master, nursery, tmp_path, **env) as (proxy, _agent):
         task_id = await submit(dev_master.admin, "numbered", {"main.py": NUMBERED}, args=["items", "0.1"])
-        await wait_for(lambda: stored_lines(dev_master.admin, task_id, 50), 60)
+        await eventually(lambda: stored_lines(dev_master.admin, task_id, 50), 60)
         proxy.set(mode, calls)
         await trio.sleep(seconds)
         proxy.heal()
@@ -134,7 +115,7 @@ async def test_a_404_longer_than_the_refusal_timeout_reports_the_result_incomple
 ) -> None:
     async with behind_proxy(dev_master, nursery, tmp_path, AGENT_SERVER_REFUSAL_TIMEOUT="2") as (proxy, _agent):
         task_id = await submit(dev_master.admin, "numbered", {"main.py": NUMBERED}, args=["items", "0.1"])
-        await wait_for(lambda: stored_lines(dev_master.admin, task_id, 50), 60)
+        await eventually(lambda: stored_lines(dev_master.admin, task_id, 50), 60)
         proxy.set("404_json", ["logs", "items"])  # the result itself passes
         task = await dev_master.admin.wait_task_final(task_id, 120)
         proxy.heal()
@@ -154,7 +135,7 @@ async def test_only_batches_hanging_mid_body_is_a_partial_outage_and_then_everyt
     caplog.set_level(logging.INFO, logger="ckagent.master.client")
     async with behind_proxy(dev_master, nursery, tmp_path, AGENT_SERVER_REQUEST_TIMEOUT="2") as (proxy, agent):
         task_id = await submit(dev_master.admin, "numbered", {"main.py": NUMBERED}, args=["items", "0.2"])
-        await wait_for(lambda: stored_lines(dev_master.admin, task_id, 50), 60)
+        await eventually(lambda: stored_lines(dev_master.admin, task_id, 50), 60)
         proxy.set("hang_body", ["batches"])
         problems: list[str] = []
 
@@ -164,7 +145,7 @@ async def test_only_batches_hanging_mid_body_is_a_partial_outage_and_then_everyt
                 problems.append(problem)
             return bool(problems)
 
-        await wait_for(named, 12)
+        await eventually(named, 12)
         await trio.sleep(4)  # longer than /readyz's limit (3 heartbeat intervals)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{agent.status_port}", timeout=10) as client:
             ready = await client.get("/readyz")
@@ -200,7 +181,7 @@ async def test_slow_heartbeat_answers_are_used_and_their_cancels_applied(
     async with behind_proxy(dev_master, nursery, tmp_path, AGENT_HEARTBEAT_INTERVAL="1",
                             AGENT_SERVER_REQUEST_TIMEOUT="10") as (proxy, agent):
         task_id = await submit(dev_master.admin, "sleeper", {"main.py": SLEEPER})
-        await wait_for(lambda: stored_lines(dev_master.admin, task_id, 5), 60)
+        await eventually(lambda: stored_lines(dev_master.admin, task_id, 5), 60)
         assert agent.heartbeat is not None
         proxy.slow_seconds = 2.5  # 2.5 intervals per answer
         proxy.set("slow", ["heartbeat"])
@@ -225,7 +206,7 @@ async def test_a_download_that_hangs_mid_body_is_retried_after_the_stall_timeout
         async def stalled() -> bool:
             return proxy.faulted("download") > 0
 
-        await wait_for(stalled, 30)
+        await eventually(stalled, 30)
         await trio.sleep(3)  # a few stalled attempts
         proxy.heal()
         task = await dev_master.admin.wait_task_final(task_id, 120)
@@ -240,12 +221,12 @@ async def test_retry_after_of_a_429_is_waited_out(dev_master: Any, nursery: trio
     async with behind_proxy(dev_master, nursery, tmp_path) as (proxy, _agent):
         proxy.retry_after = 3
         task_id = await submit(dev_master.admin, "numbered", {"main.py": NUMBERED}, args=["lines", "0.2"])
-        await wait_for(lambda: stored_lines(dev_master.admin, task_id, 50), 60)
+        await eventually(lambda: stored_lines(dev_master.admin, task_id, 50), 60)
         proxy.set("429_retry", ["logs"])
         await trio.sleep(7)
         proxy.heal()
         task = await dev_master.admin.wait_task_final(task_id, 120)
-    refused = [t for t, call, mode in proxy.seen if call == "logs" and mode == "429_retry"]
+    refused = [t for t, call, mode in proxy.seen if call in ("logs", "batches") and mode == "429_retry"]
     assert len(refused) >= 2, refused
     gaps = [b - a for a, b in itertools.pairwise(refused)]
     assert all(gap >= 2.9 for gap in gaps), gaps  # one stream, each try after the 3 s asked for

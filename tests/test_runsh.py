@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import zipfile
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +27,7 @@ import httpx
 import pytest
 import trio
 import yaml
+from harness import eventually
 from test_pyz import REPO, build_pyz, frozen_source, session_pyz
 
 import ckagent
@@ -192,13 +193,6 @@ def same(a: Path, b: Path) -> bool:
     return a.read_bytes() == b.read_bytes()
 
 
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 30) -> None:  # noqa: ASYNC109
-    """Poll ``check`` every 0.1 s until it is true; raises trio.TooSlowError after ``timeout`` seconds."""
-    with trio.fail_after(timeout):
-        while not await check():  # noqa: ASYNC110 - polling another process, not a Trio task
-            await trio.sleep(0.1)
-
-
 def out(result: subprocess.CompletedProcess[bytes]) -> str:
     """stdout + stderr of a run.sh call, as text."""
     return result.stdout.decode(errors="replace") + result.stderr.decode(errors="replace")
@@ -253,7 +247,7 @@ async def _node_registered(dev_master, name: str = "runsh-node") -> None:
     async def beating() -> bool:
         return any(n.get("name") == name and n.get("lastHeartbeatAt") for n in await dev_master.admin.list_nodes())
 
-    await eventually(beating)
+    await eventually(beating, 30)
 
 
 async def test_install_mode_downloads_starts_reports_and_stops(node: Node, releases: Releases, pyz: Path,
@@ -430,7 +424,7 @@ async def test_cleanup_temp_files_removes_stale_extractions_and_partial_deployme
     assert started.returncode == 0, out(started)
     assert not stale.exists() and not partial.exists() and not deploy.exists() and kept.exists()
     tasks = node.directory / "data" / "tasks"
-    await eventually(lambda: trio.to_thread.run_sync(lambda: not (tasks / "t-acked").exists()))
+    await eventually(lambda: trio.to_thread.run_sync(lambda: not (tasks / "t-acked").exists()), 30)
     assert (tasks / "t-pending" / "output.log").exists()
     assert len(list((node.directory / ".ckagent" / "pyz").glob("ckagent.pyz_*"))) == 1
     assert (await node.sh("stop")).returncode == 0
@@ -471,7 +465,7 @@ async def test_upgrade_verifies_never_downgrades_restarts_and_rolls_back(
     async def reported_new_version() -> bool:
         return any(n.get("version") == BUMPED for n in await dev_master.admin.list_nodes())
 
-    await eventually(reported_new_version)
+    await eventually(reported_new_version, 30)
     status = await node.sh("status")
     assert status.returncode == 0 and f"ckagent {BUMPED} is running" in out(status)
 
@@ -512,7 +506,7 @@ async def test_upgrade_verifies_never_downgrades_restarts_and_rolls_back(
     async def healthy() -> bool:
         return await node.healthz() == 200
 
-    await eventually(healthy)
+    await eventually(healthy, 30)
     assert list(node.directory.glob(f".ckagent/ckagent-{BROKEN}.failed.pyz"))
 
     # the failed version is remembered: not tried again from latest.json (nor when the agent asks) ...
@@ -537,7 +531,7 @@ async def test_upgrade_verifies_never_downgrades_restarts_and_rolls_back(
     assert crashed.returncode == 1 and "exited during its start" in out(crashed), out(crashed)
     assert trio.current_time() - began < 60, "rolled back without waiting out the 120 s health timeout"
     assert same(pyz_path, bumped_pyz)
-    await eventually(healthy)
+    await eventually(healthy, 30)
 
     # not running: the new file is installed, nothing is started
     assert (await node.sh("stop")).returncode == 0
@@ -732,7 +726,7 @@ async def test_a_bare_server_fetches_pyz_and_uv_and_runs_the_scrapy_example(
             runtimes = node["runtimes"]
             return runtimes.get("uv", {}).get("path") == str(uv) and "uv" not in runtimes.get("missing", {})
 
-        await eventually(reports_its_uv)
+        await eventually(reports_its_uv, 30)
         assert "uv not found" not in (server / "logs" / "agent.log").read_text()
     finally:
         with trio.fail_after(120, shield=True):  # a cancelled test still stops the daemon
@@ -771,7 +765,7 @@ async def test_a_desired_version_upgrades_the_agent_itself_and_a_bad_one_rolls_b
     async def upgrade_done() -> bool:
         return f"upgraded to {BUMPED}: healthy" in upgrade_log.read_text()
 
-    await eventually(upgrade_done)
+    await eventually(upgrade_done, 30)
     assert f"upgrading to agent version {BUMPED} as the master asks" in (node.directory / "logs" / "agent.log").read_text()
 
     releases.publish(broken_pyz, BROKEN, latest=False)

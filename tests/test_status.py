@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from harness import agent_settings, running_agent, spider_zip, submit
+from harness import agent_settings, eventually, running_agent, spider_zip, submit
 from prometheus_client.parser import text_string_to_metric_families
 
 from ckagent import __version__
@@ -82,18 +82,6 @@ async def status_client(agent: Agent) -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
-async def wait_for(check: Any, seconds: float, what: str) -> Any:
-    """Poll the async ``check()`` until it returns something truthy (real processes: no fake clock)."""
-    last: Any = None
-    with trio.move_on_after(seconds):
-        while True:
-            last = await check()
-            if last:
-                return last
-            await trio.sleep(0.05)
-    raise AssertionError(f"timed out after {seconds} s waiting for {what} (last: {last!r})")
-
-
 async def test_metrics_during_and_after_real_tasks(dev_master, nursery: trio.Nursery, tmp_path: Path) -> None:
     settings = agent_settings(tmp_path / "agent", dev_master.base_url, dev_master.registration_token)
     blocking_zip = spider_zip({"main.py": BLOCKING_SPIDER})
@@ -111,7 +99,7 @@ async def test_metrics_during_and_after_real_tasks(dev_master, nursery: trio.Nur
                 tasks = [t for t in doc["runningTasks"] if t["id"] == ok_id and t["phase"] == "running"]
                 return doc if tasks and tasks[0]["pid"] else None
 
-            doc = await wait_for(running_in_status, 30, "the task running in /status")
+            doc = await eventually(running_in_status, 30, "the task running in /status")
             (entry,) = doc["runningTasks"]
             assert entry["spiderName"] == "blocker" and entry["since"].endswith("Z")
             assert isinstance(entry["pid"], int) and entry["startedAt"].endswith("Z")
@@ -140,7 +128,7 @@ async def test_metrics_during_and_after_real_tasks(dev_master, nursery: trio.Nur
                     value(samples, "ckagent_tasks_running", phase=p) for p in PHASES)
                 return samples if done else None
 
-            after = await wait_for(settled, 15, "the shipped counters to settle")
+            after = await eventually(settled, 15, "the shipped counters to settle")
 
     assert value(after, "ckagent_tasks_started_total") == 2
     assert value(after, "ckagent_tasks_finished_total", status="SUCCESS", error_code="none") == 1
@@ -191,7 +179,7 @@ async def test_probes_status_and_unknown_paths(dev_master, nursery: trio.Nursery
             async def ready() -> bool:
                 return (await client.get("/readyz")).status_code == 200
 
-            await wait_for(ready, 10, "/readyz 200")
+            await eventually(ready, 10, "/readyz 200")
             assert (await client.get("/readyz")).text == "ready\n"
             for path in ("/metrics/", "/status.json", "/admin", "/healthz/x", "/tasks/nope/log.txt",
                          "/tasks/../state.db/log.txt"):
@@ -253,10 +241,10 @@ async def test_readyz_follows_the_master_away_and_back(
                 response = await client.get("/readyz")
                 return response if response.status_code == code else None
 
-            await wait_for(lambda: readyz(200), 10, "/readyz 200")
+            await eventually(lambda: readyz(200), 10, "/readyz 200")
             await dev_master_process.stop()
             down_at = trio.current_time()
-            answer = await wait_for(lambda: readyz(503), limit + 10, "/readyz 503 with the master gone")
+            answer = await eventually(lambda: readyz(503), limit + 10, "/readyz 503 with the master gone")
             assert trio.current_time() - down_at >= limit - settings.heartbeat.interval
             assert "heartbeat" in answer.text and "unreachable" in answer.text, answer.text
             samples = await scrape(client)
@@ -267,7 +255,7 @@ async def test_readyz_follows_the_master_away_and_back(
             assert (await client.get("/status")).json()["ready"] is False
 
             assert await dev_master_process.start(same_port=True) == base_url
-            await wait_for(lambda: readyz(200), 15, "/readyz 200 after the master returned")
+            await eventually(lambda: readyz(200), 15, "/readyz 200 after the master returned")
             assert value(await scrape(client), "ckagent_master_up") == 1
     # The outage was logged once going down and once coming back, not once per failed attempt.
     messages = [r.getMessage() for r in caplog.records if r.name == "ckagent.master.client"]

@@ -24,7 +24,7 @@ import tempfile
 import textwrap
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 import trio
-from harness import agent_settings, running_agent, submit
+from harness import agent_settings, eventually, running_agent, submit
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
@@ -217,16 +217,6 @@ async def wait_for_log(admin: AdminClient, task_id: str, text: str, timeout: flo
             if any(text in line for line in lines):
                 return lines
             await trio.sleep(0.1)
-
-
-async def eventually(check: Callable[[], Awaitable[Any]], timeout: float = 20) -> Any:  # noqa: ASYNC109
-    """Poll ``check`` (state of another process) every 0.05 s until it returns something truthy; return it."""
-    with trio.fail_after(timeout):
-        while True:
-            value = await check()
-            if value:
-                return value
-            await trio.sleep(0.05)
 
 
 async def wait_for_path(path: Path, timeout: float = 20) -> None:  # noqa: ASYNC109

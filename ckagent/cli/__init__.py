@@ -129,7 +129,7 @@ def run(*, config: ConfigOption = None) -> int:
     reexec_without_secrets()
     settings = _load(config, require_token=True)
     with _httpx_without_its_cli():
-        from ckagent.agent import run_agent
+        from ckagent.cli.runagent import run_agent
 
     return run_agent(settings)
 

@@ -47,12 +47,10 @@ from ckagent.node.runas import RunAs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NPM_MISSING", "PYTHON_FRAMEWORKS", "UV_MISSING", "Dependencies", "DepsError",
+__all__ = ["NPM_MISSING", "UV_MISSING", "Dependencies", "DepsError",
            "IndexChooser", "Prepared", "bundled_sdk_dir", "python_plan", "remove_legacy_environments",
            "spider_base_env", "wanted_node"]
 
-PYTHON_FRAMEWORKS = frameworks.names(frameworks.PYTHON)
-"""The frameworks of the Python runtime (ckagent.code.frameworks)."""
 
 
 class Dependencies:

@@ -37,7 +37,8 @@ import trio
 
 from ckagent.code.unpack import WRITE_CHUNK_BYTES, Limits, check_layout, check_member_path, extract_zip
 from ckagent.master.client import MasterClient, MasterError, MasterUnavailable, retry_wait
-from ckagent.master.ids import api_path, safe_name
+from ckagent.master.endpoints import DOWNLOAD, SPIDER_FILE, Endpoint, Retry
+from ckagent.master.ids import safe_name
 from ckagent.master.protocol import CodePackage, SpiderFile
 from ckagent.node.errors import DeployError
 
@@ -200,10 +201,7 @@ class Workspaces:
         not in the new version. Raises DeployError.
         """
         try:
-            listing: list[SpiderFile] = await self._master.call_retrying(
-                "spider_files", "GET", api_path("/api/spider-files/spider/{spider}", spider=spider_id),
-                attempts=_DOWNLOAD_ATTEMPTS, answer=SpiderFile.list_from_json,
-            )
+            listing = await self._master.spider_files(spider_id, retry=Retry(attempts=_DOWNLOAD_ATTEMPTS))
         except MasterError as exc:
             raise DeployError(f"cannot list the spider's files: {exc}") from exc
         if not listing:
@@ -240,8 +238,8 @@ class Workspaces:
                     continue
                 await trio.to_thread.run_sync(_make_parent, target)
                 await self._download(
-                    api_path("/api/spider-files/{file}", file=f.id), target, f.size_bytes, f.sha256, f"entry {f.path!r}",
-                    notice,
+                    SPIDER_FILE.path(file=f.id), target, f.size_bytes, f.sha256, f"entry {f.path!r}", notice,
+                    endpoint=SPIDER_FILE,
                 )
             await trio.to_thread.run_sync(_move_into_place, code, final)
             log.info("spider %s: synced %d files into %s (%d unchanged, copied)",
@@ -253,8 +251,8 @@ class Workspaces:
         return final
 
     async def _download(self, url: str, dest: Path, size: int, sha256: str, entry: str,
-                        notice: Notice | None = None) -> None:
-        """Stream ``url`` into ``dest`` (capped at the announced size and the package limit), check sha256.
+                        notice: Notice | None = None, *, endpoint: Endpoint[None] = DOWNLOAD) -> None:
+        """Stream ``url`` (a code package, or the ``endpoint`` it is of) into ``dest`` (capped at the announced size and the package limit), check sha256.
         Retried as the class docstring says; raises DeployError."""
         cap = min(size, self.limits.max_package_bytes) if size > 0 else self.limits.max_package_bytes
         out = await trio.to_thread.run_sync(_HashingFile, dest, cap, entry)
@@ -270,7 +268,7 @@ class Workspaces:
                         if out.size:
                             await trio.to_thread.run_sync(out.reset)
                         try:
-                            await self._master.download("download", url, out.write, read_timeout=self.stall_timeout)
+                            await self._master.download(endpoint, url, out.write, read_timeout=self.stall_timeout)
                         except MasterUnavailable as exc:
                             failed.append(f"{_mib(out.size)} of {_mib(size)} received: {exc}")
                             raise

@@ -30,10 +30,7 @@ import hashlib
 import logging
 import os
 import shutil
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-from urllib.parse import quote
 
 import trio
 
@@ -124,11 +121,7 @@ async def upload_artifacts(master: MasterClient, task_id: str, task_dir: Path,
                 return held or None
             try:
                 async with limiter if limiter is not None else contextlib.nullcontext():
-                    await master.call(
-                        "artifact", "PUT", f"/api/tasks/{quote(task_id, safe='')}/artifacts/{quote(ref.path)}",
-                        content=data, content_type="application/octet-stream",
-                        headers={"X-Content-SHA256": ref.sha256}, answer=_acknowledges(ref),
-                    )
+                    await master.put_artifact(task_id, ref, data)
             except MasterUnavailable:  # a protocol error too: not an acknowledgement
                 attempt += 1
                 await _backoff_sleep(master, attempt)
@@ -156,13 +149,3 @@ async def upload_artifacts(master: MasterClient, task_id: str, task_dir: Path,
     if not_shipped:
         await trio.to_thread.run_sync(_keep, task_dir, keep_dir, not_shipped)
     return held or None
-
-
-def _acknowledges(ref: ArtifactRef) -> Callable[[Any], ArtifactRef]:
-    """The answer reader: the master's ``{path, sizeBytes, sha256}`` must be the file sent."""
-    def read(body: Any) -> ArtifactRef:
-        got = ArtifactRef.from_json(body)
-        if got != ref:
-            raise ValueError(f"acknowledged {got.to_json()} for {ref.to_json()}")
-        return got
-    return read

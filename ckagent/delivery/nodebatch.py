@@ -31,7 +31,7 @@ from typing import Any
 import trio
 
 from ckagent.master.client import MasterClient, MasterConflict, MasterError, MasterRejected, MasterUnavailable
-from ckagent.master.protocol import NODE_BATCHES, ProtocolError
+from ckagent.master.protocol import NODE_BATCHES
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +63,6 @@ class _Waiter:
         self.done = trio.Event()
         self.value: int | None = None
         self.error: MasterError | None = None
-
-
-def _results(obj: Any) -> list[Any]:
-    """The ``results`` array of a node batches answer. Raises ProtocolError."""
-    results = obj.get("results") if isinstance(obj, dict) else None
-    if not isinstance(results, list):
-        raise ProtocolError("results: expected an array", "results")
-    return results
 
 
 class NodeBatcher:
@@ -144,8 +136,7 @@ class NodeBatcher:
             self.requests += 1
             self.batches += len(batch)
             try:
-                results = await self._master.call("batches", "POST", "/api/nodes/{node}/batches", content=content,
-                                                  answer=_results)
+                results = await self._master.post_batches(content)
             except MasterRejected as exc:  # the request as a whole: e.g. a master that no longer offers it
                 if exc.status == 413 and len(batch) == 1:  # one batch too large on its own: its own answer
                     batch[0].error = exc

@@ -20,18 +20,25 @@ import trio
 from ckagent.delivery.capture import DiskGuard, LogSink
 from ckagent.delivery.diskwatch import DiskWatch, tree_bytes
 from ckagent.delivery.journal import LogJournal, rejected_log_globs, task_log_globs
+from ckagent.delivery.lifecycle import Lifecycle
 from ckagent.delivery.lines import Masker, secret_values
 from ckagent.delivery.nodebatch import NodeBatcher
 from ckagent.delivery.retention import retention_loop
 from ckagent.delivery.spool import OUTPUT_LOG, SCAN_INTERVAL, SEND_CONCURRENCY
 from ckagent.delivery.statistics import OutboxStatistics, SpoolCounter
-from ckagent.delivery.taskdelivery import Delivered, OutboxConfig, TaskDelivery
+from ckagent.delivery.taskdelivery import OutboxConfig, TaskDelivery
 from ckagent.master.client import MasterClient
 from ckagent.master.protocol import Task, TaskResult
+from ckagent.node.broadcast import Broadcast
 from ckagent.node.diskfull import RESERVE_BYTES, SpaceReserve
 from ckagent.node.state import AsyncStateStore, StateStoreError, TaskRecord
 
 log = logging.getLogger(__name__)
+
+
+HAND_OVER_FLUSH_TIMEOUT = 2.0
+"""Seconds a hand-over spends sending what was already read (lines, items, finished tasks' results)
+before exiting; the next agent sends the rest from the acknowledged positions (docs/operations.md)."""
 
 
 class Outbox:
@@ -43,8 +50,10 @@ class Outbox:
     """
 
     def __init__(self, master: MasterClient, store: AsyncStateStore, work_dir: Path,
-                 config: OutboxConfig | None = None) -> None:
+                 config: OutboxConfig | None = None, lifecycle: Lifecycle | None = None) -> None:
         self.master = master
+        self.lifecycle = lifecycle or Lifecycle()
+        """Where each delivery emits its TaskDelivered record (ckagent.delivery.lifecycle; none: discarded)."""
         self.store = store
         self.work_dir = work_dir
         self.tasks_dir = work_dir / "tasks"
@@ -64,7 +73,7 @@ class Outbox:
         """Called with (task id, reason) for a running task that fills the disk: the agent stops it DISK_FULL."""
         self._reserve_released: float | None = None  # the reserve's released_at seen by the last look
         self._store_full = False  # the last flush of positions met a full disk (logged once)
-        self._looked = trio.Event()  # set (and replaced) after each look of the disk loop
+        self._looked = Broadcast()  # after each look of the disk loop
         self.deliveries: dict[str, TaskDelivery] = {}
         self._counter = SpoolCounter(store.sync)
         self.stats_observer: Callable[[str, str, dict[str, Any], bool], None] | None = None
@@ -73,7 +82,7 @@ class Outbox:
         self._idle = trio.Event()
         self._idle.set()
         self._busy = trio.Event()  # set while a delivery is open (the disk loop runs)
-        self._delivered = trio.Event()
+        self._delivered = Broadcast()  # a delivery ended
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled (the agent's stop). Unsent data stays on disk for the next start; the
@@ -137,12 +146,18 @@ class Outbox:
         """Return when every delivery is complete (at once if none is pending)."""
         await self._idle.wait()
 
-    async def flush_read(self) -> None:
-        """Every delivery sends what it has read at once; returns when nothing read waits for the
-        master (a hand-over: the next agent sends the rest). Bound it with a cancel scope."""
-        async with trio.open_nursery() as nursery:
-            for delivery in list(self.deliveries.values()):
-                nursery.start_soon(delivery.flush_read)
+    async def flush_read(self, timeout_seconds: float = HAND_OVER_FLUSH_TIMEOUT) -> str:
+        """Every delivery sends what it has read at once, for at most ``timeout_seconds`` or
+        HAND_OVER_FLUSH_TIMEOUT, whichever is shorter (a hand-over: the next agent sends the rest).
+        Returns what happened, for the log: ``sent what was read in 0.05 s; 1 delivery(ies) left
+        in the state store``."""
+        started = trio.current_time()
+        with trio.move_on_after(max(0.0, min(timeout_seconds, HAND_OVER_FLUSH_TIMEOUT))) as bound:
+            async with trio.open_nursery() as nursery:
+                for delivery in list(self.deliveries.values()):
+                    nursery.start_soon(delivery.flush_read)
+        done = "stopped sending what was read after" if bound.cancelled_caught else "sent what was read in"
+        return f"{done} {trio.current_time() - started:.2f} s; {self.pending} delivery(ies) left in the state store"
 
     async def wait_busy(self) -> None:
         """Return once a delivery is open (at once if one is). Cancellation: as usual."""
@@ -154,8 +169,9 @@ class Outbox:
         while task_ids & self.deliveries.keys():
             await self._delivered.wait()
 
-    async def open_task(self, task: Task, task_dir: Path, on_delivered: Delivered | None = None) -> TaskDelivery:
-        """Start delivering a task that is about to run; write its output to ``.sink``.
+    async def open_task(self, task: Task, task_dir: Path, claimed_at: float | None = None) -> TaskDelivery:
+        """Start delivering a task that is about to run; write its output to ``.sink``. ``claimed_at``:
+        epoch seconds of its claim (default: now); its TaskDelivered record carries it.
 
         Raises OSError when output.log or the journal cannot be created.
         """
@@ -163,7 +179,7 @@ class Outbox:
         journal = LogJournal(task_dir)
         await trio.to_thread.run_sync(journal.open)
         delivery = TaskDelivery(self, task.id, task_dir, masker, task_log_globs(task, self.config.log_globs),
-                                None, journal, on_delivered, spider=task.spider_name or task.spider_id)
+                                None, journal, spider=task.spider_name or task.spider_id, claimed_at=claimed_at)
         delivery.sink = LogSink(task_dir / OUTPUT_LOG, delivery.output_written,
                                 max_bytes=self.config.max_log_bytes, guard=self.guard)
         rejected = rejected_log_globs(task)
@@ -192,10 +208,9 @@ class Outbox:
             log.error("task %s: cannot open its log journal (%s); not sending its log", record.task_id, exc)
             ship_logs = False
         spider = str(record.task_json.get("spiderName") or record.spider_id)
-        delivery = TaskDelivery(self, record.task_id, record.task_dir, masker, globs, None, journal, None,
-                                spider=spider)
+        delivery = TaskDelivery(self, record.task_id, record.task_dir, masker, globs, None, journal,
+                                spider=spider, claimed_at=record.claimed_at)
         delivery.ship_logs = ship_logs
-        delivery.claimed_at = record.claimed_at
         for shipper in (delivery.logs, delivery.items):  # the outbox figures count from here at once
             shipper.acked = (await self.store.stream_position(record.task_id, shipper.stream))[0]
         delivery.result = TaskResult.from_json(record.result)
@@ -223,7 +238,6 @@ class Outbox:
             delivery.journal.close()
             self.deliveries.pop(delivery.task_id, None)
             self._delivered.set()
-            self._delivered = trio.Event()
             if not self.deliveries:
                 self._idle.set()
                 self._busy = trio.Event()
@@ -250,7 +264,6 @@ class Outbox:
                 self.guard.free_bytes = free
             await self._watch_disk(free, {d.task_id: size for d, size in zip(live, sizes, strict=True)})
             self._looked.set()
-            self._looked = trio.Event()
 
     async def next_look(self) -> None:
         """Return after the disk loop's next look at the disk (a writer waiting for room tries again

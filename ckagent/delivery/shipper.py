@@ -36,9 +36,8 @@ from ckagent.delivery.spool import (
     NOTIFY_FALLBACK,
     TAIL_INTERVAL,
 )
-from ckagent.master.client import MasterClient, MasterConflict, MasterRejected, MasterUnavailable, json_object
-from ckagent.master.ids import api_path
-from ckagent.master.protocol import SeqAccepted, TaskResult
+from ckagent.master.client import MasterClient, MasterConflict, MasterRejected, MasterUnavailable
+from ckagent.master.protocol import TaskResult
 from ckagent.node.state import AsyncStateStore, StateStoreError
 
 log = logging.getLogger(__name__)
@@ -382,7 +381,6 @@ class StreamShipper:
         answers in a way that moves the stream (see module docstring): an acknowledgement, a 409, a
         413 for several elements, a 422 naming an element; or a 404 / a lone element's 413 that lasted
         longer than ``refusal_timeout``. Everything else is retried with backoff, forever."""
-        path = api_path("/api/tasks/{task}/" + self.kind, task=self.task_id)
         attempt = 0
         try:
             while True:
@@ -395,8 +393,7 @@ class StreamShipper:
                         return _Answer("ok", await batcher.post(self.task_id, self.kind, body))
                     async with self._limiter:
                         self.requests += 1
-                        answer: SeqAccepted = await self._master.call(
-                            self.kind, "POST", path, content=body, answer=SeqAccepted.from_json)
+                        answer = await self._master.post_stream(self.kind, self.task_id, body)
                     return _Answer("ok", answer.accepted_seq)
                 except MasterUnavailable as exc:  # MasterProtocolError too: a 2xx without acceptedSeq is none
                     attempt += 1
@@ -476,8 +473,7 @@ async def send_result(
     while True:
         try:
             async with limiter if limiter is not None else contextlib.nullcontext():
-                await master.call("result", "POST", api_path("/api/tasks/{task}/result", task=task_id), json=result.to_json(),
-                                  answer=json_object)
+                await master.report_result(task_id, result)
             break
         except MasterUnavailable as exc:  # MasterProtocolError too: an HTML page is not an acknowledgement
             attempt += 1

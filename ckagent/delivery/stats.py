@@ -23,7 +23,6 @@ import trio
 
 from ckagent.delivery.crawlstats import STATS_FILE, Snapshot, read_last_snapshot
 from ckagent.master.client import MasterClient, MasterError, MasterRejected
-from ckagent.master.ids import api_path
 from ckagent.master.protocol import TaskStats, utc_iso
 
 log = logging.getLogger(__name__)
@@ -132,10 +131,9 @@ class StatsShipper:
             self._wake = trio.Event()
 
     async def _post(self, snapshot: Snapshot) -> None:
-        body = snapshot_message(snapshot).to_json()
         try:
             async with self._limiter:
-                await self._master.call("stats", "POST", api_path("/api/tasks/{task}/stats", task=self.task_id), json=body)
+                await self._master.post_stats(self.task_id, snapshot_message(snapshot))
         except MasterRejected as exc:
             if exc.status in (404, 409):
                 log.info("task %s: the master takes no live stats for it (%s); the final ones go with the "

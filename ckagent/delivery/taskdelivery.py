@@ -21,6 +21,7 @@ from ckagent.delivery.artifacts import upload_artifacts
 from ckagent.delivery.capture import LogSink
 from ckagent.delivery.crawlstats import STATS_FILE, Snapshot
 from ckagent.delivery.journal import LogJournal, scan_log_files
+from ckagent.delivery.lifecycle import Lifecycle, TaskDelivered
 from ckagent.delivery.lines import Masker
 from ckagent.delivery.nodebatch import NodeBatcher
 from ckagent.delivery.shipper import DEFAULT_REFUSAL_TIMEOUT, StreamShipper, send_result
@@ -32,9 +33,6 @@ from ckagent.master.protocol import TaskResult
 from ckagent.node.state import AsyncStateStore, StateStoreError
 
 log = logging.getLogger(__name__)
-
-Delivered = Callable[[TaskResult], None]
-
 
 @dataclasses.dataclass(frozen=True)
 class OutboxConfig:
@@ -59,6 +57,8 @@ class DeliveryHost(Protocol):
     limiter: trio.CapacityLimiter
     batcher: NodeBatcher
     stats_observer: Callable[[str, str, dict[str, Any], bool], None] | None
+    lifecycle: Lifecycle
+    """Where a delivery says its task's result was acknowledged (a TaskDelivered record)."""
 
     async def next_look(self) -> None:
         """Return after the owner's next look at the disk (a writer waiting for room tries again)."""
@@ -69,22 +69,22 @@ class TaskDelivery:
     while the process runs and calls :meth:`finish` once with the final result."""
 
     def __init__(self, outbox: DeliveryHost, task_id: str, task_dir: Path, masker: Masker, globs: list[str],
-                 sink: LogSink | None, journal: LogJournal, on_delivered: Delivered | None,
-                 spider: str = "") -> None:
+                 sink: LogSink | None, journal: LogJournal, spider: str = "",
+                 claimed_at: float | None = None) -> None:
         self.outbox = outbox
         self.task_id = task_id
         self.task_dir = task_dir
         self.globs = globs
         self.sink = sink
         self.journal = journal
-        self.on_delivered = on_delivered
         refusal_timeout = outbox.config.refusal_timeout
         self.logs = StreamShipper.logs(outbox.master, outbox.store, task_id, task_dir, masker, outbox.limiter,
                                        refusal_timeout=refusal_timeout)
         self.items = StreamShipper.items(outbox.master, outbox.store, task_id, task_dir, outbox.limiter,
                                          refusal_timeout)
         self.spider = spider
-        self.claimed_at = time.time()  # epoch seconds; a resumed delivery: the claim of an earlier run
+        self.claimed_at = time.time() if claimed_at is None else claimed_at
+        """Epoch seconds of the task's claim (of an earlier run's claim for a delivery resumed at start)."""
         self.stats = StatsShipper(outbox.master, task_id, task_dir, outbox.limiter, on_snapshot=self._observe)
         self.activity = Activity((task_dir / ITEMS_FILE, task_dir / STATS_FILE))
         self.logs.batcher = self.items.batcher = outbox.batcher
@@ -267,8 +267,7 @@ class TaskDelivery:
         await send_result(self.outbox.master, self.outbox.store, self.task_id, result, self.outbox.limiter,
                           self.outbox.config.refusal_timeout)
         self.delivered.set()
-        if self.on_delivered is not None:
-            self.on_delivered(result)
+        self.outbox.lifecycle.emit(TaskDelivered(self.task_id, self.spider or None, self.claimed_at, result))
 
 
 async def _flushed(shipper: StreamShipper) -> None:

@@ -1,12 +1,15 @@
 """The master boundary: the wire protocol, the one connection to the master, and what the node tells it.
 
 - :mod:`.protocol` — the wire types (docs/protocol.md, ``protocol/openapi.yaml``);
-- :mod:`.client` — ``MasterClient``: auth, error classification, retries;
+- :mod:`.endpoints` — the one table of the master's endpoints and a typed method per call (to add
+  an endpoint, start here);
+- :mod:`.client` — ``MasterClient``: the connection, auth, retries; :mod:`.answers` classifies what
+  came back into the exception tree of :mod:`.errors`;
 - :mod:`.ids` — ids from the master as data: what is accepted, how each becomes a name or a URL;
 - :mod:`.connectivity`, :mod:`.masterclock` — the master's health and clock as the agent sees them;
 - :mod:`.heartbeat` — the node's health and running set, every ``heartbeat.interval`` seconds;
 - :mod:`.fleet` — the node's identity and the master's wishes about agent versions.
 
-May import: :mod:`ckagent.node` — nothing of a task's run (the heartbeat reads the running set
-through the small ``RunningSet`` protocol it declares).
+May import: :mod:`ckagent.node` — nothing of a task's run (the heartbeat sends the snapshot the
+agent hands it, a :class:`~ckagent.master.heartbeat.NodeReport`).
 """

@@ -12,9 +12,10 @@ success. Kinds, and what makes one episode of them and what ends it:
 - ``unauthorized`` (registration 401): ended by a registration that succeeds;
 - ``rejected`` (another 4xx in the protocol's words): one episode per status, ended as ``protocol``;
 - ``partial`` (one endpoint class hangs or fails while the others get answers — only ``/batches``
-  hangs mid-body, only downloads stall): one episode per class (:data:`ENDPOINT_CLASSES`: heartbeat,
-  poll, task streams, downloads), started by the second failure in a row of an endpoint whose
-  failures other calls' successes make look stale, ended by a success of that class.
+  hangs mid-body, only downloads stall): one episode per class (the ``outage`` column of
+  the endpoint table, ckagent.master.endpoints: heartbeat, poll, task streams, artifacts, downloads),
+  started by the second failure in a row of an endpoint whose failures other calls' successes make
+  look stale, ended by a success of that class.
 
 Stale news is ignored both ways: a success of a call sent before the latest failure (a long poll
 held by the master) ends nothing, and a failure of a call sent before the latest success (a request
@@ -33,6 +34,8 @@ from typing import Any
 
 import httpx
 import trio
+
+from ckagent.master.endpoints import ENDPOINTS, TASK_DATA_ENDPOINTS
 
 log = logging.getLogger("ckagent.master.client")  # the boundary's log: one logger for its episodes and errors
 
@@ -84,17 +87,10 @@ _GLOBAL_KINDS = frozenset({"unreachable", "unavailable"})
 """Kinds any successful call ends (the master answers again); the others end with their endpoint's success."""
 DOWN_EPISODE = ("down",)
 """The one episode of transport errors, timeouts, 429 and 5xx: a master that is away, whatever the mix."""
-TASK_DATA_ENDPOINTS = frozenset({"logs", "items", "batches", "result"})
-"""The task streams: what a refusal of them holds back is the spider's data, kept on the node."""
-_NODE_ENDPOINTS = frozenset({"register", "heartbeat", "poll"}) | TASK_DATA_ENDPOINTS
-"""Endpoints whose refusals concern the node (the others concern one task): /readyz shows them."""
-ENDPOINT_CLASSES: dict[str, str] = {
-    "register": "heartbeat", "heartbeat": "heartbeat",
-    "poll": "poll", "claim": "poll", "release": "poll",
-    "logs": "task streams", "items": "task streams", "batches": "task streams", "result": "task streams",
-    "stats": "task streams",
-    "download": "downloads", "spider_files": "downloads",
-}
+_NODE_ENDPOINTS = frozenset(e.name for e in ENDPOINTS.values() if e.scope == "node")
+"""Endpoints whose refusals concern the node (the others concern one task): /readyz shows them. The
+task streams are among them (:data:`TASK_DATA_ENDPOINTS`): what a refusal holds back waits on the node."""
+ENDPOINT_CLASSES: dict[str, str] = {e.name: e.outage for e in ENDPOINTS.values()}
 """Endpoint → the class whose partial outage it is part of (unknown endpoints are a class of their own)."""
 
 

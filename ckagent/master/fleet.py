@@ -21,14 +21,18 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import subprocess
 import uuid
 from pathlib import Path
+from typing import Any
 
+import psutil
 import trio
 
 from ckagent import __version__
-from ckagent.master.protocol import VersionPolicy
+from ckagent.master.protocol import FEATURES, PROTOCOL_VERSION, RegisterRequest, VersionPolicy
+from ckagent.node.config import AgentSettings
 from ckagent.node.intake import IntakeGate
 from ckagent.node.secretenv import secrets_fd
 from ckagent.node.versions import InvalidVersion, Version
@@ -60,19 +64,34 @@ def load_node_uid(work_dir: Path) -> str:
     return uid
 
 
+def register_request(agent: AgentSettings, *, port: int, max_workers: int, runtimes: dict[str, Any],
+                     node_uid: str | None, containment: dict[str, Any], egress: dict[str, Any]) -> RegisterRequest:
+    """What this node says of itself at registration: its name, address and labels (``agent``), the
+    status ``port`` it listens on, this machine and agent (system, CPUs, memory bytes, versions,
+    protocol features), ``max_workers``, the ``runtimes`` scan, its ``node_uid`` and the
+    ``containment``/``egress`` levels in force. Reads psutil (fast, never blocks for long)."""
+    return RegisterRequest(
+        name=agent.name, ip=agent.ip, port=port, version=__version__, os=platform.system().lower(),
+        arch=platform.machine(), python=platform.python_version(), cpu_count=psutil.cpu_count() or 1,
+        memory_total_bytes=psutil.virtual_memory().total, max_workers=max_workers, runtimes=runtimes,
+        labels=dict(agent.labels), node_uid=node_uid, protocol_version=PROTOCOL_VERSION,
+        features=list(FEATURES), containment=containment, egress=egress)
+
+
 class VersionWatch:
     """Applies the master's :class:`VersionPolicy` to this agent (see the module docstring).
 
-    ``apply`` is called with every register and heartbeat answer; it logs only changes. ``spawn`` starts
-    the upgrade command (argv, env) and returns a trio.Process — tests pass their own.
+    ``apply`` is called with every register and heartbeat answer; it logs only changes. The upgrade
+    it asks for runs in :meth:`run`, which the agent's root nursery runs for the agent's life.
     """
 
-    def __init__(self, gate: IntakeGate, *, auto_upgrade: bool, nursery: trio.Nursery | None = None,
-                 version: str = __version__, run_sh: str | None = None, log_dir: Path | None = None) -> None:
+    def __init__(self, gate: IntakeGate, *, auto_upgrade: bool, version: str = __version__,
+                 run_sh: str | None = None, log_dir: Path | None = None) -> None:
         self._gate = gate
         self._auto_upgrade = auto_upgrade
-        self.nursery = nursery
-        """Where the upgrade runs (the agent's root nursery, set once it is open)."""
+        self._wanted = trio.Event()
+        """Set once :meth:`apply` asked for an upgrade (to ``upgrade_requested``): :meth:`run` starts it."""
+        self._downgrade = False
         self.version = version
         self._current = Version(version)
         self.run_sh = run_sh if run_sh is not None else os.environ.get(RUN_SH_ENV) or None
@@ -119,12 +138,21 @@ class VersionWatch:
         if self.upgrade_requested is not None:
             return
         self.upgrade_requested = str(desired)
-        if self.run_sh is None or self.nursery is None:
+        if self.run_sh is None:
             log.warning("the master would like agent version %s and agent.auto_upgrade is on, but this agent "
                         "was not started by run.sh (%s unset): upgrade it the way it was installed",
                         desired, RUN_SH_ENV)
             return
-        self.nursery.start_soon(self._upgrade, str(desired), desired < self._current)
+        self._downgrade = desired < self._current
+        self._wanted.set()
+
+    async def run(self) -> None:
+        """Wait for the upgrade :meth:`apply` asks for (at most one per process) and run it; returns
+        once ``run.sh upgrade`` has exited (it stops this agent first when it works). Cancellation
+        (the agent stops) leaves run.sh running: it is detached, in its own session."""
+        await self._wanted.wait()
+        assert self.upgrade_requested is not None
+        await self._upgrade(self.upgrade_requested, self._downgrade)
 
     async def _upgrade(self, version: str, downgrade: bool = False) -> None:
         """Run ``run.sh upgrade [--downgrade] VERSION`` detached (its own session: it outlives this agent,

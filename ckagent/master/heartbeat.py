@@ -2,7 +2,9 @@
 
 The period does not drift when the node is busy: each beat is scheduled at ``start + k·interval``
 (``trio.sleep_until``), and a beat that runs late skips the missed slots instead of bunching up.
-It keeps beating while the node drains. The master's answer may carry ``cancelTaskIds``. A failed
+It keeps beating while the node drains. What a beat says comes from ONE snapshot, the agent's
+:class:`NodeReport`; what the master answers (``cancelTaskIds``, the version policy) goes back to the
+agent whole (``on_answer``). A failed
 beat is not retried (the next one is due soon); failures — whatever the network answers — are
 logged once per episode by the master client's connectivity tracker, and never end the loop.
 """
@@ -11,49 +13,54 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import trio
 
 from ckagent import __version__
 from ckagent.master.client import MasterClient, MasterError
-from ckagent.master.protocol import Heartbeat, HeartbeatResponse, VersionPolicy
+from ckagent.master.protocol import Heartbeat, HeartbeatResponse
 from ckagent.node.resources import HealthSampler
 
 log = logging.getLogger(__name__)
 
+DEFERRED_START_LIMIT = 1.0
+"""Seconds after the start by which the work kept off the way to the first heartbeat (see
+:meth:`HeartbeatLoop.after_first_beat`) begins even if that heartbeat has not gone out (master slow or away)."""
 
-class RunningSet(Protocol):
-    """What a heartbeat reads of the tasks on this node (the task runner's admission gives it).
 
-    ``running``/``claiming``/``claim_polls`` are task and poll ids; ``cancel`` stops one task.
+@dataclass(frozen=True)
+class NodeReport:
+    """What one heartbeat says of the node besides its health sample: a snapshot the agent takes
+    (its ``report()``) just before each beat. Ids are the task and poll ids as the master gave them.
+
+    ``status``: the agent's state (ckagent.agent.AgentState); ``running_task_ids``: claimed, unfinished
+    tasks; ``claiming_task_ids``/``claim_poll_ids``/``last_claim_poll_id``: claims still on the wire
+    (the poller's); ``reporting_task_ids``: finished tasks whose result the master has not
+    acknowledged yet; ``runtimes``: the latest scan (None: none); ``paused_reason``: why the node
+    takes no tasks (None: it takes them).
     """
 
-    @property
-    def running(self) -> Mapping[str, object]: ...
-
-    @property
-    def claiming(self) -> Collection[str]: ...
-
-    @property
-    def claim_polls(self) -> Collection[int]: ...
-
-    @property
-    def last_claim_poll(self) -> int | None: ...
-
-    @property
-    def max_workers(self) -> int: ...
-    def running_spider_ids(self) -> list[str]: ...
-
-    def free_slots(self) -> int: ...
-
-    def cancel(self, task_id: str, reason: str) -> object: ...
+    status: str
+    max_workers: int
+    free_slots: int
+    running_task_ids: Sequence[str] = ()
+    running_spider_ids: Sequence[str] = ()
+    claiming_task_ids: Sequence[str] = ()
+    claim_poll_ids: Sequence[int] = ()
+    last_claim_poll_id: int | None = None
+    reporting_task_ids: Sequence[str] = ()
+    runtimes: Mapping[str, Any] | None = None
+    paused_reason: str | None = None
 
 
 class HeartbeatLoop:
-    """Sends heartbeats; ``status()`` gives the agent's state (ckagent.agent.AgentState);
-    ``runtimes()`` the latest scan; ``reporting()`` the tasks whose result is not acknowledged yet.
+    """Sends heartbeats: each one the health ``sampler``'s figures plus ``report()`` (a
+    :class:`NodeReport`); each acknowledged answer goes to ``on_answer`` (the master's
+    ``cancelTaskIds`` and version policy: the agent acts on them). Both are called on the loop and
+    must not block.
 
     ``last_success`` is the ``trio.current_time()`` of the last acknowledged beat (None before the
     first); /readyz and metrics read it. ``first_beat`` is set once :meth:`run` has tried its first
@@ -63,24 +70,16 @@ class HeartbeatLoop:
     def __init__(
         self,
         master: MasterClient,
-        supervisor: RunningSet,
         sampler: HealthSampler,
         interval: float,
-        status: Callable[[], str],
-        runtimes: Callable[[], dict[str, Any]],
-        paused_reason: Callable[[], str | None] = lambda: None,
-        on_policy: Callable[[VersionPolicy], None] = lambda policy: None,
-        reporting: Callable[[], list[str]] = list,
+        report: Callable[[], NodeReport],
+        on_answer: Callable[[HeartbeatResponse], None] = lambda answer: None,
     ) -> None:
         self._master = master
-        self._supervisor = supervisor
         self._sampler = sampler
         self.interval = interval
-        self._status = status
-        self._runtimes = runtimes
-        self._paused_reason = paused_reason
-        self._on_policy = on_policy
-        self._reporting = reporting
+        self._report = report
+        self._on_answer = on_answer
         self.last_success: float | None = None
         self.beats = 0
         self.first_beat = trio.Event()
@@ -95,49 +94,58 @@ class HeartbeatLoop:
             k = max(k + 1, int((trio.current_time() - start) / self.interval) + 1)
             await trio.sleep_until(start + k * self.interval)
 
-    async def beat_once(self, *, reporting: list[str] | None = None) -> bool:
-        """Send one heartbeat; returns True when the master acknowledged it.
+    async def after_first_beat(self) -> None:
+        """Return once the first heartbeat was tried, or DEFERRED_START_LIMIT seconds after the call.
+
+        What the first heartbeat does not need waits here, so that it does not compete with the
+        start for the CPU: the status server's hypercorn (~45 ms of imports; the port listens from
+        the start and early requests wait in its backlog) and the runtime rescan's subprocesses
+        (registration uses the cached scan; the fresh one reaches the master with the heartbeats).
+        Cancellation: as usual.
+        """
+        with trio.move_on_after(DEFERRED_START_LIMIT):
+            await self.first_beat.wait()
+
+    async def beat_once(self, report: NodeReport | None = None) -> bool:
+        """Send one heartbeat (``report``: default ``report()``); returns True when the master
+        acknowledged it.
 
         The beat lists the tasks running here, those whose claim is on the wire and those whose
-        result is not acknowledged yet (``reporting``: default ``reporting()``), so that the master
-        can tell them from a task no node runs (docs/protocol.md, "Claims and releases").
+        result is not acknowledged yet, so that the master can tell them from a task no node runs
+        (docs/protocol.md, "Claims and releases"). Never raises for master trouble.
         """
         sample = await trio.to_thread.run_sync(self._sampler.sample)
-        sup = self._supervisor
+        node = self._report() if report is None else report
         body = Heartbeat(
-            status=self._status(),
+            status=node.status,
             cpu_percent=sample.cpu_percent,
             memory_percent=sample.memory_percent,
             disk_percent=sample.disk_percent,
             memory_used_bytes=sample.memory_used_bytes,
             disk_free_bytes=sample.disk_free_bytes,
             load1=sample.load1,
-            running_task_ids=sorted(sup.running),
-            running_spider_ids=sup.running_spider_ids(),
-            max_workers=sup.max_workers,
-            free_slots=sup.free_slots(),
+            running_task_ids=sorted(node.running_task_ids),
+            running_spider_ids=sorted(node.running_spider_ids),
+            max_workers=node.max_workers,
+            free_slots=node.free_slots,
             version=__version__,
             uptime_seconds=round(time.monotonic() - self._sampler.started, 1),
-            runtimes=self._runtimes() or None,
-            paused_reason=self._paused_reason(),
-            claiming_task_ids=sorted(sup.claiming),
-            reporting_task_ids=sorted(self._reporting() if reporting is None else reporting),
-            claim_poll_ids=sorted(sup.claim_polls),
-            last_claim_poll_id=sup.last_claim_poll,
+            runtimes=dict(node.runtimes) if node.runtimes else None,
+            paused_reason=node.paused_reason,
+            claiming_task_ids=sorted(node.claiming_task_ids),
+            reporting_task_ids=sorted(node.reporting_task_ids),
+            claim_poll_ids=sorted(node.claim_poll_ids),
+            last_claim_poll_id=node.last_claim_poll_id,
         )
         try:
             # Bounded by server.request_timeout (the master client's deadline), not by the interval: a
             # slow master's answer still arrives and is used (its cancels applied); the beats it made
             # late are skipped, not bunched up (see run()).
-            response: HeartbeatResponse = await self._master.call(
-                "heartbeat", "POST", "/api/nodes/{node}/heartbeat", json=body.to_json(),
-                answer=HeartbeatResponse.from_json)
+            response = await self._master.heartbeat(body)
         except MasterError as exc:  # logged once per episode by the master client
             log.debug("heartbeat failed: %s", exc)
             return False
         self.last_success = trio.current_time()
         self.beats += 1
-        for task_id in response.cancel_task_ids:
-            sup.cancel(task_id, "cancelled by the master")
-        self._on_policy(response.policy)
+        self._on_answer(response)
         return True

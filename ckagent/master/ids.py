@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from urllib.parse import quote
 
-__all__ = ["MAX_ID_CHARS", "MAX_NAME_CHARS", "IdError", "api_path", "check_id", "safe_name", "shown_id", "task_dir", "url_segment"]
+__all__ = ["MAX_ID_CHARS", "MAX_NAME_CHARS", "IdError", "api_path", "check_id", "safe_name", "shown_id", "task_dir", "url_path", "url_segment"]
 
 MAX_ID_CHARS = 512
 """Longest id (characters) the agent carries; a longer one fails its task with BAD_TASK."""
@@ -95,6 +95,11 @@ def url_segment(value: str) -> str:
     if value in (".", ".."):
         return "%2E" * len(value)
     return quote(value, safe="")
+
+
+def url_path(value: str) -> str:
+    """A relative path (``a/b c.txt``) as URL path segments, each quoted by :func:`url_segment`."""
+    return "/".join(url_segment(part) for part in value.split("/"))
 
 
 def api_path(template: str, **ids: str) -> str:

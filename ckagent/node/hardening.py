@@ -8,6 +8,7 @@ running as the agent's user could read ``/proc/<agent pid>/environ`` or attach a
 from __future__ import annotations
 
 import ctypes
+import gc
 import sys
 
 PR_SET_DUMPABLE = 4
@@ -31,3 +32,12 @@ def protect_agent_memory() -> bool:
         return int(libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)) == 0
     except (OSError, AttributeError):
         return False
+
+
+def freeze_startup_objects() -> None:
+    """Collect once, then move every object alive (modules, settings, clients, the status server: what
+    the agent keeps for its life) to the GC's permanent generation (``gc.freeze``): a full collection
+    no longer walks them. Measured in bench/scrape.py's process: full collections of 17–39 ms CPU on
+    the loop's thread, at any allocation, before. Called once, when the status server serves."""
+    gc.collect()
+    gc.freeze()

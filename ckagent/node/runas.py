@@ -5,11 +5,14 @@ Pure data over the passwd database; imports nothing of the agent.
 
 from __future__ import annotations
 
+import logging
 import os
 import pwd
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -58,3 +61,25 @@ class RunAs:
 def popen_identity(run_as: RunAs | None) -> dict[str, Any]:
     """``run_as.popen_options()``, or nothing when spiders run as the agent's own user."""
     return run_as.popen_options() if run_as is not None else {}
+
+
+def spider_run_as(user: str | None) -> RunAs | None:
+    """``task.run_as_user`` resolved; None when unset or when it is the agent's own user.
+
+    Raises ValueError (saying how to fix it) for an unknown user, or when switching users needs root
+    and the agent is not.
+    """
+    if user is None:
+        return None
+    try:
+        run_as = RunAs.lookup(user)
+    except ValueError as exc:
+        raise ValueError(f"task.run_as_user (AGENT_TASK_RUN_AS_USER): no user {user!r} on this node; "
+                         "create the user or unset the setting") from exc
+    if run_as.uid == os.geteuid():
+        return None
+    if os.geteuid() != 0:
+        raise ValueError(f"task.run_as_user={user!r} needs the agent to run as root (it runs as uid "
+                         f"{os.geteuid()}); unset it or start the agent as root")
+    log.info("spiders and installers run as %s (uid %d, gid %d)", run_as.name, run_as.uid, run_as.gid)
+    return run_as

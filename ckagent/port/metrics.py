@@ -7,9 +7,9 @@ of a task appears in any name, label or value.
 
 Two kinds of figures:
 
-- events, counted as they happen by hooks the agent wires in: :meth:`AgentMetrics.master_request`
-  (the master client's ``observer``) and the supervisor observer methods (``task_admitted``,
-  ``task_started``, ``deps_prepared``, ``task_finished``, ``task_reported``);
+- events, counted as they happen: :meth:`AgentMetrics.master_request` (the master client's
+  ``observer``) and :meth:`AgentMetrics.record`, a consumer of the task lifecycle records
+  (:mod:`ckagent.delivery.lifecycle`: admitted, started, deps prepared, finished, delivered, lost);
 - the live state, read at scrape time: a :class:`LiveFigures` snapshot taken on the Trio thread
   (state, slots, phases, heartbeat age, ...) plus the outbox's :class:`OutboxStatistics` record
   (:meth:`ckagent.delivery.Outbox.figures`, counted on the loop in slices: what the master has not
@@ -17,7 +17,8 @@ Two kinds of figures:
 
 A scrape never holds the event loop for long: :meth:`AgentMetrics.render_sliced` renders on the
 loop's own thread, family by family (a large family in pieces; the request histogram one endpoint at
-a time), with a checkpoint whenever a slice has run for :data:`SLICE_SECONDS`. (Rendering in a worker thread looks cheaper but is not: a thread running
+a time), with a checkpoint whenever a slice has run for :data:`SLICE_SECONDS` (the steps and the
+collectors made for them are :mod:`ckagent.port.exposition`). (Rendering in a worker thread looks cheaper but is not: a thread running
 Python code holds the GIL, and the loop waits for it up to ``sys.getswitchinterval()``, 5 ms, each
 time it wants to run — measured with bench/scrape.py.)
 
@@ -42,8 +43,10 @@ Exported (see :data:`METRIC_NAMES`)::
     ckagent_outbox_results                             final results not yet acknowledged
     ckagent_outbox_bytes                               their approximate spool bytes
     ckagent_outbox_oldest_unshipped_seconds            how long the oldest of them has waited for the master
-    ckagent_master_requests_total{endpoint,outcome}    outcome: ok, error (transport), protocol_error (an
-                                                       answer not in the protocol's words) or the HTTP status
+    ckagent_master_requests_total{endpoint,outcome}    endpoint: a name of ckagent.master.endpoints (each
+                                                       endpoint's ok series exists from the start); outcome: ok,
+                                                       error (transport), protocol_error (an answer not in
+                                                       the protocol's words) or the HTTP status
     ckagent_master_request_duration_seconds{endpoint}  histogram (a long poll includes its hold time)
     process_*                                          the process collector's series (cpu, memory, fds, start time)
 """
@@ -51,12 +54,10 @@ Exported (see :data:`METRIC_NAMES`)::
 from __future__ import annotations
 
 import logging
-import os
 import platform
-import resource
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -68,15 +69,24 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
-from ckagent.code.deps import Prepared
 from ckagent.delivery import OutboxStatistics
+from ckagent.delivery.lifecycle import (
+    DepsPrepared,
+    Record,
+    TaskAdmitted,
+    TaskDelivered,
+    TaskFinished,
+    TaskLost,
+    TaskStarted,
+)
+from ckagent.master.endpoints import ENDPOINTS
 from ckagent.master.protocol import TaskResult
 from ckagent.port.crawlmetrics import CrawlMetrics
-from ckagent.task.supervisor import RunningTask, SupervisorObserver
+from ckagent.port.exposition import SLICE_SECONDS, Constant, LatencyByEndpoint, ProcessFigures, render_steps
 
 if TYPE_CHECKING:
     from ckagent.delivery import Outbox
@@ -93,14 +103,6 @@ QUEUE_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600)
 INSTALL_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
 TASK_CPU_BUCKETS = (0.1, 1, 10, 60, 300, 1800, 3600, 14400, 86400)
 TASK_MEMORY_BUCKETS = tuple(float(mib << 20) for mib in (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
-SLICE_SECONDS = 0.00025
-"""Longest run of rendering on the event loop before :meth:`AgentMetrics.render_sliced` lets other
-tasks run. Collecting one family cannot be cut (the largest, the request histogram by endpoint, takes
-about 0.6 ms here), so a slice plus that stays under 1 ms."""
-SAMPLES_PER_PIECE = 32
-"""Samples of one family rendered in one go (about 0.2 ms)."""
-OPENMETRICS_EOF = b"# EOF\n"
-
 MASTER_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 METRIC_NAMES = frozenset({
@@ -203,13 +205,12 @@ class _LiveCollector(Collector):
                                 value=out.oldest_seconds)
 
 
-class AgentMetrics(SupervisorObserver):
+class AgentMetrics:
     """The agent's metrics in their own registry (see module docstring for the list).
 
-    Hook methods are called on the Trio thread and never block or raise. :meth:`render` reads
-    /proc (the process collector): the status server calls it in a worker thread.
-    ``install_info`` keeps (install seconds, cache hit) per running task for the canonical log
-    line; whoever logs that line pops the entry.
+    :meth:`master_request` (the master client's observer) and :meth:`record` (a consumer of the
+    lifecycle records) run on the Trio thread and never block. :meth:`render` reads /proc (the
+    process collector); the status server uses :meth:`render_sliced`.
     """
 
     def __init__(self, version: str, node_name: str, outbox: Outbox | None = None) -> None:
@@ -220,15 +221,14 @@ class AgentMetrics(SupervisorObserver):
         self.node_name = node_name
         self.outbox = outbox
         self.live = LiveFigures()
-        self.install_info: dict[str, tuple[float, bool]] = {}
         self._render_lock = threading.Lock()
         self._sliced_lock: trio.Lock | None = None  # made on the loop by the first render_sliced
-        self._collect_costs: dict[str | None, float] = {}  # see _render_steps
+        self._collect_costs: dict[str | None, float] = {}  # see render_steps
         self._shipped_floor = [0, 0]
         r = self.registry
         build = GaugeMetricFamily("ckagent_build_info", "The agent's version.", labels=["version", "python"])
         build.add_metric([version, platform.python_version()], 1)
-        r.register(_Constant([build]))
+        r.register(Constant([build]))
         self.tasks_started = Counter("ckagent_tasks_started", "Tasks claimed and admitted to run here.", registry=r)
         self.tasks_finished = Counter(
             "ckagent_tasks_finished", "Tasks finished here, by status and errorCode (\"none\" on success).",
@@ -254,7 +254,9 @@ class AgentMetrics(SupervisorObserver):
             "ckagent_master_requests", "HTTP requests to the master by endpoint and outcome (ok, error for a "
             "transport failure, protocol_error for an answer that is not the protocol's, else the HTTP status).", ["endpoint", "outcome"], registry=r,
         )
-        self.master_latency = _LatencyByEndpoint(
+        for endpoint in ENDPOINTS:  # the endpoint table's names are the label's values: each series exists at 0
+            self.master_requests.labels(endpoint, "ok")
+        self.master_latency = LatencyByEndpoint(
             "ckagent_master_request_duration_seconds", "Latency of requests to the master (a long poll "
             "includes the time the master held it).", MASTER_LATENCY_BUCKETS)
         r.register(self.master_latency)
@@ -276,7 +278,7 @@ class AgentMetrics(SupervisorObserver):
             buckets=TASK_MEMORY_BUCKETS, registry=r,
         )
         r.register(_LiveCollector(self))
-        r.register(_ProcessFigures())
+        r.register(ProcessFigures())
 
     def containment_level(self, level: str) -> None:
         """Export the containment level in force (one series per level, 1 for the one in force)."""
@@ -295,25 +297,35 @@ class AgentMetrics(SupervisorObserver):
         self.master_requests.labels(endpoint, outcome).inc()
         self.master_latency.observe(endpoint, max(0.0, seconds))
 
-    def task_admitted(self, rt: RunningTask) -> None:
-        """A claimed task was admitted."""
-        self.tasks_started.inc()
+    def record(self, record: Record) -> None:
+        """The consumer of the lifecycle records (ckagent.delivery.lifecycle): each moves its figures.
 
-    def task_started(self, rt: RunningTask) -> None:
-        """The task holds its slot and its spider's lock: observe the queue wait."""
-        self.queue_wait.observe(max(0.0, time.time() - rt.claimed_at))
+        TaskAdmitted counts a started task; TaskStarted observes the queue wait; DepsPrepared counts the
+        cache hit or miss (and observes a miss's install seconds); TaskFinished counts the outcome and
+        observes duration, cpu, memory peak and refused connections; TaskLost (an earlier run's task,
+        AGENT_LOST) counts as finished here; TaskDelivered hands the acknowledged counts to the outbox's
+        shipped figures.
+        """
+        if isinstance(record, TaskAdmitted):
+            self.tasks_started.inc()
+        elif isinstance(record, TaskStarted):
+            self.queue_wait.observe(record.queue_wait_seconds)
+        elif isinstance(record, DepsPrepared):
+            if record.cache_hit:
+                self.deps_cache_hits.inc()
+            else:
+                self.deps_cache_misses.inc()
+                self.deps_install.observe(max(0.0, record.seconds))
+        elif isinstance(record, TaskFinished):
+            self._finished(record.result)
+        elif isinstance(record, TaskLost):
+            self.tasks_finished.labels(record.result.status, record.result.error_code or "none").inc()
+        elif isinstance(record, TaskDelivered) and self.outbox is not None:
+            result = record.result
+            self.outbox.task_acknowledged(record.task_id, result.log_lines or 0, result.item_count or 0,
+                                          record.claimed_at)
 
-    def deps_prepared(self, rt: RunningTask, prepared: Prepared) -> None:
-        """Dependencies are ready: count the cache hit or miss, observe the install time."""
-        self.install_info[rt.task.id] = (float(prepared.seconds), bool(prepared.cache_hit))
-        if prepared.cache_hit:
-            self.deps_cache_hits.inc()
-        else:
-            self.deps_cache_misses.inc()
-            self.deps_install.observe(max(0.0, float(prepared.seconds)))
-
-    def task_finished(self, rt: RunningTask, result: TaskResult) -> None:
-        """The task's outcome is known (before its streams are flushed and the result is sent)."""
+    def _finished(self, result: TaskResult) -> None:
         self.tasks_finished.labels(result.status, result.error_code or "none").inc()
         self.task_duration.labels(result.status).observe(max(0.0, (result.duration_ms or 0) / 1000))
         if result.cpu_seconds is not None:
@@ -322,16 +334,6 @@ class AgentMetrics(SupervisorObserver):
             self.task_memory_peak.observe(result.memory_peak_bytes)
         if result.egress_refused:
             self.egress_refused.inc(sum(r["count"] for r in result.egress_refused))
-
-    def task_lost(self, result: TaskResult) -> None:
-        """Crash recovery stored the AGENT_LOST result of a task an earlier run left running: it
-        counts as finished here (ckagent_tasks_finished_total), like a task that ended in this run."""
-        self.tasks_finished.labels(result.status, result.error_code or "none").inc()
-
-    def task_reported(self, task_id: str, result: TaskResult, claimed_at: float) -> None:
-        """The master acknowledged the final result (with its item and log line counts)."""
-        if self.outbox is not None:
-            self.outbox.task_acknowledged(task_id, result.log_lines or 0, result.item_count or 0, claimed_at)
 
     # ------------------------------------------------------------------ exposition
 
@@ -353,7 +355,7 @@ class AgentMetrics(SupervisorObserver):
         parts: list[bytes] = []
         with self._render_lock:
             self.live = live
-            for _ in _render_steps(self.registry, encoder, parts):
+            for _ in render_steps(self.registry, encoder, parts):
                 pass
         return b"".join(parts), content_type
 
@@ -361,7 +363,7 @@ class AgentMetrics(SupervisorObserver):
         """:meth:`render` on the event loop's thread, in slices (no thread, so no wait for the GIL):
         a checkpoint once a slice has run :data:`SLICE_SECONDS` (or would, with the next family's
         collection as long as last time), between families and between the pieces of a large family
-        (see :func:`_render_steps`).
+        (see :func:`render_steps`).
 
         The same bytes as :meth:`render`. Renders run one at a time. Cancellation between slices
         abandons the exposition (rendering changes nothing).
@@ -374,7 +376,7 @@ class AgentMetrics(SupervisorObserver):
             await trio.lowlevel.checkpoint()  # a fresh slice: not on top of what this step did before
             self.live = live
             deadline = time.perf_counter() + SLICE_SECONDS
-            for expected in _render_steps(self.registry, encoder, parts, self._collect_costs):
+            for expected in render_steps(self.registry, encoder, parts, self._collect_costs):
                 if time.perf_counter() + expected >= deadline:
                     await trio.lowlevel.checkpoint()
                     deadline = time.perf_counter() + SLICE_SECONDS
@@ -382,159 +384,4 @@ class AgentMetrics(SupervisorObserver):
         await trio.lowlevel.checkpoint()  # the caller's sending starts a slice of its own
         return body, content_type
 
-
-def _render_steps(registry: CollectorRegistry, encoder: Callable[[Collector], bytes], parts: list[bytes],
-                  costs: dict[str | None, float] | None = None) -> Iterator[float]:
-    """Render ``registry`` into ``parts`` (bytes to join), yielding where a caller may pause: before
-    each family is collected and between the pieces of :data:`SAMPLES_PER_PIECE` samples a family is
-    rendered in. Each yield gives the seconds the next step is expected to take: ``costs`` (kept by
-    the caller across renders) holds, by the name of the family before, what collecting the next one
-    took last time — the process collector's /proc reads take a few tenths of a millisecond, so a
-    caller can start them in a slice of their own. A collector may also yield one family as
-    consecutive pieces of the same name (:class:`_LatencyByEndpoint`): the pieces after the first
-    lose their ``# HELP``/``# TYPE`` lines."""
-    families = iter(registry.collect())
-    previous = None
-    openmetrics = encoder(_Constant([])) == OPENMETRICS_EOF
-    costs = {} if costs is None else costs
-    while True:
-        yield costs.get(previous, 0.0)
-        started = time.perf_counter()
-        family = next(families, None)
-        costs[previous] = time.perf_counter() - started
-        if family is None:
-            break
-        continued = family.name == previous
-        previous = family.name
-        for index, piece in enumerate(_pieces(family)):
-            if index:
-                yield 0.0
-            text = encoder(_Constant([piece]))
-            if openmetrics and text.endswith(OPENMETRICS_EOF):  # the encoder ends every call with it
-                text = text[: -len(OPENMETRICS_EOF)]
-            if index or continued:
-                text = _without_headers(text)
-            parts.append(text)
-    if openmetrics:
-        parts.append(OPENMETRICS_EOF)
-
-
-def _pieces(family: Metric) -> list[Metric]:
-    """``family`` cut into families of at most SAMPLES_PER_PIECE samples each (itself when small).
-    A family with OpenMetrics-only samples (``_created``, ``_gsum``, ``_gcount``, which the text
-    format renders as families of their own after the rest) is never cut."""
-    samples = family.samples
-    if len(samples) <= SAMPLES_PER_PIECE or any(
-            s.name.endswith(("_created", "_gsum", "_gcount")) for s in samples):
-        return [family]
-    pieces = []
-    for at in range(0, len(samples), SAMPLES_PER_PIECE):
-        piece = Metric(family.name, family.documentation, family.type, family.unit)
-        piece.samples = samples[at:at + SAMPLES_PER_PIECE]
-        pieces.append(piece)
-    return pieces
-
-
-def _without_headers(text: bytes) -> bytes:
-    """A rendered piece without its leading ``# HELP`` / ``# TYPE`` / ``# UNIT`` lines (the first
-    piece of the family carries them)."""
-    while text.startswith(b"# "):
-        text = text[text.index(b"\n") + 1:]
-    return text
-
-
-class _LatencyByEndpoint(Collector):
-    """A histogram with an ``endpoint`` label, kept as one unlabelled prometheus-client ``Histogram``
-    per endpoint (made at its first observation) and collected one endpoint at a time: consecutive
-    pieces of one family, so a sliced render may pause between endpoints (collecting all of them at
-    once took 0.6–2 ms here: more than a scrape may hold the loop)."""
-
-    def __init__(self, name: str, documentation: str, buckets: Sequence[float]) -> None:
-        self._name = name
-        self._documentation = documentation
-        self._buckets = buckets
-        self._by_endpoint: dict[str, Histogram] = {}
-
-    def observe(self, endpoint: str, seconds: float) -> None:
-        """One observation (seconds) for ``endpoint``."""
-        histogram = self._by_endpoint.get(endpoint)
-        if histogram is None:
-            histogram = self._by_endpoint[endpoint] = Histogram(
-                self._name, self._documentation, buckets=self._buckets, registry=None)
-        histogram.observe(seconds)
-
-    def collect(self) -> Iterator[Metric]:
-        """One piece per endpoint (sorted), or the empty family before any observation."""
-        endpoints = sorted(self._by_endpoint.items())
-        if not endpoints:
-            yield HistogramMetricFamily(self._name, self._documentation, labels=["endpoint"])
-        for endpoint, histogram in endpoints:
-            for family in histogram.collect():
-                piece = Metric(family.name, family.documentation, family.type, family.unit)
-                piece.samples = [sample._replace(labels={"endpoint": endpoint, **sample.labels})
-                                 for sample in family.samples]
-                yield piece
-
-
-class _ProcessFigures(Collector):
-    """prometheus-client's process collector, the same ``process_*`` series, from cheaper sources and
-    one family per step of a sliced render: CPU from ``os.times()`` and memory from
-    ``/proc/self/statm`` instead of ``/proc/self/stat`` (which sums over every thread of the process),
-    the fd limit from ``getrlimit``, the start time read once. Counting open fds still lists
-    ``/proc/self/fd`` (a few tenths of a millisecond with hundreds of fds): a family of its own.
-    Off Linux, only what ``os.times()`` and ``getrlimit`` give."""
-
-    def __init__(self) -> None:
-        self._page_bytes = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-        self._start_time = time.time() - time.monotonic() + _process_start_monotonic()
-
-    def collect(self) -> Iterator[Metric]:
-        times = os.times()
-        yield CounterMetricFamily("process_cpu_seconds", "Total user and system CPU time spent in seconds.",
-                                  value=times.user + times.system)
-        try:
-            with open("/proc/self/statm", "rb") as statm:
-                size, resident = statm.read().split()[:2]
-        except (OSError, ValueError):
-            pass
-        else:
-            yield GaugeMetricFamily("process_virtual_memory_bytes", "Virtual memory size in bytes.",
-                                    value=float(int(size) * self._page_bytes))
-            yield GaugeMetricFamily("process_resident_memory_bytes", "Resident memory size in bytes.",
-                                    value=float(int(resident) * self._page_bytes))
-        yield GaugeMetricFamily("process_start_time_seconds",
-                                "Start time of the process since unix epoch in seconds.", value=self._start_time)
-        try:
-            open_fds = len(os.listdir("/proc/self/fd"))
-        except OSError:
-            pass
-        else:
-            yield GaugeMetricFamily("process_open_fds", "Number of open file descriptors.", value=open_fds)
-        yield GaugeMetricFamily("process_max_fds", "Maximum number of open file descriptors.",
-                                value=float(resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
-
-
-def _process_start_monotonic() -> float:
-    """When this process started, on the ``time.monotonic()`` clock (the process's age from /proc;
-    the import of this module when /proc cannot tell)."""
-    try:
-        with open("/proc/self/stat", "rb") as stat:
-            start_ticks = float(stat.read().split(b")")[-1].split()[19])
-        with open("/proc/uptime", "rb") as uptime:
-            uptime_s = float(uptime.read().split()[0])
-        age = uptime_s - start_ticks / os.sysconf("SC_CLK_TCK")
-        return time.monotonic() - max(0.0, age)
-    except (OSError, ValueError, IndexError):
-        return _IMPORTED_MONOTONIC
-
-
-_IMPORTED_MONOTONIC = time.monotonic()
-
-
-class _Constant(Collector):
-    def __init__(self, metrics: list[Metric]) -> None:
-        self._metrics = metrics
-
-    def collect(self) -> Iterator[Metric]:
-        return iter(self._metrics)
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, cast
 import trio
 
 from ckagent import __version__
+from ckagent.containment.egress import describe_refusals
 from ckagent.master.protocol import utc_iso
 from ckagent.node.listen import bind_socket
 from ckagent.port.metrics import PHASES, AgentMetrics, LiveFigures, OutboxFigures
@@ -45,7 +46,10 @@ from ckagent.port.metrics import PHASES, AgentMetrics, LiveFigures, OutboxFigure
 if TYPE_CHECKING:
     from hypercorn.typing import ASGIFramework
 
+    from ckagent.containment import TaskJail
+    from ckagent.containment.egress import Egress, TaskRules
     from ckagent.delivery import Outbox
+    from ckagent.task.supervisor import RunningTask
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +93,29 @@ class TaskStatistics:
     sample_egress: Callable[[], tuple[tuple[str, Any], ...]] | None = None
     """Reads the task's refused connections now (``{"refused": [...], "summary": str}``; nft counters,
     /status only). None: no kernel egress rules for the task."""
+
+
+def task_statistics(rt: RunningTask, egress: Egress | None) -> TaskStatistics:
+    """One claimed, unfinished task as /status shows it; its cgroup figures and refused connections
+    (``egress``: the node's egress level, None = none) are read when /status asks (``sample_*``)."""
+    task = rt.task
+    return TaskStatistics(
+        id=task.id, spider_id=task.spider_id, spider_name=task.spider_name, framework=task.framework,
+        phase=rt.phase, claimed_at=rt.claimed_at, started_at=rt.started_at, pid=rt.pid,
+        sample_resources=None if rt.jail is None else partial(_jail_figures, rt.jail),
+        sample_egress=None if rt.egress is None or egress is None else partial(_egress_refusals, egress, rt.egress))
+
+
+def _jail_figures(jail: TaskJail) -> tuple[tuple[str, Any], ...]:
+    """A task's live cgroup figures as /status shows them (cgroupfs reads)."""
+    return tuple(jail.figures().to_json().items())
+
+
+def _egress_refusals(egress: Egress, rules: TaskRules) -> tuple[tuple[str, Any], ...]:
+    """A task's refused connections so far as /status shows them (nft counters, ~0.5 ms)."""
+    refused = egress.refusals(rules)
+    return (("refused", [{"address": r.address, "port": r.port, "count": r.count} for r in refused]),
+            ("summary", describe_refusals(refused)))
 
 
 @dataclass(frozen=True)
@@ -341,7 +368,7 @@ class AgentStatus:
 
     async def metrics(self, accept: str) -> tuple[bytes, str]:
         """/metrics: the outbox figures and the exposition, both on the loop in slices of about
-        0.25 ms of work each (SLICE_SECONDS in ckagent.port.metrics and ckagent.delivery.statistics)."""
+        0.25 ms of work each (SLICE_SECONDS in ckagent.port.exposition and ckagent.delivery.statistics)."""
         live = self.live(await self._outbox_figures())
         return await self._metrics.render_sliced(live, accept)
 

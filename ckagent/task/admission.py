@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,10 +22,12 @@ import trio
 
 from ckagent.containment import TaskJail
 from ckagent.containment.egress import TaskRules
-from ckagent.master.protocol import Task, TaskResult
+from ckagent.delivery.lifecycle import Lifecycle, TaskAdmitted
+from ckagent.master.protocol import Task
+from ckagent.node.broadcast import Broadcast
 
 if TYPE_CHECKING:
-    from ckagent.code.deps import Prepared
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -67,33 +68,10 @@ class RunningTask:
         return True
 
 
-TaskObserver = Callable[[RunningTask, TaskResult], None]
-"""Called with a task and its final result once the master acknowledged it (the outbox's ``on_delivered``)."""
-
-
-class SupervisorObserver:
-    """Hooks into a task's life for metrics (``ckagent.port.metrics.AgentMetrics``); no-ops here.
-
-    Called on the Trio thread at each step; an implementation must not block or raise.
-    """
-
-    def task_admitted(self, rt: RunningTask) -> None:
-        """A claimed task was admitted (it is queued)."""
-
-    def task_started(self, rt: RunningTask) -> None:
-        """The task now holds a slot and its spider's lock (its queue wait is over)."""
-
-    def deps_prepared(self, rt: RunningTask, prepared: Prepared) -> None:
-        """The task's dependencies are ready (``prepared.cache_hit``, ``prepared.seconds``)."""
-
-    def task_finished(self, rt: RunningTask, result: TaskResult) -> None:
-        """The outcome is known; streams are not flushed and the result not sent yet."""
-
-
 class Admission:
     """The node's slots, spider locks and running set (see module docstring); ``max_workers`` ≥ 1."""
 
-    def __init__(self, max_workers: int, observer: SupervisorObserver | None = None) -> None:
+    def __init__(self, max_workers: int, lifecycle: Lifecycle | None = None) -> None:
         self.max_workers = max_workers
         self.capacity = trio.CapacityLimiter(max_workers)
         self.running: dict[str, RunningTask] = {}
@@ -104,16 +82,12 @@ class Admission:
         self.last_claim_poll: int | None = None
         """The newest claiming poll id the poller has sent (None: none yet)."""
         self._spider_locks: dict[str, trio.Lock] = {}
-        self._slot_freed = trio.Event()
-        self._observer = observer or SupervisorObserver()
+        self._slot_freed = Broadcast()
+        self.lifecycle = lifecycle or Lifecycle()
+        """Where the runner says what happened to each task (ckagent.delivery.lifecycle records)."""
         self.handing_over = False
         """Set when the agent stops and leaves its running spiders to the next agent (not drain, not
         terminate): a cancelled task whose spider runs is then left alone, its state kept for re-adoption."""
-
-    @property
-    def observer(self) -> SupervisorObserver:
-        """The metrics hooks."""
-        return self._observer
 
     def spider_lock(self, spider_id: str) -> trio.Lock:
         """The lock that keeps one spider's tasks serial (one per spider id ever seen: a few bytes
@@ -137,30 +111,23 @@ class Admission:
         """Return when at least one slot is free. Cancellation: returns nothing, as usual."""
         while self.free_slots() <= 0:
             await self._slot_freed.wait()
-            self._slot_freed = trio.Event()
 
     async def wait_idle(self) -> None:
         """Return once no claimed task is left (running or queued). Cancellation: as usual."""
         while self.running:
-            freed = self._slot_freed
-            await freed.wait()
-            if self._slot_freed is freed:
-                self._slot_freed = trio.Event()
+            await self._slot_freed.wait()
 
     async def wait_spider_free(self, spider_ids: list[str]) -> None:
         """Return once a spider of ``spider_ids`` has no claimed task here any more (a long poll that
         excluded it has gone stale). Never returns for an empty list. Cancellation: as usual."""
         while set(spider_ids) <= set(self.running_spider_ids()):
-            freed = self._slot_freed
-            await freed.wait()
-            if self._slot_freed is freed:
-                self._slot_freed = trio.Event()
+            await self._slot_freed.wait()
 
     def admit(self, task: Task) -> RunningTask:
         """Record a claimed task as ours (call before spawning the task's runner)."""
         rt = RunningTask(task=task)
         self.running[task.id] = rt
-        self._observer.task_admitted(rt)
+        self.lifecycle.emit(TaskAdmitted(task.id, task.spider_id, rt.claimed_at))
         return rt
 
     def cancel(self, task_id: str, reason: str) -> bool:

@@ -42,6 +42,7 @@ from ckagent.containment.egress import EgressError, report_refusals
 from ckagent.containment.hierarchy import task_cgroup_name
 from ckagent.containment.monitor import Handle, Monitored, boot_id, read_status, start_ticks
 from ckagent.containment.process_group import MARKER_VAR, ProcessGroupJail
+from ckagent.delivery.lifecycle import TaskFinished
 from ckagent.master.protocol import Task
 from ckagent.node.errors import AGENT_ERROR, describe_fault
 from ckagent.node.state import TaskRecord
@@ -165,7 +166,7 @@ async def run_adopted(supervisor: Supervisor, rt: RunningTask, adoption: Adoptio
     jail: TaskJail | None = None
     try:
         async with lock:
-            delivery = await outbox.open_task(task, record.task_dir)
+            delivery = await outbox.open_task(task, record.task_dir, claimed_at=record.claimed_at)
             rt.delivery = delivery
             sink = delivery.sink
             assert sink is not None
@@ -212,7 +213,7 @@ async def run_adopted(supervisor: Supervisor, rt: RunningTask, adoption: Adoptio
             if outcome is not None and not rt.handed_over:  # its files → items, artifacts or kept ones
                 await supervisor.collect_outputs(rt, record.task_dir, Path(handle.work), None, notice)
             result = _result(rt, outcome, record.claimed_at)
-            supervisor.observer.task_finished(rt, result)
+            supervisor.lifecycle.emit(TaskFinished(task.id, result))
             await delivery.finish(result)
     finally:
         with trio.CancelScope(shield=True):  # noqa: ASYNC912 - shielded cleanup

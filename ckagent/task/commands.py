@@ -18,16 +18,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckagent.code.frameworks import REGISTRY, SPIDER_NAME, all_markers, framework
+from ckagent.code.frameworks import all_markers, framework
 from ckagent.code.scrapyhook import SCAN_SKIP, runs_in_env, scrapy_spider_names, uses_sdk_pipeline
 from ckagent.code.workspace import DeployError
 from ckagent.master.protocol import Task
 
-__all__ = ["DEFAULT_COMMANDS", "default_command", "resolve_command", "runs_in_env", "scrapy_spider_names", "uses_sdk_pipeline"]
-
-DEFAULT_COMMANDS: dict[str, list[str]] = {name: list(f.command) for name, f in REGISTRY.items()
-                                          if SPIDER_NAME not in f.command}
-"""The fixed default commands by framework (from the registry; Node's is refined by package.json)."""
+__all__ = ["default_command", "resolve_command", "runs_in_env", "scrapy_spider_names", "uses_sdk_pipeline"]
 
 
 def default_command(task: Task) -> list[str]:

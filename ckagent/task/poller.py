@@ -60,9 +60,9 @@ from ckagent.master.client import (
     MasterError,
     MasterRejected,
     MasterUnavailable,
-    json_object,
 )
-from ckagent.master.ids import api_path, shown_id
+from ckagent.master.endpoints import Retry
+from ckagent.master.ids import shown_id
 from ckagent.master.protocol import (
     CLAIM_IN_POLL,
     BadTask,
@@ -325,19 +325,14 @@ class Poller:
         if not self._master.registered:  # (the agent registers first; the features come with it)
             await self._master.register()
         sup = self._supervisor
-        params: dict[str, str | int | float] = {"limit": max(1, sup.free_slots())}
-        excluded = sorted(set(sup.running_spider_ids()) | self.unrunnable)
-        if excluded:
-            params["excludeSpiderIds"] = ",".join(excluded)
-        if self.long_poll_wait:
-            params["waitSeconds"] = self.long_poll_wait
-        poll_id = None
+        limit = max(1, sup.free_slots())
+        claim = poll_id = None
         if CLAIM_IN_POLL in self._master.features:  # the answer carries the claims (module docstring)
-            params["claim"] = params["limit"]
-            params["pollId"] = poll_id = self._open_claim_poll()
-        answer: PendingTasks = await self._master.call_retrying(
-            "poll", "GET", "/api/nodes/{node}/tasks/pending", params=params,
-            read_timeout=self.long_poll_wait + self._request_timeout, answer=PendingTasks.from_json,
+            claim, poll_id = limit, self._open_claim_poll()
+        answer = await self._master.poll(
+            limit, exclude_spider_ids=sorted(set(sup.running_spider_ids()) | self.unrunnable),
+            wait_seconds=self.long_poll_wait, claim=claim, poll_id=poll_id,
+            read_timeout=self.long_poll_wait + self._request_timeout, retry=Retry(),
         )
         self.polls += 1
         self._answered_poll = poll_id
@@ -375,12 +370,9 @@ class Poller:
             sup.claiming.discard(task.id)
 
     async def _claim(self, task_id: str) -> bool:
-        body = TaskResult(status="RUNNING", started_at=utc_now_iso()).to_json()
+        claim = TaskResult(status="RUNNING", started_at=utc_now_iso())
         try:
-            await self._master.call_retrying(
-                "claim", "POST", api_path("/api/tasks/{task}/result", task=task_id), json=body, retry_timeout=CLAIM_RETRY_TIMEOUT,
-                answer=json_object,
-            )
+            await self._master.claim(task_id, claim, retry=Retry(timeout=CLAIM_RETRY_TIMEOUT))
         except MasterConflict:
             log.info("task %s: claimed elsewhere or cancelled (409); not running it", task_id)
             return False
@@ -395,8 +387,7 @@ class Poller:
         master's reconciliation (the node will not list the task). Cancellation: as usual."""
         with trio.move_on_after(RELEASE_TIMEOUT) as scope:  # noqa: ASYNC912 - the call checkpoints before it raises
             try:
-                await self._master.call("release", "POST", api_path("/api/tasks/{task}/release", task=task_id),
-                                        json=TaskRelease(reason=reason).to_json(), answer=json_object)
+                await self._master.release(task_id, TaskRelease(reason=reason))
             except MasterError as exc:
                 log.warning("task %s: could not give it back to the master (%s); the master's "
                             "reconciliation will", task_id, exc)
@@ -424,8 +415,6 @@ class Poller:
         result = TaskResult(status="FAILED", error_code="BAD_TASK", error_message=str(bad.error),
                             started_at=now, finished_at=now, duration_ms=0, item_count=0, log_lines=0)
         try:
-            await self._master.call_retrying("result", "POST", api_path("/api/tasks/{task}/result", task=bad.task_id),
-                                             json=result.to_json(), retry_timeout=CLAIM_RETRY_TIMEOUT,
-                                             answer=json_object)
+            await self._master.report_result(bad.task_id, result, retry=Retry(timeout=CLAIM_RETRY_TIMEOUT))
         except MasterError as exc:
             log.warning("task %s: could not report BAD_TASK (%s)", shown, exc)

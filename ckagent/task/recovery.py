@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -22,6 +22,7 @@ import trio
 
 from ckagent.containment import Containment
 from ckagent.containment.process import sweep
+from ckagent.delivery.lifecycle import Lifecycle, TaskLost
 from ckagent.master.protocol import TaskResult, utc_iso, utc_now_iso
 from ckagent.node.state import AsyncStateStore, TaskRecord
 
@@ -29,13 +30,13 @@ log = logging.getLogger(__name__)
 
 
 async def recover_lost_tasks(store: AsyncStateStore,
-                             on_lost: Callable[[TaskResult], None] | None = None,
+                             lifecycle: Lifecycle | None = None,
                              containment: Containment | None = None,
                              keep: Collection[str] = (),
                              reasons: Mapping[str, str] | None = None) -> list[TaskRecord]:
     """At start, before registering: kill leftovers of tasks that ran when the agent died, note it in
     their logs, and store their AGENT_LOST results (the outbox delivers them after registering).
-    ``on_lost(result)`` is called for each such task (metrics: a finished task like any other).
+    Each such task's TaskLost record goes to ``lifecycle`` (metrics: a finished task like any other).
 
     A recorded process group is only killed when one of its members still carries the task's
     marker (after a reboot the number may belong to someone else); marked processes always are.
@@ -70,8 +71,8 @@ async def recover_lost_tasks(store: AsyncStateStore,
             duration_ms=int((now - record.claimed_at) * 1000),
         )
         await store.set_result(record.task_id, result.to_json())
-        if on_lost is not None:
-            on_lost(result)
+        if lifecycle is not None:
+            lifecycle.emit(TaskLost(record.task_id, result))
     if containment is not None:
         with trio.CancelScope(shield=True):
             stale = await containment.sweep_stale(keep=set(keep))

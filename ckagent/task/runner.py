@@ -35,7 +35,8 @@ from pathlib import Path
 
 import trio
 
-from ckagent.code.deps import PYTHON_FRAMEWORKS, Dependencies, Prepared, spider_base_env
+from ckagent.code import frameworks
+from ckagent.code.deps import Dependencies, Prepared, spider_base_env
 from ckagent.code.workspace import Workspaces
 from ckagent.containment import ContainmentError, TaskJail
 from ckagent.containment.egress import report_refusals
@@ -44,8 +45,10 @@ from ckagent.containment.process import MARKER_VAR, sweep
 from ckagent.containment.tails import TailBuffer
 from ckagent.delivery import LogSink, Outbox
 from ckagent.delivery.crawlstats import STATS_FILE
-from ckagent.master.client import MasterClient, MasterError, json_object
-from ckagent.master.ids import api_path, safe_name
+from ckagent.delivery.lifecycle import DepsPrepared, TaskFinished, TaskStarted
+from ckagent.master.client import MasterClient, MasterError
+from ckagent.master.endpoints import Retry
+from ckagent.master.ids import safe_name
 from ckagent.master.ids import task_dir as task_dir_of
 from ckagent.master.protocol import ARTIFACTS
 from ckagent.node.errors import (
@@ -58,7 +61,7 @@ from ckagent.node.errors import (
     os_error_text,
 )
 from ckagent.node.state import AsyncStateStore, StateStoreError
-from ckagent.task.admission import Admission, RunningTask, TaskObserver
+from ckagent.task.admission import Admission, RunningTask
 from ckagent.task.deploy import Deployer, empty_jail, remove_shielded
 from ckagent.task.outcome import (
     MESSAGE_CHARS,
@@ -73,7 +76,6 @@ from ckagent.task.outcome import (
     task_result,
 )
 from ckagent.task.runconfig import RunnerConfig
-from ckagent.task.scrapyhook import scrapy_hook
 
 log = logging.getLogger(__name__)
 
@@ -95,15 +97,13 @@ class TaskRunner:
     """Runs each admitted task's life (see module docstring); ``admission`` owns the slots and locks."""
 
     def __init__(self, config: RunnerConfig, master: MasterClient, store: AsyncStateStore, workspaces: Workspaces,
-                 deps: Dependencies, admission: Admission, outbox: Outbox,
-                 on_finished: TaskObserver | None = None) -> None:
+                 deps: Dependencies, admission: Admission, outbox: Outbox) -> None:
         self.config = config
         self._master = master
         self._store = store
         self._outbox = outbox
         self._deps = deps
         self._admission = admission
-        self._on_finished = on_finished
         self.deployer = Deployer(config, workspaces, lambda: ARTIFACTS in master.features)
 
     async def run_task(self, rt: RunningTask) -> None:
@@ -127,11 +127,7 @@ class TaskRunner:
 
                 await trio.to_thread.run_sync(open_task_dir)
                 # Logs, items and the result are the outbox's: they outlive this slot (see ckagent.delivery).
-                on_finished = self._on_finished
-                delivery = await self._outbox.open_task(
-                    task, task_dir,
-                    on_delivered=None if on_finished is None else lambda final: on_finished(rt, final),
-                )
+                delivery = await self._outbox.open_task(task, task_dir, claimed_at=rt.claimed_at)
             except (OSError, sqlite3.Error) as exc:
                 # A full disk or a broken work dir fails this task, never the agent.
                 await self._report_unprepared(rt, exc, started_wall)
@@ -167,7 +163,7 @@ class TaskRunner:
                 with trio.CancelScope(shield=True):
                     await sweep(task.id, None)
             result = task_result(rt, outcome, started_wall)
-            self._admission.observer.task_finished(rt, result)
+            self._admission.lifecycle.emit(TaskFinished(task.id, result))
             # Stores the result and hands the rest to the outbox; the slot is free when this returns.
             await delivery.finish(result)
         finally:
@@ -189,13 +185,10 @@ class TaskRunner:
         log.error("task %s: %s", rt.task.id, message)
         result = task_result(rt, TaskOutcome("FAILED", "DEPLOY_FAILED", message), started_wall)
         try:
-            await self._master.call_retrying(
-                "result", "POST", api_path("/api/tasks/{task}/result", task=rt.task.id), json=result.to_json(),
-                retry_timeout=REPORT_RETRY_TIMEOUT, answer=json_object,
-            )
+            await self._master.report_result(rt.task.id, result, retry=Retry(timeout=REPORT_RETRY_TIMEOUT))
         except MasterError as report_exc:
             log.error("task %s: could not report the failure either (%s)", rt.task.id, report_exc)
-        self._admission.observer.task_finished(rt, result)
+        self._admission.lifecycle.emit(TaskFinished(rt.task.id, result))
 
     async def _execute(self, rt: RunningTask, task_dir: Path, sink: LogSink) -> TaskOutcome:
         """Slot → deploy → install → run one task; a TaskError of any phase becomes its FAILED outcome here.
@@ -236,7 +229,7 @@ class TaskRunner:
         """The spider's lock, then a capacity token (a queued task never holds a slot)."""
         async with self._admission.spider_lock(rt.task.spider_id), self._admission.capacity:
             rt.phase = "deploying"
-            self._admission.observer.task_started(rt)
+            self._admission.lifecycle.emit(TaskStarted(rt.task.id, rt.claimed_at, time.time()))
             yield
 
     @contextlib.asynccontextmanager
@@ -282,7 +275,7 @@ class TaskRunner:
         finally:
             rt.phase_seconds.setdefault("install", trio.current_time() - started)
         try:
-            self._admission.observer.deps_prepared(rt, prepared)
+            self._admission.lifecycle.emit(DepsPrepared(task.id, float(prepared.seconds), bool(prepared.cache_hit)))
             for note in prepared.notes:
                 notice(note)
             env_name = f" ({prepared.env_dir.name})" if prepared.env_dir is not None else ""
@@ -320,12 +313,12 @@ class TaskRunner:
                 "CK_PARAMS": json.dumps(task.params, ensure_ascii=False),
             }
         )
-        if prepared.env_dir is not None and task.framework in PYTHON_FRAMEWORKS:
-            hook_env, hook_note = await trio.to_thread.run_sync(
-                scrapy_hook, task.framework, argv, env.get("PATH"), code.work, prepared.env_dir)
-            env.update(hook_env)
-            if hook_note:
-                notice(hook_note)
+        if frameworks.has_spawn_hooks(task.framework):  # the framework's (and its runtime's) hooks: Scrapy's items …
+            added = await trio.to_thread.run_sync(frameworks.spawn_additions, frameworks.SpawnContext(
+                task.framework, argv, env, code.work, prepared.env_dir))
+            env.update(added.env)
+            for line in added.notices:
+                notice(line)
         timeout = self.config.execute_timeout if task.timeout_seconds is None else task.timeout_seconds
         stall = self.config.stall_timeout if task.stall_timeout_seconds is None else task.stall_timeout_seconds
         rt.phase = "running"

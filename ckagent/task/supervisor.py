@@ -17,14 +17,15 @@ from ckagent.code.workspace import Workspaces
 from ckagent.containment import TaskJail
 from ckagent.containment.monitor import Monitored
 from ckagent.delivery import LogSink, Outbox
+from ckagent.delivery.lifecycle import Lifecycle
 from ckagent.master.client import MasterClient
 from ckagent.node.state import AsyncStateStore
-from ckagent.task.admission import Admission, RunningTask, SupervisorObserver, TaskObserver
+from ckagent.task.admission import Admission, RunningTask
 from ckagent.task.outcome import Notice, TaskOutcome
 from ckagent.task.runconfig import RunnerConfig
 from ckagent.task.runner import TaskRunner
 
-__all__ = ["RunnerConfig", "RunningTask", "Supervisor", "SupervisorObserver", "TaskOutcome"]
+__all__ = ["RunnerConfig", "RunningTask", "Supervisor", "TaskOutcome"]
 
 
 class Supervisor(Admission):
@@ -39,16 +40,15 @@ class Supervisor(Admission):
         workspaces: Workspaces,
         deps: Dependencies,
         max_workers: int,
-        on_finished: TaskObserver | None = None,
-        observer: SupervisorObserver | None = None,
         *,
         outbox: Outbox,
+        lifecycle: Lifecycle | None = None,
     ) -> None:
-        super().__init__(max_workers, observer)
+        super().__init__(max_workers, lifecycle)
         self.config = config
         self._store = store
         self._outbox = outbox
-        self.runner = TaskRunner(config, master, store, workspaces, deps, self, outbox, on_finished)
+        self.runner = TaskRunner(config, master, store, workspaces, deps, self, outbox)
 
     @property
     def store(self) -> AsyncStateStore:

@@ -211,3 +211,15 @@ def str_map(o: dict[str, Any], key: str, *, path: str = "", env_names: bool = Fa
             shown = type(v).__name__ if env_names else _describe(v)
             raise ProtocolError(f"{name}.{k}", f"expected a string, got {shown}")
     return dict(value)
+
+
+def req_master_id(o: dict[str, Any], key: str, path: str) -> str:
+    """A required id chosen by the master (:func:`master_id` with ``required``). Raises ProtocolError."""
+    value = master_id(o, key, path=path)
+    assert value is not None
+    return value
+
+
+def drop_none(obj: dict[str, Any]) -> dict[str, Any]:
+    """``obj`` without its ``None`` values (the protocol leaves unset fields out)."""
+    return {k: v for k, v in obj.items() if v is not None}

@@ -1,0 +1,71 @@
+"""The agent as its own port shows it: :func:`agent_statistics` takes the frozen snapshot that /status,
+/metrics and the status page render (ckagent.port.status), from the parts of a running agent.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from ckagent.port.status import AgentStatistics, runtime_versions, task_statistics
+
+if TYPE_CHECKING:
+    from ckagent.code.runtimescan import RuntimeScan
+    from ckagent.code.workspace import Workspaces
+    from ckagent.containment import Containment
+    from ckagent.containment.egress import Egress
+    from ckagent.master.client import MasterClient
+    from ckagent.master.heartbeat import HeartbeatLoop
+    from ckagent.node.config import Settings
+    from ckagent.node.intake import IntakeGate
+    from ckagent.node.notices import Notices
+    from ckagent.task.supervisor import Supervisor
+
+
+class StatusSource(Protocol):
+    """What the snapshot reads of the agent (:class:`ckagent.agent.Agent`); the parts built at start
+    are None before."""
+
+    settings: Settings
+    master: MasterClient
+    max_workers: int
+    heartbeat: HeartbeatLoop | None
+    supervisor: Supervisor | None
+    workspaces: Workspaces | None
+    scan: RuntimeScan
+    intake: IntakeGate
+    containment: Containment | None
+    egress: Egress | None
+    notices: Notices
+
+    @property
+    def state(self) -> object:
+        """The agent's state (its ``str`` is reported)."""
+
+
+def agent_statistics(agent: StatusSource) -> AgentStatistics:
+    """A frozen snapshot of ``agent`` (state, master, heartbeat, slots, tasks) for /status and /metrics.
+    Reads nothing from disk or the kernel: a task's cgroup figures are read by /status alone
+    (``TaskStatistics.sample_resources``)."""
+    supervisor, heartbeat, workspaces = agent.supervisor, agent.heartbeat, agent.workspaces
+    connectivity = agent.master.connectivity
+    return AgentStatistics(
+        state=str(agent.state),
+        name=agent.settings.agent.name,
+        node_id=agent.master.node_id,
+        registered=agent.master.registered,
+        master_up=connectivity.up,
+        heartbeat_last_success=heartbeat.last_success if heartbeat is not None else None,
+        heartbeat_interval=agent.settings.heartbeat.interval,
+        max_workers=agent.max_workers,
+        free_slots=supervisor.free_slots() if supervisor is not None else agent.max_workers,
+        tasks=tuple(task_statistics(rt, agent.egress)
+                    for rt in (supervisor.running.values() if supervisor is not None else ())),
+        code_download_bytes=workspaces.downloaded_bytes if workspaces is not None else 0,
+        runtimes=tuple(runtime_versions(agent.scan.runtimes).items()),
+        master_problem=connectivity.problem,
+        master_problem_age=connectivity.problem_age(),
+        intake_reason=agent.intake.reason,
+        containment=tuple(agent.containment.to_json().items()) if agent.containment is not None else None,
+        egress=tuple(agent.egress.to_json().items()) if agent.egress is not None else None,
+        warnings=agent.notices.texts(),
+    )
