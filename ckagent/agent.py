@@ -357,6 +357,8 @@ class Agent:
         root.start_soon(partial(self.scan.run, self.heartbeat.after_first_beat, self.poller.forget_unrunnable))
         adoptions, refused = await find_adoptable(await store.pending_delivery())
         adopted = {adoption.record.task_id for adoption in adoptions}
+        if self.workspaces is not None:  # the working copies of tasks a crash interrupted; not the re-adopted
+            await trio.to_thread.run_sync(self.workspaces.prune_runs, [a.handle.work for a in adoptions])
         leftovers = await recover_lost_tasks(store, self.lifecycle, self.containment, keep=adopted,
                                              reasons=refused)
         if s.task.cleanup_temp_files:

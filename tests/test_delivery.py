@@ -37,7 +37,8 @@ from ckagent.delivery import (
     secret_values,
     send_result,
 )
-from ckagent.delivery.readers import _JournalReader, _Pending
+from ckagent.delivery.pending import Pending
+from ckagent.delivery.readers import _JournalReader
 from ckagent.delivery.spool import BATCH_AGE
 from ckagent.master.client import MasterClient
 from ckagent.master.protocol import RegisterRequest, TaskResult
@@ -179,8 +180,8 @@ def test_items_are_parsed_and_anything_else_is_kept_wrapped() -> None:
 # ---------------------------------------------------------------------------------------------- journal
 
 
-async def read_all(reader: _JournalReader) -> tuple[list[str], _Pending]:
-    pending = _Pending()
+async def read_all(reader: _JournalReader) -> tuple[list[str], Pending]:
+    pending = Pending()
     while not reader.done:
         if not await reader.read(pending):
             break
@@ -219,7 +220,7 @@ async def test_the_journal_replays_the_same_stream_from_any_acknowledged_element
     for k in range(1, len(everything), 5):
         first = _JournalReader(tmp_path, Masker([]), max_line_bytes=64)
         await first.restore(None)
-        pending = _Pending()
+        pending = Pending()
         while len(pending) < k:
             assert await first.read(pending)
         position = first.commit(pending.take(k))

@@ -1,4 +1,4 @@
-"""Blocks of plain log lines (LineSplitter.feed_block, encode_block, _Pending.add_block) behave exactly
+"""Blocks of plain log lines (LineSplitter.feed_block, encode_block, Pending.add_block) behave exactly
 like one element per line: the same batch bodies, sizes, cuts and acknowledged positions."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 import pytest
 
 from ckagent.delivery.lines import LineSplitter, encode_block, encode_lines
-from ckagent.delivery.readers import _Pending
+from ckagent.delivery.pending import Pending
 from ckagent.node.logs import Masker
 
 SECRET = "s3cr3t-value-0042"
@@ -29,11 +29,11 @@ def plain_heavy_text(rng: random.Random, lines: int) -> bytes:
     return b"\n".join(out) + (b"\n" if rng.random() < 0.7 else b"")
 
 
-def fill(data: bytes, chunks: list[int], blocks: bool, masker: Masker, prefix: str) -> _Pending:
-    """Everything in ``data`` read in ``chunks`` into a _Pending, as _JournalReader._emit_fed does
+def fill(data: bytes, chunks: list[int], blocks: bool, masker: Masker, prefix: str) -> Pending:
+    """Everything in ``data`` read in ``chunks`` into a Pending, as _JournalReader._emit_fed does
     (``blocks``) or one element per line (the reference)."""
     splitter = LineSplitter(0, 64)
-    pending = _Pending()
+    pending = Pending()
     at = 0
     for size in [*chunks, len(data)]:
         piece, at = data[at : at + size], at + size
@@ -63,7 +63,7 @@ async def test_blocks_give_the_same_batches_and_positions_as_one_element_per_lin
     chunks = [rng.randint(1, 3000) for _ in range(40)]
     masker = Masker([SECRET])
     prefix = rng.choice(["", "[spider.log] "])
-    # async: _Pending reads the Trio clock; nothing here waits.
+    # async: Pending reads the Trio clock; nothing here waits.
     reference = fill(data, chunks, False, masker, prefix)
     blocked = fill(data, chunks, True, masker, prefix)
     assert len(blocked) == len(reference) and blocked.size == reference.size
@@ -102,7 +102,7 @@ async def test_a_block_is_cut_where_a_batch_ends_and_keeps_each_line_s_end() -> 
     assert (start, count, splitter.offset) == (100, 10, 100 + len(data))
     encoded = encode_block(block, None, "")
     assert encoded is not None
-    pending = _Pending()
+    pending = Pending()
     pending.add_block(encoded[0], count, start, start + len(block) + 1, encoded[1], "run")
     assert pending.batch_len(4, 1 << 20) == 4
     assert pending.body(4, 7, "lines") == b'{"seq":7,"lines":["line 0","line 1","line 2","line 3"]}'

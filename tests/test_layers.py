@@ -36,8 +36,6 @@ OVER_LIMIT = {
 
     "ckagent/devmaster/app.py",
 
-    "ckagent/delivery/readers.py",
-
 }
 
 

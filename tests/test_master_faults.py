@@ -40,7 +40,8 @@ from harness import MemoryMaster, agent_settings, eventually, items_of, output_l
 from ckagent.agent import Agent
 from ckagent.delivery import LogJournal, Masker, StreamShipper, send_result
 from ckagent.master.client import MasterClient, MasterError, RegistrationRefused
-from ckagent.master.protocol import CLAIM_IN_POLL, HeartbeatResponse, RegisterRequest, SeqAccepted, TaskResult
+from ckagent.master.endpoints import HEARTBEAT, LOGS
+from ckagent.master.protocol import CLAIM_IN_POLL, HeartbeatResponse, RegisterRequest, TaskResult
 from ckagent.node.state import AsyncStateStore, StateStore
 
 FAULT_SECONDS = 5.0
@@ -94,7 +95,7 @@ def master_warnings(caplog: pytest.LogCaptureFixture, since: int) -> list[str]:
 # ------------------------------------------------------------------------------- every fault, as logic
 
 TOKEN = "reg-token-SECRET-0123456789"
-NODE_CALLS = CALLS - {"register", "claim", "download", "spider_files"}
+NODE_CALLS = CALLS - {"register", "claim", "download", "spider_files", "spider_file"}
 """The calls faulted while a task streams (the end-to-end case's set)."""
 LINES = [f"line {i:05d}" for i in range(12_000)]  # three batches: the fault starts after the first
 ITEMS = [{"n": n} for n in range(0, 12_000, 10)]
@@ -112,8 +113,7 @@ def memory_client(faults: MockFaults) -> MasterClient:
 
 
 async def heartbeat(master: MasterClient) -> HeartbeatResponse:
-    return await master.call("heartbeat", "POST", "/api/nodes/{node}/heartbeat", json={},
-                             answer=HeartbeatResponse.from_json)
+    return await master.call(HEARTBEAT, json={})
 
 
 async def heartbeats(master: MasterClient) -> None:
@@ -144,8 +144,7 @@ async def exception_of(mode: str) -> type[Exception]:
         await master.register()
         faults.set(mode, {"logs"})
         with pytest.raises(MasterError) as info:
-            await master.call("logs", "POST", "/api/tasks/t1/logs", json={"seq": 0, "lines": ["a"]},
-                              answer=SeqAccepted.from_json)
+            await master.call(LOGS, {"task": "t1"}, json={"seq": 0, "lines": ["a"]})
         return type(info.value)
     finally:
         await master.aclose()

@@ -29,7 +29,7 @@ import os
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import stamina
@@ -140,9 +140,28 @@ class Workspaces:
         self.downloaded_bytes = 0
         shutil.rmtree(self.staging, ignore_errors=True)
         self.staging.mkdir(parents=True, exist_ok=True)
-        # Working copies of tasks a crash interrupted: nothing reads them any more.
-        shutil.rmtree(self.runs, ignore_errors=True)
+        # Working copies an earlier agent left stay until prune_runs: a re-adopted task runs in its own.
         self.runs.mkdir(parents=True, exist_ok=True)
+
+    def prune_runs(self, keep: Collection[str | Path]) -> int:
+        """Delete the working copies an earlier agent left, except ``keep`` (those of the tasks it
+        re-adopts: their spiders still run in them, and what they write there is their output).
+        Returns how many were deleted; never raises (what cannot be deleted is logged). Blocking."""
+        kept = {Path(path).name for path in keep}
+        deleted = 0
+        for entry in sorted(self.runs.iterdir()) if self.runs.is_dir() else []:
+            if entry.name in kept:
+                continue
+            try:
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+            except OSError as exc:
+                log.warning("cannot delete the working copy %s an earlier agent left: %s", entry, exc)
+                continue
+            deleted += 1
+        return deleted
 
     def acquire(self, path: Path) -> None:
         """Mark a version dir as used by a running task (pruning skips it)."""

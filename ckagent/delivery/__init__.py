@@ -6,6 +6,8 @@ Files of a task (``work_dir/tasks/<task-id>/``)::
     items.jsonl      one JSON object per line, written by the spider (the SDK)
     *.log ...        the spider's own log files (globs: ``task.log_files`` + the task's ``params.logFiles``)
     output.journal   the order in which the log sources' bytes enter the task's ONE log stream
+    items.journal    with declared item files only: the same for the items stream (items.jsonl and
+    item-files/*     the hard links of the declared JSON Lines files; :mod:`.outputs.live`)
 
 **One log stream, several sources.** The master numbers a task's log lines with one ``seq`` space,
 so lines of the spider's log files must be merged with stdout/stderr in an order that is the same
@@ -22,7 +24,8 @@ order the journal feeds the bytes. Lines of a spider log file are marked with th
 ``[scrapy.log] <line>``; stdout/stderr lines are not marked. The journal is the only writer's
 decision; readers replay it, so the stream is a pure function of the files. Positions stored in the
 state store are ``{"j": <journal offset of the record being replayed>, "p": {<idx>: <end offset of
-the source's last acknowledged line>}}``; the items stream is one file (``{"offset": n}``).
+the source's last acknowledged line>}}``; the items stream is one file (``{"offset": n}``), or,
+for a task that declares item files, ``items.journal``'s replay (positions as the log's).
 
 **Lines.** Splitting works on bytes, so offsets stay exact: a line ends at ``\\n``, ``\\r\\n`` or a
 lone ``\\r`` (progress bars become lines instead of one endless line); a line longer than

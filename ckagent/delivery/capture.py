@@ -196,6 +196,11 @@ class LogSink:
             return
         self.write(data if self._ends_line else b"\n" + data)
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran (nothing more is written)."""
+        return self._fd < 0
+
     def close(self) -> None:
         """Write the truncation marker (if output was dropped), close the file (idempotent)."""
         if self._fd < 0:

@@ -66,9 +66,12 @@ class LogJournal:
     :meth:`flush` — the stream's order stays what the records say, it only reaches the file later.
     """
 
-    def __init__(self, task_dir: Path) -> None:
+    def __init__(self, task_dir: Path, name: str = JOURNAL_FILE, first: str = OUTPUT_LOG,
+                 what: str = "log file") -> None:
         self.task_dir = task_dir
-        self.path = task_dir / JOURNAL_FILE
+        self.path = task_dir / name
+        self._first = first  # source 0 (output.log; items.jsonl for the items journal)
+        self._what = what  # a source in the log's words ("log file", "item file")
         self._fd = -1
         self.paths: dict[int, str] = {}  # idx → path (the current idx of each path is in `current`)
         self.current: dict[str, int] = {}
@@ -76,6 +79,8 @@ class LogJournal:
         self.finalized: set[int] = set()
         self.ended = False
         self.on_record: Callable[[], None] | None = None
+        self.on_notice: Callable[[str], None] | None = None
+        """Told (instead of the agent log) when a source shrank: the items journal says it in the task's log."""
         self._warned_full = False
         self.unwritten = b""
         """Records a failed write left in memory (written before any later record)."""
@@ -102,7 +107,7 @@ class LogJournal:
                 self.ended = True
         self._fd = open_spool(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         if 0 not in self.paths:
-            self._write([self._declare(OUTPUT_LOG)])
+            self._write([self._declare(self._first)])
 
     def _declare(self, path: str) -> str:
         idx = max(self.paths, default=-1) + 1
@@ -146,7 +151,8 @@ class LogJournal:
             if idx is None:
                 if len(self.paths) >= MAX_LOG_SOURCES + 1:
                     if not self._warned_full:
-                        log.warning("%s: more than %d log files; ignoring the others", self.task_dir, MAX_LOG_SOURCES)
+                        log.warning("%s: more than %d %ss; ignoring the others", self.task_dir, MAX_LOG_SOURCES,
+                                    self._what)
                         self._warned_full = True
                     continue
                 records.append(self._declare(path))
@@ -154,7 +160,12 @@ class LogJournal:
             elif idx in self.finalized:
                 continue
             elif size < self.recorded[idx]:
-                log.info("%s: log file %s shrank (rotated?); reading it again from its start", self.task_dir, path)
+                if self.on_notice is None:
+                    log.info("%s: %s %s shrank (rotated?); reading it again from its start", self.task_dir,
+                             self._what, path)
+                else:
+                    self.on_notice(f"{self._what} {path} shrank from {self.recorded[idx]} to {size} bytes "
+                                   "(truncated or rewritten): what it holds now is read from its start")
                 records.append(f"F {idx}\n")
                 self.finalized.add(idx)
                 records.append(self._declare(path))

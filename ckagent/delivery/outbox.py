@@ -24,9 +24,9 @@ from ckagent.delivery.lifecycle import Lifecycle
 from ckagent.delivery.lines import Masker, secret_values
 from ckagent.delivery.nodebatch import NodeBatcher
 from ckagent.delivery.retention import retention_loop
-from ckagent.delivery.spool import OUTPUT_LOG, SCAN_INTERVAL, SEND_CONCURRENCY
+from ckagent.delivery.spool import ITEMS_FILE, ITEMS_JOURNAL, OUTPUT_LOG, SCAN_INTERVAL, SEND_CONCURRENCY
 from ckagent.delivery.statistics import OutboxStatistics, SpoolCounter
-from ckagent.delivery.taskdelivery import OutboxConfig, TaskDelivery
+from ckagent.delivery.taskdelivery import OutboxConfig, Scanned, TaskDelivery
 from ckagent.master.client import MasterClient
 from ckagent.master.protocol import Task, TaskResult
 from ckagent.node.broadcast import Broadcast
@@ -178,8 +178,18 @@ class Outbox:
         masker = Masker(secret_values(task.env, self.config.agent_secrets, [*(task.command or ()), *task.args]))
         journal = LogJournal(task_dir)
         await trio.to_thread.run_sync(journal.open)
+        item_globs = list(task.outputs.items) if task.outputs is not None else []
+        item_journal = None
+        if item_globs:  # declared item files: the items stream is a journal's merge (ckagent.delivery.outputs.live)
+            item_journal = LogJournal(task_dir, ITEMS_JOURNAL, ITEMS_FILE, "item file")
+            try:
+                await trio.to_thread.run_sync(item_journal.open)
+            except BaseException:
+                journal.close()
+                raise
         delivery = TaskDelivery(self, task.id, task_dir, masker, task_log_globs(task, self.config.log_globs),
-                                None, journal, spider=task.spider_name or task.spider_id, claimed_at=claimed_at)
+                                None, journal, spider=task.spider_name or task.spider_id, claimed_at=claimed_at,
+                                item_journal=item_journal, item_globs=item_globs)
         delivery.sink = LogSink(task_dir / OUTPUT_LOG, delivery.output_written,
                                 max_bytes=self.config.max_log_bytes, guard=self.guard)
         rejected = rejected_log_globs(task)
@@ -208,8 +218,9 @@ class Outbox:
             log.error("task %s: cannot open its log journal (%s); not sending its log", record.task_id, exc)
             ship_logs = False
         spider = str(record.task_json.get("spiderName") or record.spider_id)
+        item_journal = await trio.to_thread.run_sync(_item_journal_of, record.task_dir)
         delivery = TaskDelivery(self, record.task_id, record.task_dir, masker, globs, None, journal,
-                                spider=spider, claimed_at=record.claimed_at)
+                                spider=spider, claimed_at=record.claimed_at, item_journal=item_journal)
         delivery.ship_logs = ship_logs
         for shipper in (delivery.logs, delivery.items):  # the outbox figures count from here at once
             shipper.acked = (await self.store.stream_position(record.task_id, shipper.stream))[0]
@@ -236,6 +247,8 @@ class Outbox:
             if delivery.sink is not None:
                 delivery.sink.close()
             delivery.journal.close()
+            if delivery.item_journal is not None:
+                delivery.item_journal.close()
             self.deliveries.pop(delivery.task_id, None)
             self._delivered.set()
             if not self.deliveries:
@@ -258,8 +271,8 @@ class Outbox:
             await self._flush_positions()  # the shippers' acknowledged positions, all streams at once
             live = [delivery for delivery in self.deliveries.values() if delivery.scanning]
             found, free, sizes = await trio.to_thread.run_sync(_scan_round, live, self.guard.path)  # one hop
-            for delivery, (files, items_size, stats_size) in zip(live, found, strict=True):
-                delivery.scanned(files, items_size, stats_size)
+            for delivery, (files, items_size, stats_size, item_sizes) in zip(live, found, strict=True):
+                delivery.scanned(files, items_size, stats_size, item_sizes)
             if free is not None:
                 self.guard.free_bytes = free
             await self._watch_disk(free, {d.task_id: size for d, size in zip(live, sizes, strict=True)})
@@ -301,8 +314,7 @@ class Outbox:
             log.info("the acknowledged positions are saved again")
 
 
-def _scan_round(deliveries: list[TaskDelivery], disk: Path) -> tuple[list[tuple[dict[str, int], int, int]],
-                                                                     int | None, list[int]]:
+def _scan_round(deliveries: list[TaskDelivery], disk: Path) -> tuple[list[Scanned], int | None, list[int]]:
     """One round of the disk loop in its worker thread (blocking): :func:`_scan_all`, the free bytes of
     the filesystem holding ``disk`` (None when it cannot be measured) and each task dir's bytes."""
     try:
@@ -313,7 +325,7 @@ def _scan_round(deliveries: list[TaskDelivery], disk: Path) -> tuple[list[tuple[
     return _scan_all(deliveries), free, [tree_bytes(delivery.task_dir) for delivery in deliveries]
 
 
-def _scan_all(deliveries: list[TaskDelivery]) -> list[tuple[dict[str, int], int, int]]:
+def _scan_all(deliveries: list[TaskDelivery]) -> list[Scanned]:
     """:meth:`TaskDelivery.scan` of each (blocking); a task whose dir cannot be read is skipped."""
     found = []
     for delivery in deliveries:
@@ -321,5 +333,19 @@ def _scan_all(deliveries: list[TaskDelivery]) -> list[tuple[dict[str, int], int,
             found.append(delivery.scan())
         except OSError as exc:
             log.debug("task %s: cannot scan its files: %s", delivery.task_id, exc)
-            found.append(({}, 0, 0))
+            found.append(({}, 0, 0, {}))
     return found
+
+
+def _item_journal_of(task_dir: Path) -> LogJournal | None:
+    """The items journal an earlier run left in ``task_dir`` (opened), or None: a task without one.
+    A journal that cannot be read is logged and ignored (the items stream is items.jsonl alone). Blocking."""
+    if not (task_dir / ITEMS_JOURNAL).exists():
+        return None
+    journal = LogJournal(task_dir, ITEMS_JOURNAL, ITEMS_FILE, "item file")
+    try:
+        journal.open()
+    except (OSError, ValueError) as exc:
+        log.error("%s: cannot open its items journal (%s); sending items.jsonl alone", task_dir.name, exc)
+        return None
+    return journal

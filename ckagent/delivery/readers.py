@@ -1,18 +1,14 @@
-"""Readers of the spool: pending elements, the items file's tailer and the replay of a task's log journal
-(written by :mod:`ckagent.delivery.journal`).
+"""Readers of the spool: the items file's tailer and the replay of a task's log journal (written by
+:mod:`ckagent.delivery.journal`). Both add what they read to a :class:`ckagent.delivery.pending.Pending`.
 
 See the package docstring (ckagent.delivery) for the whole design.
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
 import os
-from collections import deque
 from collections.abc import Callable
-from itertools import accumulate
-from operator import add
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +16,9 @@ import trio
 
 from ckagent.delivery.journal import parse_journal
 from ckagent.delivery.lines import LineSplitter, Masker, encode_block, encode_json, encode_lines
+from ckagent.delivery.pending import Pending
 from ckagent.delivery.spool import (
+    ITEMS_JOURNAL,
     JOURNAL_FILE,
     MAX_LINE_BYTES,
     OUTPUT_LOG,
@@ -30,227 +28,6 @@ from ckagent.delivery.spool import (
 )
 
 log = logging.getLogger(__name__)
-
-# ---------------------------------------------------------------------------------------------- readers
-
-
-class _Pending:
-    """Elements read but not yet acknowledged, in order, each already encoded as JSON (bytes).
-
-    Parallel lists, one entry per element or *block*: the entry's bytes, its mark (where its last
-    element ends in its source: an int), its size in the batch body (bytes, without its ``,``
-    separator), its element count and, for a block, how to cut it. ``runs`` groups consecutive
-    elements by the reader's tag (for the journal: which record and source they came from). A batch
-    body is the entries joined with ``,`` — nothing is encoded twice.
-
-    A block (:meth:`add_block`) is many printable-ASCII log lines read together, already joined as
-    they travel in a body (``"a","b"``): a flood of plain lines costs one bytes object per read
-    instead of several per line. A block is cut into its elements only where a batch ends inside it
-    (or an answer needs its first element). ``len()`` counts elements, never entries. ``since`` is
-    when the oldest pending element was read (``trio.current_time()``): a batch's age is its oldest
-    element's, also for elements read while the batch before them was on its way.
-    """
-
-    __slots__ = ("_added", "_blocks", "_gone", "_reads", "count", "counts", "cuts", "elements", "marks", "runs", "since", "size", "sizes")
-
-    def __init__(self) -> None:
-        self.elements: list[bytes] = []
-        self.marks: list[int] = []
-        self.sizes: list[int] = []
-        self.counts: list[int] = []  # elements in each entry (1, or a block's count)
-        self.cuts: list[tuple[int, int] | None] = []  # a block's (mark before it, prefix bytes per line)
-        self.runs: list[list[Any]] = []  # [count, tag]
-        self.size = 0
-        self.count = 0
-        self.since = 0.0
-        self._blocks = 0  # entries that are blocks: 0 keeps every operation on the one-entry-per-element path
-        self._reads: deque[tuple[int, float]] = deque()  # (elements added up to this read's end, its time)
-        self._added = 0  # elements ever added
-        self._gone = 0  # elements ever taken or cleared
-
-    def __len__(self) -> int:
-        return self.count
-
-    def _run(self, count: int, tag: Any) -> None:
-        now = trio.current_time()
-        if not self.count:
-            self.since = now
-        self._added += count
-        self._reads.append((self._added, now))
-        self.count += count
-        if self.runs and self.runs[-1][1] == tag:
-            self.runs[-1][0] += count
-        else:
-            self.runs.append([count, tag])
-
-    def add(self, elements: list[bytes], marks: list[int], tag: Any = None) -> None:
-        """Append encoded ``elements`` ending at ``marks`` (same length), all from one run ``tag``."""
-        if not elements:
-            return
-        self._run(len(elements), tag)
-        self.elements += elements
-        self.marks += marks
-        sizes = list(map(len, elements))
-        self.sizes += sizes
-        self.counts += [1] * len(sizes)
-        self.cuts += [None] * len(sizes)
-        self.size += sum(sizes) + len(sizes)
-
-    def add_block(self, block: bytes, count: int, start: int, end: int, prefix_bytes: int, tag: Any = None) -> None:
-        """Append ``count`` log lines encoded as one block (see :func:`ckagent.delivery.lines.encode_block`):
-        ``"<prefix><line>","<prefix><line>"``, the lines ending at ``start`` + (each line's length + 1),
-        the last at ``end``; ``prefix_bytes`` is the length of the (quote-free) prefix of every line."""
-        self._run(count, tag)
-        self.elements.append(block)
-        self.marks.append(end)
-        self.sizes.append(len(block))
-        self.counts.append(count)
-        self.cuts.append((start, prefix_bytes) if count > 1 else None)
-        self.size += len(block) + 1
-        if count > 1:
-            self._blocks += 1
-
-    def _explode(self, i: int) -> None:
-        """Replace block entry ``i`` by one entry per element (marks from the lines' lengths)."""
-        cut = self.cuts[i]
-        assert cut is not None
-        start, prefix_bytes = cut
-        parts = self.elements[i][1:-1].split(b'","')
-        elements = [b'"%s"' % part for part in parts]
-        marks = list(accumulate([len(part) - prefix_bytes + 1 for part in parts], initial=start))[1:]
-        k = len(elements)
-        self.elements[i : i + 1] = elements
-        self.marks[i : i + 1] = marks
-        self.sizes[i : i + 1] = map(len, elements)
-        self.counts[i : i + 1] = [1] * k
-        self.cuts[i : i + 1] = [None] * k
-        self._blocks -= 1
-
-    def _split(self, i: int, k: int) -> None:
-        """Cut block entry ``i`` into two entries: its first ``k`` elements and the rest (0 < k < count)."""
-        block, c, mark, cut = self.elements[i], self.counts[i], self.marks[i], self.cuts[i]
-        assert cut is not None and 0 < k < c
-        start, prefix_bytes = cut
-        inner = block[1:-1]
-        if k <= c - k:  # split off the shorter side only: a bytes object per element of it
-            head_len = sum(map(len, inner.split(b'","', k)[:k])) + 3 * (k - 1)
-        else:
-            head_len = len(inner.rsplit(b'","', c - k)[0])
-        head, tail = b'"%s"' % inner[:head_len], b'"%s"' % inner[head_len + 3 :]
-        middle = start + head_len - 3 * (k - 1) - k * prefix_bytes + k  # where the k-th line ends
-        self.elements[i : i + 1] = head, tail
-        self.marks[i : i + 1] = middle, mark
-        self.sizes[i : i + 1] = len(head), len(tail)
-        self.counts[i : i + 1] = k, c - k
-        self.cuts[i : i + 1] = (start, prefix_bytes) if k > 1 else None, (middle, prefix_bytes) if c - k > 1 else None
-        self._blocks += (k > 1) + (c - k > 1) - 1
-
-    def _entries(self, n: int) -> int:
-        """How many leading entries hold exactly the first ``n`` elements (a block across the boundary is cut)."""
-        if not self._blocks or n <= 0:
-            return max(n, 0)
-        seen = 0
-        for i, c in enumerate(self.counts):
-            if seen + c >= n:
-                if seen + c > n:
-                    self._split(i, n - seen)
-                return i + 1
-            seen += c
-        return len(self.counts)
-
-    def first(self) -> bytes:
-        """The first element (encoded)."""
-        self._entries(1)
-        return self.elements[0]
-
-    def encoded(self) -> list[bytes]:
-        """Every element, one by one (blocks cut)."""
-        self._entries(self.count)
-        while self._blocks:
-            self._explode(next(i for i, c in enumerate(self.counts) if c > 1))
-        return list(self.elements)
-
-    def take(self, n: int) -> list[tuple[Any, int]]:
-        """Drop the first ``n`` elements; returns ``(tag, last mark)`` of each run they touched, in order."""
-        m = self._entries(n)
-        touched: list[tuple[Any, int]] = []
-        left = n
-        counts = self.counts
-        line = entry = 0  # elements and entries passed
-        while left:
-            run = self.runs[0]
-            used = min(left, run[0])
-            if self._blocks:  # runs end on entry boundaries (one add per run piece), and so does n
-                target = line + used
-                while line < target:
-                    line += counts[entry]
-                    entry += 1
-                touched.append((run[1], self.marks[entry - 1]))
-            else:
-                touched.append((run[1], self.marks[n - left + used - 1]))
-            left -= used
-            if used == run[0]:
-                del self.runs[0]
-            else:
-                run[0] -= used
-        self.size -= sum(self.sizes[:m]) + m
-        self.count -= n
-        if self._blocks:
-            self._blocks -= sum(1 for c in counts[:m] if c > 1)
-        del self.elements[:m], self.marks[:m], self.sizes[:m], self.counts[:m], self.cuts[:m]
-        self._gone += n
-        reads = self._reads
-        while reads and reads[0][0] <= self._gone:
-            reads.popleft()
-        if reads:
-            self.since = reads[0][1]  # when the oldest element left was read
-        return touched
-
-    def size_of(self, n: int) -> int:
-        """Bytes the first ``n`` elements take in a batch body (each with a separator)."""
-        m = self._entries(n)
-        return sum(self.sizes[:m]) + m
-
-    def replace_first(self, element: bytes) -> None:
-        """Put ``element`` (encoded) in place of the first element (same mark and run)."""
-        self._entries(1)
-        self.size += len(element) - self.sizes[0]
-        self.elements[0] = element
-        self.sizes[0] = len(element)
-
-    def clear(self) -> None:
-        self.elements, self.marks, self.sizes, self.counts, self.cuts, self.runs = [], [], [], [], [], []
-        self.size = self.count = self._blocks = 0
-        self._gone = self._added
-        self._reads.clear()
-
-    def batch_len(self, max_count: int, max_bytes: int) -> int:
-        """How many leading elements make a batch of at most ``max_count`` and ``max_bytes`` (at least 1)."""
-        if self._blocks:
-            taken = size = i = 0
-            while i < len(self.counts):
-                c, s = self.counts[i], self.sizes[i] + 1
-                if taken + c <= max_count and size + s <= max_bytes:
-                    taken, size, i = taken + c, size + s, i + 1
-                elif taken >= max_count or c == 1:
-                    break
-                elif taken + c > max_count and size + s <= max_bytes:
-                    self._split(i, max_count - taken)  # the count ends the batch inside this block
-                else:
-                    self._explode(i)  # the size ends the batch inside this block: look at its elements
-            return max(1, taken)
-        n = min(len(self.elements), max_count)
-        if (self.size if n == len(self.elements) else self.size_of(n)) <= max_bytes:
-            return n
-        # total of the first i+1 elements with their separators: sizes[0..i] + (i + 1)
-        totals = list(map(add, accumulate(self.sizes[:n]), range(1, n + 1)))
-        return max(1, min(n, bisect.bisect_right(totals, max_bytes)))
-
-    def body(self, n: int, seq: int, key: str) -> bytes:
-        """The JSON request body ``{"seq": seq, key: [first n elements]}`` (UTF-8 bytes)."""
-        m = self._entries(n)
-        return b'{"seq":%d,"%s":[%s]}' % (seq, key.encode(), b",".join(self.elements[:m]))
-
 
 def _pread(fd: int, size: int, offset: int) -> bytes:
     """Read on the event loop's thread: spool files were just written by the agent or its spider, so
@@ -268,6 +45,43 @@ def oversize_placeholder(size: int, limit: int) -> bytes:
         "content as a file in CK_TASK_DIR and put its name in the item)")})
 
 
+class _ItemLines:
+    """Complete lines of an items file → their elements: each line encoded (None: skipped), a line
+    longer than the limit (the splitter's pieces of it) replaced by one placeholder."""
+
+    __slots__ = ("_encode", "_max", "line_start", "oversize")
+
+    def __init__(self, start: int, encode: Callable[[bytes], bytes | None], max_line_bytes: int) -> None:
+        self.line_start = start  # where the next line (or piece of a cut one) starts
+        self.oversize = 0  # bytes so far of a line longer than max_line_bytes (0: none being read)
+        self._encode = encode
+        self._max = max_line_bytes
+
+    def elements(self, lines: list[bytes], ends: list[int], final: bool) -> tuple[list[bytes], list[int]]:
+        """(elements, their marks) of ``lines`` ending at ``ends``; ``final``: the last is the file's
+        unterminated last line (flushed), not a piece of a longer one."""
+        elements, marks = [], []
+        encode = self._encode
+        last = len(lines) - 1
+        for i, (raw, end) in enumerate(zip(lines, ends, strict=True)):
+            start, self.line_start = self.line_start, end
+            # A piece the splitter cut off a line longer than max_line_bytes consumed no terminator.
+            element: bytes | None
+            cut = end - start == len(raw) and len(raw) > self._max - 4 and not (final and i == last)
+            if cut or self.oversize:
+                self.oversize += end - start
+                if cut:
+                    continue
+                element = oversize_placeholder(self.oversize, self._max)
+                self.oversize = 0
+            else:
+                element = encode(raw)
+            if element is not None:
+                elements.append(element)
+                marks.append(end)
+        return elements, marks
+
+
 class _FileReader:
     """Elements of one file (the items stream). Position: ``{"offset": <end of the last element>}``."""
 
@@ -280,8 +94,7 @@ class _FileReader:
         self._fd = -1
         self._read_at = 0
         self._splitter = LineSplitter(0, max_line_bytes, cr_breaks)
-        self._line_start = 0  # where the next line (or piece of a cut one) starts
-        self._oversize = 0  # bytes so far of a line longer than max_line_bytes (0: none being read)
+        self._lines = _ItemLines(0, encode, max_line_bytes)
         self.finished = False  # set by the owner: the file will not grow any more
         self.done = False
         # Written by another process, so nothing notifies its growth directly: while it grows the shipper
@@ -293,10 +106,10 @@ class _FileReader:
         offset = int(position.get("offset", 0)) if isinstance(position, dict) else 0
         self._read_at = offset
         self._splitter = LineSplitter(offset, self._max, self._cr)
-        self._line_start, self._oversize = offset, 0
+        self._lines = _ItemLines(offset, self._encode, self._max)
         self.done = False
 
-    async def read(self, pending: _Pending) -> bool:
+    async def read(self, pending: Pending) -> bool:
         if self.done:
             return False
         if self._fd < 0:
@@ -321,30 +134,11 @@ class _FileReader:
             self.done = True
         else:
             return False
-        elements, marks = [], []
-        encode = self._encode
-        last = len(lines) - 1
-        for i, (raw, end) in enumerate(zip(lines, ends, strict=True)):
-            start, self._line_start = self._line_start, end
-            # A piece the splitter cut off a line longer than max_line_bytes consumed no terminator.
-            element: bytes | None
-            cut = end - start == len(raw) and len(raw) > self._max - 4 and not (self.done and i == last)
-            if cut or self._oversize:
-                self._oversize += end - start
-                if cut:
-                    continue
-                element = oversize_placeholder(self._oversize, self._max)
-                self._oversize = 0
-            else:
-                element = encode(raw)
-            if element is not None:
-                elements.append(element)
-                marks.append(end)
-        pending.add(elements, marks)
+        pending.add(*self._lines.elements(lines, ends, self.done))
         return True
 
     def commit(self, runs: list[tuple[Any, int]]) -> Any:
-        """The position after the elements of ``runs`` (from :meth:`_Pending.take`)."""
+        """The position after the elements of ``runs`` (from :meth:`Pending.take`)."""
         return {"offset": runs[-1][1]}
 
     def close(self) -> None:
@@ -356,12 +150,13 @@ class _FileReader:
 class _Source:
     """One log source while the journal is replayed."""
 
-    __slots__ = ("fd", "fed", "finalized", "path", "prefix", "splitter")
+    __slots__ = ("fd", "fed", "finalized", "items", "path", "prefix", "splitter")
 
-    def __init__(self, path: str, start: int, max_line_bytes: int) -> None:
+    def __init__(self, path: str, start: int, max_line_bytes: int, items: _ItemLines | None = None) -> None:
         self.path = path
         self.prefix = "" if path == OUTPUT_LOG else f"[{path}] "
-        self.splitter = LineSplitter(start, max_line_bytes, True)
+        self.splitter = LineSplitter(start, max_line_bytes, items is None)
+        self.items = items  # an items source (the items journal's): its lines become items
         self.fed = start
         self.fd = -1
         self.finalized = False
@@ -370,8 +165,10 @@ class _Source:
 class _JournalReader:
     """The log stream of a task: replays ``output.journal`` over its sources (see module docstring)."""
 
-    def __init__(self, task_dir: Path, masker: Masker, max_line_bytes: int = MAX_LINE_BYTES) -> None:
+    def __init__(self, task_dir: Path, masker: Masker, max_line_bytes: int = MAX_LINE_BYTES,
+                 journal: str = JOURNAL_FILE) -> None:
         self.task_dir = task_dir
+        self._journal = journal
         self._masker = masker
         self._max = max_line_bytes
         self._sources: dict[int, _Source] = {}
@@ -383,6 +180,9 @@ class _JournalReader:
         self._acked: dict[int, int] = {}
         self.done = False
         self.polls = False  # the journal writer notifies
+
+    def _source(self, path: str, start: int) -> _Source:
+        return _Source(path, start, self._max)
 
     async def restore(self, position: Any) -> None:
         self.close()
@@ -399,12 +199,12 @@ class _JournalReader:
         self.done = False
         head = b""
         if start:
-            head = await trio.to_thread.run_sync(_read_prefix, self.task_dir / JOURNAL_FILE, start)
+            head = await trio.to_thread.run_sync(_read_prefix, self.task_dir / self._journal, start)
         records, _ = parse_journal(head)
         fed_to: dict[int, int] = {}
         for _, kind, idx, arg in records:
             if kind == "S":
-                self._sources[idx] = _Source(arg, acked.get(idx, 0), self._max)
+                self._sources[idx] = self._source(arg, acked.get(idx, 0))
             elif kind == "D":
                 fed_to[idx] = int(arg)
             elif kind == "F" and idx in self._sources:
@@ -435,7 +235,7 @@ class _JournalReader:
         if nl < 0:
             if self._jfd < 0:
                 try:
-                    self._jfd = open_spool(self.task_dir / JOURNAL_FILE)
+                    self._jfd = open_spool(self.task_dir / self._journal)
                 except FileNotFoundError:
                     return None
             rest = self._jbuf[self._jat :]
@@ -466,7 +266,7 @@ class _JournalReader:
         self._jat = nl + 1
         return int(size_text)
 
-    async def read(self, pending: _Pending) -> bool:
+    async def read(self, pending: Pending) -> bool:
         progress = False
         budget = READ_CHUNK
         while budget > 0 and not self.done:
@@ -492,7 +292,7 @@ class _JournalReader:
             progress = True
             at, kind, idx, arg = record
             if kind == "S":
-                self._sources[idx] = _Source(arg, self._acked.get(idx, 0), self._max)
+                self._sources[idx] = self._source(arg, self._acked.get(idx, 0))
             elif kind == "D":
                 target = int(arg)
                 # Following D records of the same source continue the same bytes: read them in one go
@@ -506,7 +306,7 @@ class _JournalReader:
                 ending = self._sources.get(idx)
                 if ending is not None and not ending.finalized:
                     ending.finalized = True
-                    self._emit(pending, at, idx, *ending.splitter.flush())
+                    self._emit_final(pending, at, idx)
                     if ending.fd >= 0:
                         os.close(ending.fd)
                         ending.fd = -1
@@ -514,9 +314,9 @@ class _JournalReader:
                 self.done = True
         return progress
 
-    def _emit_fed(self, pending: _Pending, at: int, idx: int, data: bytes) -> None:
+    def _emit_fed(self, pending: Pending, at: int, idx: int, data: bytes) -> None:
         """Feed source ``idx``'s next bytes to its splitter and add the lines they complete (as one
-        block when they are plain lines: see :meth:`_Pending.add_block`)."""
+        block when they are plain lines: see :meth:`Pending.add_block`)."""
         source = self._sources[idx]
         fed = source.splitter.feed_block(data)
         if fed is None:
@@ -529,13 +329,17 @@ class _JournalReader:
         else:
             pending.add_block(encoded[0], count, start, start + len(block) + 1, encoded[1], (at, idx))
 
-    def _emit(self, pending: _Pending, at: int, idx: int, lines: list[bytes], ends: list[int]) -> None:
+    def _emit_final(self, pending: Pending, at: int, idx: int) -> None:
+        """Source ``idx`` is complete: its unterminated last line becomes a line."""
+        self._emit(pending, at, idx, *self._sources[idx].splitter.flush())
+
+    def _emit(self, pending: Pending, at: int, idx: int, lines: list[bytes], ends: list[int]) -> None:
         if lines:
             source = self._sources[idx]
             pending.add(encode_lines(lines, self._masker, source.prefix), ends, (at, idx))
 
     def commit(self, runs: list[tuple[Any, int]]) -> Any:
-        """The position after the elements of ``runs`` (from :meth:`_Pending.take`)."""
+        """The position after the elements of ``runs`` (from :meth:`Pending.take`)."""
         acked = self._acked
         for (_, idx), end in runs:
             acked[idx] = end
@@ -549,6 +353,33 @@ class _JournalReader:
         if self._jfd >= 0:
             os.close(self._jfd)
             self._jfd = -1
+
+
+class _ItemJournalReader(_JournalReader):
+    """The items stream of a task with declared item files: replays ``items.journal`` over
+    items.jsonl and the links of its JSON Lines files (ckagent.delivery.outputs.live). Positions as
+    the log stream's; each source's lines become items as :class:`_FileReader`'s do."""
+
+    def __init__(self, task_dir: Path, encode: Callable[[bytes], bytes | None], max_line_bytes: int) -> None:
+        super().__init__(task_dir, Masker([]), max_line_bytes, journal=ITEMS_JOURNAL)
+        self._encode = encode
+
+    def _source(self, path: str, start: int) -> _Source:
+        return _Source(path, start, self._max, _ItemLines(start, self._encode, self._max))
+
+    def _emit_fed(self, pending: Pending, at: int, idx: int, data: bytes) -> None:
+        source = self._sources[idx]
+        lines, ends = source.splitter.feed(data)
+        if lines:
+            assert source.items is not None
+            pending.add(*source.items.elements(lines, ends, False), (at, idx))
+
+    def _emit_final(self, pending: Pending, at: int, idx: int) -> None:
+        source = self._sources[idx]
+        lines, ends = source.splitter.flush()
+        if lines:
+            assert source.items is not None
+            pending.add(*source.items.elements(lines, ends, True), (at, idx))
 
 
 def _read_prefix(path: Path, size: int) -> bytes:

@@ -18,7 +18,8 @@ import trio
 
 from ckagent.delivery.lines import Masker, encode_item, encode_json
 from ckagent.delivery.nodebatch import NodeBatcher
-from ckagent.delivery.readers import _FileReader, _JournalReader, _Pending
+from ckagent.delivery.pending import Pending
+from ckagent.delivery.readers import _FileReader, _ItemJournalReader, _JournalReader
 from ckagent.delivery.spool import (
     BACKOFF_INITIAL,
     BACKOFF_MAX,
@@ -157,10 +158,8 @@ class StreamShipper:
         self.requests = 0
         self.batcher: NodeBatcher | None = None
         """Set by the outbox: batches go through it while the master offers node batches."""
-        self.hurry = False
-        """Send what is read at once, not waiting for a fuller batch (a hand-over's flush sets it)."""
-        self.on_idle: Callable[[], None] | None = None
-        """Called whenever nothing read waits for the master (nothing pending, nothing in flight)."""
+        self.hurry = False  # send what is read at once, not waiting for a fuller batch (a hand-over's flush)
+        self.on_idle: Callable[[], None] | None = None  # called whenever nothing read waits for the master
 
     @classmethod
     def logs(cls, master: MasterClient, store: AsyncStateStore, task_id: str, task_dir: Path, masker: Masker,
@@ -173,9 +172,14 @@ class StreamShipper:
     @classmethod
     def items(cls, master: MasterClient, store: AsyncStateStore, task_id: str, task_dir: Path,
               limiter: trio.CapacityLimiter | None = None,
-              refusal_timeout: float = DEFAULT_REFUSAL_TIMEOUT) -> StreamShipper:
-        """The items stream of the task in ``task_dir`` (``items.jsonl``)."""
-        reader = _FileReader(task_dir / ITEMS_FILE, encode_item, MAX_ITEM_BYTES, cr_breaks=False)
+              refusal_timeout: float = DEFAULT_REFUSAL_TIMEOUT, journal: bool = False) -> StreamShipper:
+        """The items stream of the task in ``task_dir``: ``items.jsonl``; with ``journal``, the
+        merge ``items.journal`` records of items.jsonl and the declared item files."""
+        reader: _FileReader | _JournalReader
+        if journal:
+            reader = _ItemJournalReader(task_dir, encode_item, MAX_ITEM_BYTES)
+        else:
+            reader = _FileReader(task_dir / ITEMS_FILE, encode_item, MAX_ITEM_BYTES, cr_breaks=False)
         return cls(master, store, task_id, "items", reader, limiter, refusal_timeout)
 
     def _age(self) -> float:
@@ -193,7 +197,8 @@ class StreamShipper:
         self._wake.set()
 
     def finish(self) -> None:
-        """The items file is complete (no-op for logs): ship the rest, then :meth:`run` returns."""
+        """The items file is complete (no-op for a journal's stream: its E record says it): ship the
+        rest, then :meth:`run` returns."""
         if isinstance(self._reader, _FileReader):
             self._reader.finished = True
         self._wake.set()
@@ -209,7 +214,7 @@ class StreamShipper:
         self.acked = seq
         await reader.restore(position)
         checkpoints: dict[int, Any] = {0: None, seq: position}
-        pending = _Pending()
+        pending = Pending()
         skip = 0  # elements the master already holds beyond `seq`: read them, do not send them
         flight: _Flight | None = None  # the one request in flight (its elements lead `pending`)
         # An acknowledged position not yet in the state store: saved once the next batch is on its
@@ -366,7 +371,7 @@ class StreamShipper:
             {"_invalidItem": None, "_error": f"an item of {size} bytes was refused by the master and dropped"}
         )
 
-    def _drop_first(self, pending: _Pending, seq: int, why: str) -> None:
+    def _drop_first(self, pending: Pending, seq: int, why: str) -> None:
         """Replace the first pending element (index ``seq`` of the stream) by its placeholder: the
         master refused it on its own (``why``); said in the agent log, counted in :attr:`placeholders`."""
         element = pending.first()

@@ -48,7 +48,12 @@ CHECKPOINTS_KEPT = 64
 OUTPUT_LOG = "output.log"
 ITEMS_FILE = "items.jsonl"
 JOURNAL_FILE = "output.journal"
-AGENT_FILES = frozenset({OUTPUT_LOG, ITEMS_FILE, JOURNAL_FILE})
+ITEMS_JOURNAL = "items.journal"
+"""The items stream's journal, for a task that declares item files (``outputs.items``): the order in
+which items.jsonl and the declared JSON Lines files enter the one items stream (records as the log's)."""
+ITEM_FILES_DIR = "item-files"
+"""Hard links to the declared JSON Lines files a task writes while it runs (the items journal's sources)."""
+AGENT_FILES = frozenset({OUTPUT_LOG, ITEMS_FILE, JOURNAL_FILE, ITEMS_JOURNAL})
 DEFAULT_LOG_GLOBS: tuple[str, ...] = ("*.log",)
 
 

@@ -7,11 +7,13 @@ Owned by the agent's :class:`ckagent.delivery.outbox.Outbox`, which it reaches o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,8 +26,9 @@ from ckagent.delivery.journal import LogJournal, scan_log_files
 from ckagent.delivery.lifecycle import Lifecycle, TaskDelivered
 from ckagent.delivery.lines import Masker
 from ckagent.delivery.nodebatch import NodeBatcher
+from ckagent.delivery.outputs.live import LiveItemFiles
 from ckagent.delivery.shipper import DEFAULT_REFUSAL_TIMEOUT, StreamShipper, send_result
-from ckagent.delivery.spool import DEFAULT_LOG_GLOBS, ITEMS_FILE, OUTPUT_LOG
+from ckagent.delivery.spool import DEFAULT_LOG_GLOBS, ITEM_FILES_DIR, ITEMS_FILE, OUTPUT_LOG
 from ckagent.delivery.stall import Activity, watch_stall
 from ckagent.delivery.stats import StatsShipper, final_stats
 from ckagent.master.client import MasterClient
@@ -46,6 +49,11 @@ class OutboxConfig:
     retention: float = 0.0
     agent_secrets: tuple[str, ...] = ()
     refusal_timeout: float = DEFAULT_REFUSAL_TIMEOUT
+
+
+Scanned = tuple[dict[str, int], int, int, dict[str, int]]
+"""What :meth:`TaskDelivery.scan` found: (log files → size, items.jsonl's size, the stats file's, the
+items journal's sources → size)."""
 
 
 class DeliveryHost(Protocol):
@@ -70,7 +78,8 @@ class TaskDelivery:
 
     def __init__(self, outbox: DeliveryHost, task_id: str, task_dir: Path, masker: Masker, globs: list[str],
                  sink: LogSink | None, journal: LogJournal, spider: str = "",
-                 claimed_at: float | None = None) -> None:
+                 claimed_at: float | None = None, item_journal: LogJournal | None = None,
+                 item_globs: tuple[str, ...] | list[str] = ()) -> None:
         self.outbox = outbox
         self.task_id = task_id
         self.task_dir = task_dir
@@ -81,7 +90,16 @@ class TaskDelivery:
         self.logs = StreamShipper.logs(outbox.master, outbox.store, task_id, task_dir, masker, outbox.limiter,
                                        refusal_timeout=refusal_timeout)
         self.items = StreamShipper.items(outbox.master, outbox.store, task_id, task_dir, outbox.limiter,
-                                         refusal_timeout)
+                                         refusal_timeout, journal=item_journal is not None)
+        self.item_journal = item_journal
+        """The items journal of a task with declared item files (ckagent.delivery.outputs.live), else None."""
+        self.item_globs = list(item_globs)
+        self.live: LiveItemFiles | None = None
+        """Its declared JSON Lines files streamed while it runs (set by :meth:`watch_item_files`)."""
+        self._item_sizes: dict[str, int] = {}  # the items journal's sources and sizes the last scan found
+        if item_journal is not None:
+            item_journal.on_record = self.items.notify
+            item_journal.on_notice = self.notice
         self.spider = spider
         self.claimed_at = time.time() if claimed_at is None else claimed_at
         """Epoch seconds of the task's claim (of an earlier run's claim for a delivery resumed at start)."""
@@ -102,6 +120,26 @@ class TaskDelivery:
         self.ship_logs = True  # False when the journal cannot be opened (the result still goes)
         self._stall: tuple[float, Callable[[float], None]] = (0.0, lambda idle: None)
         self._stall_armed = trio.Event()
+
+    def notice(self, text: str) -> None:
+        """A line of the agent's in the task's log (the agent log once output.log is closed)."""
+        if self.sink is not None and not self.sink.closed:
+            stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+            self.sink.write_line(f"[ckagent {stamp}] {text}\n".encode())
+        else:
+            log.info("task %s: %s", self.task_id, text)
+
+    def watch_item_files(self, work: Path) -> None:
+        """The process runs in the working copy ``work``: stream its declared JSON Lines files from
+        now on (the next scans link and journal them; see ckagent.delivery.outputs.live). No-op for
+        a task without ``outputs.items``."""
+        if self.item_journal is not None and self.item_globs and self.live is None:
+            self.live = LiveItemFiles(self.task_dir, work, self.item_globs)
+
+    def _take_notices(self) -> None:
+        if self.live is not None:
+            for text in self.live.take_notices():
+                self.notice(text)
 
     def _observe(self, snapshot: Snapshot, final: bool = False) -> None:
         observer = self.outbox.stats_observer
@@ -148,6 +186,7 @@ class TaskDelivery:
         """The process is over: close output.log, store ``result``, let the streams complete and the
         result follow them. Returns at once (after the state store write); cancellation before that
         write leaves the task to the next start (reported AGENT_LOST)."""
+        self._take_notices()  # what the end-of-task collection said of the streamed files
         if self.sink is not None:
             self.sink.close()
         await self._store_result(result)
@@ -191,16 +230,26 @@ class TaskDelivery:
             await self.outbox.next_look()
         self.journal.close()
 
-    def scan(self) -> tuple[dict[str, int], int, int]:
-        """(spider log files → size, items.jsonl's size or 0, the stats file's size or 0). Blocking:
-        the outbox calls it in its once-a-second worker thread, for every running task in one hop."""
-        return scan_log_files(self.task_dir, self.globs), _size(self.task_dir / ITEMS_FILE), \
-            _size(self.task_dir / STATS_FILE)
+    def scan(self) -> Scanned:
+        """(spider log files → size, items.jsonl's size or 0, the stats file's size or 0, the items
+        journal's sources → size: empty without one). Blocking: the outbox calls it in its
+        once-a-second worker thread, for every running task in one hop."""
+        items_size = _size(self.task_dir / ITEMS_FILE)
+        item_sizes = {} if self.item_journal is None else {ITEMS_FILE: items_size}
+        if self.live is not None:
+            item_sizes.update(self.live.scan())
+        return scan_log_files(self.task_dir, self.globs), items_size, _size(self.task_dir / STATS_FILE), item_sizes
 
-    def scanned(self, found: dict[str, int], items_size: int, stats_size: int = 0) -> None:
+    def scanned(self, found: dict[str, int], items_size: int, stats_size: int = 0,
+                item_sizes: dict[str, int] | None = None) -> None:
         """The result of :meth:`scan` (on the loop): the journal notes the log files; a grown items
-        file wakes its shipper, a grown stats file the stats shipper (neither polls a file that is
-        not growing)."""
+        file wakes its shipper (the items journal notes the item files' growth, which wakes it), a
+        grown stats file the stats shipper (neither polls a file that is not growing)."""
+        self._take_notices()
+        if self.item_journal is not None and item_sizes and item_sizes != self._item_sizes:
+            self._item_sizes = item_sizes
+            self.activity.touch()
+            self.item_journal.note(item_sizes)
         if found != self._found_sizes:  # the journal loop wakes only for log files that changed
             self._found_sizes = found
             self._found = found
@@ -211,6 +260,26 @@ class TaskDelivery:
         if stats_size != self._stats_size:
             self._stats_size = stats_size
             self.stats.notify()
+
+    async def _item_journal_end(self) -> None:
+        """Once the process is over (and its files collected): the items journal's last growth of
+        every source (the links the collection made too), then its end (the stream is complete)."""
+        assert self.item_journal is not None
+        await self.ended.wait()
+        self.item_journal.end(await trio.to_thread.run_sync(self._final_item_sizes))
+        while not self.item_journal.flush():  # a full disk: the last records wait for room
+            await self.outbox.next_look()
+        self.item_journal.close()
+
+    def _final_item_sizes(self) -> dict[str, int]:
+        """Every source's last size: the streamed files' links first (in the order they were made),
+        then items.jsonl, which ends with the item files read at the task's end (ckagent.delivery.outputs)."""
+        sizes: dict[str, int] = {}
+        with contextlib.suppress(OSError):
+            links = sorted(os.listdir(self.task_dir / ITEM_FILES_DIR), key=lambda n: (len(n.split("-")[0]), n))
+            sizes.update({f"{ITEM_FILES_DIR}/{name}": _size(self.task_dir / ITEM_FILES_DIR / name) for name in links})
+        sizes[ITEMS_FILE] = _size(self.task_dir / ITEMS_FILE)
+        return sizes
 
     def _final_sizes(self) -> dict[str, int]:
         sizes = scan_log_files(self.task_dir, self.globs)
@@ -240,6 +309,8 @@ class TaskDelivery:
             nursery.start_soon(self.items.run)
             nursery.start_soon(self.stats.run, self.ended)
             nursery.start_soon(self._stall_loop)
+            if self.item_journal is not None:
+                nursery.start_soon(self._item_journal_end)
             await self.ended.wait()
         assert self.result is not None
         # The final stats snapshot is the stats file's last line (the spool): read again on every

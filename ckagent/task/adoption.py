@@ -193,6 +193,7 @@ async def run_adopted(supervisor: Supervisor, rt: RunningTask, adoption: Adoptio
                 if rt.request_stop(f"stalled: no output, items or stats for {idle:.0f} s (stall timeout {stall:g} s)"):
                     rt.stalled = True
 
+            delivery.watch_item_files(Path(handle.work))  # its declared JSON Lines files stream on
             if stall:
                 delivery.watch_stall(stall, on_stall)
             timeout = 0.0 if handle.deadline_at is None else handle.deadline_at - handle.spawned_at

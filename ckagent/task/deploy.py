@@ -175,7 +175,8 @@ class Deployer:
             collected = await trio.to_thread.run_sync(functools.partial(
                 collect, work=work, code_dir=version_dir, since=rt.started_at or 0.0, task_dir=task_dir,
                 outputs=task.outputs, budget_bytes=self.config.max_artifact_bytes,
-                master_takes_artifacts=self._master_takes_artifacts(), keep_dir=keep))
+                master_takes_artifacts=self._master_takes_artifacts(), keep_dir=keep,
+                streamed=None if rt.delivery is None or rt.delivery.live is None else rt.delivery.live.link))
         except OSError as exc:
             notice(f"outputs: cannot collect the task's files ({exc.strerror or exc}); they are removed with "
                    "the working copy")

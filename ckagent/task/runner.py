@@ -343,6 +343,8 @@ class TaskRunner:
         except ContainmentError as exc:
             raise JailError(f"cannot put the spider into the task's {jail.level} jail: {exc}") from exc
         rt.pid = mon.pid
+        if rt.delivery is not None:
+            rt.delivery.watch_item_files(code.work)  # declared JSON Lines files stream while they grow
         if stall and rt.delivery is not None:
             rt.delivery.watch_stall(stall, on_stall)
         try:

@@ -44,11 +44,12 @@ import re
 import shutil
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckagent.containment import format_bytes
-from ckagent.delivery.outputs.itemfiles import ITEM_EXTENSIONS, ItemFileError, append_item_file
+from ckagent.delivery.outputs.itemfiles import ITEM_EXTENSIONS, ItemFileError, append_item_file, count_lines
 from ckagent.master.protocol import ArtifactRef, TaskOutputs
 
 __all__ = ["ARTIFACTS_DIR", "MANIFEST", "Collected", "cleanup_kept", "collect", "is_cache", "kept_dir",
@@ -215,12 +216,15 @@ def _same_bytes(a: Path, b: Path) -> bool:
 
 
 def collect(*, work: Path, code_dir: Path, since: float, task_dir: Path, outputs: TaskOutputs | None,
-            budget_bytes: int, master_takes_artifacts: bool, keep_dir: Path) -> Collected:
+            budget_bytes: int, master_takes_artifacts: bool, keep_dir: Path,
+            streamed: Callable[[str], Path | None] | None = None) -> Collected:
     """Give each created or changed file of the working copy ``work`` its fate (module docstring).
 
     ``since``: the spider's start (epoch seconds). ``budget_bytes``: most artifact bytes shipped (0 =
     none shipped, all kept). Appends items to ``task_dir/items.jsonl``; moves artifacts to
     ``task_dir/artifacts/`` and writes ``task_dir/artifacts.json``; moves kept files to ``keep_dir``.
+    ``streamed(rel)``: the link of a JSON Lines item file streamed while the task ran (its items are
+    in the items journal's stream: counted, not appended; see :mod:`.live`), or None.
     Never raises for one file's trouble (it is named in :attr:`Collected.problems`); raises OSError
     when the items spool or the manifest cannot be written.
     """
@@ -241,8 +245,9 @@ def collect(*, work: Path, code_dir: Path, since: float, task_dir: Path, outputs
                     result.problems.append(f"{rel} is not an item file ({', '.join(ITEM_EXTENSIONS)}): left as it is")
                     rest.append((rel, _st))
                     continue
+                link = streamed(rel) if streamed is not None else None
                 try:
-                    count = append_item_file(work / rel, spool)
+                    count = count_lines(link) if link is not None else append_item_file(work / rel, spool)
                 except ItemFileError as exc:
                     result.problems.append(f"{exc} (after {exc.items} items)")
                     count = exc.items

@@ -1,0 +1,164 @@
+"""Declared JSON Lines item files streamed while the task runs, as ``CK_ITEMS_FILE`` is.
+
+A task whose ``outputs.items`` names files (globs in its working copy) gets an **items journal**
+(``items.journal``, records as the log journal's, :class:`ckagent.delivery.journal.LogJournal`):
+the items stream is the merge of ``items.jsonl`` (source 0) and the declared ``.jsonl`` /
+``.ndjson`` / ``.jl`` files, in the order the journal records their growth — the same after a
+crash, so a resend never drops nor repeats an item.
+
+The declared files live in the working copy, which is removed (or becomes the artifacts) at the
+task's end, while their items may still wait for the master. So :class:`LiveItemFiles` gives each
+one a **hard link** in the task directory (``item-files/<n>-<name>``) when it first sees it: the
+spider's appends reach the link (one inode), the link outlives the working copy, and the journal's
+sources are the links. A file the spider replaces (another inode at the same path: written anew and
+renamed over) gets a new link, a new source; one it truncates continues as a new source from its
+start (the journal sees it shrink). Both are said in the task's log. A file that cannot be linked
+(another filesystem) is not streamed: its items are read at the task's end, as a ``.json`` file's.
+A restarted agent finds the links again by their inodes (nothing else to store).
+
+Blocking (stat, walk, link): :meth:`LiveItemFiles.scan` runs in the outbox's once-a-second worker
+thread, :meth:`LiveItemFiles.link` in the end-of-task collection's; a lock keeps them apart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import stat
+import threading
+from pathlib import Path
+
+from ckagent.delivery.outputs import CACHE_DIRS, match_glob
+from ckagent.delivery.spool import ITEM_FILES_DIR
+
+__all__ = ["LIVE_EXTENSIONS", "LiveItemFiles"]
+
+LIVE_EXTENSIONS = (".jsonl", ".ndjson", ".jl")
+"""Item files streamed while they grow (an object per line); others are read at the task's end."""
+_WILD = re.compile(r"[*?\[]")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+class LiveItemFiles:
+    """The declared JSON Lines files of one running task and their links in its task directory.
+
+    ``work``: the working copy; ``globs``: ``outputs.items``. What the task's log should say (a file
+    streamed, replaced, not linkable) waits in :meth:`take_notices` (the owner writes it on the loop).
+    """
+
+    def __init__(self, task_dir: Path, work: Path, globs: tuple[str, ...] | list[str]) -> None:
+        self.task_dir = task_dir
+        self.work = work
+        self.globs = [g for g in globs if g.lower().endswith(LIVE_EXTENSIONS) or _WILD.search(g)]
+        self._notices: list[str] = []
+        self._lock = threading.Lock()
+        self._links: dict[int, str] = {}  # inode → link (relative to task_dir)
+        self._current: dict[str, tuple[int, str]] = {}  # working-copy path → (inode, link) now streamed
+        self._failed: set[str] = set()  # working-copy paths that cannot be linked (not streamed)
+        self._loaded = False
+
+    def take_notices(self) -> list[str]:
+        """The lines for the task's log since the last call (oldest first)."""
+        with self._lock:
+            notices, self._notices = self._notices, []
+        return notices
+
+    def _notice(self, text: str) -> None:
+        self._notices.append(text)
+
+    def _load(self) -> None:
+        """The links an earlier run made (a restarted agent re-adopting the task), by inode."""
+        self._loaded = True
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self.task_dir / ITEM_FILES_DIR):
+                with contextlib.suppress(OSError):
+                    st = entry.stat(follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode):
+                        self._links[st.st_ino] = f"{ITEM_FILES_DIR}/{entry.name}"
+
+    def _matches(self) -> list[str]:
+        """Working-copy paths (POSIX, relative) of JSON Lines files the globs name, sorted."""
+        found: set[str] = set()
+        walk = False
+        for pattern in self.globs:
+            if _WILD.search(pattern):
+                walk = True
+            elif pattern.lower().endswith(LIVE_EXTENSIONS):
+                while pattern.startswith("./"):
+                    pattern = pattern[2:]
+                found.add(pattern)
+        if walk:
+            for dirpath, dirnames, filenames in os.walk(self.work):
+                dirnames[:] = [d for d in dirnames if d not in CACHE_DIRS]
+                rel_dir = os.path.relpath(dirpath, self.work)
+                rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
+                for name in filenames:
+                    rel = rel_dir + name
+                    if rel.lower().endswith(LIVE_EXTENSIONS) and any(match_glob(rel, g) for g in self.globs):
+                        found.add(rel)
+        return sorted(found)
+
+    def scan(self) -> dict[str, int]:
+        """Link what is new, return ``{link: size}`` for every link of a file now in the working copy
+        (the items journal notes their growth). Never raises (a file that cannot be seen is skipped)."""
+        with self._lock:
+            if not self._loaded:
+                self._load()
+            sizes: dict[str, int] = {}
+            for rel in self._matches():
+                link = self._link(rel)
+                if link is not None:
+                    with contextlib.suppress(OSError):
+                        sizes[link] = os.lstat(self.task_dir / link).st_size
+            return sizes
+
+    def link(self, rel: str) -> Path | None:
+        """The link of working-copy file ``rel`` (made now when it has none yet), or None: it cannot
+        be streamed (not linkable, not a JSON Lines file). For the end-of-task collection."""
+        if not rel.lower().endswith(LIVE_EXTENSIONS):
+            return None
+        with self._lock:
+            if not self._loaded:
+                self._load()
+            link = self._link(rel)
+            return None if link is None else self.task_dir / link
+
+    def _link(self, rel: str) -> str | None:
+        if rel.startswith("/") or ".." in rel.split("/"):
+            return None  # outside the working copy: never read
+        path = self.work / rel
+        try:
+            st = os.lstat(path)
+            inside = path.resolve().is_relative_to(self.work.resolve())  # not through a symlinked folder
+        except OSError:
+            return None
+        if not inside:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        known = self._links.get(st.st_ino)
+        current = self._current.get(rel)
+        if known is not None:
+            if current is None or current[0] != st.st_ino:
+                self._current[rel] = (st.st_ino, known)
+            return known
+        if rel in self._failed:
+            return None
+        name = f"{ITEM_FILES_DIR}/{len(self._links)}-{_UNSAFE.sub('_', rel)[-100:]}"
+        try:
+            (self.task_dir / ITEM_FILES_DIR).mkdir(exist_ok=True)
+            os.link(path, self.task_dir / name)
+        except OSError as exc:
+            self._failed.add(rel)
+            self._notice(f"outputs: {rel} cannot be streamed while the task runs (cannot link it into the task "
+                         f"directory: {exc.strerror or exc}); its items are read at the task's end")
+            return None
+        self._links[st.st_ino] = name
+        if current is not None:
+            self._notice(f"outputs: {rel} was replaced by a new file; its new content is streamed as new items "
+                         "(the items already read from the old one stay)")
+        else:
+            self._notice(f"outputs: streaming the items of {rel} while the task runs")
+        self._current[rel] = (st.st_ino, name)
+        return name
