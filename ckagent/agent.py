@@ -220,19 +220,20 @@ class Agent:
                                     log.warning("drain deadline (%g s) passed with %d task(s) still running",
                                                 s.task.drain_timeout, len(supervisor.running))
                                 self.terminate()
-                    if self._work_scope.cancelled_caught:
+                    if self._work_scope.cancelled_caught and not supervisor.handing_over:
                         log.warning("tasks did not finish reporting within kill_grace + flush_timeout "
                                     "(%g s); leaving unsent data for the next start",
                                     s.task.kill_grace + s.task.flush_timeout)
                     self.state = AgentState.STOPPING
                     flush_until = min(trio.current_time() + s.task.flush_timeout, self._exit_deadline)
-                    if not supervisor.handing_over:  # handing over: the next agent delivers what is left
+                    if not supervisor.handing_over:
                         with self._flush_scope, trio.move_on_at(flush_until):
                             await outbox.wait_idle()
-                    if supervisor.handing_over:
-                        log.info("handed over: %d task(s) left running for the next agent, %d delivery(ies) "
-                                 "left in %s", self._handed, outbox.pending, self.work_dir / "state.db")
-                    elif outbox.pending:
+                    else:  # what was read goes now (HAND_OVER_FLUSH_TIMEOUT at most): the next agent waits
+                        with self._flush_scope:
+                            flushed = await outbox.flush_read(flush_until - trio.current_time())
+                        log.info("handed over: %d task(s) left running for the next agent (%s)", self._handed, flushed)
+                    if not supervisor.handing_over and outbox.pending:
                         log.warning("stopping with undelivered results or logs; they stay in %s for the "
                                     "next start", self.work_dir / "state.db")
                 root.cancel_scope.cancel()
@@ -271,7 +272,7 @@ class Agent:
             policy = parse_text(s.task.egress_deny, s.task.egress_allow)
             self.egress = await trio.to_thread.run_sync(partial(
                 open_egress, s.task.egress, containment, agent_group_name(self.work_dir), policy,
-                agent_port=s.agent.port or None))
+                agent_port=s.agent.port or None, work_dir=self.work_dir))
         except (EgressError, PolicyError) as exc:
             raise ConfigError(str(exc)) from exc
         self.metrics.egress_level(self.egress.level)
@@ -349,9 +350,8 @@ class Agent:
         egress = self.egress
         if egress is not None:
             egress.agent_port = self.status_port  # (agent.port 0: the one picked)
-            if egress.level == "proxy":
-                egress.proxy_url = await root.start(partial(serve_proxy, egress.proxy_lookup,
-                                                            lambda: egress.agent_port))
+            if egress.level == "proxy":  # on the previous agent's port: handed-over tasks' variables name it
+                egress.proxy_url = await root.start(partial(serve_proxy, egress.proxy_lookup, lambda: egress.agent_port, self.work_dir))
         root.start_soon(self._signals)
         await root.start(self.lifecycle.run)
         root.start_soon(partial(self.scan.run, self.heartbeat.after_first_beat, self.poller.forget_unrunnable))

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,34 @@ from ckagent.devmaster.client import AdminClient
 from ckagent.devmaster.server import DevMasterConfig, serve
 
 _REPO_ROOT = Path(ckagent.__file__).resolve().parent.parent
+
+
+def _remove_tables_under(root: Path) -> list[str]:
+    """Delete the agents' nft tables whose work dir is below ``root`` (an agent killed with -9 leaves
+    its table: the next start in that work dir would replace it, but a test's directory never sees
+    one). Only where this process may change nftables."""
+    if os.geteuid() != 0:
+        return []
+    from ckagent.containment.egress.table import remove_orphans
+
+    return remove_orphans(lambda work_dir: work_dir.startswith(str(root) + os.sep))
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_tables(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test that had a ``tmp_path``: remove the nft tables of the agents it ran there,
+    also when it failed (tests/test_egress.py checks its own tables besides)."""
+    yield
+    tmp = request.node.funcargs.get("tmp_path") if hasattr(request.node, "funcargs") else None
+    if isinstance(tmp, Path):
+        _remove_tables_under(tmp)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_leftover_tables_of_the_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """At the end of the session: the tables of agents that ran anywhere below its temporary root."""
+    yield
+    _remove_tables_under(tmp_path_factory.getbasetemp())
 
 
 @dataclass

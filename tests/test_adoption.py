@@ -101,6 +101,8 @@ async def test_kill_9_the_agent_tasks_run_on_and_report_their_true_outcome(
         deadline = await submit(admin, "deadline", {"main.py": SLEEPER}, timeout_seconds=6)
         for task_id in (waiter, cancelled, deadline):
             await eventually(lambda t=task_id: _lines_in(_spool(tmp_path, t), "ready"), 30)
+        for task_id in streams[1:]:  # every spider started (one still preparing is rightly AGENT_LOST)
+            await eventually(lambda t=task_id: _lines_in(_spool(tmp_path, t), "line 0"), 30)
         await eventually(lambda: _lines_in(_spool(tmp_path, streams[0]), "line 300"), 30)
         started = time.time()
         await agent.kill()  # kill -9, mid-flood
@@ -202,6 +204,55 @@ async def test_the_hand_over_signal_leaves_the_task_to_the_next_agent(
     assert [line for line in lines if line.startswith("tick")] == [f"tick {i}" for i in range(40)]
     assert sum(line.startswith("[ckagent") and "running " in line for line in lines) == 1  # started once
     assert "leaving 1 running task(s) to the next agent" in agent.log_text()
+    assert "handed over: 1 task(s) left running for the next agent (" in agent.log_text()  # the bounded flush
+
+
+ENV_HOLDER = textwrap.dedent("""
+    import os, sys, time
+    print("ready", sys.prefix, flush=True)
+    go = os.path.join(os.environ["CK_TASK_DIR"], "go")
+    for _ in range(1200):  # bounded: at most a minute
+        if os.path.exists(go):
+            break
+        time.sleep(0.05)
+    print("env intact" if os.path.exists(os.path.join(sys.prefix, "pyvenv.cfg")) else "env removed", flush=True)
+""")
+
+
+async def test_a_re_adopted_tasks_environment_is_not_collected_under_it(
+    recording_master: RecordingMaster, tmp_path: Path  # noqa: F811 -- the imported fixture
+) -> None:
+    """Environments over the budget are collected least recently used first, never one in use: a
+    re-adopted spider's environment counts as in use at the next agent too."""
+    admin = recording_master.admin
+    agent = agent_process(tmp_path, recording_master.base_url, recording_master.registration_token,
+                          deps__env_budget_bytes=1)  # every environment but those in use is over it
+    await agent.start()
+    try:
+        await wait_registered(admin, agent)
+        holder = await submit(admin, "env-holder", {"main.py": ENV_HOLDER})
+        await eventually(lambda: _lines_in(_spool(tmp_path, holder), "ready"), 60)
+        [prefix] = [line.split(" ", 1)[1] for line in _spool(tmp_path, holder).read_text().splitlines()
+                    if line.startswith("ready ")]
+        assert await trio.Path(prefix, "pyvenv.cfg").exists(), prefix
+        await agent.kill()
+        await agent.start()
+        await wait_for_log(admin, holder, "re-adopted", 60)
+        # Another key (a UV_ variable enters it): a new environment is built, then collection runs.
+        other = await submit(admin, "env-other", {"main.py": "print('other ran')\n"}, env={"UV_NO_CACHE": "1"})
+        done = await admin.wait_task_final(other, 60)
+        assert done["status"] == "SUCCESS", done
+        assert "built Python environment" in agent.log_text().split("re-adopted")[-1]
+        assert await trio.Path(prefix, "pyvenv.cfg").exists(), "the re-adopted spider's environment was collected"
+        (_spool(tmp_path, holder).parent / "go").touch()
+        task = await admin.wait_task_final(holder, 60)
+        agent.signal(signal.SIGTERM)
+        assert await wait_exit(agent, 30) == 0
+    finally:
+        with trio.move_on_after(10, shield=True):
+            await agent.kill()
+    assert (task["status"], task["exitCode"]) == ("SUCCESS", 0), task
+    assert "env intact" in await admin.get_logs(holder)
 
 
 def _previous_store(path: Path, task_dir: Path) -> None:

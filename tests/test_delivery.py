@@ -39,6 +39,7 @@ from ckagent.delivery import (
 )
 from ckagent.delivery.pending import Pending
 from ckagent.delivery.readers import _JournalReader
+from ckagent.delivery.spool import BATCH_AGE
 from ckagent.master.client import MasterClient
 from ckagent.master.protocol import RegisterRequest, TaskResult
 from ckagent.node.state import AsyncStateStore, StateStore
@@ -544,3 +545,24 @@ async def test_rejected_log_file_globs_are_named_in_the_task_log_not_dropped_sil
     assert "params.logFiles: ignored '../secret.log', '/etc/*', 5: each must be a glob relative to the task dir" in log_text
     assert log_text.startswith("[ckagent ") and log_text.count("\n") == 1
     assert "t-globs: params.logFiles: ignored" in caplog.text
+
+
+@pytest.mark.parametrize("hurry", [False, True])
+async def test_a_hand_over_flush_sends_what_was_read_at_once(
+    tmp_path: Path, store: AsyncStateStore, autojump_clock: trio.abc.Clock, hurry: bool
+) -> None:
+    """Read items wait up to BATCH_AGE for a fuller batch; a hurried shipper (the hand-over's last
+    flush, ckagent.delivery.outbox.HAND_OVER_FLUSH_TIMEOUT) sends them at once and says when nothing waits."""
+    fake = FakeMaster()
+    write_task(tmp_path / "t1", [], ITEMS[:5])
+    items = StreamShipper.items(master_client(fake), store, "t1", tmp_path / "t1")
+    idle = trio.Event()
+    items.hurry, items.on_idle = hurry, idle.set
+    started = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(items.run)
+        await idle.wait()
+        nursery.cancel_scope.cancel()  # the task runs on: its items stream never ends by itself
+    assert fake.items == ITEMS[:5]
+    [(sent, _, _, _)] = fake.requests
+    assert (sent - started < BATCH_AGE / 10) if hurry else (sent - started >= BATCH_AGE)

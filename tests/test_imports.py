@@ -109,7 +109,7 @@ def test_the_graph_sees_imports() -> None:
     graph = import_graph()
     assert "ckagent.task.supervisor" in graph["ckagent.agent"]
     assert "ckagent.delivery" in graph["ckagent.task.supervisor"]
-    assert "ckagent.agent" in graph["ckagent.cli"]  # a function-level import counts
+    assert "ckagent.cli.runagent" in graph["ckagent.cli"]  # a function-level import counts
     assert "ckagent.agent" not in graph["ckagent.port.status"]  # so does nothing under TYPE_CHECKING
 
 
@@ -120,3 +120,24 @@ def test_the_cycle_finder_finds_a_circle() -> None:
 
 def test_no_import_circles_inside_ckagent() -> None:
     assert find_cycles(import_graph()) == []
+
+
+def test_the_agents_start_leaves_httpxs_command_line_client_out() -> None:
+    """rich, click and pygments (httpx's own CLI, ~a fifth of the start-up imports) are not imported
+    on the agent's path; ``httpx.main`` still imports and runs the real client when called."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from ckagent.node.lazycli import defer_httpx_cli\n"
+        "assert defer_httpx_cli()\n"
+        "import ckagent.agent, httpx\n"
+        "heavy = [m for m in ('rich', 'click', 'pygments') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "httpx.main(['--help'], standalone_mode=False)\n"
+        "assert 'click' in sys.modules  # the real client ran\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "Usage" in done.stdout or "usage" in done.stdout.lower(), done.stdout

@@ -39,6 +39,7 @@ from ckagent.node.config import (
     suspicious_env_vars,
 )
 from ckagent.node.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, StartupError
+from ckagent.node.lazycli import defer_httpx_cli
 
 if TYPE_CHECKING:
     from cyclopts import App, Parameter
@@ -438,6 +439,7 @@ def main(argv: list[str] | None = None) -> None:
 
     Never returns: exits 0 on success, 2 on usage/config errors, else the command's code (1 = failure).
     """
+    defer_httpx_cli()  # (before anything imports httpx: rich, click and pygments stay out of the start)
     tokens = sys.argv[1:] if argv is None else argv
     plain, config = _plain_run(tokens)
     try:

@@ -147,6 +147,12 @@ class Dependencies:
                     self.release(prepared)
         return prepared
 
+    def adopt(self, env_dir: Path) -> Prepared:
+        """A re-adopted task's spider runs with ``env_dir`` (from its stored handle): it counts as in
+        use, so collection leaves it alone, until :meth:`release` of what this returns."""
+        self.store.acquire(env_dir)
+        return Prepared(env_dir=env_dir)
+
     def release(self, prepared: Prepared) -> None:
         """The task that got ``prepared`` has finished with its environment (collection may take it)."""
         if prepared.env_dir is not None:

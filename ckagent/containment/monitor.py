@@ -142,7 +142,9 @@ class Handle:
     ``monitor_pid``/``monitor_start``/``boot_id`` name the monitor process (see :func:`start_ticks`);
     ``status_file`` its exit-status file; ``spawned_at`` and ``deadline_at`` are epoch seconds
     (``deadline_at`` None: no timeout); ``work`` is the task's working copy (removed at its end);
-    ``stall_timeout`` seconds (0: off); ``level`` the containment level it was spawned at.
+    ``stall_timeout`` seconds (0: off); ``level`` the containment level it was spawned at;
+    ``env_dir`` the dependency environment the spider runs with ("" = none: a later agent keeps it
+    from environment collection while it re-adopts the task).
     """
 
     monitor_pid: int
@@ -154,6 +156,7 @@ class Handle:
     work: str
     stall_timeout: float
     level: str
+    env_dir: str = ""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict (``from_json`` reads it back)."""
@@ -166,7 +169,8 @@ class Handle:
             return cls(int(data["monitor_pid"]), int(data["monitor_start"]), str(data["boot_id"]),
                        float(data["spawned_at"]), str(data["status_file"]),
                        None if data.get("deadline_at") is None else float(data["deadline_at"]),
-                       str(data["work"]), float(data.get("stall_timeout") or 0.0), str(data.get("level") or ""))
+                       str(data["work"]), float(data.get("stall_timeout") or 0.0), str(data.get("level") or ""),
+                       str(data.get("env_dir") or ""))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"a stored task handle of the wrong shape: {exc}") from exc
 
@@ -231,6 +235,7 @@ async def _wait_pid_exit(pid: int) -> None:
 async def spawn_monitored(
     argv: list[str], *, cwd: Path, env: dict[str, str], task_id: str, task_dir: Path, output_path: Path,
     jail: TaskJail, run_as: RunAs | None, deadline_at: float | None, work: Path, stall_timeout: float,
+    env_dir: Path | None = None,
 ) -> Monitored:
     """Start ``argv`` behind its monitor, in ``jail``, stdout and stderr appended to ``output_path``.
 
@@ -260,7 +265,7 @@ async def spawn_monitored(
     SPAWNED.add(proc.pid)  # trio reaps it; the subreaper's reaper must not
     jail.watch(proc.pid)
     handle = Handle(proc.pid, start_ticks(proc.pid) or 0, boot_id(), time.time(), str(status_path), deadline_at,
-                    str(work), stall_timeout, jail.level)
+                    str(work), stall_timeout, jail.level, "" if env_dir is None else str(env_dir))
     return Monitored(handle, proc)
 
 

@@ -36,6 +36,11 @@ from ckagent.node.state import AsyncStateStore, StateStoreError, TaskRecord
 log = logging.getLogger(__name__)
 
 
+HAND_OVER_FLUSH_TIMEOUT = 2.0
+"""Seconds a hand-over spends sending what was already read (lines, items, finished tasks' results)
+before exiting; the next agent sends the rest from the acknowledged positions (docs/operations.md)."""
+
+
 class Outbox:
     """Every task's delivery, in one nursery that outlives the tasks (see module docstring).
 
@@ -140,6 +145,19 @@ class Outbox:
     async def wait_idle(self) -> None:
         """Return when every delivery is complete (at once if none is pending)."""
         await self._idle.wait()
+
+    async def flush_read(self, timeout_seconds: float = HAND_OVER_FLUSH_TIMEOUT) -> str:
+        """Every delivery sends what it has read at once, for at most ``timeout_seconds`` or
+        HAND_OVER_FLUSH_TIMEOUT, whichever is shorter (a hand-over: the next agent sends the rest).
+        Returns what happened, for the log: ``sent what was read in 0.05 s; 1 delivery(ies) left
+        in the state store``."""
+        started = trio.current_time()
+        with trio.move_on_after(max(0.0, min(timeout_seconds, HAND_OVER_FLUSH_TIMEOUT))) as bound:
+            async with trio.open_nursery() as nursery:
+                for delivery in list(self.deliveries.values()):
+                    nursery.start_soon(delivery.flush_read)
+        done = "stopped sending what was read after" if bound.cancelled_caught else "sent what was read in"
+        return f"{done} {trio.current_time() - started:.2f} s; {self.pending} delivery(ies) left in the state store"
 
     async def wait_busy(self) -> None:
         """Return once a delivery is open (at once if one is). Cancellation: as usual."""

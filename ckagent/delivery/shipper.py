@@ -10,6 +10,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +158,8 @@ class StreamShipper:
         self.requests = 0
         self.batcher: NodeBatcher | None = None
         """Set by the outbox: batches go through it while the master offers node batches."""
+        self.hurry = False  # send what is read at once, not waiting for a fuller batch (a hand-over's flush)
+        self.on_idle: Callable[[], None] | None = None  # called whenever nothing read waits for the master
 
     @classmethod
     def logs(cls, master: MasterClient, store: AsyncStateStore, task_id: str, task_dir: Path, masker: Masker,
@@ -183,6 +186,8 @@ class StreamShipper:
         """Seconds a non-full batch waits for more elements: shorter for lines going in node batches
         (other tasks' batches share the request, so a short wait costs no extra request)."""
         batcher = self.batcher
+        if self.hurry:
+            return 0.0
         if self.kind == "logs" and batcher is not None and batcher.enabled:
             return NODE_LOG_BATCH_AGE
         return self._batch_age
@@ -340,6 +345,8 @@ class StreamShipper:
                         return
                     if not progress:
                         note()
+                        if not pending and flight is None and self.on_idle is not None:
+                            self.on_idle()
                         # A reader whose file grows is looked at again soon; otherwise only a
                         # notification wakes the shipper (NOTIFY_FALLBACK is a safety net, not a poll).
                         wait = TAIL_INTERVAL if reader.polls else NOTIFY_FALLBACK

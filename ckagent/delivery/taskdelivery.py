@@ -289,6 +289,17 @@ class TaskDelivery:
             sizes[OUTPUT_LOG] = 0
         return sizes
 
+    async def flush_read(self) -> None:
+        """Send what was read so far at once (a hand-over's last flush): returns when nothing read
+        waits for the master, or, for a task that has ended, when its result is delivered. Call it
+        while :meth:`run` runs; bound it with a cancel scope (a master that does not answer)."""
+        if self.ended.is_set():
+            await self.delivered.wait()
+            return
+        async with trio.open_nursery() as nursery:
+            for shipper in (self.logs, self.items) if self.ship_logs else (self.items,):
+                nursery.start_soon(_flushed, shipper)
+
     async def run(self) -> None:
         """Journal, ship both streams, then send the result. Cancellation leaves it all for the next start."""
         async with trio.open_nursery() as nursery:
@@ -328,6 +339,13 @@ class TaskDelivery:
                           self.outbox.config.refusal_timeout)
         self.delivered.set()
         self.outbox.lifecycle.emit(TaskDelivered(self.task_id, self.spider or None, self.claimed_at, result))
+
+
+async def _flushed(shipper: StreamShipper) -> None:
+    idle = trio.Event()
+    shipper.hurry, shipper.on_idle = True, idle.set
+    shipper.notify()
+    await idle.wait()
 
 
 def _size(path: Path) -> int:

@@ -63,6 +63,8 @@ class Adoption:
     monitored: Monitored
     ended: bool
     """True when the spider ended while no agent ran (its exit status is recorded)."""
+    release_env: Callable[[], None] | None = None
+    """Set by :func:`admit_adopted` when the spider runs with a dependency environment: ends its use."""
 
 
 def _environ_has(pid: int, marker: bytes) -> bool:
@@ -228,6 +230,9 @@ async def run_adopted(supervisor: Supervisor, rt: RunningTask, adoption: Adoptio
                 rt.delivery.sink.close()
         if took_slot:
             supervisor.capacity.release()
+        if adoption.release_env is not None:  # (handed over again: the next agent counts it anew)
+            adoption.release_env()
+            adoption.release_env = None
         supervisor.task_left(task.id)
 
 
@@ -250,8 +255,11 @@ async def _egress_again(supervisor: Supervisor, rt: RunningTask, jail: TaskJail,
 
 
 def admit_adopted(supervisor: Supervisor, adoption: Adoption) -> RunningTask:
-    """Record an adopted task as running here (before the first poll: its slot is taken)."""
+    """Record an adopted task as running here (before the first poll: its slot is taken), and its
+    dependency environment as in use (environment collection never removes it under the spider)."""
     rt = supervisor.admit(adoption.task)
+    if adoption.handle.env_dir and adoption.release_env is None:
+        adoption.release_env = supervisor.adopt_environment(Path(adoption.handle.env_dir))
     rt.claimed_at = adoption.record.claimed_at
     rt.started_at = adoption.handle.spawned_at
     rt.pid = adoption.handle.monitor_pid

@@ -28,7 +28,7 @@ import logging
 import shutil
 import sqlite3
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -168,6 +168,12 @@ class TaskRunner:
             await delivery.finish(result)
         finally:
             self._admission.task_left(task.id)
+
+    def adopt_environment(self, env_dir: Path) -> Callable[[], None]:
+        """A re-adopted task's dependency environment is in use again (collection skips it); call
+        what this returns when the task has ended here."""
+        prepared = self._deps.adopt(env_dir)
+        return lambda: self._deps.release(prepared)
 
     async def _report_unprepared(self, rt: RunningTask, exc: Exception, started_wall: float) -> None:
         """The task's directory or state could not be created: report FAILED straight to the master.
@@ -329,6 +335,7 @@ class TaskRunner:
                 _resolve(argv, env), cwd=code.work, env=env, task_id=task.id, task_dir=task_dir,
                 output_path=sink.path, jail=jail, run_as=self.config.run_as,
                 deadline_at=None if not timeout else rt.started_at + timeout, work=code.work, stall_timeout=stall,
+                env_dir=prepared.env_dir,
             )
         except OSError as exc:
             # No process ran, so no exit code (docs/protocol.md); the message says what failed.

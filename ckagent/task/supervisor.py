@@ -78,3 +78,8 @@ class Supervisor(Admission):
     def egress_detach(self, rt: RunningTask) -> Callable[[], None] | None:
         """What removes the task's egress rules at its end (blocking), or None without a policy."""
         return self.runner.deployer.egress_detach(rt)
+
+    def adopt_environment(self, env_dir: Path) -> Callable[[], None]:
+        """A re-adopted task's dependency environment counts as in use (:meth:`TaskRunner.adopt_environment`);
+        call what this returns when the task has ended here."""
+        return self.runner.adopt_environment(env_dir)

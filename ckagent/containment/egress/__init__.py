@@ -37,7 +37,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckagent.containment.egress.nft import Nft, NftError, open_nft
-from ckagent.containment.egress.table import NFT_CGROUP_ROOT, EgressTable, Refusal, TaskRules, table_name
+from ckagent.containment.egress.table import (
+    NFT_CGROUP_ROOT,
+    EgressTable,
+    Refusal,
+    TaskRules,
+    remove_orphans,
+    table_name,
+)
 from ckagent.node.egress_policy import DEFAULT_DENY, GROUPS, EgressPolicy, PolicyError, parse_text
 
 if TYPE_CHECKING:  # (the containment imports Trio: the protocol module imports this package's policy)
@@ -127,7 +134,7 @@ class Egress:
         policy = self.effective(task_policy)
         try:
             return self.table.add(task_id, str(path.relative_to(NFT_CGROUP_ROOT)), policy, self.agent_port,
-                                  self.resolvers)
+                                  self.resolvers, pin=task_policy is None)  # (the node's: most tasks')
         except (NftError, ValueError) as exc:
             raise EgressError(f"egress: cannot add the rules of task {task_id}: {exc}") from exc
 
@@ -175,7 +182,8 @@ class Egress:
         """Variables a task's environment gets at the ``proxy`` level ({} otherwise)."""
         if self.level != "proxy" or self.proxy_url is None or rules is None:
             return {}
-        url = self.proxy_url.replace("://", f"://{rules.chain}@", 1)
+        # user:password (the password says nothing): Python's urllib sends no credentials without one.
+        url = self.proxy_url.replace("://", f"://{rules.chain}:task@", 1)
         env = {name: url for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy",
                                       "all_proxy")}
         env["NO_PROXY"] = env["no_proxy"] = ""
@@ -191,7 +199,7 @@ class Egress:
         """Delete the agent's table (the tasks are gone). Never raises."""
         if self.table is not None:
             with contextlib.suppress(NftError):
-                self.table.delete()
+                self.table.close()
             self.table = None
 
 
@@ -202,11 +210,15 @@ def _proxy_user(task_id: str) -> str:
 
 
 def open_egress(setting: str, containment: Containment | None, group_name: str, policy: EgressPolicy, *,
-                agent_port: int | None = None, nft: Nft | None = None, probe: bool = True) -> Egress:
+                agent_port: int | None = None, nft: Nft | None = None, probe: bool = True,
+                work_dir: Path | None = None) -> Egress:
     """The egress level for this agent: ``setting`` ``auto`` or one of :data:`LEVELS`.
 
     Blocking (nft batches, and at ``nftables`` a probe: a short child process in a throw-away cgroup
-    connects to a loopback socket of the agent and must be refused). Logs one line naming the level.
+    connects to a loopback socket of the agent and must be refused). ``work_dir`` (the agent's) is
+    written into the table's comment; the tables of other work dirs that no longer exist (a removed
+    test directory, an uninstalled agent killed before its stop) are deleted: no agent can come back
+    for their tasks. Logs one line naming the level.
     Raises EgressError when a forced level cannot be used (the message says why); ``auto`` never
     raises (it falls back to ``proxy``).
     """
@@ -220,7 +232,8 @@ def open_egress(setting: str, containment: Containment | None, group_name: str, 
         why = ""
         if setting in ("auto", "nftables"):
             try:
-                egress = _open_nftables(containment, group_name, policy, agent_port, nft, probe, resolvers)
+                egress = _open_nftables(containment, group_name, policy, agent_port, nft, probe, resolvers,
+                                        work_dir)
             except EgressError as exc:
                 if setting == "nftables":
                     raise EgressError(f"task.egress=nftables is not available here: {exc}") from exc
@@ -235,7 +248,7 @@ def open_egress(setting: str, containment: Containment | None, group_name: str, 
 
 def _open_nftables(containment: Containment | None, group_name: str, policy: EgressPolicy,
                    agent_port: int | None, nft: Nft | None, probe: bool,
-                   resolvers: tuple[tuple[str, int], ...]) -> Egress:
+                   resolvers: tuple[tuple[str, int], ...], work_dir: Path | None = None) -> Egress:
     group = None if containment is None else containment.v2_group()
     if group is None:
         level = containment.level if containment is not None else "none"
@@ -255,7 +268,9 @@ def _open_nftables(containment: Containment | None, group_name: str, policy: Egr
         backend = nft or open_nft()
     except NftError as exc:
         raise EgressError(str(exc)) from exc
-    table = EgressTable(backend, table_name(group_name), depth)
+    table = EgressTable(backend, table_name(group_name), depth, "" if work_dir is None else str(work_dir))
+    for orphan in remove_orphans(keep=table.name):
+        log.info("egress: removed the table inet %s: its agent's work dir no longer exists", orphan)
     try:
         table.create()
     except NftError as exc:

@@ -1,6 +1,6 @@
 """The filtering proxy of the ``proxy`` egress level: advisory, for hosts where the kernel cannot help.
 
-The tasks' ``HTTP_PROXY``/``HTTPS_PROXY``/``ALL_PROXY`` point at ``http://t<key>@127.0.0.1:<port>``;
+The tasks' ``HTTP_PROXY``/``HTTPS_PROXY``/``ALL_PROXY`` point at ``http://t<key>:task@127.0.0.1:<port>``;
 the user name says which task asks (:meth:`ckagent.containment.egress.Egress.task_env`). For ``CONNECT
 host:port`` (HTTPS) and absolute-form requests (``GET http://host/...``) the proxy resolves the host,
 checks every address against the task's policy, connects to the first allowed address it checked
@@ -19,6 +19,7 @@ import contextlib
 import ipaddress
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -36,12 +37,30 @@ Lookup = Callable[[str], "tuple[EgressPolicy, Callable[[str, int], None]] | None
 """user name → (the task's policy, count a refusal(address, port)), None = unknown task."""
 
 
-async def serve_proxy(lookup: Lookup, agent_port: Callable[[], int | None], *,
+PROXY_PORT_FILE = "egress-proxy.port"
+"""In the agent's work dir: the proxy's port, taken again by the next agent."""
+
+
+async def serve_proxy(lookup: Lookup, agent_port: Callable[[], int | None], work_dir: Path | None = None, *,
                       task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-    """Listen on 127.0.0.1 (a port the OS picks) and serve until cancelled; ``task_status.started``
-    gets the URL ``http://127.0.0.1:<port>``."""
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    """Listen on 127.0.0.1 and serve until cancelled; ``task_status.started`` gets the URL
+    ``http://127.0.0.1:<port>``. The port is the one ``work_dir/PROXY_PORT_FILE`` names (the previous agent's: its
+    handed-over tasks' proxy variables name it), and is written there; when it cannot be had
+    (another program took it), a port the OS picks, and a warning says those tasks' proxied
+    connections fail until they end."""
+    port_file = None if work_dir is None else work_dir / PROXY_PORT_FILE
+    port = 0 if port_file is None else await trio.to_thread.run_sync(_read_port, port_file)
+    try:
+        listeners = await trio.open_tcp_listeners(port, host="127.0.0.1")
+    except OSError as exc:
+        if not port:
+            raise
+        log.warning("egress proxy: cannot listen on 127.0.0.1:%d again (%s): the proxy variables of tasks "
+                    "left by the previous agent name it, so their proxied connections fail", port, exc)
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     port = listeners[0].socket.getsockname()[1]
+    if port_file is not None:
+        await trio.to_thread.run_sync(_write_port, port_file, port)
     async with trio.open_nursery() as nursery:
         task_status.started(f"http://127.0.0.1:{port}")
         async def handler(stream: trio.SocketStream) -> None:
@@ -179,3 +198,19 @@ async def _answer(stream: trio.SocketStream, code: int, text: str, *, extra: str
 def _is_local(address: str) -> bool:
     ip = ipaddress.ip_address(address)
     return ip.is_loopback or ip.is_unspecified
+
+
+def _read_port(path: Path) -> int:
+    """The port a previous agent's proxy listened on (0: none recorded, or unreadable)."""
+    try:
+        port = int(path.read_text().strip())
+    except (OSError, ValueError):
+        return 0
+    return port if 0 < port < 65536 else 0
+
+
+def _write_port(path: Path, port: int) -> None:
+    try:
+        path.write_text(f"{port}\n")
+    except OSError as exc:  # the next agent picks another port: its handed-over tasks' proxying fails
+        log.warning("egress proxy: cannot record its port in %s: %s", path, exc)

@@ -12,25 +12,35 @@ Layout (family ``inet``, IPv4 and IPv6 alike; ``<P>`` = 12 hex of a policy's has
         sets h4 h6 x4 x6   the refused destinations of every task, per task cgroup
 
 Adding a task is one map element, removing it deletes that element and the task's hit elements:
-the cost does not grow with the policy or the number of tasks (bench/egress.py). Only packets of
-sockets whose cgroup is (below) a task's are looked at; everything else on the host passes the one
-vmap lookup untouched. TCP is refused with a reset (the spider sees "connection refused" at once),
-everything else with ICMP admin-prohibited.
+the cost does not grow with the policy, the number of tasks or the rest of the host's ruleset
+(bench/egress.py): those element changes and the read of the hit sets go straight over nfnetlink
+(:mod:`.netlink`, a message and its ack), while the table, its sets and the policy chains (once
+per policy in use) are written by nft. Only packets of sockets whose cgroup is (below) a task's are
+looked at; everything else on the host passes the one vmap lookup untouched. TCP is refused with a
+reset (the spider sees "connection refused" at once), everything else with ICMP admin-prohibited.
 
-A task's elements must be removed before its cgroup is: nft names a cgroup by its path and
-resolves it to the kernel's id when a command is parsed.
+A task's elements are keyed by its cgroup's id, taken when it is added: they can be removed after
+its cgroup is gone (nft alone names a cgroup by its path, and cannot once the directory is gone).
+The table's comment names the agent's work dir (``ckagent work_dir=<path>``): a starting agent
+deletes the tables of work dirs that no longer exist (:func:`remove_orphans`), tests those of
+their temporary directories.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import ipaddress
 import logging
-from collections.abc import Iterable
-from dataclasses import dataclass
+import os
+import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckagent.containment.egress.netlink import Netlink, NetlinkError, cgroup_key
 from ckagent.containment.egress.nft import Nft, NftError
 from ckagent.node.egress_policy import EgressPolicy, Network
 
@@ -43,6 +53,10 @@ HITS_SET_SIZE = 65536
 """Distinct refused (task, destination) pairs remembered per family (beyond: refused, not itemised)."""
 
 HIT_SETS = ("h4", "h6", "x4", "x6")
+TABLE_PREFIX = "ckagent_"
+OWNER_COMMENT = "ckagent work_dir="
+"""The table comment's start; the agent's work dir follows."""
+MAX_COMMENT_CHARS = 120
 
 
 def table_name(group_name: str) -> str:
@@ -66,6 +80,10 @@ class TaskRules:
     chain: str
     policy: EgressPolicy
     removed: bool = False
+    key: bytes = b""
+    """The cgroup's id as the kernel keys it (b"" when it could not be read: nft names it by path)."""
+    hits: dict[str, list[bytes]] = field(default_factory=dict)
+    """The task's elements in the hit sets, as the last :meth:`EgressTable.refusals` read them."""
 
 
 @dataclass(frozen=True)
@@ -99,22 +117,31 @@ class EgressTable:
     Methods are blocking (netlink round trips, ~0.1-0.3 ms each with libnftables); call them from a
     worker thread. They raise :class:`NftError`."""
 
-    def __init__(self, nft: Nft, name: str, level: int) -> None:
-        self.nft, self.name, self.level = nft, name, level
+    def __init__(self, nft: Nft, name: str, level: int, owner: str = "", *, netlink: bool = True) -> None:
+        self.nft, self.name, self.level, self.owner = nft, name, level, owner
         self.ref = f"inet {name}"
         self.chains: dict[str, int] = {}
         """Policy chains in the table → how many tasks use them."""
+        self.pinned: set[str] = set()
+        """Chains kept when their last task goes (the node's default policy: most tasks use it, and
+        adding a chain goes through nft, whose cost grows with the host's ruleset)."""
+        self.elements: Netlink | None = None
+        """The nfnetlink path of the per-task changes (None: nft does them; see :mod:`.netlink`)."""
+        self._netlink = netlink
 
     def create(self) -> None:
         """Start clean: delete this agent's stale table (a crashed run's) and create it afresh."""
         self.delete()
         cg = f"socket cgroupv2 level {self.level}"
+        comment = OWNER_COMMENT + self.owner
+        shown = f" {{ comment {quote(comment)}; }}" if self.owner and len(comment) <= MAX_COMMENT_CHARS and \
+            not any(c in comment for c in '"\\\n\r\0') else ""
         sets = "".join(
             f"add set {self.ref} {name} {{ typeof {cg} . {key}; flags dynamic; counter; size {HITS_SET_SIZE}; }}\n"
             for name, key in (("h4", "ip daddr . th dport"), ("h6", "ip6 daddr . th dport"),
                               ("x4", "ip daddr"), ("x6", "ip6 daddr")))
         self.nft.run(
-            f"add table {self.ref}\n"
+            f"add table {self.ref}{shown}\n"
             f"add map {self.ref} tasks {{ type cgroupsv2 : verdict; }}\n" + sets +
             f"add chain {self.ref} refuse\n"
             f"add rule {self.ref} refuse meta nfproto ipv4 meta l4proto {{ tcp, udp }} add @h4 {{ {cg} . ip daddr . th dport }}\n"
@@ -127,17 +154,25 @@ class EgressTable:
             f"add rule {self.ref} output {cg} vmap @tasks\n"
         )
         self.chains.clear()
+        if self._netlink and self.elements is None:
+            try:
+                self.elements = Netlink(self.name)
+            except NetlinkError as exc:
+                log.info("egress: per-task changes go through nft (%s)", exc)
 
     def delete(self) -> bool:
         """Delete the whole table if it exists. Returns True when there was one."""
-        try:
-            self.nft.run(f"delete table {self.ref}")
-        except NftError as exc:
-            if "No such file" in str(exc) or "does not exist" in str(exc):
-                return False
-            raise
         self.chains.clear()
-        return True
+        return _delete_table(self.nft, self.name)
+
+    def close(self) -> None:
+        """Delete the table and close the netlink socket. Raises NftError (the socket is closed anyway)."""
+        try:
+            self.delete()
+        finally:
+            if self.elements is not None:
+                self.elements.close()
+                self.elements = None
 
     def policy_text(self, chain: str, policy: EgressPolicy, agent_port: int | None,
                     resolvers: Iterable[tuple[str, int]] = ()) -> str:
@@ -163,54 +198,162 @@ class EgressTable:
         return "\n".join(lines) + "\n"
 
     def add(self, task_id: str, cgroup: str, policy: EgressPolicy, agent_port: int | None,
-            resolvers: tuple[tuple[str, int], ...] = ()) -> TaskRules:
+            resolvers: tuple[tuple[str, int], ...] = (), *, pin: bool = False) -> TaskRules:
         """Put a task (its cgroup path relative to /sys/fs/cgroup) under ``policy``: one atomic
-        batch (with the policy's chain when no task uses it yet)."""
+        batch (with the policy's chain when no task uses it yet; ``pin``: the chain stays when its
+        last task goes)."""
         chain = "p_" + policy_key(policy, agent_port, resolvers)
-        text = "" if chain in self.chains else self.policy_text(chain, policy, agent_port, resolvers)
-        self.nft.run(text + f"add element {self.ref} tasks {{ {quote(cgroup)} : jump {chain} }}\n")
+        if pin:
+            self.pinned.add(chain)
+        try:
+            key = cgroup_key(NFT_CGROUP_ROOT / cgroup)
+        except OSError:
+            key = b""  # (nft says what is wrong with the path)
+        if self.elements is not None and key and chain in self.chains:  # the common case: one message
+            try:
+                self.elements.add_jump("tasks", key, chain)
+            except NetlinkError as exc:
+                raise NftError(str(exc)) from exc
+        else:
+            text = "" if chain in self.chains else self.policy_text(chain, policy, agent_port, resolvers)
+            self.nft.run(text + f"add element {self.ref} tasks {{ {quote(cgroup)} : jump {chain} }}\n")
         self.chains[chain] = self.chains.get(chain, 0) + 1
-        return TaskRules(task_id, cgroup, chain, policy)
+        return TaskRules(task_id, cgroup, chain, policy, key=key)
 
     def refusals(self, rules: TaskRules) -> list[Refusal]:
         """The task's refused destinations with their counts, most refused first."""
         found: list[Refusal] = []
+        if self.elements is not None and rules.key:
+            hits: dict[str, list[bytes]] = {}
+            try:
+                for name in HIT_SETS:
+                    for key, packets in self.elements.dump(name):
+                        refusal = _refusal_of_key(name, key, packets, rules.key)
+                        if refusal is not None:
+                            hits.setdefault(name, []).append(key)
+                            found.append(refusal)
+            except NetlinkError as exc:
+                raise NftError(str(exc)) from exc
+            rules.hits = hits
+            return sorted(found, key=lambda r: (-r.count, r.address, r.port))
         for name in HIT_SETS:
             answer = self.nft.run_json(f"list set {self.ref} {name}")
             for obj in answer.get("nftables", []):
                 for elem in (obj.get("set", {}) if isinstance(obj, dict) else {}).get("elem", []) or []:
-                    refusal = _refusal(elem, rules.cgroup)
-                    if refusal is not None:
-                        found.append(refusal[0])
+                    parsed = _refusal(elem, rules.cgroup)
+                    if parsed is not None:
+                        found.append(parsed[0])
         return sorted(found, key=lambda r: (-r.count, r.address, r.port))
 
     def remove(self, rules: TaskRules, refused: Iterable[Refusal] = ()) -> None:
-        """Remove a task's map element and its ``refused`` hit elements (idempotent); the policy
-        chain goes with its last task. When the cgroup is already gone nft cannot name it: the
-        element stays (a dead cgroup id matches no socket) until the table is recreated."""
+        """Remove a task's map element and its hit elements (idempotent; never raises): by the
+        cgroup's id over netlink (the hits the last :meth:`refusals` read), else through nft by its
+        path (the ``refused`` ones). The policy chain goes with its last task, unless pinned. Through nft, a cgroup
+        already gone cannot be named: its element stays (a dead cgroup id matches no socket) until
+        the table is recreated."""
         if rules.removed:
             return
-        ref, cg = self.ref, quote(rules.cgroup)
-        lines = [f"delete element {ref} tasks {{ {cg} }}"]
-        for r in refused:
-            family = "6" if ":" in r.address else "4"
-            if r.port:
-                lines.append(f"delete element {ref} h{family} {{ {cg} . {r.address} . {r.port} }}")
-            else:
-                lines.append(f"delete element {ref} x{family} {{ {cg} . {r.address} }}")
         left = self.chains.get(rules.chain, 1) - 1
-        if left <= 0:
+        drop_chain = left <= 0 and rules.chain not in self.pinned
+        ref, cg = self.ref, quote(rules.cgroup)
+        lines: list[str] = []
+        if self.elements is not None and rules.key:  # by id: one batch, also when the cgroup is gone
+            try:
+                self._delete_elements({"tasks": [rules.key], **rules.hits})
+            except NetlinkError as exc:
+                log.debug("egress: cannot remove the elements of task %s (%s)", rules.task_id, exc)
+        else:
+            lines.append(f"delete element {ref} tasks {{ {cg} }}")
+            for r in refused:
+                family = "6" if ":" in r.address else "4"
+                if r.port:
+                    lines.append(f"delete element {ref} h{family} {{ {cg} . {r.address} . {r.port} }}")
+                else:
+                    lines.append(f"delete element {ref} x{family} {{ {cg} . {r.address} }}")
+        if drop_chain:
             lines.append(f"delete chain {ref} {rules.chain}")
         try:
-            self.nft.run("\n".join(lines) + "\n")
+            if lines:
+                self.nft.run("\n".join(lines) + "\n")
         except NftError as exc:
             log.debug("egress: cannot remove the rules of task %s (%s)", rules.task_id, exc)
         else:
-            if left <= 0:
+            if drop_chain:
                 self.chains.pop(rules.chain, None)
             else:
-                self.chains[rules.chain] = left
+                self.chains[rules.chain] = max(left, 0)
         rules.removed = True
+
+    def _delete_elements(self, keys: dict[str, list[bytes]]) -> None:
+        """Delete elements by key in one batch; when one is gone already (the batch is refused
+        whole), each set again on its own, what is gone skipped."""
+        assert self.elements is not None
+        try:
+            self.elements.delete(keys)
+        except NetlinkError as exc:
+            if exc.errno != errno.ENOENT:
+                raise
+            for name, found in keys.items():
+                for key in found:
+                    try:
+                        self.elements.delete({name: [key]})
+                    except NetlinkError as again:
+                        if again.errno != errno.ENOENT:
+                            raise
+
+
+def _delete_table(nft: Nft, name: str) -> bool:
+    try:
+        nft.run(f"delete table inet {name}")
+    except NftError as exc:
+        if "No such file" in str(exc) or "does not exist" in str(exc):
+            return False
+        raise
+    return True
+
+
+def owned_tables(netlink: Netlink) -> dict[str, str | None]:
+    """The ``inet ckagent_*`` tables on the host → the work dir their comment names (None: no such
+    comment, e.g. an older agent's). One netlink dump. Raises NetlinkError."""
+    return {name: comment[len(OWNER_COMMENT):] if comment.startswith(OWNER_COMMENT) else None
+            for name, comment in netlink.tables() if name.startswith(TABLE_PREFIX)}
+
+
+def remove_orphans(orphaned: Callable[[str], bool] = lambda work_dir: not os.path.exists(work_dir),
+                   keep: str = "") -> list[str]:
+    """Delete the ckagent tables whose comment names a work dir ``orphaned`` says is gone (by
+    default: it does not exist; no agent can run there, no task of one is left), except ``keep``.
+    Returns the deleted names; [] when netlink cannot be used (no rights). Never raises."""
+    removed: list[str] = []
+    try:
+        netlink = Netlink()
+    except NetlinkError:
+        return removed
+    try:
+        for name, work_dir in owned_tables(netlink).items():
+            if name != keep and work_dir is not None and orphaned(work_dir):
+                with contextlib.suppress(NetlinkError):  # (gone meanwhile)
+                    netlink.delete_table(name)
+                    removed.append(name)
+    except NetlinkError as exc:
+        log.debug("egress: cannot list the tables (%s)", exc)
+    finally:
+        netlink.close()
+    return removed
+
+
+def _refusal_of_key(set_name: str, key: bytes, packets: int, cgroup: bytes) -> Refusal | None:
+    """The Refusal an element of a hit set stands for, when it is ``cgroup``'s (keys: the cgroup id,
+    then the address, then the port; each field padded to 4 bytes)."""
+    if not key.startswith(cgroup):
+        return None
+    rest = key[len(cgroup):]
+    width = 4 if set_name.endswith("4") else 16
+    if len(rest) < width:
+        return None
+    address = str(ipaddress.ip_address(rest[:width]))
+    port = struct.unpack(">H", rest[width:width + 2])[0] if set_name.startswith("h") and len(rest) >= width + 2 else 0
+    return Refusal(address, port, packets)
 
 
 def _split(networks: list[Network]) -> tuple[list[str], list[str]]:
