@@ -258,7 +258,7 @@ async def test_the_route_table_lists_what_is_served_by_side(
     with pytest.raises(ValueError, match="scope"):
         route_table(app, "nodes")
     admin_auth = {"Authorization": f"Bearer {dev_master.admin_token}"}
-    with trio.fail_after(30):
+    with trio.fail_after(30):  # noqa: ASYNC912 (the route lists are non-empty: asserted above)
         for side, pairs, wrong in (("node", node_side, admin_auth), ("admin", admin_side, node.auth)):
             for method, template in pairs:
                 if template == "/api/nodes/register":
