@@ -36,7 +36,8 @@ print("done")
 
 
 def _log_line(lines: list[str], prefix: str) -> str:
-    found = [line for line in lines if prefix in line]
+    # "outputs: streaming the items of X while the task runs" comes during the run; the summary is another line
+    found = [line for line in lines if prefix in line and "streaming the items of" not in line]
     assert found, f"no {prefix!r} line in the log:\n" + "\n".join(lines[-20:])
     return found[-1]
 

@@ -192,7 +192,7 @@ def test_warm_start_loads_bytecode_cached_by_the_first_even_with_dont_write_byte
     assert first.returncode == 0, first.stderr
     site = next(shiv_root.glob("ckagent.pyz_*/site-packages"))
     tag = sys.implementation.cache_tag
-    cached = site / "ckagent" / "__pycache__" / f"cli.{tag}.pyc"
+    cached = site / "ckagent" / "cli" / "__pycache__" / f"__init__.{tag}.pyc"
     assert cached.is_file(), "the first start caches the bytecode of what it imported"
     assert (site / "cyclopts" / "__pycache__" / f"core.{tag}.pyc").is_file()
     assert not list((site / "ckagent" / "devmaster").rglob("*.pyc")), "only what was imported is compiled"
@@ -201,7 +201,7 @@ def test_warm_start_loads_bytecode_cached_by_the_first_even_with_dont_write_byte
                    PYTHONVERBOSE="1")
     assert warm.returncode == 0, warm.stderr
     assert f"code object from '{cached}'" in warm.stderr
-    assert f"code object from {site / 'ckagent' / 'cli.py'}" not in warm.stderr
+    assert f"code object from {site / 'ckagent' / 'cli' / '__init__.py'}" not in warm.stderr
 
 
 def _with_build_id(pyz: Path, dest: Path, build_id: str) -> Path:
