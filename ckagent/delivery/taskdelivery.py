@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import trio
 
-from ckagent.delivery.artifacts import upload_artifacts
+from ckagent.delivery.artifacts import ArtifactState, read_state, upload_artifacts
 from ckagent.delivery.capture import LogSink
 from ckagent.delivery.crawlstats import STATS_FILE, Snapshot
 from ckagent.delivery.journal import LogJournal, scan_log_files
@@ -32,7 +32,7 @@ from ckagent.delivery.spool import DEFAULT_LOG_GLOBS, ITEM_FILES_DIR, ITEMS_FILE
 from ckagent.delivery.stall import Activity, watch_stall
 from ckagent.delivery.stats import StatsShipper, final_stats
 from ckagent.master.client import MasterClient
-from ckagent.master.protocol import TaskResult
+from ckagent.master.protocol import TaskResult, TaskStats
 from ckagent.node.state import AsyncStateStore, StateStoreError
 
 log = logging.getLogger(__name__)
@@ -224,7 +224,8 @@ class TaskDelivery:
                 self.journal.note(sizes)
         finally:
             self.scanning = False
-        sizes = await trio.to_thread.run_sync(self._final_sizes)
+        # Without spider log files it is one stat of output.log: on the loop, no thread hop.
+        sizes = self._final_sizes() if not self.globs else await trio.to_thread.run_sync(self._final_sizes)
         self.journal.end(sizes)
         while not self.journal.flush():  # a full disk: the stream's last records wait for room
             await self.outbox.next_look()
@@ -315,7 +316,7 @@ class TaskDelivery:
         assert self.result is not None
         # The final stats snapshot is the stats file's last line (the spool): read again on every
         # (re)start, so neither an agent crash nor a master outage loses it.
-        final = await trio.to_thread.run_sync(final_stats, self.task_dir)
+        final, artifact_state = await trio.to_thread.run_sync(_end_reads, self.task_dir)  # one hop
         self._observe(Snapshot(final.seq if final else 0, {"stats": final.stats if final else {}}), final=True)
         stats = final if final is not None else self.result.stats
         reason = self.result.finish_reason
@@ -330,7 +331,8 @@ class TaskDelivery:
                       "lines and %d items; the spool stays in %s until task.retention", self.task_id,
                       " and ".join(refused), self.logs.acked, self.items.acked, self.task_dir)
         # Artifacts go before the result, which lists what the master holds (ckagent.delivery.artifacts).
-        artifacts = await upload_artifacts(self.outbox.master, self.task_id, self.task_dir, self.outbox.limiter)
+        artifacts = await upload_artifacts(self.outbox.master, self.task_id, self.task_dir, self.outbox.limiter,
+                                           artifact_state)
         result = dataclasses.replace(self.result, item_count=self.items.acked, log_lines=self.logs.acked,
                                      stats=stats, finish_reason=reason, incomplete=incomplete,
                                      artifacts=artifacts)
@@ -339,6 +341,16 @@ class TaskDelivery:
                           self.outbox.config.refusal_timeout)
         self.delivered.set()
         self.outbox.lifecycle.emit(TaskDelivered(self.task_id, self.spider or None, self.claimed_at, result))
+
+
+def _end_reads(task_dir: Path) -> tuple[TaskStats | None, ArtifactState | OSError | ValueError]:
+    """What a task's delivery reads at its end, in one thread hop: the final stats snapshot and the
+    artifacts' state (or the error reading it raised: ckagent.delivery.artifacts logs it). Blocking."""
+    try:
+        artifact_state: ArtifactState | OSError | ValueError = read_state(task_dir)
+    except (OSError, ValueError) as exc:
+        artifact_state = exc
+    return final_stats(task_dir), artifact_state
 
 
 async def _flushed(shipper: StreamShipper) -> None:

@@ -362,7 +362,13 @@ class AsyncStateStore:
     async def add_task(self, task_id: str, spider_id: str, task_json: dict[str, Any], task_dir: Path) -> None:
         """See :meth:`StateStore.add_task`."""
         if await trio.to_thread.run_sync(self.sync.add_task, task_id, spider_id, task_json, task_dir):
-            self._fresh.update((task_id, stream) for stream in STREAMS)  # known to start at (0, None)
+            self.mark_fresh(task_id)
+
+    def mark_fresh(self, task_id: str) -> None:
+        """The task's streams are known to start at ``(0, None)`` (``StateStore.add_task`` returned
+        True for it, called from a thread hop of the caller's): :meth:`stream_position` answers
+        that without a hop. On the event loop."""
+        self._fresh.update((task_id, stream) for stream in STREAMS)
 
     async def set_process(self, task_id: str, pid: int | None, pgid: int | None,
                           handle: dict[str, Any] | None = None) -> None:
