@@ -243,6 +243,7 @@ class Outbox:
         delivery.result = TaskResult.from_json(record.result)
         delivery.items.finish()
         delivery.ended.set()
+        delivery.stats.stop()
         self._start(delivery)
 
     def _start(self, delivery: TaskDelivery) -> None:

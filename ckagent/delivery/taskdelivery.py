@@ -106,6 +106,7 @@ class TaskDelivery:
         self.stats = StatsShipper(outbox.master, task_id, task_dir, outbox.limiter, on_snapshot=self._observe)
         self.activity = Activity((task_dir / ITEMS_FILE, task_dir / STATS_FILE))
         self.logs.batcher = self.items.batcher = outbox.batcher
+        self.logs.end_noted = self.items.end_noted = True  # run's result write carries their last positions
         journal.on_record = self.logs.notify
         self._wake = trio.Event()
         self._found: dict[str, int] | None = None  # spider log files found by the last scan, not yet noted
@@ -193,6 +194,7 @@ class TaskDelivery:
         self.result = result
         self.items.finish()
         self.ended.set()
+        self.stats.stop()
         self._stall_armed.set()
         self._wake.set()
         if self._output_grew is not None:
@@ -308,7 +310,7 @@ class TaskDelivery:
                 nursery.start_soon(self._journal_loop)
                 nursery.start_soon(self.logs.run)
             nursery.start_soon(self.items.run)
-            nursery.start_soon(self.stats.run, self.ended)
+            nursery.start_soon(self.stats.run_until_stopped)  # ended by finish (or resume) with the process
             nursery.start_soon(self._stall_loop)
             if self.item_journal is not None:
                 nursery.start_soon(self._item_journal_end)
