@@ -298,7 +298,7 @@ class Agent:
         workspaces = self.workspaces = Workspaces(self.work_dir / "spiders", self.master,
                                                   stall_timeout=s.server.download_stall_timeout)
         deps = Dependencies(
-            self.work_dir / "envs", uv_path=s.deps.uv_path,
+            self.work_dir / "envs", uv_path=s.deps.uv_path, kill_grace=s.task.kill_grace,
             python=str(s.deps.python) if s.deps.python is not None else sys.executable,
             index=IndexChooser(s.deps.uv_index_url, s.deps.uv_fallback_index_url), uv_cache_dir=s.deps.uv_cache_dir,
             timeout=s.deps.uv_sync_timeout, base_env=base_env, run_as=run_as, budget_bytes=s.deps.env_budget_bytes)

@@ -233,7 +233,7 @@ class HangingInstaller:
         self.entered = trio.Event()
 
     async def prepare(self, framework: str, spider_id: str, code_dir: Path, output: Any, *,
-                      marker: dict[str, str] | None = None, spawn: Any = None, task_env: Any = None,
+                      marker: dict[str, str] | None = None, jail: Any = None, task_env: Any = None,
                       home: Any = None) -> Prepared:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(trio.sleep_forever)

@@ -4,7 +4,8 @@ The logic under Trio's autojump clock: the first reason wins, each StopReason's 
 message, how an ended spider is judged against the stop, the deadline and stall limit of the
 watchdog. Then real spiders behind their monitor, supervised by the runner: a task that runs past
 its deadline, one that stays silent, one the master cancels — each ends with its outcome through
-its TaskStop, and nothing of it is left running.
+its TaskStop, and nothing of it is left running. Last, a real installer that traps SIGTERM is
+stopped the same way, with the node's kill_grace.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 import trio
 import trio.testing
 
+from ckagent.code.installer import Installers
 from ckagent.containment.monitor import spawn_monitored
 from ckagent.containment.process import MARKER_VAR
 from ckagent.containment.process_group import ProcessGroupJail, find_marked
@@ -29,6 +31,7 @@ from ckagent.containment.tails import TailBuffer
 from ckagent.delivery.activity import Activity
 from ckagent.delivery.capture import LogSink
 from ckagent.master.protocol import TIMEOUT_MESSAGE, Task
+from ckagent.node.errors import DepsError
 from ckagent.task.admission import Admission
 from ckagent.task.outcome import TaskOutcome, judge_exit
 from ckagent.task.runconfig import RunnerConfig
@@ -252,3 +255,59 @@ async def test_a_real_spider_gets_the_outcome_of_its_stop(tmp_path: Path, case: 
                                "cancelled": "cancelled by the master"}[case]), sent
     assert notices[-1].endswith(f"task {status}" + (f" ({code})" if status == "FAILED" else "")), notices
 
+
+# ------------------------------------------------------------------------------ installers: the same stop
+
+STUBBORN_INSTALLER = r"""
+import os, signal, time
+# os.write, not print: the signal may come while the main line is inside print (a reentrant call raises)
+signal.signal(signal.SIGTERM, lambda *_: os.write(1, b"SIGTERM" + b" trapped\n"))
+os.write(1, b"install" + b"ing\n")
+while True:
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize("how", ["cancelled", "timed out"])
+async def test_an_installer_is_stopped_with_the_nodes_kill_grace(tmp_path: Path, how: str) -> None:
+    """A real installer that traps SIGTERM, in the task's jail (passed explicitly): stop signal, then
+    the node's kill_grace (1.5 s here, not the old fixed 5 s), then every process of the jail killed."""
+    task_id = f"installer-stop-{os.getpid()}-{how.replace(' ', '-')}"
+    installers = Installers(timeout=1.0 if how == "timed out" else 60.0, base_env={"PATH": os.environ["PATH"]},
+                            run_as=None, kill_grace=1.5)
+    jail = ProcessGroupJail(task_id)
+    out = bytearray()
+    installing = trio.Event()
+
+    def output(chunk: bytes) -> None:
+        out.extend(chunk)
+        if b"\ninstalling\n" in out:  # its output, not its echoed command line
+            installing.set()
+
+    started = trio.current_time()
+    with trio.fail_after(20):
+        if how == "cancelled":  # the task is stopped while it installs (its prepare scope is cancelled)
+            stop = TaskStop(task_id)
+            async with trio.open_nursery() as nursery:
+                async def stop_once_installing() -> None:
+                    await installing.wait()
+                    stop.request(StopReason.CANCELLED)
+                nursery.start_soon(stop_once_installing)
+                with stop.prepare_scope:
+                    await installers.run([sys.executable, "-c", STUBBORN_INSTALLER], tmp_path,
+                                         {"PATH": os.environ["PATH"], MARKER_VAR: task_id}, output, jail=jail)
+            assert stop.prepare_scope.cancelled_caught
+        else:
+            with pytest.raises(DepsError, match=r"timed out after 1 s and was stopped"):
+                await installers.run([sys.executable, "-c", STUBBORN_INSTALLER], tmp_path,
+                                     {"PATH": os.environ["PATH"], MARKER_VAR: task_id}, output, jail=jail)
+    elapsed = trio.current_time() - started
+    text = out.decode()
+    if how == "timed out":  # (output after an outside cancel is not read any more)
+        assert "\nSIGTERM trapped\n" in text, text
+    begins = "installer stopped" if how == "cancelled" else "timeout after 1 s"
+    assert f"[ckagent] {begins}: sent SIGTERM to the main process" in text, text
+    assert "every process of the task is killed in 1.5 s" in text, text
+    assert "main process still running 1.5 s after SIGTERM: killed every process of the task" in text, text
+    assert 1.5 <= elapsed < 1.5 + (1.0 if how == "timed out" else 0) + 2.5, elapsed  # the grace, not 5 s
+    assert await trio.to_thread.run_sync(find_marked, task_id) == []

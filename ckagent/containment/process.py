@@ -195,20 +195,6 @@ async def run_supervised(
     return outcome
 
 
-async def terminate_group(pgid: int, grace: float) -> None:
-    """SIGTERM the group, sleep ``grace`` seconds, then SIGKILL the group.
-
-    Meant as trio's ``deliver_cancel``: trio runs it shielded and cancels it as soon as the main
-    process has exited, so a process that stops on TERM is not waited for; whatever else of the
-    group survives is then the sweep's job (:func:`sweep`).
-    """
-    if not signal_group(pgid, signal.SIGTERM):
-        return
-    await trio.sleep(grace)
-    signal_group(pgid, signal.SIGKILL)
-
-
-
 def enlarge_pipe(fd: int, size: int = PIPE_BYTES) -> int:
     """Ask for a pipe capacity of ``size`` bytes on ``fd`` (best effort: the system maximum or a
     per-user limit may refuse it). Returns the capacity the pipe has now (bytes), 0 if unknown."""

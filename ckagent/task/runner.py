@@ -273,7 +273,7 @@ class TaskRunner:
         try:
             prepared = await self._deps.prepare(
                 task.framework, task.spider_id, code.work, sink.write, marker={MARKER_VAR: task.id},
-                spawn=code.jail.spawn, task_env={**self.config.extra_env, **task.env},
+                jail=code.jail, task_env={**self.config.extra_env, **task.env},
                 home=self.config.work_dir / "spider-home" / safe_name(task.spider_id),
             )
         finally:
