@@ -30,6 +30,17 @@ def test_json_lines_are_copied_as_they_are(tmp_path: Path) -> None:
     assert items == [{"a": 1}, {"a": 2}, [3], {"a": 4}]  # the items reader wraps [3] when it ships
 
 
+def test_the_count_of_copied_json_lines_is_what_the_spool_makes_items_of(tmp_path: Path) -> None:
+    # An unterminated last line of blanks gets its line end in the spool and is a blank line there:
+    # the items reader skips it, so it is not counted either.
+    for data in (b'{"a": 1}\n \t', b'{"a": 1}\n\n  \n{"b": 2}', b"", b"\n\n", b'{"a": 1}'):
+        source = tmp_path / "q.jsonl"
+        source.write_bytes(data)
+        count, items = read_items(source, tmp_path)
+        assert count == len(items), data
+        assert (tmp_path / "spool.jsonl").read_bytes() == data + (b"\n" if data and not data.endswith(b"\n") else b"")
+
+
 @pytest.mark.parametrize("chunk", [1, 3, 7, 1 << 20])
 def test_a_json_array_is_read_element_by_element(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
     monkeypatch.setattr(itemfiles, "CHUNK_BYTES", chunk)  # elements, numbers and commas cut by chunk ends

@@ -52,8 +52,7 @@ class HoldingSupervisor(Supervisor):
         try:
             await self._release.setdefault(rt.task.id, trio.Event()).wait()
         finally:
-            self.running.pop(rt.task.id, None)
-            self._slot_freed.set()
+            self.task_left(rt.task.id)  # as the real runner does
 
     def release(self, task_id: str) -> None:
         self._release.setdefault(task_id, trio.Event()).set()

@@ -129,12 +129,10 @@ class PythonEnvs:
         prepared = Prepared(path_prefix=[str(bin_dir)], env={"VIRTUAL_ENV": str(venv)})
         async with self.store.lock(plan.key):
             with self.store.using(venv, prepared):
-                if not await trio.to_thread.run_sync(is_ready, venv, plan.key):
+                if not await trio.to_thread.run_sync(_ready_with_sdk, venv, plan.key):  # one hop
                     prepared.cache_hit = False
                     with self.store.building(venv):
                         await self._build(venv, plan, overrides, code_dir, output, task_env, jail)
-                else:
-                    await trio.to_thread.run_sync(_install_sdk_pth, venv)
         return prepared
 
     async def _build(self, venv: Path, plan: PythonPlan, overrides: Path | None, code_dir: Path,
@@ -213,6 +211,14 @@ class PythonEnvs:
 def _write_files(files: dict[Path, str]) -> None:
     for path, text in files.items():
         path.write_text(text)
+
+
+def _ready_with_sdk(venv: Path, key: str) -> bool:
+    """:func:`is_ready`, and for a ready environment its SDK ``.pth`` checked (one thread hop). Blocking."""
+    if not is_ready(venv, key):
+        return False
+    _install_sdk_pth(venv)
+    return True
 
 
 def _install_sdk_pth(venv: Path) -> None:

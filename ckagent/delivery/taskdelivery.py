@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import trio
 
 from ckagent.delivery.activity import Activity
-from ckagent.delivery.artifacts import upload_artifacts
+from ckagent.delivery.artifacts import ArtifactState, read_state, upload_artifacts
 from ckagent.delivery.capture import LogSink
 from ckagent.delivery.crawlstats import STATS_FILE, Snapshot
 from ckagent.delivery.journal import LogJournal, scan_log_files
@@ -32,7 +32,7 @@ from ckagent.delivery.shipper import DEFAULT_REFUSAL_TIMEOUT, StreamShipper, sen
 from ckagent.delivery.spool import DEFAULT_LOG_GLOBS, ITEM_FILES_DIR, ITEMS_FILE, OUTPUT_LOG
 from ckagent.delivery.stats import StatsShipper, final_stats
 from ckagent.master.client import MasterClient
-from ckagent.master.protocol import TaskResult
+from ckagent.master.protocol import TaskResult, TaskStats
 from ckagent.node.state import AsyncStateStore, StateStoreError
 
 log = logging.getLogger(__name__)
@@ -106,6 +106,7 @@ class TaskDelivery:
         self.stats = StatsShipper(outbox.master, task_id, task_dir, outbox.limiter, on_snapshot=self._observe)
         self.activity = Activity((task_dir / ITEMS_FILE, task_dir / STATS_FILE))
         self.logs.batcher = self.items.batcher = outbox.batcher
+        self.logs.end_noted = self.items.end_noted = True  # run's result write carries their last positions
         journal.on_record = self.logs.notify
         self._wake = trio.Event()
         self._found: dict[str, int] | None = None  # spider log files found by the last scan, not yet noted
@@ -176,6 +177,7 @@ class TaskDelivery:
         self.result = result
         self.items.finish()
         self.ended.set()
+        self.stats.stop()
         self._wake.set()
         if self._output_grew is not None:
             self._output_grew.set()
@@ -206,7 +208,8 @@ class TaskDelivery:
                 self.journal.note(sizes)
         finally:
             self.scanning = False
-        sizes = await trio.to_thread.run_sync(self._final_sizes)
+        # Without spider log files it is one stat of output.log: on the loop, no thread hop.
+        sizes = self._final_sizes() if not self.globs else await trio.to_thread.run_sync(self._final_sizes)
         self.journal.end(sizes)
         while not self.journal.flush():  # a full disk: the stream's last records wait for room
             await self.outbox.next_look()
@@ -289,14 +292,14 @@ class TaskDelivery:
                 nursery.start_soon(self._journal_loop)
                 nursery.start_soon(self.logs.run)
             nursery.start_soon(self.items.run)
-            nursery.start_soon(self.stats.run, self.ended)
+            nursery.start_soon(self.stats.run_until_stopped)  # ended by finish (or resume) with the process
             if self.item_journal is not None:
                 nursery.start_soon(self._item_journal_end)
             await self.ended.wait()
         assert self.result is not None
         # The final stats snapshot is the stats file's last line (the spool): read again on every
         # (re)start, so neither an agent crash nor a master outage loses it.
-        final = await trio.to_thread.run_sync(final_stats, self.task_dir)
+        final, artifact_state = await trio.to_thread.run_sync(_end_reads, self.task_dir)  # one hop
         self._observe(Snapshot(final.seq if final else 0, {"stats": final.stats if final else {}}), final=True)
         stats = final if final is not None else self.result.stats
         reason = self.result.finish_reason
@@ -311,7 +314,8 @@ class TaskDelivery:
                       "lines and %d items; the spool stays in %s until task.retention", self.task_id,
                       " and ".join(refused), self.logs.acked, self.items.acked, self.task_dir)
         # Artifacts go before the result, which lists what the master holds (ckagent.delivery.artifacts).
-        artifacts = await upload_artifacts(self.outbox.master, self.task_id, self.task_dir, self.outbox.limiter)
+        artifacts = await upload_artifacts(self.outbox.master, self.task_id, self.task_dir, self.outbox.limiter,
+                                           artifact_state)
         result = dataclasses.replace(self.result, item_count=self.items.acked, log_lines=self.logs.acked,
                                      stats=stats, finish_reason=reason, incomplete=incomplete,
                                      artifacts=artifacts)
@@ -320,6 +324,16 @@ class TaskDelivery:
                           self.outbox.config.refusal_timeout)
         self.delivered.set()
         self.outbox.lifecycle.emit(TaskDelivered(self.task_id, self.spider or None, self.claimed_at, result))
+
+
+def _end_reads(task_dir: Path) -> tuple[TaskStats | None, ArtifactState | OSError | ValueError]:
+    """What a task's delivery reads at its end, in one thread hop: the final stats snapshot and the
+    artifacts' state (or the error reading it raised: ckagent.delivery.artifacts logs it). Blocking."""
+    try:
+        artifact_state: ArtifactState | OSError | ValueError = read_state(task_dir)
+    except (OSError, ValueError) as exc:
+        artifact_state = exc
+    return final_stats(task_dir), artifact_state
 
 
 async def _flushed(shipper: StreamShipper) -> None:

@@ -13,9 +13,10 @@ Everything here runs on the Trio thread and never blocks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +73,7 @@ class Admission:
         """The newest claiming poll id the poller has sent (None: none yet)."""
         self._spider_locks: dict[str, trio.Lock] = {}
         self._slot_freed = Broadcast()
+        self._stale_scopes: dict[trio.CancelScope, frozenset[str]] = {}  # see cancel_when_spider_free
         self.lifecycle = lifecycle or Lifecycle()
         """Where the runner says what happened to each task (ckagent.delivery.lifecycle records)."""
         self.handing_over = False
@@ -87,6 +89,8 @@ class Admission:
         """A task is no longer ours to run: its slot is free."""
         self.running.pop(task_id, None)
         self._slot_freed.set()
+        if self._stale_scopes:
+            self._cancel_stale()
 
     def free_slots(self) -> int:
         """Slots not taken by a claimed, unfinished task (queued ones count: we must not over-claim)."""
@@ -111,6 +115,27 @@ class Admission:
         excluded it has gone stale). Never returns for an empty list. Cancellation: as usual."""
         while set(spider_ids) <= set(self.running_spider_ids()):
             await self._slot_freed.wait()
+
+    @contextlib.contextmanager
+    def cancel_when_spider_free(self, spider_ids: list[str], scope: trio.CancelScope) -> Iterator[None]:
+        """While in the block, cancel ``scope`` once a spider of ``spider_ids`` has no claimed task here
+        (what :meth:`wait_spider_free` waits for, without a task of its own to wait in); at once
+        when one has none already. Nothing for an empty list."""
+        if not spider_ids:
+            yield
+            return
+        self._stale_scopes[scope] = frozenset(spider_ids)
+        try:
+            self._cancel_stale()
+            yield
+        finally:
+            self._stale_scopes.pop(scope, None)
+
+    def _cancel_stale(self) -> None:
+        running = {rt.task.spider_id for rt in self.running.values()}
+        for scope, spider_ids in self._stale_scopes.items():
+            if not spider_ids <= running:
+                scope.cancel()
 
     def admit(self, task: Task) -> RunningTask:
         """Record a claimed task as ours (call before spawning the task's runner)."""

@@ -122,15 +122,14 @@ class TaskRunner:
         try:
             started_wall = time.time()
             try:
-                def open_task_dir() -> None:  # one thread hop: the task's directory, then its durable record
+                def make_task_dir() -> None:  # in the outbox's hop, before the task's durable record
                     task_dir.mkdir(parents=True, exist_ok=True)
                     if run_as is not None:
                         run_as.chown_tree(task_dir)
-                    self._store.sync.add_task(task.id, task.spider_id, task.to_json(), task_dir)
 
-                await trio.to_thread.run_sync(open_task_dir)
                 # Logs, items and the result are the outbox's: they outlive this slot (see ckagent.delivery).
-                delivery = await self._outbox.open_task(task, task_dir, claimed_at=rt.claimed_at)
+                delivery = await self._outbox.open_task(task, task_dir, claimed_at=rt.claimed_at,
+                                                        make_dir=make_task_dir)
             except (OSError, sqlite3.Error) as exc:
                 # A full disk or a broken work dir fails this task, never the agent.
                 await self._report_unprepared(rt, exc, started_wall)
