@@ -24,7 +24,7 @@ from bench import _census  # noqa: E402
 
 HELD_TASKS = 14
 """Trio tasks of the agent's own per task, at most (today's count)."""
-HELD_HOPS = 20
+HELD_HOPS = 17
 """Thread hops of the agent's own per task, at most (today's count)."""
 
 
