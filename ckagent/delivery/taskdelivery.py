@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import trio
 
+from ckagent.delivery.activity import Activity
 from ckagent.delivery.artifacts import ArtifactState, read_state, upload_artifacts
 from ckagent.delivery.capture import LogSink
 from ckagent.delivery.crawlstats import STATS_FILE, Snapshot
@@ -29,7 +30,6 @@ from ckagent.delivery.nodebatch import NodeBatcher
 from ckagent.delivery.outputs.live import LiveItemFiles
 from ckagent.delivery.shipper import DEFAULT_REFUSAL_TIMEOUT, StreamShipper, send_result
 from ckagent.delivery.spool import DEFAULT_LOG_GLOBS, ITEM_FILES_DIR, ITEMS_FILE, OUTPUT_LOG
-from ckagent.delivery.stall import Activity, watch_stall
 from ckagent.delivery.stats import StatsShipper, final_stats
 from ckagent.master.client import MasterClient
 from ckagent.master.protocol import TaskResult, TaskStats
@@ -119,8 +119,6 @@ class TaskDelivery:
         self.delivered = trio.Event()
         self.result: TaskResult | None = None
         self.ship_logs = True  # False when the journal cannot be opened (the result still goes)
-        self._stall: tuple[float, Callable[[float], None]] = (0.0, lambda idle: None)
-        self._stall_armed = trio.Event()
 
     def notice(self, text: str) -> None:
         """A line of the agent's in the task's log (the agent log once output.log is closed)."""
@@ -168,21 +166,6 @@ class TaskDelivery:
             self._output_grew = trio.Event()
         await self._output_grew.wait()
 
-    def watch_stall(self, timeout: float, on_stall: Callable[[float], None]) -> None:
-        """Arm the stall watchdog (the process has started): ``on_stall(idle_seconds)`` is called once
-        when no output, item or stats change was seen for ``timeout`` seconds before :meth:`finish`."""
-        self.activity.touch()
-        self._stall = (timeout, on_stall)
-        self._stall_armed.set()
-
-    async def _stall_loop(self) -> None:
-        if not self.ended.is_set():
-            await self._stall_armed.wait()  # set by watch_stall() or finish()
-        if self.ended.is_set():
-            return
-        timeout, on_stall = self._stall
-        await watch_stall(timeout, self.activity.last, self.ended, on_stall)
-
     async def finish(self, result: TaskResult) -> None:
         """The process is over: close output.log, store ``result``, let the streams complete and the
         result follow them. Returns at once (after the state store write); cancellation before that
@@ -195,7 +178,6 @@ class TaskDelivery:
         self.items.finish()
         self.ended.set()
         self.stats.stop()
-        self._stall_armed.set()
         self._wake.set()
         if self._output_grew is not None:
             self._output_grew.set()
@@ -316,7 +298,6 @@ class TaskDelivery:
                 nursery.start_soon(self.logs.run)
             nursery.start_soon(self.items.run)
             nursery.start_soon(self.stats.run_until_stopped)  # ended by finish (or resume) with the process
-            nursery.start_soon(self._stall_loop)
             if self.item_journal is not None:
                 nursery.start_soon(self._item_journal_end)
             await self.ended.wait()

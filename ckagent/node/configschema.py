@@ -286,7 +286,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("task", "execute_timeout", "AGENT_TASK_EXECUTE_TIMEOUT", "seconds >= 0", 3600.0,
             "Default run-time limit of a task that names none; 0 = no limit.", v.seconds(exclusive=False)),
     Setting("task", "kill_grace", "AGENT_TASK_KILL_GRACE", "seconds >= 0", 10.0,
-            "Seconds between SIGTERM and SIGKILL when stopping a task's process group.",
+            "Seconds between SIGTERM and SIGKILL when stopping a task's processes (its spider or installer).",
             v.seconds(exclusive=False)),
     Setting("task", "drain_timeout", "AGENT_TASK_DRAIN_TIMEOUT", "seconds >= 0", 60.0,
             "On SIGTERM: how long running tasks may finish before they are terminated.",
