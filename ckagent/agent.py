@@ -175,6 +175,7 @@ class Agent:
             token.reveal() if token is not None else "",
             self._register_body,
             request_timeout=settings.server.request_timeout,
+            max_backoff_interval=settings.server.max_backoff_interval,
             ca_file=str(settings.server.ca_file) if settings.server.ca_file else None,
             observer=self.metrics.master_request,
         )

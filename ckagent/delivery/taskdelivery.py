@@ -222,9 +222,14 @@ class TaskDelivery:
         journal's sources → size: empty without one). Blocking: the outbox calls it in its
         once-a-second worker thread, for every running task in one hop."""
         items_size = _size(self.task_dir / ITEMS_FILE)
-        item_sizes = {} if self.item_journal is None else {ITEMS_FILE: items_size}
+        item_sizes: dict[str, int] = {}
         if self.live is not None:
             item_sizes.update(self.live.scan())
+        if self.item_journal is not None:
+            # After the links, as at the end (_final_item_sizes): items.jsonl's size was read before
+            # them, so the item files the end-of-task collection appends to it come after the
+            # streamed files' last lines however a scan falls between the collection's steps.
+            item_sizes[ITEMS_FILE] = items_size
         return scan_log_files(self.task_dir, self.globs), items_size, _size(self.task_dir / STATS_FILE), item_sizes
 
     def scanned(self, found: dict[str, int], items_size: int, stats_size: int = 0,
