@@ -116,6 +116,8 @@ class TaskDelivery:
         self._output_grew: trio.Event | None = None  # set by the next output write (see wait_output)
         self.scanning = False  # True while the task runs: the outbox scans its files every SCAN_INTERVAL
         self.ended = trio.Event()
+        self._end_read = trio.Event()  # set once run has read the spool's last sizes (_last_sizes)
+        self._last_sizes: dict[str, int] | None = None
         self.delivered = trio.Event()
         self.result: TaskResult | None = None
         self.ship_logs = True  # False when the journal cannot be opened (the result still goes)
@@ -208,9 +210,9 @@ class TaskDelivery:
                 self.journal.note(sizes)
         finally:
             self.scanning = False
-        # Without spider log files it is one stat of output.log: on the loop, no thread hop.
-        sizes = self._final_sizes() if not self.globs else await trio.to_thread.run_sync(self._final_sizes)
-        self.journal.end(sizes)
+        await self._end_read.wait()  # the last sizes come with :meth:`run`'s one hop at the end
+        assert self._last_sizes is not None
+        self.journal.end(self._last_sizes)
         while not self.journal.flush():  # a full disk: the stream's last records wait for room
             await self.outbox.next_look()
         self.journal.close()
@@ -271,14 +273,6 @@ class TaskDelivery:
         sizes[ITEMS_FILE] = _size(self.task_dir / ITEMS_FILE)
         return sizes
 
-    def _final_sizes(self) -> dict[str, int]:
-        sizes = scan_log_files(self.task_dir, self.globs)
-        try:
-            sizes[OUTPUT_LOG] = (self.task_dir / OUTPUT_LOG).stat().st_size
-        except FileNotFoundError:
-            sizes[OUTPUT_LOG] = 0
-        return sizes
-
     async def flush_read(self) -> None:
         """Send what was read so far at once (a hand-over's last flush): returns when nothing read
         waits for the master, or, for a task that has ended, when its result is delivered. Call it
@@ -301,10 +295,13 @@ class TaskDelivery:
             if self.item_journal is not None:
                 nursery.start_soon(self._item_journal_end)
             await self.ended.wait()
+            # One hop reads what the end needs: the log files' last sizes (the journal's end) and the
+            # final stats snapshot, the stats file's last line (the spool): read again on every
+            # (re)start, so neither an agent crash nor a master outage loses it; the artifact list.
+            self._last_sizes, final, artifact_state = await trio.to_thread.run_sync(
+                _end_reads, self.task_dir, self.globs)
+            self._end_read.set()
         assert self.result is not None
-        # The final stats snapshot is the stats file's last line (the spool): read again on every
-        # (re)start, so neither an agent crash nor a master outage loses it.
-        final, artifact_state = await trio.to_thread.run_sync(_end_reads, self.task_dir)  # one hop
         self._observe(Snapshot(final.seq if final else 0, {"stats": final.stats if final else {}}), final=True)
         stats = final if final is not None else self.result.stats
         reason = self.result.finish_reason
@@ -331,14 +328,21 @@ class TaskDelivery:
         self.outbox.lifecycle.emit(TaskDelivered(self.task_id, self.spider or None, self.claimed_at, result))
 
 
-def _end_reads(task_dir: Path) -> tuple[TaskStats | None, ArtifactState | OSError | ValueError]:
-    """What a task's delivery reads at its end, in one thread hop: the final stats snapshot and the
-    artifacts' state (or the error reading it raised: ckagent.delivery.artifacts logs it). Blocking."""
+def _end_reads(task_dir: Path, globs: list[str]) -> tuple[dict[str, int], TaskStats | None,
+                                                          ArtifactState | OSError | ValueError]:
+    """What a task's delivery reads at its end, in one thread hop: the log files' last sizes
+    (output.log's and those of ``globs``), the final stats snapshot and the artifacts' state (or the
+    error reading it raised: ckagent.delivery.artifacts logs it). Blocking."""
+    sizes = scan_log_files(task_dir, globs)
+    try:
+        sizes[OUTPUT_LOG] = (task_dir / OUTPUT_LOG).stat().st_size
+    except FileNotFoundError:
+        sizes[OUTPUT_LOG] = 0
     try:
         artifact_state: ArtifactState | OSError | ValueError = read_state(task_dir)
     except (OSError, ValueError) as exc:
         artifact_state = exc
-    return final_stats(task_dir), artifact_state
+    return sizes, final_stats(task_dir), artifact_state
 
 
 async def _flushed(shipper: StreamShipper) -> None:

@@ -201,7 +201,7 @@ async def run_adopted(supervisor: Supervisor, rt: RunningTask, adoption: Adoptio
                         rt.stop.request(StopReason.TERMINATING)
                         await delivery.finish(_result(rt, TaskOutcome(*stopped_outcome(rt.stop)), record.claimed_at))
             egress = supervisor.config.egress
-            if outcome is not None and rt.egress is not None and egress is not None:
+            if outcome is not None and outcome.egress_refused is None and rt.egress is not None and egress is not None:
                 outcome.egress_refused = await trio.to_thread.run_sync(egress.refusals, rt.egress)
                 report_refusals(task.id, outcome.egress_refused, notice)
             if outcome is not None and not rt.handed_over:  # its files → items, artifacts or kept ones

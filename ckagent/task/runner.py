@@ -40,8 +40,8 @@ import trio
 from ckagent.code import frameworks
 from ckagent.code.deps import Dependencies, Prepared, spider_base_env
 from ckagent.code.workspace import Workspaces
-from ckagent.containment import ContainmentError, TaskJail
-from ckagent.containment.egress import report_refusals
+from ckagent.containment import ContainmentError, Figures, TaskJail
+from ckagent.containment.egress import Refusal, report_refusals
 from ckagent.containment.monitor import Monitored, spawn_monitored, supervise
 from ckagent.containment.process import MARKER_VAR, sweep
 from ckagent.containment.tails import TailBuffer
@@ -64,7 +64,7 @@ from ckagent.node.errors import (
 )
 from ckagent.node.state import AsyncStateStore, StateStoreError
 from ckagent.task.admission import Admission, RunningTask
-from ckagent.task.deploy import Deployer, empty_jail, remove_shielded
+from ckagent.task.deploy import Deployer, clear_task
 from ckagent.task.outcome import (
     MESSAGE_CHARS,
     Notice,
@@ -217,9 +217,6 @@ class TaskRunner:
                         notice(f"stopped before the spider started: {rt.stop.describe()}")
                         return TaskOutcome(*stopped_outcome(rt.stop))
                     outcome = await self._run(rt, task_dir, code, prepared, notice, sink)
-                    if rt.egress is not None and self.config.egress is not None:
-                        outcome.egress_refused = await trio.to_thread.run_sync(self.config.egress.refusals, rt.egress)
-                        report_refusals(rt.task.id, outcome.egress_refused, notice)
                     if rt.started_at is not None and not rt.handed_over:  # its files → items, artifacts or kept
                         await self.deployer.collect_outputs(rt, task_dir, code.work, code.code_dir, notice)
                     return outcome
@@ -244,16 +241,15 @@ class TaskRunner:
         async with contextlib.AsyncExitStack() as held:
 
             async def open_jail() -> None:
-                jail = await self.deployer.open_jail(rt, notice)
-                held.push_async_callback(empty_jail, jail, rt, self.deployer.egress_detach(rt))
-                jails.append(jail)
+                jails.append(await self.deployer.open_jail(rt, notice))
 
             work = self.deployer.work_of(task)
+            # At the end: the jail emptied and removed (once made), the working copy removed: one hop.
+            held.push_async_callback(clear_task, jails, work, rt, self.deployer.egress_detach(rt))
             # The jail is made while the code is deployed and copied (one thread hop less before the spawn).
             try:
                 async with trio.open_nursery() as opening:
                     opening.start_soon(open_jail)
-                    held.push_async_callback(remove_shielded, work, rt)
                     code_dir, argv, how, copied = await self.deployer.deploy(task, work, held, notice)
             finally:
                 rt.phase_seconds["deploy"] = trio.current_time() - started
@@ -368,15 +364,26 @@ class TaskRunner:
             mon, jail=jail, sink=sink, grace=self.config.kill_grace, stop=watchdog, why=rt.stop.describe,
             notice=notice, stop_signal=task.stop_signal_number, leave_running=lambda: self._hand_over(rt),
         )
+        egress = self.config.egress if rt.egress is not None else None
+
+        def end_reads() -> tuple[bytes, Figures, list[Refusal] | None]:
+            """One thread hop: the output's tail, the jail's figures (into the result: cpuSeconds,
+            memoryPeakBytes, ...), what the egress rules refused (blocking reads, nft)."""
+            return (output_tail(sink.path), jail.figures(),
+                    egress.refusals(rt.egress) if egress is not None else None)
+
+        tail, figures, refused = await trio.to_thread.run_sync(end_reads)
         stderr_tail = TailBuffer(16384)
-        stderr_tail.write(await trio.to_thread.run_sync(output_tail, sink.path))
-        figures = jail.figures()  # into the result (cpuSeconds, memoryPeakBytes, ...), not the log
+        stderr_tail.write(tail)
         if figures.oom_kills and not outcome.stopped:
-            verdict = oom_outcome(jail, figures, outcome.returncode, "the spider")
-            notice(f"{verdict.error_message}; task FAILED (OOM_KILLED)")
-            return verdict
-        judged = judge_exit(rt, outcome, notice, stderr_tail, sink, self.config.agent_secrets)
-        judged.figures = figures
+            judged = oom_outcome(jail, figures, outcome.returncode, "the spider")
+            notice(f"{judged.error_message}; task FAILED (OOM_KILLED)")
+        else:
+            judged = judge_exit(rt, outcome, notice, stderr_tail, sink, self.config.agent_secrets)
+            judged.figures = figures
+        if refused is not None:
+            judged.egress_refused = refused
+            report_refusals(task.id, refused, notice)
         return judged
 
     def _hand_over(self, rt: RunningTask) -> bool:
