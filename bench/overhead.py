@@ -7,10 +7,14 @@ included, its spiders not) and RSS.
 - idle: CPU seconds over ``idle`` seconds (60; 5 with ``--quick``) → % of one core; peak RSS.
 - busy: N ``python -c`` tasks over 4 spiders (``max_workers`` 2); agent CPU seconds per task,
   next to the spiders' own CPU per task (the agent's reaped children) as the baseline; peak RSS.
+- the path per task (bench._census): the Trio tasks and thread hops of the agent's own per task,
+  counted by a Trio instrument around an in-process agent running 10 ``python -c`` tasks (3 with
+  ``--quick``) one after another; the table below it names where they come from.
 - Scrapyd (unless ``--no-scrapyd``): the same figures for the Scrapyd daemon, idle and per job.
 
-Targets (issue 18): launcher CPU per task ≤ 0.5 × the Scrapyd daemon's CPU per job (measured in the same
-run; without Scrapyd this target is not judged), idle CPU ≤ 0.05 % of one core, idle RSS ≤ 40 MB.
+Targets (issue 26, item 7): agent CPU per task ≤ 6 ms and ≤ 0.20 × the spider's own (``python -c``),
+at most 4 Trio tasks and 6 thread hops per task; (issue 18) idle CPU ≤ 0.05 % of one core, idle RSS
+≤ 40 MB. The Scrapyd daemon's CPU per job is shown beside it (measured in the same run).
 Run: ``python -m bench.overhead [--quick] [--no-scrapyd]``.
 """
 
@@ -25,7 +29,7 @@ import httpx
 import psutil
 import trio
 
-from bench import _scrapyd
+from bench import _census, _scrapyd
 from bench._harness import (
     STAMP_SPIDER,
     AgentProcess,
@@ -40,8 +44,10 @@ from bench._harness import (
 )
 from ckagent.devmaster.client import zip_files
 
-TARGET_TASK_CPU_RATIO = 0.5
-"""Agent CPU per task ÷ the Scrapyd daemon's CPU per job, at most."""
+TARGET_TASK_CPU_MS = 6.0
+"""Agent CPU per task (ms), at most (issue 26, item 7)."""
+TARGET_TASK_CPU_RATIO = 0.20
+"""Agent CPU per task ÷ the spider's own CPU per task (``python -c``), at most (issue 26, item 7)."""
 TARGET_IDLE_CPU_PERCENT = 0.05
 TARGET_IDLE_RSS_BYTES = 40 * 1024 * 1024
 MB = 1024 * 1024
@@ -165,6 +171,7 @@ async def run_async(quick: bool, scrapyd: bool = True) -> dict[str, Any]:
                 failed = f"{type(exc).__name__}: {exc}".replace("|", "/")[:200]
                 sides.append((f"scrapyd daemon: FAILED ({failed})", dict.fromkeys(
                     ("idle_cpu_percent", "idle_rss_mb", "task_cpu_ms", "spider_cpu_ms", "busy_rss_mb"), math.nan)))
+        census = await _census.agent_census(workdir / "census", 3 if quick else 10)
     rows = [
         [name, f["idle_cpu_percent"], f["idle_rss_mb"], f["task_cpu_ms"], f["spider_cpu_ms"],
          f["task_cpu_ms"] / f["spider_cpu_ms"] if f["spider_cpu_ms"] else math.nan, f["busy_rss_mb"]]
@@ -173,21 +180,28 @@ async def run_async(quick: bool, scrapyd: bool = True) -> dict[str, Any]:
     table = markdown_table(
         [f"overhead (idle {idle_seconds:g} s, {tasks} tasks)", "idle CPU % of a core", "idle RSS MB",
          "CPU ms / task", "spider CPU ms / task", "÷ spider", "busy peak RSS MB"], rows)
+    table += "\n" + _census.census_table(census)
     scrapyd_ms = sides[1][1]["task_cpu_ms"] if len(sides) > 1 else math.nan
-    ratio = agent["task_cpu_ms"] / scrapyd_ms if scrapyd_ms else math.nan  # NaN: no Scrapyd figure
-    ratio_text = f"{ratio:.2f} × Scrapyd's" if not math.isnan(ratio) else "no Scrapyd baseline"
+    spider_ratio = agent["task_cpu_ms"] / agent["spider_cpu_ms"] if agent["spider_cpu_ms"] else math.nan
+    scrapyd_text = f"; Scrapyd's daemon {scrapyd_ms:.1f} ms/job" if not math.isnan(scrapyd_ms) else ""
     return {
         "name": "overhead",
         "table": table,
         "agent": agent,
-        "task_cpu_ratio": ratio,
-        "headline": f"{agent['task_cpu_ms']:.1f} ms CPU/task ({ratio_text}), idle {agent['idle_cpu_percent']:.3f} % "
-                    f"CPU, idle RSS {agent['idle_rss_mb']:.0f} MB",
-        "target": f"CPU/task ≤ {TARGET_TASK_CPU_RATIO} × Scrapyd's per job, idle CPU ≤ {TARGET_IDLE_CPU_PERCENT} % "
-                  f"of a core, idle RSS ≤ {TARGET_IDLE_RSS_BYTES // MB} MB",
+        "census": census,
+        "task_cpu_ratio": spider_ratio,
+        "headline": f"{agent['task_cpu_ms']:.1f} ms CPU/task ({spider_ratio:.2f} × the spider's{scrapyd_text}), "
+                    f"{census['tasks_per_task']:g} Trio tasks and {census['hops_per_task']:g} thread hops/task, "
+                    f"idle {agent['idle_cpu_percent']:.3f} % CPU, idle RSS {agent['idle_rss_mb']:.0f} MB",
+        "target": f"CPU/task ≤ {TARGET_TASK_CPU_MS:g} ms and ≤ {TARGET_TASK_CPU_RATIO} × the spider's, "
+                  f"≤ {_census.TARGET_TASKS:g} Trio tasks and ≤ {_census.TARGET_HOPS:g} thread hops per task, "
+                  f"idle CPU ≤ {TARGET_IDLE_CPU_PERCENT} % of a core, idle RSS ≤ {TARGET_IDLE_RSS_BYTES // MB} MB",
         "target_met": (agent["idle_cpu_percent"] <= TARGET_IDLE_CPU_PERCENT
                        and agent["idle_rss_mb"] * MB <= TARGET_IDLE_RSS_BYTES
-                       and (math.isnan(ratio) or ratio <= TARGET_TASK_CPU_RATIO)),
+                       and agent["task_cpu_ms"] <= TARGET_TASK_CPU_MS
+                       and spider_ratio <= TARGET_TASK_CPU_RATIO
+                       and census["tasks_per_task"] <= _census.TARGET_TASKS
+                       and census["hops_per_task"] <= _census.TARGET_HOPS),
     }
 
 

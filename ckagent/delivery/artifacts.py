@@ -46,8 +46,13 @@ _NOT_SHIPPED = frozenset({409, 413, 422})
 _NO_ENDPOINT = frozenset({404, 405, 501})
 
 
-def _read_state(task_dir: Path) -> tuple[list[ArtifactRef], Path, set[str]]:
-    """(the manifest's artifacts, its folder for kept files, the acknowledged paths). Blocking."""
+ArtifactState = tuple[list[ArtifactRef], Path, set[str]]
+"""What :func:`read_state` reads: the manifest's artifacts, its folder for kept files, the acknowledged paths."""
+
+
+def read_state(task_dir: Path) -> ArtifactState:
+    """(the manifest's artifacts, its folder for kept files, the acknowledged paths). Blocking.
+    Raises OSError or ValueError (a broken manifest)."""
     refs, keep_dir = load_manifest(task_dir)
     try:
         sent = set((task_dir / SENT_FILE).read_text(encoding="utf-8").splitlines())
@@ -86,8 +91,12 @@ def _keep(task_dir: Path, keep_dir: Path, paths: list[str]) -> None:
 
 
 async def upload_artifacts(master: MasterClient, task_id: str, task_dir: Path,
-                           limiter: trio.CapacityLimiter | None = None) -> list[ArtifactRef] | None:
+                           limiter: trio.CapacityLimiter | None = None,
+                           state: ArtifactState | OSError | ValueError | None = None) -> list[ArtifactRef] | None:
     """Upload the task's artifacts not acknowledged yet (module docstring).
+
+    ``state``: what :func:`read_state` returned (or raised) for ``task_dir``, when the caller read it
+    in a thread hop of its own; None: read here.
 
     Returns the artifacts the master holds (for the result's ``artifacts``), or None when the task
     has none. Never raises for master trouble (retried with backoff until cancelled); a broken
@@ -96,7 +105,11 @@ async def upload_artifacts(master: MasterClient, task_id: str, task_dir: Path,
     from ckagent.delivery.shipper import _backoff_sleep
 
     try:
-        refs, keep_dir, sent = await trio.to_thread.run_sync(_read_state, task_dir)
+        if state is None:
+            state = await trio.to_thread.run_sync(read_state, task_dir)
+        if isinstance(state, (OSError, ValueError)):
+            raise state
+        refs, keep_dir, sent = state
     except (OSError, ValueError) as exc:
         log.error("task %s: cannot read its artifact list (%s); no artifacts sent", task_id, exc)
         return None

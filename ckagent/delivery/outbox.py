@@ -169,34 +169,50 @@ class Outbox:
         while task_ids & self.deliveries.keys():
             await self._delivered.wait()
 
-    async def open_task(self, task: Task, task_dir: Path, claimed_at: float | None = None) -> TaskDelivery:
+    async def open_task(self, task: Task, task_dir: Path, claimed_at: float | None = None, *,
+                        make_dir: Callable[[], None] | None = None) -> TaskDelivery:
         """Start delivering a task that is about to run; write its output to ``.sink``. ``claimed_at``:
         epoch seconds of its claim (default: now); its TaskDelivered record carries it.
 
-        Raises OSError when output.log or the journal cannot be created.
+        One thread hop opens it all: ``make_dir()`` (the caller's: the task's directory), the task's
+        durable record in the state store, its journals and output.log. Raises OSError when one of
+        them cannot be created, sqlite3.Error when the record cannot be written.
         """
         masker = Masker(secret_values(task.env, self.config.agent_secrets, [*(task.command or ()), *task.args]))
         journal = LogJournal(task_dir)
-        await trio.to_thread.run_sync(journal.open)
         item_globs = list(task.outputs.items) if task.outputs is not None else []
-        item_journal = None
-        if item_globs:  # declared item files: the items stream is a journal's merge (ckagent.delivery.outputs.live)
-            item_journal = LogJournal(task_dir, ITEMS_JOURNAL, ITEMS_FILE, "item file")
-            try:
-                await trio.to_thread.run_sync(item_journal.open)
-            except BaseException:
-                journal.close()
-                raise
+        # declared item files: the items stream is a journal's merge (ckagent.delivery.outputs.live)
+        item_journal = LogJournal(task_dir, ITEMS_JOURNAL, ITEMS_FILE, "item file") if item_globs else None
         delivery = TaskDelivery(self, task.id, task_dir, masker, task_log_globs(task, self.config.log_globs),
                                 None, journal, spider=task.spider_name or task.spider_id, claimed_at=claimed_at,
                                 item_journal=item_journal, item_globs=item_globs)
-        delivery.sink = LogSink(task_dir / OUTPUT_LOG, delivery.output_written,
-                                max_bytes=self.config.max_log_bytes, guard=self.guard)
+        task_json = task.to_json()
+
+        def opening() -> tuple[bool, LogSink]:
+            if make_dir is not None:
+                make_dir()
+            fresh = self.store.sync.add_task(task.id, task.spider_id, task_json, task_dir)
+            journal.open()
+            try:
+                if item_journal is not None:
+                    item_journal.open()
+                return fresh, LogSink(task_dir / OUTPUT_LOG, delivery.output_written,
+                                      max_bytes=self.config.max_log_bytes, guard=self.guard)
+            except BaseException:
+                journal.close()
+                if item_journal is not None:
+                    item_journal.close()
+                raise
+
+        fresh, sink = await trio.to_thread.run_sync(opening)
+        delivery.sink = sink
+        if fresh:  # both streams start at (0, None): the shippers need not ask the database
+            self.store.mark_fresh(task.id)
         rejected = rejected_log_globs(task)
         if rejected:  # said in the task's own log (and the agent's), not silently dropped
             log.warning("task %s: %s", task.id, rejected)
             stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-            delivery.sink.write_line(f"[ckagent {stamp}] {rejected}\n".encode())
+            sink.write_line(f"[ckagent {stamp}] {rejected}\n".encode())
         self._start(delivery)
         return delivery
 
@@ -227,6 +243,7 @@ class Outbox:
         delivery.result = TaskResult.from_json(record.result)
         delivery.items.finish()
         delivery.ended.set()
+        delivery.stats.stop()
         self._start(delivery)
 
     def _start(self, delivery: TaskDelivery) -> None:

@@ -22,7 +22,6 @@ from ckagent.delivery.pending import Pending
 from ckagent.delivery.readers import _FileReader, _ItemJournalReader, _JournalReader
 from ckagent.delivery.spool import (
     BACKOFF_INITIAL,
-    BACKOFF_MAX,
     BATCH_AGE,
     CHECKPOINTS_KEPT,
     EARLY_RETRY_AFTER,
@@ -45,8 +44,6 @@ log = logging.getLogger(__name__)
 
 CEILING_RECOVERY = 8
 """Acknowledgements in a row after which a batch size lowered by a 413 may double again."""
-
-# ---------------------------------------------------------------------------------------------- shipping
 
 
 DEFAULT_REFUSAL_TIMEOUT = 600.0
@@ -88,14 +85,15 @@ class _Answer:
 
 
 async def _backoff_sleep(master: MasterClient, attempt: int, retry_after: float | None = None) -> None:
-    """Sleep the backoff for ``attempt`` (1, 2, ...): exponential with jitter, capped at BACKOFF_MAX;
+    """Sleep the backoff for ``attempt`` (1, 2, ...): exponential with jitter, capped at the master
+    client's ``max_backoff_interval`` (server.max_backoff_interval);
     at least ``retry_after`` seconds when the master asked for it (a 429/503's ``Retry-After``).
 
     Ends early (but not before EARLY_RETRY_AFTER seconds) when the master becomes reachable again:
     it waits on the connectivity's event (another request got through), it does not poll. A wait
     the master asked for is never cut short.
     """
-    base = min(BACKOFF_MAX, BACKOFF_INITIAL * 2 ** (attempt - 1))
+    base = min(master.max_backoff_interval, BACKOFF_INITIAL * 2 ** (attempt - 1))
     delay = random.uniform(base / 2, base)
     if retry_after:
         await trio.sleep(retry_after)
@@ -153,8 +151,8 @@ class StreamShipper:
         self.refusing_since: float | None = None
         self.placeholders = 0
         self.waiting_since: float | None = None
-        """Epoch seconds since elements read from the spool wait for the master: since the last
-        acknowledgement, or since they were read after the stream had caught up (None: none waits)."""
+        """Epoch s since read elements wait for the master: since the last ack, or read after catching up (None: none)."""
+        self.end_noted = False  # the stream's last position is noted for its task's result write (TaskDelivery)
         self.requests = 0
         self.batcher: NodeBatcher | None = None
         """Set by the outbox: batches go through it while the master offers node batches."""
@@ -223,10 +221,11 @@ class StreamShipper:
         unsaved: tuple[int, Any] | None = None
 
         async def save() -> None:
-            """The position into the database now (the stream ends); on a full disk it stays noted for
-            the outbox's next write (the stream is complete all the same)."""
+            """The stream ends: its position noted (``end_noted``), else into the database now (a full disk: noted)."""
             nonlocal unsaved
-            if unsaved is not None:
+            if unsaved is not None and self.end_noted:
+                note()
+            elif unsaved is not None:
                 saving, unsaved = unsaved, None
                 try:
                     await self._store.save_stream_position(self.task_id, self.stream, *saving)

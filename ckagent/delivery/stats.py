@@ -74,6 +74,7 @@ class StatsShipper:
         self.refused = False
         self._on_snapshot = on_snapshot
         self._wake = trio.Event()
+        self._stopped = trio.CancelScope()  # see stop
         self.looks = 0
         """How many times the loop woke to look at the file (a figure for tests and benchmarks)."""
 
@@ -99,9 +100,19 @@ class StatsShipper:
         """Look and ship until ``ended`` is set (then return at once, even mid-request). Live stats are
         a side channel: a bug here is logged and ends them, never the task's delivery."""
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._guarded_loop)
+            nursery.start_soon(self.run_until_stopped)
             await ended.wait()
-            nursery.cancel_scope.cancel()
+            self.stop()
+
+    async def run_until_stopped(self) -> None:
+        """:meth:`run` without a task of its own waiting for the end: returns once :meth:`stop` is
+        called (at once if it was), even mid-request."""
+        with self._stopped:
+            await self._guarded_loop()
+
+    def stop(self) -> None:
+        """End :meth:`run_until_stopped` (idempotent; before it started too). On the Trio thread."""
+        self._stopped.cancel()
 
     async def _guarded_loop(self) -> None:
         try:

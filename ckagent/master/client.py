@@ -127,6 +127,7 @@ class MasterClient(MasterCalls):
         register_body: Callable[[], RegisterRequest],
         *,
         request_timeout: float = 30.0,
+        max_backoff_interval: float = 30.0,
         ca_file: str | None = None,
         api_key: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
@@ -139,6 +140,8 @@ class MasterClient(MasterCalls):
         self._token = registration_token
         self._register_body = register_body
         self._timeout = request_timeout
+        self.max_backoff_interval = max_backoff_interval
+        """Seconds, the longest pause between two attempts of a request (server.max_backoff_interval)."""
         self._verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca_file) if ca_file else True
         self._transport = transport
         self._observer = observer
@@ -188,7 +191,7 @@ class MasterClient(MasterCalls):
             if self._key_generation != generation and self.registered:
                 return RegisterResponse(node_id=self.node_id or "", api_key=self._api_key or "")
             async for attempt in stamina.retry_context(
-                on=retry_wait, attempts=None, timeout=None, wait_initial=0.5, wait_max=30.0
+                on=retry_wait, attempts=None, timeout=None, wait_initial=0.5, wait_max=self.max_backoff_interval
             ):
                 with attempt:
                     answer = await self._register_once()
@@ -262,7 +265,7 @@ class MasterClient(MasterCalls):
         if retry is None:
             return await self._call(endpoint, ids, reader, json, content, params, read_timeout, content_type, headers)
         async for attempt in stamina.retry_context(
-            on=retry_wait, attempts=retry.attempts, timeout=retry.timeout, wait_initial=0.5, wait_max=30.0
+            on=retry_wait, attempts=retry.attempts, timeout=retry.timeout, wait_initial=0.5, wait_max=self.max_backoff_interval
         ):
             with attempt:
                 return await self._call(endpoint, ids, reader, json, content, params, read_timeout, content_type,

@@ -14,9 +14,10 @@ While the gate is closed the poller does not poll; heartbeats go on and carry th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import trio
@@ -41,6 +42,7 @@ class IntakeGate:
         self._opened = trio.Event()
         self._opened.set()
         self._closed_event = trio.Event()
+        self._cut: set[trio.CancelScope] = set()  # see cancel_on_close
 
     @property
     def reason(self) -> str | None:
@@ -53,6 +55,8 @@ class IntakeGate:
         if self._opened.is_set():
             self._opened = trio.Event()
         self._closed_event.set()
+        for scope in self._cut:
+            scope.cancel()
 
     def open(self, key: str) -> None:
         """Withdraw cause ``key``; the gate opens when no cause is left (idempotent)."""
@@ -65,6 +69,18 @@ class IntakeGate:
     def is_closed(self, key: str) -> bool:
         """Whether cause ``key`` holds the gate closed."""
         return key in self._closed
+
+    @contextlib.contextmanager
+    def cancel_on_close(self, scope: trio.CancelScope) -> Iterator[None]:
+        """While in the block, a cause closing the gate cancels ``scope`` (at once when it is closed
+        already): a poll in flight is cut short without a task of its own waiting for the close."""
+        if self._closed:
+            scope.cancel()
+        self._cut.add(scope)
+        try:
+            yield
+        finally:
+            self._cut.discard(scope)
 
     async def wait_closed(self) -> None:
         """Return at once when closed, else when a cause closes it (a poll in flight is then cut short:

@@ -220,7 +220,8 @@ class StateStore:
         ``{(task_id, stream): (seq, position)}``."""
         rows = [(task_id, stream, seq, json.dumps(position, separators=(",", ":")))
                 for (task_id, stream), (seq, position) in positions.items()]
-        self._unless_full(self._save_rows, rows)
+        if rows:
+            self._unless_full(self._save_rows, rows)
 
     def _save_rows(self, rows: list[tuple[str, str, int, str]]) -> None:
         with self._lock, self._db:  # one transaction: BEGIN here, committed (or rolled back) by ``with``
@@ -362,7 +363,11 @@ class AsyncStateStore:
     async def add_task(self, task_id: str, spider_id: str, task_json: dict[str, Any], task_dir: Path) -> None:
         """See :meth:`StateStore.add_task`."""
         if await trio.to_thread.run_sync(self.sync.add_task, task_id, spider_id, task_json, task_dir):
-            self._fresh.update((task_id, stream) for stream in STREAMS)  # known to start at (0, None)
+            self.mark_fresh(task_id)
+
+    def mark_fresh(self, task_id: str) -> None:
+        """The task's streams start at ``(0, None)`` (the caller's ``sync.add_task`` returned True)."""
+        self._fresh.update((task_id, stream) for stream in STREAMS)
 
     async def set_process(self, task_id: str, pid: int | None, pgid: int | None,
                           handle: dict[str, Any] | None = None) -> None:
@@ -421,8 +426,7 @@ class AsyncStateStore:
         try:
             await trio.to_thread.run_sync(self.sync.save_stream_positions, batch)
         except BaseException:
-            for key, value in batch.items():  # newer saves of the same stream win
-                self._positions.setdefault(key, value)
+            self._renote(batch)
             raise
         finally:
             self._writing = None
@@ -434,8 +438,37 @@ class AsyncStateStore:
         return await trio.to_thread.run_sync(self.sync.streams, task_id)
 
     async def set_result(self, task_id: str, result: dict[str, Any]) -> None:
-        """See :meth:`StateStore.set_result`."""
-        await trio.to_thread.run_sync(self.sync.set_result, task_id, result)
+        """See :meth:`StateStore.set_result`. The noted stream positions (:meth:`note_stream_position`:
+        a stream's end notes its last one, ckagent.delivery.shipper) go in the same thread hop; a
+        full disk keeps them noted for the next write (whose caller hears of it)."""
+        while self._writing is not None:  # one position write at a time (see _write_positions)
+            await self._writing.wait()
+        batch, self._positions = self._positions, {}
+        self._inflight = batch
+        done = self._writing = trio.Event()
+
+        def write() -> bool:
+            self.sync.set_result(task_id, result)
+            try:
+                self.sync.save_stream_positions(batch)
+            except StateStoreError:
+                return False
+            return True
+
+        try:
+            if not await trio.to_thread.run_sync(write):
+                self._renote(batch)
+        except BaseException:
+            self._renote(batch)
+            raise
+        finally:
+            self._writing = None
+            self._inflight = {}
+            done.set()
+
+    def _renote(self, batch: dict[tuple[str, str], tuple[int, Any]]) -> None:  # a failed write's: newer notes win
+        for key, value in batch.items():
+            self._positions.setdefault(key, value)
 
     async def mark_result_acked(self, task_id: str) -> None:
         """See :meth:`StateStore.mark_result_acked`."""

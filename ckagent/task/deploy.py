@@ -23,7 +23,7 @@ import trio
 from ckagent.code.workcopy import make_working_copy, remove_tree, spider_dirs
 from ckagent.code.workspace import Workspaces
 from ckagent.containment import ContainmentError, Limits, TaskJail
-from ckagent.containment.egress import EgressError
+from ckagent.containment.egress import EgressError, TaskRules
 from ckagent.containment.process_group import ProcessGroupJail
 from ckagent.delivery.outputs import collect, kept_dir
 from ckagent.master.ids import safe_name
@@ -117,25 +117,35 @@ class Deployer:
             pids=task.resources.pids if task.resources.pids is not None else default.pids,
             cpus=task.resources.cpus if task.resources.cpus is not None else default.cpus,
         )
-        containment = self.config.containment
+        containment, egress = self.config.containment, self.config.egress
+
+        def jail_and_attach() -> tuple[TaskJail, TaskRules | None, EgressError | None]:
+            """The jail, then the task's egress rules on it: one thread hop (before any process of
+            the task starts: its installers are filtered too). Raises ContainmentError."""
+            made: TaskJail = ProcessGroupJail(task.id) if containment is None else containment.jail(task.id, wanted)
+            if egress is None:
+                return made, None, None
+            try:
+                return made, egress.attach(made, task.id, task.egress), None
+            except EgressError as exc:
+                return made, None, exc
+
+        jail: TaskJail
+        attached: TaskRules | None = None
+        failed: EgressError | None = None
         try:
-            if containment is None:
-                jail: TaskJail = ProcessGroupJail(task.id)
+            if containment is None and egress is None:
+                jail = ProcessGroupJail(task.id)
             else:
-                jail = await trio.to_thread.run_sync(containment.jail, task.id, wanted)
+                jail, attached, failed = await trio.to_thread.run_sync(jail_and_attach)
         except ContainmentError as exc:
             level = "process-group" if containment is None else containment.level
             raise JailError(f"the node cannot contain the task ({level}): {exc}") from exc
-        egress = self.config.egress
         if egress is not None:
-            failed: EgressError | None = None
-            try:  # before any process of the task starts: its installers are filtered too
-                rt.egress = await trio.to_thread.run_sync(egress.attach, jail, task.id, task.egress)
-            except EgressError as exc:
-                failed = exc
             if failed is not None:  # the task must not run unprotected
                 await empty_jail(jail)
                 raise JailError(str(failed)) from failed
+            rt.egress = attached
             notice(f"egress ({egress.level}): {egress.effective(task.egress).describe()}")
         rt.jail = jail
         if wanted != Limits() and jail.limits != wanted:
@@ -198,10 +208,29 @@ async def empty_jail(jail: TaskJail, rt: RunningTask | None = None,
         jail.close()
 
 
-async def remove_shielded(path: Path, rt: RunningTask | None = None) -> None:
-    """Remove a task's working copy when the task ends, even when it ends by cancellation (not when
-    it was handed over to the next agent, which removes it at the task's end)."""
-    if rt is not None and rt.handed_over:
+async def clear_task(jails: list[TaskJail], work: Path, rt: RunningTask,
+                     detach: Callable[[], None] | None = None) -> None:
+    """At the end of a task: :func:`empty_jail` for the jail in ``jails`` (none: it was never made)
+    and the working copy ``work`` removed (even when the task ends by cancellation), their blocking
+    parts (the egress rules' removal, the copy's) in one thread hop. Nothing when the task was
+    handed over to the next agent (its spider runs on in both; that agent removes them). Shielded."""
+    if rt.handed_over:
         return
+    jail = jails[0] if jails else None
     with trio.CancelScope(shield=True):
-        await trio.to_thread.run_sync(remove_tree, path)
+        if jail is not None:
+            await jail.kill_all()
+
+        def blocking() -> None:
+            try:
+                if jail is not None and detach is not None:
+                    detach()
+            finally:
+                remove_tree(work)
+
+        try:
+            await trio.to_thread.run_sync(blocking)
+        finally:
+            if jail is not None:
+                jail.close()
+

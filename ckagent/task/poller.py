@@ -44,6 +44,7 @@ out of the next polls (``excludeSpiderIds``) until :meth:`Poller.forget_unrunnab
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
@@ -162,8 +163,7 @@ class Poller:
                 self._idle_scope = None
                 if answer is None:
                     continue  # stopped (the loop ends), or a spider the poll excluded has finished
-                for task_id in answer.pending.cancel_task_ids:
-                    self._supervisor.cancel(task_id, "cancelled by the master")
+                self._supervisor.master_cancelled(answer.pending.cancel_task_ids)
                 for bad in answer.pending.bad_tasks:
                     work.start_soon(self._report_bad_task, bad)
                 # Claims go out together; each task starts as soon as its own claim is answered. A stop
@@ -279,42 +279,22 @@ class Poller:
 
     async def _poll_until_stale(self) -> PendingTasks | None:
         """:meth:`poll_once`, abandoned (None) once a spider it excluded has finished here: a held
-        long poll would otherwise keep that spider's next task waiting up to ``long_poll_wait`` s.
+        long poll would otherwise keep that spider's next task waiting up to ``long_poll_wait`` s; and
+        cut short (None) when the intake gate closes meanwhile (what it would claim must not run here).
 
-        Raises what poll_once raises. The master has handed out nothing it loses: only a claim assigns.
+        Both cancel the poll's scope from where they happen (the supervisor's task left, the gate's
+        close): no task of its own waits for them. Raises what poll_once raises. The master has
+        handed out nothing it loses: only a claim assigns.
         """
-        excluded = self._supervisor.running_spider_ids()
-        if (not excluded or not self.long_poll_wait) and self._gate is None:
+        excluded = self._supervisor.running_spider_ids() if self.long_poll_wait else []
+        with trio.CancelScope() as scope, contextlib.ExitStack() as watching:
+            watching.enter_context(self._supervisor.cancel_when_spider_free(excluded, scope))
+            if self._gate is not None:
+                watching.enter_context(self._gate.cancel_on_close(scope))
             return await self.poll_once()
-        answer: PendingTasks | None = None
-        error: MasterRejected | None = None
-        async with trio.open_nursery() as nursery:
-
-            async def poll() -> None:
-                nonlocal answer, error
-                try:
-                    answer = await self.poll_once()
-                except MasterRejected as exc:
-                    error = exc
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(poll)
-            if self._gate is not None:  # closed meanwhile (e.g. below the master's minimum): claim nothing
-                nursery.start_soon(self._cut_when_closed, nursery.cancel_scope)
-            if excluded and self.long_poll_wait:
-                await self._supervisor.wait_spider_free(excluded)
-            else:
-                await trio.sleep_forever()
-            nursery.cancel_scope.cancel()
-        if error is not None:
-            raise error
-        return answer
-
-    async def _cut_when_closed(self, scope: trio.CancelScope) -> None:
-        assert self._gate is not None
-        await self._gate.wait_closed()
-        log.info("a task poll in flight was cut short: %s", self._gate.reason)
-        scope.cancel()
+        if self._gate is not None and self._gate.reason is not None:
+            log.info("a task poll in flight was cut short: %s", self._gate.reason)
+        return None
 
     async def poll_once(self) -> PendingTasks:
         """One (long) poll, retried with backoff while the master is unavailable or answers something

@@ -1,0 +1,44 @@
+"""The path of one task stays short: the Trio tasks and thread hops the agent spends per task are
+counted (bench._census: a Trio instrument around a real in-process agent, the real dev master, real
+``python -c`` spiders) and held at their ceilings, so a change that adds a task or a hop per task
+fails here and says where the new one comes from.
+
+The ceilings are what the agent does today; issue 26 (item 7) asks for ≤ 4 tasks and ≤ 6 hops.
+Lower them as the path gets shorter; never raise them without saying why in the commit.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+import ckagent
+
+REPO = str(Path(ckagent.__file__).resolve().parent.parent)
+if REPO not in sys.path:  # bench/ is the repository's, not an installed package
+    sys.path.insert(0, REPO)
+
+from bench import _census  # noqa: E402
+
+HELD_TASKS = 14
+"""Trio tasks of the agent's own per task, at most (today's count)."""
+HELD_HOPS = 17
+"""Thread hops of the agent's own per task, at most (today's count)."""
+
+
+@pytest.mark.slow  # a dev master, an agent and a spider's first virtualenv: 4-10 s
+def test_the_path_per_task_does_not_grow(tmp_path: Path) -> None:
+    async def main() -> dict:
+        with trio.fail_after(120):
+            return await _census.agent_census(tmp_path, 3)
+
+    census = trio.run(main)
+    shown = _census.census_table(census)
+    assert census["tasks_per_task"] <= HELD_TASKS, shown
+    assert census["hops_per_task"] <= HELD_HOPS, shown
+    # The instrument sees the path at all (a broken hook would count nothing and pass).
+    assert census["task_names"].get("task") == 1, shown
+    assert any("spawn_monitored" in site for site in census["hop_sites"]), shown
