@@ -151,17 +151,7 @@ async def run_supervised(
         async with trio.open_nursery() as nursery:
             pumps_done = trio.Event()
             exited = trio.Event()  # the main process ended: the pumps stop gathering small writes
-
-            async def pumps() -> None:
-                async with trio.open_nursery() as inner:
-                    if proc.stdout is not None:
-                        inner.start_soon(_copy, proc.stdout, output, exited)
-                    if proc.stderr is not None:
-                        inner.start_soon(_copy, proc.stderr, output if on_stderr is None else _tee(output, on_stderr),
-                                         exited)
-                pumps_done.set()
-
-            nursery.start_soon(pumps)
+            nursery.start_soon(_pumps, proc, output, on_stderr, exited, pumps_done)
             with trio.move_on_after(math.inf if deadline_seconds is None else deadline_seconds) as deadline:
                 await until_exit_or_stop(proc.wait, stop, exited)
             if proc.returncode is None:
@@ -184,9 +174,17 @@ async def run_supervised(
     finally:
         with trio.CancelScope(shield=True):  # noqa: ASYNC912 - shielded cleanup; each stream's aclose checkpoints
             if proc.returncode is None or not swept:
-                # Cancelled from outside (the agent is terminating): the processes must still go.
-                await stopper.stop(cancelled_why)
-                outcome.killed_leftovers += max(0, await jail.kill_all())
+                # Cancelled from outside: the processes must still go, and what they say while they
+                # stop still reaches ``output`` (as a monitored spider's output.log goes on growing).
+                async with trio.open_nursery() as last:
+                    pumps_done, now = trio.Event(), trio.Event()
+                    now.set()
+                    last.start_soon(_pumps, proc, output, on_stderr, now, pumps_done)
+                    await stopper.stop(cancelled_why)
+                    outcome.killed_leftovers += max(0, await jail.kill_all())
+                    with trio.move_on_after(1.0):  # everything is dead: the pipes close at once
+                        await pumps_done.wait()
+                    last.cancel_scope.cancel()
             for stream in (proc.stdout, proc.stderr):
                 if stream is not None:
                     await stream.aclose()
@@ -207,6 +205,18 @@ def enlarge_pipe(fd: int, size: int = PIPE_BYTES) -> int:
         except OSError:
             continue
     return 0
+
+
+async def _pumps(proc: trio.Process, output: Callable[[bytes], None], on_stderr: Callable[[bytes], None] | None,
+                 exited: trio.Event, done: trio.Event) -> None:
+    """Copy the process's stdout and stderr into ``output`` (stderr to ``on_stderr`` too) until both
+    end; then set ``done``. Cancellation stops at once (a later call may pump on)."""
+    async with trio.open_nursery() as inner:
+        if proc.stdout is not None:
+            inner.start_soon(_copy, proc.stdout, output, exited)
+        if proc.stderr is not None:
+            inner.start_soon(_copy, proc.stderr, output if on_stderr is None else _tee(output, on_stderr), exited)
+    done.set()
 
 
 def _tee(first: Callable[[bytes], None], second: Callable[[bytes], None]) -> Callable[[bytes], None]:
