@@ -243,8 +243,6 @@ _STARTED = pytest.StashKey[tuple[float, float]]()
 SERIAL_GROUPS: dict[str, tuple[str, ...]] = {
     # useradd/userdel lock /etc/passwd and /etc/group: two at once fail ("cannot lock /etc/passwd")
     "system-users": ("fixture:spider_user", "test_runsh.py::test_spider_user_is_created_on_request_and_remembered"),
-    # the session-scoped releases (a bumped ckagent.pyz, built with uv: ~1 min) serve both files: one build
-    "run-sh": ("test_runsh.py", "test_adoption_runsh.py"),
 }
 """Tests that share a machine-wide resource, by group: ``./scripts/test`` runs the suite with
 ``--dist loadgroup``, which runs each group's tests in one worker, one after the other. An entry is a
@@ -252,7 +250,8 @@ test file, a ``file::test`` node id prefix, or ``fixture:NAME`` (every test that
 
 What needs no group: nft tables, cgroups, task directories and ports are named per test (the agent's
 group and table names come from its work_dir under ``tmp_path``; ports are 0); the session's
-ckagent.pyz is built once for all workers under a file lock (tests/test_pyz.py)."""
+ckagent.pyz and run.sh's bumped release are built once for all workers under a file lock
+(``session_build`` in tests/test_pyz.py), so test_runsh.py's tests spread over the workers too."""
 
 
 def _is_member(item: pytest.Item, members: tuple[str, ...]) -> bool:
