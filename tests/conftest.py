@@ -277,6 +277,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if _is_member(item, members):
                 item.add_marker(pytest.mark.xdist_group(group))
                 break
+    if xdist:
+        # The slow tests first (a stable sort: each kind keeps its order), so that the workers end
+        # on short tests together instead of one worker's last minutes going to one long test.
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
