@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import trio
+from example_runs import ExampleRuns
 
 import ckagent
 from ckagent.devmaster.client import AdminClient
@@ -91,6 +92,12 @@ async def dev_master(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[Dev
             db_path=config.db_path,
             admin=admin,
         )
+
+
+@pytest.fixture(scope="session")
+def example_runs(tmp_path_factory: pytest.TempPathFactory) -> ExampleRuns:
+    """The session's runs of the sdk/examples spiders, each made once per path (tests/example_runs.py)."""
+    return ExampleRuns(tmp_path_factory.mktemp("example-runs"))
 
 
 def _port_of(url: str) -> int:
@@ -229,6 +236,9 @@ SERIAL_GROUPS: dict[str, tuple[str, ...]] = {
     "system-users": ("fixture:spider_user", "test_runsh.py::test_spider_user_is_created_on_request_and_remembered"),
     # the session-scoped releases (a bumped ckagent.pyz, built with uv: ~1 min) serve both files: one build
     "run-sh": ("test_runsh.py", "test_adoption_runsh.py"),
+    # the session's runs of the sdk/examples spiders (tests/example_runs.py) are per process: the tests
+    # that read them share a worker, so each example runs once per path
+    "example-runs": ("fixture:example_runs",),
 }
 """Tests that share a machine-wide resource, by group: ``./scripts/test`` runs the suite with
 ``--dist loadgroup``, which runs each group's tests in one worker, one after the other. An entry is a
