@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import trio
-from example_runs import ExampleRuns
+from harness import ExampleRuns
 
 import ckagent
 from ckagent.devmaster.client import AdminClient
@@ -96,7 +96,7 @@ async def dev_master(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[Dev
 
 @pytest.fixture(scope="session")
 def example_runs(tmp_path_factory: pytest.TempPathFactory) -> ExampleRuns:
-    """The session's runs of the sdk/examples spiders, each made once per path (tests/example_runs.py)."""
+    """The session's runs of the sdk/examples spiders, each made once per path (tests/harness.py)."""
     return ExampleRuns(tmp_path_factory.mktemp("example-runs"))
 
 
@@ -236,7 +236,7 @@ SERIAL_GROUPS: dict[str, tuple[str, ...]] = {
     "system-users": ("fixture:spider_user", "test_runsh.py::test_spider_user_is_created_on_request_and_remembered"),
     # the session-scoped releases (a bumped ckagent.pyz, built with uv: ~1 min) serve both files: one build
     "run-sh": ("test_runsh.py", "test_adoption_runsh.py"),
-    # the session's runs of the sdk/examples spiders (tests/example_runs.py) are per process: the tests
+    # the session's runs of the sdk/examples spiders (tests/harness.py) are per process: the tests
     # that read them share a worker, so each example runs once per path
     "example-runs": ("fixture:example_runs",),
 }

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import trio
-from example_runs import ExampleRuns, recipe_words
+from harness import ExampleRuns, recipe_words
 
 from ckagent.devmaster.demosite import expected_products
 
