@@ -175,6 +175,7 @@ class Agent:
             token.reveal() if token is not None else "",
             self._register_body,
             request_timeout=settings.server.request_timeout,
+            max_backoff_interval=settings.server.max_backoff_interval,
             ca_file=str(settings.server.ca_file) if settings.server.ca_file else None,
             observer=self.metrics.master_request,
         )
@@ -298,7 +299,7 @@ class Agent:
         workspaces = self.workspaces = Workspaces(self.work_dir / "spiders", self.master,
                                                   stall_timeout=s.server.download_stall_timeout)
         deps = Dependencies(
-            self.work_dir / "envs", uv_path=s.deps.uv_path,
+            self.work_dir / "envs", uv_path=s.deps.uv_path, kill_grace=s.task.kill_grace,
             python=str(s.deps.python) if s.deps.python is not None else sys.executable,
             index=IndexChooser(s.deps.uv_index_url, s.deps.uv_fallback_index_url), uv_cache_dir=s.deps.uv_cache_dir,
             timeout=s.deps.uv_sync_timeout, base_env=base_env, run_as=run_as, budget_bytes=s.deps.env_budget_bytes)
@@ -437,7 +438,7 @@ class Agent:
         self._drain_scope.cancel()
         self._work_scope.deadline = self._exit_deadline
         if self.supervisor is not None:
-            self.supervisor.cancel_all("agent terminating")
+            self.supervisor.terminate_all()
 
     def hand_over(self) -> None:
         """Stop the agent and leave its running spiders running, for the next agent to re-adopt
@@ -495,6 +496,5 @@ class Agent:
     def _heartbeat_answer(self, answer: HeartbeatResponse) -> None:
         """The master's answer to a heartbeat: stop the tasks it cancelled, follow its version policy."""
         if self.supervisor is not None:
-            for task_id in answer.cancel_task_ids:
-                self.supervisor.cancel(task_id, "cancelled by the master")
+            self.supervisor.master_cancelled(answer.cancel_task_ids)
         self.versions.apply(answer.policy)

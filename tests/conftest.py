@@ -63,6 +63,22 @@ def no_leftover_tables_of_the_session(tmp_path_factory: pytest.TempPathFactory) 
     _remove_tables_under(tmp_path_factory.getbasetemp())
 
 
+@pytest.fixture
+def inline_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``trio.to_thread.run_sync`` runs its function inline, on the loop (after a checkpoint).
+
+    For tests on the autojump clock that use the real state store or spool files: that clock jumps
+    to the next deadline whenever every task waits — also while one waits for a thread — so a SQLite
+    write that is slow under load lets a whole backoff of virtual time pass, and the test's
+    durations measure the machine's load instead of the logic."""
+
+    async def run_inline(fn: Any, *args: Any, **_options: Any) -> Any:
+        await trio.lowlevel.checkpoint()
+        return fn(*args)
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", run_inline)
+
+
 @dataclass
 class DevMaster:
     """A running dev master: where it listens, its secrets, its database and an admin client."""

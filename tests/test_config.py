@@ -126,7 +126,7 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
     values = {
         "AGENT_SERVER_URL": "http://10.1.2.3:81", "AGENT_SERVER_CA_FILE": str(ca),
         "AGENT_SERVER_REQUEST_TIMEOUT": "5", "AGENT_SERVER_REFUSAL_TIMEOUT": "6",
-        "AGENT_SERVER_DOWNLOAD_STALL_TIMEOUT": "7", "AGENT_NAME": "n1", "AGENT_IP": "10.9.8.7", "AGENT_PORT": "1",
+        "AGENT_SERVER_DOWNLOAD_STALL_TIMEOUT": "7", "AGENT_SERVER_MAX_BACKOFF_INTERVAL": "8", "AGENT_NAME": "n1", "AGENT_IP": "10.9.8.7", "AGENT_PORT": "1",
         "AGENT_BIND": "0.0.0.0", "AGENT_LOG_MAX_BYTES": "2048", "AGENT_LOG_BACKUP_COUNT": "1",
         "AGENT_REGISTRATION_TOKEN": TOKEN, "AGENT_LABELS": "a=b",
         "AGENT_MAX_WORKERS": "3", "CONTAINER_CPU_LIMIT": "1500m", "AGENT_HEARTBEAT_INTERVAL": "7",
@@ -151,7 +151,7 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
     s = load(None, values)
     assert s.redacted() == {
         "server": {"url": "http://10.1.2.3:81", "ca_file": str(ca), "request_timeout": 5.0, "refusal_timeout": 6.0,
-                   "download_stall_timeout": 7.0},
+                   "download_stall_timeout": 7.0, "max_backoff_interval": 8.0},
         "agent": {"name": "n1", "ip": "10.9.8.7", "port": 1, "bind": "0.0.0.0", "registration_token": "***",
                   "labels": {"a": "b"}, "max_workers": 3, "container_cpu_limit": "1500m", "auto_upgrade": True},
         "heartbeat": {"interval": 7.0},

@@ -1,7 +1,7 @@
-"""The stats side channel in pieces: the SDK's writer, the agent's reader, Scrapy's summary, the stall
-watchdog's logic (autojump clock), the dev master's latest + bounded history.
+"""The stats side channel in pieces: the SDK's writer, the agent's reader, Scrapy's summary, the dev
+master's latest + bounded history.
 
-The end-to-end checks (a spider's stats at the master, durability, STALLED) are in
+The stall watchdog's logic is in tests/test_task_stop.py. The end-to-end checks (a spider's stats at the master, durability, STALLED) are in
 tests/test_crawl_stats_e2e.py.
 """
 
@@ -25,7 +25,6 @@ from prometheus_client import CollectorRegistry
 
 from ckagent.delivery.crawlstats import MAX_SNAPSHOT_BYTES, read_last_snapshot, summary
 from ckagent.delivery.spool import SpoolFileError
-from ckagent.delivery.stall import watch_stall
 from ckagent.delivery.stats import StatsShipper, final_stats
 from ckagent.devmaster import stats as master_stats
 from ckagent.devmaster.client import zip_files
@@ -223,40 +222,6 @@ def test_a_hostile_stats_file_is_not_followed_or_waited_on(tmp_path: Path) -> No
     (task_dir / "stats.jsonl").unlink()
     os.mkfifo(task_dir / "stats.jsonl")  # a FIFO without a writer: opening it must not block
     assert final_stats(task_dir) is None
-
-
-# ---------------------------------------------------------------------------------------------- stall
-
-
-async def test_stall_watchdog_fires_only_after_a_full_quiet_timeout(autojump_clock: trio.testing.MockClock) -> None:
-    last = [trio.current_time()]
-    fired: list[tuple[float, float]] = []
-    ended = trio.Event()
-    start = trio.current_time()
-
-    async def spider_activity() -> None:
-        for _ in range(5):  # a sign of life every 50 s for 250 s, then silence
-            await trio.sleep(50)
-            last[0] = trio.current_time()
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(spider_activity)
-        await watch_stall(120, lambda: last[0], ended,
-                          lambda idle: fired.append((trio.current_time() - start, idle)))
-    assert fired == [(250 + 120, 120)]
-
-
-async def test_stall_watchdog_stops_when_the_task_ends(autojump_clock: trio.testing.MockClock) -> None:
-    ended = trio.Event()
-    fired: list[float] = []
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(watch_stall, 100, trio.current_time, ended, fired.append)  # always active
-        await trio.sleep(1000)
-        ended.set()
-    assert fired == []
-    with trio.fail_after(1):
-        await watch_stall(0, lambda: 0.0, ended, fired.append)  # 0 = off
-    assert fired == []
 
 
 # ---------------------------------------------------------------------------------------------- metrics

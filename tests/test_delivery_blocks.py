@@ -1,5 +1,6 @@
 """Blocks of plain log lines (LineSplitter.feed_block, encode_block, Pending.add_block) behave exactly
-like one element per line: the same batch bodies, sizes, cuts and acknowledged positions."""
+like one element per line: the same batch bodies, sizes, cuts and acknowledged positions; so do the
+item lines of a read encoded together."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import random
 
 import pytest
 
-from ckagent.delivery.lines import LineSplitter, encode_block, encode_lines
+from ckagent.delivery.lines import LineSplitter, encode_block, encode_item, encode_lines
 from ckagent.delivery.pending import Pending
+from ckagent.delivery.readers import _ItemLines, oversize_placeholder
 from ckagent.node.logs import Masker
 
 SECRET = "s3cr3t-value-0042"
@@ -121,3 +123,41 @@ def test_feed_block_leaves_what_it_cannot_take_to_feed() -> None:
     assert encode_block(b"ok\nfine", Masker(["fine"])) is None  # a secret: masked one line at a time
     assert encode_block(b"ok\nfine", None, 'a"b') is None
     assert encode_block(b"ok\nfine", None, "[x] ") == (b'"[x] ok","[x] fine"', 4)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_item_lines_read_in_any_chunks_are_each_line_encoded_or_one_placeholder(seed: int) -> None:
+    """A read's lines are encoded together when none of them is a piece of a line over the limit,
+    one by one otherwise: either way each line is its element (a blank one none), a line over the
+    limit one placeholder of its size, marks where each line ends."""
+    limit = 16
+    rng = random.Random(seed)
+    contents = [rng.choice([b'{"a":1}', b"", b"  ", b"[1]", b"x", b'{"b":"' + b"y" * rng.randint(0, 40) + b'"}'])
+                for _ in range(rng.randint(1, 30))]
+    data = b"\n".join(contents) + (b"\n" if rng.random() < 0.5 else b"")
+    want: list[bytes] = []
+    marks: list[int] = []
+    offset = 0
+    for i, content in enumerate(contents):
+        terminated = i < len(contents) - 1 or data.endswith(b"\n")
+        size = len(content) + terminated
+        offset += size
+        if not terminated and not content:
+            break
+        element = oversize_placeholder(size, limit) if len(content) > limit else encode_item(content)
+        if element is not None:
+            want.append(element)
+            marks.append(offset)
+    splitter = LineSplitter(0, limit, cr_breaks=False)
+    items = _ItemLines(0, encode_item, limit)
+    got: list[bytes] = []
+    got_marks: list[int] = []
+    pos = 0
+    while pos < len(data):
+        step = rng.randint(1, 60)
+        elements, ends = items.elements(*splitter.feed(data[pos:pos + step]), False)
+        got += elements
+        got_marks += ends
+        pos += step
+    elements, ends = items.elements(*splitter.flush(), True)
+    assert (got + elements, got_marks + ends) == (want, marks), data

@@ -328,7 +328,6 @@ async def test_wake_ups_of_a_silent_task_and_of_an_idle_outbox(
             idle = dict(counter.steps)
             delivery = await outbox.open_task(Task.from_json({"id": "t1", "spiderId": "s1", "framework": "python"}),
                                               task_dir)
-            delivery.watch_stall(3600, lambda idle_seconds: None)
             await trio.sleep(5)  # settle: the streams started
             counter.steps.clear()
             await trio.sleep(60)  # a minute of a task that writes nothing
@@ -344,6 +343,6 @@ async def test_wake_ups_of_a_silent_task_and_of_an_idle_outbox(
           f"the task's own tasks {own}")
     assert {name: n for name, n in idle.items() if name != main} == {}, idle
     shippers = own.pop("ckagent.delivery.shipper.StreamShipper.run", 0)
-    assert own == {}, own  # stats shipper, journal loop, stall watchdog: asleep (stats: 60 looks before)
+    assert own == {}, own  # stats shipper, journal loop: asleep (stats: 60 looks before)
     assert shippers <= 2 * (60 // NOTIFY_FALLBACK + 1), shippers  # the safety net of logs and items
     assert sum(rounds.values()) <= 60 * 2 + 2, rounds  # a round a second: its wake-up and its one thread hop

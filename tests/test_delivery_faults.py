@@ -2,7 +2,7 @@
 
 - Capture rules: split UTF-8, invalid bytes, a 5 MiB line, ``\\r`` progress bars, a binary blob,
   secrets, a spider log file: the text at the master is what docs/protocol.md says.
-- The master stopped for ``OUTAGE_SECONDS`` (60) while 4 tasks print and save items: everything
+- The master stopped for ``OUTAGE_SECONDS`` (30; backoff capped at 12 s) while 4 tasks print and save items: everything
   arrives once, in order; the tasks finish during the outage and free their slots.
 - The agent SIGKILLed while a task streams 100k lines: after the restart the master holds every
   line of output.log (what was written before the kill), once.
@@ -25,9 +25,15 @@ import trio
 from faultproxy import FaultProxy, Request
 from harness import AgentProcess, agent_settings, eventually, items_of, output_lines, running_agent, submit
 
-OUTAGE_SECONDS = float(os.environ.get("CK_TEST_OUTAGE_SECONDS", "60"))
-"""The issue asks for 60 s: long enough for every shipper's backoff to reach its 30 s cap, so the test
-also shows that recovery after the cap comes within seconds (the early retry), not after 30 s."""
+MAX_BACKOFF = 12.0
+"""The agent's backoff cap in the outage test (server.max_backoff_interval; 30 s by default): a capped
+pause lasts 6-12 s (jitter), so a recovery within RESUME_SECONDS is the early retry, not a pause run out."""
+OUTAGE_SECONDS = float(os.environ.get("CK_TEST_OUTAGE_SECONDS", "30"))
+"""Long enough for every shipper's backoff to reach its cap (after ~12 s) and pause there again, so the
+test also shows that recovery after the cap comes within seconds (the early retry). The default cap
+of 30 s would need a 60 s outage for the same; the logic is the same (tests/test_master_faults.py
+runs it with the default cap on the autojump clock)."""
+RESUME_SECONDS = 6.0
 
 
 async def all_stored(admin: Any, task_ids: list[str], lines: int) -> bool:
@@ -108,7 +114,8 @@ async def test_a_master_outage_loses_nothing_and_holds_no_slot(
     dev_master_process: Any, nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     url = await dev_master_process.start()
-    settings = agent_settings(tmp_path / "agent", url, dev_master_process.registration_token, AGENT_MAX_WORKERS="4")
+    settings = agent_settings(tmp_path / "agent", url, dev_master_process.registration_token, AGENT_MAX_WORKERS="4",
+                              AGENT_SERVER_MAX_BACKOFF_INTERVAL=str(MAX_BACKOFF))
     async with dev_master_process.admin() as admin:
         ids = [await submit(admin, f"talker{i}", {"main.py": TALKER}, args=[f"t{i}"]) for i in range(4)]
     async with running_agent(nursery, settings) as agent:
@@ -140,7 +147,7 @@ async def test_a_master_outage_loses_nothing_and_holds_no_slot(
                     f"t{i} line {n:04d}" for n in range(400)]
                 assert await admin.get_items(task_id) == items_of(task_dir) == [
                     {"task": f"t{i}", "n": n} for n in range(0, 400, 10)]
-    assert took < 20, f"delivery resumed {took:.1f} s after the master came back"
+    assert took < RESUME_SECONDS, f"delivery resumed {took:.1f} s after the master came back"
 
 
 STREAMER = r"""
@@ -256,5 +263,8 @@ async def test_the_log_budget_truncates_with_one_marker_and_the_task_goes_on(
     size = (task_dir / "output.log").stat().st_size
     closing = sum(len(line) + 1 for line in [markers[0], *after])
     assert size - closing - 1 <= 3000 < size
-    assert dropped > 20000 * 11 - 3000  # every spider line but the first few, and the agent's last notes
+    # Every spider line but the first few: the spider appends to output.log itself, so one of its
+    # writes (Python's 8 KiB buffer) that lands between the agent's look at the size and its cut is
+    # cut uncounted (OutputFile.grown): the count is exact but for at most that one write.
+    assert dropped > 20000 * 11 - 3000 - 8192
     assert await dev_master.admin.get_items(task_id) == [{"done": True}]

@@ -36,6 +36,7 @@ from ckagent.master.client import MasterClient
 from ckagent.master.protocol import CodePackage, Heartbeat, RegisterRequest, Task, TaskResult
 from ckagent.node.state import AsyncStateStore, StateStore
 from ckagent.task.poller import Poller
+from ckagent.task.stop import StopReason
 from ckagent.task.supervisor import RunnerConfig, Supervisor
 
 # ------------------------------------------------------------------------------ claims and releases
@@ -159,7 +160,7 @@ async def test_a_slot_freed_by_a_cancel_from_the_heartbeat_is_polled_for_at_once
             await master.wait_polls(1)
             await trio.sleep(7.3)  # mid-way through a poll_interval, had there been one
             assert sup.started == ["t1"] and len(master.polls) == 1
-            sup.cancel("t1", "cancelled by the master")
+            sup.cancel("t1", StopReason.CANCELLED)
             freed_at = trio.current_time()
             sup.release("t1")  # the task's processes have ended
             await master.wait_polls(2)
@@ -232,7 +233,7 @@ class HangingInstaller:
         self.entered = trio.Event()
 
     async def prepare(self, framework: str, spider_id: str, code_dir: Path, output: Any, *,
-                      marker: dict[str, str] | None = None, spawn: Any = None, task_env: Any = None,
+                      marker: dict[str, str] | None = None, jail: Any = None, task_env: Any = None,
                       home: Any = None) -> Prepared:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(trio.sleep_forever)

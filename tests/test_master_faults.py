@@ -158,6 +158,7 @@ async def test_each_fault_is_answered_as_its_class_is(mode: str, autojump_clock:
 
 
 @pytest.mark.parametrize("mode", list(CAUSES))
+@pytest.mark.usefixtures("inline_threads")  # virtual time must not pass while the state store writes
 async def test_every_fault_as_logic(
     mode: str, autojump_clock: trio.abc.Clock, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -260,11 +261,7 @@ OUTAGE_SECONDS = 60.0
 """Long enough for every backoff to reach its 30 s cap (virtual time: it costs nothing here)."""
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="flaky: passes alone; once, in a whole parallel run, delivery resumed 55 s (virtual) after the "
-    "master was back, while the real 60 s outage of tests/test_delivery_faults.py resumed in time: to be found",
-)
+@pytest.mark.usefixtures("inline_threads")  # see the fixture: a slow thread hop cost this test 55 s of virtual time
 async def test_a_long_outage_ends_in_seconds_once_the_master_is_back(
     autojump_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:

@@ -71,7 +71,7 @@ async def test_declared_outputs_and_artifacts(dev_master, nursery: trio.Nursery,
     assert task["status"] == "SUCCESS", task
     assert task["outputs"] == {"items": ["results.json", "*.jsonl", "rows.csv"], "artifacts": []}
     items = await admin.get_items(task_id)
-    # In path order of the files: quotes.jsonl, results.json, rows.csv.
+    # The streamed JSON Lines file first (its last lines too), then the files read at the end in path order.
     assert items == [{"q": 0}, {"q": 1}, {"n": 0}, {"n": 1}, {"n": 2}, {"a": "1", "b": "2"}]
     listed = {a["path"]: a for a in await admin.list_artifacts(task_id)}
     # Budget 4000 bytes, path order: images/full/0.bin (1000), 1.bin (1001), 2.bin (1002), then

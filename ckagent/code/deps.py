@@ -39,9 +39,10 @@ from ckagent.code import frameworks
 from ckagent.code.deps_node import NPM_MISSING, NodeEnvs, wanted_node
 from ckagent.code.deps_python import UV_MISSING, IndexChooser, PythonEnvs
 from ckagent.code.envstore import EnvStore, Prepared
-from ckagent.code.installer import SPAWN, Installers, Output, Spawn
+from ckagent.code.installer import KILL_GRACE, Installers, Output
 from ckagent.code.pyplan import bundled_sdk_dir, python_plan
 from ckagent.code.runtimes import AGENT_BIN
+from ckagent.containment import TaskJail
 from ckagent.node.errors import DepsError, os_error_text
 from ckagent.node.runas import RunAs
 
@@ -62,7 +63,8 @@ class Dependencies:
     and in ``agent_bin``). ``timeout`` bounds one installer run (seconds). ``python`` is the
     interpreter Python spiders' venvs are built on. ``nvm_dir`` is nvm's home (default: $NVM_DIR
     or ``~/.nvm``; nvm counts as present when ``nvm.sh`` is there). ``run_as``: installers run as
-    that user and the environments belong to it (``task.run_as_user``).
+    that user and the environments belong to it (``task.run_as_user``). ``kill_grace``: seconds a
+    stopped installer gets between its stop signal and the kill (the node's ``task.kill_grace``).
     """
 
     def __init__(
@@ -79,10 +81,11 @@ class Dependencies:
         agent_bin: Path | None = AGENT_BIN,
         nvm_dir: Path | None = None,
         budget_bytes: int = 0,
+        kill_grace: float = KILL_GRACE,
     ) -> None:
         self.envs_root = envs_root
         self.store = EnvStore(envs_root, budget_bytes)
-        self.installers = Installers(timeout, base_env, run_as)
+        self.installers = Installers(timeout, base_env, run_as, kill_grace)
         self._run_as = run_as
         self.python = PythonEnvs(self.store, self.installers, uv_path=uv_path, agent_bin=agent_bin, index=index,
                                  uv_cache_dir=uv_cache_dir, python=python)
@@ -97,7 +100,7 @@ class Dependencies:
         output: Output,
         *,
         marker: dict[str, str] | None = None,
-        spawn: Spawn | None = None,
+        jail: TaskJail | None = None,
         task_env: dict[str, str] | None = None,
         home: Path | None = None,
     ) -> Prepared:
@@ -106,34 +109,31 @@ class Dependencies:
         ``code_dir`` is the task's working copy (a Node spider gets its ``node_modules`` link in it).
         ``output`` receives the installer's output bytes as they come (the task log); ``marker``
         (the task's ``CK_TASK_ID``) is added to the installers' environment so the task's sweep
-        finds whatever they leave behind. Raises DepsError. Cancellation stops the installer
-        (TERM → 5 s → KILL of its process group) before it propagates; the half-built environment
-        is removed by its next build or by collection. ``spawn`` (the task's jail's
-        :meth:`~ckagent.containment.TaskJail.spawn`) wraps every installer's command so it joins
-        the task's cgroup before it execs. ``task_env`` (the task's ``env``) reaches every installer;
+        finds whatever they leave behind. Raises DepsError. Cancellation stops the installer (its
+        stop signal → the node's ``kill_grace`` → every process of its jail killed:
+        ckagent.containment.stopping) before it propagates; the half-built environment is removed by
+        its next build or by collection. ``jail``: the task's; every installer joins it before it
+        execs (None: each runs in a process group of its own). ``task_env`` (the task's ``env``) reaches every installer;
         the variables of it that change what an install does enter the environment's key
         (ckagent.code.installenv). ``home``: the spider's HOME, the installers' too when they run as
         ``run_as_user`` (that user's passwd home may not exist or not be writable).
         """
-        token = SPAWN.set(spawn)
         try:
             env = {**(task_env or {}), **(marker or {})}
             if home is not None and self._run_as is not None:
                 env["HOME"] = str(home)
-            return await self._prepare(framework, spider_id, code_dir, output, env)
+            return await self._prepare(framework, spider_id, code_dir, output, env, jail)
         except OSError as exc:  # the environment's files (a full disk, a permission): the install fails
             raise DepsError(f"cannot prepare the spider's environment: {os_error_text(exc)}") from exc
-        finally:
-            SPAWN.reset(token)
 
     async def _prepare(self, name: str, spider_id: str, code_dir: Path, output: Output,
-                       task_env: dict[str, str]) -> Prepared:
+                       task_env: dict[str, str], jail: TaskJail | None) -> Prepared:
         started = trio.current_time()
         runtime = frameworks.framework(name).runtime
         if runtime is frameworks.PYTHON:
-            prepared = await self.python.prepare(code_dir, name, output, task_env)
+            prepared = await self.python.prepare(code_dir, name, output, task_env, jail)
         elif runtime is frameworks.NODE:
-            prepared = await self.node.prepare(code_dir, output, task_env)
+            prepared = await self.node.prepare(code_dir, output, task_env, jail)
         else:  # a runtime without an environment builder yet
             prepared = Prepared()
         prepared.seconds = trio.current_time() - started

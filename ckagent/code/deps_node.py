@@ -28,6 +28,7 @@ from ckagent.code.envstore import EnvStore, Prepared, is_ready, mark_ready, star
 from ckagent.code.installenv import install_key_env
 from ckagent.code.installer import Installers, Output
 from ckagent.code.runtimes import find_npm, nvm_node_versions
+from ckagent.containment import TaskJail
 from ckagent.node.errors import DepsError
 from ckagent.node.noderange import NodeVersion, parse_node_version, satisfies
 
@@ -185,14 +186,16 @@ class NodeEnvs:
         self._installers = installers
         self.nvm_dir = nvm_dir
 
-    async def prepare(self, code_dir: Path, output: Output, task_env: dict[str, str]) -> Prepared:
+    async def prepare(self, code_dir: Path, output: Output, task_env: dict[str, str],
+                      jail: TaskJail | None = None) -> Prepared:
         """The node on PATH and the ``node_modules`` link in ``code_dir`` (the working copy), installed
-        if its key has none ready. Raises DepsError; cancellation stops the installer."""
+        if its key has none ready (npm and nvm run in ``jail``, the task's). Raises DepsError;
+        cancellation stops the installer."""
         prepared = Prepared()
         spec, source = await trio.to_thread.run_sync(wanted_node, code_dir)
         env = self._installers.env(task_env)
         if spec is not None:
-            await self._select_node(spec, source, env, code_dir, output, prepared)
+            await self._select_node(spec, source, env, code_dir, output, prepared, jail)
         path = os.pathsep.join([*prepared.path_prefix, env.get("PATH", "")])
         layout, key = await trio.to_thread.run_sync(self._plan, code_dir, spec, path, install_key_env(task_env))
         if layout == "no-package":
@@ -206,12 +209,12 @@ class NodeEnvs:
                 if not await trio.to_thread.run_sync(is_ready, install_dir, key):
                     prepared.cache_hit = False
                     with self.store.building(install_dir):
-                        await self._build(install_dir, key, code_dir, path, env, output)
+                        await self._build(install_dir, key, code_dir, path, env, output, jail)
         await trio.to_thread.run_sync(link_node_modules, code_dir, install_dir / "node_modules")
         return prepared
 
     async def _build(self, install_dir: Path, key: str, code_dir: Path, path: str, env: dict[str, str],
-                     output: Output) -> None:
+                     output: Output, jail: TaskJail | None) -> None:
         npm = find_npm(path)
         if npm is None:
             raise DepsError(NPM_MISSING)
@@ -223,7 +226,7 @@ class NodeEnvs:
         if note is not None:
             output(f"[ckagent] {note}\n".encode())
         env.setdefault("COREPACK_ENABLE_DOWNLOAD_PROMPT", "0")
-        await self._installers.run(argv, install_dir, env, output)
+        await self._installers.run(argv, install_dir, env, output, jail=jail)
         await trio.to_thread.run_sync(_finish_node_env, install_dir, key)
 
     def _plan(self, code_dir: Path, spec: str | None, path: str, key_env: dict[str, str]) -> tuple[str, str]:
@@ -248,7 +251,7 @@ class NodeEnvs:
         return "install", hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()
 
     async def _select_node(self, spec: str, source: str, env: dict[str, str], code_dir: Path,
-                           output: Output, prepared: Prepared) -> None:
+                           output: Output, prepared: Prepared, jail: TaskJail | None) -> None:
         """Put an nvm node satisfying ``spec`` first on PATH (installing it with nvm if needed), or warn."""
         nvm_sh = self.nvm_dir / "nvm.sh"
         has_nvm = await trio.to_thread.run_sync(nvm_sh.is_file)
@@ -257,7 +260,7 @@ class NodeEnvs:
             if chosen is None:
                 nvm_env = {**env, "NVM_DIR": str(self.nvm_dir)}
                 await self._installers.run(["bash", "-c", '. "$NVM_DIR/nvm.sh" && nvm install "$1"', "nvm-install",
-                                            spec], code_dir, nvm_env, output, label="nvm install")
+                                            spec], code_dir, nvm_env, output, label="nvm install", jail=jail)
                 chosen = await trio.to_thread.run_sync(pick_nvm_node, self.nvm_dir, spec)
             if chosen is not None:
                 prepared.path_prefix.insert(0, str(chosen[1]))

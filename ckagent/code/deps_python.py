@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import re
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -43,6 +44,7 @@ from ckagent.code.pyplan import (
     sdk_wheel,
 )
 from ckagent.code.runtimes import find_uv
+from ckagent.containment import TaskJail
 from ckagent.node.errors import DepsError
 
 log = logging.getLogger(__name__)
@@ -107,9 +109,11 @@ class PythonEnvs:
         self._cache_dir = uv_cache_dir
         self._python = python
 
-    async def prepare(self, code_dir: Path, framework: str, output: Output, task_env: dict[str, str]) -> Prepared:
+    async def prepare(self, code_dir: Path, framework: str, output: Output, task_env: dict[str, str],
+                      jail: TaskJail | None = None) -> Prepared:
         """The spider's venv, built if its key has none ready (``framework`` picks the default
-        packages). Raises DepsError; cancellation stops the installer (ckagent.code.installer)."""
+        packages; the installers run in ``jail``, the task's). Raises DepsError; cancellation stops the
+        installer (ckagent.code.installer)."""
         def plan_sync() -> tuple[PythonPlan, Path | None]:
             sdk = sdk_wheel(self.store.root)
             try:
@@ -128,11 +132,11 @@ class PythonEnvs:
                 if not await trio.to_thread.run_sync(_ready_with_sdk, venv, plan.key):  # one hop
                     prepared.cache_hit = False
                     with self.store.building(venv):
-                        await self._build(venv, plan, overrides, code_dir, output, task_env)
+                        await self._build(venv, plan, overrides, code_dir, output, task_env, jail)
         return prepared
 
     async def _build(self, venv: Path, plan: PythonPlan, overrides: Path | None, code_dir: Path,
-                     output: Output, task_env: dict[str, str]) -> None:
+                     output: Output, task_env: dict[str, str], jail: TaskJail | None) -> None:
         installers = self._installers
         uv = await trio.to_thread.run_sync(find_uv, self._uv_path, installers.base_env.get("PATH"), self._agent_bin)
         if uv is None:
@@ -151,7 +155,7 @@ class PythonEnvs:
         if not any(name in task_env for name in ("UV_DEFAULT_INDEX", "UV_INDEX_URL")):
             env["UV_DEFAULT_INDEX"] = await self._index.index_url()  # else the spider's own index
         python = str(venv / "bin" / "python")
-        run = installers.run
+        run = partial(installers.run, jail=jail)
         await run([uv, "venv", "--quiet", "--allow-existing", "--python", self._python, str(venv)], code_dir, env, output)
         override = ["--override", str(overrides)] if overrides is not None and plan.sdk else []
         if plan.mode == "locked":
@@ -161,7 +165,7 @@ class PythonEnvs:
                        *skip_sdk, "--output-file", str(locked), "--quiet"], code_dir, env, output)
             await run([uv, "pip", "sync", "--python", python, str(locked)], code_dir, env, output)
         elif plan.mode == "lock" and plan.lock is not None:
-            await self._install_lock(uv, python, venv, plan.lock, override, code_dir, env, output)
+            await self._install_lock(uv, python, venv, plan.lock, override, code_dir, env, output, jail)
         elif plan.mode in ("pyproject", "requirements"):
             source = "pyproject.toml" if plan.mode == "pyproject" else "requirements.txt"
             await run([uv, "pip", "install", "--python", python, "-r", source, *override], code_dir, env, output)
@@ -172,7 +176,7 @@ class PythonEnvs:
         log.info("built Python environment %s (%s, %d bytes)", venv.name, plan.mode, size)
 
     async def _install_lock(self, uv: str, python: str, venv: Path, lock: str, override: list[str], code_dir: Path,
-                            env: dict[str, str], output: Output) -> None:
+                            env: dict[str, str], output: Output, jail: TaskJail | None) -> None:
         """Install what ``lock`` pins (ckagent.code.pylocks); a lock that cannot be honoured raises DepsError."""
         try:
             how, requirements, constraints = await trio.to_thread.run_sync(lock_inputs, code_dir, lock)
@@ -182,7 +186,7 @@ class PythonEnvs:
         def not_sdk(line: str) -> bool:  # the bundled SDK (the .pth) serves it, never an index
             return re.split(r"[\s=<>!~;@\[]", line.strip(), maxsplit=1)[0].lower().replace("_", "-") != SDK_DISTRIBUTION
 
-        run = self._installers.run
+        run = partial(self._installers.run, jail=jail)
         if how == "sync-file":
             output(f"[ckagent] installing exactly what {lock} pins (uv reads it)\n".encode())
             await run([uv, "pip", "sync", "--python", python, lock], code_dir, env, output)

@@ -1,8 +1,12 @@
 """How an environment's installers (uv, npm, nvm) run for a task: as whom, with what, bounded, stopped.
 
 Every installer run streams its output into the task's log as it comes, keeps its last whole lines
-for the error message, joins the task's jail before it execs (the jail's spawn, see :data:`SPAWN`),
+for the error message, joins the task's jail before it execs (the jail is passed in, explicitly),
 runs in its own process group as the task's ``run_as`` user, and is bounded by ``deps.uv_sync_timeout``.
+It is supervised like a spider (ckagent.containment.process.run_supervised): the end of its main
+process, then the jail's leftovers killed; a timeout or a cancellation (the task stopped while it
+installs, the agent terminating) sends its stop signal, waits the node's ``kill_grace`` and kills
+every process of the jail (ckagent.containment.stopping).
 Exceptions::
 
     DepsError     the installer could not start, failed or timed out; the message says which and
@@ -11,39 +15,40 @@ Exceptions::
 
 from __future__ import annotations
 
-import contextvars
 import itertools
-import subprocess
+import uuid
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
-from typing import Any
 
 import trio
 
-from ckagent.containment.process import SPAWNED, terminate_group
+from ckagent.containment import TaskJail
+from ckagent.containment.process import MARKER_VAR, run_supervised
+from ckagent.containment.process_group import ProcessGroupJail
 from ckagent.containment.tails import TailBuffer, last_lines
 from ckagent.node.errors import DepsError, os_error_text
-from ckagent.node.runas import RunAs, popen_identity
+from ckagent.node.runas import RunAs
 
 Output = Callable[[bytes], None]
 """Receives an installer's output bytes as they come (the task's log)."""
-Spawn = Callable[..., tuple[list[str], dict[str, Any]]]
-"""``spawn(argv, env, forking=bool) -> (argv, Popen kwargs)``: how a task's process starts in its jail."""
 
-SPAWN: contextvars.ContextVar[Spawn | None] = contextvars.ContextVar("ckagent_installer_spawn", default=None)
-"""The jail spawn of the task being prepared (set by Dependencies.prepare, read by each installer run)."""
+KILL_GRACE = 10.0
+"""Seconds between a stopped installer's stop signal and its kill when none is given (the default of
+the node's ``task.kill_grace``)."""
 
 
 class Installers:
     """Runs a task's installers (see module docstring).
 
     ``timeout`` bounds one run (seconds); ``base_env`` is the minimal environment they start from
-    (never the agent's secrets); ``run_as``: they run as that user (``task.run_as_user``), else as the agent.
+    (never the agent's secrets); ``run_as``: they run as that user (``task.run_as_user``), else as the
+    agent; ``kill_grace``: seconds from a stopped installer's stop signal to its kill.
     """
 
-    def __init__(self, timeout: float, base_env: dict[str, str], run_as: RunAs | None) -> None:
+    def __init__(self, timeout: float, base_env: dict[str, str], run_as: RunAs | None,
+                 kill_grace: float = KILL_GRACE) -> None:
         self.timeout = timeout
+        self.kill_grace = kill_grace
         self.base_env = base_env
         self.run_as = run_as
         self.identity = "agent" if run_as is None else f"uid={run_as.uid},gid={run_as.gid}"
@@ -69,10 +74,12 @@ class Installers:
                 run_as.chown_tree(path)
 
     async def run(self, argv: list[str], cwd: Path, env: dict[str, str], output: Output,
-                  label: str | None = None) -> None:
-        """Run one installer to its end in ``cwd`` with exactly ``env``; ``label`` names it in errors
-        (default: the tool and its subcommand). Raises DepsError (see module docstring). Cancellation
-        stops it (TERM → 5 s → KILL of its process group) before it propagates."""
+                  label: str | None = None, *, jail: TaskJail | None = None) -> None:
+        """Run one installer to its end in ``cwd`` with exactly ``env`` (plus the task's marker when it
+        has none), in ``jail`` (the task's; None: a process group of its own); ``label`` names it in
+        errors (default: the tool and its subcommand). Raises DepsError (see module docstring).
+        Cancellation stops it (stop signal → ``kill_grace`` → every process of the jail killed,
+        shielded) before it propagates."""
         tail = TailBuffer(16384)
         output(f"[ckagent] $ {' '.join(Path(argv[0]).name if i == 0 else a for i, a in enumerate(argv))}\n".encode())
 
@@ -80,38 +87,25 @@ class Installers:
             tail.write(chunk)
             output(chunk)
 
-        result: subprocess.CompletedProcess[bytes] | None = None
-        spawn = SPAWN.get()
-        spawn_argv, spawn_options = (argv, {}) if spawn is None else spawn(argv, env, forking=self.run_as is not None)
-        spawned: list[int] = []
+        def notice(text: str) -> None:
+            output(f"[ckagent] {text}\n".encode())
+
+        if MARKER_VAR not in env:  # run outside a task (tests, tools): a marker of its own for the sweep
+            env = {**env, MARKER_VAR: f"installer-{uuid.uuid4().hex}"}
+        task_id = env[MARKER_VAR]
         try:
-            with trio.move_on_after(self.timeout) as scope:
-                async with trio.open_nursery() as nursery:
-                    try:
-                        process: trio.Process = await nursery.start(
-                            partial(
-                                trio.run_process, spawn_argv, cwd=str(cwd), env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False,
-                                start_new_session=True, **popen_identity(self.run_as), **spawn_options,
-                                deliver_cancel=lambda p: terminate_group(p.pid, 5.0),
-                            )
-                        )
-                    except OSError as exc:  # not startable: no such file, not executable, no such cwd
-                        raise DepsError(f"cannot start the installer {argv[0]!r}: {os_error_text(exc)}") from exc
-                    spawned.append(process.pid)
-                    SPAWNED.add(process.pid)  # trio reaps it; the subreaper's reaper must not
-                    assert process.stdout is not None
-                    while chunk := await process.stdout.receive_some(65536):
-                        sink(bytes(chunk))
-                    result = subprocess.CompletedProcess(argv, await process.wait())
-        finally:  # run_process has reaped it by now
-            SPAWNED.difference_update(spawned)
+            outcome = await run_supervised(
+                argv, cwd=cwd, env=env, task_id=task_id, output=sink, deadline_seconds=self.timeout,
+                grace=self.kill_grace, stop=trio.Event(), notice=notice, run_as=self.run_as,
+                jail=jail if jail is not None else ProcessGroupJail(task_id), cancelled_why="installer stopped",
+            )
+        except OSError as exc:  # not startable: no such file, not executable, no such cwd
+            raise DepsError(f"cannot start the installer {argv[0]!r}: {os_error_text(exc)}") from exc
         name = label or " ".join([Path(argv[0]).name, *itertools.takewhile(lambda a: not a.startswith("-"), argv[1:3])])
-        if scope.cancelled_caught:
+        if outcome.timed_out:
             raise DepsError(
                 f"{name} timed out after {self.timeout:g} s and was stopped (the limit is "
                 f"deps.uv_sync_timeout / AGENT_UV_SYNC_TIMEOUT); its last output:\n{last_lines(tail.text())}"
             )
-        if result is None or result.returncode != 0:
-            code = None if result is None else result.returncode
-            raise DepsError(f"{name} failed with exit code {code}:\n{last_lines(tail.text())}")
+        if outcome.returncode != 0:
+            raise DepsError(f"{name} failed with exit code {outcome.returncode}:\n{last_lines(tail.text())}")

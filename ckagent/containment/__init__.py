@@ -1,8 +1,9 @@
 """Containment: every task (its installers too) in a box the agent can count, limit and empty.
 
-This package also holds the processes in the box: :mod:`.process` (spawning and supervising
-spiders and installers), :mod:`.stoptarget` (which processes a stop signal goes to), :mod:`.monitor`
-(a spider that needs no living agent), :mod:`.tails` (the last lines of a stream), and
+This package also holds the processes in the box: :mod:`.stopping` (the one stop sequence of
+every supervisor: stop signal → grace → kill all), :mod:`.process` (a process on pipes: installers),
+:mod:`.stoptarget` (which processes a stop signal goes to), :mod:`.monitor` (a spider that needs no
+living agent), :mod:`.tails` (the last lines of a stream), and
 :mod:`.egress` (the task's network policy, on its cgroup). May import :mod:`ckagent.node` and
 :mod:`ckagent.master` (ids) only.
 

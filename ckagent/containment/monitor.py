@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import math
 import os
 import shlex
 import signal
@@ -47,9 +46,15 @@ import trio
 from ckagent.containment import TaskJail
 from ckagent.containment.base import SHELL, SPIDER_OOM_SCORE_ADJ, FileWatch, make_preexec
 from ckagent.containment.base import _resolve as resolve_program
-from ckagent.containment.process import REAP_TIMEOUT, ProcessOutcome
-from ckagent.containment.process_group import MARKER_VAR, SPAWNED, signal_group
-from ckagent.containment.stoptarget import StopTarget, describe_targets, send_stop, wait_gone
+from ckagent.containment.process_group import MARKER_VAR, SPAWNED
+from ckagent.containment.stopping import (
+    Notice,
+    ProcessOutcome,
+    StopRequest,
+    StopSequence,
+    Supervised,
+    until_exit_or_stop,
+)
 from ckagent.node.runas import RunAs, popen_identity
 
 log = logging.getLogger(__name__)
@@ -287,104 +292,34 @@ async def follow_output(sink: Any, exited: trio.Event) -> None:
                     await exited.wait()
 
 
-Notice = Callable[[str], None]
-
-
-class _Stopper:
-    """Stop signal to the spider (behind its monitor) → grace → kill every process of the task,
-    remembering what was sent (a second call only waits for what is left of the grace)."""
-
-    def __init__(self, mon: Monitored, jail: TaskJail, grace: float, stop_signal: int, notice: Notice,
-                 outcome: ProcessOutcome) -> None:
-        self.mon, self.jail, self.grace, self.notice, self.outcome = mon, jail, grace, notice, outcome
-        self.stop_signal = stop_signal
-        self._term_deadline: float | None = None
-        self._targets: list[StopTarget] = []
-        self._main = 0
-        self._gave_up = False
-
-    async def stop(self, why: str) -> None:
-        if self.mon.exited or self._gave_up:
-            return
-        name = signal.Signals(self.stop_signal).name
-        if self._term_deadline is None:
-            self.outcome.term_sent_at = time.time()
-            self._term_deadline = trio.current_time() + self.grace
-            target = self.mon.main_pid()
-            if target is not None:
-                # To the process that does the work, through launchers that pass nothing on (npm start).
-                self._targets = await trio.to_thread.run_sync(send_stop, target, self.stop_signal)
-                self._main = target
-                whom = describe_targets(target, self._targets)
-            else:  # the monitor has not forked yet: its group (the monitor ignores the usual stop signals)
-                signal_group(self.mon.pid, self.stop_signal)
-                whom = f"the main process {self.mon.pid}"
-            self.notice(f"{why}: sent {name} to {whom}; every process of the task is killed in {self.grace:g} s")
-        with trio.move_on_at(self._term_deadline):
-            await self.mon.wait()
-        if self.mon.exited and self._targets and [t.pid for t in self._targets] != [self._main]:
-            # The launcher ended; what it ran must end too before the grace counts as kept.
-            left = await wait_gone(self._targets, self._term_deadline)
-            self.outcome.workers_left = len(left)
-            if left:
-                self.notice(f"the launcher exited but {describe_targets(self._main, left)} still ran "
-                            f"{self.grace:g} s after {name}: killed")
-        if not self.mon.exited:
-            self.outcome.kill_sent_at = time.time()
-            killed = await self.jail.kill_all()
-            self.outcome.killed_leftovers += max(0, killed - 2)  # the spider and its monitor
-            self.notice(f"main process still running {self.grace:g} s after {name}: killed every process "
-                        f"of the task ({self.jail.level})")
-            with trio.move_on_after(REAP_TIMEOUT):
-                await self.mon.wait()
-            if not self.mon.exited:
-                self._gave_up = True
-                log.error("monitor %d did not die %g s after SIGKILL (stuck in the kernel?); giving up on it",
-                          self.mon.pid, REAP_TIMEOUT)
-
-
 async def supervise(
-    mon: Monitored, *, jail: TaskJail, sink: Any, grace: float, stop: trio.Event, notice: Notice,
-    stop_signal: int = signal.SIGTERM, drain_window: float = 2.0, leave_running: Callable[[], bool] = lambda: False,
+    mon: Monitored, *, jail: TaskJail, sink: Any, grace: float, stop: StopRequest, notice: Notice,
+    why: Callable[[], str] = lambda: "stop requested", stop_signal: int = signal.SIGTERM, drain_window: float = 2.0,
+    leave_running: Callable[[], bool] = lambda: False,
 ) -> ProcessOutcome:
-    """Supervise a monitored spider to its end: its exit, its deadline (``mon.handle.deadline_at``,
-    epoch seconds; one already passed stops it at once) or ``stop``: then the stop signal to the
-    spider, ``grace`` seconds, and every process of the task killed. After a normal exit leftovers
-    get ``drain_window`` seconds before they are killed. ``sink`` follows output.log meanwhile.
+    """Supervise a monitored spider to its end: its exit, or ``stop`` (the task's run-time limit and
+    stall limit are the waiter's: ckagent.task.stop.Watchdog): then the stop signal to the spider,
+    ``grace`` seconds, and every process of the task killed (ckagent.containment.stopping), its
+    notice beginning with ``why()``. After a normal exit leftovers get ``drain_window`` seconds
+    before they are killed. ``sink`` follows output.log meanwhile.
 
     Cancellation from outside: when ``leave_running()`` is true (the agent hands its tasks over to
     the next one) the spider is left running, untouched; otherwise it is stopped (signal → grace →
     kill-all, shielded), then Cancelled propagates.
     """
     outcome = ProcessOutcome()
-    stopper = _Stopper(mon, jail, grace, stop_signal, notice, outcome)
-    deadline_at = mon.handle.deadline_at
-    deadline = math.inf if deadline_at is None else trio.current_time() + (deadline_at - time.time())
+    # The spider and its monitor are the task's own two processes (not leftovers).
+    stopper = StopSequence(Supervised(mon.pid, mon.main_pid, lambda: mon.exited, mon.wait, own=2),
+                           jail, grace, stop_signal, notice, outcome)
     swept = False
     try:
         async with trio.open_nursery() as nursery:
             exited = trio.Event()
             nursery.start_soon(follow_output, sink, exited)
-            with trio.move_on_at(deadline) as deadline_scope:
-                async with trio.open_nursery() as first:
-
-                    async def until_exit() -> None:
-                        await mon.wait()
-                        exited.set()
-                        first.cancel_scope.cancel()
-
-                    async def until_stop() -> None:
-                        await stop.wait()
-                        first.cancel_scope.cancel()
-
-                    first.start_soon(until_exit)
-                    first.start_soon(until_stop)
+            await until_exit_or_stop(mon.wait, stop, exited)
             if not mon.exited:
-                outcome.timed_out = deadline_scope.cancelled_caught
-                outcome.stopped = not outcome.timed_out
-                timeout = None if deadline_at is None else deadline_at - mon.handle.spawned_at
-                why = f"timeout after {timeout:g} s" if outcome.timed_out and timeout is not None else "stop requested"
-                await stopper.stop(why)
+                outcome.stopped = True
+                await stopper.stop(why())
             else:
                 with trio.move_on_after(drain_window):  # what the spider left behind may still write
                     await jail.wait_empty()

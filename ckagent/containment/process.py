@@ -1,6 +1,7 @@
-"""Spawning spiders and making sure nothing they start outlives them.
+"""Spawning processes on pipes — installers, and spiders where no monitor is wanted — and making
+sure nothing they start outlives them (a task's spider runs behind its monitor: ckagent.containment.monitor).
 
-A spider runs in its own session (own process group, pgid == pid) and inside its task's jail
+A process runs in its own session (own process group, pgid == pid) and inside its task's jail
 (:mod:`ckagent.containment`: a cgroup it joins before it execs, or at the last level its process
 groups plus the marker sweep). Stopping signals the **main process** only (so a Scrapy spider can
 run its close hooks and stop its browser itself); after the grace every process of the task is
@@ -13,8 +14,9 @@ Life of one supervised process (:func:`run_supervised`)::
          ├── deadline passes ─┐
          └── stop requested ──┴──► stop signal to main ──► grace ──► kill all in the jail ──► done
 
-Cancellation from outside (the agent's hard stop) takes the same signal → grace → kill-all path,
-shielded, so a cancelled supervisor never leaves a process behind.
+The stop (signal → grace → kill-all) is ckagent.containment.stopping's, the same for every supervisor.
+Cancellation from outside (the agent's hard stop, a task stopped while it installs) takes the same
+path, shielded, so a cancelled supervisor never leaves a process behind.
 
 Nothing here raises for "process already gone": ``ProcessLookupError`` is the normal outcome of
 signalling a process that has finished. Exceptions::
@@ -32,9 +34,7 @@ import math
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -49,10 +49,18 @@ from ckagent.containment.process_group import (
     signal_group,
     sweep,
 )
-from ckagent.containment.stoptarget import StopTarget, describe_targets, send_stop, wait_gone
+from ckagent.containment.stopping import (
+    Notice,
+    ProcessOutcome,
+    StopRequest,
+    StopSequence,
+    Supervised,
+    until_exit_or_stop,
+)
 from ckagent.node.runas import RunAs, popen_identity
 
-__all__ = ["MARKER_VAR", "SPAWNED", "ProcessOutcome", "RunAs", "find_marked", "run_supervised", "signal_group", "sweep"]
+__all__ = ["MARKER_VAR", "SPAWNED", "Notice", "ProcessOutcome", "RunAs", "find_marked", "run_supervised",
+           "signal_group", "sweep"]
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +73,6 @@ PIPE_BYTES = 1 << 20
 which matters beyond speed: under ``PYTHONUNBUFFERED=1`` CPython's stdout is a raw file, and a
 write larger than the free pipe space that a signal handler interrupts is silently cut short."""
 
-REAP_TIMEOUT = 5.0
-"""Seconds to wait for a SIGKILLed main process to be reaped (a process stuck in the kernel, state D,
-cannot die); after that the agent gives up on it rather than hang."""
-
-
 def group_alive(pgid: int) -> bool:
     """True while any process of group ``pgid`` exists (zombies included)."""
     try:
@@ -81,101 +84,9 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
-async def terminate_group(pgid: int, grace: float) -> None:
-    """SIGTERM the group, sleep ``grace`` seconds, then SIGKILL the group.
-
-    Meant as trio's ``deliver_cancel``: trio runs it shielded and cancels it as soon as the main
-    process has exited, so a process that stops on TERM is not waited for; whatever else of the
-    group survives is then the sweep's job (:func:`sweep`).
-    """
-    if not signal_group(pgid, signal.SIGTERM):
-        return
-    await trio.sleep(grace)
-    signal_group(pgid, signal.SIGKILL)
-
-
-# ---------------------------------------------------------------------------------------- identity
-
-
-# ---------------------------------------------------------------------------------------- running
-
-
-@dataclass
-class ProcessOutcome:
-    """How a supervised process ended.
-
-    ``returncode`` is the main process's exit status (negative = killed by that signal; None when it
-    could not be reaped); ``timed_out``/``stopped`` say whether the agent ended it (deadline / stop
-    request); ``term_sent_at``/``kill_sent_at`` are wall-clock times (epoch seconds) of the agent's
-    stop signal to the main process / its kill of every process; ``killed_leftovers`` counts
-    processes killed besides the main process (a cgroup kill counts what the cgroup held);
-    ``workers_left`` how many processes the stop signal went to below a launcher were still running
-    when the grace ended (killed then, though the launcher had exited).
-    """
-
-    returncode: int | None = None
-    timed_out: bool = False
-    stopped: bool = False
-    term_sent_at: float | None = None
-    kill_sent_at: float | None = None
-    killed_leftovers: int = 0
-    workers_left: int = 0
-
-
-Notice = Callable[[str], None]
-
-
 def clock(epoch: float) -> str:
     """Epoch seconds → ``HH:MM:SS.mmm`` UTC, for notices in the task log."""
     return datetime.fromtimestamp(epoch, timezone.utc).strftime("%H:%M:%S.%f")[:-3]
-
-
-class _Stopper:
-    """Stop signal to the main process → grace → kill every process of the task (the jail),
-    remembering what was sent (so a second call, e.g. after an outside cancel, only waits for what
-    is left of the grace)."""
-
-    def __init__(self, proc: trio.Process, jail: TaskJail, grace: float, stop_signal: int, notice: Notice,
-                 outcome: ProcessOutcome):
-        self.proc, self.jail, self.grace, self.notice, self.outcome = proc, jail, grace, notice, outcome
-        self.stop_signal = stop_signal
-        self._term_deadline: float | None = None
-        self._targets: list[StopTarget] = []
-        self._gave_up = False
-
-    async def stop(self, why: str) -> None:
-        if self.proc.returncode is not None or self._gave_up:
-            return
-        name = signal.Signals(self.stop_signal).name
-        if self._term_deadline is None:
-            self.outcome.term_sent_at = time.time()
-            self._term_deadline = trio.current_time() + self.grace
-            # To the process that does the work, through launchers that pass nothing on (npm start).
-            self._targets = await trio.to_thread.run_sync(send_stop, self.proc.pid, self.stop_signal)
-            self.notice(f"{why}: sent {name} to {describe_targets(self.proc.pid, self._targets)}; every "
-                        f"process of the task is killed in {self.grace:g} s")
-        with trio.move_on_at(self._term_deadline):
-            await self.proc.wait()
-        if self.proc.returncode is not None and self._targets != [] and \
-                [t.pid for t in self._targets] != [self.proc.pid]:
-            # The launcher ended; what it ran must end too before the grace counts as kept.
-            left = await wait_gone(self._targets, self._term_deadline)
-            self.outcome.workers_left = len(left)
-            if left:
-                self.notice(f"the launcher exited but {describe_targets(self.proc.pid, left)} still ran "
-                            f"{self.grace:g} s after {name}: killed")
-        if self.proc.returncode is None:
-            self.outcome.kill_sent_at = time.time()
-            killed = await self.jail.kill_all()
-            self.outcome.killed_leftovers += max(0, killed - 1)
-            self.notice(f"main process still running {self.grace:g} s after {name}: killed every process "
-                        f"of the task ({self.jail.level})")
-            with trio.move_on_after(REAP_TIMEOUT):
-                await self.proc.wait()
-            if self.proc.returncode is None:
-                self._gave_up = True
-                log.error("process %d did not die %g s after SIGKILL (stuck in the kernel?); giving up on it",
-                          self.proc.pid, REAP_TIMEOUT)
 
 
 async def run_supervised(
@@ -187,7 +98,7 @@ async def run_supervised(
     output: Callable[[bytes], None],
     deadline_seconds: float | None,
     grace: float,
-    stop: trio.Event,
+    stop: StopRequest,
     notice: Notice,
     on_started: Callable[[int], Awaitable[None]] | None = None,
     drain_window: float = DRAIN_WINDOW,
@@ -195,8 +106,9 @@ async def run_supervised(
     on_stderr: Callable[[bytes], None] | None = None,
     jail: TaskJail | None = None,
     stop_signal: int = signal.SIGTERM,
+    cancelled_why: str = "agent terminating",
 ) -> ProcessOutcome:
-    """Run ``argv`` as a spider: own session, inside ``jail``, pipes copied to ``output``.
+    """Run ``argv`` (a spider or an installer): own session, inside ``jail``, pipes copied to ``output``.
 
     The task ends when the main process exits, when ``deadline_seconds`` pass (None = never), or
     when ``stop`` is set: then the **main process** gets ``stop_signal`` (SIGTERM by default), and
@@ -209,9 +121,11 @@ async def run_supervised(
     The caller owns the jail (figures, close). ``on_stderr`` also gets the stderr bytes (after
     ``output``), e.g. to keep its last lines for the failure message.
 
-    Raises OSError when the command cannot be started (e.g. not found). Cancellation from outside
-    (agent termination) still ends the process: stop signal → grace → kill-all run shielded, then
-    Cancelled propagates.
+    The process is opened before the supervisor's nursery (as trio's ``run_process`` does), so
+    OSError (the command cannot be started, e.g. not found) comes out bare, never in a group.
+    Cancellation from outside (the agent terminating, a task stopped while it installs) still ends
+    the process: stop signal → grace → kill-all (ckagent.containment.stopping) run shielded, its
+    notice beginning with ``cancelled_why``; then Cancelled propagates.
     """
     if env.get(MARKER_VAR) != task_id:
         raise ValueError(f"env must carry {MARKER_VAR}={task_id} (the sweep finds escaped processes by it)")
@@ -228,7 +142,8 @@ async def run_supervised(
         if isinstance(stream, trio.lowlevel.FdStream):
             enlarge_pipe(stream.fileno())
     outcome = ProcessOutcome()
-    stopper = _Stopper(proc, jail, grace, stop_signal, notice, outcome)
+    stopper = StopSequence(Supervised(proc.pid, lambda: proc.pid, lambda: proc.returncode is not None, proc.wait),
+                           jail, grace, stop_signal, notice, outcome)
     swept = False
     try:
         if on_started is not None:
@@ -236,31 +151,9 @@ async def run_supervised(
         async with trio.open_nursery() as nursery:
             pumps_done = trio.Event()
             exited = trio.Event()  # the main process ended: the pumps stop gathering small writes
-
-            async def pumps() -> None:
-                async with trio.open_nursery() as inner:
-                    if proc.stdout is not None:
-                        inner.start_soon(_copy, proc.stdout, output, exited)
-                    if proc.stderr is not None:
-                        inner.start_soon(_copy, proc.stderr, output if on_stderr is None else _tee(output, on_stderr),
-                                         exited)
-                pumps_done.set()
-
-            nursery.start_soon(pumps)
+            nursery.start_soon(_pumps, proc, output, on_stderr, exited, pumps_done)
             with trio.move_on_after(math.inf if deadline_seconds is None else deadline_seconds) as deadline:
-                async with trio.open_nursery() as first:
-
-                    async def until_exit() -> None:
-                        await proc.wait()
-                        exited.set()
-                        first.cancel_scope.cancel()
-
-                    async def until_stop() -> None:
-                        await stop.wait()
-                        first.cancel_scope.cancel()
-
-                    first.start_soon(until_exit)
-                    first.start_soon(until_stop)
+                await until_exit_or_stop(proc.wait, stop, exited)
             if proc.returncode is None:
                 outcome.timed_out = deadline.cancelled_caught
                 outcome.stopped = not outcome.timed_out
@@ -281,9 +174,17 @@ async def run_supervised(
     finally:
         with trio.CancelScope(shield=True):  # noqa: ASYNC912 - shielded cleanup; each stream's aclose checkpoints
             if proc.returncode is None or not swept:
-                # Cancelled from outside (the agent is terminating): the processes must still go.
-                await stopper.stop("agent terminating")
-                outcome.killed_leftovers += max(0, await jail.kill_all())
+                # Cancelled from outside: the processes must still go, and what they say while they
+                # stop still reaches ``output`` (as a monitored spider's output.log goes on growing).
+                async with trio.open_nursery() as last:
+                    pumps_done, now = trio.Event(), trio.Event()
+                    now.set()
+                    last.start_soon(_pumps, proc, output, on_stderr, now, pumps_done)
+                    await stopper.stop(cancelled_why)
+                    outcome.killed_leftovers += max(0, await jail.kill_all())
+                    with trio.move_on_after(1.0):  # everything is dead: the pipes close at once
+                        await pumps_done.wait()
+                    last.cancel_scope.cancel()
             for stream in (proc.stdout, proc.stderr):
                 if stream is not None:
                     await stream.aclose()
@@ -304,6 +205,18 @@ def enlarge_pipe(fd: int, size: int = PIPE_BYTES) -> int:
         except OSError:
             continue
     return 0
+
+
+async def _pumps(proc: trio.Process, output: Callable[[bytes], None], on_stderr: Callable[[bytes], None] | None,
+                 exited: trio.Event, done: trio.Event) -> None:
+    """Copy the process's stdout and stderr into ``output`` (stderr to ``on_stderr`` too) until both
+    end; then set ``done``. Cancellation stops at once (a later call may pump on)."""
+    async with trio.open_nursery() as inner:
+        if proc.stdout is not None:
+            inner.start_soon(_copy, proc.stdout, output, exited)
+        if proc.stderr is not None:
+            inner.start_soon(_copy, proc.stderr, output if on_stderr is None else _tee(output, on_stderr), exited)
+    done.set()
 
 
 def _tee(first: Callable[[bytes], None], second: Callable[[bytes], None]) -> Callable[[bytes], None]:

@@ -215,7 +215,8 @@ class ProcessGroupJail(TaskJail):
 
     def spawn(self, argv: list[str], env: Mapping[str, str], *, forking: bool = False) -> tuple[list[str], dict[str, Any]]:
         """No cgroup to join: the command as it is (vfork spawn); :meth:`watch` raises the main
-        process's oom_score_adj right after the spawn (installers keep the agent's)."""
+        process's oom_score_adj right after the spawn (a spider's and an installer's alike: both are
+        supervised the same way, ckagent.containment.process and .monitor)."""
         if forking:
             return argv, {"preexec_fn": make_preexec([])}
         return argv, {}

@@ -92,8 +92,8 @@ state store for the next start. ``OSError`` writing output.log truncates it (mar
 failing the task.
 
 The package also holds what feeds the streams: :mod:`.outputs` (the files a task wrote: items,
-artifacts, kept), :mod:`.crawlstats` (the crawl's stats file), :mod:`.stall` (activity and the stall
-watchdog). May import :mod:`ckagent.node`, :mod:`ckagent.master`, :mod:`ckagent.containment`.
+artifacts, kept), :mod:`.crawlstats` (the crawl's stats file), :mod:`.activity` (a task's signs of
+life, recorded for the runner's stall watchdog). May import :mod:`ckagent.node`, :mod:`ckagent.master`, :mod:`ckagent.containment`.
 """
 
 from ckagent.delivery.capture import DiskGuard, LogSink

@@ -141,7 +141,9 @@ class LogSink:
         itself (its stdout and stderr are this file, see ckagent.containment.monitor). Within the budget the bytes
         count as written; past ``max_bytes`` or the free-space floor the file is cut back (ftruncate
         to the budget) and the cut bytes are counted as dropped, so the disk stays bounded by what
-        one look lets through. Returns how many new bytes were found (0: none). Never raises."""
+        one look lets through. The cut is not atomic with the look: a write the spider makes between
+        them is cut too, uncounted (``dropped_bytes`` is short by at most that write). Returns how
+        many new bytes were found (0: none). Never raises."""
         if self._fd < 0:
             return 0
         try:

@@ -60,6 +60,14 @@ class _ItemLines:
     def elements(self, lines: list[bytes], ends: list[int], final: bool) -> tuple[list[bytes], list[int]]:
         """(elements, their marks) of ``lines`` ending at ``ends``; ``final``: the last is the file's
         unterminated last line (flushed), not a piece of a longer one."""
+        if lines and not self.oversize and max(map(len, lines)) <= self._max - 4:
+            # No piece of a cut line among them (each piece is longer than that): the common case.
+            self.line_start = ends[-1]
+            encoded = list(map(self._encode, lines))
+            if None not in encoded:
+                return encoded, ends  # type: ignore[return-value] # no None in it
+            kept = [(element, end) for element, end in zip(encoded, ends, strict=True) if element is not None]
+            return [element for element, _ in kept], [end for _, end in kept]
         elements, marks = [], []
         encode = self._encode
         last = len(lines) - 1

@@ -22,7 +22,6 @@ from ckagent.delivery.pending import Pending
 from ckagent.delivery.readers import _FileReader, _ItemJournalReader, _JournalReader
 from ckagent.delivery.spool import (
     BACKOFF_INITIAL,
-    BACKOFF_MAX,
     BATCH_AGE,
     CHECKPOINTS_KEPT,
     EARLY_RETRY_AFTER,
@@ -86,14 +85,15 @@ class _Answer:
 
 
 async def _backoff_sleep(master: MasterClient, attempt: int, retry_after: float | None = None) -> None:
-    """Sleep the backoff for ``attempt`` (1, 2, ...): exponential with jitter, capped at BACKOFF_MAX;
+    """Sleep the backoff for ``attempt`` (1, 2, ...): exponential with jitter, capped at the master
+    client's ``max_backoff_interval`` (server.max_backoff_interval);
     at least ``retry_after`` seconds when the master asked for it (a 429/503's ``Retry-After``).
 
     Ends early (but not before EARLY_RETRY_AFTER seconds) when the master becomes reachable again:
     it waits on the connectivity's event (another request got through), it does not poll. A wait
     the master asked for is never cut short.
     """
-    base = min(BACKOFF_MAX, BACKOFF_INITIAL * 2 ** (attempt - 1))
+    base = min(master.max_backoff_interval, BACKOFF_INITIAL * 2 ** (attempt - 1))
     delay = random.uniform(base / 2, base)
     if retry_after:
         await trio.sleep(retry_after)

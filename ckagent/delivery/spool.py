@@ -38,7 +38,6 @@ READ_CHUNK = 256 * 1024
 SEND_CONCURRENCY = 8
 """Tasks of the outbox that may have a request in flight at the same time."""
 BACKOFF_INITIAL = 0.5
-BACKOFF_MAX = 30.0
 EARLY_RETRY_AFTER = 1.0
 """Seconds in backoff after which a shipper retries at once if the master was seen reachable again."""
 MAX_LOG_SOURCES = 64

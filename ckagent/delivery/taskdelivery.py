@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import trio
 
+from ckagent.delivery.activity import Activity
 from ckagent.delivery.artifacts import ArtifactState, read_state, upload_artifacts
 from ckagent.delivery.capture import LogSink
 from ckagent.delivery.crawlstats import STATS_FILE, Snapshot
@@ -29,7 +30,6 @@ from ckagent.delivery.nodebatch import NodeBatcher
 from ckagent.delivery.outputs.live import LiveItemFiles
 from ckagent.delivery.shipper import DEFAULT_REFUSAL_TIMEOUT, StreamShipper, send_result
 from ckagent.delivery.spool import DEFAULT_LOG_GLOBS, ITEM_FILES_DIR, ITEMS_FILE, OUTPUT_LOG
-from ckagent.delivery.stall import Activity, watch_stall
 from ckagent.delivery.stats import StatsShipper, final_stats
 from ckagent.master.client import MasterClient
 from ckagent.master.protocol import TaskResult, TaskStats
@@ -116,11 +116,11 @@ class TaskDelivery:
         self._output_grew: trio.Event | None = None  # set by the next output write (see wait_output)
         self.scanning = False  # True while the task runs: the outbox scans its files every SCAN_INTERVAL
         self.ended = trio.Event()
+        self._end_read = trio.Event()  # set once run has read the spool's last sizes (_last_sizes)
+        self._last_sizes: dict[str, int] | None = None
         self.delivered = trio.Event()
         self.result: TaskResult | None = None
         self.ship_logs = True  # False when the journal cannot be opened (the result still goes)
-        self._stall: tuple[float, Callable[[float], None]] = (0.0, lambda idle: None)
-        self._stall_armed = trio.Event()
 
     def notice(self, text: str) -> None:
         """A line of the agent's in the task's log (the agent log once output.log is closed)."""
@@ -168,21 +168,6 @@ class TaskDelivery:
             self._output_grew = trio.Event()
         await self._output_grew.wait()
 
-    def watch_stall(self, timeout: float, on_stall: Callable[[float], None]) -> None:
-        """Arm the stall watchdog (the process has started): ``on_stall(idle_seconds)`` is called once
-        when no output, item or stats change was seen for ``timeout`` seconds before :meth:`finish`."""
-        self.activity.touch()
-        self._stall = (timeout, on_stall)
-        self._stall_armed.set()
-
-    async def _stall_loop(self) -> None:
-        if not self.ended.is_set():
-            await self._stall_armed.wait()  # set by watch_stall() or finish()
-        if self.ended.is_set():
-            return
-        timeout, on_stall = self._stall
-        await watch_stall(timeout, self.activity.last, self.ended, on_stall)
-
     async def finish(self, result: TaskResult) -> None:
         """The process is over: close output.log, store ``result``, let the streams complete and the
         result follow them. Returns at once (after the state store write); cancellation before that
@@ -195,7 +180,6 @@ class TaskDelivery:
         self.items.finish()
         self.ended.set()
         self.stats.stop()
-        self._stall_armed.set()
         self._wake.set()
         if self._output_grew is not None:
             self._output_grew.set()
@@ -226,9 +210,9 @@ class TaskDelivery:
                 self.journal.note(sizes)
         finally:
             self.scanning = False
-        # Without spider log files it is one stat of output.log: on the loop, no thread hop.
-        sizes = self._final_sizes() if not self.globs else await trio.to_thread.run_sync(self._final_sizes)
-        self.journal.end(sizes)
+        await self._end_read.wait()  # the last sizes come with :meth:`run`'s one hop at the end
+        assert self._last_sizes is not None
+        self.journal.end(self._last_sizes)
         while not self.journal.flush():  # a full disk: the stream's last records wait for room
             await self.outbox.next_look()
         self.journal.close()
@@ -238,9 +222,14 @@ class TaskDelivery:
         journal's sources → size: empty without one). Blocking: the outbox calls it in its
         once-a-second worker thread, for every running task in one hop."""
         items_size = _size(self.task_dir / ITEMS_FILE)
-        item_sizes = {} if self.item_journal is None else {ITEMS_FILE: items_size}
+        item_sizes: dict[str, int] = {}
         if self.live is not None:
             item_sizes.update(self.live.scan())
+        if self.item_journal is not None:
+            # After the links, as at the end (_final_item_sizes): items.jsonl's size was read before
+            # them, so the item files the end-of-task collection appends to it come after the
+            # streamed files' last lines however a scan falls between the collection's steps.
+            item_sizes[ITEMS_FILE] = items_size
         return scan_log_files(self.task_dir, self.globs), items_size, _size(self.task_dir / STATS_FILE), item_sizes
 
     def scanned(self, found: dict[str, int], items_size: int, stats_size: int = 0,
@@ -284,14 +273,6 @@ class TaskDelivery:
         sizes[ITEMS_FILE] = _size(self.task_dir / ITEMS_FILE)
         return sizes
 
-    def _final_sizes(self) -> dict[str, int]:
-        sizes = scan_log_files(self.task_dir, self.globs)
-        try:
-            sizes[OUTPUT_LOG] = (self.task_dir / OUTPUT_LOG).stat().st_size
-        except FileNotFoundError:
-            sizes[OUTPUT_LOG] = 0
-        return sizes
-
     async def flush_read(self) -> None:
         """Send what was read so far at once (a hand-over's last flush): returns when nothing read
         waits for the master, or, for a task that has ended, when its result is delivered. Call it
@@ -311,14 +292,16 @@ class TaskDelivery:
                 nursery.start_soon(self.logs.run)
             nursery.start_soon(self.items.run)
             nursery.start_soon(self.stats.run_until_stopped)  # ended by finish (or resume) with the process
-            nursery.start_soon(self._stall_loop)
             if self.item_journal is not None:
                 nursery.start_soon(self._item_journal_end)
             await self.ended.wait()
+            # One hop reads what the end needs: the log files' last sizes (the journal's end) and the
+            # final stats snapshot, the stats file's last line (the spool): read again on every
+            # (re)start, so neither an agent crash nor a master outage loses it; the artifact list.
+            self._last_sizes, final, artifact_state = await trio.to_thread.run_sync(
+                _end_reads, self.task_dir, self.globs)
+            self._end_read.set()
         assert self.result is not None
-        # The final stats snapshot is the stats file's last line (the spool): read again on every
-        # (re)start, so neither an agent crash nor a master outage loses it.
-        final, artifact_state = await trio.to_thread.run_sync(_end_reads, self.task_dir)  # one hop
         self._observe(Snapshot(final.seq if final else 0, {"stats": final.stats if final else {}}), final=True)
         stats = final if final is not None else self.result.stats
         reason = self.result.finish_reason
@@ -345,14 +328,21 @@ class TaskDelivery:
         self.outbox.lifecycle.emit(TaskDelivered(self.task_id, self.spider or None, self.claimed_at, result))
 
 
-def _end_reads(task_dir: Path) -> tuple[TaskStats | None, ArtifactState | OSError | ValueError]:
-    """What a task's delivery reads at its end, in one thread hop: the final stats snapshot and the
-    artifacts' state (or the error reading it raised: ckagent.delivery.artifacts logs it). Blocking."""
+def _end_reads(task_dir: Path, globs: list[str]) -> tuple[dict[str, int], TaskStats | None,
+                                                          ArtifactState | OSError | ValueError]:
+    """What a task's delivery reads at its end, in one thread hop: the log files' last sizes
+    (output.log's and those of ``globs``), the final stats snapshot and the artifacts' state (or the
+    error reading it raised: ckagent.delivery.artifacts logs it). Blocking."""
+    sizes = scan_log_files(task_dir, globs)
+    try:
+        sizes[OUTPUT_LOG] = (task_dir / OUTPUT_LOG).stat().st_size
+    except FileNotFoundError:
+        sizes[OUTPUT_LOG] = 0
     try:
         artifact_state: ArtifactState | OSError | ValueError = read_state(task_dir)
     except (OSError, ValueError) as exc:
         artifact_state = exc
-    return final_stats(task_dir), artifact_state
+    return sizes, final_stats(task_dir), artifact_state
 
 
 async def _flushed(shipper: StreamShipper) -> None:

@@ -84,6 +84,33 @@ URL_CACHE_SIZE = 256
 """Request URLs kept parsed (see MasterClient._url); the cache starts over when full."""
 REQUEST_DEADLINE_SLACK = 1.0
 """Seconds beyond a request's timeout its whole exchange may take (httpx's timeout bounds each read)."""
+SENT_ONCE_BYTES = 64 * 1024
+"""Request bodies from this size on are handed to httpx as :class:`_SentOnce` (see there)."""
+
+
+class _SentOnce:
+    """A request body httpx sends as it is (one piece, ``Content-Length`` given, not chunked) and that
+    lets go of its bytes once they are sent.
+
+    httpx keeps every answered request in a reference cycle (the response and the stream bound to it;
+    the request hangs off the response) that only the cyclic GC frees, often a full collection later.
+    With a bytes body that cycle held each batch's body (a stream batch is up to 1 MiB): a dozen
+    of them at a time while a 100 MB item file was shipped, and the heap grew with the holes they
+    left (bench/outputs.py: agent peak RSS 77 MB). The cycle now holds this empty shell."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+
+    def __aiter__(self) -> _SentOnce:
+        return self
+
+    async def __anext__(self) -> bytes:
+        data, self._data = self._data, b""
+        if not data:
+            raise StopAsyncIteration
+        return data
 
 
 class MasterClient(MasterCalls):
@@ -100,6 +127,7 @@ class MasterClient(MasterCalls):
         register_body: Callable[[], RegisterRequest],
         *,
         request_timeout: float = 30.0,
+        max_backoff_interval: float = 30.0,
         ca_file: str | None = None,
         api_key: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
@@ -112,6 +140,8 @@ class MasterClient(MasterCalls):
         self._token = registration_token
         self._register_body = register_body
         self._timeout = request_timeout
+        self.max_backoff_interval = max_backoff_interval
+        """Seconds, the longest pause between two attempts of a request (server.max_backoff_interval)."""
         self._verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca_file) if ca_file else True
         self._transport = transport
         self._observer = observer
@@ -161,7 +191,7 @@ class MasterClient(MasterCalls):
             if self._key_generation != generation and self.registered:
                 return RegisterResponse(node_id=self.node_id or "", api_key=self._api_key or "")
             async for attempt in stamina.retry_context(
-                on=retry_wait, attempts=None, timeout=None, wait_initial=0.5, wait_max=30.0
+                on=retry_wait, attempts=None, timeout=None, wait_initial=0.5, wait_max=self.max_backoff_interval
             ):
                 with attempt:
                     answer = await self._register_once()
@@ -235,7 +265,7 @@ class MasterClient(MasterCalls):
         if retry is None:
             return await self._call(endpoint, ids, reader, json, content, params, read_timeout, content_type, headers)
         async for attempt in stamina.retry_context(
-            on=retry_wait, attempts=retry.attempts, timeout=retry.timeout, wait_initial=0.5, wait_max=30.0
+            on=retry_wait, attempts=retry.attempts, timeout=retry.timeout, wait_initial=0.5, wait_max=self.max_backoff_interval
         ):
             with attempt:
                 return await self._call(endpoint, ids, reader, json, content, params, read_timeout, content_type,
@@ -352,6 +382,10 @@ class MasterClient(MasterCalls):
         try:
             # httpx bounds each read and write; this bounds the whole exchange (an answer that trickles
             # in a byte at a time would otherwise hold its caller for ever).
+            content = kwargs.get("content")
+            if content is not None and len(content) >= SENT_ONCE_BYTES:
+                kwargs["content"] = _SentOnce(content)
+                kwargs["headers"] = {**(kwargs.get("headers") or {}), "Content-Length": str(len(content))}
             with trio.move_on_after(timeout + REQUEST_DEADLINE_SLACK) as deadline:
                 response = await self._client.request(method, self._url(path), timeout=timeout, **kwargs)
             if deadline.cancelled_caught:

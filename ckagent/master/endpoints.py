@@ -177,7 +177,7 @@ STREAMS: dict[str, Endpoint[SeqAccepted]] = {"logs": LOGS, "items": ITEMS}
 @dataclass(frozen=True)
 class Retry:
     """How a call is retried while the master is unavailable (MasterUnavailable, a protocol error too):
-    with exponential backoff (0.5 s → 30 s) and jitter, at most ``attempts`` times and ``timeout``
+    with exponential backoff (0.5 s → server.max_backoff_interval, 30 s by default) and jitter, at most ``attempts`` times and ``timeout``
     seconds (None: no bound). ``Retry()`` retries for as long as it takes."""
 
     attempts: int | None = None

@@ -31,6 +31,8 @@ class ServerSettings:
     ``request_timeout``: seconds per HTTP request (a long poll adds its wait on top).
     ``refusal_timeout``: seconds a stream or result retries a 404 (a lone element's 413) before giving up.
     ``download_stall_timeout``: seconds a code download may receive nothing before it is retried.
+    ``max_backoff_interval``: seconds, the longest pause between two attempts of a request the master
+    did not answer (the exponential backoff grows from 0.5 s to it, with jitter).
     """
 
     url: str
@@ -38,6 +40,7 @@ class ServerSettings:
     request_timeout: float
     refusal_timeout: float = 600.0
     download_stall_timeout: float = 30.0
+    max_backoff_interval: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -239,6 +242,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("server", "download_stall_timeout", "AGENT_SERVER_DOWNLOAD_STALL_TIMEOUT", "seconds >= 1", 30.0,
             "A code download that receives nothing for this long is cut off and retried with backoff.",
             v.seconds(minimum=1.0, exclusive=False)),
+    Setting("server", "max_backoff_interval", "AGENT_SERVER_MAX_BACKOFF_INTERVAL", "seconds >= 1", 30.0,
+            "Longest pause between two attempts of a request the master did not answer (transport error, "
+            "429, 5xx): the backoff grows from 0.5 s to it, with jitter; once another request gets through, "
+            "waiting streams retry after 1 s.", v.seconds(minimum=1.0, exclusive=False)),
     Setting("agent", "name", "AGENT_NAME", "string", HOSTNAME,
             "Node name shown in the master.", v.text),
     Setting("agent", "ip", "AGENT_IP", "IP address", AUTO_IP,
@@ -279,7 +286,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("task", "execute_timeout", "AGENT_TASK_EXECUTE_TIMEOUT", "seconds >= 0", 3600.0,
             "Default run-time limit of a task that names none; 0 = no limit.", v.seconds(exclusive=False)),
     Setting("task", "kill_grace", "AGENT_TASK_KILL_GRACE", "seconds >= 0", 10.0,
-            "Seconds between SIGTERM and SIGKILL when stopping a task's process group.",
+            "Seconds between SIGTERM and SIGKILL when stopping a task's processes (its spider or installer).",
             v.seconds(exclusive=False)),
     Setting("task", "drain_timeout", "AGENT_TASK_DRAIN_TIMEOUT", "seconds >= 0", 60.0,
             "On SIGTERM: how long running tasks may finish before they are terminated.",

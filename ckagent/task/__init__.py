@@ -3,6 +3,8 @@
 - :mod:`.poller` — asks the master for work when a slot is free, claims it, hands it on;
 - :mod:`.admission` — slots, spider locks, the running set, the poller's claim bookkeeping;
 - :mod:`.runner`, :mod:`.deploy` — the phases (open dir → slot → deploy + jail → install → run → judge);
+- :mod:`.stop` — how a task is stopped: its reasons, the one request, the run-time and stall
+  watchdog, what each stop becomes (the process side: ckagent.containment.stopping);
 - :mod:`.outcome` — the outcome rules (exit → status, errorCode, errorMessage);
 - :mod:`.supervisor` — the handle the agent passes around: admission with the runner beside it;
   the outcome rules;

@@ -16,9 +16,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
@@ -27,9 +27,7 @@ from ckagent.containment.egress import TaskRules
 from ckagent.delivery.lifecycle import Lifecycle, TaskAdmitted
 from ckagent.master.protocol import Task
 from ckagent.node.broadcast import Broadcast
-
-if TYPE_CHECKING:
-    pass
+from ckagent.task.stop import StopReason, TaskStop
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +41,10 @@ class RunningTask:
     started_at: float | None = None
     pid: int | None = None
     phase: str = "queued"
-    stop_reason: str | None = None
-    stop_event: trio.Event = field(default_factory=trio.Event)
-    prepare_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    stop: TaskStop = field(init=False)
+    """The task's one stop (ckagent.task.stop): its reason, the scope it cancels, what waits on it."""
     phase_seconds: dict[str, float] = field(default_factory=dict)
     """Seconds spent per phase so far: ``deploy``, ``install``, ``run`` (the result's deployMs/installMs/runMs)."""
-    stalled: bool = False
-    disk_full: bool = False
-    """Stopped because it filled the work dir's disk (ckagent.delivery.diskwatch): FAILED DISK_FULL."""
     delivery: Any = None
     """The task's ``ckagent.delivery.TaskDelivery`` once opened (live stats: ``delivery.stats.latest``)."""
     jail: TaskJail | None = None
@@ -60,14 +54,8 @@ class RunningTask:
     handed_over: bool = False
     """The agent stopped and left this task's spider running for the next agent (ckagent.task.adoption)."""
 
-    def request_stop(self, reason: str) -> bool:
-        """Ask the task to stop (idempotent). Returns False when a stop was already requested."""
-        if self.stop_reason is not None:
-            return False
-        self.stop_reason = reason
-        self.prepare_scope.cancel()
-        self.stop_event.set()
-        return True
+    def __post_init__(self) -> None:
+        self.stop = TaskStop(self.task.id)
 
 
 class Admission:
@@ -156,25 +144,29 @@ class Admission:
         self.lifecycle.emit(TaskAdmitted(task.id, task.spider_id, rt.claimed_at))
         return rt
 
-    def cancel(self, task_id: str, reason: str) -> bool:
-        """Stop a task of ours (idempotent). Returns True when this call requested the stop."""
+    def cancel(self, task_id: str, reason: StopReason, detail: str | None = None) -> bool:
+        """Stop a task of ours for ``reason`` (:meth:`TaskStop.request <ckagent.task.stop.TaskStop.request>`:
+        idempotent, the first reason wins). Returns True when this call requested the stop."""
         rt = self.running.get(task_id)
         if rt is None:
             return False
-        if rt.request_stop(reason):
-            log.info("task %s: stopping (%s)", task_id, reason)
+        if rt.stop.request(reason, detail):
+            log.info("task %s: stopping (%s)", task_id, rt.stop.describe())
             return True
         return False
 
-    def stop_disk_full(self, task_id: str, reason: str) -> None:
-        """Stop a task that fills the work dir's disk: it ends FAILED DISK_FULL with ``reason`` (also
+    def stop_disk_full(self, task_id: str, detail: str) -> None:
+        """Stop a task that fills the work dir's disk: it ends FAILED DISK_FULL with ``detail`` (also
         when it dies of the full disk on its own before the stop reaches it)."""
-        rt = self.running.get(task_id)
-        if rt is not None:
-            rt.disk_full = True
-            rt.request_stop(reason)
+        self.cancel(task_id, StopReason.DISK_FULL, detail)
 
-    def cancel_all(self, reason: str) -> None:
-        """Stop every task (agent terminating)."""
+    def master_cancelled(self, task_ids: Iterable[str]) -> None:
+        """The master cancelled ``task_ids`` (a heartbeat's or a poll's answer): stop those of ours
+        (CANCELLED; ids not running here are ignored)."""
+        for task_id in task_ids:
+            self.cancel(task_id, StopReason.CANCELLED)
+
+    def terminate_all(self) -> None:
+        """Stop every task: the agent terminates (CANCELLED unless a task's stop said otherwise first)."""
         for task_id in list(self.running):
-            self.cancel(task_id, reason)
+            self.cancel(task_id, StopReason.TERMINATING)

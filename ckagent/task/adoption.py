@@ -46,6 +46,7 @@ from ckagent.delivery.lifecycle import TaskFinished
 from ckagent.master.protocol import Task
 from ckagent.node.errors import AGENT_ERROR, describe_fault
 from ckagent.node.state import TaskRecord
+from ckagent.task.stop import StopReason, stopped_outcome
 
 if TYPE_CHECKING:
     from ckagent.task.supervisor import RunningTask, Supervisor
@@ -187,15 +188,7 @@ async def run_adopted(supervisor: Supervisor, rt: RunningTask, adoption: Adoptio
                 jail.watch(handle.monitor_pid)
             rt.jail = jail
             await _egress_again(supervisor, rt, jail, notice)
-            stall = handle.stall_timeout
-
-            def on_stall(idle: float) -> None:
-                if rt.request_stop(f"stalled: no output, items or stats for {idle:.0f} s (stall timeout {stall:g} s)"):
-                    rt.stalled = True
-
             delivery.watch_item_files(Path(handle.work))  # its declared JSON Lines files stream on
-            if stall:
-                delivery.watch_stall(stall, on_stall)
             timeout = 0.0 if handle.deadline_at is None else handle.deadline_at - handle.spawned_at
             try:
                 outcome = await supervisor.finish_run(rt, adoption.monitored, jail, sink, notice, timeout)
@@ -205,10 +198,10 @@ async def run_adopted(supervisor: Supervisor, rt: RunningTask, adoption: Adoptio
             finally:
                 if outcome is None and not rt.handed_over:
                     with trio.CancelScope(shield=True):
-                        stopped = TaskOutcome("CANCELLED", "CANCELLED", rt.stop_reason or "agent terminating")
-                        await delivery.finish(_result(rt, stopped, record.claimed_at))
+                        rt.stop.request(StopReason.TERMINATING)
+                        await delivery.finish(_result(rt, TaskOutcome(*stopped_outcome(rt.stop)), record.claimed_at))
             egress = supervisor.config.egress
-            if outcome is not None and rt.egress is not None and egress is not None:
+            if outcome is not None and outcome.egress_refused is None and rt.egress is not None and egress is not None:
                 outcome.egress_refused = await trio.to_thread.run_sync(egress.refusals, rt.egress)
                 report_refusals(task.id, outcome.egress_refused, notice)
             if outcome is not None and not rt.handed_over:  # its files → items, artifacts or kept ones
@@ -249,7 +242,8 @@ async def _egress_again(supervisor: Supervisor, rt: RunningTask, jail: TaskJail,
     except EgressError as exc:
         log.warning("task %s: %s; stopping it", rt.task.id, exc)
         notice(f"{exc}; the task is stopped (it must not run without its network policy)")
-        rt.request_stop(f"egress: cannot apply the task's network policy again after the restart ({exc})")
+        rt.stop.request(StopReason.EGRESS_LOST,
+                        f"egress: cannot apply the task's network policy again after the restart ({exc})")
         return
     notice(f"egress ({egress.level}): {egress.effective(rt.task.egress).describe()}")
 

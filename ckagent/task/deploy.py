@@ -208,10 +208,29 @@ async def empty_jail(jail: TaskJail, rt: RunningTask | None = None,
         jail.close()
 
 
-async def remove_shielded(path: Path, rt: RunningTask | None = None) -> None:
-    """Remove a task's working copy when the task ends, even when it ends by cancellation (not when
-    it was handed over to the next agent, which removes it at the task's end)."""
-    if rt is not None and rt.handed_over:
+async def clear_task(jails: list[TaskJail], work: Path, rt: RunningTask,
+                     detach: Callable[[], None] | None = None) -> None:
+    """At the end of a task: :func:`empty_jail` for the jail in ``jails`` (none: it was never made)
+    and the working copy ``work`` removed (even when the task ends by cancellation), their blocking
+    parts (the egress rules' removal, the copy's) in one thread hop. Nothing when the task was
+    handed over to the next agent (its spider runs on in both; that agent removes them). Shielded."""
+    if rt.handed_over:
         return
+    jail = jails[0] if jails else None
     with trio.CancelScope(shield=True):
-        await trio.to_thread.run_sync(remove_tree, path)
+        if jail is not None:
+            await jail.kill_all()
+
+        def blocking() -> None:
+            try:
+                if jail is not None and detach is not None:
+                    detach()
+            finally:
+                remove_tree(work)
+
+        try:
+            await trio.to_thread.run_sync(blocking)
+        finally:
+            if jail is not None:
+                jail.close()
+

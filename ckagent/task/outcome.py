@@ -9,7 +9,7 @@ exit ≠ 0              FAILED      EXIT_NONZERO  "exit code N" + the output's l
 killed by a signal    FAILED      SIGNALED      "killed by SIGX (exit code -N)" + the output's last lines
 timeout               FAILED      TIMEOUT       "执行超时"
 stalled               FAILED      STALLED       how long nothing happened
-stopped               CANCELLED   CANCELLED     the reason
+stopped               CANCELLED   CANCELLED     the reason (every stop: ckagent.task.stop)
 code refused          FAILED      DEPLOY_FAILED the entry and the rule, or what the framework needs
 install failed        FAILED      DEPS_FAILED   the installer's last whole lines
 not startable         FAILED      EXIT_NONZERO  what could not be started (exitCode null)
@@ -36,13 +36,15 @@ from typing import TYPE_CHECKING, Any
 
 from ckagent.containment import Figures, TaskJail, format_bytes
 from ckagent.containment.egress import Refusal
-from ckagent.containment.process import ProcessOutcome, clock
+from ckagent.containment.process import clock
+from ckagent.containment.stopping import ProcessOutcome
 from ckagent.containment.tails import TailBuffer, last_lines
 from ckagent.delivery import LogSink
 from ckagent.delivery.lines import secret_values
-from ckagent.master.protocol import TIMEOUT_MESSAGE, Task, TaskResult, utc_iso
+from ckagent.master.protocol import Task, TaskResult, utc_iso
 from ckagent.node.errors import DeployError, DepsError, TaskError
 from ckagent.node.logs import Masker
+from ckagent.task.stop import StopReason, stopped_outcome
 
 if TYPE_CHECKING:
     from ckagent.task.admission import RunningTask
@@ -70,23 +72,18 @@ class TaskOutcome:
     egress_refused: list[Refusal] | None = None
 
 
-def judge_exit(rt: RunningTask, outcome: ProcessOutcome, timeout: float, notice: Notice,
-               stderr_tail: TailBuffer, sink: LogSink, agent_secrets: tuple[str, ...]) -> TaskOutcome:
-    """TIMEOUT / DISK_FULL / STALLED / CANCELLED / exit status of an ended spider (a death by signal
-    names the signal); ``timeout`` in seconds, for the line. Writes one notice."""
-    if outcome.timed_out:
-        notice(ended_by_agent(f"timed out after {timeout:g} s", outcome) + "; task FAILED (TIMEOUT)")
-        return TaskOutcome("FAILED", "TIMEOUT", TIMEOUT_MESSAGE, outcome.returncode)
-    if rt.disk_full and (outcome.stopped or outcome.returncode != 0):
-        notice(ended_by_agent(rt.stop_reason or "disk full", outcome) + "; task FAILED (DISK_FULL)")
-        return TaskOutcome("FAILED", "DISK_FULL", rt.stop_reason, outcome.returncode)
-    if outcome.stopped and rt.stalled:
-        notice(ended_by_agent(rt.stop_reason or "stalled", outcome) + "; task FAILED (STALLED)")
-        return TaskOutcome("FAILED", "STALLED", rt.stop_reason, outcome.returncode)
-    if outcome.stopped:
-        reason = rt.stop_reason or "cancelled"
-        notice(ended_by_agent(f"stopped ({reason})", outcome) + "; task CANCELLED")
-        return TaskOutcome("CANCELLED", "CANCELLED", reason, outcome.returncode)
+def judge_exit(rt: RunningTask, outcome: ProcessOutcome, notice: Notice, stderr_tail: TailBuffer, sink: LogSink,
+               agent_secrets: tuple[str, ...]) -> TaskOutcome:
+    """The outcome of an ended spider: the task's stop reason when the agent stopped it (TIMEOUT,
+    STALLED, DISK_FULL, CANCELLED: ckagent.task.stop.stopped_outcome), else its exit status (a death
+    by signal names the signal). Writes one notice."""
+    reason = rt.stop.reason
+    # A task filling the disk may die of it before the stop reaches it: DISK_FULL all the same.
+    if reason is not None and (outcome.stopped or (reason is StopReason.DISK_FULL and outcome.returncode != 0)):
+        status, code, message = stopped_outcome(rt.stop)
+        words = rt.stop.describe() if status != "CANCELLED" else f"stopped ({rt.stop.describe()})"
+        notice(ended_by_agent(words, outcome) + f"; task {status}" + (f" ({code})" if status != code else ""))
+        return TaskOutcome(status, code, message, outcome.returncode)
     notice(f"process exited with code {outcome.returncode}")
     if outcome.returncode == 0:
         if sink.truncated is not None:

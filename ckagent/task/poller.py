@@ -163,8 +163,7 @@ class Poller:
                 self._idle_scope = None
                 if answer is None:
                     continue  # stopped (the loop ends), or a spider the poll excluded has finished
-                for task_id in answer.pending.cancel_task_ids:
-                    self._supervisor.cancel(task_id, "cancelled by the master")
+                self._supervisor.master_cancelled(answer.pending.cancel_task_ids)
                 for bad in answer.pending.bad_tasks:
                     work.start_soon(self._report_bad_task, bad)
                 # Claims go out together; each task starts as soon as its own claim is answered. A stop

@@ -3,7 +3,9 @@
 Each phase is an ``async with`` step that holds what it made until the task ends (the spider lock
 and slot, the code version, working copy and jail, the environment), entered in that order and left
 in the reverse one; a stop interrupts waiting, deploying and installing at once
-(``RunningTask.prepare_scope``) and ends a running process with TERM → grace → KILL.
+(the task's :class:`~ckagent.task.stop.TaskStop`, which also says what each stop becomes) and ends
+a running process with its stop signal → ``kill_grace`` → KILL; the run-time and stall limits are
+the runner's (:class:`~ckagent.task.stop.Watchdog`), the delivery only records signs of life.
 
 Setup failures are the TaskErrors of ckagent.node.errors (DeployError, DepsError, JailError,
 SpawnError), each carrying its errorCode; :meth:`TaskRunner._execute` collapses the phases'
@@ -38,8 +40,8 @@ import trio
 from ckagent.code import frameworks
 from ckagent.code.deps import Dependencies, Prepared, spider_base_env
 from ckagent.code.workspace import Workspaces
-from ckagent.containment import ContainmentError, TaskJail
-from ckagent.containment.egress import report_refusals
+from ckagent.containment import ContainmentError, Figures, TaskJail
+from ckagent.containment.egress import Refusal, report_refusals
 from ckagent.containment.monitor import Monitored, spawn_monitored, supervise
 from ckagent.containment.process import MARKER_VAR, sweep
 from ckagent.containment.tails import TailBuffer
@@ -62,7 +64,7 @@ from ckagent.node.errors import (
 )
 from ckagent.node.state import AsyncStateStore, StateStoreError
 from ckagent.task.admission import Admission, RunningTask
-from ckagent.task.deploy import Deployer, empty_jail, remove_shielded
+from ckagent.task.deploy import Deployer, clear_task
 from ckagent.task.outcome import (
     MESSAGE_CHARS,
     Notice,
@@ -76,6 +78,7 @@ from ckagent.task.outcome import (
     task_result,
 )
 from ckagent.task.runconfig import RunnerConfig
+from ckagent.task.stop import StopReason, Watchdog, stopped_outcome
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +152,13 @@ class TaskRunner:
                     log.info("task %s: left running for the next agent (spider %s)", task.id, rt.pid)
                 elif outcome is None:
                     # The agent's hard stop (a Cancelled, maybe wrapped in an exception group from the
-                    # process or installer nurseries): run_supervised has ended the processes
-                    # (shielded). Store a CANCELLED result first, so it is delivered (now or at the
-                    # next start) instead of AGENT_LOST; then sweep an interrupted installer's leftovers.
+                    # process or installer nurseries): the supervisors have ended the processes
+                    # (shielded). Store the stop's result first (CANCELLED unless an earlier stop said
+                    # otherwise), so it is delivered (now or at the next start) instead of AGENT_LOST;
+                    # then sweep an interrupted installer's leftovers.
                     with trio.CancelScope(shield=True):
-                        stopped = TaskOutcome("CANCELLED", "CANCELLED", rt.stop_reason or "agent terminating")
-                        await delivery.finish(task_result(rt, stopped, started_wall))
+                        rt.stop.request(StopReason.TERMINATING)
+                        await delivery.finish(task_result(rt, TaskOutcome(*stopped_outcome(rt.stop)), started_wall))
                         if rt.pid is None:
                             await sweep(task.id, None)
             if rt.pid is None and rt.phase == "installing":
@@ -205,17 +209,14 @@ class TaskRunner:
             try:
                 with collapsed_groups():
                     # Waiting for the lock or a slot, deploying and installing are interrupted by a stop at once.
-                    with rt.prepare_scope:
+                    with rt.stop.prepare_scope:
                         await held.enter_async_context(self._slot(rt))
                         code = await held.enter_async_context(self._deployed(rt, notice))
                         prepared = await held.enter_async_context(self._installed(rt, code, sink, notice))
-                    if rt.stop_reason is not None:
-                        notice(f"stopped before the spider started: {rt.stop_reason}")
-                        return TaskOutcome("CANCELLED", "CANCELLED", rt.stop_reason)
+                    if rt.stop.is_set():
+                        notice(f"stopped before the spider started: {rt.stop.describe()}")
+                        return TaskOutcome(*stopped_outcome(rt.stop))
                     outcome = await self._run(rt, task_dir, code, prepared, notice, sink)
-                    if rt.egress is not None and self.config.egress is not None:
-                        outcome.egress_refused = await trio.to_thread.run_sync(self.config.egress.refusals, rt.egress)
-                        report_refusals(rt.task.id, outcome.egress_refused, notice)
                     if rt.started_at is not None and not rt.handed_over:  # its files → items, artifacts or kept
                         await self.deployer.collect_outputs(rt, task_dir, code.work, code.code_dir, notice)
                     return outcome
@@ -240,16 +241,15 @@ class TaskRunner:
         async with contextlib.AsyncExitStack() as held:
 
             async def open_jail() -> None:
-                jail = await self.deployer.open_jail(rt, notice)
-                held.push_async_callback(empty_jail, jail, rt, self.deployer.egress_detach(rt))
-                jails.append(jail)
+                jails.append(await self.deployer.open_jail(rt, notice))
 
             work = self.deployer.work_of(task)
+            # At the end: the jail emptied and removed (once made), the working copy removed: one hop.
+            held.push_async_callback(clear_task, jails, work, rt, self.deployer.egress_detach(rt))
             # The jail is made while the code is deployed and copied (one thread hop less before the spawn).
             try:
                 async with trio.open_nursery() as opening:
                     opening.start_soon(open_jail)
-                    held.push_async_callback(remove_shielded, work, rt)
                     code_dir, argv, how, copied = await self.deployer.deploy(task, work, held, notice)
             finally:
                 rt.phase_seconds["deploy"] = trio.current_time() - started
@@ -268,7 +268,7 @@ class TaskRunner:
         try:
             prepared = await self._deps.prepare(
                 task.framework, task.spider_id, code.work, sink.write, marker={MARKER_VAR: task.id},
-                spawn=code.jail.spawn, task_env={**self.config.extra_env, **task.env},
+                jail=code.jail, task_env={**self.config.extra_env, **task.env},
                 home=self.config.work_dir / "spider-home" / safe_name(task.spider_id),
             )
         finally:
@@ -324,11 +324,6 @@ class TaskRunner:
         rt.started_at = time.time()
         notice(f"running {shown_argv(argv, task)} (timeout {f'{timeout:g} s' if timeout else 'none'})")
 
-        def on_stall(idle: float) -> None:
-            if rt.request_stop(f"stalled: no output, items or stats for {idle:.0f} s (stall timeout {stall:g} s)"):
-                rt.stalled = True
-                log.warning("task %s: %s", task.id, rt.stop_reason)
-
         try:
             mon = await spawn_monitored(
                 _resolve(argv, env), cwd=code.work, env=env, task_id=task.id, task_dir=task_dir,
@@ -344,8 +339,6 @@ class TaskRunner:
         rt.pid = mon.pid
         if rt.delivery is not None:
             rt.delivery.watch_item_files(code.work)  # declared JSON Lines files stream while they grow
-        if stall and rt.delivery is not None:
-            rt.delivery.watch_stall(stall, on_stall)
         try:
             await self._store.set_process(task.id, mon.pid, mon.pid, mon.handle.to_json())
         except StateStoreError as exc:  # a full disk: the task runs on, unrecorded (a crash: AGENT_LOST)
@@ -354,26 +347,48 @@ class TaskRunner:
 
     async def finish_run(self, rt: RunningTask, mon: Monitored, jail: TaskJail, sink: LogSink,
                          notice: Notice, timeout_seconds: float) -> TaskOutcome:
-        """Supervise a spawned or re-adopted spider to its end and judge its outcome (ckagent.containment.monitor)."""
-        task = rt.task
+        """Supervise a spawned or re-adopted spider to its end and judge its outcome (ckagent.containment.monitor).
+
+        The supervisor waits on the task's :class:`Watchdog`: its stop, its deadline
+        (``mon.handle.deadline_at``, kept across agent restarts; ``timeout_seconds`` is its length,
+        for the words) and its stall limit (``mon.handle.stall_timeout`` seconds without a sign of
+        life the delivery recorded).
+        """
+        task, handle = rt.task, mon.handle
+        activity = rt.delivery.activity if rt.delivery is not None else None
+        if activity is not None and handle.stall_timeout > 0:
+            activity.touch()  # the stall limit counts from the spawn (or the re-adoption)
+        watchdog = Watchdog(rt.stop, deadline_at=handle.deadline_at, timeout_seconds=timeout_seconds,
+                            stall_timeout=handle.stall_timeout, last_activity=activity.last if activity else None)
         outcome = await supervise(
-            mon, jail=jail, sink=sink, grace=self.config.kill_grace, stop=rt.stop_event, notice=notice,
-            stop_signal=task.stop_signal_number, leave_running=lambda: self._hand_over(rt),
+            mon, jail=jail, sink=sink, grace=self.config.kill_grace, stop=watchdog, why=rt.stop.describe,
+            notice=notice, stop_signal=task.stop_signal_number, leave_running=lambda: self._hand_over(rt),
         )
+        egress = self.config.egress if rt.egress is not None else None
+
+        def end_reads() -> tuple[bytes, Figures, list[Refusal] | None]:
+            """One thread hop: the output's tail, the jail's figures (into the result: cpuSeconds,
+            memoryPeakBytes, ...), what the egress rules refused (blocking reads, nft)."""
+            return (output_tail(sink.path), jail.figures(),
+                    egress.refusals(rt.egress) if egress is not None else None)
+
+        tail, figures, refused = await trio.to_thread.run_sync(end_reads)
         stderr_tail = TailBuffer(16384)
-        stderr_tail.write(await trio.to_thread.run_sync(output_tail, sink.path))
-        figures = jail.figures()  # into the result (cpuSeconds, memoryPeakBytes, ...), not the log
+        stderr_tail.write(tail)
         if figures.oom_kills and not outcome.stopped:
-            verdict = oom_outcome(jail, figures, outcome.returncode, "the spider")
-            notice(f"{verdict.error_message}; task FAILED (OOM_KILLED)")
-            return verdict
-        judged = judge_exit(rt, outcome, timeout_seconds, notice, stderr_tail, sink, self.config.agent_secrets)
-        judged.figures = figures
+            judged = oom_outcome(jail, figures, outcome.returncode, "the spider")
+            notice(f"{judged.error_message}; task FAILED (OOM_KILLED)")
+        else:
+            judged = judge_exit(rt, outcome, notice, stderr_tail, sink, self.config.agent_secrets)
+            judged.figures = figures
+        if refused is not None:
+            judged.egress_refused = refused
+            report_refusals(task.id, refused, notice)
         return judged
 
     def _hand_over(self, rt: RunningTask) -> bool:
         """True (and the task marked handed over) when the agent leaves this task's spider running."""
-        if self._admission.handing_over and not rt.handed_over and rt.stop_reason in (None, "agent terminating"):
+        if self._admission.handing_over and not rt.handed_over and rt.stop.reason in (None, StopReason.TERMINATING):
             rt.handed_over = True
         return rt.handed_over
 

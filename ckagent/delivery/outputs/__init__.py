@@ -239,13 +239,16 @@ def collect(*, work: Path, code_dir: Path, since: float, task_dir: Path, outputs
     item_set = {rel for rel, _ in item_files}
     rest = [(rel, st) for rel, st in files if rel not in item_set]
     if item_files:
+        # Every streamed file's link first (made now for one the run did not see), then the others'
+        # items appended: the items journal orders the links' last lines before items.jsonl's growth.
+        links = {rel: streamed(rel) for rel, _st in item_files} if streamed is not None else {}
         with open(task_dir / "items.jsonl", "ab") as spool:
             for rel, _st in item_files:
                 if not rel.lower().endswith(ITEM_EXTENSIONS):
                     result.problems.append(f"{rel} is not an item file ({', '.join(ITEM_EXTENSIONS)}): left as it is")
                     rest.append((rel, _st))
                     continue
-                link = streamed(rel) if streamed is not None else None
+                link = links.get(rel)
                 try:
                     count = count_lines(link) if link is not None else append_item_file(work / rel, spool)
                 except ItemFileError as exc:

@@ -1,0 +1,171 @@
+"""How a task is stopped: why (:class:`StopReason`), the one request (:class:`TaskStop`), the runner's
+watchdog on its run time and its signs of life (:class:`Watchdog`), and what each reason becomes.
+
+Every place that stops a task asks its ``TaskStop`` with a reason; the first reason wins, later ones
+are ignored (and say so in the debug log)::
+
+    who asks                                   reason        status     errorCode
+    the master (heartbeat or poll answer)      CANCELLED     CANCELLED  CANCELLED
+    the agent terminating (SIGINT, 2nd TERM)   TERMINATING   CANCELLED  CANCELLED
+    the watchdog: run time over                TIMEOUT       FAILED     TIMEOUT
+    the watchdog: no sign of life              STALLED       FAILED     STALLED
+    the outbox: the task fills the disk        DISK_FULL     FAILED     DISK_FULL
+    adoption: its egress rules cannot return   EGRESS_LOST   CANCELLED  CANCELLED
+
+What a request does, at once and on the Trio thread: it cancels :attr:`TaskStop.prepare_scope`
+(waiting for the spider lock or a slot, deploying, installing: an installer is stopped by its
+supervisor with the node's ``kill_grace``) and wakes whatever waits in :meth:`TaskStop.wait` — the
+process supervisor of the running spider (ckagent.containment.monitor), which sends the stop signal,
+waits ``kill_grace`` seconds and kills every process of the task. How the stopped task is then
+reported is :func:`stopped_outcome`'s, the one place a reason becomes a status and errorCode
+(ckagent.task.outcome calls it).
+
+The watchdog is the runner's: a deadline (the task's run-time limit, kept across agent restarts)
+and a stall limit measured from the last sign of life the delivery recorded
+(ckagent.delivery.activity.Activity: output written, items or stats file changed). It runs inside the
+supervisor's own wait (no task of its own): it sleeps until the nearer of the two deadlines or a
+stop, and looks again — at most one wake-up per ``stall_timeout`` of activity, never a poll.
+
+To stop a task for a new reason: add a member here (its status, errorCode and words) and call
+``rt.stop.request(StopReason.X, "what happened")`` where it is noticed.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import time
+from collections.abc import Callable
+
+import trio
+
+from ckagent.master.protocol import TIMEOUT_MESSAGE
+
+log = logging.getLogger(__name__)
+
+
+class StopReason(enum.Enum):
+    """Why a task was stopped; ``value`` is the short text the task log and result use by default."""
+
+    CANCELLED = "cancelled by the master"
+    TERMINATING = "agent terminating"
+    TIMEOUT = "timed out"
+    STALLED = "stalled"
+    DISK_FULL = "disk full"
+    EGRESS_LOST = "egress rules lost"
+
+    @property
+    def status(self) -> str:
+        """The result's status a task stopped for this reason ends with (``FAILED`` or ``CANCELLED``)."""
+        return "FAILED" if self in _FAILURES else "CANCELLED"
+
+    @property
+    def error_code(self) -> str:
+        """The result's errorCode (docs/protocol.md, "Outcomes")."""
+        return _FAILURES.get(self, "CANCELLED")
+
+
+_FAILURES = {StopReason.TIMEOUT: "TIMEOUT", StopReason.STALLED: "STALLED", StopReason.DISK_FULL: "DISK_FULL"}
+
+
+class TaskStop:
+    """The one stop of one task: its reason once requested, the scope it cancels, what waits on it.
+
+    Made by the task's ``RunningTask``; lives on the Trio thread (never blocks).
+    """
+
+    def __init__(self, task_id: str = "") -> None:
+        self.task_id = task_id
+        self.reason: StopReason | None = None
+        """Why the task is being stopped (None: it is not)."""
+        self.detail: str | None = None
+        """The words of the request (``stalled: no output … for 61 s``), None: the reason's own."""
+        self.prepare_scope = trio.CancelScope()
+        """Entered by the runner around waiting for a slot, deploying and installing: a stop cancels it."""
+        self._event = trio.Event()
+
+    def request(self, reason: StopReason, detail: str | None = None) -> bool:
+        """Stop the task for ``reason`` (``detail``: the words for its log and result). Idempotent:
+        returns True when this call stopped it, False when it was already stopped (the first reason
+        stands; the later one is logged at debug level). Never raises, never blocks."""
+        if self.reason is not None:
+            log.debug("task %s: already stopping (%s); %s ignored", self.task_id, self.reason.name, reason.name)
+            return False
+        self.reason, self.detail = reason, detail
+        self.prepare_scope.cancel()
+        self._event.set()
+        return True
+
+    def is_set(self) -> bool:
+        """True once a stop was requested."""
+        return self.reason is not None
+
+    async def wait(self) -> None:
+        """Return once a stop is requested (at once if it was). Cancellation: as usual."""
+        await self._event.wait()
+
+    def describe(self) -> str:
+        """The request's words for the task log: its detail, else its reason (``"not stopped"`` before one)."""
+        if self.reason is None:
+            return "not stopped"
+        return self.detail or self.reason.value
+
+
+def stopped_outcome(stop: TaskStop) -> tuple[str, str, str]:
+    """(status, errorCode, errorMessage) of a task ended by ``stop`` (a stop must have been requested).
+
+    TIMEOUT's message is the protocol's own (``TIMEOUT_MESSAGE``); the others say what happened.
+    """
+    reason = stop.reason
+    assert reason is not None, "stopped_outcome of a task nobody stopped"
+    message = TIMEOUT_MESSAGE if reason is StopReason.TIMEOUT else stop.describe()
+    return reason.status, reason.error_code, message
+
+
+class Watchdog:
+    """The runner's limits on a running task: what the process supervisor waits on instead of the bare stop.
+
+    ``deadline_at``: epoch seconds when the task's run time is over (None: no limit); a deadline that
+    passed already (a task re-adopted late) stops it at once. ``timeout_seconds`` is that limit's
+    length, for the words. ``stall_timeout`` seconds without a sign of life (``last_activity()``, in
+    Trio's clock) stop it as STALLED (0: off). Both go through ``stop`` (:meth:`TaskStop.request`).
+    """
+
+    def __init__(self, stop: TaskStop, *, deadline_at: float | None, timeout_seconds: float,
+                 stall_timeout: float, last_activity: Callable[[], float] | None) -> None:
+        self.stop = stop
+        self.deadline = math.inf if deadline_at is None else trio.current_time() + (deadline_at - time.time())
+        self.timeout_seconds = timeout_seconds
+        self.stall_timeout = stall_timeout if last_activity is not None else 0.0
+        self.last_activity = last_activity
+
+    def is_set(self) -> bool:
+        """True once the task's stop was requested (by anyone)."""
+        return self.stop.is_set()
+
+    def describe(self) -> str:
+        """The stop's words (:meth:`TaskStop.describe`)."""
+        return self.stop.describe()
+
+    async def wait(self) -> None:
+        """Return once the task's stop is requested — by the deadline or the stall limit here, or by
+        anyone else. Sleeps until the nearer limit, looks again (activity may have moved the stall
+        limit on). Cancellation: returns nothing, requests nothing."""
+        while not self.stop.is_set():
+            now = trio.current_time()
+            if now >= self.deadline:
+                self.stop.request(StopReason.TIMEOUT, f"timed out after {self.timeout_seconds:g} s")
+                break
+            wake = self.deadline
+            if self.stall_timeout > 0 and self.last_activity is not None:
+                last = self.last_activity()
+                if now >= last + self.stall_timeout:
+                    detail = (f"stalled: no output, items or stats for {now - last:.0f} s "
+                              f"(stall timeout {self.stall_timeout:g} s)")
+                    if self.stop.request(StopReason.STALLED, detail):
+                        log.warning("task %s: %s", self.stop.task_id, detail)
+                    break
+                wake = min(wake, last + self.stall_timeout)
+            with trio.move_on_at(wake):
+                await self.stop.wait()
