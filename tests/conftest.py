@@ -250,8 +250,6 @@ _STARTED = pytest.StashKey[tuple[float, float]]()
 SERIAL_GROUPS: dict[str, tuple[str, ...]] = {
     # useradd/userdel lock /etc/passwd and /etc/group: two at once fail ("cannot lock /etc/passwd")
     "system-users": ("fixture:spider_user", "test_runsh.py::test_spider_user_is_created_on_request_and_remembered"),
-    # the session-scoped releases (a bumped ckagent.pyz, built with uv: ~1 min) serve both files: one build
-    "run-sh": ("test_runsh.py", "test_adoption_runsh.py"),
     # the session's runs of the sdk/examples spiders (tests/harness.py) are per process: the tests
     # that read them share a worker, so each example runs once per path
     "example-runs": ("fixture:example_runs",),
@@ -262,7 +260,8 @@ test file, a ``file::test`` node id prefix, or ``fixture:NAME`` (every test that
 
 What needs no group: nft tables, cgroups, task directories and ports are named per test (the agent's
 group and table names come from its work_dir under ``tmp_path``; ports are 0); the session's
-ckagent.pyz is built once for all workers under a file lock (tests/test_pyz.py)."""
+ckagent.pyz and run.sh's bumped release are built once for all workers under a file lock
+(``session_build`` in tests/test_pyz.py), so test_runsh.py's tests spread over the workers too."""
 
 
 def _is_member(item: pytest.Item, members: tuple[str, ...]) -> bool:

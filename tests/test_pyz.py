@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -80,7 +81,15 @@ def pyz_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def session_pyz(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The session's ckagent.pyz (built on first use, under a file lock; later calls reuse it)."""
-    base = pyz_dir(tmp_path_factory)
+    return session_build(tmp_path_factory, pyz_dir(tmp_path_factory), build_pyz)
+
+
+def session_build(tmp_path_factory: pytest.TempPathFactory, base: Path,
+                  build: Callable[[Path, Path], Path]) -> Path:
+    """``base``/ckagent.pyz, made once per session for all pytest-xdist workers: the first caller runs
+    ``build(source, output)`` on a fresh frozen copy of the checkout in ``base``/src, under a file lock
+    the others wait on (no timeout of its own: ``build`` bounds itself); later callers reuse the file.
+    ``base`` must lie in the directory the workers share (:func:`pyz_dir` or a sibling of it)."""
     base.mkdir(exist_ok=True)
     pyz = base / "ckagent.pyz"
     with (base / ".lock").open("w") as lock:
@@ -88,7 +97,7 @@ def session_pyz(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if not pyz.exists():
             source = base / "src"
             shutil.rmtree(source, ignore_errors=True)
-            build_pyz(frozen_source(source), pyz)
+            build(frozen_source(source), pyz)  # build_pyz.py writes it whole or not at all
     return pyz
 
 

@@ -28,7 +28,7 @@ import pytest
 import trio
 import yaml
 from harness import eventually
-from test_pyz import REPO, build_pyz, frozen_source, session_pyz
+from test_pyz import REPO, build_pyz, pyz_dir, session_build, session_pyz
 
 import ckagent
 
@@ -43,15 +43,19 @@ def pyz(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return session_pyz(tmp_path_factory)
 
 
-@pytest.fixture(scope="session")
-def bumped_pyz(pyz: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real ckagent.pyz of version 99.0.0: the session's source, bumped with build/bump_version.sh."""
-    base = tmp_path_factory.mktemp("bumped")
-    source = frozen_source(base / "src")
+def _bump_and_build(source: Path, output: Path) -> Path:
     bumped = subprocess.run(["bash", str(REPO / "build" / "bump_version.sh"), "--root", str(source), BUMPED],
-                            capture_output=True, text=True, check=False)
+                            capture_output=True, text=True, timeout=120, check=False)
     assert bumped.returncode == 0 and bumped.stdout.strip() == f"{ckagent.__version__} -> {BUMPED}", bumped
-    return build_pyz(source, base / "ckagent.pyz")
+    return build_pyz(source, output)
+
+
+@pytest.fixture(scope="session")
+def bumped_pyz(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real ckagent.pyz of version 99.0.0: the session's source, bumped with build/bump_version.sh.
+    Built once per session for all pytest-xdist workers (test_adoption_runsh.py uses it too)."""
+    return session_build(tmp_path_factory, pyz_dir(tmp_path_factory).with_name("ckagent-pyz-bumped"),
+                         _bump_and_build)
 
 
 _BROKEN_MAIN = f"""
@@ -432,7 +436,7 @@ async def test_cleanup_temp_files_removes_stale_extractions_and_partial_deployme
 
 @pytest.mark.slow
 async def test_upgrade_verifies_never_downgrades_restarts_and_rolls_back(
-    node: Node, releases: Releases, pyz: Path, bumped_pyz: Path, broken_pyz: Path, crashing_pyz: Path, dev_master
+    node: Node, releases: Releases, pyz: Path, bumped_pyz: Path, dev_master
 ) -> None:
     env = {"AGENT_RELEASE_URL": releases.url, "AGENT_UPGRADE_HEALTH_TIMEOUT": "20"}
     pyz_path = node.directory / "ckagent.pyz"
@@ -493,6 +497,19 @@ async def test_upgrade_verifies_never_downgrades_restarts_and_rolls_back(
     assert same(pyz_path, pyz) and same(prev_path, bumped_pyz)
     forward = await node.sh("upgrade", BUMPED, **env)
     assert forward.returncode == 0 and same(pyz_path, bumped_pyz), out(forward)
+
+
+@pytest.mark.slow
+async def test_a_failed_upgrade_is_rolled_back_and_remembered_and_a_bad_version_refused(
+    node: Node, releases: Releases, bumped_pyz: Path, broken_pyz: Path, crashing_pyz: Path, dev_master
+) -> None:
+    """The second half of the upgrade story above (its own test, so that the two run side by side):
+    an agent installed and running at version 99.0.0 meets releases that fail."""
+    env = {"AGENT_RELEASE_URL": releases.url, "AGENT_UPGRADE_HEALTH_TIMEOUT": "20"}
+    pyz_path = node.directory / "ckagent.pyz"
+    releases.publish(bumped_pyz, BUMPED)
+    assert (await node.sh("start", "--daemon=on", **env)).returncode == 0
+    assert same(pyz_path, bumped_pyz)
     second_pid = node.pid()
 
     # a release that never becomes healthy: rolled back to the previous pyz, which runs again
