@@ -28,7 +28,7 @@ import pytest
 import trio
 import yaml
 from harness import eventually
-from test_pyz import REPO, build_pyz, pyz_dir, session_build, session_pyz
+from test_pyz import REPO, build_pyz, free_port, pyz_dir, session_build, session_pyz
 
 import ckagent
 
@@ -153,11 +153,8 @@ def releases(tmp_path: Path) -> Iterator[Releases]:
 
 
 def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A free port on 127.0.0.1 that no other test process uses (:func:`test_pyz.free_port`)."""
+    return free_port()
 
 
 @dataclass
