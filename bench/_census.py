@@ -4,7 +4,7 @@ A real :class:`ckagent.agent.Agent` runs in this process (the dev master in its 
 default intervals (long poll 20 s, heartbeat 30 s); a Trio instrument counts every task the agent
 spawns (a task whose ancestry reaches the agent's own root task) and every thread hop its tasks make
 (``trio.to_thread.run_sync`` and everything built on it, e.g. ``trio.Path``: each call starts one
-worker job on trio's thread cache). After a warm-up, ``tasks`` tasks of one ``python -c`` spider
+worker job on trio's thread cache) and every request its tasks send (``httpx.AsyncClient.send``). After a warm-up, ``tasks`` tasks of one ``python -c`` spider
 run one after another; the counts over that window ÷ ``tasks`` are the figures per task.
 
 The hook is the benchmark's and the tests' alone: nothing of it ships in the agent. It replaces
@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import trio
 import trio._threads as trio_threads
 
@@ -45,7 +46,7 @@ TARGET_TASKS = 4
 TARGET_HOPS = 6
 """Thread hops of the agent's own per task, at most (issue 26, item 7)."""
 
-_PACKAGE = str(Path(__import__("ckagent").__file__).resolve().parent)
+_PACKAGE = str(Path(str(__import__("ckagent").__file__)).resolve().parent)
 
 
 def _site() -> str:
@@ -71,6 +72,7 @@ class Census(trio.abc.Instrument):
         self.root: trio.lowlevel.Task | None = None
         self.tasks: collections.Counter[str] = collections.Counter()
         self.hops: collections.Counter[str] = collections.Counter()
+        self.requests: collections.Counter[str] = collections.Counter()
 
     def _ours(self, task: trio.lowlevel.Task | None) -> bool:
         while task is not None:
@@ -100,17 +102,28 @@ class Census(trio.abc.Instrument):
                     self.hops[f"{_site()} → {(name or '?').split(' from ')[0]}"] += 1
             original(fn, deliver, name)
 
+        original_send = httpx.AsyncClient.send
+
+        async def counting_send(client: httpx.AsyncClient, request: httpx.Request, **kwargs: Any) -> httpx.Response:
+            if self.root is not None and self._ours(trio.lowlevel.current_task()):
+                path = "/".join(":id" if len(part) >= 16 or part.isdigit() else part
+                                for part in request.url.path.split("/"))
+                self.requests[f"{request.method} {path}"] += 1
+            return await original_send(client, request, **kwargs)
+
         trio.lowlevel.add_instrument(self)
         trio_threads.start_thread_soon = counting_start  # type: ignore[assignment]
+        httpx.AsyncClient.send = counting_send  # type: ignore[assignment,method-assign]
         try:
             yield self
         finally:
-            trio_threads.start_thread_soon = original  # type: ignore[assignment]
+            httpx.AsyncClient.send = original_send  # type: ignore[method-assign]
+            trio_threads.start_thread_soon = original
             trio.lowlevel.remove_instrument(self)
 
-    def snapshot(self) -> tuple[collections.Counter[str], collections.Counter[str]]:
-        """Copies of (tasks, hops) counted so far."""
-        return collections.Counter(self.tasks), collections.Counter(self.hops)
+    def snapshot(self) -> tuple[collections.Counter[str], collections.Counter[str], collections.Counter[str]]:
+        """Copies of (tasks, hops, requests to the master) counted so far."""
+        return collections.Counter(self.tasks), collections.Counter(self.hops), collections.Counter(self.requests)
 
 
 def _short_name(name: str) -> str:
@@ -152,21 +165,24 @@ async def agent_census(workdir: Path, tasks: int = 10, **env: str) -> dict[str, 
                 for _ in range(2):  # warm-up: the virtualenv, first-use imports, the first poll's set-up
                     check_success(await wait_final(master.admin, [await master.admin.create_task(spider)], 120))
                 await trio.sleep(0.3)  # what the last warm-up task's end set off has settled
-                tasks0, hops0 = census.snapshot()
+                tasks0, hops0, requests0 = census.snapshot()
                 for _ in range(tasks):
                     check_success(await wait_final(master.admin, [await master.admin.create_task(spider)], 60))
                 await trio.sleep(0.3)
-                tasks1, hops1 = census.snapshot()
+                tasks1, hops1, requests1 = census.snapshot()
                 agent.terminate()
     finally:
         await master.stop()
     spawned = tasks1 - tasks0
     hopped = hops1 - hops0
+    requested = requests1 - requests0
     return {
         "tasks_per_task": sum(spawned.values()) / tasks,
         "hops_per_task": sum(hopped.values()) / tasks,
+        "requests_per_task": sum(requested.values()) / tasks,
         "task_names": {k: v / tasks for k, v in spawned.most_common()},
         "hop_sites": {k: v / tasks for k, v in hopped.most_common()},
+        "requests": {k: v / tasks for k, v in requested.most_common()},
     }
 
 
@@ -175,9 +191,11 @@ def census_table(census: dict[str, Any]) -> str:
     table = markdown_table(
         ["path per task (in-process agent, one task at a time)", "per task", "target"],
         [["Trio tasks", census["tasks_per_task"], f"≤ {TARGET_TASKS}"],
-         ["thread hops", census["hops_per_task"], f"≤ {TARGET_HOPS}"]])
+         ["thread hops", census["hops_per_task"], f"≤ {TARGET_HOPS}"],
+         ["requests to the master", census["requests_per_task"], "–"]])
     rows = [["task", name, count] for name, count in census["task_names"].items()]
     rows += [["thread hop", site, count] for site, count in census["hop_sites"].items()]
+    rows += [["request", call, count] for call, count in census["requests"].items()]
     return table + "\n" + markdown_table(["kind", "spawned as / hop site → function", "per task"], rows)
 
 

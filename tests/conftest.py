@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import trio
+from harness import ExampleRuns
 
 import ckagent
 from ckagent.devmaster.client import AdminClient
@@ -107,6 +108,12 @@ async def dev_master(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[Dev
             db_path=config.db_path,
             admin=admin,
         )
+
+
+@pytest.fixture(scope="session")
+def example_runs(tmp_path_factory: pytest.TempPathFactory) -> ExampleRuns:
+    """The session's runs of the sdk/examples spiders, each made once per path (tests/harness.py)."""
+    return ExampleRuns(tmp_path_factory.mktemp("example-runs"))
 
 
 def _port_of(url: str) -> int:
@@ -243,6 +250,9 @@ _STARTED = pytest.StashKey[tuple[float, float]]()
 SERIAL_GROUPS: dict[str, tuple[str, ...]] = {
     # useradd/userdel lock /etc/passwd and /etc/group: two at once fail ("cannot lock /etc/passwd")
     "system-users": ("fixture:spider_user", "test_runsh.py::test_spider_user_is_created_on_request_and_remembered"),
+    # the session's runs of the sdk/examples spiders (tests/harness.py) are per process: the tests
+    # that read them share a worker, so each example runs once per path
+    "example-runs": ("fixture:example_runs",),
 }
 """Tests that share a machine-wide resource, by group: ``./scripts/test`` runs the suite with
 ``--dist loadgroup``, which runs each group's tests in one worker, one after the other. An entry is a
@@ -277,6 +287,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if _is_member(item, members):
                 item.add_marker(pytest.mark.xdist_group(group))
                 break
+    if xdist:
+        # The slow tests first (a stable sort: each kind keeps its order), so that the workers end
+        # on short tests together instead of one worker's last minutes going to one long test.
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -37,6 +37,7 @@ from ckagent.delivery import (
     secret_values,
     send_result,
 )
+from ckagent.delivery.capture import LOG_CUT_SLACK_BYTES
 from ckagent.delivery.pending import Pending
 from ckagent.delivery.readers import _JournalReader
 from ckagent.delivery.spool import BATCH_AGE
@@ -476,6 +477,30 @@ def test_the_log_budget_drops_output_and_leaves_one_marker(tmp_path: Path) -> No
     assert b"output truncated: 270 bytes dropped" in lines[3] and b"task.max_log_bytes" in lines[3]
     assert lines[4:] == [b""]
     assert (sink.dropped_bytes, sink.bytes_written) == (270, 100)
+
+
+def test_a_spider_writing_past_the_budget_is_cut_rarely_and_counted_exactly(tmp_path: Path) -> None:
+    """The spider appends to output.log itself (another descriptor): past the budget the file is cut
+    back only once LOG_CUT_SLACK_BYTES gathered, and at the end, when the spider is gone, exactly."""
+    path = tmp_path / "output.log"
+    sink = LogSink(path, max_bytes=100)
+    with open(path, "ab", buffering=0) as spider:
+        spider.write(b"x" * 60)
+        assert sink.grown() == 60 and path.stat().st_size == 60
+        spider.write(b"y" * 1000)  # 40 kept, 960 past the budget: not cut yet
+        assert sink.grown() == 1000
+        assert (sink.size, path.stat().st_size, sink.dropped_bytes) == (100, 1060, 0)
+        assert sink.grown() == 0  # nothing new: the waiting bytes are not news again
+        spider.write(b"z" * LOG_CUT_SLACK_BYTES)  # the slack reached: cut now
+        assert sink.grown() == LOG_CUT_SLACK_BYTES
+        assert (path.stat().st_size, sink.dropped_bytes) == (100, 960 + LOG_CUT_SLACK_BYTES)
+        spider.write(b"w" * 500)
+        sink.grown()
+    sink.close()  # the last look cuts what waits, and counts it
+    assert sink.dropped_bytes == 960 + LOG_CUT_SLACK_BYTES + 500
+    text = path.read_bytes()
+    assert text.startswith(b"x" * 60 + b"y" * 40 + b"\n[ckagent ")
+    assert f"output truncated: {960 + LOG_CUT_SLACK_BYTES + 500} bytes dropped".encode() in text
 
 
 async def test_the_free_space_floor_stops_output_too(tmp_path: Path) -> None:

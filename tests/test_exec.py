@@ -7,7 +7,6 @@ however the stdout and stderr pipes happened to interleave in each run).
 from __future__ import annotations
 
 import io
-import json
 import os
 import re
 import shutil
@@ -19,27 +18,37 @@ from typing import Any
 
 import pytest
 import trio
-from harness import agent_settings, running_agent
+from harness import EXAMPLES, ExampleRuns, recipe_words
 
-import ckagent
-from ckagent.cli.localrun import _Terminal, detect_framework, exit_code_of, parse_assignments
+from ckagent.cli import main
+from ckagent.cli.localrun import (
+    ExecRequest,
+    ExecUsageError,
+    _Terminal,
+    detect_framework,
+    exit_code_of,
+    parse_assignments,
+    run_exec,
+)
 from ckagent.code.runtimes import find_chromedriver, find_chromium
 from ckagent.devmaster.client import zip_directory
 
-EXAMPLES = Path(ckagent.__file__).resolve().parent.parent / "sdk" / "examples"
-RUN_TIMEOUT = 420.0
-
-# (example, framework, spider name, expected exit code of `ckagent exec`, marks)
+# (example, framework on the master, spider name there, exec's words beyond the README's line, task
+#  params beyond start_url, expected exit code of `ckagent exec`, marks). The README's line is the
+# exec run (tests/harness.py: the recipe's test reads the same run); the browser examples name
+# their framework, as the master's spider does. selenium_demo leaves its browser behind on both paths
+# (the agent's run is the one tests/test_frameworks.py checks the sweep with).
 CASES = [
-    pytest.param("python_demo", "python", None, 0, id="python_demo"),
-    pytest.param("fail_demo", "python", None, 1, id="fail_demo"),
-    pytest.param("httpx_demo", "python", None, 0, id="httpx_demo", marks=pytest.mark.slow),
-    pytest.param("scrapy_demo", "scrapy", "products", 0, id="scrapy_demo", marks=pytest.mark.slow),
-    pytest.param("node_demo", "node", None, 0, id="node_demo", marks=[pytest.mark.slow, pytest.mark.skipif(
+    pytest.param("python_demo", "python", None, (), {}, 0, id="python_demo"),
+    pytest.param("fail_demo", "python", None, (), {}, 1, id="fail_demo"),
+    pytest.param("httpx_demo", "python", None, (), {}, 0, id="httpx_demo", marks=pytest.mark.slow),
+    pytest.param("scrapy_demo", "scrapy", "products", (), {}, 0, id="scrapy_demo", marks=pytest.mark.slow),
+    pytest.param("node_demo", "node", None, (), {}, 0, id="node_demo", marks=[pytest.mark.slow, pytest.mark.skipif(
         shutil.which("node") is None or shutil.which("npm") is None, reason="node/npm are not installed")]),
-    pytest.param("playwright_demo", "playwright", None, 0, id="playwright_demo", marks=[
-        pytest.mark.slow, pytest.mark.skipif(find_chromium() is None, reason="Chromium is not installed")]),
-    pytest.param("selenium_demo", "selenium", None, 0, id="selenium_demo", marks=[
+    pytest.param("playwright_demo", "playwright", None, ("--framework", "playwright"), {}, 0, id="playwright_demo",
+                 marks=[pytest.mark.slow, pytest.mark.skipif(find_chromium() is None, reason="Chromium is not installed")]),
+    pytest.param("selenium_demo", "selenium", None, ("--framework", "selenium", "--param", "leave_browser=true"),
+                 {"leave_browser": True}, 0, id="selenium_demo", marks=[
         pytest.mark.slow, pytest.mark.skipif(find_chromium() is None or find_chromedriver() is None,
                                              reason="Chromium/chromedriver are not installed")]),
 ]
@@ -79,43 +88,19 @@ def assert_same_lines(exec_lines: list[str], master_lines: list[str]) -> None:
     assert sorted(exec_text) == sorted(master_text)
 
 
-def run_cli_exec(example: str, framework: str, spider: str | None, base_url: str, tmp_path: Path,
-                 work_dir: Path) -> tuple[subprocess.CompletedProcess[bytes], list[dict[str, Any]]]:
-    """`python -m ckagent exec` on the example; returns the finished process and the items it wrote."""
-    items = tmp_path / f"{example}.items.jsonl"
-    argv = [sys.executable, "-m", "ckagent", "exec", str(EXAMPLES / example), "--framework", framework,
-            "--param", f"start_url={base_url}/demo-site/", "--items", str(items), "--work-dir", str(work_dir)]
-    if spider:
-        argv += ["--spider", spider]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENT_", "CK_"))}
-    env["AGENT_UV_SYNC_TIMEOUT"] = "400"
-    done = subprocess.run(argv, capture_output=True, env=env, timeout=RUN_TIMEOUT, check=False, cwd=tmp_path)
-    got = [json.loads(line) for line in items.read_text(encoding="utf-8").splitlines()] if items.exists() else []
-    return done, got
-
-
-@pytest.mark.parametrize(("example", "framework", "spider", "exit_code"), CASES)
-async def test_exec_gives_what_the_master_path_gives(dev_master: Any, nursery: trio.Nursery, tmp_path: Path,
+@pytest.mark.parametrize(("example", "framework", "spider", "extra", "params", "exit_code"), CASES)
+async def test_exec_gives_what_the_master_path_gives(dev_master: Any, nursery: trio.Nursery, example_runs: ExampleRuns,
                                                       example: str, framework: str, spider: str | None,
+                                                      extra: tuple[str, ...], params: dict[str, Any],
                                                       exit_code: int) -> None:
-    admin = dev_master.admin
     # Through the reference master, as a node runs it.
-    spider_id = await admin.create_spider(name=spider or example, framework=framework)
-    await admin.upload_package(spider_id, await trio.to_thread.run_sync(zip_directory, EXAMPLES / example))
-    settings = agent_settings(tmp_path / "agent", dev_master.base_url, dev_master.registration_token,
-                              AGENT_UV_SYNC_TIMEOUT="400")
-    async with running_agent(nursery, settings):
-        task_id = await admin.create_task(spider_id, params={"start_url": f"{dev_master.base_url}/demo-site/"})
-        task = await admin.wait_task_final(task_id, RUN_TIMEOUT)
-    master_items = await admin.get_items(task_id)
-    master_logs = await admin.get_logs(task_id)
+    run = await example_runs.agent(dev_master, nursery, example, framework, name=spider, params=params or None)
+    task, master_items, master_logs = run.task, run.items, run.logs
     # The same spider with `ckagent exec` (its own private master; the same demo site to crawl).
-    done, exec_items = await trio.to_thread.run_sync(
-        run_cli_exec, example, framework, spider, dev_master.base_url, tmp_path, tmp_path / "exec-work")
-    stdout = done.stdout.decode("utf-8", "replace")
-    stderr = done.stderr.decode("utf-8", "replace")
+    done = await example_runs.exec((*recipe_words(example), *extra), dev_master.base_url)
+    stdout, stderr = done.stdout, done.stderr
     assert done.returncode == exit_code == exit_code_of(task), (task, stderr[-3000:])
-    assert exec_items == master_items
+    assert done.items == master_items
     exec_lines, via_master = spider_lines(stdout.splitlines(), framework), spider_lines(master_logs, framework)
     try:
         assert_same_lines(exec_lines, via_master)
@@ -127,24 +112,36 @@ async def test_exec_gives_what_the_master_path_gives(dev_master: Any, nursery: t
     assert "[ckagent exec] resources: " in stderr
 
 
-def test_exec_refuses_bad_input_with_exit_2(tmp_path: Path) -> None:
+async def test_exec_refuses_bad_input_with_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     not_zip = tmp_path / "spider.txt"
     not_zip.write_text("x")
     scrapy_project = tmp_path / "proj"
     scrapy_project.mkdir()
     (scrapy_project / "scrapy.cfg").write_text("[settings]\ndefault = p.settings\n")
-    cases = [
-        ([str(tmp_path / "missing")], "no such folder or zip"),
-        ([str(not_zip)], "expected a spider's folder or a .zip"),
-        ([str(scrapy_project)], "needs --spider NAME"),
-        ([str(tmp_path), "--framework", "ruby"], "expected one of scrapy"),
-        ([str(tmp_path), "--param", "novalue"], "expected NAME=VALUE"),
+    # What exec refuses before anything starts, each with its message (exec_main turns the refusal
+    # into exit 2 and prints the message: the real process at the end shows it).
+    cases: list[tuple[Path, dict[str, Any], str]] = [
+        (tmp_path / "missing", {}, "no such folder or zip"),
+        (not_zip, {}, "expected a spider's folder or a .zip"),
+        (scrapy_project, {}, "needs --spider NAME"),
+        (tmp_path, {"framework": "ruby"}, "expected one of scrapy"),
     ]
-    for args, message in cases:
-        done = subprocess.run([sys.executable, "-m", "ckagent", "exec", *args, "--work-dir", str(tmp_path / "w")],
-                              capture_output=True, text=True, timeout=60, check=False)
-        assert done.returncode == 2, (args, done.stderr)
-        assert message in done.stderr, (args, done.stderr)
+    for source, options, message in cases:
+        request = ExecRequest(source=source, items=tmp_path / "items.jsonl", work_dir=tmp_path / "w", **options)
+        with pytest.raises(ExecUsageError, match=re.escape(message)):
+            await run_exec(request, io.StringIO(), io.StringIO())
+    # What the command line refuses before exec runs: exit 2 and the message, as `ckagent` exits.
+    with pytest.raises(SystemExit) as exited:
+        main(["exec", str(tmp_path), "--param", "novalue", "--work-dir", str(tmp_path / "w")])
+    assert exited.value.code == 2
+    assert "expected NAME=VALUE" in capsys.readouterr().err
+    # What exec refuses, as a real process shows it: exit 2 and the message (exec_main).
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENT_", "CK_"))}
+    done = await trio.to_thread.run_sync(lambda: subprocess.run(
+        [sys.executable, "-m", "ckagent", "exec", str(tmp_path / "missing"), "--work-dir", str(tmp_path / "w")],
+        capture_output=True, text=True, timeout=60, check=False, env=env))
+    assert done.returncode == 2, done.stderr
+    assert "ckagent exec: " in done.stderr and "no such folder or zip" in done.stderr, done.stderr
 
 
 def test_helpers() -> None:
@@ -207,24 +204,35 @@ def test_exec_ctrl_c_stops_the_spider_gracefully(tmp_path: Path) -> None:
     assert b"[ckagent exec] outcome: CANCELLED (CANCELLED)" in err
 
 
-def test_exec_takes_a_zip_and_applies_the_node_package_checks(tmp_path: Path) -> None:
+async def test_exec_takes_a_zip_and_applies_the_node_package_checks(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from ckagent.devmaster.client import zip_files
 
-    packages = {
-        "fail.zip": (zip_directory(EXAMPLES / "fail_demo"), 1, "FAILED (EXIT_NONZERO)"),
-        "evil.zip": (zip_files({"../evil.py": "x", "main.py": "print(1)\n"}), 3, "FAILED (DEPLOY_FAILED)"),
-        "nomain.zip": (zip_files({"other.py": "print(1)\n"}), 3, "FAILED (DEPLOY_FAILED)"),
-    }
+    # A zip that runs, through a real process: its exit code and its log on stdout.
+    (tmp_path / "fail.zip").write_bytes(zip_directory(EXAMPLES / "fail_demo"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENT_", "CK_"))}
-    for name, (data, code, outcome) in packages.items():
+    done = await trio.to_thread.run_sync(lambda: subprocess.run(
+        [sys.executable, "-m", "ckagent", "exec", str(tmp_path / "fail.zip"), "--work-dir", str(tmp_path / "w"),
+         "--items", str(tmp_path / "items.jsonl")],
+        capture_output=True, text=True, timeout=120, check=False, env=env, cwd=tmp_path))
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "[ckagent exec] outcome: FAILED (EXIT_NONZERO)" in done.stderr, done.stderr[-2000:]
+    assert "something went wrong: demo failure" in done.stdout  # the spider's stderr, in the log
+    # Zips the node refuses to deploy: exec's own master and agent, in this process (run_exec's
+    # return value is the exit code exec_main exits with).
+    for key in [k for k in os.environ if k.startswith(("AGENT_", "CK_"))]:
+        monkeypatch.delenv(key)
+    packages = {
+        "evil.zip": zip_files({"../evil.py": "x", "main.py": "print(1)\n"}),
+        "nomain.zip": zip_files({"other.py": "print(1)\n"}),
+    }
+    for name, data in packages.items():
         (tmp_path / name).write_bytes(data)
-        done = subprocess.run([sys.executable, "-m", "ckagent", "exec", str(tmp_path / name), "--work-dir",
-                               str(tmp_path / "w"), "--items", str(tmp_path / "items.jsonl")],
-                              capture_output=True, text=True, timeout=120, check=False, env=env, cwd=tmp_path)
-        assert done.returncode == code, (name, done.stderr[-2000:])
-        assert f"[ckagent exec] outcome: {outcome}" in done.stderr, (name, done.stderr[-2000:])
-        if name == "fail.zip":
-            assert "something went wrong: demo failure" in done.stdout  # the spider's stderr, in the log
+        out, err = io.StringIO(), io.StringIO()
+        request = ExecRequest(source=tmp_path / name, items=tmp_path / "items.jsonl", work_dir=tmp_path / "w",
+                              artifacts=tmp_path / "artifacts")
+        assert await run_exec(request, out, err) == 3, (name, err.getvalue()[-2000:])
+        assert "[ckagent exec] outcome: FAILED (DEPLOY_FAILED)" in err.getvalue(), (name, err.getvalue()[-2000:])
 
 
 def test_a_scrapy_project_with_one_spider_needs_no_spider_name() -> None:
@@ -235,10 +243,9 @@ def test_a_scrapy_project_with_one_spider_needs_no_spider_name() -> None:
     assert scrapy_spider_names(EXAMPLES / "scrapy_shop") == ["listing", "products"]
 
 
-def test_a_scrapy_project_with_two_spiders_is_refused_naming_them(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "ckagent", "exec", str(EXAMPLES / "scrapy_shop"),
-                           "--work-dir", str(tmp_path / "w")], capture_output=True, text=True, timeout=120,
-                          check=False, cwd=tmp_path,
-                          env={k: v for k, v in os.environ.items() if not k.startswith(("AGENT_", "CK_"))})
-    assert done.returncode == 2, done
-    assert "needs --spider NAME" in done.stderr and "its spiders are listing, products" in done.stderr, done.stderr
+async def test_a_scrapy_project_with_two_spiders_is_refused_naming_them(tmp_path: Path) -> None:
+    # (exit 2 for what run_exec refuses: tests/test_exec.py::test_exec_refuses_bad_input_with_exit_2)
+    request = ExecRequest(source=EXAMPLES / "scrapy_shop", items=tmp_path / "items.jsonl", work_dir=tmp_path / "w")
+    with pytest.raises(ExecUsageError) as refused:
+        await run_exec(request, io.StringIO(), io.StringIO())
+    assert "needs --spider NAME" in str(refused.value) and "its spiders are listing, products" in str(refused.value)

@@ -5,7 +5,6 @@ agent, real installs (PyPI / npm), the demo site."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -15,14 +14,10 @@ from typing import Any
 
 import pytest
 import trio
-from harness import agent_settings, running_agent
+from harness import ExampleRuns, recipe_words
 
-import ckagent
-from ckagent.devmaster.client import zip_directory
 from ckagent.devmaster.demosite import expected_products
 
-EXAMPLES = Path(ckagent.__file__).resolve().parent.parent / "sdk" / "examples"
-RUN_TIMEOUT = 420.0
 PAGES = [f"pages/page-{n}.html" for n in range(1, 6)]
 
 CASES = [
@@ -47,44 +42,29 @@ def outputs_line(lines: list[str]) -> str:
 
 
 @pytest.mark.parametrize(("example", "framework", "outputs", "said", "artifacts"), CASES)
-async def test_example_delivers_its_files(dev_master: Any, nursery: trio.Nursery, tmp_path: Path, example: str,
-                                          framework: str, outputs: dict[str, Any] | None, said: str,
+async def test_example_delivers_its_files(dev_master: Any, nursery: trio.Nursery, example_runs: ExampleRuns,
+                                          example: str, framework: str, outputs: dict[str, Any] | None, said: str,
                                           artifacts: list[str]) -> None:
-    admin = dev_master.admin
-    spider_id = await admin.create_spider(name=example, framework=framework, outputs=outputs)
-    await admin.upload_package(spider_id, await trio.to_thread.run_sync(zip_directory, EXAMPLES / example))
-    settings = agent_settings(tmp_path / "agent", dev_master.base_url, dev_master.registration_token,
-                              AGENT_UV_SYNC_TIMEOUT="400")
-    async with running_agent(nursery, settings):
-        task_id = await admin.create_task(spider_id, params={"start_url": f"{dev_master.base_url}/demo-site/"})
-        task = await admin.wait_task_final(task_id, RUN_TIMEOUT)
-    assert task["status"] == "SUCCESS", task
-    assert products(await admin.get_items(task_id)) == expected_products()
-    assert [a["path"] for a in await admin.list_artifacts(task_id)] == artifacts
-    line = outputs_line(await admin.get_logs(task_id))
+    run = await example_runs.agent(dev_master, nursery, example, framework, outputs=outputs)
+    assert run.task["status"] == "SUCCESS", run.task
+    assert products(run.items) == expected_products()
+    assert run.artifacts == artifacts
+    line = outputs_line(run.logs)
     assert said in line, line
     if artifacts:
         assert "pages/ (5 files, " in line and "→ artifacts" in line, line
-    # The same through `ckagent exec` (its own private master), outputs declared on the command line.
-    items, out_dir = tmp_path / "items.jsonl", tmp_path / "artifacts"
-    argv = [sys.executable, "-m", "ckagent", "exec", str(EXAMPLES / example), "--framework", framework,
-            "--param", f"start_url={dev_master.base_url}/demo-site/", "--items", str(items),
-            "--work-dir", str(tmp_path / "exec-work"), "--artifacts", str(out_dir)]
-    for glob in (outputs or {}).get("items", []):
-        argv += ["--output-items", glob]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENT_", "CK_"))}
-    env["AGENT_UV_SYNC_TIMEOUT"] = "400"
-    done = await trio.to_thread.run_sync(lambda: subprocess.run(
-        argv, capture_output=True, env=env, timeout=RUN_TIMEOUT, check=False, cwd=tmp_path))
-    stdout, stderr = done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace")
-    assert done.returncode == 0, stderr[-3000:]
-    assert products([json.loads(x) for x in items.read_text().splitlines()]) == expected_products()
-    assert said in outputs_line(stdout.splitlines())
-    written = sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*") if p.is_file()) if out_dir.exists() else []
-    assert written == artifacts
+    # The same through `ckagent exec` (its own private master), outputs declared on the command line:
+    # the README's line for the example (its run is the recipe test's).
+    words = recipe_words(example)
+    assert [w for i, w in enumerate(words) if i and words[i - 1] == "--output-items"] == (outputs or {}).get("items", [])
+    done = await example_runs.exec(words, dev_master.base_url)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert products(done.items) == expected_products()
+    assert said in outputs_line(done.stdout.splitlines())
+    assert sorted(done.artifacts) == artifacts
     if artifacts:
-        assert f"[ckagent exec] artifacts: {len(artifacts)} file(s)" in stderr
-        assert "Product 01" in (out_dir / "pages/page-1.html").read_text()
+        assert f"[ckagent exec] artifacts: {len(artifacts)} file(s)" in done.stderr
+        assert b"Product 01" in done.artifacts["pages/page-1.html"]
 
 
 async def test_exec_args_reach_the_command(tmp_path: Path) -> None:

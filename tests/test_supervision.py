@@ -282,8 +282,10 @@ async def test_timeout_of_a_tree_ignoring_sigterm_ends_at_deadline_plus_grace(
         with trio.fail_after(30):
             task = await recording_master.admin.wait_task_final(task_id, 30)
     assert (task["status"], task["errorCode"], task["errorMessage"]) == ("FAILED", "TIMEOUT", "执行超时"), task
-    # deadline 2 s + grace 1 s, ± 1 s (durationMs runs from the spawn to the end of the cleanup)
-    assert 2000 <= task["durationMs"] <= 4000, task
+    # deadline 2 s + grace 1 s, then the cleanup (durationMs runs from the spawn to the end of the
+    # cleanup): within 2 s more on a loaded machine (4.05 s seen at load 10); a tree the kill missed
+    # would run its 600 s
+    assert 2000 <= task["durationMs"] <= 5000, task
     lines = await recording_master.admin.get_logs(task_id)
     pids = pids_in(lines, "child") + pids_in(lines, "grandchild") + pids_in(lines, "escaped") + pids_in(lines, "main")
     assert len(pids) == 4, lines

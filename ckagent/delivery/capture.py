@@ -58,6 +58,8 @@ class DiskGuard:
 
 LATE_NOTICES = 20
 """Agent notices kept past the log budget and written after the truncation marker."""
+LOG_CUT_SLACK_BYTES = 1 << 20
+"""Bytes past the log budget gathered before output.log is cut back (see LogSink.grown)."""
 
 
 class LogSink:
@@ -90,6 +92,8 @@ class LogSink:
         self.bytes_written = 0
         self.dropped_bytes = 0
         self.truncated: str | None = None  # why output is being dropped
+        self._seen = self.size  # the file's end at the last look (beyond ``size``: dropped bytes not cut yet)
+        self._cut_waits = False  # past the budget: bytes beyond it are cut when LOG_CUT_SLACK_BYTES gathered
         self._ends_line = True
         if self.size:  # an output.log a spider went on writing while no agent ran (re-adoption)
             with contextlib.suppress(OSError):
@@ -136,14 +140,19 @@ class LogSink:
         if self._on_write is not None:
             self._on_write()
 
-    def grown(self) -> int:
+    def grown(self, final: bool = False) -> int:
         """Take in what others appended to ``output.log`` since the last look: the spider writes there
         itself (its stdout and stderr are this file, see ckagent.containment.monitor). Within the budget the bytes
         count as written; past ``max_bytes`` or the free-space floor the file is cut back (ftruncate
-        to the budget) and the cut bytes are counted as dropped, so the disk stays bounded by what
-        one look lets through. The cut is not atomic with the look: a write the spider makes between
-        them is cut too, uncounted (``dropped_bytes`` is short by at most that write). Returns how
-        many new bytes were found (0: none). Never raises."""
+        to the budget) and the cut bytes are counted as dropped.
+
+        Past the budget (not the disk floor) the cut waits until :data:`LOG_CUT_SLACK_BYTES` have
+        gathered beyond it, or for the last look (``final``, when the spider is gone): a cut is not
+        atomic with the size it counts, and a write the spider makes between the two system calls
+        would be cut uncounted — rare cuts make that rare (a spider that floods stops racing a cut on
+        every look), and the last cut, with no writer left, counts exactly. The disk holds at most
+        the budget + that slack. Returns how many new bytes were found (0: none). Never raises.
+        """
         if self._fd < 0:
             return 0
         try:
@@ -153,6 +162,8 @@ class LogSink:
         new = end - self.size
         if new <= 0:
             return 0
+        fresh = end - max(self.size, self._seen)  # not seen by an earlier look (the cut may wait)
+        self._seen = max(self._seen, end)
         keep = new
         reason = None
         if self.truncated is not None:
@@ -164,17 +175,10 @@ class LogSink:
             keep = 0
             reason = (f"free disk space fell below {self._guard.min_free_bytes} bytes "
                       "(task.min_free_disk_bytes)")
-        if keep < new:
-            try:
-                os.ftruncate(self._fd, self.size + keep)
-            except OSError as exc:  # cannot cut: the bytes stay, and count as written
-                log.warning("%s: cannot cut the log back to its budget: %s", self.path, exc)
-                keep = new
-            else:
-                self.dropped_bytes += new - keep
-                if self.truncated is None:
-                    self.truncated = reason or "output dropped"
-                    log.warning("%s: output truncated: %s", self.path, self.truncated)
+        if keep < new and self.truncated is None:
+            self.truncated = reason or "output dropped"
+            self._cut_waits = reason is not None and "task.max_log_bytes" in reason  # the disk floor: cut now
+            log.warning("%s: output truncated: %s", self.path, self.truncated)
         if keep:
             self.size += keep
             self.bytes_written += keep
@@ -182,9 +186,23 @@ class LogSink:
                 self._guard.consumed(keep)
             with contextlib.suppress(OSError):
                 self._ends_line = os.pread(self._fd, 1, self.size - 1) == b"\n"
-        if self._on_write is not None:
+        over = new - keep
+        if over and (final or not self._cut_waits or over >= LOG_CUT_SLACK_BYTES):
+            try:
+                # Look again just before the cut: what the spider wrote since the first look is cut too.
+                with contextlib.suppress(OSError):
+                    over = max(over, os.fstat(self._fd).st_size - self.size)
+                os.ftruncate(self._fd, self.size)
+            except OSError as exc:  # cannot cut: the bytes stay, and count as written
+                log.warning("%s: cannot cut the log back to its budget: %s", self.path, exc)
+                self.size += over
+                self.bytes_written += over
+            else:
+                self.dropped_bytes += over
+            self._seen = self.size
+        if fresh > 0 and self._on_write is not None:
             self._on_write()
-        return new
+        return max(fresh, 0)
 
     def write_line(self, data: bytes) -> None:
         """Append one line of the agent's own (a notice): on a line of its own even when the spider's
@@ -207,7 +225,7 @@ class LogSink:
         """Write the truncation marker (if output was dropped), close the file (idempotent)."""
         if self._fd < 0:
             return
-        self.grown()
+        self.grown(final=True)
         if self.dropped_bytes:
             stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
             marker = (f"{'' if self._ends_line else chr(10)}[ckagent {stamp}] output truncated: "
