@@ -183,6 +183,31 @@ def test_non_item_files_of_a_double_star_items_glob_are_kept_or_shipped_and_said
            "treated as other files" in line
 
 
+def test_an_item_file_that_cannot_be_read_is_an_artifact_not_deleted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, work, task_dir, keep = _dirs(tmp_path)
+    since = time.time() - 1
+    (work / "good.json").write_text('[{"a": 1}]')
+    (work / "bad.json").write_text('[{"b": 2}]')
+    (work / "page.html").write_text("<p>x</p>")  # an artifact: the working copy becomes the artifacts dir
+    real = append_item_file
+
+    def failing(path: Path, spool: object) -> int:
+        if path.name == "bad.json":
+            raise OSError(5, "Input/output error")
+        return real(path, spool)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("ckagent.delivery.outputs.append_item_file", failing)
+    got = collect(work=work, code_dir=code, since=since, task_dir=task_dir, outputs=TaskOutputs(items=["*.json"]),
+                  budget_bytes=1 << 20, master_takes_artifacts=True, keep_dir=keep)
+    assert got.items == [("good.json", 1)]
+    assert sorted(a.path for a in got.artifacts) == ["bad.json", "page.html"]
+    assert (task_dir / "artifacts" / "bad.json").read_text() == '[{"b": 2}]'  # not pruned with the item files
+    assert not (task_dir / "artifacts" / "good.json").exists()
+    assert "bad.json: cannot read (Input/output error): treated as other files" in got.line()
+
+
 def test_an_items_glob_that_matches_no_file_is_said(tmp_path: Path) -> None:
     code, work, task_dir, keep = _dirs(tmp_path)
     since = time.time() - 1

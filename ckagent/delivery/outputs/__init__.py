@@ -251,6 +251,7 @@ def collect(*, work: Path, code_dir: Path, since: float, task_dir: Path, outputs
             item_files = [(rel, st) for rel, st in item_files if rel.lower().endswith(ITEM_EXTENSIONS)]
     item_set = {rel for rel, _ in item_files}
     rest = [(rel, st) for rel, st in files if rel not in item_set]
+    unread: set[str] = set()  # item files that could not be read
     if item_files:
         # Every streamed file's link first (made now for one the run did not see), then the others'
         # items appended: the items journal orders the links' last lines before items.jsonl's growth.
@@ -263,12 +264,15 @@ def collect(*, work: Path, code_dir: Path, since: float, task_dir: Path, outputs
                 except ItemFileError as exc:
                     result.problems.append(f"{exc} (after {exc.items} items)")
                     count = exc.items
-                except OSError as exc:
-                    result.problems.append(f"{rel}: cannot read ({exc.strerror or exc})")
+                except OSError as exc:  # not read: it goes the way of the other files (never pruned)
+                    result.problems.append(f"{rel}: cannot read ({exc.strerror or exc}): treated as other files")
+                    unread.add(rel)
+                    rest.append((rel, _st))
                     continue
                 result.items.append((rel, count))
                 spool.flush()
             os.fsync(spool.fileno())
+    rest.sort(key=lambda entry: entry[0])
     crawlee = item_globs is None and any(_CRAWLEE_DATASET.match(rel) for rel in item_set)
     if crawlee:  # one line for a dataset of many files
         total = sum(count for _, count in result.items)
@@ -317,7 +321,7 @@ def collect(*, work: Path, code_dir: Path, since: float, task_dir: Path, outputs
     if result.kept:
         result.kept_dir = keep_dir
     if adopted:
-        _prune(target, others + [rel for rel, _ in item_files])
+        _prune(target, others + [rel for rel, _ in item_files if rel not in unread])
     if result.artifacts or result.kept:
         _write_manifest(task_dir, result, keep_dir)
     return result
