@@ -1029,3 +1029,23 @@ async def test_spider_resources_and_stop_signal_are_task_defaults(dev_master: De
             with pytest.raises(AdminApiError) as info:
                 await admin.update_spider(spider, **bad)
             assert info.value.status_code == 422, bad
+
+
+async def test_a_misspelt_key_of_a_spider_or_task_is_refused_naming_it(
+    dev_master: DevMaster, http: httpx.AsyncClient
+) -> None:
+    """A key the admin API does not know is a 422 naming it (with the closest known one), not a spider
+    or task quietly made without what the caller meant (``timeout`` for ``timeoutSeconds``)."""
+    auth = {"Authorization": f"Bearer {dev_master.admin_token}"}
+    with trio.fail_after(20):
+        r = await http.post("/api/spiders", headers=auth, json={"name": "t", "framework": "python", "timeout": 10})
+        assert (r.status_code, r.json()["field"]) == (422, "timeout"), r.text
+        assert "did you mean 'timeoutSeconds'?" in r.json()["error"], r.text
+        r = await http.post("/api/spiders", headers=auth, json={"name": "t", "framework": "python", "output": {}})
+        assert (r.status_code, r.json()["field"]) == (422, "output") and "'outputs'" in r.json()["error"], r.text
+        spider_id = await dev_master.admin.create_spider("t", "python")  # the client's own keys are all known
+        await dev_master.admin.upload_package(spider_id, make_zip(SPIDER_FILES))
+        r = await http.post(f"/api/spiders/{spider_id}/tasks", headers=auth, json={"envv": {"A": "1"}})
+        assert (r.status_code, r.json()["field"]) == (422, "envv") and "'env'" in r.json()["error"], r.text
+        assert await dev_master.admin.create_task(spider_id)
+        assert [t for t in await dev_master.admin.list_tasks() if t["spiderId"] == spider_id] != []

@@ -135,3 +135,92 @@ def test_collect_when_nothing_was_written(tmp_path: Path) -> None:
                   outputs=None, budget_bytes=10, master_takes_artifacts=True, keep_dir=tmp_path / "k")
     assert got.line() == "outputs: no file created or changed in the working copy"
     assert not (tmp_path / "artifacts.json").exists()
+
+
+def _dirs(tmp_path: Path) -> tuple[Path, Path, Path, Path]:
+    code, work, task_dir, keep = (tmp_path / n for n in ("code", "work", "task", "keep"))
+    for d in (code, work, task_dir):
+        d.mkdir()
+    return code, work, task_dir, keep
+
+
+def test_a_file_an_items_glob_names_that_is_not_an_item_file_is_an_artifact_not_deleted(tmp_path: Path) -> None:
+    code, work, task_dir, keep = _dirs(tmp_path)
+    since = time.time() - 1
+    (work / "data").mkdir()
+    (work / "data" / "products.json").write_text('[{"a": 1}]')
+    (work / "data" / "state.db").write_bytes(b"s" * 8192)
+    got = collect(work=work, code_dir=code, since=since, task_dir=task_dir, outputs=TaskOutputs(items=["data/*"]),
+                  budget_bytes=1 << 20, master_takes_artifacts=True, keep_dir=keep)
+    assert got.items == [("data/products.json", 1)]
+    assert [a.path for a in got.artifacts] == ["data/state.db"]
+    assert (task_dir / "artifacts" / "data" / "state.db").read_bytes() == b"s" * 8192  # not deleted
+    assert not (task_dir / "artifacts" / "data" / "products.json").exists()
+    line = got.line()
+    assert "data/ (1 file, 8 KiB) → artifacts" in line
+    assert "data/state.db is named by outputs.items but is not an item file (.jsonl" in line
+    assert "treated as other files" in line and "left as it is" not in line
+
+
+def test_non_item_files_of_a_double_star_items_glob_are_kept_or_shipped_and_said_once(tmp_path: Path) -> None:
+    code, work, task_dir, keep = _dirs(tmp_path)
+    since = time.time() - 1
+    (work / "images").mkdir()
+    for i in range(30):
+        (work / "images" / f"{i:02}.png").write_bytes(b"p" * 100)
+    (work / "out.jsonl").write_text('{"a": 1}\n')
+    # Over the budget: 10 images ship, the other 20 are kept on the node; none is deleted.
+    got = collect(work=work, code_dir=code, since=since, task_dir=task_dir, outputs=TaskOutputs(items=["**"]),
+                  budget_bytes=1000, master_takes_artifacts=True, keep_dir=keep)
+    assert got.items == [("out.jsonl", 1)]
+    assert len(got.artifacts) == 10 and len(got.kept) == 20
+    shipped = sorted((task_dir / "artifacts" / "images").iterdir())
+    assert len(shipped) == 10 and all(p.read_bytes() == b"p" * 100 for p in shipped)
+    assert len(list((keep / "images").iterdir())) == 20
+    line = got.line()
+    assert line.count("not an item file") + line.count("not item files") == 1
+    assert "30 files named by outputs.items are not item files (.jsonl, .ndjson, .jl, .json, .csv): " \
+           "treated as other files" in line
+
+
+def test_an_item_file_that_cannot_be_read_is_an_artifact_not_deleted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, work, task_dir, keep = _dirs(tmp_path)
+    since = time.time() - 1
+    (work / "good.json").write_text('[{"a": 1}]')
+    (work / "bad.json").write_text('[{"b": 2}]')
+    (work / "page.html").write_text("<p>x</p>")  # an artifact: the working copy becomes the artifacts dir
+    real = append_item_file
+
+    def failing(path: Path, spool: object) -> int:
+        if path.name == "bad.json":
+            raise OSError(5, "Input/output error")
+        return real(path, spool)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("ckagent.delivery.outputs.append_item_file", failing)
+    got = collect(work=work, code_dir=code, since=since, task_dir=task_dir, outputs=TaskOutputs(items=["*.json"]),
+                  budget_bytes=1 << 20, master_takes_artifacts=True, keep_dir=keep)
+    assert got.items == [("good.json", 1)]
+    assert sorted(a.path for a in got.artifacts) == ["bad.json", "page.html"]
+    assert (task_dir / "artifacts" / "bad.json").read_text() == '[{"b": 2}]'  # not pruned with the item files
+    assert not (task_dir / "artifacts" / "good.json").exists()
+    assert "bad.json: cannot read (Input/output error): treated as other files" in got.line()
+
+
+def test_an_items_glob_that_matches_no_file_is_said(tmp_path: Path) -> None:
+    code, work, task_dir, keep = _dirs(tmp_path)
+    since = time.time() - 1
+    (work / "quotes.jsonl").write_text('{"q": 1}\n')
+    got = collect(work=work, code_dir=code, since=since, task_dir=task_dir,
+                  outputs=TaskOutputs(items=["quotes.json", "nothing_here/*.jsonl"]),
+                  budget_bytes=1 << 20, master_takes_artifacts=True, keep_dir=keep)
+    assert got.items == []
+    line = got.line()
+    assert "outputs.items 'quotes.json' matched no file" in line
+    assert "outputs.items 'nothing_here/*.jsonl' matched no file" in line
+    assert "quotes.jsonl (" in line  # an artifact, as any other file
+    (tmp_path / "empty").mkdir()
+    got = collect(work=tmp_path / "empty", code_dir=code, since=since, task_dir=tmp_path,
+                  outputs=TaskOutputs(items=["a.jsonl"]), budget_bytes=10, master_takes_artifacts=True, keep_dir=keep)
+    assert got.line() == "outputs: outputs.items 'a.jsonl' matched no file"

@@ -36,9 +36,11 @@ print("done")
 
 
 def _log_line(lines: list[str], prefix: str) -> str:
-    # "outputs: streaming the items of X while the task runs" comes during the run; the summary is another line
-    found = [line for line in lines if prefix in line and "streaming the items of" not in line]
+    # "outputs: streaming the items of X while the task runs" comes before the summary, even for a
+    # file first seen at the task's end: the summary is the log's last outputs line.
+    found = [line for line in lines if prefix in line]
     assert found, f"no {prefix!r} line in the log:\n" + "\n".join(lines[-20:])
+    assert "streaming the items of" not in found[-1], "\n".join(found)
     return found[-1]
 
 
@@ -116,6 +118,40 @@ async def test_conventions_without_outputs(dev_master, nursery: trio.Nursery, tm
     assert [a["path"] for a in await admin.list_artifacts(task_id)] == ["storage/key_value_stores/default/OUTPUT.json"]
     line = _log_line(await admin.get_logs(task_id), "outputs: ")
     assert "storage/datasets/ (3 files) → 3 items" in line, line
+
+
+LATE_WRITER = r"""
+import json, os, pathlib, time
+os.makedirs("data", exist_ok=True)
+pathlib.Path("data/products.json").write_text(json.dumps([{"p": 1}, {"p": 2}]))
+pathlib.Path("data/state.db").write_bytes(b"state" * 1600)
+time.sleep(1.5)  # the once-a-second scans have run; late.jsonl is first seen by the end-of-task collection
+pathlib.Path("late.jsonl").write_text('{"late": 1}\n')
+"""
+
+
+async def test_an_items_glob_keeps_its_non_item_files_says_a_glob_matching_nothing_and_ends_with_the_summary(
+        dev_master, nursery: trio.Nursery, tmp_path: Path) -> None:
+    settings = agent_settings(tmp_path / "agent", dev_master.base_url, dev_master.registration_token)
+    admin = dev_master.admin
+    async with running_agent(nursery, settings):
+        spider_id = await _spider(admin, "late-writer", {"main.py": LATE_WRITER},
+                                  outputs={"items": ["data/*", "late.jsonl", "quotes.json"]})
+        task_id = await admin.create_task(spider_id)
+        with trio.fail_after(90):
+            task = await admin.wait_task_final(task_id, 90)
+    assert task["status"] == "SUCCESS", task
+    assert await admin.get_items(task_id) == [{"late": 1}, {"p": 1}, {"p": 2}]
+    # data/state.db is not an item file: an artifact like any other file, sent whole (never deleted).
+    assert [a["path"] for a in await admin.list_artifacts(task_id)] == ["data/state.db"]
+    assert await admin.get_artifact(task_id, "data/state.db") == b"state" * 1600
+    logs = await admin.get_logs(task_id)
+    line = _log_line(logs, "outputs: ")  # the last outputs line is the summary
+    assert any("streaming the items of late.jsonl while the task runs" in entry for entry in logs)
+    assert "data/products.json → 2 items" in line and "late.jsonl → 1 item" in line, line
+    assert "data/ (1 file, 7.8 KiB) → artifacts" in line, line
+    assert "data/state.db is named by outputs.items but is not an item file" in line, line
+    assert "outputs.items 'quotes.json' matched no file" in line, line
 
 
 async def test_older_master_keeps_the_files(nursery: trio.Nursery, tmp_path: Path) -> None:

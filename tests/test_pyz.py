@@ -15,9 +15,11 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 import pytest
 import trio
@@ -246,10 +248,31 @@ def test_old_extractions_are_cleaned_keeping_the_last_other_build(pyz: Path, tmp
     assert locks == sorted([f".ckagent.pyz_{real_id}_lock", f".ckagent.pyz_{'3' * 64}_lock"])
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+PORT_CLAIMS = Path(tempfile.gettempdir()) / "ckagent-test-ports"
+_claimed: list[IO[str]] = []  # the open claim files of this process: held until it exits
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 nothing listens on, and that no other test process on this machine claimed.
+
+    bind(0) alone hands a port that was just released to the next caller: a test in another pytest-xdist
+    worker could start its agent on the port of an agent this test stopped and expects to start again.
+    So each port is also claimed with an flock on a file in a directory all test processes share,
+    held until this process exits (a worker claims a few dozen)."""
+    PORT_CLAIMS.mkdir(exist_ok=True)
+    for _ in range(100):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        claim = (PORT_CLAIMS / str(port)).open("w")
+        try:
+            fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            claim.close()
+            continue
+        _claimed.append(claim)
+        return port
+    raise RuntimeError(f"no unclaimed port after 100 tries ({PORT_CLAIMS})")
 
 
 _ISOLATION_SPIDER = """
@@ -291,7 +314,7 @@ async def test_pyz_agent_runs_a_spider_that_cannot_see_the_agents_packages(
 ) -> None:
     python = require_interpreter(version)
     shiv_root = tmp_path / "shiv"
-    config = agent_config(tmp_path, dev_master.base_url, dev_master.registration_token, _free_port())
+    config = agent_config(tmp_path, dev_master.base_url, dev_master.registration_token, free_port())
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "AGENT_", "SHIV_"))}
     env["SHIV_ROOT"] = str(shiv_root)
     log_path = tmp_path / "agent.log"

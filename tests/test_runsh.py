@@ -28,7 +28,7 @@ import pytest
 import trio
 import yaml
 from harness import eventually
-from test_pyz import REPO, build_pyz, pyz_dir, session_build, session_pyz
+from test_pyz import REPO, build_pyz, free_port, pyz_dir, session_build, session_pyz
 
 import ckagent
 
@@ -153,11 +153,8 @@ def releases(tmp_path: Path) -> Iterator[Releases]:
 
 
 def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A free port on 127.0.0.1 that no other test process uses (:func:`test_pyz.free_port`)."""
+    return free_port()
 
 
 @dataclass
@@ -480,6 +477,25 @@ async def test_upgrade_verifies_never_downgrades_restarts_and_rolls_back(
     assert current.returncode == 0 and "nothing to do" in out(current)
     assert same(pyz_path, bumped_pyz) and node.pid() == second_pid
 
+
+@pytest.mark.slow
+async def test_rollback_goes_back_and_is_remembered_and_a_named_version_goes_either_way(
+    node: Node, releases: Releases, pyz: Path, bumped_pyz: Path, dev_master
+) -> None:
+    """The middle of the upgrade story above (its own test, so that the parts run side by side): the
+    node as an upgrade from the session's version to 99.0.0 leaves it (ckagent.pyz 99.0.0, the
+    previous one kept as ckagent.pyz.prev), running."""
+    env = {"AGENT_RELEASE_URL": releases.url, "AGENT_UPGRADE_HEALTH_TIMEOUT": "20"}
+    pyz_path = node.directory / "ckagent.pyz"
+    prev_path = node.directory / "ckagent.pyz.prev"
+    releases.publish(pyz, ckagent.__version__)
+    releases.publish(bumped_pyz, BUMPED)
+    shutil.copy2(bumped_pyz, pyz_path)
+    shutil.copy2(pyz, prev_path)
+    assert (await node.sh("start", "--daemon=on", **env)).returncode == 0
+    second_pid = node.pid()
+    assert second_pid is not None
+
     # rollback: back to the previous verified release, healthy; the release left is not taken again
     back = await node.sh("rollback", **env)
     assert back.returncode == 0 and f"rolled back to {ckagent.__version__}: healthy" in out(back), out(back)
@@ -503,8 +519,8 @@ async def test_upgrade_verifies_never_downgrades_restarts_and_rolls_back(
 async def test_a_failed_upgrade_is_rolled_back_and_remembered_and_a_bad_version_refused(
     node: Node, releases: Releases, bumped_pyz: Path, broken_pyz: Path, crashing_pyz: Path, dev_master
 ) -> None:
-    """The second half of the upgrade story above (its own test, so that the two run side by side):
-    an agent installed and running at version 99.0.0 meets releases that fail."""
+    """The end of the upgrade story above (its own test, so that the parts run side by side): an
+    agent installed and running at version 99.0.0 meets releases that fail."""
     env = {"AGENT_RELEASE_URL": releases.url, "AGENT_UPGRADE_HEALTH_TIMEOUT": "20"}
     pyz_path = node.directory / "ckagent.pyz"
     releases.publish(bumped_pyz, BUMPED)

@@ -50,7 +50,8 @@ class SpawnContext:
 
     ``argv`` is the command the task runs; ``env`` the spider's environment as built so far
     (read-only); ``path`` its PATH; ``code_dir`` the working copy; ``env_dir`` the environment the
-    agent built for it (None: none, e.g. a Node spider without dependencies).
+    agent built for it (None: none, e.g. a Node spider without dependencies); ``items_declared``
+    whether the task declares ``outputs.items`` (those files are its items: no feed of the agent's).
     """
 
     framework: str
@@ -58,6 +59,7 @@ class SpawnContext:
     env: Mapping[str, str]
     code_dir: Path
     env_dir: Path | None
+    items_declared: bool = False
 
     @property
     def path(self) -> str | None:
@@ -84,10 +86,12 @@ SpawnHook = Callable[[SpawnContext], SpawnAdditions]
 
 def _scrapy_items(ctx: SpawnContext) -> SpawnAdditions:
     """Scrapy's items and stats however Scrapy is started (ckagent.code.scrapyhook): only in an
-    environment the agent built (its ``.pth`` loads the SDK's hook)."""
+    environment the agent built (its ``.pth`` loads the SDK's hook); only stats when the task
+    declares ``outputs.items``."""
     if ctx.env_dir is None:
         return SpawnAdditions()
-    env, notice = scrapy_hook(ctx.framework, ctx.argv, ctx.path, ctx.code_dir, ctx.env_dir)
+    env, notice = scrapy_hook(ctx.framework, ctx.argv, ctx.path, ctx.code_dir, ctx.env_dir,
+                              items_declared=ctx.items_declared)
     return SpawnAdditions(env, [notice] if notice else [])
 
 

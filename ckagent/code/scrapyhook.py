@@ -10,7 +10,9 @@ own ``FEEDS`` (a path, S3, FTP) keep exporting as written; the argv does not mat
 ``sh -c 'python setup.py && scrapy crawl x'``, ``python -m scrapy``, a script with ``CrawlerProcess``).
 
 ``CK_SCRAPY_HOOK`` is ``items,stats``, or ``stats`` when the project's files mention
-``crawlerkeeper_sdk`` (it ships its items through the SDK itself: never an item twice). The SDK's
+``crawlerkeeper_sdk`` (it ships its items through the SDK itself: never an item twice) or when the
+task declares ``outputs.items`` (those files are its items, e.g. the project's own feed file: the
+agent adds no feed of its own beside them, so no item comes twice; the project's FEEDS are kept). The SDK's
 extension also steps aside when a feed already writes the items file or the SDK pipeline is on.
 
 A Scrapy project (framework ``scrapy`` or a ``scrapy.cfg``) whose command runs an interpreter from
@@ -60,10 +62,11 @@ def attaches(argv: list[str], path: str | None, env_dir: Path | None) -> bool:
 
 
 def scrapy_hook(framework: str, argv: list[str], path: str | None, code_dir: Path,
-                env_dir: Path | None) -> tuple[dict[str, str], str | None]:
+                env_dir: Path | None, *, items_declared: bool = False) -> tuple[dict[str, str], str | None]:
     """(variables to add to a Python task's env, a notice for its log or None). Blocking: scans the
-    project for ``crawlerkeeper_sdk`` (bounded) and stats a few files. ``path`` is the spider's PATH."""
-    mode = "stats" if uses_sdk_pipeline(code_dir) else "items,stats"
+    project for ``crawlerkeeper_sdk`` (bounded) and stats a few files. ``path`` is the spider's PATH;
+    ``items_declared``: the task declares ``outputs.items`` (then only stats, never the agent's feed)."""
+    mode = "stats" if items_declared or uses_sdk_pipeline(code_dir) else "items,stats"
     env = {HOOK_VAR: mode}
     is_scrapy = framework == "scrapy" or (code_dir / "scrapy.cfg").is_file()
     if is_scrapy and not attaches(argv, path, env_dir):

@@ -137,7 +137,10 @@ class TaskDelivery:
         if self.item_journal is not None and self.item_globs and self.live is None:
             self.live = LiveItemFiles(self.task_dir, work, self.item_globs)
 
-    def _take_notices(self) -> None:
+    def take_notices(self) -> None:
+        """Write to the task's log what the declared item files' watcher has to say (a file streamed,
+        replaced, not linkable). On the loop; the end-of-task collection calls it before its summary,
+        so that the summary stays the log's last ``outputs:`` line."""
         if self.live is not None:
             for text in self.live.take_notices():
                 self.notice(text)
@@ -172,7 +175,7 @@ class TaskDelivery:
         """The process is over: close output.log, store ``result``, let the streams complete and the
         result follow them. Returns at once (after the state store write); cancellation before that
         write leaves the task to the next start (reported AGENT_LOST)."""
-        self._take_notices()  # what the end-of-task collection said of the streamed files
+        self.take_notices()  # what the end-of-task collection said of the streamed files
         if self.sink is not None:
             self.sink.close()
         await self._store_result(result)
@@ -237,7 +240,7 @@ class TaskDelivery:
         """The result of :meth:`scan` (on the loop): the journal notes the log files; a grown items
         file wakes its shipper (the items journal notes the item files' growth, which wakes it), a
         grown stats file the stats shipper (neither polls a file that is not growing)."""
-        self._take_notices()
+        self.take_notices()
         if self.item_journal is not None and item_sizes and item_sizes != self._item_sizes:
             self._item_sizes = item_sizes
             self.activity.touch()

@@ -5,6 +5,7 @@ admin token; a payload that breaks the rules is 422 naming the field.
 
 from __future__ import annotations
 
+import difflib
 import math
 from typing import Any
 from urllib.parse import quote
@@ -68,6 +69,23 @@ def _opt_seconds(o: dict[str, Any], key: str) -> float | None:
     return float(value)
 
 
+SPIDER_FIELDS = ("name", "framework", "command", "codeMode", "env", "timeoutSeconds", "resources", "stopSignal",
+                 "outputs", "egress")
+"""What ``POST /api/spiders`` takes."""
+TASK_FIELDS = ("args", "env", "params", "timeoutSeconds", "stallTimeoutSeconds", "resources", "stopSignal", "egress")
+"""What ``POST /api/spiders/{id}/tasks`` takes."""
+
+
+def _known_keys(o: dict[str, Any], fields: tuple[str, ...], what: str) -> None:
+    """422 naming the first key of ``o`` that is not one of ``fields``: a misspelt key (``timeout`` for
+    ``timeoutSeconds``) would otherwise be ignored, and the spider or task made without it."""
+    unknown = sorted(set(o) - set(fields))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], fields, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ProtocolError(unknown[0], f"unknown key{hint}: {what} takes {', '.join(fields)}")
+
+
 SPIDER_PATCH_FIELDS = ("name", "framework", "command", "env", "timeoutSeconds", "resources", "stopSignal", "outputs",
                        "egress")
 """What ``PATCH /api/spiders/{id}`` may change."""
@@ -128,6 +146,7 @@ def routes(api: Api) -> list[BaseRoute]:
     async def create_spider(request: Request) -> Response:
         admin_auth(request)
         o = json_object(await json_body(request))
+        _known_keys(o, SPIDER_FIELDS, "a spider")
         name = check_spider_name(o.get("name"))
         framework = o.get("framework")
         if framework not in FRAMEWORKS:
@@ -202,6 +221,7 @@ def routes(api: Api) -> list[BaseRoute]:
     async def create_task(request: Request) -> Response:
         admin_auth(request)
         o = json_object(await json_body(request))
+        _known_keys(o, TASK_FIELDS, "a task")
         params = o.get("params")
         if params is not None and not isinstance(params, dict):
             raise ProtocolError("params", "expected an object")

@@ -191,6 +191,8 @@ class Deployer:
             notice(f"outputs: cannot collect the task's files ({exc.strerror or exc}); they are removed with "
                    "the working copy")
             return
+        if rt.delivery is not None:  # the collection's own notices (a file first seen now) before its summary
+            rt.delivery.take_notices()
         notice(collected.line())
 
 

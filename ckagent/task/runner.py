@@ -314,7 +314,8 @@ class TaskRunner:
         )
         if frameworks.has_spawn_hooks(task.framework):  # the framework's (and its runtime's) hooks: Scrapy's items …
             added = await trio.to_thread.run_sync(frameworks.spawn_additions, frameworks.SpawnContext(
-                task.framework, argv, env, code.work, prepared.env_dir))
+                task.framework, argv, env, code.work, prepared.env_dir,
+                items_declared=bool(task.outputs is not None and task.outputs.items)))
             env.update(added.env)
             for line in added.notices:
                 notice(line)

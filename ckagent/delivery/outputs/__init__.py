@@ -9,6 +9,9 @@ another size, or newer than the spider's start with other bytes). Each one gets 
    per file, in name order). Their items are appended to the task's items spool (``items.jsonl``),
    in file order, before the items stream is closed: they reach the master like the SDK's, exactly
    once (the outbox's guarantees). See :mod:`ckagent.delivery.outputs.itemfiles` for the formats.
+   A file a glob names that is not an item file (by its extension) is treated as the other files
+   below; a glob that matches no created or changed file is said in the log (``outputs.items
+   'quotes.json' matched no file``).
 2. **Artifacts** — files named by ``outputs.artifacts``; without that list, every other created or
    changed file except the **cache rule** below. They are moved into the task directory
    (``work_dir/tasks/<task-id>/artifacts/``) with a manifest (``artifacts.json``: path, size,
@@ -236,31 +239,40 @@ def collect(*, work: Path, code_dir: Path, since: float, task_dir: Path, outputs
     item_files = [(rel, st) for rel, st in files
                   if (any(match_glob(rel, g) for g in item_globs) if item_globs is not None
                       else bool(_CRAWLEE_DATASET.match(rel)))]
+    if item_globs is not None:
+        result.problems += [f"outputs.items {g!r} matched no file" for g in item_globs
+                            if not any(match_glob(rel, g) for rel, _ in files)]
+        not_items = [rel for rel, _ in item_files if not rel.lower().endswith(ITEM_EXTENSIONS)]
+        if not_items:  # the fate of any other file (artifact, or kept with the log saying where)
+            kinds = ", ".join(ITEM_EXTENSIONS)
+            what = (f"{not_items[0]} is named by outputs.items but is not an item file" if len(not_items) == 1
+                    else f"{len(not_items)} files named by outputs.items are not item files")
+            result.problems.append(f"{what} ({kinds}): treated as other files")
+            item_files = [(rel, st) for rel, st in item_files if rel.lower().endswith(ITEM_EXTENSIONS)]
     item_set = {rel for rel, _ in item_files}
     rest = [(rel, st) for rel, st in files if rel not in item_set]
+    unread: set[str] = set()  # item files that could not be read
     if item_files:
         # Every streamed file's link first (made now for one the run did not see), then the others'
         # items appended: the items journal orders the links' last lines before items.jsonl's growth.
         links = {rel: streamed(rel) for rel, _st in item_files} if streamed is not None else {}
         with open(task_dir / "items.jsonl", "ab") as spool:
             for rel, _st in item_files:
-                if not rel.lower().endswith(ITEM_EXTENSIONS):
-                    result.problems.append(f"{rel} is not an item file ({', '.join(ITEM_EXTENSIONS)}): left as it is")
-                    rest.append((rel, _st))
-                    continue
                 link = links.get(rel)
                 try:
                     count = count_lines(link) if link is not None else append_item_file(work / rel, spool)
                 except ItemFileError as exc:
                     result.problems.append(f"{exc} (after {exc.items} items)")
                     count = exc.items
-                except OSError as exc:
-                    result.problems.append(f"{rel}: cannot read ({exc.strerror or exc})")
+                except OSError as exc:  # not read: it goes the way of the other files (never pruned)
+                    result.problems.append(f"{rel}: cannot read ({exc.strerror or exc}): treated as other files")
+                    unread.add(rel)
+                    rest.append((rel, _st))
                     continue
                 result.items.append((rel, count))
                 spool.flush()
             os.fsync(spool.fileno())
-        rest.sort(key=lambda entry: entry[0])
+    rest.sort(key=lambda entry: entry[0])
     crawlee = item_globs is None and any(_CRAWLEE_DATASET.match(rel) for rel in item_set)
     if crawlee:  # one line for a dataset of many files
         total = sum(count for _, count in result.items)
@@ -309,7 +321,7 @@ def collect(*, work: Path, code_dir: Path, since: float, task_dir: Path, outputs
     if result.kept:
         result.kept_dir = keep_dir
     if adopted:
-        _prune(target, others + [rel for rel, _ in item_files])
+        _prune(target, others + [rel for rel, _ in item_files if rel not in unread])
     if result.artifacts or result.kept:
         _write_manifest(task_dir, result, keep_dir)
     return result
