@@ -343,7 +343,7 @@ def exec_command(
         Stop the spider as STALLED after this many seconds without output, items or stats (default: the
         agent's task.stall_timeout, off; 0 = off).
     items
-        JSON lines file the items are written to (default ./items.jsonl; emptied first).
+        JSON lines file the items are written to (default ./items.jsonl); replaced, a non-empty one is said first.
     artifacts
         Folder the task's artifacts (files it created or changed) are written to (default ./artifacts/).
     args

@@ -10,7 +10,9 @@ the dependency install (uv / npm), the environment, the containment, the capture
 are the node's. Finished task directories are kept for a day (``task.retention``) for a look.
 
 While it runs, the spider's output (``output.log``, the agent's notices included) streams to
-stdout, its items are copied to ``--items`` (JSON lines), and when stderr is a terminal one
+stdout, the items the master stored are copied to ``--items`` (JSON lines, in the stream's order,
+whichever road they took: ckagent.cli.execview; a non-empty file there is said, then replaced; it
+and ``--artifacts`` are left out of a folder's package when inside it), and when stderr is a terminal one
 progress line (items, requests, elapsed) is kept at the bottom. ``--args`` are appended to the
 command like a task's ``args``; ``--output-items``/``--output-artifacts`` declare the spider's
 ``outputs`` (globs; without them the conventions apply). At the end the task's artifacts (the files it created or changed
@@ -37,20 +39,23 @@ spider the graceful way (CANCELLED).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
 import secrets
 import sys
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 import trio
 
+from ckagent.cli.execview import Follower as _Follower
+from ckagent.cli.execview import Terminal as _Terminal
 from ckagent.code import frameworks
-from ckagent.delivery.crawlstats import STATS_FILE, read_last_snapshot
 from ckagent.master.ids import task_dir
 
 log = logging.getLogger(__name__)
@@ -99,8 +104,6 @@ def detect_framework(source: Path) -> str:
     """The framework whose marker files the project's top holds (ckagent.code.frameworks: scrapy.cfg →
     ``scrapy``, package.json → ``node``), else ``python``; a zip is looked into (its top and one folder
     down, as a single top folder is unwrapped)."""
-    import zipfile
-
     if source.is_dir():
         names = {p.name for p in source.iterdir()}
     else:
@@ -141,87 +144,49 @@ def exit_code_of(task: dict[str, Any]) -> int:
     return EXIT_FAILED
 
 
-class _Terminal:
-    """Log bytes to ``out``; a one-line progress at the bottom of ``err`` when it is a terminal."""
+def _check_settings(request: ExecRequest) -> None:
+    """Refuse what the agent or the master would refuse only once started (blocking): the
+    configuration (file:line or the variable) and a task ``env`` naming a variable the agent sets."""
+    from ckagent.master.protocol import ProtocolError
+    from ckagent.master.protocol._fields import str_map
+    from ckagent.node.config import ConfigError, load_settings
 
-    def __init__(self, out: TextIO, err: TextIO) -> None:
-        self.out = out
-        self.err = err
-        self.live = err.isatty()
-        self._progress = ""
-
-    def write_log(self, data: bytes) -> None:
-        if self.live and self._progress:
-            self.err.write("\r\033[K")
-            self.err.flush()
-        buffer = getattr(self.out, "buffer", None)
-        if buffer is not None:
-            self.out.flush()
-            buffer.write(data)
-            buffer.flush()
-        else:
-            self.out.write(data.decode("utf-8", "replace"))
-            self.out.flush()
-        if self.live and self._progress:
-            self.err.write(self._progress)
-            self.err.flush()
-
-    def progress(self, text: str) -> None:
-        if not self.live:
-            return
-        self._progress = text
-        self.err.write("\r\033[K" + text)
-        self.err.flush()
-
-    def done(self) -> None:
-        if self.live and self._progress:
-            self.err.write("\r\033[K")
-            self.err.flush()
-        self._progress = ""
+    try:
+        load_settings(request.config, env=_agent_env(request, "http://127.0.0.1:9", "exec"))
+    except ConfigError as exc:
+        raise ExecUsageError(f"config error: {exc}") from None
+    try:
+        str_map({"env": request.env}, "env", env_names=True)
+    except ProtocolError as exc:
+        raise ExecUsageError(f"--env {str(exc).removeprefix('env.')}") from None
 
 
-class _Follower:
-    """Copies the task's output.log to the terminal and items.jsonl to the items file as they grow."""
-
-    def __init__(self, task_dir: Path, items_path: Path, terminal: _Terminal) -> None:
-        self.task_dir = task_dir
-        self.items_path = items_path
-        self.terminal = terminal
-        self.log_offset = 0
-        self.items_offset = 0
-        self.items = 0
-        self.started = time.monotonic()
-
-    def step(self) -> None:
-        """One look (blocking, small reads)."""
-        chunk = _read_from(self.task_dir / "output.log", self.log_offset)
-        if chunk:
-            self.log_offset += len(chunk)
-            self.terminal.write_log(chunk)
-        chunk = _read_from(self.task_dir / "items.jsonl", self.items_offset)
-        end = chunk.rfind(b"\n") + 1
-        if end:
-            with self.items_path.open("ab") as fh:
-                fh.write(chunk[:end])
-            self.items_offset += end
-            self.items += chunk[:end].count(b"\n")
-        snap = read_last_snapshot(self.task_dir / STATS_FILE)
-        requests = snap.stats.get("requests") if snap is not None else None
-        elapsed = time.monotonic() - self.started
-        parts = [f"{self.items} items"]
-        if isinstance(requests, int):
-            parts.append(f"{requests} requests")
-        parts.append(f"{int(elapsed // 60):02d}:{int(elapsed % 60):02d} elapsed")
-        self.terminal.progress("[ckagent exec] " + ", ".join(parts))
+def _own_outputs_in(source: Path, request: ExecRequest) -> list[str]:
+    """The ``--items`` file and the ``--artifacts`` folder as paths relative to the spider folder
+    ``source`` (POSIX, a folder with a trailing ``/``), for those inside it."""
+    root = source.resolve()
+    found = []
+    for path, suffix in ((request.items, ""), (request.artifacts, "/")):
+        resolved = path.resolve()
+        if resolved != root and resolved.is_relative_to(root):
+            found.append(resolved.relative_to(root).as_posix() + suffix)
+    return found
 
 
-def _read_from(path: Path, offset: int) -> bytes:
+def _count_lines(path: Path) -> int | None:
+    """The lines of a non-empty file (a last one without a line end counts), None for an empty or
+    missing one (blocking)."""
     try:
         with path.open("rb") as fh:
-            fh.seek(offset)
-            return fh.read(4 << 20)
-    except FileNotFoundError:
-        return b""
+            lines, last = 0, b""
+            while block := fh.read(1 << 20):
+                lines += block.count(b"\n")
+                last = block
+    except (FileNotFoundError, IsADirectoryError):
+        return None
+    if not last:
+        return None
+    return lines + (not last.endswith(b"\n"))
 
 
 EXEC_RETENTION = 86400.0
@@ -304,6 +269,9 @@ async def run_exec(request: ExecRequest, out: TextIO, err: TextIO) -> int:
         raise ExecUsageError(f"{source}: no such folder or zip")
     if source.is_file() and source.suffix.lower() != ".zip":
         raise ExecUsageError(f"{source}: expected a spider's folder or a .zip of it")
+    if source.is_file() and not await trio.to_thread.run_sync(zipfile.is_zipfile, source):
+        raise ExecUsageError(f"{source}: not a zip file")
+    await trio.to_thread.run_sync(_check_settings, request)
     framework = request.framework
     if not framework:
         framework = await trio.to_thread.run_sync(detect_framework, source)
@@ -321,12 +289,20 @@ async def run_exec(request: ExecRequest, out: TextIO, err: TextIO) -> int:
                                  f"(what `{shown}` runs) or --command; {found}")
         request = dataclasses.replace(request, spider=names[0])
         print(f"spider: {names[0]} (the project's only spider)", file=err)
-    package = (await trio.to_thread.run_sync(zip_directory, source) if source.is_dir()
-               else await trio.to_thread.run_sync(source.read_bytes))
+    if source.is_dir():
+        own = _own_outputs_in(source, request)
+        if own:
+            print(f"[ckagent exec] left out of the package (exec's own output): {', '.join(own)}", file=err)
+        package = await trio.to_thread.run_sync(lambda: zip_directory(source, skip=frozenset(own)))
+    else:
+        package = await trio.to_thread.run_sync(source.read_bytes)
 
     def prepare() -> Path:
         request.work_dir.mkdir(parents=True, exist_ok=True)
         request.items.parent.mkdir(parents=True, exist_ok=True)
+        lines = _count_lines(request.items)
+        if lines is not None:
+            print(f"[ckagent exec] replacing {request.items} ({lines} lines)", file=err)
         request.items.write_bytes(b"")
         db_path = request.work_dir / "exec-master.sqlite"
         _open_master_db(db_path)
@@ -353,6 +329,7 @@ async def _session(request: ExecRequest, framework: str, package: bytes, db_path
     from ckagent.agent import Agent
     from ckagent.devmaster.client import AdminApiError, AdminClient
     from ckagent.devmaster.server import DevMasterConfig, serve
+    from ckagent.devmaster.store import Store
     from ckagent.node.config import load_settings
 
     source = request.source
@@ -372,7 +349,9 @@ async def _session(request: ExecRequest, framework: str, package: bytes, db_path
             agent_done.set()
 
     root.start_soon(run_agent)
+    reader: Store | None = None  # the exec's own look at the master's database: the items it stored
     try:
+        reader = await trio.to_thread.run_sync(Store, db_path)
         with trio.fail_after(60):
             await agent.started.wait()
         async with AdminClient(base_url, admin_token) as admin:
@@ -386,12 +365,14 @@ async def _session(request: ExecRequest, framework: str, package: bytes, db_path
             task_id = await admin.create_task(spider_id, params=request.params, env=request.env,
                                               timeout_seconds=request.timeout, args=request.args,
                                               stall_timeout_seconds=request.stall_timeout)
-            follower = _Follower(task_dir(settings.task.work_dir, task_id), request.items, terminal)
+            follower = _Follower(task_dir(settings.task.work_dir, task_id), request.items, terminal,
+                                 functools.partial(reader.item_chunks_from, task_id))
             task = await _follow(admin, task_id, follower, agent_done)
             stats = (await admin.get_stats(task_id))["latest"]
             saved = await _save_artifacts(admin, task_id, request.artifacts)
-        await trio.to_thread.run_sync(follower.step)
+        await trio.to_thread.run_sync(follower.step, True)
         terminal.done()
+        terminal.end_line()
         err = terminal.err
         for line in _summary(task, stats, request.items, time.monotonic() - _STARTED):
             err.write(line + "\n")
@@ -403,6 +384,8 @@ async def _session(request: ExecRequest, framework: str, package: bytes, db_path
         agent.terminate()
         with trio.CancelScope(shield=True), trio.move_on_after(30):
             await agent_done.wait()
+        if reader is not None:
+            reader.close()
         root.cancel_scope.cancel()
 
 

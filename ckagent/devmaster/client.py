@@ -243,20 +243,25 @@ class AdminClient:
         raise TimeoutError(f"task {task_id} not final after {timeout} s (last status: {last.get('status')})")
 
 
-def zip_directory(path: Path) -> bytes:
+def zip_directory(path: Path, skip: frozenset[str] = frozenset()) -> bytes:
     """A deterministic zip of the regular files under ``path`` (blocking: call via trio.to_thread).
 
     Entries are sorted, dated 1980-01-01, keep the owner-execute bit and skip ``SKIPPED_DIRS``,
-    symlinks and special files. The same tree always gives the same bytes (and so the same
+    symlinks, special files and the paths in ``skip`` (POSIX, relative to ``path``; a folder's
+    with a trailing ``/``). The same tree always gives the same bytes (and so the same
     codeVersion). Raises OSError if the tree cannot be read.
     """
     root = Path(path)
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as archive:
         for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS)
+            here = Path(dirpath).relative_to(root)
+            dirnames[:] = sorted(d for d in dirnames
+                                 if d not in SKIPPED_DIRS and (here / d).as_posix() + "/" not in skip)
             for name in sorted(filenames):
                 file_path = Path(dirpath) / name
+                if (here / name).as_posix() in skip:
+                    continue
                 st = file_path.lstat()
                 if not stat.S_ISREG(st.st_mode):
                     continue

@@ -73,6 +73,21 @@ class StreamStore(Database):
             items.extend(json.loads(data))
         return items
 
+    def item_chunks_from(self, task_id: str, seq: int, limit: int = 64) -> list[tuple[int, str]]:
+        """Up to ``limit`` stored item chunks of a task from item ``seq`` on, in order: ``(count, JSON
+        array text)`` each. ``seq`` is a chunk boundary (the count of items read so far): a reader that
+        adds up the counts follows the stream as it is stored. Raises NotFoundError."""
+
+        def query(db: sqlite3.Connection) -> list[tuple[int, str]]:
+            task_row(db, task_id)
+            rows = db.execute(
+                "SELECT count, data FROM task_item_chunks WHERE task_id = ? AND first_seq >= ? "
+                "ORDER BY first_seq LIMIT ?", (task_id, seq, limit)
+            ).fetchall()
+            return [(int(r[0]), str(r[1])) for r in rows]
+
+        return self._read(query)
+
     def append_logs(self, task_id: str, node_id: str, seq: int, lines: Sequence[str]) -> int:
         """Store log lines ``seq``.. once each; returns the new stored count (``acceptedSeq``).
 

@@ -1,0 +1,128 @@
+"""What ``ckagent exec`` shows while a task runs: the task's log on stdout, its items in the
+``--items`` file, and a progress line at the bottom of stderr when it is a terminal.
+
+The items are the ones the exec's private master stored, in the stream's order, whichever road they
+took on the node (CK_ITEMS_FILE / the SDK, declared JSON Lines files streamed live, .json / .csv files
+read at the end, crawlee datasets): :class:`Follower` reads the master's item chunks
+(:meth:`ckagent.devmaster.store.Store.item_chunks_from`), not one file of the task directory.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TextIO
+
+from ckagent.delivery.crawlstats import STATS_FILE, read_last_snapshot
+
+READ_BYTES = 4 << 20
+"""Bytes of the log read at a time."""
+
+ItemChunks = Callable[[int], list[tuple[int, str]]]
+"""``chunks(seq)`` → the master's stored item chunks from item ``seq`` on: ``(count, JSON array text)``."""
+
+
+class Terminal:
+    """Log bytes to ``out``; a one-line progress at the bottom of ``err`` when it is a terminal."""
+
+    def __init__(self, out: TextIO, err: TextIO) -> None:
+        self.out = out
+        self.err = err
+        self.live = err.isatty()
+        self._progress = ""
+        self._line_open = False  # the last log bytes written did not end a line
+
+    def write_log(self, data: bytes) -> None:
+        """Write ``data`` (bytes of the log) to ``out``, keeping the progress line below it."""
+        if not data:
+            return
+        if self.live and self._progress:
+            self.err.write("\r\033[K")
+            self.err.flush()
+        buffer = getattr(self.out, "buffer", None)
+        if buffer is not None:
+            self.out.flush()
+            buffer.write(data)
+            buffer.flush()
+        else:
+            self.out.write(data.decode("utf-8", "replace"))
+            self.out.flush()
+        self._line_open = not data.endswith(b"\n")
+        if self.live and self._progress:
+            self.err.write(self._progress)
+            self.err.flush()
+
+    def end_line(self) -> None:
+        """End the log's last line when it has no line end yet, so what follows starts a line."""
+        if self._line_open:
+            self.write_log(b"\n")
+
+    def progress(self, text: str) -> None:
+        """Show ``text`` as the progress line (only on a terminal)."""
+        if not self.live:
+            return
+        self._progress = text
+        self.err.write("\r\033[K" + text)
+        self.err.flush()
+
+    def done(self) -> None:
+        """Clear the progress line."""
+        if self.live and self._progress:
+            self.err.write("\r\033[K")
+            self.err.flush()
+        self._progress = ""
+
+
+class Follower:
+    """Copies the task's output.log to the terminal and the master's items to ``items_path`` (JSON
+    lines) as they grow. ``chunks``: see :data:`ItemChunks`."""
+
+    def __init__(self, task_dir: Path, items_path: Path, terminal: Terminal, chunks: ItemChunks) -> None:
+        self.task_dir = task_dir
+        self.items_path = items_path
+        self.terminal = terminal
+        self.chunks = chunks
+        self.log_offset = 0
+        self.items = 0
+        self.started = time.monotonic()
+
+    def step(self, final: bool = False) -> None:
+        """One look (blocking). ``final``: read the log and the items to their ends (the task is over)."""
+        while True:
+            chunk = read_from(self.task_dir / "output.log", self.log_offset)
+            self.log_offset += len(chunk)
+            self.terminal.write_log(chunk)
+            if not final or len(chunk) < READ_BYTES:
+                break
+        while True:
+            found = self.chunks(self.items)
+            if found:
+                with self.items_path.open("a", encoding="utf-8") as fh:
+                    for count, data in found:
+                        fh.writelines(json.dumps(item, ensure_ascii=False, separators=(",", ":")) + "\n"
+                                      for item in json.loads(data))
+                        self.items += count
+            if not final or not found:
+                break
+        if final:
+            return
+        snap = read_last_snapshot(self.task_dir / STATS_FILE)
+        requests = snap.stats.get("requests") if snap is not None else None
+        elapsed = time.monotonic() - self.started
+        parts = [f"{self.items} items"]
+        if isinstance(requests, int):
+            parts.append(f"{requests} requests")
+        parts.append(f"{int(elapsed // 60):02d}:{int(elapsed % 60):02d} elapsed")
+        self.terminal.progress("[ckagent exec] " + ", ".join(parts))
+
+
+def read_from(path: Path, offset: int) -> bytes:
+    """Up to READ_BYTES of ``path`` from ``offset`` (b"" when it does not exist yet)."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(offset)
+            return fh.read(READ_BYTES)
+    except FileNotFoundError:
+        return b""
