@@ -403,6 +403,7 @@ def test_install_key_takes_what_changes_an_install_and_leaves_out_credentials() 
     assert not changes_install("NPM_CONFIG_//registry.npmjs.org/:_authToken")
 
 
+@pytest.mark.slow
 async def test_the_spiders_own_index_reaches_uv_and_keys_the_environment(tmp_path: Path, local_index: str) -> None:
     deps = _deps(tmp_path, CLOSED_INDEX)
     code = _code(tmp_path, "p", {"requirements.txt": "ckdemo-dep==1.0\n", "main.py": ""})

@@ -540,6 +540,7 @@ async def test_a_spiders_egress_from_the_reference_master_reaches_the_agent(
     assert table_name(agent_group_name(tmp_path / "agent")) not in _tables()
 
 
+@pytest.mark.slow
 @needs_kernel
 def test_the_egress_benchmark_runs() -> None:
     """bench/egress.py in its quick mode (its figures mean nothing here; it must not rot)."""
@@ -635,6 +636,7 @@ for _ in range(3):
 """
 
 
+@pytest.mark.slow
 @needs_kernel
 @pytest.mark.parametrize("level", V2_LEVELS)
 async def test_a_task_handed_over_to_the_next_agent_stays_under_its_policy(

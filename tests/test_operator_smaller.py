@@ -200,6 +200,7 @@ async def test_a_master_clock_far_off_shows_on_the_status_page(tmp_path: Path) -
     assert notices.texts() and "behind this node's" in notices.texts()[0]
 
 
+@pytest.mark.slow
 async def test_the_reference_master_hands_a_node_below_its_minimum_nothing(dev_master: Any, tmp_path: Path) -> None:
     admin = dev_master.admin
     settings = agent_settings(tmp_path / "agent", dev_master.base_url, dev_master.registration_token,

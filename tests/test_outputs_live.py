@@ -234,6 +234,7 @@ async def _items(admin, task_id: str) -> list[int]:
     return [item["n"] for item in await admin.get_items(task_id)]
 
 
+@pytest.mark.slow
 async def test_a_declared_jsonl_file_streams_live_and_survives_a_kill_9(dev_master, tmp_path: Path) -> None:
     admin = dev_master.admin
     agent = agent_process(tmp_path, dev_master.base_url, dev_master.registration_token)

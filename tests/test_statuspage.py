@@ -88,6 +88,7 @@ async def script(client: httpx.AsyncClient, session: str, code: str) -> Any:
     return answer.json()["value"]
 
 
+@pytest.mark.slow
 @needs_browser
 async def test_status_page_in_headless_chromium(dev_master: Any, nursery: trio.Nursery, tmp_path: Path) -> None:
     admin = dev_master.admin
