@@ -364,6 +364,7 @@ def test_a_starting_agent_removes_the_tables_of_work_dirs_that_are_gone(tmp_path
         f"add table inet {old}\n"
         f'add table inet {foreign} {{ comment "ckagent work_dir={tmp_path / "gone"}"; }}\n'))
     work_dir = tmp_path / "agent"
+    work_dir.mkdir()  # as an agent's is: a table naming a work dir that does not exist is any agent's to delete
     name = table_name(agent_group_name(work_dir))
     tables.append(name)
     with containment_at(V2_LEVELS[0], tmp_path) as containment:
