@@ -419,12 +419,16 @@ class AsyncStateStore:
             return  # another caller's write carried it
         await self._write_positions()
 
-    async def _write_positions(self) -> None:
+    async def _write_positions(self, write: Callable[[Any], bool | None] | None = None) -> None:
+        """One position write (callers wait for ``_writing`` first): the noted positions, taken as one
+        batch, go to ``write(batch)`` in one thread hop (default: save_stream_positions); they are
+        noted again when it raises or returns False (newer notes win)."""
         batch, self._positions = self._positions, {}
         self._inflight = batch
         done = self._writing = trio.Event()
         try:
-            await trio.to_thread.run_sync(self.sync.save_stream_positions, batch)
+            if await trio.to_thread.run_sync(write or self.sync.save_stream_positions, batch) is False:
+                self._renote(batch)
         except BaseException:
             self._renote(batch)
             raise
@@ -443,11 +447,8 @@ class AsyncStateStore:
         full disk keeps them noted for the next write (whose caller hears of it)."""
         while self._writing is not None:  # one position write at a time (see _write_positions)
             await self._writing.wait()
-        batch, self._positions = self._positions, {}
-        self._inflight = batch
-        done = self._writing = trio.Event()
 
-        def write() -> bool:
+        def write(batch: dict[tuple[str, str], tuple[int, Any]]) -> bool:
             self.sync.set_result(task_id, result)
             try:
                 self.sync.save_stream_positions(batch)
@@ -455,16 +456,7 @@ class AsyncStateStore:
                 return False
             return True
 
-        try:
-            if not await trio.to_thread.run_sync(write):
-                self._renote(batch)
-        except BaseException:
-            self._renote(batch)
-            raise
-        finally:
-            self._writing = None
-            self._inflight = {}
-            done.set()
+        await self._write_positions(write)
 
     def _renote(self, batch: dict[tuple[str, str], tuple[int, Any]]) -> None:  # a failed write's: newer notes win
         for key, value in batch.items():
