@@ -20,20 +20,21 @@ from pathlib import Path
 
 import pytest
 import trio
-from harness import submit
-from test_containment import LEVELS_HERE
-from test_shutdown import agent_process, wait_exit, wait_registered
-from test_supervision import (  # noqa: F401 -- no_strays: autouse fixture
+from harness import (  # noqa: F401 -- no_strays: autouse fixture
     ESCAPE,
     RecordingMaster,
+    agent_process,
     alive,
     eventually,
     marked_pids,
     no_strays,
     pids_in,
-    recording_master,
+    submit,
+    wait_exit,
     wait_for_log,
+    wait_registered,
 )
+from test_containment import LEVELS_HERE
 
 from ckagent.node.state import SCHEMA_VERSION, StateStore, StateStoreError
 
@@ -86,7 +87,7 @@ async def _lines_in(path: Path, text: str) -> bool:
 
 @pytest.mark.parametrize("level", LEVELS_HERE)
 async def test_kill_9_the_agent_tasks_run_on_and_report_their_true_outcome(
-    recording_master: RecordingMaster, tmp_path: Path, level: str  # noqa: F811 -- the imported fixture
+    recording_master: RecordingMaster, tmp_path: Path, level: str
 ) -> None:
     admin = recording_master.admin
     token = recording_master.registration_token
@@ -149,7 +150,7 @@ async def test_kill_9_the_agent_tasks_run_on_and_report_their_true_outcome(
 
 @pytest.mark.parametrize("level", LEVELS_HERE)
 async def test_an_escaped_task_is_re_adopted_then_cancelled_with_nothing_left(
-    recording_master: RecordingMaster, tmp_path: Path, level: str  # noqa: F811 -- the imported fixture
+    recording_master: RecordingMaster, tmp_path: Path, level: str
 ) -> None:
     admin = recording_master.admin
     agent = agent_process(tmp_path, recording_master.base_url, recording_master.registration_token,
@@ -179,7 +180,7 @@ async def test_an_escaped_task_is_re_adopted_then_cancelled_with_nothing_left(
 
 
 async def test_the_hand_over_signal_leaves_the_task_to_the_next_agent(
-    recording_master: RecordingMaster, tmp_path: Path  # noqa: F811 -- the imported fixture
+    recording_master: RecordingMaster, tmp_path: Path
 ) -> None:
     admin = recording_master.admin
     agent = agent_process(tmp_path, recording_master.base_url, recording_master.registration_token)
@@ -220,7 +221,7 @@ ENV_HOLDER = textwrap.dedent("""
 
 
 async def test_a_re_adopted_tasks_environment_is_not_collected_under_it(
-    recording_master: RecordingMaster, tmp_path: Path  # noqa: F811 -- the imported fixture
+    recording_master: RecordingMaster, tmp_path: Path
 ) -> None:
     """Environments over the budget are collected least recently used first, never one in use: a
     re-adopted spider's environment counts as in use at the next agent too."""
@@ -291,7 +292,7 @@ def test_a_store_of_the_previous_schema_is_migrated_and_a_newer_one_refused(tmp_
 
 
 async def test_a_previous_agents_running_task_is_reported_lost_with_the_reason(
-    recording_master: RecordingMaster, tmp_path: Path  # noqa: F811 -- the imported fixture
+    recording_master: RecordingMaster, tmp_path: Path
 ) -> None:
     """A task the previous version left running has no handle: killed and AGENT_LOST, saying why."""
     admin = recording_master.admin

@@ -27,19 +27,23 @@ from typing import Any
 
 import pytest
 import trio
-from harness import running_agent, submit
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
-from test_shutdown import agent_process, node_status, wait_exit, wait_registered
-from test_supervision import (  # noqa: F401 -- no_strays: autouse fixture
+from harness import (  # noqa: F401 -- no_strays: autouse fixture
     SLOW_BACKEND,
+    agent_process,
     alive,
     eventually,
     marked_pids,
     no_strays,
+    node_status,
+    running_agent,
+    submit,
+    wait_exit,
     wait_for_log,
     wait_for_path,
+    wait_registered,
 )
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
 
 from ckagent.devmaster.app import Notifier, create_app
 from ckagent.devmaster.client import AdminClient

@@ -34,14 +34,18 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from harness import running_agent, spider_zip, submit
-from test_supervision import (  # noqa: F401 -- no_strays: autouse fixture
+from harness import (  # noqa: F401 -- no_strays: autouse fixture
     LEVEL,
     RecordingMaster,
+    agent_process,
     no_strays,
-    recording_master,
+    running_agent,
     settings_for,
+    spider_zip,
+    submit,
+    wait_exit,
     wait_for_log,
+    wait_registered,
 )
 
 from ckagent.containment import Containment, Limits, TaskJail, available_levels, open_containment
@@ -440,7 +444,7 @@ def test_without_nft_rights_the_level_is_the_proxy(tmp_path: Path) -> None:
 @needs_kernel
 @pytest.mark.parametrize("level", V2_LEVELS)
 async def test_the_agent_refuses_reports_and_shows_a_tasks_connections(
-    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path, tables: list[str], level: str,  # noqa: F811
+    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path, tables: list[str], level: str,
 ) -> None:
     LEVEL["current"] = level
     tables.append(table_name(agent_group_name(tmp_path / "agent")))
@@ -506,7 +510,7 @@ for target in sys.argv[1:]:
 @needs_kernel
 @pytest.mark.parametrize("level", V2_LEVELS[:1])
 async def test_a_spiders_egress_from_the_reference_master_reaches_the_agent(
-    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path, tables: list[str], level: str,  # noqa: F811
+    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path, tables: list[str], level: str,
 ) -> None:
     """The spider's ``egress`` (set through the admin API) travels in its tasks to the agent and is
     enforced by the kernel: its deny entry refuses 127.0.0.2, its allow entry beats the node's denial
@@ -641,12 +645,10 @@ for _ in range(3):
 @needs_kernel
 @pytest.mark.parametrize("level", V2_LEVELS)
 async def test_a_task_handed_over_to_the_next_agent_stays_under_its_policy(
-    recording_master: RecordingMaster, tmp_path: Path, tables: list[str], level: str,  # noqa: F811
+    recording_master: RecordingMaster, tmp_path: Path, tables: list[str], level: str,
 ) -> None:
     """SIGUSR2 leaves the task running and its rules in the kernel; the next agent re-adopts it and
     puts it under its policy again: every connection the task makes after the restart is refused."""
-    from test_shutdown import agent_process, wait_exit, wait_registered
-
     admin = recording_master.admin
     table = table_name(agent_group_name(tmp_path / "node" / "data"))
     tables.append(table)
@@ -699,13 +701,11 @@ for name in ("DENIED", "ALLOWED"):
 
 
 async def test_a_task_handed_over_at_the_proxy_level_keeps_its_proxy(
-    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path  # noqa: F811
+    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     """Where the kernel cannot filter, a task's proxy variables name the agent's proxy port: the
     next agent serves the proxy on that same port, so a re-adopted task's requests still go through
     its policy (denied: 403, allowed: through)."""
-    from test_shutdown import agent_process, wait_exit, wait_registered
-
     admin = recording_master.admin
     denied = await nursery.start(partial(trio.serve_tcp, _http_ok, 0, host="127.0.0.2"))
     allowed = await nursery.start(partial(trio.serve_tcp, _http_ok, 0, host="127.0.0.3"))

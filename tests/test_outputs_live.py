@@ -18,9 +18,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from harness import spider_zip
-from test_shutdown import agent_process, wait_exit
-from test_supervision import eventually
+from harness import agent_process, eventually, spider_zip, wait_exit
 
 from ckagent.code.workspace import Workspaces
 from ckagent.delivery.journal import LogJournal

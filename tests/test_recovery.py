@@ -17,18 +17,19 @@ from pathlib import Path
 
 import httpx
 import trio
-from harness import submit
-from test_shutdown import agent_process, wait_exit, wait_registered
-from test_supervision import (  # noqa: F401 -- no_strays: autouse fixture
+from harness import (  # noqa: F401 -- no_strays: autouse fixture
     ESCAPE,
     RecordingMaster,
+    agent_process,
     alive,
     eventually,
     marked_pids,
     no_strays,
     pids_in,
-    recording_master,
+    submit,
+    wait_exit,
     wait_for_log,
+    wait_registered,
 )
 
 SPIDER = textwrap.dedent("""
@@ -52,7 +53,7 @@ SPIDER = textwrap.dedent("""
 
 
 async def test_kill_9_mid_task_then_restart_kills_orphans_and_reports_agent_lost_once(
-    recording_master: RecordingMaster, tmp_path: Path  # noqa: F811 -- the imported fixture
+    recording_master: RecordingMaster, tmp_path: Path
 ) -> None:
     admin = recording_master.admin
     log_file = tmp_path / "agent-own.log"

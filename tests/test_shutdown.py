@@ -11,20 +11,22 @@ from __future__ import annotations
 import signal
 import textwrap
 from pathlib import Path
-from typing import Any
 
 import trio
-from harness import AgentProcess, submit
-from test_supervision import (  # noqa: F401 -- no_strays is an autouse fixture
+from harness import (  # noqa: F401 -- no_strays: autouse fixture
+    AgentProcess,
+    agent_process,
     alive,
     eventually,
     marked_pids,
     no_strays,
+    node_status,
     pids_in,
+    submit,
+    wait_exit,
     wait_for_log,
+    wait_registered,
 )
-
-from ckagent.devmaster.client import AdminClient
 
 SLACK = 4.0
 """Seconds allowed on top of the documented exit bound: interpreter start/stop and a heartbeat."""
@@ -40,40 +42,6 @@ WORKER = textwrap.dedent("""
     child.kill()
     print("done", flush=True)
 """)
-
-
-async def wait_exit(agent: AgentProcess, bound: float) -> int:
-    """The agent's exit code; fails the test when it is still running after ``bound`` seconds."""
-    with trio.fail_after(bound):
-        return await agent.wait()
-
-
-async def wait_registered(admin: AdminClient, agent: AgentProcess, name: str = "proc-node") -> None:
-    """Wait until the agent process has registered and sent a heartbeat."""
-    with trio.fail_after(30):
-        while True:
-            assert agent.process is not None
-            if agent.process.returncode is not None:
-                raise AssertionError(f"agent exited with {agent.process.returncode}:\n{agent.log_text()[-3000:]}")
-            nodes = [n for n in await admin.list_nodes() if n["name"] == name]
-            if nodes and nodes[0].get("lastHeartbeat"):
-                return
-            await trio.sleep(0.1)
-
-
-async def node_status(admin: AdminClient, name: str = "proc-node") -> str | None:
-    """The status of the node's last heartbeat as the master saw it."""
-    nodes = [n for n in await admin.list_nodes() if n["name"] == name]
-    return (nodes[0].get("lastHeartbeat") or {}).get("status") if nodes else None
-
-
-def agent_process(tmp_path: Path, base_url: str, token: str, **settings: Any) -> AgentProcess:
-    """An AgentProcess with test timings (1 s heartbeat, 2 s grace) plus ``settings`` (section__key)."""
-    directory = tmp_path / "node"
-    directory.mkdir(exist_ok=True)
-    values: dict[str, Any] = {"deps__uv_index_url": "http://127.0.0.1:9/simple"}
-    values.update(settings)
-    return AgentProcess(directory, base_url, token, **values)
 
 
 async def test_sigterm_lets_running_tasks_finish_reports_draining_and_exits_0(dev_master, tmp_path: Path) -> None:
