@@ -42,7 +42,7 @@ def test_a_work_dir_below_a_file_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_the_lock_dies_with_its_process(tmp_path: Path) -> None:
     work_dir = tmp_path / "data"
-    holder = subprocess.Popen(
+    with subprocess.Popen(  # the with closes its stdout pipe
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys, time
             from pathlib import Path
@@ -50,14 +50,14 @@ def test_the_lock_dies_with_its_process(tmp_path: Path) -> None:
             WorkDirLock.acquire(Path({str(work_dir)!r}))
             print("held", flush=True)
             time.sleep(60)
-        """)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        with pytest.raises(WorkDirInUse, match=f"pid {holder.pid}"):
-            WorkDirLock.acquire(work_dir)
-    finally:
-        holder.kill()
-        holder.wait()
+        """)], stdout=subprocess.PIPE, text=True) as holder:
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+            with pytest.raises(WorkDirInUse, match=f"pid {holder.pid}"):
+                WorkDirLock.acquire(work_dir)
+        finally:
+            holder.kill()
+            holder.wait()
     WorkDirLock.acquire(work_dir).release()  # SIGKILL released it
 
 
