@@ -172,6 +172,16 @@ class AgentProcess:
             self.process.send_signal(signal.SIGKILL)
             await self.process.wait()
 
+    async def __aenter__(self) -> AgentProcess:
+        """``async with agent:`` — the block owns the process (started in it, or before it)."""
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        """At the block's end the agent is SIGKILLed and reaped if it still runs, also when the test
+        failed or was cancelled (shielded, bounded to 10 s): no agent outlives its test."""
+        with trio.move_on_after(10, shield=True):
+            await self.kill()
+
     def log_text(self) -> str:
         """The agent's own log so far."""
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

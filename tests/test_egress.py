@@ -657,7 +657,7 @@ async def test_a_task_handed_over_to_the_next_agent_stays_under_its_policy(
                               task__containment=level, task__egress="nftables",
                               task__egress_deny="metadata,link-local,agent,127.0.0.2")
         await agent.start()
-        try:
+        async with agent:
             await wait_registered(admin, agent)
             task_id = await submit(admin, "handed-egress", {"main.py": HANDED}, env={"TARGET_PORT": str(port)})
             await wait_for_log(admin, task_id, "ready")
@@ -670,9 +670,6 @@ async def test_a_task_handed_over_to_the_next_agent_stays_under_its_policy(
             task = await admin.wait_task_final(task_id, 30)
             agent.signal(signal.SIGTERM)
             assert await wait_exit(agent, 30) == 0
-        finally:
-            with trio.move_on_after(10, shield=True):
-                await agent.kill()
     lines = await admin.get_logs(task_id)
     assert task["status"] == "SUCCESS", task
     assert [line for line in lines if line in ("refused", "connected")] == ["refused"] * 3, lines
@@ -713,7 +710,7 @@ async def test_a_task_handed_over_at_the_proxy_level_keeps_its_proxy(
     agent = agent_process(tmp_path, recording_master.base_url, recording_master.registration_token,
                           task__egress="proxy", task__egress_deny="metadata,link-local,agent,127.0.0.2")
     await agent.start()
-    try:
+    async with agent:
         await wait_registered(admin, agent)
         task_id = await submit(admin, "proxied", {"main.py": PROXIED},
                                env={"DENIED": f"http://127.0.0.2:{denied_port}/",
@@ -727,9 +724,6 @@ async def test_a_task_handed_over_at_the_proxy_level_keeps_its_proxy(
         task = await admin.wait_task_final(task_id, 60)
         agent.signal(signal.SIGTERM)
         assert await wait_exit(agent, 30) == 0
-    finally:
-        with trio.move_on_after(10, shield=True):
-            await agent.kill()
     lines = await admin.get_logs(task_id)
     assert task["status"] == "SUCCESS", task
     assert [line for line in lines if line.split(" ")[0] in ("ok", "http", "failed")] == \

@@ -48,7 +48,7 @@ async def test_sigterm_lets_running_tasks_finish_reports_draining_and_exits_0(de
     admin = dev_master.admin
     agent = agent_process(tmp_path, dev_master.base_url, dev_master.registration_token, task__drain_timeout=30)
     await agent.start()
-    try:
+    async with agent:
         await wait_registered(admin, agent)
         tasks = [await submit(admin, f"five-seconds-{i}", {"main.py": WORKER}, env={"WORK_SECONDS": "4"})
                  for i in range(2)]
@@ -63,9 +63,6 @@ async def test_sigterm_lets_running_tasks_finish_reports_draining_and_exits_0(de
         await eventually(draining, 10)  # the master sees the node draining
         code = await wait_exit(agent, 30 + 2 + 10 + SLACK)
         elapsed = trio.current_time() - signalled
-    finally:
-        with trio.move_on_after(10, shield=True):  # a cancelled test still reaps its agents
-            await agent.kill()
     assert code == 0, agent.log_text()[-3000:]
     assert elapsed < 4 + SLACK, elapsed  # it left as soon as its tasks were done, not at the deadline
     assert await node_status(admin) == "STOPPED"  # its last heartbeat says so
@@ -82,7 +79,7 @@ async def test_drain_deadline_terminates_long_tasks_as_cancelled(dev_master, tmp
     agent = agent_process(tmp_path, dev_master.base_url, dev_master.registration_token,
                           task__drain_timeout=drain, task__kill_grace=grace, task__flush_timeout=flush)
     await agent.start()
-    try:
+    async with agent:
         await wait_registered(admin, agent)
         polite = await submit(admin, "ten-minutes", {"main.py": WORKER})
         stubborn = await submit(admin, "ten-minutes-stubborn", {"main.py": WORKER}, env={"IGNORE_TERM": "1"})
@@ -92,9 +89,6 @@ async def test_drain_deadline_terminates_long_tasks_as_cancelled(dev_master, tmp
         signalled = trio.current_time()
         code = await wait_exit(agent, drain + grace + flush + SLACK)
         elapsed = trio.current_time() - signalled
-    finally:
-        with trio.move_on_after(10, shield=True):  # a cancelled test still reaps its agents
-            await agent.kill()
     assert code == 0, agent.log_text()[-3000:]
     assert drain <= elapsed <= drain + grace + SLACK, elapsed
     for task_id in (polite, stubborn):
@@ -114,7 +108,7 @@ async def test_sigint_terminates_at_once(dev_master, tmp_path: Path) -> None:
     agent = agent_process(tmp_path, dev_master.base_url, dev_master.registration_token,
                           task__drain_timeout=60, task__kill_grace=grace, task__flush_timeout=flush)
     await agent.start()
-    try:
+    async with agent:
         await wait_registered(admin, agent)
         task_id = await submit(admin, "interrupted", {"main.py": WORKER}, env={"IGNORE_TERM": "1"})
         await wait_for_log(admin, task_id, "started")
@@ -122,9 +116,6 @@ async def test_sigint_terminates_at_once(dev_master, tmp_path: Path) -> None:
         signalled = trio.current_time()
         code = await wait_exit(agent, grace + flush + SLACK)
         elapsed = trio.current_time() - signalled
-    finally:
-        with trio.move_on_after(10, shield=True):  # a cancelled test still reaps its agents
-            await agent.kill()
     assert code == 0, agent.log_text()[-3000:]
     assert elapsed <= grace + SLACK, elapsed  # no drain period
     task = await admin.get_task(task_id)
@@ -141,7 +132,7 @@ async def test_exit_is_bounded_with_the_master_down_and_the_next_start_delivers(
     settings = {"task__drain_timeout": drain, "task__kill_grace": grace, "task__flush_timeout": flush}
     agent = agent_process(tmp_path, base_url, token, **settings)
     await agent.start()
-    try:
+    async with agent:
         async with dev_master_process.admin() as admin:
             await wait_registered(admin, agent)
             task_id = await submit(admin, "orphaned-by-the-master", {"main.py": WORKER})
@@ -151,9 +142,6 @@ async def test_exit_is_bounded_with_the_master_down_and_the_next_start_delivers(
         signalled = trio.current_time()
         code = await wait_exit(agent, drain + grace + flush + SLACK)
         elapsed = trio.current_time() - signalled
-    finally:
-        with trio.move_on_after(10, shield=True):  # a cancelled test still reaps its agents
-            await agent.kill()
     assert code == 0, agent.log_text()[-3000:]
     assert elapsed <= drain + grace + flush + SLACK, elapsed
     assert marked_pids(task_id) == []
@@ -163,15 +151,12 @@ async def test_exit_is_bounded_with_the_master_down_and_the_next_start_delivers(
     base_url = await dev_master_process.start()
     again = agent_process(tmp_path, base_url, token, **settings)
     await again.start()
-    try:
+    async with again:
         async with dev_master_process.admin() as admin:
             with trio.fail_after(30):
                 task = await admin.wait_task_final(task_id, 30)
             lines = await admin.get_logs(task_id)
         again.signal(signal.SIGTERM)
         assert await wait_exit(again, drain + grace + flush + SLACK) == 0
-    finally:
-        with trio.move_on_after(10, shield=True):  # a cancelled test still reaps its agents
-            await again.kill()
     assert (task["status"], task["errorCode"]) == ("CANCELLED", "CANCELLED"), task
     assert "started" in lines and any("stopped (agent terminating)" in line for line in lines), lines
