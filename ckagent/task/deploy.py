@@ -6,9 +6,11 @@ spider's ``CK_DATA_DIR`` and ``HOME``; the copy is removed when the task ends. E
 jail of the node's containment level (:mod:`ckagent.containment`), created before its first
 installer and emptied and removed after its end.
 
-Errors: :meth:`Deployer.deploy` raises DeployError, :meth:`Deployer.open_jail` JailError (the
-TaskErrors of ckagent.node.errors). Blocking work (the file system, the kernel's cgroups and
-nftables) runs in one ``trio.to_thread`` hop per step.
+Errors: :meth:`Deployer.deploy` raises JailError and DeployError (the TaskErrors of
+ckagent.node.errors). Blocking work (the file system, the kernel's cgroups and nftables) runs in one
+``trio.to_thread`` hop per phase: the prepare hop makes the jail, finds the code version, makes the
+working copy and looks at the dependencies' environment (ckagent.task.runner); the end's hop
+collects the outputs and clears the jail and the copy.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import trio
@@ -38,6 +41,16 @@ Deployed = tuple[Path, list[str], "str | None", str]
 """``(code dir, argv, how the command was chosen, what was copied)``."""
 
 
+@dataclass
+class _Hop:
+    """What the prepare hop made (``jail``: the jail, its egress rules or their error; ``code``) or
+    met (``error``)."""
+
+    jail: tuple[TaskJail, TaskRules | None, EgressError | None] | None = None
+    code: Deployed | None = None
+    error: Exception | None = None
+
+
 class Deployer:
     """A task's code, working copy, jail and outputs on this node (see module docstring)."""
 
@@ -51,34 +64,65 @@ class Deployer:
         """Where the task's private working copy is made."""
         return self._workspaces.runs / safe_name(task.id)
 
-    async def deploy(self, task: Task, work: Path, held: contextlib.AsyncExitStack,
-                     notice: Notice | None = None) -> Deployed:
-        """The task's code version (deployed or found), its command and its working copy in ``work``;
-        the version is held (``held`` releases it). Raises DeployError (a file system error included,
-        with its errno text and path)."""
+    async def deploy(self, rt: RunningTask, work: Path, held: contextlib.AsyncExitStack, notice: Notice,
+                     jails: list[TaskJail], check: Callable[[Path], object] | None = None) -> Deployed:
+        """The task's jail (appended to ``jails``, the caller's to clear: :meth:`_jailed`), its code
+        version (deployed or found; held until ``held`` closes), its command and its working copy in
+        ``work``, then ``check(work)`` (blocking and never raising for the task: the dependencies'
+        look, ckagent.code.deps) — for a package deployed before (the usual case) all in one thread
+        hop (the prepare hop). Raises JailError (first: nothing of the code is made then), DeployError
+        (a file system error included, with its errno text and path)."""
+        task = rt.task
+        wanted = self._limits(task)
+        hop = await trio.to_thread.run_sync(self._prepare_hop, task, work, wanted, None, check)
+        if isinstance(hop.error, ContainmentError):
+            level = "process-group" if self.config.containment is None else self.config.containment.level
+            raise JailError(f"the node cannot contain the task ({level}): {hop.error}") from hop.error
+        assert hop.jail is not None
+        await self._jailed(rt, hop.jail, wanted, jails, notice)
         try:
-            # A package deployed before (the usual case): one thread hop finds it, resolves the
-            # command and makes the working copy.
-            cached = None
-            if task.code_package is not None:
-                cached = await trio.to_thread.run_sync(self._reuse_and_copy, task, work)
-            if cached is not None:
-                code_dir, (argv, how), copied = cached
+            if hop.error is None and hop.code is None:
+                # Not deployed before: fetched (or the files found), then one hop for the copy and the check.
+                if task.code_package is not None:
+                    code_dir = await self._workspaces.deploy_package(task.spider_id, task.code_version,
+                                                                      task.code_package, notice)
+                else:
+                    code_dir = await self._workspaces.deploy_files(task.spider_id, notice)
                 self._workspaces.acquire(code_dir)
                 held.callback(self._workspaces.release, code_dir)
-                return code_dir, argv, how, copied
-            if task.code_package is not None:
-                code_dir = await self._workspaces.deploy_package(task.spider_id, task.code_version, task.code_package,
-                                                                  notice)
-            else:
-                code_dir = await self._workspaces.deploy_files(task.spider_id, notice)
-            self._workspaces.acquire(code_dir)
-            held.callback(self._workspaces.release, code_dir)
-            # One thread hop for the command and the working copy.
-            (argv, how), copied = await trio.to_thread.run_sync(self._resolve_and_copy, task, code_dir, work)
-            return code_dir, argv, how, copied
+                hop = await trio.to_thread.run_sync(self._prepare_hop, task, work, None, code_dir, check)
+            elif hop.code is not None:
+                self._workspaces.acquire(hop.code[0])
+                held.callback(self._workspaces.release, hop.code[0])
+            if hop.error is not None:
+                raise hop.error
         except OSError as exc:
             raise DeployError(f"cannot deploy the spider's code: {os_error_text(exc)}") from exc
+        assert hop.code is not None
+        return hop.code
+
+    def _prepare_hop(self, task: Task, work: Path, wanted: Limits | None, code_dir: Path | None,
+                     check: Callable[[Path], object] | None) -> _Hop:
+        """The prepare hop (blocking): the jail under its egress rules (``wanted`` its limits; None: no
+        jail now), the code version (``code_dir``, else a package deployed before, else none yet),
+        the command and the working copy, then ``check(work)``. Returns what it met instead of raising."""
+        hop = _Hop()
+        try:
+            if wanted is not None:
+                hop.jail = self._jail_and_attach(task, wanted)
+            if code_dir is not None:
+                (argv, how), copied = self._resolve_and_copy(task, code_dir, work)
+                hop.code = (code_dir, argv, how, copied)
+            elif task.code_package is not None:
+                cached = self._reuse_and_copy(task, work)
+                if cached is not None:
+                    found, (argv, how), copied = cached
+                    hop.code = (found, argv, how, copied)
+            if hop.code is not None and check is not None:
+                check(work)
+        except Exception as exc:  # ContainmentError, DeployError, OSError; a bug: raised on the loop all the same
+            hop.error = exc
+        return hop
 
     def _reuse_and_copy(self, task: Task, work: Path) -> tuple[Path, tuple[list[str], str | None], str] | None:
         """For a package deployed before: its version dir (touched: pruning keeps the newest), the
@@ -108,51 +152,46 @@ class Deployer:
         spider_dirs(self.config.work_dir, safe_name(task.spider_id), run_as)
         return stats.describe()
 
-    async def open_jail(self, rt: RunningTask, notice: Notice) -> TaskJail:
-        """The task's jail at the node's level, with the task's limits (else the node's defaults), under
-        its egress rules (``rt.egress``). Raises JailError (the jail is emptied first)."""
-        task, default = rt.task, self.config.default_limits
-        wanted = Limits(
+    def _limits(self, task: Task) -> Limits:
+        """The task's limits, else the node's defaults."""
+        default = self.config.default_limits
+        return Limits(
             memory_bytes=task.resources.memory_bytes if task.resources.memory_bytes is not None else default.memory_bytes,
             pids=task.resources.pids if task.resources.pids is not None else default.pids,
             cpus=task.resources.cpus if task.resources.cpus is not None else default.cpus,
         )
+
+    def _jail_and_attach(self, task: Task, wanted: Limits) -> tuple[TaskJail, TaskRules | None, EgressError | None]:
+        """The jail at the node's level, then the task's egress rules on it (before any process of the
+        task starts: its installers are filtered too). Blocking. Raises ContainmentError."""
         containment, egress = self.config.containment, self.config.egress
-
-        def jail_and_attach() -> tuple[TaskJail, TaskRules | None, EgressError | None]:
-            """The jail, then the task's egress rules on it: one thread hop (before any process of
-            the task starts: its installers are filtered too). Raises ContainmentError."""
-            made: TaskJail = ProcessGroupJail(task.id) if containment is None else containment.jail(task.id, wanted)
-            if egress is None:
-                return made, None, None
-            try:
-                return made, egress.attach(made, task.id, task.egress), None
-            except EgressError as exc:
-                return made, None, exc
-
-        jail: TaskJail
-        attached: TaskRules | None = None
-        failed: EgressError | None = None
+        made: TaskJail = ProcessGroupJail(task.id) if containment is None else containment.jail(task.id, wanted)
+        if egress is None:
+            return made, None, None
         try:
-            if containment is None and egress is None:
-                jail = ProcessGroupJail(task.id)
-            else:
-                jail, attached, failed = await trio.to_thread.run_sync(jail_and_attach)
-        except ContainmentError as exc:
-            level = "process-group" if containment is None else containment.level
-            raise JailError(f"the node cannot contain the task ({level}): {exc}") from exc
+            return made, egress.attach(made, task.id, task.egress), None
+        except EgressError as exc:
+            return made, None, exc
+
+    async def _jailed(self, rt: RunningTask, made: tuple[TaskJail, TaskRules | None, EgressError | None],
+                      wanted: Limits, jails: list[TaskJail], notice: Notice) -> None:
+        """The jail the prepare hop made becomes the task's (``rt.jail``, ``rt.egress``; into ``jails``)
+        and is said in the task log; a jail whose egress rules failed is emptied and JailError raised
+        (the task must not run unprotected)."""
+        jail, attached, failed = made
+        egress = self.config.egress
         if egress is not None:
-            if failed is not None:  # the task must not run unprotected
+            if failed is not None:
                 await empty_jail(jail)
                 raise JailError(str(failed)) from failed
             rt.egress = attached
-            notice(f"egress ({egress.level}): {egress.effective(task.egress).describe()}")
+            notice(f"egress ({egress.level}): {egress.effective(rt.task.egress).describe()}")
         rt.jail = jail
+        jails.append(jail)
         if wanted != Limits() and jail.limits != wanted:
             notice(f"limits asked: {wanted.describe()}; this node ({jail.level}) enforces: {jail.limits.describe()}")
         elif wanted != Limits():
             notice(f"limits: {wanted.describe()} ({jail.level})")
-        return jail
 
     def egress_detach(self, rt: RunningTask) -> Callable[[], None] | None:
         """What removes the task's egress rules at its end (blocking), or None without a policy."""

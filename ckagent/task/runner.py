@@ -34,11 +34,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import trio
 
 from ckagent.code import frameworks
-from ckagent.code.deps import Dependencies, Prepared, spider_base_env
+from ckagent.code.deps import Checked, Dependencies, Prepared, spider_base_env
 from ckagent.code.workspace import Workspaces
 from ckagent.containment import ContainmentError, Figures, TaskJail
 from ckagent.containment.egress import Refusal, report_refusals
@@ -52,7 +53,7 @@ from ckagent.master.client import MasterClient, MasterError
 from ckagent.master.endpoints import Retry
 from ckagent.master.ids import safe_name
 from ckagent.master.ids import task_dir as task_dir_of
-from ckagent.master.protocol import ARTIFACTS
+from ckagent.master.protocol import ARTIFACTS, Task
 from ckagent.node.errors import (
     AGENT_ERROR,
     JailError,
@@ -94,6 +95,8 @@ class Code:
     argv: list[str]
     work: Path
     jail: TaskJail
+    checked: Checked | None = None
+    """What the prepare hop found of the dependencies' environment (None: the install phase looks)."""
 
 
 class TaskRunner:
@@ -234,30 +237,42 @@ class TaskRunner:
 
     @contextlib.asynccontextmanager
     async def _deployed(self, rt: RunningTask, notice: Notice) -> AsyncIterator[Code]:
-        """The code version, command and working copy, and (meanwhile) the jail. Raises DeployError, JailError."""
+        """The jail, the code version, command and working copy, and the dependencies' look (what the
+        install phase begins with): one thread hop for a package deployed before. Raises DeployError,
+        JailError."""
         task = rt.task
         started = trio.current_time()
         jails: list[TaskJail] = []
+        checks: list[Checked | None] = []
         async with contextlib.AsyncExitStack() as held:
-
-            async def open_jail() -> None:
-                jails.append(await self.deployer.open_jail(rt, notice))
-
             work = self.deployer.work_of(task)
             # At the end: the jail emptied and removed (once made), the working copy removed: one hop.
             held.push_async_callback(clear_task, jails, work, rt, self.deployer.egress_detach(rt))
-            # The jail is made while the code is deployed and copied (one thread hop less before the spawn).
+
+            def check(work: Path) -> None:  # in the prepare hop, once the working copy is there
+                checks.append(self._deps.check(task.framework, work, **self._install_args(task)))
+
+            def drop_unused() -> None:  # the task ended before its install took the environment
+                for checked in checks:
+                    if checked is not None:
+                        checked.drop()
+
+            held.callback(drop_unused)
+
             try:
-                async with trio.open_nursery() as opening:
-                    opening.start_soon(open_jail)
-                    code_dir, argv, how, copied = await self.deployer.deploy(task, work, held, notice)
+                code_dir, argv, how, copied = await self.deployer.deploy(rt, work, held, notice, jails, check)
             finally:
                 rt.phase_seconds["deploy"] = trio.current_time() - started
             [jail] = jails
             if how is not None:
                 notice(how)
             notice(f"working copy of {code_dir.name}: {copied}")
-            yield Code(code_dir, argv, work, jail)
+            yield Code(code_dir, argv, work, jail, checks[-1] if checks else None)
+
+    def _install_args(self, task: Task) -> dict[str, Any]:
+        """What :meth:`Dependencies.check <ckagent.code.deps.Dependencies.check>` and ``prepare`` take of a task."""
+        return {"marker": {MARKER_VAR: task.id}, "task_env": {**self.config.extra_env, **task.env},
+                "home": self.config.work_dir / "spider-home" / safe_name(task.spider_id)}
 
     @contextlib.asynccontextmanager
     async def _installed(self, rt: RunningTask, code: Code, sink: LogSink, notice: Notice) -> AsyncIterator[Prepared]:
@@ -266,11 +281,8 @@ class TaskRunner:
         rt.phase = "installing"
         started = trio.current_time()
         try:
-            prepared = await self._deps.prepare(
-                task.framework, task.spider_id, code.work, sink.write, marker={MARKER_VAR: task.id},
-                jail=code.jail, task_env={**self.config.extra_env, **task.env},
-                home=self.config.work_dir / "spider-home" / safe_name(task.spider_id),
-            )
+            prepared = await self._deps.prepare(task.framework, task.spider_id, code.work, sink.write, jail=code.jail,
+                                                checked=code.checked, **self._install_args(task))
         finally:
             rt.phase_seconds.setdefault("install", trio.current_time() - started)
         try:
