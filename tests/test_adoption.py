@@ -22,6 +22,7 @@ import pytest
 import trio
 from harness import (  # noqa: F401 -- no_strays: autouse fixture
     ESCAPE,
+    LEVELS_HERE,
     RecordingMaster,
     agent_process,
     alive,
@@ -34,7 +35,6 @@ from harness import (  # noqa: F401 -- no_strays: autouse fixture
     wait_for_log,
     wait_registered,
 )
-from test_containment import LEVELS_HERE
 
 from ckagent.node.state import SCHEMA_VERSION, StateStore, StateStoreError
 

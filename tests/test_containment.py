@@ -45,6 +45,7 @@ import pytest
 import trio
 from harness import (  # noqa: F401 -- no_strays: autouse fixture
     LEVEL,
+    LEVELS_HERE,
     RecordingMaster,
     agent_process,
     alive,
@@ -58,10 +59,9 @@ from harness import (  # noqa: F401 -- no_strays: autouse fixture
     wait_registered,
 )
 
-from ckagent.containment import Limits, available_levels, open_containment
+from ckagent.containment import Limits, open_containment
 from ckagent.containment.hierarchy import memberships, mounts
 
-LEVELS_HERE = available_levels(Path(tempfile.gettempdir()) / "ckagent-levels-probe")
 CGROUP_LEVELS = [lvl for lvl in LEVELS_HERE if lvl != "process-group"]
 SCRUBBED = {"empty-env", "new-env", "exec"}
 KINDS = ("session", "empty-env", "new-env", "exec", "forker")
