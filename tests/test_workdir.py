@@ -104,7 +104,7 @@ async def test_a_second_agent_on_a_busy_work_dir_is_refused_and_the_first_ones_t
     second = AgentProcess(tmp_path / "b", dev_master.base_url, dev_master.registration_token,
                           task__work_dir=str(tmp_path / "a" / "data"), agent__name="second-node")
     await first.start()
-    try:
+    async with first, second:
         sleeper = {"main.py": "import time\ntime.sleep(4)\nprint('done')\n"}
         task_id = await submit(dev_master.admin, "sleeper", sleeper)
         with trio.fail_after(60):
@@ -117,7 +117,3 @@ async def test_a_second_agent_on_a_busy_work_dir_is_refused_and_the_first_ones_t
             task = await dev_master.admin.wait_task_final(task_id, 30)
         assert task["status"] == "SUCCESS", task
         assert first.process is not None and first.process.returncode is None
-    finally:
-        with trio.move_on_after(10, shield=True):  # a cancelled test still reaps its agents
-            await first.kill()
-            await second.kill()
