@@ -5,7 +5,6 @@ See the package docstring (ckagent.delivery) for the whole design.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -14,7 +13,16 @@ from typing import Any
 
 import trio
 
-from ckagent.delivery.lines import Masker, encode_item, encode_json
+from ckagent.delivery.flight import (
+    CEILING_RECOVERY,
+    RETRY,
+    Answer,
+    Flight,
+    is_placeholder,
+    placeholder,
+    refused_element,
+)
+from ckagent.delivery.lines import Masker, encode_item
 from ckagent.delivery.nodebatch import NodeBatcher
 from ckagent.delivery.pending import Pending
 from ckagent.delivery.readers import _FileReader, _ItemJournalReader, _JournalReader
@@ -39,45 +47,6 @@ from ckagent.node.state import AsyncStateStore, StateStoreError
 
 log = logging.getLogger(__name__)
 
-CEILING_RECOVERY = 8
-"""Acknowledgements in a row after which a batch size lowered by a 413 may double again."""
-
-
-def refused_element(exc: MasterRejected, key: str, count: int) -> int | None:
-    """The index (0-based, within the batch of ``count`` elements) of the element a 422 names as the
-    one it refuses — its ``field`` is ``"<key>[i]"`` or a path inside it (``"items[3].price"``) —
-    or None: only such a 422 drops an element (docs/protocol.md, "When something fails")."""
-    body = exc.body
-    field = body.get("field") if isinstance(body, dict) else None
-    if exc.status != 422 or not isinstance(field, str) or not field.startswith(f"{key}["):
-        return None
-    digits, _, _ = field[len(key) + 1:].partition("]")
-    if not digits.isdigit() or int(digits) >= count:
-        return None
-    return int(digits)
-
-
-class _Flight:
-    """A batch on its way: ``count`` leading elements of the pending ones, ``size`` their estimated bytes."""
-
-    __slots__ = ("answer", "count", "size")
-
-    def __init__(self, count: int, size: int) -> None:
-        self.count = count
-        self.size = size
-        self.answer: _Answer | None = None
-
-
-class _Answer:
-    __slots__ = ("expected", "kind", "retry_after")
-
-    def __init__(self, kind: str, expected: int | None = None, retry_after: float | None = None) -> None:
-        self.kind = kind  # ok | expected | shrink | element (expected = its index) | refused | retry
-        self.expected = expected
-        self.retry_after = retry_after  # retry: at least this long (a 429/503's Retry-After), or None
-
-
-_RETRY = _Answer("retry")
 """Not an answer that moves the stream: the batch goes again after a backoff."""
 
 
@@ -148,7 +117,7 @@ class StreamShipper:
         self._seq = 0  # elements the master holds (acknowledged, or skipped as already held)
         self._pending = Pending()
         self._skip = 0  # elements the master already holds beyond `_seq`: read them, do not send them
-        self._flight: _Flight | None = None  # the one batch on its way (its elements lead `_pending`)
+        self._flight: Flight | None = None  # the one batch on its way (its elements lead `_pending`)
         self._checkpoints: dict[int, Any] = {}
         # An acknowledged position not yet in the state store: saved once the next batch is on its
         # way (the save is not on the path from one answer to the next request). A crash before the
@@ -276,7 +245,7 @@ class StreamShipper:
                     continue
                 if answer.kind == "element":  # a 422 naming one element: the master's word
                     assert answer.expected is not None
-                    if answer.expected == 0 and self._is_placeholder_element(pending.first()):
+                    if answer.expected == 0 and is_placeholder(pending.first()):
                         log.error("task %s %s: the master refuses even the placeholder of element %d; "
                                   "not sending the stream any more; the result will say incomplete",
                                   self.task_id, self.stream, self._seq)
@@ -319,7 +288,7 @@ class StreamShipper:
                 or trio.current_time() - pending.since >= self._age()
             ):
                 n = pending.batch_len(self._count_limit, MAX_BATCH_BYTES)
-                self._launch(_Flight(n, pending.size_of(n)), self._seq, n, pending.body(n, self._seq, self._key))
+                self._launch(Flight(n, pending.size_of(n)), self._seq, n, pending.body(n, self._seq, self._key))
                 self._note()
                 continue
             if reader.done and not pending and self._flight is None:
@@ -375,7 +344,7 @@ class StreamShipper:
             pending.clear()
             await self._reader.restore(self._checkpoints[start])
 
-    def _launch(self, flight: _Flight, seq: int, count: int, body: bytes) -> None:
+    def _launch(self, flight: Flight, seq: int, count: int, body: bytes) -> None:
         """Send a batch: in a node batch, with no task of its own (:meth:`_landed` takes its answer);
         else (or to retry it after a backoff) in the owner's nursery."""
         self._flight = flight
@@ -390,10 +359,10 @@ class StreamShipper:
         assert self._nursery is not None, "open the shipper first"
         self._nursery.start_soon(self._fly, flight, seq, count, body)
 
-    def _landed(self, flight: _Flight, seq: int, count: int, body: bytes, value: int | None,
+    def _landed(self, flight: Flight, seq: int, count: int, body: bytes, value: int | None,
                 error: MasterError | None) -> None:
         """A node batch's answer (on the Trio thread): the flight's answer, or its retry after a backoff."""
-        answer = _Answer("ok", value) if error is None else self._judge(error, seq, count)
+        answer = Answer("ok", value) if error is None else self._judge(error, seq, count)
         if answer is None or answer.kind == "retry":
             if self._nursery is not None:  # None: the stream was closed meanwhile (the agent stops)
                 self._nursery.start_soon(self._fly, flight, seq, count, body, 1,
@@ -403,7 +372,7 @@ class StreamShipper:
         flight.answer = answer
         self.waker.set()
 
-    async def _fly(self, flight: _Flight, seq: int, count: int, body: bytes, attempt: int = 0,
+    async def _fly(self, flight: Flight, seq: int, count: int, body: bytes, attempt: int = 0,
                    retry_after: float | None = None) -> None:
         """The batch's request(s) in a task of its own (``attempt`` > 0: after that attempt's backoff)."""
         if attempt:
@@ -415,26 +384,17 @@ class StreamShipper:
         flight.answer = await self._post(seq, count, body, attempt)
         self.waker.set()
 
-    def _placeholder(self, element: bytes) -> bytes:
-        """The encoded stand-in for an encoded element the master refused on its own."""
-        size = len(element)
-        if self.kind == "logs":
-            return encode_json(f"[ckagent] a log line of {size} bytes was refused by the master and dropped")
-        return encode_json(
-            {"_invalidItem": None, "_error": f"an item of {size} bytes was refused by the master and dropped"}
-        )
-
     def _drop_first(self, pending: Pending, seq: int, why: str) -> None:
         """Replace the first pending element (index ``seq`` of the stream) by its placeholder: the
         master refused it on its own (``why``); said in the agent log, counted in :attr:`placeholders`."""
         element = pending.first()
         log.error("task %s %s: the master refuses element %d on its own (%s); it is replaced by a placeholder "
                   "(the spool keeps the original)", self.task_id, self.stream, seq, why)
-        pending.replace_first(self._placeholder(element))
+        pending.replace_first(placeholder(self.kind, element))
         self.placeholders += 1
         self._count_limit = self._count_ceiling = MAX_BATCH_COUNT
 
-    async def _post(self, seq: int, count: int, body: bytes, attempt: int = 0) -> _Answer:
+    async def _post(self, seq: int, count: int, body: bytes, attempt: int = 0) -> Answer:
         """POST one batch (``count`` elements from ``seq``, ``body`` its encoded JSON) until the master
         answers in a way that moves the stream (see module docstring): an acknowledgement, a 409, a
         413 for several elements, a 422 naming an element; or a 404 / a lone element's 413 that lasted
@@ -448,11 +408,11 @@ class StreamShipper:
                     # gains nothing from company and keeps its endpoint's own fast path.
                     if batcher is not None and batcher.enabled and len(body) <= NODE_BATCH_ENTRY_BYTES:
                         self.requests += 1
-                        return _Answer("ok", await batcher.post(self.task_id, self.kind, body))
+                        return Answer("ok", await batcher.post(self.task_id, self.kind, body))
                     async with self._limiter:
                         self.requests += 1
                         answer = await self._master.post_stream(self.kind, self.task_id, body)
-                    return _Answer("ok", answer.accepted_seq)
+                    return Answer("ok", answer.accepted_seq)
                 except MasterError as exc:
                     judged = self._judge(exc, seq, count)
                     if judged is None:
@@ -464,26 +424,26 @@ class StreamShipper:
         finally:
             self.refusing_since = None
 
-    def _judge(self, exc: MasterError, seq: int, count: int) -> _Answer | None:
+    def _judge(self, exc: MasterError, seq: int, count: int) -> Answer | None:
         """What the master's ``exc`` to a batch of ``count`` elements from ``seq`` means for the
         stream: an answer that moves it, a retry after a backoff (kind "retry"), or None (not a
         batch's answer: RegistrationRefused)."""
         if isinstance(exc, MasterUnavailable):  # MasterProtocolError too: a 2xx without acceptedSeq is none
-            return _Answer("retry", retry_after=exc.retry_after)
+            return Answer("retry", retry_after=exc.retry_after)
         if isinstance(exc, MasterConflict):
             expected = exc.body.get("expectedSeq") if isinstance(exc.body, dict) else None
             if isinstance(expected, int) and expected >= 0:
                 log.info("task %s %s: master expects element %d (sent %d)", self.task_id, self.stream,
                          expected, seq)
-                return _Answer("expected", expected)
+                return Answer("expected", expected)
             log.error("task %s %s: the master refuses the stream (%s); not sending it any more; the "
                       "result will say incomplete", self.task_id, self.stream, exc)
-            return _Answer("refused")
+            return Answer("refused")
         if isinstance(exc, MasterRejected):
-            return self._refusal(exc, count) or _RETRY
+            return self._refusal(exc, count) or RETRY
         return None
 
-    def _refusal(self, exc: MasterRejected, count: int) -> _Answer | None:
+    def _refusal(self, exc: MasterRejected, count: int) -> Answer | None:
         """What a 4xx (not 409) to the batch means: an answer that moves the stream, or None (retry)."""
         now = trio.current_time()
         if self.refusing_since is None:
@@ -494,28 +454,18 @@ class StreamShipper:
         if exc.status == 413 and count > 1:
             log.warning("task %s %s: the master finds a batch of %d elements too large (413); sending it smaller",
                         self.task_id, self.stream, count)
-            return _Answer("shrink")
+            return Answer("shrink")
         index = refused_element(exc, self._key, count)
         if index is not None:
-            return _Answer("element", index)
+            return Answer("element", index)
         if lasted >= self._refusal_timeout:
             if exc.status == 413:  # count == 1: this element, not the batch size
-                return _Answer("shrink")
+                return Answer("shrink")
             if exc.status == 404:
                 log.error("task %s %s: the master has not known the task for %.0f s (404; server.refusal_timeout); "
                           "not sending the stream any more; the result will say incomplete, the spool stays on "
                           "the node", self.task_id, self.stream, lasted)
-                return _Answer("refused")
+                return Answer("refused")
         # Not the master's word to drop anything (a 404 of a master restarting, 403, 408, a lone 413
         # for a moment, ...): the batch is retried with backoff; logged once per episode by the client.
         return None
-
-    def _is_placeholder_element(self, element: bytes) -> bool:
-        """True when the encoded ``element`` is a placeholder (see :meth:`_placeholder`)."""
-        try:
-            decoded = json.loads(element)
-        except ValueError:
-            return False
-        if isinstance(decoded, str):
-            return decoded.startswith("[ckagent] a log line of ")
-        return isinstance(decoded, dict) and "_invalidItem" in decoded and decoded.get("_invalidItem") is None
