@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import trio
-from harness import ExampleRuns
+from harness import ExampleRuns, RecordingMaster, serve_recording_master
 
 import ckagent
 from ckagent.devmaster.client import AdminClient
@@ -108,6 +108,14 @@ async def dev_master(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[Dev
             db_path=config.db_path,
             admin=admin,
         )
+
+
+@pytest.fixture
+async def recording_master(tmp_path: Path) -> AsyncIterator[RecordingMaster]:
+    """A dev master that records the final results it receives and the API keys it issues
+    (tests/harness.py ``RecordingMaster``), stopped after the test."""
+    async with serve_recording_master(tmp_path) as master:
+        yield master
 
 
 @pytest.fixture(scope="session")

@@ -15,10 +15,25 @@ in faultproxy.py. Everything else a test file would otherwise write for itself l
 - :class:`ExampleRuns` runs each sdk/examples spider once per session on each path (``ckagent
   exec``, an agent) for the tests that read that run (the session fixture ``example_runs``);
   :func:`recipe` reads the README's exec recipe.
+- :class:`RecordingMaster` is the dev master behind a recorder of the final results it receives
+  and the API keys it issues (conftest.py's ``recording_master`` serves one per test);
+  :func:`settings_for` gives an in-process agent its settings for it (the containment level in
+  ``LEVEL``, which test_supervision.py's ``containment_level`` sets).
+- Processes: :func:`alive`, :func:`marked_pids` (a task's processes, read from /proc),
+  :func:`pids_in`, and the ``no_strays`` fixture (import it: after each test, it kills the spiders
+  a failed test left); spider building blocks :data:`ESCAPE` and :data:`SLOW_BACKEND`.
+- :func:`package_index` serves wheels made by :func:`wheel` as a simple index on 127.0.0.1.
+- An agent as a process: :func:`agent_process` (test timings), :func:`wait_registered`,
+  :func:`wait_exit`, :func:`node_status`; :func:`wait_for_log` waits for a line in the master.
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import hashlib
+import http.server
+import io
 import json
 import os
 import re
@@ -26,21 +41,34 @@ import shlex
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import tempfile
+import textwrap
+import threading
+import uuid
+import zipfile
+from collections import defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import trio
 import yaml
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
 
 import ckagent
 from ckagent.agent import Agent
+from ckagent.containment import available_levels
 from ckagent.containment.process import find_marked
 from ckagent.delivery import LineSplitter, Masker, decode_lines
-from ckagent.devmaster.client import zip_directory, zip_files
+from ckagent.devmaster.app import Notifier, create_app
+from ckagent.devmaster.client import AdminClient, zip_directory, zip_files
+from ckagent.devmaster.store import Store
 from ckagent.node.config import Settings, load_settings
 
 
@@ -150,6 +178,16 @@ class AgentProcess:
         if self.process is not None and self.process.returncode is None:
             self.process.send_signal(signal.SIGKILL)
             await self.process.wait()
+
+    async def __aenter__(self) -> AgentProcess:
+        """``async with agent:`` — the block owns the process (started in it, or before it)."""
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        """At the block's end the agent is SIGKILLed and reaped if it still runs, also when the test
+        failed or was cancelled (shielded, bounded to 10 s): no agent outlives its test."""
+        with trio.move_on_after(10, shield=True):
+            await self.kill()
 
     def log_text(self) -> str:
         """The agent's own log so far."""
@@ -421,3 +459,335 @@ class ExampleRuns:
         return AgentRun(task, await admin.get_items(task_id), await admin.get_logs(task_id),
                         [a["path"] for a in await admin.list_artifacts(task_id)], nodes[0]["runtimes"],
                         leftovers, dev_master.base_url)
+
+
+# ------------------------------------------------------------------------------ a recording master
+
+
+FINAL = ("SUCCESS", "FAILED", "CANCELLED")
+_RESULT_PATH = re.compile(r"^/api/tasks/([^/]+)/result$")
+
+
+class Recorder:
+    """ASGI wrapper around the dev master app: final results received per task, API keys issued."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.final_posts: dict[str, list[tuple[int, dict[str, Any]]]] = defaultdict(list)
+        self.api_keys: list[str] = []
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        result = _RESULT_PATH.match(path) if scope["type"] == "http" and scope["method"] == "POST" else None
+        register = scope["type"] == "http" and path == "/api/nodes/register"
+        if result is None and not register:
+            await self.app(scope, receive, send)
+            return
+        messages: list[dict[str, Any]] = []
+        body = b""
+        while True:
+            message = await receive()
+            messages.append(message)
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+
+        async def replay() -> Any:
+            return messages.pop(0) if messages else await receive()
+
+        status: list[int] = []
+        answer = bytearray()
+
+        async def capture(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            elif message["type"] == "http.response.body":
+                answer.extend(message.get("body", b""))
+            await send(message)
+
+        await self.app(scope, replay, capture)
+        if result is not None:
+            data = json.loads(body or b"{}")
+            if data.get("status") in FINAL:
+                self.final_posts[result.group(1)].append((status[0], data))
+        elif status and status[0] == 200:
+            self.api_keys.append(json.loads(bytes(answer))["apiKey"])
+
+
+@dataclass
+class RecordingMaster:
+    """A running dev master (in this process) and what it recorded."""
+
+    base_url: str
+    registration_token: str
+    admin_token: str
+    admin: AdminClient
+    recorder: Recorder = field(repr=False)
+
+    def finals(self, task_id: str) -> list[tuple[int, dict[str, Any]]]:
+        """Every final result (status code, body) the master received for ``task_id``."""
+        return list(self.recorder.final_posts.get(task_id, []))
+
+
+@asynccontextmanager
+async def serve_recording_master(tmp_path: Path) -> AsyncIterator[RecordingMaster]:
+    """The dev master app behind :class:`Recorder` (its SQLite file in ``tmp_path``), served by hypercorn
+    on 127.0.0.1:0 until the block ends (the ``recording_master`` fixture of conftest.py)."""
+    store = await trio.to_thread.run_sync(Store, tmp_path / "master.sqlite")
+    registration_token, admin_token = uuid.uuid4().hex, uuid.uuid4().hex
+    recorder = Recorder(create_app(store, Notifier(), registration_token=registration_token,
+                                   admin_token=admin_token, max_long_poll_seconds=30.0))
+    config = HypercornConfig()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    config.loglevel = "WARNING"
+    config.graceful_timeout = 0.5
+    try:
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(partial(hypercorn_serve, recorder, config))
+            base_url = str(binds[0]).rstrip("/")
+            async with AdminClient(base_url, admin_token) as admin:
+                yield RecordingMaster(base_url, registration_token, admin_token, admin, recorder)
+            nursery.cancel_scope.cancel()
+    finally:
+        store.close()
+
+
+# ------------------------------------------------------------------------------ process helpers
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def alive(pid: int) -> bool:
+    """True when ``pid`` exists and is not a zombie."""
+    state = _state(pid)
+    return state is not None and state not in ("Z", "X")
+
+
+def marked_pids(task_id: str) -> list[int]:
+    """Live processes whose environment carries CK_TASK_ID=<task_id> (read straight from /proc)."""
+    marker = f"CK_TASK_ID={task_id}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                environ = fh.read()
+        except OSError:
+            continue
+        if marker in environ.split(b"\0") and alive(int(entry)):
+            found.append(int(entry))
+    return found
+
+
+LEVELS_HERE = available_levels(Path(tempfile.gettempdir()) / "ckagent-levels-probe")
+"""Containment levels this machine can run; every test here runs at each (``task.containment``)."""
+LEVEL = {"current": "auto"}
+
+
+
+
+STRAY_ROOTS: list[Path] = []
+"""Work dirs outside tmp_path whose spiders the ``no_strays`` fixture also cleans up."""
+
+
+@pytest.fixture(autouse=True)
+def no_strays(tmp_path: Path) -> Any:
+    """After each test, SIGKILL spider processes it left alive (only a failing test does), so one
+    failure does not leave 10-minute sleepers behind. Matched by CK_TASK_DIR under the test's dirs."""
+    yield
+    roots = [str(tmp_path), *map(str, STRAY_ROOTS)]
+    STRAY_ROOTS.clear()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                environ = fh.read().split(b"\0")
+        except OSError:
+            continue
+        task_dirs = [v[len(b"CK_TASK_DIR="):].decode(errors="replace") for v in environ
+                     if v.startswith(b"CK_TASK_DIR=")]
+        if any(d.startswith(root + os.sep) for d in task_dirs for root in roots):
+            with contextlib.suppress(OSError):
+                os.kill(int(entry), signal.SIGKILL)
+
+
+def pids_in(lines: list[str], label: str) -> list[int]:
+    """Pids a spider printed as ``<label> <pid>``."""
+    return [int(m.group(1)) for line in lines if (m := re.search(rf"\b{label} (\d+)\b", line))]
+
+
+async def wait_for_log(admin: AdminClient, task_id: str, text: str, timeout: float = 20) -> list[str]:  # noqa: ASYNC109
+    """Poll the master until the task's log holds ``text``; returns the lines."""
+    with trio.fail_after(timeout):
+        while True:
+            lines = await admin.get_logs(task_id)
+            if any(text in line for line in lines):
+                return lines
+            await trio.sleep(0.1)
+
+
+async def wait_for_path(path: Path, timeout: float = 20) -> None:  # noqa: ASYNC109
+    """Wait until ``path`` exists."""
+    await eventually(trio.Path(path).exists, timeout)
+
+
+def settings_for(tmp_path: Path, master: RecordingMaster, **env: str) -> Any:
+    """Agent settings for these tests: 1 s kill grace, no index probing."""
+    values = {"AGENT_TASK_KILL_GRACE": "1", "AGENT_UV_INDEX_URL": "http://127.0.0.1:9/simple",
+              "AGENT_TASK_CONTAINMENT": LEVEL["current"]}
+    values.update(env)
+    return agent_settings(tmp_path / "agent", master.base_url, master.registration_token, **values)
+
+
+# Spider building blocks (Python source).
+ESCAPE = textwrap.dedent("""
+    def escape(label):
+        # Double fork + setsid: the grandchild leaves the spider's process group and session.
+        r, w = os.pipe()
+        if os.fork() == 0:
+            os.setsid()
+            pid = os.fork()
+            if pid == 0:
+                devnull = os.open(os.devnull, os.O_RDWR)
+                for fd in (0, 1, 2):
+                    os.dup2(devnull, fd)
+                time.sleep(300)
+                os._exit(0)
+            os.write(w, str(pid).encode())
+            os._exit(0)
+        os.close(w)
+        pid = int(os.read(r, 32))
+        os.wait()
+        print(label, pid, flush=True)
+""")
+
+
+SLOW_BACKEND = '''
+import os, time
+
+def get_requires_for_build_wheel(config_settings=None):
+    with open({pid_file!r}, "w") as fh:
+        fh.write(str(os.getpid()))
+    time.sleep(300)
+    return []
+
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    raise RuntimeError("never reached")
+'''
+"""A PEP 517 build backend that writes its pid to ``{pid_file}`` and hangs: an install to cancel."""
+
+
+# ------------------------------------------------------------------------------ a package index
+
+
+def wheel(name: str, version: str, module_text: str) -> tuple[str, bytes]:
+    """A minimal pure-Python wheel of the package ``name`` (its ``__init__.py`` is ``module_text``):
+    (file name, bytes). The distribution's name is ``name`` with ``-`` for ``_``."""
+    dist = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}/__init__.py": module_text.encode(),
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: {version}\n".encode(),
+        f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: ckagent-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = []
+    for path, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(data)}")
+    record.append(f"{dist}/RECORD,,")
+    files[f"{dist}/RECORD"] = ("\n".join(record) + "\n").encode()
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for path, data in files.items():
+            zf.writestr(path, data)
+    return f"{name}-{version}-py3-none-any.whl", buf.getvalue()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class PackageIndex:
+    """A served simple index: ``url`` (``http://127.0.0.1:PORT/simple``) and, per (package, version),
+    the wheel's direct URL with its hash (``…/files/NAME.whl#SHA256``), as a lock file names it."""
+
+    url: str
+    wheel_urls: dict[tuple[str, str], str]
+
+
+@contextlib.contextmanager
+def package_index(root: Path, packages: Sequence[tuple[str, str, str]]) -> Iterator[PackageIndex]:
+    """Serve a PEP 503 simple index of ``packages`` ((package, version, module text), each built
+    with :func:`wheel`) from ``root`` on 127.0.0.1 (a free port) until the block ends: for uv in tests
+    that must not reach PyPI."""
+    (root / "files").mkdir(parents=True, exist_ok=True)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), partial(_QuietHandler, directory=str(root)))
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    projects: dict[str, list[str]] = {}
+    urls: dict[tuple[str, str], str] = {}
+    for name, version, text in packages:
+        wheel_name, data = wheel(name, version, text)
+        (root / "files" / wheel_name).write_bytes(data)
+        sha = hashlib.sha256(data).hexdigest()
+        projects.setdefault(name.replace("_", "-"), []).append(
+            f'<a href="/files/{wheel_name}#sha256={sha}">{wheel_name}</a>')
+        urls[(name, version)] = f"{base}/files/{wheel_name}#{sha}"
+    for project, links in projects.items():
+        (root / "simple" / project).mkdir(parents=True)
+        (root / "simple" / project / "index.html").write_text("<html><body>" + "".join(links) + "</body></html>\n")
+    (root / "simple" / "index.html").write_text(
+        "<html><body>" + "".join(f'<a href="{p}/">{p}</a>' for p in projects) + "</body></html>\n")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield PackageIndex(f"{base}/simple", urls)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+# ------------------------------------------------------------------------------ an agent as a process
+
+
+async def wait_exit(agent: AgentProcess, bound: float) -> int:
+    """The agent's exit code; fails the test when it is still running after ``bound`` seconds."""
+    with trio.fail_after(bound):
+        return await agent.wait()
+
+
+async def wait_registered(admin: AdminClient, agent: AgentProcess, name: str = "proc-node") -> None:
+    """Wait until the agent process has registered and sent a heartbeat."""
+    with trio.fail_after(30):
+        while True:
+            assert agent.process is not None
+            if agent.process.returncode is not None:
+                raise AssertionError(f"agent exited with {agent.process.returncode}:\n{agent.log_text()[-3000:]}")
+            nodes = [n for n in await admin.list_nodes() if n["name"] == name]
+            if nodes and nodes[0].get("lastHeartbeat"):
+                return
+            await trio.sleep(0.1)
+
+
+async def node_status(admin: AdminClient, name: str = "proc-node") -> str | None:
+    """The status of the node's last heartbeat as the master saw it."""
+    nodes = [n for n in await admin.list_nodes() if n["name"] == name]
+    return (nodes[0].get("lastHeartbeat") or {}).get("status") if nodes else None
+
+
+def agent_process(tmp_path: Path, base_url: str, token: str, **settings: Any) -> AgentProcess:
+    """An AgentProcess with test timings (1 s heartbeat, 2 s grace) plus ``settings`` (section__key)."""
+    directory = tmp_path / "node"
+    directory.mkdir(exist_ok=True)
+    values: dict[str, Any] = {"deps__uv_index_url": "http://127.0.0.1:9/simple"}
+    values.update(settings)
+    return AgentProcess(directory, base_url, token, **values)

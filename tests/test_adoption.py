@@ -20,19 +20,20 @@ from pathlib import Path
 
 import pytest
 import trio
-from harness import submit
-from test_containment import LEVELS_HERE
-from test_shutdown import agent_process, wait_exit, wait_registered
-from test_supervision import (  # noqa: F401 -- no_strays: autouse fixture
+from harness import (  # noqa: F401 -- no_strays: autouse fixture
     ESCAPE,
+    LEVELS_HERE,
     RecordingMaster,
+    agent_process,
     alive,
     eventually,
     marked_pids,
     no_strays,
     pids_in,
-    recording_master,
+    submit,
+    wait_exit,
     wait_for_log,
+    wait_registered,
 )
 
 from ckagent.node.state import SCHEMA_VERSION, StateStore, StateStoreError
@@ -86,14 +87,14 @@ async def _lines_in(path: Path, text: str) -> bool:
 
 @pytest.mark.parametrize("level", LEVELS_HERE)
 async def test_kill_9_the_agent_tasks_run_on_and_report_their_true_outcome(
-    recording_master: RecordingMaster, tmp_path: Path, level: str  # noqa: F811 -- the imported fixture
+    recording_master: RecordingMaster, tmp_path: Path, level: str
 ) -> None:
     admin = recording_master.admin
     token = recording_master.registration_token
     agent = agent_process(tmp_path, recording_master.base_url, token, task__containment=level,
                           agent__max_workers=8)
     await agent.start()
-    try:
+    async with agent:
         await wait_registered(admin, agent)
         streams = [await submit(admin, f"stream-{i}", {"main.py": STREAMER}) for i in range(3)]
         waiter = await submit(admin, "exit-3", {"main.py": WAITER})
@@ -122,9 +123,6 @@ async def test_kill_9_the_agent_tasks_run_on_and_report_their_true_outcome(
         finals = {t: await admin.wait_task_final(t, 60) for t in (*streams, waiter, cancelled, deadline)}
         agent.signal(signal.SIGTERM)
         assert await wait_exit(agent, 30) == 0
-    finally:
-        with trio.move_on_after(10, shield=True):
-            await agent.kill()
     for task_id in streams:
         task = finals[task_id]
         assert (task["status"], task["exitCode"]) == ("SUCCESS", 0), task
@@ -149,13 +147,13 @@ async def test_kill_9_the_agent_tasks_run_on_and_report_their_true_outcome(
 
 @pytest.mark.parametrize("level", LEVELS_HERE)
 async def test_an_escaped_task_is_re_adopted_then_cancelled_with_nothing_left(
-    recording_master: RecordingMaster, tmp_path: Path, level: str  # noqa: F811 -- the imported fixture
+    recording_master: RecordingMaster, tmp_path: Path, level: str
 ) -> None:
     admin = recording_master.admin
     agent = agent_process(tmp_path, recording_master.base_url, recording_master.registration_token,
                           task__containment=level)
     await agent.start()
-    try:
+    async with agent:
         await wait_registered(admin, agent)
         task_id = await submit(admin, "escaper", {"main.py": ESCAPER})
         await eventually(lambda: _lines_in(_spool(tmp_path, task_id), "ready"), 30)
@@ -170,22 +168,19 @@ async def test_an_escaped_task_is_re_adopted_then_cancelled_with_nothing_left(
         task = await admin.wait_task_final(task_id, 30)
         agent.signal(signal.SIGTERM)
         assert await wait_exit(agent, 30) == 0
-    finally:
-        with trio.move_on_after(10, shield=True):
-            await agent.kill()
     assert (task["status"], task["errorCode"]) == ("CANCELLED", "CANCELLED"), task
     assert not [pid for pid in pids if alive(pid)], "the escaped process was found and killed"
     assert marked_pids(task_id) == []
 
 
 async def test_the_hand_over_signal_leaves_the_task_to_the_next_agent(
-    recording_master: RecordingMaster, tmp_path: Path  # noqa: F811 -- the imported fixture
+    recording_master: RecordingMaster, tmp_path: Path
 ) -> None:
     admin = recording_master.admin
     agent = agent_process(tmp_path, recording_master.base_url, recording_master.registration_token)
     spider = "import time\nfor i in range(40):\n    print('tick', i, flush=True)\n    time.sleep(0.1)\n"
     await agent.start()
-    try:
+    async with agent:
         await wait_registered(admin, agent)
         task_id = await submit(admin, "handed", {"main.py": spider})
         await wait_for_log(admin, task_id, "tick 3", 30)
@@ -196,9 +191,6 @@ async def test_the_hand_over_signal_leaves_the_task_to_the_next_agent(
         task = await admin.wait_task_final(task_id, 30)
         agent.signal(signal.SIGTERM)
         assert await wait_exit(agent, 30) == 0
-    finally:
-        with trio.move_on_after(10, shield=True):
-            await agent.kill()
     assert (task["status"], task["exitCode"]) == ("SUCCESS", 0), task
     lines = await admin.get_logs(task_id)
     assert [line for line in lines if line.startswith("tick")] == [f"tick {i}" for i in range(40)]
@@ -220,7 +212,7 @@ ENV_HOLDER = textwrap.dedent("""
 
 
 async def test_a_re_adopted_tasks_environment_is_not_collected_under_it(
-    recording_master: RecordingMaster, tmp_path: Path  # noqa: F811 -- the imported fixture
+    recording_master: RecordingMaster, tmp_path: Path
 ) -> None:
     """Environments over the budget are collected least recently used first, never one in use: a
     re-adopted spider's environment counts as in use at the next agent too."""
@@ -228,7 +220,7 @@ async def test_a_re_adopted_tasks_environment_is_not_collected_under_it(
     agent = agent_process(tmp_path, recording_master.base_url, recording_master.registration_token,
                           deps__env_budget_bytes=1)  # every environment but those in use is over it
     await agent.start()
-    try:
+    async with agent:
         await wait_registered(admin, agent)
         holder = await submit(admin, "env-holder", {"main.py": ENV_HOLDER})
         await eventually(lambda: _lines_in(_spool(tmp_path, holder), "ready"), 60)
@@ -248,9 +240,6 @@ async def test_a_re_adopted_tasks_environment_is_not_collected_under_it(
         task = await admin.wait_task_final(holder, 60)
         agent.signal(signal.SIGTERM)
         assert await wait_exit(agent, 30) == 0
-    finally:
-        with trio.move_on_after(10, shield=True):
-            await agent.kill()
     assert (task["status"], task["exitCode"]) == ("SUCCESS", 0), task
     assert "env intact" in await admin.get_logs(holder)
 
@@ -291,13 +280,13 @@ def test_a_store_of_the_previous_schema_is_migrated_and_a_newer_one_refused(tmp_
 
 
 async def test_a_previous_agents_running_task_is_reported_lost_with_the_reason(
-    recording_master: RecordingMaster, tmp_path: Path  # noqa: F811 -- the imported fixture
+    recording_master: RecordingMaster, tmp_path: Path
 ) -> None:
     """A task the previous version left running has no handle: killed and AGENT_LOST, saying why."""
     admin = recording_master.admin
     agent = agent_process(tmp_path, recording_master.base_url, recording_master.registration_token)
     await agent.start()
-    try:
+    async with agent:
         await wait_registered(admin, agent)
         task_id = await submit(admin, "old", {"main.py": SLEEPER})
         await eventually(lambda: _lines_in(_spool(tmp_path, task_id), "ready"), 30)
@@ -312,9 +301,6 @@ async def test_a_previous_agents_running_task_is_reported_lost_with_the_reason(
         task = await admin.wait_task_final(task_id, 30)
         agent.signal(signal.SIGTERM)
         assert await wait_exit(agent, 30) == 0
-    finally:
-        with trio.move_on_after(10, shield=True):
-            await agent.kill()
     assert (task["status"], task["errorCode"]) == ("FAILED", "AGENT_LOST"), task
     assert "not re-adopted: its spider had not started, or an agent without re-adoption ran it" in \
         task["errorMessage"], task

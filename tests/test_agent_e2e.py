@@ -7,20 +7,16 @@ Scrapy from PyPI (uv's default cache in ~/.cache/uv makes repeated runs fast) an
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import hashlib
 import importlib.util
-import io
 import json
-import zipfile
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import trio
-from harness import agent_settings, running_agent, spider_zip
+from harness import agent_settings, running_agent, spider_zip, wheel
 
 import ckagent
 from ckagent.code.deps import bundled_sdk_dir
@@ -261,33 +257,13 @@ async def test_a_task_claimed_elsewhere_is_not_run(
 
 def fake_sdk_wheel(version: str) -> tuple[str, bytes]:
     """A minimal pure-Python wheel of a fake ``crawlerkeeper_sdk`` (no build backend, no network)."""
-    files = {
-        "crawlerkeeper_sdk/__init__.py": (
-            f'__version__ = "{version}"\n'
-            "import json, os\n"
-            "def save_item(item):\n"
-            "    with open(os.environ['CK_ITEMS_FILE'], 'a') as f:\n"
-            "        f.write(json.dumps(item) + '\\n')\n"
-        ),
-        f"crawlerkeeper_sdk-{version}.dist-info/METADATA": (
-            f"Metadata-Version: 2.1\nName: crawlerkeeper-sdk\nVersion: {version}\n"
-        ),
-        f"crawlerkeeper_sdk-{version}.dist-info/WHEEL": (
-            "Wheel-Version: 1.0\nGenerator: ckagent-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
-        ),
-    }
-    record_name = f"crawlerkeeper_sdk-{version}.dist-info/RECORD"
-    record = []
-    for name, text in files.items():
-        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
-        record.append(f"{name},sha256={digest},{len(text.encode())}")
-    record.append(f"{record_name},,")
-    files[record_name] = "\n".join(record) + "\n"
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as zf:
-        for name, text in files.items():
-            zf.writestr(name, text)
-    return f"crawlerkeeper_sdk-{version}-py3-none-any.whl", buf.getvalue()
+    return wheel("crawlerkeeper_sdk", version, (
+        f'__version__ = "{version}"\n'
+        "import json, os\n"
+        "def save_item(item):\n"
+        "    with open(os.environ['CK_ITEMS_FILE'], 'a') as f:\n"
+        "        f.write(json.dumps(item) + '\\n')\n"
+    ))
 
 
 async def test_sdk_is_provided_and_a_pinned_sdk_wins(dev_master, nursery: trio.Nursery, tmp_path: Path) -> None:

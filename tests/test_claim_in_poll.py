@@ -24,10 +24,9 @@ import httpx
 import pytest
 import trio
 from faultproxy import FaultProxy, Request
-from harness import agent_settings, running_agent, submit
+from harness import agent_settings, eventually, running_agent, submit
 from test_devmaster import Node, make_spider, register
 from test_lifetimes import _beat, _node
-from test_supervision import eventually
 
 from ckagent.devmaster.client import AdminClient, zip_files
 from ckagent.devmaster.packages import read_package

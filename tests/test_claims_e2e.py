@@ -27,19 +27,23 @@ from typing import Any
 
 import pytest
 import trio
-from harness import running_agent, submit
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
-from test_shutdown import agent_process, node_status, wait_exit, wait_registered
-from test_supervision import (  # noqa: F401 -- no_strays: autouse fixture
+from harness import (  # noqa: F401 -- no_strays: autouse fixture
     SLOW_BACKEND,
+    agent_process,
     alive,
     eventually,
     marked_pids,
     no_strays,
+    node_status,
+    running_agent,
+    submit,
+    wait_exit,
     wait_for_log,
     wait_for_path,
+    wait_registered,
 )
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
 
 from ckagent.devmaster.app import Notifier, create_app
 from ckagent.devmaster.client import AdminClient
@@ -163,7 +167,7 @@ async def test_sigterm_with_claims_on_the_wire_leaves_no_task_running(
     gated_master.gate.claim_delay = claim_delay
     tasks = [await submit(admin, f"claimed-{i}", SLEEPER) for i in range(2)]
     await agent.start()
-    try:
+    async with agent:
 
         async def both_claimed() -> bool:
             return all([(await admin.get_task(t))["status"] == "RUNNING" for t in tasks])
@@ -171,9 +175,6 @@ async def test_sigterm_with_claims_on_the_wire_leaves_no_task_running(
         await eventually(both_claimed)  # applied at the master; the answers are held
         agent.signal(signal.SIGTERM)
         assert await wait_exit(agent, 20) == 0
-    finally:
-        with trio.move_on_after(10, shield=True):  # a cancelled test still reaps its agents
-            await agent.kill()
     statuses = {t: (await admin.get_task(t))["status"] for t in tasks}
     assert statuses == dict.fromkeys(tasks, "PENDING"), agent.log_text()[-3000:]
     assert sorted(gated_master.gate.releases) == sorted(tasks)
@@ -192,7 +193,7 @@ async def test_sigterm_with_a_claiming_poll_answer_on_the_wire_leaves_no_task_ru
                           server__request_timeout=5)
     gated_master.gate.claimed_poll_delay = 30.0  # the answer carrying the claim never arrives in time
     await agent.start()
-    try:
+    async with agent:
         await wait_registered(admin, agent)
         task_id = await submit(admin, "claimed-in-poll", SLEEPER)
 
@@ -202,9 +203,6 @@ async def test_sigterm_with_a_claiming_poll_answer_on_the_wire_leaves_no_task_ru
         await eventually(claimed)  # claimed at the master; the answer is held
         agent.signal(signal.SIGTERM)
         assert await wait_exit(agent, 20) == 0
-    finally:
-        with trio.move_on_after(10, shield=True):  # a cancelled test still reaps its agents
-            await agent.kill()
     # The poll was cut off; the node's heartbeat showed it settled: PENDING again at once (no 60 s wait).
     assert (await admin.get_task(task_id))["status"] == "PENDING", agent.log_text()[-3000:]
     assert gated_master.gate.releases == []
@@ -243,7 +241,7 @@ async def test_cancel_during_the_install_then_kill_9_reports_cancelled_not_agent
     }
     agent = agent_process(tmp_path, gated_master.base_url, gated_master.registration_token)
     await agent.start()
-    try:
+    async with agent:
         await wait_registered(admin, agent)
         gated_master.gate.refuse_finals = True  # the CANCELLED result cannot get through
         task_id = await submit(admin, "slow-install", files)
@@ -267,9 +265,6 @@ async def test_cancel_during_the_install_then_kill_9_reports_cancelled_not_agent
             task = await admin.wait_task_final(task_id, 30)
         agent.signal(signal.SIGTERM)
         assert await wait_exit(agent, 20) == 0
-    finally:
-        with trio.move_on_after(10, shield=True):  # a cancelled test still reaps its agents
-            await agent.kill()
     assert (task["status"], task["errorCode"]) == ("CANCELLED", "CANCELLED"), task
     assert marked_pids(task_id) == []
 
@@ -329,11 +324,8 @@ async def test_an_agent_that_cannot_run_exits_1_and_says_why_once(
         agent = agent_process(tmp_path, gated_master.base_url, gated_master.registration_token,
                               agent__port=port, **extra)
         await agent.start()
-        try:
+        async with agent:
             assert await wait_exit(agent, 30) == 1
-        finally:
-            with trio.move_on_after(10, shield=True):
-                await agent.kill()
     stderr = agent.log_text()  # the process's stderr
     reason = f"cannot listen on 127.0.0.1:{port}"
     if log_to_file:

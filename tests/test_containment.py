@@ -43,23 +43,25 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from harness import running_agent, submit
-from test_shutdown import agent_process, wait_exit, wait_registered
-from test_supervision import (  # noqa: F401 -- no_strays: autouse fixture
+from harness import (  # noqa: F401 -- no_strays: autouse fixture
     LEVEL,
+    LEVELS_HERE,
     RecordingMaster,
+    agent_process,
     alive,
     eventually,
     no_strays,
-    recording_master,
+    running_agent,
     settings_for,
+    submit,
+    wait_exit,
     wait_for_log,
+    wait_registered,
 )
 
-from ckagent.containment import Limits, available_levels, open_containment
+from ckagent.containment import Limits, open_containment
 from ckagent.containment.hierarchy import memberships, mounts
 
-LEVELS_HERE = available_levels(Path(tempfile.gettempdir()) / "ckagent-levels-probe")
 CGROUP_LEVELS = [lvl for lvl in LEVELS_HERE if lvl != "process-group"]
 SCRUBBED = {"empty-env", "new-env", "exec"}
 KINDS = ("session", "empty-env", "new-env", "exec", "forker")
@@ -220,7 +222,7 @@ async def _run_escapers(master: RecordingMaster, nursery: trio.Nursery, tmp_path
     ("exit", "none", "SUCCESS"), ("hang", "timeout", "FAILED"), ("hang", "cancel", "CANCELLED"),
 ])
 async def test_escaped_descendants_of_every_kind_die_with_the_task(
-    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path, level: str,  # noqa: F811 -- the imported fixture
+    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path, level: str,
     mode: str, stop: str, status: str,
 ) -> None:
     task, survivors, _ = await _run_escapers(recording_master, nursery, tmp_path, mode, stop)
@@ -229,7 +231,7 @@ async def test_escaped_descendants_of_every_kind_die_with_the_task(
 
 
 async def test_after_a_crash_the_task_is_re_adopted_and_its_cancel_kills_the_cgroup(
-    recording_master: RecordingMaster, tmp_path: Path, level: str  # noqa: F811 -- the imported fixture
+    recording_master: RecordingMaster, tmp_path: Path, level: str
 ) -> None:
     """kill -9 of the agent: every escaper of every kind runs on; the restarted agent re-adopts the
     task (ckagent.task.adoption), and a cancel then kills what the level can find: at a cgroup level all."""
@@ -297,7 +299,7 @@ SCRAPY_LIKE = textwrap.dedent('''
 
 @pytest.mark.parametrize("stop_signal", [None, "SIGINT"])
 async def test_cancel_stops_the_main_process_first_so_close_hooks_run(
-    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path, level: str, stop_signal: str | None,  # noqa: F811 -- the imported fixture
+    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path, level: str, stop_signal: str | None,
 ) -> None:
     admin = recording_master.admin
     settings = settings_for(tmp_path, recording_master, AGENT_TASK_KILL_GRACE="5")
@@ -342,7 +344,7 @@ NEIGHBOUR = "import time\nprint('neighbour up', flush=True)\ntime.sleep(3)\nprin
 
 @pytest.mark.parametrize("limited", _levels_limiting("memory"))
 async def test_memory_hog_is_oom_killed_at_its_limit_and_the_neighbour_lives(
-    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path, limited: str,  # noqa: F811 -- the imported fixture
+    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path, limited: str,
 ) -> None:
     LEVEL["current"] = limited
     async with running_agent(nursery, settings_for(tmp_path, recording_master)):
@@ -380,7 +382,7 @@ FORK_BOMB = textwrap.dedent('''
 
 @pytest.mark.parametrize("limited", _levels_limiting("pids"))
 async def test_fork_bomb_under_a_pids_limit_fails_cleanly(
-    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path, limited: str,  # noqa: F811 -- the imported fixture
+    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path, limited: str,
 ) -> None:
     LEVEL["current"] = limited
     async with running_agent(nursery, settings_for(tmp_path, recording_master)) as agent:
@@ -396,7 +398,7 @@ async def test_fork_bomb_under_a_pids_limit_fails_cleanly(
 
 
 async def test_status_and_metrics_show_the_level_and_live_figures(
-    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path, level: str,  # noqa: F811 -- the imported fixture
+    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path, level: str,
 ) -> None:
     admin = recording_master.admin
     async with running_agent(nursery, settings_for(tmp_path, recording_master)) as agent:
@@ -533,7 +535,7 @@ async def test_a_cpus_limit_throttles_the_task(tmp_path: Path, limited: str) -> 
 
 
 async def test_a_death_by_signal_names_the_signal(
-    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path  # noqa: F811 -- the imported fixture
+    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     LEVEL["current"] = "auto"
     async with running_agent(nursery, settings_for(tmp_path, recording_master)):
@@ -585,7 +587,7 @@ DAEMON_THAT_ENDS = textwrap.dedent('''
 
 
 async def test_process_group_level_reaps_adopted_orphans_and_gives_the_subreaper_role_back(
-    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path  # noqa: F811 -- the imported fixture
+    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     import ctypes
 

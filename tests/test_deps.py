@@ -7,22 +7,16 @@ one hand-made wheel, ``ckdemo-dep``.
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import http.server
-import io
 import json
 import shutil
 import socket
 import subprocess
-import threading
-import zipfile
 from collections.abc import Iterator
-from functools import partial
 from pathlib import Path
 
 import pytest
 import trio
+from harness import package_index
 
 from ckagent.code.deps import (
     NPM_MISSING,
@@ -44,53 +38,11 @@ needs_npm = pytest.mark.skipif(NPM is None, reason="npm is not installed (apt-ge
 # --------------------------------------------------------------------------- a local package index
 
 
-def _wheel(name: str, version: str, module_text: str) -> tuple[str, bytes]:
-    """A minimal pure-Python wheel: (file name, bytes)."""
-    dist = f"{name}-{version}.dist-info"
-    files = {
-        f"{name}/__init__.py": module_text.encode(),
-        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: {version}\n".encode(),
-        f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: ckagent-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-    }
-    record = []
-    for path, data in files.items():
-        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-        record.append(f"{path},sha256={digest},{len(data)}")
-    record.append(f"{dist}/RECORD,,")
-    files[f"{dist}/RECORD"] = ("\n".join(record) + "\n").encode()
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as zf:
-        for path, data in files.items():
-            zf.writestr(path, data)
-    return f"{name}-{version}-py3-none-any.whl", buf.getvalue()
-
-
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def local_index(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """URL of a simple index on 127.0.0.1 serving ``ckdemo-dep`` 1.0 (module VALUE = 42)."""
-    root = tmp_path_factory.mktemp("index")
-    wheel_name, wheel = _wheel("ckdemo_dep", "1.0", "VALUE = 42\n")
-    (root / "files").mkdir()
-    (root / "files" / wheel_name).write_bytes(wheel)
-    project = root / "simple" / "ckdemo-dep"
-    project.mkdir(parents=True)
-    sha = hashlib.sha256(wheel).hexdigest()
-    (project / "index.html").write_text(
-        f'<html><body><a href="/files/{wheel_name}#sha256={sha}">{wheel_name}</a></body></html>\n')
-    (root / "simple" / "index.html").write_text('<html><body><a href="ckdemo-dep/">ckdemo-dep</a></body></html>\n')
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), partial(_QuietHandler, directory=str(root)))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/simple"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with package_index(tmp_path_factory.mktemp("index"), [("ckdemo_dep", "1.0", "VALUE = 42\n")]) as index:
+        yield index.url
 
 
 def _deps(tmp_path: Path, index: str, **kwargs: object) -> Dependencies:

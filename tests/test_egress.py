@@ -34,14 +34,18 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from harness import running_agent, spider_zip, submit
-from test_supervision import (  # noqa: F401 -- no_strays: autouse fixture
+from harness import (  # noqa: F401 -- no_strays: autouse fixture
     LEVEL,
     RecordingMaster,
+    agent_process,
     no_strays,
-    recording_master,
+    running_agent,
     settings_for,
+    spider_zip,
+    submit,
+    wait_exit,
     wait_for_log,
+    wait_registered,
 )
 
 from ckagent.containment import Containment, Limits, TaskJail, available_levels, open_containment
@@ -440,7 +444,7 @@ def test_without_nft_rights_the_level_is_the_proxy(tmp_path: Path) -> None:
 @needs_kernel
 @pytest.mark.parametrize("level", V2_LEVELS)
 async def test_the_agent_refuses_reports_and_shows_a_tasks_connections(
-    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path, tables: list[str], level: str,  # noqa: F811
+    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path, tables: list[str], level: str,
 ) -> None:
     LEVEL["current"] = level
     tables.append(table_name(agent_group_name(tmp_path / "agent")))
@@ -506,7 +510,7 @@ for target in sys.argv[1:]:
 @needs_kernel
 @pytest.mark.parametrize("level", V2_LEVELS[:1])
 async def test_a_spiders_egress_from_the_reference_master_reaches_the_agent(
-    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path, tables: list[str], level: str,  # noqa: F811
+    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path, tables: list[str], level: str,
 ) -> None:
     """The spider's ``egress`` (set through the admin API) travels in its tasks to the agent and is
     enforced by the kernel: its deny entry refuses 127.0.0.2, its allow entry beats the node's denial
@@ -641,12 +645,10 @@ for _ in range(3):
 @needs_kernel
 @pytest.mark.parametrize("level", V2_LEVELS)
 async def test_a_task_handed_over_to_the_next_agent_stays_under_its_policy(
-    recording_master: RecordingMaster, tmp_path: Path, tables: list[str], level: str,  # noqa: F811
+    recording_master: RecordingMaster, tmp_path: Path, tables: list[str], level: str,
 ) -> None:
     """SIGUSR2 leaves the task running and its rules in the kernel; the next agent re-adopts it and
     puts it under its policy again: every connection the task makes after the restart is refused."""
-    from test_shutdown import agent_process, wait_exit, wait_registered
-
     admin = recording_master.admin
     table = table_name(agent_group_name(tmp_path / "node" / "data"))
     tables.append(table)
@@ -655,7 +657,7 @@ async def test_a_task_handed_over_to_the_next_agent_stays_under_its_policy(
                               task__containment=level, task__egress="nftables",
                               task__egress_deny="metadata,link-local,agent,127.0.0.2")
         await agent.start()
-        try:
+        async with agent:
             await wait_registered(admin, agent)
             task_id = await submit(admin, "handed-egress", {"main.py": HANDED}, env={"TARGET_PORT": str(port)})
             await wait_for_log(admin, task_id, "ready")
@@ -668,9 +670,6 @@ async def test_a_task_handed_over_to_the_next_agent_stays_under_its_policy(
             task = await admin.wait_task_final(task_id, 30)
             agent.signal(signal.SIGTERM)
             assert await wait_exit(agent, 30) == 0
-        finally:
-            with trio.move_on_after(10, shield=True):
-                await agent.kill()
     lines = await admin.get_logs(task_id)
     assert task["status"] == "SUCCESS", task
     assert [line for line in lines if line in ("refused", "connected")] == ["refused"] * 3, lines
@@ -699,13 +698,11 @@ for name in ("DENIED", "ALLOWED"):
 
 
 async def test_a_task_handed_over_at_the_proxy_level_keeps_its_proxy(
-    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path  # noqa: F811
+    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     """Where the kernel cannot filter, a task's proxy variables name the agent's proxy port: the
     next agent serves the proxy on that same port, so a re-adopted task's requests still go through
     its policy (denied: 403, allowed: through)."""
-    from test_shutdown import agent_process, wait_exit, wait_registered
-
     admin = recording_master.admin
     denied = await nursery.start(partial(trio.serve_tcp, _http_ok, 0, host="127.0.0.2"))
     allowed = await nursery.start(partial(trio.serve_tcp, _http_ok, 0, host="127.0.0.3"))
@@ -713,7 +710,7 @@ async def test_a_task_handed_over_at_the_proxy_level_keeps_its_proxy(
     agent = agent_process(tmp_path, recording_master.base_url, recording_master.registration_token,
                           task__egress="proxy", task__egress_deny="metadata,link-local,agent,127.0.0.2")
     await agent.start()
-    try:
+    async with agent:
         await wait_registered(admin, agent)
         task_id = await submit(admin, "proxied", {"main.py": PROXIED},
                                env={"DENIED": f"http://127.0.0.2:{denied_port}/",
@@ -727,9 +724,6 @@ async def test_a_task_handed_over_at_the_proxy_level_keeps_its_proxy(
         task = await admin.wait_task_final(task_id, 60)
         agent.signal(signal.SIGTERM)
         assert await wait_exit(agent, 30) == 0
-    finally:
-        with trio.move_on_after(10, shield=True):
-            await agent.kill()
     lines = await admin.get_logs(task_id)
     assert task["status"] == "SUCCESS", task
     assert [line for line in lines if line.split(" ")[0] in ("ok", "http", "failed")] == \

@@ -18,9 +18,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from harness import spider_zip
-from test_shutdown import agent_process, wait_exit
-from test_supervision import eventually
+from harness import agent_process, eventually, spider_zip, wait_exit
 
 from ckagent.code.workspace import Workspaces
 from ckagent.delivery.journal import LogJournal
@@ -239,7 +237,7 @@ async def test_a_declared_jsonl_file_streams_live_and_survives_a_kill_9(dev_mast
     admin = dev_master.admin
     agent = agent_process(tmp_path, dev_master.base_url, dev_master.registration_token)
     await agent.start()
-    try:
+    async with agent:
         await _registered(admin, agent)
         spider_id = await admin.create_spider(name="live-writer", framework="python",
                                               outputs={"items": ["*.jsonl"]})
@@ -267,9 +265,6 @@ async def test_a_declared_jsonl_file_streams_live_and_survives_a_kill_9(dev_mast
         final = await admin.wait_task_final(task_id, 120)
         agent.signal(signal.SIGTERM)
         assert await wait_exit(agent, 30) == 0
-    finally:
-        with trio.move_on_after(10, shield=True):
-            await agent.kill()
     assert final["status"] == "SUCCESS", final
     assert await _items(admin, task_id) == list(range(ITEMS)), "every item once, in order"
     assert final["itemCount"] == ITEMS, final

@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from ckagent.master.client import MasterClient
-from ckagent.master.protocol import CLAIM_IN_POLL, RegisterRequest, Task
+from ckagent.master.protocol import CLAIM_IN_POLL, POLL_FOLLOWS_RESULTS, RegisterRequest, Task
 from ckagent.task.poller import Poller
 from ckagent.task.stop import StopReason
 from ckagent.task.supervisor import RunnerConfig, RunningTask, Supervisor
@@ -307,6 +307,27 @@ async def test_held_poll_excluding_a_spider_that_finished_is_asked_again(autojum
         assert "excludeSpiderIds" not in master.polls[2].params
         await master.wait_polls(4)  # an ordinary held poll (nothing excluded) runs its full wait
         assert master.polls[3].at == master.polls[2].at + LONG_POLL_WAIT
+
+    await run_poller(master, tmp_path, body)
+
+
+async def test_a_held_poll_is_kept_across_a_spider_finishing_with_a_master_that_follows_results(
+    autojump_clock: Any, tmp_path: Path
+) -> None:
+    # poll-follows-results: the master hands the spider's next task out in the held poll once the
+    # node's result arrives, so the poll (and its connection) is not abandoned when the spider ends.
+    master = FakeMaster(answers=[{"tasks": [task_json("t1", "s1")], "cancelTaskIds": []}], hold_empty=True,
+                        features=[POLL_FOLLOWS_RESULTS])
+
+    async def body(poller: Poller, sup: HoldingSupervisor) -> None:
+        await master.wait_polls(2)
+        assert master.polls[1].params["excludeSpiderIds"] == "s1"
+        assert master.polls[1].params["runningSpiderIds"] == "s1"
+        await trio.sleep(3)
+        sup.release("t1")
+        await master.wait_polls(3)
+        assert master.polls[2].at == master.polls[1].at + LONG_POLL_WAIT  # held out, not abandoned
+        assert "runningSpiderIds" not in master.polls[2].params
 
     await run_poller(master, tmp_path, body)
 

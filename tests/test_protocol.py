@@ -407,7 +407,7 @@ def test_security_bearer_key_everywhere_but_register() -> None:
 
 def test_pending_query_parameters() -> None:
     params = {p["name"]: p for p in SPEC["paths"]["/api/nodes/{nodeId}/tasks/pending"]["get"]["parameters"]}
-    assert set(params) == {"limit", "excludeSpiderIds", "waitSeconds", "claim", "pollId"}
+    assert set(params) == {"limit", "excludeSpiderIds", "runningSpiderIds", "waitSeconds", "claim", "pollId"}
     assert all(p["in"] == "query" and not p.get("required", False) for p in params.values())
     assert params["limit"]["schema"]["type"] == "integer"
     assert (params["excludeSpiderIds"]["style"], params["excludeSpiderIds"]["explode"]) == ("form", False)

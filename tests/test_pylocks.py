@@ -6,19 +6,14 @@ and locks 1.0. Real uv runs. A lock that cannot be honoured fails with a message
 
 from __future__ import annotations
 
-import hashlib
-import http.server
 import json
-import threading
 from collections.abc import Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
-from harness import agent_settings, running_agent
-from test_deps import _QuietHandler, _wheel
+from harness import agent_settings, package_index, running_agent
 
 import ckagent
 from ckagent.code.deps import Dependencies, DepsError, IndexChooser, spider_base_env
@@ -31,26 +26,9 @@ EXAMPLES = Path(ckagent.__file__).resolve().parent.parent / "sdk" / "examples"
 @pytest.fixture(scope="module")
 def two_versions(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, str]]]:
     """(simple index URL, {version: wheel URL#sha256}) serving ckdemo-dep 1.0 and 2.0."""
-    root = tmp_path_factory.mktemp("index2")
-    (root / "files").mkdir()
-    links, urls = [], {}
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), partial(_QuietHandler, directory=str(root)))
-    base = f"http://127.0.0.1:{server.server_address[1]}"
-    for version in ("1.0", "2.0"):
-        name, data = _wheel("ckdemo_dep", version, f"VALUE = {version!r}\n")
-        (root / "files" / name).write_bytes(data)
-        sha = hashlib.sha256(data).hexdigest()
-        links.append(f'<a href="/files/{name}#sha256={sha}">{name}</a>')
-        urls[version] = f"{base}/files/{name}#{sha}"
-    (root / "simple" / "ckdemo-dep").mkdir(parents=True)
-    (root / "simple" / "ckdemo-dep" / "index.html").write_text("<html><body>" + "".join(links) + "</body></html>\n")
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"{base}/simple", urls
-    finally:
-        server.shutdown()
-        server.server_close()
+    packages = [("ckdemo_dep", version, f"VALUE = {version!r}\n") for version in ("1.0", "2.0")]
+    with package_index(tmp_path_factory.mktemp("index2"), packages) as index:
+        yield index.url, {version: index.wheel_urls[("ckdemo_dep", version)] for version in ("1.0", "2.0")}
 
 
 POETRY_PYPROJECT = """

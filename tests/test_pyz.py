@@ -8,6 +8,7 @@ message naming it (shown by ``-ra``).
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import json
 import os
@@ -250,6 +251,14 @@ def test_old_extractions_are_cleaned_keeping_the_last_other_build(pyz: Path, tmp
 
 PORT_CLAIMS = Path(tempfile.gettempdir()) / "ckagent-test-ports"
 _claimed: list[IO[str]] = []  # the open claim files of this process: held until it exits
+
+
+@atexit.register
+def _release_claims() -> None:
+    """Close the claim files at exit (the flocks go with them), not in the garbage collector: it
+    warns for each file still open (ResourceWarning)."""
+    while _claimed:
+        _claimed.pop().close()
 
 
 def free_port() -> int:

@@ -9,25 +9,20 @@ The examples shaped like public projects (sdk/examples) run in tests/test_public
 
 from __future__ import annotations
 
-import hashlib
-import http.server
 import io
 import json
 import os
 import shutil
 import sys
-import threading
 import time
 import zipfile
 from collections.abc import Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
-from harness import agent_settings, running_agent, spider_zip
-from test_deps import _QuietHandler, _wheel
+from harness import agent_settings, package_index, running_agent, spider_zip
 
 import ckagent
 from ckagent.code.deps import (
@@ -53,29 +48,10 @@ SDK_VERSION = "0.1.0"
 @pytest.fixture(scope="module")
 def index_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A simple index on 127.0.0.1: ckdemo-dep 1.0 and 2.0, ckdemo-extra 1.0."""
-    root = tmp_path_factory.mktemp("index2")
-    (root / "files").mkdir()
-    projects: dict[str, list[str]] = {}
-    for name, version, text in (("ckdemo_dep", "1.0", "VALUE = 1\n"), ("ckdemo_dep", "2.0", "VALUE = 2\n"),
-                                ("ckdemo_extra", "1.0", "EXTRA = True\n")):
-        wheel_name, wheel = _wheel(name, version, text)
-        (root / "files" / wheel_name).write_bytes(wheel)
-        sha = hashlib.sha256(wheel).hexdigest()
-        projects.setdefault(name.replace("_", "-"), []).append(
-            f'<a href="/files/{wheel_name}#sha256={sha}">{wheel_name}</a>')
-    for project, links in projects.items():
-        (root / "simple" / project).mkdir(parents=True)
-        (root / "simple" / project / "index.html").write_text("<html><body>" + "".join(links) + "</body></html>\n")
-    (root / "simple" / "index.html").write_text(
-        "<html><body>" + "".join(f'<a href="{p}/">{p}</a>' for p in projects) + "</body></html>\n")
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), partial(_QuietHandler, directory=str(root)))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/simple"
-    finally:
-        server.shutdown()
-        server.server_close()
+    packages = [("ckdemo_dep", "1.0", "VALUE = 1\n"), ("ckdemo_dep", "2.0", "VALUE = 2\n"),
+                ("ckdemo_extra", "1.0", "EXTRA = True\n")]
+    with package_index(tmp_path_factory.mktemp("index2"), packages) as index:
+        yield index.url
 
 
 def _deps(tmp_path: Path, index: str, **kwargs: Any) -> Dependencies:

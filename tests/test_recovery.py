@@ -17,18 +17,19 @@ from pathlib import Path
 
 import httpx
 import trio
-from harness import submit
-from test_shutdown import agent_process, wait_exit, wait_registered
-from test_supervision import (  # noqa: F401 -- no_strays: autouse fixture
+from harness import (  # noqa: F401 -- no_strays: autouse fixture
     ESCAPE,
     RecordingMaster,
+    agent_process,
     alive,
     eventually,
     marked_pids,
     no_strays,
     pids_in,
-    recording_master,
+    submit,
+    wait_exit,
     wait_for_log,
+    wait_registered,
 )
 
 SPIDER = textwrap.dedent("""
@@ -52,14 +53,14 @@ SPIDER = textwrap.dedent("""
 
 
 async def test_kill_9_mid_task_then_restart_kills_orphans_and_reports_agent_lost_once(
-    recording_master: RecordingMaster, tmp_path: Path  # noqa: F811 -- the imported fixture
+    recording_master: RecordingMaster, tmp_path: Path
 ) -> None:
     admin = recording_master.admin
     log_file = tmp_path / "agent-own.log"
     agent = agent_process(tmp_path, recording_master.base_url, recording_master.registration_token,
                           logging__file=str(log_file), logging__level="DEBUG")
     await agent.start(extra_env={"AGENT_REGISTRATION_TOKEN": recording_master.registration_token})
-    try:
+    async with agent:
         await wait_registered(admin, agent)
         task_id = await submit(admin, "crashy", {"main.py": SPIDER})
         await wait_for_log(admin, task_id, "child")
@@ -91,9 +92,6 @@ async def test_kill_9_mid_task_then_restart_kills_orphans_and_reports_agent_lost
         assert 'ckagent_tasks_finished_total{error_code="AGENT_LOST",status="FAILED"} 1.0' in metrics
         agent.signal(signal.SIGTERM)
         assert await wait_exit(agent, 20) == 0
-    finally:
-        with trio.move_on_after(10, shield=True):  # a cancelled test still reaps its agents
-            await agent.kill()
     assert (task["status"], task["errorCode"]) == ("FAILED", "AGENT_LOST"), task
     assert [status for status, _ in recording_master.finals(task_id)] == [200]
     assert not [pid for pid in pids if alive(pid)]

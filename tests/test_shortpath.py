@@ -43,4 +43,4 @@ def test_the_path_per_task_does_not_grow(tmp_path: Path) -> None:
     assert census["hops_per_task"] <= HELD_HOPS, shown
     # The instrument sees the path at all (a broken hook would count nothing and pass).
     assert census["task_names"].get("task") == 1, shown
-    assert any("spawn_monitored" in site for site in census["hop_sites"]), shown
+    assert any(site.startswith("task.runner:_run → spawn") for site in census["hop_sites"]), shown

@@ -11,20 +11,22 @@ from __future__ import annotations
 import signal
 import textwrap
 from pathlib import Path
-from typing import Any
 
 import trio
-from harness import AgentProcess, submit
-from test_supervision import (  # noqa: F401 -- no_strays is an autouse fixture
+from harness import (  # noqa: F401 -- no_strays: autouse fixture
+    AgentProcess,
+    agent_process,
     alive,
     eventually,
     marked_pids,
     no_strays,
+    node_status,
     pids_in,
+    submit,
+    wait_exit,
     wait_for_log,
+    wait_registered,
 )
-
-from ckagent.devmaster.client import AdminClient
 
 SLACK = 4.0
 """Seconds allowed on top of the documented exit bound: interpreter start/stop and a heartbeat."""
@@ -42,45 +44,11 @@ WORKER = textwrap.dedent("""
 """)
 
 
-async def wait_exit(agent: AgentProcess, bound: float) -> int:
-    """The agent's exit code; fails the test when it is still running after ``bound`` seconds."""
-    with trio.fail_after(bound):
-        return await agent.wait()
-
-
-async def wait_registered(admin: AdminClient, agent: AgentProcess, name: str = "proc-node") -> None:
-    """Wait until the agent process has registered and sent a heartbeat."""
-    with trio.fail_after(30):
-        while True:
-            assert agent.process is not None
-            if agent.process.returncode is not None:
-                raise AssertionError(f"agent exited with {agent.process.returncode}:\n{agent.log_text()[-3000:]}")
-            nodes = [n for n in await admin.list_nodes() if n["name"] == name]
-            if nodes and nodes[0].get("lastHeartbeat"):
-                return
-            await trio.sleep(0.1)
-
-
-async def node_status(admin: AdminClient, name: str = "proc-node") -> str | None:
-    """The status of the node's last heartbeat as the master saw it."""
-    nodes = [n for n in await admin.list_nodes() if n["name"] == name]
-    return (nodes[0].get("lastHeartbeat") or {}).get("status") if nodes else None
-
-
-def agent_process(tmp_path: Path, base_url: str, token: str, **settings: Any) -> AgentProcess:
-    """An AgentProcess with test timings (1 s heartbeat, 2 s grace) plus ``settings`` (section__key)."""
-    directory = tmp_path / "node"
-    directory.mkdir(exist_ok=True)
-    values: dict[str, Any] = {"deps__uv_index_url": "http://127.0.0.1:9/simple"}
-    values.update(settings)
-    return AgentProcess(directory, base_url, token, **values)
-
-
 async def test_sigterm_lets_running_tasks_finish_reports_draining_and_exits_0(dev_master, tmp_path: Path) -> None:
     admin = dev_master.admin
     agent = agent_process(tmp_path, dev_master.base_url, dev_master.registration_token, task__drain_timeout=30)
     await agent.start()
-    try:
+    async with agent:
         await wait_registered(admin, agent)
         tasks = [await submit(admin, f"five-seconds-{i}", {"main.py": WORKER}, env={"WORK_SECONDS": "4"})
                  for i in range(2)]
@@ -95,9 +63,6 @@ async def test_sigterm_lets_running_tasks_finish_reports_draining_and_exits_0(de
         await eventually(draining, 10)  # the master sees the node draining
         code = await wait_exit(agent, 30 + 2 + 10 + SLACK)
         elapsed = trio.current_time() - signalled
-    finally:
-        with trio.move_on_after(10, shield=True):  # a cancelled test still reaps its agents
-            await agent.kill()
     assert code == 0, agent.log_text()[-3000:]
     assert elapsed < 4 + SLACK, elapsed  # it left as soon as its tasks were done, not at the deadline
     assert await node_status(admin) == "STOPPED"  # its last heartbeat says so
@@ -114,7 +79,7 @@ async def test_drain_deadline_terminates_long_tasks_as_cancelled(dev_master, tmp
     agent = agent_process(tmp_path, dev_master.base_url, dev_master.registration_token,
                           task__drain_timeout=drain, task__kill_grace=grace, task__flush_timeout=flush)
     await agent.start()
-    try:
+    async with agent:
         await wait_registered(admin, agent)
         polite = await submit(admin, "ten-minutes", {"main.py": WORKER})
         stubborn = await submit(admin, "ten-minutes-stubborn", {"main.py": WORKER}, env={"IGNORE_TERM": "1"})
@@ -124,9 +89,6 @@ async def test_drain_deadline_terminates_long_tasks_as_cancelled(dev_master, tmp
         signalled = trio.current_time()
         code = await wait_exit(agent, drain + grace + flush + SLACK)
         elapsed = trio.current_time() - signalled
-    finally:
-        with trio.move_on_after(10, shield=True):  # a cancelled test still reaps its agents
-            await agent.kill()
     assert code == 0, agent.log_text()[-3000:]
     assert drain <= elapsed <= drain + grace + SLACK, elapsed
     for task_id in (polite, stubborn):
@@ -146,7 +108,7 @@ async def test_sigint_terminates_at_once(dev_master, tmp_path: Path) -> None:
     agent = agent_process(tmp_path, dev_master.base_url, dev_master.registration_token,
                           task__drain_timeout=60, task__kill_grace=grace, task__flush_timeout=flush)
     await agent.start()
-    try:
+    async with agent:
         await wait_registered(admin, agent)
         task_id = await submit(admin, "interrupted", {"main.py": WORKER}, env={"IGNORE_TERM": "1"})
         await wait_for_log(admin, task_id, "started")
@@ -154,9 +116,6 @@ async def test_sigint_terminates_at_once(dev_master, tmp_path: Path) -> None:
         signalled = trio.current_time()
         code = await wait_exit(agent, grace + flush + SLACK)
         elapsed = trio.current_time() - signalled
-    finally:
-        with trio.move_on_after(10, shield=True):  # a cancelled test still reaps its agents
-            await agent.kill()
     assert code == 0, agent.log_text()[-3000:]
     assert elapsed <= grace + SLACK, elapsed  # no drain period
     task = await admin.get_task(task_id)
@@ -173,7 +132,7 @@ async def test_exit_is_bounded_with_the_master_down_and_the_next_start_delivers(
     settings = {"task__drain_timeout": drain, "task__kill_grace": grace, "task__flush_timeout": flush}
     agent = agent_process(tmp_path, base_url, token, **settings)
     await agent.start()
-    try:
+    async with agent:
         async with dev_master_process.admin() as admin:
             await wait_registered(admin, agent)
             task_id = await submit(admin, "orphaned-by-the-master", {"main.py": WORKER})
@@ -183,9 +142,6 @@ async def test_exit_is_bounded_with_the_master_down_and_the_next_start_delivers(
         signalled = trio.current_time()
         code = await wait_exit(agent, drain + grace + flush + SLACK)
         elapsed = trio.current_time() - signalled
-    finally:
-        with trio.move_on_after(10, shield=True):  # a cancelled test still reaps its agents
-            await agent.kill()
     assert code == 0, agent.log_text()[-3000:]
     assert elapsed <= drain + grace + flush + SLACK, elapsed
     assert marked_pids(task_id) == []
@@ -195,15 +151,12 @@ async def test_exit_is_bounded_with_the_master_down_and_the_next_start_delivers(
     base_url = await dev_master_process.start()
     again = agent_process(tmp_path, base_url, token, **settings)
     await again.start()
-    try:
+    async with again:
         async with dev_master_process.admin() as admin:
             with trio.fail_after(30):
                 task = await admin.wait_task_final(task_id, 30)
             lines = await admin.get_logs(task_id)
         again.signal(signal.SIGTERM)
         assert await wait_exit(again, drain + grace + flush + SLACK) == 0
-    finally:
-        with trio.move_on_after(10, shield=True):  # a cancelled test still reaps its agents
-            await again.kill()
     assert (task["status"], task["errorCode"]) == ("CANCELLED", "CANCELLED"), task
     assert "started" in lines and any("stopped (agent terminating)" in line for line in lines), lines

@@ -5,170 +5,52 @@ background child holding the stdout pipe, cancellation from the master during th
 the dependency install, the spider's environment, and ``task.run_as_user``. "Nothing left" is
 checked independently of the agent: by scanning ``/proc/*/environ`` for the task's marker.
 
-The ``recording_master`` fixture (a dev master behind an ASGI wrapper that counts the final
-results it receives and remembers the API keys it issues) is shared with test_recovery.py.
+Every test runs at each containment level this machine allows (the ``containment_level`` fixture).
+The dev master that records final results (``recording_master``) is conftest.py's; the helpers
+(``settings_for``, ``alive``, ``marked_pids``, ``no_strays``…) are tests/harness.py's.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pwd
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
 import uuid
-from collections import defaultdict
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
-from harness import agent_settings, eventually, running_agent, submit
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
-
-from ckagent.containment import available_levels
-from ckagent.devmaster.app import Notifier, create_app
-from ckagent.devmaster.client import AdminClient
-from ckagent.devmaster.store import Store
-
-FINAL = ("SUCCESS", "FAILED", "CANCELLED")
-_RESULT_PATH = re.compile(r"^/api/tasks/([^/]+)/result$")
-
-
-# ------------------------------------------------------------------------------ a recording master
-
-
-class Recorder:
-    """ASGI wrapper around the dev master app: final results received per task, API keys issued."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        self.final_posts: dict[str, list[tuple[int, dict[str, Any]]]] = defaultdict(list)
-        self.api_keys: list[str] = []
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        path = scope.get("path", "")
-        result = _RESULT_PATH.match(path) if scope["type"] == "http" and scope["method"] == "POST" else None
-        register = scope["type"] == "http" and path == "/api/nodes/register"
-        if result is None and not register:
-            await self.app(scope, receive, send)
-            return
-        messages: list[dict[str, Any]] = []
-        body = b""
-        while True:
-            message = await receive()
-            messages.append(message)
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-
-        async def replay() -> Any:
-            return messages.pop(0) if messages else await receive()
-
-        status: list[int] = []
-        answer = bytearray()
-
-        async def capture(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                status.append(message["status"])
-            elif message["type"] == "http.response.body":
-                answer.extend(message.get("body", b""))
-            await send(message)
-
-        await self.app(scope, replay, capture)
-        if result is not None:
-            data = json.loads(body or b"{}")
-            if data.get("status") in FINAL:
-                self.final_posts[result.group(1)].append((status[0], data))
-        elif status and status[0] == 200:
-            self.api_keys.append(json.loads(bytes(answer))["apiKey"])
-
-
-@dataclass
-class RecordingMaster:
-    """A running dev master (in this process) and what it recorded."""
-
-    base_url: str
-    registration_token: str
-    admin_token: str
-    admin: AdminClient
-    recorder: Recorder = field(repr=False)
-
-    def finals(self, task_id: str) -> list[tuple[int, dict[str, Any]]]:
-        """Every final result (status code, body) the master received for ``task_id``."""
-        return list(self.recorder.final_posts.get(task_id, []))
-
-
-@pytest.fixture
-async def recording_master(tmp_path: Path) -> AsyncIterator[RecordingMaster]:
-    """The dev master app behind :class:`Recorder`, served by hypercorn on 127.0.0.1:0."""
-    store = await trio.to_thread.run_sync(Store, tmp_path / "master.sqlite")
-    registration_token, admin_token = uuid.uuid4().hex, uuid.uuid4().hex
-    recorder = Recorder(create_app(store, Notifier(), registration_token=registration_token,
-                                   admin_token=admin_token, max_long_poll_seconds=30.0))
-    config = HypercornConfig()
-    config.bind = ["127.0.0.1:0"]
-    config.accesslog = None
-    config.loglevel = "WARNING"
-    config.graceful_timeout = 0.5
-    try:
-        async with trio.open_nursery() as nursery:
-            binds = await nursery.start(partial(hypercorn_serve, recorder, config))
-            base_url = str(binds[0]).rstrip("/")
-            async with AdminClient(base_url, admin_token) as admin:
-                yield RecordingMaster(base_url, registration_token, admin_token, admin, recorder)
-            nursery.cancel_scope.cancel()
-    finally:
-        store.close()
-
-
-# ------------------------------------------------------------------------------ process helpers
-
-
-def _state(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return None
-
-
-def alive(pid: int) -> bool:
-    """True when ``pid`` exists and is not a zombie."""
-    state = _state(pid)
-    return state is not None and state not in ("Z", "X")
-
-
-def marked_pids(task_id: str) -> list[int]:
-    """Live processes whose environment carries CK_TASK_ID=<task_id> (read straight from /proc)."""
-    marker = f"CK_TASK_ID={task_id}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as fh:
-                environ = fh.read()
-        except OSError:
-            continue
-        if marker in environ.split(b"\0") and alive(int(entry)):
-            found.append(int(entry))
-    return found
-
-
-LEVELS_HERE = available_levels(Path(tempfile.gettempdir()) / "ckagent-levels-probe")
-"""Containment levels this machine can run; every test here runs at each (``task.containment``)."""
-LEVEL = {"current": "auto"}
+from harness import (  # noqa: F401 -- no_strays: autouse fixture
+    ESCAPE,
+    LEVEL,
+    LEVELS_HERE,
+    SLOW_BACKEND,
+    STRAY_ROOTS,
+    RecordingMaster,
+    agent_process,
+    agent_settings,
+    alive,
+    eventually,
+    marked_pids,
+    no_strays,
+    node_status,
+    pids_in,
+    running_agent,
+    settings_for,
+    submit,
+    wait_exit,
+    wait_for_log,
+    wait_for_path,
+    wait_registered,
+)
 
 
 @pytest.fixture(autouse=True, params=LEVELS_HERE)
@@ -177,82 +59,6 @@ def containment_level(request: pytest.FixtureRequest) -> str:
     LEVEL["current"] = request.param
     return str(request.param)
 
-
-STRAY_ROOTS: list[Path] = []
-"""Work dirs outside tmp_path whose spiders the ``no_strays`` fixture also cleans up."""
-
-
-@pytest.fixture(autouse=True)
-def no_strays(tmp_path: Path) -> Any:
-    """After each test, SIGKILL spider processes it left alive (only a failing test does), so one
-    failure does not leave 10-minute sleepers behind. Matched by CK_TASK_DIR under the test's dirs."""
-    yield
-    roots = [str(tmp_path), *map(str, STRAY_ROOTS)]
-    STRAY_ROOTS.clear()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as fh:
-                environ = fh.read().split(b"\0")
-        except OSError:
-            continue
-        task_dirs = [v[len(b"CK_TASK_DIR="):].decode(errors="replace") for v in environ
-                     if v.startswith(b"CK_TASK_DIR=")]
-        if any(d.startswith(root + os.sep) for d in task_dirs for root in roots):
-            with contextlib.suppress(OSError):
-                os.kill(int(entry), signal.SIGKILL)
-
-
-def pids_in(lines: list[str], label: str) -> list[int]:
-    """Pids a spider printed as ``<label> <pid>``."""
-    return [int(m.group(1)) for line in lines if (m := re.search(rf"\b{label} (\d+)\b", line))]
-
-
-async def wait_for_log(admin: AdminClient, task_id: str, text: str, timeout: float = 20) -> list[str]:  # noqa: ASYNC109
-    """Poll the master until the task's log holds ``text``; returns the lines."""
-    with trio.fail_after(timeout):
-        while True:
-            lines = await admin.get_logs(task_id)
-            if any(text in line for line in lines):
-                return lines
-            await trio.sleep(0.1)
-
-
-async def wait_for_path(path: Path, timeout: float = 20) -> None:  # noqa: ASYNC109
-    """Wait until ``path`` exists."""
-    await eventually(trio.Path(path).exists, timeout)
-
-
-def settings_for(tmp_path: Path, master: RecordingMaster, **env: str) -> Any:
-    """Agent settings for these tests: 1 s kill grace, no index probing."""
-    values = {"AGENT_TASK_KILL_GRACE": "1", "AGENT_UV_INDEX_URL": "http://127.0.0.1:9/simple",
-              "AGENT_TASK_CONTAINMENT": LEVEL["current"]}
-    values.update(env)
-    return agent_settings(tmp_path / "agent", master.base_url, master.registration_token, **values)
-
-
-# Spider building blocks (Python source).
-ESCAPE = textwrap.dedent("""
-    def escape(label):
-        # Double fork + setsid: the grandchild leaves the spider's process group and session.
-        r, w = os.pipe()
-        if os.fork() == 0:
-            os.setsid()
-            pid = os.fork()
-            if pid == 0:
-                devnull = os.open(os.devnull, os.O_RDWR)
-                for fd in (0, 1, 2):
-                    os.dup2(devnull, fd)
-                time.sleep(300)
-                os._exit(0)
-            os.write(w, str(pid).encode())
-            os._exit(0)
-        os.close(w)
-        pid = int(os.read(r, 32))
-        os.wait()
-        print(label, pid, flush=True)
-""")
 
 SLEEPER = "import time; time.sleep(300)"
 
@@ -364,20 +170,6 @@ async def test_cancel_from_the_master_during_the_run(
     for pid in pids_in(lines, "child") + pids_in(lines, "escaped"):
         assert not alive(pid)
     assert marked_pids(task_id) == []
-
-
-SLOW_BACKEND = '''
-import os, time
-
-def get_requires_for_build_wheel(config_settings=None):
-    with open({pid_file!r}, "w") as fh:
-        fh.write(str(os.getpid()))
-    time.sleep(300)
-    return []
-
-def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
-    raise RuntimeError("never reached")
-'''
 
 
 async def test_cancel_from_the_master_during_the_dependency_install(

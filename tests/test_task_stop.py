@@ -10,6 +10,7 @@ stopped the same way, with the node's kill_grace.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -219,10 +220,10 @@ async def _run_real(tmp_path: Path, *, limit: float = 0, stall: float = 0,
     jail = ProcessGroupJail(task_id)
     env = {"PATH": os.environ["PATH"], MARKER_VAR: task_id}
     rt.started_at = time.time()
-    mon = await spawn_monitored([sys.executable, "-c", SILENT], cwd=tmp_path, env=env, task_id=task_id,
-                                task_dir=task_dir, output_path=sink.path, jail=jail, run_as=None,
-                                deadline_at=rt.started_at + limit if limit else None, work=tmp_path,
-                                stall_timeout=stall)
+    mon = await trio.to_thread.run_sync(functools.partial(
+        spawn_monitored, [sys.executable, "-c", SILENT], cwd=tmp_path, env=env, task_id=task_id, task_dir=task_dir,
+        output_path=sink.path, jail=jail, run_as=None, deadline_at=rt.started_at + limit if limit else None,
+        work=tmp_path, stall_timeout=stall))
     async with trio.open_nursery() as nursery:
         if cancel_after is not None:
             async def master_cancels() -> None:

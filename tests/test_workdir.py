@@ -42,7 +42,7 @@ def test_a_work_dir_below_a_file_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_the_lock_dies_with_its_process(tmp_path: Path) -> None:
     work_dir = tmp_path / "data"
-    holder = subprocess.Popen(
+    with subprocess.Popen(  # the with closes its stdout pipe
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys, time
             from pathlib import Path
@@ -50,14 +50,14 @@ def test_the_lock_dies_with_its_process(tmp_path: Path) -> None:
             WorkDirLock.acquire(Path({str(work_dir)!r}))
             print("held", flush=True)
             time.sleep(60)
-        """)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        with pytest.raises(WorkDirInUse, match=f"pid {holder.pid}"):
-            WorkDirLock.acquire(work_dir)
-    finally:
-        holder.kill()
-        holder.wait()
+        """)], stdout=subprocess.PIPE, text=True) as holder:
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+            with pytest.raises(WorkDirInUse, match=f"pid {holder.pid}"):
+                WorkDirLock.acquire(work_dir)
+        finally:
+            holder.kill()
+            holder.wait()
     WorkDirLock.acquire(work_dir).release()  # SIGKILL released it
 
 
@@ -104,7 +104,7 @@ async def test_a_second_agent_on_a_busy_work_dir_is_refused_and_the_first_ones_t
     second = AgentProcess(tmp_path / "b", dev_master.base_url, dev_master.registration_token,
                           task__work_dir=str(tmp_path / "a" / "data"), agent__name="second-node")
     await first.start()
-    try:
+    async with first, second:
         sleeper = {"main.py": "import time\ntime.sleep(4)\nprint('done')\n"}
         task_id = await submit(dev_master.admin, "sleeper", sleeper)
         with trio.fail_after(60):
@@ -117,7 +117,3 @@ async def test_a_second_agent_on_a_busy_work_dir_is_refused_and_the_first_ones_t
             task = await dev_master.admin.wait_task_final(task_id, 30)
         assert task["status"] == "SUCCESS", task
         assert first.process is not None and first.process.returncode is None
-    finally:
-        with trio.move_on_after(10, shield=True):  # a cancelled test still reaps its agents
-            await first.kill()
-            await second.kill()

@@ -38,7 +38,7 @@ import trio
 from ckagent.code import frameworks
 from ckagent.code.deps_node import NPM_MISSING, NodeEnvs, wanted_node
 from ckagent.code.deps_python import UV_MISSING, IndexChooser, PythonEnvs
-from ckagent.code.envstore import EnvStore, Prepared
+from ckagent.code.envstore import Checked, EnvStore, Prepared
 from ckagent.code.installer import KILL_GRACE, Installers, Output
 from ckagent.code.pyplan import bundled_sdk_dir, python_plan
 from ckagent.code.runtimes import AGENT_BIN
@@ -48,7 +48,7 @@ from ckagent.node.runas import RunAs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NPM_MISSING", "UV_MISSING", "Dependencies", "DepsError",
+__all__ = ["NPM_MISSING", "UV_MISSING", "Checked", "Dependencies", "DepsError",
            "IndexChooser", "Prepared", "bundled_sdk_dir", "python_plan", "remove_legacy_environments",
            "spider_base_env", "wanted_node"]
 
@@ -103,6 +103,7 @@ class Dependencies:
         jail: TaskJail | None = None,
         task_env: dict[str, str] | None = None,
         home: Path | None = None,
+        checked: Checked | None = None,
     ) -> Prepared:
         """Make the spider's environment ready; returns PATH additions and env (release it after the run).
 
@@ -116,27 +117,44 @@ class Dependencies:
         execs (None: each runs in a process group of its own). ``task_env`` (the task's ``env``) reaches every installer;
         the variables of it that change what an install does enter the environment's key
         (ckagent.code.installenv). ``home``: the spider's HOME, the installers' too when they run as
-        ``run_as_user`` (that user's passwd home may not exist or not be writable).
+        ``run_as_user`` (that user's passwd home may not exist or not be writable). ``checked``: what
+        :meth:`check` found already, with the same arguments, in a thread hop of the caller's (None:
+        the look is made here).
         """
         try:
-            env = {**(task_env or {}), **(marker or {})}
-            if home is not None and self._run_as is not None:
-                env["HOME"] = str(home)
-            return await self._prepare(framework, spider_id, code_dir, output, env, jail)
+            env = self._env(task_env, marker, home)
+            return await self._prepare(framework, spider_id, code_dir, output, env, jail, checked)
         except OSError as exc:  # the environment's files (a full disk, a permission): the install fails
             raise DepsError(f"cannot prepare the spider's environment: {os_error_text(exc)}") from exc
 
+    def check(self, framework: str, code_dir: Path, *, marker: dict[str, str] | None = None,
+              task_env: dict[str, str] | None = None, home: Path | None = None) -> Checked | None:
+        """Blocking: the look :meth:`prepare` begins with — the environment's key from the dependency
+        files in ``code_dir`` and whether it is ready — for a caller that does it in a thread hop
+        of its own (the task's prepare hop); pass the result to :meth:`prepare` as ``checked`` (or
+        ``drop()`` it). The arguments are :meth:`prepare`'s. None for a runtime without such a look
+        (Node: :meth:`prepare` looks itself). Never raises for the look: its error is in the result."""
+        if frameworks.framework(framework).runtime is not frameworks.PYTHON:
+            return None
+        return self.python.check(code_dir, framework, self._env(task_env, marker, home))
+
+    def _env(self, task_env: dict[str, str] | None, marker: dict[str, str] | None, home: Path | None) -> dict[str, str]:
+        env = {**(task_env or {}), **(marker or {})}
+        if home is not None and self._run_as is not None:
+            env["HOME"] = str(home)
+        return env
+
     async def _prepare(self, name: str, spider_id: str, code_dir: Path, output: Output,
-                       task_env: dict[str, str], jail: TaskJail | None) -> Prepared:
+                       task_env: dict[str, str], jail: TaskJail | None, checked: Checked | None) -> Prepared:
         started = trio.current_time()
         runtime = frameworks.framework(name).runtime
         if runtime is frameworks.PYTHON:
-            prepared = await self.python.prepare(code_dir, name, output, task_env, jail)
+            prepared = await self.python.prepare(code_dir, name, output, task_env, jail, checked)
         elif runtime is frameworks.NODE:
             prepared = await self.node.prepare(code_dir, output, task_env, jail)
         else:  # a runtime without an environment builder yet
             prepared = Prepared()
-        prepared.seconds = trio.current_time() - started
+        prepared.seconds = trio.current_time() - started + (checked.seconds if checked is not None else 0.0)
         if not prepared.cache_hit:
             collected = False
             try:

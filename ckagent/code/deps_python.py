@@ -24,13 +24,15 @@ import contextlib
 import logging
 import os
 import re
+import time
 from functools import partial
 from pathlib import Path
+from typing import cast
 
 import httpx
 import trio
 
-from ckagent.code.envstore import EnvStore, Prepared, is_ready, mark_ready, start_build
+from ckagent.code.envstore import Checked, EnvStore, Prepared, is_ready, mark_ready, start_build
 from ckagent.code.installenv import install_key_env
 from ckagent.code.installer import Installers, Output
 from ckagent.code.pylocks import LockError, lock_inputs
@@ -109,30 +111,52 @@ class PythonEnvs:
         self._cache_dir = uv_cache_dir
         self._python = python
 
-    async def prepare(self, code_dir: Path, framework: str, output: Output, task_env: dict[str, str],
-                      jail: TaskJail | None = None) -> Prepared:
-        """The spider's venv, built if its key has none ready (``framework`` picks the default
-        packages; the installers run in ``jail``, the task's). Raises DepsError; cancellation stops the
-        installer (ckagent.code.installer)."""
-        def plan_sync() -> tuple[PythonPlan, Path | None]:
+    def check(self, code_dir: Path, framework: str, task_env: dict[str, str]) -> Checked:
+        """The plan of the spider's venv (its key from the dependency files in ``code_dir``) and whether
+        it is ready (its SDK ``.pth`` then checked too); the venv is marked in use. Blocking: the
+        prepare hop's (ckagent.task.runner). Never raises for the plan: its error is in the result."""
+        started = time.monotonic()
+        try:
             sdk = sdk_wheel(self.store.root)
             try:
                 interpreter = interpreter_identity(self._python)
             except InterpreterError as exc:
                 raise DepsError(str(exc)) from exc
-            return python_plan(code_dir, framework, interpreter, self._installers.identity, sdk[0] if sdk else "",
-                               install_key_env(task_env)), (sdk[1] if sdk else None)
-
-        plan, overrides = await trio.to_thread.run_sync(plan_sync)
+            plan = python_plan(code_dir, framework, interpreter, self._installers.identity, sdk[0] if sdk else "",
+                               install_key_env(task_env))
+        except (DepsError, OSError) as exc:
+            return Checked(error=exc, seconds=time.monotonic() - started)
         venv = self.store.path("py", plan.key)
+        self.store.acquire(venv)
+        try:
+            ready = _ready_with_sdk(venv, plan.key)
+        except OSError as exc:
+            self.store.release(venv)
+            return Checked(error=exc, seconds=time.monotonic() - started)
+        except BaseException:
+            self.store.release(venv)
+            raise
+        return Checked(venv, ready, (plan, sdk[1] if sdk else None), time.monotonic() - started, store=self.store)
+
+    async def prepare(self, code_dir: Path, framework: str, output: Output, task_env: dict[str, str],
+                      jail: TaskJail | None = None, checked: Checked | None = None) -> Prepared:
+        """The spider's venv, built if its key has none ready (``framework`` picks the default
+        packages; the installers run in ``jail``, the task's). ``checked``: what :meth:`check` found
+        already (None: looked at here, one thread hop). Raises DepsError; cancellation stops the
+        installer (ckagent.code.installer)."""
+        if checked is None:
+            checked = await trio.to_thread.run_sync(self.check, code_dir, framework, task_env)
+        venv = checked.take()
+        plan, overrides = cast("tuple[PythonPlan, Path | None]", checked.plan)
         bin_dir = venv / "bin"
         prepared = Prepared(path_prefix=[str(bin_dir)], env={"VIRTUAL_ENV": str(venv)})
-        async with self.store.lock(plan.key):
-            with self.store.using(venv, prepared):
-                if not await trio.to_thread.run_sync(_ready_with_sdk, venv, plan.key):  # one hop
-                    prepared.cache_hit = False
-                    with self.store.building(venv):
-                        await self._build(venv, plan, overrides, code_dir, output, task_env, jail)
+        with self.store.using(venv, prepared, marked=True):
+            if not checked.ready:  # under its key's lock: one build per key; another may have finished it
+                async with self.store.lock(plan.key):
+                    if not await trio.to_thread.run_sync(_ready_with_sdk, venv, plan.key):
+                        prepared.cache_hit = False
+                        with self.store.building(venv):
+                            await self._build(venv, plan, overrides, code_dir, output, task_env, jail)
         return prepared
 
     async def _build(self, venv: Path, plan: PythonPlan, overrides: Path | None, code_dir: Path,

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -56,6 +57,38 @@ class Prepared:
     env_dir: Path | None = None
 
 
+@dataclass
+class Checked:
+    """What a blocking look before the install phase found (:meth:`ckagent.code.deps.Dependencies.check`,
+    in the task's prepare hop): the environment ``env_dir`` (already marked in use, so collection
+    cannot take it between the look and the install), whether it is ``ready``, the builder's
+    ``plan`` for it, the look's ``seconds``; or the ``error`` it met (raised by the install phase).
+
+    Hand it to ``Dependencies.prepare`` (which takes the mark over) or :meth:`drop` it.
+    """
+
+    env_dir: Path | None = None
+    ready: bool = False
+    plan: object = None
+    seconds: float = 0.0
+    error: Exception | None = None
+    store: EnvStore | None = None
+
+    def take(self) -> Path:
+        """The marked environment, now the caller's to release (raises the look's error, if any)."""
+        if self.error is not None:
+            raise self.error
+        assert self.env_dir is not None, "a Checked taken twice"
+        env_dir, self.env_dir = self.env_dir, None
+        return env_dir
+
+    def drop(self) -> None:
+        """Not used after all (the task ended before its install): its environment's mark is dropped."""
+        if self.env_dir is not None and self.store is not None:
+            self.store.release(self.env_dir)
+            self.env_dir = None
+
+
 class EnvStore:
     """The environments under ``root``: per-key build locks and in-use counts (one agent per root).
 
@@ -69,6 +102,7 @@ class EnvStore:
         self._locks: dict[str, trio.Lock] = {}
         self._in_use: Counter[Path] = Counter()
         self._building: set[Path] = set()
+        self._guard = threading.Lock()  # in-use counts change in a task's prepare hop too (never held long)
 
     def path(self, kind: str, key: str) -> Path:
         """Where the environment of ``kind`` (``py``, ``node``) with ``key`` (hex digest) lives."""
@@ -83,20 +117,25 @@ class EnvStore:
         return _Building(self._building, path)
 
     def acquire(self, path: Path) -> None:
-        """A task runs with the environment at ``path``: collection skips it until :meth:`release`."""
-        self._in_use[path] += 1
+        """A task runs with the environment at ``path``: collection skips it until :meth:`release`.
+        Thread-safe (a task's prepare hop marks its environment before it checks it)."""
+        with self._guard:
+            self._in_use[path] += 1
 
     def release(self, path: Path) -> None:
-        """The task that used ``path`` finished (idempotent per acquire)."""
-        self._in_use[path] -= 1
-        if self._in_use[path] <= 0:
-            del self._in_use[path]
+        """The task that used ``path`` finished (idempotent per acquire). Thread-safe."""
+        with self._guard:
+            self._in_use[path] -= 1
+            if self._in_use[path] <= 0:
+                del self._in_use[path]
 
     @contextlib.contextmanager
-    def using(self, env_dir: Path, prepared: Prepared) -> Iterator[None]:
+    def using(self, env_dir: Path, prepared: Prepared, *, marked: bool = False) -> Iterator[None]:
         """Mark ``env_dir`` in use before it is checked or built (collection never takes it from under
-        a starting task); on success it is ``prepared.env_dir``, on any failure the mark is dropped."""
-        self.acquire(env_dir)
+        a starting task; ``marked``: the caller has marked it already); on success it is
+        ``prepared.env_dir``, on any failure the mark is dropped."""
+        if not marked:
+            self.acquire(env_dir)
         ok = False
         try:
             yield
@@ -113,7 +152,8 @@ class EnvStore:
         Read from the collection thread right before each removal: a task marks its environment in
         use *before* checking that it is ready, so a removal and a new use never cross.
         """
-        return path in self._in_use or path in self._building
+        with self._guard:
+            return path in self._in_use or path in self._building
 
     async def collect(self) -> list[Path]:
         """Remove least recently used ready environments over the budget, and abandoned builds.

@@ -181,16 +181,17 @@ class Handle:
 
 
 class Monitored:
-    """A spider behind its monitor: spawned by this agent (``proc`` set) or adopted from an earlier one.
+    """A spider behind its monitor: spawned by this agent (``popen`` set: the monitor is our child)
+    or adopted from an earlier one.
 
     :meth:`wait` returns once the monitor has exited; :attr:`returncode` is then the spider's
     return code (negative: killed by that signal; None: not recorded, e.g. the monitor itself
     was killed with the whole task at a later agent).
     """
 
-    def __init__(self, handle: Handle, proc: trio.Process | None = None) -> None:
+    def __init__(self, handle: Handle, popen: subprocess.Popen[bytes] | None = None) -> None:
         self.handle = handle
-        self.proc = proc
+        self.popen = popen
         self.exited = False
         self.returncode: int | None = None
 
@@ -204,12 +205,10 @@ class Monitored:
         return None if self.exited else main_pid(self.pid)
 
     async def wait(self) -> None:
-        """Return once the monitor has exited (a pidfd for one that is not our child). Cancellation: as usual."""
+        """Return once the monitor has exited (a pidfd: a kernel notification; our own child is
+        reaped then). Cancellation: as usual."""
         if not self.exited:
-            if self.proc is not None:
-                await self.proc.wait()
-            else:
-                await _wait_pid_exit(self.pid)
+            await _wait_pid_exit(self.pid, self.popen)
             self._ended()
 
     def _ended(self) -> None:
@@ -217,32 +216,38 @@ class Monitored:
         recorded = read_status(Path(self.handle.status_file))
         if recorded is not None:
             self.returncode = recorded
-        elif self.proc is not None:
-            self.returncode = self.proc.returncode
-        if self.proc is not None and self.proc.returncode is not None:
+        elif self.popen is not None:
+            self.returncode = self.popen.returncode
+        if self.popen is not None and self.popen.returncode is not None:
             SPAWNED.discard(self.pid)
 
 
-async def _wait_pid_exit(pid: int) -> None:
-    """Wait for a process that is not our child to exit (pidfd: readable once it is a zombie or gone)."""
+async def _wait_pid_exit(pid: int, child: subprocess.Popen[bytes] | None = None) -> None:
+    """Wait for process ``pid`` to exit: its pidfd is readable once it is a zombie or gone; ``child``
+    (our own child, that process) is reaped then (at once: it has exited)."""
+    fd = -1
     try:
         fd = os.pidfd_open(pid)
     except OSError as exc:
-        if exc.errno == errno.ESRCH:
-            return
-        raise
-    try:
-        await trio.lowlevel.wait_readable(fd)
-    finally:
-        os.close(fd)
+        if exc.errno != errno.ESRCH and child is None:
+            raise
+        # Gone already, or no pidfds (Linux < 5.3): our own child is waited for in a thread below.
+    if fd >= 0:
+        try:
+            await trio.lowlevel.wait_readable(fd)
+        finally:
+            os.close(fd)
+    if child is not None and child.poll() is None:  # reaped here (it has exited if its pidfd said so)
+        await trio.to_thread.run_sync(child.wait)
 
 
-async def spawn_monitored(
+def spawn_monitored(
     argv: list[str], *, cwd: Path, env: dict[str, str], task_id: str, task_dir: Path, output_path: Path,
     jail: TaskJail, run_as: RunAs | None, deadline_at: float | None, work: Path, stall_timeout: float,
     env_dir: Path | None = None,
 ) -> Monitored:
     """Start ``argv`` behind its monitor, in ``jail``, stdout and stderr appended to ``output_path``.
+    Blocking (the fork, a few small files): call it in a thread hop (the runner's spawn hop).
 
     ``env`` must carry ``CK_TASK_ID=task_id`` (the sweep's marker). Raises OSError when the command
     cannot be started. The caller supervises the result (:func:`supervise`) and stores its handle.
@@ -261,17 +266,17 @@ async def spawn_monitored(
         script = monitor_script(jail.join_paths(), status_path)
     out = os.open(output_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
     try:
-        proc = await trio.lowlevel.open_process(
+        popen = subprocess.Popen(
             [SHELL, "-c", script, program, *argv[1:]], cwd=str(cwd), env=env, stdin=subprocess.DEVNULL,
             stdout=out, stderr=out, start_new_session=True, **popen_identity(run_as), **options,
         )  # fmt: skip
+        SPAWNED.add(popen.pid)  # we reap it (Monitored.wait); the subreaper's reaper must not
     finally:
         os.close(out)
-    SPAWNED.add(proc.pid)  # trio reaps it; the subreaper's reaper must not
-    jail.watch(proc.pid)
-    handle = Handle(proc.pid, start_ticks(proc.pid) or 0, boot_id(), time.time(), str(status_path), deadline_at,
+    jail.watch(popen.pid)
+    handle = Handle(popen.pid, start_ticks(popen.pid) or 0, boot_id(), time.time(), str(status_path), deadline_at,
                     str(work), stall_timeout, jail.level, "" if env_dir is None else str(env_dir))
-    return Monitored(handle, proc)
+    return Monitored(handle, popen)
 
 
 async def follow_output(sink: Any, exited: trio.Event) -> None:

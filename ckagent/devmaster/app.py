@@ -55,7 +55,7 @@ from ckagent.devmaster.node_api import MAX_BATCH_ELEMENTS
 from ckagent.devmaster.paths import SegmentPaths
 from ckagent.devmaster.store import Store
 from ckagent.devmaster.web import MAX_NODE_BODY_BYTES, Api, Notifier, route
-from ckagent.master.protocol import ARTIFACTS, CLAIM_IN_POLL, ProtocolError
+from ckagent.master.protocol import ARTIFACTS, CLAIM_IN_POLL, POLL_FOLLOWS_RESULTS, ProtocolError
 
 __all__ = ["MAX_BATCH_ELEMENTS", "MAX_NODE_BODY_BYTES", "Notifier", "create_app", "route_table"]
 
@@ -73,6 +73,7 @@ def create_app(
     public_url: str | None = None,
     claim_in_poll: bool = True,
     artifacts: bool = True,
+    poll_follows_results: bool = True,
 ) -> Starlette:
     """Build the ASGI app over ``store``. Must run inside a Trio loop (hypercorn's trio worker).
 
@@ -80,12 +81,15 @@ def create_app(
     codePackage urls handed out; None hands them out relative to the agent's ``server.url``
     (``/api/packages/…``), which works behind any proxy or ingress. ``claim_in_poll`` False leaves
     the ``claim-in-poll`` feature out of registration answers and ignores ``claim`` (an older master);
-    ``artifacts`` False leaves out the ``artifacts`` feature and its endpoints (404, as an older master).
+    ``artifacts`` False leaves out the ``artifacts`` feature and its endpoints (404, as an older master);
+    ``poll_follows_results`` False leaves out ``poll-follows-results`` and ignores ``runningSpiderIds``.
     """
     poll_cap = min(max_long_poll_seconds, 30.0)
     master_features = [CLAIM_IN_POLL] if claim_in_poll else []
     if artifacts:
         master_features.append(ARTIFACTS)
+    if poll_follows_results:
+        master_features.append(POLL_FOLLOWS_RESULTS)
     api = Api(store=store, notifier=notifier, registration_token=registration_token, admin_token=admin_token,
               poll_cap=poll_cap, package_base=(public_url or "").rstrip("/"), claim_in_poll=claim_in_poll,
               artifacts=artifacts, features=master_features)

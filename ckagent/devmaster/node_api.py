@@ -21,6 +21,7 @@ from ckagent.devmaster.web import (
     items_body,
     json_body,
     json_object,
+    query_ids,
     query_int,
     query_seconds,
     read_body,
@@ -28,7 +29,9 @@ from ckagent.devmaster.web import (
     same_secret,
 )
 from ckagent.master.protocol import (
+    FINAL_STATUSES,
     NODE_BATCHES,
+    POLL_FOLLOWS_RESULTS,
     Heartbeat,
     ItemBatch,
     LogBatch,
@@ -55,6 +58,7 @@ def routes(api: Api) -> list[BaseRoute]:
     store, notifier, run, node_auth = api.store, api.notifier, api.run, api.node_auth
     poll_cap, claim_in_poll, package_base = api.poll_cap, api.claim_in_poll, api.package_base
     registration_token, master_features = api.registration_token, api.features
+    follows_results = POLL_FOLLOWS_RESULTS in master_features
 
     async def register(request: Request) -> Response:
         if not same_secret(request.headers.get("x-registration-token"), registration_token):
@@ -77,8 +81,10 @@ def routes(api: Api) -> list[BaseRoute]:
         node_id = await node_auth(request)
         limit = query_int(request, "limit", 1, 1, MAX_POLL_LIMIT)
         wait = query_seconds(request, "waitSeconds", poll_cap)
-        raw_exclude = request.query_params.get("excludeSpiderIds", "")
-        exclude = [s.strip() for s in raw_exclude.split(",") if s.strip()]
+        exclude = query_ids(request, "excludeSpiderIds")
+        # poll-follows-results: these exclusions end once the node's task of that spider has ended
+        # here (its final result arrived), held poll or not; a result wakes the held polls.
+        running = query_ids(request, "runningSpiderIds") if follows_results else []
         claim = query_int(request, "claim", 0, 0, MAX_POLL_LIMIT) if claim_in_poll else 0
         poll_id = None
         if claim:
@@ -107,9 +113,10 @@ def routes(api: Api) -> list[BaseRoute]:
                     # answered them already): the re-sent poll or the reconciliation settles them.
                     tasks, cancel_ids = await run(store.claim_pending, node_id, poll_id=poll_id,
                                                   limit=min(limit, claim), exclude_spider_ids=exclude,
-                                                  base_url=url)
+                                                  base_url=url, running_spider_ids=running)
                 else:
-                    tasks = await run(store.pending_tasks, limit=limit, exclude_spider_ids=exclude, base_url=url)
+                    tasks = await run(store.pending_tasks, limit=limit, exclude_spider_ids=exclude, base_url=url,
+                                      node_id=node_id, running_spider_ids=running)
                     cancel_ids = await run(store.cancel_ids, node_id)
                 remaining = deadline - trio.current_time()
                 if tasks or cancel_ids or notifier.closed or remaining <= 0:
@@ -131,6 +138,8 @@ def routes(api: Api) -> list[BaseRoute]:
         node_id = await node_auth(request)
         report = TaskResult.from_json(await json_body(request))
         task = await run(store.report_result, request.path_params["task_id"], node_id, report)
+        if follows_results and report.status in FINAL_STATUSES:
+            notifier.notify()  # a held poll's runningSpiderIds may have lapsed (poll-follows-results)
         return JSONResponse({"ok": True, "status": task["status"]})
 
     async def release(request: Request) -> Response:

@@ -45,6 +45,8 @@ class DevMasterConfig:
     """Offer the ``claim-in-poll`` feature (False: behave as a master from before it)."""
     artifacts: bool = True
     """Offer the ``artifacts`` feature and its endpoints (False: behave as a master from before it)."""
+    poll_follows_results: bool = True
+    """Offer the ``poll-follows-results`` feature (False: behave as a master from before it)."""
     graceful_timeout: float = 2.0
     """Seconds in-flight requests get to finish after a graceful shutdown starts."""
     public_url: str | None = None
@@ -100,6 +102,7 @@ async def serve(
             public_url=config.public_url,
             claim_in_poll=config.claim_in_poll,
             artifacts=config.artifacts,
+            poll_follows_results=config.poll_follows_results,
         )
 
         async def until_shutdown() -> None:

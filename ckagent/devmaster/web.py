@@ -159,6 +159,11 @@ def query_int(request: Request, name: str, default: int, lo: int, hi: int) -> in
     return min(value, hi)
 
 
+def query_ids(request: Request, name: str) -> list[str]:
+    """The comma-separated ids of query parameter ``name`` (blanks dropped; none when absent)."""
+    return [part.strip() for part in request.query_params.get(name, "").split(",") if part.strip()]
+
+
 def query_seconds(request: Request, name: str, hi: float) -> float:
     raw = request.query_params.get(name)
     if raw is None or raw == "":

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import logging
 import ssl
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from contextlib import suppress
 from typing import Any, TypeVar
 
 import httpx
@@ -111,6 +112,27 @@ class _SentOnce:
         if not data:
             raise StopAsyncIteration
         return data
+
+
+async def _run_out(response: httpx.Response, chunks: AsyncIterator[bytes]) -> None:
+    """End a body iterator that stopped early (the sink refused a chunk, a decoding error) here, on
+    the loop, instead of leaving it to the garbage collector.
+
+    ``aiter_bytes`` is the top of a chain of async generators (httpx's and httpcore's, down to the
+    socket); closing the top one leaves the others suspended, and Trio warns for each one the
+    collector finds (ResourceWarning). So the response is closed (its connection with it) and the
+    iterator run out: its next read fails at once on the closed connection and that error ends every
+    generator of the chain. Any error of the abandoned body is dropped; the caller shields and
+    bounds the call (a cancellation would end the chain too). Returns at once for a body read to
+    its end."""
+    if getattr(chunks, "ag_frame", None) is None:  # finished (or not a generator)
+        return
+    with suppress(Exception):  # the abandoned body's end, whatever it is
+        await response.aclose()
+        async for _ in chunks:
+            pass
+    if isinstance(chunks, AsyncGenerator):
+        await chunks.aclose()
 
 
 class MasterClient(MasterCalls):
@@ -357,9 +379,15 @@ class MasterClient(MasterCalls):
                             self._answers.rejected(endpoint, target, response, json_or_none(response), response.content)
                         self._answers.answer(endpoint, response, any_json)  # 1xx/3xx: raises MasterProtocolError
                     received = 0
-                    async for chunk in response.aiter_bytes():
-                        received += len(chunk)
-                        await sink(chunk)
+                    chunks = response.aiter_bytes()
+                    try:
+                        async for chunk in chunks:
+                            received += len(chunk)
+                            await sink(chunk)
+                    finally:
+                        # on the closed connection it ends at once; a cancellation would end it too
+                        with trio.CancelScope(shield=True), trio.move_on_after(1):
+                            await _run_out(response, chunks)
             except httpx.TransportError as exc:
                 self._answers.observe(endpoint, "error", started)
                 self._answers.unreachable(endpoint, exc, started)

@@ -208,13 +208,17 @@ class MasterCalls(ABC):
 
     async def poll(self, limit: int, *, exclude_spider_ids: Sequence[str] = (), wait_seconds: float = 0,
                    claim: int | None = None, poll_id: int | None = None, read_timeout: float | None = None,
-                   retry: Retry | None = None) -> PendingTasks:
+                   retry: Retry | None = None, running_spider_ids: Sequence[str] = ()) -> PendingTasks:
         """``GET /api/nodes/{node}/tasks/pending``: at most ``limit`` tasks, none of the excluded spiders,
         held up to ``wait_seconds`` (a long poll: give ``read_timeout`` beyond it); ``claim``/``poll_id``
-        ask the master to claim them in the answer (feature ``claim-in-poll``)."""
+        ask the master to claim them in the answer (feature ``claim-in-poll``); ``running_spider_ids``
+        (those of the excluded spiders this node runs a task of) stay excluded only until the master
+        has this node's final result of that task (feature ``poll-follows-results``)."""
         params: dict[str, str | int | float] = {"limit": limit}
         if exclude_spider_ids:
             params["excludeSpiderIds"] = ",".join(exclude_spider_ids)
+        if running_spider_ids:
+            params["runningSpiderIds"] = ",".join(running_spider_ids)
         if wait_seconds:
             params["waitSeconds"] = wait_seconds
         if claim is not None:

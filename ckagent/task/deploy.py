@@ -6,16 +6,18 @@ spider's ``CK_DATA_DIR`` and ``HOME``; the copy is removed when the task ends. E
 jail of the node's containment level (:mod:`ckagent.containment`), created before its first
 installer and emptied and removed after its end.
 
-Errors: :meth:`Deployer.deploy` raises DeployError, :meth:`Deployer.open_jail` JailError (the
-TaskErrors of ckagent.node.errors). Blocking work (the file system, the kernel's cgroups and
-nftables) runs in one ``trio.to_thread`` hop per step.
+Errors: :meth:`Deployer.deploy` raises JailError and DeployError (the TaskErrors of
+ckagent.node.errors). Blocking work (the file system, the kernel's cgroups and nftables) runs in one
+``trio.to_thread`` hop per phase: the prepare hop makes the jail, finds the code version, makes the
+working copy and looks at the dependencies' environment (ckagent.task.runner); the end's hop
+collects the outputs and clears the jail and the copy.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import trio
@@ -25,7 +27,7 @@ from ckagent.code.workspace import Workspaces
 from ckagent.containment import ContainmentError, Limits, TaskJail
 from ckagent.containment.egress import EgressError, TaskRules
 from ckagent.containment.process_group import ProcessGroupJail
-from ckagent.delivery.outputs import collect, kept_dir
+from ckagent.delivery.outputs import Collected, collect, kept_dir
 from ckagent.master.ids import safe_name
 from ckagent.master.protocol import Task
 from ckagent.node.errors import DeployError, JailError, os_error_text
@@ -36,6 +38,16 @@ from ckagent.task.runconfig import RunnerConfig
 
 Deployed = tuple[Path, list[str], "str | None", str]
 """``(code dir, argv, how the command was chosen, what was copied)``."""
+
+
+@dataclass
+class _Hop:
+    """What the prepare hop made (``jail``: the jail, its egress rules or their error; ``code``) or
+    met (``error``)."""
+
+    jail: tuple[TaskJail, TaskRules | None, EgressError | None] | None = None
+    code: Deployed | None = None
+    error: Exception | None = None
 
 
 class Deployer:
@@ -51,34 +63,65 @@ class Deployer:
         """Where the task's private working copy is made."""
         return self._workspaces.runs / safe_name(task.id)
 
-    async def deploy(self, task: Task, work: Path, held: contextlib.AsyncExitStack,
-                     notice: Notice | None = None) -> Deployed:
-        """The task's code version (deployed or found), its command and its working copy in ``work``;
-        the version is held (``held`` releases it). Raises DeployError (a file system error included,
-        with its errno text and path)."""
+    async def deploy(self, rt: RunningTask, work: Path, held: contextlib.AsyncExitStack, notice: Notice,
+                     jails: list[TaskJail], check: Callable[[Path], object] | None = None) -> Deployed:
+        """The task's jail (appended to ``jails``, the caller's to clear: :meth:`_jailed`), its code
+        version (deployed or found; held until ``held`` closes), its command and its working copy in
+        ``work``, then ``check(work)`` (blocking and never raising for the task: the dependencies'
+        look, ckagent.code.deps) — for a package deployed before (the usual case) all in one thread
+        hop (the prepare hop). Raises JailError (first: nothing of the code is made then), DeployError
+        (a file system error included, with its errno text and path)."""
+        task = rt.task
+        wanted = self._limits(task)
+        hop = await trio.to_thread.run_sync(self._prepare_hop, task, work, wanted, None, check)
+        if isinstance(hop.error, ContainmentError):
+            level = "process-group" if self.config.containment is None else self.config.containment.level
+            raise JailError(f"the node cannot contain the task ({level}): {hop.error}") from hop.error
+        assert hop.jail is not None
+        await self._jailed(rt, hop.jail, wanted, jails, notice)
         try:
-            # A package deployed before (the usual case): one thread hop finds it, resolves the
-            # command and makes the working copy.
-            cached = None
-            if task.code_package is not None:
-                cached = await trio.to_thread.run_sync(self._reuse_and_copy, task, work)
-            if cached is not None:
-                code_dir, (argv, how), copied = cached
+            if hop.error is None and hop.code is None:
+                # Not deployed before: fetched (or the files found), then one hop for the copy and the check.
+                if task.code_package is not None:
+                    code_dir = await self._workspaces.deploy_package(task.spider_id, task.code_version,
+                                                                      task.code_package, notice)
+                else:
+                    code_dir = await self._workspaces.deploy_files(task.spider_id, notice)
                 self._workspaces.acquire(code_dir)
                 held.callback(self._workspaces.release, code_dir)
-                return code_dir, argv, how, copied
-            if task.code_package is not None:
-                code_dir = await self._workspaces.deploy_package(task.spider_id, task.code_version, task.code_package,
-                                                                  notice)
-            else:
-                code_dir = await self._workspaces.deploy_files(task.spider_id, notice)
-            self._workspaces.acquire(code_dir)
-            held.callback(self._workspaces.release, code_dir)
-            # One thread hop for the command and the working copy.
-            (argv, how), copied = await trio.to_thread.run_sync(self._resolve_and_copy, task, code_dir, work)
-            return code_dir, argv, how, copied
+                hop = await trio.to_thread.run_sync(self._prepare_hop, task, work, None, code_dir, check)
+            elif hop.code is not None:
+                self._workspaces.acquire(hop.code[0])
+                held.callback(self._workspaces.release, hop.code[0])
+            if hop.error is not None:
+                raise hop.error
         except OSError as exc:
             raise DeployError(f"cannot deploy the spider's code: {os_error_text(exc)}") from exc
+        assert hop.code is not None
+        return hop.code
+
+    def _prepare_hop(self, task: Task, work: Path, wanted: Limits | None, code_dir: Path | None,
+                     check: Callable[[Path], object] | None) -> _Hop:
+        """The prepare hop (blocking): the jail under its egress rules (``wanted`` its limits; None: no
+        jail now), the code version (``code_dir``, else a package deployed before, else none yet),
+        the command and the working copy, then ``check(work)``. Returns what it met instead of raising."""
+        hop = _Hop()
+        try:
+            if wanted is not None:
+                hop.jail = self._jail_and_attach(task, wanted)
+            if code_dir is not None:
+                (argv, how), copied = self._resolve_and_copy(task, code_dir, work)
+                hop.code = (code_dir, argv, how, copied)
+            elif task.code_package is not None:
+                cached = self._reuse_and_copy(task, work)
+                if cached is not None:
+                    found, (argv, how), copied = cached
+                    hop.code = (found, argv, how, copied)
+            if hop.code is not None and check is not None:
+                check(work)
+        except Exception as exc:  # ContainmentError, DeployError, OSError; a bug: raised on the loop all the same
+            hop.error = exc
+        return hop
 
     def _reuse_and_copy(self, task: Task, work: Path) -> tuple[Path, tuple[list[str], str | None], str] | None:
         """For a package deployed before: its version dir (touched: pruning keeps the newest), the
@@ -108,51 +151,46 @@ class Deployer:
         spider_dirs(self.config.work_dir, safe_name(task.spider_id), run_as)
         return stats.describe()
 
-    async def open_jail(self, rt: RunningTask, notice: Notice) -> TaskJail:
-        """The task's jail at the node's level, with the task's limits (else the node's defaults), under
-        its egress rules (``rt.egress``). Raises JailError (the jail is emptied first)."""
-        task, default = rt.task, self.config.default_limits
-        wanted = Limits(
+    def _limits(self, task: Task) -> Limits:
+        """The task's limits, else the node's defaults."""
+        default = self.config.default_limits
+        return Limits(
             memory_bytes=task.resources.memory_bytes if task.resources.memory_bytes is not None else default.memory_bytes,
             pids=task.resources.pids if task.resources.pids is not None else default.pids,
             cpus=task.resources.cpus if task.resources.cpus is not None else default.cpus,
         )
+
+    def _jail_and_attach(self, task: Task, wanted: Limits) -> tuple[TaskJail, TaskRules | None, EgressError | None]:
+        """The jail at the node's level, then the task's egress rules on it (before any process of the
+        task starts: its installers are filtered too). Blocking. Raises ContainmentError."""
         containment, egress = self.config.containment, self.config.egress
-
-        def jail_and_attach() -> tuple[TaskJail, TaskRules | None, EgressError | None]:
-            """The jail, then the task's egress rules on it: one thread hop (before any process of
-            the task starts: its installers are filtered too). Raises ContainmentError."""
-            made: TaskJail = ProcessGroupJail(task.id) if containment is None else containment.jail(task.id, wanted)
-            if egress is None:
-                return made, None, None
-            try:
-                return made, egress.attach(made, task.id, task.egress), None
-            except EgressError as exc:
-                return made, None, exc
-
-        jail: TaskJail
-        attached: TaskRules | None = None
-        failed: EgressError | None = None
+        made: TaskJail = ProcessGroupJail(task.id) if containment is None else containment.jail(task.id, wanted)
+        if egress is None:
+            return made, None, None
         try:
-            if containment is None and egress is None:
-                jail = ProcessGroupJail(task.id)
-            else:
-                jail, attached, failed = await trio.to_thread.run_sync(jail_and_attach)
-        except ContainmentError as exc:
-            level = "process-group" if containment is None else containment.level
-            raise JailError(f"the node cannot contain the task ({level}): {exc}") from exc
+            return made, egress.attach(made, task.id, task.egress), None
+        except EgressError as exc:
+            return made, None, exc
+
+    async def _jailed(self, rt: RunningTask, made: tuple[TaskJail, TaskRules | None, EgressError | None],
+                      wanted: Limits, jails: list[TaskJail], notice: Notice) -> None:
+        """The jail the prepare hop made becomes the task's (``rt.jail``, ``rt.egress``; into ``jails``)
+        and is said in the task log; a jail whose egress rules failed is emptied and JailError raised
+        (the task must not run unprotected)."""
+        jail, attached, failed = made
+        egress = self.config.egress
         if egress is not None:
-            if failed is not None:  # the task must not run unprotected
+            if failed is not None:
                 await empty_jail(jail)
                 raise JailError(str(failed)) from failed
             rt.egress = attached
-            notice(f"egress ({egress.level}): {egress.effective(task.egress).describe()}")
+            notice(f"egress ({egress.level}): {egress.effective(rt.task.egress).describe()}")
         rt.jail = jail
+        jails.append(jail)
         if wanted != Limits() and jail.limits != wanted:
             notice(f"limits asked: {wanted.describe()}; this node ({jail.level}) enforces: {jail.limits.describe()}")
         elif wanted != Limits():
             notice(f"limits: {wanted.describe()} ({jail.level})")
-        return jail
 
     def egress_detach(self, rt: RunningTask) -> Callable[[], None] | None:
         """What removes the task's egress rules at its end (blocking), or None without a policy."""
@@ -171,29 +209,43 @@ class Deployer:
         """What the task wrote in its working copy → items, artifacts or kept on the node (ckagent.delivery.outputs),
         before the copy is removed; one ``outputs:`` line in the task log says what became of each file.
         ``version_dir`` None: the task's code version (what the copy was made of) is not known — a
-        re-adopted task of a version gone meanwhile: the line says so. Never raises for the files."""
+        re-adopted task of a version gone meanwhile: the line says so. Never raises for the files.
+        (A task run here collects in its end hop instead: :meth:`collect_blocking`.)"""
         task = rt.task
         if version_dir is None and task.code_package is not None:
             version_dir = await trio.to_thread.run_sync(
                 self._workspaces.reuse_package, task.spider_id, task.code_version, task.code_package)
+        collected = await trio.to_thread.run_sync(self.collect_blocking, rt, task_dir, work, version_dir)
+        self.say_collected(rt, collected, notice)
+
+    def collect_blocking(self, rt: RunningTask, task_dir: Path, work: Path,
+                         version_dir: Path | None) -> Collected | OSError | None:
+        """:meth:`collect_outputs`' blocking part: what became of the files (None: the version is not
+        known; an OSError: they cannot be collected). Blocking; pass the result to :meth:`say_collected`."""
         if version_dir is None:
-            notice("outputs: the task's code version is not on this node any more, so the files it wrote "
-                   "cannot be told from its code; they are removed with the working copy")
-            return
+            return None
+        task = rt.task
         keep = kept_dir(self.config.work_dir, safe_name(task.spider_id), safe_name(task.id))
         try:
-            collected = await trio.to_thread.run_sync(functools.partial(
-                collect, work=work, code_dir=version_dir, since=rt.started_at or 0.0, task_dir=task_dir,
-                outputs=task.outputs, budget_bytes=self.config.max_artifact_bytes,
-                master_takes_artifacts=self._master_takes_artifacts(), keep_dir=keep,
-                streamed=None if rt.delivery is None or rt.delivery.live is None else rt.delivery.live.link))
+            return collect(work=work, code_dir=version_dir, since=rt.started_at or 0.0, task_dir=task_dir,
+                           outputs=task.outputs, budget_bytes=self.config.max_artifact_bytes,
+                           master_takes_artifacts=self._master_takes_artifacts(), keep_dir=keep,
+                           streamed=None if rt.delivery is None or rt.delivery.live is None else rt.delivery.live.link)
         except OSError as exc:
-            notice(f"outputs: cannot collect the task's files ({exc.strerror or exc}); they are removed with "
-                   "the working copy")
-            return
-        if rt.delivery is not None:  # the collection's own notices (a file first seen now) before its summary
-            rt.delivery.take_notices()
-        notice(collected.line())
+            return exc
+
+    def say_collected(self, rt: RunningTask, collected: Collected | OSError | None, notice: Notice) -> None:
+        """The task log's ``outputs:`` line for what :meth:`collect_blocking` returned (on the loop)."""
+        if collected is None:
+            notice("outputs: the task's code version is not on this node any more, so the files it wrote "
+                   "cannot be told from its code; they are removed with the working copy")
+        elif isinstance(collected, OSError):
+            notice(f"outputs: cannot collect the task's files ({collected.strerror or collected}); they are "
+                   "removed with the working copy")
+        else:
+            if rt.delivery is not None:  # the collection's own notices (a file first seen now) before its summary
+                rt.delivery.take_notices()
+            notice(collected.line())
 
 
 async def empty_jail(jail: TaskJail, rt: RunningTask | None = None,
@@ -210,29 +262,39 @@ async def empty_jail(jail: TaskJail, rt: RunningTask | None = None,
         jail.close()
 
 
-async def clear_task(jails: list[TaskJail], work: Path, rt: RunningTask,
-                     detach: Callable[[], None] | None = None) -> None:
-    """At the end of a task: :func:`empty_jail` for the jail in ``jails`` (none: it was never made)
-    and the working copy ``work`` removed (even when the task ends by cancellation), their blocking
-    parts (the egress rules' removal, the copy's) in one thread hop. Nothing when the task was
-    handed over to the next agent (its spider runs on in both; that agent removes them). Shielded."""
-    if rt.handed_over:
-        return
-    jail = jails[0] if jails else None
-    with trio.CancelScope(shield=True):
-        if jail is not None:
-            await jail.kill_all()
+class Clearing:
+    """A task's end on the node: its jail (``jails``: none until made) emptied, its egress rules
+    (``detach``, blocking: after the kill, before the cgroup goes) and the jail removed, its working
+    copy ``work`` removed — once, also when the task ends by cancellation. Nothing when the task was
+    handed over to the next agent (its spider runs on in both; that agent removes them)."""
 
-        def blocking() -> None:
-            try:
-                if jail is not None and detach is not None:
-                    detach()
-            finally:
-                remove_tree(work)
+    def __init__(self, work: Path, rt: RunningTask, detach: Callable[[], None] | None) -> None:
+        self.work, self.rt, self.detach = work, rt, detach
+        self.jails: list[TaskJail] = []
+        self.done = False
 
+    def blocking(self) -> None:
+        """The blocking part, for a jail known empty (its supervisor killed what was left): the egress
+        rules, the working copy, the cgroups. Blocking (the end hop's, ckagent.task.runner); once."""
+        self.done = True
+        jail = self.jails[0] if self.jails else None
         try:
-            await trio.to_thread.run_sync(blocking)
+            if jail is not None and self.detach is not None:
+                self.detach()
         finally:
-            if jail is not None:
-                jail.close()
+            try:
+                remove_tree(self.work)
+            finally:
+                if jail is not None:
+                    jail.close()
 
+    async def __call__(self) -> None:
+        """Everything not done yet: the jail's processes killed, then :meth:`blocking` in one thread
+        hop. Shielded."""
+        if self.done or self.rt.handed_over:
+            return
+        jail = self.jails[0] if self.jails else None
+        with trio.CancelScope(shield=True):
+            if jail is not None:
+                await jail.kill_all()
+            await trio.to_thread.run_sync(self.blocking)

@@ -5,7 +5,11 @@ long poll on, ``waitSeconds``: the master may hold the request until a task is r
 that answers at once with nothing (no long poll) is asked again after ``poll_interval`` (sooner
 if a spider running here finishes meanwhile: its next task is no longer excluded); a master
 that held the request is asked again at once, and so is one whose held poll excluded a spider that
-has since finished here (that spider's next task would otherwise wait out the long poll). A master
+has since finished here (that spider's next task would otherwise wait out the long poll) — unless
+the master offers ``poll-follows-results``: then the poll also names the spiders excluded because
+they run here (``runningSpiderIds``), the master hands their next task out in the held poll once it
+has this node's final result, and the poll — and the connection it holds: httpx closes one whose
+request is cancelled — is kept (docs/protocol.md, "A held poll follows the node's results"). A master
 that answers at once only because it still lists tasks already stopped here (``cancelTaskIds``
 until their CANCELLED results arrive) is asked again as soon as one of those results is delivered
 (``reported``: the outbox's event), so the next poll can be held and hears the next cancel at once.
@@ -66,6 +70,7 @@ from ckagent.master.endpoints import Retry
 from ckagent.master.ids import shown_id
 from ckagent.master.protocol import (
     CLAIM_IN_POLL,
+    POLL_FOLLOWS_RESULTS,
     BadTask,
     PendingTasks,
     Task,
@@ -279,14 +284,16 @@ class Poller:
 
     async def _poll_until_stale(self) -> PendingTasks | None:
         """:meth:`poll_once`, abandoned (None) once a spider it excluded has finished here: a held
-        long poll would otherwise keep that spider's next task waiting up to ``long_poll_wait`` s; and
-        cut short (None) when the intake gate closes meanwhile (what it would claim must not run here).
+        long poll would otherwise keep that spider's next task waiting up to ``long_poll_wait`` s (not
+        with a master that offers ``poll-follows-results``: it hands that task out in the held poll);
+        and cut short (None) when the intake gate closes meanwhile (what it would claim must not run here).
 
         Both cancel the poll's scope from where they happen (the supervisor's task left, the gate's
         close): no task of its own waits for them. Raises what poll_once raises. The master has
         handed out nothing it loses: only a claim assigns.
         """
-        excluded = self._supervisor.running_spider_ids() if self.long_poll_wait else []
+        stale = bool(self.long_poll_wait) and POLL_FOLLOWS_RESULTS not in self._master.features
+        excluded = self._supervisor.running_spider_ids() if stale else []
         with trio.CancelScope() as scope, contextlib.ExitStack() as watching:
             watching.enter_context(self._supervisor.cancel_when_spider_free(excluded, scope))
             if self._gate is not None:
@@ -306,11 +313,14 @@ class Poller:
             await self._master.register()
         sup = self._supervisor
         limit = max(1, sup.free_slots())
+        features = self._master.features
         claim = poll_id = None
-        if CLAIM_IN_POLL in self._master.features:  # the answer carries the claims (module docstring)
+        if CLAIM_IN_POLL in features:  # the answer carries the claims (module docstring)
             claim, poll_id = limit, self._open_claim_poll()
+        running = sup.running_spider_ids()
         answer = await self._master.poll(
-            limit, exclude_spider_ids=sorted(set(sup.running_spider_ids()) | self.unrunnable),
+            limit, exclude_spider_ids=sorted(set(running) | self.unrunnable),
+            running_spider_ids=running if POLL_FOLLOWS_RESULTS in features else (),
             wait_seconds=self.long_poll_wait, claim=claim, poll_id=poll_id,
             read_timeout=self.long_poll_wait + self._request_timeout, retry=Retry(),
         )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -115,18 +115,39 @@ class ClaimStore(Database):
 
 
     def pending_tasks(
-        self, *, limit: int, exclude_spider_ids: Sequence[str], base_url: str
+        self, *, limit: int, exclude_spider_ids: Sequence[str], base_url: str, node_id: str | None = None,
+        running_spider_ids: Collection[str] = (),
     ) -> list[dict[str, Any]]:
         """PENDING tasks as wire JSON, oldest first, at most one per spider, none of the excluded spiders.
 
         ``base_url`` (no trailing slash) prefixes the codePackage url: "" hands it out relative to the
-        agent's server.url (``/api/packages/…``). Handing out does not assign.
+        agent's server.url (``/api/packages/…``). Handing out does not assign. ``running_spider_ids``
+        (feature ``poll-follows-results``): those of the excluded spiders that stay excluded only while
+        ``node_id`` has a RUNNING task of theirs (:meth:`excluded_now`).
         """
-        chosen = self._read(lambda db: self._choose_pending(db, limit, set(exclude_spider_ids)))
-        return [self._wire_task(r, package, base_url) for r, package in chosen]
+        def choose(db: sqlite3.Connection) -> list[tuple[sqlite3.Row, sqlite3.Row | None]]:
+            excluded = self.excluded_now(db, node_id, exclude_spider_ids, running_spider_ids)
+            return self._choose_pending(db, limit, excluded)
+
+        return [self._wire_task(r, package, base_url) for r, package in self._read(choose)]
+
+    @staticmethod
+    def excluded_now(db: sqlite3.Connection, node_id: str | None, exclude_spider_ids: Sequence[str],
+                     running_spider_ids: Collection[str]) -> set[str]:
+        """The spiders a poll of ``node_id`` excludes now: ``exclude_spider_ids``, less those of
+        ``running_spider_ids`` of which the node has no RUNNING task any more (its final result has
+        arrived: docs/protocol.md, "A held poll follows the node's results")."""
+        excluded = set(exclude_spider_ids)
+        lapsing = excluded & set(running_spider_ids)
+        if lapsing and node_id is not None:
+            held = {r[0] for r in db.execute(
+                "SELECT DISTINCT spider_id FROM tasks WHERE node_id = ? AND status = 'RUNNING'", (node_id,))}
+            excluded -= lapsing - held
+        return excluded
 
     def claim_pending(
-        self, node_id: str, *, poll_id: int, limit: int, exclude_spider_ids: Sequence[str], base_url: str
+        self, node_id: str, *, poll_id: int, limit: int, exclude_spider_ids: Sequence[str], base_url: str,
+        running_spider_ids: Collection[str] = (),
     ) -> tuple[list[dict[str, Any]], list[str]]:
         """Claim-in-poll (docs/protocol.md, "Claims in the poll answer"), in one transaction: the
         tasks this poll (``poll_id``) claimed before and that are still RUNNING for ``node_id`` (a
@@ -142,7 +163,8 @@ class ClaimStore(Database):
                 (node_id, str(poll_id)),
             ).fetchall()[:limit]
             chosen = [(r, self._package(db, r)) for r in again]
-            excluded = set(exclude_spider_ids) | {r["spider_id"] for r in again}
+            excluded = self.excluded_now(db, node_id, exclude_spider_ids, running_spider_ids)
+            excluded |= {r["spider_id"] for r in again}
             for r, _package in (fresh := self._choose_pending(db, limit - len(chosen), excluded)):
                 db.execute(
                     "UPDATE tasks SET status = 'RUNNING', node_id = ?, claimed_at = ?, started_at = ?,"

@@ -55,6 +55,11 @@ that implements it names it in its registration answer's ``features``; the agent
 FEATURES = ("long-poll", "exclude-spider-ids", "log-item-seq", "paused-reason", "node-uid", "agent-version-policy",
             "claim-release", CLAIM_IN_POLL)
 """What this agent supports beyond protocol version 1's core (sent at registration as ``features``)."""
+POLL_FOLLOWS_RESULTS = "poll-follows-results"
+"""A master feature (registration answer's ``features``): a poll's ``runningSpiderIds`` stay excluded only
+while the node has a RUNNING task of theirs; a held poll is re-evaluated when the node's final result
+arrives (docs/protocol.md, "A held poll follows the node's results"). The agent then keeps its held
+poll across a spider finishing instead of abandoning it."""
 NODE_BATCHES = "node-batches"
 """A master feature (registration answer's ``features``): ``POST /api/nodes/{id}/batches`` takes
 several tasks' log and item batches in one request (docs/protocol.md, "Node batches")."""
