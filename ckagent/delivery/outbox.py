@@ -287,12 +287,13 @@ class Outbox:
             await trio.sleep(self.disk.next_interval())
             await self._flush_positions()  # the shippers' acknowledged positions, all streams at once
             live = [delivery for delivery in self.deliveries.values() if delivery.scanning]
-            found, free, sizes = await trio.to_thread.run_sync(_scan_round, live, self.guard.path)  # one hop
+            found, free, sizes, held = await trio.to_thread.run_sync(_scan_round, live, self.guard.path,
+                                                                     self.reserve)  # one hop
             for delivery, (files, items_size, stats_size, item_sizes) in zip(live, found, strict=True):
                 delivery.scanned(files, items_size, stats_size, item_sizes)
             if free is not None:
                 self.guard.free_bytes = free
-            await self._watch_disk(free, {d.task_id: size for d, size in zip(live, sizes, strict=True)})
+            await self._watch_disk(free, {d.task_id: size for d, size in zip(live, sizes, strict=True)}, held)
             self._looked.set()
 
     async def next_look(self) -> None:
@@ -300,9 +301,9 @@ class Outbox:
         then). Cancellation: as usual."""
         await self._looked.wait()
 
-    async def _watch_disk(self, free: int | None, sizes: dict[str, int]) -> None:
+    async def _watch_disk(self, free: int | None, sizes: dict[str, int], held: bool = True) -> None:
         """One look of the disk watch: stop the task that fills the disk; make the reserve again once
-        there is room for it."""
+        there is room for it (``held``: whether the round's hop found it in place)."""
         released = self.reserve.released_at if self.reserve is not None else None
         was_full = released is not None and released != self._reserve_released
         self._reserve_released = released
@@ -312,7 +313,7 @@ class Outbox:
                 self.on_disk_full(task_id, reason)
         reserve = self.reserve
         if (reserve is not None and free is not None and free > self.disk.critical_bytes + 2 * reserve.size_bytes
-                and not await trio.to_thread.run_sync(lambda: reserve.held)):
+                and not held):
             await trio.to_thread.run_sync(reserve.restore)
 
     async def _flush_positions(self) -> None:
@@ -331,15 +332,18 @@ class Outbox:
             log.info("the acknowledged positions are saved again")
 
 
-def _scan_round(deliveries: list[TaskDelivery], disk: Path) -> tuple[list[Scanned], int | None, list[int]]:
+def _scan_round(deliveries: list[TaskDelivery], disk: Path,
+                reserve: SpaceReserve | None) -> tuple[list[Scanned], int | None, list[int], bool]:
     """One round of the disk loop in its worker thread (blocking): :func:`_scan_all`, the free bytes of
-    the filesystem holding ``disk`` (None when it cannot be measured) and each task dir's bytes."""
+    the filesystem holding ``disk`` (None when it cannot be measured), each task dir's bytes and
+    whether the space reserve is in place (True without one)."""
     try:
         free: int | None = shutil.disk_usage(disk).free
     except OSError as exc:
         log.debug("cannot measure free space of %s: %s", disk, exc)
         free = None
-    return _scan_all(deliveries), free, [tree_bytes(delivery.task_dir) for delivery in deliveries]
+    held = reserve is None or reserve.held
+    return _scan_all(deliveries), free, [tree_bytes(delivery.task_dir) for delivery in deliveries], held
 
 
 def _scan_all(deliveries: list[TaskDelivery]) -> list[Scanned]:

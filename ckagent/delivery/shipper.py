@@ -104,7 +104,11 @@ class StreamShipper:
         self.placeholders = 0
         self.waiting_since: float | None = None
         """Epoch s since read elements wait for the master: since the last ack, or read after catching up (None: none)."""
-        self.end_noted = False  # the stream's last position is noted for its task's result write (TaskDelivery)
+        self.end_kept = False
+        """True: the stream's last position is kept in :attr:`final` for its owner (a task's delivery,
+        which needs it only if its result is not acknowledged at once) instead of being saved."""
+        self.final: tuple[int, Any] | None = None
+        """With :attr:`end_kept`: the last (seq, position) the master acknowledged, not saved yet."""
         self.requests = 0
         self.batcher: NodeBatcher | None = None
         """Set by the outbox: batches go through it while the master offers node batches."""
@@ -197,9 +201,9 @@ class StreamShipper:
         self._reader.close()
 
     async def _save(self) -> None:
-        """The stream ends: its position noted (``end_noted``), else into the database now (a full disk: noted)."""
-        if self._unsaved is not None and self.end_noted:
-            self._note()
+        """The stream ends: its position kept (``end_kept``), else into the database now (a full disk: noted)."""
+        if self._unsaved is not None and self.end_kept:
+            self.final, self._unsaved = self._unsaved, None
         elif self._unsaved is not None:
             saving, self._unsaved = self._unsaved, None
             try:

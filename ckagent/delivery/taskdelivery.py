@@ -135,7 +135,7 @@ class TaskDelivery:
                                   waker=self.waker)
         self.activity = Activity((task_dir / ITEMS_FILE, task_dir / STATS_FILE))
         self.logs.batcher = self.items.batcher = outbox.batcher
-        self.logs.end_noted = self.items.end_noted = True  # run's result write carries their last positions
+        self.logs.end_kept = self.items.end_kept = True  # the last positions matter only until the result's ack
         journal.on_record = self.logs.notify
         self._journal_due = False  # output.log grew or a scan found log files: the journal notes them
         self._found: dict[str, int] | None = None  # spider log files found by the last scan, not yet noted
@@ -235,10 +235,19 @@ class TaskDelivery:
             self._output_grew.set()
             self._output_grew = None
 
+    def _note_finals(self) -> None:
+        """The streams' last acknowledged positions (kept by the shippers: ``end_kept``) to the state
+        store's next write (no hop). Not needed once the result is acknowledged."""
+        for shipper in (self.logs, self.items):
+            if shipper.final is not None:
+                final, shipper.final = shipper.final, None
+                self.outbox.store.note_stream_position(self.task_id, shipper.stream, *final)
+
     async def _store_result(self, result: TaskResult) -> None:
-        """The result into the state store (with the noted stream positions); on a full disk it is
+        """The result into the state store with the streams' last positions; on a full disk it is
         kept in memory and sent all the same (an agent crash before it is acknowledged then reports
         the task AGENT_LOST)."""
+        self._note_finals()
         try:
             await self.outbox.store.set_result(self.task_id, result.to_json())
         except StateStoreError as exc:
@@ -306,6 +315,7 @@ class TaskDelivery:
             for shipper in shippers:
                 shipper.close()
             self.scanning = False
+            self._note_finals()  # cancelled (or failed) before its result: the outbox's last write saves them
         self.journal.close()
         if self.item_journal is not None:
             self.item_journal.close()
@@ -331,10 +341,14 @@ class TaskDelivery:
         result = dataclasses.replace(self.result, item_count=self.items.acked, log_lines=self.logs.acked,
                                      stats=stats, finish_reason=reason, incomplete=incomplete,
                                      artifacts=artifacts)
-        # Stored with its acknowledgement (one hop); stored before the retries when the master does not take it at once.
-        await send_result(self.outbox.master, self.outbox.store, self.task_id, result, self.outbox.limiter,
-                          self.outbox.config.refusal_timeout, before_retry=lambda: self._store_result(result),
-                          store_with_ack=True)
+        # Stored with its acknowledgement (one hop); when the master does not take it at once, stored
+        # with the streams' last positions before the retries (a crash meanwhile resumes from them).
+        try:
+            await send_result(self.outbox.master, self.outbox.store, self.task_id, result, self.outbox.limiter,
+                              self.outbox.config.refusal_timeout, before_retry=lambda: self._store_result(result),
+                              store_with_ack=True)
+        finally:
+            self._note_finals()  # cancelled meanwhile: the outbox's last write saves them
         self.delivered.set()
         self.outbox.lifecycle.emit(TaskDelivered(self.task_id, self.spider or None, self.claimed_at, result))
 
