@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import trio
 
@@ -16,7 +15,7 @@ from ckagent.delivery.spool import DEFAULT_REFUSAL_TIMEOUT
 from ckagent.delivery.waiting import backoff_sleep
 from ckagent.master.client import MasterClient, MasterConflict, MasterRejected, MasterUnavailable
 from ckagent.master.protocol import TaskResult
-from ckagent.node.state import AsyncStateStore, StateStore, StateStoreError
+from ckagent.node.state import AsyncStateStore, StateStoreError
 
 log = logging.getLogger(__name__)
 
@@ -24,14 +23,13 @@ log = logging.getLogger(__name__)
 async def send_result(
     master: MasterClient, store: AsyncStateStore, task_id: str, result: TaskResult,
     limiter: trio.CapacityLimiter | None = None, refusal_timeout: float = DEFAULT_REFUSAL_TIMEOUT,
-    *, before_retry: Callable[[], Awaitable[None]] | None = None, store_with_ack: bool = False,
+    *, before_retry: Callable[[], Awaitable[None]] | None = None, mark: bool = True,
 ) -> None:
-    """Send a final result until the master acknowledges it (forever, with backoff), then mark it acked.
+    """Send a final result until the master acknowledges it (forever, with backoff), then mark it acked
+    (without ``mark``: the caller does, e.g. with others in one write; a StateStoreError of the mark is logged).
 
     ``before_retry`` is awaited once, before the first retry (a caller that has not stored
-    ``result`` yet stores it then, before what may be a long wait); with ``store_with_ack`` the
-    write that marks it acknowledged stores ``result`` too (one thread hop for both: the
-    acknowledged result is the one the store keeps). A StateStoreError of that write is logged.
+    ``result`` yet stores it then, before what may be a long wait).
 
     A 409 or 422 (in the protocol's words) means the master will never take it (cancelled there,
     claimed by another node, invalid): logged, and marked done so it is not retried across restarts;
@@ -69,17 +67,10 @@ async def send_result(
                 log.error("task %s: master rejected the final result (%s)", task_id, exc)
                 break
             await again()  # 404 for a moment, 401 after re-registering, 403, 408, ...: retried
+    if not mark:
+        return
     try:
-        if store_with_ack:
-            await trio.to_thread.run_sync(_store_acked, store.sync, task_id, result.to_json())
-        else:
-            await store.mark_result_acked(task_id)
+        await store.mark_result_acked(task_id)
     except StateStoreError as exc:  # the next start sends it again; the master answers a repeat as such
         log.error("task %s: the master has its result, but %s", task_id, exc)
 
-
-def _store_acked(store: StateStore, task_id: str, result: dict[str, Any]) -> None:
-    """The acknowledgement's mark and the acknowledged result, in one thread hop (blocking): the
-    mark first (what keeps the next start from sending it again)."""
-    store.mark_result_acked(task_id)
-    store.set_result(task_id, result)

@@ -14,8 +14,10 @@ nursery while they last.
 
 **Thread hops of a task's end**: :meth:`TaskDelivery.finish` stores the runner's result and reads
 what the end needs (the log files' last sizes, the items journal's, the final stats, the artifacts'
-state) in one hop; an acknowledged result is stored with its mark in one more. Only when the master
-does not take the result at once is it stored (with the streams' last positions) before the retries.
+state) in one hop; an acknowledged result is stored with its mark in the outbox's next round (its
+once-a-second hop, shared by every task: :meth:`ckagent.delivery.outbox.Outbox.acknowledged`). Only
+when the master does not take the result at once is it stored (with the streams' last positions)
+before the retries.
 """
 
 from __future__ import annotations
@@ -96,6 +98,10 @@ class DeliveryHost(Protocol):
 
     async def next_look(self) -> None:
         """Return after the owner's next look at the disk (a writer waiting for room tries again)."""
+
+    def acknowledged(self, task_id: str, result: dict[str, Any]) -> None:
+        """The master acknowledged the task's final ``result`` (or refused it for good): mark it so, with
+        ``result`` (its JSON) as stored, in the owner's next write."""
 
 
 class TaskDelivery:
@@ -341,14 +347,20 @@ class TaskDelivery:
         result = dataclasses.replace(self.result, item_count=self.items.acked, log_lines=self.logs.acked,
                                      stats=stats, finish_reason=reason, incomplete=incomplete,
                                      artifacts=artifacts)
-        # Stored with its acknowledgement (one hop); when the master does not take it at once, stored
-        # with the streams' last positions before the retries (a crash meanwhile resumes from them).
+        # When the master does not take it at once, stored with the streams' last positions before the
+        # retries (a crash meanwhile resumes from them); acknowledged, it goes with its mark in the
+        # outbox's next write (Outbox.acknowledged: no hop of its own).
+        acked = False
         try:
             await send_result(self.outbox.master, self.outbox.store, self.task_id, result, self.outbox.limiter,
                               self.outbox.config.refusal_timeout, before_retry=lambda: self._store_result(result),
-                              store_with_ack=True)
+                              mark=False)
+            acked = True
         finally:
-            self._note_finals()  # cancelled meanwhile: the outbox's last write saves them
+            if acked:
+                self.outbox.acknowledged(self.task_id, result.to_json())
+            else:
+                self._note_finals()  # cancelled meanwhile: the outbox's last write saves them
         self.delivered.set()
         self.outbox.lifecycle.emit(TaskDelivered(self.task_id, self.spider or None, self.claimed_at, result))
 
