@@ -18,6 +18,7 @@ Run: ``python -m bench.adoption [--quick]``.
 
 from __future__ import annotations
 
+import functools
 import signal
 import sys
 import time
@@ -61,10 +62,10 @@ async def monitor_cost(quick: bool, directory: Path) -> dict[str, Any]:
             jail = containment.jail(f"bench-{i}", Limits())
             jails.append(jail)
             env = {"PATH": "/usr/bin:/bin", "CK_TASK_ID": f"bench-{i}"}
-            mons.append(await spawn_monitored(
-                ["sleep", "600"], cwd=task_dir, env=env, task_id=f"bench-{i}", task_dir=task_dir,
+            mons.append(await trio.to_thread.run_sync(functools.partial(
+                spawn_monitored, ["sleep", "600"], cwd=task_dir, env=env, task_id=f"bench-{i}", task_dir=task_dir,
                 output_path=task_dir / "output.log", jail=jail, run_as=None, deadline_at=None, work=task_dir,
-                stall_timeout=0.0))
+                stall_timeout=0.0)))
         await trio.sleep(0.5)  # every monitor has forked its spider and sleeps in wait
         before = [_status(m.pid) for m in mons]
         await trio.sleep(window)

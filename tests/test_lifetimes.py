@@ -232,9 +232,13 @@ class HangingInstaller:
     def __init__(self) -> None:
         self.entered = trio.Event()
 
+    def check(self, framework: str, code_dir: Path, **_: Any) -> None:
+        """The look the prepare hop makes: none (the install phase is where this installer hangs)."""
+        return None
+
     async def prepare(self, framework: str, spider_id: str, code_dir: Path, output: Any, *,
                       marker: dict[str, str] | None = None, jail: Any = None, task_env: Any = None,
-                      home: Any = None) -> Prepared:
+                      home: Any = None, checked: Any = None) -> Prepared:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(trio.sleep_forever)
             nursery.start_soon(trio.sleep_forever)

@@ -130,10 +130,11 @@ class PythonEnvs:
         self.store.acquire(venv)
         try:
             ready = _ready_with_sdk(venv, plan.key)
-        except BaseException as exc:
+        except OSError as exc:
             self.store.release(venv)
-            if isinstance(exc, OSError):
-                return Checked(error=exc, seconds=time.monotonic() - started)
+            return Checked(error=exc, seconds=time.monotonic() - started)
+        except BaseException:
+            self.store.release(venv)
             raise
         return Checked(venv, ready, (plan, sdk[1] if sdk else None), time.monotonic() - started, store=self.store)
 

@@ -31,7 +31,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import os
+import select
 import shlex
 import signal
 import subprocess
@@ -50,6 +52,7 @@ from ckagent.containment.process_group import MARKER_VAR, SPAWNED
 from ckagent.containment.stopping import (
     Notice,
     ProcessOutcome,
+    ScopedStop,
     StopRequest,
     StopSequence,
     Supervised,
@@ -181,16 +184,17 @@ class Handle:
 
 
 class Monitored:
-    """A spider behind its monitor: spawned by this agent (``proc`` set) or adopted from an earlier one.
+    """A spider behind its monitor: spawned by this agent (``popen`` set: the monitor is our child)
+    or adopted from an earlier one.
 
     :meth:`wait` returns once the monitor has exited; :attr:`returncode` is then the spider's
     return code (negative: killed by that signal; None: not recorded, e.g. the monitor itself
     was killed with the whole task at a later agent).
     """
 
-    def __init__(self, handle: Handle, proc: trio.Process | None = None) -> None:
+    def __init__(self, handle: Handle, popen: subprocess.Popen[bytes] | None = None) -> None:
         self.handle = handle
-        self.proc = proc
+        self.popen = popen
         self.exited = False
         self.returncode: int | None = None
 
@@ -204,45 +208,67 @@ class Monitored:
         return None if self.exited else main_pid(self.pid)
 
     async def wait(self) -> None:
-        """Return once the monitor has exited (a pidfd for one that is not our child). Cancellation: as usual."""
+        """Return once the monitor has exited (a pidfd: a kernel notification; our own child is
+        reaped then). Cancellation: as usual."""
         if not self.exited:
-            if self.proc is not None:
-                await self.proc.wait()
-            else:
-                await _wait_pid_exit(self.pid)
+            await _wait_pid_exit(self.pid, self.popen)
             self._ended()
+
+    def ended(self) -> bool:
+        """After its pidfd said the monitor exited: our own child reaped, its end recorded (as
+        :meth:`wait` does). False when it cannot be reaped yet (never expected: then :meth:`wait`)."""
+        if self.popen is not None and self.popen.poll() is None:
+            return False
+        self._ended()
+        return True
+
+    def exit_fd(self) -> int:
+        """A pidfd of the monitor (readable once it has exited: then :meth:`wait` returns at once);
+        -1 when it is gone already or this kernel has no pidfds. The caller closes it."""
+        if self.exited:
+            return -1
+        try:
+            return os.pidfd_open(self.pid)
+        except OSError:
+            return -1
 
     def _ended(self) -> None:
         self.exited = True
         recorded = read_status(Path(self.handle.status_file))
         if recorded is not None:
             self.returncode = recorded
-        elif self.proc is not None:
-            self.returncode = self.proc.returncode
-        if self.proc is not None and self.proc.returncode is not None:
+        elif self.popen is not None:
+            self.returncode = self.popen.returncode
+        if self.popen is not None and self.popen.returncode is not None:
             SPAWNED.discard(self.pid)
 
 
-async def _wait_pid_exit(pid: int) -> None:
-    """Wait for a process that is not our child to exit (pidfd: readable once it is a zombie or gone)."""
+async def _wait_pid_exit(pid: int, child: subprocess.Popen[bytes] | None = None) -> None:
+    """Wait for process ``pid`` to exit: its pidfd is readable once it is a zombie or gone; ``child``
+    (our own child, that process) is reaped then (at once: it has exited)."""
+    fd = -1
     try:
         fd = os.pidfd_open(pid)
     except OSError as exc:
-        if exc.errno == errno.ESRCH:
-            return
-        raise
-    try:
-        await trio.lowlevel.wait_readable(fd)
-    finally:
-        os.close(fd)
+        if exc.errno != errno.ESRCH and child is None:
+            raise
+        # Gone already, or no pidfds (Linux < 5.3): our own child is waited for in a thread below.
+    if fd >= 0:
+        try:
+            await trio.lowlevel.wait_readable(fd)
+        finally:
+            os.close(fd)
+    if child is not None and child.poll() is None:  # reaped here (it has exited if its pidfd said so)
+        await trio.to_thread.run_sync(child.wait)
 
 
-async def spawn_monitored(
+def spawn_monitored(
     argv: list[str], *, cwd: Path, env: dict[str, str], task_id: str, task_dir: Path, output_path: Path,
     jail: TaskJail, run_as: RunAs | None, deadline_at: float | None, work: Path, stall_timeout: float,
     env_dir: Path | None = None,
 ) -> Monitored:
     """Start ``argv`` behind its monitor, in ``jail``, stdout and stderr appended to ``output_path``.
+    Blocking (the fork, a few small files): call it in a thread hop (the runner's spawn hop).
 
     ``env`` must carry ``CK_TASK_ID=task_id`` (the sweep's marker). Raises OSError when the command
     cannot be started. The caller supervises the result (:func:`supervise`) and stores its handle.
@@ -261,17 +287,17 @@ async def spawn_monitored(
         script = monitor_script(jail.join_paths(), status_path)
     out = os.open(output_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
     try:
-        proc = await trio.lowlevel.open_process(
+        popen = subprocess.Popen(
             [SHELL, "-c", script, program, *argv[1:]], cwd=str(cwd), env=env, stdin=subprocess.DEVNULL,
             stdout=out, stderr=out, start_new_session=True, **popen_identity(run_as), **options,
         )  # fmt: skip
+        SPAWNED.add(popen.pid)  # we reap it (Monitored.wait); the subreaper's reaper must not
     finally:
         os.close(out)
-    SPAWNED.add(proc.pid)  # trio reaps it; the subreaper's reaper must not
-    jail.watch(proc.pid)
-    handle = Handle(proc.pid, start_ticks(proc.pid) or 0, boot_id(), time.time(), str(status_path), deadline_at,
+    jail.watch(popen.pid)
+    handle = Handle(popen.pid, start_ticks(popen.pid) or 0, boot_id(), time.time(), str(status_path), deadline_at,
                     str(work), stall_timeout, jail.level, "" if env_dir is None else str(env_dir))
-    return Monitored(handle, proc)
+    return Monitored(handle, popen)
 
 
 async def follow_output(sink: Any, exited: trio.Event) -> None:
@@ -301,7 +327,9 @@ async def supervise(
     stall limit are the waiter's: ckagent.task.stop.Watchdog): then the stop signal to the spider,
     ``grace`` seconds, and every process of the task killed (ckagent.containment.stopping), its
     notice beginning with ``why()``. After a normal exit leftovers get ``drain_window`` seconds
-    before they are killed. ``sink`` follows output.log meanwhile.
+    before they are killed. ``sink`` follows output.log meanwhile (:func:`follow_until_exit_or_stop`:
+    in this task; during a stop's grace beside it); what leftovers write in the drain window is
+    taken in at the end.
 
     Cancellation from outside: when ``leave_running()`` is true (the agent hands its tasks over to
     the next one) the spider is left running, untouched; otherwise it is stopped (signal → grace →
@@ -313,24 +341,25 @@ async def supervise(
                            jail, grace, stop_signal, notice, outcome)
     swept = False
     try:
-        async with trio.open_nursery() as nursery:
-            exited = trio.Event()
-            nursery.start_soon(follow_output, sink, exited)
-            await until_exit_or_stop(mon.wait, stop, exited)
-            if not mon.exited:
-                outcome.stopped = True
+        await follow_until_exit_or_stop(mon, sink, stop)
+        if not mon.exited:
+            outcome.stopped = True
+            async with trio.open_nursery() as nursery:  # what the spider says while it stops reaches the log
+                exited = trio.Event()
+                exited.set()  # no trickle is waited for: the grace is short
+                nursery.start_soon(follow_output, sink, exited)
                 await stopper.stop(why())
-            else:
-                with trio.move_on_after(drain_window):  # what the spider left behind may still write
-                    await jail.wait_empty()
-            exited.set()
-            outcome.returncode = mon.returncode
-            outcome.killed_leftovers += max(0, await jail.kill_all())
-            swept = True
-            if outcome.killed_leftovers:
-                notice(f"killed {outcome.killed_leftovers} leftover process(es) of the task")
+                nursery.cancel_scope.cancel()
+        else:
             sink.grown()
-            nursery.cancel_scope.cancel()
+            with trio.move_on_after(drain_window):  # what the spider left behind may still write
+                await jail.wait_empty()
+        outcome.returncode = mon.returncode
+        outcome.killed_leftovers += max(0, await jail.kill_all())
+        swept = True
+        if outcome.killed_leftovers:
+            notice(f"killed {outcome.killed_leftovers} leftover process(es) of the task")
+        sink.grown()
     finally:
         with trio.CancelScope(shield=True):  # noqa: ASYNC912 - shielded cleanup
             if mon.exited and swept:
@@ -341,3 +370,54 @@ async def supervise(
                 await stopper.stop("agent terminating")
                 outcome.killed_leftovers += max(0, await jail.kill_all())
     return outcome
+
+
+async def follow_until_exit_or_stop(mon: Monitored, sink: Any, stop: StopRequest) -> None:
+    """Take in output.log's growth (as :func:`follow_output` does) until the monitor has exited
+    (``mon.exited`` then) or ``stop`` is requested — in this task: one epoll descriptor over the
+    monitor's pidfd and the file's inotify watch, waited on in a scope the stop cancels
+    (ckagent.containment.stopping.ScopedStop). A stop that cannot cancel scopes, or a kernel
+    without pidfds, gets the same beside a task of its own. Cancellation: as usual."""
+    pidfd = mon.exit_fd() if isinstance(stop, ScopedStop) else -1
+    if pidfd < 0:
+        if mon.exited:
+            return
+        async with trio.open_nursery() as nursery:
+            exited = trio.Event()
+            nursery.start_soon(follow_output, sink, exited)
+            await until_exit_or_stop(mon.wait, stop, exited)
+            nursery.cancel_scope.cancel()
+        return
+    assert isinstance(stop, ScopedStop)
+    with contextlib.ExitStack() as held:
+        held.callback(os.close, pidfd)
+        poller = select.epoll(2)
+        held.callback(poller.close)
+        poller.register(pidfd, select.EPOLLIN)
+        sink.grown()  # what was written before the watch (or while no agent ran)
+        try:
+            watch: FileWatch | None = held.enter_context(FileWatch(sink.path))
+        except OSError as exc:
+            log.warning("%s: cannot watch it (%s); its lines are sent at the task's end", sink.path, exc)
+            watch = None
+        if watch is not None:
+            poller.register(watch.fd, select.EPOLLIN)
+        gather_until = math.inf  # a trickle gathers until then: the watch is not looked at
+        while True:
+            with stop.cancelling(gather_until):
+                await trio.lowlevel.wait_readable(poller.fileno())
+            if stop.is_set():
+                return
+            ready = {fd for fd, _ in poller.poll(0)}
+            if pidfd in ready:  # it has exited
+                if not mon.ended():
+                    await mon.wait()
+                return
+            if watch is None:
+                continue
+            if gather_until < math.inf and trio.current_time() >= gather_until:
+                gather_until = math.inf
+                poller.modify(watch.fd, select.EPOLLIN)
+            if watch.fd in ready and watch.drain() and sink.grown() < OUTPUT_COALESCE_BELOW:
+                gather_until = trio.current_time() + OUTPUT_COALESCE_INTERVAL
+                poller.modify(watch.fd, 0)

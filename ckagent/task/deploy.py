@@ -16,7 +16,6 @@ collects the outputs and clears the jail and the copy.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ from ckagent.code.workspace import Workspaces
 from ckagent.containment import ContainmentError, Limits, TaskJail
 from ckagent.containment.egress import EgressError, TaskRules
 from ckagent.containment.process_group import ProcessGroupJail
-from ckagent.delivery.outputs import collect, kept_dir
+from ckagent.delivery.outputs import Collected, collect, kept_dir
 from ckagent.master.ids import safe_name
 from ckagent.master.protocol import Task
 from ckagent.node.errors import DeployError, JailError, os_error_text
@@ -210,29 +209,43 @@ class Deployer:
         """What the task wrote in its working copy → items, artifacts or kept on the node (ckagent.delivery.outputs),
         before the copy is removed; one ``outputs:`` line in the task log says what became of each file.
         ``version_dir`` None: the task's code version (what the copy was made of) is not known — a
-        re-adopted task of a version gone meanwhile: the line says so. Never raises for the files."""
+        re-adopted task of a version gone meanwhile: the line says so. Never raises for the files.
+        (A task run here collects in its end hop instead: :meth:`collect_blocking`.)"""
         task = rt.task
         if version_dir is None and task.code_package is not None:
             version_dir = await trio.to_thread.run_sync(
                 self._workspaces.reuse_package, task.spider_id, task.code_version, task.code_package)
+        collected = await trio.to_thread.run_sync(self.collect_blocking, rt, task_dir, work, version_dir)
+        self.say_collected(rt, collected, notice)
+
+    def collect_blocking(self, rt: RunningTask, task_dir: Path, work: Path,
+                         version_dir: Path | None) -> Collected | OSError | None:
+        """:meth:`collect_outputs`' blocking part: what became of the files (None: the version is not
+        known; an OSError: they cannot be collected). Blocking; pass the result to :meth:`say_collected`."""
         if version_dir is None:
-            notice("outputs: the task's code version is not on this node any more, so the files it wrote "
-                   "cannot be told from its code; they are removed with the working copy")
-            return
+            return None
+        task = rt.task
         keep = kept_dir(self.config.work_dir, safe_name(task.spider_id), safe_name(task.id))
         try:
-            collected = await trio.to_thread.run_sync(functools.partial(
-                collect, work=work, code_dir=version_dir, since=rt.started_at or 0.0, task_dir=task_dir,
-                outputs=task.outputs, budget_bytes=self.config.max_artifact_bytes,
-                master_takes_artifacts=self._master_takes_artifacts(), keep_dir=keep,
-                streamed=None if rt.delivery is None or rt.delivery.live is None else rt.delivery.live.link))
+            return collect(work=work, code_dir=version_dir, since=rt.started_at or 0.0, task_dir=task_dir,
+                           outputs=task.outputs, budget_bytes=self.config.max_artifact_bytes,
+                           master_takes_artifacts=self._master_takes_artifacts(), keep_dir=keep,
+                           streamed=None if rt.delivery is None or rt.delivery.live is None else rt.delivery.live.link)
         except OSError as exc:
-            notice(f"outputs: cannot collect the task's files ({exc.strerror or exc}); they are removed with "
-                   "the working copy")
-            return
-        if rt.delivery is not None:  # the collection's own notices (a file first seen now) before its summary
-            rt.delivery.take_notices()
-        notice(collected.line())
+            return exc
+
+    def say_collected(self, rt: RunningTask, collected: Collected | OSError | None, notice: Notice) -> None:
+        """The task log's ``outputs:`` line for what :meth:`collect_blocking` returned (on the loop)."""
+        if collected is None:
+            notice("outputs: the task's code version is not on this node any more, so the files it wrote "
+                   "cannot be told from its code; they are removed with the working copy")
+        elif isinstance(collected, OSError):
+            notice(f"outputs: cannot collect the task's files ({collected.strerror or collected}); they are "
+                   "removed with the working copy")
+        else:
+            if rt.delivery is not None:  # the collection's own notices (a file first seen now) before its summary
+                rt.delivery.take_notices()
+            notice(collected.line())
 
 
 async def empty_jail(jail: TaskJail, rt: RunningTask | None = None,
@@ -249,29 +262,39 @@ async def empty_jail(jail: TaskJail, rt: RunningTask | None = None,
         jail.close()
 
 
-async def clear_task(jails: list[TaskJail], work: Path, rt: RunningTask,
-                     detach: Callable[[], None] | None = None) -> None:
-    """At the end of a task: :func:`empty_jail` for the jail in ``jails`` (none: it was never made)
-    and the working copy ``work`` removed (even when the task ends by cancellation), their blocking
-    parts (the egress rules' removal, the copy's) in one thread hop. Nothing when the task was
-    handed over to the next agent (its spider runs on in both; that agent removes them). Shielded."""
-    if rt.handed_over:
-        return
-    jail = jails[0] if jails else None
-    with trio.CancelScope(shield=True):
-        if jail is not None:
-            await jail.kill_all()
+class Clearing:
+    """A task's end on the node: its jail (``jails``: none until made) emptied, its egress rules
+    (``detach``, blocking: after the kill, before the cgroup goes) and the jail removed, its working
+    copy ``work`` removed — once, also when the task ends by cancellation. Nothing when the task was
+    handed over to the next agent (its spider runs on in both; that agent removes them)."""
 
-        def blocking() -> None:
-            try:
-                if jail is not None and detach is not None:
-                    detach()
-            finally:
-                remove_tree(work)
+    def __init__(self, work: Path, rt: RunningTask, detach: Callable[[], None] | None) -> None:
+        self.work, self.rt, self.detach = work, rt, detach
+        self.jails: list[TaskJail] = []
+        self.done = False
 
+    def blocking(self) -> None:
+        """The blocking part, for a jail known empty (its supervisor killed what was left): the egress
+        rules, the working copy, the cgroups. Blocking (the end hop's, ckagent.task.runner); once."""
+        self.done = True
+        jail = self.jails[0] if self.jails else None
         try:
-            await trio.to_thread.run_sync(blocking)
+            if jail is not None and self.detach is not None:
+                self.detach()
         finally:
-            if jail is not None:
-                jail.close()
+            try:
+                remove_tree(self.work)
+            finally:
+                if jail is not None:
+                    jail.close()
 
+    async def __call__(self) -> None:
+        """Everything not done yet: the jail's processes killed, then :meth:`blocking` in one thread
+        hop. Shielded."""
+        if self.done or self.rt.handed_over:
+            return
+        jail = self.jails[0] if self.jails else None
+        with trio.CancelScope(shield=True):
+            if jail is not None:
+                await jail.kill_all()
+            await trio.to_thread.run_sync(self.blocking)

@@ -65,7 +65,7 @@ from ckagent.node.errors import (
 )
 from ckagent.node.state import AsyncStateStore, StateStoreError
 from ckagent.task.admission import Admission, RunningTask
-from ckagent.task.deploy import Deployer, clear_task
+from ckagent.task.deploy import Clearing, Deployer
 from ckagent.task.outcome import (
     MESSAGE_CHARS,
     Notice,
@@ -95,6 +95,7 @@ class Code:
     argv: list[str]
     work: Path
     jail: TaskJail
+    clearing: Clearing
     checked: Checked | None = None
     """What the prepare hop found of the dependencies' environment (None: the install phase looks)."""
 
@@ -219,10 +220,7 @@ class TaskRunner:
                     if rt.stop.is_set():
                         notice(f"stopped before the spider started: {rt.stop.describe()}")
                         return TaskOutcome(*stopped_outcome(rt.stop))
-                    outcome = await self._run(rt, task_dir, code, prepared, notice, sink)
-                    if rt.started_at is not None and not rt.handed_over:  # its files → items, artifacts or kept
-                        await self.deployer.collect_outputs(rt, task_dir, code.work, code.code_dir, notice)
-                    return outcome
+                    return await self._run(rt, task_dir, code, prepared, notice, sink)
             except TaskError as exc:
                 return failed_outcome(rt, exc, notice, self.config.agent_secrets)
         raise AssertionError("unreachable")  # pragma: no cover
@@ -242,12 +240,14 @@ class TaskRunner:
         JailError."""
         task = rt.task
         started = trio.current_time()
-        jails: list[TaskJail] = []
         checks: list[Checked | None] = []
         async with contextlib.AsyncExitStack() as held:
             work = self.deployer.work_of(task)
-            # At the end: the jail emptied and removed (once made), the working copy removed: one hop.
-            held.push_async_callback(clear_task, jails, work, rt, self.deployer.egress_detach(rt))
+            # At the end: the jail emptied and removed (once made), the working copy removed — in the
+            # end hop of a spider that ran (its supervisor emptied the jail), else here in one hop.
+            clearing = Clearing(work, rt, self.deployer.egress_detach(rt))
+            held.push_async_callback(clearing)
+            jails = clearing.jails
 
             def check(work: Path) -> None:  # in the prepare hop, once the working copy is there
                 checks.append(self._deps.check(task.framework, work, **self._install_args(task)))
@@ -267,7 +267,7 @@ class TaskRunner:
             if how is not None:
                 notice(how)
             notice(f"working copy of {code_dir.name}: {copied}")
-            yield Code(code_dir, argv, work, jail, checks[-1] if checks else None)
+            yield Code(code_dir, argv, work, jail, clearing, checks[-1] if checks else None)
 
     def _install_args(self, task: Task) -> dict[str, Any]:
         """What :meth:`Dependencies.check <ckagent.code.deps.Dependencies.check>` and ``prepare`` take of a task."""
@@ -324,26 +324,42 @@ class TaskRunner:
                 "CK_PARAMS": json.dumps(task.params, ensure_ascii=False),
             }
         )
-        if frameworks.has_spawn_hooks(task.framework):  # the framework's (and its runtime's) hooks: Scrapy's items …
-            added = await trio.to_thread.run_sync(frameworks.spawn_additions, frameworks.SpawnContext(
-                task.framework, argv, env, code.work, prepared.env_dir,
-                items_declared=bool(task.outputs is not None and task.outputs.items)))
-            env.update(added.env)
-            for line in added.notices:
-                notice(line)
         timeout = self.config.execute_timeout if task.timeout_seconds is None else task.timeout_seconds
         stall = self.config.stall_timeout if task.stall_timeout_seconds is None else task.stall_timeout_seconds
         rt.phase = "running"
         rt.started_at = time.time()
-        notice(f"running {shown_argv(argv, task)} (timeout {f'{timeout:g} s' if timeout else 'none'})")
+        store = self._store.sync
 
-        try:
-            mon = await spawn_monitored(
+        def say(lines: list[str]) -> None:  # on the loop (called from the spawn hop), before the spawn
+            for line in lines:
+                notice(line)
+            notice(f"running {shown_argv(argv, task)} (timeout {f'{timeout:g} s' if timeout else 'none'})")
+
+        def spawn() -> Monitored:
+            """The spawn hop: the framework's (and its runtime's) spawn hooks (Scrapy's items …), the
+            log's lines before the spider's own, the spawn, and its process recorded in the state store."""
+            lines: list[str] = []
+            if frameworks.has_spawn_hooks(task.framework):
+                added = frameworks.spawn_additions(frameworks.SpawnContext(
+                    task.framework, argv, env, code.work, prepared.env_dir,
+                    items_declared=bool(task.outputs is not None and task.outputs.items)))
+                env.update(added.env)
+                lines = added.notices
+            trio.from_thread.run_sync(say, lines)
+            mon = spawn_monitored(
                 _resolve(argv, env), cwd=code.work, env=env, task_id=task.id, task_dir=task_dir,
                 output_path=sink.path, jail=jail, run_as=self.config.run_as,
-                deadline_at=None if not timeout else rt.started_at + timeout, work=code.work, stall_timeout=stall,
-                env_dir=prepared.env_dir,
+                deadline_at=None if not timeout else (rt.started_at or 0.0) + timeout, work=code.work,
+                stall_timeout=stall, env_dir=prepared.env_dir,
             )
+            try:
+                store.set_process(task.id, mon.pid, mon.pid, mon.handle.to_json())
+            except StateStoreError as exc:  # a full disk: the task runs on, unrecorded (a crash: AGENT_LOST)
+                log.error("task %s: cannot record its process: %s", task.id, exc)
+            return mon
+
+        try:
+            mon = await trio.to_thread.run_sync(spawn)
         except OSError as exc:
             # No process ran, so no exit code (docs/protocol.md); the message says what failed.
             raise SpawnError(f"cannot start {argv[0]!r}: {os_error_text(exc)}") from exc
@@ -352,20 +368,28 @@ class TaskRunner:
         rt.pid = mon.pid
         if rt.delivery is not None:
             rt.delivery.watch_item_files(code.work)  # declared JSON Lines files stream while they grow
-        try:
-            await self._store.set_process(task.id, mon.pid, mon.pid, mon.handle.to_json())
-        except StateStoreError as exc:  # a full disk: the task runs on, unrecorded (a crash: AGENT_LOST)
-            log.error("task %s: cannot record its process: %s", task.id, exc)
-        return await self.finish_run(rt, mon, jail, sink, notice, timeout)
+        code_dir = code.code_dir
+
+        def end() -> Callable[[], None]:
+            """In the end hop, after its reads: the task's files → items, artifacts or kept; then the
+            jail (emptied by the supervisor) and the working copy removed. Returns the outputs line's
+            writer (on the loop, after the outcome's lines)."""
+            collected = self.deployer.collect_blocking(rt, task_dir, code.work, code_dir)
+            code.clearing.blocking()
+            return lambda: self.deployer.say_collected(rt, collected, notice)
+
+        return await self.finish_run(rt, mon, jail, sink, notice, timeout, end)
 
     async def finish_run(self, rt: RunningTask, mon: Monitored, jail: TaskJail, sink: LogSink,
-                         notice: Notice, timeout_seconds: float) -> TaskOutcome:
+                         notice: Notice, timeout_seconds: float,
+                         end: Callable[[], Callable[[], None]] | None = None) -> TaskOutcome:
         """Supervise a spawned or re-adopted spider to its end and judge its outcome (ckagent.containment.monitor).
 
         The supervisor waits on the task's :class:`Watchdog`: its stop, its deadline
         (``mon.handle.deadline_at``, kept across agent restarts; ``timeout_seconds`` is its length,
         for the words) and its stall limit (``mon.handle.stall_timeout`` seconds without a sign of
-        life the delivery recorded).
+        life the delivery recorded). ``end``: more blocking work for the end hop, after its reads
+        (the runner's: the outputs and the clear-up); what it returns runs on the loop last.
         """
         task, handle = rt.task, mon.handle
         activity = rt.delivery.activity if rt.delivery is not None else None
@@ -379,13 +403,14 @@ class TaskRunner:
         )
         egress = self.config.egress if rt.egress is not None else None
 
-        def end_reads() -> tuple[bytes, Figures, list[Refusal] | None]:
-            """One thread hop: the output's tail, the jail's figures (into the result: cpuSeconds,
-            memoryPeakBytes, ...), what the egress rules refused (blocking reads, nft)."""
-            return (output_tail(sink.path), jail.figures(),
-                    egress.refusals(rt.egress) if egress is not None else None)
+        def end_reads() -> tuple[bytes, Figures, list[Refusal] | None, Callable[[], None] | None]:
+            """The end hop: the output's tail, the jail's figures (into the result: cpuSeconds,
+            memoryPeakBytes, ...), what the egress rules refused (blocking reads, nft); then ``end()``."""
+            reads = (output_tail(sink.path), jail.figures(),
+                     egress.refusals(rt.egress) if egress is not None else None)
+            return (*reads, end() if end is not None else None)
 
-        tail, figures, refused = await trio.to_thread.run_sync(end_reads)
+        tail, figures, refused, last = await trio.to_thread.run_sync(end_reads)
         stderr_tail = TailBuffer(16384)
         stderr_tail.write(tail)
         if figures.oom_kills and not outcome.stopped:
@@ -397,6 +422,8 @@ class TaskRunner:
         if refused is not None:
             judged.egress_refused = refused
             report_refusals(task.id, refused, notice)
+        if last is not None:
+            last()
         return judged
 
     def _hand_over(self, rt: RunningTask) -> bool:
