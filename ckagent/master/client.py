@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import ssl
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import suppress
 from typing import Any, TypeVar
@@ -257,7 +258,7 @@ class MasterClient(MasterCalls):
         reader = answer or endpoint.answer
         if reader is None:
             raise TypeError(f"{endpoint.name} is a download: use MasterClient.download")
-        began = trio.current_time()
+        began = time.monotonic()  # stamina's clock
         try:  # the first attempt: stamina's machinery (a retrying object per call) only once it failed
             return await self._call(endpoint, ids, reader, json, content, params, read_timeout, content_type, headers)
         except MasterUnavailable as exc:
@@ -266,7 +267,7 @@ class MasterClient(MasterCalls):
             failed: MasterUnavailable | None = exc
         # The first failure is handed to stamina as its first attempt (counted, backed off as before);
         # the time it took counts against the timeout.
-        timeout = None if retry.timeout is None else max(0.0, retry.timeout - (trio.current_time() - began))
+        timeout = None if retry.timeout is None else max(0.0, retry.timeout - (time.monotonic() - began))
         async for attempt in stamina.retry_context(
             on=retry_wait, attempts=retry.attempts, timeout=timeout, wait_initial=0.5, wait_max=self.max_backoff_interval
         ):
