@@ -84,7 +84,20 @@ usage() {  # the whole header comment (up to `set -euo pipefail`), without the c
 
 # ---------------------------------------------------------------- helpers in Python (stdlib only)
 
-py() { "$PYTHON" -c "$1" "${@:2}"; }
+# py CODE ARGS...: run CODE with the interpreter PYTHON names, as resolved once by resolve_python.
+py() { "${PY_EXE:-$PYTHON}" -c "$1" "${@:2}"; }
+
+# resolve_python: PY_EXE = the executable $PYTHON runs (its sys.executable), asked once per run.sh
+# call. A version manager's shim (pyenv's python3 is a bash script running `pyenv exec`) costs
+# ~0.1 s of CPU and a handful of processes per call, and an upgrade makes dozens of helper calls
+# (the health checks poll every 0.3 s). Without an answer the helpers run $PYTHON itself.
+PY_EXE=""
+resolve_python() {
+  local exe
+  exe="$("$PYTHON" -c 'import sys; print(sys.executable)' 2>/dev/null)" || return 0
+  [[ -n "$exe" && -x "$exe" ]] && PY_EXE="$exe"
+  return 0
+}
 
 # release_info INDEX_URL → "version url sha256" (url resolved against the index URL)
 release_info() {
@@ -297,7 +310,7 @@ agent_command() {
     ensure_pyz
     [[ -n "${AGENT_RELEASE_URL:-}" ]] && ensure_uv "$(release_url latest.json)"
     mkdir -p "$STATE_DIR/pyz"
-    AGENT=(env "SHIV_ROOT=$STATE_DIR/pyz" "$PYTHON" "$PYZ")
+    AGENT=(env "SHIV_ROOT=$STATE_DIR/pyz" "${PY_EXE:-$PYTHON}" "$PYZ")
   fi
 }
 
@@ -873,7 +886,7 @@ VERIFY_FAILURE=""
 verify_pyz() {
   local file="$1" version="$2" check="$STATE_DIR/check" out
   rm -rf "$check"
-  if ! out="$(SHIV_ROOT="$check" "$PYTHON" "$file" version 2>&1)"; then
+  if ! out="$(SHIV_ROOT="$check" "${PY_EXE:-$PYTHON}" "$file" version 2>&1)"; then
     rm -rf "$check"
     VERIFY_FAILURE="does not run with $PYTHON: $out"
     return 1
@@ -1046,6 +1059,7 @@ if ((HAVE_SPIDER_USER)); then
   set_spider_user "$SPIDER_USER_FLAG"
 fi
 [[ "$command" == start || "$command" == restart || "$command" == upgrade || "$command" == rollback ]] && apply_spider_user
+[[ "$command" == logs || "$command" == help ]] || resolve_python
 case "$command" in
   start) lock_state; cmd_start "${FLAGS[@]+"${FLAGS[@]}"}" "${REST[@]+"${REST[@]}"}" ;;
   restart) lock_state; cmd_restart "${FLAGS[@]+"${FLAGS[@]}"}" "${REST[@]+"${REST[@]}"}" ;;

@@ -183,6 +183,34 @@ async def test_the_stall_limit_fires_only_after_a_full_quiet_timeout(autojump_cl
     assert stop.describe() == "stalled: no output, items or stats for 120 s (stall timeout 120 s)"
 
 
+async def test_a_wait_in_the_stops_scope_ends_by_the_request_or_the_limit(autojump_clock: trio.testing.MockClock) -> None:
+    # What a process supervisor waits in, in its own task (ckagent.containment.stopping.ScopedStop).
+    stop = TaskStop("t1")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_request_later, stop, 30)
+        with stop.cancelling() as scope:
+            await trio.sleep_forever()
+    assert scope.cancelled_caught and trio.current_time() == 30 and stop.reason is StopReason.CANCELLED
+    with stop.cancelling() as again:  # requested already: cancelled at once
+        await trio.sleep(1)
+    assert again.cancelled_caught and trio.current_time() == 30
+    # The watchdog's scope also ends when a limit must be looked at; entered again, it requests the stop.
+    timed = TaskStop("t2")
+    dog = Watchdog(timed, deadline_at=time.time() + 90, timeout_seconds=90, stall_timeout=0, last_activity=None)
+    with dog.cancelling(trio.current_time() + 1000):
+        await trio.sleep_forever()
+    assert trio.current_time() == pytest.approx(30 + 90, abs=0.01) and timed.reason is None
+    with dog.cancelling() as last:
+        await trio.sleep_forever()
+    assert last.cancelled_caught and timed.reason is StopReason.TIMEOUT
+    # Left, a scope is no longer the stop's to cancel.
+    later = TaskStop("t3")
+    with later.cancelling() as left:
+        pass
+    later.request(StopReason.CANCELLED)
+    assert not left.cancel_called
+
+
 async def test_the_watchdog_returns_on_anyone_elses_stop_and_requests_nothing(
     autojump_clock: trio.testing.MockClock
 ) -> None:

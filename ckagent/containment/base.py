@@ -380,6 +380,18 @@ class FileWatch:
             if data:
                 return
 
+    def drain(self) -> bool:
+        """Consume the events queued now without waiting; True when there were any."""
+        seen = False
+        while True:
+            try:
+                data = os.read(self.fd, 4096)
+            except BlockingIOError:
+                return seen
+            if not data:
+                return seen
+            seen = True
+
     def close(self) -> None:
         """Stop watching (idempotent)."""
         if self.fd >= 0:

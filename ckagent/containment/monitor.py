@@ -31,7 +31,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import os
+import select
 import shlex
 import signal
 import subprocess
@@ -50,6 +52,7 @@ from ckagent.containment.process_group import MARKER_VAR, SPAWNED
 from ckagent.containment.stopping import (
     Notice,
     ProcessOutcome,
+    ScopedStop,
     StopRequest,
     StopSequence,
     Supervised,
@@ -211,6 +214,24 @@ class Monitored:
             await _wait_pid_exit(self.pid, self.popen)
             self._ended()
 
+    def ended(self) -> bool:
+        """After its pidfd said the monitor exited: our own child reaped, its end recorded (as
+        :meth:`wait` does). False when it cannot be reaped yet (never expected: then :meth:`wait`)."""
+        if self.popen is not None and self.popen.poll() is None:
+            return False
+        self._ended()
+        return True
+
+    def exit_fd(self) -> int:
+        """A pidfd of the monitor (readable once it has exited: then :meth:`wait` returns at once);
+        -1 when it is gone already or this kernel has no pidfds. The caller closes it."""
+        if self.exited:
+            return -1
+        try:
+            return os.pidfd_open(self.pid)
+        except OSError:
+            return -1
+
     def _ended(self) -> None:
         self.exited = True
         recorded = read_status(Path(self.handle.status_file))
@@ -306,7 +327,9 @@ async def supervise(
     stall limit are the waiter's: ckagent.task.stop.Watchdog): then the stop signal to the spider,
     ``grace`` seconds, and every process of the task killed (ckagent.containment.stopping), its
     notice beginning with ``why()``. After a normal exit leftovers get ``drain_window`` seconds
-    before they are killed. ``sink`` follows output.log meanwhile.
+    before they are killed. ``sink`` follows output.log meanwhile (:func:`follow_until_exit_or_stop`:
+    in this task; during a stop's grace beside it); what leftovers write in the drain window is
+    taken in at the end.
 
     Cancellation from outside: when ``leave_running()`` is true (the agent hands its tasks over to
     the next one) the spider is left running, untouched; otherwise it is stopped (signal → grace →
@@ -318,24 +341,25 @@ async def supervise(
                            jail, grace, stop_signal, notice, outcome)
     swept = False
     try:
-        async with trio.open_nursery() as nursery:
-            exited = trio.Event()
-            nursery.start_soon(follow_output, sink, exited)
-            await until_exit_or_stop(mon.wait, stop, exited)
-            if not mon.exited:
-                outcome.stopped = True
+        await follow_until_exit_or_stop(mon, sink, stop)
+        if not mon.exited:
+            outcome.stopped = True
+            async with trio.open_nursery() as nursery:  # what the spider says while it stops reaches the log
+                exited = trio.Event()
+                exited.set()  # no trickle is waited for: the grace is short
+                nursery.start_soon(follow_output, sink, exited)
                 await stopper.stop(why())
-            else:
-                with trio.move_on_after(drain_window):  # what the spider left behind may still write
-                    await jail.wait_empty()
-            exited.set()
-            outcome.returncode = mon.returncode
-            outcome.killed_leftovers += max(0, await jail.kill_all())
-            swept = True
-            if outcome.killed_leftovers:
-                notice(f"killed {outcome.killed_leftovers} leftover process(es) of the task")
+                nursery.cancel_scope.cancel()
+        else:
             sink.grown()
-            nursery.cancel_scope.cancel()
+            with trio.move_on_after(drain_window):  # what the spider left behind may still write
+                await jail.wait_empty()
+        outcome.returncode = mon.returncode
+        outcome.killed_leftovers += max(0, await jail.kill_all())
+        swept = True
+        if outcome.killed_leftovers:
+            notice(f"killed {outcome.killed_leftovers} leftover process(es) of the task")
+        sink.grown()
     finally:
         with trio.CancelScope(shield=True):  # noqa: ASYNC912 - shielded cleanup
             if mon.exited and swept:
@@ -346,3 +370,54 @@ async def supervise(
                 await stopper.stop("agent terminating")
                 outcome.killed_leftovers += max(0, await jail.kill_all())
     return outcome
+
+
+async def follow_until_exit_or_stop(mon: Monitored, sink: Any, stop: StopRequest) -> None:
+    """Take in output.log's growth (as :func:`follow_output` does) until the monitor has exited
+    (``mon.exited`` then) or ``stop`` is requested — in this task: one epoll descriptor over the
+    monitor's pidfd and the file's inotify watch, waited on in a scope the stop cancels
+    (ckagent.containment.stopping.ScopedStop). A stop that cannot cancel scopes, or a kernel
+    without pidfds, gets the same beside a task of its own. Cancellation: as usual."""
+    pidfd = mon.exit_fd() if isinstance(stop, ScopedStop) else -1
+    if pidfd < 0:
+        if mon.exited:
+            return
+        async with trio.open_nursery() as nursery:
+            exited = trio.Event()
+            nursery.start_soon(follow_output, sink, exited)
+            await until_exit_or_stop(mon.wait, stop, exited)
+            nursery.cancel_scope.cancel()
+        return
+    assert isinstance(stop, ScopedStop)
+    with contextlib.ExitStack() as held:
+        held.callback(os.close, pidfd)
+        poller = select.epoll(2)
+        held.callback(poller.close)
+        poller.register(pidfd, select.EPOLLIN)
+        sink.grown()  # what was written before the watch (or while no agent ran)
+        try:
+            watch: FileWatch | None = held.enter_context(FileWatch(sink.path))
+        except OSError as exc:
+            log.warning("%s: cannot watch it (%s); its lines are sent at the task's end", sink.path, exc)
+            watch = None
+        if watch is not None:
+            poller.register(watch.fd, select.EPOLLIN)
+        gather_until = math.inf  # a trickle gathers until then: the watch is not looked at
+        while True:
+            with stop.cancelling(gather_until):
+                await trio.lowlevel.wait_readable(poller.fileno())
+            if stop.is_set():
+                return
+            ready = {fd for fd, _ in poller.poll(0)}
+            if pidfd in ready:  # it has exited
+                if not mon.ended():
+                    await mon.wait()
+                return
+            if watch is None:
+                continue
+            if gather_until < math.inf and trio.current_time() >= gather_until:
+                gather_until = math.inf
+                poller.modify(watch.fd, select.EPOLLIN)
+            if watch.fd in ready and watch.drain() and sink.grown() < OUTPUT_COALESCE_BELOW:
+                gather_until = trio.current_time() + OUTPUT_COALESCE_INTERVAL
+                poller.modify(watch.fd, 0)

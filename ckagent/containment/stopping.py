@@ -17,11 +17,13 @@ Nothing here raises for a process that is already gone.
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import trio
 
@@ -49,9 +51,36 @@ class StopRequest(Protocol):
         """Return once the stop is requested."""
 
 
+@runtime_checkable
+class ScopedStop(Protocol):
+    """A :class:`StopRequest` that cancels scopes itself (the task's stop, ckagent.task.stop): a
+    supervisor waits for its process inside :meth:`cancelling`, in its own task, instead of beside
+    a task that waits for the stop."""
+
+    def is_set(self) -> bool:
+        """True once the stop is requested."""
+
+    async def wait(self) -> None:
+        """Return once the stop is requested."""
+
+    def cancelling(self, deadline: float = math.inf) -> AbstractContextManager[trio.CancelScope]:
+        """A cancel scope that the stop's request cancels (at once when it was requested already),
+        ending at ``deadline`` (Trio's clock) at the latest — or sooner, when the request must look
+        at limits of its own (a run-time limit, a stall limit) then; enter it again to go on waiting."""
+
+
 async def until_exit_or_stop(wait_exit: Callable[[], Awaitable[object]], stop: StopRequest, exited: trio.Event) -> None:
     """Return once the supervised process has exited (``wait_exit()`` returned: ``exited`` is set
-    then) or its stop is requested, whichever comes first. Cancellation: as usual."""
+    then) or its stop is requested, whichever comes first: in this task for a :class:`ScopedStop`
+    (the exit is waited for in a scope the stop cancels), else beside a task waiting for the stop.
+    Cancellation: as usual."""
+    if isinstance(stop, ScopedStop):
+        while not stop.is_set():
+            with stop.cancelling():
+                await wait_exit()
+                exited.set()
+                return
+        return
     async with trio.open_nursery() as first:
 
         async def until_exit() -> None:

@@ -32,11 +32,12 @@ To stop a task for a new reason: add a member here (its status, errorCode and wo
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import trio
 
@@ -84,6 +85,7 @@ class TaskStop:
         self.prepare_scope = trio.CancelScope()
         """Entered by the runner around waiting for a slot, deploying and installing: a stop cancels it."""
         self._event = trio.Event()
+        self._scopes: set[trio.CancelScope] = set()  # see cancelling
 
     def request(self, reason: StopReason, detail: str | None = None) -> bool:
         """Stop the task for ``reason`` (``detail``: the words for its log and result). Idempotent:
@@ -94,8 +96,24 @@ class TaskStop:
             return False
         self.reason, self.detail = reason, detail
         self.prepare_scope.cancel()
+        for scope in self._scopes:
+            scope.cancel()
         self._event.set()
         return True
+
+    @contextlib.contextmanager
+    def cancelling(self, deadline: float = math.inf) -> Iterator[trio.CancelScope]:
+        """A cancel scope a request cancels (at once when one was made already), ending at ``deadline``
+        (Trio's clock) at the latest: what a process supervisor waits in, in its own task
+        (ckagent.containment.stopping.ScopedStop)."""
+        with trio.CancelScope(deadline=deadline) as scope:
+            if self.reason is not None:
+                scope.cancel()
+            self._scopes.add(scope)
+            try:
+                yield scope
+            finally:
+                self._scopes.discard(scope)
 
     def is_set(self) -> bool:
         """True once a stop was requested."""
@@ -148,24 +166,38 @@ class Watchdog:
         """The stop's words (:meth:`TaskStop.describe`)."""
         return self.stop.describe()
 
+    def cancelling(self, deadline: float = math.inf) -> contextlib.AbstractContextManager[trio.CancelScope]:
+        """:meth:`TaskStop.cancelling`, ending at the next look at the limits too (:meth:`look`
+        first: a limit that is over requests the stop, and the scope is cancelled at once)."""
+        wake = self.look() if not self.stop.is_set() else math.inf
+        return self.stop.cancelling(min(deadline, wake))
+
+    def look(self) -> float:
+        """Request the stop (TIMEOUT, STALLED) when a limit is over; else return when to look again
+        (Trio's clock; inf: never — no limit, or stopped). Never blocks."""
+        now = trio.current_time()
+        if now >= self.deadline:
+            self.stop.request(StopReason.TIMEOUT, f"timed out after {self.timeout_seconds:g} s")
+            return math.inf
+        wake = self.deadline
+        if self.stall_timeout > 0 and self.last_activity is not None:
+            last = self.last_activity()
+            if now >= last + self.stall_timeout:
+                detail = (f"stalled: no output, items or stats for {now - last:.0f} s "
+                          f"(stall timeout {self.stall_timeout:g} s)")
+                if self.stop.request(StopReason.STALLED, detail):
+                    log.warning("task %s: %s", self.stop.task_id, detail)
+                return math.inf
+            wake = min(wake, last + self.stall_timeout)
+        return wake
+
     async def wait(self) -> None:
         """Return once the task's stop is requested — by the deadline or the stall limit here, or by
         anyone else. Sleeps until the nearer limit, looks again (activity may have moved the stall
         limit on). Cancellation: returns nothing, requests nothing."""
         while not self.stop.is_set():
-            now = trio.current_time()
-            if now >= self.deadline:
-                self.stop.request(StopReason.TIMEOUT, f"timed out after {self.timeout_seconds:g} s")
+            wake = self.look()
+            if self.stop.is_set():
                 break
-            wake = self.deadline
-            if self.stall_timeout > 0 and self.last_activity is not None:
-                last = self.last_activity()
-                if now >= last + self.stall_timeout:
-                    detail = (f"stalled: no output, items or stats for {now - last:.0f} s "
-                              f"(stall timeout {self.stall_timeout:g} s)")
-                    if self.stop.request(StopReason.STALLED, detail):
-                        log.warning("task %s: %s", self.stop.task_id, detail)
-                    break
-                wake = min(wake, last + self.stall_timeout)
             with trio.move_on_at(wake):
                 await self.stop.wait()
