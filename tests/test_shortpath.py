@@ -23,12 +23,14 @@ if REPO not in sys.path:  # bench/ is the repository's, not an installed package
 
 from bench import _census  # noqa: E402
 
-HELD_TASKS = 16
-"""Trio tasks of the agent's own per task, at most: today 13-15, as the batches fall (a busy machine
-makes the node batcher send twice per task: its ``_send`` and a shipper's ``_fly`` count per batch)."""
-HELD_HOPS = 22
-"""Thread hops of the agent's own per task, at most: today 15-20.3, as the once-a-second disk scan and
-the batches fall (measured on a quiet and on a loaded machine)."""
+HELD_TASKS = 11
+"""Trio tasks of the agent's own per task, at most: today 8 (quiet), +3 for a busy machine (it makes the
+node batcher send twice per task: its ``_send`` and a shipper's ``_fly`` count per batch). The task's
+runner is one of them: its phases and its spider's supervision add none (ckagent.task.runner)."""
+HELD_HOPS = 14
+"""Thread hops of the agent's own per task, at most: today 8.3-9 (quiet), and up to ~5 more on a loaded
+machine, as the once-a-second disk scan and the batches fall. The runner's are one per phase: prepare,
+spawn, end."""
 
 
 @pytest.mark.slow  # a dev master, an agent and a spider's first virtualenv: 4-10 s
@@ -44,3 +46,10 @@ def test_the_path_per_task_does_not_grow(tmp_path: Path) -> None:
     # The instrument sees the path at all (a broken hook would count nothing and pass).
     assert census["task_names"].get("task") == 1, shown
     assert any(site.startswith("task.runner:_run → spawn") for site in census["hop_sites"]), shown
+    # One hop per phase of the runner's (prepare, spawn, end), and no task beside the runner's own.
+    for site in ("task.deploy:deploy → _prepare_hop", "task.runner:_run → spawn", "task.runner:finish_run → end_reads"):
+        assert census["hop_sites"].get(site) == 1, shown
+    runner_hops = sum(n for site, n in census["hop_sites"].items() if site.startswith(("task.", "code.", "containment.")))
+    assert runner_hops == 3, shown
+    assert not any(name.startswith(("ckagent.task.", "ckagent.containment.", "ckagent.code."))
+                   for name in census["task_names"]), shown

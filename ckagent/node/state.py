@@ -445,17 +445,22 @@ class AsyncStateStore:
         """See :meth:`StateStore.set_result`. The noted stream positions (:meth:`note_stream_position`:
         a stream's end notes its last one, ckagent.delivery.shipper) go in the same thread hop; a
         full disk keeps them noted for the next write (whose caller hears of it)."""
+        await self._write_with_positions("set_result", lambda: self.sync.set_result(task_id, result))
+
+    async def _write_with_positions(self, name: str, statement: Callable[[], None]) -> None:
+        """``statement()`` (blocking; ``name`` names the hop), then the noted positions, in one thread hop."""
         while self._writing is not None:  # one position write at a time (see _write_positions)
             await self._writing.wait()
 
         def write(batch: dict[tuple[str, str], tuple[int, Any]]) -> bool:
-            self.sync.set_result(task_id, result)
+            statement()
             try:
                 self.sync.save_stream_positions(batch)
             except StateStoreError:
                 return False
             return True
 
+        write.__name__ = name
         await self._write_positions(write)
 
     def _renote(self, batch: dict[tuple[str, str], tuple[int, Any]]) -> None:  # a failed write's: newer notes win
@@ -463,8 +468,11 @@ class AsyncStateStore:
             self._positions.setdefault(key, value)
 
     async def mark_result_acked(self, task_id: str) -> None:
-        """See :meth:`StateStore.mark_result_acked`."""
-        await trio.to_thread.run_sync(self.sync.mark_result_acked, task_id)
+        """See :meth:`StateStore.mark_result_acked`. The noted stream positions go in the same thread hop
+        (as with :meth:`set_result`): a delivery whose streams end just before its result is acknowledged
+        writes its last positions and the acknowledgement at once. On a full disk the acknowledgement
+        raises StateStoreFull; the positions stay noted."""
+        await self._write_with_positions("mark_result_acked", lambda: self.sync.mark_result_acked(task_id))
 
     async def get(self, task_id: str) -> TaskRecord | None:
         """See :meth:`StateStore.get`."""
