@@ -4,7 +4,8 @@ A real :class:`ckagent.agent.Agent` runs in this process (the dev master in its 
 default intervals (long poll 20 s, heartbeat 30 s); a Trio instrument counts every task the agent
 spawns (a task whose ancestry reaches the agent's own root task) and every thread hop its tasks make
 (``trio.to_thread.run_sync`` and everything built on it, e.g. ``trio.Path``: each call starts one
-worker job on trio's thread cache) and every request its tasks send (``httpx.AsyncClient.send``). After a warm-up, ``tasks`` tasks of one ``python -c`` spider
+worker job on trio's thread cache) and every request its tasks send (``httpx.AsyncHTTPTransport.handle_async_request``: the master client's
+calls go to the transport directly). After a warm-up, ``tasks`` tasks of one ``python -c`` spider
 run one after another; the counts over that window ÷ ``tasks`` are the figures per task.
 
 The hook is the benchmark's and the tests' alone: nothing of it ships in the agent. It replaces
@@ -102,22 +103,22 @@ class Census(trio.abc.Instrument):
                     self.hops[f"{_site()} → {(name or '?').split(' from ')[0]}"] += 1
             original(fn, deliver, name)
 
-        original_send = httpx.AsyncClient.send
+        original_send = httpx.AsyncHTTPTransport.handle_async_request
 
-        async def counting_send(client: httpx.AsyncClient, request: httpx.Request, **kwargs: Any) -> httpx.Response:
+        async def counting_send(transport: httpx.AsyncHTTPTransport, request: httpx.Request) -> httpx.Response:
             if self.root is not None and self._ours(trio.lowlevel.current_task()):
                 path = "/".join(":id" if len(part) >= 16 or part.isdigit() else part
                                 for part in request.url.path.split("/"))
                 self.requests[f"{request.method} {path}"] += 1
-            return await original_send(client, request, **kwargs)
+            return await original_send(transport, request)
 
         trio.lowlevel.add_instrument(self)
         trio_threads.start_thread_soon = counting_start  # type: ignore[assignment]
-        httpx.AsyncClient.send = counting_send  # type: ignore[assignment,method-assign]
+        httpx.AsyncHTTPTransport.handle_async_request = counting_send  # type: ignore[method-assign]
         try:
             yield self
         finally:
-            httpx.AsyncClient.send = original_send  # type: ignore[method-assign]
+            httpx.AsyncHTTPTransport.handle_async_request = original_send  # type: ignore[method-assign]
             trio_threads.start_thread_soon = original
             trio.lowlevel.remove_instrument(self)
 

@@ -6,6 +6,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import pairwise
 from typing import Any
 
@@ -259,3 +260,63 @@ async def test_a_rejection_never_quotes_the_api_key_even_if_the_master_does(auto
     await client.aclose()
     assert "api-key-SECRET-42" not in str(info.value)
     assert "may not do this" in str(info.value) and "403" in str(info.value)
+
+
+# ---------------------------------------------------------------------------- what a call leaves out
+
+
+async def test_a_masters_cookie_is_neither_kept_nor_sent_back(autojump_clock: Any) -> None:
+    async def master(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/api/nodes/register":
+            return httpx.Response(200, json={"nodeId": "node-1", "apiKey": "key-1"},
+                                  headers={"Set-Cookie": "session=abc; Path=/"})
+        return httpx.Response(200, json={"tasks": [], "cancelTaskIds": []}, headers={"Set-Cookie": "b=2; Path=/"})
+
+    seen = Seen()
+    client = client_for(master, seen)
+    await client.call(POLL)
+    await client.call(POLL)
+    await client.aclose()
+    assert [h.get("cookie") for _, _, _, h in seen.requests] == [None, None, None]
+    assert [h["authorization"] for _, _, p, h in seen.requests if p != "/api/nodes/register"] == ["Bearer key-1"] * 2
+    assert all(h["user-agent"] == "ckagent" for _, _, _, h in seen.requests)
+
+
+async def test_calls_go_through_the_proxy_the_environment_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As with httpx's client: HTTP_PROXY is honoured for the master's calls (real sockets, 127.0.0.1)."""
+    lines: list[bytes] = []
+
+    async def proxy(stream: trio.SocketStream) -> None:  # answers in the master's place, keep-alive
+        buffer = b""
+        while True:
+            while b"\r\n\r\n" not in buffer:
+                data = await stream.receive_some(65536)
+                if not data:
+                    return
+                buffer += data
+            head, buffer = buffer.split(b"\r\n\r\n", 1)
+            length = int(next((line.split(b":")[1] for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), b"0"))
+            while len(buffer) < length:
+                buffer += await stream.receive_some(65536)
+            buffer = buffer[length:]
+            lines.append(head.split(b"\r\n")[0])
+            body = (b'{"nodeId": "node-1", "apiKey": "key-1"}' if b"/register" in lines[-1]
+                    else b'{"tasks": [], "cancelTaskIds": []}')
+            await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                                  % (len(body), body))
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            [listener] = await nursery.start(partial(trio.serve_tcp, proxy, 0, host="127.0.0.1"))
+            port = listener.socket.getsockname()[1]
+            for name in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy", "HTTPS_PROXY", "https_proxy", "http_proxy"):
+                monkeypatch.delenv(name, raising=False)
+            monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{port}")
+            client = MasterClient("http://master.invalid:8080", TOKEN, register_body)
+            answer = await client.call(POLL, params={"limit": 2})
+            await client.aclose()
+            nursery.cancel_scope.cancel()
+    assert answer.tasks == []
+    assert lines == [b"POST http://master.invalid:8080/api/nodes/register HTTP/1.1",
+                     b"GET http://master.invalid:8080/api/nodes/node-1/tasks/pending?limit=2 HTTP/1.1"]

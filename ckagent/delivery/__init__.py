@@ -108,8 +108,9 @@ from ckagent.delivery.lines import (
     secret_values,
 )
 from ckagent.delivery.outbox import Outbox
+from ckagent.delivery.result import send_result
 from ckagent.delivery.retention import cleanup_task_dirs
-from ckagent.delivery.shipper import StreamShipper, send_result
+from ckagent.delivery.shipper import StreamShipper
 from ckagent.delivery.spool import (
     AGENT_FILES,
     DEFAULT_LOG_GLOBS,

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import ssl
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import suppress
 from typing import Any, TypeVar
@@ -70,9 +71,10 @@ from ckagent.master.errors import (
 )
 from ckagent.master.masterclock import MasterClock
 from ckagent.master.protocol import RegisterRequest, RegisterResponse
+from ckagent.master.wire import SENT_ONCE_BYTES, URL_CACHE_SIZE, Wire
 
 __all__ = [
-    "RETRY_AFTER_MAX", "Answered", "Connectivity", "MasterClient", "MasterConflict", "MasterError",
+    "RETRY_AFTER_MAX", "SENT_ONCE_BYTES", "Answered", "Connectivity", "MasterClient", "MasterConflict", "MasterError",
     "MasterProtocolError", "MasterRejected", "MasterUnavailable", "RegistrationRefused", "RequestObserver", "Retry",
     "Trouble", "json_object", "parse_retry_after", "retry_wait",
 ]
@@ -81,37 +83,8 @@ A = TypeVar("A")
 
 log = logging.getLogger(__name__)
 
-URL_CACHE_SIZE = 256
-"""Request URLs kept parsed (see MasterClient._url); the cache starts over when full."""
 REQUEST_DEADLINE_SLACK = 1.0
 """Seconds beyond a request's timeout its whole exchange may take (httpx's timeout bounds each read)."""
-SENT_ONCE_BYTES = 64 * 1024
-"""Request bodies from this size on are handed to httpx as :class:`_SentOnce` (see there)."""
-
-
-class _SentOnce:
-    """A request body httpx sends as it is (one piece, ``Content-Length`` given, not chunked) and that
-    lets go of its bytes once they are sent.
-
-    httpx keeps every answered request in a reference cycle (the response and the stream bound to it;
-    the request hangs off the response) that only the cyclic GC frees, often a full collection later.
-    With a bytes body that cycle held each batch's body (a stream batch is up to 1 MiB): a dozen
-    of them at a time while a 100 MB item file was shipped, and the heap grew with the holes they
-    left (bench/outputs.py: agent peak RSS 77 MB). The cycle now holds this empty shell."""
-
-    __slots__ = ("_data",)
-
-    def __init__(self, data: bytes) -> None:
-        self._data = data
-
-    def __aiter__(self) -> _SentOnce:
-        return self
-
-    async def __anext__(self) -> bytes:
-        data, self._data = self._data, b""
-        if not data:
-            raise StopAsyncIteration
-        return data
 
 
 async def _run_out(response: httpx.Response, chunks: AsyncIterator[bytes]) -> None:
@@ -156,7 +129,7 @@ class MasterClient(MasterCalls):
         observer: RequestObserver | None = None,
     ) -> None:
         self._base_url = base_url.rstrip("/")
-        self._urls: dict[str, httpx.URL] = {}  # see _url()
+        self._paths: dict[tuple[str, ...], str] = {}  # see _target()
         self.clock: MasterClock | None = None
         """Watches the answers' Date headers (ckagent.master.masterclock), when the agent sets one."""
         self._token = registration_token
@@ -176,6 +149,7 @@ class MasterClient(MasterCalls):
         self.connectivity = Connectivity()
         self._answers = Answers(self._base_url, self.connectivity, observer, self._secrets)
         self._client = self._new_client()
+        self._wire = Wire(self._base_url, self._client)
 
     def _new_client(self) -> httpx.AsyncClient:
         # The pool is larger than the number of concurrent users (poller, heartbeat, one shipper
@@ -284,12 +258,23 @@ class MasterClient(MasterCalls):
         reader = answer or endpoint.answer
         if reader is None:
             raise TypeError(f"{endpoint.name} is a download: use MasterClient.download")
-        if retry is None:
+        began = time.monotonic()  # stamina's clock
+        try:  # the first attempt: stamina's machinery (a retrying object per call) only once it failed
             return await self._call(endpoint, ids, reader, json, content, params, read_timeout, content_type, headers)
+        except MasterUnavailable as exc:
+            if retry is None:
+                raise
+            failed: MasterUnavailable | None = exc
+        # The first failure is handed to stamina as its first attempt (counted, backed off as before);
+        # the time it took counts against the timeout.
+        timeout = None if retry.timeout is None else max(0.0, retry.timeout - (time.monotonic() - began))
         async for attempt in stamina.retry_context(
-            on=retry_wait, attempts=retry.attempts, timeout=retry.timeout, wait_initial=0.5, wait_max=self.max_backoff_interval
+            on=retry_wait, attempts=retry.attempts, timeout=timeout, wait_initial=0.5, wait_max=self.max_backoff_interval
         ):
             with attempt:
+                if failed is not None:
+                    first, failed = failed, None
+                    raise first
                 return await self._call(endpoint, ids, reader, json, content, params, read_timeout, content_type,
                                         headers)
         raise AssertionError("unreachable: stamina re-raises the last error")  # pragma: no cover
@@ -302,25 +287,12 @@ class MasterClient(MasterCalls):
         if not self.registered:
             await self.register()
         endpoint, method = row.name, row.method
-        given = dict(ids or {})
-        if "node" in row.params:
-            given["node"] = self.node_id or ""
-        try:
-            target = row.path(**given)
-        except KeyError as exc:
-            raise MasterRejected(endpoint, 0, None, message=f"{endpoint}: cannot build its path ({exc})") from None
+        target = self._target(row, ids)
         for second_try in (False, True):
             generation = self._key_generation
-            # The API key goes to the master only: a code package on another host (object storage,
-            # a CDN) gets no Authorization header.
-            sent = dict(headers or {})
-            if self._answers.same_origin(target):
-                sent["Authorization"] = f"Bearer {self._api_key}"
-            if content is not None:
-                sent["Content-Type"] = content_type
             response = await self._send(
-                endpoint, method, target, json=json, content=content, params=params, headers=sent,
-                read_timeout=read_timeout,
+                endpoint, method, target, json=json, content=content, params=params, headers=headers,
+                read_timeout=read_timeout, content_type=content_type, auth=True,
             )
             if response.status_code == 401 and not second_try and self._answers.same_origin(target):
                 self._answers.observe(endpoint, "401", response)
@@ -401,28 +373,31 @@ class MasterClient(MasterCalls):
         raise MasterRejected(endpoint, 401, None)
 
     async def _send(
-        self, endpoint: str, method: str, path: str, *, read_timeout: float | None = None, **kwargs: Any
+        self, endpoint: str, method: str, path: str, *, read_timeout: float | None = None, auth: bool = False,
+        json: Any = None, content: bytes | None = None, content_type: str = "application/json",
+        params: Mapping[str, str | int | float] | None = None, headers: Mapping[str, str] | None = None,
     ) -> httpx.Response:
-        """Send one request; raises MasterUnavailable for a transport error, a timeout, 429 or 5xx
-        (observed and recorded here). Any other answer is returned for the caller to classify."""
+        """Send one request (ckagent.master.wire), with the API key when ``auth`` and ``path`` is on the
+        master's origin (a URL on another host, object storage or a CDN, never gets it); raises
+        MasterUnavailable for a transport error, a timeout, 429 or 5xx (observed and recorded here).
+        Any other answer is returned for the caller to classify."""
         started = trio.current_time()
         timeout = read_timeout or self._timeout
         try:
+            key = self._wire.bearer(self._api_key or "") if auth and self._answers.same_origin(path) else None
             # httpx bounds each read and write; this bounds the whole exchange (an answer that trickles
             # in a byte at a time would otherwise hold its caller for ever).
-            content = kwargs.get("content")
-            if content is not None and len(content) >= SENT_ONCE_BYTES:
-                kwargs["content"] = _SentOnce(content)
-                kwargs["headers"] = {**(kwargs.get("headers") or {}), "Content-Length": str(len(content))}
             with trio.move_on_after(timeout + REQUEST_DEADLINE_SLACK) as deadline:
-                response = await self._client.request(method, self._url(path), timeout=timeout, **kwargs)
+                response = await self._wire.send(method, path, io_timeout=timeout, auth=key, json=json, content=content,
+                                                 content_type=content_type, params=params, headers=headers)
             if deadline.cancelled_caught:
                 self._answers.observe(endpoint, "error", started)
                 self._answers.unreachable(endpoint, None, started, f"no complete answer within {timeout:g} s")
         except httpx.PoolTimeout as exc:
             # httpcore #1093: after cancellations the pool can stay jammed; start a fresh one.
             self._answers.observe(endpoint, "error", started)
-            old, self._client = self._client, self._new_client()
+            old = self._client
+            self._client = self._wire.client = self._new_client()
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 await old.aclose()
             self._answers.unreachable(endpoint, exc, started, "connection pool timeout")
@@ -443,18 +418,23 @@ class MasterClient(MasterCalls):
         response.extensions["ckagent_started"] = started
         return response
 
-    def _url(self, path: str) -> httpx.URL:
-        """``path`` (relative to server.url, or an absolute URL) as the URL the request goes to, parsed
-        once: httpx parses a string twice per request (the path, then its merge with the base URL),
-        which costs more CPU than the rest of building the request; a task's few paths are reused
-        (the long poll, each stream's batches). Raises httpx.InvalidURL as httpx does."""
-        url = self._urls.get(path)
-        if url is None:
-            if len(self._urls) >= URL_CACHE_SIZE:
-                self._urls.clear()
-            url = httpx.URL(path if "://" in path else f"{self._base_url}/{path.lstrip('/')}")
-            self._urls[path] = url
-        return url
+    def _target(self, row: Endpoint[Any], ids: Mapping[str, str] | None) -> str:
+        """The path of ``row`` with ``ids`` (and this node's id for ``{node}``) put in, built once per
+        row and ids (a task's few calls are repeated). Raises MasterRejected for ids that do not fit."""
+        given = dict(ids or {})
+        if "node" in row.params:
+            given["node"] = self.node_id or ""
+        key = (row.name, *given.keys(), *given.values())
+        path = self._paths.get(key)
+        if path is None:
+            try:
+                path = row.path(**given)
+            except KeyError as exc:
+                raise MasterRejected(row.name, 0, None, message=f"{row.name}: cannot build its path ({exc})") from None
+            if len(self._paths) >= URL_CACHE_SIZE:
+                self._paths.clear()
+            self._paths[key] = path
+        return path
 
     def _secrets(self) -> tuple[str, ...]:
         return (self._token, self._api_key or "")
