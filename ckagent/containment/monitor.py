@@ -350,12 +350,16 @@ async def supervise(
                 nursery.start_soon(follow_output, sink, exited)
                 await stopper.stop(why())
                 nursery.cancel_scope.cancel()
+            outcome.killed_leftovers += max(0, await jail.kill_all())
         else:
             sink.grown()
-            with trio.move_on_after(drain_window):  # what the spider left behind may still write
+            with trio.move_on_after(drain_window) as drain:  # what the spider left behind may still write
                 await jail.wait_empty()
+            # An emptied cgroup needs no kill (nothing can join it any more); the process-group level's
+            # kill also reaps leftovers that ended as the agent's (the subreaper's) zombies.
+            if drain.cancelled_caught or not jail.level.startswith("cgroup"):
+                outcome.killed_leftovers += max(0, await jail.kill_all())
         outcome.returncode = mon.returncode
-        outcome.killed_leftovers += max(0, await jail.kill_all())
         swept = True
         if outcome.killed_leftovers:
             notice(f"killed {outcome.killed_leftovers} leftover process(es) of the task")

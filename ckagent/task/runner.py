@@ -370,26 +370,27 @@ class TaskRunner:
             rt.delivery.watch_item_files(code.work)  # declared JSON Lines files stream while they grow
         code_dir = code.code_dir
 
-        def end() -> Callable[[], None]:
-            """In the end hop, after its reads: the task's files → items, artifacts or kept; then the
-            jail (emptied by the supervisor) and the working copy removed. Returns the outputs line's
-            writer (on the loop, after the outcome's lines)."""
+        def end(refused: list[Refusal] | None) -> Callable[[], None]:
+            """In the end hop, after its reads (``refused``: what the egress rules refused): the task's
+            files → items, artifacts or kept; then the jail (emptied by the supervisor) and the working
+            copy removed. Returns the outputs line's writer (on the loop, after the outcome's lines)."""
             collected = self.deployer.collect_blocking(rt, task_dir, code.work, code_dir)
-            code.clearing.blocking()
+            code.clearing.blocking(refused)
             return lambda: self.deployer.say_collected(rt, collected, notice)
 
         return await self.finish_run(rt, mon, jail, sink, notice, timeout, end)
 
     async def finish_run(self, rt: RunningTask, mon: Monitored, jail: TaskJail, sink: LogSink,
                          notice: Notice, timeout_seconds: float,
-                         end: Callable[[], Callable[[], None]] | None = None) -> TaskOutcome:
+                         end: Callable[[list[Refusal] | None], Callable[[], None]] | None = None) -> TaskOutcome:
         """Supervise a spawned or re-adopted spider to its end and judge its outcome (ckagent.containment.monitor).
 
         The supervisor waits on the task's :class:`Watchdog`: its stop, its deadline
         (``mon.handle.deadline_at``, kept across agent restarts; ``timeout_seconds`` is its length,
         for the words) and its stall limit (``mon.handle.stall_timeout`` seconds without a sign of
-        life the delivery recorded). ``end``: more blocking work for the end hop, after its reads
-        (the runner's: the outputs and the clear-up); what it returns runs on the loop last.
+        life the delivery recorded). ``end``: more blocking work for the end hop, after its reads (it
+        gets what the egress rules refused; the runner's: the outputs and the clear-up); what it
+        returns runs on the loop last.
         """
         task, handle = rt.task, mon.handle
         activity = rt.delivery.activity if rt.delivery is not None else None
@@ -406,9 +407,8 @@ class TaskRunner:
         def end_reads() -> tuple[bytes, Figures, list[Refusal] | None, Callable[[], None] | None]:
             """The end hop: the output's tail, the jail's figures (into the result: cpuSeconds,
             memoryPeakBytes, ...), what the egress rules refused (blocking reads, nft); then ``end()``."""
-            reads = (output_tail(sink.path), jail.figures(),
-                     egress.refusals(rt.egress) if egress is not None else None)
-            return (*reads, end() if end is not None else None)
+            refused = egress.refusals(rt.egress) if egress is not None else None
+            return output_tail(sink.path), jail.figures(), refused, end(refused) if end is not None else None
 
         tail, figures, refused, last = await trio.to_thread.run_sync(end_reads)
         stderr_tail = TailBuffer(16384)
