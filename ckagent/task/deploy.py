@@ -77,7 +77,9 @@ class Deployer:
         if isinstance(hop.error, ContainmentError):
             level = "process-group" if self.config.containment is None else self.config.containment.level
             raise JailError(f"the node cannot contain the task ({level}): {hop.error}") from hop.error
-        assert hop.jail is not None
+        if hop.jail is None:  # not the kernel's refusal: an error of ours, raised as it is
+            assert hop.error is not None
+            raise hop.error
         await self._jailed(rt, hop.jail, wanted, jails, notice)
         try:
             if hop.error is None and hop.code is None:
