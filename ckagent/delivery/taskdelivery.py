@@ -400,10 +400,12 @@ class TaskDelivery:
                     room = trio.CancelScope()
                     nursery.start_soon(self._wake_after_look, room)
             deadline = self.stats.step(nursery)
+            now = trio.current_time()
             for shipper in shippers:
-                due = await shipper.step()
-                if due is not None:
-                    deadline = min(deadline, due)
+                if shipper.due(now):  # poked (its file grew, an answer came, the end) or its time has come
+                    await shipper.step()
+                if not shipper.done:
+                    deadline = min(deadline, shipper.due_at)
             if not journals and not ending and all(shipper.done for shipper in shippers):
                 return
             await self.waker.wait(deadline)
