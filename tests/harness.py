@@ -72,6 +72,12 @@ from ckagent.devmaster.store import Store
 from ckagent.node.config import Settings, load_settings
 
 
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` with libyaml's parser when PyYAML has it (the same documents, ~10× less CPU:
+    openapi.yaml takes 0.1 s in pure Python, and every pytest-xdist worker loads it at collection)."""
+    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
 def agent_settings(work_dir: Path, base_url: str, registration_token: str, **env: str) -> Settings:
     """Settings for a test agent: fast heartbeat, short long poll, 2 workers; ``env`` overrides (AGENT_*)."""
     values = {
@@ -289,7 +295,10 @@ class MemoryMaster:
 #   session shares one work dir, as a user's runs share ``~/.cache/ckagent/exec``.
 # - :meth:`ExampleRuns.agent` uploads the example to the test's dev master as a spider (framework,
 #   name, outputs) and runs one task (params) on a fresh in-process agent; it keeps the final task,
-#   its items, log lines, artifacts, the node's runtimes and the task's leftover processes.
+#   its items, log lines, artifacts, the node's runtimes and the task's leftover processes. Its
+#   work dir's ``envs/`` is the exec runs' (content-addressed: the same key is the same environment),
+#   so each example's dependencies are installed once in the session, by whichever path runs it
+#   first — the node's pipeline either way (crawlee's npm install alone is ~13 s of CPU).
 #
 # A run crawls the demo site of the dev master of the test that made it; :meth:`ExecRun.at` and
 # :meth:`AgentRun.at` give the run as the demo site at another address would have given it (the
@@ -442,8 +451,13 @@ class ExampleRuns:
         admin = dev_master.admin
         spider_id = await admin.create_spider(name=name or example, framework=framework, outputs=outputs)
         await admin.upload_package(spider_id, await trio.to_thread.run_sync(zip_directory, EXAMPLES / example))
-        settings = agent_settings(self.root / f"agent-{len(self._agent)}", dev_master.base_url,
-                                  dev_master.registration_token, AGENT_UV_SYNC_TIMEOUT="600")
+        work_dir = self.root / f"agent-{len(self._agent)}"
+        shared_envs = self.root / "exec-work" / "envs"  # where the exec runs keep theirs (module comment)
+        shared_envs.mkdir(parents=True, exist_ok=True)
+        work_dir.mkdir(parents=True)
+        (work_dir / "envs").symlink_to(shared_envs, target_is_directory=True)
+        settings = agent_settings(work_dir, dev_master.base_url, dev_master.registration_token,
+                                  AGENT_UV_SYNC_TIMEOUT="600")
         async with running_agent(nursery, settings):
             task_id = await admin.create_task(
                 spider_id, params={"start_url": f"{dev_master.base_url}/demo-site/", **(params or {})})

@@ -82,3 +82,23 @@ async def test_python_spiders_stay_pending_without_uv_and_run_once_it_is_there(
         agent.poller.forget_unrunnable()
         final = await admin.wait_task_final(task_id, 60)
         assert final["status"] == "SUCCESS", final
+
+
+def test_npms_version_is_read_from_its_package_and_asked_only_when_that_fails(tmp_path: Path) -> None:
+    """npm is a Node script: its version comes from the package.json of the package its command runs
+    (no Node started at every agent start); a command laid out otherwise is asked (`npm --version`)."""
+    package = tmp_path / "lib" / "node_modules" / "npm"
+    (package / "bin").mkdir(parents=True)
+    (package / "package.json").write_text('{"name": "npm", "version": "10.8.2"}')
+    cli = package / "bin" / "npm-cli.js"
+    cli.write_text("#!/bin/sh\necho 0.0.1\n")  # run, it would say another version
+    cli.chmod(0o755)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "npm").symlink_to(cli)
+    assert ckagent.code.runtimes._npm_version(str(tmp_path / "bin" / "npm")) == "10.8.2"
+    other = tmp_path / "other-npm"
+    other.write_text("#!/bin/sh\necho 9.9.9\n")
+    other.chmod(0o755)
+    assert ckagent.code.runtimes._npm_version(str(other)) == "9.9.9"
+    (package / "package.json").write_text("{not json")
+    assert ckagent.code.runtimes._npm_version(str(tmp_path / "bin" / "npm")) == "0.0.1"

@@ -28,9 +28,9 @@ from ckagent.containment.process import _copy
 from ckagent.delivery import Outbox
 from ckagent.delivery.lines import encode_item, encode_json, item_object
 from ckagent.delivery.readers import _FileReader
-from ckagent.delivery.shipper import _backoff_sleep
 from ckagent.delivery.spool import EARLY_RETRY_AFTER, NOTIFY_FALLBACK
 from ckagent.delivery.statistics import SpoolCounter
+from ckagent.delivery.waiting import backoff_sleep
 from ckagent.master.connectivity import Trouble
 from ckagent.master.protocol import Task, TaskResult
 from ckagent.node.state import AsyncStateStore, StateStore
@@ -129,7 +129,7 @@ async def test_backoff_waits_on_the_connectivity_event(
             connectivity.succeeded("heartbeat")
 
         nursery.start_soon(come_back)
-        await _backoff_sleep(master, 10)  # a long backoff (≥ 128 s) cut short when the master is back
+        await backoff_sleep(master, 10)  # a long backoff (≥ 128 s) cut short when the master is back
     assert trio.current_time() - start == pytest.approx(5, abs=0.01)
     assert sleeps == [EARLY_RETRY_AFTER]  # no 0.25 s checks
     # Back within the first EARLY_RETRY_AFTER seconds: retried right after them.
@@ -142,7 +142,7 @@ async def test_backoff_waits_on_the_connectivity_event(
             connectivity.succeeded("heartbeat")
 
         nursery.start_soon(come_back_soon)
-        await _backoff_sleep(master, 10)
+        await backoff_sleep(master, 10)
     assert trio.current_time() - start == pytest.approx(EARLY_RETRY_AFTER)
 
 
@@ -309,8 +309,8 @@ async def test_wake_ups_of_a_silent_task_and_of_an_idle_outbox(
     tmp_path: Path, store: AsyncStateStore, autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 18: "a running task that writes nothing costs the agent at most one wake-up a second" —
-    counted as Trio task steps over a silent minute. The task's own tasks (journal, stats, stall
-    watchdog) do not wake; its two stream shippers only for their NOTIFY_FALLBACK safety net; the
+    counted as Trio task steps over a silent minute. The task's delivery is one task (its journal,
+    streams and stats driven by one loop), woken only for the streams' NOTIFY_FALLBACK safety net; the
     outbox's once-a-second round (shared by every task) is the rest. An outbox with no task open
     does not wake at all."""
     monkeypatch.setattr(trio.to_thread, "run_sync", inline_run_sync)
@@ -342,7 +342,9 @@ async def test_wake_ups_of_a_silent_task_and_of_an_idle_outbox(
     print(f"idle outbox, 120 s: {idle}; silent task, 60 s: outbox round {sum(rounds.values())} steps, "
           f"the task's own tasks {own}")
     assert {name: n for name, n in idle.items() if name != main} == {}, idle
-    shippers = own.pop("ckagent.delivery.shipper.StreamShipper.run", 0)
-    assert own == {}, own  # stats shipper, journal loop: asleep (stats: 60 looks before)
-    assert shippers <= 2 * (60 // NOTIFY_FALLBACK + 1), shippers  # the safety net of logs and items
+    # The delivery's one task (journal, both streams, stats: one loop) wakes only for the streams'
+    # NOTIFY_FALLBACK safety net, which logs and items share.
+    loop = own.pop("deliver t1", 0)
+    assert own == {}, own  # no other task of the task's delivery
+    assert loop <= 60 // NOTIFY_FALLBACK + 1, loop
     assert sum(rounds.values()) <= 60 * 2 + 2, rounds  # a round a second: its wake-up and its one thread hop

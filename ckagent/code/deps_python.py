@@ -168,6 +168,7 @@ class PythonEnvs:
         output(f"[ckagent] building environment {venv.name} ({plan.mode})\n".encode())
         env = installers.env(task_env)
         env.update({"VIRTUAL_ENV": str(venv), "UV_PYTHON_DOWNLOADS": "never", "UV_NO_PROGRESS": "1"})
+        _PTH_CHECKED.discard(venv)
         await trio.to_thread.run_sync(start_build, venv)
         cache_dir = self._cache_dir
         if installers.run_as is not None:
@@ -237,11 +238,18 @@ def _write_files(files: dict[Path, str]) -> None:
         path.write_text(text)
 
 
+_PTH_CHECKED: set[Path] = set()
+"""Ready environments whose SDK ``.pth`` this agent process has checked (a ready environment never
+changes; a rebuild of its key drops it from here first)."""
+
+
 def _ready_with_sdk(venv: Path, key: str) -> bool:
-    """:func:`is_ready`, and for a ready environment its SDK ``.pth`` checked (one thread hop). Blocking."""
+    """:func:`is_ready`, and for a ready environment its SDK ``.pth`` checked (once per agent process). Blocking."""
     if not is_ready(venv, key):
         return False
-    _install_sdk_pth(venv)
+    if venv not in _PTH_CHECKED:
+        _install_sdk_pth(venv)
+        _PTH_CHECKED.add(venv)
     return True
 
 

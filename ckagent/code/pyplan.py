@@ -36,8 +36,10 @@ class InterpreterError(Exception):
     """The interpreter spiders' venvs are built on cannot run (ckagent.code.deps reports it as DEPS_FAILED)."""
 
 
+@functools.lru_cache(maxsize=1)
 def bundled_sdk_dir() -> Path | None:
-    """A directory holding only ``crawlerkeeper_sdk/`` (inside the installed agent, or the checkout)."""
+    """A directory holding only ``crawlerkeeper_sdk/`` (inside the installed agent, or the checkout).
+    Looked for once per agent process (it ships with the agent's own code)."""
     package = Path(__file__).resolve().parent.parent  # ckagent/
     for candidate in (package / "_sdk", package.parent / "sdk" / "python" / "src"):
         if (candidate / "crawlerkeeper_sdk" / "__init__.py").is_file():
@@ -53,6 +55,19 @@ def _sdk_files(sdk_dir: Path) -> list[tuple[str, bytes]]:
             if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc"]
 
 
+@functools.lru_cache(maxsize=4)
+def _sdk_identity(sdk_dir: Path) -> tuple[list[tuple[str, bytes]], str, str]:
+    """The SDK's files, its content hash (16 hex digits) and its version: read and hashed once per
+    agent process (the bundled SDK ships with the agent's own code; a new one comes with a new agent)."""
+    files = _sdk_files(sdk_dir)
+    digest = hashlib.sha256()
+    for name, data in files:
+        digest.update(name.encode() + b"\0" + data + b"\0")
+    init = dict(files).get("crawlerkeeper_sdk/__init__.py", b"").decode(errors="replace")
+    match = re.search(r'^__version__ = "([^"]+)"', init, re.M)
+    return files, digest.hexdigest()[:16], match.group(1) if match else "0"
+
+
 def sdk_wheel(root: Path) -> tuple[str, Path] | None:
     """Build (once) a wheel of the bundled SDK under ``root/.sdk/<hash>/``: (its tag, the overrides file).
 
@@ -62,14 +77,7 @@ def sdk_wheel(root: Path) -> tuple[str, Path] | None:
     sdk_dir = bundled_sdk_dir()
     if sdk_dir is None:
         return None
-    files = _sdk_files(sdk_dir)
-    digest = hashlib.sha256()
-    for name, data in files:
-        digest.update(name.encode() + b"\0" + data + b"\0")
-    tag = digest.hexdigest()[:16]
-    init = dict(files).get("crawlerkeeper_sdk/__init__.py", b"").decode(errors="replace")
-    match = re.search(r'^__version__ = "([^"]+)"', init, re.M)
-    version = match.group(1) if match else "0"
+    files, tag, version = _sdk_identity(sdk_dir)
     out = root / ".sdk" / tag
     wheel = out / f"crawlerkeeper_sdk-{version}-py3-none-any.whl"
     overrides = out / "overrides.txt"

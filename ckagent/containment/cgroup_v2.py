@@ -73,9 +73,15 @@ class V2Cgroup:
         return bool(read_procs(self.path / "cgroup.procs"))
 
     async def wait_empty(self) -> None:
-        if not self.path.exists():
+        if not self.populated():  # the usual case at a task's end (a cgroup gone counts as empty): no watch
             return
-        with FileWatch(self.path / "cgroup.events") as watch:
+        try:
+            watch = FileWatch(self.path / "cgroup.events")
+        except OSError:
+            if not self.path.exists():
+                return
+            raise
+        with watch:
             while self.populated():
                 await watch.changed()
 

@@ -12,7 +12,8 @@ exec (ckagent.containment's spawn shim) stays behind as the spider's parent inst
 The monitor is one dash process per task: ~0.1 MB of private memory (its RSS is mostly shared
 libc pages) and no wake-up while the spider runs (it sleeps in wait4). The agent is the monitor's
 parent while it lives; a later agent is not, and waits for the monitor's exit on a pidfd (a kernel
-notification, no polling). The agent follows output.log by inotify (:func:`follow_output`).
+notification, no polling). The agent follows output.log by inotify; its supervisor waits for the
+monitor's exit, output.log's growth and the task's stop in one task (:func:`follow_until_exit_or_stop`).
 
 What a shell can tell of its child's end: ``$?`` is the exit code, or 128 + N for a death by
 signal N; :func:`returncode_of` turns 129..192 back into ``-N`` (an exit code in that range is read
@@ -350,12 +351,16 @@ async def supervise(
                 nursery.start_soon(follow_output, sink, exited)
                 await stopper.stop(why())
                 nursery.cancel_scope.cancel()
+            outcome.killed_leftovers += max(0, await jail.kill_all())
         else:
             sink.grown()
-            with trio.move_on_after(drain_window):  # what the spider left behind may still write
+            with trio.move_on_after(drain_window) as drain:  # what the spider left behind may still write
                 await jail.wait_empty()
+            # An emptied cgroup needs no kill (nothing can join it any more); the process-group level's
+            # kill also reaps leftovers that ended as the agent's (the subreaper's) zombies.
+            if drain.cancelled_caught or not jail.level.startswith("cgroup"):
+                outcome.killed_leftovers += max(0, await jail.kill_all())
         outcome.returncode = mon.returncode
-        outcome.killed_leftovers += max(0, await jail.kill_all())
         swept = True
         if outcome.killed_leftovers:
             notice(f"killed {outcome.killed_leftovers} leftover process(es) of the task")

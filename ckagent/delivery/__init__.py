@@ -52,8 +52,15 @@ stream, or replaces the element, and the final result says ``incomplete: true``.
 4xx) is retried with backoff: a refusal never drops what the spider produced.
 
 **The outbox** (:class:`Outbox`, one per agent, in the agent's root nursery) owns every task's
-delivery (:class:`TaskDelivery`, :mod:`ckagent.delivery.taskdelivery`): the journal writer (:mod:`ckagent.delivery.journal`), the two shippers and, once both streams are complete, the final result
+delivery (:class:`TaskDelivery`, :mod:`ckagent.delivery.taskdelivery`): the journal writer (:mod:`ckagent.delivery.journal`), the two shippers, live stats and, once both streams are complete, the final result
 (stored first, sent last, retried with exponential backoff and jitter until acknowledged). A task's
+delivery is **one Trio task**: one loop steps its journal, both shippers and live stats, and sleeps
+on one waker (:class:`ckagent.delivery.waiting.Waker`) that every notification sets; a batch in a
+node batch has no task of its own, a per-task post or a retry after a backoff runs in that loop's
+nursery while it lasts. Its thread hops: one to open it (the task's record, journals, output.log),
+one at the end (the runner's result stored, the end's reads); the acknowledged result is marked in
+the outbox's next once-a-second round (a crash before that only makes the next start send it
+again). A task's
 worker slot is free as soon as its process has ended; delivery goes on without it. On start the
 agent hands unfinished deliveries from the state store to the outbox (:meth:`Outbox.resume`).
 Requests are sent by at most ``SEND_CONCURRENCY`` tasks at a time; a shipper waiting in backoff
@@ -62,15 +69,15 @@ retries early (after ≥ 1 s) when another request has found the master reachabl
 **Node batches** (:mod:`ckagent.delivery.nodebatch`): when the master's registration answer offers
 ``node-batches``, the shippers hand their batches to the outbox's :class:`NodeBatcher`, which sends
 whatever is queued — many tasks' log and item batches — in one ``POST /api/nodes/{id}/batches``
-(at most two at a time; a lone batch goes at once). Each batch gets its own answer, handled exactly
+(two sender loops of the node: at most two at a time; a lone batch goes at once). Each batch gets its own answer, handled exactly
 as above; a log batch then waits only 0.3 s for more lines (the request is shared). A batch's age is
 its oldest pending element's.
 
-**Wake-ups of a running task**: output.log's growth wakes the journal loop (the sink's callback);
-the outbox's once-a-second round (only while a delivery is open: one thread hop for every task)
-stats the spider log files, items.jsonl and the stats file and wakes only the journal loop, items
-shipper or stats shipper whose file changed. A task that writes nothing wakes none of them (the
-shippers' NOTIFY_FALLBACK safety net aside).
+**Wake-ups of a running task**: output.log's growth wakes the delivery's loop to journal it (the
+sink's callback); the outbox's once-a-second round (only while a delivery is open: one thread hop
+for every task) stats the spider log files, items.jsonl and the stats file and wakes a task's loop
+only when one of them changed. A task that writes nothing does not wake its loop (the shippers'
+NOTIFY_FALLBACK safety net aside).
 
 **Disk budget** (:class:`LogSink`): output.log stops growing at ``task.max_log_bytes`` or when the
 filesystem's free space would fall below ``task.min_free_disk_bytes``; the pipes are still drained
@@ -108,8 +115,9 @@ from ckagent.delivery.lines import (
     secret_values,
 )
 from ckagent.delivery.outbox import Outbox
+from ckagent.delivery.result import send_result
 from ckagent.delivery.retention import cleanup_task_dirs
-from ckagent.delivery.shipper import StreamShipper, send_result
+from ckagent.delivery.shipper import StreamShipper
 from ckagent.delivery.spool import (
     AGENT_FILES,
     DEFAULT_LOG_GLOBS,

@@ -35,6 +35,7 @@ from pathlib import Path
 import trio
 
 from ckagent.delivery.outputs import ARTIFACTS_DIR, load_manifest
+from ckagent.delivery.waiting import backoff_sleep
 from ckagent.master.client import MasterClient, MasterConflict, MasterRejected, MasterUnavailable
 from ckagent.master.protocol import ARTIFACTS, ArtifactRef
 
@@ -102,8 +103,6 @@ async def upload_artifacts(master: MasterClient, task_id: str, task_dir: Path,
     has none. Never raises for master trouble (retried with backoff until cancelled); a broken
     manifest is logged and treated as no artifacts. Cancellation: what was acknowledged is on disk.
     """
-    from ckagent.delivery.shipper import _backoff_sleep
-
     try:
         if state is None:
             state = await trio.to_thread.run_sync(read_state, task_dir)
@@ -137,7 +136,7 @@ async def upload_artifacts(master: MasterClient, task_id: str, task_dir: Path,
                     await master.put_artifact(task_id, ref, data)
             except MasterUnavailable:  # a protocol error too: not an acknowledgement
                 attempt += 1
-                await _backoff_sleep(master, attempt)
+                await backoff_sleep(master, attempt)
                 continue
             except MasterConflict as exc:
                 log.warning("task %s: master refused artifact %s (%s); kept at %s", task_id, ref.path, exc, keep_dir)
@@ -153,7 +152,7 @@ async def upload_artifacts(master: MasterClient, task_id: str, task_dir: Path,
                     master.features = master.features - {ARTIFACTS}
                     continue  # the check above keeps the rest
                 attempt += 1
-                await _backoff_sleep(master, attempt)
+                await backoff_sleep(master, attempt)
                 continue
             await trio.to_thread.run_sync(_mark_sent, task_dir, ref.path)
             sent.add(ref.path)

@@ -34,6 +34,8 @@ class DiskGuard:
         self.path = path
         self.min_free_bytes = min_free_bytes
         self.free_bytes: int | None = None
+        self.measured_at: float | None = None
+        """``trio.current_time()`` of the last figure measured (None: never)."""
 
     def allows(self, size: int) -> bool:
         """True if writing ``size`` more bytes keeps the free space at or above the floor."""
@@ -48,12 +50,22 @@ class DiskGuard:
 
     async def refresh(self) -> None:
         """Measure the free space again (in a worker thread). OSError leaves the last figure."""
+        self.measured(await trio.to_thread.run_sync(self.measure))
+
+    def measure(self) -> int | None:
+        """The free bytes now, or None when they cannot be measured (logged). Blocking: in a hop the
+        caller makes anyway, then :meth:`measured` on the loop."""
         try:
-            usage = await trio.to_thread.run_sync(shutil.disk_usage, self.path)
+            return shutil.disk_usage(self.path).free
         except OSError as exc:
             log.debug("cannot measure free space of %s: %s", self.path, exc)
-            return
-        self.free_bytes = usage.free
+            return None
+
+    def measured(self, free: int | None) -> None:
+        """Take what :meth:`measure` returned (None leaves the last figure). On the Trio thread."""
+        if free is not None:
+            self.free_bytes = free
+            self.measured_at = trio.current_time()
 
 
 LATE_NOTICES = 20

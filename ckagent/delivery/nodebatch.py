@@ -8,24 +8,28 @@ takes ``POST /api/nodes/{id}/batches`` ``{"batches": [{"taskId", "stream", "seq"
 error the per-task endpoint would have answered, ``{"status", "error", ...}`` (docs/protocol.md,
 "Node batches").
 
-:class:`NodeBatcher` is what the stream shippers post through then: :meth:`NodeBatcher.post` queues
-one stream's batch and waits for its own answer; the sender (:meth:`NodeBatcher.run`, in the outbox's
-nursery) sends whatever is queued in one request, at most ``MAX_IN_FLIGHT`` requests at a time and
-one every ``MIN_SEND_INTERVAL`` — so batches queue up while the master is busy or the flow is steady,
-and a lone batch after a quiet spell goes at once. Each waiter gets the
+:class:`NodeBatcher` is what the stream shippers post through then: :meth:`NodeBatcher.submit` queues
+one stream's batch and calls its ``on_done`` with its own answer (no task of the shipper's waits for
+it); :meth:`NodeBatcher.post` does the same and waits. The senders (:meth:`NodeBatcher.run`, in the
+outbox's nursery: ``MAX_IN_FLIGHT`` loops of the node, not a task per request) send whatever is
+queued in one request, at most ``MAX_IN_FLIGHT`` requests at a time and one every
+``MIN_SEND_INTERVAL`` — so batches queue up while the master is busy or the flow is steady, and a
+lone batch after a quiet spell goes at once. Each waiter gets the
 same answer or exception as ``MasterClient.call`` on its own endpoint would give it (``acceptedSeq``;
 MasterConflict with ``expectedSeq``; MasterRejected; MasterUnavailable for the whole request's
 trouble), so the shipper's rules (acknowledged positions, 409 rewind, 413/422 halving, backoff) are
 unchanged. A master that does not offer the feature is never sent one: shippers post per task.
 
-Errors: :meth:`NodeBatcher.post` raises what ``MasterClient.call`` raises (see ckagent.master.client).
-Cancellation of a waiter leaves its batch to the request (the master drops a repeat by ``seq``).
+Errors: :meth:`NodeBatcher.post` raises what ``MasterClient.call`` raises (see ckagent.master.client);
+:meth:`NodeBatcher.submit` hands it to ``on_done`` instead. Cancellation of a waiter leaves its batch
+to the request (the master drops a repeat by ``seq``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -53,16 +57,30 @@ MAX_REQUEST_BYTES = 6 * 1024 * 1024
 """Most body bytes of one request (below the reference master's 8 MiB; one larger batch goes alone)."""
 
 
-class _Waiter:
-    __slots__ = ("body", "done", "error", "stream", "task_id", "value")
+Done = Callable[[int | None, "MasterError | None"], None]
+"""What a submitted batch's owner is called with, on the Trio thread, once: (acceptedSeq, None) or
+(None, the error its own endpoint would have raised)."""
 
-    def __init__(self, task_id: str, stream: str, body: bytes) -> None:
+
+class _Waiter:
+    __slots__ = ("body", "error", "on_done", "stream", "task_id", "value")
+
+    def __init__(self, task_id: str, stream: str, body: bytes, on_done: Done | None = None) -> None:
         self.task_id = task_id
         self.stream = stream
         self.body = body
-        self.done = trio.Event()
+        self.on_done = on_done
         self.value: int | None = None
         self.error: MasterError | None = None
+
+    def settled(self) -> None:
+        """Hand the answer to the owner (once)."""
+        on_done, self.on_done = self.on_done, None
+        if on_done is not None:
+            try:
+                on_done(self.value, self.error)
+            except Exception:  # a bug of one owner must not cost the other batches their answers
+                log.exception("task %s %s: handling a node batch's answer failed", self.task_id, self.stream)
 
 
 class NodeBatcher:
@@ -73,7 +91,6 @@ class NodeBatcher:
         self._master = master
         self._queue: list[_Waiter] = []
         self._wake = trio.Event()
-        self._slots = trio.Semaphore(MAX_IN_FLIGHT)
         self._running = False
         self._last_send = -MIN_SEND_INTERVAL  # trio.current_time() of the last request's start
         self._off_until = float("-inf")  # trio time until which node batches are off (a refusal)
@@ -82,49 +99,74 @@ class NodeBatcher:
 
     @property
     def enabled(self) -> bool:
-        """True while the sender runs and the master offered node batches at its last registration."""
+        """True while the senders run and the master offered node batches at its last registration."""
         return (self._running and NODE_BATCHES in self._master.features
                 and (self._off_until == float("-inf") or trio.current_time() >= self._off_until))
 
-    async def post(self, task_id: str, stream: str, body: bytes) -> int:
-        """Send one stream's batch (``body``: the per-task endpoint's JSON ``{"seq":…,"lines"|"items":[…]}``,
-        UTF-8 bytes) with others; returns the master's ``acceptedSeq``. ``stream`` is "logs" or "items".
-        Raises MasterConflict, MasterRejected, MasterUnavailable as the per-task call would."""
-        waiter = _Waiter(task_id, stream, body)
-        self._queue.append(waiter)
+    def submit(self, task_id: str, stream: str, body: bytes, on_done: Done) -> None:
+        """Queue one stream's batch (``body``: the per-task endpoint's JSON ``{"seq":…,"lines"|"items":[…]}``,
+        UTF-8 bytes; ``stream`` "logs" or "items") to go with others; ``on_done(acceptedSeq, error)``
+        is called once, on the Trio thread, with the master's ``acceptedSeq`` or the MasterConflict,
+        MasterRejected or MasterUnavailable the per-task call would have raised (MasterUnavailable too
+        when the senders stop first). Never blocks, never raises."""
+        self._queue.append(_Waiter(task_id, stream, body, on_done))
         self._wake.set()
-        await waiter.done.wait()
-        if waiter.error is not None:
-            raise waiter.error
-        assert waiter.value is not None
-        return waiter.value
+
+    async def post(self, task_id: str, stream: str, body: bytes) -> int:
+        """:meth:`submit` and wait: returns the master's ``acceptedSeq``. Raises MasterConflict,
+        MasterRejected, MasterUnavailable as the per-task call would. Cancellation leaves the batch
+        to its request."""
+        done = trio.Event()
+        answer: list[Any] = []
+
+        def on_done(value: int | None, error: MasterError | None) -> None:
+            answer[:] = [value, error]
+            done.set()
+
+        self.submit(task_id, stream, body, on_done)
+        await done.wait()
+        value, error = answer
+        if error is not None:
+            raise error
+        assert value is not None
+        return int(value)
 
     async def run(self) -> None:
-        """The sender: until cancelled, send what is queued (see module docstring)."""
+        """The senders: until cancelled, send what is queued (see module docstring). Batches still
+        queued at the end get MasterUnavailable (their shippers retry them)."""
         self._running = True
         try:
             async with trio.open_nursery() as nursery:
-                while True:
-                    await self._wake.wait()
-                    self._wake = trio.Event()
-                    while self._queue:
-                        await self._slots.acquire()  # meanwhile more batches queue for this request
-                        await trio.sleep_until(self._last_send + MIN_SEND_INTERVAL)  # and meanwhile too
-                        self._last_send = trio.current_time()
-                        taken, size = 0, 0
-                        for waiter in self._queue:
-                            if taken and (taken >= MAX_BATCHES or size + len(waiter.body) > MAX_REQUEST_BYTES):
-                                break
-                            taken += 1
-                            size += len(waiter.body) + 64
-                        batch, self._queue = self._queue[:taken], self._queue[taken:]
-                        nursery.start_soon(self._send, batch)
+                for _ in range(MAX_IN_FLIGHT):
+                    nursery.start_soon(self._sender)
         finally:
             self._running = False
-            for waiter in self._queue:  # never sent: their shippers retry (per task, or here again)
+            queued, self._queue = self._queue, []
+            for waiter in queued:  # never sent: their shippers retry (per task, or here again)
                 waiter.error = MasterUnavailable("node batches: the sender stopped")
-                waiter.done.set()
-            self._queue = []
+                waiter.settled()
+
+    async def _sender(self) -> None:
+        """One of the MAX_IN_FLIGHT loops: wait for queued batches and the send interval, take what is
+        queued (what came meanwhile goes in the same request), send it, again."""
+        while True:
+            while not self._queue:
+                await self._wake.wait()
+                if not self._queue:
+                    self._wake = trio.Event()
+            due = self._last_send + MIN_SEND_INTERVAL
+            if trio.current_time() < due:  # meanwhile more batches queue (and the other sender may send)
+                await trio.sleep_until(due)
+                continue
+            self._last_send = trio.current_time()
+            taken, size = 0, 0
+            for waiter in self._queue:
+                if taken and (taken >= MAX_BATCHES or size + len(waiter.body) > MAX_REQUEST_BYTES):
+                    break
+                taken += 1
+                size += len(waiter.body) + 64
+            batch, self._queue = self._queue[:taken], self._queue[taken:]
+            await self._send(batch)
 
     async def _send(self, batch: list[_Waiter]) -> None:
         try:
@@ -158,11 +200,10 @@ class NodeBatcher:
             for waiter, result in zip(batch, results, strict=True):
                 _settle(waiter, result)
         finally:
-            self._slots.release()
             for waiter in batch:
                 if waiter.value is None and waiter.error is None:  # cut short (a bug, or the stop)
                     waiter.error = MasterUnavailable("node batches: the request did not complete")
-                waiter.done.set()
+                waiter.settled()
 
 
 def _settle(waiter: _Waiter, result: Any) -> None:

@@ -31,7 +31,7 @@ from ckagent.master.client import MasterClient
 from ckagent.master.protocol import Task, TaskResult
 from ckagent.node.broadcast import Broadcast
 from ckagent.node.diskfull import RESERVE_BYTES, SpaceReserve
-from ckagent.node.state import AsyncStateStore, StateStoreError, TaskRecord
+from ckagent.node.state import AsyncStateStore, StateStore, StateStoreError, TaskRecord
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,7 @@ class Outbox:
         self._idle.set()
         self._busy = trio.Event()  # set while a delivery is open (the disk loop runs)
         self._delivered = Broadcast()  # a delivery ended
+        self._acked: dict[str, dict[str, Any]] = {}  # acknowledged results not marked so yet (see acknowledged)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled (the agent's stop). Unsent data stays on disk for the next start; the
@@ -102,6 +103,7 @@ class Outbox:
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(5.0):
                 await self._flush_positions()
+                await self._mark_acked()
 
     def statistics(self) -> OutboxStatistics:
         """What waits for the master now (see ckagent.delivery.statistics). **Blocking** (SQLite and
@@ -159,6 +161,14 @@ class Outbox:
         done = "stopped sending what was read after" if bound.cancelled_caught else "sent what was read in"
         return f"{done} {trio.current_time() - started:.2f} s; {self.pending} delivery(ies) left in the state store"
 
+    def acknowledged(self, task_id: str, result: dict[str, Any]) -> None:
+        """The master acknowledged a task's final ``result`` (its JSON; or refused it for good): it is
+        stored with its mark in the disk loop's next round (≤ SCAN_INTERVAL later, in the hop the round
+        makes anyway; on the loop's way to sleep and at the agent's stop, in one of its own). A crash
+        before that write only makes the next start send the result again, which the master answers
+        as a repeat. On the Trio thread; never blocks."""
+        self._acked[task_id] = result
+
     async def wait_busy(self) -> None:
         """Return once a delivery is open (at once if one is). Cancellation: as usual."""
         await self._busy.wait()
@@ -175,7 +185,8 @@ class Outbox:
         epoch seconds of its claim (default: now); its TaskDelivered record carries it.
 
         One thread hop opens it all: ``make_dir()`` (the caller's: the task's directory), the task's
-        durable record in the state store, its journals and output.log. Raises OSError when one of
+        durable record in the state store, its journals and output.log (and, when no other delivery
+        is open, the free space: the disk loop has not looked for a while). Raises OSError when one of
         them cannot be created, sqlite3.Error when the record cannot be written.
         """
         masker = Masker(secret_values(task.env, self.config.agent_secrets, [*(task.command or ()), *task.args]))
@@ -187,8 +198,11 @@ class Outbox:
                                 None, journal, spider=task.spider_name or task.spider_id, claimed_at=claimed_at,
                                 item_journal=item_journal, item_globs=item_globs)
         task_json = task.to_json()
+        guard = self.guard
+        idle = not self.deliveries  # the free-space figure may be hours old: measured in this hop
 
-        def opening() -> tuple[bool, LogSink]:
+        def opening() -> tuple[bool, LogSink, int | None]:
+            free = guard.measure() if idle else None
             if make_dir is not None:
                 make_dir()
             fresh = self.store.sync.add_task(task.id, task.spider_id, task_json, task_dir)
@@ -197,14 +211,15 @@ class Outbox:
                 if item_journal is not None:
                     item_journal.open()
                 return fresh, LogSink(task_dir / OUTPUT_LOG, delivery.output_written,
-                                      max_bytes=self.config.max_log_bytes, guard=self.guard)
+                                      max_bytes=self.config.max_log_bytes, guard=guard), free
             except BaseException:
                 journal.close()
                 if item_journal is not None:
                     item_journal.close()
                 raise
 
-        fresh, sink = await trio.to_thread.run_sync(opening)
+        fresh, sink, free = await trio.to_thread.run_sync(opening)
+        guard.measured(free)
         delivery.sink = sink
         if fresh:  # both streams start at (0, None): the shippers need not ask the database
             self.store.mark_fresh(task.id)
@@ -282,17 +297,22 @@ class Outbox:
         while True:
             if not self.deliveries:
                 await self._flush_positions()  # the last delivery's last positions
+                await self._mark_acked()  # and its result's acknowledgement
                 await self._busy.wait()
-                await self.guard.refresh()  # the figure may be hours old
+                measured = self.guard.measured_at
+                if measured is None or trio.current_time() - measured > SCAN_INTERVAL:
+                    await self.guard.refresh()  # the figure may be hours old (an opening task measures it)
             await trio.sleep(self.disk.next_interval())
             await self._flush_positions()  # the shippers' acknowledged positions, all streams at once
             live = [delivery for delivery in self.deliveries.values() if delivery.scanning]
-            found, free, sizes = await trio.to_thread.run_sync(_scan_round, live, self.guard.path)  # one hop
+            acked, self._acked = self._acked, {}
+            found, free, sizes, held, unmarked = await trio.to_thread.run_sync(
+                _scan_round, live, self.guard.path, self.reserve, self.store.sync, acked)  # one hop
+            self._unmarked(unmarked)
             for delivery, (files, items_size, stats_size, item_sizes) in zip(live, found, strict=True):
                 delivery.scanned(files, items_size, stats_size, item_sizes)
-            if free is not None:
-                self.guard.free_bytes = free
-            await self._watch_disk(free, {d.task_id: size for d, size in zip(live, sizes, strict=True)})
+            self.guard.measured(free)
+            await self._watch_disk(free, {d.task_id: size for d, size in zip(live, sizes, strict=True)}, held)
             self._looked.set()
 
     async def next_look(self) -> None:
@@ -300,9 +320,9 @@ class Outbox:
         then). Cancellation: as usual."""
         await self._looked.wait()
 
-    async def _watch_disk(self, free: int | None, sizes: dict[str, int]) -> None:
+    async def _watch_disk(self, free: int | None, sizes: dict[str, int], held: bool = True) -> None:
         """One look of the disk watch: stop the task that fills the disk; make the reserve again once
-        there is room for it."""
+        there is room for it (``held``: whether the round's hop found it in place)."""
         released = self.reserve.released_at if self.reserve is not None else None
         was_full = released is not None and released != self._reserve_released
         self._reserve_released = released
@@ -312,8 +332,19 @@ class Outbox:
                 self.on_disk_full(task_id, reason)
         reserve = self.reserve
         if (reserve is not None and free is not None and free > self.disk.critical_bytes + 2 * reserve.size_bytes
-                and not await trio.to_thread.run_sync(lambda: reserve.held)):
+                and not held):
             await trio.to_thread.run_sync(reserve.restore)
+
+    async def _mark_acked(self) -> None:
+        """The acknowledged results waiting for their mark, in a hop of their own (none when none waits)."""
+        if self._acked:
+            acked, self._acked = self._acked, {}
+            self._unmarked(await trio.to_thread.run_sync(_mark_all, self.store.sync, acked))
+
+    def _unmarked(self, unmarked: dict[str, dict[str, Any]]) -> None:
+        """Marks a write could not make (a full disk) wait for the next one (newer ones win)."""
+        for task_id, result in unmarked.items():
+            self._acked.setdefault(task_id, result)
 
     async def _flush_positions(self) -> None:
         """The noted positions into the state store; on a full disk they stay noted for the next try
@@ -331,15 +362,38 @@ class Outbox:
             log.info("the acknowledged positions are saved again")
 
 
-def _scan_round(deliveries: list[TaskDelivery], disk: Path) -> tuple[list[Scanned], int | None, list[int]]:
-    """One round of the disk loop in its worker thread (blocking): :func:`_scan_all`, the free bytes of
-    the filesystem holding ``disk`` (None when it cannot be measured) and each task dir's bytes."""
+def _scan_round(deliveries: list[TaskDelivery], disk: Path, reserve: SpaceReserve | None, store: StateStore,
+                acked: dict[str, dict[str, Any]],
+                ) -> tuple[list[Scanned], int | None, list[int], bool, dict[str, dict[str, Any]]]:
+    """One round of the disk loop in its worker thread (blocking): the acknowledged results marked
+    (:func:`_mark_all`), :func:`_scan_all`, the free bytes of the filesystem holding ``disk`` (None
+    when it cannot be measured), each task dir's bytes, whether the space reserve is in place (True
+    without one) and the marks that could not be written."""
+    unmarked = _mark_all(store, acked)
     try:
         free: int | None = shutil.disk_usage(disk).free
     except OSError as exc:
         log.debug("cannot measure free space of %s: %s", disk, exc)
         free = None
-    return _scan_all(deliveries), free, [tree_bytes(delivery.task_dir) for delivery in deliveries]
+    held = reserve is None or reserve.held
+    return _scan_all(deliveries), free, [tree_bytes(delivery.task_dir) for delivery in deliveries], held, unmarked
+
+
+def _mark_all(store: StateStore, acked: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Mark each task of ``acked`` acknowledged and store its result as acknowledged (blocking);
+    returns those a full disk left unmarked (said once per write)."""
+    unmarked: dict[str, dict[str, Any]] = {}
+    for task_id, result in acked.items():
+        try:
+            store.mark_result_acked(task_id)  # first: what keeps the next start from sending it again
+            store.set_result(task_id, result)
+        except StateStoreError as exc:
+            unmarked[task_id] = result
+            error = exc
+    if unmarked:
+        log.error("the master has the results of %d task(s), but %s; marked when there is room (a crash "
+                  "meanwhile only makes the next start send them again)", len(unmarked), error)
+    return unmarked
 
 
 def _scan_all(deliveries: list[TaskDelivery]) -> list[Scanned]:

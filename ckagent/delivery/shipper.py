@@ -1,14 +1,11 @@
-"""The stream shipper: batches with sequence numbers, acknowledged positions, 409 rewind/skip, backoff; the final result.
+"""The stream shipper: batches with sequence numbers, acknowledged positions, 409 rewind/skip, backoff.
 
 See the package docstring (ckagent.delivery) for the whole design.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
-import random
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,15 +13,23 @@ from typing import Any
 
 import trio
 
-from ckagent.delivery.lines import Masker, encode_item, encode_json
+from ckagent.delivery.flight import (
+    CEILING_RECOVERY,
+    RETRY,
+    Answer,
+    Flight,
+    is_placeholder,
+    placeholder,
+    refused_element,
+)
+from ckagent.delivery.lines import Masker, encode_item
 from ckagent.delivery.nodebatch import NodeBatcher
 from ckagent.delivery.pending import Pending
 from ckagent.delivery.readers import _FileReader, _ItemJournalReader, _JournalReader
 from ckagent.delivery.spool import (
-    BACKOFF_INITIAL,
     BATCH_AGE,
     CHECKPOINTS_KEPT,
-    EARLY_RETRY_AFTER,
+    DEFAULT_REFUSAL_TIMEOUT,
     ITEMS_FILE,
     LOG_BATCH_AGE,
     MAX_BATCH_BYTES,
@@ -36,82 +41,27 @@ from ckagent.delivery.spool import (
     NOTIFY_FALLBACK,
     TAIL_INTERVAL,
 )
-from ckagent.master.client import MasterClient, MasterConflict, MasterRejected, MasterUnavailable
-from ckagent.master.protocol import TaskResult
+from ckagent.delivery.waiting import Waker, backoff_sleep
+from ckagent.master.client import MasterClient, MasterConflict, MasterError, MasterRejected, MasterUnavailable
 from ckagent.node.state import AsyncStateStore, StateStoreError
 
 log = logging.getLogger(__name__)
 
-CEILING_RECOVERY = 8
-"""Acknowledgements in a row after which a batch size lowered by a 413 may double again."""
-
-
-DEFAULT_REFUSAL_TIMEOUT = 600.0
-"""Seconds a stream (or a final result) retries a 404 "unknown task", and a stream a 413 for a single
-element, before it gives up on it (``server.refusal_timeout``)."""
-
-
-def refused_element(exc: MasterRejected, key: str, count: int) -> int | None:
-    """The index (0-based, within the batch of ``count`` elements) of the element a 422 names as the
-    one it refuses — its ``field`` is ``"<key>[i]"`` or a path inside it (``"items[3].price"``) —
-    or None: only such a 422 drops an element (docs/protocol.md, "When something fails")."""
-    body = exc.body
-    field = body.get("field") if isinstance(body, dict) else None
-    if exc.status != 422 or not isinstance(field, str) or not field.startswith(f"{key}["):
-        return None
-    digits, _, _ = field[len(key) + 1:].partition("]")
-    if not digits.isdigit() or int(digits) >= count:
-        return None
-    return int(digits)
-
-
-class _Flight:
-    """A batch on its way: ``count`` leading elements of the pending ones, ``size`` their estimated bytes."""
-
-    __slots__ = ("answer", "count", "size")
-
-    def __init__(self, count: int, size: int) -> None:
-        self.count = count
-        self.size = size
-        self.answer: _Answer | None = None
-
-
-class _Answer:
-    __slots__ = ("expected", "kind")
-
-    def __init__(self, kind: str, expected: int | None = None) -> None:
-        self.kind = kind  # ok | expected | shrink | element (expected = its index) | refused
-        self.expected = expected
-
-
-async def _backoff_sleep(master: MasterClient, attempt: int, retry_after: float | None = None) -> None:
-    """Sleep the backoff for ``attempt`` (1, 2, ...): exponential with jitter, capped at the master
-    client's ``max_backoff_interval`` (server.max_backoff_interval);
-    at least ``retry_after`` seconds when the master asked for it (a 429/503's ``Retry-After``).
-
-    Ends early (but not before EARLY_RETRY_AFTER seconds) when the master becomes reachable again:
-    it waits on the connectivity's event (another request got through), it does not poll. A wait
-    the master asked for is never cut short.
-    """
-    base = min(master.max_backoff_interval, BACKOFF_INITIAL * 2 ** (attempt - 1))
-    delay = random.uniform(base / 2, base)
-    if retry_after:
-        await trio.sleep(retry_after)
-        return
-    connectivity = master.connectivity
-    was_up = connectivity.up
-    with trio.move_on_after(delay):
-        if was_up:
-            await trio.sleep_forever()
-        await trio.sleep(EARLY_RETRY_AFTER)
-        await connectivity.wait_up()
+"""Not an answer that moves the stream: the batch goes again after a backoff."""
 
 
 class StreamShipper:
     """Ships one stream of one task (see module docstring): ``kind`` "logs" or "items".
 
-    Build it with :meth:`logs` or :meth:`items`. :meth:`notify` says the spool grew; :meth:`finish`
-    says the items file is complete (the log stream knows it from the journal's E record). ``stats``:
+    Build it with :meth:`logs` or :meth:`items`. Two ways to drive it: :meth:`run` (a Trio task of
+    its own, until the stream is complete), or its owner's loop — :meth:`open` once, then
+    :meth:`step` whenever its :attr:`waker` wakes or the time :meth:`step` returned has come, and
+    :meth:`close` at the end (a task's delivery drives its streams so: ckagent.delivery.taskdelivery).
+    A batch on its way needs no task while it goes in a node batch (its answer comes back as a
+    call); only a per-task post or a retry after a backoff runs in the owner's nursery.
+
+    :meth:`notify` says the spool grew; :meth:`finish` says the items file is complete (the log
+    stream knows it from the journal's E record). ``stats``:
     ``acked`` elements the master holds, ``read`` elements read. ``refused`` is True when the master
     refused the stream for good (a 409 without ``expectedSeq``, or "unknown task" for longer than
     ``refusal_timeout`` seconds): the stream is then incomplete and the result says so.
@@ -129,6 +79,7 @@ class StreamShipper:
         reader: _FileReader | _JournalReader,
         limiter: trio.CapacityLimiter | None = None,
         refusal_timeout: float = DEFAULT_REFUSAL_TIMEOUT,
+        waker: Waker | None = None,
     ) -> None:
         if kind not in ("logs", "items"):
             raise ValueError(f"unknown stream kind {kind!r}")
@@ -141,7 +92,8 @@ class StreamShipper:
         self._batch_age = LOG_BATCH_AGE if kind == "logs" else BATCH_AGE
         self._reader = reader
         self._limiter = limiter or trio.CapacityLimiter(1)
-        self._wake = trio.Event()
+        self.waker = waker or Waker()
+        """What :meth:`notify` and an answer set: shared by every stream of a task's delivery."""
         self._count_limit = self._count_ceiling = MAX_BATCH_COUNT
         self._ceiling_successes = 0  # acknowledgements in a row since the ceiling was last lowered
         self._lone_too_large = False  # a single element got a 413: if it is taken later, the 413 was passing
@@ -152,25 +104,43 @@ class StreamShipper:
         self.placeholders = 0
         self.waiting_since: float | None = None
         """Epoch s since read elements wait for the master: since the last ack, or read after catching up (None: none)."""
-        self.end_noted = False  # the stream's last position is noted for its task's result write (TaskDelivery)
+        self.end_kept = False
+        """True: the stream's last position is kept in :attr:`final` for its owner (a task's delivery,
+        which needs it only if its result is not acknowledged at once) instead of being saved."""
+        self.final: tuple[int, Any] | None = None
+        """With :attr:`end_kept`: the last (seq, position) the master acknowledged, not saved yet."""
         self.requests = 0
         self.batcher: NodeBatcher | None = None
         """Set by the outbox: batches go through it while the master offers node batches."""
         self.hurry = False  # send what is read at once, not waiting for a fuller batch (a hand-over's flush)
         self.on_idle: Callable[[], None] | None = None  # called whenever nothing read waits for the master
+        self.done = False
+        """True once the stream is complete and acknowledged (or refused): :meth:`step` has nothing left to do."""
+        # The stream between steps (see step).
+        self._nursery: trio.Nursery | None = None  # where a per-task post or a retry runs (set by open)
+        self._seq = 0  # elements the master holds (acknowledged, or skipped as already held)
+        self._pending = Pending()
+        self._skip = 0  # elements the master already holds beyond `_seq`: read them, do not send them
+        self._flight: Flight | None = None  # the one batch on its way (its elements lead `_pending`)
+        self._checkpoints: dict[int, Any] = {}
+        # An acknowledged position not yet in the state store: saved once the next batch is on its
+        # way (the save is not on the path from one answer to the next request). A crash before the
+        # save only makes the next start send that batch again, which the master drops.
+        self._unsaved: tuple[int, Any] | None = None
 
     @classmethod
     def logs(cls, master: MasterClient, store: AsyncStateStore, task_id: str, task_dir: Path, masker: Masker,
              limiter: trio.CapacityLimiter | None = None, max_line_bytes: int = MAX_LINE_BYTES,
-             refusal_timeout: float = DEFAULT_REFUSAL_TIMEOUT) -> StreamShipper:
+             refusal_timeout: float = DEFAULT_REFUSAL_TIMEOUT, waker: Waker | None = None) -> StreamShipper:
         """The log stream of the task in ``task_dir`` (its journal and sources)."""
         return cls(master, store, task_id, "logs", _JournalReader(task_dir, masker, max_line_bytes), limiter,
-                   refusal_timeout)
+                   refusal_timeout, waker)
 
     @classmethod
     def items(cls, master: MasterClient, store: AsyncStateStore, task_id: str, task_dir: Path,
               limiter: trio.CapacityLimiter | None = None,
-              refusal_timeout: float = DEFAULT_REFUSAL_TIMEOUT, journal: bool = False) -> StreamShipper:
+              refusal_timeout: float = DEFAULT_REFUSAL_TIMEOUT, journal: bool = False,
+              waker: Waker | None = None) -> StreamShipper:
         """The items stream of the task in ``task_dir``: ``items.jsonl``; with ``journal``, the
         merge ``items.journal`` records of items.jsonl and the declared item files."""
         reader: _FileReader | _JournalReader
@@ -178,7 +148,7 @@ class StreamShipper:
             reader = _ItemJournalReader(task_dir, encode_item, MAX_ITEM_BYTES)
         else:
             reader = _FileReader(task_dir / ITEMS_FILE, encode_item, MAX_ITEM_BYTES, cr_breaks=False)
-        return cls(master, store, task_id, "items", reader, limiter, refusal_timeout)
+        return cls(master, store, task_id, "items", reader, limiter, refusal_timeout, waker)
 
     def _age(self) -> float:
         """Seconds a non-full batch waits for more elements: shorter for lines going in node batches
@@ -192,14 +162,14 @@ class StreamShipper:
 
     def notify(self) -> None:
         """The spool grew: wake the shipper."""
-        self._wake.set()
+        self.waker.set()
 
     def finish(self) -> None:
         """The items file is complete (no-op for a journal's stream: its E record says it): ship the
         rest, then :meth:`run` returns."""
         if isinstance(self._reader, _FileReader):
             self._reader.finished = True
-        self._wake.set()
+        self.waker.set()
 
     async def run(self) -> None:
         """Ship until the stream is complete and acknowledged (or refused by the master).
@@ -207,168 +177,216 @@ class StreamShipper:
         Resumes from the position in the state store. Cancellation stops shipping at once; the
         acknowledged position is on disk, or the one before it (the master drops the repeat).
         """
-        reader = self._reader
-        seq, position = await self._store.stream_position(self.task_id, self.stream)
-        self.acked = seq
-        await reader.restore(position)
-        checkpoints: dict[int, Any] = {0: None, seq: position}
-        pending = Pending()
-        skip = 0  # elements the master already holds beyond `seq`: read them, do not send them
-        flight: _Flight | None = None  # the one request in flight (its elements lead `pending`)
-        # An acknowledged position not yet in the state store: saved once the next batch is on its
-        # way (the save is not on the path from one answer to the next request). A crash before the
-        # save only makes the next start send that batch again, which the master drops.
-        unsaved: tuple[int, Any] | None = None
-
-        async def save() -> None:
-            """The stream ends: its position noted (``end_noted``), else into the database now (a full disk: noted)."""
-            nonlocal unsaved
-            if unsaved is not None and self.end_noted:
-                note()
-            elif unsaved is not None:
-                saving, unsaved = unsaved, None
-                try:
-                    await self._store.save_stream_position(self.task_id, self.stream, *saving)
-                except StateStoreError as exc:  # the positions stay noted (AsyncStateStore keeps them)
-                    log.warning("task %s %s: %s; the position is saved later", self.task_id, self.stream, exc)
-
-        def note() -> None:
-            """The position to the state store's next batched write (the outbox's once-a-second hop
-            for every stream of the agent): no thread hop per acknowledgement. A crash before that
-            write only makes the next start send up to a second of batches again (dropped by the master)."""
-            nonlocal unsaved
-            if unsaved is not None:
-                saving, unsaved = unsaved, None
-                self._store.note_stream_position(self.task_id, self.stream, *saving)
-
         try:
             async with trio.open_nursery() as nursery:
-                while True:
-                    if flight is not None and flight.answer is not None:
-                        answer, n, flight = flight.answer, flight.count, None
-                        if answer.kind == "refused":
-                            self.refused = True
-                            await save()
-                            return
-                        if answer.kind == "shrink":
-                            if n > 1:  # smaller batches for a while (up to the size that failed)
-                                self._count_limit = self._count_ceiling = max(1, n // 2)
-                                self._ceiling_successes = 0
-                            else:  # too large on its own for longer than refusal_timeout: reported
-                                self._drop_first(pending, seq, "413 for longer than server.refusal_timeout")
-                            continue
-                        if answer.kind == "element":  # a 422 naming one element: the master's word
-                            assert answer.expected is not None
-                            if answer.expected == 0 and self._is_placeholder_element(pending.first()):
-                                log.error("task %s %s: the master refuses even the placeholder of element %d; "
-                                          "not sending the stream any more; the result will say incomplete",
-                                          self.task_id, self.stream, seq)
-                                self.refused = True
-                                await save()
-                                return
-                            if answer.expected == 0:
-                                self._drop_first(pending, seq, "422 naming it")
-                            else:  # send the elements before it first
-                                self._count_limit = answer.expected
-                            continue
-                        # The acknowledgement in the protocol's own words: how many elements the
-                        # master holds (never assumed from a bare 2xx).
-                        assert answer.expected is not None
-                        expected = answer.expected
-                        if expected >= seq:
-                            done = min(expected - seq, len(pending))
-                            if done:
-                                position = reader.commit(pending.take(done))
-                                seq += done
-                                checkpoints[seq] = position
-                                while len(checkpoints) > CHECKPOINTS_KEPT:
-                                    del checkpoints[next(k for k in checkpoints if k)]
-                                unsaved = (seq, position)
-                            skip = expected - seq
-                            self.acked = seq
-                            self.waiting_since = time.time() if pending else None  # the rest waits from now
-                            self._ceiling_successes += 1
-                            if self._lone_too_large:  # one element was "too large", then taken: a passing 413
-                                self._lone_too_large = False
-                                self._count_ceiling = MAX_BATCH_COUNT
-                            elif self._ceiling_successes >= CEILING_RECOVERY and self._count_ceiling < MAX_BATCH_COUNT:
-                                # a 413 may have been a moment's (a master restarting behind a proxy)
-                                self._count_ceiling = min(MAX_BATCH_COUNT, self._count_ceiling * 2)
-                                self._ceiling_successes = 0
-                            self._count_limit = min(self._count_ceiling, self._count_limit * 2)
-                        else:
-                            start = max(k for k in checkpoints if k <= expected)
-                            log.warning("task %s %s: the master holds %d elements, fewer than acknowledged "
-                                        "(%d); resending from element %d", self.task_id, self.stream, expected,
-                                        seq, start)
-                            seq, skip = start, expected - start
-                            self.acked = seq
-                            pending.clear()
-                            await reader.restore(checkpoints[start])
-                        continue
-                    if skip and pending and flight is None:
-                        n = min(skip, len(pending))
-                        seq += n
-                        skip -= n
-                        position = reader.commit(pending.take(n))
-                        if not skip:
-                            checkpoints[seq] = position
-                            unsaved = (seq, position)
-                        self.acked = seq
-                        continue
-                    # Read ahead (up to one batch beyond the one in flight) while the master works.
-                    progress = False
-                    sending_count = flight.count if flight is not None else 0
-                    sending_size = flight.size if flight is not None else 0
-                    if (not reader.done and len(pending) - sending_count < self._count_limit
-                            and pending.size - sending_size < MAX_BATCH_BYTES):
-                        progress = await reader.read(pending)
-                        if pending and self.waiting_since is None:
-                            self.waiting_since = time.time()
-                    if flight is None and pending and not skip and (
-                        reader.done
-                        or len(pending) >= self._count_limit
-                        or pending.size >= MAX_BATCH_BYTES
-                        or trio.current_time() - pending.since >= self._age()
-                    ):
-                        n = pending.batch_len(self._count_limit, MAX_BATCH_BYTES)
-                        flight = _Flight(n, pending.size_of(n))
-                        nursery.start_soon(self._fly, flight, seq, n, pending.body(n, seq, self._key))
-                        note()
-                        continue
-                    if reader.done and not pending and flight is None:
-                        await save()
-                        if skip:
-                            log.warning("task %s %s: the master holds %d more elements than this node has",
-                                        self.task_id, self.stream, skip)
-                        return
-                    if not progress:
-                        note()
-                        if not pending and flight is None and self.on_idle is not None:
-                            self.on_idle()
-                        # A reader whose file grows is looked at again soon; otherwise only a
-                        # notification wakes the shipper (NOTIFY_FALLBACK is a safety net, not a poll).
-                        wait = TAIL_INTERVAL if reader.polls else NOTIFY_FALLBACK
-                        if pending and flight is None:
-                            wait = min(wait, max(0.0, self._age() - (trio.current_time() - pending.since)))
-                        with trio.move_on_after(wait):
-                            await self._wake.wait()
-                        self._wake = trio.Event()
+                await self.open(nursery)
+                while (deadline := await self.step()) is not None:
+                    await self.waker.wait(deadline)
         finally:
-            reader.close()
+            self.close()
 
-    async def _fly(self, flight: _Flight, seq: int, count: int, body: bytes) -> None:
-        flight.answer = await self._post(seq, count, body)
-        self._wake.set()
+    async def open(self, nursery: trio.Nursery) -> None:
+        """Resume from the position in the state store (a thread hop only for a stream this run did
+        not start, and a journal's replay after a restart). ``nursery``: where a per-task post or a
+        retry after a backoff runs (the owner's; it must outlive the stream's steps)."""
+        self._nursery = nursery
+        seq, position = await self._store.stream_position(self.task_id, self.stream)
+        self.acked = self._seq = seq
+        await self._reader.restore(position)
+        self._checkpoints = {0: None, seq: position}
 
-    def _placeholder(self, element: bytes) -> bytes:
-        """The encoded stand-in for an encoded element the master refused on its own."""
-        size = len(element)
-        if self.kind == "logs":
-            return encode_json(f"[ckagent] a log line of {size} bytes was refused by the master and dropped")
-        return encode_json(
-            {"_invalidItem": None, "_error": f"an item of {size} bytes was refused by the master and dropped"}
-        )
+    def close(self) -> None:
+        """The stream's files are closed; an answer that comes later is ignored (idempotent)."""
+        self._nursery = None
+        self._reader.close()
+
+    async def _save(self) -> None:
+        """The stream ends: its position kept (``end_kept``), else into the database now (a full disk: noted)."""
+        if self._unsaved is not None and self.end_kept:
+            self.final, self._unsaved = self._unsaved, None
+        elif self._unsaved is not None:
+            saving, self._unsaved = self._unsaved, None
+            try:
+                await self._store.save_stream_position(self.task_id, self.stream, *saving)
+            except StateStoreError as exc:  # the positions stay noted (AsyncStateStore keeps them)
+                log.warning("task %s %s: %s; the position is saved later", self.task_id, self.stream, exc)
+
+    def _note(self) -> None:
+        """The position to the state store's next batched write (the outbox's once-a-second hop
+        for every stream of the agent): no thread hop per acknowledgement. A crash before that
+        write only makes the next start send up to a second of batches again (dropped by the master)."""
+        if self._unsaved is not None:
+            saving, self._unsaved = self._unsaved, None
+            self._store.note_stream_position(self.task_id, self.stream, *saving)
+
+    async def _end(self) -> None:
+        await self._save()
+        self.done = True
+
+    async def step(self) -> float | None:
+        """Move the stream as far as it goes without waiting: take the answer that came, read, send
+        the next batch. Returns the ``trio.current_time()`` until which nothing is due unless the
+        :attr:`waker` wakes it, or None once the stream is complete (:attr:`done`). Awaits only a
+        state store write at the stream's end (without ``end_noted``) and a rewind's replay of the
+        spool; cancellation then leaves the stream as it was (the next start resumes it)."""
+        if self.done:
+            return None
+        reader, pending = self._reader, self._pending
+        while True:
+            flight = self._flight
+            if flight is not None and flight.answer is not None:
+                answer, n, self._flight = flight.answer, flight.count, None
+                if answer.kind == "refused":
+                    self.refused = True
+                    await self._end()
+                    return None
+                if answer.kind == "shrink":
+                    if n > 1:  # smaller batches for a while (up to the size that failed)
+                        self._count_limit = self._count_ceiling = max(1, n // 2)
+                        self._ceiling_successes = 0
+                    else:  # too large on its own for longer than refusal_timeout: reported
+                        self._drop_first(pending, self._seq, "413 for longer than server.refusal_timeout")
+                    continue
+                if answer.kind == "element":  # a 422 naming one element: the master's word
+                    assert answer.expected is not None
+                    if answer.expected == 0 and is_placeholder(pending.first()):
+                        log.error("task %s %s: the master refuses even the placeholder of element %d; "
+                                  "not sending the stream any more; the result will say incomplete",
+                                  self.task_id, self.stream, self._seq)
+                        self.refused = True
+                        await self._end()
+                        return None
+                    if answer.expected == 0:
+                        self._drop_first(pending, self._seq, "422 naming it")
+                    else:  # send the elements before it first
+                        self._count_limit = answer.expected
+                    continue
+                # The acknowledgement in the protocol's own words: how many elements the
+                # master holds (never assumed from a bare 2xx).
+                assert answer.expected is not None
+                await self._acknowledged(answer.expected)
+                continue
+            if self._skip and pending and self._flight is None:
+                n = min(self._skip, len(pending))
+                self._seq += n
+                self._skip -= n
+                position = reader.commit(pending.take(n))
+                if not self._skip:
+                    self._checkpoints[self._seq] = position
+                    self._unsaved = (self._seq, position)
+                self.acked = self._seq
+                continue
+            # Read ahead (up to one batch beyond the one in flight) while the master works.
+            progress = False
+            sending_count = self._flight.count if self._flight is not None else 0
+            sending_size = self._flight.size if self._flight is not None else 0
+            if (not reader.done and len(pending) - sending_count < self._count_limit
+                    and pending.size - sending_size < MAX_BATCH_BYTES):
+                progress = await reader.read(pending)
+                if pending and self.waiting_since is None:
+                    self.waiting_since = time.time()
+            if self._flight is None and pending and not self._skip and (
+                reader.done
+                or len(pending) >= self._count_limit
+                or pending.size >= MAX_BATCH_BYTES
+                or trio.current_time() - pending.since >= self._age()
+            ):
+                n = pending.batch_len(self._count_limit, MAX_BATCH_BYTES)
+                self._launch(Flight(n, pending.size_of(n)), self._seq, n, pending.body(n, self._seq, self._key))
+                self._note()
+                continue
+            if reader.done and not pending and self._flight is None:
+                await self._end()
+                if self._skip:
+                    log.warning("task %s %s: the master holds %d more elements than this node has",
+                                self.task_id, self.stream, self._skip)
+                return None
+            if not progress:
+                self._note()
+                if not pending and self._flight is None and self.on_idle is not None:
+                    self.on_idle()
+                # A reader whose file grows is looked at again soon; otherwise only a
+                # notification wakes the shipper (NOTIFY_FALLBACK is a safety net, not a poll).
+                now = trio.current_time()
+                wait = TAIL_INTERVAL if reader.polls else NOTIFY_FALLBACK
+                if pending and self._flight is None:
+                    wait = min(wait, max(0.0, self._age() - (now - pending.since)))
+                return now + wait
+
+    async def _acknowledged(self, expected: int) -> None:
+        """The master holds ``expected`` elements of the stream: advance (or rewind) to it."""
+        pending, seq = self._pending, self._seq
+        if expected >= seq:
+            done = min(expected - seq, len(pending))
+            if done:
+                position = self._reader.commit(pending.take(done))
+                seq = self._seq = seq + done
+                checkpoints = self._checkpoints
+                checkpoints[seq] = position
+                while len(checkpoints) > CHECKPOINTS_KEPT:
+                    del checkpoints[next(k for k in checkpoints if k)]
+                self._unsaved = (seq, position)
+            self._skip = expected - seq
+            self.acked = seq
+            self.waiting_since = time.time() if pending else None  # the rest waits from now
+            self._ceiling_successes += 1
+            if self._lone_too_large:  # one element was "too large", then taken: a passing 413
+                self._lone_too_large = False
+                self._count_ceiling = MAX_BATCH_COUNT
+            elif self._ceiling_successes >= CEILING_RECOVERY and self._count_ceiling < MAX_BATCH_COUNT:
+                # a 413 may have been a moment's (a master restarting behind a proxy)
+                self._count_ceiling = min(MAX_BATCH_COUNT, self._count_ceiling * 2)
+                self._ceiling_successes = 0
+            self._count_limit = min(self._count_ceiling, self._count_limit * 2)
+        else:
+            start = max(k for k in self._checkpoints if k <= expected)
+            log.warning("task %s %s: the master holds %d elements, fewer than acknowledged "
+                        "(%d); resending from element %d", self.task_id, self.stream, expected,
+                        seq, start)
+            self._seq, self._skip = start, expected - start
+            self.acked = start
+            pending.clear()
+            await self._reader.restore(self._checkpoints[start])
+
+    def _launch(self, flight: Flight, seq: int, count: int, body: bytes) -> None:
+        """Send a batch: in a node batch, with no task of its own (:meth:`_landed` takes its answer);
+        else (or to retry it after a backoff) in the owner's nursery."""
+        self._flight = flight
+        batcher = self.batcher
+        # A small batch goes with other tasks' batches, in one request; a large one (a flood)
+        # gains nothing from company and keeps its endpoint's own fast path.
+        if batcher is not None and batcher.enabled and len(body) <= NODE_BATCH_ENTRY_BYTES:
+            self.requests += 1
+            batcher.submit(self.task_id, self.kind, body,
+                           lambda value, error: self._landed(flight, seq, count, body, value, error))
+            return
+        assert self._nursery is not None, "open the shipper first"
+        self._nursery.start_soon(self._fly, flight, seq, count, body)
+
+    def _landed(self, flight: Flight, seq: int, count: int, body: bytes, value: int | None,
+                error: MasterError | None) -> None:
+        """A node batch's answer (on the Trio thread): the flight's answer, or its retry after a backoff."""
+        answer = Answer("ok", value) if error is None else self._judge(error, seq, count)
+        if answer is None or answer.kind == "retry":
+            if self._nursery is not None:  # None: the stream was closed meanwhile (the agent stops)
+                self._nursery.start_soon(self._fly, flight, seq, count, body, 1,
+                                         answer.retry_after if answer is not None else None)
+            return
+        self.refusing_since = None
+        flight.answer = answer
+        self.waker.set()
+
+    async def _fly(self, flight: Flight, seq: int, count: int, body: bytes, attempt: int = 0,
+                   retry_after: float | None = None) -> None:
+        """The batch's request(s) in a task of its own (``attempt`` > 0: after that attempt's backoff)."""
+        if attempt:
+            try:
+                await backoff_sleep(self._master, attempt, retry_after)
+            except BaseException:
+                self.refusing_since = None
+                raise
+        flight.answer = await self._post(seq, count, body, attempt)
+        self.waker.set()
 
     def _drop_first(self, pending: Pending, seq: int, why: str) -> None:
         """Replace the first pending element (index ``seq`` of the stream) by its placeholder: the
@@ -376,16 +394,16 @@ class StreamShipper:
         element = pending.first()
         log.error("task %s %s: the master refuses element %d on its own (%s); it is replaced by a placeholder "
                   "(the spool keeps the original)", self.task_id, self.stream, seq, why)
-        pending.replace_first(self._placeholder(element))
+        pending.replace_first(placeholder(self.kind, element))
         self.placeholders += 1
         self._count_limit = self._count_ceiling = MAX_BATCH_COUNT
 
-    async def _post(self, seq: int, count: int, body: bytes) -> _Answer:
+    async def _post(self, seq: int, count: int, body: bytes, attempt: int = 0) -> Answer:
         """POST one batch (``count`` elements from ``seq``, ``body`` its encoded JSON) until the master
         answers in a way that moves the stream (see module docstring): an acknowledgement, a 409, a
         413 for several elements, a 422 naming an element; or a 404 / a lone element's 413 that lasted
-        longer than ``refusal_timeout``. Everything else is retried with backoff, forever."""
-        attempt = 0
+        longer than ``refusal_timeout``. Everything else is retried with backoff, forever
+        (``attempt``: the attempts before this one)."""
         try:
             while True:
                 try:
@@ -394,33 +412,42 @@ class StreamShipper:
                     # gains nothing from company and keeps its endpoint's own fast path.
                     if batcher is not None and batcher.enabled and len(body) <= NODE_BATCH_ENTRY_BYTES:
                         self.requests += 1
-                        return _Answer("ok", await batcher.post(self.task_id, self.kind, body))
+                        return Answer("ok", await batcher.post(self.task_id, self.kind, body))
                     async with self._limiter:
                         self.requests += 1
                         answer = await self._master.post_stream(self.kind, self.task_id, body)
-                    return _Answer("ok", answer.accepted_seq)
-                except MasterUnavailable as exc:  # MasterProtocolError too: a 2xx without acceptedSeq is none
+                    return Answer("ok", answer.accepted_seq)
+                except MasterError as exc:
+                    judged = self._judge(exc, seq, count)
+                    if judged is None:
+                        raise
+                    if judged.kind != "retry":
+                        return judged
                     attempt += 1
-                    await _backoff_sleep(self._master, attempt, exc.retry_after)
-                except MasterConflict as exc:
-                    expected = exc.body.get("expectedSeq") if isinstance(exc.body, dict) else None
-                    if isinstance(expected, int) and expected >= 0:
-                        log.info("task %s %s: master expects element %d (sent %d)", self.task_id, self.stream,
-                                 expected, seq)
-                        return _Answer("expected", expected)
-                    log.error("task %s %s: the master refuses the stream (%s); not sending it any more; the "
-                              "result will say incomplete", self.task_id, self.stream, exc)
-                    return _Answer("refused")
-                except MasterRejected as exc:
-                    answer_kind = self._refusal(exc, count)
-                    if answer_kind is not None:
-                        return answer_kind
-                    attempt += 1
-                    await _backoff_sleep(self._master, attempt)
+                    await backoff_sleep(self._master, attempt, judged.retry_after)
         finally:
             self.refusing_since = None
 
-    def _refusal(self, exc: MasterRejected, count: int) -> _Answer | None:
+    def _judge(self, exc: MasterError, seq: int, count: int) -> Answer | None:
+        """What the master's ``exc`` to a batch of ``count`` elements from ``seq`` means for the
+        stream: an answer that moves it, a retry after a backoff (kind "retry"), or None (not a
+        batch's answer: RegistrationRefused)."""
+        if isinstance(exc, MasterUnavailable):  # MasterProtocolError too: a 2xx without acceptedSeq is none
+            return Answer("retry", retry_after=exc.retry_after)
+        if isinstance(exc, MasterConflict):
+            expected = exc.body.get("expectedSeq") if isinstance(exc.body, dict) else None
+            if isinstance(expected, int) and expected >= 0:
+                log.info("task %s %s: master expects element %d (sent %d)", self.task_id, self.stream,
+                         expected, seq)
+                return Answer("expected", expected)
+            log.error("task %s %s: the master refuses the stream (%s); not sending it any more; the "
+                      "result will say incomplete", self.task_id, self.stream, exc)
+            return Answer("refused")
+        if isinstance(exc, MasterRejected):
+            return self._refusal(exc, count) or RETRY
+        return None
+
+    def _refusal(self, exc: MasterRejected, count: int) -> Answer | None:
         """What a 4xx (not 409) to the batch means: an answer that moves the stream, or None (retry)."""
         now = trio.current_time()
         if self.refusing_since is None:
@@ -431,69 +458,18 @@ class StreamShipper:
         if exc.status == 413 and count > 1:
             log.warning("task %s %s: the master finds a batch of %d elements too large (413); sending it smaller",
                         self.task_id, self.stream, count)
-            return _Answer("shrink")
+            return Answer("shrink")
         index = refused_element(exc, self._key, count)
         if index is not None:
-            return _Answer("element", index)
+            return Answer("element", index)
         if lasted >= self._refusal_timeout:
             if exc.status == 413:  # count == 1: this element, not the batch size
-                return _Answer("shrink")
+                return Answer("shrink")
             if exc.status == 404:
                 log.error("task %s %s: the master has not known the task for %.0f s (404; server.refusal_timeout); "
                           "not sending the stream any more; the result will say incomplete, the spool stays on "
                           "the node", self.task_id, self.stream, lasted)
-                return _Answer("refused")
+                return Answer("refused")
         # Not the master's word to drop anything (a 404 of a master restarting, 403, 408, a lone 413
         # for a moment, ...): the batch is retried with backoff; logged once per episode by the client.
         return None
-
-    def _is_placeholder_element(self, element: bytes) -> bool:
-        """True when the encoded ``element`` is a placeholder (see :meth:`_placeholder`)."""
-        try:
-            decoded = json.loads(element)
-        except ValueError:
-            return False
-        if isinstance(decoded, str):
-            return decoded.startswith("[ckagent] a log line of ")
-        return isinstance(decoded, dict) and "_invalidItem" in decoded and decoded.get("_invalidItem") is None
-
-
-async def send_result(
-    master: MasterClient, store: AsyncStateStore, task_id: str, result: TaskResult,
-    limiter: trio.CapacityLimiter | None = None, refusal_timeout: float = DEFAULT_REFUSAL_TIMEOUT,
-) -> None:
-    """Send a final result until the master acknowledges it (forever, with backoff), then mark it acked.
-
-    A 409 or 422 (in the protocol's words) means the master will never take it (cancelled there,
-    claimed by another node, invalid): logged, and marked done so it is not retried across restarts;
-    so is a 404 ("unknown task") that lasts longer than ``refusal_timeout`` seconds (a master
-    restarting behind a proxy answers 404 for a moment). Any other answer — an answer that is not
-    the protocol's (MasterProtocolError), another 4xx — is not an acknowledgement: retried with
-    backoff (at least a 429/503's ``Retry-After``). Cancellation stops the retries; the result
-    stays in the state store for the next start.
-    """
-    attempt = 0
-    refused_since: float | None = None
-    while True:
-        try:
-            async with limiter if limiter is not None else contextlib.nullcontext():
-                await master.report_result(task_id, result)
-            break
-        except MasterUnavailable as exc:  # MasterProtocolError too: an HTML page is not an acknowledgement
-            attempt += 1
-            await _backoff_sleep(master, attempt, exc.retry_after)
-        except MasterConflict as exc:
-            log.warning("task %s: master refused the final result %s (%s)", task_id, result.status, exc)
-            break
-        except MasterRejected as exc:
-            now = trio.current_time()
-            refused_since = now if refused_since is None else refused_since
-            if exc.status == 422 or (exc.status == 404 and now - refused_since >= refusal_timeout):
-                log.error("task %s: master rejected the final result (%s)", task_id, exc)
-                break
-            attempt += 1  # 404 for a moment, 401 after re-registering, 403, 408, ...: retried
-            await _backoff_sleep(master, attempt)
-    try:
-        await store.mark_result_acked(task_id)
-    except StateStoreError as exc:  # the next start sends it again; the master answers a repeat as such
-        log.error("task %s: the master has its result, but %s", task_id, exc)

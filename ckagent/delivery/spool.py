@@ -40,6 +40,9 @@ SEND_CONCURRENCY = 8
 BACKOFF_INITIAL = 0.5
 EARLY_RETRY_AFTER = 1.0
 """Seconds in backoff after which a shipper retries at once if the master was seen reachable again."""
+DEFAULT_REFUSAL_TIMEOUT = 600.0
+"""Seconds a stream (or a final result) retries a 404 "unknown task", and a stream a 413 for a single
+element, before it gives up on it (``server.refusal_timeout``)."""
 MAX_LOG_SOURCES = 64
 """Most spider log files tailed for one task (more are ignored, with a notice in the agent log)."""
 CHECKPOINTS_KEPT = 64

@@ -15,6 +15,7 @@ which is stored and retried until acknowledged (see :mod:`ckagent.delivery.outbo
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -22,6 +23,7 @@ from pathlib import Path
 import trio
 
 from ckagent.delivery.crawlstats import STATS_FILE, Snapshot, read_last_snapshot
+from ckagent.delivery.waiting import Waker
 from ckagent.master.client import MasterClient, MasterError, MasterRejected
 from ckagent.master.protocol import TaskStats, utc_iso
 
@@ -57,11 +59,16 @@ class StatsShipper:
     """Ships one task's live stats (see module docstring). ``latest`` is the newest snapshot read
     (for the status page, the metrics and the stall watchdog); ``changed_at`` when it last changed
     (``trio.current_time()``); ``sent`` how many posts the master acknowledged. ``on_snapshot(snapshot)``
-    is called on the Trio thread for every newer snapshot read (the crawl metrics)."""
+    is called on the Trio thread for every newer snapshot read (the crawl metrics).
+
+    Two ways to drive it: :meth:`run` / :meth:`run_until_stopped` (a task of its own), or its
+    owner's loop — :meth:`step` whenever its :attr:`waker` wakes or the time :meth:`step` returned
+    has come (a task's delivery drives it so, beside its streams: ckagent.delivery.taskdelivery);
+    a post then runs in the owner's nursery, only while it is on its way."""
 
     def __init__(self, master: MasterClient, task_id: str, task_dir: Path,
                  limiter: trio.CapacityLimiter | None = None, interval: float | None = None,
-                 on_snapshot: Callable[[Snapshot], None] | None = None) -> None:
+                 on_snapshot: Callable[[Snapshot], None] | None = None, waker: Waker | None = None) -> None:
         self._master = master
         self.task_id = task_id
         self.path = task_dir / STATS_FILE
@@ -73,14 +80,20 @@ class StatsShipper:
         self.sent = 0
         self.refused = False
         self._on_snapshot = on_snapshot
-        self._wake = trio.Event()
+        self.waker = waker or Waker()
+        """What :meth:`notify` and a post's end set (shared with the streams of a task's delivery)."""
+        self._look_due = True  # the first step looks
+        self._next_send: float | None = None  # trio time before which no post starts (None: at once)
+        self._rate_wait = False  # a newer snapshot waits for _next_send: look again then
+        self._posting: trio.CancelScope | None = None  # the post on its way (see stop)
         self._stopped = trio.CancelScope()  # see stop
         self.looks = 0
         """How many times the loop woke to look at the file (a figure for tests and benchmarks)."""
 
     def notify(self) -> None:
         """The stats file changed (its size): look at it again (on the Trio thread; never blocks)."""
-        self._wake.set()
+        self._look_due = True
+        self.waker.set()
 
     def look(self) -> Snapshot | None:
         """Read a newer snapshot if the file grew (a syscall or two, page cache); returns the newest."""
@@ -108,38 +121,56 @@ class StatsShipper:
         """:meth:`run` without a task of its own waiting for the end: returns once :meth:`stop` is
         called (at once if it was), even mid-request."""
         with self._stopped:
-            await self._guarded_loop()
+            async with trio.open_nursery() as nursery:
+                while True:
+                    await self.waker.wait(self.step(nursery))
 
     def stop(self) -> None:
-        """End :meth:`run_until_stopped` (idempotent; before it started too). On the Trio thread."""
+        """End live stats: :meth:`run_until_stopped` returns, a post on its way is cancelled, :meth:`step`
+        does nothing more (idempotent; before it started too). On the Trio thread."""
         self._stopped.cancel()
+        if self._posting is not None:
+            self._posting.cancel()
 
-    async def _guarded_loop(self) -> None:
+    def step(self, nursery: trio.Nursery) -> float:
+        """Look when notified (or when a newer snapshot's wait is over); start the post of the newest
+        unsent snapshot in ``nursery`` once ``interval`` has passed since the last post. Returns the
+        ``trio.current_time()`` of the next look due without a notification (inf: none — no timed
+        looks). Never raises: a bug is logged and ends live stats, never the task's delivery."""
+        if self._stopped.cancel_called or self._posting is not None:
+            return math.inf
         try:
-            await self._loop()
+            now = trio.current_time()
+            if self._look_due or (self._rate_wait and self._next_send is not None and now >= self._next_send):
+                self._look_due = self._rate_wait = False
+                self.looks += 1
+                self.look()
+            latest = self.latest
+            if latest is None or latest.seq <= self.sent_seq or self.refused:
+                return math.inf
+            if self._next_send is not None and now < self._next_send:
+                self._rate_wait = True  # rate limit; a look then finds the newest
+                return self._next_send
+            self._next_send = now + self.interval
+            self._posting = trio.CancelScope()
+            nursery.start_soon(self._posting_task, self._posting, latest)
         except Exception:
             log.exception("task %s: live stats stopped", self.task_id)
             self.refused = True
+        return math.inf
 
-    async def _loop(self) -> None:
-        """Look when notified; post the newest unsent snapshot once ``interval`` has passed since the
-        last post (waiting for that moment when a newer one came sooner). No timed looks: without a
-        notification the loop sleeps until the task ends."""
-        next_send = trio.current_time()
-        while True:
-            self.looks += 1
-            latest = self.look()
-            if latest is not None and latest.seq > self.sent_seq and not self.refused:
-                now = trio.current_time()
-                if now < next_send:
-                    await trio.sleep_until(next_send)  # rate limit; a look then finds the newest
-                    continue
-                next_send = now + self.interval
-                await self._post(latest)
-                if self.sent_seq < latest.seq and not self.refused:
-                    continue  # unavailable: the newest goes again after the interval
-            await self._wake.wait()
-            self._wake = trio.Event()
+    async def _posting_task(self, scope: trio.CancelScope, snapshot: Snapshot) -> None:
+        try:
+            with scope:
+                await self._post(snapshot)
+        except Exception:
+            log.exception("task %s: live stats stopped", self.task_id)
+            self.refused = True
+        finally:
+            self._posting = None
+            if self.sent_seq < snapshot.seq and not self.refused:
+                self._look_due = True  # unavailable: the newest goes again after the interval
+            self.waker.set()
 
     async def _post(self, snapshot: Snapshot) -> None:
         try:

@@ -3,6 +3,21 @@
 Owned by the agent's :class:`ckagent.delivery.outbox.Outbox`, which it reaches only through
 :class:`DeliveryHost` (what a delivery uses of its owner). See the package docstring
 (ckagent.delivery) for the whole design.
+
+**One task per delivery.** :meth:`TaskDelivery.run` is the delivery's only Trio task: one loop
+drives the journal writer, both stream shippers and live stats (each a step that never waits), and
+sleeps on one :class:`ckagent.delivery.waiting.Waker` that every notification sets (output written,
+a journal record, a grown file the outbox's scan saw, a batch's answer, the task's end) until the
+earliest time one of them is due. A batch in a node batch has no task of its own (its answer comes
+back as a call); a per-task post, a retry after a backoff and a live stats post run in the loop's
+nursery while they last.
+
+**Thread hops of a task's end**: :meth:`TaskDelivery.finish` stores the runner's result and reads
+what the end needs (the log files' last sizes, the items journal's, the final stats, the artifacts'
+state) in one hop; an acknowledged result is stored with its mark in the outbox's next round (its
+once-a-second hop, shared by every task: :meth:`ckagent.delivery.outbox.Outbox.acknowledged`). Only
+when the master does not take the result at once is it stored (with the streams' last positions)
+before the retries.
 """
 
 from __future__ import annotations
@@ -28,9 +43,17 @@ from ckagent.delivery.lifecycle import Lifecycle, TaskDelivered
 from ckagent.delivery.lines import Masker
 from ckagent.delivery.nodebatch import NodeBatcher
 from ckagent.delivery.outputs.live import LiveItemFiles
-from ckagent.delivery.shipper import DEFAULT_REFUSAL_TIMEOUT, StreamShipper, send_result
-from ckagent.delivery.spool import DEFAULT_LOG_GLOBS, ITEM_FILES_DIR, ITEMS_FILE, OUTPUT_LOG
+from ckagent.delivery.result import send_result
+from ckagent.delivery.shipper import StreamShipper
+from ckagent.delivery.spool import (
+    DEFAULT_LOG_GLOBS,
+    DEFAULT_REFUSAL_TIMEOUT,
+    ITEM_FILES_DIR,
+    ITEMS_FILE,
+    OUTPUT_LOG,
+)
 from ckagent.delivery.stats import StatsShipper, final_stats
+from ckagent.delivery.waiting import Waker
 from ckagent.master.client import MasterClient
 from ckagent.master.protocol import TaskResult, TaskStats
 from ckagent.node.state import AsyncStateStore, StateStoreError
@@ -55,6 +78,11 @@ Scanned = tuple[dict[str, int], int, int, dict[str, int]]
 """What :meth:`TaskDelivery.scan` found: (log files → size, items.jsonl's size, the stats file's, the
 items journal's sources → size)."""
 
+EndReads = tuple[dict[str, int], TaskStats | None, "ArtifactState | OSError | ValueError", dict[str, int] | None]
+"""What a task's end reads (:func:`_end_reads`): the log files' last sizes, the final stats, the
+artifacts' state (or the error reading it raised), the items journal's sources' last sizes (None:
+the task has no items journal)."""
+
 
 class DeliveryHost(Protocol):
     """What a :class:`TaskDelivery` uses of the outbox that owns it (the :class:`Outbox`)."""
@@ -70,6 +98,10 @@ class DeliveryHost(Protocol):
 
     async def next_look(self) -> None:
         """Return after the owner's next look at the disk (a writer waiting for room tries again)."""
+
+    def acknowledged(self, task_id: str, result: dict[str, Any]) -> None:
+        """The master acknowledged the task's final ``result`` (or refused it for good): mark it so, with
+        ``result`` (its JSON) as stored, in the owner's next write."""
 
 
 class TaskDelivery:
@@ -87,10 +119,12 @@ class TaskDelivery:
         self.sink = sink
         self.journal = journal
         refusal_timeout = outbox.config.refusal_timeout
+        self.waker = Waker()
+        """What wakes :meth:`run`'s loop: set by every notification of the task's streams and stats."""
         self.logs = StreamShipper.logs(outbox.master, outbox.store, task_id, task_dir, masker, outbox.limiter,
-                                       refusal_timeout=refusal_timeout)
+                                       refusal_timeout=refusal_timeout, waker=self.waker)
         self.items = StreamShipper.items(outbox.master, outbox.store, task_id, task_dir, outbox.limiter,
-                                         refusal_timeout, journal=item_journal is not None)
+                                         refusal_timeout, journal=item_journal is not None, waker=self.waker)
         self.item_journal = item_journal
         """The items journal of a task with declared item files (ckagent.delivery.outputs.live), else None."""
         self.item_globs = list(item_globs)
@@ -103,12 +137,13 @@ class TaskDelivery:
         self.spider = spider
         self.claimed_at = time.time() if claimed_at is None else claimed_at
         """Epoch seconds of the task's claim (of an earlier run's claim for a delivery resumed at start)."""
-        self.stats = StatsShipper(outbox.master, task_id, task_dir, outbox.limiter, on_snapshot=self._observe)
+        self.stats = StatsShipper(outbox.master, task_id, task_dir, outbox.limiter, on_snapshot=self._observe,
+                                  waker=self.waker)
         self.activity = Activity((task_dir / ITEMS_FILE, task_dir / STATS_FILE))
         self.logs.batcher = self.items.batcher = outbox.batcher
-        self.logs.end_noted = self.items.end_noted = True  # run's result write carries their last positions
+        self.logs.end_kept = self.items.end_kept = True  # the last positions matter only until the result's ack
         journal.on_record = self.logs.notify
-        self._wake = trio.Event()
+        self._journal_due = False  # output.log grew or a scan found log files: the journal notes them
         self._found: dict[str, int] | None = None  # spider log files found by the last scan, not yet noted
         self._found_sizes: dict[str, int] = {}  # spider log files and sizes the last scan found
         self._items_size = 0  # items.jsonl's size at the last scan
@@ -116,8 +151,7 @@ class TaskDelivery:
         self._output_grew: trio.Event | None = None  # set by the next output write (see wait_output)
         self.scanning = False  # True while the task runs: the outbox scans its files every SCAN_INTERVAL
         self.ended = trio.Event()
-        self._end_read = trio.Event()  # set once run has read the spool's last sizes (_last_sizes)
-        self._last_sizes: dict[str, int] | None = None
+        self._end: EndReads | None = None  # what the end read (finish's hop, else run's)
         self.delivered = trio.Event()
         self.result: TaskResult | None = None
         self.ship_logs = True  # False when the journal cannot be opened (the result still goes)
@@ -156,7 +190,8 @@ class TaskDelivery:
     def output_written(self) -> None:
         """The sink wrote to output.log."""
         self.activity.touch()
-        self._wake.set()
+        self._journal_due = True
+        self.waker.set()
         if self._output_grew is not None:
             self._output_grew.set()
             self._output_grew = None
@@ -173,52 +208,56 @@ class TaskDelivery:
 
     async def finish(self, result: TaskResult) -> None:
         """The process is over: close output.log, store ``result``, let the streams complete and the
-        result follow them. Returns at once (after the state store write); cancellation before that
-        write leaves the task to the next start (reported AGENT_LOST)."""
+        result follow them. Returns at once after one thread hop (the state store write, and what
+        the end reads: :func:`_end_reads`); cancellation before that write leaves the task to the
+        next start (reported AGENT_LOST)."""
         self.take_notices()  # what the end-of-task collection said of the streamed files
         if self.sink is not None:
             self.sink.close()
-        await self._store_result(result)
+        stored = result.to_json()
+        store, task_id, task_dir, globs = self.outbox.store.sync, self.task_id, self.task_dir, self.globs
+        items_journal = self.item_journal is not None
+
+        def ending() -> tuple[StateStoreError | None, EndReads | None]:
+            error: StateStoreError | None = None
+            try:
+                store.set_result(task_id, stored)
+            except StateStoreError as exc:
+                error = exc
+            try:
+                return error, _end_reads(task_dir, globs, items_journal)
+            except Exception:  # read again by run, whose hop raises it to the outbox's log
+                return error, None
+
+        error, self._end = await trio.to_thread.run_sync(ending)
+        if error is not None:
+            log.error("task %s: cannot store its result (%s); sending it from memory", self.task_id, error)
         self.result = result
         self.items.finish()
         self.ended.set()
         self.stats.stop()
-        self._wake.set()
+        self.waker.set()
         if self._output_grew is not None:
             self._output_grew.set()
             self._output_grew = None
 
+    def _note_finals(self) -> None:
+        """The streams' last acknowledged positions (kept by the shippers: ``end_kept``) to the state
+        store's next write (no hop). Not needed once the result is acknowledged."""
+        for shipper in (self.logs, self.items):
+            if shipper.final is not None:
+                final, shipper.final = shipper.final, None
+                self.outbox.store.note_stream_position(self.task_id, shipper.stream, *final)
+
     async def _store_result(self, result: TaskResult) -> None:
-        """The result into the state store; on a full disk it is kept in memory and sent all the same
-        (an agent crash before it is acknowledged then reports the task AGENT_LOST)."""
+        """The result into the state store with the streams' last positions; on a full disk it is
+        kept in memory and sent all the same (an agent crash before it is acknowledged then reports
+        the task AGENT_LOST)."""
+        self._note_finals()
         try:
             await self.outbox.store.set_result(self.task_id, result.to_json())
         except StateStoreError as exc:
             log.error("task %s: cannot store its result (%s); sending it from memory", self.task_id, exc)
-
-    async def _journal_loop(self) -> None:
-        """Record the growth of output.log (when notified) and of spider log files (when the outbox's
-        once-a-second scan, :meth:`scanned`, found them)."""
-        self.scanning = True
-        try:
-            while not self.ended.is_set():
-                await self._wake.wait()
-                self._wake = trio.Event()
-                sizes: dict[str, int] = {}
-                if self.sink is not None:
-                    sizes[OUTPUT_LOG] = self.sink.size
-                if self._found is not None:
-                    sizes.update(self._found)
-                    self._found = None
-                self.journal.note(sizes)
-        finally:
-            self.scanning = False
-        await self._end_read.wait()  # the last sizes come with :meth:`run`'s one hop at the end
-        assert self._last_sizes is not None
-        self.journal.end(self._last_sizes)
-        while not self.journal.flush():  # a full disk: the stream's last records wait for room
-            await self.outbox.next_look()
-        self.journal.close()
 
     def scan(self) -> Scanned:
         """(spider log files → size, items.jsonl's size or 0, the stats file's size or 0, the items
@@ -245,36 +284,17 @@ class TaskDelivery:
             self._item_sizes = item_sizes
             self.activity.touch()
             self.item_journal.note(item_sizes)
-        if found != self._found_sizes:  # the journal loop wakes only for log files that changed
+        if found != self._found_sizes:  # the journal notes only log files that changed
             self._found_sizes = found
             self._found = found
-            self._wake.set()
+            self._journal_due = True
+            self.waker.set()
         if items_size != self._items_size:
             self._items_size = items_size
             self.items.notify()
         if stats_size != self._stats_size:
             self._stats_size = stats_size
             self.stats.notify()
-
-    async def _item_journal_end(self) -> None:
-        """Once the process is over (and its files collected): the items journal's last growth of
-        every source (the links the collection made too), then its end (the stream is complete)."""
-        assert self.item_journal is not None
-        await self.ended.wait()
-        self.item_journal.end(await trio.to_thread.run_sync(self._final_item_sizes))
-        while not self.item_journal.flush():  # a full disk: the last records wait for room
-            await self.outbox.next_look()
-        self.item_journal.close()
-
-    def _final_item_sizes(self) -> dict[str, int]:
-        """Every source's last size: the streamed files' links first (in the order they were made),
-        then items.jsonl, which ends with the item files read at the task's end (ckagent.delivery.outputs)."""
-        sizes: dict[str, int] = {}
-        with contextlib.suppress(OSError):
-            links = sorted(os.listdir(self.task_dir / ITEM_FILES_DIR), key=lambda n: (len(n.split("-")[0]), n))
-            sizes.update({f"{ITEM_FILES_DIR}/{name}": _size(self.task_dir / ITEM_FILES_DIR / name) for name in links})
-        sizes[ITEMS_FILE] = _size(self.task_dir / ITEMS_FILE)
-        return sizes
 
     async def flush_read(self) -> None:
         """Send what was read so far at once (a hand-over's last flush): returns when nothing read
@@ -288,22 +308,25 @@ class TaskDelivery:
                 nursery.start_soon(_flushed, shipper)
 
     async def run(self) -> None:
-        """Journal, ship both streams, then send the result. Cancellation leaves it all for the next start."""
-        async with trio.open_nursery() as nursery:
-            if self.ship_logs:
-                nursery.start_soon(self._journal_loop)
-                nursery.start_soon(self.logs.run)
-            nursery.start_soon(self.items.run)
-            nursery.start_soon(self.stats.run_until_stopped)  # ended by finish (or resume) with the process
-            if self.item_journal is not None:
-                nursery.start_soon(self._item_journal_end)
-            await self.ended.wait()
-            # One hop reads what the end needs: the log files' last sizes (the journal's end) and the
-            # final stats snapshot, the stats file's last line (the spool): read again on every
-            # (re)start, so neither an agent crash nor a master outage loses it; the artifact list.
-            self._last_sizes, final, artifact_state = await trio.to_thread.run_sync(
-                _end_reads, self.task_dir, self.globs)
-            self._end_read.set()
+        """Journal, ship both streams and live stats from one loop, then send the result (see the
+        module docstring). Cancellation leaves it all for the next start."""
+        shippers = [self.logs, self.items] if self.ship_logs else [self.items]
+        try:
+            async with trio.open_nursery() as nursery:  # a per-task post, a retry, a stats post while they last
+                for shipper in shippers:
+                    await shipper.open(nursery)
+                await self._drive(nursery, shippers)
+                nursery.cancel_scope.cancel()  # nothing of the streams is left; a wait for room may be
+        finally:
+            for shipper in shippers:
+                shipper.close()
+            self.scanning = False
+            self._note_finals()  # cancelled (or failed) before its result: the outbox's last write saves them
+        self.journal.close()
+        if self.item_journal is not None:
+            self.item_journal.close()
+        assert self._end is not None
+        _, final, artifact_state, _ = self._end
         assert self.result is not None
         self._observe(Snapshot(final.seq if final else 0, {"stats": final.stats if final else {}}), final=True)
         stats = final if final is not None else self.result.stats
@@ -324,18 +347,82 @@ class TaskDelivery:
         result = dataclasses.replace(self.result, item_count=self.items.acked, log_lines=self.logs.acked,
                                      stats=stats, finish_reason=reason, incomplete=incomplete,
                                      artifacts=artifacts)
-        await self._store_result(result)
-        await send_result(self.outbox.master, self.outbox.store, self.task_id, result, self.outbox.limiter,
-                          self.outbox.config.refusal_timeout)
+        # When the master does not take it at once, stored with the streams' last positions before the
+        # retries (a crash meanwhile resumes from them); acknowledged, it goes with its mark in the
+        # outbox's next write (Outbox.acknowledged: no hop of its own).
+        acked = False
+        try:
+            await send_result(self.outbox.master, self.outbox.store, self.task_id, result, self.outbox.limiter,
+                              self.outbox.config.refusal_timeout, before_retry=lambda: self._store_result(result),
+                              mark=False)
+            acked = True
+        finally:
+            if acked:
+                self.outbox.acknowledged(self.task_id, result.to_json())
+            else:
+                self._note_finals()  # cancelled meanwhile: the outbox's last write saves them
         self.delivered.set()
         self.outbox.lifecycle.emit(TaskDelivered(self.task_id, self.spider or None, self.claimed_at, result))
 
+    async def _drive(self, nursery: trio.Nursery, shippers: list[StreamShipper]) -> None:
+        """The delivery's loop: until both streams are complete and the journals ended, note what the
+        journal must record, step live stats and the streams, then sleep on :attr:`waker` until the
+        earliest time one of them is due."""
+        journals = [j for j in ((self.journal if self.ship_logs else None), self.item_journal) if j is not None]
+        self.scanning = self.ship_logs and not self.ended.is_set()
+        ending = True  # the journals' end is still to be recorded
+        room: trio.CancelScope | None = None  # a wait for room on a full disk (unwritten journal records)
+        while True:
+            if not self.ended.is_set():
+                if self._journal_due and self.ship_logs:
+                    self._journal_due = False
+                    sizes: dict[str, int] = {}
+                    if self.sink is not None:
+                        sizes[OUTPUT_LOG] = self.sink.size
+                    if self._found is not None:
+                        sizes.update(self._found)
+                        self._found = None
+                    self.journal.note(sizes)
+            elif ending:
+                ending = self.scanning = False
+                if self._end is None:  # a resumed delivery (or finish's reads failed): read here
+                    self._end = await trio.to_thread.run_sync(
+                        _end_reads, self.task_dir, self.globs, self.item_journal is not None)
+                last_sizes, _, _, item_sizes = self._end
+                if self.ship_logs:
+                    self.journal.end(last_sizes)
+                if self.item_journal is not None:
+                    assert item_sizes is not None
+                    self.item_journal.end(item_sizes)
+            if journals and not ending:
+                journals = [journal for journal in journals if not journal.flush()]  # a full disk: wait for room
+                if journals and room is None:
+                    room = trio.CancelScope()
+                    nursery.start_soon(self._wake_after_look, room)
+            deadline = self.stats.step(nursery)
+            for shipper in shippers:
+                due = await shipper.step()
+                if due is not None:
+                    deadline = min(deadline, due)
+            if not journals and not ending and all(shipper.done for shipper in shippers):
+                return
+            await self.waker.wait(deadline)
+            if room is not None and room.cancel_called:
+                room = None
 
-def _end_reads(task_dir: Path, globs: list[str]) -> tuple[dict[str, int], TaskStats | None,
-                                                          ArtifactState | OSError | ValueError]:
+    async def _wake_after_look(self, scope: trio.CancelScope) -> None:
+        """Wake the loop after the outbox's next look at the disk (journal records wait for room)."""
+        with scope:
+            await self.outbox.next_look()
+        scope.cancel()  # done: the loop may start another
+        self.waker.set()
+
+
+def _end_reads(task_dir: Path, globs: list[str], items_journal: bool) -> EndReads:
     """What a task's delivery reads at its end, in one thread hop: the log files' last sizes
-    (output.log's and those of ``globs``), the final stats snapshot and the artifacts' state (or the
-    error reading it raised: ckagent.delivery.artifacts logs it). Blocking."""
+    (output.log's and those of ``globs``), the final stats snapshot, the artifacts' state (or the
+    error reading it raised: ckagent.delivery.artifacts logs it) and, with ``items_journal``, the
+    items journal's sources' last sizes (:func:`_final_item_sizes`). Blocking."""
     sizes = scan_log_files(task_dir, globs)
     try:
         sizes[OUTPUT_LOG] = (task_dir / OUTPUT_LOG).stat().st_size
@@ -345,7 +432,19 @@ def _end_reads(task_dir: Path, globs: list[str]) -> tuple[dict[str, int], TaskSt
         artifact_state: ArtifactState | OSError | ValueError = read_state(task_dir)
     except (OSError, ValueError) as exc:
         artifact_state = exc
-    return sizes, final_stats(task_dir), artifact_state
+    return sizes, final_stats(task_dir), artifact_state, _final_item_sizes(task_dir) if items_journal else None
+
+
+def _final_item_sizes(task_dir: Path) -> dict[str, int]:
+    """Every items journal source's last size: the streamed files' links first (in the order they
+    were made), then items.jsonl, which ends with the item files read at the task's end
+    (ckagent.delivery.outputs). Blocking."""
+    sizes: dict[str, int] = {}
+    with contextlib.suppress(OSError):
+        links = sorted(os.listdir(task_dir / ITEM_FILES_DIR), key=lambda n: (len(n.split("-")[0]), n))
+        sizes.update({f"{ITEM_FILES_DIR}/{name}": _size(task_dir / ITEM_FILES_DIR / name) for name in links})
+    sizes[ITEMS_FILE] = _size(task_dir / ITEMS_FILE)
+    return sizes
 
 
 async def _flushed(shipper: StreamShipper) -> None:

@@ -16,7 +16,14 @@ Backend teams can read store/ and node_api.py as the executable contract of docs
 
 from __future__ import annotations
 
-from ckagent.devmaster.client import AdminApiError, AdminClient, zip_directory
-from ckagent.devmaster.server import DevMasterConfig, serve, serve_forever
+from ckagent.node.lazycli import defer_httpx_cli
+
+# Before the admin client imports httpx (``python -m ckagent.devmaster`` imports this package
+# first): httpx's own command-line client would pull in rich, click and pygments, about a sixth of
+# the dev master process's start-up, for a command it never runs (a no-op when httpx is imported).
+defer_httpx_cli()
+
+from ckagent.devmaster.client import AdminApiError, AdminClient, zip_directory  # noqa: E402
+from ckagent.devmaster.server import DevMasterConfig, serve, serve_forever  # noqa: E402
 
 __all__ = ["AdminApiError", "AdminClient", "DevMasterConfig", "serve", "serve_forever", "zip_directory"]

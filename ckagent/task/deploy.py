@@ -25,7 +25,7 @@ import trio
 from ckagent.code.workcopy import make_working_copy, remove_tree, spider_dirs
 from ckagent.code.workspace import Workspaces
 from ckagent.containment import ContainmentError, Limits, TaskJail
-from ckagent.containment.egress import EgressError, TaskRules
+from ckagent.containment.egress import EgressError, Refusal, TaskRules
 from ckagent.containment.process_group import ProcessGroupJail
 from ckagent.delivery.outputs import Collected, collect, kept_dir
 from ckagent.master.ids import safe_name
@@ -192,15 +192,16 @@ class Deployer:
         elif wanted != Limits():
             notice(f"limits: {wanted.describe()} ({jail.level})")
 
-    def egress_detach(self, rt: RunningTask) -> Callable[[], None] | None:
-        """What removes the task's egress rules at its end (blocking), or None without a policy."""
+    def egress_detach(self, rt: RunningTask) -> Callable[..., None] | None:
+        """What removes the task's egress rules at its end (blocking; it takes what they refused when
+        that was read already, after the task's last process), or None without a policy."""
         egress = self.config.egress
         if egress is None:
             return None
 
-        def detach() -> None:
+        def detach(refused: list[Refusal] | None = None) -> None:
             if rt.egress is not None:
-                egress.detach(rt.egress, egress.refusals(rt.egress))
+                egress.detach(rt.egress, egress.refusals(rt.egress) if refused is None else refused)
 
         return detach
 
@@ -268,19 +269,20 @@ class Clearing:
     copy ``work`` removed — once, also when the task ends by cancellation. Nothing when the task was
     handed over to the next agent (its spider runs on in both; that agent removes them)."""
 
-    def __init__(self, work: Path, rt: RunningTask, detach: Callable[[], None] | None) -> None:
+    def __init__(self, work: Path, rt: RunningTask, detach: Callable[..., None] | None) -> None:
         self.work, self.rt, self.detach = work, rt, detach
         self.jails: list[TaskJail] = []
         self.done = False
 
-    def blocking(self) -> None:
+    def blocking(self, refused: list[Refusal] | None = None) -> None:
         """The blocking part, for a jail known empty (its supervisor killed what was left): the egress
-        rules, the working copy, the cgroups. Blocking (the end hop's, ckagent.task.runner); once."""
+        rules (``refused``: what they refused, read already), the working copy, the cgroups. Blocking
+        (the end hop's, ckagent.task.runner); once."""
         self.done = True
         jail = self.jails[0] if self.jails else None
         try:
             if jail is not None and self.detach is not None:
-                self.detach()
+                self.detach(refused)
         finally:
             try:
                 remove_tree(self.work)

@@ -7,6 +7,14 @@ in the reverse one; a stop interrupts waiting, deploying and installing at once
 a running process with its stop signal → ``kill_grace`` → KILL; the run-time and stall limits are
 the runner's (:class:`~ckagent.task.stop.Watchdog`), the delivery only records signs of life.
 
+The path is short on purpose (bench._census counts it; tests/test_shortpath.py holds it): the task's
+own Trio task does all of it — no task beside it, its spider's supervision included (the wait is one
+epoll over the monitor's pidfd and output.log's watch, in a scope the stop cancels:
+ckagent.containment.monitor) — and each phase's blocking work is one thread hop: the prepare hop
+(jail and egress rules, code version, working copy, the environment's look: ckagent.task.deploy),
+the spawn hop (spawn hooks, the spawn, the process's record) and the end hop (the end's reads, the
+outputs' collection, the jail and working copy removed).
+
 Setup failures are the TaskErrors of ckagent.node.errors (DeployError, DepsError, JailError,
 SpawnError), each carrying its errorCode; :meth:`TaskRunner._execute` collapses the phases'
 exception groups once and ends in one ``except TaskError``; any other exception is the agent's own
@@ -370,26 +378,27 @@ class TaskRunner:
             rt.delivery.watch_item_files(code.work)  # declared JSON Lines files stream while they grow
         code_dir = code.code_dir
 
-        def end() -> Callable[[], None]:
-            """In the end hop, after its reads: the task's files → items, artifacts or kept; then the
-            jail (emptied by the supervisor) and the working copy removed. Returns the outputs line's
-            writer (on the loop, after the outcome's lines)."""
+        def end(refused: list[Refusal] | None) -> Callable[[], None]:
+            """In the end hop, after its reads (``refused``: what the egress rules refused): the task's
+            files → items, artifacts or kept; then the jail (emptied by the supervisor) and the working
+            copy removed. Returns the outputs line's writer (on the loop, after the outcome's lines)."""
             collected = self.deployer.collect_blocking(rt, task_dir, code.work, code_dir)
-            code.clearing.blocking()
+            code.clearing.blocking(refused)
             return lambda: self.deployer.say_collected(rt, collected, notice)
 
         return await self.finish_run(rt, mon, jail, sink, notice, timeout, end)
 
     async def finish_run(self, rt: RunningTask, mon: Monitored, jail: TaskJail, sink: LogSink,
                          notice: Notice, timeout_seconds: float,
-                         end: Callable[[], Callable[[], None]] | None = None) -> TaskOutcome:
+                         end: Callable[[list[Refusal] | None], Callable[[], None]] | None = None) -> TaskOutcome:
         """Supervise a spawned or re-adopted spider to its end and judge its outcome (ckagent.containment.monitor).
 
         The supervisor waits on the task's :class:`Watchdog`: its stop, its deadline
         (``mon.handle.deadline_at``, kept across agent restarts; ``timeout_seconds`` is its length,
         for the words) and its stall limit (``mon.handle.stall_timeout`` seconds without a sign of
-        life the delivery recorded). ``end``: more blocking work for the end hop, after its reads
-        (the runner's: the outputs and the clear-up); what it returns runs on the loop last.
+        life the delivery recorded). ``end``: more blocking work for the end hop, after its reads (it
+        gets what the egress rules refused; the runner's: the outputs and the clear-up); what it
+        returns runs on the loop last.
         """
         task, handle = rt.task, mon.handle
         activity = rt.delivery.activity if rt.delivery is not None else None
@@ -406,9 +415,8 @@ class TaskRunner:
         def end_reads() -> tuple[bytes, Figures, list[Refusal] | None, Callable[[], None] | None]:
             """The end hop: the output's tail, the jail's figures (into the result: cpuSeconds,
             memoryPeakBytes, ...), what the egress rules refused (blocking reads, nft); then ``end()``."""
-            reads = (output_tail(sink.path), jail.figures(),
-                     egress.refusals(rt.egress) if egress is not None else None)
-            return (*reads, end() if end is not None else None)
+            refused = egress.refusals(rt.egress) if egress is not None else None
+            return output_tail(sink.path), jail.figures(), refused, end(refused) if end is not None else None
 
         tail, figures, refused, last = await trio.to_thread.run_sync(end_reads)
         stderr_tail = TailBuffer(16384)

@@ -1,0 +1,76 @@
+"""A task's final result to the master: sent until acknowledged, then marked so in the state store.
+
+See the package docstring (ckagent.delivery) for the whole design.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from ckagent.delivery.spool import DEFAULT_REFUSAL_TIMEOUT
+from ckagent.delivery.waiting import backoff_sleep
+from ckagent.master.client import MasterClient, MasterConflict, MasterRejected, MasterUnavailable
+from ckagent.master.protocol import TaskResult
+from ckagent.node.state import AsyncStateStore, StateStoreError
+
+log = logging.getLogger(__name__)
+
+
+async def send_result(
+    master: MasterClient, store: AsyncStateStore, task_id: str, result: TaskResult,
+    limiter: trio.CapacityLimiter | None = None, refusal_timeout: float = DEFAULT_REFUSAL_TIMEOUT,
+    *, before_retry: Callable[[], Awaitable[None]] | None = None, mark: bool = True,
+) -> None:
+    """Send a final result until the master acknowledges it (forever, with backoff), then mark it acked
+    (without ``mark``: the caller does, e.g. with others in one write; a StateStoreError of the mark is logged).
+
+    ``before_retry`` is awaited once, before the first retry (a caller that has not stored
+    ``result`` yet stores it then, before what may be a long wait).
+
+    A 409 or 422 (in the protocol's words) means the master will never take it (cancelled there,
+    claimed by another node, invalid): logged, and marked done so it is not retried across restarts;
+    so is a 404 ("unknown task") that lasts longer than ``refusal_timeout`` seconds (a master
+    restarting behind a proxy answers 404 for a moment). Any other answer — an answer that is not
+    the protocol's (MasterProtocolError), another 4xx — is not an acknowledgement: retried with
+    backoff (at least a 429/503's ``Retry-After``). Cancellation stops the retries; the result
+    stays in the state store for the next start.
+    """
+    attempt = 0
+    refused_since: float | None = None
+
+    async def again(retry_after: float | None = None) -> None:
+        nonlocal attempt, before_retry
+        attempt += 1
+        if before_retry is not None:
+            stored, before_retry = before_retry, None
+            await stored()
+        await backoff_sleep(master, attempt, retry_after)
+
+    while True:
+        try:
+            async with limiter if limiter is not None else contextlib.nullcontext():
+                await master.report_result(task_id, result)
+            break
+        except MasterUnavailable as exc:  # MasterProtocolError too: an HTML page is not an acknowledgement
+            await again(exc.retry_after)
+        except MasterConflict as exc:
+            log.warning("task %s: master refused the final result %s (%s)", task_id, result.status, exc)
+            break
+        except MasterRejected as exc:
+            now = trio.current_time()
+            refused_since = now if refused_since is None else refused_since
+            if exc.status == 422 or (exc.status == 404 and now - refused_since >= refusal_timeout):
+                log.error("task %s: master rejected the final result (%s)", task_id, exc)
+                break
+            await again()  # 404 for a moment, 401 after re-registering, 403, 408, ...: retried
+    if not mark:
+        return
+    try:
+        await store.mark_result_acked(task_id)
+    except StateStoreError as exc:  # the next start sends it again; the master answers a repeat as such
+        log.error("task %s: the master has its result, but %s", task_id, exc)
+
