@@ -12,7 +12,8 @@ exec (ckagent.containment's spawn shim) stays behind as the spider's parent inst
 The monitor is one dash process per task: ~0.1 MB of private memory (its RSS is mostly shared
 libc pages) and no wake-up while the spider runs (it sleeps in wait4). The agent is the monitor's
 parent while it lives; a later agent is not, and waits for the monitor's exit on a pidfd (a kernel
-notification, no polling). The agent follows output.log by inotify (:func:`follow_output`).
+notification, no polling). The agent follows output.log by inotify; its supervisor waits for the
+monitor's exit, output.log's growth and the task's stop in one task (:func:`follow_until_exit_or_stop`).
 
 What a shell can tell of its child's end: ``$?`` is the exit code, or 128 + N for a death by
 signal N; :func:`returncode_of` turns 129..192 back into ``-N`` (an exit code in that range is read

@@ -7,6 +7,14 @@ in the reverse one; a stop interrupts waiting, deploying and installing at once
 a running process with its stop signal → ``kill_grace`` → KILL; the run-time and stall limits are
 the runner's (:class:`~ckagent.task.stop.Watchdog`), the delivery only records signs of life.
 
+The path is short on purpose (bench._census counts it; tests/test_shortpath.py holds it): the task's
+own Trio task does all of it — no task beside it, its spider's supervision included (the wait is one
+epoll over the monitor's pidfd and output.log's watch, in a scope the stop cancels:
+ckagent.containment.monitor) — and each phase's blocking work is one thread hop: the prepare hop
+(jail and egress rules, code version, working copy, the environment's look: ckagent.task.deploy),
+the spawn hop (spawn hooks, the spawn, the process's record) and the end hop (the end's reads, the
+outputs' collection, the jail and working copy removed).
+
 Setup failures are the TaskErrors of ckagent.node.errors (DeployError, DepsError, JailError,
 SpawnError), each carrying its errorCode; :meth:`TaskRunner._execute` collapses the phases'
 exception groups once and ends in one ``except TaskError``; any other exception is the agent's own

@@ -23,8 +23,10 @@ reported is :func:`stopped_outcome`'s, the one place a reason becomes a status a
 The watchdog is the runner's: a deadline (the task's run-time limit, kept across agent restarts)
 and a stall limit measured from the last sign of life the delivery recorded
 (ckagent.delivery.activity.Activity: output written, items or stats file changed). It runs inside the
-supervisor's own wait (no task of its own): it sleeps until the nearer of the two deadlines or a
-stop, and looks again — at most one wake-up per ``stall_timeout`` of activity, never a poll.
+supervisor's own wait (no task of its own): the supervisor waits in :meth:`Watchdog.cancelling`, a
+scope the stop's request cancels and that ends at the nearer of the two limits; entered again, the
+watchdog looks (:meth:`Watchdog.look`) and requests the stop if a limit is over — at most one
+wake-up per ``stall_timeout`` of activity, never a poll.
 
 To stop a task for a new reason: add a member here (its status, errorCode and words) and call
 ``rt.stop.request(StopReason.X, "what happened")`` where it is noticed.
