@@ -391,13 +391,12 @@ class StreamShipper:
     async def _fly(self, flight: Flight, seq: int, count: int, body: bytes, attempt: int = 0,
                    retry_after: float | None = None) -> None:
         """The batch's request(s) in a task of its own (``attempt`` > 0: after that attempt's backoff)."""
-        if attempt:
-            try:
+        try:
+            if attempt:
                 await backoff_sleep(self._master, attempt, retry_after)
-            except BaseException:
-                self.refusing_since = None
-                raise
-        flight.answer = await self._post(seq, count, body, attempt)
+            flight.answer = await self._post(seq, count, body, attempt)
+        finally:
+            self.refusing_since = None  # answered, or cancelled: no batch of the stream is being refused
         self.notify()
 
     def _drop_first(self, pending: Pending, seq: int, why: str) -> None:

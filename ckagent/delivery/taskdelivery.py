@@ -311,17 +311,20 @@ class TaskDelivery:
         """Journal, ship both streams and live stats from one loop, then send the result (see the
         module docstring). Cancellation leaves it all for the next start."""
         shippers = [self.logs, self.items] if self.ship_logs else [self.items]
+        shipped = False
         try:
             async with trio.open_nursery() as nursery:  # a per-task post, a retry, a stats post while they last
                 for shipper in shippers:
                     await shipper.open(nursery)
                 await self._drive(nursery, shippers)
                 nursery.cancel_scope.cancel()  # nothing of the streams is left; a wait for room may be
+            shipped = True
         finally:
             for shipper in shippers:
                 shipper.close()
             self.scanning = False
-            self._note_finals()  # cancelled (or failed) before its result: the outbox's last write saves them
+            if not shipped:  # cancelled (or failed) before its result: the outbox's last write saves them
+                self._note_finals()
         self.journal.close()
         if self.item_journal is not None:
             self.item_journal.close()
