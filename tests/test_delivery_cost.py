@@ -348,3 +348,51 @@ async def test_wake_ups_of_a_silent_task_and_of_an_idle_outbox(
     assert own == {}, own  # no other task of the task's delivery
     assert loop <= 60 // NOTIFY_FALLBACK + 1, loop
     assert sum(rounds.values()) <= 60 * 2 + 2, rounds  # a round a second: its wake-up and its one thread hop
+
+
+async def test_an_acknowledged_result_is_marked_in_the_outbox_round_and_at_its_stop(
+    tmp_path: Path, store: AsyncStateStore, autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short task's end costs no position write and no hop of its own for the result's mark: the
+    master's acknowledgement is marked (with the result as sent) in the outbox's next round, or on
+    its way out when the agent stops first. Before the mark, the result stays pending (a crash then
+    only makes the next start send it again); the streams' last positions are not written for a
+    result acknowledged at once (nothing needs them any more)."""
+    monkeypatch.setattr(trio.to_thread, "run_sync", inline_run_sync)  # no real thread under the autojump clock
+    writes: list[int] = []
+    original = store.sync.save_stream_positions
+
+    def counting(positions: dict[tuple[str, str], tuple[int, Any]]) -> None:
+        writes.append(len(positions))
+        original(positions)
+
+    monkeypatch.setattr(store.sync, "save_stream_positions", counting)
+    fake = FakeMaster()
+    outbox = Outbox(master_client(fake), store, tmp_path)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(outbox.run)
+            for n, task_id in enumerate(("t1", "t2")):
+                task_dir = tmp_path / "tasks" / task_id
+                task_dir.mkdir(parents=True)
+                delivery = await outbox.open_task(
+                    Task.from_json({"id": task_id, "spiderId": "s1", "framework": "python"}), task_dir)
+                assert delivery.sink is not None
+                delivery.sink.write(b"one\ntwo\n")
+                (task_dir / "items.jsonl").write_text('{"n": 1}\n')
+                await delivery.finish(TaskResult(status="SUCCESS", exit_code=0))
+                await outbox.wait_idle()
+                assert fake.results[-1]["itemCount"] == 1 and fake.results[-1]["logLines"] == 2
+                record = store.sync.get(task_id)
+                assert record is not None and not record.result_acked  # acknowledged, marked later
+                if n == 0:
+                    await trio.sleep(1.5)  # the round after the last delivery: marked then
+                    record = store.sync.get(task_id)
+                    assert record is not None and record.result_acked
+                    assert record.result is not None and record.result["itemCount"] == 1  # the result as sent
+            assert writes == []  # no position of a stream whose result the master took at once
+            nursery.cancel_scope.cancel()  # the agent stops before the next round: marked on the way out
+    record = store.sync.get("t2")
+    assert record is not None and record.result_acked and record.result is not None
+    assert record.result["logLines"] == 2
+    assert await store.pending_delivery() == []

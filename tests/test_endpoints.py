@@ -17,8 +17,8 @@ from urllib.parse import unquote
 
 import pytest
 import trio
-import yaml
 from faultproxy import CALLS, call_of
+from harness import load_yaml
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.routing import BaseRoute, Match, Mount
 
@@ -29,7 +29,7 @@ from ckagent.master.endpoints import ENDPOINTS, TASK_DATA_ENDPOINTS, Endpoint
 from ckagent.master.protocol import SpiderFile
 from ckagent.port.metrics import AgentMetrics, LiveFigures
 
-SPEC = yaml.safe_load(Path(endpoints.__file__).with_name("protocol").joinpath("openapi.yaml").read_text())
+SPEC = load_yaml(Path(endpoints.__file__).with_name("protocol").joinpath("openapi.yaml").read_text())
 HTTP_METHODS = {"get", "put", "post", "delete", "patch"}
 SAMPLE_IDS = {"node": "node-1", "task": "task-1", "spider": "spider-1", "file": "file-1", "version": "v1",
               "path": "out/report.csv"}

@@ -12,7 +12,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-import yaml
+from harness import load_yaml
 
 import ckagent
 from ckagent.cli.localrun import detect_framework
@@ -24,7 +24,7 @@ from ckagent.master.protocol import FRAMEWORKS, Task
 from ckagent.task.commands import default_command, resolve_command
 
 ROOT = Path(ckagent.__file__).resolve().parent.parent
-SPEC = yaml.safe_load((ROOT / "ckagent" / "master" / "protocol" / "openapi.yaml").read_text(encoding="utf-8"))
+SPEC = load_yaml((ROOT / "ckagent" / "master" / "protocol" / "openapi.yaml").read_text(encoding="utf-8"))
 
 
 def _task(framework: str, **extra: object) -> Task:

@@ -12,6 +12,7 @@ with ``ast`` — function-level and ``TYPE_CHECKING`` imports included, so no ci
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -81,7 +82,11 @@ def _imports(module: str, path: Path) -> set[str]:
     return found
 
 
-GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
+@functools.cache
+def graph() -> dict[str, set[str]]:
+    """Module → the ckagent modules it imports (every import, also inside functions). Built on first
+    use, not at collection: every pytest-xdist worker collects this file, one runs these tests."""
+    return {m: _imports(m, p) for m, p in MODULES.items()}
 
 
 def _package(module: str) -> str:
@@ -107,7 +112,7 @@ def test_every_package_says_what_it_owns_and_may_import() -> None:
 
 def test_imports_only_go_down_the_layers() -> None:
     upward = []
-    for module, targets in GRAPH.items():
+    for module, targets in graph().items():
         src = _package(module)
         if src == "ckagent" or src not in [*LAYERS, "devmaster"]:
             continue
@@ -133,7 +138,7 @@ def test_no_module_circle_not_even_behind_a_function_level_import() -> None:
         index[v] = low[v] = len(index)
         stack.append(v)
         on_stack.add(v)
-        for w in GRAPH[v]:
+        for w in graph()[v]:
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -150,7 +155,7 @@ def test_no_module_circle_not_even_behind_a_function_level_import() -> None:
             if len(component) > 1:
                 circles.append(sorted(component))
 
-    for v in GRAPH:
+    for v in graph():
         if v not in index:
             visit(v)
     assert not circles, circles

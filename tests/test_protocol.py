@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+from harness import load_yaml
 
 import ckagent.master.protocol as protocol
 from ckagent.master.protocol import (
@@ -58,7 +58,7 @@ from ckagent.node.egress_policy import parse_text
 REPO = Path(__file__).resolve().parents[1]
 SPEC_PATH = Path(protocol.__file__).with_name("openapi.yaml")
 DOC_PATH = REPO / "docs" / "protocol.md"
-SPEC: dict[str, Any] = yaml.safe_load(SPEC_PATH.read_text(encoding="utf-8"))
+SPEC: dict[str, Any] = load_yaml(SPEC_PATH.read_text(encoding="utf-8"))
 SCHEMAS: dict[str, Any] = SPEC["components"]["schemas"]
 
 # schema name -> the type that reads and writes it

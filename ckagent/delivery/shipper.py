@@ -116,6 +116,10 @@ class StreamShipper:
         self.on_idle: Callable[[], None] | None = None  # called whenever nothing read waits for the master
         self.done = False
         """True once the stream is complete and acknowledged (or refused): :meth:`step` has nothing left to do."""
+        self.poked = True
+        """Set by a notification, the stream's end or an answer (cleared by :meth:`step`): with
+        :attr:`due_at`, what tells a loop that serves several streams which ones to step (:meth:`due`)."""
+        self.due_at = 0.0  # the trio time step last returned (the stream has nothing to do before it)
         # The stream between steps (see step).
         self._nursery: trio.Nursery | None = None  # where a per-task post or a retry runs (set by open)
         self._seq = 0  # elements the master holds (acknowledged, or skipped as already held)
@@ -162,14 +166,20 @@ class StreamShipper:
 
     def notify(self) -> None:
         """The spool grew: wake the shipper."""
+        self.poked = True
         self.waker.set()
+
+    def due(self, now: float) -> bool:
+        """True when :meth:`step` has something to do at ``now`` (trio time): it was poked, or the
+        time it returned has come. A loop serving several streams steps only those."""
+        return self.poked or now >= self.due_at
 
     def finish(self) -> None:
         """The items file is complete (no-op for a journal's stream: its E record says it): ship the
         rest, then :meth:`run` returns."""
         if isinstance(self._reader, _FileReader):
             self._reader.finished = True
-        self.waker.set()
+        self.notify()
 
     async def run(self) -> None:
         """Ship until the stream is complete and acknowledged (or refused by the master).
@@ -231,6 +241,7 @@ class StreamShipper:
         spool; cancellation then leaves the stream as it was (the next start resumes it)."""
         if self.done:
             return None
+        self.poked = False
         reader, pending = self._reader, self._pending
         while True:
             flight = self._flight
@@ -311,7 +322,8 @@ class StreamShipper:
                 wait = TAIL_INTERVAL if reader.polls else NOTIFY_FALLBACK
                 if pending and self._flight is None:
                     wait = min(wait, max(0.0, self._age() - (now - pending.since)))
-                return now + wait
+                self.due_at = now + wait
+                return self.due_at
 
     async def _acknowledged(self, expected: int) -> None:
         """The master holds ``expected`` elements of the stream: advance (or rewind) to it."""
@@ -374,19 +386,18 @@ class StreamShipper:
             return
         self.refusing_since = None
         flight.answer = answer
-        self.waker.set()
+        self.notify()
 
     async def _fly(self, flight: Flight, seq: int, count: int, body: bytes, attempt: int = 0,
                    retry_after: float | None = None) -> None:
         """The batch's request(s) in a task of its own (``attempt`` > 0: after that attempt's backoff)."""
-        if attempt:
-            try:
+        try:
+            if attempt:
                 await backoff_sleep(self._master, attempt, retry_after)
-            except BaseException:
-                self.refusing_since = None
-                raise
-        flight.answer = await self._post(seq, count, body, attempt)
-        self.waker.set()
+            flight.answer = await self._post(seq, count, body, attempt)
+        finally:
+            self.refusing_since = None  # answered, or cancelled: no batch of the stream is being refused
+        self.notify()
 
     def _drop_first(self, pending: Pending, seq: int, why: str) -> None:
         """Replace the first pending element (index ``seq`` of the stream) by its placeholder: the

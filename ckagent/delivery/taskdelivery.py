@@ -311,17 +311,20 @@ class TaskDelivery:
         """Journal, ship both streams and live stats from one loop, then send the result (see the
         module docstring). Cancellation leaves it all for the next start."""
         shippers = [self.logs, self.items] if self.ship_logs else [self.items]
+        shipped = False
         try:
             async with trio.open_nursery() as nursery:  # a per-task post, a retry, a stats post while they last
                 for shipper in shippers:
                     await shipper.open(nursery)
                 await self._drive(nursery, shippers)
                 nursery.cancel_scope.cancel()  # nothing of the streams is left; a wait for room may be
+            shipped = True
         finally:
             for shipper in shippers:
                 shipper.close()
             self.scanning = False
-            self._note_finals()  # cancelled (or failed) before its result: the outbox's last write saves them
+            if not shipped:  # cancelled (or failed) before its result: the outbox's last write saves them
+                self._note_finals()
         self.journal.close()
         if self.item_journal is not None:
             self.item_journal.close()
@@ -400,10 +403,12 @@ class TaskDelivery:
                     room = trio.CancelScope()
                     nursery.start_soon(self._wake_after_look, room)
             deadline = self.stats.step(nursery)
+            now = trio.current_time()
             for shipper in shippers:
-                due = await shipper.step()
-                if due is not None:
-                    deadline = min(deadline, due)
+                if shipper.due(now):  # poked (its file grew, an answer came, the end) or its time has come
+                    await shipper.step()
+                if not shipper.done:
+                    deadline = min(deadline, shipper.due_at)
             if not journals and not ending and all(shipper.done for shipper in shippers):
                 return
             await self.waker.wait(deadline)

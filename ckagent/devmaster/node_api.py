@@ -102,22 +102,22 @@ def routes(api: Api) -> list[BaseRoute]:
                 gone.set()
 
             nursery.start_soon(watch)
-            while not gone.is_set():  # a poll nobody waits for any more claims nothing
-                changed = notifier.event()
-                if await run(store.below_minimum, node_id):  # told so: it gets nothing until upgraded
-                    tasks: list[dict[str, Any]] = []
-                    cancel_ids = await run(store.cancel_ids, node_id)
-                elif poll_id is not None:
+            def look() -> tuple[list[dict[str, Any]], list[str]]:
+                """What the poll would answer now (blocking: one thread hop per look)."""
+                if store.below_minimum(node_id):  # told so: it gets nothing until upgraded
+                    return [], store.cancel_ids(node_id)
+                if poll_id is not None:
                     # Claimed and answered in one transaction. Claims whose answer does not reach the
                     # node are never given back here (a re-sent poll with the same pollId may have
                     # answered them already): the re-sent poll or the reconciliation settles them.
-                    tasks, cancel_ids = await run(store.claim_pending, node_id, poll_id=poll_id,
-                                                  limit=min(limit, claim), exclude_spider_ids=exclude,
-                                                  base_url=url, running_spider_ids=running)
-                else:
-                    tasks = await run(store.pending_tasks, limit=limit, exclude_spider_ids=exclude, base_url=url,
-                                      node_id=node_id, running_spider_ids=running)
-                    cancel_ids = await run(store.cancel_ids, node_id)
+                    return store.claim_pending(node_id, poll_id=poll_id, limit=min(limit, claim),
+                                               exclude_spider_ids=exclude, base_url=url, running_spider_ids=running)
+                return (store.pending_tasks(limit=limit, exclude_spider_ids=exclude, base_url=url, node_id=node_id,
+                                            running_spider_ids=running), store.cancel_ids(node_id))
+
+            while not gone.is_set():  # a poll nobody waits for any more claims nothing
+                changed = notifier.event()
+                tasks, cancel_ids = await run(look)
                 remaining = deadline - trio.current_time()
                 if tasks or cancel_ids or notifier.closed or remaining <= 0:
                     answer = {"tasks": tasks, "cancelTaskIds": cancel_ids}

@@ -3,8 +3,8 @@
 - :mod:`.protocol` — the wire types (docs/protocol.md, ``protocol/openapi.yaml``);
 - :mod:`.endpoints` — the one table of the master's endpoints and a typed method per call (to add
   an endpoint, start here);
-- :mod:`.client` — ``MasterClient``: the connection, auth, retries; :mod:`.answers` classifies what
-  came back into the exception tree of :mod:`.errors`;
+- :mod:`.client` — ``MasterClient``: the connection, auth, retries; :mod:`.wire` builds and sends
+  a call's request, :mod:`.answers` classifies what came back into the exception tree of :mod:`.errors`;
 - :mod:`.ids` — ids from the master as data: what is accepted, how each becomes a name or a URL;
 - :mod:`.connectivity`, :mod:`.masterclock` — the master's health and clock as the agent sees them;
 - :mod:`.heartbeat` — the node's health and running set, every ``heartbeat.interval`` seconds;

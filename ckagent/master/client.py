@@ -109,7 +109,8 @@ async def _run_out(response: httpx.Response, chunks: AsyncIterator[bytes]) -> No
 
 
 class MasterClient(MasterCalls):
-    """Talks to the master over one ``httpx.AsyncClient`` (pool larger than our concurrent users).
+    """Talks to the master over one ``httpx.AsyncClient`` (pool larger than our concurrent users): calls
+    are sent on its transport by :class:`ckagent.master.wire.Wire`, downloads through the client.
 
     ``register_body`` builds the registration payload (called at every (re-)registration, so it
     carries fresh figures). ``transport`` is for tests (``httpx.MockTransport``).
