@@ -133,10 +133,14 @@ class Dependencies:
         files in ``code_dir`` and whether it is ready — for a caller that does it in a thread hop
         of its own (the task's prepare hop); pass the result to :meth:`prepare` as ``checked`` (or
         ``drop()`` it). The arguments are :meth:`prepare`'s. None for a runtime without such a look
-        (Node: :meth:`prepare` looks itself). Never raises for the look: its error is in the result."""
-        if frameworks.framework(framework).runtime is not frameworks.PYTHON:
-            return None
-        return self.python.check(code_dir, framework, self._env(task_env, marker, home))
+        (a Node project that asks for a node version: nvm's choice is :meth:`prepare`'s). Never raises
+        for the look: its error is in the result."""
+        runtime = frameworks.framework(framework).runtime
+        if runtime is frameworks.PYTHON:
+            return self.python.check(code_dir, framework, self._env(task_env, marker, home))
+        if runtime is frameworks.NODE:
+            return self.node.check(code_dir, self._env(task_env, marker, home))
+        return None
 
     def _env(self, task_env: dict[str, str] | None, marker: dict[str, str] | None, home: Path | None) -> dict[str, str]:
         env = {**(task_env or {}), **(marker or {})}
@@ -151,7 +155,7 @@ class Dependencies:
         if runtime is frameworks.PYTHON:
             prepared = await self.python.prepare(code_dir, name, output, task_env, jail, checked)
         elif runtime is frameworks.NODE:
-            prepared = await self.node.prepare(code_dir, output, task_env, jail)
+            prepared = await self.node.prepare(code_dir, output, task_env, jail, checked)
         else:  # a runtime without an environment builder yet
             prepared = Prepared()
         prepared.seconds = trio.current_time() - started + (checked.seconds if checked is not None else 0.0)

@@ -19,12 +19,13 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import trio
 
-from ckagent.code.envstore import EnvStore, Prepared, is_ready, mark_ready, start_build
+from ckagent.code.envstore import Checked, EnvStore, Prepared, is_ready, mark_ready, start_build
 from ckagent.code.installenv import install_key_env
 from ckagent.code.installer import Installers, Output
 from ckagent.code.runtimes import find_npm, nvm_node_versions
@@ -186,31 +187,72 @@ class NodeEnvs:
         self._installers = installers
         self.nvm_dir = nvm_dir
 
+    def check(self, code_dir: Path, task_env: dict[str, str]) -> Checked | None:
+        """What :meth:`prepare` begins with, blocking (the task's prepare hop): the layout and key, the
+        environment marked in use and whether it is ready (then linked into ``code_dir`` already).
+        None when the project asks for a node version (nvm's choice is :meth:`prepare`'s). Never
+        raises for the look: its error is in the result."""
+        started = time.monotonic()
+        try:
+            spec, _source = wanted_node(code_dir)
+            if spec is not None:
+                return None
+            path = self._installers.env(task_env).get("PATH", "")
+            layout, key = self._plan(code_dir, None, path, install_key_env(task_env))
+        except (DepsError, OSError) as exc:
+            return Checked(error=exc, seconds=time.monotonic() - started)
+        if layout != "install":
+            return Checked(None, True, (layout, key), time.monotonic() - started)
+        install_dir = self.store.path("node", key)
+        self.store.acquire(install_dir)
+        try:
+            ready = is_ready(install_dir, key)
+            if ready:
+                link_node_modules(code_dir, install_dir / "node_modules")
+        except OSError as exc:
+            self.store.release(install_dir)
+            return Checked(error=exc, seconds=time.monotonic() - started)
+        except BaseException:
+            self.store.release(install_dir)
+            raise
+        return Checked(install_dir, ready, (layout, key), time.monotonic() - started, store=self.store)
+
     async def prepare(self, code_dir: Path, output: Output, task_env: dict[str, str],
-                      jail: TaskJail | None = None) -> Prepared:
+                      jail: TaskJail | None = None, checked: Checked | None = None) -> Prepared:
         """The node on PATH and the ``node_modules`` link in ``code_dir`` (the working copy), installed
-        if its key has none ready (npm and nvm run in ``jail``, the task's). Raises DepsError;
-        cancellation stops the installer."""
+        if its key has none ready (npm and nvm run in ``jail``, the task's). ``checked``: what
+        :meth:`check` found already (None: looked at here). Raises DepsError; cancellation stops the
+        installer."""
         prepared = Prepared()
-        spec, source = await trio.to_thread.run_sync(wanted_node, code_dir)
         env = self._installers.env(task_env)
-        if spec is not None:
-            await self._select_node(spec, source, env, code_dir, output, prepared, jail)
+        marked, ready, spec = False, False, None
+        if checked is not None:
+            if checked.error is not None:
+                raise checked.error
+            layout, key = cast("tuple[str, str]", checked.plan)
+            marked, ready = checked.env_dir is not None, checked.ready
+            checked.env_dir = None  # the mark is this call's now
+        else:
+            spec, source = await trio.to_thread.run_sync(wanted_node, code_dir)
+            if spec is not None:
+                await self._select_node(spec, source, env, code_dir, output, prepared, jail)
         path = os.pathsep.join([*prepared.path_prefix, env.get("PATH", "")])
-        layout, key = await trio.to_thread.run_sync(self._plan, code_dir, spec, path, install_key_env(task_env))
+        if checked is None:
+            layout, key = await trio.to_thread.run_sync(self._plan, code_dir, spec, path, install_key_env(task_env))
         if layout == "no-package":
             return prepared
         if layout == "ships-node-modules":
             prepared.notes.append("node_modules ships with the code: npm is not run")
             return prepared
         install_dir = self.store.path("node", key)
-        async with self.store.lock(key):
-            with self.store.using(install_dir, prepared):
-                if not await trio.to_thread.run_sync(is_ready, install_dir, key):
-                    prepared.cache_hit = False
-                    with self.store.building(install_dir):
-                        await self._build(install_dir, key, code_dir, path, env, output, jail)
-        await trio.to_thread.run_sync(link_node_modules, code_dir, install_dir / "node_modules")
+        with self.store.using(install_dir, prepared, marked=marked):
+            if not ready:  # under its key's lock: one build per key; another may have finished it
+                async with self.store.lock(key):
+                    if not await trio.to_thread.run_sync(is_ready, install_dir, key):
+                        prepared.cache_hit = False
+                        with self.store.building(install_dir):
+                            await self._build(install_dir, key, code_dir, path, env, output, jail)
+                await trio.to_thread.run_sync(link_node_modules, code_dir, install_dir / "node_modules")
         return prepared
 
     async def _build(self, install_dir: Path, key: str, code_dir: Path, path: str, env: dict[str, str],
