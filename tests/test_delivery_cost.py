@@ -353,11 +353,11 @@ async def test_wake_ups_of_a_silent_task_and_of_an_idle_outbox(
 async def test_an_acknowledged_result_is_marked_in_the_outbox_round_and_at_its_stop(
     tmp_path: Path, store: AsyncStateStore, autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A short task's end costs no position write and no hop of its own for the result's mark: the
-    master's acknowledgement is marked (with the result as sent) in the outbox's next round, or on
-    its way out when the agent stops first. Before the mark, the result stays pending (a crash then
-    only makes the next start send it again); the streams' last positions are not written for a
-    result acknowledged at once (nothing needs them any more)."""
+    """The result as sent is stored before it is sent, with the streams' last positions, in one write
+    (what the status page shows of a finished task; where a crash resumes); the master's
+    acknowledgement is marked in the outbox's next round, or on its way out when the agent stops
+    first — no hop of its own. Before the mark the result stays pending (a crash then only makes the
+    next start send it again)."""
     monkeypatch.setattr(trio.to_thread, "run_sync", inline_run_sync)  # no real thread under the autojump clock
     writes: list[int] = []
     original = store.sync.save_stream_positions
@@ -385,12 +385,13 @@ async def test_an_acknowledged_result_is_marked_in_the_outbox_round_and_at_its_s
                 assert fake.results[-1]["itemCount"] == 1 and fake.results[-1]["logLines"] == 2
                 record = store.sync.get(task_id)
                 assert record is not None and not record.result_acked  # acknowledged, marked later
+                assert record.result is not None and record.result["itemCount"] == 1  # stored as sent
+                assert store.sync.stream_position(task_id, "items") == (1, {"offset": 9})  # with it
                 if n == 0:
                     await trio.sleep(1.5)  # the round after the last delivery: marked then
                     record = store.sync.get(task_id)
                     assert record is not None and record.result_acked
-                    assert record.result is not None and record.result["itemCount"] == 1  # the result as sent
-            assert writes == []  # no position of a stream whose result the master took at once
+            assert writes == [2, 2]  # each task's last positions went with its result's write, no other
             nursery.cancel_scope.cancel()  # the agent stops before the next round: marked on the way out
     record = store.sync.get("t2")
     assert record is not None and record.result_acked and record.result is not None

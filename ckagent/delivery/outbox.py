@@ -83,7 +83,7 @@ class Outbox:
         self._idle.set()
         self._busy = trio.Event()  # set while a delivery is open (the disk loop runs)
         self._delivered = Broadcast()  # a delivery ended
-        self._acked: dict[str, dict[str, Any]] = {}  # acknowledged results not marked so yet (see acknowledged)
+        self._acked: set[str] = set()  # tasks whose acknowledged result is not marked so yet (see acknowledged)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled (the agent's stop). Unsent data stays on disk for the next start; the
@@ -161,13 +161,19 @@ class Outbox:
         done = "stopped sending what was read after" if bound.cancelled_caught else "sent what was read in"
         return f"{done} {trio.current_time() - started:.2f} s; {self.pending} delivery(ies) left in the state store"
 
-    def acknowledged(self, task_id: str, result: dict[str, Any]) -> None:
-        """The master acknowledged a task's final ``result`` (its JSON; or refused it for good): it is
-        stored with its mark in the disk loop's next round (≤ SCAN_INTERVAL later, in the hop the round
-        makes anyway; on the loop's way to sleep and at the agent's stop, in one of its own). A crash
-        before that write only makes the next start send the result again, which the master answers
-        as a repeat. On the Trio thread; never blocks."""
-        self._acked[task_id] = result
+    def acknowledged(self, task_id: str) -> None:
+        """The master acknowledged a task's final result (or refused it for good): it is marked so in
+        the disk loop's next round (≤ SCAN_INTERVAL later, in the hop the round makes anyway; on the
+        loop's way to sleep and at the agent's stop, in one of its own). A crash before that write
+        only makes the next start send the result again, which the master answers as a repeat. On
+        the Trio thread; never blocks."""
+        self._acked.add(task_id)
+
+    def marking(self, task_id: str) -> bool:
+        """True while the task's result is acknowledged by the master but not yet marked so in the state
+        store (≤ one round): a reader of the store's ``result_acked`` (the status page) may count it
+        delivered."""
+        return task_id in self._acked
 
     async def wait_busy(self) -> None:
         """Return once a delivery is open (at once if one is). Cancellation: as usual."""
@@ -305,10 +311,10 @@ class Outbox:
             await trio.sleep(self.disk.next_interval())
             await self._flush_positions()  # the shippers' acknowledged positions, all streams at once
             live = [delivery for delivery in self.deliveries.values() if delivery.scanning]
-            acked, self._acked = self._acked, {}
+            acked, self._acked = self._acked, set()
             found, free, sizes, held, unmarked = await trio.to_thread.run_sync(
                 _scan_round, live, self.guard.path, self.reserve, self.store.sync, acked)  # one hop
-            self._unmarked(unmarked)
+            self._acked |= unmarked  # a full disk: marked at the next write
             for delivery, (files, items_size, stats_size, item_sizes) in zip(live, found, strict=True):
                 delivery.scanned(files, items_size, stats_size, item_sizes)
             self.guard.measured(free)
@@ -338,13 +344,8 @@ class Outbox:
     async def _mark_acked(self) -> None:
         """The acknowledged results waiting for their mark, in a hop of their own (none when none waits)."""
         if self._acked:
-            acked, self._acked = self._acked, {}
-            self._unmarked(await trio.to_thread.run_sync(_mark_all, self.store.sync, acked))
-
-    def _unmarked(self, unmarked: dict[str, dict[str, Any]]) -> None:
-        """Marks a write could not make (a full disk) wait for the next one (newer ones win)."""
-        for task_id, result in unmarked.items():
-            self._acked.setdefault(task_id, result)
+            acked, self._acked = self._acked, set()
+            self._acked |= await trio.to_thread.run_sync(_mark_all, self.store.sync, acked)
 
     async def _flush_positions(self) -> None:
         """The noted positions into the state store; on a full disk they stay noted for the next try
@@ -363,8 +364,7 @@ class Outbox:
 
 
 def _scan_round(deliveries: list[TaskDelivery], disk: Path, reserve: SpaceReserve | None, store: StateStore,
-                acked: dict[str, dict[str, Any]],
-                ) -> tuple[list[Scanned], int | None, list[int], bool, dict[str, dict[str, Any]]]:
+                acked: set[str]) -> tuple[list[Scanned], int | None, list[int], bool, set[str]]:
     """One round of the disk loop in its worker thread (blocking): the acknowledged results marked
     (:func:`_mark_all`), :func:`_scan_all`, the free bytes of the filesystem holding ``disk`` (None
     when it cannot be measured), each task dir's bytes, whether the space reserve is in place (True
@@ -379,16 +379,15 @@ def _scan_round(deliveries: list[TaskDelivery], disk: Path, reserve: SpaceReserv
     return _scan_all(deliveries), free, [tree_bytes(delivery.task_dir) for delivery in deliveries], held, unmarked
 
 
-def _mark_all(store: StateStore, acked: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Mark each task of ``acked`` acknowledged and store its result as acknowledged (blocking);
-    returns those a full disk left unmarked (said once per write)."""
-    unmarked: dict[str, dict[str, Any]] = {}
-    for task_id, result in acked.items():
+def _mark_all(store: StateStore, acked: set[str]) -> set[str]:
+    """Mark each task of ``acked`` acknowledged (blocking); returns those a full disk left unmarked
+    (said once per write)."""
+    unmarked: set[str] = set()
+    for task_id in acked:
         try:
-            store.mark_result_acked(task_id)  # first: what keeps the next start from sending it again
-            store.set_result(task_id, result)
+            store.mark_result_acked(task_id)
         except StateStoreError as exc:
-            unmarked[task_id] = result
+            unmarked.add(task_id)
             error = exc
     if unmarked:
         log.error("the master has the results of %d task(s), but %s; marked when there is room (a crash "

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -23,13 +22,10 @@ log = logging.getLogger(__name__)
 async def send_result(
     master: MasterClient, store: AsyncStateStore, task_id: str, result: TaskResult,
     limiter: trio.CapacityLimiter | None = None, refusal_timeout: float = DEFAULT_REFUSAL_TIMEOUT,
-    *, before_retry: Callable[[], Awaitable[None]] | None = None, mark: bool = True,
+    *, mark: bool = True,
 ) -> None:
     """Send a final result until the master acknowledges it (forever, with backoff), then mark it acked
     (without ``mark``: the caller does, e.g. with others in one write; a StateStoreError of the mark is logged).
-
-    ``before_retry`` is awaited once, before the first retry (a caller that has not stored
-    ``result`` yet stores it then, before what may be a long wait).
 
     A 409 or 422 (in the protocol's words) means the master will never take it (cancelled there,
     claimed by another node, invalid): logged, and marked done so it is not retried across restarts;
@@ -43,11 +39,8 @@ async def send_result(
     refused_since: float | None = None
 
     async def again(retry_after: float | None = None) -> None:
-        nonlocal attempt, before_retry
+        nonlocal attempt
         attempt += 1
-        if before_retry is not None:
-            stored, before_retry = before_retry, None
-            await stored()
         await backoff_sleep(master, attempt, retry_after)
 
     while True:

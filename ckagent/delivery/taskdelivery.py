@@ -14,10 +14,9 @@ nursery while they last.
 
 **Thread hops of a task's end**: :meth:`TaskDelivery.finish` stores the runner's result and reads
 what the end needs (the log files' last sizes, the items journal's, the final stats, the artifacts'
-state) in one hop; an acknowledged result is stored with its mark in the outbox's next round (its
-once-a-second hop, shared by every task: :meth:`ckagent.delivery.outbox.Outbox.acknowledged`). Only
-when the master does not take the result at once is it stored (with the streams' last positions)
-before the retries.
+state) in one hop; the result as sent is stored (with the streams' last positions) in one more,
+before it is sent; its acknowledgement is marked in the outbox's next round (its once-a-second hop,
+shared by every task: :meth:`ckagent.delivery.outbox.Outbox.acknowledged`).
 """
 
 from __future__ import annotations
@@ -99,9 +98,9 @@ class DeliveryHost(Protocol):
     async def next_look(self) -> None:
         """Return after the owner's next look at the disk (a writer waiting for room tries again)."""
 
-    def acknowledged(self, task_id: str, result: dict[str, Any]) -> None:
-        """The master acknowledged the task's final ``result`` (or refused it for good): mark it so, with
-        ``result`` (its JSON) as stored, in the owner's next write."""
+    def acknowledged(self, task_id: str) -> None:
+        """The master acknowledged the task's final result (or refused it for good): mark it so in the
+        owner's next write."""
 
 
 class TaskDelivery:
@@ -350,20 +349,13 @@ class TaskDelivery:
         result = dataclasses.replace(self.result, item_count=self.items.acked, log_lines=self.logs.acked,
                                      stats=stats, finish_reason=reason, incomplete=incomplete,
                                      artifacts=artifacts)
-        # When the master does not take it at once, stored with the streams' last positions before the
-        # retries (a crash meanwhile resumes from them); acknowledged, it goes with its mark in the
-        # outbox's next write (Outbox.acknowledged: no hop of its own).
-        acked = False
-        try:
-            await send_result(self.outbox.master, self.outbox.store, self.task_id, result, self.outbox.limiter,
-                              self.outbox.config.refusal_timeout, before_retry=lambda: self._store_result(result),
-                              mark=False)
-            acked = True
-        finally:
-            if acked:
-                self.outbox.acknowledged(self.task_id, result.to_json())
-            else:
-                self._note_finals()  # cancelled meanwhile: the outbox's last write saves them
+        # Stored before it is sent, with the streams' last positions (what the status page shows of a
+        # finished task, and where a crash resumes); acknowledged, it is marked so in the outbox's next
+        # round (Outbox.acknowledged: no hop of its own).
+        await self._store_result(result)
+        await send_result(self.outbox.master, self.outbox.store, self.task_id, result, self.outbox.limiter,
+                          self.outbox.config.refusal_timeout, mark=False)
+        self.outbox.acknowledged(self.task_id)
         self.delivered.set()
         self.outbox.lifecycle.emit(TaskDelivered(self.task_id, self.spider or None, self.claimed_at, result))
 
