@@ -11,12 +11,13 @@ import json
 import shutil
 import socket
 import subprocess
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import trio
-from harness import package_index
+from harness import marked_pids, package_index
 
 from ckagent.code.deps import (
     NPM_MISSING,
@@ -151,13 +152,13 @@ async def test_install_timeout_stops_uv(tmp_path: Path, local_index: str) -> Non
     deps = _deps(tmp_path, local_index, timeout=3.0)
     code = _code(tmp_path, "slow", {"requirements.txt": "./slowpkg\n", "slowpkg/pyproject.toml": SLOW_PYPROJECT,
                                     "slowpkg/slow_backend.py": SLOW_BACKEND})
+    task_id = f"slow-test-{uuid.uuid4().hex}"  # this test's processes only: others build slow_backend too
     with trio.fail_after(30), pytest.raises(DepsError) as caught:
-        await deps.prepare("python", "slow", code, lambda _: None, marker={"CK_TASK_ID": "slow-test"})
+        await deps.prepare("python", "slow", code, lambda _: None, marker={"CK_TASK_ID": task_id})
     assert "uv pip install timed out after 3 s and was stopped" in str(caught.value)
     assert "AGENT_UV_SYNC_TIMEOUT" in str(caught.value)
     await trio.sleep(0.5)
-    leftovers = await trio.run_process(["pgrep", "-f", "slow_backend"], capture_stdout=True, check=False)
-    assert leftovers.stdout.strip() == b"", "the build backend outlived the timeout"
+    assert marked_pids(task_id) == [], "the build backend outlived the timeout"
 
 
 async def test_index_chooser_falls_back_when_pypi_is_unreachable(monkeypatch: pytest.MonkeyPatch) -> None:
