@@ -58,9 +58,9 @@ delivery is **one Trio task**: one loop steps its journal, both shippers and liv
 on one waker (:class:`ckagent.delivery.waiting.Waker`) that every notification sets; a batch in a
 node batch has no task of its own, a per-task post or a retry after a backoff runs in that loop's
 nursery while it lasts. Its thread hops: one to open it (the task's record, journals, output.log),
-one at the end (the runner's result stored, the end's reads); the acknowledged result is marked in
-the outbox's next once-a-second round (a crash before that only makes the next start send it
-again). A task's
+one at the process's end (the runner's result stored, the end's reads), one to store the result as
+sent (with the streams' last positions) before sending it; its acknowledgement is marked in the
+outbox's next once-a-second round (a crash before that only makes the next start send it again). A task's
 worker slot is free as soon as its process has ended; delivery goes on without it. On start the
 agent hands unfinished deliveries from the state store to the outbox (:meth:`Outbox.resume`).
 Requests are sent by at most ``SEND_CONCURRENCY`` tasks at a time; a shipper waiting in backoff
