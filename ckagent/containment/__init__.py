@@ -3,7 +3,8 @@
 This package also holds the processes in the box: :mod:`.stopping` (the one stop sequence of
 every supervisor: stop signal → grace → kill all), :mod:`.process` (a process on pipes: installers),
 :mod:`.stoptarget` (which processes a stop signal goes to), :mod:`.monitor` (a spider that needs no
-living agent), :mod:`.tails` (the last lines of a stream), and
+living agent), :mod:`.tails` (the last lines of a stream), :mod:`.filewatch` (a file's modifications from
+inotify, its instances kept for reuse: closing one costs the loop 10–20 ms), and
 :mod:`.egress` (the task's network policy, on its cgroup). May import :mod:`ckagent.node` and
 :mod:`ckagent.master` (ids) only.
 

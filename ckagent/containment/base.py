@@ -348,63 +348,6 @@ def rmdir_quietly(path: Path) -> bool:
     return True
 
 
-# inotify (no stdlib binding): cgroup.events changes are announced as IN_MODIFY.
-IN_MODIFY = 0x00000002
-IN_NONBLOCK = os.O_NONBLOCK
-IN_CLOEXEC = os.O_CLOEXEC
-
-
-class FileWatch:
-    """An inotify watch on one file (``cgroup.events``): ``await changed()`` returns after the kernel
-    reported a modification. Close it with :meth:`close` (or ``with``)."""
-
-    def __init__(self, path: Path) -> None:
-        c = libc()
-        self.fd = c.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
-        if self.fd < 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"inotify_init1: {os.strerror(err)}")
-        if c.inotify_add_watch(self.fd, os.fsencode(path), IN_MODIFY) < 0:
-            err = ctypes.get_errno()
-            os.close(self.fd)
-            raise OSError(err, f"inotify_add_watch {path}: {os.strerror(err)}")
-
-    async def changed(self) -> None:
-        """Wait for the next event(s) and consume them."""
-        while True:
-            await trio.lowlevel.wait_readable(self.fd)  # at once when events are already queued
-            try:
-                data = os.read(self.fd, 4096)
-            except BlockingIOError:
-                continue
-            if data:
-                return
-
-    def drain(self) -> bool:
-        """Consume the events queued now without waiting; True when there were any."""
-        seen = False
-        while True:
-            try:
-                data = os.read(self.fd, 4096)
-            except BlockingIOError:
-                return seen
-            if not data:
-                return seen
-            seen = True
-
-    def close(self) -> None:
-        """Stop watching (idempotent)."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def __enter__(self) -> FileWatch:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
 async def wait_pids_gone(pids: Iterable[int]) -> None:
     """Wait until every process of ``pids`` has exited, by their pidfds (kernel notifications: a
     pidfd becomes readable when its process exits). Processes already gone count as gone."""

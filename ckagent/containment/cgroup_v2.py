@@ -31,7 +31,6 @@ from ckagent.containment.base import (
     Containment,
     ContainmentError,
     Figures,
-    FileWatch,
     Limits,
     TaskJail,
     kill_pids,
@@ -41,6 +40,7 @@ from ckagent.containment.base import (
     read_text,
     rmdir_quietly,
 )
+from ckagent.containment.filewatch import FileWatch
 from ckagent.containment.hierarchy import AGENT_LEAF, task_cgroup_name
 
 log = logging.getLogger(__name__)

@@ -47,8 +47,9 @@ from typing import Any
 import trio
 
 from ckagent.containment import TaskJail
-from ckagent.containment.base import SHELL, SPIDER_OOM_SCORE_ADJ, FileWatch, make_preexec
+from ckagent.containment.base import SHELL, SPIDER_OOM_SCORE_ADJ, make_preexec
 from ckagent.containment.base import _resolve as resolve_program
+from ckagent.containment.filewatch import FileWatch
 from ckagent.containment.process_group import MARKER_VAR, SPAWNED
 from ckagent.containment.stopping import (
     Notice,
