@@ -66,6 +66,7 @@ async def test_declared_outputs_and_artifacts(dev_master, nursery: trio.Nursery,
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{agent.status_port}", timeout=10) as status:
             page = (await status.get("/")).text
             assert f'href="/tasks/{task_id}/artifacts/images/full/0.bin"' in page
+            assert "<td>delivered</td>" in page, "the master has its result (marked in the outbox's next round)"
             got = await status.get(f"/tasks/{task_id}/artifacts/images/full/0.bin")
             assert got.status_code == 200 and got.content == bytes([0]) * 1000
             assert (await status.get(f"/tasks/{task_id}/artifacts/main.py")).status_code == 404

@@ -345,7 +345,7 @@ class StatusPage:
                 f"<td class=n>{'—' if not isinstance(duration, int) else f'{duration / 1000:.1f} s'}</td>"
                 f"<td class=n>{_e(result.get('itemCount', '—'))}</td><td class=n>{_e(result.get('logLines', '—'))}</td>"
                 f"<td>{_e(resource_text(result))}</td>"
-                f"<td>{'delivered' if record.result_acked else 'sending'}</td>"
+                f"<td>{'delivered' if record.result_acked or outbox.marking(record.task_id) else 'sending'}</td>"
                 f"<td><a href=\"/tasks/{_e(record.task_id)}/log.txt\">log</a>"
                 f"{_artifact_links(record.task_id, result.get('artifacts'))}</td></tr>")
         versions = status.get("versions", {})
