@@ -254,8 +254,9 @@ class AgentMetrics:
             "ckagent_master_requests", "HTTP requests to the master by endpoint and outcome (ok, error for a "
             "transport failure, protocol_error for an answer that is not the protocol's, else the HTTP status).", ["endpoint", "outcome"], registry=r,
         )
+        self._request_series: dict[tuple[str, str], Counter] = {}  # (endpoint, outcome) → its series, looked up once
         for endpoint in ENDPOINTS:  # the endpoint table's names are the label's values: each series exists at 0
-            self.master_requests.labels(endpoint, "ok")
+            self._request_series[(endpoint, "ok")] = self.master_requests.labels(endpoint, "ok")
         self.master_latency = LatencyByEndpoint(
             "ckagent_master_request_duration_seconds", "Latency of requests to the master (a long poll "
             "includes the time the master held it).", MASTER_LATENCY_BUCKETS)
@@ -294,7 +295,10 @@ class AgentMetrics:
 
     def master_request(self, endpoint: str, outcome: str, seconds: float) -> None:
         """The master client's ``observer``: one HTTP attempt."""
-        self.master_requests.labels(endpoint, outcome).inc()
+        series = self._request_series.get((endpoint, outcome))
+        if series is None:  # a few outcomes per endpoint (ok, error, protocol_error, HTTP statuses)
+            series = self._request_series[(endpoint, outcome)] = self.master_requests.labels(endpoint, outcome)
+        series.inc()
         self.master_latency.observe(endpoint, max(0.0, seconds))
 
     def record(self, record: Record) -> None:
