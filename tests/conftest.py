@@ -11,12 +11,15 @@ skips), and ``--file-times`` adds a table of wall and CPU seconds per test file.
 
 from __future__ import annotations
 
+import http.server
 import os
 import resource
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Generator, Iterator
@@ -26,7 +29,21 @@ from typing import Any
 
 import pytest
 import trio
-from harness import ExampleRuns, RecordingMaster, serve_recording_master
+import yaml
+from harness import (
+    RUN_SH,
+    ExampleRuns,
+    RecordingMaster,
+    Releases,
+    RunShNode,
+    bump_and_build,
+    free_port,
+    pid_alive,
+    pyz_dir,
+    serve_recording_master,
+    session_build,
+    session_pyz,
+)
 
 import ckagent
 from ckagent.devmaster.client import AdminClient
@@ -355,3 +372,70 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
             terminalreporter.write_line(f"{wall:9.1f} {cpu:9.1f} {int(count):6d}  {name}")
         total = [sum(row[i] for row in files.values()) for i in range(3)]
         terminalreporter.write_line(f"{total[0]:9.1f} {total[1]:9.1f} {int(total[2]):6d}  total")
+
+
+# ------------------------------------------------------------------------------ the .pyz and run.sh (tests/harness/pyz.py, runsh.py)
+
+
+@pytest.fixture(scope="session")
+def pyz(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's ckagent.pyz (built once for every worker; do not modify it: copy it)."""
+    return session_pyz(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def bumped_pyz(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real ckagent.pyz of version 99.0.0: the session's source, bumped with build/bump_version.sh.
+    Built once per session for all pytest-xdist workers (test_adoption_runsh.py uses it too)."""
+    return session_build(tmp_path_factory, pyz_dir(tmp_path_factory).with_name("ckagent-pyz-bumped"),
+                         bump_and_build)
+
+
+@pytest.fixture
+def releases(tmp_path: Path) -> Iterator[Releases]:
+    """A static HTTP server on 127.0.0.1 (port 0) serving a fresh release directory."""
+    root = tmp_path / "releases"
+    directory = root / "ckagent"
+    directory.mkdir(parents=True)
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, directory=str(root), **kwargs)  # type: ignore[arg-type]
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield Releases(f"http://127.0.0.1:{server.server_address[1]}/ckagent", directory)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def node(tmp_path: Path, dev_master) -> Iterator[RunShNode]:
+    """A node directory in install mode, configured for the dev master; its agent is killed afterwards."""
+    directory = tmp_path / "node"
+    (directory / "config").mkdir(parents=True)
+    shutil.copy2(RUN_SH, directory / "run.sh")
+    port = free_port()
+    config = {
+        "server": {"url": dev_master.base_url},
+        "agent": {"registration_token": dev_master.registration_token, "name": "runsh-node", "ip": "127.0.0.1",
+                  "port": port, "max_workers": 1},
+        "heartbeat": {"interval": 1},
+        "task": {"poll_interval": 0.5, "long_poll_wait": 1, "kill_grace": 2, "drain_timeout": 5},
+    }
+    (directory / "config" / "config.yaml").write_text(yaml.safe_dump(config))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENT_", "SHIV_", "PYTHONPATH"))}
+    env.update(AGENT_START_TIMEOUT="30", AGENT_DOWNLOAD_TIMEOUT="30")
+    handle = RunShNode(directory, port, env)
+    try:
+        yield handle
+    finally:
+        pid = handle.pid()
+        if pid is not None and pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)

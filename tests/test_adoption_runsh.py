@@ -12,20 +12,7 @@ import sys
 from pathlib import Path
 
 import yaml
-from harness import submit
-from test_runsh import (  # noqa: F401 -- fixtures
-    BUMPED,
-    Node,
-    Releases,
-    _alive,
-    _node_registered,
-    bumped_pyz,
-    eventually,
-    node,
-    out,
-    pyz,
-    releases,
-)
+from harness import BUMPED, Releases, RunShNode, eventually, node_registered, out, pid_alive, submit
 
 import ckagent
 
@@ -43,7 +30,7 @@ for i in range(3000):
 
 
 async def test_upgrade_hands_a_running_task_over_to_the_new_agent(
-    node: Node, releases: Releases, pyz: Path, bumped_pyz: Path, dev_master  # noqa: F811 -- fixtures
+    node: RunShNode, releases: Releases, pyz: Path, bumped_pyz: Path, dev_master
 ) -> None:
     admin = dev_master.admin
     config_path = node.directory / "config" / "config.yaml"
@@ -54,7 +41,7 @@ async def test_upgrade_hands_a_running_task_over_to_the_new_agent(
     releases.publish(pyz, ckagent.__version__)
     assert (await node.sh("start", "--daemon=on", **env)).returncode == 0
     first_pid = node.pid()
-    await _node_registered(dev_master)
+    await node_registered(dev_master)
     stop = node.directory.parent / "stop-the-task"
     task_id = await submit(admin, "until-told", {"main.py": SPIDER}, params={"stop": str(stop)})
 
@@ -69,7 +56,7 @@ async def test_upgrade_hands_a_running_task_over_to_the_new_agent(
     upgraded = await node.sh("upgrade", **env)
     assert upgraded.returncode == 0 and f"upgraded to {BUMPED}: healthy" in out(upgraded), out(upgraded)
     assert "SIGUSR2, its running tasks keep running" in out(upgraded), out(upgraded)
-    assert first_pid is not None and not _alive(first_pid) and node.pid() != first_pid
+    assert first_pid is not None and not pid_alive(first_pid) and node.pid() != first_pid
     # the task outlived the old agent: the new one ships what it writes from now on (5 ticks, 1 s)
     after = len(await ticks())
 

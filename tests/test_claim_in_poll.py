@@ -24,29 +24,26 @@ import httpx
 import pytest
 import trio
 from faultproxy import FaultProxy, Request
-from harness import agent_settings, eventually, running_agent, submit
-from test_devmaster import Node, make_spider, register
-from test_lifetimes import _beat, _node
+from harness import (
+    Node,
+    agent_settings,
+    eventually,
+    heartbeat_of,
+    make_spider,
+    register,
+    running_agent,
+    store_node,
+    store_spider,
+    store_task,
+    submit,
+)
 
 from ckagent.devmaster.client import AdminClient, zip_files
-from ckagent.devmaster.packages import read_package
 from ckagent.devmaster.server import DevMasterConfig, serve
 from ckagent.devmaster.store import Store
 from ckagent.master.protocol import CLAIM_IN_POLL, Heartbeat
 
 # --------------------------------------------------------------------------- the reference master's rules
-
-
-def _spider(store: Store, name: str) -> str:
-    spider_id = store.create_spider(name=name, framework="python", command=None, timeout_seconds=None,
-                                    code_mode="package", env={})
-    zipped = zip_files({"main.py": "print('hi')\n"})
-    store.store_package(spider_id, read_package(zipped), zipped)
-    return spider_id
-
-
-def _task(store: Store, spider_id: str) -> str:
-    return store.create_task(spider_id, args=[], env={}, params={}, timeout_seconds=None)
 
 
 def _polls(beat: Heartbeat, *, open_ids: list[int], last: int | None) -> Heartbeat:
@@ -56,9 +53,9 @@ def _polls(beat: Heartbeat, *, open_ids: list[int], last: int | None) -> Heartbe
 def test_a_claiming_poll_claims_atomically_and_a_resent_poll_gets_its_claims_again(tmp_path: Path) -> None:
     store = Store(tmp_path / "m.sqlite")
     try:
-        node, other = _node(store), _node(store, "n2")
-        a, b, c = (_spider(store, name) for name in "abc")
-        a1, a2, b1, c1 = _task(store, a), _task(store, a), _task(store, b), _task(store, c)
+        node, other = store_node(store), store_node(store, "n2")
+        a, b, c = (store_spider(store, name) for name in "abc")
+        a1, a2, b1, c1 = store_task(store, a), store_task(store, a), store_task(store, b), store_task(store, c)
         tasks, cancel = store.claim_pending(node, poll_id=7, limit=2, exclude_spider_ids=[c], base_url="")
         assert [t["id"] for t in tasks] == [a1, b1] and cancel == []  # oldest first, one per spider
         assert all(t["claimed"] is True for t in tasks)
@@ -82,10 +79,10 @@ def test_a_claiming_poll_claims_atomically_and_a_resent_poll_gets_its_claims_aga
 def test_a_settled_polls_unadmitted_claims_go_back_at_once_others_wait_for_the_grace(tmp_path: Path) -> None:
     store = Store(tmp_path / "m.sqlite")
     try:
-        node = _node(store)
-        spiders = [_spider(store, f"s{i}") for i in range(3)]
+        node = store_node(store)
+        spiders = [store_spider(store, f"s{i}") for i in range(3)]
         for spider_id in spiders:
-            _task(store, spider_id)
+            store_task(store, spider_id)
         [admitted] = [t["id"] for t in store.claim_pending(node, poll_id=10, limit=1, exclude_spider_ids=[],
                                                             base_url="")[0]]
         [lost] = [t["id"] for t in store.claim_pending(node, poll_id=11, limit=1, exclude_spider_ids=[],
@@ -94,11 +91,11 @@ def test_a_settled_polls_unadmitted_claims_go_back_at_once_others_wait_for_the_g
                                                          base_url="")[0]]
         assert store.claim_grace_seconds == 60.0  # all three were claimed just now: within the grace
         # An older agent (no claimingTaskIds) is left alone; so is a beat with poll 11 still open.
-        assert store.reconcile(node, _beat(running=[admitted])) == []
-        assert store.reconcile(node, _polls(_beat(running=[admitted], claiming=[]), open_ids=[11], last=11)) == []
+        assert store.reconcile(node, heartbeat_of(running=[admitted])) == []
+        assert store.reconcile(node, _polls(heartbeat_of(running=[admitted], claiming=[]), open_ids=[11], last=11)) == []
         # Poll 11 settled without its task reaching the node (lost): back at once; poll 12 was sent
         # after the beat's snapshot (above lastClaimPollId): its claim may be on its way, left alone.
-        beat = _polls(_beat(running=[admitted], claiming=[]), open_ids=[], last=11)
+        beat = _polls(heartbeat_of(running=[admitted], claiming=[]), open_ids=[], last=11)
         assert store.reconcile(node, beat) == [lost]
         statuses = {t: store.get_task(t)["status"] for t in (admitted, lost, later)}
         assert statuses == {admitted: "RUNNING", lost: "PENDING", later: "RUNNING"}

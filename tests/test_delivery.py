@@ -12,17 +12,16 @@ import json
 import os
 import random
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import trio
+from harness import BatchMaster, master_client
 
 from ckagent.delivery import (
     JOURNAL_FILE,
-    MAX_BATCH_BYTES,
     DiskGuard,
     LineSplitter,
     LogJournal,
@@ -42,7 +41,7 @@ from ckagent.delivery.pending import Pending
 from ckagent.delivery.readers import _JournalReader
 from ckagent.delivery.spool import BATCH_AGE
 from ckagent.master.client import MasterClient
-from ckagent.master.protocol import RegisterRequest, TaskResult
+from ckagent.master.protocol import TaskResult
 from ckagent.node.state import AsyncStateStore, StateStore
 
 # ---------------------------------------------------------------------------------------------- lines
@@ -274,47 +273,6 @@ def test_log_files_are_found_by_glob_inside_the_task_dir_only(tmp_path: Path) ->
 # ---------------------------------------------------------------------------------------------- a master in memory
 
 
-class FakeMaster:
-    """The seq rules of docs/protocol.md in memory, plus faults scripted per request."""
-
-    def __init__(self) -> None:
-        self.logs: list[str] = []
-        self.items: list[Any] = []
-        self.results: list[dict[str, Any]] = []
-        self.requests: list[tuple[float, str, int, int]] = []  # (time, kind, seq, count)
-        self.fault: Callable[[str, int, list[Any]], httpx.Response | None] = lambda kind, seq, batch: None
-
-    def handler(self, request: httpx.Request) -> httpx.Response:
-        path = request.url.path
-        if path == "/api/nodes/register":
-            return httpx.Response(200, json={"nodeId": "n1", "apiKey": "k" * 20})
-        body = json.loads(request.content)
-        if path.endswith("/result"):
-            self.results.append(body)
-            return httpx.Response(200, json={})
-        kind = path.rsplit("/", 1)[1]
-        key = "lines" if kind == "logs" else "items"
-        stored = self.logs if kind == "logs" else self.items
-        seq, batch = body["seq"], body[key]
-        self.requests.append((trio.current_time(), kind, seq, len(batch)))
-        assert len(request.content) <= MAX_BATCH_BYTES + 100 or len(batch) == 1
-        fault = self.fault(kind, seq, batch)
-        if fault is not None:
-            return fault
-        if seq > len(stored):
-            return httpx.Response(409, json={"error": "gap", "expectedSeq": len(stored)})
-        stored.extend(batch[len(stored) - seq :])
-        return httpx.Response(200, json={"acceptedSeq": len(stored)})
-
-
-def master_client(fake: FakeMaster) -> MasterClient:
-    def body() -> RegisterRequest:
-        return RegisterRequest(name="n", ip="127.0.0.1", port=1, version="t", os="linux", arch="x", python="3",
-                               cpu_count=1, memory_total_bytes=1, max_workers=1)
-
-    return MasterClient("http://master.test", "token", body, transport=httpx.MockTransport(fake.handler))
-
-
 def write_task(task_dir: Path, lines: list[str], items: list[dict[str, Any]]) -> None:
     task_dir.mkdir(parents=True, exist_ok=True)
     (task_dir / "output.log").write_text("".join(f"{line}\n" for line in lines))
@@ -347,7 +305,7 @@ ITEMS = [{"n": i, "title": f"商品 {i}"} for i in range(3000)]
 async def test_everything_arrives_once_in_order_and_the_position_is_stored(
     tmp_path: Path, store: AsyncStateStore, autojump_clock: trio.abc.Clock
 ) -> None:
-    fake = FakeMaster()
+    fake = BatchMaster()
     write_task(tmp_path / "t1", LINES, ITEMS)
     logs, items = await ship(master_client(fake), store, tmp_path / "t1")
     assert fake.logs == LINES and fake.items == ITEMS
@@ -363,7 +321,7 @@ async def test_everything_arrives_once_in_order_and_the_position_is_stored(
 async def test_a_master_that_already_holds_more_is_skipped_and_one_that_lost_data_is_refilled(
     tmp_path: Path, store: AsyncStateStore, autojump_clock: trio.abc.Clock
 ) -> None:
-    fake = FakeMaster()
+    fake = BatchMaster()
     fake.logs = LINES[:7000]  # e.g. the agent crashed after the master stored, before it saved its position
     write_task(tmp_path / "t1", LINES, ITEMS)
     await store.save_stream_position("t1", "items", 2500, None)  # ... and a master restored from a backup
@@ -379,7 +337,7 @@ async def test_a_master_that_already_holds_more_is_skipped_and_one_that_lost_dat
 async def test_unavailable_master_is_retried_with_growing_backoff(
     tmp_path: Path, store: AsyncStateStore, autojump_clock: trio.abc.Clock
 ) -> None:
-    fake = FakeMaster()
+    fake = BatchMaster()
     failures = {"left": 8}
 
     def fault(kind: str, seq: int, batch: list[Any]) -> httpx.Response | None:
@@ -400,7 +358,7 @@ async def test_unavailable_master_is_retried_with_growing_backoff(
 async def test_too_large_batches_are_halved_and_a_refused_element_becomes_a_placeholder(
     tmp_path: Path, store: AsyncStateStore, autojump_clock: trio.abc.Clock
 ) -> None:
-    fake = FakeMaster()
+    fake = BatchMaster()
 
     def fault(kind: str, seq: int, batch: list[Any]) -> httpx.Response | None:
         if kind == "logs" and len(batch) > 1000:
@@ -423,7 +381,7 @@ async def test_too_large_batches_are_halved_and_a_refused_element_becomes_a_plac
 async def test_a_stream_refused_for_good_ends_and_the_result_still_goes(
     tmp_path: Path, store: AsyncStateStore, autojump_clock: trio.abc.Clock
 ) -> None:
-    fake = FakeMaster()
+    fake = BatchMaster()
     fake.fault = lambda kind, seq, batch: httpx.Response(409, json={"error": "not claimed by this node"})
     write_task(tmp_path / "t1", LINES[:100], ITEMS[:10])
     master = master_client(fake)
@@ -438,7 +396,7 @@ async def test_a_stream_refused_for_good_ends_and_the_result_still_goes(
 
 async def test_lines_arrive_while_the_file_grows(tmp_path: Path, store: AsyncStateStore) -> None:
     """A live task: lines are shipped about a second after they were written, before the end."""
-    fake = FakeMaster()
+    fake = BatchMaster()
     task_dir = tmp_path / "t1"
     task_dir.mkdir()
     journal = LogJournal(task_dir)
@@ -557,7 +515,7 @@ async def test_rejected_log_file_globs_are_named_in_the_task_log_not_dropped_sil
 
     task = Task.from_json({"id": "t-globs", "spiderId": "s", "framework": "python",
                            "params": {"logFiles": ["logs/*.log", "../secret.log", "/etc/*", 5]}})
-    outbox = Outbox(master_client(FakeMaster()), store, tmp_path)
+    outbox = Outbox(master_client(BatchMaster()), store, tmp_path)
     task_dir = tmp_path / "tasks" / task.id
     task_dir.mkdir(parents=True)
     with trio.fail_after(10):
@@ -578,7 +536,7 @@ async def test_a_hand_over_flush_sends_what_was_read_at_once(
 ) -> None:
     """Read items wait up to BATCH_AGE for a fuller batch; a hurried shipper (the hand-over's last
     flush, ckagent.delivery.outbox.HAND_OVER_FLUSH_TIMEOUT) sends them at once and says when nothing waits."""
-    fake = FakeMaster()
+    fake = BatchMaster()
     write_task(tmp_path / "t1", [], ITEMS[:5])
     items = StreamShipper.items(master_client(fake), store, "t1", tmp_path / "t1")
     idle = trio.Event()

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from test_delivery import FakeMaster, master_client
+from harness import BatchMaster, master_client
 
 from ckagent.containment.process import _copy
 from ckagent.delivery import Outbox
@@ -76,7 +76,7 @@ async def test_a_task_that_writes_nothing_costs_at_most_one_wake_up_a_second(
 
     monkeypatch.setattr(trio.to_thread, "run_sync", counting_run_sync)
 
-    fake = FakeMaster()
+    fake = BatchMaster()
     outbox = Outbox(master_client(fake), store, tmp_path)
     task = Task.from_json({"id": "t1", "spiderId": "s1", "framework": "python"})
     task_dir = tmp_path / "tasks" / "t1"
@@ -109,7 +109,7 @@ async def test_a_task_that_writes_nothing_costs_at_most_one_wake_up_a_second(
 async def test_backoff_waits_on_the_connectivity_event(
     tmp_path: Path, autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    master = master_client(FakeMaster())
+    master = master_client(BatchMaster())
     connectivity = master.connectivity
     sleeps: list[float] = []
     original_sleep = trio.sleep
@@ -222,7 +222,7 @@ async def test_noted_positions_are_written_together_by_the_outbox_once_a_second(
 
     monkeypatch.setattr(store.sync, "save_stream_positions", counting)
     monkeypatch.setattr(trio.to_thread, "run_sync", inline_run_sync)  # no real thread under the autojump clock
-    outbox = Outbox(master_client(FakeMaster()), store, tmp_path)
+    outbox = Outbox(master_client(BatchMaster()), store, tmp_path)
     task_dir = tmp_path / "tasks" / "t0"
     task_dir.mkdir(parents=True)
     await store.add_task("t0", "s1", {}, task_dir)
@@ -314,7 +314,7 @@ async def test_wake_ups_of_a_silent_task_and_of_an_idle_outbox(
     outbox's once-a-second round (shared by every task) is the rest. An outbox with no task open
     does not wake at all."""
     monkeypatch.setattr(trio.to_thread, "run_sync", inline_run_sync)
-    outbox = Outbox(master_client(FakeMaster()), store, tmp_path)
+    outbox = Outbox(master_client(BatchMaster()), store, tmp_path)
     task_dir = tmp_path / "tasks" / "t1"
     task_dir.mkdir(parents=True)
     await store.add_task("t1", "s1", {}, task_dir)
@@ -367,7 +367,7 @@ async def test_an_acknowledged_result_is_marked_in_the_outbox_round_and_at_its_s
         original(positions)
 
     monkeypatch.setattr(store.sync, "save_stream_positions", counting)
-    fake = FakeMaster()
+    fake = BatchMaster()
     outbox = Outbox(master_client(fake), store, tmp_path)
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:

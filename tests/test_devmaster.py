@@ -4,26 +4,24 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import re
 import secrets
 import sqlite3
-import zipfile
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
 import trio
+from harness import HEARTBEAT, SPIDER_FILES, Node, make_spider, make_zip, register, register_body
 
 from ckagent.devmaster import demosite
 from ckagent.devmaster.client import AdminApiError, AdminClient, zip_directory, zip_files
 from ckagent.devmaster.errors import SchemaError
 from ckagent.devmaster.store import SCHEMA_VERSION, Store
 from ckagent.devmaster.store import database as store_database
-from ckagent.master.protocol import PendingTasks, SpiderFile, Task
+from ckagent.master.protocol import SpiderFile, Task
 
 if TYPE_CHECKING:
     from conftest import DevMaster, DevMasterProcess
@@ -32,115 +30,6 @@ pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnraisableException
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def register_body(name: str) -> dict[str, Any]:
-    return {
-        "name": name,
-        "ip": "127.0.0.1",
-        "port": 9000,
-        "version": "0.1.0",
-        "os": "linux",
-        "arch": "x86_64",
-        "python": "3.11.9",
-        "cpuCount": 2,
-        "memoryTotalBytes": 8 * 1024**3,
-        "maxWorkers": 2,
-        "runtimes": {"python": "3.11.9", "node": None},
-        "labels": {"zone": "test"},
-    }
-
-
-HEARTBEAT = {
-    "status": "RUNNING",
-    "cpuPercent": 12.5,
-    "memoryPercent": 40.0,
-    "diskPercent": 50.0,
-    "memoryUsedBytes": 1024,
-    "diskFreeBytes": 4096,
-    "load1": 0.5,
-    "runningTaskIds": [],
-    "runningSpiderIds": [],
-    "maxWorkers": 2,
-    "freeSlots": 2,
-    "version": "0.1.0",
-    "uptimeSeconds": 3.0,
-}
-
-
-@dataclass
-class Node:
-    """A registered node talking raw HTTP, as an agent would."""
-
-    http: httpx.AsyncClient
-    node_id: str
-    api_key: str
-
-    @property
-    def auth(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"}
-
-    async def heartbeat(self, **changes: Any) -> httpx.Response:
-        return await self.http.post(
-            f"/api/nodes/{self.node_id}/heartbeat", json={**HEARTBEAT, **changes}, headers=self.auth
-        )
-
-    async def poll(
-        self, *, limit: int = 10, wait: float = 0, exclude: list[str] | None = None
-    ) -> dict[str, Any]:
-        params: dict[str, Any] = {"limit": limit, "waitSeconds": wait}
-        if exclude:
-            params["excludeSpiderIds"] = ",".join(exclude)
-        r = await self.http.get(f"/api/nodes/{self.node_id}/tasks/pending", params=params, headers=self.auth)
-        assert r.status_code == 200, r.text
-        body: dict[str, Any] = r.json()
-        parsed = PendingTasks.from_json(body)  # every task the master hands out must satisfy the protocol
-        assert parsed.bad_tasks == []
-        return body
-
-    async def result(self, task_id: str, status: str, **fields: Any) -> httpx.Response:
-        return await self.http.post(
-            f"/api/tasks/{task_id}/result", json={"status": status, **fields}, headers=self.auth
-        )
-
-    async def claim(self, task_id: str) -> httpx.Response:
-        return await self.result(task_id, "RUNNING", startedAt="2026-11-29T16:03:50.123Z")
-
-    async def logs(self, task_id: str, seq: int, lines: list[str]) -> httpx.Response:
-        return await self.http.post(
-            f"/api/tasks/{task_id}/logs", json={"seq": seq, "lines": lines}, headers=self.auth
-        )
-
-    async def items(self, task_id: str, seq: int, items: list[dict[str, Any]]) -> httpx.Response:
-        return await self.http.post(
-            f"/api/tasks/{task_id}/items", json={"seq": seq, "items": items}, headers=self.auth
-        )
-
-
-async def register(http: httpx.AsyncClient, token: str, name: str = "node-a") -> Node:
-    r = await http.post(
-        "/api/nodes/register", json=register_body(name), headers={"X-Registration-Token": token}
-    )
-    assert r.status_code == 200, r.text
-    body = r.json()
-    return Node(http=http, node_id=body["nodeId"], api_key=body["apiKey"])
-
-
-def make_zip(files: dict[str, bytes]) -> bytes:
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w") as archive:
-        for path, data in files.items():
-            archive.writestr(path, data)
-    return buffer.getvalue()
-
-
-SPIDER_FILES = {"main.py": b"print('hello')\n", "pkg/util.py": b"X = 1\n", "requirements.txt": b""}
-
-
-async def make_spider(admin: AdminClient, name: str = "demo", *, code_mode: str = "package") -> str:
-    spider_id = await admin.create_spider(name, "python", command=["python", "main.py"], code_mode=code_mode)
-    await admin.upload_package(spider_id, make_zip(SPIDER_FILES))
-    return spider_id
 
 
 @pytest.fixture

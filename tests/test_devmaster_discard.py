@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import trio
-from test_devmaster import make_spider, register
+from harness import make_spider, register
 
 from ckagent.devmaster.client import AdminClient
 from ckagent.devmaster.server import DevMasterConfig, serve

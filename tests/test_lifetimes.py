@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from test_poller import FakeMaster, HoldingSupervisor, register_body, task_json
+from harness import HoldingSupervisor, PollMaster, heartbeat_of, register_request, store_node, task_json
 
 from ckagent.code import workspace
 from ckagent.code.deps import Prepared
@@ -33,7 +33,7 @@ from ckagent.devmaster.errors import ConflictError
 from ckagent.devmaster.packages import read_package
 from ckagent.devmaster.store import Store
 from ckagent.master.client import MasterClient
-from ckagent.master.protocol import CodePackage, Heartbeat, RegisterRequest, Task, TaskResult
+from ckagent.master.protocol import CodePackage, RegisterRequest, Task, TaskResult
 from ckagent.node.state import AsyncStateStore, StateStore
 from ckagent.task.poller import Poller
 from ckagent.task.stop import StopReason
@@ -42,8 +42,8 @@ from ckagent.task.supervisor import RunnerConfig, Supervisor
 # ------------------------------------------------------------------------------ claims and releases
 
 
-class ReleasingMaster(FakeMaster):
-    """FakeMaster that also answers ``POST /api/tasks/{id}/release`` and records each release."""
+class ReleasingMaster(PollMaster):
+    """PollMaster that also answers ``POST /api/tasks/{id}/release`` and records each release."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -59,9 +59,9 @@ class ReleasingMaster(FakeMaster):
         return await super().__call__(request)
 
 
-def make_poller(master: FakeMaster, tmp_path: Path, max_workers: int = 2) -> tuple[Poller, HoldingSupervisor,
+def make_poller(master: PollMaster, tmp_path: Path, max_workers: int = 2) -> tuple[Poller, HoldingSupervisor,
                                                                                  MasterClient]:
-    client = MasterClient("http://master.test", "token", register_body, transport=httpx.MockTransport(master))
+    client = MasterClient("http://master.test", "token", register_request, transport=httpx.MockTransport(master))
     supervisor = HoldingSupervisor(max_workers, tmp_path)
     poller = Poller(client, supervisor, poll_interval=5.0, long_poll_wait=20.0, request_timeout=10.0)
     return poller, supervisor, client
@@ -152,7 +152,7 @@ async def test_a_slot_freed_by_a_cancel_from_the_heartbeat_is_polled_for_at_once
 ) -> None:
     # One slot, taken by t1; the cancel arrives by the heartbeat (not by a poll answer): the poller
     # waits for the slot by an event, so the next poll goes out the moment t1 has ended.
-    master = FakeMaster(answers=[{"tasks": [task_json("t1", "s1")], "cancelTaskIds": []}], hold_empty=True)
+    master = PollMaster(answers=[{"tasks": [task_json("t1", "s1")], "cancelTaskIds": []}], hold_empty=True)
     poller, sup, client = make_poller(master, tmp_path, max_workers=1)
     with trio.fail_after(600):
         async with trio.open_nursery() as work:
@@ -177,7 +177,7 @@ async def test_an_answer_with_only_stale_cancel_ids_pauses_until_their_results_a
     # listing t0 and answers every poll at once. The pause after such an answer must end as soon as
     # t0's result is delivered (then a poll can be held again and hears the next cancel at once),
     # not after poll_interval: with default settings that was the ~8-10 s wait after a cancel.
-    master = FakeMaster(answers=[{"tasks": [task_json("t1", "s1")], "cancelTaskIds": []},
+    master = PollMaster(answers=[{"tasks": [task_json("t1", "s1")], "cancelTaskIds": []},
                                  {"tasks": [], "cancelTaskIds": ["t0"]}])
     delivered = trio.Event()
 
@@ -185,7 +185,7 @@ async def test_an_answer_with_only_stale_cancel_ids_pauses_until_their_results_a
         assert task_ids == {"t0"}
         await delivered.wait()
 
-    client = MasterClient("http://master.test", "token", register_body, transport=httpx.MockTransport(master))
+    client = MasterClient("http://master.test", "token", register_request, transport=httpx.MockTransport(master))
     sup = HoldingSupervisor(2, tmp_path)
     poller = Poller(client, sup, poll_interval=10.0, long_poll_wait=20.0, request_timeout=10.0,
                     reported=reported)
@@ -258,7 +258,7 @@ async def test_a_hard_stop_during_the_install_stores_cancelled(mock_clock: Any, 
         return httpx.Response(503, json={"error": "away"})
 
     def body() -> RegisterRequest:
-        return register_body()
+        return register_request()
 
     client = MasterClient("http://master.test", "token", body, transport=httpx.MockTransport(master_away))
     store = AsyncStateStore(StateStore(tmp_path / "state.db"))
@@ -335,20 +335,6 @@ async def test_run_supervised_cancelled_from_outside_ends_the_process(mock_clock
 # ------------------------------------------------------------------------------ the reference master
 
 
-def _node(store: Store, name: str = "n1") -> str:
-    req = RegisterRequest(name=name, ip="127.0.0.1", port=9000, version="0", os="linux", arch="x86_64",
-                          python="3.11", cpu_count=2, memory_total_bytes=1 << 30, max_workers=2)
-    return store.register_node(req)[0]
-
-
-def _beat(running: list[str] | None = None, claiming: list[str] | None = None,
-          reporting: list[str] | None = None) -> Heartbeat:
-    return Heartbeat(status="RUNNING", cpu_percent=0, memory_percent=0, disk_percent=0, memory_used_bytes=0,
-                     disk_free_bytes=0, load1=0, running_task_ids=running or [], running_spider_ids=[],
-                     max_workers=2, free_slots=2, version="0", uptime_seconds=1,
-                     claiming_task_ids=claiming, reporting_task_ids=reporting)
-
-
 def _claimed_task(store: Store, node: str) -> str:
     spider_id = store.create_spider(name=f"sp-{len(store.list_spiders())}", framework="python", command=None,
                                     timeout_seconds=None, code_mode="files", env={})
@@ -362,7 +348,7 @@ def _claimed_task(store: Store, node: str) -> str:
 def test_reference_master_release_rules(tmp_path: Path) -> None:
     store = Store(tmp_path / "m.sqlite")
     try:
-        node, other = _node(store), _node(store, "n2")
+        node, other = store_node(store), store_node(store, "n2")
         task_id = _claimed_task(store, node)
         with pytest.raises(ConflictError):
             store.release_task(task_id, other, "not mine")
@@ -383,18 +369,18 @@ def test_reference_master_release_rules(tmp_path: Path) -> None:
 def test_reference_master_reconciles_against_running_claiming_and_reporting(tmp_path: Path) -> None:
     store = Store(tmp_path / "m.sqlite")
     try:
-        node = _node(store)
+        node = store_node(store)
         lost, running, claiming, reporting = (_claimed_task(store, node) for _ in range(4))
         store.claim_grace_seconds = 0.0
         # An older agent (no claimingTaskIds): left alone.
-        assert store.reconcile(node, _beat(running=[running])) == []
-        taken = store.reconcile(node, _beat(running=[running], claiming=[claiming], reporting=[reporting]))
+        assert store.reconcile(node, heartbeat_of(running=[running])) == []
+        taken = store.reconcile(node, heartbeat_of(running=[running], claiming=[claiming], reporting=[reporting]))
         assert taken == [lost]
         statuses = {t: store.get_task(t)["status"] for t in (lost, running, claiming, reporting)}
         assert statuses == {lost: "PENDING", running: "RUNNING", claiming: "RUNNING", reporting: "RUNNING"}
         # Within the grace a claim may have been answered after the beat's snapshot: left alone.
         store.claim_grace_seconds = 60.0
-        assert store.reconcile(node, _beat(claiming=[])) == []
+        assert store.reconcile(node, heartbeat_of(claiming=[])) == []
     finally:
         store.close()
 
@@ -429,7 +415,7 @@ async def test_a_download_cancelled_mid_body_closes_its_file(
             return httpx.Response(200, json={"nodeId": "node-1", "apiKey": "key-1"})
         return httpx.Response(200, stream=Hanging())
 
-    client = MasterClient("http://master.test", "token", register_body, transport=httpx.MockTransport(handler))
+    client = MasterClient("http://master.test", "token", register_request, transport=httpx.MockTransport(handler))
     ws = workspace.Workspaces(tmp_path / "spiders", client)
     package = CodePackage(url="http://master.test/api/packages/s1/v1.zip", sha256="0" * 64, size_bytes=10_000)
     with trio.fail_after(600):

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
+from harness import BatchMaster, master_client
 from prometheus_client.parser import text_string_to_metric_families
 
 from ckagent.delivery import LineSplitter, Outbox, SpoolCounter
@@ -346,7 +347,6 @@ async def test_counting_the_outbox_lets_the_loop_run(tmp_path: Path) -> None:
 async def test_outbox_figures_of_a_resumed_delivery_start_from_its_stored_positions(tmp_path: Path) -> None:
     """Outbox.figures counts from the deliveries in memory: a task an earlier run left unsent counts
     what its stored positions do not cover from the first look (not everything, nor as shipped now)."""
-    from test_delivery import FakeMaster, master_client
 
     store = _store(tmp_path)
     t1 = _task_dir(tmp_path, "t1")
@@ -356,7 +356,7 @@ async def test_outbox_figures_of_a_resumed_delivery_start_from_its_stored_positi
     store.save_stream_position("t1", "log", 2, {"j": 0, "p": {}})
     store.save_stream_position("t1", "items", 1, {"offset": 9})
     store.set_result("t1", TaskResult(status="SUCCESS").to_json())
-    fake = FakeMaster()
+    fake = BatchMaster()
     fake.fault = lambda kind, seq, batch: httpx.Response(503, json={"error": "away"})  # nothing is acknowledged
     outbox = Outbox(master_client(fake), AsyncStateStore(store), tmp_path)
     with trio.fail_after(20):

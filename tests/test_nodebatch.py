@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import trio
-from harness import agent_settings, running_agent, submit
+from harness import BatchMaster, agent_settings, master_client, running_agent, submit
 
 import ckagent.devmaster.node_api as devmaster_node_api
 from ckagent.delivery.nodebatch import _settle, _Waiter
@@ -90,14 +90,13 @@ def test_a_batch_result_is_classified_as_its_own_endpoints_answer(result: Any, k
 def test_lines_wait_less_when_they_share_node_batches(tmp_path: Path) -> None:
     """A log batch waits NODE_LOG_BATCH_AGE (not LOG_BATCH_AGE) while node batches are on: the request
     is shared, so a shorter wait costs no extra request (lag p99, bench.manytasks). Items keep theirs."""
-    from test_delivery import FakeMaster, master_client
 
     from ckagent.delivery import Masker, StreamShipper
     from ckagent.delivery.nodebatch import NodeBatcher
     from ckagent.delivery.spool import BATCH_AGE, LOG_BATCH_AGE, NODE_LOG_BATCH_AGE
     from ckagent.node.state import AsyncStateStore, StateStore
 
-    master = master_client(FakeMaster())
+    master = master_client(BatchMaster())
     store = AsyncStateStore(StateStore(tmp_path / "state.db"))
     logs = StreamShipper.logs(master, store, "t1", tmp_path, Masker([]))
     items = StreamShipper.items(master, store, "t1", tmp_path)

@@ -6,10 +6,7 @@ The supervisor is the real one (admission, free slots, running spiders, waiting 
 
 from __future__ import annotations
 
-import inspect
-import json
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -17,115 +14,24 @@ from typing import Any
 import httpx
 import pytest
 import trio
+from harness import PENDING, HoldingSupervisor, PollMaster, register_request, task_json
 
 from ckagent.master.client import MasterClient
-from ckagent.master.protocol import CLAIM_IN_POLL, POLL_FOLLOWS_RESULTS, RegisterRequest, Task
+from ckagent.master.protocol import CLAIM_IN_POLL, POLL_FOLLOWS_RESULTS, Task
 from ckagent.task.poller import Poller
 from ckagent.task.stop import StopReason
-from ckagent.task.supervisor import RunnerConfig, RunningTask, Supervisor
 
 POLL_INTERVAL = 5.0
 LONG_POLL_WAIT = 20.0
-PENDING = "/api/nodes/node-1/tasks/pending"
-
-
-def task_json(task_id: str, spider_id: str, **extra: Any) -> dict[str, Any]:
-    return {"id": task_id, "spiderId": spider_id, "spiderName": spider_id, "framework": "python",
-            "command": None, "args": [], "env": {}, "timeoutSeconds": None, "codeVersion": None,
-            "codePackage": None, "params": {}, **extra}
-
-
-class HoldingSupervisor(Supervisor):
-    """The real Supervisor, except that a task just holds its slot until ``release(task_id)``."""
-
-    def __init__(self, max_workers: int, tmp_path: Path) -> None:
-        # Nothing but admission is used: every collaborator (master, store, workspaces, ...) is None.
-        required = {name: None for name, param in inspect.signature(Supervisor.__init__).parameters.items()
-                    if param.kind is param.KEYWORD_ONLY and param.default is param.empty}
-        super().__init__(RunnerConfig(tmp_path, 60.0, 1.0), None, None, None, None,  # type: ignore[arg-type]
-                         max_workers, **required)
-        self.started: list[str] = []
-        self._release: dict[str, trio.Event] = {}
-
-    async def run_task(self, rt: RunningTask) -> None:
-        self.started.append(rt.task.id)
-        try:
-            await self._release.setdefault(rt.task.id, trio.Event()).wait()
-        finally:
-            self.task_left(rt.task.id)  # as the real runner does
-
-    def release(self, task_id: str) -> None:
-        self._release.setdefault(task_id, trio.Event()).set()
-
-
-@dataclass
-class Poll:
-    at: float
-    params: dict[str, str]
-
-
-@dataclass
-class FakeMaster:
-    """Scripted answers to /tasks/pending (one per poll; then empty) and a log of what the agent sent."""
-
-    answers: list[dict[str, Any]] = field(default_factory=list)
-    hold_empty: bool = False  # long poll: an empty answer is held for waitSeconds
-    claim_status: Callable[[str], int] = lambda task_id: 200
-    claim_delay: float = 0.0  # seconds the master takes to answer a claim
-    polls: list[Poll] = field(default_factory=list)
-    answered_at: list[float] = field(default_factory=list)
-    results: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
-    poll_event: trio.Event = field(default_factory=trio.Event)
-    features: list[str] = field(default_factory=list)  # the registration answer's (claim-in-poll)
-    lose_polls: int = 0  # the first polls' answers are lost on the way (a 502 after the master acted)
-    releases: list[str] = field(default_factory=list)
-
-    async def __call__(self, request: httpx.Request) -> httpx.Response:
-        path = request.url.path
-        if path == "/api/nodes/register":
-            return httpx.Response(200, json={"nodeId": "node-1", "apiKey": "key-1", "features": self.features})
-        if path.startswith("/api/tasks/") and path.endswith("/release"):
-            self.releases.append(path.split("/")[3])
-            return httpx.Response(200, json={"ok": True, "status": "PENDING"})
-        if path == PENDING:
-            self.polls.append(Poll(trio.current_time(), dict(request.url.params)))
-            self.poll_event.set()
-            self.poll_event = trio.Event()
-            if self.lose_polls:
-                self.lose_polls -= 1
-                return httpx.Response(502, text="bad gateway")
-            answer = self.answers.pop(0) if self.answers else {"tasks": [], "cancelTaskIds": []}
-            if not answer["tasks"] and self.hold_empty:
-                await trio.sleep(float(request.url.params["waitSeconds"]))
-            self.answered_at.append(trio.current_time())
-            return httpx.Response(200, json=answer)
-        if path.startswith("/api/tasks/") and path.endswith("/result"):
-            task_id = path.split("/")[3]
-            body = json.loads(request.content)
-            self.results.setdefault(task_id, []).append(body)
-            if body["status"] == "RUNNING":
-                await trio.sleep(self.claim_delay)
-            status = self.claim_status(task_id) if body["status"] == "RUNNING" else 200
-            return httpx.Response(status, json={"error": "already claimed"} if status == 409 else {"ok": True})
-        return httpx.Response(404, json={"error": f"no route {path}"})
-
-    async def wait_polls(self, count: int) -> None:
-        while len(self.polls) < count:
-            await self.poll_event.wait()
-
-
-def register_body() -> RegisterRequest:
-    return RegisterRequest(name="n1", ip="127.0.0.1", port=9000, version="0", os="linux", arch="x86_64",
-                           python="3.11", cpu_count=2, memory_total_bytes=1 << 30, max_workers=2)
 
 
 async def run_poller(
-    master: FakeMaster, tmp_path: Path, body: Callable[[Poller, HoldingSupervisor], Awaitable[None]],
+    master: PollMaster, tmp_path: Path, body: Callable[[Poller, HoldingSupervisor], Awaitable[None]],
     *, max_workers: int = 3, long_poll_wait: float = LONG_POLL_WAIT,
     cannot_run: Callable[[Task], str | None] | None = None,
 ) -> HoldingSupervisor:
     """Run a poller against ``master`` while ``body`` runs, then cancel it."""
-    client = MasterClient("http://master.test", "token", register_body, transport=httpx.MockTransport(master))
+    client = MasterClient("http://master.test", "token", register_request, transport=httpx.MockTransport(master))
     supervisor = HoldingSupervisor(max_workers, tmp_path)
     poller = Poller(client, supervisor, poll_interval=POLL_INTERVAL, long_poll_wait=long_poll_wait,
                     request_timeout=10.0, cannot_run=cannot_run)
@@ -142,7 +48,7 @@ async def run_poller(
 
 
 async def test_limit_is_free_slots_and_running_spiders_are_excluded(autojump_clock: Any, tmp_path: Path) -> None:
-    master = FakeMaster(answers=[
+    master = PollMaster(answers=[
         {"tasks": [task_json("t1", "s1")], "cancelTaskIds": []},
         {"tasks": [task_json("t2", "s2")], "cancelTaskIds": []},
         {"tasks": [task_json("t3", "s3")], "cancelTaskIds": []},
@@ -176,7 +82,7 @@ async def test_limit_is_free_slots_and_running_spiders_are_excluded(autojump_clo
 
 
 async def test_a_claimed_answer_starts_its_tasks_without_a_claim(autojump_clock: Any, tmp_path: Path) -> None:
-    master = FakeMaster(answers=[
+    master = PollMaster(answers=[
         {"tasks": [task_json("t1", "s1", claimed=True), task_json("t2", "s2", claimed=True)], "cancelTaskIds": []},
     ], hold_empty=True, features=[CLAIM_IN_POLL])
 
@@ -197,7 +103,7 @@ async def test_a_claimed_answer_starts_its_tasks_without_a_claim(autojump_clock:
 
 async def test_a_lost_claiming_answer_is_asked_again_with_the_same_poll_id(autojump_clock: Any,
                                                                            tmp_path: Path) -> None:
-    master = FakeMaster(answers=[{"tasks": [task_json("t1", "s1", claimed=True)], "cancelTaskIds": []}],
+    master = PollMaster(answers=[{"tasks": [task_json("t1", "s1", claimed=True)], "cancelTaskIds": []}],
                         hold_empty=True, features=[CLAIM_IN_POLL], lose_polls=2)
 
     async def body(poller: Poller, sup: HoldingSupervisor) -> None:
@@ -210,7 +116,7 @@ async def test_a_lost_claiming_answer_is_asked_again_with_the_same_poll_id(autoj
 
 
 async def test_a_claimed_task_the_node_cannot_run_is_given_back(autojump_clock: Any, tmp_path: Path) -> None:
-    master = FakeMaster(answers=[
+    master = PollMaster(answers=[
         {"tasks": [task_json("t1", "s1", claimed=True), task_json("t2", "nodejs", claimed=True)], "cancelTaskIds": []},
     ], hold_empty=True, features=[CLAIM_IN_POLL])
 
@@ -225,8 +131,8 @@ async def test_a_claimed_task_the_node_cannot_run_is_given_back(autojump_clock: 
 
 
 async def test_a_stop_cuts_the_claiming_poll_off_and_settles_its_id(autojump_clock: Any, tmp_path: Path) -> None:
-    master = FakeMaster(hold_empty=True, features=[CLAIM_IN_POLL])
-    client = MasterClient("http://master.test", "token", register_body, transport=httpx.MockTransport(master))
+    master = PollMaster(hold_empty=True, features=[CLAIM_IN_POLL])
+    client = MasterClient("http://master.test", "token", register_request, transport=httpx.MockTransport(master))
     sup = HoldingSupervisor(2, tmp_path)
     poller = Poller(client, sup, poll_interval=POLL_INTERVAL, long_poll_wait=LONG_POLL_WAIT, request_timeout=10.0)
     with trio.fail_after(60):
@@ -245,7 +151,7 @@ async def test_a_stop_cuts_the_claiming_poll_off_and_settles_its_id(autojump_clo
 
 
 async def test_held_long_poll_is_followed_by_an_immediate_poll(autojump_clock: Any, tmp_path: Path) -> None:
-    master = FakeMaster(hold_empty=True)
+    master = PollMaster(hold_empty=True)
 
     async def body(poller: Poller, sup: HoldingSupervisor) -> None:
         await master.wait_polls(4)
@@ -258,7 +164,7 @@ async def test_held_long_poll_is_followed_by_an_immediate_poll(autojump_clock: A
 
 
 async def test_instant_empty_answer_waits_poll_interval(autojump_clock: Any, tmp_path: Path) -> None:
-    master = FakeMaster(hold_empty=False)
+    master = PollMaster(hold_empty=False)
 
     async def body(poller: Poller, sup: HoldingSupervisor) -> None:
         await master.wait_polls(4)
@@ -270,7 +176,7 @@ async def test_instant_empty_answer_waits_poll_interval(autojump_clock: Any, tmp
 
 async def test_without_long_poll_every_empty_answer_waits_poll_interval(autojump_clock: Any,
                                                                         tmp_path: Path) -> None:
-    master = FakeMaster()
+    master = PollMaster()
 
     async def body(poller: Poller, sup: HoldingSupervisor) -> None:
         await master.wait_polls(3)
@@ -282,7 +188,7 @@ async def test_without_long_poll_every_empty_answer_waits_poll_interval(autojump
 
 
 async def test_an_answer_with_tasks_is_followed_by_an_immediate_poll(autojump_clock: Any, tmp_path: Path) -> None:
-    master = FakeMaster(answers=[{"tasks": [task_json("t1", "s1")], "cancelTaskIds": []}])
+    master = PollMaster(answers=[{"tasks": [task_json("t1", "s1")], "cancelTaskIds": []}])
 
     async def body(poller: Poller, sup: HoldingSupervisor) -> None:
         await master.wait_polls(2)
@@ -294,7 +200,7 @@ async def test_an_answer_with_tasks_is_followed_by_an_immediate_poll(autojump_cl
 async def test_held_poll_excluding_a_spider_that_finished_is_asked_again(autojump_clock: Any,
                                                                          tmp_path: Path) -> None:
     # A spider's next task must not wait out a long poll that still excludes the spider (bench.dispatch).
-    master = FakeMaster(answers=[{"tasks": [task_json("t1", "s1")], "cancelTaskIds": []}], hold_empty=True)
+    master = PollMaster(answers=[{"tasks": [task_json("t1", "s1")], "cancelTaskIds": []}], hold_empty=True)
 
     async def body(poller: Poller, sup: HoldingSupervisor) -> None:
         await master.wait_polls(2)
@@ -316,7 +222,7 @@ async def test_a_held_poll_is_kept_across_a_spider_finishing_with_a_master_that_
 ) -> None:
     # poll-follows-results: the master hands the spider's next task out in the held poll once the
     # node's result arrives, so the poll (and its connection) is not abandoned when the spider ends.
-    master = FakeMaster(answers=[{"tasks": [task_json("t1", "s1")], "cancelTaskIds": []}], hold_empty=True,
+    master = PollMaster(answers=[{"tasks": [task_json("t1", "s1")], "cancelTaskIds": []}], hold_empty=True,
                         features=[POLL_FOLLOWS_RESULTS])
 
     async def body(poller: Poller, sup: HoldingSupervisor) -> None:
@@ -336,7 +242,7 @@ async def test_a_held_poll_is_kept_across_a_spider_finishing_with_a_master_that_
 
 
 async def test_the_claims_of_one_answer_go_out_together(autojump_clock: Any, tmp_path: Path) -> None:
-    master = FakeMaster(answers=[{"tasks": [task_json("t1", "s1"), task_json("t2", "s2")], "cancelTaskIds": []}],
+    master = PollMaster(answers=[{"tasks": [task_json("t1", "s1"), task_json("t2", "s2")], "cancelTaskIds": []}],
                         hold_empty=True, claim_delay=1.0)
 
     async def body(poller: Poller, sup: HoldingSupervisor) -> None:
@@ -350,7 +256,7 @@ async def test_the_claims_of_one_answer_go_out_together(autojump_clock: Any, tmp
 
 
 async def test_a_task_claimed_elsewhere_is_not_admitted(autojump_clock: Any, tmp_path: Path) -> None:
-    master = FakeMaster(
+    master = PollMaster(
         answers=[{"tasks": [task_json("lost", "s1"), task_json("won", "s2")], "cancelTaskIds": []}],
         claim_status=lambda task_id: 409 if task_id == "lost" else 200,
     )
@@ -370,7 +276,7 @@ async def test_a_task_claimed_elsewhere_is_not_admitted(autojump_clock: Any, tmp
 
 
 async def test_every_claim_lost_admits_nothing(autojump_clock: Any, tmp_path: Path) -> None:
-    master = FakeMaster(answers=[{"tasks": [task_json("t1", "s1")], "cancelTaskIds": []}],
+    master = PollMaster(answers=[{"tasks": [task_json("t1", "s1")], "cancelTaskIds": []}],
                         claim_status=lambda task_id: 409)
 
     async def body(poller: Poller, sup: HoldingSupervisor) -> None:
@@ -383,7 +289,7 @@ async def test_every_claim_lost_admits_nothing(autojump_clock: Any, tmp_path: Pa
 
 async def test_a_malformed_task_is_reported_bad_and_the_good_one_runs(autojump_clock: Any, tmp_path: Path) -> None:
     bad = task_json("bad1", "s9", framework="cobol")
-    master = FakeMaster(answers=[{"tasks": [bad, task_json("good", "s1")], "cancelTaskIds": []}])
+    master = PollMaster(answers=[{"tasks": [bad, task_json("good", "s1")], "cancelTaskIds": []}])
 
     async def body(poller: Poller, sup: HoldingSupervisor) -> None:
         await master.wait_polls(2)
@@ -398,7 +304,7 @@ async def test_a_malformed_task_is_reported_bad_and_the_good_one_runs(autojump_c
 
 
 async def test_cancel_ids_in_the_poll_answer_stop_running_tasks(autojump_clock: Any, tmp_path: Path) -> None:
-    master = FakeMaster(answers=[
+    master = PollMaster(answers=[
         {"tasks": [task_json("t1", "s1")], "cancelTaskIds": []},
         {"tasks": [], "cancelTaskIds": ["t1", "unknown"]},
     ])
@@ -416,7 +322,7 @@ async def test_a_task_ending_during_the_poll_interval_is_followed_by_an_immediat
     # A cancel arrives in an answer without tasks (the master answers at once): the cancelled task's
     # spider frees a moment later, and its next task must not wait out poll_interval (new-user trial:
     # 3.7 s instead of ~10 ms).
-    master = FakeMaster(answers=[
+    master = PollMaster(answers=[
         {"tasks": [task_json("t1", "s1")], "cancelTaskIds": []},
         {"tasks": [], "cancelTaskIds": ["t1"]},
         {"tasks": [], "cancelTaskIds": []},
@@ -437,7 +343,7 @@ async def test_a_task_ending_during_the_poll_interval_is_followed_by_an_immediat
 @pytest.mark.parametrize("status", [500, 403])
 async def test_poll_trouble_is_retried_not_fatal(status: int, autojump_clock: Any, tmp_path: Path) -> None:
     failures = [status, status]
-    base = FakeMaster(answers=[{"tasks": [task_json("t1", "s1")], "cancelTaskIds": []}])
+    base = PollMaster(answers=[{"tasks": [task_json("t1", "s1")], "cancelTaskIds": []}])
 
     async def master(request: httpx.Request) -> httpx.Response:
         if request.url.path == PENDING and failures:
@@ -445,7 +351,7 @@ async def test_poll_trouble_is_retried_not_fatal(status: int, autojump_clock: An
             return httpx.Response(status, json={"error": "trouble"})
         return await base(request)
 
-    client = MasterClient("http://master.test", "token", register_body, transport=httpx.MockTransport(master))
+    client = MasterClient("http://master.test", "token", register_request, transport=httpx.MockTransport(master))
     sup = HoldingSupervisor(2, tmp_path)
     poller = Poller(client, sup, poll_interval=POLL_INTERVAL, long_poll_wait=LONG_POLL_WAIT, request_timeout=10.0)
     with trio.fail_after(3600):
@@ -469,8 +375,8 @@ async def test_a_gate_closing_cuts_the_poll_in_flight_and_no_poll_goes_out_until
     from ckagent.node.intake import IntakeGate
 
     gate = IntakeGate()
-    master = FakeMaster(hold_empty=True, features=[CLAIM_IN_POLL])
-    client = MasterClient("http://master.test", "token", register_body, transport=httpx.MockTransport(master))
+    master = PollMaster(hold_empty=True, features=[CLAIM_IN_POLL])
+    client = MasterClient("http://master.test", "token", register_request, transport=httpx.MockTransport(master))
     sup = HoldingSupervisor(2, tmp_path)
     poller = Poller(client, sup, poll_interval=POLL_INTERVAL, long_poll_wait=LONG_POLL_WAIT, request_timeout=10.0,
                     gate=gate)

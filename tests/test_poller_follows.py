@@ -24,11 +24,17 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from harness import agent_settings, running_agent
-from test_claim_in_poll import _spider, _task
-from test_devmaster import Node, make_spider, register
-from test_lifetimes import _node
-from test_supervision import eventually
+from harness import (
+    Node,
+    agent_settings,
+    eventually,
+    make_spider,
+    register,
+    running_agent,
+    store_node,
+    store_spider,
+    store_task,
+)
 
 from ckagent.devmaster.client import AdminClient, zip_files
 from ckagent.devmaster.server import DevMasterConfig, serve
@@ -45,9 +51,9 @@ def _finish(store: Store, task_id: str, node: str) -> None:
 def test_a_running_spider_is_excluded_until_the_nodes_task_of_it_ends(tmp_path: Path) -> None:
     store = Store(tmp_path / "m.sqlite")
     try:
-        node = _node(store)
-        a, b = _spider(store, "a"), _spider(store, "b")
-        a1, a2, b1 = _task(store, a), _task(store, a), _task(store, b)
+        node = store_node(store)
+        a, b = store_spider(store, "a"), store_spider(store, "b")
+        a1, a2, b1 = store_task(store, a), store_task(store, a), store_task(store, b)
         [got], _ = store.claim_pending(node, poll_id=1, limit=1, exclude_spider_ids=[], base_url="")
         assert got["id"] == a1
         # a1 runs on the node: a stays excluded; b is excluded without running here (cannot run it).

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_pyz import REPO, frozen_source, session_pyz
+from harness import REPO, frozen_source, session_pyz
 
 import ckagent
 

@@ -8,54 +8,34 @@ that answers ``version`` but never serves /healthz.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import http.server
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import zipfile
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 import trio
 import yaml
-from harness import eventually
-from test_pyz import REPO, build_pyz, free_port, pyz_dir, session_build, session_pyz
+from harness import (
+    BUMPED,
+    REPO,
+    RUN_SH,
+    Releases,
+    RunShNode,
+    eventually,
+    free_port,
+    node_registered,
+    out,
+    pid_alive,
+    same,
+)
 
 import ckagent
 
-RUN_SH = REPO / "run.sh"
-BUMPED = "99.0.0"
 BROKEN = "100.0.0"
-
-
-@pytest.fixture(scope="session")
-def pyz(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The session's ckagent.pyz (shared with test_pyz.py)."""
-    return session_pyz(tmp_path_factory)
-
-
-def _bump_and_build(source: Path, output: Path) -> Path:
-    bumped = subprocess.run(["bash", str(REPO / "build" / "bump_version.sh"), "--root", str(source), BUMPED],
-                            capture_output=True, text=True, timeout=120, check=False)
-    assert bumped.returncode == 0 and bumped.stdout.strip() == f"{ckagent.__version__} -> {BUMPED}", bumped
-    return build_pyz(source, output)
-
-
-@pytest.fixture(scope="session")
-def bumped_pyz(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real ckagent.pyz of version 99.0.0: the session's source, bumped with build/bump_version.sh.
-    Built once per session for all pytest-xdist workers (test_adoption_runsh.py uses it too)."""
-    return session_build(tmp_path_factory, pyz_dir(tmp_path_factory).with_name("ckagent-pyz-bumped"),
-                         _bump_and_build)
 
 
 _BROKEN_MAIN = f"""
@@ -99,107 +79,7 @@ def crashing_pyz(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@dataclass
-class Releases:
-    """A release index served over HTTP: ``url`` is AGENT_RELEASE_URL, files live in ``directory``."""
-
-    url: str
-    directory: Path
-
-    def publish(self, pyz: Path, version: str, *, latest: bool = True, sha256: str | None = None,
-                uv: Path | None = None) -> str:
-        """Copy ``pyz`` as ckagent-<version>.pyz and write <version>.json (and latest.json), naming ``uv``
-        (copied as uv-<its version>-linux-x86_64) when given. Returns the pyz's sha256."""
-        name = f"ckagent-{version}.pyz"
-        shutil.copyfile(pyz, self.directory / name)
-        digest = hashlib.sha256(pyz.read_bytes()).hexdigest()
-        entry: dict[str, object] = {"version": version, "url": name, "sha256": sha256 or digest,
-                                    "sizeBytes": pyz.stat().st_size}
-        if uv is not None:
-            uv_version = subprocess.run([str(uv), "--version"], capture_output=True, text=True,
-                                        check=True).stdout.split()[1]
-            uv_name = f"uv-{uv_version}-linux-x86_64"
-            shutil.copyfile(uv, self.directory / uv_name)
-            entry["uv"] = {"version": uv_version, "url": uv_name,
-                           "sha256": hashlib.sha256((self.directory / uv_name).read_bytes()).hexdigest()}
-        (self.directory / f"{version}.json").write_text(json.dumps(entry))
-        if latest:
-            (self.directory / "latest.json").write_text(json.dumps(entry))
-        return digest
-
-
-@pytest.fixture
-def releases(tmp_path: Path) -> Iterator[Releases]:
-    """A static HTTP server on 127.0.0.1 (port 0) serving a fresh release directory."""
-    root = tmp_path / "releases"
-    directory = root / "ckagent"
-    directory.mkdir(parents=True)
-
-    class Handler(http.server.SimpleHTTPRequestHandler):
-        def __init__(self, *args: object, **kwargs: object) -> None:
-            super().__init__(*args, directory=str(root), **kwargs)  # type: ignore[arg-type]
-
-        def log_message(self, format: str, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield Releases(f"http://127.0.0.1:{server.server_address[1]}/ckagent", directory)
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def _free_port() -> int:
-    """A free port on 127.0.0.1 that no other test process uses (:func:`test_pyz.free_port`)."""
-    return free_port()
-
-
-@dataclass
-class Node:
-    """An operator's directory: run.sh + config/config.yaml; ``port`` is the agent's status port."""
-
-    directory: Path
-    port: int
-    env: dict[str, str]
-
-    @property
-    def run_sh(self) -> Path:
-        return self.directory / "run.sh"
-
-    def pid(self) -> int | None:
-        """The pid in agent.pid, if the file exists."""
-        path = self.directory / "agent.pid"
-        return int(path.read_text()) if path.exists() else None
-
-    async def sh(self, *args: str, **env: str) -> subprocess.CompletedProcess[bytes]:
-        """Run ``bash run.sh args`` (≤ 120 s) from the test's cwd; returns the completed process (any rc)."""
-        with trio.fail_after(120):
-            return await trio.run_process(["bash", str(self.run_sh), *args], env={**self.env, **env},
-                                          capture_stdout=True, capture_stderr=True, check=False)
-
-    async def healthz(self) -> int:
-        """The status code of the agent's /healthz (0 when nothing answers)."""
-        try:
-            async with httpx.AsyncClient(timeout=2) as client:
-                return (await client.get(f"http://127.0.0.1:{self.port}/healthz")).status_code
-        except httpx.HTTPError:
-            return 0
-
-
-def same(a: Path, b: Path) -> bool:
-    """Whether two files hold the same bytes."""
-    return a.read_bytes() == b.read_bytes()
-
-
-def out(result: subprocess.CompletedProcess[bytes]) -> str:
-    """stdout + stderr of a run.sh call, as text."""
-    return result.stdout.decode(errors="replace") + result.stderr.decode(errors="replace")
-
-
-def _saved_args(node: Node) -> list[bytes]:
+def _saved_args(node: RunShNode) -> list[bytes]:
     return (node.directory / ".last_daemon_args").read_bytes().split(b"\0")
 
 
@@ -207,51 +87,7 @@ def _cmdline(pid: int) -> bytes:
     return Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie still answers kill(0) but has left /proc/<pid>/cmdline empty
-    with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/cmdline").read_bytes() != b""
-    return False
-
-
-@pytest.fixture
-def node(tmp_path: Path, dev_master) -> Iterator[Node]:
-    """A node directory in install mode, configured for the dev master; its agent is killed afterwards."""
-    directory = tmp_path / "node"
-    (directory / "config").mkdir(parents=True)
-    shutil.copy2(RUN_SH, directory / "run.sh")
-    port = _free_port()
-    config = {
-        "server": {"url": dev_master.base_url},
-        "agent": {"registration_token": dev_master.registration_token, "name": "runsh-node", "ip": "127.0.0.1",
-                  "port": port, "max_workers": 1},
-        "heartbeat": {"interval": 1},
-        "task": {"poll_interval": 0.5, "long_poll_wait": 1, "kill_grace": 2, "drain_timeout": 5},
-    }
-    (directory / "config" / "config.yaml").write_text(yaml.safe_dump(config))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENT_", "SHIV_", "PYTHONPATH"))}
-    env.update(AGENT_START_TIMEOUT="30", AGENT_DOWNLOAD_TIMEOUT="30")
-    handle = Node(directory, port, env)
-    try:
-        yield handle
-    finally:
-        pid = handle.pid()
-        if pid is not None and _alive(pid):
-            os.kill(pid, signal.SIGKILL)
-
-
-async def _node_registered(dev_master, name: str = "runsh-node") -> None:
-    async def beating() -> bool:
-        return any(n.get("name") == name and n.get("lastHeartbeatAt") for n in await dev_master.admin.list_nodes())
-
-    await eventually(beating, 30)
-
-
-async def test_install_mode_downloads_starts_reports_and_stops(node: Node, releases: Releases, pyz: Path,
+async def test_install_mode_downloads_starts_reports_and_stops(node: RunShNode, releases: Releases, pyz: Path,
                                                                 dev_master) -> None:
     refused = await node.sh("start", "--daemon=on", AGENT_AUTO_INSTALL="off", AGENT_RELEASE_URL=releases.url)
     assert refused.returncode == 1
@@ -265,12 +101,12 @@ async def test_install_mode_downloads_starts_reports_and_stops(node: Node, relea
     assert "started" in out(started)
     assert same((node.directory / "ckagent.pyz"), pyz)
     pid = node.pid()
-    assert pid is not None and _alive(pid)
+    assert pid is not None and pid_alive(pid)
     saved = _saved_args(node)
     assert saved[:2] == [b"-c", str(node.directory / "config" / "config.yaml").encode()]
     assert list((node.directory / ".ckagent" / "pyz").glob("ckagent.pyz_*/site-packages/ckagent"))
     assert (node.directory / "data" / "state.db").exists(), "work_dir ./data is next to run.sh"
-    await _node_registered(dev_master)
+    await node_registered(dev_master)
     assert await node.healthz() == 200
 
     status = await node.sh("status")
@@ -283,31 +119,31 @@ async def test_install_mode_downloads_starts_reports_and_stops(node: Node, relea
     restarted = await node.sh("restart")
     assert restarted.returncode == 0, out(restarted)
     new_pid = node.pid()
-    assert new_pid is not None and new_pid != pid and not _alive(pid) and _alive(new_pid)
+    assert new_pid is not None and new_pid != pid and not pid_alive(pid) and pid_alive(new_pid)
     assert _saved_args(node)[:2] == saved[:2]
 
     stopped = await node.sh("stop")
     # the bound comes from the config: drain_timeout 5 + kill_grace 2 + flush_timeout 10 + 10
     assert stopped.returncode == 0 and "up to 27s" in out(stopped) and "SIGKILL" not in out(stopped), out(stopped)
-    assert not _alive(new_pid) and node.pid() is None
+    assert not pid_alive(new_pid) and node.pid() is None
     assert "ckagent stopped" in (node.directory / "logs" / "agent.log").read_text()
     down = await node.sh("status")
     assert down.returncode == 3 and "not running" in out(down)
 
 
-async def test_start_and_status_fail_for_an_agent_that_does_not_answer(node: Node, releases: Releases, pyz: Path,
+async def test_start_and_status_fail_for_an_agent_that_does_not_answer(node: RunShNode, releases: Releases, pyz: Path,
                                                                        broken_pyz: Path, dev_master) -> None:
     releases.publish(pyz, ckagent.__version__)
     assert (await node.sh("start", "--daemon=on", AGENT_RELEASE_URL=releases.url)).returncode == 0
     pid = node.pid()
     assert pid is not None
     # running, but /healthz (here: a port nothing listens on) does not answer: status 4, start 1
-    deaf = f"http://127.0.0.1:{_free_port()}/healthz"
+    deaf = f"http://127.0.0.1:{free_port()}/healthz"
     status = await node.sh("status", AGENT_HEALTH_URL=deaf)
     assert status.returncode == 4 and "does not answer" in out(status) and "000" in out(status), out(status)
     again = await node.sh("start", "--daemon=on", AGENT_HEALTH_URL=deaf)
     assert again.returncode == 1 and "already running" in out(again) and "restart" in out(again), out(again)
-    assert (await node.sh("stop")).returncode == 0 and not _alive(pid)
+    assert (await node.sh("stop")).returncode == 0 and not pid_alive(pid)
     # a release that hangs at start: start fails, prints the end of the log, leaves nothing running
     shutil.copyfile(broken_pyz, node.directory / "ckagent.pyz")
     hung = await node.sh("start", "--daemon=on", AGENT_START_TIMEOUT="2")
@@ -317,7 +153,7 @@ async def test_start_and_status_fail_for_an_agent_that_does_not_answer(node: Nod
     assert (await node.sh("status")).returncode == 3
 
 
-async def test_start_waits_for_ready_and_prints_the_first_clear_error(node: Node, releases: Releases, pyz: Path,
+async def test_start_waits_for_ready_and_prints_the_first_clear_error(node: RunShNode, releases: Releases, pyz: Path,
                                                                      dev_master) -> None:
     releases.publish(pyz, ckagent.__version__)
     wrong = await node.sh("start", "--daemon=on", AGENT_RELEASE_URL=releases.url,
@@ -326,17 +162,17 @@ async def test_start_waits_for_ready_and_prints_the_first_clear_error(node: Node
     assert "not ready: registration refused: 401, check AGENT_REGISTRATION_TOKEN" in out(wrong), out(wrong)
     assert "not-the-token" not in out(wrong)
     pid = node.pid()
-    assert pid is not None and _alive(pid)  # it keeps retrying: a token fixed on the master is picked up
+    assert pid is not None and pid_alive(pid)  # it keeps retrying: a token fixed on the master is picked up
     # the token came in run.sh's environment: neither the agent's environ nor any other shows it
     assert b"not-the-token" not in Path(f"/proc/{pid}/environ").read_bytes()  # noqa: ASYNC240
     assert b"CKAGENT_SECRETS_FD=" in Path(f"/proc/{pid}/environ").read_bytes()  # noqa: ASYNC240
     stopped = await node.sh("stop")
-    assert stopped.returncode == 0 and not _alive(pid), out(stopped)
+    assert stopped.returncode == 0 and not pid_alive(pid), out(stopped)
     started = await node.sh("start", "--daemon=on")
     assert started.returncode == 0 and "started and ready" in out(started), out(started)
 
 
-async def test_daemon_log_rotates_by_the_logging_settings(node: Node, releases: Releases, pyz: Path,
+async def test_daemon_log_rotates_by_the_logging_settings(node: RunShNode, releases: Releases, pyz: Path,
                                                           dev_master) -> None:
     releases.publish(pyz, ckagent.__version__)
     settings = {"AGENT_RELEASE_URL": releases.url, "AGENT_LOG_MAX_BYTES": "1024", "AGENT_LOG_BACKUP_COUNT": "2"}
@@ -353,7 +189,7 @@ async def test_daemon_log_rotates_by_the_logging_settings(node: Node, releases: 
     assert "ckagent stopped" in (logs / "agent.log").read_text()
 
 
-async def test_stop_escalates_to_sigkill_after_the_bound(node: Node, releases: Releases, pyz: Path,
+async def test_stop_escalates_to_sigkill_after_the_bound(node: RunShNode, releases: Releases, pyz: Path,
                                                          dev_master) -> None:
     releases.publish(pyz, ckagent.__version__)
     assert (await node.sh("start", "--daemon=on", AGENT_RELEASE_URL=releases.url)).returncode == 0
@@ -362,11 +198,11 @@ async def test_stop_escalates_to_sigkill_after_the_bound(node: Node, releases: R
     os.kill(pid, signal.SIGSTOP)  # a stuck agent: SIGTERM stays pending
     stopped = await node.sh("stop", AGENT_STOP_TIMEOUT="1")
     assert stopped.returncode == 0 and "SIGKILL" in out(stopped), out(stopped)
-    assert not _alive(pid)
+    assert not pid_alive(pid)
     assert (await node.sh("status")).returncode == 3
 
 
-async def test_foreground_start_runs_in_place_and_drains_on_sigterm(node: Node, releases: Releases, pyz: Path,
+async def test_foreground_start_runs_in_place_and_drains_on_sigterm(node: RunShNode, releases: Releases, pyz: Path,
                                                                     dev_master) -> None:
     releases.publish(pyz, ckagent.__version__)
     stderr = (node.directory.parent / "foreground.stderr").open("wb")  # what systemd's journal would get
@@ -375,7 +211,7 @@ async def test_foreground_start_runs_in_place_and_drains_on_sigterm(node: Node, 
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
     )
     try:
-        await _node_registered(dev_master)
+        await node_registered(dev_master)
         assert node.pid() == process.pid, "run.sh execs the agent: agent.pid is the foreground process"
         assert (await node.sh("status")).returncode == 0
         process.send_signal(signal.SIGTERM)
@@ -395,7 +231,7 @@ async def test_foreground_start_runs_in_place_and_drains_on_sigterm(node: Node, 
 
 
 async def test_cleanup_temp_files_removes_stale_extractions_and_partial_deployments(
-    node: Node, releases: Releases, pyz: Path, dev_master
+    node: RunShNode, releases: Releases, pyz: Path, dev_master
 ) -> None:
     releases.publish(pyz, ckagent.__version__)
     stale = node.directory / ".ckagent" / "pyz" / f"ckagent.pyz_{'a' * 64}"
@@ -433,7 +269,7 @@ async def test_cleanup_temp_files_removes_stale_extractions_and_partial_deployme
 
 @pytest.mark.slow
 async def test_upgrade_verifies_never_downgrades_restarts_and_rolls_back(
-    node: Node, releases: Releases, pyz: Path, bumped_pyz: Path, dev_master
+    node: RunShNode, releases: Releases, pyz: Path, bumped_pyz: Path, dev_master
 ) -> None:
     env = {"AGENT_RELEASE_URL": releases.url, "AGENT_UPGRADE_HEALTH_TIMEOUT": "20"}
     pyz_path = node.directory / "ckagent.pyz"
@@ -453,7 +289,7 @@ async def test_upgrade_verifies_never_downgrades_restarts_and_rolls_back(
     corrupt = await node.sh("upgrade", **env)
     assert corrupt.returncode == 1 and "sha256 mismatch" in out(corrupt), out(corrupt)
     assert same(pyz_path, pyz) and not prev_path.exists()
-    assert node.pid() == first_pid and first_pid is not None and _alive(first_pid)
+    assert node.pid() == first_pid and first_pid is not None and pid_alive(first_pid)
     assert not list(node.directory.rglob("*.part")) and not list(node.directory.glob(".ckagent/ckagent-*.pyz"))
 
     # a good release: replaced, previous kept, running agent restarted on it and healthy
@@ -462,7 +298,7 @@ async def test_upgrade_verifies_never_downgrades_restarts_and_rolls_back(
     assert upgraded.returncode == 0 and f"upgraded to {BUMPED}: healthy" in out(upgraded), out(upgraded)
     assert same(pyz_path, bumped_pyz) and same(prev_path, pyz)
     second_pid = node.pid()
-    assert second_pid != first_pid and not _alive(first_pid) and await node.healthz() == 200
+    assert second_pid != first_pid and not pid_alive(first_pid) and await node.healthz() == 200
     async def reported_new_version() -> bool:
         return any(n.get("version") == BUMPED for n in await dev_master.admin.list_nodes())
 
@@ -480,7 +316,7 @@ async def test_upgrade_verifies_never_downgrades_restarts_and_rolls_back(
 
 @pytest.mark.slow
 async def test_rollback_goes_back_and_is_remembered_and_a_named_version_goes_either_way(
-    node: Node, releases: Releases, pyz: Path, bumped_pyz: Path, dev_master
+    node: RunShNode, releases: Releases, pyz: Path, bumped_pyz: Path, dev_master
 ) -> None:
     """The middle of the upgrade story above (its own test, so that the parts run side by side): the
     node as an upgrade from the session's version to 99.0.0 leaves it (ckagent.pyz 99.0.0, the
@@ -517,7 +353,7 @@ async def test_rollback_goes_back_and_is_remembered_and_a_named_version_goes_eit
 
 @pytest.mark.slow
 async def test_a_failed_upgrade_is_rolled_back_and_remembered_and_a_bad_version_refused(
-    node: Node, releases: Releases, bumped_pyz: Path, broken_pyz: Path, crashing_pyz: Path, dev_master
+    node: RunShNode, releases: Releases, bumped_pyz: Path, broken_pyz: Path, crashing_pyz: Path, dev_master
 ) -> None:
     """The end of the upgrade story above (its own test, so that the parts run side by side): an
     agent installed and running at version 99.0.0 meets releases that fail."""
@@ -535,7 +371,7 @@ async def test_a_failed_upgrade_is_rolled_back_and_remembered_and_a_bad_version_
     assert failed.returncode == 1 and "rolled back" in out(failed), out(failed)
     assert same(pyz_path, bumped_pyz)
     third_pid = node.pid()
-    assert third_pid not in (None, second_pid) and _alive(third_pid)
+    assert third_pid not in (None, second_pid) and pid_alive(third_pid)
     async def healthy() -> bool:
         return await node.healthz() == 200
 
@@ -586,7 +422,7 @@ async def test_source_mode_runs_the_checkouts_virtualenv(tmp_path: Path, dev_mas
     shutil.copy2(REPO / "pyproject.toml", checkout / "pyproject.toml")
     (checkout / "ckagent").symlink_to(REPO / "ckagent")
     (checkout / ".venv").symlink_to(REPO / ".venv")
-    port = _free_port()
+    port = free_port()
     (checkout / "agent.yaml").write_text(yaml.safe_dump({
         "server": {"url": dev_master.base_url},
         "agent": {"registration_token": dev_master.registration_token, "name": "source-node", "ip": "127.0.0.1",
@@ -594,13 +430,13 @@ async def test_source_mode_runs_the_checkouts_virtualenv(tmp_path: Path, dev_mas
         "heartbeat": {"interval": 1},
         "task": {"drain_timeout": 2, "kill_grace": 1, "long_poll_wait": 1},
     }))
-    node = Node(checkout, port, {k: v for k, v in os.environ.items() if not k.startswith(("AGENT_", "PYTHONPATH"))})
+    node = RunShNode(checkout, port, {k: v for k, v in os.environ.items() if not k.startswith(("AGENT_", "PYTHONPATH"))})
     try:
         started = await trio.run_process(["bash", "run.sh", "start", "--daemon=on", "-c", "agent.yaml"],
                                          cwd=checkout, env=node.env, capture_stdout=True, capture_stderr=True,
                                          check=False)
         assert started.returncode == 0, out(started)
-        await _node_registered(dev_master, "source-node")
+        await node_registered(dev_master, "source-node")
         status = await node.sh("status")
         assert status.returncode == 0 and "source mode" in out(status)
         pid = node.pid()
@@ -611,7 +447,7 @@ async def test_source_mode_runs_the_checkouts_virtualenv(tmp_path: Path, dev_mas
         assert (await node.sh("stop")).returncode == 0
     finally:
         pid = node.pid()
-        if pid is not None and _alive(pid):
+        if pid is not None and pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -725,7 +561,7 @@ async def test_a_bare_server_fetches_pyz_and_uv_and_runs_the_scrapy_example(
     server = tmp_path / "server"
     server.mkdir()
     shutil.copy2(RUN_SH, server / "run.sh")
-    port = _free_port()
+    port = free_port()
     (server / "config.yaml").write_text(yaml.safe_dump({
         "server": {"url": dev_master.base_url},
         "agent": {"registration_token": dev_master.registration_token, "name": "bare-server", "ip": "127.0.0.1",
@@ -769,7 +605,7 @@ async def test_a_bare_server_fetches_pyz_and_uv_and_runs_the_scrapy_example(
 
 @pytest.mark.slow
 async def test_a_desired_version_upgrades_the_agent_itself_and_a_bad_one_rolls_back_once(
-    node: Node, releases: Releases, pyz: Path, bumped_pyz: Path, broken_pyz: Path, dev_master
+    node: RunShNode, releases: Releases, pyz: Path, bumped_pyz: Path, broken_pyz: Path, dev_master
 ) -> None:
     """agent.auto_upgrade on: the master's desiredAgentVersion → the agent runs `run.sh upgrade` (drain,
     verify, swap, health check); a release that never becomes healthy is rolled back and not retried."""
@@ -780,7 +616,7 @@ async def test_a_desired_version_upgrades_the_agent_itself_and_a_bad_one_rolls_b
     releases.publish(pyz, ckagent.__version__)
     assert (await node.sh("--daemon=on", "start", **env)).returncode == 0
     first = node.pid()
-    await _node_registered(dev_master)
+    await node_registered(dev_master)
     admin = dev_master.admin
 
     releases.publish(bumped_pyz, BUMPED)

@@ -1,0 +1,53 @@
+"""The suite's support module (one package: a module per concern, everything importable from
+``harness``): helpers for running the real agent against the real dev master.
+
+The fixtures (``dev_master``, ``dev_master_process``, ``recording_master``) live in conftest.py; the
+fault-injecting proxy in faultproxy.py. Everything else a test file would otherwise write for itself
+lives here, a module per concern — :mod:`harness.core` (the agent, in this process and as a
+process; packages; waiting), :mod:`harness.agentproc` (an agent process with the tests' timings),
+:mod:`harness.procs` (a task's processes, levels, spider building blocks), :mod:`harness.recording`,
+:mod:`harness.rawnode` (a node as raw HTTP, and in the dev master's store), :mod:`harness.fakes`
+(fake masters for the poller and the delivery), :mod:`harness.index` (a package index),
+:mod:`harness.examples` (the example spiders' runs) — and a test imports it from ``harness``:
+
+- :func:`agent_settings` builds a Settings object the way `ckagent run` does (env overrides).
+- :func:`running_agent` runs an in-process :class:`ckagent.agent.Agent` in a nursery and stops it.
+- :func:`spider_zip` builds a code package from a dict of files; :func:`submit` makes spider + task.
+- :class:`AgentProcess` runs `python -m ckagent run -c FILE` as a real process (signals, kill -9).
+- :func:`eventually` waits for the state of another process (the master, a spider) to come true.
+- :func:`output_lines` and :func:`items_of` read what a task wrote on the node, as the master must
+  hold it.
+- :class:`MemoryMaster` is the node protocol's seq rules in memory, for ``httpx.MockTransport``
+  (put :class:`faultproxy.MockFaults` in front of it for the proxy's faults on the autojump clock).
+- :class:`ExampleRuns` runs each sdk/examples spider once per session on each path (``ckagent
+  exec``, an agent) for the tests that read that run (the session fixture ``example_runs``);
+  :func:`recipe` reads the README's exec recipe.
+- :class:`RecordingMaster` is the dev master behind a recorder of the final results it receives
+  and the API keys it issues (conftest.py's ``recording_master`` serves one per test);
+  :func:`settings_for` gives an in-process agent its settings for it (the containment level in
+  ``LEVEL``, which test_supervision.py's ``containment_level`` sets).
+- Processes: :func:`alive`, :func:`marked_pids` (a task's processes, read from /proc),
+  :func:`pids_in`, and the ``no_strays`` fixture (import it: after each test, it kills the spiders
+  a failed test left); spider building blocks :data:`ESCAPE` and :data:`SLOW_BACKEND`.
+- :func:`package_index` serves wheels made by :func:`wheel` as a simple index on 127.0.0.1.
+- :class:`Node` is a node talking raw HTTP to the dev master (:func:`register`); :func:`store_node`,
+  :func:`store_spider`, :func:`store_task` make them straight in its store.
+- :class:`PollMaster` scripts the poll's answers and :class:`BatchMaster` holds one task's batches under
+  the seq rules (with faults per request), both for ``httpx.MockTransport``; :class:`HoldingSupervisor`
+  only admits.
+- An agent as a process: :func:`agent_process` (test timings), :func:`wait_registered`,
+  :func:`wait_exit`, :func:`node_status`; :func:`wait_for_log` waits for a line in the master.
+"""
+
+from __future__ import annotations
+
+from harness.agentproc import *  # noqa: F403
+from harness.core import *  # noqa: F403
+from harness.examples import *  # noqa: F403
+from harness.fakes import *  # noqa: F403
+from harness.index import *  # noqa: F403
+from harness.procs import *  # noqa: F403
+from harness.pyz import *  # noqa: F403
+from harness.rawnode import *  # noqa: F403
+from harness.recording import *  # noqa: F403
+from harness.runsh import *  # noqa: F403

@@ -1,0 +1,91 @@
+"""Wheels and a PEP 503 simple index on 127.0.0.1, for uv in tests that must not reach PyPI."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import http.server
+import io
+import threading
+import zipfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` with libyaml's parser when PyYAML has it (the same documents, ~10× less CPU:
+    openapi.yaml takes 0.1 s in pure Python, and every pytest-xdist worker loads it at collection)."""
+    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
+def wheel(name: str, version: str, module_text: str) -> tuple[str, bytes]:
+    """A minimal pure-Python wheel of the package ``name`` (its ``__init__.py`` is ``module_text``):
+    (file name, bytes). The distribution's name is ``name`` with ``-`` for ``_``."""
+    dist = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}/__init__.py": module_text.encode(),
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: {version}\n".encode(),
+        f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: ckagent-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = []
+    for path, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(data)}")
+    record.append(f"{dist}/RECORD,,")
+    files[f"{dist}/RECORD"] = ("\n".join(record) + "\n").encode()
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for path, data in files.items():
+            zf.writestr(path, data)
+    return f"{name}-{version}-py3-none-any.whl", buf.getvalue()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class PackageIndex:
+    """A served simple index: ``url`` (``http://127.0.0.1:PORT/simple``) and, per (package, version),
+    the wheel's direct URL with its hash (``…/files/NAME.whl#SHA256``), as a lock file names it."""
+
+    url: str
+    wheel_urls: dict[tuple[str, str], str]
+
+
+@contextlib.contextmanager
+def package_index(root: Path, packages: Sequence[tuple[str, str, str]]) -> Iterator[PackageIndex]:
+    """Serve a PEP 503 simple index of ``packages`` ((package, version, module text), each built
+    with :func:`wheel`) from ``root`` on 127.0.0.1 (a free port) until the block ends: for uv in tests
+    that must not reach PyPI."""
+    (root / "files").mkdir(parents=True, exist_ok=True)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), partial(_QuietHandler, directory=str(root)))
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    projects: dict[str, list[str]] = {}
+    urls: dict[tuple[str, str], str] = {}
+    for name, version, text in packages:
+        wheel_name, data = wheel(name, version, text)
+        (root / "files" / wheel_name).write_bytes(data)
+        sha = hashlib.sha256(data).hexdigest()
+        projects.setdefault(name.replace("_", "-"), []).append(
+            f'<a href="/files/{wheel_name}#sha256={sha}">{wheel_name}</a>')
+        urls[(name, version)] = f"{base}/files/{wheel_name}#{sha}"
+    for project, links in projects.items():
+        (root / "simple" / project).mkdir(parents=True)
+        (root / "simple" / project / "index.html").write_text("<html><body>" + "".join(links) + "</body></html>\n")
+    (root / "simple" / "index.html").write_text(
+        "<html><body>" + "".join(f'<a href="{p}/">{p}</a>' for p in projects) + "</body></html>\n")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield PackageIndex(f"{base}/simple", urls)
+    finally:
+        server.shutdown()
+        server.server_close()
