@@ -130,14 +130,14 @@ async def dev_master(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[Dev
 @pytest.fixture
 async def recording_master(tmp_path: Path) -> AsyncIterator[RecordingMaster]:
     """A dev master that records the final results it receives and the API keys it issues
-    (tests/harness.py ``RecordingMaster``), stopped after the test."""
+    (tests/harness ``RecordingMaster``), stopped after the test."""
     async with serve_recording_master(tmp_path) as master:
         yield master
 
 
 @pytest.fixture(scope="session")
 def example_runs(tmp_path_factory: pytest.TempPathFactory) -> ExampleRuns:
-    """The session's runs of the sdk/examples spiders, each made once per path (tests/harness.py)."""
+    """The session's runs of the sdk/examples spiders, each made once per path (tests/harness/examples.py)."""
     return ExampleRuns(tmp_path_factory.mktemp("example-runs"))
 
 
@@ -275,7 +275,7 @@ _STARTED = pytest.StashKey[tuple[float, float]]()
 SERIAL_GROUPS: dict[str, tuple[str, ...]] = {
     # useradd/userdel lock /etc/passwd and /etc/group: two at once fail ("cannot lock /etc/passwd")
     "system-users": ("fixture:spider_user", "test_runsh.py::test_spider_user_is_created_on_request_and_remembered"),
-    # the session's runs of the sdk/examples spiders (tests/harness.py) are per process: the tests
+    # the session's runs of the sdk/examples spiders (tests/harness/examples.py) are per process: the tests
     # that read them share a worker, so each example runs once per path
     "example-runs": ("fixture:example_runs",),
 }

@@ -35,7 +35,7 @@ from ckagent.devmaster.client import zip_directory
 
 # (example, framework on the master, spider name there, exec's words beyond the README's line, task
 #  params beyond start_url, expected exit code of `ckagent exec`, marks). The README's line is the
-# exec run (tests/harness.py: the recipe's test reads the same run); the browser examples name
+# exec run (tests/harness/examples.py: the recipe's test reads the same run); the browser examples name
 # their framework, as the master's spider does. selenium_demo leaves its browser behind on both paths
 # (the agent's run is the one tests/test_frameworks.py checks the sweep with).
 CASES = [

@@ -34,7 +34,7 @@ needs_node = pytest.mark.skipif(shutil.which("node") is None or shutil.which("np
 async def _run_example(dev_master: Any, nursery: trio.Nursery, example_runs: ExampleRuns, example: str,
                        framework: str, params: dict[str, Any] | None = None) -> tuple[AgentRun, str]:
     """sdk/examples/<example> uploaded, one task on a fresh agent (the session's run of it, see
-    tests/harness.py: tests/test_exec.py compares the same run with `ckagent exec`'s); returns
+    tests/harness/examples.py: tests/test_exec.py compares the same run with `ckagent exec`'s); returns
     (the run, its log)."""
     run = await example_runs.agent(dev_master, nursery, example, framework, params=params)
     log_text = "\n".join(run.logs)

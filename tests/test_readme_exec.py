@@ -4,7 +4,7 @@ crawls gives items, `fail_demo` exits 1. Lines whose tools are missing here (nod
 skipped by name, and a README line for an example that is not bundled (or an example the recipe
 leaves out) fails the test.
 
-Each line runs once in the session (tests/harness.py): the tests that compare an example's exec
+Each line runs once in the session (tests/harness/examples.py): the tests that compare an example's exec
 run with its run through an agent (tests/test_exec.py, tests/test_outputs_examples.py) read the run
 of its README line, exactly these words, and this test reads theirs."""
 

@@ -2,7 +2,7 @@
 terminate, the exit is bounded (drain_timeout + kill_grace + flush_timeout + a few seconds) even
 with the master down, and what was not delivered is delivered by the next start.
 
-Each test runs ``python -m ckagent run`` (tests/harness.py ``AgentProcess``) against a real dev master
+Each test runs ``python -m ckagent run`` (tests/harness ``AgentProcess``) against a real dev master
 and signals it; spiders are real processes.
 """
 

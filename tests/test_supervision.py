@@ -7,7 +7,7 @@ checked independently of the agent: by scanning ``/proc/*/environ`` for the task
 
 Every test runs at each containment level this machine allows (the ``containment_level`` fixture).
 The dev master that records final results (``recording_master``) is conftest.py's; the helpers
-(``settings_for``, ``alive``, ``marked_pids``, ``no_strays``…) are tests/harness.py's.
+(``settings_for``, ``alive``, ``marked_pids``, ``no_strays``…) are tests/harness's.
 """
 
 from __future__ import annotations
