@@ -281,6 +281,19 @@ def test_main_in_process_exits_with_code(capsys: pytest.CaptureFixture[str]) -> 
     assert info.value.code == 2
 
 
+def test_main_in_process_works_after_the_demo_module_was_imported(capsys: pytest.CaptureFixture[str]) -> None:
+    """Importing ckagent.cli.demo (what `ckagent demo` does when it runs) binds the submodule as the
+    package's ``demo`` attribute: the command's function must not be named so (it was, and every
+    later main() in the process failed with AttributeError while it built its commands)."""
+    import ckagent.cli.demo  # noqa: F401
+    from ckagent.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.startswith(f"ckagent {__version__}")
+
+
 def _python(code: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AGENT_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))

@@ -90,7 +90,7 @@ def _app() -> App:
     config_app.command(show)
     app.command(version_command, name="version")
     app.command(dev_master, name="dev-master")
-    app.command(demo)
+    app.command(demo_command, name="demo")
     app.command(exec_command, name="exec")
     return app
 
@@ -281,7 +281,7 @@ def _check_listen(host: str, port: int) -> str | None:
     return None
 
 
-def demo(*, work_dir: Path = Path("demo-data"), keep: bool = False) -> int:
+def demo_command(*, work_dir: Path = Path("demo-data"), keep: bool = False) -> int:
     """Run the reference master, an agent and the example spiders end to end, then print a table.
 
     Parameters
