@@ -11,7 +11,6 @@ skips), and ``--file-times`` adds a table of wall and CPU seconds per test file.
 
 from __future__ import annotations
 
-import http.server
 import os
 import resource
 import secrets
@@ -19,7 +18,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Generator, Iterator
@@ -41,6 +39,7 @@ from harness import (
     pid_alive,
     pyz_dir,
     serve_recording_master,
+    served_directory,
     session_build,
     session_pyz,
 )
@@ -397,22 +396,8 @@ def releases(tmp_path: Path) -> Iterator[Releases]:
     root = tmp_path / "releases"
     directory = root / "ckagent"
     directory.mkdir(parents=True)
-
-    class Handler(http.server.SimpleHTTPRequestHandler):
-        def __init__(self, *args: object, **kwargs: object) -> None:
-            super().__init__(*args, directory=str(root), **kwargs)  # type: ignore[arg-type]
-
-        def log_message(self, format: str, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield Releases(f"http://127.0.0.1:{server.server_address[1]}/ckagent", directory)
-    finally:
-        server.shutdown()
-        server.server_close()
+    with served_directory(root) as base:
+        yield Releases(f"{base}/ckagent", directory)
 
 
 @pytest.fixture

@@ -66,8 +66,12 @@ def package_index(root: Path, packages: Sequence[tuple[str, str, str]]) -> Itera
     with :func:`wheel`) from ``root`` on 127.0.0.1 (a free port) until the block ends: for uv in tests
     that must not reach PyPI."""
     (root / "files").mkdir(parents=True, exist_ok=True)
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), partial(_QuietHandler, directory=str(root)))
-    base = f"http://127.0.0.1:{server.server_address[1]}"
+    with served_directory(root) as base:
+        yield _write_index(root, base, packages)
+
+
+def _write_index(root: Path, base: str, packages: Sequence[tuple[str, str, str]]) -> PackageIndex:
+    """Write the index of ``packages`` into ``root`` (served at ``base``): its wheels and its pages."""
     projects: dict[str, list[str]] = {}
     urls: dict[tuple[str, str], str] = {}
     for name, version, text in packages:
@@ -82,10 +86,18 @@ def package_index(root: Path, packages: Sequence[tuple[str, str, str]]) -> Itera
         (root / "simple" / project / "index.html").write_text("<html><body>" + "".join(links) + "</body></html>\n")
     (root / "simple" / "index.html").write_text(
         "<html><body>" + "".join(f'<a href="{p}/">{p}</a>' for p in projects) + "</body></html>\n")
+    return PackageIndex(f"{base}/simple", urls)
+
+
+@contextlib.contextmanager
+def served_directory(root: Path) -> Iterator[str]:
+    """Serve the files under ``root`` over HTTP on 127.0.0.1 (a free port, no request log) until the
+    block ends; yields the base URL (``http://127.0.0.1:PORT``)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), partial(_QuietHandler, directory=str(root)))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield PackageIndex(f"{base}/simple", urls)
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
