@@ -73,7 +73,7 @@ class Admission:
         """The newest claiming poll id the poller has sent (None: none yet)."""
         self._spider_locks: dict[str, trio.Lock] = {}
         self._slot_freed = Broadcast()
-        self._stale_scopes: dict[trio.CancelScope, frozenset[str]] = {}  # see cancel_when_spider_free
+        self._stale_scopes: dict[trio.CancelScope, tuple[frozenset[str], float]] = {}  # see cancel_when_spider_free
         self.lifecycle = lifecycle or Lifecycle()
         """Where the runner says what happened to each task (ckagent.delivery.lifecycle records)."""
         self.handing_over = False
@@ -117,14 +117,16 @@ class Admission:
             await self._slot_freed.wait()
 
     @contextlib.contextmanager
-    def cancel_when_spider_free(self, spider_ids: list[str], scope: trio.CancelScope) -> Iterator[None]:
+    def cancel_when_spider_free(self, spider_ids: list[str], scope: trio.CancelScope,
+                                grace: float = 0.0) -> Iterator[None]:
         """While in the block, cancel ``scope`` once a spider of ``spider_ids`` has no claimed task here
         (what :meth:`wait_spider_free` waits for, without a task of its own to wait in); at once
-        when one has none already. Nothing for an empty list."""
+        when one has none already. With ``grace`` (seconds), ``scope`` gets a deadline that much
+        later instead (what it waits for may come meanwhile). Nothing for an empty list."""
         if not spider_ids:
             yield
             return
-        self._stale_scopes[scope] = frozenset(spider_ids)
+        self._stale_scopes[scope] = (frozenset(spider_ids), grace)
         try:
             self._cancel_stale()
             yield
@@ -133,9 +135,12 @@ class Admission:
 
     def _cancel_stale(self) -> None:
         running = {rt.task.spider_id for rt in self.running.values()}
-        for scope, spider_ids in self._stale_scopes.items():
+        for scope, (spider_ids, grace) in self._stale_scopes.items():
             if not spider_ids <= running:
-                scope.cancel()
+                if grace > 0:
+                    scope.deadline = min(scope.deadline, trio.current_time() + grace)
+                else:
+                    scope.cancel()
 
     def admit(self, task: Task) -> RunningTask:
         """Record a claimed task as ours (call before spawning the task's runner)."""

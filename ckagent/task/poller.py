@@ -83,6 +83,9 @@ from ckagent.task.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
+FOLLOW_GRACE = 0.3
+"""Seconds a held poll is kept after a spider it excluded finished here, with a master that offers
+``poll-follows-results`` (its answer waits for the task's result): then abandoned and sent again."""
 CLAIM_RETRY_TIMEOUT = 60.0
 """Seconds a claim is retried through master trouble before the task is left to the master."""
 RELEASE_TIMEOUT = 5.0
@@ -284,18 +287,22 @@ class Poller:
 
     async def _poll_until_stale(self) -> PendingTasks | None:
         """:meth:`poll_once`, abandoned (None) once a spider it excluded has finished here: a held
-        long poll would otherwise keep that spider's next task waiting up to ``long_poll_wait`` s (not
-        with a master that offers ``poll-follows-results``: it hands that task out in the held poll);
+        long poll would otherwise keep that spider's next task waiting up to ``long_poll_wait`` s (with
+        a master that offers ``poll-follows-results``, only :data:`FOLLOW_GRACE` s later: it hands that
+        task out in the held poll once the task's result has reached it);
         and cut short (None) when the intake gate closes meanwhile (what it would claim must not run here).
 
         Both cancel the poll's scope from where they happen (the supervisor's task left, the gate's
         close): no task of its own waits for them. Raises what poll_once raises. The master has
         handed out nothing it loses: only a claim assigns.
         """
-        stale = bool(self.long_poll_wait) and POLL_FOLLOWS_RESULTS not in self._master.features
-        excluded = self._supervisor.running_spider_ids() if stale else []
+        excluded = self._supervisor.running_spider_ids() if self.long_poll_wait else []
+        # poll-follows-results: the master answers once the task's result has reached it, which the
+        # end of its delivery may delay (its last batches, artifacts); past FOLLOW_GRACE the poll is
+        # abandoned as without the feature, so the spider's next task never waits on that.
+        grace = FOLLOW_GRACE if POLL_FOLLOWS_RESULTS in self._master.features else 0.0
         with trio.CancelScope() as scope, contextlib.ExitStack() as watching:
-            watching.enter_context(self._supervisor.cancel_when_spider_free(excluded, scope))
+            watching.enter_context(self._supervisor.cancel_when_spider_free(excluded, scope, grace))
             if self._gate is not None:
                 watching.enter_context(self._gate.cancel_on_close(scope))
             return await self.poll_once()
