@@ -28,8 +28,11 @@ from harness import (  # noqa: F401 -- no_strays: autouse fixture
     wait_registered,
 )
 
-SLACK = 4.0
-"""Seconds allowed on top of the documented exit bound: interpreter start/stop and a heartbeat."""
+SLACK = 8.0
+"""Seconds allowed on top of the documented exit bound: interpreter start/stop, a heartbeat, and a
+loaded machine's slow task starts (a fresh checkout's first run — cold bytecode, every file linted
+beside the tests — took a 4 s task to 8.9 s, and 4 s of slack was exceeded). Still well short of
+the drain deadlines the tests tell apart (30 s)."""
 
 WORKER = textwrap.dedent("""
     import os, signal, subprocess, sys, time
