@@ -351,7 +351,7 @@ class Agent:
         egress = self.egress
         if egress is not None:
             egress.agent_port = self.status_port  # (agent.port 0: the one picked)
-            if egress.level == "proxy":  # on the previous agent's port: handed-over tasks' variables name it
+            if egress.level.uses_proxy:  # on the previous agent's port: handed-over tasks' variables name it
                 egress.proxy_url = await root.start(partial(serve_proxy, egress.proxy_lookup, lambda: egress.agent_port, self.work_dir))
         root.start_soon(self._signals)
         await root.start(self.lifecycle.run)
