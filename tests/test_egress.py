@@ -689,7 +689,7 @@ async def test_a_task_handed_over_to_the_next_agent_stays_under_its_policy(
 
 PROXIED = """
 import os, time, urllib.error, urllib.request
-print("ready", os.environ["HTTP_PROXY"].rsplit(":", 1)[1], flush=True)
+print("ready", flush=True)
 go = os.path.join(os.environ["CK_TASK_DIR"], "go")
 for _ in range(600):  # bounded: at most a minute
     if os.path.exists(go):
@@ -725,7 +725,7 @@ async def test_a_task_handed_over_at_the_proxy_level_keeps_its_proxy(
         task_id = await submit(admin, "proxied", {"main.py": PROXIED},
                                env={"DENIED": f"http://127.0.0.2:{denied_port}/",
                                     "ALLOWED": f"http://127.0.0.3:{allowed_port}/"})
-        [ready] = [line for line in await wait_for_log(admin, task_id, "ready") if line.startswith("ready")]
+        await wait_for_log(admin, task_id, "ready")
         agent.signal(signal.SIGUSR2)
         assert await wait_exit(agent, 15) == 0
         await agent.start()
