@@ -697,7 +697,9 @@ def _report(runs: dict[tuple[str, str, str], list[Measure]], clients: list[Clien
     for prof in profile:
         table += (f"\nProfile of the proxy process, {prof.workload} ({prof.tool}, {prof.samples:,} "
                   f"{'samples' if prof.tool == 'py-spy' else 'µs profiled'}; proxy CPU {prof.cpu_seconds:.2f} s "
-                  "in this run): % of the proxy's busy time.\n\n")
+                  "in this run): % of the proxy's busy time (the loop's waits in epoll left out). A "
+                  "function's self time includes the C it calls: the socket syscalls (send, recv) show as "
+                  "trio's `_nonblocking_helper`.\n\n")
         table += markdown_table(["function (self time, top 20)", "self %", "inclusive %"], prof.rows)
         table += "\n" + markdown_table(["package or module (self time)", "%"], prof.packages)
     figures["profile"] = [prof.__dict__ for prof in profile]
