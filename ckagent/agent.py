@@ -76,6 +76,7 @@ from ckagent.master.fleet import VersionWatch, load_node_uid, register_request
 from ckagent.master.heartbeat import HeartbeatLoop, NodeReport
 from ckagent.master.masterclock import MasterClock
 from ckagent.master.protocol import HeartbeatResponse, RegisterRequest
+from ckagent.node.agentports import PortRegistry
 from ckagent.node.config import ConfigError, Settings
 from ckagent.node.errors import StartupError
 from ckagent.node.hardening import freeze_startup_objects
@@ -164,6 +165,9 @@ class Agent:
         """The containment level in force (set at the start of :meth:`run`)."""
         self.egress: Egress | None = None
         """The egress level and node policy in force (set at the start of :meth:`run`)."""
+        self.ports = PortRegistry(settings.agent.ports_registry, work_dir=self.work_dir)
+        """This agent's entry in the host's registry of agents' ports, and every live agent's ports
+        (the egress group ``agent``); written once the status port listens, removed at the stop."""
         self.notices = Notices()
         """Operator notices (spiders as root, the master's clock): logged once, in /status and on the page."""
         self.spider_user: dict[str, object] = spider_user(None)
@@ -251,6 +255,7 @@ class Agent:
                 self.egress.close()  # one nft batch, at the very end (like the containment's rmdir)
             if self.containment is not None:
                 self.containment.close()
+            self.ports.close()  # (a crashed agent's entry is judged dead by the next reader)
             log.info("ckagent stopped")
         if failure is not None:
             raise failure
@@ -273,7 +278,7 @@ class Agent:
             policy = parse_text(s.task.egress_deny, s.task.egress_allow)
             self.egress = await trio.to_thread.run_sync(partial(
                 open_egress, s.task.egress, containment, agent_group_name(self.work_dir), policy,
-                agent_port=s.agent.port or None, work_dir=self.work_dir))
+                agent_port=s.agent.port or None, work_dir=self.work_dir, registry=self.ports))
         except (EgressError, PolicyError) as exc:
             raise ConfigError(str(exc)) from exc
         self.metrics.egress_level(self.egress.level)
@@ -348,6 +353,7 @@ class Agent:
                 serve_after=self.heartbeat.after_first_beat, on_serving=freeze_startup_objects))
         except StatusPortError as exc:
             return StartupError(str(exc))
+        await trio.to_thread.run_sync(self.ports.register, [self.status_port])  # before any task is attached
         egress = self.egress
         if egress is not None:
             egress.agent_port = self.status_port  # (agent.port 0: the one picked)

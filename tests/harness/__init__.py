@@ -37,10 +37,14 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
   only admits.
 - An agent as a process: :func:`agent_process` (test timings), :func:`wait_registered`,
   :func:`wait_exit`, :func:`node_status`; :func:`wait_for_log` waits for a line in the master.
+- :func:`another_agent` holds an entry in a registry of agents' ports from a process of its own
+  (:mod:`harness.agentports`); :func:`run_as` runs Python as another user and
+  :func:`world_directory` gives it a directory it can reach (:mod:`harness.users`, root only).
 """
 
 from __future__ import annotations
 
+from harness.agentports import *  # noqa: F403
 from harness.agentproc import *  # noqa: F403
 from harness.core import *  # noqa: F403
 from harness.examples import *  # noqa: F403
@@ -51,3 +55,4 @@ from harness.pyz import *  # noqa: F403
 from harness.rawnode import *  # noqa: F403
 from harness.recording import *  # noqa: F403
 from harness.runsh import *  # noqa: F403
+from harness.users import *  # noqa: F403

@@ -45,6 +45,7 @@ from ckagent.containment.egress.table import (
     remove_orphans,
     table_name,
 )
+from ckagent.node.agentports import PortRegistry
 from ckagent.node.egress_policy import DEFAULT_DENY, GROUPS, EgressPolicy, PolicyError, parse_text
 
 if TYPE_CHECKING:  # (the containment imports Trio: the protocol module imports this package's policy)
@@ -105,13 +106,32 @@ class Egress:
 
     def __init__(self, level: str, details: str, policy: EgressPolicy, *, table: EgressTable | None = None,
                  v2_root: Path | None = None, agent_port: int | None = None,
-                 resolvers: tuple[tuple[str, int], ...] = ()) -> None:
+                 resolvers: tuple[tuple[str, int], ...] = (), registry: PortRegistry | None = None) -> None:
         self.level, self.details, self.policy = level, details, policy
         self.table, self.v2_root, self.agent_port, self.resolvers = table, v2_root, agent_port, resolvers
+        self.registry = registry
+        """The host's registry of agents' ports (None: only ``agent_port`` is an agent's port)."""
         self.proxy_url: str | None = None
         """At the ``proxy`` level: the filtering proxy's URL (set when the proxy listens)."""
         self._proxied: dict[str, tuple[TaskRules, collections.Counter[tuple[str, int]]]] = {}
         """At the ``proxy`` level: proxy user name → (the task's rules, its refusals)."""
+
+    def agent_ports(self) -> frozenset[int]:
+        """Every agent's port on this host (this agent's ``agent_port`` and the live entries of the
+        registry): what the ``agent`` group refuses on this host's addresses. Cached (two ``lstat``
+        calls when nothing changed); never raises."""
+        ports = self.registry.live_ports() if self.registry is not None else frozenset()
+        return ports | {self.agent_port} if self.agent_port is not None else ports
+
+    def refresh_agent_ports(self) -> None:
+        """Bring the table's set of agent ports up to date (blocking; nothing to do when the registry
+        did not change). Never raises: a failure is logged, the set stays as it was."""
+        if self.table is None:
+            return
+        try:
+            self.table.set_agent_ports(self.agent_ports())
+        except NftError as exc:
+            log.warning("egress: cannot update the agent ports in table %s: %s", self.table.name, exc)
 
     def effective(self, task_policy: EgressPolicy | None) -> EgressPolicy:
         """The node's policy with the task's denials and exceptions added."""
@@ -132,6 +152,7 @@ class Egress:
         if path is None:
             raise EgressError(f"egress: the task's jail ({jail.level}) has no cgroup in the v2 tree to filter")
         policy = self.effective(task_policy)
+        self.refresh_agent_ports()
         try:
             return self.table.add(task_id, str(path.relative_to(NFT_CGROUP_ROOT)), policy, self.agent_port,
                                   self.resolvers, pin=task_policy is None)  # (the node's: most tasks')
@@ -211,14 +232,15 @@ def _proxy_user(task_id: str) -> str:
 
 def open_egress(setting: str, containment: Containment | None, group_name: str, policy: EgressPolicy, *,
                 agent_port: int | None = None, nft: Nft | None = None, probe: bool = True,
-                work_dir: Path | None = None) -> Egress:
+                work_dir: Path | None = None, registry: PortRegistry | None = None) -> Egress:
     """The egress level for this agent: ``setting`` ``auto`` or one of :data:`LEVELS`.
 
     Blocking (nft batches, and at ``nftables`` a probe: a short child process in a throw-away cgroup
     connects to a loopback socket of the agent and must be refused). ``work_dir`` (the agent's) is
     written into the table's comment; the tables of other work dirs that no longer exist (a removed
     test directory, an uninstalled agent killed before its stop) are deleted: no agent can come back
-    for their tasks. Logs one line naming the level.
+    for their tasks. ``registry``: the host's agents' ports (:mod:`ckagent.node.agentports`), refused
+    with ``agent_port`` where the ``agent`` group is denied. Logs one line naming the level.
     Raises EgressError when a forced level cannot be used (the message says why); ``auto`` never
     raises (it falls back to ``proxy``).
     """
@@ -227,13 +249,13 @@ def open_egress(setting: str, containment: Containment | None, group_name: str, 
     resolvers = _resolvers()
     egress: Egress | None = None
     if setting == "off":
-        egress = Egress("off", "no network policy (task.egress: off)", EgressPolicy())
+        egress = Egress("off", "no network policy (task.egress: off)", EgressPolicy(), registry=registry)
     else:
         why = ""
         if setting in ("auto", "nftables"):
             try:
                 egress = _open_nftables(containment, group_name, policy, agent_port, nft, probe, resolvers,
-                                        work_dir)
+                                        work_dir, registry)
             except EgressError as exc:
                 if setting == "nftables":
                     raise EgressError(f"task.egress=nftables is not available here: {exc}") from exc
@@ -241,14 +263,15 @@ def open_egress(setting: str, containment: Containment | None, group_name: str, 
         if egress is None:
             details = "filtering proxy in the tasks' proxy variables (advisory: a program may ignore them)"
             egress = Egress("proxy", details + (f"; the kernel cannot: {why}" if why else ""), policy,
-                            agent_port=agent_port, resolvers=resolvers)
+                            agent_port=agent_port, resolvers=resolvers, registry=registry)
     log.info("egress: %s — %s; %s", egress.level, egress.details, egress.policy.describe())
     return egress
 
 
 def _open_nftables(containment: Containment | None, group_name: str, policy: EgressPolicy,
                    agent_port: int | None, nft: Nft | None, probe: bool,
-                   resolvers: tuple[tuple[str, int], ...], work_dir: Path | None = None) -> Egress:
+                   resolvers: tuple[tuple[str, int], ...], work_dir: Path | None = None,
+                   registry: PortRegistry | None = None) -> Egress:
     group = None if containment is None else containment.v2_group()
     if group is None:
         level = containment.level if containment is not None else "none"
@@ -278,7 +301,7 @@ def _open_nftables(containment: Containment | None, group_name: str, policy: Egr
                           "CAP_NET_ADMIN: run it as root or grant the capability)") from exc
     egress = Egress("nftables", f"nftables table inet {table.name} ({backend.kind}), task cgroups at "
                     f"level {depth} below {group}", policy, table=table, v2_root=point,
-                    agent_port=agent_port, resolvers=resolvers)
+                    agent_port=agent_port, resolvers=resolvers, registry=registry)
     if probe:
         try:
             _probe(table, group)
