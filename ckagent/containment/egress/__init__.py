@@ -187,6 +187,11 @@ class Egress:
         task = self._proxied.get(rules.chain) if rules is not None else None
         return task.port if task is not None else 0
 
+    def proxy_outcomes(self, rules: TaskRules | None) -> dict[str, int]:
+        """At ``proxy``: what became of the task's requests so far, by outcome ({} otherwise)."""
+        task = self._proxied.get(rules.chain) if rules is not None else None
+        return dict(task.outcomes) if task is not None else {}
+
     def refusals(self, rules: TaskRules | None) -> list[Refusal]:
         """What the task was refused so far (blocking), most refused first. [] at ``off`` or when
         nft fails."""
