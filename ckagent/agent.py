@@ -67,7 +67,6 @@ from ckagent.code.runtimescan import RuntimeScan
 from ckagent.code.workspace import Workspaces
 from ckagent.containment import Containment, ContainmentError, Limits, open_containment
 from ckagent.containment.egress import Egress, EgressError, PolicyError, open_egress, parse_text
-from ckagent.containment.egress.proxy import serve_proxy
 from ckagent.containment.hierarchy import agent_group_name
 from ckagent.delivery import Outbox, OutboxConfig, cleanup_task_dirs
 from ckagent.delivery.lifecycle import CanonicalLine, Lifecycle
@@ -165,9 +164,6 @@ class Agent:
         """The containment level in force (set at the start of :meth:`run`)."""
         self.egress: Egress | None = None
         """The egress level and node policy in force (set at the start of :meth:`run`)."""
-        self.ports = PortRegistry(settings.agent.ports_registry, work_dir=self.work_dir)
-        """This agent's entry in the host's registry of agents' ports, and every live agent's ports
-        (the egress group ``agent``); written once the status port listens, removed at the stop."""
         self.notices = Notices()
         """Operator notices (spiders as root, the master's clock): logged once, in /status and on the page."""
         self.spider_user: dict[str, object] = spider_user(None)
@@ -249,13 +245,10 @@ class Agent:
                     await self._final_beat(store)
                 await self.master.aclose()
                 await trio.to_thread.run_sync(store.sync.close)
-            if self.egress is not None and self._handed:  # their rules stay in force until the next agent
-                log.info("egress: the table stays for the %d task(s) left running", self._handed)
-            elif self.egress is not None:
-                self.egress.close()  # one nft batch, at the very end (like the containment's rmdir)
+            if self.egress is not None:  # (the rules of tasks handed over stay in force until the next agent)
+                self.egress.close(self._handed)  # one nft batch, at the very end (like the containment's rmdir)
             if self.containment is not None:
                 self.containment.close()
-            self.ports.close()  # (a crashed agent's entry is judged dead by the next reader)
             log.info("ckagent stopped")
         if failure is not None:
             raise failure
@@ -278,10 +271,12 @@ class Agent:
             policy = parse_text(s.task.egress_deny, s.task.egress_allow)
             self.egress = await trio.to_thread.run_sync(partial(
                 open_egress, s.task.egress, containment, agent_group_name(self.work_dir), policy,
-                agent_port=s.agent.port or None, work_dir=self.work_dir, registry=self.ports))
+                agent_port=s.agent.port or None, work_dir=self.work_dir,
+                registry=PortRegistry(s.agent.ports_registry, work_dir=self.work_dir)))
         except (EgressError, PolicyError) as exc:
             raise ConfigError(str(exc)) from exc
         self.metrics.egress_level(self.egress.level)
+        self.metrics.egress_proxy = self.egress.server
         self.spider_user = spider_user(run_as)
         as_root = spiders_as_root(run_as)
         if as_root is not None:
@@ -353,12 +348,10 @@ class Agent:
                 serve_after=self.heartbeat.after_first_beat, on_serving=freeze_startup_objects))
         except StatusPortError as exc:
             return StartupError(str(exc))
-        await trio.to_thread.run_sync(self.ports.register, [self.status_port])  # before any task is attached
         egress = self.egress
         if egress is not None:
-            egress.agent_port = self.status_port  # (agent.port 0: the one picked)
-            if egress.level == "proxy":  # on the previous agent's port: handed-over tasks' variables name it
-                egress.proxy_url = await root.start(partial(serve_proxy, egress.proxy_lookup, lambda: egress.agent_port, self.work_dir))
+            await trio.to_thread.run_sync(egress.listening, self.status_port)  # (agent.port 0: the one picked)
+            await root.start(egress.serve)  # (the proxy level's forward proxy; nothing at the others)
         root.start_soon(self._signals)
         await root.start(self.lifecycle.run)
         root.start_soon(partial(self.scan.run, self.heartbeat.after_first_beat, self.poller.forget_unrunnable))

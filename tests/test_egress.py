@@ -49,17 +49,25 @@ from harness import (  # noqa: F401 -- no_strays: autouse fixture
     wait_registered,
 )
 
-from ckagent.containment import Containment, Limits, TaskJail, available_levels, open_containment
-from ckagent.containment.egress import EgressError, describe_refusals, open_egress, parse_text
+from ckagent.containment import (
+    Containment,
+    ContainmentLevel,
+    Limits,
+    TaskJail,
+    available_levels,
+    open_containment,
+)
+from ckagent.containment.egress import EgressError, EgressLevel, describe_refusals, open_egress, parse_text
 from ckagent.containment.egress.nft import BinaryNft, LibNft, NftError, open_nft
 from ckagent.containment.egress.table import Refusal, table_name
 from ckagent.containment.hierarchy import agent_group_name
 from ckagent.master.protocol import ProtocolError, Task, TaskResult
 from ckagent.node.agentports import PortRegistry
 from ckagent.node.egress_policy import PolicyError, from_wire, parse_allowed
+from ckagent.node.levels import Blocker
 
-LEVELS_HERE = available_levels(Path(tempfile.gettempdir()) / "ckagent-levels-probe")
-V2_LEVELS = [lvl for lvl in LEVELS_HERE if lvl != "process-group"]
+LEVELS_HERE = [level.value for level in available_levels(Path(tempfile.gettempdir()) / "ckagent-levels-probe")]
+V2_LEVELS = [lvl for lvl in LEVELS_HERE if ContainmentLevel(lvl).has_cgroup]
 
 
 def _kernel_can() -> str | None:
@@ -362,7 +370,7 @@ def test_a_stale_table_is_replaced_and_other_tables_are_untouched(tmp_path: Path
     with containment_at(V2_LEVELS[0], tmp_path) as containment:
         egress = open_egress("auto", containment, agent_group_name(tmp_path), parse_text("metadata", ""))
         try:
-            assert egress.level == "nftables"
+            assert egress.level is EgressLevel.NFTABLES and egress.passed_over == ()
             mine = _list_table(name)
             assert mine is not None
             assert not [o for o in mine["nftables"] if "chain" in o and o["chain"]["name"] == "stale_from_a_crash"]
@@ -477,13 +485,18 @@ def test_pure_v1_and_process_groups_fall_back_to_the_proxy_level(tmp_path: Path)
     policy = parse_text("metadata", "")
     with containment_at("cgroup-v1", tmp_path, use_unified=False) as v1:
         egress = open_egress("auto", v1, agent_group_name(tmp_path), policy)
-        assert egress.level == "proxy" and "no cgroup in a cgroup v2 tree" in egress.details
-        with pytest.raises(EgressError, match=r"task\.egress=nftables is not available here"):
+        assert egress.level is EgressLevel.PROXY and "no cgroup in a cgroup v2 tree" in egress.details
+        assert [(u.level, u.blocker) for u in egress.passed_over] == [(EgressLevel.NFTABLES, Blocker.NO_TASK_CGROUP)]
+        with pytest.raises(EgressError, match=r"task\.egress=nftables is not available here") as raised:
             open_egress("nftables", v1, agent_group_name(tmp_path), policy)
+        assert raised.value.blocker is Blocker.NO_TASK_CGROUP
     with containment_at("process-group", tmp_path) as groups:
-        assert open_egress("auto", groups, agent_group_name(tmp_path), policy).level == "proxy"
+        assert open_egress("auto", groups, agent_group_name(tmp_path), policy).level is EgressLevel.PROXY
     off = open_egress("off", None, agent_group_name(tmp_path), policy)
-    assert off.level == "off" and off.attach(groups.jail("x", Limits()), "x") is None
+    assert off.level is EgressLevel.OFF and off.attach(groups.jail("x", Limits()), "x") is None
+    assert [(u.level, u.blocker) for u in off.passed_over] == [(EgressLevel.NFTABLES, Blocker.SETTING),
+                                                               (EgressLevel.PROXY, Blocker.SETTING)]
+    assert off.to_json()["level"] == "off"
 
 
 def test_without_nft_rights_the_level_is_the_proxy(tmp_path: Path) -> None:
@@ -498,9 +511,11 @@ def test_without_nft_rights_the_level_is_the_proxy(tmp_path: Path) -> None:
     with containment_at(level, tmp_path) as containment:
         egress = open_egress("auto", containment, agent_group_name(tmp_path), parse_text("metadata", ""),
                              nft=Refusing())
-    assert egress.level == "proxy"
+    assert egress.level is EgressLevel.PROXY
     if V2_LEVELS:
         assert "CAP_NET_ADMIN" in egress.details
+        assert [(u.level, u.blocker) for u in egress.passed_over] == [(EgressLevel.NFTABLES, Blocker.NO_NET_ADMIN)]
+        assert "CAP_NET_ADMIN" in egress.passed_over[0].blocker.remedy
 
 
 # ------------------------------------------------------------------------------ the agent end to end
@@ -643,41 +658,51 @@ async def _http_ok(stream: trio.SocketStream) -> None:
 async def test_the_proxy_level_refuses_denied_destinations_and_counts_them(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    from ckagent.containment.egress.proxy import serve_proxy
-
     with containment_at("process-group", tmp_path) as groups:
-        egress = open_egress("auto", groups, agent_group_name(tmp_path), parse_text("metadata,agent,127.0.0.2", ""))
-    assert egress.level == "proxy"
+        egress = open_egress("auto", groups, agent_group_name(tmp_path), parse_text("metadata,agent,127.0.0.2", ""),
+                             agent_port=9)
+    assert egress.level is EgressLevel.PROXY
     denied = await nursery.start(partial(trio.serve_tcp, _http_ok, 0, host="127.0.0.2"))
     allowed = await nursery.start(partial(trio.serve_tcp, _http_ok, 0, host="127.0.0.3"))
     denied_port, allowed_port = (listeners[0].socket.getsockname()[1] for listeners in (denied, allowed))
-    egress.proxy_url = await nursery.start(serve_proxy, egress.proxy_lookup, lambda: 9)
-    rules = egress.attach(groups.jail("t1", Limits()), "t1")
-    env = egress.task_env(rules)
-    assert env["HTTP_PROXY"] == env["https_proxy"] and env["HTTP_PROXY"].startswith("http://t") and env["NO_PROXY"] == ""
+    await nursery.start(egress.serve)
+    rules = await trio.to_thread.run_sync(egress.attach, groups.jail("t1", Limits()), "t1")
+    other = await trio.to_thread.run_sync(egress.attach, None, "t2")
+    env = egress.task_env(rules, {})
+    url = env["HTTP_PROXY"]
+    assert env["HTTP_PROXY"] == env["https_proxy"] == env["ALL_PROXY"] and env["NO_PROXY"] == ""
+    user, password = url.split("//")[1].split("@")[0].split(":")
+    port = egress.proxy_port(rules)
+    assert user.startswith("t") and len(password) >= 20 and url.endswith(f"@127.0.0.1:{port}")
+    assert egress.task_env(other, {})["HTTP_PROXY"] != url and egress.proxy_port(other) != port
     with trio.fail_after(20):
-        async with httpx.AsyncClient(proxy=env["HTTP_PROXY"]) as client:
+        async with httpx.AsyncClient(proxy=url) as client:
             ok = await client.get(f"http://127.0.0.3:{allowed_port}/x?y=1")
             refused = await client.get(f"http://127.0.0.2:{denied_port}/")
             agent = await client.get("http://127.0.0.1:9/")
-        async with httpx.AsyncClient(proxy=egress.proxy_url) as client:  # no task named: refused
+        async with httpx.AsyncClient(proxy=f"http://127.0.0.1:{port}") as client:  # no credentials: the port's task
             anonymous = await client.get(f"http://127.0.0.3:{allowed_port}/")
+        wrong = egress.task_env(other, {})["HTTP_PROXY"].rsplit(":", 1)[0] + f":{port}"  # t2's credentials, t1's port
+        async with httpx.AsyncClient(proxy=wrong) as client:
+            impostor = await client.get(f"http://127.0.0.3:{allowed_port}/")
         # CONNECT (what HTTPS uses): the tunnel opens to an allowed destination only.
-        stream = await trio.open_tcp_stream("127.0.0.1", int(egress.proxy_url.rsplit(":", 1)[1]))
-        user = env["HTTP_PROXY"].split("//")[1].split("@")[0].split(":")[0]
-        auth = base64.b64encode(f"{user}:".encode()).decode()
-        await stream.send_all(f"CONNECT 127.0.0.2:{denied_port} HTTP/1.1\r\nProxy-Authorization: Basic {auth}\r\n\r\n"
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        auth = base64.b64encode(f"{user}:{password}".encode()).decode()
+        await stream.send_all(f"CONNECT 127.0.0.2:{denied_port} HTTP/1.1\r\nHost: 127.0.0.2:{denied_port}\r\nProxy-Authorization: Basic {auth}\r\n\r\n"
                               .encode())
         tunnel = await stream.receive_some(4096)
         await stream.aclose()
     assert (ok.status_code, ok.text) == (200, "ok")
     assert refused.status_code == 403 and "egress policy" in refused.text
     assert agent.status_code == 403  # the agent's own port
-    assert anonymous.status_code == 407
+    assert (anonymous.status_code, anonymous.text) == (200, "ok")
+    assert impostor.status_code == 407 and "not this task's" in impostor.text
     assert tunnel.startswith(b"HTTP/1.1 403")
     assert egress.refusals(rules) == [Refusal("127.0.0.2", denied_port, 2), Refusal("127.0.0.1", 9, 1)]
     egress.detach(rules)
-    assert egress.proxy_lookup(user) is None
+    egress.detach(other)
+    with pytest.raises(OSError):  # the task's listener is closed with its rules
+        await trio.open_tcp_stream("127.0.0.1", port)
 
 
 def test_ckagent_exec_prints_the_refusal_line() -> None:
@@ -744,7 +769,7 @@ async def test_a_task_handed_over_to_the_next_agent_stays_under_its_policy(
 
 PROXIED = """
 import os, time, urllib.error, urllib.request
-print("ready", os.environ["HTTP_PROXY"].rsplit(":", 1)[1], flush=True)
+print("ready", flush=True)
 go = os.path.join(os.environ["CK_TASK_DIR"], "go")
 for _ in range(600):  # bounded: at most a minute
     if os.path.exists(go):
@@ -765,9 +790,9 @@ for name in ("DENIED", "ALLOWED"):
 async def test_a_task_handed_over_at_the_proxy_level_keeps_its_proxy(
     recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    """Where the kernel cannot filter, a task's proxy variables name the agent's proxy port: the
-    next agent serves the proxy on that same port, so a re-adopted task's requests still go through
-    its policy (denied: 403, allowed: through)."""
+    """Where the kernel cannot filter, a task's proxy variables name its own proxy port: the next
+    agent listens on that same port again (the port and the password survive the restart), so a
+    re-adopted task's requests still go through its policy (denied: 403, allowed: through)."""
     admin = recording_master.admin
     denied = await nursery.start(partial(trio.serve_tcp, _http_ok, 0, host="127.0.0.2"))
     allowed = await nursery.start(partial(trio.serve_tcp, _http_ok, 0, host="127.0.0.3"))
@@ -780,7 +805,7 @@ async def test_a_task_handed_over_at_the_proxy_level_keeps_its_proxy(
         task_id = await submit(admin, "proxied", {"main.py": PROXIED},
                                env={"DENIED": f"http://127.0.0.2:{denied_port}/",
                                     "ALLOWED": f"http://127.0.0.3:{allowed_port}/"})
-        [ready] = [line for line in await wait_for_log(admin, task_id, "ready") if line.startswith("ready")]
+        await wait_for_log(admin, task_id, "ready")
         agent.signal(signal.SIGUSR2)
         assert await wait_exit(agent, 15) == 0
         await agent.start()
@@ -794,4 +819,3 @@ async def test_a_task_handed_over_at_the_proxy_level_keeps_its_proxy(
     assert [line for line in lines if line.split(" ")[0] in ("ok", "http", "failed")] == \
         ["http 403 DENIED", "ok ALLOWED"], lines
     assert task["egressRefused"] == [{"address": "127.0.0.2", "port": denied_port, "count": 1}], task
-    assert (tmp_path / "node" / "data" / "egress-proxy.port").read_text().strip() == ready.split()[1]
