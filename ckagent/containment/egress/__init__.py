@@ -48,6 +48,7 @@ from ckagent.containment.egress.nft import Nft, NftError, open_nft
 from ckagent.containment.egress.proxy import Dialer, ProxyServer, TaskProxy, routes_from_env
 from ckagent.containment.egress.table import (
     NFT_CGROUP_ROOT,
+    AgentPorts,
     EgressTable,
     Refusal,
     TaskRules,
@@ -114,7 +115,7 @@ def report_refusals(task_id: str, refused: list[Refusal], notice: Callable[[str]
         notice(line)
 
 
-class Egress:
+class Egress(AgentPorts):
     """The node's egress level (see module docstring). ``level`` the level; ``details`` one line for
     the log and /status; ``policy`` the node's default policy; ``passed_over`` the stronger levels
     this node did not get, each with why (set by :func:`open_egress`)."""
@@ -127,7 +128,6 @@ class Egress:
         self.passed_over: tuple[Unavailable, ...] = ()
         self.table, self.v2_root, self.agent_port, self.resolvers = table, v2_root, agent_port, resolvers
         self.registry = registry
-        """The host's registry of agents' ports (None: only ``agent_port`` is an agent's port)."""
         self.server: ProxyServer | None = ProxyServer() if level.uses_proxy else None
         """At the ``proxy`` level: the forward proxy (:mod:`.proxy`), served by :meth:`serve`."""
         self._proxied: dict[str, TaskProxy] = {}
@@ -141,31 +141,6 @@ class Egress:
             task_status.started()
             return
         await self.server.run(task_status=task_status)
-
-    def listening(self, port: int) -> None:
-        """The agent's own port is ``port`` (the one picked for ``agent.port`` 0): refused as an
-        agent's port, and recorded in the registry for the other agents on this host (blocking,
-        ~0.1 ms; before any task is attached). Never raises for a port in 1..65535."""
-        self.agent_port = port
-        if self.registry is not None:
-            self.registry.register([port])
-
-    def agent_ports(self) -> frozenset[int]:
-        """Every agent's port on this host (this agent's ``agent_port`` and the live entries of the
-        registry): what the ``agent`` group refuses on this host's addresses. Cached (two ``lstat``
-        calls when nothing changed); never raises."""
-        ports = self.registry.live_ports() if self.registry is not None else frozenset()
-        return ports | {self.agent_port} if self.agent_port is not None else ports
-
-    def refresh_agent_ports(self) -> None:
-        """Bring the table's set of agent ports up to date (blocking; nothing to do when the registry
-        did not change). Never raises: a failure is logged, the set stays as it was."""
-        if self.table is None:
-            return
-        try:
-            self.table.set_agent_ports(self.agent_ports())
-        except NftError as exc:
-            log.warning("egress: cannot update the agent ports in table %s: %s", self.table.name, exc)
 
     def effective(self, task_policy: EgressPolicy | None) -> EgressPolicy:
         """The node's policy with the task's denials and exceptions added."""
@@ -197,7 +172,7 @@ class Egress:
         if path is None:
             raise EgressError(f"egress: the task's jail ({jail.level}) has no cgroup in the v2 tree to filter")
         policy = self.effective(task_policy)
-        self.refresh_agent_ports()
+        self.refresh_agent_ports()  # (agents that came or went since the last task)
         try:
             return self.table.add(task_id, str(path.relative_to(NFT_CGROUP_ROOT)), policy, self.agent_port,
                                   self.resolvers, pin=task_policy is None)  # (the node's: most tasks')
@@ -293,12 +268,10 @@ class Egress:
                 "deny": wire["deny"], "allow": wire["allow"]}
 
     def close(self, handed: int = 0) -> None:
-        """Remove this agent's entry from the registry of agents' ports, and delete the agent's table
-        (the tasks are gone) unless ``handed`` tasks were left running for the next agent: their
-        rules stay in force until it replaces the table. Never raises."""
-        if self.registry is not None:
-            self.registry.close()
-        if handed and self.table is not None:
+        """Delete the agent's table (the tasks are gone; unless ``handed`` tasks were left running for
+        the next agent: their rules stay in force) and its entry in the registry. Never raises."""
+        self.leave()
+        if handed:
             log.info("egress: the table stays for the %d task(s) left running", handed)
         elif self.table is not None:
             with contextlib.suppress(NftError):

@@ -50,6 +50,7 @@ from typing import Any
 
 from ckagent.containment.egress.netlink import Netlink, NetlinkError, cgroup_key
 from ckagent.containment.egress.nft import Nft, NftError
+from ckagent.node.agentports import PortRegistry
 from ckagent.node.egress_policy import EgressPolicy, Network, embedding_networks
 
 log = logging.getLogger(__name__)
@@ -371,6 +372,46 @@ class EgressTable:
                     except NetlinkError as again:
                         if again.errno != errno.ENOENT:
                             raise
+
+
+class AgentPorts:
+    """The ``agent`` group's side of :class:`ckagent.containment.egress.Egress`: this agent's port
+    (``agent_port``) and every other agent's on this host (``registry``, :mod:`ckagent.node.agentports`),
+    in the table's ``agent_ports`` set (``table``) and for the proxy's check (:meth:`agent_ports`)."""
+
+    agent_port: int | None
+    registry: PortRegistry | None
+    table: EgressTable | None
+
+    def listening(self, port: int) -> None:
+        """The agent's own port is ``port`` (the one picked for ``agent.port`` 0): refused as an
+        agent's port, and recorded in the registry for the other agents on this host (blocking,
+        ~0.1 ms; call it before any task is attached). Raises ValueError for a port outside 1..65535."""
+        self.agent_port = port
+        if self.registry is not None:
+            self.registry.register([port])
+
+    def agent_ports(self) -> frozenset[int]:
+        """Every agent's port on this host (this agent's ``agent_port`` and the live entries of the
+        registry): what the ``agent`` group refuses on this host's addresses. Cached (two ``lstat``
+        calls when nothing changed); never raises."""
+        ports = self.registry.live_ports() if self.registry is not None else frozenset()
+        return ports | {self.agent_port} if self.agent_port is not None else ports
+
+    def refresh_agent_ports(self) -> None:
+        """Bring the table's set of agent ports up to date (blocking; nothing to do when the registry
+        did not change). Never raises: a failure is logged, the set stays as it was."""
+        if self.table is None:
+            return
+        try:
+            self.table.set_agent_ports(self.agent_ports())
+        except NftError as exc:
+            log.warning("egress: cannot update the agent ports in table %s: %s", self.table.name, exc)
+
+    def leave(self) -> None:
+        """Remove this agent's entry from the registry (at its stop; never raises)."""
+        if self.registry is not None:
+            self.registry.close()
 
 
 def _delete_table(nft: Nft, name: str) -> bool:
