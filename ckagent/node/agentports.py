@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import json
 import logging
 import os
@@ -71,9 +72,9 @@ MAX_PORTS = 4096
 """The most ports one entry may name (beyond: not an entry)."""
 LIVENESS_INTERVAL = 5.0
 """Seconds between liveness checks of the entries when no directory changed."""
-RACY_SECONDS = 0.1
+RACY_SECONDS = 0.03
 """A directory changed less than this long ago is scanned again at the next call (its mtime is
-coarse: a second change within the same tick would not show)."""
+coarse, one clock tick: ≤ 10 ms; a second change within the same tick would not show)."""
 _O_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -136,8 +137,10 @@ def boot_id() -> str:
     return _BOOT_ID
 
 
+@functools.lru_cache(maxsize=1)
 def pid_namespace() -> str:
-    """This process's pid namespace (``pid:[<inode>]``; "" when unreadable)."""
+    """This process's pid namespace (``pid:[<inode>]``; "" when unreadable). A process cannot
+    change its own (``setns``/``unshare`` change its children's)."""
     try:
         return os.readlink("/proc/self/ns/pid")
     except OSError:
@@ -343,7 +346,8 @@ class PortRegistry:
     def _refresh(self) -> None:
         now = time.monotonic()
         stamps = {d: _stamp(d) for d in self.read_dirs}
-        if not self._racy and now < self._check_due and all(stamps[d] == self._dirs[d].stamp for d in self.read_dirs):
+        due = now >= self._check_due
+        if not self._racy and not due and all(stamps[d] == self._dirs[d].stamp for d in self.read_dirs):
             return
         self._racy = False
         live: list[Entry] = []
@@ -355,14 +359,16 @@ class PortRegistry:
                 continue
             if time.time_ns() - found[2] < RACY_SECONDS * 1e9:
                 self._racy = True
-            live.extend(self._scan(directory, state))
+            live.extend(self._scan(directory, state, due))
         self._entries = live
         self._seen = frozenset(p for e in live for p in e.ports)
-        self._check_due = now + self.liveness_interval
+        if due:
+            self._check_due = now + self.liveness_interval
 
-    def _scan(self, directory: Path, state: _Dir) -> list[Entry]:
+    def _scan(self, directory: Path, state: _Dir, due: bool) -> list[Entry]:
         """The live entries in ``directory`` (files read again only when they changed; the files of
-        dead agents removed, relative to the directory opened). Never raises."""
+        dead agents removed, relative to the directory opened). The processes of the entries read
+        before are looked at again only when ``due``. Never raises."""
         try:
             fd = os.open(directory, _O_DIR)
         except OSError:
@@ -385,12 +391,12 @@ class PortRegistry:
                     key = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
                     cached = old.get(item.name)
                     if cached is not None and cached[0] == key:
-                        entry = cached[1]
+                        entry, check = cached[1], due
                     else:
-                        entry = _read_entry(fd, item.name, st.st_size)
+                        entry, check = _read_entry(fd, item.name, st.st_size), True
                         if entry is not None:
                             entry = dataclasses.replace(entry, path=str(directory / item.name))
-                    if entry is not None and item.name != own and alive(entry) is False:
+                    if entry is not None and check and item.name != own and alive(entry) is False:
                         with contextlib.suppress(OSError):  # (only its owner and root may)
                             os.unlink(item.name, dir_fd=fd)
                         continue
