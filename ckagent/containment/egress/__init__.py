@@ -30,6 +30,7 @@ import collections
 import contextlib
 import ipaddress
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from ckagent.containment.egress.nft import Nft, NftError, open_nft
 from ckagent.containment.egress.table import (
     NFT_CGROUP_ROOT,
+    TABLE_PREFIX,
     EgressTable,
     Refusal,
     TaskRules,
@@ -47,7 +49,7 @@ from ckagent.containment.egress.table import (
     table_name,
 )
 from ckagent.node.egress_policy import DEFAULT_DENY, GROUPS, EgressPolicy, PolicyError, parse_text
-from ckagent.node.levels import AUTO, Blocker, EgressLevel, Unavailable
+from ckagent.node.levels import AUTO, Blocker, EgressLevel, Judged, LevelError, Unavailable, decide
 
 if TYPE_CHECKING:  # (the containment imports Trio: the protocol module imports this package's policy)
     from ckagent.containment import Containment, TaskJail
@@ -63,6 +65,7 @@ __all__ = [
     "Refusal",
     "TaskRules",
     "describe_refusals",
+    "judge_egress",
     "open_egress",
     "parse_text",
     "report_refusals",
@@ -74,13 +77,9 @@ PROBE_TIMEOUT = 5.0
 """Seconds the start-up probe's child may take."""
 
 
-class EgressError(Exception):
+class EgressError(LevelError):
     """A forced egress level is not available here, or a task's rules cannot be added. ``blocker``
     says why a level is not available in a word (:class:`ckagent.node.levels.Blocker`)."""
-
-    def __init__(self, message: str, blocker: Blocker = Blocker.FAILED) -> None:
-        super().__init__(message)
-        self.blocker = blocker
 
 
 def describe_refusals(refused: list[Refusal]) -> str:
@@ -218,9 +217,9 @@ def _proxy_user(task_id: str) -> str:
 def open_egress(setting: str | EgressLevel, containment: Containment | None, group_name: str, policy: EgressPolicy,
                 *, agent_port: int | None = None, nft: Nft | None = None, probe: bool = True,
                 work_dir: Path | None = None) -> Egress:
-    """The egress level for this agent: ``setting`` ``auto`` or a level (or its text). The one place
-    that decides the level; the result's ``passed_over`` lists the stronger levels not had, each with
-    its :class:`~ckagent.node.levels.Blocker`.
+    """The egress level for this agent: ``setting`` ``auto`` or a level (or its text), decided by
+    :func:`~ckagent.node.levels.decide` (as :func:`judge_egress` does); the result's ``passed_over``
+    lists the stronger levels not had, each with its :class:`~ckagent.node.levels.Blocker`.
 
     Blocking (nft batches, and at ``nftables`` a probe: a short child process in a throw-away cgroup
     connects to a loopback socket of the agent and must be refused). ``work_dir`` (the agent's) is
@@ -232,31 +231,54 @@ def open_egress(setting: str | EgressLevel, containment: Containment | None, gro
     """
     forced = _parse_setting(setting)
     resolvers = _resolvers()
-    egress: Egress | None = None
-    passed_over: list[Unavailable] = []
-    if forced is EgressLevel.OFF:
-        egress = Egress(EgressLevel.OFF, "no network policy (task.egress: off)", EgressPolicy())
-    else:
-        why = ""
-        if forced in (None, EgressLevel.NFTABLES):
-            try:
-                egress = _open_nftables(containment, group_name, policy, agent_port, nft, probe, resolvers,
-                                        work_dir)
-            except EgressError as exc:
-                if forced is EgressLevel.NFTABLES:
-                    raise EgressError(f"task.egress=nftables is not available here: {exc}", exc.blocker) from exc
-                why = str(exc)
-                passed_over.append(Unavailable(EgressLevel.NFTABLES, exc.blocker, why))
-        if egress is None:
-            details = "filtering proxy in the tasks' proxy variables (advisory: a program may ignore them)"
-            egress = Egress(EgressLevel.PROXY, details + (f"; the kernel cannot: {why}" if why else ""), policy,
-                            agent_port=agent_port, resolvers=resolvers)
-    if forced is not None:
-        stronger = list(EgressLevel)[:list(EgressLevel).index(forced)]
-        passed_over += [Unavailable(level, Blocker.SETTING, f"task.egress is {forced}") for level in stronger]
-    egress.passed_over = tuple(passed_over)
+    group = None if containment is None else containment.v2_group()
+    where = "none" if containment is None else str(containment.level)
+
+    def attempt(level: EgressLevel) -> Egress:
+        if level is EgressLevel.NFTABLES:
+            return _open_nftables(group, where, group_name, policy, agent_port, nft, probe, resolvers, work_dir)
+        if level is EgressLevel.PROXY:
+            return Egress(EgressLevel.PROXY, PROXY_DETAILS, policy, agent_port=agent_port, resolvers=resolvers)
+        return Egress(EgressLevel.OFF, "no network policy (task.egress: off)", EgressPolicy())
+
+    egress, passed_over = decide(forced, AUTO_ORDER, attempt, setting="task.egress", error=EgressError)
+    egress.passed_over = passed_over
+    kernel = [u.message for u in passed_over if u.blocker is not Blocker.SETTING]
+    if egress.level.uses_proxy and kernel:
+        egress.details += f"; the kernel cannot: {kernel[0]}"
     log.info("egress: %s — %s; %s", egress.level, egress.details, egress.policy.describe())
     return egress
+
+
+AUTO_ORDER = (EgressLevel.NFTABLES, EgressLevel.PROXY)
+"""What ``auto`` tries, strongest first (``off`` only when named)."""
+
+PROXY_DETAILS = "filtering proxy in the tasks' proxy variables (advisory: a program may ignore them)"
+
+
+def judge_egress(setting: str | EgressLevel, containment: Judged | None, policy: EgressPolicy, *,
+                 nft: Nft | None = None) -> Judged:
+    """The level :func:`open_egress` would give with ``setting`` next to the judged ``containment``
+    (:func:`ckagent.containment.judge_containment`; None: it cannot be had), judged without changing
+    the machine: the same decision, ``nftables`` judged by each of its conditions (every unmet one is a
+    ``passed_over`` entry with its blocker) and, when all are met, by the start-up probe in a throw-away
+    cgroup below ``containment.v2_base`` with a throw-away table (``inet ckagent_check_<pid>``, no
+    agent's), both removed also on failure; other agents' tables are not looked at. Every stronger
+    level is judged, also past a forced one. Blocking (the probe's child: ~0.1 s). Raises EgressError
+    as :func:`open_egress` would (a forced level not available)."""
+    base = None if containment is None else containment.v2_base
+    where = "none" if containment is None else str(containment.level)
+
+    def attempt(level: EgressLevel) -> Judged:
+        if level is EgressLevel.NFTABLES:
+            return _judge_nftables(base, where, nft)
+        if level is EgressLevel.PROXY:
+            return Judged(level, PROXY_DETAILS)
+        return Judged(level, "no network policy (task.egress: off)")
+
+    judged, passed_over = decide(_parse_setting(setting), AUTO_ORDER, attempt, setting="task.egress",
+                                 error=EgressError, judge_stronger=True)
+    return Judged(judged.level, judged.details, passed_over)
 
 
 def _parse_setting(setting: str | EgressLevel) -> EgressLevel | None:
@@ -272,39 +294,18 @@ def _parse_setting(setting: str | EgressLevel) -> EgressLevel | None:
                           f"{', '.join(level.value for level in EgressLevel)}") from None
 
 
-def _open_nftables(containment: Containment | None, group_name: str, policy: EgressPolicy,
+def _open_nftables(group: Path | None, where: str, group_name: str, policy: EgressPolicy,
                    agent_port: int | None, nft: Nft | None, probe: bool,
                    resolvers: tuple[tuple[str, int], ...], work_dir: Path | None = None) -> Egress:
-    group = None if containment is None else containment.v2_group()
+    """The ``nftables`` level for task cgroups below ``group`` (the containment's, at level ``where``)."""
     if group is None:
-        level = containment.level if containment is not None else "none"
-        raise EgressError(f"the tasks have no cgroup in a cgroup v2 tree (containment {level})",
-                          Blocker.NO_TASK_CGROUP)
-    from ckagent.containment.hierarchy import mounts  # (the containment package imports Trio)
-
-    v2 = mounts(_read("/proc/self/mountinfo")).get("unified")
-    if v2 is None:
-        raise EgressError("no cgroup v2 tree is mounted", Blocker.NO_V2_TREE)
-    point, root = v2
-    try:
-        group.relative_to(NFT_CGROUP_ROOT)
-        depth = len(group.relative_to(point).parts) + len(Path(root).parts[1:]) + 1
-    except ValueError:
-        raise EgressError(f"the v2 tree {point} is not below {NFT_CGROUP_ROOT}, where nft looks",
-                          Blocker.V2_TREE_ELSEWHERE) from None
-    try:
-        backend = nft or open_nft()
-    except NftError as exc:
-        raise EgressError(str(exc), Blocker.NO_NFTABLES) from exc
+        raise EgressError(f"the tasks have no cgroup in a cgroup v2 tree (containment {where})", Blocker.NO_TASK_CGROUP)
+    point, depth = _v2_depth(group)
+    backend = _backend(nft)
     table = EgressTable(backend, table_name(group_name), depth, "" if work_dir is None else str(work_dir))
     for orphan in remove_orphans(keep=table.name):
         log.info("egress: removed the table inet %s: its agent's work dir no longer exists", orphan)
-    try:
-        table.create()
-    except NftError as exc:
-        raise EgressError(f"cannot create the nftables table {table.name} ({exc}; the agent needs "
-                          "CAP_NET_ADMIN: run it as root or grant the capability)",
-                          Blocker.NO_NET_ADMIN if "not permitted" in str(exc) else Blocker.FAILED) from exc
+    _create(table)
     egress = Egress(EgressLevel.NFTABLES, f"nftables table inet {table.name} ({backend.kind}), task cgroups at "
                     f"level {depth} below {group}", policy, table=table, v2_root=point,
                     agent_port=agent_port, resolvers=resolvers)
@@ -315,6 +316,111 @@ def _open_nftables(containment: Containment | None, group_name: str, policy: Egr
             egress.close()
             raise
     return egress
+
+
+def _judge_nftables(base: Path | None, where: str, nft: Nft | None) -> Judged:
+    """Judge ``nftables`` for task cgroups that would be below ``base`` (see :func:`judge_egress`).
+    Raises EgressError with every unmet condition (``also``)."""
+    from ckagent.containment.base import ContainmentError, throwaway_cgroup  # (imports Trio)
+
+    found: list[EgressError] = []
+    if base is None:
+        found.append(EgressError(f"the tasks have no cgroup in a cgroup v2 tree (containment {where})",
+                                 Blocker.NO_TASK_CGROUP))
+    else:
+        try:
+            _v2_depth(base / "ckagent-x")
+        except EgressError as exc:
+            found.append(exc)
+    backend = None
+    try:
+        backend = _backend(nft)
+    except EgressError as exc:
+        found.append(exc)
+    if backend is not None and not _has_net_admin():
+        found.append(EgressError(f"this process (uid {os.geteuid()}) has no CAP_NET_ADMIN: it may not change "
+                                 "nftables", Blocker.NO_NET_ADMIN))
+    elif backend is not None:  # the rights, where the capability says yes: a table of the check's own
+        table = EgressTable(backend, f"{TABLE_PREFIX}check_{os.getpid()}", 1, netlink=False)
+        try:
+            _create(table)
+        except EgressError as exc:
+            found.append(exc)
+        else:
+            _drop(table)
+    if found:
+        raise EgressError(str(found[0]), found[0].blocker, also=tuple(found[1:]))
+    assert base is not None and backend is not None
+    try:
+        with throwaway_cgroup(base) as group:
+            _, depth = _v2_depth(group)
+            table = EgressTable(backend, f"{TABLE_PREFIX}check_{os.getpid()}", depth, netlink=False)
+            _create(table)
+            try:
+                _probe(table, group)
+            finally:
+                _drop(table)
+    except ContainmentError as exc:
+        raise EgressError(f"no cgroup for the probe: {exc}", exc.blocker) from exc
+    return Judged(EgressLevel.NFTABLES, f"nftables ({backend.kind}), task cgroups at level {depth} below "
+                  f"{base}; the probe was refused by the kernel")
+
+
+CAP_NET_ADMIN = 12
+
+
+def _has_net_admin() -> bool:
+    """Whether this process's effective capabilities hold CAP_NET_ADMIN (/proc/self/status ``CapEff``;
+    True when it cannot be read: the table's creation then tells)."""
+    for line in _read("/proc/self/status").splitlines():
+        if line.startswith("CapEff:"):
+            with contextlib.suppress(ValueError):
+                return bool(int(line.split()[1], 16) >> CAP_NET_ADMIN & 1)
+    return True
+
+
+def _drop(table: EgressTable) -> None:
+    """Delete a check's table; a table that cannot be deleted is logged with how to remove it."""
+    try:
+        table.close()
+    except NftError as exc:
+        log.warning("egress: cannot delete the check's table inet %s (%s): nft delete table inet %s",
+                    table.name, exc, table.name)
+
+
+def _v2_depth(group: Path) -> tuple[Path, int]:
+    """(the v2 tree's mount point, the level of the task cgroups below ``group`` in nft's terms).
+    Raises EgressError."""
+    from ckagent.containment.hierarchy import mounts  # (the containment package imports Trio)
+
+    v2 = mounts(_read("/proc/self/mountinfo")).get("unified")
+    if v2 is None:
+        raise EgressError("no cgroup v2 tree is mounted", Blocker.NO_V2_TREE)
+    point, root = v2
+    try:
+        group.relative_to(NFT_CGROUP_ROOT)
+        return point, len(group.relative_to(point).parts) + len(Path(root).parts[1:]) + 1
+    except ValueError:
+        raise EgressError(f"the v2 tree {point} is not below {NFT_CGROUP_ROOT}, where nft looks",
+                          Blocker.V2_TREE_ELSEWHERE) from None
+
+
+def _backend(nft: Nft | None) -> Nft:
+    """``nft``, or libnftables / the nft program. Raises EgressError (NO_NFTABLES)."""
+    try:
+        return nft or open_nft()
+    except NftError as exc:
+        raise EgressError(str(exc), Blocker.NO_NFTABLES) from exc
+
+
+def _create(table: EgressTable) -> None:
+    """Create ``table`` (afresh). Raises EgressError (NO_NET_ADMIN when nftables said not permitted)."""
+    try:
+        table.create()
+    except NftError as exc:
+        raise EgressError(f"cannot create the nftables table {table.name} ({exc}; the agent needs "
+                          "CAP_NET_ADMIN: run it as root or grant the capability)",
+                          Blocker.NO_NET_ADMIN if "not permitted" in str(exc) else Blocker.FAILED) from exc
 
 
 def _probe(table: EgressTable, group: Path) -> None:
