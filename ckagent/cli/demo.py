@@ -48,6 +48,9 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "sdk" / "examples"  # ckagent/c
 DEMO_TIMEOUT = 900.0
 """Seconds the demo waits for its tasks, all together (the first Scrapy install downloads ~40 packages)."""
 
+EXIT_INTERRUPTED = 130
+"""Exit code when Ctrl-C ended the demo before its checks were done (as a shell reports SIGINT)."""
+
 DEMO_OWNED = ("AGENT_SERVER_URL", "AGENT_REGISTRATION_TOKEN", "AGENT_WORK_DIR", "AGENT_NAME", "AGENT_IP",
               "AGENT_BIND", "AGENT_PORT", "AGENT_LOG_FILE")
 """The settings the demo sets for its agent whatever the environment says: its own master and token, its
@@ -329,8 +332,10 @@ def _checked_settings(work_dir: Path, config: Path | None) -> Settings:
 
 def run_demo(work_dir: Path, keep: bool = False, config: Path | None = None) -> int:
     """Entry point of ``ckagent demo``. Returns 0 when every example ended as it promises (status and
-    items, :func:`check_result`), 1 otherwise, 2 when the examples are not there. Raises ConfigError
-    for bad settings (``config``, ``AGENT_*``) and StartupError when the agent cannot start."""
+    items, :func:`check_result`), 1 otherwise, 2 when the examples are not there, 130 when Ctrl-C
+    came before the checks (with ``--keep``, Ctrl-C stops the agent and the checks' code stands).
+    Raises ConfigError for bad settings (``config``, ``AGENT_*``) and StartupError when the agent
+    cannot start."""
     if not (EXAMPLES / "scrapy_demo").is_dir():
         print(f"ckagent demo: the example spiders are not here ({EXAMPLES}); run the demo from a checkout",
               file=sys.stderr)
@@ -342,5 +347,5 @@ def run_demo(work_dir: Path, keep: bool = False, config: Path | None = None) -> 
     logging.getLogger("ckagent.devmaster").setLevel(logging.WARNING)
     try:
         return trio.run(_demo, work_dir, keep, config)
-    except KeyboardInterrupt:
-        return 0
+    except KeyboardInterrupt:  # outside the agent's own handler (it turns Ctrl-C into a stop): not checked
+        return EXIT_INTERRUPTED
