@@ -56,8 +56,8 @@ async def test_two_tasks_never_share_a_connection(nursery: trio.Nursery) -> None
     for task_id in ("pool-a", "pool-b"):
         rules = await trio.to_thread.run_sync(egress.attach, None, task_id)
         urls.append(egress.task_env(rules)["HTTP_PROXY"])
-    with trio.fail_after(20):
-        for url in urls * 2:
+    for url in urls * 2:
+        with trio.fail_after(20):
             async with httpx.AsyncClient(proxy=url) as client:
                 await client.get(f"http://127.0.0.2:{origin.port}/")
     assert origin.connections == 2

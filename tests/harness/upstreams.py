@@ -33,6 +33,7 @@ async def _h11_requests(stream: trio.SocketStream, handle: Any) -> None:
     """Serve h11 requests on ``stream`` until it closes: ``handle(conn, request, body)`` answers."""
     conn = h11.Connection(h11.SERVER)
     while True:
+        await trio.lowlevel.checkpoint()
         try:
             event = conn.next_event()
         except h11.RemoteProtocolError:
