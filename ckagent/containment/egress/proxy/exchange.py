@@ -443,6 +443,10 @@ class _Client:
                     if up.reused:
                         raise _Stale() from None
                     raise UpstreamError("the destination reset the connection") from None
+                if not data and not started and not conn.trailing_data[0]:  # closed before a byte of answer
+                    if up.reused:
+                        raise _Stale()
+                    raise UpstreamError("the destination closed the connection without answering")
                 try:
                     conn.receive_data(data)
                 except RuntimeError:
