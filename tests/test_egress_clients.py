@@ -23,6 +23,7 @@ from __future__ import annotations
 import secrets
 import shutil
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -95,7 +96,7 @@ SCHEMES = ["http", "https"]
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("lib", ["requests", "urllib3", "httpx", "aiohttp"])
+@pytest.mark.parametrize("lib", ["urllib", "requests", "urllib3", "httpx", "aiohttp", "aiohttp-concurrent"])
 async def test_python_clients_get_each_answer_from_the_host_asked(
         lib: str, scheme: str, hosts: WebHosts, python_clients: Path, tmp_path: Path) -> None:
     with trio.fail_after(TEST_TIMEOUT):
@@ -110,13 +111,17 @@ async def test_python_clients_get_each_answer_from_the_host_asked(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("mode", ["one-by-one", "concurrent"])
 async def test_scrapy_gets_each_answer_from_the_host_asked(
-        scheme: str, hosts: WebHosts, python_clients: Path, tmp_path: Path) -> None:
+        mode: str, scheme: str, hosts: WebHosts, python_clients: Path, tmp_path: Path) -> None:
+    """One request after the other, and as a crawl runs (every request at once, eight at a time)."""
+    argv = [str(python_clients), str(CLIENT_SCRIPTS / "scrapy_client.py")]
+    if mode == "concurrent":
+        argv.append("--concurrent")
     with trio.fail_after(TEST_TIMEOUT):
         async with proxied_task(DENY) as task:
             plan = client_plan(hosts, scheme, TOKEN, chunked=False)  # (Scrapy sends Content-Length only)
-            records = await run_client([str(python_clients), str(CLIENT_SCRIPTS / "scrapy_client.py")],
-                                       plan_document(hosts, plan), tmp_path, client_env(task, hosts.ca_file))
+            records = await run_client(argv, plan_document(hosts, plan), tmp_path, client_env(task, hosts.ca_file))
     _verdict(hosts, plan, records, scheme, task.secrets)
 
 
@@ -187,6 +192,87 @@ async def test_a_denied_request_gets_403_and_its_connection_goes_on(hosts: WebHo
         f"a new connection after the 403: {[(r['id'], r['num_connects'], r['local_port']) for r in records]}"
     _verdict(hosts, plan, records, "http", task.secrets)
     assert _refused_d(refused), f"the denied request was not counted: {refused}"
+
+
+async def test_http_1_0_clients_get_each_answer_from_the_host_asked(hosts: WebHosts, tmp_path: Path) -> None:
+    """curl --http1.0: HTTP/1.0 requests (no chunked bodies in 1.0) through the proxy, plain HTTP."""
+    _need_curl()
+    with trio.fail_after(TEST_TIMEOUT):
+        async with proxied_task(DENY) as task:
+            plan = client_plan(hosts, "http", TOKEN, chunked=False)
+            records = await run_curl(plan_document(hosts, plan), tmp_path, client_env(task, hosts.ca_file),
+                                     http10=True)
+    _verdict(hosts, plan, records, "http", task.secrets)
+
+
+IDLE_PAUSE = 0.6
+"""Seconds a client waits before each of host A's requests in the idle-close plan (A closes an idle
+connection after 0.2 s)."""
+
+
+@pytest.mark.parametrize("lib", ["requests", "undici-forward", "curl"])
+async def test_a_connection_the_host_closed_while_idle_is_not_used_again(
+        lib: str, hosts: WebHosts, python_clients: Path, tmp_path_factory: pytest.TempPathFactory,
+        tmp_path: Path) -> None:
+    """Servers close a kept-alive connection that stayed idle (their keep-alive timeout) without a
+    word. The proxy must not send a client's next request — a GET, a POST, a PUT — on a pooled
+    connection the host has closed meanwhile (that gets a 502, or loses the request)."""
+    if lib == "curl":
+        _need_curl()
+    with trio.fail_after(TEST_TIMEOUT):
+        async with proxied_task(DENY) as task:
+            plan = client_plan(hosts, "http", TOKEN, idle_close=IDLE_PAUSE)
+            document, env = plan_document(hosts, plan), client_env(task, hosts.ca_file)
+            if lib == "curl":  # (curl cannot pause between URLs: at most 1.5 transfers a second does it)
+                records = await run_curl(document, tmp_path, env, rate="90/m")
+            elif lib == "requests":
+                records = await run_client([str(python_clients), str(CLIENT_SCRIPTS / "py_clients.py"), lib],
+                                           document, tmp_path, env)
+            else:
+                try:
+                    node = node_clients(clients_dir(tmp_path_factory))
+                except ClientUnavailable as exc:
+                    pytest.skip(f"no Node clients: {exc}")
+                records = await run_client(["node", str(node / "node_client.mjs"), lib], document, tmp_path, env,
+                                           cwd=node)
+    _verdict(hosts, plan, records, "http", task.secrets)
+    fresh = {r["id"]: (r["json"] or {}).get("connection", {}).get("request") for r in records}
+    assert fresh["i2"] == fresh["i3"] == fresh["i5"] == 1, \
+        f"host A did not close its idle connections (the test proves nothing): requests per connection {fresh}"
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("lib", ["requests", "curl"])
+async def test_a_tasks_own_proxy_is_chained_behind_the_agents(
+        lib: str, scheme: str, hosts: WebHosts, python_clients: Path, tmp_path: Path) -> None:
+    """A task whose own environment names a proxy (a team's) keeps it: the agent's proxy checks each
+    request, then sends it on through the task's proxy with that proxy's credentials. The team's proxy
+    here is another ckagent proxy that refuses host B: B's requests get its 403, which only a chained
+    request can get; D's get the agent's 403 and never reach the team's proxy; A's are answered by A,
+    which sees neither proxy's credentials."""
+    if lib == "curl":
+        _need_curl()
+    keep = {"a1", "b1", "a3", "d1", "a4", "b4", "a7"}
+    plan = [r if r.host != "b" else replace(r, expect="denied")
+            for r in client_plan(hosts, scheme, TOKEN, chunked=False) if r.id in keep]
+    with trio.fail_after(TEST_TIMEOUT):
+        async with proxied_task("metadata,link-local,127.0.0.3", task_id="team") as team:
+            own = {"HTTP_PROXY": team.url, "HTTPS_PROXY": team.url}
+            async with proxied_task(DENY, task_env=own) as task:
+                document, env = plan_document(hosts, plan), client_env(task, hosts.ca_file)
+                if lib == "curl":
+                    records = await run_curl(document, tmp_path, env)
+                else:
+                    records = await run_client([str(python_clients), str(CLIENT_SCRIPTS / "py_clients.py"), lib],
+                                               document, tmp_path, env)
+                refused = task.egress.refusals(task.rules)
+                refused_by_team = team.egress.refusals(team.rules)
+    # (A tunnel the team's proxy refuses reaches the client as the agent's 502, naming the refusal,
+    # not as the team's 403: any refusal will do for HTTPS; the team's count proves where it came from.)
+    _verdict(hosts, plan, records, scheme, task.secrets + team.secrets, strict_denied=scheme == "http")
+    assert {r.address for r in refused} == {"127.0.0.4"}, f"the agent's proxy refused {refused}"
+    assert {r.address for r in refused_by_team} == {"127.0.0.3"}, \
+        f"the team's proxy refused {refused_by_team}: the task's requests did not go through it"
 
 
 def test_the_client_scripts_are_the_ones_listed() -> None:

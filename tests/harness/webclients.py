@@ -66,6 +66,9 @@ PYTHON_CLIENT_PACKAGES = ("scrapy>=2.11,<3", "requests>=2.31,<3", "urllib3>=2,<3
 NODE_CLIENT_PACKAGES = ("undici@^7", "got@^14", "hpagent@^1", "axios@^1")
 """What :func:`node_clients` installs."""
 
+MIN_NODE = (20, 18, 1)
+"""The oldest Node the packages of :data:`NODE_CLIENT_PACKAGES` run on."""
+
 BUILD_TIMEOUT = 600.0
 """Seconds for one environment build, cold caches included."""
 
@@ -127,10 +130,20 @@ def client_python(base: Path) -> Path:
 def node_clients(base: Path) -> Path:
     """A directory with :data:`NODE_CLIENT_PACKAGES` installed by npm and node_client.mjs beside them,
     in ``base``/node, made once (under a file lock; a few seconds from npm's cache). Blocking. Raises
-    ClientUnavailable when node or npm is missing, or npm cannot install."""
+    ClientUnavailable when node or npm is missing, node is older than :data:`MIN_NODE`, or npm cannot
+    install."""
     node, npm = shutil.which("node"), shutil.which("npm")
     if node is None or npm is None:
         raise ClientUnavailable(f"{'node' if node is None else 'npm'} is not installed")
+    version = subprocess.run([node, "--version"], capture_output=True, text=True, timeout=30,
+                             check=False).stdout.strip()
+    try:
+        numbers = tuple(int(part) for part in version.lstrip("v").split(".")[:3])
+    except ValueError:
+        numbers = ()
+    if numbers < MIN_NODE:
+        raise ClientUnavailable(f"node {version or '(no version)'} is older than "
+                                f"{'.'.join(map(str, MIN_NODE))}, which undici 7 and got 14 need")
     root = base / "node"
     done = root / ".complete"
     with _locked(base / "node-lock"):
@@ -179,23 +192,16 @@ async def proxied_task(deny: str, task_id: str = "task-1",
 
     egress = open_egress("proxy", None, "ckagent_test", parse_text(deny, ""), agent_port=9000)
     async with trio.open_nursery() as nursery:
-        if hasattr(egress, "serve"):  # the proxy of issue 34 (RULES.md's API)
-            await nursery.start(egress.serve)
-            rules = await trio.to_thread.run_sync(egress.attach, None, task_id, None, dict(task_env or {}))
-        else:  # the proxy before it (main until the new one lands): one listener, the user names the task
-            from ckagent.containment.egress.proxy import serve_proxy
-
-            egress.proxy_url = await nursery.start(serve_proxy, egress.proxy_lookup, lambda: 9000)
-            rules = egress.attach(None, task_id)  # type: ignore[arg-type]
+        await nursery.start(egress.serve)
+        rules = await trio.to_thread.run_sync(egress.attach, None, task_id, None)
         try:
-            env = dict(egress.task_env(rules))
+            env = dict(egress.task_env(rules, dict(task_env or {})))
             url = env.get("HTTP_PROXY") or env.get("http_proxy") or ""
             parts = urlsplit(url)
             secrets = []
-            if parts.password:  # (the old proxy's fixed word "task" is too common a word to look for)
+            if parts.password:
                 credentials = f"{unquote(parts.username or '')}:{unquote(parts.password)}"
-                secrets = [unquote(parts.password)] if len(parts.password) >= 8 else []
-                secrets += [base64.b64encode(credentials.encode()).decode()]
+                secrets = [unquote(parts.password), base64.b64encode(credentials.encode()).decode()]
             yield ProxiedTask(egress, rules, env, url, secrets)
         finally:
             egress.detach(rules)
@@ -225,9 +231,11 @@ class PlanRequest:
     """One request of a plan, and what its answer must be.
 
     ``expect``: ``echo`` (a JSON echo from ``host`` at ``path``), ``bytes`` (``size`` bytes of
-    :func:`page_bytes` from ``host``) or ``denied`` (the proxy's 403: ``host`` is denied). ``auth``:
+    :func:`page_bytes` from ``host``), ``status`` (``status`` and no body, from ``host``) or ``denied``
+    (the proxy's 403: ``host`` is denied). ``auth``:
     the request carries host A's ``Authorization`` (and only host A may see it); ``redirected``: the
-    URL asked redirects to ``host`` and ``path``, where the answer comes from."""
+    URL asked redirects to ``host`` and ``path``, where the answer comes from; ``pause``: seconds the
+    client waits before sending it (the Python and Node clients; curl: see :func:`run_curl`)."""
 
     id: str
     method: str
@@ -240,33 +248,51 @@ class PlanRequest:
     size: int = 0
     auth: bool = False
     redirected: bool = False
+    status: int = 200
+    pause: float = 0.0
 
     def wire(self) -> dict[str, Any]:
         """What the client script reads."""
-        return {"id": self.id, "method": self.method, "url": self.url, "headers": self.headers, "body": self.body}
+        return {"id": self.id, "method": self.method, "url": self.url, "headers": self.headers, "body": self.body,
+                "pause": self.pause}
 
 
 def client_plan(hosts: WebHosts, scheme: str, token: str, *, chunked: bool = True,
-                expect_100: bool = False) -> list[PlanRequest]:
+                expect_100: bool = False, idle_close: float = 0.0) -> list[PlanRequest]:
     """The requests every client makes, in order, on one session, all to ``scheme`` URLs of hosts
     ``a`` and ``b`` (``d`` is the denied one). ``token`` is host A's ``Authorization`` value;
     ``chunked`` adds chunked uploads (for clients that can send them); ``expect_100`` asks
-    ``Expect: 100-continue`` on the first upload (curl waits for it)."""
+    ``Expect: 100-continue`` on the first upload (curl waits for it).
+
+    ``idle_close`` (seconds, > 0.2) makes another plan instead: host A closes each connection once it
+    has been idle 0.2 s, without a word (as a server's keep-alive timeout does), and the client waits
+    ``idle_close`` seconds before each of A's next requests (GET, POST, PUT): a kept-alive connection
+    the server has closed meanwhile must not be used for them."""
     a, b, d = hosts["a"], hosts["b"], hosts["d"]
     plan: list[PlanRequest] = []
 
     def add(rid: str, host: Any, path: str, *, method: str = "GET", body: int = 0, chunk: bool = False,
             expect: str = "echo", size: int = 0, target: Any = None, target_path: str | None = None,
-            headers: dict[str, str] | None = None) -> None:
+            headers: dict[str, str] | None = None, status: int = 200, pause: float = 0.0) -> None:
         all_headers = {"X-Ck-Id": rid, **({"Authorization": token} if host is a else {}), **(headers or {})}
         plan.append(PlanRequest(
             rid, method, host.url(scheme, path), all_headers,
             {"tag": rid, "size": body, "chunked": chunk} if body else None, expect, (target or host).name,
-            target_path or urlsplit(path).path, size, host is a, target is not None))
+            target_path or urlsplit(path).path, size, host is a, target is not None, status, pause))
+
+    if idle_close:  # each of A's connections closed once idle 0.2 s; the client waits longer between
+        add("i1", a, "/echo/i1?linger=0.2")
+        add("i2", a, "/echo/i2?linger=0.2", pause=idle_close)
+        add("i3", a, "/upload?linger=0.2", method="POST", body=2000, pause=idle_close)
+        add("i4", b, "/echo/i4")
+        add("i5", a, "/echo/i5", method="PUT", body=100, pause=idle_close)
+        return plan
 
     add("a1", a, "/echo/a1")
-    add("a2", a, "/echo/a2?q=1")
+    add("a2", a, "/echo/a2/%E2%82%AC%20x?q=x%20y&r=a+b")  # (sent as written: already in canonical form)
     add("b1", b, "/echo/b1")
+    add("a9", a, "/bytes/5000", method="HEAD", expect="status")  # (a length, no body)
+    add("b8", b, "/status/304", expect="status", status=304)  # (Content-Length: 1234, no body)
     add("a3", a, "/upload", method="POST", body=200_000,
         headers={"Expect": "100-continue"} if expect_100 else None)
     add("b2", b, "/upload", method="POST", body=150_000)
@@ -282,6 +308,9 @@ def client_plan(hosts: WebHosts, scheme: str, token: str, *, chunked: bool = Tru
     add("b6", b, "/redirect?to=" + quote(to, safe=""), target=a, target_path="/echo/b6-to-a")
     add("a7", a, "/echo/a7")
     add("b7", b, "/echo/b7")
+    add("a10", a, "/status/204", expect="status", status=204)
+    add("b9", b, "/echo/b9?close=1")  # (B closes that connection: the next goes on another)
+    add("b10", b, "/echo/b10")
     add("a8", a, "/echo/a8", method="PUT", body=1000)
     return plan
 
@@ -323,13 +352,18 @@ def _read_result(result_file: Path) -> list[dict[str, Any]] | None:
     return records
 
 
-async def run_curl(document: dict[str, Any], directory: Path, env: dict[str, str]) -> list[dict[str, Any]]:
+async def run_curl(document: dict[str, Any], directory: Path, env: dict[str, str], *, http10: bool = False,
+                   rate: str | None = None) -> list[dict[str, Any]]:
     """Every request of the plan in one curl invocation (``--next`` between them: one connection cache,
     so kept-alive connections are reused), the proxy from the environment as curl reads it. Records as
     run_client's, plus ``num_connects`` (new connections that transfer made) and ``local_port``.
-    Cancellation (the caller's ``trio.fail_after``) kills curl."""
-    done = await trio.run_process(_curl_argv(document, directory), env=env, capture_stdout=True,
-                                  capture_stderr=True, check=False)
+    ``http10``: as HTTP/1.0 (``--http1.0``); ``rate``: curl's ``--rate`` (``2/s``: transfers start at
+    least 0.5 s apart; a request's ``pause`` means nothing to curl). Cancellation (the caller's
+    ``trio.fail_after``) kills curl."""
+    argv = _curl_argv(document, directory, http10)
+    if rate is not None:
+        argv[1:1] = ["--rate", rate]  # (a global option)
+    done = await trio.run_process(argv, env=env, capture_stdout=True, capture_stderr=True, check=False)
     lines = [line for line in done.stdout.decode(errors="replace").splitlines() if line.startswith("<")]
     assert len(lines) == len(document["requests"]), \
         f"curl wrote {len(lines)} transfer reports for {len(document['requests'])} URLs (exit " \
@@ -337,7 +371,7 @@ async def run_curl(document: dict[str, Any], directory: Path, env: dict[str, str
     return _curl_records(document, directory, lines)
 
 
-def _curl_argv(document: dict[str, Any], directory: Path) -> list[str]:
+def _curl_argv(document: dict[str, Any], directory: Path, http10: bool) -> list[str]:
     directory.mkdir(parents=True, exist_ok=True)
     argv = ["curl"]
     for index, spec in enumerate(document["requests"]):
@@ -348,7 +382,11 @@ def _curl_argv(document: dict[str, Any], directory: Path) -> list[str]:
                    "--output", str(out), "--write-out", "<%header{x-identity}>%{json}\\n"]
         if index:
             section.insert(0, "--next")
-        if spec["method"] not in ("GET", "POST"):
+        if http10:
+            section.append("--http1.0")
+        if spec["method"] == "HEAD":
+            section.append("--head")
+        elif spec["method"] not in ("GET", "POST"):
             section += ["--request", spec["method"]]
         for name, value in spec["headers"].items():
             section += ["--header", f"{name}: {value}"]
@@ -368,7 +406,7 @@ def _curl_records(document: dict[str, Any], directory: Path, lines: list[str]) -
         identity, _, report = line[1:].partition(">")
         info = json.loads(report)
         body_file = directory / f"body-{index}"
-        body = body_file.read_bytes() if body_file.exists() else b""
+        body = body_file.read_bytes() if body_file.exists() and spec["method"] != "HEAD" else b""  # (--head: headers)
         status = info.get("http_code") or info.get("http_connect") or None
         parsed = None
         if "json" in (info.get("content_type") or ""):
@@ -394,8 +432,9 @@ def check_answers(hosts: WebHosts, plan: list[PlanRequest], records: list[dict[s
     and no other's (host A's ``token`` only at host A), no proxy header, none of the proxy's
     ``secrets``, and the body sent or the page asked, byte for byte. A ``denied`` request must get the
     proxy's 403 (``strict_denied``), or else at least no answer from the denied host (a browser's fetch
-    reports a refused tunnel or a CORS-less 403 as an error). A refused tunnel (HTTPS) is an error in
-    most clients: its text must name the 403."""
+    reports a refused tunnel or a CORS-less 403 as an error). A refused tunnel (HTTPS, and plain HTTP
+    in clients that tunnel it too: undici's default, hpagent) is an error in most clients: its text
+    must name the 403."""
     problems: list[str] = []
     by_id = {r.get("id"): r for r in records}
     if [r.get("id") for r in records] != [p.id for p in plan]:
@@ -413,14 +452,20 @@ def check_answers(hosts: WebHosts, plan: list[PlanRequest], records: list[dict[s
             if record.get("json") or (status or 0) // 100 == 2 or record.get("identity"):
                 problems.append(f"{where}: the denied host answered: status {status}, "
                                 f"identity {record.get('identity')}")
-            elif strict_denied and status != 403 and not (scheme == "https" and "403" in error):
-                problems.append(f"{where}: expected the proxy's 403 (as the status, or for a tunnel in the "
-                                f"client's error), got status {status} error {error!r}")
+            elif strict_denied and status != 403 and "403" not in error:
+                problems.append(f"{where}: expected the proxy's 403 (as the status, or for a refused tunnel "
+                                f"in the client's error), got status {status} error {error!r}")
             elif not strict_denied and status != 403 and not error:
                 problems.append(f"{where}: expected the proxy's 403 or an error, got status {status}")
             continue
-        if record.get("error") or record.get("status") != 200:
-            problems.append(f"{where}: status {record.get('status')}, error {record.get('error')!r}")
+        if record.get("error") or record.get("status") != request.status:
+            problems.append(f"{where}: status {record.get('status')} (not {request.status}), error "
+                            f"{record.get('error')!r}")
+            continue
+        if request.expect == "status":
+            if record.get("identity") != origin or record.get("length"):
+                problems.append(f"{where}: answered by {record.get('identity')}, not {origin}, with "
+                                f"{record.get('length')} bytes of body")
             continue
         if record.get("identity") not in (None, origin):
             problems.append(f"{where}: answered by {record.get('identity')}, not {origin}")
@@ -459,6 +504,11 @@ def _check_echo(request: PlanRequest, echo: dict[str, Any], authority: str, orig
     target = str(echo.get("target", ""))
     if not target.startswith("/"):
         problems.append(f"the server saw the request target {target!r} (not origin-form)")
+    elif not request.redirected:
+        url = urlsplit(request.url)
+        sent = url.path + (f"?{url.query}" if url.query else "")
+        if target != sent:
+            problems.append(f"the server saw the request target {target!r}, not {sent!r}")
     if not request.redirected and echo.get("method") != request.method:
         problems.append(f"the server saw method {echo.get('method')}")
     headers = [(str(n), str(v)) for n, v in echo.get("headers", [])]

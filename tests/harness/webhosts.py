@@ -22,7 +22,11 @@ permissive CORS headers, for a browser's ``fetch`` from another host's page):
                                     received), "path", "version", "headers": [[name, value], …] (as
                                     received, in order), "body": {"length", "sha256", "chunked"},
                                     "connection": {"serial", "request"}}`` (the connection's number on
-                                    this server and the request's number on that connection, from 1)
+                                    this server and the request's number on that connection, from 1).
+                                    ``?close=1``: answered with ``Connection: close``, then closed;
+                                    ``?linger=S``: the connection is closed (no word said) once it
+                                    has been idle S seconds, as a server's keep-alive timeout does
+``/status/204``, ``/status/304``    that status, no body (the 304 with ``Content-Length: 1234``)
 ``/bytes/<N>``                      N bytes of :func:`page_bytes` (``Content-Length``)
 ``/chunked/<N>``                    the same N bytes, sent ``Transfer-Encoding: chunked`` (16 KiB chunks)
 ``/redirect?to=<url>``              302 to ``url`` (another host, typically)
@@ -275,6 +279,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             target = parse_qs(url.query).get("to", [""])[0]
             self._answer(302, b"", "text/plain", extra={"Location": target})
             return
+        if route.startswith("/status/"):
+            self._answer_status(route.rsplit("/", 1)[1])
+            return
         if route == "/page":
             self._answer(200, b"<!doctype html><title>identity</title><p>" + self.server.origin.encode(),
                          "text/html")
@@ -287,7 +294,22 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             "body": {"length": len(body), "sha256": sha256_hex(body), "chunked": chunked},
             "connection": {"serial": self.serial, "request": self.requests},
         }
-        self._answer(200, json.dumps(echo).encode(), "application/json")
+        query = parse_qs(url.query)
+        extra = {"Connection": "close"} if query.get("close") else None  # (the stdlib then closes it)
+        self._answer(200, json.dumps(echo).encode(), "application/json", extra=extra)
+        if query.get("linger"):  # close the connection, silently, once idle that long (seconds)
+            self.connection.settimeout(float(query["linger"][0]))
+
+    def _answer_status(self, code: str) -> None:
+        if code not in ("204", "304"):
+            self._answer(400, b"only /status/204 and /status/304\n", "text/plain")
+            return
+        self.send_response(int(code))
+        self._common_headers("text/plain")
+        if code == "304":  # (a 304 may name the length of the page it stands for: it has no body)
+            self.send_header("Content-Length", "1234")
+            self.send_header("ETag", '"identity"')
+        self.end_headers()
 
     def _common_headers(self, content_type: str) -> None:
         self.send_header("Content-Type", content_type)

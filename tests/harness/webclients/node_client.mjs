@@ -1,6 +1,6 @@
 // A real Node HTTP client runs a plan of requests on ONE agent/pool through the proxy of its
 // environment, as a spider would: `node node_client.mjs <undici|undici-forward|got|axios> PLAN RESULT`.
-// PLAN and RESULT as in py_clients.py. Run from the directory the packages were installed in
+// PLAN and RESULT as in py_clients.py (a request's "pause": seconds waited before it). Run from the directory the packages were installed in
 // (tests/harness/webclients.py copies this file there).
 //   undici          fetch with undici's EnvHttpProxyAgent (HTTP_PROXY/HTTPS_PROXY; it tunnels plain
 //                   http:// through CONNECT too, its default)
@@ -47,6 +47,8 @@ function failed(spec, err) {
   return record(spec, null, null, Buffer.alloc(0), null, causes.join(' <- '));
 }
 
+const pause = (spec) => new Promise((resolve) => setTimeout(resolve, (spec.pause || 0) * 1000));
+
 function body(spec, stream) {
   if (!spec.body) return undefined;
   const data = bodyBytes(spec.body.tag, spec.body.size);
@@ -59,6 +61,7 @@ async function runUndici(forward) {
   const dispatcher = new EnvHttpProxyAgent({ proxyTunnel: !forward, requestTls: { ca } });
   const out = [];
   for (const spec of plan.requests) {
+    await pause(spec);
     try {
       const r = await fetch(spec.url, {
         dispatcher, method: spec.method, headers: spec.headers, redirect: 'follow', duplex: 'half',
@@ -87,6 +90,7 @@ async function runGot() {
                               responseType: 'buffer' });
   const out = [];
   for (const spec of plan.requests) {
+    await pause(spec);
     try {
       const r = await client(spec.url, { method: spec.method, headers: spec.headers,
                                          body: body(spec, (parts) => Readable.from(parts)) });
@@ -109,6 +113,7 @@ async function runAxios() {
                                 responseType: 'arraybuffer', timeout: TIMEOUT_MS });
   const out = [];
   for (const spec of plan.requests) {
+    await pause(spec);
     const https = spec.url.startsWith('https:');
     try {
       // http://: axios's own proxy (from HTTP_PROXY, credentials from the URL); https://: the agent
