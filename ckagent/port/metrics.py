@@ -85,6 +85,7 @@ from ckagent.delivery.lifecycle import (
 )
 from ckagent.master.endpoints import ENDPOINTS
 from ckagent.master.protocol import TaskResult
+from ckagent.node.levels import ContainmentLevel, EgressLevel
 from ckagent.port.crawlmetrics import CrawlMetrics
 from ckagent.port.exposition import SLICE_SECONDS, Constant, LatencyByEndpoint, ProcessFigures, render_steps
 
@@ -264,10 +265,10 @@ class AgentMetrics:
         self.crawl = CrawlMetrics(r)
         self.containment = Gauge("ckagent_containment_level", "The containment level of tasks here: 1 for "
                                  "the level in force (cgroup-v2, cgroup-v1, process-group).", ["level"], registry=r)
-        self.containment_level("")  # every level's series exists from the start (0 until known)
+        self.containment_level(None)  # every level's series exists from the start (0 until known)
         self.egress = Gauge("ckagent_egress_level", "How tasks' network policy is enforced here: 1 for the "
                             "level in force (nftables, proxy, off).", ["level"], registry=r)
-        self.egress_level("")
+        self.egress_level(None)
         self.egress_refused = Counter("ckagent_egress_refused", "Connections of finished tasks refused by "
                                       "their network policy (kernel counters).", registry=r)
         self.task_cpu = Histogram(
@@ -281,15 +282,17 @@ class AgentMetrics:
         r.register(_LiveCollector(self))
         r.register(ProcessFigures())
 
-    def containment_level(self, level: str) -> None:
-        """Export the containment level in force (one series per level, 1 for the one in force)."""
-        for name in ("cgroup-v2", "cgroup-v1", "process-group"):
-            self.containment.labels(name).set(1 if name == level else 0)
+    def containment_level(self, level: ContainmentLevel | None) -> None:
+        """Export the containment level in force (one series per level, labelled with its text, 1 for
+        the one in force; None: not known yet)."""
+        for each in ContainmentLevel:
+            self.containment.labels(each.value).set(1 if each is level else 0)
 
-    def egress_level(self, level: str) -> None:
-        """Export the egress level in force (one series per level, 1 for the one in force)."""
-        for name in ("nftables", "proxy", "off"):
-            self.egress.labels(name).set(1 if name == level else 0)
+    def egress_level(self, level: EgressLevel | None) -> None:
+        """Export the egress level in force (one series per level, labelled with its text, 1 for the one
+        in force; None: not known yet)."""
+        for each in EgressLevel:
+            self.egress.labels(each.value).set(1 if each is level else 0)
 
     # ------------------------------------------------------------------ hooks
 

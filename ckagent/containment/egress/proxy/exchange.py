@@ -126,33 +126,35 @@ class _Client:
                 self.conn.start_next_cycle()
             except h11.LocalProtocolError:
                 return
+            await trio.lowlevel.checkpoint()  # (pipelined requests may all be buffered: let others run)
 
     async def _next_request(self, first: bool) -> h11.Request | None:
         """The next request's head; None when the client closed or stayed idle (no byte of a head).
         Raises BadRequest, HeadTooLarge, HeadTimeout, _ClientGone."""
         idle_until = trio.current_time() + (self.limits.idle_timeout if first else self.limits.keepalive_timeout)
         head_until: float | None = None
-        while True:
-            try:
-                event = self.conn.next_event()
-            except h11.RemoteProtocolError as exc:
-                raise _head_error(exc) from None
-            if event is h11.NEED_DATA:
-                if self.eof:
-                    return None
-                if head_until is None and self.conn.trailing_data[0]:
-                    head_until = trio.current_time() + self.limits.head_timeout
-                with trio.move_on_at(head_until if head_until is not None else idle_until):
-                    self._feed(await self._receive())
-                    continue
+        while (event := self._head_event()) is h11.NEED_DATA:
+            if self.eof:
+                return None
+            if head_until is None and self.conn.trailing_data[0]:
+                head_until = trio.current_time() + self.limits.head_timeout
+            with trio.move_on_at(head_until if head_until is not None else idle_until) as waited:
+                self._feed(await self._receive())
+            if waited.cancelled_caught:
                 if head_until is not None:
                     raise HeadTimeout(f"the request head was not complete within {self.limits.head_timeout:g} s")
                 return None
-            if isinstance(event, h11.Request):
-                if len(event.headers) > self.limits.max_headers:
-                    raise HeadTooLarge(f"more than {self.limits.max_headers} header fields")
-                return event
-            return None  # ConnectionClosed (or PAUSED, which a new cycle never is)
+        if isinstance(event, h11.Request):
+            if len(event.headers) > self.limits.max_headers:
+                raise HeadTooLarge(f"more than {self.limits.max_headers} header fields")
+            return event
+        return None  # ConnectionClosed (or PAUSED, which a new cycle never is)
+
+    def _head_event(self) -> object:
+        try:
+            return self.conn.next_event()
+        except h11.RemoteProtocolError as exc:
+            raise _head_error(exc) from None
 
     # ----------------------------------------------------------------------------- plain requests
 
@@ -307,14 +309,7 @@ class _Client:
         try:
             await self._send(h11.Response(status_code=200, reason=b"Connection established", headers=[]))
             early = self.conn.trailing_data[0]  # (a client may send its TLS hello before our answer)
-            with trio.fail_after(self.limits.io_timeout):
-                if early:
-                    await upstream.send_all(early)
-                if leftover:
-                    await self.stream.send_all(leftover)
-            await relay(self.stream, upstream, self.limits.tunnel_idle_timeout)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, trio.TooSlowError):
-            pass
+            await relay(self.stream, upstream, self.limits.tunnel_idle_timeout, (early, leftover))
         finally:
             await trio.aclose_forcefully(upstream)
 
@@ -357,17 +352,18 @@ class _Client:
     async def _drain(self) -> bool:
         """Read and drop the rest of a refused request's body; True when it ended within the limit."""
         left = self.limits.drain_bytes
+        event, self._pending = self._pending, None
         with trio.move_on_after(self.limits.head_timeout):
-            while self.conn.their_state is h11.SEND_BODY:
-                event = self._pending if self._pending is not None else await self._client_event()
-                self._pending = None
+            while True:
                 if isinstance(event, h11.Data):
                     left -= len(event.data)
                     if left < 0:
                         return False
-                elif not isinstance(event, h11.EndOfMessage):
-                    return False
-            return self.conn.their_state is h11.DONE
+                elif event is not None:
+                    return isinstance(event, h11.EndOfMessage) and self.conn.their_state is h11.DONE
+                if self.conn.their_state is not h11.SEND_BODY:
+                    return self.conn.their_state is h11.DONE
+                event = await self._client_event()
         return False
 
     # ------------------------------------------------------------------------------------- the I/O
@@ -385,19 +381,20 @@ class _Client:
 
     async def _client_event(self) -> object:
         """The client's next event while its body is read (bad framing → _Abort; idle → _Abort)."""
-        while True:
-            try:
-                event = self.conn.next_event()
-            except h11.RemoteProtocolError:
-                raise _Abort() from None
-            if event is not h11.NEED_DATA:
-                return event
+        while (event := self._body_event()) is h11.NEED_DATA:
             if self.eof:
                 raise _ClientGone()
-            with trio.move_on_after(self.limits.io_timeout):
+            with trio.move_on_after(self.limits.io_timeout) as waited:
                 self._feed(await self._receive())
-                continue
-            raise _Abort()
+            if waited.cancelled_caught:
+                raise _Abort()
+        return event
+
+    def _body_event(self) -> object:
+        try:
+            return self.conn.next_event()
+        except h11.RemoteProtocolError:
+            raise _Abort() from None
 
     async def _send(self, event: h11.Event) -> None:
         data = self.conn.send(event)
@@ -471,15 +468,19 @@ def _close_soon(up: Upstream) -> None:
         up.stream.socket.close()
 
 
-async def relay(a: trio.SocketStream, b: trio.SocketStream, idle_timeout: float) -> None:
+async def relay(a: trio.SocketStream, b: trio.SocketStream, idle_timeout: float,
+                first: tuple[bytes, bytes] = (b"", b"")) -> None:
     """Bytes both ways between ``a`` and ``b`` until both sides ended (a half-close passes on as a
-    half-close) or a side broke, or nothing moved for ``idle_timeout`` seconds. Never raises for
+    half-close) or a side broke, or nothing moved for ``idle_timeout`` seconds; ``first``: what
+    was read already from ``a`` and from ``b`` (sent on before anything else). Never raises for
     what the peers do; cancellation stops it."""
     ended = [False, False]
     with trio.CancelScope(deadline=trio.current_time() + idle_timeout) as scope:
 
         async def pump(source: trio.SocketStream, sink: trio.SocketStream, index: int) -> None:
             try:
+                if first[index]:
+                    await sink.send_all(first[index])
                 while data := await source.receive_some(BUFFER_BYTES):
                     scope.deadline = trio.current_time() + idle_timeout
                     await sink.send_all(data)
