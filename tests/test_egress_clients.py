@@ -253,7 +253,7 @@ async def test_a_tasks_own_proxy_is_chained_behind_the_agents(
     if lib == "curl":
         _need_curl()
     keep = {"a1", "b1", "a3", "d1", "a4", "b4", "a7"}
-    plan = [r if r.host != "b" else replace(r, expect="denied")
+    plan = [r if r.host != "b" else replace(r, expect="denied", status=403)
             for r in client_plan(hosts, scheme, TOKEN, chunked=False) if r.id in keep]
     with trio.fail_after(TEST_TIMEOUT):
         async with proxied_task("metadata,link-local,127.0.0.3", task_id="team") as team:

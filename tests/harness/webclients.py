@@ -37,7 +37,7 @@ from urllib.parse import quote, unquote, urlsplit
 import pytest
 import trio
 
-from harness.webhosts import WebHosts, body_bytes, page_bytes, sha256_hex
+from harness.webhosts import WebHost, WebHosts, body_bytes, page_bytes, sha256_hex
 
 __all__ = [
     "CLIENT_SCRIPTS",
@@ -232,7 +232,8 @@ class PlanRequest:
 
     ``expect``: ``echo`` (a JSON echo from ``host`` at ``path``), ``bytes`` (``size`` bytes of
     :func:`page_bytes` from ``host``), ``status`` (``status`` and no body, from ``host``) or ``denied``
-    (the proxy's 403: ``host`` is denied). ``auth``:
+    (the proxy's own answer ``status``: 403 when the policy denies ``host``, 502 when nothing listens
+    there). ``auth``:
     the request carries host A's ``Authorization`` (and only host A may see it); ``redirected``: the
     URL asked redirects to ``host`` and ``path``, where the answer comes from; ``pause``: seconds the
     client waits before sending it (the Python and Node clients; curl: see :func:`run_curl`)."""
@@ -273,7 +274,8 @@ def client_plan(hosts: WebHosts, scheme: str, token: str, *, chunked: bool = Tru
 
     def add(rid: str, host: Any, path: str, *, method: str = "GET", body: int = 0, chunk: bool = False,
             expect: str = "echo", size: int = 0, target: Any = None, target_path: str | None = None,
-            headers: dict[str, str] | None = None, status: int = 200, pause: float = 0.0) -> None:
+            headers: dict[str, str] | None = None, status: int = 0, pause: float = 0.0) -> None:
+        status = status or (403 if expect == "denied" else 200)
         all_headers = {"X-Ck-Id": rid, **({"Authorization": token} if host is a else {}), **(headers or {})}
         plan.append(PlanRequest(
             rid, method, host.url(scheme, path), all_headers,
@@ -299,14 +301,20 @@ def client_plan(hosts: WebHosts, scheme: str, token: str, *, chunked: bool = Tru
     add("b3", b, "/bytes/300000", expect="bytes", size=300_000)
     add("a4", a, "/bytes/250000", expect="bytes", size=250_000)
     add("d1", d, "/echo/d1", expect="denied")
+    add("d2", d, "/upload", method="POST", body=100_000, expect="denied")  # (a body the proxy must skip)
     add("b4", b, "/echo/b4")
     if chunked:
         add("a5", a, "/upload", method="POST", body=100_000, chunk=True)
         add("b5", b, "/upload", method="POST", body=64_000, chunk=True)
+        add("d3", d, "/upload", method="POST", body=50_000, chunk=True, expect="denied")
     add("a6", a, "/chunked/200000", expect="bytes", size=200_000)
     to = a.url(scheme, "/echo/b6-to-a")
     add("b6", b, "/redirect?to=" + quote(to, safe=""), target=a, target_path="/echo/b6-to-a")
+    add("b11", b, "/redirect?to=" + quote(d.url(scheme, "/echo/b11-to-d"), safe=""), expect="denied",
+        target=d, target_path="/echo/b11-to-d")  # (the followed request is checked too)
     add("a7", a, "/echo/a7")
+    closed = WebHost("a", a.address, hosts.closed_port, hosts.closed_port)  # (A's address, nothing listening)
+    add("u1", closed, "/echo/u1", expect="denied", status=502)
     add("b7", b, "/echo/b7")
     add("a10", a, "/status/204", expect="status", status=204)
     add("b9", b, "/echo/b9?close=1")  # (B closes that connection: the next goes on another)
@@ -450,13 +458,12 @@ def check_answers(hosts: WebHosts, plan: list[PlanRequest], records: list[dict[s
         if request.expect == "denied":
             status, error = record.get("status"), str(record.get("error") or "")
             if record.get("json") or (status or 0) // 100 == 2 or record.get("identity"):
-                problems.append(f"{where}: the denied host answered: status {status}, "
-                                f"identity {record.get('identity')}")
-            elif strict_denied and status != 403 and "403" not in error:
-                problems.append(f"{where}: expected the proxy's 403 (as the status, or for a refused tunnel "
-                                f"in the client's error), got status {status} error {error!r}")
-            elif not strict_denied and status != 403 and not error:
-                problems.append(f"{where}: expected the proxy's 403 or an error, got status {status}")
+                problems.append(f"{where}: a host answered: status {status}, identity {record.get('identity')}")
+            elif strict_denied and status != request.status and str(request.status) not in error:
+                problems.append(f"{where}: expected the proxy's {request.status} (as the status, or for a "
+                                f"refused tunnel in the client's error), got status {status} error {error!r}")
+            elif not strict_denied and status != request.status and not error:
+                problems.append(f"{where}: expected the proxy's {request.status} or an error, got status {status}")
             continue
         if record.get("error") or record.get("status") != request.status:
             problems.append(f"{where}: status {record.get('status')} (not {request.status}), error "

@@ -127,13 +127,15 @@ class WebHost:
 
 @dataclass(frozen=True)
 class WebHosts:
-    """The running hosts by name, the CA file their HTTPS certificates chain to (PEM), and the base64
+    """The running hosts by name, the CA file their HTTPS certificates chain to (PEM), the base64
     sha256 of each certificate's public key (Chromium's ``--ignore-certificate-errors-spki-list``, as
-    Chromium has no CA file option)."""
+    Chromium has no CA file option), and ``closed_port``: a port of the first host's address that is
+    bound but not listening (a connection to it is refused) while the hosts run."""
 
     hosts: dict[str, WebHost]
     ca_file: Path
     spki_hashes: tuple[str, ...]
+    closed_port: int
 
     def __getitem__(self, name: str) -> WebHost:
         return self.hosts[name]
@@ -372,7 +374,9 @@ def web_hosts(directory: Path, addresses: dict[str, str] | None = None) -> Itera
     servers: list[_Server] = []
     hosts: dict[str, WebHost] = {}
     spki: list[str] = []
+    closed = socket.socket()
     try:
+        closed.bind((next(iter(addresses.values())), 0))  # (never listens: connections are refused)
         for name, address in addresses.items():
             cert = ca.issue_cert(address)
             context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -384,7 +388,8 @@ def web_hosts(directory: Path, addresses: dict[str, str] | None = None) -> Itera
                 threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True,
                                  name=f"webhost {server.origin} accept").start()
             hosts[name] = WebHost(name, address, plain.server_address[1], tls.server_address[1])
-        yield WebHosts(hosts, ca_file, tuple(spki))
+        yield WebHosts(hosts, ca_file, tuple(spki), closed.getsockname()[1])
     finally:
+        closed.close()
         for server in servers:
             server.stop()
