@@ -35,6 +35,9 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
 - :class:`PollMaster` scripts the poll's answers and :class:`BatchMaster` holds one task's batches under
   the seq rules (with faults per request), both for ``httpx.MockTransport``; :class:`HoldingSupervisor`
   only admits.
+- Behind the egress proxy (:mod:`harness.upstreams`): :class:`IdentityOrigin` (an origin that says who
+  it is), :class:`RecordingProxy` (a team's HTTP proxy) and :class:`Socks5Server`, each recording what
+  it received.
 - An agent as a process: :func:`agent_process` (test timings), :func:`wait_registered`,
   :func:`wait_exit`, :func:`node_status`; :func:`wait_for_log` waits for a line in the master.
 - :func:`web_hosts` runs identity web servers on loopback aliases (HTTP and HTTPS, keep-alive; each
@@ -55,5 +58,6 @@ from harness.pyz import *  # noqa: F403
 from harness.rawnode import *  # noqa: F403
 from harness.recording import *  # noqa: F403
 from harness.runsh import *  # noqa: F403
+from harness.upstreams import *  # noqa: F403
 from harness.webclients import *  # noqa: F403
 from harness.webhosts import *  # noqa: F403

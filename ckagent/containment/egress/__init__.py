@@ -45,7 +45,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import trio
 
 from ckagent.containment.egress.nft import Nft, NftError, open_nft
-from ckagent.containment.egress.proxy import Dialer, ProxyServer, TaskProxy, routes_from_env
+from ckagent.containment.egress.proxy import (
+    Dialer,
+    ProxyServer,
+    Resolve,
+    TaskProxy,
+    routes_from_env,
+    system_resolve,
+)
 from ckagent.containment.egress.table import (
     NFT_CGROUP_ROOT,
     EgressTable,
@@ -129,6 +136,9 @@ class Egress:
         self._proxied: dict[str, TaskProxy] = {}
         """At the ``proxy`` level: the rules' chain (the task's proxy user name) → its side of the proxy."""
         self._key = _proxy_key(work_dir) if level.uses_proxy else b""
+        self.resolve: Resolve = system_resolve
+        """At the ``proxy`` level: how names are resolved for the tasks attached from now on (tests
+        put a fixed table here)."""
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Run the level's service until cancelled: at ``proxy`` the forward proxy (startable:
@@ -152,7 +162,7 @@ class Egress:
         if self.server is not None:  # (the proxy level)
             user = _proxy_user(task_id)
             policy = self.effective(task_policy)
-            task = TaskProxy(task_id, user, self._password(task_id), Dialer(partial(self.blocked, policy)))
+            task = TaskProxy(task_id, user, self._password(task_id), Dialer(partial(self.blocked, policy), self.resolve))
             try:
                 _on_trio_thread(self.server.open, task, proxy_port)
             except (OSError, RuntimeError) as exc:
@@ -186,6 +196,11 @@ class Egress:
         """The port of the task's proxy listener (0: none; the ``proxy`` level only)."""
         task = self._proxied.get(rules.chain) if rules is not None else None
         return task.port if task is not None else 0
+
+    def proxy_outcomes(self, rules: TaskRules | None) -> dict[str, int]:
+        """At ``proxy``: what became of the task's requests so far, by outcome ({} otherwise)."""
+        task = self._proxied.get(rules.chain) if rules is not None else None
+        return dict(task.outcomes) if task is not None else {}
 
     def refusals(self, rules: TaskRules | None) -> list[Refusal]:
         """What the task was refused so far (blocking), most refused first. [] at ``off`` or when

@@ -38,6 +38,7 @@ from ckagent.containment.egress.proxy.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
+from ckagent.containment.egress.proxy.relay import BUFFER_BYTES, relay
 from ckagent.containment.egress.proxy.routes import Route, Unusable
 from ckagent.containment.egress.proxy.target import (
     Target,
@@ -49,9 +50,6 @@ from ckagent.containment.egress.proxy.target import (
 )
 from ckagent.containment.egress.proxy.taskproxy import TaskProxy
 from ckagent.containment.egress.proxy.upstream import Upstream
-
-BUFFER_BYTES = 262144
-"""Bytes read at once from a socket (bodies and tunnels)."""
 
 
 @dataclass(frozen=True)
@@ -102,8 +100,7 @@ class _Client:
             try:
                 request = await self._next_request(first)
             except ProxyError as exc:
-                self.task.note({400: "bad-request", 408: "timeout", 431: "too-large"}.get(exc.status, "error"),
-                               f"{exc.status} to a client: {exc}")
+                self.task.note(_OUTCOME.get(exc.status, "error"), f"{exc.status} to a client: {exc}")
                 await self._answer_and_close(exc)
                 return
             except _ClientGone:
@@ -188,6 +185,7 @@ class _Client:
                 raise
             break
         self._release(up)
+        self.task.count("forwarded")
         return self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE
 
     def _route(self, target: Target, tunnel: bool) -> Route:
@@ -306,6 +304,7 @@ class _Client:
         target = parse_connect(request.target)
         route = self._route(target, tunnel=True)
         upstream, leftover = await self.task.dialer.tunnel(route, target)
+        self.task.count("tunnel")
         try:
             await self._send(h11.Response(status_code=200, reason=b"Connection established", headers=[]))
             early = self.conn.trailing_data[0]  # (a client may send its TLS hello before our answer)
@@ -317,11 +316,10 @@ class _Client:
 
     async def _refuse(self, exc: ProxyError) -> bool:
         """Answer a request the proxy does not forward; True when the connection goes on."""
-        kind = {403: "refused", 407: "auth", 502: "upstream", 504: "upstream"}.get(exc.status, "bad-request")
         if exc.status == 403:
             self.task.count_refused(getattr(exc, "refused", ()))
         else:
-            self.task.note(kind, f"{exc.status}: {exc}")
+            self.task.note(_OUTCOME.get(exc.status, "error"), f"{exc.status}: {exc}")
         if self.conn.our_state is not h11.SEND_RESPONSE:
             return False  # (the answer had begun: nothing more can be said)
         waiting = self.conn.they_are_waiting_for_100_continue
@@ -445,6 +443,10 @@ class _Client:
                     if up.reused:
                         raise _Stale() from None
                     raise UpstreamError("the destination reset the connection") from None
+                if not data and not started and not conn.trailing_data[0]:  # closed before a byte of answer
+                    if up.reused:
+                        raise _Stale()
+                    raise UpstreamError("the destination closed the connection without answering")
                 try:
                     conn.receive_data(data)
                 except RuntimeError:
@@ -453,6 +455,11 @@ class _Client:
             if started:
                 raise _Abort()
             raise UpstreamTimeout(f"the destination sent nothing for {self.limits.io_timeout:g} s")
+
+
+_OUTCOME = {400: "bad-request", 403: "refused", 407: "auth", 408: "timeout", 431: "too-large", 502: "upstream",
+            504: "upstream"}
+"""The outcome (ckagent.containment.egress.proxy.taskproxy.OUTCOMES) of each answer of the proxy's own."""
 
 
 def _head_error(exc: h11.RemoteProtocolError) -> ProxyError:
@@ -466,33 +473,3 @@ def _close_soon(up: Upstream) -> None:
     """Close an upstream connection without awaiting (a socket close does not block)."""
     with contextlib.suppress(OSError):
         up.stream.socket.close()
-
-
-async def relay(a: trio.SocketStream, b: trio.SocketStream, idle_timeout: float,
-                first: tuple[bytes, bytes] = (b"", b"")) -> None:
-    """Bytes both ways between ``a`` and ``b`` until both sides ended (a half-close passes on as a
-    half-close) or a side broke, or nothing moved for ``idle_timeout`` seconds; ``first``: what
-    was read already from ``a`` and from ``b`` (sent on before anything else). Never raises for
-    what the peers do; cancellation stops it."""
-    ended = [False, False]
-    with trio.CancelScope(deadline=trio.current_time() + idle_timeout) as scope:
-
-        async def pump(source: trio.SocketStream, sink: trio.SocketStream, index: int) -> None:
-            try:
-                if first[index]:
-                    await sink.send_all(first[index])
-                while data := await source.receive_some(BUFFER_BYTES):
-                    scope.deadline = trio.current_time() + idle_timeout
-                    await sink.send_all(data)
-                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    await sink.send_eof()
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                scope.cancel()
-                return
-            ended[index] = True
-            if all(ended):
-                scope.cancel()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(pump, a, b, 0)
-            nursery.start_soon(pump, b, a, 1)

@@ -45,6 +45,8 @@ class ProxyServer:
         """Task id → its side of the proxy (while its listener is open)."""
         self.errors: collections.Counter[str] = collections.Counter()
         """Connections that ended with an error of the proxy's own (a bug), by exception type."""
+        self.outcomes: collections.Counter[str] = collections.Counter()
+        """Every task's requests since the start, by outcome (:data:`.taskproxy.OUTCOMES`)."""
         self.connections = 0
         """Client connections accepted since the start."""
         self._nursery: trio.Nursery | None = None
@@ -86,6 +88,7 @@ class ProxyServer:
             sock.close()
             raise
         task.port = sock.getsockname()[1]
+        task.totals = self.outcomes
         listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
         scope = trio.CancelScope()
         self.tasks[task.task_id], self._scopes[task.task_id] = task, (scope, listener)
