@@ -42,6 +42,10 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
   it received.
 - An agent as a process: :func:`agent_process` (test timings), :func:`wait_registered`,
   :func:`wait_exit`, :func:`node_status`; :func:`wait_for_log` waits for a line in the master.
+- :func:`web_hosts` runs identity web servers on loopback aliases (HTTP and HTTPS, keep-alive; each
+  answer says which server gave it and echoes what it received) (:mod:`harness.webhosts`);
+  :mod:`harness.webclients` runs real HTTP clients (Python, Node, curl, Chromium) through a task's
+  egress proxy (:func:`proxied_task`) and checks their answers (:func:`check_answers`).
 """
 
 from __future__ import annotations
@@ -58,3 +62,5 @@ from harness.rawnode import *  # noqa: F403
 from harness.recording import *  # noqa: F403
 from harness.runsh import *  # noqa: F403
 from harness.upstreams import *  # noqa: F403
+from harness.webclients import *  # noqa: F403
+from harness.webhosts import *  # noqa: F403
