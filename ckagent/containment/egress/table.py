@@ -7,6 +7,7 @@ Layout (family ``inet``, IPv4 and IPv6 alike; ``<P>`` = 12 hex of a policy's has
         chain output  hook output, priority filter:   socket cgroupv2 level <L> vmap @tasks
         set agent_ports { type inet_service }   the ports of every agent on this host (its own
                       and those of :mod:`ckagent.node.agentports`), refreshed when a task is added
+                      and when the registry changes (``Egress.watch_agent_ports``)
         chain p_<P>   one per policy in use: IPv6 forms of denied IPv4 networks → goto refuse (through
                       chain e_<P> when IPv4 allow entries make exceptions); allow entries → accept;
                       denied networks, and the agent ports on local addresses → goto refuse
