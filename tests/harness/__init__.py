@@ -37,12 +37,16 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
   only admits.
 - An agent as a process: :func:`agent_process` (test timings), :func:`wait_registered`,
   :func:`wait_exit`, :func:`node_status`; :func:`wait_for_log` waits for a line in the master.
+- :func:`demo_with_crawl` runs ``ckagent demo --keep`` and a many-page Scrapy crawl on its agent
+  (:mod:`harness.demo`; :func:`user_checkout` for a user who cannot read the checkout), and
+  :func:`throwaway_user` makes a system user for one test (:mod:`harness.users`).
 """
 
 from __future__ import annotations
 
 from harness.agentproc import *  # noqa: F403
 from harness.core import *  # noqa: F403
+from harness.demo import *  # noqa: F403
 from harness.examples import *  # noqa: F403
 from harness.fakes import *  # noqa: F403
 from harness.index import *  # noqa: F403
@@ -51,3 +55,4 @@ from harness.pyz import *  # noqa: F403
 from harness.rawnode import *  # noqa: F403
 from harness.recording import *  # noqa: F403
 from harness.runsh import *  # noqa: F403
+from harness.users import *  # noqa: F403
