@@ -67,7 +67,6 @@ from ckagent.code.runtimescan import RuntimeScan
 from ckagent.code.workspace import Workspaces
 from ckagent.containment import Containment, ContainmentError, Limits, open_containment
 from ckagent.containment.egress import Egress, EgressError, PolicyError, open_egress, parse_text
-from ckagent.containment.egress.proxy import serve_proxy
 from ckagent.containment.hierarchy import agent_group_name
 from ckagent.delivery import Outbox, OutboxConfig, cleanup_task_dirs
 from ckagent.delivery.lifecycle import CanonicalLine, Lifecycle
@@ -277,6 +276,7 @@ class Agent:
         except (EgressError, PolicyError) as exc:
             raise ConfigError(str(exc)) from exc
         self.metrics.egress_level(self.egress.level)
+        self.metrics.egress_proxy = self.egress.server
         self.spider_user = spider_user(run_as)
         as_root = spiders_as_root(run_as)
         if as_root is not None:
@@ -351,8 +351,7 @@ class Agent:
         egress = self.egress
         if egress is not None:
             egress.agent_port = self.status_port  # (agent.port 0: the one picked)
-            if egress.level.uses_proxy:  # on the previous agent's port: handed-over tasks' variables name it
-                egress.proxy_url = await root.start(partial(serve_proxy, egress.proxy_lookup, lambda: egress.agent_port, self.work_dir))
+            await root.start(egress.serve)  # (the proxy level's forward proxy; nothing at the others)
         root.start_soon(self._signals)
         await root.start(self.lifecycle.run)
         root.start_soon(partial(self.scan.run, self.heartbeat.after_first_beat, self.poller.forget_unrunnable))

@@ -30,11 +30,16 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
   :func:`pids_in`, and the ``no_strays`` fixture (import it: after each test, it kills the spiders
   a failed test left); spider building blocks :data:`ESCAPE` and :data:`SLOW_BACKEND`.
 - :func:`package_index` serves wheels made by :func:`wheel` as a simple index on 127.0.0.1.
+- :func:`config_check` runs `ckagent config check` (:func:`unprivileged_config_check`: as a user
+  without rights, from the pyz); :func:`check_leftovers` lists what a level check left (nothing).
 - :class:`Node` is a node talking raw HTTP to the dev master (:func:`register`); :func:`store_node`,
   :func:`store_spider`, :func:`store_task` make them straight in its store.
 - :class:`PollMaster` scripts the poll's answers and :class:`BatchMaster` holds one task's batches under
   the seq rules (with faults per request), both for ``httpx.MockTransport``; :class:`HoldingSupervisor`
   only admits.
+- Behind the egress proxy (:mod:`harness.upstreams`): :class:`IdentityOrigin` (an origin that says who
+  it is), :class:`RecordingProxy` (a team's HTTP proxy) and :class:`Socks5Server`, each recording what
+  it received.
 - An agent as a process: :func:`agent_process` (test timings), :func:`wait_registered`,
   :func:`wait_exit`, :func:`node_status`; :func:`wait_for_log` waits for a line in the master.
 - :func:`demo_with_crawl` runs ``ckagent demo --keep`` and a many-page Scrapy crawl on its agent
@@ -50,9 +55,11 @@ from harness.demo import *  # noqa: F403
 from harness.examples import *  # noqa: F403
 from harness.fakes import *  # noqa: F403
 from harness.index import *  # noqa: F403
+from harness.levelcheck import *  # noqa: F403
 from harness.procs import *  # noqa: F403
 from harness.pyz import *  # noqa: F403
 from harness.rawnode import *  # noqa: F403
 from harness.recording import *  # noqa: F403
 from harness.runsh import *  # noqa: F403
+from harness.upstreams import *  # noqa: F403
 from harness.users import *  # noqa: F403

@@ -26,18 +26,39 @@ Exceptions: :class:`EgressError` (a forced level is not available; a task's rule
 
 from __future__ import annotations
 
-import collections
+import base64
 import contextlib
+import hashlib
+import hmac
 import ipaddress
 import logging
-import socket
-import subprocess
-import sys
-from collections.abc import Callable
+import os
+import secrets
+from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from ckagent.containment.egress.nft import Nft, NftError, open_nft
+import trio
+
+from ckagent.containment.egress.errors import EgressError
+from ckagent.containment.egress.kernel import (
+    create_table,
+    judge_nftables,
+    nft_backend,
+    read_file,
+    run_probe,
+    v2_depth,
+)
+from ckagent.containment.egress.nft import Nft, NftError
+from ckagent.containment.egress.proxy import (
+    Dialer,
+    ProxyServer,
+    Resolve,
+    TaskProxy,
+    routes_from_env,
+    system_resolve,
+)
 from ckagent.containment.egress.table import (
     NFT_CGROUP_ROOT,
     EgressTable,
@@ -47,7 +68,7 @@ from ckagent.containment.egress.table import (
     table_name,
 )
 from ckagent.node.egress_policy import DEFAULT_DENY, GROUPS, EgressPolicy, PolicyError, parse_text
-from ckagent.node.levels import AUTO, Blocker, EgressLevel, Unavailable
+from ckagent.node.levels import AUTO, Blocker, EgressLevel, Judged, Unavailable, decide
 
 if TYPE_CHECKING:  # (the containment imports Trio: the protocol module imports this package's policy)
     from ckagent.containment import Containment, TaskJail
@@ -63,6 +84,7 @@ __all__ = [
     "Refusal",
     "TaskRules",
     "describe_refusals",
+    "judge_egress",
     "open_egress",
     "parse_text",
     "report_refusals",
@@ -70,18 +92,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-PROBE_TIMEOUT = 5.0
-"""Seconds the start-up probe's child may take."""
-
-
-class EgressError(Exception):
-    """A forced egress level is not available here, or a task's rules cannot be added. ``blocker``
-    says why a level is not available in a word (:class:`ckagent.node.levels.Blocker`)."""
-
-    def __init__(self, message: str, blocker: Blocker = Blocker.FAILED) -> None:
-        super().__init__(message)
-        self.blocker = blocker
-
+_T = TypeVar("_T")
 
 def describe_refusals(refused: list[Refusal]) -> str:
     """``egress: 3 connections refused: 169.254.169.254:80 ×3`` ('' when nothing was refused)."""
@@ -110,30 +121,53 @@ class Egress:
 
     def __init__(self, level: EgressLevel, details: str, policy: EgressPolicy, *, table: EgressTable | None = None,
                  v2_root: Path | None = None, agent_port: int | None = None,
-                 resolvers: tuple[tuple[str, int], ...] = ()) -> None:
+                 resolvers: tuple[tuple[str, int], ...] = (), work_dir: Path | None = None) -> None:
         self.level, self.details, self.policy = level, details, policy
         self.passed_over: tuple[Unavailable, ...] = ()
         self.table, self.v2_root, self.agent_port, self.resolvers = table, v2_root, agent_port, resolvers
-        self.proxy_url: str | None = None
-        """At the ``proxy`` level: the filtering proxy's URL (set when the proxy listens)."""
-        self._proxied: dict[str, tuple[TaskRules, collections.Counter[tuple[str, int]]]] = {}
-        """At the ``proxy`` level: proxy user name → (the task's rules, its refusals)."""
+        self.server: ProxyServer | None = ProxyServer() if level.uses_proxy else None
+        """At the ``proxy`` level: the forward proxy (:mod:`.proxy`), served by :meth:`serve`."""
+        self._proxied: dict[str, TaskProxy] = {}
+        """At the ``proxy`` level: the rules' chain (the task's proxy user name) → its side of the proxy."""
+        self._key = _proxy_key(work_dir) if level.uses_proxy else b""
+        self.resolve: Resolve = system_resolve
+        """At the ``proxy`` level: how names are resolved for the tasks attached from now on (tests
+        put a fixed table here)."""
+
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the level's service until cancelled: at ``proxy`` the forward proxy (startable:
+        ``started()`` once tasks can be attached); at the other levels it returns at once."""
+        if self.server is None:
+            task_status.started()
+            return
+        await self.server.run(task_status=task_status)
 
     def effective(self, task_policy: EgressPolicy | None) -> EgressPolicy:
         """The node's policy with the task's denials and exceptions added."""
         return self.policy if task_policy is None else self.policy.merged(task_policy)
 
-    def attach(self, jail: TaskJail, task_id: str, task_policy: EgressPolicy | None = None) -> TaskRules | None:
-        """Put the task's cgroup under its policy (blocking, ~0.3 ms); at the ``proxy`` level register
-        it with the proxy; None at ``off``. Raises EgressError when the rules cannot be added (the task
-        must not run unprotected)."""
-        if self.level.uses_proxy:
+    def attach(self, jail: TaskJail | None, task_id: str, task_policy: EgressPolicy | None = None, *,
+               proxy_port: int = 0) -> TaskRules | None:
+        """Put the task under its policy before its first process: at ``nftables`` its cgroup (blocking,
+        ~0.3 ms); at ``proxy`` a listener of its own (``proxy_port``: the one its processes already
+        name, for a task re-adopted after a restart; 0 = a new one); None at ``off``. Callable from a
+        Trio worker thread or the Trio thread. Raises EgressError when the rules cannot be added (the
+        task must not run unprotected)."""
+        if self.server is not None:  # (the proxy level)
             user = _proxy_user(task_id)
-            rules = TaskRules(task_id, "", user, self.effective(task_policy))
-            self._proxied[user] = (rules, collections.Counter())
-            return rules
+            policy = self.effective(task_policy)
+            task = TaskProxy(task_id, user, self._password(task_id), Dialer(partial(self.blocked, policy), self.resolve))
+            try:
+                _on_trio_thread(self.server.open, task, proxy_port)
+            except (OSError, RuntimeError) as exc:
+                where = f"127.0.0.1:{proxy_port}" if proxy_port else "127.0.0.1"
+                raise EgressError(f"egress: cannot listen for task {task_id}'s proxy on {where} ({exc})") from exc
+            self._proxied[user] = task
+            return TaskRules(task_id, "", user, policy)
         if self.table is None:
             return None
+        if jail is None:
+            raise EgressError("egress: the nftables level needs the task's jail")
         path = jail.v2_path()
         if path is None:
             raise EgressError(f"egress: the task's jail ({jail.level}) has no cgroup in the v2 tree to filter")
@@ -144,11 +178,29 @@ class Egress:
         except (NftError, ValueError) as exc:
             raise EgressError(f"egress: cannot add the rules of task {task_id}: {exc}") from exc
 
+    def blocked(self, policy: EgressPolicy, address: str, port: int) -> bool:
+        """The proxy's check of one address: True when ``policy`` denies ``address``:``port``, or it is
+        the proxy's own listener (a request to itself would loop)."""
+        local = _is_local(address)
+        if local and self.server is not None and port in self.server.ports:
+            return True
+        return policy.blocks(address, port, agent_port=self.agent_port, local=local)
+
+    def proxy_port(self, rules: TaskRules | None) -> int:
+        """The port of the task's proxy listener (0: none; the ``proxy`` level only)."""
+        task = self._proxied.get(rules.chain) if rules is not None else None
+        return task.port if task is not None else 0
+
+    def proxy_outcomes(self, rules: TaskRules | None) -> dict[str, int]:
+        """At ``proxy``: what became of the task's requests so far, by outcome ({} otherwise)."""
+        task = self._proxied.get(rules.chain) if rules is not None else None
+        return dict(task.outcomes) if task is not None else {}
+
     def refusals(self, rules: TaskRules | None) -> list[Refusal]:
         """What the task was refused so far (blocking), most refused first. [] at ``off`` or when
         nft fails."""
         if rules is not None and rules.chain in self._proxied:
-            counts = self._proxied[rules.chain][1]
+            counts = self._proxied[rules.chain].refused
             return sorted((Refusal(a, p, n) for (a, p), n in counts.items()), key=lambda r: (-r.count, r.address))
         if rules is None or self.table is None or rules.removed:
             return []
@@ -159,9 +211,11 @@ class Egress:
             return []
 
     def detach(self, rules: TaskRules | None, refused: list[Refusal] | None = None) -> None:
-        """Remove the task's rules (blocking; before its cgroup goes). Never raises."""
-        if rules is not None:
-            self._proxied.pop(rules.chain, None)
+        """Remove the task's rules (blocking; before its cgroup goes): at ``proxy`` its listener, its
+        connections and its pool close. Never raises; callable from a worker thread or the Trio thread."""
+        if rules is not None and self._proxied.pop(rules.chain, None) is not None and self.server is not None:
+            with contextlib.suppress(RuntimeError, trio.RunFinishedError):
+                _on_trio_thread(self.server.close, rules.task_id)
         if rules is None or self.table is None:
             return
         try:
@@ -169,31 +223,42 @@ class Egress:
         except NftError as exc:  # pragma: no cover - remove() logs and swallows nft's refusals
             log.warning("egress: cannot remove the rules of task %s: %s", rules.task_id, exc)
 
-    def proxy_lookup(self, user: str) -> tuple[EgressPolicy, Callable[[str, int], None]] | None:
-        """For the proxy: the policy of the task a proxy user name stands for, and its refusal counter."""
-        found = self._proxied.get(user)
-        if found is None:
-            return None
-        rules, counts = found
+    def chain(self, rules: TaskRules | None, env: Mapping[str, str],
+              notice: Callable[[str], None] | None = None) -> None:
+        """At ``proxy``: keep the task's own proxies (``HTTP_PROXY``… in ``env``, the environment the
+        task would have had) behind the agent's, and say so once in its log through ``notice`` (which
+        also gets the proxy's later notes on the task). On the Trio thread."""
+        task = self._proxied.get(rules.chain) if rules is not None else None
+        if task is None:
+            return
+        task.routes, task.notice = routes_from_env(env), notice
+        if notice is not None:
+            if task.routes.chained:
+                notice("egress: the task's own proxy is kept: requests leave through "
+                       f"{', '.join(task.routes.chained)} after the agent's proxy checked them")
+            for problem in task.routes.problems:
+                notice(f"egress: the task's proxy setting cannot be followed ({problem}); its requests fail with 502")
 
-        def count(address: str, port: int) -> None:
-            if counts[(address, port)] == 0:
-                log.warning("task %s: egress policy refused a connection to %s (proxy)", rules.task_id,
-                            Refusal(address, port, 1))
-            counts[(address, port)] += 1
-
-        return rules.policy, count
-
-    def task_env(self, rules: TaskRules | None) -> dict[str, str]:
-        """Variables a task's environment gets at the ``proxy`` level ({} otherwise)."""
-        if not self.level.uses_proxy or self.proxy_url is None or rules is None:
+    def task_env(self, rules: TaskRules | None, env: Mapping[str, str] | None = None,
+                 notice: Callable[[str], None] | None = None) -> dict[str, str]:
+        """Variables a task's environment gets at the ``proxy`` level ({} otherwise): every proxy
+        variable names the task's own listener with its user name and secret password, ``NO_PROXY``
+        is emptied (the agent's proxy honours the task's). ``env``: the environment the task would
+        have had (its own proxies are chained: :meth:`chain`). On the Trio thread."""
+        task = self._proxied.get(rules.chain) if rules is not None else None
+        if task is None:
             return {}
-        # user:password (the password says nothing): Python's urllib sends no credentials without one.
-        url = self.proxy_url.replace("://", f"://{rules.chain}:task@", 1)
-        env = {name: url for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy",
+        self.chain(rules, env or {}, notice)
+        url = task.url()
+        out = {name: url for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy",
                                       "all_proxy")}
-        env["NO_PROXY"] = env["no_proxy"] = ""
-        return env
+        out["NO_PROXY"] = out["no_proxy"] = ""
+        return out
+
+    def _password(self, task_id: str) -> str:
+        """The task's proxy password: derived from the agent's key (a re-adopted task keeps it)."""
+        digest = hmac.new(self._key, b"egress-proxy\0" + task_id.encode(), hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(digest[:18]).decode("ascii")
 
     def to_json(self) -> dict[str, Any]:
         """``{"level", "details", "policy", "deny", "allow"}`` for registration and /status."""
@@ -209,6 +274,52 @@ class Egress:
             self.table = None
 
 
+def _on_trio_thread(fn: Callable[..., _T], *args: Any) -> _T:
+    """Call ``fn`` on the Trio thread, from it or from one of its worker threads."""
+    try:
+        trio.lowlevel.current_task()
+    except RuntimeError:
+        return trio.from_thread.run_sync(fn, *args)
+    return fn(*args)
+
+
+def _is_local(address: str) -> bool:
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback or ip.is_unspecified
+
+
+PROXY_KEY_FILE = "egress-proxy.key"
+"""In the agent's work dir (mode 0600): the key the tasks' proxy passwords are derived from."""
+
+
+def _proxy_key(work_dir: Path | None) -> bytes:
+    """The agent's proxy key, kept in ``work_dir`` so a later agent derives the same passwords for the
+    tasks it re-adopts (a random one per process without a work dir, or when it cannot be kept)."""
+    if work_dir is None:
+        return secrets.token_bytes(32)
+    path = work_dir / PROXY_KEY_FILE
+    try:
+        key = path.read_bytes()
+        if len(key) == 32:
+            return key
+    except OSError:
+        pass
+    key = secrets.token_bytes(32)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(key)
+    except OSError as exc:
+        log.warning("egress: cannot keep the proxy key in %s (%s): tasks re-adopted by the next agent "
+                    "cannot use their proxy", path, exc)
+    return key
+
+
 def _proxy_user(task_id: str) -> str:
     from ckagent.containment.egress.table import policy_key
 
@@ -218,9 +329,9 @@ def _proxy_user(task_id: str) -> str:
 def open_egress(setting: str | EgressLevel, containment: Containment | None, group_name: str, policy: EgressPolicy,
                 *, agent_port: int | None = None, nft: Nft | None = None, probe: bool = True,
                 work_dir: Path | None = None) -> Egress:
-    """The egress level for this agent: ``setting`` ``auto`` or a level (or its text). The one place
-    that decides the level; the result's ``passed_over`` lists the stronger levels not had, each with
-    its :class:`~ckagent.node.levels.Blocker`.
+    """The egress level for this agent: ``setting`` ``auto`` or a level (or its text), decided by
+    :func:`~ckagent.node.levels.decide` (as :func:`judge_egress` does); the result's ``passed_over``
+    lists the stronger levels not had, each with its :class:`~ckagent.node.levels.Blocker`.
 
     Blocking (nft batches, and at ``nftables`` a probe: a short child process in a throw-away cgroup
     connects to a loopback socket of the agent and must be refused). ``work_dir`` (the agent's) is
@@ -232,31 +343,55 @@ def open_egress(setting: str | EgressLevel, containment: Containment | None, gro
     """
     forced = _parse_setting(setting)
     resolvers = _resolvers()
-    egress: Egress | None = None
-    passed_over: list[Unavailable] = []
-    if forced is EgressLevel.OFF:
-        egress = Egress(EgressLevel.OFF, "no network policy (task.egress: off)", EgressPolicy())
-    else:
-        why = ""
-        if forced in (None, EgressLevel.NFTABLES):
-            try:
-                egress = _open_nftables(containment, group_name, policy, agent_port, nft, probe, resolvers,
-                                        work_dir)
-            except EgressError as exc:
-                if forced is EgressLevel.NFTABLES:
-                    raise EgressError(f"task.egress=nftables is not available here: {exc}", exc.blocker) from exc
-                why = str(exc)
-                passed_over.append(Unavailable(EgressLevel.NFTABLES, exc.blocker, why))
-        if egress is None:
-            details = "filtering proxy in the tasks' proxy variables (advisory: a program may ignore them)"
-            egress = Egress(EgressLevel.PROXY, details + (f"; the kernel cannot: {why}" if why else ""), policy,
-                            agent_port=agent_port, resolvers=resolvers)
-    if forced is not None:
-        stronger = list(EgressLevel)[:list(EgressLevel).index(forced)]
-        passed_over += [Unavailable(level, Blocker.SETTING, f"task.egress is {forced}") for level in stronger]
-    egress.passed_over = tuple(passed_over)
+    group = None if containment is None else containment.v2_group()
+    where = "none" if containment is None else str(containment.level)
+
+    def attempt(level: EgressLevel) -> Egress:
+        if level is EgressLevel.NFTABLES:
+            return _open_nftables(group, where, group_name, policy, agent_port, nft, probe, resolvers, work_dir)
+        if level is EgressLevel.PROXY:
+            return Egress(EgressLevel.PROXY, PROXY_DETAILS, policy, agent_port=agent_port, resolvers=resolvers,
+                          work_dir=work_dir)
+        return Egress(EgressLevel.OFF, "no network policy (task.egress: off)", EgressPolicy())
+
+    egress, passed_over = decide(forced, AUTO_ORDER, attempt, setting="task.egress", error=EgressError)
+    egress.passed_over = passed_over
+    kernel = [u.message for u in passed_over if u.blocker is not Blocker.SETTING]
+    if egress.level.uses_proxy and kernel:
+        egress.details += f"; the kernel cannot: {kernel[0]}"
     log.info("egress: %s — %s; %s", egress.level, egress.details, egress.policy.describe())
     return egress
+
+
+AUTO_ORDER = (EgressLevel.NFTABLES, EgressLevel.PROXY)
+"""What ``auto`` tries, strongest first (``off`` only when named)."""
+
+PROXY_DETAILS = "filtering proxy in the tasks' proxy variables (advisory: a program may ignore them)"
+
+
+def judge_egress(setting: str | EgressLevel, containment: Judged | None, policy: EgressPolicy, *,
+                 nft: Nft | None = None) -> Judged:
+    """The level :func:`open_egress` would give with ``setting`` next to the judged ``containment``
+    (:func:`ckagent.containment.judge_containment`; None: it cannot be had), judged without changing
+    the machine: the same decision, ``nftables`` judged by each of its conditions (every unmet one is a
+    ``passed_over`` entry with its blocker) and, when all are met, by the start-up probe in a throw-away
+    cgroup below ``containment.v2_base`` with a throw-away table (``inet ckagent_check_<pid>``, no
+    agent's), both removed also on failure; other agents' tables are not looked at. Every stronger
+    level is judged, also past a forced one. Blocking (the probe's child: ~0.1 s). Raises EgressError
+    as :func:`open_egress` would (a forced level not available)."""
+    base = None if containment is None else containment.v2_base
+    where = "none" if containment is None else str(containment.level)
+
+    def attempt(level: EgressLevel) -> Judged:
+        if level is EgressLevel.NFTABLES:
+            return judge_nftables(base, where, nft)
+        if level is EgressLevel.PROXY:
+            return Judged(level, PROXY_DETAILS)
+        return Judged(level, "no network policy (task.egress: off)")
+
+    judged, passed_over = decide(_parse_setting(setting), AUTO_ORDER, attempt, setting="task.egress",
+                                 error=EgressError, judge_stronger=True)
+    return Judged(judged.level, judged.details, passed_over)
 
 
 def _parse_setting(setting: str | EgressLevel) -> EgressLevel | None:
@@ -272,107 +407,37 @@ def _parse_setting(setting: str | EgressLevel) -> EgressLevel | None:
                           f"{', '.join(level.value for level in EgressLevel)}") from None
 
 
-def _open_nftables(containment: Containment | None, group_name: str, policy: EgressPolicy,
+def _open_nftables(group: Path | None, where: str, group_name: str, policy: EgressPolicy,
                    agent_port: int | None, nft: Nft | None, probe: bool,
                    resolvers: tuple[tuple[str, int], ...], work_dir: Path | None = None) -> Egress:
-    group = None if containment is None else containment.v2_group()
+    """The ``nftables`` level for task cgroups below ``group`` (the containment's, at level ``where``)."""
     if group is None:
-        level = containment.level if containment is not None else "none"
-        raise EgressError(f"the tasks have no cgroup in a cgroup v2 tree (containment {level})",
-                          Blocker.NO_TASK_CGROUP)
-    from ckagent.containment.hierarchy import mounts  # (the containment package imports Trio)
-
-    v2 = mounts(_read("/proc/self/mountinfo")).get("unified")
-    if v2 is None:
-        raise EgressError("no cgroup v2 tree is mounted", Blocker.NO_V2_TREE)
-    point, root = v2
-    try:
-        group.relative_to(NFT_CGROUP_ROOT)
-        depth = len(group.relative_to(point).parts) + len(Path(root).parts[1:]) + 1
-    except ValueError:
-        raise EgressError(f"the v2 tree {point} is not below {NFT_CGROUP_ROOT}, where nft looks",
-                          Blocker.V2_TREE_ELSEWHERE) from None
-    try:
-        backend = nft or open_nft()
-    except NftError as exc:
-        raise EgressError(str(exc), Blocker.NO_NFTABLES) from exc
+        raise EgressError(f"the tasks have no cgroup in a cgroup v2 tree (containment {where})", Blocker.NO_TASK_CGROUP)
+    point, depth = v2_depth(group)
+    backend = nft_backend(nft)
     table = EgressTable(backend, table_name(group_name), depth, "" if work_dir is None else str(work_dir))
     for orphan in remove_orphans(keep=table.name):
         log.info("egress: removed the table inet %s: its agent's work dir no longer exists", orphan)
-    try:
-        table.create()
-    except NftError as exc:
-        raise EgressError(f"cannot create the nftables table {table.name} ({exc}; the agent needs "
-                          "CAP_NET_ADMIN: run it as root or grant the capability)",
-                          Blocker.NO_NET_ADMIN if "not permitted" in str(exc) else Blocker.FAILED) from exc
+    create_table(table)
     egress = Egress(EgressLevel.NFTABLES, f"nftables table inet {table.name} ({backend.kind}), task cgroups at "
                     f"level {depth} below {group}", policy, table=table, v2_root=point,
                     agent_port=agent_port, resolvers=resolvers)
     if probe:
         try:
-            _probe(table, group)
+            run_probe(table, group)
         except EgressError:
             egress.close()
             raise
     return egress
 
 
-def _probe(table: EgressTable, group: Path) -> None:
-    """A child in a throw-away cgroup below ``group`` connects to a loopback listener of ours under
-    a policy that denies it: the kernel must refuse it (a wrong cgroup level would let it through)."""
-    from ckagent.node.egress_policy import parse_deny
-
-    cgroup = group / "egress-probe"
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        port = listener.getsockname()[1]
-        cgroup.mkdir(exist_ok=True)
-        rules = None
-        try:
-            rules = table.add("probe", str(cgroup.relative_to(NFT_CGROUP_ROOT)),
-                              parse_deny(["127.0.0.1/32"], "probe"), None)
-            code = ("import socket,sys\ntry:\n socket.create_connection(('127.0.0.1', int(sys.argv[1])), 2)\n"
-                    "except ConnectionRefusedError:\n sys.exit(0)\nsys.exit(3)")
-            script = 'echo 0 >"$1/cgroup.procs" || exit 4\nshift\nexec "$@"'
-            try:
-                done = subprocess.run(["/bin/sh", "-c", script, "sh", str(cgroup), sys.executable, "-I", "-S",
-                                       "-c", code, str(port)], timeout=PROBE_TIMEOUT, check=False,
-                                      capture_output=True)
-            except (OSError, subprocess.TimeoutExpired) as exc:
-                raise EgressError(f"the probe child could not run: {exc}") from exc
-            refused = table.refusals(rules)
-            table.remove(rules, refused)
-            if done.returncode != 0 or not refused:
-                raise EgressError(f"the kernel did not refuse a probe connection from a task cgroup (exit "
-                                  f"{done.returncode}, {len(refused)} counted): socket cgroupv2 does not match here",
-                                  Blocker.KERNEL_NO_MATCH)
-        except NftError as exc:
-            raise EgressError(f"the probe's rules were refused: {exc}") from exc
-        finally:
-            if rules is not None:
-                with contextlib.suppress(NftError):
-                    table.remove(rules)
-            with contextlib.suppress(OSError):
-                cgroup.rmdir()
-
-
 def _resolvers() -> tuple[tuple[str, int], ...]:
     """The name servers of /etc/resolv.conf (port 53): tasks reach them whatever is denied."""
     found = []
-    for line in _read("/etc/resolv.conf").splitlines():
+    for line in read_file("/etc/resolv.conf").splitlines():
         parts = line.split()
         if len(parts) >= 2 and parts[0] == "nameserver":
             address = parts[1].split("%")[0]
             with contextlib.suppress(ValueError):
                 found.append((str(ipaddress.ip_address(address)), 53))
     return tuple(dict.fromkeys(found))
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as fh:
-            return fh.read()
-    except OSError:
-        return ""
-
