@@ -45,6 +45,10 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
 - :func:`demo_with_crawl` runs ``ckagent demo --keep`` and a many-page Scrapy crawl on its agent
   (:mod:`harness.demo`; :func:`user_checkout` for a user who cannot read the checkout), and
   :func:`throwaway_user` makes a system user for one test (:mod:`harness.users`).
+- :func:`web_hosts` runs identity web servers on loopback aliases (HTTP and HTTPS, keep-alive; each
+  answer says which server gave it and echoes what it received) (:mod:`harness.webhosts`);
+  :mod:`harness.webclients` runs real HTTP clients (Python, Node, curl, Chromium) through a task's
+  egress proxy (:func:`proxied_task`) and checks their answers (:func:`check_answers`).
 """
 
 from __future__ import annotations
@@ -63,3 +67,5 @@ from harness.recording import *  # noqa: F403
 from harness.runsh import *  # noqa: F403
 from harness.upstreams import *  # noqa: F403
 from harness.users import *  # noqa: F403
+from harness.webclients import *  # noqa: F403
+from harness.webhosts import *  # noqa: F403
