@@ -42,6 +42,9 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
   it received.
 - An agent as a process: :func:`agent_process` (test timings), :func:`wait_registered`,
   :func:`wait_exit`, :func:`node_status`; :func:`wait_for_log` waits for a line in the master.
+- :func:`another_agent` holds an entry in a registry of agents' ports from a process of its own
+  (:mod:`harness.agentports`); :func:`run_as` runs Python as another user and
+  :func:`world_directory` gives it a directory it can reach (:mod:`harness.users`, root only).
 - :func:`web_hosts` runs identity web servers on loopback aliases (HTTP and HTTPS, keep-alive; each
   answer says which server gave it and echoes what it received) (:mod:`harness.webhosts`);
   :mod:`harness.webclients` runs real HTTP clients (Python, Node, curl, Chromium) through a task's
@@ -50,6 +53,7 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
 
 from __future__ import annotations
 
+from harness.agentports import *  # noqa: F403
 from harness.agentproc import *  # noqa: F403
 from harness.core import *  # noqa: F403
 from harness.examples import *  # noqa: F403
@@ -62,5 +66,6 @@ from harness.rawnode import *  # noqa: F403
 from harness.recording import *  # noqa: F403
 from harness.runsh import *  # noqa: F403
 from harness.upstreams import *  # noqa: F403
+from harness.users import *  # noqa: F403
 from harness.webclients import *  # noqa: F403
 from harness.webhosts import *  # noqa: F403
