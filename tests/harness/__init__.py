@@ -42,6 +42,9 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
   it received.
 - An agent as a process: :func:`agent_process` (test timings), :func:`wait_registered`,
   :func:`wait_exit`, :func:`node_status`; :func:`wait_for_log` waits for a line in the master.
+- :func:`another_agent` holds an entry in a registry of agents' ports from a process of its own
+  (:mod:`harness.agentports`); :func:`run_as` runs Python as another user and
+  :func:`world_directory` gives it a directory it can reach (:mod:`harness.users`, root only).
 - :func:`demo_with_crawl` runs ``ckagent demo --keep`` and a many-page Scrapy crawl on its agent
   (:mod:`harness.demo`; :func:`user_checkout` for a user who cannot read the checkout), and
   :func:`throwaway_user` makes a system user for one test (:mod:`harness.users`).
@@ -53,6 +56,7 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
 
 from __future__ import annotations
 
+from harness.agentports import *  # noqa: F403
 from harness.agentproc import *  # noqa: F403
 from harness.core import *  # noqa: F403
 from harness.demo import *  # noqa: F403

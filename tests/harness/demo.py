@@ -36,6 +36,8 @@ from ckagent.devmaster.demosite import expected_products
 from harness.examples import EXAMPLES, REPO
 from harness.users import SystemUser
 
+__all__ = ["CRAWL_EXAMPLE", "DemoRun", "demo_environ", "demo_with_crawl", "user_checkout", "user_demo"]
+
 DEMO_TIMEOUT = 600.0
 """Seconds for one demo with its crawl, cold caches included (Scrapy's ~40 packages from PyPI)."""
 

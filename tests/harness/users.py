@@ -1,11 +1,13 @@
-"""Throwaway system users, for what a non-root node or a spider under ``task.run_as_user`` does.
-
-useradd/userdel lock /etc/passwd and /etc/group: two at once fail, so a fixture that makes a user
-belongs to conftest.py's SERIAL_GROUPS "system-users".
+"""Other local users (as root only): ``nobody`` and a Python it can run, for tests of what one user's
+files mean to another's process (:func:`run_as`, :func:`world_directory`); and a throwaway system user
+with a home of its own for one test (:func:`throwaway_user`): a non-root node, a spider under
+``task.run_as_user``. useradd/userdel lock /etc/passwd and /etc/group: two at once fail, so a fixture
+that makes a user belongs to conftest.py's SERIAL_GROUPS "system-users".
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
@@ -13,11 +15,52 @@ import subprocess
 import tempfile
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+__all__ = ["NOBODY", "OTHER_USER_PYTHON", "SystemUser", "another_user_cannot", "run_as", "throwaway_user",
+           "world_directory"]
+
+NOBODY = 65534
+"""The uid and gid of ``nobody``: an unprivileged user that owns nothing of the tests'."""
+
+OTHER_USER_PYTHON = "/usr/bin/python3"
+"""A Python another user can execute (the suite's own may live under root's home)."""
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def another_user_cannot() -> str | None:
+    """Why :func:`run_as` cannot be used here (None: it can)."""
+    if os.geteuid() != 0:
+        return "needs root (to run a process as another user)"
+    if not os.access(OTHER_USER_PYTHON, os.X_OK):
+        return f"{OTHER_USER_PYTHON} is missing"
+    return None
+
+
+def run_as(uid: int, code: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    """Run Python ``code`` (``sys.argv[1:]`` = ``args``) as ``uid`` (its group the same number),
+    with this repository's ``ckagent`` importable (only modules that need the standard library
+    alone: that Python has no third-party packages)."""
+    prelude = f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
+    return subprocess.run([OTHER_USER_PYTHON, "-I", "-S", "-c", prelude + code, *args], user=uid, group=uid,
+                          extra_groups=[], capture_output=True, text=True, timeout=timeout, check=False,
+                          cwd="/")
+
+
+@contextlib.contextmanager
+def world_directory() -> Iterator[Path]:
+    """A fresh directory under /tmp that every user can reach and write in, sticky like /tmp
+    (pytest's ``tmp_path`` is root's alone: mode 0700 above it); removed at the end."""
+    path = Path(tempfile.mkdtemp(prefix="ck-world-", dir="/tmp"))
+    try:
+        path.chmod(0o1777)
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclass(frozen=True)
@@ -41,7 +84,7 @@ class SystemUser:
         return {**base, "HOME": str(self.home), "USER": self.name, "LOGNAME": self.name}
 
 
-@contextmanager
+@contextlib.contextmanager
 def throwaway_user(prefix: str = "ck") -> Iterator[SystemUser]:
     """A new system user with a home directory, removed (home and ``reach`` too) afterwards. Skips the
     test when this process is not root or useradd is missing or fails (blocking)."""
