@@ -45,6 +45,9 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
 - :func:`another_agent` holds an entry in a registry of agents' ports from a process of its own
   (:mod:`harness.agentports`); :func:`run_as` runs Python as another user and
   :func:`world_directory` gives it a directory it can reach (:mod:`harness.users`, root only).
+- :func:`demo_with_crawl` runs ``ckagent demo --keep`` and a many-page Scrapy crawl on its agent
+  (:mod:`harness.demo`; :func:`user_checkout` for a user who cannot read the checkout), and
+  :func:`throwaway_user` makes a system user for one test (:mod:`harness.users`).
 - :func:`web_hosts` runs identity web servers on loopback aliases (HTTP and HTTPS, keep-alive; each
   answer says which server gave it and echoes what it received) (:mod:`harness.webhosts`);
   :mod:`harness.webclients` runs real HTTP clients (Python, Node, curl, Chromium) through a task's
@@ -56,6 +59,7 @@ from __future__ import annotations
 from harness.agentports import *  # noqa: F403
 from harness.agentproc import *  # noqa: F403
 from harness.core import *  # noqa: F403
+from harness.demo import *  # noqa: F403
 from harness.examples import *  # noqa: F403
 from harness.fakes import *  # noqa: F403
 from harness.index import *  # noqa: F403
