@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import httpx
 import trio
+import trio.testing
 from harness import IdentityOrigin
 
 from ckagent.containment.egress import open_egress, parse_text
+from ckagent.containment.egress.proxy import Limits
 
 
 async def _proxy_url(nursery: trio.Nursery, task_id: str) -> str:
@@ -61,3 +63,32 @@ async def test_two_tasks_never_share_a_connection(nursery: trio.Nursery) -> None
             async with httpx.AsyncClient(proxy=url) as client:
                 await client.get(f"http://127.0.0.2:{origin.port}/")
     assert origin.connections == 2
+
+
+async def test_a_task_holding_its_limit_of_connections_gets_503_for_one_more(nursery: trio.Nursery) -> None:
+    """A spider that floods its proxy with connections gets 503 for those over its limit, not the
+    agent's file descriptors; a connection freed is a connection it may open again."""
+    origin = IdentityOrigin("127.0.0.2")
+    await nursery.start(origin.serve)
+    egress = open_egress("proxy", None, "ckagent_pool_test", parse_text("metadata,link-local", ""))
+    await nursery.start(egress.serve)
+    assert egress.server is not None
+    egress.server.limits = Limits(max_connections=3)
+    rules = await trio.to_thread.run_sync(egress.attach, None, "flood")
+    port = egress.proxy_port(rules)
+    with trio.fail_after(20):
+        held = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(3)]
+        extra = await trio.open_tcp_stream("127.0.0.1", port)
+        answer = b""
+        while chunk := await extra.receive_some(4096):
+            answer += chunk
+        await extra.aclose()
+        await held.pop().aclose()
+        await trio.testing.wait_all_tasks_blocked()  # (the proxy has seen that close)
+        async with httpx.AsyncClient(proxy=egress.task_env(rules)["HTTP_PROXY"]) as client:
+            served = await client.get(f"http://127.0.0.2:{origin.port}/")
+        for stream in held:
+            await stream.aclose()
+    assert answer.startswith(b"HTTP/1.1 503") and b"too many connections" in answer
+    assert served.status_code == 200
+    assert egress.proxy_outcomes(rules) == {"busy": 1, "forwarded": 1}
