@@ -35,6 +35,9 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
 - :class:`PollMaster` scripts the poll's answers and :class:`BatchMaster` holds one task's batches under
   the seq rules (with faults per request), both for ``httpx.MockTransport``; :class:`HoldingSupervisor`
   only admits.
+- Hostile peers (:mod:`harness.hostile`): :class:`Upstream` (a loopback server that answers with its
+  identity or misbehaves by path), :class:`Raw` (a client connection sending bytes as given),
+  :func:`proxy_under_test` (the egress proxy of one task, in-process, with its upstreams).
 - An agent as a process: :func:`agent_process` (test timings), :func:`wait_registered`,
   :func:`wait_exit`, :func:`node_status`; :func:`wait_for_log` waits for a line in the master.
 """
@@ -45,6 +48,7 @@ from harness.agentproc import *  # noqa: F403
 from harness.core import *  # noqa: F403
 from harness.examples import *  # noqa: F403
 from harness.fakes import *  # noqa: F403
+from harness.hostile import *  # noqa: F403
 from harness.index import *  # noqa: F403
 from harness.procs import *  # noqa: F403
 from harness.pyz import *  # noqa: F403
