@@ -33,12 +33,14 @@ from harness import (  # noqa: F401 -- no_strays: autouse fixture
     Raw,
     RecordingMaster,
     agent_process,
+    free_port,
     kept_busy,
     no_strays,
     proxy_under_test,
     serve_upstream,
     status_port_under_test,
     submit,
+    task_final_while_alive,
     wait_exit,
     wait_registered,
 )
@@ -851,16 +853,16 @@ async def test_an_agent_serves_on_while_its_spider_sends_the_worst_to_its_proxy(
     answer, and the agent's log says what was refused once per task, not once per request."""
     admin = recording_master.admin
     good, denied = await serve_upstream(nursery, "127.0.0.3"), await serve_upstream(nursery, DENIED_HOST)
+    status_port = free_port()
     agent = agent_process(tmp_path, recording_master.base_url, recording_master.registration_token,
-                          task__egress="proxy", task__egress_deny="metadata,link-local,agent," + DENIED_HOST)
+                          agent__port=status_port, task__egress="proxy", task__egress_deny="metadata,link-local,agent," + DENIED_HOST)
     await agent.start()
     async with agent:
         await wait_registered(admin, agent)
-        status_port = int(agent.log_text().split("status server on http://127.0.0.1:")[1].split(" ")[0])
         task_id = await submit(admin, "hostile-proxy", {"main.py": HOSTILE_SPIDER},
                                env={"GOOD": f"http://{good.authority}/good", "DENIED": f"http://{denied.authority}/",
                                     "IDLE_BOUND": "90"})
-        task = await admin.wait_task_final(task_id, 150)
+        task = await task_final_while_alive(admin, agent, task_id, 150)
         assert agent.process is not None and agent.process.returncode is None, agent.log_text()[-3000:]
         async with httpx.AsyncClient(timeout=10) as client:
             assert (await client.get(f"http://127.0.0.1:{status_port}/healthz")).text == "ok\n"

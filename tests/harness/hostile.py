@@ -46,6 +46,7 @@ __all__ = [
     "proxy_under_test",
     "serve_upstream",
     "status_port_under_test",
+    "task_final_while_alive",
 ]
 
 UPSTREAM_HOSTS = ("127.0.0.3", "127.0.0.4")
@@ -443,3 +444,20 @@ async def kept_busy(request: Callable[[int], Awaitable[None]], interval: float) 
             yield
         finally:
             done.set()
+
+
+async def task_final_while_alive(admin: Any, agent: Any, task_id: str, timeout: float) -> dict[str, Any]:  # noqa: ASYNC109
+    """The task once final (as the master holds it); fails the test at once, with the end of the
+    agent's log, when the agent process exits first (a crash would otherwise look like a slow task)."""
+    found: dict[str, Any] = {}
+    with trio.fail_after(timeout):
+        async with trio.open_nursery() as nursery:
+
+            async def final() -> None:
+                found.update(await admin.wait_task_final(task_id, timeout + 1))
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(final)
+            code = await agent.wait()
+            raise AssertionError(f"the agent exited ({code}) before task {task_id} ended:\n{agent.log_text()[-4000:]}")
+    return found
