@@ -67,7 +67,6 @@ from ckagent.code.runtimescan import RuntimeScan
 from ckagent.code.workspace import Workspaces
 from ckagent.containment import Containment, ContainmentError, Limits, open_containment
 from ckagent.containment.egress import Egress, EgressError, PolicyError, open_egress, parse_text
-from ckagent.containment.egress.proxy import serve_proxy
 from ckagent.containment.hierarchy import agent_group_name
 from ckagent.delivery import Outbox, OutboxConfig, cleanup_task_dirs
 from ckagent.delivery.lifecycle import CanonicalLine, Lifecycle
@@ -351,8 +350,7 @@ class Agent:
         egress = self.egress
         if egress is not None:
             egress.agent_port = self.status_port  # (agent.port 0: the one picked)
-            if egress.level == "proxy":  # on the previous agent's port: handed-over tasks' variables name it
-                egress.proxy_url = await root.start(partial(serve_proxy, egress.proxy_lookup, lambda: egress.agent_port, self.work_dir))
+            await root.start(egress.serve)  # (the proxy level's forward proxy; nothing at the others)
         root.start_soon(self._signals)
         await root.start(self.lifecycle.run)
         root.start_soon(partial(self.scan.run, self.heartbeat.after_first_beat, self.poller.forget_unrunnable))

@@ -578,41 +578,51 @@ async def _http_ok(stream: trio.SocketStream) -> None:
 async def test_the_proxy_level_refuses_denied_destinations_and_counts_them(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    from ckagent.containment.egress.proxy import serve_proxy
-
     with containment_at("process-group", tmp_path) as groups:
-        egress = open_egress("auto", groups, agent_group_name(tmp_path), parse_text("metadata,agent,127.0.0.2", ""))
+        egress = open_egress("auto", groups, agent_group_name(tmp_path), parse_text("metadata,agent,127.0.0.2", ""),
+                             agent_port=9)
     assert egress.level == "proxy"
     denied = await nursery.start(partial(trio.serve_tcp, _http_ok, 0, host="127.0.0.2"))
     allowed = await nursery.start(partial(trio.serve_tcp, _http_ok, 0, host="127.0.0.3"))
     denied_port, allowed_port = (listeners[0].socket.getsockname()[1] for listeners in (denied, allowed))
-    egress.proxy_url = await nursery.start(serve_proxy, egress.proxy_lookup, lambda: 9)
-    rules = egress.attach(groups.jail("t1", Limits()), "t1")
-    env = egress.task_env(rules)
-    assert env["HTTP_PROXY"] == env["https_proxy"] and env["HTTP_PROXY"].startswith("http://t") and env["NO_PROXY"] == ""
+    await nursery.start(egress.serve)
+    rules = await trio.to_thread.run_sync(egress.attach, groups.jail("t1", Limits()), "t1")
+    other = await trio.to_thread.run_sync(egress.attach, None, "t2")
+    env = egress.task_env(rules, {})
+    url = env["HTTP_PROXY"]
+    assert env["HTTP_PROXY"] == env["https_proxy"] == env["ALL_PROXY"] and env["NO_PROXY"] == ""
+    user, password = url.split("//")[1].split("@")[0].split(":")
+    port = egress.proxy_port(rules)
+    assert user.startswith("t") and len(password) >= 20 and url.endswith(f"@127.0.0.1:{port}")
+    assert egress.task_env(other, {})["HTTP_PROXY"] != url and egress.proxy_port(other) != port
     with trio.fail_after(20):
-        async with httpx.AsyncClient(proxy=env["HTTP_PROXY"]) as client:
+        async with httpx.AsyncClient(proxy=url) as client:
             ok = await client.get(f"http://127.0.0.3:{allowed_port}/x?y=1")
             refused = await client.get(f"http://127.0.0.2:{denied_port}/")
             agent = await client.get("http://127.0.0.1:9/")
-        async with httpx.AsyncClient(proxy=egress.proxy_url) as client:  # no task named: refused
+        async with httpx.AsyncClient(proxy=f"http://127.0.0.1:{port}") as client:  # no credentials: the port's task
             anonymous = await client.get(f"http://127.0.0.3:{allowed_port}/")
+        wrong = egress.task_env(other, {})["HTTP_PROXY"].rsplit(":", 1)[0] + f":{port}"  # t2's credentials, t1's port
+        async with httpx.AsyncClient(proxy=wrong) as client:
+            impostor = await client.get(f"http://127.0.0.3:{allowed_port}/")
         # CONNECT (what HTTPS uses): the tunnel opens to an allowed destination only.
-        stream = await trio.open_tcp_stream("127.0.0.1", int(egress.proxy_url.rsplit(":", 1)[1]))
-        user = env["HTTP_PROXY"].split("//")[1].split("@")[0].split(":")[0]
-        auth = base64.b64encode(f"{user}:".encode()).decode()
-        await stream.send_all(f"CONNECT 127.0.0.2:{denied_port} HTTP/1.1\r\nProxy-Authorization: Basic {auth}\r\n\r\n"
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        auth = base64.b64encode(f"{user}:{password}".encode()).decode()
+        await stream.send_all(f"CONNECT 127.0.0.2:{denied_port} HTTP/1.1\r\nHost: 127.0.0.2:{denied_port}\r\nProxy-Authorization: Basic {auth}\r\n\r\n"
                               .encode())
         tunnel = await stream.receive_some(4096)
         await stream.aclose()
     assert (ok.status_code, ok.text) == (200, "ok")
     assert refused.status_code == 403 and "egress policy" in refused.text
     assert agent.status_code == 403  # the agent's own port
-    assert anonymous.status_code == 407
+    assert (anonymous.status_code, anonymous.text) == (200, "ok")
+    assert impostor.status_code == 407 and "not this task's" in impostor.text
     assert tunnel.startswith(b"HTTP/1.1 403")
     assert egress.refusals(rules) == [Refusal("127.0.0.2", denied_port, 2), Refusal("127.0.0.1", 9, 1)]
     egress.detach(rules)
-    assert egress.proxy_lookup(user) is None
+    egress.detach(other)
+    with pytest.raises(OSError):  # the task's listener is closed with its rules
+        await trio.open_tcp_stream("127.0.0.1", port)
 
 
 def test_ckagent_exec_prints_the_refusal_line() -> None:
@@ -700,9 +710,9 @@ for name in ("DENIED", "ALLOWED"):
 async def test_a_task_handed_over_at_the_proxy_level_keeps_its_proxy(
     recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    """Where the kernel cannot filter, a task's proxy variables name the agent's proxy port: the
-    next agent serves the proxy on that same port, so a re-adopted task's requests still go through
-    its policy (denied: 403, allowed: through)."""
+    """Where the kernel cannot filter, a task's proxy variables name its own proxy port: the next
+    agent listens on that same port again (the port and the password survive the restart), so a
+    re-adopted task's requests still go through its policy (denied: 403, allowed: through)."""
     admin = recording_master.admin
     denied = await nursery.start(partial(trio.serve_tcp, _http_ok, 0, host="127.0.0.2"))
     allowed = await nursery.start(partial(trio.serve_tcp, _http_ok, 0, host="127.0.0.3"))
@@ -729,4 +739,3 @@ async def test_a_task_handed_over_at_the_proxy_level_keeps_its_proxy(
     assert [line for line in lines if line.split(" ")[0] in ("ok", "http", "failed")] == \
         ["http 403 DENIED", "ok ALLOWED"], lines
     assert task["egressRefused"] == [{"address": "127.0.0.2", "port": denied_port, "count": 1}], task
-    assert (tmp_path / "node" / "data" / "egress-proxy.port").read_text().strip() == ready.split()[1]

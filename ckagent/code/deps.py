@@ -227,6 +227,6 @@ PASS_THROUGH = (
     # Network plumbing of the node (a private CA, a proxy): spiders and installers need it, and it
     # holds no secret of the agent's. A proxy URL with credentials is the operator's choice.
     "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS",
-    "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy",
+    "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "all_proxy", "no_proxy",
 )
 """Variables copied from the agent's environment into every spider's, when set."""

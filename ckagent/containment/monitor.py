@@ -154,7 +154,8 @@ class Handle:
     (``deadline_at`` None: no timeout); ``work`` is the task's working copy (removed at its end);
     ``stall_timeout`` seconds (0: off); ``level`` the containment level it was spawned at;
     ``env_dir`` the dependency environment the spider runs with ("" = none: a later agent keeps it
-    from environment collection while it re-adopts the task).
+    from environment collection while it re-adopts the task); ``proxy_port`` the port of the task's
+    egress proxy listener its proxy variables name (0 = none: a later agent listens there again).
     """
 
     monitor_pid: int
@@ -167,6 +168,7 @@ class Handle:
     stall_timeout: float
     level: str
     env_dir: str = ""
+    proxy_port: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict (``from_json`` reads it back)."""
@@ -180,9 +182,18 @@ class Handle:
                        float(data["spawned_at"]), str(data["status_file"]),
                        None if data.get("deadline_at") is None else float(data["deadline_at"]),
                        str(data["work"]), float(data.get("stall_timeout") or 0.0), str(data.get("level") or ""),
-                       str(data.get("env_dir") or ""))
+                       str(data.get("env_dir") or ""), _port(data.get("proxy_port")))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"a stored task handle of the wrong shape: {exc}") from exc
+
+
+def _port(value: object) -> int:
+    """A stored port (0 when absent). Raises ValueError for anything but an integer 0..65535."""
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 65535:
+        raise ValueError(f"proxy_port {value!r} is not a port")
+    return value
 
 
 class Monitored:
@@ -267,7 +278,7 @@ async def _wait_pid_exit(pid: int, child: subprocess.Popen[bytes] | None = None)
 def spawn_monitored(
     argv: list[str], *, cwd: Path, env: dict[str, str], task_id: str, task_dir: Path, output_path: Path,
     jail: TaskJail, run_as: RunAs | None, deadline_at: float | None, work: Path, stall_timeout: float,
-    env_dir: Path | None = None,
+    env_dir: Path | None = None, proxy_port: int = 0,
 ) -> Monitored:
     """Start ``argv`` behind its monitor, in ``jail``, stdout and stderr appended to ``output_path``.
     Blocking (the fork, a few small files): call it in a thread hop (the runner's spawn hop).
@@ -298,7 +309,7 @@ def spawn_monitored(
         os.close(out)
     jail.watch(popen.pid)
     handle = Handle(popen.pid, start_ticks(popen.pid) or 0, boot_id(), time.time(), str(status_path), deadline_at,
-                    str(work), stall_timeout, jail.level, "" if env_dir is None else str(env_dir))
+                    str(work), stall_timeout, jail.level, "" if env_dir is None else str(env_dir), proxy_port)
     return Monitored(handle, popen)
 
 

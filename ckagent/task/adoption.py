@@ -31,11 +31,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import trio
 
+from ckagent.code.deps import spider_base_env
 from ckagent.code.workcopy import remove_tree
 from ckagent.containment import Containment, ContainmentError, Limits, TaskJail
 from ckagent.containment.egress import EgressError, report_refusals
@@ -187,7 +189,7 @@ async def run_adopted(supervisor: Supervisor, rt: RunningTask, adoption: Adoptio
                 jail = ProcessGroupJail(task.id)
                 jail.watch(handle.monitor_pid)
             rt.jail = jail
-            await _egress_again(supervisor, rt, jail, notice)
+            await _egress_again(supervisor, rt, jail, notice, handle.proxy_port)
             delivery.watch_item_files(Path(handle.work))  # its declared JSON Lines files stream on
             timeout = 0.0 if handle.deadline_at is None else handle.deadline_at - handle.spawned_at
             try:
@@ -230,15 +232,18 @@ async def run_adopted(supervisor: Supervisor, rt: RunningTask, adoption: Adoptio
 
 
 async def _egress_again(supervisor: Supervisor, rt: RunningTask, jail: TaskJail,
-                        notice: Callable[[str], None]) -> None:
+                        notice: Callable[[str], None], proxy_port: int) -> None:
     """Put an adopted task under its network policy again: the previous agent left its table in place
-    when it handed over, and this agent's start made the table afresh (ckagent.containment.egress). A task whose
-    rules cannot be added again is stopped: it must not crawl unprotected."""
+    when it handed over, and this agent's start made the table afresh (ckagent.containment.egress); at
+    the proxy level the task's listener opens again on ``proxy_port``, the port its proxy variables
+    name, with its own proxies chained as before. A task whose rules cannot be added again is
+    stopped: it must not crawl unprotected."""
     egress = supervisor.config.egress
     if egress is None or egress.level == "off":
         return
     try:
-        rt.egress = await trio.to_thread.run_sync(egress.attach, jail, rt.task.id, rt.task.egress)
+        rt.egress = await trio.to_thread.run_sync(partial(egress.attach, jail, rt.task.id, rt.task.egress,
+                                                          proxy_port=proxy_port))
     except EgressError as exc:
         log.warning("task %s: %s; stopping it", rt.task.id, exc)
         notice(f"{exc}; the task is stopped (it must not run without its network policy)")
@@ -246,6 +251,7 @@ async def _egress_again(supervisor: Supervisor, rt: RunningTask, jail: TaskJail,
                         f"egress: cannot apply the task's network policy again after the restart ({exc})")
         return
     notice(f"egress ({egress.level}): {egress.effective(rt.task.egress).describe()}")
+    egress.chain(rt.egress, {**spider_base_env(), **supervisor.config.extra_env, **rt.task.env}, notice)
 
 
 def admit_adopted(supervisor: Supervisor, adoption: Adoption) -> RunningTask:

@@ -319,7 +319,7 @@ class TaskRunner:
         env.update(self.config.extra_env)
         env.update(task.env)
         if self.config.egress is not None:  # the proxy variables of the advisory level ({} otherwise)
-            env.update(self.config.egress.task_env(rt.egress))
+            env.update(self.config.egress.task_env(rt.egress, env, notice))
         env.update(
             {
                 MARKER_VAR: task.id,
@@ -359,6 +359,7 @@ class TaskRunner:
                 output_path=sink.path, jail=jail, run_as=self.config.run_as,
                 deadline_at=None if not timeout else (rt.started_at or 0.0) + timeout, work=code.work,
                 stall_timeout=stall, env_dir=prepared.env_dir,
+                proxy_port=self.config.egress.proxy_port(rt.egress) if self.config.egress is not None else 0,
             )
             try:
                 store.set_process(task.id, mon.pid, mon.pid, mon.handle.to_json())

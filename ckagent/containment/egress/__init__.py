@@ -25,18 +25,26 @@ Exceptions: :class:`EgressError` (a forced level is not available; a task's rule
 
 from __future__ import annotations
 
-import collections
+import base64
 import contextlib
+import hashlib
+import hmac
 import ipaddress
 import logging
+import os
+import secrets
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import trio
 
 from ckagent.containment.egress.nft import Nft, NftError, open_nft
+from ckagent.containment.egress.proxy import Dialer, ProxyServer, TaskProxy, routes_from_env
 from ckagent.containment.egress.table import (
     NFT_CGROUP_ROOT,
     EgressTable,
@@ -67,6 +75,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 LEVELS = ("nftables", "proxy", "off")
 """Egress levels, strongest first (``task.egress`` also takes ``auto``)."""
@@ -105,29 +115,49 @@ class Egress:
 
     def __init__(self, level: str, details: str, policy: EgressPolicy, *, table: EgressTable | None = None,
                  v2_root: Path | None = None, agent_port: int | None = None,
-                 resolvers: tuple[tuple[str, int], ...] = ()) -> None:
+                 resolvers: tuple[tuple[str, int], ...] = (), work_dir: Path | None = None) -> None:
         self.level, self.details, self.policy = level, details, policy
         self.table, self.v2_root, self.agent_port, self.resolvers = table, v2_root, agent_port, resolvers
-        self.proxy_url: str | None = None
-        """At the ``proxy`` level: the filtering proxy's URL (set when the proxy listens)."""
-        self._proxied: dict[str, tuple[TaskRules, collections.Counter[tuple[str, int]]]] = {}
-        """At the ``proxy`` level: proxy user name → (the task's rules, its refusals)."""
+        self.server: ProxyServer | None = ProxyServer() if level == "proxy" else None
+        """At the ``proxy`` level: the forward proxy (:mod:`.proxy`), served by :meth:`serve`."""
+        self._proxied: dict[str, TaskProxy] = {}
+        """At the ``proxy`` level: the rules' chain (the task's proxy user name) → its side of the proxy."""
+        self._key = _proxy_key(work_dir) if level == "proxy" else b""
+
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the level's service until cancelled: at ``proxy`` the forward proxy (startable:
+        ``started()`` once tasks can be attached); at the other levels it returns at once."""
+        if self.server is None:
+            task_status.started()
+            return
+        await self.server.run(task_status=task_status)
 
     def effective(self, task_policy: EgressPolicy | None) -> EgressPolicy:
         """The node's policy with the task's denials and exceptions added."""
         return self.policy if task_policy is None else self.policy.merged(task_policy)
 
-    def attach(self, jail: TaskJail, task_id: str, task_policy: EgressPolicy | None = None) -> TaskRules | None:
-        """Put the task's cgroup under its policy (blocking, ~0.3 ms); at the ``proxy`` level register
-        it with the proxy; None at ``off``. Raises EgressError when the rules cannot be added (the task
-        must not run unprotected)."""
-        if self.level == "proxy":
+    def attach(self, jail: TaskJail | None, task_id: str, task_policy: EgressPolicy | None = None, *,
+               proxy_port: int = 0) -> TaskRules | None:
+        """Put the task under its policy before its first process: at ``nftables`` its cgroup (blocking,
+        ~0.3 ms); at ``proxy`` a listener of its own (``proxy_port``: the one its processes already
+        name, for a task re-adopted after a restart; 0 = a new one); None at ``off``. Callable from a
+        Trio worker thread or the Trio thread. Raises EgressError when the rules cannot be added (the
+        task must not run unprotected)."""
+        if self.server is not None:
             user = _proxy_user(task_id)
-            rules = TaskRules(task_id, "", user, self.effective(task_policy))
-            self._proxied[user] = (rules, collections.Counter())
-            return rules
+            policy = self.effective(task_policy)
+            task = TaskProxy(task_id, user, self._password(task_id), Dialer(partial(self.blocked, policy)))
+            try:
+                _on_trio_thread(self.server.open, task, proxy_port)
+            except (OSError, RuntimeError) as exc:
+                where = f"127.0.0.1:{proxy_port}" if proxy_port else "127.0.0.1"
+                raise EgressError(f"egress: cannot listen for task {task_id}'s proxy on {where} ({exc})") from exc
+            self._proxied[user] = task
+            return TaskRules(task_id, "", user, policy)
         if self.table is None:
             return None
+        if jail is None:
+            raise EgressError("egress: the nftables level needs the task's jail")
         path = jail.v2_path()
         if path is None:
             raise EgressError(f"egress: the task's jail ({jail.level}) has no cgroup in the v2 tree to filter")
@@ -138,11 +168,24 @@ class Egress:
         except (NftError, ValueError) as exc:
             raise EgressError(f"egress: cannot add the rules of task {task_id}: {exc}") from exc
 
+    def blocked(self, policy: EgressPolicy, address: str, port: int) -> bool:
+        """The proxy's check of one address: True when ``policy`` denies ``address``:``port``, or it is
+        the proxy's own listener (a request to itself would loop)."""
+        local = _is_local(address)
+        if local and self.server is not None and port in self.server.ports:
+            return True
+        return policy.blocks(address, port, agent_port=self.agent_port, local=local)
+
+    def proxy_port(self, rules: TaskRules | None) -> int:
+        """The port of the task's proxy listener (0: none; the ``proxy`` level only)."""
+        task = self._proxied.get(rules.chain) if rules is not None else None
+        return task.port if task is not None else 0
+
     def refusals(self, rules: TaskRules | None) -> list[Refusal]:
         """What the task was refused so far (blocking), most refused first. [] at ``off`` or when
         nft fails."""
         if rules is not None and rules.chain in self._proxied:
-            counts = self._proxied[rules.chain][1]
+            counts = self._proxied[rules.chain].refused
             return sorted((Refusal(a, p, n) for (a, p), n in counts.items()), key=lambda r: (-r.count, r.address))
         if rules is None or self.table is None or rules.removed:
             return []
@@ -153,9 +196,11 @@ class Egress:
             return []
 
     def detach(self, rules: TaskRules | None, refused: list[Refusal] | None = None) -> None:
-        """Remove the task's rules (blocking; before its cgroup goes). Never raises."""
-        if rules is not None:
-            self._proxied.pop(rules.chain, None)
+        """Remove the task's rules (blocking; before its cgroup goes): at ``proxy`` its listener, its
+        connections and its pool close. Never raises; callable from a worker thread or the Trio thread."""
+        if rules is not None and self._proxied.pop(rules.chain, None) is not None and self.server is not None:
+            with contextlib.suppress(RuntimeError, trio.RunFinishedError):
+                _on_trio_thread(self.server.close, rules.task_id)
         if rules is None or self.table is None:
             return
         try:
@@ -163,31 +208,42 @@ class Egress:
         except NftError as exc:  # pragma: no cover - remove() logs and swallows nft's refusals
             log.warning("egress: cannot remove the rules of task %s: %s", rules.task_id, exc)
 
-    def proxy_lookup(self, user: str) -> tuple[EgressPolicy, Callable[[str, int], None]] | None:
-        """For the proxy: the policy of the task a proxy user name stands for, and its refusal counter."""
-        found = self._proxied.get(user)
-        if found is None:
-            return None
-        rules, counts = found
+    def chain(self, rules: TaskRules | None, env: Mapping[str, str],
+              notice: Callable[[str], None] | None = None) -> None:
+        """At ``proxy``: keep the task's own proxies (``HTTP_PROXY``… in ``env``, the environment the
+        task would have had) behind the agent's, and say so once in its log through ``notice`` (which
+        also gets the proxy's later notes on the task). On the Trio thread."""
+        task = self._proxied.get(rules.chain) if rules is not None else None
+        if task is None:
+            return
+        task.routes, task.notice = routes_from_env(env), notice
+        if notice is not None:
+            if task.routes.chained:
+                notice("egress: the task's own proxy is kept: requests leave through "
+                       f"{', '.join(task.routes.chained)} after the agent's proxy checked them")
+            for problem in task.routes.problems:
+                notice(f"egress: the task's proxy setting cannot be followed ({problem}); its requests fail with 502")
 
-        def count(address: str, port: int) -> None:
-            if counts[(address, port)] == 0:
-                log.warning("task %s: egress policy refused a connection to %s (proxy)", rules.task_id,
-                            Refusal(address, port, 1))
-            counts[(address, port)] += 1
-
-        return rules.policy, count
-
-    def task_env(self, rules: TaskRules | None) -> dict[str, str]:
-        """Variables a task's environment gets at the ``proxy`` level ({} otherwise)."""
-        if self.level != "proxy" or self.proxy_url is None or rules is None:
+    def task_env(self, rules: TaskRules | None, env: Mapping[str, str] | None = None,
+                 notice: Callable[[str], None] | None = None) -> dict[str, str]:
+        """Variables a task's environment gets at the ``proxy`` level ({} otherwise): every proxy
+        variable names the task's own listener with its user name and secret password, ``NO_PROXY``
+        is emptied (the agent's proxy honours the task's). ``env``: the environment the task would
+        have had (its own proxies are chained: :meth:`chain`). On the Trio thread."""
+        task = self._proxied.get(rules.chain) if rules is not None else None
+        if task is None:
             return {}
-        # user:password (the password says nothing): Python's urllib sends no credentials without one.
-        url = self.proxy_url.replace("://", f"://{rules.chain}:task@", 1)
-        env = {name: url for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy",
+        self.chain(rules, env or {}, notice)
+        url = task.url()
+        out = {name: url for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy",
                                       "all_proxy")}
-        env["NO_PROXY"] = env["no_proxy"] = ""
-        return env
+        out["NO_PROXY"] = out["no_proxy"] = ""
+        return out
+
+    def _password(self, task_id: str) -> str:
+        """The task's proxy password: derived from the agent's key (a re-adopted task keeps it)."""
+        digest = hmac.new(self._key, b"egress-proxy\0" + task_id.encode(), hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(digest[:18]).decode("ascii")
 
     def to_json(self) -> dict[str, Any]:
         """``{"level", "details", "policy", "deny", "allow"}`` for registration and /status."""
@@ -201,6 +257,52 @@ class Egress:
             with contextlib.suppress(NftError):
                 self.table.close()
             self.table = None
+
+
+def _on_trio_thread(fn: Callable[..., _T], *args: Any) -> _T:
+    """Call ``fn`` on the Trio thread, from it or from one of its worker threads."""
+    try:
+        trio.lowlevel.current_task()
+    except RuntimeError:
+        return trio.from_thread.run_sync(fn, *args)
+    return fn(*args)
+
+
+def _is_local(address: str) -> bool:
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback or ip.is_unspecified
+
+
+PROXY_KEY_FILE = "egress-proxy.key"
+"""In the agent's work dir (mode 0600): the key the tasks' proxy passwords are derived from."""
+
+
+def _proxy_key(work_dir: Path | None) -> bytes:
+    """The agent's proxy key, kept in ``work_dir`` so a later agent derives the same passwords for the
+    tasks it re-adopts (a random one per process without a work dir, or when it cannot be kept)."""
+    if work_dir is None:
+        return secrets.token_bytes(32)
+    path = work_dir / PROXY_KEY_FILE
+    try:
+        key = path.read_bytes()
+        if len(key) == 32:
+            return key
+    except OSError:
+        pass
+    key = secrets.token_bytes(32)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(key)
+    except OSError as exc:
+        log.warning("egress: cannot keep the proxy key in %s (%s): tasks re-adopted by the next agent "
+                    "cannot use their proxy", path, exc)
+    return key
 
 
 def _proxy_user(task_id: str) -> str:
@@ -241,7 +343,7 @@ def open_egress(setting: str, containment: Containment | None, group_name: str, 
         if egress is None:
             details = "filtering proxy in the tasks' proxy variables (advisory: a program may ignore them)"
             egress = Egress("proxy", details + (f"; the kernel cannot: {why}" if why else ""), policy,
-                            agent_port=agent_port, resolvers=resolvers)
+                            agent_port=agent_port, resolvers=resolvers, work_dir=work_dir)
     log.info("egress: %s — %s; %s", egress.level, egress.details, egress.policy.describe())
     return egress
 

@@ -1,0 +1,497 @@
+"""One client connection of a task, served request by request with h11 on both sides.
+
+Every request on a connection is parsed (h11), authorised, routed to the host *its own* target names,
+checked against the task's policy and answered in order (pipelining: h11 holds the next request until
+this one is answered). Plain ``http://`` requests are forwarded over a kept-alive connection from the
+task's pool (:mod:`.upstream`) with hop-by-hop headers removed and ``Host`` set to the target's;
+bodies stream both ways in either framing (h11 re-frames them for each side), ``Expect:
+100-continue`` is passed on with the destination's ``100``. ``CONNECT host:port`` opens a tunnel
+(HTTPS, and WebSockets over it) and relays bytes both ways, half-closes included.
+
+An answer of the proxy's own (:mod:`.errors`: 400/403/407/408/431/502/504) goes to this connection
+only; after 403, 407 and 502 the connection carries the client's next request (the refused request's
+body is read and dropped first, up to :attr:`Limits.drain_bytes`).
+
+Timeouts (:class:`Limits`, seconds): a new connection that sends nothing for ``idle_timeout`` is
+closed; a kept-alive one after ``keepalive_timeout``; a head that starts but is not complete within
+``head_timeout`` gets 408; a destination or client that moves no byte for ``io_timeout`` ends the
+exchange (504 before the answer began); a tunnel idle for ``tunnel_idle_timeout`` is closed.
+
+:func:`serve_client` raises nothing a client or a destination can cause (its caller, the server,
+still guards against bugs). Cancellation: the connection and its upstream are closed at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import h11
+import trio
+
+from ckagent.containment.egress.proxy.errors import (
+    REASONS,
+    BadRequest,
+    HeadTimeout,
+    HeadTooLarge,
+    ProxyError,
+    UpstreamError,
+    UpstreamTimeout,
+)
+from ckagent.containment.egress.proxy.routes import Route, Unusable
+from ckagent.containment.egress.proxy.target import (
+    Target,
+    forwarded_headers,
+    parse_absolute,
+    parse_connect,
+    request_headers,
+    returned_headers,
+)
+from ckagent.containment.egress.proxy.taskproxy import TaskProxy
+from ckagent.containment.egress.proxy.upstream import Upstream
+
+BUFFER_BYTES = 262144
+"""Bytes read at once from a socket (bodies and tunnels)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The proxy's limits (seconds and bytes; see the module docstring)."""
+
+    idle_timeout: float = 30.0
+    keepalive_timeout: float = 120.0
+    head_timeout: float = 30.0
+    io_timeout: float = 300.0
+    tunnel_idle_timeout: float = 900.0
+    max_head_bytes: int = 65536
+    max_headers: int = 256
+    drain_bytes: int = 1048576
+
+
+class _ClientGone(Exception):
+    """The client's connection broke or closed: nothing more can be sent to it."""
+
+
+class _Abort(Exception):
+    """The exchange broke after the answer began: the client's connection must be closed."""
+
+
+class _Stale(Exception):
+    """A reused upstream connection closed before answering: the request may be sent again."""
+
+
+async def serve_client(stream: trio.SocketStream, task: TaskProxy, limits: Limits) -> None:
+    """Serve ``stream`` (a client of ``task``) until it closes, idles out or breaks. Never raises
+    for what the client or a destination does; cancellation closes everything at once."""
+    await _Client(stream, task, limits).serve()
+
+
+class _Client:
+    def __init__(self, stream: trio.SocketStream, task: TaskProxy, limits: Limits) -> None:
+        self.stream, self.task, self.limits = stream, task, limits
+        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_head_bytes)
+        self.eof = False
+        self._pending: object = None
+        """A body event read while looking for the request's end (sent up first)."""
+
+    # ------------------------------------------------------------------------------------ the loop
+
+    async def serve(self) -> None:
+        first = True
+        while True:
+            try:
+                request = await self._next_request(first)
+            except ProxyError as exc:
+                self.task.note({400: "bad-request", 408: "timeout", 431: "too-large"}.get(exc.status, "error"),
+                               f"{exc.status} to a client: {exc}")
+                await self._answer_and_close(exc)
+                return
+            except _ClientGone:
+                return
+            if request is None:
+                return
+            first = False
+            try:
+                if request.method == b"CONNECT":
+                    await self._tunnel(request)
+                    return
+                keep = await self._forward(request)
+            except ProxyError as exc:
+                keep = await self._refuse(exc)
+            except (_ClientGone, _Abort):
+                return
+            if not keep or self.eof:
+                return
+            try:
+                self.conn.start_next_cycle()
+            except h11.LocalProtocolError:
+                return
+
+    async def _next_request(self, first: bool) -> h11.Request | None:
+        """The next request's head; None when the client closed or stayed idle (no byte of a head).
+        Raises BadRequest, HeadTooLarge, HeadTimeout, _ClientGone."""
+        idle_until = trio.current_time() + (self.limits.idle_timeout if first else self.limits.keepalive_timeout)
+        head_until: float | None = None
+        while True:
+            try:
+                event = self.conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                raise _head_error(exc) from None
+            if event is h11.NEED_DATA:
+                if self.eof:
+                    return None
+                if head_until is None and self.conn.trailing_data[0]:
+                    head_until = trio.current_time() + self.limits.head_timeout
+                with trio.move_on_at(head_until if head_until is not None else idle_until):
+                    self._feed(await self._receive())
+                    continue
+                if head_until is not None:
+                    raise HeadTimeout(f"the request head was not complete within {self.limits.head_timeout:g} s")
+                return None
+            if isinstance(event, h11.Request):
+                if len(event.headers) > self.limits.max_headers:
+                    raise HeadTooLarge(f"more than {self.limits.max_headers} header fields")
+                return event
+            return None  # ConnectionClosed (or PAUSED, which a new cycle never is)
+
+    # ----------------------------------------------------------------------------- plain requests
+
+    async def _forward(self, request: h11.Request) -> bool:
+        """Forward one http:// request and its answer. Returns True when the connection may carry
+        the next request. Raises ProxyError (before the answer began), _ClientGone, _Abort."""
+        headers = request_headers(request)
+        self.task.authorize(headers)
+        target, path = parse_absolute(request.target)
+        route = self._route(target, tunnel=False)
+        body_done = await self._body_is_empty()
+        for attempt in (0, 1):
+            up = await self._upstream(route, target)
+            extra = route.proxy_authorization() if up.absolute else ()
+            line_target = request.target if up.absolute else path
+            out = h11.Request(method=request.method, target=line_target,
+                              headers=forwarded_headers(headers, target.host_header(), extra))
+            try:
+                await self._send_up(up, up.conn.send(out) + (up.conn.send(h11.EndOfMessage()) if body_done else b""))
+                if body_done:
+                    await self._answer(up)
+                else:
+                    await self._answer_with_body(up)
+            except _Stale:
+                await up.aclose()
+                if attempt == 0 and body_done:
+                    continue  # the pooled connection had been closed by the destination: a new one
+                raise UpstreamError(f"{target.authority} closed the connection without answering") from None
+            except BaseException:
+                await up.aclose()
+                raise
+            break
+        self._release(up)
+        return self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE
+
+    def _route(self, target: Target, tunnel: bool) -> Route:
+        route = self.task.routes.route(target, tunnel)
+        if isinstance(route, Unusable):
+            raise UpstreamError(f"the task's {route.variable} cannot be used: {route.reason}")
+        return route
+
+    async def _upstream(self, route: Route, target: Target) -> Upstream:
+        """A pooled connection for ``target`` along ``route``, or a new one (judged, connected)."""
+        dialer = self.task.dialer
+        if route.kind == "http":
+            await dialer.check_destination(target)  # (every request through the task's proxy)
+        key: tuple[object, ...] = (("direct", target.host, target.port) if route.kind == "direct" else
+                                   ("http", route.proxy, route.auth) if route.kind == "http" else
+                                   ("socks", route.proxy, route.auth, target.host, target.port))
+        up, stale = self.task.pool.take(key)
+        for old in stale:
+            await old.aclose()
+        if up is not None:
+            return up
+        return await dialer.open(route, target)
+
+    async def _body_is_empty(self) -> bool:
+        """True when the request has no body (its end is already here): it goes up in one piece."""
+        if self.conn.their_state is not h11.SEND_BODY:
+            return True
+        event = self.conn.next_event()  # (only what is buffered: NEED_DATA when the body must be read)
+        if isinstance(event, h11.EndOfMessage):
+            return True
+        if event is not h11.NEED_DATA:
+            self._pending = event
+        return False
+
+    async def _answer(self, up: Upstream) -> None:
+        """Relay the destination's answer (1xx, head, body) to the client."""
+        started = False
+        while True:
+            event = await self._up_event(up, started)
+            if isinstance(event, h11.InformationalResponse):
+                if event.status_code == 101:
+                    raise _Abort() if started else UpstreamError("the destination switched protocols unasked")
+                await self._send(h11.InformationalResponse(status_code=event.status_code,
+                                                           headers=returned_headers(event.headers.raw_items()),
+                                                           reason=event.reason))
+            elif isinstance(event, h11.Response):
+                started = True
+                await self._send(h11.Response(status_code=event.status_code, reason=event.reason,
+                                              headers=returned_headers(event.headers.raw_items())))
+            elif isinstance(event, h11.Data):
+                await self._send(h11.Data(data=event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                await self._send(h11.EndOfMessage())
+                return
+            elif started:
+                raise _Abort()
+            else:
+                raise UpstreamError("the destination closed the connection without answering")
+
+    async def _answer_with_body(self, up: Upstream) -> None:
+        """Stream the request's body up while relaying the answer down (a destination may answer
+        before the body ends: the body is then cut and the client's connection closed)."""
+        failure: list[BaseException] = []
+
+        async def body_up(scope: trio.CancelScope) -> None:
+            try:
+                await self._request_body(up)
+            except (ProxyError, _ClientGone, _Abort, _Stale) as exc:
+                failure.append(exc)
+                scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(body_up, nursery.cancel_scope)
+            try:
+                await self._answer(up)
+            except _Stale:
+                raise UpstreamError("the destination closed the connection without answering") from None
+            finally:
+                nursery.cancel_scope.cancel()
+        if failure:
+            raise failure[0]
+
+    async def _request_body(self, up: Upstream) -> None:
+        """The client's body, event by event, to the destination."""
+        while True:
+            if self._pending is not None:
+                event, self._pending = self._pending, None
+            else:
+                event = await self._client_event()
+            if isinstance(event, h11.Data):
+                await self._send_up(up, up.conn.send(h11.Data(data=event.data)))
+            elif isinstance(event, h11.EndOfMessage):
+                await self._send_up(up, up.conn.send(h11.EndOfMessage()))
+                return
+            else:  # the client went away in the middle of its body
+                raise _ClientGone()
+
+    def _release(self, up: Upstream) -> None:
+        """Back into the pool when both sides of the upstream exchange ended cleanly, else closed."""
+        if up.conn.our_state is h11.DONE and up.conn.their_state is h11.DONE:
+            try:
+                up.conn.start_next_cycle()
+            except h11.LocalProtocolError:
+                pass
+            else:
+                for old in self.task.pool.give(up):
+                    _close_soon(old)
+                return
+        _close_soon(up)
+
+    # ------------------------------------------------------------------------------------ tunnels
+
+    async def _tunnel(self, request: h11.Request) -> None:
+        """``CONNECT host:port``: judged, connected, answered 200, then bytes both ways."""
+        self.task.authorize(request_headers(request))
+        target = parse_connect(request.target)
+        route = self._route(target, tunnel=True)
+        upstream, leftover = await self.task.dialer.tunnel(route, target)
+        try:
+            await self._send(h11.Response(status_code=200, reason=b"Connection established", headers=[]))
+            early = self.conn.trailing_data[0]  # (a client may send its TLS hello before our answer)
+            with trio.fail_after(self.limits.io_timeout):
+                if early:
+                    await upstream.send_all(early)
+                if leftover:
+                    await self.stream.send_all(leftover)
+            await relay(self.stream, upstream, self.limits.tunnel_idle_timeout)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, trio.TooSlowError):
+            pass
+        finally:
+            await trio.aclose_forcefully(upstream)
+
+    # ------------------------------------------------------------------------------- our answers
+
+    async def _refuse(self, exc: ProxyError) -> bool:
+        """Answer a request the proxy does not forward; True when the connection goes on."""
+        kind = {403: "refused", 407: "auth", 502: "upstream", 504: "upstream"}.get(exc.status, "bad-request")
+        if exc.status == 403:
+            self.task.count_refused(getattr(exc, "refused", ()))
+        else:
+            self.task.note(kind, f"{exc.status}: {exc}")
+        if self.conn.our_state is not h11.SEND_RESPONSE:
+            return False  # (the answer had begun: nothing more can be said)
+        waiting = self.conn.they_are_waiting_for_100_continue
+        try:
+            await self._send_error(exc, close=not exc.keep_alive or waiting)
+        except (_ClientGone, h11.LocalProtocolError):
+            return False
+        if not exc.keep_alive or waiting:
+            return False
+        return await self._drain()
+
+    async def _answer_and_close(self, exc: ProxyError) -> None:
+        if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            with contextlib.suppress(_ClientGone, h11.LocalProtocolError):
+                await self._send_error(exc, close=True)
+
+    async def _send_error(self, exc: ProxyError, close: bool) -> None:
+        body = (str(exc) + "\n").encode("utf-8", "replace")
+        headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", str(len(body)).encode())]
+        if exc.status == 407:
+            headers.append((b"proxy-authenticate", b'Basic realm="ckagent task"'))
+        if close:
+            headers.append((b"connection", b"close"))
+        await self._send(h11.Response(status_code=exc.status, reason=REASONS[exc.status].encode(), headers=headers))
+        await self._send(h11.Data(data=body))
+        await self._send(h11.EndOfMessage())
+
+    async def _drain(self) -> bool:
+        """Read and drop the rest of a refused request's body; True when it ended within the limit."""
+        left = self.limits.drain_bytes
+        with trio.move_on_after(self.limits.head_timeout):
+            while self.conn.their_state is h11.SEND_BODY:
+                event = self._pending if self._pending is not None else await self._client_event()
+                self._pending = None
+                if isinstance(event, h11.Data):
+                    left -= len(event.data)
+                    if left < 0:
+                        return False
+                elif not isinstance(event, h11.EndOfMessage):
+                    return False
+            return self.conn.their_state is h11.DONE
+        return False
+
+    # ------------------------------------------------------------------------------------- the I/O
+
+    async def _receive(self) -> bytes:
+        try:
+            return await self.stream.receive_some(BUFFER_BYTES)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            raise _ClientGone() from None
+
+    def _feed(self, data: bytes) -> None:
+        if not data:
+            self.eof = True
+        self.conn.receive_data(data)
+
+    async def _client_event(self) -> object:
+        """The client's next event while its body is read (bad framing → _Abort; idle → _Abort)."""
+        while True:
+            try:
+                event = self.conn.next_event()
+            except h11.RemoteProtocolError:
+                raise _Abort() from None
+            if event is not h11.NEED_DATA:
+                return event
+            if self.eof:
+                raise _ClientGone()
+            with trio.move_on_after(self.limits.io_timeout):
+                self._feed(await self._receive())
+                continue
+            raise _Abort()
+
+    async def _send(self, event: h11.Event) -> None:
+        data = self.conn.send(event)
+        if data:
+            try:
+                with trio.fail_after(self.limits.io_timeout):
+                    await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, trio.TooSlowError):
+                raise _ClientGone() from None
+
+    async def _send_up(self, up: Upstream, data: bytes | None) -> None:
+        if not data:
+            return
+        try:
+            with trio.fail_after(self.limits.io_timeout):
+                await up.stream.send_all(data)
+        except trio.TooSlowError:
+            raise UpstreamTimeout("the destination took no data for too long") from None
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            if up.reused and up.conn.their_state is h11.SEND_RESPONSE:
+                raise _Stale() from None
+            raise UpstreamError("the destination closed the connection") from None
+
+    async def _up_event(self, up: Upstream, started: bool) -> object:
+        """The destination's next event. Raises _Stale (a reused connection that closed before
+        answering), UpstreamError/UpstreamTimeout (before the answer began), _Abort (after)."""
+        conn = up.conn
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                if started:
+                    raise _Abort() from None
+                raise UpstreamError(f"the destination's answer is not HTTP/1.1: {exc}") from None
+            if event is not h11.NEED_DATA:
+                if isinstance(event, h11.ConnectionClosed) and not started:
+                    if up.reused:
+                        raise _Stale()
+                    raise UpstreamError("the destination closed the connection without answering")
+                return event
+            data = b""
+            with trio.move_on_after(self.limits.io_timeout):
+                try:
+                    data = await up.stream.receive_some(BUFFER_BYTES)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    if started:
+                        raise _Abort() from None
+                    if up.reused:
+                        raise _Stale() from None
+                    raise UpstreamError("the destination reset the connection") from None
+                try:
+                    conn.receive_data(data)
+                except RuntimeError:
+                    raise _Abort() from None
+                continue
+            if started:
+                raise _Abort()
+            raise UpstreamTimeout(f"the destination sent nothing for {self.limits.io_timeout:g} s")
+
+
+def _head_error(exc: h11.RemoteProtocolError) -> ProxyError:
+    """h11's verdict on a malformed head as the proxy's answer (431 for a head over the limit)."""
+    if exc.error_status_hint == 431 or "too long" in str(exc).lower():
+        return HeadTooLarge("the request head is over the size limit")
+    return BadRequest(f"malformed request: {exc}")
+
+
+def _close_soon(up: Upstream) -> None:
+    """Close an upstream connection without awaiting (a socket close does not block)."""
+    with contextlib.suppress(OSError):
+        up.stream.socket.close()
+
+
+async def relay(a: trio.SocketStream, b: trio.SocketStream, idle_timeout: float) -> None:
+    """Bytes both ways between ``a`` and ``b`` until both sides ended (a half-close passes on as a
+    half-close) or a side broke, or nothing moved for ``idle_timeout`` seconds. Never raises for
+    what the peers do; cancellation stops it."""
+    ended = [False, False]
+    with trio.CancelScope(deadline=trio.current_time() + idle_timeout) as scope:
+
+        async def pump(source: trio.SocketStream, sink: trio.SocketStream, index: int) -> None:
+            try:
+                while data := await source.receive_some(BUFFER_BYTES):
+                    scope.deadline = trio.current_time() + idle_timeout
+                    await sink.send_all(data)
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    await sink.send_eof()
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                scope.cancel()
+                return
+            ended[index] = True
+            if all(ended):
+                scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pump, a, b, 0)
+            nursery.start_soon(pump, b, a, 1)

@@ -1,0 +1,164 @@
+"""The proxy's listeners: one per task on 127.0.0.1, each connection in a boundary of its own.
+
+:class:`ProxyServer` runs in the agent's root nursery (:meth:`ProxyServer.run`, startable) and owns a
+nursery of its own, in which every task's listener and every connection is a child. Nothing a client
+or a destination does — and no bug of the exchange — leaves a connection: its handler catches it,
+counts it (:attr:`ProxyServer.errors`), logs it once per task and kind, and the proxy goes on. Only
+cancellation passes (the agent stopping, or the task's listener closed).
+
+Cancellation: cancelling :meth:`run` closes every listener and connection.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import socket
+import sys
+from typing import Any
+
+import trio
+
+from ckagent.containment.egress.proxy.exchange import Limits, serve_client
+from ckagent.containment.egress.proxy.taskproxy import TaskProxy
+
+if sys.version_info < (3, 11):  # pragma: no cover - the backport trio depends on there
+    from exceptiongroup import BaseExceptionGroup
+
+log = logging.getLogger("ckagent.containment.egress.proxy")
+
+ACCEPT_PAUSE = 0.1
+"""Seconds the accept loop waits when the process is out of file descriptors (as trio's serve_listeners)."""
+
+_OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+
+
+class ProxyServer:
+    """The agent's forward proxy (see the package docstring). ``limits`` its timeouts and sizes.
+
+    :meth:`open` and :meth:`close` run on the Trio thread once :meth:`run` has started."""
+
+    def __init__(self, limits: Limits | None = None) -> None:
+        self.limits = limits or Limits()
+        self.tasks: dict[str, TaskProxy] = {}
+        """Task id → its side of the proxy (while its listener is open)."""
+        self.errors: collections.Counter[str] = collections.Counter()
+        """Connections that ended with an error of the proxy's own (a bug), by exception type."""
+        self.connections = 0
+        """Client connections accepted since the start."""
+        self._nursery: trio.Nursery | None = None
+        self._scopes: dict[str, tuple[trio.CancelScope, trio.SocketListener]] = {}
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled (startable: ``started()`` once tasks can be opened)."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._nursery = None
+            for task in self.tasks.values():
+                for up in task.pool.drain():
+                    up.stream.socket.close()
+            self.tasks.clear()
+            self._scopes.clear()
+
+    @property
+    def ports(self) -> set[int]:
+        """The ports the task listeners listen on (the proxy's own: never a destination)."""
+        return {task.port for task in self.tasks.values()}
+
+    def open(self, task: TaskProxy, port: int = 0) -> int:
+        """Listen for ``task`` on 127.0.0.1:``port`` (0: one the OS picks) and serve it; returns the
+        port (also set in ``task.port``). Raises OSError when the port cannot be had, RuntimeError
+        when the server does not run."""
+        if self._nursery is None:
+            raise RuntimeError("the egress proxy is not running")
+        self.close(task.task_id)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", port))
+            sock.listen(128)
+        except OSError:
+            sock.close()
+            raise
+        task.port = sock.getsockname()[1]
+        listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+        scope = trio.CancelScope()
+        self.tasks[task.task_id], self._scopes[task.task_id] = task, (scope, listener)
+        self._nursery.start_soon(self._serve_task, task, listener, scope, name=f"egress proxy {task.task_id!r}")
+        return task.port
+
+    def close(self, task_id: str) -> TaskProxy | None:
+        """Stop serving a task: its listener closes at once (no connection is accepted after this call),
+        its connections and its pool close. Idempotent."""
+        found = self._scopes.pop(task_id, None)
+        task = self.tasks.pop(task_id, None)
+        if found is not None:
+            scope, listener = found
+            listener.socket.close()
+            scope.cancel()
+        if task is not None:
+            for up in task.pool.drain():
+                up.stream.socket.close()
+        return task
+
+    async def _serve_task(self, task: TaskProxy, listener: trio.SocketListener, scope: trio.CancelScope) -> None:
+        with scope:
+            async with listener, trio.open_nursery() as connections:
+                while True:
+                    try:
+                        stream = await listener.accept()
+                    except trio.ClosedResourceError:
+                        return
+                    except OSError as exc:
+                        if exc.errno in _OUT_OF_RESOURCES:
+                            log.warning("egress proxy: cannot accept a connection of task %r (%s); waiting %g s",
+                                        task.task_id, exc, ACCEPT_PAUSE)
+                            await trio.sleep(ACCEPT_PAUSE)
+                            continue
+                        log.warning("egress proxy: the listener of task %r failed (%s)", task.task_id, exc)
+                        return
+                    self.connections += 1
+                    connections.start_soon(self._connection, task, stream)
+
+    async def _connection(self, task: TaskProxy, stream: trio.SocketStream) -> None:
+        """One client connection, inside its error boundary (see the module docstring)."""
+        try:
+            async with stream:
+                await serve_client(stream, task, self.limits)
+        except BaseException as exc:  # the boundary: only cancellation (and interrupts) pass
+            passing = _passing(exc)
+            if passing is exc:
+                raise
+            self._count(task, exc)
+            if passing is not None:
+                raise passing from None
+
+    def _count(self, task: TaskProxy, exc: BaseException) -> None:
+        kinds = [type(e).__name__ for e in _leaves(exc) if isinstance(e, Exception)]
+        for kind in kinds:
+            self.errors[kind] += 1
+        if kinds:
+            log.debug("egress proxy: a connection of task %r failed", task.task_id, exc_info=exc)
+            task.note("error", f"a connection ended on an error of the proxy's own ({', '.join(kinds)})")
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
+
+
+def _passing(exc: BaseException) -> BaseException | None:
+    """What of ``exc`` must go on up: the cancellation or interrupt in it (the exception itself, or
+    its group split), None when it holds only errors."""
+    if not isinstance(exc, Exception) and not isinstance(exc, BaseExceptionGroup):
+        return exc  # trio.Cancelled, KeyboardInterrupt, SystemExit
+    if isinstance(exc, BaseExceptionGroup):
+        cancelled, _ = exc.split((trio.Cancelled, KeyboardInterrupt, SystemExit, GeneratorExit))
+        return cancelled
+    return None

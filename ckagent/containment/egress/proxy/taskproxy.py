@@ -1,0 +1,82 @@
+"""One task's side of the proxy: who it is (its listener port, user name and secret password), what it
+may reach, which way its requests leave, its pool of kept-alive connections, and what it was refused.
+
+The port identifies the task: a client that cannot send proxy credentials (Chromium ignores them in
+a proxy URL) is served as the task whose port it connected to. A client that sends credentials must
+send this task's — its user name and its secret password, compared in constant time — or it gets
+407: one task can never present another's name. (A process that can read a task's environment can
+read its password too; where tasks run under different users the kernel keeps them apart.)
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import collections
+import hmac
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ckagent.containment.egress.proxy.errors import AuthRequired
+from ckagent.containment.egress.proxy.routes import Routes
+from ckagent.containment.egress.proxy.upstream import Dialer, Pool
+
+log = logging.getLogger("ckagent.containment.egress.proxy")
+
+
+@dataclass
+class TaskProxy:
+    """A task at the proxy: ``task_id``; ``user`` and ``password`` (its credentials in the proxy URL);
+    ``dialer`` (its policy and resolver); ``routes`` (its own proxies); ``notice`` writes one line into
+    the task's log (None: the agent's log only); ``port`` the listener's, once it listens."""
+
+    task_id: str
+    user: str
+    password: str
+    dialer: Dialer
+    routes: Routes = field(default_factory=Routes)
+    notice: Callable[[str], None] | None = None
+    port: int = 0
+    pool: Pool = field(default_factory=Pool)
+    refused: collections.Counter[tuple[str, int]] = field(default_factory=collections.Counter)
+    """(address, port) → requests refused by the policy."""
+    problems: collections.Counter[str] = field(default_factory=collections.Counter)
+    """kind of trouble (``bad-request``, ``timeout``, ``auth``, ``upstream``, ``error``…) → count."""
+
+    def url(self) -> str:
+        """The task's proxy URL: ``http://<user>:<password>@127.0.0.1:<port>``."""
+        return f"http://{self.user}:{self.password}@127.0.0.1:{self.port}"
+
+    def authorize(self, headers: list[tuple[bytes, bytes]]) -> None:
+        """Check a request's ``Proxy-Authorization`` (none at all: the port says who asks). Raises
+        AuthRequired for credentials that are not this task's, or not Basic."""
+        values = [v for n, v in headers if n.lower() == b"proxy-authorization"]
+        if not values:
+            return
+        scheme, _, token = values[0].strip().partition(b" ")
+        if len(values) > 1 or scheme.lower() != b"basic":
+            raise AuthRequired("send this task's proxy user name and password (Basic), as in its HTTP_PROXY")
+        try:
+            user, _, password = base64.b64decode(token.strip(), validate=True).partition(b":")
+        except (binascii.Error, ValueError):
+            raise AuthRequired("the Proxy-Authorization header is not valid Basic credentials") from None
+        ok = hmac.compare_digest(user, self.user.encode()) & hmac.compare_digest(password, self.password.encode())
+        if not ok:
+            raise AuthRequired("these proxy credentials are not this task's (each task has its own, in its HTTP_PROXY)")
+
+    def count_refused(self, refused: tuple[tuple[str, int], ...]) -> None:
+        """Count a refused request against each destination it was refused for (logged the first time)."""
+        for address, port in refused:
+            if not self.refused[(address, port)]:
+                shown = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+                log.warning("task %r: egress policy refused a connection to %s (proxy)", self.task_id, shown)
+            self.refused[(address, port)] += 1
+
+    def note(self, kind: str, text: str) -> None:
+        """Count a trouble of ``kind``; the first of each kind is logged, and said in the task's log."""
+        self.problems[kind] += 1
+        if self.problems[kind] == 1:
+            log.warning("task %r: egress proxy: %s", self.task_id, text)
+            if self.notice is not None:
+                self.notice(f"egress proxy: {text} (said once per kind; counted in /status)")
