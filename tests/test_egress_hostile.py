@@ -21,6 +21,7 @@ import signal
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -44,40 +45,37 @@ from harness import (  # noqa: F401 -- no_strays: autouse fixture
     wait_exit,
     wait_registered,
 )
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-import ckagent.containment.egress.proxy as proxy_module
+from ckagent.containment.egress.proxy import Limits
 
 IDLE = 0.4
-"""The proxy's idle and head timeouts in these tests (seconds)."""
+"""The proxy's idle, keep-alive, head and tunnel timeouts in these tests (seconds)."""
 UPSTREAM = 0.6
-"""The proxy's wait for an upstream's answer in these tests (seconds)."""
+"""The proxy's I/O timeout in these tests (seconds): an upstream that moves no byte for this long."""
 BOUND = 10.0
 """Every case ends within this (seconds): a hung case fails, it does not stall the suite."""
 
 
-@pytest.fixture
-def short_timeouts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The proxy's timeouts, shortened so that idle and slow peers are cases of a fast test."""
-    monkeypatch.setattr(proxy_module, "IDLE_TIMEOUT", IDLE)
-    monkeypatch.setattr(proxy_module, "HEAD_TIMEOUT", IDLE)
-    monkeypatch.setattr(proxy_module, "UPSTREAM_TIMEOUT", UPSTREAM)
+LIMITS = Limits(idle_timeout=IDLE, keepalive_timeout=IDLE, head_timeout=IDLE, io_timeout=UPSTREAM,
+                tunnel_idle_timeout=IDLE)
+"""The proxy's limits in these tests: idle and slow peers are cases of a fast test."""
 
 
 @pytest.fixture
-async def proxy(short_timeouts: None) -> AsyncIterator[ProxyUnderTest]:
+async def proxy() -> AsyncIterator[ProxyUnderTest]:
     """The proxy of one task, served in-process with its upstreams (tests/harness/hostile.py)."""
-    async with proxy_under_test() as under_test:
+    async with proxy_under_test(limits=LIMITS) as under_test:
         yield under_test
 
 
 @pytest.fixture
-async def fuzz_proxy(short_timeouts: None) -> AsyncIterator[ProxyUnderTest]:
+async def fuzz_proxy() -> AsyncIterator[ProxyUnderTest]:
     """The proxy under a policy that denies everything but the two upstreams: a fuzzed request can
     name no address off loopback (its authority is never mutated), and this holds it twice."""
     async with proxy_under_test(deny="metadata,link-local,agent,0.0.0.0/0,::/0",
-                                allow="127.0.0.3/32,127.0.0.4/32") as under_test:
+                                allow="127.0.0.3/32,127.0.0.4/32", limits=LIMITS) as under_test:
         yield under_test
 
 
@@ -211,6 +209,26 @@ async def pipelined_with_a_refusal_in_the_middle(proxy: ProxyUnderTest, raw: Raw
     assert [a.status if a else None for a in answers] == [200, 403, 200, 200], answers
     seen = [(a.json()["host"], a.json()["target"]) for a in answers if a and a.status == 200]
     assert seen == [(proxy.hosts[0].host, "/one"), (proxy.hosts[1].host, "/three"), (proxy.hosts[0].host, "/four")]
+
+
+async def refused_with_a_body_then_a_good_request(proxy: ProxyUnderTest, raw: Raw) -> None:
+    """A refused request's body is read and dropped: the connection carries the next request."""
+    await raw.send(proxy.get(f"http://{proxy.denied.authority}/x", method="POST", body=b"hello")
+                   + proxy.get(f"http://{proxy.denied.authority}/y", "Transfer-Encoding: chunked", method="PATCH")
+                   + b"5\r\nhello\r\n0\r\n\r\n")
+    assert [(a.status if a else None) for a in (await raw.answer(b"POST"), await raw.answer(b"PATCH"))] == [403, 403]
+    await proxy.good(raw)
+
+
+def _refused_with_a_bad_body(wrong_secret: bool) -> Callable[[ProxyUnderTest, Raw], Awaitable[None]]:
+    async def case(proxy: ProxyUnderTest, raw: Raw) -> None:
+        request = proxy.get(f"http://{proxy.denied.authority}/x", "Transfer-Encoding: chunked", method="PATCH")
+        if wrong_secret:
+            request = request.replace(proxy.auth(), b"Proxy-Authorization: " + _wrong_secret(proxy) + b"\r\n")
+        await raw.send(request + b"zz\r\n")
+        _closes(await raw.answer(b"PATCH"), 407 if wrong_secret else 403, 400)
+
+    return case
 
 
 async def pipelined_with_a_malformed_host_in_the_middle(proxy: ProxyUnderTest, raw: Raw) -> None:
@@ -349,7 +367,8 @@ CLIENT_CASES: dict[str, Callable[[ProxyUnderTest, Raw], Awaitable[None]]] = {
     "garbage: text": _garbage(b"hello proxy, how are you\r\n\r\n", 400),
     "garbage: NULs": _garbage(b"\x00" * 64 + b"\r\n\r\n", 400),
     "garbage: HTTP/2 preface": _garbage(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 400, 505),
-    "garbage: HTTP/9.9": _garbage(b"GET http://127.0.0.3/ HTTP/9.9\r\nHost: x\r\n\r\n", 400, 505),
+    # (h11 reads any HTTP/d.d as 1.1; nothing listens on 127.0.0.3:80: 502 is fine too)
+    "garbage: HTTP/9.9": _garbage(b"GET http://127.0.0.3/ HTTP/9.9\r\nHost: x\r\n\r\n", 400, 502, 505),
     "garbage: one long line": _garbage(b"G" * 300_000, 400, 414, 431),
     "huge head": huge_head,
     "huge request line": huge_request_line,
@@ -363,6 +382,9 @@ CLIENT_CASES: dict[str, Callable[[ProxyUnderTest, Raw], Awaitable[None]]] = {
     "chunked: no end": _chunked(b"3\r\nabc\r\n"),
     "pipelined, a refusal in the middle": pipelined_with_a_refusal_in_the_middle,
     "pipelined, a malformed host in the middle": pipelined_with_a_malformed_host_in_the_middle,
+    "refused, with a body, then a good request": refused_with_a_body_then_a_good_request,
+    "refused, with a bad chunked body": _refused_with_a_bad_body(False),
+    "wrong secret, with a bad chunked body": _refused_with_a_bad_body(True),
     "pipelined, two hosts interleaved": pipelined_hosts_interleaved,
     "smuggling: Content-Length then Transfer-Encoding": _smuggle(
         "Content-Length: 5", "Transfer-Encoding: chunked", body=b"0\r\n\r\n" + SMUGGLED),
@@ -401,7 +423,37 @@ CLIENT_CASES: dict[str, Callable[[ProxyUnderTest, Raw], Awaitable[None]]] = {
 }
 
 
-@pytest.mark.parametrize("name", list(CLIENT_CASES))
+KNOWN_DEFECTS = {
+    "chunked: size not hex": "a bad chunk header that arrives with the head escapes _body_is_empty as "
+                             "h11.RemoteProtocolError: a bare close, not 400, and counted as a bug of the proxy's own",
+    "chunked: size overflows": "as 'chunked: size not hex'",
+    "flood": "each 1xx an upstream sends restarts io_timeout and is passed on: 1xx without end hold the "
+             "request forever",
+    "flood, with a body": "as 'flood'",
+    **{f"{fault}, with a body": "with a request body the answer is awaited in a nursery (_answer_with_body): "
+       "its UpstreamError/UpstreamTimeout come out in an ExceptionGroup that serve() does not catch: a bare "
+       "close, not 502/504, counted as a bug of the proxy's own" for fault in ("garbage", "huge-head", "never")},
+    **{f"{fault}, with a body": "as 'garbage, with a body' (_Abort in the ExceptionGroup: the client's answer "
+       "is cut short as it must be, but the connection is counted as a bug of the proxy's own)"
+       for fault in ("reset", "short", "bad-chunks")},
+    "Expect: 100-continue, no body": "as 'never, with a body' when the destination's io_timeout fires before "
+                                     "the client's (a race: not strict)",
+    "refused, with a bad chunked body": "an h11 error while the refused request's body is drained (_refuse) "
+                                        "leaves serve(): no 403, a bare close, counted as a bug of the proxy's own",
+    "wrong secret, with a bad chunked body": "as 'refused, with a bad chunked body' (the 407 is sent first)",
+}
+"""Cases that fail on the proxy as merged, reported to its owner (strict: a fix turns them into errors
+until this list is updated)."""
+
+
+def _known(name: str) -> Any:
+    if name not in KNOWN_DEFECTS:
+        return name
+    strict = "not strict" not in KNOWN_DEFECTS[name]
+    return pytest.param(name, marks=pytest.mark.xfail(strict=strict, reason=KNOWN_DEFECTS[name]))
+
+
+@pytest.mark.parametrize("name", [_known(name) for name in CLIENT_CASES])
 async def test_a_hostile_client_ends_only_its_own_connection(
     proxy: ProxyUnderTest, caplog: pytest.LogCaptureFixture, name: str
 ) -> None:
@@ -431,11 +483,13 @@ HOSTS: list[tuple[str, tuple[int, ...]]] = [
     ("127.0.0.3:", (400, 502)),  # an empty port may mean 80: nothing listens there
     ("user@127.0.0.3", (400,)),
     ("user:pw@127.0.0.3", (400,)),
-    ("bücher.invalid", (502,)),  # IDNA, valid: encoded, then not found
-    ("xn--bcher-kva.invalid", (502,)),
-    ("BÜCHER.invalid", (502,)),
+    ("bücher.invalid", (400,)),  # a request line is ASCII: clients send a name in IDNA (below)
+    ("xn--bcher-kva.invalid", (502,)),  # IDNA, valid: not found
+    ("XN--BCHER-KVA.INVALID", (502,)),
     ("xn--a.invalid", (400, 502)),  # punycode that decodes to nothing valid
-    ("a\u200db.invalid", (400,)),  # ZERO WIDTH JOINER: IDNA-invalid in this context
+    ("xn--bcher-kva-.invalid", (400, 502)),
+    ("xn--.invalid", (400, 502)),
+    ("a\u200db.invalid", (400,)),  # ZERO WIDTH JOINER
     ("ä..b", (400,)),
     ("-a.invalid", (400, 502)),
     ("a_b.invalid", (400, 502)),
@@ -516,17 +570,24 @@ UPSTREAM_CASES: dict[str, tuple[int, ...]] = {
 }
 
 
-@pytest.mark.parametrize("fault", list(UPSTREAM_CASES))
+UPSTREAM_IDS = [f"{fault}{suffix}" for fault in UPSTREAM_CASES for suffix in ("", ", with a body")]
+
+
+@pytest.mark.parametrize("case", [_known(name) for name in UPSTREAM_IDS])
 async def test_a_hostile_upstream_ends_only_its_own_request(
-    proxy: ProxyUnderTest, caplog: pytest.LogCaptureFixture, fault: str
+    proxy: ProxyUnderTest, caplog: pytest.LogCaptureFixture, case: str
 ) -> None:
     """A clear 502/504 (or, once the head was passed on, a connection ended short: the client sees
-    the body is incomplete); never a wrong answer to a later request on the pool."""
+    the body is incomplete); never a wrong answer to a later request on the pool. With a body, the
+    request's body streams up while the answer is awaited: the same answers."""
+    fault, _, with_body = case.partition(", ")
+    body = b"hello" if with_body else b""
 
-    async def case(proxy: ProxyUnderTest, raw: Raw) -> None:
-        await raw.send(proxy.get(proxy.url(0, f"/fault/{fault}")))
+    async def exchange(proxy: ProxyUnderTest, raw: Raw) -> None:
+        await raw.send(proxy.get(proxy.url(0, f"/fault/{fault}"), f"Content-Length: {len(body)}", method="PATCH")
+                       + body)
         with trio.fail_after(UPSTREAM * 4):
-            answer = await raw.answer()
+            answer = await raw.answer(b"PATCH")
         assert answer is not None and answer.status in UPSTREAM_CASES[fault], answer
         if answer.status == 200 and fault != "flood-then-ok":
             assert not answer.complete, answer  # the client must see it was cut short
@@ -535,7 +596,7 @@ async def test_a_hostile_upstream_ends_only_its_own_request(
         if answer.complete and answer.headers.get("connection", "").lower() != "close":
             await proxy.good(raw)  # the same client connection goes on
 
-    await _survives(proxy, case, caplog)
+    await _survives(proxy, exchange, caplog)
 
 
 async def test_an_upstream_that_resets_a_tunnel_ends_only_that_tunnel(
@@ -556,9 +617,11 @@ async def test_an_upstream_that_resets_a_tunnel_ends_only_that_tunnel(
 # ------------------------------------------------------------------------------ fuzz (hypothesis)
 
 
-FUZZ = settings(max_examples=120, derandomize=True, database=None, deadline=None, print_blob=False,
-                suppress_health_check=list(HealthCheck))
-"""Fuzz settings: a fixed sequence of examples (CI sees the same inputs each run), no example database."""
+FUZZ = settings(max_examples=200, derandomize=True, database=None, deadline=None, print_blob=False,
+                suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+"""Fuzz settings: a fixed sequence of examples (CI sees the same inputs each run), no example database,
+no shrinking (a failure reports the example as found, in a second, not a minute later; add
+``Phase.shrink`` to ``phases`` locally for the smallest one)."""
 
 TOKENS = [b"\r\n", b"\n", b"\r", b" ", b"\t", b":", b"\x00", b"\xff", b"%00", b"@", b"[", b"]", b"..", b"xn--",
           "ü".encode(), b"chunked", b"Transfer-Encoding: chunked\r\n", b"Content-Length: 5\r\n",
@@ -566,6 +629,14 @@ TOKENS = [b"\r\n", b"\n", b"\r", b" ", b"\t", b":", b"\x00", b"\xff", b"%00", b"
           b"Expect: 100-continue\r\n", b"Connection: close\r\n", b"Connection: keep-alive, te\r\n",
           b"Upgrade: websocket\r\n", b"\r\n\r\n", b"X-Long: " + b"l" * 9000 + b"\r\n"]
 """Byte strings the mutations insert: framing, separators, hostile header lines."""
+
+HEADER_LINES = [b"Transfer-Encoding: chunked\r\n", b"Content-Length: 5\r\n", b"Content-Length: 0\r\n",
+                b"Content-Length: 5, 6\r\n", b"Transfer-Encoding: gzip, chunked\r\n", b"X-Folded: a\r\n b\r\n",
+                b"Expect: 100-continue\r\n", b"Connection: close\r\n", b"Connection: x-hop\r\nX-Hop: 1\r\n",
+                b"Proxy-Connection: keep-alive\r\n", b"Upgrade: websocket\r\nConnection: upgrade\r\n",
+                b"Host: 127.0.0.2\r\n", b"Host:\r\n", b": empty-name\r\n", b"X-Bare-LF: 1\n",
+                b"Proxy-Authorization: Basic Og==\r\n", b"Te: trailers\r\n", b"X-Long: " + b"l" * 9000 + b"\r\n"]
+"""Whole header lines the mutations add after the request line."""
 
 FUZZ_HOSTS = [h for h, _ in HOSTS] + ["127.0.0.3:{port}", "127.0.0.4:{port}"]
 
@@ -599,12 +670,17 @@ def _mutated(draw: st.DrawFn, bases: list[tuple[bytes, bytes, bytes]], ports: tu
     if draw(st.booleans()):
         host = draw(st.sampled_from(FUZZ_HOSTS)).replace("{agent}", str(ports[0])).replace("{denied}", str(ports[0]))
         authority = host.replace("{port}", str(ports[1])).encode()
-    for _ in range(draw(st.integers(0, 5))):
-        part = draw(st.sampled_from(["before", "after"]))
+    for _ in range(draw(st.integers(0, 3))):
+        part = draw(st.sampled_from(["before", "after", "after"]))
         data = bytearray(before if part == "before" else after)
-        kind = draw(st.sampled_from(["insert", "delete", "replace", "duplicate", "lf", "truncate"]))
+        kind = draw(st.sampled_from(["header", "header", "insert", "delete", "replace", "duplicate", "lf",
+                                     "truncate"]))
         at = draw(st.integers(0, len(data)))
-        if kind == "insert":
+        if kind == "header" and part == "after":  # a line of its own among the headers
+            line = draw(st.sampled_from(HEADER_LINES))
+            at = data.find(b"\r\n") + 2
+            data[at:at] = line
+        elif kind == "insert":
             data[at:at] = draw(st.one_of(st.sampled_from(TOKENS), st.binary(min_size=1, max_size=8)))
         elif kind == "delete":
             del data[at:at + draw(st.integers(1, 16))]
@@ -637,6 +713,8 @@ async def _one(proxy: ProxyUnderTest, data: bytes) -> None:
     proxy.assert_nothing_escaped()
 
 
+@pytest.mark.xfail(strict=True, reason="hypothesis finds b'! http://0 HTTP/0.0\\nTransfer-Encoding:chunked\\n\\n' "
+                   "then FIN: as 'refused, with a bad chunked body' (_Abort out of serve_client)")
 async def test_fuzz_the_request_boundary(fuzz_proxy: ProxyUnderTest, caplog: pytest.LogCaptureFixture) -> None:
     """Arbitrary bytes, and valid requests mutated (framing, separators, hostile headers and hosts):
     the proxy never raises out of a connection handler and keeps serving, example after example."""
@@ -773,7 +851,7 @@ async def test_fuzz_the_status_port(short_keep_alive: None) -> None:
                 await _healthz(port)
             assert not escaped, escaped
 
-        @settings(FUZZ, max_examples=60)
+        @settings(FUZZ, max_examples=100)
         @given(st.one_of(st.binary(max_size=512),
                          st.tuples(st.sampled_from(requests), st.binary(max_size=128)).map(b"".join)))
         def fuzz(data: bytes) -> None:

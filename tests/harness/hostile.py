@@ -20,6 +20,7 @@ Loopback only: every address here is 127.0.0.x (this host routes all of 127/8 to
 from __future__ import annotations
 
 import base64
+import collections
 import contextlib
 import json
 import socket
@@ -65,7 +66,7 @@ short          a 200 head announcing 1 000 bytes, 10 of them, then a clean close
 huge-head      a 200 status line followed by 1 MiB of headers
 never          reads the request and never answers (until the connection or the test ends)
 flood          1xx answers without end (a burst of 1 000, then one each 10 ms)
-flood-then-ok  1 000 1xx answers, then a proper 200 ``ok``
+flood-then-ok  1 000 1xx answers, then a proper 200 ``ok`` (kept alive), then close
 bad-chunks     a chunked 200 whose chunk size is not hex, then close
 """
 
@@ -158,9 +159,9 @@ class Upstream:
             await trio.sleep_forever()
         elif name in ("flood", "flood-then-ok"):
             await stream.send_all(b"HTTP/1.1 102 Processing\r\n\r\n" * 1000)
-            if name == "flood-then-ok":
+            if name == "flood-then-ok":  # a kept-alive answer, and then a close: a pool must not reuse it
                 await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-                await trio.sleep_forever()  # the client (the proxy) closes
+                return
             while True:
                 await stream.send_all(b"HTTP/1.1 102 Processing\r\n\r\n")
                 await trio.sleep(0.01)
@@ -318,6 +319,8 @@ class ProxyUnderTest:
     denied: Upstream
     agent: Upstream
     escaped: list[BaseException] = field(default_factory=list)
+    errors_seen: collections.Counter[str] = field(default_factory=collections.Counter)
+    """The server's ``errors`` at the last check (each check reports what is new since)."""
 
     def auth(self) -> bytes:
         """The task's ``Proxy-Authorization`` header line (CRLF-terminated)."""
@@ -354,15 +357,19 @@ class ProxyUnderTest:
         """Nothing a connection did reached the proxy's nursery, and the denied host and the agent
         stand-in never saw a connection."""
         assert not self.escaped, f"escaped the proxy's connection handlers: {self.escaped!r}"
+        errors = collections.Counter(self.egress.server.errors)
+        new, self.errors_seen = errors - self.errors_seen, errors
+        assert not new, f"connections ended on an error of the proxy's own (a bug): {dict(new)}"
         assert self.denied.connections == 0, f"the denied host was reached: {self.denied.requests}"
         assert self.agent.connections == 0, f"the agent's port was reached: {self.agent.requests}"
 
 
 @contextlib.asynccontextmanager
-async def proxy_under_test(deny: str = "metadata,link-local,agent," + DENIED_HOST,
-                           allow: str = "") -> AsyncIterator[ProxyUnderTest]:
+async def proxy_under_test(deny: str = "metadata,link-local,agent," + DENIED_HOST, allow: str = "",
+                           limits: Any = None) -> AsyncIterator[ProxyUnderTest]:
     """The egress proxy (``proxy`` level) for one task attached with no jail, its upstreams, served
-    until the block ends. ``deny``/``allow``: the node policy (``task.egress_deny``/``_allow``)."""
+    until the block ends. ``deny``/``allow``: the node policy (``task.egress_deny``/``_allow``);
+    ``limits``: the proxy's :class:`ckagent.containment.egress.proxy.Limits` (None: its defaults)."""
     from ckagent.containment.egress import open_egress, parse_text
 
     async with trio.open_nursery() as nursery:
@@ -370,9 +377,11 @@ async def proxy_under_test(deny: str = "metadata,link-local,agent," + DENIED_HOS
         denied = await serve_upstream(nursery, DENIED_HOST)
         agent = await serve_upstream(nursery, AGENT_HOST)
         egress = open_egress("proxy", None, "ckagent_hostile", parse_text(deny, allow), agent_port=agent.port)
+        if limits is not None:
+            egress.server.limits = limits
         escaped: list[BaseException] = []
         await nursery.start(_serve_recording, egress, escaped)
-        rules = await trio.to_thread.run_sync(egress.attach, None, "hostile-task", None, {})
+        rules = await trio.to_thread.run_sync(egress.attach, None, "hostile-task", None)
         url = urlsplit(egress.task_env(rules)["HTTP_PROXY"])
         assert url.hostname == AGENT_HOST and url.port and url.username and url.password, url
         proxy = ProxyUnderTest(egress, rules, url.port, url.username, url.password, hosts, denied, agent, escaped)
