@@ -153,14 +153,30 @@ def _garbage(data: bytes, *statuses: int) -> Callable[[ProxyUnderTest, Raw], Awa
 TLS_HELLO = bytes.fromhex("16030100a5010000a10303") + bytes(range(32)) + b"\x00\x00\x02\x13\x01\x01\x00"
 
 
-async def huge_head(proxy: ProxyUnderTest, raw: Raw) -> None:
-    await raw.send(proxy.get(proxy.url(), "X-Big: " + "b" * 200_000))
-    _closes(await raw.answer(), 431)
+def _huge_head(size: int) -> Callable[[ProxyUnderTest, Raw], Awaitable[None]]:
+    async def case(proxy: ProxyUnderTest, raw: Raw) -> None:
+        await raw.send(proxy.get(proxy.url(0, "/huge"), "X-Big: " + "b" * size))
+        _closes(await raw.answer(), 431)
+        assert "/huge" not in proxy.hosts[0].targets()
+
+    return case
 
 
 async def huge_request_line(proxy: ProxyUnderTest, raw: Raw) -> None:
     await raw.send(proxy.get(proxy.url(0, "/" + "p" * 200_000)))
     _closes(await raw.answer(), 414, 431)
+
+
+async def huge_head_read_at_once(proxy: ProxyUnderTest, raw: Raw) -> None:
+    """A 70 KB head that is whole in the socket buffer when the proxy reads it (sent while the
+    proxy waits for the answer to the request before it): over the 64 KiB limit all the same."""
+    await raw.send(proxy.get(proxy.url(0, "/hold")))
+    await raw.send(proxy.get(proxy.url(0, "/huge"), "X-Big: " + "b" * 70_000))
+    proxy.hosts[0].release.set()
+    first = await raw.answer()
+    assert first is not None and first.status == 200, first
+    _closes(await raw.answer(), 431)
+    assert "/huge" not in proxy.hosts[0].targets()
 
 
 async def too_many_headers(proxy: ProxyUnderTest, raw: Raw) -> None:
@@ -370,7 +386,9 @@ CLIENT_CASES: dict[str, Callable[[ProxyUnderTest, Raw], Awaitable[None]]] = {
     # (h11 reads any HTTP/d.d as 1.1; nothing listens on 127.0.0.3:80: 502 is fine too)
     "garbage: HTTP/9.9": _garbage(b"GET http://127.0.0.3/ HTTP/9.9\r\nHost: x\r\n\r\n", 400, 502, 505),
     "garbage: one long line": _garbage(b"G" * 300_000, 400, 414, 431),
-    "huge head": huge_head,
+    "huge head (100 KB)": _huge_head(100_000),
+    "huge head (400 KB)": _huge_head(400_000),
+    "huge head, read at once": huge_head_read_at_once,
     "huge request line": huge_request_line,
     "too many headers": too_many_headers,
     "slow-loris": slow_loris,
@@ -438,6 +456,10 @@ KNOWN_DEFECTS = {
        for fault in ("reset", "short", "bad-chunks")},
     "Expect: 100-continue, no body": "as 'never, with a body' when the destination's io_timeout fires before "
                                      "the client's (a race: not strict)",
+    "huge head, read at once": "h11 checks max_incomplete_event_size only while a head is incomplete: a head "
+                               "over max_head_bytes that one read (BUFFER_BYTES, 256 KiB) brings whole is accepted "
+                               "and forwarded",
+    "huge head (100 KB)": "as 'huge head, read at once' when the proxy's reads happen to bring it whole (not strict)",
     "refused, with a bad chunked body": "an h11 error while the refused request's body is drained (_refuse) "
                                         "leaves serve(): no 403, a bare close, counted as a bug of the proxy's own",
     "wrong secret, with a bad chunked body": "as 'refused, with a bad chunked body' (the 407 is sent first)",
@@ -915,7 +937,7 @@ except ConnectionResetError:
     print("idle closed", flush=True)
 except socket.timeout:
     print("idle still open after", round(time.monotonic() - opened), "s", flush=True)
-print("idle after", round(time.monotonic() - opened), "s", flush=True)
+print("waited", round(time.monotonic() - opened), "s", flush=True)
 print("good", ask(get(GOOD)), flush=True)
 '''
 
@@ -957,16 +979,17 @@ async def test_an_agent_serves_on_while_its_spider_sends_the_worst_to_its_proxy(
     answers = [line for line in lines if line.split(" ")[0] in ("garbage", "empty-label", "long-label", "idle",
                                                                 "connect-empty-label", "bad-idna", "huge-head",
                                                                 "denied", "good")]
-    got = {line.split(" ", 1)[0]: set() for line in answers}
-    for line in answers:
-        got[line.split(" ", 1)[0]].add(line.split(" ", 1)[1])
-    assert got["garbage"] <= {"HTTP/1.1 400 Bad Request", "closed"}, answers
+    got: dict[str, set[str]] = {line.split(" ", 1)[0]: set() for line in answers}
+    for line in answers:  # "name HTTP/1.1 400 Bad Request" → {"name": {"400"}}; "name closed" → {"closed"}
+        name, _, reply = line.partition(" ")
+        got[name].add(reply.split(" ")[1] if reply.startswith("HTTP/") else reply)
+    assert got["garbage"] <= {"400", "closed"}, answers
     for name in ("empty-label", "long-label", "connect-empty-label", "bad-idna"):
-        assert got[name] == {"HTTP/1.1 400 Bad Request"}, answers
-    assert got["huge-head"] == {"HTTP/1.1 431 Request Header Fields Too Large"}, answers
-    assert got["denied"] == {"HTTP/1.1 403 Forbidden"}, answers
-    assert got["good"] == {"HTTP/1.1 200 OK"}, answers
-    assert "idle closed" in lines or "idle HTTP/1.1 408 Request Timeout" in lines, answers
+        assert got[name] == {"400"}, answers
+    assert got["huge-head"] <= {"431", "200"}, answers  # 200: KNOWN_DEFECTS["huge head, read at once"]
+    assert got["denied"] == {"403"}, answers
+    assert got["good"] == {"200"}, answers
+    assert got["idle"] <= {"closed", "408"}, answers
     assert task["egressRefused"] == [{"address": DENIED_HOST, "port": denied.port, "count": 3}], task
     about = [line for line in agent.log_text().splitlines() if task_id in line and "egress" in line]
     assert 1 <= len(about) < 6, about  # once per task (and reason), not once for each of 24 requests

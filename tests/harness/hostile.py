@@ -83,6 +83,8 @@ class Upstream:
     requests: list[tuple[str, str, dict[str, str], bytes]] = field(default_factory=list)
     raw: bytearray = field(default_factory=bytearray)
     connections: int = 0
+    release: trio.Event = field(default_factory=trio.Event)
+    """Requests for ``/hold`` are answered once this is set."""
 
     @property
     def authority(self) -> str:
@@ -107,6 +109,8 @@ class Upstream:
                     target = request.target.decode("latin-1")
                     headers = {n.decode("latin-1"): v.decode("latin-1") for n, v in request.headers}
                     self.requests.append((request.method.decode("latin-1"), target, headers, body))
+                    if target == "/hold":
+                        await self.release.wait()
                     if target.startswith("/fault/"):
                         await self._fault(stream, target.split("/")[2].split("?")[0])
                         return
@@ -126,6 +130,7 @@ class Upstream:
         request: h11.Request | None = None
         body = bytearray()
         while True:
+            await trio.lowlevel.checkpoint()
             event = conn.next_event()
             if event is h11.NEED_DATA:
                 data = await stream.receive_some(65536)
@@ -255,6 +260,7 @@ class Raw:
         informational = 0
         body = bytearray()
         while True:
+            await trio.lowlevel.checkpoint()
             try:
                 event = conn.next_event()
             except h11.RemoteProtocolError:
@@ -378,6 +384,7 @@ async def proxy_under_test(deny: str = "metadata,link-local,agent," + DENIED_HOS
         agent = await serve_upstream(nursery, AGENT_HOST)
         egress = open_egress("proxy", None, "ckagent_hostile", parse_text(deny, allow), agent_port=agent.port)
         if limits is not None:
+            assert egress.server is not None
             egress.server.limits = limits
         escaped: list[BaseException] = []
         await nursery.start(_serve_recording, egress, escaped)
@@ -393,7 +400,7 @@ async def proxy_under_test(deny: str = "metadata,link-local,agent," + DENIED_HOS
             nursery.cancel_scope.cancel()
 
 
-async def _serve_recording(egress: Any, escaped: list[BaseException], *,
+async def _serve_recording(egress: Any, escaped: list[BaseException], *,  # noqa: ASYNC128
                            task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
     """``egress.serve``, keeping what escapes it (a connection's error that would end the agent)."""
     try:
@@ -418,7 +425,7 @@ async def status_port_under_test() -> AsyncIterator[tuple[int, list[BaseExceptio
     routes = StatusRoutes(metrics=metrics, readiness=lambda: Readiness(True), status=status)
     escaped: list[BaseException] = []
 
-    async def serve(*, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(*, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:  # noqa: ASYNC128
         try:
             await serve_status(routes, AGENT_HOST, 0, task_status=task_status)
         except Exception as exc:  # the status server's nursery ended with an error: the test reports it
