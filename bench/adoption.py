@@ -83,7 +83,7 @@ async def monitor_cost(quick: bool, directory: Path) -> dict[str, Any]:
     rss = [a["VmRSS"] * 1024 for a in after]
     pss = [a.get("Pss", 0) * 1024 for a in after]
     private = [(a.get("Private_Clean", 0) + a.get("Private_Dirty", 0)) * 1024 for a in after]
-    return {"count": count, "window": window, "level": containment.level, "rss": summary(rss),
+    return {"count": count, "window": window, "level": containment.level.value, "rss": summary(rss),
             "pss": summary(pss), "private": summary(private), "wakeups": max(switches)}
 
 

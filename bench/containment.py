@@ -34,11 +34,11 @@ from bench._harness import markdown_table, summary, work_directory
 from ckagent.code.deps import Dependencies, IndexChooser, spider_base_env
 from ckagent.code.workspace import Workspaces
 from ckagent.containment import Containment, Limits, TaskJail, open_containment
-from ckagent.containment.base import LEVELS
 from ckagent.containment.process import run_supervised
 from ckagent.containment.process_group import ProcessGroupJail
 from ckagent.master.client import MasterClient
 from ckagent.master.protocol import CodePackage, RegisterRequest
+from ckagent.node.levels import ContainmentLevel
 
 TARGET_ADDED_SECONDS = 0.002
 SPIDER = [sys.executable, "-I", "-S", "-c", "print('first', flush=True)"]
@@ -47,7 +47,7 @@ SPIDER = [sys.executable, "-I", "-S", "-c", "print('first', flush=True)"]
 class _Before(ProcessGroupJail):
     """The agent before containment: no preexec_fn (vfork spawn), group + marker sweep."""
 
-    level = "none (before)"
+    level = ContainmentLevel.PROCESS_GROUP  # (no containment at all: the spawn without the shim)
 
     def spawn(self, argv: list[str], env: Any, *, forking: bool = False) -> tuple[list[str], dict[str, Any]]:
         return argv, {}
@@ -88,9 +88,9 @@ async def run_async(quick: bool) -> dict[str, Any]:
     with work_directory("bench-containment-") as workdir:
         variants: dict[str, Containment | None] = {"none (before)": None}
         auto = open_containment("auto", workdir)
-        for level in LEVELS:
+        for level in ContainmentLevel:
             try:
-                variants[level] = auto if level == auto.level else open_containment(level, workdir)
+                variants[level.value] = auto if level is auto.level else open_containment(level, workdir)
             except Exception:
                 continue
         prepare = await _cached_prepare(workdir)
@@ -115,11 +115,11 @@ async def run_async(quick: bool) -> dict[str, Any]:
     for name in names:
         s, w = summary(starts[name]), summary(wholes[name])
         figures[name] = {"start": s, "whole": w}
-        rows.append([name + (" (auto)" if name == auto.level else ""), s["n"], s["p50"] * 1000, s["p95"] * 1000,
+        rows.append([name + (" (auto)" if name == auto.level.value else ""), s["n"], s["p50"] * 1000, s["p95"] * 1000,
                      (s["p50"] - base_start) * 1000, w["p50"] * 1000, (w["p50"] - base_whole) * 1000])
     table = markdown_table(["containment", "n", "start p50 ms", "start p95 ms", "added to start p50 ms",
                             "whole task p50 ms", "added to whole p50 ms"], rows)
-    added = figures[auto.level]["start"]["p50"] - base_start
+    added = figures[auto.level.value]["start"]["p50"] - base_start
     return {
         "name": "containment",
         "table": table + f"\n\nLevel picked by auto here: `{auto.level}` — {auto.details}\n",

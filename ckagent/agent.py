@@ -276,6 +276,7 @@ class Agent:
         except (EgressError, PolicyError) as exc:
             raise ConfigError(str(exc)) from exc
         self.metrics.egress_level(self.egress.level)
+        self.metrics.egress_proxy = self.egress.server
         self.spider_user = spider_user(run_as)
         as_root = spiders_as_root(run_as)
         if as_root is not None:

@@ -8,7 +8,7 @@ Commands::
     ckagent config show [-c FILE]     print the effective settings as YAML (secrets masked)
     ckagent version                   print the ckagent and Python versions
     ckagent dev-master ...            run the reference master (SQLite)
-    ckagent demo [--work-dir DIR] [--keep]   dev master + agent + sample spider, end to end
+    ckagent demo [--work-dir DIR] [--keep] [-c FILE]   dev master + agent + example spiders, end to end, checked
     ckagent exec PATH [--spider NAME] [--param K=V] [--env K=V] [--args "..."] [--items FILE] [--artifacts DIR] ...
                                       run one local spider (folder or zip) exactly as a node would
 
@@ -281,8 +281,13 @@ def _check_listen(host: str, port: int) -> str | None:
     return None
 
 
-def demo_command(*, work_dir: Path = Path("demo-data"), keep: bool = False) -> int:
-    """Run the reference master, an agent and the example spiders end to end, then print a table.
+def demo_command(*, work_dir: Path = Path("demo-data"), keep: bool = False, config: ConfigOption = None) -> int:
+    """Run the reference master, an agent and the example spiders end to end, print a table and check
+    every spider's items against the demo shop (exit 1 when one differs).
+
+    The agent takes its settings as `ckagent run` does (AGENT_* variables over -c FILE: e.g.
+    AGENT_TASK_EGRESS=proxy), except its master, token, name, address, work dir and log, which are
+    the demo's.
 
     Parameters
     ----------
@@ -290,10 +295,12 @@ def demo_command(*, work_dir: Path = Path("demo-data"), keep: bool = False) -> i
         Directory for the demo's data: master database, agent work dir, agent log (default ./demo-data).
     keep
         Keep the master and the agent running afterwards (Ctrl-C stops them), to look around.
+    config
+        A config file for the demo's agent (as `ckagent run -c`); AGENT_* variables override it.
     """
     from ckagent.cli.demo import run_demo
 
-    return run_demo(work_dir=work_dir, keep=keep)
+    return run_demo(work_dir=work_dir, keep=keep, config=config)
 
 
 def exec_command(

@@ -8,7 +8,9 @@ inotify, its instances kept for reuse: closing one costs the loop 10–20 ms), a
 :mod:`.egress` (the task's network policy, on its cgroup). May import :mod:`ckagent.node` and
 :mod:`ckagent.master` (ids) only.
 
-Levels, strongest first (``task.containment``: ``auto`` picks the first that works here):
+Levels (:class:`ckagent.node.levels.ContainmentLevel`), strongest first (``task.containment``: ``auto``
+picks the first that works here; :func:`open_containment` alone decides, and says why a stronger one
+was passed over):
 
 ``cgroup-v2``      (:mod:`.cgroup_v2`) the agent's own cgroup in the unified tree is writable
                    (systemd ``Delegate=yes``, or a container with its own cgroup namespace): a child
@@ -42,7 +44,6 @@ from pathlib import Path
 
 from ckagent.containment.base import (
     AGENT_OOM_SCORE_ADJ,
-    LEVELS,
     SPIDER_OOM_SCORE_ADJ,
     Containment,
     ContainmentError,
@@ -56,16 +57,18 @@ from ckagent.containment.cgroup_v1 import CgroupV1
 from ckagent.containment.cgroup_v2 import CgroupV2
 from ckagent.containment.hierarchy import agent_group_name, own_dirs
 from ckagent.containment.process_group import ProcessGroup
+from ckagent.node.levels import AUTO, Blocker, ContainmentLevel, Unavailable
 
 __all__ = [
     "AGENT_OOM_SCORE_ADJ",
-    "LEVELS",
     "SPIDER_OOM_SCORE_ADJ",
     "Containment",
     "ContainmentError",
+    "ContainmentLevel",
     "Figures",
     "Limits",
     "TaskJail",
+    "Unavailable",
     "format_bytes",
     "open_containment",
 ]
@@ -73,60 +76,83 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def open_containment(setting: str, work_dir: Path, *, use_unified: bool = True) -> Containment:
-    """The containment level for this agent: ``setting`` is ``auto`` or one of :data:`LEVELS`.
+def open_containment(setting: str | ContainmentLevel, work_dir: Path, *, use_unified: bool = True) -> Containment:
+    """The containment level for this agent: ``setting`` is ``auto`` or a level (or its text).
 
-    Blocking (a few reads and mkdirs in cgroupfs). Lowers the agent's own oom_score_adj where it
-    may. Logs one line naming the level. Raises ContainmentError when a forced level cannot be used
-    here (the message says why); ``auto`` never raises (it falls back to ``process-group``).
+    The one place that decides the level. Blocking (a few reads and mkdirs in cgroupfs). Lowers the
+    agent's own oom_score_adj where it may. Logs one line naming the level. The result's
+    ``passed_over`` lists the stronger levels not had, each with its :class:`~ckagent.node.levels.Blocker`.
+    Raises ContainmentError when a forced level cannot be used here (the message says why, its
+    ``blocker`` in a word); ``auto`` never raises (it falls back to ``process-group``).
     ``use_unified`` False: ``cgroup-v1`` ignores a v2 tree (tests of the pure-v1 paths).
     """
-    if setting != "auto" and setting not in LEVELS:
-        raise ContainmentError(f"task.containment: unknown level {setting!r}; expected auto or one of {', '.join(LEVELS)}")
+    forced = _parse_setting(setting)
     own = own_dirs()
     group = agent_group_name(work_dir)
-    tried: list[str] = []
+    passed_over: list[Unavailable] = []
     containment: Containment | None = None
-    order = [setting] if setting != "auto" else _auto_order(own)
+    order = [forced] if forced is not None else _auto_order(own)
     for level in order:
         try:
             containment = _open(level, own, group, use_unified)
             break
         except ContainmentError as exc:
-            if setting != "auto":
-                raise ContainmentError(f"task.containment={setting} is not available here: {exc}") from exc
-            tried.append(f"{level}: {exc}")
+            if forced is not None:
+                raise ContainmentError(f"task.containment={level} is not available here: {exc}", exc.blocker) from exc
+            passed_over.append(Unavailable(level, exc.blocker, str(exc)))
     if containment is None:
-        containment = ProcessGroup(why="; ".join(tried))
+        containment = ProcessGroup(why="; ".join(f"{u.level}: {u.message}" for u in passed_over))
+    containment.passed_over = tuple(passed_over) + _not_tried(forced)
     adj = lower_own_oom_score_adj()
     log.info("containment: %s — %s; agent oom_score_adj %s, spiders +%d", containment.level,
              containment.details, adj, SPIDER_OOM_SCORE_ADJ)
     return containment
 
 
-def _auto_order(own: dict[str, Path]) -> list[str]:
+def _parse_setting(setting: str | ContainmentLevel) -> ContainmentLevel | None:
+    """None for ``auto``, else the level; raises ContainmentError for an unknown text."""
+    if isinstance(setting, ContainmentLevel):
+        return setting
+    if setting == AUTO:
+        return None
+    try:
+        return ContainmentLevel.parse(setting)
+    except ValueError:
+        raise ContainmentError(f"task.containment: unknown level {setting!r}; expected auto or one of "
+                               f"{', '.join(level.value for level in ContainmentLevel)}") from None
+
+
+def _not_tried(forced: ContainmentLevel | None) -> tuple[Unavailable, ...]:
+    """The levels stronger than a forced one: passed over by the setting (not tried)."""
+    if forced is None:
+        return ()
+    stronger = list(ContainmentLevel)[:list(ContainmentLevel).index(forced)]
+    return tuple(Unavailable(level, Blocker.SETTING, f"task.containment is {forced}") for level in stronger)
+
+
+def _auto_order(own: dict[str, Path]) -> list[ContainmentLevel]:
     v1 = any(name in own for name in ("memory", "pids"))
     if "unified" in own and not v1:
-        return ["cgroup-v2", "process-group"]
-    return ["cgroup-v1", "cgroup-v2", "process-group"]
+        return [ContainmentLevel.CGROUP_V2, ContainmentLevel.PROCESS_GROUP]
+    return [ContainmentLevel.CGROUP_V1, ContainmentLevel.CGROUP_V2, ContainmentLevel.PROCESS_GROUP]
 
 
-def _open(level: str, own: dict[str, Path], group: str, use_unified: bool) -> Containment:
-    if level == "cgroup-v2":
+def _open(level: ContainmentLevel, own: dict[str, Path], group: str, use_unified: bool) -> Containment:
+    if level is ContainmentLevel.CGROUP_V2:
         if "unified" not in own:
-            raise ContainmentError("no cgroup v2 tree is mounted (or this process is outside it)")
+            raise ContainmentError("no cgroup v2 tree is mounted (or this process is outside it)", Blocker.NO_V2_TREE)
         return CgroupV2(own["unified"], group)
-    if level == "cgroup-v1":
+    if level is ContainmentLevel.CGROUP_V1:
         if not any(name in own for name in ("memory", "pids")):
-            raise ContainmentError("no cgroup v1 memory or pids hierarchy is mounted")
+            raise ContainmentError("no cgroup v1 memory or pids hierarchy is mounted", Blocker.NO_V1_HIERARCHY)
         return CgroupV1(own, group, use_unified=use_unified)
     return ProcessGroup()
 
 
-def available_levels(work_dir: Path) -> list[str]:
+def available_levels(work_dir: Path) -> list[ContainmentLevel]:
     """The levels this machine can run (for tests: each is opened and closed once)."""
     found = []
-    for level in LEVELS:
+    for level in ContainmentLevel:
         try:
             containment = _open(level, own_dirs(), agent_group_name(work_dir), True)
         except ContainmentError:

@@ -27,10 +27,9 @@ from typing import Any
 
 import trio
 
-log = logging.getLogger(__name__)
+from ckagent.node.levels import Blocker, ContainmentLevel, Unavailable
 
-LEVELS = ("cgroup-v2", "cgroup-v1", "process-group")
-"""Containment levels, strongest first (``task.containment`` also takes ``auto``)."""
+log = logging.getLogger(__name__)
 
 SPIDER_OOM_SCORE_ADJ = 500
 """oom_score_adj of every task process (GitHub's runner uses +500): the kernel's OOM killer picks a
@@ -41,7 +40,12 @@ AGENT_OOM_SCORE_ADJ = -500
 
 
 class ContainmentError(Exception):
-    """A containment level cannot be used (forced level unavailable, cgroup not writable)."""
+    """A containment level cannot be used (forced level unavailable, cgroup not writable).
+    ``blocker`` says why in a word (:class:`ckagent.node.levels.Blocker`), the message in full."""
+
+    def __init__(self, message: str, blocker: Blocker = Blocker.FAILED) -> None:
+        super().__init__(message)
+        self.blocker = blocker
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,7 @@ class TaskJail(abc.ABC):
     ``watch(pid)`` with the main process, ``kill_all()`` at the end, ``figures()`` then ``close()``.
     """
 
-    level: str = ""
+    level: ContainmentLevel
     limits: Limits = Limits()
     task_id: str = ""
 
@@ -157,12 +161,15 @@ class TaskJail(abc.ABC):
 
 
 class Containment(abc.ABC):
-    """The node's containment level. ``level`` is one of :data:`LEVELS`; ``details`` one line for
-    the log and /status; ``can_limit`` the controllers limits work with (subset of memory, pids, cpu)."""
+    """The node's containment level. ``level`` the level; ``details`` one line for the log and
+    /status; ``can_limit`` the controllers limits work with (subset of memory, pids, cpu);
+    ``passed_over`` the stronger levels this node did not get, each with why (set by
+    :func:`ckagent.containment.open_containment`)."""
 
-    level: str = ""
+    level: ContainmentLevel
     details: str = ""
     can_limit: frozenset[str] = frozenset()
+    passed_over: tuple[Unavailable, ...] = ()
 
     @abc.abstractmethod
     def jail(self, task_id: str, limits: Limits) -> TaskJail:
@@ -187,7 +194,7 @@ class Containment(abc.ABC):
 
     def to_json(self) -> dict[str, Any]:
         """``{"level", "details", "limits"}`` for registration and /status."""
-        return {"level": self.level, "details": self.details, "limits": sorted(self.can_limit)}
+        return {"level": self.level.value, "details": self.details, "limits": sorted(self.can_limit)}
 
     def close(self) -> None:
         """Release what the level holds (the per-agent cgroup directory if empty). Never raises."""

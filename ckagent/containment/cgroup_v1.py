@@ -47,6 +47,7 @@ from ckagent.containment.base import (
 )
 from ckagent.containment.cgroup_v2 import CPU_PERIOD_US, KILL_TIMEOUT, V2Cgroup, prepare_group
 from ckagent.containment.hierarchy import task_cgroup_name
+from ckagent.node.levels import Blocker, ContainmentLevel
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ USER_HZ = os.sysconf("SC_CLK_TCK")
 class V1Jail(TaskJail):
     """A task in its v1 cgroups (and its v2 cgroup on a hybrid host)."""
 
-    level = "cgroup-v1"
+    level = ContainmentLevel.CGROUP_V1
 
     def __init__(self, dirs: dict[str, Path], unified: V2Cgroup | None, task_id: str, limits: Limits) -> None:
         self.dirs, self.unified, self.task_id, self.limits = dirs, unified, task_id, limits
@@ -175,7 +176,7 @@ class CgroupV1(Containment):
     (:func:`ckagent.containment.hierarchy.own_dirs`); ``use_unified`` False ignores a v2 tree (tests
     of the pure-v1 paths). Raises ContainmentError when neither memory nor pids is writable."""
 
-    level = "cgroup-v1"
+    level = ContainmentLevel.CGROUP_V1
 
     def __init__(self, own: dict[str, Path], group_name: str, *, use_unified: bool = True) -> None:
         self.unified_group: Path | None = None
@@ -204,7 +205,8 @@ class CgroupV1(Containment):
         if "memory" not in self.groups and "pids" not in self.groups:
             raise ContainmentError(
                 "no writable cgroup v1 memory or pids hierarchy"
-                + (f" ({'; '.join(problems)})" if problems else "")
+                + (f" ({'; '.join(problems)})" if problems else ""),
+                Blocker.CGROUP_NOT_WRITABLE if problems else Blocker.NO_V1_HIERARCHY,
             )
         if self.unified_group is None and "freezer" not in self.groups:
             log.warning("cgroup-v1 without a freezer or a v2 tree: a task forking during its kill may need "

@@ -42,6 +42,7 @@ from ckagent.containment.base import (
 )
 from ckagent.containment.filewatch import FileWatch
 from ckagent.containment.hierarchy import AGENT_LEAF, task_cgroup_name
+from ckagent.node.levels import Blocker, ContainmentLevel
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ KILL_TIMEOUT = 5.0
 die); then the agent logs it and moves on."""
 
 CPU_PERIOD_US = 100_000
+NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+"""The errnos that say a cgroup directory is not the agent's to write (not an error of the moment)."""
 LIMITABLE = ("memory", "pids", "cpu", "io")
 
 
@@ -162,7 +165,7 @@ class V2Cgroup:
 class V2Jail(TaskJail):
     """A task in its v2 cgroup (see module docstring)."""
 
-    level = "cgroup-v2"
+    level = ContainmentLevel.CGROUP_V2
 
     def __init__(self, cgroup: V2Cgroup, task_id: str, limits: Limits) -> None:
         self.cgroup, self.task_id, self.limits = cgroup, task_id, limits
@@ -235,7 +238,8 @@ def prepare_group(own: Path, group_name: str, *, with_controllers: bool) -> tupl
     except OSError as exc:
         raise ContainmentError(
             f"cannot prepare the task cgroups under {base}: {exc} (give the agent a delegated cgroup: "
-            "systemd Delegate=yes, or a container with its own cgroup namespace; see docs/operations.md)"
+            "systemd Delegate=yes, or a container with its own cgroup namespace; see docs/operations.md)",
+            Blocker.CGROUP_NOT_WRITABLE if exc.errno in NOT_WRITABLE else Blocker.FAILED,
         ) from exc
     return group, wanted
 
@@ -243,7 +247,7 @@ def prepare_group(own: Path, group_name: str, *, with_controllers: bool) -> tupl
 class CgroupV2(Containment):
     """The ``cgroup-v2`` level (see module docstring). ``own`` is the agent's cgroup directory."""
 
-    level = "cgroup-v2"
+    level = ContainmentLevel.CGROUP_V2
 
     def __init__(self, own: Path, group_name: str) -> None:
         self.group, enabled = prepare_group(own, group_name, with_controllers=True)

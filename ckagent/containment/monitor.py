@@ -60,6 +60,7 @@ from ckagent.containment.stopping import (
     Supervised,
     until_exit_or_stop,
 )
+from ckagent.node.levels import ContainmentLevel
 from ckagent.node.runas import RunAs, popen_identity
 
 log = logging.getLogger(__name__)
@@ -152,7 +153,8 @@ class Handle:
     ``monitor_pid``/``monitor_start``/``boot_id`` name the monitor process (see :func:`start_ticks`);
     ``status_file`` its exit-status file; ``spawned_at`` and ``deadline_at`` are epoch seconds
     (``deadline_at`` None: no timeout); ``work`` is the task's working copy (removed at its end);
-    ``stall_timeout`` seconds (0: off); ``level`` the containment level it was spawned at;
+    ``stall_timeout`` seconds (0: off); ``level`` the containment level it was spawned at (None: not
+    recorded, an older agent's handle; stored as the level's text);
     ``env_dir`` the dependency environment the spider runs with ("" = none: a later agent keeps it
     from environment collection while it re-adopts the task); ``proxy_port`` the port of the task's
     egress proxy listener its proxy variables name (0 = none: a later agent listens there again).
@@ -166,13 +168,13 @@ class Handle:
     deadline_at: float | None
     work: str
     stall_timeout: float
-    level: str
+    level: ContainmentLevel | None
     env_dir: str = ""
     proxy_port: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict (``from_json`` reads it back)."""
-        return {"v": 1, **asdict(self)}
+        return {"v": 1, **asdict(self), "level": "" if self.level is None else self.level.value}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Handle:
@@ -181,7 +183,8 @@ class Handle:
             return cls(int(data["monitor_pid"]), int(data["monitor_start"]), str(data["boot_id"]),
                        float(data["spawned_at"]), str(data["status_file"]),
                        None if data.get("deadline_at") is None else float(data["deadline_at"]),
-                       str(data["work"]), float(data.get("stall_timeout") or 0.0), str(data.get("level") or ""),
+                       str(data["work"]), float(data.get("stall_timeout") or 0.0),
+                       ContainmentLevel.parse(str(data["level"])) if data.get("level") else None,
                        str(data.get("env_dir") or ""), _port(data.get("proxy_port")))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"a stored task handle of the wrong shape: {exc}") from exc
@@ -370,7 +373,7 @@ async def supervise(
                 await jail.wait_empty()
             # An emptied cgroup needs no kill (nothing can join it any more); the process-group level's
             # kill also reaps leftovers that ended as the agent's (the subreaper's) zombies.
-            if drain.cancelled_caught or not jail.level.startswith("cgroup"):
+            if drain.cancelled_caught or not jail.level.has_cgroup:
                 outcome.killed_leftovers += max(0, await jail.kill_all())
         outcome.returncode = mon.returncode
         swept = True

@@ -34,6 +34,7 @@ from ckagent.containment.base import (
     set_child_subreaper,
     wait_pids_gone,
 )
+from ckagent.node.levels import ContainmentLevel
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +207,7 @@ async def sweep(task_id: str, pgid: int | None, *, verify_group: bool = False, m
 class ProcessGroupJail(TaskJail):
     """A task held by its process groups and its marker (see module docstring)."""
 
-    level = "process-group"
+    level = ContainmentLevel.PROCESS_GROUP
 
     def __init__(self, task_id: str) -> None:
         self.task_id = task_id
@@ -248,7 +249,7 @@ class ProcessGroupJail(TaskJail):
 class ProcessGroup(Containment):
     """The ``process-group`` level; ``subreaper`` makes the agent the child subreaper."""
 
-    level = "process-group"
+    level = ContainmentLevel.PROCESS_GROUP
 
     def __init__(self, *, subreaper: bool = True, why: str = "") -> None:
         reaper = self._subreaper = subreaper and set_child_subreaper()

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from ckagent.node import configvalues as v
 from ckagent.node.configvalues import AUTO_IP, EMPTY_LABELS, HOSTNAME, Dynamic, Secret
+from ckagent.node.levels import AUTO, ContainmentLevel, EgressLevel
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 LogFormat = Literal["text", "json"]
@@ -93,9 +94,9 @@ class TaskSettings:
     log files under the task dir; ``retention`` seconds a delivered task dir is kept (0 = forever);
     ``cleanup_temp_files`` deletes every delivered task dir at start. ``stall_timeout``: seconds
     without output, item or stats change before a task is stopped STALLED (0 = off).
-    ``containment``: ``auto`` or a level of :data:`ckagent.containment.LEVELS`; node default limits
+    ``containment``: ``auto`` or a :class:`~ckagent.node.levels.ContainmentLevel`'s text; node default limits
     of a task that names none: ``memory_limit_bytes`` (bytes), ``pids_limit``, ``cpus_limit``
-    (cores); None = no limit. ``egress``: ``auto`` or a level of :data:`ckagent.containment.egress.LEVELS`;
+    (cores); None = no limit. ``egress``: ``auto`` or an :class:`~ckagent.node.levels.EgressLevel`'s text;
     ``egress_deny`` / ``egress_allow``: comma-separated entries of :mod:`ckagent.node.egress_policy`.
     """
 
@@ -323,10 +324,10 @@ SETTINGS: tuple[Setting, ...] = (
             "A task with no new output line, item or stats change for this long is stopped gracefully and "
             "reported FAILED (STALLED); a task's `stallTimeoutSeconds` overrides it; 0 = off (the default: "
             "execute_timeout bounds a hang; 3600 is a good value for long crawls).", v.seconds(exclusive=False)),
-    Setting("task", "containment", "AGENT_TASK_CONTAINMENT", "auto, cgroup-v2, cgroup-v1, process-group", "auto",
+    Setting("task", "containment", "AGENT_TASK_CONTAINMENT", ", ".join(ContainmentLevel.choices()), AUTO,
             "How tasks are contained: auto = the strongest level this node allows (logged at start, shown "
             "in /status); a named level fails the start when it is not available. See docs/operations.md.",
-            v.choice(("auto", "cgroup-v2", "cgroup-v1", "process-group"), upper=False)),
+            v.choice(ContainmentLevel.choices(), upper=False)),
     Setting("task", "memory_limit_bytes", "AGENT_TASK_MEMORY_LIMIT_BYTES", "integer >= 1 (bytes)", None,
             "Memory limit of a task that names none (`resources.memoryBytes`), its installers included; "
             "past it the kernel kills the task (FAILED/OOM_KILLED). Unset = no limit. Needs a cgroup level.",
@@ -337,11 +338,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("task", "cpus_limit", "AGENT_TASK_CPUS_LIMIT", 'CPU quantity ("1.5", "500m")', None,
             "CPU cores a task that names none (`resources.cpus`) may use; unset = no limit. Needs a cgroup "
             "level with the cpu controller.", v.cpu_quantity_cores),
-    Setting("task", "egress", "AGENT_TASK_EGRESS", "auto, nftables, proxy, off", "auto",
+    Setting("task", "egress", "AGENT_TASK_EGRESS", ", ".join(EgressLevel.choices()), AUTO,
             "How a task's network policy is enforced: auto = nftables on the task's cgroup when the kernel "
             "and the agent's rights allow it, else the advisory filtering proxy; a named level fails the "
             "start when it is not available. See docs/operations.md, Egress.",
-            v.choice(("auto", "nftables", "proxy", "off"), upper=False)),
+            v.choice(EgressLevel.choices(), upper=False)),
     Setting("task", "egress_deny", "AGENT_TASK_EGRESS_DENY", "comma-separated groups and IP networks",
             "metadata,link-local,agent",
             "Destinations no task may reach: groups metadata (cloud metadata services), link-local, agent "

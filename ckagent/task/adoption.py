@@ -111,7 +111,7 @@ def judge(record: TaskRecord) -> tuple[Adoption | None, str]:
     if running:
         if not _environ_has(handle.monitor_pid, f"{MARKER_VAR}={record.task_id}".encode()):
             return None, f"process {handle.monitor_pid} does not carry the task's marker"
-        if handle.level.startswith("cgroup") and not _in_cgroup(handle.monitor_pid, task_cgroup_name(record.task_id)):
+        if handle.level is not None and handle.level.has_cgroup and not _in_cgroup(handle.monitor_pid, task_cgroup_name(record.task_id)):
             return None, f"process {handle.monitor_pid} is not in the task's cgroup"
         return Adoption(record, task, handle, Monitored(handle), ended=False), ""
     code = read_status(Path(handle.status_file))
@@ -143,7 +143,7 @@ def adopted_jail(containment: Containment | None, adoption: Adoption) -> TaskJai
     """The task's jail again: its cgroup (at the level it was spawned at), or its process group and
     marker. Blocking but quick. Raises ContainmentError when the cgroup cannot be opened."""
     handle = adoption.handle
-    if containment is not None and containment.level == handle.level and handle.level.startswith("cgroup"):
+    if containment is not None and containment.level is handle.level and containment.level.has_cgroup:
         jail = containment.jail(adoption.record.task_id, Limits())  # the cgroup exists: its limits stay
     else:
         jail = ProcessGroupJail(adoption.record.task_id)
@@ -239,7 +239,7 @@ async def _egress_again(supervisor: Supervisor, rt: RunningTask, jail: TaskJail,
     name, with its own proxies chained as before. A task whose rules cannot be added again is
     stopped: it must not crawl unprotected."""
     egress = supervisor.config.egress
-    if egress is None or egress.level == "off":
+    if egress is None or not egress.level.has_policy:
         return
     try:
         rt.egress = await trio.to_thread.run_sync(partial(egress.attach, jail, rt.task.id, rt.task.egress,

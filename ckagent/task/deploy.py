@@ -24,7 +24,7 @@ import trio
 
 from ckagent.code.workcopy import make_working_copy, remove_tree, spider_dirs
 from ckagent.code.workspace import Workspaces
-from ckagent.containment import ContainmentError, Limits, TaskJail
+from ckagent.containment import ContainmentError, ContainmentLevel, Limits, TaskJail
 from ckagent.containment.egress import EgressError, Refusal, TaskRules
 from ckagent.containment.process_group import ProcessGroupJail
 from ckagent.delivery.outputs import Collected, collect, kept_dir
@@ -75,7 +75,7 @@ class Deployer:
         wanted = self._limits(task)
         hop = await trio.to_thread.run_sync(self._prepare_hop, task, work, wanted, None, check)
         if isinstance(hop.error, ContainmentError):
-            level = "process-group" if self.config.containment is None else self.config.containment.level
+            level = ContainmentLevel.PROCESS_GROUP if self.config.containment is None else self.config.containment.level
             raise JailError(f"the node cannot contain the task ({level}): {hop.error}") from hop.error
         if hop.jail is None:  # not the kernel's refusal: an error of ours, raised as it is
             assert hop.error is not None

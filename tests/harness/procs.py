@@ -58,8 +58,9 @@ def marked_pids(task_id: str) -> list[int]:
     return found
 
 
-LEVELS_HERE = available_levels(Path(tempfile.gettempdir()) / "ckagent-levels-probe")
-"""Containment levels this machine can run; every test here runs at each (``task.containment``)."""
+LEVELS_HERE = [level.value for level in available_levels(Path(tempfile.gettempdir()) / "ckagent-levels-probe")]
+"""Containment levels this machine can run, as their setting's text; every test here runs at each
+(``task.containment``)."""
 LEVEL = {"current": "auto"}
 
 

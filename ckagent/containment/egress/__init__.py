@@ -1,6 +1,7 @@
 """Egress: a network policy per task, enforced by the kernel on the task's cgroup.
 
-Levels, strongest first (``task.egress``: ``auto`` picks the first that works here):
+Levels (:class:`ckagent.node.levels.EgressLevel`), strongest first (``task.egress``: ``auto`` picks the
+first that works here; :func:`open_egress` alone decides, and says why a stronger one was passed over):
 
 ``nftables``  the task's cgroup has a directory in the cgroup v2 tree (pure v2, or a hybrid host's
               ``unified`` tree), the agent may change nftables (CAP_NET_ADMIN) and the kernel's
@@ -54,6 +55,7 @@ from ckagent.containment.egress.table import (
     table_name,
 )
 from ckagent.node.egress_policy import DEFAULT_DENY, GROUPS, EgressPolicy, PolicyError, parse_text
+from ckagent.node.levels import AUTO, Blocker, EgressLevel, Unavailable
 
 if TYPE_CHECKING:  # (the containment imports Trio: the protocol module imports this package's policy)
     from ckagent.containment import Containment, TaskJail
@@ -61,9 +63,9 @@ if TYPE_CHECKING:  # (the containment imports Trio: the protocol module imports 
 __all__ = [
     "DEFAULT_DENY",
     "GROUPS",
-    "LEVELS",
     "Egress",
     "EgressError",
+    "EgressLevel",
     "EgressPolicy",
     "PolicyError",
     "Refusal",
@@ -78,15 +80,17 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-LEVELS = ("nftables", "proxy", "off")
-"""Egress levels, strongest first (``task.egress`` also takes ``auto``)."""
-
 PROBE_TIMEOUT = 5.0
 """Seconds the start-up probe's child may take."""
 
 
 class EgressError(Exception):
-    """A forced egress level is not available here, or a task's rules cannot be added."""
+    """A forced egress level is not available here, or a task's rules cannot be added. ``blocker``
+    says why a level is not available in a word (:class:`ckagent.node.levels.Blocker`)."""
+
+    def __init__(self, message: str, blocker: Blocker = Blocker.FAILED) -> None:
+        super().__init__(message)
+        self.blocker = blocker
 
 
 def describe_refusals(refused: list[Refusal]) -> str:
@@ -110,19 +114,21 @@ def report_refusals(task_id: str, refused: list[Refusal], notice: Callable[[str]
 
 
 class Egress:
-    """The node's egress level (see module docstring). ``level`` one of :data:`LEVELS`; ``details``
-    one line for the log and /status; ``policy`` the node's default policy."""
+    """The node's egress level (see module docstring). ``level`` the level; ``details`` one line for
+    the log and /status; ``policy`` the node's default policy; ``passed_over`` the stronger levels
+    this node did not get, each with why (set by :func:`open_egress`)."""
 
-    def __init__(self, level: str, details: str, policy: EgressPolicy, *, table: EgressTable | None = None,
+    def __init__(self, level: EgressLevel, details: str, policy: EgressPolicy, *, table: EgressTable | None = None,
                  v2_root: Path | None = None, agent_port: int | None = None,
                  resolvers: tuple[tuple[str, int], ...] = (), work_dir: Path | None = None) -> None:
         self.level, self.details, self.policy = level, details, policy
+        self.passed_over: tuple[Unavailable, ...] = ()
         self.table, self.v2_root, self.agent_port, self.resolvers = table, v2_root, agent_port, resolvers
-        self.server: ProxyServer | None = ProxyServer() if level == "proxy" else None
+        self.server: ProxyServer | None = ProxyServer() if level.uses_proxy else None
         """At the ``proxy`` level: the forward proxy (:mod:`.proxy`), served by :meth:`serve`."""
         self._proxied: dict[str, TaskProxy] = {}
         """At the ``proxy`` level: the rules' chain (the task's proxy user name) → its side of the proxy."""
-        self._key = _proxy_key(work_dir) if level == "proxy" else b""
+        self._key = _proxy_key(work_dir) if level.uses_proxy else b""
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Run the level's service until cancelled: at ``proxy`` the forward proxy (startable:
@@ -143,7 +149,7 @@ class Egress:
         name, for a task re-adopted after a restart; 0 = a new one); None at ``off``. Callable from a
         Trio worker thread or the Trio thread. Raises EgressError when the rules cannot be added (the
         task must not run unprotected)."""
-        if self.server is not None:
+        if self.server is not None:  # (the proxy level)
             user = _proxy_user(task_id)
             policy = self.effective(task_policy)
             task = TaskProxy(task_id, user, self._password(task_id), Dialer(partial(self.blocked, policy)))
@@ -180,6 +186,11 @@ class Egress:
         """The port of the task's proxy listener (0: none; the ``proxy`` level only)."""
         task = self._proxied.get(rules.chain) if rules is not None else None
         return task.port if task is not None else 0
+
+    def proxy_outcomes(self, rules: TaskRules | None) -> dict[str, int]:
+        """At ``proxy``: what became of the task's requests so far, by outcome ({} otherwise)."""
+        task = self._proxied.get(rules.chain) if rules is not None else None
+        return dict(task.outcomes) if task is not None else {}
 
     def refusals(self, rules: TaskRules | None) -> list[Refusal]:
         """What the task was refused so far (blocking), most refused first. [] at ``off`` or when
@@ -248,7 +259,7 @@ class Egress:
     def to_json(self) -> dict[str, Any]:
         """``{"level", "details", "policy", "deny", "allow"}`` for registration and /status."""
         wire = self.policy.to_json()
-        return {"level": self.level, "details": self.details, "policy": self.policy.describe(),
+        return {"level": self.level.value, "details": self.details, "policy": self.policy.describe(),
                 "deny": wire["deny"], "allow": wire["allow"]}
 
     def close(self) -> None:
@@ -311,41 +322,61 @@ def _proxy_user(task_id: str) -> str:
     return "t" + policy_key(EgressPolicy(), None, ((task_id, 0),))
 
 
-def open_egress(setting: str, containment: Containment | None, group_name: str, policy: EgressPolicy, *,
-                agent_port: int | None = None, nft: Nft | None = None, probe: bool = True,
+def open_egress(setting: str | EgressLevel, containment: Containment | None, group_name: str, policy: EgressPolicy,
+                *, agent_port: int | None = None, nft: Nft | None = None, probe: bool = True,
                 work_dir: Path | None = None) -> Egress:
-    """The egress level for this agent: ``setting`` ``auto`` or one of :data:`LEVELS`.
+    """The egress level for this agent: ``setting`` ``auto`` or a level (or its text). The one place
+    that decides the level; the result's ``passed_over`` lists the stronger levels not had, each with
+    its :class:`~ckagent.node.levels.Blocker`.
 
     Blocking (nft batches, and at ``nftables`` a probe: a short child process in a throw-away cgroup
     connects to a loopback socket of the agent and must be refused). ``work_dir`` (the agent's) is
     written into the table's comment; the tables of other work dirs that no longer exist (a removed
     test directory, an uninstalled agent killed before its stop) are deleted: no agent can come back
     for their tasks. Logs one line naming the level.
-    Raises EgressError when a forced level cannot be used (the message says why); ``auto`` never
-    raises (it falls back to ``proxy``).
+    Raises EgressError when a forced level cannot be used (the message says why, its ``blocker`` in
+    a word); ``auto`` never raises (it falls back to ``proxy``).
     """
-    if setting != "auto" and setting not in LEVELS:
-        raise EgressError(f"task.egress: unknown level {setting!r}; expected auto or one of {', '.join(LEVELS)}")
+    forced = _parse_setting(setting)
     resolvers = _resolvers()
     egress: Egress | None = None
-    if setting == "off":
-        egress = Egress("off", "no network policy (task.egress: off)", EgressPolicy())
+    passed_over: list[Unavailable] = []
+    if forced is EgressLevel.OFF:
+        egress = Egress(EgressLevel.OFF, "no network policy (task.egress: off)", EgressPolicy())
     else:
         why = ""
-        if setting in ("auto", "nftables"):
+        if forced in (None, EgressLevel.NFTABLES):
             try:
                 egress = _open_nftables(containment, group_name, policy, agent_port, nft, probe, resolvers,
                                         work_dir)
             except EgressError as exc:
-                if setting == "nftables":
-                    raise EgressError(f"task.egress=nftables is not available here: {exc}") from exc
+                if forced is EgressLevel.NFTABLES:
+                    raise EgressError(f"task.egress=nftables is not available here: {exc}", exc.blocker) from exc
                 why = str(exc)
+                passed_over.append(Unavailable(EgressLevel.NFTABLES, exc.blocker, why))
         if egress is None:
             details = "filtering proxy in the tasks' proxy variables (advisory: a program may ignore them)"
-            egress = Egress("proxy", details + (f"; the kernel cannot: {why}" if why else ""), policy,
+            egress = Egress(EgressLevel.PROXY, details + (f"; the kernel cannot: {why}" if why else ""), policy,
                             agent_port=agent_port, resolvers=resolvers, work_dir=work_dir)
+    if forced is not None:
+        stronger = list(EgressLevel)[:list(EgressLevel).index(forced)]
+        passed_over += [Unavailable(level, Blocker.SETTING, f"task.egress is {forced}") for level in stronger]
+    egress.passed_over = tuple(passed_over)
     log.info("egress: %s — %s; %s", egress.level, egress.details, egress.policy.describe())
     return egress
+
+
+def _parse_setting(setting: str | EgressLevel) -> EgressLevel | None:
+    """None for ``auto``, else the level; raises EgressError for an unknown text."""
+    if isinstance(setting, EgressLevel):
+        return setting
+    if setting == AUTO:
+        return None
+    try:
+        return EgressLevel.parse(setting)
+    except ValueError:
+        raise EgressError(f"task.egress: unknown level {setting!r}; expected auto or one of "
+                          f"{', '.join(level.value for level in EgressLevel)}") from None
 
 
 def _open_nftables(containment: Containment | None, group_name: str, policy: EgressPolicy,
@@ -354,22 +385,24 @@ def _open_nftables(containment: Containment | None, group_name: str, policy: Egr
     group = None if containment is None else containment.v2_group()
     if group is None:
         level = containment.level if containment is not None else "none"
-        raise EgressError(f"the tasks have no cgroup in a cgroup v2 tree (containment {level})")
+        raise EgressError(f"the tasks have no cgroup in a cgroup v2 tree (containment {level})",
+                          Blocker.NO_TASK_CGROUP)
     from ckagent.containment.hierarchy import mounts  # (the containment package imports Trio)
 
     v2 = mounts(_read("/proc/self/mountinfo")).get("unified")
     if v2 is None:
-        raise EgressError("no cgroup v2 tree is mounted")
+        raise EgressError("no cgroup v2 tree is mounted", Blocker.NO_V2_TREE)
     point, root = v2
     try:
         group.relative_to(NFT_CGROUP_ROOT)
         depth = len(group.relative_to(point).parts) + len(Path(root).parts[1:]) + 1
     except ValueError:
-        raise EgressError(f"the v2 tree {point} is not below {NFT_CGROUP_ROOT}, where nft looks") from None
+        raise EgressError(f"the v2 tree {point} is not below {NFT_CGROUP_ROOT}, where nft looks",
+                          Blocker.V2_TREE_ELSEWHERE) from None
     try:
         backend = nft or open_nft()
     except NftError as exc:
-        raise EgressError(str(exc)) from exc
+        raise EgressError(str(exc), Blocker.NO_NFTABLES) from exc
     table = EgressTable(backend, table_name(group_name), depth, "" if work_dir is None else str(work_dir))
     for orphan in remove_orphans(keep=table.name):
         log.info("egress: removed the table inet %s: its agent's work dir no longer exists", orphan)
@@ -377,8 +410,9 @@ def _open_nftables(containment: Containment | None, group_name: str, policy: Egr
         table.create()
     except NftError as exc:
         raise EgressError(f"cannot create the nftables table {table.name} ({exc}; the agent needs "
-                          "CAP_NET_ADMIN: run it as root or grant the capability)") from exc
-    egress = Egress("nftables", f"nftables table inet {table.name} ({backend.kind}), task cgroups at "
+                          "CAP_NET_ADMIN: run it as root or grant the capability)",
+                          Blocker.NO_NET_ADMIN if "not permitted" in str(exc) else Blocker.FAILED) from exc
+    egress = Egress(EgressLevel.NFTABLES, f"nftables table inet {table.name} ({backend.kind}), task cgroups at "
                     f"level {depth} below {group}", policy, table=table, v2_root=point,
                     agent_port=agent_port, resolvers=resolvers)
     if probe:
@@ -418,7 +452,8 @@ def _probe(table: EgressTable, group: Path) -> None:
             table.remove(rules, refused)
             if done.returncode != 0 or not refused:
                 raise EgressError(f"the kernel did not refuse a probe connection from a task cgroup (exit "
-                                  f"{done.returncode}, {len(refused)} counted): socket cgroupv2 does not match here")
+                                  f"{done.returncode}, {len(refused)} counted): socket cgroupv2 does not match here",
+                                  Blocker.KERNEL_NO_MATCH)
         except NftError as exc:
             raise EgressError(f"the probe's rules were refused: {exc}") from exc
         finally:

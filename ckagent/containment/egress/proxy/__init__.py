@@ -7,6 +7,7 @@ It is advisory: a program that ignores the variables is not stopped (docs/operat
 - :mod:`.server`     one listener per task on 127.0.0.1; each connection in an error boundary of its own
 - :mod:`.taskproxy`  a task's identity (port, user name, secret password), its pool, its counts
 - :mod:`.exchange`   a client connection, request by request (h11 both ways), and CONNECT tunnels
+- :mod:`.relay`      a tunnel's bytes both ways, half-closes passed on
 - :mod:`.target`     request targets and hosts read strictly (IDNA included), hop-by-hop headers
 - :mod:`.upstream`   resolution judged by the task's policy, connections, the kept-alive pool
 - :mod:`.routes`     the task's own proxies (HTTP, SOCKS5) chained behind this one; NO_PROXY

@@ -38,6 +38,7 @@ from ckagent.containment.egress.proxy.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
+from ckagent.containment.egress.proxy.relay import BUFFER_BYTES, relay
 from ckagent.containment.egress.proxy.routes import Route, Unusable
 from ckagent.containment.egress.proxy.target import (
     Target,
@@ -49,9 +50,6 @@ from ckagent.containment.egress.proxy.target import (
 )
 from ckagent.containment.egress.proxy.taskproxy import TaskProxy
 from ckagent.containment.egress.proxy.upstream import Upstream
-
-BUFFER_BYTES = 262144
-"""Bytes read at once from a socket (bodies and tunnels)."""
 
 
 @dataclass(frozen=True)
@@ -102,8 +100,7 @@ class _Client:
             try:
                 request = await self._next_request(first)
             except ProxyError as exc:
-                self.task.note({400: "bad-request", 408: "timeout", 431: "too-large"}.get(exc.status, "error"),
-                               f"{exc.status} to a client: {exc}")
+                self.task.note(_OUTCOME.get(exc.status, "error"), f"{exc.status} to a client: {exc}")
                 await self._answer_and_close(exc)
                 return
             except _ClientGone:
@@ -126,33 +123,35 @@ class _Client:
                 self.conn.start_next_cycle()
             except h11.LocalProtocolError:
                 return
+            await trio.lowlevel.checkpoint()  # (pipelined requests may all be buffered: let others run)
 
     async def _next_request(self, first: bool) -> h11.Request | None:
         """The next request's head; None when the client closed or stayed idle (no byte of a head).
         Raises BadRequest, HeadTooLarge, HeadTimeout, _ClientGone."""
         idle_until = trio.current_time() + (self.limits.idle_timeout if first else self.limits.keepalive_timeout)
         head_until: float | None = None
-        while True:
-            try:
-                event = self.conn.next_event()
-            except h11.RemoteProtocolError as exc:
-                raise _head_error(exc) from None
-            if event is h11.NEED_DATA:
-                if self.eof:
-                    return None
-                if head_until is None and self.conn.trailing_data[0]:
-                    head_until = trio.current_time() + self.limits.head_timeout
-                with trio.move_on_at(head_until if head_until is not None else idle_until):
-                    self._feed(await self._receive())
-                    continue
+        while (event := self._head_event()) is h11.NEED_DATA:
+            if self.eof:
+                return None
+            if head_until is None and self.conn.trailing_data[0]:
+                head_until = trio.current_time() + self.limits.head_timeout
+            with trio.move_on_at(head_until if head_until is not None else idle_until) as waited:
+                self._feed(await self._receive())
+            if waited.cancelled_caught:
                 if head_until is not None:
                     raise HeadTimeout(f"the request head was not complete within {self.limits.head_timeout:g} s")
                 return None
-            if isinstance(event, h11.Request):
-                if len(event.headers) > self.limits.max_headers:
-                    raise HeadTooLarge(f"more than {self.limits.max_headers} header fields")
-                return event
-            return None  # ConnectionClosed (or PAUSED, which a new cycle never is)
+        if isinstance(event, h11.Request):
+            if len(event.headers) > self.limits.max_headers:
+                raise HeadTooLarge(f"more than {self.limits.max_headers} header fields")
+            return event
+        return None  # ConnectionClosed (or PAUSED, which a new cycle never is)
+
+    def _head_event(self) -> object:
+        try:
+            return self.conn.next_event()
+        except h11.RemoteProtocolError as exc:
+            raise _head_error(exc) from None
 
     # ----------------------------------------------------------------------------- plain requests
 
@@ -186,6 +185,7 @@ class _Client:
                 raise
             break
         self._release(up)
+        self.task.count("forwarded")
         return self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE
 
     def _route(self, target: Target, tunnel: bool) -> Route:
@@ -304,17 +304,11 @@ class _Client:
         target = parse_connect(request.target)
         route = self._route(target, tunnel=True)
         upstream, leftover = await self.task.dialer.tunnel(route, target)
+        self.task.count("tunnel")
         try:
             await self._send(h11.Response(status_code=200, reason=b"Connection established", headers=[]))
             early = self.conn.trailing_data[0]  # (a client may send its TLS hello before our answer)
-            with trio.fail_after(self.limits.io_timeout):
-                if early:
-                    await upstream.send_all(early)
-                if leftover:
-                    await self.stream.send_all(leftover)
-            await relay(self.stream, upstream, self.limits.tunnel_idle_timeout)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, trio.TooSlowError):
-            pass
+            await relay(self.stream, upstream, self.limits.tunnel_idle_timeout, (early, leftover))
         finally:
             await trio.aclose_forcefully(upstream)
 
@@ -322,11 +316,10 @@ class _Client:
 
     async def _refuse(self, exc: ProxyError) -> bool:
         """Answer a request the proxy does not forward; True when the connection goes on."""
-        kind = {403: "refused", 407: "auth", 502: "upstream", 504: "upstream"}.get(exc.status, "bad-request")
         if exc.status == 403:
             self.task.count_refused(getattr(exc, "refused", ()))
         else:
-            self.task.note(kind, f"{exc.status}: {exc}")
+            self.task.note(_OUTCOME.get(exc.status, "error"), f"{exc.status}: {exc}")
         if self.conn.our_state is not h11.SEND_RESPONSE:
             return False  # (the answer had begun: nothing more can be said)
         waiting = self.conn.they_are_waiting_for_100_continue
@@ -357,17 +350,18 @@ class _Client:
     async def _drain(self) -> bool:
         """Read and drop the rest of a refused request's body; True when it ended within the limit."""
         left = self.limits.drain_bytes
+        event, self._pending = self._pending, None
         with trio.move_on_after(self.limits.head_timeout):
-            while self.conn.their_state is h11.SEND_BODY:
-                event = self._pending if self._pending is not None else await self._client_event()
-                self._pending = None
+            while True:
                 if isinstance(event, h11.Data):
                     left -= len(event.data)
                     if left < 0:
                         return False
-                elif not isinstance(event, h11.EndOfMessage):
-                    return False
-            return self.conn.their_state is h11.DONE
+                elif event is not None:
+                    return isinstance(event, h11.EndOfMessage) and self.conn.their_state is h11.DONE
+                if self.conn.their_state is not h11.SEND_BODY:
+                    return self.conn.their_state is h11.DONE
+                event = await self._client_event()
         return False
 
     # ------------------------------------------------------------------------------------- the I/O
@@ -385,19 +379,20 @@ class _Client:
 
     async def _client_event(self) -> object:
         """The client's next event while its body is read (bad framing → _Abort; idle → _Abort)."""
-        while True:
-            try:
-                event = self.conn.next_event()
-            except h11.RemoteProtocolError:
-                raise _Abort() from None
-            if event is not h11.NEED_DATA:
-                return event
+        while (event := self._body_event()) is h11.NEED_DATA:
             if self.eof:
                 raise _ClientGone()
-            with trio.move_on_after(self.limits.io_timeout):
+            with trio.move_on_after(self.limits.io_timeout) as waited:
                 self._feed(await self._receive())
-                continue
-            raise _Abort()
+            if waited.cancelled_caught:
+                raise _Abort()
+        return event
+
+    def _body_event(self) -> object:
+        try:
+            return self.conn.next_event()
+        except h11.RemoteProtocolError:
+            raise _Abort() from None
 
     async def _send(self, event: h11.Event) -> None:
         data = self.conn.send(event)
@@ -458,6 +453,11 @@ class _Client:
             raise UpstreamTimeout(f"the destination sent nothing for {self.limits.io_timeout:g} s")
 
 
+_OUTCOME = {400: "bad-request", 403: "refused", 407: "auth", 408: "timeout", 431: "too-large", 502: "upstream",
+            504: "upstream"}
+"""The outcome (ckagent.containment.egress.proxy.taskproxy.OUTCOMES) of each answer of the proxy's own."""
+
+
 def _head_error(exc: h11.RemoteProtocolError) -> ProxyError:
     """h11's verdict on a malformed head as the proxy's answer (431 for a head over the limit)."""
     if exc.error_status_hint == 431 or "too long" in str(exc).lower():
@@ -469,29 +469,3 @@ def _close_soon(up: Upstream) -> None:
     """Close an upstream connection without awaiting (a socket close does not block)."""
     with contextlib.suppress(OSError):
         up.stream.socket.close()
-
-
-async def relay(a: trio.SocketStream, b: trio.SocketStream, idle_timeout: float) -> None:
-    """Bytes both ways between ``a`` and ``b`` until both sides ended (a half-close passes on as a
-    half-close) or a side broke, or nothing moved for ``idle_timeout`` seconds. Never raises for
-    what the peers do; cancellation stops it."""
-    ended = [False, False]
-    with trio.CancelScope(deadline=trio.current_time() + idle_timeout) as scope:
-
-        async def pump(source: trio.SocketStream, sink: trio.SocketStream, index: int) -> None:
-            try:
-                while data := await source.receive_some(BUFFER_BYTES):
-                    scope.deadline = trio.current_time() + idle_timeout
-                    await sink.send_all(data)
-                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    await sink.send_eof()
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                scope.cancel()
-                return
-            ended[index] = True
-            if all(ended):
-                scope.cancel()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(pump, a, b, 0)
-            nursery.start_soon(pump, b, a, 1)

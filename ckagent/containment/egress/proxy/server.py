@@ -45,6 +45,8 @@ class ProxyServer:
         """Task id → its side of the proxy (while its listener is open)."""
         self.errors: collections.Counter[str] = collections.Counter()
         """Connections that ended with an error of the proxy's own (a bug), by exception type."""
+        self.outcomes: collections.Counter[str] = collections.Counter()
+        """Every task's requests since the start, by outcome (:data:`.taskproxy.OUTCOMES`)."""
         self.connections = 0
         """Client connections accepted since the start."""
         self._nursery: trio.Nursery | None = None
@@ -86,6 +88,7 @@ class ProxyServer:
             sock.close()
             raise
         task.port = sock.getsockname()[1]
+        task.totals = self.outcomes
         listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
         scope = trio.CancelScope()
         self.tasks[task.task_id], self._scopes[task.task_id] = task, (scope, listener)
@@ -109,34 +112,41 @@ class ProxyServer:
     async def _serve_task(self, task: TaskProxy, listener: trio.SocketListener, scope: trio.CancelScope) -> None:
         with scope:
             async with listener, trio.open_nursery() as connections:
-                while True:
-                    try:
-                        stream = await listener.accept()
-                    except trio.ClosedResourceError:
-                        return
-                    except OSError as exc:
-                        if exc.errno in _OUT_OF_RESOURCES:
-                            log.warning("egress proxy: cannot accept a connection of task %r (%s); waiting %g s",
-                                        task.task_id, exc, ACCEPT_PAUSE)
-                            await trio.sleep(ACCEPT_PAUSE)
-                            continue
-                        log.warning("egress proxy: the listener of task %r failed (%s)", task.task_id, exc)
-                        return
-                    self.connections += 1
-                    connections.start_soon(self._connection, task, stream)
+                await self._accept(task, listener, connections)
+
+    async def _accept(self, task: TaskProxy, listener: trio.SocketListener, connections: trio.Nursery) -> None:
+        """Accept the task's clients until its listener closes; each a child of ``connections``."""
+        while True:
+            await trio.lowlevel.checkpoint()
+            try:
+                stream = await listener.accept()
+            except trio.ClosedResourceError:
+                return
+            except OSError as exc:
+                if exc.errno not in _OUT_OF_RESOURCES:
+                    log.warning("egress proxy: the listener of task %r failed (%s)", task.task_id, exc)
+                    return
+                log.warning("egress proxy: cannot accept a connection of task %r (%s); waiting %g s",
+                            task.task_id, exc, ACCEPT_PAUSE)
+                await trio.sleep(ACCEPT_PAUSE)
+                continue
+            self.connections += 1
+            connections.start_soon(self._connection, task, stream)
 
     async def _connection(self, task: TaskProxy, stream: trio.SocketStream) -> None:
         """One client connection, inside its error boundary (see the module docstring)."""
         try:
             async with stream:
                 await serve_client(stream, task, self.limits)
-        except BaseException as exc:  # the boundary: only cancellation (and interrupts) pass
-            passing = _passing(exc)
-            if passing is exc:
-                raise
+        except Exception as exc:  # the boundary: a bug of the exchange ends this connection only
             self._count(task, exc)
-            if passing is not None:
-                raise passing from None
+        except BaseExceptionGroup as group:  # errors beside a cancellation: only the cancellation goes on
+            errors, passing = group.split(Exception)
+            if errors is not None:
+                self._count(task, errors)
+            if passing is None:  # pragma: no cover - a group that is no ExceptionGroup holds a BaseException
+                raise
+            raise passing from None
 
     def _count(self, task: TaskProxy, exc: BaseException) -> None:
         kinds = [type(e).__name__ for e in _leaves(exc) if isinstance(e, Exception)]
@@ -151,14 +161,3 @@ def _leaves(exc: BaseException) -> list[BaseException]:
     if isinstance(exc, BaseExceptionGroup):
         return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
     return [exc]
-
-
-def _passing(exc: BaseException) -> BaseException | None:
-    """What of ``exc`` must go on up: the cancellation or interrupt in it (the exception itself, or
-    its group split), None when it holds only errors."""
-    if not isinstance(exc, Exception) and not isinstance(exc, BaseExceptionGroup):
-        return exc  # trio.Cancelled, KeyboardInterrupt, SystemExit
-    if isinstance(exc, BaseExceptionGroup):
-        cancelled, _ = exc.split((trio.Cancelled, KeyboardInterrupt, SystemExit, GeneratorExit))
-        return cancelled
-    return None

@@ -24,6 +24,12 @@ from ckagent.containment.egress.proxy.upstream import Dialer, Pool
 
 log = logging.getLogger("ckagent.containment.egress.proxy")
 
+OUTCOMES = ("forwarded", "tunnel", "refused", "auth", "bad-request", "timeout", "too-large", "upstream", "error")
+"""What becomes of a request at the proxy: answered by its destination (``forwarded``), a CONNECT
+tunnel opened (``tunnel``), or an answer of the proxy's own — 403 ``refused`` by the policy, 407
+``auth``, 400 ``bad-request``, 408 ``timeout``, 431 ``too-large``, 502/504 ``upstream`` — or a
+connection ended by an ``error`` of the proxy's own."""
+
 
 @dataclass
 class TaskProxy:
@@ -41,8 +47,10 @@ class TaskProxy:
     pool: Pool = field(default_factory=Pool)
     refused: collections.Counter[tuple[str, int]] = field(default_factory=collections.Counter)
     """(address, port) → requests refused by the policy."""
-    problems: collections.Counter[str] = field(default_factory=collections.Counter)
-    """kind of trouble (``bad-request``, ``timeout``, ``auth``, ``upstream``, ``error``…) → count."""
+    outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
+    """What became of the task's requests, by :data:`OUTCOMES` → count."""
+    totals: collections.Counter[str] | None = None
+    """The server's counts of every task (set when it listens): :meth:`count` adds to both."""
 
     def url(self) -> str:
         """The task's proxy URL: ``http://<user>:<password>@127.0.0.1:<port>``."""
@@ -65,18 +73,27 @@ class TaskProxy:
         if not ok:
             raise AuthRequired("these proxy credentials are not this task's (each task has its own, in its HTTP_PROXY)")
 
+    def count(self, outcome: str) -> None:
+        """Count one request's outcome (one of :data:`OUTCOMES`)."""
+        self.outcomes[outcome] += 1
+        if self.totals is not None:
+            self.totals[outcome] += 1
+
     def count_refused(self, refused: tuple[tuple[str, int], ...]) -> None:
-        """Count a refused request against each destination it was refused for (logged the first time)."""
+        """Count a refused request, and it against each destination it was refused for (logged the
+        first time)."""
+        self.count("refused")
         for address, port in refused:
             if not self.refused[(address, port)]:
                 shown = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
                 log.warning("task %r: egress policy refused a connection to %s (proxy)", self.task_id, shown)
             self.refused[(address, port)] += 1
 
-    def note(self, kind: str, text: str) -> None:
-        """Count a trouble of ``kind``; the first of each kind is logged, and said in the task's log."""
-        self.problems[kind] += 1
-        if self.problems[kind] == 1:
+    def note(self, outcome: str, text: str) -> None:
+        """Count a trouble (an outcome of :data:`OUTCOMES`); the first of each is logged, and said in
+        the task's log."""
+        self.count(outcome)
+        if self.outcomes[outcome] == 1:
             log.warning("task %r: egress proxy: %s", self.task_id, text)
             if self.notice is not None:
-                self.notice(f"egress proxy: {text} (said once per kind; counted in /status)")
+                self.notice(f"egress proxy: {text} (said once; /status counts them)")
