@@ -496,6 +496,8 @@ HOSTS: list[tuple[str, tuple[int, ...]]] = [
     ("a" * 64 + ".invalid", (400,)),
     (".".join(["a" * 63] * 4)[:254], (400,)),  # 254 characters: one over DNS's limit
     ("a%00b.invalid", (400,)),
+    ("a b.invalid", (400,)),
+    ("a\tb.invalid", (400,)),
     ("%31%32%37.0.0.3", (400,)),
     ("[::1", (400,)),
     ("::1", (400,)),
@@ -975,10 +977,24 @@ async def test_an_agent_serves_on_while_its_spider_sends_the_worst_to_its_proxy(
                 with trio.fail_after(10):
                     await STATUS_CASES[name](raw)
             await _healthz(status_port)
+        # Hostile paths to the status page's task routes: answered (never a file outside the task's).
+        for path, statuses in [(f"/tasks/{task_id}/artifacts/..%2f..%2f..%2f..%2fetc%2fpasswd", {404}),
+                               (f"/tasks/{task_id}/artifacts/%2fetc%2fpasswd", {404}),
+                               (f"/tasks/{task_id}/artifacts/../../agent.yaml", {404}),
+                               ("/tasks/%00/log.txt", {404}), ("/tasks/..%2f..%2f/log.txt", {404}),
+                               (f"/tasks/{task_id}/log.txt", {200}), ("/" + "x" * 8000, {404, 414, 431})]:
+            async with Raw.open(status_port) as raw:
+                await raw.send(f"GET {path} HTTP/1.1\r\nHost: agent\r\n\r\n".encode())
+                with trio.fail_after(10):
+                    answer = await raw.answer()
+            assert answer is not None and answer.status in statuses, (path, answer)
+            assert b"root:" not in answer.body, (path, answer)
+        await _healthz(status_port)
         agent.signal(signal.SIGTERM)
         assert await wait_exit(agent, 30) == 0
     lines = await admin.get_logs(task_id)
     assert task["status"] == "SUCCESS", (task, lines[-30:])
+    assert "Traceback" not in agent.log_text(), agent.log_text()[-4000:]
     answers = [line for line in lines if line.split(" ")[0] in ("garbage", "empty-label", "long-label", "idle",
                                                                 "connect-empty-label", "bad-idna", "huge-head",
                                                                 "denied", "good")]
