@@ -29,7 +29,7 @@ from ckagent.containment.egress.proxy.exchange import Limits
 from ckagent.containment.egress.proxy.routes import PROXY_VARIABLES, Routes, routes_from_env
 from ckagent.containment.egress.proxy.server import ProxyServer
 from ckagent.containment.egress.proxy.taskproxy import TaskProxy
-from ckagent.containment.egress.proxy.upstream import Dialer, system_resolve
+from ckagent.containment.egress.proxy.upstream import Dialer, Resolve, system_resolve
 
 __all__ = [
     "PROXY_VARIABLES",
@@ -37,6 +37,7 @@ __all__ = [
     "Limits",
     "ProxyError",
     "ProxyServer",
+    "Resolve",
     "Routes",
     "TaskProxy",
     "routes_from_env",

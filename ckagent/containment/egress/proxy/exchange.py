@@ -64,6 +64,9 @@ class Limits:
     max_head_bytes: int = 65536
     max_headers: int = 256
     drain_bytes: int = 1048576
+    max_connections: int = 512
+    """Client connections one task may hold open at once; one more is answered 503 and closed (a
+    spider that floods its proxy with connections must not take the agent's file descriptors)."""
 
 
 class _ClientGone(Exception):
@@ -166,7 +169,7 @@ class _Client:
         for attempt in (0, 1):
             up = await self._upstream(route, target)
             extra = route.proxy_authorization() if up.absolute else ()
-            line_target = request.target if up.absolute else path
+            line_target = b"http://" + target.host_header() + path if up.absolute else path
             out = h11.Request(method=request.method, target=line_target,
                               headers=forwarded_headers(headers, target.host_header(), extra))
             try:
@@ -443,6 +446,10 @@ class _Client:
                     if up.reused:
                         raise _Stale() from None
                     raise UpstreamError("the destination reset the connection") from None
+                if not data and not started and not conn.trailing_data[0]:  # closed before a byte of answer
+                    if up.reused:
+                        raise _Stale()
+                    raise UpstreamError("the destination closed the connection without answering")
                 try:
                     conn.receive_data(data)
                 except RuntimeError:

@@ -12,6 +12,7 @@ Cancellation: cancelling :meth:`run` closes every listener and connection.
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import logging
 import socket
@@ -27,6 +28,11 @@ if sys.version_info < (3, 11):  # pragma: no cover - the backport trio depends o
     from exceptiongroup import BaseExceptionGroup
 
 log = logging.getLogger("ckagent.containment.egress.proxy")
+
+_BUSY_TEXT = b"too many connections of this task to its egress proxy\n"
+BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\nconnection: close\r\n"
+        b"content-length: %d\r\n\r\n%s" % (len(_BUSY_TEXT), _BUSY_TEXT))
+"""The answer to a connection over the task's limit (:attr:`Limits.max_connections`)."""
 
 ACCEPT_PAUSE = 0.1
 """Seconds the accept loop waits when the process is out of file descriptors (as trio's serve_listeners)."""
@@ -131,10 +137,28 @@ class ProxyServer:
                 await trio.sleep(ACCEPT_PAUSE)
                 continue
             self.connections += 1
+            if task.open_connections >= self.limits.max_connections:
+                connections.start_soon(self._busy, task, stream)
+                continue
+            task.open_connections += 1
             connections.start_soon(self._connection, task, stream)
+
+    async def _busy(self, task: TaskProxy, stream: trio.SocketStream) -> None:
+        """A connection over the task's limit: 503 and closed at once, without reading it."""
+        task.note("busy", f"503 to a client: the task holds {self.limits.max_connections} connections to its "
+                          "proxy already (its limit); the new one is closed")
+        with trio.move_on_after(1.0), contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            await stream.send_all(BUSY)
+        await trio.aclose_forcefully(stream)
 
     async def _connection(self, task: TaskProxy, stream: trio.SocketStream) -> None:
         """One client connection, inside its error boundary (see the module docstring)."""
+        try:
+            await self._serve(task, stream)
+        finally:
+            task.open_connections -= 1
+
+    async def _serve(self, task: TaskProxy, stream: trio.SocketStream) -> None:
         try:
             async with stream:
                 await serve_client(stream, task, self.limits)

@@ -24,11 +24,12 @@ from ckagent.containment.egress.proxy.upstream import Dialer, Pool
 
 log = logging.getLogger("ckagent.containment.egress.proxy")
 
-OUTCOMES = ("forwarded", "tunnel", "refused", "auth", "bad-request", "timeout", "too-large", "upstream", "error")
+OUTCOMES = ("forwarded", "tunnel", "refused", "auth", "bad-request", "timeout", "too-large", "upstream", "busy",
+            "error")
 """What becomes of a request at the proxy: answered by its destination (``forwarded``), a CONNECT
 tunnel opened (``tunnel``), or an answer of the proxy's own — 403 ``refused`` by the policy, 407
-``auth``, 400 ``bad-request``, 408 ``timeout``, 431 ``too-large``, 502/504 ``upstream`` — or a
-connection ended by an ``error`` of the proxy's own."""
+``auth``, 400 ``bad-request``, 408 ``timeout``, 431 ``too-large``, 502/504 ``upstream``, 503 ``busy``
+(a connection over the task's limit) — or a connection ended by an ``error`` of the proxy's own."""
 
 
 @dataclass
@@ -49,6 +50,8 @@ class TaskProxy:
     """(address, port) → requests refused by the policy."""
     outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
     """What became of the task's requests, by :data:`OUTCOMES` → count."""
+    open_connections: int = 0
+    """Client connections of the task open now."""
     totals: collections.Counter[str] | None = None
     """The server's counts of every task (set when it listens): :meth:`count` adds to both."""
 

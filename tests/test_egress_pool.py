@@ -1,0 +1,94 @@
+"""The egress proxy's connections towards destinations: one kept-alive connection carries a task's
+requests to one destination, one closed by its server while idle is never used again, and a task's
+connections are its own (issue 34, item 1: "an upstream connection pool per destination").
+"""
+
+from __future__ import annotations
+
+import httpx
+import trio
+import trio.testing
+from harness import IdentityOrigin
+
+from ckagent.containment.egress import open_egress, parse_text
+from ckagent.containment.egress.proxy import Limits
+
+
+async def _proxy_url(nursery: trio.Nursery, task_id: str) -> str:
+    egress = open_egress("proxy", None, "ckagent_pool_test", parse_text("metadata,link-local", ""))
+    await nursery.start(egress.serve)
+    rules = await trio.to_thread.run_sync(egress.attach, None, task_id)
+    return egress.task_env(rules)["HTTP_PROXY"]
+
+
+async def test_a_keep_alive_client_costs_one_connection_per_destination(nursery: trio.Nursery) -> None:
+    a, b = IdentityOrigin("127.0.0.2"), IdentityOrigin("127.0.0.3")
+    await nursery.start(a.serve)
+    await nursery.start(b.serve)
+    url = await _proxy_url(nursery, "pool-1")
+    with trio.fail_after(20):
+        async with httpx.AsyncClient(proxy=url) as client:
+            for i in range(20):
+                origin = a if i % 3 else b
+                answer = await client.get(f"http://{origin.host}:{origin.port}/{i}")
+                assert answer.json()["host"] == origin.host
+    assert (a.connections, b.connections) == (1, 1)
+    assert len(a.seen) + len(b.seen) == 20
+
+
+async def test_a_connection_its_server_closed_while_idle_is_not_used_again(nursery: trio.Nursery) -> None:
+    origin = IdentityOrigin("127.0.0.2", close_after_answer=True)
+    await nursery.start(origin.serve)
+    url = await _proxy_url(nursery, "pool-2")
+    with trio.fail_after(20):
+        async with httpx.AsyncClient(proxy=url) as client:
+            answers = []
+            for i in range(5):
+                answers.append(await client.get(f"http://127.0.0.2:{origin.port}/{i}"))
+    assert [a.status_code for a in answers] == [200] * 5
+    assert [a.json()["connection"] for a in answers] == [1, 2, 3, 4, 5]
+
+
+async def test_two_tasks_never_share_a_connection(nursery: trio.Nursery) -> None:
+    origin = IdentityOrigin("127.0.0.2")
+    await nursery.start(origin.serve)
+    egress = open_egress("proxy", None, "ckagent_pool_test", parse_text("metadata,link-local", ""))
+    await nursery.start(egress.serve)
+    urls = []
+    for task_id in ("pool-a", "pool-b"):
+        rules = await trio.to_thread.run_sync(egress.attach, None, task_id)
+        urls.append(egress.task_env(rules)["HTTP_PROXY"])
+    for url in urls * 2:
+        with trio.fail_after(20):
+            async with httpx.AsyncClient(proxy=url) as client:
+                await client.get(f"http://127.0.0.2:{origin.port}/")
+    assert origin.connections == 2
+
+
+async def test_a_task_holding_its_limit_of_connections_gets_503_for_one_more(nursery: trio.Nursery) -> None:
+    """A spider that floods its proxy with connections gets 503 for those over its limit, not the
+    agent's file descriptors; a connection freed is a connection it may open again."""
+    origin = IdentityOrigin("127.0.0.2")
+    await nursery.start(origin.serve)
+    egress = open_egress("proxy", None, "ckagent_pool_test", parse_text("metadata,link-local", ""))
+    await nursery.start(egress.serve)
+    assert egress.server is not None
+    egress.server.limits = Limits(max_connections=3)
+    rules = await trio.to_thread.run_sync(egress.attach, None, "flood")
+    port = egress.proxy_port(rules)
+    with trio.fail_after(20):
+        held = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(3)]
+        extra = await trio.open_tcp_stream("127.0.0.1", port)
+        answer = b""
+        while chunk := await extra.receive_some(4096):
+            answer += chunk
+        await extra.aclose()
+        await held.pop().aclose()
+        await trio.testing.wait_all_tasks_blocked()  # (the proxy has seen that close)
+        async with httpx.AsyncClient(proxy=egress.task_env(rules)["HTTP_PROXY"]) as client:
+            served = await client.get(f"http://127.0.0.2:{origin.port}/")
+        for stream in held:
+            await stream.aclose()
+    assert answer.startswith(b"HTTP/1.1 503") and b"too many connections" in answer
+    assert served.status_code == 200
+    assert egress.proxy_outcomes(rules) == {"busy": 1, "forwarded": 1}
