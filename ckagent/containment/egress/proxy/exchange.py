@@ -24,6 +24,7 @@ still guards against bugs). Cancellation: the connection and its upstream are cl
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import h11
@@ -67,6 +68,10 @@ class Limits:
     max_connections: int = 512
     """Client connections one task may hold open at once; one more is answered 503 and closed (a
     spider that floods its proxy with connections must not take the agent's file descriptors)."""
+
+
+MAX_INTERIM = 32
+"""1xx answers a destination may send before its final one (more: 502)."""
 
 
 class _ClientGone(Exception):
@@ -147,6 +152,9 @@ class _Client:
         if isinstance(event, h11.Request):
             if len(event.headers) > self.limits.max_headers:
                 raise HeadTooLarge(f"more than {self.limits.max_headers} header fields")
+            size = len(event.method) + len(event.target) + sum(len(n) + len(v) + 4 for n, v in event.headers.raw_items())
+            if size > self.limits.max_head_bytes:  # (h11 checks only a head that is not complete yet)
+                raise HeadTooLarge("the request head is over the size limit")
             return event
         return None  # ConnectionClosed (or PAUSED, which a new cycle never is)
 
@@ -216,7 +224,10 @@ class _Client:
         """True when the request has no body (its end is already here): it goes up in one piece."""
         if self.conn.their_state is not h11.SEND_BODY:
             return True
-        event = self.conn.next_event()  # (only what is buffered: NEED_DATA when the body must be read)
+        try:
+            event = self.conn.next_event()  # (only what is buffered: NEED_DATA when the body must be read)
+        except h11.RemoteProtocolError as exc:
+            raise BadRequest(f"malformed request body: {exc}") from None
         if isinstance(event, h11.EndOfMessage):
             return True
         if event is not h11.NEED_DATA:
@@ -226,11 +237,15 @@ class _Client:
     async def _answer(self, up: Upstream) -> None:
         """Relay the destination's answer (1xx, head, body) to the client."""
         started = False
+        interim = 0
         while True:
             event = await self._up_event(up, started)
             if isinstance(event, h11.InformationalResponse):
+                interim += 1
                 if event.status_code == 101:
                     raise _Abort() if started else UpstreamError("the destination switched protocols unasked")
+                if interim > MAX_INTERIM:
+                    raise UpstreamError(f"the destination sent more than {MAX_INTERIM} 1xx answers")
                 await self._send(h11.InformationalResponse(status_code=event.status_code,
                                                            headers=returned_headers(event.headers.raw_items()),
                                                            reason=event.reason))
@@ -250,26 +265,27 @@ class _Client:
 
     async def _answer_with_body(self, up: Upstream) -> None:
         """Stream the request's body up while relaying the answer down (a destination may answer
-        before the body ends: the body is then cut and the client's connection closed)."""
-        failure: list[BaseException] = []
+        before the body ends: the body is then cut and the client's connection closed). Raises what
+        either side met (the answer's trouble first), never a group."""
+        failures: list[Exception] = []
 
-        async def body_up(scope: trio.CancelScope) -> None:
+        async def side(work: Callable[[Upstream], Awaitable[None]], scope: trio.CancelScope, last: bool) -> None:
             try:
-                await self._request_body(up)
+                await work(up)
             except (ProxyError, _ClientGone, _Abort, _Stale) as exc:
-                failure.append(exc)
+                failures.insert(0, exc) if last else failures.append(exc)
                 scope.cancel()
+            else:
+                if last:  # (the answer is complete: a body still coming is not needed)
+                    scope.cancel()
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(body_up, nursery.cancel_scope)
-            try:
-                await self._answer(up)
-            except _Stale:
+            nursery.start_soon(side, self._request_body, nursery.cancel_scope, False)
+            nursery.start_soon(side, self._answer, nursery.cancel_scope, True)
+        if failures:
+            if isinstance(failures[0], _Stale):
                 raise UpstreamError("the destination closed the connection without answering") from None
-            finally:
-                nursery.cancel_scope.cancel()
-        if failure:
-            raise failure[0]
+            raise failures[0]
 
     async def _request_body(self, up: Upstream) -> None:
         """The client's body, event by event, to the destination."""
@@ -318,7 +334,8 @@ class _Client:
     # ------------------------------------------------------------------------------- our answers
 
     async def _refuse(self, exc: ProxyError) -> bool:
-        """Answer a request the proxy does not forward; True when the connection goes on."""
+        """Answer a request the proxy does not forward; True when the connection goes on. Never
+        raises (it runs in an ``except`` clause of :meth:`serve`, whose siblings would not catch)."""
         if exc.status == 403:
             self.task.count_refused(getattr(exc, "refused", ()))
         else:
@@ -332,7 +349,10 @@ class _Client:
             return False
         if not exc.keep_alive or waiting:
             return False
-        return await self._drain()
+        try:
+            return await self._drain()
+        except (_ClientGone, _Abort):  # (a body that breaks while it is dropped ends the connection)
+            return False
 
     async def _answer_and_close(self, exc: ProxyError) -> None:
         if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
