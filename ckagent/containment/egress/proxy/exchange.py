@@ -31,13 +31,14 @@ import h11
 import trio
 
 from ckagent.containment.egress.proxy.errors import (
-    REASONS,
     BadRequest,
+    ChainRefused,
     HeadTimeout,
     HeadTooLarge,
     ProxyError,
     UpstreamError,
     UpstreamTimeout,
+    reason,
 )
 from ckagent.containment.egress.proxy.relay import BUFFER_BYTES, relay
 from ckagent.containment.egress.proxy.routes import Route, Unusable
@@ -336,7 +337,9 @@ class _Client:
     async def _refuse(self, exc: ProxyError) -> bool:
         """Answer a request the proxy does not forward; True when the connection goes on. Never
         raises (it runs in an ``except`` clause of :meth:`serve`, whose siblings would not catch)."""
-        if exc.status == 403:
+        if isinstance(exc, ChainRefused):
+            self.task.note("upstream", f"{exc.status}: {exc}")
+        elif exc.status == 403:
             self.task.count_refused(getattr(exc, "refused", ()))
         else:
             self.task.note(_OUTCOME.get(exc.status, "error"), f"{exc.status}: {exc}")
@@ -366,7 +369,7 @@ class _Client:
             headers.append((b"proxy-authenticate", b'Basic realm="ckagent task"'))
         if close:
             headers.append((b"connection", b"close"))
-        await self._send(h11.Response(status_code=exc.status, reason=REASONS[exc.status].encode(), headers=headers))
+        await self._send(h11.Response(status_code=exc.status, reason=reason(exc.status).encode(), headers=headers))
         await self._send(h11.Data(data=body))
         await self._send(h11.EndOfMessage())
 
@@ -481,7 +484,7 @@ class _Client:
 
 
 _OUTCOME = {400: "bad-request", 403: "refused", 407: "auth", 408: "timeout", 431: "too-large", 502: "upstream",
-            504: "upstream"}
+            504: "upstream", 503: "upstream"}
 """The outcome (ckagent.containment.egress.proxy.taskproxy.OUTCOMES) of each answer of the proxy's own."""
 
 
