@@ -458,29 +458,7 @@ CLIENT_CASES: dict[str, Callable[[ProxyUnderTest, Raw], Awaitable[None]]] = {
 }
 
 
-KNOWN_DEFECTS = {
-    "chunked: size not hex": "a bad chunk header that arrives with the head escapes _body_is_empty as "
-                             "h11.RemoteProtocolError: a bare close, not 400, and counted as a bug of the proxy's own",
-    "chunked: size overflows": "as 'chunked: size not hex'",
-    "flood": "each 1xx an upstream sends restarts io_timeout and is passed on: 1xx without end hold the "
-             "request forever",
-    "flood, with a body": "as 'flood'",
-    **{f"{fault}, with a body": "with a request body the answer is awaited in a nursery (_answer_with_body): "
-       "its UpstreamError/UpstreamTimeout come out in an ExceptionGroup that serve() does not catch: a bare "
-       "close, not 502/504, counted as a bug of the proxy's own" for fault in ("garbage", "huge-head", "never")},
-    **{f"{fault}, with a body": "as 'garbage, with a body' (_Abort in the ExceptionGroup: the client's answer "
-       "is cut short as it must be, but the connection is counted as a bug of the proxy's own)"
-       for fault in ("reset", "short", "bad-chunks")},
-    "Expect: 100-continue, no body": "as 'never, with a body' when the destination's io_timeout fires before "
-                                     "the client's (a race: not strict)",
-    "huge head, read at once": "h11 checks max_incomplete_event_size only while a head is incomplete: a head "
-                               "over max_head_bytes that one read (BUFFER_BYTES, 256 KiB) brings whole is accepted "
-                               "and forwarded",
-    "huge head (100 KB)": "as 'huge head, read at once' when the proxy's reads happen to bring it whole (not strict)",
-    "refused, with a bad chunked body": "an h11 error while the refused request's body is drained (_refuse) "
-                                        "leaves serve(): no 403, a bare close, counted as a bug of the proxy's own",
-    "wrong secret, with a bad chunked body": "as 'refused, with a bad chunked body' (the 407 is sent first)",
-}
+KNOWN_DEFECTS: dict[str, str] = {}
 """Cases that fail on the proxy as merged, reported to its owner (strict: a fix turns them into errors
 until this list is updated)."""
 
@@ -755,8 +733,6 @@ async def _one(proxy: ProxyUnderTest, data: bytes) -> None:
     proxy.assert_nothing_escaped()
 
 
-@pytest.mark.xfail(strict=True, reason="hypothesis finds b'! http://0 HTTP/0.0\\nTransfer-Encoding:chunked\\n\\n' "
-                   "then FIN: as 'refused, with a bad chunked body' (_Abort out of serve_client)")
 async def test_fuzz_the_request_boundary(fuzz_proxy: ProxyUnderTest, caplog: pytest.LogCaptureFixture) -> None:
     """Arbitrary bytes, and valid requests mutated (framing, separators, hostile headers and hosts):
     the proxy never raises out of a connection handler and keeps serving, example after example."""
