@@ -122,3 +122,22 @@ async def test_a_tasks_proxy_port_is_an_agents_port_for_every_agent_on_the_host(
     assert port in theirs.agent_ports()
     await trio.to_thread.run_sync(ours.detach, mine)
     assert port not in theirs.agent_ports()
+
+
+async def test_the_task_log_says_at_its_end_what_the_proxy_answered_itself(nursery: trio.Nursery) -> None:
+    origin = IdentityOrigin("127.0.0.2")
+    await nursery.start(origin.serve)
+    egress = open_egress("proxy", None, "ckagent_pool_test", parse_text("metadata,link-local", ""))
+    await nursery.start(egress.serve)
+    rules = await trio.to_thread.run_sync(egress.attach, None, "summary")
+    notes: list[str] = []
+    url = egress.task_env(rules, {}, notes.append)["HTTP_PROXY"]
+    with trio.fail_after(20):
+        async with httpx.AsyncClient(proxy=url) as client:
+            for path in ("a", "b"):
+                await client.get(f"http://127.0.0.2:{origin.port}/{path}")
+            for _ in range(3):
+                assert (await client.get("http://a..b/")).status_code == 400
+    await trio.to_thread.run_sync(egress.detach, rules)
+    assert len([n for n in notes if "a..b" in n]) == 1  # (said once while it runs)
+    assert notes[-1] == "egress proxy: 2 requests forwarded; answered by the proxy: 400 bad-request ×3"
