@@ -61,13 +61,22 @@ from ckagent.containment.egress.proxy import (
 )
 from ckagent.containment.egress.table import (
     NFT_CGROUP_ROOT,
+    AgentPorts,
     EgressTable,
     Refusal,
     TaskRules,
     remove_orphans,
     table_name,
 )
-from ckagent.node.egress_policy import DEFAULT_DENY, GROUPS, EgressPolicy, PolicyError, parse_text
+from ckagent.node.agentports import PortRegistry
+from ckagent.node.egress_policy import (
+    DEFAULT_DENY,
+    GROUPS,
+    EgressPolicy,
+    PolicyError,
+    is_this_host,
+    parse_text,
+)
 from ckagent.node.levels import AUTO, Blocker, EgressLevel, Judged, Unavailable, decide
 
 if TYPE_CHECKING:  # (the containment imports Trio: the protocol module imports this package's policy)
@@ -114,17 +123,19 @@ def report_refusals(task_id: str, refused: list[Refusal], notice: Callable[[str]
         notice(line)
 
 
-class Egress:
+class Egress(AgentPorts):
     """The node's egress level (see module docstring). ``level`` the level; ``details`` one line for
     the log and /status; ``policy`` the node's default policy; ``passed_over`` the stronger levels
     this node did not get, each with why (set by :func:`open_egress`)."""
 
     def __init__(self, level: EgressLevel, details: str, policy: EgressPolicy, *, table: EgressTable | None = None,
                  v2_root: Path | None = None, agent_port: int | None = None,
-                 resolvers: tuple[tuple[str, int], ...] = (), work_dir: Path | None = None) -> None:
+                 resolvers: tuple[tuple[str, int], ...] = (), work_dir: Path | None = None,
+                 registry: PortRegistry | None = None) -> None:
         self.level, self.details, self.policy = level, details, policy
         self.passed_over: tuple[Unavailable, ...] = ()
         self.table, self.v2_root, self.agent_port, self.resolvers = table, v2_root, agent_port, resolvers
+        self.registry = registry
         self.server: ProxyServer | None = ProxyServer() if level.uses_proxy else None
         """At the ``proxy`` level: the forward proxy (:mod:`.proxy`), served by :meth:`serve`."""
         self._proxied: dict[str, TaskProxy] = {}
@@ -163,6 +174,9 @@ class Egress:
                 where = f"127.0.0.1:{proxy_port}" if proxy_port else "127.0.0.1"
                 raise EgressError(f"egress: cannot listen for task {task_id}'s proxy on {where} ({exc})") from exc
             self._proxied[user] = task
+            if self.registry is not None:  # other agents' tasks must not reach it (the agent group)
+                with contextlib.suppress(ValueError):
+                    self.registry.register([task.port])
             return TaskRules(task_id, "", user, policy)
         if self.table is None:
             return None
@@ -172,6 +186,7 @@ class Egress:
         if path is None:
             raise EgressError(f"egress: the task's jail ({jail.level}) has no cgroup in the v2 tree to filter")
         policy = self.effective(task_policy)
+        self.refresh_agent_ports()  # (agents that came or went since the last task)
         try:
             return self.table.add(task_id, str(path.relative_to(NFT_CGROUP_ROOT)), policy, self.agent_port,
                                   self.resolvers, pin=task_policy is None)  # (the node's: most tasks')
@@ -182,9 +197,9 @@ class Egress:
         """The proxy's check of one address: True when ``policy`` denies ``address``:``port``, or it is
         the proxy's own listener (a request to itself would loop)."""
         local = _is_local(address)
-        if local and self.server is not None and port in self.server.ports:
+        if self.server is not None and port in self.server.ports and (local or is_this_host(address)):
             return True
-        return policy.blocks(address, port, agent_port=self.agent_port, local=local)
+        return policy.blocks(address, port, agent_ports=self.agent_ports(), local=local)
 
     def proxy_port(self, rules: TaskRules | None) -> int:
         """The port of the task's proxy listener (0: none; the ``proxy`` level only)."""
@@ -213,9 +228,12 @@ class Egress:
     def detach(self, rules: TaskRules | None, refused: list[Refusal] | None = None) -> None:
         """Remove the task's rules (blocking; before its cgroup goes): at ``proxy`` its listener, its
         connections and its pool close. Never raises; callable from a worker thread or the Trio thread."""
-        if rules is not None and self._proxied.pop(rules.chain, None) is not None and self.server is not None:
+        task = self._proxied.pop(rules.chain, None) if rules is not None else None
+        if task is not None and self.server is not None:
             with contextlib.suppress(RuntimeError, trio.RunFinishedError):
-                _on_trio_thread(self.server.close, rules.task_id)
+                _on_trio_thread(self.server.close, task.task_id)
+            if self.registry is not None:
+                self.registry.unregister([task.port])
         if rules is None or self.table is None:
             return
         try:
@@ -266,9 +284,13 @@ class Egress:
         return {"level": self.level.value, "details": self.details, "policy": self.policy.describe(),
                 "deny": wire["deny"], "allow": wire["allow"]}
 
-    def close(self) -> None:
-        """Delete the agent's table (the tasks are gone). Never raises."""
-        if self.table is not None:
+    def close(self, handed: int = 0) -> None:
+        """Delete the agent's table (the tasks are gone; unless ``handed`` tasks were left running for
+        the next agent: their rules stay in force) and its entry in the registry. Never raises."""
+        self.leave()
+        if handed:
+            log.info("egress: the table stays for the %d task(s) left running", handed)
+        elif self.table is not None:
             with contextlib.suppress(NftError):
                 self.table.close()
             self.table = None
@@ -328,7 +350,7 @@ def _proxy_user(task_id: str) -> str:
 
 def open_egress(setting: str | EgressLevel, containment: Containment | None, group_name: str, policy: EgressPolicy,
                 *, agent_port: int | None = None, nft: Nft | None = None, probe: bool = True,
-                work_dir: Path | None = None) -> Egress:
+                work_dir: Path | None = None, registry: PortRegistry | None = None) -> Egress:
     """The egress level for this agent: ``setting`` ``auto`` or a level (or its text), decided by
     :func:`~ckagent.node.levels.decide` (as :func:`judge_egress` does); the result's ``passed_over``
     lists the stronger levels not had, each with its :class:`~ckagent.node.levels.Blocker`.
@@ -337,7 +359,8 @@ def open_egress(setting: str | EgressLevel, containment: Containment | None, gro
     connects to a loopback socket of the agent and must be refused). ``work_dir`` (the agent's) is
     written into the table's comment; the tables of other work dirs that no longer exist (a removed
     test directory, an uninstalled agent killed before its stop) are deleted: no agent can come back
-    for their tasks. Logs one line naming the level.
+    for their tasks. ``registry``: the host's agents' ports (:mod:`ckagent.node.agentports`), refused
+    with ``agent_port`` where the ``agent`` group is denied. Logs one line naming the level.
     Raises EgressError when a forced level cannot be used (the message says why, its ``blocker`` in
     a word); ``auto`` never raises (it falls back to ``proxy``).
     """
@@ -348,11 +371,12 @@ def open_egress(setting: str | EgressLevel, containment: Containment | None, gro
 
     def attempt(level: EgressLevel) -> Egress:
         if level is EgressLevel.NFTABLES:
-            return _open_nftables(group, where, group_name, policy, agent_port, nft, probe, resolvers, work_dir)
+            return _open_nftables(group, where, group_name, policy, agent_port, nft, probe, resolvers, work_dir,
+                                  registry)
         if level is EgressLevel.PROXY:
             return Egress(EgressLevel.PROXY, PROXY_DETAILS, policy, agent_port=agent_port, resolvers=resolvers,
-                          work_dir=work_dir)
-        return Egress(EgressLevel.OFF, "no network policy (task.egress: off)", EgressPolicy())
+                          work_dir=work_dir, registry=registry)
+        return Egress(EgressLevel.OFF, "no network policy (task.egress: off)", EgressPolicy(), registry=registry)
 
     egress, passed_over = decide(forced, AUTO_ORDER, attempt, setting="task.egress", error=EgressError)
     egress.passed_over = passed_over
@@ -409,7 +433,8 @@ def _parse_setting(setting: str | EgressLevel) -> EgressLevel | None:
 
 def _open_nftables(group: Path | None, where: str, group_name: str, policy: EgressPolicy,
                    agent_port: int | None, nft: Nft | None, probe: bool,
-                   resolvers: tuple[tuple[str, int], ...], work_dir: Path | None = None) -> Egress:
+                   resolvers: tuple[tuple[str, int], ...], work_dir: Path | None = None,
+                   registry: PortRegistry | None = None) -> Egress:
     """The ``nftables`` level for task cgroups below ``group`` (the containment's, at level ``where``)."""
     if group is None:
         raise EgressError(f"the tasks have no cgroup in a cgroup v2 tree (containment {where})", Blocker.NO_TASK_CGROUP)
@@ -421,7 +446,7 @@ def _open_nftables(group: Path | None, where: str, group_name: str, policy: Egre
     create_table(table)
     egress = Egress(EgressLevel.NFTABLES, f"nftables table inet {table.name} ({backend.kind}), task cgroups at "
                     f"level {depth} below {group}", policy, table=table, v2_root=point,
-                    agent_port=agent_port, resolvers=resolvers)
+                    agent_port=agent_port, resolvers=resolvers, registry=registry)
     if probe:
         try:
             run_probe(table, group)
