@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 import h11
 import trio
@@ -40,6 +39,7 @@ from ckagent.containment.egress.proxy.errors import (
     UpstreamTimeout,
     reason,
 )
+from ckagent.containment.egress.proxy.limits import MAX_INTERIM, Limits
 from ckagent.containment.egress.proxy.relay import BUFFER_BYTES, relay
 from ckagent.containment.egress.proxy.routes import Route, Unusable
 from ckagent.containment.egress.proxy.target import (
@@ -52,27 +52,6 @@ from ckagent.containment.egress.proxy.target import (
 )
 from ckagent.containment.egress.proxy.taskproxy import TaskProxy
 from ckagent.containment.egress.proxy.upstream import Upstream
-
-
-@dataclass(frozen=True)
-class Limits:
-    """The proxy's limits (seconds and bytes; see the module docstring)."""
-
-    idle_timeout: float = 30.0
-    keepalive_timeout: float = 120.0
-    head_timeout: float = 30.0
-    io_timeout: float = 300.0
-    tunnel_idle_timeout: float = 900.0
-    max_head_bytes: int = 65536
-    max_headers: int = 256
-    drain_bytes: int = 1048576
-    max_connections: int = 512
-    """Client connections one task may hold open at once; one more is answered 503 and closed (a
-    spider that floods its proxy with connections must not take the agent's file descriptors)."""
-
-
-MAX_INTERIM = 32
-"""1xx answers a destination may send before its final one (more: 502)."""
 
 
 class _ClientGone(Exception):

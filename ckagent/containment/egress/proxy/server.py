@@ -21,7 +21,8 @@ from typing import Any
 
 import trio
 
-from ckagent.containment.egress.proxy.exchange import Limits, serve_client
+from ckagent.containment.egress.proxy.exchange import serve_client
+from ckagent.containment.egress.proxy.limits import Limits
 from ckagent.containment.egress.proxy.taskproxy import TaskProxy
 
 if sys.version_info < (3, 11):  # pragma: no cover - the backport trio depends on there
