@@ -5,6 +5,8 @@ connections are its own (issue 34, item 1: "an upstream connection pool per dest
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import trio
 import trio.testing
@@ -12,6 +14,7 @@ from harness import IdentityOrigin
 
 from ckagent.containment.egress import open_egress, parse_text
 from ckagent.containment.egress.proxy import Limits
+from ckagent.node.agentports import PortRegistry
 
 
 async def _proxy_url(nursery: trio.Nursery, task_id: str) -> str:
@@ -92,3 +95,49 @@ async def test_a_task_holding_its_limit_of_connections_gets_503_for_one_more(nur
     assert answer.startswith(b"HTTP/1.1 503") and b"too many connections" in answer
     assert served.status_code == 200
     assert egress.proxy_outcomes(rules) == {"busy": 1, "forwarded": 1}
+
+
+async def test_a_tasks_proxy_port_is_an_agents_port_for_every_agent_on_the_host(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """Another agent's task must not reach this agent's task listeners (it would be served as that
+    task): each is in the host's registry of agents' ports while the task runs, and the `agent`
+    group refuses it; it leaves the registry with the task."""
+    origin = IdentityOrigin("127.0.0.2")
+    await nursery.start(origin.serve)
+    ours = open_egress("proxy", None, "ckagent_pool_a", parse_text("metadata,link-local,agent", ""),
+                       registry=PortRegistry(tmp_path / "ports", work_dir=tmp_path / "a"))
+    theirs = open_egress("proxy", None, "ckagent_pool_b", parse_text("metadata,link-local,agent", ""),
+                         registry=PortRegistry(tmp_path / "ports", work_dir=tmp_path / "b", liveness_interval=0))
+    await nursery.start(ours.serve)
+    await nursery.start(theirs.serve)
+    mine = await trio.to_thread.run_sync(ours.attach, None, "ours")
+    other = await trio.to_thread.run_sync(theirs.attach, None, "theirs")
+    port = ours.proxy_port(mine)
+    with trio.fail_after(20):
+        async with httpx.AsyncClient(proxy=theirs.task_env(other)["HTTP_PROXY"]) as client:
+            refused = await client.get(f"http://127.0.0.1:{port}/")
+            fine = await client.get(f"http://127.0.0.2:{origin.port}/")
+    assert (refused.status_code, fine.status_code) == (403, 200)
+    assert port in theirs.agent_ports()
+    await trio.to_thread.run_sync(ours.detach, mine)
+    assert port not in theirs.agent_ports()
+
+
+async def test_the_task_log_says_at_its_end_what_the_proxy_answered_itself(nursery: trio.Nursery) -> None:
+    origin = IdentityOrigin("127.0.0.2")
+    await nursery.start(origin.serve)
+    egress = open_egress("proxy", None, "ckagent_pool_test", parse_text("metadata,link-local", ""))
+    await nursery.start(egress.serve)
+    rules = await trio.to_thread.run_sync(egress.attach, None, "summary")
+    notes: list[str] = []
+    url = egress.task_env(rules, {}, notes.append)["HTTP_PROXY"]
+    with trio.fail_after(20):
+        async with httpx.AsyncClient(proxy=url) as client:
+            for path in ("a", "b"):
+                await client.get(f"http://127.0.0.2:{origin.port}/{path}")
+            for _ in range(3):
+                assert (await client.get("http://a..b/")).status_code == 400
+    await trio.to_thread.run_sync(egress.detach, rules)
+    assert len([n for n in notes if "a..b" in n]) == 1  # (said once while it runs)
+    assert notes[-1] == "egress proxy: 2 requests forwarded; answered by the proxy: 400 bad-request ×3"

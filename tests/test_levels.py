@@ -111,3 +111,13 @@ def test_the_metric_labels_are_the_levels_text(caplog: pytest.LogCaptureFixture)
     with caplog.at_level(logging.INFO, logger="ckagent.containment"):
         open_containment("process-group", Path(tempfile.gettempdir())).close()
     assert "containment: process-group — process groups" in caplog.text
+
+
+def test_the_operations_guide_has_a_row_for_each_level() -> None:
+    text = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    egress = text[text.index("## Egress"):]
+    for level in EgressLevel:
+        assert f"\n| `{level}` | " in egress, level
+    for level in ContainmentLevel:
+        assert f"\n| `{level}` | " in text[text.index("## Containment"):text.index("## Egress")], level
+    assert "### Which levels a node gets: `ckagent config check`" in egress

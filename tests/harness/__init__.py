@@ -37,6 +37,9 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
 - :class:`PollMaster` scripts the poll's answers and :class:`BatchMaster` holds one task's batches under
   the seq rules (with faults per request), both for ``httpx.MockTransport``; :class:`HoldingSupervisor`
   only admits.
+- Hostile peers (:mod:`harness.hostile`): :class:`Upstream` (a loopback server that answers with its
+  identity or misbehaves by path), :class:`Raw` (a client connection sending bytes as given),
+  :func:`proxy_under_test` (the egress proxy of one task, in-process, with its upstreams).
 - Behind the egress proxy (:mod:`harness.upstreams`): :class:`IdentityOrigin` (an origin that says who
   it is), :class:`RecordingProxy` (a team's HTTP proxy) and :class:`Socks5Server`, each recording what
   it received.
@@ -62,6 +65,7 @@ from harness.core import *  # noqa: F403
 from harness.demo import *  # noqa: F403
 from harness.examples import *  # noqa: F403
 from harness.fakes import *  # noqa: F403
+from harness.hostile import *  # noqa: F403
 from harness.index import *  # noqa: F403
 from harness.levelcheck import *  # noqa: F403
 from harness.procs import *  # noqa: F403

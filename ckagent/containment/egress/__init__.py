@@ -70,7 +70,14 @@ from ckagent.containment.egress.table import (
 )
 from ckagent.containment.filewatch import DIRECTORY_CHANGES, FileWatch
 from ckagent.node.agentports import PortRegistry
-from ckagent.node.egress_policy import DEFAULT_DENY, GROUPS, EgressPolicy, PolicyError, parse_text
+from ckagent.node.egress_policy import (
+    DEFAULT_DENY,
+    GROUPS,
+    EgressPolicy,
+    PolicyError,
+    is_this_host,
+    parse_text,
+)
 from ckagent.node.levels import AUTO, Blocker, EgressLevel, Judged, Unavailable, decide
 
 if TYPE_CHECKING:  # (the containment imports Trio: the protocol module imports this package's policy)
@@ -189,6 +196,9 @@ class Egress(AgentPorts):
                 where = f"127.0.0.1:{proxy_port}" if proxy_port else "127.0.0.1"
                 raise EgressError(f"egress: cannot listen for task {task_id}'s proxy on {where} ({exc})") from exc
             self._proxied[user] = task
+            if self.registry is not None:  # other agents' tasks must not reach it (the agent group)
+                with contextlib.suppress(ValueError):
+                    self.registry.register([task.port])
             return TaskRules(task_id, "", user, policy)
         if self.table is None:
             return None
@@ -209,7 +219,7 @@ class Egress(AgentPorts):
         """The proxy's check of one address: True when ``policy`` denies ``address``:``port``, or it is
         the proxy's own listener (a request to itself would loop)."""
         local = _is_local(address)
-        if local and self.server is not None and port in self.server.ports:
+        if self.server is not None and port in self.server.ports and (local or is_this_host(address)):
             return True
         return policy.blocks(address, port, agent_ports=self.agent_ports(), local=local)
 
@@ -240,9 +250,12 @@ class Egress(AgentPorts):
     def detach(self, rules: TaskRules | None, refused: list[Refusal] | None = None) -> None:
         """Remove the task's rules (blocking; before its cgroup goes): at ``proxy`` its listener, its
         connections and its pool close. Never raises; callable from a worker thread or the Trio thread."""
-        if rules is not None and self._proxied.pop(rules.chain, None) is not None and self.server is not None:
+        task = self._proxied.pop(rules.chain, None) if rules is not None else None
+        if task is not None and self.server is not None:
             with contextlib.suppress(RuntimeError, trio.RunFinishedError):
-                _on_trio_thread(self.server.close, rules.task_id)
+                _on_trio_thread(self.server.close, task.task_id)
+            if self.registry is not None:
+                self.registry.unregister([task.port])
         if rules is None or self.table is None:
             return
         try:

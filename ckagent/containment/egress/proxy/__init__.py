@@ -8,6 +8,7 @@ It is advisory: a program that ignores the variables is not stopped (docs/operat
 - :mod:`.taskproxy`  a task's identity (port, user name, secret password), its pool, its counts
 - :mod:`.exchange`   a client connection, request by request (h11 both ways), and CONNECT tunnels
 - :mod:`.relay`      a tunnel's bytes both ways, half-closes passed on
+- :mod:`.limits`     the timeouts and sizes
 - :mod:`.target`     request targets and hosts read strictly (IDNA included), hop-by-hop headers
 - :mod:`.upstream`   resolution judged by the task's policy, connections, the kept-alive pool
 - :mod:`.routes`     the task's own proxies (HTTP, SOCKS5) chained behind this one; NO_PROXY
@@ -25,7 +26,7 @@ Use (``ckagent.containment.egress.Egress`` does this for the agent)::
 from __future__ import annotations
 
 from ckagent.containment.egress.proxy.errors import ProxyError
-from ckagent.containment.egress.proxy.exchange import Limits
+from ckagent.containment.egress.proxy.limits import Limits
 from ckagent.containment.egress.proxy.routes import PROXY_VARIABLES, Routes, routes_from_env
 from ckagent.containment.egress.proxy.server import ProxyServer
 from ckagent.containment.egress.proxy.taskproxy import TaskProxy

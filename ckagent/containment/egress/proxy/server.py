@@ -21,7 +21,8 @@ from typing import Any
 
 import trio
 
-from ckagent.containment.egress.proxy.exchange import Limits, serve_client
+from ckagent.containment.egress.proxy.exchange import serve_client
+from ckagent.containment.egress.proxy.limits import Limits
 from ckagent.containment.egress.proxy.taskproxy import TaskProxy
 
 if sys.version_info < (3, 11):  # pragma: no cover - the backport trio depends on there
@@ -103,7 +104,7 @@ class ProxyServer:
 
     def close(self, task_id: str) -> TaskProxy | None:
         """Stop serving a task: its listener closes at once (no connection is accepted after this call),
-        its connections and its pool close. Idempotent."""
+        its connections and its pool close, and its log gets :meth:`TaskProxy.summary`. Idempotent."""
         found = self._scopes.pop(task_id, None)
         task = self.tasks.pop(task_id, None)
         if found is not None:
@@ -113,6 +114,11 @@ class ProxyServer:
         if task is not None:
             for up in task.pool.drain():
                 up.stream.socket.close()
+            line = task.summary()
+            if line:
+                log.info("task %r: %s", task.task_id, line)
+                if task.notice is not None:
+                    task.notice(line)
         return task
 
     async def _serve_task(self, task: TaskProxy, listener: trio.SocketListener, scope: trio.CancelScope) -> None:

@@ -24,6 +24,10 @@ from ckagent.containment.egress.proxy.upstream import Dialer, Pool
 
 log = logging.getLogger("ckagent.containment.egress.proxy")
 
+STATUS = {"auth": "407", "bad-request": "400", "timeout": "408", "too-large": "431", "upstream": "502/504",
+          "busy": "503", "error": "(closed)"}
+"""The answer of each outcome that is a trouble (not forwarded, a tunnel or refused by the policy)."""
+
 OUTCOMES = ("forwarded", "tunnel", "refused", "auth", "bad-request", "timeout", "too-large", "upstream", "busy",
             "error")
 """What becomes of a request at the proxy: answered by its destination (``forwarded``), a CONNECT
@@ -91,6 +95,17 @@ class TaskProxy:
                 shown = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
                 log.warning("task %r: egress policy refused a connection to %s (proxy)", self.task_id, shown)
             self.refused[(address, port)] += 1
+
+    def summary(self) -> str:
+        """One line for the task's log at its end when the proxy answered some of its requests itself
+        for another reason than its policy (refusals have their own line), e.g. ``egress proxy: 40
+        requests forwarded; answered by the proxy: 400 bad-request ×3, 502 upstream ×1``; '' otherwise."""
+        troubles = [f"{STATUS[o]} {o} ×{n}" for o, n in self.outcomes.items() if o in STATUS and n]
+        if not troubles:
+            return ""
+        done = [f"{self.outcomes[o]} {w}" for o, w in (("forwarded", "requests forwarded"), ("tunnel", "tunnels"))
+                if self.outcomes[o]]
+        return f"egress proxy: {', '.join(done) or 'nothing forwarded'}; answered by the proxy: {', '.join(troubles)}"
 
     def note(self, outcome: str, text: str) -> None:
         """Count a trouble (an outcome of :data:`OUTCOMES`); the first of each is logged, and said in
