@@ -267,10 +267,10 @@ def test_parse_entry_never_raises_on_bytes(data: bytes) -> None:
 JSONISH = st.recursive(
     st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.floats() | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
-    max_leaves=30)
+    max_leaves=10)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pid=JSONISH, start=JSONISH, ports=JSONISH, boot=JSONISH, extra=st.dictionaries(st.text(max_size=8), JSONISH))
 def test_parse_entry_never_raises_on_entry_shaped_json(pid: object, start: object, ports: object, boot: object,
                                                        extra: dict[str, object]) -> None:

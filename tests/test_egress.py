@@ -39,6 +39,7 @@ from harness import (  # noqa: F401 -- no_strays: autouse fixture
     RecordingMaster,
     agent_process,
     another_agent,
+    eventually,
     no_strays,
     running_agent,
     settings_for,
@@ -358,6 +359,43 @@ def test_this_host_in_every_form_and_every_agents_port_are_refused_by_the_kernel
                 jail.close()
             egress.close()
             registry.close()
+
+
+@needs_kernel
+async def test_an_agent_that_starts_while_a_task_runs_is_refused_to_it_at_once(tmp_path: Path, tables: list[str]) -> None:
+    """The nftables level's service watches the registry: another agent's port joins the set when
+    its entry appears (no new task needed) and leaves it when its entry goes."""
+    directory = tmp_path / "ports"
+    with containment_at(V2_LEVELS[0], tmp_path) as containment, listener("127.0.0.3") as theirs:
+        egress = open_egress("nftables", containment, agent_group_name(tmp_path), parse_text("agent", ""),
+                             registry=PortRegistry(directory))
+        tables.append(table_name(agent_group_name(tmp_path)))
+        egress.listening(9)  # (this agent's port: its entry makes the directory)
+        jail = containment.jail("running", Limits())
+        assert egress.table is not None
+        try:
+            rules = egress.attach(jail, "running")
+            assert await trio.to_thread.run_sync(_connect_from, jail, "127.0.0.3", theirs) == 0
+            async with trio.open_nursery() as service:
+                await service.start(egress.serve)
+                table = egress.table
+
+                async def refused() -> bool:
+                    return theirs in table.agent_ports
+
+                async def reachable() -> bool:
+                    return theirs not in table.agent_ports
+
+                with another_agent(directory, [theirs]):
+                    await eventually(refused, 10, "the other agent's port in the set", interval=0.01)
+                    assert await trio.to_thread.run_sync(_connect_from, jail, "127.0.0.3", theirs) == 7
+                await eventually(reachable, 10, "the port gone with the entry", interval=0.01)
+                assert await trio.to_thread.run_sync(_connect_from, jail, "127.0.0.3", theirs) == 0
+                service.cancel_scope.cancel()
+            egress.detach(rules)
+        finally:
+            jail.close()
+            egress.close()
 
 
 @needs_kernel

@@ -68,6 +68,7 @@ from ckagent.containment.egress.table import (
     remove_orphans,
     table_name,
 )
+from ckagent.containment.filewatch import DIRECTORY_CHANGES, FileWatch
 from ckagent.node.agentports import PortRegistry
 from ckagent.node.egress_policy import (
     DEFAULT_DENY,
@@ -147,11 +148,32 @@ class Egress(AgentPorts):
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Run the level's service until cancelled: at ``proxy`` the forward proxy (startable:
-        ``started()`` once tasks can be attached); at the other levels it returns at once."""
+        ``started()`` once tasks can be attached); at ``nftables`` :meth:`watch_agent_ports`; at
+        ``off`` it returns at once."""
         if self.server is None:
             task_status.started()
+            await self.watch_agent_ports()
             return
         await self.server.run(task_status=task_status)
+
+    async def watch_agent_ports(self) -> None:
+        """Keep the table's set of agent ports up to date while tasks run: the registry's directories
+        are watched (inotify), so an agent that starts after a task was added is refused to it at once
+        (a dead agent's port goes at the next change or task). Until cancelled; returns at once
+        without a table or a registry, or when no directory of it can be watched."""
+        if self.table is None or self.registry is None:
+            return
+
+        async def follow(watch: FileWatch) -> None:
+            while True:
+                await watch.changed()
+                await trio.to_thread.run_sync(self.refresh_agent_ports)
+
+        with contextlib.ExitStack() as watches:
+            async with trio.open_nursery() as nursery:
+                for directory in self.registry.read_dirs:
+                    with contextlib.suppress(OSError):  # (not there: an agent that starts later makes it)
+                        nursery.start_soon(follow, watches.enter_context(FileWatch(directory, DIRECTORY_CHANGES)))
 
     def effective(self, task_policy: EgressPolicy | None) -> EgressPolicy:
         """The node's policy with the task's denials and exceptions added."""

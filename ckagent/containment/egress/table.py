@@ -7,6 +7,7 @@ Layout (family ``inet``, IPv4 and IPv6 alike; ``<P>`` = 12 hex of a policy's has
         chain output  hook output, priority filter:   socket cgroupv2 level <L> vmap @tasks
         set agent_ports { type inet_service }   the ports of every agent on this host (its own
                       and those of :mod:`ckagent.node.agentports`), refreshed when a task is added
+                      and when the registry changes (``Egress.watch_agent_ports``)
         chain p_<P>   one per policy in use: IPv6 forms of denied IPv4 networks → goto refuse (through
                       chain e_<P> when IPv4 allow entries make exceptions); allow entries → accept;
                       denied networks, and the agent ports on local addresses → goto refuse
@@ -43,6 +44,7 @@ import ipaddress
 import logging
 import os
 import struct
+import threading
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,6 +145,7 @@ class EgressTable:
         self.agent_ports: frozenset[int] = frozenset()
         """The ports in the table's ``agent_ports`` set (refused on local addresses where a policy
         denies the ``agent`` group)."""
+        self._ports_lock = threading.Lock()  # (tasks' adds and the watch of the registry, in threads)
         self.subchains: dict[str, str] = {}
         """Policy chain → its chain of IPv4 exceptions for embedded forms (``e_<P>``), where it has one."""
         self._netlink = netlink
@@ -240,8 +243,11 @@ class EgressTable:
     def set_agent_ports(self, ports: Collection[int]) -> bool:
         """Make the ``agent_ports`` set hold exactly ``ports`` (those outside 1..65535 are left out):
         the difference in one netlink batch (~50 µs), or the whole set through nft. Returns True when
-        it changed. Blocking; raises NftError (the set is then as it was)."""
-        wanted = frozenset(p for p in ports if isinstance(p, int) and 0 < p < 65536)
+        it changed. Blocking, thread-safe; raises NftError (the set is then as it was)."""
+        with self._ports_lock:
+            return self._set_agent_ports(frozenset(p for p in ports if isinstance(p, int) and 0 < p < 65536))
+
+    def _set_agent_ports(self, wanted: frozenset[int]) -> bool:
         if wanted == self.agent_ports:
             return False
         added, gone = sorted(wanted - self.agent_ports), sorted(self.agent_ports - wanted)
