@@ -134,6 +134,7 @@ def _run(containment: Any, workdir: Path, rounds: dict[str, int], connects: int)
                         times = []
                         for i, jail in enumerate(one):  # another agent's ports change before each add
                             others[0].register([30000 + i])
+                            others[0].unregister([30000 + i - 1])
                             started = time.perf_counter()
                             rules = egress.attach(jail, jail.task_id)
                             egress.detach(rules, egress.refusals(rules))

@@ -151,10 +151,15 @@ def process_start(pid: int) -> tuple[int, str] | None:
     """(start time in clock ticks since boot, state letter) of process ``pid``; None when there is
     none. With the boot id, (pid, start) names one process for good: a recycled pid starts later."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            text = fh.read()
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        text = os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     fields = text[text.rfind(b")") + 2:].split()
     if len(fields) <= 19 or not fields[19].isdigit():
         return None
