@@ -146,7 +146,10 @@ async def agent_census(workdir: Path, tasks: int = 10, **env: str) -> dict[str, 
     settings = load_settings(None, env={
         "AGENT_SERVER_URL": master.base_url, "AGENT_REGISTRATION_TOKEN": master.registration_token,
         "AGENT_WORK_DIR": str(workdir / "agent"), "AGENT_NAME": "bench-census", "AGENT_IP": "127.0.0.1",
-        "AGENT_PORT": "0", "AGENT_MAX_WORKERS": "2", **env}, require_token=True)
+        "AGENT_PORT": "0", "AGENT_MAX_WORKERS": "2",
+        # its own registry of agents' ports: other agents on the host coming and going (their entries
+        # in /run/ckagent/ports) would add the egress watch's hops to what this agent's tasks cost
+        "AGENT_PORTS_REGISTRY": str(workdir / "agent-ports"), **env}, require_token=True)
     agent = Agent(settings)
     try:
         with census.installed():

@@ -8,7 +8,9 @@ Through the agent's own :mod:`ckagent.containment.egress` on this machine's cont
   uses), everything through libnftables (``libnftables``: its cost grows with every table on the
   host, as it re-lists them before each change) and through the ``nft`` program (the fallback), 200
   rounds (20 quick) for the first two, 30 (5 quick) for the program. With 0 other tasks each round
-  also adds and deletes the policy's chain (through nft);
+  also adds and deletes the policy's chain (through nft). The egress has a registry of agents' ports
+  with 8 other agents' entries (ckagent.node.agentports), looked at on each add as the agent does;
+  one more row has another agent's ports change before each add (its set updated over netlink);
 - **connect**: TCP connect + close to a loopback listener, back to back, from this process (not a
   task: one vmap lookup misses) and from a process in a task's cgroup under the default policy (the
   lookup hits and the policy chain is walked), without the table and with 64 tasks' rules in it.
@@ -33,10 +35,12 @@ from ckagent.containment import Limits, open_containment
 from ckagent.containment.egress import EgressError, open_egress, parse_text
 from ckagent.containment.egress.nft import BinaryNft, LibNft
 from ckagent.containment.hierarchy import agent_group_name
+from ckagent.node.agentports import PortRegistry
 
 TARGET_ADD_REMOVE_SECONDS = 0.001
 TARGET_CONNECT_ADDED_SECONDS = 10e-6
 BACKGROUND_TASKS = 64
+OTHER_AGENTS = 8
 
 CONNECTS = """
 import socket, sys, time
@@ -98,12 +102,17 @@ def _run(containment: Any, workdir: Path, rounds: dict[str, int], connects: int)
 
     acceptor = threading.Thread(target=drain, daemon=True)
     acceptor.start()
+    registry = PortRegistry(workdir / "agent-ports")
+    others = [PortRegistry(workdir / "agent-ports") for _ in range(OTHER_AGENTS)]
+    for i, other in enumerate(others):  # (this process's identity: alive, as the agents' would be)
+        other.register([20000 + i])
     baseline_self = _connect_p50(connects, port)
     probe_jail = containment.jail("bench-connect", Limits())
     try:
         baseline_task = _task_connect_p50(probe_jail, port, connects)
         for kind, nft_cls in (("netlink", LibNft), ("libnftables", LibNft), ("nft", BinaryNft)):
-            egress = open_egress("nftables", containment, group, policy, agent_port=9, nft=nft_cls())
+            egress = open_egress("nftables", containment, group, policy, agent_port=9, nft=nft_cls(),
+                                 registry=registry)
             if kind != "netlink" and egress.table is not None and egress.table.elements is not None:
                 egress.table.elements.close()  # every change through nft
                 egress.table.elements = None
@@ -122,6 +131,18 @@ def _run(containment: Any, workdir: Path, rounds: dict[str, int], connects: int)
                     figures[f"{kind} {label}"] = s
                     rows.append([f"add + remove ({kind}, {label})", s["n"], s["p50"] * 1e3, s["p95"] * 1e3])
                     if count and kind == "netlink":
+                        times = []
+                        for i, jail in enumerate(one):  # another agent's ports change before each add
+                            others[0].register([30000 + i])
+                            others[0].unregister([30000 + i - 1])
+                            started = time.perf_counter()
+                            rules = egress.attach(jail, jail.task_id)
+                            egress.detach(rules, egress.refusals(rules))
+                            times.append(time.perf_counter() - started)
+                        s = summary(times)
+                        figures[f"{kind} {label} ports changed"] = s
+                        rows.append([f"add + remove ({kind}, {label}, an agent's ports changed)", s["n"],
+                                     s["p50"] * 1e3, s["p95"] * 1e3])
                         task_rules = egress.attach(probe_jail, probe_jail.task_id)
                         with_self = _connect_p50(connects, port)
                         with_task = _task_connect_p50(probe_jail, port, connects)
@@ -135,6 +156,8 @@ def _run(containment: Any, workdir: Path, rounds: dict[str, int], connects: int)
                 egress.close()
     finally:
         probe_jail.close()
+        for other in [registry, *others]:
+            other.close()
         accepting = False
         listener.close()
     self_added = figures["connect"]["self"][1] - figures["connect"]["self"][0]

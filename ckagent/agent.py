@@ -75,6 +75,7 @@ from ckagent.master.fleet import VersionWatch, load_node_uid, register_request
 from ckagent.master.heartbeat import HeartbeatLoop, NodeReport
 from ckagent.master.masterclock import MasterClock
 from ckagent.master.protocol import HeartbeatResponse, RegisterRequest
+from ckagent.node.agentports import PortRegistry
 from ckagent.node.config import ConfigError, Settings
 from ckagent.node.errors import StartupError
 from ckagent.node.hardening import freeze_startup_objects
@@ -244,10 +245,8 @@ class Agent:
                     await self._final_beat(store)
                 await self.master.aclose()
                 await trio.to_thread.run_sync(store.sync.close)
-            if self.egress is not None and self._handed:  # their rules stay in force until the next agent
-                log.info("egress: the table stays for the %d task(s) left running", self._handed)
-            elif self.egress is not None:
-                self.egress.close()  # one nft batch, at the very end (like the containment's rmdir)
+            if self.egress is not None:  # (the rules of tasks handed over stay in force until the next agent)
+                self.egress.close(self._handed)  # one nft batch, at the very end (like the containment's rmdir)
             if self.containment is not None:
                 self.containment.close()
             log.info("ckagent stopped")
@@ -272,10 +271,12 @@ class Agent:
             policy = parse_text(s.task.egress_deny, s.task.egress_allow)
             self.egress = await trio.to_thread.run_sync(partial(
                 open_egress, s.task.egress, containment, agent_group_name(self.work_dir), policy,
-                agent_port=s.agent.port or None, work_dir=self.work_dir))
+                agent_port=s.agent.port or None, work_dir=self.work_dir,
+                registry=PortRegistry(s.agent.ports_registry, work_dir=self.work_dir)))
         except (EgressError, PolicyError) as exc:
             raise ConfigError(str(exc)) from exc
         self.metrics.egress_level(self.egress.level)
+        self.metrics.egress_proxy = self.egress.server
         self.spider_user = spider_user(run_as)
         as_root = spiders_as_root(run_as)
         if as_root is not None:
@@ -349,7 +350,7 @@ class Agent:
             return StartupError(str(exc))
         egress = self.egress
         if egress is not None:
-            egress.agent_port = self.status_port  # (agent.port 0: the one picked)
+            await trio.to_thread.run_sync(egress.listening, self.status_port)  # (agent.port 0: the one picked)
             await root.start(egress.serve)  # (the proxy level's forward proxy; nothing at the others)
         root.start_soon(self._signals)
         await root.start(self.lifecycle.run)

@@ -145,7 +145,7 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
         "AGENT_UV_INDEX_URL": "https://pypi.org/simple", "AGENT_UV_FALLBACK_INDEX_URL": "http://idx/simple",
         "AGENT_UV_CACHE_DIR": "cache", "AGENT_UV_SYNC_TIMEOUT": "9", "AGENT_UV_PATH": "/opt/uv",
         "AGENT_DEPS_ENV_BUDGET_BYTES": "0", "AGENT_DEPS_PYTHON": "/usr/bin/python3",
-        "AGENT_AUTO_UPGRADE": "on",
+        "AGENT_AUTO_UPGRADE": "on", "AGENT_PORTS_REGISTRY": "ports",
     }  # fmt: skip
     assert set(values) == {s.env for s in SETTINGS}
     s = load(None, values)
@@ -153,7 +153,8 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
         "server": {"url": "http://10.1.2.3:81", "ca_file": str(ca), "request_timeout": 5.0, "refusal_timeout": 6.0,
                    "download_stall_timeout": 7.0, "max_backoff_interval": 8.0},
         "agent": {"name": "n1", "ip": "10.9.8.7", "port": 1, "bind": "0.0.0.0", "registration_token": "***",
-                  "labels": {"a": "b"}, "max_workers": 3, "container_cpu_limit": "1500m", "auto_upgrade": True},
+                  "labels": {"a": "b"}, "max_workers": 3, "container_cpu_limit": "1500m", "auto_upgrade": True,
+                  "ports_registry": str(tmp_path / "ports")},
         "heartbeat": {"interval": 7.0},
         "task": {"poll_interval": 4.0, "long_poll_wait": 0.0, "work_dir": "/srv/ck", "execute_timeout": 0.0,
                  "kill_grace": 1.0, "drain_timeout": 2.0, "flush_timeout": 3.0, "run_as_user": "crawler",

@@ -38,6 +38,8 @@ from harness import (  # noqa: F401 -- no_strays: autouse fixture
     LEVEL,
     RecordingMaster,
     agent_process,
+    another_agent,
+    eventually,
     no_strays,
     running_agent,
     settings_for,
@@ -61,6 +63,7 @@ from ckagent.containment.egress.nft import BinaryNft, LibNft, NftError, open_nft
 from ckagent.containment.egress.table import Refusal, table_name
 from ckagent.containment.hierarchy import agent_group_name
 from ckagent.master.protocol import ProtocolError, Task, TaskResult
+from ckagent.node.agentports import PortRegistry
 from ckagent.node.egress_policy import PolicyError, from_wire, parse_allowed
 from ckagent.node.levels import Blocker
 
@@ -105,8 +108,8 @@ def tables() -> Iterator[list[str]]:
 
 @contextlib.contextmanager
 def listener(address: str) -> Iterator[int]:
-    """A listening TCP socket on a loopback ``address``; yields its port."""
-    with socket.socket() as sock:
+    """A listening TCP socket on a loopback ``address`` (IPv4 or IPv6); yields its port."""
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as sock:
         sock.bind((address, 0))
         sock.listen(16)
         yield sock.getsockname()[1]
@@ -228,8 +231,9 @@ def test_a_task_is_refused_while_the_agent_and_another_task_connect(
             assert _connect_from(denied, "127.0.0.2", port) == 0  # the rules went with the task
             table = _list_table(egress.table.name if egress.table else "")
             assert table is not None
-            leftovers = [o for o in table["nftables"] if "chain" in o and o["chain"]["name"].startswith("p_")]
-            elements = [o for o in table["nftables"] if ("set" in o and o["set"].get("elem"))
+            leftovers = [o for o in table["nftables"] if "chain" in o and o["chain"]["name"].startswith(("p_", "e_"))]
+            elements = [o for o in table["nftables"] if ("set" in o and o["set"].get("elem")
+                                                         and o["set"]["name"] != "agent_ports")
                         or ("map" in o and o["map"].get("elem"))]
             # The node's default policy chain stays for the next task (pinned); a task's own goes with it.
             assert [c["chain"]["name"] for c in leftovers] == [rules.chain] and elements == [], table
@@ -265,8 +269,16 @@ def test_the_rules_read_back_deny_metadata_link_local_private_and_the_agent_port
         assert network in text, (network, text)
     # 169.254.169.254 and fd00:ec2::254 are inside the link-local / ULA ranges the set holds.
     assert "10.0.0.5 tcp dport 3128 accept" in text or "10.0.0.5 meta l4proto { tcp, udp } th dport 3128 accept" in text
-    assert "fib daddr type local" in text and "th dport 9000" in text
+    assert "fib daddr type local meta l4proto { tcp, udp } th dport @agent_ports goto refuse" in text
+    [ports] = [o["set"] for o in table["nftables"] if "set" in o and o["set"]["name"] == "agent_ports"]
+    assert ports["elem"] == [9000], ports
     assert "reject with tcp reset" in text
+    # The IPv6 forms that embed a denied IPv4 address (IPv4-compatible, NAT64, 6to4) are refused too,
+    # except those of an IPv4 allow entry (with its port), judged on in chain e_<P>.
+    for network in ("::169.254.0.0/112", "64:ff9b::a9fe:0/112", "2002:a9fe::/32", "64:ff9b::a00:0/104",
+                    "2002:a00::/24", "::10.0.0.0/104"):
+        assert network in text, (network, text)
+    assert "ip6 daddr 64:ff9b::a00:5 meta l4proto { tcp, udp } th dport 3128 return" in text, text
     assert '"unified/' in text or '"' + str(jail.v2_path()).removeprefix("/sys/fs/cgroup/") in text
     chains = [o["chain"] for o in table["nftables"] if "chain" in o]
     [hook] = [c for c in chains if c.get("hook")]
@@ -292,6 +304,97 @@ def test_the_agent_port_and_loopback_groups_match_a_local_socket(tmp_path: Path,
         finally:
             jail.close()
             loop_jail.close()
+            egress.close()
+
+
+@needs_kernel
+def test_this_host_in_every_form_and_every_agents_port_are_refused_by_the_kernel(
+    tmp_path: Path, tables: list[str]
+) -> None:
+    """The ``agent`` group refuses the ports of every agent in the registry (this one's on 127.0.0.1,
+    another process's on 127.0.0.3), also through ``0.0.0.0`` and the IPv4-mapped form; the
+    ``loopback`` group refuses ``0.0.0.0`` and ``::``; a denied address is refused in its mapped form
+    (the packets are IPv4: the refusal is counted for the IPv4 address). An agent that goes is
+    forgotten when the next task is added."""
+    directory = tmp_path / "ports"
+    registry = PortRegistry(directory, liveness_interval=0)
+    with containment_at(V2_LEVELS[0], tmp_path) as containment, listener("127.0.0.1") as own, \
+            listener("127.0.0.1") as plain, listener("::1") as plain6, listener("127.0.0.2") as denied, \
+            listener("127.0.0.3") as theirs, listener("127.0.0.3") as free:
+        registry.register([own])
+        egress = open_egress("nftables", containment, agent_group_name(tmp_path), parse_text("agent", ""),
+                             agent_port=own, registry=registry)
+        tables.append(table_name(agent_group_name(tmp_path)))
+        jails = {name: containment.jail(name, Limits()) for name in ("agent", "loop", "addr", "later")}
+        try:
+            with another_agent(directory, [theirs]) as other:
+                rules = egress.attach(jails["agent"], "agent")
+                loop = egress.attach(jails["loop"], "loop", from_wire({"deny": ["loopback"]}, "egress"))
+                addr = egress.attach(jails["addr"], "addr", from_wire({"deny": ["127.0.0.2"]}, "egress"))
+                assert egress.table is not None and egress.table.agent_ports == {own, theirs}
+                for address in ("127.0.0.1", "0.0.0.0", "::ffff:127.0.0.1", "::ffff:0.0.0.0"):
+                    assert _connect_from(jails["agent"], address, own) == 7, address  # this agent's port
+                assert _connect_from(jails["agent"], "127.0.0.3", theirs) == 7  # the other agent's
+                assert _connect_from(jails["agent"], "::ffff:127.0.0.3", theirs) == 7
+                assert _connect_from(jails["agent"], "127.0.0.3", free) == 0  # not an agent's port
+                assert _connect_from(jails["agent"], "0.0.0.0", plain) == 0 and _connect_from(jails["agent"], "::", plain6) == 0
+                assert _connect_from(jails["loop"], "0.0.0.0", plain) == 7 and _connect_from(jails["loop"], "::", plain6) == 7
+                assert _connect_from(jails["loop"], "::ffff:127.0.0.3", free) == 7
+                assert _connect_from(jails["addr"], "::ffff:127.0.0.2", denied) == 7
+                assert _connect_from(jails["addr"], "127.0.0.3", free) == 0
+                assert egress.refusals(addr) == [Refusal("127.0.0.2", denied, 1)]  # IPv4 packets
+                refused = egress.refusals(rules)
+                assert {(r.address, r.port) for r in refused} == {("127.0.0.1", own), ("127.0.0.3", theirs)}, refused
+                assert sum(r.count for r in refused) == 6
+                other.kill()  # an agent that crashed: its entry is judged dead
+                other.wait()
+                later = egress.attach(jails["later"], "later")  # the set is brought up to date
+                assert egress.table.agent_ports == {own}
+                assert _connect_from(jails["later"], "127.0.0.3", theirs) == 0
+                assert _connect_from(jails["later"], "0.0.0.0", own) == 7
+            for r in (rules, loop, addr, later):
+                egress.detach(r)
+        finally:
+            for jail in jails.values():
+                jail.close()
+            egress.close()
+            registry.close()
+
+
+@needs_kernel
+async def test_an_agent_that_starts_while_a_task_runs_is_refused_to_it_at_once(tmp_path: Path, tables: list[str]) -> None:
+    """The nftables level's service watches the registry: another agent's port joins the set when
+    its entry appears (no new task needed) and leaves it when its entry goes."""
+    directory = tmp_path / "ports"
+    with containment_at(V2_LEVELS[0], tmp_path) as containment, listener("127.0.0.3") as theirs:
+        egress = open_egress("nftables", containment, agent_group_name(tmp_path), parse_text("agent", ""),
+                             registry=PortRegistry(directory))
+        tables.append(table_name(agent_group_name(tmp_path)))
+        egress.listening(9)  # (this agent's port: its entry makes the directory)
+        jail = containment.jail("running", Limits())
+        assert egress.table is not None
+        try:
+            rules = egress.attach(jail, "running")
+            assert await trio.to_thread.run_sync(_connect_from, jail, "127.0.0.3", theirs) == 0
+            async with trio.open_nursery() as service:
+                await service.start(egress.serve)
+                table = egress.table
+
+                async def refused() -> bool:
+                    return theirs in table.agent_ports
+
+                async def reachable() -> bool:
+                    return theirs not in table.agent_ports
+
+                with another_agent(directory, [theirs]):
+                    await eventually(refused, 10, "the other agent's port in the set", interval=0.01)
+                    assert await trio.to_thread.run_sync(_connect_from, jail, "127.0.0.3", theirs) == 7
+                await eventually(reachable, 10, "the port gone with the entry", interval=0.01)
+                assert await trio.to_thread.run_sync(_connect_from, jail, "127.0.0.3", theirs) == 0
+                service.cancel_scope.cancel()
+            egress.detach(rules)
+        finally:
+            jail.close()
             egress.close()
 
 

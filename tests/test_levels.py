@@ -71,8 +71,8 @@ def test_the_stronger_levels_a_node_does_not_get_carry_why(tmp_path: Path) -> No
     groups = open_containment(ContainmentLevel.PROCESS_GROUP, tmp_path)
     try:
         assert groups.level is ContainmentLevel.PROCESS_GROUP
-        assert [(u.level, u.blocker) for u in groups.passed_over] == [
-            (ContainmentLevel.CGROUP_V2, Blocker.SETTING), (ContainmentLevel.CGROUP_V1, Blocker.SETTING)]
+        assert {(u.level, u.blocker) for u in groups.passed_over} == {
+            (ContainmentLevel.CGROUP_V2, Blocker.SETTING), (ContainmentLevel.CGROUP_V1, Blocker.SETTING)}
         assert groups.to_json()["level"] == "process-group"
     finally:
         groups.close()
@@ -111,3 +111,13 @@ def test_the_metric_labels_are_the_levels_text(caplog: pytest.LogCaptureFixture)
     with caplog.at_level(logging.INFO, logger="ckagent.containment"):
         open_containment("process-group", Path(tempfile.gettempdir())).close()
     assert "containment: process-group — process groups" in caplog.text
+
+
+def test_the_operations_guide_has_a_row_for_each_level() -> None:
+    text = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    egress = text[text.index("## Egress"):]
+    for level in EgressLevel:
+        assert f"\n| `{level}` | " in egress, level
+    for level in ContainmentLevel:
+        assert f"\n| `{level}` | " in text[text.index("## Containment"):text.index("## Egress")], level
+    assert "### Which levels a node gets: `ckagent config check`" in egress

@@ -6,11 +6,14 @@
 - Dockerfile: parsed here (instructions and their JSON-form arguments) and checked against the
   Deployment and the agent's settings.
 - The agent configuration inside the ConfigMap passes the agent's own loader.
+- The NetworkPolicy denies what the agent's default egress policy denies (the same networks, entry by
+  entry), and allows DNS and everything else.
 """
 
 from __future__ import annotations
 
 import configparser
+import ipaddress
 import json
 import re
 import shutil
@@ -23,6 +26,7 @@ import pytest
 import yaml
 
 from ckagent.node.config import load_settings
+from ckagent.node.egress_policy import DEFAULT_DENY, GROUPS, parse_text
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "config" / "k8s"
@@ -58,11 +62,11 @@ def test_kubernetes_manifests_pass_the_schema_checker() -> None:
         command = [str(Path(sys.executable).parent / "uv"), "tool", "run", "--quiet", "--from", KUBERNETES_VALIDATE,
                    "kubernetes-validate"]
     files = sorted(str(p) for p in K8S.glob("*.yaml"))
-    assert len(files) == 3
+    assert len(files) == 4
     result = subprocess.run([*command, "--strict", "-k", KUBERNETES_VERSION, *files], capture_output=True,
                             text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("passed") == 3, result.stdout
+    assert result.stdout.count("passed") == 4, result.stdout
 
 
 def test_deployment_drains_probes_the_status_port_and_takes_secrets_and_cpu_from_the_cluster(
@@ -104,6 +108,59 @@ def test_deployment_drains_probes_the_status_port_and_takes_secrets_and_cpu_from
     assert mounts[str(settings.task.work_dir)] == "data"
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert {"/tmp", "/var/lib/ckagent"} <= set(mounts), "HOME and /tmp stay writable for uv and spiders"
+
+
+def _network_policy_allows(policy: dict[str, Any], address: str, port: int, protocol: str = "TCP") -> bool:
+    """Whether ``policy``'s egress rules let the pod connect to ``address``:``port`` (the rules are
+    OR-ed; a rule without ``to`` is every destination, without ``ports`` every port)."""
+    ip = ipaddress.ip_address(address)
+    for rule in policy["spec"]["egress"]:
+        ports = rule.get("ports")
+        if ports is not None and not any(p["port"] == port and p.get("protocol", "TCP") == protocol for p in ports):
+            continue
+        if "to" not in rule:
+            return True
+        for peer in rule["to"]:
+            block = peer["ipBlock"]
+            cidr = ipaddress.ip_network(block["cidr"])
+            if ip.version == cidr.version and ip in cidr and not any(
+                    ip in ipaddress.ip_network(e) for e in block.get("except", []) if ipaddress.ip_network(e).version == ip.version):
+                return True
+    return False
+
+
+def test_network_policy_denies_what_the_default_egress_policy_denies() -> None:
+    docs = _documents()
+    policy, deployment = docs["NetworkPolicy"], docs["Deployment"]
+    assert policy["apiVersion"] == "networking.k8s.io/v1"
+    assert policy["metadata"]["namespace"] == deployment["metadata"]["namespace"]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    assert policy["spec"]["policyTypes"] == ["Egress"], "egress only: the agent's port keeps its probes"
+
+    # The denied networks are the default policy's groups, entry by entry (the `agent` group is a port:
+    # not expressible in a NetworkPolicy, and the manifest says so).
+    groups = DEFAULT_DENY.split(",")
+    assert groups == ["metadata", "link-local", "agent"], "the default changed: change networkpolicy.yaml too"
+    blocks = [peer["ipBlock"] for rule in policy["spec"]["egress"] for peer in rule.get("to", [])]
+    assert sorted(b["cidr"] for b in blocks) == ["0.0.0.0/0", "::/0"]
+    excepted = [e for b in blocks for e in b.get("except", [])]
+    assert sorted(excepted) == sorted(n for g in groups for n in GROUPS[g])
+    for block in blocks:
+        for entry in block["except"]:
+            assert ipaddress.ip_network(entry).subnet_of(ipaddress.ip_network(block["cidr"]))
+    text = (K8S / "networkpolicy.yaml").read_text()
+    assert "Not expressible here: the `agent` group" in text
+
+    # What the cluster then lets through is what the agent's policy lets through, DNS included.
+    default = parse_text(DEFAULT_DENY, "")
+    for address, port in [("169.254.169.254", 80), ("169.254.170.2", 80), ("100.100.100.200", 80),
+                          ("168.63.129.16", 80), ("169.254.1.1", 8080), ("fd00:ec2::254", 80), ("fe80::1", 443),
+                          ("203.0.113.7", 443), ("10.0.0.5", 3128), ("192.168.1.1", 80), ("2001:db8::1", 443),
+                          ("100.64.0.1", 80), ("8.8.8.8", 53)]:
+        assert _network_policy_allows(policy, address, port) == (not default.blocks(address, port)), (address, port)
+    assert _network_policy_allows(policy, "10.96.0.10", 53, "UDP"), "cluster DNS"
+    assert _network_policy_allows(policy, "169.254.20.10", 53, "UDP"), "NodeLocal DNSCache"
 
 
 def _dockerfile() -> list[tuple[str, str]]:

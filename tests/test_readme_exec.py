@@ -1,6 +1,8 @@
 """The README's `ckagent exec` recipe, line by line: every bundled example, started the way the README
 shows (`--param start_url=`), against one reference master serving the demo shop; each line that
-crawls gives items, `fail_demo` exits 1. Lines whose tools are missing here (node, Chromium) are
+crawls gives the shop's every product once, `fail_demo` exits 1. The exec runs are at the `proxy`
+egress level (tests/harness/examples.py): what a non-root node and a pod get, with every kind of
+client the examples use (Scrapy, requests, httpx, urllib, Node, Chromium) keeping connections alive. Lines whose tools are missing here (node, Chromium) are
 skipped by name, and a README line for an example that is not bundled (or an example the recipe
 leaves out) fails the test.
 
@@ -17,6 +19,10 @@ import pytest
 from harness import EXAMPLES, ExampleRuns, recipe
 
 from ckagent.code.runtimes import find_chromedriver, find_chromium
+from ckagent.devmaster.demosite import expected_products
+
+SHOP = sorted(product["sku"] for product in expected_products())
+"""Every product of the demo shop: what each line that crawls must deliver, each once."""
 
 
 def test_the_recipe_names_every_bundled_example_once() -> None:
@@ -47,9 +53,10 @@ async def test_the_readme_exec_recipe_runs_every_example(dev_master: Any, exampl
             skipped.append(f"{line.example} (no {why})")
             continue
         done = await example_runs.exec(line.words, dev_master.base_url)
-        if done.returncode != line.expected or (line.expected == 0 and not done.items):
+        skus = sorted(str(item.get("sku")) for item in done.items)
+        if done.returncode != line.expected or (line.expected == 0 and skus != SHOP):
             failures.append(f"{line.example}: exit {done.returncode} (expected {line.expected}), "
-                            f"{len(done.items)} items\n{done.stderr[-2000:]}")
+                            f"{len(done.items)} items (the shop has {len(SHOP)})\n{done.stderr[-2000:]}")
     assert not failures, "\n\n".join(failures)
     if skipped:
         pytest.skip(f"ran the rest; skipped: {', '.join(skipped)}")

@@ -4,7 +4,8 @@ Commands::
 
     ckagent [-c FILE]                 same as `ckagent run -c FILE`
     ckagent run [-c FILE]             run the agent until SIGTERM/SIGINT
-    ckagent config check [-c FILE]    validate the configuration, print "config OK: FILE"
+    ckagent config check [-c FILE]    validate the configuration, say which containment and egress levels
+                                      this node gets and what would raise each, print "config OK: FILE"
     ckagent config show [-c FILE]     print the effective settings as YAML (secrets masked)
     ckagent version                   print the ckagent and Python versions
     ckagent dev-master ...            run the reference master (SQLite)
@@ -159,11 +160,16 @@ def _httpx_without_its_cli() -> Iterator[None]:
 
 
 def check(*, config: ConfigOption = None) -> int:
-    """Validate the configuration (file and environment) and print "config OK: FILE".
+    """Validate the configuration (file and environment), say which containment and egress levels this
+    node gets with it, why, and what would raise each; then print "config OK: FILE".
 
-    Runs the checks `ckagent run` runs (values, then users, paths and the port on this node). A missing
-    registration token and a port in use now are only warnings here (`ckagent run` refuses both).
+    Runs the checks `ckagent run` runs (values, then users, paths and the port on this node, then the
+    levels: a named level this node cannot have is an error, as at the start). A missing registration
+    token and a port in use now are only warnings here (`ckagent run` refuses both). The levels are
+    judged without changing the machine (probes remove what they make), for an agent started as this
+    command is (its user and cgroup).
     """
+    from ckagent.containment.levelcheck import check_levels
     from ckagent.node.preflight import preflight
 
     settings = _load(config, require_token=False)
@@ -174,9 +180,13 @@ def check(*, config: ConfigOption = None) -> int:
     problems = preflight(settings)
     for problem in problems:
         print(f"{'error' if problem.error else 'warning'}: {problem.message}", file=sys.stderr)
-    errors = [p for p in problems if p.error]
+    levels = check_levels(settings)
+    print("\n".join(levels.lines))
+    for error in levels.errors:
+        print(f"error: {error}", file=sys.stderr)
+    errors = len([p for p in problems if p.error]) + len(levels.errors)
     if errors:
-        raise ConfigError(f"{len(errors)} setting(s) cannot be used on this node (see above)")
+        raise ConfigError(f"{errors} setting(s) cannot be used on this node (see above)")
     where = str(settings.config_file) if settings.config_file is not None else "(no file: defaults + environment)"
     print(f"config OK: {where}")
     return EXIT_OK

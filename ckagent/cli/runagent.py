@@ -14,7 +14,7 @@ import trio
 from ckagent.agent import Agent
 from ckagent.node.config import ConfigError, Settings
 from ckagent.node.errors import StartupError
-from ckagent.node.hardening import protect_agent_memory
+from ckagent.node.hardening import protect_agent_memory, raise_open_files_limit
 from ckagent.node.logs import setup_logging
 from ckagent.node.preflight import preflight
 from ckagent.node.workdir import WorkDirError, WorkDirLock
@@ -37,6 +37,7 @@ def run_agent(settings: Settings) -> int:
         raise ConfigError("; ".join(errors))
     token = settings.agent.registration_token
     protect_agent_memory()  # spiders of the same user must not read the secrets in /proc/<pid>/environ
+    raise_open_files_limit()  # many tasks' proxied connections and watches must not run it out
     try:
         # Before the log is opened: a second agent on the same work dir is refused on its own stderr,
         # not in the running agent's log file; and before anything touches the work dir (crash

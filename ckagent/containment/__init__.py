@@ -53,11 +53,11 @@ from ckagent.containment.base import (
     format_bytes,
     lower_own_oom_score_adj,
 )
-from ckagent.containment.cgroup_v1 import CgroupV1
-from ckagent.containment.cgroup_v2 import CgroupV2
+from ckagent.containment.cgroup_v1 import CgroupV1, check_v1
+from ckagent.containment.cgroup_v2 import CgroupV2, check_v2
 from ckagent.containment.hierarchy import agent_group_name, own_dirs
 from ckagent.containment.process_group import ProcessGroup
-from ckagent.node.levels import AUTO, Blocker, ContainmentLevel, Unavailable
+from ckagent.node.levels import AUTO, Blocker, ContainmentLevel, Judged, Unavailable, decide
 
 __all__ = [
     "AGENT_OOM_SCORE_ADJ",
@@ -70,6 +70,7 @@ __all__ = [
     "TaskJail",
     "Unavailable",
     "format_bytes",
+    "judge_containment",
     "open_containment",
 ]
 
@@ -79,34 +80,38 @@ log = logging.getLogger(__name__)
 def open_containment(setting: str | ContainmentLevel, work_dir: Path, *, use_unified: bool = True) -> Containment:
     """The containment level for this agent: ``setting`` is ``auto`` or a level (or its text).
 
-    The one place that decides the level. Blocking (a few reads and mkdirs in cgroupfs). Lowers the
-    agent's own oom_score_adj where it may. Logs one line naming the level. The result's
-    ``passed_over`` lists the stronger levels not had, each with its :class:`~ckagent.node.levels.Blocker`.
-    Raises ContainmentError when a forced level cannot be used here (the message says why, its
-    ``blocker`` in a word); ``auto`` never raises (it falls back to ``process-group``).
-    ``use_unified`` False: ``cgroup-v1`` ignores a v2 tree (tests of the pure-v1 paths).
+    Decides by :func:`~ckagent.node.levels.decide` (as :func:`judge_containment` does). Blocking (a few reads and mkdirs in
+    cgroupfs). Lowers the agent's own oom_score_adj where it may. Logs one line naming the level. The
+    result's ``passed_over`` lists the stronger levels not had, each with its
+    :class:`~ckagent.node.levels.Blocker`. Raises ContainmentError when a forced level cannot be used
+    here (the message says why, its ``blocker`` in a word); ``auto`` never raises (it falls back to
+    ``process-group``). ``use_unified`` False: ``cgroup-v1`` ignores a v2 tree (tests of the pure-v1 paths).
     """
     forced = _parse_setting(setting)
     own = own_dirs()
     group = agent_group_name(work_dir)
-    passed_over: list[Unavailable] = []
-    containment: Containment | None = None
-    order = [forced] if forced is not None else _auto_order(own)
-    for level in order:
-        try:
-            containment = _open(level, own, group, use_unified)
-            break
-        except ContainmentError as exc:
-            if forced is not None:
-                raise ContainmentError(f"task.containment={level} is not available here: {exc}", exc.blocker) from exc
-            passed_over.append(Unavailable(level, exc.blocker, str(exc)))
-    if containment is None:
-        containment = ProcessGroup(why="; ".join(f"{u.level}: {u.message}" for u in passed_over))
-    containment.passed_over = tuple(passed_over) + _not_tried(forced)
+    containment, passed_over = decide(forced, _auto_order(own), lambda level: _open(level, own, group, use_unified),
+                                      setting="task.containment", error=ContainmentError)
+    containment.passed_over = passed_over
     adj = lower_own_oom_score_adj()
     log.info("containment: %s — %s; agent oom_score_adj %s, spiders +%d", containment.level,
              containment.details, adj, SPIDER_OOM_SCORE_ADJ)
     return containment
+
+
+def judge_containment(setting: str | ContainmentLevel, *, use_unified: bool = True) -> Judged:
+    """The level :func:`open_containment` would give with ``setting``, judged without changing the
+    machine: the same decision (:func:`~ckagent.node.levels.decide`), each level judged by what can be read and by
+    throw-away cgroups made and removed (:func:`~ckagent.containment.cgroup_v2.check_v2`,
+    :func:`~ckagent.containment.cgroup_v1.check_v1`) instead of opened; every stronger level is judged,
+    also past a forced one (``passed_over``: its real blocker, or SETTING when only the setting stands in
+    the way). Judged for a process in this process's cgroups: an agent started as this command is.
+    Blocking. Raises ContainmentError as :func:`open_containment` would (a forced level not available).
+    """
+    own = own_dirs()
+    judged, passed_over = decide(_parse_setting(setting), _auto_order(own), lambda level: _check(level, own, use_unified),
+                                 setting="task.containment", error=ContainmentError, judge_stronger=True)
+    return Judged(judged.level, judged.details, passed_over, judged.v2_base)
 
 
 def _parse_setting(setting: str | ContainmentLevel) -> ContainmentLevel | None:
@@ -122,14 +127,6 @@ def _parse_setting(setting: str | ContainmentLevel) -> ContainmentLevel | None:
                                f"{', '.join(level.value for level in ContainmentLevel)}") from None
 
 
-def _not_tried(forced: ContainmentLevel | None) -> tuple[Unavailable, ...]:
-    """The levels stronger than a forced one: passed over by the setting (not tried)."""
-    if forced is None:
-        return ()
-    stronger = list(ContainmentLevel)[:list(ContainmentLevel).index(forced)]
-    return tuple(Unavailable(level, Blocker.SETTING, f"task.containment is {forced}") for level in stronger)
-
-
 def _auto_order(own: dict[str, Path]) -> list[ContainmentLevel]:
     v1 = any(name in own for name in ("memory", "pids"))
     if "unified" in own and not v1:
@@ -137,16 +134,32 @@ def _auto_order(own: dict[str, Path]) -> list[ContainmentLevel]:
     return [ContainmentLevel.CGROUP_V1, ContainmentLevel.CGROUP_V2, ContainmentLevel.PROCESS_GROUP]
 
 
+def _mounted(level: ContainmentLevel, own: dict[str, Path]) -> None:
+    """Raise ContainmentError when the hierarchy ``level`` needs is not mounted where this process is."""
+    if level is ContainmentLevel.CGROUP_V2 and "unified" not in own:
+        raise ContainmentError("no cgroup v2 tree is mounted (or this process is outside it)", Blocker.NO_V2_TREE)
+    if level is ContainmentLevel.CGROUP_V1 and not any(name in own for name in ("memory", "pids")):
+        raise ContainmentError("no cgroup v1 memory or pids hierarchy is mounted", Blocker.NO_V1_HIERARCHY)
+
+
 def _open(level: ContainmentLevel, own: dict[str, Path], group: str, use_unified: bool) -> Containment:
+    _mounted(level, own)
     if level is ContainmentLevel.CGROUP_V2:
-        if "unified" not in own:
-            raise ContainmentError("no cgroup v2 tree is mounted (or this process is outside it)", Blocker.NO_V2_TREE)
         return CgroupV2(own["unified"], group)
     if level is ContainmentLevel.CGROUP_V1:
-        if not any(name in own for name in ("memory", "pids")):
-            raise ContainmentError("no cgroup v1 memory or pids hierarchy is mounted", Blocker.NO_V1_HIERARCHY)
         return CgroupV1(own, group, use_unified=use_unified)
     return ProcessGroup()
+
+
+def _check(level: ContainmentLevel, own: dict[str, Path], use_unified: bool) -> Judged:
+    _mounted(level, own)
+    if level is ContainmentLevel.CGROUP_V2:
+        details, base = check_v2(own["unified"])
+        return Judged(level, details, v2_base=base)
+    if level is ContainmentLevel.CGROUP_V1:
+        details, unified = check_v1(own, use_unified=use_unified)
+        return Judged(level, details, v2_base=unified)
+    return Judged(level, "process groups + marker sweep; no limits, no resource figures")
 
 
 def available_levels(work_dir: Path) -> list[ContainmentLevel]:

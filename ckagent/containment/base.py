@@ -20,14 +20,15 @@ import os
 import shlex
 import shutil
 import signal
-from collections.abc import Callable, Iterable, Mapping
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from ckagent.node.levels import Blocker, ContainmentLevel, Unavailable
+from ckagent.node.levels import Blocker, ContainmentLevel, LevelError, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +40,10 @@ AGENT_OOM_SCORE_ADJ = -500
 """oom_score_adj the agent gives itself where it may (root / CAP_SYS_RESOURCE)."""
 
 
-class ContainmentError(Exception):
-    """A containment level cannot be used (forced level unavailable, cgroup not writable).
-    ``blocker`` says why in a word (:class:`ckagent.node.levels.Blocker`), the message in full."""
-
-    def __init__(self, message: str, blocker: Blocker = Blocker.FAILED) -> None:
-        super().__init__(message)
-        self.blocker = blocker
+class ContainmentError(LevelError):
+    """A containment level cannot be used (forced level unavailable, cgroup not writable), or a task's
+    cgroup cannot be made. ``blocker`` says why in a word (:class:`ckagent.node.levels.Blocker`), the
+    message in full."""
 
 
 @dataclass(frozen=True)
@@ -341,6 +339,30 @@ def read_keyed(path: Path) -> dict[str, int]:
 def read_procs(path: Path) -> list[int]:
     """The pids in a ``cgroup.procs`` file ([] when the cgroup is gone)."""
     return [int(p) for p in (read_text(path) or "").split()]
+
+
+NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+"""The errnos that say a cgroup directory is not the agent's to write (not an error of the moment)."""
+
+
+@contextlib.contextmanager
+def throwaway_cgroup(parent: Path) -> Iterator[Path]:
+    """A child cgroup of ``parent`` for the duration of the block (``ckagent-check-<pid>-<hex>``: never
+    an agent's), removed on leaving, also on an error or a cancel (it must be empty by then). For the
+    checks that judge a level without changing the machine. Blocking (a mkdir, an rmdir). Raises
+    ContainmentError when it cannot be made: blocker CGROUP_NOT_WRITABLE when ``parent`` is not this
+    process's to write, else FAILED."""
+    path = parent / f"ckagent-check-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        path.mkdir()
+    except OSError as exc:
+        raise ContainmentError(f"cannot create a cgroup below {parent}: {exc.strerror or exc}",
+                               Blocker.CGROUP_NOT_WRITABLE if exc.errno in NOT_WRITABLE else Blocker.FAILED) from exc
+    try:
+        yield path
+    finally:
+        if not rmdir_quietly(path):
+            log.warning("cannot remove the check's cgroup %s: remove it by hand (rmdir)", path)
 
 
 def rmdir_quietly(path: Path) -> bool:

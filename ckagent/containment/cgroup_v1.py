@@ -43,10 +43,11 @@ from ckagent.containment.base import (
     read_procs,
     read_text,
     rmdir_quietly,
+    throwaway_cgroup,
     wait_pids_gone,
 )
 from ckagent.containment.cgroup_v2 import CPU_PERIOD_US, KILL_TIMEOUT, V2Cgroup, prepare_group
-from ckagent.containment.hierarchy import task_cgroup_name
+from ckagent.containment.hierarchy import AGENT_LEAF, task_cgroup_name
 from ckagent.node.levels import Blocker, ContainmentLevel
 
 log = logging.getLogger(__name__)
@@ -169,6 +170,38 @@ class V1Jail(TaskJail):
             self.unified.close()
         for path in self.dirs.values():
             rmdir_quietly(path)
+
+
+def check_v1(own: dict[str, Path], *, use_unified: bool = True) -> tuple[str, Path | None]:
+    """Judge the ``cgroup-v1`` level for a process whose cgroups are ``own`` without changing the
+    machine: a throw-away child cgroup is made and removed in each hierarchy the level uses. Returns
+    (one line of details, the v2 directory the tasks' cgroups would be below, None without a usable
+    v2 tree). Blocking. Raises ContainmentError (blocker NO_V1_HIERARCHY or CGROUP_NOT_WRITABLE)."""
+    writable, problems = [], []
+    for name in ("memory", "pids", "cpu"):
+        if name not in own:
+            continue
+        try:
+            with throwaway_cgroup(own[name]):
+                writable.append(name)
+        except ContainmentError as exc:
+            problems.append(f"{name}: {exc}")
+    if "memory" not in writable and "pids" not in writable:
+        raise ContainmentError("no writable cgroup v1 memory or pids hierarchy"
+                               + (f" ({'; '.join(problems)})" if problems else ""),
+                               Blocker.CGROUP_NOT_WRITABLE if problems else Blocker.NO_V1_HIERARCHY)
+    unified = None
+    if use_unified and "unified" in own:
+        base = own["unified"].parent if own["unified"].name == AGENT_LEAF else own["unified"]
+        try:
+            with throwaway_cgroup(base) as probe:
+                if (probe / "cgroup.kill").exists() and (probe / "cgroup.events").exists():
+                    unified = base
+        except ContainmentError:
+            pass
+    membership = f"v2 tree below {unified} (cgroup.kill, populated events)" if unified else "v1, pidfd waits"
+    return (f"cgroup v1 ({', '.join(sorted(writable))}) below {own.get('memory') or own['pids']}; "
+            f"membership/kill: {membership}; limits: {', '.join(sorted(writable))}"), unified
 
 
 class CgroupV1(Containment):

@@ -28,6 +28,7 @@ from pathlib import Path
 import trio
 
 from ckagent.containment.base import (
+    NOT_WRITABLE,
     Containment,
     ContainmentError,
     Figures,
@@ -39,6 +40,7 @@ from ckagent.containment.base import (
     read_procs,
     read_text,
     rmdir_quietly,
+    throwaway_cgroup,
 )
 from ckagent.containment.filewatch import FileWatch
 from ckagent.containment.hierarchy import AGENT_LEAF, task_cgroup_name
@@ -51,8 +53,6 @@ KILL_TIMEOUT = 5.0
 die); then the agent logs it and moves on."""
 
 CPU_PERIOD_US = 100_000
-NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
-"""The errnos that say a cgroup directory is not the agent's to write (not an error of the moment)."""
 LIMITABLE = ("memory", "pids", "cpu", "io")
 
 
@@ -242,6 +242,23 @@ def prepare_group(own: Path, group_name: str, *, with_controllers: bool) -> tupl
             Blocker.CGROUP_NOT_WRITABLE if exc.errno in NOT_WRITABLE else Blocker.FAILED,
         ) from exc
     return group, wanted
+
+
+def check_v2(own: Path) -> tuple[str, Path]:
+    """Judge the ``cgroup-v2`` level below ``own`` (the agent's cgroup in the v2 tree) without changing
+    the machine: a throw-away child cgroup is made and removed (that the directory is this process's
+    to write is what matters; ``os.access`` says yes to root on a read-only mount), the delegated
+    controllers are read. Returns (one line of details, the directory the tasks' cgroups would be
+    below). Blocking. Raises ContainmentError (blocker CGROUP_NOT_WRITABLE when it is not writable)."""
+    base = own.parent if own.name == AGENT_LEAF else own
+    with throwaway_cgroup(base) as probe:
+        kill = "cgroup.kill" if (probe / "cgroup.kill").exists() else "freeze+kill"
+    available = (read_text(base / "cgroup.controllers") or "").split()
+    limits = [c for c in ("cpu", "memory", "pids") if c in available]
+    if limits and not os.access(base / "cgroup.subtree_control", os.W_OK):
+        limits = []
+    return (f"cgroup v2 below {base}; kill: {kill}; limits: "
+            f"{', '.join(limits) or 'none (no controllers delegated)'}"), base
 
 
 class CgroupV2(Containment):

@@ -1,6 +1,8 @@
 """A file's modifications as the kernel reports them (inotify), without a thread or a poll.
 
-:class:`FileWatch` watches one file (``cgroup.events``, a task's ``output.log``). Its inotify
+:class:`FileWatch` watches one file (``cgroup.events``, a task's ``output.log``) for modifications,
+or a directory for entries that come and go (``mask`` :data:`DIRECTORY_CHANGES`: the registry of
+agents' ports). Its inotify
 instances are kept for reuse: closing one makes the kernel wait for a grace period of its
 read-copy-update machinery before the call returns (10–22 ms measured on this project's 2-core
 machine, on the Trio loop, twice per task), while taking a watch off a kept instance
@@ -20,9 +22,12 @@ import trio
 
 from ckagent.containment.base import libc
 
-__all__ = ["KEPT_INSTANCES", "FileWatch"]
+__all__ = ["DIRECTORY_CHANGES", "KEPT_INSTANCES", "FileWatch"]
 
 IN_MODIFY = 0x00000002
+IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x00000040, 0x00000080, 0x00000100, 0x00000200
+DIRECTORY_CHANGES = IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
+"""The events of a directory whose entries are made, renamed in or out, or removed."""
 IN_IGNORED = 0x00008000
 IN_NONBLOCK = os.O_NONBLOCK
 IN_CLOEXEC = os.O_CLOEXEC
@@ -46,12 +51,12 @@ def _discard_events(fd: int) -> None:
 
 class FileWatch:
     """An inotify watch on one file: ``await changed()`` returns after the kernel reported a
-    modification of it. Close it with :meth:`close` (or ``with``); its instance is kept for reuse.
+    modification of it (or another of the events in ``mask``). Close it with :meth:`close` (or ``with``); its instance is kept for reuse.
 
     Raises OSError (with the errno of ``inotify_init1``/``inotify_add_watch``) when the watch cannot
     be set up, e.g. the file does not exist or the user's inotify limits are reached."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, mask: int = IN_MODIFY) -> None:
         c = libc()
         with _kept_lock:
             fd = _kept.pop() if _kept else -1
@@ -60,14 +65,14 @@ class FileWatch:
             if fd < 0:
                 err = ctypes.get_errno()
                 raise OSError(err, f"inotify_init1: {os.strerror(err)}")
-        wd = c.inotify_add_watch(fd, os.fsencode(path), IN_MODIFY)
+        wd = c.inotify_add_watch(fd, os.fsencode(path), mask)
         if wd < 0:
             err = ctypes.get_errno()
             self._keep(fd)
             raise OSError(err, f"inotify_add_watch {path}: {os.strerror(err)}")
         self.fd = fd
         """The inotify instance's descriptor (readable when events are queued); -1 once closed."""
-        self._wd = wd
+        self._wd, self._mask = wd, mask
 
     async def changed(self) -> None:
         """Wait for the next modification(s) and consume them. Cancellation: as usual (nothing is
@@ -92,7 +97,7 @@ class FileWatch:
             while offset + _EVENT.size <= len(data):
                 wd, mask, _cookie, length = _EVENT.unpack_from(data, offset)
                 offset += _EVENT.size + length
-                if wd == self._wd and mask & IN_MODIFY:
+                if wd == self._wd and mask & self._mask:
                     seen = True
 
     def close(self) -> None:

@@ -3,9 +3,9 @@
 Lowest layer of the agent. What lives here knows nothing of tasks' runs or of the master's answers:
 
 - settings: :mod:`.config` (one YAML file + ``AGENT_*`` → a frozen ``Settings``), :mod:`.preflight`
-  (the loaded settings checked against this node), :mod:`.egress_policy` (the policy's data type),
-  :mod:`.levels` (the containment and egress levels as types: what each guarantees and needs, why
-  one is not available);
+  (the loaded settings checked against this node), :mod:`.egress_policy` (the policy's data type, and
+  what an address reaches), :mod:`.agentports` (the host's registry of agents' ports), :mod:`.levels`
+  (the containment and egress levels as types: what each guarantees and needs, why one is not available);
 - the agent process: :mod:`.logs`, :mod:`.workdir` (one agent per work dir), :mod:`.secretenv`,
   :mod:`.hardening`, :mod:`.listen` (its listening socket), :mod:`.runas` (who spiders run as);
 - durable state: :mod:`.state` (SQLite state store), :mod:`.diskfull` (a full disk is a task's failure);

@@ -52,7 +52,9 @@ class AgentSettings:
     (None = ``ip``). ``labels`` is a read-only mapping str→str.
     ``max_workers`` None = derived from the machine; ``container_cpu_limit`` is a Kubernetes-style CPU
     quantity ("2000m", "4", "1.5") or None (see :attr:`container_cpu_limit_cores`). ``auto_upgrade``:
-    follow the master's desired agent version through run.sh (ckagent.master.fleet).
+    follow the master's desired agent version through run.sh (ckagent.master.fleet). ``ports_registry``:
+    the directory of the host's registry of agents' ports (None = the host-wide one,
+    :mod:`ckagent.node.agentports`).
     """
 
     name: str
@@ -64,6 +66,7 @@ class AgentSettings:
     max_workers: int | None
     container_cpu_limit: str | None
     auto_upgrade: bool
+    ports_registry: Path | None
 
     @property
     def container_cpu_limit_cores(self) -> float | None:
@@ -274,6 +277,11 @@ SETTINGS: tuple[Setting, ...] = (
             "When the master names a desired agent version other than this one, drain and upgrade through "
             "`run.sh upgrade` (verified, rolled back on failure; an older one through `run.sh upgrade "
             "--downgrade`). Needs run.sh (daemon mode).", v.boolean),
+    Setting("agent", "ports_registry", "AGENT_PORTS_REGISTRY", "path", None,
+            "Directory where every agent on this host records the ports it listens on, so that no agent's "
+            "task reaches any agent's port (egress group `agent`); unset = /run/ckagent/ports (made by a root "
+            "agent, or by config/ckagent.tmpfiles), else /tmp/ckagent-ports for a non-root agent. Agents "
+            "that share a host's network but not its /run (containers) can share one here.", v.path),
     Setting("heartbeat", "interval", "AGENT_HEARTBEAT_INTERVAL", "seconds >= 1", 30.0,
             "Seconds between heartbeats.", v.seconds(minimum=1.0, exclusive=False)),
     Setting("task", "poll_interval", "AGENT_TASK_POLL_INTERVAL", "seconds >= 0.1", 10.0,

@@ -34,6 +34,23 @@ def protect_agent_memory() -> bool:
         return False
 
 
+def raise_open_files_limit() -> int:
+    """Raise this process's soft limit of open files to its hard limit (as Go's runtime does), so the
+    sockets of many tasks' proxied connections and watched files do not run it out. Returns the soft
+    limit in force (0 when it cannot be read); never raises."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY:
+            hard = 1 << 20
+        if soft != resource.RLIM_INFINITY and soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return int(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    except (ImportError, OSError, ValueError):
+        return 0
+
+
 def freeze_startup_objects() -> None:
     """Collect once, then move every object alive (modules, settings, clients, the status server: what
     the agent keeps for its life) to the GC's permanent generation (``gc.freeze``): a full collection

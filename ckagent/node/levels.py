@@ -7,9 +7,11 @@ properties (``level.has_cgroup``, ``level is EgressLevel.PROXY``), never its tex
 is why a level cannot be had on this node, with what would lift it; :class:`Unavailable` ties the
 two together with the message of the refusal.
 
-Which level a node gets is decided in one place per concern: ``ckagent.containment.open_containment``
-and ``ckagent.containment.egress.open_egress`` (which ``ckagent config check`` asks in the same way,
-without changing the machine). This module only names and describes.
+Which level a node gets is decided by one rule, :func:`decide` (auto: the first level of the host's
+order that can be had; a named level: that one or an error saying why), applied by
+``ckagent.containment.open_containment`` and ``ckagent.containment.egress.open_egress`` to levels they
+open, and by their ``judge_*`` twins (``ckagent config check``) to levels judged without changing the
+machine. A level that cannot be had raises a :class:`LevelError` carrying its :class:`Blocker`.
 
 Edges: a member's ``value`` is the text of the settings, the wire (registration, /status), the state
 store, the metric label and the log, unchanged from when levels were strings; read it back with
@@ -20,10 +22,12 @@ store, the metric label and the log, unchanged from when levels were strings; re
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
-__all__ = ["AUTO", "Blocker", "ContainmentLevel", "EgressLevel", "Unavailable"]
+__all__ = ["AUTO", "Blocker", "ContainmentLevel", "EgressLevel", "Judged", "LevelError", "Unavailable", "decide"]
 
 AUTO = "auto"
 """The setting that asks for the strongest level this node allows (a setting, not a level)."""
@@ -232,3 +236,77 @@ class Unavailable:
     def describe(self) -> str:
         """``cgroup-v2: <message>; to get it: <remedy>`` (one line)."""
         return f"{self.level}: {self.message}; to get it: {self.blocker.remedy}"
+
+
+@dataclass(frozen=True)
+class Judged:
+    """The level a node would get for one concern with its settings, judged without changing the
+    machine (``ckagent.containment.judge_containment``, ``ckagent.containment.egress.judge_egress``).
+
+    ``details`` as the level's start line would say them (as far as they can be known before the
+    start); ``passed_over`` every stronger level not had, each with why (a level may appear once per
+    blocker: everything that stands in its way); ``v2_base`` for containment: the directory of the
+    cgroup v2 tree the tasks' cgroups would be made below (None: none there).
+    """
+
+    level: ContainmentLevel | EgressLevel
+    details: str
+    passed_over: tuple[Unavailable, ...] = ()
+    v2_base: Path | None = None
+
+
+class LevelError(Exception):
+    """A level cannot be had here (the concern's subclasses: ``ContainmentError``, ``EgressError``).
+    ``blocker`` says why in a word; ``also`` what else stands in the way, when a check found more than
+    one thing (``config check`` lists them all)."""
+
+    def __init__(self, message: str, blocker: Blocker = Blocker.FAILED, *, also: tuple[LevelError, ...] = ()) -> None:
+        super().__init__(message)
+        self.blocker = blocker
+        self.also = also
+
+    def unavailable(self, level: ContainmentLevel | EgressLevel) -> list[Unavailable]:
+        """This error and those of ``also`` as the reasons ``level`` is not had."""
+        return [Unavailable(level, error.blocker, str(error)) for error in (self, *self.also)]
+
+
+_T = TypeVar("_T")
+_Lv = TypeVar("_Lv", ContainmentLevel, EgressLevel)
+
+
+def decide(forced: _Lv | None, order: Sequence[_Lv], attempt: Callable[[_Lv], _T], *, setting: str,
+           error: type[LevelError], judge_stronger: bool = False) -> tuple[_T, tuple[Unavailable, ...]]:
+    """The rule that picks a level, for both concerns. Returns what ``attempt`` gave for the level
+    picked and the stronger levels passed over, each with why.
+
+    ``order`` is this host's order for ``auto``, strongest first; its last level must never fail.
+    ``forced`` None (``auto``): the first level ``attempt`` gets (it raises ``error`` for one it cannot),
+    each one before it passed over with its error's blockers. A forced level: that one, or ``error``
+    ``"<setting>=<level> is not available here: <why>"`` with the same blocker; the levels stronger than
+    it are passed over by the setting (:attr:`Blocker.SETTING`) — with ``judge_stronger`` each is
+    attempted first, so one this node could not have anyway says its own blockers (for judging only:
+    an attempt that opens a level would leave it open)."""
+    passed_over: list[Unavailable] = []
+    if forced is None:
+        for level in order[:-1]:
+            try:
+                return attempt(level), tuple(passed_over)
+            except error as exc:
+                passed_over += exc.unavailable(level)
+        return attempt(order[-1]), tuple(passed_over)
+    rank = list(type(forced))
+    stronger = [level for level in order if rank.index(level) < rank.index(forced)]
+    if forced in order:
+        stronger = list(order[:order.index(forced)])
+    for level in stronger:
+        if judge_stronger:
+            try:
+                attempt(level)
+            except error as exc:
+                passed_over += exc.unavailable(level)
+                continue
+        passed_over.append(Unavailable(level, Blocker.SETTING, f"{setting} is {forced}"))
+    try:
+        return attempt(forced), tuple(passed_over)
+    except error as exc:
+        raise error(f"{setting}={forced} is not available here: {exc}", exc.blocker, also=exc.also) from exc

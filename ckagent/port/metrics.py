@@ -73,6 +73,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
+from ckagent.containment.egress.proxy.taskproxy import OUTCOMES
 from ckagent.delivery import OutboxStatistics
 from ckagent.delivery.lifecycle import (
     DepsPrepared,
@@ -90,6 +91,7 @@ from ckagent.port.crawlmetrics import CrawlMetrics
 from ckagent.port.exposition import SLICE_SECONDS, Constant, LatencyByEndpoint, ProcessFigures, render_steps
 
 if TYPE_CHECKING:
+    from ckagent.containment.egress.proxy import ProxyServer
     from ckagent.delivery import Outbox
 
 log = logging.getLogger(__name__)
@@ -117,6 +119,7 @@ METRIC_NAMES = frozenset({
     "ckagent_outbox_oldest_unshipped_seconds", "ckagent_master_requests_total",
     "ckagent_master_request_duration_seconds", "ckagent_containment_level", "ckagent_task_cpu_seconds",
     "ckagent_task_memory_peak_bytes", "ckagent_egress_level", "ckagent_egress_refused_total",
+    "ckagent_egress_proxy_requests_total", "ckagent_egress_proxy_connections_total",
 })  # fmt: skip
 """The agent's own metric names as they appear on /metrics (histograms add _bucket/_sum/_count)."""
 
@@ -191,6 +194,14 @@ class _LiveCollector(Collector):
                                   value=shipped[0])
         yield CounterMetricFamily("ckagent_items_shipped", "Scraped items acknowledged by the master.",
                                   value=shipped[1])
+        proxy = m.egress_proxy  # (the proxy level only: 0 at the others)
+        requests = CounterMetricFamily("ckagent_egress_proxy_requests", "Requests of the tasks at the egress "
+                                       "proxy, by what became of them.", labels=["outcome"])
+        for outcome in OUTCOMES:
+            requests.add_metric([outcome], proxy.outcomes.get(outcome, 0) if proxy is not None else 0)
+        yield requests
+        yield CounterMetricFamily("ckagent_egress_proxy_connections", "Client connections the egress proxy "
+                                  "accepted.", value=proxy.connections if proxy is not None else 0)
         out = live.outbox
         yield GaugeMetricFamily("ckagent_outbox_log_lines",
                                 "Task log lines written and not yet acknowledged by the master.", value=out.log_lines)
@@ -271,6 +282,8 @@ class AgentMetrics:
         self.egress_level(None)
         self.egress_refused = Counter("ckagent_egress_refused", "Connections of finished tasks refused by "
                                       "their network policy (kernel counters).", registry=r)
+        self.egress_proxy: ProxyServer | None = None
+        """At the proxy egress level: the forward proxy, whose counts are read at each scrape."""
         self.task_cpu = Histogram(
             "ckagent_task_cpu_seconds", "CPU seconds (user + system) of finished tasks, installers included "
             "(cgroup levels).", buckets=TASK_CPU_BUCKETS, registry=r,

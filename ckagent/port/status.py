@@ -112,10 +112,14 @@ def _jail_figures(jail: TaskJail) -> tuple[tuple[str, Any], ...]:
 
 
 def _egress_refusals(egress: Egress, rules: TaskRules) -> tuple[tuple[str, Any], ...]:
-    """A task's refused connections so far as /status shows them (nft counters, ~0.5 ms)."""
+    """A task's refused connections so far as /status shows them (nft counters, ~0.5 ms), and at the
+    proxy level what became of its requests (``proxy``: outcome → count)."""
     refused = egress.refusals(rules)
-    return (("refused", [{"address": r.address, "port": r.port, "count": r.count} for r in refused]),
-            ("summary", describe_refusals(refused)))
+    found: tuple[tuple[str, Any], ...] = (
+        ("refused", [{"address": r.address, "port": r.port, "count": r.count} for r in refused]),
+        ("summary", describe_refusals(refused)))
+    outcomes = egress.proxy_outcomes(rules)
+    return (*found, ("proxy", outcomes)) if egress.server is not None else found
 
 
 @dataclass(frozen=True)

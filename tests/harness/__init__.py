@@ -30,24 +30,50 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
   :func:`pids_in`, and the ``no_strays`` fixture (import it: after each test, it kills the spiders
   a failed test left); spider building blocks :data:`ESCAPE` and :data:`SLOW_BACKEND`.
 - :func:`package_index` serves wheels made by :func:`wheel` as a simple index on 127.0.0.1.
+- :func:`config_check` runs `ckagent config check` (:func:`unprivileged_config_check`: as a user
+  without rights, from the pyz); :func:`check_leftovers` lists what a level check left (nothing).
 - :class:`Node` is a node talking raw HTTP to the dev master (:func:`register`); :func:`store_node`,
   :func:`store_spider`, :func:`store_task` make them straight in its store.
 - :class:`PollMaster` scripts the poll's answers and :class:`BatchMaster` holds one task's batches under
   the seq rules (with faults per request), both for ``httpx.MockTransport``; :class:`HoldingSupervisor`
   only admits.
+- Hostile peers (:mod:`harness.hostile`): :class:`Upstream` (a loopback server that answers with its
+  identity or misbehaves by path), :class:`Raw` (a client connection sending bytes as given),
+  :func:`proxy_under_test` (the egress proxy of one task, in-process, with its upstreams).
+- Behind the egress proxy (:mod:`harness.upstreams`): :class:`IdentityOrigin` (an origin that says who
+  it is), :class:`RecordingProxy` (a team's HTTP proxy) and :class:`Socks5Server`, each recording what
+  it received.
 - An agent as a process: :func:`agent_process` (test timings), :func:`wait_registered`,
   :func:`wait_exit`, :func:`node_status`; :func:`wait_for_log` waits for a line in the master.
+- :func:`another_agent` holds an entry in a registry of agents' ports from a process of its own
+  (:mod:`harness.agentports`); :func:`run_as` runs Python as another user and
+  :func:`world_directory` gives it a directory it can reach (:mod:`harness.users`, root only).
+- :func:`demo_with_crawl` runs ``ckagent demo --keep`` and a many-page Scrapy crawl on its agent
+  (:mod:`harness.demo`; :func:`user_checkout` for a user who cannot read the checkout), and
+  :func:`throwaway_user` makes a system user for one test (:mod:`harness.users`).
+- :func:`web_hosts` runs identity web servers on loopback aliases (HTTP and HTTPS, keep-alive; each
+  answer says which server gave it and echoes what it received) (:mod:`harness.webhosts`);
+  :mod:`harness.webclients` runs real HTTP clients (Python, Node, curl, Chromium) through a task's
+  egress proxy (:func:`proxied_task`) and checks their answers (:func:`check_answers`).
 """
 
 from __future__ import annotations
 
+from harness.agentports import *  # noqa: F403
 from harness.agentproc import *  # noqa: F403
 from harness.core import *  # noqa: F403
+from harness.demo import *  # noqa: F403
 from harness.examples import *  # noqa: F403
 from harness.fakes import *  # noqa: F403
+from harness.hostile import *  # noqa: F403
 from harness.index import *  # noqa: F403
+from harness.levelcheck import *  # noqa: F403
 from harness.procs import *  # noqa: F403
 from harness.pyz import *  # noqa: F403
 from harness.rawnode import *  # noqa: F403
 from harness.recording import *  # noqa: F403
 from harness.runsh import *  # noqa: F403
+from harness.upstreams import *  # noqa: F403
+from harness.users import *  # noqa: F403
+from harness.webclients import *  # noqa: F403
+from harness.webhosts import *  # noqa: F403

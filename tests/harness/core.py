@@ -42,6 +42,9 @@ def agent_settings(work_dir: Path, base_url: str, registration_token: str, **env
         "AGENT_NAME": "test-node",
         "AGENT_IP": "127.0.0.1",
         "AGENT_PORT": "0",  # the status server on a free port: tests (and engineers) run side by side
+        # The test's own registry of agents' ports (shared by the agents of one test), not the host's:
+        # another test's agent port must not be refused to this test's tasks.
+        "AGENT_PORTS_REGISTRY": str(work_dir.parent / "agent-ports"),
     }
     values.update(env)
     return load_settings(None, env=values, require_token=True)
@@ -97,7 +100,7 @@ class AgentProcess:
         config: dict[str, Any] = {
             "server": {"url": base_url},
             "agent": {"registration_token": registration_token, "name": "proc-node", "ip": "127.0.0.1",
-                      "port": 0,
+                      "port": 0, "ports_registry": str(directory.parent / "agent-ports"),
                       "max_workers": 2},
             "heartbeat": {"interval": 1},
             "task": {"work_dir": str(directory / "data"), "poll_interval": 0.5, "long_poll_wait": 2,

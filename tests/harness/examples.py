@@ -141,9 +141,13 @@ class AgentRun:
 
 
 def exec_env() -> dict[str, str]:
-    """The environment of an exec run: this one without the agent's and the suite's settings."""
+    """The environment of an exec run: this one without the agent's and the suite's settings, at the
+    ``proxy`` egress level — the level a non-root node or a pod gets, forced here so every example
+    crawls through the agent's forward proxy on every machine (the agent runs are at the node's best
+    level: the tests comparing the two paths compare the levels too)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENT_", "CK_"))}
     env["AGENT_UV_SYNC_TIMEOUT"] = "600"
+    env["AGENT_TASK_EGRESS"] = "proxy"
     return env
 
 

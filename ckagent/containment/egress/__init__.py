@@ -34,9 +34,6 @@ import ipaddress
 import logging
 import os
 import secrets
-import socket
-import subprocess
-import sys
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
@@ -44,18 +41,44 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
-from ckagent.containment.egress.nft import Nft, NftError, open_nft
-from ckagent.containment.egress.proxy import Dialer, ProxyServer, TaskProxy, routes_from_env
+from ckagent.containment.egress.errors import EgressError
+from ckagent.containment.egress.kernel import (
+    create_table,
+    judge_nftables,
+    nft_backend,
+    read_file,
+    run_probe,
+    v2_depth,
+)
+from ckagent.containment.egress.nft import Nft, NftError
+from ckagent.containment.egress.proxy import (
+    Dialer,
+    ProxyServer,
+    Resolve,
+    TaskProxy,
+    routes_from_env,
+    system_resolve,
+)
 from ckagent.containment.egress.table import (
     NFT_CGROUP_ROOT,
+    AgentPorts,
     EgressTable,
     Refusal,
     TaskRules,
     remove_orphans,
     table_name,
 )
-from ckagent.node.egress_policy import DEFAULT_DENY, GROUPS, EgressPolicy, PolicyError, parse_text
-from ckagent.node.levels import AUTO, Blocker, EgressLevel, Unavailable
+from ckagent.containment.filewatch import DIRECTORY_CHANGES, FileWatch
+from ckagent.node.agentports import PortRegistry
+from ckagent.node.egress_policy import (
+    DEFAULT_DENY,
+    GROUPS,
+    EgressPolicy,
+    PolicyError,
+    is_this_host,
+    parse_text,
+)
+from ckagent.node.levels import AUTO, Blocker, EgressLevel, Judged, Unavailable, decide
 
 if TYPE_CHECKING:  # (the containment imports Trio: the protocol module imports this package's policy)
     from ckagent.containment import Containment, TaskJail
@@ -71,6 +94,7 @@ __all__ = [
     "Refusal",
     "TaskRules",
     "describe_refusals",
+    "judge_egress",
     "open_egress",
     "parse_text",
     "report_refusals",
@@ -79,19 +103,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-PROBE_TIMEOUT = 5.0
-"""Seconds the start-up probe's child may take."""
-
-
-class EgressError(Exception):
-    """A forced egress level is not available here, or a task's rules cannot be added. ``blocker``
-    says why a level is not available in a word (:class:`ckagent.node.levels.Blocker`)."""
-
-    def __init__(self, message: str, blocker: Blocker = Blocker.FAILED) -> None:
-        super().__init__(message)
-        self.blocker = blocker
-
 
 def describe_refusals(refused: list[Refusal]) -> str:
     """``egress: 3 connections refused: 169.254.169.254:80 ×3`` ('' when nothing was refused)."""
@@ -113,30 +124,56 @@ def report_refusals(task_id: str, refused: list[Refusal], notice: Callable[[str]
         notice(line)
 
 
-class Egress:
+class Egress(AgentPorts):
     """The node's egress level (see module docstring). ``level`` the level; ``details`` one line for
     the log and /status; ``policy`` the node's default policy; ``passed_over`` the stronger levels
     this node did not get, each with why (set by :func:`open_egress`)."""
 
     def __init__(self, level: EgressLevel, details: str, policy: EgressPolicy, *, table: EgressTable | None = None,
                  v2_root: Path | None = None, agent_port: int | None = None,
-                 resolvers: tuple[tuple[str, int], ...] = (), work_dir: Path | None = None) -> None:
+                 resolvers: tuple[tuple[str, int], ...] = (), work_dir: Path | None = None,
+                 registry: PortRegistry | None = None) -> None:
         self.level, self.details, self.policy = level, details, policy
         self.passed_over: tuple[Unavailable, ...] = ()
         self.table, self.v2_root, self.agent_port, self.resolvers = table, v2_root, agent_port, resolvers
+        self.registry = registry
         self.server: ProxyServer | None = ProxyServer() if level.uses_proxy else None
         """At the ``proxy`` level: the forward proxy (:mod:`.proxy`), served by :meth:`serve`."""
         self._proxied: dict[str, TaskProxy] = {}
         """At the ``proxy`` level: the rules' chain (the task's proxy user name) → its side of the proxy."""
         self._key = _proxy_key(work_dir) if level.uses_proxy else b""
+        self.resolve: Resolve = system_resolve
+        """At the ``proxy`` level: how names are resolved for the tasks attached from now on (tests
+        put a fixed table here)."""
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Run the level's service until cancelled: at ``proxy`` the forward proxy (startable:
-        ``started()`` once tasks can be attached); at the other levels it returns at once."""
+        ``started()`` once tasks can be attached); at ``nftables`` :meth:`watch_agent_ports`; at
+        ``off`` it returns at once."""
         if self.server is None:
             task_status.started()
+            await self.watch_agent_ports()
             return
         await self.server.run(task_status=task_status)
+
+    async def watch_agent_ports(self) -> None:
+        """Keep the table's set of agent ports up to date while tasks run: the registry's directories
+        are watched (inotify), so an agent that starts after a task was added is refused to it at once
+        (a dead agent's port goes at the next change or task). Until cancelled; returns at once
+        without a table or a registry, or when no directory of it can be watched."""
+        if self.table is None or self.registry is None:
+            return
+
+        async def follow(watch: FileWatch) -> None:
+            while True:
+                await watch.changed()
+                await trio.to_thread.run_sync(self.refresh_agent_ports)
+
+        with contextlib.ExitStack() as watches:
+            async with trio.open_nursery() as nursery:
+                for directory in self.registry.read_dirs:
+                    with contextlib.suppress(OSError):  # (not there: an agent that starts later makes it)
+                        nursery.start_soon(follow, watches.enter_context(FileWatch(directory, DIRECTORY_CHANGES)))
 
     def effective(self, task_policy: EgressPolicy | None) -> EgressPolicy:
         """The node's policy with the task's denials and exceptions added."""
@@ -152,13 +189,16 @@ class Egress:
         if self.server is not None:  # (the proxy level)
             user = _proxy_user(task_id)
             policy = self.effective(task_policy)
-            task = TaskProxy(task_id, user, self._password(task_id), Dialer(partial(self.blocked, policy)))
+            task = TaskProxy(task_id, user, self._password(task_id), Dialer(partial(self.blocked, policy), self.resolve))
             try:
                 _on_trio_thread(self.server.open, task, proxy_port)
             except (OSError, RuntimeError) as exc:
                 where = f"127.0.0.1:{proxy_port}" if proxy_port else "127.0.0.1"
                 raise EgressError(f"egress: cannot listen for task {task_id}'s proxy on {where} ({exc})") from exc
             self._proxied[user] = task
+            if self.registry is not None:  # other agents' tasks must not reach it (the agent group)
+                with contextlib.suppress(ValueError):
+                    self.registry.register([task.port])
             return TaskRules(task_id, "", user, policy)
         if self.table is None:
             return None
@@ -168,6 +208,7 @@ class Egress:
         if path is None:
             raise EgressError(f"egress: the task's jail ({jail.level}) has no cgroup in the v2 tree to filter")
         policy = self.effective(task_policy)
+        self.refresh_agent_ports()  # (agents that came or went since the last task)
         try:
             return self.table.add(task_id, str(path.relative_to(NFT_CGROUP_ROOT)), policy, self.agent_port,
                                   self.resolvers, pin=task_policy is None)  # (the node's: most tasks')
@@ -178,14 +219,19 @@ class Egress:
         """The proxy's check of one address: True when ``policy`` denies ``address``:``port``, or it is
         the proxy's own listener (a request to itself would loop)."""
         local = _is_local(address)
-        if local and self.server is not None and port in self.server.ports:
+        if self.server is not None and port in self.server.ports and (local or is_this_host(address)):
             return True
-        return policy.blocks(address, port, agent_port=self.agent_port, local=local)
+        return policy.blocks(address, port, agent_ports=self.agent_ports(), local=local)
 
     def proxy_port(self, rules: TaskRules | None) -> int:
         """The port of the task's proxy listener (0: none; the ``proxy`` level only)."""
         task = self._proxied.get(rules.chain) if rules is not None else None
         return task.port if task is not None else 0
+
+    def proxy_outcomes(self, rules: TaskRules | None) -> dict[str, int]:
+        """At ``proxy``: what became of the task's requests so far, by outcome ({} otherwise)."""
+        task = self._proxied.get(rules.chain) if rules is not None else None
+        return dict(task.outcomes) if task is not None else {}
 
     def refusals(self, rules: TaskRules | None) -> list[Refusal]:
         """What the task was refused so far (blocking), most refused first. [] at ``off`` or when
@@ -204,9 +250,12 @@ class Egress:
     def detach(self, rules: TaskRules | None, refused: list[Refusal] | None = None) -> None:
         """Remove the task's rules (blocking; before its cgroup goes): at ``proxy`` its listener, its
         connections and its pool close. Never raises; callable from a worker thread or the Trio thread."""
-        if rules is not None and self._proxied.pop(rules.chain, None) is not None and self.server is not None:
+        task = self._proxied.pop(rules.chain, None) if rules is not None else None
+        if task is not None and self.server is not None:
             with contextlib.suppress(RuntimeError, trio.RunFinishedError):
-                _on_trio_thread(self.server.close, rules.task_id)
+                _on_trio_thread(self.server.close, task.task_id)
+            if self.registry is not None:
+                self.registry.unregister([task.port])
         if rules is None or self.table is None:
             return
         try:
@@ -257,9 +306,13 @@ class Egress:
         return {"level": self.level.value, "details": self.details, "policy": self.policy.describe(),
                 "deny": wire["deny"], "allow": wire["allow"]}
 
-    def close(self) -> None:
-        """Delete the agent's table (the tasks are gone). Never raises."""
-        if self.table is not None:
+    def close(self, handed: int = 0) -> None:
+        """Delete the agent's table (the tasks are gone; unless ``handed`` tasks were left running for
+        the next agent: their rules stay in force) and its entry in the registry. Never raises."""
+        self.leave()
+        if handed:
+            log.info("egress: the table stays for the %d task(s) left running", handed)
+        elif self.table is not None:
             with contextlib.suppress(NftError):
                 self.table.close()
             self.table = None
@@ -319,46 +372,72 @@ def _proxy_user(task_id: str) -> str:
 
 def open_egress(setting: str | EgressLevel, containment: Containment | None, group_name: str, policy: EgressPolicy,
                 *, agent_port: int | None = None, nft: Nft | None = None, probe: bool = True,
-                work_dir: Path | None = None) -> Egress:
-    """The egress level for this agent: ``setting`` ``auto`` or a level (or its text). The one place
-    that decides the level; the result's ``passed_over`` lists the stronger levels not had, each with
-    its :class:`~ckagent.node.levels.Blocker`.
+                work_dir: Path | None = None, registry: PortRegistry | None = None) -> Egress:
+    """The egress level for this agent: ``setting`` ``auto`` or a level (or its text), decided by
+    :func:`~ckagent.node.levels.decide` (as :func:`judge_egress` does); the result's ``passed_over``
+    lists the stronger levels not had, each with its :class:`~ckagent.node.levels.Blocker`.
 
     Blocking (nft batches, and at ``nftables`` a probe: a short child process in a throw-away cgroup
     connects to a loopback socket of the agent and must be refused). ``work_dir`` (the agent's) is
     written into the table's comment; the tables of other work dirs that no longer exist (a removed
     test directory, an uninstalled agent killed before its stop) are deleted: no agent can come back
-    for their tasks. Logs one line naming the level.
+    for their tasks. ``registry``: the host's agents' ports (:mod:`ckagent.node.agentports`), refused
+    with ``agent_port`` where the ``agent`` group is denied. Logs one line naming the level.
     Raises EgressError when a forced level cannot be used (the message says why, its ``blocker`` in
     a word); ``auto`` never raises (it falls back to ``proxy``).
     """
     forced = _parse_setting(setting)
     resolvers = _resolvers()
-    egress: Egress | None = None
-    passed_over: list[Unavailable] = []
-    if forced is EgressLevel.OFF:
-        egress = Egress(EgressLevel.OFF, "no network policy (task.egress: off)", EgressPolicy())
-    else:
-        why = ""
-        if forced in (None, EgressLevel.NFTABLES):
-            try:
-                egress = _open_nftables(containment, group_name, policy, agent_port, nft, probe, resolvers,
-                                        work_dir)
-            except EgressError as exc:
-                if forced is EgressLevel.NFTABLES:
-                    raise EgressError(f"task.egress=nftables is not available here: {exc}", exc.blocker) from exc
-                why = str(exc)
-                passed_over.append(Unavailable(EgressLevel.NFTABLES, exc.blocker, why))
-        if egress is None:
-            details = "filtering proxy in the tasks' proxy variables (advisory: a program may ignore them)"
-            egress = Egress(EgressLevel.PROXY, details + (f"; the kernel cannot: {why}" if why else ""), policy,
-                            agent_port=agent_port, resolvers=resolvers, work_dir=work_dir)
-    if forced is not None:
-        stronger = list(EgressLevel)[:list(EgressLevel).index(forced)]
-        passed_over += [Unavailable(level, Blocker.SETTING, f"task.egress is {forced}") for level in stronger]
-    egress.passed_over = tuple(passed_over)
+    group = None if containment is None else containment.v2_group()
+    where = "none" if containment is None else str(containment.level)
+
+    def attempt(level: EgressLevel) -> Egress:
+        if level is EgressLevel.NFTABLES:
+            return _open_nftables(group, where, group_name, policy, agent_port, nft, probe, resolvers, work_dir,
+                                  registry)
+        if level is EgressLevel.PROXY:
+            return Egress(EgressLevel.PROXY, PROXY_DETAILS, policy, agent_port=agent_port, resolvers=resolvers,
+                          work_dir=work_dir, registry=registry)
+        return Egress(EgressLevel.OFF, "no network policy (task.egress: off)", EgressPolicy(), registry=registry)
+
+    egress, passed_over = decide(forced, AUTO_ORDER, attempt, setting="task.egress", error=EgressError)
+    egress.passed_over = passed_over
+    kernel = [u.message for u in passed_over if u.blocker is not Blocker.SETTING]
+    if egress.level.uses_proxy and kernel:
+        egress.details += f"; the kernel cannot: {kernel[0]}"
     log.info("egress: %s — %s; %s", egress.level, egress.details, egress.policy.describe())
     return egress
+
+
+AUTO_ORDER = (EgressLevel.NFTABLES, EgressLevel.PROXY)
+"""What ``auto`` tries, strongest first (``off`` only when named)."""
+
+PROXY_DETAILS = "filtering proxy in the tasks' proxy variables (advisory: a program may ignore them)"
+
+
+def judge_egress(setting: str | EgressLevel, containment: Judged | None, policy: EgressPolicy, *,
+                 nft: Nft | None = None) -> Judged:
+    """The level :func:`open_egress` would give with ``setting`` next to the judged ``containment``
+    (:func:`ckagent.containment.judge_containment`; None: it cannot be had), judged without changing
+    the machine: the same decision, ``nftables`` judged by each of its conditions (every unmet one is a
+    ``passed_over`` entry with its blocker) and, when all are met, by the start-up probe in a throw-away
+    cgroup below ``containment.v2_base`` with a throw-away table (``inet ckagent_check_<pid>``, no
+    agent's), both removed also on failure; other agents' tables are not looked at. Every stronger
+    level is judged, also past a forced one. Blocking (the probe's child: ~0.1 s). Raises EgressError
+    as :func:`open_egress` would (a forced level not available)."""
+    base = None if containment is None else containment.v2_base
+    where = "none" if containment is None else str(containment.level)
+
+    def attempt(level: EgressLevel) -> Judged:
+        if level is EgressLevel.NFTABLES:
+            return judge_nftables(base, where, nft)
+        if level is EgressLevel.PROXY:
+            return Judged(level, PROXY_DETAILS)
+        return Judged(level, "no network policy (task.egress: off)")
+
+    judged, passed_over = decide(_parse_setting(setting), AUTO_ORDER, attempt, setting="task.egress",
+                                 error=EgressError, judge_stronger=True)
+    return Judged(judged.level, judged.details, passed_over)
 
 
 def _parse_setting(setting: str | EgressLevel) -> EgressLevel | None:
@@ -374,107 +453,38 @@ def _parse_setting(setting: str | EgressLevel) -> EgressLevel | None:
                           f"{', '.join(level.value for level in EgressLevel)}") from None
 
 
-def _open_nftables(containment: Containment | None, group_name: str, policy: EgressPolicy,
+def _open_nftables(group: Path | None, where: str, group_name: str, policy: EgressPolicy,
                    agent_port: int | None, nft: Nft | None, probe: bool,
-                   resolvers: tuple[tuple[str, int], ...], work_dir: Path | None = None) -> Egress:
-    group = None if containment is None else containment.v2_group()
+                   resolvers: tuple[tuple[str, int], ...], work_dir: Path | None = None,
+                   registry: PortRegistry | None = None) -> Egress:
+    """The ``nftables`` level for task cgroups below ``group`` (the containment's, at level ``where``)."""
     if group is None:
-        level = containment.level if containment is not None else "none"
-        raise EgressError(f"the tasks have no cgroup in a cgroup v2 tree (containment {level})",
-                          Blocker.NO_TASK_CGROUP)
-    from ckagent.containment.hierarchy import mounts  # (the containment package imports Trio)
-
-    v2 = mounts(_read("/proc/self/mountinfo")).get("unified")
-    if v2 is None:
-        raise EgressError("no cgroup v2 tree is mounted", Blocker.NO_V2_TREE)
-    point, root = v2
-    try:
-        group.relative_to(NFT_CGROUP_ROOT)
-        depth = len(group.relative_to(point).parts) + len(Path(root).parts[1:]) + 1
-    except ValueError:
-        raise EgressError(f"the v2 tree {point} is not below {NFT_CGROUP_ROOT}, where nft looks",
-                          Blocker.V2_TREE_ELSEWHERE) from None
-    try:
-        backend = nft or open_nft()
-    except NftError as exc:
-        raise EgressError(str(exc), Blocker.NO_NFTABLES) from exc
+        raise EgressError(f"the tasks have no cgroup in a cgroup v2 tree (containment {where})", Blocker.NO_TASK_CGROUP)
+    point, depth = v2_depth(group)
+    backend = nft_backend(nft)
     table = EgressTable(backend, table_name(group_name), depth, "" if work_dir is None else str(work_dir))
     for orphan in remove_orphans(keep=table.name):
         log.info("egress: removed the table inet %s: its agent's work dir no longer exists", orphan)
-    try:
-        table.create()
-    except NftError as exc:
-        raise EgressError(f"cannot create the nftables table {table.name} ({exc}; the agent needs "
-                          "CAP_NET_ADMIN: run it as root or grant the capability)",
-                          Blocker.NO_NET_ADMIN if "not permitted" in str(exc) else Blocker.FAILED) from exc
+    create_table(table)
     egress = Egress(EgressLevel.NFTABLES, f"nftables table inet {table.name} ({backend.kind}), task cgroups at "
                     f"level {depth} below {group}", policy, table=table, v2_root=point,
-                    agent_port=agent_port, resolvers=resolvers)
+                    agent_port=agent_port, resolvers=resolvers, registry=registry)
     if probe:
         try:
-            _probe(table, group)
+            run_probe(table, group)
         except EgressError:
             egress.close()
             raise
     return egress
 
 
-def _probe(table: EgressTable, group: Path) -> None:
-    """A child in a throw-away cgroup below ``group`` connects to a loopback listener of ours under
-    a policy that denies it: the kernel must refuse it (a wrong cgroup level would let it through)."""
-    from ckagent.node.egress_policy import parse_deny
-
-    cgroup = group / "egress-probe"
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        port = listener.getsockname()[1]
-        cgroup.mkdir(exist_ok=True)
-        rules = None
-        try:
-            rules = table.add("probe", str(cgroup.relative_to(NFT_CGROUP_ROOT)),
-                              parse_deny(["127.0.0.1/32"], "probe"), None)
-            code = ("import socket,sys\ntry:\n socket.create_connection(('127.0.0.1', int(sys.argv[1])), 2)\n"
-                    "except ConnectionRefusedError:\n sys.exit(0)\nsys.exit(3)")
-            script = 'echo 0 >"$1/cgroup.procs" || exit 4\nshift\nexec "$@"'
-            try:
-                done = subprocess.run(["/bin/sh", "-c", script, "sh", str(cgroup), sys.executable, "-I", "-S",
-                                       "-c", code, str(port)], timeout=PROBE_TIMEOUT, check=False,
-                                      capture_output=True)
-            except (OSError, subprocess.TimeoutExpired) as exc:
-                raise EgressError(f"the probe child could not run: {exc}") from exc
-            refused = table.refusals(rules)
-            table.remove(rules, refused)
-            if done.returncode != 0 or not refused:
-                raise EgressError(f"the kernel did not refuse a probe connection from a task cgroup (exit "
-                                  f"{done.returncode}, {len(refused)} counted): socket cgroupv2 does not match here",
-                                  Blocker.KERNEL_NO_MATCH)
-        except NftError as exc:
-            raise EgressError(f"the probe's rules were refused: {exc}") from exc
-        finally:
-            if rules is not None:
-                with contextlib.suppress(NftError):
-                    table.remove(rules)
-            with contextlib.suppress(OSError):
-                cgroup.rmdir()
-
-
 def _resolvers() -> tuple[tuple[str, int], ...]:
     """The name servers of /etc/resolv.conf (port 53): tasks reach them whatever is denied."""
     found = []
-    for line in _read("/etc/resolv.conf").splitlines():
+    for line in read_file("/etc/resolv.conf").splitlines():
         parts = line.split()
         if len(parts) >= 2 and parts[0] == "nameserver":
             address = parts[1].split("%")[0]
             with contextlib.suppress(ValueError):
                 found.append((str(ipaddress.ip_address(address)), 53))
     return tuple(dict.fromkeys(found))
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as fh:
-            return fh.read()
-    except OSError:
-        return ""
-

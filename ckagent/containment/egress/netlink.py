@@ -122,6 +122,20 @@ class Netlink:
         element = _nest(NFTA_SET_ELEM_KEY, _attr(NFTA_DATA_VALUE, key)) + _nest(NFTA_SET_ELEM_DATA, verdict)
         self._batch([(NFT_MSG_NEWSETELEM, NLM_F_CREATE, self._elements(set_name, [element]))])
 
+    def update(self, set_name: str, add: list[bytes], delete: list[bytes]) -> None:
+        """Add the keys ``add`` to the plain set ``set_name`` and delete ``delete`` from it, in one
+        atomic batch. Raises NetlinkError (errno ENOENT when a key to delete is not there: then
+        nothing changed)."""
+        messages = []
+        if delete:
+            messages.append((NFT_MSG_DELSETELEM, 0, self._elements(
+                set_name, [_nest(NFTA_SET_ELEM_KEY, _attr(NFTA_DATA_VALUE, k)) for k in delete])))
+        if add:
+            messages.append((NFT_MSG_NEWSETELEM, NLM_F_CREATE, self._elements(
+                set_name, [_nest(NFTA_SET_ELEM_KEY, _attr(NFTA_DATA_VALUE, k)) for k in add])))
+        if messages:
+            self._batch(messages)
+
     def delete(self, keys: dict[str, list[bytes]]) -> None:
         """Delete ``{set name: [key, ...]}`` in one atomic batch. Raises NetlinkError (errno ENOENT
         when one of them is not there: then nothing was deleted)."""

@@ -5,11 +5,20 @@ Layout (family ``inet``, IPv4 and IPv6 alike; ``<P>`` = 12 hex of a policy's has
     table inet ckagent_<work-dir hash>                this agent's only table (never another's)
         map tasks { type cgroupsv2 : verdict }        task cgroup → jump p_<P>   (one per task)
         chain output  hook output, priority filter:   socket cgroupv2 level <L> vmap @tasks
-        chain p_<P>   one per policy in use: allow entries → accept; denied networks and the
-                      agent's port → goto refuse
+        set agent_ports { type inet_service }   the ports of every agent on this host (its own
+                      and those of :mod:`ckagent.node.agentports`), refreshed when a task is added
+                      and when the registry changes (``Egress.watch_agent_ports``)
+        chain p_<P>   one per policy in use: IPv6 forms of denied IPv4 networks → goto refuse (through
+                      chain e_<P> when IPv4 allow entries make exceptions); allow entries → accept;
+                      denied networks, and the agent ports on local addresses → goto refuse
         chain refuse  record (cgroup . address . port) in @h4/@h6, (cgroup . address) in @x4/@x6
                       for what is not TCP/UDP, each element with its counter; then reject
         sets h4 h6 x4 x6   the refused destinations of every task, per task cgroup
+
+An address is judged as what it reaches (:mod:`ckagent.node.egress_policy`): ``0.0.0.0``/``::`` need
+no rule (the kernel rewrites them to the loopback address before the hook), an IPv4-mapped address
+is sent as IPv4 (the ``ip daddr`` rules see it), and the IPv6 forms that embed an IPv4 address
+(IPv4-compatible, NAT64 ``64:ff9b::/96``, 6to4) of a denied IPv4 network are refused like it.
 
 Adding a task is one map element, removing it deletes that element and the task's hit elements:
 the cost does not grow with the policy, the number of tasks or the rest of the host's ruleset
@@ -35,14 +44,16 @@ import ipaddress
 import logging
 import os
 import struct
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ckagent.containment.egress.netlink import Netlink, NetlinkError, cgroup_key
 from ckagent.containment.egress.nft import Nft, NftError
-from ckagent.node.egress_policy import EgressPolicy, Network
+from ckagent.node.agentports import PortRegistry
+from ckagent.node.egress_policy import EgressPolicy, Network, embedding_networks
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +64,10 @@ HITS_SET_SIZE = 65536
 """Distinct refused (task, destination) pairs remembered per family (beyond: refused, not itemised)."""
 
 HIT_SETS = ("h4", "h6", "x4", "x6")
+AGENT_PORTS_SET = "agent_ports"
+NETLINK_PORTS_BATCH = 256
+"""At most this many agent-port changes go over netlink in one batch; more (a flood of planted
+registry entries) are written whole through nft."""
 TABLE_PREFIX = "ckagent_"
 OWNER_COMMENT = "ckagent work_dir="
 """The table comment's start; the agent's work dir follows."""
@@ -127,6 +142,12 @@ class EgressTable:
         adding a chain goes through nft, whose cost grows with the host's ruleset)."""
         self.elements: Netlink | None = None
         """The nfnetlink path of the per-task changes (None: nft does them; see :mod:`.netlink`)."""
+        self.agent_ports: frozenset[int] = frozenset()
+        """The ports in the table's ``agent_ports`` set (refused on local addresses where a policy
+        denies the ``agent`` group)."""
+        self._ports_lock = threading.Lock()  # (tasks' adds and the watch of the registry, in threads)
+        self.subchains: dict[str, str] = {}
+        """Policy chain → its chain of IPv4 exceptions for embedded forms (``e_<P>``), where it has one."""
         self._netlink = netlink
 
     def create(self) -> None:
@@ -142,7 +163,8 @@ class EgressTable:
                               ("x4", "ip daddr"), ("x6", "ip6 daddr")))
         self.nft.run(
             f"add table {self.ref}{shown}\n"
-            f"add map {self.ref} tasks {{ type cgroupsv2 : verdict; }}\n" + sets +
+            f"add map {self.ref} tasks {{ type cgroupsv2 : verdict; }}\n"
+            f"add set {self.ref} {AGENT_PORTS_SET} {{ type inet_service; }}\n" + sets +
             f"add chain {self.ref} refuse\n"
             f"add rule {self.ref} refuse meta nfproto ipv4 meta l4proto {{ tcp, udp }} add @h4 {{ {cg} . ip daddr . th dport }}\n"
             f"add rule {self.ref} refuse meta nfproto ipv6 meta l4proto {{ tcp, udp }} add @h6 {{ {cg} . ip6 daddr . th dport }}\n"
@@ -154,6 +176,8 @@ class EgressTable:
             f"add rule {self.ref} output {cg} vmap @tasks\n"
         )
         self.chains.clear()
+        self.subchains.clear()
+        self.agent_ports = frozenset()
         if self._netlink and self.elements is None:
             try:
                 self.elements = Netlink(self.name)
@@ -163,6 +187,7 @@ class EgressTable:
     def delete(self) -> bool:
         """Delete the whole table if it exists. Returns True when there was one."""
         self.chains.clear()
+        self.subchains.clear()
         return _delete_table(self.nft, self.name)
 
     def close(self) -> None:
@@ -174,28 +199,74 @@ class EgressTable:
                 self.elements.close()
                 self.elements = None
 
-    def policy_text(self, chain: str, policy: EgressPolicy, agent_port: int | None,
+    def policy_text(self, chain: str, policy: EgressPolicy, agent_port: int | None = None,
                     resolvers: Iterable[tuple[str, int]] = ()) -> str:
-        """The batch that adds the chain of one policy."""
+        """The batch that adds the chain of one policy (and its ``e_`` chain when it needs one).
+        ``agent_port`` is unused (the ``agent_ports`` set holds every agent's: :meth:`set_agent_ports`)."""
         ref = self.ref
         lines = [f"add chain {ref} {chain}"]
         for address, dns_port in resolvers:  # name resolution keeps working whatever is denied
             family = "ip" if ipaddress.ip_address(address).version == 4 else "ip6"
             lines.append(f"add rule {ref} {chain} {family} daddr {address} meta l4proto {{ tcp, udp }} "
                          f"th dport {dns_port} accept")
+        v4, v6 = _split(policy.denied_networks())
+        # The IPv6 forms that embed a denied IPv4 address, judged before the allow entries (an IPv6
+        # allow entry such as 2000::/3 does not allow 6to4's 2002:a9fe:a9fe:: = 169.254.169.254);
+        # an IPv4 allow entry makes its own forms an exception (e_<P>: return = judge on).
+        embedded = [str(n) for n in ipaddress.collapse_addresses(
+            e for net in v4 for e in embedding_networks(ipaddress.IPv4Network(net)))]
+        excepted = [(e, entry.port) for entry in policy.allow if isinstance(entry.network, ipaddress.IPv4Network)
+                    for e in embedding_networks(entry.network)]
+        if embedded and excepted:
+            sub = "e" + chain[1:]
+            lines.insert(0, f"add chain {ref} {sub}")
+            for network, only in excepted:
+                ports = "" if only is None else f" meta l4proto {{ tcp, udp }} th dport {only}"
+                lines.append(f"add rule {ref} {sub} ip6 daddr {network}{ports} return")
+            lines.append(f"add rule {ref} {sub} goto refuse")
+            lines.append(f"add rule {ref} {chain} ip6 daddr {_set(embedded)} jump {sub}")
+        elif embedded:
+            lines.append(f"add rule {ref} {chain} ip6 daddr {_set(embedded)} goto refuse")
         for entry in policy.allow:
             family = "ip" if entry.network.version == 4 else "ip6"
             port = "" if entry.port is None else f" meta l4proto {{ tcp, udp }} th dport {entry.port}"
             lines.append(f"add rule {ref} {chain} {family} daddr {entry.network}{port} accept")
-        v4, v6 = _split(policy.denied_networks())
         if v4:
             lines.append(f"add rule {ref} {chain} ip daddr {_set(v4)} goto refuse")
         if v6:
             lines.append(f"add rule {ref} {chain} ip6 daddr {_set(v6)} goto refuse")
-        if agent_port is not None and policy.denies_agent_port:
+        if policy.denies_agent_port:
             lines.append(f"add rule {ref} {chain} fib daddr type local meta l4proto {{ tcp, udp }} "
-                         f"th dport {agent_port} goto refuse")
+                         f"th dport @{AGENT_PORTS_SET} goto refuse")
         return "\n".join(lines) + "\n"
+
+    def set_agent_ports(self, ports: Collection[int]) -> bool:
+        """Make the ``agent_ports`` set hold exactly ``ports`` (those outside 1..65535 are left out):
+        the difference in one netlink batch (~50 µs), or the whole set through nft. Returns True when
+        it changed. Blocking, thread-safe; raises NftError (the set is then as it was)."""
+        with self._ports_lock:
+            return self._set_agent_ports(frozenset(p for p in ports if isinstance(p, int) and 0 < p < 65536))
+
+    def _set_agent_ports(self, wanted: frozenset[int]) -> bool:
+        if wanted == self.agent_ports:
+            return False
+        added, gone = sorted(wanted - self.agent_ports), sorted(self.agent_ports - wanted)
+        if self.elements is not None and len(added) + len(gone) <= NETLINK_PORTS_BATCH:
+            try:
+                self.elements.update(AGENT_PORTS_SET, [struct.pack(">H", p) for p in added],
+                                     [struct.pack(">H", p) for p in gone])
+            except NetlinkError as exc:
+                log.debug("egress: the agent ports go through nft (%s)", exc)
+            else:
+                self.agent_ports = wanted
+                return True
+        text = f"flush set {self.ref} {AGENT_PORTS_SET}\n"
+        ordered = sorted(wanted)
+        for start in range(0, len(ordered), 4096):
+            text += f"add element {self.ref} {AGENT_PORTS_SET} {_set(str(p) for p in ordered[start:start + 4096])}\n"
+        self.nft.run(text)
+        self.agent_ports = wanted
+        return True
 
     def add(self, task_id: str, cgroup: str, policy: EgressPolicy, agent_port: int | None,
             resolvers: tuple[tuple[str, int], ...] = (), *, pin: bool = False) -> TaskRules:
@@ -205,6 +276,8 @@ class EgressTable:
         chain = "p_" + policy_key(policy, agent_port, resolvers)
         if pin:
             self.pinned.add(chain)
+        if agent_port is not None and agent_port not in self.agent_ports:
+            self.set_agent_ports(self.agent_ports | {agent_port})
         try:
             key = cgroup_key(NFT_CGROUP_ROOT / cgroup)
         except OSError:
@@ -217,6 +290,8 @@ class EgressTable:
         else:
             text = "" if chain in self.chains else self.policy_text(chain, policy, agent_port, resolvers)
             self.nft.run(text + f"add element {self.ref} tasks {{ {quote(cgroup)} : jump {chain} }}\n")
+            if f"add chain {self.ref} e{chain[1:]}\n" in text:
+                self.subchains[chain] = "e" + chain[1:]
         self.chains[chain] = self.chains.get(chain, 0) + 1
         return TaskRules(task_id, cgroup, chain, policy, key=key)
 
@@ -272,6 +347,8 @@ class EgressTable:
                     lines.append(f"delete element {ref} x{family} {{ {cg} . {r.address} }}")
         if drop_chain:
             lines.append(f"delete chain {ref} {rules.chain}")
+            if rules.chain in self.subchains:
+                lines.append(f"delete chain {ref} {self.subchains[rules.chain]}")
         try:
             if lines:
                 self.nft.run("\n".join(lines) + "\n")
@@ -280,6 +357,7 @@ class EgressTable:
         else:
             if drop_chain:
                 self.chains.pop(rules.chain, None)
+                self.subchains.pop(rules.chain, None)
             else:
                 self.chains[rules.chain] = max(left, 0)
         rules.removed = True
@@ -300,6 +378,46 @@ class EgressTable:
                     except NetlinkError as again:
                         if again.errno != errno.ENOENT:
                             raise
+
+
+class AgentPorts:
+    """The ``agent`` group's side of :class:`ckagent.containment.egress.Egress`: this agent's port
+    (``agent_port``) and every other agent's on this host (``registry``, :mod:`ckagent.node.agentports`),
+    in the table's ``agent_ports`` set (``table``) and for the proxy's check (:meth:`agent_ports`)."""
+
+    agent_port: int | None
+    registry: PortRegistry | None
+    table: EgressTable | None
+
+    def listening(self, port: int) -> None:
+        """The agent's own port is ``port`` (the one picked for ``agent.port`` 0): refused as an
+        agent's port, and recorded in the registry for the other agents on this host (blocking,
+        ~0.1 ms; call it before any task is attached). Raises ValueError for a port outside 1..65535."""
+        self.agent_port = port
+        if self.registry is not None:
+            self.registry.register([port])
+
+    def agent_ports(self) -> frozenset[int]:
+        """Every agent's port on this host (this agent's ``agent_port`` and the live entries of the
+        registry): what the ``agent`` group refuses on this host's addresses. Cached (two ``lstat``
+        calls when nothing changed); never raises."""
+        ports = self.registry.live_ports() if self.registry is not None else frozenset()
+        return ports | {self.agent_port} if self.agent_port is not None else ports
+
+    def refresh_agent_ports(self) -> None:
+        """Bring the table's set of agent ports up to date (blocking; nothing to do when the registry
+        did not change). Never raises: a failure is logged, the set stays as it was."""
+        if self.table is None:
+            return
+        try:
+            self.table.set_agent_ports(self.agent_ports())
+        except NftError as exc:
+            log.warning("egress: cannot update the agent ports in table %s: %s", self.table.name, exc)
+
+    def leave(self) -> None:
+        """Remove this agent's entry from the registry (at its stop; never raises)."""
+        if self.registry is not None:
+            self.registry.close()
 
 
 def _delete_table(nft: Nft, name: str) -> bool:

@@ -7,6 +7,8 @@ It is advisory: a program that ignores the variables is not stopped (docs/operat
 - :mod:`.server`     one listener per task on 127.0.0.1; each connection in an error boundary of its own
 - :mod:`.taskproxy`  a task's identity (port, user name, secret password), its pool, its counts
 - :mod:`.exchange`   a client connection, request by request (h11 both ways), and CONNECT tunnels
+- :mod:`.relay`      a tunnel's bytes both ways, half-closes passed on
+- :mod:`.limits`     the timeouts and sizes
 - :mod:`.target`     request targets and hosts read strictly (IDNA included), hop-by-hop headers
 - :mod:`.upstream`   resolution judged by the task's policy, connections, the kept-alive pool
 - :mod:`.routes`     the task's own proxies (HTTP, SOCKS5) chained behind this one; NO_PROXY
@@ -24,11 +26,11 @@ Use (``ckagent.containment.egress.Egress`` does this for the agent)::
 from __future__ import annotations
 
 from ckagent.containment.egress.proxy.errors import ProxyError
-from ckagent.containment.egress.proxy.exchange import Limits
+from ckagent.containment.egress.proxy.limits import Limits
 from ckagent.containment.egress.proxy.routes import PROXY_VARIABLES, Routes, routes_from_env
 from ckagent.containment.egress.proxy.server import ProxyServer
 from ckagent.containment.egress.proxy.taskproxy import TaskProxy
-from ckagent.containment.egress.proxy.upstream import Dialer, system_resolve
+from ckagent.containment.egress.proxy.upstream import Dialer, Resolve, system_resolve
 
 __all__ = [
     "PROXY_VARIABLES",
@@ -36,6 +38,7 @@ __all__ = [
     "Limits",
     "ProxyError",
     "ProxyServer",
+    "Resolve",
     "Routes",
     "TaskProxy",
     "routes_from_env",

@@ -10,15 +10,19 @@ Exception tree (every one carries the HTTP status the client gets and a reason f
         ├── HeadTimeout         408: a head that did not arrive in time (a slow-loris)
         ├── AuthRequired        407: credentials that are not this task's (Proxy-Authenticate is sent)
         ├── Refused             403: the task's egress policy denies the destination (counted)
-        └── UpstreamError       502: the destination cannot be resolved or reached, or it answered
-            │                   something that is not HTTP/1.1
-            └── UpstreamTimeout 504: the destination did not answer in time
+        ├── UpstreamError       502: the destination cannot be resolved or reached, or it answered
+        │   │                   something that is not HTTP/1.1
+        │   └── UpstreamTimeout 504: the destination did not answer in time
+        └── ChainRefused        the task's own proxy refused a tunnel: its status passed on (403, 503…;
+                                its 407 becomes 502: the client's credentials are the agent's, not its)
 
 ``keep_alive`` says whether the client's connection may carry its next request after the answer
 (the request's body, if any, is read and dropped first); a framing error (400, 408, 431) closes it.
 """
 
 from __future__ import annotations
+
+import http
 
 
 class ProxyError(Exception):
@@ -81,6 +85,26 @@ class UpstreamTimeout(UpstreamError):
     status = 504
 
 
-REASONS = {400: "Bad Request", 403: "Forbidden", 407: "Proxy Authentication Required", 408: "Request Timeout",
+class ChainRefused(ProxyError):
+    """The task's own proxy answered a CONNECT with ``status`` (passed on to the client, so that a
+    crawler tells "forbidden" from "bad gateway" as it would without the agent)."""
+
+    keep_alive = True
+
+    def __init__(self, reason: str, status: int) -> None:
+        super().__init__(reason)
+        self.status = 502 if status == 407 or not 400 <= status <= 599 else status
+
+
+REASONS: dict[int, str] = {
+           400: "Bad Request", 403: "Forbidden", 407: "Proxy Authentication Required", 408: "Request Timeout",
            431: "Request Header Fields Too Large", 502: "Bad Gateway", 504: "Gateway Timeout"}
-"""The reason phrase of each status the proxy answers with."""
+"""The reason phrase of each status the proxy answers with (others: :func:`reason`)."""
+
+
+def reason(status: int) -> str:
+    """The reason phrase of ``status`` ("" for one HTTP does not name)."""
+    try:
+        return REASONS.get(status) or http.HTTPStatus(status).phrase
+    except ValueError:
+        return ""

@@ -24,20 +24,23 @@ still guards against bugs). Cancellation: the connection and its upstream are cl
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 
 import h11
 import trio
 
 from ckagent.containment.egress.proxy.errors import (
-    REASONS,
     BadRequest,
+    ChainRefused,
     HeadTimeout,
     HeadTooLarge,
     ProxyError,
     UpstreamError,
     UpstreamTimeout,
+    reason,
 )
+from ckagent.containment.egress.proxy.limits import MAX_INTERIM, Limits
+from ckagent.containment.egress.proxy.relay import BUFFER_BYTES, relay
 from ckagent.containment.egress.proxy.routes import Route, Unusable
 from ckagent.containment.egress.proxy.target import (
     Target,
@@ -49,23 +52,6 @@ from ckagent.containment.egress.proxy.target import (
 )
 from ckagent.containment.egress.proxy.taskproxy import TaskProxy
 from ckagent.containment.egress.proxy.upstream import Upstream
-
-BUFFER_BYTES = 262144
-"""Bytes read at once from a socket (bodies and tunnels)."""
-
-
-@dataclass(frozen=True)
-class Limits:
-    """The proxy's limits (seconds and bytes; see the module docstring)."""
-
-    idle_timeout: float = 30.0
-    keepalive_timeout: float = 120.0
-    head_timeout: float = 30.0
-    io_timeout: float = 300.0
-    tunnel_idle_timeout: float = 900.0
-    max_head_bytes: int = 65536
-    max_headers: int = 256
-    drain_bytes: int = 1048576
 
 
 class _ClientGone(Exception):
@@ -102,8 +88,7 @@ class _Client:
             try:
                 request = await self._next_request(first)
             except ProxyError as exc:
-                self.task.note({400: "bad-request", 408: "timeout", 431: "too-large"}.get(exc.status, "error"),
-                               f"{exc.status} to a client: {exc}")
+                self.task.note(_OUTCOME.get(exc.status, "error"), f"{exc.status} to a client: {exc}")
                 await self._answer_and_close(exc)
                 return
             except _ClientGone:
@@ -147,6 +132,9 @@ class _Client:
         if isinstance(event, h11.Request):
             if len(event.headers) > self.limits.max_headers:
                 raise HeadTooLarge(f"more than {self.limits.max_headers} header fields")
+            size = len(event.method) + len(event.target) + sum(len(n) + len(v) + 4 for n, v in event.headers.raw_items())
+            if size > self.limits.max_head_bytes:  # (h11 checks only a head that is not complete yet)
+                raise HeadTooLarge("the request head is over the size limit")
             return event
         return None  # ConnectionClosed (or PAUSED, which a new cycle never is)
 
@@ -169,7 +157,7 @@ class _Client:
         for attempt in (0, 1):
             up = await self._upstream(route, target)
             extra = route.proxy_authorization() if up.absolute else ()
-            line_target = request.target if up.absolute else path
+            line_target = b"http://" + target.host_header() + path if up.absolute else path
             out = h11.Request(method=request.method, target=line_target,
                               headers=forwarded_headers(headers, target.host_header(), extra))
             try:
@@ -188,6 +176,7 @@ class _Client:
                 raise
             break
         self._release(up)
+        self.task.count("forwarded")
         return self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE
 
     def _route(self, target: Target, tunnel: bool) -> Route:
@@ -215,7 +204,10 @@ class _Client:
         """True when the request has no body (its end is already here): it goes up in one piece."""
         if self.conn.their_state is not h11.SEND_BODY:
             return True
-        event = self.conn.next_event()  # (only what is buffered: NEED_DATA when the body must be read)
+        try:
+            event = self.conn.next_event()  # (only what is buffered: NEED_DATA when the body must be read)
+        except h11.RemoteProtocolError as exc:
+            raise BadRequest(f"malformed request body: {exc}") from None
         if isinstance(event, h11.EndOfMessage):
             return True
         if event is not h11.NEED_DATA:
@@ -225,11 +217,15 @@ class _Client:
     async def _answer(self, up: Upstream) -> None:
         """Relay the destination's answer (1xx, head, body) to the client."""
         started = False
+        interim = 0
         while True:
             event = await self._up_event(up, started)
             if isinstance(event, h11.InformationalResponse):
+                interim += 1
                 if event.status_code == 101:
                     raise _Abort() if started else UpstreamError("the destination switched protocols unasked")
+                if interim > MAX_INTERIM:
+                    raise UpstreamError(f"the destination sent more than {MAX_INTERIM} 1xx answers")
                 await self._send(h11.InformationalResponse(status_code=event.status_code,
                                                            headers=returned_headers(event.headers.raw_items()),
                                                            reason=event.reason))
@@ -249,26 +245,27 @@ class _Client:
 
     async def _answer_with_body(self, up: Upstream) -> None:
         """Stream the request's body up while relaying the answer down (a destination may answer
-        before the body ends: the body is then cut and the client's connection closed)."""
-        failure: list[BaseException] = []
+        before the body ends: the body is then cut and the client's connection closed). Raises what
+        either side met (the answer's trouble first), never a group."""
+        failures: list[Exception] = []
 
-        async def body_up(scope: trio.CancelScope) -> None:
+        async def side(work: Callable[[Upstream], Awaitable[None]], scope: trio.CancelScope, last: bool) -> None:
             try:
-                await self._request_body(up)
+                await work(up)
             except (ProxyError, _ClientGone, _Abort, _Stale) as exc:
-                failure.append(exc)
+                failures.insert(0, exc) if last else failures.append(exc)
                 scope.cancel()
+            else:
+                if last:  # (the answer is complete: a body still coming is not needed)
+                    scope.cancel()
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(body_up, nursery.cancel_scope)
-            try:
-                await self._answer(up)
-            except _Stale:
+            nursery.start_soon(side, self._request_body, nursery.cancel_scope, False)
+            nursery.start_soon(side, self._answer, nursery.cancel_scope, True)
+        if failures:
+            if isinstance(failures[0], _Stale):
                 raise UpstreamError("the destination closed the connection without answering") from None
-            finally:
-                nursery.cancel_scope.cancel()
-        if failure:
-            raise failure[0]
+            raise failures[0]
 
     async def _request_body(self, up: Upstream) -> None:
         """The client's body, event by event, to the destination."""
@@ -306,6 +303,7 @@ class _Client:
         target = parse_connect(request.target)
         route = self._route(target, tunnel=True)
         upstream, leftover = await self.task.dialer.tunnel(route, target)
+        self.task.count("tunnel")
         try:
             await self._send(h11.Response(status_code=200, reason=b"Connection established", headers=[]))
             early = self.conn.trailing_data[0]  # (a client may send its TLS hello before our answer)
@@ -316,12 +314,14 @@ class _Client:
     # ------------------------------------------------------------------------------- our answers
 
     async def _refuse(self, exc: ProxyError) -> bool:
-        """Answer a request the proxy does not forward; True when the connection goes on."""
-        kind = {403: "refused", 407: "auth", 502: "upstream", 504: "upstream"}.get(exc.status, "bad-request")
-        if exc.status == 403:
+        """Answer a request the proxy does not forward; True when the connection goes on. Never
+        raises (it runs in an ``except`` clause of :meth:`serve`, whose siblings would not catch)."""
+        if isinstance(exc, ChainRefused):
+            self.task.note("upstream", f"{exc.status}: {exc}")
+        elif exc.status == 403:
             self.task.count_refused(getattr(exc, "refused", ()))
         else:
-            self.task.note(kind, f"{exc.status}: {exc}")
+            self.task.note(_OUTCOME.get(exc.status, "error"), f"{exc.status}: {exc}")
         if self.conn.our_state is not h11.SEND_RESPONSE:
             return False  # (the answer had begun: nothing more can be said)
         waiting = self.conn.they_are_waiting_for_100_continue
@@ -331,7 +331,10 @@ class _Client:
             return False
         if not exc.keep_alive or waiting:
             return False
-        return await self._drain()
+        try:
+            return await self._drain()
+        except (_ClientGone, _Abort):  # (a body that breaks while it is dropped ends the connection)
+            return False
 
     async def _answer_and_close(self, exc: ProxyError) -> None:
         if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
@@ -345,7 +348,7 @@ class _Client:
             headers.append((b"proxy-authenticate", b'Basic realm="ckagent task"'))
         if close:
             headers.append((b"connection", b"close"))
-        await self._send(h11.Response(status_code=exc.status, reason=REASONS[exc.status].encode(), headers=headers))
+        await self._send(h11.Response(status_code=exc.status, reason=reason(exc.status).encode(), headers=headers))
         await self._send(h11.Data(data=body))
         await self._send(h11.EndOfMessage())
 
@@ -445,6 +448,10 @@ class _Client:
                     if up.reused:
                         raise _Stale() from None
                     raise UpstreamError("the destination reset the connection") from None
+                if not data and not started and not conn.trailing_data[0]:  # closed before a byte of answer
+                    if up.reused:
+                        raise _Stale()
+                    raise UpstreamError("the destination closed the connection without answering")
                 try:
                     conn.receive_data(data)
                 except RuntimeError:
@@ -453,6 +460,11 @@ class _Client:
             if started:
                 raise _Abort()
             raise UpstreamTimeout(f"the destination sent nothing for {self.limits.io_timeout:g} s")
+
+
+_OUTCOME = {400: "bad-request", 403: "refused", 407: "auth", 408: "timeout", 431: "too-large", 502: "upstream",
+            504: "upstream", 503: "upstream"}
+"""The outcome (ckagent.containment.egress.proxy.taskproxy.OUTCOMES) of each answer of the proxy's own."""
 
 
 def _head_error(exc: h11.RemoteProtocolError) -> ProxyError:
@@ -466,33 +478,3 @@ def _close_soon(up: Upstream) -> None:
     """Close an upstream connection without awaiting (a socket close does not block)."""
     with contextlib.suppress(OSError):
         up.stream.socket.close()
-
-
-async def relay(a: trio.SocketStream, b: trio.SocketStream, idle_timeout: float,
-                first: tuple[bytes, bytes] = (b"", b"")) -> None:
-    """Bytes both ways between ``a`` and ``b`` until both sides ended (a half-close passes on as a
-    half-close) or a side broke, or nothing moved for ``idle_timeout`` seconds; ``first``: what
-    was read already from ``a`` and from ``b`` (sent on before anything else). Never raises for
-    what the peers do; cancellation stops it."""
-    ended = [False, False]
-    with trio.CancelScope(deadline=trio.current_time() + idle_timeout) as scope:
-
-        async def pump(source: trio.SocketStream, sink: trio.SocketStream, index: int) -> None:
-            try:
-                if first[index]:
-                    await sink.send_all(first[index])
-                while data := await source.receive_some(BUFFER_BYTES):
-                    scope.deadline = trio.current_time() + idle_timeout
-                    await sink.send_all(data)
-                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    await sink.send_eof()
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                scope.cancel()
-                return
-            ended[index] = True
-            if all(ended):
-                scope.cancel()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(pump, a, b, 0)
-            nursery.start_soon(pump, b, a, 1)

@@ -12,6 +12,7 @@ Cancellation: cancelling :meth:`run` closes every listener and connection.
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import logging
 import socket
@@ -20,13 +21,19 @@ from typing import Any
 
 import trio
 
-from ckagent.containment.egress.proxy.exchange import Limits, serve_client
+from ckagent.containment.egress.proxy.exchange import serve_client
+from ckagent.containment.egress.proxy.limits import Limits
 from ckagent.containment.egress.proxy.taskproxy import TaskProxy
 
 if sys.version_info < (3, 11):  # pragma: no cover - the backport trio depends on there
     from exceptiongroup import BaseExceptionGroup
 
 log = logging.getLogger("ckagent.containment.egress.proxy")
+
+_BUSY_TEXT = b"too many connections of this task to its egress proxy\n"
+BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\nconnection: close\r\n"
+        b"content-length: %d\r\n\r\n%s" % (len(_BUSY_TEXT), _BUSY_TEXT))
+"""The answer to a connection over the task's limit (:attr:`Limits.max_connections`)."""
 
 ACCEPT_PAUSE = 0.1
 """Seconds the accept loop waits when the process is out of file descriptors (as trio's serve_listeners)."""
@@ -45,6 +52,8 @@ class ProxyServer:
         """Task id → its side of the proxy (while its listener is open)."""
         self.errors: collections.Counter[str] = collections.Counter()
         """Connections that ended with an error of the proxy's own (a bug), by exception type."""
+        self.outcomes: collections.Counter[str] = collections.Counter()
+        """Every task's requests since the start, by outcome (:data:`.taskproxy.OUTCOMES`)."""
         self.connections = 0
         """Client connections accepted since the start."""
         self._nursery: trio.Nursery | None = None
@@ -86,6 +95,7 @@ class ProxyServer:
             sock.close()
             raise
         task.port = sock.getsockname()[1]
+        task.totals = self.outcomes
         listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
         scope = trio.CancelScope()
         self.tasks[task.task_id], self._scopes[task.task_id] = task, (scope, listener)
@@ -94,7 +104,7 @@ class ProxyServer:
 
     def close(self, task_id: str) -> TaskProxy | None:
         """Stop serving a task: its listener closes at once (no connection is accepted after this call),
-        its connections and its pool close. Idempotent."""
+        its connections and its pool close, and its log gets :meth:`TaskProxy.summary`. Idempotent."""
         found = self._scopes.pop(task_id, None)
         task = self.tasks.pop(task_id, None)
         if found is not None:
@@ -104,6 +114,11 @@ class ProxyServer:
         if task is not None:
             for up in task.pool.drain():
                 up.stream.socket.close()
+            line = task.summary()
+            if line:
+                log.info("task %r: %s", task.task_id, line)
+                if task.notice is not None:
+                    task.notice(line)
         return task
 
     async def _serve_task(self, task: TaskProxy, listener: trio.SocketListener, scope: trio.CancelScope) -> None:
@@ -128,10 +143,28 @@ class ProxyServer:
                 await trio.sleep(ACCEPT_PAUSE)
                 continue
             self.connections += 1
+            if task.open_connections >= self.limits.max_connections:
+                connections.start_soon(self._busy, task, stream)
+                continue
+            task.open_connections += 1
             connections.start_soon(self._connection, task, stream)
+
+    async def _busy(self, task: TaskProxy, stream: trio.SocketStream) -> None:
+        """A connection over the task's limit: 503 and closed at once, without reading it."""
+        task.note("busy", f"503 to a client: the task holds {self.limits.max_connections} connections to its "
+                          "proxy already (its limit); the new one is closed")
+        with trio.move_on_after(1.0), contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            await stream.send_all(BUSY)
+        await trio.aclose_forcefully(stream)
 
     async def _connection(self, task: TaskProxy, stream: trio.SocketStream) -> None:
         """One client connection, inside its error boundary (see the module docstring)."""
+        try:
+            await self._serve(task, stream)
+        finally:
+            task.open_connections -= 1
+
+    async def _serve(self, task: TaskProxy, stream: trio.SocketStream) -> None:
         try:
             async with stream:
                 await serve_client(stream, task, self.limits)

@@ -24,6 +24,17 @@ from ckagent.containment.egress.proxy.upstream import Dialer, Pool
 
 log = logging.getLogger("ckagent.containment.egress.proxy")
 
+STATUS = {"auth": "407", "bad-request": "400", "timeout": "408", "too-large": "431", "upstream": "502/504",
+          "busy": "503", "error": "(closed)"}
+"""The answer of each outcome that is a trouble (not forwarded, a tunnel or refused by the policy)."""
+
+OUTCOMES = ("forwarded", "tunnel", "refused", "auth", "bad-request", "timeout", "too-large", "upstream", "busy",
+            "error")
+"""What becomes of a request at the proxy: answered by its destination (``forwarded``), a CONNECT
+tunnel opened (``tunnel``), or an answer of the proxy's own — 403 ``refused`` by the policy, 407
+``auth``, 400 ``bad-request``, 408 ``timeout``, 431 ``too-large``, 502/504 ``upstream``, 503 ``busy``
+(a connection over the task's limit) — or a connection ended by an ``error`` of the proxy's own."""
+
 
 @dataclass
 class TaskProxy:
@@ -41,8 +52,12 @@ class TaskProxy:
     pool: Pool = field(default_factory=Pool)
     refused: collections.Counter[tuple[str, int]] = field(default_factory=collections.Counter)
     """(address, port) → requests refused by the policy."""
-    problems: collections.Counter[str] = field(default_factory=collections.Counter)
-    """kind of trouble (``bad-request``, ``timeout``, ``auth``, ``upstream``, ``error``…) → count."""
+    outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
+    """What became of the task's requests, by :data:`OUTCOMES` → count."""
+    open_connections: int = 0
+    """Client connections of the task open now."""
+    totals: collections.Counter[str] | None = None
+    """The server's counts of every task (set when it listens): :meth:`count` adds to both."""
 
     def url(self) -> str:
         """The task's proxy URL: ``http://<user>:<password>@127.0.0.1:<port>``."""
@@ -65,18 +80,38 @@ class TaskProxy:
         if not ok:
             raise AuthRequired("these proxy credentials are not this task's (each task has its own, in its HTTP_PROXY)")
 
+    def count(self, outcome: str) -> None:
+        """Count one request's outcome (one of :data:`OUTCOMES`)."""
+        self.outcomes[outcome] += 1
+        if self.totals is not None:
+            self.totals[outcome] += 1
+
     def count_refused(self, refused: tuple[tuple[str, int], ...]) -> None:
-        """Count a refused request against each destination it was refused for (logged the first time)."""
+        """Count a refused request, and it against each destination it was refused for (logged the
+        first time)."""
+        self.count("refused")
         for address, port in refused:
             if not self.refused[(address, port)]:
                 shown = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
                 log.warning("task %r: egress policy refused a connection to %s (proxy)", self.task_id, shown)
             self.refused[(address, port)] += 1
 
-    def note(self, kind: str, text: str) -> None:
-        """Count a trouble of ``kind``; the first of each kind is logged, and said in the task's log."""
-        self.problems[kind] += 1
-        if self.problems[kind] == 1:
+    def summary(self) -> str:
+        """One line for the task's log at its end when the proxy answered some of its requests itself
+        for another reason than its policy (refusals have their own line), e.g. ``egress proxy: 40
+        requests forwarded; answered by the proxy: 400 bad-request ×3, 502 upstream ×1``; '' otherwise."""
+        troubles = [f"{STATUS[o]} {o} ×{n}" for o, n in self.outcomes.items() if o in STATUS and n]
+        if not troubles:
+            return ""
+        done = [f"{self.outcomes[o]} {w}" for o, w in (("forwarded", "requests forwarded"), ("tunnel", "tunnels"))
+                if self.outcomes[o]]
+        return f"egress proxy: {', '.join(done) or 'nothing forwarded'}; answered by the proxy: {', '.join(troubles)}"
+
+    def note(self, outcome: str, text: str) -> None:
+        """Count a trouble (an outcome of :data:`OUTCOMES`); the first of each is logged, and said in
+        the task's log."""
+        self.count(outcome)
+        if self.outcomes[outcome] == 1:
             log.warning("task %r: egress proxy: %s", self.task_id, text)
             if self.notice is not None:
-                self.notice(f"egress proxy: {text} (said once per kind; counted in /status)")
+                self.notice(f"egress proxy: {text} (said once; /status counts them)")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import h11
 import trio
 
-from ckagent.containment.egress.proxy.errors import Refused, UpstreamError, UpstreamTimeout
+from ckagent.containment.egress.proxy.errors import ChainRefused, Refused, UpstreamError, UpstreamTimeout
 from ckagent.containment.egress.proxy.routes import Route
 from ckagent.containment.egress.proxy.target import Target
 
@@ -238,10 +238,14 @@ class Dialer:
                         conn.receive_data(await stream.receive_some(65536))
                         continue
                     break
-            if not isinstance(event, h11.Response) or not 200 <= event.status_code < 300:
-                status = getattr(event, "status_code", None)
-                raise UpstreamError(f"the task's proxy {route.shown} refused CONNECT {target.authority}"
-                                    + (f" ({status})" if status else ""))
+            if not isinstance(event, h11.Response):
+                raise UpstreamError(f"the task's proxy {route.shown} closed the connection instead of answering "
+                                    f"CONNECT {target.authority}")
+            if not 200 <= event.status_code < 300:
+                what = " (it asks for credentials: check the user and password in its URL)" \
+                    if event.status_code == 407 else ""
+                raise ChainRefused(f"the task's proxy {route.shown} refused CONNECT {target.authority} "
+                                   f"({event.status_code}){what}", event.status_code)
             return stream, conn.trailing_data[0]
         except trio.TooSlowError:
             await trio.aclose_forcefully(stream)
@@ -249,7 +253,7 @@ class Dialer:
         except (h11.RemoteProtocolError, trio.BrokenResourceError, OSError) as exc:
             await trio.aclose_forcefully(stream)
             raise UpstreamError(f"the task's proxy {route.shown}: {_why(exc)}") from None
-        except BaseException:
+        except BaseException:  # (ChainRefused, Refused, a cancellation)
             await trio.aclose_forcefully(stream)
             raise
 
