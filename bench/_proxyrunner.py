@@ -7,7 +7,7 @@ jail), starts :meth:`Egress.serve` and attaches one task, then prints one JSON l
 benchmark reads it from ``/proc``; nothing else runs here but Trio's loop and a reader of stdin).
 
 On stdin, each line ``stats`` is answered with a JSON line ``{"cpu", "connections", "errors",
-"problems", "refused"}`` (the benchmark checks that the proxied runs really went through the proxy
+"outcomes"}`` (the task's requests by outcome: ``forwarded``, ``refused``...; the benchmark checks that the proxied runs really went through the proxy
 and that it counted no error), each line ``cpu`` with ``{"cpu"}``: this process's CPU seconds so far
 (``time.process_time()``: user + system of every thread, to the nanosecond, where ``/proc``'s figures
 count 10 ms ticks); end of stdin stops the proxy (the task detached, the loop ended) and exits 0.
@@ -64,8 +64,7 @@ def _stats(egress: Egress) -> dict[str, object]:
         "cpu": time.process_time(),
         "connections": server.connections,
         "errors": dict(server.errors),
-        "problems": dict(task.problems) if task is not None else {},
-        "refused": sum(task.refused.values()) if task is not None else 0,
+        "outcomes": dict(task.outcomes) if task is not None else {},
     }
 
 
