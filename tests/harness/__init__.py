@@ -55,6 +55,8 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
   answer says which server gave it and echoes what it received) (:mod:`harness.webhosts`);
   :mod:`harness.webclients` runs real HTTP clients (Python, Node, curl, Chromium) through a task's
   egress proxy (:func:`proxied_task`) and checks their answers (:func:`check_answers`).
+- :func:`user_temp_dir` is a directory of this user's own in the machine's temp directory, kept across
+  runs (:mod:`harness.tempdirs`): fixed names there are shared by every user of the machine.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ from harness.pyz import *  # noqa: F403
 from harness.rawnode import *  # noqa: F403
 from harness.recording import *  # noqa: F403
 from harness.runsh import *  # noqa: F403
+from harness.tempdirs import *  # noqa: F403
 from harness.upstreams import *  # noqa: F403
 from harness.users import *  # noqa: F403
 from harness.webclients import *  # noqa: F403
