@@ -55,6 +55,8 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
   answer says which server gave it and echoes what it received) (:mod:`harness.webhosts`);
   :mod:`harness.webclients` runs real HTTP clients (Python, Node, curl, Chromium) through a task's
   egress proxy (:func:`proxied_task`) and checks their answers (:func:`check_answers`).
+- :func:`python_or_skip` gives another CPython version (pyenv's, or on PATH) or skips the test saying
+  why there is none (:mod:`harness.pythons`; :func:`find_python` for a skip mark).
 - :func:`user_temp_dir` is a directory of this user's own in the machine's temp directory, kept across
   runs (:mod:`harness.tempdirs`): fixed names there are shared by every user of the machine.
 """
@@ -71,6 +73,7 @@ from harness.hostile import *  # noqa: F403
 from harness.index import *  # noqa: F403
 from harness.levelcheck import *  # noqa: F403
 from harness.procs import *  # noqa: F403
+from harness.pythons import *  # noqa: F403
 from harness.pyz import *  # noqa: F403
 from harness.rawnode import *  # noqa: F403
 from harness.recording import *  # noqa: F403
