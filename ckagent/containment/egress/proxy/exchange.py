@@ -24,7 +24,9 @@ still guards against bugs). Cancellation: the connection and its upstream are cl
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from functools import partial
+from typing import NoReturn
 
 import h11
 import trio
@@ -40,7 +42,7 @@ from ckagent.containment.egress.proxy.errors import (
     reason,
 )
 from ckagent.containment.egress.proxy.limits import MAX_INTERIM, Limits
-from ckagent.containment.egress.proxy.relay import BUFFER_BYTES, relay
+from ckagent.containment.egress.proxy.relay import BUFFER_BYTES, Cut, move_exactly, relay
 from ckagent.containment.egress.proxy.routes import Route, Unusable
 from ckagent.containment.egress.proxy.target import (
     Target,
@@ -51,7 +53,7 @@ from ckagent.containment.egress.proxy.target import (
     returned_headers,
 )
 from ckagent.containment.egress.proxy.taskproxy import TaskProxy
-from ckagent.containment.egress.proxy.upstream import Upstream
+from ckagent.containment.egress.proxy.upstream import Upstream, new_connection
 
 
 class _ClientGone(Exception):
@@ -77,6 +79,10 @@ class _Client:
         self.stream, self.task, self.limits = stream, task, limits
         self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_head_bytes)
         self.eof = False
+        self._started = False
+        """The destination's answer began reaching the client (an error now can only cut it)."""
+        self._io: trio.CancelScope | None = None
+        """The current exchange's scope (:meth:`_io_deadline`)."""
         self._pending: object = None
         """A body event read while looking for the request's end (sent up first)."""
 
@@ -161,11 +167,16 @@ class _Client:
             out = h11.Request(method=request.method, target=line_target,
                               headers=forwarded_headers(headers, target.host_header(), extra))
             try:
-                await self._send_up(up, up.conn.send(out) + (up.conn.send(h11.EndOfMessage()) if body_done else b""))
-                if body_done:
-                    await self._answer(up)
-                else:
-                    await self._answer_with_body(up)
+                with self._io_deadline() as io:
+                    await self._send_up(up, up.conn.send(out) + (up.conn.send(h11.EndOfMessage()) if body_done else b""))
+                    if body_done:
+                        await self._answer(up, request.method)
+                    else:
+                        await self._answer_with_body(up, request.method)
+                if io.cancelled_caught:  # nothing moved either way for io_timeout
+                    if self._started:
+                        raise _Abort()
+                    raise UpstreamTimeout(f"the destination sent nothing for {self.limits.io_timeout:g} s")
             except _Stale:
                 await up.aclose()
                 if attempt == 0 and body_done:
@@ -214,36 +225,45 @@ class _Client:
             self._pending = event
         return False
 
-    async def _answer(self, up: Upstream) -> None:
-        """Relay the destination's answer (1xx, head, body) to the client."""
-        started = False
+    async def _answer(self, up: Upstream, method: bytes) -> None:
+        """Relay the destination's answer (1xx, head, body) to the client (``method``: the request's);
+        what the destination sent at once goes to the client in one write."""
+        self._started = False
         interim = 0
+        out: list[bytes] = []
         while True:
-            event = await self._up_event(up, started)
+            event = await self._up_event(up, out)
             if isinstance(event, h11.InformationalResponse):
                 interim += 1
                 if event.status_code == 101:
-                    raise _Abort() if started else UpstreamError("the destination switched protocols unasked")
+                    raise _Abort() if self._started else UpstreamError("the destination switched protocols unasked")
                 if interim > MAX_INTERIM:
                     raise UpstreamError(f"the destination sent more than {MAX_INTERIM} 1xx answers")
-                await self._send(h11.InformationalResponse(status_code=event.status_code,
-                                                           headers=returned_headers(event.headers.raw_items()),
-                                                           reason=event.reason))
+                out.append(self._frame(h11.InformationalResponse(
+                    status_code=event.status_code, headers=returned_headers(event.headers.raw_items()),
+                    reason=event.reason)))
             elif isinstance(event, h11.Response):
-                started = True
-                await self._send(h11.Response(status_code=event.status_code, reason=event.reason,
-                                              headers=returned_headers(event.headers.raw_items())))
+                self._started = True
+                headers = returned_headers(event.headers.raw_items())
+                out.append(self._frame(h11.Response(status_code=event.status_code, reason=event.reason,
+                                                    headers=headers)))
+                length = _length(event, method)
+                if length is not None and length >= PASS_BODY_BYTES:
+                    await self._write(out)
+                    await self._pass_body(up, event, length)
+                    return
             elif isinstance(event, h11.Data):
-                await self._send(h11.Data(data=event.data))
+                out.append(self._frame(h11.Data(data=event.data)))
             elif isinstance(event, h11.EndOfMessage):
-                await self._send(h11.EndOfMessage())
+                out.append(self._frame(h11.EndOfMessage()))
+                await self._write(out)
                 return
-            elif started:
-                raise _Abort()
+            elif self._started:
+                await self._cut(out)
             else:
                 raise UpstreamError("the destination closed the connection without answering")
 
-    async def _answer_with_body(self, up: Upstream) -> None:
+    async def _answer_with_body(self, up: Upstream, method: bytes) -> None:
         """Stream the request's body up while relaying the answer down (a destination may answer
         before the body ends: the body is then cut and the client's connection closed). Raises what
         either side met (the answer's trouble first), never a group."""
@@ -261,7 +281,7 @@ class _Client:
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(side, self._request_body, nursery.cancel_scope, False)
-            nursery.start_soon(side, self._answer, nursery.cancel_scope, True)
+            nursery.start_soon(side, partial(self._answer, method=method), nursery.cancel_scope, True)
         if failures:
             if isinstance(failures[0], _Stale):
                 raise UpstreamError("the destination closed the connection without answering") from None
@@ -282,8 +302,48 @@ class _Client:
             else:  # the client went away in the middle of its body
                 raise _ClientGone()
 
+    async def _pass_body(self, up: Upstream, response: h11.Response, length: int) -> None:
+        """A large body of known ``length``: what h11 holds goes through it, the rest from socket to
+        socket without being read (:func:`.relay.move_exactly`); h11's counts are then brought level
+        (the client's writer told of the bytes, the destination's connection a fresh h11 cycle when it
+        may be kept). Raises _Abort when a side breaks."""
+        sent = 0
+        while (event := self._buffered_up_event(up)) is not h11.NEED_DATA:
+            if isinstance(event, h11.Data):
+                await self._send(h11.Data(data=event.data))
+                sent += len(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                await self._send(h11.EndOfMessage())
+                return
+            else:
+                raise _Abort()
+        left = length - sent
+        try:
+            await move_exactly(up.stream, self.stream, left, self._moved)
+        except (Cut, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            raise _Abort() from None
+        while left:  # (h11's writer counts what went by it: nothing is copied)
+            step = min(left, len(_ZEROS))
+            self.conn.send_with_data_passthrough(h11.Data(data=_ZEROS if step == len(_ZEROS) else _ZEROS[:step]))
+            left -= step
+        await self._send(h11.EndOfMessage())
+        up.passed = _keeps_alive(response)
+
+    def _buffered_up_event(self, up: Upstream) -> object:
+        try:
+            return up.conn.next_event()
+        except h11.RemoteProtocolError:
+            raise _Abort() from None
+
     def _release(self, up: Upstream) -> None:
-        """Back into the pool when both sides of the upstream exchange ended cleanly, else closed."""
+        """Back into the pool when both sides of the upstream exchange ended cleanly (or its body
+        passed by h11 and it may be kept: a fresh h11 cycle), else closed."""
+        if up.passed:
+            up.passed = False
+            up.conn = new_connection()
+            for old in self.task.pool.give(up):
+                _close_soon(old)
+            return
         if up.conn.our_state is h11.DONE and up.conn.their_state is h11.DONE:
             try:
                 up.conn.start_next_cycle()
@@ -325,9 +385,10 @@ class _Client:
         if self.conn.our_state is not h11.SEND_RESPONSE:
             return False  # (the answer had begun: nothing more can be said)
         waiting = self.conn.they_are_waiting_for_100_continue
-        try:
-            await self._send_error(exc, close=not exc.keep_alive or waiting)
-        except (_ClientGone, h11.LocalProtocolError):
+        sent = False
+        with trio.move_on_after(self.limits.io_timeout):  # (a client that reads nothing)
+            sent = await self._try_send_error(exc, close=not exc.keep_alive or waiting)
+        if not sent:
             return False
         if not exc.keep_alive or waiting:
             return False
@@ -338,8 +399,16 @@ class _Client:
 
     async def _answer_and_close(self, exc: ProxyError) -> None:
         if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-            with contextlib.suppress(_ClientGone, h11.LocalProtocolError):
-                await self._send_error(exc, close=True)
+            with trio.move_on_after(self.limits.io_timeout):
+                await self._try_send_error(exc, close=True)
+
+    async def _try_send_error(self, exc: ProxyError, close: bool) -> bool:
+        """:meth:`_send_error`; False when the client is gone or the answer cannot be given now."""
+        try:
+            await self._send_error(exc, close)
+        except (_ClientGone, h11.LocalProtocolError):
+            return False
+        return True
 
     async def _send_error(self, exc: ProxyError, close: bool) -> None:
         body = (str(exc) + "\n").encode("utf-8", "replace")
@@ -383,14 +452,13 @@ class _Client:
         self.conn.receive_data(data)
 
     async def _client_event(self) -> object:
-        """The client's next event while its body is read (bad framing → _Abort; idle → _Abort)."""
+        """The client's next event while its body is read (bad framing → _Abort). Its time is the
+        exchange's (:meth:`_io_deadline`), or the caller's."""
         while (event := self._body_event()) is h11.NEED_DATA:
             if self.eof:
                 raise _ClientGone()
-            with trio.move_on_after(self.limits.io_timeout) as waited:
-                self._feed(await self._receive())
-            if waited.cancelled_caught:
-                raise _Abort()
+            self._feed(await self._receive())
+            self._moved()
         return event
 
     def _body_event(self) -> object:
@@ -399,72 +467,131 @@ class _Client:
         except h11.RemoteProtocolError:
             raise _Abort() from None
 
-    async def _send(self, event: h11.Event) -> None:
-        data = self.conn.send(event)
+    @contextlib.contextmanager
+    def _io_deadline(self) -> Iterator[trio.CancelScope]:
+        """The scope of one exchange: cancelled when nothing moved either way for ``io_timeout``
+        (each move pushes its deadline: :meth:`_moved`). The caller tells what its cancellation means."""
+        self._started = False
+        with trio.CancelScope(deadline=trio.current_time() + self.limits.io_timeout) as scope:
+            self._io = scope
+            try:
+                yield scope
+            finally:
+                self._io = None
+
+    def _moved(self) -> None:
+        """Bytes moved: the exchange's deadline is pushed (at most once a second: it is cheap, not free)."""
+        io = self._io
+        if io is not None:
+            until = trio.current_time() + self.limits.io_timeout
+            if until - io.deadline > 1.0:
+                io.deadline = until
+
+    def _frame(self, event: h11.Event) -> bytes:
+        """The bytes of one event to the client (h11 frames it for the client's connection)."""
+        return self.conn.send(event) or b""
+
+    async def _write(self, out: list[bytes]) -> None:
+        """Send what ``out`` holds to the client in one write, and empty it."""
+        data = b"".join(out)
+        out.clear()
         if data:
             try:
-                with trio.fail_after(self.limits.io_timeout):
-                    await self.stream.send_all(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, trio.TooSlowError):
+                await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 raise _ClientGone() from None
+            self._moved()
+
+    async def _send(self, event: h11.Event) -> None:
+        await self._write([self._frame(event)])
 
     async def _send_up(self, up: Upstream, data: bytes | None) -> None:
         if not data:
             return
         try:
-            with trio.fail_after(self.limits.io_timeout):
-                await up.stream.send_all(data)
-        except trio.TooSlowError:
-            raise UpstreamTimeout("the destination took no data for too long") from None
+            await up.stream.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             if up.reused and up.conn.their_state is h11.SEND_RESPONSE:
                 raise _Stale() from None
             raise UpstreamError("the destination closed the connection") from None
+        self._moved()
 
-    async def _up_event(self, up: Upstream, started: bool) -> object:
-        """The destination's next event. Raises _Stale (a reused connection that closed before
-        answering), UpstreamError/UpstreamTimeout (before the answer began), _Abort (after)."""
-        conn = up.conn
+    async def _up_event(self, up: Upstream, out: list[bytes] | None = None) -> object:
+        """The destination's next event; what ``out`` holds for the client is sent before waiting for
+        more. Raises _Stale (a reused connection that closed before answering), UpstreamError
+        (before the answer began), _Abort (after)."""
+        conn, started = up.conn, self._started
         while True:
             try:
                 event = conn.next_event()
             except h11.RemoteProtocolError as exc:
-                if started:
-                    raise _Abort() from None
-                raise UpstreamError(f"the destination's answer is not HTTP/1.1: {exc}") from None
+                if not started:
+                    raise UpstreamError(f"the destination's answer is not HTTP/1.1: {exc}") from None
+                event = None
+            if event is None:
+                await self._cut(out)
             if event is not h11.NEED_DATA:
-                if isinstance(event, h11.ConnectionClosed) and not started:
+                if isinstance(event, h11.ConnectionClosed) and not started:  # (after: _answer cuts)
                     if up.reused:
                         raise _Stale()
                     raise UpstreamError("the destination closed the connection without answering")
                 return event
-            data = b""
-            with trio.move_on_after(self.limits.io_timeout):
-                try:
-                    data = await up.stream.receive_some(BUFFER_BYTES)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    if started:
-                        raise _Abort() from None
-                    if up.reused:
-                        raise _Stale() from None
-                    raise UpstreamError("the destination reset the connection") from None
-                if not data and not started and not conn.trailing_data[0]:  # closed before a byte of answer
-                    if up.reused:
-                        raise _Stale()
-                    raise UpstreamError("the destination closed the connection without answering")
-                try:
-                    conn.receive_data(data)
-                except RuntimeError:
+            if out:
+                await self._write(out)
+            try:
+                data = await up.stream.receive_some(BUFFER_BYTES)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                if started:  # (what was ready went before this read)
                     raise _Abort() from None
-                continue
-            if started:
-                raise _Abort()
-            raise UpstreamTimeout(f"the destination sent nothing for {self.limits.io_timeout:g} s")
+                if up.reused:
+                    raise _Stale() from None
+                raise UpstreamError("the destination reset the connection") from None
+            if not data and not started and not conn.trailing_data[0]:  # closed before a byte of answer
+                if up.reused:
+                    raise _Stale()
+                raise UpstreamError("the destination closed the connection without answering")
+            try:
+                conn.receive_data(data)
+            except RuntimeError:  # (data after the connection closed)
+                raise _Abort() from None
+            self._moved()
+
+    async def _cut(self, out: list[bytes] | None) -> NoReturn:
+        """The answer broke after it began: what is ready still goes to the client (it sees the body
+        end short), then _Abort ends the connection."""
+        if out:
+            with contextlib.suppress(_ClientGone):
+                await self._write(out)
+        raise _Abort()
 
 
 _OUTCOME = {400: "bad-request", 403: "refused", 407: "auth", 408: "timeout", 431: "too-large", 502: "upstream",
             504: "upstream", 503: "upstream"}
 """The outcome (ckagent.containment.egress.proxy.taskproxy.OUTCOMES) of each answer of the proxy's own."""
+
+
+PASS_BODY_BYTES = 1048576
+"""An answer's body of a known length at least this large passes from socket to socket (:meth:`_Client._pass_body`)."""
+
+_ZEROS = bytes(1048576)
+"""What h11's writer is shown for the bytes that passed it (never sent: it only counts them)."""
+
+
+def _length(response: h11.Response, method: bytes) -> int | None:
+    """The answer's body length from its Content-Length (None: chunked, read to the close, or none)."""
+    if method == b"HEAD" or response.status_code in (204, 304):
+        return None
+    lengths = [v for n, v in response.headers if n == b"content-length"]
+    if len(lengths) != 1 or any(n == b"transfer-encoding" for n, _ in response.headers):
+        return None
+    return int(lengths[0])
+
+
+def _keeps_alive(response: h11.Response) -> bool:
+    """The destination keeps the connection after this answer (HTTP/1.1 without ``Connection: close``)."""
+    if response.http_version < b"1.1":
+        return False
+    return not any(n == b"connection" and b"close" in v.lower() for n, v in response.headers)
 
 
 def _head_error(exc: h11.RemoteProtocolError) -> ProxyError:
