@@ -5,8 +5,10 @@ checked against the task's policy and answered in order (pipelining: h11 holds t
 this one is answered). Plain ``http://`` requests are forwarded over a kept-alive connection from the
 task's pool (:mod:`.upstream`) with hop-by-hop headers removed and ``Host`` set to the target's;
 bodies stream both ways in either framing (h11 re-frames them for each side), ``Expect:
-100-continue`` is passed on with the destination's ``100``. ``CONNECT host:port`` opens a tunnel
-(HTTPS, and WebSockets over it) and relays bytes both ways, half-closes included.
+100-continue`` is passed on with the destination's ``100``; a body of known length of 1 MiB or more
+passes from socket to socket (:mod:`.relay`). ``CONNECT host:port`` opens a tunnel (HTTPS, and
+WebSockets over it) and relays bytes both ways, half-closes included. Reading heads, the I/O and the
+proxy's own answers are :mod:`.connection`'s.
 
 An answer of the proxy's own (:mod:`.errors`: 400/403/407/408/431/502/504) goes to this connection
 only; after 403, 407 and 502 the connection carries the client's next request (the refused request's
@@ -24,25 +26,21 @@ still guards against bugs). Cancellation: the connection and its upstream are cl
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import NoReturn
 
 import h11
 import trio
 
+from ckagent.containment.egress.proxy.connection import OUTCOME, Abort, ClientConnection, ClientGone, Stale
 from ckagent.containment.egress.proxy.errors import (
     BadRequest,
-    ChainRefused,
-    HeadTimeout,
-    HeadTooLarge,
     ProxyError,
     UpstreamError,
     UpstreamTimeout,
-    reason,
 )
 from ckagent.containment.egress.proxy.limits import MAX_INTERIM, Limits
-from ckagent.containment.egress.proxy.relay import BUFFER_BYTES, Cut, move_exactly, relay
+from ckagent.containment.egress.proxy.relay import Cut, move_exactly, relay
 from ckagent.containment.egress.proxy.routes import Route, Unusable
 from ckagent.containment.egress.proxy.target import (
     Target,
@@ -56,35 +54,14 @@ from ckagent.containment.egress.proxy.taskproxy import TaskProxy
 from ckagent.containment.egress.proxy.upstream import Upstream, new_connection
 
 
-class _ClientGone(Exception):
-    """The client's connection broke or closed: nothing more can be sent to it."""
-
-
-class _Abort(Exception):
-    """The exchange broke after the answer began: the client's connection must be closed."""
-
-
-class _Stale(Exception):
-    """A reused upstream connection closed before answering: the request may be sent again."""
-
-
 async def serve_client(stream: trio.SocketStream, task: TaskProxy, limits: Limits) -> None:
     """Serve ``stream`` (a client of ``task``) until it closes, idles out or breaks. Never raises
     for what the client or a destination does; cancellation closes everything at once."""
     await _Client(stream, task, limits).serve()
 
 
-class _Client:
-    def __init__(self, stream: trio.SocketStream, task: TaskProxy, limits: Limits) -> None:
-        self.stream, self.task, self.limits = stream, task, limits
-        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_head_bytes)
-        self.eof = False
-        self._started = False
-        """The destination's answer began reaching the client (an error now can only cut it)."""
-        self._io: trio.CancelScope | None = None
-        """The current exchange's scope (:meth:`_io_deadline`)."""
-        self._pending: object = None
-        """A body event read while looking for the request's end (sent up first)."""
+class _Client(ClientConnection):
+    """What is done with each request of a connection (the loop, forwarding, tunnels)."""
 
     # ------------------------------------------------------------------------------------ the loop
 
@@ -94,10 +71,10 @@ class _Client:
             try:
                 request = await self._next_request(first)
             except ProxyError as exc:
-                self.task.note(_OUTCOME.get(exc.status, "error"), f"{exc.status} to a client: {exc}")
+                self.task.note(OUTCOME.get(exc.status, "error"), f"{exc.status} to a client: {exc}")
                 await self._answer_and_close(exc)
                 return
-            except _ClientGone:
+            except ClientGone:
                 return
             if request is None:
                 return
@@ -109,7 +86,7 @@ class _Client:
                 keep = await self._forward(request)
             except ProxyError as exc:
                 keep = await self._refuse(exc)
-            except (_ClientGone, _Abort):
+            except (ClientGone, Abort):
                 return
             if not keep or self.eof:
                 return
@@ -119,42 +96,11 @@ class _Client:
                 return
             await trio.lowlevel.checkpoint()  # (pipelined requests may all be buffered: let others run)
 
-    async def _next_request(self, first: bool) -> h11.Request | None:
-        """The next request's head; None when the client closed or stayed idle (no byte of a head).
-        Raises BadRequest, HeadTooLarge, HeadTimeout, _ClientGone."""
-        idle_until = trio.current_time() + (self.limits.idle_timeout if first else self.limits.keepalive_timeout)
-        head_until: float | None = None
-        while (event := self._head_event()) is h11.NEED_DATA:
-            if self.eof:
-                return None
-            if head_until is None and self.conn.trailing_data[0]:
-                head_until = trio.current_time() + self.limits.head_timeout
-            with trio.move_on_at(head_until if head_until is not None else idle_until) as waited:
-                self._feed(await self._receive())
-            if waited.cancelled_caught:
-                if head_until is not None:
-                    raise HeadTimeout(f"the request head was not complete within {self.limits.head_timeout:g} s")
-                return None
-        if isinstance(event, h11.Request):
-            if len(event.headers) > self.limits.max_headers:
-                raise HeadTooLarge(f"more than {self.limits.max_headers} header fields")
-            size = len(event.method) + len(event.target) + sum(len(n) + len(v) + 4 for n, v in event.headers.raw_items())
-            if size > self.limits.max_head_bytes:  # (h11 checks only a head that is not complete yet)
-                raise HeadTooLarge("the request head is over the size limit")
-            return event
-        return None  # ConnectionClosed (or PAUSED, which a new cycle never is)
-
-    def _head_event(self) -> object:
-        try:
-            return self.conn.next_event()
-        except h11.RemoteProtocolError as exc:
-            raise _head_error(exc) from None
-
     # ----------------------------------------------------------------------------- plain requests
 
     async def _forward(self, request: h11.Request) -> bool:
         """Forward one http:// request and its answer. Returns True when the connection may carry
-        the next request. Raises ProxyError (before the answer began), _ClientGone, _Abort."""
+        the next request. Raises ProxyError (before the answer began), ClientGone, Abort."""
         headers = request_headers(request)
         self.task.authorize(headers)
         target, path = parse_absolute(request.target)
@@ -175,9 +121,9 @@ class _Client:
                         await self._answer_with_body(up, request.method)
                 if io.cancelled_caught:  # nothing moved either way for io_timeout
                     if self._started:
-                        raise _Abort()
+                        raise Abort()
                     raise UpstreamTimeout(f"the destination sent nothing for {self.limits.io_timeout:g} s")
-            except _Stale:
+            except Stale:
                 await up.aclose()
                 if attempt == 0 and body_done:
                     continue  # the pooled connection had been closed by the destination: a new one
@@ -236,7 +182,7 @@ class _Client:
             if isinstance(event, h11.InformationalResponse):
                 interim += 1
                 if event.status_code == 101:
-                    raise _Abort() if self._started else UpstreamError("the destination switched protocols unasked")
+                    raise Abort() if self._started else UpstreamError("the destination switched protocols unasked")
                 if interim > MAX_INTERIM:
                     raise UpstreamError(f"the destination sent more than {MAX_INTERIM} 1xx answers")
                 out.append(self._frame(h11.InformationalResponse(
@@ -272,7 +218,7 @@ class _Client:
         async def side(work: Callable[[Upstream], Awaitable[None]], scope: trio.CancelScope, last: bool) -> None:
             try:
                 await work(up)
-            except (ProxyError, _ClientGone, _Abort, _Stale) as exc:
+            except (ProxyError, ClientGone, Abort, Stale) as exc:
                 failures.insert(0, exc) if last else failures.append(exc)
                 scope.cancel()
             else:
@@ -283,7 +229,7 @@ class _Client:
             nursery.start_soon(side, self._request_body, nursery.cancel_scope, False)
             nursery.start_soon(side, partial(self._answer, method=method), nursery.cancel_scope, True)
         if failures:
-            if isinstance(failures[0], _Stale):
+            if isinstance(failures[0], Stale):
                 raise UpstreamError("the destination closed the connection without answering") from None
             raise failures[0]
 
@@ -300,13 +246,13 @@ class _Client:
                 await self._send_up(up, up.conn.send(h11.EndOfMessage()))
                 return
             else:  # the client went away in the middle of its body
-                raise _ClientGone()
+                raise ClientGone()
 
     async def _pass_body(self, up: Upstream, response: h11.Response, length: int) -> None:
         """A large body of known ``length``: what h11 holds goes through it, the rest from socket to
         socket without being read (:func:`.relay.move_exactly`); h11's counts are then brought level
         (the client's writer told of the bytes, the destination's connection a fresh h11 cycle when it
-        may be kept). Raises _Abort when a side breaks."""
+        may be kept). Raises Abort when a side breaks."""
         sent = 0
         while (event := self._buffered_up_event(up)) is not h11.NEED_DATA:
             if isinstance(event, h11.Data):
@@ -316,12 +262,12 @@ class _Client:
                 await self._send(h11.EndOfMessage())
                 return
             else:
-                raise _Abort()
+                raise Abort()
         left = length - sent
         try:
             await move_exactly(up.stream, self.stream, left, self._moved)
         except (Cut, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            raise _Abort() from None
+            raise Abort() from None
         while left:  # (h11's writer counts what went by it: nothing is copied)
             step = min(left, len(_ZEROS))
             self.conn.send_with_data_passthrough(h11.Data(data=_ZEROS if step == len(_ZEROS) else _ZEROS[:step]))
@@ -333,7 +279,7 @@ class _Client:
         try:
             return up.conn.next_event()
         except h11.RemoteProtocolError:
-            raise _Abort() from None
+            raise Abort() from None
 
     def _release(self, up: Upstream) -> None:
         """Back into the pool when both sides of the upstream exchange ended cleanly (or its body
@@ -371,205 +317,6 @@ class _Client:
         finally:
             await trio.aclose_forcefully(upstream)
 
-    # ------------------------------------------------------------------------------- our answers
-
-    async def _refuse(self, exc: ProxyError) -> bool:
-        """Answer a request the proxy does not forward; True when the connection goes on. Never
-        raises (it runs in an ``except`` clause of :meth:`serve`, whose siblings would not catch)."""
-        if isinstance(exc, ChainRefused):
-            self.task.note("upstream", f"{exc.status}: {exc}")
-        elif exc.status == 403:
-            self.task.count_refused(getattr(exc, "refused", ()))
-        else:
-            self.task.note(_OUTCOME.get(exc.status, "error"), f"{exc.status}: {exc}")
-        if self.conn.our_state is not h11.SEND_RESPONSE:
-            return False  # (the answer had begun: nothing more can be said)
-        waiting = self.conn.they_are_waiting_for_100_continue
-        sent = False
-        with trio.move_on_after(self.limits.io_timeout):  # (a client that reads nothing)
-            sent = await self._try_send_error(exc, close=not exc.keep_alive or waiting)
-        if not sent:
-            return False
-        if not exc.keep_alive or waiting:
-            return False
-        try:
-            return await self._drain()
-        except (_ClientGone, _Abort):  # (a body that breaks while it is dropped ends the connection)
-            return False
-
-    async def _answer_and_close(self, exc: ProxyError) -> None:
-        if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-            with trio.move_on_after(self.limits.io_timeout):
-                await self._try_send_error(exc, close=True)
-
-    async def _try_send_error(self, exc: ProxyError, close: bool) -> bool:
-        """:meth:`_send_error`; False when the client is gone or the answer cannot be given now."""
-        try:
-            await self._send_error(exc, close)
-        except (_ClientGone, h11.LocalProtocolError):
-            return False
-        return True
-
-    async def _send_error(self, exc: ProxyError, close: bool) -> None:
-        body = (str(exc) + "\n").encode("utf-8", "replace")
-        headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", str(len(body)).encode())]
-        if exc.status == 407:
-            headers.append((b"proxy-authenticate", b'Basic realm="ckagent task"'))
-        if close:
-            headers.append((b"connection", b"close"))
-        await self._send(h11.Response(status_code=exc.status, reason=reason(exc.status).encode(), headers=headers))
-        await self._send(h11.Data(data=body))
-        await self._send(h11.EndOfMessage())
-
-    async def _drain(self) -> bool:
-        """Read and drop the rest of a refused request's body; True when it ended within the limit."""
-        left = self.limits.drain_bytes
-        event, self._pending = self._pending, None
-        with trio.move_on_after(self.limits.head_timeout):
-            while True:
-                if isinstance(event, h11.Data):
-                    left -= len(event.data)
-                    if left < 0:
-                        return False
-                elif event is not None:
-                    return isinstance(event, h11.EndOfMessage) and self.conn.their_state is h11.DONE
-                if self.conn.their_state is not h11.SEND_BODY:
-                    return self.conn.their_state is h11.DONE
-                event = await self._client_event()
-        return False
-
-    # ------------------------------------------------------------------------------------- the I/O
-
-    async def _receive(self) -> bytes:
-        try:
-            return await self.stream.receive_some(BUFFER_BYTES)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            raise _ClientGone() from None
-
-    def _feed(self, data: bytes) -> None:
-        if not data:
-            self.eof = True
-        self.conn.receive_data(data)
-
-    async def _client_event(self) -> object:
-        """The client's next event while its body is read (bad framing → _Abort). Its time is the
-        exchange's (:meth:`_io_deadline`), or the caller's."""
-        while (event := self._body_event()) is h11.NEED_DATA:
-            if self.eof:
-                raise _ClientGone()
-            self._feed(await self._receive())
-            self._moved()
-        return event
-
-    def _body_event(self) -> object:
-        try:
-            return self.conn.next_event()
-        except h11.RemoteProtocolError:
-            raise _Abort() from None
-
-    @contextlib.contextmanager
-    def _io_deadline(self) -> Iterator[trio.CancelScope]:
-        """The scope of one exchange: cancelled when nothing moved either way for ``io_timeout``
-        (each move pushes its deadline: :meth:`_moved`). The caller tells what its cancellation means."""
-        self._started = False
-        with trio.CancelScope(deadline=trio.current_time() + self.limits.io_timeout) as scope:
-            self._io = scope
-            try:
-                yield scope
-            finally:
-                self._io = None
-
-    def _moved(self) -> None:
-        """Bytes moved: the exchange's deadline is pushed (at most once a second: it is cheap, not free)."""
-        io = self._io
-        if io is not None:
-            until = trio.current_time() + self.limits.io_timeout
-            if until - io.deadline > 1.0:
-                io.deadline = until
-
-    def _frame(self, event: h11.Event) -> bytes:
-        """The bytes of one event to the client (h11 frames it for the client's connection)."""
-        return self.conn.send(event) or b""
-
-    async def _write(self, out: list[bytes]) -> None:
-        """Send what ``out`` holds to the client in one write, and empty it."""
-        data = b"".join(out)
-        out.clear()
-        if data:
-            try:
-                await self.stream.send_all(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                raise _ClientGone() from None
-            self._moved()
-
-    async def _send(self, event: h11.Event) -> None:
-        await self._write([self._frame(event)])
-
-    async def _send_up(self, up: Upstream, data: bytes | None) -> None:
-        if not data:
-            return
-        try:
-            await up.stream.send_all(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            if up.reused and up.conn.their_state is h11.SEND_RESPONSE:
-                raise _Stale() from None
-            raise UpstreamError("the destination closed the connection") from None
-        self._moved()
-
-    async def _up_event(self, up: Upstream, out: list[bytes] | None = None) -> object:
-        """The destination's next event; what ``out`` holds for the client is sent before waiting for
-        more. Raises _Stale (a reused connection that closed before answering), UpstreamError
-        (before the answer began), _Abort (after)."""
-        conn, started = up.conn, self._started
-        while True:
-            try:
-                event = conn.next_event()
-            except h11.RemoteProtocolError as exc:
-                if not started:
-                    raise UpstreamError(f"the destination's answer is not HTTP/1.1: {exc}") from None
-                event = None
-            if event is None:
-                await self._cut(out)
-            if event is not h11.NEED_DATA:
-                if isinstance(event, h11.ConnectionClosed) and not started:  # (after: _answer cuts)
-                    if up.reused:
-                        raise _Stale()
-                    raise UpstreamError("the destination closed the connection without answering")
-                return event
-            if out:
-                await self._write(out)
-            try:
-                data = await up.stream.receive_some(BUFFER_BYTES)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                if started:  # (what was ready went before this read)
-                    raise _Abort() from None
-                if up.reused:
-                    raise _Stale() from None
-                raise UpstreamError("the destination reset the connection") from None
-            if not data and not started and not conn.trailing_data[0]:  # closed before a byte of answer
-                if up.reused:
-                    raise _Stale()
-                raise UpstreamError("the destination closed the connection without answering")
-            try:
-                conn.receive_data(data)
-            except RuntimeError:  # (data after the connection closed)
-                raise _Abort() from None
-            self._moved()
-
-    async def _cut(self, out: list[bytes] | None) -> NoReturn:
-        """The answer broke after it began: what is ready still goes to the client (it sees the body
-        end short), then _Abort ends the connection."""
-        if out:
-            with contextlib.suppress(_ClientGone):
-                await self._write(out)
-        raise _Abort()
-
-
-_OUTCOME = {400: "bad-request", 403: "refused", 407: "auth", 408: "timeout", 431: "too-large", 502: "upstream",
-            504: "upstream", 503: "upstream"}
-"""The outcome (ckagent.containment.egress.proxy.taskproxy.OUTCOMES) of each answer of the proxy's own."""
-
-
 PASS_BODY_BYTES = 1048576
 """An answer's body of a known length at least this large passes from socket to socket (:meth:`_Client._pass_body`)."""
 
@@ -592,13 +339,6 @@ def _keeps_alive(response: h11.Response) -> bool:
     if response.http_version < b"1.1":
         return False
     return not any(n == b"connection" and b"close" in v.lower() for n, v in response.headers)
-
-
-def _head_error(exc: h11.RemoteProtocolError) -> ProxyError:
-    """h11's verdict on a malformed head as the proxy's answer (431 for a head over the limit)."""
-    if exc.error_status_hint == 431 or "too long" in str(exc).lower():
-        return HeadTooLarge("the request head is over the size limit")
-    return BadRequest(f"malformed request: {exc}")
 
 
 def _close_soon(up: Upstream) -> None:
