@@ -7,7 +7,8 @@ It is advisory: a program that ignores the variables is not stopped (docs/operat
 - :mod:`.server`     one listener per task on 127.0.0.1; each connection in an error boundary of its own
 - :mod:`.taskproxy`  a task's identity (port, user name, secret password), its pool, its counts
 - :mod:`.exchange`   a client connection, request by request (h11 both ways), and CONNECT tunnels
-- :mod:`.relay`      a tunnel's bytes both ways, half-closes passed on
+- :mod:`.connection` its heads, its I/O (one deadline per exchange) and the proxy's own answers
+- :mod:`.relay`      bytes socket to socket (tunnels, large bodies), by splice(2) once large
 - :mod:`.limits`     the timeouts and sizes
 - :mod:`.target`     request targets and hosts read strictly (IDNA included), hop-by-hop headers
 - :mod:`.upstream`   resolution judged by the task's policy, connections, the kept-alive pool

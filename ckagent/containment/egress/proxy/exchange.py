@@ -5,8 +5,10 @@ checked against the task's policy and answered in order (pipelining: h11 holds t
 this one is answered). Plain ``http://`` requests are forwarded over a kept-alive connection from the
 task's pool (:mod:`.upstream`) with hop-by-hop headers removed and ``Host`` set to the target's;
 bodies stream both ways in either framing (h11 re-frames them for each side), ``Expect:
-100-continue`` is passed on with the destination's ``100``. ``CONNECT host:port`` opens a tunnel
-(HTTPS, and WebSockets over it) and relays bytes both ways, half-closes included.
+100-continue`` is passed on with the destination's ``100``; a body of known length of 1 MiB or more
+passes from socket to socket (:mod:`.relay`). ``CONNECT host:port`` opens a tunnel (HTTPS, and
+WebSockets over it) and relays bytes both ways, half-closes included. Reading heads, the I/O and the
+proxy's own answers are :mod:`.connection`'s.
 
 An answer of the proxy's own (:mod:`.errors`: 400/403/407/408/431/502/504) goes to this connection
 only; after 403, 407 and 502 the connection carries the client's next request (the refused request's
@@ -25,22 +27,20 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import h11
 import trio
 
+from ckagent.containment.egress.proxy.connection import OUTCOME, Abort, ClientConnection, ClientGone, Stale
 from ckagent.containment.egress.proxy.errors import (
     BadRequest,
-    ChainRefused,
-    HeadTimeout,
-    HeadTooLarge,
     ProxyError,
     UpstreamError,
     UpstreamTimeout,
-    reason,
 )
 from ckagent.containment.egress.proxy.limits import MAX_INTERIM, Limits
-from ckagent.containment.egress.proxy.relay import BUFFER_BYTES, relay
+from ckagent.containment.egress.proxy.relay import Cut, move_exactly, relay
 from ckagent.containment.egress.proxy.routes import Route, Unusable
 from ckagent.containment.egress.proxy.target import (
     Target,
@@ -51,19 +51,7 @@ from ckagent.containment.egress.proxy.target import (
     returned_headers,
 )
 from ckagent.containment.egress.proxy.taskproxy import TaskProxy
-from ckagent.containment.egress.proxy.upstream import Upstream
-
-
-class _ClientGone(Exception):
-    """The client's connection broke or closed: nothing more can be sent to it."""
-
-
-class _Abort(Exception):
-    """The exchange broke after the answer began: the client's connection must be closed."""
-
-
-class _Stale(Exception):
-    """A reused upstream connection closed before answering: the request may be sent again."""
+from ckagent.containment.egress.proxy.upstream import Upstream, new_connection
 
 
 async def serve_client(stream: trio.SocketStream, task: TaskProxy, limits: Limits) -> None:
@@ -72,13 +60,8 @@ async def serve_client(stream: trio.SocketStream, task: TaskProxy, limits: Limit
     await _Client(stream, task, limits).serve()
 
 
-class _Client:
-    def __init__(self, stream: trio.SocketStream, task: TaskProxy, limits: Limits) -> None:
-        self.stream, self.task, self.limits = stream, task, limits
-        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_head_bytes)
-        self.eof = False
-        self._pending: object = None
-        """A body event read while looking for the request's end (sent up first)."""
+class _Client(ClientConnection):
+    """What is done with each request of a connection (the loop, forwarding, tunnels)."""
 
     # ------------------------------------------------------------------------------------ the loop
 
@@ -88,10 +71,10 @@ class _Client:
             try:
                 request = await self._next_request(first)
             except ProxyError as exc:
-                self.task.note(_OUTCOME.get(exc.status, "error"), f"{exc.status} to a client: {exc}")
+                self.task.note(OUTCOME.get(exc.status, "error"), f"{exc.status} to a client: {exc}")
                 await self._answer_and_close(exc)
                 return
-            except _ClientGone:
+            except ClientGone:
                 return
             if request is None:
                 return
@@ -103,7 +86,7 @@ class _Client:
                 keep = await self._forward(request)
             except ProxyError as exc:
                 keep = await self._refuse(exc)
-            except (_ClientGone, _Abort):
+            except (ClientGone, Abort):
                 return
             if not keep or self.eof:
                 return
@@ -113,42 +96,11 @@ class _Client:
                 return
             await trio.lowlevel.checkpoint()  # (pipelined requests may all be buffered: let others run)
 
-    async def _next_request(self, first: bool) -> h11.Request | None:
-        """The next request's head; None when the client closed or stayed idle (no byte of a head).
-        Raises BadRequest, HeadTooLarge, HeadTimeout, _ClientGone."""
-        idle_until = trio.current_time() + (self.limits.idle_timeout if first else self.limits.keepalive_timeout)
-        head_until: float | None = None
-        while (event := self._head_event()) is h11.NEED_DATA:
-            if self.eof:
-                return None
-            if head_until is None and self.conn.trailing_data[0]:
-                head_until = trio.current_time() + self.limits.head_timeout
-            with trio.move_on_at(head_until if head_until is not None else idle_until) as waited:
-                self._feed(await self._receive())
-            if waited.cancelled_caught:
-                if head_until is not None:
-                    raise HeadTimeout(f"the request head was not complete within {self.limits.head_timeout:g} s")
-                return None
-        if isinstance(event, h11.Request):
-            if len(event.headers) > self.limits.max_headers:
-                raise HeadTooLarge(f"more than {self.limits.max_headers} header fields")
-            size = len(event.method) + len(event.target) + sum(len(n) + len(v) + 4 for n, v in event.headers.raw_items())
-            if size > self.limits.max_head_bytes:  # (h11 checks only a head that is not complete yet)
-                raise HeadTooLarge("the request head is over the size limit")
-            return event
-        return None  # ConnectionClosed (or PAUSED, which a new cycle never is)
-
-    def _head_event(self) -> object:
-        try:
-            return self.conn.next_event()
-        except h11.RemoteProtocolError as exc:
-            raise _head_error(exc) from None
-
     # ----------------------------------------------------------------------------- plain requests
 
     async def _forward(self, request: h11.Request) -> bool:
         """Forward one http:// request and its answer. Returns True when the connection may carry
-        the next request. Raises ProxyError (before the answer began), _ClientGone, _Abort."""
+        the next request. Raises ProxyError (before the answer began), ClientGone, Abort."""
         headers = request_headers(request)
         self.task.authorize(headers)
         target, path = parse_absolute(request.target)
@@ -161,12 +113,17 @@ class _Client:
             out = h11.Request(method=request.method, target=line_target,
                               headers=forwarded_headers(headers, target.host_header(), extra))
             try:
-                await self._send_up(up, up.conn.send(out) + (up.conn.send(h11.EndOfMessage()) if body_done else b""))
-                if body_done:
-                    await self._answer(up)
-                else:
-                    await self._answer_with_body(up)
-            except _Stale:
+                with self._io_deadline() as io:
+                    await self._send_up(up, up.conn.send(out) + (up.conn.send(h11.EndOfMessage()) if body_done else b""))
+                    if body_done:
+                        await self._answer(up, request.method)
+                    else:
+                        await self._answer_with_body(up, request.method)
+                if io.cancelled_caught:  # nothing moved either way for io_timeout
+                    if self._started:
+                        raise Abort()
+                    raise UpstreamTimeout(f"the destination sent nothing for {self.limits.io_timeout:g} s")
+            except Stale:
                 await up.aclose()
                 if attempt == 0 and body_done:
                     continue  # the pooled connection had been closed by the destination: a new one
@@ -214,36 +171,45 @@ class _Client:
             self._pending = event
         return False
 
-    async def _answer(self, up: Upstream) -> None:
-        """Relay the destination's answer (1xx, head, body) to the client."""
-        started = False
+    async def _answer(self, up: Upstream, method: bytes) -> None:
+        """Relay the destination's answer (1xx, head, body) to the client (``method``: the request's);
+        what the destination sent at once goes to the client in one write."""
+        self._started = False
         interim = 0
+        out: list[bytes] = []
         while True:
-            event = await self._up_event(up, started)
+            event = await self._up_event(up, out)
             if isinstance(event, h11.InformationalResponse):
                 interim += 1
                 if event.status_code == 101:
-                    raise _Abort() if started else UpstreamError("the destination switched protocols unasked")
+                    raise Abort() if self._started else UpstreamError("the destination switched protocols unasked")
                 if interim > MAX_INTERIM:
                     raise UpstreamError(f"the destination sent more than {MAX_INTERIM} 1xx answers")
-                await self._send(h11.InformationalResponse(status_code=event.status_code,
-                                                           headers=returned_headers(event.headers.raw_items()),
-                                                           reason=event.reason))
+                out.append(self._frame(h11.InformationalResponse(
+                    status_code=event.status_code, headers=returned_headers(event.headers.raw_items()),
+                    reason=event.reason)))
             elif isinstance(event, h11.Response):
-                started = True
-                await self._send(h11.Response(status_code=event.status_code, reason=event.reason,
-                                              headers=returned_headers(event.headers.raw_items())))
+                self._started = True
+                headers = returned_headers(event.headers.raw_items())
+                out.append(self._frame(h11.Response(status_code=event.status_code, reason=event.reason,
+                                                    headers=headers)))
+                length = _length(event, method)
+                if length is not None and length >= PASS_BODY_BYTES:
+                    await self._write(out)
+                    await self._pass_body(up, event, length)
+                    return
             elif isinstance(event, h11.Data):
-                await self._send(h11.Data(data=event.data))
+                out.append(self._frame(h11.Data(data=event.data)))
             elif isinstance(event, h11.EndOfMessage):
-                await self._send(h11.EndOfMessage())
+                out.append(self._frame(h11.EndOfMessage()))
+                await self._write(out)
                 return
-            elif started:
-                raise _Abort()
+            elif self._started:
+                await self._cut(out)
             else:
                 raise UpstreamError("the destination closed the connection without answering")
 
-    async def _answer_with_body(self, up: Upstream) -> None:
+    async def _answer_with_body(self, up: Upstream, method: bytes) -> None:
         """Stream the request's body up while relaying the answer down (a destination may answer
         before the body ends: the body is then cut and the client's connection closed). Raises what
         either side met (the answer's trouble first), never a group."""
@@ -252,7 +218,7 @@ class _Client:
         async def side(work: Callable[[Upstream], Awaitable[None]], scope: trio.CancelScope, last: bool) -> None:
             try:
                 await work(up)
-            except (ProxyError, _ClientGone, _Abort, _Stale) as exc:
+            except (ProxyError, ClientGone, Abort, Stale) as exc:
                 failures.insert(0, exc) if last else failures.append(exc)
                 scope.cancel()
             else:
@@ -261,9 +227,9 @@ class _Client:
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(side, self._request_body, nursery.cancel_scope, False)
-            nursery.start_soon(side, self._answer, nursery.cancel_scope, True)
+            nursery.start_soon(side, partial(self._answer, method=method), nursery.cancel_scope, True)
         if failures:
-            if isinstance(failures[0], _Stale):
+            if isinstance(failures[0], Stale):
                 raise UpstreamError("the destination closed the connection without answering") from None
             raise failures[0]
 
@@ -280,10 +246,50 @@ class _Client:
                 await self._send_up(up, up.conn.send(h11.EndOfMessage()))
                 return
             else:  # the client went away in the middle of its body
-                raise _ClientGone()
+                raise ClientGone()
+
+    async def _pass_body(self, up: Upstream, response: h11.Response, length: int) -> None:
+        """A large body of known ``length``: what h11 holds goes through it, the rest from socket to
+        socket without being read (:func:`.relay.move_exactly`); h11's counts are then brought level
+        (the client's writer told of the bytes, the destination's connection a fresh h11 cycle when it
+        may be kept). Raises Abort when a side breaks."""
+        sent = 0
+        while (event := self._buffered_up_event(up)) is not h11.NEED_DATA:
+            if isinstance(event, h11.Data):
+                await self._send(h11.Data(data=event.data))
+                sent += len(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                await self._send(h11.EndOfMessage())
+                return
+            else:
+                raise Abort()
+        left = length - sent
+        try:
+            await move_exactly(up.stream, self.stream, left, self._moved)
+        except (Cut, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            raise Abort() from None
+        while left:  # (h11's writer counts what went by it: nothing is copied)
+            step = min(left, len(_ZEROS))
+            self.conn.send_with_data_passthrough(h11.Data(data=_ZEROS if step == len(_ZEROS) else _ZEROS[:step]))
+            left -= step
+        await self._send(h11.EndOfMessage())
+        up.passed = _keeps_alive(response)
+
+    def _buffered_up_event(self, up: Upstream) -> object:
+        try:
+            return up.conn.next_event()
+        except h11.RemoteProtocolError:
+            raise Abort() from None
 
     def _release(self, up: Upstream) -> None:
-        """Back into the pool when both sides of the upstream exchange ended cleanly, else closed."""
+        """Back into the pool when both sides of the upstream exchange ended cleanly (or its body
+        passed by h11 and it may be kept: a fresh h11 cycle), else closed."""
+        if up.passed:
+            up.passed = False
+            up.conn = new_connection()
+            for old in self.task.pool.give(up):
+                _close_soon(old)
+            return
         if up.conn.our_state is h11.DONE and up.conn.their_state is h11.DONE:
             try:
                 up.conn.start_next_cycle()
@@ -311,167 +317,28 @@ class _Client:
         finally:
             await trio.aclose_forcefully(upstream)
 
-    # ------------------------------------------------------------------------------- our answers
+PASS_BODY_BYTES = 1048576
+"""An answer's body of a known length at least this large passes from socket to socket (:meth:`_Client._pass_body`)."""
 
-    async def _refuse(self, exc: ProxyError) -> bool:
-        """Answer a request the proxy does not forward; True when the connection goes on. Never
-        raises (it runs in an ``except`` clause of :meth:`serve`, whose siblings would not catch)."""
-        if isinstance(exc, ChainRefused):
-            self.task.note("upstream", f"{exc.status}: {exc}")
-        elif exc.status == 403:
-            self.task.count_refused(getattr(exc, "refused", ()))
-        else:
-            self.task.note(_OUTCOME.get(exc.status, "error"), f"{exc.status}: {exc}")
-        if self.conn.our_state is not h11.SEND_RESPONSE:
-            return False  # (the answer had begun: nothing more can be said)
-        waiting = self.conn.they_are_waiting_for_100_continue
-        try:
-            await self._send_error(exc, close=not exc.keep_alive or waiting)
-        except (_ClientGone, h11.LocalProtocolError):
-            return False
-        if not exc.keep_alive or waiting:
-            return False
-        try:
-            return await self._drain()
-        except (_ClientGone, _Abort):  # (a body that breaks while it is dropped ends the connection)
-            return False
+_ZEROS = bytes(1048576)
+"""What h11's writer is shown for the bytes that passed it (never sent: it only counts them)."""
 
-    async def _answer_and_close(self, exc: ProxyError) -> None:
-        if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-            with contextlib.suppress(_ClientGone, h11.LocalProtocolError):
-                await self._send_error(exc, close=True)
 
-    async def _send_error(self, exc: ProxyError, close: bool) -> None:
-        body = (str(exc) + "\n").encode("utf-8", "replace")
-        headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", str(len(body)).encode())]
-        if exc.status == 407:
-            headers.append((b"proxy-authenticate", b'Basic realm="ckagent task"'))
-        if close:
-            headers.append((b"connection", b"close"))
-        await self._send(h11.Response(status_code=exc.status, reason=reason(exc.status).encode(), headers=headers))
-        await self._send(h11.Data(data=body))
-        await self._send(h11.EndOfMessage())
+def _length(response: h11.Response, method: bytes) -> int | None:
+    """The answer's body length from its Content-Length (None: chunked, read to the close, or none)."""
+    if method == b"HEAD" or response.status_code in (204, 304):
+        return None
+    lengths = [v for n, v in response.headers if n == b"content-length"]
+    if len(lengths) != 1 or any(n == b"transfer-encoding" for n, _ in response.headers):
+        return None
+    return int(lengths[0])
 
-    async def _drain(self) -> bool:
-        """Read and drop the rest of a refused request's body; True when it ended within the limit."""
-        left = self.limits.drain_bytes
-        event, self._pending = self._pending, None
-        with trio.move_on_after(self.limits.head_timeout):
-            while True:
-                if isinstance(event, h11.Data):
-                    left -= len(event.data)
-                    if left < 0:
-                        return False
-                elif event is not None:
-                    return isinstance(event, h11.EndOfMessage) and self.conn.their_state is h11.DONE
-                if self.conn.their_state is not h11.SEND_BODY:
-                    return self.conn.their_state is h11.DONE
-                event = await self._client_event()
+
+def _keeps_alive(response: h11.Response) -> bool:
+    """The destination keeps the connection after this answer (HTTP/1.1 without ``Connection: close``)."""
+    if response.http_version < b"1.1":
         return False
-
-    # ------------------------------------------------------------------------------------- the I/O
-
-    async def _receive(self) -> bytes:
-        try:
-            return await self.stream.receive_some(BUFFER_BYTES)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            raise _ClientGone() from None
-
-    def _feed(self, data: bytes) -> None:
-        if not data:
-            self.eof = True
-        self.conn.receive_data(data)
-
-    async def _client_event(self) -> object:
-        """The client's next event while its body is read (bad framing → _Abort; idle → _Abort)."""
-        while (event := self._body_event()) is h11.NEED_DATA:
-            if self.eof:
-                raise _ClientGone()
-            with trio.move_on_after(self.limits.io_timeout) as waited:
-                self._feed(await self._receive())
-            if waited.cancelled_caught:
-                raise _Abort()
-        return event
-
-    def _body_event(self) -> object:
-        try:
-            return self.conn.next_event()
-        except h11.RemoteProtocolError:
-            raise _Abort() from None
-
-    async def _send(self, event: h11.Event) -> None:
-        data = self.conn.send(event)
-        if data:
-            try:
-                with trio.fail_after(self.limits.io_timeout):
-                    await self.stream.send_all(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, trio.TooSlowError):
-                raise _ClientGone() from None
-
-    async def _send_up(self, up: Upstream, data: bytes | None) -> None:
-        if not data:
-            return
-        try:
-            with trio.fail_after(self.limits.io_timeout):
-                await up.stream.send_all(data)
-        except trio.TooSlowError:
-            raise UpstreamTimeout("the destination took no data for too long") from None
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            if up.reused and up.conn.their_state is h11.SEND_RESPONSE:
-                raise _Stale() from None
-            raise UpstreamError("the destination closed the connection") from None
-
-    async def _up_event(self, up: Upstream, started: bool) -> object:
-        """The destination's next event. Raises _Stale (a reused connection that closed before
-        answering), UpstreamError/UpstreamTimeout (before the answer began), _Abort (after)."""
-        conn = up.conn
-        while True:
-            try:
-                event = conn.next_event()
-            except h11.RemoteProtocolError as exc:
-                if started:
-                    raise _Abort() from None
-                raise UpstreamError(f"the destination's answer is not HTTP/1.1: {exc}") from None
-            if event is not h11.NEED_DATA:
-                if isinstance(event, h11.ConnectionClosed) and not started:
-                    if up.reused:
-                        raise _Stale()
-                    raise UpstreamError("the destination closed the connection without answering")
-                return event
-            data = b""
-            with trio.move_on_after(self.limits.io_timeout):
-                try:
-                    data = await up.stream.receive_some(BUFFER_BYTES)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    if started:
-                        raise _Abort() from None
-                    if up.reused:
-                        raise _Stale() from None
-                    raise UpstreamError("the destination reset the connection") from None
-                if not data and not started and not conn.trailing_data[0]:  # closed before a byte of answer
-                    if up.reused:
-                        raise _Stale()
-                    raise UpstreamError("the destination closed the connection without answering")
-                try:
-                    conn.receive_data(data)
-                except RuntimeError:
-                    raise _Abort() from None
-                continue
-            if started:
-                raise _Abort()
-            raise UpstreamTimeout(f"the destination sent nothing for {self.limits.io_timeout:g} s")
-
-
-_OUTCOME = {400: "bad-request", 403: "refused", 407: "auth", 408: "timeout", 431: "too-large", 502: "upstream",
-            504: "upstream", 503: "upstream"}
-"""The outcome (ckagent.containment.egress.proxy.taskproxy.OUTCOMES) of each answer of the proxy's own."""
-
-
-def _head_error(exc: h11.RemoteProtocolError) -> ProxyError:
-    """h11's verdict on a malformed head as the proxy's answer (431 for a head over the limit)."""
-    if exc.error_status_hint == 431 or "too long" in str(exc).lower():
-        return HeadTooLarge("the request head is over the size limit")
-    return BadRequest(f"malformed request: {exc}")
+    return not any(n == b"connection" and b"close" in v.lower() for n, v in response.headers)
 
 
 def _close_soon(up: Upstream) -> None:

@@ -49,6 +49,11 @@ async def system_resolve(host: str, port: int) -> list[str]:
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
+def new_connection() -> h11.Connection:
+    """h11's state of a connection towards a destination (client role), at its first request."""
+    return h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_RESPONSE_HEAD_BYTES)
+
+
 @dataclass
 class Upstream:
     """One open connection towards a destination: ``stream``, its h11 state ``conn`` (client
@@ -58,10 +63,12 @@ class Upstream:
     stream: trio.SocketStream
     key: tuple[object, ...]
     absolute: bool = False
-    conn: h11.Connection = field(default_factory=lambda: h11.Connection(
-        h11.CLIENT, max_incomplete_event_size=MAX_RESPONSE_HEAD_BYTES))
+    conn: h11.Connection = field(default_factory=lambda: new_connection())
     idle_since: float = 0.0
     reused: bool = False
+    passed: bool = False
+    """The last answer's body went by h11 (socket to socket) and the connection may be kept: its
+    next request starts a fresh h11 state."""
 
     async def aclose(self) -> None:
         """Close the connection (never raises; cancellation: closes at once)."""
