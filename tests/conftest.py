@@ -42,13 +42,20 @@ from harness import (
     served_directory,
     session_build,
     session_pyz,
+    user_temp_dir,
 )
+from hypothesis.configuration import set_hypothesis_home_dir
 
 import ckagent
 from ckagent.devmaster.client import AdminClient
 from ckagent.devmaster.server import DevMasterConfig, serve
 
 _REPO_ROOT = Path(ckagent.__file__).resolve().parent.parent
+
+set_hypothesis_home_dir(user_temp_dir("ckagent-hypothesis"))
+"""Hypothesis keeps its example database (and caches) in one place for every test process: not
+``.hypothesis/`` in the checkout, and not a fixed name in /tmp that another user's suite may own
+(its tests would warn that the database is unusable, and warnings fail tests)."""
 
 
 def _remove_tables_under(root: Path) -> list[str]:

@@ -40,8 +40,11 @@ SDK_SRC = REPO / "sdk" / "python" / "src"
 
 
 def run_sdk(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    """``code`` in a fresh interpreter with the SDK importable (never imported into the test process)."""
-    full = {k: v for k, v in os.environ.items() if not k.startswith("CK_")}
+    """``code`` in a fresh interpreter with the SDK importable (never imported into the test process).
+    No ``CK_*`` or ``PYTHON*`` variable of the caller's reaches it: it behaves the same whoever runs the
+    suite (with ``PYTHONUNBUFFERED`` from the caller's environment, a print before ``os._exit``
+    reached the pipe there and was lost elsewhere)."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("CK_", "PYTHON"))}
     full.update(env, PYTHONPATH=str(SDK_SRC))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full, capture_output=True,
                           text=True, timeout=60, check=False)
@@ -74,9 +77,9 @@ def test_report_stats_final_writes_at_once_and_a_timer_flushes_a_pending_one(tmp
         report_stats({"n": 1})
         report_stats({"n": 2})                 # pending: the timer writes it after MIN_INTERVAL
         time.sleep(1.5)
-        print(len(open(os.environ["CK_STATS_FILE"]).readlines()))
+        print(len(open(os.environ["CK_STATS_FILE"]).readlines()), flush=True)
         report_stats({"n": 3}, final=True)     # at once
-        print(len(open(os.environ["CK_STATS_FILE"]).readlines()))
+        print(len(open(os.environ["CK_STATS_FILE"]).readlines()), flush=True)  # (os._exit flushes nothing)
         os._exit(0)                            # no atexit: nothing pending may be lost anyway
     """, CK_STATS_FILE=str(stats_file))
     assert done.returncode == 0, done.stderr

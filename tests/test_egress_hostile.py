@@ -18,7 +18,6 @@ from __future__ import annotations
 import base64
 import logging
 import signal
-import tempfile
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -48,7 +47,6 @@ from harness import (  # noqa: F401 -- no_strays: autouse fixture
 )
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from hypothesis.configuration import set_hypothesis_home_dir
 
 from ckagent.containment.egress.proxy import Limits
 
@@ -636,7 +634,6 @@ async def test_an_upstream_that_resets_a_tunnel_ends_only_that_tunnel(
 # ------------------------------------------------------------------------------ fuzz (hypothesis)
 
 
-set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "ckagent-hypothesis")  # (not .hypothesis/ in the checkout)
 FUZZ = settings(max_examples=200, derandomize=True, database=None, deadline=None, print_blob=False,
                 suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
 """Fuzz settings: a fixed sequence of examples (CI sees the same inputs each run), no example database,

@@ -2,8 +2,9 @@
 
 The pyz is built once per test session from a frozen copy of the checkout (:func:`session_pyz`,
 shared with test_runsh.py); the reproducibility test builds a second time from the same copy.
-Interpreters come from pyenv (``/root/.pyenv/versions/3.1x.*``); a missing one is skipped with a
-message naming it (shown by ``-ra``).
+Interpreters come from pyenv (``/root/.pyenv/versions/3.1x.*``) or ``python3.1x`` on PATH
+(:func:`harness.python_or_skip`); a missing or unreachable one is skipped with a message naming it
+(shown by ``-ra``).
 """
 
 from __future__ import annotations
@@ -18,27 +19,11 @@ from pathlib import Path
 import pytest
 import trio
 import yaml
-from harness import build_pyz, free_port, pyz_dir, submit
+from harness import build_pyz, free_port, python_or_skip, pyz_dir, submit
 
 import ckagent
 
-PYENV = Path(os.environ.get("PYENV_ROOT", "/root/.pyenv")) / "versions"
 SUPPORTED = ("3.10", "3.11", "3.12", "3.13")
-
-
-def interpreter(version: str) -> Path | None:
-    """The newest pyenv CPython ``version`` (e.g. "3.10"), or None."""
-    found = sorted(PYENV.glob(f"{version}.*/bin/python"), key=lambda p: [int(x) for x in p.parent.parent.name.split(".")
-                                                                          if x.isdigit()])
-    return found[-1] if found else None
-
-
-def require_interpreter(version: str) -> Path:
-    """The pyenv interpreter for ``version``, or skip the test saying which one is missing."""
-    found = interpreter(version)
-    if found is None:
-        pytest.skip(f"NOT TESTED on Python {version}: no interpreter under {PYENV}/{version}.*")
-    return found
 
 
 def run_pyz(python: Path | str, pyz: Path, *args: str, shiv_root: Path, timeout: float = 120,
@@ -97,7 +82,7 @@ print(json.dumps({
 
 @pytest.mark.parametrize("version", SUPPORTED)
 def test_one_pyz_runs_on_each_supported_python(pyz: Path, version: str, tmp_path: Path) -> None:
-    python = require_interpreter(version)
+    python = python_or_skip(version)
     shiv_root = pyz.parent / "shiv-shared"  # one extraction serves every version (each adds its own .pyc)
     result = run_pyz(python, pyz, "version", shiv_root=shiv_root)
     assert result.returncode == 0, result.stderr
@@ -120,7 +105,7 @@ def test_one_pyz_runs_on_each_supported_python(pyz: Path, version: str, tmp_path
 
 
 def test_an_unsupported_python_gets_a_plain_message_not_a_traceback(pyz: Path, tmp_path: Path) -> None:
-    python = require_interpreter("3.9")
+    python = python_or_skip("3.9")
     result = run_pyz(python, pyz, "version", shiv_root=tmp_path / "shiv")
     assert result.returncode != 0
     assert "ckagent needs Python 3.10 to 3.13; this is 3.9." in result.stderr, result.stderr
@@ -217,7 +202,7 @@ def agent_config(directory: Path, base_url: str, token: str, port: int) -> Path:
 async def test_pyz_agent_runs_a_spider_that_cannot_see_the_agents_packages(
     pyz: Path, dev_master, tmp_path: Path, version: str
 ) -> None:
-    python = require_interpreter(version)
+    python = python_or_skip(version)
     shiv_root = tmp_path / "shiv"
     config = agent_config(tmp_path, dev_master.base_url, dev_master.registration_token, free_port())
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "AGENT_", "SHIV_"))}

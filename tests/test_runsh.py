@@ -23,6 +23,7 @@ from harness import (
     BUMPED,
     REPO,
     RUN_SH,
+    EnvironProbe,
     Releases,
     RunShNode,
     eventually,
@@ -156,16 +157,17 @@ async def test_start_and_status_fail_for_an_agent_that_does_not_answer(node: Run
 async def test_start_waits_for_ready_and_prints_the_first_clear_error(node: RunShNode, releases: Releases, pyz: Path,
                                                                      dev_master) -> None:
     releases.publish(pyz, ckagent.__version__)
+    probe = EnvironProbe(node.directory.parent / "probe")  # (the agent's environ is root's to read)
     wrong = await node.sh("start", "--daemon=on", AGENT_RELEASE_URL=releases.url,
-                          AGENT_REGISTRATION_TOKEN="not-the-token-0123456789")
+                          AGENT_REGISTRATION_TOKEN="not-the-token-0123456789", **probe.env)
     assert wrong.returncode == 1, out(wrong)
     assert "not ready: registration refused: 401, check AGENT_REGISTRATION_TOKEN" in out(wrong), out(wrong)
     assert "not-the-token" not in out(wrong)
     pid = node.pid()
     assert pid is not None and pid_alive(pid)  # it keeps retrying: a token fixed on the master is picked up
     # the token came in run.sh's environment: neither the agent's environ nor any other shows it
-    assert b"not-the-token" not in Path(f"/proc/{pid}/environ").read_bytes()  # noqa: ASYNC240
-    assert b"CKAGENT_SECRETS_FD=" in Path(f"/proc/{pid}/environ").read_bytes()  # noqa: ASYNC240
+    assert b"not-the-token" not in probe.initial_environ(pid)
+    assert b"CKAGENT_SECRETS_FD=" in probe.initial_environ(pid)
     stopped = await node.sh("stop")
     assert stopped.returncode == 0 and not pid_alive(pid), out(stopped)
     started = await node.sh("start", "--daemon=on")

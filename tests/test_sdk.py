@@ -21,12 +21,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from harness import find_python, missing_python
 
 REPO = Path(__file__).resolve().parents[1]
 SDK_DIR = REPO / "sdk" / "python"
 SDK_SRC = SDK_DIR / "src"
 EXAMPLES = REPO / "sdk" / "examples"
-PYTHON38 = Path("/root/.pyenv/versions/3.8.18/bin/python")
+PYTHON38 = find_python("3.8")
 # A Python with Scrapy installed, for running the Scrapy example for real (see test below).
 SCRAPY_PYTHON_ENV = "CK_TEST_SCRAPY_PYTHON"
 SUBPROCESS_TIMEOUT = 60.0  # seconds
@@ -391,8 +392,9 @@ def test_scrapy_pipeline_saves_dicts_and_dataclasses_and_returns_them(tmp_path: 
 # --- Python 3.8 --------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not PYTHON38.exists(), reason=f"no Python 3.8 interpreter at {PYTHON38}")
+@pytest.mark.skipif(PYTHON38 is None, reason=missing_python("3.8"))
 def test_sdk_works_on_python_38(tmp_path: Path) -> None:
+    assert PYTHON38 is not None
     items_file = tmp_path / "items.jsonl"
     proc = ok(
         run_python(
@@ -442,7 +444,7 @@ def test_sdk_works_on_python_38(tmp_path: Path) -> None:
 
 
 def python_candidates() -> list[object]:
-    python38 = pytest.mark.skipif(not PYTHON38.exists(), reason=f"no Python 3.8 interpreter at {PYTHON38}")
+    python38 = pytest.mark.skipif(PYTHON38 is None, reason=missing_python("3.8"))
     return [
         pytest.param(sys.executable, id="current-python"),
         pytest.param(str(PYTHON38), id="python3.8", marks=python38),

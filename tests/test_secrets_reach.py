@@ -1,16 +1,22 @@
 """Secrets out of a spider's reach: a real agent process started with its token in the environment,
-and a real spider (running as root here, the worst case) that looks for it in every process's
-initial environment and prints a secret of its own transformed (reversed, base64, hex, URL-encoded)."""
+and a real spider (running as root when the suite does, the worst case; else as the agent's own user)
+that looks for it in every process's initial environment it can read and prints a secret of its own
+transformed (reversed, base64, hex, URL-encoded).
+
+The agent's own initial environment is read from ``/proc/<pid>/environ`` as root; as a plain user that
+file of the non-dumpable agent is root's, and :class:`harness.EnvironProbe` records the same bytes when
+the agent's Python image starts."""
 
 from __future__ import annotations
 
 import base64
+import os
 import urllib.parse
 from pathlib import Path
 from typing import Any
 
 import trio
-from harness import AgentProcess, submit
+from harness import AgentProcess, EnvironProbe, submit
 
 from ckagent.node.config import SETTINGS
 from ckagent.node.logs import Masker, secret_variants
@@ -60,7 +66,8 @@ async def test_no_process_environment_shows_the_token_and_transforms_are_masked(
     token = dev_master.registration_token
     (tmp_path / "a").mkdir()
     agent = AgentProcess(tmp_path / "a", dev_master.base_url, token, agent__registration_token=None)
-    await agent.start(extra_env={"AGENT_REGISTRATION_TOKEN": token})
+    probe = EnvironProbe(tmp_path / "probe")
+    await agent.start(extra_env={"AGENT_REGISTRATION_TOKEN": token, **probe.env})
     try:
         assert agent.process is not None
         pid = agent.process.pid
@@ -71,13 +78,15 @@ async def test_no_process_environment_shows_the_token_and_transforms_are_masked(
         assert task["status"] == "SUCCESS", (task, agent.log_text()[-3000:])
         text = "\n".join(await dev_master.admin.get_logs(task_id))
         assert "holders: 0 []" in text, text
-        assert token.encode() not in Path(f"/proc/{pid}/environ").read_bytes()  # noqa: ASYNC240
-        assert b"CKAGENT_SECRETS_FD=" in Path(f"/proc/{pid}/environ").read_bytes()  # noqa: ASYNC240
+        environ = probe.initial_environ(pid)
+        assert token.encode() not in environ
+        assert token.encode() in probe.images(pid)[0], "started with the token: the agent moved it out itself"
+        assert b"CKAGENT_SECRETS_FD=" in environ
         for shown in (DB_PASSWORD[::-1], base64.b64encode(DB_PASSWORD.encode()).decode()[:24],
                       DB_PASSWORD.encode().hex(), urllib.parse.quote(DB_PASSWORD)):
             assert shown not in text, (shown, text)
         assert text.count("***") >= 4, text
-        assert "spiders run as root" in agent.log_text()
+        assert ("spiders run as root" in agent.log_text()) == (os.geteuid() == 0), agent.log_text()[-3000:]
     finally:
         with trio.CancelScope(shield=True), trio.move_on_after(10):
             await agent.kill()

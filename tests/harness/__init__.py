@@ -55,6 +55,13 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
   answer says which server gave it and echoes what it received) (:mod:`harness.webhosts`);
   :mod:`harness.webclients` runs real HTTP clients (Python, Node, curl, Chromium) through a task's
   egress proxy (:func:`proxied_task`) and checks their answers (:func:`check_answers`).
+- :class:`EnvironProbe` records the environment each Python process started with it was given, so a
+  test reads what ``/proc/<pid>/environ`` shows also where it may not read the file (a non-dumpable
+  agent of a plain user) (:mod:`harness.environs`).
+- :func:`python_or_skip` gives another CPython version (pyenv's, or on PATH) or skips the test saying
+  why there is none (:mod:`harness.pythons`; :func:`find_python` for a skip mark).
+- :func:`user_temp_dir` is a directory of this user's own in the machine's temp directory, kept across
+  runs (:mod:`harness.tempdirs`): fixed names there are shared by every user of the machine.
 """
 
 from __future__ import annotations
@@ -63,16 +70,19 @@ from harness.agentports import *  # noqa: F403
 from harness.agentproc import *  # noqa: F403
 from harness.core import *  # noqa: F403
 from harness.demo import *  # noqa: F403
+from harness.environs import *  # noqa: F403
 from harness.examples import *  # noqa: F403
 from harness.fakes import *  # noqa: F403
 from harness.hostile import *  # noqa: F403
 from harness.index import *  # noqa: F403
 from harness.levelcheck import *  # noqa: F403
 from harness.procs import *  # noqa: F403
+from harness.pythons import *  # noqa: F403
 from harness.pyz import *  # noqa: F403
 from harness.rawnode import *  # noqa: F403
 from harness.recording import *  # noqa: F403
 from harness.runsh import *  # noqa: F403
+from harness.tempdirs import *  # noqa: F403
 from harness.upstreams import *  # noqa: F403
 from harness.users import *  # noqa: F403
 from harness.webclients import *  # noqa: F403

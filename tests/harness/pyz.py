@@ -4,16 +4,18 @@ under a file lock), and ports on 127.0.0.1 that no other test process claimed.""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
+import functools
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
 
 import pytest
 
@@ -77,35 +79,83 @@ def session_build(tmp_path_factory: pytest.TempPathFactory, base: Path,
 
 
 PORT_CLAIMS = Path(tempfile.gettempdir()) / "ckagent-test-ports"
-_claimed: list[IO[str]] = []  # the open claim files of this process: held until it exits
+"""The directory of port claims every test process on this machine shares, whoever runs it: mode 1777
+(sticky, as /tmp: a claim file can be removed only by its owner), each claim a file named by the port,
+mode 0444, flocked through a read-only descriptor (so any user can lock a file another user made)."""
+_claimed: list[int] = []  # the claim files' descriptors of this process: held (with their flocks) until it exits
 
 
 @atexit.register
 def _release_claims() -> None:
-    """Close the claim files at exit (the flocks go with them), not in the garbage collector: it
-    warns for each file still open (ResourceWarning)."""
+    """Close the claim files at exit (the flocks go with them)."""
     while _claimed:
-        _claimed.pop().close()
+        os.close(_claimed.pop())
+
+
+@functools.cache
+def claims_dir() -> Path:
+    """Where this process claims ports: :data:`PORT_CLAIMS`, made mode 1777 by the first test process
+    that needs it, when it can be trusted: a real directory (not a symlink), mode 1777 and owned by
+    root or this user (made so when this user owns it). Else (another user made it, or made it without
+    the sticky bit, as older suites did) a directory of this user's own beside it: its claims then guard
+    only against this user's test processes, and this says so on stderr (shown with a failing test)."""
+    uid = os.geteuid()
+    with contextlib.suppress(FileExistsError):
+        PORT_CLAIMS.mkdir(mode=0o700)  # (its mode is set below: mkdir's is cut by the umask)
+    st = PORT_CLAIMS.lstat()
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == uid and stat.S_IMODE(st.st_mode) != 0o1777:
+        PORT_CLAIMS.chmod(0o1777)
+        st = PORT_CLAIMS.lstat()
+    shared = stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o1777 and st.st_uid in (uid, 0)
+    if shared:
+        return PORT_CLAIMS
+    own = PORT_CLAIMS.with_name(f"{PORT_CLAIMS.name}-{uid}")
+    own.mkdir(mode=0o700, exist_ok=True)
+    print(f"port claims: {PORT_CLAIMS} is not a sticky directory of root's or ours; claiming in {own}",
+          file=sys.stderr)
+    return own
+
+
+def _claim(directory: Path, port: int) -> int | None:
+    """An flocked descriptor of ``directory``/``port`` (made mode 0444 when missing), or None when
+    another process holds it or it cannot be opened (another user's file this one may not read, a
+    symlink)."""
+    path, flags = directory / str(port), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        try:  # (not O_CREAT on a file that exists: protected_regular refuses it for another user's file)
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o444)
+    except OSError:  # (EEXIST: another process made it just now, and holds it)
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # (a FIFO or device someone planted: not a claim)
+            raise OSError(f"{path} is not a regular file")
+        if st.st_uid == os.geteuid():
+            os.fchmod(fd, 0o444)  # (whatever this process's umask made of it: other users must open it)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def free_port() -> int:
     """A port on 127.0.0.1 nothing listens on, and that no other test process on this machine claimed.
 
     bind(0) alone hands a port that was just released to the next caller: a test in another pytest-xdist
-    worker could start its agent on the port of an agent this test stopped and expects to start again.
-    So each port is also claimed with an flock on a file in a directory all test processes share,
-    held until this process exits (a worker claims a few dozen)."""
-    PORT_CLAIMS.mkdir(exist_ok=True)
+    worker (or another user's suite) could start its agent on the port of an agent this test stopped and
+    expects to start again. So each port is also claimed with an flock on a file in a directory all test
+    processes share (:func:`claims_dir`), held until this process exits (a worker claims a few dozen)."""
+    directory = claims_dir()
     for _ in range(100):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = int(sock.getsockname()[1])
-        claim = (PORT_CLAIMS / str(port)).open("w")
-        try:
-            fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            claim.close()
+        fd = _claim(directory, port)
+        if fd is None:
             continue
-        _claimed.append(claim)
+        _claimed.append(fd)
         return port
-    raise RuntimeError(f"no unclaimed port after 100 tries ({PORT_CLAIMS})")
+    raise RuntimeError(f"no unclaimed port after 100 tries ({directory})")
