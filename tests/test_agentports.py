@@ -121,11 +121,9 @@ def test_a_zombie_is_dead(tmp_path: Path) -> None:
     reader = PortRegistry(directory, liveness_interval=0)
     with another_agent(directory, [7300]) as zombie:
         os.kill(zombie.pid, signal.SIGKILL)
-        for _ in range(1000):  # (the kernel marks it a zombie at once; not reaped: no wait)
-            found = process_start(zombie.pid)
-            if found is not None and found[1] == "Z":
-                break
-        assert process_start(zombie.pid) is not None
+        os.waitid(os.P_PID, zombie.pid, os.WEXITED | os.WNOWAIT)  # (until it is a zombie; not reaped)
+        found = process_start(zombie.pid)
+        assert found is not None and found[1] == "Z"
         assert reader.live_ports() == frozenset()
         zombie.wait()
 
