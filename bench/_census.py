@@ -137,8 +137,9 @@ async def agent_census(workdir: Path, tasks: int = 10, **env: str) -> dict[str, 
     """Run ``tasks`` ``python -c`` tasks one after another through an in-process agent; counts per task.
 
     ``env``: extra ``AGENT_*`` settings. Returns ``{"tasks_per_task", "hops_per_task", "task_names",
-    "hop_sites"}`` (the last two: ``{name: count per task}``, largest first). Raises RuntimeError if
-    a task does not succeed, TimeoutError if one takes over a minute.
+    "hop_sites", "containment", "egress"}`` (``task_names``, ``hop_sites``: ``{name: count per task}``,
+    largest first; the last two: the levels the agent ran at, as their settings' text). Raises
+    RuntimeError if a task does not succeed, TimeoutError if one takes over a minute.
     """
     master = DevMaster(workdir / "master")
     await master.start()
@@ -187,13 +188,16 @@ async def agent_census(workdir: Path, tasks: int = 10, **env: str) -> dict[str, 
         "task_names": {k: v / tasks for k, v in spawned.most_common()},
         "hop_sites": {k: v / tasks for k, v in hopped.most_common()},
         "requests": {k: v / tasks for k, v in requested.most_common()},
+        "containment": agent.containment.level.value if agent.containment is not None else "",
+        "egress": agent.egress.level.value if agent.egress is not None else "",
     }
 
 
 def census_table(census: dict[str, Any]) -> str:
     """Markdown: the counts per task against their targets, then each task name and hop site."""
+    levels = f"containment {census['containment']}, egress {census['egress']}"
     table = markdown_table(
-        ["path per task (in-process agent, one task at a time)", "per task", "target"],
+        [f"path per task (in-process agent, one task at a time; {levels})", "per task", "target"],
         [["Trio tasks", census["tasks_per_task"], f"≤ {TARGET_TASKS}"],
          ["thread hops", census["hops_per_task"], f"≤ {TARGET_HOPS}"],
          ["requests to the master", census["requests_per_task"], "–"]])

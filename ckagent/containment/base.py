@@ -141,7 +141,8 @@ class TaskJail(abc.ABC):
     @abc.abstractmethod
     async def wait_empty(self) -> None:
         """Return when no process of the task is left, woken by the kernel (cgroup.events ``populated``
-        via inotify, or pidfds), not by sleeping. Cancellation: returns nothing, as usual."""
+        via inotify, or pidfds), not by sleeping; once it returned, :meth:`kill_all` has nothing to do.
+        Cancellation: returns nothing, as usual."""
 
     @abc.abstractmethod
     async def kill_all(self) -> int:

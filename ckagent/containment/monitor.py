@@ -371,9 +371,10 @@ async def supervise(
             sink.grown()
             with trio.move_on_after(drain_window) as drain:  # what the spider left behind may still write
                 await jail.wait_empty()
-            # An emptied cgroup needs no kill (nothing can join it any more); the process-group level's
-            # kill also reaps leftovers that ended as the agent's (the subreaper's) zombies.
-            if drain.cancelled_caught or not jail.level.has_cgroup:
+            # An emptied jail needs no kill: nothing can join an empty cgroup any more, and at the
+            # process-group level wait_empty's last scan is the one the kill's sweep would make (it
+            # also reaps leftovers that ended as the agent's, the subreaper's, zombies).
+            if drain.cancelled_caught:
                 outcome.killed_leftovers += max(0, await jail.kill_all())
         outcome.returncode = mon.returncode
         swept = True

@@ -230,11 +230,23 @@ class ProcessGroupJail(TaskJail):
     def _find(self) -> list[int]:
         return find_marked(self.task_id, pgids=self.pgids)
 
+    def _find_or_reap(self) -> list[int]:
+        """The task's live processes; when none is left, the agent's adopted zombies (orphans of
+        tasks that ended on their own) are reaped in the same pass, as :meth:`kill_all` does."""
+        pids = self._find()
+        if not pids:
+            reap_adopted_zombies()
+        return pids
+
     def populated(self) -> bool:
         return bool(self._find())
 
     async def wait_empty(self) -> None:
-        while pids := await trio.to_thread.run_sync(self._find):
+        """Return when a scan of /proc finds no process of the task (one thread hop per scan: one in
+        all when nothing was left), waiting on the pidfds of what a scan found between scans. The
+        last scan reaps the adopted zombies too, so nothing is left for :meth:`kill_all` to do: its
+        sweep's first scan is this one again, and the groups it would signal have no live member."""
+        while pids := await trio.to_thread.run_sync(self._find_or_reap):
             await wait_pids_gone(pids)
 
     async def kill_all(self) -> int:

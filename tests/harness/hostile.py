@@ -27,7 +27,6 @@ import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -175,11 +174,39 @@ class Upstream:
 
 
 async def serve_upstream(nursery: trio.Nursery, host: str) -> Upstream:
-    """An :class:`Upstream` listening on ``host`` (a 127.0.0.x address) port 0, served in ``nursery``."""
+    """An :class:`Upstream` listening on ``host`` (a 127.0.0.x address) port 0, served in ``nursery``.
+
+    Off 127.0.0.1 its port is also held on 127.0.0.1 while it serves (bound without SO_REUSEADDR,
+    not listening): no listener there — an agent's status port, a proxy's task listener — can have
+    the same port number. The ``agent`` egress group refuses agents' ports on every local address,
+    and a busy machine's bind(0) readily hands the same number out on two addresses (measured: 573
+    of 2,000 ports on 127.0.0.3 were also given to 127.0.0.1): the upstream would be refused by chance."""
     upstream = Upstream(host)
-    listeners = await nursery.start(partial(trio.serve_tcp, upstream.handle, 0, host=host))
-    upstream.port = listeners[0].socket.getsockname()[1]
+    for _ in range(100):
+        listeners = await trio.open_tcp_listeners(0, host=host)
+        upstream.port = listeners[0].socket.getsockname()[1]
+        if host == AGENT_HOST:
+            break
+        guard = socket.socket()
+        try:
+            guard.bind((AGENT_HOST, upstream.port))
+        except OSError:  # taken on 127.0.0.1: another port
+            guard.close()
+            for listener in listeners:
+                await listener.aclose()
+            continue
+        nursery.start_soon(_hold, guard)
+        break
+    else:
+        raise RuntimeError(f"no port on {host} that is free on {AGENT_HOST} too, in 100 tries")
+    await nursery.start(trio.serve_listeners, upstream.handle, listeners)
     return upstream
+
+
+async def _hold(sock: socket.socket) -> None:
+    """Keep ``sock`` open until cancelled."""
+    with sock:
+        await trio.sleep_forever()
 
 
 @dataclass
