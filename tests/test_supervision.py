@@ -52,6 +52,8 @@ from harness import (  # noqa: F401 -- no_strays: autouse fixture
     wait_registered,
 )
 
+from ckagent.master.ids import task_dir as task_dir_of
+
 
 @pytest.fixture(autouse=True, params=LEVELS_HERE)
 def containment_level(request: pytest.FixtureRequest) -> str:
@@ -220,15 +222,15 @@ async def test_spider_environment_holds_no_agent_secret(
     monkeypatch.setenv("AGENT_REGISTRATION_TOKEN", recording_master.registration_token)
     monkeypatch.setenv("AGENT_API_KEY", api_key)
     monkeypatch.setenv("AGENT_SERVER_URL", recording_master.base_url)
-    dump = tmp_path / "env.json"
-    main = f"import json, os\njson.dump(dict(os.environ), open({str(dump)!r}, 'w'))\n"
+    # The spider writes where it may: its own task dir (it may run under a uid of its own).
+    main = "import json, os\njson.dump(dict(os.environ), open(os.environ['CK_TASK_DIR'] + '/env.json', 'w'))\n"
     settings = settings_for(tmp_path, recording_master)
     async with running_agent(nursery, settings):
         task_id = await submit(recording_master.admin, "env-dump", {"main.py": main}, env={"MY_SETTING": "42"})
         with trio.fail_after(30):
             task = await recording_master.admin.wait_task_final(task_id, 30)
     assert task["status"] == "SUCCESS", task
-    env = json.loads(dump.read_text())
+    env = json.loads((task_dir_of(settings.task.work_dir, task_id) / "env.json").read_text())
     assert env["CK_TASK_ID"] == task_id and env["MY_SETTING"] == "42"
     secrets = [recording_master.registration_token, recording_master.admin_token, api_key,
                *recording_master.recorder.api_keys]

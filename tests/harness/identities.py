@@ -4,7 +4,8 @@ An agent running as root gives each spider a uid of its own when every such uid 
 and run the spiders' interpreter. pytest's ``tmp_path`` is root's alone (0700 from /tmp down) and the
 suite's interpreter may live under /root (pyenv): :func:`spider_reachable` opens the test's own
 directories for searching (o+x, below the temp directory only: nothing of the machine's is changed) and
-:func:`spider_python` names an interpreter every uid can run, so the agents of the tests get the
+:func:`spider_python` names an interpreter every uid can run (:func:`spider_writable`: a directory
+a spider of any uid may write its report in), so the agents of the tests get the
 default level a node would. :func:`process_ids` reads who a process runs as from /proc;
 :func:`id_files` writes passwd/group files naming chosen ids.
 """
@@ -19,7 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["NOBODY_UID", "id_files", "process_ids", "spider_python", "spider_reachable", "spider_uid_env"]
+__all__ = ["NOBODY_UID", "id_files", "process_ids", "spider_python", "spider_reachable", "spider_uid_env",
+           "spider_writable"]
 
 NOBODY_UID = 65534
 """A uid that owns nothing of the tests': the probe of :func:`spider_python` runs as it."""
@@ -43,6 +45,15 @@ def spider_reachable(path: Path) -> Path:
         if stat.S_ISDIR(mode) and not mode & 0o001:
             directory.chmod(stat.S_IMODE(mode) | 0o001)
     return path
+
+
+def spider_writable(directory: Path) -> Path:
+    """``directory`` (made if missing) where a spider under any uid may create files, as in /tmp (mode
+    1777: sticky, so one uid cannot remove another's files); reachable (:func:`spider_reachable`).
+    For a test whose spider reports to a file the test reads. Returns ``directory``. Blocking."""
+    directory.mkdir(parents=True, exist_ok=True)
+    directory.chmod(0o1777)
+    return spider_reachable(directory)
 
 
 @functools.lru_cache(maxsize=1)
