@@ -52,8 +52,8 @@ def _assert_as_promised(run: DemoRun) -> None:
     assert not problems, "\n\n".join(problems)
 
 
-@ROOT_ONLY
 @pytest.mark.skipif(shutil.which("nft") is None, reason="the kernel level needs nft (Debian's nftables package)")
+@ROOT_ONLY  # (the mark nearest the test is the reason shown when both hold)
 async def test_the_demo_and_a_scrapy_crawl_at_the_kernel_level(tmp_path: Path) -> None:
     run = await _as_root(tmp_path, AGENT_TASK_EGRESS="nftables")
     assert run.levels is not None and run.levels[1] == "nftables", run.stdout
