@@ -275,7 +275,7 @@ def test_a_store_of_the_previous_schema_is_migrated_and_a_newer_one_refused(tmp_
     db.execute(f"PRAGMA user_version={SCHEMA_VERSION + 1}")
     db.commit()
     db.close()
-    with pytest.raises(StateStoreError, match=r"written by a newer ckagent \(schema 3; this agent reads up to 2\)"):
+    with pytest.raises(StateStoreError, match=r"written by a newer ckagent \(schema 4; this agent reads up to 3\)"):
         StateStore(path)
 
 

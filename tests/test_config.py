@@ -132,7 +132,7 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
         "AGENT_MAX_WORKERS": "3", "CONTAINER_CPU_LIMIT": "1500m", "AGENT_HEARTBEAT_INTERVAL": "7",
         "AGENT_TASK_POLL_INTERVAL": "4", "AGENT_TASK_LONG_POLL_WAIT": "0", "AGENT_WORK_DIR": "/srv/ck",
         "AGENT_TASK_EXECUTE_TIMEOUT": "0", "AGENT_TASK_KILL_GRACE": "1", "AGENT_TASK_DRAIN_TIMEOUT": "2",
-        "AGENT_TASK_FLUSH_TIMEOUT": "3", "AGENT_TASK_RUN_AS_USER": "crawler",
+        "AGENT_TASK_FLUSH_TIMEOUT": "3", "AGENT_TASK_RUN_AS_USER": "crawler", "AGENT_TASK_SPIDER_UIDS": " 70000 - 70999",
         "AGENT_TASK_MAX_LOG_BYTES": "1000", "AGENT_TASK_MIN_FREE_DISK_BYTES": "0",
         "AGENT_TASK_MAX_ARTIFACT_BYTES": "5000",
         "AGENT_TASK_LOG_FILES": "*.log, logs/*.txt", "AGENT_TASK_RETENTION": "0", "AGENT_CLEANUP_TEMP_FILES": "on",
@@ -158,7 +158,7 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
         "heartbeat": {"interval": 7.0},
         "task": {"poll_interval": 4.0, "long_poll_wait": 0.0, "work_dir": "/srv/ck", "execute_timeout": 0.0,
                  "kill_grace": 1.0, "drain_timeout": 2.0, "flush_timeout": 3.0, "run_as_user": "crawler",
-                 "max_log_bytes": 1000, "min_free_disk_bytes": 0, "max_artifact_bytes": 5000,
+                 "spider_uids": "70000-70999", "max_log_bytes": 1000, "min_free_disk_bytes": 0, "max_artifact_bytes": 5000,
                  "log_files": "*.log,logs/*.txt",
                  "retention": 0.0, "cleanup_temp_files": True, "stall_timeout": 600.0, "containment": "process-group",
                  "memory_limit_bytes": 209715200, "pids_limit": 64, "cpus_limit": 0.5, "egress": "proxy",
@@ -260,6 +260,12 @@ def test_bad_values_in_file(tmp_path: Path, yaml_text: str, where: str, message:
         ("task.kill_grace", "-1", "a number of seconds >= 0"),
         ("task.drain_timeout", "-1", "a number of seconds >= 0"),
         ("deps.uv_sync_timeout", "0", "a number of seconds >= 1"),
+        ("task.spider_uids", "61184", "a range of uids FIRST-LAST, e.g. 61184-65519"),
+        ("task.spider_uids", "x-y", "a range of uids FIRST-LAST, e.g. 61184-65519"),
+        ("task.spider_uids", "0-100", "a range of uids FIRST-LAST with 1 <= FIRST < LAST <= 4294967294, e.g. 61184-65519"),
+        ("task.spider_uids", "5000-5000", "a range of uids FIRST-LAST with 1 <= FIRST < LAST <= 4294967294, e.g. 61184-65519"),
+        ("task.spider_uids", "60000-70000",
+         "a range of uids without 65535 (no user may have it: it means -1 to the kernel), e.g. 61184-65519"),
     ],
 )
 def test_out_of_range(tmp_path: Path, key: str, value: str, expected: str) -> None:
@@ -277,6 +283,8 @@ def test_range_edges_are_accepted(tmp_path: Path) -> None:
     )
     s = load(path)
     assert (s.agent.port, s.agent.max_workers) == (65535, 1)
+    assert str(load(write(tmp_path, "task:\n  spider_uids: 1-2\n")).task.spider_uids) == "1-2"
+    assert len(load(None).task.spider_uids) == 65519 - 61184 + 1
     assert (s.task.long_poll_wait, s.task.execute_timeout, s.task.kill_grace) == (60.0, 0.0, 0.0)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ckagent.node import configvalues as v
-from ckagent.node.configvalues import AUTO_IP, EMPTY_LABELS, HOSTNAME, Dynamic, Secret
+from ckagent.node.configvalues import AUTO_IP, EMPTY_LABELS, HOSTNAME, Dynamic, Secret, UidRange
 from ckagent.node.levels import AUTO, ContainmentLevel, EgressLevel
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -90,7 +90,9 @@ class TaskSettings:
     ``long_poll_wait`` 0 disables the long poll; ``execute_timeout`` 0 means no limit and applies when a
     task carries no timeout; ``kill_grace`` is SIGTERM → SIGKILL; ``drain_timeout`` bounds DRAINING;
     ``flush_timeout`` bounds the final delivery when stopping. ``work_dir`` is absolute.
-    ``run_as_user``: user name (or uid) spiders run as when the agent is root; None = the agent's user.
+    ``run_as_user``: user name (or uid) every spider runs as when the agent is root (``root``: root); None =
+    a uid per spider from ``spider_uids`` when the agent is root, else the agent's user
+    (:class:`~ckagent.node.levels.IdentityLevel`).
     Task data: ``max_log_bytes`` caps a task's output.log and ``min_free_disk_bytes`` is the free-space
     floor of the work dir's filesystem (bytes, 0 = none); ``max_artifact_bytes`` the most bytes of a
     task's artifacts shipped to the master (0 = none: all kept on the node); ``log_files`` comma-separated globs of spider
@@ -111,6 +113,7 @@ class TaskSettings:
     drain_timeout: float
     flush_timeout: float
     run_as_user: str | None
+    spider_uids: UidRange
     max_log_bytes: int
     min_free_disk_bytes: int
     max_artifact_bytes: int
@@ -180,7 +183,7 @@ class Settings:
                 value = getattr(section_obj, spec.key)
                 if isinstance(value, Secret):
                     value = "***"
-                elif isinstance(value, Path):
+                elif isinstance(value, (Path, UidRange)):
                     value = str(value)
                 elif isinstance(value, Mapping):
                     value = dict(value)
@@ -305,8 +308,14 @@ SETTINGS: tuple[Setting, ...] = (
             "they are left on disk for the next start. The agent exits within drain_timeout + kill_grace "
             "+ flush_timeout (+ a few seconds).", v.seconds(exclusive=False)),
     Setting("task", "run_as_user", "AGENT_TASK_RUN_AS_USER", "user name or uid", None,
-            "When the agent runs as root: spiders and installers run as this user, which owns their "
-            "workspace, task directory and venv; unset = the agent's own user.", v.text),
+            "When the agent runs as root: every spider and installer runs as this user, which owns their "
+            "workspace, task directory and venv (`root`: as root, with a warning); unset = each spider a uid "
+            "of its own from task.spider_uids when the agent is root, else the agent's own user. See "
+            "docs/operations.md, Who a spider runs as.", v.text),
+    Setting("task", "spider_uids", "AGENT_TASK_SPIDER_UIDS", "uid range FIRST-LAST", UidRange(61184, 65519),
+            "The uids (and gids, the same numbers) the agent gives spiders when it runs as root and "
+            "task.run_as_user is unset: each spider one of its own, kept for it in state.db; every id in "
+            "/etc/passwd or /etc/group is skipped (checked at start). No passwd entry is made.", v.uid_range),
     Setting("task", "max_log_bytes", "AGENT_TASK_MAX_LOG_BYTES", "integer >= 0 (bytes)", 1024**3,
             "Disk budget of one task's output.log: beyond it the spider's output is drained but dropped, "
             "and one marker line says how many bytes; 0 = no limit.", v.integer(0)),

@@ -14,7 +14,8 @@ import math
 import os
 import re
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -255,6 +256,49 @@ def labels(raw: str) -> Mapping[str, str]:
             raise Invalid(f"label {key!r} given twice")
         found[key] = value.strip()
     return types.MappingProxyType(found)
+
+
+INVALID_IDS = (65535, 4294967295)
+"""Ids no user may have: ``(uid_t) -1`` and its 16-bit form (the kernel's "no change" in chown and setresuid)."""
+MAX_ID = 4294967294
+
+
+@dataclass(frozen=True)
+class UidRange:
+    """A range of uids (and the gids of the same numbers), both ends included: ``task.spider_uids``.
+    ``str()`` is its settings text, ``FIRST-LAST``."""
+
+    first: int
+    last: int
+
+    def __str__(self) -> str:
+        return f"{self.first}-{self.last}"
+
+    def __contains__(self, uid: object) -> bool:
+        return isinstance(uid, int) and self.first <= uid <= self.last
+
+    def __len__(self) -> int:
+        return self.last - self.first + 1
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.first, self.last + 1))
+
+
+def uid_range(raw: str) -> UidRange:
+    """``FIRST-LAST``: at least two ids (a builder and a spider), none of them root's 0 or an id no user
+    may have (65535, 4294967295)."""
+    first_text, sep, last_text = raw.strip().partition("-")
+    try:
+        first, last = int(first_text.strip(), 10), int(last_text.strip(), 10)
+    except ValueError:
+        raise Invalid("expected a range of uids FIRST-LAST, e.g. 61184-65519") from None
+    if not sep or not 1 <= first < last <= MAX_ID:
+        raise Invalid(f"expected a range of uids FIRST-LAST with 1 <= FIRST < LAST <= {MAX_ID}, e.g. 61184-65519")
+    bad = [uid for uid in INVALID_IDS if first <= uid <= last]
+    if bad:
+        raise Invalid(f"expected a range of uids without {bad[0]} (no user may have it: it means -1 to the "
+                      "kernel), e.g. 61184-65519")
+    return UidRange(first, last)
 
 
 class Dynamic:

@@ -1,21 +1,23 @@
-"""The node's levels as types: how tasks are contained, how their network policy is enforced, and why
-a stronger level is not available here.
+"""The node's levels as types: how tasks are contained, how their network policy is enforced, whom
+their processes run as, and why a stronger level is not available here.
 
-:class:`ContainmentLevel` and :class:`EgressLevel` list each concern's levels, strongest first (the
-order of the class), each member saying what it guarantees and what it needs; code asks a level's
-properties (``level.has_cgroup``, ``level is EgressLevel.PROXY``), never its text. :class:`Blocker`
+:class:`ContainmentLevel`, :class:`EgressLevel` and :class:`IdentityLevel` list each concern's levels,
+strongest first (the order of the class), each member saying what it guarantees and what it needs; code
+asks a level's properties (``level.has_cgroup``, ``level is EgressLevel.PROXY``, ``level.per_spider``),
+never its text. :class:`Blocker`
 is why a level cannot be had on this node, with what would lift it; :class:`Unavailable` ties the
 two together with the message of the refusal.
 
 Which level a node gets is decided by one rule, :func:`decide` (auto: the first level of the host's
 order that can be had; a named level: that one or an error saying why), applied by
-``ckagent.containment.open_containment`` and ``ckagent.containment.egress.open_egress`` to levels they
-open, and by their ``judge_*`` twins (``ckagent config check``) to levels judged without changing the
+``ckagent.containment.open_containment`` and ``ckagent.containment.egress.open_egress`` (and
+``ckagent.node.identity.open_identities``) to levels they open, and by their ``judge_*`` twins (``ckagent config check``) to levels judged without changing the
 machine. A level that cannot be had raises a :class:`LevelError` carrying its :class:`Blocker`.
 
 Edges: a member's ``value`` is the text of the settings, the wire (registration, /status), the state
 store, the metric label and the log, unchanged from when levels were strings; read it back with
-:meth:`ContainmentLevel.parse` / :meth:`EgressLevel.parse` (or ``ContainmentLevel(text)``).
+:meth:`ContainmentLevel.parse` / :meth:`EgressLevel.parse` / :meth:`IdentityLevel.parse` (or
+``ContainmentLevel(text)``).
 ``str(level)`` and ``f"{level}"`` are that text too, so log lines and messages read as before.
 """
 
@@ -27,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-__all__ = ["AUTO", "Blocker", "ContainmentLevel", "EgressLevel", "Judged", "LevelError", "Unavailable", "decide"]
+__all__ = ["AUTO", "Blocker", "ContainmentLevel", "EgressLevel", "IdentityLevel", "Judged", "Level", "LevelError",
+           "Unavailable", "decide"]
 
 AUTO = "auto"
 """The setting that asks for the strongest level this node allows (a setting, not a level)."""
@@ -159,6 +162,64 @@ _EGRESS = {
 }
 
 
+class IdentityLevel(_Level):
+    """Whom a task's processes run as (``task.run_as_user``, and whether the agent is root), strongest
+    first. Installers run as the node's builder identity (``ckagent.node.identity.Identities.builder``)."""
+
+    SPIDER_UIDS = "spider-uids"
+    ONE_USER = "one-user"
+    AGENT_USER = "agent-user"
+    ROOT = "root"
+
+    @property
+    def per_spider(self) -> bool:
+        """Each spider has a uid (and gid) of its own: spiders cannot signal, trace or read each other."""
+        return self is IdentityLevel.SPIDER_UIDS
+
+    @property
+    def switches_user(self) -> bool:
+        """Spiders run under another uid than the agent's (the agent is root and drops to it)."""
+        return self in (IdentityLevel.SPIDER_UIDS, IdentityLevel.ONE_USER)
+
+    @property
+    def as_root(self) -> bool:
+        """Spiders run as root: they can read the node's files and the agent's memory and credentials."""
+        return self is IdentityLevel.ROOT
+
+    @property
+    def guarantees(self) -> str:
+        return _IDENTITY[self][0]
+
+    @property
+    def needs(self) -> str:
+        return _IDENTITY[self][1]
+
+
+_IDENTITY = {
+    IdentityLevel.SPIDER_UIDS: (
+        "each spider runs under a uid and gid of its own (from task.spider_uids, no /etc/passwd entry, the "
+        "same on this node across tasks and restarts): a spider cannot signal, trace or read the /proc "
+        "entries of another spider's processes or of the agent, nor write another spider's files",
+        "the agent runs as root, task.run_as_user unset, free uids in task.spider_uids, and every uid can "
+        "reach the work dir and execute the spiders' interpreter (deps.python) and the bundled SDK"),
+    IdentityLevel.ONE_USER: (
+        "every spider runs as the one user task.run_as_user names: spiders cannot read the agent's files "
+        "or memory, but they share one uid, so one spider can signal, trace and write another's files",
+        "the agent runs as root and task.run_as_user names an existing user"),
+    IdentityLevel.AGENT_USER: (
+        "spiders run as the agent's own uid; the agent is non-dumpable (its memory, fds and environ are "
+        "closed to them), but spiders can read and write the agent's files and each other's",
+        "nothing (the agent does not run as root)"),
+    IdentityLevel.ROOT: (
+        "none: spiders run as root and can read the node's files, the agent's memory and its credentials",
+        "task.run_as_user: root (or a root agent where spider-uids cannot be had)"),
+}
+
+
+Level = ContainmentLevel | EgressLevel | IdentityLevel
+"""A level of any concern."""
+
+
 class Blocker(enum.Enum):
     """Why a level is not available on this node; :attr:`remedy` says what would lift it. The value is
     a short stable name (for tests and logs); :attr:`summary` the sentence a person reads."""
@@ -172,6 +233,10 @@ class Blocker(enum.Enum):
     NO_NFTABLES = "no-nftables"
     NO_NET_ADMIN = "no-net-admin"
     KERNEL_NO_MATCH = "kernel-no-match"
+    RUN_AS_USER = "run-as-user"
+    NOT_ROOT = "not-root"
+    NO_FREE_UIDS = "no-free-uids"
+    UNREACHABLE = "unreachable"
     FAILED = "failed"
 
     @property
@@ -218,6 +283,23 @@ _BLOCKERS = {
     Blocker.KERNEL_NO_MATCH: (
         "the kernel did not refuse the probe (nftables' socket cgroupv2 match does not work here)",
         "a kernel with nft_socket's cgroupv2 match (Linux 5.13 or later) and the tasks' cgroups in the v2 tree"),
+    Blocker.RUN_AS_USER: (
+        "task.run_as_user names the user spiders run as",
+        "unset task.run_as_user (AGENT_TASK_RUN_AS_USER; run.sh: --spider-user=off)"),
+    Blocker.NOT_ROOT: (
+        "the agent does not run as root (only root can start a process as another uid)",
+        "run the agent as root (config/ckagent.service's root variant; in a container, runAsUser 0), leaving "
+        "task.run_as_user unset"),
+    Blocker.NO_FREE_UIDS: (
+        "no uid of task.spider_uids is free on this node",
+        "set task.spider_uids (AGENT_TASK_SPIDER_UIDS) to a range of uids and gids that /etc/passwd, "
+        "/etc/group and the node's directory services (LDAP, sssd) do not use"),
+    Blocker.UNREACHABLE: (
+        "a spider's uid cannot reach what every spider needs",
+        "give every parent directory of task.work_dir search permission for others (chmod o+x; or move "
+        "task.work_dir, e.g. to /var/lib/ckagent), and install the agent where every user can execute it "
+        "(e.g. /opt/ckagent, not under /root) or set deps.python (AGENT_DEPS_PYTHON) to an interpreter "
+        "every user can run, e.g. /usr/bin/python3"),
     Blocker.FAILED: (
         "the level failed to start",
         "see the message"),
@@ -227,9 +309,9 @@ _BLOCKERS = {
 @dataclass(frozen=True)
 class Unavailable:
     """A level this node does not get: ``blocker`` why, ``message`` the refusal's own words (paths,
-    errno text). ``level`` is a :class:`ContainmentLevel` or an :class:`EgressLevel`."""
+    errno text). ``level`` is a :class:`ContainmentLevel`, an :class:`EgressLevel` or an :class:`IdentityLevel`."""
 
-    level: ContainmentLevel | EgressLevel
+    level: Level
     blocker: Blocker
     message: str
 
@@ -241,7 +323,8 @@ class Unavailable:
 @dataclass(frozen=True)
 class Judged:
     """The level a node would get for one concern with its settings, judged without changing the
-    machine (``ckagent.containment.judge_containment``, ``ckagent.containment.egress.judge_egress``).
+    machine (``ckagent.containment.judge_containment``, ``ckagent.containment.egress.judge_egress``,
+    ``ckagent.node.identity.judge_identities``).
 
     ``details`` as the level's start line would say them (as far as they can be known before the
     start); ``passed_over`` every stronger level not had, each with why (a level may appear once per
@@ -249,14 +332,15 @@ class Judged:
     cgroup v2 tree the tasks' cgroups would be made below (None: none there).
     """
 
-    level: ContainmentLevel | EgressLevel
+    level: Level
     details: str
     passed_over: tuple[Unavailable, ...] = ()
     v2_base: Path | None = None
 
 
 class LevelError(Exception):
-    """A level cannot be had here (the concern's subclasses: ``ContainmentError``, ``EgressError``).
+    """A level cannot be had here (the concern's subclasses: ``ContainmentError``, ``EgressError``,
+    ``IdentityError``).
     ``blocker`` says why in a word; ``also`` what else stands in the way, when a check found more than
     one thing (``config check`` lists them all)."""
 
@@ -265,18 +349,18 @@ class LevelError(Exception):
         self.blocker = blocker
         self.also = also
 
-    def unavailable(self, level: ContainmentLevel | EgressLevel) -> list[Unavailable]:
+    def unavailable(self, level: Level) -> list[Unavailable]:
         """This error and those of ``also`` as the reasons ``level`` is not had."""
         return [Unavailable(level, error.blocker, str(error)) for error in (self, *self.also)]
 
 
 _T = TypeVar("_T")
-_Lv = TypeVar("_Lv", ContainmentLevel, EgressLevel)
+_Lv = TypeVar("_Lv", ContainmentLevel, EgressLevel, IdentityLevel)
 
 
 def decide(forced: _Lv | None, order: Sequence[_Lv], attempt: Callable[[_Lv], _T], *, setting: str,
            error: type[LevelError], judge_stronger: bool = False) -> tuple[_T, tuple[Unavailable, ...]]:
-    """The rule that picks a level, for both concerns. Returns what ``attempt`` gave for the level
+    """The rule that picks a level, for every concern. Returns what ``attempt`` gave for the level
     picked and the stronger levels passed over, each with why.
 
     ``order`` is this host's order for ``auto``, strongest first; its last level must never fail.

@@ -1,6 +1,8 @@
-"""Who spiders and installers run as: ``task.run_as_user`` resolved once, and the Popen options it gives.
+"""One identity a spider or an installer runs as (:class:`RunAs`: a passwd user, or a spider's uid of its
+own with no passwd entry), the Popen options it gives, and the tree walk that gives files to it.
 
-Pure data over the passwd database; imports nothing of the agent.
+Which identity each spider gets is ckagent.node.identity's (the identity level). Pure data over the
+passwd database; imports nothing of the agent.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import pwd
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,11 +19,24 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class Given:
+    """What :meth:`RunAs.chown_tree` did: entries given (``changed``), files with more than one hard link
+    replaced by a copy of their own (``copied``: the other link may lie outside the tree), device files
+    removed (``removed``)."""
+
+    changed: int = 0
+    copied: int = 0
+    removed: int = 0
+
+
+@dataclass(frozen=True)
 class RunAs:
-    """The identity spiders and installers run as (``task.run_as_user``; needs an agent running as root).
+    """An identity spiders or installers run as (needs an agent running as root).
 
     ``uid``/``gid``/``groups`` go to ``subprocess.Popen(user=, group=, extra_groups=)``; ``home`` is
-    the user's home directory (HOME of the spider).
+    the HOME it gets (a passwd user's home directory, or a spider's own ``spider-home`` dir).
+    ``dynamic``: a uid of the ``spider-uids`` level, with no passwd entry (``name`` is ``ck-<uid>``,
+    no supplementary groups).
     """
 
     name: str
@@ -28,6 +44,12 @@ class RunAs:
     gid: int
     groups: tuple[int, ...]
     home: str
+    dynamic: bool = False
+
+    @classmethod
+    def of_uid(cls, uid: int, home: str) -> RunAs:
+        """A spider's own uid (and the gid of the same number), no passwd entry: ``ck-<uid>``."""
+        return cls(f"ck-{uid}", uid, uid, (), home, dynamic=True)
 
     @classmethod
     def lookup(cls, name: str) -> RunAs:
@@ -47,15 +69,67 @@ class RunAs:
         """HOME, USER and LOGNAME of this user (they replace the agent's in the spider's environment)."""
         return {"HOME": self.home, "USER": self.name, "LOGNAME": self.name}
 
-    def chown_tree(self, path: Path) -> None:
-        """Give ``path`` and everything under it to this user (symlinks themselves, not their targets).
+    def chown_tree(self, path: Path) -> Given:
+        """Give ``path`` and everything under it to this identity (uid and gid), following no symlink:
+        links are given themselves, directories are entered by descriptor (``os.fwalk``), so a link or a
+        directory swapped for one while the walk runs leads nowhere outside the tree. A regular file with
+        more than one hard link is replaced by a copy of its own first (the other link may name a file
+        outside the tree: the agent's, another spider's), a device file is removed (only root makes
+        one; given to a spider it would open the device). Entries already this identity's are left as
+        they are; ``path`` itself is done last (callers skip a tree whose top is this identity's).
 
-        Blocking (walks the tree): call it through ``trio.to_thread``. Raises OSError.
+        Blocking (walks the tree): call it through ``trio.to_thread``. Raises OSError (the top missing,
+        a full disk while copying).
         """
-        for root, dirs, files in os.walk(path, topdown=False):
-            for name in (*dirs, *files):
-                os.lchown(os.path.join(root, name), self.uid, self.gid)
-        os.lchown(path, self.uid, self.gid)  # last: callers check the top's owner to skip done trees
+        uid, gid = self.uid, self.gid
+        changed = copied = removed = 0
+        top = os.lstat(path)
+        if stat.S_ISDIR(top.st_mode):
+            for _dirpath, dirnames, filenames, dirfd in os.fwalk(path, topdown=False, follow_symlinks=False):
+                for name in (*dirnames, *filenames):
+                    try:
+                        st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    if stat.S_ISBLK(st.st_mode) or stat.S_ISCHR(st.st_mode):
+                        os.unlink(name, dir_fd=dirfd)
+                        removed += 1
+                    elif st.st_uid == uid and st.st_gid == gid:
+                        continue
+                    elif stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                        _own_copy(name, dirfd, st, uid, gid)
+                        copied += 1
+                    else:
+                        os.chown(name, uid, gid, dir_fd=dirfd, follow_symlinks=False)
+                        changed += 1
+        if (top.st_uid, top.st_gid) != (uid, gid):  # last: callers check the top's owner to skip done trees
+            os.lchown(path, uid, gid)
+            changed += 1
+        return Given(changed, copied, removed)
+
+
+def _own_copy(name: str, dirfd: int, st: os.stat_result, uid: int, gid: int) -> None:
+    """Replace the hard link ``name`` (in the directory ``dirfd``) by a copy of the file owned by
+    ``uid``/``gid``: same bytes, permission bits (without set-id bits) and times; the other links keep
+    the original. Blocking."""
+    tmp = f".{name[:200]}.ck-own-{os.getpid()}"
+    src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+    try:
+        dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dirfd)
+        try:
+            while chunk := os.read(src, 1 << 20):
+                os.write(dst, chunk)
+            os.fchown(dst, uid, gid)
+            os.fchmod(dst, stat.S_IMODE(st.st_mode) & 0o777)
+            os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+        except BaseException:
+            os.close(dst)
+            os.unlink(tmp, dir_fd=dirfd)
+            raise
+        os.close(dst)
+    finally:
+        os.close(src)
+    os.rename(tmp, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
 
 
 def popen_identity(run_as: RunAs | None) -> dict[str, Any]:

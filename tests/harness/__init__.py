@@ -61,6 +61,10 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
   agent of a plain user) (:mod:`harness.environs`).
 - :func:`python_or_skip` gives another CPython version (pyenv's, or on PATH) or skips the test saying
   why there is none (:mod:`harness.pythons`; :func:`find_python` for a skip mark).
+- Spiders under uids of their own (:mod:`harness.identities`): :func:`spider_uid_env` gives a root test
+  agent the default ``spider-uids`` level (its work dir reachable by :func:`spider_reachable`, an
+  interpreter every uid runs: :func:`spider_python`); :func:`process_ids` reads who a process runs as,
+  :func:`id_files` writes passwd/group files naming chosen ids.
 - :func:`user_temp_dir` is a directory of this user's own in the machine's temp directory, kept across
   runs (:mod:`harness.tempdirs`): fixed names there are shared by every user of the machine.
 """
@@ -75,6 +79,7 @@ from harness.environs import *  # noqa: F403
 from harness.examples import *  # noqa: F403
 from harness.fakes import *  # noqa: F403
 from harness.hostile import *  # noqa: F403
+from harness.identities import *  # noqa: F403
 from harness.index import *  # noqa: F403
 from harness.levelcheck import *  # noqa: F403
 from harness.procs import *  # noqa: F403
