@@ -50,7 +50,8 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
   :func:`world_directory` gives it a directory it can reach (:mod:`harness.users`, root only).
 - :func:`demo_with_crawl` runs ``ckagent demo --keep`` and a many-page Scrapy crawl on its agent
   (:mod:`harness.demo`; :func:`user_checkout` for a user who cannot read the checkout), and
-  :func:`throwaway_user` makes a system user for one test (:mod:`harness.users`).
+  :func:`throwaway_user` makes a system user for one test (:mod:`harness.users`; :func:`unprivileged_user`:
+  that, or the suite's own user when it is not root).
 - :func:`web_hosts` runs identity web servers on loopback aliases (HTTP and HTTPS, keep-alive; each
   answer says which server gave it and echoes what it received) (:mod:`harness.webhosts`);
   :mod:`harness.webclients` runs real HTTP clients (Python, Node, curl, Chromium) through a task's
