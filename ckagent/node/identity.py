@@ -17,7 +17,8 @@ can be had and says why not otherwise (:class:`~ckagent.node.levels.Blocker`: no
 a spider's uid cannot reach the work dir, the interpreter or the SDK — checked at start by one probe
 process run as a free uid), then the agent's own level (``root`` or ``agent-user``).
 
-**Spider uids.** Each spider gets the lowest free uid of the range the first time it runs here; the
+**Spider uids** (the allocator: ckagent.node.uidpool). Each spider gets the lowest free uid of the range
+the first time it runs here; the
 state store records it (:class:`~ckagent.node.state.IdentityRecord`), so it keeps it across tasks and
 agent restarts. A uid is free when no other holder has it, ``/etc/passwd`` and ``/etc/group`` do not
 name it (read at start; the start's line says how many are free), and, when it is handed out, neither
@@ -45,25 +46,30 @@ Every function here blocks (files, the state store, a probe process): call it th
 
 from __future__ import annotations
 
-import contextlib
-import grp
 import logging
 import os
 import pwd
-import shutil
-import signal
 import subprocess
-import threading
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ckagent.node.configvalues import UidRange
-from ckagent.node.levels import Blocker, IdentityLevel, Judged, LevelError, Unavailable, decide
+from ckagent.node.levels import Blocker, IdentityLevel, Judged, Unavailable, decide
 from ckagent.node.runas import RunAs
-from ckagent.node.state import IdentityRecord, StateStore
+from ckagent.node.state import StateStore
+from ckagent.node.uidpool import (
+    BUILDER,
+    SPIDER,
+    Census,
+    IdentityError,
+    SpiderDirs,
+    UidPool,
+    UidsExhausted,
+    census_of,
+    first_unknown_uid,
+)
 
 __all__ = ["BUILDER", "SPIDER", "Identities", "IdentityError", "UidsExhausted", "judge_identities",
            "open_identities"]
@@ -72,12 +78,6 @@ log = logging.getLogger(__name__)
 
 PASSWD = Path("/etc/passwd")
 GROUP = Path("/etc/group")
-SYSTEMD_DYNAMIC_UIDS = Path("/run/systemd/dynamic-uid")
-"""systemd's registry of the uids it gave to ``DynamicUser=yes`` services (one entry per uid)."""
-
-SPIDER = "spider"
-BUILDER = "builder"
-"""The ``kind`` of a state store identity record: a spider's (``name`` its id) or the builder's (``name`` "")."""
 
 PROBE_TIMEOUT = 30.0
 """Seconds the start's reachability probe may take."""
@@ -91,209 +91,6 @@ _PROBE = (
 )
 
 
-class IdentityError(LevelError):
-    """An identity level that cannot be had here (see module docstring)."""
-
-
-class UidsExhausted(IdentityError):
-    """Every uid of ``task.spider_uids`` is held and none can be released: a new spider cannot run here."""
-
-
-SpiderDirs = Callable[[str], tuple[Path, Path]]
-"""A spider id → its ``(spider-data, spider-home)`` dirs (the task wing names them: ckagent.code.workcopy)."""
-
-
-def ids_in(path: Path) -> set[int]:
-    """The ids (third field) of a passwd- or group-format file; empty when it cannot be read."""
-    found: set[int] = set()
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return found
-    for line in text.splitlines():
-        fields = line.split(":")
-        if len(fields) > 2 and fields[2].strip().isdigit():
-            found.add(int(fields[2]))
-    return found
-
-
-def _known_to_nss(uid: int) -> bool:
-    """A user or group of that number exists for the system (NSS: files, LDAP, systemd's dynamic users)."""
-    for lookup in (pwd.getpwuid, grp.getgrgid):
-        try:
-            lookup(uid)
-            return True
-        except (KeyError, OverflowError):
-            pass
-    return False
-
-
-def uids_of_processes() -> dict[int, list[int]]:
-    """Real and effective uids of every process → their pids (one /proc scan). Blocking."""
-    found: dict[int, list[int]] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return found
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/status", "rb") as fh:
-                for line in fh:
-                    if line.startswith(b"Uid:"):
-                        for uid in {int(x) for x in line.split()[1:3]}:
-                            found.setdefault(uid, []).append(int(entry))
-                        break
-        except (OSError, ValueError):
-            continue
-    return found
-
-
-@dataclass(frozen=True)
-class _Census:
-    """The range at start: its ids named by /etc/passwd or /etc/group (``taken``)."""
-
-    uids: UidRange
-    taken: frozenset[int]
-
-    @property
-    def usable(self) -> int:
-        return len(self.uids) - len(self.taken)
-
-
-def _census(uids: UidRange, passwd: Path, group: Path) -> _Census:
-    taken = {uid for uid in ids_in(passwd) | ids_in(group) if uid in uids}
-    return _Census(uids, frozenset(taken))
-
-
-class _Pool:
-    """The spider-uids level's allocator over the state store (see module docstring). Thread-safe."""
-
-    def __init__(self, store: StateStore, census: _Census, dirs_of: SpiderDirs, retention: float,
-                 busy: Callable[[], Iterable[str]]) -> None:
-        self.store = store
-        self.census = census
-        self.dirs_of = dirs_of
-        self.retention = retention
-        self.busy = busy
-        self._lock = threading.Lock()
-        self._held: dict[tuple[str, str], int] = {}
-        for record in store.identities():
-            if self._valid(record.uid):
-                self._held[(record.kind, record.name)] = record.uid
-            else:  # out of today's range, or a real user's now: a new one at its next use
-                self.store.release_identity(record.kind, record.name)
-                log.warning("identity: %s %r held uid %d, which %s; it gets another uid at its next task (its "
-                            "files are given to that one then)", record.kind, record.name, record.uid,
-                            "is outside task.spider_uids now" if record.uid not in census.uids
-                            else "/etc/passwd or /etc/group names now")
-
-    def _valid(self, uid: int) -> bool:
-        return uid in self.census.uids and uid not in self.census.taken
-
-    def held(self) -> dict[tuple[str, str], int]:
-        """``{(kind, name): uid}`` of every holder."""
-        with self._lock:
-            return dict(self._held)
-
-    def free(self) -> int:
-        """Uids of the range no holder has and /etc/passwd and /etc/group do not name."""
-        with self._lock:
-            return self.census.usable - len(self._held)
-
-    def uid_of(self, kind: str, name: str) -> int:
-        """The uid ``(kind, name)`` holds, handed out now when it holds none (recorded in the state
-        store; ``last_used`` updated either way). Raises UidsExhausted."""
-        with self._lock:
-            now = time.time()
-            uid = self._held.get((kind, name))
-            if uid is not None:
-                self.store.touch_identity(kind, name, now)
-                return uid
-            uid = self._next_free()
-            if uid is None:
-                uid = self._release_one(now)
-            self.store.hold_identity(kind, name, uid, now)
-            self._held[(kind, name)] = uid
-            log.info("identity: %s %r gets uid %d (%d uid(s) of task.spider_uids %s left)", kind, name, uid,
-                     self.census.usable - len(self._held), self.census.uids)
-            return uid
-
-    def _next_free(self) -> int | None:
-        """The lowest uid free for a new holder (see module docstring), None when there is none. Under the lock."""
-        held = set(self._held.values())
-        running: dict[int, list[int]] | None = None
-        registry = _systemd_dynamic_uids()
-        for uid in self.census.uids:
-            if uid in held or uid in self.census.taken or uid in registry or _known_to_nss(uid):
-                continue
-            if running is None:
-                running = uids_of_processes()
-            if uid in running:  # someone else's (a container's mapped ids, a service): not ours to give
-                continue
-            return uid
-        return None
-
-    def _release_one(self, now: float) -> int:
-        """Release the least recently used idle spider's uid (see module docstring) and return it.
-        Under the lock. Raises UidsExhausted."""
-        if self.retention <= 0:
-            raise UidsExhausted(self._exhausted("task.retention is 0 (keep forever), so no spider's files are "
-                                                "released"), Blocker.NO_FREE_UIDS)
-        busy = set(self.busy())
-        for record in self.store.identities():  # least recently used first
-            if record.kind != SPIDER or record.name in busy or record.last_used > now - self.retention:
-                continue
-            if self._release(record):
-                return record.uid
-        raise UidsExhausted(self._exhausted(f"every spider holding one ran a task within task.retention "
-                                            f"({self.retention:g} s) or has one here now"), Blocker.NO_FREE_UIDS)
-
-    def _exhausted(self, why: str) -> str:
-        return (f"no uid of task.spider_uids ({self.census.uids}) is free for a new spider: {len(self._held)} "
-                f"held, {len(self.census.taken)} named by /etc/passwd or /etc/group; {why}. Widen "
-                "task.spider_uids (AGENT_TASK_SPIDER_UIDS), or lower task.retention")
-
-    def _release(self, record: IdentityRecord) -> bool:
-        """Kill what still runs as the spider's uid, remove its dirs, forget its uid. False (logged)
-        when its files cannot all be removed (the uid is kept then)."""
-        killed = 0
-        for pid in uids_of_processes().get(record.uid, []):
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
-        removed: list[str] = []
-        for path in self.dirs_of(record.name):
-            if not path.exists() and not path.is_symlink():
-                continue
-            try:
-                if path.is_symlink() or not path.is_dir():
-                    path.unlink()
-                else:
-                    shutil.rmtree(path)
-            except OSError as exc:
-                log.warning("identity: cannot release uid %d of spider %r: %s is not removed (%s)", record.uid,
-                            record.name, path, exc.strerror or exc)
-                return False
-            removed.append(str(path))
-        self.store.release_identity(record.kind, record.name)
-        del self._held[(record.kind, record.name)]
-        idle = time.time() - record.last_used
-        log.warning("identity: task.spider_uids is used up: spider %r (idle %.0f s) gives its uid %d to a new "
-                    "spider; its files are removed: %s%s", record.name, idle, record.uid,
-                    ", ".join(removed) or "none", f"; {killed} process(es) still running as it killed" if killed else "")
-        return True
-
-
-def _systemd_dynamic_uids() -> set[int]:
-    """The uids systemd gave to DynamicUser services (its registry's entries are named by uid)."""
-    try:
-        return {int(name) for name in os.listdir(SYSTEMD_DYNAMIC_UIDS) if name.isdigit()}
-    except OSError:
-        return set()
-
-
 class Identities:
     """Whom each spider's processes run as on this node, at its identity level (see module docstring).
 
@@ -304,7 +101,7 @@ class Identities:
     """
 
     def __init__(self, level: IdentityLevel, details: str, *, passed_over: tuple[Unavailable, ...] = (),
-                 user: RunAs | None = None, pool: _Pool | None = None, dirs_of: SpiderDirs | None = None,
+                 user: RunAs | None = None, pool: UidPool | None = None, dirs_of: SpiderDirs | None = None,
                  dedicated_builder: RunAs | None = None) -> None:
         self.level = level
         self.details = details
@@ -447,12 +244,12 @@ class _Settings:
     group: Path
 
 
-def _spider_uids(s: _Settings, euid: int, probe_uid: Callable[[_Census], int | None]) -> tuple[_Census, str]:
+def _spider_uids(s: _Settings, euid: int, probe_uid: Callable[[Census], int | None]) -> tuple[Census, str]:
     """The spider-uids level's checks (not root, no usable uid, nothing reachable); its census and
     start line. Raises IdentityError."""
     if euid != 0:
         raise IdentityError(f"the agent runs as uid {euid}, not root", Blocker.NOT_ROOT)
-    census = _census(s.uids, s.passwd, s.group)
+    census = census_of(s.uids, s.passwd, s.group)
     if census.usable < 2:
         raise IdentityError(f"task.spider_uids {s.uids}: {len(census.taken)} of its {len(s.uids)} ids are named "
                             f"by {s.passwd} or {s.group}, fewer than 2 are left (a builder and a spider)",
@@ -476,7 +273,7 @@ def _details(level: IdentityLevel, user: RunAs | None) -> str:
     return "spiders as root"
 
 
-def _decide(s: _Settings, euid: int, probe_uid: Callable[[_Census], int | None], *, judge: bool
+def _decide(s: _Settings, euid: int, probe_uid: Callable[[Census], int | None], *, judge: bool
             ) -> tuple[IdentityLevel, str, RunAs | None, tuple[Unavailable, ...]]:
     """The level, its details, the one user (``one-user``), the levels passed over."""
     forced = _forced(s.run_as_user, euid)
@@ -525,10 +322,10 @@ def open_identities(run_as_user: str | None, uids: UidRange, work_dir: Path, sto
     settings = _Settings(run_as_user, uids, work_dir, python, sdk_dir, passwd, group)
     if euid == 0 and run_as_user is None:
         _searchable(work_dir)
-    pool: list[_Pool] = []
+    pool: list[UidPool] = []
 
-    def probe_uid(census: _Census) -> int | None:
-        made = _Pool(store, census, dirs_of, retention, _on_trio(busy))
+    def probe_uid(census: Census) -> int | None:
+        made = UidPool(store, census, dirs_of, retention, _on_trio(busy))
         pool.append(made)
         try:
             return made.uid_of(BUILDER, "")
@@ -563,14 +360,7 @@ def judge_identities(run_as_user: str | None, uids: UidRange, work_dir: Path, *,
     euid = os.geteuid() if euid is None else euid
     settings = _Settings(run_as_user, uids, work_dir, python, sdk_dir, passwd, group)
 
-    def probe_uid(census: _Census) -> int | None:
-        registry = _systemd_dynamic_uids()
-        for uid in census.uids:
-            if uid not in census.taken and uid not in registry and not _known_to_nss(uid):
-                return uid
-        return None
-
-    level, details, _user, passed_over = _decide(settings, euid, probe_uid, judge=True)
+    level, details, _user, passed_over = _decide(settings, euid, first_unknown_uid, judge=True)
     return Judged(level, details, passed_over)
 
 

@@ -4,8 +4,7 @@ Per task: the task as claimed, its directory, its process group, how far each st
 items) has been acknowledged by the master (the element count and a small JSON *position* that lets
 the shipper resume reading right after the last acknowledged element), and the final result until
 the master acknowledged it. The task's own files are the spool; this store only holds positions, so
-it stays small. Per spider (and for the node's builder): the uid it runs as at the ``spider-uids``
-identity level (:class:`IdentityRecord`, ckagent.node.identity), kept across tasks and restarts.
+it stays small. Per spider: its uid at the ``spider-uids`` identity level (ckagent.node.stateids).
 
 All methods of :class:`StateStore` are blocking (sqlite3): call them through
 ``trio.to_thread.run_sync`` — or use :class:`AsyncStateStore`, which does. One connection guarded by
@@ -42,6 +41,7 @@ from typing import Any, TypeVar
 import trio
 
 from ckagent.node.diskfull import SpaceReserve, is_disk_full
+from ckagent.node.stateids import IDENTITIES_SCHEMA, IdentityTable
 
 _R = TypeVar("_R")
 
@@ -67,22 +67,13 @@ CREATE TABLE IF NOT EXISTS streams (
     position     TEXT,
     PRIMARY KEY (task_id, stream)
 );
-CREATE TABLE IF NOT EXISTS identities (
-    kind         TEXT NOT NULL,
-    name         TEXT NOT NULL,
-    uid          INTEGER NOT NULL UNIQUE,
-    allocated_at REAL NOT NULL,
-    last_used    REAL NOT NULL,
-    PRIMARY KEY (kind, name)
-);
 """
 
 
 SCHEMA_VERSION = 3
-"""The state store's schema (``PRAGMA user_version``). 0/1: stores written before it was versioned
-(``streams.position`` may be missing); 2: ``tasks.handle``, what a later agent needs to re-adopt a
-running task (ckagent.task.adoption); 3: the ``identities`` table, each spider's uid
-(ckagent.node.identity). An agent migrates older stores up at open and refuses newer ones."""
+"""The state store's schema (``PRAGMA user_version``). 0/1: before it was versioned (``streams.position`` may
+be missing); 2: ``tasks.handle``, to re-adopt a running task (ckagent.task.adoption); 3: the ``identities``
+table (ckagent.node.stateids). An agent migrates older stores up at open and refuses newer ones."""
 
 
 class StateStoreError(Exception):
@@ -116,19 +107,7 @@ class TaskRecord:
     """What re-adopting the running spider needs (ckagent.task.adoption); None: none recorded."""
 
 
-@dataclass(frozen=True)
-class IdentityRecord:
-    """The uid held by one spider (``kind`` "spider", ``name`` its id) or by the node's builder (``kind``
-    "builder", ``name`` ""); ``allocated_at`` and ``last_used`` are epoch seconds."""
-
-    kind: str
-    name: str
-    uid: int
-    allocated_at: float
-    last_used: float
-
-
-class StateStore:
+class StateStore(IdentityTable):
     """Blocking SQLite store (see module docstring). Thread-safe; one instance per agent.
 
     Raises StateStoreError when ``path`` cannot be opened or created.
@@ -155,7 +134,7 @@ class StateStore:
                     f"the state store {path} was written by a newer ckagent (schema {version}; this agent "
                     f"reads up to {SCHEMA_VERSION}): run that version again (or a newer one), or move "
                     f"{path.parent} aside to start this one with an empty work dir")
-            self._db.executescript(_SCHEMA)
+            self._db.executescript(_SCHEMA + IDENTITIES_SCHEMA)
             _migrate(self._db)
         except (OSError, sqlite3.Error) as exc:
             raise StateStoreError(f"cannot open the state store {path}: {exc}") from exc
@@ -333,27 +312,6 @@ class StateStore:
                 raise
             self._db.execute("COMMIT")
 
-    def identities(self) -> list[IdentityRecord]:
-        """Every uid held (spiders' and the builder's), least recently used first."""
-        rows = self._exec("SELECT kind, name, uid, allocated_at, last_used FROM identities ORDER BY last_used, uid")
-        return [IdentityRecord(str(r[0]), str(r[1]), int(r[2]), float(r[3]), float(r[4])) for r in rows]
-
-    def hold_identity(self, kind: str, name: str, uid: int, when: float) -> None:
-        """Record that ``(kind, name)`` holds ``uid`` from ``when`` on (replacing what it held). Raises
-        sqlite3.IntegrityError when another holder has that uid."""
-        self._exec("INSERT INTO identities (kind, name, uid, allocated_at, last_used) VALUES (?,?,?,?,?) "
-                   "ON CONFLICT(kind, name) DO UPDATE SET uid=excluded.uid, allocated_at=excluded.allocated_at, "
-                   "last_used=excluded.last_used", (kind, name, uid, when, when))
-
-    def touch_identity(self, kind: str, name: str, when: float) -> None:
-        """``(kind, name)`` was used at ``when`` (epoch seconds): the least recently used is released first."""
-        self._exec("UPDATE identities SET last_used=? WHERE kind=? AND name=?", (when, kind, name))
-
-    def release_identity(self, kind: str, name: str) -> None:
-        """``(kind, name)`` holds no uid any more."""
-        self._exec("DELETE FROM identities WHERE kind=? AND name=?", (kind, name))
-
-
 _COLUMNS = ("task_id, spider_id, task_json, task_dir, pid, pgid, claimed_at, result_json, result_acked, finished_at, "
             "handle")
 
@@ -366,7 +324,6 @@ def _migrate(db: sqlite3.Connection) -> None:
     tasks = {row[1] for row in db.execute("PRAGMA table_info(tasks)")}
     if "handle" not in tasks:  # schema 1: no re-adoption handle
         db.execute("ALTER TABLE tasks ADD COLUMN handle TEXT")
-    # schema 2: no identities table (the schema script above creates it: nothing to move)
     db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
 
