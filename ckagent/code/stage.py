@@ -6,9 +6,9 @@ an install needs into the environment's build directory (:func:`write_staged`). 
 (``setup.py``, its packages, its scripts) is never there, so no installer can build or run it.
 
 A working copy is the spider's: it can hold a symlink to the agent's ``state.db`` or a FIFO, or swap a
-directory for a link. Every path is walked from the top's descriptor one component at a time with
-``O_NOFOLLOW``, and a file is read only when ``fstat`` on the descriptor read says it is a regular
-file of at most :data:`MAX_FILE_BYTES`; each file is read once, so the bytes hashed into an
+directory for a link. Every path is read through ckagent.node.beneath (walked from the top's
+descriptor one component at a time with ``O_NOFOLLOW``, a regular file only, another owner's hard link
+refused), at most :data:`MAX_FILE_BYTES`; each file is read once, so the bytes hashed into an
 environment's key are the bytes staged for its build.
 
 Errors::
@@ -25,9 +25,9 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import stat
 from pathlib import Path, PurePosixPath
 
+from ckagent.node import beneath
 from ckagent.node.errors import DepsError
 
 __all__ = ["MAX_FILE_BYTES", "NotStageable", "ProjectFiles", "safe_relative", "write_staged"]
@@ -35,8 +35,6 @@ __all__ = ["MAX_FILE_BYTES", "NotStageable", "ProjectFiles", "safe_relative", "w
 MAX_FILE_BYTES = 64 * 1024 * 1024
 """The largest dependency file read (a lock file of a big project is a few MB)."""
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
 class NotStageable(DepsError):
@@ -70,77 +68,38 @@ class ProjectFiles:
         self.read_files: dict[str, bytes | None] = {}
 
     def _open_dir(self, parts: tuple[str, ...]) -> int:
-        """A descriptor of the directory ``parts`` below the top, walked with O_NOFOLLOW. Raises OSError."""
-        fd = os.open(self.top, _DIR_FLAGS)
-        try:
-            for part in parts:
-                try:
-                    nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
-                except OSError as exc:
-                    if exc.errno in (errno.ENOTDIR, errno.ELOOP) and _is_link(part, fd):
-                        raise OSError(errno.ELOOP, f"{part} is a symbolic link") from exc
-                    raise
-                os.close(fd)
-                fd = nxt
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        """A descriptor of the directory ``parts`` below the top (ckagent.node.beneath). Raises OSError."""
+        return beneath.open_dir(self.top, "/".join(parts) or None)
 
     def read(self, rel: str) -> bytes | None:
-        """The bytes of the file ``rel`` (relative to the top), None when it is absent (or a path that
-        leaves the tree). Raises NotStageable for a link, a file that is not regular, one too big."""
+        """The bytes of the file ``rel`` (relative to the top), None when it is absent, a directory, or a
+        path that leaves the tree. Raises NotStageable for a link, a file that is not regular, another
+        owner's hard link, one too big."""
         path = safe_relative(rel)
         if path is None or str(path) == ".":
             return None
         key = str(path)
         if key in self.read_files:
             return self.read_files[key]
-        data = self._read(path)
+        try:
+            data: bytes | None = beneath.read_bytes(self.top, key, MAX_FILE_BYTES)
+        except beneath.NotBeneath as exc:
+            if (exc.errno == errno.EINVAL and "a directory" in str(exc)) or (exc.errno == errno.ENOTDIR and "not a directory on the way" in str(exc)):
+                data = None
+            else:
+                raise NotStageable(f"{exc}: dependency files are read only as regular files of the project") \
+                    from exc
+        except FileNotFoundError:
+            data = None
+        except OSError as exc:
+            if exc.errno == errno.EFBIG:
+                raise NotStageable(f"{exc.strerror or exc} (more than a dependency file may have)") from exc
+            if exc.errno in (errno.ENOTDIR, errno.EISDIR):
+                data = None
+            else:
+                raise
         self.read_files[key] = data
         return data
-
-    def _read(self, path: PurePosixPath) -> bytes | None:
-        try:
-            dirfd = self._open_dir(path.parts[:-1])
-        except OSError as exc:
-            if exc.errno in (errno.ENOENT, errno.ENOTDIR):
-                return None
-            if exc.errno == errno.ELOOP:
-                raise NotStageable(f"{path}: a directory on its way is a symbolic link; dependency files "
-                                   "are read only as regular files of the project") from exc
-            raise
-        try:
-            try:
-                fd = os.open(path.name, _FILE_FLAGS, dir_fd=dirfd)
-            except OSError as exc:
-                if exc.errno in (errno.ENOENT, errno.ENOTDIR):
-                    return None
-                if exc.errno == errno.ELOOP:
-                    raise NotStageable(f"{path} is a symbolic link; dependency files are read only as "
-                                       "regular files of the project") from exc
-                raise
-            try:
-                st = os.fstat(fd)
-                if stat.S_ISDIR(st.st_mode):
-                    return None
-                if not stat.S_ISREG(st.st_mode):
-                    raise NotStageable(f"{path} is not a regular file")
-                if st.st_size > MAX_FILE_BYTES:
-                    raise NotStageable(f"{path} is {st.st_size} bytes, more than the {MAX_FILE_BYTES} a "
-                                       "dependency file may have")
-                chunks = []
-                left = MAX_FILE_BYTES + 1
-                while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
-                    chunks.append(chunk)
-                    left -= len(chunk)
-                if left <= 0:
-                    raise NotStageable(f"{path} grew past {MAX_FILE_BYTES} bytes while it was read")
-                return b"".join(chunks)
-            finally:
-                os.close(fd)
-        finally:
-            os.close(dirfd)
 
     def text(self, rel: str) -> str | None:
         """:meth:`read` decoded as UTF-8 (bad bytes replaced)."""
@@ -183,13 +142,6 @@ class ProjectFiles:
         """``{relative path: sha256 hex}`` of every file read (absent ones left out)."""
         return {rel: hashlib.sha256(data).hexdigest() for rel, data in sorted(self.read_files.items())
                 if data is not None}
-
-
-def _is_link(name: str, dirfd: int) -> bool:
-    try:
-        return stat.S_ISLNK(os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mode)
-    except OSError:
-        return False
 
 
 def write_staged(dest: Path, files: dict[str, bytes]) -> None:
