@@ -155,7 +155,7 @@ def test_dependency_files_are_read_without_following_a_link(tmp_path: Path) -> N
     (code / "linked").symlink_to(code / "real", target_is_directory=True)
     os.mkfifo(code / "fifo.txt")
     files = ProjectFiles(code)
-    with pytest.raises(NotStageable, match="requirements.txt: a symlink; not followed"):
+    with pytest.raises(NotStageable, match=r"requirements\.txt: a symlink; not followed"):
         files.read("requirements.txt")
     with pytest.raises(NotStageable, match="a symlink on the way"):
         files.read("linked/requirements.txt")
