@@ -90,7 +90,12 @@ def limits_of(level: str) -> frozenset[str]:
 
 
 def _levels_limiting(controller: str) -> list[Any]:
-    """The cgroup levels that can limit ``controller`` here; others are listed as skipped, saying why."""
+    """The cgroup levels that can limit ``controller`` here; others are listed as skipped, saying why
+    (and with no cgroup level here at all, one skipped case says that)."""
+    if not CGROUP_LEVELS:
+        return [pytest.param("none", marks=pytest.mark.skip(
+            reason=f"no cgroup level on this machine for uid {os.geteuid()} (root, or a delegated cgroup "
+                   f"subtree, gives one): {controller} limits need a cgroup"))]
     return [level if controller in limits_of(level) else
             pytest.param(level, marks=pytest.mark.skip(reason=f"{level} has no {controller} controller on "
                                                                 f"this machine (none delegated to it)"))
@@ -551,7 +556,8 @@ def test_without_a_shell_the_join_falls_back_to_a_preexec_fn(tmp_path: Path, mon
     import ckagent.containment.base as base
 
     if "cgroup-v2" not in LEVELS_HERE:
-        pytest.skip("no cgroup-v2 tree here")
+        pytest.skip(f"the cgroup-v2 level is not available here to uid {os.geteuid()} (no v2 tree, or not root "
+                    f"and no delegated subtree)")
     containment = open_containment("cgroup-v2", tmp_path)
     jail = containment.jail("noshell", Limits())
     try:

@@ -4,9 +4,10 @@ kept-alive connections on the demo's agent (tests/harness/demo.py), once per lev
 
 - as root at the kernel level (``task.egress: nftables`` forced; skipped without root or Debian's
   ``nftables`` package);
-- as an unprivileged user, as a developer runs it: the system's python3, the session's ckagent.pyz for
-  the dependencies, uv copied where the user may run it, uv's cache and Scrapy from PyPI its own — the
-  agent picks what such a user gets (process-group containment, the egress proxy);
+- as an unprivileged user (a throwaway one as root; the suite's own user when it is not root), as a
+  developer runs it: the system's python3, the session's ckagent.pyz for the dependencies, uv copied
+  where the user may run it, uv's cache and Scrapy from PyPI its own — the agent picks what such a user
+  gets (process-group containment, the egress proxy);
 - as root with ``task.egress: proxy`` forced (the kernel level would be chosen otherwise).
 
 One demo per level: the same master, agent and Scrapy environment serve the demo's spiders and the
@@ -23,15 +24,20 @@ from pathlib import Path
 
 import pytest
 import trio
-from harness import DemoRun, SystemUser, demo_environ, demo_with_crawl, throwaway_user, user_demo
+from harness import DemoRun, SystemUser, demo_environ, demo_with_crawl, unprivileged_user, user_demo
 
 pytestmark = pytest.mark.slow
 
 
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason=f"the levels root gets need root; this test runs as "
+                                                          f"uid {os.geteuid()}")
+
+
 @pytest.fixture
 def demo_user() -> Iterator[SystemUser]:
-    """A throwaway user (tests/harness/users.py), in conftest.py's SERIAL_GROUPS "system-users"."""
-    with throwaway_user("ckdemo") as user:
+    """A user without root (tests/harness/users.py): a throwaway one as root (conftest.py's SERIAL_GROUPS
+    "system-users"), the suite's own user otherwise."""
+    with unprivileged_user("ckdemo") as user:
         yield user
 
 
@@ -46,15 +52,9 @@ def _assert_as_promised(run: DemoRun) -> None:
     assert not problems, "\n\n".join(problems)
 
 
-def _require_root() -> None:
-    if os.geteuid() != 0:
-        pytest.skip(f"the levels root gets need root; this test runs as uid {os.geteuid()}")
-
-
+@pytest.mark.skipif(shutil.which("nft") is None, reason="the kernel level needs nft (Debian's nftables package)")
+@ROOT_ONLY  # (the mark nearest the test is the reason shown when both hold)
 async def test_the_demo_and_a_scrapy_crawl_at_the_kernel_level(tmp_path: Path) -> None:
-    _require_root()
-    if shutil.which("nft") is None:
-        pytest.skip("the kernel level needs nft (Debian's nftables package)")
     run = await _as_root(tmp_path, AGENT_TASK_EGRESS="nftables")
     assert run.levels is not None and run.levels[1] == "nftables", run.stdout
     _assert_as_promised(run)
@@ -69,8 +69,8 @@ async def test_the_demo_and_a_scrapy_crawl_as_an_unprivileged_user(demo_user: Sy
     _assert_as_promised(run)
 
 
+@ROOT_ONLY
 async def test_the_demo_and_a_scrapy_crawl_as_root_at_the_proxy_level(tmp_path: Path) -> None:
-    _require_root()
     run = await _as_root(tmp_path, AGENT_TASK_EGRESS="proxy")
     assert run.levels is not None and run.levels[1] == "proxy", run.stdout
     _assert_as_promised(run)

@@ -164,7 +164,7 @@ def test_log_line_count_matches_the_shippers_splitter(tmp_path: Path, seed: int)
     ) + b"end\n"
     path = tmp_path / "output.log"
     path.write_bytes(b"")
-    counter = _ElementCount(path, log=True)
+    counter = _ElementCount(path.parent, path.name, log=True)
     splitter = LineSplitter(0, LOG_LINE_BYTES, True)
     expected = pos = 0
     while pos < len(data):
@@ -178,7 +178,7 @@ def test_log_line_count_matches_the_shippers_splitter(tmp_path: Path, seed: int)
 
 def test_item_count_skips_blank_lines_and_waits_for_the_newline(tmp_path: Path) -> None:
     path = tmp_path / "items.jsonl"
-    counter = _ElementCount(path, log=False)
+    counter = _ElementCount(path.parent, path.name, log=False)
     assert counter.update() == 0  # no file yet
     path.write_bytes(b'{"a": 1}\n\n   \n{"b"')
     assert counter.update() == 1

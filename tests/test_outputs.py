@@ -18,7 +18,7 @@ def read_items(source: Path, tmp_path: Path) -> tuple[int, list[object]]:
     spool = tmp_path / "spool.jsonl"
     spool.unlink(missing_ok=True)
     with open(spool, "ab") as out:
-        count = append_item_file(source, out)
+        count = append_item_file(source.parent, source.name, out)
     return count, [json.loads(line) for line in spool.read_text().splitlines() if line.strip()]
 
 
@@ -193,10 +193,10 @@ def test_an_item_file_that_cannot_be_read_is_an_artifact_not_deleted(
     (work / "page.html").write_text("<p>x</p>")  # an artifact: the working copy becomes the artifacts dir
     real = append_item_file
 
-    def failing(path: Path, spool: object) -> int:
-        if path.name == "bad.json":
+    def failing(top: Path, rel: str, spool: object) -> int:
+        if rel == "bad.json":
             raise OSError(5, "Input/output error")
-        return real(path, spool)  # type: ignore[arg-type]
+        return real(top, rel, spool)  # type: ignore[arg-type]
 
     monkeypatch.setattr("ckagent.delivery.outputs.append_item_file", failing)
     got = collect(work=work, code_dir=code, since=since, task_dir=task_dir, outputs=TaskOutputs(items=["*.json"]),

@@ -62,6 +62,11 @@ async def test_declared_outputs_and_artifacts(dev_master, nursery: trio.Nursery,
         task_id = await admin.create_task(spider_id)
         with trio.fail_after(90):
             task = await admin.wait_task_final(task_id, 90)
+        # The master stores the result before it answers: the agent has the answer a moment after
+        # wait_task_final saw the result (long enough on a loaded machine for the page to say 'sending').
+        assert agent.outbox is not None
+        with trio.fail_after(10):
+            await agent.outbox.wait_delivered({task_id})
         # The agent's status page links the task's artifacts and serves them while the task dir is kept.
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{agent.status_port}", timeout=10) as status:
             page = (await status.get("/")).text

@@ -202,7 +202,7 @@ def test_count_lines_counts_the_lines_the_items_reader_makes_items_of(tmp_path: 
         lines = data.split(b"\n")
         if lines[-1] == b"":
             lines.pop()
-        assert itemfiles.count_lines(path) == sum(1 for line in lines if line.strip()), data
+        assert itemfiles.count_lines(path.parent, path.name) == sum(1 for line in lines if line.strip()), data
 
 
 def test_the_working_copies_of_re_adopted_tasks_survive_the_agent_start(tmp_path: Path) -> None:

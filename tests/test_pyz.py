@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import trio
 import yaml
-from harness import build_pyz, free_port, python_or_skip, pyz_dir, submit
+from harness import build_pyz, free_port, python_or_skip, python_versions, pyz_dir, submit
 
 import ckagent
 
@@ -80,7 +80,7 @@ print(json.dumps({
 """
 
 
-@pytest.mark.parametrize("version", SUPPORTED)
+@pytest.mark.parametrize("version", python_versions(*SUPPORTED))
 def test_one_pyz_runs_on_each_supported_python(pyz: Path, version: str, tmp_path: Path) -> None:
     python = python_or_skip(version)
     shiv_root = pyz.parent / "shiv-shared"  # one extraction serves every version (each adds its own .pyc)
@@ -198,11 +198,11 @@ def agent_config(directory: Path, base_url: str, token: str, port: int) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("version", [SUPPORTED[0], SUPPORTED[-1]])
+@pytest.mark.parametrize("version", python_versions(SUPPORTED[0], SUPPORTED[-1]))
 async def test_pyz_agent_runs_a_spider_that_cannot_see_the_agents_packages(
     pyz: Path, dev_master, tmp_path: Path, version: str
 ) -> None:
-    python = python_or_skip(version)
+    python = python_or_skip(version)  # (found: the mark skipped it otherwise)
     shiv_root = tmp_path / "shiv"
     config = agent_config(tmp_path, dev_master.base_url, dev_master.registration_token, free_port())
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "AGENT_", "SHIV_"))}

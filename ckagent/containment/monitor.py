@@ -60,6 +60,7 @@ from ckagent.containment.stopping import (
     Supervised,
     until_exit_or_stop,
 )
+from ckagent.node import beneath
 from ckagent.node.levels import ContainmentLevel
 from ckagent.node.runas import RunAs, popen_identity
 
@@ -102,9 +103,12 @@ def returncode_of(status: int) -> int:
 
 def read_status(path: Path) -> int | None:
     """The return code the monitor recorded in ``path`` (see :func:`returncode_of`), None when it
-    recorded none (still running, or killed before it could write). Blocking but tiny."""
+    recorded none (still running, or killed before it could write) or when the file is not one the
+    monitor could have written: the task dir is the spider's, which may plant a symlink, a FIFO (it
+    would block the agent's loop) or a huge file there — only a small regular file is read, never
+    through a link (ckagent.node.beneath). Blocking but tiny."""
     try:
-        text = path.read_text().strip()
+        text = beneath.read_bytes(path.parent, path.name, 64).decode("ascii", "replace").strip()
     except OSError:
         return None
     return returncode_of(int(text)) if text.isdigit() else None
@@ -305,7 +309,9 @@ def spawn_monitored(
         script, options["preexec_fn"] = monitor_script([], status_path), make_preexec(jail.join_fds())
     else:
         script = monitor_script(jail.join_paths(), status_path)
-    out = os.open(output_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+    # The task dir is the spider's: never through a link it planted at output.log's name (as root,
+    # that would give the spider's output a file of the agent's choosing), never a FIFO.
+    out = beneath.open_file(output_path.parent, output_path.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
     try:
         popen = subprocess.Popen(
             [SHELL, "-c", script, program, *argv[1:]], cwd=str(cwd), env=env, stdin=subprocess.DEVNULL,

@@ -21,23 +21,29 @@ Answers:
   agent's log says where (the task log said so already when the master lacked it at the task's end).
 
 The final result then lists what the master acknowledged (``artifacts``).
+
+The task dir is the spider's (it may replace any file in it): the manifest, ``artifacts.sent`` and each
+artifact are read below it by descriptors, regular files only, never through a link
+(:mod:`ckagent.delivery.outputs.files`); ``artifacts.sent`` is appended to never through a link; files
+are kept only in this task's own folder of its spider's data dir, whatever the manifest says.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
-import shutil
 from pathlib import Path
 
 import trio
 
 from ckagent.delivery.outputs import ARTIFACTS_DIR, load_manifest
+from ckagent.delivery.outputs.files import MAX_MANIFEST_BYTES, kept_place, read_checked
+from ckagent.delivery.spool import open_spool
 from ckagent.delivery.waiting import backoff_sleep
 from ckagent.master.client import MasterClient, MasterConflict, MasterRejected, MasterUnavailable
 from ckagent.master.protocol import ARTIFACTS, ArtifactRef
+from ckagent.node import beneath
 
 log = logging.getLogger(__name__)
 
@@ -53,42 +59,42 @@ ArtifactState = tuple[list[ArtifactRef], Path, set[str]]
 
 def read_state(task_dir: Path) -> ArtifactState:
     """(the manifest's artifacts, its folder for kept files, the acknowledged paths). Blocking.
-    Raises OSError or ValueError (a broken manifest)."""
+    Raises OSError or ValueError (a broken manifest, or one or an ``artifacts.sent`` that is not a
+    regular file of the task's: see module docstring)."""
     refs, keep_dir = load_manifest(task_dir)
     try:
-        sent = set((task_dir / SENT_FILE).read_text(encoding="utf-8").splitlines())
+        sent = set(beneath.read_bytes(task_dir, SENT_FILE, MAX_MANIFEST_BYTES).decode("utf-8", "replace").splitlines())
     except FileNotFoundError:
         sent = set()
     return refs, keep_dir, sent
 
 
-def _read_checked(path: Path, ref: ArtifactRef) -> bytes | None:
-    """The file's bytes, or None when it is gone or no longer what the manifest says. Blocking."""
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return None
-    if len(data) != ref.size_bytes or hashlib.sha256(data).hexdigest() != ref.sha256:
-        return None
-    return data
-
-
 def _mark_sent(task_dir: Path, path: str) -> None:
-    with open(task_dir / SENT_FILE, "a", encoding="utf-8") as fout:
-        fout.write(path + "\n")
+    fd = open_spool(task_dir / SENT_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, (path + "\n").encode())
+    finally:
+        os.close(fd)
 
 
 def _keep(task_dir: Path, keep_dir: Path, paths: list[str]) -> None:
-    """Move artifacts that will not be shipped to ``keep_dir`` (blocking; a file already gone is skipped)."""
+    """Move artifacts that will not be shipped to the folder for kept files (blocking; a file already
+    gone is skipped). ``keep_dir`` (the manifest's) is used only when it is this task's own
+    (:func:`~ckagent.delivery.outputs.files.kept_place`); otherwise the files stay in the task dir (logged)."""
+    try:
+        top, below = kept_place(task_dir, keep_dir)
+    except OSError as exc:
+        log.warning("%s: the manifest's folder for kept files is not this task's (%s); the files stay in %s",
+                    task_dir.name, exc, task_dir / ARTIFACTS_DIR)
+        return
     for rel in paths:
-        src = task_dir / ARTIFACTS_DIR / rel
-        dst = keep_dir / rel
-        with contextlib.suppress(FileNotFoundError):
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.replace(src, dst)
-            except OSError:
-                shutil.copy2(src, dst)
+        try:
+            beneath.move(task_dir, f"{ARTIFACTS_DIR}/{rel}", top, f"{below}/{rel}")
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            log.warning("%s: artifact %s cannot be kept (%s); it stays in %s", task_dir.name, rel, exc,
+                        task_dir / ARTIFACTS_DIR)
 
 
 async def upload_artifacts(master: MasterClient, task_id: str, task_dir: Path,
@@ -119,7 +125,7 @@ async def upload_artifacts(master: MasterClient, task_id: str, task_dir: Path,
     for index, ref in enumerate(refs):
         if ref.path in sent:
             continue
-        data = await trio.to_thread.run_sync(_read_checked, task_dir / ARTIFACTS_DIR / ref.path, ref)
+        data = await trio.to_thread.run_sync(read_checked, task_dir, ref)
         if data is None:
             log.warning("task %s: artifact %s is gone or changed on disk; not sent", task_id, ref.path)
             continue

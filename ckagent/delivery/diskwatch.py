@@ -24,9 +24,11 @@ A disk that fills while no task grows (another program) stops nothing: new tasks
 from __future__ import annotations
 
 import logging
-import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ckagent.node import beneath
 
 log = logging.getLogger(__name__)
 
@@ -114,27 +116,21 @@ class DiskWatch:
 
 
 def tree_bytes(path: Path, max_entries: int = MAX_TREE_ENTRIES) -> int:
-    """Bytes allocated to the files under ``path`` (st_blocks, symlinks not followed), counting at most
-    ``max_entries`` entries (a task with more is measured by its first ones). Blocking; unreadable
-    entries count 0."""
-    total, seen, stack = 0, 0, [path]
-    while stack:
-        try:
-            entries = os.scandir(stack.pop())
-        except OSError:
-            continue
-        with entries:
-            for entry in entries:
+    """Bytes allocated to the files under ``path`` (st_blocks), counting at most ``max_entries``
+    entries (a task with more is measured by its first ones). The tree is the spider's: walked by
+    descriptors, no link followed (a folder swapped for a link mid-walk is not entered). Blocking;
+    unreadable entries count 0."""
+    total = seen = 0
+    try:
+        for _rel_dir, dirs, entries in beneath.walk(path):
+            for _name, st in (*dirs, *entries):
                 seen += 1
                 if seen > max_entries:
                     return total
-                try:
-                    if entry.is_dir(follow_symlinks=False):
-                        stack.append(Path(entry.path))
-                    else:
-                        total += entry.stat(follow_symlinks=False).st_blocks * 512
-                except OSError:
-                    continue
+                if not stat.S_ISDIR(st.st_mode):
+                    total += st.st_blocks * 512
+    except OSError:
+        pass
     return total
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import stat
 from collections.abc import Callable, Sequence
 from pathlib import Path, PurePosixPath
 
@@ -22,9 +21,9 @@ from ckagent.delivery.spool import (
     MAX_LOG_SOURCES,
     OUTPUT_LOG,
     open_spool,
-    read_spool,
 )
 from ckagent.master.protocol import Task
+from ckagent.node import beneath
 
 log = logging.getLogger(__name__)
 
@@ -87,13 +86,21 @@ class LogJournal:
 
     def open(self) -> None:
         """Read what an earlier run wrote (cutting a torn last record), then open for appending."""
-        data = b""
-        with contextlib.suppress(FileNotFoundError):
-            data = read_spool(self.path)
-        records, good = parse_journal(data)
-        if good < len(data):
-            log.warning("%s: dropping a torn last record (%d bytes)", self.path, len(data) - good)
-            os.truncate(self.path, good)
+        fd = open_spool(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND)  # never through a link the spider planted
+        try:
+            chunks: list[bytes] = []
+            read = 0
+            while chunk := os.pread(fd, 1 << 20, read):
+                chunks.append(chunk)
+                read += len(chunk)
+            data = b"".join(chunks)
+            records, good = parse_journal(data)
+            if good < len(data):
+                log.warning("%s: dropping a torn last record (%d bytes)", self.path, len(data) - good)
+                os.ftruncate(fd, good)
+        except BaseException:
+            os.close(fd)
+            raise
         for _, kind, idx, arg in records:
             if kind == "S":
                 self.paths[idx] = arg
@@ -105,7 +112,7 @@ class LogJournal:
                 self.finalized.add(idx)
             elif kind == "E":
                 self.ended = True
-        self._fd = open_spool(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        self._fd = fd
         if 0 not in self.paths:
             self._write([self._declare(self._first)])
 
@@ -201,25 +208,32 @@ def _safe_glob(pattern: str) -> bool:
 def scan_log_files(task_dir: Path, globs: Sequence[str]) -> dict[str, int]:
     """Spider log files under ``task_dir`` matching ``globs``: relative path → size (blocking).
 
-    Only regular files inside the task dir (no symlinks, nothing of the agent's own files, no path
-    with a newline); absolute or ``..`` patterns are ignored.
+    Only regular files of the task's inside the task dir (no symlink, at the end or on the way: each
+    looked at by :func:`ckagent.node.beneath.stat_entry`; no other owner's hard link; nothing of the
+    agent's own files, no path with a newline); absolute or ``..`` patterns are ignored. Nothing is
+    opened (a FIFO is seen for what it is).
     """
     found: dict[str, int] = {}
-    root = task_dir.resolve()
-    for pattern in globs:
-        if not _safe_glob(pattern):
-            continue
-        for path in sorted(task_dir.glob(pattern)):
-            rel = path.relative_to(task_dir).as_posix()
-            if rel in AGENT_FILES or rel in found or "\n" in rel:
-                continue
+    candidates = sorted({path.relative_to(task_dir).as_posix() for pattern in globs if _safe_glob(pattern)
+                         for path in task_dir.glob(pattern)})
+    candidates = [rel for rel in candidates if rel not in AGENT_FILES and "\n" not in rel]
+    if not candidates:
+        return found
+    try:
+        top = beneath.open_top(task_dir)
+    except OSError:
+        return found
+    try:
+        owner = os.fstat(top).st_uid
+        for rel in candidates:
             try:
-                st = path.lstat()
+                st = beneath.stat_entry(top, rel)
+                beneath.check_regular(st, owner, rel)
             except OSError:
                 continue
-            if not stat.S_ISREG(st.st_mode) or not path.resolve().is_relative_to(root):
-                continue
             found[rel] = st.st_size
+    finally:
+        os.close(top)
     return found
 
 

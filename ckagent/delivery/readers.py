@@ -23,6 +23,7 @@ from ckagent.delivery.spool import (
     MAX_LINE_BYTES,
     OUTPUT_LOG,
     READ_CHUNK,
+    open_in,
     open_spool,
     read_spool,
 )
@@ -231,7 +232,7 @@ class _JournalReader:
     async def _read_source(self, source: _Source, size: int) -> bytes:
         if source.fd < 0:
             try:
-                source.fd = open_spool(self.task_dir / source.path)
+                source.fd = open_in(self.task_dir, source.path)  # never a link out of the task dir
             except OSError as exc:
                 log.warning("log source %s of %s cannot be read (%s); skipping it", source.path, self.task_dir, exc)
                 return b""

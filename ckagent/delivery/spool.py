@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import errno
 import os
-import stat
 from pathlib import Path
+
+from ckagent.node import beneath
+from ckagent.node.beneath import NotBeneath
 
 MAX_LINE_BYTES = 64 * 1024
 """Longest log line (bytes); longer ones are cut into pieces."""
@@ -61,32 +62,30 @@ DEFAULT_LOG_GLOBS: tuple[str, ...] = ("*.log",)
 
 
 
-class SpoolFileError(OSError):
-    """A spool path is not a regular file (a symlink, FIFO, device, directory): it is not read or written.
-
-    A spider may replace files in its task dir; the agent (possibly root) must neither follow a
-    symlink to another file nor block on a FIFO.
-    """
+SpoolFileError = NotBeneath
+"""A spool path that is not a regular file of the task's (a symlink, FIFO, device, directory, another
+owner's hard link, a link on the way): it is not read or written. A spider owns its task dir and may
+replace any file in it; the agent (possibly root) must neither follow a link out of it nor block on a
+FIFO (ckagent.node.beneath)."""
 
 
 def open_spool(path: Path, flags: int = os.O_RDONLY, mode: int = 0o640) -> int:
-    """Open a file of a task's spool: never following a symlink, never blocking on a FIFO.
+    """Open a file of a task's spool, ``path`` a file directly in the task dir: never following a
+    symlink, never blocking on a FIFO, only a regular file (:func:`ckagent.node.beneath.open_file`).
 
     Returns a file descriptor (the caller closes it). Raises FileNotFoundError when it does not
-    exist (and ``flags`` lacks O_CREAT), SpoolFileError when it is anything but a regular file,
-    other OSError as ``os.open`` does. Blocking (a syscall or two): call it from a thread where it
-    matters.
+    exist (and ``flags`` lacks O_CREAT), SpoolFileError when it is anything but a regular file of the
+    task's, other OSError as ``os.open`` does. Blocking (a few syscalls): call it from a thread where
+    it matters.
     """
-    try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENXIO):  # a symlink; a FIFO without a writer
-            raise SpoolFileError(exc.errno, f"{path.name} is not a regular file; not following it") from exc
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise SpoolFileError(errno.EINVAL, f"{path.name} is not a regular file; not reading it")
-    return fd
+    return beneath.open_file(path.parent, path.name, flags, mode)
+
+
+def open_in(task_dir: Path, rel: str, flags: int = os.O_RDONLY, mode: int = 0o640) -> int:
+    """Open the spool file ``rel`` (a path relative to ``task_dir``, maybe in a folder: a spider log
+    file, an item file's link) as :func:`open_spool` does, every folder on the way walked without
+    following a link. Raises as :func:`open_spool`, SpoolFileError also for a path that leaves the dir."""
+    return beneath.open_file(task_dir, rel, flags, mode)
 
 
 def read_spool(path: Path, offset: int = 0, size: int = -1) -> bytes:

@@ -31,7 +31,7 @@ from ckagent.delivery.spool import (
     MAX_ITEM_BYTES,
     MAX_LINE_BYTES,
     OUTPUT_LOG,
-    open_spool,
+    open_in,
     read_spool,
 )
 from ckagent.node.state import StateStore
@@ -83,8 +83,9 @@ class _ElementCount:
     or a lone CR; pieces of MAX_LINE_BYTES) or items (non-blank LF-terminated lines). Incremental:
     :meth:`update` reads only what was appended since the last call (spool files only grow)."""
 
-    def __init__(self, path: Path, *, log: bool) -> None:
-        self.path = path
+    def __init__(self, task_dir: Path, rel: str, *, log: bool) -> None:
+        self.task_dir = task_dir
+        self.rel = rel  # relative to the task dir (a spider log file may be in a folder: walked, never followed)
         self._log = log
         self._read_to = 0
         self._splitter = LineSplitter(0, MAX_LINE_BYTES, True) if log else LineSplitter(0, MAX_ITEM_BYTES, False)
@@ -105,7 +106,7 @@ class _ElementCount:
         """:meth:`update` one chunk at a time: yields after each chunk read and counted (the caller
         may let the event loop run there); :attr:`count` is the figure once it is exhausted."""
         try:
-            fd = open_spool(self.path)
+            fd = open_in(self.task_dir, self.rel)
         except OSError:  # missing, or not a regular file (never followed, never blocked on)
             return
         try:
@@ -126,8 +127,8 @@ class _TaskSpool:
 
     def __init__(self, task_dir: Path) -> None:
         self.task_dir = task_dir
-        self.logs: dict[str, _ElementCount] = {OUTPUT_LOG: _ElementCount(task_dir / OUTPUT_LOG, log=True)}
-        self.items = _ElementCount(task_dir / ITEMS_FILE, log=False)
+        self.logs: dict[str, _ElementCount] = {OUTPUT_LOG: _ElementCount(task_dir, OUTPUT_LOG, log=True)}
+        self.items = _ElementCount(task_dir, ITEMS_FILE, log=False)
         self._journal_read_to = 0
 
     def spool_bytes(self) -> int:
@@ -160,9 +161,7 @@ class _TaskSpool:
         self._journal_read_to += good
         for _, kind, _, path in records:
             if kind == "S" and path not in self.logs:
-                relative = Path(path)
-                if not relative.is_absolute() and ".." not in relative.parts:
-                    self.logs[path] = _ElementCount(self.task_dir / relative, log=True)
+                self.logs[path] = _ElementCount(self.task_dir, path, log=True)  # (open_in refuses a path out)
 
 
 class SpoolCounter:

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import stat
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -55,6 +56,7 @@ from ckagent.delivery.stats import StatsShipper, final_stats
 from ckagent.delivery.waiting import Waker
 from ckagent.master.client import MasterClient
 from ckagent.master.protocol import TaskResult, TaskStats
+from ckagent.node import beneath
 from ckagent.node.state import AsyncStateStore, StateStoreError
 
 log = logging.getLogger(__name__)
@@ -422,7 +424,7 @@ def _end_reads(task_dir: Path, globs: list[str], items_journal: bool) -> EndRead
     items journal's sources' last sizes (:func:`_final_item_sizes`). Blocking."""
     sizes = scan_log_files(task_dir, globs)
     try:
-        sizes[OUTPUT_LOG] = (task_dir / OUTPUT_LOG).stat().st_size
+        sizes[OUTPUT_LOG] = os.lstat(task_dir / OUTPUT_LOG).st_size  # (a link the spider planted: not followed)
     except FileNotFoundError:
         sizes[OUTPUT_LOG] = 0
     try:
@@ -437,9 +439,16 @@ def _final_item_sizes(task_dir: Path) -> dict[str, int]:
     were made), then items.jsonl, which ends with the item files read at the task's end
     (ckagent.delivery.outputs). Blocking."""
     sizes: dict[str, int] = {}
-    with contextlib.suppress(OSError):
-        links = sorted(os.listdir(task_dir / ITEM_FILES_DIR), key=lambda n: (len(n.split("-")[0]), n))
-        sizes.update({f"{ITEM_FILES_DIR}/{name}": _size(task_dir / ITEM_FILES_DIR / name) for name in links})
+    with contextlib.suppress(OSError):  # the folder by descriptor: one the spider swapped for a link is not listed
+        fd = beneath.open_dir(task_dir, ITEM_FILES_DIR)
+        try:
+            with os.scandir(fd) as entries:
+                found = {entry.name: entry.stat(follow_symlinks=False) for entry in entries}
+        finally:
+            os.close(fd)
+        links = sorted((name for name, st in found.items() if stat.S_ISREG(st.st_mode)),
+                       key=lambda n: (len(n.split("-")[0]), n))
+        sizes.update({f"{ITEM_FILES_DIR}/{name}": found[name].st_size for name in links})
     sizes[ITEMS_FILE] = _size(task_dir / ITEMS_FILE)
     return sizes
 

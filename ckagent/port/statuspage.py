@@ -27,6 +27,7 @@ from __future__ import annotations
 import html
 import json
 import logging
+import os
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -40,8 +41,8 @@ import trio
 
 from ckagent.delivery import OUTPUT_LOG, LineSplitter, Masker, decode_lines, secret_values
 from ckagent.delivery.crawlstats import summary
-from ckagent.delivery.outputs import artifact_file
-from ckagent.delivery.spool import read_spool
+from ckagent.delivery.outputs import read_artifact
+from ckagent.delivery.spool import open_spool, read_spool
 from ckagent.master.ids import task_dir as task_dir_of
 from ckagent.master.protocol import Task
 
@@ -131,11 +132,17 @@ def last_lines(path: Path, masker: Masker, count: int, *, unfinished: bool = Fal
     """The last ``count`` complete lines of ``path`` (masked; with ``unfinished`` also an unterminated
     last one) and the byte offset after the last line returned (blocking)."""
     try:
-        size = path.stat().st_size
-        start = max(0, size - TAIL_READ_BYTES)
-        data = read_spool(path, start, size - start)
+        fd = open_spool(path)  # the spider's task dir: never through a link it planted, never a FIFO
     except OSError:
         return [], 0
+    try:
+        size = os.fstat(fd).st_size
+        start = max(0, size - TAIL_READ_BYTES)
+        data = os.pread(fd, size - start, start)
+    except OSError:
+        return [], 0
+    finally:
+        os.close(fd)
     if start:  # begin after the first line end: the bytes before it are the end of a longer line
         cut = data.find(b"\n") + 1
         start, data = start + cut, data[cut:] if cut else b""
@@ -413,13 +420,14 @@ def _artifact_links(task_id: str, artifacts: Any) -> str:
     return " · artifacts: " + ", ".join(links) + more
 
 
+MAX_ARTIFACT_BYTES = 256 * 1024 * 1024
+"""Largest artifact the page serves from this node (read whole into memory)."""
+
+
 def _artifact_bytes(task_dir: Path, rel: str) -> bytes | None:
-    """An artifact's bytes from this node (None: not in the manifest or gone). Blocking."""
-    path = artifact_file(task_dir, rel)
-    try:
-        return None if path is None else path.read_bytes()
-    except OSError:
-        return None
+    """An artifact's bytes from this node (None: not in the manifest, gone, not a regular file of the
+    task's, or larger than MAX_ARTIFACT_BYTES). Blocking."""
+    return read_artifact(task_dir, rel, MAX_ARTIFACT_BYTES)
 
 
 async def _respond(send: Send, scope: dict[str, Any], status: int, ctype: str, body: bytes) -> None:

@@ -8,6 +8,7 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
 :mod:`harness.procs` (a task's processes, levels, spider building blocks), :mod:`harness.recording`,
 :mod:`harness.rawnode` (a node as raw HTTP, and in the dev master's store), :mod:`harness.fakes`
 (fake masters for the poller and the delivery), :mod:`harness.index` (a package index),
+:mod:`harness.npmregistry` (an npm registry),
 :mod:`harness.examples` (the example spiders' runs) — and a test imports it from ``harness``:
 
 - :func:`agent_settings` builds a Settings object the way `ckagent run` does (env overrides).
@@ -50,7 +51,8 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
   :func:`world_directory` gives it a directory it can reach (:mod:`harness.users`, root only).
 - :func:`demo_with_crawl` runs ``ckagent demo --keep`` and a many-page Scrapy crawl on its agent
   (:mod:`harness.demo`; :func:`user_checkout` for a user who cannot read the checkout), and
-  :func:`throwaway_user` makes a system user for one test (:mod:`harness.users`).
+  :func:`throwaway_user` makes a system user for one test (:mod:`harness.users`; :func:`unprivileged_user`:
+  that, or the suite's own user when it is not root).
 - :func:`web_hosts` runs identity web servers on loopback aliases (HTTP and HTTPS, keep-alive; each
   answer says which server gave it and echoes what it received) (:mod:`harness.webhosts`);
   :mod:`harness.webclients` runs real HTTP clients (Python, Node, curl, Chromium) through a task's
@@ -64,6 +66,8 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
   agent the default ``spider-uids`` level (its work dir reachable by :func:`spider_reachable`, an
   interpreter every uid runs: :func:`spider_python`); :func:`process_ids` reads who a process runs as,
   :func:`id_files` writes passwd/group files naming chosen ids.
+- :func:`bounded` runs a call that must not block (the agent reading a spider's FIFO) in a thread and
+  fails the test when it does (:mod:`harness.hostilefiles`).
 - :func:`user_temp_dir` is a directory of this user's own in the machine's temp directory, kept across
   runs (:mod:`harness.tempdirs`): fixed names there are shared by every user of the machine.
 """
@@ -78,9 +82,11 @@ from harness.environs import *  # noqa: F403
 from harness.examples import *  # noqa: F403
 from harness.fakes import *  # noqa: F403
 from harness.hostile import *  # noqa: F403
+from harness.hostilefiles import *  # noqa: F403
 from harness.identities import *  # noqa: F403
 from harness.index import *  # noqa: F403
 from harness.levelcheck import *  # noqa: F403
+from harness.npmregistry import *  # noqa: F403
 from harness.procs import *  # noqa: F403
 from harness.pythons import *  # noqa: F403
 from harness.pyz import *  # noqa: F403

@@ -11,10 +11,11 @@ import functools
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-__all__ = ["PYENV_VERSIONS", "find_python", "missing_python", "python_or_skip"]
+__all__ = ["PYENV_VERSIONS", "find_python", "missing_python", "python_or_skip", "python_versions"]
 
 PYENV_VERSIONS = Path(os.environ.get("PYENV_ROOT", "/root/.pyenv")) / "versions"
 
@@ -54,3 +55,11 @@ def python_or_skip(version: str) -> Path:
     if found is None:
         pytest.skip(missing_python(version))
     return found
+
+
+def python_versions(*versions: str) -> list[Any]:
+    """``versions`` as parameters of a test, each skipped with :func:`missing_python`'s reason when
+    :func:`find_python` has no interpreter for it (a mark keeps the reason where a skip raised inside
+    an async test would lose it)."""
+    return [pytest.param(v, marks=pytest.mark.skipif(find_python(v) is None, reason=missing_python(v)))
+            for v in versions]

@@ -1,7 +1,8 @@
 """Other local users (as root only): ``nobody`` and a Python it can run, for tests of what one user's
 files mean to another's process (:func:`run_as`, :func:`world_directory`); and a throwaway system user
 with a home of its own for one test (:func:`throwaway_user`): a non-root node, a spider under
-``task.run_as_user``. useradd/userdel lock /etc/passwd and /etc/group: two at once fail, so a fixture
+``task.run_as_user`` — or, for a test that needs only some user without root, the suite's own user
+when it is not root (:func:`unprivileged_user`). useradd/userdel lock /etc/passwd and /etc/group: two at once fail, so a fixture
 that makes a user belongs to conftest.py's SERIAL_GROUPS "system-users".
 """
 
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 
 __all__ = ["NOBODY", "OTHER_USER_PYTHON", "SystemUser", "another_user_cannot", "run_as", "throwaway_user",
-           "world_directory"]
+           "unprivileged_user", "world_directory"]
 
 NOBODY = 65534
 """The uid and gid of ``nobody``: an unprivileged user that owns nothing of the tests'."""
@@ -73,10 +74,14 @@ class SystemUser:
     gid: int
     home: Path
     reach: Path
+    current: bool = False
+    """The user this process runs as (not root): commands run as it need no change of identity."""
 
     def popen_options(self) -> dict[str, object]:
         """Keyword arguments for subprocess/trio process functions that run a command as this user
-        (its own uid and gid, no supplementary groups of root's)."""
+        (its own uid and gid, no supplementary groups of root's; nothing for the current user)."""
+        if self.current:
+            return {}
         return {"user": self.uid, "group": self.gid, "extra_groups": []}
 
     def environ(self, base: dict[str, str]) -> dict[str, str]:
@@ -104,3 +109,20 @@ def throwaway_user(prefix: str = "ck") -> Iterator[SystemUser]:
     finally:
         shutil.rmtree(reach, ignore_errors=True)
         subprocess.run(["userdel", "-r", name], capture_output=True, check=False)
+
+
+@contextlib.contextmanager
+def unprivileged_user(prefix: str = "ck") -> Iterator[SystemUser]:
+    """A user without root: as root a :func:`throwaway_user`; otherwise the user this process runs as
+    (already what the test needs), with a fresh ``reach`` directory removed afterwards (blocking)."""
+    if os.geteuid() == 0:
+        with throwaway_user(prefix) as user:
+            yield user
+        return
+    pw = pwd.getpwuid(os.geteuid())
+    reach = Path(tempfile.mkdtemp(prefix=f"{pw.pw_name}-"))
+    try:
+        reach.chmod(0o755)
+        yield SystemUser(pw.pw_name, pw.pw_uid, pw.pw_gid, Path(pw.pw_dir), reach, current=True)
+    finally:
+        shutil.rmtree(reach, ignore_errors=True)

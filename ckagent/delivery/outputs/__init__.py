@@ -28,6 +28,13 @@ another size, or newer than the spider's start with other bytes). Each one gets 
 state), a ``*.pyc``/``*.pyo`` file, crawlee's own state (``storage/request_queues/``, and
 ``storage/key_value_stores/*/SDK_*``). Symlinks are never followed nor collected.
 
+**The files are the spider's** (it owns its working copy and task dir and may plant links, FIFOs, hard
+links, or swap a folder for a link while the agent works): the walk, every read, move and removal go
+by descriptors below the working copy, the task dir and the spider's data dir (:mod:`.files`,
+ckagent.node.beneath) — no link followed, only regular files; a file that is a hard link to a file of
+another owner (the agent's state.db, another spider's) is not the task's: never an item nor an
+artifact, said in the log (``x.json: a hard link to a file of uid 0 …: not collected``).
+
 The last line of every task's log that ran says what became of its files::
 
     outputs: results.json → 100 items; images/ (30 files, 1.2 MB) → artifacts; books.db kept at /…/books.db
@@ -37,31 +44,35 @@ Blocking: :func:`collect` walks, copies and hashes; call it in one ``trio.to_thr
 
 from __future__ import annotations
 
-import contextlib
-import filecmp
 import fnmatch
-import hashlib
-import json
 import os
 import re
-import shutil
 import stat
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckagent.containment import format_bytes
+from ckagent.delivery.outputs.files import (
+    ARTIFACTS_DIR,
+    MANIFEST,
+    cleanup_kept,
+    hash_file,
+    keep,
+    kept_dir,
+    load_manifest,
+    prune,
+    read_artifact,
+    same_bytes,
+    write_manifest,
+)
 from ckagent.delivery.outputs.itemfiles import ITEM_EXTENSIONS, ItemFileError, append_item_file, count_lines
+from ckagent.delivery.spool import ITEMS_FILE, open_spool
 from ckagent.master.protocol import ArtifactRef, TaskOutputs
+from ckagent.node import beneath
 
 __all__ = ["ARTIFACTS_DIR", "MANIFEST", "Collected", "cleanup_kept", "collect", "is_cache", "kept_dir",
-           "load_manifest", "match_glob"]
-
-ARTIFACTS_DIR = "artifacts"
-"""Folder of the task directory holding the artifacts until the master has them."""
-MANIFEST = "artifacts.json"
-"""The task directory's artifact list: ``{"artifacts": [ArtifactRef JSON], "keepDir": str}``."""
+           "load_manifest", "match_glob", "read_artifact"]
 
 CACHE_DIRS = frozenset({"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".cache", ".npm", ".yarn",
                         ".pnpm-store", "node_modules", ".venv", ".git", ".scrapy"})
@@ -168,54 +179,41 @@ def _grouped(files: list[tuple[str, int]]) -> list[str]:
     return out
 
 
-def kept_dir(work_dir: Path, safe_spider: str, safe_task: str) -> Path:
-    """Where a task's files kept on the node go: ``work_dir/spider-data/<spider>/outputs/<task>/``."""
-    return work_dir / "spider-data" / safe_spider / "outputs" / safe_task
-
-
-def changed_files(work: Path, code_dir: Path, since: float,
-                  others: list[str] | None = None) -> list[tuple[str, os.stat_result]]:
+def changed_files(work: Path, code_dir: Path, since: float, others: list[str] | None = None,
+                  foreign: list[str] | None = None) -> list[tuple[str, os.stat_result]]:
     """Regular files of ``work`` the task created or changed (POSIX relative paths, sorted), caches left out.
 
     A file counts when ``code_dir`` has none at its path, or one of another size, or when its mtime is
     after ``since`` (epoch seconds) and its bytes differ. ``others`` (when given) gets every other
-    entry: unchanged files, symlinks, cache files and cache folders (a folder once, not its content)."""
+    entry: unchanged files, symlinks, FIFOs and the like, cache files and cache folders (a folder once,
+    not its content). ``foreign`` (when given) gets the files that are hard links to a file of another
+    owner than the working copy's (not the task's: see module docstring); they are in ``others`` too.
+    The walk is by descriptors (ckagent.node.beneath.walk): no link is followed."""
     found: list[tuple[str, os.stat_result]] = []
     other = others if others is not None else []
-    for dirpath, dirnames, filenames in os.walk(work):
-        rel_dir = os.path.relpath(dirpath, work)
-        rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
-        kept_dirs = []
-        for d in sorted(dirnames):
-            if d in CACHE_DIRS or os.path.islink(os.path.join(dirpath, d)):
-                other.append(rel_dir + d)
-            else:
-                kept_dirs.append(d)
-        dirnames[:] = kept_dirs
-        for name in sorted(filenames):
+    owner = os.stat(work, follow_symlinks=False).st_uid
+    for rel_dir, _dirs, entries in beneath.walk(work, skip_dir=lambda rel: rel.rsplit("/", 1)[-1] in CACHE_DIRS):
+        for name, st in entries:
             rel = rel_dir + name
-            st = os.lstat(os.path.join(dirpath, name))
             if is_cache(rel) or not stat.S_ISREG(st.st_mode):
                 other.append(rel)
+                continue
+            if st.st_nlink > 1 and st.st_uid != owner:
+                other.append(rel)
+                if foreign is not None:
+                    foreign.append(rel)
                 continue
             try:
                 original = os.lstat(code_dir / rel)
             except OSError:
                 found.append((rel, st))
                 continue
-            if original.st_size != st.st_size or (st.st_mtime > since and not _same_bytes(code_dir / rel, work / rel)):
+            if original.st_size != st.st_size or (st.st_mtime > since and not same_bytes(code_dir, work, rel)):
                 found.append((rel, st))
             else:
                 other.append(rel)
     found.sort(key=lambda entry: entry[0])
     return found
-
-
-def _same_bytes(a: Path, b: Path) -> bool:
-    try:
-        return filecmp.cmp(a, b, shallow=False)
-    except OSError:
-        return False
 
 
 def collect(*, work: Path, code_dir: Path, since: float, task_dir: Path, outputs: TaskOutputs | None,
@@ -233,7 +231,9 @@ def collect(*, work: Path, code_dir: Path, since: float, task_dir: Path, outputs
     """
     result = Collected()
     others: list[str] = []
-    files = changed_files(work, code_dir, since, others)
+    foreign: list[str] = []
+    files = changed_files(work, code_dir, since, others, foreign)
+    result.problems += [f"{rel}: a hard link to a file the task does not own: not collected" for rel in foreign]
     item_globs = outputs.items if outputs is not None and outputs.items else None
     artifact_globs = outputs.artifacts if outputs is not None and outputs.artifacts else None
     item_files = [(rel, st) for rel, st in files
@@ -256,11 +256,13 @@ def collect(*, work: Path, code_dir: Path, since: float, task_dir: Path, outputs
         # Every streamed file's link first (made now for one the run did not see), then the others'
         # items appended: the items journal orders the links' last lines before items.jsonl's growth.
         links = {rel: streamed(rel) for rel, _st in item_files} if streamed is not None else {}
-        with open(task_dir / "items.jsonl", "ab") as spool:
+        # (the spool as every spool file: never through a link the spider planted at its name)
+        with os.fdopen(open_spool(task_dir / ITEMS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab") as spool:
             for rel, _st in item_files:
                 link = links.get(rel)
                 try:
-                    count = count_lines(link) if link is not None else append_item_file(work / rel, spool)
+                    count = (count_lines(task_dir, link.relative_to(task_dir).as_posix()) if link is not None
+                             else append_item_file(work, rel, spool))
                 except ItemFileError as exc:
                     result.problems.append(f"{exc} (after {exc.items} items)")
                     count = exc.items
@@ -293,128 +295,37 @@ def collect(*, work: Path, code_dir: Path, since: float, task_dir: Path, outputs
             result.kept_why = f"over the artifact budget of {format_bytes(budget_bytes)}"
         else:
             result.kept_why = "not named by outputs.artifacts"
-    target = task_dir / ARTIFACTS_DIR
     adopted = False
-    if shipped and not target.exists():
+    if shipped and not os.path.lexists(task_dir / ARTIFACTS_DIR):
         # One rename moves the whole working copy (10,000 files cost no more than one); what is not an
-        # artifact is deleted from it below (the code's files: a handful, not the task's output).
+        # artifact is deleted from it below (the code's files: a handful, not the task's output). (A
+        # rename never follows a link at its target: one the spider planted meanwhile fails it.)
         try:
-            os.rename(work, target)
+            os.rename(work, task_dir / ARTIFACTS_DIR)
             adopted = True
         except OSError:
             adopted = False
-    source = target if adopted else work
-    for rel, st in shipped:
+    source, prefix = (task_dir, f"{ARTIFACTS_DIR}/") if adopted else (work, "")
+    for rel, _st in shipped:
         try:
-            digest = _hash(target / rel) if adopted else _move_and_hash(work / rel, target / rel)
+            if not adopted:
+                beneath.move(work, rel, task_dir, f"{ARTIFACTS_DIR}/{rel}")
+            digest, size = hash_file(task_dir, f"{ARTIFACTS_DIR}/{rel}")
         except OSError as exc:
             result.problems.append(f"{rel}: cannot collect ({exc.strerror or exc})")
             continue
-        result.artifacts.append(ArtifactRef(path=rel, size_bytes=st.st_size, sha256=digest))
-    for rel, st in kept:
+        result.artifacts.append(ArtifactRef(path=rel, size_bytes=size, sha256=digest))
+    for rel, _st in kept:
         try:
-            _move(source / rel, keep_dir / rel)
+            moved = keep(source, prefix + rel, keep_dir, rel)
         except OSError as exc:
             result.problems.append(f"{rel}: cannot keep ({exc.strerror or exc})")
             continue
-        result.kept.append((rel, st.st_size))
+        result.kept.append((rel, moved.st_size))
     if result.kept:
         result.kept_dir = keep_dir
     if adopted:
-        _prune(target, others + [rel for rel, _ in item_files if rel not in unread])
+        prune(task_dir / ARTIFACTS_DIR, others + [rel for rel, _ in item_files if rel not in unread])
     if result.artifacts or result.kept:
-        _write_manifest(task_dir, result, keep_dir)
+        write_manifest(task_dir, {"artifacts": [a.to_json() for a in result.artifacts], "keepDir": str(keep_dir)})
     return result
-
-
-def _prune(root: Path, rels: list[str]) -> None:
-    """Delete ``rels`` (files, symlinks, folders) under ``root``, then the folders left empty. Never raises."""
-    for rel in rels:
-        path = root / rel
-        try:
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink()
-        except OSError:
-            continue
-    for dirpath, _dirnames, _filenames in sorted(os.walk(root, topdown=False), key=lambda e: -len(e[0])):
-        if dirpath != str(root):
-            with contextlib.suppress(OSError):
-                os.rmdir(dirpath)  # only when empty
-
-
-def _move(src: Path, dst: Path) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.replace(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)  # another filesystem
-
-
-def _move_and_hash(src: Path, dst: Path) -> str:
-    _move(src, dst)
-    return _hash(dst)
-
-
-def _hash(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fin:
-        while chunk := fin.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _write_manifest(task_dir: Path, result: Collected, keep_dir: Path) -> None:
-    tmp = task_dir / (MANIFEST + ".tmp")
-    body = {"artifacts": [a.to_json() for a in result.artifacts], "keepDir": str(keep_dir)}
-    with open(tmp, "w", encoding="utf-8") as fout:
-        json.dump(body, fout, ensure_ascii=False)
-        fout.flush()
-        os.fsync(fout.fileno())
-    os.replace(tmp, task_dir / MANIFEST)
-
-
-def load_manifest(task_dir: Path) -> tuple[list[ArtifactRef], Path]:
-    """(the artifacts listed by ``task_dir/artifacts.json``, the folder for files kept on the node).
-    No manifest: ([], ``task_dir/kept``). A broken one raises OSError/ValueError. Blocking."""
-    try:
-        with open(task_dir / MANIFEST, encoding="utf-8") as fin:
-            body = json.load(fin)
-    except FileNotFoundError:
-        return [], task_dir / "kept"
-    refs = [ArtifactRef.from_json(entry, f"artifacts[{i}]") for i, entry in enumerate(body.get("artifacts", []))]
-    keep = body.get("keepDir")
-    return refs, Path(keep) if isinstance(keep, str) and keep else task_dir / "kept"
-
-
-def cleanup_kept(work_dir: Path, older_than: float) -> int:
-    """Delete folders of kept files (``spider-data/*/outputs/<task>/``) not changed for ``older_than``
-    seconds. Returns how many; never raises. Blocking."""
-    cutoff = time.time() - older_than
-    deleted = 0
-    for folder in (work_dir / "spider-data").glob("*/outputs/*"):
-        try:
-            if folder.is_dir() and not folder.is_symlink() and folder.stat().st_mtime < cutoff:
-                shutil.rmtree(folder)
-                deleted += 1
-        except OSError:
-            continue
-    return deleted
-
-
-def artifact_file(task_dir: Path, rel: str) -> Path | None:
-    """Where the artifact ``rel`` of a task is on this node (its task directory, or the folder of kept
-    files after an upload that could not be made); None when ``rel`` is not in the task's manifest or
-    the file is gone. Never resolves a path from outside the manifest. Blocking."""
-    try:
-        refs, keep_dir = load_manifest(task_dir)
-    except (OSError, ValueError):
-        return None
-    if rel not in {ref.path for ref in refs}:
-        return None
-    for base in (task_dir / ARTIFACTS_DIR, keep_dir):
-        candidate = base / rel
-        if candidate.is_file() and not candidate.is_symlink():
-            return candidate
-    return None

@@ -11,19 +11,27 @@ extension              read as
 .csv                   a header row, then one item per row (``{column: text}``)
 =====================  ===========================================================================
 
+The files are the spider's: each is opened below the tree it lies in (``top``, its path ``rel``
+relative to it) by :func:`ckagent.node.beneath.open_file` — no symlink followed, at its name or on the
+way; only a regular file; not another owner's hard link — and read from that one descriptor.
+
 All functions block (file I/O): call them in a worker thread. They raise OSError for a file that
-cannot be read and :class:`ItemFileError` for one whose content is not what its extension says
-(the items read before the bad spot are appended: nothing is lost silently).
+cannot be read (NotBeneath for one that is not the tree's regular file) and :class:`ItemFileError`
+for one whose content is not what its extension says (the items read before the bad spot are
+appended: nothing is lost silently).
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import BinaryIO
+
+from ckagent.node import beneath
 
 __all__ = ["ITEM_EXTENSIONS", "ItemFileError", "append_item_file", "count_lines"]
 
@@ -43,71 +51,83 @@ _WS = " \t\r\n"
 class ItemFileError(ValueError):
     """An item file whose content does not fit its extension; ``.items`` were appended before the fault."""
 
-    def __init__(self, path: Path, message: str, items: int) -> None:
+    def __init__(self, path: PurePosixPath | Path, message: str, items: int) -> None:
         super().__init__(f"{path.name}: {message}")
         self.items = items
 
 
-def append_item_file(source: Path, spool: BinaryIO) -> int:
-    """Append the items of ``source`` to ``spool`` (an items.jsonl opened ``ab``), one JSON line each.
+def open_item_file(top: Path, rel: str) -> BinaryIO:
+    """The item file ``rel`` below ``top``, opened for reading as the module docstring says. Raises OSError."""
+    return os.fdopen(beneath.open_file(top, rel), "rb")
+
+
+def append_item_file(top: Path, rel: str, spool: BinaryIO) -> int:
+    """Append the items of the file ``rel`` below ``top`` to ``spool`` (an items.jsonl opened ``ab``),
+    one JSON line each.
 
     Returns the number of items appended. Raises OSError, ItemFileError (see module docstring),
     ValueError for an extension that is not an item file's.
     """
-    suffix = source.suffix.lower()
-    if suffix in (".jsonl", ".ndjson", ".jl"):
-        return _append_lines(source, spool)
-    if suffix == ".json":
-        return _append_json(source, spool)
-    if suffix == ".csv":
-        return _append_csv(source, spool)
-    raise ValueError(f"{source.name}: not an item file (item files end in {', '.join(ITEM_EXTENSIONS)})")
+    name = PurePosixPath(rel)
+    suffix = name.suffix.lower()
+    if suffix not in ITEM_EXTENSIONS:
+        raise ValueError(f"{name.name}: not an item file (item files end in {', '.join(ITEM_EXTENSIONS)})")
+    with open_item_file(top, rel) as fin:
+        if suffix in (".jsonl", ".ndjson", ".jl"):
+            return _append_lines(fin, spool)
+        if suffix == ".json":
+            return _append_json(fin, name, spool)
+        return _append_csv(fin, name, spool)
 
 
-def _append_lines(source: Path, spool: BinaryIO) -> int:
+def _append_lines(fin: BinaryIO, spool: BinaryIO) -> int:
     """JSON Lines: copy the bytes (in the kernel where it can), count the non-blank lines."""
     spool.flush()
     last = b"\n"
-    with open(source, "rb") as fin:
-        size = os.fstat(fin.fileno()).st_size
-        if size:
-            fin.seek(size - 1)
-            last = fin.read(1) or b"\n"
-            fin.seek(0)
-        out_fd = spool.fileno()
-        remaining = size
-        try:
-            while remaining > 0:
-                copied = os.copy_file_range(fin.fileno(), out_fd, remaining)
-                if copied == 0:
-                    break
-                remaining -= copied
-        except OSError:
-            fin.seek(size - remaining)
-            while remaining > 0 and (chunk := fin.read(min(CHUNK_BYTES, remaining))):
-                os.write(out_fd, chunk)
-                remaining -= len(chunk)
+    size = os.fstat(fin.fileno()).st_size
+    if size:
+        fin.seek(size - 1)
+        last = fin.read(1) or b"\n"
+        fin.seek(0)
+    out_fd = spool.fileno()
+    remaining = size
+    try:
+        while remaining > 0:
+            copied = os.copy_file_range(fin.fileno(), out_fd, remaining)
+            if copied == 0:
+                break
+            remaining -= copied
+    except OSError:
+        fin.seek(size - remaining)
+        while remaining > 0 and (chunk := fin.read(min(CHUNK_BYTES, remaining))):
+            os.write(out_fd, chunk)
+            remaining -= len(chunk)
     if last != b"\n":
         os.write(spool.fileno(), b"\n")
-    return count_lines(source)
+    fin.seek(0)
+    return _count_lines(fin)
 
 
-def count_lines(source: Path) -> int:
-    """The items of a JSON Lines file: its lines that are not blank (an unterminated last one counts
-    unless it is blank). One pass in 1 MiB chunks; no object per line (only blank lines are matched,
-    found from line end to line end: see ``_BLANK_AFTER``)."""
+def count_lines(top: Path, rel: str) -> int:
+    """The items of the JSON Lines file ``rel`` below ``top``: its lines that are not blank (an
+    unterminated last one counts unless it is blank). One pass in 1 MiB chunks; no object per line
+    (only blank lines are matched, found from line end to line end: see ``_BLANK_AFTER``). Raises OSError."""
+    with open_item_file(top, rel) as fin:
+        return _count_lines(fin)
+
+
+def _count_lines(fin: BinaryIO) -> int:
     count = blank = 0
     carry = b""  # the unterminated line at the end of the chunks so far: b"" none, b" " blank so far, b"x" not
-    with open(source, "rb") as fin:
-        while chunk := fin.read(CHUNK_BYTES):
-            count += chunk.count(b"\n")
-            data = carry + chunk if carry else chunk
-            if _BLANK_FIRST.match(data):
-                blank += 1
-            blank += sum(1 for _ in _BLANK_AFTER.finditer(data))
-            end = data.rfind(b"\n")
-            tail = data[end + 1:]
-            carry = b" " if tail and not tail.strip(_WS_BYTES) else (b"x" if tail else b"")
+    while chunk := fin.read(CHUNK_BYTES):
+        count += chunk.count(b"\n")
+        data = carry + chunk if carry else chunk
+        if _BLANK_FIRST.match(data):
+            blank += 1
+        blank += sum(1 for _ in _BLANK_AFTER.finditer(data))
+        end = data.rfind(b"\n")
+        tail = data[end + 1:]
+        carry = b" " if tail and not tail.strip(_WS_BYTES) else (b"x" if tail else b"")
     if carry:
         count += 1
         blank += carry == b" "
@@ -118,11 +138,11 @@ def _write(spool: BinaryIO, value: object) -> None:
     spool.write(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode() + b"\n")
 
 
-def _append_json(source: Path, spool: BinaryIO) -> int:
+def _append_json(raw: BinaryIO, source: PurePosixPath, spool: BinaryIO) -> int:
     """A JSON array (read element by element) or one object."""
     decoder = json.JSONDecoder()
     count = 0
-    with open(source, encoding="utf-8-sig", errors="replace") as fin:
+    with io.TextIOWrapper(raw, encoding="utf-8-sig", errors="replace") as fin:
         buf = fin.read(CHUNK_BYTES)
         eof = not buf
         pos = _skip(buf, 0)
@@ -178,10 +198,10 @@ def _skip(buf: str, pos: int, commas: bool = False) -> int:
     return pos
 
 
-def _append_csv(source: Path, spool: BinaryIO) -> int:
+def _append_csv(raw: BinaryIO, source: PurePosixPath, spool: BinaryIO) -> int:
     """A header row, then one item per row."""
     count = 0
-    with open(source, newline="", encoding="utf-8-sig", errors="replace") as fin:
+    with io.TextIOWrapper(raw, newline="", encoding="utf-8-sig", errors="replace") as fin:
         try:
             for row in csv.DictReader(fin):
                 extra = row.pop(None, None)

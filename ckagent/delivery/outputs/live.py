@@ -16,6 +16,11 @@ start (the journal sees it shrink). Both are said in the task's log. A file that
 (another filesystem) is not streamed: its items are read at the task's end, as a ``.json`` file's.
 A restarted agent finds the links again by their inodes (nothing else to store).
 
+The working copy and the task dir are the spider's: the walk, each look and each link go by
+descriptors (ckagent.node.beneath) — a symlink at a declared path, or a folder swapped for one, is
+never linked nor read (``linkat`` without following; the new link checked to be a regular file of the
+task's), so no file outside the working copy ever becomes an item source.
+
 Blocking (stat, walk, link): :meth:`LiveItemFiles.scan` runs in the outbox's once-a-second worker
 thread, :meth:`LiveItemFiles.link` in the end-of-task collection's; a lock keeps them apart.
 """
@@ -31,6 +36,7 @@ from pathlib import Path
 
 from ckagent.delivery.outputs import CACHE_DIRS, match_glob
 from ckagent.delivery.spool import ITEM_FILES_DIR
+from ckagent.node import beneath
 
 __all__ = ["LIVE_EXTENSIONS", "LiveItemFiles"]
 
@@ -70,12 +76,17 @@ class LiveItemFiles:
     def _load(self) -> None:
         """The links an earlier run made (a restarted agent re-adopting the task), by inode."""
         self._loaded = True
-        with contextlib.suppress(FileNotFoundError):
-            for entry in os.scandir(self.task_dir / ITEM_FILES_DIR):
-                with contextlib.suppress(OSError):
-                    st = entry.stat(follow_symlinks=False)
-                    if stat.S_ISREG(st.st_mode):
-                        self._links[st.st_ino] = f"{ITEM_FILES_DIR}/{entry.name}"
+        with contextlib.suppress(OSError):  # (a folder the spider swapped for a link: no links)
+            fd = beneath.open_dir(self.task_dir, ITEM_FILES_DIR)
+            try:
+                with os.scandir(fd) as entries:
+                    for entry in entries:
+                        with contextlib.suppress(OSError):
+                            st = entry.stat(follow_symlinks=False)
+                            if stat.S_ISREG(st.st_mode):
+                                self._links[st.st_ino] = f"{ITEM_FILES_DIR}/{entry.name}"
+            finally:
+                os.close(fd)
 
     def _matches(self) -> list[str]:
         """Working-copy paths (POSIX, relative) of JSON Lines files the globs name, sorted."""
@@ -89,14 +100,14 @@ class LiveItemFiles:
                     pattern = pattern[2:]
                 found.add(pattern)
         if walk:
-            for dirpath, dirnames, filenames in os.walk(self.work):
-                dirnames[:] = [d for d in dirnames if d not in CACHE_DIRS]
-                rel_dir = os.path.relpath(dirpath, self.work)
-                rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
-                for name in filenames:
-                    rel = rel_dir + name
-                    if rel.lower().endswith(LIVE_EXTENSIONS) and any(match_glob(rel, g) for g in self.globs):
-                        found.add(rel)
+            with contextlib.suppress(OSError):
+                for rel_dir, _dirs, entries in beneath.walk(
+                        self.work, skip_dir=lambda rel: rel.rsplit("/", 1)[-1] in CACHE_DIRS):
+                    for name, st in entries:
+                        rel = rel_dir + name
+                        if (stat.S_ISREG(st.st_mode) and rel.lower().endswith(LIVE_EXTENSIONS)
+                                and any(match_glob(rel, g) for g in self.globs)):
+                            found.add(rel)
         return sorted(found)
 
     def scan(self) -> dict[str, int]:
@@ -110,7 +121,7 @@ class LiveItemFiles:
                 link = self._link(rel)
                 if link is not None:
                     with contextlib.suppress(OSError):
-                        sizes[link] = os.lstat(self.task_dir / link).st_size
+                        sizes[link] = beneath.stat_entry(self.task_dir, link).st_size
             return sizes
 
     def link(self, rel: str) -> Path | None:
@@ -125,18 +136,11 @@ class LiveItemFiles:
             return None if link is None else self.task_dir / link
 
     def _link(self, rel: str) -> str | None:
-        if rel.startswith("/") or ".." in rel.split("/"):
-            return None  # outside the working copy: never read
-        path = self.work / rel
         try:
-            st = os.lstat(path)
-            inside = path.resolve().is_relative_to(self.work.resolve())  # not through a symlinked folder
+            st = beneath.stat_entry(self.work, rel)  # not through a symlinked folder; ".." refused
+            beneath.check_regular(st, os.stat(self.work, follow_symlinks=False).st_uid, rel)
         except OSError:
-            return None
-        if not inside:
-            return None
-        if not stat.S_ISREG(st.st_mode):
-            return None
+            return None  # missing, a link, a FIFO, another owner's hard link: never read
         known = self._links.get(st.st_ino)
         current = self._current.get(rel)
         if known is not None:
@@ -147,8 +151,7 @@ class LiveItemFiles:
             return None
         name = f"{ITEM_FILES_DIR}/{len(self._links)}-{_UNSAFE.sub('_', rel)[-100:]}"
         try:
-            (self.task_dir / ITEM_FILES_DIR).mkdir(exist_ok=True)
-            os.link(path, self.task_dir / name)
+            st = beneath.link(self.work, rel, self.task_dir, name)  # linkat without following; the link's own lstat
         except OSError as exc:
             self._failed.add(rel)
             self._notice(f"outputs: {rel} cannot be streamed while the task runs (cannot link it into the task "
