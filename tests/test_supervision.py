@@ -42,9 +42,11 @@ from harness import (  # noqa: F401 -- no_strays: autouse fixture
     marked_pids,
     no_strays,
     node_status,
+    package_index,
     pids_in,
     running_agent,
     settings_for,
+    spider_writable,
     submit,
     wait_exit,
     wait_for_log,
@@ -177,12 +179,13 @@ async def test_cancel_from_the_master_during_the_run(
 async def test_cancel_from_the_master_during_the_dependency_install(
     recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    # A local package whose (in-tree, offline) build backend hangs: uv waits on it for ever.
-    pid_file = tmp_path / "backend.pid"
-    files = {
-        "main.py": "print('the spider must never start')\n",
-        "requirements.txt": "./slowpkg\n",
-        "slowpkg/pyproject.toml": textwrap.dedent("""
+    # A package whose (offline) build backend hangs, from a package index on 127.0.0.1: uv waits on it
+    # for ever. (A package of the project's own tree is never built: installers run as the node's
+    # builder, which runs no code of the spider's — ckagent.code.builder.) Its pid file is written by
+    # the builder's uid: in a directory every uid may write.
+    pid_file = spider_writable(tmp_path / "shared") / "backend.pid"
+    slowpkg = {
+        "pyproject.toml": textwrap.dedent("""
             [build-system]
             requires = []
             build-backend = "slowbackend"
@@ -191,20 +194,23 @@ async def test_cancel_from_the_master_during_the_dependency_install(
             name = "slowpkg"
             version = "0.1"
         """),
-        "slowpkg/slowbackend.py": SLOW_BACKEND.format(pid_file=str(pid_file)),
+        "slowbackend.py": SLOW_BACKEND.format(pid_file=str(pid_file)),
     }
+    files = {"main.py": "print('the spider must never start')\n", "requirements.txt": "slowpkg==0.1\n"}
     admin = recording_master.admin
-    async with running_agent(nursery, settings_for(tmp_path, recording_master)):
-        task_id = await submit(admin, "slow-install", files)
-        await wait_for_path(pid_file, timeout=30)
-        await trio.sleep(0.1)
-        backend = int(pid_file.read_text())
-        assert alive(backend)
-        assert marked_pids(task_id), "installers carry the task's marker"
-        await admin.cancel_task(task_id)
-        with trio.fail_after(20):
-            task = await admin.wait_task_final(task_id, 20)
-        await trio.sleep(1.5)
+    with package_index(tmp_path / "index", [], [("slowpkg", "0.1", slowpkg)]) as index:
+        settings = settings_for(tmp_path, recording_master, AGENT_UV_INDEX_URL=index.url)
+        async with running_agent(nursery, settings):
+            task_id = await submit(admin, "slow-install", files)
+            await wait_for_path(pid_file, timeout=30)
+            await trio.sleep(0.1)
+            backend = int(pid_file.read_text())
+            assert alive(backend)
+            assert marked_pids(task_id), "installers carry the task's marker"
+            await admin.cancel_task(task_id)
+            with trio.fail_after(20):
+                task = await admin.wait_task_final(task_id, 20)
+            await trio.sleep(1.5)
     assert (task["status"], task["errorCode"]) == ("CANCELLED", "CANCELLED"), task
     assert [status for status, _ in recording_master.finals(task_id)] == [200]
     lines = await admin.get_logs(task_id)
@@ -335,7 +341,11 @@ async def test_run_as_user_runs_the_installer_and_the_spider_as_that_user(
     assert await trio.to_thread.run_sync(owner, version / "index.js") == 0
     locks = await trio.to_thread.run_sync(lambda: list((user.work / "agent").rglob("package-lock.json")))
     assert locks, "npm install wrote a lockfile"
-    owned = [task_dir, task_dir / "in-task-dir.txt", Path(seen["home"]), *locks]
+    # npm ran as the user (the node's builder at this level); the finished environment is sealed, root's
+    # (ckagent.code.builder), so its files no longer say who built them: the task log does.
+    log = "\n".join(await admin.get_logs(task_id))
+    assert f"as the node's builder, uid {user.uid} ({user.name})" in log, log
+    owned = [task_dir, task_dir / "in-task-dir.txt", Path(seen["home"])]
     for path in owned:
         assert await trio.to_thread.run_sync(owner, path) == user.uid, path
 
