@@ -40,6 +40,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import shutil
 import stat
 from dataclasses import dataclass
@@ -49,7 +50,8 @@ from ckagent.node.runas import RunAs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Builder", "Sealed", "make_writable", "remove_tree", "seal", "sealed_by", "writable_by_others"]
+__all__ = ["Builder", "Sealed", "make_writable", "read_only_hint", "remove_tree", "seal", "sealed_by",
+           "writable_by_others"]
 
 HOME_NAME = "builder-home"
 """The builder's HOME (and TMPDIR below it) in the work dir, when its identity names none of its own."""
@@ -374,4 +376,24 @@ def _loose(item: Path, trusted: set[int]) -> str | None:
     if st.st_mode & 0o022 and not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX and st.st_uid == 0
                                    and item.parent == item):
         return f"{item} is writable by its group or by others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+_DENIED = re.compile(r"(Permission denied|EACCES|Read-only file system|EROFS|Operation not permitted|EPERM)")
+_ENV_PATH = re.compile(r"(/envs/(?:py|node)-[0-9a-f]+|site-packages|node_modules)")
+READ_ONLY_HINT = (
+    "the spider wrote into its environment, which is read-only (built by the node's builder and shared with "
+    "every spider whose project declares the same): declare dependencies in the project's files "
+    "(requirements.txt, pyproject.toml, package.json with its lock) instead of installing them at run time, and "
+    "let a tool download into the spider's HOME or CK_DATA_DIR (docs/operations.md, Environments and caches)")
+"""What the task log says when a failed spider's last output shows a refused write into its environment."""
+
+
+def read_only_hint(output: str) -> str | None:
+    """:data:`READ_ONLY_HINT` when ``output`` (the last lines of a failed spider's output) has a refused
+    write (EACCES, EROFS, EPERM) on a line naming its environment (``envs/py-…``, ``site-packages``,
+    ``node_modules``); None otherwise."""
+    for line in output.splitlines():
+        if _DENIED.search(line) and _ENV_PATH.search(line):
+            return READ_ONLY_HINT
     return None
