@@ -470,3 +470,30 @@ def test_a_refused_write_into_the_environment_gets_a_hint_in_the_task_log() -> N
     assert read_only_hint(pip) is not None and read_only_hint(npm) is not None
     assert read_only_hint("PermissionError: [Errno 13] Permission denied: '/etc/shadow'") is None
     assert read_only_hint("site-packages/x.py: all fine") is None
+
+
+@needs_root
+def test_a_builder_process_still_writing_a_sealed_environment_is_killed_and_the_environment_not_used(
+        tmp_path: Path) -> None:
+    from ckagent.code.builder import StillWritten, writers
+    from ckagent.code.envstore import mark_ready
+
+    spider_reachable(tmp_path)
+    env = tmp_path / "py-x"
+    env.mkdir()
+    (env / "lib").mkdir()
+    os.chown(env, BUILDER_UID, BUILDER_UID)
+    os.chown(env / "lib", BUILDER_UID, BUILDER_UID)
+    holder = subprocess.Popen(["/usr/bin/python3", "-I", "-c", "import sys, time\nf = open(sys.argv[1], 'w')\n"
+                               "print('open', flush=True)\ntime.sleep(60)\n", str(env / "lib" / "late.py")],
+                              stdout=subprocess.PIPE, text=True, user=BUILDER_UID, group=BUILDER_UID, extra_groups=[])
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
+        assert writers(env, BUILDER_UID) == [holder.pid]
+        with pytest.raises(StillWritten, match=f"process\\(es\\) {holder.pid} of the builder"):
+            mark_ready(env, "k", "py", owner=(0, 0), builder="b", builder_uid=BUILDER_UID)
+        assert holder.wait(timeout=10) == -9
+        assert read_marker(env) is None  # not ready: its next build starts from nothing
+    finally:
+        holder.kill()
+        holder.communicate()
