@@ -497,3 +497,21 @@ def test_a_builder_process_still_writing_a_sealed_environment_is_killed_and_the_
     finally:
         holder.kill()
         holder.communicate()
+
+
+@needs_root
+def test_the_start_says_when_the_builder_cannot_run_an_installer(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    hidden = tmp_path / "root-only"
+    hidden.mkdir(mode=0o700)
+    uv = Path(sys.executable).parent / "uv"
+    if not uv.is_file():
+        pytest.skip("no uv beside the suite's interpreter")
+    shutil.copy(uv, hidden / "uv")
+    env = {**spider_base_env(), "PATH": "/usr/bin:/bin"}
+    deps = _builder_deps(tmp_path, "http://127.0.0.1:9/simple", uv_path=hidden / "uv", agent_bin=None, base_env=env)
+    hidden.chmod(0o700)  # _builder_deps opened the tree for searching: this one stays root's alone
+    with caplog.at_level("WARNING", "ckagent.code.deps"):
+        deps.setup()
+    warned = [r.getMessage() for r in caplog.records if "cannot run uv" in r.getMessage()]
+    assert warned and f"uid {BUILDER_UID}" in warned[0] and "deps.uv_path" in warned[0], caplog.text
