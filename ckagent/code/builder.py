@@ -445,8 +445,9 @@ def _loose(item: Path, trusted: set[int]) -> str | None:
         return None  # a link's own mode means nothing; what it names is checked where it is reached
     if st.st_uid not in trusted:
         return f"{item} belongs to uid {st.st_uid}"
-    if st.st_mode & 0o022 and not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX and st.st_uid == 0
-                                   and item.parent == item):
+    # A sticky directory (/tmp) lets no one rename or remove an entry it does not own: the entry's own
+    # owner, checked as the next component, is what counts.
+    if st.st_mode & 0o022 and not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX):
         return f"{item} is writable by its group or by others (mode {stat.S_IMODE(st.st_mode):04o})"
     return None
 
