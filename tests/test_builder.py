@@ -18,6 +18,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -385,3 +386,114 @@ def test_the_builder_of_an_agent_that_is_not_root_is_the_agent(tmp_path: Path) -
     dedicated = Builder.of(RunAs.of_uid(BUILDER_UID, str(tmp_path / "bh")), tmp_path)
     assert dedicated.home == tmp_path / "bh" and dedicated.identity != builder.identity
     assert errno.EACCES  # (the errno the spiders get, named in the docs)
+
+
+# --------------------------------------------------------------------------- the other identity levels
+
+
+@needs_root
+async def test_at_one_user_the_env_is_roots_but_the_caches_are_the_spiders_user(tmp_path: Path) -> None:
+    """``task.run_as_user: NAME``: the builder is that user, so the finished environment is still
+    root's and read-only to it — but the caches are its own: what the level cannot keep (the docs)."""
+    user = RunAs.lookup("nobody")
+    with package_index(tmp_path / "index", [("ckdemo_dep", "1.0", "VALUE = 42\n")]) as index:
+        deps = _builder_deps(tmp_path, index.url, run_as=user)
+        code = _code(tmp_path / "p", {"requirements.txt": "ckdemo-dep==1.0\n", "main.py": ""})
+        with trio.fail_after(120):
+            prepared = await deps.prepare("python", "p", code, lambda _: None)
+    assert prepared.env_dir is not None
+    site = next(prepared.env_dir.glob("lib/python*/site-packages"))
+    assert prepared.env_dir.stat().st_uid == 0 and site.stat().st_uid == 0
+    assert _write_attempt(user.uid, site / "zz_poison.pth") == "EACCES"
+    assert deps.uv_cache_dir.stat().st_uid == user.uid
+    assert _write_attempt(user.uid, deps.uv_cache_dir / "planted") == "written"  # the level's limit
+
+
+ATTACKER = """\
+import errno, os, sys, sysconfig
+site = sysconfig.get_paths()["purelib"]
+try:
+    open(os.path.join(site, "zz_poison.pth"), "w").write("import os; print('POISONED by ' + os.environ.get('CK_SPIDER_ID', '?'))\\n")
+    print("wrote", site)
+except OSError as exc:
+    print("refused", errno.errorcode[exc.errno], site)
+"""
+VICTIM = "print('victim ran clean')\n"
+
+
+@pytest.mark.slow
+def test_at_agent_user_a_spider_writing_its_environment_gets_eacces(pyz: Path) -> None:
+    """A non-root agent (``nobody``, with the session's pyz): spiders and builder are its own uid, the
+    environment is sealed by mode alone — a write by mistake (``pip install`` at run time) is refused,
+    and the next spider's interpreter loads nothing the first one tried to plant."""
+    import pwd
+
+    if os.geteuid() != 0:
+        pytest.skip("running the agent as another user needs root")
+    beside = Path(sys.executable).parent / "uv"  # the dev venv's; else the one on PATH
+    uv = beside if beside.is_file() else Path(shutil.which("uv") or "/nonexistent/uv")
+    if not uv.is_file():
+        pytest.skip("no uv to give the agent's user")
+    nobody = pwd.getpwnam("nobody")
+    with world_directory() as reach:
+        (reach / "bin").mkdir(mode=0o755)
+        shutil.copy(pyz, reach / "bin" / "ckagent.pyz")
+        shutil.copy(uv, reach / "bin" / "uv")
+        home = reach / "home"
+        home.mkdir()
+        os.chown(home, nobody.pw_uid, nobody.pw_gid)
+        for name, text in (("attacker", ATTACKER), ("victim", VICTIM)):
+            _code(reach / name, {"main.py": text})
+        env = {"HOME": str(home), "USER": "nobody", "SHIV_ROOT": str(home / "shiv"), "PATH": f"{reach}/bin:/usr/bin:/bin",
+               "LANG": "C.UTF-8"}
+
+        def run(name: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(["/usr/bin/python3", str(reach / "bin" / "ckagent.pyz"), "exec", str(reach / name),
+                                   "--framework", "python", "--items", str(home / f"{name}.jsonl"),
+                                   "--artifacts", str(home / f"{name}-artifacts")],
+                                  cwd=home, env=env, user=nobody.pw_uid, group=nobody.pw_gid, extra_groups=[],
+                                  capture_output=True, text=True, timeout=300, check=False)
+
+        attacker, victim = run("attacker"), run("victim")
+    assert attacker.returncode == 0, attacker.stdout + attacker.stderr
+    assert "refused EACCES" in attacker.stdout, attacker.stdout
+    assert victim.returncode == 0 and "victim ran clean" in victim.stdout, victim.stdout + victim.stderr
+    assert "POISONED" not in victim.stdout + victim.stderr
+
+
+def test_a_refused_write_into_the_environment_gets_a_hint_in_the_task_log() -> None:
+    from ckagent.code.builder import read_only_hint
+
+    pip = ("ERROR: Could not install packages due to an OSError: [Errno 13] Permission denied: "
+           "'/var/lib/ckagent/envs/py-0123456789abcdef01234567/lib/python3.11/site-packages/requests'")
+    npm = "npm error EACCES: permission denied, mkdir '/work/tasks/t/work/node_modules/.cache'"
+    assert read_only_hint(pip) is not None and read_only_hint(npm) is not None
+    assert read_only_hint("PermissionError: [Errno 13] Permission denied: '/etc/shadow'") is None
+    assert read_only_hint("site-packages/x.py: all fine") is None
+
+
+@needs_root
+def test_a_builder_process_still_writing_a_sealed_environment_is_killed_and_the_environment_not_used(
+        tmp_path: Path) -> None:
+    from ckagent.code.builder import StillWritten, writers
+    from ckagent.code.envstore import mark_ready
+
+    spider_reachable(tmp_path)
+    env = tmp_path / "py-x"
+    env.mkdir()
+    (env / "lib").mkdir()
+    os.chown(env, BUILDER_UID, BUILDER_UID)
+    os.chown(env / "lib", BUILDER_UID, BUILDER_UID)
+    holder = subprocess.Popen(["/usr/bin/python3", "-I", "-c", "import sys, time\nf = open(sys.argv[1], 'w')\n"
+                               "print('open', flush=True)\ntime.sleep(60)\n", str(env / "lib" / "late.py")],
+                              stdout=subprocess.PIPE, text=True, user=BUILDER_UID, group=BUILDER_UID, extra_groups=[])
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
+        assert writers(env, BUILDER_UID) == [holder.pid]
+        with pytest.raises(StillWritten, match=f"process\\(es\\) {holder.pid} of the builder"):
+            mark_ready(env, "k", "py", owner=(0, 0), builder="b", builder_uid=BUILDER_UID)
+        assert holder.wait(timeout=10) == -9
+        assert read_marker(env) is None  # not ready: its next build starts from nothing
+    finally:
+        holder.kill()
+        holder.communicate()

@@ -273,7 +273,7 @@ def _finish(venv: Path, stage: Path, key: str, builder: Builder) -> int:
     remove_tree(stage)
     (venv / _LOCKED_REQUIREMENTS).unlink(missing_ok=True)
     _install_sdk_pth(venv)
-    return mark_ready(venv, key, "py", owner=builder.owner, builder=builder.identity)
+    return mark_ready(venv, key, "py", owner=builder.owner, builder=builder.identity, builder_uid=builder.own_uid)
 
 
 _PTH_CHECKED: set[Path] = set()
