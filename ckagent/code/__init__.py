@@ -8,7 +8,10 @@
 - :mod:`.deps` (the one door), :mod:`.deps_python`, :mod:`.deps_node`, :mod:`.pyplan`, :mod:`.pylocks`,
   :mod:`.installenv` — content-addressed, shared environments (uv for Python, npm for Node) and what
   goes into their key; :mod:`.installer` — how one installer runs (bounded, in the task's box);
-- :mod:`.envstore` — the environments' directory: built once, shared, collected;
+  :mod:`.builder` — who installs (the node's builder, never a spider) and how a finished environment
+  is sealed read-only; :mod:`.stage`, :mod:`.pyreqs`, :mod:`.nodestage` — what an install reads of a project (regular
+  files, no link followed) and what a Python project requires, read without running its code;
+- :mod:`.envstore` — the environments' directory: built once, shared, sealed, collected;
 - :mod:`.runtimes`, :mod:`.capabilities` — what this node can run, and what it cannot.
 
 May import: :mod:`ckagent.node`, :mod:`ckagent.master` (to fetch packages),

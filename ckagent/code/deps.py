@@ -1,12 +1,23 @@
 """A spider's dependencies: content-addressed, shared, exact environments (uv for Python, npm for Node).
 
-Every environment lives under one root (``work_dir/envs``), named by a key that hashes what
-determines it (ckagent.code.envstore): the dependency files, the interpreter (path and version), the
-framework's default packages, the SDK the agent bundles and the identity installers and spiders run
-as. Two spiders of one project share one environment; a changed pin, a removed package, another
-interpreter or ``run_as_user`` gives a new key and a new environment built from nothing (sync
+Every environment lives under one root (``work_dir/envs``, mode 0711: spiders reach their own
+environment but cannot list the others), named by a key that hashes what determines it
+(ckagent.code.envstore): the dependency files, the interpreter (path and version), the framework's
+default packages, the SDK the agent bundles and the builder (who installs and who owns the result).
+Two spiders of one project share one environment; a changed pin, a removed package, another
+interpreter or another builder gives a new key and a new environment built from nothing (sync
 semantics: what the project declares is exactly what is installed); the old one is collected,
 least recently used first, when the environments exceed ``deps.env_budget_bytes``.
+
+Environments and caches no spider can write (ckagent.code.builder): installers run as the node's
+builder (:class:`~ckagent.code.builder.Builder`: the dedicated builder uid at the ``spider-uids``
+identity level), from the dependency files the agent staged out of the project (ckagent.code.stage:
+the project's own code is never built or run by them), with the builder's own HOME and TMPDIR; a
+finished environment is sealed (root's, no write bit) before it is marked ready; uv's cache
+(``deps.uv_cache_dir``, else ``envs/.uv-cache``), npm's (``envs/.npm-cache``) and the builder's
+home are the builder's, mode 0700. A spider that writes into its environment at run time (``pip
+install``, npm writing ``node_modules``, a browser download into the venv) gets EACCES — or nothing
+at all at the ``root`` level, where the mode bits do not hold.
 
 :class:`Dependencies` is the one door: it picks the builder by the framework's runtime
 (ckagent.code.frameworks):
@@ -31,17 +42,19 @@ import logging
 import os
 import shutil
 import sys
+import threading
 from pathlib import Path
 
 import trio
 
 from ckagent.code import frameworks
+from ckagent.code.builder import Builder, writable_by_others
 from ckagent.code.deps_node import NPM_MISSING, NodeEnvs, wanted_node
 from ckagent.code.deps_python import UV_MISSING, IndexChooser, PythonEnvs
 from ckagent.code.envstore import Checked, EnvStore, Prepared
 from ckagent.code.installer import KILL_GRACE, Installers, Output
 from ckagent.code.pyplan import bundled_sdk_dir, python_plan
-from ckagent.code.runtimes import AGENT_BIN
+from ckagent.code.runtimes import AGENT_BIN, BROWSER_VARS, browser_env
 from ckagent.containment import TaskJail
 from ckagent.node.errors import DepsError, os_error_text
 from ckagent.node.runas import RunAs
@@ -62,9 +75,11 @@ class Dependencies:
     the agent's secrets); its PATH is also where uv and npm are looked for (uv also at ``uv_path``
     and in ``agent_bin``). ``timeout`` bounds one installer run (seconds). ``python`` is the
     interpreter Python spiders' venvs are built on. ``nvm_dir`` is nvm's home (default: $NVM_DIR
-    or ``~/.nvm``; nvm counts as present when ``nvm.sh`` is there). ``run_as``: installers run as
-    that user and the environments belong to it (``task.run_as_user``). ``kill_grace``: seconds a
-    stopped installer gets between its stop signal and the kill (the node's ``task.kill_grace``).
+    or ``~/.nvm``; nvm counts as present when ``nvm.sh`` is there). ``run_as``: the builder's identity
+    (``ckagent.node.identity.Identities.builder``; None: the agent's own uid): installers run as it,
+    its HOME is ``work_dir/builder-home`` unless the identity has one of its own. ``uv_cache_dir``:
+    uv's cache (default ``envs_root/.uv-cache``), the builder's. ``kill_grace``: seconds a stopped
+    installer gets between its stop signal and the kill (the node's ``task.kill_grace``).
     """
 
     def __init__(
@@ -85,12 +100,58 @@ class Dependencies:
     ) -> None:
         self.envs_root = envs_root
         self.store = EnvStore(envs_root, budget_bytes)
-        self.installers = Installers(timeout, base_env, run_as, kill_grace)
-        self._run_as = run_as
+        self.builder = Builder.of(run_as, envs_root.parent)
+        self.installers = Installers(timeout, base_env, self.builder, kill_grace)
+        self.uv_cache_dir = uv_cache_dir if uv_cache_dir is not None else envs_root / ".uv-cache"
+        self.npm_cache_dir = envs_root / ".npm-cache"
         self.python = PythonEnvs(self.store, self.installers, uv_path=uv_path, agent_bin=agent_bin, index=index,
-                                 uv_cache_dir=uv_cache_dir, python=python)
+                                 cache_dir=self.uv_cache_dir, python=python)
         nvm_home = os.environ.get("NVM_DIR") or str(Path.home() / ".nvm")
-        self.node = NodeEnvs(self.store, self.installers, nvm_dir if nvm_dir is not None else Path(nvm_home))
+        self.node = NodeEnvs(self.store, self.installers, nvm_dir if nvm_dir is not None else Path(nvm_home),
+                             self.npm_cache_dir)
+        self._set_up = False
+        self._setup_lock = threading.Lock()
+
+    def setup(self) -> None:
+        """Make the environments' root, the builder's home and the caches what they must be (see module
+        docstring), once per agent process: the root 0711 and the agent's; a cache or home another
+        identity owns — an older agent's (root), the one ``task.run_as_user``'s — is emptied and given
+        to the builder (a cache: nothing is lost but downloads), one log line each; and, where the agent
+        is root, a warning when the bundled SDK or the node's browsers could be changed by a spider.
+        Called at start; :meth:`check` and :meth:`prepare` call it too. Blocking. Raises OSError."""
+        with self._setup_lock:
+            if self._set_up:
+                return
+            builder = self.builder
+            self.envs_root.mkdir(parents=True, exist_ok=True)
+            os.chmod(self.envs_root, 0o711)
+            builder.prepare_home()
+            for cache in (self.uv_cache_dir, self.npm_cache_dir):
+                existed = cache.exists()
+                if builder.own(cache, fresh=True) and existed:
+                    log.info("the cache %s belonged to another identity (an older agent's, or the one "
+                             "task.run_as_user's: spiders may have written it): emptied and given to the node's "
+                             "builder, %s", cache, builder.describe())
+            if os.geteuid() == 0:
+                self._warn_writable(builder)
+            self._set_up = True
+
+    def _warn_writable(self, builder: Builder) -> None:
+        """Warn when a spider could change what every spider runs: the bundled SDK, the node's browsers."""
+        trusted = {0, os.geteuid()}
+        shared = {"the bundled SDK": bundled_sdk_dir()}
+        browsers = browser_env({})
+        for runtime, variable in BROWSER_VARS.items():
+            if variable in browsers:
+                shared[f"the node's {runtime} ({variable})"] = Path(browsers[variable])
+        for what, path in shared.items():
+            if path is None:
+                continue
+            why = writable_by_others(path, trusted)
+            if why is not None:
+                log.warning("%s (%s) is not read-only for spiders: %s; every spider runs it, so one that can change "
+                            "it changes the others' — make it root's, without group or other write (chmod go-w)",
+                            what, path, why)
 
     async def prepare(
         self,
@@ -116,13 +177,15 @@ class Dependencies:
         its next build or by collection. ``jail``: the task's; every installer joins it before it
         execs (None: each runs in a process group of its own). ``task_env`` (the task's ``env``) reaches every installer;
         the variables of it that change what an install does enter the environment's key
-        (ckagent.code.installenv). ``home``: the spider's HOME, the installers' too when they run as
-        ``run_as_user`` (that user's passwd home may not exist or not be writable). ``checked``: what
+        (ckagent.code.installenv); what of it reaches them is ckagent.code.installenv.installer_env's.
+        ``home``: the spider's HOME (unused: installers have the builder's own). ``checked``: what
         :meth:`check` found already, with the same arguments, in a thread hop of the caller's (None:
         the look is made here).
         """
         try:
-            env = self._env(task_env, marker, home)
+            if not self._set_up:
+                await trio.to_thread.run_sync(self.setup)
+            env = self._env(task_env, marker)
             return await self._prepare(framework, spider_id, code_dir, output, env, jail, checked)
         except OSError as exc:  # the environment's files (a full disk, a permission): the install fails
             raise DepsError(f"cannot prepare the spider's environment: {os_error_text(exc)}") from exc
@@ -135,18 +198,21 @@ class Dependencies:
         ``drop()`` it). The arguments are :meth:`prepare`'s. None for a runtime without such a look
         (a Node project that asks for a node version: nvm's choice is :meth:`prepare`'s). Never raises
         for the look: its error is in the result."""
+        del home  # installers have the builder's own HOME
         runtime = frameworks.framework(framework).runtime
+        if runtime not in (frameworks.PYTHON, frameworks.NODE):
+            return None
+        try:
+            self.setup()
+        except OSError as exc:
+            return Checked(error=exc)
         if runtime is frameworks.PYTHON:
-            return self.python.check(code_dir, framework, self._env(task_env, marker, home))
-        if runtime is frameworks.NODE:
-            return self.node.check(code_dir, self._env(task_env, marker, home))
-        return None
+            return self.python.check(code_dir, framework, self._env(task_env, marker))
+        return self.node.check(code_dir, self._env(task_env, marker))
 
-    def _env(self, task_env: dict[str, str] | None, marker: dict[str, str] | None, home: Path | None) -> dict[str, str]:
-        env = {**(task_env or {}), **(marker or {})}
-        if home is not None and self._run_as is not None:
-            env["HOME"] = str(home)
-        return env
+    @staticmethod
+    def _env(task_env: dict[str, str] | None, marker: dict[str, str] | None) -> dict[str, str]:
+        return {**(task_env or {}), **(marker or {})}
 
     async def _prepare(self, name: str, spider_id: str, code_dir: Path, output: Output,
                        task_env: dict[str, str], jail: TaskJail | None, checked: Checked | None) -> Prepared:

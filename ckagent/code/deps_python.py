@@ -20,10 +20,8 @@ fallback mirror is used when it is unreachable. Raises DepsError (ckagent.code.i
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import re
 import time
 from functools import partial
 from pathlib import Path
@@ -32,10 +30,11 @@ from typing import cast
 import httpx
 import trio
 
+from ckagent.code.builder import Builder, remove_tree
 from ckagent.code.envstore import Checked, EnvStore, Prepared, is_ready, mark_ready, start_build
-from ckagent.code.installenv import install_key_env
+from ckagent.code.installenv import install_key_env, installer_env
 from ckagent.code.installer import Installers, Output
-from ckagent.code.pylocks import LockError, lock_inputs
+from ckagent.code.pylocks import LockError
 from ckagent.code.pyplan import (
     SDK_DISTRIBUTION,
     InterpreterError,
@@ -46,6 +45,7 @@ from ckagent.code.pyplan import (
     sdk_wheel,
 )
 from ckagent.code.runtimes import find_uv
+from ckagent.code.stage import ProjectFiles, write_staged
 from ckagent.containment import TaskJail
 from ckagent.node.errors import DepsError
 
@@ -97,24 +97,25 @@ class PythonEnvs:
     """Makes Python spiders' virtualenvs ready in ``store`` (see module docstring).
 
     ``python`` is the interpreter the venvs are built on; uv is looked for at ``uv_path``, on the
-    installers' PATH and in ``agent_bin``; ``uv_cache_dir`` is uv's cache (None: uv's default, or
-    ``envs/.uv-cache`` when installers run as another user).
+    installers' PATH and in ``agent_bin``; ``cache_dir`` is uv's cache (the builder's:
+    ckagent.code.deps makes it so).
     """
 
     def __init__(self, store: EnvStore, installers: Installers, *, uv_path: Path | None, agent_bin: Path | None,
-                 index: IndexChooser, uv_cache_dir: Path | None, python: str) -> None:
+                 index: IndexChooser, cache_dir: Path, python: str) -> None:
         self.store = store
         self._installers = installers
         self._uv_path = uv_path
         self._agent_bin = agent_bin
         self._index = index
-        self._cache_dir = uv_cache_dir
+        self._cache_dir = cache_dir
         self._python = python
 
     def check(self, code_dir: Path, framework: str, task_env: dict[str, str]) -> Checked:
-        """The plan of the spider's venv (its key from the dependency files in ``code_dir``) and whether
-        it is ready (its SDK ``.pth`` then checked too); the venv is marked in use. Blocking: the
-        prepare hop's (ckagent.task.runner). Never raises for the plan: its error is in the result."""
+        """The plan of the spider's venv (its key from the dependency files in ``code_dir``, read without
+        following a link: ckagent.code.stage) and whether it is ready (sealed, its SDK ``.pth`` as this
+        agent writes it); the venv is marked in use. Blocking: the prepare hop's (ckagent.task.runner).
+        Never raises for the plan: its error is in the result."""
         started = time.monotonic()
         try:
             sdk = sdk_wheel(self.store.root)
@@ -122,14 +123,17 @@ class PythonEnvs:
                 interpreter = interpreter_identity(self._python)
             except InterpreterError as exc:
                 raise DepsError(str(exc)) from exc
-            plan = python_plan(code_dir, framework, interpreter, self._installers.identity, sdk[0] if sdk else "",
-                               install_key_env(task_env))
+            try:
+                plan = python_plan(ProjectFiles(code_dir), framework, interpreter, self._installers.identity,
+                                   sdk[0] if sdk else "", install_key_env(task_env))
+            except LockError as exc:
+                raise DepsError(f"{exc}; the install was not attempted (the lock would not be honoured)") from exc
         except (DepsError, OSError) as exc:
             return Checked(error=exc, seconds=time.monotonic() - started)
         venv = self.store.path("py", plan.key)
         self.store.acquire(venv)
         try:
-            ready = _ready_with_sdk(venv, plan.key)
+            ready = _ready_with_sdk(venv, plan.key, self._installers.builder.owner)
         except OSError as exc:
             self.store.release(venv)
             return Checked(error=exc, seconds=time.monotonic() - started)
@@ -141,101 +145,135 @@ class PythonEnvs:
     async def prepare(self, code_dir: Path, framework: str, output: Output, task_env: dict[str, str],
                       jail: TaskJail | None = None, checked: Checked | None = None) -> Prepared:
         """The spider's venv, built if its key has none ready (``framework`` picks the default
-        packages; the installers run in ``jail``, the task's). ``checked``: what :meth:`check` found
-        already (None: looked at here, one thread hop). Raises DepsError; cancellation stops the
-        installer (ckagent.code.installer)."""
+        packages; the installers run in ``jail``, the task's, as the builder). ``checked``: what
+        :meth:`check` found already (None: looked at here, one thread hop). Raises DepsError;
+        cancellation stops the installer (ckagent.code.installer)."""
         if checked is None:
             checked = await trio.to_thread.run_sync(self.check, code_dir, framework, task_env)
         venv = checked.take()
         plan, overrides = cast("tuple[PythonPlan, Path | None]", checked.plan)
         bin_dir = venv / "bin"
         prepared = Prepared(path_prefix=[str(bin_dir)], env={"VIRTUAL_ENV": str(venv)})
+        if plan.python_path:
+            prepared.env["PYTHONPATH"] = os.pathsep.join(str(code_dir / rel) for rel in plan.python_path)
         with self.store.using(venv, prepared, marked=True):
             if not checked.ready:  # under its key's lock: one build per key; another may have finished it
                 async with self.store.lock(plan.key):
-                    if not await trio.to_thread.run_sync(_ready_with_sdk, venv, plan.key):
+                    owner = self._installers.builder.owner
+                    if not await trio.to_thread.run_sync(_ready_with_sdk, venv, plan.key, owner):
                         prepared.cache_hit = False
                         with self.store.building(venv):
-                            await self._build(venv, plan, overrides, code_dir, output, task_env, jail)
+                            await self._build(venv, plan, overrides, output, task_env, jail)
+        prepared.notes.extend(plan.notes)
         return prepared
 
-    async def _build(self, venv: Path, plan: PythonPlan, overrides: Path | None, code_dir: Path,
-                     output: Output, task_env: dict[str, str], jail: TaskJail | None) -> None:
+    async def _build(self, venv: Path, plan: PythonPlan, overrides: Path | None, output: Output,
+                     task_env: dict[str, str], jail: TaskJail | None) -> None:
         installers = self._installers
+        builder = installers.builder
         uv = await trio.to_thread.run_sync(find_uv, self._uv_path, installers.base_env.get("PATH"), self._agent_bin)
         if uv is None:
             raise DepsError(UV_MISSING)
-        output(f"[ckagent] building environment {venv.name} ({plan.mode})\n".encode())
-        env = installers.env(task_env)
-        env.update({"VIRTUAL_ENV": str(venv), "UV_PYTHON_DOWNLOADS": "never", "UV_NO_PROGRESS": "1"})
+        output(f"[ckagent] building environment {venv.name} ({plan.mode}) as the node's builder, "
+               f"{builder.describe()}\n".encode())
+        given = installer_env(task_env, plan.named)
+        if (notice := given.notice()) is not None:
+            output(f"[ckagent] {notice}\n".encode())
+        env = installers.env(given.env)
+        env.update({"VIRTUAL_ENV": str(venv), "UV_PYTHON_DOWNLOADS": "never", "UV_NO_PROGRESS": "1",
+                    "UV_CACHE_DIR": str(self._cache_dir), "UV_NO_CONFIG": "1", "UV_LINK_MODE": "copy",
+                    "UV_COMPILE_BYTECODE": "1"})
         _PTH_CHECKED.discard(venv)
-        await trio.to_thread.run_sync(start_build, venv)
-        cache_dir = self._cache_dir
-        if installers.run_as is not None:
-            # The user owns its venv; uv's cache must be writable by it too (its HOME may be bare).
-            cache_dir = cache_dir or self.store.root / ".uv-cache"
-            await trio.to_thread.run_sync(installers.give_dirs, [venv, cache_dir])
-        if cache_dir is not None:
-            env["UV_CACHE_DIR"] = str(cache_dir)
-        if not any(name in task_env for name in ("UV_DEFAULT_INDEX", "UV_INDEX_URL")):
+        stage = venv / _STAGE
+        await trio.to_thread.run_sync(self._start, venv, stage, plan)
+        if not any(name in given.env for name in ("UV_DEFAULT_INDEX", "UV_INDEX_URL")):
             env["UV_DEFAULT_INDEX"] = await self._index.index_url()  # else the spider's own index
         python = str(venv / "bin" / "python")
         run = partial(installers.run, jail=jail)
-        await run([uv, "venv", "--quiet", "--allow-existing", "--python", self._python, str(venv)], code_dir, env, output)
+        await run([uv, "venv", "--quiet", "--allow-existing", "--python", self._python, str(venv)], stage, env, output)
         override = ["--override", str(overrides)] if overrides is not None and plan.sdk else []
         if plan.mode == "locked":
-            locked = venv / _LOCKED_REQUIREMENTS
+            exported = venv / _LOCKED_REQUIREMENTS
             skip_sdk = ["--no-emit-package", SDK_DISTRIBUTION] if plan.sdk else []
             await run([uv, "export", "--frozen", "--no-emit-project", "--no-hashes", "--no-header",
-                       *skip_sdk, "--output-file", str(locked), "--quiet"], code_dir, env, output)
-            await run([uv, "pip", "sync", "--python", python, str(locked)], code_dir, env, output)
-        elif plan.mode == "lock" and plan.lock is not None:
-            await self._install_lock(uv, python, venv, plan.lock, override, code_dir, env, output, jail)
-        elif plan.mode in ("pyproject", "requirements"):
-            source = "pyproject.toml" if plan.mode == "pyproject" else "requirements.txt"
-            await run([uv, "pip", "install", "--python", python, "-r", source, *override], code_dir, env, output)
+                       *skip_sdk, "--output-file", str(exported), "--quiet"], stage, env, output)
+            locked = stage / _LOCKED_REQUIREMENTS
+            dropped = await trio.to_thread.run_sync(_own_code_left_out, exported, locked, frozenset(plan.staged))
+            if dropped:
+                output(f"[ckagent] left out of the export (the project's own code): {', '.join(dropped)}\n".encode())
+            await run([uv, "pip", "sync", "--python", python, str(locked)], stage, env, output)
+        elif plan.mode == "lock" and plan.how == "sync-file" and plan.lock is not None:
+            output(f"[ckagent] installing exactly what {plan.lock} pins (uv reads it)\n".encode())
+            await run([uv, "pip", "sync", "--python", python, plan.lock], stage, env, output)
+        elif plan.mode == "lock" and plan.how == "sync":
+            output(f"[ckagent] installing exactly the {len(plan.requirements)} packages {plan.lock} pins\n".encode())
+            await run([uv, "pip", "sync", "--python", python, _REQUIREMENTS], stage, env, output)
+        elif plan.mode in ("lock", "pyproject", "requirements"):
+            if plan.mode == "lock":
+                output(f"[ckagent] installing the project's {len(plan.requirements)} dependencies at the versions "
+                       f"{plan.lock} pins ({len(plan.constraints)} pins)\n".encode())
+            if not plan.requirements:
+                output(b"[ckagent] the project declares no dependencies; nothing to install\n")
+            else:
+                pins = ["-c", _CONSTRAINTS] if plan.constraints else []
+                await run([uv, "pip", "install", "--python", python, "-r", _REQUIREMENTS, *pins, *override],
+                          stage, env, output)
         elif plan.packages:
-            await run([uv, "pip", "install", "--python", python, *plan.packages], code_dir, env, output)
-        await trio.to_thread.run_sync(_install_sdk_pth, venv)
-        size = await trio.to_thread.run_sync(mark_ready, venv, plan.key, "py")
-        log.info("built Python environment %s (%s, %d bytes)", venv.name, plan.mode, size)
+            await run([uv, "pip", "install", "--python", python, *plan.packages], stage, env, output)
+        size = await trio.to_thread.run_sync(_finish, venv, stage, plan.key, builder)
+        log.info("built Python environment %s (%s, %d bytes) as %s", venv.name, plan.mode, size, builder.describe())
 
-    async def _install_lock(self, uv: str, python: str, venv: Path, lock: str, override: list[str], code_dir: Path,
-                            env: dict[str, str], output: Output, jail: TaskJail | None) -> None:
-        """Install what ``lock`` pins (ckagent.code.pylocks); a lock that cannot be honoured raises DepsError."""
-        try:
-            how, requirements, constraints = await trio.to_thread.run_sync(lock_inputs, code_dir, lock)
-        except LockError as exc:
-            raise DepsError(f"{exc}; the install was not attempted (the lock would not be honoured)") from exc
-
-        def not_sdk(line: str) -> bool:  # the bundled SDK (the .pth) serves it, never an index
-            return re.split(r"[\s=<>!~;@\[]", line.strip(), maxsplit=1)[0].lower().replace("_", "-") != SDK_DISTRIBUTION
-
-        run = partial(self._installers.run, jail=jail)
-        if how == "sync-file":
-            output(f"[ckagent] installing exactly what {lock} pins (uv reads it)\n".encode())
-            await run([uv, "pip", "sync", "--python", python, lock], code_dir, env, output)
-            return
-        if not requirements:
-            output(f"[ckagent] {lock}: the project declares no dependencies; nothing to install\n".encode())
-            return
-        files = {venv / _LOCKED_REQUIREMENTS: "\n".join(filter(not_sdk, requirements)) + "\n",
-                 venv / _LOCK_CONSTRAINTS: "\n".join(filter(not_sdk, constraints)) + "\n"}
-        await trio.to_thread.run_sync(_write_files, files)
-        locked, pins = venv / _LOCKED_REQUIREMENTS, venv / _LOCK_CONSTRAINTS
-        if how == "sync":
-            output(f"[ckagent] installing exactly the {len(requirements)} packages {lock} pins\n".encode())
-            await run([uv, "pip", "sync", "--python", python, str(locked)], code_dir, env, output)
-        else:
-            output(f"[ckagent] installing the project's {len(requirements)} dependencies at the versions {lock} "
-                   f"pins ({len(constraints)} pins)\n".encode())
-            await run([uv, "pip", "install", "--python", python, "-r", str(locked), "-c", str(pins), *override],
-                      code_dir, env, output)
+    def _start(self, venv: Path, stage: Path, plan: PythonPlan) -> None:
+        """A fresh build directory for ``venv``, the staged files in it (the agent's, read-only to the
+        builder), given to the builder; its cache and home its own. Blocking."""
+        builder = self._installers.builder
+        start_build(venv)
+        files = dict(plan.staged)
+        if plan.mode in ("lock", "pyproject", "requirements") and plan.how != "sync-file":
+            files[_REQUIREMENTS] = ("\n".join(plan.requirements) + "\n").encode()
+            if plan.constraints:
+                files[_CONSTRAINTS] = ("\n".join(plan.constraints) + "\n").encode()
+        write_staged(stage, files)
+        builder.give_top(venv)
 
 
-def _write_files(files: dict[Path, str]) -> None:
-    for path, text in files.items():
-        path.write_text(text)
+_STAGE = ".ckagent-build"
+"""The directory in a venv under construction with what uv reads (removed before the venv is sealed)."""
+_REQUIREMENTS = "requirements.txt"
+_CONSTRAINTS = "constraints.txt"
+
+
+def _own_code_left_out(exported: Path, locked: Path, staged: frozenset[str]) -> list[str]:
+    """Copy uv's export to ``locked`` without the lines that name the project's own code (``-e ./member``,
+    ``./libs/x``, ``file:``: ckagent.code.pyplan put them on PYTHONPATH); a staged wheel of the project
+    stays. Returns the lines left out. Blocking."""
+    kept, dropped = [], []
+    data = ProjectFiles(exported.parent).read(exported.name)  # the builder's file: no link followed
+    if data is None:
+        raise DepsError(f"uv export wrote no {exported.name}")
+    for line in data.decode(errors="replace").splitlines():
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        target = stripped[3:].strip() if stripped.startswith("-e ") else stripped
+        location = target.split(" @ ", 1)[1].strip() if " @ " in target else target
+        local = location.startswith((".", "/")) or location.lower().startswith("file:")
+        if local and not (location.endswith(".whl") and location.lstrip("./") in staged):
+            dropped.append(stripped)
+            continue
+        kept.append(line)
+    write_staged(locked.parent, {locked.name: ("\n".join(kept) + "\n").encode()})
+    return dropped
+
+
+def _finish(venv: Path, stage: Path, key: str, builder: Builder) -> int:
+    """The build is done: its staging dir and uv's export removed (they may name an index with its
+    credentials), the SDK's ``.pth`` written, the venv sealed and marked ready. Returns its size in
+    bytes. Blocking."""
+    remove_tree(stage)
+    (venv / _LOCKED_REQUIREMENTS).unlink(missing_ok=True)
+    _install_sdk_pth(venv)
+    return mark_ready(venv, key, "py", owner=builder.owner, builder=builder.identity, builder_uid=builder.own_uid)
 
 
 _PTH_CHECKED: set[Path] = set()
@@ -243,29 +281,47 @@ _PTH_CHECKED: set[Path] = set()
 changes; a rebuild of its key drops it from here first)."""
 
 
-def _ready_with_sdk(venv: Path, key: str) -> bool:
-    """:func:`is_ready`, and for a ready environment its SDK ``.pth`` checked (once per agent process). Blocking."""
-    if not is_ready(venv, key):
+def _ready_with_sdk(venv: Path, key: str, owner: tuple[int, int]) -> bool:
+    """:func:`is_ready` (sealed for ``owner``), and for a ready environment its SDK ``.pth`` checked (once
+    per agent process): one that is not what this agent writes makes the environment not ready (a
+    sealed environment is rebuilt, never changed). Blocking."""
+    if not is_ready(venv, key, owner):
         return False
     if venv not in _PTH_CHECKED:
-        _install_sdk_pth(venv)
+        if not _sdk_pth_current(venv):
+            return False
         _PTH_CHECKED.add(venv)
     return True
 
 
-def _install_sdk_pth(venv: Path) -> None:
-    """Write the SDK's ``.pth`` (its directory, then the Scrapy hook) where it is missing or out of date
-    (an environment built by an older agent gets the hook too). Blocking: a few small files."""
+def _sdk_pth_text() -> str | None:
     sdk = bundled_sdk_dir()
+    return None if sdk is None else str(sdk) + "\n" + _SCRAPY_HOOK_LINE
+
+
+def _sdk_pth_current(venv: Path) -> bool:
+    """Whether every site-packages of ``venv`` has the SDK ``.pth`` this agent writes. Blocking."""
+    text = _sdk_pth_text()
+    for site in (venv / "lib").glob("python*/site-packages"):
+        try:
+            current: str | None = (site / _SDK_PTH).read_text()
+        except OSError:
+            current = None
+        if current != text:
+            return False
+    return True
+
+
+def _install_sdk_pth(venv: Path) -> None:
+    """Write the SDK's ``.pth`` (its directory, then the Scrapy hook) into a venv being built (before it
+    is sealed). Blocking: a few small files."""
+    text = _sdk_pth_text()
     for site in (venv / "lib").glob("python*/site-packages"):
         pth = site / _SDK_PTH
-        if sdk is None:
+        if text is None:
             pth.unlink(missing_ok=True)
             continue
-        text = str(sdk) + "\n" + _SCRAPY_HOOK_LINE
-        with contextlib.suppress(OSError):
-            if pth.read_text() == text:
-                continue
         tmp = pth.with_name(f".{pth.name}.{os.getpid()}.tmp")
         tmp.write_text(text)
+        os.chmod(tmp, 0o644)
         os.replace(tmp, pth)

@@ -17,15 +17,26 @@ A directory without a marker is a build that failed or was interrupted: the next
 removes it first, and so does collection. The blocking helpers (:func:`is_ready`,
 :func:`mark_ready`, :func:`collect`) stat, read and delete files: call them through
 ``trio.to_thread``.
+
+**Read-only for spiders.** A build runs as the node's builder in a directory only it may enter
+(ckagent.code.builder); :func:`mark_ready` seals the finished environment (root's, or the agent's where
+it is not root, no write bit anywhere) and writes the marker last, saying who built it and that it is
+sealed: a ready environment is a sealed one (:func:`is_ready` also checks the top's owner and mode).
+An environment made by an older agent — built as root, or as the one ``task.run_as_user``, and
+writable by spiders all along — has no ``sealed`` in its marker: no key of today names it (the
+builder is part of the key), and collection removes it as soon as no task uses it (a task re-adopted
+after the upgrade may still run in it), whatever the budget, with one log line. It is not re-owned
+instead: a spider could have written into it, and sealing would keep what it wrote.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
-import shutil
+import signal
 import threading
 import time
 from collections import Counter
@@ -35,10 +46,13 @@ from pathlib import Path
 
 import trio
 
+from ckagent.code.builder import StillWritten, remove_tree, seal, seal_top, sealed_by, writers
+
 log = logging.getLogger(__name__)
 
 MARKER = ".ckagent-env.json"
-"""Written into an environment when its build succeeded: ``{"key", "kind", "sizeBytes", "builtAt"}``."""
+"""Written into an environment when its build succeeded and it is sealed: ``{"key", "kind", "sizeBytes",
+"builtAt", "builder", "sealed": true}``."""
 
 
 @dataclass
@@ -156,13 +170,12 @@ class EnvStore:
             return path in self._in_use or path in self._building
 
     async def collect(self) -> list[Path]:
-        """Remove least recently used ready environments over the budget, and abandoned builds.
+        """Remove least recently used ready environments over the budget, abandoned builds and
+        environments of older agents (not sealed: see module docstring).
 
         Returns the removed paths. Blocking work runs in one worker thread; never raises for a
         file that vanished meanwhile. Cancellation: the thread finishes its pass.
         """
-        if self.budget_bytes <= 0:
-            return []
         return await trio.to_thread.run_sync(collect, self.root, self.budget_bytes, self.is_protected)
 
 
@@ -187,10 +200,13 @@ def read_marker(env_dir: Path) -> dict[str, object] | None:
     return data if isinstance(data, dict) else None
 
 
-def is_ready(env_dir: Path, key: str) -> bool:
-    """True when ``env_dir`` holds a finished build of ``key``; its marker is touched (last use)."""
+def is_ready(env_dir: Path, key: str, owner: tuple[int, int] | None = None) -> bool:
+    """True when ``env_dir`` holds a finished, sealed build of ``key`` (sealed for ``owner`` when given:
+    ckagent.code.builder.sealed_by); its marker is touched (last use)."""
     marker = read_marker(env_dir)
-    if marker is None or marker.get("key") != key:
+    if marker is None or marker.get("key") != key or marker.get("sealed") is not True:
+        return False
+    if owner is not None and not sealed_by(env_dir, owner):
         return False
     try:
         os.utime(env_dir / MARKER)
@@ -200,19 +216,42 @@ def is_ready(env_dir: Path, key: str) -> bool:
 
 
 def start_build(env_dir: Path) -> None:
-    """Remove what a failed or interrupted build of this environment left and create it empty."""
+    """Remove what a failed or interrupted build of this environment left (a sealed one too) and create
+    it empty, mode 0700 (the caller gives it to the builder)."""
     if env_dir.exists() or env_dir.is_symlink():
-        shutil.rmtree(env_dir, ignore_errors=True)
-    env_dir.mkdir(parents=True, exist_ok=True)
+        remove_tree(env_dir)
+    env_dir.parent.mkdir(parents=True, exist_ok=True)
+    env_dir.mkdir(mode=0o700)
+    os.chmod(env_dir, 0o700)
 
 
-def mark_ready(env_dir: Path, key: str, kind: str) -> int:
-    """Write the marker (last step of a build); returns the environment's size in bytes."""
-    size = dir_size_bytes(env_dir)
+def mark_ready(env_dir: Path, key: str, kind: str, *, owner: tuple[int, int], builder: str,
+               builder_uid: int | None = None) -> int:
+    """The last step of a build: seal ``env_dir`` for ``owner`` (ckagent.code.builder.seal), then write
+    the marker (``builder``: who built it), then make the top read-only. ``builder_uid``: a uid of
+    the builder's own, whose processes must hold no file of it open for writing once it is sealed
+    (ckagent.code.builder.writers: one that does is killed and the environment is not marked: its
+    box should have been emptied, so something outlived it). Returns the environment's size in bytes.
+    Raises OSError (StillWritten)."""
+    sealed = seal(env_dir, owner, top=False)
+    if builder_uid is not None and (held := writers(env_dir, builder_uid)):
+        for pid in held:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        raise StillWritten(errno.EBUSY, f"process(es) {', '.join(map(str, held))} of the builder (uid {builder_uid}) "
+                                        f"still held files of {env_dir.name} open for writing after the install "
+                                        "ended: killed, and the environment is not used (it is built again)")
     tmp = env_dir / (MARKER + ".tmp")
-    tmp.write_text(json.dumps({"key": key, "kind": kind, "sizeBytes": size, "builtAt": time.time()}))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444)
+    try:
+        os.write(fd, json.dumps({"key": key, "kind": kind, "sizeBytes": sealed.size_bytes, "builtAt": time.time(),
+                                 "builder": builder, "sealed": True}).encode())
+        os.fchmod(fd, 0o444)
+    finally:
+        os.close(fd)
     os.replace(tmp, env_dir / MARKER)
-    return size
+    seal_top(env_dir, owner)
+    return sealed.size_bytes
 
 
 def dir_size_bytes(path: Path) -> int:
@@ -238,16 +277,19 @@ ABANDONED_AGE = 3600.0
 
 def collect(root: Path, budget_bytes: int, protected: Callable[[Path], bool] | set[Path],
             now: float | None = None) -> list[Path]:
-    """Keep the ready environments under ``root`` within ``budget_bytes`` (blocking; see EnvStore.collect).
+    """Keep the ready environments under ``root`` within ``budget_bytes`` (0: no bound; blocking; see
+    EnvStore.collect).
 
-    Abandoned builds (no marker, untouched for ABANDONED_AGE seconds, not protected) go first; then
-    ready environments, least recently used (marker mtime) first, until the rest fits. A protected
-    path (``protected(path)`` true, asked right before its removal) is never removed, even if the
-    budget stays exceeded.
+    Abandoned builds (no marker, untouched for ABANDONED_AGE seconds, not protected) and environments
+    of older agents (a marker without ``sealed``: see module docstring) go first, whatever the
+    budget; then ready environments, least recently used (marker mtime) first, until the rest fits.
+    A protected path (``protected(path)`` true, asked right before its removal) is never removed,
+    even if the budget stays exceeded.
     """
     is_protected = protected.__contains__ if isinstance(protected, set) else protected
     now = time.time() if now is None else now
     removed: list[Path] = []
+    legacy: list[str] = []
     ready: list[tuple[float, int, Path]] = []
     try:
         entries = list(root.iterdir())
@@ -263,8 +305,14 @@ def collect(root: Path, budget_bytes: int, protected: Callable[[Path], bool] | s
             except OSError:
                 continue
             if idle > ABANDONED_AGE and not is_protected(entry):
-                shutil.rmtree(entry, ignore_errors=True)
+                remove_tree(entry)
                 removed.append(entry)
+            continue
+        if marker.get("sealed") is not True:
+            if not is_protected(entry):
+                remove_tree(entry)
+                removed.append(entry)
+                legacy.append(entry.name)
             continue
         try:
             used = (entry / MARKER).stat().st_mtime
@@ -272,15 +320,19 @@ def collect(root: Path, budget_bytes: int, protected: Callable[[Path], bool] | s
             continue
         size = marker.get("sizeBytes")
         ready.append((used, size if isinstance(size, int) else 0, entry))
+    if legacy:
+        log.info("removed %d environment(s) an older agent built and spiders could write (%s): environments are "
+                 "built by the node's builder and sealed read-only now; each spider's is rebuilt at its next task",
+                 len(legacy), ", ".join(sorted(legacy)[:10]) + (" …" if len(legacy) > 10 else ""))
     total = sum(size for _, size, _ in ready)
     for _used, size, entry in sorted(ready):
-        if total <= budget_bytes:
+        if budget_bytes <= 0 or total <= budget_bytes:
             break
         if is_protected(entry):
             continue
         log.info("removing dependency environment %s (%d bytes, least recently used; budget %d bytes)",
                  entry.name, size, budget_bytes)
-        shutil.rmtree(entry, ignore_errors=True)
+        remove_tree(entry)
         removed.append(entry)
         total -= size
     return removed

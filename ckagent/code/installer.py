@@ -2,7 +2,8 @@
 
 Every installer run streams its output into the task's log as it comes, keeps its last whole lines
 for the error message, joins the task's jail before it execs (the jail is passed in, explicitly),
-runs in its own process group as the task's ``run_as`` user, and is bounded by ``deps.uv_sync_timeout``.
+runs in its own process group as the node's builder (ckagent.code.builder: never as a spider, with
+the builder's own HOME and TMPDIR), and is bounded by ``deps.uv_sync_timeout``.
 It is supervised like a spider (ckagent.containment.process.run_supervised): the end of its main
 process, then the jail's leftovers killed; a timeout or a cancellation (the task stopped while it
 installs, the agent terminating) sends its stop signal, waits the node's ``kill_grace`` and kills
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import trio
 
+from ckagent.code.builder import Builder
 from ckagent.containment import TaskJail
 from ckagent.containment.process import MARKER_VAR, run_supervised
 from ckagent.containment.process_group import ProcessGroupJail
@@ -41,37 +43,34 @@ class Installers:
     """Runs a task's installers (see module docstring).
 
     ``timeout`` bounds one run (seconds); ``base_env`` is the minimal environment they start from
-    (never the agent's secrets); ``run_as``: they run as that user (``task.run_as_user``), else as the
-    agent; ``kill_grace``: seconds from a stopped installer's stop signal to its kill.
+    (never the agent's secrets); ``builder``: whom they run as, with which HOME, and who owns a
+    finished environment; ``kill_grace``: seconds from a stopped installer's stop signal to its kill.
     """
 
-    def __init__(self, timeout: float, base_env: dict[str, str], run_as: RunAs | None,
+    def __init__(self, timeout: float, base_env: dict[str, str], builder: Builder,
                  kill_grace: float = KILL_GRACE) -> None:
         self.timeout = timeout
         self.kill_grace = kill_grace
         self.base_env = base_env
-        self.run_as = run_as
-        self.identity = "agent" if run_as is None else f"uid={run_as.uid},gid={run_as.gid}"
-        """Who the environments belong to (hashed into their keys)."""
+        self.builder = builder
+
+    @property
+    def run_as(self) -> RunAs | None:
+        """The identity installers run as (None: the agent's own)."""
+        return self.builder.run_as
+
+    @property
+    def identity(self) -> str:
+        """The builder's part of an environment's key (ckagent.code.builder.Builder.identity)."""
+        return self.builder.identity
 
     def env(self, task_env: dict[str, str]) -> dict[str, str]:
-        """The base, the run-as identity (USER, LOGNAME; HOME unless the task's is given), the task's env."""
+        """The base, what of the task's env reaches installers (the caller filtered it:
+        ckagent.code.installenv.installer_env), then the builder's HOME, TMPDIR, USER and LOGNAME."""
         env = dict(self.base_env)
-        if self.run_as is not None:
-            env.update(self.run_as.env())
         env.update(task_env)
+        env.update(self.builder.env())
         return env
-
-    def give_dirs(self, paths: list[Path]) -> None:
-        """Create ``paths`` if missing and give them (and their contents) to the run-as user (blocking;
-        nothing to do without one)."""
-        run_as = self.run_as
-        if run_as is None:
-            return
-        for path in paths:
-            path.mkdir(parents=True, exist_ok=True)
-            if path.stat().st_uid != run_as.uid:
-                run_as.chown_tree(path)
 
     async def run(self, argv: list[str], cwd: Path, env: dict[str, str], output: Output,
                   label: str | None = None, *, jail: TaskJail | None = None) -> None:

@@ -31,6 +31,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ckagent.code.stage import ProjectFiles
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
@@ -46,19 +48,34 @@ class LockError(Exception):
     """A lock file that cannot be honoured; the message names the file and says what is wrong."""
 
 
-def find_lock(code_dir: Path) -> str | None:
-    """The lock file of ``code_dir`` this module honours (see the table), or None."""
+def find_lock(code: Path | ProjectFiles) -> str | None:
+    """The lock file of the project ``code`` (its directory, or its files) this module honours (see
+    the table), or None."""
+    files = code if isinstance(code, ProjectFiles) else ProjectFiles(code)
     for name in LOCK_FILES:
-        if (code_dir / name).is_file() and (name not in NEEDS_PYPROJECT or (code_dir / "pyproject.toml").is_file()):
+        if files.is_file(name) and (name not in NEEDS_PYPROJECT or files.is_file("pyproject.toml")):
             return name
     return None
 
 
-def _toml(path: Path) -> dict[str, Any]:
+def _text(files: ProjectFiles, name: str) -> str:
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise LockError(f"{path.name} cannot be read as TOML: {exc}") from exc
+        data = files.read(name)
+    except OSError as exc:
+        raise LockError(f"{name} cannot be read: {exc}") from exc
+    if data is None:
+        raise LockError(f"{name} is missing")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise LockError(f"{name} is not UTF-8: {exc}") from exc
+
+
+def _toml(files: ProjectFiles, name: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(_text(files, name))
+    except tomllib.TOMLDecodeError as exc:
+        raise LockError(f"{name} cannot be read as TOML: {exc}") from exc
 
 
 def _pin(lock: str, name: Any, version: Any, source: Any = None) -> str:
@@ -96,6 +113,18 @@ def _poetry_requirements(pyproject: dict[str, Any]) -> list[str]:
     return out
 
 
+def _pylock_local(data: dict[str, Any]) -> None:
+    """Refuse a pylock.toml that installs from a directory or a local archive (the project's own code,
+    which the builder never builds). Raises LockError."""
+    packages = data.get("packages")
+    for package in packages if isinstance(packages, list) else []:
+        if isinstance(package, dict) and ("directory" in package or (isinstance(package.get("archive"), dict)
+                                                                     and "path" in package["archive"])):
+            raise LockError(f"pylock.toml installs {package.get('name')!r} from a local directory or archive, which "
+                            "the agent does not build (installs run as the node's builder, which never runs a "
+                            "spider's code); publish it to an index, or ship it as a wheel")
+
+
 def _main_group(package: dict[str, Any]) -> bool:
     """Whether a poetry.lock / pdm.lock package belongs to the main dependencies (not dev only)."""
     groups = package.get("groups")
@@ -105,17 +134,19 @@ def _main_group(package: dict[str, Any]) -> bool:
     return category in (None, "main")
 
 
-def lock_inputs(code_dir: Path, lock: str) -> tuple[str, list[str], list[str]]:
-    """How to install ``lock``: (uv mode, requirements, constraints) — mode ``sync-file`` (uv reads
-    the lock itself: requirements is ``[lock]``), ``sync`` (requirements are the complete set) or
-    ``install`` (requirements are the top-level ones, constraints pin them). Raises LockError."""
+def lock_inputs(code: Path | ProjectFiles, lock: str) -> tuple[str, list[str], list[str]]:
+    """How to install ``lock`` of the project ``code`` (its directory, or its files): (uv mode,
+    requirements, constraints) — mode ``sync-file`` (uv reads the lock itself: requirements is
+    ``[lock]``), ``sync`` (requirements are the complete set) or ``install`` (requirements are the
+    top-level ones, constraints pin them). Raises LockError."""
+    files = code if isinstance(code, ProjectFiles) else ProjectFiles(code)
     if lock == "pylock.toml":
-        _toml(code_dir / lock)  # fail with a clear message before uv does
+        _pylock_local(_toml(files, lock))  # fail with a clear message before uv does
         return "sync-file", [lock], []
     if lock == "Pipfile.lock":
         try:
-            data = json.loads((code_dir / lock).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            data = json.loads(_text(files, lock))
+        except ValueError as exc:
             raise LockError(f"Pipfile.lock cannot be read as JSON: {exc}") from exc
         default = data.get("default") if isinstance(data, dict) else None
         if not isinstance(default, dict):
@@ -139,7 +170,7 @@ def lock_inputs(code_dir: Path, lock: str) -> tuple[str, list[str], list[str]]:
             markers = entry.get("markers")
             reqs.append(pin + (f" ; {markers}" if isinstance(markers, str) and markers else ""))
         return "sync", reqs, []
-    data = _toml(code_dir / lock)
+    data = _toml(files, lock)
     packages = data.get("package")
     if not isinstance(packages, list):
         raise LockError(f"{lock} has no [[package]] entries")
@@ -149,7 +180,7 @@ def lock_inputs(code_dir: Path, lock: str) -> tuple[str, list[str], list[str]]:
             raise LockError(f"{lock} has a [[package]] entry that is not a table")
         if _main_group(package):
             constraints.append(_pin(lock, package.get("name"), package.get("version"), package.get("source")))
-    pyproject = _toml(code_dir / "pyproject.toml")
+    pyproject = _toml(files, "pyproject.toml")
     if lock == "poetry.lock":
         top = _poetry_requirements(pyproject)
     else:

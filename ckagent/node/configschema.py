@@ -402,7 +402,9 @@ SETTINGS: tuple[Setting, ...] = (
             "https://pypi.tuna.tsinghua.edu.cn/simple",
             "Index used when deps.uv_index_url is unset and PyPI is unreachable.", v.http_url),
     Setting("deps", "uv_cache_dir", "AGENT_UV_CACHE_DIR", "path", None,
-            "uv cache directory; unset = uv's default.", v.path),
+            "uv's cache; unset = work_dir/envs/.uv-cache. It belongs to the node's builder (mode 0700: spiders "
+            "can neither read nor write it); one another identity owned is emptied and given to it at start.",
+            v.path),
     Setting("deps", "uv_sync_timeout", "AGENT_UV_SYNC_TIMEOUT", "seconds >= 1", 180.0,
             "Time limit of one dependency installer run (uv, npm, nvm); past it the task fails "
             "DEPS_FAILED.", v.seconds(minimum=1.0, exclusive=False)),

@@ -110,7 +110,8 @@ class Identities:
         self._pool = pool
         self._dirs_of = dirs_of
         self.builder: RunAs | None = user if level is IdentityLevel.ONE_USER else None
-        """Who runs installers: the one user at ``one-user``, else the agent itself (for now)."""
+        """Who runs installers (ckagent.code.builder): the dedicated builder uid at ``spider-uids``, the one
+        user at ``one-user``, else the agent itself (None)."""
         self.dedicated_builder = dedicated_builder
         """The builder's own uid at ``spider-uids`` (recorded like a spider's), for installers that must
         not run as any spider (ckagent.code); None at the other levels."""
@@ -337,7 +338,7 @@ def open_identities(run_as_user: str | None, uids: UidRange, work_dir: Path, sto
     if level is IdentityLevel.SPIDER_UIDS:
         made = pool[0]
         builder_uid = made.uid_of(BUILDER, "")
-        identities.dedicated_builder = RunAs.of_uid(builder_uid, str(work_dir / "builder-home"))
+        identities.dedicated_builder = identities.builder = RunAs.of_uid(builder_uid, str(work_dir / "builder-home"))
         held = identities.held()
         details += f"; {len(held)} spider(s) hold one, builder uid {builder_uid}, {made.free()} free"
         identities.details = details

@@ -8,6 +8,7 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
 :mod:`harness.procs` (a task's processes, levels, spider building blocks), :mod:`harness.recording`,
 :mod:`harness.rawnode` (a node as raw HTTP, and in the dev master's store), :mod:`harness.fakes`
 (fake masters for the poller and the delivery), :mod:`harness.index` (a package index),
+:mod:`harness.npmregistry` (an npm registry),
 :mod:`harness.examples` (the example spiders' runs) — and a test imports it from ``harness``:
 
 - :func:`agent_settings` builds a Settings object the way `ckagent run` does (env overrides).
@@ -85,6 +86,7 @@ from harness.hostilefiles import *  # noqa: F403
 from harness.identities import *  # noqa: F403
 from harness.index import *  # noqa: F403
 from harness.levelcheck import *  # noqa: F403
+from harness.npmregistry import *  # noqa: F403
 from harness.procs import *  # noqa: F403
 from harness.pythons import *  # noqa: F403
 from harness.pyz import *  # noqa: F403

@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import http.server
 import io
+import tarfile
 import threading
 import zipfile
 from collections.abc import Iterator, Sequence
@@ -60,22 +61,43 @@ class PackageIndex:
     wheel_urls: dict[tuple[str, str], str]
 
 
+def sdist(name: str, version: str, files: dict[str, str]) -> tuple[str, bytes]:
+    """A source distribution of ``name`` (its ``pyproject.toml``, build backend and code are ``files``,
+    relative to the sdist's top directory; a ``PKG-INFO`` is added): (file name, bytes). Building it
+    runs whatever its build backend is — a third-party package's own code, as a package index serves it."""
+    top = f"{name}-{version}"
+    members = {f"{top}/PKG-INFO": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+               **{f"{top}/{rel}": text for rel, text in files.items()}}
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for path, text in members.items():
+            data = text.encode()
+            info = tarfile.TarInfo(path)
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return f"{top}.tar.gz", buf.getvalue()
+
+
 @contextlib.contextmanager
-def package_index(root: Path, packages: Sequence[tuple[str, str, str]]) -> Iterator[PackageIndex]:
+def package_index(root: Path, packages: Sequence[tuple[str, str, str]],
+                  sdists: Sequence[tuple[str, str, dict[str, str]]] = ()) -> Iterator[PackageIndex]:
     """Serve a PEP 503 simple index of ``packages`` ((package, version, module text), each built
-    with :func:`wheel`) from ``root`` on 127.0.0.1 (a free port) until the block ends: for uv in tests
-    that must not reach PyPI."""
+    with :func:`wheel`) and of ``sdists`` ((package, version, files): :func:`sdist`) from ``root`` on
+    127.0.0.1 (a free port) until the block ends: for uv in tests that must not reach PyPI."""
     (root / "files").mkdir(parents=True, exist_ok=True)
     with served_directory(root) as base:
-        yield _write_index(root, base, packages)
+        yield _write_index(root, base, packages, sdists)
 
 
-def _write_index(root: Path, base: str, packages: Sequence[tuple[str, str, str]]) -> PackageIndex:
-    """Write the index of ``packages`` into ``root`` (served at ``base``): its wheels and its pages."""
+def _write_index(root: Path, base: str, packages: Sequence[tuple[str, str, str]],
+                 sdists: Sequence[tuple[str, str, dict[str, str]]] = ()) -> PackageIndex:
+    """Write the index of ``packages`` and ``sdists`` into ``root`` (served at ``base``): their files and
+    its pages."""
     projects: dict[str, list[str]] = {}
     urls: dict[tuple[str, str], str] = {}
-    for name, version, text in packages:
-        wheel_name, data = wheel(name, version, text)
+    built = [(name, version, *wheel(name, version, text)) for name, version, text in packages]
+    built += [(name, version, *sdist(name, version, files)) for name, version, files in sdists]
+    for name, version, wheel_name, data in built:
         (root / "files" / wheel_name).write_bytes(data)
         sha = hashlib.sha256(data).hexdigest()
         projects.setdefault(name.replace("_", "-"), []).append(
