@@ -24,14 +24,11 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
 from ckagent.node.levels import Blocker, ContainmentLevel, LevelError, Unavailable
-
-if TYPE_CHECKING:
-    from ckagent.containment.private import Privacy
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +170,7 @@ class Containment(abc.ABC):
     details: str = ""
     can_limit: frozenset[str] = frozenset()
     passed_over: tuple[Unavailable, ...] = ()
-    privacy: Privacy | None = None
+    privacy: Any = None  # a ckagent.containment.private.Privacy (that module imports this one)
 
     @abc.abstractmethod
     def jail(self, task_id: str, limits: Limits) -> TaskJail:
