@@ -150,7 +150,9 @@ async def agent_census(workdir: Path, tasks: int = 10, **env: str) -> dict[str, 
         "AGENT_PORT": "0", "AGENT_MAX_WORKERS": "2",
         # its own registry of agents' ports: other agents on the host coming and going (their entries
         # in /run/ckagent/ports) would add the egress watch's hops to what this agent's tasks cost
-        "AGENT_PORTS_REGISTRY": str(workdir / "agent-ports"), **env}, require_token=True)
+        "AGENT_PORTS_REGISTRY": str(workdir / "agent-ports"),
+        # the stamps directory beside the work dir stays seen in each task's private /tmp
+        "AGENT_TASK_PRIVATE_TMP_SHARED": str(workdir), **env}, require_token=True)
     agent = Agent(settings)
     try:
         with census.installed():

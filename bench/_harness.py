@@ -190,7 +190,8 @@ class AgentProcess:
             "server": {"url": master.base_url},
             "agent": {"registration_token": master.registration_token, "name": name, "ip": "127.0.0.1",
                       "port": free_port(), "max_workers": max_workers},
-            "task": {"work_dir": str(directory / "data"), **task},
+            # (the bench's directory, where the spiders stamp, stays seen in each task's private /tmp)
+            "task": {"work_dir": str(directory / "data"), "private_tmp_shared": str(directory.parent), **task},
         }
         self.process: trio.Process | None = None
 

@@ -264,8 +264,8 @@ class Agent:
         except IdentityError as exc:
             raise ConfigError(str(exc)) from exc
         try:
-            containment = self.containment = await trio.to_thread.run_sync(
-                open_containment, s.task.containment, self.work_dir)
+            containment = self.containment = await trio.to_thread.run_sync(partial(  # (+ the tasks' private /tmp)
+                open_containment, s.task.containment, self.work_dir, node=s))
         except ContainmentError as exc:
             raise ConfigError(str(exc)) from exc
         self.metrics.containment_level(containment.level)

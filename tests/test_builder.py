@@ -18,12 +18,20 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import trio
-from harness import NpmPackage, npm_registry, package_index, spider_python, spider_reachable, world_directory
+from harness import (
+    NpmPackage,
+    npm_registry,
+    package_index,
+    searchable_directory,
+    spider_python,
+    world_directory,
+)
 
 from ckagent.code.builder import Builder, remove_tree, seal, sealed_by
 from ckagent.code.deps import Dependencies, IndexChooser, spider_base_env
@@ -252,6 +260,13 @@ setup(name="victim-project", version="1.0", install_requires=["ckdemo-dep==1.0"]
 
 
 @pytest.fixture
+def reach() -> Iterator[Path]:
+    """Where a test's builds happen: a directory every uid can enter (pytest's tmp_path is root's alone)."""
+    with searchable_directory() as path:
+        yield path
+
+
+@pytest.fixture
 def markers() -> Iterator[Path]:
     """A directory every uid can write: where a build script leaves its mark (if it runs at all)."""
     with world_directory() as path:
@@ -259,7 +274,6 @@ def markers() -> Iterator[Path]:
 
 
 def _builder_deps(tmp_path: Path, index: str, **kwargs: object) -> Dependencies:
-    spider_reachable(tmp_path)
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)
     work.chmod(0o711)
@@ -284,14 +298,14 @@ def _write_attempt(uid: int, path: Path) -> str:
 
 @needs_root
 async def test_a_python_env_is_built_as_the_builder_without_the_projects_code_and_no_spider_can_write_it(
-        tmp_path: Path, markers: Path) -> None:
+        reach: Path, markers: Path) -> None:
     third = markers / "third-party-build"
     own = markers / "project-code"
     backend = {"pyproject.toml": THIRD_PARTY_PYPROJECT, "backend.py": THIRD_PARTY_BACKEND.format(marker=str(third))}
-    with package_index(tmp_path / "index", [("ckdemo_dep", "1.0", "VALUE = 42\n")], [("ckthird", "1.0", backend)]) \
+    with package_index(reach / "index", [("ckdemo_dep", "1.0", "VALUE = 42\n")], [("ckthird", "1.0", backend)]) \
             as index:
-        deps = _builder_deps(tmp_path, index.url)
-        code = _code(tmp_path / "victim", {"requirements.txt": "-e .\nckthird==1.0\n",
+        deps = _builder_deps(reach, index.url)
+        code = _code(reach / "victim", {"requirements.txt": "-e .\nckthird==1.0\n",
                                            "setup.py": PROJECT_SETUP_PY.format(marker=str(own)),
                                            "victim_project/__init__.py": "NAME = 'victim'\n", "main.py": ""})
         log = bytearray()
@@ -324,7 +338,6 @@ async def test_a_python_env_is_built_as_the_builder_without_the_projects_code_an
     assert _as(SPIDER_A, ["ls", str(cache)]).returncode != 0
     assert _write_attempt(SPIDER_A, deps.builder.home / "poison") == "EACCES"
     # B's task runs clean, with the dependencies setup.py declared and the project on its PYTHONPATH
-    spider_reachable(code)
     run = _as(SPIDER_B, [str(venv / "bin" / "python"), "-c",
                          "import ckdemo_dep, ckthird, victim_project; print(ckdemo_dep.VALUE, victim_project.NAME)"],
               env={"PYTHONPATH": prepared.env["PYTHONPATH"], "PATH": "/usr/bin:/bin"})
@@ -335,14 +348,14 @@ async def test_a_python_env_is_built_as_the_builder_without_the_projects_code_an
 @needs_root
 @pytest.mark.skipif(NPM is None, reason="npm is not installed")
 async def test_a_node_env_runs_its_dependencies_scripts_as_the_builder_never_the_projects(
-        tmp_path: Path, markers: Path) -> None:
+        reach: Path, markers: Path) -> None:
     dep_marker, own_marker = markers / "dependency-script", markers / "project-script"
     record = "node -e \"require('fs').appendFileSync(process.argv[1], process.getuid() + '\\\\n')\" "
     with npm_registry([NpmPackage("ckdep", scripts={"postinstall": record + str(dep_marker)})]) as registry:
-        deps = _builder_deps(tmp_path, "http://127.0.0.1:9/simple")
+        deps = _builder_deps(reach, "http://127.0.0.1:9/simple")
         manifest = {"name": "victim", "version": "1.0.0", "dependencies": {"ckdep": "1.0.0"},
                     "scripts": {s: record + str(own_marker) for s in ("preinstall", "postinstall", "prepare")}}
-        code = _code(tmp_path / "victim", {"package.json": json.dumps(manifest), "index.js": ""})
+        code = _code(reach / "victim", {"package.json": json.dumps(manifest), "index.js": ""})
         log = bytearray()
         with trio.fail_after(120):
             prepared = await deps.prepare("node", "victim", code, log.extend,
@@ -366,8 +379,8 @@ async def test_a_node_env_runs_its_dependencies_scripts_as_the_builder_never_the
 
 
 @needs_root
-async def test_an_existing_cache_of_another_identity_is_emptied_and_given_to_the_builder(tmp_path: Path) -> None:
-    deps = _builder_deps(tmp_path, "http://127.0.0.1:9/simple")
+async def test_an_existing_cache_of_another_identity_is_emptied_and_given_to_the_builder(reach: Path) -> None:
+    deps = _builder_deps(reach, "http://127.0.0.1:9/simple")
     poisoned = deps.uv_cache_dir / "archive-v0" / "x" / "requests" / "__init__.py"
     poisoned.parent.mkdir(parents=True)
     poisoned.write_text("print('POISONED')\n")
@@ -385,3 +398,131 @@ def test_the_builder_of_an_agent_that_is_not_root_is_the_agent(tmp_path: Path) -
     dedicated = Builder.of(RunAs.of_uid(BUILDER_UID, str(tmp_path / "bh")), tmp_path)
     assert dedicated.home == tmp_path / "bh" and dedicated.identity != builder.identity
     assert errno.EACCES  # (the errno the spiders get, named in the docs)
+
+
+# --------------------------------------------------------------------------- the other identity levels
+
+
+@needs_root
+async def test_at_one_user_the_env_is_roots_but_the_caches_are_the_spiders_user(reach: Path) -> None:
+    """``task.run_as_user: NAME``: the builder is that user, so the finished environment is still
+    root's and read-only to it — but the caches are its own: what the level cannot keep (the docs)."""
+    user = RunAs.lookup("nobody")
+    with package_index(reach / "index", [("ckdemo_dep", "1.0", "VALUE = 42\n")]) as index:
+        deps = _builder_deps(reach, index.url, run_as=user)
+        code = _code(reach / "p", {"requirements.txt": "ckdemo-dep==1.0\n", "main.py": ""})
+        with trio.fail_after(120):
+            prepared = await deps.prepare("python", "p", code, lambda _: None)
+    assert prepared.env_dir is not None
+    site = next(prepared.env_dir.glob("lib/python*/site-packages"))
+    assert prepared.env_dir.stat().st_uid == 0 and site.stat().st_uid == 0
+    assert _write_attempt(user.uid, site / "zz_poison.pth") == "EACCES"
+    assert deps.uv_cache_dir.stat().st_uid == user.uid
+    assert _write_attempt(user.uid, deps.uv_cache_dir / "planted") == "written"  # the level's limit
+
+
+ATTACKER = """\
+import errno, os, sys, sysconfig
+site = sysconfig.get_paths()["purelib"]
+try:
+    open(os.path.join(site, "zz_poison.pth"), "w").write("import os; print('POISONED by ' + os.environ.get('CK_SPIDER_ID', '?'))\\n")
+    print("wrote", site)
+except OSError as exc:
+    print("refused", errno.errorcode[exc.errno], site)
+"""
+VICTIM = "print('victim ran clean')\n"
+
+
+@pytest.mark.slow
+def test_at_agent_user_a_spider_writing_its_environment_gets_eacces(pyz: Path) -> None:
+    """A non-root agent (``nobody``, with the session's pyz): spiders and builder are its own uid, the
+    environment is sealed by mode alone — a write by mistake (``pip install`` at run time) is refused,
+    and the next spider's interpreter loads nothing the first one tried to plant."""
+    import pwd
+
+    if os.geteuid() != 0:
+        pytest.skip("running the agent as another user needs root")
+    beside = Path(sys.executable).parent / "uv"  # the dev venv's; else the one on PATH
+    uv = beside if beside.is_file() else Path(shutil.which("uv") or "/nonexistent/uv")
+    if not uv.is_file():
+        pytest.skip("no uv to give the agent's user")
+    nobody = pwd.getpwnam("nobody")
+    with world_directory() as reach:
+        (reach / "bin").mkdir(mode=0o755)
+        shutil.copy(pyz, reach / "bin" / "ckagent.pyz")
+        shutil.copy(uv, reach / "bin" / "uv")
+        home = reach / "home"
+        home.mkdir()
+        os.chown(home, nobody.pw_uid, nobody.pw_gid)
+        for name, text in (("attacker", ATTACKER), ("victim", VICTIM)):
+            _code(reach / name, {"main.py": text})
+        env = {"HOME": str(home), "USER": "nobody", "SHIV_ROOT": str(home / "shiv"), "PATH": f"{reach}/bin:/usr/bin:/bin",
+               "LANG": "C.UTF-8"}
+
+        def run(name: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(["/usr/bin/python3", str(reach / "bin" / "ckagent.pyz"), "exec", str(reach / name),
+                                   "--framework", "python", "--items", str(home / f"{name}.jsonl"),
+                                   "--artifacts", str(home / f"{name}-artifacts")],
+                                  cwd=home, env=env, user=nobody.pw_uid, group=nobody.pw_gid, extra_groups=[],
+                                  capture_output=True, text=True, timeout=300, check=False)
+
+        attacker, victim = run("attacker"), run("victim")
+    assert attacker.returncode == 0, attacker.stdout + attacker.stderr
+    assert "refused EACCES" in attacker.stdout, attacker.stdout
+    assert victim.returncode == 0 and "victim ran clean" in victim.stdout, victim.stdout + victim.stderr
+    assert "POISONED" not in victim.stdout + victim.stderr
+
+
+def test_a_refused_write_into_the_environment_gets_a_hint_in_the_task_log() -> None:
+    from ckagent.code.builder import read_only_hint
+
+    pip = ("ERROR: Could not install packages due to an OSError: [Errno 13] Permission denied: "
+           "'/var/lib/ckagent/envs/py-0123456789abcdef01234567/lib/python3.11/site-packages/requests'")
+    npm = "npm error EACCES: permission denied, mkdir '/work/tasks/t/work/node_modules/.cache'"
+    assert read_only_hint(pip) is not None and read_only_hint(npm) is not None
+    assert read_only_hint("PermissionError: [Errno 13] Permission denied: '/etc/shadow'") is None
+    assert read_only_hint("site-packages/x.py: all fine") is None
+
+
+@needs_root
+def test_a_builder_process_still_writing_a_sealed_environment_is_killed_and_the_environment_not_used(
+        reach: Path) -> None:
+    from ckagent.code.builder import StillWritten, writers
+    from ckagent.code.envstore import mark_ready
+
+    env = reach / "py-x"
+    env.mkdir()
+    (env / "lib").mkdir()
+    os.chown(env, BUILDER_UID, BUILDER_UID)
+    os.chown(env / "lib", BUILDER_UID, BUILDER_UID)
+    holder = subprocess.Popen(["/usr/bin/python3", "-I", "-c", "import sys, time\nf = open(sys.argv[1], 'w')\n"
+                               "print('open', flush=True)\ntime.sleep(60)\n", str(env / "lib" / "late.py")],
+                              stdout=subprocess.PIPE, text=True, user=BUILDER_UID, group=BUILDER_UID, extra_groups=[])
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
+        assert writers(env, BUILDER_UID) == [holder.pid]
+        with pytest.raises(StillWritten, match=f"process\\(es\\) {holder.pid} of the builder"):
+            mark_ready(env, "k", "py", owner=(0, 0), builder="b", builder_uid=BUILDER_UID)
+        assert holder.wait(timeout=10) == -9
+        assert read_marker(env) is None  # not ready: its next build starts from nothing
+    finally:
+        holder.kill()
+        holder.communicate()
+
+
+@needs_root
+def test_the_start_says_when_the_builder_cannot_run_an_installer(reach: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    hidden = reach / "root-only"
+    hidden.mkdir(mode=0o700)
+    uv = Path(sys.executable).parent / "uv"
+    if not uv.is_file():
+        pytest.skip("no uv beside the suite's interpreter")
+    shutil.copy(uv, hidden / "uv")
+    env = {**spider_base_env(), "PATH": "/usr/bin:/bin"}
+    deps = _builder_deps(reach, "http://127.0.0.1:9/simple", uv_path=hidden / "uv", agent_bin=None, base_env=env)
+    hidden.chmod(0o700)  # _builder_deps opened the tree for searching: this one stays root's alone
+    with caplog.at_level("WARNING", "ckagent.code.deps"):
+        deps.setup()
+    warned = [r.getMessage() for r in caplog.records if "cannot run uv" in r.getMessage()]
+    assert warned and f"uid {BUILDER_UID}" in warned[0] and "deps.uv_path" in warned[0], caplog.text

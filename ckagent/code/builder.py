@@ -40,16 +40,19 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import shutil
 import stat
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckagent.node.runas import RunAs
+from ckagent.node.runas import RunAs, popen_identity
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Builder", "Sealed", "make_writable", "remove_tree", "seal", "sealed_by", "writable_by_others"]
+__all__ = ["Builder", "Sealed", "StillWritten", "make_writable", "read_only_hint", "remove_tree", "seal",
+           "sealed_by", "writable_by_others", "writers"]
 
 HOME_NAME = "builder-home"
 """The builder's HOME (and TMPDIR below it) in the work dir, when its identity names none of its own."""
@@ -83,6 +86,14 @@ class Builder:
     def gid(self) -> int:
         """The gid installers run as."""
         return self.run_as.gid if self.run_as is not None else os.getegid()
+
+    @property
+    def own_uid(self) -> int | None:
+        """The builder's uid when it is its own (a dedicated uid at ``spider-uids``: not root's, not the
+        agent's, not a passwd user's every spider shares); else None."""
+        if self.run_as is None or not self.run_as.dynamic or self.run_as.uid in (0, os.geteuid()):
+            return None
+        return self.run_as.uid
 
     @property
     def identity(self) -> str:
@@ -126,6 +137,21 @@ class Builder:
                 os.lchown(path, self.uid, self.gid)
         os.chmod(path, 0o700)
         return changed
+
+    def cannot_run(self, argv: list[str], env: dict[str, str]) -> str | None:
+        """Why the builder cannot run ``argv`` (None: it ran and exited 0). Blocking: one short process
+        (30 s at most), as the builder, in its home."""
+        try:
+            done = subprocess.run(argv, capture_output=True, timeout=30, check=False, stdin=subprocess.DEVNULL,
+                                  cwd=self.home, env=env, **popen_identity(self.run_as))
+        except subprocess.TimeoutExpired:
+            return "it did not answer within 30 s"
+        except OSError as exc:
+            return exc.strerror or str(exc)
+        if done.returncode != 0:
+            tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit code {done.returncode}"]
+            return tail[0][:300]
+        return None
 
     def prepare_home(self) -> None:
         """The builder's HOME and its TMPDIR, made and given to it (mode 0700)."""
@@ -260,6 +286,54 @@ def _seal_entry(name: str, dirfd: int, fd: int, owner: tuple[int, int], chown: b
     done.entries += 1
 
 
+class StillWritten(OSError):
+    """A process of the builder still held a file of a sealed environment open for writing (it was killed;
+    the environment is not used: its next build starts from nothing)."""
+
+
+def writers(path: Path, uid: int) -> list[int]:
+    """Processes running as ``uid`` that hold a file below ``path`` open for writing, or mapped shared
+    and writable: the seal changes modes, not descriptors already open. Root reads every process's
+    /proc entries. Blocking (one /proc scan). Never raises."""
+    prefix = os.path.realpath(path).rstrip("/") + "/"
+    found: list[int] = []
+    try:
+        pids = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+    except OSError:
+        return found
+    for pid in pids:
+        if pid == os.getpid():
+            continue
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != uid:
+                continue
+            if _writes_below(pid, prefix):
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def _writes_below(pid: int, prefix: str) -> bool:
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if not target.startswith(prefix):
+                continue
+            with open(f"/proc/{pid}/fdinfo/{fd}") as fh:
+                flags = next((int(line.split()[1], 8) for line in fh if line.startswith("flags:")), 0)
+        except (OSError, ValueError):
+            continue
+        if flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR):
+            return True
+    with open(f"/proc/{pid}/maps") as fh:
+        for line in fh:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[1][1] == "w" and fields[1][3] == "s" and fields[5].startswith(prefix):
+                return True
+    return False
+
+
 def seal_top(path: Path, owner: tuple[int, int]) -> None:
     """The last step of :func:`seal` with ``top=False``: the top directory given to ``owner`` (when the
     agent is root) and made 0555. Raises OSError (a top that is not a directory: ENOTDIR)."""
@@ -371,7 +445,28 @@ def _loose(item: Path, trusted: set[int]) -> str | None:
         return None  # a link's own mode means nothing; what it names is checked where it is reached
     if st.st_uid not in trusted:
         return f"{item} belongs to uid {st.st_uid}"
-    if st.st_mode & 0o022 and not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX and st.st_uid == 0
-                                   and item.parent == item):
+    # A sticky directory (/tmp) lets no one rename or remove an entry it does not own: the entry's own
+    # owner, checked as the next component, is what counts.
+    if st.st_mode & 0o022 and not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX):
         return f"{item} is writable by its group or by others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+_DENIED = re.compile(r"(Permission denied|EACCES|Read-only file system|EROFS|Operation not permitted|EPERM)")
+_ENV_PATH = re.compile(r"(/envs/(?:py|node)-[0-9a-f]+|site-packages|node_modules)")
+READ_ONLY_HINT = (
+    "the spider wrote into its environment, which is read-only (built by the node's builder and shared with "
+    "every spider whose project declares the same): declare dependencies in the project's files "
+    "(requirements.txt, pyproject.toml, package.json with its lock) instead of installing them at run time, and "
+    "let a tool download into the spider's HOME or CK_DATA_DIR (docs/operations.md, Environments and caches)")
+"""What the task log says when a failed spider's last output shows a refused write into its environment."""
+
+
+def read_only_hint(output: str) -> str | None:
+    """:data:`READ_ONLY_HINT` when ``output`` (the last lines of a failed spider's output) has a refused
+    write (EACCES, EROFS, EPERM) on a line naming its environment (``envs/py-…``, ``site-packages``,
+    ``node_modules``); None otherwise."""
+    for line in output.splitlines():
+        if _DENIED.search(line) and _ENV_PATH.search(line):
+            return READ_ONLY_HINT
     return None

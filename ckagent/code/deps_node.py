@@ -434,4 +434,5 @@ def _finish_node_env(install_dir: Path, key: str, builder: Builder) -> int:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(install_dir / name)
     (install_dir / "node_modules").mkdir(exist_ok=True)
-    return mark_ready(install_dir, key, "node", owner=builder.owner, builder=builder.identity)
+    return mark_ready(install_dir, key, "node", owner=builder.owner, builder=builder.identity,
+                      builder_uid=builder.own_uid)

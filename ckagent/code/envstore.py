@@ -32,9 +32,11 @@ instead: a spider could have written into it, and sealing would keep what it wro
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
+import signal
 import threading
 import time
 from collections import Counter
@@ -44,7 +46,7 @@ from pathlib import Path
 
 import trio
 
-from ckagent.code.builder import remove_tree, seal, seal_top, sealed_by
+from ckagent.code.builder import StillWritten, remove_tree, seal, seal_top, sealed_by, writers
 
 log = logging.getLogger(__name__)
 
@@ -223,11 +225,22 @@ def start_build(env_dir: Path) -> None:
     os.chmod(env_dir, 0o700)
 
 
-def mark_ready(env_dir: Path, key: str, kind: str, *, owner: tuple[int, int], builder: str) -> int:
+def mark_ready(env_dir: Path, key: str, kind: str, *, owner: tuple[int, int], builder: str,
+               builder_uid: int | None = None) -> int:
     """The last step of a build: seal ``env_dir`` for ``owner`` (ckagent.code.builder.seal), then write
-    the marker (``builder``: who built it), then make the top read-only. Returns the environment's
-    size in bytes. Raises OSError."""
+    the marker (``builder``: who built it), then make the top read-only. ``builder_uid``: a uid of
+    the builder's own, whose processes must hold no file of it open for writing once it is sealed
+    (ckagent.code.builder.writers: one that does is killed and the environment is not marked: its
+    box should have been emptied, so something outlived it). Returns the environment's size in bytes.
+    Raises OSError (StillWritten)."""
     sealed = seal(env_dir, owner, top=False)
+    if builder_uid is not None and (held := writers(env_dir, builder_uid)):
+        for pid in held:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        raise StillWritten(errno.EBUSY, f"process(es) {', '.join(map(str, held))} of the builder (uid {builder_uid}) "
+                                        f"still held files of {env_dir.name} open for writing after the install "
+                                        "ended: killed, and the environment is not used (it is built again)")
     tmp = env_dir / (MARKER + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444)
     try:

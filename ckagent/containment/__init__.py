@@ -40,6 +40,7 @@ Exceptions: :class:`ContainmentError` (a forced level is not available; a task's
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 from ckagent.containment.base import (
@@ -56,7 +57,9 @@ from ckagent.containment.base import (
 from ckagent.containment.cgroup_v1 import CgroupV1, check_v1
 from ckagent.containment.cgroup_v2 import CgroupV2, check_v2
 from ckagent.containment.hierarchy import agent_group_name, own_dirs
+from ckagent.containment.private import needed_paths, open_privacy
 from ckagent.containment.process_group import ProcessGroup
+from ckagent.node.configschema import Settings
 from ckagent.node.levels import AUTO, Blocker, ContainmentLevel, Judged, Unavailable, decide
 
 __all__ = [
@@ -77,7 +80,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def open_containment(setting: str | ContainmentLevel, work_dir: Path, *, use_unified: bool = True) -> Containment:
+def open_containment(setting: str | ContainmentLevel, work_dir: Path, *, use_unified: bool = True,
+                     node: Settings | None = None) -> Containment:
     """The containment level for this agent: ``setting`` is ``auto`` or a level (or its text).
 
     Decides by :func:`~ckagent.node.levels.decide` (as :func:`judge_containment` does). Blocking (a few reads and mkdirs in
@@ -86,6 +90,9 @@ def open_containment(setting: str | ContainmentLevel, work_dir: Path, *, use_uni
     :class:`~ckagent.node.levels.Blocker`. Raises ContainmentError when a forced level cannot be used
     here (the message says why, its ``blocker`` in a word); ``auto`` never raises (it falls back to
     ``process-group``). ``use_unified`` False: ``cgroup-v1`` ignores a v2 tree (tests of the pure-v1 paths).
+    ``node`` (the node's settings: the agent's start): the tasks' private /tmp, /dev/shm and /proc are
+    proven too (``task.private_tmp``: :func:`~ckagent.containment.private.open_privacy`, one log line; the
+    result's ``privacy``), which raises ContainmentError for a named level not available.
     """
     forced = _parse_setting(setting)
     own = own_dirs()
@@ -96,6 +103,11 @@ def open_containment(setting: str | ContainmentLevel, work_dir: Path, *, use_uni
     adj = lower_own_oom_score_adj()
     log.info("containment: %s — %s; agent oom_score_adj %s, spiders +%d", containment.level,
              containment.details, adj, SPIDER_OOM_SCORE_ADJ)
+    if node is not None:
+        shared = tuple(Path(p) for p in node.task.private_tmp_shared.split(",") if p)
+        work_dir.mkdir(parents=True, exist_ok=True)
+        containment.privacy = open_privacy(work_dir, needed_paths(work_dir, node.deps.python or sys.executable)
+                                           + shared, node.task.private_tmp)
     return containment
 
 

@@ -163,12 +163,14 @@ class Containment(abc.ABC):
     """The node's containment level. ``level`` the level; ``details`` one line for the log and
     /status; ``can_limit`` the controllers limits work with (subset of memory, pids, cpu);
     ``passed_over`` the stronger levels this node did not get, each with why (set by
-    :func:`ckagent.containment.open_containment`)."""
+    :func:`ckagent.containment.open_containment`); ``privacy`` the tasks' private /tmp, /dev/shm and
+    /proc (set by the agent at start: :func:`ckagent.containment.private.open_privacy`; None: TMPDIR only)."""
 
     level: ContainmentLevel
     details: str = ""
     can_limit: frozenset[str] = frozenset()
     passed_over: tuple[Unavailable, ...] = ()
+    privacy: Any = None  # a ckagent.containment.private.Privacy (that module imports this one)
 
     @abc.abstractmethod
     def jail(self, task_id: str, limits: Limits) -> TaskJail:
@@ -192,8 +194,10 @@ class Containment(abc.ABC):
         return None
 
     def to_json(self) -> dict[str, Any]:
-        """``{"level", "details", "limits"}`` for registration and /status."""
-        return {"level": self.level.value, "details": self.details, "limits": sorted(self.can_limit)}
+        """``{"level", "details", "limits"}`` for registration and /status, and ``privateTmp``
+        (:meth:`Privacy.to_json <ckagent.containment.private.Privacy.to_json>`) once it is known."""
+        out = {"level": self.level.value, "details": self.details, "limits": sorted(self.can_limit)}
+        return out if self.privacy is None else {**out, "privateTmp": self.privacy.to_json()}
 
     def close(self) -> None:
         """Release what the level holds (the per-agent cgroup directory if empty). Never raises."""

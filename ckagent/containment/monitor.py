@@ -50,6 +50,7 @@ from ckagent.containment import TaskJail
 from ckagent.containment.base import SHELL, SPIDER_OOM_SCORE_ADJ, make_preexec
 from ckagent.containment.base import _resolve as resolve_program
 from ckagent.containment.filewatch import FileWatch
+from ckagent.containment.private import TMP_DIR, Privacy, PrivacyLevel
 from ckagent.containment.process_group import MARKER_VAR, SPAWNED
 from ckagent.containment.stopping import (
     Notice,
@@ -289,13 +290,18 @@ async def _wait_pid_exit(pid: int, child: subprocess.Popen[bytes] | None = None)
 def spawn_monitored(
     argv: list[str], *, cwd: Path, env: dict[str, str], task_id: str, task_dir: Path, output_path: Path,
     jail: TaskJail, run_as: RunAs | None, deadline_at: float | None, work: Path, stall_timeout: float,
-    env_dir: Path | None = None, proxy_port: int = 0,
+    env_dir: Path | None = None, proxy_port: int = 0, privacy: Privacy | None = None,
 ) -> Monitored:
     """Start ``argv`` behind its monitor, in ``jail``, stdout and stderr appended to ``output_path``.
     Blocking (the fork, a few small files): call it in a thread hop (the runner's spawn hop).
 
+    ``privacy``: the node's private-namespace level (ckagent.containment.private): at
+    ``mount-namespace`` the monitor's child makes its namespace and drops to ``run_as`` itself before
+    its exec; at ``user-namespace`` the monitor is started through the namespace helper.
+
     ``env`` must carry ``CK_TASK_ID=task_id`` (the sweep's marker). Raises OSError when the command
-    cannot be started. The caller supervises the result (:func:`supervise`) and stores its handle.
+    cannot be started (its namespace cannot be made: the message says which step). The caller
+    supervises the result (:func:`supervise`) and stores its handle.
     """
     if env.get(MARKER_VAR) != task_id:
         raise ValueError(f"env must carry {MARKER_VAR}={task_id} (the sweep finds escaped processes by it)")
@@ -305,7 +311,19 @@ def spawn_monitored(
     program = resolve_program(argv[0], env.get("PATH"))
     forking = run_as is not None
     options: dict[str, Any] = {}
-    if forking:  # the cgroup is joined between fork and exec (after setuid): the script joins nothing
+    identity = popen_identity(run_as)
+    level = privacy.level if privacy is not None else PrivacyLevel.TMPDIR
+    wrap: Callable[[list[str]], list[str]] = list
+    if privacy is not None and level is PrivacyLevel.MOUNT_NAMESPACE:
+        # The child joins the cgroups, makes its namespace and only then drops to run_as: no user= here.
+        script = monitor_script([], status_path)
+        options["preexec_fn"] = privacy.preexec(jail.join_fds(), run_as, task_dir / TMP_DIR)
+        identity = {}
+    elif privacy is not None and level is PrivacyLevel.USER_NAMESPACE and not forking:
+        script = monitor_script([], status_path)
+        joins = jail.join_paths()
+        wrap = lambda command: privacy.wrap(command, joins, task_dir / TMP_DIR)  # noqa: E731
+    elif forking:  # the cgroup is joined between fork and exec (after setuid): the script joins nothing
         script, options["preexec_fn"] = monitor_script([], status_path), make_preexec(jail.join_fds())
     else:
         script = monitor_script(jail.join_paths(), status_path)
@@ -313,10 +331,14 @@ def spawn_monitored(
     # that would give the spider's output a file of the agent's choosing), never a FIFO.
     out = beneath.open_file(output_path.parent, output_path.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
     try:
-        popen = subprocess.Popen(
-            [SHELL, "-c", script, program, *argv[1:]], cwd=str(cwd), env=env, stdin=subprocess.DEVNULL,
-            stdout=out, stderr=out, start_new_session=True, **popen_identity(run_as), **options,
-        )  # fmt: skip
+        try:
+            popen = subprocess.Popen(
+                wrap([SHELL, "-c", script, program, *argv[1:]]), cwd=str(cwd), env=env, stdin=subprocess.DEVNULL,
+                stdout=out, stderr=out, start_new_session=True, **identity, **options,
+            )  # fmt: skip
+        except subprocess.SubprocessError as exc:  # a preexec_fn that raised (its namespace, its cgroup)
+            raise OSError(errno.EPERM, f"cannot set up the spider's process ({level} level: its cgroups, its "
+                                       f"private namespace or its identity): {exc}") from exc
         SPAWNED.add(popen.pid)  # we reap it (Monitored.wait); the subreaper's reaper must not
     finally:
         os.close(out)

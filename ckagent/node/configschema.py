@@ -22,6 +22,8 @@ from ckagent.node.levels import AUTO, ContainmentLevel, EgressLevel
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 LogFormat = Literal["text", "json"]
 
+PRIVATE_TMP_CHOICES = (AUTO, "mount-namespace", "user-namespace", "tmpdir")
+"""``task.private_tmp``: auto, or a level of ckagent.containment.private.PrivacyLevel (strongest first)."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,8 @@ class TaskSettings:
     of a task that names none: ``memory_limit_bytes`` (bytes), ``pids_limit``, ``cpus_limit``
     (cores); None = no limit. ``egress``: ``auto`` or an :class:`~ckagent.node.levels.EgressLevel`'s text;
     ``egress_deny`` / ``egress_allow``: comma-separated entries of :mod:`ckagent.node.egress_policy`.
+    ``private_tmp``: ``auto`` or a level of :class:`ckagent.containment.private.PrivacyLevel` (its text);
+    ``private_tmp_shared``: absolute paths (comma-separated) tasks still see in their private namespace.
     """
 
     poll_interval: float
@@ -128,6 +132,8 @@ class TaskSettings:
     egress: str
     egress_deny: str
     egress_allow: str
+    private_tmp: str = "auto"
+    private_tmp_shared: str = ""
 
 
 @dataclass(frozen=True)
@@ -368,6 +374,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("task", "egress_allow", "AGENT_TASK_EGRESS_ALLOW", "comma-separated IP networks[:port]", "",
             "Exceptions that beat every denial (an internal proxy: 10.0.0.5:3128); a task's `egress.allow` "
             "adds to it.", v.egress_allow),
+    Setting("task", "private_tmp", "AGENT_TASK_PRIVATE_TMP", ", ".join(PRIVATE_TMP_CHOICES), AUTO,
+            "Each task's own /tmp, /var/tmp and /dev/shm (tmpfs, gone with the task) and, as root, a /proc "
+            "showing a spider only its own processes: auto = a mount namespace per task as root, a user "
+            "namespace where the agent is not root and may make one, else tmpdir (TMPDIR alone, the host's "
+            "/tmp shared); a named level fails the start when it is not available. See docs/operations.md.",
+            v.choice(PRIVATE_TMP_CHOICES, upper=False)),
+    Setting("task", "private_tmp_shared", "AGENT_TASK_PRIVATE_TMP_SHARED", "comma-separated absolute paths", "",
+            "Paths under /tmp, /var/tmp or /dev/shm that tasks still see as the host's in their private "
+            "namespace (a local database's socket, /tmp/.X11-unix); the work dir always is.", v.abs_paths),
     Setting("logging", "level", "AGENT_LOG_LEVEL", "DEBUG, INFO, WARNING, ERROR", "INFO",
             "Log level (case-insensitive).", v.choice(("DEBUG", "INFO", "WARNING", "ERROR"), upper=True)),
     Setting("logging", "file", "AGENT_LOG_FILE", "path", None,

@@ -124,6 +124,15 @@ def globs(raw: str) -> str:
     return ",".join(patterns)
 
 
+def abs_paths(raw: str) -> str:
+    """Comma-separated absolute paths (empty entries dropped), normalised."""
+    paths = [p.strip() for p in raw.split(",") if p.strip()]
+    for entry in paths:
+        if not entry.startswith("/"):
+            raise Invalid(f"expected absolute paths ({entry!r} is not)")
+    return ",".join(os.path.normpath(p) for p in paths)
+
+
 def text(raw: str) -> str:
     """A non-empty string, stripped."""
     if not raw.strip():

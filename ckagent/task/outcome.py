@@ -34,6 +34,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckagent.code.builder import read_only_hint
 from ckagent.containment import Figures, TaskJail, format_bytes
 from ckagent.containment.egress import Refusal
 from ckagent.containment.process import clock
@@ -92,6 +93,8 @@ def judge_exit(rt: RunningTask, outcome: ProcessOutcome, notice: Notice, stderr_
         return TaskOutcome("SUCCESS", exit_code=0)
     # A signal the agent did not send (it sent none: not stopped, not timed out): a crash, a kill.
     code = "SIGNALED" if outcome.returncode is not None and outcome.returncode < 0 else "EXIT_NONZERO"
+    if (hint := read_only_hint(stderr_tail.text())) is not None:
+        notice(hint)
     return TaskOutcome("FAILED", code, exit_message(outcome.returncode, stderr_tail, rt.task, agent_secrets),
                        outcome.returncode)
 

@@ -53,6 +53,7 @@ from ckagent.code.workspace import Workspaces
 from ckagent.containment import ContainmentError, Figures, TaskJail
 from ckagent.containment.egress import Refusal, report_refusals
 from ckagent.containment.monitor import Monitored, spawn_monitored, supervise
+from ckagent.containment.private import make_task_tmp, remove_task_tmp, task_tmp_env
 from ckagent.containment.process import MARKER_VAR, sweep
 from ckagent.containment.tails import TailBuffer
 from ckagent.delivery import LogSink, Outbox
@@ -331,6 +332,8 @@ class TaskRunner:
             env.update(rt.run_as.env())
         env["HOME"] = str(home_dir)
         env.update(prepared.env)
+        privacy = self.config.containment.privacy if self.config.containment is not None else None
+        env.update(task_tmp_env(task_dir, privacy))  # its own TMPDIR (a task's env may still name another)
         env.update(self.config.extra_env)
         env.update(task.env)
         if self.config.egress is not None:  # the proxy variables of the advisory level ({} otherwise)
@@ -369,12 +372,14 @@ class TaskRunner:
                 env.update(added.env)
                 lines = added.notices
             trio.from_thread.run_sync(say, lines)
+            make_task_tmp(task_dir, self.config.run_as)
             mon = spawn_monitored(
                 _resolve(argv, env), cwd=code.work, env=env, task_id=task.id, task_dir=task_dir,
                 output_path=sink.path, jail=jail, run_as=rt.run_as,
                 deadline_at=None if not timeout else (rt.started_at or 0.0) + timeout, work=code.work,
                 stall_timeout=stall, env_dir=prepared.env_dir,
                 proxy_port=self.config.egress.proxy_port(rt.egress) if self.config.egress is not None else 0,
+                privacy=privacy,
             )
             try:
                 store.set_process(task.id, mon.pid, mon.pid, mon.handle.to_json())
@@ -432,6 +437,7 @@ class TaskRunner:
             """The end hop: the output's tail, the jail's figures (into the result: cpuSeconds,
             memoryPeakBytes, ...), what the egress rules refused (blocking reads, nft); then ``end()``."""
             refused = egress.refusals(rt.egress) if egress is not None else None
+            remove_task_tmp(Path(handle.status_file).parent)  # its TMPDIR goes with its last process
             return output_tail(sink.path), jail.figures(), refused, end(refused) if end is not None else None
 
         tail, figures, refused, last = await trio.to_thread.run_sync(end_reads)
