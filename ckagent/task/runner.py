@@ -372,7 +372,7 @@ class TaskRunner:
                 env.update(added.env)
                 lines = added.notices
             trio.from_thread.run_sync(say, lines)
-            make_task_tmp(task_dir, self.config.run_as)
+            make_task_tmp(task_dir, rt.run_as)
             mon = spawn_monitored(
                 _resolve(argv, env), cwd=code.work, env=env, task_id=task.id, task_dir=task_dir,
                 output_path=sink.path, jail=jail, run_as=rt.run_as,
