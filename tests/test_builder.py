@@ -24,7 +24,14 @@ from pathlib import Path
 
 import pytest
 import trio
-from harness import NpmPackage, npm_registry, package_index, spider_python, spider_reachable, world_directory
+from harness import (
+    NpmPackage,
+    npm_registry,
+    package_index,
+    searchable_directory,
+    spider_python,
+    world_directory,
+)
 
 from ckagent.code.builder import Builder, remove_tree, seal, sealed_by
 from ckagent.code.deps import Dependencies, IndexChooser, spider_base_env
@@ -253,6 +260,13 @@ setup(name="victim-project", version="1.0", install_requires=["ckdemo-dep==1.0"]
 
 
 @pytest.fixture
+def reach() -> Iterator[Path]:
+    """Where a test's builds happen: a directory every uid can enter (pytest's tmp_path is root's alone)."""
+    with searchable_directory() as path:
+        yield path
+
+
+@pytest.fixture
 def markers() -> Iterator[Path]:
     """A directory every uid can write: where a build script leaves its mark (if it runs at all)."""
     with world_directory() as path:
@@ -260,7 +274,6 @@ def markers() -> Iterator[Path]:
 
 
 def _builder_deps(tmp_path: Path, index: str, **kwargs: object) -> Dependencies:
-    spider_reachable(tmp_path)
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)
     work.chmod(0o711)
@@ -285,14 +298,14 @@ def _write_attempt(uid: int, path: Path) -> str:
 
 @needs_root
 async def test_a_python_env_is_built_as_the_builder_without_the_projects_code_and_no_spider_can_write_it(
-        tmp_path: Path, markers: Path) -> None:
+        reach: Path, markers: Path) -> None:
     third = markers / "third-party-build"
     own = markers / "project-code"
     backend = {"pyproject.toml": THIRD_PARTY_PYPROJECT, "backend.py": THIRD_PARTY_BACKEND.format(marker=str(third))}
-    with package_index(tmp_path / "index", [("ckdemo_dep", "1.0", "VALUE = 42\n")], [("ckthird", "1.0", backend)]) \
+    with package_index(reach / "index", [("ckdemo_dep", "1.0", "VALUE = 42\n")], [("ckthird", "1.0", backend)]) \
             as index:
-        deps = _builder_deps(tmp_path, index.url)
-        code = _code(tmp_path / "victim", {"requirements.txt": "-e .\nckthird==1.0\n",
+        deps = _builder_deps(reach, index.url)
+        code = _code(reach / "victim", {"requirements.txt": "-e .\nckthird==1.0\n",
                                            "setup.py": PROJECT_SETUP_PY.format(marker=str(own)),
                                            "victim_project/__init__.py": "NAME = 'victim'\n", "main.py": ""})
         log = bytearray()
@@ -325,7 +338,6 @@ async def test_a_python_env_is_built_as_the_builder_without_the_projects_code_an
     assert _as(SPIDER_A, ["ls", str(cache)]).returncode != 0
     assert _write_attempt(SPIDER_A, deps.builder.home / "poison") == "EACCES"
     # B's task runs clean, with the dependencies setup.py declared and the project on its PYTHONPATH
-    spider_reachable(code)
     run = _as(SPIDER_B, [str(venv / "bin" / "python"), "-c",
                          "import ckdemo_dep, ckthird, victim_project; print(ckdemo_dep.VALUE, victim_project.NAME)"],
               env={"PYTHONPATH": prepared.env["PYTHONPATH"], "PATH": "/usr/bin:/bin"})
@@ -336,14 +348,14 @@ async def test_a_python_env_is_built_as_the_builder_without_the_projects_code_an
 @needs_root
 @pytest.mark.skipif(NPM is None, reason="npm is not installed")
 async def test_a_node_env_runs_its_dependencies_scripts_as_the_builder_never_the_projects(
-        tmp_path: Path, markers: Path) -> None:
+        reach: Path, markers: Path) -> None:
     dep_marker, own_marker = markers / "dependency-script", markers / "project-script"
     record = "node -e \"require('fs').appendFileSync(process.argv[1], process.getuid() + '\\\\n')\" "
     with npm_registry([NpmPackage("ckdep", scripts={"postinstall": record + str(dep_marker)})]) as registry:
-        deps = _builder_deps(tmp_path, "http://127.0.0.1:9/simple")
+        deps = _builder_deps(reach, "http://127.0.0.1:9/simple")
         manifest = {"name": "victim", "version": "1.0.0", "dependencies": {"ckdep": "1.0.0"},
                     "scripts": {s: record + str(own_marker) for s in ("preinstall", "postinstall", "prepare")}}
-        code = _code(tmp_path / "victim", {"package.json": json.dumps(manifest), "index.js": ""})
+        code = _code(reach / "victim", {"package.json": json.dumps(manifest), "index.js": ""})
         log = bytearray()
         with trio.fail_after(120):
             prepared = await deps.prepare("node", "victim", code, log.extend,
@@ -367,8 +379,8 @@ async def test_a_node_env_runs_its_dependencies_scripts_as_the_builder_never_the
 
 
 @needs_root
-async def test_an_existing_cache_of_another_identity_is_emptied_and_given_to_the_builder(tmp_path: Path) -> None:
-    deps = _builder_deps(tmp_path, "http://127.0.0.1:9/simple")
+async def test_an_existing_cache_of_another_identity_is_emptied_and_given_to_the_builder(reach: Path) -> None:
+    deps = _builder_deps(reach, "http://127.0.0.1:9/simple")
     poisoned = deps.uv_cache_dir / "archive-v0" / "x" / "requests" / "__init__.py"
     poisoned.parent.mkdir(parents=True)
     poisoned.write_text("print('POISONED')\n")
@@ -392,13 +404,13 @@ def test_the_builder_of_an_agent_that_is_not_root_is_the_agent(tmp_path: Path) -
 
 
 @needs_root
-async def test_at_one_user_the_env_is_roots_but_the_caches_are_the_spiders_user(tmp_path: Path) -> None:
+async def test_at_one_user_the_env_is_roots_but_the_caches_are_the_spiders_user(reach: Path) -> None:
     """``task.run_as_user: NAME``: the builder is that user, so the finished environment is still
     root's and read-only to it — but the caches are its own: what the level cannot keep (the docs)."""
     user = RunAs.lookup("nobody")
-    with package_index(tmp_path / "index", [("ckdemo_dep", "1.0", "VALUE = 42\n")]) as index:
-        deps = _builder_deps(tmp_path, index.url, run_as=user)
-        code = _code(tmp_path / "p", {"requirements.txt": "ckdemo-dep==1.0\n", "main.py": ""})
+    with package_index(reach / "index", [("ckdemo_dep", "1.0", "VALUE = 42\n")]) as index:
+        deps = _builder_deps(reach, index.url, run_as=user)
+        code = _code(reach / "p", {"requirements.txt": "ckdemo-dep==1.0\n", "main.py": ""})
         with trio.fail_after(120):
             prepared = await deps.prepare("python", "p", code, lambda _: None)
     assert prepared.env_dir is not None
@@ -474,12 +486,11 @@ def test_a_refused_write_into_the_environment_gets_a_hint_in_the_task_log() -> N
 
 @needs_root
 def test_a_builder_process_still_writing_a_sealed_environment_is_killed_and_the_environment_not_used(
-        tmp_path: Path) -> None:
+        reach: Path) -> None:
     from ckagent.code.builder import StillWritten, writers
     from ckagent.code.envstore import mark_ready
 
-    spider_reachable(tmp_path)
-    env = tmp_path / "py-x"
+    env = reach / "py-x"
     env.mkdir()
     (env / "lib").mkdir()
     os.chown(env, BUILDER_UID, BUILDER_UID)
@@ -497,3 +508,21 @@ def test_a_builder_process_still_writing_a_sealed_environment_is_killed_and_the_
     finally:
         holder.kill()
         holder.communicate()
+
+
+@needs_root
+def test_the_start_says_when_the_builder_cannot_run_an_installer(reach: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    hidden = reach / "root-only"
+    hidden.mkdir(mode=0o700)
+    uv = Path(sys.executable).parent / "uv"
+    if not uv.is_file():
+        pytest.skip("no uv beside the suite's interpreter")
+    shutil.copy(uv, hidden / "uv")
+    env = {**spider_base_env(), "PATH": "/usr/bin:/bin"}
+    deps = _builder_deps(reach, "http://127.0.0.1:9/simple", uv_path=hidden / "uv", agent_bin=None, base_env=env)
+    hidden.chmod(0o700)  # _builder_deps opened the tree for searching: this one stays root's alone
+    with caplog.at_level("WARNING", "ckagent.code.deps"):
+        deps.setup()
+    warned = [r.getMessage() for r in caplog.records if "cannot run uv" in r.getMessage()]
+    assert warned and f"uid {BUILDER_UID}" in warned[0] and "deps.uv_path" in warned[0], caplog.text

@@ -43,10 +43,11 @@ import os
 import re
 import shutil
 import stat
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckagent.node.runas import RunAs
+from ckagent.node.runas import RunAs, popen_identity
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +137,21 @@ class Builder:
                 os.lchown(path, self.uid, self.gid)
         os.chmod(path, 0o700)
         return changed
+
+    def cannot_run(self, argv: list[str], env: dict[str, str]) -> str | None:
+        """Why the builder cannot run ``argv`` (None: it ran and exited 0). Blocking: one short process
+        (30 s at most), as the builder, in its home."""
+        try:
+            done = subprocess.run(argv, capture_output=True, timeout=30, check=False, stdin=subprocess.DEVNULL,
+                                  cwd=self.home, env=env, **popen_identity(self.run_as))
+        except subprocess.TimeoutExpired:
+            return "it did not answer within 30 s"
+        except OSError as exc:
+            return exc.strerror or str(exc)
+        if done.returncode != 0:
+            tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit code {done.returncode}"]
+            return tail[0][:300]
+        return None
 
     def prepare_home(self) -> None:
         """The builder's HOME and its TMPDIR, made and given to it (mode 0700)."""
@@ -429,8 +445,9 @@ def _loose(item: Path, trusted: set[int]) -> str | None:
         return None  # a link's own mode means nothing; what it names is checked where it is reached
     if st.st_uid not in trusted:
         return f"{item} belongs to uid {st.st_uid}"
-    if st.st_mode & 0o022 and not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX and st.st_uid == 0
-                                   and item.parent == item):
+    # A sticky directory (/tmp) lets no one rename or remove an entry it does not own: the entry's own
+    # owner, checked as the next component, is what counts.
+    if st.st_mode & 0o022 and not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX):
         return f"{item} is writable by its group or by others (mode {stat.S_IMODE(st.st_mode):04o})"
     return None
 

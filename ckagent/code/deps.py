@@ -54,7 +54,7 @@ from ckagent.code.deps_python import UV_MISSING, IndexChooser, PythonEnvs
 from ckagent.code.envstore import Checked, EnvStore, Prepared
 from ckagent.code.installer import KILL_GRACE, Installers, Output
 from ckagent.code.pyplan import bundled_sdk_dir, python_plan
-from ckagent.code.runtimes import AGENT_BIN, BROWSER_VARS, browser_env
+from ckagent.code.runtimes import AGENT_BIN, BROWSER_VARS, browser_env, find_uv
 from ckagent.containment import TaskJail
 from ckagent.node.errors import DepsError, os_error_text
 from ckagent.node.runas import RunAs
@@ -134,7 +134,23 @@ class Dependencies:
                              "builder, %s", cache, builder.describe())
             if os.geteuid() == 0:
                 self._warn_writable(builder)
+                if builder.run_as is not None:
+                    self._warn_unreachable(builder)
             self._set_up = True
+
+    def _warn_unreachable(self, builder: Builder) -> None:
+        """Warn when the builder cannot run an installer the agent found (uv or npm under /root, say):
+        one ``--version`` of each, as the builder."""
+        path = self.installers.base_env.get("PATH")
+        tools = {"uv": find_uv(self.python.uv_path, path, self.python.agent_bin), "npm": shutil.which("npm", path=path)}
+        for name, tool in tools.items():
+            if tool is None:
+                continue
+            why = builder.cannot_run([tool, "--version"], self.installers.env({}))
+            if why is not None:
+                log.warning("the node's builder (%s) cannot run %s (%s): %s; every %s install will fail — install it "
+                            "where every user can run it (e.g. /usr/local/bin)%s", builder.describe(), name, tool, why,
+                            name, ", or set deps.uv_path" if name == "uv" else "")
 
     def _warn_writable(self, builder: Builder) -> None:
         """Warn when a spider could change what every spider runs: the bundled SDK, the node's browsers."""

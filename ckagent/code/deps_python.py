@@ -105,8 +105,8 @@ class PythonEnvs:
                  index: IndexChooser, cache_dir: Path, python: str) -> None:
         self.store = store
         self._installers = installers
-        self._uv_path = uv_path
-        self._agent_bin = agent_bin
+        self.uv_path = uv_path
+        self.agent_bin = agent_bin
         self._index = index
         self._cache_dir = cache_dir
         self._python = python
@@ -171,7 +171,7 @@ class PythonEnvs:
                      task_env: dict[str, str], jail: TaskJail | None) -> None:
         installers = self._installers
         builder = installers.builder
-        uv = await trio.to_thread.run_sync(find_uv, self._uv_path, installers.base_env.get("PATH"), self._agent_bin)
+        uv = await trio.to_thread.run_sync(find_uv, self.uv_path, installers.base_env.get("PATH"), self.agent_bin)
         if uv is None:
             raise DepsError(UV_MISSING)
         output(f"[ckagent] building environment {venv.name} ({plan.mode}) as the node's builder, "

@@ -48,7 +48,8 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
   :func:`wait_exit`, :func:`node_status`; :func:`wait_for_log` waits for a line in the master.
 - :func:`another_agent` holds an entry in a registry of agents' ports from a process of its own
   (:mod:`harness.agentports`); :func:`run_as` runs Python as another user and
-  :func:`world_directory` gives it a directory it can reach (:mod:`harness.users`, root only).
+  :func:`world_directory` gives it a directory it can reach, :func:`searchable_directory` one it can only
+  enter (:mod:`harness.users`, root only).
 - :func:`demo_with_crawl` runs ``ckagent demo --keep`` and a many-page Scrapy crawl on its agent
   (:mod:`harness.demo`; :func:`user_checkout` for a user who cannot read the checkout), and
   :func:`throwaway_user` makes a system user for one test (:mod:`harness.users`; :func:`unprivileged_user`:

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["NOBODY", "OTHER_USER_PYTHON", "SystemUser", "another_user_cannot", "run_as", "throwaway_user",
-           "unprivileged_user", "world_directory"]
+__all__ = ["NOBODY", "OTHER_USER_PYTHON", "SystemUser", "another_user_cannot", "run_as", "searchable_directory",
+           "throwaway_user", "unprivileged_user", "world_directory"]
 
 NOBODY = 65534
 """The uid and gid of ``nobody``: an unprivileged user that owns nothing of the tests'."""
@@ -59,6 +59,19 @@ def world_directory() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="ck-world-", dir="/tmp"))
     try:
         path.chmod(0o1777)
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def searchable_directory() -> Iterator[Path]:
+    """A fresh directory of root's under /tmp that every user can enter but not list (0711), removed at
+    the end: a work dir other uids must reach. pytest's ``tmp_path`` is not one even made searchable:
+    every pytest session that starts on the machine sets ``/tmp/pytest-of-<user>`` back to 0700."""
+    path = Path(tempfile.mkdtemp(prefix="ck-reach-", dir="/tmp"))
+    try:
+        path.chmod(0o711)
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
