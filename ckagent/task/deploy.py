@@ -31,6 +31,7 @@ from ckagent.delivery.outputs import Collected, collect, kept_dir
 from ckagent.master.ids import safe_name
 from ckagent.master.protocol import Task
 from ckagent.node.errors import DeployError, JailError, os_error_text
+from ckagent.node.runas import task_uid
 from ckagent.task.admission import RunningTask
 from ckagent.task.commands import resolve_command
 from ckagent.task.outcome import NO_COPY, Notice
@@ -170,7 +171,7 @@ class Deployer:
         if egress is None:
             return made, None, None
         try:
-            return made, egress.attach(made, task.id, task.egress), None
+            return made, egress.attach(made, task.id, task.egress, uid=task_uid(self.config.run_as)), None
         except EgressError as exc:
             return made, None, exc
 
