@@ -153,7 +153,8 @@ async def test_each_task_has_its_own_tmp_dev_shm_and_proc_and_its_tmpdir_goes_at
             assert a_task["status"] == "SUCCESS", (a_task, await admin.get_logs(first))
     finally:
         other.kill()
-        await other.wait()
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + 10):
+            await other.wait()
     for look, task_id in ((a, first), (b, second)):
         assert look["tmpdir"] == look["tmp"] == look["temp"] == "/tmp"
         assert (look["tmpdir_mode"], look["tmpdir_uid"]) == ("0o700", own_uid)  # <task dir>/tmp itself
