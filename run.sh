@@ -580,6 +580,7 @@ cmd_start() {
   agent_command
   use_bundled_uv
   mkdir -p "$LOG_DIR"
+  chmod go-rwx "$LOG_DIR" 2>/dev/null || true  # the agent's log names every task: no spider reads it
   cd "$DIR"
   if ((daemon == 0)); then
     # stderr: the terminal, or the journal under systemd (logging.file, if set, gets it too)

@@ -708,7 +708,7 @@ async def test_the_proxy_level_refuses_denied_destinations_and_counts_them(
     other = await trio.to_thread.run_sync(egress.attach, None, "t2")
     env = egress.task_env(rules, {})
     url = env["HTTP_PROXY"]
-    assert env["HTTP_PROXY"] == env["https_proxy"] == env["ALL_PROXY"] and env["NO_PROXY"] == ""
+    assert env["HTTP_PROXY"] == env["https_proxy"] == env["ALL_PROXY"] and env["NO_PROXY"] == "<-loopback>"
     user, password = url.split("//")[1].split("@")[0].split(":")
     port = egress.proxy_port(rules)
     assert user.startswith("t") and len(password) >= 20 and url.endswith(f"@127.0.0.1:{port}")

@@ -193,3 +193,28 @@ async def test_the_task_proxys_own_address_is_judged(nursery: trio.Nursery) -> N
         async with httpx.AsyncClient(proxy=chain.url) as client:
             answer = await client.get(f"http://127.0.0.2:{chain.origin.port}/")
     assert answer.status_code == 403 and not team.seen
+
+
+async def test_a_tasks_proxy_that_wants_other_credentials_is_a_502_that_says_so(nursery: trio.Nursery) -> None:
+    """The team's proxy's 407 is about the team's credentials in the task's variable: passed on as
+    it is, the client would take it for the agent's proxy refusing its own."""
+    team = RecordingProxy("127.0.0.5", need_auth="Basic " + base64.b64encode(b"team:right").decode())
+    team_port = await nursery.start(team.serve)
+    chain = await _chain(nursery, {"HTTP_PROXY": f"http://team:wrong@127.0.0.5:{team_port}",
+                                   "HTTPS_PROXY": f"http://team:wrong@127.0.0.5:{team_port}"})
+    assert "http:// through http://team:***@127.0.0.5" in chain.notes[0]
+    with trio.fail_after(20):
+        async with httpx.AsyncClient(proxy=chain.url) as client:
+            plain = await client.get(f"http://127.0.0.2:{chain.origin.port}/")
+        creds, _, address = chain.url.split("//")[1].rpartition("@")
+        host, _, port = address.rpartition(":")
+        async with await trio.open_tcp_stream(host, int(port)) as stream:
+            auth = base64.b64encode(creds.encode()).decode()
+            target = f"127.0.0.2:{chain.origin.port}"
+            await stream.send_all(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nProxy-Authorization: Basic {auth}"
+                                  "\r\n\r\n".encode())
+            head = b""
+            while b"check the user" not in head and (chunk := await stream.receive_some(4096)):
+                head += chunk
+    assert plain.status_code == 502 and "asks for credentials" in plain.text and "proxy-authenticate" not in plain.headers
+    assert head.startswith(b"HTTP/1.1 502") and b"check the user and password" in head

@@ -5,15 +5,20 @@ connections are its own (issue 34, item 1: "an upstream connection pool per dest
 
 from __future__ import annotations
 
+import os
+from functools import partial
 from pathlib import Path
 
 import httpx
+import pytest
 import trio
 import trio.testing
 from harness import IdentityOrigin
 
 from ckagent.containment.egress import open_egress, parse_text
 from ckagent.containment.egress.proxy import Limits
+from ckagent.containment.egress.proxy.server import connection_budget
+from ckagent.containment.egress.proxy.upstream import Pool, Upstream
 from ckagent.node.agentports import PortRegistry
 
 
@@ -141,3 +146,92 @@ async def test_the_task_log_says_at_its_end_what_the_proxy_answered_itself(nurse
     await trio.to_thread.run_sync(egress.detach, rules)
     assert len([n for n in notes if "a..b" in n]) == 1  # (said once while it runs)
     assert notes[-1] == "egress proxy: 2 requests forwarded; answered by the proxy: 400 bad-request ×3"
+
+
+async def test_a_task_whose_programs_ignore_the_proxy_is_told_so_at_its_end(nursery: trio.Nursery) -> None:
+    egress = open_egress("proxy", None, "ckagent_pool_test", parse_text("metadata,link-local", ""))
+    await nursery.start(egress.serve)
+    rules = await trio.to_thread.run_sync(egress.attach, None, "bypassed")
+    notes: list[str] = []
+    egress.task_env(rules, {}, notes.append)
+    await trio.to_thread.run_sync(egress.detach, rules)
+    assert notes[-1].startswith("egress proxy: no request came through the proxy")
+
+
+class _Idle:
+    """A pooled connection's stream, for the pool's bookkeeping alone (never read or written)."""
+
+    class socket:
+        @staticmethod
+        def is_readable() -> bool:
+            return False
+
+
+def test_the_pool_holds_a_bounded_number_of_idle_connections_least_recently_used_out() -> None:
+    """A crawl across many hosts must not keep a descriptor per host it met: past ``max_total`` the
+    least recently used idle connection goes, and an expired one goes whenever the pool is used."""
+    pool = Pool(max_idle=2, idle_timeout=60.0, max_total=5)
+    ups = [Upstream(_Idle(), ("direct", f"h{i}", 80)) for i in range(8)]  # type: ignore[arg-type]
+    closed = [up for up in ups for up in pool.give(up)]
+    assert len(pool) == 5 and closed == ups[:3]
+    taken, stale = pool.take(("direct", "h7", 80))
+    assert taken is ups[7] and taken.reused and not stale and len(pool) == 4
+    assert pool.take(("direct", "h0", 80)) == (None, [])
+    extra = [Upstream(_Idle(), ("direct", "h3", 80)) for _ in range(2)]  # type: ignore[arg-type]
+    assert [pool.give(up) for up in extra] == [[], [extra[1]]]  # (h3 holds max_idle = 2)
+    pool.idle_timeout = -1.0  # everything idle has expired
+    assert sorted(id(up) for up in pool.give(ups[7])) == sorted(id(u) for u in [*ups[3:7], extra[0]])
+    assert len(pool) == 1  # (the one just given back)
+
+
+async def test_the_proxy_serves_no_more_connections_than_its_descriptors_allow(nursery: trio.Nursery) -> None:
+    origin = IdentityOrigin("127.0.0.2")
+    await nursery.start(origin.serve)
+    egress = open_egress("proxy", None, "ckagent_pool_test", parse_text("metadata,link-local", ""))
+    await nursery.start(egress.serve)
+    assert egress.server is not None
+    egress.server.budget = 4
+    a = await trio.to_thread.run_sync(egress.attach, None, "budget-a")
+    b = await trio.to_thread.run_sync(egress.attach, None, "budget-b")
+    assert egress.server.task_cap == 16  # (at least 16, at most half the budget)
+    with trio.fail_after(20):
+        held = [await trio.open_tcp_stream("127.0.0.1", egress.proxy_port(a)) for _ in range(4)]
+        await trio.testing.wait_all_tasks_blocked()
+        extra = await trio.open_tcp_stream("127.0.0.1", egress.proxy_port(b))
+        answer = await extra.receive_some(4096)
+        await extra.aclose()
+        for stream in held:
+            await stream.aclose()
+    assert answer.startswith(b"HTTP/1.1 503") and egress.proxy_outcomes(b) == {"busy": 1}
+
+
+def test_the_budget_follows_the_open_files_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    import resource
+
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 4096))
+    assert connection_budget() == (1024 - 256) // 6
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (300, 300))
+    assert connection_budget() == 32
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another uid")
+async def test_another_uid_cannot_speak_for_a_task_through_its_port(nursery: trio.Nursery) -> None:
+    """Where each spider runs under a uid of its own, a connection to a task's port from another uid
+    is closed (403) without counting against the task, and it reaches nothing."""
+    origin = IdentityOrigin("127.0.0.2")
+    await nursery.start(origin.serve)
+    egress = open_egress("proxy", None, "ckagent_pool_test", parse_text("metadata,link-local", ""))
+    await nursery.start(egress.serve)
+    rules = await trio.to_thread.run_sync(partial(egress.attach, None, "owned", uid=os.geteuid()))
+    port = egress.proxy_port(rules)
+    script = (f"import socket,sys; s=socket.create_connection(('127.0.0.1',{port})); "
+              f"s.sendall(b'GET http://127.0.0.2:{origin.port}/ HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n'); "
+              "sys.stdout.write(s.recv(4096).decode(errors='replace'))")
+    with trio.fail_after(30):
+        other = await trio.run_process(["/usr/bin/python3", "-c", script], capture_stdout=True, user=65534, group=65534)
+        async with httpx.AsyncClient(proxy=egress.task_env(rules)["HTTP_PROXY"]) as client:
+            own = await client.get(f"http://127.0.0.2:{origin.port}/")
+    assert other.stdout.startswith(b"HTTP/1.1 403") and b"belongs to another task" in other.stdout
+    assert own.status_code == 200 and len(origin.seen) == 1
+    assert egress.proxy_outcomes(rules) == {"forwarded": 1}
+    assert egress.server is not None and egress.server.outcomes["foreign"] == 1

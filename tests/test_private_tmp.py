@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +39,12 @@ from harness import (  # noqa: F401 -- no_strays: autouse fixture
 )
 
 from ckagent.code.runtimes import find_chromium
-from ckagent.containment import ContainmentError
+from ckagent.containment import SPIDER_OOM_SCORE_ADJ, ContainmentError
+from ckagent.containment.base import libc, make_preexec
 from ckagent.containment.private import USERNS_HELPER, Privacy, PrivacyLevel, open_privacy
+from ckagent.containment.process import MARKER_VAR, run_supervised
 from ckagent.master.ids import task_dir
+from ckagent.node.runas import RunAs
 
 ROOT = os.geteuid() == 0
 
@@ -107,26 +111,29 @@ def _mounts() -> list[str]:
 
 
 def _settings(tmp_path: Path, master: RecordingMaster, **env: str) -> Any:
-    """A test agent whose spiders run as ``nobody`` (not root: hidepid hides from them; one uid, so each
-    spider's view is the namespace's, not its uid's)."""
+    """A test agent whose spiders run as ``nobody`` where the test is root (not root: hidepid hides from
+    them; one uid, so each spider's view is the namespace's, not its uid's), else as the test's user."""
     work = spider_reachable(tmp_path / "node")
-    return agent_settings(work, master.base_url, master.registration_token, AGENT_TASK_RUN_AS_USER="nobody",
-                          AGENT_DEPS_PYTHON=spider_python(), **env)
+    extra = {"AGENT_TASK_RUN_AS_USER": "nobody", "AGENT_DEPS_PYTHON": spider_python()} if ROOT else {}
+    return agent_settings(work, master.base_url, master.registration_token, **{**extra, **env})
 
 
-@pytest.mark.skipif(not ROOT, reason="the mount-namespace level needs a root agent (a plain user's: below)")
 async def test_each_task_has_its_own_tmp_dev_shm_and_proc_and_its_tmpdir_goes_at_its_end(
     recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     admin = recording_master.admin
     settings = _settings(tmp_path, recording_master)
     work = settings.task.work_dir
-    other = await trio.lowlevel.open_process(["sleep", "60"], user=12345, group=12345, extra_groups=[])
+    own_uid = NOBODY if ROOT else os.geteuid()
+    other = await trio.lowlevel.open_process(["sleep", "60"], **(
+        {"user": 12345, "group": 12345, "extra_groups": []} if ROOT else {}))
     try:
         async with running_agent(nursery, settings) as agent:
             assert agent.containment is not None and agent.containment.privacy is not None
             privacy = agent.containment.privacy
-            assert privacy.level is PrivacyLevel.MOUNT_NAMESPACE, privacy
+            if privacy.level is PrivacyLevel.TMPDIR:
+                pytest.skip(f"no private namespace here: {privacy.passed_over}")
+            assert privacy.level is (PrivacyLevel.MOUNT_NAMESPACE if ROOT else PrivacyLevel.USER_NAMESPACE), privacy
             spider_a = await admin.create_spider(name="tmp-a", framework="python")
             spider_b = await admin.create_spider(name="tmp-b", framework="python")
             for spider in (spider_a, spider_b):
@@ -146,10 +153,11 @@ async def test_each_task_has_its_own_tmp_dev_shm_and_proc_and_its_tmpdir_goes_at
             assert a_task["status"] == "SUCCESS", (a_task, await admin.get_logs(first))
     finally:
         other.kill()
-        await other.wait()
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + 10):
+            await other.wait()
     for look, task_id in ((a, first), (b, second)):
         assert look["tmpdir"] == look["tmp"] == look["temp"] == "/tmp"
-        assert (look["tmpdir_mode"], look["tmpdir_uid"]) == ("0o700", NOBODY)  # <task dir>/tmp itself
+        assert (look["tmpdir_mode"], look["tmpdir_uid"]) == ("0o700", own_uid)  # <task dir>/tmp itself
         assert look["mounts"]["/dev/shm"][0] == "tmpfs" and look["mounts"]["/tmp"][0] != "tmpfs", look["mounts"]
         assert look["work_seen"], "the work dir (under /tmp here) is still seen in the namespace"
         assert not (task_dir(work, task_id) / "tmp").exists(), "its TMPDIR goes with the task"
@@ -263,3 +271,45 @@ async def test_chromium_runs_with_the_tasks_own_dev_shm(recording_master: Record
     if level is not PrivacyLevel.TMPDIR:
         assert item["shm"] == "tmpfs" and item["tmpdir"] == "/tmp"
 
+
+
+@pytest.mark.skipif(not ROOT, reason="starting a process as another uid needs root")
+async def test_a_process_started_as_another_uid_gets_its_oom_score_adj_from_the_agent(tmp_path: Path) -> None:
+    """After its setuid the child cannot raise its own oom_score_adj (its /proc files are root's: a
+    credential change leaves it non-dumpable) and is never made dumpable to do it — it holds a copy
+    of the agent's memory until its exec; the agent sets it once the process runs."""
+    task_id = uuid.uuid4().hex
+    seen: list[str] = []
+    stop = trio.Event()
+
+    async def started(pid: int) -> None:
+        seen.append(await trio.to_thread.run_sync(lambda: Path(f"/proc/{pid}/oom_score_adj").read_text().strip()))
+        stop.set()
+
+    with trio.fail_after(30):
+        await run_supervised(["/bin/sleep", "30"], cwd=Path("/"), env={"PATH": "/usr/bin:/bin", MARKER_VAR: task_id},
+                             task_id=task_id, output=lambda data: None, deadline_seconds=20, grace=1.0, stop=stop,
+                             notice=lambda text: None, on_started=started, run_as=RunAs.lookup("nobody"))
+    assert seen == [str(SPIDER_OOM_SCORE_ADJ)]
+
+
+@pytest.mark.skipif(not ROOT, reason="starting a process as another uid needs root")
+def test_the_forked_child_of_another_uid_is_never_made_dumpable() -> None:
+    """What the preexec leaves (PR_GET_DUMPABLE, read in the child just before its exec): 0."""
+    read, write = os.pipe()
+    preexec = make_preexec([])
+
+    def then_report() -> None:
+        preexec()
+        os.write(write, str(libc().prctl(3, 0, 0, 0, 0)).encode())  # PR_GET_DUMPABLE
+
+    try:
+        subprocess.run(["/bin/true"], user=NOBODY, group=NOBODY, extra_groups=[], preexec_fn=then_report,
+                       pass_fds=(write,), timeout=30, check=True)
+        os.close(write)
+        write = -1
+        assert os.read(read, 16) == b"0"
+    finally:
+        os.close(read)
+        if write >= 0:
+            os.close(write)

@@ -1,8 +1,10 @@
 """The README's `ckagent exec` recipe, line by line: every bundled example, started the way the README
 shows (`--param start_url=`), against one reference master serving the demo shop; each line that
 crawls gives the shop's every product once, `fail_demo` exits 1. The exec runs are at the `proxy`
-egress level (tests/harness/examples.py): what a non-root node and a pod get, with every kind of
-client the examples use (Scrapy, requests, httpx, urllib, Node, Chromium) keeping connections alive. Lines whose tools are missing here (node, Chromium) are
+egress level (tests/harness/examples.py): what a non-root node and a pod get. The Python clients
+(Scrapy, requests, httpx, urllib, Selenium's) and Chromium go through the proxy, keeping connections
+alive, and the task's log must say so; Node's fetch and got before Node 24.5 ignore proxy variables
+(docs/operations.md, "The proxy level"). Lines whose tools are missing here (node, Chromium) are
 skipped by name, and a README line for an example that is not bundled (or an example the recipe
 leaves out) fails the test.
 
@@ -34,6 +36,11 @@ def test_the_recipe_names_every_bundled_example_once() -> None:
         assert "--param" in words and words[words.index("--param") + 1] == "start_url=$URL"
 
 
+def _ignores_proxies(example: str) -> bool:
+    """Node's fetch and got (crawlee) before Node 24.5 ignore the proxy variables."""
+    return example.startswith(("node", "crawlee"))
+
+
 def _missing(example: str) -> str | None:
     if example.startswith(("node", "crawlee")) and (shutil.which("node") is None or shutil.which("npm") is None):
         return "node/npm"
@@ -57,6 +64,8 @@ async def test_the_readme_exec_recipe_runs_every_example(dev_master: Any, exampl
         if done.returncode != line.expected or (line.expected == 0 and skus != SHOP):
             failures.append(f"{line.example}: exit {done.returncode} (expected {line.expected}), "
                             f"{len(done.items)} items (the shop has {len(SHOP)})\n{done.stderr[-2000:]}")
+        elif line.expected == 0 and not _ignores_proxies(line.example) and " requests forwarded" not in done.stdout:
+            failures.append(f"{line.example}: its requests did not go through the egress proxy:\n{done.stdout[-1500:]}")
     assert not failures, "\n\n".join(failures)
     if skipped:
         pytest.skip(f"ran the rest; skipped: {', '.join(skipped)}")

@@ -542,10 +542,15 @@ DEV_UV = Path(sys.executable).parent / "uv"
 
 
 def _path_without_uv() -> str:
-    """This PATH minus every directory holding a `uv` (a server with python3 and no uv)."""
-    keep = [d for d in os.environ.get("PATH", "").split(os.pathsep)
-            if d and not (Path(d) / "uv").exists() and Path(d) != DEV_UV.parent]
-    return os.pathsep.join(keep)
+    """This PATH minus every directory holding a `uv` (a server with python3 and no uv), and every
+    directory this user cannot look into (a PATH inherited from root's session by `su`)."""
+    def usable(d: str) -> bool:
+        try:
+            return not (Path(d) / "uv").exists() and Path(d) != DEV_UV.parent and os.access(d, os.X_OK)
+        except OSError:
+            return False
+
+    return os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep) if d and usable(d))
 
 
 @pytest.mark.slow

@@ -40,6 +40,7 @@ Exceptions: :class:`ContainmentError` (a forced level is not available; a task's
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -61,6 +62,7 @@ from ckagent.containment.private import needed_paths, open_privacy
 from ckagent.containment.process_group import ProcessGroup
 from ckagent.node.configschema import Settings
 from ckagent.node.levels import AUTO, Blocker, ContainmentLevel, Judged, Unavailable, decide
+from ckagent.node.workmodes import seal_work_dir, spiders_apart
 
 __all__ = [
     "AGENT_OOM_SCORE_ADJ",
@@ -90,9 +92,11 @@ def open_containment(setting: str | ContainmentLevel, work_dir: Path, *, use_uni
     :class:`~ckagent.node.levels.Blocker`. Raises ContainmentError when a forced level cannot be used
     here (the message says why, its ``blocker`` in a word); ``auto`` never raises (it falls back to
     ``process-group``). ``use_unified`` False: ``cgroup-v1`` ignores a v2 tree (tests of the pure-v1 paths).
-    ``node`` (the node's settings: the agent's start): the tasks' private /tmp, /dev/shm and /proc are
-    proven too (``task.private_tmp``: :func:`~ckagent.containment.private.open_privacy`, one log line; the
-    result's ``privacy``), which raises ContainmentError for a named level not available.
+    ``node`` (the node's settings: the agent's start): the work dir's modes are set first (the agent's
+    own files unreadable to spiders: :func:`~ckagent.node.workmodes.seal_work_dir`), then the tasks'
+    private /tmp, /dev/shm and /proc are proven (``task.private_tmp``:
+    :func:`~ckagent.containment.private.open_privacy`, one log line; the result's ``privacy``), which
+    raises ContainmentError for a named level not available.
     """
     forced = _parse_setting(setting)
     own = own_dirs()
@@ -106,6 +110,7 @@ def open_containment(setting: str | ContainmentLevel, work_dir: Path, *, use_uni
     if node is not None:
         shared = tuple(Path(p) for p in node.task.private_tmp_shared.split(",") if p)
         work_dir.mkdir(parents=True, exist_ok=True)
+        seal_work_dir(work_dir, apart=spiders_apart(os.geteuid(), node.task.run_as_user), config_file=node.config_file)
         containment.privacy = open_privacy(work_dir, needed_paths(work_dir, node.deps.python or sys.executable)
                                            + shared, node.task.private_tmp)
     return containment

@@ -263,7 +263,13 @@ def make_preexec(join_fds: list[int], oom_score_adj: int | None = SPIDER_OOM_SCO
     ``cgroup.procs`` fd in ``join_fds`` (opened by the agent, so it works after setuid too), then
     raise its own oom_score_adj. Runs in the forked child: no locks, no logging, nothing allocated
     beyond a few bytes. A failed join raises, so the child never runs outside its cgroup (Popen
-    reports the error as the spawn's OSError)."""
+    reports the error as the spawn's OSError).
+
+    After a setuid (Popen's ``user=``) the child is not dumpable — the agent is not, and a credential
+    change keeps it so — and its /proc files are root's: the oom_score_adj write fails then, and the
+    caller raises it from the agent after the spawn (:func:`raise_oom_score_adj`). The child is never
+    made dumpable: until its exec it holds a copy of the agent's memory (its credentials), which a
+    process of the same uid — another spider at ``one-user`` — could read while it is."""
 
     def preexec() -> None:
         for fd in join_fds:
@@ -271,14 +277,6 @@ def make_preexec(join_fds: list[int], oom_score_adj: int | None = SPIDER_OOM_SCO
         if oom_score_adj is not None:
             try:
                 fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
-            except PermissionError:
-                # The agent is non-dumpable, so after setuid /proc/self belongs to root: become
-                # dumpable (execve would do it anyway) and retry.
-                libc().prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
-                try:
-                    fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
-                except OSError:
-                    return
             except OSError:
                 return
             try:
@@ -289,6 +287,14 @@ def make_preexec(join_fds: list[int], oom_score_adj: int | None = SPIDER_OOM_SCO
                 os.close(fd)
 
     return preexec
+
+
+def raise_oom_score_adj(pid: int, value: int = SPIDER_OOM_SCORE_ADJ) -> None:
+    """Set a task process's oom_score_adj from the agent (root may set any process's), for a child
+    started under another identity that could not set its own (:func:`make_preexec`). Best effort:
+    a process already gone, or an agent that may not, is no error. Blocking but tiny."""
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/oom_score_adj", "w") as fh:
+        fh.write(str(value))
 
 
 def lower_own_oom_score_adj(value: int = AGENT_OOM_SCORE_ADJ) -> int | None:

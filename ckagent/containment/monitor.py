@@ -47,7 +47,7 @@ from typing import Any
 import trio
 
 from ckagent.containment import TaskJail
-from ckagent.containment.base import SHELL, SPIDER_OOM_SCORE_ADJ, make_preexec
+from ckagent.containment.base import SHELL, SPIDER_OOM_SCORE_ADJ, make_preexec, raise_oom_score_adj
 from ckagent.containment.base import _resolve as resolve_program
 from ckagent.containment.filewatch import FileWatch
 from ckagent.containment.private import TMP_DIR, Privacy, PrivacyLevel
@@ -340,6 +340,8 @@ def spawn_monitored(
             raise OSError(errno.EPERM, f"cannot set up the spider's process ({level} level: its cgroups, its "
                                        f"private namespace or its identity): {exc}") from exc
         SPAWNED.add(popen.pid)  # we reap it (Monitored.wait); the subreaper's reaper must not
+        if forking and "preexec_fn" in options and level is not PrivacyLevel.MOUNT_NAMESPACE:
+            raise_oom_score_adj(popen.pid)  # (its preexec could not, after the setuid)
     finally:
         os.close(out)
     jail.watch(popen.pid)

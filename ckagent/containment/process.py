@@ -41,6 +41,7 @@ from pathlib import Path
 import trio
 
 from ckagent.containment import TaskJail
+from ckagent.containment.base import raise_oom_score_adj
 from ckagent.containment.process_group import (
     MARKER_VAR,
     SPAWNED,
@@ -137,6 +138,8 @@ async def run_supervised(
         stderr=subprocess.PIPE, start_new_session=True, **popen_identity(run_as), **spawn_options,
     )  # fmt: skip
     SPAWNED.add(proc.pid)  # trio reaps it; the subreaper's reaper must not
+    if run_as is not None:  # its preexec could not raise its own oom_score_adj after the setuid
+        raise_oom_score_adj(proc.pid)
     jail.watch(proc.pid)
     for stream in (proc.stdout, proc.stderr):
         if isinstance(stream, trio.lowlevel.FdStream):

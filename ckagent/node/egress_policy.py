@@ -157,7 +157,7 @@ class EgressPolicy:
         direct, embedded = reached(address)
         if self._refuses(direct, port, agent_port, agent_ports, local):
             return True
-        return any(self._refuses(ip, port, None, (), False) for ip in embedded)
+        return any(self._refuses(ip, port, agent_port, agent_ports, False) for ip in embedded)
 
     def _refuses(self, ip: Address, port: int, agent_port: int | None, agent_ports: Collection[int],
                  local: bool) -> bool:

@@ -177,6 +177,16 @@ class FollowingRotatingFileHandler(logging.handlers.RotatingFileHandler):
         super().__init__(filename, maxBytes=max_bytes, backupCount=backup_count, encoding="utf-8")
         self.follow_fds = follow_fds
 
+    def _open(self) -> Any:
+        """Open the log file (as RotatingFileHandler) and make it this user's alone (0600) when it is
+        this user's: it names every task and spider of the node, and no spider is to read it."""
+        stream = super()._open()
+        with contextlib.suppress(OSError):
+            st = os.fstat(stream.fileno())
+            if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+                os.fchmod(stream.fileno(), st.st_mode & 0o600)
+        return stream
+
     def doRollover(self) -> None:
         """Rotate (as RotatingFileHandler), then re-point ``follow_fds`` at the new file."""
         for fd in self.follow_fds:  # what the fds buffered belongs to the old file

@@ -181,9 +181,23 @@ class HealthSampler:
         self._cgroup_root = cgroup_root
         psutil.cpu_percent(None)
         self.started = time.monotonic()
+        self._last = HealthSample(0.0, 0.0, 0, 0.0, 0, 0.0)
+        self._warned: set[str] = set()
 
     def sample(self) -> HealthSample:
-        """Take one reading (blocking file reads; no sleeping)."""
+        """Take one reading (blocking file reads; no sleeping). Never raises for the node's files: a
+        reading that fails (the process out of descriptors, /proc unreadable) gives the last good one
+        (zeros before the first), and a warning once per kind of failure."""
+        try:
+            self._last = self._read()
+        except (OSError, psutil.Error) as exc:
+            kind = type(exc).__name__
+            if kind not in self._warned:
+                self._warned.add(kind)
+                log.warning("health sample failed (%s); the heartbeat carries the last good one", exc)
+        return self._last
+
+    def _read(self) -> HealthSample:
         cpu = psutil.cpu_percent(None)
         vm = psutil.virtual_memory()
         limit = cgroup_memory_limit(self._cgroup_root)

@@ -140,6 +140,11 @@ def _own_copy(name: str, dirfd: int, st: os.stat_result, uid: int, gid: int) -> 
     os.rename(tmp, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
 
 
+def task_uid(run_as: RunAs | None) -> int:
+    """The uid a task's processes run as: ``run_as``'s, else the agent's own."""
+    return run_as.uid if run_as is not None else os.geteuid()
+
+
 def popen_identity(run_as: RunAs | None) -> dict[str, Any]:
     """``run_as.popen_options()``, or nothing when spiders run as the agent's own user."""
     return run_as.popen_options() if run_as is not None else {}

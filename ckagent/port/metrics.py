@@ -281,7 +281,8 @@ class AgentMetrics:
                             "level in force (nftables, proxy, off).", ["level"], registry=r)
         self.egress_level(None)
         self.egress_refused = Counter("ckagent_egress_refused", "Connections of finished tasks refused by "
-                                      "their network policy (kernel counters).", registry=r)
+                                      "their network policy (the kernel's counters at the nftables level, the "
+                                      "proxy's at the proxy level).", registry=r)
         self.egress_proxy: ProxyServer | None = None
         """At the proxy egress level: the forward proxy, whose counts are read at each scrape."""
         self.task_cpu = Histogram(

@@ -48,7 +48,7 @@ from ckagent.delivery.lifecycle import TaskFinished
 from ckagent.master.ids import safe_name
 from ckagent.master.protocol import Task
 from ckagent.node.errors import AGENT_ERROR, describe_fault
-from ckagent.node.runas import RunAs
+from ckagent.node.runas import RunAs, task_uid
 from ckagent.node.state import TaskRecord
 from ckagent.task.stop import StopReason, stopped_outcome
 
@@ -245,7 +245,8 @@ async def _egress_again(supervisor: Supervisor, rt: RunningTask, jail: TaskJail,
         return
     try:
         rt.egress = await trio.to_thread.run_sync(partial(egress.attach, jail, rt.task.id, rt.task.egress,
-                                                          proxy_port=proxy_port))
+                                                          proxy_port=proxy_port,
+                                                          uid=task_uid(rt.run_as)))
     except EgressError as exc:
         log.warning("task %s: %s; stopping it", rt.task.id, exc)
         notice(f"{exc}; the task is stopped (it must not run without its network policy)")

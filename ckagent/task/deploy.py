@@ -31,7 +31,7 @@ from ckagent.delivery.outputs import Collected, collect, kept_dir
 from ckagent.master.ids import safe_name
 from ckagent.master.protocol import Task
 from ckagent.node.errors import DeployError, JailError, os_error_text
-from ckagent.node.runas import RunAs
+from ckagent.node.runas import RunAs, task_uid
 from ckagent.task.admission import RunningTask
 from ckagent.task.commands import resolve_command
 from ckagent.task.outcome import NO_COPY, Notice
@@ -112,7 +112,7 @@ class Deployer:
         hop = _Hop()
         try:
             if wanted is not None:
-                hop.jail = self._jail_and_attach(task, wanted)
+                hop.jail = self._jail_and_attach(task, wanted, run_as)
             if code_dir is not None:
                 (argv, how), copied = self._resolve_and_copy(task, code_dir, work, run_as)
                 hop.code = (code_dir, argv, how, copied)
@@ -166,7 +166,8 @@ class Deployer:
             cpus=task.resources.cpus if task.resources.cpus is not None else default.cpus,
         )
 
-    def _jail_and_attach(self, task: Task, wanted: Limits) -> tuple[TaskJail, TaskRules | None, EgressError | None]:
+    def _jail_and_attach(self, task: Task, wanted: Limits,
+                         run_as: RunAs | None) -> tuple[TaskJail, TaskRules | None, EgressError | None]:
         """The jail at the node's level, then the task's egress rules on it (before any process of the
         task starts: its installers are filtered too). Blocking. Raises ContainmentError."""
         containment, egress = self.config.containment, self.config.egress
@@ -174,7 +175,7 @@ class Deployer:
         if egress is None:
             return made, None, None
         try:
-            return made, egress.attach(made, task.id, task.egress), None
+            return made, egress.attach(made, task.id, task.egress, uid=task_uid(run_as)), None
         except EgressError as exc:
             return made, None, exc
 

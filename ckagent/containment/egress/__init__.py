@@ -180,16 +180,18 @@ class Egress(AgentPorts):
         return self.policy if task_policy is None else self.policy.merged(task_policy)
 
     def attach(self, jail: TaskJail | None, task_id: str, task_policy: EgressPolicy | None = None, *,
-               proxy_port: int = 0) -> TaskRules | None:
+               proxy_port: int = 0, uid: int | None = None) -> TaskRules | None:
         """Put the task under its policy before its first process: at ``nftables`` its cgroup (blocking,
         ~0.3 ms); at ``proxy`` a listener of its own (``proxy_port``: the one its processes already
-        name, for a task re-adopted after a restart; 0 = a new one); None at ``off``. Callable from a
+        name, for a task re-adopted after a restart; 0 = a new one; ``uid``: the uid its processes run
+        as where it is its own — connections of another uid are then not served); None at ``off``. Callable from a
         Trio worker thread or the Trio thread. Raises EgressError when the rules cannot be added (the
         task must not run unprotected)."""
         if self.server is not None:  # (the proxy level)
             user = _proxy_user(task_id)
             policy = self.effective(task_policy)
-            task = TaskProxy(task_id, user, self._password(task_id), Dialer(partial(self.blocked, policy), self.resolve))
+            task = TaskProxy(task_id, user, self._password(task_id), Dialer(partial(self.blocked, policy), self.resolve),
+                             uid=uid)
             try:
                 _on_trio_thread(self.server.open, task, proxy_port)
             except (OSError, RuntimeError) as exc:
@@ -274,17 +276,18 @@ class Egress(AgentPorts):
         task.routes, task.notice = routes_from_env(env), notice
         if notice is not None:
             if task.routes.chained:
-                notice("egress: the task's own proxy is kept: requests leave through "
-                       f"{', '.join(task.routes.chained)} after the agent's proxy checked them")
+                notice(f"egress: the task's own proxy is kept, behind the agent's: {task.routes.describe()}")
             for problem in task.routes.problems:
                 notice(f"egress: the task's proxy setting cannot be followed ({problem}); its requests fail with 502")
 
     def task_env(self, rules: TaskRules | None, env: Mapping[str, str] | None = None,
                  notice: Callable[[str], None] | None = None) -> dict[str, str]:
         """Variables a task's environment gets at the ``proxy`` level ({} otherwise): every proxy
-        variable names the task's own listener with its user name and secret password, ``NO_PROXY``
-        is emptied (the agent's proxy honours the task's). ``env``: the environment the task would
-        have had (its own proxies are chained: :meth:`chain`). On the Trio thread."""
+        variable names the task's own listener with its user name and secret password; ``NO_PROXY``
+        holds only :data:`NO_PROXY_LOOPBACK` (the agent's proxy honours the task's own NO_PROXY);
+        ``NODE_USE_ENV_PROXY=1`` asks Node's fetch to use them (Node ≥ 24.5; older Node ignores proxy
+        variables). ``env``: the environment the task would have had (its own proxies are chained:
+        :meth:`chain`). On the Trio thread."""
         task = self._proxied.get(rules.chain) if rules is not None else None
         if task is None:
             return {}
@@ -292,7 +295,8 @@ class Egress(AgentPorts):
         url = task.url()
         out = {name: url for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy",
                                       "all_proxy")}
-        out["NO_PROXY"] = out["no_proxy"] = ""
+        out["NO_PROXY"] = out["no_proxy"] = NO_PROXY_LOOPBACK
+        out["NODE_USE_ENV_PROXY"] = "1"
         return out
 
     def _password(self, task_id: str) -> str:
@@ -336,6 +340,12 @@ def _is_local(address: str) -> bool:
         ip = ip.ipv4_mapped
     return ip.is_loopback or ip.is_unspecified
 
+
+NO_PROXY_LOOPBACK = "<-loopback>"
+"""A task's ``NO_PROXY`` at the ``proxy`` level: Chromium's rule that takes loopback out of its
+implicit bypass list (it reads ``no_proxy`` from the environment and otherwise never proxies
+127.0.0.1 or localhost, so a page could reach the agent's port around the policy); to every other
+client it is a host name that matches nothing."""
 
 PROXY_KEY_FILE = "egress-proxy.key"
 """In the agent's work dir (mode 0600): the key the tasks' proxy passwords are derived from."""

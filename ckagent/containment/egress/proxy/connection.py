@@ -135,9 +135,9 @@ class ClientConnection:
             headers.append((b"proxy-authenticate", b'Basic realm="ckagent task"'))
         if close:
             headers.append((b"connection", b"close"))
-        await self._send(h11.Response(status_code=exc.status, reason=reason(exc.status).encode(), headers=headers))
-        await self._send(h11.Data(data=body))
-        await self._send(h11.EndOfMessage())
+        await self._write([self._frame(h11.Response(status_code=exc.status, reason=reason(exc.status).encode(),
+                                                    headers=headers)),
+                           self._frame(h11.Data(data=body)), self._frame(h11.EndOfMessage())])
 
     async def _drain(self) -> bool:
         """Read and drop the rest of a refused request's body; True when it ended within the limit."""

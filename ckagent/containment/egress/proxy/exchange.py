@@ -133,7 +133,6 @@ class _Client(ClientConnection):
                 raise
             break
         self._release(up)
-        self.task.count("forwarded")
         return self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE
 
     def _route(self, target: Target, tunnel: bool) -> Route:
@@ -189,7 +188,11 @@ class _Client(ClientConnection):
                     status_code=event.status_code, headers=returned_headers(event.headers.raw_items()),
                     reason=event.reason)))
             elif isinstance(event, h11.Response):
+                if event.status_code == 407 and up.via:  # (the client's credentials are the agent's, not for it)
+                    raise UpstreamError(f"the task's proxy {up.via} asks for credentials (407): check the user "
+                                        "and password in its URL")
                 self._started = True
+                self.task.count("forwarded")  # (counted before the client has the answer's end)
                 headers = returned_headers(event.headers.raw_items())
                 out.append(self._frame(h11.Response(status_code=event.status_code, reason=event.reason,
                                                     headers=headers)))

@@ -78,6 +78,16 @@ class Routes:
         shown = [r.shown for r in (self.http, self.https) if isinstance(r, Route) and r.kind != "direct"]
         return list(dict.fromkeys(shown))
 
+    def describe(self) -> str:
+        """``http:// through http://u:***@proxy:3128, https:// direct; NO_PROXY: .internal`` (no password)."""
+        def way(route: Route | Unusable) -> str:
+            if isinstance(route, Unusable):
+                return f"refused ({route.variable} cannot be followed)"
+            return "direct" if route.kind == "direct" else f"through {route.shown}"
+
+        text = f"http:// {way(self.http)}, https:// {way(self.https)}"
+        return text + (f"; NO_PROXY: {', '.join(self.no_proxy)}" if self.no_proxy else "")
+
     def route(self, target: Target, tunnel: bool) -> Route | Unusable:
         """The way a request to ``target`` leaves (``tunnel``: CONNECT, else a plain http:// request)."""
         if self.no_proxy and bypassed(target, self.no_proxy):

@@ -23,6 +23,7 @@ import trio
 
 from ckagent.containment.egress.proxy.exchange import serve_client
 from ckagent.containment.egress.proxy.limits import Limits
+from ckagent.containment.egress.proxy.peer import peer_uid
 from ckagent.containment.egress.proxy.taskproxy import TaskProxy
 
 if sys.version_info < (3, 11):  # pragma: no cover - the backport trio depends on there
@@ -34,6 +35,30 @@ _BUSY_TEXT = b"too many connections of this task to its egress proxy\n"
 BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\nconnection: close\r\n"
         b"content-length: %d\r\n\r\n%s" % (len(_BUSY_TEXT), _BUSY_TEXT))
 """The answer to a connection over the task's limit (:attr:`Limits.max_connections`)."""
+
+_FOREIGN_TEXT = b"this proxy port belongs to another task: use your own HTTP_PROXY\n"
+FOREIGN = (b"HTTP/1.1 403 Forbidden\r\ncontent-type: text/plain\r\nconnection: close\r\n"
+           b"content-length: %d\r\n\r\n%s" % (len(_FOREIGN_TEXT), _FOREIGN_TEXT))
+"""The answer to a connection from another uid than the task's."""
+
+FDS_PER_CONNECTION = 6
+"""Descriptors one client connection may cost at most: its own, its destination's, and a splice pipe
+(two) each way."""
+
+FDS_KEPT = 256
+"""Descriptors left to the rest of the agent (its state store, logs, the master, watches, tasks' files)."""
+
+
+def connection_budget() -> int:
+    """Client connections all tasks together may hold at once, from the process's open-files limit
+    (at least 32)."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(32, (soft - FDS_KEPT) // FDS_PER_CONNECTION)
+
 
 ACCEPT_PAUSE = 0.1
 """Seconds the accept loop waits when the process is out of file descriptors (as trio's serve_listeners)."""
@@ -48,6 +73,12 @@ class ProxyServer:
 
     def __init__(self, limits: Limits | None = None) -> None:
         self.limits = limits or Limits()
+        self.budget = connection_budget()
+        """Client connections of every task together the proxy serves at once (one more: 503): what the
+        process's open-files limit leaves, a connection costing up to :data:`FDS_PER_CONNECTION`."""
+        self.open_connections = 0
+        """Client connections open now, every task's."""
+        self._foreign_seen: set[tuple[str, int]] = set()
         self.tasks: dict[str, TaskProxy] = {}
         """Task id → its side of the proxy (while its listener is open)."""
         self.errors: collections.Counter[str] = collections.Counter()
@@ -73,6 +104,12 @@ class ProxyServer:
                     up.stream.socket.close()
             self.tasks.clear()
             self._scopes.clear()
+
+    @property
+    def task_cap(self) -> int:
+        """Client connections one task may hold: :attr:`Limits.max_connections`, and never more than
+        half the :attr:`budget` (one task must not take every other task's connections)."""
+        return min(self.limits.max_connections, max(16, self.budget // 2))
 
     @property
     def ports(self) -> set[int]:
@@ -115,10 +152,9 @@ class ProxyServer:
             for up in task.pool.drain():
                 up.stream.socket.close()
             line = task.summary()
-            if line:
-                log.info("task %r: %s", task.task_id, line)
-                if task.notice is not None:
-                    task.notice(line)
+            log.info("task %r: %s", task.task_id, line)
+            if task.notice is not None:
+                task.notice(line)
         return task
 
     async def _serve_task(self, task: TaskProxy, listener: trio.SocketListener, scope: trio.CancelScope) -> None:
@@ -143,16 +179,45 @@ class ProxyServer:
                 await trio.sleep(ACCEPT_PAUSE)
                 continue
             self.connections += 1
-            if task.open_connections >= self.limits.max_connections:
+            if task.uid is not None and not self._from_task(task, stream):
+                connections.start_soon(self._refuse_foreign, stream)
+                continue
+            if task.open_connections >= self.task_cap or self.open_connections >= self.budget:
                 connections.start_soon(self._busy, task, stream)
                 continue
             task.open_connections += 1
+            self.open_connections += 1
             connections.start_soon(self._connection, task, stream)
+
+    def _from_task(self, task: TaskProxy, stream: trio.SocketStream) -> bool:
+        """True unless the kernel says another uid than the task's owns the client's socket."""
+        try:
+            uid = peer_uid(stream.socket.getpeername(), stream.socket.getsockname())
+        except OSError:  # (the client has gone already)
+            return True
+        if uid is None or uid == task.uid:
+            return True
+        self.outcomes["foreign"] += 1
+        if (task.task_id, uid) not in self._foreign_seen:
+            self._foreign_seen.add((task.task_id, uid))
+            log.warning("egress proxy: uid %d connected to the proxy port of task %r (uid %d): closed — a "
+                        "spider tried to speak for another", uid, task.task_id, task.uid)
+        return False
+
+    async def _refuse_foreign(self, stream: trio.SocketStream) -> None:
+        """A connection from another task's uid: 403 and closed at once, without reading it."""
+        with trio.move_on_after(1.0), contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            await stream.send_all(FOREIGN)
+        await trio.aclose_forcefully(stream)
 
     async def _busy(self, task: TaskProxy, stream: trio.SocketStream) -> None:
         """A connection over the task's limit: 503 and closed at once, without reading it."""
-        task.note("busy", f"503 to a client: the task holds {self.limits.max_connections} connections to its "
-                          "proxy already (its limit); the new one is closed")
+        if task.open_connections >= self.task_cap:
+            why = f"the task holds {self.task_cap} connections to its proxy already (its limit)"
+        else:
+            why = (f"the proxy serves {self.budget} connections of all tasks already (what the agent's "
+                   "open-files limit allows: raise LimitNOFILE)")
+        task.note("busy", f"503 to a client: {why}; the new one is closed")
         with trio.move_on_after(1.0), contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             await stream.send_all(BUSY)
         await trio.aclose_forcefully(stream)
@@ -163,6 +228,7 @@ class ProxyServer:
             await self._serve(task, stream)
         finally:
             task.open_connections -= 1
+            self.open_connections -= 1
 
     async def _serve(self, task: TaskProxy, stream: trio.SocketStream) -> None:
         try:

@@ -29,11 +29,13 @@ STATUS = {"auth": "407", "bad-request": "400", "timeout": "408", "too-large": "4
 """The answer of each outcome that is a trouble (not forwarded, a tunnel or refused by the policy)."""
 
 OUTCOMES = ("forwarded", "tunnel", "refused", "auth", "bad-request", "timeout", "too-large", "upstream", "busy",
-            "error")
+            "foreign", "error")
 """What becomes of a request at the proxy: answered by its destination (``forwarded``), a CONNECT
 tunnel opened (``tunnel``), or an answer of the proxy's own — 403 ``refused`` by the policy, 407
 ``auth``, 400 ``bad-request``, 408 ``timeout``, 431 ``too-large``, 502/504 ``upstream``, 503 ``busy``
-(a connection over the task's limit) — or a connection ended by an ``error`` of the proxy's own."""
+(a connection over the task's limit), ``foreign`` (a connection to the task's port from another
+task's uid: closed, counted for the node only) — or a connection ended by an ``error`` of the
+proxy's own."""
 
 
 @dataclass
@@ -49,6 +51,9 @@ class TaskProxy:
     routes: Routes = field(default_factory=Routes)
     notice: Callable[[str], None] | None = None
     port: int = 0
+    uid: int | None = None
+    """The uid the task's processes run as, where it is the task's own (spiders under uids of their
+    own): a connection whose socket another uid owns is not served (None: not checked)."""
     pool: Pool = field(default_factory=Pool)
     refused: collections.Counter[tuple[str, int]] = field(default_factory=collections.Counter)
     """(address, port) → requests refused by the policy."""
@@ -102,15 +107,18 @@ class TaskProxy:
             self.refused[(address, port)] += 1
 
     def summary(self) -> str:
-        """One line for the task's log at its end when the proxy answered some of its requests itself
-        for another reason than its policy (refusals have their own line), e.g. ``egress proxy: 40
-        requests forwarded; answered by the proxy: 400 bad-request ×3, 502 upstream ×1``; '' otherwise."""
+        """One line for the task's log at its end: what came through the proxy and what it answered
+        itself, e.g. ``egress proxy: 40 requests forwarded, 2 tunnels, 3 refused; answered by the
+        proxy: 400 bad-request ×3`` — or that nothing came (the task's programs ignored the proxy
+        variables, and this level filtered nothing of theirs)."""
+        done = [f"{self.outcomes[o]} {w}" for o, w in (("forwarded", "requests forwarded"), ("tunnel", "tunnels"),
+                                                       ("refused", "refused by the policy")) if self.outcomes[o]]
         troubles = [f"{STATUS[o]} {o} ×{n}" for o, n in self.outcomes.items() if o in STATUS and n]
-        if not troubles:
-            return ""
-        done = [f"{self.outcomes[o]} {w}" for o, w in (("forwarded", "requests forwarded"), ("tunnel", "tunnels"))
-                if self.outcomes[o]]
-        return f"egress proxy: {', '.join(done) or 'nothing forwarded'}; answered by the proxy: {', '.join(troubles)}"
+        if not done and not troubles:
+            return ("egress proxy: no request came through the proxy (a program that ignores HTTP_PROXY — "
+                    "Node's fetch before Node 24.5, a socket of its own — is not filtered at this level)")
+        return "egress proxy: " + (", ".join(done) or "nothing forwarded") + \
+            (f"; answered by the proxy: {', '.join(troubles)}" if troubles else "")
 
     def note(self, outcome: str, text: str) -> None:
         """Count a trouble (an outcome of :data:`OUTCOMES`); the first of each is logged, and said in

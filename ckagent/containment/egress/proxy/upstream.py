@@ -15,6 +15,7 @@ proxy that says no). Cancellation: any await may be cancelled; a connection half
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ipaddress
 import socket
@@ -54,7 +55,7 @@ def new_connection() -> h11.Connection:
     return h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_RESPONSE_HEAD_BYTES)
 
 
-@dataclass
+@dataclass(eq=False)
 class Upstream:
     """One open connection towards a destination: ``stream``, its h11 state ``conn`` (client
     role), the pool ``key`` it belongs to, and ``absolute`` (True: it talks to an HTTP proxy, so
@@ -66,6 +67,8 @@ class Upstream:
     conn: h11.Connection = field(default_factory=lambda: new_connection())
     idle_since: float = 0.0
     reused: bool = False
+    via: str = ""
+    """The task's HTTP proxy it goes through (its URL without password), "" when direct."""
     passed: bool = False
     """The last answer's body went by h11 (socket to socket) and the connection may be kept: its
     next request starts a fresh h11 state."""
@@ -78,49 +81,75 @@ class Upstream:
 
 class Pool:
     """Idle kept-alive connections of one task, by key (destination and route). Not thread-safe
-    (the Trio thread only). ``max_idle`` per key; ``idle_timeout`` seconds before an idle one is
-    dropped; one whose destination closed it (readable while idle) is never handed out."""
+    (the Trio thread only). ``max_idle`` per key and ``max_total`` in all (a crawl across many hosts
+    must not hold a descriptor per host it ever met: the least recently used go first);
+    ``idle_timeout`` seconds before an idle one is dropped (looked at whenever the pool is used); one
+    whose destination closed it (readable while idle) is never handed out."""
 
-    def __init__(self, max_idle: int = 16, idle_timeout: float = 60.0) -> None:
-        self.max_idle, self.idle_timeout = max_idle, idle_timeout
+    def __init__(self, max_idle: int = 16, idle_timeout: float = 60.0, max_total: int = 64) -> None:
+        self.max_idle, self.idle_timeout, self.max_total = max_idle, idle_timeout, max_total
         self._idle: dict[tuple[object, ...], list[Upstream]] = {}
+        self._order: collections.OrderedDict[int, Upstream] = collections.OrderedDict()
+        """Every idle connection, least recently idle first (by ``id``)."""
+
+    def __len__(self) -> int:
+        return len(self._order)
 
     def take(self, key: tuple[object, ...]) -> tuple[Upstream | None, list[Upstream]]:
-        """The freshest usable idle connection of ``key`` (or None), and the stale ones found (to close)."""
-        stale: list[Upstream] = []
+        """The freshest usable idle connection of ``key`` (or None), and the stale and expired ones
+        found (to close)."""
+        stale = self._expired(time.monotonic())
         found = self._idle.get(key)
-        now = time.monotonic()
         while found:
-            up = found.pop()
-            if now - up.idle_since > self.idle_timeout or _readable(up.stream):
+            up = self._remove(found.pop())
+            if _readable(up.stream):
                 stale.append(up)
                 continue
-            if not found:
-                del self._idle[key]
             up.reused = True
             return up, stale
-        self._idle.pop(key, None)
         return None, stale
 
     def give(self, up: Upstream) -> list[Upstream]:
         """Keep ``up`` for the next request of its key; returns what must be closed instead (``up``
-        itself when the key holds ``max_idle`` already, and expired ones)."""
-        up.idle_since = time.monotonic()
+        itself when its key holds ``max_idle`` already; expired ones; the least recently used past
+        ``max_total``)."""
+        now = up.idle_since = time.monotonic()
+        closing = self._expired(now)
         kept = self._idle.setdefault(up.key, [])
-        closing = [u for u in kept if up.idle_since - u.idle_since > self.idle_timeout]
-        if closing:
-            kept[:] = [u for u in kept if u not in closing]
         if len(kept) >= self.max_idle:
             closing.append(up)
-        else:
-            kept.append(up)
+            return closing
+        kept.append(up)
+        self._order[id(up)] = up
+        while len(self._order) > self.max_total:
+            oldest = next(iter(self._order.values()))
+            self._idle[oldest.key].remove(oldest)
+            closing.append(self._remove(oldest))
         return closing
 
     def drain(self) -> list[Upstream]:
         """Every idle connection (the task ends: close them)."""
-        out = [up for ups in self._idle.values() for up in ups]
+        out = list(self._order.values())
         self._idle.clear()
+        self._order.clear()
         return out
+
+    def _expired(self, now: float) -> list[Upstream]:
+        out = []
+        while self._order:
+            oldest = next(iter(self._order.values()))
+            if now - oldest.idle_since <= self.idle_timeout:
+                break
+            self._idle[oldest.key].remove(oldest)
+            out.append(self._remove(oldest))
+        return out
+
+    def _remove(self, up: Upstream) -> Upstream:
+        """Forget ``up`` (already out of its key's list), and its key when that list is empty."""
+        self._order.pop(id(up), None)
+        if not self._idle.get(up.key):
+            self._idle.pop(up.key, None)
+        return up
 
 
 def _readable(stream: trio.SocketStream) -> bool:
@@ -211,7 +240,8 @@ class Dialer:
             return Upstream(await self.connect(target), ("direct", target.host, target.port))
         assert route.proxy is not None
         if route.kind == "http":
-            return Upstream(await self.connect(route.proxy), ("http", route.proxy, route.auth), absolute=True)
+            return Upstream(await self.connect(route.proxy), ("http", route.proxy, route.auth), absolute=True,
+                            via=route.shown)
         stream, leftover = await self.socks_tunnel(route, target)
         if leftover:  # (a SOCKS server says nothing more before the destination does)
             await trio.aclose_forcefully(stream)
