@@ -60,7 +60,7 @@ _HELD: list[int] = []  # the lock of this session's dir, held (open) for the lif
 
 def reachable_basetemp(name: str = "ckagent-tests") -> Path:
     """A fresh temporary root for this pytest session (its ``--basetemp``), searchable by every uid:
-    ``<tempdir>/<name>-<uid>/pytest-*`` (0711, root's: listable by no one else). The session holds a
+    ``<tempdir>/<name>-<uid>/pytest-*/tmp`` (0711 above it, root's: listable by no one else). The session holds a
     lock on it while it runs; older sessions' dirs whose lock no one holds are removed, keeping the
     newest :data:`KEEP_SESSIONS`. Blocking (a few files); raises OSError when the temp dir is not
     writable."""
@@ -80,7 +80,7 @@ def reachable_basetemp(name: str = "ckagent-tests") -> Path:
                    key=lambda p: p.stat().st_mtime, reverse=True)
     for stale in older[KEEP_SESSIONS - 1:]:
         _remove_unless_live(stale)
-    return session
+    return session / "tmp"  # (pytest empties and makes the basetemp itself: the lock stays beside it)
 
 
 def _remove_unless_live(path: Path) -> None:
