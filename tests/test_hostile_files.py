@@ -20,6 +20,7 @@ import pytest
 import trio
 from harness import bounded
 
+from ckagent.code.scrapyhook import uses_sdk_pipeline
 from ckagent.containment.monitor import read_status, spawn_monitored
 from ckagent.containment.process_group import ProcessGroupJail
 from ckagent.delivery.artifacts import _keep, read_state
@@ -32,6 +33,8 @@ from ckagent.delivery.pending import Pending
 from ckagent.delivery.readers import _JournalReader
 from ckagent.master.protocol import ArtifactRef, TaskOutputs
 from ckagent.node.beneath import NotBeneath
+from ckagent.task.outcome import output_tail
+from ckagent.task.recovery import _append
 
 SECRET = b'{"secret": "the node\'s, never a task\'s"}\n'
 OTHER_UID = 61998
@@ -228,3 +231,32 @@ def test_an_artifact_replaced_after_its_hash_is_not_sent(node: dict[str, Path]) 
     ref = ArtifactRef(path="a.bin", size_bytes=len(SECRET), sha256=hashlib.sha256(SECRET).hexdigest())
     assert bounded(read_checked, task, ref) is None  # even a manifest naming the secret's own hash
     assert stat.S_ISLNK(os.lstat(task / "artifacts" / "a.bin").st_mode)
+
+
+def test_the_failure_message_and_the_recovery_note_never_go_through_a_link_or_wait_on_a_fifo(
+        node: dict[str, Path]) -> None:
+    """output.log replaced by the spider: its tail goes into a failed task's result (stored by the master),
+    and crash recovery appends its note to it — neither may read or write another file, nor block."""
+    task = node["task"]
+    (task / "output.log").symlink_to(node["secret"])
+    assert bounded(output_tail, task / "output.log") == b""
+    bounded(_append, task / "output.log", b"[ckagent] agent lost\n")
+    assert node["secret"].read_bytes() == SECRET
+    (task / "output.log").unlink()
+    os.mkfifo(task / "output.log")
+    assert bounded(output_tail, task / "output.log") == b""
+    bounded(_append, task / "output.log", b"[ckagent] agent lost\n")
+    (task / "output.log").unlink()
+    (task / "output.log").write_bytes(b"the spider's last line without its end")
+    bounded(_append, task / "output.log", b"[ckagent] agent lost\n")
+    assert (task / "output.log").read_bytes() == b"the spider's last line without its end\n[ckagent] agent lost\n"
+    assert bounded(output_tail, task / "output.log").startswith(b"the spider's last line without its end\n")
+
+
+def test_the_scrapy_hook_looks_at_no_link_and_waits_on_no_fifo(node: dict[str, Path]) -> None:
+    work = node["work"]
+    (work / "settings.py").symlink_to(node["secret"])
+    os.mkfifo(work / "pipelines.py")
+    assert bounded(uses_sdk_pipeline, work) is False
+    (work / "items.py").write_text("from crawlerkeeper_sdk.scrapy import CrawlerKeeperPipeline\n")
+    assert bounded(uses_sdk_pipeline, work) is True

@@ -9,7 +9,9 @@ the task ends with exactly its own items and artifacts at the master, no byte of
 in its items, log or artifacts, and the agent (its status port, its next task) goes on.
 
 Spiders run as a user of their own where the test is root (``nobody``: the spider cannot read the
-victim's file, /etc/shadow or state.db itself — only the agent could), else as the test's own user.
+victim's file, /etc/shadow or state.db itself — only the agent could), else as the test's own user
+(the agent's: every file but /etc/shadow is its own too, so it plants no hard link — linking its own
+file is reading it, the level's limit — and the links it plants are ones the agent could follow).
 """
 
 from __future__ import annotations
@@ -64,12 +66,14 @@ attempt("stats link", lambda: os.symlink(secrets["state"], os.environ["CK_STATS_
 attempt("logs folder link", lambda: os.symlink(os.path.dirname(P["victim"]), task / "logs"))
 attempt("log link", lambda: os.symlink(secrets["shadow"], task / "shadow.log"))
 attempt("log fifo", lambda: os.mkfifo(task / "pipe.log"))
-attempt("hard link state.db", lambda: os.link(secrets["state"], task / "state.log"))
+if P["hardlinks"]:  # (as the agent's own uid the spider owns state.db: linking it is reading it, the level's limit)
+    attempt("hard link state.db", lambda: os.link(secrets["state"], task / "state.log"))
 # its working copy: declared item files that are links, a FIFO, a folder that is a link; real ones
 attempt("item link", lambda: os.symlink(secrets["victim"], "stolen.json"))
 attempt("item folder link", lambda: os.symlink("/etc", "out"))
 attempt("item fifo", lambda: os.mkfifo("fifo.jsonl"))
-attempt("hard link victim", lambda: os.link(secrets["victim"], "hard.json"))
+if P["hardlinks"]:
+    attempt("hard link victim", lambda: os.link(secrets["victim"], "hard.json"))
 Path("rows.csv").write_text("title,price\nA,1\nB,2\n")
 Path("feed.jsonl").write_text(json.dumps({"own": "feed"}) + "\n")
 # artifacts: a real page, links to the secrets
@@ -134,7 +138,7 @@ async def test_a_spider_planting_links_fifos_and_a_forged_journal_ships_only_its
         spider = await admin.create_spider(name="hostile-files", framework="python", outputs={
             "items": ["stolen.json", "out/*", "fifo.jsonl", "hard.json", "rows.csv", "feed.jsonl"]})
         await admin.upload_package(spider, spider_zip({"main.py": HOSTILE}))
-        task_id = str(await admin.create_task(spider, params={"victim": str(victim),
+        task_id = str(await admin.create_task(spider, params={"victim": str(victim), "hardlinks": ROOT,
                                                               "logFiles": ["*.log", "logs/*.log"]}))
         with trio.fail_after(120):
             task = await admin.wait_task_final(task_id, 120)

@@ -10,12 +10,14 @@ read at the end, crawlee datasets): :class:`Follower` reads the master's item ch
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
 from ckagent.delivery.crawlstats import STATS_FILE, read_last_snapshot
+from ckagent.delivery.spool import open_spool
 
 READ_BYTES = 4 << 20
 """Bytes of the log read at a time."""
@@ -119,10 +121,13 @@ class Follower:
 
 
 def read_from(path: Path, offset: int) -> bytes:
-    """Up to READ_BYTES of ``path`` from ``offset`` (b"" when it does not exist yet)."""
+    """Up to READ_BYTES of ``path`` from ``offset`` (b"" when it does not exist yet, or is not a regular
+    file of the task's: the spider's task dir, never followed to another file nor waited on)."""
     try:
-        with path.open("rb") as fh:
-            fh.seek(offset)
-            return fh.read(READ_BYTES)
-    except FileNotFoundError:
+        fd = open_spool(path)
+    except OSError:
         return b""
+    try:
+        return os.pread(fd, READ_BYTES, offset)
+    finally:
+        os.close(fd)

@@ -27,10 +27,12 @@ import contextlib
 import os
 import re
 import shutil
+import stat
 import zipfile
 from pathlib import Path
 
 from ckagent.containment.stoptarget import LAUNCHERS
+from ckagent.node import beneath
 
 SDK_PIPELINE_MARK = "crawlerkeeper_sdk"
 """Text that shows a Scrapy project already ships its items through the SDK (its pipeline or save_item)."""
@@ -77,22 +79,37 @@ def scrapy_hook(framework: str, argv: list[str], path: str | None, code_dir: Pat
 
 
 def uses_sdk_pipeline(code_dir: Path) -> bool:
-    """Whether the project's Python files mention ``crawlerkeeper_sdk`` (its pipeline or save_item) (blocking)."""
+    """Whether the project's Python files mention ``crawlerkeeper_sdk`` (its pipeline or save_item)
+    (blocking). The working copy is the spider's: walked and read by descriptors, regular files only
+    (ckagent.node.beneath: no link followed, no FIFO waited on)."""
     seen = 0
-    for dirpath, dirnames, filenames in os.walk(code_dir):
-        dirnames[:] = [d for d in dirnames if d not in SCAN_SKIP and not d.endswith(".egg-info")]
-        for name in filenames:
-            if not name.endswith((".py", ".cfg", ".toml", ".ini", ".json", ".yaml", ".yml")):
-                continue
-            seen += 1
-            if seen > _SCAN_MAX_FILES:
-                return False
-            try:
-                with open(os.path.join(dirpath, name), "rb") as fh:
-                    if SDK_PIPELINE_MARK.encode() in fh.read(1 << 20):
+
+    def skipped(rel: str) -> bool:
+        name = rel.rsplit("/", 1)[-1]
+        return name in SCAN_SKIP or name.endswith(".egg-info")
+
+    try:
+        for rel_dir, _dirs, entries in beneath.walk(code_dir, skip_dir=skipped):
+            for name, st in entries:
+                if not stat.S_ISREG(st.st_mode) or not name.endswith(
+                        (".py", ".cfg", ".toml", ".ini", ".json", ".yaml", ".yml")):
+                    continue
+                seen += 1
+                if seen > _SCAN_MAX_FILES:
+                    return False
+                try:
+                    fd = beneath.open_file(code_dir, rel_dir + name)
+                except OSError:
+                    continue
+                try:
+                    if SDK_PIPELINE_MARK.encode() in os.read(fd, 1 << 20):
                         return True
-            except OSError:
-                continue
+                except OSError:
+                    continue
+                finally:
+                    os.close(fd)
+    except OSError:
+        return False
     return False
 
 

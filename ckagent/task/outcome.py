@@ -25,6 +25,7 @@ logic on the Trio thread except :func:`output_tail` (one small blocking read).
 from __future__ import annotations
 
 import contextlib
+import os
 import shlex
 import signal
 import time
@@ -42,6 +43,7 @@ from ckagent.containment.stopping import ProcessOutcome
 from ckagent.containment.tails import TailBuffer, last_lines
 from ckagent.delivery import LogSink
 from ckagent.delivery.lines import secret_values
+from ckagent.delivery.spool import open_spool
 from ckagent.master.protocol import Task, TaskResult, utc_iso
 from ckagent.node.errors import DeployError, DepsError, TaskError
 from ckagent.node.logs import Masker
@@ -221,14 +223,20 @@ def shown_argv(argv: list[str], task: Task) -> str:
 
 def output_tail(path: Path, size_bytes: int = 16384) -> bytes:
     """The last ``size_bytes`` of the task's output (stdout and stderr are one file), without the
-    agent's own notices. Blocking (one small read); b"" when the file cannot be read."""
+    agent's own notices. Blocking (one small read); b"" when the file cannot be read — also when the
+    spider replaced it by a link or a FIFO (never followed, never waited on: the tail goes into the
+    result's message, which the master stores)."""
     try:
-        with path.open("rb") as fh:
-            fh.seek(0, 2)
-            fh.seek(max(0, fh.tell() - size_bytes))
-            data = fh.read()
+        fd = open_spool(path)
     except OSError:
         return b""
+    try:
+        size = os.fstat(fd).st_size
+        data = os.pread(fd, min(size, size_bytes), max(0, size - size_bytes))
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
     return b"".join(line for line in data.splitlines(keepends=True) if not line.startswith(b"[ckagent "))
 
 

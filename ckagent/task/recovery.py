@@ -23,6 +23,7 @@ import trio
 from ckagent.containment import Containment
 from ckagent.containment.process import sweep
 from ckagent.delivery.lifecycle import Lifecycle, TaskLost
+from ckagent.delivery.spool import open_spool
 from ckagent.master.protocol import TaskResult, utc_iso, utc_now_iso
 from ckagent.node.state import AsyncStateStore, TaskRecord
 
@@ -82,16 +83,24 @@ async def recover_lost_tasks(store: AsyncStateStore,
 
 
 def _append(path: Path, data: bytes) -> None:
-    """Append ``data`` to ``path`` (blocking); a missing task directory is not an error."""
+    """Append ``data`` to ``path``, a task's output.log (blocking); a missing task directory is not an
+    error. The task dir is the spider's: a link or a FIFO planted at the name is neither followed (as
+    root, the note would land in a file of the spider's choosing) nor waited on (the start would hang):
+    the note is left out then (logged)."""
     try:
-        with path.open("ab+") as fh:
-            if fh.tell() > 0:
-                fh.seek(-1, os.SEEK_END)
-                if fh.read(1) != b"\n":  # the spider's last line was cut by the crash
-                    data = b"\n" + data
-            fh.write(data)
+        fd = open_spool(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
     except FileNotFoundError:
-        pass
+        return
+    except OSError as exc:
+        log.warning("%s: cannot add the recovery note to %s: %s", path.parent.name, path.name, exc)
+        return
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":  # the spider's last line was cut by the crash
+            data = b"\n" + data
+        os.write(fd, data)
+    finally:
+        os.close(fd)
 
 
 def utc_iso_from(epoch: float) -> str:
