@@ -526,3 +526,49 @@ def test_the_start_says_when_the_builder_cannot_run_an_installer(reach: Path,
         deps.setup()
     warned = [r.getMessage() for r in caplog.records if "cannot run uv" in r.getMessage()]
     assert warned and f"uid {BUILDER_UID}" in warned[0] and "deps.uv_path" in warned[0], caplog.text
+
+
+MEMBER_BACKEND = """\
+import os
+open({marker!r}, "a").write(f"member backend ran as {{os.getuid()}}\\n")
+def get_requires_for_build_wheel(config_settings=None):
+    return []
+def build_editable(*args, **kwargs):
+    raise RuntimeError("never built")
+build_wheel = build_editable
+"""
+
+
+@needs_root
+async def test_a_uv_workspace_member_is_put_on_pythonpath_never_built(reach: Path, markers: Path) -> None:
+    """uv.lock: ``uv export`` names a workspace member as ``-e ./libs/mylib`` — the project's own code.
+    It is left out of the install (its locked requirements stay) and goes on the spider's PYTHONPATH."""
+    ran = markers / "member-backend"
+    member_project = ("[project]\nname = 'mylib'\nversion = '0.1'\ndependencies = ['ckdemo-dep==1.0']\n"
+                      "[build-system]\nrequires = []\nbuild-backend = 'backend'\nbackend-path = ['.']\n")
+    root_project = ("[project]\nname = 'proj'\nversion = '0.1'\nrequires-python = '>=3.8'\ndependencies = ['mylib']\n"
+                    "[tool.uv.sources]\nmylib = { workspace = true }\n[tool.uv.workspace]\nmembers = ['libs/*']\n")
+    with package_index(reach / "index", [("ckdemo_dep", "1.0", "VALUE = 42\n")]) as index:
+        code = _code(reach / "proj", {"pyproject.toml": root_project, "main.py": "",
+                                      "libs/mylib/pyproject.toml": member_project,
+                                      "libs/mylib/backend.py": MEMBER_BACKEND.format(marker=str(ran)),
+                                      "libs/mylib/src/mylib/__init__.py": "NAME = 'mylib'\n"})
+        uv = Path(sys.executable).parent / "uv"
+        with trio.fail_after(120):
+            locked = await trio.run_process(
+                [str(uv), "lock", "--index-url", index.url, "--python", spider_python()], cwd=code, capture_stdout=True,
+                capture_stderr=True, check=False,
+                env={**spider_base_env(), "UV_NO_CONFIG": "1", "UV_CACHE_DIR": str(reach / "lock-cache")})
+        assert locked.returncode == 0, locked.stderr.decode()
+        ran.unlink(missing_ok=True)  # the lock may read the member; only what the builder runs counts
+        deps = _builder_deps(reach, index.url)
+        log = bytearray()
+        with trio.fail_after(120):
+            prepared = await deps.prepare("python", "proj", code, log.extend)
+    assert not ran.exists(), ran.read_text()
+    assert prepared.env["PYTHONPATH"] == str(code / "libs" / "mylib" / "src")
+    assert "uv.lock: mylib is the project's own libs/mylib: not built or installed" in "\n".join(prepared.notes)
+    assert "left out of the export (the project's own code): -e ./libs/mylib" in log.decode()
+    assert prepared.env_dir is not None
+    site = next(prepared.env_dir.glob("lib/python*/site-packages"))
+    assert (site / "ckdemo_dep").is_dir() and not list(site.glob("mylib*"))

@@ -69,6 +69,9 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
   :func:`id_files` writes passwd/group files naming chosen ids.
 - :func:`bounded` runs a call that must not block (the agent reading a spider's FIFO) in a thread and
   fails the test when it does (:mod:`harness.hostilefiles`).
+- :func:`loopback_listeners` / :func:`hold_port`: a test's server on 127.0.0.x holds its port number on
+  127.0.0.1 too, so no agent's or proxy's listener has it (the ``agent`` egress group refuses those
+  ports on every local address) (:mod:`harness.loopback`).
 - :func:`user_temp_dir` is a directory of this user's own in the machine's temp directory, kept across
   runs (:mod:`harness.tempdirs`): fixed names there are shared by every user of the machine.
 """
@@ -87,6 +90,7 @@ from harness.hostilefiles import *  # noqa: F403
 from harness.identities import *  # noqa: F403
 from harness.index import *  # noqa: F403
 from harness.levelcheck import *  # noqa: F403
+from harness.loopback import *  # noqa: F403
 from harness.npmregistry import *  # noqa: F403
 from harness.procs import *  # noqa: F403
 from harness.pythons import *  # noqa: F403

@@ -33,6 +33,8 @@ from urllib.parse import urlsplit
 import h11
 import trio
 
+from harness.loopback import loopback_listeners
+
 __all__ = [
     "AGENT_HOST",
     "DENIED_HOST",
@@ -174,39 +176,19 @@ class Upstream:
 
 
 async def serve_upstream(nursery: trio.Nursery, host: str) -> Upstream:
-    """An :class:`Upstream` listening on ``host`` (a 127.0.0.x address) port 0, served in ``nursery``.
-
-    Off 127.0.0.1 its port is also held on 127.0.0.1 while it serves (bound without SO_REUSEADDR,
-    not listening): no listener there — an agent's status port, a proxy's task listener — can have
-    the same port number. The ``agent`` egress group refuses agents' ports on every local address,
-    and a busy machine's bind(0) readily hands the same number out on two addresses (measured: 573
-    of 2,000 ports on 127.0.0.3 were also given to 127.0.0.1): the upstream would be refused by chance."""
+    """An :class:`Upstream` listening on ``host`` (a 127.0.0.x address) port 0, served in ``nursery``;
+    off 127.0.0.1 its port number is held there too (:mod:`harness.loopback`: the ``agent`` group
+    refuses agents' ports on every local address)."""
     upstream = Upstream(host)
-    for _ in range(100):
-        listeners = await trio.open_tcp_listeners(0, host=host)
-        upstream.port = listeners[0].socket.getsockname()[1]
-        if host == AGENT_HOST:
-            break
-        guard = socket.socket()
-        try:
-            guard.bind((AGENT_HOST, upstream.port))
-        except OSError:  # taken on 127.0.0.1: another port
-            guard.close()
-            for listener in listeners:
-                await listener.aclose()
-            continue
-        nursery.start_soon(_hold, guard)
-        break
-    else:
-        raise RuntimeError(f"no port on {host} that is free on {AGENT_HOST} too, in 100 tries")
-    await nursery.start(trio.serve_listeners, upstream.handle, listeners)
+    await nursery.start(_serve_upstream, upstream)
     return upstream
 
 
-async def _hold(sock: socket.socket) -> None:
-    """Keep ``sock`` open until cancelled."""
-    with sock:
-        await trio.sleep_forever()
+async def _serve_upstream(upstream: Upstream, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async with loopback_listeners(upstream.host) as listeners:
+        upstream.port = listeners[0].socket.getsockname()[1]
+        task_status.started()
+        await trio.serve_listeners(upstream.handle, listeners)
 
 
 @dataclass

@@ -17,6 +17,8 @@ from typing import Any
 import h11
 import trio
 
+from harness.loopback import loopback_listeners
+
 __all__ = ["IdentityOrigin", "RecordingProxy", "Seen", "Socks5Server"]
 
 
@@ -86,10 +88,10 @@ class IdentityOrigin:
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled (startable: ``started(port)``)."""
-        listeners = await trio.open_tcp_listeners(0, host=self.host)
-        self.port = listeners[0].socket.getsockname()[1]
-        task_status.started(self.port)
-        await trio.serve_listeners(self._client, listeners)
+        async with loopback_listeners(self.host) as listeners:  # (a port no agent listener has)
+            self.port = listeners[0].socket.getsockname()[1]
+            task_status.started(self.port)
+            await trio.serve_listeners(self._client, listeners)
 
     async def _client(self, stream: trio.SocketStream) -> None:
         self.connections += 1
@@ -119,9 +121,9 @@ class RecordingProxy:
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled (startable: ``started(port)``)."""
-        listeners = await trio.open_tcp_listeners(0, host=self.host)
-        task_status.started(listeners[0].socket.getsockname()[1])
-        await trio.serve_listeners(self._client, listeners)
+        async with loopback_listeners(self.host) as listeners:  # (a port no agent listener has)
+            task_status.started(listeners[0].socket.getsockname()[1])
+            await trio.serve_listeners(self._client, listeners)
 
     async def _client(self, stream: trio.SocketStream) -> None:
         self.connections += 1
@@ -180,9 +182,9 @@ class Socks5Server:
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled (startable: ``started(port)``)."""
-        listeners = await trio.open_tcp_listeners(0, host=self.host)
-        task_status.started(listeners[0].socket.getsockname()[1])
-        await trio.serve_listeners(self._client, listeners)
+        async with loopback_listeners(self.host) as listeners:  # (a port no agent listener has)
+            task_status.started(listeners[0].socket.getsockname()[1])
+            await trio.serve_listeners(self._client, listeners)
 
     async def _client(self, stream: trio.SocketStream) -> None:
         async with stream:

@@ -59,6 +59,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from harness.loopback import hold_port
+
 __all__ = ["HOST_ADDRESSES", "WebHost", "WebHosts", "body_bytes", "page_bytes", "sha256_hex", "web_hosts"]
 
 HOST_ADDRESSES = {"a": "127.0.0.2", "b": "127.0.0.3", "d": "127.0.0.4"}
@@ -158,7 +160,24 @@ class _Server(http.server.ThreadingHTTPServer):
         self.threads: set[threading.Thread] = set()
         self.serial = 0
         self.lock = threading.Lock()
+        self.port_hold: socket.socket | None = None
+        """Its port held on 127.0.0.1 (harness.loopback): no agent's or proxy's listener has it."""
         super().__init__((address, 0), _Handler)
+
+    @classmethod
+    def unshared(cls, address: str, scheme: str, context: ssl.SSLContext | None) -> _Server:
+        """A server on ``address`` whose port number no listener of 127.0.0.1 has while it runs
+        (:func:`harness.loopback.hold_port`: the ``agent`` egress group refuses agents' ports on every
+        local address)."""
+        for _ in range(100):
+            server = cls(address, scheme, context)
+            try:
+                server.port_hold = hold_port(address, server.server_address[1])
+            except OSError:  # taken on 127.0.0.1: another port
+                server.server_close()
+                continue
+            return server
+        raise RuntimeError(f"no port on {address} that is free on 127.0.0.1 too, in 100 tries")
 
     @property
     def origin(self) -> str:
@@ -203,6 +222,8 @@ class _Server(http.server.ThreadingHTTPServer):
     def stop(self) -> None:
         self.shutdown()
         self.server_close()
+        if self.port_hold is not None:
+            self.port_hold.close()
         with self.lock:
             connections, threads = list(self.connections), list(self.threads)
         for connection in connections:
@@ -382,7 +403,7 @@ def web_hosts(directory: Path, addresses: dict[str, str] | None = None) -> Itera
             context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             cert.configure_cert(context)
             spki.append(_spki_hash(cert.cert_chain_pems[0].bytes()))
-            plain, tls = _Server(address, "http", None), _Server(address, "https", context)
+            plain, tls = _Server.unshared(address, "http", None), _Server.unshared(address, "https", context)
             servers += [plain, tls]
             for server in (plain, tls):
                 threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True,
