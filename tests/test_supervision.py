@@ -359,22 +359,34 @@ def python_user(spider_user: SpiderUser) -> SpiderUser:
     return spider_user
 
 
-async def test_run_as_user_gives_the_python_venv_to_that_user(
+async def test_run_as_user_runs_the_python_spider_in_a_sealed_venv(
     recording_master: RecordingMaster, nursery: trio.Nursery, python_user: SpiderUser
 ) -> None:
+    """One-user level: uv ran as the node's builder (the user), the spider runs as the user, and the
+    finished venv is sealed — root's, no write bit — so the spider cannot poison it for later tasks."""
     user = python_user
-    main = ("import json, os\n"
-            f"json.dump({{'uid': os.getuid(), 'venv': os.environ['VIRTUAL_ENV']}}, "
+    main = ("import json, os, sys\n"
+            "venv = os.environ['VIRTUAL_ENV']\n"
+            "try:\n"
+            "    open(os.path.join(venv, 'planted.pth'), 'w').write('import os')\n"
+            "    wrote = True\n"
+            "except OSError:\n"
+            "    wrote = False\n"
+            f"json.dump({{'uid': os.getuid(), 'venv': venv, 'wrote': wrote, 'exe': sys.executable}}, "
             f"open({str(user.report / 'py.json')!r}, 'w'))\n")
     admin = recording_master.admin
     async with running_agent(nursery, run_as_settings(user, recording_master)):
         task_id = await submit(admin, "as-user-py", {"main.py": main})
         with trio.fail_after(60):
             task = await admin.wait_task_final(task_id, 60)
-    assert task["status"] == "SUCCESS", (task, await admin.get_logs(task_id))
+    logs = await admin.get_logs(task_id)
+    assert task["status"] == "SUCCESS", (task, logs)
     seen = json.loads((user.report / "py.json").read_text())
-    assert seen["uid"] == user.uid
-    assert await trio.to_thread.run_sync(owner, Path(seen["venv"])) == user.uid
+    assert seen["uid"] == user.uid and seen["exe"].startswith(seen["venv"])
+    assert not seen["wrote"], "the spider wrote into its sealed environment"
+    venv = Path(seen["venv"])
+    mode = (await trio.to_thread.run_sync(venv.stat)).st_mode
+    assert await trio.to_thread.run_sync(owner, venv) == 0 and not mode & 0o022, oct(mode)
 
 
 def test_agent_refuses_a_user_that_cannot_execute_the_spiders_interpreter(spider_user: SpiderUser,
