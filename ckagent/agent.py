@@ -79,11 +79,11 @@ from ckagent.node.agentports import PortRegistry
 from ckagent.node.config import ConfigError, Settings
 from ckagent.node.errors import StartupError
 from ckagent.node.hardening import freeze_startup_objects
+from ckagent.node.identity import Identities, IdentityError
 from ckagent.node.intake import DiskFloorWatch, IntakeGate
 from ckagent.node.listen import StatusPortError
-from ckagent.node.notices import Notices, spider_user, spiders_as_root
+from ckagent.node.notices import Notices
 from ckagent.node.resources import HealthSampler, compute_max_workers
-from ckagent.node.runas import spider_run_as
 from ckagent.node.state import AsyncStateStore, StateStore, StateStoreError
 from ckagent.port.metrics import AgentMetrics
 from ckagent.port.snapshot import agent_statistics
@@ -92,6 +92,7 @@ from ckagent.port.statuspage import StatusPage
 from ckagent.task.adoption import Adoption, admit_adopted, find_adoptable, run_adopted
 from ckagent.task.poller import Poller
 from ckagent.task.recovery import recover_lost_tasks
+from ckagent.task.runconfig import node_identities
 from ckagent.task.supervisor import RunnerConfig, RunningTask, Supervisor
 
 log = logging.getLogger(__name__)
@@ -166,8 +167,8 @@ class Agent:
         """The egress level and node policy in force (set at the start of :meth:`run`)."""
         self.notices = Notices()
         """Operator notices (spiders as root, the master's clock): logged once, in /status and on the page."""
-        self.spider_user: dict[str, object] = spider_user(None)
-        """Whom spiders run as (registration's ``containment.spiderUser``)."""
+        self.identities: Identities | None = None
+        """Whom spiders run as: the identity level in force (set at the start of :meth:`run`)."""
         token = settings.agent.registration_token
         self._secrets = tuple(s.reveal() for s in (token,) if s is not None)
         self.master = MasterClient(
@@ -187,7 +188,7 @@ class Agent:
             s.agent, port=self.status_port if self.status_port is not None else s.agent.port,
             max_workers=self.max_workers, runtimes=self.scan.report(), node_uid=self.node_uid,
             containment={**(self.containment.to_json() if self.containment is not None else {}),
-                         "spiderUser": self.spider_user},
+                         "spiderUser": self.identities.to_json() if self.identities is not None else {}},
             egress=self.egress.to_json() if self.egress is not None else {})
 
     async def run(self) -> int:
@@ -257,9 +258,10 @@ class Agent:
     async def _assemble(self, store: AsyncStateStore) -> tuple[Supervisor, Outbox, Poller]:
         """Build the agent's parts (no master traffic). Raises ConfigError for ``task.run_as_user``."""
         s = self.settings
-        try:
-            run_as = spider_run_as(s.task.run_as_user)
-        except ValueError as exc:
+        try:  # whom spiders run as (the busy spiders: those with a claimed task, whose uids stay theirs)
+            identities = self.identities = await trio.to_thread.run_sync(
+                node_identities, s, store.sync, lambda: self.supervisor.running_spider_ids() if self.supervisor else [])
+        except IdentityError as exc:
             raise ConfigError(str(exc)) from exc
         try:
             containment = self.containment = await trio.to_thread.run_sync(partial(  # (+ the tasks' private /tmp)
@@ -277,8 +279,7 @@ class Agent:
             raise ConfigError(str(exc)) from exc
         self.metrics.egress_level(self.egress.level)
         self.metrics.egress_proxy = self.egress.server
-        self.spider_user = spider_user(run_as)
-        as_root = spiders_as_root(run_as)
+        as_root = identities.as_root_notice()
         if as_root is not None:
             self.notices.set("spiders-as-root", as_root)
         if os.getpid() == 1:
@@ -302,7 +303,7 @@ class Agent:
             self.work_dir / "envs", uv_path=s.deps.uv_path, kill_grace=s.task.kill_grace,
             python=str(s.deps.python) if s.deps.python is not None else sys.executable,
             index=IndexChooser(s.deps.uv_index_url, s.deps.uv_fallback_index_url), uv_cache_dir=s.deps.uv_cache_dir,
-            timeout=s.deps.uv_sync_timeout, base_env=base_env, run_as=run_as, budget_bytes=s.deps.env_budget_bytes)
+            timeout=s.deps.uv_sync_timeout, base_env=base_env, run_as=identities.builder, budget_bytes=s.deps.env_budget_bytes)
         await trio.to_thread.run_sync(remove_legacy_environments, self.work_dir)
         outbox = self.outbox = Outbox(self.master, store, self.work_dir, OutboxConfig(
             log_globs=tuple(g for g in s.task.log_files.split(",") if g),
@@ -312,7 +313,7 @@ class Agent:
         self.metrics.outbox = outbox
         supervisor = self.supervisor = Supervisor(
             RunnerConfig(self.work_dir, s.task.execute_timeout, s.task.kill_grace, self._secrets, extra_env,
-                         run_as=run_as, stall_timeout=s.task.stall_timeout, containment=containment,
+                         identities=identities, stall_timeout=s.task.stall_timeout, containment=containment,
                          egress=self.egress,
                          default_limits=Limits(s.task.memory_limit_bytes, s.task.pids_limit, s.task.cpus_limit),
                          max_artifact_bytes=s.task.max_artifact_bytes),

@@ -38,6 +38,7 @@ from harness import (
     free_port,
     pid_alive,
     pyz_dir,
+    reachable_basetemp,
     serve_recording_master,
     served_directory,
     session_build,
@@ -56,6 +57,17 @@ set_hypothesis_home_dir(user_temp_dir("ckagent-hypothesis"))
 """Hypothesis keeps its example database (and caches) in one place for every test process: not
 ``.hypothesis/`` in the checkout, and not a fixed name in /tmp that another user's suite may own
 (its tests would warn that the database is unusable, and warnings fail tests)."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """As root, the session's temporary files (``tmp_path``) live below a root every uid can search
+    (harness.identities.reachable_basetemp): agents there give each spider a uid of its own, as a node
+    does, and pytest's ``/tmp/pytest-of-root`` — set back to 0700 by every session that starts on the
+    machine — is not on their way. Not for an explicit ``--basetemp``, nor in xdist's workers (the
+    controller's root reaches them)."""
+    if os.geteuid() == 0 and config.option.basetemp is None and not hasattr(config, "workerinput"):
+        config.option.basetemp = str(reachable_basetemp())
 
 
 def _remove_tables_under(root: Path) -> list[str]:

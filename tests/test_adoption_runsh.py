@@ -36,6 +36,8 @@ async def test_upgrade_hands_a_running_task_over_to_the_new_agent(
     config_path = node.directory / "config" / "config.yaml"
     config = yaml.safe_load(config_path.read_text())
     config.setdefault("deps", {})["uv_path"] = str(UV)  # no release index with a uv here
+    # the stop file lies beside the node directory: seen in the task's own /tmp (mount-namespace level)
+    config.setdefault("task", {})["private_tmp_shared"] = str(node.directory.parent)
     config_path.write_text(yaml.safe_dump(config))
     env = {"AGENT_RELEASE_URL": releases.url, "AGENT_UPGRADE_HEALTH_TIMEOUT": "30"}
     releases.publish(pyz, ckagent.__version__)

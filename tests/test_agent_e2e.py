@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from harness import agent_settings, running_agent, spider_zip, wheel
+from harness import agent_settings, running_agent, spider_writable, spider_zip, wheel
 
 import ckagent
 from ckagent.code.deps import bundled_sdk_dir
@@ -46,11 +46,12 @@ ck.save_item({
 })
 """
 
-# Appends "start|end <task id> <time.time()>" to the file named by $TIMELINE around a 1 s sleep.
+# Appends "start|end <task id> <time.time()>" to its spider's file in the directory $TIMELINE around a
+# 1 s sleep (a file per spider: spiders run under uids of their own, one cannot append to another's).
 TIMELINE_PY = """\
 import os, time
 def mark(what):
-    with open(os.environ["TIMELINE"], "a") as f:
+    with open(os.path.join(os.environ["TIMELINE"], os.environ["CK_SPIDER_ID"]), "a") as f:
         f.write("%s %s %.6f\\n" % (what, os.environ["CK_TASK_ID"], time.time()))
 mark("start")
 time.sleep(1.0)
@@ -146,7 +147,7 @@ async def test_python_and_failing_examples(dev_master, nursery: trio.Nursery, tm
 
 def intervals(timeline: Path) -> dict[str, tuple[float, float]]:
     marks: dict[str, dict[str, float]] = {}
-    for line in timeline.read_text().splitlines():
+    for line in "".join(path.read_text() for path in sorted(timeline.iterdir())).splitlines():
         what, task_id, at = line.split()
         marks.setdefault(task_id, {})[what] = float(at)
     return {task_id: (m["start"], m["end"]) for task_id, m in marks.items()}
@@ -161,7 +162,7 @@ async def test_one_spider_is_serial_two_spiders_run_in_parallel(
     both_at_once: bool, dev_master, nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     admin = dev_master.admin
-    timeline = tmp_path / "timeline.txt"  # outside every workspace
+    timeline = spider_writable(tmp_path / "timeline")  # outside every workspace
     env = {"TIMELINE": str(timeline)}
     spider_a = await new_spider(admin, "serial_a", {"main.py": TIMELINE_PY})
     spider_b = await new_spider(admin, "serial_b", {"main.py": TIMELINE_PY})
@@ -184,7 +185,8 @@ async def test_one_spider_is_serial_two_spiders_run_in_parallel(
                               AGENT_MAX_WORKERS="3")
     async with running_agent(nursery, settings):
         results = [await final(admin, t) for t in (a1, a2, b1)]
-    assert [r["status"] for r in results] == ["SUCCESS"] * 3, results
+        logs = {t: await admin.get_logs(t) for t in (a1, a2, b1)}
+    assert [r["status"] for r in results] == ["SUCCESS"] * 3, (results, logs)
     spans = intervals(timeline)
     assert set(spans) == {a1, a2, b1}
     assert not overlap(spans[a1], spans[a2]), spans

@@ -32,6 +32,7 @@ from harness import (
     make_spider,
     register,
     running_agent,
+    spider_writable,
     store_node,
     store_spider,
     store_task,
@@ -203,7 +204,7 @@ async def test_a_lost_claiming_poll_answer_runs_the_task_exactly_once(
     chooser = DropOnePoll()
     proxy = FaultProxy(int(dev_master.base_url.rsplit(":", 1)[1]), chooser=chooser)
     proxy_port = await nursery.start(proxy.serve)
-    runs = tmp_path / "runs.txt"
+    runs = spider_writable(tmp_path / "shared") / "runs.txt"  # (the spider may run under a uid of its own)
     settings = agent_settings(tmp_path / "agent", f"http://127.0.0.1:{proxy_port}", dev_master.registration_token)
     async with running_agent(nursery, settings) as agent:
         assert CLAIM_IN_POLL in agent.master.features

@@ -35,7 +35,9 @@ from harness import (  # noqa: F401 -- no_strays: autouse fixture
     marked_pids,
     no_strays,
     node_status,
+    package_index,
     running_agent,
+    spider_writable,
     submit,
     wait_exit,
     wait_for_log,
@@ -224,11 +226,12 @@ async def test_cancel_during_the_install_then_kill_9_reports_cancelled_not_agent
     gated_master: GatedMaster, tmp_path: Path
 ) -> None:
     admin = gated_master.admin
-    pid_file = tmp_path / "backend.pid"
-    files = {
-        "main.py": "print('the spider must never start')\n",
-        "requirements.txt": "./slowpkg\n",
-        "slowpkg/pyproject.toml": textwrap.dedent("""
+    # A package whose build hangs, from a package index on 127.0.0.1 (a package of the project's own
+    # tree is never built: installers run as the node's builder); its pid file where the builder's uid
+    # may write it.
+    pid_file = spider_writable(tmp_path / "shared") / "backend.pid"
+    slowpkg = {
+        "pyproject.toml": textwrap.dedent("""
             [build-system]
             requires = []
             build-backend = "slowbackend"
@@ -237,34 +240,37 @@ async def test_cancel_during_the_install_then_kill_9_reports_cancelled_not_agent
             name = "slowpkg"
             version = "0.1"
         """),
-        "slowpkg/slowbackend.py": SLOW_BACKEND.format(pid_file=str(pid_file)),
+        "slowbackend.py": SLOW_BACKEND.format(pid_file=str(pid_file)),
     }
-    agent = agent_process(tmp_path, gated_master.base_url, gated_master.registration_token)
-    await agent.start()
-    async with agent:
-        await wait_registered(admin, agent)
-        gated_master.gate.refuse_finals = True  # the CANCELLED result cannot get through
-        task_id = await submit(admin, "slow-install", files)
-        await wait_for_path(pid_file, timeout=60)
-        backend = int(pid_file.read_text())
-        await admin.cancel_task(task_id)
-        db = tmp_path / "node" / "data" / "state.db"
-
-        async def stored() -> dict[str, Any] | None:
-            return await trio.to_thread.run_sync(_stored_result, db, task_id)
-
-        result = await eventually(stored)
-        assert (result["status"], result["errorCode"]) == ("CANCELLED", "CANCELLED")
-        await agent.kill()  # kill -9 before the result reached the master
-        assert (await admin.get_task(task_id))["status"] == "RUNNING"
-        assert not alive(backend), "the installer was stopped before the result was stored"
-
-        gated_master.gate.refuse_finals = False
+    files = {"main.py": "print('the spider must never start')\n", "requirements.txt": "slowpkg==0.1\n"}
+    with package_index(tmp_path / "index", [], [("slowpkg", "0.1", slowpkg)]) as index:
+        agent = agent_process(tmp_path, gated_master.base_url, gated_master.registration_token,
+                              deps__uv_index_url=index.url)
         await agent.start()
-        with trio.fail_after(30):
-            task = await admin.wait_task_final(task_id, 30)
-        agent.signal(signal.SIGTERM)
-        assert await wait_exit(agent, 20) == 0
+        async with agent:
+            await wait_registered(admin, agent)
+            gated_master.gate.refuse_finals = True  # the CANCELLED result cannot get through
+            task_id = await submit(admin, "slow-install", files)
+            await wait_for_path(pid_file, timeout=60)
+            backend = int(pid_file.read_text())
+            await admin.cancel_task(task_id)
+            db = tmp_path / "node" / "data" / "state.db"
+
+            async def stored() -> dict[str, Any] | None:
+                return await trio.to_thread.run_sync(_stored_result, db, task_id)
+
+            result = await eventually(stored)
+            assert (result["status"], result["errorCode"]) == ("CANCELLED", "CANCELLED")
+            await agent.kill()  # kill -9 before the result reached the master
+            assert (await admin.get_task(task_id))["status"] == "RUNNING"
+            assert not alive(backend), "the installer was stopped before the result was stored"
+
+            gated_master.gate.refuse_finals = False
+            await agent.start()
+            with trio.fail_after(30):
+                task = await admin.wait_task_final(task_id, 30)
+            agent.signal(signal.SIGTERM)
+            assert await wait_exit(agent, 20) == 0
     assert (task["status"], task["errorCode"]) == ("CANCELLED", "CANCELLED"), task
     assert marked_pids(task_id) == []
 

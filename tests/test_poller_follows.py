@@ -31,6 +31,7 @@ from harness import (
     make_spider,
     register,
     running_agent,
+    spider_writable,
     store_node,
     store_spider,
     store_task,
@@ -211,7 +212,7 @@ async def _two_tasks_in_a_row(base_url: str, token: str, admin: AdminClient, nur
     spider's start/end lines and the master's features as the agent heard them."""
     relay = CountingRelay(int(base_url.rsplit(":", 1)[1]))
     port = await nursery.start(relay.serve)
-    runs = tmp_path / "runs.txt"
+    runs = spider_writable(tmp_path / "shared") / "runs.txt"  # (the spider may run under a uid of its own)
     settings = agent_settings(tmp_path / "agent", f"http://127.0.0.1:{port}", token,
                               AGENT_TASK_LONG_POLL_WAIT="20", AGENT_HEARTBEAT_INTERVAL="30")
     async with running_agent(nursery, settings) as agent:

@@ -1,5 +1,6 @@
 """Secrets out of a spider's reach: a real agent process started with its token in the environment,
-and a real spider (running as root when the suite does, the worst case; else as the agent's own user)
+and a real spider (running as root when the suite does — ``task.run_as_user: root``, the worst case: it
+reads every process's environ; else as the agent's own user)
 that looks for it in every process's initial environment it can read and prints a secret of its own
 transformed (reversed, base64, hex, URL-encoded).
 
@@ -65,7 +66,8 @@ def test_masking_catches_the_simple_transforms_and_leaves_short_secrets_alone() 
 async def test_no_process_environment_shows_the_token_and_transforms_are_masked(dev_master: Any, tmp_path: Path) -> None:
     token = dev_master.registration_token
     (tmp_path / "a").mkdir()
-    agent = AgentProcess(tmp_path / "a", dev_master.base_url, token, agent__registration_token=None)
+    worst = {"task__run_as_user": "root"} if os.geteuid() == 0 else {}  # a root spider reads every environ
+    agent = AgentProcess(tmp_path / "a", dev_master.base_url, token, agent__registration_token=None, **worst)
     probe = EnvironProbe(tmp_path / "probe")
     await agent.start(extra_env={"AGENT_REGISTRATION_TOKEN": token, **probe.env})
     try:

@@ -42,15 +42,19 @@ from harness import (  # noqa: F401 -- no_strays: autouse fixture
     marked_pids,
     no_strays,
     node_status,
+    package_index,
     pids_in,
     running_agent,
     settings_for,
+    spider_writable,
     submit,
     wait_exit,
     wait_for_log,
     wait_for_path,
     wait_registered,
 )
+
+from ckagent.master.ids import task_dir as task_dir_of
 
 
 @pytest.fixture(autouse=True, params=LEVELS_HERE)
@@ -175,12 +179,13 @@ async def test_cancel_from_the_master_during_the_run(
 async def test_cancel_from_the_master_during_the_dependency_install(
     recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    # A local package whose (in-tree, offline) build backend hangs: uv waits on it for ever.
-    pid_file = tmp_path / "backend.pid"
-    files = {
-        "main.py": "print('the spider must never start')\n",
-        "requirements.txt": "./slowpkg\n",
-        "slowpkg/pyproject.toml": textwrap.dedent("""
+    # A package whose (offline) build backend hangs, from a package index on 127.0.0.1: uv waits on it
+    # for ever. (A package of the project's own tree is never built: installers run as the node's
+    # builder, which runs no code of the spider's — ckagent.code.builder.) Its pid file is written by
+    # the builder's uid: in a directory every uid may write.
+    pid_file = spider_writable(tmp_path / "shared") / "backend.pid"
+    slowpkg = {
+        "pyproject.toml": textwrap.dedent("""
             [build-system]
             requires = []
             build-backend = "slowbackend"
@@ -189,20 +194,23 @@ async def test_cancel_from_the_master_during_the_dependency_install(
             name = "slowpkg"
             version = "0.1"
         """),
-        "slowpkg/slowbackend.py": SLOW_BACKEND.format(pid_file=str(pid_file)),
+        "slowbackend.py": SLOW_BACKEND.format(pid_file=str(pid_file)),
     }
+    files = {"main.py": "print('the spider must never start')\n", "requirements.txt": "slowpkg==0.1\n"}
     admin = recording_master.admin
-    async with running_agent(nursery, settings_for(tmp_path, recording_master)):
-        task_id = await submit(admin, "slow-install", files)
-        await wait_for_path(pid_file, timeout=30)
-        await trio.sleep(0.1)
-        backend = int(pid_file.read_text())
-        assert alive(backend)
-        assert marked_pids(task_id), "installers carry the task's marker"
-        await admin.cancel_task(task_id)
-        with trio.fail_after(20):
-            task = await admin.wait_task_final(task_id, 20)
-        await trio.sleep(1.5)
+    with package_index(tmp_path / "index", [], [("slowpkg", "0.1", slowpkg)]) as index:
+        settings = settings_for(tmp_path, recording_master, AGENT_UV_INDEX_URL=index.url)
+        async with running_agent(nursery, settings):
+            task_id = await submit(admin, "slow-install", files)
+            await wait_for_path(pid_file, timeout=30)
+            await trio.sleep(0.1)
+            backend = int(pid_file.read_text())
+            assert alive(backend)
+            assert marked_pids(task_id), "installers carry the task's marker"
+            await admin.cancel_task(task_id)
+            with trio.fail_after(20):
+                task = await admin.wait_task_final(task_id, 20)
+            await trio.sleep(1.5)
     assert (task["status"], task["errorCode"]) == ("CANCELLED", "CANCELLED"), task
     assert [status for status, _ in recording_master.finals(task_id)] == [200]
     lines = await admin.get_logs(task_id)
@@ -220,15 +228,15 @@ async def test_spider_environment_holds_no_agent_secret(
     monkeypatch.setenv("AGENT_REGISTRATION_TOKEN", recording_master.registration_token)
     monkeypatch.setenv("AGENT_API_KEY", api_key)
     monkeypatch.setenv("AGENT_SERVER_URL", recording_master.base_url)
-    dump = tmp_path / "env.json"
-    main = f"import json, os\njson.dump(dict(os.environ), open({str(dump)!r}, 'w'))\n"
+    # The spider writes where it may: its own task dir (it may run under a uid of its own).
+    main = "import json, os\njson.dump(dict(os.environ), open(os.environ['CK_TASK_DIR'] + '/env.json', 'w'))\n"
     settings = settings_for(tmp_path, recording_master)
     async with running_agent(nursery, settings):
         task_id = await submit(recording_master.admin, "env-dump", {"main.py": main}, env={"MY_SETTING": "42"})
         with trio.fail_after(30):
             task = await recording_master.admin.wait_task_final(task_id, 30)
     assert task["status"] == "SUCCESS", task
-    env = json.loads(dump.read_text())
+    env = json.loads((task_dir_of(settings.task.work_dir, task_id) / "env.json").read_text())
     assert env["CK_TASK_ID"] == task_id and env["MY_SETTING"] == "42"
     secrets = [recording_master.registration_token, recording_master.admin_token, api_key,
                *recording_master.recorder.api_keys]
@@ -333,7 +341,11 @@ async def test_run_as_user_runs_the_installer_and_the_spider_as_that_user(
     assert await trio.to_thread.run_sync(owner, version / "index.js") == 0
     locks = await trio.to_thread.run_sync(lambda: list((user.work / "agent").rglob("package-lock.json")))
     assert locks, "npm install wrote a lockfile"
-    owned = [task_dir, task_dir / "in-task-dir.txt", Path(seen["home"]), *locks]
+    # npm ran as the user (the node's builder at this level); the finished environment is sealed, root's
+    # (ckagent.code.builder), so its files no longer say who built them: the task log does.
+    log = "\n".join(await admin.get_logs(task_id))
+    assert f"as the node's builder, uid {user.uid} ({user.name})" in log, log
+    owned = [task_dir, task_dir / "in-task-dir.txt", Path(seen["home"])]
     for path in owned:
         assert await trio.to_thread.run_sync(owner, path) == user.uid, path
 
@@ -347,22 +359,34 @@ def python_user(spider_user: SpiderUser) -> SpiderUser:
     return spider_user
 
 
-async def test_run_as_user_gives_the_python_venv_to_that_user(
+async def test_run_as_user_runs_the_python_spider_in_a_sealed_venv(
     recording_master: RecordingMaster, nursery: trio.Nursery, python_user: SpiderUser
 ) -> None:
+    """One-user level: uv ran as the node's builder (the user), the spider runs as the user, and the
+    finished venv is sealed — root's, no write bit — so the spider cannot poison it for later tasks."""
     user = python_user
-    main = ("import json, os\n"
-            f"json.dump({{'uid': os.getuid(), 'venv': os.environ['VIRTUAL_ENV']}}, "
+    main = ("import json, os, sys\n"
+            "venv = os.environ['VIRTUAL_ENV']\n"
+            "try:\n"
+            "    open(os.path.join(venv, 'planted.pth'), 'w').write('import os')\n"
+            "    wrote = True\n"
+            "except OSError:\n"
+            "    wrote = False\n"
+            f"json.dump({{'uid': os.getuid(), 'venv': venv, 'wrote': wrote, 'exe': sys.executable}}, "
             f"open({str(user.report / 'py.json')!r}, 'w'))\n")
     admin = recording_master.admin
     async with running_agent(nursery, run_as_settings(user, recording_master)):
         task_id = await submit(admin, "as-user-py", {"main.py": main})
         with trio.fail_after(60):
             task = await admin.wait_task_final(task_id, 60)
-    assert task["status"] == "SUCCESS", (task, await admin.get_logs(task_id))
+    logs = await admin.get_logs(task_id)
+    assert task["status"] == "SUCCESS", (task, logs)
     seen = json.loads((user.report / "py.json").read_text())
-    assert seen["uid"] == user.uid
-    assert await trio.to_thread.run_sync(owner, Path(seen["venv"])) == user.uid
+    assert seen["uid"] == user.uid and seen["exe"].startswith(seen["venv"])
+    assert not seen["wrote"], "the spider wrote into its sealed environment"
+    venv = Path(seen["venv"])
+    mode = (await trio.to_thread.run_sync(venv.stat)).st_mode
+    assert await trio.to_thread.run_sync(owner, venv) == 0 and not mode & 0o022, oct(mode)
 
 
 def test_agent_refuses_a_user_that_cannot_execute_the_spiders_interpreter(spider_user: SpiderUser,

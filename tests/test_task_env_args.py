@@ -47,14 +47,15 @@ async def test_arguments_are_never_shown_and_secret_ones_are_masked(dev_master: 
     admin = dev_master.admin
     settings = agent_settings(tmp_path / "agent", dev_master.base_url, dev_master.registration_token)
     async with running_agent(nursery, settings) as agent:
-        if os.geteuid() == 0:  # no task.run_as_user here: the agent says spiders run as root, everywhere
-            assert any("spiders run as root" in text for text in agent.notices.texts())
+        if os.geteuid() == 0:  # no task.run_as_user here: each spider a uid of its own, nothing runs as root
+            assert not any("spiders run as root" in text for text in agent.notices.texts())
             async with httpx.AsyncClient(timeout=10) as client:
                 status = (await client.get(f"http://127.0.0.1:{agent.status_port}/status")).json()
                 page = (await client.get(f"http://127.0.0.1:{agent.status_port}/")).text
-            assert any("spiders run as root" in w for w in status["warnings"]) and "spiders run as root" in page
+            assert not any("spiders run as root" in w for w in status["warnings"]) and "spiders run as root" not in page
             nodes = await admin.list_nodes()
-            assert nodes[0]["containment"]["spiderUser"] == {"name": "root", "uid": 0, "root": True}, nodes
+            user = nodes[0]["containment"]["spiderUser"]
+            assert (user["level"], user["root"], user["uid"], user["name"]) == ("spider-uids", False, None, "ck-<uid>")
         ok = await submit(admin, "argy", {"main.py": PRINT_ARGS}, args=["--db-password", "hunter2", "visible-word"])
         bad = await submit(admin, "homey", {"main.py": PRINT_ARGS}, env={"HOME": "/root"})
         done = await admin.wait_task_final(ok, 180)

@@ -23,6 +23,7 @@ import pytest
 import trio
 import trio.testing
 
+from ckagent.code.builder import Builder
 from ckagent.code.installer import Installers
 from ckagent.containment.monitor import spawn_monitored
 from ckagent.containment.process import MARKER_VAR
@@ -303,7 +304,7 @@ async def test_an_installer_is_stopped_with_the_nodes_kill_grace(tmp_path: Path,
     the node's kill_grace (1.5 s here, not the old fixed 5 s), then every process of the jail killed."""
     task_id = f"installer-stop-{os.getpid()}-{how.replace(' ', '-')}"
     installers = Installers(timeout=1.0 if how == "timed out" else 60.0, base_env={"PATH": os.environ["PATH"]},
-                            run_as=None, kill_grace=1.5)
+                            builder=Builder.of(None, tmp_path), kill_grace=1.5)
     jail = ProcessGroupJail(task_id)
     out = bytearray()
     installing = trio.Event()

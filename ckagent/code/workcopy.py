@@ -5,11 +5,11 @@ version made just before the install and removed when the task ends, so nothing 
 into its working directory is seen by the next. The copy is cheap — a spider project is usually
 small, and on filesystems with reflinks (btrfs, XFS, bcachefs, ZFS 2.2) each file is a
 copy-on-write clone (``FICLONE``), elsewhere an in-kernel copy (``copy_file_range``) — and safe: it is never made of hard links, which a spider
-rewriting a shipped file in place (spiders often run as root) would use to change the cached
+rewriting a shipped file in place would use to change the cached
 version for every later run.
 
 What a spider keeps between its runs goes into its own directories (created on first use, given to
-``task.run_as_user`` when set):
+the spider's identity — its own uid, or ``task.run_as_user`` — when it is not the agent's own):
 
 - ``CK_DATA_DIR`` = ``work_dir/spider-data/<spiderId>/``: Scrapy's ``JOBDIR``, an HTTP cache, a
   dedup database;
@@ -23,13 +23,17 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckagent.master.ids import safe_name
 from ckagent.node.runas import RunAs
+
+log = logging.getLogger(__name__)
 
 FICLONE = 0x40049409
 """Linux ioctl: make the destination file a copy-on-write clone of the source (``linux/fs.h``)."""
@@ -125,11 +129,32 @@ def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def spider_dirs(work_dir: Path, safe_id: str, run_as: RunAs | None) -> tuple[Path, Path]:
-    """(``CK_DATA_DIR``, ``HOME``) of a spider, created if missing and given to ``run_as`` when set."""
+def spider_paths(work_dir: Path, spider_id: str) -> tuple[Path, Path]:
+    """(``CK_DATA_DIR``, ``HOME``) of the spider ``spider_id`` (an id from the network: named safely)."""
+    safe_id = safe_name(spider_id)
+    return work_dir / "spider-data" / safe_id, work_dir / "spider-home" / safe_id
+
+
+def spider_dirs(work_dir: Path, safe_id: str, run_as: RunAs | None, *, spider_id: str | None = None) -> tuple[Path, Path]:
+    """(``CK_DATA_DIR``, ``HOME``) of a spider, created if missing and given to ``run_as`` (its identity)
+    when set. Dirs another identity owns (an earlier root or one-user node, another uid of the spider)
+    are given to it whole — the migration of a node to ``spider-uids``: one log line per spider says
+    what changed hands (``spider_id`` names it; files with other hard links are copied, device files
+    removed: RunAs.chown_tree). Nothing is removed. Blocking."""
     dirs = (work_dir / "spider-data" / safe_id, work_dir / "spider-home" / safe_id)
+    moved: list[str] = []
     for path in dirs:
         path.mkdir(parents=True, exist_ok=True)
-        if run_as is not None and path.stat().st_uid != run_as.uid:
-            run_as.chown_tree(path)
+        if run_as is None:
+            continue
+        before = path.stat()
+        if (before.st_uid, before.st_gid) != (run_as.uid, run_as.gid):
+            given = run_as.chown_tree(path)
+            extra = "".join(f", {n} {what}" for n, what in ((given.copied, "hard-linked file(s) copied"),
+                                                            (given.removed, "device file(s) removed")) if n)
+            moved.append(f"{path} (uid {before.st_uid}'s, {given.changed} entries{extra})")
+    if moved and run_as is not None:
+        log.info("spider %s: its files are given to its identity %s (uid %d, gid %d): %s",
+                 spider_id if spider_id is not None else safe_id, run_as.name, run_as.uid, run_as.gid,
+                 "; ".join(moved))
     return dirs

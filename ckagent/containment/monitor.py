@@ -162,7 +162,8 @@ class Handle:
     recorded, an older agent's handle; stored as the level's text);
     ``env_dir`` the dependency environment the spider runs with ("" = none: a later agent keeps it
     from environment collection while it re-adopts the task); ``proxy_port`` the port of the task's
-    egress proxy listener its proxy variables name (0 = none: a later agent listens there again).
+    egress proxy listener its proxy variables name (0 = none: a later agent listens there again);
+    ``uid``/``gid`` whom the spider runs as (-1: the agent's own user; a re-adopted task keeps it).
     """
 
     monitor_pid: int
@@ -176,6 +177,8 @@ class Handle:
     level: ContainmentLevel | None
     env_dir: str = ""
     proxy_port: int = 0
+    uid: int = -1
+    gid: int = -1
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict (``from_json`` reads it back)."""
@@ -190,7 +193,8 @@ class Handle:
                        None if data.get("deadline_at") is None else float(data["deadline_at"]),
                        str(data["work"]), float(data.get("stall_timeout") or 0.0),
                        ContainmentLevel.parse(str(data["level"])) if data.get("level") else None,
-                       str(data.get("env_dir") or ""), _port(data.get("proxy_port")))
+                       str(data.get("env_dir") or ""), _port(data.get("proxy_port")),
+                       int(data.get("uid", -1)), int(data.get("gid", -1)))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"a stored task handle of the wrong shape: {exc}") from exc
 
@@ -342,7 +346,8 @@ def spawn_monitored(
         os.close(out)
     jail.watch(popen.pid)
     handle = Handle(popen.pid, start_ticks(popen.pid) or 0, boot_id(), time.time(), str(status_path), deadline_at,
-                    str(work), stall_timeout, jail.level, "" if env_dir is None else str(env_dir), proxy_port)
+                    str(work), stall_timeout, jail.level, "" if env_dir is None else str(env_dir), proxy_port,
+                    -1 if run_as is None else run_as.uid, -1 if run_as is None else run_as.gid)
     return Monitored(handle, popen)
 
 

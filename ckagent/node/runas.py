@@ -7,15 +7,12 @@ passwd database; imports nothing of the agent.
 
 from __future__ import annotations
 
-import logging
 import os
 import pwd
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -50,6 +47,17 @@ class RunAs:
     def of_uid(cls, uid: int, home: str) -> RunAs:
         """A spider's own uid (and the gid of the same number), no passwd entry: ``ck-<uid>``."""
         return cls(f"ck-{uid}", uid, uid, (), home, dynamic=True)
+
+    @classmethod
+    def recorded(cls, uid: int, gid: int, home: str) -> RunAs:
+        """The identity a process was started as (a re-adopted spider's handle): the passwd user of that
+        uid, else a spider's own uid (``home`` its HOME)."""
+        try:
+            pw = pwd.getpwuid(uid)
+        except KeyError:
+            return cls(f"ck-{uid}", uid, gid, (), home, dynamic=True)
+        groups = tuple(g for g in os.getgrouplist(pw.pw_name, gid) if g != gid)
+        return cls(pw.pw_name, uid, gid, groups, pw.pw_dir)
 
     @classmethod
     def lookup(cls, name: str) -> RunAs:
@@ -140,25 +148,3 @@ def task_uid(run_as: RunAs | None) -> int:
 def popen_identity(run_as: RunAs | None) -> dict[str, Any]:
     """``run_as.popen_options()``, or nothing when spiders run as the agent's own user."""
     return run_as.popen_options() if run_as is not None else {}
-
-
-def spider_run_as(user: str | None) -> RunAs | None:
-    """``task.run_as_user`` resolved; None when unset or when it is the agent's own user.
-
-    Raises ValueError (saying how to fix it) for an unknown user, or when switching users needs root
-    and the agent is not.
-    """
-    if user is None:
-        return None
-    try:
-        run_as = RunAs.lookup(user)
-    except ValueError as exc:
-        raise ValueError(f"task.run_as_user (AGENT_TASK_RUN_AS_USER): no user {user!r} on this node; "
-                         "create the user or unset the setting") from exc
-    if run_as.uid == os.geteuid():
-        return None
-    if os.geteuid() != 0:
-        raise ValueError(f"task.run_as_user={user!r} needs the agent to run as root (it runs as uid "
-                         f"{os.geteuid()}); unset it or start the agent as root")
-    log.info("spiders and installers run as %s (uid %d, gid %d)", run_as.name, run_as.uid, run_as.gid)
-    return run_as

@@ -27,6 +27,7 @@ from ckagent.containment.egress import TaskRules
 from ckagent.delivery.lifecycle import Lifecycle, TaskAdmitted
 from ckagent.master.protocol import Task
 from ckagent.node.broadcast import Broadcast
+from ckagent.node.runas import RunAs
 from ckagent.task.stop import StopReason, TaskStop
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,9 @@ class RunningTask:
     """The task's egress rules (nftables level: in the kernel); /status reads their counters."""
     handed_over: bool = False
     """The agent stopped and left this task's spider running for the next agent (ckagent.task.adoption)."""
+    run_as: RunAs | None = None
+    """Whom the task's spider runs as (its spider's identity, set when its directory is made; a
+    re-adopted task's from its handle); None: the agent's own user."""
 
     def __post_init__(self) -> None:
         self.stop = TaskStop(self.task.id)

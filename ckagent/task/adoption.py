@@ -45,9 +45,10 @@ from ckagent.containment.hierarchy import task_cgroup_name
 from ckagent.containment.monitor import Handle, Monitored, boot_id, read_status, start_ticks
 from ckagent.containment.process_group import MARKER_VAR, ProcessGroupJail
 from ckagent.delivery.lifecycle import TaskFinished
+from ckagent.master.ids import safe_name
 from ckagent.master.protocol import Task
 from ckagent.node.errors import AGENT_ERROR, describe_fault
-from ckagent.node.runas import task_uid
+from ckagent.node.runas import RunAs, task_uid
 from ckagent.node.state import TaskRecord
 from ckagent.task.stop import StopReason, stopped_outcome
 
@@ -245,7 +246,7 @@ async def _egress_again(supervisor: Supervisor, rt: RunningTask, jail: TaskJail,
     try:
         rt.egress = await trio.to_thread.run_sync(partial(egress.attach, jail, rt.task.id, rt.task.egress,
                                                           proxy_port=proxy_port,
-                                                          uid=task_uid(supervisor.config.run_as)))
+                                                          uid=task_uid(rt.run_as)))
     except EgressError as exc:
         log.warning("task %s: %s; stopping it", rt.task.id, exc)
         notice(f"{exc}; the task is stopped (it must not run without its network policy)")
@@ -264,6 +265,9 @@ def admit_adopted(supervisor: Supervisor, adoption: Adoption) -> RunningTask:
         adoption.release_env = supervisor.adopt_environment(Path(adoption.handle.env_dir))
     rt.claimed_at = adoption.record.claimed_at
     rt.started_at = adoption.handle.spawned_at
+    if adoption.handle.uid >= 0:  # it keeps the identity it was started as (whatever the level is now)
+        home = supervisor.config.work_dir / "spider-home" / safe_name(adoption.task.spider_id)
+        rt.run_as = RunAs.recorded(adoption.handle.uid, adoption.handle.gid, str(home))
     rt.pid = adoption.handle.monitor_pid
     rt.phase = "running"
     if adoption.handle.deadline_at is not None and adoption.handle.deadline_at <= time.time():

@@ -31,7 +31,7 @@ from ckagent.delivery.outputs import Collected, collect, kept_dir
 from ckagent.master.ids import safe_name
 from ckagent.master.protocol import Task
 from ckagent.node.errors import DeployError, JailError, os_error_text
-from ckagent.node.runas import task_uid
+from ckagent.node.runas import RunAs, task_uid
 from ckagent.task.admission import RunningTask
 from ckagent.task.commands import resolve_command
 from ckagent.task.outcome import NO_COPY, Notice
@@ -74,7 +74,7 @@ class Deployer:
         (a file system error included, with its errno text and path)."""
         task = rt.task
         wanted = self._limits(task)
-        hop = await trio.to_thread.run_sync(self._prepare_hop, task, work, wanted, None, check)
+        hop = await trio.to_thread.run_sync(self._prepare_hop, task, work, wanted, None, check, rt.run_as)
         if isinstance(hop.error, ContainmentError):
             level = ContainmentLevel.PROCESS_GROUP if self.config.containment is None else self.config.containment.level
             raise JailError(f"the node cannot contain the task ({level}): {hop.error}") from hop.error
@@ -92,7 +92,7 @@ class Deployer:
                     code_dir = await self._workspaces.deploy_files(task.spider_id, notice)
                 self._workspaces.acquire(code_dir)
                 held.callback(self._workspaces.release, code_dir)
-                hop = await trio.to_thread.run_sync(self._prepare_hop, task, work, None, code_dir, check)
+                hop = await trio.to_thread.run_sync(self._prepare_hop, task, work, None, code_dir, check, rt.run_as)
             elif hop.code is not None:
                 self._workspaces.acquire(hop.code[0])
                 held.callback(self._workspaces.release, hop.code[0])
@@ -104,19 +104,20 @@ class Deployer:
         return hop.code
 
     def _prepare_hop(self, task: Task, work: Path, wanted: Limits | None, code_dir: Path | None,
-                     check: Callable[[Path], object] | None) -> _Hop:
+                     check: Callable[[Path], object] | None, run_as: RunAs | None) -> _Hop:
         """The prepare hop (blocking): the jail under its egress rules (``wanted`` its limits; None: no
         jail now), the code version (``code_dir``, else a package deployed before, else none yet),
-        the command and the working copy, then ``check(work)``. Returns what it met instead of raising."""
+        the command and the working copy (given to ``run_as``, the spider's identity, with its spider's
+        dirs), then ``check(work)``. Returns what it met instead of raising."""
         hop = _Hop()
         try:
             if wanted is not None:
-                hop.jail = self._jail_and_attach(task, wanted)
+                hop.jail = self._jail_and_attach(task, wanted, run_as)
             if code_dir is not None:
-                (argv, how), copied = self._resolve_and_copy(task, code_dir, work)
+                (argv, how), copied = self._resolve_and_copy(task, code_dir, work, run_as)
                 hop.code = (code_dir, argv, how, copied)
             elif task.code_package is not None:
-                cached = self._reuse_and_copy(task, work)
+                cached = self._reuse_and_copy(task, work, run_as)
                 if cached is not None:
                     found, (argv, how), copied = cached
                     hop.code = (found, argv, how, copied)
@@ -126,32 +127,34 @@ class Deployer:
             hop.error = exc
         return hop
 
-    def _reuse_and_copy(self, task: Task, work: Path) -> tuple[Path, tuple[list[str], str | None], str] | None:
+    def _reuse_and_copy(self, task: Task, work: Path,
+                        run_as: RunAs | None) -> tuple[Path, tuple[list[str], str | None], str] | None:
         """For a package deployed before: its version dir (touched: pruning keeps the newest), the
         command and the working copy (:meth:`_resolve_and_copy`); None when it must be deployed. Blocking."""
         assert task.code_package is not None
         code_dir = self._workspaces.reuse_package(task.spider_id, task.code_version, task.code_package)
         if code_dir is None:
             return None
-        return code_dir, *self._resolve_and_copy(task, code_dir, work)
+        return code_dir, *self._resolve_and_copy(task, code_dir, work, run_as)
 
-    def _resolve_and_copy(self, task: Task, code_dir: Path, work: Path) -> tuple[tuple[list[str], str | None], str]:
+    def _resolve_and_copy(self, task: Task, code_dir: Path, work: Path,
+                          run_as: RunAs | None) -> tuple[tuple[list[str], str | None], str]:
         """The task's command, then its working copy (:meth:`_working_copy`). Blocking. Raises
         DeployError (a copy that fails: its message starts with ``NO_COPY``)."""
         resolved = resolve_command(task, code_dir)
         try:
-            return resolved, self._working_copy(task, code_dir, work)
+            return resolved, self._working_copy(task, code_dir, work, run_as)
         except OSError as exc:
             raise DeployError(f"{NO_COPY}: {exc}") from exc
 
-    def _working_copy(self, task: Task, code_dir: Path, work: Path) -> str:
-        """Make the task's private working copy and its spider's data/home dirs (blocking; see ckagent.code.workcopy)."""
+    def _working_copy(self, task: Task, code_dir: Path, work: Path, run_as: RunAs | None) -> str:
+        """Make the task's private working copy and its spider's data/home dirs, given to the spider's
+        identity ``run_as`` (blocking; see ckagent.code.workcopy)."""
         remove_tree(work)
         stats = make_working_copy(code_dir, work)
-        run_as = self.config.run_as
         if run_as is not None:
             run_as.chown_tree(work)
-        spider_dirs(self.config.work_dir, safe_name(task.spider_id), run_as)
+        spider_dirs(self.config.work_dir, safe_name(task.spider_id), run_as, spider_id=task.spider_id)
         return stats.describe()
 
     def _limits(self, task: Task) -> Limits:
@@ -163,7 +166,8 @@ class Deployer:
             cpus=task.resources.cpus if task.resources.cpus is not None else default.cpus,
         )
 
-    def _jail_and_attach(self, task: Task, wanted: Limits) -> tuple[TaskJail, TaskRules | None, EgressError | None]:
+    def _jail_and_attach(self, task: Task, wanted: Limits,
+                         run_as: RunAs | None) -> tuple[TaskJail, TaskRules | None, EgressError | None]:
         """The jail at the node's level, then the task's egress rules on it (before any process of the
         task starts: its installers are filtered too). Blocking. Raises ContainmentError."""
         containment, egress = self.config.containment, self.config.egress
@@ -171,7 +175,7 @@ class Deployer:
         if egress is None:
             return made, None, None
         try:
-            return made, egress.attach(made, task.id, task.egress, uid=task_uid(self.config.run_as)), None
+            return made, egress.attach(made, task.id, task.egress, uid=task_uid(run_as)), None
         except EgressError as exc:
             return made, None, exc
 

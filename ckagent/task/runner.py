@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import shutil
 import sqlite3
 import time
@@ -72,6 +73,7 @@ from ckagent.node.errors import (
     describe_fault,
     os_error_text,
 )
+from ckagent.node.identity import IdentityError
 from ckagent.node.state import AsyncStateStore, StateStoreError
 from ckagent.task.admission import Admission, RunningTask
 from ckagent.task.deploy import Clearing, Deployer
@@ -131,19 +133,19 @@ class TaskRunner:
         """
         task = rt.task
         task_dir = task_dir_of(self.config.work_dir, task.id)
-        run_as = self.config.run_as
         try:
             started_wall = time.time()
             try:
                 def make_task_dir() -> None:  # in the outbox's hop, before the task's durable record
                     task_dir.mkdir(parents=True, exist_ok=True)
-                    if run_as is not None:
-                        run_as.chown_tree(task_dir)
+                    rt.run_as = self.config.identity_of(task.spider_id)  # a new spider's uid: recorded now
+                    if rt.run_as is not None:
+                        rt.run_as.chown_tree(task_dir)
 
                 # Logs, items and the result are the outbox's: they outlive this slot (see ckagent.delivery).
                 delivery = await self._outbox.open_task(task, task_dir, claimed_at=rt.claimed_at,
                                                         make_dir=make_task_dir)
-            except (OSError, sqlite3.Error) as exc:
+            except (OSError, sqlite3.Error, IdentityError) as exc:
                 # A full disk or a broken work dir fails this task, never the agent.
                 await self._report_unprepared(rt, exc, started_wall)
                 return
@@ -197,7 +199,10 @@ class TaskRunner:
         Retried through master trouble for up to REPORT_RETRY_TIMEOUT seconds (there is no state
         store row to resume from); then the task is left to the master.
         """
-        message = f"the node cannot prepare the task's directory or state: {type(exc).__name__}: {exc}"
+        if isinstance(exc, IdentityError):  # no uid left for a new spider: the message says how to widen the range
+            message = f"the node cannot give the spider an identity: {exc}"
+        else:
+            message = f"the node cannot prepare the task's directory or state: {type(exc).__name__}: {exc}"
         log.error("task %s: %s", rt.task.id, message)
         result = task_result(rt, TaskOutcome("FAILED", "DEPLOY_FAILED", message), started_wall)
         try:
@@ -276,7 +281,17 @@ class TaskRunner:
             if how is not None:
                 notice(how)
             notice(f"working copy of {code_dir.name}: {copied}")
+            notice(self._identity_line(rt))
             yield Code(code_dir, argv, work, jail, clearing, checks[-1] if checks else None)
+
+    def _identity_line(self, rt: RunningTask) -> str:
+        """The task log's line saying whom the spider runs as (its identity and the node's level)."""
+        level = self.config.identities.level if self.config.identities is not None else "agent-user"
+        who = rt.run_as
+        if who is None:
+            uid = os.geteuid()
+            return f"runs as {'root' if uid == 0 else 'the agent'} (uid {uid}; identity {level})"
+        return f"runs as {who.name} (uid {who.uid}, gid {who.gid}; identity {level})"
 
     def _install_args(self, task: Task) -> dict[str, Any]:
         """What :meth:`Dependencies.check <ckagent.code.deps.Dependencies.check>` and ``prepare`` take of a task."""
@@ -313,8 +328,8 @@ class TaskRunner:
         data_dir = self.config.work_dir / "spider-data" / safe_name(task.spider_id)
         home_dir = self.config.work_dir / "spider-home" / safe_name(task.spider_id)
         env = spider_base_env(prepared.path_prefix)
-        if self.config.run_as is not None:
-            env.update(self.config.run_as.env())
+        if rt.run_as is not None:  # HOME, USER, LOGNAME of its identity (a spider's own uid has no passwd entry)
+            env.update(rt.run_as.env())
         env["HOME"] = str(home_dir)
         env.update(prepared.env)
         privacy = self.config.containment.privacy if self.config.containment is not None else None
@@ -357,10 +372,10 @@ class TaskRunner:
                 env.update(added.env)
                 lines = added.notices
             trio.from_thread.run_sync(say, lines)
-            make_task_tmp(task_dir, self.config.run_as)
+            make_task_tmp(task_dir, rt.run_as)
             mon = spawn_monitored(
                 _resolve(argv, env), cwd=code.work, env=env, task_id=task.id, task_dir=task_dir,
-                output_path=sink.path, jail=jail, run_as=self.config.run_as,
+                output_path=sink.path, jail=jail, run_as=rt.run_as,
                 deadline_at=None if not timeout else (rt.started_at or 0.0) + timeout, work=code.work,
                 stall_timeout=stall, env_dir=prepared.env_dir,
                 proxy_port=self.config.egress.proxy_port(rt.egress) if self.config.egress is not None else 0,

@@ -20,6 +20,7 @@ from ckagent.agent import Agent
 from ckagent.delivery import LineSplitter, Masker, decode_lines
 from ckagent.devmaster.client import zip_files
 from ckagent.node.config import Settings, load_settings
+from harness.identities import spider_uid_env
 
 
 def load_yaml(text: str) -> Any:
@@ -29,8 +30,9 @@ def load_yaml(text: str) -> Any:
 
 
 def agent_settings(work_dir: Path, base_url: str, registration_token: str, **env: str) -> Settings:
-    """Settings for a test agent: fast heartbeat, short long poll, 2 workers; ``env`` overrides (AGENT_*)."""
-    values = {
+    """Settings for a test agent: fast heartbeat, short long poll, 2 workers; ``env`` overrides (AGENT_*).
+    As root the agent gets the default identity level a node would, spider-uids (:func:`spider_uid_env`)."""
+    values = {**spider_uid_env(work_dir),
         "AGENT_SERVER_URL": base_url,
         "AGENT_REGISTRATION_TOKEN": registration_token,
         "AGENT_WORK_DIR": str(work_dir),
@@ -108,6 +110,9 @@ class AgentProcess:
             "task": {"work_dir": str(directory / "data"), "poll_interval": 0.5, "long_poll_wait": 2,
                      "kill_grace": 2, "private_tmp_shared": str(directory.parent)},
         }
+        python = spider_uid_env(directory / "data").get("AGENT_DEPS_PYTHON")  # as root: spider-uids, as a node gets
+        if python is not None:
+            config["deps"] = {"python": python}
         for dotted, value in settings.items():
             section, key = dotted.split("__", 1)
             config.setdefault(section, {})[key] = value

@@ -4,22 +4,30 @@ An agent running as root gives each spider a uid of its own when every such uid 
 and run the spiders' interpreter. pytest's ``tmp_path`` is root's alone (0700 from /tmp down) and the
 suite's interpreter may live under /root (pyenv): :func:`spider_reachable` opens the test's own
 directories for searching (o+x, below the temp directory only: nothing of the machine's is changed) and
-:func:`spider_python` names an interpreter every uid can run, so the agents of the tests get the
-default level a node would. :func:`process_ids` reads who a process runs as from /proc;
+:func:`spider_python` names an interpreter every uid can run (:func:`spider_writable`: a directory
+a spider of any uid may write its report in), so the agents of the tests get the
+default level a node would. pytest's own temporary root (``/tmp/pytest-of-root``) is set back to 0700
+by every pytest session that starts on the machine — mid-test, for a suite beside another — so a root
+session keeps its temporary files below one that stays searchable (:func:`reachable_basetemp`, set by
+conftest.py). :func:`process_ids` reads who a process runs as from /proc;
 :func:`id_files` writes passwd/group files naming chosen ids.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import os
+import shutil
 import stat
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["NOBODY_UID", "id_files", "process_ids", "spider_python", "spider_reachable", "spider_uid_env"]
+__all__ = ["NOBODY_UID", "id_files", "process_ids", "reachable_basetemp", "spider_python", "spider_reachable",
+           "spider_uid_env", "spider_writable"]
 
 NOBODY_UID = 65534
 """A uid that owns nothing of the tests': the probe of :func:`spider_python` runs as it."""
@@ -43,6 +51,62 @@ def spider_reachable(path: Path) -> Path:
         if stat.S_ISDIR(mode) and not mode & 0o001:
             directory.chmod(stat.S_IMODE(mode) | 0o001)
     return path
+
+
+KEEP_SESSIONS = 3
+"""Sessions' temporary dirs kept below :func:`reachable_basetemp`'s root (as pytest keeps 3)."""
+_HELD: list[int] = []  # the lock of this session's dir, held (open) for the life of the process
+
+
+def reachable_basetemp(name: str = "ckagent-tests") -> Path:
+    """A fresh temporary root for this pytest session (its ``--basetemp``), searchable by every uid:
+    ``<tempdir>/<name>-<uid>/pytest-*/tmp`` (0711 above it, root's: listable by no one else). The session holds a
+    lock on it while it runs; older sessions' dirs whose lock no one holds are removed, keeping the
+    newest :data:`KEEP_SESSIONS`. Blocking (a few files); raises OSError when the temp dir is not
+    writable."""
+    root = Path(tempfile.gettempdir()) / f"{name}-{os.geteuid()}"
+    with contextlib.suppress(FileExistsError):
+        root.mkdir(mode=0o711)
+    st = root.lstat()
+    if not (stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()):  # a squatter's: one of our own instead
+        root = Path(tempfile.mkdtemp(prefix=f"{name}-{os.geteuid()}-"))
+    root.chmod(0o711)
+    session = Path(tempfile.mkdtemp(prefix="pytest-", dir=root))
+    session.chmod(0o711)
+    fd = os.open(session / ".lock", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    _HELD.append(fd)
+    older = sorted((p for p in root.iterdir() if p.name.startswith("pytest-") and p != session),
+                   key=lambda p: p.stat().st_mtime, reverse=True)
+    for stale in older[KEEP_SESSIONS - 1:]:
+        _remove_unless_live(stale)
+    return session / "tmp"  # (pytest empties and makes the basetemp itself: the lock stays beside it)
+
+
+def _remove_unless_live(path: Path) -> None:
+    """Remove a session's dir unless its session still runs (holds its lock)."""
+    try:
+        fd = os.open(path / ".lock", os.O_WRONLY | os.O_CLOEXEC)
+    except OSError:
+        fd = -1  # no lock file: an interrupted start, or not ours
+    try:
+        if fd >= 0:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        shutil.rmtree(path, ignore_errors=True)
+    except BlockingIOError:
+        pass
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def spider_writable(directory: Path) -> Path:
+    """``directory`` (made if missing) where a spider under any uid may create files, as in /tmp (mode
+    1777: sticky, so one uid cannot remove another's files); reachable (:func:`spider_reachable`).
+    For a test whose spider reports to a file the test reads. Returns ``directory``. Blocking."""
+    directory.mkdir(parents=True, exist_ok=True)
+    directory.chmod(0o1777)
+    return spider_reachable(directory)
 
 
 @functools.lru_cache(maxsize=1)
