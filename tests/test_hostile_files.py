@@ -260,3 +260,15 @@ def test_the_scrapy_hook_looks_at_no_link_and_waits_on_no_fifo(node: dict[str, P
     assert bounded(uses_sdk_pipeline, work) is False
     (work / "items.py").write_text("from crawlerkeeper_sdk.scrapy import CrawlerKeeperPipeline\n")
     assert bounded(uses_sdk_pipeline, work) is True
+
+
+def test_the_failure_message_holds_the_spiders_lines_not_the_agents_or_the_installers(tmp_path: Path) -> None:
+    """A spider that dies right after its install: the tail a failed result carries is its own output,
+    not the agent's notices nor the installer lines the agent wrote before it ("[ckagent] $ uv venv ...")."""
+    log = tmp_path / "output.log"
+    log.write_bytes(b"[ckagent] building environment py-1 (packages) as the node's builder, uid 61184 (ck-61184)\n"
+                    b"[ckagent] $ uv venv --quiet py-1\n"
+                    b"[ckagent 2026-12-05 12:00:00] running python main.py\n"
+                    b"about to die\n"
+                    b"[ckagentish] a spider's own line\n")
+    assert output_tail(log) == b"about to die\n[ckagentish] a spider's own line\n"

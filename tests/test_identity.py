@@ -237,6 +237,14 @@ def test_spider_uids_is_passed_over_with_why_when_it_cannot_be_had(tmp_path: Pat
         assert notice is not None and notice.startswith("spiders run as root: spider-uids (a uid per spider) is "
                                                         "not available here")
         assert "chmod o+x" in notice
+        # The work dir's own parent is closed (0700) though everything above it is searchable: a spider's
+        # uid reaches the parent's entry but not into it (the probe stats "<parent>/.", not "<parent>").
+        (tmp_path / "open").mkdir()
+        closed = spider_reachable(tmp_path / "open") / "closed"
+        closed.mkdir(mode=0o700)
+        shut = _open(closed / "node", store, UidRange(3_210_000_613, 3_210_000_619))
+        assert shut.level is IdentityLevel.ROOT and shut.passed_over[0].blocker is Blocker.UNREACHABLE
+        assert f"cannot reach {closed}/." in shut.passed_over[0].message, shut.passed_over
         full = _open(spider_reachable(tmp_path / "full"), store, UidRange(3_210_000_610, 3_210_000_612),
                      taken=([3_210_000_610, 3_210_000_611], []))
         assert full.level is IdentityLevel.ROOT and full.passed_over[0].blocker is Blocker.NO_FREE_UIDS

@@ -198,13 +198,13 @@ def _forced(run_as_user: str | None, euid: int) -> _Forced:
     return _Forced(IdentityLevel.ROOT if user.uid == 0 else IdentityLevel.ONE_USER, user)
 
 
-def _probe(uid: int, python: str, paths: list[Path]) -> None:
+def _probe(uid: int, python: str, paths: list[str]) -> None:
     """Run ``python`` as ``uid`` (its gid the same number, no groups) and stat each of ``paths`` (each
     reached through every directory above it). Raises IdentityError (UNREACHABLE) naming what it could
     not reach. Blocking: one short process."""
     why: str | None = None
     try:
-        done = subprocess.run([python, "-I", "-S", "-c", _PROBE, *map(str, paths)], capture_output=True,
+        done = subprocess.run([python, "-I", "-S", "-c", _PROBE, *paths], capture_output=True,
                               timeout=PROBE_TIMEOUT, check=False, stdin=subprocess.DEVNULL, cwd="/",
                               user=uid, group=uid, extra_groups=[], env={"PATH": "/usr/bin:/bin"})
     except subprocess.TimeoutExpired:
@@ -221,15 +221,17 @@ def _probe(uid: int, python: str, paths: list[Path]) -> None:
         raise IdentityError(f"a spider's uid ({uid}) {why}", Blocker.UNREACHABLE)
 
 
-def _reach_paths(work_dir: Path, sdk_dir: Path | None) -> list[Path]:
-    """What every spider's uid must reach: the work dir's nearest existing directory (through each
-    directory above it; the agent makes the work dir itself searchable) and the bundled SDK."""
+def _reach_paths(work_dir: Path, sdk_dir: Path | None) -> list[str]:
+    """What every spider's uid must reach: the work dir's nearest existing directory, searched (its
+    ``/.``: through each directory above it and itself; the agent makes the work dir itself searchable)
+    and the bundled SDK. Strings, not Paths: ``Path(d) / "."`` is ``d``, whose stat needs no search
+    permission on ``d`` itself."""
     probe = work_dir
     while not probe.exists() and probe.parent != probe:
         probe = probe.parent
-    paths = [probe / "." if probe != work_dir else work_dir.parent / "."]
+    paths = [os.path.join(probe if probe != work_dir else work_dir.parent, ".")]
     if sdk_dir is not None:
-        paths.append(sdk_dir / "crawlerkeeper_sdk" / "__init__.py")
+        paths.append(str(sdk_dir / "crawlerkeeper_sdk" / "__init__.py"))
     return paths
 
 

@@ -223,7 +223,7 @@ def shown_argv(argv: list[str], task: Task) -> str:
 
 def output_tail(path: Path, size_bytes: int = 16384) -> bytes:
     """The last ``size_bytes`` of the task's output (stdout and stderr are one file), without the
-    agent's own notices. Blocking (one small read); b"" when the file cannot be read — also when the
+    agent's own notices and installer lines. Blocking (one small read); b"" when the file cannot be read — also when the
     spider replaced it by a link or a FIFO (never followed, never waited on: the tail goes into the
     result's message, which the master stores)."""
     try:
@@ -237,7 +237,8 @@ def output_tail(path: Path, size_bytes: int = 16384) -> bytes:
         return b""
     finally:
         os.close(fd)
-    return b"".join(line for line in data.splitlines(keepends=True) if not line.startswith(b"[ckagent "))
+    # the agent's notices ("[ckagent <time>] ...") and the installers' lines it wrote ("[ckagent] $ uv ...")
+    return b"".join(line for line in data.splitlines(keepends=True) if not line.startswith((b"[ckagent ", b"[ckagent]")))
 
 
 def result_from_json(data: dict[str, Any]) -> TaskResult:
