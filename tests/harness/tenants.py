@@ -176,6 +176,8 @@ node_poison = ("require('fs').writeFileSync(%s + '/POISONED-' + process.pid, 'no
                "console.log('POISONED by a planted module'); module.exports = 'poisoned';\n" % json.dumps(P["report"]))
 forged = json.dumps({"spider": "B", "forged": "by A"}) + "\n"
 for who, t in sorted(P["victims"].items()):
+    attempt(who + ":read working copy", lambda: sorted(os.listdir(t["cwd"])))
+    attempt(who + ":read data dir", lambda: sorted(os.listdir(t["data_dir"])))
     attempt(who + ":write working copy", lambda: create(os.path.join(t["cwd"], "planted-by-a.py"), "x"))
     attempt(who + ":write task dir", lambda: create(os.path.join(t["task_dir"], "planted-by-a"), "x"))
     attempt(who + ":write data dir", lambda: create(os.path.join(t["data_dir"], "planted-by-a"), "x"))
@@ -210,6 +212,8 @@ attempt("agent:ptrace", lambda: ptrace(agent))
 attempt("agent:read config", lambda: read(P["config"]))
 attempt("agent:read state.db", lambda: read(os.path.join(work, "state.db")))
 attempt("agent:read state.db-wal", lambda: read(os.path.join(work, "state.db-wal")))
+attempt("agent:read node id", lambda: read(os.path.join(work, "node_uid")))
+attempt("agent:read runtimes", lambda: read(os.path.join(work, "runtimes.json")))
 attempt("agent:read egress key", lambda: read(os.path.join(work, "egress-proxy.key")))
 attempt("agent:list work dir", lambda: sorted(os.listdir(work)))
 attempt("agent:list tasks", lambda: sorted(os.listdir(os.path.join(work, "tasks"))))
@@ -223,14 +227,14 @@ os.rename(out + ".part", out)
 print("attacker tried %d actions, %d refused" % (len(report), sum(not r["ok"] for r in report.values())), flush=True)
 '''
 
-VICTIM_ACTIONS = ("write working copy", "write task dir", "write data dir", "write home", "append items",
+VICTIM_ACTIONS = ("read working copy", "read data dir", "write working copy", "write task dir", "write data dir", "write home", "append items",
                   "append stats", "append output.log", "read items", "read environ", "read cmdline", "read fd",
                   "read mem", "signal", "signal group", "ptrace")
 """What A tries on every victim (``<victim>:<action>`` in the report)."""
 PY_ACTIONS = ("plant .pth", "plant in venv bin")
 NODE_ACTIONS = ("plant node_modules file", "overwrite node_modules module")
 AGENT_ACTIONS = ("read environ", "read cmdline", "read fd", "read mem", "signal", "ptrace", "read config",
-                 "read state.db", "read state.db-wal", "read egress key", "list work dir", "list tasks",
+                 "read state.db", "read node id", "read runtimes", "read state.db-wal", "read egress key", "list work dir", "list tasks",
                  "write work dir", "write tasks dir", "write envs")
 """What A tries on the agent (``agent:<action>``)."""
 
