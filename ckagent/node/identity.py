@@ -232,15 +232,15 @@ def _probe(uid: int, python: str, paths: list[str]) -> None:
                               timeout=PROBE_TIMEOUT, check=False, stdin=subprocess.DEVNULL, cwd="/",
                               user=uid, group=uid, extra_groups=[], env={"PATH": "/usr/bin:/bin"})
     except subprocess.TimeoutExpired:
-        why = f"the interpreter {python} did not answer within {PROBE_TIMEOUT:g} s"
+        why = f"got no answer from the interpreter {python} within {PROBE_TIMEOUT:g} s"
     except OSError as exc:
-        why = f"it cannot execute the spiders' interpreter {python} ({exc.strerror or exc}; deps.python)"
+        why = f"cannot execute the spiders' interpreter {python} ({exc.strerror or exc}; deps.python)"
     else:
         if done.returncode == 3:
-            why = f"it cannot reach {done.stdout.decode(errors='replace').strip()}"
+            why = f"cannot reach {done.stdout.decode(errors='replace').strip()}"
         elif done.returncode != 0:
             tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit code {done.returncode}"]
-            why = f"it cannot run the spiders' interpreter {python} ({tail[0][:300]}; deps.python)"
+            why = f"cannot run the spiders' interpreter {python} ({tail[0][:300]}; deps.python)"
     if why is not None:
         raise IdentityError(f"a spider's uid ({uid}) {why}", Blocker.UNREACHABLE)
 
