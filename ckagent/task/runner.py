@@ -74,6 +74,7 @@ from ckagent.node.errors import (
 )
 from ckagent.node.identity import IdentityError, runs_as_text
 from ckagent.node.state import AsyncStateStore, StateStoreError
+from ckagent.node.workmodes import PRIVATE_DIR_MODE
 from ckagent.task.admission import Admission, RunningTask
 from ckagent.task.deploy import Clearing, Deployer
 from ckagent.task.outcome import (
@@ -136,7 +137,9 @@ class TaskRunner:
             started_wall = time.time()
             try:
                 def make_task_dir() -> None:  # in the outbox's hop, before the task's durable record
-                    task_dir.mkdir(parents=True, exist_ok=True)
+                    # 0700 from the start (not the umask's 0755 until the next start's seal_work_dir): its
+                    # items, stats and exit status are no other spider's to read.
+                    task_dir.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
                     rt.run_as = self.config.identity_of(task.spider_id)  # a new spider's uid: recorded now
                     if rt.run_as is not None:
                         rt.run_as.chown_tree(task_dir)
