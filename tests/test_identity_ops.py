@@ -1,13 +1,16 @@
 """The identity level (whom spiders run as: ckagent.node.identity) as an operator sees it: the start's
 log line, ``/status``'s ``identity`` object, the status page, the ``ckagent_identity_level`` gauge, the
-registration the master stores (``containment.spiderUser``, the dev master's ``identity``), and the
-notices of the levels where spiders share a uid with the agent or run as root.
+registration the master stores (``containment.spiderUser``, the dev master's ``identity``), the
+notices of the levels where spiders share a uid with the agent or run as root, and ``ckagent exec``,
+which runs the spider under the agent's identity rules and says whom as.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import re
 from pathlib import Path
 
 import httpx
@@ -18,8 +21,10 @@ from harness import (  # noqa: F401 -- no_strays: autouse fixture
     agent_settings,
     no_strays,
     running_agent,
+    spider_uid_env,
 )
 
+from ckagent.cli.localrun import ExecRequest, run_exec
 from ckagent.node.configvalues import UidRange
 from ckagent.node.identity import open_identities
 from ckagent.node.levels import Blocker, IdentityLevel
@@ -111,3 +116,39 @@ def test_a_non_root_agent_says_spiders_share_its_uid(tmp_path: Path) -> None:
     assert wire["level"] == "agent-user" and wire["builderUid"] is None
     assert wire["passedOver"] == [{"level": "spider-uids", "blocker": "not-root",
                                    "message": "the agent runs as uid 4321, not root", "remedy": Blocker.NOT_ROOT.remedy}]
+
+
+WHOAMI = "import os\nprint('whoami', os.getuid(), os.getgid(), os.getgroups(), flush=True)\n"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="spiders get uids of their own only from a root agent")
+async def test_exec_runs_the_spider_under_the_agents_identity_rules_and_says_whom_as(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in [k for k in os.environ if k.startswith(("AGENT_", "CK_"))]:
+        monkeypatch.delenv(key)
+    work = tmp_path / "w"
+    for key, value in spider_uid_env(work).items():  # the interpreter every uid can run (the suite's is root's)
+        monkeypatch.setenv(key, value)
+    spider = tmp_path / "whoami"
+    spider.mkdir()
+    (spider / "main.py").write_text(WHOAMI)
+    request = ExecRequest(source=spider, items=tmp_path / "items.jsonl", work_dir=work,
+                          artifacts=tmp_path / "artifacts")
+    out, err = io.StringIO(), io.StringIO()
+    with trio.fail_after(180):
+        assert await run_exec(request, out, err) == 0, err.getvalue()[-3000:]
+    header = re.search(r"^\[ckagent exec\] the spider runs as ck-(\d+) \(uid (\d+), gid (\d+); identity "
+                       r"spider-uids\): each spider its own uid and gid from task.spider_uids ", err.getvalue(), re.M)
+    assert header is not None, err.getvalue()[-3000:]
+    uid = int(header[1])
+    assert int(header[2]) == int(header[3]) == uid and 61184 <= uid <= 65519
+    assert f"whoami {uid} {uid} []" in out.getvalue(), out.getvalue()[-3000:]  # what the spider itself saw
+    assert "[ckagent exec] note:" not in err.getvalue()
+    monkeypatch.setenv("AGENT_TASK_RUN_AS_USER", "root")  # root, an explicit choice: said, with why it matters
+    out, err = io.StringIO(), io.StringIO()
+    with trio.fail_after(180):
+        assert await run_exec(request, out, err) == 0, err.getvalue()[-3000:]
+    said = err.getvalue()
+    assert "[ckagent exec] the spider runs as root (uid 0; identity root): spiders as root\n" in said, said[-3000:]
+    assert "[ckagent exec] note: spiders run as root: task.run_as_user is root" in said
+    assert "whoami 0 0 " in out.getvalue()

@@ -72,7 +72,7 @@ from ckagent.node.uidpool import (
 )
 
 __all__ = ["BUILDER", "SPIDER", "Identities", "IdentityError", "UidsExhausted", "judge_identities",
-           "open_identities"]
+           "open_identities", "runs_as_text"]
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +187,15 @@ class Identities:
             name = _user_name(uid)
         return {"level": self.level.value, "details": self.details, "name": name, "uid": uid, "root": uid == 0,
                 **common}
+
+
+def runs_as_text(run_as: RunAs | None, level: IdentityLevel | str) -> str:
+    """Whom a spider runs as, in words (the task log's line, ``ckagent exec``'s header): ``runs as
+    ck-61185 (uid 61185, gid 61185; identity spider-uids)``; ``run_as`` None = the agent's own uid."""
+    if run_as is None:
+        uid = os.geteuid()
+        return f"runs as {'root' if uid == 0 else 'the agent'} (uid {uid}; identity {level})"
+    return f"runs as {run_as.name} (uid {run_as.uid}, gid {run_as.gid}; identity {level})"
 
 
 def _user_name(uid: int) -> str:
