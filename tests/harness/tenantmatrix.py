@@ -16,7 +16,7 @@ import trio
 from ckagent.devmaster.client import AdminClient
 from ckagent.master.ids import task_dir
 from harness.agentproc import agent_process, wait_registered
-from harness.core import eventually, spider_zip
+from harness.core import AgentProcess, eventually, spider_zip
 from harness.identities import spider_writable
 from harness.npmregistry import npm_registry
 from harness.recording import RecordingMaster
@@ -59,6 +59,14 @@ class MatrixRun:
     planted: list[str] = field(default_factory=list)
     agent_log: str = ""
 
+    def summary(self) -> str:
+        """One line per action A tried: done, or the error that refused it (for assertion messages); then
+        the agent's lines on its levels."""
+        lines = [f"{key}: {'DONE' if r['ok'] else r.get('error')}" for key, r in self.report.items()]
+        lines += [line for line in self.agent_log.splitlines() if any(
+            word in line for word in ("identity", "containment:", "private", "egress:"))][:8]
+        return "\n".join(lines)
+
     def outcome(self, role: str) -> tuple[str, list[dict[str, Any]], str]:
         """``(status, items, log text)`` of the task in ``role``."""
         task_id = self.tasks[role]
@@ -72,13 +80,16 @@ def _planted(work: Path) -> list[str]:
     return sorted(found)
 
 
-async def run_matrix(master: RecordingMaster, tmp_path: Path, *, gentle: bool, **settings: Any) -> MatrixRun:
-    """Run the matrix on an agent process with ``settings`` (``section__key``, as :func:`agent_process`),
-    ``gentle`` as :data:`harness.tenants.ATTACKER` takes it. Bounded by :data:`BOUND`; the agent is
+async def run_matrix(master: RecordingMaster, tmp_path: Path, *, gentle: bool, agent: AgentProcess | None = None,
+                     **settings: Any) -> MatrixRun:
+    """Run the matrix on an agent process with ``settings`` (``section__key``, as :func:`agent_process`;
+    or on ``agent``, made with ``agent__max_workers=3``), ``gentle`` as :data:`harness.tenants.ATTACKER`
+    takes it; the report dir is beside the agent's directory. Bounded by :data:`BOUND`; the agent is
     killed at the end. Raises AssertionError when a victim never starts."""
-    report_dir = await trio.to_thread.run_sync(spider_writable, tmp_path / "report")
-    agent = agent_process(tmp_path, master.base_url, master.registration_token,
-                          agent__max_workers=3, **settings)
+    if agent is None:
+        agent = agent_process(tmp_path, master.base_url, master.registration_token,
+                              agent__max_workers=3, **settings)
+    report_dir = await trio.to_thread.run_sync(spider_writable, agent.directory.parent / "report")
     work = agent.directory / "data"
     run = MatrixRun(work, report_dir)
     admin: AdminClient = master.admin
@@ -98,6 +109,7 @@ async def run_matrix(master: RecordingMaster, tmp_path: Path, *, gentle: bool, *
             await agent.start({"AGENT_REGISTRATION_TOKEN": master.registration_token})
             await wait_registered(admin, agent)
             assert agent.process is not None
+            proc = agent.process
             for role in ("B", "N"):
                 run.tasks[role] = str(await admin.create_task(spiders[role], env=env, params=params))
             for role in ("B", "N"):
@@ -108,7 +120,7 @@ async def run_matrix(master: RecordingMaster, tmp_path: Path, *, gentle: bool, *
                     return await trio.to_thread.run_sync(beacon_of, report_dir, task_id)
 
                 run.victims[role] = await eventually(started, BOUND / 2, f"victim {role} started")
-            attack = attack_params(report_dir, run.victims, agent_pid=agent.process.pid, work_dir=work,
+            attack = attack_params(report_dir, run.victims, agent_pid=proc.pid, work_dir=work,
                                    config=agent.config_path, gentle=gentle)
             run.tasks["A"] = str(await admin.create_task(spiders["A"], params=attack))
             await _finish(admin, run, "A")
