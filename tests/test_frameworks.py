@@ -1,6 +1,7 @@
 """Every framework runs end to end: the example spider under sdk/examples/ is uploaded to the real dev
 master, a real agent deploys it, installs its dependencies (uv / npm) and runs it; the spider crawls
-the dev master's demo site and its 30 products arrive at the master as items.
+the dev master's demo site and its 30 products arrive at the master as items. As root each spider
+runs under a uid of its own (the default ``spider-uids`` identity level, its log says so).
 
 scrapy is covered by tests/test_agent_e2e.py (the example project); here: python with httpx, node,
 selenium (Debian's Chromium + chromedriver) and playwright (Python Playwright driving Debian's
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 import trio
-from harness import AgentRun, ExampleRuns
+from harness import AgentRun, ExampleRuns, assert_default_identity
 
 from ckagent.code.runtimes import find_chromedriver, find_chromium
 from ckagent.devmaster.demosite import expected_products
@@ -39,6 +40,7 @@ async def _run_example(dev_master: Any, nursery: trio.Nursery, example_runs: Exa
     run = await example_runs.agent(dev_master, nursery, example, framework, params=params)
     log_text = "\n".join(run.logs)
     assert run.task["status"] == "SUCCESS", (run.task, log_text[-3000:])
+    assert_default_identity(log_text)  # as root: a uid of the spider's own (spider-uids), browsers included
     # Nothing the task started survives it (chromium, chromedriver, node, ...): the sweep saw to it.
     assert run.leftovers == []
     return run, log_text
