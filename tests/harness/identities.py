@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["DEFAULT_IDENTITY", "NOBODY_UID", "assert_default_identity", "id_files", "process_ids", "reachable_basetemp", "runs_as",
+__all__ = ["DEFAULT_IDENTITY", "NOBODY_UID", "assert_default_identity", "chromium_sandbox_expected", "id_files", "process_ids", "reachable_basetemp", "runs_as",
            "spider_python", "spider_reachable", "spider_uid_env", "spider_writable"]
 
 NOBODY_UID = 65534
@@ -163,6 +163,22 @@ def assert_default_identity(log: str) -> int:
     if os.geteuid() == 0:
         assert uid != 0 and name == f"ck-{uid}", (name, uid, level)
     return uid
+
+
+@functools.lru_cache(maxsize=1)
+def chromium_sandbox_expected() -> bool:
+    """Whether a test agent's spiders (:data:`DEFAULT_IDENTITY`) get Chromium's own sandbox here
+    (``CK_CHROMIUM_SANDBOX=1``): they are not root and an unprivileged process (``nobody`` as root, this
+    user otherwise) may make a user, pid and network namespace — asked of the kernel by util-linux's
+    ``unshare``, as the agent asks (ckagent.code.browsers)."""
+    unshare = shutil.which("unshare", path="/usr/bin:/bin")
+    if DEFAULT_IDENTITY == "root" or unshare is None:
+        return False
+    ids: dict[str, object] = ({"user": NOBODY_UID, "group": NOBODY_UID, "extra_groups": []}
+                              if os.geteuid() == 0 else {})
+    done = subprocess.run([unshare, "--user", "--pid", "--net", "--fork", "true"], capture_output=True, timeout=30,
+                          check=False, cwd="/", **ids)  # type: ignore[call-overload]
+    return done.returncode == 0
 
 
 def process_ids(pid: int) -> tuple[int, int, tuple[int, ...]]:
