@@ -281,9 +281,9 @@ class Agent:
             raise ConfigError(str(exc)) from exc
         self.metrics.egress_level(self.egress.level)
         self.metrics.egress_proxy = self.egress.server
-        as_root = identities.as_root_notice()
-        if as_root is not None:
-            self.notices.set("spiders-as-root", as_root)
+        self.metrics.identity_level(identities.level)
+        if (notice := identities.notice()) is not None:  # spiders as root or as the agent's uid: said once
+            self.notices.set(*notice)
         if os.getpid() == 1:
             log.warning("running as PID 1 without an init: processes orphaned by spiders are not reaped "
                         "(<defunct> entries pile up); run the container with `--init` or tini "

@@ -113,7 +113,7 @@ def test_each_spider_gets_a_uid_of_its_own_kept_across_tasks_and_restarts(work: 
     assert identities.held() == {"spider-a": a.uid, "spider-b": b.uid}
     assert identities.to_json() == {
         "level": "spider-uids", "details": identities.details, "name": "ck-<uid>", "uid": None, "root": False,
-        "uidRange": "3210000000-3210000009", "spiders": 2, "free": 5}
+        "uidRange": "3210000000-3210000009", "spiders": 2, "free": 5, "passedOver": [], "builderUid": 3_210_000_001}
     store.close()
     store = StateStore(work / "state.db")  # an agent restart
     try:
@@ -276,7 +276,10 @@ def test_task_run_as_user_and_the_agents_user_decide_the_level(work: Path) -> No
         assert nobody.level is IdentityLevel.ONE_USER and nobody.builder == nobody.for_spider("x")
         assert nobody.for_spider("x").uid == 65534  # type: ignore[union-attr]
         assert nobody.to_json() == {"level": "one-user", "details": "every spider as nobody (uid 65534, gid 65534)",
-                                    "name": "nobody", "uid": 65534, "root": False}
+                                    "name": "nobody", "uid": 65534, "root": False, "builderUid": 65534,
+                                    "passedOver": [{"level": "spider-uids", "blocker": "run-as-user",
+                                                    "message": "task.run_as_user is nobody",
+                                                    "remedy": Blocker.RUN_AS_USER.remedy}]}
     finally:
         store.close()
 

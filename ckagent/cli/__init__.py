@@ -160,8 +160,9 @@ def _httpx_without_its_cli() -> Iterator[None]:
 
 
 def check(*, config: ConfigOption = None) -> int:
-    """Validate the configuration (file and environment), say which containment and egress levels this
-    node gets with it, why, and what would raise each; then print "config OK: FILE".
+    """Validate the configuration (file and environment), say which containment, egress and identity
+    levels this node gets with it (identity: whom spiders run as), why, and what would raise each; then
+    print "config OK: FILE".
 
     Runs the checks `ckagent run` runs (values, then users, paths and the port on this node, then the
     levels: a named level this node cannot have is an error, as at the start). A missing registration
@@ -169,6 +170,7 @@ def check(*, config: ConfigOption = None) -> int:
     judged without changing the machine (probes remove what they make), for an agent started as this
     command is (its user and cgroup).
     """
+    from ckagent.code.pyplan import bundled_sdk_dir
     from ckagent.containment.levelcheck import check_levels
     from ckagent.node.preflight import preflight
 
@@ -180,7 +182,7 @@ def check(*, config: ConfigOption = None) -> int:
     problems = preflight(settings)
     for problem in problems:
         print(f"{'error' if problem.error else 'warning'}: {problem.message}", file=sys.stderr)
-    levels = check_levels(settings)
+    levels = check_levels(settings, sdk_dir=bundled_sdk_dir())
     print("\n".join(levels.lines))
     for error in levels.errors:
         print(f"error: {error}", file=sys.stderr)

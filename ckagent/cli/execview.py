@@ -4,7 +4,8 @@
 The items are the ones the exec's private master stored, in the stream's order, whichever road they
 took on the node (CK_ITEMS_FILE / the SDK, declared JSON Lines files streamed live, .json / .csv files
 read at the end, crawlee datasets): :class:`Follower` reads the master's item chunks
-(:meth:`ckagent.devmaster.store.Store.item_chunks_from`), not one file of the task directory.
+(:meth:`ckagent.devmaster.store.Store.item_chunks_from`), not one file of the task directory. Before
+the task, :func:`say_identity` says whom the spider will run as.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
+import trio
+
 from ckagent.delivery.crawlstats import STATS_FILE, read_last_snapshot
 from ckagent.delivery.spool import open_spool
+from ckagent.node.identity import Identities, IdentityError, runs_as_text
 
 READ_BYTES = 4 << 20
 """Bytes of the log read at a time."""
@@ -131,3 +135,22 @@ def read_from(path: Path, offset: int) -> bytes:
         return os.pread(fd, READ_BYTES, offset)
     finally:
         os.close(fd)
+
+
+async def say_identity(identities: Identities | None, spider_id: str, err: TextIO) -> None:
+    """The header line saying whom the spider will run as (the agent's identity rules: its uid at
+    ``spider-uids``, recorded now as the task would), and the level's notice when spiders share the
+    agent's uid or run as root. ``identities`` None: the agent's are not built (nothing said). Blocks
+    no more than a worker thread's state store write; cancellation: between the lines."""
+    if identities is None:
+        return
+    try:
+        run_as = await trio.to_thread.run_sync(identities.for_spider, spider_id)
+    except IdentityError as exc:  # (the task then fails saying so)
+        err.write(f"[ckagent exec] the spider cannot get an identity: {exc}\n")
+        return
+    err.write(f"[ckagent exec] the spider {runs_as_text(run_as, identities.level)}: {identities.details}\n")
+    notice = identities.notice()
+    if notice is not None:
+        err.write(f"[ckagent exec] note: {notice[1]}\n")
+    err.flush()

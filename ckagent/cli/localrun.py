@@ -7,7 +7,9 @@ zip as the package of the spider of that name, framework and command (the same s
 so its code version and environment are reused), starts an agent against it, and schedules one task
 with the given ``--param``, ``--env``, ``--timeout``, ``--stall-timeout``. So the package checks,
 the dependency install (uv / npm), the environment, the containment, the capture, items and stats
-are the node's. Finished task directories are kept for a day (``task.retention``) for a look.
+are the node's — and whom the spider runs as: the agent's identity rules (ckagent.node.identity; as
+root, a uid of the spider's own by default), said in the header line before the task starts (with the
+level's notice where spiders run as root or as the agent's own uid). Finished task directories are kept for a day (``task.retention``) for a look.
 
 While it runs, the spider's output (``output.log``, the agent's notices included) streams to
 stdout, the items the master stored are copied to ``--items`` (JSON lines, in the stream's order,
@@ -55,6 +57,7 @@ import trio
 
 from ckagent.cli.execview import Follower as _Follower
 from ckagent.cli.execview import Terminal as _Terminal
+from ckagent.cli.execview import say_identity
 from ckagent.code import frameworks
 from ckagent.master.ids import task_dir
 
@@ -362,6 +365,7 @@ async def _session(request: ExecRequest, framework: str, package: bytes, db_path
             except AdminApiError as exc:
                 refused.append(ExecUsageError(f"{source}: not a spider package the agent can take: {exc.message}"))
                 return
+            await say_identity(agent.identities, spider_id, terminal.err)
             task_id = await admin.create_task(spider_id, params=request.params, env=request.env,
                                               timeout_seconds=request.timeout, args=request.args,
                                               stall_timeout_seconds=request.stall_timeout)

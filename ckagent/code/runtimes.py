@@ -233,6 +233,7 @@ def save_runtimes_cache(path: Path, runtimes: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     try:
         tmp.write_text(json.dumps(runtimes, sort_keys=True))
+        os.chmod(tmp, 0o600)  # the agent's own file (ckagent.node.workmodes), whatever the umask
         os.replace(tmp, path)
     except OSError as exc:
         log.debug("cannot cache the runtime scan in %s: %s", path, exc)

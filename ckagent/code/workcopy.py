@@ -32,6 +32,7 @@ from pathlib import Path
 
 from ckagent.master.ids import safe_name
 from ckagent.node.runas import RunAs
+from ckagent.node.workmodes import PRIVATE_DIR_MODE
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ def make_working_copy(src: Path, dst: Path) -> CopyStats:
     """
     stats = CopyStats()
     try_clone = True
-    dst.mkdir(parents=True)
+    dst.mkdir(mode=PRIVATE_DIR_MODE, parents=True)  # the task's alone from the start (not the umask's 0755)
     for dirpath, dirnames, filenames in os.walk(src):
         rel = os.path.relpath(dirpath, src)
         target_dir = dst if rel == "." else dst / rel
@@ -144,7 +145,7 @@ def spider_dirs(work_dir: Path, safe_id: str, run_as: RunAs | None, *, spider_id
     dirs = (work_dir / "spider-data" / safe_id, work_dir / "spider-home" / safe_id)
     moved: list[str] = []
     for path in dirs:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)  # 0700 from the start, not the umask's
         if run_as is None:
             continue
         before = path.stat()

@@ -41,6 +41,7 @@ from ckagent.master.endpoints import DOWNLOAD, SPIDER_FILE, Endpoint, Retry
 from ckagent.master.ids import safe_name
 from ckagent.master.protocol import CodePackage, SpiderFile
 from ckagent.node.errors import DeployError
+from ckagent.node.workmodes import PRIVATE_DIR_MODE
 
 __all__ = ["KEEP_VERSIONS", "DeployError", "Limits", "Workspaces", "check_member_path", "extract_zip", "safe_name"]
 
@@ -139,7 +140,7 @@ class Workspaces:
         self.downloads = 0
         self.downloaded_bytes = 0
         shutil.rmtree(self.staging, ignore_errors=True)
-        self.staging.mkdir(parents=True, exist_ok=True)
+        self.staging.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
         # Working copies an earlier agent left stay until prune_runs: a re-adopted task runs in its own.
         self.runs.mkdir(parents=True, exist_ok=True)
 
@@ -357,7 +358,7 @@ def _make_parent(path: Path) -> None:
 
 def _move_into_place(staged: Path, final: Path) -> None:
     """Rename the checked code dir into place in one step (a version that appeared meanwhile wins)."""
-    final.parent.mkdir(parents=True, exist_ok=True)
+    final.parent.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)  # a spider's code: the agent's alone
     try:
         os.rename(staged, final)
     except OSError:

@@ -60,6 +60,7 @@ def load_node_uid(work_dir: Path) -> str:
     work_dir.mkdir(parents=True, exist_ok=True)
     part = path.with_suffix(".part")
     part.write_text(uid + "\n", encoding="ascii")
+    os.chmod(part, 0o600)  # the agent's own file (ckagent.node.workmodes), whatever the umask
     os.replace(part, path)
     return uid
 

@@ -72,7 +72,7 @@ from ckagent.node.uidpool import (
 )
 
 __all__ = ["BUILDER", "SPIDER", "Identities", "IdentityError", "UidsExhausted", "judge_identities",
-           "open_identities"]
+           "open_identities", "runs_as_text"]
 
 log = logging.getLogger(__name__)
 
@@ -146,23 +146,56 @@ class Identities:
         return (f"spiders run as root: task.run_as_user is root, so {risk}; unset it to give each spider a "
                 "uid of its own (spider-uids)")
 
+    def notice(self) -> tuple[str, str] | None:
+        """The operator notice of the level (``(key, text)`` for ckagent.node.notices), None when spiders
+        run under uids of their own (``spider-uids``, ``one-user``): ``spiders-as-root`` at ``root``
+        (:meth:`as_root_notice`), ``spiders-as-agent`` at ``agent-user`` (spiders share the agent's uid:
+        its files and each other's are theirs to read and write; what would give each a uid of its own)."""
+        as_root = self.as_root_notice()
+        if as_root is not None:
+            return "spiders-as-root", as_root
+        if self.level is not IdentityLevel.AGENT_USER:
+            return None
+        uid = os.geteuid()
+        blocked = [u for u in self.passed_over if u.level is IdentityLevel.SPIDER_UIDS]
+        remedy = blocked[0].blocker.remedy if blocked else Blocker.NOT_ROOT.remedy
+        return ("spiders-as-agent", f"spiders run as the agent's own user {_user_name(uid)} (uid {uid}; identity "
+                f"agent-user): the agent is non-dumpable, but any spider can read and write the agent's files and "
+                f"every other spider's; to give each spider a uid of its own (spider-uids): {remedy}")
+
     def to_json(self) -> dict[str, Any]:
         """The identity object of registration (``containment.spiderUser``) and /status (``identity``):
-        ``level``, ``details``, and the fields older masters read: ``name``/``uid`` of the one identity
-        spiders run as (``ck-<uid>`` and null at ``spider-uids``: each spider its own), ``root``; at
-        ``spider-uids`` also ``uidRange`` (FIRST-LAST), ``spiders`` (uids held) and ``free``."""
+        ``level``, ``details``, ``passedOver`` (each stronger level not had: ``{level, blocker, message,
+        remedy}``, blocker a :class:`~ckagent.node.levels.Blocker` value), ``builderUid`` (the uid
+        installers run as; null: the agent's own), and the fields older masters read: ``name``/``uid`` of
+        the one identity spiders run as (``ck-<uid>`` and null at ``spider-uids``: each spider its own),
+        ``root``; at ``spider-uids`` also ``uidRange`` (FIRST-LAST), ``spiders`` (uids held) and ``free``.
+        Reads no file (the held uids are the pool's memory)."""
+        common = {"passedOver": [{"level": u.level.value, "blocker": u.blocker.value, "message": u.message,
+                                  "remedy": u.blocker.remedy} for u in self.passed_over],
+                  "builderUid": self.builder.uid if self.builder is not None else None}
         if self.level is IdentityLevel.SPIDER_UIDS:
             assert self._pool is not None
             spiders = len(self.held())
             return {"level": self.level.value, "details": self.details, "name": "ck-<uid>", "uid": None,
                     "root": False, "uidRange": str(self._pool.census.uids), "spiders": spiders,
-                    "free": self._pool.free()}
+                    "free": self._pool.free(), **common}
         if self._user is not None:
             name, uid = self._user.name, self._user.uid
         else:
             uid = os.geteuid()
             name = _user_name(uid)
-        return {"level": self.level.value, "details": self.details, "name": name, "uid": uid, "root": uid == 0}
+        return {"level": self.level.value, "details": self.details, "name": name, "uid": uid, "root": uid == 0,
+                **common}
+
+
+def runs_as_text(run_as: RunAs | None, level: IdentityLevel | str) -> str:
+    """Whom a spider runs as, in words (the task log's line, ``ckagent exec``'s header): ``runs as
+    ck-61185 (uid 61185, gid 61185; identity spider-uids)``; ``run_as`` None = the agent's own uid."""
+    if run_as is None:
+        uid = os.geteuid()
+        return f"runs as {'root' if uid == 0 else 'the agent'} (uid {uid}; identity {level})"
+    return f"runs as {run_as.name} (uid {run_as.uid}, gid {run_as.gid}; identity {level})"
 
 
 def _user_name(uid: int) -> str:
@@ -208,15 +241,15 @@ def _probe(uid: int, python: str, paths: list[str]) -> None:
                               timeout=PROBE_TIMEOUT, check=False, stdin=subprocess.DEVNULL, cwd="/",
                               user=uid, group=uid, extra_groups=[], env={"PATH": "/usr/bin:/bin"})
     except subprocess.TimeoutExpired:
-        why = f"the interpreter {python} did not answer within {PROBE_TIMEOUT:g} s"
+        why = f"got no answer from the interpreter {python} within {PROBE_TIMEOUT:g} s"
     except OSError as exc:
-        why = f"it cannot execute the spiders' interpreter {python} ({exc.strerror or exc}; deps.python)"
+        why = f"cannot execute the spiders' interpreter {python} ({exc.strerror or exc}; deps.python)"
     else:
         if done.returncode == 3:
-            why = f"it cannot reach {done.stdout.decode(errors='replace').strip()}"
+            why = f"cannot reach {done.stdout.decode(errors='replace').strip()}"
         elif done.returncode != 0:
             tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit code {done.returncode}"]
-            why = f"it cannot run the spiders' interpreter {python} ({tail[0][:300]}; deps.python)"
+            why = f"cannot run the spiders' interpreter {python} ({tail[0][:300]}; deps.python)"
     if why is not None:
         raise IdentityError(f"a spider's uid ({uid}) {why}", Blocker.UNREACHABLE)
 

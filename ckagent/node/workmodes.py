@@ -28,7 +28,9 @@ the config file         0600 when the agent owns it (it may hold the registratio
 ======================  ====================================  =====================================
 
 :func:`seal_work_dir` applies it at every start (a node upgraded from an agent that left 0755 folders
-and 0644 files is fixed once, one log line saying what changed). Nothing is followed (every change by
+and 0644 files is fixed once, one log line saying what changed), making the folders of ``REACHED`` and
+``spiders/.runs`` when missing (a fresh node's: made later, they had the umask's 0755); the dirs made in them
+later are made 0700 where they are made (:data:`PRIVATE_DIR_MODE`). Nothing is followed (every change by
 descriptor, symlinks left alone) and nothing is removed. Blocking (a few syscalls); never raises.
 """
 
@@ -42,7 +44,7 @@ from pathlib import Path
 
 from ckagent.node import beneath
 
-__all__ = ["AGENT_OWN_MODES", "REACHED", "seal_work_dir", "spiders_apart"]
+__all__ = ["AGENT_OWN_MODES", "PRIVATE_DIR_MODE", "REACHED", "seal_work_dir", "spiders_apart"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,9 @@ LEFT = ("envs", "builder-home")
 """The builder's (ckagent.code.builder): left as it makes them."""
 AGENT_OWN_MODES = (0o600, 0o700)
 """(file, folder) modes of the agent's own entries."""
+PRIVATE_DIR_MODE = 0o700
+"""The mode a task's, a spider's or a working copy's dir (and a spider's code versions' folder) is made with:
+its owner's alone from the start, whatever the umask (the start's seal fixes only what exists then)."""
 
 
 def spiders_apart(euid: int, run_as_user: str | None) -> bool:
@@ -98,6 +103,7 @@ def seal_work_dir(work_dir: Path, *, apart: bool, config_file: Path | None = Non
         if mode != reached:
             os.fchmod(top, reached)
             changed.append(f"{work_dir} {mode:04o}→{reached:04o}")
+        _make_reached(top, reached)
         with os.scandir(top) as entries:
             names = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
         for name, is_dir in names:
@@ -136,6 +142,21 @@ def seal_work_dir(work_dir: Path, *, apart: bool, config_file: Path | None = Non
                  "spiders have uids of their own: folders they pass through are 0711" if apart
                  else "spiders run as the agent's uid: the work dir is the agent's alone", shown)
     return changed
+
+
+def _make_reached(top: int, mode: int) -> None:
+    """Make the folders of :data:`REACHED` and ``spiders/.runs`` that are missing, with ``mode`` (the
+    umask's 0755 otherwise: a fresh node's ``tasks/`` was listable by every spider). Never raises."""
+    for name in REACHED:
+        with contextlib.suppress(OSError):  # (there already; the umask only takes bits away: give() sets them)
+            os.mkdir(name, mode, dir_fd=top)
+    with contextlib.suppress(OSError):
+        fd = beneath.open_dir(top, "spiders")
+        try:
+            with contextlib.suppress(OSError):
+                os.mkdir(RUNS, mode, dir_fd=fd)
+        finally:
+            os.close(fd)
 
 
 def _fchmod_file(fd: int, name: str, mode: int) -> None:

@@ -86,7 +86,7 @@ from ckagent.delivery.lifecycle import (
 )
 from ckagent.master.endpoints import ENDPOINTS
 from ckagent.master.protocol import TaskResult
-from ckagent.node.levels import ContainmentLevel, EgressLevel
+from ckagent.node.levels import ContainmentLevel, EgressLevel, IdentityLevel
 from ckagent.port.crawlmetrics import CrawlMetrics
 from ckagent.port.exposition import SLICE_SECONDS, Constant, LatencyByEndpoint, ProcessFigures, render_steps
 
@@ -118,7 +118,7 @@ METRIC_NAMES = frozenset({
     "ckagent_outbox_items", "ckagent_outbox_results", "ckagent_outbox_bytes",
     "ckagent_outbox_oldest_unshipped_seconds", "ckagent_master_requests_total",
     "ckagent_master_request_duration_seconds", "ckagent_containment_level", "ckagent_task_cpu_seconds",
-    "ckagent_task_memory_peak_bytes", "ckagent_egress_level", "ckagent_egress_refused_total",
+    "ckagent_task_memory_peak_bytes", "ckagent_egress_level", "ckagent_identity_level", "ckagent_egress_refused_total",
     "ckagent_egress_proxy_requests_total", "ckagent_egress_proxy_connections_total",
 })  # fmt: skip
 """The agent's own metric names as they appear on /metrics (histograms add _bucket/_sum/_count)."""
@@ -280,6 +280,9 @@ class AgentMetrics:
         self.egress = Gauge("ckagent_egress_level", "How tasks' network policy is enforced here: 1 for the "
                             "level in force (nftables, proxy, off).", ["level"], registry=r)
         self.egress_level(None)
+        self.identity = Gauge("ckagent_identity_level", "Whom spiders run as here: 1 for the identity level in "
+                              "force (spider-uids, one-user, agent-user, root).", ["level"], registry=r)
+        self.identity_level(None)
         self.egress_refused = Counter("ckagent_egress_refused", "Connections of finished tasks refused by "
                                       "their network policy (the kernel's counters at the nftables level, the "
                                       "proxy's at the proxy level).", registry=r)
@@ -307,6 +310,12 @@ class AgentMetrics:
         in force; None: not known yet)."""
         for each in EgressLevel:
             self.egress.labels(each.value).set(1 if each is level else 0)
+
+    def identity_level(self, level: IdentityLevel | None) -> None:
+        """Export the identity level in force (one series per level, labelled with its text, 1 for the
+        one in force; None: not known yet)."""
+        for each in IdentityLevel:
+            self.identity.labels(each.value).set(1 if each is level else 0)
 
     # ------------------------------------------------------------------ hooks
 

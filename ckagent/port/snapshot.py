@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from ckagent.master.client import MasterClient
     from ckagent.master.heartbeat import HeartbeatLoop
     from ckagent.node.config import Settings
+    from ckagent.node.identity import Identities
     from ckagent.node.intake import IntakeGate
     from ckagent.node.notices import Notices
     from ckagent.task.supervisor import Supervisor
@@ -35,6 +36,7 @@ class StatusSource(Protocol):
     intake: IntakeGate
     containment: Containment | None
     egress: Egress | None
+    identities: Identities | None
     notices: Notices
 
     @property
@@ -67,5 +69,6 @@ def agent_statistics(agent: StatusSource) -> AgentStatistics:
         intake_reason=agent.intake.reason,
         containment=tuple(agent.containment.to_json().items()) if agent.containment is not None else None,
         egress=tuple(agent.egress.to_json().items()) if agent.egress is not None else None,
+        identity=tuple(agent.identities.to_json().items()) if agent.identities is not None else None,
         warnings=agent.notices.texts(),
     )

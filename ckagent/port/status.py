@@ -7,7 +7,7 @@ path     answer
 /healthz 200 ``ok`` — served by the agent's own event loop, so a stuck loop fails it
 /readyz  200 ``ready`` when registered and the last heartbeat was acknowledged within
          ``3 × heartbeat.interval`` seconds and the agent is RUNNING; else 503 with the reason
-/status  JSON: state, node id, containment level, running tasks (id, spider, since, pid, phase, live
+/status  JSON: state, node id, containment, egress and identity levels, running tasks (id, spider, since, pid, phase, live
          resource figures), outbox, versions
 /        the HTML status page, and /tasks/<id>/tail, /tasks/<id>/log.txt (see ckagent.port.statuspage)
 other    404 (a known path with a method other than GET/HEAD: 405)
@@ -152,6 +152,8 @@ class AgentStatistics:
     """The containment level in force (``Containment.to_json()`` items), None before it is opened."""
     egress: tuple[tuple[str, Any], ...] | None = None
     """The egress level and node policy (``Egress.to_json()`` items), None before it is opened."""
+    identity: tuple[tuple[str, Any], ...] | None = None
+    """Whom spiders run as: the identity level (``Identities.to_json()`` items), None before it is decided."""
     warnings: tuple[str, ...] = ()
     """Operator notices in force (ckagent.node.notices): spiders as root, the master's clock."""
 
@@ -412,6 +414,7 @@ class AgentStatus:
             "heartbeatAgeSeconds": round(self.heartbeat_age(stats), 3),
             "containment": dict(stats.containment) if stats.containment is not None else None,
             "egress": dict(stats.egress) if stats.egress is not None else None,
+            "identity": dict(stats.identity) if stats.identity is not None else None,
             "warnings": list(stats.warnings),
             "maxWorkers": stats.max_workers,
             "freeSlots": stats.free_slots,

@@ -3,7 +3,8 @@
 ============================  ==================================================================
 path                          answer
 ============================  ==================================================================
-``/``                         HTML: the node (name, id, state, version, containment, slots, free
+``/``                         HTML: the node (name, id, state, version, containment, identity
+                              level (whom spiders run as, each stronger level not had), slots, free
                               disk), running tasks (phase, live stats, progress, resource
                               figures when the agent has them), the last lines of each running
                               task's log (live), recent tasks with their outcome
@@ -77,6 +78,19 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 
 def _e(value: Any) -> str:
     return html.escape("" if value is None else str(value), quote=True)
+
+
+def _identity_rows(identity: object) -> list[tuple[str, str]]:
+    """The node table's rows for the identity level (``/status``'s ``identity``): the level in force with
+    its details, then each stronger level not had, with why and what would give it."""
+    if not isinstance(identity, dict):
+        return [("identity", "—")]
+    rows = [("identity", f"{identity.get('level')}: {identity.get('details')}")]
+    for passed in identity.get("passedOver") or ():
+        if isinstance(passed, dict) and passed.get("blocker") != "run-as-user":
+            rows.append((f"identity: not {passed.get('level')}",
+                         f"{passed.get('message')}; to get it: {passed.get('remedy')}"))
+    return rows
 
 
 def _backlog_text(outbox: dict[str, Any]) -> str:
@@ -361,6 +375,7 @@ class StatusPage:
             ("state", status.get("state")), ("ready", status.get("readyReason")),
             ("version", f"ckagent {versions.get('agent')} · Python {versions.get('python')}"),
             ("containment", containment),
+            *_identity_rows(status.get("identity")),
             ("slots", f"{status.get('freeSlots')} free of {status.get('maxWorkers')}"),
             ("free disk (work dir)", _size(free_disk)),
             ("master", ("reachable" if status.get("masterUp") else "unreachable")

@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import shutil
 import sqlite3
 import time
@@ -73,8 +72,9 @@ from ckagent.node.errors import (
     describe_fault,
     os_error_text,
 )
-from ckagent.node.identity import IdentityError
+from ckagent.node.identity import IdentityError, runs_as_text
 from ckagent.node.state import AsyncStateStore, StateStoreError
+from ckagent.node.workmodes import PRIVATE_DIR_MODE
 from ckagent.task.admission import Admission, RunningTask
 from ckagent.task.deploy import Clearing, Deployer
 from ckagent.task.outcome import (
@@ -137,7 +137,9 @@ class TaskRunner:
             started_wall = time.time()
             try:
                 def make_task_dir() -> None:  # in the outbox's hop, before the task's durable record
-                    task_dir.mkdir(parents=True, exist_ok=True)
+                    # 0700 from the start (not the umask's 0755 until the next start's seal_work_dir): its
+                    # items, stats and exit status are no other spider's to read.
+                    task_dir.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
                     rt.run_as = self.config.identity_of(task.spider_id)  # a new spider's uid: recorded now
                     if rt.run_as is not None:
                         rt.run_as.chown_tree(task_dir)
@@ -287,11 +289,7 @@ class TaskRunner:
     def _identity_line(self, rt: RunningTask) -> str:
         """The task log's line saying whom the spider runs as (its identity and the node's level)."""
         level = self.config.identities.level if self.config.identities is not None else "agent-user"
-        who = rt.run_as
-        if who is None:
-            uid = os.geteuid()
-            return f"runs as {'root' if uid == 0 else 'the agent'} (uid {uid}; identity {level})"
-        return f"runs as {who.name} (uid {who.uid}, gid {who.gid}; identity {level})"
+        return runs_as_text(rt.run_as, level)
 
     def _install_args(self, task: Task) -> dict[str, Any]:
         """What :meth:`Dependencies.check <ckagent.code.deps.Dependencies.check>` and ``prepare`` take of a task."""

@@ -73,6 +73,11 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
 - :func:`loopback_listeners` / :func:`hold_port`: a test's server on 127.0.0.x holds its port number on
   127.0.0.1 too, so no agent's or proxy's listener has it (the ``agent`` egress group refuses those
   ports on every local address) (:mod:`harness.loopback`).
+- Spiders as tenants (:mod:`harness.tenants`): a victim spider that keeps running and writes items
+  (:data:`VICTIM_PY`, :data:`VICTIM_NODE`) and an attacker (:data:`ATTACKER`) that tries every
+  cross-tenant action and reports each result; :func:`run_matrix` runs them on a real agent process
+  (:mod:`harness.tenantmatrix`); :func:`user_agent_process` is an agent process a user without root runs
+  from the pyz, for a root suite (:mod:`harness.useragent`).
 - :func:`user_temp_dir` is a directory of this user's own in the machine's temp directory, kept across
   runs (:mod:`harness.tempdirs`): fixed names there are shared by every user of the machine.
 """
@@ -100,7 +105,10 @@ from harness.rawnode import *  # noqa: F403
 from harness.recording import *  # noqa: F403
 from harness.runsh import *  # noqa: F403
 from harness.tempdirs import *  # noqa: F403
+from harness.tenantmatrix import *  # noqa: F403
+from harness.tenants import *  # noqa: F403
 from harness.upstreams import *  # noqa: F403
+from harness.useragent import *  # noqa: F403
 from harness.users import *  # noqa: F403
 from harness.webclients import *  # noqa: F403
 from harness.webhosts import *  # noqa: F403

@@ -152,6 +152,7 @@ class NodeStore(Database):
                 "runtimes": loads(r["runtimes"]),
                 "containment": loads(r["info"]).get("containment"),
                 "egress": loads(r["info"]).get("egress"),
+                "identity": _identity(loads(r["info"])),
                 "registeredAt": r["registered_at"],
                 "lastHeartbeatAt": r["last_heartbeat_at"],
                 "lastHeartbeat": loads(r["last_heartbeat"]),
@@ -160,3 +161,9 @@ class NodeStore(Database):
             for r in rows
         ]
 
+
+def _identity(info: Any) -> Any:
+    """Whom the node's spiders run as: its registration's ``containment.spiderUser`` (the identity level;
+    None from an agent that sends none)."""
+    containment = info.get("containment") if isinstance(info, dict) else None
+    return containment.get("spiderUser") or None if isinstance(containment, dict) else None
