@@ -142,7 +142,7 @@ DEFAULT_IDENTITY = "spider-uids" if os.geteuid() == 0 else "agent-user"
 """The identity level a test agent made by ``harness.agent_settings`` gets: a uid per spider as root
 (:func:`spider_uid_env`), the agent's own uid as a plain user."""
 
-_RUNS_AS = re.compile(r"runs as (\S+) \(uid (\d+)(?:, gid (\d+))?; identity ([a-z-]+)\)")
+_RUNS_AS = re.compile(r"runs as (root|the agent|\S+) \(uid (\d+)(?:, gid (\d+))?; identity ([a-z-]+)\)")
 
 
 def runs_as(log: str) -> tuple[str, int, str]:
