@@ -63,7 +63,7 @@ import trio
 from ckagent import __version__
 from ckagent.code.browsers import decide as chromium_sandbox
 from ckagent.code.capabilities import Capabilities
-from ckagent.code.deps import Dependencies, IndexChooser, remove_legacy_environments, spider_base_env
+from ckagent.code.deps import Dependencies, IndexChooser, spider_base_env
 from ckagent.code.runtimescan import RuntimeScan
 from ckagent.code.workspace import Workspaces
 from ckagent.containment import Containment, ContainmentError, Limits, open_containment
@@ -92,6 +92,7 @@ from ckagent.port.snapshot import agent_statistics
 from ckagent.port.status import AgentStatistics, AgentStatus, serve_status
 from ckagent.port.statuspage import StatusPage
 from ckagent.task.adoption import Adoption, admit_adopted, find_adoptable, run_adopted
+from ckagent.task.migration import migrate_node
 from ckagent.task.poller import Poller
 from ckagent.task.recovery import recover_lost_tasks
 from ckagent.task.runconfig import node_identities
@@ -311,7 +312,6 @@ class Agent:
             python=str(s.deps.python) if s.deps.python is not None else sys.executable,
             index=IndexChooser(s.deps.uv_index_url, s.deps.uv_fallback_index_url), uv_cache_dir=s.deps.uv_cache_dir,
             timeout=s.deps.uv_sync_timeout, base_env=base_env, run_as=identities.builder, budget_bytes=s.deps.env_budget_bytes)
-        await trio.to_thread.run_sync(remove_legacy_environments, self.work_dir)
         outbox = self.outbox = Outbox(self.master, store, self.work_dir, OutboxConfig(
             log_globs=tuple(g for g in s.task.log_files.split(",") if g),
             max_log_bytes=s.task.max_log_bytes, min_free_disk_bytes=s.task.min_free_disk_bytes,
@@ -365,8 +365,8 @@ class Agent:
         root.start_soon(partial(self.scan.run, self.heartbeat.after_first_beat, self.poller.forget_unrunnable))
         adoptions, refused = await find_adoptable(await store.pending_delivery())
         adopted = {adoption.record.task_id for adoption in adoptions}
-        if self.workspaces is not None:  # the working copies of tasks a crash interrupted; not the re-adopted
-            await trio.to_thread.run_sync(self.workspaces.prune_runs, [a.handle.work for a in adoptions])
+        await trio.to_thread.run_sync(migrate_node, self.work_dir, self.identities, self.workspaces, store.sync,
+                                      adoptions, s.deps.env_budget_bytes)  # what an earlier agent left, as now
         leftovers = await recover_lost_tasks(store, self.lifecycle, self.containment, keep=adopted,
                                              reasons=refused)
         if s.task.cleanup_temp_files:

@@ -133,6 +133,11 @@ class Identities:
             return {}
         return {name: uid for (kind, name), uid in self._pool.held().items() if kind == SPIDER}
 
+    def free_uids(self) -> int:
+        """At ``spider-uids``: the uids of the range no spider (nor the builder) holds, that /etc/passwd
+        and /etc/group do not name — what new spiders get without releasing another's (0 otherwise)."""
+        return self._pool.free() if self._pool is not None else 0
+
     def as_root_notice(self) -> str | None:
         """The operator notice when spiders run as root (None otherwise): why, and what would change it."""
         if self.level is not IdentityLevel.ROOT:

@@ -61,3 +61,8 @@ class IdentityTable:
     def release_identity(self, kind: str, name: str) -> None:
         """``(kind, name)`` holds no uid any more."""
         self._exec("DELETE FROM identities WHERE kind=? AND name=?", (kind, name))
+
+    def spider_ids(self) -> set[str]:
+        """The spider ids of every task the store knows (delivered or not): what tells a spider's dirs,
+        named by ``safe_name`` of its id, by name (ckagent.task.migration)."""
+        return {str(r[0]) for r in self._exec("SELECT DISTINCT spider_id FROM tasks")}

@@ -10,7 +10,9 @@
   the outcome rules;
 - :mod:`.commands` — what a task runs (its framework's default from ckagent.code.frameworks) and the
   check that the package can run it;
-- :mod:`.recovery`, :mod:`.adoption` — at start: tasks the previous agent left (lost, or carried on).
+- :mod:`.recovery`, :mod:`.adoption` — at start: tasks the previous agent left (lost, or carried on);
+- :mod:`.migration` — at start: the spiders' dirs and environments an older agent left, brought to the
+  identity level in force (given to each spider's uid; environments rebuilt, not re-owned).
 
 May import: every lower layer — :mod:`ckagent.node`, :mod:`ckagent.master`, :mod:`ckagent.containment`,
 :mod:`ckagent.code`, :mod:`ckagent.delivery`; never :mod:`ckagent.port` or the agent.
