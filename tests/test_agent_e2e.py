@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from harness import agent_settings, running_agent, spider_writable, spider_zip, wheel
+from harness import agent_settings, assert_default_identity, running_agent, spider_writable, spider_zip, wheel
 
 import ckagent
 from ckagent.code.deps import bundled_sdk_dir
@@ -99,6 +99,7 @@ async def test_scrapy_example_runs_in_its_own_venv(dev_master, nursery: trio.Nur
     logs = await admin.get_logs(task_id)
     assert task["status"] == "SUCCESS", (task, logs[-40:])
     assert task["exitCode"] == 0
+    assert_default_identity("\n".join(logs))  # as root: Scrapy under a uid of the spider's own
     items = await admin.get_items(task_id)
     assert [item["sku"] for item in items] == SKUS
     assert items[0]["title"] == "Product 01" and items[-1]["page"] == 5

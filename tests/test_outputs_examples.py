@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import trio
-from harness import ExampleRuns, recipe_words
+from harness import ExampleRuns, assert_default_identity, recipe_words
 
 from ckagent.devmaster.demosite import expected_products
 
@@ -47,6 +47,7 @@ async def test_example_delivers_its_files(dev_master: Any, nursery: trio.Nursery
                                           artifacts: list[str]) -> None:
     run = await example_runs.agent(dev_master, nursery, example, framework, outputs=outputs)
     assert run.task["status"] == "SUCCESS", run.task
+    assert_default_identity("\n".join(run.logs))  # crawlee's storage/ written as the spider's own uid
     assert products(run.items) == expected_products()
     assert run.artifacts == artifacts
     line = outputs_line(run.logs)

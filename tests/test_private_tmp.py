@@ -10,7 +10,9 @@ real spiders at the level this machine gives, and the namespace helper of a non-
   environ and fds it cannot open either;
 - ``user-namespace`` (a plain user): the helper maps the user to itself and gives it the same mounts
   (run here as ``nobody``);
-- Chromium (Python Playwright) runs with the task's own /dev/shm, without ``--disable-dev-shm-usage``.
+- Chromium (Python Playwright) runs as the spider's own uid with the task's own /dev/shm, without
+  ``--disable-dev-shm-usage``, and in Chromium's own sandbox where the agent says it works
+  (``CK_CHROMIUM_SANDBOX``, ckagent.code.browsers).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from harness import (  # noqa: F401 -- no_strays: autouse fixture
     OTHER_USER_PYTHON,
     RecordingMaster,
     agent_settings,
+    assert_default_identity,
+    chromium_sandbox_expected,
     eventually,
     no_strays,
     running_agent,
@@ -238,26 +242,53 @@ def test_a_plain_users_node_gets_the_user_namespace_level_where_it_may(tmp_path:
 
 CHROMIUM_SPIDER = r"""
 import json, os
-from crawlerkeeper_sdk import save_item
+from crawlerkeeper_sdk import chromium_sandbox, save_item
 from playwright.sync_api import sync_playwright
+
+
+def browsers():
+    # Chromium's processes as the spider sees them: a renderer in the sandbox is in a pid namespace
+    # below the spider's (NSpid: one pid more) under seccomp-bpf (Seccomp: 2).
+    seen = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            # (a zygote's children set their title: one string, arguments joined by spaces)
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace").split()
+            status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status") if ":" in line)
+        except OSError:
+            continue
+        if argv and "chrom" in os.path.basename(argv[0]):
+            seen.append({"type": next((a.split("=", 1)[1] for a in argv if a.startswith("--type=")), "browser"),
+                         "no_sandbox": "--no-sandbox" in argv, "nspids": len(status["NSpid"].split()),
+                         "seccomp": status["Seccomp"].strip(), "uid": int(status["Uid"].split()[0])})
+    return seen
+
+
 mounts = {line.split()[1]: line.split()[2] for line in open("/proc/self/mounts")}
 with sync_playwright() as p:
+    # No --no-sandbox, no --disable-dev-shm-usage: the sandbox as the agent says (CK_CHROMIUM_SANDBOX),
+    # shared memory in the task's own /dev/shm.
     browser = p.chromium.launch(executable_path=os.environ["CK_CHROMIUM_PATH"], headless=True,
-                                args=["--no-sandbox", "--disable-gpu", "--no-first-run"])  # /dev/shm used
+                                chromium_sandbox=chromium_sandbox(), args=["--disable-gpu", "--no-first-run"])
     page = browser.new_page()
     page.goto(json.loads(os.environ["CK_PARAMS"])["url"])
-    save_item({"title": page.title(), "shm": mounts.get("/dev/shm"), "tmpdir": os.environ["TMPDIR"]})
+    save_item({"title": page.title(), "shm": mounts.get("/dev/shm"), "tmpdir": os.environ["TMPDIR"],
+               "uid": os.getuid(), "sandbox_env": os.environ.get("CK_CHROMIUM_SANDBOX"),
+               "nspids": len(open("/proc/self/status").read().split("NSpid:")[1].splitlines()[0].split()),
+               "sandbox": chromium_sandbox(), "processes": browsers()})
     browser.close()
 """
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(find_chromium() is None, reason="Chromium is not installed (apt-get install chromium)")
-async def test_chromium_runs_with_the_tasks_own_dev_shm(recording_master: RecordingMaster, nursery: trio.Nursery,
-                                                      tmp_path: Path) -> None:
+async def test_chromium_runs_sandboxed_with_the_tasks_own_dev_shm(recording_master: RecordingMaster,
+                                                                  nursery: trio.Nursery, tmp_path: Path) -> None:
+    """Python Playwright's Chromium, at the node's default identity level (as root: a uid of the spider's
+    own), with Chromium's own sandbox where the agent says it works (the spider is not root and may make
+    user namespaces: Debian's Chromium has no setuid sandbox) and shared memory in the task's /dev/shm."""
     admin = recording_master.admin
-    settings = (_settings(tmp_path, recording_master) if ROOT
-                else agent_settings(tmp_path / "node", recording_master.base_url, recording_master.registration_token))
+    settings = agent_settings(tmp_path / "node", recording_master.base_url, recording_master.registration_token)
     async with running_agent(nursery, settings) as agent:
         assert agent.containment is not None and agent.containment.privacy is not None
         level = agent.containment.privacy.level
@@ -265,12 +296,23 @@ async def test_chromium_runs_with_the_tasks_own_dev_shm(recording_master: Record
                                params={"url": recording_master.base_url + "/demo-site/"})
         with trio.fail_after(600):
             task = await admin.wait_task_final(task_id, 600)
-    assert task["status"] == "SUCCESS", "\n".join((await admin.get_logs(task_id))[-60:])
+    log = "\n".join(await admin.get_logs(task_id))
+    assert task["status"] == "SUCCESS", log[-6000:]
+    uid = assert_default_identity(log)
     [item] = await admin.get_items(task_id)
-    assert item["title"]
+    assert item["title"] and item["uid"] == uid
     if level is not PrivacyLevel.TMPDIR:
         assert item["shm"] == "tmpfs" and item["tmpdir"] == "/tmp"
-
+    renderers = [p for p in item["processes"] if p["type"] == "renderer"]
+    assert renderers and all(p["uid"] == uid for p in item["processes"]), json.dumps(item["processes"], indent=1)
+    expected = chromium_sandbox_expected()
+    assert (item["sandbox_env"], item["sandbox"]) == ("1" if expected else "0", expected), item
+    if expected:  # the renderers in a pid namespace of their own, under seccomp-bpf; no --no-sandbox anywhere
+        assert all(p["nspids"] > item["nspids"] and p["seccomp"] == "2" for p in renderers), \
+            json.dumps(item["processes"], indent=1)
+        assert not any(p["no_sandbox"] for p in item["processes"]), item["processes"]
+    else:
+        assert all(p["no_sandbox"] for p in item["processes"] if p["type"] == "browser"), item["processes"]
 
 
 @pytest.mark.skipif(not ROOT, reason="starting a process as another uid needs root")

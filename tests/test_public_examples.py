@@ -1,5 +1,6 @@
 """Projects shaped like popular public ones (sdk/examples) run end to end, as their authors wrote them,
-through one real agent on the dev master's demo site — only their start URLs point at it.
+through one real agent on the dev master's demo site — only their start URLs point at it; as root each
+spider under a uid of its own (the default identity level).
 
 - ``scrapy_shop``: `scrapy startproject` layout, two spiders, pipelines and middlewares, no SDK: its
   items reach the master through the SDK extension the agent's environment adds, once each. Its two
@@ -23,7 +24,7 @@ from typing import Any
 
 import pytest
 import trio
-from harness import agent_settings, running_agent
+from harness import DEFAULT_IDENTITY, agent_settings, assert_default_identity, running_agent
 
 import ckagent
 from ckagent.code.runtimes import find_chromium
@@ -70,6 +71,9 @@ async def test_public_shaped_projects_run_as_written(dev_master: Any, nursery: t
     logs = {name: "\n".join(await admin.get_logs(t)) for name, t in tasks.items()}
     for name, result in results.items():
         assert result["status"] == "SUCCESS", (name, result, logs[name][-4000:])
+    # As root each spider under a uid of its own, the two spiders of scrapy_shop under two.
+    uids = {name: assert_default_identity(log) for name, log in logs.items()}
+    assert len(set(uids.values())) == (len(uids) if DEFAULT_IDENTITY == "spider-uids" else 1), uids
     items = {name: await admin.get_items(t) for name, t in tasks.items()}
     expected = expected_products()
     skus = sorted(e["sku"] for e in expected)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import trio
-from harness import agent_settings, package_index, running_agent
+from harness import agent_settings, assert_default_identity, package_index, running_agent
 
 import ckagent
 from ckagent.code.deps import Dependencies, DepsError, IndexChooser, spider_base_env
@@ -164,6 +164,7 @@ async def test_the_poetry_example_runs_with_its_locked_versions(dev_master: Any,
             task = await admin.wait_task_final(task_id, 700)
     log = "\n".join(await admin.get_logs(task_id))
     assert task["status"] == "SUCCESS", (task, log[-3000:])
+    assert_default_identity(log)  # as root: under a uid of its own
     assert "at the versions poetry.lock pins" in log
     assert "running with requests 2.31.0, beautifulsoup4 4.12.2" in log, log[-3000:]
     assert "page 5: 30 products" in log

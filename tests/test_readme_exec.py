@@ -6,7 +6,8 @@ egress level (tests/harness/examples.py): what a non-root node and a pod get. Th
 alive, and the task's log must say so; Node's fetch and got before Node 24.5 ignore proxy variables
 (docs/operations.md, "The proxy level"). Lines whose tools are missing here (node, Chromium) are
 skipped by name, and a README line for an example that is not bundled (or an example the recipe
-leaves out) fails the test.
+leaves out) fails the test. As root every spider runs under a uid of its own (the default identity
+level; the exec runs' work dir is reachable and their interpreter every uid's: tests/harness/examples.py).
 
 Each line runs once in the session (tests/harness/examples.py): the tests that compare an example's exec
 run with its run through an agent (tests/test_exec.py, tests/test_outputs_examples.py) read the run
@@ -18,7 +19,7 @@ import shutil
 from typing import Any
 
 import pytest
-from harness import EXAMPLES, ExampleRuns, recipe
+from harness import DEFAULT_IDENTITY, EXAMPLES, ExampleRuns, recipe, runs_as
 
 from ckagent.code.runtimes import find_chromedriver, find_chromium
 from ckagent.devmaster.demosite import expected_products
@@ -60,6 +61,9 @@ async def test_the_readme_exec_recipe_runs_every_example(dev_master: Any, exampl
             skipped.append(f"{line.example} (no {why})")
             continue
         done = await example_runs.exec(line.words, dev_master.base_url)
+        name, uid, level = runs_as(done.stdout)  # as root: a uid of the spider's own, browsers included
+        if level != DEFAULT_IDENTITY or (DEFAULT_IDENTITY == "spider-uids" and name != f"ck-{uid}"):
+            failures.append(f"{line.example}: ran as {name} (uid {uid}, identity {level}), not at {DEFAULT_IDENTITY}")
         skus = sorted(str(item.get("sku")) for item in done.items)
         if done.returncode != line.expected or (line.expected == 0 and skus != SHOP):
             failures.append(f"{line.example}: exit {done.returncode} (expected {line.expected}), "

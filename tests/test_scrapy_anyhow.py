@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import trio
-from harness import agent_settings, running_agent
+from harness import agent_settings, assert_default_identity, running_agent
 
 import ckagent
 from ckagent.devmaster.client import zip_directory
@@ -57,6 +57,7 @@ async def test_scrapy_items_however_it_is_started(dev_master: Any, nursery: trio
     for name, task_id in tasks.items():
         log = "\n".join(await admin.get_logs(task_id))
         assert results[name]["status"] == "SUCCESS", (name, results[name], log[-4000:])
+        assert_default_identity(log)
         items = await admin.get_items(task_id)
         assert sorted(i["sku"] for i in items) == skus, (name, len(items), log[-3000:])  # each once
         # Without declared outputs the agent adds its feed; with outputs.items, the declared file only.

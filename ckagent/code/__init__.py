@@ -13,6 +13,7 @@
   files, no link followed) and what a Python project requires, read without running its code;
 - :mod:`.envstore` — the environments' directory: built once, shared, sealed, collected;
 - :mod:`.runtimes`, :mod:`.capabilities` — what this node can run, and what it cannot.
+- :mod:`.browsers` — whether spiders' Chromium can use its own sandbox here (``CK_CHROMIUM_SANDBOX``).
 
 May import: :mod:`ckagent.node`, :mod:`ckagent.master` (to fetch packages),
 :mod:`ckagent.containment` (installers run in the task's box, under the one process supervisor).

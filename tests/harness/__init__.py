@@ -66,7 +66,8 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
 - Spiders under uids of their own (:mod:`harness.identities`): :func:`spider_uid_env` gives a root test
   agent the default ``spider-uids`` level (its work dir reachable by :func:`spider_reachable`, an
   interpreter every uid runs: :func:`spider_python`); :func:`process_ids` reads who a process runs as,
-  :func:`id_files` writes passwd/group files naming chosen ids.
+  :func:`runs_as` whom a task log says its spider ran as (:func:`assert_default_identity`: the level
+  a test agent gets, :data:`DEFAULT_IDENTITY`), :func:`id_files` writes passwd/group files naming chosen ids.
 - :func:`bounded` runs a call that must not block (the agent reading a spider's FIFO) in a thread and
   fails the test when it does (:mod:`harness.hostilefiles`).
 - :func:`loopback_listeners` / :func:`hold_port`: a test's server on 127.0.0.x holds its port number on

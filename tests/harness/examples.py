@@ -20,6 +20,7 @@ import ckagent
 from ckagent.containment.process import find_marked
 from ckagent.devmaster.client import zip_directory
 from harness.core import agent_settings, running_agent
+from harness.identities import spider_uid_env
 
 
 def load_yaml(text: str) -> Any:
@@ -140,14 +141,18 @@ class AgentRun:
                        logs=_relocated(self.logs, old, base_url), base_url=base_url)
 
 
-def exec_env(shared: Path | None = None) -> dict[str, str]:
+def exec_env(shared: Path | None = None, work_dir: Path | None = None) -> dict[str, str]:
     """The environment of an exec run: this one without the agent's and the suite's settings, at the
     ``proxy`` egress level — the level a non-root node or a pod gets, forced here so every example
     crawls through the agent's forward proxy on every machine (the agent runs are at the node's best
     level: the tests comparing the two paths compare the levels too). ``shared``: a directory the
     spiders still see in their private /tmp (the session's runs share environments: their scripts
-    name the work dir of the run that built them)."""
+    name the work dir of the run that built them). ``work_dir``: the exec runs' work dir, made
+    reachable so that, as root, each spider runs under a uid of its own as on a node (the default
+    identity level: harness.identities.spider_uid_env)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENT_", "CK_"))}
+    if work_dir is not None:
+        env.update(spider_uid_env(work_dir))
     env["AGENT_UV_SYNC_TIMEOUT"] = "600"
     env["AGENT_TASK_EGRESS"] = "proxy"
     if shared is not None:
@@ -184,7 +189,8 @@ class ExampleRuns:
         argv = [sys.executable, "-m", "ckagent", "exec", source, *[w.replace("$URL", url) for w in words[1:]],
                 "--items", str(items), "--artifacts", str(artifacts), "--work-dir", str(self.root / "exec-work")]
         done = await trio.to_thread.run_sync(lambda: subprocess.run(
-            argv, capture_output=True, env=exec_env(self.root), timeout=RUN_TIMEOUT, check=False, cwd=self.root))
+            argv, capture_output=True, env=exec_env(self.root, self.root / "exec-work"), timeout=RUN_TIMEOUT,
+            check=False, cwd=self.root))
         got = [json.loads(line) for line in items.read_text("utf-8").splitlines()] if items.exists() else []
         written = ({str(p.relative_to(artifacts)): p.read_bytes() for p in sorted(artifacts.rglob("*")) if p.is_file()}
                    if artifacts.exists() else {})

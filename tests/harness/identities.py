@@ -19,6 +19,7 @@ import contextlib
 import fcntl
 import functools
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -26,8 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["NOBODY_UID", "id_files", "process_ids", "reachable_basetemp", "spider_python", "spider_reachable",
-           "spider_uid_env", "spider_writable"]
+__all__ = ["DEFAULT_IDENTITY", "NOBODY_UID", "assert_default_identity", "chromium_sandbox_expected", "id_files", "process_ids", "reachable_basetemp", "runs_as",
+           "spider_python", "spider_reachable", "spider_uid_env", "spider_writable"]
 
 NOBODY_UID = 65534
 """A uid that owns nothing of the tests': the probe of :func:`spider_python` runs as it."""
@@ -135,6 +136,49 @@ def spider_uid_env(work_dir: Path) -> dict[str, str]:
     spider_reachable(work_dir)
     python = spider_python()
     return {} if python == sys.executable else {"AGENT_DEPS_PYTHON": python}
+
+
+DEFAULT_IDENTITY = "spider-uids" if os.geteuid() == 0 else "agent-user"
+"""The identity level a test agent made by ``harness.agent_settings`` gets: a uid per spider as root
+(:func:`spider_uid_env`), the agent's own uid as a plain user."""
+
+_RUNS_AS = re.compile(r"runs as (root|the agent|\S+) \(uid (\d+)(?:, gid (\d+))?; identity ([a-z-]+)\)")
+
+
+def runs_as(log: str) -> tuple[str, int, str]:
+    """``(name, uid, identity level)`` from a task log's line saying whom its spider ran as
+    (``runs as ck-61184 (uid 61184, gid 61184; identity spider-uids)``); AssertionError (with the log's
+    tail) when the log has no such line, or more than one."""
+    found = {m.group(0): m for m in _RUNS_AS.finditer(log)}
+    assert len(found) == 1, f"no single 'runs as' line in the task log: {list(found)}\n{log[-2000:]}"
+    [match] = found.values()
+    return match.group(1), int(match.group(2)), match.group(4)
+
+
+def assert_default_identity(log: str) -> int:
+    """Assert that a task's log says its spider ran at :data:`DEFAULT_IDENTITY` — as root, under a uid of
+    its own (``ck-<uid>``, not 0); returns that uid."""
+    name, uid, level = runs_as(log)
+    assert level == DEFAULT_IDENTITY, (name, uid, level, log[-2000:])
+    if os.geteuid() == 0:
+        assert uid != 0 and name == f"ck-{uid}", (name, uid, level)
+    return uid
+
+
+@functools.lru_cache(maxsize=1)
+def chromium_sandbox_expected() -> bool:
+    """Whether a test agent's spiders (:data:`DEFAULT_IDENTITY`) get Chromium's own sandbox here
+    (``CK_CHROMIUM_SANDBOX=1``): they are not root and an unprivileged process (``nobody`` as root, this
+    user otherwise) may make a user, pid and network namespace — asked of the kernel by util-linux's
+    ``unshare``, as the agent asks (ckagent.code.browsers)."""
+    unshare = shutil.which("unshare", path="/usr/bin:/bin")
+    if DEFAULT_IDENTITY == "root" or unshare is None:
+        return False
+    ids: dict[str, object] = ({"user": NOBODY_UID, "group": NOBODY_UID, "extra_groups": []}
+                              if os.geteuid() == 0 else {})
+    done = subprocess.run([unshare, "--user", "--pid", "--net", "--fork", "true"], capture_output=True, timeout=30,
+                          check=False, cwd="/", **ids)  # type: ignore[call-overload]
+    return done.returncode == 0
 
 
 def process_ids(pid: int) -> tuple[int, int, tuple[int, ...]]:

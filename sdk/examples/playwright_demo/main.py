@@ -12,13 +12,16 @@ import os
 import shutil
 import sys
 
-from crawlerkeeper_sdk import save_item, task_context
+from crawlerkeeper_sdk import chromium_sandbox, save_item, task_context
 from playwright.sync_api import sync_playwright
 
 DEFAULT_START_URL = "http://127.0.0.1:8080/demo-site/"
+# Chromium's own sandbox is on where the agent says it works (chromium_sandbox(): the spider is not root
+# and may make user namespaces), and the task has a /dev/shm of its own: no --no-sandbox, no
+# --disable-dev-shm-usage needed.
 CHROMIUM_ARGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync", "--no-first-run",
+    "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--no-first-run",
 ]
 
 
@@ -30,7 +33,8 @@ def main():
     total = 0
     with sync_playwright() as p:
         # Playwright gives the browser a fresh temporary profile (user data dir) of its own.
-        browser = p.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
+        browser = p.chromium.launch(executable_path=chromium, headless=True, chromium_sandbox=chromium_sandbox(),
+                                    args=CHROMIUM_ARGS)
         try:
             page = browser.new_page()
             print(f"crawling {url} with Chromium {browser.version}", flush=True)

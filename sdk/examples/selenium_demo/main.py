@@ -15,18 +15,18 @@ import shutil
 import sys
 import tempfile
 
-from crawlerkeeper_sdk import save_item, task_context
+from crawlerkeeper_sdk import chromium_args, save_item, task_context
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
 DEFAULT_START_URL = "http://127.0.0.1:8080/demo-site/"
-# Headless as root in a container, with nothing phoning home (a closed network answers every
-# background request with a refused connection).
+# Headless, with nothing phoning home (a closed network answers every background request with a
+# refused connection). chromium_args() adds --no-sandbox only where Chromium's own sandbox cannot work
+# (the spider runs as root, or may not make user namespaces); the task has a /dev/shm of its own.
 CHROMIUM_FLAGS = (
-    "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--no-first-run", "--disable-extensions",
+    "--headless=new", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+    "--disable-sync", "--no-first-run", "--disable-extensions",
 )
 
 
@@ -44,7 +44,7 @@ def main():
     chromium, driver_path = browser_paths()
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
-    for flag in CHROMIUM_FLAGS:
+    for flag in (*CHROMIUM_FLAGS, *chromium_args()):
         options.add_argument(flag)
     profile = tempfile.mkdtemp(prefix="ck-selenium-")
     options.add_argument(f"--user-data-dir={profile}")

@@ -15,6 +15,10 @@ variables. The whole contract is small:
 ``CK_STATS_FILE``
     Where :func:`report_stats` and :func:`progress` write the crawl's statistics (each line one
     complete snapshot, the newest wins); the agent ships them to the master. See ``_stats``.
+``CK_CHROMIUM_SANDBOX``
+    ``1`` when Chromium's own sandbox works for this spider (it is not root and may make user
+    namespaces), ``0`` when Chromium needs ``--no-sandbox``: :func:`chromium_sandbox`,
+    :func:`chromium_args`.
 
 Outside an agent (no ``CK_ITEMS_FILE``) :func:`save_item` prints each item as one JSON line on
 stdout, so a spider still runs on a developer's machine.
@@ -38,13 +42,14 @@ import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from crawlerkeeper_sdk._stats import ENV_STATS_FILE, flush_stats, progress, report_stats
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ENV_CHROMIUM_SANDBOX",
     "ENV_ITEMS_FILE",
     "ENV_PARAMS",
     "ENV_SPIDER_ID",
@@ -54,6 +59,8 @@ __all__ = [
     "ENV_TASK_ID",
     "TaskContext",
     "__version__",
+    "chromium_args",
+    "chromium_sandbox",
     "flush_stats",
     "progress",
     "report_stats",
@@ -68,6 +75,7 @@ ENV_SPIDER_ID = "CK_SPIDER_ID"
 ENV_SPIDER_NAME = "CK_SPIDER_NAME"
 ENV_PARAMS = "CK_PARAMS"
 ENV_TASK_DIR = "CK_TASK_DIR"
+ENV_CHROMIUM_SANDBOX = "CK_CHROMIUM_SANDBOX"
 
 # save_items() joins encoded lines into one write up to about this size (bytes).
 _BATCH_BYTES = 1 << 20
@@ -265,3 +273,24 @@ def task_context() -> TaskContext:
         task_dir=_env(ENV_TASK_DIR),
         items_file=_env(ENV_ITEMS_FILE),
     )
+
+
+def chromium_sandbox() -> bool:
+    """Whether to launch Chromium with its own sandbox: what the agent says (``CK_CHROMIUM_SANDBOX``:
+    ``1`` when the spider is not root and may make user namespaces, which Chromium's sandbox needs
+    where no setuid ``chrome-sandbox`` is installed, as in Debian's Chromium); outside an agent, unless
+    running as root (where Chromium refuses its sandbox).
+
+    Playwright: ``p.chromium.launch(chromium_sandbox=chromium_sandbox(), ...)`` (Playwright passes
+    ``--no-sandbox`` by default). Selenium and others: :func:`chromium_args`.
+    """
+    said = os.environ.get(ENV_CHROMIUM_SANDBOX)
+    if said in ("0", "1"):
+        return said == "1"
+    return hasattr(os, "geteuid") and os.geteuid() != 0
+
+
+def chromium_args() -> List[str]:
+    """The switches Chromium needs here to start: ``["--no-sandbox"]`` unless :func:`chromium_sandbox`,
+    else none (a list of str, for ``ChromeOptions.add_argument`` or a launcher's ``args``)."""
+    return [] if chromium_sandbox() else ["--no-sandbox"]
