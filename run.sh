@@ -49,6 +49,8 @@
 #   stop      0 stopped (or was not running); 1 it survived SIGKILL
 #   restart   as stop, then as start
 #   status    0 running and /healthz 200; 3 not running; 4 running but /healthz does not answer 200
+#             (then the levels in force from its /status: whom spiders run as, containment, egress,
+#             and its warnings)
 #   logs      0 shown; 1 no log file yet
 #   upgrade   0 upgraded and healthy, installed (agent not running), nothing to do, or a version that
 #             failed here before is skipped; 1 failed (download, verification, an older VERSION without
@@ -680,6 +682,31 @@ cmd_restart() {
   cmd_start --daemon=on "${flags[@]+"${flags[@]}"}" "${rest[@]+"${rest[@]}"}"
 }
 
+# status_levels URL: the levels in force as the agent's /status says them (whom spiders run as, its
+# containment and egress) and its notices, indented under the status line; nothing when it cannot say.
+status_levels() {
+  py '
+import json, sys, urllib.request
+try:
+    with urllib.request.urlopen(sys.argv[1], timeout=2) as answer:
+        status = json.load(answer)
+except Exception:
+    sys.exit(0)
+def part(key):
+    found = status.get(key)
+    return found if isinstance(found, dict) else {}
+identity = part("identity")
+if identity:
+    print("  identity: %s (whom spiders run as): %s" % (identity.get("level"), identity.get("details")))
+    for passed in identity.get("passedOver") or ():
+        if passed.get("blocker") != "run-as-user":
+            print("    not %s: %s; to get it: %s" % (passed.get("level"), passed.get("message"), passed.get("remedy")))
+print("  containment: %s; egress: %s" % (part("containment").get("level"), part("egress").get("level")))
+for text in status.get("warnings") or ():
+    print("  warning: %s" % text)
+' "$1" || true
+}
+
 cmd_status() {
   local pid mode version=""
   source_mode && mode=source || mode=install
@@ -701,6 +728,7 @@ cmd_status() {
       return 4
     fi
     say "ckagent${version} is running (pid $pid, $mode mode); $url → $code"
+    status_levels "${url%/healthz}/status"
     return 0
   fi
   say "ckagent${version} is not running ($mode mode)"

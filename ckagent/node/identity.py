@@ -175,16 +175,16 @@ class Identities:
         installers run as; null: the agent's own), and the fields older masters read: ``name``/``uid`` of
         the one identity spiders run as (``ck-<uid>`` and null at ``spider-uids``: each spider its own),
         ``root``; at ``spider-uids`` also ``uidRange`` (FIRST-LAST), ``spiders`` (uids held) and ``free``.
-        Reads no file (the held uids are the pool's memory)."""
+        Reads no file and never blocks (the held uids are the pool's memory, read without its lock)."""
         common = {"passedOver": [{"level": u.level.value, "blocker": u.blocker.value, "message": u.message,
                                   "remedy": u.blocker.remedy} for u in self.passed_over],
                   "builderUid": self.builder.uid if self.builder is not None else None}
         if self.level is IdentityLevel.SPIDER_UIDS:
             assert self._pool is not None
-            spiders = len(self.held())
+            spiders, free = self._pool.counts()  # (never waits for an allocation: called on the event loop)
             return {"level": self.level.value, "details": self.details, "name": "ck-<uid>", "uid": None,
                     "root": False, "uidRange": str(self._pool.census.uids), "spiders": spiders,
-                    "free": self._pool.free(), **common}
+                    "free": free, **common}
         if self._user is not None:
             name, uid = self._user.name, self._user.uid
         else:

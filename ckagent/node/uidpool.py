@@ -152,6 +152,13 @@ class UidPool:
         with self._lock:
             return self.census.usable - len(self._held)
 
+    def counts(self) -> tuple[int, int]:
+        """(spiders holding a uid, :meth:`free`) as they stand, without waiting for an allocation in
+        flight (which holds the lock through process scans, NSS lookups, a release's removals): the
+        table is copied in one step under the GIL. For /status and /metrics, on the event loop."""
+        held = dict(self._held)
+        return sum(1 for kind, _name in held if kind == SPIDER), self.census.usable - len(held)
+
     def uid_of(self, kind: str, name: str) -> int:
         """The uid ``(kind, name)`` holds, handed out now when it holds none (recorded in the state
         store; ``last_used`` updated either way). Raises UidsExhausted."""
