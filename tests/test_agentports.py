@@ -26,6 +26,7 @@ from harness import (  # noqa: F401 -- no_strays: autouse fixture
     another_agent,
     another_user_cannot,
     no_strays,
+    other_user_prelude,
     run_as,
     running_agent,
     settings_for,
@@ -42,8 +43,8 @@ from ckagent.node.agentports import (
     boot_id,
     parse_entry,
     pid_namespace,
-    process_start,
 )
+from ckagent.node.procid import is_zombie, start_ticks
 
 needs_another_user = pytest.mark.skipif(another_user_cannot() is not None, reason=str(another_user_cannot()))
 
@@ -51,8 +52,7 @@ needs_another_user = pytest.mark.skipif(another_user_cannot() is not None, reaso
 def _entry(pid: int | None = None, ports: list[int] | None = None, **changes: object) -> dict[str, object]:
     """An entry as an agent writes it (this process's identity unless ``pid``/``changes`` say otherwise)."""
     pid = os.getpid() if pid is None else pid
-    found = process_start(pid)
-    entry: dict[str, object] = {"ckagent": FORMAT, "pid": pid, "start": found[0] if found else 0,
+    entry: dict[str, object] = {"ckagent": FORMAT, "pid": pid, "start": start_ticks(pid) or 0,
                                 "boot": boot_id(), "pidns": pid_namespace(),
                                 "ports": [7001] if ports is None else ports, "workDir": "/x"}
     entry.update(changes)
@@ -122,8 +122,7 @@ def test_a_zombie_is_dead(tmp_path: Path) -> None:
     with another_agent(directory, [7300]) as zombie:
         os.kill(zombie.pid, signal.SIGKILL)
         os.waitid(os.P_PID, zombie.pid, os.WEXITED | os.WNOWAIT)  # (until it is a zombie; not reaped)
-        found = process_start(zombie.pid)
-        assert found is not None and found[1] == "Z"
+        assert start_ticks(zombie.pid) is not None and is_zombie(zombie.pid)
         assert reader.live_ports() == frozenset()
         zombie.wait()
 
@@ -201,7 +200,7 @@ HOSTILE: dict[str, Callable[[Path], object]] = {
     "a pid out of range": lambda d: _plant(d, "pid.json", _entry(ports=[6011], pid=1 << 23)),
     "a stale pid": lambda d: _plant(d, "stale.json", _entry(ports=[6012], pid=_dead_pid(), start=1)),
     "a reused pid (live, another start time)": lambda d: _plant(
-        d, "reused.json", _entry(ports=[6013], start=(process_start(os.getpid()) or (0,))[0] + 1)),
+        d, "reused.json", _entry(ports=[6013], start=(start_ticks(os.getpid()) or 0) + 1)),
     "another boot": lambda d: _plant(d, "boot.json", _entry(ports=[6014], boot="0" * 36)),
     "my identity with no ports": lambda d: _plant(d, "copy.json", _entry(ports=[])),
 }
@@ -395,7 +394,7 @@ def test_a_live_non_root_agent_in_the_fallback_is_seen_by_root_and_a_dead_ones_e
 ) -> None:
     with world_directory() as base:
         host, fallback = base / "run-ckagent" / "ports", base / "tmp-ckagent-ports"
-        prelude = f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})\n"
+        prelude = other_user_prelude()
         holder = subprocess.Popen(["/usr/bin/python3", "-I", "-S", "-c", prelude + HOLDING_AGENT, str(host),
                                    str(fallback), "7801"], user=NOBODY, group=NOBODY, extra_groups=[],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
@@ -454,7 +453,7 @@ print(registry.path.parent == host, sorted(p.name for p in fallback.iterdir()))
 """
     with world_directory() as base:
         host, fallback = base / "run-ckagent" / "ports", base / "tmp-ckagent-ports"
-        prelude = f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})\n"
+        prelude = other_user_prelude()
         process = subprocess.Popen(["/usr/bin/python3", "-I", "-S", "-c", prelude + script, str(host), str(fallback)],
                                    user=NOBODY, group=NOBODY, extra_groups=[], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")

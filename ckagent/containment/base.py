@@ -29,6 +29,8 @@ from typing import Any
 import trio
 
 from ckagent.node.levels import Blocker, ContainmentLevel, LevelError, Unavailable
+from ckagent.node.procid import ProvenProcess
+from ckagent.node.procid import is_zombie as is_zombie
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +133,14 @@ class TaskJail(abc.ABC):
         return [SHELL, "-c", shim_script(self.join_paths()), program, *argv[1:]], {}
 
     def watch(self, pid: int) -> None:
-        """Record a main process (its process group is the task's at the process-group level)."""
+        """Record a main process this agent just spawned (its child, not reaped yet: its pid is
+        certainly its own); its process group is the task's at the process-group level."""
+        return  # nothing to do by default
+
+    def adopt(self, leader: ProvenProcess) -> None:
+        """Record the main process of a task an earlier agent started, proven (ckagent.node.procid):
+        its group is reached only through it, only while it lives; the jail does not own it (the
+        caller closes it). Nothing to do where a cgroup holds the task."""
         return  # nothing to do by default
 
     @abc.abstractmethod
@@ -404,16 +413,6 @@ async def wait_pids_gone(pids: Iterable[int]) -> None:
     finally:
         for fd in fds:
             os.close(fd)
-
-
-def is_zombie(pid: int) -> bool:
-    """True for a zombie (or vanished) process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
-    except OSError:
-        return True
-    return stat[stat.rfind(b")") + 2:][:1] in (b"Z", b"X")
 
 
 def kill_pids(pids: Iterable[int], sig: int = signal.SIGKILL) -> int:

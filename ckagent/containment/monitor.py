@@ -63,6 +63,7 @@ from ckagent.containment.stopping import (
 )
 from ckagent.node import beneath
 from ckagent.node.levels import ContainmentLevel
+from ckagent.node.procid import ProcessIdentity, ProvenProcess, boot_id, start_ticks
 from ckagent.node.runas import RunAs, popen_identity
 
 log = logging.getLogger(__name__)
@@ -115,39 +116,18 @@ def read_status(path: Path) -> int | None:
     return returncode_of(int(text)) if text.isdigit() else None
 
 
-_BOOT_ID: str | None = None
-
-
-def boot_id() -> str:
-    """This boot's id (``/proc/sys/kernel/random/boot_id``; "" when unreadable)."""
-    global _BOOT_ID
-    if _BOOT_ID is None:
+def main_pid(monitor: int | ProvenProcess) -> int | None:
+    """The spider behind its monitor (the monitor's one child), None before its fork or after its
+    end. ``monitor``: our own child's pid (not reaped yet), or a proven monitor (after a restart)."""
+    if isinstance(monitor, ProvenProcess):
+        text = monitor.read_proc(f"task/{monitor.pid}/children", 4096)
+        children = [] if text is None else text.split()
+    else:
         try:
-            _BOOT_ID = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+            with open(f"/proc/{monitor}/task/{monitor}/children") as fh:
+                children = [c.encode() for c in fh.read().split()]
         except OSError:
-            _BOOT_ID = ""
-    return _BOOT_ID
-
-
-def start_ticks(pid: int) -> int | None:
-    """The process's start time (clock ticks since boot, /proc/<pid>/stat field 22), None if gone.
-    With the boot id, (pid, start time) names one process for good: a recycled pid starts later."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(b")") + 2:].split()
-    return int(fields[19]) if len(fields) > 19 else None
-
-
-def main_pid(monitor_pid: int) -> int | None:
-    """The spider behind its monitor (the monitor's one child), None before its fork or after its end."""
-    try:
-        with open(f"/proc/{monitor_pid}/task/{monitor_pid}/children") as fh:
-            children = fh.read().split()
-    except OSError:
-        return None
+            return None
     return int(children[0]) if children else None
 
 
@@ -155,7 +135,8 @@ def main_pid(monitor_pid: int) -> int | None:
 class Handle:
     """What the state store keeps of a running spider so that a later agent can re-adopt it.
 
-    ``monitor_pid``/``monitor_start``/``boot_id`` name the monitor process (see :func:`start_ticks`);
+    ``monitor_pid``/``monitor_start``/``boot_id`` name the monitor process (:meth:`identity`: acted
+    on only once proven, ckagent.node.procid);
     ``status_file`` its exit-status file; ``spawned_at`` and ``deadline_at`` are epoch seconds
     (``deadline_at`` None: no timeout); ``work`` is the task's working copy (removed at its end);
     ``stall_timeout`` seconds (0: off); ``level`` the containment level it was spawned at (None: not
@@ -179,6 +160,10 @@ class Handle:
     proxy_port: int = 0
     uid: int = -1
     gid: int = -1
+
+    def identity(self) -> ProcessIdentity:
+        """The monitor's identity (prove it before acting on it: ckagent.node.procid)."""
+        return ProcessIdentity(self.monitor_pid, self.monitor_start, self.boot_id)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict (``from_json`` reads it back)."""
@@ -210,16 +195,20 @@ def _port(value: object) -> int:
 
 class Monitored:
     """A spider behind its monitor: spawned by this agent (``popen`` set: the monitor is our child)
-    or adopted from an earlier one.
+    or adopted from an earlier one (``proven`` set: the monitor proven by its pidfd, which this
+    object then owns; or neither: it ended while no agent ran, ``exited`` set by the caller).
 
     :meth:`wait` returns once the monitor has exited; :attr:`returncode` is then the spider's
     return code (negative: killed by that signal; None: not recorded, e.g. the monitor itself
-    was killed with the whole task at a later agent).
+    was killed with the whole task at a later agent). An adopted monitor is never reached by its
+    pid alone: only through ``proven``.
     """
 
-    def __init__(self, handle: Handle, popen: subprocess.Popen[bytes] | None = None) -> None:
+    def __init__(self, handle: Handle, popen: subprocess.Popen[bytes] | None = None,
+                 proven: ProvenProcess | None = None) -> None:
         self.handle = handle
         self.popen = popen
+        self.proven = proven
         self.exited = False
         self.returncode: int | None = None
 
@@ -229,14 +218,22 @@ class Monitored:
         return self.handle.monitor_pid
 
     def main_pid(self) -> int | None:
-        """The spider's pid (:func:`main_pid`)."""
-        return None if self.exited else main_pid(self.pid)
+        """The spider's pid (:func:`main_pid`); None once the monitor ended (or an adopted one that
+        is not proven)."""
+        if self.exited:
+            return None
+        if self.popen is not None:
+            return main_pid(self.pid)
+        return None if self.proven is None else main_pid(self.proven)
 
     async def wait(self) -> None:
         """Return once the monitor has exited (a pidfd: a kernel notification; our own child is
         reaped then). Cancellation: as usual."""
         if not self.exited:
-            await _wait_pid_exit(self.pid, self.popen)
+            if self.popen is None and self.proven is not None:
+                await self.proven.wait()
+            elif self.popen is not None:
+                await _wait_pid_exit(self.pid, self.popen)
             self._ended()
 
     def ended(self) -> bool:
@@ -252,6 +249,8 @@ class Monitored:
         -1 when it is gone already or this kernel has no pidfds. The caller closes it."""
         if self.exited:
             return -1
+        if self.popen is None:
+            return -1 if self.proven is None else self.proven.dup_fd()
         try:
             return os.pidfd_open(self.pid)
         except OSError:
@@ -266,6 +265,14 @@ class Monitored:
             self.returncode = self.popen.returncode
         if self.popen is not None and self.popen.returncode is not None:
             SPAWNED.discard(self.pid)
+        if self.proven is not None:
+            self.proven.close()
+
+    def close(self) -> None:
+        """Let go of the adopted monitor's pidfd (idempotent; a handed-over task's next agent proves
+        it anew)."""
+        if self.proven is not None:
+            self.proven.close()
 
 
 async def _wait_pid_exit(pid: int, child: subprocess.Popen[bytes] | None = None) -> None:

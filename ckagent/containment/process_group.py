@@ -35,6 +35,7 @@ from ckagent.containment.base import (
     wait_pids_gone,
 )
 from ckagent.node.levels import ContainmentLevel
+from ckagent.node.procid import ProvenProcess
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +173,7 @@ def _reap_adopted(pids: Iterable[int], keep: set[int]) -> None:
 
 
 async def sweep(task_id: str, pgid: int | None, *, verify_group: bool = False, max_passes: int = 20,
-                pgids: Iterable[int] = (), keep: Iterable[int] = ()) -> int:
+                pgids: Iterable[int] = (), keep: Iterable[int] = (), leaders: Iterable[ProvenProcess] = ()) -> int:
     """SIGKILL the task's group(s) and every marked process (and their descendants), repeating until
     a pass finds none.
 
@@ -213,6 +214,7 @@ class ProcessGroupJail(TaskJail):
         self.task_id = task_id
         self.limits = Limits()
         self.pgids: list[int] = []
+        self.leaders: list[ProvenProcess] = []
 
     def spawn(self, argv: list[str], env: Mapping[str, str], *, forking: bool = False) -> tuple[list[str], dict[str, Any]]:
         """No cgroup to join: the command as it is (vfork spawn); :meth:`watch` raises the main
@@ -227,8 +229,12 @@ class ProcessGroupJail(TaskJail):
         with contextlib.suppress(OSError), open(f"/proc/{pid}/oom_score_adj", "w") as fh:
             fh.write(str(SPIDER_OOM_SCORE_ADJ))
 
+    def adopt(self, leader: ProvenProcess) -> None:
+        self.leaders.append(leader)  # (its oom_score_adj was set at its spawn)
+
     def _find(self) -> list[int]:
-        return find_marked(self.task_id, pgids=self.pgids)
+        live = [leader.pid for leader in self.leaders if not leader.exited()]
+        return find_marked(self.task_id, pgids=[*self.pgids, *live])
 
     def _find_or_reap(self) -> list[int]:
         """The task's live processes; when none is left, the agent's adopted zombies (orphans of
@@ -250,7 +256,7 @@ class ProcessGroupJail(TaskJail):
             await wait_pids_gone(pids)
 
     async def kill_all(self) -> int:
-        killed = await sweep(self.task_id, None, pgids=self.pgids, keep=self.pgids)
+        killed = await sweep(self.task_id, None, pgids=self.pgids, keep=self.pgids, leaders=self.leaders)
         await trio.to_thread.run_sync(reap_adopted_zombies)  # orphans that ended on their own
         return killed
 

@@ -59,6 +59,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ckagent.node.procid import ProcessIdentity, boot_id
+
 log = logging.getLogger(__name__)
 
 HOST_DIR = Path("/run/ckagent/ports")
@@ -123,20 +125,6 @@ def _text(value: Any) -> bool:
     return isinstance(value, str) and 0 < len(value) <= 128
 
 
-_BOOT_ID: str | None = None
-
-
-def boot_id() -> str:
-    """This boot's id (``/proc/sys/kernel/random/boot_id``; "" when unreadable)."""
-    global _BOOT_ID
-    if _BOOT_ID is None:
-        try:
-            _BOOT_ID = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        except OSError:
-            _BOOT_ID = ""
-    return _BOOT_ID
-
-
 @functools.lru_cache(maxsize=1)
 def pid_namespace() -> str:
     """This process's pid namespace (``pid:[<inode>]``; "" when unreadable). A process cannot
@@ -147,25 +135,6 @@ def pid_namespace() -> str:
         return ""
 
 
-def process_start(pid: int) -> tuple[int, str] | None:
-    """(start time in clock ticks since boot, state letter) of process ``pid``; None when there is
-    none. With the boot id, (pid, start) names one process for good: a recycled pid starts later."""
-    try:
-        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        text = os.read(fd, 4096)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    fields = text[text.rfind(b")") + 2:].split()
-    if len(fields) <= 19 or not fields[19].isdigit():
-        return None
-    return int(fields[19]), fields[0].decode("ascii", "replace")
-
-
 def alive(entry: Entry) -> bool | None:
     """True when the entry's process runs (same boot, same pid namespace, same start time, not a
     zombie); False when it provably does not; None when it cannot be told (another pid namespace)."""
@@ -173,8 +142,7 @@ def alive(entry: Entry) -> bool | None:
         return False
     if entry.pidns != pid_namespace():
         return None
-    found = process_start(entry.pid)
-    return found is not None and found[0] == entry.start and found[1] not in ("Z", "X", "x")
+    return ProcessIdentity(entry.pid, entry.start, entry.boot).alive()
 
 
 @dataclass
@@ -253,8 +221,8 @@ class PortRegistry:
             self._remove_file()
             return
         if self._identity is None:
-            started = process_start(os.getpid())
-            self._identity = (os.getpid(), started[0] if started else 0, boot_id(), pid_namespace())
+            me = ProcessIdentity.of(os.getpid())
+            self._identity = (os.getpid(), me.start if me else 0, boot_id(), pid_namespace())
         pid, start, boot, pidns = self._identity
         data = json.dumps({"ckagent": FORMAT, "pid": pid, "start": start, "boot": boot, "pidns": pidns,
                            "ports": sorted(self._ports), "workDir": self.work_dir}).encode()

@@ -6,11 +6,15 @@ result is judged by its handle (ckagent.containment.monitor.Handle, stored when 
 =====================================================  ==========================================
 what is found                                          what the agent does
 =====================================================  ==========================================
-the monitor runs: same boot, same pid *and* start      re-adopt: follow output.log from where the
-time, the task's marker in its environment, and at a   journal stopped, enforce the original
-cgroup level the task's cgroup names it                deadline, honour cancels, stall watchdog
-the monitor has ended and recorded the exit status     re-adopt an ended task: leftovers killed,
-                                                       the true outcome with its exit code
+the monitor runs, proven (its pidfd opened, then the   re-adopt: follow output.log from where the
+same boot, pid *and* start time checked:               journal stopped, enforce the original
+ckagent.node.procid), the task's marker in its         deadline, honour cancels, stall watchdog;
+environment, and at a cgroup level the task's cgroup   every later signal, watch and group kill
+names it                                               goes through that pidfd
+the monitor has ended and recorded the exit status     re-adopt an ended task: the true outcome
+                                                       with its exit code; leftovers killed by
+                                                       cgroup or marker, never by its recorded pid
+                                                       (a stranger may have it now)
 no handle (the spider had not started), another        not proven to be the same task: killed and
 boot, a recycled pid, no marker, no recorded status    reported AGENT_LOST with the reason (as before)
 =====================================================  ==========================================
@@ -42,12 +46,13 @@ from ckagent.code.workcopy import remove_tree
 from ckagent.containment import Containment, ContainmentError, Limits, TaskJail
 from ckagent.containment.egress import EgressError, report_refusals
 from ckagent.containment.hierarchy import task_cgroup_name
-from ckagent.containment.monitor import Handle, Monitored, boot_id, read_status, start_ticks
+from ckagent.containment.monitor import Handle, Monitored, read_status
 from ckagent.containment.process_group import MARKER_VAR, ProcessGroupJail
 from ckagent.delivery.lifecycle import TaskFinished
 from ckagent.master.ids import safe_name
 from ckagent.master.protocol import Task
 from ckagent.node.errors import AGENT_ERROR, describe_fault
+from ckagent.node.procid import boot_id
 from ckagent.node.runas import RunAs, task_uid
 from ckagent.node.state import TaskRecord
 from ckagent.task.stop import StopReason, stopped_outcome
@@ -72,29 +77,8 @@ class Adoption:
     """Set by :func:`admit_adopted` when the spider runs with a dependency environment: ends its use."""
 
 
-def _environ_has(pid: int, marker: bytes) -> bool:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as fh:
-            return marker in fh.read().split(b"\0")
-    except OSError:
-        return False
-
-
-def _in_cgroup(pid: int, name: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/cgroup") as fh:
-            return any(line.rstrip("\n").endswith("/" + name) for line in fh)
-    except OSError:
-        return False
-
-
-def _zombie_or_gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
-    except OSError:
-        return True
-    return stat[stat.rfind(b")") + 2:][:1] in (b"Z", b"X")
+def _cgroup_names(text: bytes | None, name: str) -> bool:
+    return text is not None and any(line.endswith(b"/" + name.encode()) for line in text.splitlines())
 
 
 def judge(record: TaskRecord) -> tuple[Adoption | None, str]:
@@ -109,13 +93,21 @@ def judge(record: TaskRecord) -> tuple[Adoption | None, str]:
         return None, f"its stored state cannot be read ({exc})"
     if handle.boot_id != boot_id():
         return None, "the node restarted since its spider started (another boot)"
-    running = start_ticks(handle.monitor_pid) == handle.monitor_start and not _zombie_or_gone(handle.monitor_pid)
-    if running:
-        if not _environ_has(handle.monitor_pid, f"{MARKER_VAR}={record.task_id}".encode()):
-            return None, f"process {handle.monitor_pid} does not carry the task's marker"
-        if handle.level is not None and handle.level.has_cgroup and not _in_cgroup(handle.monitor_pid, task_cgroup_name(record.task_id)):
-            return None, f"process {handle.monitor_pid} is not in the task's cgroup"
-        return Adoption(record, task, handle, Monitored(handle), ended=False), ""
+    proven = handle.identity().prove()  # its pidfd opened, then its start time checked: ours for good
+    if proven is not None and not proven.exited():
+        pid = handle.monitor_pid
+        environ = proven.read_proc("environ")
+        if environ is None or f"{MARKER_VAR}={record.task_id}".encode() not in environ.split(b"\0"):
+            proven.close()
+            return None, f"process {pid} does not carry the task's marker"
+        if (handle.level is not None and handle.level.has_cgroup
+                and not _cgroup_names(proven.read_proc("cgroup"), task_cgroup_name(record.task_id))):
+            proven.close()
+            return None, f"process {pid} is not in the task's cgroup"
+        return Adoption(record, task, handle, Monitored(handle, proven=proven), ended=False), ""
+    if proven is not None:  # a zombie of ours: ended (its status file says how)
+        proven.close()
+    # Ended while no agent ran: reported from its recorded exit, never reached by its pid again.
     code = read_status(Path(handle.status_file))
     if code is None:
         return None, "its spider's monitor is gone and recorded no exit status"
@@ -142,15 +134,22 @@ async def find_adoptable(records: list[TaskRecord]) -> tuple[list[Adoption], dic
 
 
 def adopted_jail(containment: Containment | None, adoption: Adoption) -> TaskJail:
-    """The task's jail again: its cgroup (at the level it was spawned at), or its process group and
-    marker. Blocking but quick. Raises ContainmentError when the cgroup cannot be opened."""
+    """The task's jail again: its cgroup (at the level it was spawned at), or its process group
+    (through its proven monitor, while that lives) and marker; a task that ended while no agent ran
+    is held by its cgroup or marker alone, never by its recorded pid. Blocking but quick. Raises
+    ContainmentError when the cgroup cannot be opened."""
     handle = adoption.handle
     if containment is not None and containment.level is handle.level and containment.level.has_cgroup:
         jail = containment.jail(adoption.record.task_id, Limits())  # the cgroup exists: its limits stay
     else:
         jail = ProcessGroupJail(adoption.record.task_id)
-    jail.watch(handle.monitor_pid)
+    _adopt_monitor(jail, adoption)
     return jail
+
+
+def _adopt_monitor(jail: TaskJail, adoption: Adoption) -> None:
+    if adoption.monitored.proven is not None:
+        jail.adopt(adoption.monitored.proven)
 
 
 async def run_adopted(supervisor: Supervisor, rt: RunningTask, adoption: Adoption) -> None:
@@ -189,7 +188,7 @@ async def run_adopted(supervisor: Supervisor, rt: RunningTask, adoption: Adoptio
             except (ContainmentError, OSError) as exc:  # its process group and marker still hold it
                 log.warning("task %s: cannot open its cgroup again (%s); using its process group", task.id, exc)
                 jail = ProcessGroupJail(task.id)
-                jail.watch(handle.monitor_pid)
+                _adopt_monitor(jail, adoption)
             rt.jail = jail
             await _egress_again(supervisor, rt, jail, notice, handle.proxy_port)
             delivery.watch_item_files(Path(handle.work))  # its declared JSON Lines files stream on
@@ -225,6 +224,7 @@ async def run_adopted(supervisor: Supervisor, rt: RunningTask, adoption: Adoptio
                 await trio.to_thread.run_sync(remove_tree, Path(handle.work))
             elif rt.delivery is not None and rt.delivery.sink is not None:
                 rt.delivery.sink.close()
+            adoption.monitored.close()  # (handed over: the next agent proves it anew)
         if took_slot:
             supervisor.capacity.release()
         if adoption.release_env is not None:  # (handed over again: the next agent counts it anew)

@@ -19,9 +19,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
-__all__ = ["NOBODY", "OTHER_USER_PYTHON", "SystemUser", "another_user_cannot", "run_as", "searchable_directory",
+__all__ = ["NOBODY", "OTHER_USER_PYTHON", "SystemUser", "another_user_cannot", "other_user_prelude", "run_as", "searchable_directory",
            "throwaway_user", "unprivileged_user", "world_directory"]
 
 NOBODY = 65534
@@ -42,11 +43,21 @@ def another_user_cannot() -> str | None:
     return None
 
 
+_PSUTIL_DIR = str(Path(psutil.__file__).parent.parent)
+
+
+def other_user_prelude() -> str:
+    """The first line of a script :data:`OTHER_USER_PYTHON` runs: this repository's ``ckagent`` and the
+    suite's psutil importable (see :func:`run_as`)."""
+    return f"import sys; sys.path.insert(0, {str(REPO)!r}); sys.path.append({_PSUTIL_DIR!r})\n"
+
+
 def run_as(uid: int, code: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
     """Run Python ``code`` (``sys.argv[1:]`` = ``args``) as ``uid`` (its group the same number),
     with this repository's ``ckagent`` importable (only modules that need the standard library
-    alone: that Python has no third-party packages)."""
-    prelude = f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
+    and psutil alone: that Python has no third-party packages; psutil comes from the suite's own
+    environment, an abi3 build that any CPython 3 loads)."""
+    prelude = other_user_prelude()
     return subprocess.run([OTHER_USER_PYTHON, "-I", "-S", "-c", prelude + code, *args], user=uid, group=uid,
                           extra_groups=[], capture_output=True, text=True, timeout=timeout, check=False,
                           cwd="/")

@@ -1,0 +1,190 @@
+"""Pid reuse for real: scenarios run in a pid namespace of their own (``unshare --pid --fork
+--mount-proc``, as root), where the kernel is made to hand a chosen pid to a stranger by writing
+``N-1`` to ``/proc/sys/kernel/ns_last_pid`` just before the fork.
+
+:func:`run_in_pid_namespace` (async, from a test) runs one scenario of this module as the namespace's
+init and returns what it printed (one JSON object). The scenarios drive the adoption code path
+(ckagent.task.adoption) with a real monitor (ckagent.containment.monitor) and a real stranger:
+
+- ``ended``: a task's monitor records its spider's exit and ends while no agent runs; its pid goes
+  to a stranger's session leader; the next agent judges the task and cleans its jail up.
+- ``window``: a running task's monitor is judged (proven) by the next agent; then the spider ends,
+  the monitor is reaped and its pid goes to a stranger before the agent acts on the task.
+- ``proof``: a process identity is taken; the process exits and its pid goes to a stranger before the
+  identity is proven: the proof must fail.
+
+Each reports whether the stranger still lives, its oom_score_adj, and what the agent concluded. Every
+process a scenario starts dies with the namespace (its init exits: the kernel kills the rest).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+REPO = Path(__file__).resolve().parents[2]
+
+__all__ = ["can_unshare_pid", "run_in_pid_namespace"]
+
+
+def can_unshare_pid() -> bool:
+    """True when this process may make pid namespaces (root with ``unshare`` installed)."""
+    return os.geteuid() == 0 and shutil.which("unshare") is not None
+
+
+async def run_in_pid_namespace(scenario: str, tmp: Path, timeout: float = 30) -> dict[str, Any]:  # noqa: ASYNC109
+    """Run ``scenario`` (see the module docstring) as init of a new pid namespace, in ``tmp``; its
+    JSON report. Raises AssertionError with its output when it fails; trio.TooSlowError after
+    ``timeout`` seconds (the namespace is killed then: its init gets SIGKILL)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    with trio.fail_after(timeout):
+        done = await trio.run_process(
+            ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", sys.executable, "-m", "harness.pidreuse",
+             scenario, str(tmp)], env=env, capture_stdout=True, capture_stderr=True, check=False)
+    out, err = done.stdout.decode(), done.stderr.decode()
+    assert done.returncode == 0, f"scenario {scenario} exited {done.returncode}:\n{out}\n{err}"
+    return dict(json.loads(out.strip().splitlines()[-1]))
+
+
+# ------------------------------------------------------------------ inside the namespace
+
+
+def _hand_pid_to_stranger(pid: int) -> subprocess.Popen[bytes]:
+    """Start a stranger (``sleep``, a session leader of its own) that gets ``pid``, at least one clock
+    tick after everything before it started: a start time counts clock ticks (10 ms), and a pid is
+    never reused within one in the field (the pid space wraps first); here it would be at once."""
+    time.sleep(2 / os.sysconf("SC_CLK_TCK"))
+    for _ in range(20):
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+        stranger = subprocess.Popen(["sleep", "300"], start_new_session=True)
+        if stranger.pid == pid:
+            return stranger
+        stranger.kill()
+        stranger.wait()
+    raise AssertionError(f"the kernel would not hand pid {pid} to a stranger")
+
+
+def _oom_score_adj(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/oom_score_adj").read_text())
+    except OSError:  # (killed: the stranger's end is the report)
+        return None
+
+
+def _spawn_task(tmp: Path, task_id: str, script: str) -> tuple[Any, Any]:
+    """(record, monitored): a spider behind its monitor, as an agent spawns it, and its state store row."""
+    from ckagent.containment.monitor import spawn_monitored
+    from ckagent.containment.process_group import ProcessGroupJail
+    from ckagent.node.state import TaskRecord
+    from harness.fakes import task_json
+
+    task_dir, work = tmp / "tasks" / task_id, tmp / "work" / task_id
+    task_dir.mkdir(parents=True)
+    work.mkdir(parents=True)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "CK_TASK_ID": task_id}
+    mon = spawn_monitored(["sh", "-c", script], cwd=work, env=env, task_id=task_id, task_dir=task_dir,
+                          output_path=task_dir / "output.log", jail=ProcessGroupJail(task_id), run_as=None,
+                          deadline_at=None, work=work, stall_timeout=0.0)
+    record = TaskRecord(task_id, "spider-1", task_json(task_id, "spider-1"), task_dir, mon.pid, mon.pid,
+                        time.time(), None, False, None, mon.handle.to_json())
+    return record, mon
+
+
+async def _ended(tmp: Path) -> dict[str, Any]:
+    from ckagent.task.adoption import adopted_jail, judge
+
+    record, mon = _spawn_task(tmp, "task-ended", "exit 3")
+    mon.popen.wait()  # the monitor recorded the exit and ended; the old agent (this process) reaped it
+    stranger = _hand_pid_to_stranger(mon.pid)
+    # The next agent:
+    adoption, why = judge(record)
+    report: dict[str, Any] = {"judged": why, "stranger_pid": stranger.pid, "monitor_pid": mon.pid}
+    if adoption is not None:
+        report.update(ended=adoption.ended, returncode=adoption.monitored.returncode)
+        jail = adopted_jail(None, adoption)
+        report["killed"] = await jail.kill_all()
+        await adoption.monitored.wait()
+        report["returncode_after_wait"] = adoption.monitored.returncode
+    report.update(stranger_alive=stranger.poll() is None, stranger_oom=_oom_score_adj(stranger.pid))
+    return report
+
+
+def _spider_of(monitor: int) -> int:
+    """The monitor's child once it has forked (no notification tells it: looked for, 5 s at most)."""
+    from ckagent.containment.monitor import main_pid
+
+    for _ in range(500):
+        if (spider := main_pid(monitor)) is not None:
+            return spider
+        time.sleep(0.01)
+    raise AssertionError(f"monitor {monitor} started no spider")
+
+
+async def _window(tmp: Path) -> dict[str, Any]:
+    from ckagent.task.adoption import adopted_jail, judge
+
+    record, mon = _spawn_task(tmp, "task-window", "sleep 300")
+    spider = _spider_of(mon.pid)
+    # The next agent judges the task (the old agent is gone: it will not act on it again)...
+    adoption, why = judge(record)
+    report: dict[str, Any] = {"judged": why, "monitor_pid": mon.pid}
+    assert adoption is not None and not adoption.ended, why
+    # ...then, while it waits for the master, the spider ends, its monitor is reaped, its pid reused.
+    os.kill(spider, signal.SIGKILL)
+    mon.popen.wait()
+    stranger = _hand_pid_to_stranger(mon.pid)
+    report["stranger_pid"] = stranger.pid
+    jail = adopted_jail(None, adoption)
+    report["main_pid"] = adoption.monitored.main_pid()
+    with trio.fail_after(5):
+        await adoption.monitored.wait()
+    report["returncode"] = adoption.monitored.returncode
+    report["killed"] = await jail.kill_all()
+    report.update(stranger_alive=stranger.poll() is None, stranger_oom=_oom_score_adj(stranger.pid))
+    return report
+
+
+async def _proof(tmp: Path) -> dict[str, Any]:
+    from ckagent.node.procid import ProcessIdentity
+
+    judged = subprocess.Popen(["sleep", "300"], start_new_session=True)  # noqa: ASYNC220 - a quick spawn
+    identity = ProcessIdentity.of(judged.pid)
+    assert identity is not None
+    alive_before = identity.alive()
+    judged.kill()
+    judged.wait()
+    stranger = _hand_pid_to_stranger(identity.pid)
+    proven = identity.prove()
+    stranger_identity = ProcessIdentity.of(stranger.pid)
+    assert stranger_identity is not None
+    mine = stranger_identity.prove()  # the stranger's own identity is proven, and may be signalled
+    own_signal = mine is not None and mine.send_signal(0)
+    if mine is not None:
+        mine.close()
+    return {"alive_before": alive_before, "alive_after": identity.alive(), "proven": proven is not None,
+            "stranger_pid": stranger.pid, "judged_pid": identity.pid, "own_signal": own_signal,
+            "stranger_alive": stranger.poll() is None}
+
+
+SCENARIOS = {"ended": _ended, "window": _window, "proof": _proof}
+
+
+def main() -> None:
+    """``python -m harness.pidreuse <scenario> <tmp>``: run it (as init of a pid namespace)."""
+    scenario, tmp = sys.argv[1], Path(sys.argv[2])
+    assert os.getpid() == 1, "run it as init of a pid namespace of its own (run_in_pid_namespace)"
+    report = trio.run(SCENARIOS[scenario], tmp)
+    print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""One proven process identity (ckagent.node.procid): pid reuse for real, in pid namespaces of the
+tests' own, through the adoption code path (ckagent.task.adoption) with real monitors and strangers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import trio
+from harness.pidreuse import can_unshare_pid, run_in_pid_namespace
+
+from ckagent.node.procid import ProcessIdentity, boot_id, is_zombie, start_ticks
+
+needs_pidns = pytest.mark.skipif(not can_unshare_pid(), reason="needs root and unshare (a pid namespace)")
+
+
+@needs_pidns
+async def test_a_task_that_ended_while_no_agent_ran_is_reported_and_its_reused_pid_is_left_alone(
+    tmp_path: Path,
+) -> None:
+    report = await run_in_pid_namespace("ended", tmp_path)
+    assert report["stranger_pid"] == report["monitor_pid"]  # the kernel handed the monitor's pid on
+    assert report["judged"] == "" and report["ended"] is True
+    assert report["returncode"] == 3 and report["returncode_after_wait"] == 3  # its true exit
+    assert report["stranger_alive"] is True, report  # never killed by the recorded pid...
+    assert report["stranger_oom"] == 0, report  # ...nor made the OOM killer's first pick
+
+
+@needs_pidns
+async def test_a_monitor_whose_pid_is_reused_after_its_judgement_is_never_followed(tmp_path: Path) -> None:
+    report = await run_in_pid_namespace("window", tmp_path)
+    assert report["judged"] == "" and report["stranger_pid"] == report["monitor_pid"]
+    assert report["main_pid"] is None  # the stranger's children are not taken for the spider
+    assert report["returncode"] == -signal.SIGKILL  # the monitor's record, not the stranger's life
+    assert report["stranger_alive"] is True and report["stranger_oom"] == 0, report
+
+
+@needs_pidns
+async def test_the_proof_fails_when_the_pid_is_reused_between_judgement_and_pidfd(tmp_path: Path) -> None:
+    report = await run_in_pid_namespace("proof", tmp_path)
+    assert report["stranger_pid"] == report["judged_pid"]
+    assert report["alive_before"] is True and report["alive_after"] is False
+    assert report["proven"] is False  # the pidfd opened names the stranger: closed again, "gone"
+    assert report["own_signal"] is True and report["stranger_alive"] is True
+
+
+async def test_a_proven_child_is_signalled_through_its_pidfd_and_its_exit_is_seen() -> None:
+    child = subprocess.Popen(["sleep", "60"], start_new_session=True)  # noqa: ASYNC220 - a quick spawn
+    try:
+        identity = ProcessIdentity.of(child.pid)
+        assert identity is not None and identity.boot == boot_id() and identity.alive()
+        assert start_ticks(child.pid) == identity.start and not is_zombie(child.pid)
+        proven = identity.prove()
+        assert proven is not None and not proven.exited()
+        with proven:
+            assert proven.set_oom_score_adj(700)
+            assert Path(f"/proc/{child.pid}/oom_score_adj").read_text().strip() == "700"  # noqa: ASYNC240
+            assert b"sleep" in (proven.read_proc("cmdline") or b"")
+            assert proven.signal_group(signal.SIGTERM)
+            with trio.fail_after(10):
+                await proven.wait()
+            assert proven.exited() and is_zombie(child.pid)  # exited, not reaped: still ours
+            assert not proven.send_signal(signal.SIGKILL) or True  # (a zombie takes signals quietly)
+            assert not proven.signal_group(signal.SIGKILL) and not proven.set_oom_score_adj(0)
+            assert proven.read_proc("environ") is None
+        assert proven.exited() and not proven.send_signal(0)  # closed: acts on nothing
+    finally:
+        child.kill()
+        child.wait()
+    assert identity.prove() is None and not identity.alive()
+
+
+def test_another_boots_identity_is_never_proven() -> None:
+    me = ProcessIdentity.of(os.getpid())
+    assert me is not None
+    assert ProcessIdentity(me.pid, me.start, "another-boot").prove() is None
+    assert ProcessIdentity(me.pid, me.start + 1, me.boot).prove() is None
