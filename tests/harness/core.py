@@ -47,6 +47,8 @@ def agent_settings(work_dir: Path, base_url: str, registration_token: str, **env
         # The test's own registry of agents' ports (shared by the agents of one test), not the host's:
         # another test's agent port must not be refused to this test's tasks.
         "AGENT_PORTS_REGISTRY": str(work_dir.parent / "agent-ports"),
+        # The test's own record of claimed uids (shared by the agents of one test), not the host's.
+        "AGENT_TASK_UID_CLAIMS": str(work_dir.parent / "uid-claims"),
         # The test's temp dir stays seen in each task's private /tmp: spiders report to the test there.
         "AGENT_TASK_PRIVATE_TMP_SHARED": str(work_dir.parent),
     }
@@ -108,7 +110,8 @@ class AgentProcess:
                       "max_workers": 2},
             "heartbeat": {"interval": 1},
             "task": {"work_dir": str(directory / "data"), "poll_interval": 0.5, "long_poll_wait": 2,
-                     "kill_grace": 2, "private_tmp_shared": str(directory.parent)},
+                     "kill_grace": 2, "private_tmp_shared": str(directory.parent),
+                     "uid_claims": str(directory.parent / "uid-claims")},
         }
         python = spider_uid_env(directory / "data").get("AGENT_DEPS_PYTHON")  # as root: spider-uids, as a node gets
         if python is not None:
