@@ -61,7 +61,6 @@ from functools import partial
 import trio
 
 from ckagent import __version__
-from ckagent.code.browsers import decide as chromium_sandbox
 from ckagent.code.capabilities import Capabilities
 from ckagent.code.deps import Dependencies, IndexChooser, spider_base_env
 from ckagent.code.runtimescan import RuntimeScan
@@ -82,7 +81,6 @@ from ckagent.node.errors import StartupError
 from ckagent.node.hardening import freeze_startup_objects
 from ckagent.node.identity import Identities, IdentityError
 from ckagent.node.intake import DiskFloorWatch, IntakeGate
-from ckagent.node.levels import IdentityLevel
 from ckagent.node.listen import StatusPortError
 from ckagent.node.notices import Notices
 from ckagent.node.resources import HealthSampler, compute_max_workers
@@ -291,19 +289,14 @@ class Agent:
                         "(see docs/operations.md)")
         # Registration uses the last scan (cached on disk): a fresh scan runs ~0.5-1 s of
         # subprocesses, so it goes on in the background and reaches the master with the heartbeats.
-        await self.scan.load_cached()
+        await self.scan.load_cached(identities)  # (and whether spiders' Chromium can sandbox itself)
         try:
             self.node_uid = await trio.to_thread.run_sync(load_node_uid, self.work_dir)
         except OSError as exc:
             raise StartupError(f"cannot keep the node's id in {self.work_dir}: {exc}") from exc
         base_env = spider_base_env()
         # Browser spiders use the system's browser (nothing can be downloaded at run time): its path
-        # comes from the runtimes scan, updated in place after each rescan; whether its own sandbox
-        # works for spiders here is decided once (CK_CHROMIUM_SANDBOX, ckagent.code.browsers).
-        sandbox = await trio.to_thread.run_sync(
-            chromium_sandbox, identities.level is IdentityLevel.ROOT, identities.dedicated_builder or identities.builder)
-        log.info("Chromium's sandbox for spiders: %s (%s)", "on" if sandbox.on else "off", sandbox.why)
-        self.scan.browser_env.update(sandbox.env())
+        # comes from the runtimes scan, updated in place after each rescan; its sandbox: load_cached.
         extra_env = self.scan.browser_env
         workspaces = self.workspaces = Workspaces(self.work_dir / "spiders", self.master,
                                                   stall_timeout=s.server.download_stall_timeout)

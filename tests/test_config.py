@@ -147,6 +147,7 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
         "AGENT_UV_CACHE_DIR": "cache", "AGENT_UV_SYNC_TIMEOUT": "9", "AGENT_UV_PATH": "/opt/uv",
         "AGENT_DEPS_ENV_BUDGET_BYTES": "0", "AGENT_DEPS_PYTHON": "/usr/bin/python3",
         "AGENT_AUTO_UPGRADE": "on", "AGENT_PORTS_REGISTRY": "ports",
+        "AGENT_TASK_UID_CLAIMS": "claims",
     }  # fmt: skip
     assert set(values) == {s.env for s in SETTINGS}
     s = load(None, values)
@@ -164,7 +165,8 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
                  "retention": 0.0, "cleanup_temp_files": True, "stall_timeout": 600.0, "containment": "process-group",
                  "memory_limit_bytes": 209715200, "pids_limit": 64, "cpus_limit": 0.5, "egress": "proxy",
                  "egress_deny": "metadata,private,192.0.2.7/32", "egress_allow": "10.0.0.5:3128,[fd12::1]:8080",
-                 "private_tmp": "tmpdir", "private_tmp_shared": "/tmp/.X11-unix,/tmp/mysql.sock"},
+                 "private_tmp": "tmpdir", "private_tmp_shared": "/tmp/.X11-unix,/tmp/mysql.sock",
+                 "uid_claims": str(tmp_path / "claims")},
         "logging": {"level": "ERROR", "file": str(tmp_path / "x.log"), "format": "json", "max_bytes": 2048,
                     "backup_count": 1},
         "deps": {"uv_index_url": "https://pypi.org/simple", "uv_fallback_index_url": "http://idx/simple",

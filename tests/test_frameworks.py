@@ -128,3 +128,12 @@ def test_chromium_sandbox_is_decided_by_whom_spiders_run_as() -> None:
                                      timeout=60, check=True).stdout.strip()
     assert said == {"1": "True []", "0": "False ['--no-sandbox']",
                     None: "False ['--no-sandbox']" if os.geteuid() == 0 else "True []"}
+    node = shutil.which("node")
+    if node is None:
+        return
+    helper = Path(ckagent.__file__).resolve().parent.parent / "sdk" / "node" / "crawlerkeeper-sdk.cjs"
+    js = f"const ck = require({str(helper)!r}); console.log(JSON.stringify([ck.chromiumSandbox(), ck.chromiumArgs()]))"
+    for value, expected in (("1", "[true,[]]"), ("0", '[false,["--no-sandbox"]]')):
+        env = {**os.environ, CHROMIUM_SANDBOX_VAR: value}
+        assert subprocess.run([node, "-e", js], env=env, capture_output=True, text=True, timeout=60,
+                              check=True).stdout.strip() == expected

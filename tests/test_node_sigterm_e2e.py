@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import trio
-from harness import agent_settings, running_agent
+from harness import agent_settings, assert_default_identity, running_agent
 
 import ckagent
 from ckagent.devmaster.client import zip_directory
@@ -42,6 +42,7 @@ async def test_npm_start_spider_flushes_on_cancel(dev_master: Any, nursery: trio
             task = await admin.wait_task_final(task_id, 120)
     log = "\n".join(await admin.get_logs(task_id))
     assert task["status"] == "CANCELLED", (task, log[-3000:])
+    assert_default_identity(log)  # npm and node under the spider's own uid: the agent's SIGTERM reaches them
     assert "default command from package.json scripts.start" in log
     assert "SIGTERM: flushed 12 buffered items, closing" in log, log[-3000:]
     sent = next(line for line in log.splitlines() if "sent SIGTERM to" in line)

@@ -24,7 +24,8 @@ needs no switch where the task has its own (the ``mount-namespace`` and ``user-n
 levels: a tmpfs of the task's, mode 1777; ckagent.containment.private): ``--disable-dev-shm-usage`` is
 only for a small shared ``/dev/shm`` (Docker's 64 MB).
 
-Blocking (one short subprocess): call :func:`decide` through ``trio.to_thread``. Never raises.
+Blocking (one short subprocess): call :func:`decide` / :func:`for_identities` through ``trio.to_thread``.
+Never raises.
 """
 
 from __future__ import annotations
@@ -35,11 +36,13 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
+from ckagent.node.identity import Identities
+from ckagent.node.levels import IdentityLevel
 from ckagent.node.runas import RunAs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CHROMIUM_SANDBOX_VAR", "ChromiumSandbox", "decide"]
+__all__ = ["CHROMIUM_SANDBOX_VAR", "ChromiumSandbox", "decide", "for_identities"]
 
 CHROMIUM_SANDBOX_VAR = "CK_CHROMIUM_SANDBOX"
 """The variable every spider gets: ``1`` = launch Chromium with its own sandbox, ``0`` = ``--no-sandbox``."""
@@ -89,3 +92,11 @@ def decide(spiders_as_root: bool, probe_as: RunAs | None) -> ChromiumSandbox:
                                       f"({said[-1] if said else f'exit {done.returncode}'}; "
                                       "see user.max_user_namespaces) (--no-sandbox)")
     return ChromiumSandbox(True, "spiders are not root and may make user namespaces")
+
+
+def for_identities(identities: Identities) -> ChromiumSandbox:
+    """:func:`decide` for the node's identity level (spiders as root at ``root``; the probe runs as the
+    builder's uid, or the one user, else as the agent), logged once. Blocking; never raises."""
+    sandbox = decide(identities.level is IdentityLevel.ROOT, identities.dedicated_builder or identities.builder)
+    log.info("Chromium's sandbox for spiders: %s (%s)", "on" if sandbox.on else "off", sandbox.why)
+    return sandbox

@@ -3,7 +3,8 @@
 Registration uses the last scan, cached on disk (a fresh scan runs ~0.5–1 s of subprocesses); the
 agent's root nursery runs :meth:`RuntimeScan.run`, which scans once the start is over and every
 :data:`RUNTIME_SCAN_INTERVAL` seconds, keeps the scan on disk, refreshes the tools the node misses
-(ckagent.code.capabilities) and the browser paths spiders get (updated in place).
+(ckagent.code.capabilities) and the browser paths spiders get (updated in place), and says once at start
+whether spiders' Chromium can use its own sandbox (``CK_CHROMIUM_SANDBOX``: ckagent.code.browsers).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import trio
 
+from ckagent.code.browsers import for_identities
 from ckagent.code.capabilities import Capabilities
 from ckagent.code.runtimes import (
     BROWSER_VARS,
@@ -24,6 +26,7 @@ from ckagent.code.runtimes import (
     load_cached_runtimes,
     save_runtimes_cache,
 )
+from ckagent.node.identity import Identities
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +46,14 @@ class RuntimeScan:
         self.runtimes: dict[str, Any] = {}
         self.browser_env: dict[str, str] = {}
 
-    async def load_cached(self) -> None:
-        """Take the last scan kept on disk (none: empty) and its browser paths."""
+    async def load_cached(self, identities: Identities | None = None) -> None:
+        """Take the last scan kept on disk (none: empty) and its browser paths; with ``identities`` (whom
+        spiders run as), also whether their Chromium can use its own sandbox (one probe, one log line:
+        :func:`ckagent.code.browsers.for_identities`)."""
         self.runtimes = await trio.to_thread.run_sync(load_cached_runtimes, self._cache)
         self.browser_env.update(browser_env(self.runtimes))
+        if identities is not None:
+            self.browser_env.update((await trio.to_thread.run_sync(for_identities, identities)).env())
 
     def report(self) -> dict[str, Any]:
         """The scan, plus ``missing``: tool → what its absence costs (ckagent.code.capabilities)."""

@@ -107,6 +107,7 @@ class TaskSettings:
     ``egress_deny`` / ``egress_allow``: comma-separated entries of :mod:`ckagent.node.egress_policy`.
     ``private_tmp``: ``auto`` or a level of :class:`ckagent.containment.private.PrivacyLevel` (its text);
     ``private_tmp_shared``: absolute paths (comma-separated) tasks still see in their private namespace.
+    ``uid_claims``: the host-wide directory of the uids agents handed out (ckagent.node.uidclaims).
     """
 
     poll_interval: float
@@ -134,6 +135,7 @@ class TaskSettings:
     egress_allow: str
     private_tmp: str = "auto"
     private_tmp_shared: str = ""
+    uid_claims: Path = Path("/var/lib/ckagent/uids")
 
 
 @dataclass(frozen=True)
@@ -383,6 +385,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("task", "private_tmp_shared", "AGENT_TASK_PRIVATE_TMP_SHARED", "comma-separated absolute paths", "",
             "Paths under /tmp, /var/tmp or /dev/shm that tasks still see as the host's in their private "
             "namespace (a local database's socket, /tmp/.X11-unix); the work dir always is.", v.abs_paths),
+    Setting("task", "uid_claims", "AGENT_TASK_UID_CLAIMS", "path", Path("/var/lib/ckagent/uids"),
+            "Directory (root's, mode 0700) where every agent on this host claims the uids of task.spider_uids "
+            "it hands out, one file per uid naming its work dir, so that no two agents give one uid to "
+            "their spiders or builders; a claim whose work dir has no state.db any more is taken over. "
+            "Agents that share a host's uids but not its /var/lib (containers) can share one here.", v.path),
     Setting("logging", "level", "AGENT_LOG_LEVEL", "DEBUG, INFO, WARNING, ERROR", "INFO",
             "Log level (case-insensitive).", v.choice(("DEBUG", "INFO", "WARNING", "ERROR"), upper=True)),
     Setting("logging", "file", "AGENT_LOG_FILE", "path", None,

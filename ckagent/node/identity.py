@@ -23,7 +23,9 @@ state store records it (:class:`~ckagent.node.state.IdentityRecord`), so it keep
 agent restarts. A uid is free when no other holder has it, ``/etc/passwd`` and ``/etc/group`` do not
 name it (read at start; the start's line says how many are free), and, when it is handed out, neither
 the passwd/group database (NSS: LDAP, systemd's dynamic users) nor systemd's dynamic-uid registry
-knows it and no process runs as it. No passwd entry is made: HOME is the spider's ``spider-home``
+knows it, no process runs as it and no other agent on this host claimed it (``task.uid_claims``:
+ckagent.node.uidclaims, a host-wide record each uid is claimed in before it is handed out, so two
+agents with different work dirs never give one uid to their spiders or builders). No passwd entry is made: HOME is the spider's ``spider-home``
 dir, USER and LOGNAME ``ck-<uid>``. One more uid is recorded the same way for the node's builder
 (:attr:`Identities.dedicated_builder`; installers still run as :attr:`Identities.builder`).
 
@@ -59,6 +61,7 @@ from ckagent.node.configvalues import UidRange
 from ckagent.node.levels import Blocker, IdentityLevel, Judged, Unavailable, decide
 from ckagent.node.runas import RunAs
 from ckagent.node.state import StateStore
+from ckagent.node.uidclaims import UidClaims
 from ckagent.node.uidpool import (
     BUILDER,
     SPIDER,
@@ -349,15 +352,17 @@ def _decide(s: _Settings, euid: int, probe_uid: Callable[[Census], int | None], 
 def open_identities(run_as_user: str | None, uids: UidRange, work_dir: Path, store: StateStore, *,
                     python: str, sdk_dir: Path | None, dirs_of: SpiderDirs, retention: float,
                     busy: Callable[[], Iterable[str]] = tuple, passwd: Path = PASSWD, group: Path = GROUP,
-                    euid: int | None = None) -> Identities:
+                    euid: int | None = None, claims: Path | None = None, node: str = "") -> Identities:
     """The node's :class:`Identities` from its settings (``task.run_as_user``, ``task.spider_uids``,
     ``task.work_dir``, ``deps.python``, the bundled SDK's dir, ``task.retention``): decided as the module
     docstring says, logged in one line (and each level passed over), the builder's uid recorded at
     ``spider-uids``; the work dir is made searchable by every uid there (mode o+x: spiders reach their
     own dirs in it). ``dirs_of`` names a spider's data and home dirs (removed when its uid is released),
-    ``busy`` the spiders with a claimed task here (called on the Trio thread when it is one). Blocking
-    (files, the state store, one probe process). Raises IdentityError for an unknown or unusable
-    ``task.run_as_user`` (the agent exits 2)."""
+    ``busy`` the spiders with a claimed task here (called on the Trio thread when it is one); ``claims``
+    the host-wide record of claimed uids (``task.uid_claims``, ckagent.node.uidclaims; None: none, this
+    store's holders only), ``node`` this node's name in its entries. Blocking (files, the state store,
+    one probe process). Raises IdentityError for an unknown or unusable ``task.run_as_user`` (the agent
+    exits 2); OSError when a uid claim cannot be written."""
     euid = os.geteuid() if euid is None else euid
     settings = _Settings(run_as_user, uids, work_dir, python, sdk_dir, passwd, group)
     if euid == 0 and run_as_user is None:
@@ -365,7 +370,7 @@ def open_identities(run_as_user: str | None, uids: UidRange, work_dir: Path, sto
     pool: list[UidPool] = []
 
     def probe_uid(census: Census) -> int | None:
-        made = UidPool(store, census, dirs_of, retention, _on_trio(busy))
+        made = UidPool(store, census, dirs_of, retention, _on_trio(busy), _open_claims(claims, work_dir, node))
         pool.append(made)
         try:
             return made.uid_of(BUILDER, "")
@@ -402,6 +407,19 @@ def judge_identities(run_as_user: str | None, uids: UidRange, work_dir: Path, *,
 
     level, details, _user, passed_over = _decide(settings, euid, first_unknown_uid, judge=True)
     return Judged(level, details, passed_over)
+
+
+def _open_claims(directory: Path | None, work_dir: Path, node: str) -> UidClaims | None:
+    """The host-wide record of claimed uids in ``directory`` (None: none); None with a warning when it
+    cannot be used (the agent's spiders' uids are then only this store's)."""
+    if directory is None:
+        return None
+    try:
+        return UidClaims(directory, work_dir, node)
+    except OSError as exc:
+        log.warning("identity: %s; spiders' uids are not recorded host-wide: another agent on this host may hand "
+                    "out the same ones (fix the directory, or set task.uid_claims)", exc.strerror or exc)
+        return None
 
 
 def _searchable(work_dir: Path) -> None:

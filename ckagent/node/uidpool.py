@@ -4,7 +4,12 @@ is used up, releases the least recently used idle spider's (ckagent.node.identit
 
 A uid is free for a new holder when no holder has it, /etc/passwd and /etc/group (read at start) do not
 name it, the passwd/group database (NSS: LDAP, systemd's dynamic users) and systemd's dynamic-uid
-registry do not know it, and no process runs as it. Blocking throughout (files, /proc, the state store).
+registry do not know it, no process runs as it, and no other agent on this host claimed it
+(ckagent.node.uidclaims: a uid is claimed there before the state store records it, and unclaimed when
+it is released). At start the pool claims again the uids its state store holds: one another live work
+dir claims is given up (a warning names both work dirs) and its holder gets another at its next use
+(its files are given to that one then: ckagent.code.workcopy.spider_dirs, the builder's ``own``).
+Blocking throughout (files, /proc, the state store).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from ckagent.node.configvalues import UidRange
 from ckagent.node.levels import Blocker, LevelError
 from ckagent.node.state import StateStore
 from ckagent.node.stateids import IdentityRecord
+from ckagent.node.uidclaims import UidClaims
 
 __all__ = ["BUILDER", "SPIDER", "Census", "IdentityError", "SpiderDirs", "UidPool", "UidsExhausted", "census_of",
            "first_unknown_uid", "ids_in", "uids_of_processes"]
@@ -118,26 +124,44 @@ def census_of(uids: UidRange, passwd: Path, group: Path) -> Census:
 
 
 class UidPool:
-    """The spider-uids level's allocator over the state store (see module docstring). Thread-safe."""
+    """The spider-uids level's allocator over the state store (see module docstring). ``claims``: the
+    host-wide record of claimed uids (None: this store's holders only). Thread-safe. Raises OSError
+    when a claim of the store's uids cannot be written."""
 
     def __init__(self, store: StateStore, census: Census, dirs_of: SpiderDirs, retention: float,
-                 busy: Callable[[], Iterable[str]]) -> None:
+                 busy: Callable[[], Iterable[str]], claims: UidClaims | None = None) -> None:
         self.store = store
         self.census = census
         self.dirs_of = dirs_of
         self.retention = retention
         self.busy = busy
+        self.claims = claims
         self._lock = threading.Lock()
         self._held: dict[tuple[str, str], int] = {}
         for record in store.identities():
-            if self._valid(record.uid):
+            other = claims.claim(record.uid) if claims is not None and self._valid(record.uid) else None
+            if other is not None:  # another agent on this host handed it out too: theirs; ours gets another
+                assert claims is not None
+                self.store.release_identity(record.kind, record.name)
+                log.warning("identity: %s %r held uid %d, which %s also claims (two agents on this host handed "
+                            "it out); this agent (work dir %s) gives it up: the %s gets another uid at its next "
+                            "use (its files are given to that one then)", record.kind, record.name, record.uid,
+                            other.describe(), claims.work_dir, record.kind)
+            elif self._valid(record.uid):
                 self._held[(record.kind, record.name)] = record.uid
             else:  # out of today's range, or a real user's now: a new one at its next use
                 self.store.release_identity(record.kind, record.name)
+                if claims is not None:
+                    claims.unclaim(record.uid)
                 log.warning("identity: %s %r held uid %d, which %s; it gets another uid at its next task (its "
                             "files are given to that one then)", record.kind, record.name, record.uid,
                             "is outside task.spider_uids now" if record.uid not in census.uids
                             else "/etc/passwd or /etc/group names now")
+        if claims is not None:  # claimed for this work dir, held by none in its store (a crash between): free
+            for uid in claims.ours() - set(self._held.values()):
+                claims.unclaim(uid)
+                log.info("identity: uid %d was claimed for work dir %s but is held by none of its spiders: "
+                         "unclaimed", uid, claims.work_dir)
 
     def _valid(self, uid: int) -> bool:
         return uid in self.census.uids and uid not in self.census.taken
@@ -170,15 +194,21 @@ class UidPool:
                 return uid
             uid = self._next_free()
             if uid is None:
-                uid = self._release_one(now)
-            self.store.hold_identity(kind, name, uid, now)
+                uid = self._release_one(now)  # (a uid of this store: claimed for this work dir already)
+            try:
+                self.store.hold_identity(kind, name, uid, now)
+            except BaseException:
+                if self.claims is not None and uid not in self._held.values():
+                    self.claims.unclaim(uid)
+                raise
             self._held[(kind, name)] = uid
             log.info("identity: %s %r gets uid %d (%d uid(s) of task.spider_uids %s left)", kind, name, uid,
                      self.census.usable - len(self._held), self.census.uids)
             return uid
 
     def _next_free(self) -> int | None:
-        """The lowest uid free for a new holder (see module docstring), None when there is none. Under the lock."""
+        """The lowest uid free for a new holder (see module docstring), claimed for this work dir; None when
+        there is none. Under the lock. Raises OSError when a claim cannot be written."""
         held = set(self._held.values())
         running: dict[int, list[int]] | None = None
         registry = _systemd_dynamic_uids()
@@ -188,6 +218,8 @@ class UidPool:
             if running is None:
                 running = uids_of_processes()
             if uid in running:  # someone else's (a container's mapped ids, a service): not ours to give
+                continue
+            if self.claims is not None and self.claims.claim(uid) is not None:  # another agent's on this host
                 continue
             return uid
         return None

@@ -56,11 +56,12 @@ def node_identities(settings: Settings, store: StateStore, busy: Callable[[], It
     """The node's identity level and each spider's identity, from ``settings`` (ckagent.node.identity:
     ``task.run_as_user``, ``task.spider_uids``, ``task.retention``; the interpreter Python spiders'
     environments are built on, ``deps.python``, and the bundled SDK must be reachable by spiders' uids).
-    ``busy``: the spiders with a claimed task here (their uids are never released). Blocking. Raises
-    IdentityError (a ``task.run_as_user`` this node cannot use)."""
+    ``busy``: the spiders with a claimed task here (their uids are never released); the uids are claimed
+    host-wide in ``task.uid_claims``. Blocking. Raises IdentityError (a ``task.run_as_user`` this node
+    cannot use); OSError (a uid claim that cannot be written)."""
     s = settings
     python = str(s.deps.python) if s.deps.python is not None else sys.executable
     work_dir = s.task.work_dir
     return open_identities(s.task.run_as_user, s.task.spider_uids, work_dir, store, python=python,
                            sdk_dir=bundled_sdk_dir(), dirs_of=lambda spider_id: spider_paths(work_dir, spider_id),
-                           retention=s.task.retention, busy=busy)
+                           retention=s.task.retention, busy=busy, claims=s.task.uid_claims, node=s.agent.name)

@@ -20,7 +20,7 @@ from ckagent.agent import Agent
 from ckagent.delivery import LineSplitter, Masker, decode_lines
 from ckagent.devmaster.client import zip_files
 from ckagent.node.config import Settings, load_settings
-from harness.identities import spider_uid_env
+from harness.identities import spider_uid_env, uid_claims_dir
 
 
 def load_yaml(text: str) -> Any:
@@ -47,6 +47,7 @@ def agent_settings(work_dir: Path, base_url: str, registration_token: str, **env
         # The test's own registry of agents' ports (shared by the agents of one test), not the host's:
         # another test's agent port must not be refused to this test's tasks.
         "AGENT_PORTS_REGISTRY": str(work_dir.parent / "agent-ports"),
+        "AGENT_TASK_UID_CLAIMS": str(uid_claims_dir(work_dir)),  # this agent's own record of claimed uids
         # The test's temp dir stays seen in each task's private /tmp: spiders report to the test there.
         "AGENT_TASK_PRIVATE_TMP_SHARED": str(work_dir.parent),
     }
@@ -108,7 +109,8 @@ class AgentProcess:
                       "max_workers": 2},
             "heartbeat": {"interval": 1},
             "task": {"work_dir": str(directory / "data"), "poll_interval": 0.5, "long_poll_wait": 2,
-                     "kill_grace": 2, "private_tmp_shared": str(directory.parent)},
+                     "kill_grace": 2, "private_tmp_shared": str(directory.parent),
+                     "uid_claims": str(uid_claims_dir(directory / "data"))},
         }
         python = spider_uid_env(directory / "data").get("AGENT_DEPS_PYTHON")  # as root: spider-uids, as a node gets
         if python is not None:

@@ -50,7 +50,10 @@ def load_yaml(text: str) -> Any:
 #   its items, log lines, artifacts, the node's runtimes and the task's leftover processes. Its
 #   work dir's ``envs/`` is the exec runs' (content-addressed: the same key is the same environment),
 #   so each example's dependencies are installed once in the session, by whichever path runs it
-#   first — the node's pipeline either way (crawlee's npm install alone is ~13 s of CPU).
+#   first — the node's pipeline either way (crawlee's npm install alone is ~13 s of CPU). The key
+#   holds the builder's uid: as root both paths run at spider-uids, and a fresh work dir's builder
+#   takes the lowest free uid of the range, so they share — unless another test's process held that
+#   uid at the start (a parallel suite), when that example is installed once more.
 #
 # A run crawls the demo site of the dev master of the test that made it; :meth:`ExecRun.at` and
 # :meth:`AgentRun.at` give the run as the demo site at another address would have given it (the

@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 __all__ = ["DEFAULT_IDENTITY", "NOBODY_UID", "assert_default_identity", "chromium_sandbox_expected", "id_files", "process_ids", "reachable_basetemp", "runs_as",
-           "spider_python", "spider_reachable", "spider_uid_env", "spider_writable"]
+           "spider_python", "spider_reachable", "spider_uid_env", "spider_writable", "uid_claims_dir"]
 
 NOBODY_UID = 65534
 """A uid that owns nothing of the tests': the probe of :func:`spider_python` runs as it."""
@@ -130,12 +130,21 @@ def spider_python() -> str:
 def spider_uid_env(work_dir: Path) -> dict[str, str]:
     """The AGENT_* settings that give an agent with ``work_dir`` the spider-uids level when this
     process is root (``work_dir`` made reachable: :func:`spider_reachable`): ``deps.python`` when the
-    suite's interpreter is not every user's. Empty when not root."""
+    suite's interpreter is not every user's; ``task.uid_claims`` a record of claimed uids of this work
+    dir's own (:func:`uid_claims_dir`: never the host's). Empty when not root."""
     if os.geteuid() != 0:
         return {}
     spider_reachable(work_dir)
     python = spider_python()
-    return {} if python == sys.executable else {"AGENT_DEPS_PYTHON": python}
+    claims = {"AGENT_TASK_UID_CLAIMS": str(uid_claims_dir(work_dir))}
+    return claims if python == sys.executable else {"AGENT_DEPS_PYTHON": python, **claims}
+
+
+def uid_claims_dir(work_dir: Path) -> Path:
+    """The record of claimed uids (``task.uid_claims``) a test agent or exec run with ``work_dir`` uses:
+    beside the work dir and its own, so that neither the host's record nor another run's moves which
+    uids it hands out (tests of agents sharing one: tests/test_uidclaims.py)."""
+    return work_dir.parent / f"uid-claims-{work_dir.name}"
 
 
 DEFAULT_IDENTITY = "spider-uids" if os.geteuid() == 0 else "agent-user"

@@ -11,6 +11,10 @@
 //   reportStats({ requests: 14, items: 120 });           // a complete stats snapshot (CK_STATS_FILE)
 //   progress(3, 10);                                     // done / total (total may be null)
 //   const { params, dataDir } = taskContext();           // CK_PARAMS as an object, CK_DATA_DIR
+//   puppeteer.launch({ executablePath: process.env.CK_CHROMIUM_PATH, args: chromiumArgs() });
+//   chromium.launch({ executablePath: process.env.CK_CHROMIUM_PATH, chromiumSandbox: chromiumSandbox() });
+//                                                        // Chromium's own sandbox where the agent says it
+//                                                        // works (CK_CHROMIUM_SANDBOX), else --no-sandbox
 //
 // Outside an agent (no CK_ITEMS_FILE) items are printed on stdout and stats are ignored. Writes are
 // synchronous appends of whole lines (O_APPEND): safe next to other writers of the same file, never
@@ -118,4 +122,17 @@ function taskContext() {
   };
 }
 
-module.exports = { saveItem, saveItems, reportStats, progress, flushStats, taskContext };
+// Whether to launch Chromium with its own sandbox: what the agent says (CK_CHROMIUM_SANDBOX "1": the spider
+// is not root and may make user namespaces; "0": it needs --no-sandbox); outside an agent, unless root.
+function chromiumSandbox() {
+  const said = process.env.CK_CHROMIUM_SANDBOX;
+  if (said === "1" || said === "0") return said === "1";
+  return typeof process.geteuid === "function" && process.geteuid() !== 0;
+}
+
+// The switches Chromium needs here to start: ["--no-sandbox"] unless chromiumSandbox(), else none.
+function chromiumArgs() {
+  return chromiumSandbox() ? [] : ["--no-sandbox"];
+}
+
+module.exports = { saveItem, saveItems, reportStats, progress, flushStats, taskContext, chromiumSandbox, chromiumArgs };
