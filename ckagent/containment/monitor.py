@@ -395,7 +395,8 @@ async def supervise(
     """
     outcome = ProcessOutcome()
     # The spider and its monitor are the task's own two processes (not leftovers).
-    stopper = StopSequence(Supervised(mon.pid, mon.main_pid, lambda: mon.exited, mon.wait, own=2),
+    stopper = StopSequence(Supervised(mon.pid, mon.main_pid, lambda: mon.exited, mon.wait, own=2,
+                                      signal_leader_group=None if mon.proven is None else mon.proven.signal_group),
                            jail, grace, stop_signal, notice, outcome)
     swept = False
     try:

@@ -70,6 +70,8 @@ def _environ_has_marker(pid: int, marker: bytes) -> bool:
 
 
 def _ppid(pid: int) -> int | None:
+    """The parent pid (one read of /proc/<pid>/stat: the sweep's hot loop, once per process of the
+    node; psutil.Process(pid).ppid() doubles a scan's cost, 2.2 → 4.4 ms for 116 processes)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             stat = fh.read()

@@ -125,7 +125,10 @@ class Supervised:
     ``leader``: the pid of the process group the supervisor spawned (what is signalled while
     ``main_pid()`` is None); ``main_pid()``: the process doing the work (None: not there yet);
     ``exited()``/``wait()``: whether / once the supervised process (the leader) has ended;
-    ``own``: how many of the jail's processes are the supervised ones (not leftovers).
+    ``own``: how many of the jail's processes are the supervised ones (not leftovers);
+    ``signal_leader_group(sig)``: how the leader's group is signalled when the leader is not this
+    agent's own child (a re-adopted monitor: through its proven pidfd, ckagent.node.procid; False
+    when it has exited); None: ``killpg(leader)`` (our child, not reaped while supervised).
     """
 
     leader: int
@@ -133,6 +136,7 @@ class Supervised:
     exited: Callable[[], bool]
     wait: Callable[[], Awaitable[object]]
     own: int = 1
+    signal_leader_group: Callable[[int], bool] | None = None
 
 
 class StopSequence:
@@ -165,7 +169,10 @@ class StopSequence:
                 self._main = target
                 whom = describe_targets(target, self._targets)
             else:  # not forked yet (a monitor ignores the usual stop signals): its group
-                signal_group(proc.leader, self.stop_signal)
+                if proc.signal_leader_group is not None:
+                    proc.signal_leader_group(self.stop_signal)
+                else:
+                    signal_group(proc.leader, self.stop_signal)
                 whom = f"the main process {proc.leader}"
             self.notice(f"{why}: sent {name} to {whom}; every process of the task is killed in {self.grace:g} s")
         with trio.move_on_at(self._term_deadline):
