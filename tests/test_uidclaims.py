@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from harness import id_files, spider_python, spider_reachable
+from harness import agent_settings, id_files, spider_python, spider_reachable
 
 from ckagent.code.pyplan import bundled_sdk_dir
 from ckagent.code.workcopy import spider_dirs
@@ -26,6 +26,7 @@ from ckagent.node.runas import RunAs
 from ckagent.node.state import StateStore
 from ckagent.node.uidclaims import UidClaims, UidClaimsError, parse_claim
 from ckagent.node.uidpool import SPIDER, Census, UidPool
+from ckagent.task.runconfig import node_identities
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="handing out uids needs an agent running as root")
 
@@ -236,3 +237,25 @@ def test_a_uid_both_agents_hold_is_given_up_at_start_and_the_spider_keeps_its_fi
     finally:
         a_store.close()
         b_store.close()
+
+
+@needs_root
+def test_an_agents_settings_name_its_claims_dir_and_node(tmp_path: Path) -> None:
+    """The wiring: task.uid_claims (AGENT_TASK_UID_CLAIMS) and agent.name reach the claims an agent makes."""
+    work = spider_reachable(tmp_path / "node" / "data")
+    work.mkdir(parents=True)
+    claims = tmp_path / "claims"
+    settings = agent_settings(work, "http://127.0.0.1:9", "token", AGENT_TASK_UID_CLAIMS=str(claims),
+                              AGENT_TASK_SPIDER_UIDS="3210106000-3210106009", AGENT_NAME="node-7")
+    assert settings.task.uid_claims == claims
+    store = StateStore(work / "state.db")
+    try:
+        identities = node_identities(settings, store, tuple)
+        assert identities.dedicated_builder is not None
+        spider = identities.for_spider("s")
+        assert spider is not None
+        for uid in (identities.dedicated_builder.uid, spider.uid):
+            assert json.loads((claims / str(uid)).read_text()) == {"ckagent": "uid-claim/1", "node": "node-7",
+                                                                 "workDir": str(work.resolve())}
+    finally:
+        store.close()

@@ -212,14 +212,19 @@ class UidPool:
         held = set(self._held.values())
         running: dict[int, list[int]] | None = None
         registry = _systemd_dynamic_uids()
+        claims = self.claims
         for uid in self.census.uids:
-            if uid in held or uid in self.census.taken or uid in registry or _known_to_nss(uid):
+            if uid in held or uid in self.census.taken or uid in registry:
+                continue
+            if claims is not None and claims.holder(uid) is not None:  # (read only: cheaper than NSS's lookups)
+                continue
+            if _known_to_nss(uid):
                 continue
             if running is None:
                 running = uids_of_processes()
             if uid in running:  # someone else's (a container's mapped ids, a service): not ours to give
                 continue
-            if self.claims is not None and self.claims.claim(uid) is not None:  # another agent's on this host
+            if claims is not None and claims.claim(uid) is not None:  # claimed by another agent since: theirs
                 continue
             return uid
         return None
