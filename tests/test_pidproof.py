@@ -47,6 +47,13 @@ async def test_the_proof_fails_when_the_pid_is_reused_between_judgement_and_pidf
     assert report["own_signal"] is True and report["stranger_alive"] is True
 
 
+@needs_pidns
+async def test_a_stop_target_whose_pid_is_reused_is_neither_signalled_nor_waited_for(tmp_path: Path) -> None:
+    report = await run_in_pid_namespace("stop-target", tmp_path)
+    assert report["stranger_pid"] == report["target_pid"]
+    assert report["proven"] is False and report["left"] == [] and report["stranger_alive"] is True
+
+
 async def test_a_proven_child_is_signalled_through_its_pidfd_and_its_exit_is_seen() -> None:
     child = subprocess.Popen(["sleep", "60"], start_new_session=True)  # noqa: ASYNC220 - a quick spawn
     try:

@@ -14,7 +14,9 @@ killed after the grace anyway.
 
 What counts as a launcher (by the process's ``argv[0]``, or ``argv[1]`` when ``argv[0]`` is node)
 is :data:`LAUNCHERS`. A launcher that has no child yet (a shell still starting) gets the signal
-itself. Reading ``/proc`` uses psutil; a process that vanished during the walk is skipped.
+itself. Reading ``/proc`` uses psutil; a process that vanished during the walk is skipped. Each
+target's identity (ckagent.node.procid) is taken in the walk: the signal and the wait go to the
+process the walk found, proven by its pidfd, never to a later owner of its pid.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from dataclasses import dataclass
 
 import psutil
 import trio
+
+from ckagent.node.procid import ProcessIdentity, ProvenProcess
 
 LAUNCHERS = frozenset({
     # shells running a script or `-c` (dash, busybox sh: no forwarding at all)
@@ -43,10 +47,20 @@ _MAX_TARGETS = 64
 
 @dataclass(frozen=True)
 class StopTarget:
-    """A process the stop signal goes to: ``pid`` and a short ``command`` (for the task log)."""
+    """A process the stop signal goes to: ``pid``, a short ``command`` (for the task log) and its
+    ``identity`` as the walk found it (None: gone already)."""
 
     pid: int
     command: str
+    identity: ProcessIdentity | None = None
+
+    def prove(self) -> ProvenProcess | None:
+        """The target proven (ckagent.node.procid), None when it is gone. Blocking but tiny."""
+        return None if self.identity is None else self.identity.prove()
+
+
+def _target(proc: psutil.Process) -> StopTarget:
+    return StopTarget(proc.pid, _describe(proc), ProcessIdentity.of(proc.pid))
 
 
 def _names(proc: psutil.Process) -> tuple[str, str]:
@@ -82,7 +96,7 @@ def stop_targets(pid: int) -> list[StopTarget]:
     try:
         root = psutil.Process(pid)
     except psutil.Error:
-        return [StopTarget(pid, "?")]
+        return [StopTarget(pid, "?", ProcessIdentity.of(pid))]
     found: list[StopTarget] = []
 
     def walk(proc: psutil.Process, depth: int) -> None:
@@ -94,23 +108,26 @@ def stop_targets(pid: int) -> list[StopTarget]:
         except psutil.Error:
             return
         if not children:
-            found.append(StopTarget(proc.pid, _describe(proc)))
+            found.append(_target(proc))
             return
         for child in children:
             walk(child, depth + 1)
 
     walk(root, 0)
-    return found or [StopTarget(pid, _describe(root))]
+    return found or [_target(root)]
 
 
 def send_stop(pid: int, signum: int) -> list[StopTarget]:
     """Send ``signum`` to :func:`stop_targets` of ``pid`` (blocking: reads /proc); returns the targets
-    that got it (empty when none was alive any more). Never raises."""
+    that got it (empty when none was alive any more): each through its pidfd, proven to be the
+    process the walk found. Never raises."""
     sent = []
     for target in stop_targets(pid):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(target.pid, signum)
-            sent.append(target)
+        proven = target.prove()
+        if proven is not None:
+            with proven:
+                if proven.send_signal(signum):
+                    sent.append(target)
     return sent
 
 
@@ -125,13 +142,16 @@ def describe_targets(main_pid: int, targets: list[StopTarget]) -> str:
 
 async def wait_gone(targets: list[StopTarget], deadline: float) -> list[StopTarget]:
     """Wait until every target has exited or trio's clock reaches ``deadline``; returns those still
-    running (by pidfd: no polling; a pid that cannot be opened counts as gone). Cancellation closes
-    the pidfds and propagates."""
+    running (by pidfd: no polling; a target that cannot be proven any more counts as gone).
+    Cancellation closes the pidfds and propagates."""
     fds: dict[int, StopTarget] = {}
     try:
         for target in targets:
-            with contextlib.suppress(OSError):
-                fds[os.pidfd_open(target.pid)] = target
+            proven = target.prove()
+            if proven is not None and proven.fd >= 0 and not proven.exited():
+                fds[proven.fd] = target  # (closed below, not by the proven object)
+            elif proven is not None:
+                proven.close()
         with trio.move_on_at(deadline):
             await trio.lowlevel.checkpoint()
             for fd in list(fds):

@@ -12,6 +12,8 @@ init and returns what it printed (one JSON object). The scenarios drive the adop
   the monitor is reaped and its pid goes to a stranger before the agent acts on the task.
 - ``proof``: a process identity is taken; the process exits and its pid goes to a stranger before the
   identity is proven: the proof must fail.
+- ``stop-target``: a stop's walk finds its target; the target exits and its pid goes to a stranger
+  before the signal: neither the signal nor the wait for its end reaches the stranger.
 
 Each reports whether the stranger still lives, its oom_score_adj, and what the agent concluded. Every
 process a scenario starts dies with the namespace (its init exits: the kernel kills the rest).
@@ -153,6 +155,20 @@ async def _window(tmp: Path) -> dict[str, Any]:
     return report
 
 
+async def _stop_target(tmp: Path) -> dict[str, Any]:
+    from ckagent.containment.stoptarget import stop_targets, wait_gone
+
+    judged = subprocess.Popen(["sleep", "300"], start_new_session=True)  # noqa: ASYNC220 - a quick spawn
+    [target] = stop_targets(judged.pid)  # the walk of a stop...
+    judged.kill()
+    judged.wait()
+    stranger = _hand_pid_to_stranger(target.pid)  # ...and its pid someone else's before the signal
+    with trio.fail_after(5):
+        left = await wait_gone([target], trio.current_time() + 60)  # not the stranger's end
+    return {"target_pid": target.pid, "stranger_pid": stranger.pid, "proven": target.prove() is not None,
+            "left": [t.pid for t in left], "stranger_alive": stranger.poll() is None}
+
+
 async def _proof(tmp: Path) -> dict[str, Any]:
     from ckagent.node.procid import ProcessIdentity
 
@@ -175,7 +191,7 @@ async def _proof(tmp: Path) -> dict[str, Any]:
             "stranger_alive": stranger.poll() is None}
 
 
-SCENARIOS = {"ended": _ended, "window": _window, "proof": _proof}
+SCENARIOS = {"ended": _ended, "window": _window, "proof": _proof, "stop-target": _stop_target}
 
 
 def main() -> None:
