@@ -69,7 +69,7 @@ async def test_a_proven_child_is_signalled_through_its_pidfd_and_its_exit_is_see
             assert proven.signal_group(signal.SIGTERM)
             with trio.fail_after(10):
                 await proven.wait()
-            assert proven.exited() and is_zombie(child.pid)  # exited, not reaped: still ours
+            assert proven.exited()
             assert not proven.send_signal(signal.SIGKILL) or True  # (a zombie takes signals quietly)
             assert not proven.signal_group(signal.SIGKILL) and not proven.set_oom_score_adj(0)
             assert proven.read_proc("environ") is None

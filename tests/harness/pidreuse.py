@@ -82,7 +82,7 @@ def _oom_score_adj(pid: int) -> int | None:
         return None
 
 
-def _spawn_task(tmp: Path, task_id: str, script: str) -> tuple[Any, Any]:
+def _spawn_task(tmp: Path, task_id: str, argv: list[str]) -> tuple[Any, Any]:
     """(record, monitored): a spider behind its monitor, as an agent spawns it, and its state store row."""
     from ckagent.containment.monitor import spawn_monitored
     from ckagent.containment.process_group import ProcessGroupJail
@@ -93,7 +93,7 @@ def _spawn_task(tmp: Path, task_id: str, script: str) -> tuple[Any, Any]:
     task_dir.mkdir(parents=True)
     work.mkdir(parents=True)
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "CK_TASK_ID": task_id}
-    mon = spawn_monitored(["sh", "-c", script], cwd=work, env=env, task_id=task_id, task_dir=task_dir,
+    mon = spawn_monitored(argv, cwd=work, env=env, task_id=task_id, task_dir=task_dir,
                           output_path=task_dir / "output.log", jail=ProcessGroupJail(task_id), run_as=None,
                           deadline_at=None, work=work, stall_timeout=0.0)
     record = TaskRecord(task_id, "spider-1", task_json(task_id, "spider-1"), task_dir, mon.pid, mon.pid,
@@ -104,7 +104,7 @@ def _spawn_task(tmp: Path, task_id: str, script: str) -> tuple[Any, Any]:
 async def _ended(tmp: Path) -> dict[str, Any]:
     from ckagent.task.adoption import adopted_jail, judge
 
-    record, mon = _spawn_task(tmp, "task-ended", "exit 3")
+    record, mon = _spawn_task(tmp, "task-ended", ["sh", "-c", "exit 3"])
     mon.popen.wait()  # the monitor recorded the exit and ended; the old agent (this process) reaped it
     stranger = _hand_pid_to_stranger(mon.pid)
     # The next agent:
@@ -134,7 +134,7 @@ def _spider_of(monitor: int) -> int:
 async def _window(tmp: Path) -> dict[str, Any]:
     from ckagent.task.adoption import adopted_jail, judge
 
-    record, mon = _spawn_task(tmp, "task-window", "sleep 300")
+    record, mon = _spawn_task(tmp, "task-window", ["sleep", "300"])  # (no shell: nothing is left in its group)
     spider = _spider_of(mon.pid)
     # The next agent judges the task (the old agent is gone: it will not act on it again)...
     adoption, why = judge(record)
