@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 from collections.abc import Iterable, Mapping
+from functools import partial
 from typing import Any
 
 import trio
@@ -196,19 +197,27 @@ async def sweep(task_id: str, pgid: int | None, *, verify_group: bool = False, m
     Returns how many processes were killed (0 when the task left nothing behind). Each pass reads
     /proc in a worker thread. ``verify_group`` (crash recovery): the group is only killed when one
     of its members carries the task's marker (see :func:`find_marked`). ``keep``: pids the caller
-    reaps itself (trio's children). Cancellation stops between passes; callers run it shielded when
-    it must complete. Gives up (with a warning) after ``max_passes`` passes.
+    reaps itself (trio's children). ``leaders``: proven leaders of groups of the task
+    (ckagent.node.procid): their groups count in full, and are signalled, only while they live;
+    after, as ``verify_pgids`` of :func:`find_marked`. Cancellation stops between passes; callers
+    run it shielded when it must complete. Gives up (with a warning) after ``max_passes`` passes.
     """
+    pgids = list(pgids)
     groups = [g for g in (pgid, *pgids) if g is not None and g > 1]
+    leaders = list(leaders)
     keep_set = set(keep)
     killed = 0
     for _ in range(max_passes):
         # Find first (descendants are found through their live parents), then kill groups and finds.
-        pids = await trio.to_thread.run_sync(
-            lambda: find_marked(task_id, pgid, verify_group=verify_group, pgids=pgids))
+        live = [leader.pid for leader in leaders if not leader.exited()]
+        ended = [leader.pid for leader in leaders if leader.pid not in live]
+        pids = await trio.to_thread.run_sync(partial(
+            find_marked, task_id, pgid, verify_group=verify_group, pgids=[*pgids, *live], verify_pgids=ended))
         if not verify_group:
             for group in groups:
                 signal_group(group, signal.SIGKILL)
+        for leader in leaders:
+            leader.signal_group(signal.SIGKILL)  # (only while it lives)
         if not pids:
             return killed
         log.info("task %s: killing %d leftover process(es): %s", task_id, len(pids), pids)

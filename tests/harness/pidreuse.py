@@ -12,6 +12,9 @@ init and returns what it printed (one JSON object). The scenarios drive the adop
   the monitor is reaped and its pid goes to a stranger before the agent acts on the task.
 - ``proof``: a process identity is taken; the process exits and its pid goes to a stranger before the
   identity is proven: the proof must fail.
+- ``jail``: a process-group jail kills a member of its group that has neither the marker nor a
+  parent while the group's leader lives; once the leader is reaped and its pid a stranger's, the
+  stranger's group is left alone.
 - ``stop-target``: a stop's walk finds its target; the target exits and its pid goes to a stranger
   before the signal: neither the signal nor the wait for its end reaches the stranger.
 
@@ -155,6 +158,62 @@ async def _window(tmp: Path) -> dict[str, Any]:
     return report
 
 
+async def _jail(tmp: Path) -> dict[str, Any]:
+    from ckagent.containment.process_group import ProcessGroupJail
+
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "CK_TASK_ID": "task-jail"}
+    # A leader that lives, and a member of its group without the marker whose parent is gone:
+    # only the group (its leader proven alive) finds it.
+    jail = ProcessGroupJail("task-jail")
+    leader = subprocess.Popen(["sh", "-c", "(env -i sleep 300 &); exec sleep 300"], env=env,  # noqa: ASYNC220
+                              start_new_session=True)
+    jail.watch(leader.pid)
+    member = _orphan_in_group(leader.pid)
+    killed_live = await jail.kill_all()
+    member_alive = _state(member) not in ("gone", "Z")
+    leader.wait()
+    jail.close()
+    # A leader reaped, its pid handed to a stranger: the stranger's group is not the task's.
+    jail = ProcessGroupJail("task-jail")
+    gone = subprocess.Popen(["sleep", "300"], env=env, start_new_session=True)  # noqa: ASYNC220
+    jail.watch(gone.pid)
+    gone.kill()
+    gone.wait()
+    stranger = _hand_pid_to_stranger(gone.pid)
+    killed_after = await jail.kill_all()
+    jail.close()
+    return {"killed_live": killed_live, "member_alive": member_alive, "killed_after": killed_after,
+            "stranger_pid": stranger.pid, "gone_pid": gone.pid, "stranger_alive": stranger.poll() is None}
+
+
+def _state(pid: int) -> str:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "gone"
+    return text[text.rfind(")") + 2]
+
+
+def _orphan_in_group(pgid: int) -> int:
+    """The process of group ``pgid`` whose parent is init (5 s at most)."""
+    for _ in range(500):
+        for name in os.listdir("/proc"):
+            if name.isdigit() and int(name) not in (1, pgid):
+                try:
+                    if _ppid_is_init(int(name), pgid):
+                        return int(name)
+                except OSError:
+                    continue
+        time.sleep(0.01)
+    raise AssertionError(f"no orphan appeared in group {pgid}")
+
+
+def _ppid_is_init(pid: int, pgid: int) -> bool:
+    text = Path(f"/proc/{pid}/stat").read_text()
+    fields = text[text.rfind(")") + 2:].split()
+    return fields[1] == "1" and fields[2] == str(pgid) and fields[0] != "Z"
+
+
 async def _stop_target(tmp: Path) -> dict[str, Any]:
     from ckagent.containment.stoptarget import stop_targets, wait_gone
 
@@ -191,7 +250,7 @@ async def _proof(tmp: Path) -> dict[str, Any]:
             "stranger_alive": stranger.poll() is None}
 
 
-SCENARIOS = {"ended": _ended, "window": _window, "proof": _proof, "stop-target": _stop_target}
+SCENARIOS = {"ended": _ended, "window": _window, "proof": _proof, "stop-target": _stop_target, "jail": _jail}
 
 
 def main() -> None:
