@@ -1,14 +1,18 @@
 """Level ``process-group``: no cgroup rights. Each spider and installer runs in its own session
 (own process group); the agent is the child subreaper of its descendants.
 
-Kill-all = SIGKILL each recorded process group, then a sweep of ``/proc`` for processes carrying the
-task's marker variable (``CK_TASK_ID=<id>`` in ``/proc/<pid>/environ``) and their descendants (by
-parent pid), repeated until a pass finds none.
+Kill-all = SIGKILL each process group of the task whose leader still lives (held by its pidfd,
+proven: ckagent.node.procid — once a leader has been reaped its number may be a stranger's, and its
+group then counts only when a member carries the marker), then a sweep of ``/proc`` for processes
+carrying the task's marker variable (``CK_TASK_ID=<id>`` in ``/proc/<pid>/environ``) and their
+descendants (by parent pid), repeated until a pass finds none.
 
 What this level cannot catch (docs/operations.md, "Containment"): a process that leaves the group
 (``setsid``/``setpgid``) **and** drops or replaces its environment (``env -i``, ``execve`` with a new
 environment) **and** whose parent chain up to a task process is broken (double fork: it is re-parented
-to the agent, which cannot tell which task it came from). Such a process outlives its task. Limits,
+to the agent, which cannot tell which task it came from). Such a process outlives its task; so does
+one that stays in the group but drops its environment and loses its parent chain, once the group's
+leader and every marked member are gone (nothing proves the group's number is the task's any more). Limits,
 OOM attribution and resource figures need cgroups: at this level results carry none of them.
 """
 
@@ -19,6 +23,7 @@ import logging
 import os
 import signal
 from collections.abc import Iterable, Mapping
+from functools import partial
 from typing import Any
 
 import trio
@@ -35,7 +40,7 @@ from ckagent.containment.base import (
     wait_pids_gone,
 )
 from ckagent.node.levels import ContainmentLevel
-from ckagent.node.procid import ProvenProcess
+from ckagent.node.procid import ProcessIdentity, ProvenProcess
 
 log = logging.getLogger(__name__)
 
@@ -83,42 +88,52 @@ def _ppid(pid: int) -> int | None:
 
 def find_marked(
     task_id: str, pgid: int | None = None, exclude: Iterable[int] = (), *, verify_group: bool = False,
-    pgids: Iterable[int] = (),
+    pgids: Iterable[int] = (), verify_pgids: Iterable[int] = (),
 ) -> list[int]:
     """Pids of live processes of the task: in group ``pgid`` (or any of ``pgids``), carrying
     ``CK_TASK_ID=<task_id>``, or descending (by parent pid) from one of those.
 
-    ``verify_group``: count members of ``pgid`` only when at least one of them carries the marker
-    (after an agent restart a recorded pgid may have been reused by an unrelated process group).
+    ``verify_group``: count members of ``pgid`` (and ``pgids``) only when at least one of them carries
+    the marker (after an agent restart a recorded pgid may have been reused by an unrelated process
+    group); ``verify_pgids``: groups counted that way whatever ``verify_group`` says (groups whose
+    leader has exited: their number may be a stranger's now). Each group is judged on its own.
     Blocking (reads /proc): call it through ``trio.to_thread``. Zombies are ignored.
     """
     marker = f"{MARKER_VAR}={task_id}".encode()
     skip = {os.getpid(), *exclude}
     groups = {g for g in (pgid, *pgids) if g is not None and g > 1}
+    verified = {g for g in verify_pgids if g > 1} | (groups if verify_group else set())
+    trusted = set() if verify_group else groups - verified
     marked: set[int] = set()
     members: set[int] = set()
+    maybe: dict[int, set[int]] = {}
+    confirmed: set[int] = set()
     parents: dict[int, int] = {}
-    group_is_ours = not verify_group
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) in skip:
             continue
         pid = int(name)
         try:
-            in_group = bool(groups) and os.getpgid(pid) in groups
+            group = os.getpgid(pid) if trusted or verified else 0
         except OSError:  # gone meanwhile
             continue
         ppid = _ppid(pid)
         if ppid is not None:
             parents[pid] = ppid
         has_marker = _environ_has_marker(pid, marker)  # a zombie's environ reads empty
-        if not (has_marker or in_group) or is_zombie(pid):
+        if not (has_marker or group in trusted or group in verified) or is_zombie(pid):
             continue
         if has_marker:
             marked.add(pid)
-            group_is_ours = group_is_ours or in_group
-        elif in_group:
+            if group in verified:
+                confirmed.add(group)
+        elif group in trusted:
             members.add(pid)
-    found = marked | members if group_is_ours else marked
+        else:
+            maybe.setdefault(group, set()).add(pid)
+    found = marked | members
+    for group in confirmed:
+        found |= maybe.get(group, set())
     # Descendants of what was found (an escaped child that scrubbed its environment, parent alive).
     grew = True
     while grew:
@@ -182,19 +197,27 @@ async def sweep(task_id: str, pgid: int | None, *, verify_group: bool = False, m
     Returns how many processes were killed (0 when the task left nothing behind). Each pass reads
     /proc in a worker thread. ``verify_group`` (crash recovery): the group is only killed when one
     of its members carries the task's marker (see :func:`find_marked`). ``keep``: pids the caller
-    reaps itself (trio's children). Cancellation stops between passes; callers run it shielded when
-    it must complete. Gives up (with a warning) after ``max_passes`` passes.
+    reaps itself (trio's children). ``leaders``: proven leaders of groups of the task
+    (ckagent.node.procid): their groups count in full, and are signalled, only while they live;
+    after, as ``verify_pgids`` of :func:`find_marked`. Cancellation stops between passes; callers
+    run it shielded when it must complete. Gives up (with a warning) after ``max_passes`` passes.
     """
+    pgids = list(pgids)
     groups = [g for g in (pgid, *pgids) if g is not None and g > 1]
+    leaders = list(leaders)
     keep_set = set(keep)
     killed = 0
     for _ in range(max_passes):
         # Find first (descendants are found through their live parents), then kill groups and finds.
-        pids = await trio.to_thread.run_sync(
-            lambda: find_marked(task_id, pgid, verify_group=verify_group, pgids=pgids))
+        live = [leader.pid for leader in leaders if not leader.exited()]
+        ended = [leader.pid for leader in leaders if leader.pid not in live]
+        pids = await trio.to_thread.run_sync(partial(
+            find_marked, task_id, pgid, verify_group=verify_group, pgids=[*pgids, *live], verify_pgids=ended))
         if not verify_group:
             for group in groups:
                 signal_group(group, signal.SIGKILL)
+        for leader in leaders:
+            leader.signal_group(signal.SIGKILL)  # (only while it lives)
         if not pids:
             return killed
         log.info("task %s: killing %d leftover process(es): %s", task_id, len(pids), pids)
@@ -215,8 +238,14 @@ class ProcessGroupJail(TaskJail):
     def __init__(self, task_id: str) -> None:
         self.task_id = task_id
         self.limits = Limits()
-        self.pgids: list[int] = []
         self.leaders: list[ProvenProcess] = []
+        self._owned: list[ProvenProcess] = []
+
+    @property
+    def pgids(self) -> list[int]:
+        """The task's process groups (their leaders' pids; a group counts in full only while its
+        leader lives)."""
+        return [leader.pid for leader in self.leaders]
 
     def spawn(self, argv: list[str], env: Mapping[str, str], *, forking: bool = False) -> tuple[list[str], dict[str, Any]]:
         """No cgroup to join: the command as it is (vfork spawn); :meth:`watch` raises the main
@@ -227,16 +256,24 @@ class ProcessGroupJail(TaskJail):
         return argv, {}
 
     def watch(self, pid: int) -> None:
-        self.pgids.append(pid)  # spawned with start_new_session: pgid == pid
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/oom_score_adj", "w") as fh:
-            fh.write(str(SPIDER_OOM_SCORE_ADJ))
+        """Our child, not reaped yet (spawned with start_new_session: pgid == pid): proven now, its
+        pidfd held until :meth:`close` — its group is signalled only while it lives (once trio has
+        reaped it, the number may be a stranger's)."""
+        identity = ProcessIdentity.of(pid)
+        proven = None if identity is None else identity.prove()
+        if proven is None:
+            log.warning("task %s: process %d is gone before it could be watched", self.task_id, pid)
+            return
+        self.leaders.append(proven)
+        self._owned.append(proven)
+        proven.set_oom_score_adj(SPIDER_OOM_SCORE_ADJ)
 
     def adopt(self, leader: ProvenProcess) -> None:
-        self.leaders.append(leader)  # (its oom_score_adj was set at its spawn)
+        self.leaders.append(leader)  # (its oom_score_adj was set at its spawn; the caller owns it)
 
     def _find(self) -> list[int]:
         live = [leader.pid for leader in self.leaders if not leader.exited()]
-        return find_marked(self.task_id, pgids=[*self.pgids, *live])
+        return find_marked(self.task_id, pgids=live, verify_pgids=[p for p in self.pgids if p not in live])
 
     def _find_or_reap(self) -> list[int]:
         """The task's live processes; when none is left, the agent's adopted zombies (orphans of
@@ -258,12 +295,17 @@ class ProcessGroupJail(TaskJail):
             await wait_pids_gone(pids)
 
     async def kill_all(self) -> int:
-        killed = await sweep(self.task_id, None, pgids=self.pgids, keep=self.pgids, leaders=self.leaders)
+        killed = await sweep(self.task_id, None, keep=[p.pid for p in self._owned], leaders=self.leaders)
         await trio.to_thread.run_sync(reap_adopted_zombies)  # orphans that ended on their own
         return killed
 
     def figures(self) -> Figures:
         return Figures()
+
+    def close(self) -> None:
+        """Let go of the pidfds of the processes it spawned (idempotent)."""
+        for leader in self._owned:
+            leader.close()
 
 
 class ProcessGroup(Containment):

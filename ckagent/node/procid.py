@@ -249,6 +249,9 @@ class ProvenProcess:
                 os.close(self.fd)
         self.fd = -2
 
+    def __del__(self) -> None:  # a backstop: owners close it
+        self.close()
+
     def __enter__(self) -> ProvenProcess:
         return self
 

@@ -12,6 +12,9 @@ init and returns what it printed (one JSON object). The scenarios drive the adop
   the monitor is reaped and its pid goes to a stranger before the agent acts on the task.
 - ``proof``: a process identity is taken; the process exits and its pid goes to a stranger before the
   identity is proven: the proof must fail.
+- ``jail``: a process-group jail kills a member of its group that has neither the marker nor a
+  parent while the group's leader lives; once the leader is reaped and its pid a stranger's, the
+  stranger's group is left alone.
 - ``stop-target``: a stop's walk finds its target; the target exits and its pid goes to a stranger
   before the signal: neither the signal nor the wait for its end reaches the stranger.
 
@@ -82,7 +85,7 @@ def _oom_score_adj(pid: int) -> int | None:
         return None
 
 
-def _spawn_task(tmp: Path, task_id: str, script: str) -> tuple[Any, Any]:
+def _spawn_task(tmp: Path, task_id: str, argv: list[str]) -> tuple[Any, Any]:
     """(record, monitored): a spider behind its monitor, as an agent spawns it, and its state store row."""
     from ckagent.containment.monitor import spawn_monitored
     from ckagent.containment.process_group import ProcessGroupJail
@@ -93,7 +96,7 @@ def _spawn_task(tmp: Path, task_id: str, script: str) -> tuple[Any, Any]:
     task_dir.mkdir(parents=True)
     work.mkdir(parents=True)
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "CK_TASK_ID": task_id}
-    mon = spawn_monitored(["sh", "-c", script], cwd=work, env=env, task_id=task_id, task_dir=task_dir,
+    mon = spawn_monitored(argv, cwd=work, env=env, task_id=task_id, task_dir=task_dir,
                           output_path=task_dir / "output.log", jail=ProcessGroupJail(task_id), run_as=None,
                           deadline_at=None, work=work, stall_timeout=0.0)
     record = TaskRecord(task_id, "spider-1", task_json(task_id, "spider-1"), task_dir, mon.pid, mon.pid,
@@ -104,7 +107,7 @@ def _spawn_task(tmp: Path, task_id: str, script: str) -> tuple[Any, Any]:
 async def _ended(tmp: Path) -> dict[str, Any]:
     from ckagent.task.adoption import adopted_jail, judge
 
-    record, mon = _spawn_task(tmp, "task-ended", "exit 3")
+    record, mon = _spawn_task(tmp, "task-ended", ["sh", "-c", "exit 3"])
     mon.popen.wait()  # the monitor recorded the exit and ended; the old agent (this process) reaped it
     stranger = _hand_pid_to_stranger(mon.pid)
     # The next agent:
@@ -134,7 +137,7 @@ def _spider_of(monitor: int) -> int:
 async def _window(tmp: Path) -> dict[str, Any]:
     from ckagent.task.adoption import adopted_jail, judge
 
-    record, mon = _spawn_task(tmp, "task-window", "sleep 300")
+    record, mon = _spawn_task(tmp, "task-window", ["sleep", "300"])  # (no shell: nothing is left in its group)
     spider = _spider_of(mon.pid)
     # The next agent judges the task (the old agent is gone: it will not act on it again)...
     adoption, why = judge(record)
@@ -153,6 +156,62 @@ async def _window(tmp: Path) -> dict[str, Any]:
     report["killed"] = await jail.kill_all()
     report.update(stranger_alive=stranger.poll() is None, stranger_oom=_oom_score_adj(stranger.pid))
     return report
+
+
+async def _jail(tmp: Path) -> dict[str, Any]:
+    from ckagent.containment.process_group import ProcessGroupJail
+
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "CK_TASK_ID": "task-jail"}
+    # A leader that lives, and a member of its group without the marker whose parent is gone:
+    # only the group (its leader proven alive) finds it.
+    jail = ProcessGroupJail("task-jail")
+    leader = subprocess.Popen(["sh", "-c", "(env -i sleep 300 &); exec sleep 300"], env=env,  # noqa: ASYNC220
+                              start_new_session=True)
+    jail.watch(leader.pid)
+    member = _orphan_in_group(leader.pid)
+    killed_live = await jail.kill_all()
+    member_alive = _state(member) not in ("gone", "Z")
+    leader.wait()
+    jail.close()
+    # A leader reaped, its pid handed to a stranger: the stranger's group is not the task's.
+    jail = ProcessGroupJail("task-jail")
+    gone = subprocess.Popen(["sleep", "300"], env=env, start_new_session=True)  # noqa: ASYNC220
+    jail.watch(gone.pid)
+    gone.kill()
+    gone.wait()
+    stranger = _hand_pid_to_stranger(gone.pid)
+    killed_after = await jail.kill_all()
+    jail.close()
+    return {"killed_live": killed_live, "member_alive": member_alive, "killed_after": killed_after,
+            "stranger_pid": stranger.pid, "gone_pid": gone.pid, "stranger_alive": stranger.poll() is None}
+
+
+def _state(pid: int) -> str:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "gone"
+    return text[text.rfind(")") + 2]
+
+
+def _orphan_in_group(pgid: int) -> int:
+    """The process of group ``pgid`` whose parent is init (5 s at most)."""
+    for _ in range(500):
+        for name in os.listdir("/proc"):
+            if name.isdigit() and int(name) not in (1, pgid):
+                try:
+                    if _ppid_is_init(int(name), pgid):
+                        return int(name)
+                except OSError:
+                    continue
+        time.sleep(0.01)
+    raise AssertionError(f"no orphan appeared in group {pgid}")
+
+
+def _ppid_is_init(pid: int, pgid: int) -> bool:
+    text = Path(f"/proc/{pid}/stat").read_text()
+    fields = text[text.rfind(")") + 2:].split()
+    return fields[1] == "1" and fields[2] == str(pgid) and fields[0] != "Z"
 
 
 async def _stop_target(tmp: Path) -> dict[str, Any]:
@@ -191,7 +250,7 @@ async def _proof(tmp: Path) -> dict[str, Any]:
             "stranger_alive": stranger.poll() is None}
 
 
-SCENARIOS = {"ended": _ended, "window": _window, "proof": _proof, "stop-target": _stop_target}
+SCENARIOS = {"ended": _ended, "window": _window, "proof": _proof, "stop-target": _stop_target, "jail": _jail}
 
 
 def main() -> None:
