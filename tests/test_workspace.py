@@ -330,7 +330,7 @@ async def test_agent_refuses_hostile_packages_and_keeps_running(dev_master, nurs
                                size=int(overrides["size"]) if "size" in overrides else None)
         tasks[case] = await dev_master.admin.create_task(spider)
     outside_skip = ("agent/tasks", "agent/state.db", "agent/state.db-wal", "agent/state.db-shm",
-                    "agent/runtimes.json", "agent/runtimes.tmp", *MASTER_DB)  # the agent's own bookkeeping
+                    "agent/runtimes.json", "agent/runtimes.tmp", "agent/.uid-claims", *MASTER_DB)  # the agent's own bookkeeping
     async with running_agent(nursery, settings):
         before = _tree(tmp_path, skip=outside_skip)
         with trio.fail_after(60):  # noqa: ASYNC100 - the comprehension awaits

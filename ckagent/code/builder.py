@@ -47,7 +47,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckagent.node.runas import RunAs, popen_identity
+from ckagent.node.runas import RunAs, own_copy, popen_identity
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ def _seal_dir(fd: int, owner: tuple[int, int], chown: bool, done: Sealed, seen: 
                 # would be sealed too, and whoever writes it there would write the environment.
                 os.close(entry)
                 entry = -1
-                _own_copy(name, fd)
+                own_copy(name, fd)
                 done.copied += 1
                 entry = os.open(name, _PATH_FLAGS, dir_fd=fd)
             _seal_entry(name, fd, entry, owner, chown, done, seen)
@@ -355,32 +355,6 @@ def sealed_by(path: Path, owner: tuple[int, int]) -> bool:
     if not stat.S_ISDIR(st.st_mode) or st.st_mode & 0o222:
         return False
     return os.geteuid() != 0 or (st.st_uid, st.st_gid) == owner
-
-
-def _own_copy(name: str, dirfd: int) -> None:
-    """Replace the hard link ``name`` (in the directory ``dirfd``) by a copy of its own: same bytes,
-    permission bits (no set-id) and times; the other links keep the original (which may lie outside
-    the tree). Blocking. Raises OSError (not a regular file any more: EINVAL)."""
-    tmp = f".{name[:200]}.ck-seal-{os.getpid()}"
-    src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dirfd)
-    try:
-        st = os.fstat(src)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, f"{name} is not a regular file any more")
-        dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dirfd)
-        try:
-            while chunk := os.read(src, 1 << 20):
-                os.write(dst, chunk)
-            os.fchmod(dst, stat.S_IMODE(st.st_mode) & 0o777)
-            os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
-        except BaseException:
-            os.close(dst)
-            os.unlink(tmp, dir_fd=dirfd)
-            raise
-        os.close(dst)
-    finally:
-        os.close(src)
-    os.rename(tmp, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
 
 
 def make_writable(path: Path) -> None:

@@ -7,6 +7,7 @@ passwd database; imports nothing of the agent.
 
 from __future__ import annotations
 
+import errno
 import os
 import pwd
 import stat
@@ -105,7 +106,7 @@ class RunAs:
                     elif st.st_uid == uid and st.st_gid == gid:
                         continue
                     elif stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
-                        _own_copy(name, dirfd, st, uid, gid)
+                        own_copy(name, dirfd, (uid, gid))
                         copied += 1
                     else:
                         os.chown(name, uid, gid, dir_fd=dirfd, follow_symlinks=False)
@@ -116,18 +117,23 @@ class RunAs:
         return Given(changed, copied, removed)
 
 
-def _own_copy(name: str, dirfd: int, st: os.stat_result, uid: int, gid: int) -> None:
-    """Replace the hard link ``name`` (in the directory ``dirfd``) by a copy of the file owned by
-    ``uid``/``gid``: same bytes, permission bits (without set-id bits) and times; the other links keep
-    the original. Blocking."""
-    tmp = f".{name[:200]}.ck-own-{os.getpid()}"
-    src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+def own_copy(name: str, dirfd: int, owner: tuple[int, int] | None = None) -> None:
+    """Replace the hard link ``name`` (in the directory ``dirfd``) by a copy of its own — owned by
+    ``owner`` (uid, gid) when given — with the same bytes, permission bits (no set-id bits) and times;
+    the other links keep the original (which may lie outside the tree). Never follows a link, never
+    waits on a FIFO. Blocking. Raises OSError (not a regular file any more: EINVAL)."""
+    tmp = f".{name[:200]}.ck-copy-{os.getpid()}"
+    src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dirfd)
     try:
+        st = os.fstat(src)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"{name} is not a regular file any more")
         dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dirfd)
         try:
             while chunk := os.read(src, 1 << 20):
                 os.write(dst, chunk)
-            os.fchown(dst, uid, gid)
+            if owner is not None:
+                os.fchown(dst, *owner)
             os.fchmod(dst, stat.S_IMODE(st.st_mode) & 0o777)
             os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
         except BaseException:

@@ -142,9 +142,10 @@ def spider_uid_env(work_dir: Path) -> dict[str, str]:
 
 def uid_claims_dir(work_dir: Path) -> Path:
     """The record of claimed uids (``task.uid_claims``) a test agent or exec run with ``work_dir`` uses:
-    beside the work dir and its own, so that neither the host's record nor another run's moves which
-    uids it hands out (tests of agents sharing one: tests/test_uidclaims.py)."""
-    return work_dir.parent / f"uid-claims-{work_dir.name}"
+    inside the work dir and its own (nothing beside it: tests check what a run leaves outside its work
+    dir), so that neither the host's record nor another run's moves which uids it hands out (tests of
+    agents sharing one: tests/test_uidclaims.py)."""
+    return work_dir / ".uid-claims"
 
 
 DEFAULT_IDENTITY = "spider-uids" if os.geteuid() == 0 else "agent-user"
