@@ -44,6 +44,7 @@ async def test_the_proof_fails_when_the_pid_is_reused_between_judgement_and_pidf
     assert report["stranger_pid"] == report["judged_pid"]
     assert report["alive_before"] is True and report["alive_after"] is False
     assert report["proven"] is False  # the pidfd opened names the stranger: closed again, "gone"
+    assert report["swept"] == 0  # a sweep's kill of that find reaches no one
     assert report["own_signal"] is True and report["stranger_alive"] is True
 
 

@@ -73,6 +73,22 @@ def _facts(pid: int) -> tuple[int, str] | None:
     return round((created - boot) * _CLOCK_TICKS), status
 
 
+def scan_stat(pid: int) -> tuple[int, int, str] | None:
+    """(parent pid, start ticks since boot, state letter) of ``pid`` from one read of
+    ``/proc/<pid>/stat``; None when there is none. For scans of every process of the node (the
+    process-group sweep), where psutil doubles the cost (measured: 2.2 → 4.4 ms for 116 processes):
+    the one hand-read of a start time, here beside the type it feeds."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2:].split()
+    if len(fields) <= 19 or not fields[1].isdigit() or not fields[19].isdigit():
+        return None
+    return int(fields[1]), int(fields[19]), fields[0].decode("ascii", "replace")
+
+
 def start_ticks(pid: int) -> int | None:
     """The process's start time (clock ticks since boot), None when there is no process ``pid``."""
     facts = _facts(pid)

@@ -239,6 +239,8 @@ async def _proof(tmp: Path) -> dict[str, Any]:
     judged.wait()
     stranger = _hand_pid_to_stranger(identity.pid)
     proven = identity.prove()
+    from ckagent.containment.process_group import _kill_proven
+    swept = _kill_proven([identity])  # a sweep's find, its pid someone else's before the kill
     stranger_identity = ProcessIdentity.of(stranger.pid)
     assert stranger_identity is not None
     mine = stranger_identity.prove()  # the stranger's own identity is proven, and may be signalled
@@ -247,7 +249,7 @@ async def _proof(tmp: Path) -> dict[str, Any]:
         mine.close()
     return {"alive_before": alive_before, "alive_after": identity.alive(), "proven": proven is not None,
             "stranger_pid": stranger.pid, "judged_pid": identity.pid, "own_signal": own_signal,
-            "stranger_alive": stranger.poll() is None}
+            "swept": len(swept), "stranger_alive": stranger.poll() is None}
 
 
 SCENARIOS = {"ended": _ended, "window": _window, "proof": _proof, "stop-target": _stop_target, "jail": _jail}
