@@ -10,7 +10,9 @@ Lowest layer of the agent. What lives here knows nothing of tasks' runs or of th
   :mod:`.hardening`, :mod:`.listen` (its listening socket), :mod:`.runas` (who spiders run as);
 - durable state: :mod:`.state` (SQLite state store), :mod:`.diskfull` (a full disk is a task's failure);
 - this machine: :mod:`.resources` (health figures), :mod:`.intake` (whether the node takes tasks),
-  :mod:`.notices` (operator notices);
+  :mod:`.notices` (operator notices), :mod:`.procid` (a process's proven identity: boot id, pid,
+  start time, held by its pidfd — every signal, watch, oom_score_adj write and group kill of a process
+  the agent did not just start goes through it);
 - pure helpers: :mod:`.errors` (the agent's exception tree), :mod:`.versions`, :mod:`.noderange`.
 
 May import: the standard library, third-party packages, ``ckagent`` (its version) — nothing else of
