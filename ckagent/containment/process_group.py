@@ -240,14 +240,19 @@ async def sweep(task_id: str, pgid: int | None, *, verify_group: bool = False, m
         killed += len(pids)
         try:
             with trio.move_on_after(1.0):
-                for process in proven:
-                    await process.wait()
+                await _wait_all(proven)
         finally:
             for process in proven:
                 process.close()
         _reap_adopted(pids, keep_set)
     log.warning("task %s: processes still appear after %d sweep passes", task_id, max_passes)
     return killed
+
+
+async def _wait_all(processes: list[ProvenProcess]) -> None:
+    """Wait for each of ``processes`` to end (their pidfds). Cancellation: returns at once, leaving the rest."""
+    for process in processes:
+        await process.wait()
 
 
 class ProcessGroupJail(TaskJail):
