@@ -174,7 +174,13 @@ async def test_curl_gets_each_answer_from_the_host_asked(scheme: str, hosts: Web
     _verdict(hosts, plan, records, scheme, task.secrets)
     if scheme == "http":
         connects = {r["id"]: r["num_connects"] for r in records}
-        assert connects[plan[0].id] == 1 and sum(connects.values()) == 1, \
+        # curl's own rule: a final answer (the 403) that comes while it still sends a body makes it stop
+        # sending and close ("HTTP error before end of send, stop sending"; this curl has no
+        # --keep-sending-on-error). Whether the proxy's 403 overtakes the 100 kB upload is the
+        # machine's timing: the request after a refused upload may open a new connection, none other.
+        after_refused_upload = {plan[i + 1].id for i, r in enumerate(plan[:-1]) if r.expect == "denied" and r.body}
+        again = {rid: n for rid, n in connects.items() if n and rid != plan[0].id and rid not in after_refused_upload}
+        assert connects[plan[0].id] == 1 and not again, \
             f"curl's one proxy connection was not kept (new connections per request): {connects}"
 
 
