@@ -13,6 +13,7 @@ import socket
 import subprocess
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -172,6 +173,45 @@ async def test_index_chooser_falls_back_when_pypi_is_unreachable(monkeypatch: py
     with trio.fail_after(10):
         assert await chooser.index_url() == "https://mirror.example/simple"
     assert await IndexChooser("https://mine.example/simple", "x").index_url() == "https://mine.example/simple"
+
+
+async def _index_answer(stream: trio.SocketStream, slow_first: list[int]) -> None:
+    """A package index's answer to the probe's HEAD; the first ``slow_first[0]`` connections wait 2 s."""
+    try:
+        await stream.receive_some(65536)
+        if slow_first[0] > 0:
+            slow_first[0] -= 1
+            await trio.sleep(2)
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass  # (the probe gave up on this one)
+
+
+async def test_index_chooser_keeps_pypi_after_one_slow_probe_and_tries_it_again_after_a_fallback(
+        monkeypatch: pytest.MonkeyPatch, nursery: trio.Nursery) -> None:
+    """One slow answer on a busy node does not send the installs to the mirror (a second, longer probe),
+    and a fallback is not for the agent's life: after ``retry_after`` PyPI is probed again."""
+    slow_first = [1]
+    listeners = await nursery.start(partial(trio.serve_tcp, partial(_index_answer, slow_first=slow_first), 0,
+                                            host="127.0.0.1"))
+    index = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}/simple"
+    monkeypatch.setattr("ckagent.code.deps_python.OFFICIAL_INDEX", index)
+    with trio.fail_after(20):
+        assert await IndexChooser(None, "https://mirror.example/simple", probe_timeout=1.0).index_url() == index
+        assert slow_first == [0], "the first probe was not the slow one"
+        # PyPI away (a bound port that does not listen yet): the mirror, then PyPI again once it answers
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        away = f"http://127.0.0.1:{sock.getsockname()[1]}/simple"
+        monkeypatch.setattr("ckagent.code.deps_python.OFFICIAL_INDEX", away)
+        chooser = IndexChooser(None, "https://mirror.example/simple", probe_timeout=0.5, retry_after=0.5)
+        assert await chooser.index_url() == "https://mirror.example/simple"
+        sock.listen()
+        listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+        await nursery.start(trio.serve_listeners, partial(_index_answer, slow_first=[0]), [listener])
+        assert await chooser.index_url() == "https://mirror.example/simple"  # (within retry_after: kept)
+        await trio.sleep(0.6)
+        assert await chooser.index_url() == away
 
 
 # --------------------------------------------------------------------------- through the agent

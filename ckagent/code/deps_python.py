@@ -65,32 +65,49 @@ _SCRAPY_HOOK_LINE = 'import os; os.environ.get("CK_SCRAPY_HOOK") and __import__(
 
 
 class IndexChooser:
-    """Picks the package index once: the configured one, else PyPI if reachable, else the mirror.
+    """Picks the package index: the configured one, else PyPI if reachable, else the mirror.
 
-    ``probe_timeout`` in seconds; the probe result is kept for the life of the object.
+    PyPI counts as unreachable only when two probes in a row fail (the second with twice the time:
+    ``probe_timeout`` seconds, then ``2 × probe_timeout``), so one slow answer on a busy node does not
+    send its installs to the mirror; and the mirror is chosen for ``retry_after`` seconds only, after
+    which the next install probes PyPI again (a blip of the network does not pin an agent to the
+    mirror for its life). While PyPI answers, it is not probed again.
     """
 
-    def __init__(self, configured: str | None, fallback: str, probe_timeout: float = 3.0) -> None:
+    def __init__(self, configured: str | None, fallback: str, probe_timeout: float = 3.0,
+                 retry_after: float = 600.0) -> None:
         self._configured = configured
         self._fallback = fallback
         self._timeout = probe_timeout
+        self._retry_after = retry_after
         self._chosen: str | None = configured
+        self._fallback_until: float | None = None
         self._lock = trio.Lock()
 
     async def index_url(self) -> str:
-        """The index to give uv (probes at most once per agent run). Never raises."""
+        """The index to give uv. Never raises. Cancellation: a probe in flight is abandoned; the next
+        call probes again."""
         async with self._lock:
-            if self._chosen is None:
-                try:
-                    async with httpx.AsyncClient(timeout=self._timeout) as client:
-                        response = await client.head(OFFICIAL_INDEX + "/pip/")
-                    ok = response.status_code < 500
-                except httpx.HTTPError:
-                    ok = False
+            stale = self._fallback_until is not None and trio.current_time() >= self._fallback_until
+            if self._chosen is None or stale:
+                ok = await self._pypi_answers()
                 self._chosen = OFFICIAL_INDEX if ok else self._fallback
+                self._fallback_until = None if ok else trio.current_time() + self._retry_after
                 if not ok:
-                    log.warning("PyPI is unreachable; using the fallback index %s", self._fallback)
+                    log.warning("PyPI is unreachable (two probes); using the fallback index %s for the next %.0f s",
+                                self._fallback, self._retry_after)
             return self._chosen
+
+    async def _pypi_answers(self) -> bool:
+        for timeout in (self._timeout, 2 * self._timeout):
+            try:
+                async with httpx.AsyncClient(timeout=timeout) as client:
+                    response = await client.head(OFFICIAL_INDEX + "/pip/")
+            except httpx.HTTPError:
+                continue
+            if response.status_code < 500:
+                return True
+        return False
 
 
 class PythonEnvs:

@@ -407,7 +407,8 @@ SETTINGS: tuple[Setting, ...] = (
             "else deps.uv_fallback_index_url.", v.http_url),
     Setting("deps", "uv_fallback_index_url", "AGENT_UV_FALLBACK_INDEX_URL", "http(s) URL",
             "https://pypi.tuna.tsinghua.edu.cn/simple",
-            "Index used when deps.uv_index_url is unset and PyPI is unreachable.", v.http_url),
+            "Index used when deps.uv_index_url is unset and PyPI is unreachable (two probes fail; PyPI is probed "
+            "again 10 minutes later).", v.http_url),
     Setting("deps", "uv_cache_dir", "AGENT_UV_CACHE_DIR", "path", None,
             "uv's cache; unset = work_dir/envs/.uv-cache. It belongs to the node's builder (mode 0700: spiders "
             "can neither read nor write it); one another identity owned is emptied and given to it at start.",
