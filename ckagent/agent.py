@@ -58,6 +58,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from functools import partial
 
 import trio
@@ -91,6 +92,7 @@ from ckagent.port.metrics import AgentMetrics
 from ckagent.port.snapshot import agent_statistics
 from ckagent.port.status import AgentStatistics, AgentStatus, serve_status
 from ckagent.port.statuspage import StatusPage
+from ckagent.port.statusrunsh import state_dir_from
 from ckagent.task.adoption import Adoption, admit_adopted, find_adoptable, run_adopted
 from ckagent.task.migration import migrate_node
 from ckagent.task.poller import Poller
@@ -129,6 +131,16 @@ class Agent:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.state = AgentState.STARTING
+        self.started_at = time.time()
+        """When the agent started (epoch seconds; /status's startedAt)."""
+        self.started_monotonic = time.monotonic()
+        """When the agent started (``time.monotonic()``; /status's uptime)."""
+        self.readopted_ids: tuple[str, ...] = ()
+        """The tasks an earlier agent left running that this one re-adopted at its start (/status)."""
+        self.not_readopted: tuple[tuple[str, str], ...] = ()
+        """(task id, why) of the tasks found running at the start that could not be re-adopted (/status)."""
+        self.handed_over_ids: tuple[str, ...] = ()
+        """The running tasks a hand-over leaves to the next agent (/status while stopping)."""
         self.work_dir = settings.task.work_dir
         self.max_workers = compute_max_workers(settings.agent.max_workers, settings.agent.container_cpu_limit)
         self.intake = IntakeGate()
@@ -346,7 +358,8 @@ class Agent:
         log.info("ckagent %s starting: master %s, work_dir %s, max_workers %d",
                  __version__, s.server.url, self.work_dir, self.max_workers)
         self.capabilities.warn()
-        status = AgentStatus(self.statistics, self.metrics, self.metrics.outbox)
+        status = AgentStatus(self.statistics, self.metrics, self.metrics.outbox,
+                             runsh_state_dir=state_dir_from(os.environ))  # (run.sh's records: upgrades)
         routes = status.routes(page=StatusPage(self.supervisor, self.outbox, self.work_dir, status.status))
         try:
             self.status_port = await root.start(partial(
@@ -363,6 +376,7 @@ class Agent:
         root.start_soon(partial(self.scan.run, self.heartbeat.after_first_beat, self.poller.forget_unrunnable))
         adoptions, refused = await find_adoptable(await store.pending_delivery())
         adopted = {adoption.record.task_id for adoption in adoptions}
+        self.not_readopted = tuple(sorted(refused.items()))
         await trio.to_thread.run_sync(migrate_node, self.work_dir, self.identities, self.workspaces, store.sync,
                                       adoptions, s.deps.env_budget_bytes)  # what an earlier agent left, as now
         leftovers = await recover_lost_tasks(store, self.lifecycle, self.containment, keep=adopted,
@@ -384,6 +398,7 @@ class Agent:
         for record in leftovers:
             await self.outbox.resume(record)
         self._adopted = [(admit_adopted(self.supervisor, adoption), adoption) for adoption in adoptions]
+        self.readopted_ids = tuple(sorted(adopted))
         if adoptions:
             log.info("re-adopted %d task(s) an earlier agent left: %s", len(adoptions), ", ".join(sorted(adopted)))
         if self.state is AgentState.STARTING:  # (a drain may have come meanwhile)
@@ -470,6 +485,7 @@ class Agent:
                  len(running))
         self.supervisor.handing_over = True
         self._handed = len(running)
+        self.handed_over_ids = tuple(running)
         self._exit_deadline = trio.current_time() + self.settings.task.flush_timeout
         if self.state in (AgentState.STARTING, AgentState.RUNNING, AgentState.DRAINING):
             self.state = AgentState.TERMINATING

@@ -4,7 +4,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+import time
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ckagent.port.status import AgentStatistics, runtime_versions, task_statistics
 
@@ -13,6 +14,7 @@ if TYPE_CHECKING:
     from ckagent.code.workspace import Workspaces
     from ckagent.containment import Containment
     from ckagent.containment.egress import Egress
+    from ckagent.delivery import Outbox
     from ckagent.master.client import MasterClient
     from ckagent.master.heartbeat import HeartbeatLoop
     from ckagent.node.config import Settings
@@ -38,6 +40,14 @@ class StatusSource(Protocol):
     egress: Egress | None
     identities: Identities | None
     notices: Notices
+    outbox: Outbox | None
+    started_at: float
+    """When the agent started (epoch seconds)."""
+    started_monotonic: float
+    """When the agent started (``time.monotonic()``)."""
+    readopted_ids: tuple[str, ...]
+    not_readopted: tuple[tuple[str, str], ...]
+    handed_over_ids: tuple[str, ...]
 
     @property
     def state(self) -> object:
@@ -71,4 +81,23 @@ def agent_statistics(agent: StatusSource) -> AgentStatistics:
         egress=tuple(agent.egress.to_json().items()) if agent.egress is not None else None,
         identity=tuple(agent.identities.to_json().items()) if agent.identities is not None else None,
         warnings=agent.notices.texts(),
+        started_at=agent.started_at,
+        uptime_seconds=max(0.0, time.monotonic() - agent.started_monotonic),
+        readopted_ids=agent.readopted_ids,
+        not_readopted=agent.not_readopted,
+        handed_over_ids=agent.handed_over_ids,
+        disk_culprit=disk_culprit(agent.outbox),
     )
+
+
+def disk_culprit(outbox: Outbox | None) -> tuple[tuple[str, Any], ...] | None:
+    """The last task blamed for a full disk, from the outbox's disk watch (``outbox.disk.last_culprit``:
+    ckagent.delivery.diskwatch's DiskCulprit with ``task_id``, ``used_bytes``, ``at``, ``reason``) as
+    /status items; None when none was blamed, or the watch keeps no culprit."""
+    found = getattr(getattr(outbox, "disk", None), "last_culprit", None)
+    if found is None:
+        return None
+    return (("taskId", str(getattr(found, "task_id", "") or "") or None),
+            ("usedBytes", getattr(found, "used_bytes", None)),
+            ("at", getattr(found, "at", None)),
+            ("reason", str(getattr(found, "reason", "") or "") or None))

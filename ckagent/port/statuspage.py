@@ -3,9 +3,11 @@
 ============================  ==================================================================
 path                          answer
 ============================  ==================================================================
-``/``                         HTML: the node (name, id, state, version, containment, identity
-                              level (whom spiders run as, each stronger level not had), slots, free
-                              disk), running tasks (phase, live stats, progress, resource
+``/``                         HTML: the node (name, id, state, up since, version, containment,
+                              egress level, identity level (whom spiders run as, each stronger
+                              level not had), the tasks re-adopted at start and handed over at the
+                              stop, the last upgrade or rollback and the failed versions, slots,
+                              free disk and the last full disk's culprit), running tasks (phase, live stats, progress, resource
                               figures when the agent has them), the last lines of each running
                               task's log (live), recent tasks with their outcome
 ``/tasks/<id>/tail?from=N``   server-sent events: the task's log lines from byte N of output.log
@@ -90,6 +92,86 @@ def _identity_rows(identity: object) -> list[tuple[str, str]]:
         if isinstance(passed, dict) and passed.get("blocker") != "run-as-user":
             rows.append((f"identity: not {passed.get('level')}",
                          f"{passed.get('message')}; to get it: {passed.get('remedy')}"))
+    return rows
+
+
+def _duration(seconds: Any) -> str:
+    """``seconds`` as ``2 d 3 h``, ``3 h 4 min``, ``4 min 5 s`` or ``5 s``; "—" for anything else."""
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds >= 0:
+        return "—"
+    s = int(seconds)
+    days, hours, minutes = s // 86400, s % 86400 // 3600, s % 3600 // 60
+    if days:
+        return f"{days} d {hours} h"
+    if hours:
+        return f"{hours} h {minutes} min"
+    return f"{minutes} min {s % 60} s" if minutes else f"{s} s"
+
+
+def _ids_text(ids: Any, count: Any, limit: int = 10) -> str:
+    """``count`` and the first ``limit`` of ``ids`` (``3: a, b, c``; ``none``)."""
+    shown = [str(i) for i in ids] if isinstance(ids, list) else []
+    total = count if isinstance(count, int) and not isinstance(count, bool) else len(shown)
+    if not total:
+        return "none"
+    more = f" (+{total - min(limit, len(shown))} more)" if total > min(limit, len(shown)) else ""
+    return f"{total}: " + ", ".join(shown[:limit]) + more
+
+
+def _level_row(name: str, level: object) -> tuple[str, str]:
+    """The node table's row of a level (``/status``'s ``egress``): ``level: details`` (policy)."""
+    if not isinstance(level, dict):
+        return (name, "—")
+    text = f"{level.get('level')}"
+    if level.get("details"):
+        text += f": {level.get('details')}"
+    if level.get("policy"):
+        text += f" (policy: {level.get('policy')})"
+    return (name, text)
+
+
+def _obj(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def node_history_rows(status: dict[str, Any]) -> list[tuple[str, str]]:
+    """The node table's rows of the agent's history (from ``/status``): up since, the tasks found at the
+    start (re-adopted, or not and reported AGENT_LOST), a hand-over's tasks, the last upgrade or
+    rollback and the failed versions (run.sh's records: "unknown (why)" when they cannot be read),
+    and the last full disk's culprit. Plain text: the caller escapes."""
+    rows = [("up since", f"{status.get('startedAt') or '—'} UTC ({_duration(status.get('uptimeSeconds'))})")]
+    start = _obj(status.get("tasksAtStart"))
+    readopted = _obj(start.get("readopted"))
+    rows.append(("re-adopted at start", _ids_text(readopted.get("ids"), readopted.get("count"))))
+    lost = _obj(start.get("notReadopted"))
+    lost_tasks = [t for t in lost.get("tasks") or () if isinstance(t, dict)]
+    if lost.get("count"):
+        rows.append(("not re-adopted (AGENT_LOST)", _ids_text(
+            [f"{t.get('id')} ({t.get('why')})" for t in lost_tasks], lost.get("count"))))
+    handed = _obj(status.get("handedOver"))
+    if handed.get("count"):
+        rows.append(("handed over to the next agent", _ids_text(handed.get("ids"), handed.get("count"))))
+    upgrades = _obj(status.get("upgrades"))
+    change = upgrades.get("lastChange")
+    if isinstance(change, dict):
+        text = (f"{change.get('action') or '?'} {change.get('from') or '?'} → {change.get('to') or '?'}: "
+                f"{change.get('outcome') or 'outcome unknown'}, at {change.get('at') or 'an unknown time'}")
+        if change.get("reason"):
+            text += f" ({change['reason']})"
+    else:
+        text = f"unknown ({upgrades.get('lastChangeUnknown') or 'not read'})"
+    rows.append(("last upgrade / rollback", text))
+    failed = upgrades.get("failedVersions")
+    if isinstance(failed, list):
+        rows.append(("failed versions", _ids_text(failed, upgrades.get("failedVersionsCount"), 20)))
+    else:
+        rows.append(("failed versions", f"unknown ({upgrades.get('failedVersionsUnknown') or 'not read'})"))
+    culprit = status.get("diskCulprit")
+    if isinstance(culprit, dict):
+        rows.append(("full disk: culprit", f"task {culprit.get('taskId')}, {_size(culprit.get('usedBytes'))} "
+                                           f"at {culprit.get('at') or '—'}: {culprit.get('reason') or '—'}"))
+    else:
+        rows.append(("full disk: culprit", "none"))
     return rows
 
 
@@ -375,12 +457,14 @@ class StatusPage:
             ("state", status.get("state")), ("ready", status.get("readyReason")),
             ("version", f"ckagent {versions.get('agent')} · Python {versions.get('python')}"),
             ("containment", containment),
+            _level_row("egress", status.get("egress")),
             *_identity_rows(status.get("identity")),
             ("slots", f"{status.get('freeSlots')} free of {status.get('maxWorkers')}"),
             ("free disk (work dir)", _size(free_disk)),
             ("master", ("reachable" if status.get("masterUp") else "unreachable")
              + (f"; {status['masterProblem']}" if status.get("masterProblem") else "")),
             ("waiting for the master", _backlog_text(status.get("outbox") or {})),
+            *node_history_rows(status),
             *(("warning", text) for text in status.get("warnings") or ()),
         ]
         parts = [_HEAD.replace("{title}", _e(f"ckagent · {status.get('name')}"))]
