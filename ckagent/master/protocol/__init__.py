@@ -33,6 +33,7 @@ from ckagent.master.protocol.outputs import ARTIFACTS, ArtifactRef, TaskOutputs
 from ckagent.master.protocol.results import (
     ItemBatch,
     LogBatch,
+    ResultAccepted,
     SeqAccepted,
     SeqConflict,
     SpiderFile,
@@ -95,6 +96,7 @@ __all__ = [
     "ProtocolError",
     "RegisterRequest",
     "RegisterResponse",
+    "ResultAccepted",
     "SeqAccepted",
     "SeqConflict",
     "SpiderFile",
