@@ -41,6 +41,7 @@ from ckagent.master.protocol import (
     ProtocolError,
     RegisterRequest,
     RegisterResponse,
+    ResultAccepted,
     SeqAccepted,
     SeqConflict,
     SpiderFile,
@@ -76,6 +77,7 @@ TYPES: dict[str, Any] = {
     "LogBatch": LogBatch,
     "ItemBatch": ItemBatch,
     "SeqAccepted": SeqAccepted,
+    "ResultAccepted": ResultAccepted,
     "SeqConflict": SeqConflict,
     "SpiderFile": SpiderFile,
     "TaskRelease": TaskRelease,
@@ -202,6 +204,7 @@ def full_instances() -> dict[str, Any]:
         "LogBatch": LogBatch(seq=5, lines=["a", "b"]),
         "ItemBatch": ItemBatch(seq=2, items=[{"a": 1}]),
         "SeqAccepted": SeqAccepted(accepted_seq=7),
+        "ResultAccepted": ResultAccepted(status="SUCCESS"),
         "SeqConflict": SeqConflict(expected_seq=3),
         "SpiderFile": SpiderFile(id="f1", path="spiders/shop.py", size_bytes=10, sha256=SHA),
     }
@@ -485,6 +488,7 @@ ENUM_FIELDS = [
     ("Task", "stopSignal", STOP_SIGNALS),
     ("TaskResult", "status", TASK_STATUSES),
     ("TaskResult", "errorCode", ERROR_CODES),
+    ("ResultAccepted", "status", FINAL_STATUSES),
 ]
 
 

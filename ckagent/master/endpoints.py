@@ -44,6 +44,7 @@ from ckagent.master.protocol import (
     PendingTasks,
     ProtocolError,
     RegisterResponse,
+    ResultAccepted,
     SeqAccepted,
     SpiderFile,
     TaskRelease,
@@ -146,8 +147,10 @@ CLAIM: Endpoint[dict[str, Any]] = Endpoint(
     "claim", "POST", "/api/tasks/{task}/result", "task", "poll", json_object)
 RELEASE: Endpoint[dict[str, Any]] = Endpoint(
     "release", "POST", "/api/tasks/{task}/release", "task", "poll", json_object)
-RESULT: Endpoint[dict[str, Any]] = Endpoint(
-    "result", "POST", "/api/tasks/{task}/result", "node", "task streams", json_object, holds_data=True)
+RESULT: Endpoint[ResultAccepted] = Endpoint(
+    "result", "POST", "/api/tasks/{task}/result", "node", "task streams", ResultAccepted.from_json, "ResultAccepted",
+    holds_data=True)
+"""A final result: acknowledged only by the task's final status in the answer (a claim shares the route)."""
 LOGS: Endpoint[SeqAccepted] = Endpoint(
     "logs", "POST", "/api/tasks/{task}/logs", "node", "task streams", SeqAccepted.from_json, "SeqAccepted",
     holds_data=True)
@@ -239,8 +242,9 @@ class MasterCalls(ABC):
         """``POST /api/tasks/{task}/release``: give back a claimed task that did not start."""
         return await self.call(RELEASE, {"task": task_id}, json=release.to_json())
 
-    async def report_result(self, task_id: str, result: TaskResult, *, retry: Retry | None = None) -> dict[str, Any]:
-        """``POST /api/tasks/{task}/result`` with a final status."""
+    async def report_result(self, task_id: str, result: TaskResult, *, retry: Retry | None = None) -> ResultAccepted:
+        """``POST /api/tasks/{task}/result`` with a final status; the answer must name the task's final
+        status (else MasterProtocolError: not an acknowledgement)."""
         return await self.call(RESULT, {"task": task_id}, json=result.to_json(), retry=retry)
 
     async def post_stream(self, kind: str, task_id: str, body: bytes) -> SeqAccepted:

@@ -34,6 +34,7 @@ from ckagent.master.protocol.outputs import ARTIFACTS, ArtifactRef, TaskOutputs
 from ckagent.master.protocol.results import (
     ItemBatch,
     LogBatch,
+    ResultAccepted,
     SeqAccepted,
     SeqConflict,
     SpiderFile,
@@ -97,6 +98,7 @@ __all__ = [
     "ProtocolError",
     "RegisterRequest",
     "RegisterResponse",
+    "ResultAccepted",
     "SeqAccepted",
     "SeqConflict",
     "SpiderFile",
