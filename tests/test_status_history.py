@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckagent.port.status import AgentStatus
-from ckagent.port.statuspage import node_history_rows
+from ckagent.port.statusrows import node_history_rows
 from ckagent.port.statusrunsh import (
     FAILED_VERSIONS_FILE,
     LAST_CHANGE_FILE,
@@ -79,6 +79,8 @@ def test_not_started_by_run_sh_and_nothing_recorded_yet(tmp_path: Path) -> None:
     assert state_dir_from({}) is None and state_dir_from({STATE_DIR_ENV: ""}) is None
     assert state_dir_from({STATE_DIR_ENV: "relative/dir"}) is None
     assert state_dir_from({STATE_DIR_ENV: "/opt/ck/.ckagent"}) == Path("/opt/ck/.ckagent")
+    assert state_dir_from({"CKAGENT_RUN_SH": "/opt/ck/run.sh"}) == Path("/opt/ck/.ckagent")  # (an older run.sh)
+    assert state_dir_from({STATE_DIR_ENV: "/s", "CKAGENT_RUN_SH": "/opt/ck/run.sh"}) == Path("/s")
     none = read_runsh_state(None).to_json()
     assert none["lastChange"] is None and "not started by run.sh" in none["lastChangeUnknown"]
     assert none["failedVersions"] is None and STATE_DIR_ENV in none["failedVersionsUnknown"]
@@ -252,6 +254,7 @@ async def _truthy(value: Any) -> bool:
 async def test_an_agent_not_started_by_run_sh_says_unknown(dev_master: Any, nursery: trio.Nursery, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(STATE_DIR_ENV, raising=False)
+    monkeypatch.delenv("CKAGENT_RUN_SH", raising=False)
     settings_ = agent_settings(tmp_path / "w", dev_master.base_url, dev_master.registration_token)
     with trio.fail_after(60):
         async with running_agent(nursery, settings_) as agent:
@@ -259,7 +262,7 @@ async def test_an_agent_not_started_by_run_sh_says_unknown(dev_master: Any, nurs
             upgrades = (await _get(agent.status_port, "/status")).json()["upgrades"]
             assert upgrades["lastChange"] is None and "not started by run.sh" in upgrades["lastChangeUnknown"]
             page = (await _get(agent.status_port, "/")).text
-            assert "unknown (not started by run.sh (CK_RUNSH_STATE_DIR not set))" in page
+            assert "unknown (not started by run.sh (CK_RUNSH_STATE_DIR and CKAGENT_RUN_SH not set))" in page
 
 
 SPIDER = "import time\nfor i in range(600):\n    print('tick', i, flush=True)\n    time.sleep(0.1)\n"

@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ckagent.port.status import AgentStatistics, runtime_versions, task_statistics
@@ -21,7 +23,35 @@ if TYPE_CHECKING:
     from ckagent.node.identity import Identities
     from ckagent.node.intake import IntakeGate
     from ckagent.node.notices import Notices
+    from ckagent.task.adoption import Adoption
     from ckagent.task.supervisor import Supervisor
+
+
+@dataclass
+class AgentHistory:
+    """What /status and the page tell of the agent's own life (kept by :class:`ckagent.agent.Agent`):
+    when it started (``started_at`` epoch seconds, ``started_monotonic`` for the uptime), the tasks an
+    earlier agent left running that it re-adopted at its start (``readopted_ids``) or could not
+    (``not_readopted``: (task id, why), reported AGENT_LOST), and the running tasks a hand-over leaves to
+    the next agent (``handed_over_ids``; empty unless handing over)."""
+
+    started_at: float = field(default_factory=time.time)
+    started_monotonic: float = field(default_factory=time.monotonic)
+    readopted_ids: tuple[str, ...] = ()
+    not_readopted: tuple[tuple[str, str], ...] = ()
+    handed_over_ids: tuple[str, ...] = ()
+
+    def at_start(self, adoptions: Iterable[Adoption], refused: dict[str, str]) -> set[str]:
+        """Record the tasks found at the start: those re-adopted (``adoptions``; returns their ids) and
+        those refused, with why."""
+        adopted = {adoption.record.task_id for adoption in adoptions}
+        self.readopted_ids, self.not_readopted = tuple(sorted(adopted)), tuple(sorted(refused.items()))
+        return adopted
+
+    def hand_over(self, task_ids: Iterable[str]) -> tuple[str, ...]:
+        """Record the running tasks a hand-over leaves to the next agent; returns them."""
+        self.handed_over_ids = tuple(task_ids)
+        return self.handed_over_ids
 
 
 class StatusSource(Protocol):
@@ -41,13 +71,7 @@ class StatusSource(Protocol):
     identities: Identities | None
     notices: Notices
     outbox: Outbox | None
-    started_at: float
-    """When the agent started (epoch seconds)."""
-    started_monotonic: float
-    """When the agent started (``time.monotonic()``)."""
-    readopted_ids: tuple[str, ...]
-    not_readopted: tuple[tuple[str, str], ...]
-    handed_over_ids: tuple[str, ...]
+    history: AgentHistory
 
     @property
     def state(self) -> object:
@@ -81,11 +105,11 @@ def agent_statistics(agent: StatusSource) -> AgentStatistics:
         egress=tuple(agent.egress.to_json().items()) if agent.egress is not None else None,
         identity=tuple(agent.identities.to_json().items()) if agent.identities is not None else None,
         warnings=agent.notices.texts(),
-        started_at=agent.started_at,
-        uptime_seconds=max(0.0, time.monotonic() - agent.started_monotonic),
-        readopted_ids=agent.readopted_ids,
-        not_readopted=agent.not_readopted,
-        handed_over_ids=agent.handed_over_ids,
+        started_at=agent.history.started_at,
+        uptime_seconds=max(0.0, time.monotonic() - agent.history.started_monotonic),
+        readopted_ids=agent.history.readopted_ids,
+        not_readopted=agent.history.not_readopted,
+        handed_over_ids=agent.history.handed_over_ids,
         disk_culprit=disk_culprit(agent.outbox),
     )
 

@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import trio
@@ -45,7 +45,7 @@ from ckagent.containment.egress import describe_refusals
 from ckagent.master.protocol import utc_iso
 from ckagent.node.listen import bind_socket
 from ckagent.port.metrics import PHASES, AgentMetrics, LiveFigures, OutboxFigures
-from ckagent.port.statusrunsh import read_runsh_state
+from ckagent.port.statusrunsh import read_runsh_state, state_dir_from
 
 if TYPE_CHECKING:
     from hypercorn.typing import ASGIFramework
@@ -320,16 +320,17 @@ class AgentStatus:
     """The agent's routes: render ``statistics()`` (an AgentStatistics snapshot) at request time.
 
     The start (``trio.current_time()`` when built) stands in for the last heartbeat before the first.
-    ``runsh_state_dir``: where run.sh keeps its records of upgrades and failed versions (read at each
-    /status, in a thread; None: not started by run.sh — shown as unknown).
+    run.sh's state dir, where it keeps its records of upgrades and failed versions, is read from
+    ``environ`` (default ``os.environ``; ckagent.port.statusrunsh.state_dir_from); the records are read
+    at each /status, in a thread (not started by run.sh: shown as unknown).
     """
 
     def __init__(self, statistics: Callable[[], AgentStatistics], metrics: AgentMetrics,
-                 outbox: Outbox | None, *, runsh_state_dir: Path | None = None) -> None:
+                 outbox: Outbox | None, *, environ: Mapping[str, str] | None = None) -> None:
         self._statistics = statistics
         self._metrics = metrics
         self._outbox = outbox
-        self._runsh_state_dir = runsh_state_dir
+        self._runsh_state_dir = state_dir_from(os.environ if environ is None else environ)
         """run.sh's state dir (ckagent.port.statusrunsh), None when not started by run.sh."""
         self._started = trio.current_time()
 

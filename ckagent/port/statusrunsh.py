@@ -2,8 +2,9 @@
 rollback or restart (``$STATE_DIR/last-change.json``) and the versions that failed their health check
 here (``$STATE_DIR/failed_versions``, one version a line).
 
-run.sh exports its state dir to the agent as ``CK_RUNSH_STATE_DIR`` (:data:`STATE_DIR_ENV`); an agent
-started otherwise has none, and both facts are unknown. The files are read as hostile input: missing,
+run.sh exports its state dir to the agent as ``CK_RUNSH_STATE_DIR`` (:data:`STATE_DIR_ENV`); a run.sh
+that exports only its own path (``CKAGENT_RUN_SH``, :data:`RUN_SH_ENV`) has it at ``.ckagent`` beside
+itself. An agent started otherwise has neither, and both facts are unknown. The files are read as hostile input: missing,
 a directory, a FIFO, a symlink, larger than :data:`MAX_RECORD_BYTES`, not UTF-8, not JSON, a JSON of
 the wrong shape or with fields of the wrong type — each becomes "unknown" with the reason in one line
 (a field of the wrong type alone: that field is None), never an exception. Texts are cut to
@@ -29,6 +30,8 @@ from typing import Any
 
 STATE_DIR_ENV = "CK_RUNSH_STATE_DIR"
 """The environment variable through which run.sh tells the agent its state dir (``<dir of run.sh>/.ckagent``)."""
+RUN_SH_ENV = "CKAGENT_RUN_SH"
+"""The path of the run.sh that started the agent (exported by run.sh); its state dir is ``.ckagent`` beside it."""
 LAST_CHANGE_FILE = "last-change.json"
 FAILED_VERSIONS_FILE = "failed_versions"
 MAX_RECORD_BYTES = 64 * 1024
@@ -69,9 +72,13 @@ class RunshState:
 
 
 def state_dir_from(environ: Mapping[str, str]) -> Path | None:
-    """run.sh's state dir from ``environ`` (:data:`STATE_DIR_ENV`); None when unset, empty or relative."""
+    """run.sh's state dir from ``environ``: :data:`STATE_DIR_ENV`, else ``.ckagent`` beside
+    :data:`RUN_SH_ENV`; None when neither is set to an absolute path."""
     value = environ.get(STATE_DIR_ENV, "")
-    return Path(value) if value and os.path.isabs(value) and "\0" not in value else None
+    if value and os.path.isabs(value) and "\0" not in value:
+        return Path(value)
+    run_sh = environ.get(RUN_SH_ENV, "")
+    return Path(run_sh).parent / ".ckagent" if run_sh and os.path.isabs(run_sh) and "\0" not in run_sh else None
 
 
 class _Unknown(Exception):
@@ -153,7 +160,7 @@ def read_runsh_state(state_dir: Path | None) -> RunshState:
     """Read both records under ``state_dir`` (None: not started by run.sh). Blocking (two small reads:
     call it in a thread); never raises."""
     if state_dir is None:
-        why = f"not started by run.sh ({STATE_DIR_ENV} not set)"
+        why = f"not started by run.sh ({STATE_DIR_ENV} and {RUN_SH_ENV} not set)"
         return RunshState(None, None, why, None, 0, why)
     shown = clean_text(str(state_dir))
     last: tuple[tuple[str, Any], ...] | None = None
