@@ -49,6 +49,15 @@ async def test_the_proof_fails_when_the_pid_is_reused_between_judgement_and_pidf
 
 
 @needs_pidns
+async def test_a_process_found_by_a_uid_scan_is_killed_only_once_proven(tmp_path: Path) -> None:
+    report = await run_in_pid_namespace("scan", tmp_path)
+    assert report["found"] == [report["holder_pid"]] and report["writing"] == [report["holder_pid"]], report
+    assert report["stranger_pid"] == report["holder_pid"]  # the same pid, the same uid: a scan sees it again
+    assert report["found_again"] == [report["stranger_pid"]]
+    assert report["killed"] == [] and report["stranger_alive"] is True, report
+
+
+@needs_pidns
 async def test_a_stop_target_whose_pid_is_reused_is_neither_signalled_nor_waited_for(tmp_path: Path) -> None:
     report = await run_in_pid_namespace("stop-target", tmp_path)
     assert report["stranger_pid"] == report["target_pid"]

@@ -15,6 +15,9 @@ init and returns what it printed (one JSON object). The scenarios drive the adop
 - ``jail``: a process-group jail kills a member of its group that has neither the marker nor a
   parent while the group's leader lives; once the leader is reaped and its pid a stranger's, the
   stranger's group is left alone.
+- ``scan``: a scan by uid (ckagent.node.uidpool's release, ckagent.code.builder.writers for
+  envstore.mark_ready) finds a process; it exits and its pid goes to a stranger of the same uid
+  before the kill (procid.kill_each): the stranger lives.
 - ``stop-target``: a stop's walk finds its target; the target exits and its pid goes to a stranger
   before the signal: neither the signal nor the wait for its end reaches the stranger.
 
@@ -30,10 +33,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import trio
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,14 +68,15 @@ async def run_in_pid_namespace(scenario: str, tmp: Path, timeout: float = 30) ->
 # ------------------------------------------------------------------ inside the namespace
 
 
-def _hand_pid_to_stranger(pid: int) -> subprocess.Popen[bytes]:
+def _hand_pid_to_stranger(pid: int, user: int | None = None) -> subprocess.Popen[bytes]:
     """Start a stranger (``sleep``, a session leader of its own) that gets ``pid``, at least one clock
     tick after everything before it started: a start time counts clock ticks (10 ms), and a pid is
     never reused within one in the field (the pid space wraps first); here it would be at once."""
     time.sleep(2 / os.sysconf("SC_CLK_TCK"))
     for _ in range(20):
         Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
-        stranger = subprocess.Popen(["sleep", "300"], start_new_session=True)
+        ids: dict[str, Any] = {} if user is None else {"user": user, "group": user, "extra_groups": []}
+        stranger = subprocess.Popen(["sleep", "300"], start_new_session=True, **ids)
         if stranger.pid == pid:
             return stranger
         stranger.kill()
@@ -170,7 +176,7 @@ async def _jail(tmp: Path) -> dict[str, Any]:
     jail.watch(leader.pid)
     member = _orphan_in_group(leader.pid)
     killed_live = await jail.kill_all()
-    member_alive = _state(member) not in ("gone", "Z")
+    member_alive = _state(member) not in ("gone", psutil.STATUS_ZOMBIE)
     leader.wait()
     jail.close()
     # A leader reaped, its pid handed to a stranger: the stranger's group is not the task's.
@@ -187,31 +193,26 @@ async def _jail(tmp: Path) -> dict[str, Any]:
 
 
 def _state(pid: int) -> str:
+    """psutil's status of ``pid`` ("zombie", "sleeping", ...); "gone" when there is none."""
     try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return str(psutil.Process(pid).status())
+    except psutil.Error:
         return "gone"
-    return text[text.rfind(")") + 2]
 
 
 def _orphan_in_group(pgid: int) -> int:
     """The process of group ``pgid`` whose parent is init (5 s at most)."""
     for _ in range(500):
-        for name in os.listdir("/proc"):
-            if name.isdigit() and int(name) not in (1, pgid):
-                try:
-                    if _ppid_is_init(int(name), pgid):
-                        return int(name)
-                except OSError:
-                    continue
+        for proc in psutil.process_iter(["ppid", "status"]):
+            if proc.pid in (1, pgid) or proc.info["ppid"] != 1 or proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            try:
+                if os.getpgid(proc.pid) == pgid:
+                    return proc.pid
+            except OSError:
+                continue
         time.sleep(0.01)
     raise AssertionError(f"no orphan appeared in group {pgid}")
-
-
-def _ppid_is_init(pid: int, pgid: int) -> bool:
-    text = Path(f"/proc/{pid}/stat").read_text()
-    fields = text[text.rfind(")") + 2:].split()
-    return fields[1] == "1" and fields[2] == str(pgid) and fields[0] != "Z"
 
 
 async def _stop_target(tmp: Path) -> dict[str, Any]:
@@ -252,7 +253,43 @@ async def _proof(tmp: Path) -> dict[str, Any]:
             "swept": len(swept), "stranger_alive": stranger.poll() is None}
 
 
-SCENARIOS = {"ended": _ended, "window": _window, "proof": _proof, "stop-target": _stop_target, "jail": _jail}
+SCAN_UID = 3_210_000_977
+"""A uid no one has (the ``scan`` scenario's processes run as it)."""
+
+
+async def _scan(tmp: Path) -> dict[str, Any]:
+    owned = Path(tempfile.mkdtemp(prefix="ckagent-scan-"))  # (the test's tmp is not the uid's to reach)
+    try:
+        return await _scan_in(owned)
+    finally:
+        shutil.rmtree(owned, ignore_errors=True)
+
+
+async def _scan_in(owned: Path) -> dict[str, Any]:
+    from ckagent.code.builder import writers
+    from ckagent.node.procid import kill_each
+    from ckagent.node.uidpool import uids_of_processes
+
+    os.chown(owned, SCAN_UID, SCAN_UID)
+    holder = subprocess.Popen(  # noqa: ASYNC220 - a quick spawn
+        ["/usr/bin/python3", "-I", "-c", "import sys, time\nf = open(sys.argv[1], 'w')\nprint('open', flush=True)\n"
+         "time.sleep(300)\n", str(owned / "late.py")], stdout=subprocess.PIPE, user=SCAN_UID, group=SCAN_UID,
+        extra_groups=[])
+    assert holder.stdout is not None and holder.stdout.readline().strip() == b"open"
+    by_uid = uids_of_processes().get(SCAN_UID, [])  # what uidpool._release's scan finds...
+    writing = writers(owned, SCAN_UID)  # ...and envstore.mark_ready's
+    holder.kill()
+    holder.wait()
+    # Its pid goes to a stranger of the same uid (the scan would find it too: only the proof tells).
+    stranger = _hand_pid_to_stranger(holder.pid, user=SCAN_UID)
+    killed = kill_each([*by_uid, *writing])
+    return {"holder_pid": holder.pid, "stranger_pid": stranger.pid, "found": [i.pid for i in by_uid],
+            "writing": [i.pid for i in writing], "killed": [i.pid for i in killed],
+            "stranger_alive": stranger.poll() is None,
+            "found_again": [i.pid for i in uids_of_processes().get(SCAN_UID, [])]}
+
+
+SCENARIOS = {"scan": _scan, "ended": _ended, "window": _window, "proof": _proof, "stop-target": _stop_target, "jail": _jail}
 
 
 def main() -> None:
