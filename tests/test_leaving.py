@@ -28,10 +28,11 @@ from harness import (
     wait_registered,
 )
 
-from ckagent.agent import FINAL_BEAT_TIMEOUT, LEAVE_TIMEOUT, Agent
+from ckagent.agent import Agent
 from ckagent.devmaster.errors import ConflictError, UnauthorizedError
 from ckagent.devmaster.store import NODE_LIVE_SECONDS, Store
 from ckagent.master.client import MasterClient, RegistrationRefused
+from ckagent.master.fleet import FINAL_BEAT_TIMEOUT, LEAVE_TIMEOUT
 from ckagent.master.protocol import Heartbeat, NodeLeaving, RegisterRequest
 from ckagent.node.errors import StartupError
 
