@@ -15,20 +15,22 @@ Exception tree::
 
     Exception
     ├── StateStoreError    the database file cannot be opened or created (the message names the path)
-    │   └── StateStoreFull a write met a full disk even after the agent's space reserve was released
+    │   └── StateStoreFull a write met a full disk even though the store keeps free pages of its own
     │                      (also an sqlite3.OperationalError)
     └── sqlite3.Error      anything later propagates: a broken state db is an operator problem
 
-**A full disk** (ckagent.node.diskfull): a write that fails with SQLITE_FULL ("database or disk is full")
-releases the agent's space reserve (:attr:`StateStore.reserve`, when set) and is tried once more;
-failing again it raises StateStoreFull. Reads go on working on a full disk; callers of writes keep
-what they wrote in memory and try again later (the shippers, the outbox), so a full disk degrades
-the store, it never ends the agent.
+**A full disk** (ckagent.node.diskfull): the store owns its room beforehand — free pages of its own
+(:meth:`StateStore.keep_reserve`, ``STORE_RESERVE_BYTES``) and a write-ahead log that is never
+truncated while the agent runs — so its writes reuse blocks the file already has and no spider can
+take them. A write that fails with SQLITE_FULL anyway (the reserve used up) raises StateStoreFull.
+Reads go on working on a full disk; callers of writes keep what they wrote in memory and try again
+later (the shippers, the outbox), so a full disk degrades the store, it never ends the agent.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -40,10 +42,12 @@ from typing import Any, TypeVar
 
 import trio
 
-from ckagent.node.diskfull import SpaceReserve, is_disk_full
+from ckagent.node.diskfull import STORE_RESERVE_BYTES, grow_store_reserve, is_disk_full
 from ckagent.node.stateids import IDENTITIES_SCHEMA, IdentityTable
 
 _R = TypeVar("_R")
+
+log = logging.getLogger(__name__)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tasks (
@@ -81,7 +85,7 @@ class StateStoreError(Exception):
 
 
 class StateStoreFull(StateStoreError, sqlite3.OperationalError):
-    """A write failed because the disk is full, even after the space reserve was released. Nothing
+    """A write failed because the disk is full, even though the store keeps free pages of its own. Nothing
     was written; the caller keeps its data and tries again later. Also an ``sqlite3.OperationalError``
     (what the write raised before): callers that catch sqlite3.Error keep catching it."""
 
@@ -127,6 +131,10 @@ class StateStore(IdentityTable):
             self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
+            # Room owned beforehand (ckagent.node.diskfull): the WAL keeps its frames after a checkpoint
+            # (overwritten, never truncated), SQLite's temporary files stay in memory.
+            self._db.execute("PRAGMA journal_size_limit=-1")
+            self._db.execute("PRAGMA temp_store=MEMORY")
             version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
             if version > SCHEMA_VERSION:
                 self._db.close()
@@ -139,8 +147,26 @@ class StateStore(IdentityTable):
         except (OSError, sqlite3.Error) as exc:
             raise StateStoreError(f"cannot open the state store {path}: {exc}") from exc
         self._lock = threading.Lock()
-        self.reserve: SpaceReserve | None = None
-        """Released (then the write retried) when a write meets a full disk; set by the agent."""
+        self.reserve_bytes = 0
+        """Free bytes the store holds of its own (its freelist), as of the last :meth:`keep_reserve`."""
+        self._reserve_warned = False
+
+    def keep_reserve(self, target_bytes: int = STORE_RESERVE_BYTES) -> int:
+        """Grow the store's own free pages (and its write-ahead log) back to ``target_bytes`` when less
+        than half is left (ckagent.node.diskfull.grow_store_reserve); returns the bytes held. A disk
+        too full for it now is logged once (until it succeeds) and leaves what there is."""
+        with self._lock:
+            try:
+                self.reserve_bytes = grow_store_reserve(self._db, target_bytes)
+            except sqlite3.Error as exc:
+                if not self._reserve_warned:
+                    self._reserve_warned = True
+                    log.warning("the state store %s cannot keep %d MiB of free pages of its own (%s); its writes "
+                                "on a full disk may fail until there is room", self.path, target_bytes // 1024**2,
+                                exc)
+                return self.reserve_bytes
+            self._reserve_warned = False
+            return self.reserve_bytes
 
     def close(self) -> None:
         """Close the database."""
@@ -155,20 +181,13 @@ class StateStore(IdentityTable):
             return self._db.execute(sql, args).fetchall()
 
     def _unless_full(self, write: Callable[..., _R], *args: Any) -> _R:
-        """``write(*args)``; on a full disk, release the reserve and try once more, then StateStoreFull."""
-        try:
-            return write(*args)
-        except sqlite3.OperationalError as exc:
-            if not is_disk_full(exc):
-                raise
-            if self.reserve is None or not self.reserve.release():
-                raise StateStoreFull(f"the state store {self.path} cannot be written: the disk is full") from exc
+        """``write(*args)``; a full disk raises StateStoreFull (its own free pages are used up)."""
         try:
             return write(*args)
         except sqlite3.OperationalError as exc:
             if is_disk_full(exc):
                 raise StateStoreFull(f"the state store {self.path} cannot be written: the disk is full "
-                                     "(its space reserve is used up too)") from exc
+                                     "(its own free pages are used up too)") from exc
             raise
 
     def add_task(self, task_id: str, spider_id: str, task_json: dict[str, Any], task_dir: Path) -> bool:

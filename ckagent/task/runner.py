@@ -48,6 +48,7 @@ import trio
 
 from ckagent.code import frameworks
 from ckagent.code.deps import Checked, Dependencies, Prepared, spider_base_env
+from ckagent.code.workcopy import spider_paths
 from ckagent.code.workspace import Workspaces
 from ckagent.containment import ContainmentError, Figures, TaskJail
 from ckagent.containment.egress import Refusal, report_refusals
@@ -57,6 +58,7 @@ from ckagent.containment.process import MARKER_VAR, sweep
 from ckagent.containment.tails import TailBuffer
 from ckagent.delivery import LogSink, Outbox
 from ckagent.delivery.crawlstats import STATS_FILE
+from ckagent.delivery.diskwatch import Accounted, accounted_bytes, reclaim_scratch, release_spool_headroom
 from ckagent.delivery.lifecycle import DepsPrepared, TaskFinished, TaskStarted
 from ckagent.master.client import MasterClient, MasterError
 from ckagent.master.endpoints import Retry
@@ -186,8 +188,40 @@ class TaskRunner:
             self._admission.lifecycle.emit(TaskFinished(task.id, result))
             # Stores the result and hands the rest to the outbox; the slot is free when this returns.
             await delivery.finish(result)
+            await self.reclaim_if_blamed(rt)
         finally:
             self._admission.task_left(task.id)
+
+    def _accounted(self, task: Task, work: Path) -> Accounted:
+        """What the task's disk use is measured over (ckagent.delivery.diskwatch): its task dir, its
+        working copy ``work``, its spider's data dir; its own limit (resources.diskBytes, else the node's)."""
+        data_dir, _home = spider_paths(self.config.work_dir, task.spider_id)
+        limit = task.resources.disk_bytes if task.resources.disk_bytes is not None else self.config.default_disk_bytes
+        return Accounted((task_dir_of(self.config.work_dir, task.id), work, data_dir), limit)
+
+    async def reclaim_if_blamed(self, rt: RunningTask) -> None:
+        """After the result of a task blamed for a full disk (FAILED DISK_FULL) is recorded: remove its
+        scratch — its working copy, its spider's data dir (less ``outputs/``: earlier tasks' kept
+        files) and the files of its task dir that are not the spool — with one log line saying what
+        and how much, so the node recovers by itself. Nothing for any other task. Shielded (a few
+        unlinks in one thread hop); never raises."""
+        task = rt.task
+        watch = self._outbox.disk
+        if rt.stop.reason is not StopReason.DISK_FULL and watch.blamed(task.id) is None:
+            return
+        accounted = self._accounted(task, self.deployer.work_of(task))
+        keep = set(rt.delivery.journal.paths.values()) if rt.delivery is not None else set()
+        with trio.CancelScope(shield=True):
+            try:
+                removed, freed = await trio.to_thread.run_sync(reclaim_scratch, accounted, keep)
+            except Exception:  # never the agent's end for a task's files
+                log.exception("task %s: cannot remove its scratch after DISK_FULL", task.id)
+                removed, freed = [], 0
+            finally:
+                watch.reclaimed(task.id)
+        log.warning("task %s: its result (FAILED DISK_FULL) is recorded; removed its scratch to free the disk: %s "
+                    "(%.1f MiB freed); its spool (log, items, artifacts) stays until delivered",
+                    task.id, ", ".join(removed) or "nothing left to remove", freed / 1024**2)
 
     def adopt_environment(self, env_dir: Path) -> Callable[[], None]:
         """A re-adopted task's dependency environment is in use again (collection skips it); call
@@ -397,10 +431,16 @@ class TaskRunner:
             rt.delivery.watch_item_files(code.work)  # declared JSON Lines files stream while they grow
         code_dir = code.code_dir
 
-        def end(refused: list[Refusal] | None) -> Callable[[], None]:
+        def end(refused: list[Refusal] | None, blamed: bool = False) -> Callable[[], None]:
             """In the end hop, after its reads (``refused``: what the egress rules refused): the task's
-            files → items, artifacts or kept; then the jail (emptied by the supervisor) and the working
-            copy removed. Returns the outputs line's writer (on the loop, after the outcome's lines)."""
+            files → items, artifacts or kept (not for a task ``blamed`` for a full disk: its working
+            copy is scratch); then the jail (emptied by the supervisor) and the working copy removed.
+            Returns the outputs line's writer (on the loop, after the outcome's lines)."""
+            if blamed:
+                code.clearing.blocking(refused)
+                return lambda: notice("outputs: not collected: the task filled the disk; its working copy, data "
+                                      "dir and the files of its task dir that are not its log, items or artifacts "
+                                      "are removed once this result is recorded")
             collected = self.deployer.collect_blocking(rt, task_dir, code.work, code_dir)
             code.clearing.blocking(refused)
             return lambda: self.deployer.say_collected(rt, collected, notice)
@@ -409,7 +449,7 @@ class TaskRunner:
 
     async def finish_run(self, rt: RunningTask, mon: Monitored, jail: TaskJail, sink: LogSink,
                          notice: Notice, timeout_seconds: float,
-                         end: Callable[[list[Refusal] | None], Callable[[], None]] | None = None) -> TaskOutcome:
+                         end: Callable[[list[Refusal] | None, bool], Callable[[], None]] | None = None) -> TaskOutcome:
         """Supervise a spawned or re-adopted spider to its end and judge its outcome (ckagent.containment.monitor).
 
         The supervisor waits on the task's :class:`Watchdog`: its stop, its deadline
@@ -417,9 +457,12 @@ class TaskRunner:
         for the words) and its stall limit (``mon.handle.stall_timeout`` seconds without a sign of
         life the delivery recorded). ``end``: more blocking work for the end hop, after its reads (it
         gets what the egress rules refused; the runner's: the outputs and the clear-up); what it
-        returns runs on the loop last.
+        returns runs on the loop last; it is told whether the task was blamed for a full disk.
         """
         task, handle = rt.task, mon.handle
+        accounted = self._accounted(task, Path(handle.work))
+        self._outbox.account(task.id, accounted)  # the disk loop measures its use from now on
+        work_dir = self.config.work_dir
         activity = rt.delivery.activity if rt.delivery is not None else None
         if activity is not None and handle.stall_timeout > 0:
             activity.touch()  # the stall limit counts from the spawn (or the re-adoption)
@@ -433,12 +476,26 @@ class TaskRunner:
 
         def end_reads() -> tuple[bytes, Figures, list[Refusal] | None, Callable[[], None] | None]:
             """The end hop: the output's tail, the jail's figures (into the result: cpuSeconds,
-            memoryPeakBytes, ...), what the egress rules refused (blocking reads, nft); then ``end()``."""
+            memoryPeakBytes, ...), what the egress rules refused (blocking reads, nft); the task's disk
+            use judged (ckagent.delivery.diskwatch: a task that filled the disk too fast for the
+            watch is blamed here, before its result); then ``end()`` (a blamed task's files are not
+            collected: its working copy is scratch)."""
             refused = egress.refusals(rt.egress) if egress is not None else None
             remove_task_tmp(Path(handle.status_file).parent)  # its TMPDIR goes with its last process
-            return output_tail(sink.path), jail.figures(), refused, end(refused) if end is not None else None
+            release_spool_headroom(Path(handle.status_file).parent)
+            used = accounted_bytes(accounted)
+            try:
+                free: int | None = shutil.disk_usage(work_dir).free
+            except OSError:
+                free = None
+            blamed = trio.from_thread.run_sync(self._judge_end, rt, used, free)
+            return (output_tail(sink.path), jail.figures(), refused,
+                    end(refused, blamed) if end is not None else None)
 
-        tail, figures, refused, last = await trio.to_thread.run_sync(end_reads)
+        try:
+            tail, figures, refused, last = await trio.to_thread.run_sync(end_reads)
+        finally:
+            self._outbox.unaccount(task.id)
         stderr_tail = TailBuffer(16384)
         stderr_tail.write(tail)
         if figures.oom_kills and not outcome.stopped:
@@ -453,6 +510,21 @@ class TaskRunner:
         if last is not None:
             last()
         return judged
+
+    def _judge_end(self, rt: RunningTask, used_bytes: int, free_bytes: int | None) -> bool:
+        """On the loop, from the end hop: whether the ended task is blamed for a full disk (its stop
+        becomes DISK_FULL if nothing else stopped it; ckagent.delivery.diskwatch.DiskWatch.judge_end)."""
+        if rt.stop.reason is StopReason.DISK_FULL:
+            return True
+        reason = self._outbox.disk.judge_end(rt.task.id, used_bytes, free_bytes)
+        if reason is None:
+            return False
+        if rt.stop.reason is None:
+            log.error("task %s: %s; it has exited already: FAILED (DISK_FULL)", rt.task.id, reason)
+            rt.stop.request(StopReason.DISK_FULL, reason)
+            return True
+        self._outbox.disk.reclaimed(rt.task.id)  # stopped for another reason first: that one stands
+        return False
 
     def _hand_over(self, rt: RunningTask) -> bool:
         """True (and the task marked handed over) when the agent leaves this task's spider running."""
