@@ -143,3 +143,27 @@ def grow_store_reserve(db: sqlite3.Connection, target_bytes: int = STORE_RESERVE
         raise
     db.execute("DELETE FROM space_reserve")
     return int(db.execute("PRAGMA freelist_count").fetchone()[0]) * page
+
+
+class StoreReserve:
+    """The state store's own free pages (module docstring): :meth:`keep` grows them back; a disk too
+    full for it is logged once (until it succeeds). ``held_bytes``: the bytes held at the last keep."""
+
+    def __init__(self, path: object) -> None:
+        self.path = path
+        self.held_bytes = 0
+        self._warned = False
+
+    def keep(self, db: sqlite3.Connection, target_bytes: int = STORE_RESERVE_BYTES) -> int:
+        """:func:`grow_store_reserve` on ``db`` (the caller holds its lock); returns the bytes held.
+        Never raises (an sqlite3.Error leaves what there is, logged once)."""
+        try:
+            self.held_bytes = grow_store_reserve(db, target_bytes)
+        except sqlite3.Error as exc:
+            if not self._warned:
+                self._warned = True
+                log.warning("the state store %s cannot keep %d MiB of free pages of its own (%s); its writes on "
+                            "a full disk may fail until there is room", self.path, target_bytes // 1024**2, exc)
+            return self.held_bytes
+        self._warned = False
+        return self.held_bytes

@@ -19,18 +19,14 @@ Exception tree::
     │                      (also an sqlite3.OperationalError)
     └── sqlite3.Error      anything later propagates: a broken state db is an operator problem
 
-**A full disk** (ckagent.node.diskfull): the store owns its room beforehand — free pages of its own
-(:meth:`StateStore.keep_reserve`, ``STORE_RESERVE_BYTES``) and a write-ahead log that is never
-truncated while the agent runs — so its writes reuse blocks the file already has and no spider can
-take them. A write that fails with SQLITE_FULL anyway (the reserve used up) raises StateStoreFull.
-Reads go on working on a full disk; callers of writes keep what they wrote in memory and try again
-later (the shippers, the outbox), so a full disk degrades the store, it never ends the agent.
+**A full disk** (ckagent.node.diskfull): the store owns its room beforehand (its own free pages, a WAL
+never truncated: :meth:`StateStore.keep_reserve`), which no spider can take; past it a write raises
+StateStoreFull and its caller keeps the data in memory and tries again later (the shippers, the outbox).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sqlite3
 import threading
@@ -42,12 +38,10 @@ from typing import Any, TypeVar
 
 import trio
 
-from ckagent.node.diskfull import STORE_RESERVE_BYTES, grow_store_reserve, is_disk_full
+from ckagent.node.diskfull import STORE_RESERVE_BYTES, StoreReserve, is_disk_full
 from ckagent.node.stateids import IDENTITIES_SCHEMA, IdentityTable
 
 _R = TypeVar("_R")
-
-log = logging.getLogger(__name__)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tasks (
@@ -147,26 +141,13 @@ class StateStore(IdentityTable):
         except (OSError, sqlite3.Error) as exc:
             raise StateStoreError(f"cannot open the state store {path}: {exc}") from exc
         self._lock = threading.Lock()
-        self.reserve_bytes = 0
-        """Free bytes the store holds of its own (its freelist), as of the last :meth:`keep_reserve`."""
-        self._reserve_warned = False
+        self.reserve = StoreReserve(path)  # its own free pages (ckagent.node.diskfull): .held_bytes
 
     def keep_reserve(self, target_bytes: int = STORE_RESERVE_BYTES) -> int:
-        """Grow the store's own free pages (and its write-ahead log) back to ``target_bytes`` when less
-        than half is left (ckagent.node.diskfull.grow_store_reserve); returns the bytes held. A disk
-        too full for it now is logged once (until it succeeds) and leaves what there is."""
+        """Grow the store's own free pages and write-ahead log back to ``target_bytes`` when less than
+        half is left (ckagent.node.diskfull.StoreReserve.keep); returns the bytes held. Never raises."""
         with self._lock:
-            try:
-                self.reserve_bytes = grow_store_reserve(self._db, target_bytes)
-            except sqlite3.Error as exc:
-                if not self._reserve_warned:
-                    self._reserve_warned = True
-                    log.warning("the state store %s cannot keep %d MiB of free pages of its own (%s); its writes "
-                                "on a full disk may fail until there is room", self.path, target_bytes // 1024**2,
-                                exc)
-                return self.reserve_bytes
-            self._reserve_warned = False
-            return self.reserve_bytes
+            return self.reserve.keep(self._db, target_bytes)
 
     def close(self) -> None:
         """Close the database."""

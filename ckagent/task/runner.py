@@ -48,7 +48,6 @@ import trio
 
 from ckagent.code import frameworks
 from ckagent.code.deps import Checked, Dependencies, Prepared, spider_base_env
-from ckagent.code.workcopy import spider_paths
 from ckagent.code.workspace import Workspaces
 from ckagent.containment import ContainmentError, Figures, TaskJail
 from ckagent.containment.egress import Refusal, report_refusals
@@ -58,7 +57,6 @@ from ckagent.containment.process import MARKER_VAR, sweep
 from ckagent.containment.tails import TailBuffer
 from ckagent.delivery import LogSink, Outbox
 from ckagent.delivery.crawlstats import STATS_FILE
-from ckagent.delivery.diskwatch import Accounted, accounted_bytes, reclaim_scratch, release_spool_headroom
 from ckagent.delivery.lifecycle import DepsPrepared, TaskFinished, TaskStarted
 from ckagent.master.client import MasterClient, MasterError
 from ckagent.master.endpoints import Retry
@@ -77,6 +75,7 @@ from ckagent.node.errors import (
 from ckagent.node.identity import IdentityError, runs_as_text
 from ckagent.node.state import AsyncStateStore, StateStoreError
 from ckagent.node.workmodes import PRIVATE_DIR_MODE
+from ckagent.task import diskshare
 from ckagent.task.admission import Admission, RunningTask
 from ckagent.task.deploy import Clearing, Deployer
 from ckagent.task.outcome import (
@@ -192,36 +191,10 @@ class TaskRunner:
         finally:
             self._admission.task_left(task.id)
 
-    def _accounted(self, task: Task, work: Path) -> Accounted:
-        """What the task's disk use is measured over (ckagent.delivery.diskwatch): its task dir, its
-        working copy ``work``, its spider's data dir; its own limit (resources.diskBytes, else the node's)."""
-        data_dir, _home = spider_paths(self.config.work_dir, task.spider_id)
-        limit = task.resources.disk_bytes if task.resources.disk_bytes is not None else self.config.default_disk_bytes
-        return Accounted((task_dir_of(self.config.work_dir, task.id), work, data_dir), limit)
-
     async def reclaim_if_blamed(self, rt: RunningTask) -> None:
-        """After the result of a task blamed for a full disk (FAILED DISK_FULL) is recorded: remove its
-        scratch — its working copy, its spider's data dir (less ``outputs/``: earlier tasks' kept
-        files) and the files of its task dir that are not the spool — with one log line saying what
-        and how much, so the node recovers by itself. Nothing for any other task. Shielded (a few
-        unlinks in one thread hop); never raises."""
-        task = rt.task
-        watch = self._outbox.disk
-        if rt.stop.reason is not StopReason.DISK_FULL and watch.blamed(task.id) is None:
-            return
-        accounted = self._accounted(task, self.deployer.work_of(task))
-        keep = set(rt.delivery.journal.paths.values()) if rt.delivery is not None else set()
-        with trio.CancelScope(shield=True):
-            try:
-                removed, freed = await trio.to_thread.run_sync(reclaim_scratch, accounted, keep)
-            except Exception:  # never the agent's end for a task's files
-                log.exception("task %s: cannot remove its scratch after DISK_FULL", task.id)
-                removed, freed = [], 0
-            finally:
-                watch.reclaimed(task.id)
-        log.warning("task %s: its result (FAILED DISK_FULL) is recorded; removed its scratch to free the disk: %s "
-                    "(%.1f MiB freed); its spool (log, items, artifacts) stays until delivered",
-                    task.id, ", ".join(removed) or "nothing left to remove", freed / 1024**2)
+        """After its result is recorded: a task blamed for a full disk loses its scratch
+        (ckagent.task.diskshare.reclaim_if_blamed); nothing for any other task."""
+        await diskshare.reclaim_if_blamed(self._outbox.disk, self.config, self.deployer.work_of(rt.task), rt)
 
     def adopt_environment(self, env_dir: Path) -> Callable[[], None]:
         """A re-adopted task's dependency environment is in use again (collection skips it); call
@@ -460,8 +433,10 @@ class TaskRunner:
         returns runs on the loop last; it is told whether the task was blamed for a full disk.
         """
         task, handle = rt.task, mon.handle
-        accounted = self._accounted(task, Path(handle.work))
-        self._outbox.account(task.id, accounted)  # the disk loop measures its use from now on
+        accounted = diskshare.accounted_of(self.config, task, Path(handle.work))
+        outbox: Outbox | None = self._outbox  # (None: a runner tests drive without one)
+        if outbox is not None:
+            outbox.account(task.id, accounted)  # the disk loop measures its use from now on
         work_dir = self.config.work_dir
         activity = rt.delivery.activity if rt.delivery is not None else None
         if activity is not None and handle.stall_timeout > 0:
@@ -482,20 +457,16 @@ class TaskRunner:
             collected: its working copy is scratch)."""
             refused = egress.refusals(rt.egress) if egress is not None else None
             remove_task_tmp(Path(handle.status_file).parent)  # its TMPDIR goes with its last process
-            release_spool_headroom(Path(handle.status_file).parent)
-            used = accounted_bytes(accounted)
-            try:
-                free: int | None = shutil.disk_usage(work_dir).free
-            except OSError:
-                free = None
-            blamed = trio.from_thread.run_sync(self._judge_end, rt, used, free)
+            used, free = diskshare.measure_end(accounted, work_dir)
+            blamed = outbox is not None and trio.from_thread.run_sync(diskshare.judge_end, outbox.disk, rt, used, free)
             return (output_tail(sink.path), jail.figures(), refused,
                     end(refused, blamed) if end is not None else None)
 
         try:
             tail, figures, refused, last = await trio.to_thread.run_sync(end_reads)
         finally:
-            self._outbox.unaccount(task.id)
+            if outbox is not None:
+                outbox.unaccount(task.id)
         stderr_tail = TailBuffer(16384)
         stderr_tail.write(tail)
         if figures.oom_kills and not outcome.stopped:
@@ -510,21 +481,6 @@ class TaskRunner:
         if last is not None:
             last()
         return judged
-
-    def _judge_end(self, rt: RunningTask, used_bytes: int, free_bytes: int | None) -> bool:
-        """On the loop, from the end hop: whether the ended task is blamed for a full disk (its stop
-        becomes DISK_FULL if nothing else stopped it; ckagent.delivery.diskwatch.DiskWatch.judge_end)."""
-        if rt.stop.reason is StopReason.DISK_FULL:
-            return True
-        reason = self._outbox.disk.judge_end(rt.task.id, used_bytes, free_bytes)
-        if reason is None:
-            return False
-        if rt.stop.reason is None:
-            log.error("task %s: %s; it has exited already: FAILED (DISK_FULL)", rt.task.id, reason)
-            rt.stop.request(StopReason.DISK_FULL, reason)
-            return True
-        self._outbox.disk.reclaimed(rt.task.id)  # stopped for another reason first: that one stands
-        return False
 
     def _hand_over(self, rt: RunningTask) -> bool:
         """True (and the task marked handed over) when the agent leaves this task's spider running."""
