@@ -292,7 +292,7 @@ _STARTED = pytest.StashKey[tuple[float, float]]()
 
 SERIAL_GROUPS: dict[str, tuple[str, ...]] = {
     # useradd/userdel lock /etc/passwd and /etc/group: two at once fail ("cannot lock /etc/passwd")
-    "system-users": ("fixture:spider_user", "fixture:demo_user", "fixture:agent_user",
+    "system-users": ("fixture:spider_user", "fixture:demo_user", "fixture:agent_user", "fixture:runsh_user",
                      "test_runsh.py::test_spider_user_is_created_on_request_and_remembered"),
     # the session's runs of the sdk/examples spiders (tests/harness/examples.py) are per process: the tests
     # that read them share a worker, so each example runs once per path

@@ -23,6 +23,7 @@ Modes (:data:`MODES`), one per answer class of the master boundary (ckagent/mast
     html         200 text/html, a captive portal's page (not forwarded)
     truncated    forwarded; the master's JSON answer cut in half (Content-Length of the cut body)
     wrong_shape  200 application/json of the wrong shape (not forwarded)
+    empty_object 200 ``{}``: a misrouted gateway's answer (not forwarded)
     429, 503     the proxy's own 429 (text/plain, Retry-After) / 503 (text/html); not forwarded
     500, 502     the proxy's own empty 500 / 502
     401          401 {"error": …} (not forwarded): the agent registers again
@@ -62,7 +63,7 @@ import trio
 
 from ckagent.master.endpoints import CLAIM, ENDPOINTS
 
-MODES = ("pass", "html", "truncated", "wrong_shape", "429", "503", "500", "502", "401", "403", "404_html",
+MODES = ("pass", "html", "truncated", "wrong_shape", "empty_object", "429", "503", "500", "502", "401", "403", "404_html",
          "reset", "timeout", "drop", "drop_answer", "delay", "404_json", "404_spring", "413", "slow", "hang_body",
          "429_retry")
 CALLS = frozenset(ENDPOINTS) | {"other"}
@@ -218,6 +219,7 @@ def own_answer(mode: str, path: str, retry_after: int = 1) -> tuple[int, str, di
     own = {
         "html": (200, "OK", "text/html; charset=utf-8", PORTAL_PAGE),
         "wrong_shape": (200, "OK", "application/json", b'{"hello": "from the proxy", "items": [1, 2]}'),
+        "empty_object": (200, "OK", "application/json", b"{}"),
         "429": (429, "Too Many Requests", "text/plain", b"slow down\n"),
         "503": (503, "Service Unavailable", "text/html", b"<html><body>503 Service Unavailable</body></html>"),
         "500": (500, "Oops", "", b""),

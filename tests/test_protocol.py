@@ -36,10 +36,12 @@ from ckagent.master.protocol import (
     HeartbeatResponse,
     ItemBatch,
     LogBatch,
+    NodeLeaving,
     PendingTasks,
     ProtocolError,
     RegisterRequest,
     RegisterResponse,
+    ResultAccepted,
     SeqAccepted,
     SeqConflict,
     SpiderFile,
@@ -75,9 +77,11 @@ TYPES: dict[str, Any] = {
     "LogBatch": LogBatch,
     "ItemBatch": ItemBatch,
     "SeqAccepted": SeqAccepted,
+    "ResultAccepted": ResultAccepted,
     "SeqConflict": SeqConflict,
     "SpiderFile": SpiderFile,
     "TaskRelease": TaskRelease,
+    "NodeLeaving": NodeLeaving,
     "TaskOutputs": TaskOutputs,
     "ArtifactRef": ArtifactRef,
 }
@@ -165,6 +169,7 @@ def full_instances() -> dict[str, Any]:
             last_claim_poll_id=1764600000123456,
         ),
         "TaskRelease": TaskRelease(reason="claimed while the node started draining"),
+        "NodeLeaving": NodeLeaving(node_uid="5f0c1d2e3a4b4c5d8e9f0a1b2c3d4e5f", reason="drained"),
         "HeartbeatResponse": HeartbeatResponse(cancel_task_ids=["t9"], policy=VersionPolicy("0.1.0", "0.2.0")),
         "CodePackage": package,
         "Task": task,
@@ -199,6 +204,7 @@ def full_instances() -> dict[str, Any]:
         "LogBatch": LogBatch(seq=5, lines=["a", "b"]),
         "ItemBatch": ItemBatch(seq=2, items=[{"a": 1}]),
         "SeqAccepted": SeqAccepted(accepted_seq=7),
+        "ResultAccepted": ResultAccepted(status="SUCCESS"),
         "SeqConflict": SeqConflict(expected_seq=3),
         "SpiderFile": SpiderFile(id="f1", path="spiders/shop.py", size_bytes=10, sha256=SHA),
     }
@@ -331,6 +337,8 @@ OPERATIONS: dict[tuple[str, str], tuple[str | None, str | None, set[str]]] = {
         "HeartbeatResponse",
         {"200", "401", "413", "422", "429", "5XX"},
     ),
+    ("post", "/api/nodes/{nodeId}/leaving"): ("NodeLeaving", None, {"200", "401", "404", "409", "413", "422", "429",
+                                                                  "5XX"}),
     ("post", "/api/nodes/{nodeId}/batches"): ("NodeBatches", "NodeBatchResults", {"200", "400", "401", "413", "429", "5XX"}),
     ("get", "/api/nodes/{nodeId}/tasks/pending"): (None, "PendingTasks", {"200", "401", "422", "429", "5XX"}),
     ("post", "/api/tasks/{taskId}/result"): ("TaskResult", None, STREAM_STATUSES),
@@ -480,6 +488,7 @@ ENUM_FIELDS = [
     ("Task", "stopSignal", STOP_SIGNALS),
     ("TaskResult", "status", TASK_STATUSES),
     ("TaskResult", "errorCode", ERROR_CODES),
+    ("ResultAccepted", "status", FINAL_STATUSES),
 ]
 
 

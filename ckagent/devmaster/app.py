@@ -7,7 +7,7 @@ Node endpoints (``Authorization: Bearer <apiKey>``; registration uses ``X-Regist
     POST /api/nodes/{nodeId}/heartbeat          → {cancelTaskIds, minAgentVersion?, desiredAgentVersion?}
     GET  /api/nodes/{nodeId}/tasks/pending      → {tasks, cancelTaskIds}   (long poll: waitSeconds;
                                                   claim=N&pollId=P: the tasks come claimed)
-    POST /api/tasks/{taskId}/result             → {ok: true}
+    POST /api/tasks/{taskId}/result             → {ok: true, status}
     POST /api/tasks/{taskId}/release            → {ok: true, status}         (a claim given back)
     POST /api/tasks/{taskId}/logs               → {acceptedSeq}            (409 {expectedSeq} on a gap)
     POST /api/tasks/{taskId}/items              → {acceptedSeq}

@@ -44,6 +44,7 @@ from ckagent.master.protocol import (
     PendingTasks,
     ProtocolError,
     RegisterResponse,
+    ResultAccepted,
     SeqAccepted,
     SpiderFile,
     TaskRelease,
@@ -53,7 +54,7 @@ from ckagent.master.protocol import (
 from ckagent.master.protocol._fields import req_object
 
 __all__ = [
-    "ENDPOINTS", "TASK_DATA_ENDPOINTS", "Endpoint", "MasterCalls", "Retry", "any_json", "json_object",
+    "ENDPOINTS", "LEAVING", "TASK_DATA_ENDPOINTS", "Endpoint", "MasterCalls", "Retry", "any_json", "json_object",
     "node_batch_results",
 ]
 
@@ -136,14 +137,20 @@ REGISTER: Endpoint[RegisterResponse] = Endpoint(
 HEARTBEAT: Endpoint[HeartbeatResponse] = Endpoint(
     "heartbeat", "POST", "/api/nodes/{node}/heartbeat", "node", "heartbeat", HeartbeatResponse.from_json,
     "HeartbeatResponse")
+LEAVING: Endpoint[dict[str, Any]] = Endpoint(
+    "leaving", "POST", "/api/nodes/{node}/leaving", "node", "heartbeat", json_object)
+"""The agent stopped on purpose and leaves no task running: the master releases its name. Made by
+:meth:`ckagent.master.client.MasterClient.leave` (its own rules: once, bounded, never re-registering)."""
 POLL: Endpoint[PendingTasks] = Endpoint(
     "poll", "GET", "/api/nodes/{node}/tasks/pending", "node", "poll", PendingTasks.from_json, "PendingTasks")
 CLAIM: Endpoint[dict[str, Any]] = Endpoint(
     "claim", "POST", "/api/tasks/{task}/result", "task", "poll", json_object)
 RELEASE: Endpoint[dict[str, Any]] = Endpoint(
     "release", "POST", "/api/tasks/{task}/release", "task", "poll", json_object)
-RESULT: Endpoint[dict[str, Any]] = Endpoint(
-    "result", "POST", "/api/tasks/{task}/result", "node", "task streams", json_object, holds_data=True)
+RESULT: Endpoint[ResultAccepted] = Endpoint(
+    "result", "POST", "/api/tasks/{task}/result", "node", "task streams", ResultAccepted.from_json, "ResultAccepted",
+    holds_data=True)
+"""A final result: acknowledged only by the task's final status in the answer (a claim shares the route)."""
 LOGS: Endpoint[SeqAccepted] = Endpoint(
     "logs", "POST", "/api/tasks/{task}/logs", "node", "task streams", SeqAccepted.from_json, "SeqAccepted",
     holds_data=True)
@@ -165,7 +172,7 @@ DOWNLOAD: Endpoint[None] = Endpoint("download", "GET", "/api/packages/{spider}/{
 """A code package; the agent fetches the URL its task names (this template is the reference master's)."""
 
 ENDPOINTS: dict[str, Endpoint[Any]] = {e.name: e for e in (
-    REGISTER, HEARTBEAT, POLL, CLAIM, RELEASE, RESULT, LOGS, ITEMS, BATCHES, STATS, ARTIFACT, SPIDER_FILES,
+    REGISTER, HEARTBEAT, LEAVING, POLL, CLAIM, RELEASE, RESULT, LOGS, ITEMS, BATCHES, STATS, ARTIFACT, SPIDER_FILES,
     SPIDER_FILE, DOWNLOAD)}
 """Every call the agent makes, by name."""
 TASK_DATA_ENDPOINTS = frozenset(e.name for e in ENDPOINTS.values() if e.holds_data)
@@ -235,8 +242,9 @@ class MasterCalls(ABC):
         """``POST /api/tasks/{task}/release``: give back a claimed task that did not start."""
         return await self.call(RELEASE, {"task": task_id}, json=release.to_json())
 
-    async def report_result(self, task_id: str, result: TaskResult, *, retry: Retry | None = None) -> dict[str, Any]:
-        """``POST /api/tasks/{task}/result`` with a final status."""
+    async def report_result(self, task_id: str, result: TaskResult, *, retry: Retry | None = None) -> ResultAccepted:
+        """``POST /api/tasks/{task}/result`` with a final status; the answer must name the task's final
+        status (else MasterProtocolError: not an acknowledgement)."""
         return await self.call(RESULT, {"task": task_id}, json=result.to_json(), retry=retry)
 
     async def post_stream(self, kind: str, task_id: str, body: bytes) -> SeqAccepted:

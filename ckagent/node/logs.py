@@ -10,6 +10,11 @@
   a daemon whose stderr is redirected writes each line once. When stdout/stderr are that very file
   (run.sh's daemon mode), they follow it at each rotation (:class:`FollowingRotatingFileHandler`),
   so a traceback written to stderr lands in the current file, not in a rotated one.
+- One record, one line: control characters (C0, DEL, C1) and the Unicode line and paragraph
+  separators in a message are escaped (``\\n``, ``\\x1b``, ``\\u2028``: :func:`escape_controls`), so a
+  task id, spider name or any other text from the master or a spider cannot forge a line nor drive
+  a terminal; a traceback's lines are indented under their record; a JSON line escapes them in
+  its strings (decoding gives the original text back).
 - Secrets given to :func:`setup_logging` are replaced by ``***`` in every line, whatever logged them
   (:class:`Masker`, which the delivery of spider logs uses too: a secret of at least
   ``MASK_ANYWHERE_CHARS`` characters is masked wherever it occurs, a shorter one only where it stands
@@ -41,8 +46,63 @@ DEFAULT_MAX_BYTES = 10 * 1024 * 1024
 DEFAULT_BACKUP_COUNT = 5
 
 
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+"""What can end or rewrite a line: C0 and C1 controls, DEL, the Unicode line and paragraph separators
+(every character ``str.splitlines`` breaks at is among them)."""
+
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escaped(match: re.Match[str]) -> str:
+    char = match.group()
+    return _NAMED.get(char) or (f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}")
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with every control character and line separator written as a Python-style escape
+    (``\\n``, ``\\t``, ``\\x1b``, ``\\u2028``); other text, backslashes included, is unchanged, so
+    an ordinary message reads as before. The result holds no line break of any kind."""
+    return _CONTROLS.sub(_escaped, text) if _CONTROLS.search(text) else text
+
+
+class TextFormatter(logging.Formatter):
+    """:data:`TEXT_FORMAT` lines whose message is one line whatever it holds (:func:`escape_controls`);
+    a traceback or stack follows on lines of its own, each indented by two spaces, so every line that
+    starts in the first column starts a record."""
+
+    def __init__(self) -> None:
+        super().__init__(TEXT_FORMAT)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        """The record's line with its message escaped (the record itself is left as it was)."""
+        message = record.message
+        record.message = escape_controls(message)
+        try:
+            return super().formatMessage(record)
+        finally:
+            record.message = message
+
+    def formatException(self, ei: Any) -> str:
+        """The traceback, control characters other than line breaks escaped, each line indented."""
+        return _indented(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:
+        """The stack, as :meth:`formatException`."""
+        return _indented(super().formatStack(stack_info))
+
+
+def _indented(text: str) -> str:
+    return "\n".join("  " + escape_controls(line) for line in text.split("\n"))
+
+
+_JSON_BREAKS = re.compile("[\x7f-\x9f\u2028\u2029]")
+
+
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time (ISO-8601 UTC), level, logger, message, fields, exception text."""
+    """One JSON object per line: time (ISO-8601 UTC), level, logger, message, fields, exception text.
+
+    No line break of any kind stays raw: json escapes C0 controls, and DEL, C1 controls and the
+    Unicode separators (which ``ensure_ascii=False`` would leave raw) are written as ``\\uXXXX``."""
 
     def format(self, record: logging.LogRecord) -> str:
         """Render ``record`` as one JSON line (never containing a raw newline)."""
@@ -58,7 +118,8 @@ class JsonFormatter(logging.Formatter):
                 entry.setdefault(str(key), value)
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry, ensure_ascii=False, default=str)
+        line = json.dumps(entry, ensure_ascii=False, default=str)
+        return _JSON_BREAKS.sub(lambda m: f"\\u{ord(m.group()):04x}", line)
 
 
 MASK_ANYWHERE_CHARS = 8
@@ -246,7 +307,7 @@ def setup_logging(
     random token. Raises OSError if the file cannot be opened.
     """
     secrets = [s for s in secrets if s]
-    inner: logging.Formatter = JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT)
+    inner: logging.Formatter = JsonFormatter() if fmt == "json" else TextFormatter()
     formatter = RedactingFormatter(inner, secrets)
     root = logging.getLogger()
     for handler in list(root.handlers):

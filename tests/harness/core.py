@@ -228,7 +228,7 @@ class MemoryMaster:
             task, kind, body = parts[2], parts[3], json.loads(request.content)
             if kind == "result":
                 self.results.setdefault(task, []).append(body)
-                return httpx.Response(200, json={})
+                return httpx.Response(200, json={"status": body["status"]})  # ResultAccepted
             stored = (self.logs if kind == "logs" else self.items).setdefault(task, [])
             seq, batch = body["seq"], body["lines" if kind == "logs" else "items"]
             if seq > len(stored):

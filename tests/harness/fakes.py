@@ -109,7 +109,8 @@ class PollMaster:
             if body["status"] == "RUNNING":
                 await trio.sleep(self.claim_delay)
             status = self.claim_status(task_id) if body["status"] == "RUNNING" else 200
-            return httpx.Response(status, json={"error": "already claimed"} if status == 409 else {"ok": True})
+            return httpx.Response(status, json={"error": "already claimed"} if status == 409
+                                  else {"ok": True, "status": body["status"]})
         return httpx.Response(404, json={"error": f"no route {path}"})
 
     async def wait_polls(self, count: int) -> None:
@@ -142,7 +143,7 @@ class BatchMaster:
         body = json.loads(request.content)
         if path.endswith("/result"):
             self.results.append(body)
-            return httpx.Response(200, json={})
+            return httpx.Response(200, json={"status": body["status"]})  # ResultAccepted
         kind = path.rsplit("/", 1)[1]
         key = "lines" if kind == "logs" else "items"
         stored = self.logs if kind == "logs" else self.items

@@ -26,7 +26,7 @@ from ckagent.master.protocol._fields import (
     str_list,
 )
 from ckagent.master.protocol.outputs import ArtifactRef, artifact_list
-from ckagent.master.protocol.vocabulary import ERROR_CODES, TASK_STATUSES
+from ckagent.master.protocol.vocabulary import ERROR_CODES, FINAL_STATUSES, TASK_STATUSES
 
 
 @dataclass(frozen=True)
@@ -233,6 +233,24 @@ class SeqAccepted:
     def to_json(self) -> dict[str, Any]:
         """The camelCase JSON body."""
         return {"acceptedSeq": self.accepted_seq}
+
+
+@dataclass(frozen=True)
+class ResultAccepted:
+    """200 answer to a final result: ``status`` = the task's final status the master now holds
+    (SUCCESS, FAILED or CANCELLED: the one sent, or the first of a repeat). Its absence is no
+    acknowledgement: a ``200 {}`` of a misrouted gateway or a wrong route says nothing was stored."""
+
+    status: str
+
+    @classmethod
+    def from_json(cls, obj: Any) -> ResultAccepted:
+        """Validate a decoded JSON body. Raises ProtocolError naming ``status``."""
+        return cls(status=req_choice(req_object(obj, ""), "status", FINAL_STATUSES))
+
+    def to_json(self) -> dict[str, Any]:
+        """The camelCase JSON body."""
+        return {"status": self.status}
 
 
 @dataclass(frozen=True)
