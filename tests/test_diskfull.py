@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import trio
 from harness import agent_settings, items_of, output_lines, running_agent, small_disk, submit
@@ -114,6 +115,9 @@ async def test_a_burst_that_exited_is_blamed_and_its_neighbour_loses_nothing(
             assert any("removed its scratch" in r.getMessage() and burst in r.getMessage() for r in caplog.records)
             culprit = agent.outbox.disk.last_culprit  # what the status page shows
             assert culprit is not None and culprit.task_id == burst and culprit.used_bytes > 60 * MIB
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{agent.status_port}", timeout=10) as http:
+                shown = (await http.get("/status")).json()["diskCulprit"]
+            assert shown["taskId"] == burst and shown["usedBytes"] == culprit.used_bytes, shown
             assert shutil.disk_usage(work).free > FLOOR_BYTES
 
 
