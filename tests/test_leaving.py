@@ -249,14 +249,21 @@ async def test_a_refused_leaving_does_not_register_again(dev_master: Any, nurser
         await client.aclose()
 
 
+@pytest.mark.parametrize(("mode", "said"), [
+    ("timeout", "did not answer the leaving call within"),
+    ("reset", "could not tell the master this node is leaving"),
+    ("503", "could not tell the master this node is leaving"),
+    ("html", "could not tell the master this node is leaving"),  # a 200 that is not the protocol's
+])
 async def test_the_master_down_at_leave_time_costs_one_line_and_a_bounded_wait(
-    dev_master: Any, nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    dev_master: Any, nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture, mode: str, said: str
 ) -> None:
-    """A master that holds the leaving call unanswered (or refuses the connection) holds the agent's stop
-    for LEAVE_TIMEOUT at most; it exits 0 and its name stays guarded by the heartbeat rule."""
+    """A master that holds the leaving call unanswered, resets it, answers 503 or a portal's page holds
+    the agent's stop for LEAVE_TIMEOUT at most, never retried; it exits 0 and its name stays guarded
+    by the heartbeat rule."""
     proxy = FaultProxy(int(dev_master.base_url.rsplit(":", 1)[1]))
     port = await nursery.start(proxy.serve)
-    proxy.set("timeout", ["leaving"])
+    proxy.set(mode, ["leaving"])
     settings = agent_settings(tmp_path / "w", f"http://127.0.0.1:{port}", dev_master.registration_token,
                               AGENT_NAME="hung")
     caplog.set_level(logging.INFO)
@@ -279,7 +286,7 @@ async def test_the_master_down_at_leave_time_costs_one_line_and_a_bounded_wait(
     assert codes == [0]
     assert took < FINAL_BEAT_TIMEOUT + LEAVE_TIMEOUT + 3, took
     assert proxy.faulted("leaving") == 1
-    assert any("did not answer the leaving call" in r.getMessage() for r in caplog.records)
+    assert sum(said in r.getMessage() for r in caplog.records) == 1
     [node] = await dev_master.admin.list_nodes()
     assert node["leftAt"] is None
 
