@@ -316,7 +316,7 @@ class Agent:
                          identities=identities, stall_timeout=s.task.stall_timeout, containment=containment,
                          egress=self.egress,
                          default_limits=Limits(s.task.memory_limit_bytes, s.task.pids_limit, s.task.cpus_limit),
-                         max_artifact_bytes=s.task.max_artifact_bytes),
+                         max_artifact_bytes=s.task.max_artifact_bytes, default_disk_bytes=s.task.disk_limit_bytes),
             self.master, store, workspaces, deps, self.max_workers,
             outbox=outbox, lifecycle=self.lifecycle,
         )
