@@ -193,13 +193,15 @@ async def _get(port: int, path: str) -> httpx.Response:
         return await http.get(path)
 
 
+@pytest.mark.parametrize("levels", [{}, {"AGENT_TASK_EGRESS": "proxy", "AGENT_TASK_CONTAINMENT": "process-group"},
+                                    {"AGENT_TASK_EGRESS": "off"}], ids=["auto", "proxy+process-group", "egress-off"])
 async def test_status_and_page_show_uptime_levels_upgrades_and_culprit(
-    dev_master: Any, nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    dev_master: Any, nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, levels: dict[str, str]
 ) -> None:
     state = _state(tmp_path, json.dumps({**RECORD, "reason": "<script>alert(1)</script>"}).encode(),
                    b"0.3.0\n<img src=x onerror=alert(2)>\n")
     monkeypatch.setenv(STATE_DIR_ENV, str(state))  # what run.sh exports
-    settings_ = agent_settings(tmp_path / "w", dev_master.base_url, dev_master.registration_token)
+    settings_ = agent_settings(tmp_path / "w", dev_master.base_url, dev_master.registration_token, **levels)
     with trio.fail_after(60):
         async with running_agent(nursery, settings_) as agent:
             assert agent.status_port is not None
@@ -209,6 +211,10 @@ async def test_status_and_page_show_uptime_levels_upgrades_and_culprit(
             assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", status["startedAt"])
             assert agent.egress is not None and agent.identities is not None
             assert status["egress"]["level"] == agent.egress.to_json()["level"]
+            if levels:
+                assert status["egress"]["level"] == levels["AGENT_TASK_EGRESS"]
+            if "AGENT_TASK_CONTAINMENT" in levels:
+                assert status["containment"]["level"] == "process-group"
             assert status["identity"]["level"] == agent.identities.to_json()["level"]
             assert status["tasksAtStart"] == {"readopted": {"count": 0, "ids": []},
                                               "notReadopted": {"count": 0, "tasks": []}}
@@ -238,8 +244,10 @@ async def test_status_and_page_show_uptime_levels_upgrades_and_culprit(
 
             # the disk watch's culprit (ckagent.delivery.diskwatch's DiskCulprit: task_id, used_bytes, at, reason)
             assert agent.outbox is not None
-            agent.outbox.disk.last_culprit = SimpleNamespace(  # type: ignore[attr-defined]
-                task_id="t<1>", used_bytes=300 << 20, at=1764950400.0, reason="filled the disk: <300 MiB>")
+            # (set by name: before the disk watch keeps a culprit the attribute does not exist on main)
+            culprit_attr = "last_culprit"
+            setattr(agent.outbox.disk, culprit_attr, SimpleNamespace(
+                task_id="t<1>", used_bytes=300 << 20, at=1764950400.0, reason="filled the disk: <300 MiB>"))
             status = (await _get(agent.status_port, "/status")).json()
             assert status["diskCulprit"] == {"taskId": "t<1>", "usedBytes": 300 << 20,
                                              "at": "2025-12-05T16:00:00.000Z", "reason": "filled the disk: <300 MiB>"}
