@@ -49,6 +49,9 @@ from ckagent.node.state import AsyncStateStore, StateStore, StateStoreError, Tas
 log = logging.getLogger(__name__)
 
 
+FULL_MEASURE_EVERY = 5
+"""While the disk is calm (at least twice the critical level free, not falling fast), the accounted trees
+are walked every this many looks of the disk loop (a spider's data dir may hold many files)."""
 HAND_OVER_FLUSH_TIMEOUT = 2.0
 """Seconds a hand-over spends sending what was already read (lines, items, finished tasks' results)
 before exiting; the next agent sends the rest from the acknowledged positions (docs/operations.md)."""
@@ -80,6 +83,8 @@ class Outbox:
         ``last_culprit`` (a DiskCulprit or None) is the status page's."""
         self.accounted: dict[str, Accounted] = {}
         """The running tasks' trees whose disk use the disk loop measures (:meth:`account`)."""
+        self._used: dict[str, int] = {}  # each accounted task's use at its last measure (bytes)
+        self._looks = 0
         self.on_disk_full: Callable[[str, str], None] | None = None
         """Called with (task id, reason) for a running task that fills the disk: the agent stops it DISK_FULL."""
         self._store_full = False  # the last flush of positions met a full disk (logged once)
@@ -321,9 +326,14 @@ class Outbox:
             await self._flush_positions()  # the shippers' acknowledged positions, all streams at once
             live = [delivery for delivery in self.deliveries.values() if delivery.scanning]
             acked, self._acked = self._acked, set()
-            accounted = list(self.accounted.items())
-            spool = _headroom_fds(live)  # duplicated here: a descriptor closed meanwhile is not reused under us
             last_free = self.guard.free_bytes
+            self._looks += 1
+            calm = (last_free is not None and last_free >= 2 * self.disk.critical_bytes
+                    and self.disk.next_interval() >= SCAN_INTERVAL and self._looks % FULL_MEASURE_EVERY)
+            # A calm disk: the trees are walked every FULL_MEASURE_EVERY looks (new tasks at once).
+            accounted = [(task_id, entry) for task_id, entry in self.accounted.items()
+                         if not calm or task_id not in self._used]
+            spool = _headroom_fds(live)  # duplicated here: a descriptor closed meanwhile is not reused under us
             keep = last_free is not None and last_free > self.disk.critical_bytes + 2 * STORE_RESERVE_BYTES
             found, free, sizes, unmarked = await trio.to_thread.run_sync(
                 _scan_round, live, self.guard.path, accounted, spool, self.store.sync, acked, keep)  # one hop
@@ -333,8 +343,9 @@ class Outbox:
                 if delivery.sink is not None and delivery.sink.full_since is not None:
                     delivery.sink.retry()
             self.guard.measured(free)
-            self._watch_disk(free, {task_id: size for (task_id, _), size in zip(accounted, sizes, strict=True)
-                                    if task_id in self.accounted})
+            self._used.update((task_id, size) for (task_id, _), size in zip(accounted, sizes, strict=True))
+            self._used = {task_id: self._used[task_id] for task_id in self.accounted if task_id in self._used}
+            self._watch_disk(free, dict(self._used))
             self._looked.set()
 
     async def next_look(self) -> None:
