@@ -6,6 +6,7 @@ See the package docstring (ckagent.delivery) for the whole design.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -394,45 +395,50 @@ class Outbox:
             log.info("the acknowledged positions are saved again")
 
 
-def _headroom_fds(deliveries: list[TaskDelivery]) -> list[tuple[int, int]]:
-    """(a duplicate of the descriptor, the headroom it gets) for each open spool file the agent holds
-    of ``deliveries``: output.log, the journals. On the Trio thread (dup: microseconds)."""
-    fds: list[tuple[int, int]] = []
+def _headroom_fds(deliveries: list[TaskDelivery]) -> list[tuple[TaskDelivery, list[tuple[int, int]]]]:
+    """Per delivery, (a duplicate of the descriptor, the headroom it gets) for each open spool file the
+    agent holds: output.log, the journals. On the Trio thread (dup: microseconds)."""
+    found: list[tuple[TaskDelivery, list[tuple[int, int]]]] = []
     for delivery in deliveries:
         held = [(delivery.sink.fileno() if delivery.sink is not None else -1, SPOOL_HEADROOM_BYTES),
                 (delivery.journal.fileno(), JOURNAL_HEADROOM_BYTES)]
         if delivery.item_journal is not None:
             held.append((delivery.item_journal.fileno(), JOURNAL_HEADROOM_BYTES))
+        fds: list[tuple[int, int]] = []
         for fd, size in held:
             if fd >= 0:
-                try:
+                with contextlib.suppress(OSError):
                     fds.append((os.dup(fd), size))
+        found.append((delivery, fds))
+    return found
+
+
+def _top_up(spool: list[tuple[TaskDelivery, list[tuple[int, int]]]]) -> None:
+    """Blocks held beyond the end of every running task's appended spool files again (their writers
+    used some): the agent's descriptors (closed here) and each items.jsonl — not once the task's
+    delivery has given them back (its process is over). Blocking."""
+    for delivery, fds in spool:
+        with delivery.headroom:
+            try:
+                if delivery.headroom_given_back:
+                    continue
+                for fd, size in fds:
+                    preallocate(fd, size)
+                try:
+                    items = open_spool(delivery.task_dir / ITEMS_FILE, os.O_WRONLY)
                 except OSError:
                     continue
-    return fds
-
-
-def _top_up(deliveries: list[TaskDelivery], fds: list[tuple[int, int]]) -> None:
-    """Blocks held beyond the end of every running task's appended spool files again (their writers
-    used some): the agent's descriptors ``fds`` (closed here) and each items.jsonl. Blocking."""
-    for fd, size in fds:
-        try:
-            preallocate(fd, size)
-        finally:
-            os.close(fd)
-    for delivery in deliveries:
-        try:
-            fd = open_spool(delivery.task_dir / ITEMS_FILE, os.O_WRONLY)
-        except OSError:
-            continue
-        try:
-            preallocate(fd, SPOOL_HEADROOM_BYTES)
-        finally:
-            os.close(fd)
+                try:
+                    preallocate(items, SPOOL_HEADROOM_BYTES)
+                finally:
+                    os.close(items)
+            finally:
+                for fd, _ in fds:
+                    os.close(fd)
 
 
 def _scan_round(deliveries: list[TaskDelivery], disk: Path, accounted: list[tuple[str, Accounted]],
-                fds: list[tuple[int, int]], store: StateStore, acked: set[str],
+                spool: list[tuple[TaskDelivery, list[tuple[int, int]]]], store: StateStore, acked: set[str],
                 keep_reserve: bool) -> tuple[list[Scanned], int | None, list[int], set[str]]:
     """One round of the disk loop in its worker thread (blocking): the acknowledged results marked
     (:func:`_mark_all`), :func:`_scan_all`, the spool files' headroom topped up (:func:`_top_up`),
@@ -440,7 +446,7 @@ def _scan_round(deliveries: list[TaskDelivery], disk: Path, accounted: list[tupl
     bytes of the filesystem holding ``disk`` (None when it cannot be measured), each accounted
     task's bytes (ckagent.delivery.diskwatch.accounted_bytes) and the marks that could not be written."""
     unmarked = _mark_all(store, acked)
-    _top_up(deliveries, fds)
+    _top_up(spool)
     if keep_reserve:
         store.keep_reserve()
     sizes = [accounted_bytes(entry) for _, entry in accounted]
