@@ -18,16 +18,22 @@ import httpx
 import pytest
 import trio
 from harness import (  # noqa: F401 -- no_strays: autouse fixture
+    Releases,
+    RunShNode,
     agent_settings,
     eventually,
+    failed_versions,
     no_strays,
+    out,
     running_agent,
+    stand_in_release,
     submit,
     wait_for_log,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import ckagent
 from ckagent.port.status import AgentStatus
 from ckagent.port.statusrows import node_history_rows
 from ckagent.port.statusrunsh import (
@@ -316,3 +322,32 @@ def test_duration_and_ids_texts() -> None:
     assert rows["not re-adopted (AGENT_LOST)"] == "1: x (gone)"
     assert dict(node_history_rows({"uptimeSeconds": 125}))["up since"] == "— UTC (2 min 5 s)"
     assert dict(node_history_rows({"uptimeSeconds": float("nan")}))["up since"] == "— UTC (—)"
+
+
+@pytest.mark.slow
+async def test_a_real_run_sh_rollback_is_on_the_page_of_the_agent_it_left_running(
+        node: RunShNode, releases: Releases, pyz: Path, tmp_path: Path, dev_master: Any) -> None:
+    """run.sh starts the agent (exporting CK_RUNSH_STATE_DIR), an upgrade to a release that never
+    becomes healthy is rolled back: the agent running afterwards shows run.sh's record of it and the
+    failed version, on /status and on the page."""
+    releases.publish(pyz, ckagent.__version__)
+    env = {"AGENT_RELEASE_URL": releases.url, "AGENT_UPGRADE_HEALTH_TIMEOUT": "5"}
+    started = await node.sh("start", "--daemon=on", **env)
+    assert started.returncode == 0, out(started)
+    assert (await _get(node.port, "/status")).json()["upgrades"]["lastChangeUnknown"] == "none recorded"
+    releases.publish(stand_in_release(tmp_path / "sick.pyz", "104.0.0"), "104.0.0")
+    upgraded = await node.sh("upgrade", "104.0.0", **env)
+    assert upgraded.returncode != 0 and "rolled back" in out(upgraded), out(upgraded)
+    assert await node.healthz() == 200
+    upgrades = (await _get(node.port, "/status")).json()["upgrades"]
+    assert upgrades["stateDir"] == str(node.directory / ".ckagent")
+    change = upgrades["lastChange"]
+    assert {k: change[k] for k in ("action", "from", "to", "outcome")} == {
+        "action": "upgrade", "from": ckagent.__version__, "to": "104.0.0", "outcome": "rolled-back"}, change
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.000Z", change["at"]) and change["reason"]
+    assert upgrades["failedVersions"] == ["104.0.0"] == failed_versions(node)
+    page = (await _get(node.port, "/")).text
+    assert f"<th>last upgrade / rollback</th><td>upgrade {ckagent.__version__} → 104.0.0: rolled-back" in page
+    assert "<th>failed versions</th><td>1: 104.0.0</td>" in page
+    stopped = await node.sh("stop")
+    assert stopped.returncode == 0, out(stopped)
