@@ -5,20 +5,30 @@ Real agents, the real reference master, a fault proxy between them on 127.0.0.1 
 | what happens | expected |
 | --- | --- |
 | the final result is answered ``200 {}`` (a misrouted gateway) | not an acknowledgement: sent again until the master names the task's status |
+| a task's args, env or params over the kernel's exec limits | FAILED/BAD_TASK naming the field and the limit (MAX_ARG_STRLEN, ARG_MAX) |
 """
 
 from __future__ import annotations
 
+import errno
+import json
+import re
+import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 from faultproxy import FaultProxy
-from harness import agent_settings, eventually, running_agent, submit
+from harness import agent_settings, eventually, running_agent, spider_zip, submit
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ckagent.agent import Agent
+from ckagent.master.protocol import Task
+from ckagent.task.execlimits import BadTaskError, arg_max, check_exec_size, max_arg_strlen
 
 RUN_ONCE = "import os\nwith open(os.path.join(os.environ['CK_DATA_DIR'], 'runs.txt'), 'a') as f:\n    f.write('ran\\n')\n"
 
@@ -55,3 +65,81 @@ async def test_a_200_empty_object_to_the_result_is_not_an_acknowledgement(
     # would not name it, the master would hand it out again and it would run again.
     runs = [p.read_text() for p in (tmp_path / "agent" / "spider-data").glob("*/runs.txt")]
     assert runs == ["ran\n"], runs
+
+
+# ------------------------------------------------------------------- task params over the exec limits
+
+
+def _task(**fields: Any) -> Task:
+    return Task(id="t1", spider_id="s1", spider_name="shop", framework="python", **fields)
+
+
+def _kernel_takes(argv: list[str], env: dict[str, str]) -> bool:
+    """Whether the kernel execs ``argv`` with ``env`` (False: E2BIG) — /bin/true, for real."""
+    try:
+        subprocess.run(["/bin/true", *argv], env=env, check=True, timeout=10)
+    except OSError as exc:
+        if exc.errno == errno.E2BIG:
+            return False
+        raise
+    return True
+
+
+@settings(max_examples=40, deadline=None)
+@given(arg_sizes=st.lists(st.integers(0, 200_000), max_size=24),
+       env_sizes=st.lists(st.integers(0, 200_000), max_size=24), text=st.text(st.characters(codec="utf-8", exclude_characters="\x00"), min_size=1, max_size=3))
+def test_the_exec_check_refuses_what_the_kernel_refuses(arg_sizes: list[int], env_sizes: list[int],
+                                                        text: str) -> None:
+    """Whatever the sizes: the check refuses everything the kernel refuses (E2BIG, tried for real),
+    naming a task field, and lets through what is clear of the kernel's limits by its reserve."""
+    args = [(text * (n // len(text.encode()) + 1))[:n] for n in arg_sizes]
+    env = {f"V{i}": "v" * n for i, n in enumerate(env_sizes)}
+    task = _task(args=args, env=env)
+    full_env = {"PATH": "/usr/bin:/bin", **env}
+    try:
+        check_exec_size(task, ["/bin/true", *args], full_env)
+    except BadTaskError as exc:
+        assert re.search(r"(args\[\d+\]|env\.V\d+|args) ", str(exc)), str(exc)
+        assert "MAX_ARG_STRLEN" in str(exc) or "ARG_MAX" in str(exc)
+        return
+    assert _kernel_takes(args, full_env)
+
+
+def test_the_check_names_the_field_and_the_limit() -> None:
+    strlen = max_arg_strlen()
+    with pytest.raises(BadTaskError, match=rf"^args\[1\] is {strlen} bytes .*MAX_ARG_STRLEN = {strlen - 1} bytes"):
+        check_exec_size(_task(args=["a", "x" * strlen]), ["scrapy", "a", "x" * strlen], {})
+    with pytest.raises(BadTaskError, match=r"^env\.BIG is .*MAX_ARG_STRLEN"):
+        check_exec_size(_task(env={"BIG": "x" * strlen}), ["scrapy"], {"BIG": "x" * strlen})
+    big = {"P": "y" * (strlen - 10)}
+    with pytest.raises(BadTaskError, match=r"^params is .*MAX_ARG_STRLEN"):
+        check_exec_size(_task(params=big), ["scrapy"], {"CK_PARAMS": json.dumps(big)})
+    many = {f"E{i}": "z" * 100_000 for i in range(30)}
+    with pytest.raises(BadTaskError, match=rf"^env\.E\d+ makes .*ARG_MAX = {arg_max()} bytes"):
+        check_exec_size(_task(env=many), ["scrapy"], many)
+    check_exec_size(_task(args=["x" * (strlen - 1)]), ["scrapy", "x" * (strlen - 1)], {})  # just under: taken
+
+
+async def test_params_over_the_kernels_limits_are_bad_task_naming_field_and_limit(
+    dev_master: Any, nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    admin = dev_master.admin
+    strlen = max_arg_strlen()
+    spider_id = await admin.create_spider(name="argv", framework="python")
+    await admin.upload_package(spider_id, spider_zip({"main.py": "import sys\nprint(len(sys.argv))\n"}))
+    settings_ = agent_settings(tmp_path / "agent", dev_master.base_url, dev_master.registration_token)
+    with trio.fail_after(120):
+        async with running_agent(nursery, settings_):
+            one = await admin.create_task(spider_id, args=["x" * strlen])
+            first = await admin.wait_task_final(one, 60)
+            total = await admin.create_task(spider_id, env={f"E{i:02d}": "z" * 100_000 for i in range(30)})
+            second = await admin.wait_task_final(total, 60)
+            fine = await admin.create_task(spider_id, args=["x" * (strlen - 1)])
+            third = await admin.wait_task_final(fine, 60)
+    assert (first["status"], first["errorCode"]) == ("FAILED", "BAD_TASK"), first
+    assert first["errorMessage"].startswith("args[0] is ") and f"MAX_ARG_STRLEN = {strlen - 1} bytes" in first[
+        "errorMessage"], first
+    assert (second["status"], second["errorCode"]) == ("FAILED", "BAD_TASK"), second
+    assert re.match(r"env\.E\d\d makes", second["errorMessage"]) and f"ARG_MAX = {arg_max()}" in second[
+        "errorMessage"], second
+    assert third["status"] == "SUCCESS", third  # just under the limit for one string: run
