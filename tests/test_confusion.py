@@ -6,6 +6,7 @@ Real agents, the real reference master, a fault proxy between them on 127.0.0.1 
 | --- | --- |
 | the final result is answered ``200 {}`` (a misrouted gateway) | not an acknowledgement: sent again until the master names the task's status |
 | a task's args, env or params over the kernel's exec limits | FAILED/BAD_TASK naming the field and the limit (MAX_ARG_STRLEN, ARG_MAX) |
+| every log and item batch answered 403 ``{"error"}`` (not an explicit drop) | after ``server.refusal_timeout`` the result says ``incomplete`` with the master's reason |
 """
 
 from __future__ import annotations
@@ -143,3 +144,39 @@ async def test_params_over_the_kernels_limits_are_bad_task_naming_field_and_limi
     assert re.match(r"env\.E\d\d makes", second["errorMessage"]) and f"ARG_MAX = {arg_max()}" in second[
         "errorMessage"], second
     assert third["status"] == "SUCCESS", third  # just under the limit for one string: run
+
+
+# --------------------------------------------------------- a batch the master keeps refusing
+
+
+REFUSED_SPIDER = r"""
+import time
+import crawlerkeeper_sdk as ck
+for i in range(200):
+    print(f"line {i:04d}", flush=True)
+    ck.save_item({"n": i})
+    if i % 50 == 49:
+        time.sleep(0.2)
+"""
+
+
+@pytest.mark.slow
+async def test_a_batch_refused_past_the_refusal_timeout_ends_incomplete_with_the_masters_reason(
+    dev_master: Any, nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """403 {"error": …} in the protocol's words on every log and item batch (not an explicit drop:
+    no 409, no element named): after ``server.refusal_timeout`` the streams end, the result says
+    ``incomplete`` with the master's reason; the spool stays on the node."""
+    admin = dev_master.admin
+    with trio.fail_after(120):
+        async with behind_proxy(dev_master, nursery, tmp_path, AGENT_SERVER_REFUSAL_TIMEOUT="2") as (proxy, _agent):
+            proxy.set("403", ["logs", "items"])  # the result itself passes
+            task_id = await submit(admin, "refused", {"main.py": REFUSED_SPIDER})
+            task = await admin.wait_task_final(task_id, 90)  # today: never (retried forever)
+        assert proxy.faulted("logs") + proxy.faulted("items") >= 2
+    assert task["status"] == "SUCCESS" and task["incomplete"] is True, task
+    reason = task["incompleteReason"]
+    assert "403" in reason and "blocked by the proxy" in reason and "for 2 s" in reason, reason
+    assert task["logLines"] == 0 and task["itemCount"] == 0, task  # what the master holds
+    task_dir = tmp_path / "agent" / "tasks" / task_id
+    assert (task_dir / "items.jsonl").exists() and (task_dir / "output.log").exists()  # the spool stays

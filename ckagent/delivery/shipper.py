@@ -47,6 +47,10 @@ from ckagent.node.state import AsyncStateStore, StateStoreError
 
 log = logging.getLogger(__name__)
 
+PASSING_REFUSALS = frozenset({401, 408})
+"""4xx answers that never end a stream, however long they last: 401 (the client registers again;
+a node-wide matter) and 408 (the request's own time-out)."""
+
 """Not an answer that moves the stream: the batch goes again after a backoff."""
 
 
@@ -63,8 +67,9 @@ class StreamShipper:
     :meth:`notify` says the spool grew; :meth:`finish` says the items file is complete (the log
     stream knows it from the journal's E record). ``stats``:
     ``acked`` elements the master holds, ``read`` elements read. ``refused`` is True when the master
-    refused the stream for good (a 409 without ``expectedSeq``, or "unknown task" for longer than
-    ``refusal_timeout`` seconds): the stream is then incomplete and the result says so.
+    refused the stream for good (a 409 without ``expectedSeq``, or any other 4xx in the protocol's
+    words — "unknown task", 403, 400, … — for longer than ``refusal_timeout`` seconds): the stream is
+    then incomplete and the result says so, with the master's reason (:attr:`refusal`).
     ``refusing_since`` is the trio time the batch on its way was first refused (None while it is not),
     ``placeholders`` counts elements the master refused on their own (replaced by a placeholder);
     ``waiting_since`` (epoch seconds) how long what was read has waited (see the attribute).
@@ -100,6 +105,8 @@ class StreamShipper:
         self._refusal_timeout = refusal_timeout
         self.acked = 0
         self.refused = False
+        self.refusal: str | None = None
+        """With :attr:`refused`: why, in the master's words (``"logs: master answered 403 (quota)"``)."""
         self.refusing_since: float | None = None
         self.placeholders = 0
         self.waiting_since: float | None = None
@@ -248,7 +255,7 @@ class StreamShipper:
             if flight is not None and flight.answer is not None:
                 answer, n, self._flight = flight.answer, flight.count, None
                 if answer.kind == "refused":
-                    self.refused = True
+                    self.refused, self.refusal = True, answer.reason
                     await self._end()
                     return None
                 if answer.kind == "shrink":
@@ -265,6 +272,7 @@ class StreamShipper:
                                   "not sending the stream any more; the result will say incomplete",
                                   self.task_id, self.stream, self._seq)
                         self.refused = True
+                        self.refusal = f"{self.stream}: the master refused even the placeholder of element {self._seq}"
                         await self._end()
                         return None
                     if answer.expected == 0:
@@ -453,7 +461,7 @@ class StreamShipper:
                 return Answer("expected", expected)
             log.error("task %s %s: the master refuses the stream (%s); not sending it any more; the "
                       "result will say incomplete", self.task_id, self.stream, exc)
-            return Answer("refused")
+            return Answer("refused", reason=str(exc))
         if isinstance(exc, MasterRejected):
             return self._refusal(exc, count) or RETRY
         return None
@@ -476,11 +484,12 @@ class StreamShipper:
         if lasted >= self._refusal_timeout:
             if exc.status == 413:  # count == 1: this element, not the batch size
                 return Answer("shrink")
-            if exc.status == 404:
-                log.error("task %s %s: the master has not known the task for %.0f s (404; server.refusal_timeout); "
-                          "not sending the stream any more; the result will say incomplete, the spool stays on "
-                          "the node", self.task_id, self.stream, lasted)
-                return Answer("refused")
-        # Not the master's word to drop anything (a 404 of a master restarting, 403, 408, a lone 413
-        # for a moment, ...): the batch is retried with backoff; logged once per episode by the client.
+            if exc.status not in PASSING_REFUSALS:
+                log.error("task %s %s: the master has refused the stream for %.0f s (%s; server.refusal_timeout); "
+                          "not sending it any more; the result will say incomplete, with that reason; the spool "
+                          "stays on the node", self.task_id, self.stream, lasted, exc)
+                return Answer("refused", reason=f"{exc} for {lasted:.0f} s")
+        # Not (yet) the master's word to drop anything (a 404 of a master restarting, a 403 for a
+        # moment, 401 until registered again, 408, a lone 413 for a moment, ...): the batch is retried
+        # with backoff; logged once per episode by the client.
         return None

@@ -341,15 +341,19 @@ class TaskDelivery:
         if not self.ship_logs:
             refused.insert(0, "log")
         incomplete = True if refused or self.result.incomplete else None
+        reasons = [shipper.refusal for shipper in (self.logs, self.items) if shipper.refused and shipper.refusal]
+        reason_text = "; ".join(reasons) or self.result.incomplete_reason
         if refused:
-            log.error("task %s: its result says incomplete: the master refused its %s for good; it holds %d log "
-                      "lines and %d items; the spool stays in %s until task.retention", self.task_id,
-                      " and ".join(refused), self.logs.acked, self.items.acked, self.task_dir)
+            log.error("task %s: its result says incomplete: the master refused its %s for good (%s); it holds %d "
+                      "log lines and %d items; the spool stays in %s until task.retention", self.task_id,
+                      " and ".join(refused), reason_text or "no reason given", self.logs.acked, self.items.acked,
+                      self.task_dir)
         # Artifacts go before the result, which lists what the master holds (ckagent.delivery.artifacts).
         artifacts = await upload_artifacts(self.outbox.master, self.task_id, self.task_dir, self.outbox.limiter,
                                            artifact_state)
         result = dataclasses.replace(self.result, item_count=self.items.acked, log_lines=self.logs.acked,
                                      stats=stats, finish_reason=reason, incomplete=incomplete,
+                                     incomplete_reason=reason_text if incomplete else None,
                                      artifacts=artifacts)
         # Stored before it is sent, with the streams' last positions (what the status page shows of a
         # finished task, and where a crash resumes); acknowledged, it is marked so in the outbox's next
