@@ -180,3 +180,42 @@ async def test_a_batch_refused_past_the_refusal_timeout_ends_incomplete_with_the
     assert task["logLines"] == 0 and task["itemCount"] == 0, task  # what the master holds
     task_dir = tmp_path / "agent" / "tasks" / task_id
     assert (task_dir / "items.jsonl").exists() and (task_dir / "output.log").exists()  # the spool stays
+
+
+# ------------------------------------------------------------- an item over the size limit
+
+
+OVERSIZE_SPIDER = r"""
+import json, os, sys, time
+import crawlerkeeper_sdk as ck
+ck.save_item({"n": 0})
+with open(os.environ["CK_ITEMS_FILE"], "a") as f:  # 17 MiB in one item: over the agent's 16 MiB
+    f.write(json.dumps({"n": 1, "blob": "x" * (17 << 20)}) + "\n")
+if sys.argv[1] == "live":
+    time.sleep(3)  # the items reader reaches it while the task runs
+ck.save_item({"n": 2})
+print("done", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["live", "at_the_end"])
+async def test_an_item_over_the_size_limit_is_said_in_the_task_log(
+    dev_master: Any, nursery: trio.Nursery, tmp_path: Path, when: str
+) -> None:
+    """Once, in the task's own log at the master (not only a placeholder among its items), whether the
+    items reader met it while the task ran or the task ended first."""
+    admin = dev_master.admin
+    settings_ = agent_settings(tmp_path / "agent", dev_master.base_url, dev_master.registration_token)
+    with trio.fail_after(120):
+        async with running_agent(nursery, settings_):
+            task_id = await submit(admin, "oversize", {"main.py": OVERSIZE_SPIDER}, args=[when])
+            task = await admin.wait_task_final(task_id, 90)
+    assert task["status"] == "SUCCESS", task
+    items = await admin.get_items(task_id)
+    assert [item.get("n") for item in items] == [0, None, 2] and "_invalidItem" in items[1], items
+    logs = await admin.get_logs(task_id)
+    said = [line for line in logs if "over the limit of 16777216 bytes" in line and "items.jsonl" in line]
+    assert len(said) == 1, said
+    size = (17 << 20) + len(json.dumps({"n": 1, "blob": ""})) + 1  # with its line end
+    assert "placeholder" in said[0] and f"an item of {size} bytes in items.jsonl" in said[0], said

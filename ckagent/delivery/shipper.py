@@ -161,6 +161,11 @@ class StreamShipper:
             reader = _FileReader(task_dir / ITEMS_FILE, encode_item, MAX_ITEM_BYTES, cr_breaks=False)
         return cls(master, store, task_id, "items", reader, limiter, refusal_timeout, waker)
 
+    @property
+    def reader(self) -> _FileReader | _JournalReader:
+        """What the stream reads (its items reader reports oversize items: ``oversize_notes``)."""
+        return self._reader
+
     def _age(self) -> float:
         """Seconds a non-full batch waits for more elements: shorter for lines going in node batches
         (other tasks' batches share the request, so a short wait costs no extra request)."""
