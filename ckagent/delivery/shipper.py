@@ -41,7 +41,7 @@ from ckagent.delivery.spool import (
     NOTIFY_FALLBACK,
     TAIL_INTERVAL,
 )
-from ckagent.delivery.waiting import Waker, backoff_sleep
+from ckagent.delivery.waiting import Backoff, Waker
 from ckagent.master.client import MasterClient, MasterConflict, MasterError, MasterRejected, MasterUnavailable
 from ckagent.node.state import AsyncStateStore, StateStoreError
 
@@ -394,20 +394,22 @@ class StreamShipper:
         answer = Answer("ok", value) if error is None else self._judge(error, seq, count)
         if answer is None or answer.kind == "retry":
             if self._nursery is not None:  # None: the stream was closed meanwhile (the agent stops)
-                self._nursery.start_soon(self._fly, flight, seq, count, body, 1,
+                self._nursery.start_soon(self._fly, flight, seq, count, body, True,
                                          answer.retry_after if answer is not None else None)
             return
         self.refusing_since = None
         flight.answer = answer
         self.notify()
 
-    async def _fly(self, flight: Flight, seq: int, count: int, body: bytes, attempt: int = 0,
+    async def _fly(self, flight: Flight, seq: int, count: int, body: bytes, failed: bool = False,
                    retry_after: float | None = None) -> None:
-        """The batch's request(s) in a task of its own (``attempt`` > 0: after that attempt's backoff)."""
+        """The batch's request(s) in a task of its own (``failed``: its first attempt, in a node batch,
+        failed: after that attempt's backoff, at least ``retry_after`` seconds)."""
+        backoff = Backoff(self._master)
         try:
-            if attempt:
-                await backoff_sleep(self._master, attempt, retry_after)
-            flight.answer = await self._post(seq, count, body, attempt)
+            if failed:
+                await backoff.wait(retry_after)
+            flight.answer = await self._post(seq, count, body, backoff)
         finally:
             self.refusing_since = None  # answered, or cancelled: no batch of the stream is being refused
         self.notify()
@@ -422,12 +424,12 @@ class StreamShipper:
         self.placeholders += 1
         self._count_limit = self._count_ceiling = MAX_BATCH_COUNT
 
-    async def _post(self, seq: int, count: int, body: bytes, attempt: int = 0) -> Answer:
+    async def _post(self, seq: int, count: int, body: bytes, backoff: Backoff) -> Answer:
         """POST one batch (``count`` elements from ``seq``, ``body`` its encoded JSON) until the master
         answers in a way that moves the stream (see module docstring): an acknowledgement, a 409, a
         413 for several elements, a 422 naming an element; or a 404 / a lone element's 413 that lasted
-        longer than ``refusal_timeout``. Everything else is retried with backoff, forever
-        (``attempt``: the attempts before this one)."""
+        longer than ``refusal_timeout``. Everything else is retried with ``backoff`` (the master
+        client's policy, stamina's; it counts the attempts before this one), forever."""
         try:
             while True:
                 try:
@@ -447,8 +449,7 @@ class StreamShipper:
                         raise
                     if judged.kind != "retry":
                         return judged
-                    attempt += 1
-                    await backoff_sleep(self._master, attempt, judged.retry_after)
+                    await backoff.wait(judged.retry_after)
         finally:
             self.refusing_since = None
 
