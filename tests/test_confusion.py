@@ -28,6 +28,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckagent.agent import Agent
+from ckagent.delivery.lines import encode_item
+from ckagent.delivery.pending import Pending
+from ckagent.delivery.readers import _FileReader, scan_oversize
 from ckagent.master.protocol import Task
 from ckagent.task.execlimits import BadTaskError, arg_max, check_exec_size, max_arg_strlen
 
@@ -219,3 +222,39 @@ async def test_an_item_over_the_size_limit_is_said_in_the_task_log(
     assert len(said) == 1, said
     size = (17 << 20) + len(json.dumps({"n": 1, "blob": ""})) + 1  # with its line end
     assert "placeholder" in said[0] and f"an item of {size} bytes in items.jsonl" in said[0], said
+
+
+@settings(max_examples=80, deadline=None)
+@given(lines=st.lists(st.tuples(st.integers(0, 300), st.sampled_from([b"\n", b"\r\n", b""])), max_size=12),
+       skip=st.integers(0, 12))
+def test_the_end_scan_finds_the_oversize_items_the_reader_replaces(
+    tmp_path_factory: pytest.TempPathFactory, lines: list[tuple[int, bytes]], skip: int
+) -> None:
+    """Whatever the items file holds (lines of any length, any line end, a last line without one),
+    the end-of-task scan from a line's start finds exactly the items the reader turns into
+    placeholders from there (so each is said once, whichever meets it first)."""
+    limit = 64
+    data = b"".join(b"{" + b"x" * n + b"}" + (end or b"\n") for n, end in lines[:-1])
+    if lines:
+        n, end = lines[-1]
+        data += b"{" + b"x" * n + b"}" + end
+    path = tmp_path_factory.mktemp("items") / "items.jsonl"
+    path.write_bytes(data)
+    starts = [0] + [i + 1 for i, byte in enumerate(data) if byte == 0x0A]
+    start = starts[min(skip, len(starts) - 1)]
+    if start >= len(data) and data:
+        start = 0
+
+    async def read_all() -> list[tuple[int, int]]:
+        reader = _FileReader(path, encode_item, limit, cr_breaks=False)
+        found: list[tuple[int, int]] = []
+        reader.oversize_notes.hook = lambda _source, size, _limit, end: found.append((size, end))
+        await reader.restore({"offset": start})
+        reader.finished = True
+        pending = Pending()
+        while not reader.done:
+            await reader.read(pending)
+        reader.close()
+        return found
+
+    assert scan_oversize(path, start, limit)[0] == trio.run(read_all)
