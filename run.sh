@@ -301,10 +301,13 @@ use_bundled_uv() {
 }
 
 # AGENT array: the command that runs ckagent (without its arguments). The agent learns where this
-# run.sh is (CKAGENT_RUN_SH): with agent.auto_upgrade on it upgrades itself through `run.sh upgrade`.
+# run.sh is (CKAGENT_RUN_SH): with agent.auto_upgrade on it upgrades itself through `run.sh upgrade`;
+# and where run.sh keeps its state (CK_RUNSH_STATE_DIR): its status page shows the last upgrade,
+# rollback or restart (last-change.json) and the failed versions (failed_versions) from there.
 agent_command() {
   CKAGENT_RUN_SH="$DIR/${BASH_SOURCE[0]##*/}"
-  export CKAGENT_RUN_SH
+  CK_RUNSH_STATE_DIR="$STATE_DIR"  # the status page reads last-change.json and failed_versions there
+  export CKAGENT_RUN_SH CK_RUNSH_STATE_DIR
   if source_mode; then
     ensure_venv
     AGENT=("$DIR/.venv/bin/python" -m ckagent)
@@ -677,9 +680,35 @@ cmd_restart() {
     load_last_args
     rest=("${ARGS[@]+"${ARGS[@]}"}")
   fi
+  local pid="" running=0 version rc=0
+  version="$(installed_version)"
+  if pid="$(agent_pid)"; then
+    running=1
+    # The agent to be started (these arguments, this environment, the spider user asked for) must
+    # start here before the running one stops.
+    normalise_args "${rest[@]+"${rest[@]}"}"
+    agent_command
+    hand_on_secrets "$pid"
+    [[ -n "$SECRETS_HANDED_ON" ]] && say "this shell gives no credentials: the ones the running agent (pid $pid) was started with go on to the new one"
+    if ! check_next installed ""; then
+      record_change restart "$version" "$version" refused "the agent to be started $CHECK_FAILURE"
+      die "not restarting: the agent to be started $CHECK_FAILURE
+run.sh: nothing was stopped: ckagent (pid $pid) keeps running${SPIDER_USER_DEFERRED:+; the spider user is left as it was}"
+    fi
+  fi
+  commit_spider_user
   stop_for_restart
   SETTINGS_YAML=""
-  cmd_start --daemon=on "${flags[@]+"${flags[@]}"}" "${rest[@]+"${rest[@]}"}"
+  cmd_start --daemon=on "${flags[@]+"${flags[@]}"}" "${rest[@]+"${rest[@]}"}" || rc=$?
+  ((running)) || return "$rc"
+  node_state
+  case "$NODE_STATE" in
+    healthy) record_change restart "$version" "$version" healthy "" ;;
+    *) record_change restart "$version" "$version" "$NODE_STATE" "the new agent did not become healthy (see $LOG_FILE)"
+       printf 'run.sh: after the restart: %s\n' "$(state_words)" >&2
+       exit_for_state ;;
+  esac
+  return "$rc"
 }
 
 # status_levels URL: the levels in force as the agent's /status says them (whom spiders run as, its
@@ -816,10 +845,23 @@ cmd_upgrade() {
   local new="$STATE_DIR/ckagent-$version.pyz"
   say "downloading ckagent $version from $url"
   download "$url" "$new" "$sha" || exit 1
-  # The new file must run here before it replaces anything (extracted into a throwaway root).
-  if ! verify_pyz "$new" "$version"; then
-    rm -f "$new"
-    die "the downloaded ckagent $version: $VERIFY_FAILURE; nothing was replaced"
+  # The new file must run here, and accept this node's settings and environment, before it replaces
+  # anything (extracted into a throwaway root); a running agent is stopped only after that.
+  ((running)) && hand_on_secrets "$pid"
+  [[ -n "$SECRETS_HANDED_ON" ]] && say "this shell gives no credentials: the ones the running agent (pid $pid) was started with go on to the new one"
+  if ! check_next "$new" "$version"; then
+    if [[ "$CHECK_KIND" == release ]]; then
+      rm -f "$new"
+      record_change upgrade "$current" "$version" refused "ckagent $version $CHECK_FAILURE"
+      die "the downloaded ckagent $version $CHECK_FAILURE; nothing was replaced${pid:+, the running agent (pid $pid) was not touched}"
+    elif ((running)); then
+      rm -f "$new"
+      record_change upgrade "$current" "$version" refused "ckagent $version $CHECK_FAILURE"
+      die "not upgrading: ckagent $version $CHECK_FAILURE
+run.sh: nothing was replaced or stopped: ckagent ${current:-(installed)} keeps running (pid $pid); $version is not marked failed (fix the settings or the environment and run the upgrade again)"
+    fi
+    say "warning: ckagent $version $CHECK_FAILURE"
+    say "  (installed all the same: the agent is not running; fix this before ./run.sh start)"
   fi
   # uv travels with the agent: the release's uv build, when it names another one than installed
   local uv_line uv_version="" uv_url uv_sha uv_new=""
@@ -849,21 +891,29 @@ cmd_upgrade() {
   fi
   say "installed ckagent $version (previous: ${current:-none}, kept as $PYZ_PREV)"
   if ((running == 0)); then
+    record_change upgrade "$current" "$version" installed "the agent was not running: not started"
     say "the agent is not running: not starting it"
     return 0
   fi
   KEEP_UNHEALTHY=1
   restart_agent "${saved[@]+"${saved[@]}"}"
-  local timeout="${AGENT_UPGRADE_HEALTH_TIMEOUT:-60}" why
+  local timeout="${AGENT_UPGRADE_HEALTH_TIMEOUT:-60}" why failed_pid
   if wait_new_agent_healthy "$pid" "$timeout"; then
     forget_failed "$version"
+    record_change upgrade "$current" "$version" healthy ""
     say "upgraded to $version: healthy (pid $(agent_pid))"
     return 0
   fi
   why="$WAIT_FAILURE"
+  if [[ ! -f "$PYZ_PREV" ]]; then
+    node_state
+    record_change upgrade "$current" "$version" "$NODE_STATE" "ckagent $version $why; no previous release to roll back to"
+    say "ckagent $version $why; no previous pyz to roll back to: it stays installed"
+    say "now: $(state_words)"
+    exit_for_state
+  fi
   say "ckagent $version $why: rolling back to ${current:-the previous version}"
-  [[ -f "$PYZ_PREV" ]] || die "no previous pyz to roll back to; ckagent $version stays installed"
-  remember_failed "$version"
+  failed_pid="$(agent_pid || true)"
   mv -f "$PYZ" "$STATE_DIR/ckagent-$version.failed.pyz"
   mv -f "$PYZ_PREV" "$PYZ"
   if [[ -n "$uv_new" && -x "$UV.prev" ]]; then  # the uv that went with the previous pyz
@@ -871,7 +921,21 @@ cmd_upgrade() {
     mv -f "$UV_DIR/uv.version.prev" "$UV_DIR/uv.version" 2>/dev/null || true
   fi
   restart_agent "${saved[@]+"${saved[@]}"}"
-  die "upgrade to $version failed ($why) and was rolled back to ${current:-the previous pyz}; the failed file is $STATE_DIR/ckagent-$version.failed.pyz; $version is not tried again until you name it (./run.sh upgrade $version) or a newer one is published"
+  wait_new_agent_healthy "${failed_pid:-$pid}" "$timeout" || true
+  node_state
+  if [[ "$NODE_STATE" == healthy ]]; then
+    # the release before it runs here again: it was the new release that failed
+    remember_failed "$version"
+    record_change upgrade "$current" "$version" rolled-back "ckagent $version $why"
+    die "upgrade to $version failed ($why) and was rolled back: $(state_words); the failed file is $STATE_DIR/ckagent-$version.failed.pyz; $version is not tried again until you name it (./run.sh upgrade $version) or a newer one is published"
+  fi
+  # the previous release does not come back either: the cause may be this node, not the release
+  record_change upgrade "$current" "$version" "$NODE_STATE" "ckagent $version $why; rolled back to ${current:-the previous pyz}, which did not come back either"
+  printf 'run.sh: upgrade to %s failed (%s) and was rolled back to %s, which did not come back either: %s\n' \
+    "$version" "$why" "${current:-the previous pyz}" "$(state_words)" >&2
+  printf 'run.sh: %s is not marked failed (the cause may be this node rather than the release); the file is %s\n' \
+    "$version" "$STATE_DIR/ckagent-$version.failed.pyz" >&2
+  exit_for_state
 }
 
 # ---------------------------------------------------------------- start's verdicts, verification, rollback
@@ -909,22 +973,131 @@ start_timed_out() {
   printf 'run.sh: raise AGENT_START_TIMEOUT if this agent needs longer to start\n' >&2
 }
 
-# verify_pyz FILE VERSION: FILE runs here and reports ckagent VERSION (extracted into a throwaway root);
-# else fails with VERIFY_FAILURE saying why
-VERIFY_FAILURE=""
-verify_pyz() {
-  local file="$1" version="$2" check="$STATE_DIR/check" out
+# ---------------------------------------------------------------- checks before anything stops, and the record
+
+# hand_on_secrets PID: when this shell gives the agent no credentials (no CKAGENT_SECRETS_FD: neither
+# AGENT_REGISTRATION_TOKEN nor AGENT_API_KEY in its environment), the ones the running agent PID was
+# started with are handed on to the agent started next: its memory file (the fd its environ names,
+# /proc/PID/fd/N) is opened again and passed as CKAGENT_SECRETS_FD. So `run.sh upgrade` or `restart` from
+# a shell without the token keeps the node's token. Reading another process's /proc files needs root
+# (the agent is non-dumpable); without that nothing is handed on, and check_next refuses when no token
+# is reachable. SECRETS_HANDED_ON names the pid they came from.
+SECRETS_HANDED_ON=""
+hand_on_secrets() {
+  [[ -z "${CKAGENT_SECRETS_FD:-}" ]] || return 0
+  local pid="$1" n="" fd
+  n="$( (tr '\0' '\n' <"/proc/$pid/environ") 2>/dev/null | sed -n 's/^CKAGENT_SECRETS_FD=\([0-9][0-9]*\)$/\1/p' | head -n 1)" || true
+  [[ -n "$n" && -r "/proc/$pid/fd/$n" ]] || return 0
+  { exec {fd}<"/proc/$pid/fd/$n"; } 2>/dev/null || return 0
+  export CKAGENT_SECRETS_FD="$fd"
+  SECRETS_HANDED_ON="$pid"
+}
+
+# check_next RELEASE VERSION: what is started next must start here, checked before anything stops.
+# RELEASE is a pyz file (run from a throwaway extraction) or `installed` (the AGENT command); with a
+# VERSION, it must run on this Python and report that version (`version`); then its `config check`,
+# run as the agent will be (this node's config: ARGS; this environment: the spider user, uv, the
+# credentials), must accept the settings (paths, ports, levels, and that the spider user can execute
+# the spiders' interpreter), and a registration token must reach it. On failure CHECK_FAILURE says why
+# and CHECK_KIND says whose fault it is: `release` (the file does not run or is another version) or
+# `settings` (this node's config or environment as the release judges them).
+CHECK_FAILURE=""
+CHECK_KIND=""
+check_next() {
+  local file="$1" version="$2" check="$STATE_DIR/check" out rc=0 cmd
+  use_bundled_uv
+  config_args
+  if [[ "$file" == installed ]]; then cmd=("${AGENT[@]}")
+  else cmd=(env "SHIV_ROOT=$check" "${PY_EXE:-$PYTHON}" "$file"); fi
   rm -rf "$check"
-  if ! out="$(SHIV_ROOT="$check" "${PY_EXE:-$PYTHON}" "$file" version 2>&1)"; then
-    rm -rf "$check"
-    VERIFY_FAILURE="does not run with $PYTHON: $out"
+  CHECK_KIND=release
+  if [[ -n "$version" ]]; then
+    if ! out="$("${cmd[@]}" version 2>&1)"; then
+      rm -rf "$check"
+      CHECK_FAILURE="does not run with $PYTHON: $out"
+      return 1
+    fi
+    if [[ "$out" != "ckagent $version "* ]]; then
+      rm -rf "$check"
+      CHECK_FAILURE="reports '$out', not ckagent $version"
+      return 1
+    fi
+  fi
+  out="$(cd "$DIR" && "${cmd[@]}" config check "${CONFIG_ARGS[@]+"${CONFIG_ARGS[@]}"}" 2>&1 </dev/null)" || rc=$?
+  rm -rf "$check"
+  if ((rc == 0)) && grep -q 'config OK' <<<"$out" && ! grep -q '^warning: no registration token' <<<"$out"; then
+    return 0
+  fi
+  if ((rc == 0 || rc == 2)); then CHECK_KIND=settings; fi  # 2: ckagent's config error; else it broke
+  if ((rc == 0)); then
+    CHECK_FAILURE="would have no registration token: neither the config nor this shell's environment has one"
+    [[ -z "$SECRETS_HANDED_ON" ]] && agent_pid >/dev/null && CHECK_FAILURE+=", and the running agent's (given in the environment it was started with) cannot be read here (only root can read a running agent's credentials)"
+    CHECK_FAILURE+=". Run again with the token in the environment (AGENT_REGISTRATION_TOKEN=... ./run.sh ...), or set agent.registration_token in the config"
     return 1
   fi
-  rm -rf "$check"
-  if [[ "$out" != "ckagent $version "* ]]; then
-    VERIFY_FAILURE="reports '$out', not ckagent $version"
-    return 1
+  local said
+  said="$(grep -E '^(error|ckagent|Traceback|[A-Za-z]+Error)' <<<"$out" | tail -n 12)"
+  [[ -n "$said" ]] || said="$(tail -n 12 <<<"$out")"
+  CHECK_FAILURE="fails its \`config check\` with this node's settings and environment (exit $rc):
+$said"
+  return 1
+}
+
+# node_state: what `status` would say now: NODE_STATE healthy (0), unhealthy (4: runs, /healthz not 200)
+# or down (3: no agent runs); NODE_PID the agent's pid (empty when down). Needs the settings (health_url).
+NODE_STATE=""
+NODE_PID=""
+node_state() {
+  if NODE_PID="$(agent_pid)"; then
+    if [[ "$(http_status "$(health_url)")" == 200 ]]; then NODE_STATE=healthy; else NODE_STATE=unhealthy; fi
+  else
+    NODE_PID=""
+    NODE_STATE=down
   fi
+}
+
+# state_words: the node's state as a sentence for the operator (after node_state)
+state_words() {
+  case "$NODE_STATE" in
+    healthy) printf 'ckagent %s is running (pid %s) and healthy' "$(installed_version)" "$NODE_PID" ;;
+    unhealthy) printf 'ckagent %s is running (pid %s) but %s does not answer 200 (./run.sh status: 4)' \
+                 "$(installed_version)" "$NODE_PID" "$(health_url)" ;;
+    *) printf 'no agent is running: the node is down (./run.sh status: 3); see %s' "$LOG_FILE" ;;
+  esac
+}
+
+# exit_for_state: exit as an upgrade, rollback or restart that went wrong, agreeing with `status` (after
+# node_state): 1 when the node is back and healthy, 4 when an agent runs but does not answer, 3 when none runs.
+exit_for_state() {
+  case "$NODE_STATE" in healthy) exit 1 ;; unhealthy) exit 4 ;; *) exit 3 ;; esac
+}
+
+installed_version() {  # the installed release's version (source mode: the checkout's), or nothing
+  if source_mode; then sed -n 's/^__version__ = "\(.*\)"$/\1/p' "$DIR/ckagent/__init__.py"
+  elif [[ -f "$PYZ" ]]; then pyz_version "$PYZ" 2>/dev/null || true
+  fi
+}
+
+# record_change ACTION FROM TO OUTCOME REASON: the last upgrade, rollback or restart, as one JSON object
+# in $STATE_DIR/last-change.json (replaced atomically) for the agent's status page (CK_RUNSH_STATE_DIR):
+# {"action": "upgrade"|"rollback"|"restart", "from": version, "to": version, "outcome": "healthy"|
+# "installed"|"refused"|"rolled-back"|"undone"|"unhealthy"|"down", "at": epoch seconds, "reason": text}
+# (docs/deploy.md, "What an upgrade guarantees"). Never fails the command.
+LAST_CHANGE_FILE="$STATE_DIR/last-change.json"
+record_change() {
+  mkdir -p "$STATE_DIR"
+  py '
+import json, os, sys, time
+path, action, old, new, outcome, reason = sys.argv[1:7]
+record = {"action": action, "from": old or None, "to": new or None, "outcome": outcome,
+          "at": int(time.time()), "reason": reason}
+part = "%s.%d.part" % (path, os.getpid())
+with open(part, "w", encoding="utf-8") as out:
+    json.dump(record, out)
+    out.write("\n")
+os.chmod(part, 0o644)
+os.replace(part, path)
+' "$LAST_CHANGE_FILE" "$@" 2>/dev/null || say "warning: could not write $LAST_CHANGE_FILE"
 }
 
 # swap_releases: ckagent.pyz <-> ckagent.pyz.prev, and the uv that went with each (uv.prev, when kept)
@@ -956,39 +1129,66 @@ cmd_rollback() {
   local current previous
   current="$(pyz_version "$PYZ")" || exit 1
   previous="$(pyz_version "$PYZ_PREV")" || die "$PYZ_PREV is not a ckagent.pyz; nothing changed"
-  verify_pyz "$PYZ_PREV" "$previous" || die "the previous release $previous $VERIFY_FAILURE; nothing changed"
   local pid="" running=0
   pid="$(agent_pid)" && running=1
   load_last_args
   local saved=("${ARGS[@]+"${ARGS[@]}"}")
+  agent_command_if_installed
+  load_settings
+  # The previous release must run here and accept this node's settings before anything stops.
+  ((running)) && hand_on_secrets "$pid"
+  if ! check_next "$PYZ_PREV" "$previous"; then
+    if [[ "$CHECK_KIND" == release || "$running" == 1 ]]; then
+      record_change rollback "$current" "$previous" refused "ckagent $previous $CHECK_FAILURE"
+      die "not rolling back: the previous release $previous $CHECK_FAILURE
+run.sh: nothing changed${pid:+: ckagent $current keeps running (pid $pid)}"
+    fi
+    say "warning: the previous release $previous $CHECK_FAILURE (the agent is not running: rolled back all the same)"
+  fi
   swap_releases
   remember_failed "$current"
   say "rolled back: ckagent $previous is installed ($current is kept as $PYZ_PREV and not upgraded to again until named)"
   if ((running == 0)); then
+    record_change rollback "$current" "$previous" installed "the agent was not running: not started"
     say "the agent is not running: not starting it"
     return 0
   fi
-  agent_command_if_installed
-  load_settings
   KEEP_UNHEALTHY=1
   restart_agent "${saved[@]+"${saved[@]}"}"
-  if wait_new_agent_healthy "$pid" "${AGENT_UPGRADE_HEALTH_TIMEOUT:-60}"; then
+  local timeout="${AGENT_UPGRADE_HEALTH_TIMEOUT:-60}" failed_pid
+  if wait_new_agent_healthy "$pid" "$timeout"; then
+    record_change rollback "$current" "$previous" healthy ""
     say "rolled back to $previous: healthy (pid $(agent_pid))"
     return 0
   fi
   local why="$WAIT_FAILURE"
+  say "ckagent $previous $why: undoing the rollback, back to $current"
+  failed_pid="$(agent_pid || true)"
   swap_releases
   forget_failed "$current"
   restart_agent "${saved[@]+"${saved[@]}"}"
-  die "ckagent $previous $why: back on $current (rollback undone)"
+  wait_new_agent_healthy "${failed_pid:-$pid}" "$timeout" || true
+  node_state
+  if [[ "$NODE_STATE" == healthy ]]; then
+    record_change rollback "$current" "$previous" undone "ckagent $previous $why; back on $current"
+  else
+    record_change rollback "$current" "$previous" "$NODE_STATE" "ckagent $previous $why; $current did not come back either"
+  fi
+  printf 'run.sh: ckagent %s %s: rollback undone, back on %s: %s\n' "$previous" "$why" "$current" "$(state_words)" >&2
+  exit_for_state
 }
 
 # --spider-user=NAME: spiders run as NAME (AGENT_TASK_RUN_AS_USER), a system user created when missing;
 # remembered in .ckagent/spider_user; `off` forgets it. Applied by start (also in the foreground).
+# With `defer` (restart) the choice is used for the check and the start but kept in spider_user only
+# once the check passed (commit_spider_user): a refused restart leaves it as it was.
+SPIDER_USER_DEFERRED=""
+SPIDER_USER_CHOSEN=""
 set_spider_user() {
-  local name="$1"
+  local name="$1" defer="${2:-}"
   mkdir -p "$STATE_DIR"
   if [[ -z "$name" || "${name,,}" == off ]]; then
+    if [[ -n "$defer" ]]; then SPIDER_USER_DEFERRED=1; SPIDER_USER_CHOSEN=""; return 0; fi
     rm -f "$SPIDER_USER_FILE"
     return 0
   fi
@@ -1000,11 +1200,23 @@ set_spider_user() {
       || die "--spider-user=$name: useradd failed"
     say "created the system user $name (no login, no home) for spiders"
   fi
+  if [[ -n "$defer" ]]; then
+    SPIDER_USER_DEFERRED=1
+    SPIDER_USER_CHOSEN="$name"
+    [[ -n "${AGENT_TASK_RUN_AS_USER:-}" ]] || export AGENT_TASK_RUN_AS_USER="$name"
+    return 0
+  fi
   printf '%s\n' "$name" >"$SPIDER_USER_FILE"
 }
 
-apply_spider_user() {  # the remembered spider user, unless AGENT_TASK_RUN_AS_USER is set
-  [[ -z "${AGENT_TASK_RUN_AS_USER:-}" && -f "$SPIDER_USER_FILE" ]] || return 0
+commit_spider_user() {  # a deferred --spider-user choice, kept in spider_user (off: forgotten)
+  [[ -n "$SPIDER_USER_DEFERRED" ]] || return 0
+  if [[ -n "$SPIDER_USER_CHOSEN" ]]; then printf '%s\n' "$SPIDER_USER_CHOSEN" >"$SPIDER_USER_FILE"
+  else rm -f "$SPIDER_USER_FILE"; fi
+}
+
+apply_spider_user() {  # the remembered spider user, unless AGENT_TASK_RUN_AS_USER is set (or --spider-user chose)
+  [[ -z "$SPIDER_USER_DEFERRED" && -z "${AGENT_TASK_RUN_AS_USER:-}" && -f "$SPIDER_USER_FILE" ]] || return 0
   AGENT_TASK_RUN_AS_USER="$(tr -d '[:space:]' <"$SPIDER_USER_FILE")"
   export AGENT_TASK_RUN_AS_USER
 }
@@ -1085,7 +1297,7 @@ done
 [[ -n "$command" ]] || usage_error "no command given (commands: ${COMMANDS//|/, })"
 if ((HAVE_SPIDER_USER)); then
   [[ "$command" == start || "$command" == restart ]] || usage_error "--spider-user goes with start or restart"
-  set_spider_user "$SPIDER_USER_FLAG"
+  if [[ "$command" == restart ]]; then set_spider_user "$SPIDER_USER_FLAG" defer; else set_spider_user "$SPIDER_USER_FLAG"; fi
 fi
 [[ "$command" == start || "$command" == restart || "$command" == upgrade || "$command" == rollback ]] && apply_spider_user
 [[ "$command" == logs || "$command" == help ]] || resolve_python

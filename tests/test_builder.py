@@ -500,7 +500,7 @@ def test_a_builder_process_still_writing_a_sealed_environment_is_killed_and_the_
                               stdout=subprocess.PIPE, text=True, user=BUILDER_UID, group=BUILDER_UID, extra_groups=[])
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
-        assert writers(env, BUILDER_UID) == [holder.pid]
+        assert [found.pid for found in writers(env, BUILDER_UID)] == [holder.pid]
         with pytest.raises(StillWritten, match=f"process\\(es\\) {holder.pid} of the builder"):
             mark_ready(env, "k", "py", owner=(0, 0), builder="b", builder_uid=BUILDER_UID)
         assert holder.wait(timeout=10) == -9

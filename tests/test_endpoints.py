@@ -137,7 +137,7 @@ def test_a_path_built_by_the_table_is_matched_back_to_its_row() -> None:
 def test_connectivity_derives_its_endpoint_sets_from_the_table() -> None:
     assert {"logs", "items", "batches", "result"} == TASK_DATA_ENDPOINTS
     assert connectivity.TASK_DATA_ENDPOINTS is TASK_DATA_ENDPOINTS
-    assert {"register", "heartbeat", "poll"} | TASK_DATA_ENDPOINTS == connectivity._NODE_ENDPOINTS
+    assert {"register", "heartbeat", "leaving", "poll"} | TASK_DATA_ENDPOINTS == connectivity._NODE_ENDPOINTS
     assert set(connectivity.ENDPOINT_CLASSES) == set(ENDPOINTS)
     assert {connectivity.endpoint_class(n) for n in ("download", "spider_files", "spider_file")} == {"downloads"}
     assert {connectivity.endpoint_class(n) for n in ("poll", "claim", "release")} == {"poll"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import pwd
+import signal
 import sqlite3
 import subprocess
 import time
@@ -191,8 +192,15 @@ def test_a_used_up_range_releases_the_least_recently_used_idle_spider(work: Path
         for spider in "ab":
             store.touch_identity("spider", spider, long_ago)  # b is older, but has a task here now
         store.touch_identity("spider", "b", long_ago - 1)
-        with caplog.at_level(logging.WARNING, "ckagent.node.identity"):
-            d = identities.for_spider("d")
+        # Something still runs as a: killed on release, through its proven pidfd (ckagent.node.procid).
+        left = subprocess.Popen(["sleep", "60"], user=a_uid, group=a_uid, extra_groups=[])
+        try:
+            with caplog.at_level(logging.WARNING, "ckagent.node.identity"):
+                d = identities.for_spider("d")
+            assert left.wait(timeout=10) == -signal.SIGKILL
+        finally:
+            left.kill()
+            left.wait()
         assert d is not None and d.uid == a_uid
         assert not (work / "spider-data" / "a").exists() and not (work / "spider-home" / "a").exists()
         assert (work / "spider-data" / "b" / "kept.txt").read_text() == "b"
@@ -200,6 +208,7 @@ def test_a_used_up_range_releases_the_least_recently_used_idle_spider(work: Path
         [line] = [r.getMessage() for r in caplog.records if "is used up" in r.getMessage()]
         assert f"spider 'a' (idle 3600 s) gives its uid {a_uid} to a new spider" in line
         assert str(work / "spider-data" / "a") in line
+        assert line.endswith("; 1 process(es) still running as it killed"), line
     finally:
         store.close()
 

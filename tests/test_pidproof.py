@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from harness import LEVELS_HERE
 from harness.pidreuse import can_unshare_pid, run_in_pid_namespace
 
 from ckagent.node.procid import ProcessIdentity, boot_id, is_zombie, start_ticks
@@ -46,6 +47,35 @@ async def test_the_proof_fails_when_the_pid_is_reused_between_judgement_and_pidf
     assert report["proven"] is False  # the pidfd opened names the stranger: closed again, "gone"
     assert report["swept"] == 0  # a sweep's kill of that find reaches no one
     assert report["own_signal"] is True and report["stranger_alive"] is True
+
+
+@needs_pidns
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["ended", "window"])
+@pytest.mark.parametrize("level", LEVELS_HERE)
+async def test_a_whole_agent_restart_leaves_the_stranger_with_the_tasks_pid_alive_and_reports_the_true_exit(
+    tmp_path: Path, level: str, variant: str,
+) -> None:
+    """kill -9 of a real agent; the task's monitor ends (while no agent runs, or after the next agent
+    judged it while the master refused it); its pid goes to a stranger's session leader; the next
+    agent runs on: the stranger lives, untouched, and the master gets the task's true exit, once."""
+    report = await run_in_pid_namespace(f"agent-{variant}", tmp_path, level, timeout=180)
+    assert report["monitor_status"] == 3  # the monitor's own exit: the spider's $?
+    assert report["stranger_pid"] == report["monitor_pid"], report  # the kernel handed the pid on
+    assert report["task"] == {"status": "FAILED", "errorCode": "EXIT_NONZERO", "exitCode": 3}, report
+    assert report["finals"] == [[200, 3]], report  # reported once, from the monitor's record
+    assert report["stranger_alive"] is True and report["stranger_alive_at_end"] is True, report
+    assert report["stranger_oom"] == 0, report  # not made the OOM killer's first pick either
+    assert report["agent_exit"] == 0 and report["kills"] == [], report  # nothing of the task was left to kill
+
+
+@needs_pidns
+async def test_a_process_found_by_a_uid_scan_is_killed_only_once_proven(tmp_path: Path) -> None:
+    report = await run_in_pid_namespace("scan", tmp_path)
+    assert report["found"] == [report["holder_pid"]] and report["writing"] == [report["holder_pid"]], report
+    assert report["stranger_pid"] == report["holder_pid"]  # the same pid, the same uid: a scan sees it again
+    assert report["found_again"] == [report["stranger_pid"]]
+    assert report["killed"] == [] and report["stranger_alive"] is True, report
 
 
 @needs_pidns

@@ -44,6 +44,9 @@ import signal, sys, time
 if sys.argv[1:2] == ["version"]:
     print("ckagent {BROKEN} (a release that never becomes healthy)")
     sys.exit(0)
+if sys.argv[1:3] == ["config", "check"]:  # run.sh checks the release before it stops the agent
+    print("config OK: (a release that never becomes healthy)")
+    sys.exit(0)
 if sys.argv[1:2] == ["config"]:
     sys.exit(2)
 signal.signal(signal.SIGTERM, lambda *args: sys.exit(0))

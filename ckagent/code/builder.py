@@ -47,6 +47,9 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
+from ckagent.node.procid import ProcessIdentity, boot_id, scanned
 from ckagent.node.runas import RunAs, own_copy, popen_identity
 
 log = logging.getLogger(__name__)
@@ -291,46 +294,38 @@ class StillWritten(OSError):
     the environment is not used: its next build starts from nothing)."""
 
 
-def writers(path: Path, uid: int) -> list[int]:
-    """Processes running as ``uid`` that hold a file below ``path`` open for writing, or mapped shared
-    and writable: the seal changes modes, not descriptors already open. Root reads every process's
-    /proc entries. Blocking (one /proc scan). Never raises."""
+def writers(path: Path, uid: int) -> list[ProcessIdentity]:
+    """Processes running as ``uid`` (effective) that hold a file below ``path`` open for writing, or
+    mapped shared and writable: the seal changes modes, not descriptors already open. Their
+    identities as the scan saw them (ckagent.node.procid: a kill proves each first). Root reads every
+    process's /proc entries (through psutil). Blocking (one scan). Never raises."""
     prefix = os.path.realpath(path).rstrip("/") + "/"
-    found: list[int] = []
-    try:
-        pids = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
-    except OSError:
-        return found
-    for pid in pids:
-        if pid == os.getpid():
+    found: list[ProcessIdentity] = []
+    me, boot, booted = os.getpid(), boot_id(), psutil.boot_time()
+    for proc in psutil.process_iter():
+        if proc.pid == me:
             continue
         try:
-            if os.stat(f"/proc/{pid}").st_uid != uid:
+            if proc.uids().effective != uid or not _writes_below(proc, prefix):
                 continue
-            if _writes_below(pid, prefix):
-                found.append(pid)
-        except OSError:
+        except (psutil.Error, OSError):
             continue
+        identity = scanned(proc, boot, booted)
+        if identity is not None:
+            found.append(identity)
     return found
 
 
-def _writes_below(pid: int, prefix: str) -> bool:
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            if not target.startswith(prefix):
-                continue
-            with open(f"/proc/{pid}/fdinfo/{fd}") as fh:
-                flags = next((int(line.split()[1], 8) for line in fh if line.startswith("flags:")), 0)
-        except (OSError, ValueError):
-            continue
-        if flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR):
+def _writes_below(proc: psutil.Process, prefix: str) -> bool:
+    """Whether ``proc`` holds a regular file below ``prefix`` open for writing or maps one shared and
+    writable. Raises psutil.Error (gone, not readable)."""
+    for opened in proc.open_files():
+        if opened.path.startswith(prefix) and opened.flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR):
             return True
-    with open(f"/proc/{pid}/maps") as fh:
-        for line in fh:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[1][1] == "w" and fields[1][3] == "s" and fields[5].startswith(prefix):
-                return True
+    for mapped in proc.memory_maps(grouped=False):
+        perms = mapped.perms
+        if len(perms) >= 4 and perms[1] == "w" and perms[3] == "s" and mapped.path.startswith(prefix):
+            return True
     return False
 
 

@@ -36,7 +36,6 @@ import errno
 import json
 import logging
 import os
-import signal
 import threading
 import time
 from collections import Counter
@@ -47,6 +46,7 @@ from pathlib import Path
 import trio
 
 from ckagent.code.builder import StillWritten, remove_tree, seal, seal_top, sealed_by, writers
+from ckagent.node.procid import kill_each
 
 log = logging.getLogger(__name__)
 
@@ -235,10 +235,9 @@ def mark_ready(env_dir: Path, key: str, kind: str, *, owner: tuple[int, int], bu
     Raises OSError (StillWritten)."""
     sealed = seal(env_dir, owner, top=False)
     if builder_uid is not None and (held := writers(env_dir, builder_uid)):
-        for pid in held:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        raise StillWritten(errno.EBUSY, f"process(es) {', '.join(map(str, held))} of the builder (uid {builder_uid}) "
+        kill_each(held)  # each proven first: never a later owner of a pid the scan saw
+        raise StillWritten(errno.EBUSY, f"process(es) {', '.join(str(p.pid) for p in held)} of the builder "
+                                        f"(uid {builder_uid}) "
                                         f"still held files of {env_dir.name} open for writing after the install "
                                         "ended: killed, and the environment is not used (it is built again)")
     tmp = env_dir / (MARKER + ".tmp")

@@ -63,7 +63,7 @@ from ckagent.containment.stopping import (
 )
 from ckagent.node import beneath
 from ckagent.node.levels import ContainmentLevel
-from ckagent.node.procid import ProcessIdentity, ProvenProcess, boot_id, start_ticks
+from ckagent.node.procid import ProcessIdentity, ProvenProcess, boot_id, children, start_ticks
 from ckagent.node.runas import RunAs, popen_identity
 
 log = logging.getLogger(__name__)
@@ -119,16 +119,8 @@ def read_status(path: Path) -> int | None:
 def main_pid(monitor: int | ProvenProcess) -> int | None:
     """The spider behind its monitor (the monitor's one child), None before its fork or after its
     end. ``monitor``: our own child's pid (not reaped yet), or a proven monitor (after a restart)."""
-    if isinstance(monitor, ProvenProcess):
-        text = monitor.read_proc(f"task/{monitor.pid}/children", 4096)
-        children = [] if text is None else text.split()
-    else:
-        try:
-            with open(f"/proc/{monitor}/task/{monitor}/children") as fh:
-                children = [c.encode() for c in fh.read().split()]
-        except OSError:
-            return None
-    return int(children[0]) if children else None
+    found = monitor.children() if isinstance(monitor, ProvenProcess) else children(monitor)
+    return found[0] if found else None
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,14 @@ from ckagent.containment.base import (
     wait_pids_gone,
 )
 from ckagent.node.levels import ContainmentLevel
-from ckagent.node.procid import ProcessIdentity, ProvenProcess, boot_id, scan_stat
+from ckagent.node.procid import (
+    ProcessIdentity,
+    ProvenProcess,
+    boot_id,
+    children,
+    has_environ_entry,
+    scan_stat,
+)
 
 log = logging.getLogger(__name__)
 
@@ -63,15 +70,6 @@ def signal_group(pgid: int, sig: int) -> bool:
         log.warning("not allowed to signal process group %d", pgid)
         return False
     return True
-
-
-def _environ_has_marker(pid: int, marker: bytes) -> bool:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as fh:
-            data = fh.read()
-    except OSError:  # gone, or not ours to read
-        return False
-    return marker in data.split(b"\0")
 
 
 def _ppid(pid: int) -> int | None:
@@ -126,7 +124,7 @@ def find_marked_identities(
         if stat is None:
             continue
         parents[pid], starts[pid], state = stat
-        has_marker = _environ_has_marker(pid, marker)  # a zombie's environ reads empty
+        has_marker = has_environ_entry(pid, marker)  # a zombie's environ reads empty
         if not (has_marker or group in trusted or group in verified) or state in "ZXx":
             continue
         if has_marker:
@@ -173,18 +171,7 @@ def reap_adopted_zombies() -> int:
     as child subreaper (blocking: reads /proc). Returns how many were reaped."""
     me = os.getpid()
     reaped = 0
-    try:
-        tids = os.listdir(f"/proc/{me}/task")
-    except OSError:
-        return 0
-    children: set[int] = set()
-    for tid in tids:
-        try:
-            with open(f"/proc/{me}/task/{tid}/children") as fh:
-                children.update(int(p) for p in fh.read().split())
-        except OSError:
-            continue
-    for pid in children - SPAWNED:
+    for pid in set(children(me, every_thread=True)) - SPAWNED:
         if is_zombie(pid) and _ppid(pid) == me and pid not in SPAWNED:
             with contextlib.suppress(ChildProcessError, OSError):
                 if os.waitpid(pid, os.WNOHANG)[0] == pid:

@@ -1,5 +1,5 @@
 """The dev master's node protocol routes (docs/protocol.md, ckagent/master/protocol/openapi.yaml):
-registration, heartbeats, the long-polled queue, claims and results, logs/items/stats streams,
+registration, heartbeats, leaving, the long-polled queue, claims and results, logs/items/stats streams,
 artifact uploads and code downloads. Every route but registration takes the node's api key.
 """
 
@@ -17,6 +17,7 @@ from ckagent.devmaster.artifacts import MAX_ARTIFACT_BYTES
 from ckagent.devmaster.errors import ApiError, BadRequestError, PayloadTooLargeError, UnauthorizedError
 from ckagent.devmaster.web import (
     Api,
+    bearer,
     disconnected,
     items_body,
     json_body,
@@ -35,6 +36,7 @@ from ckagent.master.protocol import (
     Heartbeat,
     ItemBatch,
     LogBatch,
+    NodeLeaving,
     ProtocolError,
     RegisterRequest,
     TaskResult,
@@ -76,6 +78,11 @@ def routes(api: Api) -> list[BaseRoute]:
             notifier.notify()
         return JSONResponse({"cancelTaskIds": cancel, **(await run(store.version_policy)).to_json()})
 
+    async def leaving(request: Request) -> Response:
+        node_id = await node_auth(request)
+        body = NodeLeaving.from_json(await json_body(request))
+        await run(store.leave_node, node_id, bearer(request) or "", body)  # (the key checked again, in one tx)
+        return JSONResponse({"released": True})
 
     async def pending(request: Request) -> Response:
         node_id = await node_auth(request)
@@ -251,6 +258,7 @@ def routes(api: Api) -> list[BaseRoute]:
     return [
         route("node", "/api/nodes/register", register, "POST"),
         route("node", "/api/nodes/{node_id:seg}/heartbeat", heartbeat, "POST"),
+        route("node", "/api/nodes/{node_id:seg}/leaving", leaving, "POST"),
         route("node", "/api/nodes/{node_id:seg}/batches", node_batches, "POST"),
         route("node", "/api/nodes/{node_id:seg}/tasks/pending", pending, "GET"),
         route("node", "/api/tasks/{task_id:seg}/result", result, "POST"),

@@ -27,6 +27,10 @@ errors quote the endpoint name, status and body head with the token and key mask
 with a path prefix works. The API key goes to the master's origin only; a URL on another origin
 (object storage, a CDN) gets no key, and its 401/403 is reported as that origin's refusal, not as
 the master's (no re-registration).
+
+**Leaving.** :meth:`MasterClient.leave` is the one call with rules of its own: sent once, never
+retried, never answered by registering again (a 401 means the key no longer holds the name), and after
+it nothing registers again (:class:`RegistrationRefused`): the name it released is not taken back.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import ssl
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import suppress
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import httpx
 import stamina
@@ -45,6 +49,7 @@ import trio
 from ckagent.master.answers import Answers, sent_at
 from ckagent.master.connectivity import Answered, Connectivity, Trouble
 from ckagent.master.endpoints import (
+    LEAVING,
     REGISTER,
     Endpoint,
     MasterCalls,
@@ -70,7 +75,7 @@ from ckagent.master.errors import (
     retry_wait,
 )
 from ckagent.master.masterclock import MasterClock
-from ckagent.master.protocol import RegisterRequest, RegisterResponse
+from ckagent.master.protocol import NodeLeaving, RegisterRequest, RegisterResponse
 from ckagent.master.wire import SENT_ONCE_BYTES, URL_CACHE_SIZE, Wire
 
 __all__ = [
@@ -80,6 +85,8 @@ __all__ = [
 ]
 
 A = TypeVar("A")
+LeaveOutcome = Literal["released", "unsupported", "refused", "unreachable", "not registered"]
+"""What :meth:`MasterClient.leave` achieved (see there)."""
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +154,7 @@ class MasterClient(MasterCalls):
         self.features: frozenset[str] = frozenset()
         """What the master said it supports at the last registration (e.g. ``claim-in-poll``)."""
         self._register_lock = trio.Lock()
+        self._left = False  # leave() was called: no registration any more
         self.connectivity = Connectivity()
         self._answers = Answers(self._base_url, self.connectivity, observer, self._secrets)
         self._client = self._new_client()
@@ -184,6 +192,8 @@ class MasterClient(MasterCalls):
         stops the retries.
         """
         generation = self._key_generation
+        if self._left:
+            raise RegistrationRefused("this agent told the master it is leaving: it does not register again")
         async with self._register_lock:
             if self._key_generation != generation and self.registered:
                 return RegisterResponse(node_id=self.node_id or "", api_key=self._api_key or "")
@@ -223,6 +233,52 @@ class MasterClient(MasterCalls):
                 "check server.url and the agent section of the config"
             )
         return self._answers.answer("register", response, RegisterResponse.from_json)
+
+    async def leave(self, leaving: NodeLeaving) -> LeaveOutcome:
+        """``POST /api/nodes/{node}/leaving`` once: this agent stops on purpose and leaves no task running,
+        so the master may give its name to a replacement at once (docs/protocol.md, "Leaving").
+
+        Call it last, after every other call of the run (the final heartbeat included): the master
+        revokes the key, and from now on this client never registers again (RegistrationRefused), so
+        nothing takes the released name back. Returns what came of it, each logged in one line:
+        ``released`` (2xx in the protocol's words); ``unsupported`` (404/405: a master without the call —
+        the name stays guarded until the master sees the heartbeats stopped); ``refused`` (another 4xx:
+        401 — the key no longer holds the name, it registered again since; 409 — another nodeUid holds
+        it); ``unreachable`` (transport error, timeout, 429/5xx, an answer not in the protocol's words);
+        ``not registered`` (nothing sent). Never raises a MasterError and never retries: the caller
+        bounds the call (``trio.move_on_after``); cancellation abandons it.
+        """
+        if not self.registered:
+            self._left = True
+            return "not registered"
+        self._left = True
+        endpoint = LEAVING.name
+        try:
+            response = await self._send(endpoint, LEAVING.method, self._target(LEAVING, None),
+                                        json=leaving.to_json(), auth=True)
+            status = response.status_code
+            if status in (404, 405):
+                self._answers.observe(endpoint, str(status), response)
+                log.info("the master has no leaving call (%d: an older master): this node's name stays guarded "
+                         "until the master sees its heartbeats stopped", status)
+                return "unsupported"
+            if 400 <= status < 500:
+                self._answers.observe(endpoint, str(status), response)
+                reason = redact(error_text(response), self._secrets())
+                log.warning("the master refused leaving with %d (%s): the name is not released by this agent",
+                            status, reason)
+                return "refused"
+            self._answers.answer(endpoint, response, LEAVING.answer or json_object)
+        except MasterUnavailable as exc:  # (MasterProtocolError too)
+            log.warning("could not tell the master this node is leaving (%s): its name stays guarded until "
+                        "the master sees its heartbeats stopped", exc)
+            return "unreachable"
+        except MasterRejected as exc:  # a URL that cannot be built: nothing was sent
+            log.warning("could not tell the master this node is leaving (%s)", exc)
+            return "unreachable"
+        log.info("told the master this node is leaving: its name is free for a replacement")
+        self._api_key = None
+        return "released"
 
     # ------------------------------------------------------------------ calls
 

@@ -54,7 +54,7 @@ from ckagent.master.protocol import (
 from ckagent.master.protocol._fields import req_object
 
 __all__ = [
-    "ENDPOINTS", "TASK_DATA_ENDPOINTS", "Endpoint", "MasterCalls", "Retry", "any_json", "json_object",
+    "ENDPOINTS", "LEAVING", "TASK_DATA_ENDPOINTS", "Endpoint", "MasterCalls", "Retry", "any_json", "json_object",
     "node_batch_results",
 ]
 
@@ -137,6 +137,10 @@ REGISTER: Endpoint[RegisterResponse] = Endpoint(
 HEARTBEAT: Endpoint[HeartbeatResponse] = Endpoint(
     "heartbeat", "POST", "/api/nodes/{node}/heartbeat", "node", "heartbeat", HeartbeatResponse.from_json,
     "HeartbeatResponse")
+LEAVING: Endpoint[dict[str, Any]] = Endpoint(
+    "leaving", "POST", "/api/nodes/{node}/leaving", "node", "heartbeat", json_object)
+"""The agent stopped on purpose and leaves no task running: the master releases its name. Made by
+:meth:`ckagent.master.client.MasterClient.leave` (its own rules: once, bounded, never re-registering)."""
 POLL: Endpoint[PendingTasks] = Endpoint(
     "poll", "GET", "/api/nodes/{node}/tasks/pending", "node", "poll", PendingTasks.from_json, "PendingTasks")
 CLAIM: Endpoint[dict[str, Any]] = Endpoint(
@@ -168,7 +172,7 @@ DOWNLOAD: Endpoint[None] = Endpoint("download", "GET", "/api/packages/{spider}/{
 """A code package; the agent fetches the URL its task names (this template is the reference master's)."""
 
 ENDPOINTS: dict[str, Endpoint[Any]] = {e.name: e for e in (
-    REGISTER, HEARTBEAT, POLL, CLAIM, RELEASE, RESULT, LOGS, ITEMS, BATCHES, STATS, ARTIFACT, SPIDER_FILES,
+    REGISTER, HEARTBEAT, LEAVING, POLL, CLAIM, RELEASE, RESULT, LOGS, ITEMS, BATCHES, STATS, ARTIFACT, SPIDER_FILES,
     SPIDER_FILE, DOWNLOAD)}
 """Every call the agent makes, by name."""
 TASK_DATA_ENDPOINTS = frozenset(e.name for e in ENDPOINTS.values() if e.holds_data)

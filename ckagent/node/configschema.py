@@ -104,7 +104,7 @@ class TaskSettings:
     without output, item or stats change before a task is stopped STALLED (0 = off).
     ``containment``: ``auto`` or a :class:`~ckagent.node.levels.ContainmentLevel`'s text; node default limits
     of a task that names none: ``memory_limit_bytes`` (bytes), ``pids_limit``, ``cpus_limit``
-    (cores); None = no limit. ``egress``: ``auto`` or an :class:`~ckagent.node.levels.EgressLevel`'s text;
+    (cores), ``disk_limit_bytes`` (bytes of disk a task may hold); None = no limit. ``egress``: ``auto`` or an :class:`~ckagent.node.levels.EgressLevel`'s text;
     ``egress_deny`` / ``egress_allow``: comma-separated entries of :mod:`ckagent.node.egress_policy`.
     ``private_tmp``: ``auto`` or a level of :class:`ckagent.containment.private.PrivacyLevel` (its text);
     ``private_tmp_shared``: absolute paths (comma-separated) tasks still see in their private namespace.
@@ -131,6 +131,7 @@ class TaskSettings:
     memory_limit_bytes: int | None
     pids_limit: int | None
     cpus_limit: float | None
+    disk_limit_bytes: int | None
     egress: str
     egress_deny: str
     egress_allow: str
@@ -365,6 +366,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("task", "cpus_limit", "AGENT_TASK_CPUS_LIMIT", 'CPU quantity ("1.5", "500m")', None,
             "CPU cores a task that names none (`resources.cpus`) may use; unset = no limit. Needs a cgroup "
             "level with the cpu controller.", v.cpu_quantity_cores),
+    Setting("task", "disk_limit_bytes", "AGENT_TASK_DISK_LIMIT_BYTES", "integer >= 1048576 (bytes)", None,
+            "Disk a task that names none (`resources.diskBytes`) may hold: its task dir, working copy and data "
+            "dir; past it the task is stopped (FAILED/DISK_FULL) and its scratch removed. Unset = no limit of its "
+            "own (a full disk still stops the task over its share). See docs/operations.md, When the disk fills.",
+            v.integer(1 << 20)),
     Setting("task", "egress", "AGENT_TASK_EGRESS", ", ".join(EgressLevel.choices()), AUTO,
             "How a task's network policy is enforced: auto = nftables on the task's cgroup when the kernel "
             "and the agent's rights allow it, else the advisory filtering proxy; a named level fails the "

@@ -37,6 +37,7 @@ import logging
 import os
 import select
 import signal
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +88,87 @@ def scan_stat(pid: int) -> tuple[int, int, str] | None:
     if len(fields) <= 19 or not fields[1].isdigit() or not fields[19].isdigit():
         return None
     return int(fields[1]), int(fields[19]), fields[0].decode("ascii", "replace")
+
+
+def children(pid: int, *, every_thread: bool = False) -> list[int]:
+    """The pids of ``pid``'s children (``/proc/<pid>/task/<tid>/children``: the main thread's, or
+    ``every_thread``'s — orphans re-parented to a subreaper hang under any of its threads); [] when
+    there is none or ``pid`` is gone. A scan's fact, not a proof: prove before acting on one."""
+    tids = [pid]
+    if every_thread:
+        try:
+            tids = [int(tid) for tid in os.listdir(f"/proc/{pid}/task") if tid.isdigit()]
+        except OSError:
+            return []
+    found: list[int] = []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as fh:
+                found.extend(int(child) for child in fh.read().split())
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def has_environ_entry(pid: int, entry: bytes) -> bool:
+    """True when ``entry`` (``NAME=value``) is one of the variables ``pid`` was started with
+    (``/proc/<pid>/environ``); False when it is not, the process is gone, a zombie (it reads empty)
+    or not ours to read. For the process-group sweep's marker (psutil's ``environ()`` decodes every
+    variable into a dict: the scan reads each process's environ once and looks for one entry)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return False
+    return entry in data.split(b"\0")
+
+
+def identities_by_uid() -> dict[int, list[ProcessIdentity]]:
+    """Every process of the node by its real and effective uids (a process whose two differ is
+    under both): one psutil pass (``/proc/<pid>/status`` and ``stat``). The identities are what the
+    scan saw; a signal proves each first (:func:`kill_each`). Blocking: a worker thread's."""
+    found: dict[int, list[ProcessIdentity]] = {}
+    boot, booted = boot_id(), psutil.boot_time()
+    for proc in psutil.process_iter():
+        identity = scanned(proc, boot, booted)
+        if identity is None:
+            continue
+        try:
+            uids = proc.uids()
+        except (psutil.Error, OSError):
+            continue
+        for uid in {uids.real, uids.effective}:
+            found.setdefault(uid, []).append(identity)
+    return found
+
+
+def scanned(proc: psutil.Process, boot: str, booted: float) -> ProcessIdentity | None:
+    """The identity of a process a psutil scan found (None: gone meanwhile, or a zombie); ``boot``
+    is :func:`boot_id`, ``booted`` ``psutil.boot_time()`` (read once per scan)."""
+    try:
+        with proc.oneshot():
+            created, status = proc.create_time(), proc.status()
+        ticks = round((created - booted) * _CLOCK_TICKS)
+    except (psutil.Error, OSError):
+        return None
+    if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+        return None
+    return ProcessIdentity(proc.pid, ticks, boot)
+
+
+def kill_each(identities: Iterable[ProcessIdentity], sig: int = signal.SIGKILL) -> list[ProcessIdentity]:
+    """Send ``sig`` to each process found by a scan, proven first (:meth:`ProcessIdentity.prove`: its
+    pidfd opened, then its start time checked again), so a pid that names another process by now is
+    never signalled. Returns those that got it. Blocking but tiny per process."""
+    sent = []
+    for identity in identities:
+        proven = identity.prove()
+        if proven is None:
+            continue
+        with proven:
+            if proven.send_signal(sig):
+                sent.append(identity)
+    return sent
 
 
 def start_ticks(pid: int) -> int | None:
@@ -253,6 +335,12 @@ class ProvenProcess:
             return None
         finally:
             os.close(fd)
+
+    def children(self) -> list[int]:
+        """The pids of its children (its main thread's), read while it is proven alive; [] once it
+        has exited. Facts of a scan: prove one before acting on it."""
+        text = self.read_proc(f"task/{self.pid}/children", 1 << 16)
+        return [] if text is None else [int(child) for child in text.split() if child.isdigit()]
 
     def dup_fd(self) -> int:
         """A duplicate of the pidfd (the caller closes it); -1 without pidfds or once closed."""

@@ -14,13 +14,11 @@ Blocking throughout (files, /proc, the state store).
 
 from __future__ import annotations
 
-import contextlib
 import grp
 import logging
 import os
 import pwd
 import shutil
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -29,6 +27,7 @@ from pathlib import Path
 
 from ckagent.node.configvalues import UidRange
 from ckagent.node.levels import Blocker, LevelError
+from ckagent.node.procid import ProcessIdentity, identities_by_uid, kill_each
 from ckagent.node.state import StateStore
 from ckagent.node.stateids import IdentityRecord
 from ckagent.node.uidclaims import UidClaims
@@ -83,26 +82,10 @@ def _known_to_nss(uid: int) -> bool:
     return False
 
 
-def uids_of_processes() -> dict[int, list[int]]:
-    """Real and effective uids of every process → their pids (one /proc scan). Blocking."""
-    found: dict[int, list[int]] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return found
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/status", "rb") as fh:
-                for line in fh:
-                    if line.startswith(b"Uid:"):
-                        for uid in {int(x) for x in line.split()[1:3]}:
-                            found.setdefault(uid, []).append(int(entry))
-                        break
-        except (OSError, ValueError):
-            continue
-    return found
+def uids_of_processes() -> dict[int, list[ProcessIdentity]]:
+    """Real and effective uids of every process → the processes' identities (one psutil scan:
+    ckagent.node.procid). A kill proves each first (``procid.kill_each``). Blocking."""
+    return identities_by_uid()
 
 
 @dataclass(frozen=True)
@@ -210,7 +193,7 @@ class UidPool:
         """The lowest uid free for a new holder (see module docstring), claimed for this work dir; None when
         there is none. Under the lock. Raises OSError when a claim cannot be written."""
         held = set(self._held.values())
-        running: dict[int, list[int]] | None = None
+        running: dict[int, list[ProcessIdentity]] | None = None
         registry = _systemd_dynamic_uids()
         claims = self.claims
         for uid in self.census.uids:
@@ -252,11 +235,9 @@ class UidPool:
     def _release(self, record: IdentityRecord) -> bool:
         """Kill what still runs as the spider's uid, remove its dirs, forget its uid. False (logged)
         when its files cannot all be removed (the uid is kept then)."""
-        killed = 0
-        for pid in uids_of_processes().get(record.uid, []):
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
+        # What the scan found is proven before the kill (its pidfd opened, its start time checked
+        # again): a process that ended since, its pid now someone else's, is never reached.
+        killed = len(kill_each(uids_of_processes().get(record.uid, [])))
         removed: list[str] = []
         for path in self.dirs_of(record.name):
             if not path.exists() and not path.is_symlink():

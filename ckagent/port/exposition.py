@@ -11,9 +11,12 @@ import resource
 import time
 from collections.abc import Callable, Iterator, Sequence
 
+import psutil
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from ckagent.node.procid import start_ticks
 
 __all__ = ["OPENMETRICS_EOF", "SAMPLES_PER_PIECE", "SLICE_SECONDS", "Constant", "LatencyByEndpoint",
            "ProcessFigures", "render_steps"]
@@ -130,7 +133,7 @@ class ProcessFigures(Collector):
     Off Linux, only what ``os.times()`` and ``getrlimit`` give."""
 
     def __init__(self) -> None:
-        self._page_bytes = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        self._me = psutil.Process()
         self._start_time = time.time() - time.monotonic() + _process_start_monotonic()
 
     def collect(self) -> Iterator[Metric]:
@@ -138,20 +141,19 @@ class ProcessFigures(Collector):
         yield CounterMetricFamily("process_cpu_seconds", "Total user and system CPU time spent in seconds.",
                                   value=times.user + times.system)
         try:
-            with open("/proc/self/statm", "rb") as statm:
-                size, resident = statm.read().split()[:2]
-        except (OSError, ValueError):
+            memory = self._me.memory_info()  # (psutil reads /proc/self/statm)
+        except (psutil.Error, OSError):
             pass
         else:
             yield GaugeMetricFamily("process_virtual_memory_bytes", "Virtual memory size in bytes.",
-                                    value=float(int(size) * self._page_bytes))
+                                    value=float(memory.vms))
             yield GaugeMetricFamily("process_resident_memory_bytes", "Resident memory size in bytes.",
-                                    value=float(int(resident) * self._page_bytes))
+                                    value=float(memory.rss))
         yield GaugeMetricFamily("process_start_time_seconds",
                                 "Start time of the process since unix epoch in seconds.", value=self._start_time)
         try:
-            open_fds = len(os.listdir("/proc/self/fd"))
-        except OSError:
+            open_fds = self._me.num_fds()
+        except (psutil.Error, OSError):
             pass
         else:
             yield GaugeMetricFamily("process_open_fds", "Number of open file descriptors.", value=open_fds)
@@ -160,17 +162,15 @@ class ProcessFigures(Collector):
 
 
 def _process_start_monotonic() -> float:
-    """When this process started, on the ``time.monotonic()`` clock (the process's age from /proc;
-    the import of this module when /proc cannot tell)."""
-    try:
-        with open("/proc/self/stat", "rb") as stat:
-            start_ticks = float(stat.read().split(b")")[-1].split()[19])
-        with open("/proc/uptime", "rb") as uptime:
-            uptime_s = float(uptime.read().split()[0])
-        age = uptime_s - start_ticks / os.sysconf("SC_CLK_TCK")
-        return time.monotonic() - max(0.0, age)
-    except (OSError, ValueError, IndexError):
+    """When this process started, on the ``time.monotonic()`` clock: its age is the boot-time clock
+    now less its start time (clock ticks since boot, ckagent.node.procid through psutil); the import
+    of this module when that cannot be told."""
+    ticks = start_ticks(os.getpid())
+    boottime = getattr(time, "CLOCK_BOOTTIME", None)
+    if ticks is None or boottime is None:
         return _IMPORTED_MONOTONIC
+    age = time.clock_gettime(boottime) - ticks / os.sysconf("SC_CLK_TCK")
+    return time.monotonic() - max(0.0, age)
 
 
 _IMPORTED_MONOTONIC = time.monotonic()

@@ -15,8 +15,17 @@ init and returns what it printed (one JSON object). The scenarios drive the adop
 - ``jail``: a process-group jail kills a member of its group that has neither the marker nor a
   parent while the group's leader lives; once the leader is reaped and its pid a stranger's, the
   stranger's group is left alone.
+- ``scan``: a scan by uid (ckagent.node.uidpool's release, ckagent.code.builder.writers for
+  envstore.mark_ready) finds a process; it exits and its pid goes to a stranger of the same uid
+  before the kill (procid.kill_each): the stranger lives.
 - ``stop-target``: a stop's walk finds its target; the target exits and its pid goes to a stranger
   before the signal: neither the signal nor the wait for its end reaches the stranger.
+
+- ``agent-ended <level>`` / ``agent-window <level>``: the whole agent — a real agent process at a
+  containment level, killed with kill -9 while its task runs, the reference master in this process
+  (see :func:`_agent_restart`): the monitor ends while no agent runs (``ended``) or after the next
+  agent judged it while the master refused its registration (``window``), and its pid goes to a
+  stranger before the next agent acts on the task.
 
 Each reports whether the stranger still lives, its oom_score_adj, and what the agent concluded. Every
 process a scenario starts dies with the namespace (its init exits: the kernel kills the rest).
@@ -30,10 +39,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import trio
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,15 +57,16 @@ def can_unshare_pid() -> bool:
     return os.geteuid() == 0 and shutil.which("unshare") is not None
 
 
-async def run_in_pid_namespace(scenario: str, tmp: Path, timeout: float = 30) -> dict[str, Any]:  # noqa: ASYNC109
-    """Run ``scenario`` (see the module docstring) as init of a new pid namespace, in ``tmp``; its
-    JSON report. Raises AssertionError with its output when it fails; trio.TooSlowError after
-    ``timeout`` seconds (the namespace is killed then: its init gets SIGKILL)."""
+async def run_in_pid_namespace(scenario: str, tmp: Path, *args: str, timeout: float = 30) -> dict[str, Any]:  # noqa: ASYNC109
+    """Run ``scenario`` (see the module docstring) with ``args`` as init of a new pid namespace, in
+    ``tmp``; its JSON report. Raises AssertionError with its output when it fails; trio.TooSlowError
+    after ``timeout`` seconds (the namespace is killed then: its init gets SIGKILL, and with it every
+    process of the namespace)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
     with trio.fail_after(timeout):
         done = await trio.run_process(
             ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", sys.executable, "-m", "harness.pidreuse",
-             scenario, str(tmp)], env=env, capture_stdout=True, capture_stderr=True, check=False)
+             scenario, str(tmp), *args], env=env, capture_stdout=True, capture_stderr=True, check=False)
     out, err = done.stdout.decode(), done.stderr.decode()
     assert done.returncode == 0, f"scenario {scenario} exited {done.returncode}:\n{out}\n{err}"
     return dict(json.loads(out.strip().splitlines()[-1]))
@@ -63,14 +75,15 @@ async def run_in_pid_namespace(scenario: str, tmp: Path, timeout: float = 30) ->
 # ------------------------------------------------------------------ inside the namespace
 
 
-def _hand_pid_to_stranger(pid: int) -> subprocess.Popen[bytes]:
+def _hand_pid_to_stranger(pid: int, user: int | None = None) -> subprocess.Popen[bytes]:
     """Start a stranger (``sleep``, a session leader of its own) that gets ``pid``, at least one clock
     tick after everything before it started: a start time counts clock ticks (10 ms), and a pid is
     never reused within one in the field (the pid space wraps first); here it would be at once."""
     time.sleep(2 / os.sysconf("SC_CLK_TCK"))
     for _ in range(20):
         Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
-        stranger = subprocess.Popen(["sleep", "300"], start_new_session=True)
+        ids: dict[str, Any] = {} if user is None else {"user": user, "group": user, "extra_groups": []}
+        stranger = subprocess.Popen(["sleep", "300"], start_new_session=True, **ids)
         if stranger.pid == pid:
             return stranger
         stranger.kill()
@@ -170,7 +183,7 @@ async def _jail(tmp: Path) -> dict[str, Any]:
     jail.watch(leader.pid)
     member = _orphan_in_group(leader.pid)
     killed_live = await jail.kill_all()
-    member_alive = _state(member) not in ("gone", "Z")
+    member_alive = _state(member) not in ("gone", psutil.STATUS_ZOMBIE)
     leader.wait()
     jail.close()
     # A leader reaped, its pid handed to a stranger: the stranger's group is not the task's.
@@ -187,31 +200,26 @@ async def _jail(tmp: Path) -> dict[str, Any]:
 
 
 def _state(pid: int) -> str:
+    """psutil's status of ``pid`` ("zombie", "sleeping", ...); "gone" when there is none."""
     try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return str(psutil.Process(pid).status())
+    except psutil.Error:
         return "gone"
-    return text[text.rfind(")") + 2]
 
 
 def _orphan_in_group(pgid: int) -> int:
     """The process of group ``pgid`` whose parent is init (5 s at most)."""
     for _ in range(500):
-        for name in os.listdir("/proc"):
-            if name.isdigit() and int(name) not in (1, pgid):
-                try:
-                    if _ppid_is_init(int(name), pgid):
-                        return int(name)
-                except OSError:
-                    continue
+        for proc in psutil.process_iter(["ppid", "status"]):
+            if proc.pid in (1, pgid) or proc.info["ppid"] != 1 or proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            try:
+                if os.getpgid(proc.pid) == pgid:
+                    return proc.pid
+            except OSError:
+                continue
         time.sleep(0.01)
     raise AssertionError(f"no orphan appeared in group {pgid}")
-
-
-def _ppid_is_init(pid: int, pgid: int) -> bool:
-    text = Path(f"/proc/{pid}/stat").read_text()
-    fields = text[text.rfind(")") + 2:].split()
-    return fields[1] == "1" and fields[2] == str(pgid) and fields[0] != "Z"
 
 
 async def _stop_target(tmp: Path) -> dict[str, Any]:
@@ -252,14 +260,140 @@ async def _proof(tmp: Path) -> dict[str, Any]:
             "swept": len(swept), "stranger_alive": stranger.poll() is None}
 
 
-SCENARIOS = {"ended": _ended, "window": _window, "proof": _proof, "stop-target": _stop_target, "jail": _jail}
+SCAN_UID = 3_210_000_977
+"""A uid no one has (the ``scan`` scenario's processes run as it)."""
+
+
+async def _scan(tmp: Path) -> dict[str, Any]:
+    owned = Path(tempfile.mkdtemp(prefix="ckagent-scan-"))  # (the test's tmp is not the uid's to reach)
+    try:
+        return await _scan_in(owned)
+    finally:
+        shutil.rmtree(owned, ignore_errors=True)
+
+
+async def _scan_in(owned: Path) -> dict[str, Any]:
+    from ckagent.code.builder import writers
+    from ckagent.node.procid import kill_each
+    from ckagent.node.uidpool import uids_of_processes
+
+    os.chown(owned, SCAN_UID, SCAN_UID)
+    holder = subprocess.Popen(  # noqa: ASYNC220 - a quick spawn
+        ["/usr/bin/python3", "-I", "-c", "import sys, time\nf = open(sys.argv[1], 'w')\nprint('open', flush=True)\n"
+         "time.sleep(300)\n", str(owned / "late.py")], stdout=subprocess.PIPE, user=SCAN_UID, group=SCAN_UID,
+        extra_groups=[])
+    assert holder.stdout is not None and holder.stdout.readline().strip() == b"open"
+    by_uid = uids_of_processes().get(SCAN_UID, [])  # what uidpool._release's scan finds...
+    writing = writers(owned, SCAN_UID)  # ...and envstore.mark_ready's
+    holder.kill()
+    holder.wait()
+    # Its pid goes to a stranger of the same uid (the scan would find it too: only the proof tells).
+    stranger = _hand_pid_to_stranger(holder.pid, user=SCAN_UID)
+    killed = kill_each([*by_uid, *writing])
+    return {"holder_pid": holder.pid, "stranger_pid": stranger.pid, "found": [i.pid for i in by_uid],
+            "writing": [i.pid for i in writing], "killed": [i.pid for i in killed],
+            "stranger_alive": stranger.poll() is None,
+            "found_again": [i.pid for i in uids_of_processes().get(SCAN_UID, [])]}
+
+
+WAITER = (
+    "import os, sys, time\n"
+    "print('ready', os.getpid(), flush=True)\n"
+    "go = os.path.join(os.environ['CK_TASK_DIR'], 'go')\n"
+    "for _ in range(1200):  # bounded: at most a minute\n"
+    "    if os.path.exists(go):\n"
+    "        print('exiting 3', flush=True)\n"
+    "        sys.exit(3)\n"
+    "    time.sleep(0.05)\n"
+)
+"""A spider that prints its pid, then exits 3 once ``$CK_TASK_DIR/go`` exists."""
+
+
+async def _agent_restart(tmp: Path, variant: str, level: str) -> dict[str, Any]:
+    """A real agent (a process, at containment ``level``) behind a fault proxy to a real reference
+    master (in this process) runs :data:`WAITER`; the agent is killed (kill -9); then:
+
+    - ``ended``: the spider exits 3, its monitor records it and ends while no agent runs; init (this
+      process) reaps the monitor and its pid goes to a stranger's session leader; the next agent starts.
+    - ``window``: the next agent starts while the master refuses registration (503): it judges the
+      task (the monitor proven, its pidfd held) and then waits for the master; meanwhile the spider
+      exits 3, the monitor ends, is reaped and its pid goes to a stranger; then the master answers.
+
+    Reports the task at the master, every final result it received, the stranger's life and
+    oom_score_adj, and what the next agent logged of kills."""
+    from faultproxy import FaultProxy
+
+    from harness.agentproc import agent_process, wait_exit, wait_registered
+    from harness.core import eventually, submit
+    from harness.recording import serve_recording_master
+
+    report: dict[str, Any] = {}
+    async with serve_recording_master(tmp) as master, trio.open_nursery() as nursery:
+        proxy = FaultProxy(int(master.base_url.rsplit(":", 1)[1]))
+        port = await nursery.start(proxy.serve)
+        agent = agent_process(tmp, f"http://127.0.0.1:{port}", master.registration_token,
+                              task__containment=level, server__max_backoff_interval=1)
+        spool = tmp / "node" / "data" / "tasks"
+        async with agent:
+            await agent.start()
+            await wait_registered(master.admin, agent)
+            task_id = await submit(master.admin, "exit-3", {"main.py": WAITER})
+            output = spool / task_id / "output.log"
+
+            async def ready() -> int | None:
+                text = output.read_text() if output.exists() else ""
+                return next((int(line.split()[1]) for line in text.splitlines() if line.startswith("ready ")), None)
+
+            spider = await eventually(ready, 60, "the spider runs")
+            monitor = psutil.Process(spider).ppid()
+            await agent.kill()  # kill -9: the monitor is re-parented to init, this process
+            if variant == "window":
+                proxy.set("503", ["register"])
+                await agent.start()
+
+                async def refused() -> bool:
+                    return proxy.faulted("register") >= 1  # (it judged its tasks before it registers)
+
+                await eventually(refused, 60, "the next agent asks to register")
+            (output.parent / "go").touch()
+            with trio.fail_after(30):
+                waited = await trio.to_thread.run_sync(os.waitpid, monitor, 0)
+            report["monitor_status"] = os.waitstatus_to_exitcode(waited[1])
+            stranger = _hand_pid_to_stranger(monitor)
+            report.update(monitor_pid=monitor, stranger_pid=stranger.pid, spider_pid=spider)
+            if variant == "window":
+                proxy.heal()
+            else:
+                await agent.start()
+            task = await master.admin.wait_task_final(task_id, 60)
+            report.update(task={k: task.get(k) for k in ("status", "errorCode", "exitCode")},
+                          finals=[[status, body.get("exitCode")] for status, body in master.finals(task_id)],
+                          stranger_alive=stranger.poll() is None, stranger_oom=_oom_score_adj(stranger.pid))
+            agent.signal(signal.SIGTERM)
+            report["agent_exit"] = await wait_exit(agent, 30)
+            report["kills"] = [line for line in agent.log_text().splitlines()
+                               if "kill" in line.lower() and task_id in line]
+            report["stranger_alive_at_end"] = stranger.poll() is None
+        nursery.cancel_scope.cancel()
+    return report
+
+
+async def _agent_ended(tmp: Path, level: str) -> dict[str, Any]:
+    return await _agent_restart(tmp, "ended", level)
+
+
+async def _agent_window(tmp: Path, level: str) -> dict[str, Any]:
+    return await _agent_restart(tmp, "window", level)
+
+
+SCENARIOS = {"agent-ended": _agent_ended, "agent-window": _agent_window, "scan": _scan, "ended": _ended, "window": _window, "proof": _proof, "stop-target": _stop_target, "jail": _jail}
 
 
 def main() -> None:
     """``python -m harness.pidreuse <scenario> <tmp>``: run it (as init of a pid namespace)."""
-    scenario, tmp = sys.argv[1], Path(sys.argv[2])
+    scenario, tmp, args = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
     assert os.getpid() == 1, "run it as init of a pid namespace of its own (run_in_pid_namespace)"
-    report = trio.run(SCENARIOS[scenario], tmp)
+    report = trio.run(SCENARIOS[scenario], tmp, *args)
     print(json.dumps(report), flush=True)
 
 

@@ -1,18 +1,27 @@
-"""The dev master's nodes: registration (one identity per name), api keys, heartbeats, the agent version policy."""
+"""The dev master's nodes: registration (one identity per name), leaving, api keys, heartbeats, the agent
+version policy."""
 
 from __future__ import annotations
 
 import secrets
 from typing import Any
 
-from ckagent.devmaster.errors import BadRequestError, ConflictError
+from ckagent.devmaster.errors import BadRequestError, ConflictError, UnauthorizedError
 from ckagent.devmaster.store.claims import cancel_ids_of
 from ckagent.devmaster.store.database import Database, dumps, hash_key, loads, new_id, seconds_since
-from ckagent.master.protocol import FINAL_STATUSES, Heartbeat, RegisterRequest, VersionPolicy, utc_now_iso
+from ckagent.master.protocol import (
+    FINAL_STATUSES,
+    Heartbeat,
+    NodeLeaving,
+    RegisterRequest,
+    VersionPolicy,
+    utc_now_iso,
+)
 from ckagent.node.versions import InvalidVersion, Version
 
 NODE_LIVE_SECONDS = 90.0
-"""A node that heartbeated this recently (seconds) is live: its name is not given to another nodeUid."""
+"""A node that heartbeated this recently (seconds) and has not said it is leaving is live: its name is not
+given to another nodeUid."""
 
 
 class NodeStore(Database):
@@ -24,9 +33,10 @@ class NodeStore(Database):
         Re-registering the same name keeps the node id and issues a new key; the old key stops working.
         Only the key's sha256 is stored. One identity per name: when the request carries a ``nodeUid``
         and the name belongs to a node that registered another ``nodeUid`` and heartbeated within
-        NODE_LIVE_SECONDS (``at``: epoch seconds, default the clock), ConflictError (409) — two live
-        agents with one name would otherwise take each other's key on every re-registration. Agents
-        that send no nodeUid keep the old rule.
+        NODE_LIVE_SECONDS (``at``: epoch seconds, default the clock) and has not left
+        (:meth:`leave_node`), ConflictError (409) — two live agents with one name would otherwise take
+        each other's key on every re-registration. Agents that send no nodeUid keep the old rule. A
+        registration clears the name's ``left_at``.
         """
         api_key = secrets.token_urlsafe(32)
         now = utc_now_iso()
@@ -42,10 +52,12 @@ class NodeStore(Database):
             now,
         )
         with self._tx() as db:
-            row = db.execute("SELECT id, info, last_heartbeat_at FROM nodes WHERE name = ?", (req.name,)).fetchone()
+            row = db.execute("SELECT id, info, last_heartbeat_at, left_at FROM nodes WHERE name = ?",
+                             (req.name,)).fetchone()
             if row is not None and req.node_uid:
                 other = (loads(row["info"]) or {}).get("nodeUid")
-                if other and other != req.node_uid and seconds_since(row["last_heartbeat_at"], at) < NODE_LIVE_SECONDS:
+                live = row["left_at"] is None and seconds_since(row["last_heartbeat_at"], at) < NODE_LIVE_SECONDS
+                if other and other != req.node_uid and live:
                     raise ConflictError(
                         f"node name {req.name!r} belongs to another live agent (another nodeUid, heartbeat "
                         f"within {NODE_LIVE_SECONDS:g} s): give this agent its own agent.name (AGENT_NAME), "
@@ -61,10 +73,33 @@ class NodeStore(Database):
                 node_id = row["id"]
                 db.execute(
                     "UPDATE nodes SET api_key_sha256 = ?, ip = ?, port = ?, version = ?, max_workers = ?,"
-                    " labels = ?, runtimes = ?, info = ?, registered_at = ? WHERE id = ?",
+                    " labels = ?, runtimes = ?, info = ?, registered_at = ?, left_at = NULL WHERE id = ?",
                     (*values, node_id),
                 )
         return node_id, api_key
+
+    def leave_node(self, node_id: str, api_key: str, leaving: NodeLeaving) -> None:
+        """The node's agent stopped on purpose (``POST /api/nodes/{id}/leaving``): release its name, so
+        another ``nodeUid`` may register it at once, and revoke ``api_key``.
+
+        Checked in the same transaction as a registration would be (no race between the two): the key
+        must still be the node's current one — a registration since (the same agent's or another's,
+        the name moved on) issued another, so a late leaving of an earlier holder changes nothing:
+        UnauthorizedError (401). A ``leaving.node_uid`` other than the holder's: ConflictError (409),
+        nothing changes. Tasks the node still has RUNNING stay its own (the heartbeats of whoever
+        registers the name next reconcile them, docs/protocol.md "Claims and releases").
+        """
+        with self._tx() as db:
+            row = db.execute("SELECT info FROM nodes WHERE id = ? AND api_key_sha256 = ?",
+                             (node_id, hash_key(api_key))).fetchone()
+            if row is None:
+                raise UnauthorizedError("this api key no longer holds the node's name (it registered again since,"
+                                        " or left already)")
+            holder = (loads(row["info"]) or {}).get("nodeUid")
+            if leaving.node_uid and holder and holder != leaving.node_uid:
+                raise ConflictError("not the holder: the node's name was registered by another nodeUid")
+            db.execute("UPDATE nodes SET left_at = ?, api_key_sha256 = ? WHERE id = ?",
+                       (utc_now_iso(), hash_key(secrets.token_urlsafe(32)), node_id))
 
     def version_policy(self) -> VersionPolicy:
         """The agent version policy set through the admin API (both None when never set)."""
@@ -156,6 +191,7 @@ class NodeStore(Database):
                 "registeredAt": r["registered_at"],
                 "lastHeartbeatAt": r["last_heartbeat_at"],
                 "lastHeartbeat": loads(r["last_heartbeat"]),
+                "leftAt": r["left_at"],
                 "pausedReason": (loads(r["last_heartbeat"]) or {}).get("pausedReason"),
             }
             for r in rows

@@ -127,6 +127,9 @@ ADDED_COLUMNS: dict[str, tuple[str, ...]] = {
     # task (claim-in-poll; decimal text), null for a claim by POST .../result.
     # outputs: JSON {items: [glob], artifacts: [glob]} (a spider's default, copied into its tasks).
     # egress: JSON {deny: [str], allow: [str]} (a spider's default network policy; a task's own or the copy).
+    # left_at: when the node's agent said it was leaving (POST .../leaving; ISO time), null while it holds its
+    # name; a registration clears it.
+    "nodes": ("left_at",),
     "spiders": ("resources", "stop_signal", "outputs", "egress"),
     "tasks": ("resources", "stop_signal", "figures", "claim_poll_id", "outputs", "egress"),
 }

@@ -10,7 +10,7 @@ Exceptions::
     ValueError
     └── ProtocolError      a payload breaks the schema; ``.field`` is the JSON path ("tasks[2].env.FOO")
 
-The types live by concern — :mod:`.node` (registration, heartbeat), :mod:`.tasks` (a task and the
+The types live by concern — :mod:`.node` (registration, heartbeat, leaving), :mod:`.tasks` (a task and the
 poll answer), :mod:`.results` (results, stats, log/item batches, releases, spider files),
 :mod:`.outputs` (declared outputs, artifacts) and :mod:`.vocabulary` (statuses, error codes, features,
 times) — and are all imported from here (``from ckagent.master.protocol import Task``).
@@ -25,6 +25,7 @@ from ckagent.master.protocol._fields import ProtocolError
 from ckagent.master.protocol.node import (
     Heartbeat,
     HeartbeatResponse,
+    NodeLeaving,
     RegisterRequest,
     RegisterResponse,
     VersionPolicy,
@@ -92,6 +93,7 @@ __all__ = [
     "HeartbeatResponse",
     "ItemBatch",
     "LogBatch",
+    "NodeLeaving",
     "PendingTasks",
     "ProtocolError",
     "RegisterRequest",

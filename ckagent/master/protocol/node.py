@@ -149,6 +149,31 @@ class RegisterResponse:
                 **({"features": list(self.features)} if self.features else {})}
 
 
+# --------------------------------------------------------------------------- leaving
+
+@dataclass(frozen=True)
+class NodeLeaving:
+    """``POST /api/nodes/{nodeId}/leaving`` body: the agent stopped on purpose and leaves no task running
+    for a successor on its work dir, so the master may give its name to another ``nodeUid`` at once.
+
+    ``node_uid`` is the leaving agent's (the master releases the name only when it is still the holder's);
+    ``reason`` is one line for the master's log (the agent sends ``drained`` or ``terminated``).
+    """
+
+    node_uid: str | None = None
+    reason: str | None = None
+
+    @classmethod
+    def from_json(cls, obj: Any) -> NodeLeaving:
+        """Validate a decoded JSON body. Raises ProtocolError naming the bad field."""
+        o = req_object(obj, "")
+        return cls(node_uid=opt_str(o, "nodeUid"), reason=opt_str(o, "reason"))
+
+    def to_json(self) -> dict[str, Any]:
+        """The camelCase JSON body (``None`` left out)."""
+        return drop_none({"nodeUid": self.node_uid, "reason": self.reason})
+
+
 # --------------------------------------------------------------------------- heartbeat
 
 
