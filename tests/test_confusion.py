@@ -179,7 +179,8 @@ async def test_a_batch_refused_past_the_refusal_timeout_ends_incomplete_with_the
         assert proxy.faulted("logs") + proxy.faulted("items") >= 2
     assert task["status"] == "SUCCESS" and task["incomplete"] is True, task
     reason = task["incompleteReason"]
-    assert "403" in reason and "blocked by the proxy" in reason and "for 2 s" in reason, reason
+    assert "403" in reason and "blocked by the proxy" in reason, reason
+    assert all(int(s) >= 2 for s in re.findall(r"for (\d+) s", reason)) and "for " in reason, reason  # ≥ the timeout
     assert task["logLines"] == 0 and task["itemCount"] == 0, task  # what the master holds
     task_dir = tmp_path / "agent" / "tasks" / task_id
     assert (task_dir / "items.jsonl").exists() and (task_dir / "output.log").exists()  # the spool stays
