@@ -2,8 +2,9 @@
 tmpfs the test mounts (root only; skipped with the reason otherwise) and always unmounts, the tasks
 run at the real dev master.
 
-- a burst writer takes the whole disk in milliseconds and exits 0 before any look of the disk watch,
-  beside a quiet numbered neighbour: the writer is blamed at its end (FAILED DISK_FULL, not SUCCESS),
+- a burst writer takes the whole disk in milliseconds and exits 0 before any look of the disk watch
+  (or keeps writing on the full disk), beside a quiet numbered neighbour: the writer is blamed at its
+  end (FAILED DISK_FULL, not SUCCESS; or by the watch's next look, and stopped),
   its scratch is removed once its result is recorded, the neighbour loses nothing (every line once,
   in order, every item) and succeeds, and the next task succeeds with no hand on the node; the status
   page's culprit is the writer;
@@ -89,9 +90,12 @@ async def _next_task_succeeds(dev_master: Any) -> None:
     assert "after the full disk" in await dev_master.admin.get_logs(after)
 
 
-async def test_a_burst_that_exited_is_blamed_and_its_neighbour_loses_nothing(
-    dev_master: Any, nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("stays", [False, True], ids=["exits-at-once", "keeps-writing"])
+async def test_a_burst_is_blamed_and_its_neighbour_loses_nothing(
+    dev_master: Any, nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture, stays: bool
 ) -> None:
+    """The burst exits 0 before any look (judged at its end), or keeps trying to write on the full disk
+    (blamed by the watch's next look and stopped)."""
     caplog.set_level(logging.WARNING, logger="ckagent")
     with trio.fail_after(150), small_disk(tmp_path / "disk", DISK_BYTES) as work:
         settings = agent_settings(work, dev_master.base_url, dev_master.registration_token,
@@ -99,10 +103,11 @@ async def test_a_burst_that_exited_is_blamed_and_its_neighbour_loses_nothing(
         admin = dev_master.admin
         async with running_agent(nursery, settings) as agent:
             quiet = await submit(admin, "quiet", {"main.py": QUIET}, args=["250"])
-            burst = await submit(admin, "burst", {"main.py": BURST}, args=["2.0"])
+            burst = await submit(admin, "burst", {"main.py": BURST}, args=["2.0", "65536"] if stays else ["2.0"])
             filled = await _final(admin, burst)
             assert filled["status"] == "FAILED" and filled["errorCode"] == "DISK_FULL", filled
-            assert "disk full" in filled["errorMessage"] and "when it ended" in filled["errorMessage"], filled
+            assert "disk full" in filled["errorMessage"], filled
+            assert ("when it ended" in filled["errorMessage"]) is not stays, filled
             logs = await admin.get_logs(burst)
             assert logs[:1] == ["burst starts"] or "burst starts" in logs
             assert any("task FAILED (DISK_FULL)" in line for line in logs), logs[-5:]

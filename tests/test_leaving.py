@@ -319,6 +319,7 @@ async def _start_replacement(tmp_path: Path, dev_master: Any, where: str) -> Age
     return agent
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
 async def test_a_replacement_with_a_new_work_dir_registers_at_once_after_a_graceful_stop(
     dev_master: Any, tmp_path: Path, stop: signal.Signals
@@ -348,6 +349,7 @@ async def test_a_replacement_with_a_new_work_dir_registers_at_once_after_a_grace
         assert await wait_exit(second, 30) == 0
 
 
+@pytest.mark.slow
 async def test_a_replacement_after_a_kill_is_still_refused(dev_master: Any, tmp_path: Path) -> None:
     """A crashed agent (kill -9) said nothing: its name stays guarded, the replacement with a new work
     dir is refused (409, exit 1) as before — two live agents must not share a name."""

@@ -18,16 +18,22 @@ import httpx
 import pytest
 import trio
 from harness import (  # noqa: F401 -- no_strays: autouse fixture
+    Releases,
+    RunShNode,
     agent_settings,
     eventually,
+    failed_versions,
     no_strays,
+    out,
     running_agent,
+    stand_in_release,
     submit,
     wait_for_log,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import ckagent
 from ckagent.port.status import AgentStatus
 from ckagent.port.statusrows import node_history_rows
 from ckagent.port.statusrunsh import (
@@ -193,13 +199,15 @@ async def _get(port: int, path: str) -> httpx.Response:
         return await http.get(path)
 
 
+@pytest.mark.parametrize("levels", [{}, {"AGENT_TASK_EGRESS": "proxy", "AGENT_TASK_CONTAINMENT": "process-group"},
+                                    {"AGENT_TASK_EGRESS": "off"}], ids=["auto", "proxy+process-group", "egress-off"])
 async def test_status_and_page_show_uptime_levels_upgrades_and_culprit(
-    dev_master: Any, nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    dev_master: Any, nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, levels: dict[str, str]
 ) -> None:
     state = _state(tmp_path, json.dumps({**RECORD, "reason": "<script>alert(1)</script>"}).encode(),
                    b"0.3.0\n<img src=x onerror=alert(2)>\n")
     monkeypatch.setenv(STATE_DIR_ENV, str(state))  # what run.sh exports
-    settings_ = agent_settings(tmp_path / "w", dev_master.base_url, dev_master.registration_token)
+    settings_ = agent_settings(tmp_path / "w", dev_master.base_url, dev_master.registration_token, **levels)
     with trio.fail_after(60):
         async with running_agent(nursery, settings_) as agent:
             assert agent.status_port is not None
@@ -209,6 +217,10 @@ async def test_status_and_page_show_uptime_levels_upgrades_and_culprit(
             assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", status["startedAt"])
             assert agent.egress is not None and agent.identities is not None
             assert status["egress"]["level"] == agent.egress.to_json()["level"]
+            if levels:
+                assert status["egress"]["level"] == levels["AGENT_TASK_EGRESS"]
+            if "AGENT_TASK_CONTAINMENT" in levels:
+                assert status["containment"]["level"] == "process-group"
             assert status["identity"]["level"] == agent.identities.to_json()["level"]
             assert status["tasksAtStart"] == {"readopted": {"count": 0, "ids": []},
                                               "notReadopted": {"count": 0, "tasks": []}}
@@ -238,8 +250,10 @@ async def test_status_and_page_show_uptime_levels_upgrades_and_culprit(
 
             # the disk watch's culprit (ckagent.delivery.diskwatch's DiskCulprit: task_id, used_bytes, at, reason)
             assert agent.outbox is not None
-            agent.outbox.disk.last_culprit = SimpleNamespace(  # type: ignore[attr-defined]
-                task_id="t<1>", used_bytes=300 << 20, at=1764950400.0, reason="filled the disk: <300 MiB>")
+            # (set by name: before the disk watch keeps a culprit the attribute does not exist on main)
+            culprit_attr = "last_culprit"
+            setattr(agent.outbox.disk, culprit_attr, SimpleNamespace(
+                task_id="t<1>", used_bytes=300 << 20, at=1764950400.0, reason="filled the disk: <300 MiB>"))
             status = (await _get(agent.status_port, "/status")).json()
             assert status["diskCulprit"] == {"taskId": "t<1>", "usedBytes": 300 << 20,
                                              "at": "2025-12-05T16:00:00.000Z", "reason": "filled the disk: <300 MiB>"}
@@ -308,3 +322,32 @@ def test_duration_and_ids_texts() -> None:
     assert rows["not re-adopted (AGENT_LOST)"] == "1: x (gone)"
     assert dict(node_history_rows({"uptimeSeconds": 125}))["up since"] == "— UTC (2 min 5 s)"
     assert dict(node_history_rows({"uptimeSeconds": float("nan")}))["up since"] == "— UTC (—)"
+
+
+@pytest.mark.slow
+async def test_a_real_run_sh_rollback_is_on_the_page_of_the_agent_it_left_running(
+        node: RunShNode, releases: Releases, pyz: Path, tmp_path: Path, dev_master: Any) -> None:
+    """run.sh starts the agent (exporting CK_RUNSH_STATE_DIR), an upgrade to a release that never
+    becomes healthy is rolled back: the agent running afterwards shows run.sh's record of it and the
+    failed version, on /status and on the page."""
+    releases.publish(pyz, ckagent.__version__)
+    env = {"AGENT_RELEASE_URL": releases.url, "AGENT_UPGRADE_HEALTH_TIMEOUT": "5"}
+    started = await node.sh("start", "--daemon=on", **env)
+    assert started.returncode == 0, out(started)
+    assert (await _get(node.port, "/status")).json()["upgrades"]["lastChangeUnknown"] == "none recorded"
+    releases.publish(stand_in_release(tmp_path / "sick.pyz", "104.0.0"), "104.0.0")
+    upgraded = await node.sh("upgrade", "104.0.0", **env)
+    assert upgraded.returncode != 0 and "rolled back" in out(upgraded), out(upgraded)
+    assert await node.healthz() == 200
+    upgrades = (await _get(node.port, "/status")).json()["upgrades"]
+    assert upgrades["stateDir"] == str(node.directory / ".ckagent")
+    change = upgrades["lastChange"]
+    assert {k: change[k] for k in ("action", "from", "to", "outcome")} == {
+        "action": "upgrade", "from": ckagent.__version__, "to": "104.0.0", "outcome": "rolled-back"}, change
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.000Z", change["at"]) and change["reason"]
+    assert upgrades["failedVersions"] == ["104.0.0"] == failed_versions(node)
+    page = (await _get(node.port, "/")).text
+    assert f"<th>last upgrade / rollback</th><td>upgrade {ckagent.__version__} → 104.0.0: rolled-back" in page
+    assert "<th>failed versions</th><td>1: 104.0.0</td>" in page
+    stopped = await node.sh("stop")
+    assert stopped.returncode == 0, out(stopped)

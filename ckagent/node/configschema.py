@@ -331,9 +331,10 @@ SETTINGS: tuple[Setting, ...] = (
             "Disk budget of one task's output.log: beyond it the spider's output is drained but dropped, "
             "and one marker line says how many bytes; 0 = no limit.", v.integer(0)),
     Setting("task", "min_free_disk_bytes", "AGENT_TASK_MIN_FREE_DISK_BYTES", "integer >= 0 (bytes)", 512 * 1024**2,
-            "Free-space floor of the work dir's filesystem: task output that would go below it is dropped "
-            "(with a marker line), a task whose writes take the free space below it is stopped (DISK_FULL) and "
-            "new tasks wait until it is back; 0 = no floor.", v.integer(0)),
+            "Free-space floor of the work dir's filesystem: below it the task over its share of the disk is "
+            "stopped (DISK_FULL) and its scratch removed, and new tasks wait until space is back; output is "
+            "never dropped for it. 0 = no floor of its own (4 MiB). See docs/operations.md, When the disk fills.",
+            v.integer(0)),
     Setting("task", "max_artifact_bytes", "AGENT_TASK_MAX_ARTIFACT_BYTES", "integer >= 0 (bytes)", 100 * 1024**2,
             "Artifact budget of one task: the files it created or changed in its working copy are shipped to "
             "the master up to this many bytes (in path order); the rest stay on the node in "
