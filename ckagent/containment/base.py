@@ -244,14 +244,19 @@ PR_SET_CHILD_SUBREAPER = 36
 SHELL = "/bin/sh"
 
 
-def shim_script(join: list[Path], oom_score_adj: int = SPIDER_OOM_SCORE_ADJ) -> str:
-    """The shell script of the spawn shim: join each cgroup (exit 126 with a message if one
-    refuses), raise oom_score_adj (best effort), then exec the command ("$0" "$@")."""
+def join_lines(join: list[Path], oom_score_adj: int = SPIDER_OOM_SCORE_ADJ) -> list[str]:
+    """The shell lines every task process runs before anything else (the spawn shim's, the monitor's:
+    ckagent.containment.monitor): join each cgroup (exit 126 with a message if one refuses), then
+    raise oom_score_adj (best effort)."""
     lines = [f"echo 0 >{shlex.quote(str(path))} || {{ echo 'ckagent: cannot join the task cgroup "
              f"{shlex.quote(str(path.parent))}' >&2; exit 126; }}" for path in join]
     lines.append(f"echo {oom_score_adj} >/proc/self/oom_score_adj 2>/dev/null")
-    lines.append('exec "$0" "$@"')
-    return "\n".join(lines)
+    return lines
+
+
+def shim_script(join: list[Path], oom_score_adj: int = SPIDER_OOM_SCORE_ADJ) -> str:
+    """The shell script of the spawn shim: :func:`join_lines`, then exec the command ("$0" "$@")."""
+    return "\n".join([*join_lines(join, oom_score_adj), 'exec "$0" "$@"'])
 
 
 def _resolve(program: str, path: str | None) -> str:
