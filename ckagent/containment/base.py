@@ -420,13 +420,37 @@ async def wait_pids_gone(pids: Iterable[int]) -> None:
             os.close(fd)
 
 
-def kill_pids(pids: Iterable[int], sig: int = signal.SIGKILL) -> int:
-    """Send ``sig`` to each pid; returns how many were signalled."""
-    n = 0
+def kill_pids(pids: Iterable[int], members: Callable[[], Iterable[int]], sig: int = signal.SIGKILL) -> int:
+    """Send ``sig`` to each of ``pids`` (read from a cgroup's ``cgroup.procs``) that is still a member
+    when proven: its pidfd is opened first, then ``members()`` (the cgroup's processes now) read
+    again — a pid listed then names the process the pidfd holds, so the signal (through the pidfd)
+    never reaches a process that took a pid the first read saw (ckagent.node.procid's rule, for a
+    cgroup's scan). Returns how many were signalled. Without pidfds (Linux < 5.3): by pid after the
+    same second read (racy; the cgroup is frozen meanwhile where it can be)."""
+    fds: dict[int, int] = {}
+    unpinned: list[int] = []
     for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
-            n += 1
+        try:
+            fds[pid] = os.pidfd_open(pid)
+        except OSError as exc:
+            if exc.errno == errno.ENOSYS:
+                unpinned.append(pid)
+    n = 0
+    try:
+        now = set(members())
+        for pid, fd in fds.items():
+            if pid in now:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    signal.pidfd_send_signal(fd, sig)
+                    n += 1
+        for pid in unpinned:
+            if pid in now:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
+                    n += 1
+    finally:
+        for fd in fds.values():
+            os.close(fd)
     return n
 
 
