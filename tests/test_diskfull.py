@@ -81,6 +81,9 @@ async def _neighbour_lost_nothing(dev_master: Any, work: Path, task_id: str, cou
     assert logs == output_lines(work / "tasks" / task_id)  # what the node holds, once, in order
     assert [line for line in logs if line.startswith("quiet")] == [f"quiet line {i:04d}" for i in range(count)]
     assert await admin.get_items(task_id) == [{"quiet": i} for i in range(0, count, 3)]
+    for name in ("output.log", "items.jsonl"):  # the blocks held beyond their ends are given back
+        st = (work / "tasks" / task_id / name).stat()
+        assert st.st_blocks * 512 - st.st_size < 64 * 1024, (name, st)
 
 
 async def _next_task_succeeds(dev_master: Any) -> None:

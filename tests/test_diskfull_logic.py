@@ -239,7 +239,7 @@ async def test_on_a_full_disk_the_state_store_journal_and_a_spiders_stdout_go_on
         assert child.poll() is None
         blob.unlink()  # the culprit's scratch reclaimed
         out, _ = await trio.to_thread.run_sync(child.communicate)
-        assert child.returncode == 0 and float(out) >= 0.4
+        assert child.returncode == 0 and float(out) >= 0.2  # it waited for the room
         assert items.read_bytes().endswith(b'{"n": 1, "pad": "' + b"q" * 8000 + b'"}\n')
         sink.close()
         journal.close()

@@ -6,6 +6,7 @@ See the package docstring (ckagent.delivery) for the whole design.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -49,6 +50,9 @@ from ckagent.node.state import AsyncStateStore, StateStore, StateStoreError, Tas
 log = logging.getLogger(__name__)
 
 
+FULL_MEASURE_EVERY = 5
+"""While the disk is calm (at least twice the critical level free, not falling fast), the accounted trees
+are walked every this many looks of the disk loop (a spider's data dir may hold many files)."""
 HAND_OVER_FLUSH_TIMEOUT = 2.0
 """Seconds a hand-over spends sending what was already read (lines, items, finished tasks' results)
 before exiting; the next agent sends the rest from the acknowledged positions (docs/operations.md)."""
@@ -80,6 +84,8 @@ class Outbox:
         ``last_culprit`` (a DiskCulprit or None) is the status page's."""
         self.accounted: dict[str, Accounted] = {}
         """The running tasks' trees whose disk use the disk loop measures (:meth:`account`)."""
+        self._used: dict[str, int] = {}  # each accounted task's use at its last measure (bytes)
+        self._looks = 0
         self.on_disk_full: Callable[[str, str], None] | None = None
         """Called with (task id, reason) for a running task that fills the disk: the agent stops it DISK_FULL."""
         self._store_full = False  # the last flush of positions met a full disk (logged once)
@@ -321,9 +327,14 @@ class Outbox:
             await self._flush_positions()  # the shippers' acknowledged positions, all streams at once
             live = [delivery for delivery in self.deliveries.values() if delivery.scanning]
             acked, self._acked = self._acked, set()
-            accounted = list(self.accounted.items())
-            spool = _headroom_fds(live)  # duplicated here: a descriptor closed meanwhile is not reused under us
             last_free = self.guard.free_bytes
+            self._looks += 1
+            calm = (last_free is not None and last_free >= 2 * self.disk.critical_bytes
+                    and self.disk.next_interval() >= SCAN_INTERVAL and self._looks % FULL_MEASURE_EVERY)
+            # A calm disk: the trees are walked every FULL_MEASURE_EVERY looks (new tasks at once).
+            accounted = [(task_id, entry) for task_id, entry in self.accounted.items()
+                         if not calm or task_id not in self._used]
+            spool = _headroom_fds(live)  # duplicated here: a descriptor closed meanwhile is not reused under us
             keep = last_free is not None and last_free > self.disk.critical_bytes + 2 * STORE_RESERVE_BYTES
             found, free, sizes, unmarked = await trio.to_thread.run_sync(
                 _scan_round, live, self.guard.path, accounted, spool, self.store.sync, acked, keep)  # one hop
@@ -333,8 +344,9 @@ class Outbox:
                 if delivery.sink is not None and delivery.sink.full_since is not None:
                     delivery.sink.retry()
             self.guard.measured(free)
-            self._watch_disk(free, {task_id: size for (task_id, _), size in zip(accounted, sizes, strict=True)
-                                    if task_id in self.accounted})
+            self._used.update((task_id, size) for (task_id, _), size in zip(accounted, sizes, strict=True))
+            self._used = {task_id: self._used[task_id] for task_id in self.accounted if task_id in self._used}
+            self._watch_disk(free, dict(self._used))
             self._looked.set()
 
     async def next_look(self) -> None:
@@ -383,45 +395,50 @@ class Outbox:
             log.info("the acknowledged positions are saved again")
 
 
-def _headroom_fds(deliveries: list[TaskDelivery]) -> list[tuple[int, int]]:
-    """(a duplicate of the descriptor, the headroom it gets) for each open spool file the agent holds
-    of ``deliveries``: output.log, the journals. On the Trio thread (dup: microseconds)."""
-    fds: list[tuple[int, int]] = []
+def _headroom_fds(deliveries: list[TaskDelivery]) -> list[tuple[TaskDelivery, list[tuple[int, int]]]]:
+    """Per delivery, (a duplicate of the descriptor, the headroom it gets) for each open spool file the
+    agent holds: output.log, the journals. On the Trio thread (dup: microseconds)."""
+    found: list[tuple[TaskDelivery, list[tuple[int, int]]]] = []
     for delivery in deliveries:
         held = [(delivery.sink.fileno() if delivery.sink is not None else -1, SPOOL_HEADROOM_BYTES),
                 (delivery.journal.fileno(), JOURNAL_HEADROOM_BYTES)]
         if delivery.item_journal is not None:
             held.append((delivery.item_journal.fileno(), JOURNAL_HEADROOM_BYTES))
+        fds: list[tuple[int, int]] = []
         for fd, size in held:
             if fd >= 0:
-                try:
+                with contextlib.suppress(OSError):
                     fds.append((os.dup(fd), size))
+        found.append((delivery, fds))
+    return found
+
+
+def _top_up(spool: list[tuple[TaskDelivery, list[tuple[int, int]]]]) -> None:
+    """Blocks held beyond the end of every running task's appended spool files again (their writers
+    used some): the agent's descriptors (closed here) and each items.jsonl — not once the task's
+    delivery has given them back (its process is over). Blocking."""
+    for delivery, fds in spool:
+        with delivery.headroom:
+            try:
+                if delivery.headroom_given_back:
+                    continue
+                for fd, size in fds:
+                    preallocate(fd, size)
+                try:
+                    items = open_spool(delivery.task_dir / ITEMS_FILE, os.O_WRONLY)
                 except OSError:
                     continue
-    return fds
-
-
-def _top_up(deliveries: list[TaskDelivery], fds: list[tuple[int, int]]) -> None:
-    """Blocks held beyond the end of every running task's appended spool files again (their writers
-    used some): the agent's descriptors ``fds`` (closed here) and each items.jsonl. Blocking."""
-    for fd, size in fds:
-        try:
-            preallocate(fd, size)
-        finally:
-            os.close(fd)
-    for delivery in deliveries:
-        try:
-            fd = open_spool(delivery.task_dir / ITEMS_FILE, os.O_WRONLY)
-        except OSError:
-            continue
-        try:
-            preallocate(fd, SPOOL_HEADROOM_BYTES)
-        finally:
-            os.close(fd)
+                try:
+                    preallocate(items, SPOOL_HEADROOM_BYTES)
+                finally:
+                    os.close(items)
+            finally:
+                for fd, _ in fds:
+                    os.close(fd)
 
 
 def _scan_round(deliveries: list[TaskDelivery], disk: Path, accounted: list[tuple[str, Accounted]],
-                fds: list[tuple[int, int]], store: StateStore, acked: set[str],
+                spool: list[tuple[TaskDelivery, list[tuple[int, int]]]], store: StateStore, acked: set[str],
                 keep_reserve: bool) -> tuple[list[Scanned], int | None, list[int], set[str]]:
     """One round of the disk loop in its worker thread (blocking): the acknowledged results marked
     (:func:`_mark_all`), :func:`_scan_all`, the spool files' headroom topped up (:func:`_top_up`),
@@ -429,7 +446,7 @@ def _scan_round(deliveries: list[TaskDelivery], disk: Path, accounted: list[tupl
     bytes of the filesystem holding ``disk`` (None when it cannot be measured), each accounted
     task's bytes (ckagent.delivery.diskwatch.accounted_bytes) and the marks that could not be written."""
     unmarked = _mark_all(store, acked)
-    _top_up(deliveries, fds)
+    _top_up(spool)
     if keep_reserve:
         store.keep_reserve()
     sizes = [accounted_bytes(entry) for _, entry in accounted]

@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import os
 import stat
+import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -38,6 +39,7 @@ from ckagent.delivery.activity import Activity
 from ckagent.delivery.artifacts import ArtifactState, read_state, upload_artifacts
 from ckagent.delivery.capture import LogSink
 from ckagent.delivery.crawlstats import STATS_FILE, Snapshot
+from ckagent.delivery.diskwatch import release_spool_headroom
 from ckagent.delivery.journal import LogJournal, scan_log_files
 from ckagent.delivery.lifecycle import Lifecycle, TaskDelivered
 from ckagent.delivery.lines import Masker
@@ -157,6 +159,9 @@ class TaskDelivery:
         self._stats_size = 0  # the stats file's size at the last scan
         self._output_grew: trio.Event | None = None  # set by the next output write (see wait_output)
         self.scanning = False  # True while the task runs: the outbox scans its files every SCAN_INTERVAL
+        self.headroom = threading.Lock()
+        """Held (in worker threads) while blocks beyond the spool files' ends are allocated or given back."""
+        self.headroom_given_back = False  # the process is over: no more blocks held beyond the ends
         self.ended = trio.Event()
         self._end: EndReads | None = None  # what the end read (finish's hop, else run's)
         self.delivered = trio.Event()
@@ -244,6 +249,9 @@ class TaskDelivery:
         unread = reader.line_start if isinstance(reader, _FileReader) and not reader.done else None
 
         def ending() -> tuple[StateStoreError | None, EndReads | None, tuple[list[tuple[int, int]], int] | None]:
+            with self.headroom:  # the blocks beyond output.log's and items.jsonl's ends: no writer is left
+                self.headroom_given_back = True  # (the lines said below only append, as any write)
+                release_spool_headroom(task_dir)
             error: StateStoreError | None = None
             try:
                 store.set_result(task_id, stored)
