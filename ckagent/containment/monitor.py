@@ -48,7 +48,13 @@ from typing import Any, Protocol
 import trio
 
 from ckagent.containment import TaskJail
-from ckagent.containment.base import SHELL, SPIDER_OOM_SCORE_ADJ, make_preexec, raise_oom_score_adj
+from ckagent.containment.base import (
+    SHELL,
+    SPIDER_OOM_SCORE_ADJ,
+    join_lines,
+    make_preexec,
+    raise_oom_score_adj,
+)
 from ckagent.containment.base import _resolve as resolve_program
 from ckagent.containment.filewatch import FileWatch
 from ckagent.containment.private import TMP_DIR, Privacy, PrivacyLevel
@@ -88,9 +94,7 @@ def monitor_script(join: list[Path], status_path: Path | None, oom_score_adj: in
     the foreground with them back at their defaults, then write its ``$?`` to ``status_path`` (None:
     nowhere — the monitor's own exit status, read by the agent that is its parent, is the record)
     and exit with it. The monitor's own stderr is /dev/null (the program keeps the real one as fd 2)."""
-    lines = [f"echo 0 >{shlex.quote(str(path))} || {{ echo 'ckagent: cannot join the task cgroup "
-             f"{shlex.quote(str(path.parent))}' >&2; exit 126; }}" for path in join]
-    lines.append(f"echo {oom_score_adj} >/proc/self/oom_score_adj 2>/dev/null")
+    lines = join_lines(join, oom_score_adj)  # (the spawn shim's first lines: ckagent.containment.base)
     sigs = " ".join(IGNORED_BY_MONITOR)
     lines.append(f"exec 3>&2 2>/dev/null; trap '' {sigs}")
     lines.append(f'(trap - {sigs}; exec 2>&3 3>&-; exec "$0" "$@")')
