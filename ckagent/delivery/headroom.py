@@ -1,15 +1,18 @@
 """Blocks held beyond the ends of a running task's appended spool files (ckagent.node.diskfull): the
 outbox's disk loop tops them up at every look (:func:`headroom_fds` on the Trio thread, :func:`top_up`
 in its thread hop); the task's delivery gives them back when its process is over, under the same
-lock (``TaskDelivery.headroom``), so no look holds them again after.
+lock (:class:`Headroom`, ``TaskDelivery.headroom``), so no look holds them again after.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ckagent.delivery.diskwatch import release_spool_headroom
 from ckagent.delivery.spool import ITEMS_FILE, open_spool
 from ckagent.node.diskfull import JOURNAL_HEADROOM_BYTES, SPOOL_HEADROOM_BYTES, preallocate
 
@@ -40,9 +43,9 @@ def top_up(spool: list[tuple[TaskDelivery, list[tuple[int, int]]]]) -> None:
     used some): the agent's descriptors (closed here) and each items.jsonl — not once the task's
     delivery has given them back (its process is over). Blocking."""
     for delivery, fds in spool:
-        with delivery.headroom:
+        with delivery.headroom.lock:
             try:
-                if delivery.headroom_given_back:
+                if delivery.headroom.given_back:
                     continue
                 for fd, size in fds:
                     preallocate(fd, size)
@@ -57,3 +60,19 @@ def top_up(spool: list[tuple[TaskDelivery, list[tuple[int, int]]]]) -> None:
             finally:
                 for fd, _ in fds:
                     os.close(fd)
+
+
+class Headroom:
+    """A task's blocks beyond its appended spool files' ends: topped up by the outbox's looks
+    (:func:`top_up`, under :attr:`lock`) until :meth:`give_back`. Thread-safe."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.given_back = False
+
+    def give_back(self, task_dir: Path) -> None:
+        """The task's process is over: the blocks beyond output.log's and items.jsonl's ends given back
+        (ckagent.delivery.diskwatch.release_spool_headroom), and no look allocates them again. Blocking."""
+        with self.lock:
+            self.given_back = True
+            release_spool_headroom(task_dir)
