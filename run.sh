@@ -47,16 +47,26 @@
 #             its log is printed), /readyz named a cause (it keeps running and retrying), or an agent
 #             already runs but does not answer /healthz
 #   stop      0 stopped (or was not running); 1 it survived SIGKILL
-#   restart   as stop, then as start
+#   restart   1 the agent to be started fails its check (nothing stopped); else as stop, then as start,
+#             but 3 when no agent runs after it, 4 when it runs but does not answer /healthz
 #   status    0 running and /healthz 200; 3 not running; 4 running but /healthz does not answer 200
 #             (then the levels in force from its /status: whom spiders run as, containment, egress,
 #             and its warnings)
 #   logs      0 shown; 1 no log file yet
 #   upgrade   0 upgraded and healthy, installed (agent not running), nothing to do, or a version that
-#             failed here before is skipped; 1 failed (download, verification, an older VERSION without
-#             --downgrade, or a health check: rolled back)
+#             failed here before is skipped; 1 failed (download, verification, the check before
+#             stopping: nothing replaced or stopped; an older VERSION without --downgrade; or a health
+#             check: rolled back, healthy again); after a failed upgrade 4 an agent runs but does not
+#             answer /healthz, 3 none runs (as status says)
 #   rollback  0 back on the previous release (healthy, or installed when not running); 1 no previous
-#             release, it does not verify, or it is not healthy (then the current one is restored)
+#             release, it fails its check (nothing changed), or it is not healthy (then the current one
+#             is restored, healthy); 4 or 3 as for upgrade
+#
+# Before the running agent stops, upgrade, rollback and restart check what they will start: it runs
+# here, and its `config check` accepts this node's config and environment (the spider user can run the
+# interpreter) with a registration token reachable; as root the running agent's credentials go on to
+# the next one. The last change is kept in .ckagent/last-change.json (docs/deploy.md, "What an
+# upgrade, rollback or restart guarantees").
 set -euo pipefail
 
 DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)"
@@ -700,14 +710,15 @@ run.sh: nothing was stopped: ckagent (pid $pid) keeps running${SPIDER_USER_DEFER
   stop_for_restart
   SETTINGS_YAML=""
   cmd_start --daemon=on "${flags[@]+"${flags[@]}"}" "${rest[@]+"${rest[@]}"}" || rc=$?
-  ((running)) || return "$rc"
   node_state
-  case "$NODE_STATE" in
-    healthy) record_change restart "$version" "$version" healthy "" ;;
-    *) record_change restart "$version" "$version" "$NODE_STATE" "the new agent did not become healthy (see $LOG_FILE)"
-       printf 'run.sh: after the restart: %s\n' "$(state_words)" >&2
-       exit_for_state ;;
-  esac
+  if ((running)); then
+    if [[ "$NODE_STATE" == healthy ]]; then record_change restart "$version" "$version" healthy ""
+    else record_change restart "$version" "$version" "$NODE_STATE" "the new agent did not become healthy (see $LOG_FILE)"; fi
+  fi
+  if [[ "$NODE_STATE" != healthy ]] && ((rc != 0 || running)); then
+    printf 'run.sh: after the restart: %s\n' "$(state_words)" >&2
+    exit_for_state
+  fi
   return "$rc"
 }
 

@@ -112,6 +112,12 @@ async def test_an_upgrade_from_a_shell_without_the_token_hands_the_running_agent
     change = last_change(node)
     assert {k: change[k] for k in ("action", "from", "to", "outcome")} == {
         "action": "upgrade", "from": ckagent.__version__, "to": BUMPED, "outcome": "healthy"}, change
+    # a restart from the same shell: the credentials go on again
+    restarted = await node.sh("restart")
+    assert restarted.returncode == 0 and "go on to the new one" in out(restarted), out(restarted)
+    assert node.pid() not in (None, second) and last_change(node)["action"] == "restart"
+    second = node.pid()
+    assert second is not None
     environ = (await trio.Path(f"/proc/{second}/environ").read_bytes()).split(b"\0")
     assert f"CK_RUNSH_STATE_DIR={node.directory / '.ckagent'}".encode() in environ
     assert not any(token.encode() in entry for entry in environ)
@@ -241,6 +247,17 @@ async def test_settings_the_next_agent_refuses_stop_nothing(
     assert upgraded.returncode == 0 and f"upgraded to {BUMPED}: healthy" in out(upgraded), out(upgraded)
     assert failed_versions(node) == [] and last_change(node)["outcome"] == "healthy"
 
+    # a rollback is checked the same way: the previous release refuses the typo, nothing changes
+    upgraded_pid = node.pid()
+    _write_config(node, {**good, "task": {**good["task"], "drain_timout": 5}})
+    refused = await watch_health(node, "rollback", env=ENV)
+    said = out(refused.result)
+    assert refused.result.returncode == 1 and "not rolling back" in said and "drain_timout" in said, said
+    assert refused.healthy_throughout, (refused.codes, said)
+    assert node.pid() == upgraded_pid and same(node.directory / "ckagent.pyz", bumped_pyz)
+    assert same(node.directory / "ckagent.pyz.prev", pyz) and failed_versions(node) == []
+    assert (last_change(node)["action"], last_change(node)["outcome"]) == ("rollback", "refused")
+
 
 async def test_a_release_that_fails_its_check_is_refused_and_not_installed(
         node: RunShNode, releases: Releases, pyz: Path, tmp_path: Path, dev_master: Any) -> None:
@@ -280,6 +297,28 @@ async def test_a_rollback_that_leaves_nothing_running_says_so_and_status_agrees(
         assert failed_versions(node) == []
         change = last_change(node)
         assert (change["action"], change["to"], change["outcome"]) == ("upgrade", "103.0.0", "down"), change
+    finally:
+        if stray_file.exists():
+            os.killpg(int(stray_file.read_text()), signal.SIGKILL)
+
+
+async def test_a_restart_that_leaves_nothing_running_says_so_and_status_agrees(
+        node: RunShNode, releases: Releases, pyz: Path, tmp_path: Path, dev_master: Any) -> None:
+    """The installed file replaced under a running agent by a release that passes the check but, started,
+    leaves a stray on the agent's port and exits: `restart` says no agent runs and exits 3, as `status`."""
+    await _start(node, releases, pyz)
+    stray_file = tmp_path / "stray.pid"
+    stand_in_release(tmp_path / "hold.pyz", "104.0.0", hold_port=True)
+    shutil.copy2(tmp_path / "hold.pyz", node.directory / "ckagent.pyz")
+    try:
+        restarted = await node.sh("restart", STAND_IN_HOLD_PORT=str(node.port), STAND_IN_STRAY_PID=str(stray_file))
+        said = out(restarted)
+        assert restarted.returncode == 3, said
+        assert "after the restart: no agent is running: the node is down (./run.sh status: 3)" in said, said
+        assert (await node.sh("status")).returncode == 3
+        change = last_change(node)
+        assert (change["action"], change["from"], change["to"], change["outcome"]) == (
+            "restart", "104.0.0", "104.0.0", "down"), change
     finally:
         if stray_file.exists():
             os.killpg(int(stray_file.read_text()), signal.SIGKILL)
