@@ -28,9 +28,7 @@ The shutdown order is the nesting of :meth:`Agent.run` (as hypercorn's ``trio/ru
             ├── move_on_at(drain deadline): supervisor.wait_idle()     DRAINING: tasks may finish
             └── terminate()               TERMINATING: every task TERM → kill_grace → KILL, CANCELLED
     STOPPING: move_on_at(flush deadline): outbox.wait_idle()            bounded flush
-    STOPPED: the root nursery is gone; one last heartbeat says so (≤ FINAL_BEAT_TIMEOUT s), then the
-             leaving call releases the node's name (≤ LEAVE_TIMEOUT s; not after a hand-over that left
-             tasks running: the next agent on this work dir is the same node)
+    STOPPED: the root nursery is gone; one last heartbeat says so (≤ FINAL_BEAT_TIMEOUT s), then leaving
 
 States (:class:`AgentState`, reported truthfully in every heartbeat): STARTING → RUNNING → DRAINING
 (SIGTERM: stop claiming; running tasks get ``task.drain_timeout`` seconds) → TERMINATING (SIGINT, a
@@ -73,10 +71,10 @@ from ckagent.containment.hierarchy import agent_group_name
 from ckagent.delivery import Outbox, OutboxConfig, cleanup_task_dirs
 from ckagent.delivery.lifecycle import CanonicalLine, Lifecycle
 from ckagent.master.client import MasterClient, RegistrationRefused
-from ckagent.master.fleet import VersionWatch, load_node_uid, register_request
+from ckagent.master.fleet import FINAL_BEAT_TIMEOUT, VersionWatch, leave, load_node_uid, register_request
 from ckagent.master.heartbeat import HeartbeatLoop, NodeReport
 from ckagent.master.masterclock import MasterClock
-from ckagent.master.protocol import HeartbeatResponse, NodeLeaving, RegisterRequest
+from ckagent.master.protocol import HeartbeatResponse, RegisterRequest
 from ckagent.node.agentports import PortRegistry
 from ckagent.node.config import ConfigError, Settings
 from ckagent.node.errors import StartupError
@@ -88,7 +86,7 @@ from ckagent.node.notices import Notices
 from ckagent.node.resources import HealthSampler, compute_max_workers
 from ckagent.node.state import AsyncStateStore, StateStore, StateStoreError
 from ckagent.port.metrics import AgentMetrics
-from ckagent.port.snapshot import agent_statistics
+from ckagent.port.snapshot import AgentHistory, agent_statistics
 from ckagent.port.status import AgentStatistics, AgentStatus, serve_status
 from ckagent.port.statuspage import StatusPage
 from ckagent.task.adoption import Adoption, admit_adopted, find_adoptable, run_adopted
@@ -100,10 +98,6 @@ from ckagent.task.supervisor import RunnerConfig, RunningTask, Supervisor
 
 log = logging.getLogger(__name__)
 
-FINAL_BEAT_TIMEOUT = 2.0
-"""Seconds the last heartbeat (status STOPPED) may take on the way out."""
-LEAVE_TIMEOUT = 2.0
-"""Seconds the leaving call (after the last heartbeat) may take on the way out."""
 HAND_OVER_SIGNAL = signal.SIGUSR2
 """Stop the agent and leave its running tasks to the next agent, which re-adopts them (``run.sh
 upgrade``/``restart``). SIGTERM still drains, SIGINT terminates (docs/operations.md)."""
@@ -129,6 +123,7 @@ class Agent:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.state = AgentState.STARTING
+        self.history = AgentHistory()  # its start, the tasks re-adopted and handed over (/status)
         self.work_dir = settings.task.work_dir
         self.max_workers = compute_max_workers(settings.agent.max_workers, settings.agent.container_cpu_limit)
         self.intake = IntakeGate()
@@ -249,7 +244,7 @@ class Agent:
             with trio.CancelScope(shield=True):
                 if failure is None and self.master.registered and not self._hurry:
                     await self._final_beat(store)
-                    await self._leave()
+                    await leave(self.master, self.node_uid, self._exit_deadline < float("inf"), self._handed)
                 await self.master.aclose()
                 await trio.to_thread.run_sync(store.sync.close)
             if self.egress is not None:  # (the rules of tasks handed over stay in force until the next agent)
@@ -321,7 +316,7 @@ class Agent:
                          identities=identities, stall_timeout=s.task.stall_timeout, containment=containment,
                          egress=self.egress,
                          default_limits=Limits(s.task.memory_limit_bytes, s.task.pids_limit, s.task.cpus_limit),
-                         max_artifact_bytes=s.task.max_artifact_bytes),
+                         max_artifact_bytes=s.task.max_artifact_bytes, default_disk_bytes=s.task.disk_limit_bytes),
             self.master, store, workspaces, deps, self.max_workers,
             outbox=outbox, lifecycle=self.lifecycle,
         )
@@ -362,7 +357,7 @@ class Agent:
         await root.start(self.lifecycle.run)
         root.start_soon(partial(self.scan.run, self.heartbeat.after_first_beat, self.poller.forget_unrunnable))
         adoptions, refused = await find_adoptable(await store.pending_delivery())
-        adopted = {adoption.record.task_id for adoption in adoptions}
+        adopted = self.history.at_start(adoptions, refused)
         await trio.to_thread.run_sync(migrate_node, self.work_dir, self.identities, self.workspaces, store.sync,
                                       adoptions, s.deps.env_budget_bytes)  # what an earlier agent left, as now
         leftovers = await recover_lost_tasks(store, self.lifecycle, self.containment, keep=adopted,
@@ -403,20 +398,6 @@ class Agent:
         with trio.move_on_after(FINAL_BEAT_TIMEOUT):
             held = [record.task_id for record in await store.pending_delivery()]
             await self.heartbeat.beat_once(dataclasses.replace(self._node_report(), reporting_task_ids=held))
-
-    async def _leave(self) -> None:
-        """Tell the master this node is leaving (its name is released for a replacement), at most
-        LEAVE_TIMEOUT seconds — unless a hand-over left running tasks to the next agent on this work
-        dir: that agent is this node coming back (the same nodeUid), and the name stays guarded for
-        it. Never raises (the client logs what came of it)."""
-        if self.supervisor is not None and self.supervisor.handing_over and self._handed:
-            return
-        reason = "terminated" if self._exit_deadline != float("inf") else "drained"
-        with trio.move_on_after(LEAVE_TIMEOUT) as bound:
-            await self.master.leave(NodeLeaving(node_uid=self.node_uid, reason=reason))
-        if bound.cancelled_caught:
-            log.warning("the master did not answer the leaving call within %g s: this node's name stays "
-                        "guarded until the master sees its heartbeats stopped", LEAVE_TIMEOUT)
 
     def statistics(self) -> AgentStatistics:
         """A frozen snapshot of the agent for /status and /metrics (ckagent.port.snapshot)."""
@@ -469,7 +450,7 @@ class Agent:
         log.info("%s: stopping and leaving %d running task(s) to the next agent", HAND_OVER_SIGNAL.name,
                  len(running))
         self.supervisor.handing_over = True
-        self._handed = len(running)
+        self._handed = len(self.history.hand_over(running))
         self._exit_deadline = trio.current_time() + self.settings.task.flush_timeout
         if self.state in (AgentState.STARTING, AgentState.RUNNING, AgentState.DRAINING):
             self.state = AgentState.TERMINATING

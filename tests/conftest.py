@@ -274,7 +274,7 @@ SLOW: tuple[str, ...] = (
     # zipapp builds, package installs, outages
     "test_runsh.py", "test_adoption_runsh.py", "test_pyz.py", "test_release.py", "test_shutdown.py",
     "test_crawl_stats_e2e.py", "test_delivery_faults.py", "test_containment.py", "test_adoption.py",
-    "test_claims_e2e.py", "test_agent_e2e.py", "test_refusals.py", "test_disk_full.py",
+    "test_claims_e2e.py", "test_agent_e2e.py", "test_refusals.py", "test_diskfull.py",
     "test_artifacts_delivery.py", "test_outputs_e2e.py", "test_e2e_smoke.py", "test_hostile_spider.py",
     "test_task_setup_failure.py", "test_recovery.py", "test_real_spiders.py", "test_bench_smoke.py",
     "test_bench_flood_smoke.py", "test_outputs_examples.py", "test_public_examples.py",

@@ -461,19 +461,20 @@ def test_a_spider_writing_past_the_budget_is_cut_rarely_and_counted_exactly(tmp_
     assert f"output truncated: {960 + LOG_CUT_SLACK_BYTES + 500} bytes dropped".encode() in text
 
 
-async def test_the_free_space_floor_stops_output_too(tmp_path: Path) -> None:
+async def test_the_free_space_floor_never_cuts_output(tmp_path: Path) -> None:
+    """Below the floor output.log is not cut (a full disk is the writer's problem: the disk watch
+    stops the task that filled it, ckagent.delivery.diskwatch)."""
     guard = DiskGuard(tmp_path, min_free_bytes=1)
     await guard.refresh()
     assert guard.free_bytes is not None and guard.allows(10)
     guard.min_free_bytes = guard.free_bytes - 50  # 50 bytes left above the floor
-    sink = LogSink(tmp_path / "output.log", guard=guard)
+    assert not guard.allows(100)
+    sink = LogSink(tmp_path / "output.log")
     sink.write(b"a" * 40 + b"\n")
     sink.write(b"b" * 40 + b"\n")
     sink.write(b"c\n")
     sink.close()
-    text = (tmp_path / "output.log").read_text()
-    assert text.startswith("a" * 40 + "\n[ckagent ")
-    assert "output truncated: 43 bytes dropped because free disk space fell below" in text
+    assert (tmp_path / "output.log").read_text() == "a" * 40 + "\n" + "b" * 40 + "\nc\n"
 
 
 def test_a_failing_write_truncates_instead_of_raising(tmp_path: Path) -> None:

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 import trio
+from harness import LEVELS_HERE
 from harness.pidreuse import can_unshare_pid, run_in_pid_namespace
 
+from ckagent.containment.base import kill_pids
 from ckagent.node.procid import ProcessIdentity, boot_id, is_zombie, start_ticks
 
 needs_pidns = pytest.mark.skipif(not can_unshare_pid(), reason="needs root and unshare (a pid namespace)")
@@ -46,6 +48,26 @@ async def test_the_proof_fails_when_the_pid_is_reused_between_judgement_and_pidf
     assert report["proven"] is False  # the pidfd opened names the stranger: closed again, "gone"
     assert report["swept"] == 0  # a sweep's kill of that find reaches no one
     assert report["own_signal"] is True and report["stranger_alive"] is True
+
+
+@needs_pidns
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["ended", "window"])
+@pytest.mark.parametrize("level", LEVELS_HERE)
+async def test_a_whole_agent_restart_leaves_the_stranger_with_the_tasks_pid_alive_and_reports_the_true_exit(
+    tmp_path: Path, level: str, variant: str,
+) -> None:
+    """kill -9 of a real agent; the task's monitor ends (while no agent runs, or after the next agent
+    judged it while the master refused it); its pid goes to a stranger's session leader; the next
+    agent runs on: the stranger lives, untouched, and the master gets the task's true exit, once."""
+    report = await run_in_pid_namespace(f"agent-{variant}", tmp_path, level, timeout=180)
+    assert report["monitor_status"] == 3  # the monitor's own exit: the spider's $?
+    assert report["stranger_pid"] == report["monitor_pid"], report  # the kernel handed the pid on
+    assert report["task"] == {"status": "FAILED", "errorCode": "EXIT_NONZERO", "exitCode": 3}, report
+    assert report["finals"] == [[200, 3]], report  # reported once, from the monitor's record
+    assert report["stranger_alive"] is True and report["stranger_alive_at_end"] is True, report
+    assert report["stranger_oom"] == 0, report  # not made the OOM killer's first pick either
+    assert report["agent_exit"] == 0 and report["kills"] == [], report  # nothing of the task was left to kill
 
 
 @needs_pidns
@@ -103,3 +125,19 @@ def test_another_boots_identity_is_never_proven() -> None:
     assert me is not None
     assert ProcessIdentity(me.pid, me.start, "another-boot").prove() is None
     assert ProcessIdentity(me.pid, me.start + 1, me.boot).prove() is None
+
+
+def test_a_cgroup_kill_signals_a_pid_it_read_only_while_the_cgroup_still_lists_it() -> None:
+    """containment.base.kill_pids: the pidfd opened first, then the cgroup's members read again — a pid
+    the first read saw that the second does not list (its process ended, the number someone else's)
+    is not signalled."""
+    member = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        assert kill_pids([member.pid, other.pid], lambda: [member.pid]) == 1
+        assert member.wait(timeout=10) == -signal.SIGKILL
+        assert other.poll() is None
+    finally:
+        for proc in (member, other):
+            proc.kill()
+            proc.wait()

@@ -24,6 +24,7 @@ from ckagent.delivery.spool import (
 )
 from ckagent.master.protocol import Task
 from ckagent.node import beneath
+from ckagent.node.diskfull import JOURNAL_HEADROOM_BYTES, preallocate, release_beyond
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,9 @@ class LogJournal:
     writes are small ``os.write`` calls on an O_APPEND descriptor (like :class:`LogSink`). Only the
     outbox's journal task writes. Raises OSError when the file cannot be created.
 
-    A write that fails (a full disk: ENOSPC) leaves no torn record: the file is cut back to its
+    Blocks beyond the file's end are held for its records (``JOURNAL_HEADROOM_BYTES``, topped up by
+    the outbox's looks): a full disk does not stop them. A write that fails anyway (ENOSPC: the
+    headroom used up, or a filesystem that cannot preallocate) leaves no torn record: the file is cut back to its
     last whole record and the records wait in memory (:attr:`unwritten`) for the next write or
     :meth:`flush` — the stream's order stays what the records say, it only reaches the file later.
     """
@@ -113,6 +116,7 @@ class LogJournal:
             elif kind == "E":
                 self.ended = True
         self._fd = fd
+        preallocate(fd, JOURNAL_HEADROOM_BYTES)  # records go on through a full disk (ckagent.node.diskfull)
         if 0 not in self.paths:
             self._write([self._declare(self._first)])
 
@@ -141,6 +145,10 @@ class LogJournal:
                 return
             if self.on_record is not None:
                 self.on_record()
+
+    def fileno(self) -> int:
+        """The open descriptor (-1 when closed): the outbox tops up the blocks held beyond its end."""
+        return self._fd
 
     def flush(self) -> bool:
         """Write the records a failed write left (:attr:`unwritten`); True when none is left."""
@@ -194,8 +202,9 @@ class LogJournal:
         self._write(records)
 
     def close(self) -> None:
-        """Close the file (idempotent)."""
+        """Close the file, giving back the blocks held beyond its end (idempotent)."""
         if self._fd >= 0:
+            release_beyond(self._fd)
             os.close(self._fd)
             self._fd = -1
 

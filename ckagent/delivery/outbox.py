@@ -6,8 +6,10 @@ See the package docstring (ckagent.delivery) for the whole design.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -18,24 +20,39 @@ from typing import Any
 import trio
 
 from ckagent.delivery.capture import DiskGuard, LogSink
-from ckagent.delivery.diskwatch import DiskWatch, tree_bytes
+from ckagent.delivery.diskwatch import Accounted, DiskWatch, accounted_bytes
 from ckagent.delivery.journal import LogJournal, rejected_log_globs, task_log_globs
 from ckagent.delivery.lifecycle import Lifecycle
 from ckagent.delivery.lines import Masker, secret_values
 from ckagent.delivery.nodebatch import NodeBatcher
 from ckagent.delivery.retention import retention_loop
-from ckagent.delivery.spool import ITEMS_FILE, ITEMS_JOURNAL, OUTPUT_LOG, SCAN_INTERVAL, SEND_CONCURRENCY
+from ckagent.delivery.spool import (
+    ITEMS_FILE,
+    ITEMS_JOURNAL,
+    OUTPUT_LOG,
+    SCAN_INTERVAL,
+    SEND_CONCURRENCY,
+    open_spool,
+)
 from ckagent.delivery.statistics import OutboxStatistics, SpoolCounter
 from ckagent.delivery.taskdelivery import OutboxConfig, Scanned, TaskDelivery
 from ckagent.master.client import MasterClient
 from ckagent.master.protocol import Task, TaskResult
 from ckagent.node.broadcast import Broadcast
-from ckagent.node.diskfull import RESERVE_BYTES, SpaceReserve
+from ckagent.node.diskfull import (
+    JOURNAL_HEADROOM_BYTES,
+    SPOOL_HEADROOM_BYTES,
+    STORE_RESERVE_BYTES,
+    preallocate,
+)
 from ckagent.node.state import AsyncStateStore, StateStore, StateStoreError, TaskRecord
 
 log = logging.getLogger(__name__)
 
 
+FULL_MEASURE_EVERY = 5
+"""While the disk is calm (at least twice the critical level free, not falling fast), the accounted trees
+are walked every this many looks of the disk loop (a spider's data dir may hold many files)."""
 HAND_OVER_FLUSH_TIMEOUT = 2.0
 """Seconds a hand-over spends sending what was already read (lines, items, finished tasks' results)
 before exiting; the next agent sends the rest from the acknowledged positions (docs/operations.md)."""
@@ -63,15 +80,14 @@ class Outbox:
         """Several tasks' batches in one request, when the master offers it (ckagent.delivery.nodebatch)."""
         self.guard = DiskGuard(work_dir, self.config.min_free_disk_bytes)
         self.disk = DiskWatch(self.config.min_free_disk_bytes, SCAN_INTERVAL)
-        """Which running task fills the disk (ckagent.delivery.diskwatch); :attr:`on_disk_full` stops it."""
-        floor = self.config.min_free_disk_bytes
-        self.reserve = SpaceReserve(work_dir, min(RESERVE_BYTES, floor // 4)) if floor else None
-        """Disk space kept for the state store's writes on a full disk (ckagent.node.diskfull); with a floor only."""
-        if self.reserve is not None:
-            store.sync.reserve = self.reserve
+        """Which task filled the disk (ckagent.delivery.diskwatch); :attr:`on_disk_full` stops it. Its
+        ``last_culprit`` (a DiskCulprit or None) is the status page's."""
+        self.accounted: dict[str, Accounted] = {}
+        """The running tasks' trees whose disk use the disk loop measures (:meth:`account`)."""
+        self._used: dict[str, int] = {}  # each accounted task's use at its last measure (bytes)
+        self._looks = 0
         self.on_disk_full: Callable[[str, str], None] | None = None
         """Called with (task id, reason) for a running task that fills the disk: the agent stops it DISK_FULL."""
-        self._reserve_released: float | None = None  # the reserve's released_at seen by the last look
         self._store_full = False  # the last flush of positions met a full disk (logged once)
         self._looked = Broadcast()  # after each look of the disk loop
         self.deliveries: dict[str, TaskDelivery] = {}
@@ -92,8 +108,7 @@ class Outbox:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 await self.guard.refresh()
-                if self.reserve is not None:
-                    await trio.to_thread.run_sync(self.reserve.restore)
+                await trio.to_thread.run_sync(self.store.sync.keep_reserve)  # room of its own (node.diskfull)
                 nursery.start_soon(self.batcher.run)
                 nursery.start_soon(self._disk_loop)
                 if self.config.retention > 0:
@@ -217,7 +232,7 @@ class Outbox:
                 if item_journal is not None:
                     item_journal.open()
                 return fresh, LogSink(task_dir / OUTPUT_LOG, delivery.output_written,
-                                      max_bytes=self.config.max_log_bytes, guard=guard), free
+                                      max_bytes=self.config.max_log_bytes), free
             except BaseException:
                 journal.close()
                 if item_journal is not None:
@@ -312,13 +327,26 @@ class Outbox:
             await self._flush_positions()  # the shippers' acknowledged positions, all streams at once
             live = [delivery for delivery in self.deliveries.values() if delivery.scanning]
             acked, self._acked = self._acked, set()
-            found, free, sizes, held, unmarked = await trio.to_thread.run_sync(
-                _scan_round, live, self.guard.path, self.reserve, self.store.sync, acked)  # one hop
+            last_free = self.guard.free_bytes
+            self._looks += 1
+            calm = (last_free is not None and last_free >= 2 * self.disk.critical_bytes
+                    and self.disk.next_interval() >= SCAN_INTERVAL and self._looks % FULL_MEASURE_EVERY)
+            # A calm disk: the trees are walked every FULL_MEASURE_EVERY looks (new tasks at once).
+            accounted = [(task_id, entry) for task_id, entry in self.accounted.items()
+                         if not calm or task_id not in self._used]
+            spool = _headroom_fds(live)  # duplicated here: a descriptor closed meanwhile is not reused under us
+            keep = last_free is not None and last_free > self.disk.critical_bytes + 2 * STORE_RESERVE_BYTES
+            found, free, sizes, unmarked = await trio.to_thread.run_sync(
+                _scan_round, live, self.guard.path, accounted, spool, self.store.sync, acked, keep)  # one hop
             self._acked |= unmarked  # a full disk: marked at the next write
             for delivery, (files, items_size, stats_size, item_sizes) in zip(live, found, strict=True):
                 delivery.scanned(files, items_size, stats_size, item_sizes)
+                if delivery.sink is not None and delivery.sink.full_since is not None:
+                    delivery.sink.retry()
             self.guard.measured(free)
-            await self._watch_disk(free, {d.task_id: size for d, size in zip(live, sizes, strict=True)}, held)
+            self._used.update((task_id, size) for (task_id, _), size in zip(accounted, sizes, strict=True))
+            self._used = {task_id: self._used[task_id] for task_id in self.accounted if task_id in self._used}
+            self._watch_disk(free, dict(self._used))
             self._looked.set()
 
     async def next_look(self) -> None:
@@ -326,20 +354,24 @@ class Outbox:
         then). Cancellation: as usual."""
         await self._looked.wait()
 
-    async def _watch_disk(self, free: int | None, sizes: dict[str, int], held: bool = True) -> None:
-        """One look of the disk watch: stop the task that fills the disk; make the reserve again once
-        there is room for it (``held``: whether the round's hop found it in place)."""
-        released = self.reserve.released_at if self.reserve is not None else None
-        was_full = released is not None and released != self._reserve_released
-        self._reserve_released = released
-        for task_id, reason in self.disk.observe(trio.current_time(), free, sizes, was_full):
+    def _watch_disk(self, free: int | None, sizes: dict[str, int]) -> None:
+        """One look of the disk watch: stop the task that filled the disk (ckagent.delivery.diskwatch)."""
+        for task_id, reason in self.disk.observe(trio.current_time(), free, sizes):
             log.error("task %s: %s; stopping it (DISK_FULL)", task_id, reason)
             if self.on_disk_full is not None:
                 self.on_disk_full(task_id, reason)
-        reserve = self.reserve
-        if (reserve is not None and free is not None and free > self.disk.critical_bytes + 2 * reserve.size_bytes
-                and not held):
-            await trio.to_thread.run_sync(reserve.restore)
+
+    def account(self, task_id: str, accounted: Accounted) -> None:
+        """Measure the task's disk use at every look from now on (its trees and its own limit: see
+        ckagent.delivery.diskwatch) until :meth:`unaccount`. On the Trio thread."""
+        self.accounted[task_id] = accounted
+        self.disk.set_limit(task_id, accounted.limit_bytes)
+
+    def unaccount(self, task_id: str) -> None:
+        """The task's processes have ended: no more looks at its use (its blame, if any, stays until
+        ckagent.delivery.diskwatch.DiskWatch.reclaimed)."""
+        self.accounted.pop(task_id, None)
+        self.disk.forget(task_id)
 
     async def _mark_acked(self) -> None:
         """The acknowledged results waiting for their mark, in a hop of their own (none when none waits)."""
@@ -363,20 +395,67 @@ class Outbox:
             log.info("the acknowledged positions are saved again")
 
 
-def _scan_round(deliveries: list[TaskDelivery], disk: Path, reserve: SpaceReserve | None, store: StateStore,
-                acked: set[str]) -> tuple[list[Scanned], int | None, list[int], bool, set[str]]:
+def _headroom_fds(deliveries: list[TaskDelivery]) -> list[tuple[TaskDelivery, list[tuple[int, int]]]]:
+    """Per delivery, (a duplicate of the descriptor, the headroom it gets) for each open spool file the
+    agent holds: output.log, the journals. On the Trio thread (dup: microseconds)."""
+    found: list[tuple[TaskDelivery, list[tuple[int, int]]]] = []
+    for delivery in deliveries:
+        held = [(delivery.sink.fileno() if delivery.sink is not None else -1, SPOOL_HEADROOM_BYTES),
+                (delivery.journal.fileno(), JOURNAL_HEADROOM_BYTES)]
+        if delivery.item_journal is not None:
+            held.append((delivery.item_journal.fileno(), JOURNAL_HEADROOM_BYTES))
+        fds: list[tuple[int, int]] = []
+        for fd, size in held:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    fds.append((os.dup(fd), size))
+        found.append((delivery, fds))
+    return found
+
+
+def _top_up(spool: list[tuple[TaskDelivery, list[tuple[int, int]]]]) -> None:
+    """Blocks held beyond the end of every running task's appended spool files again (their writers
+    used some): the agent's descriptors (closed here) and each items.jsonl — not once the task's
+    delivery has given them back (its process is over). Blocking."""
+    for delivery, fds in spool:
+        with delivery.headroom:
+            try:
+                if delivery.headroom_given_back:
+                    continue
+                for fd, size in fds:
+                    preallocate(fd, size)
+                try:
+                    items = open_spool(delivery.task_dir / ITEMS_FILE, os.O_WRONLY)
+                except OSError:
+                    continue
+                try:
+                    preallocate(items, SPOOL_HEADROOM_BYTES)
+                finally:
+                    os.close(items)
+            finally:
+                for fd, _ in fds:
+                    os.close(fd)
+
+
+def _scan_round(deliveries: list[TaskDelivery], disk: Path, accounted: list[tuple[str, Accounted]],
+                spool: list[tuple[TaskDelivery, list[tuple[int, int]]]], store: StateStore, acked: set[str],
+                keep_reserve: bool) -> tuple[list[Scanned], int | None, list[int], set[str]]:
     """One round of the disk loop in its worker thread (blocking): the acknowledged results marked
-    (:func:`_mark_all`), :func:`_scan_all`, the free bytes of the filesystem holding ``disk`` (None
-    when it cannot be measured), each task dir's bytes, whether the space reserve is in place (True
-    without one) and the marks that could not be written."""
+    (:func:`_mark_all`), :func:`_scan_all`, the spool files' headroom topped up (:func:`_top_up`),
+    the state store's own free pages kept (``keep_reserve``: there is room for them), the free
+    bytes of the filesystem holding ``disk`` (None when it cannot be measured), each accounted
+    task's bytes (ckagent.delivery.diskwatch.accounted_bytes) and the marks that could not be written."""
     unmarked = _mark_all(store, acked)
+    _top_up(spool)
+    if keep_reserve:
+        store.keep_reserve()
+    sizes = [accounted_bytes(entry) for _, entry in accounted]
     try:
         free: int | None = shutil.disk_usage(disk).free
     except OSError as exc:
         log.debug("cannot measure free space of %s: %s", disk, exc)
         free = None
-    held = reserve is None or reserve.held
-    return _scan_all(deliveries), free, [tree_bytes(delivery.task_dir) for delivery in deliveries], held, unmarked
+    return _scan_all(deliveries), free, sizes, unmarked
 
 
 def _mark_all(store: StateStore, acked: set[str]) -> set[str]:

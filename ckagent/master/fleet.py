@@ -3,6 +3,8 @@
 - **Identity**: ``<work_dir>/node_uid`` holds a random id created on the first start and sent at every
   registration (``nodeUid``). A master that sees a second live agent with the same name and another
   id refuses it (409, the reference master does) instead of handing the node's key back and forth.
+- **Leaving**: an agent that stopped on purpose and left no task running tells the master so (:func:`leave`,
+  at most LEAVE_TIMEOUT seconds), which frees its name for a replacement with another id at once.
 - **Versions**: the master may answer registration and heartbeats with ``minAgentVersion`` and
   ``desiredAgentVersion`` (PEP 440). Below the minimum the agent takes no tasks — it closes the intake
   gate under "version", keeps heartbeating (with ``pausedReason``), /readyz and the log say why — and
@@ -25,19 +27,41 @@ import platform
 import subprocess
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import trio
 
 from ckagent import __version__
-from ckagent.master.protocol import FEATURES, PROTOCOL_VERSION, RegisterRequest, VersionPolicy
+from ckagent.master.protocol import FEATURES, PROTOCOL_VERSION, NodeLeaving, RegisterRequest, VersionPolicy
 from ckagent.node.config import AgentSettings
 from ckagent.node.intake import IntakeGate
 from ckagent.node.secretenv import secrets_fd
 from ckagent.node.versions import InvalidVersion, Version
 
+if TYPE_CHECKING:
+    from ckagent.master.client import MasterClient
+
 log = logging.getLogger(__name__)
+
+FINAL_BEAT_TIMEOUT = 2.0
+"""Seconds the agent's last heartbeat (status STOPPED) may take on its way out."""
+LEAVE_TIMEOUT = 2.0
+"""Seconds the leaving call may take on the agent's way out (after its last heartbeat)."""
+
+
+async def leave(master: MasterClient, node_uid: str | None, terminated: bool, handed_over: int) -> None:
+    """Tell the master this node is leaving (``reason`` ``terminated`` or ``drained``), so its name is
+    free for a replacement at once; at most LEAVE_TIMEOUT seconds (the master down or hanging costs that
+    and a log line). Sent last, and nothing when a hand-over left ``handed_over`` > 0 tasks running: the
+    next agent on the work dir is this node coming back. Never raises; cancellation abandons it."""
+    if handed_over:
+        return
+    with trio.move_on_after(LEAVE_TIMEOUT) as bound:
+        await master.leave(NodeLeaving(node_uid=node_uid, reason="terminated" if terminated else "drained"))
+    if bound.cancelled_caught:
+        log.warning("the master did not answer the leaving call within %g s: this node's name stays "
+                    "guarded until the master sees its heartbeats stopped", LEAVE_TIMEOUT)
 
 NODE_UID_FILE = "node_uid"
 RUN_SH_ENV = "CKAGENT_RUN_SH"

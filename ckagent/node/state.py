@@ -15,15 +15,13 @@ Exception tree::
 
     Exception
     ├── StateStoreError    the database file cannot be opened or created (the message names the path)
-    │   └── StateStoreFull a write met a full disk even after the agent's space reserve was released
+    │   └── StateStoreFull a write met a full disk even though the store keeps free pages of its own
     │                      (also an sqlite3.OperationalError)
     └── sqlite3.Error      anything later propagates: a broken state db is an operator problem
 
-**A full disk** (ckagent.node.diskfull): a write that fails with SQLITE_FULL ("database or disk is full")
-releases the agent's space reserve (:attr:`StateStore.reserve`, when set) and is tried once more;
-failing again it raises StateStoreFull. Reads go on working on a full disk; callers of writes keep
-what they wrote in memory and try again later (the shippers, the outbox), so a full disk degrades
-the store, it never ends the agent.
+**A full disk** (ckagent.node.diskfull): the store owns its room beforehand (its own free pages, a WAL
+never truncated: :meth:`StateStore.keep_reserve`), which no spider can take; past it a write raises
+StateStoreFull and its caller keeps the data in memory and tries again later (the shippers, the outbox).
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from ckagent.node.diskfull import SpaceReserve, is_disk_full
+from ckagent.node.diskfull import STORE_RESERVE_BYTES, StoreReserve, is_disk_full
 from ckagent.node.stateids import IDENTITIES_SCHEMA, IdentityTable
 
 _R = TypeVar("_R")
@@ -81,7 +79,7 @@ class StateStoreError(Exception):
 
 
 class StateStoreFull(StateStoreError, sqlite3.OperationalError):
-    """A write failed because the disk is full, even after the space reserve was released. Nothing
+    """A write failed because the disk is full, even though the store keeps free pages of its own. Nothing
     was written; the caller keeps its data and tries again later. Also an ``sqlite3.OperationalError``
     (what the write raised before): callers that catch sqlite3.Error keep catching it."""
 
@@ -127,6 +125,10 @@ class StateStore(IdentityTable):
             self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
+            # Room owned beforehand (ckagent.node.diskfull): the WAL keeps its frames after a checkpoint
+            # (overwritten, never truncated), SQLite's temporary files stay in memory.
+            self._db.execute("PRAGMA journal_size_limit=-1")
+            self._db.execute("PRAGMA temp_store=MEMORY")
             version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
             if version > SCHEMA_VERSION:
                 self._db.close()
@@ -139,8 +141,13 @@ class StateStore(IdentityTable):
         except (OSError, sqlite3.Error) as exc:
             raise StateStoreError(f"cannot open the state store {path}: {exc}") from exc
         self._lock = threading.Lock()
-        self.reserve: SpaceReserve | None = None
-        """Released (then the write retried) when a write meets a full disk; set by the agent."""
+        self.reserve = StoreReserve(path)  # its own free pages (ckagent.node.diskfull): .held_bytes
+
+    def keep_reserve(self, target_bytes: int = STORE_RESERVE_BYTES) -> int:
+        """Grow the store's own free pages and write-ahead log back to ``target_bytes`` when less than
+        half is left (ckagent.node.diskfull.StoreReserve.keep); returns the bytes held. Never raises."""
+        with self._lock:
+            return self.reserve.keep(self._db, target_bytes)
 
     def close(self) -> None:
         """Close the database."""
@@ -155,20 +162,13 @@ class StateStore(IdentityTable):
             return self._db.execute(sql, args).fetchall()
 
     def _unless_full(self, write: Callable[..., _R], *args: Any) -> _R:
-        """``write(*args)``; on a full disk, release the reserve and try once more, then StateStoreFull."""
-        try:
-            return write(*args)
-        except sqlite3.OperationalError as exc:
-            if not is_disk_full(exc):
-                raise
-            if self.reserve is None or not self.reserve.release():
-                raise StateStoreFull(f"the state store {self.path} cannot be written: the disk is full") from exc
+        """``write(*args)``; a full disk raises StateStoreFull (its own free pages are used up)."""
         try:
             return write(*args)
         except sqlite3.OperationalError as exc:
             if is_disk_full(exc):
                 raise StateStoreFull(f"the state store {self.path} cannot be written: the disk is full "
-                                     "(its space reserve is used up too)") from exc
+                                     "(its own free pages are used up too)") from exc
             raise
 
     def add_task(self, task_id: str, spider_id: str, task_json: dict[str, Any], task_dir: Path) -> bool:

@@ -4,7 +4,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ckagent.port.status import AgentStatistics, runtime_versions, task_statistics
 
@@ -13,13 +16,42 @@ if TYPE_CHECKING:
     from ckagent.code.workspace import Workspaces
     from ckagent.containment import Containment
     from ckagent.containment.egress import Egress
+    from ckagent.delivery import Outbox
     from ckagent.master.client import MasterClient
     from ckagent.master.heartbeat import HeartbeatLoop
     from ckagent.node.config import Settings
     from ckagent.node.identity import Identities
     from ckagent.node.intake import IntakeGate
     from ckagent.node.notices import Notices
+    from ckagent.task.adoption import Adoption
     from ckagent.task.supervisor import Supervisor
+
+
+@dataclass
+class AgentHistory:
+    """What /status and the page tell of the agent's own life (kept by :class:`ckagent.agent.Agent`):
+    when it started (``started_at`` epoch seconds, ``started_monotonic`` for the uptime), the tasks an
+    earlier agent left running that it re-adopted at its start (``readopted_ids``) or could not
+    (``not_readopted``: (task id, why), reported AGENT_LOST), and the running tasks a hand-over leaves to
+    the next agent (``handed_over_ids``; empty unless handing over)."""
+
+    started_at: float = field(default_factory=time.time)
+    started_monotonic: float = field(default_factory=time.monotonic)
+    readopted_ids: tuple[str, ...] = ()
+    not_readopted: tuple[tuple[str, str], ...] = ()
+    handed_over_ids: tuple[str, ...] = ()
+
+    def at_start(self, adoptions: Iterable[Adoption], refused: dict[str, str]) -> set[str]:
+        """Record the tasks found at the start: those re-adopted (``adoptions``; returns their ids) and
+        those refused, with why."""
+        adopted = {adoption.record.task_id for adoption in adoptions}
+        self.readopted_ids, self.not_readopted = tuple(sorted(adopted)), tuple(sorted(refused.items()))
+        return adopted
+
+    def hand_over(self, task_ids: Iterable[str]) -> tuple[str, ...]:
+        """Record the running tasks a hand-over leaves to the next agent; returns them."""
+        self.handed_over_ids = tuple(task_ids)
+        return self.handed_over_ids
 
 
 class StatusSource(Protocol):
@@ -38,6 +70,8 @@ class StatusSource(Protocol):
     egress: Egress | None
     identities: Identities | None
     notices: Notices
+    outbox: Outbox | None
+    history: AgentHistory
 
     @property
     def state(self) -> object:
@@ -71,4 +105,23 @@ def agent_statistics(agent: StatusSource) -> AgentStatistics:
         egress=tuple(agent.egress.to_json().items()) if agent.egress is not None else None,
         identity=tuple(agent.identities.to_json().items()) if agent.identities is not None else None,
         warnings=agent.notices.texts(),
+        started_at=agent.history.started_at,
+        uptime_seconds=max(0.0, time.monotonic() - agent.history.started_monotonic),
+        readopted_ids=agent.history.readopted_ids,
+        not_readopted=agent.history.not_readopted,
+        handed_over_ids=agent.history.handed_over_ids,
+        disk_culprit=disk_culprit(agent.outbox),
     )
+
+
+def disk_culprit(outbox: Outbox | None) -> tuple[tuple[str, Any], ...] | None:
+    """The last task blamed for a full disk, from the outbox's disk watch (``outbox.disk.last_culprit``:
+    ckagent.delivery.diskwatch's DiskCulprit with ``task_id``, ``used_bytes``, ``at``, ``reason``) as
+    /status items; None when none was blamed, or the watch keeps no culprit."""
+    found = getattr(getattr(outbox, "disk", None), "last_culprit", None)
+    if found is None:
+        return None
+    return (("taskId", str(getattr(found, "task_id", "") or "") or None),
+            ("usedBytes", getattr(found, "used_bytes", None)),
+            ("at", getattr(found, "at", None)),
+            ("reason", str(getattr(found, "reason", "") or "") or None))

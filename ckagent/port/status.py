@@ -7,8 +7,10 @@ path     answer
 /healthz 200 ``ok`` — served by the agent's own event loop, so a stuck loop fails it
 /readyz  200 ``ready`` when registered and the last heartbeat was acknowledged within
          ``3 × heartbeat.interval`` seconds and the agent is RUNNING; else 503 with the reason
-/status  JSON: state, node id, containment, egress and identity levels, running tasks (id, spider, since, pid, phase, live
-         resource figures), outbox, versions
+/status  JSON: state, node id, uptime, containment, egress and identity levels, running tasks (id, spider, since, pid,
+         phase, live resource figures), the tasks re-adopted at start and those handed over at the stop,
+         the last upgrade/rollback and failed versions (run.sh's records, ckagent.port.statusrunsh), the
+         last full disk's culprit, outbox, versions
 /        the HTML status page, and /tasks/<id>/tail, /tasks/<id>/log.txt (see ckagent.port.statuspage)
 other    404 (a known path with a method other than GET/HEAD: 405)
 ======== ===================================================================================
@@ -28,8 +30,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
@@ -42,6 +45,7 @@ from ckagent.containment.egress import describe_refusals
 from ckagent.master.protocol import utc_iso
 from ckagent.node.listen import bind_socket
 from ckagent.port.metrics import PHASES, AgentMetrics, LiveFigures, OutboxFigures
+from ckagent.port.statusrunsh import read_runsh_state, state_dir_from
 
 if TYPE_CHECKING:
     from hypercorn.typing import ASGIFramework
@@ -156,6 +160,20 @@ class AgentStatistics:
     """Whom spiders run as: the identity level (``Identities.to_json()`` items), None before it is decided."""
     warnings: tuple[str, ...] = ()
     """Operator notices in force (ckagent.node.notices): spiders as root, the master's clock."""
+    started_at: float | None = None
+    """When the agent started (epoch seconds)."""
+    uptime_seconds: float | None = None
+    """Seconds since the agent started (monotonic)."""
+    readopted_ids: tuple[str, ...] = ()
+    """The tasks an earlier agent left running that this one re-adopted at its start."""
+    not_readopted: tuple[tuple[str, str], ...] = ()
+    """(task id, why) of the tasks found running at the start that could not be re-adopted (reported
+    AGENT_LOST)."""
+    handed_over_ids: tuple[str, ...] = ()
+    """The running tasks this agent leaves to the next one (a hand-over, SIGUSR2); empty otherwise."""
+    disk_culprit: tuple[tuple[str, Any], ...] | None = None
+    """The last task blamed for a full disk (``taskId``, ``usedBytes``, ``at`` epoch seconds, ``reason``),
+    None when none was (or the agent has no disk watch that says)."""
 
 
 @dataclass(frozen=True)
@@ -302,13 +320,18 @@ class AgentStatus:
     """The agent's routes: render ``statistics()`` (an AgentStatistics snapshot) at request time.
 
     The start (``trio.current_time()`` when built) stands in for the last heartbeat before the first.
+    run.sh's state dir, where it keeps its records of upgrades and failed versions, is read from
+    ``environ`` (default ``os.environ``; ckagent.port.statusrunsh.state_dir_from); the records are read
+    at each /status, in a thread (not started by run.sh: shown as unknown).
     """
 
     def __init__(self, statistics: Callable[[], AgentStatistics], metrics: AgentMetrics,
-                 outbox: Outbox | None) -> None:
+                 outbox: Outbox | None, *, environ: Mapping[str, str] | None = None) -> None:
         self._statistics = statistics
         self._metrics = metrics
         self._outbox = outbox
+        self._runsh_state_dir = state_dir_from(os.environ if environ is None else environ)
+        """run.sh's state dir (ckagent.port.statusrunsh), None when not started by run.sh."""
         self._started = trio.current_time()
 
     def routes(self, page: Any = None) -> StatusRoutes:
@@ -389,6 +412,13 @@ class AgentStatus:
             resources.append(dict(task.resources if task.sample_resources is None else task.sample_resources()))
             egress.append(None if task.sample_egress is None else dict(task.sample_egress()))
             await trio.lowlevel.checkpoint()
+        runsh = await trio.to_thread.run_sync(read_runsh_state, self._runsh_state_dir)  # (two small reads)
+        changes = runsh.to_json()
+        if isinstance(changes["lastChange"], dict):
+            changes["lastChange"]["at"] = _iso(changes["lastChange"]["at"])
+        culprit = dict(stats.disk_culprit) if stats.disk_culprit is not None else None
+        if culprit is not None:
+            culprit["at"] = _iso(culprit.get("at")) if isinstance(culprit.get("at"), int | float) else None
         tasks = [{
             "id": task.id,
             "spiderId": task.spider_id,
@@ -412,6 +442,8 @@ class AgentStatus:
             "registered": stats.registered,
             "masterUp": stats.master_up,
             "heartbeatAgeSeconds": round(self.heartbeat_age(stats), 3),
+            "startedAt": _iso(stats.started_at),
+            "uptimeSeconds": None if stats.uptime_seconds is None else round(stats.uptime_seconds, 1),
             "containment": dict(stats.containment) if stats.containment is not None else None,
             "egress": dict(stats.egress) if stats.egress is not None else None,
             "identity": dict(stats.identity) if stats.identity is not None else None,
@@ -419,6 +451,16 @@ class AgentStatus:
             "maxWorkers": stats.max_workers,
             "freeSlots": stats.free_slots,
             "runningTasks": sorted(tasks, key=lambda t: str(t["since"])),
+            # at the start: what an earlier agent left running (re-adopted, or not: reported AGENT_LOST)
+            "tasksAtStart": {
+                "readopted": {"count": len(stats.readopted_ids), "ids": list(stats.readopted_ids[:IDS_SHOWN])},
+                "notReadopted": {"count": len(stats.not_readopted),
+                                 "tasks": [{"id": i, "why": why} for i, why in stats.not_readopted[:IDS_SHOWN]]},
+            },
+            # at a hand-over (SIGUSR2): the running tasks left to the next agent
+            "handedOver": {"count": len(stats.handed_over_ids), "ids": list(stats.handed_over_ids[:IDS_SHOWN])},
+            "upgrades": changes,
+            "diskCulprit": culprit,
             "outbox": {"logLines": outbox.log_lines, "items": outbox.items, "results": outbox.results,
                        "tasks": outbox.tasks, "bytes": outbox.bytes,
                        "oldestSeconds": round(outbox.oldest_seconds, 1),
@@ -433,6 +475,8 @@ class AgentStatus:
 
 BACKLOG_SHOWN = 50
 """Most tasks /status lists in ``outbox.backlog`` (the longest waits first)."""
+IDS_SHOWN = 50
+"""Most task ids /status lists for the re-adopted and handed-over tasks (``count`` counts them all)."""
 
 
 def _iso(epoch: float | None) -> str | None:

@@ -3,9 +3,11 @@
 ============================  ==================================================================
 path                          answer
 ============================  ==================================================================
-``/``                         HTML: the node (name, id, state, version, containment, identity
-                              level (whom spiders run as, each stronger level not had), slots, free
-                              disk), running tasks (phase, live stats, progress, resource
+``/``                         HTML: the node (name, id, state, up since, version, containment,
+                              egress level, identity level (whom spiders run as, each stronger
+                              level not had), the tasks re-adopted at start and handed over at the
+                              stop, the last upgrade or rollback and the failed versions, slots,
+                              free disk and the last full disk's culprit), running tasks (phase, live stats, progress, resource
                               figures when the agent has them), the last lines of each running
                               task's log (live), recent tasks with their outcome
 ``/tasks/<id>/tail?from=N``   server-sent events: the task's log lines from byte N of output.log
@@ -46,6 +48,7 @@ from ckagent.delivery.outputs import read_artifact
 from ckagent.delivery.spool import open_spool, read_spool
 from ckagent.master.ids import task_dir as task_dir_of
 from ckagent.master.protocol import Task
+from ckagent.port.statusrows import backlog_text, identity_rows, level_row, node_history_rows, size_text
 
 if TYPE_CHECKING:
     from ckagent.delivery import Outbox
@@ -80,39 +83,6 @@ def _e(value: Any) -> str:
     return html.escape("" if value is None else str(value), quote=True)
 
 
-def _identity_rows(identity: object) -> list[tuple[str, str]]:
-    """The node table's rows for the identity level (``/status``'s ``identity``): the level in force with
-    its details, then each stronger level not had, with why and what would give it."""
-    if not isinstance(identity, dict):
-        return [("identity", "—")]
-    rows = [("identity", f"{identity.get('level')}: {identity.get('details')}")]
-    for passed in identity.get("passedOver") or ():
-        if isinstance(passed, dict) and passed.get("blocker") != "run-as-user":
-            rows.append((f"identity: not {passed.get('level')}",
-                         f"{passed.get('message')}; to get it: {passed.get('remedy')}"))
-    return rows
-
-
-def _backlog_text(outbox: dict[str, Any]) -> str:
-    """The node row of what waits for the master: lines, items, bytes, the oldest wait."""
-    lines, items = outbox.get("logLines", 0), outbox.get("items", 0)
-    if not lines and not items:
-        return "nothing"
-    return (f"{lines} log lines, {items} items (≈ {_size(outbox.get('bytes'))}), the oldest for "
-            f"{outbox.get('oldestSeconds', 0):.1f} s")
-
-
-def _size(n: Any) -> str:
-    if not isinstance(n, int | float):
-        return "—"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GiB"  # pragma: no cover
-
-
 def _iso(epoch: float | None) -> str:
     if epoch is None:
         return "—"
@@ -129,7 +99,7 @@ def resource_text(figures: dict[str, Any] | None) -> str:
         parts.append(f"CPU {figures['cpuSeconds']:.1f} s")
     for key, label in (("memoryCurrentBytes", "mem"), ("memoryBytes", "mem"), ("memoryPeakBytes", "peak")):
         if isinstance(figures.get(key), int | float):
-            parts.append(f"{label} {_size(figures[key])}")
+            parts.append(f"{label} {size_text(figures[key])}")
     if isinstance(figures.get("pids"), int):
         parts.append(f"{figures['pids']} procs")
     return ", ".join(parts) or "—"
@@ -375,12 +345,14 @@ class StatusPage:
             ("state", status.get("state")), ("ready", status.get("readyReason")),
             ("version", f"ckagent {versions.get('agent')} · Python {versions.get('python')}"),
             ("containment", containment),
-            *_identity_rows(status.get("identity")),
+            level_row("egress", status.get("egress")),
+            *identity_rows(status.get("identity")),
             ("slots", f"{status.get('freeSlots')} free of {status.get('maxWorkers')}"),
-            ("free disk (work dir)", _size(free_disk)),
+            ("free disk (work dir)", size_text(free_disk)),
             ("master", ("reachable" if status.get("masterUp") else "unreachable")
              + (f"; {status['masterProblem']}" if status.get("masterProblem") else "")),
-            ("waiting for the master", _backlog_text(status.get("outbox") or {})),
+            ("waiting for the master", backlog_text(status.get("outbox") or {})),
+            *node_history_rows(status),
             *(("warning", text) for text in status.get("warnings") or ()),
         ]
         parts = [_HEAD.replace("{title}", _e(f"ckagent · {status.get('name')}"))]
@@ -402,7 +374,7 @@ class StatusPage:
             parts.append(f"<div data-live=backlog><h2>Waiting for the master ({len(backlog)})</h2><table>"
                          "<tr><th>task</th><th>log lines</th><th>items</th><th>≈ bytes</th><th>waiting</th></tr>"
                          + "".join(f"<tr><td><code>{_e(b['taskId'])}</code></td><td class=n>{b['logLines']}</td>"
-                                   f"<td class=n>{b['items']}</td><td class=n>{_size(b['bytes'])}</td>"
+                                   f"<td class=n>{b['items']}</td><td class=n>{size_text(b['bytes'])}</td>"
                                    f"<td class=n>{b['ageSeconds']:.1f} s</td></tr>" for b in backlog)
                          + "</table></div>")
         for task_id, name, lines, offset in tails:

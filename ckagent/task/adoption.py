@@ -207,11 +207,13 @@ async def run_adopted(supervisor: Supervisor, rt: RunningTask, adoption: Adoptio
             if outcome is not None and outcome.egress_refused is None and rt.egress is not None and egress is not None:
                 outcome.egress_refused = await trio.to_thread.run_sync(egress.refusals, rt.egress)
                 report_refusals(task.id, outcome.egress_refused, notice)
-            if outcome is not None and not rt.handed_over:  # its files → items, artifacts or kept ones
+            blamed = rt.stop.reason is StopReason.DISK_FULL  # its working copy is scratch (ckagent.delivery.diskwatch)
+            if outcome is not None and not rt.handed_over and not blamed:  # its files → items, artifacts or kept ones
                 await supervisor.collect_outputs(rt, record.task_dir, Path(handle.work), None, notice)
             result = _result(rt, outcome, record.claimed_at)
             supervisor.lifecycle.emit(TaskFinished(task.id, result))
             await delivery.finish(result)
+            await supervisor.runner.reclaim_if_blamed(rt)
     finally:
         with trio.CancelScope(shield=True):  # noqa: ASYNC912 - shielded cleanup
             if not rt.handed_over:

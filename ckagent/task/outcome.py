@@ -15,7 +15,7 @@ install failed        FAILED      DEPS_FAILED   the installer's last whole lines
 not startable         FAILED      EXIT_NONZERO  what could not be started (exitCode null)
 OOM kill in the task  FAILED      OOM_KILLED    the limit and the peak (cgroup levels)
 no jail / agent bug   FAILED      AGENT_ERROR   what failed (errno text and path kept)
-filled the disk       FAILED      DISK_FULL     how fast it wrote, the free space and the floor
+filled the disk       FAILED      DISK_FULL     what it held, its share, the free space and the floor
 ====================  ==========  ============  =================================
 
 The full table (with AGENT_LOST, BAD_TASK) is docs/protocol.md's "Outcomes". Everything here is pure
@@ -81,11 +81,14 @@ def judge_exit(rt: RunningTask, outcome: ProcessOutcome, notice: Notice, stderr_
     STALLED, DISK_FULL, CANCELLED: ckagent.task.stop.stopped_outcome), else its exit status (a death
     by signal names the signal). Writes one notice."""
     reason = rt.stop.reason
-    # A task filling the disk may die of it before the stop reaches it: DISK_FULL all the same.
-    if reason is not None and (outcome.stopped or (reason is StopReason.DISK_FULL and outcome.returncode != 0)):
+    # A task that filled the disk is DISK_FULL however it ended: it may die of the full disk before the
+    # stop reaches it, or exit (even 0) before any look saw it (judged at its end: ckagent.delivery.diskwatch).
+    if reason is not None and (outcome.stopped or reason is StopReason.DISK_FULL):
         status, code, message = stopped_outcome(rt.stop)
         words = rt.stop.describe() if status != "CANCELLED" else f"stopped ({rt.stop.describe()})"
-        notice(ended_by_agent(words, outcome) + f"; task {status}" + (f" ({code})" if status != code else ""))
+        ended = (ended_by_agent(words, outcome) if outcome.stopped
+                 else f"process exited with code {outcome.returncode}; {words}")
+        notice(ended + f"; task {status}" + (f" ({code})" if status != code else ""))
         return TaskOutcome(status, code, message, outcome.returncode)
     notice(f"process exited with code {outcome.returncode}")
     if outcome.returncode == 0:

@@ -36,6 +36,8 @@ class RunnerConfig:
     """The node's containment level; None = process groups only (no subreaper, no limits)."""
     default_limits: Limits = field(default_factory=Limits)
     """Limits of a task that names none (``task.memory_limit_bytes`` ...)."""
+    default_disk_bytes: int | None = None
+    """Disk a task that names no ``resources.diskBytes`` may hold (``task.disk_limit_bytes``; None = no limit)."""
     egress: Egress | None = None
     """The node's egress level and policy (None = no network policy)."""
     max_artifact_bytes: int = 100 * 1024**2

@@ -75,8 +75,10 @@ from ckagent.node.errors import (
 from ckagent.node.identity import IdentityError, runs_as_text
 from ckagent.node.state import AsyncStateStore, StateStoreError
 from ckagent.node.workmodes import PRIVATE_DIR_MODE
+from ckagent.task import diskshare
 from ckagent.task.admission import Admission, RunningTask
 from ckagent.task.deploy import Clearing, Deployer
+from ckagent.task.execlimits import check_exec_size
 from ckagent.task.outcome import (
     MESSAGE_CHARS,
     Notice,
@@ -186,8 +188,14 @@ class TaskRunner:
             self._admission.lifecycle.emit(TaskFinished(task.id, result))
             # Stores the result and hands the rest to the outbox; the slot is free when this returns.
             await delivery.finish(result)
+            await self.reclaim_if_blamed(rt)
         finally:
             self._admission.task_left(task.id)
+
+    async def reclaim_if_blamed(self, rt: RunningTask) -> None:
+        """After its result is recorded: a task blamed for a full disk loses its scratch
+        (ckagent.task.diskshare.reclaim_if_blamed); nothing for any other task."""
+        await diskshare.reclaim_if_blamed(self._outbox.disk, self.config, self.deployer.work_of(rt.task), rt)
 
     def adopt_environment(self, env_dir: Path) -> Callable[[], None]:
         """A re-adopted task's dependency environment is in use again (collection skips it); call
@@ -320,7 +328,8 @@ class TaskRunner:
 
     async def _run(self, rt: RunningTask, task_dir: Path, code: Code, prepared: Prepared, notice: Notice,
                    sink: LogSink) -> TaskOutcome:
-        """Spawn the spider in its jail, record its process, supervise it to its end. Raises SpawnError, JailError."""
+        """Spawn the spider in its jail, record its process, supervise it to its end. Raises SpawnError,
+        JailError, BadTaskError (the task's args/env/params over the kernel's exec limits: ckagent.task.execlimits)."""
         task, jail, argv = rt.task, code.jail, code.argv
         items_file = task_dir / "items.jsonl"
         data_dir = self.config.work_dir / "spider-data" / safe_name(task.spider_id)
@@ -369,6 +378,7 @@ class TaskRunner:
                     items_declared=bool(task.outputs is not None and task.outputs.items)))
                 env.update(added.env)
                 lines = added.notices
+            check_exec_size(task, argv, env)  # the kernel's E2BIG, as BAD_TASK naming the field
             trio.from_thread.run_sync(say, lines)
             make_task_tmp(task_dir, rt.run_as)
             mon = spawn_monitored(
@@ -397,10 +407,16 @@ class TaskRunner:
             rt.delivery.watch_item_files(code.work)  # declared JSON Lines files stream while they grow
         code_dir = code.code_dir
 
-        def end(refused: list[Refusal] | None) -> Callable[[], None]:
+        def end(refused: list[Refusal] | None, blamed: bool = False) -> Callable[[], None]:
             """In the end hop, after its reads (``refused``: what the egress rules refused): the task's
-            files → items, artifacts or kept; then the jail (emptied by the supervisor) and the working
-            copy removed. Returns the outputs line's writer (on the loop, after the outcome's lines)."""
+            files → items, artifacts or kept (not for a task ``blamed`` for a full disk: its working
+            copy is scratch); then the jail (emptied by the supervisor) and the working copy removed.
+            Returns the outputs line's writer (on the loop, after the outcome's lines)."""
+            if blamed:
+                code.clearing.blocking(refused)
+                return lambda: notice("outputs: not collected: the task filled the disk; its working copy, data "
+                                      "dir and the files of its task dir that are not its log, items or artifacts "
+                                      "are removed once this result is recorded")
             collected = self.deployer.collect_blocking(rt, task_dir, code.work, code_dir)
             code.clearing.blocking(refused)
             return lambda: self.deployer.say_collected(rt, collected, notice)
@@ -409,7 +425,7 @@ class TaskRunner:
 
     async def finish_run(self, rt: RunningTask, mon: Monitored, jail: TaskJail, sink: LogSink,
                          notice: Notice, timeout_seconds: float,
-                         end: Callable[[list[Refusal] | None], Callable[[], None]] | None = None) -> TaskOutcome:
+                         end: Callable[[list[Refusal] | None, bool], Callable[[], None]] | None = None) -> TaskOutcome:
         """Supervise a spawned or re-adopted spider to its end and judge its outcome (ckagent.containment.monitor).
 
         The supervisor waits on the task's :class:`Watchdog`: its stop, its deadline
@@ -417,9 +433,14 @@ class TaskRunner:
         for the words) and its stall limit (``mon.handle.stall_timeout`` seconds without a sign of
         life the delivery recorded). ``end``: more blocking work for the end hop, after its reads (it
         gets what the egress rules refused; the runner's: the outputs and the clear-up); what it
-        returns runs on the loop last.
+        returns runs on the loop last; it is told whether the task was blamed for a full disk.
         """
         task, handle = rt.task, mon.handle
+        accounted = diskshare.accounted_of(self.config, task, Path(handle.work))
+        outbox: Outbox | None = self._outbox  # (None: a runner tests drive without one)
+        if outbox is not None:
+            outbox.account(task.id, accounted)  # the disk loop measures its use from now on
+        work_dir = self.config.work_dir
         activity = rt.delivery.activity if rt.delivery is not None else None
         if activity is not None and handle.stall_timeout > 0:
             activity.touch()  # the stall limit counts from the spawn (or the re-adoption)
@@ -433,12 +454,22 @@ class TaskRunner:
 
         def end_reads() -> tuple[bytes, Figures, list[Refusal] | None, Callable[[], None] | None]:
             """The end hop: the output's tail, the jail's figures (into the result: cpuSeconds,
-            memoryPeakBytes, ...), what the egress rules refused (blocking reads, nft); then ``end()``."""
+            memoryPeakBytes, ...), what the egress rules refused (blocking reads, nft); the task's disk
+            use judged (ckagent.delivery.diskwatch: a task that filled the disk too fast for the
+            watch is blamed here, before its result); then ``end()`` (a blamed task's files are not
+            collected: its working copy is scratch)."""
             refused = egress.refusals(rt.egress) if egress is not None else None
             remove_task_tmp(Path(handle.status_file).parent)  # its TMPDIR goes with its last process
-            return output_tail(sink.path), jail.figures(), refused, end(refused) if end is not None else None
+            used, free = diskshare.measure_end(accounted, work_dir)
+            blamed = outbox is not None and trio.from_thread.run_sync(diskshare.judge_end, outbox.disk, rt, used, free)
+            return (output_tail(sink.path), jail.figures(), refused,
+                    end(refused, blamed) if end is not None else None)
 
-        tail, figures, refused, last = await trio.to_thread.run_sync(end_reads)
+        try:
+            tail, figures, refused, last = await trio.to_thread.run_sync(end_reads)
+        finally:
+            if outbox is not None:
+                outbox.unaccount(task.id)
         stderr_tail = TailBuffer(16384)
         stderr_tail.write(tail)
         if figures.oom_kills and not outcome.stopped:

@@ -21,6 +21,12 @@ init and returns what it printed (one JSON object). The scenarios drive the adop
 - ``stop-target``: a stop's walk finds its target; the target exits and its pid goes to a stranger
   before the signal: neither the signal nor the wait for its end reaches the stranger.
 
+- ``agent-ended <level>`` / ``agent-window <level>``: the whole agent — a real agent process at a
+  containment level, killed with kill -9 while its task runs, the reference master in this process
+  (see :func:`_agent_restart`): the monitor ends while no agent runs (``ended``) or after the next
+  agent judged it while the master refused its registration (``window``), and its pid goes to a
+  stranger before the next agent acts on the task.
+
 Each reports whether the stranger still lives, its oom_score_adj, and what the agent concluded. Every
 process a scenario starts dies with the namespace (its init exits: the kernel kills the rest).
 """
@@ -51,15 +57,16 @@ def can_unshare_pid() -> bool:
     return os.geteuid() == 0 and shutil.which("unshare") is not None
 
 
-async def run_in_pid_namespace(scenario: str, tmp: Path, timeout: float = 30) -> dict[str, Any]:  # noqa: ASYNC109
-    """Run ``scenario`` (see the module docstring) as init of a new pid namespace, in ``tmp``; its
-    JSON report. Raises AssertionError with its output when it fails; trio.TooSlowError after
-    ``timeout`` seconds (the namespace is killed then: its init gets SIGKILL)."""
+async def run_in_pid_namespace(scenario: str, tmp: Path, *args: str, timeout: float = 30) -> dict[str, Any]:  # noqa: ASYNC109
+    """Run ``scenario`` (see the module docstring) with ``args`` as init of a new pid namespace, in
+    ``tmp``; its JSON report. Raises AssertionError with its output when it fails; trio.TooSlowError
+    after ``timeout`` seconds (the namespace is killed then: its init gets SIGKILL, and with it every
+    process of the namespace)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
     with trio.fail_after(timeout):
         done = await trio.run_process(
             ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", sys.executable, "-m", "harness.pidreuse",
-             scenario, str(tmp)], env=env, capture_stdout=True, capture_stderr=True, check=False)
+             scenario, str(tmp), *args], env=env, capture_stdout=True, capture_stderr=True, check=False)
     out, err = done.stdout.decode(), done.stderr.decode()
     assert done.returncode == 0, f"scenario {scenario} exited {done.returncode}:\n{out}\n{err}"
     return dict(json.loads(out.strip().splitlines()[-1]))
@@ -289,14 +296,104 @@ async def _scan_in(owned: Path) -> dict[str, Any]:
             "found_again": [i.pid for i in uids_of_processes().get(SCAN_UID, [])]}
 
 
-SCENARIOS = {"scan": _scan, "ended": _ended, "window": _window, "proof": _proof, "stop-target": _stop_target, "jail": _jail}
+WAITER = (
+    "import os, sys, time\n"
+    "print('ready', os.getpid(), flush=True)\n"
+    "go = os.path.join(os.environ['CK_TASK_DIR'], 'go')\n"
+    "for _ in range(1200):  # bounded: at most a minute\n"
+    "    if os.path.exists(go):\n"
+    "        print('exiting 3', flush=True)\n"
+    "        sys.exit(3)\n"
+    "    time.sleep(0.05)\n"
+)
+"""A spider that prints its pid, then exits 3 once ``$CK_TASK_DIR/go`` exists."""
+
+
+async def _agent_restart(tmp: Path, variant: str, level: str) -> dict[str, Any]:
+    """A real agent (a process, at containment ``level``) behind a fault proxy to a real reference
+    master (in this process) runs :data:`WAITER`; the agent is killed (kill -9); then:
+
+    - ``ended``: the spider exits 3, its monitor records it and ends while no agent runs; init (this
+      process) reaps the monitor and its pid goes to a stranger's session leader; the next agent starts.
+    - ``window``: the next agent starts while the master refuses registration (503): it judges the
+      task (the monitor proven, its pidfd held) and then waits for the master; meanwhile the spider
+      exits 3, the monitor ends, is reaped and its pid goes to a stranger; then the master answers.
+
+    Reports the task at the master, every final result it received, the stranger's life and
+    oom_score_adj, and what the next agent logged of kills."""
+    from faultproxy import FaultProxy
+
+    from harness.agentproc import agent_process, wait_exit, wait_registered
+    from harness.core import eventually, submit
+    from harness.recording import serve_recording_master
+
+    report: dict[str, Any] = {}
+    async with serve_recording_master(tmp) as master, trio.open_nursery() as nursery:
+        proxy = FaultProxy(int(master.base_url.rsplit(":", 1)[1]))
+        port = await nursery.start(proxy.serve)
+        agent = agent_process(tmp, f"http://127.0.0.1:{port}", master.registration_token,
+                              task__containment=level, server__max_backoff_interval=1)
+        spool = tmp / "node" / "data" / "tasks"
+        async with agent:
+            await agent.start()
+            await wait_registered(master.admin, agent)
+            task_id = await submit(master.admin, "exit-3", {"main.py": WAITER})
+            output = spool / task_id / "output.log"
+
+            async def ready() -> int | None:
+                text = output.read_text() if output.exists() else ""
+                return next((int(line.split()[1]) for line in text.splitlines() if line.startswith("ready ")), None)
+
+            spider = await eventually(ready, 60, "the spider runs")
+            monitor = psutil.Process(spider).ppid()
+            await agent.kill()  # kill -9: the monitor is re-parented to init, this process
+            if variant == "window":
+                proxy.set("503", ["register"])
+                await agent.start()
+
+                async def refused() -> bool:
+                    return proxy.faulted("register") >= 1  # (it judged its tasks before it registers)
+
+                await eventually(refused, 60, "the next agent asks to register")
+            (output.parent / "go").touch()
+            with trio.fail_after(30):
+                waited = await trio.to_thread.run_sync(os.waitpid, monitor, 0)
+            report["monitor_status"] = os.waitstatus_to_exitcode(waited[1])
+            stranger = _hand_pid_to_stranger(monitor)
+            report.update(monitor_pid=monitor, stranger_pid=stranger.pid, spider_pid=spider)
+            if variant == "window":
+                proxy.heal()
+            else:
+                await agent.start()
+            task = await master.admin.wait_task_final(task_id, 60)
+            report.update(task={k: task.get(k) for k in ("status", "errorCode", "exitCode")},
+                          finals=[[status, body.get("exitCode")] for status, body in master.finals(task_id)],
+                          stranger_alive=stranger.poll() is None, stranger_oom=_oom_score_adj(stranger.pid))
+            agent.signal(signal.SIGTERM)
+            report["agent_exit"] = await wait_exit(agent, 30)
+            report["kills"] = [line for line in agent.log_text().splitlines()
+                               if "kill" in line.lower() and task_id in line]
+            report["stranger_alive_at_end"] = stranger.poll() is None
+        nursery.cancel_scope.cancel()
+    return report
+
+
+async def _agent_ended(tmp: Path, level: str) -> dict[str, Any]:
+    return await _agent_restart(tmp, "ended", level)
+
+
+async def _agent_window(tmp: Path, level: str) -> dict[str, Any]:
+    return await _agent_restart(tmp, "window", level)
+
+
+SCENARIOS = {"agent-ended": _agent_ended, "agent-window": _agent_window, "scan": _scan, "ended": _ended, "window": _window, "proof": _proof, "stop-target": _stop_target, "jail": _jail}
 
 
 def main() -> None:
     """``python -m harness.pidreuse <scenario> <tmp>``: run it (as init of a pid namespace)."""
-    scenario, tmp = sys.argv[1], Path(sys.argv[2])
+    scenario, tmp, args = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
     assert os.getpid() == 1, "run it as init of a pid namespace of its own (run_in_pid_namespace)"
-    report = trio.run(SCENARIOS[scenario], tmp)
+    report = trio.run(SCENARIOS[scenario], tmp, *args)
     print(json.dumps(report), flush=True)
 
 

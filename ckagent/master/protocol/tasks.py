@@ -63,11 +63,14 @@ STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGQUIT", "SIGHUP", "SIGUSR1", "SIGUSR2")
 @dataclass(frozen=True)
 class TaskResources:
     """``resources`` of a task: limits of the task's processes (installers included), None = the
-    node's default. ``memory_bytes`` bytes, ``pids`` processes+threads, ``cpus`` cores."""
+    node's default. ``memory_bytes`` bytes, ``pids`` processes+threads, ``cpus`` cores,
+    ``disk_bytes`` bytes of disk the task may hold (its task dir, working copy and data dir: past it
+    the task ends FAILED DISK_FULL; ckagent.delivery.diskwatch)."""
 
     memory_bytes: int | None = None
     pids: int | None = None
     cpus: float | None = None
+    disk_bytes: int | None = None
 
     @classmethod
     def from_json(cls, obj: Any, path: str) -> TaskResources:
@@ -77,11 +80,13 @@ class TaskResources:
         o = req_object(obj, path)
         cpus = opt_number(o, "cpus", lo=0.01, path=path)
         return cls(memory_bytes=opt_int(o, "memoryBytes", lo=1 << 20, path=path),
-                   pids=opt_int(o, "pids", lo=1, path=path), cpus=cpus)
+                   pids=opt_int(o, "pids", lo=1, path=path), cpus=cpus,
+                   disk_bytes=opt_int(o, "diskBytes", lo=1 << 20, path=path))
 
     def to_json(self) -> dict[str, Any]:
         """camelCase, None left out."""
-        return drop_none({"memoryBytes": self.memory_bytes, "pids": self.pids, "cpus": self.cpus})
+        return drop_none({"memoryBytes": self.memory_bytes, "pids": self.pids, "cpus": self.cpus,
+                          "diskBytes": self.disk_bytes})
 
 
 @dataclass(frozen=True)

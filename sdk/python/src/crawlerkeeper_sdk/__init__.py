@@ -30,16 +30,19 @@ Errors raised:
 
 - ``TypeError``: an item that is not a mapping (:func:`save_item`, :func:`save_items`).
 - ``ValueError``: ``CK_PARAMS`` is not a JSON object (:func:`task_context`).
-- ``OSError``: the items file cannot be opened or written (disk full, permissions).
+- ``OSError``: the items file cannot be opened or written (permissions, I/O errors). A full disk
+  (ENOSPC, EDQUOT) is waited out: the call blocks until the line is written.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
@@ -140,15 +143,33 @@ def _items_fd(path: str) -> int:
     return fd
 
 
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_FULL_RETRY_SECONDS = (0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+def _write_once(fd: int, data: bytes | memoryview, tries: list[int]) -> int:
+    # A full disk is waited out, never a lost item: the agent stops the task that filled it and frees its
+    # space; until then this spider blocks here (docs/operations.md, "When the disk fills").
+    while True:
+        try:
+            return os.write(fd, data)
+        except OSError as exc:
+            if exc.errno not in _FULL_ERRNOS:
+                raise
+            time.sleep(_FULL_RETRY_SECONDS[min(tries[0], len(_FULL_RETRY_SECONDS) - 1)])
+            tries[0] += 1
+
+
 def _write_all(fd: int, data: bytes) -> None:
     # On a local file one write() of a whole line is appended atomically; the loop only matters
     # for the rare short write (a signal, a full disk), where keeping the bytes beats losing them.
-    written = os.write(fd, data)
+    tries = [0]
+    written = _write_once(fd, data, tries)
     if written == len(data):
         return
     view = memoryview(data)[written:]
     while view:
-        view = view[os.write(fd, view):]
+        view = view[_write_once(fd, view, tries):]
 
 
 def _print_lines(data: bytes) -> None:
@@ -185,7 +206,8 @@ def save_item(item: Dict[str, Any]) -> None:
     run by an agent) the line is printed on stdout instead. Returns once the line is handed to
     the operating system; nothing is buffered in the process.
 
-    Raises ``TypeError`` if ``item`` is not a mapping, ``OSError`` if the file cannot be written.
+    Raises ``TypeError`` if ``item`` is not a mapping, ``OSError`` if the file cannot be written (on a
+    full disk it waits until there is room instead: the item is never lost).
     """
     _emit(_encode(item))
 
