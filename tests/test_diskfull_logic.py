@@ -21,11 +21,14 @@ from pathlib import Path
 
 import pytest
 import trio
-from harness import fill_disk, small_disk
+from harness import can_mount_tmpfs, fill_disk, small_disk
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ckagent.delivery import LogJournal, LogSink, parse_journal
 from ckagent.delivery.diskwatch import (
     FULL_BYTES,
+    MIN_CULPRIT_BYTES,
     Accounted,
     DiskWatch,
     accounted_bytes,
@@ -69,6 +72,23 @@ def test_a_disk_filled_by_another_program_blames_no_task() -> None:
     assert over_share({"a": 90 * MIB, "b": 2 * MIB}, 0, 40 * MIB) == ("a", 26 * MIB)
     assert over_share({"only": 90 * MIB}, 10 * MIB, 40 * MIB) == ("only", 60 * MIB)
     assert over_share({"a": 60 * MIB, "b": 60 * MIB}, 0, 16 * MIB, blamed={"a"}) == ("b", 52 * MIB)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(min_size=1, max_size=4), st.integers(0, 1 << 40), min_size=1, max_size=8),
+       st.integers(0, 1 << 40), st.integers(0, 1 << 36))
+def test_the_blamed_task_holds_the_missing_bytes_and_more_than_its_share(sizes: dict[str, int], free: int,
+                                                                        critical: int) -> None:
+    verdict = over_share(sizes, free, critical)
+    least = max(MIN_CULPRIT_BYTES, critical - free)
+    if verdict is None:  # then nobody is over its share while holding the missing bytes
+        share = (sum(sizes.values()) + free - critical) / len(sizes)
+        assert not any(used > share and used >= least for used in sizes.values())
+        return
+    task, share = verdict
+    assert sizes[task] > share and sizes[task] >= least
+    assert sizes[task] == max(used for used in sizes.values() if used > share and used >= least)
+    assert over_share(sizes, free, critical, blamed={task}) != (task, share)  # never twice
 
 
 def test_a_fast_writer_is_stopped_before_it_crosses_the_floor() -> None:
@@ -176,6 +196,7 @@ def test_the_state_store_keeps_free_pages_of_its_own(tmp_path: Path) -> None:
         store.close()
 
 
+@pytest.mark.skipif(can_mount_tmpfs() is not None, reason=f"a small disk of the test's own: {can_mount_tmpfs()}")
 async def test_on_a_full_disk_the_state_store_journal_and_a_spiders_stdout_go_on(tmp_path: Path) -> None:
     """A burst takes every byte of the disk: the agent's books and a neighbour's output go on in the
     room they own beforehand; output.log is never cut for the full disk; the SDK waits the disk out."""
@@ -219,7 +240,7 @@ async def test_on_a_full_disk_the_state_store_journal_and_a_spiders_stdout_go_on
         assert child.poll() is None
         blob.unlink()  # the culprit's scratch reclaimed
         out, _ = await trio.to_thread.run_sync(child.communicate)
-        assert child.returncode == 0 and float(out) >= 0.4
+        assert child.returncode == 0 and float(out) >= 0.2  # it waited for the room
         assert items.read_bytes().endswith(b'{"n": 1, "pad": "' + b"q" * 8000 + b'"}\n')
         sink.close()
         journal.close()

@@ -13,6 +13,7 @@ import trio
 from harness import LEVELS_HERE
 from harness.pidreuse import can_unshare_pid, run_in_pid_namespace
 
+from ckagent.containment.base import kill_pids
 from ckagent.node.procid import ProcessIdentity, boot_id, is_zombie, start_ticks
 
 needs_pidns = pytest.mark.skipif(not can_unshare_pid(), reason="needs root and unshare (a pid namespace)")
@@ -124,3 +125,19 @@ def test_another_boots_identity_is_never_proven() -> None:
     assert me is not None
     assert ProcessIdentity(me.pid, me.start, "another-boot").prove() is None
     assert ProcessIdentity(me.pid, me.start + 1, me.boot).prove() is None
+
+
+def test_a_cgroup_kill_signals_a_pid_it_read_only_while_the_cgroup_still_lists_it() -> None:
+    """containment.base.kill_pids: the pidfd opened first, then the cgroup's members read again — a pid
+    the first read saw that the second does not list (its process ended, the number someone else's)
+    is not signalled."""
+    member = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        assert kill_pids([member.pid, other.pid], lambda: [member.pid]) == 1
+        assert member.wait(timeout=10) == -signal.SIGKILL
+        assert other.poll() is None
+    finally:
+        for proc in (member, other):
+            proc.kill()
+            proc.wait()

@@ -4,8 +4,9 @@ Every installer run streams its output into the task's log as it comes, keeps it
 for the error message, joins the task's jail before it execs (the jail is passed in, explicitly),
 runs in its own process group as the node's builder (ckagent.code.builder: never as a spider, with
 the builder's own HOME and TMPDIR), and is bounded by ``deps.uv_sync_timeout``.
-It is supervised like a spider (ckagent.containment.process.run_supervised): the end of its main
-process, then the jail's leftovers killed; a timeout or a cancellation (the task stopped while it
+It is spawned and supervised as a spider is, behind a monitor, its output on pipes
+(ckagent.containment.process.run_supervised): the end of its main process, then the jail's leftovers
+killed; a timeout or a cancellation (the task stopped while it
 installs, the agent terminating) sends its stop signal, waits the node's ``kill_grace`` and kills
 every process of the jail (ckagent.containment.stopping).
 Exceptions::

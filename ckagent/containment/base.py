@@ -244,14 +244,19 @@ PR_SET_CHILD_SUBREAPER = 36
 SHELL = "/bin/sh"
 
 
-def shim_script(join: list[Path], oom_score_adj: int = SPIDER_OOM_SCORE_ADJ) -> str:
-    """The shell script of the spawn shim: join each cgroup (exit 126 with a message if one
-    refuses), raise oom_score_adj (best effort), then exec the command ("$0" "$@")."""
+def join_lines(join: list[Path], oom_score_adj: int = SPIDER_OOM_SCORE_ADJ) -> list[str]:
+    """The shell lines every task process runs before anything else (the spawn shim's, the monitor's:
+    ckagent.containment.monitor): join each cgroup (exit 126 with a message if one refuses), then
+    raise oom_score_adj (best effort)."""
     lines = [f"echo 0 >{shlex.quote(str(path))} || {{ echo 'ckagent: cannot join the task cgroup "
              f"{shlex.quote(str(path.parent))}' >&2; exit 126; }}" for path in join]
     lines.append(f"echo {oom_score_adj} >/proc/self/oom_score_adj 2>/dev/null")
-    lines.append('exec "$0" "$@"')
-    return "\n".join(lines)
+    return lines
+
+
+def shim_script(join: list[Path], oom_score_adj: int = SPIDER_OOM_SCORE_ADJ) -> str:
+    """The shell script of the spawn shim: :func:`join_lines`, then exec the command ("$0" "$@")."""
+    return "\n".join([*join_lines(join, oom_score_adj), 'exec "$0" "$@"'])
 
 
 def _resolve(program: str, path: str | None) -> str:
@@ -415,13 +420,37 @@ async def wait_pids_gone(pids: Iterable[int]) -> None:
             os.close(fd)
 
 
-def kill_pids(pids: Iterable[int], sig: int = signal.SIGKILL) -> int:
-    """Send ``sig`` to each pid; returns how many were signalled."""
-    n = 0
+def kill_pids(pids: Iterable[int], members: Callable[[], Iterable[int]], sig: int = signal.SIGKILL) -> int:
+    """Send ``sig`` to each of ``pids`` (read from a cgroup's ``cgroup.procs``) that is still a member
+    when proven: its pidfd is opened first, then ``members()`` (the cgroup's processes now) read
+    again — a pid listed then names the process the pidfd holds, so the signal (through the pidfd)
+    never reaches a process that took a pid the first read saw (ckagent.node.procid's rule, for a
+    cgroup's scan). Returns how many were signalled. Without pidfds (Linux < 5.3): by pid after the
+    same second read (racy; the cgroup is frozen meanwhile where it can be)."""
+    fds: dict[int, int] = {}
+    unpinned: list[int] = []
     for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
-            n += 1
+        try:
+            fds[pid] = os.pidfd_open(pid)
+        except OSError as exc:
+            if exc.errno == errno.ENOSYS:
+                unpinned.append(pid)
+    n = 0
+    try:
+        now = set(members())
+        for pid, fd in fds.items():
+            if pid in now:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    signal.pidfd_send_signal(fd, sig)
+                    n += 1
+        for pid in unpinned:
+            if pid in now:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
+                    n += 1
+    finally:
+        for fd in fds.values():
+            os.close(fd)
     return n
 
 

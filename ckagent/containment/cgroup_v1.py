@@ -135,7 +135,7 @@ class V1Jail(TaskJail):
                 if state is not None:
                     state.write_text("FROZEN")  # no fork can race the kill
                     await _until_frozen(state)
-                kill_pids(pids, signal.SIGKILL)
+                kill_pids(pids, self._pids, signal.SIGKILL)
                 killed.update(pids)
                 if state is not None:
                     state.write_text("THAWED")

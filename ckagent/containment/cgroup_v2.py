@@ -114,7 +114,8 @@ class V2Cgroup:
         with trio.move_on_after(1.0), FileWatch(self.path / "cgroup.events") as watch:  # noqa: ASYNC912
             while read_keyed(self.path / "cgroup.events").get("frozen") != 1:
                 await watch.changed()
-        kill_pids(read_procs(self.path / "cgroup.procs"), signal.SIGKILL)
+        procs = self.path / "cgroup.procs"
+        kill_pids(read_procs(procs), lambda: read_procs(procs), signal.SIGKILL)
         freeze.write_text("0")
 
     def figures(self) -> Figures:

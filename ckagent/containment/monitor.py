@@ -39,15 +39,22 @@ import shlex
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
 from ckagent.containment import TaskJail
-from ckagent.containment.base import SHELL, SPIDER_OOM_SCORE_ADJ, make_preexec, raise_oom_score_adj
+from ckagent.containment.base import (
+    SHELL,
+    SPIDER_OOM_SCORE_ADJ,
+    join_lines,
+    make_preexec,
+    raise_oom_score_adj,
+)
 from ckagent.containment.base import _resolve as resolve_program
 from ckagent.containment.filewatch import FileWatch
 from ckagent.containment.private import TMP_DIR, Privacy, PrivacyLevel
@@ -81,18 +88,18 @@ OUTPUT_COALESCE_INTERVAL = 0.05
 """Seconds a trickle's output gathers before the next look (one journal record for many lines)."""
 
 
-def monitor_script(join: list[Path], status_path: Path, oom_score_adj: int = SPIDER_OOM_SCORE_ADJ) -> str:
+def monitor_script(join: list[Path], status_path: Path | None, oom_score_adj: int = SPIDER_OOM_SCORE_ADJ) -> str:
     """The monitor's shell script (``sh -c <script> <program> <args...>``): join each cgroup (exit 126
     with a message if one refuses), raise oom_score_adj, ignore the stop signals, run the program in
-    the foreground with them back at their defaults, then write its ``$?`` to ``status_path`` and
-    exit with it. The monitor's own stderr is /dev/null (the spider keeps the real one as fd 2)."""
-    lines = [f"echo 0 >{shlex.quote(str(path))} || {{ echo 'ckagent: cannot join the task cgroup "
-             f"{shlex.quote(str(path.parent))}' >&2; exit 126; }}" for path in join]
-    lines.append(f"echo {oom_score_adj} >/proc/self/oom_score_adj 2>/dev/null")
+    the foreground with them back at their defaults, then write its ``$?`` to ``status_path`` (None:
+    nowhere — the monitor's own exit status, read by the agent that is its parent, is the record)
+    and exit with it. The monitor's own stderr is /dev/null (the program keeps the real one as fd 2)."""
+    lines = join_lines(join, oom_score_adj)  # (the spawn shim's first lines: ckagent.containment.base)
     sigs = " ".join(IGNORED_BY_MONITOR)
     lines.append(f"exec 3>&2 2>/dev/null; trap '' {sigs}")
     lines.append(f'(trap - {sigs}; exec 2>&3 3>&-; exec "$0" "$@")')
-    lines.append(f"code=$?; echo $code >{shlex.quote(str(status_path))}; exit $code")
+    record = "" if status_path is None else f"echo $code >{shlex.quote(str(status_path))}; "
+    lines.append(f"code=$?; {record}exit $code")
     return "\n".join(lines)
 
 
@@ -197,10 +204,13 @@ class Monitored:
     """
 
     def __init__(self, handle: Handle, popen: subprocess.Popen[bytes] | None = None,
-                 proven: ProvenProcess | None = None) -> None:
+                 proven: ProvenProcess | None = None, pipes: tuple[int, int] | None = None) -> None:
         self.handle = handle
         self.popen = popen
         self.proven = proven
+        self.pipes = pipes
+        """(stdout, stderr): the read ends of the program's pipes when it was spawned on pipes
+        (:func:`spawn_monitored` without an output file); the caller owns and closes them."""
         self.exited = False
         self.returncode: int | None = None
 
@@ -250,11 +260,11 @@ class Monitored:
 
     def _ended(self) -> None:
         self.exited = True
-        recorded = read_status(Path(self.handle.status_file))
+        recorded = read_status(Path(self.handle.status_file)) if self.handle.status_file else None
         if recorded is not None:
             self.returncode = recorded
-        elif self.popen is not None:
-            self.returncode = self.popen.returncode
+        elif self.popen is not None and self.popen.returncode is not None:
+            self.returncode = returncode_of(self.popen.returncode)  # (the monitor exits with the $? it saw)
         if self.popen is not None and self.popen.returncode is not None:
             SPAWNED.discard(self.pid)
         if self.proven is not None:
@@ -287,12 +297,19 @@ async def _wait_pid_exit(pid: int, child: subprocess.Popen[bytes] | None = None)
 
 
 def spawn_monitored(
-    argv: list[str], *, cwd: Path, env: dict[str, str], task_id: str, task_dir: Path, output_path: Path,
-    jail: TaskJail, run_as: RunAs | None, deadline_at: float | None, work: Path, stall_timeout: float,
-    env_dir: Path | None = None, proxy_port: int = 0, privacy: Privacy | None = None,
+    argv: list[str], *, cwd: Path, env: dict[str, str], task_id: str, task_dir: Path | None,
+    output_path: Path | None, jail: TaskJail, run_as: RunAs | None, deadline_at: float | None, work: Path,
+    stall_timeout: float, env_dir: Path | None = None, proxy_port: int = 0, privacy: Privacy | None = None,
 ) -> Monitored:
     """Start ``argv`` behind its monitor, in ``jail``, stdout and stderr appended to ``output_path``.
-    Blocking (the fork, a few small files): call it in a thread hop (the runner's spawn hop).
+    Blocking (the fork, a few small files): call it in a thread hop (the runner's spawn hop), or on
+    the loop where trio's own ``open_process`` would fork there too (an installer).
+
+    The one spawn of the agent's processes: a spider (its output a file, its exit recorded in
+    ``task_dir``'s exit-status file: both outlive the agent) and an installer (``output_path`` None:
+    stdout and stderr are pipes whose read ends are ``Monitored.pipes``, the caller's to read and
+    close; ``task_dir`` None: no status file, the monitor's own exit status is the record — an
+    installer never outlives its agent: a restarted agent's recovery sweeps it).
 
     ``privacy``: the node's private-namespace level (ckagent.containment.private): at
     ``mount-namespace`` the monitor's child makes its namespace and drops to ``run_as`` itself before
@@ -304,50 +321,66 @@ def spawn_monitored(
     """
     if env.get(MARKER_VAR) != task_id:
         raise ValueError(f"env must carry {MARKER_VAR}={task_id} (the sweep finds escaped processes by it)")
-    status_path = task_dir / STATUS_FILE
-    with contextlib.suppress(FileNotFoundError):
-        status_path.unlink()
+    if privacy is not None and task_dir is None:
+        raise ValueError("a private namespace needs the task dir (its /tmp is there)")
+    status_path = None if task_dir is None else task_dir / STATUS_FILE
+    if status_path is not None:
+        with contextlib.suppress(FileNotFoundError):
+            status_path.unlink()
     program = resolve_program(argv[0], env.get("PATH"))
     forking = run_as is not None
     options: dict[str, Any] = {}
     identity = popen_identity(run_as)
     level = privacy.level if privacy is not None else PrivacyLevel.TMPDIR
     wrap: Callable[[list[str]], list[str]] = list
-    if privacy is not None and level is PrivacyLevel.MOUNT_NAMESPACE:
+    if privacy is not None and task_dir is not None and level is PrivacyLevel.MOUNT_NAMESPACE:
         # The child joins the cgroups, makes its namespace and only then drops to run_as: no user= here.
         script = monitor_script([], status_path)
         options["preexec_fn"] = privacy.preexec(jail.join_fds(), run_as, task_dir / TMP_DIR)
         identity = {}
-    elif privacy is not None and level is PrivacyLevel.USER_NAMESPACE and not forking:
+    elif privacy is not None and task_dir is not None and level is PrivacyLevel.USER_NAMESPACE and not forking:
         script = monitor_script([], status_path)
-        joins = jail.join_paths()
-        wrap = lambda command: privacy.wrap(command, joins, task_dir / TMP_DIR)  # noqa: E731
+        joins, tmp = jail.join_paths(), task_dir / TMP_DIR
+        wrap = lambda command: privacy.wrap(command, joins, tmp)  # noqa: E731
     elif forking:  # the cgroup is joined between fork and exec (after setuid): the script joins nothing
         script, options["preexec_fn"] = monitor_script([], status_path), make_preexec(jail.join_fds())
     else:
         script = monitor_script(jail.join_paths(), status_path)
-    # The task dir is the spider's: never through a link it planted at output.log's name (as root,
-    # that would give the spider's output a file of the agent's choosing), never a FIFO.
-    out = beneath.open_file(output_path.parent, output_path.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+    if output_path is not None:
+        # The task dir is the spider's: never through a link it planted at output.log's name (as root,
+        # that would give the spider's output a file of the agent's choosing), never a FIFO.
+        out = beneath.open_file(output_path.parent, output_path.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+                                0o640)
+        ends, theirs, pipes = [out], (out, out), None
+    else:
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        ends, theirs, pipes = [out_w, err_w], (out_w, err_w), (out_r, err_r)
     try:
         try:
             popen = subprocess.Popen(
                 wrap([SHELL, "-c", script, program, *argv[1:]]), cwd=str(cwd), env=env, stdin=subprocess.DEVNULL,
-                stdout=out, stderr=out, start_new_session=True, **identity, **options,
+                stdout=theirs[0], stderr=theirs[1], start_new_session=True, **identity, **options,
             )  # fmt: skip
         except subprocess.SubprocessError as exc:  # a preexec_fn that raised (its namespace, its cgroup)
-            raise OSError(errno.EPERM, f"cannot set up the spider's process ({level} level: its cgroups, its "
+            raise OSError(errno.EPERM, f"cannot set up the process ({level} level: its cgroups, its "
                                        f"private namespace or its identity): {exc}") from exc
         SPAWNED.add(popen.pid)  # we reap it (Monitored.wait); the subreaper's reaper must not
         if forking and "preexec_fn" in options and level is not PrivacyLevel.MOUNT_NAMESPACE:
             raise_oom_score_adj(popen.pid)  # (its preexec could not, after the setuid)
+    except BaseException:
+        for fd in pipes or ():
+            os.close(fd)
+        raise
     finally:
-        os.close(out)
+        for fd in ends:
+            os.close(fd)
     jail.watch(popen.pid)
-    handle = Handle(popen.pid, start_ticks(popen.pid) or 0, boot_id(), time.time(), str(status_path), deadline_at,
-                    str(work), stall_timeout, jail.level, "" if env_dir is None else str(env_dir), proxy_port,
+    handle = Handle(popen.pid, start_ticks(popen.pid) or 0, boot_id(), time.time(),
+                    "" if status_path is None else str(status_path), deadline_at, str(work), stall_timeout,
+                    jail.level, "" if env_dir is None else str(env_dir), proxy_port,
                     -1 if run_as is None else run_as.uid, -1 if run_as is None else run_as.gid)
-    return Monitored(handle, popen)
+    return Monitored(handle, popen, pipes=pipes)
 
 
 async def follow_output(sink: Any, exited: trio.Event) -> None:
@@ -368,54 +401,118 @@ async def follow_output(sink: Any, exited: trio.Event) -> None:
                     await exited.wait()
 
 
+class Output(Protocol):
+    """How :func:`supervise` takes in a supervised process's output while it waits for its end: from
+    its output file (:class:`FileOutput`: a spider, whose output outlives the agent) or from its pipes
+    (ckagent.containment.process.PipeOutput: an installer, whose output streams into the task's log)."""
+
+    def following(self) -> AbstractAsyncContextManager[None]:
+        """Take in the output in the background for the block (nothing for a file: it is looked at
+        in :meth:`until_exit_or_stop`). Cancellation ends the background work at the block's end."""
+
+    async def until_exit_or_stop(self, mon: Monitored, stop: StopRequest) -> None:
+        """Take in the output until the monitor has exited (``mon.exited``) or ``stop`` is requested."""
+
+    def while_stopping(self, final: bool) -> AbstractAsyncContextManager[None]:
+        """Take in what the process says while the block stops it (``final``: the supervisor was
+        cancelled from outside, its :meth:`following` block is over; the block kills every process
+        of the task too, and the last output is taken in at its end)."""
+
+    async def drained(self, jail: TaskJail, window: float) -> bool:
+        """After a normal exit: give leftovers ``window`` seconds to finish writing; True when the
+        jail is empty (no kill needed), False when the supervisor must kill what is left."""
+
+    async def finish(self) -> None:
+        """After the last kill: take in the last of the output."""
+
+
+class FileOutput:
+    """A spider's output file, followed by ``sink`` (``grown()`` takes in what was appended, and
+    ``path`` is the file; ckagent.delivery.capture.LogSink): see :class:`Output`."""
+
+    def __init__(self, sink: Any) -> None:
+        self.sink = sink
+
+    @contextlib.asynccontextmanager
+    async def following(self) -> AsyncIterator[None]:
+        yield  # (looked at in until_exit_or_stop, in the supervisor's own task)
+
+    async def until_exit_or_stop(self, mon: Monitored, stop: StopRequest) -> None:
+        await follow_until_exit_or_stop(mon, self.sink, stop)
+
+    @contextlib.asynccontextmanager
+    async def while_stopping(self, final: bool) -> AsyncIterator[None]:
+        if final:  # the agent terminates (or hands over): the next reader takes the rest from the file
+            yield
+            return
+        async with trio.open_nursery() as nursery:  # what the spider says while it stops reaches the log
+            exited = trio.Event()
+            exited.set()  # no trickle is waited for: the grace is short
+            nursery.start_soon(follow_output, self.sink, exited)
+            yield
+            nursery.cancel_scope.cancel()
+
+    async def drained(self, jail: TaskJail, window: float) -> bool:
+        self.sink.grown()
+        with trio.move_on_after(window) as drain:  # what the spider left behind may still write
+            await jail.wait_empty()
+        # An emptied jail needs no kill: nothing can join an empty cgroup any more, and at the
+        # process-group level wait_empty's last scan is the one the kill's sweep would make (it
+        # also reaps leftovers that ended as the agent's, the subreaper's, zombies).
+        return not drain.cancelled_caught
+
+    async def finish(self) -> None:
+        self.sink.grown()
+
+
 async def supervise(
-    mon: Monitored, *, jail: TaskJail, sink: Any, grace: float, stop: StopRequest, notice: Notice,
-    why: Callable[[], str] = lambda: "stop requested", stop_signal: int = signal.SIGTERM, drain_window: float = 2.0,
-    leave_running: Callable[[], bool] = lambda: False,
+    mon: Monitored, *, jail: TaskJail, sink: Any = None, output: Output | None = None, grace: float,
+    stop: StopRequest, notice: Notice, why: Callable[[], str] = lambda: "stop requested",
+    stop_signal: int = signal.SIGTERM, drain_window: float = 2.0, leave_running: Callable[[], bool] = lambda: False,
+    deadline_seconds: float | None = None, cancelled_why: str = "agent terminating",
 ) -> ProcessOutcome:
-    """Supervise a monitored spider to its end: its exit, or ``stop`` (the task's run-time limit and
-    stall limit are the waiter's: ckagent.task.stop.Watchdog): then the stop signal to the spider,
-    ``grace`` seconds, and every process of the task killed (ckagent.containment.stopping), its
-    notice beginning with ``why()``. After a normal exit leftovers get ``drain_window`` seconds
-    before they are killed. ``sink`` follows output.log meanwhile (:func:`follow_until_exit_or_stop`:
-    in this task; during a stop's grace beside it); what leftovers write in the drain window is
-    taken in at the end.
+    """Supervise a monitored process (a spider, an installer: :func:`spawn_monitored`) to its end:
+    the one supervisor of the agent's processes.
+
+    The end is the monitor's exit, ``deadline_seconds`` passing (None: never; a spider's run-time
+    and stall limits are its ``stop``'s instead: ckagent.task.stop.Watchdog) or ``stop``: then the
+    stop signal goes to the process doing the work, ``grace`` seconds pass, and every process of the
+    task is killed (ckagent.containment.stopping), its notice beginning with ``why()`` (or the
+    timeout). After a normal exit leftovers get ``drain_window`` seconds before they are killed.
+    ``output`` takes in the output meanwhile (:class:`Output`; ``sink`` is short for
+    ``FileOutput(sink)``: output.log followed as it grows). ``notice(text)`` gets one line per thing
+    the agent did (they go into the task log). The outcome's ``returncode`` is the monitor's record
+    (negative: killed by that signal).
 
     Cancellation from outside: when ``leave_running()`` is true (the agent hands its tasks over to
-    the next one) the spider is left running, untouched; otherwise it is stopped (signal → grace →
-    kill-all, shielded), then Cancelled propagates.
+    the next one) the process is left running, untouched; otherwise it is stopped (signal → grace →
+    kill-all, shielded, the notice beginning with ``cancelled_why``), then Cancelled propagates.
     """
+    if output is None:
+        output = FileOutput(sink)
     outcome = ProcessOutcome()
-    # The spider and its monitor are the task's own two processes (not leftovers).
+    # The program and its monitor are the task's own two processes (not leftovers).
     stopper = StopSequence(Supervised(mon.pid, mon.main_pid, lambda: mon.exited, mon.wait, own=2,
                                       signal_leader_group=None if mon.proven is None else mon.proven.signal_group),
                            jail, grace, stop_signal, notice, outcome)
     swept = False
     try:
-        await follow_until_exit_or_stop(mon, sink, stop)
-        if not mon.exited:
-            outcome.stopped = True
-            async with trio.open_nursery() as nursery:  # what the spider says while it stops reaches the log
-                exited = trio.Event()
-                exited.set()  # no trickle is waited for: the grace is short
-                nursery.start_soon(follow_output, sink, exited)
-                await stopper.stop(why())
-                nursery.cancel_scope.cancel()
-            outcome.killed_leftovers += max(0, await jail.kill_all())
-        else:
-            sink.grown()
-            with trio.move_on_after(drain_window) as drain:  # what the spider left behind may still write
-                await jail.wait_empty()
-            # An emptied jail needs no kill: nothing can join an empty cgroup any more, and at the
-            # process-group level wait_empty's last scan is the one the kill's sweep would make (it
-            # also reaps leftovers that ended as the agent's, the subreaper's, zombies).
-            if drain.cancelled_caught:
+        async with output.following():
+            with trio.move_on_after(math.inf if deadline_seconds is None else deadline_seconds) as deadline:
+                await output.until_exit_or_stop(mon, stop)
+            if not mon.exited:
+                outcome.timed_out = deadline.cancelled_caught
+                outcome.stopped = not outcome.timed_out
+                async with output.while_stopping(final=False):
+                    await stopper.stop(f"timeout after {deadline_seconds:g} s" if outcome.timed_out else why())
                 outcome.killed_leftovers += max(0, await jail.kill_all())
-        outcome.returncode = mon.returncode
-        swept = True
-        if outcome.killed_leftovers:
-            notice(f"killed {outcome.killed_leftovers} leftover process(es) of the task")
-        sink.grown()
+            elif not await output.drained(jail, drain_window):
+                outcome.killed_leftovers += max(0, await jail.kill_all())
+            outcome.returncode = mon.returncode
+            swept = True
+            if outcome.killed_leftovers:
+                notice(f"killed {outcome.killed_leftovers} leftover process(es) of the task")
+            await output.finish()
     finally:
         with trio.CancelScope(shield=True):  # noqa: ASYNC912 - shielded cleanup
             if mon.exited and swept:
@@ -423,8 +520,9 @@ async def supervise(
             elif leave_running():
                 pass  # handed over: the next agent re-adopts the spider (its handle is in the state store)
             else:
-                await stopper.stop("agent terminating")
-                outcome.killed_leftovers += max(0, await jail.kill_all())
+                async with output.while_stopping(final=True):
+                    await stopper.stop(cancelled_why)
+                    outcome.killed_leftovers += max(0, await jail.kill_all())
     return outcome
 
 

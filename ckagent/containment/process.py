@@ -1,11 +1,15 @@
-"""Spawning processes on pipes — installers, and spiders where no monitor is wanted — and making
-sure nothing they start outlives them (a task's spider runs behind its monitor: ckagent.containment.monitor).
+"""Installers on pipes: the agent's one supervisor (ckagent.containment.monitor: spawn_monitored and
+supervise, as for a spider) with the output on pipes copied into the task's log as it comes.
 
-A process runs in its own session (own process group, pgid == pid) and inside its task's jail
-(:mod:`ckagent.containment`: a cgroup it joins before it execs, or at the last level its process
-groups plus the marker sweep). Stopping signals the **main process** only (so a Scrapy spider can
-run its close hooks and stop its browser itself); after the grace every process of the task is
-killed at once.
+A spider and an installer are spawned, watched, stopped and killed the same way: behind a monitor
+(the ``/bin/sh`` that joins the jail before the program's exec and stays as its parent), in its own
+session, held by the jail (a cgroup, or at the last level its process groups plus the marker sweep),
+its end seen on the monitor's pidfd. Stopping signals the **main process** only (so a Scrapy spider
+can run its close hooks and stop its browser itself); after the grace every process of the task is
+killed at once. What differs is where the output goes and who records the exit: a spider's output
+file and exit-status file outlive the agent (a restarted agent re-adopts it); an installer's pipes
+and exit status (the monitor's own, read by the agent, its parent) do not need to (a restarted
+agent's recovery sweeps what is left of it).
 
 Life of one supervised process (:func:`run_supervised`)::
 
@@ -14,34 +18,33 @@ Life of one supervised process (:func:`run_supervised`)::
          ├── deadline passes ─┐
          └── stop requested ──┴──► stop signal to main ──► grace ──► kill all in the jail ──► done
 
-The stop (signal → grace → kill-all) is ckagent.containment.stopping's, the same for every supervisor.
-Cancellation from outside (the agent's hard stop, a task stopped while it installs) takes the same
-path, shielded, so a cancelled supervisor never leaves a process behind.
+The stop (signal → grace → kill-all) is ckagent.containment.stopping's. Cancellation from outside
+(the agent's hard stop, a task stopped while it installs) takes the same path, shielded, so a
+cancelled supervisor never leaves a process behind.
 
 Nothing here raises for "process already gone": ``ProcessLookupError`` is the normal outcome of
 signalling a process that has finished. Exceptions::
 
     OSError        run_supervised: the command cannot be started (not found, not executable, its
                    cgroup refused it)
-    ValueError     signal_group: a process group id <= 1; RunAs.lookup: no such user
+    ValueError     run_supervised: ``env`` without the task's marker; signal_group: a process group
+                   id <= 1; RunAs.lookup: no such user
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
-import math
-import os
 import signal
-import subprocess
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
 import trio
 
 from ckagent.containment import TaskJail
-from ckagent.containment.base import raise_oom_score_adj
+from ckagent.containment.monitor import Monitored, spawn_monitored, supervise
 from ckagent.containment.process_group import (
     MARKER_VAR,
     SPAWNED,
@@ -50,15 +53,8 @@ from ckagent.containment.process_group import (
     signal_group,
     sweep,
 )
-from ckagent.containment.stopping import (
-    Notice,
-    ProcessOutcome,
-    StopRequest,
-    StopSequence,
-    Supervised,
-    until_exit_or_stop,
-)
-from ckagent.node.runas import RunAs, popen_identity
+from ckagent.containment.stopping import Notice, ProcessOutcome, StopRequest, until_exit_or_stop
+from ckagent.node.runas import RunAs
 
 __all__ = ["MARKER_VAR", "SPAWNED", "Notice", "ProcessOutcome", "RunAs", "find_marked", "run_supervised",
            "signal_group", "sweep"]
@@ -66,23 +62,13 @@ __all__ = ["MARKER_VAR", "SPAWNED", "Notice", "ProcessOutcome", "RunAs", "find_m
 log = logging.getLogger(__name__)
 
 DRAIN_WINDOW = 2.0
-"""Seconds leftovers may keep writing to the spider's pipes after its main process exited."""
+"""Seconds leftovers may keep writing to an installer's pipes after its main process exited."""
 
 PIPE_BYTES = 1 << 20
 """Capacity asked for each of a spider's stdout/stderr pipes (Linux default 64 KiB; at most
 /proc/sys/fs/pipe-max-size, 1 MiB by default). A spider whose burst fits never blocks on a write,
 which matters beyond speed: under ``PYTHONUNBUFFERED=1`` CPython's stdout is a raw file, and a
 write larger than the free pipe space that a signal handler interrupts is silently cut short."""
-
-def group_alive(pgid: int) -> bool:
-    """True while any process of group ``pgid`` exists (zombies included)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def clock(epoch: float) -> str:
@@ -109,91 +95,96 @@ async def run_supervised(
     stop_signal: int = signal.SIGTERM,
     cancelled_why: str = "agent terminating",
 ) -> ProcessOutcome:
-    """Run ``argv`` (a spider or an installer): own session, inside ``jail``, pipes copied to ``output``.
+    """Run ``argv`` (an installer) behind its monitor, inside ``jail``, its pipes copied to ``output``:
+    spawned and supervised as a spider is (ckagent.containment.monitor.spawn_monitored and
+    supervise), its output on pipes instead of a file.
 
-    The task ends when the main process exits, when ``deadline_seconds`` pass (None = never), or
+    The run ends when the main process exits, when ``deadline_seconds`` pass (None = never), or
     when ``stop`` is set: then the **main process** gets ``stop_signal`` (SIGTERM by default), and
     after ``grace`` seconds every process of the task is killed (``jail.kill_all``: cgroup.kill,
     freeze + kill, or group + sweep). After the main process exited, leftovers get
     ``drain_window`` seconds to finish writing; then every process left in the jail is killed and
-    waited for (the cgroup's ``populated 0``). ``jail`` None = a process-group jail (group + marker
-    sweep; ``env`` must hold ``CK_TASK_ID=task_id``). ``notice(text)`` receives one-line notes of
-    what the agent did (they go into the task log). ``run_as``: start the process as that user.
-    The caller owns the jail (figures, close). ``on_stderr`` also gets the stderr bytes (after
-    ``output``), e.g. to keep its last lines for the failure message.
+    waited for. ``jail`` None = a process-group jail (group + marker sweep; ``env`` must hold
+    ``CK_TASK_ID=task_id``). ``on_started(pid)`` is awaited once it runs (its monitor's pid: the
+    process group's). ``notice(text)`` receives one-line notes of what the agent did (they go
+    into the task log). ``run_as``: start the process as that user. The caller owns the jail
+    (figures, close). ``on_stderr`` also gets the stderr bytes (after ``output``), e.g. to keep its
+    last lines for the failure message.
 
-    The process is opened before the supervisor's nursery (as trio's ``run_process`` does), so
-    OSError (the command cannot be started, e.g. not found) comes out bare, never in a group.
-    Cancellation from outside (the agent terminating, a task stopped while it installs) still ends
-    the process: stop signal → grace → kill-all (ckagent.containment.stopping) run shielded, its
-    notice beginning with ``cancelled_why``; then Cancelled propagates.
+    The process is started before any nursery (as trio's ``run_process`` does), so OSError (the
+    command cannot be started, e.g. not found) comes out bare, never in a group. Cancellation from
+    outside (the agent terminating, a task stopped while it installs) still ends the process: stop
+    signal → grace → kill-all (ckagent.containment.stopping) run shielded, its notice beginning with
+    ``cancelled_why``, what it says meanwhile still reaching ``output``; then Cancelled propagates.
     """
-    if env.get(MARKER_VAR) != task_id:
-        raise ValueError(f"env must carry {MARKER_VAR}={task_id} (the sweep finds escaped processes by it)")
     if jail is None:
         jail = ProcessGroupJail(task_id)
-    spawn_argv, spawn_options = jail.spawn(argv, env, forking=run_as is not None)
-    proc = await trio.lowlevel.open_process(
-        spawn_argv, cwd=str(cwd), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, start_new_session=True, **popen_identity(run_as), **spawn_options,
-    )  # fmt: skip
-    SPAWNED.add(proc.pid)  # trio reaps it; the subreaper's reaper must not
-    if run_as is not None:  # its preexec could not raise its own oom_score_adj after the setuid
-        raise_oom_score_adj(proc.pid)
-    jail.watch(proc.pid)
-    for stream in (proc.stdout, proc.stderr):
-        if isinstance(stream, trio.lowlevel.FdStream):
-            enlarge_pipe(stream.fileno())
-    outcome = ProcessOutcome()
-    stopper = StopSequence(Supervised(proc.pid, lambda: proc.pid, lambda: proc.returncode is not None, proc.wait),
-                           jail, grace, stop_signal, notice, outcome)
-    swept = False
+    mon = spawn_monitored(argv, cwd=cwd, env=env, task_id=task_id, task_dir=None, output_path=None, jail=jail,
+                          run_as=run_as, deadline_at=None, work=cwd, stall_timeout=0.0)
+    assert mon.pipes is not None
+    streams = [trio.lowlevel.FdStream(fd) for fd in mon.pipes]
+    for stream in streams:
+        enlarge_pipe(stream.fileno())
     try:
         if on_started is not None:
-            await on_started(proc.pid)
-        async with trio.open_nursery() as nursery:
-            pumps_done = trio.Event()
-            exited = trio.Event()  # the main process ended: the pumps stop gathering small writes
-            nursery.start_soon(_pumps, proc, output, on_stderr, exited, pumps_done)
-            with trio.move_on_after(math.inf if deadline_seconds is None else deadline_seconds) as deadline:
-                await until_exit_or_stop(proc.wait, stop, exited)
-            if proc.returncode is None:
-                outcome.timed_out = deadline.cancelled_caught
-                outcome.stopped = not outcome.timed_out
-                why = f"timeout after {deadline_seconds:g} s" if outcome.timed_out else "stop requested"
-                await stopper.stop(why)
-            else:
-                # A normal end: what the spider left behind may still be writing its last lines.
-                with trio.move_on_after(drain_window):
-                    await pumps_done.wait()
-            outcome.returncode = proc.returncode
-            outcome.killed_leftovers += await jail.kill_all()
-            swept = True
-            if outcome.killed_leftovers:
-                notice(f"killed {outcome.killed_leftovers} leftover process(es) of the task")
-            with trio.move_on_after(1.0):  # leftovers are dead: their pipe ends close at once
-                await pumps_done.wait()
-            nursery.cancel_scope.cancel()
+            await on_started(mon.pid)
+        return await supervise(
+            mon, jail=jail, output=PipeOutput(streams[0], streams[1], output, on_stderr), grace=grace, stop=stop,
+            notice=notice, stop_signal=stop_signal, drain_window=drain_window, deadline_seconds=deadline_seconds,
+            cancelled_why=cancelled_why,
+        )  # fmt: skip
     finally:
-        with trio.CancelScope(shield=True):  # noqa: ASYNC912 - shielded cleanup; each stream's aclose checkpoints
-            if proc.returncode is None or not swept:
-                # Cancelled from outside: the processes must still go, and what they say while they
-                # stop still reaches ``output`` (as a monitored spider's output.log goes on growing).
-                async with trio.open_nursery() as last:
-                    pumps_done, now = trio.Event(), trio.Event()
-                    now.set()
-                    last.start_soon(_pumps, proc, output, on_stderr, now, pumps_done)
-                    await stopper.stop(cancelled_why)
-                    outcome.killed_leftovers += max(0, await jail.kill_all())
-                    with trio.move_on_after(1.0):  # everything is dead: the pipes close at once
-                        await pumps_done.wait()
-                    last.cancel_scope.cancel()
-            for stream in (proc.stdout, proc.stderr):
-                if stream is not None:
-                    await stream.aclose()
-            if proc.returncode is not None:
-                SPAWNED.discard(proc.pid)
-    return outcome
+        for stream in streams:
+            stream.close()  # (FdStream.close: no checkpoint needed, nothing else reads them now)
+
+
+class PipeOutput:
+    """A process's stdout and stderr pipes copied into ``output`` (stderr to ``on_stderr`` too), by
+    pumps that run while the supervisor waits (ckagent.containment.monitor.Output)."""
+
+    def __init__(self, stdout: trio.abc.ReceiveStream, stderr: trio.abc.ReceiveStream,
+                 output: Callable[[bytes], None], on_stderr: Callable[[bytes], None] | None) -> None:
+        self.streams = (stdout, stderr)
+        self.output, self.on_stderr = output, on_stderr
+        self.exited = trio.Event()  # the main process ended: the pumps stop gathering small writes
+        self.done = trio.Event()  # both pipes at their end
+
+    def _pump(self, nursery: trio.Nursery) -> None:
+        self.done = trio.Event()
+        nursery.start_soon(_pumps, *self.streams, self.output, self.on_stderr, self.exited, self.done)
+
+    @contextlib.asynccontextmanager
+    async def following(self) -> AsyncIterator[None]:
+        async with trio.open_nursery() as nursery:
+            self._pump(nursery)
+            yield
+            nursery.cancel_scope.cancel()
+
+    async def until_exit_or_stop(self, mon: Monitored, stop: StopRequest) -> None:
+        await until_exit_or_stop(mon.wait, stop, self.exited)
+
+    @contextlib.asynccontextmanager
+    async def while_stopping(self, final: bool) -> AsyncIterator[None]:
+        if not final:  # the pumps of following() run on
+            yield
+            return
+        # Cancelled from outside: following()'s pumps are gone, and what the processes say while
+        # they stop still reaches the output (as a monitored spider's output.log goes on growing).
+        async with trio.open_nursery() as last:
+            self.exited.set()
+            self._pump(last)
+            yield
+            await self.finish()  # everything is dead: the pipes close at once
+            last.cancel_scope.cancel()
+
+    async def drained(self, jail: TaskJail, window: float) -> bool:
+        with trio.move_on_after(window):  # what the process left behind may still be writing its last lines
+            await self.done.wait()
+        return False  # then whatever is left is killed
+
+    async def finish(self) -> None:
+        with trio.move_on_after(1.0):  # leftovers are dead: their pipe ends close at once
+            await self.done.wait()
 
 
 def enlarge_pipe(fd: int, size: int = PIPE_BYTES) -> int:
@@ -210,15 +201,13 @@ def enlarge_pipe(fd: int, size: int = PIPE_BYTES) -> int:
     return 0
 
 
-async def _pumps(proc: trio.Process, output: Callable[[bytes], None], on_stderr: Callable[[bytes], None] | None,
-                 exited: trio.Event, done: trio.Event) -> None:
-    """Copy the process's stdout and stderr into ``output`` (stderr to ``on_stderr`` too) until both
+async def _pumps(stdout: trio.abc.ReceiveStream, stderr: trio.abc.ReceiveStream, output: Callable[[bytes], None],
+                 on_stderr: Callable[[bytes], None] | None, exited: trio.Event, done: trio.Event) -> None:
+    """Copy a process's stdout and stderr into ``output`` (stderr to ``on_stderr`` too) until both
     end; then set ``done``. Cancellation stops at once (a later call may pump on)."""
     async with trio.open_nursery() as inner:
-        if proc.stdout is not None:
-            inner.start_soon(_copy, proc.stdout, output, exited)
-        if proc.stderr is not None:
-            inner.start_soon(_copy, proc.stderr, output if on_stderr is None else _tee(output, on_stderr), exited)
+        inner.start_soon(_copy, stdout, output, exited)
+        inner.start_soon(_copy, stderr, output if on_stderr is None else _tee(output, on_stderr), exited)
     done.set()
 
 

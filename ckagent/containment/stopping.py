@@ -1,7 +1,8 @@
 """The stop sequence every process supervisor uses: stop signal → grace → kill every process of the jail.
 
-One sequence for a spider behind its monitor (ckagent.containment.monitor), a spider or installer on
-pipes (ckagent.containment.process.run_supervised; installers run there, ckagent.code.installer)::
+One sequence for the agent's one supervisor (ckagent.containment.monitor.supervise): a spider behind
+its monitor, and an installer behind its monitor on pipes (ckagent.containment.process.run_supervised,
+ckagent.code.installer)::
 
     stop(why) ──► stop signal to the process that does the work (through launchers: stoptarget)
               ──► wait for the main process, at most ``grace`` seconds (the node's kill_grace)

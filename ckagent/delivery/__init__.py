@@ -45,11 +45,12 @@ never decoded): a batch body is the elements joined, and its size is exact. The 
 ``{expectedSeq}`` rewinds (to an in-memory checkpoint, or the start) or skips what it already has.
 A 413 halves the batch (it grows back after a run of acknowledgements); only a 422 whose
 ``field`` names an element (``items[i]``/``lines[i]``) replaces that element by a short placeholder
-(a gap would block the stream forever). A 409 without ``expectedSeq`` ends the stream; a 404
-("unknown task") or a lone element's 413 that lasts longer than ``server.refusal_timeout`` ends the
-stream, or replaces the element, and the final result says ``incomplete: true``. Every other answer
-(transport errors, 429/5xx — after their ``Retry-After`` —, a 2xx that is not the protocol's, other
-4xx) is retried with backoff: a refusal never drops what the spider produced.
+(a gap would block the stream forever). A 409 without ``expectedSeq`` ends the stream; another 4xx in
+the protocol's words (a 404 "unknown task", 403, 400, …; not 401, 408) or a lone element's 413 that
+lasts longer than ``server.refusal_timeout`` ends the stream, or replaces the element, and the final
+result says ``incomplete: true`` with the master's reason (``incompleteReason``). Every other answer
+(transport errors, 429/5xx — after their ``Retry-After`` —, a 2xx that is not the protocol's, a 4xx
+for a shorter while) is retried with backoff: a refusal never drops what the spider produced.
 
 **The outbox** (:class:`Outbox`, one per agent, in the agent's root nursery) owns every task's
 delivery (:class:`TaskDelivery`, :mod:`ckagent.delivery.taskdelivery`): the journal writer (:mod:`ckagent.delivery.journal`), the two shippers, live stats and, once both streams are complete, the final result
@@ -79,15 +80,18 @@ for every task) stats the spider log files, items.jsonl and the stats file and w
 only when one of them changed. A task that writes nothing does not wake its loop (the shippers'
 NOTIFY_FALLBACK safety net aside).
 
-**Disk budget** (:class:`LogSink`): output.log stops growing at ``task.max_log_bytes`` or when the
-filesystem's free space would fall below ``task.min_free_disk_bytes``; the pipes are still drained
-(the spider never blocks) and one marker line at the end says how many bytes were dropped. The
-spider's own files (items, log files) are not the agent's to cut.
+**Log budget** (:class:`LogSink`): output.log stops growing at ``task.max_log_bytes``; the pipes
+are still drained (the spider never blocks) and one marker line at the end says how many bytes were
+dropped. The spider's own files (items, log files) are not the agent's to cut, and nothing is cut
+for a low or full disk.
 
-**A full disk** (:mod:`ckagent.delivery.diskwatch`, :mod:`ckagent.node.diskfull`): the disk loop stops
-the running task whose directory grows most when the free space is below the floor or would cross
-it within a look (FAILED DISK_FULL); state store writes fall back on the agent's space reserve;
-positions, journal records and results that cannot be written wait in memory for room.
+**A full disk** (:mod:`ckagent.delivery.diskwatch`, :mod:`ckagent.node.diskfull`): each running task's
+disk use (task dir, working copy, data dir) is measured at every look of the disk loop; below the
+floor the task over its share is stopped (FAILED DISK_FULL), also at its end when it was too fast
+for the looks, and its scratch removed once its result is recorded (ckagent.task.diskshare). The
+agent's writes that must go on — the state store, the journals, a neighbour's appended spool files
+— use space they own beforehand (free pages, blocks held beyond a file's end), which no spider can
+take; what still cannot be written waits in memory for room.
 
 **Retention** (:mod:`ckagent.delivery.retention`): a task's directory is deleted only after its result was
 acknowledged (which happens only after both streams were), and ``task.retention`` seconds later.

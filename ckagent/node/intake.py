@@ -4,7 +4,8 @@ A node that cannot work says so instead of taking tasks it would fail. Each caus
 its own key, with a one-line reason, and opens it again when it is gone:
 
 - ``disk``: free space of the work dir's filesystem below ``task.min_free_disk_bytes``
-  (:class:`DiskFloorWatch`; the tasks already running go on, their output stops at the same floor);
+  (:class:`DiskFloorWatch`; the tasks already running go on: the one that filled the disk is
+  stopped and its scratch removed, ckagent.delivery.diskwatch, so the gate opens by itself);
 - ``version``: the master requires a newer agent (registration's ``minAgentVersion``, see
   ckagent.master.fleet).
 

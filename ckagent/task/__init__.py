@@ -6,8 +6,12 @@
 - :mod:`.stop` — how a task is stopped: its reasons, the one request, the run-time and stall
   watchdog, what each stop becomes (the process side: ckagent.containment.stopping);
 - :mod:`.outcome` — the outcome rules (exit → status, errorCode, errorMessage);
+- :mod:`.diskshare` — a task's part in a full disk: its accounted trees, its judgement at its end,
+  a blamed task's scratch removed after its result (the rules: ckagent.delivery.diskwatch);
 - :mod:`.supervisor` — the handle the agent passes around: admission with the runner beside it;
   the outcome rules;
+- :mod:`.execlimits` — the kernel's exec limits (MAX_ARG_STRLEN, ARG_MAX) checked before the spawn:
+  a task over them is BAD_TASK naming the field;
 - :mod:`.commands` — what a task runs (its framework's default from ckagent.code.frameworks) and the
   check that the package can run it;
 - :mod:`.recovery`, :mod:`.adoption` — at start: tasks the previous agent left (lost, or carried on);
