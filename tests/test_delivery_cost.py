@@ -14,12 +14,14 @@ files in tmp_path, Trio's autojump clock.
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
+import stamina.instrumentation
 import trio
 import trio.testing
 from harness import BatchMaster, master_client
@@ -30,7 +32,8 @@ from ckagent.delivery.lines import encode_item, encode_json, item_object
 from ckagent.delivery.readers import _FileReader
 from ckagent.delivery.spool import EARLY_RETRY_AFTER, NOTIFY_FALLBACK
 from ckagent.delivery.statistics import SpoolCounter
-from ckagent.delivery.waiting import backoff_sleep
+from ckagent.delivery.waiting import Backoff
+from ckagent.master.client import MasterClient
 from ckagent.master.connectivity import Trouble
 from ckagent.master.protocol import Task, TaskResult
 from ckagent.node.state import AsyncStateStore, StateStore
@@ -109,8 +112,9 @@ async def test_a_task_that_writes_nothing_costs_at_most_one_wake_up_a_second(
 async def test_backoff_waits_on_the_connectivity_event(
     tmp_path: Path, autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The delivery's backoff is stamina's (the master client's policy: exponential from 0.5 s to
+    server.max_backoff_interval), cut short by the connectivity's event when the master comes back."""
     master = master_client(BatchMaster())
-    connectivity = master.connectivity
     sleeps: list[float] = []
     original_sleep = trio.sleep
 
@@ -119,6 +123,24 @@ async def test_backoff_waits_on_the_connectivity_event(
         await original_sleep(seconds)
 
     monkeypatch.setattr(trio, "sleep", counting_sleep)
+    retries: list[float] = []  # what stamina's instrumentation sees: every retry of the delivery's
+    hooks = stamina.instrumentation.get_on_retry_hooks()
+    stamina.instrumentation.set_on_retry_hooks([lambda details: retries.append(details.wait_for)])
+    try:
+        await _backoff_waits(master, sleeps, original_sleep)
+    finally:
+        stamina.instrumentation.set_on_retry_hooks(hooks)
+    assert len(retries) == 12 and retries[-1] == 7.0
+
+
+async def _backoff_waits(master: MasterClient, sleeps: list[float], original_sleep: Any) -> None:
+    connectivity = master.connectivity
+    backoff = Backoff(master)
+    for _ in range(9):  # the master reachable (another call got through): stamina's waits, in full
+        await backoff.wait()
+    assert sleeps[:3] == [pytest.approx(0.5, abs=1.0), pytest.approx(1.0, abs=1.0), pytest.approx(2.0, abs=1.0)]
+    assert all(b >= a - 1.0 for a, b in itertools.pairwise(sleeps)) and max(sleeps) == master.max_backoff_interval
+    sleeps.clear()
     connectivity.failed(Trouble("unreachable", "logs", "master unreachable", ("down",)))
     assert not connectivity.up
     start = trio.current_time()
@@ -129,9 +151,9 @@ async def test_backoff_waits_on_the_connectivity_event(
             connectivity.succeeded("heartbeat")
 
         nursery.start_soon(come_back)
-        await backoff_sleep(master, 10)  # a long backoff (≥ 128 s) cut short when the master is back
+        await backoff.wait()  # a long backoff (30 s) cut short when the master is back
     assert trio.current_time() - start == pytest.approx(5, abs=0.01)
-    assert sleeps == [EARLY_RETRY_AFTER]  # no 0.25 s checks
+    assert sorted(sleeps) == [EARLY_RETRY_AFTER, master.max_backoff_interval]  # no 0.25 s checks
     # Back within the first EARLY_RETRY_AFTER seconds: retried right after them.
     connectivity.failed(Trouble("unreachable", "logs", "master unreachable", ("down",)))
     start = trio.current_time()
@@ -142,8 +164,16 @@ async def test_backoff_waits_on_the_connectivity_event(
             connectivity.succeeded("heartbeat")
 
         nursery.start_soon(come_back_soon)
-        await backoff_sleep(master, 10)
+        await backoff.wait()
     assert trio.current_time() - start == pytest.approx(EARLY_RETRY_AFTER)
+    # A wait the master asked for (Retry-After) is waited in full, however the master is.
+    connectivity.failed(Trouble("unreachable", "logs", "master unreachable", ("down",)))
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(come_back_soon)
+        await backoff.wait(retry_after=7.0)
+    assert trio.current_time() - start == pytest.approx(7.0)
+    assert backoff.failed == 12
 
 
 async def test_positions_of_many_streams_are_saved_together(

@@ -196,6 +196,7 @@ def full_instances() -> dict[str, Any]:
             io_write_bytes=8192,
             egress_refused=[{"address": "169.254.169.254", "port": 80, "count": 3}],
             incomplete=True,
+            incomplete_reason="items: master answered 403 (node quota exceeded) for 600 s",
             artifacts=[ArtifactRef(path="images/a.jpg", size_bytes=3, sha256=SHA)],
         ),
         "TaskOutputs": TaskOutputs(items=["out/*.jsonl"], artifacts=["books.db"]),

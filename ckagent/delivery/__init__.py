@@ -45,11 +45,12 @@ never decoded): a batch body is the elements joined, and its size is exact. The 
 ``{expectedSeq}`` rewinds (to an in-memory checkpoint, or the start) or skips what it already has.
 A 413 halves the batch (it grows back after a run of acknowledgements); only a 422 whose
 ``field`` names an element (``items[i]``/``lines[i]``) replaces that element by a short placeholder
-(a gap would block the stream forever). A 409 without ``expectedSeq`` ends the stream; a 404
-("unknown task") or a lone element's 413 that lasts longer than ``server.refusal_timeout`` ends the
-stream, or replaces the element, and the final result says ``incomplete: true``. Every other answer
-(transport errors, 429/5xx — after their ``Retry-After`` —, a 2xx that is not the protocol's, other
-4xx) is retried with backoff: a refusal never drops what the spider produced.
+(a gap would block the stream forever). A 409 without ``expectedSeq`` ends the stream; another 4xx in
+the protocol's words (a 404 "unknown task", 403, 400, …; not 401, 408) or a lone element's 413 that
+lasts longer than ``server.refusal_timeout`` ends the stream, or replaces the element, and the final
+result says ``incomplete: true`` with the master's reason (``incompleteReason``). Every other answer
+(transport errors, 429/5xx — after their ``Retry-After`` —, a 2xx that is not the protocol's, a 4xx
+for a shorter while) is retried with backoff: a refusal never drops what the spider produced.
 
 **The outbox** (:class:`Outbox`, one per agent, in the agent's root nursery) owns every task's
 delivery (:class:`TaskDelivery`, :mod:`ckagent.delivery.taskdelivery`): the journal writer (:mod:`ckagent.delivery.journal`), the two shippers, live stats and, once both streams are complete, the final result

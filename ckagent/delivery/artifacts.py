@@ -40,7 +40,7 @@ import trio
 from ckagent.delivery.outputs import ARTIFACTS_DIR, load_manifest
 from ckagent.delivery.outputs.files import MAX_MANIFEST_BYTES, kept_place, read_checked
 from ckagent.delivery.spool import open_spool
-from ckagent.delivery.waiting import backoff_sleep
+from ckagent.delivery.waiting import Backoff
 from ckagent.master.client import MasterClient, MasterConflict, MasterRejected, MasterUnavailable
 from ckagent.master.protocol import ARTIFACTS, ArtifactRef
 from ckagent.node import beneath
@@ -129,7 +129,7 @@ async def upload_artifacts(master: MasterClient, task_id: str, task_dir: Path,
         if data is None:
             log.warning("task %s: artifact %s is gone or changed on disk; not sent", task_id, ref.path)
             continue
-        attempt = 0
+        backoff = Backoff(master)
         while True:
             if master.registered and ARTIFACTS not in master.features:
                 rest = [r.path for r in refs[index:] if r.path not in sent]
@@ -140,9 +140,8 @@ async def upload_artifacts(master: MasterClient, task_id: str, task_dir: Path,
             try:
                 async with limiter if limiter is not None else contextlib.nullcontext():
                     await master.put_artifact(task_id, ref, data)
-            except MasterUnavailable:  # a protocol error too: not an acknowledgement
-                attempt += 1
-                await backoff_sleep(master, attempt)
+            except MasterUnavailable as exc:  # a protocol error too: not an acknowledgement
+                await backoff.wait(exc.retry_after)
                 continue
             except MasterConflict as exc:
                 log.warning("task %s: master refused artifact %s (%s); kept at %s", task_id, ref.path, exc, keep_dir)
@@ -157,8 +156,7 @@ async def upload_artifacts(master: MasterClient, task_id: str, task_dir: Path,
                 if exc.status in _NO_ENDPOINT:
                     master.features = master.features - {ARTIFACTS}
                     continue  # the check above keeps the rest
-                attempt += 1
-                await backoff_sleep(master, attempt)
+                await backoff.wait()
                 continue
             await trio.to_thread.run_sync(_mark_sent, task_dir, ref.path)
             sent.add(ref.path)

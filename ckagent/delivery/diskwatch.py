@@ -3,10 +3,11 @@
 **Accounting.** A task's disk use is what it holds on the work dir's filesystem: its task dir (spool,
 ``CK_TASK_DIR``, its private ``TMPDIR``), its working copy and its spider's data dir (``CK_DATA_DIR``,
 less ``outputs/``: earlier tasks' kept files) — allocated bytes (``st_blocks``), a hard link counted
-once (:func:`tree_bytes`). The outbox's disk loop measures every running task's use at each look
-(one thread hop for all), every ``SCAN_INTERVAL`` — sooner while the free space falls fast: the next
-look comes before the fastest fall seen could cross the floor (:meth:`DiskWatch.next_interval`, at
-least ``MIN_INTERVAL`` apart).
+once (:func:`tree_bytes`). The outbox's disk loop looks every ``SCAN_INTERVAL`` (one thread hop for
+all) — sooner while the free space falls fast: the next look comes before the fastest fall seen could
+cross the floor (:meth:`DiskWatch.next_interval`, at least ``MIN_INTERVAL`` apart) — and measures
+every running task's use at each look while the disk is low or falling fast, else every
+``FULL_MEASURE_EVERY`` looks (ckagent.delivery.outbox).
 
 **Judgement** (:meth:`DiskWatch.observe`, :meth:`DiskWatch.judge_end`: pure logic, no I/O, no clock
 of its own). The *critical* level is the floor (``task.min_free_disk_bytes``), at least

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ import trio
 
 from ckagent.delivery.capture import DiskGuard, LogSink
 from ckagent.delivery.diskwatch import Accounted, DiskWatch, accounted_bytes
+from ckagent.delivery.headroom import headroom_fds, top_up
 from ckagent.delivery.journal import LogJournal, rejected_log_globs, task_log_globs
 from ckagent.delivery.lifecycle import Lifecycle
 from ckagent.delivery.lines import Masker, secret_values
@@ -31,7 +31,6 @@ from ckagent.delivery.spool import (
     OUTPUT_LOG,
     SCAN_INTERVAL,
     SEND_CONCURRENCY,
-    open_spool,
 )
 from ckagent.delivery.statistics import OutboxStatistics, SpoolCounter
 from ckagent.delivery.taskdelivery import OutboxConfig, Scanned, TaskDelivery
@@ -39,16 +38,16 @@ from ckagent.master.client import MasterClient
 from ckagent.master.protocol import Task, TaskResult
 from ckagent.node.broadcast import Broadcast
 from ckagent.node.diskfull import (
-    JOURNAL_HEADROOM_BYTES,
-    SPOOL_HEADROOM_BYTES,
     STORE_RESERVE_BYTES,
-    preallocate,
 )
 from ckagent.node.state import AsyncStateStore, StateStore, StateStoreError, TaskRecord
 
 log = logging.getLogger(__name__)
 
 
+FULL_MEASURE_EVERY = 5
+"""While the disk is calm (at least twice the critical level free, not falling fast), the accounted trees
+are walked every this many looks of the disk loop (a spider's data dir may hold many files)."""
 HAND_OVER_FLUSH_TIMEOUT = 2.0
 """Seconds a hand-over spends sending what was already read (lines, items, finished tasks' results)
 before exiting; the next agent sends the rest from the acknowledged positions (docs/operations.md)."""
@@ -80,6 +79,8 @@ class Outbox:
         ``last_culprit`` (a DiskCulprit or None) is the status page's."""
         self.accounted: dict[str, Accounted] = {}
         """The running tasks' trees whose disk use the disk loop measures (:meth:`account`)."""
+        self._used: dict[str, int] = {}  # each accounted task's use at its last measure (bytes)
+        self._looks = 0
         self.on_disk_full: Callable[[str, str], None] | None = None
         """Called with (task id, reason) for a running task that fills the disk: the agent stops it DISK_FULL."""
         self._store_full = False  # the last flush of positions met a full disk (logged once)
@@ -321,20 +322,26 @@ class Outbox:
             await self._flush_positions()  # the shippers' acknowledged positions, all streams at once
             live = [delivery for delivery in self.deliveries.values() if delivery.scanning]
             acked, self._acked = self._acked, set()
-            accounted = list(self.accounted.items())
-            spool = _headroom_fds(live)  # duplicated here: a descriptor closed meanwhile is not reused under us
             last_free = self.guard.free_bytes
+            self._looks += 1
+            # A calm disk (judged again in the hop, on the free space it measures): the trees are walked
+            # every FULL_MEASURE_EVERY looks (new tasks at once).
+            calm = 2 * self.disk.critical_bytes if (
+                self.disk.next_interval() >= SCAN_INTERVAL and self._looks % FULL_MEASURE_EVERY) else None
+            accounted = [(task_id, entry, task_id in self._used) for task_id, entry in self.accounted.items()]
+            spool = headroom_fds(live)  # duplicated here: a descriptor closed meanwhile is not reused under us
             keep = last_free is not None and last_free > self.disk.critical_bytes + 2 * STORE_RESERVE_BYTES
             found, free, sizes, unmarked = await trio.to_thread.run_sync(
-                _scan_round, live, self.guard.path, accounted, spool, self.store.sync, acked, keep)  # one hop
+                _scan_round, live, self.guard.path, accounted, calm, spool, self.store.sync, acked, keep)  # one hop
             self._acked |= unmarked  # a full disk: marked at the next write
             for delivery, (files, items_size, stats_size, item_sizes) in zip(live, found, strict=True):
                 delivery.scanned(files, items_size, stats_size, item_sizes)
                 if delivery.sink is not None and delivery.sink.full_since is not None:
                     delivery.sink.retry()
             self.guard.measured(free)
-            self._watch_disk(free, {task_id: size for (task_id, _), size in zip(accounted, sizes, strict=True)
-                                    if task_id in self.accounted})
+            self._used.update(sizes)
+            self._used = {task_id: self._used[task_id] for task_id in self.accounted if task_id in self._used}
+            self._watch_disk(free, dict(self._used))
             self._looked.set()
 
     async def next_look(self) -> None:
@@ -383,62 +390,33 @@ class Outbox:
             log.info("the acknowledged positions are saved again")
 
 
-def _headroom_fds(deliveries: list[TaskDelivery]) -> list[tuple[int, int]]:
-    """(a duplicate of the descriptor, the headroom it gets) for each open spool file the agent holds
-    of ``deliveries``: output.log, the journals. On the Trio thread (dup: microseconds)."""
-    fds: list[tuple[int, int]] = []
-    for delivery in deliveries:
-        held = [(delivery.sink.fileno() if delivery.sink is not None else -1, SPOOL_HEADROOM_BYTES),
-                (delivery.journal.fileno(), JOURNAL_HEADROOM_BYTES)]
-        if delivery.item_journal is not None:
-            held.append((delivery.item_journal.fileno(), JOURNAL_HEADROOM_BYTES))
-        for fd, size in held:
-            if fd >= 0:
-                try:
-                    fds.append((os.dup(fd), size))
-                except OSError:
-                    continue
-    return fds
-
-
-def _top_up(deliveries: list[TaskDelivery], fds: list[tuple[int, int]]) -> None:
-    """Blocks held beyond the end of every running task's appended spool files again (their writers
-    used some): the agent's descriptors ``fds`` (closed here) and each items.jsonl. Blocking."""
-    for fd, size in fds:
-        try:
-            preallocate(fd, size)
-        finally:
-            os.close(fd)
-    for delivery in deliveries:
-        try:
-            fd = open_spool(delivery.task_dir / ITEMS_FILE, os.O_WRONLY)
-        except OSError:
-            continue
-        try:
-            preallocate(fd, SPOOL_HEADROOM_BYTES)
-        finally:
-            os.close(fd)
-
-
-def _scan_round(deliveries: list[TaskDelivery], disk: Path, accounted: list[tuple[str, Accounted]],
-                fds: list[tuple[int, int]], store: StateStore, acked: set[str],
-                keep_reserve: bool) -> tuple[list[Scanned], int | None, list[int], set[str]]:
+def _scan_round(deliveries: list[TaskDelivery], disk: Path, accounted: list[tuple[str, Accounted, bool]],
+                calm_bytes: int | None, spool: list[tuple[TaskDelivery, list[tuple[int, int]]]], store: StateStore,
+                acked: set[str], keep_reserve: bool) -> tuple[list[Scanned], int | None, dict[str, int], set[str]]:
     """One round of the disk loop in its worker thread (blocking): the acknowledged results marked
-    (:func:`_mark_all`), :func:`_scan_all`, the spool files' headroom topped up (:func:`_top_up`),
+    (:func:`_mark_all`), :func:`_scan_all`, the spool files' headroom topped up (ckagent.delivery.headroom.top_up),
     the state store's own free pages kept (``keep_reserve``: there is room for them), the free
-    bytes of the filesystem holding ``disk`` (None when it cannot be measured), each accounted
-    task's bytes (ckagent.delivery.diskwatch.accounted_bytes) and the marks that could not be written."""
+    bytes of the filesystem holding ``disk`` (None when it cannot be measured), the accounted tasks'
+    bytes (ckagent.delivery.diskwatch.accounted_bytes: ``(task, trees, measured before)`` — one
+    measured before is left out while at least ``calm_bytes`` are free; None: none is left out) and
+    the marks that could not be written."""
     unmarked = _mark_all(store, acked)
-    _top_up(deliveries, fds)
+    top_up(spool)
     if keep_reserve:
         store.keep_reserve()
-    sizes = [accounted_bytes(entry) for _, entry in accounted]
+    free = _free_bytes(disk)
+    calm = calm_bytes is not None and free is not None and free >= calm_bytes
+    sizes = {task_id: accounted_bytes(entry) for task_id, entry, known in accounted if not (calm and known)}
+    return _scan_all(deliveries), _free_bytes(disk) if sizes else free, sizes, unmarked
+
+
+def _free_bytes(disk: Path) -> int | None:
+    """Free bytes of the filesystem holding ``disk``, None when they cannot be measured. Blocking."""
     try:
-        free: int | None = shutil.disk_usage(disk).free
+        return shutil.disk_usage(disk).free
     except OSError as exc:
         log.debug("cannot measure free space of %s: %s", disk, exc)
-        free = None
-    return _scan_all(deliveries), free, sizes, unmarked
+        return None
 
 
 def _mark_all(store: StateStore, acked: set[str]) -> set[str]:

@@ -46,17 +46,40 @@ def oversize_placeholder(size: int, limit: int) -> bytes:
         "content as a file in CK_TASK_DIR and put its name in the item)")})
 
 
+OversizeHook = Callable[[str, int, int, int], None]
+"""``hook(source, size, limit, end)``: an item of ``size`` bytes in ``source`` (a path relative to the
+task dir), ending at offset ``end``, is over ``limit`` and became a placeholder."""
+
+
+class OversizeNotes:
+    """Where a reader reports the items it replaced by a placeholder for their size: ``hook`` (set by
+    the reader's owner, may be None). Shared by a reader's :class:`_ItemLines` across restores."""
+
+    __slots__ = ("hook",)
+
+    def __init__(self) -> None:
+        self.hook: OversizeHook | None = None
+
+    def __call__(self, source: str, size: int, limit: int, end: int) -> None:
+        if self.hook is not None:
+            self.hook(source, size, limit, end)
+
+
 class _ItemLines:
     """Complete lines of an items file → their elements: each line encoded (None: skipped), a line
-    longer than the limit (the splitter's pieces of it) replaced by one placeholder."""
+    longer than the limit (the splitter's pieces of it) replaced by one placeholder, reported to
+    ``notes`` (as ``source``)."""
 
-    __slots__ = ("_encode", "_max", "line_start", "oversize")
+    __slots__ = ("_encode", "_max", "_notes", "_source", "line_start", "oversize")
 
-    def __init__(self, start: int, encode: Callable[[bytes], bytes | None], max_line_bytes: int) -> None:
+    def __init__(self, start: int, encode: Callable[[bytes], bytes | None], max_line_bytes: int,
+                 notes: OversizeNotes | None = None, source: str = "") -> None:
         self.line_start = start  # where the next line (or piece of a cut one) starts
         self.oversize = 0  # bytes so far of a line longer than max_line_bytes (0: none being read)
         self._encode = encode
         self._max = max_line_bytes
+        self._notes = notes
+        self._source = source
 
     def elements(self, lines: list[bytes], ends: list[int], final: bool) -> tuple[list[bytes], list[int]]:
         """(elements, their marks) of ``lines`` ending at ``ends``; ``final``: the last is the file's
@@ -82,6 +105,8 @@ class _ItemLines:
                 if cut:
                     continue
                 element = oversize_placeholder(self.oversize, self._max)
+                if self._notes is not None:
+                    self._notes(self._source, self.oversize, self._max, end)
                 self.oversize = 0
             else:
                 element = encode(raw)
@@ -103,7 +128,9 @@ class _FileReader:
         self._fd = -1
         self._read_at = 0
         self._splitter = LineSplitter(0, max_line_bytes, cr_breaks)
-        self._lines = _ItemLines(0, encode, max_line_bytes)
+        self.oversize_notes = OversizeNotes()
+        """Where the items replaced by a placeholder for their size are reported (its ``hook``)."""
+        self._lines = _ItemLines(0, encode, max_line_bytes, self.oversize_notes, path.name)
         self.finished = False  # set by the owner: the file will not grow any more
         self.done = False
         # Written by another process, so nothing notifies its growth directly: while it grows the shipper
@@ -115,7 +142,7 @@ class _FileReader:
         offset = int(position.get("offset", 0)) if isinstance(position, dict) else 0
         self._read_at = offset
         self._splitter = LineSplitter(offset, self._max, self._cr)
-        self._lines = _ItemLines(offset, self._encode, self._max)
+        self._lines = _ItemLines(offset, self._encode, self._max, self.oversize_notes, self.path.name)
         self.done = False
 
     async def read(self, pending: Pending) -> bool:
@@ -149,6 +176,11 @@ class _FileReader:
     def commit(self, runs: list[tuple[Any, int]]) -> Any:
         """The position after the elements of ``runs`` (from :meth:`Pending.take`)."""
         return {"offset": runs[-1][1]}
+
+    @property
+    def line_start(self) -> int:
+        """Offset where the line being read starts: every line before it was read (and reported)."""
+        return self._lines.line_start
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -372,9 +404,11 @@ class _ItemJournalReader(_JournalReader):
     def __init__(self, task_dir: Path, encode: Callable[[bytes], bytes | None], max_line_bytes: int) -> None:
         super().__init__(task_dir, Masker([]), max_line_bytes, journal=ITEMS_JOURNAL)
         self._encode = encode
+        self.oversize_notes = OversizeNotes()
+        """Where the items replaced by a placeholder for their size are reported (its ``hook``)."""
 
     def _source(self, path: str, start: int) -> _Source:
-        return _Source(path, start, self._max, _ItemLines(start, self._encode, self._max))
+        return _Source(path, start, self._max, _ItemLines(start, self._encode, self._max, self.oversize_notes, path))
 
     def _emit_fed(self, pending: Pending, at: int, idx: int, data: bytes) -> None:
         source = self._sources[idx]
@@ -389,6 +423,42 @@ class _ItemJournalReader(_JournalReader):
         if lines:
             assert source.items is not None
             pending.add(*source.items.elements(lines, ends, True), (at, idx))
+
+
+OVERSIZE_SCAN_BYTES = 256 * 1024 * 1024
+"""At most this much of an items file's unread tail is scanned at a task's end (:func:`scan_oversize`)."""
+
+
+def scan_oversize(path: Path, start: int, max_line_bytes: int) -> tuple[list[tuple[int, int]], int]:
+    """The items over ``max_line_bytes`` in ``path`` from offset ``start`` (where a line starts) to its
+    end, as the items reader will find them: ``([(size, end offset), ...], scanned up to)``. Reads at
+    most :data:`OVERSIZE_SCAN_BYTES`; a file that is not a plain file of the spool (a link the spider
+    planted) or cannot be read gives ``([], start)``. Blocking."""
+    found: list[tuple[int, int]] = []
+    notes = OversizeNotes()
+    notes.hook = lambda _source, size, _limit, end: found.append((size, end))
+    try:
+        fd = open_spool(path)
+    except OSError:
+        return [], start
+    try:
+        splitter = LineSplitter(start, max_line_bytes, False)
+        lines = _ItemLines(start, lambda _raw: None, max_line_bytes, notes, path.name)
+        at = start
+        while at - start < OVERSIZE_SCAN_BYTES:
+            data = os.pread(fd, READ_CHUNK, at)
+            if not data:
+                lines.elements(*splitter.flush(), True)
+                break
+            at += len(data)
+            lines.elements(*splitter.feed(data), False)
+        else:
+            at = lines.line_start
+    except OSError:
+        return found, start
+    finally:
+        os.close(fd)
+    return found, at
 
 
 def _read_prefix(path: Path, size: int) -> bytes:

@@ -11,7 +11,7 @@ import logging
 import trio
 
 from ckagent.delivery.spool import DEFAULT_REFUSAL_TIMEOUT
-from ckagent.delivery.waiting import backoff_sleep
+from ckagent.delivery.waiting import Backoff
 from ckagent.master.client import MasterClient, MasterConflict, MasterRejected, MasterUnavailable
 from ckagent.master.protocol import TaskResult
 from ckagent.node.state import AsyncStateStore, StateStoreError
@@ -32,16 +32,13 @@ async def send_result(
     so is a 404 ("unknown task") that lasts longer than ``refusal_timeout`` seconds (a master
     restarting behind a proxy answers 404 for a moment). Any other answer — an answer that is not
     the protocol's (MasterProtocolError), another 4xx — is not an acknowledgement: retried with
-    backoff (at least a 429/503's ``Retry-After``). Cancellation stops the retries; the result
+    the master client's backoff (:class:`ckagent.delivery.waiting.Backoff`: stamina's; a 429/503's
+    ``Retry-After`` when it says one). Cancellation stops the retries; the result
     stays in the state store for the next start.
     """
-    attempt = 0
+    backoff = Backoff(master)
     refused_since: float | None = None
-
-    async def again(retry_after: float | None = None) -> None:
-        nonlocal attempt
-        attempt += 1
-        await backoff_sleep(master, attempt, retry_after)
+    again = backoff.wait
 
     while True:
         try:

@@ -41,11 +41,15 @@ from ckagent.delivery.spool import (
     NOTIFY_FALLBACK,
     TAIL_INTERVAL,
 )
-from ckagent.delivery.waiting import Waker, backoff_sleep
+from ckagent.delivery.waiting import Backoff, Waker
 from ckagent.master.client import MasterClient, MasterConflict, MasterError, MasterRejected, MasterUnavailable
 from ckagent.node.state import AsyncStateStore, StateStoreError
 
 log = logging.getLogger(__name__)
+
+PASSING_REFUSALS = frozenset({401, 408})
+"""4xx answers that never end a stream, however long they last: 401 (the client registers again;
+a node-wide matter) and 408 (the request's own time-out)."""
 
 """Not an answer that moves the stream: the batch goes again after a backoff."""
 
@@ -63,8 +67,9 @@ class StreamShipper:
     :meth:`notify` says the spool grew; :meth:`finish` says the items file is complete (the log
     stream knows it from the journal's E record). ``stats``:
     ``acked`` elements the master holds, ``read`` elements read. ``refused`` is True when the master
-    refused the stream for good (a 409 without ``expectedSeq``, or "unknown task" for longer than
-    ``refusal_timeout`` seconds): the stream is then incomplete and the result says so.
+    refused the stream for good (a 409 without ``expectedSeq``, or any other 4xx in the protocol's
+    words — "unknown task", 403, 400, … — for longer than ``refusal_timeout`` seconds): the stream is
+    then incomplete and the result says so, with the master's reason (:attr:`refusal`).
     ``refusing_since`` is the trio time the batch on its way was first refused (None while it is not),
     ``placeholders`` counts elements the master refused on their own (replaced by a placeholder);
     ``waiting_since`` (epoch seconds) how long what was read has waited (see the attribute).
@@ -100,6 +105,8 @@ class StreamShipper:
         self._refusal_timeout = refusal_timeout
         self.acked = 0
         self.refused = False
+        self.refusal: str | None = None
+        """With :attr:`refused`: why, in the master's words (``"logs: master answered 403 (quota)"``)."""
         self.refusing_since: float | None = None
         self.placeholders = 0
         self.waiting_since: float | None = None
@@ -153,6 +160,11 @@ class StreamShipper:
         else:
             reader = _FileReader(task_dir / ITEMS_FILE, encode_item, MAX_ITEM_BYTES, cr_breaks=False)
         return cls(master, store, task_id, "items", reader, limiter, refusal_timeout, waker)
+
+    @property
+    def reader(self) -> _FileReader | _JournalReader:
+        """What the stream reads (its items reader reports oversize items: ``oversize_notes``)."""
+        return self._reader
 
     def _age(self) -> float:
         """Seconds a non-full batch waits for more elements: shorter for lines going in node batches
@@ -248,7 +260,7 @@ class StreamShipper:
             if flight is not None and flight.answer is not None:
                 answer, n, self._flight = flight.answer, flight.count, None
                 if answer.kind == "refused":
-                    self.refused = True
+                    self.refused, self.refusal = True, answer.reason
                     await self._end()
                     return None
                 if answer.kind == "shrink":
@@ -265,6 +277,7 @@ class StreamShipper:
                                   "not sending the stream any more; the result will say incomplete",
                                   self.task_id, self.stream, self._seq)
                         self.refused = True
+                        self.refusal = f"{self.stream}: the master refused even the placeholder of element {self._seq}"
                         await self._end()
                         return None
                     if answer.expected == 0:
@@ -381,20 +394,22 @@ class StreamShipper:
         answer = Answer("ok", value) if error is None else self._judge(error, seq, count)
         if answer is None or answer.kind == "retry":
             if self._nursery is not None:  # None: the stream was closed meanwhile (the agent stops)
-                self._nursery.start_soon(self._fly, flight, seq, count, body, 1,
+                self._nursery.start_soon(self._fly, flight, seq, count, body, True,
                                          answer.retry_after if answer is not None else None)
             return
         self.refusing_since = None
         flight.answer = answer
         self.notify()
 
-    async def _fly(self, flight: Flight, seq: int, count: int, body: bytes, attempt: int = 0,
+    async def _fly(self, flight: Flight, seq: int, count: int, body: bytes, failed: bool = False,
                    retry_after: float | None = None) -> None:
-        """The batch's request(s) in a task of its own (``attempt`` > 0: after that attempt's backoff)."""
+        """The batch's request(s) in a task of its own (``failed``: its first attempt, in a node batch,
+        failed: after that attempt's backoff, at least ``retry_after`` seconds)."""
+        backoff = Backoff(self._master)
         try:
-            if attempt:
-                await backoff_sleep(self._master, attempt, retry_after)
-            flight.answer = await self._post(seq, count, body, attempt)
+            if failed:
+                await backoff.wait(retry_after)
+            flight.answer = await self._post(seq, count, body, backoff)
         finally:
             self.refusing_since = None  # answered, or cancelled: no batch of the stream is being refused
         self.notify()
@@ -409,12 +424,12 @@ class StreamShipper:
         self.placeholders += 1
         self._count_limit = self._count_ceiling = MAX_BATCH_COUNT
 
-    async def _post(self, seq: int, count: int, body: bytes, attempt: int = 0) -> Answer:
+    async def _post(self, seq: int, count: int, body: bytes, backoff: Backoff) -> Answer:
         """POST one batch (``count`` elements from ``seq``, ``body`` its encoded JSON) until the master
         answers in a way that moves the stream (see module docstring): an acknowledgement, a 409, a
         413 for several elements, a 422 naming an element; or a 404 / a lone element's 413 that lasted
-        longer than ``refusal_timeout``. Everything else is retried with backoff, forever
-        (``attempt``: the attempts before this one)."""
+        longer than ``refusal_timeout``. Everything else is retried with ``backoff`` (the master
+        client's policy, stamina's; it counts the attempts before this one), forever."""
         try:
             while True:
                 try:
@@ -434,8 +449,7 @@ class StreamShipper:
                         raise
                     if judged.kind != "retry":
                         return judged
-                    attempt += 1
-                    await backoff_sleep(self._master, attempt, judged.retry_after)
+                    await backoff.wait(judged.retry_after)
         finally:
             self.refusing_since = None
 
@@ -453,7 +467,7 @@ class StreamShipper:
                 return Answer("expected", expected)
             log.error("task %s %s: the master refuses the stream (%s); not sending it any more; the "
                       "result will say incomplete", self.task_id, self.stream, exc)
-            return Answer("refused")
+            return Answer("refused", reason=str(exc))
         if isinstance(exc, MasterRejected):
             return self._refusal(exc, count) or RETRY
         return None
@@ -476,11 +490,12 @@ class StreamShipper:
         if lasted >= self._refusal_timeout:
             if exc.status == 413:  # count == 1: this element, not the batch size
                 return Answer("shrink")
-            if exc.status == 404:
-                log.error("task %s %s: the master has not known the task for %.0f s (404; server.refusal_timeout); "
-                          "not sending the stream any more; the result will say incomplete, the spool stays on "
-                          "the node", self.task_id, self.stream, lasted)
-                return Answer("refused")
-        # Not the master's word to drop anything (a 404 of a master restarting, 403, 408, a lone 413
-        # for a moment, ...): the batch is retried with backoff; logged once per episode by the client.
+            if exc.status not in PASSING_REFUSALS:
+                log.error("task %s %s: the master has refused the stream for %.0f s (%s; server.refusal_timeout); "
+                          "not sending it any more; the result will say incomplete, with that reason; the spool "
+                          "stays on the node", self.task_id, self.stream, lasted, exc)
+                return Answer("refused", reason=f"{exc} for {lasted:.0f} s")
+        # Not (yet) the master's word to drop anything (a 404 of a master restarting, a 403 for a
+        # moment, 401 until registered again, 408, a lone 413 for a moment, ...): the batch is retried
+        # with backoff; logged once per episode by the client.
         return None

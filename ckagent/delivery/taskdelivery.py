@@ -38,11 +38,13 @@ from ckagent.delivery.activity import Activity
 from ckagent.delivery.artifacts import ArtifactState, read_state, upload_artifacts
 from ckagent.delivery.capture import LogSink
 from ckagent.delivery.crawlstats import STATS_FILE, Snapshot
+from ckagent.delivery.headroom import Headroom
 from ckagent.delivery.journal import LogJournal, scan_log_files
 from ckagent.delivery.lifecycle import Lifecycle, TaskDelivered
 from ckagent.delivery.lines import Masker
 from ckagent.delivery.nodebatch import NodeBatcher
 from ckagent.delivery.outputs.live import LiveItemFiles
+from ckagent.delivery.readers import _FileReader, _ItemJournalReader, scan_oversize
 from ckagent.delivery.result import send_result
 from ckagent.delivery.shipper import StreamShipper
 from ckagent.delivery.spool import (
@@ -50,6 +52,7 @@ from ckagent.delivery.spool import (
     DEFAULT_REFUSAL_TIMEOUT,
     ITEM_FILES_DIR,
     ITEMS_FILE,
+    MAX_ITEM_BYTES,
     OUTPUT_LOG,
 )
 from ckagent.delivery.stats import StatsShipper, final_stats
@@ -141,6 +144,10 @@ class TaskDelivery:
         self.stats = StatsShipper(outbox.master, task_id, task_dir, outbox.limiter, on_snapshot=self._observe,
                                   waker=self.waker)
         self.activity = Activity((task_dir / ITEMS_FILE, task_dir / STATS_FILE))
+        reader = self.items.reader
+        if isinstance(reader, (_FileReader, _ItemJournalReader)):
+            reader.oversize_notes.hook = self._oversize_item
+        self._oversize_said: set[tuple[str, int]] = set()  # (items source, end offset) of the items said
         self.logs.batcher = self.items.batcher = outbox.batcher
         self.logs.end_kept = self.items.end_kept = True  # the last positions matter only until the result's ack
         journal.on_record = self.logs.notify
@@ -151,6 +158,7 @@ class TaskDelivery:
         self._stats_size = 0  # the stats file's size at the last scan
         self._output_grew: trio.Event | None = None  # set by the next output write (see wait_output)
         self.scanning = False  # True while the task runs: the outbox scans its files every SCAN_INTERVAL
+        self.headroom = Headroom()  # blocks beyond output.log's and items.jsonl's ends (ckagent.delivery.headroom)
         self.ended = trio.Event()
         self._end: EndReads | None = None  # what the end read (finish's hop, else run's)
         self.delivered = trio.Event()
@@ -164,6 +172,21 @@ class TaskDelivery:
             self.sink.write_line(f"[ckagent {stamp}] {text}\n".encode())
         else:
             log.info("task %s: %s", self.task_id, text)
+
+    def _oversize_item(self, source: str, size: int, limit: int, end: int) -> None:
+        """An item over the size limit became a placeholder: said in the task's log (the agent log
+        once output.log is closed), once: the reader and the end's scan may both meet it."""
+        if (source, end) in self._oversize_said:
+            return
+        self._oversize_said.add((source, end))
+        text = (f"an item of {size} bytes in {source} (ending at byte {end}) is over the limit of {limit} bytes "
+                f"({limit / (1 << 20):g} MiB) for one item: the master gets a placeholder in its place "
+                "(_invalidItem), the spool on the node keeps the item; write smaller items (e.g. store large "
+                "content as a file in CK_TASK_DIR and put its name in the item)")
+        if self.sink is not None and not self.sink.closed:
+            self.notice(text)
+        else:
+            log.warning("task %s: %s", self.task_id, text)
 
     def watch_item_files(self, work: Path) -> None:
         """The process runs in the working copy ``work``: stream its declared JSON Lines files from
@@ -208,29 +231,40 @@ class TaskDelivery:
         await self._output_grew.wait()
 
     async def finish(self, result: TaskResult) -> None:
-        """The process is over: close output.log, store ``result``, let the streams complete and the
-        result follow them. Returns at once after one thread hop (the state store write, and what
-        the end reads: :func:`_end_reads`); cancellation before that write leaves the task to the
-        next start (reported AGENT_LOST)."""
+        """The process is over: store ``result``, say in the task's log the items over the size limit
+        its items reader has not reached yet (:func:`ckagent.delivery.readers.scan_oversize`), close
+        output.log, let the streams complete and the result follow them. Returns at once after one
+        thread hop (the state store write, the scan, and what the end reads: :func:`_end_reads`);
+        cancellation before that write leaves the task to the next start (reported AGENT_LOST)."""
         self.take_notices()  # what the end-of-task collection said of the streamed files
-        if self.sink is not None:
-            self.sink.close()
         stored = result.to_json()
         store, task_id, task_dir, globs = self.outbox.store.sync, self.task_id, self.task_dir, self.globs
-        items_journal = self.item_journal is not None
+        items_journal, headroom = self.item_journal is not None, self.headroom
+        reader = self.items.reader
+        # The items the reader has not reached yet: any over the size limit is said in the task's log
+        # now, while it is open (the reader, later, would only reach the agent log).
+        unread = reader.line_start if isinstance(reader, _FileReader) and not reader.done else None
 
-        def ending() -> tuple[StateStoreError | None, EndReads | None]:
+        def ending() -> tuple[StateStoreError | None, EndReads | None, tuple[list[tuple[int, int]], int] | None]:
+            headroom.give_back(task_dir)  # no writer is left (the lines said below only append, as any write)
             error: StateStoreError | None = None
             try:
                 store.set_result(task_id, stored)
             except StateStoreError as exc:
                 error = exc
+            oversize = None if unread is None else scan_oversize(task_dir / ITEMS_FILE, unread, MAX_ITEM_BYTES)
             try:
-                return error, _end_reads(task_dir, globs, items_journal)
+                return error, _end_reads(task_dir, globs, items_journal), oversize
             except Exception:  # read again by run, whose hop raises it to the outbox's log
-                return error, None
+                return error, None, oversize
 
-        error, self._end = await trio.to_thread.run_sync(ending)
+        error, self._end, oversize = await trio.to_thread.run_sync(ending)
+        for size, end in oversize[0] if oversize is not None else ():
+            self._oversize_item(ITEMS_FILE, size, MAX_ITEM_BYTES, end)
+        if self.sink is not None:
+            self.sink.close()  # after the lines just said (and its truncation marker): output.log's last size
+            if self._end is not None:
+                self._end[0][OUTPUT_LOG] = _size(task_dir / OUTPUT_LOG)  # one lstat, as _end_reads did
         if error is not None:
             log.error("task %s: cannot store its result (%s); sending it from memory", self.task_id, error)
         self.result = result
@@ -341,15 +375,19 @@ class TaskDelivery:
         if not self.ship_logs:
             refused.insert(0, "log")
         incomplete = True if refused or self.result.incomplete else None
+        reasons = [shipper.refusal for shipper in (self.logs, self.items) if shipper.refused and shipper.refusal]
+        reason_text = "; ".join(reasons) or self.result.incomplete_reason
         if refused:
-            log.error("task %s: its result says incomplete: the master refused its %s for good; it holds %d log "
-                      "lines and %d items; the spool stays in %s until task.retention", self.task_id,
-                      " and ".join(refused), self.logs.acked, self.items.acked, self.task_dir)
+            log.error("task %s: its result says incomplete: the master refused its %s for good (%s); it holds %d "
+                      "log lines and %d items; the spool stays in %s until task.retention", self.task_id,
+                      " and ".join(refused), reason_text or "no reason given", self.logs.acked, self.items.acked,
+                      self.task_dir)
         # Artifacts go before the result, which lists what the master holds (ckagent.delivery.artifacts).
         artifacts = await upload_artifacts(self.outbox.master, self.task_id, self.task_dir, self.outbox.limiter,
                                            artifact_state)
         result = dataclasses.replace(self.result, item_count=self.items.acked, log_lines=self.logs.acked,
                                      stats=stats, finish_reason=reason, incomplete=incomplete,
+                                     incomplete_reason=reason_text if incomplete else None,
                                      artifacts=artifacts)
         # Stored before it is sent, with the streams' last positions (what the status page shows of a
         # finished task, and where a crash resumes); acknowledged, it is marked so in the outbox's next

@@ -32,7 +32,8 @@ class ServerSettings:
 
     ``url``: base URL, http(s). ``ca_file``: extra CA bundle (PEM) for TLS, or None for the system store.
     ``request_timeout``: seconds per HTTP request (a long poll adds its wait on top).
-    ``refusal_timeout``: seconds a stream or result retries a 404 (a lone element's 413) before giving up.
+    ``refusal_timeout``: seconds a stream retries a 4xx in the protocol's words (not 401/408/409/429), a
+    result a 404, a lone element a 413, before giving up (the result says incomplete, with the reason).
     ``download_stall_timeout``: seconds a code download may receive nothing before it is retried.
     ``max_backoff_interval``: seconds, the longest pause between two attempts of a request the master
     did not answer (the exponential backoff grows from 0.5 s to it, with jitter).
@@ -252,9 +253,10 @@ SETTINGS: tuple[Setting, ...] = (
             "Timeout of one HTTP request to the master (a long poll adds its wait on top).",
             v.seconds(minimum=1.0, exclusive=False)),
     Setting("server", "refusal_timeout", "AGENT_SERVER_REFUSAL_TIMEOUT", "seconds > 0", 600.0,
-            "How long a task's stream or result keeps retrying a 404 (unknown task), and a stream a 413 for a "
-            "single element, before giving up on it: the result then says incomplete (the spool stays on the "
-            "node), the element becomes a placeholder.", v.seconds()),
+            "How long a task's stream keeps retrying a refusal in the protocol's words (a 4xx other than 401, "
+            "408, 409, 429: 404 unknown task, 403, 400, ...), its result a 404, and a stream a 413 for a single "
+            "element, before giving up on it: the result then says incomplete with the master's reason "
+            "(incompleteReason; the spool stays on the node), the element becomes a placeholder.", v.seconds()),
     Setting("server", "download_stall_timeout", "AGENT_SERVER_DOWNLOAD_STALL_TIMEOUT", "seconds >= 1", 30.0,
             "A code download that receives nothing for this long is cut off and retried with backoff.",
             v.seconds(minimum=1.0, exclusive=False)),

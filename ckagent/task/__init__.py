@@ -10,6 +10,8 @@
   a blamed task's scratch removed after its result (the rules: ckagent.delivery.diskwatch);
 - :mod:`.supervisor` — the handle the agent passes around: admission with the runner beside it;
   the outcome rules;
+- :mod:`.execlimits` — the kernel's exec limits (MAX_ARG_STRLEN, ARG_MAX) checked before the spawn:
+  a task over them is BAD_TASK naming the field;
 - :mod:`.commands` — what a task runs (its framework's default from ckagent.code.frameworks) and the
   check that the package can run it;
 - :mod:`.recovery`, :mod:`.adoption` — at start: tasks the previous agent left (lost, or carried on);

@@ -78,6 +78,7 @@ from ckagent.node.workmodes import PRIVATE_DIR_MODE
 from ckagent.task import diskshare
 from ckagent.task.admission import Admission, RunningTask
 from ckagent.task.deploy import Clearing, Deployer
+from ckagent.task.execlimits import check_exec_size
 from ckagent.task.outcome import (
     MESSAGE_CHARS,
     Notice,
@@ -327,7 +328,8 @@ class TaskRunner:
 
     async def _run(self, rt: RunningTask, task_dir: Path, code: Code, prepared: Prepared, notice: Notice,
                    sink: LogSink) -> TaskOutcome:
-        """Spawn the spider in its jail, record its process, supervise it to its end. Raises SpawnError, JailError."""
+        """Spawn the spider in its jail, record its process, supervise it to its end. Raises SpawnError,
+        JailError, BadTaskError (the task's args/env/params over the kernel's exec limits: ckagent.task.execlimits)."""
         task, jail, argv = rt.task, code.jail, code.argv
         items_file = task_dir / "items.jsonl"
         data_dir = self.config.work_dir / "spider-data" / safe_name(task.spider_id)
@@ -376,6 +378,7 @@ class TaskRunner:
                     items_declared=bool(task.outputs is not None and task.outputs.items)))
                 env.update(added.env)
                 lines = added.notices
+            check_exec_size(task, argv, env)  # the kernel's E2BIG, as BAD_TASK naming the field
             trio.from_thread.run_sync(say, lines)
             make_task_tmp(task_dir, rt.run_as)
             mon = spawn_monitored(

@@ -313,5 +313,6 @@ def _result_figures(result: TaskResult) -> str | None:
     """The resource figures and phase durations of a result as stored JSON (None when it carries none)."""
     figures = {k: v for k, v in result.to_json().items()
                if k in ("cpuSeconds", "memoryPeakBytes", "pidsPeak", "ioReadBytes", "ioWriteBytes",
-                        "deployMs", "installMs", "runMs", "egressRefused", "incomplete")}
+                        "deployMs", "installMs", "runMs", "egressRefused", "incomplete",
+                        "incompleteReason")}
     return dumps(figures) if figures else None

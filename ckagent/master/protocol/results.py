@@ -62,8 +62,12 @@ class TaskResult:
     (``port`` 0: not TCP/UDP); None = nothing refused or no kernel counters."""
     incomplete: bool | None = None
     """True when the master refused part of the task's data for good (a stream it ended with a 409,
-    or "unknown task" for longer than the agent's ``server.refusal_timeout``): ``logLines`` and
-    ``itemCount`` say what it acknowledged; the rest stays in the node's spool. Absent otherwise."""
+    or another 4xx in the protocol's words — "unknown task", 403, … — for longer than the agent's
+    ``server.refusal_timeout``): ``logLines`` and ``itemCount`` say what it acknowledged; the rest
+    stays in the node's spool. Absent otherwise."""
+    incomplete_reason: str | None = None
+    """With ``incomplete``: why, in the master's own words, per refused stream (``"items: master
+    answered 403 (quota exceeded) for 600 s"``; streams joined by ``; ``). Absent otherwise."""
     artifacts: list[ArtifactRef] | None = None
     """The task's artifacts the master holds (uploaded before this result); None = none collected."""
 
@@ -99,6 +103,7 @@ class TaskResult:
             io_write_bytes=opt_int(o, "ioWriteBytes", lo=0),
             egress_refused=_refusals(o.get("egressRefused")),
             incomplete=opt_bool(o, "incomplete"),
+            incomplete_reason=opt_str(o, "incompleteReason"),
             artifacts=artifact_list(o.get("artifacts")),
         )
 
@@ -127,6 +132,7 @@ class TaskResult:
                 "ioWriteBytes": self.io_write_bytes,
                 "egressRefused": self.egress_refused,
                 "incomplete": self.incomplete,
+                "incompleteReason": self.incomplete_reason,
                 "artifacts": None if self.artifacts is None else [a.to_json() for a in self.artifacts],
             }
         )
