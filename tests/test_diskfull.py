@@ -24,10 +24,11 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from harness import agent_settings, items_of, output_lines, running_agent, small_disk, submit
+from harness import agent_settings, can_mount_tmpfs, items_of, output_lines, running_agent, small_disk, submit
 
 MIB = 1024 * 1024
 DISK_BYTES = 96 * MIB
+BURST_DISK_BYTES = 300 * MIB  # the issue's row: ~300 MB into a 300 MiB disk in under a second
 FLOOR_BYTES = 16 * MIB
 
 BURST = r"""
@@ -36,7 +37,7 @@ import crawlerkeeper_sdk as ck
 print("burst starts", flush=True)
 time.sleep(float(sys.argv[1]))  # the neighbour is under way
 fd = os.open(os.path.join(os.environ["CK_TASK_DIR"], "blob.bin"), os.O_WRONLY | os.O_CREAT, 0o644)
-offset = 0
+offset, started = 0, time.monotonic()
 for piece in (8 << 20, 64 << 10, 4096):  # every free byte, in milliseconds
     while True:
         try:
@@ -46,7 +47,7 @@ for piece in (8 << 20, 64 << 10, 4096):  # every free byte, in milliseconds
             break
 with open(os.path.join(os.environ["CK_DATA_DIR"], "cache.bin"), "wb") as cache:
     pass
-print(f"burst took {offset >> 20} MiB", flush=True)
+print(f"burst took {offset >> 20} MiB in {time.monotonic() - started:.3f} s", flush=True)
 if len(sys.argv) > 2:  # a writer that never gives up, even on ENOSPC
     while True:
         try:
@@ -67,6 +68,8 @@ for i in range(int(sys.argv[1])):
 """
 
 AFTER = "print('after the full disk')\n"
+NO_TMPFS = can_mount_tmpfs()
+needs_tmpfs = pytest.mark.skipif(NO_TMPFS is not None, reason=f"a small disk of the test's own: {NO_TMPFS}")
 
 
 async def _final(admin: Any, task_id: str) -> dict[str, Any]:
@@ -93,6 +96,7 @@ async def _next_task_succeeds(dev_master: Any) -> None:
     assert "after the full disk" in await dev_master.admin.get_logs(after)
 
 
+@needs_tmpfs
 @pytest.mark.parametrize("stays", [False, True], ids=["exits-at-once", "keeps-writing"])
 async def test_a_burst_is_blamed_and_its_neighbour_loses_nothing(
     dev_master: Any, nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture, stays: bool
@@ -100,7 +104,7 @@ async def test_a_burst_is_blamed_and_its_neighbour_loses_nothing(
     """The burst exits 0 before any look (judged at its end), or keeps trying to write on the full disk
     (blamed by the watch's next look and stopped)."""
     caplog.set_level(logging.WARNING, logger="ckagent")
-    with trio.fail_after(150), small_disk(tmp_path / "disk", DISK_BYTES) as work:
+    with trio.fail_after(150), small_disk(tmp_path / "disk", BURST_DISK_BYTES) as work:
         settings = agent_settings(work, dev_master.base_url, dev_master.registration_token,
                                   AGENT_TASK_MIN_FREE_DISK_BYTES=str(FLOOR_BYTES), AGENT_MAX_WORKERS="3")
         admin = dev_master.admin
@@ -112,7 +116,8 @@ async def test_a_burst_is_blamed_and_its_neighbour_loses_nothing(
             assert "disk full" in filled["errorMessage"], filled
             assert ("when it ended" in filled["errorMessage"]) is not stays, filled
             logs = await admin.get_logs(burst)
-            assert logs[:1] == ["burst starts"] or "burst starts" in logs
+            took = [line for line in logs if line.startswith("burst took")]
+            assert len(took) == 1 and float(took[0].split(" in ")[1].split()[0]) < 1.0, logs  # under a second
             assert any("task FAILED (DISK_FULL)" in line for line in logs), logs[-5:]
             await _neighbour_lost_nothing(dev_master, work, quiet, 250)
             await _next_task_succeeds(dev_master)  # no hand on the node
@@ -122,13 +127,14 @@ async def test_a_burst_is_blamed_and_its_neighbour_loses_nothing(
             assert output_lines(task_dir) == logs and items_of(task_dir) == []
             assert any("removed its scratch" in r.getMessage() and burst in r.getMessage() for r in caplog.records)
             culprit = agent.outbox.disk.last_culprit  # what the status page shows
-            assert culprit is not None and culprit.task_id == burst and culprit.used_bytes > 60 * MIB
+            assert culprit is not None and culprit.task_id == burst and culprit.used_bytes > 250 * MIB
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{agent.status_port}", timeout=10) as http:
                 shown = (await http.get("/status")).json()["diskCulprit"]
             assert shown["taskId"] == burst and shown["usedBytes"] == culprit.used_bytes, shown
             assert shutil.disk_usage(work).free > FLOOR_BYTES
 
 
+@needs_tmpfs
 async def test_a_steady_writer_is_stopped_while_it_runs_and_its_neighbour_goes_on(
     dev_master: Any, nursery: trio.Nursery, tmp_path: Path
 ) -> None:

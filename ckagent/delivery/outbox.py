@@ -6,10 +6,8 @@ See the package docstring (ckagent.delivery) for the whole design.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -21,6 +19,7 @@ import trio
 
 from ckagent.delivery.capture import DiskGuard, LogSink
 from ckagent.delivery.diskwatch import Accounted, DiskWatch, accounted_bytes
+from ckagent.delivery.headroom import headroom_fds, top_up
 from ckagent.delivery.journal import LogJournal, rejected_log_globs, task_log_globs
 from ckagent.delivery.lifecycle import Lifecycle
 from ckagent.delivery.lines import Masker, secret_values
@@ -32,7 +31,6 @@ from ckagent.delivery.spool import (
     OUTPUT_LOG,
     SCAN_INTERVAL,
     SEND_CONCURRENCY,
-    open_spool,
 )
 from ckagent.delivery.statistics import OutboxStatistics, SpoolCounter
 from ckagent.delivery.taskdelivery import OutboxConfig, Scanned, TaskDelivery
@@ -40,10 +38,7 @@ from ckagent.master.client import MasterClient
 from ckagent.master.protocol import Task, TaskResult
 from ckagent.node.broadcast import Broadcast
 from ckagent.node.diskfull import (
-    JOURNAL_HEADROOM_BYTES,
-    SPOOL_HEADROOM_BYTES,
     STORE_RESERVE_BYTES,
-    preallocate,
 )
 from ckagent.node.state import AsyncStateStore, StateStore, StateStoreError, TaskRecord
 
@@ -329,22 +324,22 @@ class Outbox:
             acked, self._acked = self._acked, set()
             last_free = self.guard.free_bytes
             self._looks += 1
-            calm = (last_free is not None and last_free >= 2 * self.disk.critical_bytes
-                    and self.disk.next_interval() >= SCAN_INTERVAL and self._looks % FULL_MEASURE_EVERY)
-            # A calm disk: the trees are walked every FULL_MEASURE_EVERY looks (new tasks at once).
-            accounted = [(task_id, entry) for task_id, entry in self.accounted.items()
-                         if not calm or task_id not in self._used]
-            spool = _headroom_fds(live)  # duplicated here: a descriptor closed meanwhile is not reused under us
+            # A calm disk (judged again in the hop, on the free space it measures): the trees are walked
+            # every FULL_MEASURE_EVERY looks (new tasks at once).
+            calm = 2 * self.disk.critical_bytes if (
+                self.disk.next_interval() >= SCAN_INTERVAL and self._looks % FULL_MEASURE_EVERY) else None
+            accounted = [(task_id, entry, task_id in self._used) for task_id, entry in self.accounted.items()]
+            spool = headroom_fds(live)  # duplicated here: a descriptor closed meanwhile is not reused under us
             keep = last_free is not None and last_free > self.disk.critical_bytes + 2 * STORE_RESERVE_BYTES
             found, free, sizes, unmarked = await trio.to_thread.run_sync(
-                _scan_round, live, self.guard.path, accounted, spool, self.store.sync, acked, keep)  # one hop
+                _scan_round, live, self.guard.path, accounted, calm, spool, self.store.sync, acked, keep)  # one hop
             self._acked |= unmarked  # a full disk: marked at the next write
             for delivery, (files, items_size, stats_size, item_sizes) in zip(live, found, strict=True):
                 delivery.scanned(files, items_size, stats_size, item_sizes)
                 if delivery.sink is not None and delivery.sink.full_since is not None:
                     delivery.sink.retry()
             self.guard.measured(free)
-            self._used.update((task_id, size) for (task_id, _), size in zip(accounted, sizes, strict=True))
+            self._used.update(sizes)
             self._used = {task_id: self._used[task_id] for task_id in self.accounted if task_id in self._used}
             self._watch_disk(free, dict(self._used))
             self._looked.set()
@@ -395,67 +390,33 @@ class Outbox:
             log.info("the acknowledged positions are saved again")
 
 
-def _headroom_fds(deliveries: list[TaskDelivery]) -> list[tuple[TaskDelivery, list[tuple[int, int]]]]:
-    """Per delivery, (a duplicate of the descriptor, the headroom it gets) for each open spool file the
-    agent holds: output.log, the journals. On the Trio thread (dup: microseconds)."""
-    found: list[tuple[TaskDelivery, list[tuple[int, int]]]] = []
-    for delivery in deliveries:
-        held = [(delivery.sink.fileno() if delivery.sink is not None else -1, SPOOL_HEADROOM_BYTES),
-                (delivery.journal.fileno(), JOURNAL_HEADROOM_BYTES)]
-        if delivery.item_journal is not None:
-            held.append((delivery.item_journal.fileno(), JOURNAL_HEADROOM_BYTES))
-        fds: list[tuple[int, int]] = []
-        for fd, size in held:
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    fds.append((os.dup(fd), size))
-        found.append((delivery, fds))
-    return found
-
-
-def _top_up(spool: list[tuple[TaskDelivery, list[tuple[int, int]]]]) -> None:
-    """Blocks held beyond the end of every running task's appended spool files again (their writers
-    used some): the agent's descriptors (closed here) and each items.jsonl — not once the task's
-    delivery has given them back (its process is over). Blocking."""
-    for delivery, fds in spool:
-        with delivery.headroom:
-            try:
-                if delivery.headroom_given_back:
-                    continue
-                for fd, size in fds:
-                    preallocate(fd, size)
-                try:
-                    items = open_spool(delivery.task_dir / ITEMS_FILE, os.O_WRONLY)
-                except OSError:
-                    continue
-                try:
-                    preallocate(items, SPOOL_HEADROOM_BYTES)
-                finally:
-                    os.close(items)
-            finally:
-                for fd, _ in fds:
-                    os.close(fd)
-
-
-def _scan_round(deliveries: list[TaskDelivery], disk: Path, accounted: list[tuple[str, Accounted]],
-                spool: list[tuple[TaskDelivery, list[tuple[int, int]]]], store: StateStore, acked: set[str],
-                keep_reserve: bool) -> tuple[list[Scanned], int | None, list[int], set[str]]:
+def _scan_round(deliveries: list[TaskDelivery], disk: Path, accounted: list[tuple[str, Accounted, bool]],
+                calm_bytes: int | None, spool: list[tuple[TaskDelivery, list[tuple[int, int]]]], store: StateStore,
+                acked: set[str], keep_reserve: bool) -> tuple[list[Scanned], int | None, dict[str, int], set[str]]:
     """One round of the disk loop in its worker thread (blocking): the acknowledged results marked
-    (:func:`_mark_all`), :func:`_scan_all`, the spool files' headroom topped up (:func:`_top_up`),
+    (:func:`_mark_all`), :func:`_scan_all`, the spool files' headroom topped up (ckagent.delivery.headroom.top_up),
     the state store's own free pages kept (``keep_reserve``: there is room for them), the free
-    bytes of the filesystem holding ``disk`` (None when it cannot be measured), each accounted
-    task's bytes (ckagent.delivery.diskwatch.accounted_bytes) and the marks that could not be written."""
+    bytes of the filesystem holding ``disk`` (None when it cannot be measured), the accounted tasks'
+    bytes (ckagent.delivery.diskwatch.accounted_bytes: ``(task, trees, measured before)`` — one
+    measured before is left out while at least ``calm_bytes`` are free; None: none is left out) and
+    the marks that could not be written."""
     unmarked = _mark_all(store, acked)
-    _top_up(spool)
+    top_up(spool)
     if keep_reserve:
         store.keep_reserve()
-    sizes = [accounted_bytes(entry) for _, entry in accounted]
+    free = _free_bytes(disk)
+    calm = calm_bytes is not None and free is not None and free >= calm_bytes
+    sizes = {task_id: accounted_bytes(entry) for task_id, entry, known in accounted if not (calm and known)}
+    return _scan_all(deliveries), _free_bytes(disk) if sizes else free, sizes, unmarked
+
+
+def _free_bytes(disk: Path) -> int | None:
+    """Free bytes of the filesystem holding ``disk``, None when they cannot be measured. Blocking."""
     try:
-        free: int | None = shutil.disk_usage(disk).free
+        return shutil.disk_usage(disk).free
     except OSError as exc:
         log.debug("cannot measure free space of %s: %s", disk, exc)
-        free = None
-    return _scan_all(deliveries), free, sizes, unmarked
+        return None
 
 
 def _mark_all(store: StateStore, acked: set[str]) -> set[str]:

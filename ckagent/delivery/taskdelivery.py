@@ -26,7 +26,6 @@ import dataclasses
 import logging
 import os
 import stat
-import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -39,7 +38,7 @@ from ckagent.delivery.activity import Activity
 from ckagent.delivery.artifacts import ArtifactState, read_state, upload_artifacts
 from ckagent.delivery.capture import LogSink
 from ckagent.delivery.crawlstats import STATS_FILE, Snapshot
-from ckagent.delivery.diskwatch import release_spool_headroom
+from ckagent.delivery.headroom import Headroom
 from ckagent.delivery.journal import LogJournal, scan_log_files
 from ckagent.delivery.lifecycle import Lifecycle, TaskDelivered
 from ckagent.delivery.lines import Masker
@@ -159,9 +158,7 @@ class TaskDelivery:
         self._stats_size = 0  # the stats file's size at the last scan
         self._output_grew: trio.Event | None = None  # set by the next output write (see wait_output)
         self.scanning = False  # True while the task runs: the outbox scans its files every SCAN_INTERVAL
-        self.headroom = threading.Lock()
-        """Held (in worker threads) while blocks beyond the spool files' ends are allocated or given back."""
-        self.headroom_given_back = False  # the process is over: no more blocks held beyond the ends
+        self.headroom = Headroom()  # blocks beyond output.log's and items.jsonl's ends (ckagent.delivery.headroom)
         self.ended = trio.Event()
         self._end: EndReads | None = None  # what the end read (finish's hop, else run's)
         self.delivered = trio.Event()
@@ -242,16 +239,14 @@ class TaskDelivery:
         self.take_notices()  # what the end-of-task collection said of the streamed files
         stored = result.to_json()
         store, task_id, task_dir, globs = self.outbox.store.sync, self.task_id, self.task_dir, self.globs
-        items_journal = self.item_journal is not None
+        items_journal, headroom = self.item_journal is not None, self.headroom
         reader = self.items.reader
         # The items the reader has not reached yet: any over the size limit is said in the task's log
         # now, while it is open (the reader, later, would only reach the agent log).
         unread = reader.line_start if isinstance(reader, _FileReader) and not reader.done else None
 
         def ending() -> tuple[StateStoreError | None, EndReads | None, tuple[list[tuple[int, int]], int] | None]:
-            with self.headroom:  # the blocks beyond output.log's and items.jsonl's ends: no writer is left
-                self.headroom_given_back = True  # (the lines said below only append, as any write)
-                release_spool_headroom(task_dir)
+            headroom.give_back(task_dir)  # no writer is left (the lines said below only append, as any write)
             error: StateStoreError | None = None
             try:
                 store.set_result(task_id, stored)

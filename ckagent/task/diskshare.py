@@ -83,7 +83,7 @@ async def reclaim_if_blamed(watch: DiskWatch, config: RunnerConfig, work: Path, 
     if rt.stop.reason is not StopReason.DISK_FULL and watch.blamed(task.id) is None:
         return
     keep = set(rt.delivery.journal.paths.values()) if rt.delivery is not None else set()
-    with trio.CancelScope(shield=True):
+    with trio.CancelScope(shield=True):  # noqa: ASYNC912 - shielded cleanup
         try:
             removed, freed = await trio.to_thread.run_sync(reclaim_scratch, accounted_of(config, task, work), keep)
         except Exception:  # a task's files never end the agent
