@@ -1057,6 +1057,7 @@ check_next() {
   if ((rc == 0 || rc == 2)); then CHECK_KIND=settings; fi  # 2: ckagent's config error; else it broke
   if ((rc == 0)); then
     CHECK_FAILURE="would have no registration token: neither the config nor this shell's environment has one"
+    [[ -n "$SECRETS_HANDED_ON" ]] && CHECK_FAILURE+=", nor the credentials the running agent was started with"
     [[ -z "$SECRETS_HANDED_ON" ]] && agent_pid >/dev/null && CHECK_FAILURE+=", and the running agent's (given in the environment it was started with) cannot be read here (only root can read a running agent's credentials)"
     CHECK_FAILURE+=". Run again with the token in the environment (AGENT_REGISTRATION_TOKEN=... ./run.sh ...), or set agent.registration_token in the config"
     return 1

@@ -22,6 +22,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import trio
 import yaml
@@ -242,6 +243,13 @@ async def test_settings_the_next_agent_refuses_stop_nothing(
         _untouched(node, pid, pyz)
         assert last_change(node)["outcome"] == "refused"
     assert last_change(node)["to"] == BUMPED and "not marked failed" in said
+    # the running agent (started by run.sh: CK_RUNSH_STATE_DIR) shows the record on /status
+    async with httpx.AsyncClient(timeout=5) as client:
+        upgrades = (await client.get(f"http://127.0.0.1:{node.port}/status")).json()["upgrades"]
+    assert upgrades["stateDir"] == str(node.directory / ".ckagent"), upgrades
+    assert (upgrades["lastChange"]["action"], upgrades["lastChange"]["to"], upgrades["lastChange"]["outcome"]) == (
+        "upgrade", BUMPED, "refused"), upgrades
+    assert upgrades["failedVersions"] == [], upgrades
 
     _write_config(node, good)
     upgraded = await node.sh("upgrade", AGENT_RELEASE_URL=releases.url, **ENV)
