@@ -36,7 +36,8 @@
 # AGENT_STOP_TIMEOUT (default: drain_timeout + kill_grace + flush_timeout + 10 s from the config),
 # AGENT_START_TIMEOUT (15 s), AGENT_UPGRADE_HEALTH_TIMEOUT (60 s), AGENT_HEALTH_URL (default from
 # the config's agent.bind/agent.ip and agent.port), AGENT_DOWNLOAD_TIMEOUT (120 s),
-# AGENT_SYSTEMD_UNIT (upgrade restarts through `systemctl restart UNIT` instead of stop/start).
+# AGENT_SYSTEMD_UNIT (upgrade restarts through `systemctl restart UNIT` instead of stop/start),
+# AGENT_CHECK_TIMEOUT (120 s: the next agent's `config check` before upgrade/rollback/restart stop anything).
 # Credentials (AGENT_REGISTRATION_TOKEN, AGENT_API_KEY) given in the environment are moved into a
 # memory file before anything else (CKAGENT_SECRETS_FD names it): no process's /proc/<pid>/environ
 # shows them, neither run.sh's nor the agent's.
@@ -47,16 +48,26 @@
 #             its log is printed), /readyz named a cause (it keeps running and retrying), or an agent
 #             already runs but does not answer /healthz
 #   stop      0 stopped (or was not running); 1 it survived SIGKILL
-#   restart   as stop, then as start
+#   restart   1 the agent to be started fails its check (nothing stopped); else as stop, then as start,
+#             but 3 when no agent runs after it, 4 when it runs but does not answer /healthz
 #   status    0 running and /healthz 200; 3 not running; 4 running but /healthz does not answer 200
 #             (then the levels in force from its /status: whom spiders run as, containment, egress,
 #             and its warnings)
 #   logs      0 shown; 1 no log file yet
 #   upgrade   0 upgraded and healthy, installed (agent not running), nothing to do, or a version that
-#             failed here before is skipped; 1 failed (download, verification, an older VERSION without
-#             --downgrade, or a health check: rolled back)
+#             failed here before is skipped; 1 failed (download, verification, the check before
+#             stopping: nothing replaced or stopped; an older VERSION without --downgrade; or a health
+#             check: rolled back, healthy again); after a failed upgrade 4 an agent runs but does not
+#             answer /healthz, 3 none runs (as status says)
 #   rollback  0 back on the previous release (healthy, or installed when not running); 1 no previous
-#             release, it does not verify, or it is not healthy (then the current one is restored)
+#             release, it fails its check (nothing changed), or it is not healthy (then the current one
+#             is restored, healthy); 4 or 3 as for upgrade
+#
+# Before the running agent stops, upgrade, rollback and restart check what they will start: it runs
+# here, and its `config check` accepts this node's config and environment (the spider user can run the
+# interpreter) with a registration token reachable; as root the running agent's credentials go on to
+# the next one. The last change is kept in .ckagent/last-change.json (docs/deploy.md, "What an
+# upgrade, rollback or restart guarantees").
 set -euo pipefail
 
 DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)"
@@ -402,8 +413,12 @@ agent_pid() {  # prints the pid and succeeds when the agent of agent.pid runs
   local pid
   pid="$(tr -dc '0-9' <"$PID_FILE")"
   [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null || return 1
-  # guard against a recycled pid: the process must be a ckagent
+  # guard against a recycled pid: the process must be a ckagent, and this node's — start runs it in
+  # $DIR (where its working directory can be read: not a non-dumpable agent's, without root)
   tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q ckagent || return 1
+  local cwd
+  cwd="$(readlink "/proc/$pid/cwd" 2>/dev/null)" || cwd=""
+  [[ -z "$cwd" || "$cwd" == "$DIR" ]] || return 1
   printf '%s' "$pid"
 }
 
@@ -700,14 +715,15 @@ run.sh: nothing was stopped: ckagent (pid $pid) keeps running${SPIDER_USER_DEFER
   stop_for_restart
   SETTINGS_YAML=""
   cmd_start --daemon=on "${flags[@]+"${flags[@]}"}" "${rest[@]+"${rest[@]}"}" || rc=$?
-  ((running)) || return "$rc"
   node_state
-  case "$NODE_STATE" in
-    healthy) record_change restart "$version" "$version" healthy "" ;;
-    *) record_change restart "$version" "$version" "$NODE_STATE" "the new agent did not become healthy (see $LOG_FILE)"
-       printf 'run.sh: after the restart: %s\n' "$(state_words)" >&2
-       exit_for_state ;;
-  esac
+  if ((running)); then
+    if [[ "$NODE_STATE" == healthy ]]; then record_change restart "$version" "$version" healthy ""
+    else record_change restart "$version" "$version" "$NODE_STATE" "the new agent did not become healthy (see $LOG_FILE)"; fi
+  fi
+  if [[ "$NODE_STATE" != healthy ]] && ((rc != 0 || running)); then
+    printf 'run.sh: after the restart: %s\n' "$(state_words)" >&2
+    exit_for_state
+  fi
   return "$rc"
 }
 
@@ -981,11 +997,15 @@ start_timed_out() {
 # /proc/PID/fd/N) is opened again and passed as CKAGENT_SECRETS_FD. So `run.sh upgrade` or `restart` from
 # a shell without the token keeps the node's token. Reading another process's /proc files needs root
 # (the agent is non-dumpable); without that nothing is handed on, and check_next refuses when no token
-# is reachable. SECRETS_HANDED_ON names the pid they came from.
+# is reachable. Only from an agent whose working directory is this run.sh's (start runs it there): a
+# recycled pid in agent.pid that names another node's agent gives nothing. SECRETS_HANDED_ON names the
+# pid they came from.
 SECRETS_HANDED_ON=""
 hand_on_secrets() {
   [[ -z "${CKAGENT_SECRETS_FD:-}" ]] || return 0
   local pid="$1" n="" fd
+  # this node's agent only (started in $DIR by this run.sh), not another agent a recycled pid names
+  [[ "$(readlink "/proc/$pid/cwd" 2>/dev/null)" == "$DIR" ]] || return 0
   n="$( (tr '\0' '\n' <"/proc/$pid/environ") 2>/dev/null | sed -n 's/^CKAGENT_SECRETS_FD=\([0-9][0-9]*\)$/\1/p' | head -n 1)" || true
   [[ -n "$n" && -r "/proc/$pid/fd/$n" ]] || return 0
   { exec {fd}<"/proc/$pid/fd/$n"; } 2>/dev/null || return 0
@@ -1023,14 +1043,21 @@ check_next() {
       return 1
     fi
   fi
-  out="$(cd "$DIR" && "${cmd[@]}" config check "${CONFIG_ARGS[@]+"${CONFIG_ARGS[@]}"}" 2>&1 </dev/null)" || rc=$?
+  local limit=()  # a check that hangs (a level probe) holds the lock, never the node: bounded all the same
+  command -v timeout >/dev/null 2>&1 && limit=(timeout -k 5 "${AGENT_CHECK_TIMEOUT:-120}")
+  out="$(cd "$DIR" && "${limit[@]+"${limit[@]}"}" "${cmd[@]}" config check "${CONFIG_ARGS[@]+"${CONFIG_ARGS[@]}"}" 2>&1 </dev/null)" || rc=$?
   rm -rf "$check"
+  if ((rc == 124)) && ((${#limit[@]})); then
+    CHECK_FAILURE="did not finish its \`config check\` within ${AGENT_CHECK_TIMEOUT:-120}s (AGENT_CHECK_TIMEOUT)"
+    return 1
+  fi
   if ((rc == 0)) && grep -q 'config OK' <<<"$out" && ! grep -q '^warning: no registration token' <<<"$out"; then
     return 0
   fi
   if ((rc == 0 || rc == 2)); then CHECK_KIND=settings; fi  # 2: ckagent's config error; else it broke
   if ((rc == 0)); then
     CHECK_FAILURE="would have no registration token: neither the config nor this shell's environment has one"
+    [[ -n "$SECRETS_HANDED_ON" ]] && CHECK_FAILURE+=", nor the credentials the running agent was started with"
     [[ -z "$SECRETS_HANDED_ON" ]] && agent_pid >/dev/null && CHECK_FAILURE+=", and the running agent's (given in the environment it was started with) cannot be read here (only root can read a running agent's credentials)"
     CHECK_FAILURE+=". Run again with the token in the environment (AGENT_REGISTRATION_TOKEN=... ./run.sh ...), or set agent.registration_token in the config"
     return 1

@@ -27,7 +27,9 @@ from harness import (
     Releases,
     RunShNode,
     eventually,
+    failed_versions,
     free_port,
+    last_change,
     node_registered,
     out,
     pid_alive,
@@ -343,6 +345,9 @@ async def test_rollback_goes_back_and_is_remembered_and_a_named_version_goes_eit
     assert same(pyz_path, pyz) and same(prev_path, bumped_pyz)
     rolled_pid = node.pid()
     assert rolled_pid not in (None, second_pid) and await node.healthz() == 200
+    change = last_change(node)
+    assert (change["action"], change["from"], change["to"], change["outcome"]) == (
+        "rollback", BUMPED, ckagent.__version__, "healthy"), change
     skipped = await node.sh("upgrade", **env)
     assert skipped.returncode == 0 and f"not retrying ckagent {BUMPED}" in out(skipped), out(skipped)
     # named by the operator: upgraded again (the same verification and health check)
@@ -382,6 +387,12 @@ async def test_a_failed_upgrade_is_rolled_back_and_remembered_and_a_bad_version_
 
     await eventually(healthy, 30)
     assert list(node.directory.glob(f".ckagent/ckagent-{BROKEN}.failed.pyz"))
+    # the previous release came back healthy: the new one failed, and is marked so
+    assert failed_versions(node) == [BROKEN]
+    assert "rolled back: ckagent 99.0.0 is running (pid" in out(failed) and "and healthy" in out(failed), out(failed)
+    change = last_change(node)
+    assert (change["action"], change["from"], change["to"], change["outcome"]) == (
+        "upgrade", BUMPED, BROKEN, "rolled-back"), change
 
     # the failed version is remembered: not tried again from latest.json (nor when the agent asks) ...
     again = await node.sh("upgrade", **env)

@@ -16,10 +16,13 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import trio
 import yaml
@@ -85,14 +88,14 @@ def _untouched(node: RunShNode, pid: int, pyz: Path) -> None:
     assert not list(node.directory.glob(".ckagent/ckagent-*.pyz")) and not (node.directory / ".ckagent" / "check").exists()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="reading the running agent's credentials needs root (the agent is "
+                    "non-dumpable); the refusal a plain user gets instead is "
+                    "test_a_plain_user_without_the_token_is_refused_before_anything_stops")
 async def test_an_upgrade_from_a_shell_without_the_token_hands_the_running_agents_token_on(
         node: RunShNode, releases: Releases, pyz: Path, bumped_pyz: Path, dev_master: Any) -> None:
     """The node was started with AGENT_REGISTRATION_TOKEN in its environment; `run.sh upgrade` from a
     shell without it: as root run.sh reads the running agent's credentials (its memory file) and hands
     them on, so the new release registers. (Without root it refuses: the next test.)"""
-    if os.geteuid() != 0:
-        pytest.skip("reading the running agent's credentials needs root (the agent is non-dumpable); "
-                    "the refusal a plain user gets is test_a_plain_user_without_the_token_is_refused_before_anything_stops")
     token = _token_from_the_environment(node)
     first = await _start(node, releases, pyz, AGENT_REGISTRATION_TOKEN=token)
     await node_registered(dev_master)
@@ -112,6 +115,12 @@ async def test_an_upgrade_from_a_shell_without_the_token_hands_the_running_agent
     change = last_change(node)
     assert {k: change[k] for k in ("action", "from", "to", "outcome")} == {
         "action": "upgrade", "from": ckagent.__version__, "to": BUMPED, "outcome": "healthy"}, change
+    # a restart from the same shell: the credentials go on again
+    restarted = await node.sh("restart")
+    assert restarted.returncode == 0 and "go on to the new one" in out(restarted), out(restarted)
+    assert node.pid() not in (None, second) and last_change(node)["action"] == "restart"
+    second = node.pid()
+    assert second is not None
     environ = (await trio.Path(f"/proc/{second}/environ").read_bytes()).split(b"\0")
     assert f"CK_RUNSH_STATE_DIR={node.directory / '.ckagent'}".encode() in environ
     assert not any(token.encode() in entry for entry in environ)
@@ -199,12 +208,11 @@ def _nobody_can_run_python() -> bool:
         return False
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="--spider-user needs root")
 async def test_a_spider_user_that_cannot_run_the_interpreter_is_refused_before_anything_stops(
         node: RunShNode, releases: Releases, pyz: Path, dev_master: Any) -> None:
     """`--spider-user=nobody restart` where nobody cannot execute the spiders' interpreter (the suite's,
     under /root): refused with the check's reason, the agent untouched, the spider user not remembered."""
-    if os.geteuid() != 0:
-        pytest.skip("--spider-user needs root")
     if _nobody_can_run_python():
         pytest.skip("nobody can run this suite's interpreter here: nothing to refuse")
     pid = await _start(node, releases, pyz)
@@ -235,11 +243,29 @@ async def test_settings_the_next_agent_refuses_stop_nothing(
         _untouched(node, pid, pyz)
         assert last_change(node)["outcome"] == "refused"
     assert last_change(node)["to"] == BUMPED and "not marked failed" in said
+    # the running agent (started by run.sh: CK_RUNSH_STATE_DIR) shows the record on /status
+    async with httpx.AsyncClient(timeout=5) as client:
+        upgrades = (await client.get(f"http://127.0.0.1:{node.port}/status")).json()["upgrades"]
+    assert upgrades["stateDir"] == str(node.directory / ".ckagent"), upgrades
+    assert (upgrades["lastChange"]["action"], upgrades["lastChange"]["to"], upgrades["lastChange"]["outcome"]) == (
+        "upgrade", BUMPED, "refused"), upgrades
+    assert upgrades["failedVersions"] == [], upgrades
 
     _write_config(node, good)
     upgraded = await node.sh("upgrade", AGENT_RELEASE_URL=releases.url, **ENV)
     assert upgraded.returncode == 0 and f"upgraded to {BUMPED}: healthy" in out(upgraded), out(upgraded)
     assert failed_versions(node) == [] and last_change(node)["outcome"] == "healthy"
+
+    # a rollback is checked the same way: the previous release refuses the typo, nothing changes
+    upgraded_pid = node.pid()
+    _write_config(node, {**good, "task": {**good["task"], "drain_timout": 5}})
+    refused = await watch_health(node, "rollback", env=ENV)
+    said = out(refused.result)
+    assert refused.result.returncode == 1 and "not rolling back" in said and "drain_timout" in said, said
+    assert refused.healthy_throughout, (refused.codes, said)
+    assert node.pid() == upgraded_pid and same(node.directory / "ckagent.pyz", bumped_pyz)
+    assert same(node.directory / "ckagent.pyz.prev", pyz) and failed_versions(node) == []
+    assert (last_change(node)["action"], last_change(node)["outcome"]) == ("rollback", "refused")
 
 
 async def test_a_release_that_fails_its_check_is_refused_and_not_installed(
@@ -283,3 +309,53 @@ async def test_a_rollback_that_leaves_nothing_running_says_so_and_status_agrees(
     finally:
         if stray_file.exists():
             os.killpg(int(stray_file.read_text()), signal.SIGKILL)
+
+
+async def test_a_restart_that_leaves_nothing_running_says_so_and_status_agrees(
+        node: RunShNode, releases: Releases, pyz: Path, tmp_path: Path, dev_master: Any) -> None:
+    """The installed file replaced under a running agent by a release that passes the check but, started,
+    leaves a stray on the agent's port and exits: `restart` says no agent runs and exits 3, as `status`."""
+    await _start(node, releases, pyz)
+    stray_file = tmp_path / "stray.pid"
+    stand_in_release(tmp_path / "hold.pyz", "104.0.0", hold_port=True)
+    shutil.copy2(tmp_path / "hold.pyz", node.directory / "ckagent.pyz")
+    try:
+        restarted = await node.sh("restart", STAND_IN_HOLD_PORT=str(node.port), STAND_IN_STRAY_PID=str(stray_file))
+        said = out(restarted)
+        assert restarted.returncode == 3, said
+        assert "after the restart: no agent is running: the node is down (./run.sh status: 3)" in said, said
+        assert (await node.sh("status")).returncode == 3
+        change = last_change(node)
+        assert (change["action"], change["from"], change["to"], change["outcome"]) == (
+            "restart", "104.0.0", "104.0.0", "down"), change
+    finally:
+        if stray_file.exists():
+            os.killpg(int(stray_file.read_text()), signal.SIGKILL)
+
+
+async def test_a_recycled_pid_naming_another_ckagent_is_not_this_nodes_agent(tmp_path: Path) -> None:
+    """agent.pid names a live process whose command line says ckagent but that runs elsewhere (another
+    node's agent, a pid recycled while none ran here): run.sh takes it for no agent of its own —
+    `status` says not running, `stop` and `restart` neither signal it nor read its credentials."""
+    directory = tmp_path / "node"
+    directory.mkdir()
+    shutil.copy2(RUN_SH, directory / "run.sh")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENT_", "SHIV_", "PYTHONPATH"))}
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            stranger: trio.Process = await nursery.start(partial(
+                trio.run_process, [sys.executable, "-c", "import time; time.sleep(120)", "ckagent.pyz", "run"],
+                cwd=elsewhere, check=False))
+            try:
+                (directory / "agent.pid").write_text(f"{stranger.pid}\n")
+                node = RunShNode(directory, 9, {**env, "AGENT_AUTO_INSTALL": "off"})
+                status = await node.sh("status")
+                assert status.returncode == 3 and "not running" in out(status), out(status)
+                stopped = await node.sh("stop")
+                assert stopped.returncode == 0 and "not running" in out(stopped), out(stopped)
+                await trio.sleep(0.2)  # a signal, had one been sent, is delivered by now
+                assert stranger.returncode is None and pid_alive(stranger.pid)
+            finally:
+                stranger.kill()

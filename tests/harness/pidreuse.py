@@ -357,11 +357,15 @@ async def _agent_restart(tmp: Path, variant: str, level: str) -> dict[str, Any]:
                 await eventually(refused, 60, "the next agent asks to register")
             (output.parent / "go").touch()
             with trio.fail_after(30):
-                waited = await trio.to_thread.run_sync(os.waitpid, monitor, 0)
-            report["monitor_status"] = os.waitstatus_to_exitcode(waited[1])
+                while psutil.Process(monitor).status() != psutil.STATUS_ZOMBIE:  # noqa: ASYNC110 - init's child
+                    await trio.sleep(0.01)
+            if variant == "window":  # (paused while the pid changes hands: a thread it starts would take pids)
+                agent.signal(signal.SIGSTOP)
+            report["monitor_status"] = os.waitstatus_to_exitcode(os.waitpid(monitor, 0)[1])  # noqa: ASYNC222 - a zombie
             stranger = _hand_pid_to_stranger(monitor)
             report.update(monitor_pid=monitor, stranger_pid=stranger.pid, spider_pid=spider)
             if variant == "window":
+                agent.signal(signal.SIGCONT)
                 proxy.heal()
             else:
                 await agent.start()
