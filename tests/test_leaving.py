@@ -364,7 +364,7 @@ async def test_a_replacement_after_a_kill_is_still_refused(dev_master: Any, tmp_
     assert node["leftAt"] is None
 
 
-async def test_the_refused_replacement_is_the_first_agent_in_process(dev_master: Any, nursery: trio.Nursery,
+async def test_a_refused_replacement_starts_once_the_first_agent_drained_and_left(dev_master: Any, nursery: trio.Nursery,
                                                                      tmp_path: Path) -> None:
     """While the first agent runs, a second with another work dir is refused; once the first drained
     and left, the same second agent starts."""
