@@ -37,7 +37,14 @@ from ckagent.delivery.diskwatch import (
     tree_bytes,
 )
 from ckagent.master.protocol import TaskResources
-from ckagent.node.diskfull import STORE_RESERVE_BYTES, is_disk_full, preallocate, release_beyond
+from ckagent.node.diskfull import (
+    OLD_RESERVE_FILE,
+    STORE_RESERVE_BYTES,
+    is_disk_full,
+    preallocate,
+    release_beyond,
+    remove_old_reserve,
+)
 from ckagent.node.state import StateStore, StateStoreFull
 
 MIB = 1024 * 1024
@@ -180,6 +187,13 @@ def test_disk_full_errors_are_recognised() -> None:
     assert is_disk_full(sqlite3.OperationalError("database or disk is full"))
     assert not is_disk_full(OSError(errno.EIO, "I/O error"))
     assert not is_disk_full(sqlite3.OperationalError("database is locked"))
+
+
+def test_an_earlier_agents_spare_file_is_removed(tmp_path: Path) -> None:
+    (tmp_path / OLD_RESERVE_FILE).write_bytes(b"\0" * 4096)
+    remove_old_reserve(tmp_path)
+    remove_old_reserve(tmp_path)  # gone already: no error
+    assert not (tmp_path / OLD_RESERVE_FILE).exists()
 
 
 def test_the_state_store_keeps_free_pages_of_its_own(tmp_path: Path) -> None:

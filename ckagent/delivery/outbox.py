@@ -37,9 +37,7 @@ from ckagent.delivery.taskdelivery import OutboxConfig, Scanned, TaskDelivery
 from ckagent.master.client import MasterClient
 from ckagent.master.protocol import Task, TaskResult
 from ckagent.node.broadcast import Broadcast
-from ckagent.node.diskfull import (
-    STORE_RESERVE_BYTES,
-)
+from ckagent.node.diskfull import STORE_RESERVE_BYTES, remove_old_reserve
 from ckagent.node.state import AsyncStateStore, StateStore, StateStoreError, TaskRecord
 
 log = logging.getLogger(__name__)
@@ -103,7 +101,7 @@ class Outbox:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 await self.guard.refresh()
-                await trio.to_thread.run_sync(self.store.sync.keep_reserve)  # room of its own (node.diskfull)
+                await trio.to_thread.run_sync(self._own_room)
                 nursery.start_soon(self.batcher.run)
                 nursery.start_soon(self._disk_loop)
                 if self.config.retention > 0:
@@ -114,6 +112,12 @@ class Outbox:
             with trio.CancelScope(shield=True), trio.move_on_after(5.0):
                 await self._flush_positions()
                 await self._mark_acked()
+
+    def _own_room(self) -> None:
+        """At start: the state store's room of its own (ckagent.node.diskfull), an earlier agent's spare
+        file removed. Blocking."""
+        remove_old_reserve(self.work_dir)
+        self.store.sync.keep_reserve()
 
     def statistics(self) -> OutboxStatistics:
         """What waits for the master now (see ckagent.delivery.statistics). **Blocking** (SQLite and

@@ -30,12 +30,14 @@ Nothing here raises unless said so.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
 import logging
 import os
 import sqlite3
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,17 @@ _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _SQLITE_FULL = 13  # SQLITE_FULL, the primary result code of "database or disk is full"
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
+
+
+OLD_RESERVE_FILE = ".space-reserve"
+"""The spare file earlier agents kept in the work dir (8 MiB): removed at start (:func:`remove_old_reserve`)."""
+
+
+def remove_old_reserve(work_dir: Path) -> None:
+    """Remove the spare file an earlier agent kept in ``work_dir`` (its space is the disk's again). Blocking;
+    never raises."""
+    with contextlib.suppress(OSError):
+        os.unlink(work_dir / OLD_RESERVE_FILE)
 
 
 def is_disk_full(exc: BaseException) -> bool:
