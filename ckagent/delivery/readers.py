@@ -14,7 +14,7 @@ from typing import Any
 
 import trio
 
-from ckagent.delivery.journal import parse_journal
+from ckagent.delivery.journal import parse_journal, split_start
 from ckagent.delivery.lines import LineSplitter, Masker, encode_block, encode_json, encode_lines
 from ckagent.delivery.pending import Pending
 from ckagent.delivery.spool import (
@@ -415,6 +415,8 @@ class _ItemJournalReader(_JournalReader):
         """Where the items replaced by a placeholder for their size are said (its ``say``)."""
 
     def _source(self, path: str, start: int) -> _Source:
+        path, begins = split_start(path)  # a file appended to a sample of the package: from its end
+        start = max(start, begins)
         return _Source(path, start, self._max, _ItemLines(start, self._encode, self._max, self.oversize_notes, path))
 
     def _emit_fed(self, pending: Pending, at: int, idx: int, data: bytes) -> None:

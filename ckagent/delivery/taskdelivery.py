@@ -312,7 +312,7 @@ class TaskDelivery:
         if self.item_journal is not None and item_sizes and item_sizes != self._item_sizes:
             self._item_sizes = item_sizes
             self.activity.touch()
-            self.item_journal.note(item_sizes)
+            self.item_journal.note(item_sizes, None if self.live is None else self.live.starts)
         if found != self._found_sizes:  # the journal notes only log files that changed
             self._found_sizes = found
             self._found = found
@@ -422,7 +422,7 @@ class TaskDelivery:
                     self.journal.end(last_sizes)
                 if self.item_journal is not None:
                     assert item_sizes is not None
-                    self.item_journal.end(item_sizes)
+                    self.item_journal.end(item_sizes, None if self.live is None else self.live.starts)
             if journals and not ending:
                 journals = [journal for journal in journals if not journal.flush()]  # a full disk: wait for room
                 if journals and room is None:
