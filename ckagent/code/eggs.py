@@ -21,6 +21,9 @@ unwrapped as a single top folder) and, for a task without its own ``command``, r
   ``EGG-INFO/requires.txt`` (``install_requires``; Scrapy added when not named, as Scrapyd brings
   its own), else the framework's packages (Scrapy).
 
+A package that is a zip holding one egg and files beside it (its ``requirements.txt``) has the egg
+unpacked in its place (:func:`unnest`, one level: an egg inside that egg is a file like any other).
+
 The egg's files are hostile input like any package's: :func:`read_egg` reads ``EGG-INFO`` files by
 descriptor (no link followed, at most :data:`MAX_INFO_BYTES`) and checks the settings module's name
 and that the egg holds it.
@@ -34,19 +37,22 @@ Exceptions::
 from __future__ import annotations
 
 import configparser
+import errno
 import json
 import keyword
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ckagent.code.unpack import EGG_INFO, Limits, extract_zip
 from ckagent.node import beneath
 from ckagent.node.errors import DeployError
 
-EGG_INFO = "EGG-INFO"
 ENTRY_POINTS = f"{EGG_INFO}/entry_points.txt"
 REQUIRES = f"{EGG_INFO}/requires.txt"
 PKG_INFO = f"{EGG_INFO}/PKG-INFO"
@@ -128,6 +134,9 @@ def read_egg(code_dir: Path) -> Egg:
         raise DeployError(f"this package is an egg ({EGG_INFO}/) without {ENTRY_POINTS}, so it does not name "
                           f"its settings; {BUILD_HINT}") from None
     except OSError as exc:
+        if exc.errno == errno.EFBIG:
+            raise DeployError(f"this package is an egg, but its {ENTRY_POINTS} holds more than {MAX_INFO_BYTES} "
+                              f"bytes (at most {MAX_INFO_BYTES}): not an egg's entry points; {BUILD_HINT}") from None
         raise DeployError(f"this package is an egg, but its {ENTRY_POINTS} cannot be read ({exc.strerror or exc}); "
                           f"{BUILD_HINT}") from None
     module = settings_of(data)
@@ -230,3 +239,39 @@ def spawn_env(code_dir: Path, env: Mapping[str, str]) -> tuple[dict[str, str], s
     shown = " ".join(part for part in (egg.name or egg.project, egg.version) if part)
     return out, (f"a Scrapyd egg ({shown}): settings {out['SCRAPY_SETTINGS_MODULE']} ({ENTRY_POINTS}), "
                  f"job {job}, the egg first on PYTHONPATH — as Scrapyd runs it")
+
+
+def unnest(code_dir: Path, limits: Limits) -> str | None:
+    """When the unpacked package ``code_dir`` is a zip holding one ``*.egg`` at its top (and no egg or
+    Scrapy project of its own), unpack that egg into ``code_dir`` in its place, beside the zip's other
+    files (its ``requirements.txt``): the egg's name, else None. The egg passes the rules of
+    ckagent.code.unpack within what is left of ``limits`` after the zip's own files. Blocking.
+    Raises DeployError naming the egg (a broken rule; a file both the zip and the egg hold)."""
+    try:
+        entries = list(code_dir.iterdir())
+    except OSError:
+        return None
+    inner = [e for e in entries if e.name.endswith(".egg") and e.is_file() and not e.is_symlink()]
+    if len(inner) != 1 or any(e.name in (EGG_INFO, "scrapy.cfg") for e in entries):
+        return None
+    egg = inner[0]
+    used = sum(p.stat().st_size for p in code_dir.rglob("*") if p.is_file() and not p.is_symlink())
+    left = Limits(limits.max_package_bytes, max(limits.max_total_bytes - used, 0), limits.max_entries, limits.max_ratio)
+    staging = Path(tempfile.mkdtemp(prefix="egg-", dir=code_dir.parent))
+    try:
+        try:
+            extract_zip(egg, staging, left)
+        except DeployError as exc:
+            raise DeployError(f"{egg.name} (the egg in the package): {exc}") from None
+        if not (staging / EGG_INFO).is_dir():
+            return None
+        for entry in sorted(staging.iterdir()):
+            if (code_dir / entry.name).exists() and entry.name != egg.name:
+                raise DeployError(f"both the package and the egg in it ({egg.name}) hold {entry.name}: keep one "
+                                  "(a requirements.txt goes beside the egg, the project's code inside it)")
+        egg.unlink()
+        for entry in sorted(staging.iterdir()):
+            os.rename(entry, code_dir / entry.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return egg.name

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
-from ckagent.code.eggs import EGG_INFO
 from ckagent.node.errors import DeployError
 
 ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
@@ -206,6 +205,8 @@ def extract_zip(zip_path: Path, dest: Path, limits: Limits) -> int:
         return files
 
 
+EGG_INFO = "EGG-INFO"
+"""A Scrapyd egg's metadata folder (ckagent.code.eggs): never unwrapped as a single top folder."""
 MAC_METADATA = "__MACOSX"
 """Folder macOS's Archive Utility adds to zips (resource forks): never part of a project."""
 
