@@ -213,7 +213,7 @@ def test_a_hostile_egg_in_a_zip_is_refused_naming_it(tmp_path: Path, entries: di
 
 def test_an_egg_in_a_zip_counts_against_the_packages_total(tmp_path: Path) -> None:
     code = _unpacked(tmp_path, {"x.egg": egg_bytes({**GOOD, "big.bin": b"\0" * 5000}), "pad.bin": b"\1" * 5000})
-    with pytest.raises(DeployError, match="x.egg .*more than"):
+    with pytest.raises(DeployError, match=r"x\.egg .*more than"):
         unnest(code, Limits(max_total_bytes=8000))
 
 
