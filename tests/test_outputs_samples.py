@@ -21,7 +21,7 @@ from ckagent.delivery.journal import LogJournal
 from ckagent.delivery.lines import encode_item
 from ckagent.delivery.outputs import Collected, collect, item_candidates
 from ckagent.delivery.outputs import samples as output_samples
-from ckagent.delivery.outputs.live import LiveItemFiles
+from ckagent.delivery.outputs.live import LiveItemFiles, link_starts
 from ckagent.delivery.pending import Pending
 from ckagent.delivery.readers import _ItemJournalReader
 from ckagent.delivery.spool import ITEMS_FILE, ITEMS_JOURNAL
@@ -252,3 +252,17 @@ async def test_a_live_tailed_sample_truncated_after_its_appends_streams_its_new_
         pass
     reader.close()
     assert [json.loads(e) for e in pending.encoded()] == NEW + NEW[:1]
+
+
+async def test_a_link_made_just_before_a_crash_starts_at_the_samples_end_in_a_resumed_delivery(tmp_path: Path) -> None:
+    _code, work, task_dir, _outputs = _staged(tmp_path, {"output.jsonl": _lines(SAMPLE)}, ["output.jsonl"])
+    _append(work / "output.jsonl")
+    LiveItemFiles(task_dir, work, ["output.jsonl"]).link("output.jsonl")  # linked; the agent dies before noting it
+    journal = LogJournal(task_dir, ITEMS_JOURNAL, ITEMS_FILE, "item file")  # the next agent's resumed delivery
+    journal.open()
+    assert link_starts(task_dir) == {"item-files/0-output.jsonl": SIZE}
+    journal.end({ITEMS_FILE: 0, "item-files/0-output.jsonl": SIZE + len(_lines(NEW))}, link_starts(task_dir))
+    journal.close()
+    everything, reader, _ = await _stream(task_dir)
+    reader.close()
+    assert everything == NEW

@@ -10,7 +10,8 @@ spool, what it sends) equal the project's feed line for line, byte for byte, and
 items equal them as JSON. The project's own JSON array feed declared in ``outputs.items`` gives the same bytes (taken as
 written, not re-typed). Two spiders: one with ``FEED_EXPORT_ENCODING = "utf-8"`` (what
 ``scrapy startproject`` writes), one without (Scrapy then escapes non-ASCII as ``\\u``), one started
-by ``scrapy crawl``, one by a script building a ``CrawlerProcess``.
+by ``scrapy crawl``, one by a script building a ``CrawlerProcess``; and the SDK's pipeline, enabled
+by the command line, encodes as the agent's feed does.
 """
 
 from __future__ import annotations
@@ -120,6 +121,9 @@ COMMANDS = {
     # The project's own JSON array feed declared as the task's items (the agent adds no feed of its
     # own): its objects are taken as written, so they equal the JSON Lines feed of the same crawl.
     "declared-json": ["scrapy", "crawl", "corpus", "-o", "own.json", "-o", "own.jsonl"],
+    # The SDK's pipeline enabled instead (the agent's feed then steps aside): the same encoding.
+    "pipeline": ["scrapy", "crawl", "corpus", "-o", "own.jsonl", "-s",
+                 'ITEM_PIPELINES={"crawlerkeeper_sdk.scrapy.CrawlerKeeperPipeline": 300}'],
 }
 OUTPUTS = {"declared-json": {"items": ["own.json"]}}
 
@@ -145,7 +149,8 @@ async def test_scrapy_items_are_the_projects_own_feed_byte_for_byte(
         assert results[name]["status"] == "SUCCESS", (name, results[name], log[-4000:])
         assert_default_identity(log)
         # The agent's feed, unless the project's own feed file is declared as the items.
-        assert ("scraped items also go to the task's items file" in log) == (name not in OUTPUTS), log[-3000:]
+        assert ("scraped items also go to the task's items file" in log) == (name not in (*OUTPUTS, "pipeline")), \
+            log[-3000:]
         own = await admin.get_artifact(task_id, "own.jsonl")  # the project's own JSON Lines feed
         own_lines = own.splitlines(keepends=True)
         assert len(own_lines) == 8, (own, log[-6000:])

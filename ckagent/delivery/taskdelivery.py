@@ -43,7 +43,7 @@ from ckagent.delivery.journal import LogJournal, scan_log_files
 from ckagent.delivery.lifecycle import Lifecycle, TaskDelivered
 from ckagent.delivery.lines import Masker
 from ckagent.delivery.nodebatch import NodeBatcher
-from ckagent.delivery.outputs.live import LiveItemFiles
+from ckagent.delivery.outputs.live import LiveItemFiles, link_starts
 from ckagent.delivery.readers import _FileReader, _ItemJournalReader, scan_oversize
 from ckagent.delivery.result import send_result
 from ckagent.delivery.shipper import StreamShipper
@@ -79,8 +79,7 @@ class OutboxConfig:
 
 
 Scanned = tuple[dict[str, int], int, int, dict[str, int]]
-"""What :meth:`TaskDelivery.scan` found: (log files → size, items.jsonl's size, the stats file's, the
-items journal's sources → size)."""
+"""What :meth:`TaskDelivery.scan` found: (log files → size, items.jsonl's, stats file's, items journal's sources')."""
 
 EndReads = tuple[dict[str, int], TaskStats | None, "ArtifactState | OSError | ValueError", dict[str, int] | None]
 """What a task's end reads (:func:`_end_reads`): the log files' last sizes, the final stats, the
@@ -422,7 +421,8 @@ class TaskDelivery:
                     self.journal.end(last_sizes)
                 if self.item_journal is not None:
                     assert item_sizes is not None
-                    self.item_journal.end(item_sizes, None if self.live is None else self.live.starts)
+                    self.item_journal.end(item_sizes, self.live.starts if self.live is not None  # (or: resumed)
+                                          else await trio.to_thread.run_sync(link_starts, self.task_dir))
             if journals and not ending:
                 journals = [journal for journal in journals if not journal.flush()]  # a full disk: wait for room
                 if journals and room is None:

@@ -45,7 +45,7 @@ from ckagent.delivery.outputs.samples import NOTHING, Sample, judge, load
 from ckagent.delivery.spool import ITEM_FILES_DIR
 from ckagent.node import beneath
 
-__all__ = ["LIVE_EXTENSIONS", "LiveItemFiles"]
+__all__ = ["LIVE_EXTENSIONS", "LiveItemFiles", "link_starts"]
 
 LIVE_EXTENSIONS = (".jsonl", ".ndjson", ".jl")
 """Item files streamed while they grow (an object per line); others are read at the task's end."""
@@ -195,3 +195,13 @@ class LiveItemFiles:
             self._notice(f"outputs: streaming the items of {rel} while the task runs")
         self._current[rel] = (st.st_ino, name)
         return name
+
+
+def link_starts(task_dir: Path) -> dict[str, int]:
+    """Where the streams of the task's links start (:attr:`LiveItemFiles.starts`, from the task dir's
+    links and samples record alone): for a delivery resumed after a restart without a watcher, whose
+    journal may not have declared a link made just before the crash. Blocking; never raises."""
+    live = LiveItemFiles(task_dir, task_dir, ())
+    with live._lock:
+        live._load()
+    return dict(live.starts)
