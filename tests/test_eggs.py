@@ -193,6 +193,15 @@ def test_an_egg_shipped_in_a_zip_beside_its_requirements(tmp_path: Path) -> None
     # Not an egg (no EGG-INFO/): left as it is.
     other = _zip_of(tmp_path, {"x.egg": egg_bytes({"a.py": ""}), "main.py": ""}, "other")
     assert sorted(p.name for p in other.iterdir()) == ["main.py", "x.egg"]
+    # Beside a project's own code, a library's egg (no [scrapy] settings), even a broken one, is its file.
+    library = {"EGG-INFO/PKG-INFO": "Name: lib\n", "lib/__init__.py": ""}
+    vendored = _zip_of(tmp_path, {"lib.egg": egg_bytes(library), "main.py": "", "broken.txt": ""}, "vendored")
+    assert sorted(p.name for p in vendored.iterdir()) == ["broken.txt", "lib.egg", "main.py"]
+    broken = _zip_of(tmp_path, {"lib.egg": b"PK\x03\x04 cut", "main.py": ""}, "broken")
+    assert sorted(p.name for p in broken.iterdir()) == ["lib.egg", "main.py"]
+    # A Scrapyd egg beside code is unpacked all the same.
+    beside = _zip_of(tmp_path, {"shop.egg": egg_bytes(GOOD), "tools/run.py": ""}, "beside")
+    assert (beside / "EGG-INFO").is_dir() and (beside / "tools" / "run.py").is_file()
 
 
 @pytest.mark.parametrize(("entries", "says"), [

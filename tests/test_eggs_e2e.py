@@ -7,6 +7,7 @@ examples. The egg's logic and hostile eggs: tests/test_eggs.py."""
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -57,14 +58,23 @@ async def test_a_built_egg_runs_through_the_agent_as_on_scrapyd(dev_master: Any,
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.items == [{k: v for k, v in item.items() if k not in ("tag", "label")} for item in items]
     assert "a Scrapyd egg (scrapyd-shop 1.0)" in done.stdout
+    assert " requests forwarded" in done.stdout  # at the proxy level, as the README recipe's test wants
     assert "[ckagent exec] outcome: SUCCESS, finish reason finished" in done.stderr
 
 
-async def test_exec_passes_scrapyd_params_and_args_to_an_egg(dev_master: Any, example_runs: ExampleRuns) -> None:
-    words = (*recipe_words("scrapyd_shop"), "--param", "jobid=j-1", "--param", "tag=from-param",
-             "--args=-s SHOP_LABEL=from-args")
+async def test_exec_runs_an_egg_shipped_in_a_zip_beside_its_requirements(dev_master: Any, tmp_path: Path,
+                                                                          example_runs: ExampleRuns) -> None:
+    """A zip holding the egg and its requirements.txt: the egg unpacked in its place, the requirements
+    installed (which ones: tests/test_eggs.py); the task's params as Scrapyd's (-a, jobid) and its args (-s) as written."""
+    package = tmp_path / "scrapyd_shop.zip"
+    with zipfile.ZipFile(package, "w") as archive:
+        archive.write(SCRAPYD_SHOP / "scrapyd_shop.egg", "scrapyd_shop.egg")
+        archive.writestr("requirements.txt", "scrapy>=2.11\n")
+    words = (str(package), "--spider", "products", "--param", "start_url=$URL", "--param", "jobid=j-1",
+             "--param", "tag=from-param", "--args=-s SHOP_LABEL=from-args")
     done = await example_runs.exec(words, dev_master.base_url)
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(item["sku"] for item in done.items) == SHOP
     assert {(item["tag"], item["label"]) for item in done.items} == {("from-param", "from-args")}
     assert "job j-1, project scrapyd_shop" in done.stdout
+    assert "the package holds the Scrapyd egg scrapyd_shop.egg: unpacked in its place" in done.stdout

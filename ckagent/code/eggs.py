@@ -244,7 +244,9 @@ def spawn_env(code_dir: Path, env: Mapping[str, str]) -> tuple[dict[str, str], s
 def unnest(code_dir: Path, limits: Limits) -> str | None:
     """When the unpacked package ``code_dir`` is a zip holding one ``*.egg`` at its top (and no egg or
     Scrapy project of its own), unpack that egg into ``code_dir`` in its place, beside the zip's other
-    files (its ``requirements.txt``): the egg's name, else None. The egg passes the rules of
+    files (its ``requirements.txt``): the egg's name, else None. Beside a project's own code (a
+    ``.py`` file or a folder at the top) only a Scrapyd egg (:func:`settings_of` names its settings) is
+    unpacked: another egg there is the project's file (a vendored library). The egg passes the rules of
     ckagent.code.unpack within what is left of ``limits`` after the zip's own files. Blocking.
     Raises DeployError naming the egg (a broken rule; a file both the zip and the egg hold)."""
     try:
@@ -255,6 +257,7 @@ def unnest(code_dir: Path, limits: Limits) -> str | None:
     if len(inner) != 1 or any(e.name in (EGG_INFO, "scrapy.cfg") for e in entries):
         return None
     egg = inner[0]
+    alone = all(e == egg or (e.is_file() and not e.is_symlink() and e.suffix != ".py") for e in entries)
     used = sum(p.stat().st_size for p in code_dir.rglob("*") if p.is_file() and not p.is_symlink())
     left = Limits(limits.max_package_bytes, max(limits.max_total_bytes - used, 0), limits.max_entries, limits.max_ratio)
     staging = Path(tempfile.mkdtemp(prefix="egg-", dir=code_dir.parent))
@@ -262,8 +265,10 @@ def unnest(code_dir: Path, limits: Limits) -> str | None:
         try:
             extract_zip(egg, staging, left)
         except DeployError as exc:
+            if not alone:
+                return None
             raise DeployError(f"{egg.name} (the egg in the package): {exc}") from None
-        if not (staging / EGG_INFO).is_dir():
+        if not (staging / EGG_INFO).is_dir() or not (alone or _names_settings(staging)):
             return None
         for entry in sorted(staging.iterdir()):
             if (code_dir / entry.name).exists() and entry.name != egg.name:
@@ -275,3 +280,12 @@ def unnest(code_dir: Path, limits: Limits) -> str | None:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return egg.name
+
+
+def _names_settings(unpacked: Path) -> bool:
+    """Whether the egg unpacked in ``unpacked`` names its ``[scrapy] settings`` (a Scrapyd egg)."""
+    try:
+        settings_of(beneath.read_bytes(unpacked, ENTRY_POINTS, MAX_INFO_BYTES))
+    except (OSError, DeployError):
+        return False
+    return True
