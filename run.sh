@@ -995,7 +995,8 @@ start_timed_out() {
 # AGENT_REGISTRATION_TOKEN nor AGENT_API_KEY in its environment), the ones the running agent PID was
 # started with are handed on to the agent started next: its memory file (the fd its environ names,
 # /proc/PID/fd/N) is opened again and passed as CKAGENT_SECRETS_FD. So `run.sh upgrade` or `restart` from
-# a shell without the token keeps the node's token. Reading another process's /proc files needs root
+# a shell without the token keeps the node's token — unless the config names one now (then that one
+# is the node's: nothing is handed on). Reading another process's /proc files needs root
 # (the agent is non-dumpable); without that nothing is handed on, and check_next refuses when no token
 # is reachable. Only from an agent whose working directory is this run.sh's (start runs it there): a
 # recycled pid in agent.pid that names another node's agent gives nothing. SECRETS_HANDED_ON names the
@@ -1003,7 +1004,11 @@ start_timed_out() {
 SECRETS_HANDED_ON=""
 hand_on_secrets() {
   [[ -z "${CKAGENT_SECRETS_FD:-}" ]] || return 0
-  local pid="$1" n="" fd
+  local pid="$1" n="" fd configured
+  # a token in the config (as this shell's settings show it) is the operator's choice: it is kept
+  load_settings
+  configured="$(settings_value agent registration_token)"
+  [[ -z "$configured" || "$configured" == null ]] || return 0
   # this node's agent only (started in $DIR by this run.sh), not another agent a recycled pid names
   [[ "$(readlink "/proc/$pid/cwd" 2>/dev/null)" == "$DIR" ]] || return 0
   n="$( (tr '\0' '\n' <"/proc/$pid/environ") 2>/dev/null | sed -n 's/^CKAGENT_SECRETS_FD=\([0-9][0-9]*\)$/\1/p' | head -n 1)" || true

@@ -359,3 +359,26 @@ async def test_a_recycled_pid_naming_another_ckagent_is_not_this_nodes_agent(tmp
                 assert stranger.returncode is None and pid_alive(stranger.pid)
             finally:
                 stranger.kill()
+
+
+async def test_a_token_put_in_the_config_is_the_one_the_restarted_agent_gets(
+        node: RunShNode, releases: Releases, pyz: Path, dev_master: Any) -> None:
+    """Started with a wrong token in the environment (it runs, the master refuses it), the right one
+    then written into the config and `restart` from a shell without the variable: the config's token is
+    the new agent's — the running agent's credentials are handed on only when the config names none."""
+    token = _token_from_the_environment(node)
+    releases.publish(pyz, ckagent.__version__)
+    wrong = await node.sh("start", "--daemon=on", AGENT_RELEASE_URL=releases.url,
+                          AGENT_REGISTRATION_TOKEN="not-the-token", **ENV)
+    assert wrong.returncode == 1 and "not ready" in out(wrong), out(wrong)
+    first = node.pid()
+    assert first is not None and await node.healthz() == 200
+    config = _config(node)
+    config["agent"]["registration_token"] = token
+    _write_config(node, config)
+    restarted = await node.sh("restart")
+    assert restarted.returncode == 0 and "ready" in out(restarted), out(restarted)
+    assert "go on to the new one" not in out(restarted)
+    assert node.pid() not in (None, first)
+    await node_registered(dev_master)
+    assert last_change(node)["outcome"] == "healthy"

@@ -344,7 +344,7 @@ def exec_command(
     Parameters
     ----------
     path
-        The spider's folder (zipped like an upload) or its .zip package.
+        The spider's folder (zipped like an upload), its .zip package, or a Scrapyd .egg (scrapyd-deploy --build-egg).
     spider
         The spider's name. Scrapy: what `scrapy crawl NAME` runs; default: the project's only spider
         (a project with several needs it). Others: default the folder's name.
