@@ -221,6 +221,8 @@ async def test_on_a_full_disk_the_state_store_journal_and_a_spiders_stdout_go_on
         store = StateStore(disk / "state.db")
         store.keep_reserve()
         store.add_task("n", "s", {"id": "n"}, disk / "n")
+        bare = StateStore(disk / "bare.db")  # the same store without pages of its own
+        bare.add_task("n", "s", {"id": "n"}, disk / "n")
         task_dir = disk / "n"
         task_dir.mkdir()
         sink = LogSink(task_dir / "output.log")
@@ -236,6 +238,11 @@ async def test_on_a_full_disk_the_state_store_journal_and_a_spiders_stdout_go_on
         for i in range(50):
             store.save_stream_positions({("n", "logs"): (i, {"j": i})})
         store.set_result("n", {"status": "SUCCESS", "pad": "r" * 2000})
+        with pytest.raises(StateStoreFull):  # without them the first writes fail on the full disk
+            for i in range(50):
+                bare.save_stream_positions({("n", "logs"): (i, {"j": i})})
+            bare.set_result("n", {"status": "SUCCESS", "pad": "r" * 2000})
+        bare.close()
         # A spider writing its stdout straight into output.log (as the monitor arranges): not refused.
         spider = os.open(task_dir / "output.log", os.O_WRONLY | os.O_APPEND)
         for i in range(200):
