@@ -39,19 +39,65 @@ def secret_values(env: dict[str, str], extra: Iterable[str] = (), args: Iterable
 
 def secret_args(args: Iterable[str]) -> list[str]:
     """The values in a command line that the env rule would mask: ``--db-password hunter2``,
-    ``--db-password=hunter2``, ``-a api_key=x`` and ``TOKEN=x`` give ``hunter2``/``x`` (a flag or
-    name ending in TOKEN, SECRET, PASSWORD, PASSWD or KEY, ``-`` read as ``_``)."""
+    ``--db-password=hunter2``, ``-a api_key=x``, ``TOKEN=x`` and ``--set=API_KEY=x`` give
+    ``hunter2``/``x`` (a flag or name ending in TOKEN, SECRET, PASSWORD, PASSWD or KEY, ``-`` read
+    as ``_``; a word with several ``=`` is cut after the first name that is secret)."""
     found: list[str] = []
     words = list(args)
     for i, word in enumerate(words):
-        name, eq, value = word.partition("=")
-        name = name.lstrip("-").replace("-", "_")
-        if eq:
-            if _SECRET_NAME.search(name):
-                found.append(value)
-        elif word.startswith("-") and _SECRET_NAME.search(name) and i + 1 < len(words):
+        cut = _secret_cut(word)
+        if cut is not None:
+            found.append(word[cut:])
+        elif _secret_flag(word) and i + 1 < len(words):
             found.append(words[i + 1])
     return found
+
+
+def _secret_name(name: str) -> bool:
+    return bool(_SECRET_NAME.search(name.lstrip("-").replace("-", "_")))
+
+
+def _secret_flag(word: str) -> bool:
+    """``word`` is a flag whose value (the next word) is secret: ``--token``, ``--db-password``."""
+    return word.startswith("-") and "=" not in word and _secret_name(word)
+
+
+def _secret_cut(word: str) -> int | None:
+    """Where the secret value in ``word`` starts: after the first ``=`` whose name (the text since the
+    previous ``=``) is secret (``api_key=x`` → 8, ``--set=API_KEY=x`` → 14); None if there is none."""
+    start = 0
+    while (eq := word.find("=", start)) != -1:
+        if _secret_name(word[start:eq]):
+            return eq + 1
+        start = eq + 1
+    return None
+
+
+_URL_PASSWORD = re.compile(r"(://[^/@:]*:)[^/]*@")
+
+
+def mask_argv(argv: Sequence[str], secrets: Iterable[str] = ()) -> list[str]:
+    """``argv`` as it may be shown: the value of a secret-looking flag (``--token X``: the next word),
+    the value of a secret-looking ``NAME=VALUE`` (:func:`secret_args`), a URL's password
+    (``https://user:***@host``) and every occurrence of ``secrets`` (and of the secret-looking values,
+    wherever else they occur: :class:`Masker`'s rule, a short value only where it stands alone) are
+    ``***``; every other word is as it was. Pure; never raises."""
+    words = list(argv)
+    masker = Masker([*secrets, *secret_args(words)], multiline=True)
+    shown: list[str] = []
+    hide_next = False
+    for word in words:
+        if hide_next:
+            shown.append("***")
+            hide_next = False
+            continue
+        cut = _secret_cut(word)
+        if cut is not None:
+            shown.append(masker(word[:cut]) + "***")
+            continue
+        hide_next = _secret_flag(word)
+        shown.append(_URL_PASSWORD.sub(r"\1***@", masker(word)))
+    return shown
 
 
 # ---------------------------------------------------------------------------------------------- lines
