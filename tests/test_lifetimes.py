@@ -26,7 +26,7 @@ from harness import HoldingSupervisor, PollMaster, heartbeat_of, register_reques
 
 from ckagent.code import workspace
 from ckagent.code.deps import Prepared
-from ckagent.containment.process import MARKER_VAR, run_supervised
+from ckagent.containment.process import MARKER_VAR, find_marked, run_supervised
 from ckagent.delivery import Outbox
 from ckagent.devmaster.client import zip_files
 from ckagent.devmaster.errors import ConflictError
@@ -330,6 +330,27 @@ async def test_run_supervised_cancelled_from_outside_ends_the_process(mock_clock
         os.kill(pid, 0)  # ended and reaped
     assert any("agent terminating: sent SIGTERM" in n for n in notices), notices
     assert any("killed every process of the task" in n for n in notices), notices  # it ignored SIGTERM: the grace ran out
+
+
+async def test_run_supervised_cancelled_while_on_started_runs_still_ends_the_process(tmp_path: Path) -> None:
+    """The supervision begins with the spawn: a cancel that comes while ``on_started`` is awaited stops
+    the process (and its monitor) like any other (ckagent.containment.monitor.supervise)."""
+    task_id = f"started-{os.getpid()}"
+    pids: list[int] = []
+
+    async def started(pid: int) -> None:
+        pids.append(pid)
+        await trio.sleep_forever()
+
+    with trio.fail_after(30):
+        with trio.move_on_after(0.5) as outside:
+            await run_supervised(["sleep", "600"], cwd=tmp_path, env={"PATH": "/usr/bin:/bin", MARKER_VAR: task_id},
+                                 task_id=task_id, output=lambda chunk: None, deadline_seconds=None, grace=2.0,
+                                 stop=trio.Event(), notice=lambda text: None, on_started=started)
+    assert outside.cancelled_caught and len(pids) == 1
+    with pytest.raises(ProcessLookupError):
+        os.kill(pids[0], 0)  # ended and reaped
+    assert await trio.to_thread.run_sync(find_marked, task_id) == []  # nothing of it left
 
 
 # ------------------------------------------------------------------------------ the reference master

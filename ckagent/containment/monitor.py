@@ -39,7 +39,7 @@ import shlex
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -470,6 +470,7 @@ async def supervise(
     stop: StopRequest, notice: Notice, why: Callable[[], str] = lambda: "stop requested",
     stop_signal: int = signal.SIGTERM, drain_window: float = 2.0, leave_running: Callable[[], bool] = lambda: False,
     deadline_seconds: float | None = None, cancelled_why: str = "agent terminating",
+    on_started: Callable[[int], Awaitable[None]] | None = None,
 ) -> ProcessOutcome:
     """Supervise a monitored process (a spider, an installer: :func:`spawn_monitored`) to its end:
     the one supervisor of the agent's processes.
@@ -486,7 +487,8 @@ async def supervise(
 
     Cancellation from outside: when ``leave_running()`` is true (the agent hands its tasks over to
     the next one) the process is left running, untouched; otherwise it is stopped (signal → grace →
-    kill-all, shielded, the notice beginning with ``cancelled_why``), then Cancelled propagates.
+    kill-all, shielded, the notice beginning with ``cancelled_why``), then Cancelled propagates —
+    also while ``on_started(monitor pid)`` is awaited, first thing.
     """
     if output is None:
         output = FileOutput(sink)
@@ -497,6 +499,8 @@ async def supervise(
                            jail, grace, stop_signal, notice, outcome)
     swept = False
     try:
+        if on_started is not None:
+            await on_started(mon.pid)
         async with output.following():
             with trio.move_on_after(math.inf if deadline_seconds is None else deadline_seconds) as deadline:
                 await output.until_exit_or_stop(mon, stop)

@@ -126,12 +126,10 @@ async def run_supervised(
     for stream in streams:
         enlarge_pipe(stream.fileno())
     try:
-        if on_started is not None:
-            await on_started(mon.pid)
         return await supervise(
             mon, jail=jail, output=PipeOutput(streams[0], streams[1], output, on_stderr), grace=grace, stop=stop,
             notice=notice, stop_signal=stop_signal, drain_window=drain_window, deadline_seconds=deadline_seconds,
-            cancelled_why=cancelled_why,
+            cancelled_why=cancelled_why, on_started=on_started,
         )  # fmt: skip
     finally:
         for stream in streams:
