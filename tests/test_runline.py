@@ -4,6 +4,7 @@ secret env values and the agent's credentials wherever they occur (docs/protocol
 
 from __future__ import annotations
 
+import re
 import shlex
 
 from hypothesis import assume, given, settings
@@ -48,7 +49,17 @@ def test_a_short_secret_is_masked_where_it_stands_alone_not_inside_words() -> No
     assert mask_argv(["run", "--name", "0042", "x0042x"], ["0042"]) == ["run", "--name", "***", "x0042x"]
 
 
+def test_scrapy_http_auth_and_credential_headers_are_masked() -> None:
+    argv = ["scrapy", "crawl", "intranet", "-a", "http_user=bob", "-a", "http_pass=pa55word", "--proxy-auth",
+            "bob:pa55", "-H", "Authorization: Bearer eyJ0eXAi.x.y", "-H", "Cookie: sessionid=abc", "--header",
+            "X-Api: Token t0k3n", "--cookie", "sid=1"]
+    assert mask_argv(argv) == ["scrapy", "crawl", "intranet", "-a", "http_user=bob", "-a", "http_pass=***",
+                               "--proxy-auth", "***", "-H", "Authorization: ***", "-H", "Cookie: ***", "--header",
+                               "X-Api: Token ***", "--cookie", "***"]
+
+
 # -------------------------------------------------------------------------------------------- properties
+CREDENTIAL_WORDS = re.compile(r"(?i)authorization|cookie|bearer|basic|digest|token")
 # Secrets are drawn from an alphabet the other words never use (upper case letters and digits), so "a
 # long substring of a secret appears in the line" can be checked literally, wherever quoting put it.
 SECRET_ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
@@ -118,5 +129,5 @@ def test_no_secret_nor_a_long_part_of_one_is_ever_in_the_line(case: tuple[list[s
 @given(st.lists(st.text(st.characters(blacklist_categories=["Cs", "Cc", "Zl", "Zp"]), max_size=16), max_size=10))
 def test_a_command_line_without_secrets_is_shown_as_is(words: list[str]) -> None:
     argv = ["scrapy", *words]
-    assume(not secret_args(argv) and not any("://" in w for w in argv))
+    assume(not secret_args(argv) and not any("://" in w or CREDENTIAL_WORDS.search(w) for w in argv))
     assert shown_argv(argv, task(env={"REGION": "eu"})) == shlex.join(argv)

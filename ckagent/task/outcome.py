@@ -219,8 +219,8 @@ def task_words(task: Task) -> list[str]:
 def shown_argv(argv: list[str], task: Task, agent_secrets: tuple[str, ...] = ()) -> str:
     """The command line for the ``running`` line: what ran (program, script, flags), shell-quoted, with
     secrets masked (:func:`ckagent.delivery.lines.mask_argv`): values of secret-looking flags and
-    ``NAME=VALUE`` words, URL passwords, and wherever they occur, the values of the task's secret env
-    variables (named ``*TOKEN``, ``*SECRET``, ``*PASSWORD``, ``*PASSWD``, ``*KEY``) and the agent's own
+    ``NAME=VALUE`` words, URL passwords, credential headers, and wherever they occur, the values of the
+    task's secret-named env variables (``*TOKEN``, ``*KEY``…: ckagent.delivery.lines) and the agent's own
     credentials (docs/protocol.md, "Arguments"). Control characters are escaped: one line whatever the
     words hold."""
     return escape_controls(shlex.join(mask_argv(argv, secret_values(task.env, agent_secrets))))
