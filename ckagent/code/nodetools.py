@@ -48,6 +48,7 @@ import json
 import os
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -76,6 +77,8 @@ LOCKS = {"pnpm-lock.yaml": "pnpm", "yarn.lock": "yarn"}
 """Lock file → the tool that honours it (npm's own locks are npm's: ckagent.code.deps_node)."""
 _BERRY_META = re.compile(rb"^__metadata:[ \t]*\r?\n(?:[ \t]+[^\n]*\n)*?[ \t]+version:[ \t]*[\"']?([0-9]{1,3})", re.M)
 _PNPM_LOCK = re.compile(rb"^lockfileVersion:[ \t]*[\"']?([0-9]{1,3})(?:\.([0-9]{1,3}))?", re.M)
+STALE_FETCH_SECONDS = 3600.0
+"""A scratch directory of a fetch older than this (and than two installer timeouts) is a leftover."""
 _CACHE_ENTRY = re.compile(rf"(?P<tool>yarn|pnpm)-(?P<version>{SEMVER.pattern})-(?P<tag>[0-9a-f]{{12}})")
 
 
@@ -348,10 +351,16 @@ class NodeTools:
                f"spider whose lock needs it)\n".encode())
 
     def _scratch(self, scratch: Path) -> None:
-        """The cache root (0755, the agent's) and a scratch npm prefix in it, given to the builder (0700).
-        Blocking."""
+        """The cache root (0755, the agent's) and a scratch npm prefix in it, given to the builder (0700);
+        scratch directories of fetches older than :data:`STALE_FETCH_SECONDS` (an agent stopped
+        mid-fetch) removed. Blocking."""
         self.root.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o755)
+        stale = time.time() - max(STALE_FETCH_SECONDS, 2 * self._installers.timeout)
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(self.root):
+                if entry.name.startswith(".fetch-") and entry.stat(follow_symlinks=False).st_mtime < stale:
+                    remove_tree(Path(entry.path))
         scratch.mkdir()
         (scratch / "package.json").write_text('{"private": true}\n')
         builder = self._installers.builder
