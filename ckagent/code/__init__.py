@@ -3,7 +3,8 @@
 - :mod:`.frameworks` — one record per framework (runtime, tool, packages, default command, markers,
   hooks), read by everything below and above that asks; :mod:`.scrapyhook` — Scrapy's hooks;
 - :mod:`.workspace`, :mod:`.unpack` — ``work_dir/spiders/<spiderId>/<version>/``, fetched and written
-  atomically; a package's rules (paths, kinds, sizes) and its extraction;
+  atomically; a package's rules (paths, kinds, sizes) and its extraction; :mod:`.eggs` — Scrapyd eggs
+  (their ``[scrapy] settings`` entry point, run as Scrapyd runs them);
 - :mod:`.workcopy` — a task's private working copy, and the per-spider directories that outlive runs;
 - :mod:`.deps` (the one door), :mod:`.deps_python`, :mod:`.deps_node`, :mod:`.pyplan`, :mod:`.pylocks`,
   :mod:`.installenv` — content-addressed, shared environments (uv for Python, npm for Node) and what

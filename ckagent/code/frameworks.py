@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ckagent.code import eggs
 from ckagent.code.deps_node import node_default_command
 from ckagent.code.runtimes import BROWSER_VARS
 from ckagent.code.scrapyhook import scrapy_hook, scrapy_spider_names
@@ -110,9 +111,16 @@ class Runtime:
     hooks: tuple[SpawnHook, ...] = ()
 
 
-PYTHON = Runtime("python", tool="uv", hooks=(_scrapy_items,))
+def _scrapyd_egg(ctx: SpawnContext) -> SpawnAdditions:
+    """A Scrapyd egg's environment as Scrapyd's runner gives it (ckagent.code.eggs); nothing for other code."""
+    env, notice = eggs.spawn_env(ctx.code_dir, ctx.env)
+    return SpawnAdditions(env, [notice] if notice else [])
+
+
+PYTHON = Runtime("python", tool="uv", hooks=(_scrapy_items, _scrapyd_egg))
 """Any Python task may start Scrapy (``scrapy crawl``, a ``CrawlerProcess`` in main.py): Scrapy's
-items hook is the runtime's, so a plain python spider's Scrapy crawl delivers its items too."""
+items hook is the runtime's, so a plain python spider's Scrapy crawl delivers its items too; and any
+Python task may be a Scrapyd egg (its settings module and place on ``sys.path``: ckagent.code.eggs)."""
 NODE = Runtime("node", tool="node", helpers=("npm",))
 RUNTIMES: dict[str, Runtime] = {r.name: r for r in (PYTHON, NODE)}
 
@@ -166,7 +174,7 @@ def _browsers(ctx: SpawnContext) -> SpawnAdditions:
 REGISTRY: dict[str, Framework] = {f.name: f for f in (
     Framework("scrapy", PYTHON, "Scrapy", ("scrapy", "crawl", SPIDER_NAME), needs=("scrapy.cfg",),
               explains="a Scrapy task runs `scrapy crawl` in the project root, which must hold scrapy.cfg",
-              packages=("scrapy",), markers=("scrapy.cfg",), spider_names=scrapy_spider_names),
+              packages=("scrapy",), markers=("scrapy.cfg", eggs.ENTRY_POINTS), spider_names=scrapy_spider_names),
     Framework("python", PYTHON, "Python", ("python", "main.py"), needs=("main.py",)),
     Framework("node", NODE, "Node", ("node", "index.js"), from_project=node_default_command,
               explains="a Node task runs package.json's scripts.start, else its main, else index.js",

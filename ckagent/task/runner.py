@@ -366,7 +366,7 @@ class TaskRunner:
         def say(lines: list[str]) -> None:  # on the loop (called from the spawn hop), before the spawn
             for line in lines:
                 notice(line)
-            notice(f"running {shown_argv(argv, task)} (timeout {f'{timeout:g} s' if timeout else 'none'})")
+            notice(f"running {shown_argv(argv, task, self.config.agent_secrets)} (timeout {f'{timeout:g} s' if timeout else 'none'})")
 
         def spawn() -> Monitored:
             """The spawn hop: the framework's (and its runtime's) spawn hooks (Scrapy's items …), the
