@@ -253,11 +253,13 @@ async def test_a_tool_that_cannot_be_fetched_says_what_was_tried_and_what_to_ins
     with npm_registry(DEP) as registry:  # no yarn in it
         code = _project(tmp_path / "p", {"yarn.lock": yarn_v1_lock(registry, PINS)}, {"packageManager": "yarn@1.22.22"})
         with trio.fail_after(240), pytest.raises(DepsError) as caught:
-            await node_only.prepare("node", "s", code, lambda _: None, task_env={"NPM_CONFIG_REGISTRY": registry.url})
+            url = registry.url.replace("http://", "http://ck:s3cret@")
+            await node_only.prepare("node", "s", code, lambda _: None, task_env={"NPM_CONFIG_REGISTRY": url})
     message = str(caught.value)
     assert "yarn.lock is installed with yarn 1.22.22 (package.json packageManager yarn@1.22.22)" in message
-    assert "corepack's shim" in message and f"`npm install yarn@1.22.22` from {registry.url}" in message
-    assert "404" in message  # npm's own words, from its last lines
+    shown = registry.url.replace("http://", "http://***@")
+    assert "corepack's shim" in message and f"`npm install yarn@1.22.22` from {shown}" in message
+    assert "404" in message and "s3cret" not in message  # npm's own words, from its last lines
     assert "npm install -g yarn@1.22.22" in message and "NPM_CONFIG_REGISTRY" in message
     assert "cannot download" not in message
     assert not [e for e in (tmp_path / "envs" / ".tools").iterdir()]  # the scratch directory is gone
@@ -307,6 +309,20 @@ async def test_a_fetched_package_that_is_not_the_tool_is_refused_and_not_kept(
     assert "npm installed no yarn of yarn 1.x with a `yarn` command inside it" in str(caught.value)
     assert "npm install -g yarn@1" in str(caught.value)
     assert not list((tmp_path / "envs" / ".tools").iterdir())
+
+
+def test_a_fetch_takes_only_the_registry_of_the_tasks_env(tmp_path: Path) -> None:
+    deps = Dependencies(tmp_path / "envs", uv_path=None, index=IndexChooser("http://127.0.0.1:9/", None),
+                        uv_cache_dir=None, timeout=60.0, base_env={"PATH": "/usr/bin", "HTTPS_PROXY": "http://node:3128"})
+    given = {"npm_config_registry": "http://127.0.0.1:1/", "NPM_CONFIG_REGISTRY": "http://127.0.0.1:2/",
+             "NPM_CONFIG_STRICT_SSL": "false", "npm_config_@yarnpkg:registry": "http://127.0.0.1:3/",
+             "HTTPS_PROXY": "http://spider:8080", "NODE_TLS_REJECT_UNAUTHORIZED": "0", "CK_TASK_ID": "t1"}
+    env = deps.node.tools.fetch_env(given, "/bin")
+    npm = {name: value for name, value in env.items() if name.lower().startswith("npm_config_")}
+    assert npm == {"npm_config_registry": "http://127.0.0.1:2/", "npm_config_cache": str(deps.npm_cache_dir),
+                   "npm_config_update_notifier": "false"}
+    assert env["HTTPS_PROXY"] == "http://node:3128" and "NODE_TLS_REJECT_UNAUTHORIZED" not in env
+    assert env["CK_TASK_ID"] == "t1" and env["PATH"] == "/bin"
 
 
 def test_the_lock_decides_the_tool_and_its_major() -> None:
