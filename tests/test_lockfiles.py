@@ -16,15 +16,19 @@ import stat
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 from harness import (
     NpmPackage,
+    agent_settings,
+    berry_lock,
     node_only_bin,
     npm_registry,
     packed_tools,
     pnpm_lock,
+    running_agent,
     searchable_directory,
     yarn_v1_lock,
 )
@@ -34,6 +38,7 @@ from hypothesis import strategies as st
 from ckagent.code.deps import Dependencies, DepsError, IndexChooser, spider_base_env
 from ckagent.code.deps_node import NPM_OPTIONS, npm_install_command
 from ckagent.code.nodetools import _CACHE_ENTRY, SEMVER, parse_package_manager, wanted_tool
+from ckagent.devmaster.client import zip_directory
 from ckagent.node.runas import RunAs
 
 pytestmark = pytest.mark.skipif(shutil.which("npm") is None or shutil.which("node") is None,
@@ -41,7 +46,7 @@ pytestmark = pytest.mark.skipif(shutil.which("npm") is None or shutil.which("nod
 
 BUILDER_UID, SPIDER_UID = 3_310_000_201, 3_310_000_202
 """Uids no account has: the builder's and a spider's."""
-SPECS = ["yarn@1.22.22", "yarn@1.22.21", "pnpm@9.1.0"]
+SPECS = ["yarn@1.22.22", "yarn@1.22.21", "pnpm@9.1.0", "@yarnpkg/cli-dist@4.1.0"]
 DEP = [NpmPackage("ckdep", "1.0.0", files={"index.js": "module.exports = '1.0.0';\n"}),
        NpmPackage("ckdep", "1.1.0", files={"index.js": "module.exports = '1.1.0';\n"})]
 PINS = {"ckdep": ("^1.0.0", "1.0.0")}
@@ -122,6 +127,32 @@ async def test_a_yarn_v1_project_installs_its_lock_with_yarn_fetched_from_the_re
 
 
 @pytest.mark.slow
+async def test_through_the_agent_a_yarn_and_a_pnpm_spider_run_on_a_node_without_either(
+        dev_master: Any, nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        tools: dict[str, NpmPackage]) -> None:
+    admin = dev_master.admin
+    monkeypatch.setenv("PATH", str(node_only_bin(tmp_path / "bin")))  # the agent's PATH: node, npm, corepack
+    with npm_registry([*DEP, tools["yarn@1.22.22"], tools["pnpm@9.1.0"]]) as registry:
+        tasks = {}
+        for tool, lock in (("yarn", {"yarn.lock": yarn_v1_lock(registry, PINS)}),
+                           ("pnpm", {"pnpm-lock.yaml": pnpm_lock(registry, PINS)})):
+            code = _project(tmp_path / tool, lock)
+            spider = await admin.create_spider(name=f"lock-{tool}", framework="node")
+            await admin.upload_package(spider, await trio.to_thread.run_sync(zip_directory, code))
+            tasks[tool] = spider
+        settings = agent_settings(tmp_path / "agent", dev_master.base_url, dev_master.registration_token)
+        async with running_agent(nursery, settings):
+            ids = {tool: await admin.create_task(spider, env={"NPM_CONFIG_REGISTRY": registry.url})
+                   for tool, spider in tasks.items()}
+            with trio.fail_after(240):
+                done = {tool: await admin.wait_task_final(task_id, 240) for tool, task_id in ids.items()}
+    for tool, task_id in ids.items():
+        log = "\n".join(await admin.get_logs(task_id))
+        assert done[tool]["status"] == "SUCCESS", (done[tool], log[-3000:])
+        assert f"fetching {tool}@" in log and "ckdep 1.0.0" in log, log[-3000:]
+
+
+@pytest.mark.slow
 async def test_a_pnpm_project_pinned_by_package_manager(tmp_path: Path, node_only: Dependencies,
                                                         tools: dict[str, NpmPackage]) -> None:
     with npm_registry([*DEP, tools["pnpm@9.1.0"]]) as registry:
@@ -136,6 +167,32 @@ async def test_a_pnpm_project_pinned_by_package_manager(tmp_path: Path, node_onl
     assert _run(code) == "ckdep 1.0.0"
     (name,) = _cached(tmp_path / "envs")
     assert name.startswith("pnpm-9.1.0-")
+
+
+@pytest.mark.slow
+async def test_a_yarn_berry_project_with_its_yarnrc_installs_with_yarn_4_from_the_npm_registry(
+        tmp_path: Path, node_only: Dependencies, tools: dict[str, NpmPackage]) -> None:
+    cli = tools["@yarnpkg/cli-dist@4.1.0"]
+    assert cli.tarball is not None
+    with npm_registry([*DEP, cli]) as registry:
+        yarnrc = f'npmRegistryServer: "{registry.url}"\nunsafeHttpWhitelist:\n  - "127.0.0.1"\n'
+        manifest = {"name": "lockdemo", "version": "1.0.0", "private": True, "main": "index.js",
+                    "dependencies": {"ckdep": "^1.0.0"}, "packageManager": "yarn@4.1.0"}
+        # The author's lock, made while the registry had only ckdep 1.0.0.
+        with npm_registry(DEP[:1]) as older:
+            older_rc = yarnrc.replace(registry.url, older.url)
+            lock = berry_lock(older, cli.tarball, {"package.json": json.dumps(manifest), ".yarnrc.yml": older_rc},
+                              tmp_path / "author")
+        assert "__metadata:" in lock and "ckdep@npm:1.0.0" in lock
+        code = _project(tmp_path / "p", {"yarn.lock": lock, ".yarnrc.yml": yarnrc}, {"packageManager": "yarn@4.1.0"})
+        log = bytearray()
+        with trio.fail_after(240):
+            await node_only.prepare("node", "s", code, log.extend, task_env={"NPM_CONFIG_REGISTRY": registry.url})
+    text = bytes(log).decode()
+    assert "fetching @yarnpkg/cli-dist@4.1.0 from" in text and "yarn.js install --immutable" in text
+    assert _run(code) == "ckdep 1.0.0"
+    (name,) = _cached(tmp_path / "envs")
+    assert name.startswith("yarn-4.1.0-")
 
 
 @pytest.mark.slow
@@ -196,14 +253,76 @@ async def test_a_tool_that_cannot_be_fetched_says_what_was_tried_and_what_to_ins
     with npm_registry(DEP) as registry:  # no yarn in it
         code = _project(tmp_path / "p", {"yarn.lock": yarn_v1_lock(registry, PINS)}, {"packageManager": "yarn@1.22.22"})
         with trio.fail_after(240), pytest.raises(DepsError) as caught:
-            await node_only.prepare("node", "s", code, lambda _: None, task_env={"NPM_CONFIG_REGISTRY": registry.url})
+            url = registry.url.replace("http://", "http://ck:s3cret@")
+            await node_only.prepare("node", "s", code, lambda _: None, task_env={"NPM_CONFIG_REGISTRY": url})
     message = str(caught.value)
     assert "yarn.lock is installed with yarn 1.22.22 (package.json packageManager yarn@1.22.22)" in message
-    assert "corepack's shim" in message and f"`npm install yarn@1.22.22` from {registry.url}" in message
-    assert "404" in message  # npm's own words, from its last lines
+    shown = registry.url.replace("http://", "http://***@")
+    assert "corepack's shim" in message and f"`npm install yarn@1.22.22` from {shown}" in message
+    assert "404" in message and "s3cret" not in message  # npm's own words, from its last lines
     assert "npm install -g yarn@1.22.22" in message and "NPM_CONFIG_REGISTRY" in message
     assert "cannot download" not in message
     assert not [e for e in (tmp_path / "envs" / ".tools").iterdir()]  # the scratch directory is gone
+
+
+def _fake_yarn(bin_dir: Path, version: str) -> None:
+    """``yarn`` on PATH as an npm package's script (its version in its package.json) that 'installs' by
+    writing a ckdep that says it was this yarn."""
+    package = bin_dir.parent / "lib" / "yarn"
+    (package / "bin").mkdir(parents=True)
+    (package / "package.json").write_text(json.dumps({"name": "yarn", "version": version}))
+    script = package / "bin" / "yarn.js"
+    said = json.dumps(f"module.exports = 'from the node\\'s yarn {version}';")
+    script.write_text("#!/usr/bin/env node\nconst fs = require('fs');\nfs.mkdirSync('node_modules/ckdep', "
+                      f"{{recursive: true}});\nfs.writeFileSync('node_modules/ckdep/index.js', {said});\n")
+    script.chmod(0o755)
+    (bin_dir / "yarn").unlink(missing_ok=True)
+    (bin_dir / "yarn").symlink_to(script)
+
+
+@pytest.mark.slow
+async def test_the_nodes_own_yarn_is_used_when_its_version_fits_else_the_pin_is_fetched(
+        tmp_path: Path, node_only: Dependencies, tools: dict[str, NpmPackage]) -> None:
+    _fake_yarn(tmp_path / "bin", "1.22.22")
+    with npm_registry([*DEP, tools["yarn@1.22.21"]]) as registry:
+        env = {"NPM_CONFIG_REGISTRY": registry.url}
+        own = _project(tmp_path / "own", {"yarn.lock": yarn_v1_lock(registry, PINS)})
+        pinned = _project(tmp_path / "pinned", {"yarn.lock": yarn_v1_lock(registry, PINS)},
+                          {"packageManager": "yarn@1.22.21"})
+        log = bytearray()
+        with trio.fail_after(240):
+            await node_only.prepare("node", "a", own, lambda _: None, task_env=env)
+            await node_only.prepare("node", "b", pinned, log.extend, task_env=env)
+    assert _run(own) == "ckdep from the node's yarn 1.22.22"
+    assert f"{tmp_path / 'bin' / 'yarn'} on PATH is yarn 1.22.22, not yarn 1.22.21: fetching yarn@1.22.21" in \
+        bytes(log).decode()
+    assert _run(pinned) == "ckdep 1.0.0"
+
+
+@pytest.mark.slow
+async def test_a_fetched_package_that_is_not_the_tool_is_refused_and_not_kept(
+        tmp_path: Path, node_only: Dependencies) -> None:
+    with npm_registry([*DEP, NpmPackage("yarn", "1.22.22")]) as registry:  # a "yarn" without a yarn command
+        code = _project(tmp_path / "p", {"yarn.lock": yarn_v1_lock(registry, PINS)})
+        with trio.fail_after(240), pytest.raises(DepsError) as caught:
+            await node_only.prepare("node", "s", code, lambda _: None, task_env={"NPM_CONFIG_REGISTRY": registry.url})
+    assert "npm installed no yarn of yarn 1.x with a `yarn` command inside it" in str(caught.value)
+    assert "npm install -g yarn@1" in str(caught.value)
+    assert not list((tmp_path / "envs" / ".tools").iterdir())
+
+
+def test_a_fetch_takes_only_the_registry_of_the_tasks_env(tmp_path: Path) -> None:
+    deps = Dependencies(tmp_path / "envs", uv_path=None, index=IndexChooser("http://127.0.0.1:9/", None),
+                        uv_cache_dir=None, timeout=60.0, base_env={"PATH": "/usr/bin", "HTTPS_PROXY": "http://node:3128"})
+    given = {"npm_config_registry": "http://127.0.0.1:1/", "NPM_CONFIG_REGISTRY": "http://127.0.0.1:2/",
+             "NPM_CONFIG_STRICT_SSL": "false", "npm_config_@yarnpkg:registry": "http://127.0.0.1:3/",
+             "HTTPS_PROXY": "http://spider:8080", "NODE_TLS_REJECT_UNAUTHORIZED": "0", "CK_TASK_ID": "t1"}
+    env = deps.node.tools.fetch_env(given, "/bin")
+    npm = {name: value for name, value in env.items() if name.lower().startswith("npm_config_")}
+    assert npm == {"npm_config_registry": "http://127.0.0.1:2/", "npm_config_cache": str(deps.npm_cache_dir),
+                   "npm_config_update_notifier": "false"}
+    assert env["HTTPS_PROXY"] == "http://node:3128" and "NODE_TLS_REJECT_UNAUTHORIZED" not in env
+    assert env["CK_TASK_ID"] == "t1" and env["PATH"] == "/bin"
 
 
 def test_the_lock_decides_the_tool_and_its_major() -> None:

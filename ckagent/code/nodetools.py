@@ -23,8 +23,8 @@ Where from (:class:`NodeTools`), in order:
 3. fetched: ``npm install --ignore-scripts <package>@<version or major>`` as the node's builder
    (ckagent.code.builder), in a scratch directory only it may write (``envs/.tools/.fetch-*``), with the
    npm registry the node's npm reaches: npm's own settings, the builder's, ``NPM_CONFIG_REGISTRY`` from
-   the task's env or the node's ``task.extra_env`` — never the project's ``.npmrc`` (the cache is every
-   spider's). The package (``yarn`` for Yarn 1, ``@yarnpkg/cli-dist`` for Yarn 2+ — berry's single-file
+   the task's env or the node's ``task.extra_env`` — never the project's ``.npmrc``, and nothing else of
+   the task's env (:meth:`NodeTools.fetch_env`): the cache is every spider's. The package (``yarn`` for Yarn 1, ``@yarnpkg/cli-dist`` for Yarn 2+ — berry's single-file
    release as published on the npm registry — and ``pnpm``: each one bundled file, no dependencies)
    is checked (its name, an exact version that fits, its ``bin`` inside it), sealed and moved into the
    cache under that version. No install script of it runs (Yarn 1's ``preinstall`` only probes corepack).
@@ -48,6 +48,7 @@ import json
 import os
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ from ckagent.code.installer import Installers, Output
 from ckagent.code.runtimes import find_npm, find_package_manager, is_corepack_shim
 from ckagent.code.stage import ProjectFiles, safe_relative
 from ckagent.containment import TaskJail
+from ckagent.containment.process import MARKER_VAR
 from ckagent.node.errors import DepsError, os_error_text
 
 __all__ = ["NPM_OPTIONS", "SEMVER", "NodeTools", "Runner", "ToolWant", "parse_package_manager", "registry_of",
@@ -76,6 +78,10 @@ LOCKS = {"pnpm-lock.yaml": "pnpm", "yarn.lock": "yarn"}
 """Lock file → the tool that honours it (npm's own locks are npm's: ckagent.code.deps_node)."""
 _BERRY_META = re.compile(rb"^__metadata:[ \t]*\r?\n(?:[ \t]+[^\n]*\n)*?[ \t]+version:[ \t]*[\"']?([0-9]{1,3})", re.M)
 _PNPM_LOCK = re.compile(rb"^lockfileVersion:[ \t]*[\"']?([0-9]{1,3})(?:\.([0-9]{1,3}))?", re.M)
+_USERINFO = re.compile(r"//[^/@\s]*@")
+"""A URL's user and password (``https://user:token@host/``): masked where the registry is shown."""
+STALE_FETCH_SECONDS = 3600.0
+"""A scratch directory of a fetch older than this (and than two installer timeouts) is a leftover."""
 _CACHE_ENTRY = re.compile(rf"(?P<tool>yarn|pnpm)-(?P<version>{SEMVER.pattern})-(?P<tag>[0-9a-f]{{12}})")
 
 
@@ -319,15 +325,14 @@ class NodeTools:
         sealed and moved into the cache. Raises DepsError (see :meth:`runner`)."""
         npm = find_npm(path)
         spec = f"{want.package}@{want.spec}"
-        where = registry or "the registry npm is set to on this node (`npm config get registry`; by default " \
+        where = _USERINFO.sub("//***@", registry) if registry else "the registry npm is set to on this node (`npm config get registry`; by default " \
                             "https://registry.npmjs.org/)"
         output(f"[ckagent] {want.lock} needs {want.describe()} ({want.why}); {on_path}: fetching {spec} from "
                f"{where} as the node's builder (not corepack)\n".encode())
         scratch = self.root / f".fetch-{uuid.uuid4().hex}"
         try:
             await trio.to_thread.run_sync(self._scratch, scratch)
-            env = {**self._installers.env(given), "PATH": path, "npm_config_cache": str(self.cache_dir),
-                   "npm_config_update_notifier": "false"}
+            env = self.fetch_env(given, path)
             argv = [npm or "npm", "install", f"--prefix={scratch}", "--ignore-scripts", "--no-save",
                     "--no-package-lock", *NPM_OPTIONS, spec]
             try:
@@ -347,11 +352,32 @@ class NodeTools:
         output(f"[ckagent] {want.tool} {version} fetched into {self.root} (sealed, read-only; reused for every "
                f"spider whose lock needs it)\n".encode())
 
+    def fetch_env(self, given: Mapping[str, str], path: str) -> dict[str, str]:
+        """The fetch's environment: the installers' base (the node's PATH ``path``, proxies and CA
+        settings, the builder's HOME) with npm's cache, and of the task's env (``given``) only its npm
+        registry (:func:`registry_of`, the cache entry's tag) and its marker: the cached tool is every
+        spider's, so no setting of one spider's may shape it (``npm_config_strict_ssl``, a scoped
+        registry, a proxy, ``NODE_TLS_REJECT_UNAUTHORIZED`` would let it hand the others its own)."""
+        env = {**self._installers.env({}), "PATH": path, "npm_config_cache": str(self.cache_dir),
+               "npm_config_update_notifier": "false"}
+        registry = registry_of(given)
+        if registry is not None:
+            env["npm_config_registry"] = registry
+        if MARKER_VAR in given:
+            env[MARKER_VAR] = given[MARKER_VAR]
+        return env
+
     def _scratch(self, scratch: Path) -> None:
-        """The cache root (0755, the agent's) and a scratch npm prefix in it, given to the builder (0700).
-        Blocking."""
+        """The cache root (0755, the agent's) and a scratch npm prefix in it, given to the builder (0700);
+        scratch directories of fetches older than :data:`STALE_FETCH_SECONDS` (an agent stopped
+        mid-fetch) removed. Blocking."""
         self.root.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o755)
+        stale = time.time() - max(STALE_FETCH_SECONDS, 2 * self._installers.timeout)
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(self.root):
+                if entry.name.startswith(".fetch-") and entry.stat(follow_symlinks=False).st_mtime < stale:
+                    remove_tree(Path(entry.path))
         scratch.mkdir()
         (scratch / "package.json").write_text('{"private": true}\n')
         builder = self._installers.builder

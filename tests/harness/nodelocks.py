@@ -4,20 +4,23 @@ install them through the agent against tests/harness/npmregistry.py (no internet
 :func:`packed_tools` gets the real tools' tarballs (``yarn``, ``pnpm``, ``@yarnpkg/cli-dist``) once
 with ``npm pack`` — from npm's own cache, or the npm registry this machine reaches — for the local
 registry to serve; :func:`yarn_v1_lock` and :func:`pnpm_lock` write the lock files of a project whose
-dependencies that registry serves; :func:`node_only_bin` is a PATH directory with node, npm and
+dependencies that registry serves (:func:`berry_lock` by running the real Yarn 4 once, as its author would);
+:func:`node_only_bin` is a PATH directory with node, npm and
 corepack (whose ``yarn``/``pnpm`` shims download from the internet) but no yarn and no pnpm.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import subprocess
+import tarfile
 from pathlib import Path
 
 from harness.npmregistry import NpmRegistry
 
-__all__ = ["node_only_bin", "packed_tools", "pnpm_lock", "yarn_v1_lock"]
+__all__ = ["berry_lock", "node_only_bin", "packed_tools", "pnpm_lock", "yarn_v1_lock"]
 
 
 def packed_tools(dest: Path, specs: list[str]) -> dict[str, bytes]:
@@ -80,3 +83,24 @@ def pnpm_lock(registry: NpmRegistry, pins: dict[str, tuple[str, str]]) -> str:
     for name, (_spec, version) in sorted(pins.items()):
         lines += [f"  {name}@{version}: {{}}", ""]
     return "\n".join(lines)
+
+
+def berry_lock(registry: NpmRegistry, yarn_tarball: bytes, project: dict[str, str], scratch: Path) -> str:
+    """The Yarn 2+ ``yarn.lock`` of ``project`` (its ``package.json`` and ``.yarnrc.yml``, naming
+    ``registry``), made by running the yarn of ``yarn_tarball`` (an ``@yarnpkg/cli-dist`` package) once
+    in ``scratch``, as the project's author does. Blocking (one install, a few seconds)."""
+    with tarfile.open(fileobj=io.BytesIO(yarn_tarball), mode="r:gz") as tar:
+        member = tar.extractfile("package/bin/yarn.js")
+        assert member is not None
+        (scratch / "home").mkdir(parents=True)
+        (scratch / "yarn.js").write_bytes(member.read())
+    work = scratch / "project"
+    work.mkdir()
+    for name, text in project.items():
+        (work / name).write_text(text)
+    env = {"PATH": str(Path(shutil.which("node") or "node").parent), "HOME": str(scratch / "home"),
+           "YARN_ENABLE_TELEMETRY": "0", "YARN_NODE_LINKER": "node-modules", "YARN_ENABLE_PROGRESS_BARS": "0"}
+    done = subprocess.run(["node", str(scratch / "yarn.js"), "install"], cwd=work, env=env, capture_output=True,
+                          timeout=180, check=False, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stdout.decode() + done.stderr.decode()
+    return (work / "yarn.lock").read_text()
