@@ -94,6 +94,7 @@ from ckagent.task.migration import migrate_node
 from ckagent.task.poller import Poller
 from ckagent.task.recovery import recover_lost_tasks
 from ckagent.task.runconfig import node_identities
+from ckagent.task.stop import stop_grace
 from ckagent.task.supervisor import RunnerConfig, RunningTask, Supervisor
 
 log = logging.getLogger(__name__)
@@ -223,9 +224,8 @@ class Agent:
                                                 s.task.drain_timeout, len(supervisor.running))
                                 self.terminate()
                     if self._work_scope.cancelled_caught and not supervisor.handing_over:
-                        log.warning("tasks did not finish reporting within kill_grace + flush_timeout "
-                                    "(%g s); leaving unsent data for the next start",
-                                    s.task.kill_grace + s.task.flush_timeout)
+                        log.warning("tasks did not finish reporting within their stop grace + flush_timeout; "
+                                    "leaving unsent data for the next start")
                     self.state = AgentState.STOPPING
                     flush_until = min(trio.current_time() + s.task.flush_timeout, self._exit_deadline)
                     if not supervisor.handing_over:
@@ -316,7 +316,8 @@ class Agent:
                          identities=identities, stall_timeout=s.task.stall_timeout, containment=containment,
                          egress=self.egress,
                          default_limits=Limits(s.task.memory_limit_bytes, s.task.pids_limit, s.task.cpus_limit),
-                         max_artifact_bytes=s.task.max_artifact_bytes, default_disk_bytes=s.task.disk_limit_bytes),
+                         max_artifact_bytes=s.task.max_artifact_bytes, default_disk_bytes=s.task.disk_limit_bytes,
+                         max_stop_grace=s.task.max_stop_grace),
             self.master, store, workspaces, deps, self.max_workers,
             outbox=outbox, lifecycle=self.lifecycle,
         )
@@ -421,15 +422,18 @@ class Agent:
     def terminate(self) -> None:
         """→ TERMINATING: stop every task (TERM → grace → KILL, reported CANCELLED) (idempotent).
 
-        From then on the agent stops within ``kill_grace + flush_timeout`` seconds (the work scope's
-        deadline): what the master has not acknowledged by then stays in the state store. Call it
-        from inside the agent's Trio run.
+        From then on the agent stops within the longest stop grace of its tasks (``kill_grace``, or a
+        task's own or its framework's, at most ``max_stop_grace``: ckagent.task.stop.stop_grace) +
+        ``flush_timeout`` seconds (the work scope's deadline): what the master has not acknowledged by
+        then stays in the state store. Call it from inside the agent's Trio run.
         """
         if self._exit_deadline != float("inf"):
             return
         log.info("terminating: stopping every running task")
         s = self.settings.task
-        self._exit_deadline = trio.current_time() + s.kill_grace + s.flush_timeout
+        graces = [stop_grace(rt.task.framework, rt.task.stop_grace_seconds, s.kill_grace, s.max_stop_grace)[0]
+                  for rt in (self.supervisor.running.values() if self.supervisor is not None else ())]
+        self._exit_deadline = trio.current_time() + max([s.kill_grace, *graces]) + s.flush_timeout
         if self.state in (AgentState.STARTING, AgentState.RUNNING, AgentState.DRAINING):
             self.state = AgentState.TERMINATING
         self._startup_scope.cancel()
