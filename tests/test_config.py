@@ -161,7 +161,7 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
                   "ports_registry": str(tmp_path / "ports")},
         "heartbeat": {"interval": 7.0},
         "task": {"poll_interval": 4.0, "long_poll_wait": 0.0, "work_dir": "/srv/ck", "execute_timeout": 0.0,
-                 "kill_grace": 1.0, "drain_timeout": 2.0, "flush_timeout": 3.0, "run_as_user": "crawler",
+                 "kill_grace": 1.0, "max_stop_grace": 240.0, "drain_timeout": 2.0, "flush_timeout": 3.0, "run_as_user": "crawler",
                  "spider_uids": "70000-70999", "max_log_bytes": 1000, "min_free_disk_bytes": 0, "max_artifact_bytes": 5000,
                  "log_files": "*.log,logs/*.txt",
                  "retention": 0.0, "cleanup_temp_files": True, "stall_timeout": 600.0, "containment": "process-group",
