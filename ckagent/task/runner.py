@@ -282,6 +282,7 @@ class TaskRunner:
                         checked.drop()
 
             held.callback(drop_unused)
+            held.callback(self.deployer.notes.pop, task.id, None)
 
             try:
                 code_dir, argv, how, copied = await self.deployer.deploy(rt, work, held, notice, jails, check)
@@ -291,6 +292,8 @@ class TaskRunner:
             if how is not None:
                 notice(how)
             notice(f"working copy of {code_dir.name}: {copied}")
+            for line in self.deployer.notes.pop(task.id, []):
+                notice(line)
             notice(self._identity_line(rt))
             yield Code(code_dir, argv, work, jail, clearing, checks[-1] if checks else None)
 
