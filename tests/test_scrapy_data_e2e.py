@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -124,3 +125,9 @@ async def test_a_polite_crawl_cancelled_through_the_master_closes_gracefully(
     assert "killed every process" not in log, log[-4000:]
     assert result["exitCode"] == 0, (result, log[-3000:])  # not -9: Scrapy ended by itself
     assert result["finishReason"] == "shutdown", result
+    # The close outlasted the node's kill_grace (2 s): the framework's grace is what let it finish.
+    sent = re.search(r"\[ckagent (\S+ \S+)\] [^\n]*sent SIGTERM to", log)
+    closed = re.search(r"(\S+ \S+) \[scrapy.core.engine\] INFO: Spider closed \(shutdown\)", log)
+    assert sent and closed, log[-4000:]
+    took = datetime.fromisoformat(closed.group(1)) - datetime.fromisoformat(sent.group(1))
+    assert took.total_seconds() >= 3, (took, log[-4000:])
