@@ -134,6 +134,18 @@ def test_a_glob_matching_only_what_the_run_did_not_write_is_said_and_a_missing_f
                                 "left alone; outputs.items 'nothing.json' matched no file")
 
 
+def test_a_folder_of_samples_is_said_once(tmp_path: Path) -> None:
+    # A crawlee project that commits its dataset (no outputs.items: the convention's files).
+    dataset = {f"storage/datasets/default/{i:09d}.json": json.dumps({"n": i}) for i in range(1, 4)}
+    code, work, task_dir, _outputs = _staged(tmp_path, {**dataset, "main.js": ""}, [])
+    (work / "storage/datasets/default/000000004.json").write_text(json.dumps({"n": 4}))  # this run's one item
+    collected = collect(work=work, code_dir=code, since=0.0, task_dir=task_dir, outputs=None, budget_bytes=0,
+                        master_takes_artifacts=True, keep_dir=tmp_path / "kept", samples=output_samples.load(task_dir))
+    assert (task_dir / ITEMS_FILE).read_text() == '{"n": 4}\n'
+    assert collected.line() == ("outputs: storage/datasets/ (1 file) → 1 item; storage/ (3 files, 24 B): the "
+                                "package's samples, not written by this run: left alone")
+
+
 def test_csv_and_json_samples(tmp_path: Path) -> None:
     header_and_rows = "name,price\r\nold,1.10\r\n"
     code, work, task_dir, outputs = _staged(

@@ -8,7 +8,9 @@
 - :mod:`.workcopy` — a task's private working copy, and the per-spider directories that outlive runs;
 - :mod:`.deps` (the one door), :mod:`.deps_python`, :mod:`.deps_node`, :mod:`.pyplan`, :mod:`.pylocks`,
   :mod:`.installenv` — content-addressed, shared environments (uv for Python, npm for Node) and what
-  goes into their key; :mod:`.installer` — how one installer runs (bounded, in the task's box);
+  goes into their key; :mod:`.nodetools` — yarn and pnpm for their lock files (the node's own, or
+  fetched from the npm registry into a sealed per-version cache; never corepack);
+  :mod:`.installer` — how one installer runs (bounded, in the task's box);
   :mod:`.builder` — who installs (the node's builder, never a spider) and how a finished environment
   is sealed read-only; :mod:`.stage`, :mod:`.pyreqs`, :mod:`.nodestage` — what an install reads of a project (regular
   files, no link followed) and what a Python project requires, read without running its code;

@@ -19,7 +19,7 @@ import trio
 
 from ckagent.delivery.capture import DiskGuard, LogSink
 from ckagent.delivery.diskwatch import Accounted, DiskWatch, accounted_bytes
-from ckagent.delivery.headroom import headroom_fds, top_up
+from ckagent.delivery.headroom import Spooled, headroom_fds, top_up
 from ckagent.delivery.journal import LogJournal, rejected_log_globs, task_log_globs
 from ckagent.delivery.lifecycle import Lifecycle
 from ckagent.delivery.lines import Masker, secret_values
@@ -399,7 +399,7 @@ class Outbox:
 
 
 def _scan_round(deliveries: list[TaskDelivery], disk: Path, accounted: list[tuple[str, Accounted, bool]],
-                calm_bytes: int | None, spool: list[tuple[TaskDelivery, list[tuple[int, int]]]], store: StateStore,
+                calm_bytes: int | None, spool: list[tuple[Spooled, list[tuple[int, int]]]], store: StateStore,
                 acked: set[str], keep_reserve: bool) -> tuple[list[Scanned], int | None, dict[str, int], set[str]]:
     """One round of the disk loop in its worker thread (blocking): the acknowledged results marked
     (:func:`_mark_all`), :func:`_scan_all`, the spool files' headroom topped up (ckagent.delivery.headroom.top_up),

@@ -370,7 +370,7 @@ class TaskRunner:
             for line in lines:
                 notice(line)
             grace, source = stop_grace(task.framework, task.stop_grace_seconds, c.kill_grace, c.max_stop_grace)
-            notice(f"running {shown_argv(argv, task)} (timeout {f'{timeout:g} s' if timeout else 'none'}; "
+            notice(f"running {shown_argv(argv, task, c.agent_secrets)} (timeout {f'{timeout:g} s' if timeout else 'none'}; "
                    f"stop grace {grace:g} s: {source})")
 
         def spawn() -> Monitored:

@@ -8,7 +8,8 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
 :mod:`harness.procs` (a task's processes, levels, spider building blocks), :mod:`harness.recording`,
 :mod:`harness.rawnode` (a node as raw HTTP, and in the dev master's store), :mod:`harness.fakes`
 (fake masters for the poller and the delivery), :mod:`harness.index` (a package index),
-:mod:`harness.npmregistry` (an npm registry),
+:mod:`harness.npmregistry` (an npm registry), :mod:`harness.nodelocks` (yarn and pnpm lock files, a
+node without yarn or pnpm),
 :mod:`harness.examples` (the example spiders' runs), :mod:`harness.eggs` (Scrapyd eggs), :mod:`harness.scrapyprojects`
 (small Scrapy projects: an HTTP cache, a polite crawl) — and a test imports it from ``harness``:
 
@@ -99,6 +100,7 @@ from harness.identities import *  # noqa: F403
 from harness.index import *  # noqa: F403
 from harness.levelcheck import *  # noqa: F403
 from harness.loopback import *  # noqa: F403
+from harness.nodelocks import *  # noqa: F403
 from harness.npmregistry import *  # noqa: F403
 from harness.procs import *  # noqa: F403
 from harness.pythons import *  # noqa: F403

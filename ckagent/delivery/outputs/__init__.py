@@ -162,8 +162,7 @@ class Collected:
         parts = [f"{path} → {count} item{'' if count == 1 else 's'}"
                  + (f" (after the package's sample of {format_bytes(self.appended[path])})"
                     if path in self.appended else "") for path, count in self.items]
-        parts += [f"{path}: the package's sample ({format_bytes(size)}), not written by this run: left alone"
-                  for path, size in self.samples]
+        parts += _samples_said(self.samples)
         parts += [f"{what} → artifacts" for what in _grouped([(a.path, a.size_bytes) for a in self.artifacts])]
         if self.kept:
             where = str(self.kept_dir)
@@ -172,6 +171,27 @@ class Collected:
                 parts[-1] += f" ({self.kept_why})"
         parts += self.problems
         return "outputs: " + ("; ".join(parts) if parts else "no file created or changed in the working copy")
+
+
+def _samples_said(samples: list[tuple[str, int]]) -> list[str]:
+    """The package's samples left alone, by name; a folder holding several as ``folder/ (n files, size)``."""
+    folders: dict[str, list[int]] = {}
+    for path, size in samples:
+        if "/" in path:
+            folders.setdefault(path.split("/", 1)[0] + "/", []).append(size)
+    out: list[str] = []
+    said: set[str] = set()
+    for path, size in samples:
+        top = path.split("/", 1)[0] + "/" if "/" in path else ""
+        if top and len(folders[top]) > 1:
+            if top not in said:
+                said.add(top)
+                sizes = folders[top]
+                out.append(f"{top} ({len(sizes)} files, {format_bytes(sum(sizes))}): the package's samples, not "
+                           "written by this run: left alone")
+        else:
+            out.append(f"{path}: the package's sample ({format_bytes(size)}), not written by this run: left alone")
+    return out
 
 
 def _grouped(files: list[tuple[str, int]]) -> list[str]:
@@ -341,7 +361,7 @@ def collect(*, work: Path, code_dir: Path, since: float, task_dir: Path, outputs
     crawlee = item_globs is None and any(_CRAWLEE_DATASET.match(rel) for rel in item_set)
     if crawlee:  # one line for a dataset of many files
         total = sum(count for _, count in result.items)
-        result.items = [(f"storage/datasets/ ({len(item_set)} files)", total)]
+        result.items = [(f"storage/datasets/ ({len(item_set)} file{'' if len(item_set) == 1 else 's'})", total)]
     shipped: list[tuple[str, os.stat_result]] = []
     kept: list[tuple[str, os.stat_result]] = []
     used = 0
