@@ -249,7 +249,8 @@ def test_the_end_scan_finds_the_oversize_items_the_reader_replaces(
     async def read_all() -> list[tuple[int, int]]:
         reader = _FileReader(path, encode_item, limit, cr_breaks=False)
         found: list[tuple[int, int]] = []
-        reader.oversize_notes.hook = lambda _source, size, _limit, end: found.append((size, end))
+        reader.oversize_notes.say = lambda text: found.append(
+            tuple(int(n) for n in re.findall(r"an item of (\d+) bytes .*\(ending at byte (\d+)\)", text)[0]))
         await reader.restore({"offset": start})
         reader.finished = True
         pending = Pending()

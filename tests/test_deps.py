@@ -29,7 +29,6 @@ from ckagent.code.deps import (
     spider_base_env,
     wanted_node,
 )
-from ckagent.code.deps_node import NPM_OPTIONS
 from ckagent.code.installenv import changes_install, install_key_env
 from ckagent.code.runtimes import detect_runtimes
 from ckagent.node.noderange import parse_node_version, satisfies
@@ -433,51 +432,3 @@ async def test_npm_install_scripts_see_the_tasks_env(tmp_path: Path, local_index
             await deps.prepare("node", "n", code, log.extend,
                                task_env={"NPM_CONFIG_REGISTRY": registry.url, "PUPPETEER_SKIP_DOWNLOAD": "true"})
     assert b"download skipped" in bytes(log)
-
-
-def _tool(bin_dir: Path, name: str) -> None:
-    bin_dir.mkdir(parents=True, exist_ok=True)
-    (bin_dir / name).write_text("#!/bin/sh\nexit 0\n")
-    (bin_dir / name).chmod(0o755)
-
-
-def test_node_lock_picks_the_tool_that_honours_it(tmp_path: Path) -> None:
-    from ckagent.code.deps_node import node_install_command
-
-    empty, with_yarn, with_corepack = tmp_path / "empty", tmp_path / "yarn", tmp_path / "corepack"
-    empty.mkdir()
-    _tool(with_yarn, "yarn")
-    _tool(with_yarn, "pnpm")
-    _tool(with_corepack, "corepack")
-    install = tmp_path / "install"
-    install.mkdir()
-    assert node_install_command(install, "npm", str(empty)) == (["npm", "install", *NPM_OPTIONS], None)
-    (install / "yarn.lock").write_text("# yarn lockfile v1\n")
-    argv, note = node_install_command(install, "npm", str(with_yarn))
-    assert argv == [str(with_yarn / "yarn"), "install", "--frozen-lockfile"] and note and "yarn.lock" in note
-    (install / "yarn.lock").write_text('__metadata:\n  version: 8\n')
-    assert node_install_command(install, "npm", str(with_corepack))[0] == [
-        str(with_corepack / "corepack"), "yarn", "install", "--immutable"]
-    argv, note = node_install_command(install, "npm", str(empty))
-    assert argv[:2] == ["npm", "install"] and note is not None and "yarn.lock is not honoured" in note
-    (install / "pnpm-lock.yaml").write_text("lockfileVersion: '9.0'\n")
-    assert node_install_command(install, "npm", str(with_yarn))[0] == [
-        str(with_yarn / "pnpm"), "install", "--frozen-lockfile", "--ignore-pnpmfile"]
-    (install / "package-lock.json").write_text("{}")
-    assert node_install_command(install, "npm", str(with_yarn))[0] == ["npm", "ci", *NPM_OPTIONS]
-
-
-@needs_npm
-async def test_a_yarn_lock_without_yarn_falls_back_and_says_so(tmp_path: Path, local_index: str) -> None:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name in ("node", "npm"):
-        (bin_dir / name).symlink_to(shutil.which(name) or name)
-    deps = _deps(tmp_path, local_index, base_env={**spider_base_env(), "PATH": str(bin_dir)})
-    code = _code(tmp_path, "y", {"package.json": json.dumps(PACKAGE_JSON), "yarn.lock": "# yarn lockfile v1\n",
-                                 "index.js": ""})
-    log = bytearray()
-    with trio.fail_after(120):
-        await deps.prepare("node", "y", code, log.extend)
-    text = bytes(log).decode()
-    assert "yarn.lock is not honoured: neither yarn nor corepack is on this node" in text and "npm install" in text

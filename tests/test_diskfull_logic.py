@@ -13,7 +13,9 @@ the agent's room beforehand, each on real files (a tmpfs the test mounts where i
 from __future__ import annotations
 
 import errno
+import json
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -49,6 +51,7 @@ from ckagent.node.state import StateStore, StateStoreFull
 
 MIB = 1024 * 1024
 SDK_SRC = Path(__file__).resolve().parents[1] / "sdk" / "python" / "src"
+NODE_SDK = Path(__file__).resolve().parents[1] / "sdk" / "node" / "crawlerkeeper-sdk.cjs"
 
 
 # ---------------------------------------------------------------------------------------------- judgement
@@ -218,6 +221,8 @@ async def test_on_a_full_disk_the_state_store_journal_and_a_spiders_stdout_go_on
         store = StateStore(disk / "state.db")
         store.keep_reserve()
         store.add_task("n", "s", {"id": "n"}, disk / "n")
+        bare = StateStore(disk / "bare.db")  # the same store without pages of its own
+        bare.add_task("n", "s", {"id": "n"}, disk / "n")
         task_dir = disk / "n"
         task_dir.mkdir()
         sink = LogSink(task_dir / "output.log")
@@ -233,6 +238,11 @@ async def test_on_a_full_disk_the_state_store_journal_and_a_spiders_stdout_go_on
         for i in range(50):
             store.save_stream_positions({("n", "logs"): (i, {"j": i})})
         store.set_result("n", {"status": "SUCCESS", "pad": "r" * 2000})
+        with pytest.raises(StateStoreFull):  # without them the first writes fail on the full disk
+            for i in range(50):
+                bare.save_stream_positions({("n", "logs"): (i, {"j": i})})
+            bare.set_result("n", {"status": "SUCCESS", "pad": "r" * 2000})
+        bare.close()
         # A spider writing its stdout straight into output.log (as the monitor arranges): not refused.
         spider = os.open(task_dir / "output.log", os.O_WRONLY | os.O_APPEND)
         for i in range(200):
@@ -256,6 +266,20 @@ async def test_on_a_full_disk_the_state_store_journal_and_a_spiders_stdout_go_on
         out, _ = await trio.to_thread.run_sync(child.communicate)
         assert child.returncode == 0 and float(out) >= 0.2  # it waited for the room
         assert items.read_bytes().endswith(b'{"n": 1, "pad": "' + b"q" * 8000 + b'"}\n')
+        node = shutil.which("node")
+        if node is not None:  # the Node SDK waits the same way
+            hog = fill_disk(disk / "hog.bin")
+            script = (f"const ck = require({json.dumps(str(NODE_SDK))}); const t = Date.now();"
+                      "ck.saveItem({n: 2, pad: 'w'.repeat(9000)}); console.log((Date.now() - t) / 1000);")
+            child = subprocess.Popen(  # noqa: ASYNC220 - polled, then waited for in a thread
+                [node, "-e", script], stdout=subprocess.PIPE, text=True,
+                env={**os.environ, "CK_ITEMS_FILE": str(items)})
+            await trio.sleep(0.5)
+            assert child.poll() is None
+            hog.unlink()
+            out, _ = await trio.to_thread.run_sync(child.communicate)
+            assert child.returncode == 0 and float(out) >= 0.2
+            assert items.read_bytes().endswith(b'{"n":2,"pad":"' + b"w" * 9000 + b'"}\n')
         sink.close()
         journal.close()
         records, _ = parse_journal((task_dir / "output.journal").read_bytes())

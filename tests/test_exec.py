@@ -122,7 +122,7 @@ async def test_exec_refuses_bad_input_with_exit_2(tmp_path: Path, capsys: pytest
     # into exit 2 and prints the message: the real process at the end shows it).
     cases: list[tuple[Path, dict[str, Any], str]] = [
         (tmp_path / "missing", {}, "no such folder or zip"),
-        (not_zip, {}, "expected a spider's folder or a .zip"),
+        (not_zip, {}, "expected a spider's folder, a .zip of it or a Scrapyd .egg"),
         (scrapy_project, {}, "needs --spider NAME"),
         (tmp_path, {"framework": "ruby"}, "expected one of scrapy"),
     ]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from ckagent.cli.execview import READ_BYTES, Follower, Terminal
+from ckagent.cli.execview import READ_BYTES, Follower, Terminal, element_texts
 from ckagent.cli.localrun import ExecRequest, ExecUsageError, run_exec
 
 SPIDER = """\
@@ -100,7 +100,8 @@ def test_the_follower_copies_the_masters_items_in_order(tmp_path: Path) -> None:
     assert follower.items == 2
     follower.step(final=True)
     assert asked == [0, 2, 3]
-    assert (tmp_path / "items.jsonl").read_text("utf-8") == '{"a":1}\n{"a":"é"}\n{"a":3}\n'
+    # As the master stored each item's text (not encoded again).
+    assert (tmp_path / "items.jsonl").read_text("utf-8") == '{"a": 1}\n{"a": "\\u00e9"}\n{"a": 3}\n'
 
 
 async def test_what_cannot_run_is_a_usage_error(tmp_path: Path, clean_env: None,
@@ -133,3 +134,14 @@ async def test_what_cannot_run_is_a_usage_error(tmp_path: Path, clean_env: None,
         assert done.returncode == 2, done.stderr
         assert "Traceback" not in done.stderr and re.search(rf"^ckagent exec: .*{re.escape(message)}", done.stderr,
                                                              re.MULTILINE), done.stderr
+
+
+def test_the_items_file_holds_each_items_text_as_the_master_stored_it() -> None:
+    # Scrapy's own encoding (spaces after separators, raw UTF-8, a raw U+2028 in a string) is kept;
+    # an element an old master stored indented is joined onto one line.
+    stored = '[{"when": "1907-02-01T00:00:00", "t": "caf\u00e9 \u2028 x"} ,{"n": 1.10},\n {\n  "a": [1, 2]\n}]'
+    assert element_texts(stored) == ['{"when": "1907-02-01T00:00:00", "t": "caf\u00e9 \u2028 x"}', '{"n": 1.10}',
+                                     '{"a": [1, 2]}']
+    assert element_texts(" [ ] ") == []
+    with pytest.raises(ValueError):
+        element_texts('{"a": 1}')

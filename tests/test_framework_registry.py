@@ -72,7 +72,7 @@ def test_detection_reads_the_markers(tmp_path: Path) -> None:
     with zipfile.ZipFile(tmp_path / "wrapped.zip", "w") as archive:  # a single top folder is unwrapped
         archive.writestr("shop/scrapy.cfg", "")
     assert detect_framework(tmp_path / "wrapped.zip") == "scrapy"
-    assert frameworks.all_markers() == ("scrapy.cfg", "package.json")
+    assert frameworks.all_markers() == ("scrapy.cfg", "EGG-INFO/entry_points.txt", "package.json")
 
 
 def test_default_packages_follow_the_marker_within_the_runtime(tmp_path: Path) -> None:

@@ -78,7 +78,7 @@ def test_links_and_fifos_in_the_working_copy_are_neither_items_nor_artifacts(nod
     got = _collect(node, items=["results.json", "out/*", "feed.jsonl", "real.json"])
     assert got.items == [("real.json", 1)]  # type: ignore[attr-defined]
     spool = (node["task"] / "items.jsonl").read_bytes()
-    assert spool == b'{"ok":1}\n' and b"secret" not in _everything_under(node["task"])
+    assert spool == b'{"ok": 1}\n' and b"secret" not in _everything_under(node["task"])
     assert node["secret"].read_bytes() == SECRET and not got.artifacts  # type: ignore[attr-defined]
 
 

@@ -122,7 +122,7 @@ def test_collect_gives_each_file_its_fate(tmp_path: Path) -> None:
     assert sorted(str(p.relative_to(task_dir / "artifacts")) for p in (task_dir / "artifacts").rglob("*")) == ["edited.txt"]
     refs, keep_dir = load_manifest(task_dir)
     assert refs == got.artifacts and keep_dir == keep
-    assert (task_dir / "items.jsonl").read_text().splitlines() == ['{"a":1}', '{"a":2}']
+    assert (task_dir / "items.jsonl").read_text().splitlines() == ['{"a": 1}', '{"a": 2}']  # as written
     line = got.line()
     assert line.startswith("outputs: results.json → 2 items; edited.txt (4 B) → artifacts; big.bin (")
     assert f"kept at {keep}/ (over the artifact budget of " in line
@@ -193,10 +193,10 @@ def test_an_item_file_that_cannot_be_read_is_an_artifact_not_deleted(
     (work / "page.html").write_text("<p>x</p>")  # an artifact: the working copy becomes the artifacts dir
     real = append_item_file
 
-    def failing(top: Path, rel: str, spool: object) -> int:
+    def failing(top: Path, rel: str, spool: object, start: int = 0) -> int:
         if rel == "bad.json":
             raise OSError(5, "Input/output error")
-        return real(top, rel, spool)  # type: ignore[arg-type]
+        return real(top, rel, spool, start)  # type: ignore[arg-type]
 
     monkeypatch.setattr("ckagent.delivery.outputs.append_item_file", failing)
     got = collect(work=work, code_dir=code, since=since, task_dir=task_dir, outputs=TaskOutputs(items=["*.json"]),

@@ -185,7 +185,7 @@ def test_collect_counts_a_streamed_file_and_does_not_append_it_again(tmp_path: P
                         outputs=TaskOutputs(items=["out.jsonl", "rows.json"]), budget_bytes=0,
                         master_takes_artifacts=True, keep_dir=tmp_path / "kept", streamed=live.link)
     assert collected.items == [("out.jsonl", 2), ("rows.json", 1)]
-    assert (task_dir / ITEMS_FILE).read_text() == '{"r":1}\n'  # only the file read at the end
+    assert (task_dir / ITEMS_FILE).read_text() == '{"r": 1}\n'  # only the file read at the end (as written)
     assert (task_dir / "item-files" / "0-out.jsonl").read_text().count("\n") == 2
 
 

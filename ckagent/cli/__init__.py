@@ -10,7 +10,7 @@ Commands::
     ckagent version                   print the ckagent and Python versions
     ckagent dev-master ...            run the reference master (SQLite)
     ckagent demo [--work-dir DIR] [--keep] [-c FILE]   dev master + agent + example spiders, end to end, checked
-    ckagent exec PATH [--spider NAME] [--param K=V] [--env K=V] [--args "..."] [--items FILE] [--artifacts DIR] ...
+    ckagent exec PATH [--spider NAME] [--param K=V ...] [--env K=V ...] [--args "..."] [--items FILE] [--artifacts DIR] ...
                                       run one local spider (folder or zip) exactly as a node would
 
 Exit codes (ckagent.node.errors, translated once in :func:`main`): 0 ok; 2 usage or configuration error
@@ -316,14 +316,14 @@ def demo_command(*, work_dir: Path = Path("demo-data"), keep: bool = False, conf
 
 
 def exec_command(
-    path: Path,
+    path: Path | None = None,
     /,
     *,
     spider: str | None = None,
     framework: str | None = None,
     command: str | None = None,
-    param: list[str] | None = None,
-    env: list[str] | None = None,
+    param: Annotated[list[str] | None, Parameter(consume_multiple=True)] = None,
+    env: Annotated[list[str] | None, Parameter(consume_multiple=True)] = None,
     timeout: float | None = None,
     stall_timeout: float | None = None,
     items: Path = Path("items.jsonl"),
@@ -344,7 +344,7 @@ def exec_command(
     Parameters
     ----------
     path
-        The spider's folder (zipped like an upload) or its .zip package.
+        The spider's folder (zipped like an upload), its .zip package, or a Scrapyd .egg (scrapyd-deploy --build-egg).
     spider
         The spider's name. Scrapy: what `scrapy crawl NAME` runs; default: the project's only spider
         (a project with several needs it). Others: default the folder's name.
@@ -353,9 +353,9 @@ def exec_command(
     command
         The command to run instead of the framework's default (split like a shell does).
     param
-        A task parameter NAME=VALUE (VALUE as JSON when it is valid JSON, else text); repeatable.
+        Task parameters NAME=VALUE (VALUE as JSON when it is valid JSON, else text): --param a=1 b=2, or one --param each.
     env
-        An environment variable NAME=VALUE for the spider; repeatable.
+        Environment variables NAME=VALUE for the spider: --env A=1 B=2, or one --env each.
     timeout
         Run-time limit in seconds (default: the agent's task.execute_timeout; 0 = none).
     stall_timeout
@@ -374,6 +374,7 @@ def exec_command(
     work_dir
         Agent work dir: environments are cached here for the next run (default ~/.cache/ckagent/exec).
     """
+    from ckagent.cli.execargs import split_path
     from ckagent.cli.localrun import (
         ExecRequest,
         ExecUsageError,
@@ -383,8 +384,9 @@ def exec_command(
     )
 
     try:
-        params = parse_assignments(param or [], "--param", json_values=True)
-        spider_env = {k: str(v) for k, v in parse_assignments(env or [], "--env", json_values=False).items()}
+        path, env, param = split_path(path, env or [], param or [])
+        params = parse_assignments(param, "--param", json_values=True)
+        spider_env = {k: str(v) for k, v in parse_assignments(env, "--env", json_values=False).items()}
     except ExecUsageError as exc:
         raise _UsageError(f"exec: {exc}") from exc
     try:

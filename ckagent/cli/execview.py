@@ -4,14 +4,17 @@
 The items are the ones the exec's private master stored, in the stream's order, whichever road they
 took on the node (CK_ITEMS_FILE / the SDK, declared JSON Lines files streamed live, .json / .csv files
 read at the end, crawlee datasets): :class:`Follower` reads the master's item chunks
-(:meth:`ckagent.devmaster.store.Store.item_chunks_from`), not one file of the task directory. Before
-the task, :func:`say_identity` says whom the spider will run as.
+(:meth:`ckagent.devmaster.store.Store.item_chunks_from`), not one file of the task directory. Each
+item is written as the master stored its text — the bytes the spider (or Scrapy's own exporter)
+wrote, not encoded again: a Scrapy project's ``--items`` file holds the lines its own
+``-o items.jsonl`` would. Before the task, :func:`say_identity` says whom the spider will run as.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +31,28 @@ READ_BYTES = 4 << 20
 
 ItemChunks = Callable[[int], list[tuple[int, str]]]
 """``chunks(seq)`` → the master's stored item chunks from item ``seq`` on: ``(count, JSON array text)``."""
+_DECODER = json.JSONDecoder()
+_JSON_SPACE = " \t\r\n"
+_LINE_BREAK = re.compile(r"[\r\n][ \t\r\n]*")
+
+
+def element_texts(array: str) -> list[str]:
+    """The texts of a JSON array's elements, each as it stands in ``array`` (one line each: a raw
+    line break is white space between tokens, dropped). Raises ValueError for text that is not an array."""
+    pos = len(array) - len(array.lstrip(_JSON_SPACE))
+    if array[pos:pos + 1] != "[":
+        raise ValueError("not a JSON array")
+    pos += 1
+    texts: list[str] = []
+    while True:
+        while pos < len(array) and (array[pos] in _JSON_SPACE or (array[pos] == "," and texts)):
+            pos += 1
+        if array[pos:pos + 1] == "]":
+            return texts
+        _value, end = _DECODER.raw_decode(array, pos)
+        text = array[pos:end]
+        texts.append(_LINE_BREAK.sub("", text) if "\n" in text or "\r" in text else text)
+        pos = end
 
 
 class Terminal:
@@ -107,8 +132,7 @@ class Follower:
             if found:
                 with self.items_path.open("a", encoding="utf-8") as fh:
                     for count, data in found:
-                        fh.writelines(json.dumps(item, ensure_ascii=False, separators=(",", ":")) + "\n"
-                                      for item in json.loads(data))
+                        fh.writelines(text + "\n" for text in element_texts(data))
                         self.items += count
             if not final or not found:
                 break

@@ -1,4 +1,4 @@
-"""``ckagent exec``: run one spider from a local folder or zip exactly as a node runs it — no master needed.
+"""``ckagent exec``: run one spider from a local folder, zip or Scrapyd egg exactly as a node runs it — no master needed.
 
 Exactly as a node: the command composes the agent's own parts, unchanged. It starts a private
 reference master on 127.0.0.1 (port 0, random tokens, its SQLite file ``exec-master.sqlite`` in the
@@ -105,13 +105,15 @@ class ExecRequest:
 
 def detect_framework(source: Path) -> str:
     """The framework whose marker files the project's top holds (ckagent.code.frameworks: scrapy.cfg →
-    ``scrapy``, package.json → ``node``), else ``python``; a zip is looked into (its top and one folder
-    down, as a single top folder is unwrapped)."""
+    ``scrapy``, package.json → ``node``, a Scrapyd egg's EGG-INFO/entry_points.txt → ``scrapy``), else
+    ``python``; a zip (an egg) is looked into (its top and one folder down, as a single top folder is unwrapped)."""
     if source.is_dir():
         names = {p.name for p in source.iterdir()}
     else:
         with zipfile.ZipFile(source) as archive:
-            names = {n.rstrip("/").split("/")[-1] for n in archive.namelist() if n.count("/") <= 1}
+            listed = archive.namelist()
+            names = {n.rstrip("/").split("/")[-1] for n in listed if n.count("/") <= 1}
+            names |= {n for n in listed if n.count("/") == 1}  # an egg's EGG-INFO/entry_points.txt
     return (frameworks.detect(names.__contains__) or frameworks.DEFAULT).name
 
 
@@ -270,8 +272,8 @@ async def run_exec(request: ExecRequest, out: TextIO, err: TextIO) -> int:
     source = request.source
     if not source.exists():
         raise ExecUsageError(f"{source}: no such folder or zip")
-    if source.is_file() and source.suffix.lower() != ".zip":
-        raise ExecUsageError(f"{source}: expected a spider's folder or a .zip of it")
+    if source.is_file() and source.suffix.lower() not in (".zip", ".egg"):
+        raise ExecUsageError(f"{source}: expected a spider's folder, a .zip of it or a Scrapyd .egg")
     if source.is_file() and not await trio.to_thread.run_sync(zipfile.is_zipfile, source):
         raise ExecUsageError(f"{source}: not a zip file")
     await trio.to_thread.run_sync(_check_settings, request)

@@ -1,8 +1,10 @@
 """Node spiders' environments: which node a project asks for, which one runs, its ``node_modules``.
 
 Node spiders (``package.json``) get ``envs/node-<key>/`` (:class:`NodeEnvs`): the manifest, lockfile
-and ``.npmrc`` are copied there by the agent (:func:`node_staged`), ``npm ci`` (lockfile) or ``npm
-install`` runs there as the node's builder (ckagent.code.builder), the result is sealed read-only, and
+and ``.npmrc`` are copied there by the agent (:func:`node_staged`), ``npm ci`` (npm's lock), yarn or
+pnpm (their locks: the node's own, else fetched from the npm registry into a per-version cache,
+never by corepack: ckagent.code.nodetools) or ``npm install`` runs there as the node's builder
+(ckagent.code.builder), the result is sealed read-only, and
 the task's working copy gets a ``node_modules`` symlink to it. A version asked for in ``.nvmrc`` or
 ``engines.node`` is taken from nvm when present (installed with nvm, as the builder, into the work
 dir's own nvm tree when missing); otherwise the system node runs, with a warning in the task log if
@@ -35,6 +37,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -46,6 +49,7 @@ from ckagent.code.envstore import Checked, EnvStore, Prepared, is_ready, mark_re
 from ckagent.code.installenv import install_key_env, installer_env, referenced
 from ckagent.code.installer import Installers, Output
 from ckagent.code.nodestage import CONFIG_FILES, NODE_COPIED, NODE_DEP_FILES, ROOT_LIFECYCLE, node_staged
+from ckagent.code.nodetools import NPM_OPTIONS, NodeTools, wanted_tool
 from ckagent.code.runtimes import find_npm, nvm_node_versions
 from ckagent.code.stage import ProjectFiles, write_staged
 from ckagent.containment import TaskJail
@@ -56,7 +60,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["CONFIG_FILES", "NODE_COPIED", "NODE_DEP_FILES", "NPM_MISSING", "NPM_OPTIONS", "PUPPETEER_CACHE",
            "ROOT_LIFECYCLE", "NodeEnvs", "NodePlan", "link_node_modules", "node_default_command",
-           "node_install_command", "node_staged", "pick_nvm_node", "system_node_version", "wanted_node"]
+           "node_staged", "npm_install_command", "pick_nvm_node", "system_node_version", "wanted_node"]
 
 NPM_MISSING = "npm is not installed on this node: install Node.js with npm (e.g. `apt-get install nodejs npm`)"
 
@@ -110,45 +114,13 @@ def system_node_version(path: str) -> NodeVersion | None:
     return _node_version_at(node, os.stat(node).st_mtime)
 
 
-NPM_OPTIONS = ("--no-audit", "--no-fund", "--no-progress", "--no-update-notifier")
-
-
-def node_install_command(install_dir: Path, npm: str, path: str) -> tuple[list[str], str | None]:
-    """The install that honours the lock staged in ``install_dir``: (argv, a note for the task log).
-
-    ``package-lock.json``/``npm-shrinkwrap.json`` → ``npm ci``; ``pnpm-lock.yaml`` → ``pnpm install
-    --frozen-lockfile``; ``yarn.lock`` → ``yarn install --frozen-lockfile`` (Yarn 1) or ``--immutable``
-    (Yarn 2+, whose lock has ``__metadata``). pnpm and yarn are taken from ``path``, else run through
-    corepack (which fetches the version ``packageManager`` names). Without either, the documented
-    fallback: ``npm install`` from package.json's ranges, with a note saying the lock was not
-    honoured and how to make it be. No lock → ``npm install``. Blocking: a few stats and one small read.
-    """
-    corepack = shutil.which("corepack", path=path)
-
-    def tool(name: str) -> list[str] | None:
-        found = shutil.which(name, path=path)
-        if found is not None:
-            return [found]
-        return [corepack, name] if corepack is not None else None
-
-    if any((install_dir / name).is_file() for name in ("package-lock.json", "npm-shrinkwrap.json")):
-        return [npm, "ci", *NPM_OPTIONS], None
-    for lock, name in (("pnpm-lock.yaml", "pnpm"), ("yarn.lock", "yarn")):
-        if not (install_dir / lock).is_file():
-            continue
-        runner = tool(name)
-        if runner is None:
-            return [npm, "install", *NPM_OPTIONS], (
-                f"warning: {lock} is not honoured: neither {name} nor corepack is on this node, so npm install "
-                f"resolves package.json's ranges instead; install {name} (or Node.js with corepack) to honour it")
-        if name == "pnpm":
-            return ([*runner, "install", "--frozen-lockfile", "--ignore-pnpmfile"],
-                    f"{lock}: installing exactly what it pins with pnpm")
-        with open(install_dir / lock, "rb") as fh:
-            berry = b"__metadata:" in fh.read(4096)
-        flag = "--immutable" if berry else "--frozen-lockfile"
-        return [*runner, "install", flag], f"{lock}: installing exactly what it pins with yarn ({flag})"
-    return [npm, "install", *NPM_OPTIONS], None
+def npm_install_command(staged: Mapping[str, bytes], npm: str) -> list[str]:
+    """npm's install of the staged files: ``npm ci`` with npm's own lock (``package-lock.json``,
+    ``npm-shrinkwrap.json``), else ``npm install``. A yarn or pnpm lock is its own tool's
+    (ckagent.code.nodetools)."""
+    if "package-lock.json" in staged or "npm-shrinkwrap.json" in staged:
+        return [npm, "ci", *NPM_OPTIONS]
+    return [npm, "install", *NPM_OPTIONS]
 
 
 def link_node_modules(code_dir: Path, target: Path) -> None:
@@ -215,6 +187,8 @@ class NodeEnvs:
         self.cache_dir = cache_dir
         self.own_nvm = store.root / ".nvm"
         """Node versions nvm installed here (root's tree, each version sealed)."""
+        self.tools = NodeTools(store.root / ".tools", installers, cache_dir, store.lock)
+        """yarn and pnpm for the lock files that need them (ckagent.code.nodetools)."""
 
     def check(self, code_dir: Path, task_env: dict[str, str]) -> Checked | None:
         """What :meth:`prepare` begins with, blocking (the task's prepare hop): the layout and key, the
@@ -303,11 +277,20 @@ class NodeEnvs:
                     "npm_config_package_import_method": "copy",
                     "PUPPETEER_CACHE_DIR": str(install_dir / PUPPETEER_CACHE)})
         await trio.to_thread.run_sync(self._start, install_dir, plan)
-        argv, note = await trio.to_thread.run_sync(node_install_command, install_dir, npm, path)
-        if note is not None:
-            output(f"[ckagent] {note}\n".encode())
-        env.setdefault("COREPACK_ENABLE_DOWNLOAD_PROMPT", "0")
-        await self._installers.run(argv, install_dir, env, output, jail=jail)
+        want = wanted_tool(plan.staged)
+        label = None
+        if want is None:
+            argv = npm_install_command(plan.staged, npm)
+        else:
+            for note in want.notes:
+                output(f"[ckagent] {note}\n".encode())
+            runner = await self.tools.runner(want, path, given.env, output, jail)
+            output(f"[ckagent] {want.lock}: installing exactly what it pins with {want.tool} {runner.version or ''} "
+                   f"({runner.where}; {want.why})\n".encode())
+            argv = want.install_argv(runner.argv)
+            label = " ".join(filter(None, [want.tool, runner.version, "install", f"({want.lock})"]))
+            env.update(want.env(given.env, builder.home))
+        await self._installers.run(argv, install_dir, env, output, label=label, jail=jail)
         size = await trio.to_thread.run_sync(_finish_node_env, install_dir, plan.key, builder)
         log.info("built Node environment %s (%d bytes) as %s", install_dir.name, size, builder.describe())
 

@@ -29,6 +29,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ckagent.code import eggs
 from ckagent.code.frameworks import default_packages
 from ckagent.code.installenv import referenced
 from ckagent.code.pylocks import find_lock, lock_inputs
@@ -211,6 +212,12 @@ def _declares(files: ProjectFiles) -> bool:
     return isinstance(data.get("project"), dict) or (isinstance(poetry, dict) and "dependencies" in poetry)
 
 
+def _distribution(line: str) -> str:
+    """The normalised distribution name a requirement line starts with (``""`` for an option or a URL)."""
+    m = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", line.strip())
+    return re.sub(r"[-_.]+", "-", m.group()).lower() if m else ""
+
+
 def _not_sdk(line: str) -> bool:
     """A requirement line that is not ``crawlerkeeper-sdk`` (the bundled SDK, the ``.pth``, serves it)."""
     return re.split(r"[\s=<>!~;@\[]", line.strip(), maxsplit=1)[0].lower().replace("_", "-") != SDK_DISTRIBUTION
@@ -303,6 +310,13 @@ def python_plan(code_dir: Path | ProjectFiles, framework: str, interpreter: dict
     elif files.is_file("requirements.txt"):
         mode = "requirements"
         reqs = read_requirements(files, "requirements.txt")
+        sdk = requires_sdk_by_name("\n".join(reqs.lines))
+    elif files.is_file(eggs.REQUIRES) and files.is_dir(eggs.EGG_INFO):
+        mode = "requirements"  # a Scrapyd egg's install_requires; Scrapy is Scrapyd's own, so added when unnamed
+        lines = eggs.requires_lines(files.text(eggs.REQUIRES) or "")
+        if not any(_distribution(line) == "scrapy" for line in lines):
+            lines.append("scrapy")
+        reqs = requirement_lines(files, eggs.REQUIRES, lines)
         sdk = requires_sdk_by_name("\n".join(reqs.lines))
     else:
         mode = "packages"

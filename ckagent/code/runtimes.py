@@ -10,8 +10,8 @@ accordingly; rescanned every few minutes. Detection runs subprocesses (``--versi
               "nvm": ["18.19.0"]},
      "npm": {...}, "chromium": {...}, "chromedriver": {...}}
 
-Tool discovery lives here, once: :func:`find_uv`, :func:`find_npm`, :func:`find_chromium`,
-:func:`find_chromedriver` (ckagent.code.deps asks these; this module imports nothing of the agent's but
+Tool discovery lives here, once: :func:`find_uv`, :func:`find_npm`, :func:`find_package_manager`
+(yarn, pnpm: never corepack's shims), :func:`find_chromium`, :func:`find_chromedriver` (ckagent.code.deps asks these; this module imports nothing of the agent's but
 the pure ckagent.node.noderange).
 """
 
@@ -51,21 +51,49 @@ def _version_of(argv: list[str], timeout: float = 10.0) -> str | None:
     return match.group(1) if match else None
 
 
-def _npm_version(npm: str) -> str | None:
-    """npm's version, read from the package.json of the package its command runs (``bin/npm-cli.js``
-    in an ``npm`` package: Debian's, nvm's and npm's own installs); else by running ``npm --version``,
-    which starts Node and loads npm: ~0.15 s of CPU at every agent start for one line."""
-    cli = Path(os.path.realpath(npm))
+def _package_version(command: str, names: tuple[str, ...]) -> str | None:
+    """The version in the package.json of the npm package whose ``bin/`` script ``command`` runs (after
+    its links), when that package is one of ``names``; else None. Blocking: one small read."""
+    cli = Path(os.path.realpath(command))
     try:
         package = json.loads((cli.parent.parent / "package.json").read_text("utf-8"))
     except (OSError, ValueError):
         package = None
-    if (isinstance(package, dict) and package.get("name") == "npm" and cli.parent.name == "bin"
+    if (isinstance(package, dict) and package.get("name") in names and cli.parent.name == "bin"
             and isinstance(package.get("version"), str)):
         match = _VERSION.fullmatch(package["version"].split("-", 1)[0])
         if match:
             return match.group(1)
-    return _version_of([npm, "--version"])
+    return None
+
+
+def _npm_version(npm: str) -> str | None:
+    """npm's version, read from the package.json of the package its command runs (``bin/npm-cli.js``
+    in an ``npm`` package: Debian's, nvm's and npm's own installs); else by running ``npm --version``,
+    which starts Node and loads npm: ~0.15 s of CPU at every agent start for one line."""
+    return _package_version(npm, ("npm",)) or _version_of([npm, "--version"])
+
+
+PACKAGE_MANAGER_PACKAGES = {"yarn": ("yarn", "@yarnpkg/cli-dist"), "pnpm": ("pnpm",)}
+"""The npm packages that carry each package manager's command (Yarn 1: ``yarn``; Yarn 2+: ``@yarnpkg/cli-dist``)."""
+
+
+def is_corepack_shim(command: str) -> bool:
+    """Whether ``command`` (a path) is one of corepack's shims: run, it downloads its tool from the
+    internet (``corepack enable`` links ``yarn`` and ``pnpm`` to them)."""
+    return "corepack" in Path(os.path.realpath(command)).parts
+
+
+def find_package_manager(name: str, path: str | None = None) -> tuple[str, str | None] | None:
+    """``yarn`` or ``pnpm`` on ``path`` (default: the agent's PATH): (its path, its version or None when
+    it cannot be told), or None when absent — a corepack shim counts as absent (it downloads the tool
+    when run; ckagent.code.nodetools fetches it from the npm registry instead). Blocking: a small read,
+    or one ``--version`` run when the command is not an npm package's script."""
+    found = shutil.which(name, path=path)
+    if found is None or is_corepack_shim(found):
+        return None
+    version = _package_version(found, PACKAGE_MANAGER_PACKAGES.get(name, (name,)))
+    return found, version or _version_of([found, "--version"])
 
 
 def find_chromium() -> str | None:

@@ -11,7 +11,8 @@ Rules (ckagent.code.workspace applies them to packages and to spider-file listin
   too (a zip bomb lying about its sizes still stops at the cap).
 
 A package whose entries all sit under one top-level folder (GitHub's "Download ZIP") is unwrapped:
-that folder's content is the project root; macOS's ``__MACOSX/`` entries are dropped.
+that folder's content is the project root (not an egg's ``EGG-INFO/``); macOS's ``__MACOSX/`` entries
+are dropped. A Scrapyd egg is a zip like any other here (ckagent.code.eggs reads what it says).
 
 Exceptions::
 
@@ -204,6 +205,8 @@ def extract_zip(zip_path: Path, dest: Path, limits: Limits) -> int:
         return files
 
 
+EGG_INFO = "EGG-INFO"
+"""A Scrapyd egg's metadata folder (ckagent.code.eggs): never unwrapped as a single top folder."""
 MAC_METADATA = "__MACOSX"
 """Folder macOS's Archive Utility adds to zips (resource forks): never part of a project."""
 
@@ -212,10 +215,11 @@ def unwrap_single_folder(
     plan: list[tuple[zipfile.ZipInfo, PurePosixPath]],
 ) -> list[tuple[zipfile.ZipInfo, PurePosixPath]]:
     """Entries as they land in the code dir: ``__MACOSX/`` dropped, and when every entry sits under one
-    top-level folder (GitHub's "Download ZIP", ``git archive --prefix=x/``), that folder unwrapped."""
+    top-level folder (GitHub's "Download ZIP", ``git archive --prefix=x/``), that folder unwrapped —
+    unless it is an egg's ``EGG-INFO/`` (an egg of no code stays an egg: ckagent.code.eggs says what it lacks)."""
     plan = [(info, rel) for info, rel in plan if rel.parts[0] != MAC_METADATA]
     tops = {rel.parts[0] for _, rel in plan}
-    if len(tops) != 1 or any(len(rel.parts) == 1 and not info.is_dir() for info, rel in plan):
+    if len(tops) != 1 or tops == {EGG_INFO} or any(len(rel.parts) == 1 and not info.is_dir() for info, rel in plan):
         return plan
     return [(info, PurePosixPath(*rel.parts[1:])) for info, rel in plan if len(rel.parts) > 1]
 

@@ -10,7 +10,8 @@ never one a running task uses.
 Before anything is extracted the package is at most ``max_package_bytes`` (declared and while
 streaming: the download is streamed to a file and aborted at the cap, never held in memory) and has
 the sha256 and size announced; its entries then pass the rules of ckagent.code.unpack (paths, kinds,
-sizes, the single-folder unwrap).
+sizes, the single-folder unwrap); a zip holding one Scrapyd egg has it unpacked in its place
+(ckagent.code.eggs.unnest).
 
 Spider files: the same path and size rules per listed file, each download checked against its
 sha256, files unchanged since the newest existing version copied from it rather than downloaded.
@@ -35,6 +36,7 @@ from pathlib import Path
 import stamina
 import trio
 
+from ckagent.code.eggs import unnest
 from ckagent.code.unpack import WRITE_CHUNK_BYTES, Limits, check_layout, check_member_path, extract_zip
 from ckagent.master.client import MasterClient, MasterError, MasterUnavailable, retry_wait
 from ckagent.master.endpoints import DOWNLOAD, SPIDER_FILE, Endpoint, Retry
@@ -205,6 +207,10 @@ class Workspaces:
             code = tmp / "code"
             await trio.to_thread.run_sync(code.mkdir)
             files = await trio.to_thread.run_sync(extract_zip, zip_path, code, self.limits)
+            inner = await trio.to_thread.run_sync(unnest, code, self.limits)
+            if inner is not None and notice is not None:
+                notice(f"the package holds the Scrapyd egg {inner}: unpacked in its place, beside the package's "
+                       "other files")
             await trio.to_thread.run_sync(_move_into_place, code, final)
             log.info("spider %s: deployed package %s (%d files)", spider_id, final.name, files)
         finally:

@@ -1,7 +1,7 @@
 """Blocks held beyond the ends of a running task's appended spool files (ckagent.node.diskfull): the
 outbox's disk loop tops them up at every look (:func:`headroom_fds` on the Trio thread, :func:`top_up`
 in its thread hop); the task's delivery gives them back when its process is over, under the same
-lock (:class:`Headroom`, ``TaskDelivery.headroom``), so no look holds them again after.
+lock (:class:`Headroom`, ``Spooled.headroom``), so no look holds them again after.
 """
 
 from __future__ import annotations
@@ -9,21 +9,38 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ckagent.delivery.diskwatch import release_spool_headroom
 from ckagent.delivery.spool import ITEMS_FILE, open_spool
 from ckagent.node.diskfull import JOURNAL_HEADROOM_BYTES, SPOOL_HEADROOM_BYTES, preallocate
 
-if TYPE_CHECKING:
-    from ckagent.delivery.taskdelivery import TaskDelivery
+
+class _Open(Protocol):
+    def fileno(self) -> int: ...
 
 
-def headroom_fds(deliveries: list[TaskDelivery]) -> list[tuple[TaskDelivery, list[tuple[int, int]]]]:
+class Spooled(Protocol):
+    """What of a task's delivery (ckagent.delivery.taskdelivery.TaskDelivery) the top-up reads."""
+
+    @property
+    def task_dir(self) -> Path: ...
+    @property
+    def headroom(self) -> Headroom: ...
+    @property
+    def sink(self) -> _Open | None: ...
+    @property
+    def journal(self) -> _Open: ...
+    @property
+    def item_journal(self) -> _Open | None: ...
+
+
+def headroom_fds(deliveries: Sequence[Spooled]) -> list[tuple[Spooled, list[tuple[int, int]]]]:
     """Per delivery, (a duplicate of the descriptor, the headroom it gets) for each open spool file the
     agent holds: output.log, the journals. On the Trio thread (dup: microseconds)."""
-    found: list[tuple[TaskDelivery, list[tuple[int, int]]]] = []
+    found: list[tuple[Spooled, list[tuple[int, int]]]] = []
     for delivery in deliveries:
         held = [(delivery.sink.fileno() if delivery.sink is not None else -1, SPOOL_HEADROOM_BYTES),
                 (delivery.journal.fileno(), JOURNAL_HEADROOM_BYTES)]
@@ -38,7 +55,7 @@ def headroom_fds(deliveries: list[TaskDelivery]) -> list[tuple[TaskDelivery, lis
     return found
 
 
-def top_up(spool: list[tuple[TaskDelivery, list[tuple[int, int]]]]) -> None:
+def top_up(spool: list[tuple[Spooled, list[tuple[int, int]]]]) -> None:
     """Blocks held beyond the end of every running task's appended spool files again (their writers
     used some): the agent's descriptors (closed here) and each items.jsonl — not once the task's
     delivery has given them back (its process is over). Blocking."""

@@ -17,6 +17,7 @@ from pathlib import Path, PurePosixPath
 
 from ckagent.delivery.spool import (
     AGENT_FILES,
+    ITEMS_JOURNAL,
     JOURNAL_FILE,
     MAX_LOG_SOURCES,
     OUTPUT_LOG,
@@ -27,6 +28,19 @@ from ckagent.node import beneath
 from ckagent.node.diskfull import JOURNAL_HEADROOM_BYTES, preallocate, release_beyond
 
 log = logging.getLogger(__name__)
+
+START_MARK = " @"
+"""In the items journal, an ``S`` record's path may end in `` @<offset>``: the source starts there
+(a declared item file the run appended to a sample of the package: ckagent.delivery.outputs.samples).
+Its paths (items.jsonl, ``item-files/<n>-<name>`` with ``[A-Za-z0-9._-]`` names) never hold a space."""
+
+
+def split_start(arg: str) -> tuple[str, int]:
+    """An items journal ``S`` record's argument → (the source's path, the offset it starts at)."""
+    path, mark, start = arg.rpartition(START_MARK)
+    if mark and start.isdigit():
+        return path, int(start)
+    return arg, 0
 
 
 def parse_journal(data: bytes) -> tuple[list[tuple[int, str, int, str]], int]:
@@ -84,6 +98,7 @@ class LogJournal:
         self.on_notice: Callable[[str], None] | None = None
         """Told (instead of the agent log) when a source shrank: the items journal says it in the task's log."""
         self._warned_full = False
+        self._with_starts = name == ITEMS_JOURNAL  # sources may start past a sample (START_MARK)
         self.unwritten = b""
         """Records a failed write left in memory (written before any later record)."""
 
@@ -106,9 +121,10 @@ class LogJournal:
             raise
         for _, kind, idx, arg in records:
             if kind == "S":
-                self.paths[idx] = arg
-                self.current[arg] = idx
-                self.recorded[idx] = 0
+                path, start = split_start(arg) if self._with_starts else (arg, 0)
+                self.paths[idx] = path
+                self.current[path] = idx
+                self.recorded[idx] = start
             elif kind == "D":
                 self.recorded[idx] = int(arg)
             elif kind == "F":
@@ -120,12 +136,15 @@ class LogJournal:
         if 0 not in self.paths:
             self._write([self._declare(self._first)])
 
-    def _declare(self, path: str) -> str:
+    def _declare(self, path: str, starts: dict[str, int] | None = None) -> str:
+        """A new source ``path``; from ``starts[path]`` (items journal) on its first declaration (one
+        declared again after it shrank starts at 0)."""
+        start = starts.get(path, 0) if starts and self._with_starts and path not in self.current else 0
         idx = max(self.paths, default=-1) + 1
         self.paths[idx] = path
         self.current[path] = idx
-        self.recorded[idx] = 0
-        return f"S {idx} {path}\n"
+        self.recorded[idx] = start
+        return f"S {idx} {path}{START_MARK}{start}\n" if start > 0 else f"S {idx} {path}\n"
 
     def _write(self, records: list[str]) -> None:
         if (records or self.unwritten) and self._fd >= 0:
@@ -155,8 +174,9 @@ class LogJournal:
         self._write([])
         return not self.unwritten
 
-    def note(self, sizes: dict[str, int]) -> None:
-        """Record growth: ``sizes`` maps source path → current size. New paths are declared; a file
+    def note(self, sizes: dict[str, int], starts: dict[str, int] | None = None) -> None:
+        """Record growth: ``sizes`` maps source path → current size. New paths are declared (the items
+        journal's from ``starts[path]`` when given: the end of a sample the run appends to); a file
         that shrank (rotated or truncated) continues as a new source. Does nothing once ended."""
         if self.ended:
             return
@@ -170,7 +190,7 @@ class LogJournal:
                                     self._what)
                         self._warned_full = True
                     continue
-                records.append(self._declare(path))
+                records.append(self._declare(path, starts))
                 idx = self.current[path]
             elif idx in self.finalized:
                 continue
@@ -190,11 +210,11 @@ class LogJournal:
                 self.recorded[idx] = size
         self._write(records)
 
-    def end(self, sizes: dict[str, int]) -> None:
+    def end(self, sizes: dict[str, int], starts: dict[str, int] | None = None) -> None:
         """The task is over: record the last growth, complete every source, end the stream (idempotent)."""
         if self.ended:
             return
-        self.note(sizes)
+        self.note(sizes, starts)
         records = [f"F {idx}\n" for idx in sorted(self.paths) if idx not in self.finalized]
         self.finalized.update(self.paths)
         records.append("E\n")

@@ -19,13 +19,16 @@ from ckagent.delivery.spool import MAX_LINE_BYTES
 from ckagent.node.logs import Masker
 
 log = logging.getLogger(__name__)
-_SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|KEY)$", re.IGNORECASE)
+_SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|PASS|KEY|AUTH|CREDENTIALS?|COOKIE)$", re.IGNORECASE)
+"""A secret's name (an env variable's, a flag's, a ``NAME=`` word's) ends so: ``API_KEY``, ``--db-password``,
+Scrapy's ``http_pass`` spider argument, ``--proxy-auth``, ``--cookie``."""
 
 # ---------------------------------------------------------------------------------------------- secrets
 
 
 def secret_values(env: dict[str, str], extra: Iterable[str] = (), args: Iterable[str] = ()) -> list[str]:
-    """Values to mask: env variables named like *TOKEN, *SECRET, *PASSWORD, *KEY, the same in ``args``
+    """Values to mask: env variables with a secret's name (*TOKEN, *SECRET, *PASSWORD, *PASSWD, *PASS,
+    *KEY, *AUTH, *CREDENTIAL(S), *COOKIE), the same in ``args``
     (see :func:`secret_args`), plus ``extra``.
 
     Empty values are left out. Longest first. How each is masked (a short one only where it stands
@@ -39,19 +42,69 @@ def secret_values(env: dict[str, str], extra: Iterable[str] = (), args: Iterable
 
 def secret_args(args: Iterable[str]) -> list[str]:
     """The values in a command line that the env rule would mask: ``--db-password hunter2``,
-    ``--db-password=hunter2``, ``-a api_key=x`` and ``TOKEN=x`` give ``hunter2``/``x`` (a flag or
-    name ending in TOKEN, SECRET, PASSWORD, PASSWD or KEY, ``-`` read as ``_``)."""
+    ``--db-password=hunter2``, ``-a api_key=x``, ``TOKEN=x`` and ``--set=API_KEY=x`` give
+    ``hunter2``/``x`` (a flag or name with a secret's name, :data:`_SECRET_NAME`, ``-`` read as ``_``; a
+    word with several ``=`` is cut after the first name that is secret)."""
     found: list[str] = []
     words = list(args)
     for i, word in enumerate(words):
-        name, eq, value = word.partition("=")
-        name = name.lstrip("-").replace("-", "_")
-        if eq:
-            if _SECRET_NAME.search(name):
-                found.append(value)
-        elif word.startswith("-") and _SECRET_NAME.search(name) and i + 1 < len(words):
+        cut = _secret_cut(word)
+        if cut is not None:
+            found.append(word[cut:])
+        elif _secret_flag(word) and i + 1 < len(words):
             found.append(words[i + 1])
     return found
+
+
+def _secret_name(name: str) -> bool:
+    return bool(_SECRET_NAME.search(name.lstrip("-").replace("-", "_")))
+
+
+def _secret_flag(word: str) -> bool:
+    """``word`` is a flag whose value (the next word) is secret: ``--token``, ``--db-password``."""
+    return word.startswith("-") and "=" not in word and _secret_name(word)
+
+
+def _secret_cut(word: str) -> int | None:
+    """Where the secret value in ``word`` starts: after the first ``=`` whose name (the text since the
+    previous ``=``) is secret (``api_key=x`` → 8, ``--set=API_KEY=x`` → 14); None if there is none."""
+    start = 0
+    while (eq := word.find("=", start)) != -1:
+        if _secret_name(word[start:eq]):
+            return eq + 1
+        start = eq + 1
+    return None
+
+
+_URL_PASSWORD = re.compile(r"(://[^/@:]*:)[^/]*@")
+_CREDENTIAL_HEADER = re.compile(r"(?is)((?:proxy-)?authorization|cookie)(\s*:\s*)\S.*")
+_AUTH_SCHEME = re.compile(r"(?i)\b(bearer|basic|digest|token)(\s+)[^\s'\"]+")
+
+
+def mask_argv(argv: Sequence[str], secrets: Iterable[str] = ()) -> list[str]:
+    """``argv`` as it may be shown: the value of a secret-looking flag (``--token X``: the next word),
+    the value of a secret-looking ``NAME=VALUE`` (:func:`secret_args`), a URL's password
+    (``https://user:***@host``), a credential header's value (``Authorization: ***``, ``Cookie: ***``),
+    the credentials after ``Bearer``/``Basic``/``Digest``/``Token``, and every occurrence of ``secrets``
+    (and of the secret-looking values, wherever else they occur: :class:`Masker`'s rule, a short value
+    only where it stands alone) are ``***``; every other word is as it was. Pure; never raises."""
+    words = list(argv)
+    masker = Masker([*secrets, *secret_args(words)], multiline=True)
+    shown: list[str] = []
+    hide_next = False
+    for word in words:
+        if hide_next:
+            shown.append("***")
+            hide_next = False
+            continue
+        cut = _secret_cut(word)
+        if cut is not None:
+            shown.append(masker(word[:cut]) + "***")
+            continue
+        hide_next = _secret_flag(word)
+        word = _URL_PASSWORD.sub(r"\1***@", masker(word))
+        shown.append(_AUTH_SCHEME.sub(r"\1\2***", _CREDENTIAL_HEADER.sub(r"\1\2***", word)))
+    return shown
 
 
 # ---------------------------------------------------------------------------------------------- lines

@@ -19,7 +19,7 @@ import trio
 
 from ckagent.delivery.capture import DiskGuard, LogSink
 from ckagent.delivery.diskwatch import Accounted, DiskWatch, accounted_bytes
-from ckagent.delivery.headroom import headroom_fds, top_up
+from ckagent.delivery.headroom import Spooled, headroom_fds, top_up
 from ckagent.delivery.journal import LogJournal, rejected_log_globs, task_log_globs
 from ckagent.delivery.lifecycle import Lifecycle
 from ckagent.delivery.lines import Masker, secret_values
@@ -81,6 +81,9 @@ class Outbox:
         self._looks = 0
         self.on_disk_full: Callable[[str, str], None] | None = None
         """Called with (task id, reason) for a running task that fills the disk: the agent stops it DISK_FULL."""
+        self.busy_spiders: Callable[[], set[str]] | None = None
+        """The safe names of the spiders with a task on this node (the retention loop keeps their Scrapy
+        data: ckagent.code.scrapydata.remove_unused); None: none known."""
         self._store_full = False  # the last flush of positions met a full disk (logged once)
         self._looked = Broadcast()  # after each look of the disk loop
         self.deliveries: dict[str, TaskDelivery] = {}
@@ -105,7 +108,8 @@ class Outbox:
                 nursery.start_soon(self.batcher.run)
                 nursery.start_soon(self._disk_loop)
                 if self.config.retention > 0:
-                    nursery.start_soon(retention_loop, self.store, self.work_dir, self.config.retention)
+                    nursery.start_soon(retention_loop, self.store, self.work_dir, self.config.retention,
+                                       lambda: self.busy_spiders() if self.busy_spiders is not None else set())
                 task_status.started()
                 await trio.sleep_forever()
         finally:
@@ -395,7 +399,7 @@ class Outbox:
 
 
 def _scan_round(deliveries: list[TaskDelivery], disk: Path, accounted: list[tuple[str, Accounted, bool]],
-                calm_bytes: int | None, spool: list[tuple[TaskDelivery, list[tuple[int, int]]]], store: StateStore,
+                calm_bytes: int | None, spool: list[tuple[Spooled, list[tuple[int, int]]]], store: StateStore,
                 acked: set[str], keep_reserve: bool) -> tuple[list[Scanned], int | None, dict[str, int], set[str]]:
     """One round of the disk loop in its worker thread (blocking): the acknowledged results marked
     (:func:`_mark_all`), :func:`_scan_all`, the spool files' headroom topped up (ckagent.delivery.headroom.top_up),

@@ -14,7 +14,7 @@ from typing import Any
 
 import trio
 
-from ckagent.delivery.journal import parse_journal
+from ckagent.delivery.journal import parse_journal, split_start
 from ckagent.delivery.lines import LineSplitter, Masker, encode_block, encode_json, encode_lines
 from ckagent.delivery.pending import Pending
 from ckagent.delivery.spool import (
@@ -52,17 +52,24 @@ task dir), ending at offset ``end``, is over ``limit`` and became a placeholder.
 
 
 class OversizeNotes:
-    """Where a reader reports the items it replaced by a placeholder for their size: ``hook`` (set by
-    the reader's owner, may be None). Shared by a reader's :class:`_ItemLines` across restores."""
+    """Where a reader reports the items it replaced by a placeholder for their size: each is said once
+    (the reader and the end's scan, :func:`scan_oversize`, may both meet it) through ``say(text)``,
+    set by the reader's owner (None: not said). Shared by a reader's :class:`_ItemLines` across restores."""
 
-    __slots__ = ("hook",)
+    __slots__ = ("said", "say")
 
     def __init__(self) -> None:
-        self.hook: OversizeHook | None = None
+        self.say: Callable[[str], None] | None = None
+        self.said: set[tuple[str, int]] = set()  # (source, end offset) of the items said
 
     def __call__(self, source: str, size: int, limit: int, end: int) -> None:
-        if self.hook is not None:
-            self.hook(source, size, limit, end)
+        if self.say is None or (source, end) in self.said:
+            return
+        self.said.add((source, end))
+        self.say(f"an item of {size} bytes in {source} (ending at byte {end}) is over the limit of {limit} bytes "
+                 f"({limit / (1 << 20):g} MiB) for one item: the master gets a placeholder in its place "
+                 "(_invalidItem), the spool on the node keeps the item; write smaller items (e.g. store large "
+                 "content as a file in CK_TASK_DIR and put its name in the item)")
 
 
 class _ItemLines:
@@ -73,7 +80,7 @@ class _ItemLines:
     __slots__ = ("_encode", "_max", "_notes", "_source", "line_start", "oversize")
 
     def __init__(self, start: int, encode: Callable[[bytes], bytes | None], max_line_bytes: int,
-                 notes: OversizeNotes | None = None, source: str = "") -> None:
+                 notes: OversizeHook | None = None, source: str = "") -> None:
         self.line_start = start  # where the next line (or piece of a cut one) starts
         self.oversize = 0  # bytes so far of a line longer than max_line_bytes (0: none being read)
         self._encode = encode
@@ -129,7 +136,7 @@ class _FileReader:
         self._read_at = 0
         self._splitter = LineSplitter(0, max_line_bytes, cr_breaks)
         self.oversize_notes = OversizeNotes()
-        """Where the items replaced by a placeholder for their size are reported (its ``hook``)."""
+        """Where the items replaced by a placeholder for their size are said (its ``say``)."""
         self._lines = _ItemLines(0, encode, max_line_bytes, self.oversize_notes, path.name)
         self.finished = False  # set by the owner: the file will not grow any more
         self.done = False
@@ -405,9 +412,11 @@ class _ItemJournalReader(_JournalReader):
         super().__init__(task_dir, Masker([]), max_line_bytes, journal=ITEMS_JOURNAL)
         self._encode = encode
         self.oversize_notes = OversizeNotes()
-        """Where the items replaced by a placeholder for their size are reported (its ``hook``)."""
+        """Where the items replaced by a placeholder for their size are said (its ``say``)."""
 
     def _source(self, path: str, start: int) -> _Source:
+        path, begins = split_start(path)  # a file appended to a sample of the package: from its end
+        start = max(start, begins)
         return _Source(path, start, self._max, _ItemLines(start, self._encode, self._max, self.oversize_notes, path))
 
     def _emit_fed(self, pending: Pending, at: int, idx: int, data: bytes) -> None:
@@ -435,8 +444,10 @@ def scan_oversize(path: Path, start: int, max_line_bytes: int) -> tuple[list[tup
     most :data:`OVERSIZE_SCAN_BYTES`; a file that is not a plain file of the spool (a link the spider
     planted) or cannot be read gives ``([], start)``. Blocking."""
     found: list[tuple[int, int]] = []
-    notes = OversizeNotes()
-    notes.hook = lambda _source, size, _limit, end: found.append((size, end))
+
+    def notes(_source: str, size: int, _limit: int, end: int) -> None:
+        found.append((size, end))
+
     try:
         fd = open_spool(path)
     except OSError:

@@ -162,8 +162,7 @@ class StreamShipper:
         return cls(master, store, task_id, "items", reader, limiter, refusal_timeout, waker)
 
     @property
-    def reader(self) -> _FileReader | _JournalReader:
-        """What the stream reads (its items reader reports oversize items: ``oversize_notes``)."""
+    def reader(self) -> _FileReader | _JournalReader:  # (an items reader says oversize items: oversize_notes)
         return self._reader
 
     def _age(self) -> float:

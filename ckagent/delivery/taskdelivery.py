@@ -43,7 +43,7 @@ from ckagent.delivery.journal import LogJournal, scan_log_files
 from ckagent.delivery.lifecycle import Lifecycle, TaskDelivered
 from ckagent.delivery.lines import Masker
 from ckagent.delivery.nodebatch import NodeBatcher
-from ckagent.delivery.outputs.live import LiveItemFiles
+from ckagent.delivery.outputs.live import LiveItemFiles, link_starts
 from ckagent.delivery.readers import _FileReader, _ItemJournalReader, scan_oversize
 from ckagent.delivery.result import send_result
 from ckagent.delivery.shipper import StreamShipper
@@ -79,8 +79,7 @@ class OutboxConfig:
 
 
 Scanned = tuple[dict[str, int], int, int, dict[str, int]]
-"""What :meth:`TaskDelivery.scan` found: (log files → size, items.jsonl's size, the stats file's, the
-items journal's sources → size)."""
+"""What :meth:`TaskDelivery.scan` found: (log files → size, items.jsonl's, stats file's, items journal's sources')."""
 
 EndReads = tuple[dict[str, int], TaskStats | None, "ArtifactState | OSError | ValueError", dict[str, int] | None]
 """What a task's end reads (:func:`_end_reads`): the log files' last sizes, the final stats, the
@@ -145,9 +144,9 @@ class TaskDelivery:
                                   waker=self.waker)
         self.activity = Activity((task_dir / ITEMS_FILE, task_dir / STATS_FILE))
         reader = self.items.reader
-        if isinstance(reader, (_FileReader, _ItemJournalReader)):
-            reader.oversize_notes.hook = self._oversize_item
-        self._oversize_said: set[tuple[str, int]] = set()  # (items source, end offset) of the items said
+        self._oversize = reader.oversize_notes if isinstance(reader, (_FileReader, _ItemJournalReader)) else None
+        if self._oversize is not None:  # items over the size limit: said in the task's log, once
+            self._oversize.say = self._say_oversize
         self.logs.batcher = self.items.batcher = outbox.batcher
         self.logs.end_kept = self.items.end_kept = True  # the last positions matter only until the result's ack
         journal.on_record = self.logs.notify
@@ -173,16 +172,8 @@ class TaskDelivery:
         else:
             log.info("task %s: %s", self.task_id, text)
 
-    def _oversize_item(self, source: str, size: int, limit: int, end: int) -> None:
-        """An item over the size limit became a placeholder: said in the task's log (the agent log
-        once output.log is closed), once: the reader and the end's scan may both meet it."""
-        if (source, end) in self._oversize_said:
-            return
-        self._oversize_said.add((source, end))
-        text = (f"an item of {size} bytes in {source} (ending at byte {end}) is over the limit of {limit} bytes "
-                f"({limit / (1 << 20):g} MiB) for one item: the master gets a placeholder in its place "
-                "(_invalidItem), the spool on the node keeps the item; write smaller items (e.g. store large "
-                "content as a file in CK_TASK_DIR and put its name in the item)")
+    def _say_oversize(self, text: str) -> None:
+        """An item over the size limit: said in the task's log (the agent log once output.log is closed)."""
         if self.sink is not None and not self.sink.closed:
             self.notice(text)
         else:
@@ -259,8 +250,10 @@ class TaskDelivery:
                 return error, None, oversize
 
         error, self._end, oversize = await trio.to_thread.run_sync(ending)
-        for size, end in oversize[0] if oversize is not None else ():
-            self._oversize_item(ITEMS_FILE, size, MAX_ITEM_BYTES, end)
+        notes = self._oversize
+        if oversize is not None and notes is not None:
+            for size, end in oversize[0]:
+                notes(ITEMS_FILE, size, MAX_ITEM_BYTES, end)
         if self.sink is not None:
             self.sink.close()  # after the lines just said (and its truncation marker): output.log's last size
             if self._end is not None:
@@ -318,7 +311,7 @@ class TaskDelivery:
         if self.item_journal is not None and item_sizes and item_sizes != self._item_sizes:
             self._item_sizes = item_sizes
             self.activity.touch()
-            self.item_journal.note(item_sizes)
+            self.item_journal.note(item_sizes, None if self.live is None else self.live.starts)
         if found != self._found_sizes:  # the journal notes only log files that changed
             self._found_sizes = found
             self._found = found
@@ -428,7 +421,8 @@ class TaskDelivery:
                     self.journal.end(last_sizes)
                 if self.item_journal is not None:
                     assert item_sizes is not None
-                    self.item_journal.end(item_sizes)
+                    self.item_journal.end(item_sizes, self.live.starts if self.live is not None  # (or: resumed)
+                                          else await trio.to_thread.run_sync(link_starts, self.task_dir))
             if journals and not ending:
                 journals = [journal for journal in journals if not journal.flush()]  # a full disk: wait for room
                 if journals and room is None:

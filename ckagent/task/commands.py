@@ -4,7 +4,9 @@ The defaults come from the framework's record (ckagent.code.frameworks; docs/pro
 task" lists them): a fixed argv (Scrapy's ``scrapy crawl <spiderName>``, ``python main.py``) and
 the files it needs, or one refined from the project's files (Node: package.json's
 ``scripts.start``, else its ``main``, else ``index.js``). ``npm`` takes the task's args only after
-``--`` (before it they are npm's own options).
+``--`` (before it they are npm's own options). A Scrapyd egg (ckagent.code.eggs: ``EGG-INFO/``, no
+``scrapy.cfg``) of a Scrapy task, or of a Python one whose default file it lacks, runs
+``scrapy crawl`` as Scrapyd starts it (the task's params as ``-a``/``-s``, ``-a _job=``).
 
 :func:`resolve_command` raises DeployError naming what is missing and where it looked (and a
 framework's marker found one folder down: a zip of the repository root, not the project), so a
@@ -16,9 +18,11 @@ The blocking functions read a few small files: call them through ``trio.to_threa
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
-from ckagent.code.frameworks import all_markers, framework
+from ckagent.code import eggs
+from ckagent.code.frameworks import PYTHON, all_markers, framework
 from ckagent.code.scrapyhook import SCAN_SKIP, runs_in_env, scrapy_spider_names, uses_sdk_pipeline
 from ckagent.code.workspace import DeployError
 from ckagent.master.protocol import Task
@@ -44,6 +48,11 @@ def resolve_command(task: Task, code_dir: Path) -> tuple[list[str], str | None]:
     if task.command:
         return default_command(task), None
     record = framework(task.framework)
+    if record.runtime is PYTHON and eggs.is_egg(code_dir) and (
+            task.framework == "scrapy" or not all((code_dir / needed).is_file() for needed in record.needs)):
+        egg = eggs.read_egg(code_dir)
+        crawl = eggs.crawl_argv(task.spider_name or task.spider_id, task.id, task.params) + list(task.args)
+        return crawl, f"a Scrapyd egg (settings {egg.settings_module}): `scrapy crawl` as Scrapyd starts it"
     where = f"the package root ({_listing(code_dir)})"
     if record.from_project is not None:
         argv, followed = record.from_project(code_dir)
@@ -96,3 +105,10 @@ def _listing(code_dir: Path, limit: int = 12) -> str:
     return shown + (f", … {len(names) - limit} more" if len(names) > limit else "")
 
 
+def resolve_on_path(argv: list[str], env: dict[str, str]) -> list[str]:
+    """Resolve argv[0] on the spider's PATH (not the agent's), so the venv's python/scrapy win. Blocking
+    (a few stats)."""
+    if "/" in argv[0]:
+        return argv
+    found = shutil.which(argv[0], path=env.get("PATH"))
+    return [found, *argv[1:]] if found else argv

@@ -16,19 +16,25 @@ collects the outputs and clears the jail and the copy.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import trio
 
+from ckagent.code import scrapydata
+from ckagent.code.frameworks import PYTHON
+from ckagent.code.frameworks import framework as framework_of
 from ckagent.code.workcopy import make_working_copy, remove_tree, spider_dirs
 from ckagent.code.workspace import Workspaces
 from ckagent.containment import ContainmentError, ContainmentLevel, Limits, TaskJail
 from ckagent.containment.egress import EgressError, Refusal, TaskRules
 from ckagent.containment.process_group import ProcessGroupJail
-from ckagent.delivery.outputs import Collected, collect, kept_dir
+from ckagent.delivery.outputs import Collected, collect, item_candidates, kept_dir
+from ckagent.delivery.outputs import samples as output_samples
 from ckagent.master.ids import safe_name
+from ckagent.master.ids import task_dir as task_dir_of
 from ckagent.master.protocol import Task
 from ckagent.node.errors import DeployError, JailError, os_error_text
 from ckagent.node.runas import RunAs, task_uid
@@ -36,6 +42,8 @@ from ckagent.task.admission import RunningTask
 from ckagent.task.commands import resolve_command
 from ckagent.task.outcome import NO_COPY, Notice
 from ckagent.task.runconfig import RunnerConfig
+
+log = logging.getLogger(__name__)
 
 Deployed = tuple[Path, list[str], "str | None", str]
 """``(code dir, argv, how the command was chosen, what was copied)``."""
@@ -59,6 +67,9 @@ class Deployer:
         self.config = config
         self._workspaces = workspaces
         self._master_takes_artifacts = master_takes_artifacts
+        self.notes: dict[str, list[str]] = {}
+        """Lines for a task's log the prepare hop found (Scrapy's data dir: ckagent.code.scrapydata), by
+        task id; the runner takes them after the working copy's line."""
 
     def work_of(self, task: Task) -> Path:
         """Where the task's private working copy is made."""
@@ -154,7 +165,21 @@ class Deployer:
         stats = make_working_copy(code_dir, work)
         if run_as is not None:
             run_as.chown_tree(work)
-        spider_dirs(self.config.work_dir, safe_name(task.spider_id), run_as, spider_id=task.spider_id)
+        # The package's own item files (its author's samples) as staged: only what the run writes of
+        # them becomes items (ckagent.delivery.outputs.samples). Recorded before any process runs.
+        # (Not recorded — a task dir that cannot be written — every item file counts as the run's.)
+        try:
+            output_samples.save(task_dir_of(self.config.work_dir, task.id),
+                                output_samples.snapshot(work, item_candidates(work, task.outputs)))
+        except OSError as exc:
+            log.warning("task %s: cannot record the package's item files: %s", task.id, exc)
+        data_dir, _home = spider_dirs(self.config.work_dir, safe_name(task.spider_id), run_as, spider_id=task.spider_id)
+        if framework_of(task.framework).runtime is PYTHON:  # any Python task may run Scrapy
+            try:
+                line = scrapydata.attach(work, data_dir, run_as, clean=task.clean_start).line()
+            except OSError as exc:
+                line = f"Scrapy's data dir cannot be kept in {data_dir}: {os_error_text(exc)}"
+            self.notes[task.id] = [line]
         return stats.describe()
 
     def _limits(self, task: Task) -> Limits:
@@ -238,7 +263,8 @@ class Deployer:
             return collect(work=work, code_dir=version_dir, since=rt.started_at or 0.0, task_dir=task_dir,
                            outputs=task.outputs, budget_bytes=self.config.max_artifact_bytes,
                            master_takes_artifacts=self._master_takes_artifacts(), keep_dir=keep,
-                           streamed=None if rt.delivery is None or rt.delivery.live is None else rt.delivery.live.link)
+                           streamed=None if rt.delivery is None or rt.delivery.live is None else rt.delivery.live.link,
+                           samples=output_samples.load(task_dir))
         except OSError as exc:
             return exc
 

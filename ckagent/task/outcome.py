@@ -42,11 +42,11 @@ from ckagent.containment.process import clock
 from ckagent.containment.stopping import ProcessOutcome
 from ckagent.containment.tails import TailBuffer, last_lines
 from ckagent.delivery import LogSink
-from ckagent.delivery.lines import secret_values
+from ckagent.delivery.lines import mask_argv, secret_values
 from ckagent.delivery.spool import open_spool
 from ckagent.master.protocol import Task, TaskResult, utc_iso
 from ckagent.node.errors import DeployError, DepsError, TaskError
-from ckagent.node.logs import Masker
+from ckagent.node.logs import Masker, escape_controls
 from ckagent.task.stop import StopReason, stopped_outcome
 
 if TYPE_CHECKING:
@@ -216,12 +216,14 @@ def task_words(task: Task) -> list[str]:
     return [*(task.command or ()), *task.args]
 
 
-def shown_argv(argv: list[str], task: Task) -> str:
-    """The command line for the ``running`` line: the program and the agent's own words; every word
-    the task supplied (its ``args``, its ``command`` after the program) is ``***`` — a task's
-    arguments may hold secrets and are never shown (docs/protocol.md, "Environment")."""
-    from_task = set(task.args) | set((task.command or [])[1:])
-    return shlex.join(argv[:1] + ["***" if word in from_task else word for word in argv[1:]])
+def shown_argv(argv: list[str], task: Task, agent_secrets: tuple[str, ...] = ()) -> str:
+    """The command line for the ``running`` line: what ran (program, script, flags), shell-quoted, with
+    secrets masked (:func:`ckagent.delivery.lines.mask_argv`): values of secret-looking flags and
+    ``NAME=VALUE`` words, URL passwords, credential headers, and wherever they occur, the values of the
+    task's secret-named env variables (``*TOKEN``, ``*KEY``…: ckagent.delivery.lines) and the agent's own
+    credentials (docs/protocol.md, "Arguments"). Control characters are escaped: one line whatever the
+    words hold."""
+    return escape_controls(shlex.join(mask_argv(argv, secret_values(task.env, agent_secrets))))
 
 
 def output_tail(path: Path, size_bytes: int = 16384) -> bytes:

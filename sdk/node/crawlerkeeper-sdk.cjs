@@ -40,8 +40,34 @@ function saveItem(item) {
     throw new TypeError("saveItem() takes an object (field -> value)");
   }
   const text = line(item);
-  if (process.env.CK_ITEMS_FILE) fs.appendFileSync(process.env.CK_ITEMS_FILE, text);
+  if (process.env.CK_ITEMS_FILE) appendWhole(process.env.CK_ITEMS_FILE, text);
   else process.stdout.write(text);
+}
+
+// A full disk (ENOSPC, EDQUOT) is waited out, never a lost or torn item: the agent stops the task that
+// filled the disk and frees its space; until then this spider blocks here (as the Python SDK does).
+const DISK_FULL = new Set(["ENOSPC", "EDQUOT"]);
+const FULL_RETRY_MS = [50, 100, 200, 500, 1000];
+const nap = new Int32Array(new SharedArrayBuffer(4));
+
+function appendWhole(path, text) {
+  const data = Buffer.from(text, "utf8");
+  const fd = fs.openSync(path, "a");
+  try {
+    let done = 0;
+    let tries = 0;
+    while (done < data.length) {
+      try {
+        done += fs.writeSync(fd, data, done, data.length - done);
+      } catch (err) {
+        if (!DISK_FULL.has(err.code)) throw err;
+        Atomics.wait(nap, 0, 0, FULL_RETRY_MS[Math.min(tries, FULL_RETRY_MS.length - 1)]);
+        tries += 1;
+      }
+    }
+  } finally {
+    fs.closeSync(fd);
+  }
 }
 
 function saveItems(items) {

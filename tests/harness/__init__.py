@@ -8,8 +8,10 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
 :mod:`harness.procs` (a task's processes, levels, spider building blocks), :mod:`harness.recording`,
 :mod:`harness.rawnode` (a node as raw HTTP, and in the dev master's store), :mod:`harness.fakes`
 (fake masters for the poller and the delivery), :mod:`harness.index` (a package index),
-:mod:`harness.npmregistry` (an npm registry),
-:mod:`harness.examples` (the example spiders' runs) — and a test imports it from ``harness``:
+:mod:`harness.npmregistry` (an npm registry), :mod:`harness.nodelocks` (yarn and pnpm lock files, a
+node without yarn or pnpm),
+:mod:`harness.examples` (the example spiders' runs), :mod:`harness.eggs` (Scrapyd eggs), :mod:`harness.scrapyprojects`
+(small Scrapy projects: an HTTP cache, a polite crawl) — and a test imports it from ``harness``:
 
 - :func:`agent_settings` builds a Settings object the way `ckagent run` does (env overrides).
 - :func:`running_agent` runs an in-process :class:`ckagent.agent.Agent` in a nursery and stops it.
@@ -88,6 +90,7 @@ from harness.agentports import *  # noqa: F403
 from harness.agentproc import *  # noqa: F403
 from harness.core import *  # noqa: F403
 from harness.demo import *  # noqa: F403
+from harness.eggs import *  # noqa: F403
 from harness.environs import *  # noqa: F403
 from harness.examples import *  # noqa: F403
 from harness.fakes import *  # noqa: F403
@@ -97,6 +100,7 @@ from harness.identities import *  # noqa: F403
 from harness.index import *  # noqa: F403
 from harness.levelcheck import *  # noqa: F403
 from harness.loopback import *  # noqa: F403
+from harness.nodelocks import *  # noqa: F403
 from harness.npmregistry import *  # noqa: F403
 from harness.procs import *  # noqa: F403
 from harness.pythons import *  # noqa: F403
@@ -104,6 +108,7 @@ from harness.pyz import *  # noqa: F403
 from harness.rawnode import *  # noqa: F403
 from harness.recording import *  # noqa: F403
 from harness.runsh import *  # noqa: F403
+from harness.scrapyprojects import *  # noqa: F403
 from harness.smalldisk import *  # noqa: F403
 from harness.tempdirs import *  # noqa: F403
 from harness.tenantmatrix import *  # noqa: F403

@@ -88,7 +88,9 @@ def recipe() -> list[RecipeLine]:
         comment = line.split("#", 1)[1] if "#" in line else ""
         words = tuple(shlex.split(line, comments=True)[2:])
         expected = int(m.group(1)) if (m := re.search(r"exit (\d+)", comment)) else 0
-        lines.append(RecipeLine(Path(words[0]).name, words, expected))
+        source = Path(words[0])  # an example's folder, or a file in it (scrapyd_shop/scrapyd_shop.egg)
+        example = source.relative_to("sdk/examples").parts[0] if source.is_relative_to("sdk/examples") else source.name
+        lines.append(RecipeLine(example, words, expected))
     return lines
 
 

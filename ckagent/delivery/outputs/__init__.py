@@ -12,6 +12,12 @@ another size, or newer than the spider's start with other bytes). Each one gets 
    A file a glob names that is not an item file (by its extension) is treated as the other files
    below; a glob that matches no created or changed file is said in the log (``outputs.items
    'quotes.json' matched no file``).
+   **Only what this run wrote is items**: an item file the package ships is the author's sample.
+   Each one is recorded when the working copy is staged (:mod:`.samples`: inode, size, mtime, the
+   hash of its start); at the end, one left alone is no item and no artifact (the line says so:
+   ``output.jsonl: the package's sample (3 KiB), not written by this run: left alone``), one the
+   run appended to gives only the appended items (``output.jsonl → 100 items (after the package's
+   sample of 3 KiB)``), one it rewrote, truncated or replaced gives all of its items.
 2. **Artifacts** — files named by ``outputs.artifacts``; without that list, every other created or
    changed file except the **cache rule** below. They are moved into the task directory
    (``work_dir/tasks/<task-id>/artifacts/``) with a manifest (``artifacts.json``: path, size,
@@ -67,12 +73,13 @@ from ckagent.delivery.outputs.files import (
     write_manifest,
 )
 from ckagent.delivery.outputs.itemfiles import ITEM_EXTENSIONS, ItemFileError, append_item_file, count_lines
+from ckagent.delivery.outputs.samples import NOTHING, Sample, judge
 from ckagent.delivery.spool import ITEMS_FILE, open_spool
 from ckagent.master.protocol import ArtifactRef, TaskOutputs
 from ckagent.node import beneath
 
-__all__ = ["ARTIFACTS_DIR", "MANIFEST", "Collected", "cleanup_kept", "collect", "is_cache", "kept_dir",
-           "load_manifest", "match_glob", "read_artifact"]
+__all__ = ["ARTIFACTS_DIR", "MANIFEST", "Collected", "cleanup_kept", "collect", "is_cache", "item_candidates",
+           "kept_dir", "load_manifest", "match_glob", "read_artifact"]
 
 CACHE_DIRS = frozenset({"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".cache", ".npm", ".yarn",
                         ".pnpm-store", "node_modules", ".venv", ".git", ".scrapy"})
@@ -145,10 +152,17 @@ class Collected:
     kept_why: str = ""
     problems: list[str] = field(default_factory=list)
     """Files that could not be read or moved (named in the log; they stay where they were)."""
+    appended: dict[str, int] = field(default_factory=dict)
+    """Item files this run appended to a sample of the package: path → the sample's size (bytes)."""
+    samples: list[tuple[str, int]] = field(default_factory=list)
+    """(path, bytes) of the package's samples the item globs name that this run did not write."""
 
     def line(self) -> str:
         """``outputs: results.json → 100 items; images/ (30 files, 1.2 MB) → artifacts; …``."""
-        parts = [f"{path} → {count} item{'' if count == 1 else 's'}" for path, count in self.items]
+        parts = [f"{path} → {count} item{'' if count == 1 else 's'}"
+                 + (f" (after the package's sample of {format_bytes(self.appended[path])})"
+                    if path in self.appended else "") for path, count in self.items]
+        parts += _samples_said(self.samples)
         parts += [f"{what} → artifacts" for what in _grouped([(a.path, a.size_bytes) for a in self.artifacts])]
         if self.kept:
             where = str(self.kept_dir)
@@ -157,6 +171,27 @@ class Collected:
                 parts[-1] += f" ({self.kept_why})"
         parts += self.problems
         return "outputs: " + ("; ".join(parts) if parts else "no file created or changed in the working copy")
+
+
+def _samples_said(samples: list[tuple[str, int]]) -> list[str]:
+    """The package's samples left alone, by name; a folder holding several as ``folder/ (n files, size)``."""
+    folders: dict[str, list[int]] = {}
+    for path, size in samples:
+        if "/" in path:
+            folders.setdefault(path.split("/", 1)[0] + "/", []).append(size)
+    out: list[str] = []
+    said: set[str] = set()
+    for path, size in samples:
+        top = path.split("/", 1)[0] + "/" if "/" in path else ""
+        if top and len(folders[top]) > 1:
+            if top not in said:
+                said.add(top)
+                sizes = folders[top]
+                out.append(f"{top} ({len(sizes)} files, {format_bytes(sum(sizes))}): the package's samples, not "
+                           "written by this run: left alone")
+        else:
+            out.append(f"{path}: the package's sample ({format_bytes(size)}), not written by this run: left alone")
+    return out
 
 
 def _grouped(files: list[tuple[str, int]]) -> list[str]:
@@ -179,12 +214,37 @@ def _grouped(files: list[tuple[str, int]]) -> list[str]:
     return out
 
 
+def item_candidates(work: Path, outputs: TaskOutputs | None) -> list[str]:
+    """The files of the working copy ``work`` that would be item files now (POSIX relative paths,
+    sorted): those ``outputs.items`` names with an item file's extension, else crawlee's dataset
+    files. What :func:`ckagent.delivery.outputs.samples.snapshot` records when the copy is staged.
+    Blocking (a walk by descriptors); never raises (an unreadable copy has none)."""
+    globs = outputs.items if outputs is not None and outputs.items else None
+    found: list[str] = []
+    try:
+        for rel_dir, _dirs, entries in beneath.walk(work, skip_dir=lambda rel: rel.rsplit("/", 1)[-1] in CACHE_DIRS):
+            for name, st in entries:
+                rel = rel_dir + name
+                if not stat.S_ISREG(st.st_mode) or is_cache(rel):
+                    continue
+                if (any(match_glob(rel, g) for g in globs) and rel.lower().endswith(ITEM_EXTENSIONS)
+                        if globs is not None else bool(_CRAWLEE_DATASET.match(rel))):
+                    found.append(rel)
+    except OSError:
+        return []
+    return sorted(found)
+
+
 def changed_files(work: Path, code_dir: Path, since: float, others: list[str] | None = None,
-                  foreign: list[str] | None = None) -> list[tuple[str, os.stat_result]]:
+                  foreign: list[str] | None = None, samples: dict[str, Sample] | None = None,
+                  starts: dict[str, int] | None = None) -> list[tuple[str, os.stat_result]]:
     """Regular files of ``work`` the task created or changed (POSIX relative paths, sorted), caches left out.
 
     A file counts when ``code_dir`` has none at its path, or one of another size, or when its mtime is
-    after ``since`` (epoch seconds) and its bytes differ. ``others`` (when given) gets every other
+    after ``since`` (epoch seconds) and its bytes differ. A file at the path of one of ``samples``
+    (the package's item files as staged) is judged by :func:`ckagent.delivery.outputs.samples.judge`
+    instead: it counts unless it is the sample left alone, and ``starts`` (when given) gets where
+    this run's bytes begin in it. ``others`` (when given) gets every other
     entry: unchanged files, symlinks, FIFOs and the like, cache files and cache folders (a folder once,
     not its content). ``foreign`` (when given) gets the files that are hard links to a file of another
     owner than the working copy's (not the task's: see module docstring); they are in ``others`` too.
@@ -203,6 +263,16 @@ def changed_files(work: Path, code_dir: Path, since: float, others: list[str] | 
                 if foreign is not None:
                     foreign.append(rel)
                 continue
+            sample = samples.get(rel) if samples else None
+            if sample is not None:
+                start = judge(sample, st, work, rel)
+                if start == NOTHING:
+                    other.append(rel)
+                else:
+                    found.append((rel, st))
+                    if starts is not None:
+                        starts[rel] = start
+                continue
             try:
                 original = os.lstat(code_dir / rel)
             except OSError:
@@ -218,30 +288,39 @@ def changed_files(work: Path, code_dir: Path, since: float, others: list[str] | 
 
 def collect(*, work: Path, code_dir: Path, since: float, task_dir: Path, outputs: TaskOutputs | None,
             budget_bytes: int, master_takes_artifacts: bool, keep_dir: Path,
-            streamed: Callable[[str], Path | None] | None = None) -> Collected:
+            streamed: Callable[[str], tuple[Path, int] | None] | None = None,
+            samples: dict[str, Sample] | None = None) -> Collected:
     """Give each created or changed file of the working copy ``work`` its fate (module docstring).
 
     ``since``: the spider's start (epoch seconds). ``budget_bytes``: most artifact bytes shipped (0 =
     none shipped, all kept). Appends items to ``task_dir/items.jsonl``; moves artifacts to
     ``task_dir/artifacts/`` and writes ``task_dir/artifacts.json``; moves kept files to ``keep_dir``.
-    ``streamed(rel)``: the link of a JSON Lines item file streamed while the task ran (its items are
-    in the items journal's stream: counted, not appended; see :mod:`.live`), or None.
+    ``streamed(rel)``: (the link, where its stream starts) of a JSON Lines item file streamed while
+    the task ran (its items are in the items journal's stream: counted, not appended; see
+    :mod:`.live`), or None. ``samples``: the package's item files as staged (:mod:`.samples`): only
+    what this run wrote of them is items; the ones it left alone are named in the line.
     Never raises for one file's trouble (it is named in :attr:`Collected.problems`); raises OSError
     when the items spool or the manifest cannot be written.
     """
     result = Collected()
     others: list[str] = []
     foreign: list[str] = []
-    files = changed_files(work, code_dir, since, others, foreign)
+    starts: dict[str, int] = {}
+    files = changed_files(work, code_dir, since, others, foreign, samples, starts)
     result.problems += [f"{rel}: a hard link to a file the task does not own: not collected" for rel in foreign]
     item_globs = outputs.items if outputs is not None and outputs.items else None
     artifact_globs = outputs.artifacts if outputs is not None and outputs.artifacts else None
     item_files = [(rel, st) for rel, st in files
                   if (any(match_glob(rel, g) for g in item_globs) if item_globs is not None
                       else bool(_CRAWLEE_DATASET.match(rel)))]
+    written = {rel for rel, _ in files}
+    result.samples = [(rel, sample.size) for rel, sample in sorted((samples or {}).items())
+                      if rel not in written and (item_globs is None or any(match_glob(rel, g) for g in item_globs))
+                      and os.path.lexists(work / rel)]
     if item_globs is not None:
         result.problems += [f"outputs.items {g!r} matched no file" for g in item_globs
-                            if not any(match_glob(rel, g) for rel, _ in files)]
+                            if not any(match_glob(rel, g) for rel, _ in files)
+                            and not any(match_glob(rel, g) for rel, _ in result.samples)]
         not_items = [rel for rel, _ in item_files if not rel.lower().endswith(ITEM_EXTENSIONS)]
         if not_items:  # the fate of any other file (artifact, or kept with the log saying where)
             kinds = ", ".join(ITEM_EXTENSIONS)
@@ -260,9 +339,10 @@ def collect(*, work: Path, code_dir: Path, since: float, task_dir: Path, outputs
         with os.fdopen(open_spool(task_dir / ITEMS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab") as spool:
             for rel, _st in item_files:
                 link = links.get(rel)
+                start = starts.get(rel, 0)
                 try:
-                    count = (count_lines(task_dir, link.relative_to(task_dir).as_posix()) if link is not None
-                             else append_item_file(work, rel, spool))
+                    count = (count_lines(task_dir, link[0].relative_to(task_dir).as_posix(), link[1])
+                             if link is not None else append_item_file(work, rel, spool, start))
                 except ItemFileError as exc:
                     result.problems.append(f"{exc} (after {exc.items} items)")
                     count = exc.items
@@ -272,13 +352,16 @@ def collect(*, work: Path, code_dir: Path, since: float, task_dir: Path, outputs
                     rest.append((rel, _st))
                     continue
                 result.items.append((rel, count))
+                begun = link[1] if link is not None else start
+                if begun > 0:
+                    result.appended[rel] = begun
                 spool.flush()
             os.fsync(spool.fileno())
     rest.sort(key=lambda entry: entry[0])
     crawlee = item_globs is None and any(_CRAWLEE_DATASET.match(rel) for rel in item_set)
     if crawlee:  # one line for a dataset of many files
         total = sum(count for _, count in result.items)
-        result.items = [(f"storage/datasets/ ({len(item_set)} files)", total)]
+        result.items = [(f"storage/datasets/ ({len(item_set)} file{'' if len(item_set) == 1 else 's'})", total)]
     shipped: list[tuple[str, os.stat_result]] = []
     kept: list[tuple[str, os.stat_result]] = []
     used = 0

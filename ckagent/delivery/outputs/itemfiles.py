@@ -7,8 +7,11 @@ extension              read as
                        kernel: ``copy_file_range``); a line that is not an object is wrapped by the
                        items reader (``_invalidItem``), never dropped
 .json                  an array of objects (each element one item, read incrementally: a large
-                       array is never held whole), or one object (one item)
-.csv                   a header row, then one item per row (``{column: text}``)
+                       array is never held whole), or one object (one item); each object's own
+                       text is the item, as written (numbers and strings not re-typed; an
+                       indented object joined onto one line)
+.csv                   a header row, then one item per row (``{column: text}``: every value the
+                       text the file holds)
 =====================  ===========================================================================
 
 The files are the spider's: each is opened below the tree it lies in (``top``, its path ``rel``
@@ -61,12 +64,15 @@ def open_item_file(top: Path, rel: str) -> BinaryIO:
     return os.fdopen(beneath.open_file(top, rel), "rb")
 
 
-def append_item_file(top: Path, rel: str, spool: BinaryIO) -> int:
+def append_item_file(top: Path, rel: str, spool: BinaryIO, start: int = 0) -> int:
     """Append the items of the file ``rel`` below ``top`` to ``spool`` (an items.jsonl opened ``ab``),
     one JSON line each.
 
-    Returns the number of items appended. Raises OSError, ItemFileError (see module docstring),
-    ValueError for an extension that is not an item file's.
+    ``start``: the byte offset where this run's bytes begin (after the package's sample it appended
+    to: ckagent.delivery.outputs.samples); JSON Lines are copied from there, CSV rows read from there
+    under the file's own header row (a header row repeated there is skipped), a ``.json`` document is
+    always read whole. Returns the number of items appended. Raises OSError, ItemFileError (see module
+    docstring), ValueError for an extension that is not an item file's.
     """
     name = PurePosixPath(rel)
     suffix = name.suffix.lower()
@@ -74,23 +80,24 @@ def append_item_file(top: Path, rel: str, spool: BinaryIO) -> int:
         raise ValueError(f"{name.name}: not an item file (item files end in {', '.join(ITEM_EXTENSIONS)})")
     with open_item_file(top, rel) as fin:
         if suffix in (".jsonl", ".ndjson", ".jl"):
-            return _append_lines(fin, spool)
+            return _append_lines(fin, spool, start)
         if suffix == ".json":
             return _append_json(fin, name, spool)
-        return _append_csv(fin, name, spool)
+        return _append_csv(fin, name, spool, start)
 
 
-def _append_lines(fin: BinaryIO, spool: BinaryIO) -> int:
-    """JSON Lines: copy the bytes (in the kernel where it can), count the non-blank lines."""
+def _append_lines(fin: BinaryIO, spool: BinaryIO, start: int = 0) -> int:
+    """JSON Lines from ``start``: copy the bytes (in the kernel where it can), count the non-blank lines."""
     spool.flush()
     last = b"\n"
     size = os.fstat(fin.fileno()).st_size
-    if size:
+    start = min(start, size)
+    if size > start:
         fin.seek(size - 1)
         last = fin.read(1) or b"\n"
-        fin.seek(0)
+    fin.seek(start)
     out_fd = spool.fileno()
-    remaining = size
+    remaining = size - start
     try:
         while remaining > 0:
             copied = os.copy_file_range(fin.fileno(), out_fd, remaining)
@@ -104,15 +111,17 @@ def _append_lines(fin: BinaryIO, spool: BinaryIO) -> int:
             remaining -= len(chunk)
     if last != b"\n":
         os.write(spool.fileno(), b"\n")
-    fin.seek(0)
+    fin.seek(start)
     return _count_lines(fin)
 
 
-def count_lines(top: Path, rel: str) -> int:
-    """The items of the JSON Lines file ``rel`` below ``top``: its lines that are not blank (an
-    unterminated last one counts unless it is blank). One pass in 1 MiB chunks; no object per line
-    (only blank lines are matched, found from line end to line end: see ``_BLANK_AFTER``). Raises OSError."""
+def count_lines(top: Path, rel: str, start: int = 0) -> int:
+    """The items of the JSON Lines file ``rel`` below ``top`` from byte ``start``: its lines that are
+    not blank (an unterminated last one counts unless it is blank). One pass in 1 MiB chunks; no
+    object per line (only blank lines are matched, found from line end to line end: see
+    ``_BLANK_AFTER``). Raises OSError."""
     with open_item_file(top, rel) as fin:
+        fin.seek(start)
         return _count_lines(fin)
 
 
@@ -138,6 +147,19 @@ def _write(spool: BinaryIO, value: object) -> None:
     spool.write(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode() + b"\n")
 
 
+_LINE_BREAK = re.compile(r"[\r\n][ \t\r\n]*")
+
+
+def _write_as_written(spool: BinaryIO, text: str) -> None:
+    """One JSON object's own text as one line: its numbers, strings and spacing as the file has
+    them (no re-typing: ``1.10`` stays ``1.10``). A line break in JSON text is always white space
+    between tokens (a string holds none raw), so an indented object is joined onto one line by
+    dropping its line breaks and the indentation after them."""
+    if "\n" in text or "\r" in text:
+        text = _LINE_BREAK.sub("", text)
+    spool.write(text.encode("utf-8", "surrogatepass") + b"\n")
+
+
 def _append_json(raw: BinaryIO, source: PurePosixPath, spool: BinaryIO) -> int:
     """A JSON array (read element by element) or one object."""
     decoder = json.JSONDecoder()
@@ -154,13 +176,14 @@ def _append_json(raw: BinaryIO, source: PurePosixPath, spool: BinaryIO) -> int:
         if pos >= len(buf):
             return 0  # an empty file: no items
         if buf[pos] != "[":
+            text = (buf[pos:] + fin.read()).rstrip(_WS)
             try:
-                value = json.loads(buf[pos:] + fin.read())
+                value = json.loads(text)
             except ValueError as exc:
                 raise ItemFileError(source, f"not JSON ({exc})", 0) from exc
             if not isinstance(value, dict):
                 raise ItemFileError(source, "expected an array of objects or one object", 0)
-            _write(spool, value)
+            _write_as_written(spool, text)
             return 1
         pos += 1
         while True:
@@ -179,8 +202,10 @@ def _append_json(raw: BinaryIO, source: PurePosixPath, spool: BinaryIO) -> int:
                 buf = buf[pos:] + more
                 pos = 0
                 continue
-            _write(spool, value if isinstance(value, dict) else {"_invalidItem": json.dumps(value)[:10000],
-                                                                  "_error": "not a JSON object"})
+            if isinstance(value, dict):
+                _write_as_written(spool, buf[pos:end])
+            else:
+                _write(spool, {"_invalidItem": json.dumps(value)[:10000], "_error": "not a JSON object"})
             count += 1
             pos = end
             if pos > CHUNK_BYTES:  # keep the buffer small: drop what was read
@@ -198,12 +223,20 @@ def _skip(buf: str, pos: int, commas: bool = False) -> int:
     return pos
 
 
-def _append_csv(raw: BinaryIO, source: PurePosixPath, spool: BinaryIO) -> int:
-    """A header row, then one item per row."""
+def _append_csv(raw: BinaryIO, source: PurePosixPath, spool: BinaryIO, start: int = 0) -> int:
+    """A header row, then one item per row (from ``start``: the rows there, under the first row's header)."""
     count = 0
-    with io.TextIOWrapper(raw, newline="", encoding="utf-8-sig", errors="replace") as fin:
+    header: list[str] = []
+    if start > 0:
+        first = raw.readline(CHUNK_BYTES).decode("utf-8-sig", "replace")
+        header = next(csv.reader([first]), [])
+        raw.seek(start)
+    with io.TextIOWrapper(raw, newline="", encoding="utf-8" if start > 0 else "utf-8-sig", errors="replace") as fin:
         try:
-            for row in csv.DictReader(fin):
+            reader = csv.DictReader(fin, fieldnames=header) if start > 0 else csv.DictReader(fin)
+            for row in reader:
+                if start > 0 and count == 0 and list(row.values()) == header:
+                    continue  # the header row written again by an appending writer
                 extra = row.pop(None, None)
                 if extra:
                     row["_extra"] = extra

@@ -10,25 +10,40 @@ need no change to the project: in the agent's environments ``crawlerkeeper_sdk._
 them to Scrapy's ``EXTENSIONS_BASE``, however Scrapy is started. It snapshots the stats every ``CRAWLERKEEPER_STATS_INTERVAL`` seconds (default 5)
 and once at close, with the finish reason.
 
-This module does not import Scrapy itself; it uses ``itemadapter`` (installed with Scrapy) to turn
-any Scrapy-supported item (``scrapy.Item``, dict, dataclass, attrs class) into a plain dict.
+**Scrapy's own serialization.** The extension and the pipeline encode each item with Scrapy's own
+exporter for ``-o items.jsonl`` (``FEED_EXPORTERS["jsonl"]``, by default ``JsonLinesItemExporter``
+and its ``ScrapyJSONEncoder``: datetimes as ``"1907-02-01T00:00:00"``, dates, times, ``Decimal`` as
+a string, sets as lists, nested items as objects), built from the crawl's settings as Scrapy's feed
+exporter builds it (``FEED_EXPORT_ENCODING``, ``FEED_EXPORT_FIELDS``, ``FEED_EXPORT_INDENT``, the
+fields' ``serializer``): each line is byte for byte the line the project's own
+``scrapy crawl -o items.jsonl`` writes for that item (:func:`scrapy_item_encoder`). Only when that
+exporter cannot be built or cannot encode an item is the item written the way
+:func:`crawlerkeeper_sdk.save_item` writes a dict (``str()`` for what JSON cannot hold): never lost.
+
+Outside a crawl this module does not import Scrapy; it uses ``itemadapter`` (installed with Scrapy)
+to turn any Scrapy-supported item (``scrapy.Item``, dict, dataclass, attrs class) into a plain dict.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
+import logging
 import os
-from typing import Any, Dict
+from typing import Any, Callable, Dict, Optional
 from urllib.parse import unquote, urlparse
 
-from crawlerkeeper_sdk import save_item
+from crawlerkeeper_sdk import _emit, save_item
 
 try:  # itemadapter always comes with Scrapy; without it, plain dicts and dataclasses still work.
     from itemadapter import ItemAdapter
 except ImportError:  # pragma: no cover - depends on the environment
     ItemAdapter = None
 
-__all__ = ["CrawlerKeeperItems", "CrawlerKeeperPipeline", "CrawlerKeeperStats", "item_to_dict", "scrapy_summary"]
+__all__ = ["CrawlerKeeperItems", "CrawlerKeeperPipeline", "CrawlerKeeperStats", "item_to_dict", "scrapy_item_encoder",
+           "scrapy_summary"]
+
+_log = logging.getLogger(__name__)
 
 
 def item_to_dict(item: Any) -> Dict[str, Any]:
@@ -56,6 +71,86 @@ def item_to_dict(item: Any) -> Dict[str, Any]:
         ) from None
 
 
+def scrapy_item_encoder(crawler: Any) -> Callable[[Any], bytes]:
+    """The bytes Scrapy's own ``-o items.jsonl`` feed of this crawl writes for an item: a function
+    ``item -> bytes`` (one JSON line ending in ``\\n``).
+
+    The exporter is the crawl's ``FEED_EXPORTERS["jsonl"]`` (else ``["jsonlines"]``), built as Scrapy's
+    ``FeedExporter`` builds it — through the crawler when the class has ``from_crawler`` — with the
+    feed options a ``-o`` feed gets from the settings: ``encoding`` (``FEED_EXPORT_ENCODING``: unset
+    means ASCII with ``\\u`` escapes, as Scrapy), ``fields_to_export`` (``FEED_EXPORT_FIELDS``),
+    ``indent`` (``FEED_EXPORT_INDENT``). Raises whatever Scrapy raises building it (ImportError,
+    TypeError...); the function raises what the exporter raises for an item it cannot encode.
+    """
+    from scrapy.utils.misc import load_object
+
+    settings = crawler.settings
+    exporters = settings.getwithbase("FEED_EXPORTERS")
+    exporter_cls = load_object(exporters.get("jsonl") or exporters.get("jsonlines")
+                               or "scrapy.exporters.JsonLinesItemExporter")
+    getdictorlist = getattr(settings, "getdictorlist", None)
+    fields = getdictorlist("FEED_EXPORT_FIELDS") if getdictorlist is not None else settings.getlist("FEED_EXPORT_FIELDS")
+    options = {"fields_to_export": fields or None, "encoding": settings.get("FEED_EXPORT_ENCODING"),
+               "indent": settings.getint("FEED_EXPORT_INDENT")}
+    buffer = io.BytesIO()
+    exporter = _build_exporter(exporter_cls, crawler, buffer, options)
+    exporter.start_exporting()
+
+    def encode(item: Any) -> bytes:
+        buffer.seek(0)
+        buffer.truncate()
+        exporter.export_item(item)
+        return buffer.getvalue()
+
+    return encode
+
+
+def _build_exporter(exporter_cls: Any, crawler: Any, buffer: Any, options: Dict[str, Any]) -> Any:
+    """``exporter_cls(buffer, **options)`` the way the installed Scrapy's FeedExporter makes it."""
+    try:
+        from scrapy.utils.misc import build_from_crawler  # Scrapy >= 2.12
+    except ImportError:
+        build_from_crawler = None
+    if build_from_crawler is not None:
+        return build_from_crawler(exporter_cls, crawler, buffer, **options)
+    try:
+        from scrapy.utils.misc import create_instance  # Scrapy 2.0 - 2.11
+    except ImportError:  # pragma: no cover - a Scrapy older than 2.0
+        return exporter_cls(buffer, **options)
+    return create_instance(exporter_cls, crawler.settings, crawler, buffer, **options)
+
+
+class _ItemSaver:
+    """Saves Scrapy items as Scrapy's own feed encodes them (:func:`scrapy_item_encoder`), or, when
+    that cannot be, as :func:`crawlerkeeper_sdk.save_item` does (said once in the crawl's log)."""
+
+    def __init__(self, crawler: Optional[Any]) -> None:
+        self._encode: Optional[Callable[[Any], bytes]] = None
+        if crawler is not None:
+            try:
+                self._encode = scrapy_item_encoder(crawler)
+            except Exception as exc:  # a missing or odd exporter: the SDK's own encoding, never no items
+                _log.warning("crawlerkeeper: cannot build Scrapy's JSON Lines exporter (%s: %s); items are "
+                             "encoded as crawlerkeeper_sdk.save_item does", type(exc).__name__, exc)
+        self._said = False
+
+    def save(self, item: Any) -> None:
+        """Append one item to the task's items file (raises OSError if it cannot be written)."""
+        if self._encode is not None:
+            try:
+                data = self._encode(item)
+            except Exception as exc:
+                if not self._said:
+                    self._said = True
+                    _log.warning("crawlerkeeper: Scrapy's exporter cannot encode an item (%s: %s); such items are "
+                                 "encoded as crawlerkeeper_sdk.save_item does", type(exc).__name__, exc)
+            else:
+                if data:
+                    _emit(data if data.endswith(b"\n") else data + b"\n")
+                return
+        save_item(item_to_dict(item))
+
+
 class CrawlerKeeperPipeline:
     """Scrapy item pipeline: saves each item as one JSON line of the task's items file.
 
@@ -67,6 +162,9 @@ class CrawlerKeeperPipeline:
     written twice.
     """
 
+    def __init__(self, crawler: Optional[Any] = None) -> None:
+        self._saver = _ItemSaver(crawler)
+
     @classmethod
     def from_crawler(cls, crawler: Any) -> CrawlerKeeperPipeline:
         """Scrapy's factory: raises ``NotConfigured`` when a feed already writes the items file."""
@@ -74,15 +172,16 @@ class CrawlerKeeperPipeline:
             from scrapy.exceptions import NotConfigured
 
             raise NotConfigured("a feed already writes the task's items file (CK_ITEMS_FILE)")
-        return cls()
+        return cls(crawler)
 
     def process_item(self, item: Any, spider: Any = None) -> Any:
-        """Save ``item`` (see :func:`crawlerkeeper_sdk.save_item`) and return it unchanged.
+        """Save ``item`` as Scrapy's own JSON Lines feed encodes it (module docstring) and return it
+        unchanged.
 
         Raises ``TypeError`` for an object Scrapy would not accept as an item, ``OSError`` if
         the items file cannot be written.
         """
-        save_item(item_to_dict(item))
+        self._saver.save(item)
         return item
 
 
@@ -91,8 +190,9 @@ class CrawlerKeeperItems:
 
     The agent enables it for any Scrapy run in its environments (``crawlerkeeper_sdk._scrapy_hook``),
     beside the project's own ``FEEDS``, which keep exporting as written. It listens to
-    ``item_scraped`` (what feeds export: items that passed every pipeline) and saves each with
-    :func:`crawlerkeeper_sdk.save_item`, so items stream to the agent as they are scraped.
+    ``item_scraped`` (what feeds export: items that passed every pipeline) and appends each as
+    Scrapy's own ``-o items.jsonl`` feed encodes it (module docstring), so items stream to the agent
+    as they are scraped, byte for byte the project's own export.
 
     It steps aside (``NotConfigured``), so no item is written twice, when ``CK_SCRAPY_HOOK`` does not
     name ``items`` (the agent found the project ships items through the SDK itself), when
@@ -114,7 +214,7 @@ class CrawlerKeeperItems:
             raise NotConfigured("a feed already writes the task's items file (CK_ITEMS_FILE)")
         if _pipeline_enabled(crawler.settings):
             raise NotConfigured("CrawlerKeeperPipeline already saves the items")
-        ext = cls()
+        ext = cls(crawler)
         crawler.signals.connect(ext.item_scraped, signal=signals.item_scraped)
         import logging
 
@@ -122,9 +222,12 @@ class CrawlerKeeperItems:
                                          "(CK_ITEMS_FILE), beside the project's own feeds")
         return ext
 
+    def __init__(self, crawler: Optional[Any] = None) -> None:
+        self._saver = _ItemSaver(crawler)
+
     def item_scraped(self, item: Any, response: Any = None, spider: Any = None) -> None:
-        """Save ``item`` (see :func:`crawlerkeeper_sdk.save_item`)."""
-        save_item(item_to_dict(item))
+        """Append ``item`` to the task's items file as Scrapy's own feed encodes it."""
+        self._saver.save(item)
 
 
 def _pipeline_enabled(settings: Any) -> bool:
