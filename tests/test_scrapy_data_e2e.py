@@ -8,7 +8,8 @@ project (harness.scrapyprojects) against a loopback origin that records every re
   ``httpcache/hit``), the cache is the spider's (its uid) in its data dir, and counts in neither the
   working copy's outputs; a third task with ``cleanStart`` starts empty (every page fetched again);
 - the ``polite`` spider (DOWNLOAD_DELAY, AutoThrottle, four requests in flight: its graceful close takes
-  longer than the node's 2 s ``task.kill_grace``) cancelled through the master: Scrapy gets one SIGTERM,
+  longer than the node's 2 s ``task.kill_grace``) cancelled through the master, or stopped by the agent
+  terminating (its exit bound follows the longest grace of its tasks): Scrapy gets one SIGTERM,
   closes with reason ``shutdown`` (kept as the result's finishReason), its pipeline's ``close_spider``
   line is in the log, nothing is killed (exit status 0, not -9).
 """
@@ -94,16 +95,22 @@ async def test_http_cache_is_kept_between_a_spiders_tasks_and_clean_start_emptie
         assert "httpcache" not in log.split("outputs:")[-1], log[-2000:]
 
 
-async def test_a_polite_crawl_cancelled_through_the_master_closes_gracefully(
-        dev_master: Any, nursery: trio.Nursery, tmp_path: Path) -> None:
+@pytest.mark.parametrize("stopped_by", ["master", "agent"])
+async def test_a_polite_crawl_stopped_closes_gracefully(dev_master: Any, nursery: trio.Nursery, tmp_path: Path,
+                                                        stopped_by: str) -> None:
+    """Cancelled through the master, or the agent terminating (its exit bound follows the task's grace,
+    not task.kill_grace: the result is still delivered): the same graceful close."""
     admin = dev_master.admin
     origin = IdentityOrigin(host="127.0.0.3")
     port = await nursery.start(origin.serve)
     project = await trio.to_thread.run_sync(write_cache_and_polite_project, tmp_path / "project")
     package = await trio.to_thread.run_sync(zip_directory, project)
+    # The close (four requests behind a 2 s randomized delay: 4 s at least) outlasts task.kill_grace +
+    # flush_timeout (3 s), the agent's exit bound before stop graces: only the task's grace lets it finish.
     settings = agent_settings(tmp_path / "agent", dev_master.base_url, dev_master.registration_token,
-                              AGENT_UV_SYNC_TIMEOUT="600", AGENT_MAX_WORKERS="1")  # (task.kill_grace 2 s)
-    async with running_agent(nursery, settings):
+                              AGENT_UV_SYNC_TIMEOUT="600", AGENT_MAX_WORKERS="1", AGENT_TASK_KILL_GRACE="1",
+                              AGENT_TASK_FLUSH_TIMEOUT="2")
+    async with running_agent(nursery, settings) as agent:
         spider = await admin.create_spider(name="polite", framework="scrapy",
                                            env={"START_URL": f"http://127.0.0.3:{port}/"})
         await admin.upload_package(spider, package)
@@ -112,8 +119,13 @@ async def test_a_polite_crawl_cancelled_through_the_master_closes_gracefully(
             async def crawling() -> bool:  # politely, requests queued behind the delay
                 return len(_fetched(origin, "/p/")) >= 3
             await eventually(crawling, TIMEOUT, "the polite crawl's third page")
-            await admin.cancel_task(task)
-            result = await admin.wait_task_final(task, TIMEOUT)
+            if stopped_by == "master":
+                await admin.cancel_task(task)
+                result = await admin.wait_task_final(task, TIMEOUT)
+            else:
+                agent.terminate()  # (running_agent waits for its exit)
+    if stopped_by == "agent":
+        result = await admin.get_task(task)
     log = await _log(admin, task)
     assert_default_identity(log)
     assert result["status"] == "CANCELLED", (result, log[-4000:])
@@ -125,7 +137,7 @@ async def test_a_polite_crawl_cancelled_through_the_master_closes_gracefully(
     assert "killed every process" not in log, log[-4000:]
     assert result["exitCode"] == 0, (result, log[-3000:])  # not -9: Scrapy ended by itself
     assert result["finishReason"] == "shutdown", result
-    # The close outlasted the node's kill_grace (2 s): the framework's grace is what let it finish.
+    # The close outlasted the node's kill_grace + flush_timeout: the framework's grace let it finish.
     sent = re.search(r"\[ckagent (\S+ \S+)\] [^\n]*sent SIGTERM to", log)
     closed = re.search(r"(\S+ \S+) \[scrapy.core.engine\] INFO: Spider closed \(shutdown\)", log)
     assert sent and closed, log[-4000:]
