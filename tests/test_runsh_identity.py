@@ -31,7 +31,8 @@ from harness import (
     spider_zip,
 )
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="spiders run as another user only for a root agent")
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="spiders run as another user only for a root agent"),
+              pytest.mark.slow]  # 21 s: two agents, two spider runs
 
 WHOAMI = ("import json, os\n"
           "print('WHO ' + json.dumps({'uid': os.getuid(), 'data': os.stat(os.environ['CK_DATA_DIR']).st_uid}), "
