@@ -131,3 +131,30 @@ def test_a_command_line_without_secrets_is_shown_as_is(words: list[str]) -> None
     argv = ["scrapy", *words]
     assume(not secret_args(argv) and not any("://" in w or CREDENTIAL_WORDS.search(w) for w in argv))
     assert shown_argv(argv, task(env={"REGION": "eu"})) == shlex.join(argv)
+
+
+any_text = st.text(st.characters(blacklist_categories=["Cs", "Cc", "Zl", "Zp"]), max_size=12)
+any_secret = st.text(st.characters(blacklist_categories=["Cs", "Cc", "Zl", "Zp"], blacklist_characters="*"),
+                     min_size=8, max_size=20)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(any_text, max_size=8), st.lists(any_secret, min_size=1, max_size=3), st.data())
+def test_any_argv_holding_any_secret_shows_none_of_them(words: list[str], secrets: list[str],
+                                                       data: st.DataObject) -> None:
+    """Any text, any secrets (8 characters or more, no ``*``) put anywhere in it: no shown word holds one."""
+    argv = ["prog", *words]
+    for secret in secrets:
+        at = data.draw(st.integers(0, len(argv)))
+        word = argv[at] if at < len(argv) else ""
+        cut = data.draw(st.integers(0, len(word)))
+        if at < len(argv):
+            argv[at] = word[:cut] + secret + word[cut:]
+        else:
+            argv.append(secret)
+    env_secrets, agent = secrets[::2], tuple(secrets[1::2])
+    line = shown_argv(argv, task(env={f"S{i}_KEY": value for i, value in enumerate(env_secrets)}), agent)
+    shown = shlex.split(line)
+    assert len(shown) == len(argv)
+    for secret in secrets:
+        assert not any(secret in word for word in shown), (secret, line)
