@@ -33,7 +33,8 @@
 #
 # Environment: AGENT_RELEASE_URL (release index base URL: latest.json, <version>.json),
 # AGENT_AUTO_INSTALL=off, AGENT_UPGRADE_DRY_RUN=on, AGENT_PYTHON (default python3),
-# AGENT_STOP_TIMEOUT (default: drain_timeout + kill_grace + flush_timeout + 10 s from the config),
+# AGENT_STOP_TIMEOUT (default: drain_timeout + max(kill_grace, max_stop_grace) + flush_timeout + 10 s
+# from the config),
 # AGENT_START_TIMEOUT (15 s), AGENT_UPGRADE_HEALTH_TIMEOUT (60 s), AGENT_HEALTH_URL (default from
 # the config's agent.bind/agent.ip and agent.port), AGENT_DOWNLOAD_TIMEOUT (120 s),
 # AGENT_SYSTEMD_UNIT (upgrade restarts through `systemctl restart UNIT` instead of stop/start),
@@ -81,7 +82,7 @@ PYZ_PREV="$DIR/ckagent.pyz.prev"
 UV_DIR="$STATE_DIR/bin"
 UV="$UV_DIR/uv"
 PYTHON="${AGENT_PYTHON:-python3}"
-DEFAULT_STOP_TIMEOUT=90
+DEFAULT_STOP_TIMEOUT=260
 SPIDER_USER_FILE="$STATE_DIR/spider_user"
 KEEP_UNHEALTHY=0  # 1: start leaves an agent that is not healthy yet running (upgrade/rollback wait longer)
 
@@ -388,11 +389,13 @@ settings_value() {
 
 stop_timeout() {
   if [[ -n "${AGENT_STOP_TIMEOUT:-}" ]]; then printf '%s' "$AGENT_STOP_TIMEOUT"; return; fi
-  local drain grace flush
+  local drain grace longest flush
   drain="$(settings_value task drain_timeout)"; grace="$(settings_value task kill_grace)"
-  flush="$(settings_value task flush_timeout)"
+  longest="$(settings_value task max_stop_grace)"; flush="$(settings_value task flush_timeout)"
   if [[ -z "$drain" || -z "$grace" ]]; then printf '%s' "$DEFAULT_STOP_TIMEOUT"; return; fi
-  py 'import math, sys; print(math.ceil(sum(float(x) for x in sys.argv[1:]) + 10))' "$drain" "$grace" "${flush:-10}"
+  # drain + the longest stop grace a task may get (kill_grace, or up to max_stop_grace) + flush + 10
+  py 'import math, sys; d, g, m, f = map(float, sys.argv[1:]); print(math.ceil(d + max(g, m) + f + 10))' \
+    "$drain" "$grace" "${longest:-0}" "${flush:-10}"
 }
 
 health_url() {

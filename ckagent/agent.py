@@ -223,9 +223,8 @@ class Agent:
                                                 s.task.drain_timeout, len(supervisor.running))
                                 self.terminate()
                     if self._work_scope.cancelled_caught and not supervisor.handing_over:
-                        log.warning("tasks did not finish reporting within kill_grace + flush_timeout "
-                                    "(%g s); leaving unsent data for the next start",
-                                    s.task.kill_grace + s.task.flush_timeout)
+                        log.warning("tasks did not finish reporting within their stop grace + flush_timeout; "
+                                    "leaving unsent data for the next start")
                     self.state = AgentState.STOPPING
                     flush_until = min(trio.current_time() + s.task.flush_timeout, self._exit_deadline)
                     if not supervisor.handing_over:
@@ -314,13 +313,14 @@ class Agent:
         supervisor = self.supervisor = Supervisor(
             RunnerConfig(self.work_dir, s.task.execute_timeout, s.task.kill_grace, self._secrets, extra_env,
                          identities=identities, stall_timeout=s.task.stall_timeout, containment=containment,
-                         egress=self.egress,
+                         egress=self.egress, max_stop_grace=s.task.max_stop_grace,
                          default_limits=Limits(s.task.memory_limit_bytes, s.task.pids_limit, s.task.cpus_limit),
                          max_artifact_bytes=s.task.max_artifact_bytes, default_disk_bytes=s.task.disk_limit_bytes),
             self.master, store, workspaces, deps, self.max_workers,
             outbox=outbox, lifecycle=self.lifecycle,
         )
         outbox.on_disk_full = supervisor.stop_disk_full  # the task that fills the disk ends DISK_FULL
+        outbox.busy_spiders = supervisor.busy_spiders  # (their Scrapy data stays: ckagent.code.scrapydata)
         self.heartbeat = HeartbeatLoop(self.master, HealthSampler(self.work_dir), s.heartbeat.interval,
                                        report=self._node_report, on_answer=self._heartbeat_answer)
         poller = self.poller = Poller(
@@ -421,15 +421,15 @@ class Agent:
     def terminate(self) -> None:
         """→ TERMINATING: stop every task (TERM → grace → KILL, reported CANCELLED) (idempotent).
 
-        From then on the agent stops within ``kill_grace + flush_timeout`` seconds (the work scope's
-        deadline): what the master has not acknowledged by then stays in the state store. Call it
-        from inside the agent's Trio run.
+        From then on the agent stops within its tasks' longest stop grace + ``flush_timeout`` seconds (the
+        work scope's deadline): what the master has not acknowledged by then stays in the state store.
         """
         if self._exit_deadline != float("inf"):
             return
         log.info("terminating: stopping every running task")
         s = self.settings.task
-        self._exit_deadline = trio.current_time() + s.kill_grace + s.flush_timeout
+        self._exit_deadline = trio.current_time() + s.flush_timeout + (
+            self.supervisor.longest_stop_grace() if self.supervisor is not None else s.kill_grace)
         if self.state in (AgentState.STARTING, AgentState.RUNNING, AgentState.DRAINING):
             self.state = AgentState.TERMINATING
         self._startup_scope.cancel()

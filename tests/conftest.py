@@ -432,7 +432,7 @@ def node(tmp_path: Path, dev_master) -> Iterator[RunShNode]:
         "agent": {"registration_token": dev_master.registration_token, "name": "runsh-node", "ip": "127.0.0.1",
                   "port": port, "max_workers": 1},
         "heartbeat": {"interval": 1},
-        "task": {"poll_interval": 0.5, "long_poll_wait": 1, "kill_grace": 2, "drain_timeout": 5},
+        "task": {"poll_interval": 0.5, "long_poll_wait": 1, "kill_grace": 2, "max_stop_grace": 2, "drain_timeout": 5},
     }
     (directory / "config" / "config.yaml").write_text(yaml.safe_dump(config))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENT_", "SHIV_", "PYTHONPATH"))}

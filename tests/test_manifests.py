@@ -25,8 +25,11 @@ from typing import Any
 import pytest
 import yaml
 
+from ckagent.code.frameworks import REGISTRY, SCRAPY_STOP_GRACE
 from ckagent.node.config import load_settings
+from ckagent.node.configschema import SETTINGS
 from ckagent.node.egress_policy import DEFAULT_DENY, GROUPS, parse_text
+from ckagent.task.stop import stop_grace
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "config" / "k8s"
@@ -34,8 +37,9 @@ UNIT = REPO / "config" / "ckagent.service"
 DOCKERFILE = REPO / "config" / "Dockerfile"
 KUBERNETES_VERSION = "1.30.0"
 KUBERNETES_VALIDATE = "kubernetes-validate==1.37.0"
-# what the agent may take to stop with default settings: drain_timeout + kill_grace + flush_timeout
-DEFAULT_STOP_SECONDS = 60 + 10 + 10
+# what the agent may take to stop with default settings: drain_timeout + the longest stop grace (a Scrapy
+# crawl's graceful close, task.max_stop_grace) + flush_timeout
+DEFAULT_STOP_SECONDS = 60 + 180 + 10
 
 
 def _documents() -> dict[str, dict[str, Any]]:
@@ -49,8 +53,30 @@ def _documents() -> dict[str, dict[str, Any]]:
 
 def _stop_bound(config: dict[str, Any]) -> float:
     task = config.get("task", {})
-    return float(task.get("drain_timeout", 60)) + float(task.get("kill_grace", 10)) + float(
-        task.get("flush_timeout", 10))
+    defaults = {s.key: s.default for s in SETTINGS if s.section == "task"}
+    grace = max(float(task.get(k, defaults[k])) for k in ("kill_grace", "max_stop_grace"))
+    return float(task.get("drain_timeout", defaults["drain_timeout"])) + grace + float(
+        task.get("flush_timeout", defaults["flush_timeout"]))
+
+
+def test_termination_grace_follows_the_longest_stop_grace(tmp_path: Path) -> None:
+    """The pod's terminationGracePeriodSeconds covers a drain, the longest stop grace a task may get —
+    every framework's default (Scrapy's graceful close of a polite crawl) is within task.max_stop_grace —
+    and the flush, with the ConfigMap's settings as the agent loads them and with the defaults."""
+    docs = _documents()
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    config_text = docs["ConfigMap"]["data"]["config.yaml"]
+    (tmp_path / "config.yaml").write_text(config_text)
+    loaded = load_settings(tmp_path / "config.yaml", env={}, require_token=False).task
+    defaults = load_settings(None, env={}, require_token=False).task
+    longest_default = max(f.stop_grace or 0.0 for f in REGISTRY.values())
+    assert longest_default == SCRAPY_STOP_GRACE <= defaults.max_stop_grace <= loaded.max_stop_grace
+    for s in (loaded, defaults):
+        longest = max(s.kill_grace, s.max_stop_grace)
+        assert stop_grace("scrapy", None, s.kill_grace, s.max_stop_grace)[0] <= longest
+        assert stop_grace("scrapy", 10_000.0, s.kill_grace, s.max_stop_grace)[0] <= longest
+        assert pod["terminationGracePeriodSeconds"] > s.drain_timeout + longest + s.flush_timeout
+    assert pod["terminationGracePeriodSeconds"] > DEFAULT_STOP_SECONDS
 
 
 def test_kubernetes_manifests_pass_the_schema_checker() -> None:

@@ -121,6 +121,8 @@ def full_instances() -> dict[str, Any]:
         egress=parse_text("private", "10.0.0.5:3128"),
         claimed=True,
         outputs=TaskOutputs(items=["results.json"], artifacts=["images/"]),
+        stop_grace_seconds=120.0,
+        clean_start=True,
     )
     stats = TaskStats(seq=42, stats={"items": 3, "finishReason": "finished"}, progress={"done": 1, "total": 2},
                       at="2026-11-29T16:04:00.000Z")

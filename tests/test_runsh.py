@@ -129,7 +129,7 @@ async def test_install_mode_downloads_starts_reports_and_stops(node: RunShNode, 
     assert _saved_args(node)[:2] == saved[:2]
 
     stopped = await node.sh("stop")
-    # the bound comes from the config: drain_timeout 5 + kill_grace 2 + flush_timeout 10 + 10
+    # the bound comes from the config: drain_timeout 5 + max(kill_grace 2, max_stop_grace 2) + flush_timeout 10 + 10
     assert stopped.returncode == 0 and "up to 27s" in out(stopped) and "SIGKILL" not in out(stopped), out(stopped)
     assert not pid_alive(new_pid) and node.pid() is None
     assert "ckagent stopped" in (node.directory / "logs" / "agent.log").read_text()

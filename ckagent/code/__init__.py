@@ -6,6 +6,7 @@
   atomically; a package's rules (paths, kinds, sizes) and its extraction; :mod:`.eggs` — Scrapyd eggs
   (their ``[scrapy] settings`` entry point, run as Scrapyd runs them);
 - :mod:`.workcopy` — a task's private working copy, and the per-spider directories that outlive runs;
+- :mod:`.scrapydata` — Scrapy's project data dir (``.scrapy``) kept in the spider's data dir between its tasks;
 - :mod:`.deps` (the one door), :mod:`.deps_python`, :mod:`.deps_node`, :mod:`.pyplan`, :mod:`.pylocks`,
   :mod:`.installenv` — content-addressed, shared environments (uv for Python, npm for Node) and what
   goes into their key; :mod:`.nodetools` — yarn and pnpm for their lock files (the node's own, or

@@ -41,6 +41,15 @@ from ckagent.code.deps_node import node_default_command
 from ckagent.code.runtimes import BROWSER_VARS
 from ckagent.code.scrapyhook import scrapy_hook, scrapy_spider_names
 
+SCRAPY_STOP_GRACE = 180.0
+"""Seconds a Scrapy task gets between its stop signal and the kill unless it names its own
+``stopGraceSeconds``: Scrapy's graceful close waits for every request already handed to its downloader
+— up to ``CONCURRENT_REQUESTS`` (16) queued in a slot behind ``DOWNLOAD_DELAY`` — then runs the
+``close_spider`` pipelines and the feed exports. Measured (docs/operations.md, Polite stops): a polite
+crawl (``DOWNLOAD_DELAY = 5``, AutoThrottle, Scrapy's other defaults, one loopback site) closed 92.6,
+104.1 and 100.0 s after its SIGTERM (finish reason ``shutdown``, ``close_spider`` ran); the delays are
+randomized up to 1.5 × (``RANDOMIZE_DOWNLOAD_DELAY``): 16 × 7.5 s = 120 s at worst, plus the exports."""
+
 SPIDER_NAME = "<spiderName>"
 """Placeholder in a default command: the task's ``spiderName`` (its ``spiderId`` when it has none)."""
 
@@ -138,7 +147,8 @@ class Framework:
     a project of this framework (detection; a marker one folder down is named in DEPLOY_FAILED).
     ``browsers``: the node's browsers its spiders use (``CK_CHROMIUM_PATH`` …; a missing one is
     said in the task's log). ``spider_names``: the spiders a project holds (blocking; for a
-    default command with :data:`SPIDER_NAME`). ``hooks``: spawn hooks of its own.
+    default command with :data:`SPIDER_NAME`). ``hooks``: spawn hooks of its own. ``stop_grace``: the
+    default stop grace of its tasks (seconds; None: the node's ``task.kill_grace``).
     """
 
     name: str
@@ -153,6 +163,9 @@ class Framework:
     browsers: tuple[str, ...] = ()
     spider_names: Callable[[Path], list[str]] | None = None
     hooks: tuple[SpawnHook, ...] = ()
+    stop_grace: float | None = None
+    """Seconds from the stop signal to the kill that its spiders get by default (a task's
+    ``stopGraceSeconds`` beats it; None: the node's ``task.kill_grace``)."""
 
     def default_argv(self, spider_name: str) -> list[str]:
         """:attr:`command` with the spider's name put in (no file access)."""
@@ -174,7 +187,8 @@ def _browsers(ctx: SpawnContext) -> SpawnAdditions:
 REGISTRY: dict[str, Framework] = {f.name: f for f in (
     Framework("scrapy", PYTHON, "Scrapy", ("scrapy", "crawl", SPIDER_NAME), needs=("scrapy.cfg",),
               explains="a Scrapy task runs `scrapy crawl` in the project root, which must hold scrapy.cfg",
-              packages=("scrapy",), markers=("scrapy.cfg", eggs.ENTRY_POINTS), spider_names=scrapy_spider_names),
+              packages=("scrapy",), markers=("scrapy.cfg", eggs.ENTRY_POINTS), spider_names=scrapy_spider_names,
+              stop_grace=SCRAPY_STOP_GRACE),
     Framework("python", PYTHON, "Python", ("python", "main.py"), needs=("main.py",)),
     Framework("node", NODE, "Node", ("node", "index.js"), from_project=node_default_command,
               explains="a Node task runs package.json's scripts.start, else its main, else index.js",

@@ -81,6 +81,9 @@ class Outbox:
         self._looks = 0
         self.on_disk_full: Callable[[str, str], None] | None = None
         """Called with (task id, reason) for a running task that fills the disk: the agent stops it DISK_FULL."""
+        self.busy_spiders: Callable[[], set[str]] | None = None
+        """The safe names of the spiders with a task on this node (the retention loop keeps their Scrapy
+        data: ckagent.code.scrapydata.remove_unused); None: none known."""
         self._store_full = False  # the last flush of positions met a full disk (logged once)
         self._looked = Broadcast()  # after each look of the disk loop
         self.deliveries: dict[str, TaskDelivery] = {}
@@ -105,7 +108,8 @@ class Outbox:
                 nursery.start_soon(self.batcher.run)
                 nursery.start_soon(self._disk_loop)
                 if self.config.retention > 0:
-                    nursery.start_soon(retention_loop, self.store, self.work_dir, self.config.retention)
+                    nursery.start_soon(retention_loop, self.store, self.work_dir, self.config.retention,
+                                       lambda: self.busy_spiders() if self.busy_spiders is not None else set())
                 task_status.started()
                 await trio.sleep_forever()
         finally:

@@ -70,10 +70,19 @@ def _opt_seconds(o: dict[str, Any], key: str) -> float | None:
 
 
 SPIDER_FIELDS = ("name", "framework", "command", "codeMode", "env", "timeoutSeconds", "resources", "stopSignal",
-                 "outputs", "egress")
+                 "outputs", "egress", "stopGraceSeconds")
 """What ``POST /api/spiders`` takes."""
-TASK_FIELDS = ("args", "env", "params", "timeoutSeconds", "stallTimeoutSeconds", "resources", "stopSignal", "egress")
+TASK_FIELDS = ("args", "env", "params", "timeoutSeconds", "stallTimeoutSeconds", "resources", "stopSignal", "egress",
+               "stopGraceSeconds", "cleanStart")
 """What ``POST /api/spiders/{id}/tasks`` takes."""
+
+
+def _opt_flag(o: dict[str, Any], key: str) -> bool:
+    """An optional boolean of a request body (absent or null: False). Raises ProtocolError (422)."""
+    value = o.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ProtocolError(key, "expected true, false or null")
+    return bool(value)
 
 
 def _known_keys(o: dict[str, Any], fields: tuple[str, ...], what: str) -> None:
@@ -87,7 +96,7 @@ def _known_keys(o: dict[str, Any], fields: tuple[str, ...], what: str) -> None:
 
 
 SPIDER_PATCH_FIELDS = ("name", "framework", "command", "env", "timeoutSeconds", "resources", "stopSignal", "outputs",
-                       "egress")
+                       "egress", "stopGraceSeconds")
 """What ``PATCH /api/spiders/{id}`` may change."""
 
 
@@ -166,6 +175,7 @@ def routes(api: Api) -> list[BaseRoute]:
             stop_signal=parse_stop_signal(o, ""),
             outputs=_outputs(o),
             egress=_egress(o),
+            stop_grace_seconds=_opt_seconds(o, "stopGraceSeconds"),
         )
         return JSONResponse({"id": spider_id})
 
@@ -179,7 +189,7 @@ def routes(api: Api) -> list[BaseRoute]:
 
     async def update_spider(request: Request) -> Response:
         """PATCH: change the fields given (command, env, timeoutSeconds, framework, name, resources,
-        stopSignal, outputs, egress; null clears the last four); tasks created
+        stopSignal, outputs, egress, stopGraceSeconds; null clears the last five); tasks created
         afterwards use them (a task already created keeps what it had)."""
         admin_auth(request)
         o = json_object(await json_body(request))
@@ -207,6 +217,8 @@ def routes(api: Api) -> list[BaseRoute]:
             changes["outputs"] = _outputs(o)
         if "egress" in o:
             changes["egress"] = _egress(o)
+        if "stopGraceSeconds" in o:
+            changes["stop_grace_seconds"] = _opt_seconds(o, "stopGraceSeconds")
         return JSONResponse(await run(store.update_spider, request.path_params["spider_id"], changes))
 
     async def upload_package(request: Request) -> Response:
@@ -236,6 +248,8 @@ def routes(api: Api) -> list[BaseRoute]:
             resources=TaskResources.from_json(o.get("resources"), "resources").to_json(),
             stop_signal=parse_stop_signal(o, ""),
             egress=_egress(o),
+            stop_grace_seconds=_opt_seconds(o, "stopGraceSeconds"),
+            clean_start=_opt_flag(o, "cleanStart"),
         )
         notifier.notify()
         return JSONResponse({"id": task_id})

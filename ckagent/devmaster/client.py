@@ -94,12 +94,14 @@ class AdminClient:
         stop_signal: str | None = None,
         outputs: dict[str, Any] | None = None,
         egress: dict[str, Any] | None = None,
+        stop_grace_seconds: float | None = None,
     ) -> str:
         """Create a spider; returns its id. ``code_mode`` is "package" (zip) or "files" (file sync).
         Its tasks' defaults: ``resources`` ({memoryBytes, pids, cpus}), ``stop_signal`` ("SIGINT"),
         ``outputs`` ({items: [glob], artifacts: [glob]}) and ``egress`` ({deny: [str], allow: [str]}: the
-        network policy added to the node's)."""
+        network policy added to the node's), ``stop_grace_seconds`` (seconds from a stop signal to the kill)."""
         body = {
+            "stopGraceSeconds": stop_grace_seconds,
             "outputs": outputs,
             "egress": egress,
             "resources": resources,
@@ -153,11 +155,16 @@ class AdminClient:
         resources: dict[str, Any] | None = None,
         stop_signal: str | None = None,
         egress: dict[str, Any] | None = None,
+        stop_grace_seconds: float | None = None,
+        clean_start: bool = False,
     ) -> str:
         """Queue a task of the spider; returns its id. ``timeout_seconds`` None = the spider's;
         ``stall_timeout_seconds`` None = the node's ``task.stall_timeout``; ``resources`` keys and
-        ``stop_signal`` None = the spider's; ``egress`` ({deny, allow}) replaces the spider's, None = the spider's."""
+        ``stop_signal`` None = the spider's; ``egress`` ({deny, allow}) replaces the spider's, None = the spider's; ``stop_grace_seconds`` None =
+        the spider's; ``clean_start``: the spider's data on the node starts empty (cleanStart)."""
         body = {
+            "stopGraceSeconds": stop_grace_seconds,
+            "cleanStart": clean_start,
             "egress": egress,
             "resources": resources,
             "stopSignal": stop_signal,

@@ -91,7 +91,8 @@ class TaskSettings:
     """Task polling and execution (all durations in seconds).
 
     ``long_poll_wait`` 0 disables the long poll; ``execute_timeout`` 0 means no limit and applies when a
-    task carries no timeout; ``kill_grace`` is SIGTERM → SIGKILL; ``drain_timeout`` bounds DRAINING;
+    task carries no timeout; ``kill_grace`` is SIGTERM → SIGKILL (a task's own ``stopGraceSeconds`` or its
+    framework's default instead, at most ``max_stop_grace``); ``drain_timeout`` bounds DRAINING;
     ``flush_timeout`` bounds the final delivery when stopping. ``work_dir`` is absolute.
     ``run_as_user``: user name (or uid) every spider runs as when the agent is root (``root``: root); None =
     a uid per spider from ``spider_uids`` when the agent is root, else the agent's user
@@ -116,6 +117,7 @@ class TaskSettings:
     work_dir: Path
     execute_timeout: float
     kill_grace: float
+    max_stop_grace: float
     drain_timeout: float
     flush_timeout: float
     run_as_user: str | None
@@ -311,13 +313,20 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("task", "kill_grace", "AGENT_TASK_KILL_GRACE", "seconds >= 0", 10.0,
             "Seconds between SIGTERM and SIGKILL when stopping a task's processes (its spider or installer).",
             v.seconds(exclusive=False)),
+    Setting("task", "max_stop_grace", "AGENT_TASK_MAX_STOP_GRACE", "seconds >= 0", 180.0,
+            "The longest stop grace of a task's spider: a task's stopGraceSeconds or its framework's default "
+            "(scrapy: 180, time for Scrapy's graceful close of a polite crawl) is cut to it; task.kill_grace "
+            "stays the default of other frameworks. Kubernetes' terminationGracePeriodSeconds must cover "
+            "drain_timeout + max(kill_grace, max_stop_grace) + flush_timeout (docs/operations.md, Polite stops).",
+            v.seconds(exclusive=False)),
     Setting("task", "drain_timeout", "AGENT_TASK_DRAIN_TIMEOUT", "seconds >= 0", 60.0,
             "On SIGTERM: how long running tasks may finish before they are terminated.",
             v.seconds(exclusive=False)),
     Setting("task", "flush_timeout", "AGENT_TASK_FLUSH_TIMEOUT", "seconds >= 0", 10.0,
             "When stopping: how long unsent logs, items and results may take to reach the master before "
-            "they are left on disk for the next start. The agent exits within drain_timeout + kill_grace "
-            "+ flush_timeout (+ a few seconds).", v.seconds(exclusive=False)),
+            "they are left on disk for the next start. The agent exits within drain_timeout + the longest "
+            "stop grace of its running tasks (task.kill_grace, or up to task.max_stop_grace) + flush_timeout "
+            "(+ a few seconds).", v.seconds(exclusive=False)),
     Setting("task", "run_as_user", "AGENT_TASK_RUN_AS_USER", "user name or uid", None,
             "When the agent runs as root: every spider and installer runs as this user, which owns their "
             "workspace, task directory and venv (`root`: as root, with a warning); unset = each spider a uid "

@@ -18,6 +18,7 @@ The blocking functions read a few small files: call them through ``trio.to_threa
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from ckagent.code import eggs
@@ -104,3 +105,10 @@ def _listing(code_dir: Path, limit: int = 12) -> str:
     return shown + (f", … {len(names) - limit} more" if len(names) > limit else "")
 
 
+def resolve_on_path(argv: list[str], env: dict[str, str]) -> list[str]:
+    """Resolve argv[0] on the spider's PATH (not the agent's), so the venv's python/scrapy win. Blocking
+    (a few stats)."""
+    if "/" in argv[0]:
+        return argv
+    found = shutil.which(argv[0], path=env.get("PATH"))
+    return [found, *argv[1:]] if found else argv

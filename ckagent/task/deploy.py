@@ -23,6 +23,9 @@ from pathlib import Path
 
 import trio
 
+from ckagent.code import scrapydata
+from ckagent.code.frameworks import PYTHON
+from ckagent.code.frameworks import framework as framework_of
 from ckagent.code.workcopy import make_working_copy, remove_tree, spider_dirs
 from ckagent.code.workspace import Workspaces
 from ckagent.containment import ContainmentError, ContainmentLevel, Limits, TaskJail
@@ -64,6 +67,9 @@ class Deployer:
         self.config = config
         self._workspaces = workspaces
         self._master_takes_artifacts = master_takes_artifacts
+        self.notes: dict[str, list[str]] = {}
+        """Lines for a task's log the prepare hop found (Scrapy's data dir: ckagent.code.scrapydata), by
+        task id; the runner takes them after the working copy's line."""
 
     def work_of(self, task: Task) -> Path:
         """Where the task's private working copy is made."""
@@ -167,7 +173,13 @@ class Deployer:
                                 output_samples.snapshot(work, item_candidates(work, task.outputs)))
         except OSError as exc:
             log.warning("task %s: cannot record the package's item files: %s", task.id, exc)
-        spider_dirs(self.config.work_dir, safe_name(task.spider_id), run_as, spider_id=task.spider_id)
+        data_dir, _home = spider_dirs(self.config.work_dir, safe_name(task.spider_id), run_as, spider_id=task.spider_id)
+        if framework_of(task.framework).runtime is PYTHON:  # any Python task may run Scrapy
+            try:
+                line = scrapydata.attach(work, data_dir, run_as, clean=task.clean_start).line()
+            except OSError as exc:
+                line = f"Scrapy's data dir cannot be kept in {data_dir}: {os_error_text(exc)}"
+            self.notes[task.id] = [line]
         return stats.describe()
 
     def _limits(self, task: Task) -> Limits:

@@ -3,6 +3,7 @@ and the node's identities (whom spiders run as) built from them."""
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -42,6 +43,9 @@ class RunnerConfig:
     """The node's egress level and policy (None = no network policy)."""
     max_artifact_bytes: int = 100 * 1024**2
     """Most bytes of a task's artifacts shipped to the master (``task.max_artifact_bytes``); over it, kept."""
+    max_stop_grace: float = math.inf
+    """The longest stop grace a task gets (``task.max_stop_grace``; its own ``stopGraceSeconds`` or its
+    framework's default is cut to it: ckagent.task.stop.stop_grace)."""
 
     def identity_of(self, spider_id: str) -> RunAs | None:
         """The identity ``spider_id``'s processes run as (None: the agent's own). Blocking at the

@@ -1,16 +1,16 @@
 """The phase runner: one claimed task's life — open its dir → slot → deploy + jail → install → run → judge.
 
-Each phase is an ``async with`` step that holds what it made until the task ends (the spider lock
-and slot, the code version, working copy and jail, the environment), entered in that order and left
-in the reverse one; a stop interrupts waiting, deploying and installing at once
-(the task's :class:`~ckagent.task.stop.TaskStop`, which also says what each stop becomes) and ends
-a running process with its stop signal → ``kill_grace`` → KILL; the run-time and stall limits are
-the runner's (:class:`~ckagent.task.stop.Watchdog`), the delivery only records signs of life.
+Each phase is an ``async with`` step that holds what it made until the task ends (the spider lock and slot,
+the code version, working copy and jail, the environment), entered in that order and left in the reverse
+one; a stop interrupts waiting, deploying and installing at once (the task's
+:class:`~ckagent.task.stop.TaskStop`, which also says what each stop becomes) and ends a running process
+with its stop signal → its stop grace (ckagent.task.stop.stop_grace) → KILL; the run-time and stall limits
+are the runner's (:class:`~ckagent.task.stop.Watchdog`), the delivery only records signs of life.
 
-The path is short on purpose (bench._census counts it; tests/test_shortpath.py holds it): the task's
-own Trio task does all of it — no task beside it, its spider's supervision included (the wait is one
-epoll over the monitor's pidfd and output.log's watch, in a scope the stop cancels:
-ckagent.containment.monitor) — and each phase's blocking work is one thread hop: the prepare hop
+The path is short on purpose (bench._census counts it; tests/test_shortpath.py holds it): the task's own
+Trio task does all of it — no task beside it, its spider's supervision included (the wait is one epoll over
+the monitor's pidfd and output.log's watch, in a scope the stop cancels: ckagent.containment.monitor) — and
+each phase's blocking work is one thread hop: the prepare hop
 (jail and egress rules, code version, working copy, the environment's look: ckagent.task.deploy),
 the spawn hop (spawn hooks, the spawn, the process's record) and the end hop (the end's reads, the
 outputs' collection, the jail and working copy removed).
@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import shutil
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable
@@ -51,9 +50,10 @@ from ckagent.code.deps import Checked, Dependencies, Prepared, spider_base_env
 from ckagent.code.workspace import Workspaces
 from ckagent.containment import ContainmentError, Figures, TaskJail
 from ckagent.containment.egress import Refusal, report_refusals
-from ckagent.containment.monitor import Monitored, spawn_monitored, supervise
+from ckagent.containment.monitor import Monitored, spawn_monitored
 from ckagent.containment.private import make_task_tmp, remove_task_tmp, task_tmp_env
 from ckagent.containment.process import MARKER_VAR, sweep
+from ckagent.containment.supervision import supervise
 from ckagent.containment.tails import TailBuffer
 from ckagent.delivery import LogSink, Outbox
 from ckagent.delivery.crawlstats import STATS_FILE
@@ -77,6 +77,7 @@ from ckagent.node.state import AsyncStateStore, StateStoreError
 from ckagent.node.workmodes import PRIVATE_DIR_MODE
 from ckagent.task import diskshare
 from ckagent.task.admission import Admission, RunningTask
+from ckagent.task.commands import resolve_on_path
 from ckagent.task.deploy import Clearing, Deployer
 from ckagent.task.execlimits import check_exec_size
 from ckagent.task.outcome import (
@@ -92,7 +93,7 @@ from ckagent.task.outcome import (
     task_result,
 )
 from ckagent.task.runconfig import RunnerConfig
-from ckagent.task.stop import StopReason, Watchdog, stopped_outcome
+from ckagent.task.stop import StopReason, Watchdog, stop_grace, stopped_outcome
 
 log = logging.getLogger(__name__)
 
@@ -282,6 +283,7 @@ class TaskRunner:
                         checked.drop()
 
             held.callback(drop_unused)
+            held.callback(self.deployer.notes.pop, task.id, None)
 
             try:
                 code_dir, argv, how, copied = await self.deployer.deploy(rt, work, held, notice, jails, check)
@@ -291,6 +293,8 @@ class TaskRunner:
             if how is not None:
                 notice(how)
             notice(f"working copy of {code_dir.name}: {copied}")
+            for line in self.deployer.notes.pop(task.id, []):
+                notice(line)
             notice(self._identity_line(rt))
             yield Code(code_dir, argv, work, jail, clearing, checks[-1] if checks else None)
 
@@ -330,7 +334,7 @@ class TaskRunner:
                    sink: LogSink) -> TaskOutcome:
         """Spawn the spider in its jail, record its process, supervise it to its end. Raises SpawnError,
         JailError, BadTaskError (the task's args/env/params over the kernel's exec limits: ckagent.task.execlimits)."""
-        task, jail, argv = rt.task, code.jail, code.argv
+        task, jail, argv, c = rt.task, code.jail, code.argv, self.config
         items_file = task_dir / "items.jsonl"
         data_dir = self.config.work_dir / "spider-data" / safe_name(task.spider_id)
         home_dir = self.config.work_dir / "spider-home" / safe_name(task.spider_id)
@@ -366,7 +370,9 @@ class TaskRunner:
         def say(lines: list[str]) -> None:  # on the loop (called from the spawn hop), before the spawn
             for line in lines:
                 notice(line)
-            notice(f"running {shown_argv(argv, task, self.config.agent_secrets)} (timeout {f'{timeout:g} s' if timeout else 'none'})")
+            grace, source = stop_grace(task.framework, task.stop_grace_seconds, c.kill_grace, c.max_stop_grace)
+            notice(f"running {shown_argv(argv, task, c.agent_secrets)} (timeout {f'{timeout:g} s' if timeout else 'none'}; "
+                   f"stop grace {grace:g} s: {source})")
 
         def spawn() -> Monitored:
             """The spawn hop: the framework's (and its runtime's) spawn hooks (Scrapy's items …), the
@@ -382,7 +388,7 @@ class TaskRunner:
             trio.from_thread.run_sync(say, lines)
             make_task_tmp(task_dir, rt.run_as)
             mon = spawn_monitored(
-                _resolve(argv, env), cwd=code.work, env=env, task_id=task.id, task_dir=task_dir,
+                resolve_on_path(argv, env), cwd=code.work, env=env, task_id=task.id, task_dir=task_dir,
                 output_path=sink.path, jail=jail, run_as=rt.run_as,
                 deadline_at=None if not timeout else (rt.started_at or 0.0) + timeout, work=code.work,
                 stall_timeout=stall, env_dir=prepared.env_dir,
@@ -435,7 +441,7 @@ class TaskRunner:
         gets what the egress rules refused; the runner's: the outputs and the clear-up); what it
         returns runs on the loop last; it is told whether the task was blamed for a full disk.
         """
-        task, handle = rt.task, mon.handle
+        task, handle, c = rt.task, mon.handle, self.config
         accounted = diskshare.accounted_of(self.config, task, Path(handle.work))
         outbox: Outbox | None = self._outbox  # (None: a runner tests drive without one)
         if outbox is not None:
@@ -444,10 +450,11 @@ class TaskRunner:
         activity = rt.delivery.activity if rt.delivery is not None else None
         if activity is not None and handle.stall_timeout > 0:
             activity.touch()  # the stall limit counts from the spawn (or the re-adoption)
+        grace, _source = stop_grace(task.framework, task.stop_grace_seconds, c.kill_grace, c.max_stop_grace)
         watchdog = Watchdog(rt.stop, deadline_at=handle.deadline_at, timeout_seconds=timeout_seconds,
                             stall_timeout=handle.stall_timeout, last_activity=activity.last if activity else None)
         outcome = await supervise(
-            mon, jail=jail, sink=sink, grace=self.config.kill_grace, stop=watchdog, why=rt.stop.describe,
+            mon, jail=jail, sink=sink, grace=grace, stop=watchdog, why=rt.stop.describe,
             notice=notice, stop_signal=task.stop_signal_number, leave_running=lambda: self._hand_over(rt),
         )
         egress = self.config.egress if rt.egress is not None else None
@@ -490,11 +497,3 @@ class TaskRunner:
         if self._admission.handing_over and not rt.handed_over and rt.stop.reason in (None, StopReason.TERMINATING):
             rt.handed_over = True
         return rt.handed_over
-
-
-def _resolve(argv: list[str], env: dict[str, str]) -> list[str]:
-    """Resolve argv[0] on the spider's PATH (not the agent's), so the venv's python/scrapy win."""
-    if "/" in argv[0]:
-        return argv
-    found = shutil.which(argv[0], path=env.get("PATH"))
-    return [found, *argv[1:]] if found else argv

@@ -203,3 +203,23 @@ class Watchdog:
                 break
             with trio.move_on_at(wake):
                 await self.stop.wait()
+
+
+def stop_grace(framework: str, asked: float | None, kill_grace: float, max_grace: float = math.inf) -> tuple[float, str]:
+    """(seconds from a task's stop signal to the kill of every process of it, where they come from —
+    words for the task log). The task's own ``stopGraceSeconds`` (``asked``), else its framework's
+    default (ckagent.code.frameworks: Scrapy's graceful close of a polite crawl), else the node's
+    ``task.kill_grace``; never more than ``max_grace`` (the node's ``task.max_stop_grace``: what
+    ``terminationGracePeriodSeconds`` covers). Pure."""
+    from ckagent.code.frameworks import REGISTRY  # (the code layer below: no circle)
+
+    record = REGISTRY.get(framework)
+    if asked is not None:
+        grace, source = asked, "the task's stopGraceSeconds"
+    elif record is not None and record.stop_grace is not None:
+        grace, source = max(record.stop_grace, kill_grace), f"{record.title}'s default stop grace"
+    else:
+        grace, source = kill_grace, "task.kill_grace"
+    if grace > max_grace:
+        return max_grace, f"{source} ({grace:g} s) cut to task.max_stop_grace"
+    return grace, source

@@ -19,11 +19,13 @@ from ckagent.containment.monitor import Monitored
 from ckagent.delivery import LogSink, Outbox
 from ckagent.delivery.lifecycle import Lifecycle
 from ckagent.master.client import MasterClient
+from ckagent.master.ids import safe_name
 from ckagent.node.state import AsyncStateStore
 from ckagent.task.admission import Admission, RunningTask
 from ckagent.task.outcome import Notice, TaskOutcome
 from ckagent.task.runconfig import RunnerConfig
 from ckagent.task.runner import TaskRunner
+from ckagent.task.stop import stop_grace
 
 __all__ = ["RunnerConfig", "RunningTask", "Supervisor", "TaskOutcome"]
 
@@ -78,6 +80,17 @@ class Supervisor(Admission):
     def egress_detach(self, rt: RunningTask) -> Callable[[], None] | None:
         """What removes the task's egress rules at its end (blocking), or None without a policy."""
         return self.runner.deployer.egress_detach(rt)
+
+    def longest_stop_grace(self) -> float:
+        """Seconds: the longest stop grace of the running tasks (ckagent.task.stop.stop_grace), at least
+        the node's ``kill_grace`` — what a stop of every task takes at most before the kill."""
+        c = self.config
+        return max([c.kill_grace, *(stop_grace(rt.task.framework, rt.task.stop_grace_seconds, c.kill_grace,
+                                               c.max_stop_grace)[0] for rt in self.running.values())])
+
+    def busy_spiders(self) -> set[str]:
+        """The safe names (ckagent.master.ids.safe_name) of the spiders with a task here now."""
+        return {safe_name(rt.task.spider_id) for rt in self.running.values()}
 
     def adopt_environment(self, env_dir: Path) -> Callable[[], None]:
         """A re-adopted task's dependency environment counts as in use (:meth:`TaskRunner.adopt_environment`);

@@ -10,7 +10,8 @@ process; packages; waiting), :mod:`harness.agentproc` (an agent process with the
 (fake masters for the poller and the delivery), :mod:`harness.index` (a package index),
 :mod:`harness.npmregistry` (an npm registry), :mod:`harness.nodelocks` (yarn and pnpm lock files, a
 node without yarn or pnpm),
-:mod:`harness.examples` (the example spiders' runs), :mod:`harness.eggs` (Scrapyd eggs) — and a test imports it from ``harness``:
+:mod:`harness.examples` (the example spiders' runs), :mod:`harness.eggs` (Scrapyd eggs), :mod:`harness.scrapyprojects`
+(small Scrapy projects: an HTTP cache, a polite crawl) — and a test imports it from ``harness``:
 
 - :func:`agent_settings` builds a Settings object the way `ckagent run` does (env overrides).
 - :func:`running_agent` runs an in-process :class:`ckagent.agent.Agent` in a nursery and stops it.
@@ -107,6 +108,7 @@ from harness.pyz import *  # noqa: F403
 from harness.rawnode import *  # noqa: F403
 from harness.recording import *  # noqa: F403
 from harness.runsh import *  # noqa: F403
+from harness.scrapyprojects import *  # noqa: F403
 from harness.smalldisk import *  # noqa: F403
 from harness.tempdirs import *  # noqa: F403
 from harness.tenantmatrix import *  # noqa: F403

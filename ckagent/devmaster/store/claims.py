@@ -227,6 +227,8 @@ class ClaimStore(Database):
             "stopSignal": r["stop_signal"],
             "outputs": loads(r["outputs"]),
             "egress": loads(r["egress"]),
+            "stopGraceSeconds": r["stop_grace_seconds"],
+            "cleanStart": True if r["clean_start"] else None,
         }
 
     def report_result(self, task_id: str, node_id: str, result: TaskResult) -> dict[str, Any]:

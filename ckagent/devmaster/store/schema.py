@@ -133,6 +133,12 @@ ADDED_COLUMNS: dict[str, tuple[str, ...]] = {
     "spiders": ("resources", "stop_signal", "outputs", "egress"),
     "tasks": ("resources", "stop_signal", "figures", "claim_poll_id", "outputs", "egress"),
 }
+NUMBER_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
+    # stop_grace_seconds: a spider's default / a task's stopGraceSeconds (null: the framework's or node's);
+    # clean_start: 1 when the task's cleanStart is true.
+    "spiders": (("stop_grace_seconds", "REAL"),),
+    "tasks": (("stop_grace_seconds", "REAL"), ("clean_start", "INTEGER")),
+}
 
 
 def create_schema(db: sqlite3.Connection, db_path: Path) -> None:
@@ -157,3 +163,8 @@ def create_schema(db: sqlite3.Connection, db_path: Path) -> None:
         for name in columns:
             if name not in have:
                 db.execute(f"ALTER TABLE {table} ADD COLUMN {name} TEXT")
+    for table, typed in NUMBER_COLUMNS.items():
+        have = {r[1] for r in db.execute(f"PRAGMA table_info({table})").fetchall()}
+        for name, kind in typed:
+            if name not in have:
+                db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")

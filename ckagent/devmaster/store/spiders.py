@@ -27,15 +27,16 @@ class SpiderStore(Database):
         stop_signal: str | None = None,
         outputs: dict[str, Any] | None = None,
         egress: dict[str, Any] | None = None,
+        stop_grace_seconds: float | None = None,
     ) -> str:
         """Create a spider (arguments already validated). Returns its id. ``resources`` (limits of its
         tasks), ``stop_signal`` and ``outputs`` (declared item files and artifacts) and ``egress`` (its network policy, the wire shape)
-        are the defaults of its tasks."""
+        and ``stop_grace_seconds`` (seconds from a stop signal to the kill) are the defaults of its tasks."""
         spider_id = new_id()
         with self._tx() as db:
             db.execute(
                 "INSERT INTO spiders (id, name, framework, command, timeout_seconds, code_mode, env, created_at,"
-                " resources, stop_signal, outputs, egress) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " resources, stop_signal, outputs, egress, stop_grace_seconds) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     spider_id,
                     name,
@@ -49,6 +50,7 @@ class SpiderStore(Database):
                     stop_signal,
                     dumps(outputs) if outputs is not None else None,
                     dumps(egress) if egress is not None else None,
+                    stop_grace_seconds,
                 ),
             )
         return spider_id
@@ -69,6 +71,7 @@ class SpiderStore(Database):
             "stopSignal": r["stop_signal"],
             "outputs": loads(r["outputs"]),
             "egress": loads(r["egress"]),
+            "stopGraceSeconds": r["stop_grace_seconds"],
         }
 
     def list_spiders(self) -> list[dict[str, Any]]:
@@ -85,13 +88,13 @@ class SpiderStore(Database):
 
     def update_spider(self, spider_id: str, changes: dict[str, Any]) -> dict[str, Any]:
         """Change a spider's ``name``, ``framework``, ``command``, ``timeout_seconds``, ``env``, ``resources``,
-        ``stop_signal``, ``outputs``, ``egress`` (validated values; only the keys given). Returns the spider's admin JSON. Raises NotFoundError."""
+        ``stop_signal``, ``outputs``, ``egress``, ``stop_grace_seconds`` (validated values; only the keys given). Returns the spider's admin JSON. Raises NotFoundError."""
         as_json = {"command", "env", "resources", "outputs", "egress"}  # JSON columns; the others: the value
         sets: list[str] = []
         values: list[Any] = []
         for key, value in changes.items():
             if key not in ("name", "framework", "command", "timeout_seconds", "env", "resources", "stop_signal",
-                           "outputs", "egress"):
+                           "outputs", "egress", "stop_grace_seconds"):
                 raise ValueError(f"update_spider: {key!r} is not a changeable column")
             sets.append(f"{key} = ?")
             if key in ("resources", "outputs", "egress") and not value:

@@ -47,6 +47,8 @@ def task_json(r: sqlite3.Row) -> dict[str, Any]:
             "stopSignal": r["stop_signal"],
             "outputs": loads(r["outputs"]),
             "egress": loads(r["egress"]),
+            "stopGraceSeconds": r["stop_grace_seconds"],
+            "cleanStart": bool(r["clean_start"]),
             **(loads(r["figures"]) if r["figures"] else {}),
         }
 
@@ -67,10 +69,13 @@ class TaskStore(Database):
         resources: dict[str, Any] | None = None,
         stop_signal: str | None = None,
         egress: dict[str, Any] | None = None,
+        stop_grace_seconds: float | None = None,
+        clean_start: bool = False,
     ) -> str:
         """Create a PENDING task from a snapshot of the spider. Returns its id. ``resources`` are merged
         over the spider's (per key); ``stop_signal`` None takes the spider's; ``egress`` (the wire shape)
-        replaces the spider's network policy, None takes the spider's.
+        replaces the spider's network policy, None takes the spider's; ``stop_grace_seconds`` None takes the
+        spider's; ``clean_start``: the task's cleanStart (its spider's data on the node starts empty).
 
         ``env`` is merged over the spider's env; ``timeout_seconds`` None takes the spider's.
         Raises NotFoundError (unknown spider) and ConflictError (the spider has no package yet).
@@ -90,7 +95,8 @@ class TaskStore(Database):
             db.execute(
                 "INSERT INTO tasks (id, spider_id, spider_name, framework, command, args, env, params,"
                 " timeout_seconds, code_version, code_mode, status, created_at, stall_timeout_seconds, resources,"
-                " stop_signal, outputs, egress) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'PENDING', ?, ?, ?, ?, ?, ?)",
+                " stop_signal, outputs, egress, stop_grace_seconds, clean_start)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'PENDING', ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     task_id,
                     spider_id,
@@ -109,6 +115,8 @@ class TaskStore(Database):
                     stop_signal or spider["stop_signal"],
                     spider["outputs"],
                     spider["egress"] if egress is None else dumps(egress),
+                    spider["stop_grace_seconds"] if stop_grace_seconds is None else stop_grace_seconds,
+                    1 if clean_start else 0,
                 ),
             )
         return task_id

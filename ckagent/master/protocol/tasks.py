@@ -122,6 +122,13 @@ class Task:
     outputs: TaskOutputs | None = None
     """Declared item files and artifacts (globs in the working copy); None = the conventions
     (ckagent.delivery.outputs)."""
+    stop_grace_seconds: float | None = None
+    """Seconds from the stop signal to the kill of every process of the task (a polite Scrapy crawl's
+    graceful close); None = the framework's default (ckagent.code.frameworks), else the node's
+    ``task.kill_grace``; capped by the node's ``task.max_stop_grace``."""
+    clean_start: bool = False
+    """The spider's data kept between its tasks on this node (Scrapy's ``.scrapy``: ckagent.code.scrapydata)
+    starts empty for this task."""
 
     @property
     def stop_signal_number(self) -> int:
@@ -164,6 +171,8 @@ class Task:
             egress=parse_egress(o.get("egress"), f"{path}.egress"),
             claimed=_opt_bool(o, "claimed", path),
             outputs=TaskOutputs.from_json(o.get("outputs"), f"{path}.outputs"),
+            stop_grace_seconds=opt_number(o, "stopGraceSeconds", lo=0, path=path),
+            clean_start=_opt_bool(o, "cleanStart", path),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -187,6 +196,8 @@ class Task:
                 "egress": None if self.egress is None else self.egress.to_json(),
                 "claimed": True if self.claimed else None,
                 "outputs": None if self.outputs is None else self.outputs.to_json(),
+                "stopGraceSeconds": self.stop_grace_seconds,
+                "cleanStart": True if self.clean_start else None,
             }
         )
 
