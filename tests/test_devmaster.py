@@ -920,6 +920,32 @@ async def test_spider_resources_and_stop_signal_are_task_defaults(dev_master: De
             assert info.value.status_code == 422, bad
 
 
+async def test_stop_grace_and_clean_start_reach_the_node_in_the_poll_answer(dev_master: DevMaster, node: Node) -> None:
+    """A spider's stopGraceSeconds is its tasks' default (a task's own wins); a task's cleanStart is sent
+    only when true; both as the node protocol says (docs/protocol.md, Task fields)."""
+    admin = dev_master.admin
+    with trio.fail_after(10):
+        spider = await admin.create_spider("polite", "scrapy", stop_grace_seconds=240)
+        await admin.upload_package(spider, zip_files({"scrapy.cfg": ""}))
+        default = await admin.create_task(spider, clean_start=True)
+        own = await admin.create_task(spider, stop_grace_seconds=30)
+        assert (await admin.get_spider(spider))["stopGraceSeconds"] == 240
+        assert [(await admin.get_task(t))["stopGraceSeconds"] for t in (default, own)] == [240, 30]
+        assert [(await admin.get_task(t))["cleanStart"] for t in (default, own)] == [True, False]
+        seen: dict[str, Any] = {}
+        for _ in range(2):  # one task per spider per answer
+            for wire in (await node.poll(limit=10))["tasks"]:
+                seen[wire["id"]] = wire
+                await node.claim(wire["id"])
+        assert (seen[default]["stopGraceSeconds"], seen[default].get("cleanStart")) == (240, True)
+        assert (seen[own]["stopGraceSeconds"], seen[own].get("cleanStart")) == (30, None)
+        assert Task.from_json(seen[default]).clean_start and not Task.from_json(seen[own]).clean_start
+        for bad in ({"stopGraceSeconds": -1}, {"cleanStart": "yes"}):
+            with pytest.raises(AdminApiError) as info:
+                await admin._call("POST", f"/api/spiders/{spider}/tasks", json=bad)
+            assert info.value.status_code == 422, bad
+
+
 async def test_a_misspelt_key_of_a_spider_or_task_is_refused_naming_it(
     dev_master: DevMaster, http: httpx.AsyncClient
 ) -> None:

@@ -55,6 +55,7 @@ from ckagent.containment.base import _resolve as resolve_program
 from ckagent.containment.private import TMP_DIR, Privacy, PrivacyLevel
 from ckagent.containment.process_group import MARKER_VAR, SPAWNED
 from ckagent.node import beneath
+from ckagent.node.diskfull import preallocate
 from ckagent.node.levels import ContainmentLevel
 from ckagent.node.procid import ProcessIdentity, ProvenProcess, boot_id, children, start_ticks
 from ckagent.node.runas import RunAs, popen_identity
@@ -63,6 +64,9 @@ log = logging.getLogger(__name__)
 
 STATUS_FILE = "exit-status"
 """The monitor writes the spider's ``$?`` here (task dir), after the spider exited."""
+
+STATUS_HEADROOM_BYTES = 4096
+"""Bytes allocated beforehand for the exit-status file (one block: ``$?`` and a newline)."""
 
 IGNORED_BY_MONITOR = ("TERM", "INT", "HUP", "QUIT")
 """Signals the monitor ignores (a stop or a terminal hang-up must reach the spider, not end its
@@ -78,7 +82,9 @@ def monitor_script(join: list[Path], status_path: Path | None, oom_score_adj: in
     sigs = " ".join(IGNORED_BY_MONITOR)
     lines.append(f"exec 3>&2 2>/dev/null; trap '' {sigs}")
     lines.append(f'(trap - {sigs}; exec 2>&3 3>&-; exec "$0" "$@")')
-    record = "" if status_path is None else f"echo $code >{shlex.quote(str(status_path))}; "
+    # ``1<>``: written in place over the file :func:`prepare_status_file` made with its block held,
+    # never truncated or created anew — a full disk cannot take the exit status.
+    record = "" if status_path is None else f"echo $code 1<>{shlex.quote(str(status_path))}; "
     lines.append(f"code=$?; {record}exit $code")
     return "\n".join(lines)
 
@@ -101,6 +107,31 @@ def read_status(path: Path) -> int | None:
     except OSError:
         return None
     return returncode_of(int(text)) if text.isdigit() else None
+
+
+def prepare_status_file(path: Path, run_as: RunAs | None) -> None:
+    """Make ``path`` (the task's exit-status file) anew and empty, owned by ``run_as`` (the monitor
+    writes it as that uid), with a block allocated beyond its end (``fallocate(KEEP_SIZE)``): the
+    monitor's ``echo $code 1<>path`` then writes into space it already holds, so a disk the spider
+    filled cannot lose the exit status (docs/operations.md, "When the disk fills"). An earlier
+    record is removed first. Never through a link the spider planted (ckagent.node.beneath). On a
+    disk already full the file may not be made: the monitor then creates it itself, as before.
+    Blocking (a few system calls); never raises."""
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    try:
+        fd = beneath.open_file(path.parent, path.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+    except OSError as exc:
+        log.debug("exit-status file %s not made beforehand: %s", path, exc)
+        return
+    try:
+        if run_as is not None:
+            os.fchown(fd, run_as.uid, run_as.gid)
+        preallocate(fd, STATUS_HEADROOM_BYTES)
+    except OSError as exc:
+        log.debug("exit-status file %s not prepared: %s", path, exc)
+    finally:
+        os.close(fd)
 
 
 def main_pid(monitor: int | ProvenProcess) -> int | None:
@@ -305,8 +336,7 @@ def spawn_monitored(
         raise ValueError("a private namespace needs the task dir (its /tmp is there)")
     status_path = None if task_dir is None else task_dir / STATUS_FILE
     if status_path is not None:
-        with contextlib.suppress(FileNotFoundError):
-            status_path.unlink()
+        prepare_status_file(status_path, run_as)
     program = resolve_program(argv[0], env.get("PATH"))
     forking = run_as is not None
     options: dict[str, Any] = {}
