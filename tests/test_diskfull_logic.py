@@ -12,6 +12,7 @@ the agent's room beforehand, each on real files (a tmpfs the test mounts where i
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -19,6 +20,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -337,3 +339,38 @@ def test_a_write_after_the_reserve_is_used_up_says_so(tmp_path: Path) -> None:
     with pytest.raises(StateStoreFull, match="disk is full"):
         store._unless_full(always_full)
     store.close()
+
+
+@pytest.mark.skipif(can_mount_tmpfs() is not None, reason=f"a small disk of the test's own: {can_mount_tmpfs()}")
+@pytest.mark.parametrize("run_as_other", [False, True], ids=["agent-uid", "spider-uid"])
+def test_a_spider_that_fills_the_disk_still_has_its_exit_status_recorded(run_as_other: bool) -> None:
+    """The monitor writes the spider's ``$?`` into a file made beforehand with its block held: a spider
+    that took every byte of the disk before it exited still has its true exit kept for a later agent."""
+    from ckagent.containment.monitor import STATUS_FILE, read_status, spawn_monitored
+    from ckagent.containment.process_group import ProcessGroupJail
+    from ckagent.node.runas import RunAs
+
+    # The spider's uid must reach its task dir, as it does on a node: not below pytest's private tmp.
+    top = Path(tempfile.mkdtemp(prefix="ck-exit-status-"))
+    top.chmod(0o711)
+    with contextlib.ExitStack() as undo:
+        undo.callback(shutil.rmtree, top, True)
+        disk = undo.enter_context(small_disk(top / "disk", 8 * MIB))
+        task_dir, work = disk / "task", disk / "work"
+        task_dir.mkdir()
+        work.mkdir()
+        run_as = None
+        if run_as_other:  # a uid of no passwd entry, as the spider-uids level gives
+            os.chown(task_dir, 64123, 64123)
+            os.chown(work, 64123, 64123)
+            run_as = RunAs("ck-64123", 64123, 64123, (), str(work), dynamic=True)
+        env = {"PATH": "/usr/bin:/bin", "CK_TASK_ID": "filler"}
+        filler = "head -c 64000000 /dev/zero >big 2>/dev/null; exit 3"
+        mon = spawn_monitored(["sh", "-c", filler], cwd=work, env=env, task_id="filler", task_dir=task_dir,
+                              output_path=task_dir / "output.log", jail=ProcessGroupJail("filler"), run_as=run_as,
+                              deadline_at=None, work=work, stall_timeout=0.0)
+        assert mon.popen.wait(timeout=30) == 3
+        assert os.statvfs(disk).f_bavail == 0  # the spider did take every byte
+        st = os.stat(task_dir / STATUS_FILE)
+        assert (st.st_uid, st.st_size) == ((64123 if run_as_other else 0), 2), (st, (task_dir / STATUS_FILE).read_bytes())
+        assert read_status(task_dir / STATUS_FILE) == 3

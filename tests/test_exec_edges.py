@@ -55,7 +55,8 @@ async def test_exec_writes_every_item_and_keeps_its_own_output_out_of_the_packag
     said = err.getvalue()
     assert f"[ckagent exec] replacing {items} (3 lines)" in said, said
     assert "[ckagent exec] left out of the package (exec's own output): items.jsonl, artifacts/" in said, said
-    assert "files ['main.py']" in out.getvalue(), out.getvalue()[-3000:]
+    # the package's one file, beside the link to the spider's kept Scrapy data dir (ckagent.code.scrapydata)
+    assert "files ['.scrapy', 'main.py']" in out.getvalue(), out.getvalue()[-3000:]
     got = [json.loads(line) for line in items.read_text().splitlines()]
     # Each road's items, each in its order; all of them, as the summary counts them.
     for road, count in (("sdk", 2), ("jsonl", 3), ("json", 2)):

@@ -334,7 +334,7 @@ async def test_run_supervised_cancelled_from_outside_ends_the_process(mock_clock
 
 async def test_run_supervised_cancelled_while_on_started_runs_still_ends_the_process(tmp_path: Path) -> None:
     """The supervision begins with the spawn: a cancel that comes while ``on_started`` is awaited stops
-    the process (and its monitor) like any other (ckagent.containment.monitor.supervise)."""
+    the process (and its monitor) like any other (ckagent.containment.supervision.supervise)."""
     task_id = f"started-{os.getpid()}"
     pids: list[int] = []
 

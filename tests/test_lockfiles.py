@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 
 from ckagent.code.deps import Dependencies, DepsError, IndexChooser, spider_base_env
 from ckagent.code.deps_node import NPM_OPTIONS, npm_install_command
-from ckagent.code.nodetools import _CACHE_ENTRY, SEMVER, parse_package_manager, wanted_tool
+from ckagent.code.nodetools import _CACHE_ENTRY, SEMVER, parse_package_manager, wanted_tool, yarn_release
 from ckagent.devmaster.client import zip_directory
 from ckagent.node.runas import RunAs
 
@@ -350,6 +350,13 @@ def test_the_lock_decides_the_tool_and_its_major() -> None:
     assert wanted_tool({**both, "package-lock.json": b"{}"}) is None
     assert npm_install_command({"package-lock.json": b""}, "npm") == ["npm", "ci", *NPM_OPTIONS]
     assert npm_install_command({}, "npm") == ["npm", "install", *NPM_OPTIONS]
+    rc = b'nodeLinker: node-modules\nyarnPath: .yarn/releases/yarn-3.6.4.cjs\n'
+    assert yarn_release(rc) == "3.6.4" and yarn_release(b"yarnPath: ./yarn-../../x.cjs\n") is None
+    released = wanted_tool(berry, yarn_release(rc))
+    assert released is not None and (released.version, released.package) == ("3.6.4", "@yarnpkg/cli-dist")
+    assert "yarnPath names yarn-3.6.4" in released.why
+    over = wanted_tool({**berry, "package.json": b'{"packageManager": "yarn@4.1.0"}'}, "3.6.4")
+    assert over is not None and over.version == "4.1.0"  # packageManager first
     other = wanted_tool({"package.json": b'{"packageManager": "pnpm@9.1.0"}', "yarn.lock": b"# yarn lockfile v1\n"})
     assert other is not None and other.version is None and "names pnpm but the lock is yarn.lock" in other.notes[0]
 
@@ -364,16 +371,19 @@ HOSTILE = st.one_of(
 
 
 @settings(max_examples=400, deadline=None)
-@given(HOSTILE)
-def test_a_hostile_package_manager_never_reaches_a_path_or_a_shell(value: str) -> None:
+@given(HOSTILE, HOSTILE)
+def test_a_hostile_package_manager_never_reaches_a_path_or_a_shell(value: str, yarn_path: str) -> None:
     pin = parse_package_manager(value)
-    want = wanted_tool({"package.json": json.dumps({"packageManager": value}).encode(), "yarn.lock": b"# yarn lockfile v1\n"})
+    release = yarn_release(f"yarnPath: .yarn/releases/{yarn_path}\n".encode(errors="surrogateescape"))
+    assert release is None or SEMVER.fullmatch(release)
+    want = wanted_tool({"package.json": json.dumps({"packageManager": value}).encode(), "yarn.lock": b"# yarn lockfile v1\n"},
+                       release)
     assert want is not None and want.tool == "yarn"
     if pin is not None:
         assert pin[0] in ("yarn", "pnpm", "npm", "bun") and SEMVER.fullmatch(pin[1])
         assert value.startswith(f"{pin[0]}@{pin[1]}") and value[len(pin[0]) + 1 + len(pin[1]):][:1] in ("", "+")
     if want.version is not None:
-        assert SEMVER.fullmatch(want.version) and want.version == (pin or ("", ""))[1]
+        assert SEMVER.fullmatch(want.version) and want.version in ((pin or ("", ""))[1], release)
     # What reaches npm's argv and the cache's entry name is made of checked parts only.
     spec = f"{want.package}@{want.spec}"
     assert spec in ("yarn@1", "@yarnpkg/cli-dist@" + want.spec) or (want.version and spec == f"yarn@{want.version}")

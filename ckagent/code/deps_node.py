@@ -49,7 +49,7 @@ from ckagent.code.envstore import Checked, EnvStore, Prepared, is_ready, mark_re
 from ckagent.code.installenv import install_key_env, installer_env, referenced
 from ckagent.code.installer import Installers, Output
 from ckagent.code.nodestage import CONFIG_FILES, NODE_COPIED, NODE_DEP_FILES, ROOT_LIFECYCLE, node_staged
-from ckagent.code.nodetools import NPM_OPTIONS, NodeTools, wanted_tool
+from ckagent.code.nodetools import NPM_OPTIONS, NodeTools, wanted_tool, yarn_release
 from ckagent.code.runtimes import find_npm, nvm_node_versions
 from ckagent.code.stage import ProjectFiles, write_staged
 from ckagent.containment import TaskJail
@@ -165,13 +165,15 @@ def node_default_command(code_dir: Path) -> tuple[list[str] | None, str]:
 @dataclass(frozen=True)
 class NodePlan:
     """A Node spider's install: ``layout`` (``no-package``, ``ships-node-modules``, ``install``), the key,
-    what is staged (:func:`node_staged`), lines for the task log, variables the staged files name."""
+    what is staged (:func:`node_staged`), lines for the task log, variables the staged files name, the
+    Yarn release its ``.yarnrc.yml`` names (ckagent.code.nodetools.yarn_release)."""
 
     layout: str
     key: str = ""
     staged: dict[str, bytes] = field(default_factory=dict, compare=False, repr=False)
     notes: tuple[str, ...] = ()
     named: frozenset[str] = frozenset()
+    yarn_release: str | None = None
 
 
 class NodeEnvs:
@@ -277,7 +279,7 @@ class NodeEnvs:
                     "npm_config_package_import_method": "copy",
                     "PUPPETEER_CACHE_DIR": str(install_dir / PUPPETEER_CACHE)})
         await trio.to_thread.run_sync(self._start, install_dir, plan)
-        want = wanted_tool(plan.staged)
+        want = wanted_tool(plan.staged, plan.yarn_release)
         label = None
         if want is None:
             argv = npm_install_command(plan.staged, npm)
@@ -326,7 +328,7 @@ class NodeEnvs:
         for data in staged.values():
             named |= referenced(data.decode(errors="replace"))
         key = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()
-        return NodePlan("install", key, staged, tuple(notes), frozenset(named))
+        return NodePlan("install", key, staged, tuple(notes), frozenset(named), yarn_release(files.read(".yarnrc.yml")))
 
     async def _select_node(self, spec: str, source: str, task_env: dict[str, str], output: Output,
                            prepared: Prepared, jail: TaskJail | None) -> None:

@@ -8,6 +8,8 @@ package.json's ranges instead. Which version (:func:`wanted_tool`, pure):
 - the project's ``packageManager`` (``"yarn@1.22.22"``, ``"pnpm@9.1.0"``, ``"yarn@4.1.0+sha512.…"``)
   when it names that tool with an exact version (:func:`parse_package_manager`); anything else in the
   field (a range, a URL, another tool, shell or path text) is not used, and the task log says so;
+- else, for yarn, the release a project's ``.yarnrc.yml`` ``yarnPath`` names
+  (``.yarn/releases/yarn-4.1.0.cjs``: that file is the project's and never runs; its version is fetched);
 - else the major version the lock's format belongs to (yarn.lock v1 → Yarn 1; a berry lock's
   ``__metadata.version`` 8 → Yarn 4, 4–6 → Yarn 3; pnpm's ``lockfileVersion`` '9.0' → pnpm 9, '6.x' →
   pnpm 8, '5.4' → pnpm 7, '5.3' → pnpm 6).
@@ -65,7 +67,7 @@ from ckagent.containment.process import MARKER_VAR
 from ckagent.node.errors import DepsError, os_error_text
 
 __all__ = ["NPM_OPTIONS", "SEMVER", "NodeTools", "Runner", "ToolWant", "parse_package_manager", "registry_of",
-           "wanted_tool"]
+           "wanted_tool", "yarn_release"]
 
 NPM_OPTIONS = ("--no-audit", "--no-fund", "--no-progress", "--no-update-notifier")
 
@@ -178,9 +180,23 @@ def _lock_major(tool: str, data: bytes) -> tuple[int, str]:
     return pnpm, f"pnpm-lock.yaml lockfileVersion {major}.{minor}"
 
 
-def wanted_tool(staged: Mapping[str, bytes]) -> ToolWant | None:
+_YARN_RELEASE = re.compile(rb"^yarnPath:[ \t]*[\"']?[^\n\"']*/yarn-(" + SEMVER.pattern.encode() + rb")\.c?js[\"']?[ \t]*\r?$",
+                           re.M)
+
+
+def yarn_release(yarnrc: bytes | None) -> str | None:
+    """The version of the Yarn release a project's ``.yarnrc.yml`` runs (``yarnPath:
+    .yarn/releases/yarn-4.1.0.cjs`` → ``4.1.0``), or None. The file itself is never run (it is the
+    project's code: ckagent.code.nodestage leaves ``yarnPath`` out); that version is fetched. Pure."""
+    found = _YARN_RELEASE.search(yarnrc[:65536]) if yarnrc else None
+    return found.group(1).decode() if found else None
+
+
+def wanted_tool(staged: Mapping[str, bytes], release: str | None = None) -> ToolWant | None:
     """The tool the staged files' lock needs (see module docstring), or None (npm's own lock, or no
-    lock: npm installs). ``staged``: file name → bytes (ckagent.code.nodestage.node_staged). Pure."""
+    lock: npm installs). ``staged``: file name → bytes (ckagent.code.nodestage.node_staged);
+    ``release``: the Yarn release the project's ``.yarnrc.yml`` names (:func:`yarn_release`), its
+    pin when ``packageManager`` gives none. Pure."""
     if "package-lock.json" in staged or "npm-shrinkwrap.json" in staged:
         return None
     locks = [lock for lock in LOCKS if lock in staged]
@@ -206,6 +222,9 @@ def wanted_tool(staged: Mapping[str, bytes]) -> ToolWant | None:
                      f"installed with {tool} {major}.x ({form})")
     elif pin is not None:
         return ToolWant(tool, lock, _major(pin[1]), pin[1], f"package.json packageManager {tool}@{pin[1]}")
+    if tool == "yarn" and release is not None and SEMVER.fullmatch(release):
+        return ToolWant(tool, lock, _major(release), release, f".yarnrc.yml yarnPath names yarn-{release} (the "
+                        "committed release is not run: the same version is fetched)", tuple(notes))
     return ToolWant(tool, lock, major, None, f"{form}, no packageManager pin", tuple(notes))
 
 

@@ -35,7 +35,7 @@ Use::
     ...; await jail.kill_all(); figures = jail.figures(); jail.close()
 
 The agent's own processes (spiders and installers) start behind a monitor that joins the same way
-(.monitor.spawn_monitored) and are supervised by one supervisor (.monitor.supervise); ``jail.spawn``
+(.monitor.spawn_monitored) and are supervised by one supervisor (.supervision.supervise); ``jail.spawn``
 is the join alone, for a process that needs no monitor.
 
 Exceptions: :class:`ContainmentError` (a forced level is not available; a task's cgroup cannot be made).

@@ -13,7 +13,7 @@ The monitor is one dash process per task: ~0.1 MB of private memory (its RSS is 
 libc pages) and no wake-up while the spider runs (it sleeps in wait4). The agent is the monitor's
 parent while it lives; a later agent is not, and waits for the monitor's exit on a pidfd (a kernel
 notification, no polling). The agent follows output.log by inotify; its supervisor waits for the
-monitor's exit, output.log's growth and the task's stop in one task (:func:`follow_until_exit_or_stop`).
+monitor's exit, output.log's growth and the task's stop in one task (ckagent.containment.supervision).
 
 What a shell can tell of its child's end: ``$?`` is the exit code, or 128 + N for a death by
 signal N; :func:`returncode_of` turns 129..192 back into ``-N`` (an exit code in that range is read
@@ -32,18 +32,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import math
 import os
-import select
 import shlex
-import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import trio
 
@@ -56,19 +52,10 @@ from ckagent.containment.base import (
     raise_oom_score_adj,
 )
 from ckagent.containment.base import _resolve as resolve_program
-from ckagent.containment.filewatch import FileWatch
 from ckagent.containment.private import TMP_DIR, Privacy, PrivacyLevel
 from ckagent.containment.process_group import MARKER_VAR, SPAWNED
-from ckagent.containment.stopping import (
-    Notice,
-    ProcessOutcome,
-    ScopedStop,
-    StopRequest,
-    StopSequence,
-    Supervised,
-    until_exit_or_stop,
-)
 from ckagent.node import beneath
+from ckagent.node.diskfull import preallocate
 from ckagent.node.levels import ContainmentLevel
 from ckagent.node.procid import ProcessIdentity, ProvenProcess, boot_id, children, start_ticks
 from ckagent.node.runas import RunAs, popen_identity
@@ -78,15 +65,12 @@ log = logging.getLogger(__name__)
 STATUS_FILE = "exit-status"
 """The monitor writes the spider's ``$?`` here (task dir), after the spider exited."""
 
+STATUS_HEADROOM_BYTES = 4096
+"""Bytes allocated beforehand for the exit-status file (one block: ``$?`` and a newline)."""
+
 IGNORED_BY_MONITOR = ("TERM", "INT", "HUP", "QUIT")
 """Signals the monitor ignores (a stop or a terminal hang-up must reach the spider, not end its
 monitor); the spider gets them back at their defaults before its exec."""
-
-OUTPUT_COALESCE_BELOW = 16 * 1024
-"""Growth of output.log below this many bytes means a trickle: let more gather before the next look."""
-OUTPUT_COALESCE_INTERVAL = 0.05
-"""Seconds a trickle's output gathers before the next look (one journal record for many lines)."""
-
 
 def monitor_script(join: list[Path], status_path: Path | None, oom_score_adj: int = SPIDER_OOM_SCORE_ADJ) -> str:
     """The monitor's shell script (``sh -c <script> <program> <args...>``): join each cgroup (exit 126
@@ -98,7 +82,9 @@ def monitor_script(join: list[Path], status_path: Path | None, oom_score_adj: in
     sigs = " ".join(IGNORED_BY_MONITOR)
     lines.append(f"exec 3>&2 2>/dev/null; trap '' {sigs}")
     lines.append(f'(trap - {sigs}; exec 2>&3 3>&-; exec "$0" "$@")')
-    record = "" if status_path is None else f"echo $code >{shlex.quote(str(status_path))}; "
+    # ``1<>``: written in place over the file :func:`prepare_status_file` made with its block held,
+    # never truncated or created anew — a full disk cannot take the exit status.
+    record = "" if status_path is None else f"echo $code 1<>{shlex.quote(str(status_path))}; "
     lines.append(f"code=$?; {record}exit $code")
     return "\n".join(lines)
 
@@ -121,6 +107,31 @@ def read_status(path: Path) -> int | None:
     except OSError:
         return None
     return returncode_of(int(text)) if text.isdigit() else None
+
+
+def prepare_status_file(path: Path, run_as: RunAs | None) -> None:
+    """Make ``path`` (the task's exit-status file) anew and empty, owned by ``run_as`` (the monitor
+    writes it as that uid), with a block allocated beyond its end (``fallocate(KEEP_SIZE)``): the
+    monitor's ``echo $code 1<>path`` then writes into space it already holds, so a disk the spider
+    filled cannot lose the exit status (docs/operations.md, "When the disk fills"). An earlier
+    record is removed first. Never through a link the spider planted (ckagent.node.beneath). On a
+    disk already full the file may not be made: the monitor then creates it itself, as before.
+    Blocking (a few system calls); never raises."""
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    try:
+        fd = beneath.open_file(path.parent, path.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+    except OSError as exc:
+        log.debug("exit-status file %s not made beforehand: %s", path, exc)
+        return
+    try:
+        if run_as is not None:
+            os.fchown(fd, run_as.uid, run_as.gid)
+        preallocate(fd, STATUS_HEADROOM_BYTES)
+    except OSError as exc:
+        log.debug("exit-status file %s not prepared: %s", path, exc)
+    finally:
+        os.close(fd)
 
 
 def main_pid(monitor: int | ProvenProcess) -> int | None:
@@ -317,7 +328,7 @@ def spawn_monitored(
 
     ``env`` must carry ``CK_TASK_ID=task_id`` (the sweep's marker). Raises OSError when the command
     cannot be started (its namespace cannot be made: the message says which step). The caller
-    supervises the result (:func:`supervise`) and stores its handle.
+    supervises the result (ckagent.containment.supervision.supervise) and stores its handle.
     """
     if env.get(MARKER_VAR) != task_id:
         raise ValueError(f"env must carry {MARKER_VAR}={task_id} (the sweep finds escaped processes by it)")
@@ -325,8 +336,7 @@ def spawn_monitored(
         raise ValueError("a private namespace needs the task dir (its /tmp is there)")
     status_path = None if task_dir is None else task_dir / STATUS_FILE
     if status_path is not None:
-        with contextlib.suppress(FileNotFoundError):
-            status_path.unlink()
+        prepare_status_file(status_path, run_as)
     program = resolve_program(argv[0], env.get("PATH"))
     forking = run_as is not None
     options: dict[str, Any] = {}
@@ -381,201 +391,3 @@ def spawn_monitored(
                     jail.level, "" if env_dir is None else str(env_dir), proxy_port,
                     -1 if run_as is None else run_as.uid, -1 if run_as is None else run_as.gid)
     return Monitored(handle, popen, pipes=pipes)
-
-
-async def follow_output(sink: Any, exited: trio.Event) -> None:
-    """Take in output.log's growth as the kernel reports it (inotify IN_MODIFY), trickles gathered
-    for OUTPUT_COALESCE_INTERVAL (not once ``exited`` is set). A silent spider wakes nothing. Runs
-    until cancelled; an inotify that cannot be set up leaves it to the end of the task (logged)."""
-    sink.grown()  # what was written before the watch (or while no agent ran)
-    try:
-        watch = FileWatch(sink.path)
-    except OSError as exc:
-        log.warning("%s: cannot watch it (%s); its lines are sent at the task's end", sink.path, exc)
-        await trio.sleep_forever()
-    with watch:
-        while True:
-            await watch.changed()
-            if sink.grown() < OUTPUT_COALESCE_BELOW and not exited.is_set():
-                with trio.move_on_after(OUTPUT_COALESCE_INTERVAL):
-                    await exited.wait()
-
-
-class Output(Protocol):
-    """How :func:`supervise` takes in a supervised process's output while it waits for its end: from
-    its output file (:class:`FileOutput`: a spider, whose output outlives the agent) or from its pipes
-    (ckagent.containment.process.PipeOutput: an installer, whose output streams into the task's log)."""
-
-    def following(self) -> AbstractAsyncContextManager[None]:
-        """Take in the output in the background for the block (nothing for a file: it is looked at
-        in :meth:`until_exit_or_stop`). Cancellation ends the background work at the block's end."""
-
-    async def until_exit_or_stop(self, mon: Monitored, stop: StopRequest) -> None:
-        """Take in the output until the monitor has exited (``mon.exited``) or ``stop`` is requested."""
-
-    def while_stopping(self, final: bool) -> AbstractAsyncContextManager[None]:
-        """Take in what the process says while the block stops it (``final``: the supervisor was
-        cancelled from outside, its :meth:`following` block is over; the block kills every process
-        of the task too, and the last output is taken in at its end)."""
-
-    async def drained(self, jail: TaskJail, window: float) -> bool:
-        """After a normal exit: give leftovers ``window`` seconds to finish writing; True when the
-        jail is empty (no kill needed), False when the supervisor must kill what is left."""
-
-    async def finish(self) -> None:
-        """After the last kill: take in the last of the output."""
-
-
-class FileOutput:
-    """A spider's output file, followed by ``sink`` (``grown()`` takes in what was appended, and
-    ``path`` is the file; ckagent.delivery.capture.LogSink): see :class:`Output`."""
-
-    def __init__(self, sink: Any) -> None:
-        self.sink = sink
-
-    @contextlib.asynccontextmanager
-    async def following(self) -> AsyncIterator[None]:
-        yield  # (looked at in until_exit_or_stop, in the supervisor's own task)
-
-    async def until_exit_or_stop(self, mon: Monitored, stop: StopRequest) -> None:
-        await follow_until_exit_or_stop(mon, self.sink, stop)
-
-    @contextlib.asynccontextmanager
-    async def while_stopping(self, final: bool) -> AsyncIterator[None]:
-        if final:  # the agent terminates (or hands over): the next reader takes the rest from the file
-            yield
-            return
-        async with trio.open_nursery() as nursery:  # what the spider says while it stops reaches the log
-            exited = trio.Event()
-            exited.set()  # no trickle is waited for: the grace is short
-            nursery.start_soon(follow_output, self.sink, exited)
-            yield
-            nursery.cancel_scope.cancel()
-
-    async def drained(self, jail: TaskJail, window: float) -> bool:
-        self.sink.grown()
-        with trio.move_on_after(window) as drain:  # what the spider left behind may still write
-            await jail.wait_empty()
-        # An emptied jail needs no kill: nothing can join an empty cgroup any more, and at the
-        # process-group level wait_empty's last scan is the one the kill's sweep would make (it
-        # also reaps leftovers that ended as the agent's, the subreaper's, zombies).
-        return not drain.cancelled_caught
-
-    async def finish(self) -> None:
-        self.sink.grown()
-
-
-async def supervise(
-    mon: Monitored, *, jail: TaskJail, sink: Any = None, output: Output | None = None, grace: float,
-    stop: StopRequest, notice: Notice, why: Callable[[], str] = lambda: "stop requested",
-    stop_signal: int = signal.SIGTERM, drain_window: float = 2.0, leave_running: Callable[[], bool] = lambda: False,
-    deadline_seconds: float | None = None, cancelled_why: str = "agent terminating",
-    on_started: Callable[[int], Awaitable[None]] | None = None,
-) -> ProcessOutcome:
-    """Supervise a monitored process (a spider, an installer: :func:`spawn_monitored`) to its end:
-    the one supervisor of the agent's processes.
-
-    The end is the monitor's exit, ``deadline_seconds`` passing (None: never; a spider's run-time
-    and stall limits are its ``stop``'s instead: ckagent.task.stop.Watchdog) or ``stop``: then the
-    stop signal goes to the process doing the work, ``grace`` seconds pass, and every process of the
-    task is killed (ckagent.containment.stopping), its notice beginning with ``why()`` (or the
-    timeout). After a normal exit leftovers get ``drain_window`` seconds before they are killed.
-    ``output`` takes in the output meanwhile (:class:`Output`; ``sink`` is short for
-    ``FileOutput(sink)``: output.log followed as it grows). ``notice(text)`` gets one line per thing
-    the agent did (they go into the task log). The outcome's ``returncode`` is the monitor's record
-    (negative: killed by that signal).
-
-    Cancellation from outside: when ``leave_running()`` is true (the agent hands its tasks over to
-    the next one) the process is left running, untouched; otherwise it is stopped (signal → grace →
-    kill-all, shielded, the notice beginning with ``cancelled_why``), then Cancelled propagates —
-    also while ``on_started(monitor pid)`` is awaited, first thing.
-    """
-    if output is None:
-        output = FileOutput(sink)
-    outcome = ProcessOutcome()
-    # The program and its monitor are the task's own two processes (not leftovers).
-    stopper = StopSequence(Supervised(mon.pid, mon.main_pid, lambda: mon.exited, mon.wait, own=2,
-                                      signal_leader_group=None if mon.proven is None else mon.proven.signal_group),
-                           jail, grace, stop_signal, notice, outcome)
-    swept = False
-    try:
-        if on_started is not None:
-            await on_started(mon.pid)
-        async with output.following():
-            with trio.move_on_after(math.inf if deadline_seconds is None else deadline_seconds) as deadline:
-                await output.until_exit_or_stop(mon, stop)
-            if not mon.exited:
-                outcome.timed_out = deadline.cancelled_caught
-                outcome.stopped = not outcome.timed_out
-                async with output.while_stopping(final=False):
-                    await stopper.stop(f"timeout after {deadline_seconds:g} s" if outcome.timed_out else why())
-                outcome.killed_leftovers += max(0, await jail.kill_all())
-            elif not await output.drained(jail, drain_window):
-                outcome.killed_leftovers += max(0, await jail.kill_all())
-            outcome.returncode = mon.returncode
-            swept = True
-            if outcome.killed_leftovers:
-                notice(f"killed {outcome.killed_leftovers} leftover process(es) of the task")
-            await output.finish()
-    finally:
-        with trio.CancelScope(shield=True):  # noqa: ASYNC912 - shielded cleanup
-            if mon.exited and swept:
-                pass
-            elif leave_running():
-                pass  # handed over: the next agent re-adopts the spider (its handle is in the state store)
-            else:
-                async with output.while_stopping(final=True):
-                    await stopper.stop(cancelled_why)
-                    outcome.killed_leftovers += max(0, await jail.kill_all())
-    return outcome
-
-
-async def follow_until_exit_or_stop(mon: Monitored, sink: Any, stop: StopRequest) -> None:
-    """Take in output.log's growth (as :func:`follow_output` does) until the monitor has exited
-    (``mon.exited`` then) or ``stop`` is requested — in this task: one epoll descriptor over the
-    monitor's pidfd and the file's inotify watch, waited on in a scope the stop cancels
-    (ckagent.containment.stopping.ScopedStop). A stop that cannot cancel scopes, or a kernel
-    without pidfds, gets the same beside a task of its own. Cancellation: as usual."""
-    pidfd = mon.exit_fd() if isinstance(stop, ScopedStop) else -1
-    if pidfd < 0:
-        if mon.exited:
-            return
-        async with trio.open_nursery() as nursery:
-            exited = trio.Event()
-            nursery.start_soon(follow_output, sink, exited)
-            await until_exit_or_stop(mon.wait, stop, exited)
-            nursery.cancel_scope.cancel()
-        return
-    assert isinstance(stop, ScopedStop)
-    with contextlib.ExitStack() as held:
-        held.callback(os.close, pidfd)
-        poller = select.epoll(2)
-        held.callback(poller.close)
-        poller.register(pidfd, select.EPOLLIN)
-        sink.grown()  # what was written before the watch (or while no agent ran)
-        try:
-            watch: FileWatch | None = held.enter_context(FileWatch(sink.path))
-        except OSError as exc:
-            log.warning("%s: cannot watch it (%s); its lines are sent at the task's end", sink.path, exc)
-            watch = None
-        if watch is not None:
-            poller.register(watch.fd, select.EPOLLIN)
-        gather_until = math.inf  # a trickle gathers until then: the watch is not looked at
-        while True:
-            with stop.cancelling(gather_until):
-                await trio.lowlevel.wait_readable(poller.fileno())
-            if stop.is_set():
-                return
-            ready = {fd for fd, _ in poller.poll(0)}
-            if pidfd in ready:  # it has exited
-                if not mon.ended():
-                    await mon.wait()
-                return
-            if watch is None:
-                continue
-            if gather_until < math.inf and trio.current_time() >= gather_until:
-                gather_until = math.inf
-                poller.modify(watch.fd, select.EPOLLIN)
-            if watch.fd in ready and watch.drain() and sink.grown() < OUTPUT_COALESCE_BELOW:
-                gather_until = trio.current_time() + OUTPUT_COALESCE_INTERVAL
-                poller.modify(watch.fd, 0)

@@ -1,5 +1,5 @@
-"""Installers on pipes: the agent's one supervisor (ckagent.containment.monitor: spawn_monitored and
-supervise, as for a spider) with the output on pipes copied into the task's log as it comes.
+"""Installers on pipes: the agent's one supervisor (ckagent.containment.monitor.spawn_monitored and
+ckagent.containment.supervision.supervise, as for a spider) with the output on pipes copied into the task's log as it comes.
 
 A spider and an installer are spawned, watched, stopped and killed the same way: behind a monitor
 (the ``/bin/sh`` that joins the jail before the program's exec and stays as its parent), in its own
@@ -44,7 +44,7 @@ from pathlib import Path
 import trio
 
 from ckagent.containment import TaskJail
-from ckagent.containment.monitor import Monitored, spawn_monitored, supervise
+from ckagent.containment.monitor import Monitored, spawn_monitored
 from ckagent.containment.process_group import (
     MARKER_VAR,
     SPAWNED,
@@ -54,6 +54,7 @@ from ckagent.containment.process_group import (
     sweep,
 )
 from ckagent.containment.stopping import Notice, ProcessOutcome, StopRequest, until_exit_or_stop
+from ckagent.containment.supervision import supervise
 from ckagent.node.runas import RunAs
 
 __all__ = ["MARKER_VAR", "SPAWNED", "Notice", "ProcessOutcome", "RunAs", "find_marked", "run_supervised",
@@ -97,7 +98,7 @@ async def run_supervised(
 ) -> ProcessOutcome:
     """Run ``argv`` (an installer) behind its monitor, inside ``jail``, its pipes copied to ``output``:
     spawned and supervised as a spider is (ckagent.containment.monitor.spawn_monitored and
-    supervise), its output on pipes instead of a file.
+    ckagent.containment.supervision.supervise), its output on pipes instead of a file.
 
     The run ends when the main process exits, when ``deadline_seconds`` pass (None = never), or
     when ``stop`` is set: then the **main process** gets ``stop_signal`` (SIGTERM by default), and
@@ -138,7 +139,7 @@ async def run_supervised(
 
 class PipeOutput:
     """A process's stdout and stderr pipes copied into ``output`` (stderr to ``on_stderr`` too), by
-    pumps that run while the supervisor waits (ckagent.containment.monitor.Output)."""
+    pumps that run while the supervisor waits (ckagent.containment.supervision.Output)."""
 
     def __init__(self, stdout: trio.abc.ReceiveStream, stderr: trio.abc.ReceiveStream,
                  output: Callable[[bytes], None], on_stderr: Callable[[bytes], None] | None) -> None:

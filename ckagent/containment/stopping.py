@@ -1,6 +1,6 @@
 """The stop sequence every process supervisor uses: stop signal → grace → kill every process of the jail.
 
-One sequence for the agent's one supervisor (ckagent.containment.monitor.supervise): a spider behind
+One sequence for the agent's one supervisor (ckagent.containment.supervision.supervise): a spider behind
 its monitor, and an installer behind its monitor on pipes (ckagent.containment.process.run_supervised,
 ckagent.code.installer)::
 

@@ -50,9 +50,10 @@ from ckagent.code.deps import Checked, Dependencies, Prepared, spider_base_env
 from ckagent.code.workspace import Workspaces
 from ckagent.containment import ContainmentError, Figures, TaskJail
 from ckagent.containment.egress import Refusal, report_refusals
-from ckagent.containment.monitor import Monitored, spawn_monitored, supervise
+from ckagent.containment.monitor import Monitored, spawn_monitored
 from ckagent.containment.private import make_task_tmp, remove_task_tmp, task_tmp_env
 from ckagent.containment.process import MARKER_VAR, sweep
+from ckagent.containment.supervision import supervise
 from ckagent.containment.tails import TailBuffer
 from ckagent.delivery import LogSink, Outbox
 from ckagent.delivery.crawlstats import STATS_FILE

@@ -357,8 +357,10 @@ async def _agent_restart(tmp: Path, variant: str, level: str) -> dict[str, Any]:
                 await eventually(refused, 60, "the next agent asks to register")
             (output.parent / "go").touch()
             with trio.fail_after(30):
-                while psutil.Process(monitor).status() != psutil.STATUS_ZOMBIE:  # noqa: ASYNC110 - init's child
+                while True:  # (init's child: no notification of its end but a SIGCHLD)
                     await trio.sleep(0.01)
+                    if psutil.Process(monitor).status() == psutil.STATUS_ZOMBIE:
+                        break
             if variant == "window":  # (paused while the pid changes hands: a thread it starts would take pids)
                 agent.signal(signal.SIGSTOP)
             report["monitor_status"] = os.waitstatus_to_exitcode(os.waitpid(monitor, 0)[1])  # noqa: ASYNC222 - a zombie
@@ -370,6 +372,11 @@ async def _agent_restart(tmp: Path, variant: str, level: str) -> dict[str, Any]:
             else:
                 await agent.start()
             task = await master.admin.wait_task_final(task_id, 60)
+
+            async def recorded() -> bool:  # (the recorder notes a result once the master has answered it)
+                return bool(master.finals(task_id))
+
+            await eventually(recorded, 10, "the master's record of the final result")
             report.update(task={k: task.get(k) for k in ("status", "errorCode", "exitCode")},
                           finals=[[status, body.get("exitCode")] for status, body in master.finals(task_id)],
                           stranger_alive=stranger.poll() is None, stranger_oom=_oom_score_adj(stranger.pid))
