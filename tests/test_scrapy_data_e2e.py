@@ -143,3 +143,38 @@ async def test_a_polite_crawl_stopped_closes_gracefully(dev_master: Any, nursery
     assert sent and closed, log[-4000:]
     took = datetime.fromisoformat(closed.group(1)) - datetime.fromisoformat(sent.group(1))
     assert took.total_seconds() >= 3, (took, log[-4000:])
+
+
+async def test_a_polite_crawl_paused_with_a_jobdir_in_scrapy_resumes_in_the_spiders_next_task(
+        dev_master: Any, nursery: trio.Nursery, tmp_path: Path) -> None:
+    """Scrapyd's habit: ``-s JOBDIR=.scrapy/jobs/<name>`` (relative to the working directory, so through
+    the ``.scrapy`` link into the spider's data dir), stop the crawl politely, schedule it again: the next
+    task resumes the queue the graceful close wrote."""
+    admin = dev_master.admin
+    origin = IdentityOrigin(host="127.0.0.3")
+    port = await nursery.start(origin.serve)
+    project = await trio.to_thread.run_sync(write_cache_and_polite_project, tmp_path / "project")
+    package = await trio.to_thread.run_sync(zip_directory, project)
+    work_dir = tmp_path / "agent"
+    settings = agent_settings(work_dir, dev_master.base_url, dev_master.registration_token,
+                              AGENT_UV_SYNC_TIMEOUT="600", AGENT_MAX_WORKERS="1")
+    logs = []
+    async with running_agent(nursery, settings):
+        spider = await admin.create_spider(name="polite", framework="scrapy",
+                                           env={"START_URL": f"http://127.0.0.3:{port}/"})
+        await admin.upload_package(spider, package)
+        for _round in (1, 2):
+            task = await admin.create_task(spider, args=["-s", "JOBDIR=.scrapy/jobs/polite"])
+            with trio.fail_after(TIMEOUT):
+                async def crawling(at_least: int = len(_fetched(origin, "/p/")) + 3) -> bool:
+                    return len(_fetched(origin, "/p/")) >= at_least  # (this task's: Scrapy's handlers are on)
+                await eventually(crawling, TIMEOUT, "the polite crawl's pages")
+                await admin.cancel_task(task)
+                result = await admin.wait_task_final(task, TIMEOUT)
+            logs.append(await _log(admin, task))
+            assert result["status"] == "CANCELLED" and result["finishReason"] == "shutdown", (result, logs[-1][-3000:])
+    first, second = logs
+    assert "Resuming crawl" not in first, first[-3000:]
+    assert re.search(r"Resuming crawl \(\d+ requests scheduled\)", second), second[-4000:]
+    [jobdir] = list((work_dir / "spider-data").glob("*/scrapy/jobs/polite"))
+    assert (jobdir / "requests.seen").is_file(), sorted(p.name for p in jobdir.iterdir())
