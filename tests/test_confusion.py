@@ -48,6 +48,7 @@ async def behind_proxy(dev_master: Any, nursery: trio.Nursery, tmp_path: Path,
         yield proxy, agent
 
 
+@pytest.mark.slow
 async def test_a_200_empty_object_to_the_result_is_not_an_acknowledgement(
     dev_master: Any, nursery: trio.Nursery, tmp_path: Path
 ) -> None:
