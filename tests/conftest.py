@@ -11,6 +11,7 @@ skips), and ``--file-times`` adds a table of wall and CPU seconds per test file.
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
 import secrets
@@ -444,3 +445,19 @@ def node(tmp_path: Path, dev_master) -> Iterator[RunShNode]:
         pid = handle.pid()
         if pid is not None and pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
+
+@pytest.fixture
+def root_logger() -> Iterator[logging.Logger]:
+    """The root logger, restored after the test (setup_logging replaces its handlers)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        yield root
+    finally:
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+            if handler not in handlers:
+                handler.close()
+        for handler in handlers:
+            root.addHandler(handler)
+        root.setLevel(level)

@@ -14,11 +14,9 @@ import json
 import logging
 import re
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import trio
 from harness import AgentProcess, eventually, submit
 from harness.confusing import rename_task
@@ -32,21 +30,6 @@ RECORD_START = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ +\S+: "
 SEPARATORS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
 
 
-@pytest.fixture
-def root_logger() -> Iterator[logging.Logger]:
-    """The root logger, restored after the test (setup_logging replaces its handlers)."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
-        yield root
-    finally:
-        for handler in list(root.handlers):
-            root.removeHandler(handler)
-            if handler not in handlers:
-                handler.close()
-        for handler in handlers:
-            root.addHandler(handler)
-        root.setLevel(level)
 
 
 def _lines(path: Path) -> list[str]:

@@ -12,7 +12,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,21 +25,6 @@ CANONICAL_KEYS = ["task_id", "spider", "status", "error_code", "exit_code", "dur
                   "log_lines", "install_seconds", "cache_hit"]
 
 
-@pytest.fixture
-def root_logger() -> Iterator[logging.Logger]:
-    """The root logger, restored after the test (setup_logging replaces its handlers)."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
-        yield root
-    finally:
-        for handler in list(root.handlers):
-            root.removeHandler(handler)
-            if handler not in handlers:
-                handler.close()
-        for handler in handlers:
-            root.addHandler(handler)
-        root.setLevel(level)
 
 
 def record(message: str, *args: object, **extra: object) -> logging.LogRecord:
