@@ -593,6 +593,8 @@ def test_sdk_builds_a_pure_python_wheel_with_only_the_sdk(tmp_path: Path) -> Non
     assert package_files == [
         "crawlerkeeper_sdk/__init__.py",
         "crawlerkeeper_sdk/_scrapy_hook.py",
+        "crawlerkeeper_sdk/_scrapy_jobdir.py",
+        "crawlerkeeper_sdk/_scrapy_state.py",
         "crawlerkeeper_sdk/_stats.py",
         "crawlerkeeper_sdk/py.typed",
         "crawlerkeeper_sdk/scrapy.py",
