@@ -21,13 +21,12 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
-__all__ = ["JobdirError", "JobdirView", "copy_tree", "jobdir_view", "write_patches"]
+__all__ = ["JobdirError", "JobdirView", "jobdir_view", "write_patches"]
 
 
 class JobdirError(Exception):
@@ -147,65 +146,3 @@ def write_patches(view: JobdirView, copy: Path) -> None:
             os.pwrite(fd, header, 0)
         finally:
             os.close(fd)
-
-
-def copy_tree(source: Path, target: Path) -> Tuple[int, int]:
-    """Copy the regular files and directories beneath ``source`` into ``target`` (made; must not exist),
-    following no symlink and skipping special files; returns (bytes copied, entries skipped). Blocking;
-    OSError as raised (a file that vanished meanwhile is skipped)."""
-    os.mkdir(target, 0o755)
-    copied = skipped = 0
-    with os.scandir(source) as entries:
-        for entry in entries:
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                more, skip = copy_tree(Path(entry.path), target / entry.name)
-                copied += more
-                skipped += skip
-            elif stat.S_ISREG(st.st_mode):
-                try:
-                    _copy_file(entry.path, target / entry.name)
-                except FileNotFoundError:
-                    continue
-                copied += st.st_size
-            else:
-                skipped += 1
-    return copied, skipped
-
-
-def _copy_file(source: str, target: Path) -> None:
-    fd = os.open(source, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    try:
-        out = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            _send_all(fd, out)
-        finally:
-            os.close(out)
-    finally:
-        os.close(fd)
-
-
-def _send_all(fd: int, out: int) -> None:
-    """All of ``fd`` into ``out``: sendfile(2) in the kernel where it can, else read/write."""
-    offset = 0
-    sendfile = getattr(os, "sendfile", None)
-    while sendfile is not None:
-        try:
-            sent = sendfile(out, fd, offset, 1 << 24)
-        except OSError:
-            if offset:
-                raise
-            break
-        if not sent:
-            return
-        offset += sent
-    while True:
-        chunk = os.read(fd, 1 << 20)
-        if not chunk:
-            return
-        view = memoryview(chunk)
-        while view:
-            view = view[os.write(out, view):]

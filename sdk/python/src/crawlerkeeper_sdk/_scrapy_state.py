@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import logging
 import os
 import pickle
@@ -43,7 +42,8 @@ import weakref
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Set
 
-from crawlerkeeper_sdk._scrapy_jobdir import JobdirError, copy_tree, jobdir_view, write_patches
+from crawlerkeeper_sdk import _control, _state
+from crawlerkeeper_sdk._scrapy_jobdir import JobdirError, jobdir_view, write_patches
 
 __all__ = ["JOBDIR_NAME", "TICK_SECONDS", "CrawlerKeeperState", "default_jobdir"]
 
@@ -55,6 +55,7 @@ OWN_DIR = "scrapy"
 """The hook's own files inside ``CK_STATE_DIR``: ``inflight.pickle``, ``start.seen``."""
 TICK_SECONDS = 0.2
 """How often the control file is looked at (a stat)."""
+_claimed = False  # a crawl of this process keeps the task's state
 
 
 def default_jobdir() -> Optional[str]:
@@ -65,33 +66,22 @@ def default_jobdir() -> Optional[str]:
     return os.path.join(state_dir, JOBDIR_NAME)
 
 
-def _read_ids(path: Optional[str]) -> Set[int]:
-    answered: Set[int] = set()
-    if not path:
-        return answered
-    with contextlib.suppress(OSError), open(path, "rb") as f:
-        for line in f:
-            with contextlib.suppress(ValueError, TypeError, AttributeError):
-                answered.add(int(json.loads(line)["id"]))
-    return answered
-
-
 class _Channel:
-    """The control file (requests in) and the ack file (answers out) of ``CK_CONTROL_FILE`` / ``_ACK_FILE``."""
+    """The control file (requests in) and the ack file (answers out), read and written with the SDK's
+    ``_control`` functions; this process answers while it holds flock on the ack file (as the SDK's watcher)."""
 
     def __init__(self, control: str, ack: str) -> None:
-        self.control = control
         self.ack = ack
-        self.offset = 0
-        self.answered = _read_ids(ack)
+        self.reader = _control.ControlReader(control)
+        self.answered: Set[int] = set()
         self.fd: Optional[int] = None
 
     def _locked(self) -> bool:
-        """Whether this process answers (it holds flock on the ack file, as the SDK's watcher does)."""
         if self.fd is not None:
             return True
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
         try:
-            fd = os.open(self.ack, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            fd = os.open(self.ack, flags, 0o644)
         except OSError:
             return False
         try:
@@ -100,38 +90,31 @@ class _Channel:
             os.close(fd)
             return False
         self.fd = fd
-        self.answered |= _read_ids(self.ack)
+        self.answered = _control.answered_ids(self.ack)
         return True
 
-    def poll(self) -> List[Dict[str, Any]]:
-        """New unanswered requests (a stat, then a read of what was appended); [] when none."""
-        try:
-            size = os.stat(self.control).st_size
-        except OSError:
+    def poll(self) -> List[Any]:
+        """New unanswered requests (``_control.Request``; a stat, then a read of what was appended)."""
+        if not self._locked():
             return []
-        if size <= self.offset or not self._locked():
-            return []
-        with open(self.control, "rb") as f:
-            f.seek(self.offset)
-            data = f.read(size - self.offset)
-        end = data.rfind(b"\n") + 1
-        self.offset += end
-        found = []
-        for line in data[:end].splitlines():
-            try:
-                request = json.loads(line)
-                ok = isinstance(request, dict) and isinstance(request.get("id"), int) and request["id"] >= 0
-            except ValueError:
-                ok = False
-            if ok and request["id"] not in self.answered:
+        found: List[Any] = []
+        for request in self.reader.poll():
+            if request.id not in self.answered and all(request.id != r.id for r in found):
                 found.append(request)
         return found
 
     def answer(self, record: Dict[str, Any]) -> None:
         """Append one ack line (one write on O_APPEND)."""
-        self.answered.add(record["id"])
         assert self.fd is not None
-        os.write(self.fd, (json.dumps(record) + "\n").encode())
+        _control.append_line(self.fd, record)
+        self.answered.add(record["id"])
+
+    def forget_in_child(self) -> None:
+        """After a fork (the SDK calls it on its watcher: this object stands in for it)."""
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
 
 
 class CrawlerKeeperState:
@@ -147,9 +130,18 @@ class CrawlerKeeperState:
         from scrapy import signals
         from scrapy.exceptions import NotConfigured
 
+        global _claimed
         default = default_jobdir()
         if default is None:
             raise NotConfigured("the agent asked for no state (CK_SCRAPY_HOOK, CK_STATE_DIR)")
+        if _claimed:  # a second crawl in this process: one JOBDIR, one answer per task
+            if os.path.abspath(crawler.settings.get("JOBDIR") or "") == os.path.abspath(default):
+                crawler.settings.set("JOBDIR", None, priority="cmdline")
+            _log.warning("crawlerkeeper: this process runs more than one crawl: only the first one's state is "
+                         "saved at checkpoints, this one (%s) restarts from scratch on a new attempt",
+                         getattr(crawler.spidercls, "name", "?"))
+            raise NotConfigured("another crawl of this process keeps the task's state")
+        _claimed = True
         ext = cls(crawler, Path(os.environ["CK_STATE_DIR"]), default)
         crawler.signals.connect(ext.spider_opened, signal=signals.spider_opened)
         crawler.signals.connect(ext.spider_closed, signal=signals.spider_closed)
@@ -172,6 +164,14 @@ class CrawlerKeeperState:
         self.loop: Any = None
         control, ack = os.environ.get("CK_CONTROL_FILE"), os.environ.get("CK_CONTROL_ACK_FILE")
         self.channel = _Channel(control, ack) if control and ack else None
+        if self.channel is not None:
+            with _state._start_lock:
+                if _state._watcher is None:  # this crawl answers, running the SDK's callbacks too
+                    _state._watcher = self.channel  # type: ignore[assignment]
+                else:
+                    _log.warning("crawlerkeeper: the SDK's state watcher started before the crawl: it answers "
+                                 "the agent, with a copy of CK_STATE_DIR that Scrapy's JOBDIR may not resume from")
+                    self.channel = None
         if self.own_jobdir:
             self._restore_own_jobdir()
         elif not jobdir:
@@ -305,31 +305,37 @@ class CrawlerKeeperState:
         assert self.channel is not None
         try:
             requests = self.channel.poll()
-            if not requests:
+            known = [r for r in requests if r.event in _control.EVENTS]
+            for request in requests:
+                if request.event not in _control.EVENTS:
+                    self.channel.answer({"id": request.id, "error": f"unknown event {request.event!r}"})
+            if not known:
                 return
-            newest = requests[-1]
-            for older in requests[:-1]:
-                self.channel.answer({"id": older["id"], "error": f"superseded by request {newest['id']}"})
-            self._answer(newest)
+            newest = known[-1]
+            for older in known[:-1]:
+                self.channel.answer({"id": older.id, "error": f"superseded by request {newest.id}"})
+            migrating = [r for r in known if r.event == _control.EVENT_MIGRATING]
+            self._answer(newest.id, migrating[-1].seconds_left if migrating else None, bool(migrating))
         except Exception:  # never into the crawl
             _log.exception("crawlerkeeper: cannot answer the agent's persist request")
 
-    def _answer(self, request: Dict[str, Any]) -> None:
+    def _answer(self, number: int, seconds_left: Optional[float], migrating: bool) -> None:
         assert self.channel is not None
-        event, number = request.get("event"), request["id"]
-        if event not in ("persistState", "migrating"):
-            self.channel.answer({"id": number, "error": f"unknown event {event!r}"})
-            return
+        if migrating:
+            _log.info("crawlerkeeper: migrating, %.1f s left: saving the crawl's state (checkpoint %d)",
+                      seconds_left or 0.0, number)
+            for callback in list(_state._migrating_callbacks):  # (a project's own, through the SDK)
+                try:
+                    callback(seconds_left)
+                except Exception:
+                    _log.exception("crawlerkeeper: a migrating callback failed")
         try:
             record = self.persist(number)
-        except (JobdirError, OSError, ValueError) as exc:
-            _log.error("crawlerkeeper: checkpoint %d failed: %s", number, exc)
-            self.channel.answer({"id": number, "error": str(exc)[:1000]})
+        except Exception as exc:
+            _log.error("crawlerkeeper: checkpoint %d failed: %s: %s", number, type(exc).__name__, exc)
+            self.channel.answer({"id": number, "error": f"{type(exc).__name__}: {exc}"[:1000]})
             return
         self.channel.answer(record)
-        if event == "migrating":
-            _log.info("crawlerkeeper: migrating, %.1f s left: the crawl's state is saved (checkpoint %d)",
-                      float(request.get("secondsLeft") or 0.0), number)
 
     def persist(self, number: int) -> Dict[str, Any]:
         """Snapshot ``number`` (module docstring, steps 1–3) within this reactor step; returns the ack record.
@@ -360,33 +366,37 @@ class CrawlerKeeperState:
             kept.append(data)
         memory_only = len(getattr(scheduler, "mqs", ()) or ())
         inflight = pickle.dumps(kept, protocol=4)
-        snapshots = Path(os.environ.get("CK_SNAPSHOT_DIR") or self.state_dir.parent / "snapshots")
-        snapshots.mkdir(parents=True, exist_ok=True)
-        tmp, final = snapshots / f"{number}.tmp", snapshots / str(number)
+        snapshots = os.environ.get("CK_SNAPSHOT_DIR") or str(self.state_dir.parent / "snapshots")
+        os.makedirs(snapshots, exist_ok=True)
+        tmp, final = os.path.join(snapshots, f"{number}.tmp"), os.path.join(snapshots, str(number))
         for leftover in (tmp, final):
-            if leftover.exists():
+            if os.path.lexists(leftover):
                 shutil.rmtree(leftover)
         import crawlerkeeper_sdk
 
-        with crawlerkeeper_sdk._lock:
-            items = os.environ.get("CK_ITEMS_FILE")
-            try:
-                offset = os.stat(items).st_size if items else 0
-            except FileNotFoundError:
-                offset = 0
-            size, _skipped = copy_tree(self.state_dir, tmp)
-            copy = tmp / JOBDIR_NAME
-            if self.own_jobdir:
-                if copy.exists():
-                    shutil.rmtree(copy)
-                size += copy_tree(Path(self.jobdir), copy)[0]
-            write_patches(view, copy)
-            (tmp / OWN_DIR).mkdir(exist_ok=True)
-            (tmp / OWN_DIR / "inflight.pickle").write_bytes(inflight)
-            os.rename(tmp, final)
+        with _state._state_lock:
+            for callback in list(_state._persist_callbacks):  # (a project's own, through the SDK)
+                value = callback()
+                if value is not None:
+                    _state.persist_state(value)
+            with crawlerkeeper_sdk._lock:
+                offset = _control.items_offset(os.environ.get("CK_ITEMS_FILE"))
+                skipped = _control.copy_tree(str(self.state_dir), tmp)
+                copy = Path(tmp, JOBDIR_NAME)
+                if self.own_jobdir:
+                    if copy.exists():
+                        shutil.rmtree(copy)
+                    skipped += _control.copy_tree(str(self.jobdir), str(copy))
+                write_patches(view, copy)
+                Path(tmp, OWN_DIR).mkdir(exist_ok=True)
+                Path(tmp, OWN_DIR, "inflight.pickle").write_bytes(inflight)
+                os.rename(tmp, final)
         pause_ms = round((time.perf_counter() - started) * 1000, 1)
         said = f"; {memory_only} request(s) only in memory (not serializable) are not kept" if memory_only else ""
         said += f"; {lost} request(s) in flight could not be serialized and are not kept" if lost else ""
-        _log.info("crawlerkeeper: checkpoint %d: %d seen, %d pending, %d in flight, %d bytes, paused %.1f ms%s",
-                  number, view.seen, view.pending, len(kept), size, pause_ms, said)
-        return {"id": number, "itemsOffset": offset, "snapshot": str(number), "pauseMs": pause_ms}
+        _log.info("crawlerkeeper: checkpoint %d: %d seen, %d pending, %d in flight kept, paused %.1f ms%s",
+                  number, view.seen, view.pending, len(kept), pause_ms, said)
+        record: Dict[str, Any] = {"id": number, "itemsOffset": offset, "snapshot": str(number), "pauseMs": pause_ms}
+        if skipped:
+            record["skipped"] = skipped
+        return record
