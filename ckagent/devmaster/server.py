@@ -124,7 +124,9 @@ async def serve(
             with sweeps:
                 await sweep(store, notifier, config.node_lost_after)
 
-        async def run_http(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+        async def run_http(  # noqa: ASYNC128 - hypercorn_serve calls task_status.started()
+            task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+        ) -> None:
             try:
                 await hypercorn_serve(cast(ASGIFramework, app), _hypercorn_config(config),
                                       shutdown_trigger=until_shutdown, task_status=task_status)

@@ -34,15 +34,17 @@ async def sweep(store: Store, notifier: Notifier, node_lost_after: float) -> Non
     """Run the periodic work until cancelled (see the module doc). A store error is logged and retried at
     the next tick; cancellation ends it between two looks (a look in a thread runs to its end)."""
     tick = tick_for(node_lost_after)
+    looked = time.time()  # retries due up to here have woken the polls
     while True:
         try:
             if await trio.to_thread.run_sync(store.lose_nodes, node_lost_after):
                 notifier.notify()  # their next attempts wait in the queue
-            due = await trio.to_thread.run_sync(store.next_due)
-        except Exception:  # noqa: BLE001 - one bad look must not end the master's sweeps
+            due = await trio.to_thread.run_sync(store.next_due, looked)
+        except Exception:  # one bad look must not end the master's sweeps
             _log.exception("dev master sweep failed; trying again in %g s", tick)
             due = None
-        wait = tick if due is None else min(tick, max(0.0, due - time.time()))
-        await trio.sleep(wait)
-        if due is not None and due <= time.time():
-            notifier.notify()  # a retry came due: held polls look again
+        now = time.time()
+        if due is not None and due <= now:  # a retry came due since the last look: held polls look again
+            notifier.notify()
+            looked, due = now, None
+        await trio.sleep(tick if due is None else min(tick, due - now + 0.001))

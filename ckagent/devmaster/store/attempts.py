@@ -208,10 +208,9 @@ class AttemptStore(Database):
             _log.warning("task %s: its node is lost; attempt ended NODE_LOST", task_id)
         return lost
 
-    def next_due(self) -> float | None:
-        """The epoch seconds of the earliest ``not_before`` of a PENDING task still in the future, or None."""
+    def next_due(self, after: float) -> float | None:
+        """The earliest ``not_before`` (epoch seconds) of a PENDING task later than ``after``, or None."""
+        since = utc_iso(datetime.fromtimestamp(after, timezone.utc))
         row = self._read(lambda db: db.execute(
-            "SELECT MIN(not_before) FROM tasks WHERE status = 'PENDING' AND not_before IS NOT NULL"
-            " AND not_before > ?", (utc_now_iso(),)).fetchone())
+            "SELECT MIN(not_before) FROM tasks WHERE status = 'PENDING' AND not_before > ?", (since,)).fetchone())
         return None if row is None or row[0] is None else epoch(row[0])
-

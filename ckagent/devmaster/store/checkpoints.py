@@ -25,7 +25,7 @@ from ckagent.devmaster.store.supersede import check_attempt, current_attempt
 from ckagent.master.protocol import ProtocolError, utc_now_iso
 from ckagent.master.protocol.checkpoints import CHUNK_BYTES, CheckpointManifest
 
-__all__ = ["MAX_CHUNK_BODY_BYTES", "ChunkError", "CheckpointStore", "check_sha", "prune_chunks", "unpack_chunk"]
+__all__ = ["MAX_CHUNK_BODY_BYTES", "CheckpointStore", "ChunkError", "check_sha", "prune_chunks", "unpack_chunk"]
 
 MAX_CHUNK_BODY_BYTES = 2 * 1024 * 1024
 """Largest gzip body of one chunk (bytes): level 1 of incompressible CHUNK_BYTES stays well below."""
@@ -153,15 +153,15 @@ class CheckpointStore(Database):
             if manifest.item_seq < start:
                 raise ProtocolError("itemSeq", f"{manifest.item_seq} is before this attempt's first item"
                                     f" (itemSeqStart {start})")
-            if manifest.item_seq > stored:
-                raise ConflictError(f"the master holds {stored} items of task {task_id}, fewer than the"
-                                    f" checkpoint's itemSeq {manifest.item_seq}: deliver them first",
-                                    storedItems=stored)
             sizes = _chunk_sizes(db, task_id, shas)
             missing = [sha for sha in shas if sha not in sizes]
             if missing:
                 raise ConflictError(f"{len(missing)} chunks of checkpoint {manifest.id!r} are not stored",
                                     missingChunks=missing)
+            if manifest.item_seq > stored:
+                raise ConflictError(f"the master holds {stored} items of task {task_id}, fewer than the"
+                                    f" checkpoint's itemSeq {manifest.item_seq}: deliver them first",
+                                    storedItems=stored)
             for i, f in enumerate(manifest.files):
                 if f.chunks and sum(sizes[sha] for sha in f.chunks) != f.size:
                     raise ProtocolError(f"files[{i}].chunks", f"the chunks hold {sum(sizes[s] for s in f.chunks)}"

@@ -16,7 +16,7 @@ from ckagent.devmaster import stats as task_stats
 from ckagent.devmaster.errors import ConflictError
 from ckagent.devmaster.store.attempts import claim_attempt, end_attempt, newest_checkpoint, unclaim_attempt
 from ckagent.devmaster.store.database import Database, dumps, epoch, loads, task_row
-from ckagent.devmaster.store.supersede import check_attempt, current_attempt, superseded
+from ckagent.devmaster.store.supersede import check_attempt, current_attempt
 from ckagent.devmaster.store.tasks import task_json
 from ckagent.master.ids import url_segment
 from ckagent.master.protocol import FINAL_STATUSES, Heartbeat, TaskResult, cause_of, utc_now_iso
