@@ -4,6 +4,7 @@ Commands::
 
     ckagent [-c FILE]                 same as `ckagent run -c FILE`
     ckagent run [-c FILE]             run the agent until SIGTERM/SIGINT
+    ckagent stop [--migrate] -c FILE  stop the agent of that config's work dir (drain / migrate), wait (stopagent.py)
     ckagent config check [-c FILE]    validate the configuration, say which containment and egress levels
                                       this node gets and what would raise each, print "config OK: FILE"
     ckagent config show [-c FILE]     print the effective settings as YAML (secrets masked)
@@ -88,6 +89,8 @@ def _app() -> App:
     app.default(_default)
     config_app.default(_config_default)
     app.command(run)
+    from ckagent.cli.stopagent import stop_command
+    app.command(stop_command, name="stop")
     config_app.command(check)
     config_app.command(show)
     app.command(version_command, name="version")
@@ -140,15 +143,12 @@ def run(*, config: ConfigOption = None) -> int:
 def _httpx_without_its_cli() -> Iterator[None]:
     """Within the block, ``import httpx`` skips httpx's command-line client: ~50 ms less start-up.
 
-    ``httpx/__init__.py`` runs ``from ._main import main`` in a ``try``/``except ImportError`` that
-    falls back to a stub ``main`` (for installs without the ``httpx[cli]`` extras). ``httpx._main``
-    imports click, rich and pygments whenever they are installed (rich is: cyclopts needs it), none
-    of which the agent uses. A ``None`` entry in ``sys.modules`` is Python's documented way to make
-    one import raise ImportError, so httpx takes its fallback; the entry is removed on leaving, so a
-    later ``import httpx._main`` works as usual. The only difference in this process: ``httpx.main``
-    (the ``httpx`` console command's function) is the stub. Nothing changes when httpx is already
-    imported. tests/test_cli.py checks that httpx still works and that the CLI is skipped.
-    """
+    ``httpx/__init__.py`` runs ``from ._main import main`` in a ``try``/``except ImportError`` that falls
+    back to a stub ``main`` (installs without ``httpx[cli]``). ``httpx._main`` imports click, rich and
+    pygments whenever they are installed (rich is: cyclopts needs it), none of which the agent uses. A
+    ``None`` entry in ``sys.modules`` makes one import raise ImportError (Python's documented way), so
+    httpx takes its fallback; the entry is removed on leaving. The only difference in this process:
+    ``httpx.main`` is the stub. Nothing changes when httpx is already imported (tests/test_cli.py)."""
     if "httpx" in sys.modules or "httpx._main" in sys.modules:
         yield
         return
