@@ -7,6 +7,7 @@ import gzip
 import hashlib
 import json
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import httpx
@@ -194,3 +195,67 @@ async def test_a_superseded_batch_names_the_new_attempt() -> None:
     with pytest.raises(MasterConflict) as caught:
         await call(lambda r: answer, lambda m: m.post_stream("logs", "t1", b'{"seq":0,"attempt":2,"lines":[]}'))
     assert caught.value.superseded_by == 3
+
+
+# ---------------------------------------------------------------------------- real HTTP on 127.0.0.1
+
+
+async def test_over_real_http_a_chunk_goes_up_intact_and_an_endless_one_is_cut_at_the_bound() -> None:
+    """A loopback server: registration, a chunk PUT (answered ``stored``), and a chunk GET answered with
+    an endless chunked body — the client stops reading at MAX_CHUNK_DOWNLOAD_BYTES instead of holding it."""
+    received: list[tuple[str, dict[str, str], bytes]] = []
+    sent_of_endless: list[int] = [0]
+
+    async def serve(stream: trio.SocketStream) -> None:
+        buf = b""
+        async with stream:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = await stream.receive_some(65536)
+                    if not data:
+                        return
+                    buf += data
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                request_line, *lines = head.decode("latin-1").split("\r\n")
+                headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+                size = int(headers.get("content-length", "0"))
+                while len(buf) < size:
+                    buf += await stream.receive_some(65536)
+                body, buf = buf[:size], buf[size:]
+                method, path = request_line.split()[:2]
+                received.append((f"{method} {path}", headers, body))
+                if method == "GET":  # endless: 64 KiB pieces until the client hangs up
+                    await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/gzip\r\n"
+                                          b"transfer-encoding: chunked\r\n\r\n")
+                    piece = b"%x\r\n%s\r\n" % (65536, b"x" * 65536)
+                    try:
+                        while True:
+                            await stream.send_all(piece)
+                            sent_of_endless[0] += 65536
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        return
+                answer = {"nodeId": "n-1", "apiKey": "k-1"} if path.endswith("/register") else {"stored": True}
+                payload = json.dumps(answer).encode()
+                await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                                      + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+
+    async with trio.open_nursery() as nursery:
+        (listener,) = await nursery.start(partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
+        port = listener.socket.getsockname()[1]
+        master = MasterClient(f"http://127.0.0.1:{port}", "token", lambda: RegisterRequest(
+            name="n", ip="127.0.0.1", port=1, version="t", os="linux", arch="x", python="3", cpu_count=1,
+            memory_total_bytes=1, max_workers=1))
+        try:
+            with trio.fail_after(20):
+                await master.put_checkpoint_chunk("t-1", SHA, GZ)
+                with pytest.raises(MasterProtocolError, match="more than"):
+                    await master.get_checkpoint_chunk("t-1", SHA)
+        finally:
+            await master.aclose()
+        nursery.cancel_scope.cancel()
+    put = received[1]
+    assert put[0] == f"PUT /api/tasks/t-1/checkpoint-chunks/{SHA}"
+    assert put[2] == GZ and put[1]["content-type"] == "application/gzip" and "content-encoding" not in put[1]
+    assert received[2][0] == f"GET /api/tasks/t-1/checkpoint-chunks/{SHA}"
+    # what the server got into its socket is bounded by the cut and the kernel's buffers, not endless
+    assert MAX_CHUNK_DOWNLOAD_BYTES < sent_of_endless[0] < MAX_CHUNK_DOWNLOAD_BYTES + (32 << 20)
