@@ -109,6 +109,8 @@ class StreamShipper(AnswerJudge):
         self.superseded: int | None = None
         """The attempt the master moved on to (a 409 with ``supersededBy``): the stream ended, nothing more sent."""
         self.on_superseded: Callable[[int], None] | None = None
+        self.on_acked: Callable[[], None] | None = None
+        """Called (on the loop) whenever :attr:`acked` grew: a checkpoint waits for its items (ckagent.task.checkpoints)."""
         self.waiting_since: float | None = None
         """Epoch s since read elements wait for the master: since the last ack, or read after catching up (None: none)."""
         self.end_kept = False
@@ -174,6 +176,10 @@ class StreamShipper(AnswerJudge):
         if self.kind == "logs" and batcher is not None and batcher.enabled:
             return NODE_LOG_BATCH_AGE
         return self._batch_age
+
+    def _acked_now(self) -> None:
+        if self.on_acked is not None:
+            self.on_acked()
 
     def notify(self) -> None:
         """The spool grew: wake the shipper."""
@@ -305,6 +311,7 @@ class StreamShipper(AnswerJudge):
                     self._checkpoints[self._seq] = position
                     self._unsaved = (self._seq, position)
                 self.acked = self._seq
+                self._acked_now()
                 continue
             # Read ahead (up to one batch beyond the one in flight) while the master works.
             progress = False
@@ -360,6 +367,7 @@ class StreamShipper(AnswerJudge):
                 self._unsaved = (seq, position)
             self._skip = expected - seq
             self.acked = seq
+            self._acked_now()
             self.waiting_since = time.time() if pending else None  # the rest waits from now
             self._ceiling_successes += 1
             if self._lone_too_large:  # one element was "too large", then taken: a passing 413

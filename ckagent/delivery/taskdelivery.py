@@ -37,12 +37,13 @@ from ckagent.delivery.capture import LogSink
 from ckagent.delivery.crawlstats import STATS_FILE, Snapshot
 from ckagent.delivery.endreads import EndReads, end_reads, size_of
 from ckagent.delivery.headroom import Headroom
+from ckagent.delivery.itemscan import scan_oversize
 from ckagent.delivery.journal import LogJournal, scan_log_files
 from ckagent.delivery.lifecycle import Lifecycle, TaskDelivered
 from ckagent.delivery.lines import Masker
 from ckagent.delivery.nodebatch import NodeBatcher
 from ckagent.delivery.outputs.live import LiveItemFiles, link_starts
-from ckagent.delivery.readers import _FileReader, _ItemJournalReader, scan_oversize
+from ckagent.delivery.readers import _FileReader, _ItemJournalReader
 from ckagent.delivery.result import send_result
 from ckagent.delivery.shipper import StreamShipper
 from ckagent.delivery.spool import (
@@ -226,7 +227,7 @@ class TaskDelivery:
 
     async def finish(self, result: TaskResult) -> None:
         """The process is over: store ``result``, say in the task's log the items over the size limit
-        its items reader has not reached yet (:func:`ckagent.delivery.readers.scan_oversize`), close
+        its items reader has not reached yet (:func:`ckagent.delivery.itemscan.scan_oversize`), close
         output.log, let the streams complete and the result follow them. Returns at once after one
         thread hop (the state store write, the scan, and what the end reads: :func:`end_reads`);
         cancellation before that write leaves the task to the next start (reported AGENT_LOST)."""
