@@ -265,6 +265,12 @@ async def test_a_lost_node_s_task_moves_on_and_the_node_is_told_when_it_returns(
             assert task_id in r.json()["cancelTaskIds"]
             late = await post_items(node_a, task_id, 5, items(5, 6))  # attempt absent: it ran an older one
             assert late.status_code == 409 and late.json()["supersededBy"] == 2
+            stats = await node_a.http.post(f"/api/tasks/{task_id}/stats", json={"seq": 9, "stats": {}},
+                                           headers=node_a.auth)
+            artifact = await node_a.http.put(f"/api/tasks/{task_id}/artifacts/a.txt", content=b"a", headers={
+                **node_a.auth, "X-Content-SHA256": "ca978112ca1bbdcafac231b39a23dc4da786eff8147c4e72b9807785afee48bb"})
+            for refused in (stats, artifact):
+                assert refused.status_code == 409 and refused.json()["supersededBy"] == 2, refused.text
             # node B resumes it from the checkpoint
             wire = await claimed(node_b, task_id, attempt=2)
             assert wire["checkpoint"]["id"] == "1-1" and wire["itemSeqStart"] == 3
