@@ -302,3 +302,19 @@ async def test_the_task_page_shows_attempts_and_the_checkpoint(dev_master: DevMa
         wrong = await node.http.get(f"/tasks/{task_id}", auth=("admin", "wrong"))
         assert wrong.status_code == 401
         assert (await node.http.get("/tasks/nope", auth=("admin", dev_master.admin_token))).status_code == 404
+
+
+async def test_an_agent_that_names_no_attempt_claims_its_retried_task_again(dev_master: DevMaster, node: Node) -> None:
+    with trio.fail_after(10):
+        admin = dev_master.admin
+        task_id = await admin.create_task(await make_spider(admin), retry={"maxAttempts": 2, "backoffSeconds": 0,
+                                                                           "on": ["spider"]})
+        await claimed(node, task_id)
+        await post_items(node, task_id, 0, items(0, 2))
+        assert (await node.result(task_id, "FAILED", errorCode="EXIT_NONZERO", exitCode=1)).status_code == 200
+        late = await post_items(node, task_id, 2, items(2, 3))  # attempt 1's, not claimed again yet
+        assert late.status_code == 409 and late.json()["supersededBy"] == 2
+        await claimed(node, task_id)  # the claim names no attempt: the task as handed out (attempt 2)
+        assert (await post_items(node, task_id, 0, items(0, 1))).json() == {"acceptedSeq": 1}  # replaced: from 0
+        assert (await node.result(task_id, "SUCCESS")).status_code == 200
+        assert (await admin.get_task(task_id))["status"] == "SUCCESS"
