@@ -265,6 +265,12 @@ async def test_a_lost_node_s_task_moves_on_and_the_node_is_told_when_it_returns(
             assert task_id in r.json()["cancelTaskIds"]
             late = await post_items(node_a, task_id, 5, items(5, 6))  # attempt absent: it ran an older one
             assert late.status_code == 409 and late.json()["supersededBy"] == 2
+            stats = await node_a.http.post(f"/api/tasks/{task_id}/stats", json={"seq": 9, "stats": {}},
+                                           headers=node_a.auth)
+            artifact = await node_a.http.put(f"/api/tasks/{task_id}/artifacts/a.txt", content=b"a", headers={
+                **node_a.auth, "X-Content-SHA256": "ca978112ca1bbdcafac231b39a23dc4da786eff8147c4e72b9807785afee48bb"})
+            for refused in (stats, artifact):
+                assert refused.status_code == 409 and refused.json()["supersededBy"] == 2, refused.text
             # node B resumes it from the checkpoint
             wire = await claimed(node_b, task_id, attempt=2)
             assert wire["checkpoint"]["id"] == "1-1" and wire["itemSeqStart"] == 3
@@ -296,3 +302,19 @@ async def test_the_task_page_shows_attempts_and_the_checkpoint(dev_master: DevMa
         wrong = await node.http.get(f"/tasks/{task_id}", auth=("admin", "wrong"))
         assert wrong.status_code == 401
         assert (await node.http.get("/tasks/nope", auth=("admin", dev_master.admin_token))).status_code == 404
+
+
+async def test_an_agent_that_names_no_attempt_claims_its_retried_task_again(dev_master: DevMaster, node: Node) -> None:
+    with trio.fail_after(10):
+        admin = dev_master.admin
+        task_id = await admin.create_task(await make_spider(admin), retry={"maxAttempts": 2, "backoffSeconds": 0,
+                                                                           "on": ["spider"]})
+        await claimed(node, task_id)
+        await post_items(node, task_id, 0, items(0, 2))
+        assert (await node.result(task_id, "FAILED", errorCode="EXIT_NONZERO", exitCode=1)).status_code == 200
+        late = await post_items(node, task_id, 2, items(2, 3))  # attempt 1's, not claimed again yet
+        assert late.status_code == 409 and late.json()["supersededBy"] == 2
+        await claimed(node, task_id)  # the claim names no attempt: the task as handed out (attempt 2)
+        assert (await post_items(node, task_id, 0, items(0, 1))).json() == {"acceptedSeq": 1}  # replaced: from 0
+        assert (await node.result(task_id, "SUCCESS")).status_code == 200
+        assert (await admin.get_task(task_id))["status"] == "SUCCESS"
