@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 from ckagent import __version__
+from ckagent.cli.devmastercheck import dev_master_db_problem, listen_problem
 from ckagent.node.config import (
     ConfigError,
     Settings,
@@ -219,6 +220,7 @@ def dev_master(
     registration_token: Annotated[str | None, Parameter(env_var="DEVMASTER_REGISTRATION_TOKEN")] = None,
     admin_token: Annotated[str | None, Parameter(env_var="DEVMASTER_ADMIN_TOKEN")] = None,
     public_url: Annotated[str | None, Parameter(env_var="DEVMASTER_PUBLIC_URL")] = None,
+    node_lost_after: float = 600.0,
 ) -> int:
     """Run the reference master (protocol + admin API over SQLite) until Ctrl-C.
 
@@ -238,6 +240,9 @@ def dev_master(
         The URL agents reach this master at (e.g. behind a proxy), used in the code package URLs it
         hands out. Unset (the default): the URLs are relative, resolved by each agent against its
         server.url.
+    node_lost_after
+        Seconds without a heartbeat after which a node is lost: its running tasks end their attempt
+        NODE_LOST and get a new one, from their last checkpoint. Default 600, the protocol's restart grace.
     """
     if not registration_token:
         raise _UsageError("dev-master needs --registration-token or DEVMASTER_REGISTRATION_TOKEN")
@@ -245,8 +250,11 @@ def dev_master(
         raise _UsageError("dev-master needs --admin-token or DEVMASTER_ADMIN_TOKEN")
     if not 0 <= port <= 65535:
         raise _UsageError(f"--port: expected 0..65535, got {port}")
-    _check_dev_master_db(db)
-    problem = _check_listen(host, port)
+    if not node_lost_after > 0:
+        raise _UsageError(f"--node-lost-after: expected seconds > 0, got {node_lost_after}")
+    if (unusable := dev_master_db_problem(db)) is not None:
+        raise _UsageError(unusable)
+    problem = listen_problem(host, port)
     if problem:
         print(f"ckagent: dev-master cannot listen on {host}:{port}: {problem}; choose another --port "
               "(0 = any free port) or --host", file=sys.stderr)
@@ -255,42 +263,9 @@ def dev_master(
 
     serve_forever(
         db_path=db, host=host, port=port, registration_token=registration_token, admin_token=admin_token,
-        public_url=public_url,
+        public_url=public_url, node_lost_after=node_lost_after,
     )
     return EXIT_OK
-
-
-def _check_dev_master_db(db: Path) -> None:
-    """Raise _UsageError when ``db`` cannot be opened (or created) as an SQLite database."""
-    import sqlite3
-
-    if db.is_dir():
-        raise _UsageError(f"--db {str(db)!r} is a directory; name a database file in it (e.g. {db / 'master.sqlite'})")
-    if not db.parent.is_dir():
-        raise _UsageError(f"--db {str(db)!r}: the directory {str(db.parent)!r} does not exist; create it first")
-    try:
-        conn = sqlite3.connect(str(db))
-        try:
-            conn.execute("PRAGMA schema_version").fetchone()
-        finally:
-            conn.close()
-    except sqlite3.Error as exc:
-        raise _UsageError(f"--db {str(db)!r} cannot be opened as an SQLite database: {exc}") from None
-
-
-def _check_listen(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be bound now (the OS's words), or None."""
-    import socket
-
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        family, _, _, _, address = infos[0]
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(address)
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    return None
 
 
 def demo_command(*, work_dir: Path = Path("demo-data"), keep: bool = False, config: ConfigOption = None) -> int:

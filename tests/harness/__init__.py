@@ -91,6 +91,7 @@ from __future__ import annotations
 
 from harness.agentports import *  # noqa: F403
 from harness.agentproc import *  # noqa: F403
+from harness.checkpointnode import *  # noqa: F403
 from harness.core import *  # noqa: F403
 from harness.demo import *  # noqa: F403
 from harness.eggs import *  # noqa: F403
