@@ -13,6 +13,7 @@ import pytest
 import trio
 from harness import (  # noqa: F401 -- no_strays: autouse fixture
     agent_settings,
+    eventually,
     marked_pids,
     no_strays,
     running_agent,
@@ -53,8 +54,10 @@ async def _run_leak(dev_master, tmp_path: Path, containment: str, *, own: int | 
             task_id = await submit(admin, f"leak-{containment}", {"main.py": LEAK}, env={"LEAK_BYTES": str(160 * MiB)},
                                    resources=resources)
             await wait_for_log(admin, task_id, "started", timeout=60)
-            while (task := await admin.get_task(task_id))["status"] in ("PENDING", "RUNNING"):
-                await trio.sleep(0.2)
+            async def ended() -> dict | None:
+                task = await admin.get_task(task_id)
+                return task if task["status"] not in ("PENDING", "RUNNING") else None
+            task = await eventually(ended, 60, "the task ends")
             assert agent.supervisor is not None and agent.supervisor.memory_watch.samples >= 1
     assert marked_pids(task_id) == []
     task["log"] = await admin.get_logs(task_id)
