@@ -114,6 +114,8 @@ async def test_a_manifest_needs_its_chunks_and_its_items(node: Node, task_id: st
         r = await post_checkpoint(node, task_id, body)
         assert r.status_code == 200 and r.json() == {"checkpointId": "1-1"}
         assert (await post_checkpoint(node, task_id, body)).json() == {"checkpointId": "1-1"}  # a repeat
+        resent = {**body, "createdAt": "2026-12-05T18:00:09.000Z", "packedBytes": 7}  # rebuilt after a restart
+        assert (await post_checkpoint(node, task_id, resent)).json() == {"checkpointId": "1-1"}
         changed = {**body, "itemSeq": 1}
         assert (await post_checkpoint(node, task_id, changed)).status_code == 409  # the id, another manifest
         got = await node.http.get(f"/api/tasks/{task_id}/checkpoints/1-1", headers=node.auth)

@@ -95,6 +95,12 @@ def prune_chunks(db: sqlite3.Connection, task_id: str) -> int:
     return len(drop)
 
 
+def _identity(manifest: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes two posts of a manifest the same checkpoint: its attempt, positions and files (not its
+    createdAt, reason or packedBytes, which a resend rebuilt after an agent restart may state anew)."""
+    return (manifest.get("attempt"), manifest.get("itemSeq"), manifest.get("logSeq"), manifest.get("files"))
+
+
 def _running_here(db: sqlite3.Connection, row: sqlite3.Row, node_id: str, attempt: int | None) -> None:
     """Refuse a checkpoint request of another attempt (409 supersededBy) or of a node that does not run the
     task's current attempt (409)."""
@@ -136,8 +142,8 @@ class CheckpointStore(Database):
         return self._read(read)
 
     def record_checkpoint(self, task_id: str, node_id: str, manifest: CheckpointManifest) -> str:
-        """Record a checkpoint of the task's current attempt; returns its id (a repeat of the same manifest:
-        the same answer).
+        """Record a checkpoint of the task's current attempt; returns its id (a repeat of the same checkpoint
+        — attempt, positions, files — the same answer).
 
         Raises NotFoundError; ConflictError with ``supersededBy`` (an older attempt), ``missingChunks``
         (chunks not stored: upload them, post again), ``storedItems`` (the master holds fewer items than
@@ -154,7 +160,7 @@ class CheckpointStore(Database):
             known = db.execute("SELECT manifest FROM task_checkpoints WHERE task_id = ? AND id = ?",
                                (task_id, manifest.id)).fetchone()
             if known is not None:
-                if known["manifest"] != text:
+                if _identity(json.loads(known["manifest"])) != _identity(body):
                     raise ConflictError(f"checkpoint {manifest.id!r} of task {task_id!r} was recorded with"
                                         " another manifest")
                 return manifest.id
