@@ -82,12 +82,16 @@ node without yarn or pnpm),
   from the pyz, for a root suite (:mod:`harness.useragent`).
 - :func:`user_temp_dir` is a directory of this user's own in the machine's temp directory, kept across
   runs (:mod:`harness.tempdirs`): fixed names there are shared by every user of the machine.
+- :class:`CheckpointMaster` holds checkpoints' chunks and manifests in memory under the protocol's rules,
+  with faults per request, for ``httpx.MockTransport`` (:func:`checkpoint_client`); :func:`snapshot_tree`
+  writes a spider's snapshot dir (:mod:`harness.checkpointmaster`).
 """
 
 from __future__ import annotations
 
 from harness.agentports import *  # noqa: F403
 from harness.agentproc import *  # noqa: F403
+from harness.checkpointmaster import *  # noqa: F403
 from harness.core import *  # noqa: F403
 from harness.demo import *  # noqa: F403
 from harness.eggs import *  # noqa: F403
