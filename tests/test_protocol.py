@@ -23,14 +23,18 @@ from harness import load_yaml
 
 import ckagent.master.protocol as protocol
 from ckagent.master.protocol import (
+    CAUSE_CLASSES,
     ERROR_CODES,
     FINAL_STATUSES,
     FRAMEWORKS,
     NODE_STATUSES,
+    RESUME_MODES,
     STOP_SIGNALS,
     TASK_STATUSES,
     TIMEOUT_MESSAGE,
     ArtifactRef,
+    CauseClass,
+    CheckpointRef,
     CodePackage,
     Heartbeat,
     HeartbeatResponse,
@@ -42,6 +46,8 @@ from ckagent.master.protocol import (
     RegisterRequest,
     RegisterResponse,
     ResultAccepted,
+    ResumeMode,
+    RetryPolicy,
     SeqAccepted,
     SeqConflict,
     SpiderFile,
@@ -84,25 +90,33 @@ TYPES: dict[str, Any] = {
     "NodeLeaving": NodeLeaving,
     "TaskOutputs": TaskOutputs,
     "ArtifactRef": ArtifactRef,
+    "CheckpointRef": CheckpointRef,
+    "RetryPolicy": RetryPolicy,
 }
 ENUMS: dict[str, tuple[str, ...]] = {
     "TaskStatus": TASK_STATUSES,
     "ErrorCode": ERROR_CODES,
     "Framework": FRAMEWORKS,
     "NodeStatus": NODE_STATUSES,
+    "CauseClass": CAUSE_CLASSES,
+    "ResumeMode": RESUME_MODES,
 }
 UNTYPED = {"Error"}  # written by the master, never parsed into a type by the agent
 # Node batches: the request is spliced from LogBatch/ItemBatch bodies, the results read by
 # ckagent.delivery.nodebatch (each result is a SeqAccepted or an Error with its status).
 UNTYPED |= {"NodeBatches", "NodeBatchResults"}
 # from_json names a field "<prefix><key>" for these types (their default path)
-FIELD_PREFIX = {"CodePackage": "codePackage.", "Task": "task."}
+FIELD_PREFIX = {"CodePackage": "codePackage.", "Task": "task.", "CheckpointRef": "checkpoint.", "RetryPolicy": "retry."}
 SHA = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 
 
 def full_instances() -> dict[str, Any]:
     """One instance per type with every field given (nothing None, no list or map empty)."""
     package = CodePackage(url="http://m.example/api/packages/s1/v3.zip", sha256=SHA, size_bytes=1234)
+    checkpoint = CheckpointRef(id="1-4", attempt=1, item_seq=450, log_seq=1210, created_at="2026-11-29T16:07:50.000Z",
+                               size_bytes=183244, url="/api/tasks/t1/checkpoints/1-4")
+    retry = RetryPolicy(max_attempts=3, backoff_seconds=10.0, factor=1.5, on=[CauseClass.RESOURCE, CauseClass.SPIDER],
+                        exit_codes=[75])
     task = Task(
         id="t1",
         spider_id="s1",
@@ -116,13 +130,20 @@ def full_instances() -> dict[str, Any]:
         code_package=package,
         params={"start_url": "https://shop.example/"},
         stall_timeout_seconds=600.0,
-        resources=TaskResources(memory_bytes=200 << 20, pids=64, cpus=1.5),
+        resources=TaskResources(memory_bytes=200 << 20, pids=64, cpus=1.5, memory_soft_bytes=150 << 20),
         stop_signal="SIGINT",
         egress=parse_text("private", "10.0.0.5:3128"),
         claimed=True,
         outputs=TaskOutputs(items=["results.json"], artifacts=["images/"]),
         stop_grace_seconds=120.0,
         clean_start=True,
+        attempt=2,
+        item_seq_start=450,
+        log_seq_start=1210,
+        checkpoint=checkpoint,
+        checkpoint_interval_seconds=30.0,
+        resume=ResumeMode.RESTART_KEEP,
+        retry=retry,
     )
     stats = TaskStats(seq=42, stats={"items": 3, "finishReason": "finished"}, progress={"done": 1, "total": 2},
                       at="2026-11-29T16:04:00.000Z")
@@ -200,12 +221,18 @@ def full_instances() -> dict[str, Any]:
             incomplete=True,
             incomplete_reason="items: master answered 403 (node quota exceeded) for 600 s",
             artifacts=[ArtifactRef(path="images/a.jpg", size_bytes=3, sha256=SHA)],
+            attempt=2,
+            cause_class=CauseClass.SPIDER,
+            retryable=True,
+            checkpoint_id="2-5",
         ),
         "TaskOutputs": TaskOutputs(items=["out/*.jsonl"], artifacts=["books.db"]),
         "ArtifactRef": ArtifactRef(path="images/a.jpg", size_bytes=3, sha256=SHA),
         "TaskStats": stats,
-        "LogBatch": LogBatch(seq=5, lines=["a", "b"]),
-        "ItemBatch": ItemBatch(seq=2, items=[{"a": 1}]),
+        "LogBatch": LogBatch(seq=5, lines=["a", "b"], attempt=2),
+        "ItemBatch": ItemBatch(seq=2, items=[{"a": 1}], attempt=2),
+        "CheckpointRef": checkpoint,
+        "RetryPolicy": retry,
         "SeqAccepted": SeqAccepted(accepted_seq=7),
         "ResultAccepted": ResultAccepted(status="SUCCESS"),
         "SeqConflict": SeqConflict(expected_seq=3),
@@ -491,6 +518,8 @@ ENUM_FIELDS = [
     ("Task", "stopSignal", STOP_SIGNALS),
     ("TaskResult", "status", TASK_STATUSES),
     ("TaskResult", "errorCode", ERROR_CODES),
+    ("TaskResult", "causeClass", CAUSE_CLASSES),
+    ("Task", "resume", RESUME_MODES),
     ("ResultAccepted", "status", FINAL_STATUSES),
 ]
 
@@ -594,6 +623,7 @@ INT_TOLERANT = {
     ("SpiderFile", "id"),
     ("SpiderFile", "path"),
     ("SpiderFile", "sha256"),
+    ("CheckpointRef", "id"),
 }
 
 

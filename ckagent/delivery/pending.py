@@ -230,7 +230,9 @@ class Pending:
         totals = list(map(add, accumulate(self.sizes[:n]), range(1, n + 1)))
         return max(1, min(n, bisect.bisect_right(totals, max_bytes)))
 
-    def body(self, n: int, seq: int, key: str) -> bytes:
-        """The JSON request body ``{"seq": seq, key: [first n elements]}`` (UTF-8 bytes)."""
+    def body(self, n: int, seq: int, key: str, attempt: int | None = None) -> bytes:
+        """The JSON request body ``{"seq": seq, key: [first n elements]}`` (UTF-8 bytes), with
+        ``"attempt": attempt`` after ``seq`` when given (None: left out, which a master reads as 1)."""
         m = self._entries(n)
-        return b'{"seq":%d,"%s":[%s]}' % (seq, key.encode(), b",".join(self.elements[:m]))
+        head = b'{"seq":%d,' % seq if attempt is None else b'{"seq":%d,"attempt":%d,' % (seq, attempt)
+        return head + b'"%s":[%s]}' % (key.encode(), b",".join(self.elements[:m]))

@@ -33,7 +33,6 @@ slot is free at once, so a master outage never holds worker slots.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import sqlite3
 import time
@@ -46,17 +45,16 @@ from typing import Any
 import trio
 
 from ckagent.code import frameworks
-from ckagent.code.deps import Checked, Dependencies, Prepared, spider_base_env
+from ckagent.code.deps import Checked, Dependencies, Prepared
 from ckagent.code.workspace import Workspaces
 from ckagent.containment import ContainmentError, Figures, TaskJail
 from ckagent.containment.egress import Refusal, report_refusals
 from ckagent.containment.monitor import Monitored, spawn_monitored
-from ckagent.containment.private import make_task_tmp, remove_task_tmp, task_tmp_env
+from ckagent.containment.private import make_task_tmp, remove_task_tmp
 from ckagent.containment.process import MARKER_VAR, sweep
 from ckagent.containment.supervision import supervise
 from ckagent.containment.tails import TailBuffer
 from ckagent.delivery import LogSink, Outbox
-from ckagent.delivery.crawlstats import STATS_FILE
 from ckagent.delivery.lifecycle import DepsPrepared, TaskFinished, TaskStarted
 from ckagent.master.client import MasterClient, MasterError
 from ckagent.master.endpoints import Retry
@@ -94,6 +92,7 @@ from ckagent.task.outcome import (
 )
 from ckagent.task.runconfig import RunnerConfig
 from ckagent.task.stop import StopReason, Watchdog, stop_grace, stopped_outcome
+from ckagent.task.taskenv import make_resume_files, spider_env
 
 log = logging.getLogger(__name__)
 
@@ -335,32 +334,8 @@ class TaskRunner:
         """Spawn the spider in its jail, record its process, supervise it to its end. Raises SpawnError,
         JailError, BadTaskError (the task's args/env/params over the kernel's exec limits: ckagent.task.execlimits)."""
         task, jail, argv, c = rt.task, code.jail, code.argv, self.config
-        items_file = task_dir / "items.jsonl"
-        data_dir = self.config.work_dir / "spider-data" / safe_name(task.spider_id)
-        home_dir = self.config.work_dir / "spider-home" / safe_name(task.spider_id)
-        env = spider_base_env(prepared.path_prefix)
-        if rt.run_as is not None:  # HOME, USER, LOGNAME of its identity (a spider's own uid has no passwd entry)
-            env.update(rt.run_as.env())
-        env["HOME"] = str(home_dir)
-        env.update(prepared.env)
-        privacy = self.config.containment.privacy if self.config.containment is not None else None
-        env.update(task_tmp_env(task_dir, privacy))  # its own TMPDIR (a task's env may still name another)
-        env.update(self.config.extra_env)
-        env.update(task.env)
-        if self.config.egress is not None:  # the proxy variables of the advisory level ({} otherwise)
-            env.update(self.config.egress.task_env(rt.egress, env, notice))
-        env.update(
-            {
-                MARKER_VAR: task.id,
-                "CK_SPIDER_ID": task.spider_id,
-                "CK_SPIDER_NAME": task.spider_name,
-                "CK_ITEMS_FILE": str(items_file),
-                "CK_STATS_FILE": str(task_dir / STATS_FILE),
-                "CK_TASK_DIR": str(task_dir),
-                "CK_DATA_DIR": str(data_dir),
-                "CK_PARAMS": json.dumps(task.params, ensure_ascii=False),
-            }
-        )
+        env = spider_env(c, rt, task_dir, prepared, notice)
+        privacy = c.containment.privacy if c.containment is not None else None
         timeout = self.config.execute_timeout if task.timeout_seconds is None else task.timeout_seconds
         stall = self.config.stall_timeout if task.stall_timeout_seconds is None else task.stall_timeout_seconds
         rt.phase = "running"
@@ -387,6 +362,7 @@ class TaskRunner:
             check_exec_size(task, argv, env)  # the kernel's E2BIG, as BAD_TASK naming the field
             trio.from_thread.run_sync(say, lines)
             make_task_tmp(task_dir, rt.run_as)
+            make_resume_files(task_dir)  # CK_STATE_DIR, the control channel (ckagent.task.taskenv)
             mon = spawn_monitored(
                 resolve_on_path(argv, env), cwd=code.work, env=env, task_id=task.id, task_dir=task_dir,
                 output_path=sink.path, jail=jail, run_as=rt.run_as,

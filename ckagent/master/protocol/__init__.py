@@ -12,7 +12,8 @@ Exceptions::
 
 The types live by concern — :mod:`.node` (registration, heartbeat, leaving), :mod:`.tasks` (a task and the
 poll answer), :mod:`.results` (results, stats, log/item batches, releases, spider files),
-:mod:`.outputs` (declared outputs, artifacts) and :mod:`.vocabulary` (statuses, error codes, features,
+:mod:`.outputs` (declared outputs, artifacts), :mod:`.checkpoints` (checkpoint references and
+manifests, retry policies) and :mod:`.vocabulary` (statuses, error codes, features,
 times) — and are all imported from here (``from ckagent.master.protocol import Task``).
 
 Conventions: times are ISO-8601 UTC strings ("2026-11-29T16:03:50.123Z"), durations are integer
@@ -22,6 +23,14 @@ milliseconds, ids are strings (integers from an older backend are accepted and t
 from __future__ import annotations
 
 from ckagent.master.protocol._fields import ProtocolError
+from ckagent.master.protocol.checkpoints import (
+    CHECKPOINT_REASONS,
+    CHUNK_BYTES,
+    CheckpointFile,
+    CheckpointManifest,
+    CheckpointRef,
+    RetryPolicy,
+)
 from ckagent.master.protocol.node import (
     Heartbeat,
     HeartbeatResponse,
@@ -53,6 +62,7 @@ from ckagent.master.protocol.tasks import (
     parse_stop_signal,
 )
 from ckagent.master.protocol.vocabulary import (
+    CAUSE_CLASSES,
     CLAIM_IN_POLL,
     ERROR_CODES,
     FEATURES,
@@ -64,14 +74,21 @@ from ckagent.master.protocol.vocabulary import (
     OUTCOME_STATUS,
     POLL_FOLLOWS_RESULTS,
     PROTOCOL_VERSION,
+    RESUME_MODES,
     TASK_STATUSES,
     TIMEOUT_MESSAGE,
+    CauseClass,
+    ResumeMode,
+    cause_of,
     utc_iso,
     utc_now_iso,
 )
 
 __all__ = [
     "ARTIFACTS",
+    "CAUSE_CLASSES",
+    "CHECKPOINT_REASONS",
+    "CHUNK_BYTES",
     "CLAIM_IN_POLL",
     "ERROR_CODES",
     "FEATURES",
@@ -83,11 +100,16 @@ __all__ = [
     "OUTCOME_STATUS",
     "POLL_FOLLOWS_RESULTS",
     "PROTOCOL_VERSION",
+    "RESUME_MODES",
     "STOP_SIGNALS",
     "TASK_STATUSES",
     "TIMEOUT_MESSAGE",
     "ArtifactRef",
     "BadTask",
+    "CauseClass",
+    "CheckpointFile",
+    "CheckpointManifest",
+    "CheckpointRef",
     "CodePackage",
     "Heartbeat",
     "HeartbeatResponse",
@@ -99,6 +121,8 @@ __all__ = [
     "RegisterRequest",
     "RegisterResponse",
     "ResultAccepted",
+    "ResumeMode",
+    "RetryPolicy",
     "SeqAccepted",
     "SeqConflict",
     "SpiderFile",
@@ -109,6 +133,7 @@ __all__ = [
     "TaskResult",
     "TaskStats",
     "VersionPolicy",
+    "cause_of",
     "parse_egress",
     "parse_stop_signal",
     "utc_iso",

@@ -13,6 +13,7 @@ from typing import Any
 from ckagent.master.protocol._fields import (
     ProtocolError,
     drop_none,
+    master_id,
     opt_bool,
     opt_int,
     opt_number,
@@ -26,7 +27,13 @@ from ckagent.master.protocol._fields import (
     str_list,
 )
 from ckagent.master.protocol.outputs import ArtifactRef, artifact_list
-from ckagent.master.protocol.vocabulary import ERROR_CODES, FINAL_STATUSES, TASK_STATUSES
+from ckagent.master.protocol.vocabulary import (
+    CAUSE_CLASSES,
+    ERROR_CODES,
+    FINAL_STATUSES,
+    TASK_STATUSES,
+    CauseClass,
+)
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,15 @@ class TaskResult:
     answered 403 (quota exceeded) for 600 s"``; streams joined by ``; ``). Absent otherwise."""
     artifacts: list[ArtifactRef] | None = None
     """The task's artifacts the master holds (uploaded before this result); None = none collected."""
+    attempt: int | None = None
+    """The attempt this result (or claim) is of (absent = 1: docs/protocol.md, "Attempts")."""
+    cause_class: CauseClass | None = None
+    """Why the attempt ended, as a retry policy reads it (ckagent.master.protocol.vocabulary.cause_of);
+    None for a success, a cancel or a claim."""
+    retryable: bool | None = None
+    """Whether another attempt may help (False: a success, BAD_TASK, CANCELLED); None for a claim."""
+    checkpoint_id: str | None = None
+    """The newest checkpoint this attempt shipped (the next attempt resumes from it); None = none."""
 
     @classmethod
     def from_json(cls, obj: Any) -> TaskResult:
@@ -105,6 +121,10 @@ class TaskResult:
             incomplete=opt_bool(o, "incomplete"),
             incomplete_reason=opt_str(o, "incompleteReason"),
             artifacts=artifact_list(o.get("artifacts")),
+            attempt=opt_int(o, "attempt", lo=1),
+            cause_class=None if o.get("causeClass") is None else CauseClass(req_choice(o, "causeClass", CAUSE_CLASSES)),
+            retryable=opt_bool(o, "retryable"),
+            checkpoint_id=master_id(o, "checkpointId", required=False),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -134,6 +154,10 @@ class TaskResult:
                 "incomplete": self.incomplete,
                 "incompleteReason": self.incomplete_reason,
                 "artifacts": None if self.artifacts is None else [a.to_json() for a in self.artifacts],
+                "attempt": self.attempt,
+                "causeClass": None if self.cause_class is None else self.cause_class.value,
+                "retryable": self.retryable,
+                "checkpointId": self.checkpoint_id,
             }
         )
 
@@ -185,28 +209,33 @@ class TaskStats:
 
 @dataclass(frozen=True)
 class LogBatch:
-    """``POST /api/tasks/{id}/logs``: ``seq`` is the index of the first line of ``lines``."""
+    """``POST /api/tasks/{id}/logs``: ``seq`` is the index of the first line of ``lines``; ``attempt``
+    the attempt that wrote them (None: left out, which a master reads as 1)."""
 
     seq: int
     lines: list[str]
+    attempt: int | None = None
 
     @classmethod
     def from_json(cls, obj: Any) -> LogBatch:
         """Validate a decoded JSON body. Raises ProtocolError."""
         o = req_object(obj, "")
-        return cls(seq=req_int(o, "seq", lo=0), lines=str_list(o, "lines", required=True))
+        return cls(seq=req_int(o, "seq", lo=0), lines=str_list(o, "lines", required=True),
+                   attempt=opt_int(o, "attempt", lo=1))
 
     def to_json(self) -> dict[str, Any]:
         """The camelCase JSON body."""
-        return {"seq": self.seq, "lines": list(self.lines)}
+        return drop_none({"seq": self.seq, "lines": list(self.lines), "attempt": self.attempt})
 
 
 @dataclass(frozen=True)
 class ItemBatch:
-    """``POST /api/tasks/{id}/items``: ``seq`` is the index of the first item; items are JSON objects."""
+    """``POST /api/tasks/{id}/items``: ``seq`` is the index of the first item; items are JSON objects;
+    ``attempt`` the attempt that wrote them (None: left out, which a master reads as 1)."""
 
     seq: int
     items: list[dict[str, Any]]
+    attempt: int | None = None
 
     @classmethod
     def from_json(cls, obj: Any) -> ItemBatch:
@@ -218,11 +247,11 @@ class ItemBatch:
         for i, item in enumerate(raw):
             if not isinstance(item, dict):
                 raise ProtocolError(f"items[{i}]", "expected an object")
-        return cls(seq=req_int(o, "seq", lo=0), items=raw)
+        return cls(seq=req_int(o, "seq", lo=0), items=raw, attempt=opt_int(o, "attempt", lo=1))
 
     def to_json(self) -> dict[str, Any]:
         """The camelCase JSON body."""
-        return {"seq": self.seq, "items": list(self.items)}
+        return drop_none({"seq": self.seq, "items": list(self.items), "attempt": self.attempt})
 
 
 @dataclass(frozen=True)

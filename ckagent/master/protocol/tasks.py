@@ -27,8 +27,9 @@ from ckagent.master.protocol._fields import (
     str_list,
     str_map,
 )
+from ckagent.master.protocol.checkpoints import CheckpointRef, RetryPolicy
 from ckagent.master.protocol.outputs import TaskOutputs
-from ckagent.master.protocol.vocabulary import FRAMEWORKS, MAX_SENDABLE_ID_CHARS
+from ckagent.master.protocol.vocabulary import FRAMEWORKS, MAX_SENDABLE_ID_CHARS, RESUME_MODES, ResumeMode
 from ckagent.node.egress_policy import EgressPolicy, PolicyError
 from ckagent.node.egress_policy import from_wire as egress_from_wire
 
@@ -65,12 +66,14 @@ class TaskResources:
     """``resources`` of a task: limits of the task's processes (installers included), None = the
     node's default. ``memory_bytes`` bytes, ``pids`` processes+threads, ``cpus`` cores,
     ``disk_bytes`` bytes of disk the task may hold (its task dir, working copy and data dir: past it
-    the task ends FAILED DISK_FULL; ckagent.delivery.diskwatch)."""
+    the task ends FAILED DISK_FULL; ckagent.delivery.diskwatch), ``memory_soft_bytes`` the soft memory
+    ceiling (bytes: past it the spider is asked to persist and stopped, FAILED MEMORY_LIMIT)."""
 
     memory_bytes: int | None = None
     pids: int | None = None
     cpus: float | None = None
     disk_bytes: int | None = None
+    memory_soft_bytes: int | None = None
 
     @classmethod
     def from_json(cls, obj: Any, path: str) -> TaskResources:
@@ -81,12 +84,13 @@ class TaskResources:
         cpus = opt_number(o, "cpus", lo=0.01, path=path)
         return cls(memory_bytes=opt_int(o, "memoryBytes", lo=1 << 20, path=path),
                    pids=opt_int(o, "pids", lo=1, path=path), cpus=cpus,
-                   disk_bytes=opt_int(o, "diskBytes", lo=1 << 20, path=path))
+                   disk_bytes=opt_int(o, "diskBytes", lo=1 << 20, path=path),
+                   memory_soft_bytes=opt_int(o, "memorySoftBytes", lo=1, path=path))
 
     def to_json(self) -> dict[str, Any]:
         """camelCase, None left out."""
         return drop_none({"memoryBytes": self.memory_bytes, "pids": self.pids, "cpus": self.cpus,
-                          "diskBytes": self.disk_bytes})
+                          "diskBytes": self.disk_bytes, "memorySoftBytes": self.memory_soft_bytes})
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,20 @@ class Task:
     clean_start: bool = False
     """The spider's data kept between its tasks on this node (Scrapy's ``.scrapy``: ckagent.code.scrapydata)
     starts empty for this task."""
+    attempt: int = 1
+    """Which run of the task this is (1, 2, …: docs/protocol.md, "Attempts")."""
+    item_seq_start: int = 0
+    """The index of this attempt's first item in the task's items stream (the numbering continues)."""
+    log_seq_start: int = 0
+    """The index of this attempt's first log line in the task's log stream."""
+    checkpoint: CheckpointRef | None = None
+    """The checkpoint this attempt resumes from (its state dir is restored from it); None = from scratch."""
+    checkpoint_interval_seconds: float | None = None
+    """Seconds between periodic checkpoints (> 0); None = the node's ``task.checkpoint_interval``."""
+    resume: ResumeMode = ResumeMode.RESTART_REPLACE
+    """What a new attempt of a spider that cannot persist does with the earlier attempts' items."""
+    retry: RetryPolicy | None = None
+    """The retry policy the master applies (informational to the agent: shown in its views)."""
 
     @property
     def stop_signal_number(self) -> int:
@@ -173,6 +191,15 @@ class Task:
             outputs=TaskOutputs.from_json(o.get("outputs"), f"{path}.outputs"),
             stop_grace_seconds=opt_number(o, "stopGraceSeconds", lo=0, path=path),
             clean_start=_opt_bool(o, "cleanStart", path),
+            attempt=_opt_int(o, "attempt", 1, 1, path),
+            item_seq_start=_opt_int(o, "itemSeqStart", 0, 0, path),
+            log_seq_start=_opt_int(o, "logSeqStart", 0, 0, path),
+            checkpoint=None if o.get("checkpoint") is None else CheckpointRef.from_json(o["checkpoint"],
+                                                                                       f"{path}.checkpoint"),
+            checkpoint_interval_seconds=_interval(o, path),
+            resume=ResumeMode(req_choice(o, "resume", RESUME_MODES, path=path)) if o.get("resume") is not None
+            else ResumeMode.RESTART_REPLACE,
+            retry=RetryPolicy.from_json(o.get("retry"), f"{path}.retry"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -198,6 +225,13 @@ class Task:
                 "outputs": None if self.outputs is None else self.outputs.to_json(),
                 "stopGraceSeconds": self.stop_grace_seconds,
                 "cleanStart": True if self.clean_start else None,
+                "attempt": self.attempt if self.attempt != 1 else None,
+                "itemSeqStart": self.item_seq_start or None,
+                "logSeqStart": self.log_seq_start or None,
+                "checkpoint": None if self.checkpoint is None else self.checkpoint.to_json(),
+                "checkpointIntervalSeconds": self.checkpoint_interval_seconds,
+                "resume": None if self.resume is ResumeMode.RESTART_REPLACE else self.resume.value,
+                "retry": None if self.retry is None else self.retry.to_json(),
             }
         )
 
@@ -217,6 +251,20 @@ def parse_egress(obj: Any, path: str) -> EgressPolicy | None:
 def _spider_name(o: dict[str, Any], path: str) -> str:
     """``spiderName``: optional (absent, null or empty → ""), otherwise a string ckagent.master.ids accepts."""
     return master_id(o, "spiderName", path=path, required=False) or ""
+
+
+def _opt_int(o: dict[str, Any], key: str, default: int, lo: int, path: str) -> int:
+    """An optional integer >= ``lo`` (absent or null: ``default``). Raises ProtocolError."""
+    value = opt_int(o, key, lo=lo, path=path)
+    return default if value is None else value
+
+
+def _interval(o: dict[str, Any], path: str) -> float | None:
+    """``checkpointIntervalSeconds``: a number > 0, or None. Raises ProtocolError."""
+    value = opt_number(o, "checkpointIntervalSeconds", lo=0, path=path)
+    if value == 0:
+        raise ProtocolError(f"{path}.checkpointIntervalSeconds", "must be > 0 (leave it out for the node's)")
+    return value
 
 
 def _opt_bool(o: dict[str, Any], key: str, path: str) -> bool:

@@ -6,6 +6,7 @@ or the one way the protocol writes a time: ISO-8601 UTC with milliseconds ("2026
 
 from __future__ import annotations
 
+import enum
 from datetime import datetime, timezone
 
 TASK_STATUSES = ("RUNNING", "SUCCESS", "FAILED", "CANCELLED")
@@ -25,6 +26,9 @@ ERROR_CODES = (
     "AGENT_ERROR",
     "BAD_TASK",
     "DISK_FULL",
+    "MIGRATED",
+    "MEMORY_LIMIT",
+    "NODE_LOST",
 )
 """Every errorCode of a result: the outcome table of docs/protocol.md lists exactly these (a test checks)."""
 OUTCOME_STATUS: dict[str, str] = {
@@ -42,8 +46,70 @@ OUTCOME_STATUS: dict[str, str] = {
     "AGENT_ERROR": "FAILED",
     "BAD_TASK": "FAILED",
     "DISK_FULL": "FAILED",
+    "MIGRATED": "FAILED",
+    "MEMORY_LIMIT": "FAILED",
+    "NODE_LOST": "FAILED",
 }
 """The outcome table: ``SUCCESS`` (no errorCode) and every errorCode → the status it goes with."""
+
+
+class CauseClass(str, enum.Enum):
+    """Why an attempt ended, as a retry policy reads it (a result's ``causeClass``; docs/protocol.md,
+    "Causes and retries"): a ``disruption`` of the node (never counted against ``maxAttempts``), a
+    ``resource`` limit, the ``spider`` itself, or its ``setup`` (code, dependencies, the task)."""
+
+    DISRUPTION = "disruption"
+    RESOURCE = "resource"
+    SPIDER = "spider"
+    SETUP = "setup"
+
+
+class ResumeMode(str, enum.Enum):
+    """A task's ``resume``: what a new attempt of a spider that cannot persist its state does with the
+    earlier attempts' items — ``restart-replace`` drops them, ``restart-keep`` keeps them (the master
+    applies it; the agent says it in the task's log)."""
+
+    RESTART_REPLACE = "restart-replace"
+    RESTART_KEEP = "restart-keep"
+
+
+CAUSE_CLASSES = tuple(c.value for c in CauseClass)
+"""The values of :class:`CauseClass`, in the order of docs/protocol.md."""
+RESUME_MODES = tuple(m.value for m in ResumeMode)
+"""The values of :class:`ResumeMode` (the first is the default)."""
+_CAUSES: dict[str, CauseClass] = {
+    "AGENT_LOST": CauseClass.DISRUPTION,
+    "AGENT_ERROR": CauseClass.DISRUPTION,
+    "MIGRATED": CauseClass.DISRUPTION,
+    "NODE_LOST": CauseClass.DISRUPTION,
+    "OOM_KILLED": CauseClass.RESOURCE,
+    "MEMORY_LIMIT": CauseClass.RESOURCE,
+    "TIMEOUT": CauseClass.RESOURCE,
+    "STALLED": CauseClass.RESOURCE,
+    "EXIT_NONZERO": CauseClass.SPIDER,
+    "SIGNALED": CauseClass.SPIDER,
+    "DEPLOY_FAILED": CauseClass.SETUP,
+    "DEPS_FAILED": CauseClass.SETUP,
+    "BAD_TASK": CauseClass.SETUP,
+}
+
+
+def cause_of(error_code: str | None, *, disk_culprit: bool = True) -> tuple[CauseClass | None, bool]:
+    """``(causeClass, retryable)`` of a result with ``error_code`` (None or ``SUCCESS``: a success).
+
+    DISK_FULL is ``resource`` when the task itself filled the disk (``disk_culprit``), else a
+    ``disruption`` (another task did). Not retryable: BAD_TASK (class ``setup``), CANCELLED (no class),
+    a success and LOG_BUDGET (no class). An unknown code (a newer master's) → (None, False). Pure."""
+    if error_code is None or error_code in ("SUCCESS", "LOG_BUDGET", "CANCELLED"):
+        return None, False
+    if error_code == "DISK_FULL":
+        return (CauseClass.RESOURCE if disk_culprit else CauseClass.DISRUPTION), True
+    cause = _CAUSES.get(error_code)
+    if cause is None:
+        return None, False
+    return cause, error_code != "BAD_TASK"
+
+
 FRAMEWORKS = ("scrapy", "python", "node", "playwright", "selenium")
 NODE_STATUSES = ("RUNNING", "DRAINING", "TERMINATING", "STOPPING", "STOPPED")
 """A heartbeat's ``status``: the agent's state as it is (docs/protocol.md, Heartbeat)."""
