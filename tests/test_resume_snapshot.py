@@ -283,7 +283,7 @@ def test_an_unreadable_file_fails_the_pack_with_its_name(tmp_path: Path) -> None
     assert isinstance(refused.value.__cause__, OSError) and refused.value.__cause__.errno == errno.EACCES
 
 
-_names = st.text(st.characters(blacklist_characters="/\0", blacklist_categories=("Cs",)), min_size=1, max_size=12
+_names = st.text(st.characters(blacklist_characters="/\0", blacklist_categories=["Cs"]), min_size=1, max_size=12
                  ).filter(lambda n: n not in (".", ".."))
 _trees = st.recursive(st.binary(max_size=3000) | st.sampled_from([b"", b"\0" * 5000]),
                       lambda kids: st.dictionaries(_names, kids, max_size=4), max_leaves=12)

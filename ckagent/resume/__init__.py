@@ -14,4 +14,7 @@ The spider copies its state dir (``CK_STATE_DIR``) into ``CK_SNAPSHOT_DIR/N`` wh
 
 The wire (chunk and manifest endpoints, ``CHUNK_BYTES``) is ckagent.master's; docs/protocol.md
 "Checkpoints" describes it.
+
+May import: ckagent.node, ckagent.master, ckagent.delivery (the backoff). Imported by ckagent.task (the
+runner restores before the spawn and runs a shipper per attempt) and, for its types, ckagent.port.
 """

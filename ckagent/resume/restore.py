@@ -31,6 +31,7 @@ Blocking work (gunzip, sha256, writes) runs in worker threads, several chunks pe
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -238,16 +239,25 @@ async def restore(master: MasterClient, task_id: str, ref: CheckpointRef, state_
     except (trio.TooSlowError, MasterRejected, OSError, ValueError) as exc:
         why = (f"no complete answer from the master within {limits.timeout:g} s"
                if isinstance(exc, trio.TooSlowError) else str(exc))
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                await trio.to_thread.run_sync(beneath.remove, fd)
-        raise RestoreError(f"the checkpoint {ref.id} could not be restored: {why}") from exc
-    finally:
+        failed = RestoreError(f"the checkpoint {ref.id} could not be restored: {why}")
+        failure: BaseException = exc
+    except BaseException:
         if fd is not None:
             os.close(fd)
-    log.debug("task %s: checkpoint %s restored (%d entries, %d bytes)", task_id, ref.id, len(manifest.files),
-              manifest.size_bytes)
-    return manifest
+        raise
+    else:
+        if fd is not None:
+            os.close(fd)
+        log.debug("task %s: checkpoint %s restored (%d entries, %d bytes)", task_id, ref.id, len(manifest.files),
+                  manifest.size_bytes)
+        return manifest
+    if fd is not None:  # what was written goes: the attempt fails, nothing half-restored is left
+        try:
+            with contextlib.suppress(OSError):
+                await trio.to_thread.run_sync(beneath.remove, fd)
+        finally:
+            os.close(fd)
+    raise failed from failure
 
 
 async def _fill(master: MasterClient, task_id: str, manifest: CheckpointManifest, writer: _Writer,
@@ -263,7 +273,7 @@ async def _fill(master: MasterClient, task_id: str, manifest: CheckpointManifest
         for index, sha in enumerate(entry.chunks):
             gz = cache.get(sha)
             if gz is None:
-                gz = await _retrying(lambda sha=sha: master.get_checkpoint_chunk(task_id, sha), backoff)  # type: ignore[misc]
+                gz = await _retrying(functools.partial(master.get_checkpoint_chunk, task_id, sha), backoff)
                 if min(CHUNK_BYTES, entry.size - index * CHUNK_BYTES) <= CACHE_CHUNK_BYTES and \
                         cached + len(gz) <= CACHE_TOTAL_BYTES:
                     cache[sha] = gz

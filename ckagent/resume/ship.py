@@ -55,7 +55,16 @@ from ckagent.master.client import MasterClient, MasterConflict, MasterRejected, 
 from ckagent.master.protocol.checkpoints import CheckpointFile, CheckpointManifest, check_sha256
 from ckagent.master.protocol.vocabulary import utc_iso
 from ckagent.node import beneath
-from ckagent.resume.snapshot import ChunkAt, Packed, PackError, PackLimits, chunk_places, gzip_chunk, pack, read_chunk
+from ckagent.resume.snapshot import (
+    ChunkAt,
+    Packed,
+    PackError,
+    PackLimits,
+    chunk_places,
+    gzip_chunk,
+    pack,
+    read_chunk,
+)
 
 __all__ = ["KNOWN_FILE", "SNAPSHOTS_DIR", "CheckpointShipper", "MetaState", "ShippedCheckpoint"]
 
@@ -134,7 +143,7 @@ class _Meta:
             raise ValueError("a count that is not a whole number")
         if not isinstance(obj.get("reason"), str) or not isinstance(obj.get("created"), str):
             raise ValueError("no reason or time")
-        attempt, item_seq, log_seq, size, packed = ints
+        attempt, item_seq, log_seq, size, packed = (int(v) for v in ints)  # type: ignore[arg-type]
         return cls(n, attempt, item_seq, log_seq, obj["reason"], obj["created"], state, size, packed, files)
 
     def manifest(self) -> CheckpointManifest:
@@ -211,12 +220,12 @@ class CheckpointShipper:
         self._changed_now()
         return meta.id
 
-    async def wait_idle(self, timeout: float) -> str | None:
-        """Wait (at most ``timeout`` seconds) until nothing submitted is left to ship — shipped, failed,
-        or the shipper stopped — and return the id of the newest shipped checkpoint (None: none)."""
-        with trio.move_on_after(timeout):
-            while self._pending and self.superseded_by is None and not self.unsupported:
-                await self._changed.wait()
+    async def wait_idle(self) -> str | None:
+        """Wait until nothing submitted is left to ship — shipped, failed, or the shipper stopped — and
+        return the id of the newest shipped checkpoint (None: none). The caller bounds it
+        (``trio.move_on_after``; :attr:`last` then says what was shipped)."""
+        while self._pending and self.superseded_by is None and not self.unsupported:
+            await self._changed.wait()
         return self.last.id if self.last is not None else None
 
     @property
@@ -248,10 +257,9 @@ class CheckpointShipper:
                 except _Failed as exc:
                     self.failed += 1
                     log.warning("task %s: checkpoint %s not shipped: %s", self.task_id, meta.id, exc)
-                    if self._pending.get(meta.n) is meta:
-                        del self._pending[meta.n]
-                        self._packed.pop(meta.n, None)
-                        await trio.to_thread.run_sync(self._remove, [meta.n])
+                    self._pending.pop(meta.n, None)
+                    self._packed.pop(meta.n, None)
+                    await trio.to_thread.run_sync(self._remove, [meta.n])
                 except _Stop:
                     break
                 self._changed_now()
@@ -318,23 +326,25 @@ class CheckpointShipper:
             try:
                 await self.master.put_checkpoint_chunk(self.task_id, sha, gz)
             except MasterUnavailable as exc:
-                await backoff.wait(exc.retry_after)
-                continue
+                retry_after = exc.retry_after
             except MasterRejected as exc:
                 self._refused(exc, f"chunk {sha[:12]}…")
-            self.known.add(sha)
-            self.sent_chunks += 1
-            return
+            else:
+                self.known.add(sha)
+                self.sent_chunks += 1
+                return
+            await backoff.wait(retry_after)
 
     async def _post(self, meta: _Meta, manifest: CheckpointManifest, backoff: Backoff) -> list[str] | None:
         """Post the manifest: None once taken, else the chunks the master says it lacks."""
         waited_items = False
         while True:
+            retry_after = None
             try:
                 await self.master.post_checkpoint(self.task_id, manifest)
                 return None
             except MasterUnavailable as exc:
-                await backoff.wait(exc.retry_after)
+                retry_after = exc.retry_after
             except MasterConflict as exc:
                 body = exc.body if isinstance(exc.body, dict) else {}
                 missing = body.get("missingChunks")
@@ -343,23 +353,20 @@ class CheckpointShipper:
                         return [check_sha256(sha, "missingChunks") for sha in missing]
                     except ValueError:
                         raise _Failed(f"the master's missingChunks are not sha256 names ({exc})") from None
-                if isinstance(body.get("storedItems"), int) and "supersededBy" not in body:
-                    if not waited_items:
-                        log.info("task %s: checkpoint %s waits for the master to hold its %d items (it holds %d)",
-                                 self.task_id, meta.id, meta.item_seq, body["storedItems"])
-                        waited_items = True
-                    await backoff.wait()
-                    continue
-                self._refused(exc, "the manifest")
+                if not isinstance(body.get("storedItems"), int) or exc.superseded_by is not None:
+                    self._refused(exc, "the manifest")
+                if not waited_items:
+                    log.info("task %s: checkpoint %s waits for the master to hold its %d items (it holds %d)",
+                             self.task_id, meta.id, meta.item_seq, body["storedItems"])
+                    waited_items = True
             except MasterRejected as exc:
                 self._refused(exc, "the manifest")
+            await backoff.wait(retry_after)
 
     def _refused(self, exc: MasterRejected, what: str) -> None:
         """Raise what a 4xx means here: _Stop (superseded, unsupported) or _Failed."""
-        superseded = getattr(exc, "superseded_by", None)
-        if superseded is None and isinstance(exc.body, dict) and isinstance(exc.body.get("supersededBy"), int):
-            superseded = exc.body["supersededBy"]
-        if exc.status == 409 and superseded is not None:
+        superseded = exc.superseded_by if isinstance(exc, MasterConflict) else None
+        if superseded is not None:
             self.superseded_by = superseded
             log.info("task %s: attempt %d was superseded by attempt %d: no more checkpoints shipped",
                      self.task_id, self.attempt, superseded)

@@ -124,10 +124,9 @@ def gzip_chunk(data: bytes) -> bytes:
     deterministic. A small chunk gets a window and a state no larger than it needs: zlib's full state
     (256 KiB) costs 100 µs to set up, 20 times the compression of a 10-byte file."""
     size = len(data)
-    if size >= 1 << 15:
-        return zlib.compress(data, GZIP_LEVEL, wbits=31)
-    small = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 16 + max(9, size.bit_length()), 1 if size < 4096 else 8)
-    return small.compress(data) + small.flush()
+    bits, level = (15, 8) if size >= 1 << 15 else (max(9, size.bit_length()), 1 if size < 4096 else 8)
+    deflate = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 16 + bits, level)
+    return deflate.compress(data) + deflate.flush()
 
 
 def chunk_places(files: list[CheckpointFile]) -> Iterator[tuple[str, ChunkAt]]:

@@ -36,9 +36,11 @@ class CheckpointMaster:
     chunks: dict[str, bytes] = field(default_factory=dict)
     manifests: dict[str, dict[str, Any]] = field(default_factory=dict)
     requests: list[tuple[str, str]] = field(default_factory=list)
+    stores: list[str] = field(default_factory=list)
+    """Every chunk stored, once per PUT that stored it (a chunk sent twice is here twice)."""
     stored_items: dict[str, int] = field(default_factory=dict)
     superseded_by: dict[str, int] = field(default_factory=dict)
-    fault: Fault = lambda kind, request: None  # noqa: E731
+    fault: Fault = lambda kind, request: None
 
     def posts(self) -> list[str]:
         """The manifest ids posted, one per POST (answered or not)."""
@@ -96,6 +98,7 @@ class CheckpointMaster:
         if len(data) > 1 << 20 or hashlib.sha256(data).hexdigest() != sha:
             return httpx.Response(422, json={"error": "not the bytes of that sha256"})
         self.chunks[sha] = gz
+        self.stores.append(sha)
         return httpx.Response(200, json={"stored": True})
 
     def _post(self, task: str, body: dict[str, Any]) -> httpx.Response:
