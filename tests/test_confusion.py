@@ -28,9 +28,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckagent.agent import Agent
+from ckagent.delivery.itemscan import scan_oversize
 from ckagent.delivery.lines import encode_item
 from ckagent.delivery.pending import Pending
-from ckagent.delivery.readers import _FileReader, scan_oversize
+from ckagent.delivery.readers import _FileReader
 from ckagent.master.protocol import Task
 from ckagent.task.execlimits import BadTaskError, arg_max, check_exec_size, max_arg_strlen
 

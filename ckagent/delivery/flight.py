@@ -43,14 +43,15 @@ class Flight:
 class Answer:
     """What the master's answer to a batch means for the stream: ``kind`` ok / expected (``expected``:
     the count the master holds), shrink (a 413), element (``expected``: the index of the element a
-    422 names), refused (for good; ``reason``: the master's words), retry (after a backoff of at least
+    422 names), refused (for good; ``reason``: the master's words), superseded (``expected``: the attempt the
+    master moved on to), retry (after a backoff of at least
     ``retry_after`` seconds)."""
 
     __slots__ = ("expected", "kind", "reason", "retry_after")
 
     def __init__(self, kind: str, expected: int | None = None, retry_after: float | None = None,
                  reason: str | None = None) -> None:
-        self.kind = kind  # ok | expected | shrink | element (expected = its index) | refused | retry
+        self.kind = kind  # ok | expected | shrink | element (expected = its index) | refused | retry | superseded
         self.expected = expected
         self.retry_after = retry_after  # retry: at least this long (a 429/503's Retry-After), or None
         self.reason = reason

@@ -252,7 +252,7 @@ class Outbox:
             log.warning("task %s: %s", task.id, rejected)
             stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
             sink.write_line(f"[ckagent {stamp}] {rejected}\n".encode())
-        self._start(delivery)
+        self._start(delivery, task_json)
         return delivery
 
     async def resume(self, record: TaskRecord) -> None:
@@ -283,11 +283,16 @@ class Outbox:
         delivery.items.finish()
         delivery.ended.set()
         delivery.stats.stop()
-        self._start(delivery)
+        self._start(delivery, record.task_json)
 
-    def _start(self, delivery: TaskDelivery) -> None:
+    def _start(self, delivery: TaskDelivery, task_json: dict[str, Any]) -> None:
         if self._nursery is None:
             raise RuntimeError("the outbox is not running")
+        # An attempt's streams continue the task's numbering (the spool counts from 0) and say their attempt.
+        attempt = _count(task_json.get("attempt"), 1)
+        for shipper, start in ((delivery.items, "itemSeqStart"), (delivery.logs, "logSeqStart")):
+            shipper.seq_start = _count(task_json.get(start), 0)
+            shipper.attempt = attempt if attempt > 1 else None  # absent = 1 (what an older master knows)
         self.deliveries[delivery.task_id] = delivery
         self._idle = trio.Event()
         self._busy.set()
@@ -467,3 +472,8 @@ def _item_journal_of(task_dir: Path) -> LogJournal | None:
         log.error("%s: cannot open its items journal (%s); sending items.jsonl alone", task_dir.name, exc)
         return None
     return journal
+
+
+def _count(value: Any, default: int) -> int:
+    """A task's stored counter (``attempt``, ``itemSeqStart``, …): an int ≥ 0, else ``default``."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else default

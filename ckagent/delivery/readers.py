@@ -434,43 +434,5 @@ class _ItemJournalReader(_JournalReader):
             pending.add(*source.items.elements(lines, ends, True), (at, idx))
 
 
-OVERSIZE_SCAN_BYTES = 256 * 1024 * 1024
-"""At most this much of an items file's unread tail is scanned at a task's end (:func:`scan_oversize`)."""
-
-
-def scan_oversize(path: Path, start: int, max_line_bytes: int) -> tuple[list[tuple[int, int]], int]:
-    """The items over ``max_line_bytes`` in ``path`` from offset ``start`` (where a line starts) to its
-    end, as the items reader will find them: ``([(size, end offset), ...], scanned up to)``. Reads at
-    most :data:`OVERSIZE_SCAN_BYTES`; a file that is not a plain file of the spool (a link the spider
-    planted) or cannot be read gives ``([], start)``. Blocking."""
-    found: list[tuple[int, int]] = []
-
-    def notes(_source: str, size: int, _limit: int, end: int) -> None:
-        found.append((size, end))
-
-    try:
-        fd = open_spool(path)
-    except OSError:
-        return [], start
-    try:
-        splitter = LineSplitter(start, max_line_bytes, False)
-        lines = _ItemLines(start, lambda _raw: None, max_line_bytes, notes, path.name)
-        at = start
-        while at - start < OVERSIZE_SCAN_BYTES:
-            data = os.pread(fd, READ_CHUNK, at)
-            if not data:
-                lines.elements(*splitter.flush(), True)
-                break
-            at += len(data)
-            lines.elements(*splitter.feed(data), False)
-        else:
-            at = lines.line_start
-    except OSError:
-        return found, start
-    finally:
-        os.close(fd)
-    return found, at
-
-
 def _read_prefix(path: Path, size: int) -> bytes:
     return read_spool(path, 0, size)

@@ -15,13 +15,12 @@ import trio
 
 from ckagent.delivery.flight import (
     CEILING_RECOVERY,
-    RETRY,
     Answer,
     Flight,
     is_placeholder,
     placeholder,
-    refused_element,
 )
+from ckagent.delivery.judging import AnswerJudge
 from ckagent.delivery.lines import Masker, encode_item
 from ckagent.delivery.nodebatch import NodeBatcher
 from ckagent.delivery.pending import Pending
@@ -42,19 +41,12 @@ from ckagent.delivery.spool import (
     TAIL_INTERVAL,
 )
 from ckagent.delivery.waiting import Backoff, Waker
-from ckagent.master.client import MasterClient, MasterConflict, MasterError, MasterRejected, MasterUnavailable
+from ckagent.master.client import MasterClient, MasterError
 from ckagent.node.state import AsyncStateStore, StateStoreError
 
 log = logging.getLogger(__name__)
 
-PASSING_REFUSALS = frozenset({401, 408})
-"""4xx answers that never end a stream, however long they last: 401 (the client registers again;
-a node-wide matter) and 408 (the request's own time-out)."""
-
-"""Not an answer that moves the stream: the batch goes again after a backoff."""
-
-
-class StreamShipper:
+class StreamShipper(AnswerJudge):
     """Ships one stream of one task (see module docstring): ``kind`` "logs" or "items".
 
     Build it with :meth:`logs` or :meth:`items`. Two ways to drive it: :meth:`run` (a Trio task of
@@ -109,6 +101,16 @@ class StreamShipper:
         """With :attr:`refused`: why, in the master's words (``"logs: master answered 403 (quota)"``)."""
         self.refusing_since: float | None = None
         self.placeholders = 0
+        self.seq_start = 0
+        """The wire's number of the spool's first element (``Task.item_seq_start`` / ``log_seq_start``:
+        an attempt's streams continue the task's numbering); the spool and the state store count from 0."""
+        self.attempt: int | None = None
+        """The attempt the batches carry (None: not sent, which a master reads as 1)."""
+        self.superseded: int | None = None
+        """The attempt the master moved on to (a 409 with ``supersededBy``): the stream ended, nothing more sent."""
+        self.on_superseded: Callable[[int], None] | None = None
+        self.on_acked: Callable[[], None] | None = None
+        """Called (on the loop) whenever :attr:`acked` grew: a checkpoint waits for its items (ckagent.task.checkpoints)."""
         self.waiting_since: float | None = None
         """Epoch s since read elements wait for the master: since the last ack, or read after catching up (None: none)."""
         self.end_kept = False
@@ -174,6 +176,10 @@ class StreamShipper:
         if self.kind == "logs" and batcher is not None and batcher.enabled:
             return NODE_LOG_BATCH_AGE
         return self._batch_age
+
+    def _acked_now(self) -> None:
+        if self.on_acked is not None:
+            self.on_acked()
 
     def notify(self) -> None:
         """The spool grew: wake the shipper."""
@@ -258,6 +264,13 @@ class StreamShipper:
             flight = self._flight
             if flight is not None and flight.answer is not None:
                 answer, n, self._flight = flight.answer, flight.count, None
+                if answer.kind == "superseded":  # the master moved on to a newer attempt: nothing more
+                    assert answer.expected is not None
+                    self.superseded = answer.expected
+                    await self._end()
+                    if self.on_superseded is not None:
+                        self.on_superseded(answer.expected)
+                    return None
                 if answer.kind == "refused":
                     self.refused, self.refusal = True, answer.reason
                     await self._end()
@@ -298,6 +311,7 @@ class StreamShipper:
                     self._checkpoints[self._seq] = position
                     self._unsaved = (self._seq, position)
                 self.acked = self._seq
+                self._acked_now()
                 continue
             # Read ahead (up to one batch beyond the one in flight) while the master works.
             progress = False
@@ -315,7 +329,8 @@ class StreamShipper:
                 or trio.current_time() - pending.since >= self._age()
             ):
                 n = pending.batch_len(self._count_limit, MAX_BATCH_BYTES)
-                self._launch(Flight(n, pending.size_of(n)), self._seq, n, pending.body(n, self._seq, self._key))
+                self._launch(Flight(n, pending.size_of(n)), self._seq, n, pending.body(n, self._seq + self.seq_start, self._key,
+                                                                                         self.attempt))
                 self._note()
                 continue
             if reader.done and not pending and self._flight is None:
@@ -352,6 +367,7 @@ class StreamShipper:
                 self._unsaved = (seq, position)
             self._skip = expected - seq
             self.acked = seq
+            self._acked_now()
             self.waiting_since = time.time() if pending else None  # the rest waits from now
             self._ceiling_successes += 1
             if self._lone_too_large:  # one element was "too large", then taken: a passing 413
@@ -390,7 +406,7 @@ class StreamShipper:
     def _landed(self, flight: Flight, seq: int, count: int, body: bytes, value: int | None,
                 error: MasterError | None) -> None:
         """A node batch's answer (on the Trio thread): the flight's answer, or its retry after a backoff."""
-        answer = Answer("ok", value) if error is None else self._judge(error, seq, count)
+        answer = Answer("ok", self.local(value or 0)) if error is None else self._judge(error, seq, count)
         if answer is None or answer.kind == "retry":
             if self._nursery is not None:  # None: the stream was closed meanwhile (the agent stops)
                 self._nursery.start_soon(self._fly, flight, seq, count, body, True,
@@ -437,11 +453,11 @@ class StreamShipper:
                     # gains nothing from company and keeps its endpoint's own fast path.
                     if batcher is not None and batcher.enabled and len(body) <= NODE_BATCH_ENTRY_BYTES:
                         self.requests += 1
-                        return Answer("ok", await batcher.post(self.task_id, self.kind, body))
+                        return Answer("ok", self.local(await batcher.post(self.task_id, self.kind, body)))
                     async with self._limiter:
                         self.requests += 1
                         answer = await self._master.post_stream(self.kind, self.task_id, body)
-                    return Answer("ok", answer.accepted_seq)
+                    return Answer("ok", self.local(answer.accepted_seq))
                 except MasterError as exc:
                     judged = self._judge(exc, seq, count)
                     if judged is None:
@@ -451,50 +467,3 @@ class StreamShipper:
                     await backoff.wait(judged.retry_after)
         finally:
             self.refusing_since = None
-
-    def _judge(self, exc: MasterError, seq: int, count: int) -> Answer | None:
-        """What the master's ``exc`` to a batch of ``count`` elements from ``seq`` means for the
-        stream: an answer that moves it, a retry after a backoff (kind "retry"), or None (not a
-        batch's answer: RegistrationRefused)."""
-        if isinstance(exc, MasterUnavailable):  # MasterProtocolError too: a 2xx without acceptedSeq is none
-            return Answer("retry", retry_after=exc.retry_after)
-        if isinstance(exc, MasterConflict):
-            expected = exc.body.get("expectedSeq") if isinstance(exc.body, dict) else None
-            if isinstance(expected, int) and expected >= 0:
-                log.info("task %s %s: master expects element %d (sent %d)", self.task_id, self.stream,
-                         expected, seq)
-                return Answer("expected", expected)
-            log.error("task %s %s: the master refuses the stream (%s); not sending it any more; the "
-                      "result will say incomplete", self.task_id, self.stream, exc)
-            return Answer("refused", reason=str(exc))
-        if isinstance(exc, MasterRejected):
-            return self._refusal(exc, count) or RETRY
-        return None
-
-    def _refusal(self, exc: MasterRejected, count: int) -> Answer | None:
-        """What a 4xx (not 409) to the batch means: an answer that moves the stream, or None (retry)."""
-        now = trio.current_time()
-        if self.refusing_since is None:
-            self.refusing_since = now
-        lasted = now - self.refusing_since
-        if exc.status == 413 and count == 1:
-            self._lone_too_large = True
-        if exc.status == 413 and count > 1:
-            log.warning("task %s %s: the master finds a batch of %d elements too large (413); sending it smaller",
-                        self.task_id, self.stream, count)
-            return Answer("shrink")
-        index = refused_element(exc, self._key, count)
-        if index is not None:
-            return Answer("element", index)
-        if lasted >= self._refusal_timeout:
-            if exc.status == 413:  # count == 1: this element, not the batch size
-                return Answer("shrink")
-            if exc.status not in PASSING_REFUSALS:
-                log.error("task %s %s: the master has refused the stream for %.0f s (%s; server.refusal_timeout); "
-                          "not sending it any more; the result will say incomplete, with that reason; the spool "
-                          "stays on the node", self.task_id, self.stream, lasted, exc)
-                return Answer("refused", reason=f"{exc} for {lasted:.0f} s")
-        # Not (yet) the master's word to drop anything (a 404 of a master restarting, a 403 for a
-        # moment, 401 until registered again, 408, a lone 413 for a moment, ...): the batch is retried
-        # with backoff; logged once per episode by the client.
-        return None

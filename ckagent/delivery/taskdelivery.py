@@ -21,11 +21,8 @@ shared by every task: :meth:`ckagent.delivery.outbox.Outbox.acknowledged`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import os
-import stat
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -35,31 +32,31 @@ from typing import Any, Protocol
 import trio
 
 from ckagent.delivery.activity import Activity
-from ckagent.delivery.artifacts import ArtifactState, read_state, upload_artifacts
+from ckagent.delivery.artifacts import upload_artifacts
 from ckagent.delivery.capture import LogSink
 from ckagent.delivery.crawlstats import STATS_FILE, Snapshot
+from ckagent.delivery.endreads import EndReads, end_reads, size_of
 from ckagent.delivery.headroom import Headroom
+from ckagent.delivery.itemscan import scan_oversize
 from ckagent.delivery.journal import LogJournal, scan_log_files
 from ckagent.delivery.lifecycle import Lifecycle, TaskDelivered
 from ckagent.delivery.lines import Masker
 from ckagent.delivery.nodebatch import NodeBatcher
 from ckagent.delivery.outputs.live import LiveItemFiles, link_starts
-from ckagent.delivery.readers import _FileReader, _ItemJournalReader, scan_oversize
+from ckagent.delivery.readers import _FileReader, _ItemJournalReader
 from ckagent.delivery.result import send_result
 from ckagent.delivery.shipper import StreamShipper
 from ckagent.delivery.spool import (
     DEFAULT_LOG_GLOBS,
     DEFAULT_REFUSAL_TIMEOUT,
-    ITEM_FILES_DIR,
     ITEMS_FILE,
     MAX_ITEM_BYTES,
     OUTPUT_LOG,
 )
-from ckagent.delivery.stats import StatsShipper, final_stats
+from ckagent.delivery.stats import StatsShipper
 from ckagent.delivery.waiting import Waker
 from ckagent.master.client import MasterClient
-from ckagent.master.protocol import TaskResult, TaskStats
-from ckagent.node import beneath
+from ckagent.master.protocol import TaskResult
 from ckagent.node.state import AsyncStateStore, StateStoreError
 
 log = logging.getLogger(__name__)
@@ -80,12 +77,6 @@ class OutboxConfig:
 
 Scanned = tuple[dict[str, int], int, int, dict[str, int]]
 """What :meth:`TaskDelivery.scan` found: (log files → size, items.jsonl's, stats file's, items journal's sources')."""
-
-EndReads = tuple[dict[str, int], TaskStats | None, "ArtifactState | OSError | ValueError", dict[str, int] | None]
-"""What a task's end reads (:func:`_end_reads`): the log files' last sizes, the final stats, the
-artifacts' state (or the error reading it raised), the items journal's sources' last sizes (None:
-the task has no items journal)."""
-
 
 class DeliveryHost(Protocol):
     """What a :class:`TaskDelivery` uses of the outbox that owns it (the :class:`Outbox`)."""
@@ -163,6 +154,19 @@ class TaskDelivery:
         self.delivered = trio.Event()
         self.result: TaskResult | None = None
         self.ship_logs = True  # False when the journal cannot be opened (the result still goes)
+        self.superseded_by: int | None = None
+        """The attempt the master moved on to (a stream's 409 with ``supersededBy``): nothing more is
+        shipped for this one, and no result is sent (ckagent.delivery.judging)."""
+        self.on_superseded: Callable[[int], None] | None = None
+        """Called once, on the loop, when :attr:`superseded_by` is set (the runner stops the spider)."""
+        self.logs.on_superseded = self.items.on_superseded = self._superseded
+
+    def _superseded(self, attempt: int) -> None:
+        if self.superseded_by is None:
+            self.superseded_by = attempt
+            self.notice(f"the master moved this task on to attempt {attempt}: this attempt ships nothing more")
+            if self.on_superseded is not None:
+                self.on_superseded(attempt)
 
     def notice(self, text: str) -> None:
         """A line of the agent's in the task's log (the agent log once output.log is closed)."""
@@ -223,9 +227,9 @@ class TaskDelivery:
 
     async def finish(self, result: TaskResult) -> None:
         """The process is over: store ``result``, say in the task's log the items over the size limit
-        its items reader has not reached yet (:func:`ckagent.delivery.readers.scan_oversize`), close
+        its items reader has not reached yet (:func:`ckagent.delivery.itemscan.scan_oversize`), close
         output.log, let the streams complete and the result follow them. Returns at once after one
-        thread hop (the state store write, the scan, and what the end reads: :func:`_end_reads`);
+        thread hop (the state store write, the scan, and what the end reads: :func:`end_reads`);
         cancellation before that write leaves the task to the next start (reported AGENT_LOST)."""
         self.take_notices()  # what the end-of-task collection said of the streamed files
         stored = result.to_json()
@@ -245,7 +249,7 @@ class TaskDelivery:
                 error = exc
             oversize = None if unread is None else scan_oversize(task_dir / ITEMS_FILE, unread, MAX_ITEM_BYTES)
             try:
-                return error, _end_reads(task_dir, globs, items_journal), oversize
+                return error, end_reads(task_dir, globs, items_journal), oversize
             except Exception:  # read again by run, whose hop raises it to the outbox's log
                 return error, None, oversize
 
@@ -257,7 +261,7 @@ class TaskDelivery:
         if self.sink is not None:
             self.sink.close()  # after the lines just said (and its truncation marker): output.log's last size
             if self._end is not None:
-                self._end[0][OUTPUT_LOG] = _size(task_dir / OUTPUT_LOG)  # one lstat, as _end_reads did
+                self._end[0][OUTPUT_LOG] = size_of(task_dir / OUTPUT_LOG)  # one lstat, as end_reads did
         if error is not None:
             log.error("task %s: cannot store its result (%s); sending it from memory", self.task_id, error)
         self.result = result
@@ -291,7 +295,7 @@ class TaskDelivery:
         """(spider log files → size, items.jsonl's size or 0, the stats file's size or 0, the items
         journal's sources → size: empty without one). Blocking: the outbox calls it in its
         once-a-second worker thread, for every running task in one hop."""
-        items_size = _size(self.task_dir / ITEMS_FILE)
+        items_size = size_of(self.task_dir / ITEMS_FILE)
         item_sizes: dict[str, int] = {}
         if self.live is not None:
             item_sizes.update(self.live.scan())
@@ -300,7 +304,7 @@ class TaskDelivery:
             # them, so the item files the end-of-task collection appends to it come after the
             # streamed files' last lines however a scan falls between the collection's steps.
             item_sizes[ITEMS_FILE] = items_size
-        return scan_log_files(self.task_dir, self.globs), items_size, _size(self.task_dir / STATS_FILE), item_sizes
+        return scan_log_files(self.task_dir, self.globs), items_size, size_of(self.task_dir / STATS_FILE), item_sizes
 
     def scanned(self, found: dict[str, int], items_size: int, stats_size: int = 0,
                 item_sizes: dict[str, int] | None = None) -> None:
@@ -356,6 +360,10 @@ class TaskDelivery:
         self.journal.close()
         if self.item_journal is not None:
             self.item_journal.close()
+        if self.superseded_by is not None:  # the newer attempt's result is the task's: none from this one
+            self.outbox.acknowledged(self.task_id)
+            self.delivered.set()
+            return
         assert self._end is not None
         _, final, artifact_state, _ = self._end
         assert self.result is not None
@@ -415,7 +423,7 @@ class TaskDelivery:
                 ending = self.scanning = False
                 if self._end is None:  # a resumed delivery (or finish's reads failed): read here
                     self._end = await trio.to_thread.run_sync(
-                        _end_reads, self.task_dir, self.globs, self.item_journal is not None)
+                        end_reads, self.task_dir, self.globs, self.item_journal is not None)
                 last_sizes, _, _, item_sizes = self._end
                 if self.ship_logs:
                     self.journal.end(last_sizes)
@@ -449,52 +457,8 @@ class TaskDelivery:
         self.waker.set()
 
 
-def _end_reads(task_dir: Path, globs: list[str], items_journal: bool) -> EndReads:
-    """What a task's delivery reads at its end, in one thread hop: the log files' last sizes
-    (output.log's and those of ``globs``), the final stats snapshot, the artifacts' state (or the
-    error reading it raised: ckagent.delivery.artifacts logs it) and, with ``items_journal``, the
-    items journal's sources' last sizes (:func:`_final_item_sizes`). Blocking."""
-    sizes = scan_log_files(task_dir, globs)
-    try:
-        sizes[OUTPUT_LOG] = os.lstat(task_dir / OUTPUT_LOG).st_size  # (a link the spider planted: not followed)
-    except FileNotFoundError:
-        sizes[OUTPUT_LOG] = 0
-    try:
-        artifact_state: ArtifactState | OSError | ValueError = read_state(task_dir)
-    except (OSError, ValueError) as exc:
-        artifact_state = exc
-    return sizes, final_stats(task_dir), artifact_state, _final_item_sizes(task_dir) if items_journal else None
-
-
-def _final_item_sizes(task_dir: Path) -> dict[str, int]:
-    """Every items journal source's last size: the streamed files' links first (in the order they
-    were made), then items.jsonl, which ends with the item files read at the task's end
-    (ckagent.delivery.outputs). Blocking."""
-    sizes: dict[str, int] = {}
-    with contextlib.suppress(OSError):  # the folder by descriptor: one the spider swapped for a link is not listed
-        fd = beneath.open_dir(task_dir, ITEM_FILES_DIR)
-        try:
-            with os.scandir(fd) as entries:
-                found = {entry.name: entry.stat(follow_symlinks=False) for entry in entries}
-        finally:
-            os.close(fd)
-        links = sorted((name for name, st in found.items() if stat.S_ISREG(st.st_mode)),
-                       key=lambda n: (len(n.split("-")[0]), n))
-        sizes.update({f"{ITEM_FILES_DIR}/{name}": found[name].st_size for name in links})
-    sizes[ITEMS_FILE] = _size(task_dir / ITEMS_FILE)
-    return sizes
-
-
 async def _flushed(shipper: StreamShipper) -> None:
     idle = trio.Event()
     shipper.hurry, shipper.on_idle = True, idle.set
     shipper.notify()
     await idle.wait()
-
-
-def _size(path: Path) -> int:
-    """``path``'s size (bytes; 0 when it cannot be seen), without following a symlink. Blocking."""
-    try:
-        return os.lstat(path).st_size
-    except OSError:
-        return 0

@@ -58,8 +58,22 @@ class RunningTask:
     """Whom the task's spider runs as (its spider's identity, set when its directory is made; a
     re-adopted task's from its handle); None: the agent's own user."""
 
+    superseded_by: int | None = None
+    """The attempt the master moved this task on to (a 409 ``supersededBy`` to one of its streams): this
+    attempt ships nothing more and sends no result; :attr:`superseded` is set then."""
+    superseded: trio.Event = field(default_factory=trio.Event)
+    checkpoints: Any = None
+    """The task's ``ckagent.task.checkpoints.TaskCheckpoints`` while its spider runs (None before)."""
+
     def __post_init__(self) -> None:
         self.stop = TaskStop(self.task.id)
+
+    def mark_superseded(self, attempt: int) -> None:
+        """The master moved the task on to ``attempt`` (the delivery's hook): :attr:`superseded` is set."""
+        if self.superseded_by is None:
+            self.superseded_by = attempt
+            log.warning("task %s: superseded by attempt %d", self.task.id, attempt)
+            self.superseded.set()
 
 
 class Admission:

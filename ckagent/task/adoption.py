@@ -172,6 +172,7 @@ async def run_adopted(supervisor: Supervisor, rt: RunningTask, adoption: Adoptio
         async with lock:
             delivery = await outbox.open_task(task, record.task_dir, claimed_at=record.claimed_at)
             rt.delivery = delivery
+            delivery.on_superseded = rt.mark_superseded
             sink = delivery.sink
             assert sink is not None
 

@@ -154,6 +154,7 @@ class TaskRunner:
                 await self._report_unprepared(rt, exc, started_wall)
                 return
             rt.delivery = delivery
+            delivery.on_superseded = rt.mark_superseded
             sink = delivery.sink
             assert sink is not None
             outcome: TaskOutcome | None = None

@@ -135,6 +135,7 @@ class BatchMaster:
         self.results: list[dict[str, Any]] = []
         self.requests: list[tuple[float, str, int, int]] = []  # (time, kind, seq, count)
         self.fault: Callable[[str, int, list[Any]], httpx.Response | None] = lambda kind, seq, batch: None
+        self.attempts: list[int | None] = []  # each batch's ``attempt`` (None: absent)
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -149,6 +150,7 @@ class BatchMaster:
         stored = self.logs if kind == "logs" else self.items
         seq, batch = body["seq"], body[key]
         self.requests.append((trio.current_time(), kind, seq, len(batch)))
+        self.attempts.append(body.get("attempt"))
         assert len(request.content) <= MAX_BATCH_BYTES + 100 or len(batch) == 1
         fault = self.fault(kind, seq, batch)
         if fault is not None:
