@@ -128,6 +128,7 @@ from harness.rawnode import *  # noqa: F403
 from harness.recording import *  # noqa: F403
 from harness.runsh import *  # noqa: F403
 from harness.scrapyprojects import *  # noqa: F403
+from harness.scrapyresume import *  # noqa: F403
 from harness.smalldisk import *  # noqa: F403
 from harness.spiderstate import *  # noqa: F403
 from harness.tempdirs import *  # noqa: F403
