@@ -19,8 +19,8 @@ the same shape: 40-hex lines and pickled request dicts of Scrapy's size. The spi
 
 Measured, per round (3 rounds, 1 quick; medians): for checkpoint 1 (everything new) and checkpoint 2
 (after 1,000 more): the time from the submit to the manifest stored at the master, this process's CPU
-(the agent's: pack, gzip, HTTP), the master's CPU, bytes sent over HTTP (chunks + manifest) and their
-ratio to the JOBDIR's size; then the restore of checkpoint 2 into an empty state dir: time and CPU,
+(the agent's: pack, gzip, HTTP), the master's CPU, the HTTP bodies both ways (chunks and manifest up,
+the answers down; for the restore, the chunks down) and their ratio to the JOBDIR's size; then the restore of checkpoint 2 into an empty state dir: time and CPU,
 checked byte for byte. The spider's side — its pause (persist callbacks + the copy, target ≤ 50 ms) —
 is the Scrapy hook's: :func:`spider_pause` is where its measurement goes (the copy of the state dir
 done here is shown beside it as an indication).
@@ -53,6 +53,7 @@ import trio
 
 from bench._harness import DevMaster, markdown_table, module_main, work_directory
 from bench._scrapyd import venv_python
+from ckagent.devmaster.client import zip_files
 from ckagent.master.client import MasterClient
 from ckagent.master.protocol import RegisterRequest, TaskResult, utc_now_iso
 from ckagent.master.protocol.checkpoints import CheckpointRef
@@ -137,13 +138,15 @@ def tree_bytes(top: Path) -> dict[str, bytes]:
 
 
 class CountingTransport(httpx.AsyncHTTPTransport):
-    """Counts the request bodies sent (bytes on the wire above HTTP's headers)."""
+    """Counts the bodies sent and received (their Content-Length: bytes on the wire above HTTP's headers)."""
 
     sent = 0
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        self.sent += len(request.content)
-        return await super().handle_async_request(request)
+        self.sent += int(request.headers.get("content-length") or 0)
+        response = await super().handle_async_request(request)
+        self.sent += int(response.headers.get("content-length") or 0)
+        return response
 
 
 def cpu_of(process: psutil.Process) -> float:
@@ -173,7 +176,8 @@ async def one_round(directory: Path, master: DevMaster, counts: tuple[int, int, 
     seen, pending, more = counts
     admin = master.admin
     spider_id = await admin.create_spider(name=f"ckpt-{directory.name}", framework="python", command=["python", "-c", "pass"])
-    task_id = (await admin.create_task(spider_id))["id"]
+    await admin.upload_package(spider_id, zip_files({"main.py": "pass\n"}))
+    task_id = await admin.create_task(spider_id)
     transport = CountingTransport()
 
     def register() -> RegisterRequest:
@@ -260,7 +264,7 @@ def run(quick: bool, scrapyd: bool = True) -> dict[str, Any]:
     pauses = [r[p]["pause_ms"] for r in rounds for p in ("ckpt1", "ckpt2")]
     pause = None if any(p != p for p in pauses) else statistics.median(pauses)
     copy_ms = statistics.median(r[p]["copy_ms"] for r in rounds for p in ("ckpt1", "ckpt2"))
-    table = markdown_table(["", "JOBDIR MB", "time ms", "agent CPU ms", "master CPU ms", "sent MB", "sent / size"], rows)
+    table = markdown_table(["", "JOBDIR MB", "time ms", "agent CPU ms", "master CPU ms", "HTTP bodies MB", "bodies / size"], rows)
     files = ", ".join(f"{path} {size / MB:.2f} MB" for path, size in rounds[0]["files"].items())
     incremental = _median(rounds, "ckpt2", "sent") / _median(rounds, "ckpt1", "sent")
     notes = (f"\n\nJOBDIR made by {rounds[0]['made']}: {files}. Medians of {len(rounds)} round(s). "
