@@ -249,6 +249,8 @@ class CheckpointShipper:
                     continue
                 newest = max(self._pending)
                 older = [self._pending.pop(n) for n in sorted(self._pending) if n < newest]
+                for meta in older:
+                    self._packed.pop(meta.n, None)
                 if older:
                     await trio.to_thread.run_sync(self._remove, [m.n for m in older])
                 meta = self._pending[newest]
