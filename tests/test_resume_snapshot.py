@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import stat
 import threading
 from pathlib import Path
 
 import pytest
-from harness import bounded
+from harness import NOBODY, another_user_cannot, bounded, run_as, world_directory
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -313,3 +314,35 @@ def test_any_tree_packs_into_a_manifest_the_master_takes_and_its_exact_bytes(tmp
             on_disk[path.relative_to(top).as_posix()] = path.read_bytes()
     assert files_of(result) == on_disk
     assert {f.path for f in manifest.files if f.type == "file"} == set(on_disk)
+
+
+_AS_A_USER = r"""
+import json, os, sys
+from pathlib import Path
+from ckagent.resume.snapshot import PackError, PackLimits, pack
+top = Path(sys.argv[1])
+try:
+    result = pack(top, set(), PackLimits(1 << 20))
+    print(json.dumps({"files": [f.path for f in result.files], "skipped": result.skipped}))
+except PackError as exc:
+    print(json.dumps({"error": str(exc)}))
+"""
+
+
+@pytest.mark.skipif(another_user_cannot() is not None, reason=str(another_user_cannot()))
+def test_an_agent_that_is_not_root_packs_its_own_and_says_what_it_cannot_read() -> None:
+    with world_directory() as world:
+        top = world / "snap"
+        (top / "jobdir").mkdir(parents=True)
+        (top / "jobdir" / "requests.seen").write_bytes(b"x" * 41)
+        os.symlink("/etc/shadow", top / "jobdir" / "shadow")
+        for path in (top, top / "jobdir", top / "jobdir" / "requests.seen"):
+            os.lchown(path, NOBODY, NOBODY)
+        done = run_as(NOBODY, _AS_A_USER, str(top))
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout) == {"files": ["jobdir", "jobdir/requests.seen"],
+                                           "skipped": ["'jobdir/shadow' (a symlink)"]}
+        (top / "jobdir" / "locked").write_bytes(b"root's")
+        (top / "jobdir" / "locked").chmod(0o600)
+        done = run_as(NOBODY, _AS_A_USER, str(top))
+        assert json.loads(done.stdout) == {"error": "'jobdir/locked': cannot open: [Errno 13] Permission denied: 'locked'"}
