@@ -75,6 +75,8 @@ SNAPSHOTS_DIR = "snapshots"
 KNOWN_FILE = "chunks.known"
 MAX_META_BYTES = 64 << 20
 """Largest ``N.json`` / ``chunks.known`` read back (100,000 entries of a manifest fit)."""
+UPLOADS = 4
+"""Chunks uploaded at once (a snapshot of many small files is many small requests)."""
 MISSING_ROUNDS = 3
 """409 missingChunks answered by re-sending at once this many times; then with backoff."""
 _NO_ENDPOINT = frozenset({404, 405, 501})
@@ -292,10 +294,8 @@ class CheckpointShipper:
         sending = [(sha, at) for sha, at in places.items() if sha not in self.known]
         rounds = 0
         while True:
-            for sha, at in sending:
-                if max(self._pending, default=meta.n) > meta.n:
-                    return  # a newer snapshot came: that one is shipped instead
-                await self._put(meta, sha, at, backoff)
+            if not await self._put_all(meta, sending):
+                return  # a newer snapshot came: that one is shipped instead
             missing = await self._post(meta, manifest, backoff)
             if missing is None:
                 break
@@ -315,6 +315,34 @@ class CheckpointShipper:
         self.last = shipped.shipped()
         log.debug("task %s: checkpoint %s shipped (%d bytes, %d packed bytes sent)", self.task_id, meta.id,
                   meta.size_bytes, meta.packed_bytes)
+
+    async def _put_all(self, meta: _Meta, sending: list[tuple[str, ChunkAt]]) -> bool:
+        """Upload ``sending``, :data:`UPLOADS` at a time (each with its own backoff); False when a newer
+        snapshot came meanwhile (the rest is left). Raises _Failed or _Stop (the first one raised)."""
+        chunks = iter(sending)
+        raised: list[Exception] = []
+        newer = False
+
+        async def uploads(cancel: trio.CancelScope) -> None:
+            nonlocal newer
+            backoff = Backoff(self.master)
+            for sha, at in chunks:  # shared: each takes the next chunk
+                if max(self._pending, default=meta.n) > meta.n:
+                    newer = True
+                    return
+                try:
+                    await self._put(meta, sha, at, backoff)
+                except (_Failed, _Stop) as exc:
+                    raised.append(exc)
+                    cancel.cancel()
+                    return
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(min(UPLOADS, len(sending))):
+                nursery.start_soon(uploads, nursery.cancel_scope)
+        if raised:
+            raise raised[0]
+        return not newer
 
     async def _put(self, meta: _Meta, sha: str, at: ChunkAt, backoff: Backoff) -> None:
         packed = self._packed.get(meta.n)
