@@ -59,7 +59,8 @@ async def test_a_checkpoint_travels_from_node_a_to_node_b_and_a_late_one_is_supe
     a, b = nodes
     with trio.fail_after(60):
         task_id = await dev_master.admin.create_task(await make_spider(dev_master.admin))
-        [task] = (await a.poll(5)).tasks
+        [handed] = (await a.poll(5)).tasks
+        assert handed.id == task_id and handed.attempt == 1
         await a.claim(task_id, TaskResult(status="RUNNING", started_at=utc_now_iso(), attempt=1))
         files = jobdir(100_000)  # 2.2 MB: three chunks of requests.seen
         task_dir = tmp_path / "node-a" / task_id
