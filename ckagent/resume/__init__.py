@@ -7,8 +7,8 @@ The spider copies its state dir (``CK_STATE_DIR``) into ``CK_SNAPSHOT_DIR/N`` wh
   descriptors, never through a link, bounded, into a manifest (``CheckpointFile`` rows) and chunks
   (1 MiB pieces, sha256 of the raw bytes, gzip level 1), incremental against the chunks the master holds.
 - :mod:`ckagent.resume.ship` — **ship**: :class:`~ckagent.resume.ship.CheckpointShipper`, durable across
-  an agent restart (``<task_dir>/snapshots/N.json``), uploads the missing chunks then the manifest, with
-  the delivery's backoff; a superseded attempt stops it.
+  an agent restart (``<task_dir>/snapshots/N.json``: :mod:`ckagent.resume.records`), uploads the missing
+  chunks then the manifest, with the delivery's backoff; a superseded attempt stops it.
 - :mod:`ckagent.resume.restore` — **restore**: a checkpoint from the master into a new attempt's state
   dir, every chunk verified, every size bounded, written beneath the dir as the spider's uid.
 
