@@ -160,6 +160,10 @@ async def test_a_disruption_resumes_from_the_checkpoint_and_the_old_attempt_is_s
         assert (wire["attempt"], wire["itemSeqStart"], wire["logSeqStart"]) == (2, 8, 5)
         assert wire["checkpoint"]["id"] == "1-1" and wire["checkpoint"]["itemSeq"] == 8
         assert wire["checkpoint"]["url"] == f"/api/tasks/{task_id}/checkpoints/1-1"
+        numbered_from_0 = await post_items(node, task_id, 0, items(0, 3), attempt=2)  # not a repeat: refused
+        assert numbered_from_0.status_code == 409 and "itemSeqStart" in numbered_from_0.json()["error"]
+        assert "expectedSeq" not in numbered_from_0.json()
+        assert (await post_logs(node, task_id, 4, ["e"], attempt=2)).status_code == 409
         assert (await post_items(node, task_id, 8, items(8, 12), attempt=2)).json() == {"acceptedSeq": 12}
         assert (await post_logs(node, task_id, 5, ["f"], attempt=2)).json() == {"acceptedSeq": 6}
         r = await node.result(task_id, "SUCCESS", attempt=2, itemCount=12)
