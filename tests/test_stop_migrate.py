@@ -6,6 +6,7 @@ file, are said clearly with their exit codes (ckagent.cli.stopagent)."""
 
 from __future__ import annotations
 
+import importlib.util
 import signal
 import subprocess
 import sys
@@ -85,6 +86,8 @@ async def test_stop_migrate_reports_every_running_task_migrated_within_the_bound
     assert not (agent.directory / "data" / REQUEST_FILE).exists()
 
 
+@pytest.mark.skipif(importlib.util.find_spec("ckagent.task.checkpoints") is None,
+                    reason="the agent's checkpoints (loop's ckagent.task.checkpoints) have not landed yet")
 async def test_stop_migrate_ships_each_spider_s_checkpoint_and_the_next_attempt_resumes_from_it(
         dev_master, tmp_path: Path) -> None:
     """Two SDK spiders that persist their state: `ckagent stop --migrate` asks each one (`migrating` with
@@ -121,10 +124,11 @@ async def test_stop_migrate_ships_each_spider_s_checkpoint_and_the_next_attempt_
     async with other:
         await wait_registered(admin, other, "node-b")
         for task_id in tasks:
-            lines = await wait_for_log(admin, task_id, "resumed at", timeout=60)
-            [resumed] = [int(line.split()[-1]) for line in lines if line.startswith("resumed at ") and
-                         line != "resumed at 0"]
-            assert resumed > 0, lines
+            async def resumed(task_id: str = task_id) -> list[int]:
+                return [int(line.split()[-1]) for line in await admin.get_logs(task_id)
+                        if line.startswith("resumed at ") and line != "resumed at 0"]
+            [count] = await eventually(resumed, 60, "attempt 2 resumes")
+            assert count > 0
             await admin.cancel_task(task_id)
     for task_id in tasks:
         counts = [item["n"] for item in await admin.get_items(task_id)]
