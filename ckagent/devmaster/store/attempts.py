@@ -185,16 +185,23 @@ class AttemptStore(Database):
         (a disruption: a new attempt at once, from the newest checkpoint, not counted). Returns the task
         ids. ``now``: epoch seconds (default the clock)."""
         moment = datetime.now(timezone.utc).timestamp() if now is None else now
-        lost: list[str] = []
-        with self._tx() as db:
+
+        def silent_ones(db: sqlite3.Connection) -> list[tuple[sqlite3.Row, float]]:
             rows = db.execute(
                 "SELECT t.id, t.node_id, t.claimed_at, n.last_heartbeat_at, n.registered_at, n.name FROM tasks t"
                 " LEFT JOIN nodes n ON n.id = t.node_id WHERE t.status = 'RUNNING'").fetchall()
+            found = []
             for r in rows:
                 alive = max(epoch(r["last_heartbeat_at"]), epoch(r["registered_at"]), epoch(r["claimed_at"]))
-                silent = moment - alive
-                if silent < lost_after_seconds:
-                    continue
+                if moment - alive >= lost_after_seconds:
+                    found.append((r, moment - alive))
+            return found
+
+        lost: list[str] = []
+        if not self._read(silent_ones):  # the common case: a read, no write transaction every tick
+            return lost
+        with self._tx() as db:
+            for r, silent in silent_ones(db):  # again, in the transaction: a heartbeat may have come since
                 message = (f"node {r['name'] or r['node_id']} lost: no heartbeat for {silent:.0f} s"
                            f" (the node-lost grace is {lost_after_seconds:g} s)")
                 end_attempt(db, r["id"], status="FAILED", error_code="NODE_LOST", error_message=message,

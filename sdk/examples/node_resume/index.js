@@ -1,15 +1,16 @@
 // A Node spider whose crawl survives its node (CrawlerKeeper SDK, no dependencies; Node 18+ for fetch).
 //
 // It crawls a site breadth-first from the task parameter start_url (CK_PARAMS; else START_URL; else
-// http://127.0.0.1:8080/demo-site/), following every link that stays beneath the start URL's directory, and
-// saves one item per page that has an <h1> (a detail page; listing pages only lead to others): {url, title:
-// the h1, price, sku: the first span.price / span.sku, page: how many items before it + 1} — on the demo
-// shop, its 30 products. Its frontier and seen set are the task's state: the
+// http://127.0.0.1:8080/demo-site/), following every link to a URL that starts with the task parameter scope
+// (default: the start URL's origin), and saves one item per page that has an <h1> (the demo shop's listing
+// pages have none: they only lead to products): {url, title: the h1, page: how many items before it + 1},
+// with price and sku (the first span.price / span.sku) when the page shows them — on the demo shop, its 30
+// products. Its frontier and seen set are the task's state: the
 // agent asks for them every checkpoint interval (onPersist) and before it moves the crawl to another node
 // (onMigrating), and a later attempt, on any node, starts from them (loadState) — so each page's item reaches
 // the master once.
 //
-// Task parameters: start_url; max_pages (default 100000); delay_seconds between two pages (default 0).
+// Task parameters: start_url; scope; max_pages (default 100000); delay_seconds between two pages (default 0).
 // Run: `node index.js` (the agent does; so can you: outside an agent items are printed, nothing is persisted).
 "use strict";
 
@@ -25,8 +26,8 @@ function parsePage(html) {
   for (let m = re.exec(html); m !== null; m = re.exec(html)) links.push(m[1]);
   return {
     h1: text(/<h1\b[^>]*>([^<]*)<\/h1>/i),
-    price: text(/<span class="price">([^<]*)<\/span>/) || "",
-    sku: text(/<span class="sku">([^<]*)<\/span>/) || "",
+    price: text(/<span class="price">([^<]*)<\/span>/),
+    sku: text(/<span class="sku">([^<]*)<\/span>/),
     links,
   };
 }
@@ -49,7 +50,7 @@ async function main() {
   const startUrl = params.start_url || process.env.START_URL || "http://127.0.0.1:8080/demo-site/";
   const maxPages = Number(params.max_pages || 100000);
   const delayMs = Number(params.delay_seconds || 0) * 1000;
-  const scope = startUrl.slice(0, startUrl.lastIndexOf("/") + 1);
+  const scope = params.scope || `${new URL(startUrl).origin}/`;
 
   // The crawl's state: what is left to fetch, what was ever queued, how many pages are done.
   const saved = ck.loadState({ frontier: [startUrl], seen: [startUrl], pages: 0, items: 0 });
@@ -81,7 +82,10 @@ async function main() {
       console.log(`${url}: HTTP ${status}, skipped`);
     } else if (page.h1 !== null) {
       crawl.items += 1;
-      ck.saveItem({ url, title: page.h1, price: page.price, sku: page.sku, page: crawl.items });
+      const item = { url, title: page.h1, page: crawl.items };
+      if (page.price !== null) item.price = page.price;
+      if (page.sku !== null) item.sku = page.sku;
+      ck.saveItem(item);
     }
     for (const href of page.links) {
       const link = new URL(href, url);

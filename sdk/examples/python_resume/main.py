@@ -1,15 +1,16 @@
 """A plain-Python spider whose crawl survives its node (CrawlerKeeper SDK, standard library only).
 
 It crawls a site breadth-first from the task parameter ``start_url`` (CK_PARAMS; else the environment
-variable START_URL; else http://127.0.0.1:8080/demo-site/), following every link that stays beneath the
-start URL's directory, and saves one item per page that has an ``<h1>`` (a detail page; listing pages
-only lead to others): ``{"url", "title": the h1, "price", "sku": the first span.price/span.sku,
-"page": how many items before it + 1}`` — on the demo shop, its 30 products. Its frontier
+variable START_URL; else http://127.0.0.1:8080/demo-site/), following every link to a URL that starts
+with the task parameter ``scope`` (default: the start URL's scheme, host and port), and saves one item
+per page that has an ``<h1>`` (the demo shop's listing pages have none: they only lead to products):
+``{"url", "title": the h1, "page": how many items before it + 1}``, with ``"price"`` and ``"sku"``
+(the first span.price/span.sku) when the page shows them — on the demo shop, its 30 products. Its frontier
 and its seen set are the task's state: the agent asks for them every checkpoint interval (on_persist)
 and before it moves the crawl to another node (on_migrating), and a later attempt, on any node, starts
 from them (load_state) — so each page's item reaches the master once.
 
-Task parameters: ``start_url``; ``max_pages`` (default 100000); ``delay_seconds`` between two pages
+Task parameters: ``start_url``; ``scope``; ``max_pages`` (default 100000); ``delay_seconds`` between two pages
 (default 0). Run: ``python main.py`` (the agent does; so can you: outside an agent the items are printed
 and nothing is persisted).
 """
@@ -22,7 +23,7 @@ import urllib.error
 import urllib.request
 from collections import deque
 from html.parser import HTMLParser
-from urllib.parse import urldefrag, urljoin
+from urllib.parse import urldefrag, urljoin, urlsplit
 
 import crawlerkeeper_sdk as ck
 
@@ -105,7 +106,8 @@ def main():
     start_url = params.get("start_url") or os.environ.get("START_URL") or "http://127.0.0.1:8080/demo-site/"
     max_pages = int(params.get("max_pages", 100000))
     delay = float(params.get("delay_seconds", 0))
-    scope = start_url.rsplit("/", 1)[0] + "/"
+    parts = urlsplit(start_url)
+    scope = params.get("scope") or f"{parts.scheme}://{parts.netloc}/"
 
     crawl = Crawl(start_url)
     ck.on_persist(crawl.snapshot)
@@ -131,9 +133,9 @@ def main():
                 print(f"{url}: HTTP {status}, skipped", flush=True)
             elif "h1" in parser.fields:
                 crawl.items += 1
-                ck.save_item({"url": url, "title": parser.fields["h1"].strip(),
-                              "price": parser.fields.get("price", "").strip(),
-                              "sku": parser.fields.get("sku", "").strip(), "page": crawl.items})
+                item = {"url": url, "title": parser.fields["h1"].strip(), "page": crawl.items}
+                item.update((name, parser.fields[name].strip()) for name in ("price", "sku") if name in parser.fields)
+                ck.save_item(item)
             for href in parser.links:
                 link = urldefrag(urljoin(url, href))[0]
                 if link.startswith(scope) and link not in crawl.seen:
