@@ -6,7 +6,8 @@ fault-injecting proxy in faultproxy.py. Everything else a test file would otherw
 lives here, a module per concern — :mod:`harness.core` (the agent, in this process and as a
 process; packages; waiting), :mod:`harness.agentproc` (an agent process with the tests' timings),
 :mod:`harness.procs` (a task's processes, levels, spider building blocks), :mod:`harness.recording`,
-:mod:`harness.rawnode` (a node as raw HTTP, and in the dev master's store), :mod:`harness.fakes`
+:mod:`harness.rawnode` (a node as raw HTTP, and in the dev master's store), :mod:`harness.checkpointnode`
+(its attempts' batches, checkpoint chunks and manifests; a dev master with a short node-lost grace), :mod:`harness.fakes`
 (fake masters for the poller and the delivery), :mod:`harness.index` (a package index),
 :mod:`harness.npmregistry` (an npm registry), :mod:`harness.nodelocks` (yarn and pnpm lock files, a
 node without yarn or pnpm),
@@ -89,6 +90,9 @@ node without yarn or pnpm),
   from node A to node B and checks it (:class:`Handover`).
 - :func:`user_temp_dir` is a directory of this user's own in the machine's temp directory, kept across
   runs (:mod:`harness.tempdirs`): fixed names there are shared by every user of the machine.
+- :class:`CheckpointMaster` holds checkpoints' chunks and manifests in memory under the protocol's rules,
+  with faults per request, for ``httpx.MockTransport`` (:func:`checkpoint_client`); :func:`snapshot_tree`
+  writes a spider's snapshot dir (:mod:`harness.checkpointmaster`).
 - A spider's state (issue 38): :class:`TaskFiles` plays the agent's side of the control channel
   (:mod:`harness.spiderstate`; :func:`start_spider`, :func:`sdk_env`); :func:`serve_site` serves a site
   of N pages (and the demo shop) for the resumable examples, counting fetches (:mod:`harness.pagedsite`).
@@ -98,6 +102,7 @@ from __future__ import annotations
 
 from harness.agentports import *  # noqa: F403
 from harness.agentproc import *  # noqa: F403
+from harness.checkpointmaster import *  # noqa: F403
 from harness.checkpointnode import *  # noqa: F403
 from harness.core import *  # noqa: F403
 from harness.crawlsite import *  # noqa: F403
