@@ -4,6 +4,7 @@ sweep (docs/protocol.md, "Attempts", "Causes and retries")."""
 
 from __future__ import annotations
 
+import sqlite3
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -380,3 +381,23 @@ def test_a_task_whose_node_is_lost_25_times_in_a_row_is_final(tmp_path: Path) ->
         assert all(a["counted"] is False for a in task["attempts"]) and "25" in task["attempts"][-1]["decision"]
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("body", [b'{"seq":0,"attempt":1,"items":[{"a": 1}]}', b'{"seq": 0, "items": [{"a": 1}], "attempt": 1}',
+                                  b'{"seq":0,"items":[{"a": 1}]}'])
+async def test_an_items_batch_naming_its_attempt_is_kept_as_sent(
+        dev_master: DevMaster, node: Node, body: bytes) -> None:
+    """The agent's body forms with ``attempt`` keep the fast path: the items' JSON text stored as it came."""
+    with trio.fail_after(10):
+        task_id = await dev_master.admin.create_task(await make_spider(dev_master.admin))
+        await claimed(node, task_id)
+        r = await node.http.post(f"/api/tasks/{task_id}/items", content=body,
+                                 headers={**node.auth, "Content-Type": "application/json"})
+        assert r.json() == {"acceptedSeq": 1}
+        with sqlite3.connect(dev_master.db_path) as db:
+            [(data,)] = db.execute("SELECT data FROM task_item_chunks WHERE task_id = ?", (task_id,)).fetchall()
+        assert data == '[{"a": 1}]'
+        twice = b'{"seq":1,"attempt":1,"items":[{"b": 2}],"attempt":1}'
+        r = await node.http.post(f"/api/tasks/{task_id}/items", content=twice,
+                                 headers={**node.auth, "Content-Type": "application/json"})
+        assert r.json() == {"acceptedSeq": 2}  # decoded the slow way

@@ -98,7 +98,8 @@ def end_attempt(db: sqlite3.Connection, task_id: str, *, status: str, error_code
         (status, error_code, error_message, exit_code, cause_class, 1 if retryable else 0, checkpoint_id, finished_at,
          started_at, 1 if decision.counted else 0, decision.why, task_id, attempt))
     if decision.again:
-        start_next_attempt(db, task_id, delay_seconds=decision.delay_seconds, now=finished_at)
+        # the master's clock, not the node's finishedAt: a node's clock never moves a retry
+        start_next_attempt(db, task_id, delay_seconds=decision.delay_seconds, now=utc_now_iso())
     else:
         prune_chunks(db, task_id)  # final: its newest checkpoint stays, nothing else
     _log.info("task %s attempt %d ended %s: %s", task_id, attempt, error_code or status, decision.why)
