@@ -67,8 +67,9 @@ def agent_pid(work_dir: Path) -> int:
     try:
         st = os.stat(lock)
     except FileNotFoundError:
-        raise NoAgent(f"no agent runs on {work_dir}: it has no {LOCK_FILE} (no agent ever ran there; "
-                      "is -c the config the agent was started with?)") from None
+        raise NoAgent(f"no agent runs on {work_dir}: it has no {LOCK_FILE} (no agent ever ran there; is -c "
+                      "the config the agent was started with? a relative task.work_dir is taken from the "
+                      "current directory, as the agent took it from its own)") from None
     except OSError as exc:
         raise StopError(f"cannot read {lock}: {exc.strerror or exc}; run as the agent's user or root") from exc
     holder = _lock_holder(st)
