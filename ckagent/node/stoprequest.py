@@ -97,7 +97,7 @@ def agent_pid(work_dir: Path) -> int:
 
 def _lock_holder(st: os.stat_result) -> int | None:
     """The pid /proc/locks names as holding a flock on the file of ``st``; 0: none does; None: the
-    table cannot be read."""
+    table cannot be read, or names a holder this pid namespace cannot see."""
     try:
         text = Path("/proc/locks").read_text()
     except OSError:
@@ -115,8 +115,8 @@ def _lock_holder(st: os.stat_result) -> int | None:
             pid = int(fields[4])
         except ValueError:
             continue
-        if where == want and pid > 0:
-            return pid
+        if where == want:  # (pid 0: a holder in a pid namespace this one cannot see: the probe decides)
+            return pid if pid > 0 else None
     return 0
 
 
