@@ -3,7 +3,7 @@
 #
 #   ./run.sh [FLAGS] start [AGENT ARGS...]      (default AGENT ARGS: -c config/config.yaml, else -c config.yaml)
 #   ./run.sh [FLAGS] restart [AGENT ARGS...]    (default: the arguments of the last daemon start)
-#   ./run.sh stop [--leave-running] | status | logs [--follow=off] | help
+#   ./run.sh stop [--leave-running | --migrate] | status | logs [--follow=off] | help
 #   ./run.sh upgrade [VERSION]                  (default: latest.json; an older VERSION needs --downgrade)
 #   ./run.sh upgrade --downgrade VERSION        install an older release, verified and health-checked
 #   ./run.sh rollback                           back to the previous verified release (ckagent.pyz.prev)
@@ -11,7 +11,10 @@
 # restart and upgrade hand over: the old agent stops (SIGUSR2) and leaves its running tasks running,
 # the new one re-adopts them (docs/operations.md, "Tasks outlive the agent"); --drain waits for them
 # instead (SIGTERM, as `stop` does). `stop --leave-running` stops the agent and leaves its tasks
-# running for the next start.
+# running for the next start. `stop --migrate` hands them over to other nodes: `ckagent stop --migrate`
+# checkpoints every running task, stops it and reports it MIGRATED (the master gives it a new attempt
+# elsewhere) within task.migrate_timeout (docs/operations.md, "Stopping and migrating"); an agent
+# too old for it drains instead, as `stop` does.
 #
 # FLAGS may stand before or after the command (./run.sh --daemon=on start = ./run.sh start --daemon=on):
 #   --daemon=on|off               run in the background (log: logs/agent.log, rotated by the logging
@@ -48,7 +51,8 @@
 #             its start, /healthz did not answer within AGENT_START_TIMEOUT (it is stopped; the end of
 #             its log is printed), /readyz named a cause (it keeps running and retrying), or an agent
 #             already runs but does not answer /healthz
-#   stop      0 stopped (or was not running); 1 it survived SIGKILL
+#   stop      0 stopped (or was not running; --migrate: also when an older agent drained instead, said);
+#             1 it survived SIGKILL
 #   restart   1 the agent to be started fails its check (nothing stopped); else as stop, then as start,
 #             but 3 when no agent runs after it, 4 when it runs but does not answer /healthz
 #   status    0 running and /healthz 200; 3 not running; 4 running but /healthz does not answer 200
@@ -477,6 +481,7 @@ except Exception:
 # (stop --leave-running) makes stop hand over.
 DRAIN=0
 LEAVE_RUNNING=0
+MIGRATE=0
 handover_timeout() {  # flush_timeout + 15 s: the agent only writes its positions and says goodbye
   local flush
   flush="$(settings_value task flush_timeout)"
@@ -505,6 +510,43 @@ handover_stop() {
   fi
   rm -f "$PID_FILE"
   say "ckagent stopped; its running tasks are left to the next start"
+}
+
+# migrate_stop: `ckagent stop --migrate` on the agent of agent.pid (its config), bounded by
+# migrate_timeout + flush_timeout + 10 s; SIGKILL after that. An agent without the command (an older
+# pyz: usage error) is drained instead, as cmd_stop does.
+migrate_stop() {
+  local pid timeout migrate flush rc=0
+  if ! pid="$(agent_pid)"; then
+    rm -f "$PID_FILE"
+    say "ckagent is not running"
+    return 0
+  fi
+  load_last_args
+  agent_command_if_installed
+  load_settings
+  migrate="$(settings_value task migrate_timeout)"; flush="$(settings_value task flush_timeout)"
+  if [[ -z "$migrate" ]]; then
+    say "this agent has no migrate (task.migrate_timeout unknown): draining instead"
+    cmd_stop
+    return
+  fi
+  timeout="$(py 'import math, sys; print(math.ceil(float(sys.argv[1]) + float(sys.argv[2]) + 10))' "$migrate" "${flush:-10}")"
+  config_args
+  say "stopping ckagent (pid $pid): migrating its running tasks to other nodes (up to ${timeout}s)"
+  (cd "$DIR" && "${AGENT[@]}" stop --migrate --timeout "$timeout" "${CONFIG_ARGS[@]+"${CONFIG_ARGS[@]}"}") || rc=$?
+  case "$rc" in
+    0|4) ;;
+    2) say "this agent has no \`stop --migrate\`: draining instead"; cmd_stop; return ;;
+    *) say "ckagent stop --migrate ended with $rc" ;;
+  esac
+  if ! wait_gone "$pid" 5; then
+    say "ckagent did not exit within ${timeout}s: SIGKILL"
+    kill -KILL "$pid" 2>/dev/null || true
+    wait_gone "$pid" 10 || die "pid $pid survived SIGKILL"
+  fi
+  rm -f "$PID_FILE"
+  say "ckagent stopped; its running tasks were handed over to other nodes (MIGRATED)"
 }
 
 # stop_for_restart: hand over (default) or drain (--drain) before a restart or an upgrade.
@@ -1308,6 +1350,7 @@ while (($#)); do
     -h|--help) usage 0 ;;
     --drain) DRAIN=1 ;;
     --leave-running) LEAVE_RUNNING=1 ;;
+    --migrate) MIGRATE=1 ;;
     --daemon|--daemon=*|--cleanup_temp_files|--cleanup_temp_files=*|--cleanup-temp-files|--cleanup-temp-files=*)
       FLAGS+=("$1") ;;
     --spider-user=*|--spider_user=*) SPIDER_USER_FLAG="${1#*=}"; HAVE_SPIDER_USER=1 ;;
@@ -1330,6 +1373,7 @@ for flag in "${FLAGS[@]+"${FLAGS[@]}"}"; do
   fi
 done
 [[ -n "$command" ]] || usage_error "no command given (commands: ${COMMANDS//|/, })"
+((MIGRATE)) && [[ "$command" != stop ]] && usage_error "--migrate goes with stop"
 if ((HAVE_SPIDER_USER)); then
   [[ "$command" == start || "$command" == restart ]] || usage_error "--spider-user goes with start or restart"
   if [[ "$command" == restart ]]; then set_spider_user "$SPIDER_USER_FLAG" defer; else set_spider_user "$SPIDER_USER_FLAG"; fi
@@ -1340,8 +1384,9 @@ case "$command" in
   start) lock_state; cmd_start "${FLAGS[@]+"${FLAGS[@]}"}" "${REST[@]+"${REST[@]}"}" ;;
   restart) lock_state; cmd_restart "${FLAGS[@]+"${FLAGS[@]}"}" "${REST[@]+"${REST[@]}"}" ;;
   stop) ((${#REST[@]} == 0)) || usage_error "stop takes no arguments (it stops the agent of agent.pid)"
+    ((LEAVE_RUNNING && MIGRATE)) && usage_error "stop takes --leave-running or --migrate, not both"
     lock_state
-    if ((LEAVE_RUNNING)); then handover_stop; else cmd_stop; fi ;;
+    if ((LEAVE_RUNNING)); then handover_stop; elif ((MIGRATE)); then migrate_stop; else cmd_stop; fi ;;
   status) ((${#REST[@]} == 0)) || usage_error "status takes no arguments"; cmd_status ;;
   logs) cmd_logs "${REST[@]+"${REST[@]}"}" ;;
   upgrade)  # asked by the agent (AGENT_UPGRADE_AUTO): wait for an upgrade still restarting it

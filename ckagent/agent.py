@@ -6,8 +6,9 @@
     └── root nursery
         ├── status server      /metrics /healthz /readyz /status on agent.bind:agent.port (status.py);
         │                      listens from the start, serves from the first heartbeat on
-        ├── signals            SIGTERM → drain (second SIGTERM → terminate), SIGINT → terminate,
+        ├── signals            SIGTERM → drain or migrate (ckagent.node.stopsignals), SIGINT → terminate,
         │                      SIGUSR2 → hand over (stop, leave running spiders to the next agent)
+        ├── migration          waits for a migrate (ckagent.task.migrating): checkpoint, stop, MIGRATED
         ├── heartbeat loop     until STOPPED (each beat sends one NodeReport: the state as it is)
         ├── lifecycle records  the tasks' facts, one channel → metrics, the canonical task line
         ├── runtime scan, version watch (the upgrade the master may ask for)
@@ -31,7 +32,8 @@ The shutdown order is the nesting of :meth:`Agent.run` (as hypercorn's ``trio/ru
     STOPPED: the root nursery is gone; one last heartbeat says so (≤ FINAL_BEAT_TIMEOUT s), then leaving
 
 States (:class:`AgentState`, reported truthfully in every heartbeat): STARTING → RUNNING → DRAINING
-(SIGTERM: stop claiming; running tasks get ``task.drain_timeout`` seconds) → TERMINATING (SIGINT, a
+(SIGTERM: stop claiming; running tasks get ``task.drain_timeout`` seconds; a migrate: DRAINING too, each
+task checkpointed and stopped MIGRATED within ``task.migrate_timeout``) → TERMINATING (SIGINT, a
 second SIGTERM or the drain deadline) → STOPPING (a bounded flush; unsent data stays in the state
 store for the next start) → STOPPED. The agent therefore exits within drain_timeout + kill_grace +
 flush_timeout (plus a few seconds), even with the master down: one deadline, set when TERMINATING
@@ -50,11 +52,9 @@ same work dir is refused (ConfigError) instead of killing the first one's tasks 
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
 import os
-import signal
 import sys
 from functools import partial
 
@@ -71,7 +71,7 @@ from ckagent.containment.hierarchy import agent_group_name
 from ckagent.delivery import Outbox, OutboxConfig, cleanup_task_dirs
 from ckagent.delivery.lifecycle import CanonicalLine, Lifecycle
 from ckagent.master.client import MasterClient, RegistrationRefused
-from ckagent.master.fleet import FINAL_BEAT_TIMEOUT, VersionWatch, leave, load_node_uid, register_request
+from ckagent.master.fleet import VersionWatch, final_beat, leave, load_node_uid, register_request
 from ckagent.master.heartbeat import HeartbeatLoop, NodeReport
 from ckagent.master.masterclock import MasterClock
 from ckagent.master.protocol import HeartbeatResponse, RegisterRequest
@@ -85,11 +85,14 @@ from ckagent.node.listen import StatusPortError
 from ckagent.node.notices import Notices
 from ckagent.node.resources import HealthSampler, compute_max_workers
 from ckagent.node.state import AsyncStateStore, StateStore, StateStoreError
+from ckagent.node.stoprequest import StopMode, remove_request
+from ckagent.node.stopsignals import HAND_OVER_SIGNAL, StopActions, receive_stop_signals
 from ckagent.port.metrics import AgentMetrics
-from ckagent.port.snapshot import AgentHistory, agent_statistics
+from ckagent.port.snapshot import AgentHistory, agent_statistics, node_report
 from ckagent.port.status import AgentStatistics, AgentStatus, serve_status
 from ckagent.port.statuspage import StatusPage
 from ckagent.task.adoption import Adoption, admit_adopted, find_adoptable, run_adopted
+from ckagent.task.migrating import REAP_MARGIN, Migration
 from ckagent.task.migration import migrate_node
 from ckagent.task.poller import Poller
 from ckagent.task.recovery import recover_lost_tasks
@@ -98,9 +101,7 @@ from ckagent.task.supervisor import RunnerConfig, RunningTask, Supervisor
 
 log = logging.getLogger(__name__)
 
-HAND_OVER_SIGNAL = signal.SIGUSR2
-"""Stop the agent and leave its running tasks to the next agent, which re-adopts them (``run.sh
-upgrade``/``restart``). SIGTERM still drains, SIGINT terminates (docs/operations.md)."""
+__all__ = ["HAND_OVER_SIGNAL", "Agent", "AgentState"]
 
 
 class AgentState(str, enum.Enum):
@@ -150,6 +151,8 @@ class Agent:
         self._hurry = False
         """A signal arrived while STOPPING: skip what is left, the last heartbeat included."""
         self.supervisor: Supervisor | None = None
+        self.migration: Migration | None = None
+        """The migrate of the running tasks (ckagent.task.migrating), waiting for :meth:`migrate`."""
         self.poller: Poller | None = None
         self.outbox: Outbox | None = None
         self.heartbeat: HeartbeatLoop | None = None
@@ -214,6 +217,8 @@ class Agent:
                             for rt, adoption in self._adopted:  # tasks an earlier agent left running
                                 work.start_soon(run_adopted, supervisor, rt, adoption, name=f"adopted {rt.task.id}")
                             await poller.run(work)  # until DRAINING; claims on the wire are settled
+                            assert self.migration is not None
+                            self.migration.claims_settled.set()
                             self.drain()  # (when the poller ended by itself)
                             with self._drain_scope, trio.move_on_at(self._drain_deadline):
                                 await supervisor.wait_idle()
@@ -242,7 +247,8 @@ class Agent:
             self.state = AgentState.STOPPED
             with trio.CancelScope(shield=True):
                 if failure is None and self.master.registered and not self._hurry:
-                    await self._final_beat(store)
+                    if self.heartbeat is not None:
+                        await final_beat(self.heartbeat, store, self._node_report())
                     await leave(self.master, self.node_uid, self._exit_deadline < float("inf"), self._handed)
                 await self.master.aclose()
                 await trio.to_thread.run_sync(store.sync.close)
@@ -319,6 +325,7 @@ class Agent:
             self.master, store, workspaces, deps, self.max_workers,
             outbox=outbox, lifecycle=self.lifecycle,
         )
+        self.migration = Migration(supervisor)
         outbox.on_disk_full = supervisor.stop_disk_full  # the task that fills the disk ends DISK_FULL
         outbox.busy_spiders = supervisor.busy_spiders  # (their Scrapy data stays: ckagent.code.scrapydata)
         self.heartbeat = HeartbeatLoop(self.master, HealthSampler(self.work_dir), s.heartbeat.interval,
@@ -337,7 +344,7 @@ class Agent:
         came first: the state says which)."""
         s = self.settings
         assert self.outbox is not None and self.supervisor is not None and self.heartbeat is not None
-        assert self.poller is not None
+        assert self.poller is not None and self.migration is not None
         log.info("ckagent %s starting: master %s, work_dir %s, max_workers %d",
                  __version__, s.server.url, self.work_dir, self.max_workers)
         self.capabilities.warn()
@@ -353,7 +360,14 @@ class Agent:
         if egress is not None:
             await trio.to_thread.run_sync(egress.listening, self.status_port)  # (agent.port 0: the one picked)
             await root.start(egress.serve)  # (the proxy level's forward proxy; nothing at the others)
-        root.start_soon(self._signals)
+        await trio.to_thread.run_sync(remove_request, self.work_dir)  # (a stale `ckagent stop` request)
+        root.start_soon(receive_stop_signals, StopActions(
+            self.drain, self.migrate, self.terminate, self.hand_over, self._hurry_now,
+            fresh=lambda: self.state in (AgentState.STARTING, AgentState.RUNNING),
+            stopping=lambda: self.state is AgentState.STOPPING,
+            migrating=lambda: self.migration is not None and self.migration.asked.is_set()),
+            self.work_dir, StopMode(s.agent.sigterm))
+        root.start_soon(self.migration.run)
         await root.start(self.lifecycle.run)
         root.start_soon(partial(self.scan.run, self.heartbeat.after_first_beat, self.poller.forget_unrunnable))
         adoptions, refused = await find_adoptable(await store.pending_delivery())
@@ -390,15 +404,6 @@ class Agent:
         self.started.set()
         return None
 
-    async def _final_beat(self, store: AsyncStateStore) -> None:
-        """The last heartbeat (status STOPPED), at most FINAL_BEAT_TIMEOUT seconds; what the state store
-        still holds undelivered is listed as reporting (the master must not hand those tasks out again)."""
-        if self.heartbeat is None:
-            return
-        with trio.move_on_after(FINAL_BEAT_TIMEOUT):
-            held = [record.task_id for record in await store.pending_delivery()]
-            await self.heartbeat.beat_once(dataclasses.replace(self._node_report(), reporting_task_ids=held))
-
     def statistics(self) -> AgentStatistics:
         """A frozen snapshot of the agent for /status and /metrics (ckagent.port.snapshot)."""
         return agent_statistics(self)
@@ -428,8 +433,9 @@ class Agent:
             return
         log.info("terminating: stopping every running task")
         s = self.settings.task
-        self._exit_deadline = trio.current_time() + s.flush_timeout + (
-            self.supervisor.longest_stop_grace() if self.supervisor is not None else s.kill_grace)
+        migrating = self.migration is not None and self.migration.asked.is_set()  # (grace cut to the bound)
+        self._exit_deadline = trio.current_time() + s.flush_timeout + (REAP_MARGIN if migrating else (
+            self.supervisor.longest_stop_grace() if self.supervisor is not None else s.kill_grace))
         if self.state in (AgentState.STARTING, AgentState.RUNNING, AgentState.DRAINING):
             self.state = AgentState.TERMINATING
         self._startup_scope.cancel()
@@ -460,38 +466,32 @@ class Agent:
         self._drain_scope.cancel()
         self._work_scope.cancel()
 
-    async def _signals(self) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, HAND_OVER_SIGNAL) as signals:
-            async for signum in signals:
-                name = signal.Signals(signum).name
-                if signum == HAND_OVER_SIGNAL and self.state is not AgentState.STOPPING:
-                    self.hand_over()
-                elif self.state is AgentState.STOPPING:
-                    log.info("%s while flushing: leaving unsent data on disk and exiting now", name)
-                    self._hurry = True
-                    self._flush_scope.cancel()
-                elif signum == signal.SIGTERM and self.state in (AgentState.STARTING, AgentState.RUNNING):
-                    log.info("SIGTERM: draining (a second SIGTERM or SIGINT terminates)")
-                    self.drain()
-                else:
-                    log.info("%s: terminating", name)
-                    self.terminate()
+    def migrate(self) -> None:
+        """→ DRAINING, migrating (``ckagent stop --migrate``; SIGTERM with ``agent.sigterm: migrate``):
+        stop claiming; every task is checkpointed, stopped and reported MIGRATED within
+        ``task.migrate_timeout`` (ckagent.task.migrating), then the usual flush. Idempotent; also
+        during a drain (its deadline is brought forward)."""
+        if self._exit_deadline != float("inf") or self.migration is None or self.migration.asked.is_set():
+            return
+        timeout = self.settings.task.migrate_timeout
+        self.migration.ask(timeout)
+        if self.state in (AgentState.RUNNING, AgentState.STARTING):
+            self.state = AgentState.DRAINING
+        self._drain_deadline = min(self._drain_deadline, self.migration.deadline)
+        self._drain_scope.deadline = self._drain_deadline  # (a drain already waiting waits no longer)
+        self._startup_scope.cancel()
+        if self.poller is not None:
+            self.poller.stop(claim_timeout=min(self.settings.server.request_timeout, timeout / 4))
+
+    def _hurry_now(self) -> None:
+        self._hurry = True
+        self._flush_scope.cancel()
 
     # ------------------------------------------------------------------ the heartbeat's report
 
     def _node_report(self) -> NodeReport:
-        """What the next heartbeat says of the node (a snapshot of the state, the running set, the
-        claims on the wire and the results the master has not acknowledged)."""
-        supervisor, outbox = self.supervisor, self.outbox
-        assert supervisor is not None and outbox is not None
-        return NodeReport(
-            status=str(self.state), max_workers=supervisor.max_workers, free_slots=supervisor.free_slots(),
-            running_task_ids=tuple(supervisor.running), running_spider_ids=supervisor.running_spider_ids(),
-            claiming_task_ids=tuple(supervisor.claiming), claim_poll_ids=tuple(supervisor.claim_polls),
-            last_claim_poll_id=supervisor.last_claim_poll,
-            reporting_task_ids=tuple(t for t in outbox.deliveries if t not in supervisor.running),
-            runtimes=self.scan.report(), paused_reason=self.intake.reason,
-        )
+        """What the next heartbeat says of the node (ckagent.port.snapshot.node_report)."""
+        return node_report(self)
 
     def _heartbeat_answer(self, answer: HeartbeatResponse) -> None:
         """The master's answer to a heartbeat: stop the tasks it cancelled, follow its version policy."""

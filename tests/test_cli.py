@@ -259,6 +259,15 @@ def test_dev_master_bad_db_or_busy_port_is_one_line_not_a_traceback(tmp_path: Pa
                                      "choose another --port (0 = any free port) or --host")
 
 
+def test_dev_master_node_lost_after_is_documented_and_checked(tmp_path: Path) -> None:
+    tokens = {"DEVMASTER_REGISTRATION_TOKEN": TOKEN, "DEVMASTER_ADMIN_TOKEN": API_KEY}
+    helped = ckagent("dev-master", "--help", cwd=tmp_path)
+    assert "--node-lost-after" in helped.stdout and "600" in helped.stdout
+    for value in ("0", "-5"):
+        result = ckagent("dev-master", "--node-lost-after", value, "--port", "0", cwd=tmp_path, env=tokens)
+        assert result.returncode == 2 and "--node-lost-after" in result.stderr, result.stderr
+
+
 def test_dev_master_needs_both_tokens(tmp_path: Path) -> None:
     result = ckagent("dev-master", cwd=tmp_path)
     assert result.returncode == 2

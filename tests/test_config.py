@@ -149,7 +149,8 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
         "AGENT_UV_CACHE_DIR": "cache", "AGENT_UV_SYNC_TIMEOUT": "9", "AGENT_UV_PATH": "/opt/uv",
         "AGENT_DEPS_ENV_BUDGET_BYTES": "0", "AGENT_DEPS_PYTHON": "/usr/bin/python3",
         "AGENT_AUTO_UPGRADE": "on", "AGENT_PORTS_REGISTRY": "ports",
-        "AGENT_TASK_UID_CLAIMS": "claims",
+        "AGENT_TASK_UID_CLAIMS": "claims", "AGENT_SIGTERM": "Migrate", "AGENT_TASK_MIGRATE_TIMEOUT": "15",
+        "AGENT_TASK_MEMORY_SOFT_BYTES": "104857600",
     }  # fmt: skip
     assert set(values) == {s.env for s in SETTINGS}
     s = load(None, values)
@@ -158,7 +159,7 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
                    "download_stall_timeout": 7.0, "max_backoff_interval": 8.0},
         "agent": {"name": "n1", "ip": "10.9.8.7", "port": 1, "bind": "0.0.0.0", "registration_token": "***",
                   "labels": {"a": "b"}, "max_workers": 3, "container_cpu_limit": "1500m", "auto_upgrade": True,
-                  "ports_registry": str(tmp_path / "ports")},
+                  "ports_registry": str(tmp_path / "ports"), "sigterm": "migrate"},
         "heartbeat": {"interval": 7.0},
         "task": {"poll_interval": 4.0, "long_poll_wait": 0.0, "work_dir": "/srv/ck", "execute_timeout": 0.0,
                  "kill_grace": 1.0, "max_stop_grace": 240.0, "drain_timeout": 2.0, "flush_timeout": 3.0, "run_as_user": "crawler",
@@ -169,7 +170,7 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
                  "egress": "proxy",
                  "egress_deny": "metadata,private,192.0.2.7/32", "egress_allow": "10.0.0.5:3128,[fd12::1]:8080",
                  "private_tmp": "tmpdir", "private_tmp_shared": "/tmp/.X11-unix,/tmp/mysql.sock",
-                 "uid_claims": str(tmp_path / "claims")},
+                 "uid_claims": str(tmp_path / "claims"), "migrate_timeout": 15.0, "memory_soft_bytes": 104857600},
         "logging": {"level": "ERROR", "file": str(tmp_path / "x.log"), "format": "json", "max_bytes": 2048,
                     "backup_count": 1},
         "deps": {"uv_index_url": "https://pypi.org/simple", "uv_fallback_index_url": "http://idx/simple",

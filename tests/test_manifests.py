@@ -79,6 +79,27 @@ def test_termination_grace_follows_the_longest_stop_grace(tmp_path: Path) -> Non
     assert pod["terminationGracePeriodSeconds"] > DEFAULT_STOP_SECONDS
 
 
+def test_prestop_migrates_within_the_grace_and_kubernetes_default(tmp_path: Path) -> None:
+    """preStop runs `ckagent stop --migrate` with the agent's own config (it finds the agent by that
+    config's work dir); the migrate's bound (migrate_timeout + flush_timeout + the stop command's 10 s
+    margin) fits terminationGracePeriodSeconds, and with the ConfigMap's and the default settings the
+    agent's own bound fits Kubernetes' default 30 s grace."""
+    from ckagent.cli.stopagent import MARGIN
+
+    docs = _documents()
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:2] == container["args"][:2] and command[2:4] == ["stop", "--migrate"]
+    assert command[4:] == container["args"][3:], "the hook names the config the agent runs with"
+    (tmp_path / "config.yaml").write_text(docs["ConfigMap"]["data"]["config.yaml"])
+    loaded = load_settings(tmp_path / "config.yaml", env={}, require_token=False).task
+    defaults = load_settings(None, env={}, require_token=False).task
+    for s in (loaded, defaults):
+        assert s.migrate_timeout + s.flush_timeout <= 30  # Kubernetes' default terminationGracePeriodSeconds
+        assert pod["terminationGracePeriodSeconds"] > s.migrate_timeout + s.flush_timeout + MARGIN
+
+
 def test_kubernetes_manifests_pass_the_schema_checker() -> None:
     try:
         import kubernetes_validate  # noqa: F401

@@ -310,6 +310,7 @@ def test_task_context_reads_the_agent_environment(tmp_path: Path) -> None:
         "params": {"start_url": "http://127.0.0.1:1/demo-site/", "pages": [1, 2], "ü": None},
         "task_dir": str(tmp_path),
         "items_file": str(tmp_path / "items.jsonl"),
+        "attempt": 1,
         "in_agent": True,
         "frozen": True,
     }
@@ -325,6 +326,7 @@ def test_task_context_outside_an_agent(params_env: dict[str, str]) -> None:
         "params": {},
         "task_dir": None,
         "items_file": None,
+        "attempt": 1,
         "in_agent": False,
         "frozen": True,
     }
@@ -592,7 +594,9 @@ def test_sdk_builds_a_pure_python_wheel_with_only_the_sdk(tmp_path: Path) -> Non
     package_files = sorted(n for n in names if n.startswith("crawlerkeeper_sdk/"))
     assert package_files == [
         "crawlerkeeper_sdk/__init__.py",
+        "crawlerkeeper_sdk/_control.py",
         "crawlerkeeper_sdk/_scrapy_hook.py",
+        "crawlerkeeper_sdk/_state.py",
         "crawlerkeeper_sdk/_stats.py",
         "crawlerkeeper_sdk/py.typed",
         "crawlerkeeper_sdk/scrapy.py",

@@ -4,6 +4,7 @@ Commands::
 
     ckagent [-c FILE]                 same as `ckagent run -c FILE`
     ckagent run [-c FILE]             run the agent until SIGTERM/SIGINT
+    ckagent stop [--migrate] -c FILE  stop the agent of that config's work dir (drain / migrate), wait (stopagent.py)
     ckagent config check [-c FILE]    validate the configuration, say which containment and egress levels
                                       this node gets and what would raise each, print "config OK: FILE"
     ckagent config show [-c FILE]     print the effective settings as YAML (secrets masked)
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 from ckagent import __version__
+from ckagent.cli.devmastercheck import dev_master_db_problem, listen_problem
 from ckagent.node.config import (
     ConfigError,
     Settings,
@@ -87,6 +89,8 @@ def _app() -> App:
     app.default(_default)
     config_app.default(_config_default)
     app.command(run)
+    from ckagent.cli.stopagent import stop_command
+    app.command(stop_command, name="stop")
     config_app.command(check)
     config_app.command(show)
     app.command(version_command, name="version")
@@ -139,15 +143,12 @@ def run(*, config: ConfigOption = None) -> int:
 def _httpx_without_its_cli() -> Iterator[None]:
     """Within the block, ``import httpx`` skips httpx's command-line client: ~50 ms less start-up.
 
-    ``httpx/__init__.py`` runs ``from ._main import main`` in a ``try``/``except ImportError`` that
-    falls back to a stub ``main`` (for installs without the ``httpx[cli]`` extras). ``httpx._main``
-    imports click, rich and pygments whenever they are installed (rich is: cyclopts needs it), none
-    of which the agent uses. A ``None`` entry in ``sys.modules`` is Python's documented way to make
-    one import raise ImportError, so httpx takes its fallback; the entry is removed on leaving, so a
-    later ``import httpx._main`` works as usual. The only difference in this process: ``httpx.main``
-    (the ``httpx`` console command's function) is the stub. Nothing changes when httpx is already
-    imported. tests/test_cli.py checks that httpx still works and that the CLI is skipped.
-    """
+    ``httpx/__init__.py`` runs ``from ._main import main`` in a ``try``/``except ImportError`` that falls
+    back to a stub ``main`` (installs without ``httpx[cli]``). ``httpx._main`` imports click, rich and
+    pygments whenever they are installed (rich is: cyclopts needs it), none of which the agent uses. A
+    ``None`` entry in ``sys.modules`` makes one import raise ImportError (Python's documented way), so
+    httpx takes its fallback; the entry is removed on leaving. The only difference in this process:
+    ``httpx.main`` is the stub. Nothing changes when httpx is already imported (tests/test_cli.py)."""
     if "httpx" in sys.modules or "httpx._main" in sys.modules:
         yield
         return
@@ -219,6 +220,7 @@ def dev_master(
     registration_token: Annotated[str | None, Parameter(env_var="DEVMASTER_REGISTRATION_TOKEN")] = None,
     admin_token: Annotated[str | None, Parameter(env_var="DEVMASTER_ADMIN_TOKEN")] = None,
     public_url: Annotated[str | None, Parameter(env_var="DEVMASTER_PUBLIC_URL")] = None,
+    node_lost_after: float = 600.0,
 ) -> int:
     """Run the reference master (protocol + admin API over SQLite) until Ctrl-C.
 
@@ -238,6 +240,9 @@ def dev_master(
         The URL agents reach this master at (e.g. behind a proxy), used in the code package URLs it
         hands out. Unset (the default): the URLs are relative, resolved by each agent against its
         server.url.
+    node_lost_after
+        Seconds without a heartbeat after which a node is lost: its running tasks end their attempt
+        NODE_LOST and get a new one, from their last checkpoint. Default 600, the protocol's restart grace.
     """
     if not registration_token:
         raise _UsageError("dev-master needs --registration-token or DEVMASTER_REGISTRATION_TOKEN")
@@ -245,8 +250,11 @@ def dev_master(
         raise _UsageError("dev-master needs --admin-token or DEVMASTER_ADMIN_TOKEN")
     if not 0 <= port <= 65535:
         raise _UsageError(f"--port: expected 0..65535, got {port}")
-    _check_dev_master_db(db)
-    problem = _check_listen(host, port)
+    if not node_lost_after > 0:
+        raise _UsageError(f"--node-lost-after: expected seconds > 0, got {node_lost_after}")
+    if (unusable := dev_master_db_problem(db)) is not None:
+        raise _UsageError(unusable)
+    problem = listen_problem(host, port)
     if problem:
         print(f"ckagent: dev-master cannot listen on {host}:{port}: {problem}; choose another --port "
               "(0 = any free port) or --host", file=sys.stderr)
@@ -255,42 +263,9 @@ def dev_master(
 
     serve_forever(
         db_path=db, host=host, port=port, registration_token=registration_token, admin_token=admin_token,
-        public_url=public_url,
+        public_url=public_url, node_lost_after=node_lost_after,
     )
     return EXIT_OK
-
-
-def _check_dev_master_db(db: Path) -> None:
-    """Raise _UsageError when ``db`` cannot be opened (or created) as an SQLite database."""
-    import sqlite3
-
-    if db.is_dir():
-        raise _UsageError(f"--db {str(db)!r} is a directory; name a database file in it (e.g. {db / 'master.sqlite'})")
-    if not db.parent.is_dir():
-        raise _UsageError(f"--db {str(db)!r}: the directory {str(db.parent)!r} does not exist; create it first")
-    try:
-        conn = sqlite3.connect(str(db))
-        try:
-            conn.execute("PRAGMA schema_version").fetchone()
-        finally:
-            conn.close()
-    except sqlite3.Error as exc:
-        raise _UsageError(f"--db {str(db)!r} cannot be opened as an SQLite database: {exc}") from None
-
-
-def _check_listen(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be bound now (the OS's words), or None."""
-    import socket
-
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        family, _, _, _, address = infos[0]
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(address)
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    return None
 
 
 def demo_command(*, work_dir: Path = Path("demo-data"), keep: bool = False, config: ConfigOption = None) -> int:

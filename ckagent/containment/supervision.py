@@ -166,6 +166,9 @@ async def supervise(
             if not mon.exited:
                 outcome.timed_out = deadline.cancelled_caught
                 outcome.stopped = not outcome.timed_out
+                limit = getattr(stop, "grace_limit", None)  # (a migrate's time left: ckagent.task.stop)
+                if limit is not None and not outcome.timed_out:
+                    stopper.grace = max(0.0, min(stopper.grace, limit))
                 async with output.while_stopping(final=False):
                     await stopper.stop(f"timeout after {deadline_seconds:g} s" if outcome.timed_out else why())
                 outcome.killed_leftovers += max(0, await jail.kill_all())

@@ -20,7 +20,9 @@ from ckagent.devmaster.paths import check_spider_name
 from ckagent.devmaster.web import Api, json_body, json_object, query_int, read_body, route
 from ckagent.master.protocol import (
     FRAMEWORKS,
+    RESUME_MODES,
     ProtocolError,
+    RetryPolicy,
     TaskOutputs,
     TaskResources,
     VersionPolicy,
@@ -70,10 +72,10 @@ def _opt_seconds(o: dict[str, Any], key: str) -> float | None:
 
 
 SPIDER_FIELDS = ("name", "framework", "command", "codeMode", "env", "timeoutSeconds", "resources", "stopSignal",
-                 "outputs", "egress", "stopGraceSeconds")
+                 "outputs", "egress", "stopGraceSeconds", "retry", "resume", "checkpointIntervalSeconds")
 """What ``POST /api/spiders`` takes."""
 TASK_FIELDS = ("args", "env", "params", "timeoutSeconds", "stallTimeoutSeconds", "resources", "stopSignal", "egress",
-               "stopGraceSeconds", "cleanStart")
+               "stopGraceSeconds", "cleanStart", "retry", "resume", "checkpointIntervalSeconds")
 """What ``POST /api/spiders/{id}/tasks`` takes."""
 
 
@@ -96,7 +98,7 @@ def _known_keys(o: dict[str, Any], fields: tuple[str, ...], what: str) -> None:
 
 
 SPIDER_PATCH_FIELDS = ("name", "framework", "command", "env", "timeoutSeconds", "resources", "stopSignal", "outputs",
-                       "egress", "stopGraceSeconds")
+                       "egress", "stopGraceSeconds", "retry", "resume", "checkpointIntervalSeconds")
 """What ``PATCH /api/spiders/{id}`` may change."""
 
 
@@ -116,6 +118,28 @@ def _egress(o: dict[str, Any]) -> dict[str, Any] | None:
     null or absent = None. Raises ProtocolError naming the entry (``egress.deny``...)."""
     policy = parse_egress(o.get("egress"), "egress")
     return None if policy is None else policy.to_json()
+
+
+def _retry(o: dict[str, Any]) -> dict[str, Any] | None:
+    """``retry`` of a spider or task (the wire's RetryPolicy, every field filled in); null or absent = None."""
+    policy = RetryPolicy.from_json(o.get("retry"), "retry")
+    return None if policy is None else policy.to_json()
+
+
+def _resume(o: dict[str, Any]) -> str | None:
+    """``resume``: restart-replace or restart-keep; null or absent = None (the spider's, else replace)."""
+    value = o.get("resume")
+    if value is not None and value not in RESUME_MODES:
+        raise ProtocolError("resume", f"expected one of {', '.join(RESUME_MODES)} or null")
+    return value
+
+
+def _interval(o: dict[str, Any]) -> float | None:
+    """``checkpointIntervalSeconds``: a number of seconds > 0, or null (the node's task.checkpoint_interval)."""
+    value = _opt_seconds(o, "checkpointIntervalSeconds")
+    if value == 0:
+        raise ProtocolError("checkpointIntervalSeconds", "expected a number of seconds > 0 or null")
+    return value
 
 
 def _command(o: dict[str, Any]) -> list[str] | str | None:
@@ -176,6 +200,9 @@ def routes(api: Api) -> list[BaseRoute]:
             outputs=_outputs(o),
             egress=_egress(o),
             stop_grace_seconds=_opt_seconds(o, "stopGraceSeconds"),
+            retry=_retry(o),
+            resume=_resume(o),
+            checkpoint_interval_seconds=_interval(o),
         )
         return JSONResponse({"id": spider_id})
 
@@ -189,8 +216,8 @@ def routes(api: Api) -> list[BaseRoute]:
 
     async def update_spider(request: Request) -> Response:
         """PATCH: change the fields given (command, env, timeoutSeconds, framework, name, resources,
-        stopSignal, outputs, egress, stopGraceSeconds; null clears the last five); tasks created
-        afterwards use them (a task already created keeps what it had)."""
+        stopSignal, outputs, egress, stopGraceSeconds, retry, resume, checkpointIntervalSeconds; null clears
+        the last eight); tasks created afterwards use them (a task already created keeps what it had)."""
         admin_auth(request)
         o = json_object(await json_body(request))
         unknown = sorted(set(o) - set(SPIDER_PATCH_FIELDS))
@@ -219,6 +246,12 @@ def routes(api: Api) -> list[BaseRoute]:
             changes["egress"] = _egress(o)
         if "stopGraceSeconds" in o:
             changes["stop_grace_seconds"] = _opt_seconds(o, "stopGraceSeconds")
+        if "retry" in o:
+            changes["retry"] = _retry(o)
+        if "resume" in o:
+            changes["resume"] = _resume(o)
+        if "checkpointIntervalSeconds" in o:
+            changes["checkpoint_interval_seconds"] = _interval(o)
         return JSONResponse(await run(store.update_spider, request.path_params["spider_id"], changes))
 
     async def upload_package(request: Request) -> Response:
@@ -250,6 +283,9 @@ def routes(api: Api) -> list[BaseRoute]:
             egress=_egress(o),
             stop_grace_seconds=_opt_seconds(o, "stopGraceSeconds"),
             clean_start=_opt_flag(o, "cleanStart"),
+            retry=_retry(o),
+            resume=_resume(o),
+            checkpoint_interval_seconds=_interval(o),
         )
         notifier.notify()
         return JSONResponse({"id": task_id})

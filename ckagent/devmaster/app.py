@@ -18,6 +18,8 @@ Node endpoints (``Authorization: Bearer <apiKey>``; registration uses ``X-Regist
     GET  /api/packages/{spiderId}/{codeVersion}.zip → zip bytes
     PUT  /api/tasks/{taskId}/artifacts/{path}   → {path, sizeBytes, sha256}  (body: the file; header
                                                   X-Content-SHA256; "artifacts", ckagent.devmaster.artifacts)
+    PUT  /api/tasks/{taskId}/checkpoint-chunks/{sha256}, GET the same, POST /api/tasks/{taskId}/checkpoints,
+    GET  /api/tasks/{taskId}/checkpoints/{id}   checkpoints (ckagent.devmaster.checkpoint_api)
 
 Admin endpoints (``Authorization: Bearer <admin token>``)::
 
@@ -49,7 +51,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from ckagent.devmaster import admin_api, demosite, node_api
+from ckagent.devmaster import admin_api, checkpoint_api, demosite, node_api
 from ckagent.devmaster.errors import ApiError
 from ckagent.devmaster.node_api import MAX_BATCH_ELEMENTS
 from ckagent.devmaster.paths import SegmentPaths
@@ -114,6 +116,7 @@ def create_app(
         route("page", "/", index, "GET"),
         route("page", "/healthz", healthz, "GET"),
         *node_api.routes(api),
+        *checkpoint_api.routes(api),
         *admin_api.routes(api),
         *(Route(r.path, r.endpoint, methods=sorted(r.methods or ()), name=f"page:{r.name}")
           for r in demosite.routes() if isinstance(r, Route)),

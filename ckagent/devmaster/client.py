@@ -95,12 +95,20 @@ class AdminClient:
         outputs: dict[str, Any] | None = None,
         egress: dict[str, Any] | None = None,
         stop_grace_seconds: float | None = None,
+        retry: dict[str, Any] | None = None,
+        resume: str | None = None,
+        checkpoint_interval_seconds: float | None = None,
     ) -> str:
         """Create a spider; returns its id. ``code_mode`` is "package" (zip) or "files" (file sync).
-        Its tasks' defaults: ``resources`` ({memoryBytes, pids, cpus}), ``stop_signal`` ("SIGINT"),
+        Its tasks' defaults: ``resources`` ({memoryBytes, pids, cpus, memorySoftBytes}), ``stop_signal`` ("SIGINT"),
         ``outputs`` ({items: [glob], artifacts: [glob]}) and ``egress`` ({deny: [str], allow: [str]}: the
-        network policy added to the node's), ``stop_grace_seconds`` (seconds from a stop signal to the kill)."""
+        network policy added to the node's), ``stop_grace_seconds`` (seconds from a stop signal to the kill),
+        ``retry`` ({maxAttempts, backoffSeconds, factor, on, exitCodes}), ``resume`` ("restart-replace" or
+        "restart-keep") and ``checkpoint_interval_seconds``."""
         body = {
+            "retry": retry,
+            "resume": resume,
+            "checkpointIntervalSeconds": checkpoint_interval_seconds,
             "stopGraceSeconds": stop_grace_seconds,
             "outputs": outputs,
             "egress": egress,
@@ -157,12 +165,19 @@ class AdminClient:
         egress: dict[str, Any] | None = None,
         stop_grace_seconds: float | None = None,
         clean_start: bool = False,
+        retry: dict[str, Any] | None = None,
+        resume: str | None = None,
+        checkpoint_interval_seconds: float | None = None,
     ) -> str:
         """Queue a task of the spider; returns its id. ``timeout_seconds`` None = the spider's;
         ``stall_timeout_seconds`` None = the node's ``task.stall_timeout``; ``resources`` keys and
         ``stop_signal`` None = the spider's; ``egress`` ({deny, allow}) replaces the spider's, None = the spider's; ``stop_grace_seconds`` None =
-        the spider's; ``clean_start``: the spider's data on the node starts empty (cleanStart)."""
+        the spider's; ``clean_start``: the spider's data on the node starts empty (cleanStart); ``retry``,
+        ``resume``, ``checkpoint_interval_seconds`` None = the spider's."""
         body = {
+            "retry": retry,
+            "resume": resume,
+            "checkpointIntervalSeconds": checkpoint_interval_seconds,
             "stopGraceSeconds": stop_grace_seconds,
             "cleanStart": clean_start,
             "egress": egress,
@@ -177,7 +192,8 @@ class AdminClient:
         return str((await self._call("POST", api_path("/api/spiders/{spider}/tasks", spider=spider_id), json=body)).json()["id"])
 
     async def get_task(self, task_id: str) -> dict[str, Any]:
-        """One task (status, exitCode, errorCode, nodeId, times, counts, cancelRequested, ...)."""
+        """One task (status, exitCode, errorCode, nodeId, times, counts, cancelRequested, its ``attempts``
+        and newest ``checkpoint``, ...)."""
         result: dict[str, Any] = (await self._call("GET", api_path("/api/tasks/{task}", task=task_id))).json()
         return result
 

@@ -144,10 +144,12 @@ def routes(api: Api) -> list[BaseRoute]:
     async def result(request: Request) -> Response:
         node_id = await node_auth(request)
         report = TaskResult.from_json(await json_body(request))
-        task = await run(store.report_result, request.path_params["task_id"], node_id, report)
-        if follows_results and report.status in FINAL_STATUSES:
-            notifier.notify()  # a held poll's runningSpiderIds may have lapsed (poll-follows-results)
-        return JSONResponse({"ok": True, "status": task["status"]})
+        task = await run(store.report_result, request.path_params["task_id"], node_id, report, report.attempt)
+        if report.status in FINAL_STATUSES and (follows_results or task["status"] == "PENDING"):
+            # a held poll's runningSpiderIds may have lapsed (poll-follows-results); a retry may be due
+            notifier.notify()
+        # the attempt's status (the task may be PENDING again at its next attempt)
+        return JSONResponse({"ok": True, "status": report.status if report.status in FINAL_STATUSES else task["status"]})
 
     async def release(request: Request) -> Response:
         node_id = await node_auth(request)
@@ -169,7 +171,7 @@ def routes(api: Api) -> list[BaseRoute]:
         check_batch_size(body, "lines")
         batch = LogBatch.from_json(body)
         accepted = await run(
-            store.append_logs, request.path_params["task_id"], node_id, batch.seq, batch.lines
+            store.append_logs, request.path_params["task_id"], node_id, batch.seq, batch.lines, batch.attempt
         )
         return JSONResponse({"acceptedSeq": accepted})
 
@@ -179,7 +181,8 @@ def routes(api: Api) -> list[BaseRoute]:
         check_batch_size(body, "items")
         batch = ItemBatch.from_json(body)
         accepted = await run(
-            store.append_items, request.path_params["task_id"], node_id, batch.seq, batch.items, items_text
+            store.append_items, request.path_params["task_id"], node_id, batch.seq, batch.items, items_text,
+            batch.attempt,
         )
         return JSONResponse({"acceptedSeq": accepted})
 
@@ -195,11 +198,11 @@ def routes(api: Api) -> list[BaseRoute]:
             if stream == "logs":
                 check_batch_size(entry, "lines")
                 logs = LogBatch.from_json(entry)
-                accepted = store.append_logs(task_id, node_id, logs.seq, logs.lines)
+                accepted = store.append_logs(task_id, node_id, logs.seq, logs.lines, logs.attempt)
             elif stream == "items":
                 check_batch_size(entry, "items")
                 items = ItemBatch.from_json(entry)
-                accepted = store.append_items(task_id, node_id, items.seq, items.items)
+                accepted = store.append_items(task_id, node_id, items.seq, items.items, attempt=items.attempt)
             else:
                 raise BadRequestError('stream: expected "logs" or "items"')
         except ApiError as exc:

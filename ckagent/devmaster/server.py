@@ -14,7 +14,6 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import cast
 
@@ -25,6 +24,7 @@ from hypercorn.typing import ASGIFramework
 
 from ckagent.devmaster.app import Notifier, create_app
 from ckagent.devmaster.store import Store
+from ckagent.devmaster.sweeper import NODE_LOST_AFTER_SECONDS, sweep
 
 __all__ = ["DevMasterConfig", "main", "serve", "serve_forever"]
 
@@ -55,6 +55,10 @@ class DevMasterConfig:
     discard_logs: bool = False
     """Acknowledge log lines without storing them (count and SHA-256 only: ``GET /api/tasks/{id}/logs/digest``),
     so the master keeps up with any agent; for benchmarks."""
+
+    node_lost_after: float = NODE_LOST_AFTER_SECONDS
+    """Seconds without a heartbeat after which a node's RUNNING tasks end their attempt NODE_LOST and get a
+    new one (default 600: the protocol's restart grace; ckagent.devmaster.sweeper)."""
 
     def __repr__(self) -> str:  # tokens are secrets
         return (
@@ -114,15 +118,24 @@ async def serve(
             finally:
                 notifier.close()
 
+        sweeps = trio.CancelScope()
+
+        async def run_sweeps() -> None:
+            with sweeps:
+                await sweep(store, notifier, config.node_lost_after)
+
+        async def run_http(  # noqa: ASYNC128 - hypercorn_serve calls task_status.started()
+            task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+        ) -> None:
+            try:
+                await hypercorn_serve(cast(ASGIFramework, app), _hypercorn_config(config),
+                                      shutdown_trigger=until_shutdown, task_status=task_status)
+            finally:
+                sweeps.cancel()  # served to the end: the periodic work ends with it
+
         async with trio.open_nursery() as nursery:
-            binds = await nursery.start(
-                partial(
-                    hypercorn_serve,
-                    cast(ASGIFramework, app),
-                    _hypercorn_config(config),
-                    shutdown_trigger=until_shutdown,
-                )
-            )
+            nursery.start_soon(run_sweeps)
+            binds = await nursery.start(run_http)
             base_url = str(binds[0]).rstrip("/")
             _log.info("dev master listening on %s (db: %s)", base_url, config.db_path)
             task_status.started(base_url)
@@ -140,6 +153,7 @@ def serve_forever(
     admin_token: str,
     public_url: str | None = None,
     discard_logs: bool = False,
+    node_lost_after: float = NODE_LOST_AFTER_SECONDS,
 ) -> None:
     """Run the dev master in the foreground until SIGINT or SIGTERM, then return normally (exit 0).
 
@@ -154,6 +168,7 @@ def serve_forever(
         admin_token=admin_token,
         public_url=public_url,
         discard_logs=discard_logs,
+        node_lost_after=node_lost_after,
     )
 
     async def main_task() -> None:
@@ -198,7 +213,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="URL agents reach this master at, for code package URLs (default: relative URLs)")
     parser.add_argument("--discard-logs", action="store_true",
                         help="acknowledge log lines without storing them (count and SHA-256 only; benchmarks)")
+    parser.add_argument("--node-lost-after", type=float, default=NODE_LOST_AFTER_SECONDS, metavar="SECONDS",
+                        help="a node silent this long loses its running tasks to new attempts (default 600:"
+                             " the protocol's restart grace)")
     args = parser.parse_args(argv)
+    if not args.node_lost_after > 0:
+        parser.error("--node-lost-after: expected a number of seconds > 0")
     if not args.registration_token or not args.admin_token:
         parser.error(
             "needs --registration-token/DEVMASTER_REGISTRATION_TOKEN and --admin-token/DEVMASTER_ADMIN_TOKEN"
@@ -212,5 +232,6 @@ def main(argv: list[str] | None = None) -> int:
         admin_token=args.admin_token,
         public_url=args.public_url,
         discard_logs=args.discard_logs,
+        node_lost_after=args.node_lost_after,
     )
     return 0

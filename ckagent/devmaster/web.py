@@ -94,13 +94,15 @@ async def json_body(request: Request, max_bytes: int = MAX_NODE_BODY_BYTES) -> A
 
 
 _ITEMS_PREFIX = re.compile(r'\{\s*"seq"\s*:\s*(0|[1-9][0-9]*)\s*,\s*"items"\s*:\s*(?=\[)')
+_ITEMS_SUFFIX = re.compile(r'\s*(?:,\s*"attempt"\s*:\s*([1-9][0-9]{0,15})\s*)?\}\s*')
 _JSON_DECODER = json.JSONDecoder()
 
 
 async def items_body(request: Request, max_bytes: int = MAX_NODE_BODY_BYTES) -> tuple[Any, str | None]:
     """An items batch body: (the decoded JSON, the items array's own JSON text or None).
 
-    The text comes with a body of exactly ``{"seq": N, "items": [...]}`` (the agent's form), read
+    The text comes with a body of exactly ``{"seq": N, "items": [...]}`` or ``{"seq": N, "items": [...],
+    "attempt": A}`` (the agent's forms), read
     with one decode that also says where the array ends: the store keeps that text as it came
     instead of encoding every item again (half the master's CPU per item, bench/items.py). Any
     other body is decoded as :func:`_json_body` does. Raises BadRequestError for a body that is
@@ -118,8 +120,12 @@ async def items_body(request: Request, max_bytes: int = MAX_NODE_BODY_BYTES) -> 
         except ValueError:
             pass
         else:
-            if text[end:].strip() == "}":
-                return {"seq": int(match.group(1)), "items": items}, text[match.end():end]
+            tail = _ITEMS_SUFFIX.fullmatch(text, end)
+            if tail is not None:
+                body = {"seq": int(match.group(1)), "items": items}
+                if tail.group(1) is not None:
+                    body["attempt"] = int(tail.group(1))
+                return body, text[match.end():end]
     if not raw.strip():
         return {}, None
     try:

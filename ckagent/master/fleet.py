@@ -41,6 +41,8 @@ from ckagent.node.versions import InvalidVersion, Version
 
 if TYPE_CHECKING:
     from ckagent.master.client import MasterClient
+    from ckagent.master.heartbeat import HeartbeatLoop, NodeReport
+    from ckagent.node.state import AsyncStateStore
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,17 @@ FINAL_BEAT_TIMEOUT = 2.0
 """Seconds the agent's last heartbeat (status STOPPED) may take on its way out."""
 LEAVE_TIMEOUT = 2.0
 """Seconds the leaving call may take on the agent's way out (after its last heartbeat)."""
+
+
+async def final_beat(heartbeat: HeartbeatLoop, store: AsyncStateStore, report: NodeReport) -> None:
+    """The agent's last heartbeat (``report``: status STOPPED), at most FINAL_BEAT_TIMEOUT seconds; what
+    the state store still holds undelivered is listed as reporting (the master must not hand those tasks
+    out again). Never raises for the master's trouble (the heartbeat loop's own). Cancellation: as usual."""
+    import dataclasses
+
+    with trio.move_on_after(FINAL_BEAT_TIMEOUT):
+        held = [record.task_id for record in await store.pending_delivery()]
+        await heartbeat.beat_once(dataclasses.replace(report, reporting_task_ids=held))
 
 
 async def leave(master: MasterClient, node_uid: str | None, terminated: bool, handed_over: int) -> None:

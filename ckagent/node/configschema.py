@@ -10,14 +10,15 @@ docs/configuration.md``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from ckagent.node import configvalues as v
-from ckagent.node.configvalues import AUTO_IP, EMPTY_LABELS, HOSTNAME, Dynamic, Secret, UidRange
+from ckagent.node.configvalues import AUTO_IP, EMPTY_LABELS, HOSTNAME, Secret, UidRange
 from ckagent.node.levels import AUTO, ContainmentLevel, EgressLevel
+from ckagent.node.settingrow import Setting
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 LogFormat = Literal["text", "json"]
@@ -57,7 +58,8 @@ class AgentSettings:
     quantity ("2000m", "4", "1.5") or None (see :attr:`container_cpu_limit_cores`). ``auto_upgrade``:
     follow the master's desired agent version through run.sh (ckagent.master.fleet). ``ports_registry``:
     the directory of the host's registry of agents' ports (None = the host-wide one,
-    :mod:`ckagent.node.agentports`).
+    :mod:`ckagent.node.agentports`). ``sigterm``: what SIGTERM asks of the agent, ``drain`` or
+    ``migrate`` (:class:`ckagent.node.stoprequest.StopMode`).
     """
 
     name: str
@@ -70,6 +72,7 @@ class AgentSettings:
     container_cpu_limit: str | None
     auto_upgrade: bool
     ports_registry: Path | None
+    sigterm: str = "drain"
 
     @property
     def container_cpu_limit_cores(self) -> float | None:
@@ -110,6 +113,8 @@ class TaskSettings:
     ``private_tmp``: ``auto`` or a level of :class:`ckagent.containment.private.PrivacyLevel` (its text);
     ``private_tmp_shared``: absolute paths (comma-separated) tasks still see in their private namespace.
     ``uid_claims``: the host-wide directory of the uids agents handed out (ckagent.node.uidclaims).
+    ``migrate_timeout``: seconds a migrate (``ckagent stop --migrate``) may take before the flush;
+    ``memory_soft_bytes``: the soft memory ceiling of a task that names none (bytes; None = none).
     """
 
     poll_interval: float
@@ -140,6 +145,8 @@ class TaskSettings:
     private_tmp: str = "auto"
     private_tmp_shared: str = ""
     uid_claims: Path = Path("/var/lib/ckagent/uids")
+    migrate_timeout: float = 20.0
+    memory_soft_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -204,47 +211,6 @@ class Settings:
         return out
 
 
-@dataclass(frozen=True)
-class Setting:
-    """One row of :data:`SETTINGS`.
-
-    ``type_doc`` and ``doc`` are for humans (docs/README); ``default`` is the value used when neither the
-    file nor the environment sets it (None = unset/optional); ``parse`` turns raw text into the value;
-    ``mapping`` marks a setting that is a YAML mapping (labels).
-    """
-
-    section: str
-    key: str
-    env: str
-    type_doc: str
-    default: Any
-    doc: str
-    parse: Callable[[str], Any]
-    secret: bool = False
-    mapping: bool = False
-
-    @property
-    def dotted(self) -> str:
-        """``section.key``."""
-        return f"{self.section}.{self.key}"
-
-    @property
-    def default_doc(self) -> str:
-        """The default as shown in the docs table."""
-        d = self.default
-        if isinstance(d, Dynamic):
-            return d.doc
-        if d is None:
-            return "—"
-        if isinstance(d, Mapping):
-            return f"`{dict(d)}`"
-        if isinstance(d, Path) and not d.is_absolute():
-            return f"`./{d}`"
-        if isinstance(d, float):
-            return f"`{d:g}`"
-        return f"`{d}`"
-
-
 SETTINGS: tuple[Setting, ...] = (
     Setting("server", "url", "AGENT_SERVER_URL", "http(s) URL", "http://127.0.0.1:8080",
             "Base URL of the master.", v.http_url),
@@ -298,6 +264,11 @@ SETTINGS: tuple[Setting, ...] = (
             "task reaches any agent's port (egress group `agent`); unset = /run/ckagent/ports (made by a root "
             "agent, or by config/ckagent.tmpfiles), else /tmp/ckagent-ports for a non-root agent. Agents "
             "that share a host's network but not its /run (containers) can share one here.", v.path),
+    Setting("agent", "sigterm", "AGENT_SIGTERM", "drain, migrate", "drain",
+            "What SIGTERM asks: drain (stop claiming, let running tasks finish within task.drain_timeout) or "
+            "migrate (checkpoint every running task and hand it to another node within "
+            "task.migrate_timeout, as `ckagent stop --migrate` does). Kubernetes: migrate.",
+            v.choice(("drain", "migrate"), upper=False)),
     Setting("heartbeat", "interval", "AGENT_HEARTBEAT_INTERVAL", "seconds >= 1", 30.0,
             "Seconds between heartbeats.", v.seconds(minimum=1.0, exclusive=False)),
     Setting("task", "poll_interval", "AGENT_TASK_POLL_INTERVAL", "seconds >= 0.1", 10.0,
@@ -408,6 +379,16 @@ SETTINGS: tuple[Setting, ...] = (
             "it hands out, one file per uid naming its work dir, so that no two agents give one uid to "
             "their spiders or builders; a claim whose work dir has no state.db any more is taken over. "
             "Agents that share a host's uids but not its /var/lib (containers) can share one here.", v.path),
+    Setting("task", "migrate_timeout", "AGENT_TASK_MIGRATE_TIMEOUT", "seconds > 0", 20.0,
+            "`ckagent stop --migrate` (or SIGTERM with agent.sigterm=migrate): the seconds every running task "
+            "gets to checkpoint, stop and ship its checkpoint before it is reported MIGRATED; the agent exits "
+            "within this + flush_timeout (+ a few seconds): 20 + 10 fit Kubernetes' default 30 s grace.",
+            v.seconds()),
+    Setting("task", "memory_soft_bytes", "AGENT_TASK_MEMORY_SOFT_BYTES", "integer >= 1 (bytes)", None,
+            "Soft memory ceiling of a task that names none (`resources.memorySoftBytes`): past it the spider "
+            "is asked to checkpoint, then stopped FAILED (MEMORY_LIMIT, retryable), to resume on its next "
+            "attempt. Unset = none. Any containment level (the cgroup's figure, else its processes' RSS).",
+            v.integer(1)),
     Setting("logging", "level", "AGENT_LOG_LEVEL", "DEBUG, INFO, WARNING, ERROR", "INFO",
             "Log level (case-insensitive).", v.choice(("DEBUG", "INFO", "WARNING", "ERROR"), upper=True)),
     Setting("logging", "file", "AGENT_LOG_FILE", "path", None,

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ckagent.master.heartbeat import NodeReport
 from ckagent.port.status import AgentStatistics, runtime_versions, task_statistics
 
 if TYPE_CHECKING:
@@ -125,3 +126,18 @@ def disk_culprit(outbox: Outbox | None) -> tuple[tuple[str, Any], ...] | None:
             ("usedBytes", getattr(found, "used_bytes", None)),
             ("at", getattr(found, "at", None)),
             ("reason", str(getattr(found, "reason", "") or "") or None))
+
+
+def node_report(agent: StatusSource) -> NodeReport:
+    """What the next heartbeat says of the node (a snapshot of the state, the running set, the claims
+    on the wire and the results the master has not acknowledged). The agent must have been assembled."""
+    supervisor, outbox = agent.supervisor, agent.outbox
+    assert supervisor is not None and outbox is not None
+    return NodeReport(
+        status=str(agent.state), max_workers=supervisor.max_workers, free_slots=supervisor.free_slots(),
+        running_task_ids=tuple(supervisor.running), running_spider_ids=supervisor.running_spider_ids(),
+        claiming_task_ids=tuple(supervisor.claiming), claim_poll_ids=tuple(supervisor.claim_polls),
+        last_claim_poll_id=supervisor.last_claim_poll,
+        reporting_task_ids=tuple(t for t in outbox.deliveries if t not in supervisor.running),
+        runtimes=agent.scan.report(), paused_reason=agent.intake.reason,
+    )

@@ -11,6 +11,9 @@ are ignored (and say so in the debug log)::
     the watchdog: no sign of life              STALLED       FAILED     STALLED
     the outbox: the task fills the disk        DISK_FULL     FAILED     DISK_FULL
     adoption: its egress rules cannot return   EGRESS_LOST   CANCELLED  CANCELLED
+    a migrate (ckagent stop --migrate)         MIGRATED      FAILED     MIGRATED
+    the soft memory ceiling                    MEMORY_LIMIT  FAILED     MEMORY_LIMIT
+    a newer attempt runs elsewhere (409)       SUPERSEDED    (no result is sent: the master moved on)
 
 What a request does, at once and on the Trio thread: it cancels :attr:`TaskStop.prepare_scope`
 (waiting for the spider lock or a slot, deploying, installing: an installer is stopped by its
@@ -58,6 +61,9 @@ class StopReason(enum.Enum):
     STALLED = "stalled"
     DISK_FULL = "disk full"
     EGRESS_LOST = "egress rules lost"
+    MIGRATED = "migrated: handed over to another node"
+    MEMORY_LIMIT = "over its soft memory ceiling"
+    SUPERSEDED = "superseded by a newer attempt"
 
     @property
     def status(self) -> str:
@@ -70,7 +76,8 @@ class StopReason(enum.Enum):
         return _FAILURES.get(self, "CANCELLED")
 
 
-_FAILURES = {StopReason.TIMEOUT: "TIMEOUT", StopReason.STALLED: "STALLED", StopReason.DISK_FULL: "DISK_FULL"}
+_FAILURES = {StopReason.TIMEOUT: "TIMEOUT", StopReason.STALLED: "STALLED", StopReason.DISK_FULL: "DISK_FULL",
+             StopReason.MIGRATED: "MIGRATED", StopReason.MEMORY_LIMIT: "MEMORY_LIMIT"}
 
 
 class TaskStop:
@@ -85,19 +92,22 @@ class TaskStop:
         """Why the task is being stopped (None: it is not)."""
         self.detail: str | None = None
         """The words of the request (``stalled: no output … for 61 s``), None: the reason's own."""
+        self.grace_limit: float | None = None
+        """Seconds the stop grace may last at most (a migrate's time left), None: the task's own grace."""
         self.prepare_scope = trio.CancelScope()
         """Entered by the runner around waiting for a slot, deploying and installing: a stop cancels it."""
         self._event = trio.Event()
         self._scopes: set[trio.CancelScope] = set()  # see cancelling
 
-    def request(self, reason: StopReason, detail: str | None = None) -> bool:
-        """Stop the task for ``reason`` (``detail``: the words for its log and result). Idempotent:
-        returns True when this call stopped it, False when it was already stopped (the first reason
-        stands; the later one is logged at debug level). Never raises, never blocks."""
+    def request(self, reason: StopReason, detail: str | None = None, *, grace: float | None = None) -> bool:
+        """Stop the task for ``reason`` (``detail``: the words for its log and result; ``grace``: seconds
+        its stop grace may last at most). Idempotent: returns True when this call stopped it, False when
+        it was already stopped (the first reason stands; the later one is logged at debug level). Never
+        raises, never blocks."""
         if self.reason is not None:
             log.debug("task %s: already stopping (%s); %s ignored", self.task_id, self.reason.name, reason.name)
             return False
-        self.reason, self.detail = reason, detail
+        self.reason, self.detail, self.grace_limit = reason, detail, grace
         self.prepare_scope.cancel()
         for scope in self._scopes:
             scope.cancel()
@@ -182,6 +192,11 @@ class Watchdog:
     def describe(self) -> str:
         """The stop's words (:meth:`TaskStop.describe`)."""
         return self.stop.describe()
+
+    @property
+    def grace_limit(self) -> float | None:
+        """:attr:`TaskStop.grace_limit` (the process supervisor cuts its grace to it)."""
+        return self.stop.grace_limit
 
     def cancelling(self, deadline: float = math.inf) -> contextlib.AbstractContextManager[trio.CancelScope]:
         """:meth:`TaskStop.cancelling`, ending at the next look at the limits too (:meth:`look`

@@ -82,12 +82,16 @@ node without yarn or pnpm),
   from the pyz, for a root suite (:mod:`harness.useragent`).
 - :func:`user_temp_dir` is a directory of this user's own in the machine's temp directory, kept across
   runs (:mod:`harness.tempdirs`): fixed names there are shared by every user of the machine.
+- A spider's state (issue 38): :class:`TaskFiles` plays the agent's side of the control channel
+  (:mod:`harness.spiderstate`; :func:`start_spider`, :func:`sdk_env`); :func:`serve_site` serves a site
+  of N pages (and the demo shop) for the resumable examples, counting fetches (:mod:`harness.pagedsite`).
 """
 
 from __future__ import annotations
 
 from harness.agentports import *  # noqa: F403
 from harness.agentproc import *  # noqa: F403
+from harness.checkpointnode import *  # noqa: F403
 from harness.core import *  # noqa: F403
 from harness.demo import *  # noqa: F403
 from harness.eggs import *  # noqa: F403
@@ -102,6 +106,7 @@ from harness.levelcheck import *  # noqa: F403
 from harness.loopback import *  # noqa: F403
 from harness.nodelocks import *  # noqa: F403
 from harness.npmregistry import *  # noqa: F403
+from harness.pagedsite import *  # noqa: F403
 from harness.procs import *  # noqa: F403
 from harness.pythons import *  # noqa: F403
 from harness.pyz import *  # noqa: F403
@@ -110,6 +115,7 @@ from harness.recording import *  # noqa: F403
 from harness.runsh import *  # noqa: F403
 from harness.scrapyprojects import *  # noqa: F403
 from harness.smalldisk import *  # noqa: F403
+from harness.spiderstate import *  # noqa: F403
 from harness.tempdirs import *  # noqa: F403
 from harness.tenantmatrix import *  # noqa: F403
 from harness.tenants import *  # noqa: F403

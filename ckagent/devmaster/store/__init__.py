@@ -12,6 +12,10 @@ the SQL reads as the contract. One module per concern::
     tasks.py      tasks on the admin side (create, list, cancel), stats snapshots, artifacts
     claims.py     the queue, claims, releases, reconciliation, final results
     streams.py    log lines and items, once each by sequence number
+    supersede.py  the rule that refuses what an older attempt of a task sends (409 supersededBy)
+    attempts.py   a task's attempts: the next attempt (items cut back to its checkpoint), the retry
+                  decision after a final result (ckagent.devmaster.retrypolicy), the node-lost sweep
+    checkpoints.py checkpoint chunks and manifests; a task keeps what its newest checkpoint needs
 
 The exceptions it raises are drawn in :mod:`ckagent.devmaster.errors`; code packages are read by
 :mod:`ckagent.devmaster.packages`. A payload that breaks the schema raises
@@ -20,6 +24,8 @@ The exceptions it raises are drawn in :mod:`ckagent.devmaster.errors`; code pack
 
 from __future__ import annotations
 
+from ckagent.devmaster.store.attempts import AttemptStore
+from ckagent.devmaster.store.checkpoints import CheckpointStore
 from ckagent.devmaster.store.claims import CLAIM_GRACE_SECONDS, ClaimStore
 from ckagent.devmaster.store.database import CHECKPOINT_BYTES, WAL_LIMIT_BYTES
 from ckagent.devmaster.store.nodes import NODE_LIVE_SECONDS, NodeStore
@@ -32,7 +38,7 @@ __all__ = ["CHECKPOINT_BYTES", "CLAIM_GRACE_SECONDS", "NODE_LIVE_SECONDS", "SCHE
            "Store"]
 
 
-class Store(NodeStore, SpiderStore, TaskStore, ClaimStore, StreamStore):
+class Store(NodeStore, SpiderStore, TaskStore, ClaimStore, StreamStore, AttemptStore, CheckpointStore):
     """The dev master's state in one SQLite file (WAL mode). Thread-safe; every method blocks.
 
     Open with ``Store(db_path)`` (creates the file and the schema), close with ``close()``.

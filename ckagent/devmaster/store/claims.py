@@ -14,10 +14,12 @@ from typing import Any
 
 from ckagent.devmaster import stats as task_stats
 from ckagent.devmaster.errors import ConflictError
+from ckagent.devmaster.store.attempts import claim_attempt, end_attempt, newest_checkpoint, unclaim_attempt
 from ckagent.devmaster.store.database import Database, dumps, epoch, loads, task_row
+from ckagent.devmaster.store.supersede import check_attempt, current_attempt
 from ckagent.devmaster.store.tasks import task_json
 from ckagent.master.ids import url_segment
-from ckagent.master.protocol import FINAL_STATUSES, Heartbeat, TaskResult, utc_now_iso
+from ckagent.master.protocol import FINAL_STATUSES, Heartbeat, TaskResult, cause_of, utc_now_iso
 
 CLAIM_GRACE_SECONDS = 60.0
 """A RUNNING task a node does not list in a heartbeat (running, claiming or reporting) goes back to
@@ -25,6 +27,9 @@ PENDING only when it was claimed at least this long ago: a claim answered after 
 heartbeat's snapshot must not be taken back (docs/protocol.md, "Claims and releases")."""
 
 _log = logging.getLogger(__name__)
+
+_Chosen = tuple[sqlite3.Row, "sqlite3.Row | None", "sqlite3.Row | None"]
+"""A task chosen for a poll answer: its row, its package row, its newest checkpoint."""
 
 
 def cancel_ids_of(db: sqlite3.Connection, node_id: str) -> list[str]:
@@ -94,6 +99,7 @@ class ClaimStore(Database):
 
     @staticmethod
     def _give_back(db: sqlite3.Connection, task_id: str, cancel_requested: bool, why: str) -> None:
+        unclaim_attempt(db, task_row(db, task_id), cancel_requested, utc_now_iso())
         if cancel_requested:
             db.execute(
                 "UPDATE tasks SET status = 'CANCELLED', error_code = 'CANCELLED', error_message = ?,"
@@ -125,11 +131,11 @@ class ClaimStore(Database):
         (feature ``poll-follows-results``): those of the excluded spiders that stay excluded only while
         ``node_id`` has a RUNNING task of theirs (:meth:`excluded_now`).
         """
-        def choose(db: sqlite3.Connection) -> list[tuple[sqlite3.Row, sqlite3.Row | None]]:
+        def choose(db: sqlite3.Connection) -> list[_Chosen]:
             excluded = self.excluded_now(db, node_id, exclude_spider_ids, running_spider_ids)
             return self._choose_pending(db, limit, excluded)
 
-        return [self._wire_task(r, package, base_url) for r, package in self._read(choose)]
+        return [self._wire_task(r, package, checkpoint, base_url) for r, package, checkpoint in self._read(choose)]
 
     @staticmethod
     def excluded_now(db: sqlite3.Connection, node_id: str | None, exclude_spider_ids: Sequence[str],
@@ -162,18 +168,20 @@ class ClaimStore(Database):
                 "SELECT * FROM tasks WHERE node_id = ? AND status = 'RUNNING' AND claim_poll_id = ? ORDER BY n",
                 (node_id, str(poll_id)),
             ).fetchall()[:limit]
-            chosen = [(r, self._package(db, r)) for r in again]
+            chosen = [(r, self._package(db, r), newest_checkpoint(db, r["id"])) for r in again]
             excluded = self.excluded_now(db, node_id, exclude_spider_ids, running_spider_ids)
             excluded |= {r["spider_id"] for r in again}
-            for r, _package in (fresh := self._choose_pending(db, limit - len(chosen), excluded)):
+            for r, _package, _checkpoint in (fresh := self._choose_pending(db, limit - len(chosen), excluded)):
                 db.execute(
                     "UPDATE tasks SET status = 'RUNNING', node_id = ?, claimed_at = ?, started_at = ?,"
                     " claim_poll_id = ? WHERE id = ? AND status = 'PENDING'",
                     (node_id, now, now, str(poll_id), r["id"]),
                 )
+                claim_attempt(db, r, node_id, now, now)
             chosen += fresh
             cancel = cancel_ids_of(db, node_id)
-        return [{**self._wire_task(r, package, base_url), "claimed": True} for r, package in chosen], cancel
+        return [{**self._wire_task(r, package, checkpoint, base_url), "claimed": True}
+                for r, package, checkpoint in chosen], cancel
 
     @staticmethod
     def _package(db: sqlite3.Connection, row: sqlite3.Row) -> sqlite3.Row | None:
@@ -182,27 +190,30 @@ class ClaimStore(Database):
             (row["spider_id"], row["code_version"]),
         ).fetchone()
 
-    def _choose_pending(
-        self, db: sqlite3.Connection, limit: int, excluded: set[str]
-    ) -> list[tuple[sqlite3.Row, sqlite3.Row | None]]:
-        """Up to ``limit`` PENDING tasks, oldest first, one per spider, none of ``excluded``, with their package row."""
-        chosen: list[tuple[sqlite3.Row, sqlite3.Row | None]] = []
+    def _choose_pending(self, db: sqlite3.Connection, limit: int, excluded: set[str]) -> list[_Chosen]:
+        """Up to ``limit`` PENDING tasks, oldest first, one per spider, none of ``excluded``, none waiting
+        for its retry time (``not_before``), with their package row and newest checkpoint."""
+        chosen: list[_Chosen] = []
         if limit <= 0:
             return chosen
         seen: set[str] = set()
-        for row in db.execute("SELECT * FROM tasks WHERE status = 'PENDING' ORDER BY n"):
+        now = utc_now_iso()
+        for row in db.execute("SELECT * FROM tasks WHERE status = 'PENDING' AND (not_before IS NULL OR not_before <= ?)"
+                              " ORDER BY n", (now,)):
             spider_id = row["spider_id"]
             if spider_id in excluded or spider_id in seen:
                 continue
             seen.add(spider_id)
-            chosen.append((row, self._package(db, row)))
+            chosen.append((row, self._package(db, row), newest_checkpoint(db, row["id"])))
             if len(chosen) >= limit:
                 break
         return chosen
 
     @staticmethod
-    def _wire_task(r: sqlite3.Row, found: sqlite3.Row | None, base_url: str) -> dict[str, Any]:
-        """A task row as the poll answer's JSON."""
+    def _wire_task(r: sqlite3.Row, found: sqlite3.Row | None, checkpoint: sqlite3.Row | None,
+                   base_url: str) -> dict[str, Any]:
+        """A task row as the poll answer's JSON (``checkpoint``: the task's newest, the one its attempt
+        resumes from)."""
         code_package = None
         if r["code_mode"] == "package" and found is not None:
             code_package = {
@@ -229,21 +240,44 @@ class ClaimStore(Database):
             "egress": loads(r["egress"]),
             "stopGraceSeconds": r["stop_grace_seconds"],
             "cleanStart": True if r["clean_start"] else None,
+            "attempt": current_attempt(r),
+            "itemSeqStart": r["item_seq_start"] or 0,
+            "logSeqStart": r["log_seq_start"] or 0,
+            "checkpoint": None if checkpoint is None else {
+                "id": checkpoint["id"], "attempt": checkpoint["attempt"], "itemSeq": checkpoint["item_seq"],
+                "logSeq": checkpoint["log_seq"], "createdAt": checkpoint["created_at"],
+                "sizeBytes": checkpoint["size_bytes"],
+                "url": f"{base_url}/api/tasks/{url_segment(r['id'])}/checkpoints/{url_segment(checkpoint['id'])}",
+            },
+            "checkpointIntervalSeconds": r["checkpoint_interval_seconds"],
+            "resume": r["resume"],
+            "retry": loads(r["retry"]),
         }
 
-    def report_result(self, task_id: str, node_id: str, result: TaskResult) -> dict[str, Any]:
+    def report_result(self, task_id: str, node_id: str, result: TaskResult,
+                      attempt: int | None = None) -> dict[str, Any]:
         """Apply a node's result report; returns the task as admin JSON.
 
         RUNNING is the claim: PENDING → RUNNING for this node; the same node again is fine; claimed by
         another node, final or cancelled → ConflictError. SUCCESS/FAILED/CANCELLED: only from the
         claiming node; the same final status again is a no-op, a different one is ConflictError. A
         PENDING task may be reported FAILED with errorCode BAD_TASK by a node that could not parse it.
+        ``attempt`` (None: the report does not say): a report of an attempt older than the task's
+        current one is ConflictError ``supersededBy`` — unless it repeats that attempt's stored end (a
+        resend whose answer was lost: a no-op). A final result ends the current attempt and applies the
+        retry decision (store/attempts.py): the task is final, or PENDING at its next attempt.
         Raises NotFoundError for an unknown task.
         """
         now = utc_now_iso()
         with self._tx() as db:
             row = task_row(db, task_id)
             status, owner = row["status"], row["node_id"]
+            try:
+                check_attempt(db, row, node_id, attempt)
+            except ConflictError as exc:
+                if "supersededBy" in exc.extra and self._repeated(db, task_id, node_id, result, attempt):
+                    return task_json(row)
+                raise
             if result.status == "RUNNING":
                 if status == "PENDING":
                     db.execute(
@@ -251,6 +285,7 @@ class ClaimStore(Database):
                         " WHERE id = ?",
                         (node_id, now, result.started_at or now, task_id),
                     )
+                    claim_attempt(db, row, node_id, now, result.started_at or now)
                 elif status == "RUNNING" and owner == node_id:
                     pass
                 elif status == "RUNNING":
@@ -266,6 +301,8 @@ class ClaimStore(Database):
                     if result.status != "FAILED":
                         raise ConflictError("errorCode BAD_TASK on an unclaimed task needs status FAILED")
                     db.execute("UPDATE tasks SET node_id = ? WHERE id = ?", (node_id, task_id))
+                    db.execute("UPDATE task_attempts SET node_id = ? WHERE task_id = ? AND attempt = ?",
+                               (node_id, task_id, current_attempt(row)))
                     self._finish(db, task_id, result, now)
                 elif owner != node_id:
                     raise ConflictError(f"task {task_id!r} is not claimed by this node")
@@ -277,7 +314,20 @@ class ClaimStore(Database):
             return task_json(task_row(db, task_id))
 
     @staticmethod
+    def _repeated(db: sqlite3.Connection, task_id: str, node_id: str, result: TaskResult, attempt: int | None) -> bool:
+        """Whether ``result`` repeats the stored end of an earlier attempt ``node_id`` ran (``attempt``, or
+        its newest when None)."""
+        if result.status not in FINAL_STATUSES:
+            return False
+        prior = db.execute(
+            "SELECT status, error_code FROM task_attempts WHERE task_id = ? AND node_id = ? AND (? IS NULL OR attempt = ?)"
+            " ORDER BY attempt DESC LIMIT 1", (task_id, node_id, attempt, attempt)).fetchone()
+        return prior is not None and prior["status"] == result.status and prior["error_code"] == result.error_code
+
+    @staticmethod
     def _finish(db: sqlite3.Connection, task_id: str, result: TaskResult, now: str) -> None:
+        """Write a final result into the task and end its current attempt (the retry decision may make
+        the task PENDING at its next attempt)."""
         assert result.status in FINAL_STATUSES
         db.execute(
             "UPDATE tasks SET status = ?, exit_code = ?, error_code = ?, error_message = ?,"
@@ -299,6 +349,16 @@ class ClaimStore(Database):
         )
         if result.stats is not None:
             task_stats.save(db, task_id, result.stats, final=True)
+        cause, retryable = cause_of(result.error_code if result.status == "FAILED" else None)
+        if result.status == "FAILED" and result.cause_class is not None:
+            cause = result.cause_class
+        if result.status == "FAILED" and result.retryable is not None:
+            retryable = result.retryable
+        end_attempt(db, task_id, status=result.status, error_code=result.error_code,
+                    error_message=result.error_message, exit_code=result.exit_code,
+                    cause_class=None if cause is None else str(getattr(cause, "value", cause)), retryable=retryable,
+                    checkpoint_id=result.checkpoint_id, finished_at=result.finished_at or now,
+                    started_at=result.started_at)
 
 
 

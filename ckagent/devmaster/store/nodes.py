@@ -4,6 +4,7 @@ version policy."""
 from __future__ import annotations
 
 import secrets
+import sqlite3
 from typing import Any
 
 from ckagent.devmaster.errors import BadRequestError, ConflictError, UnauthorizedError
@@ -151,7 +152,9 @@ class NodeStore(Database):
 
         Those are the node's RUNNING tasks with a cancel request, plus every id in the beat's
         ``runningTaskIds`` that is final or claimed by another node (the node should not be running
-        it). Pending or unknown ids are left alone: a node lists a task before its claim lands.
+        it), or PENDING at a later attempt than one this node ran and the master ended NODE_LOST (a lost
+        node come back: the task moved on). Other pending or unknown ids are left alone: a node lists a
+        task before its claim lands.
         """
         with self._tx() as db:
             db.execute(
@@ -162,12 +165,12 @@ class NodeStore(Database):
                 db.execute("UPDATE nodes SET runtimes = ? WHERE id = ?", (dumps(beat.runtimes), node_id))
             cancel = cancel_ids_of(db, node_id)
             for task_id in beat.running_task_ids:
-                row = db.execute("SELECT status, node_id FROM tasks WHERE id = ?", (task_id,)).fetchone()
+                row = db.execute("SELECT status, node_id, attempt FROM tasks WHERE id = ?", (task_id,)).fetchone()
                 if row is None or task_id in cancel:
                     continue
                 if row["status"] in FINAL_STATUSES or (
                     row["status"] == "RUNNING" and row["node_id"] != node_id
-                ):
+                ) or (row["status"] == "PENDING" and _lost_here(db, task_id, node_id, int(row["attempt"] or 1))):
                     cancel.append(task_id)
             return cancel
 
@@ -196,6 +199,12 @@ class NodeStore(Database):
             }
             for r in rows
         ]
+
+
+def _lost_here(db: sqlite3.Connection, task_id: str, node_id: str, current: int) -> bool:
+    """Whether an attempt of the task older than ``current`` ran on ``node_id`` and ended NODE_LOST."""
+    return db.execute("SELECT 1 FROM task_attempts WHERE task_id = ? AND node_id = ? AND attempt < ?"
+                      " AND error_code = 'NODE_LOST' LIMIT 1", (task_id, node_id, current)).fetchone() is not None
 
 
 def _identity(info: Any) -> Any:

@@ -117,6 +117,58 @@ CREATE TABLE IF NOT EXISTS task_item_chunks (
     data      TEXT NOT NULL,                              -- JSON array of objects
     PRIMARY KEY (task_id, first_seq)
 );
+-- One row per attempt of a task (store/attempts.py): created PENDING (attempt 1 with the task, the next
+-- when the master gives it another), RUNNING when claimed, final with the node's result or NODE_LOST.
+CREATE TABLE IF NOT EXISTS task_attempts (
+    task_id         TEXT NOT NULL,
+    attempt         INTEGER NOT NULL,
+    status          TEXT NOT NULL,                       -- PENDING RUNNING SUCCESS FAILED CANCELLED
+    node_id         TEXT,
+    created_at      TEXT NOT NULL,
+    not_before      TEXT,                                -- a retry waits until then (ISO time)
+    claimed_at      TEXT,
+    started_at      TEXT,
+    finished_at     TEXT,
+    exit_code       INTEGER,
+    error_code      TEXT,
+    error_message   TEXT,
+    cause_class     TEXT,                                -- disruption resource spider setup (null: none)
+    retryable       INTEGER,
+    counted         INTEGER,                             -- 1: counts against retry.maxAttempts
+    decision        TEXT,                                -- what the master did after it (retry policy's words)
+    resumed_from    TEXT,                                -- the checkpoint id it started from (null: from scratch)
+    item_seq_start  INTEGER NOT NULL DEFAULT 0,
+    log_seq_start   INTEGER NOT NULL DEFAULT 0,
+    items_kept      INTEGER NOT NULL DEFAULT 0,          -- earlier attempts' items kept at its start
+    items_dropped   INTEGER NOT NULL DEFAULT 0,          -- ... and dropped
+    checkpoint_id   TEXT,                                -- the newest checkpoint it shipped (result's checkpointId)
+    PRIMARY KEY (task_id, attempt)
+);
+-- Checkpoints (store/checkpoints.py): a task keeps its newest manifest and the chunks it names.
+CREATE TABLE IF NOT EXISTS task_checkpoints (
+    n              INTEGER PRIMARY KEY AUTOINCREMENT,    -- the order they were recorded in
+    task_id        TEXT NOT NULL,
+    id             TEXT NOT NULL,
+    attempt        INTEGER NOT NULL,
+    created_at     TEXT NOT NULL,
+    recorded_at    TEXT NOT NULL,
+    reason         TEXT NOT NULL,
+    item_seq       INTEGER NOT NULL,
+    log_seq        INTEGER NOT NULL,
+    size_bytes     INTEGER NOT NULL,
+    packed_bytes   INTEGER NOT NULL,
+    file_count     INTEGER NOT NULL,
+    manifest       TEXT NOT NULL,                        -- the manifest as posted (JSON)
+    UNIQUE (task_id, id)
+);
+CREATE TABLE IF NOT EXISTS checkpoint_chunks (
+    task_id        TEXT NOT NULL,
+    sha256         TEXT NOT NULL,                        -- of the unpacked bytes
+    size_bytes     INTEGER NOT NULL,                     -- unpacked
+    data           BLOB NOT NULL,                        -- gzip, as sent
+    stored_at      TEXT NOT NULL,
+    PRIMARY KEY (task_id, sha256)
+);
 """
 
 
@@ -130,14 +182,21 @@ ADDED_COLUMNS: dict[str, tuple[str, ...]] = {
     # left_at: when the node's agent said it was leaving (POST .../leaving; ISO time), null while it holds its
     # name; a registration clears it.
     "nodes": ("left_at",),
-    "spiders": ("resources", "stop_signal", "outputs", "egress"),
-    "tasks": ("resources", "stop_signal", "figures", "claim_poll_id", "outputs", "egress"),
+    # retry: JSON {maxAttempts, backoffSeconds, factor, on, exitCodes}; resume: restart-replace|restart-keep
+    # (a spider's default, a task's own or the copy); not_before: a retried task is not handed out before
+    # this ISO time.
+    "spiders": ("resources", "stop_signal", "outputs", "egress", "retry", "resume"),
+    "tasks": ("resources", "stop_signal", "figures", "claim_poll_id", "outputs", "egress", "retry", "resume",
+              "not_before"),
 }
 NUMBER_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
     # stop_grace_seconds: a spider's default / a task's stopGraceSeconds (null: the framework's or node's);
-    # clean_start: 1 when the task's cleanStart is true.
-    "spiders": (("stop_grace_seconds", "REAL"),),
-    "tasks": (("stop_grace_seconds", "REAL"), ("clean_start", "INTEGER")),
+    # clean_start: 1 when the task's cleanStart is true; checkpoint_interval_seconds: checkpointIntervalSeconds
+    # (null: the node's); attempt: the task's current attempt (null: 1); item_seq_start/log_seq_start: where
+    # that attempt's items and log lines start in the task's streams.
+    "spiders": (("stop_grace_seconds", "REAL"), ("checkpoint_interval_seconds", "REAL")),
+    "tasks": (("stop_grace_seconds", "REAL"), ("clean_start", "INTEGER"), ("checkpoint_interval_seconds", "REAL"),
+              ("attempt", "INTEGER"), ("item_seq_start", "INTEGER"), ("log_seq_start", "INTEGER")),
 }
 
 

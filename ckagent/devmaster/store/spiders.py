@@ -28,15 +28,21 @@ class SpiderStore(Database):
         outputs: dict[str, Any] | None = None,
         egress: dict[str, Any] | None = None,
         stop_grace_seconds: float | None = None,
+        retry: dict[str, Any] | None = None,
+        resume: str | None = None,
+        checkpoint_interval_seconds: float | None = None,
     ) -> str:
         """Create a spider (arguments already validated). Returns its id. ``resources`` (limits of its
         tasks), ``stop_signal`` and ``outputs`` (declared item files and artifacts) and ``egress`` (its network policy, the wire shape)
-        and ``stop_grace_seconds`` (seconds from a stop signal to the kill) are the defaults of its tasks."""
+        and ``stop_grace_seconds`` (seconds from a stop signal to the kill), ``retry`` (the wire's RetryPolicy
+        JSON), ``resume`` (restart-replace | restart-keep) and ``checkpoint_interval_seconds`` are the defaults
+        of its tasks."""
         spider_id = new_id()
         with self._tx() as db:
             db.execute(
                 "INSERT INTO spiders (id, name, framework, command, timeout_seconds, code_mode, env, created_at,"
-                " resources, stop_signal, outputs, egress, stop_grace_seconds) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " resources, stop_signal, outputs, egress, stop_grace_seconds, retry, resume, checkpoint_interval_seconds)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     spider_id,
                     name,
@@ -51,6 +57,9 @@ class SpiderStore(Database):
                     dumps(outputs) if outputs is not None else None,
                     dumps(egress) if egress is not None else None,
                     stop_grace_seconds,
+                    dumps(retry) if retry is not None else None,
+                    resume,
+                    checkpoint_interval_seconds,
                 ),
             )
         return spider_id
@@ -72,6 +81,9 @@ class SpiderStore(Database):
             "outputs": loads(r["outputs"]),
             "egress": loads(r["egress"]),
             "stopGraceSeconds": r["stop_grace_seconds"],
+            "retry": loads(r["retry"]),
+            "resume": r["resume"],
+            "checkpointIntervalSeconds": r["checkpoint_interval_seconds"],
         }
 
     def list_spiders(self) -> list[dict[str, Any]]:
@@ -88,16 +100,18 @@ class SpiderStore(Database):
 
     def update_spider(self, spider_id: str, changes: dict[str, Any]) -> dict[str, Any]:
         """Change a spider's ``name``, ``framework``, ``command``, ``timeout_seconds``, ``env``, ``resources``,
-        ``stop_signal``, ``outputs``, ``egress``, ``stop_grace_seconds`` (validated values; only the keys given). Returns the spider's admin JSON. Raises NotFoundError."""
-        as_json = {"command", "env", "resources", "outputs", "egress"}  # JSON columns; the others: the value
+        ``stop_signal``, ``outputs``, ``egress``, ``stop_grace_seconds``, ``retry``, ``resume``,
+        ``checkpoint_interval_seconds`` (validated values; only the keys given). Returns the spider's admin
+        JSON. Raises NotFoundError."""
+        as_json = {"command", "env", "resources", "outputs", "egress", "retry"}  # JSON columns; the others: the value
         sets: list[str] = []
         values: list[Any] = []
         for key, value in changes.items():
             if key not in ("name", "framework", "command", "timeout_seconds", "env", "resources", "stop_signal",
-                           "outputs", "egress", "stop_grace_seconds"):
+                           "outputs", "egress", "stop_grace_seconds", "retry", "resume", "checkpoint_interval_seconds"):
                 raise ValueError(f"update_spider: {key!r} is not a changeable column")
             sets.append(f"{key} = ?")
-            if key in ("resources", "outputs", "egress") and not value:
+            if key in ("resources", "outputs", "egress", "retry") and not value:
                 values.append(None)  # nullable column: none
             else:
                 values.append(dumps(value) if key in as_json else value)

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from ckagent.devmaster.errors import ConflictError, NotFoundError
 from ckagent.devmaster.store.database import Database, dumps, task_row
+from ckagent.devmaster.store.supersede import check_attempt
 
 _E = TypeVar("_E")
 
@@ -88,12 +89,14 @@ class StreamStore(Database):
 
         return self._read(query)
 
-    def append_logs(self, task_id: str, node_id: str, seq: int, lines: Sequence[str]) -> int:
+    def append_logs(self, task_id: str, node_id: str, seq: int, lines: Sequence[str],
+                    attempt: int | None = None) -> int:
         """Store log lines ``seq``.. once each; returns the new stored count (``acceptedSeq``).
 
         A full repeat stores nothing; an overlap stores only the new tail; ``seq`` beyond the stored
         count raises ConflictError with ``expectedSeq``. Only the claiming node may post (ConflictError).
-        The new lines become one chunk row.
+        A batch of an attempt older than the task's current one (``attempt``; None: not said) raises
+        ConflictError with ``supersededBy`` (store/supersede.py). The new lines become one chunk row.
         """
 
         def encode(tail: Sequence[str]) -> dict[str, str]:
@@ -103,7 +106,8 @@ class StreamStore(Database):
             return {"format": _JSON, "data": dumps(list(tail))}
 
         discard = self._digest_logs if self.discard_logs else None
-        return self._append("task_log_chunks", "stored_log_lines", task_id, node_id, seq, lines, encode, discard)
+        return self._append("task_log_chunks", "stored_log_lines", task_id, node_id, seq, lines, encode, discard,
+                            attempt=attempt)
 
     def _digest_logs(self, task_id: str, lines: Sequence[str]) -> None:
         digest = self._log_digests.setdefault(task_id, hashlib.sha256())
@@ -122,7 +126,7 @@ class StreamStore(Database):
         return {"count": count, "sha256": digest.hexdigest(), "discarded": self.discard_logs}
 
     def append_items(self, task_id: str, node_id: str, seq: int, items: Sequence[dict[str, Any]],
-                     text: str | None = None) -> int:
+                     text: str | None = None, attempt: int | None = None) -> int:
         """Store items ``seq``.. once each (as JSON text); same rules and answer as ``append_logs``.
         ``text``: the JSON array ``items`` were decoded from, kept as it is when every item is new
         (no encoding again); when some were stored already, the new ones are encoded."""
@@ -131,7 +135,8 @@ class StreamStore(Database):
                 return {"data": text}
             return {"data": dumps(list(tail))}
 
-        return self._append("task_item_chunks", "stored_items", task_id, node_id, seq, items, encode)
+        return self._append("task_item_chunks", "stored_items", task_id, node_id, seq, items, encode,
+                            attempt=attempt)
 
     def _append(
         self,
@@ -143,18 +148,21 @@ class StreamStore(Database):
         values: Sequence[_E],
         encode: Callable[[Sequence[_E]], dict[str, str]],
         discard: Callable[[str, Sequence[_E]], None] | None = None,
+        *,
+        attempt: int | None = None,
     ) -> int:
         """Store ``values[stored - seq:]`` as one chunk row, ``encode(tail)`` giving its other columns
         (name → value), or only count it and hand it to ``discard(task_id, tail)``. Returns the new
         stored count; ConflictError for another node or a gap.
         """
         with self._tx() as db:
-            row = db.execute(f"SELECT node_id, {counter} FROM tasks WHERE id = ?", (task_id,)).fetchone()
+            row = db.execute(f"SELECT id, attempt, node_id, {counter} FROM tasks WHERE id = ?", (task_id,)).fetchone()
             if row is None:
                 raise NotFoundError(f"no task {task_id!r}")
-            if row[0] != node_id:
+            check_attempt(db, row, node_id, attempt)
+            if row["node_id"] != node_id:
                 raise ConflictError(f"task {task_id!r} is not claimed by this node")
-            stored = int(row[1])
+            stored = int(row[counter])
             if seq > stored:
                 raise ConflictError(
                     f"gap: this batch starts at {seq} but only {stored} are stored", expectedSeq=stored
@@ -175,3 +183,22 @@ class StreamStore(Database):
                 db.execute(f"UPDATE tasks SET {counter} = ? WHERE id = ?", (stored, task_id))
             return stored
 
+
+
+def truncate_items(db: sqlite3.Connection, task_id: str, keep: int) -> int:
+    """Keep a task's first ``keep`` items, drop the rest (a new attempt resumes at item ``keep``), in the
+    caller's transaction: chunks from ``keep`` on are deleted, the chunk spanning it is rewritten with its
+    head. Returns how many items were dropped."""
+    stored = int(task_row(db, task_id)["stored_items"])
+    keep = max(0, min(keep, stored))
+    if keep == stored:
+        return 0
+    spanning = db.execute("SELECT first_seq, data FROM task_item_chunks WHERE task_id = ? AND first_seq < ?"
+                          " AND first_seq + count > ?", (task_id, keep, keep)).fetchone()
+    db.execute("DELETE FROM task_item_chunks WHERE task_id = ? AND first_seq >= ?", (task_id, keep))
+    if spanning is not None:
+        head = json.loads(spanning["data"])[: keep - int(spanning["first_seq"])]
+        db.execute("UPDATE task_item_chunks SET count = ?, data = ? WHERE task_id = ? AND first_seq = ?",
+                   (len(head), dumps(head), task_id, spanning["first_seq"]))
+    db.execute("UPDATE tasks SET stored_items = ? WHERE id = ?", (keep, task_id))
+    return stored - keep

@@ -10,6 +10,7 @@ from typing import Any
 from ckagent.devmaster import artifacts as task_artifacts
 from ckagent.devmaster import stats as task_stats
 from ckagent.devmaster.errors import ConflictError, NotFoundError
+from ckagent.devmaster.store.attempts import attempts_of, cancel_pending_attempt, ensure_attempt
 from ckagent.devmaster.store.database import Database, dumps, loads, new_id, task_row
 from ckagent.master.protocol import FINAL_STATUSES, TaskStats, utc_now_iso
 
@@ -49,6 +50,13 @@ def task_json(r: sqlite3.Row) -> dict[str, Any]:
             "egress": loads(r["egress"]),
             "stopGraceSeconds": r["stop_grace_seconds"],
             "cleanStart": bool(r["clean_start"]),
+            "attempt": int(r["attempt"] or 1),
+            "itemSeqStart": r["item_seq_start"] or 0,
+            "logSeqStart": r["log_seq_start"] or 0,
+            "notBefore": r["not_before"],
+            "retry": loads(r["retry"]),
+            "resume": r["resume"],
+            "checkpointIntervalSeconds": r["checkpoint_interval_seconds"],
             **(loads(r["figures"]) if r["figures"] else {}),
         }
 
@@ -71,11 +79,16 @@ class TaskStore(Database):
         egress: dict[str, Any] | None = None,
         stop_grace_seconds: float | None = None,
         clean_start: bool = False,
+        retry: dict[str, Any] | None = None,
+        resume: str | None = None,
+        checkpoint_interval_seconds: float | None = None,
     ) -> str:
         """Create a PENDING task from a snapshot of the spider. Returns its id. ``resources`` are merged
         over the spider's (per key); ``stop_signal`` None takes the spider's; ``egress`` (the wire shape)
         replaces the spider's network policy, None takes the spider's; ``stop_grace_seconds`` None takes the
-        spider's; ``clean_start``: the task's cleanStart (its spider's data on the node starts empty).
+        spider's; ``clean_start``: the task's cleanStart (its spider's data on the node starts empty);
+        ``retry`` (the wire's RetryPolicy JSON), ``resume`` and ``checkpoint_interval_seconds``: None takes
+        the spider's. The task starts at attempt 1 (its row in task_attempts, PENDING).
 
         ``env`` is merged over the spider's env; ``timeout_seconds`` None takes the spider's.
         Raises NotFoundError (unknown spider) and ConflictError (the spider has no package yet).
@@ -95,8 +108,9 @@ class TaskStore(Database):
             db.execute(
                 "INSERT INTO tasks (id, spider_id, spider_name, framework, command, args, env, params,"
                 " timeout_seconds, code_version, code_mode, status, created_at, stall_timeout_seconds, resources,"
-                " stop_signal, outputs, egress, stop_grace_seconds, clean_start)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'PENDING', ?, ?, ?, ?, ?, ?, ?, ?)",
+                " stop_signal, outputs, egress, stop_grace_seconds, clean_start, retry, resume,"
+                " checkpoint_interval_seconds, attempt, item_seq_start, log_seq_start)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'PENDING', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1, 0, 0)",
                 (
                     task_id,
                     spider_id,
@@ -117,19 +131,24 @@ class TaskStore(Database):
                     spider["egress"] if egress is None else dumps(egress),
                     spider["stop_grace_seconds"] if stop_grace_seconds is None else stop_grace_seconds,
                     1 if clean_start else 0,
+                    spider["retry"] if retry is None else dumps(retry),
+                    spider["resume"] if resume is None else resume,
+                    (spider["checkpoint_interval_seconds"] if checkpoint_interval_seconds is None
+                     else checkpoint_interval_seconds),
                 ),
             )
+            ensure_attempt(db, task_id, 1, utc_now_iso())
         return task_id
 
 
     def get_task(self, task_id: str) -> dict[str, Any]:
-        """One task as admin JSON, with its latest stats snapshot (``stats``, null when none) and
-        ``finishReason``. Raises NotFoundError."""
-        def query(db: sqlite3.Connection) -> tuple[sqlite3.Row, dict[str, Any] | None]:
-            return task_row(db, task_id), task_stats.latest(db, task_id)
+        """One task as admin JSON, with its latest stats snapshot (``stats``, null when none),
+        ``finishReason``, its ``attempts`` and newest ``checkpoint`` (store/attempts.py). Raises NotFoundError."""
+        def query(db: sqlite3.Connection) -> tuple[sqlite3.Row, dict[str, Any] | None, dict[str, Any]]:
+            return task_row(db, task_id), task_stats.latest(db, task_id), attempts_of(db, task_id)
 
-        row, latest = self._read(query)
-        task = task_json(row)
+        row, latest, attempts = self._read(query)
+        task = {**task_json(row), **attempts}
         reason = (latest or {}).get("stats", {}).get("finishReason") if row["status"] in FINAL_STATUSES else None
         task["stats"] = latest
         task["finishReason"] = reason if isinstance(reason, str) else None
@@ -180,6 +199,7 @@ class TaskStore(Database):
         with self._tx() as db:
             row = task_row(db, task_id)
             if row["status"] == "PENDING":
+                cancel_pending_attempt(db, task_id, int(row["attempt"] or 1), utc_now_iso())
                 db.execute(
                     "UPDATE tasks SET status = 'CANCELLED', error_code = 'CANCELLED',"
                     " error_message = 'cancelled before any node claimed it', finished_at = ? WHERE id = ?",

@@ -15,6 +15,11 @@ variables. The whole contract is small:
 ``CK_STATS_FILE``
     Where :func:`report_stats` and :func:`progress` write the crawl's statistics (each line one
     complete snapshot, the newest wins); the agent ships them to the master. See ``_stats``.
+``CK_STATE_DIR``, ``CK_CONTROL_FILE``, ``CK_CONTROL_ACK_FILE``, ``CK_SNAPSHOT_DIR``, ``CK_ATTEMPT``
+    The state that travels with the task across attempts and nodes, and the agent's requests to
+    persist it: :func:`load_state`, :func:`persist_state`, :func:`on_persist`, :func:`on_migrating`,
+    :func:`state_dir`, :func:`state_lock` (see ``_state``). ``CK_ATTEMPT`` is this run's attempt
+    number (1, 2, ...): :attr:`TaskContext.attempt`.
 ``CK_CHROMIUM_SANDBOX``
     ``1`` when Chromium's own sandbox works for this spider (it is not root and may make user
     namespaces), ``0`` when Chromium needs ``--no-sandbox``: :func:`chromium_sandbox`,
@@ -30,6 +35,8 @@ Errors raised:
 
 - ``TypeError``: an item that is not a mapping (:func:`save_item`, :func:`save_items`).
 - ``ValueError``: ``CK_PARAMS`` is not a JSON object (:func:`task_context`).
+- The state functions' own (``TypeError``/``ValueError`` for a state JSON cannot hold, ``OSError``):
+  see their docstrings.
 - ``OSError``: the items file cannot be opened or written (permissions, I/O errors). A full disk
   (ENOSPC, EDQUOT) is waited out: the call blocks until the line is written.
 """
@@ -47,16 +54,36 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+from crawlerkeeper_sdk._control import (
+    ENV_ATTEMPT,
+    ENV_CONTROL_ACK_FILE,
+    ENV_CONTROL_FILE,
+    ENV_SNAPSHOT_DIR,
+    ENV_STATE_DIR,
+)
+from crawlerkeeper_sdk._state import (
+    load_state,
+    on_migrating,
+    on_persist,
+    persist_state,
+    state_dir,
+    state_lock,
+)
 from crawlerkeeper_sdk._stats import ENV_STATS_FILE, flush_stats, progress, report_stats
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ENV_ATTEMPT",
     "ENV_CHROMIUM_SANDBOX",
+    "ENV_CONTROL_ACK_FILE",
+    "ENV_CONTROL_FILE",
     "ENV_ITEMS_FILE",
     "ENV_PARAMS",
+    "ENV_SNAPSHOT_DIR",
     "ENV_SPIDER_ID",
     "ENV_SPIDER_NAME",
+    "ENV_STATE_DIR",
     "ENV_STATS_FILE",
     "ENV_TASK_DIR",
     "ENV_TASK_ID",
@@ -65,10 +92,16 @@ __all__ = [
     "chromium_args",
     "chromium_sandbox",
     "flush_stats",
+    "load_state",
+    "on_migrating",
+    "on_persist",
+    "persist_state",
     "progress",
     "report_stats",
     "save_item",
     "save_items",
+    "state_dir",
+    "state_lock",
     "task_context",
 ]
 
@@ -248,6 +281,8 @@ class TaskContext:
     - ``params``: the task parameters, ``CK_PARAMS`` parsed as a JSON object (``{}`` if unset).
     - ``task_dir``: the task's directory, ``CK_TASK_DIR``.
     - ``items_file``: where :func:`save_item` appends, ``CK_ITEMS_FILE``.
+    - ``attempt``: which run of the task this is, ``CK_ATTEMPT`` (1 when absent or not a number ≥ 1);
+      a later attempt resumes from the state :func:`load_state` returns, when the spider saved one.
     """
 
     task_id: Optional[str] = None
@@ -256,6 +291,7 @@ class TaskContext:
     params: Dict[str, Any] = field(default_factory=dict)
     task_dir: Optional[str] = None
     items_file: Optional[str] = None
+    attempt: int = 1
 
     @property
     def in_agent(self) -> bool:
@@ -294,7 +330,16 @@ def task_context() -> TaskContext:
         params=_parse_params(os.environ.get(ENV_PARAMS)),
         task_dir=_env(ENV_TASK_DIR),
         items_file=_env(ENV_ITEMS_FILE),
+        attempt=_parse_attempt(os.environ.get(ENV_ATTEMPT)),
     )
+
+
+def _parse_attempt(raw: Optional[str]) -> int:
+    try:
+        attempt = int(raw or "1")
+    except ValueError:
+        return 1
+    return attempt if attempt >= 1 else 1
 
 
 def chromium_sandbox() -> bool:
