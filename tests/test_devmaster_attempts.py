@@ -271,3 +271,28 @@ async def test_a_lost_node_s_task_moves_on_and_the_node_is_told_when_it_returns(
             r = await node_a.heartbeat(runningTaskIds=[task_id])
             assert task_id in r.json()["cancelTaskIds"]
             assert (await node_a.result(task_id, "SUCCESS", attempt=1)).status_code == 409
+
+
+async def test_the_task_page_shows_attempts_and_the_checkpoint(dev_master: DevMaster, node: Node) -> None:
+    with trio.fail_after(15):
+        admin = dev_master.admin
+        task_id = await admin.create_task(await make_spider(admin))
+        await claimed(node, task_id)
+        await post_items(node, task_id, 0, items(0, 3), attempt=1)
+        assert (await ship_checkpoint(node, task_id, "1-1", 1, 2, {"s": b"x" * 3000})).status_code == 200
+        await node.result(task_id, "FAILED", errorCode="MIGRATED", attempt=1, checkpointId="1-1",
+                          errorMessage="<script>alert(1)</script>")
+        page = await node.http.get(f"/tasks/{task_id}", auth=("admin", dev_master.admin_token))
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        text = page.text
+        for shown in ("MIGRATED", "disruption", "1-1", "node-a", "PENDING", "2 / 1", "2.9 KiB", "again at once"):
+            assert shown in text, shown
+        assert "<script>" not in text and "&lt;script&gt;" in text
+        bearer = await node.http.get(f"/tasks/{task_id}", headers={"Authorization": f"Bearer {dev_master.admin_token}"})
+        assert bearer.status_code == 200
+        for headers in ({}, node.auth):
+            refused = await node.http.get(f"/tasks/{task_id}", headers=headers)
+            assert refused.status_code == 401 and refused.headers["www-authenticate"].startswith("Basic")
+        wrong = await node.http.get(f"/tasks/{task_id}", auth=("admin", "wrong"))
+        assert wrong.status_code == 401
+        assert (await node.http.get("/tasks/nope", auth=("admin", dev_master.admin_token))).status_code == 404

@@ -101,10 +101,10 @@ def test_the_python_runtime_hooks_scrapy_and_browser_frameworks_say_a_missing_br
         return SpawnContext(framework, ["python", "main.py"], env, code, built)
 
     # Every Python task may start Scrapy: its items hook is there, unless the agent built no environment.
-    assert spawn_additions(ctx("python", path)).env == {"CK_SCRAPY_HOOK": "items,stats"}
+    assert spawn_additions(ctx("python", path)).env == {"CK_SCRAPY_HOOK": "items,stats,state"}
     # A task declaring outputs.items: those files are its items; no feed of the agent's beside them.
     declared = SpawnContext("scrapy", ["scrapy", "crawl", "x"], path, code, env_dir, items_declared=True)
-    assert spawn_additions(declared).env == {"CK_SCRAPY_HOOK": "stats"}
+    assert spawn_additions(declared).env == {"CK_SCRAPY_HOOK": "stats,state"}
     assert spawn_additions(ctx("python", path, built=None)).env == {}
     assert spawn_additions(ctx("node", path, built=None)).env == {}
     assert spawn_additions(ctx("python", path)).notices == []

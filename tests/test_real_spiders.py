@@ -268,10 +268,10 @@ def test_node_default_command_follows_package_json(tmp_path: Path) -> None:
 def test_scrapy_hook_asks_for_items_unless_the_project_uses_the_sdk(tmp_path: Path) -> None:
     plain = _code(tmp_path / "plain", {"scrapy.cfg": "", "shop/settings.py": "ITEM_PIPELINES = {}\n"})
     assert scrapy_hook("scrapy", ["scrapy", "crawl", "x"], os.environ.get("PATH"), plain, None) == (
-        {"CK_SCRAPY_HOOK": "items,stats"}, None)
+        {"CK_SCRAPY_HOOK": "items,stats,state"}, None)
     with_sdk = _code(tmp_path / "sdk", {"scrapy.cfg": "", "shop/settings.py":
                                         'ITEM_PIPELINES = {"crawlerkeeper_sdk.scrapy.CrawlerKeeperPipeline": 300}\n'})
-    assert scrapy_hook("scrapy", ["scrapy", "crawl", "x"], None, with_sdk, None)[0] == {"CK_SCRAPY_HOOK": "stats"}
+    assert scrapy_hook("scrapy", ["scrapy", "crawl", "x"], None, with_sdk, None)[0] == {"CK_SCRAPY_HOOK": "stats,state"}
 
 
 def test_scrapy_hook_says_plainly_when_it_cannot_attach(tmp_path: Path) -> None:

@@ -9,11 +9,14 @@ that writes every scraped item to ``CK_ITEMS_FILE`` and one that reports live st
 own ``FEEDS`` (a path, S3, FTP) keep exporting as written; the argv does not matter (``scrapy crawl``,
 ``sh -c 'python setup.py && scrapy crawl x'``, ``python -m scrapy``, a script with ``CrawlerProcess``).
 
-``CK_SCRAPY_HOOK`` is ``items,stats``, or ``stats`` when the project's files mention
+``CK_SCRAPY_HOOK`` is ``items,stats,state``, or ``stats,state`` when the project's files mention
 ``crawlerkeeper_sdk`` (it ships its items through the SDK itself: never an item twice) or when the
 task declares ``outputs.items`` (those files are its items, e.g. the project's own feed file: the
 agent adds no feed of its own beside them, so no item comes twice; the project's FEEDS are kept). The SDK's
 extension also steps aside when a feed already writes the items file or the SDK pipeline is on.
+``state`` (every task) makes the crawl checkpoint and resume (``crawlerkeeper_sdk._scrapy_state``):
+``JOBDIR`` is ``$CK_STATE_DIR/jobdir`` unless the project sets its own, and at each of the agent's
+persist requests the hook saves the crawl's state at one reactor step (issue 38).
 
 A Scrapy project (framework ``scrapy`` or a ``scrapy.cfg``) whose command runs an interpreter from
 outside the task's environment (a system ``scrapy``, a virtualenv of the author's own) cannot be
@@ -40,7 +43,7 @@ SCAN_SKIP = {".git", ".venv", "venv", "node_modules", "__pycache__", ".scrapy", 
 """Folders a scan of the project never enters."""
 _SCAN_MAX_FILES = 2000
 HOOK_VAR = "CK_SCRAPY_HOOK"
-"""The variable that switches the SDK's Scrapy hook on (its value: ``items,stats`` or ``stats``)."""
+"""The variable that switches the SDK's Scrapy hook on (its value: ``items,stats,state`` or ``stats,state``)."""
 HOW_TO_COLLECT = ('run the environment\'s scrapy or python (first on PATH), declare the item files in the '
                   'spider\'s outputs.items, save items with the SDK (crawlerkeeper_sdk.save_item or its '
                   'pipeline), or add -o "$CK_ITEMS_FILE:jsonlines" to the scrapy command')
@@ -68,11 +71,11 @@ def scrapy_hook(framework: str, argv: list[str], path: str | None, code_dir: Pat
     """(variables to add to a Python task's env, a notice for its log or None). Blocking: scans the
     project for ``crawlerkeeper_sdk`` (bounded) and stats a few files. ``path`` is the spider's PATH;
     ``items_declared``: the task declares ``outputs.items`` (then only stats, never the agent's feed)."""
-    mode = "stats" if items_declared or uses_sdk_pipeline(code_dir) else "items,stats"
+    mode = "stats,state" if items_declared or uses_sdk_pipeline(code_dir) else "items,stats,state"
     env = {HOOK_VAR: mode}
     is_scrapy = framework == "scrapy" or (code_dir / "scrapy.cfg").is_file()
     if is_scrapy and not attaches(argv, path, env_dir):
-        what = "items and live crawl stats" if mode != "stats" else "live crawl stats"
+        what = "items and live crawl stats" if mode.startswith("items") else "live crawl stats"
         return env, (f"Scrapy {what} will not be collected: {argv[0]} is not in the task's environment, so the "
                      f"agent's Scrapy hook cannot attach to it; to collect the items, {HOW_TO_COLLECT}")
     return env, None

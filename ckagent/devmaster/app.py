@@ -29,6 +29,8 @@ Admin endpoints (``Authorization: Bearer <admin token>``)::
     GET /api/tasks/{id}/items, GET /api/tasks/{id}/artifacts, GET /api/tasks/{id}/artifacts/{path},
     POST /api/tasks/{id}/cancel, GET /api/nodes,
     GET /api/agent-versions, PUT /api/agent-versions {minAgentVersion, desiredAgentVersion} (null clears)
+    GET /tasks/{id}   a task's page (HTML: attempts, newest checkpoint; the admin token as a bearer token
+                      or as the HTTP Basic password; ckagent.devmaster.taskpage)
 
 Errors are JSON ``{"error": "..."}`` (plus ``field`` for 422, ``expectedSeq`` for a seq gap); the
 exception classes live in :mod:`ckagent.devmaster.errors`. Secrets never appear in an answer or a log.
@@ -51,7 +53,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from ckagent.devmaster import admin_api, checkpoint_api, demosite, node_api
+from ckagent.devmaster import admin_api, checkpoint_api, demosite, node_api, taskpage
 from ckagent.devmaster.errors import ApiError
 from ckagent.devmaster.node_api import MAX_BATCH_ELEMENTS
 from ckagent.devmaster.paths import SegmentPaths
@@ -118,6 +120,7 @@ def create_app(
         *node_api.routes(api),
         *checkpoint_api.routes(api),
         *admin_api.routes(api),
+        *taskpage.routes(api),
         *(Route(r.path, r.endpoint, methods=sorted(r.methods or ()), name=f"page:{r.name}")
           for r in demosite.routes() if isinstance(r, Route)),
     ]

@@ -80,6 +80,13 @@ node without yarn or pnpm),
   cross-tenant action and reports each result; :func:`run_matrix` runs them on a real agent process
   (:mod:`harness.tenantmatrix`); :func:`user_agent_process` is an agent process a user without root runs
   from the pyz, for a root suite (:mod:`harness.useragent`).
+- Crawls that survive their node (issue 38): :class:`CrawlSite` (:mod:`harness.crawlsite`) serves a
+  paginated site of many pages at a steady rate and counts the fetches per page; :func:`two_nodes`
+  (:mod:`harness.twonodes`) runs a reference master and two real agent processes at chosen levels
+  (:data:`RESUME_LEVELS`), each of which can migrate (``ckagent stop --migrate``) or be lost
+  (:func:`kill_node`, :mod:`harness.nodekill`: its agent, monitors, tasks and cgroups SIGKILLed, its
+  work dir deleted, no other node touched); :func:`hand_over` (:mod:`harness.handover`) runs a crawl
+  from node A to node B and checks it (:class:`Handover`).
 - :func:`user_temp_dir` is a directory of this user's own in the machine's temp directory, kept across
   runs (:mod:`harness.tempdirs`): fixed names there are shared by every user of the machine.
 - A spider's state (issue 38): :class:`TaskFiles` plays the agent's side of the control channel
@@ -93,17 +100,20 @@ from harness.agentports import *  # noqa: F403
 from harness.agentproc import *  # noqa: F403
 from harness.checkpointnode import *  # noqa: F403
 from harness.core import *  # noqa: F403
+from harness.crawlsite import *  # noqa: F403
 from harness.demo import *  # noqa: F403
 from harness.eggs import *  # noqa: F403
 from harness.environs import *  # noqa: F403
 from harness.examples import *  # noqa: F403
 from harness.fakes import *  # noqa: F403
+from harness.handover import *  # noqa: F403
 from harness.hostile import *  # noqa: F403
 from harness.hostilefiles import *  # noqa: F403
 from harness.identities import *  # noqa: F403
 from harness.index import *  # noqa: F403
 from harness.levelcheck import *  # noqa: F403
 from harness.loopback import *  # noqa: F403
+from harness.nodekill import *  # noqa: F403
 from harness.nodelocks import *  # noqa: F403
 from harness.npmregistry import *  # noqa: F403
 from harness.pagedsite import *  # noqa: F403
@@ -114,11 +124,13 @@ from harness.rawnode import *  # noqa: F403
 from harness.recording import *  # noqa: F403
 from harness.runsh import *  # noqa: F403
 from harness.scrapyprojects import *  # noqa: F403
+from harness.scrapyresume import *  # noqa: F403
 from harness.smalldisk import *  # noqa: F403
 from harness.spiderstate import *  # noqa: F403
 from harness.tempdirs import *  # noqa: F403
 from harness.tenantmatrix import *  # noqa: F403
 from harness.tenants import *  # noqa: F403
+from harness.twonodes import *  # noqa: F403
 from harness.upstreams import *  # noqa: F403
 from harness.useragent import *  # noqa: F403
 from harness.users import *  # noqa: F403

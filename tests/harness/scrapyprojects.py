@@ -10,13 +10,21 @@ spiders) to a directory:
   in ``close_spider`` and its ``closed()`` says ``polite spider closed: <reason>``.
 
 Both take the site from ``START_URL`` (a loopback origin of the test, e.g. harness.upstreams.IdentityOrigin).
+
+:func:`write_site_project` writes another (``siteproj``) whose spider ``site`` crawls a
+harness.crawlsite.CrawlSite from ``START_URL`` (its first listing): one item per page
+(``{"url", "kind": "listing" | "item"}``), following the listing's item links and its next listing
+(the item pages' links back are dropped by Scrapy's dupefilter), :data:`SITE_IN_FLIGHT` requests at a
+time; with ``-a hold=1`` it fetches only the site's ``/hold`` page (a task that keeps its node busy
+with this spider, its environment built, until the test releases it).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["CACHE_PAGES", "PIPELINE_LINE", "POLITE_DELAY", "write_cache_and_polite_project"]
+__all__ = ["CACHE_PAGES", "PIPELINE_LINE", "POLITE_DELAY", "SITE_IN_FLIGHT", "write_cache_and_polite_project",
+           "write_site_project"]
 
 CACHE_PAGES = 3
 """Pages the ``cached`` spider fetches."""
@@ -24,6 +32,8 @@ POLITE_DELAY = 2.0
 """The ``polite`` spider's DOWNLOAD_DELAY (seconds; AutoThrottle's floor)."""
 PIPELINE_LINE = "polite pipeline: close_spider ran after"
 """The start of the line the ``polite`` spider's pipeline prints in close_spider."""
+SITE_IN_FLIGHT = 8
+"""Requests the ``site`` spider keeps in flight (CONCURRENT_REQUESTS_PER_DOMAIN, Scrapy's default)."""
 
 _SETTINGS = '''\
 BOT_NAME = "politeproj"
@@ -106,4 +116,56 @@ def write_cache_and_polite_project(directory: Path) -> Path:
     (package / "settings.py").write_text(_SETTINGS)
     (package / "spiders" / "__init__.py").write_text("")
     (package / "spiders" / "all.py").write_text(_SPIDERS)
+    return directory
+
+
+_SITE_SPIDER = f'''\
+import os
+
+import scrapy
+
+
+class Site(scrapy.Spider):
+    name = "site"
+    custom_settings = {{"CONCURRENT_REQUESTS": {SITE_IN_FLIGHT}, "CONCURRENT_REQUESTS_PER_DOMAIN": {SITE_IN_FLIGHT}}}
+
+    async def start(self):  # (Scrapy 2.13+; start_requests before)
+        for request in self.start_requests():
+            yield request
+
+    def start_requests(self):
+        start = os.environ["START_URL"]
+        if getattr(self, "hold", None):
+            yield scrapy.Request(start.split("/list/", 1)[0] + "/hold", callback=self.held, dont_filter=True)
+            return
+        yield scrapy.Request(start, callback=self.parse)
+
+    def held(self, response):
+        print("site spider: released", flush=True)
+
+    def parse(self, response):
+        yield {{"url": response.url, "kind": "listing"}}
+        for href in response.css("a.item::attr(href)").getall():
+            yield response.follow(href, callback=self.parse_item)
+        more = response.css("a.next::attr(href)").get()
+        if more:
+            yield response.follow(more, callback=self.parse)
+
+    def parse_item(self, response):
+        yield {{"url": response.url, "kind": "item"}}
+        yield response.follow(response.css("a.up::attr(href)").get(), callback=self.parse)
+'''
+
+
+def write_site_project(directory: Path) -> Path:
+    """Write the ``siteproj`` project (module docstring) into ``directory`` (made if missing); returns
+    it. Blocking."""
+    package = directory / "siteproj"
+    (package / "spiders").mkdir(parents=True, exist_ok=True)
+    (directory / "scrapy.cfg").write_text("[settings]\ndefault = siteproj.settings\n")
+    (directory / "requirements.txt").write_text("scrapy>=2.11\n")
+    (package / "__init__.py").write_text("")
+    (package / "settings.py").write_text(_SETTINGS.replace("politeproj", "siteproj"))
+    (package / "spiders" / "__init__.py").write_text("")
+    (package / "spiders" / "site.py").write_text(_SITE_SPIDER)
     return directory

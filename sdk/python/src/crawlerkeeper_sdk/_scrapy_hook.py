@@ -7,7 +7,10 @@ when Scrapy loads its defaults (``scrapy.settings.default_settings``), two exten
 
 - ``crawlerkeeper_sdk.scrapy.CrawlerKeeperItems`` (``CK_SCRAPY_HOOK`` names ``items``): every
   scraped item also goes to the task's items file, beside the project's own ``FEEDS``;
-- ``crawlerkeeper_sdk.scrapy.CrawlerKeeperStats`` (always): live crawl statistics.
+- ``crawlerkeeper_sdk.scrapy.CrawlerKeeperStats`` (always): live crawl statistics;
+- ``crawlerkeeper_sdk._scrapy_state.CrawlerKeeperState`` (``CK_SCRAPY_HOOK`` names ``state``): the
+  crawl checkpoints at the agent's requests and resumes; Scrapy's default ``JOBDIR`` becomes
+  ``$CK_STATE_DIR/jobdir`` (a project's own JOBDIR wins, as any setting over a default).
 
 Because it changes Scrapy's defaults, not the command line or the settings module, it works for
 ``scrapy crawl`` under any shell, ``python -m scrapy``, and scripts that build a ``CrawlerProcess``
@@ -21,12 +24,17 @@ import sys
 
 TARGET = "scrapy.settings.default_settings"
 EXTENSIONS = {"crawlerkeeper_sdk.scrapy.CrawlerKeeperItems": 0, "crawlerkeeper_sdk.scrapy.CrawlerKeeperStats": 900}
+STATE_EXTENSION = "crawlerkeeper_sdk._scrapy_state.CrawlerKeeperState"
 
 
 def _patch(module):
     base = dict(getattr(module, "EXTENSIONS_BASE", None) or {})
     for name, order in EXTENSIONS.items():
         base.setdefault(name, order)
+    if "state" in os.environ.get("CK_SCRAPY_HOOK", "").split(",") and os.environ.get("CK_STATE_DIR"):
+        base.setdefault(STATE_EXTENSION, 950)
+        if not getattr(module, "JOBDIR", None):
+            module.JOBDIR = os.path.join(os.environ["CK_STATE_DIR"], "jobdir")
     module.EXTENSIONS_BASE = base
 
 

@@ -33,7 +33,7 @@ import os
 from typing import Any, Callable, Dict, Optional
 from urllib.parse import unquote, urlparse
 
-from crawlerkeeper_sdk import _emit, save_item
+from crawlerkeeper_sdk import _emit, _encode
 
 try:  # itemadapter always comes with Scrapy; without it, plain dicts and dataclasses still work.
     from itemadapter import ItemAdapter
@@ -134,8 +134,8 @@ class _ItemSaver:
                              "encoded as crawlerkeeper_sdk.save_item does", type(exc).__name__, exc)
         self._said = False
 
-    def save(self, item: Any) -> None:
-        """Append one item to the task's items file (raises OSError if it cannot be written)."""
+    def encode(self, item: Any) -> bytes:
+        """The item's line(s) as :meth:`save` writes them (raises TypeError for what is not an item)."""
         if self._encode is not None:
             try:
                 data = self._encode(item)
@@ -145,10 +145,14 @@ class _ItemSaver:
                     _log.warning("crawlerkeeper: Scrapy's exporter cannot encode an item (%s: %s); such items are "
                                  "encoded as crawlerkeeper_sdk.save_item does", type(exc).__name__, exc)
             else:
-                if data:
-                    _emit(data if data.endswith(b"\n") else data + b"\n")
-                return
-        save_item(item_to_dict(item))
+                return data if not data or data.endswith(b"\n") else data + b"\n"
+        return _encode(item_to_dict(item))
+
+    def save(self, item: Any) -> None:
+        """Append one item to the task's items file (raises OSError if it cannot be written)."""
+        data = self.encode(item)
+        if data:
+            _emit(data)
 
 
 class CrawlerKeeperPipeline:
@@ -224,10 +228,15 @@ class CrawlerKeeperItems:
 
     def __init__(self, crawler: Optional[Any] = None) -> None:
         self._saver = _ItemSaver(crawler)
+        self._crawler = crawler
 
     def item_scraped(self, item: Any, response: Any = None, spider: Any = None) -> None:
-        """Append ``item`` to the task's items file as Scrapy's own feed encodes it."""
-        self._saver.save(item)
+        """Append ``item`` to the task's items file as Scrapy's own feed encodes it — once its response is
+        fully processed when the crawl checkpoints (``crawlerkeeper_sdk._scrapy_state``: exactly once)."""
+        data = self._saver.encode(item)
+        state = getattr(self._crawler, "_ck_state", None)
+        if data and (state is None or not state.hold(data, response)):
+            _emit(data)
 
 
 def _pipeline_enabled(settings: Any) -> bool:

@@ -1,0 +1,137 @@
+"""A real Scrapy crawl checkpoints at the agent's request and resumes after a kill -9, with no change to
+the project (issue 38; crawlerkeeper_sdk._scrapy_state, the hook's ``state`` mode).
+
+The crawl runs under a fake agent (harness.scrapyresume: the ``CK_*`` files of one attempt) against a
+paginated site on 127.0.0.1 whose pages answer slowly enough that 16 requests are in flight at the
+checkpoint. The test asks for a checkpoint, lets the crawl go on, kills it with SIGKILL, makes the
+snapshot the next attempt's ``CK_STATE_DIR`` (what restore does) and runs the crawl again. What the
+master would hold — the first attempt's items up to the ack's ``itemsOffset``, then the second
+attempt's — has every page's item exactly once; the pages fetched twice are at most those fetched
+after the checkpoint plus those in flight at it (one interval's worth).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from harness import eventually
+from harness.scrapyresume import FakeAgent, PagedSite, scrapy_python, write_pages_project
+from harness.webclients import ClientUnavailable, clients_dir
+
+pytestmark = pytest.mark.slow
+
+PAGES = 300
+"""Pages of the site (each an item)."""
+CONCURRENCY = 16
+TIMEOUT = 180.0
+
+FIFO = ["-s", "DEPTH_PRIORITY=1", "-s", "SCHEDULER_DISK_QUEUE=scrapy.squeues.PickleFifoDiskQueue",
+        "-s", "SCHEDULER_MEMORY_QUEUE=scrapy.squeues.FifoMemoryQueue",
+        "-s", "SCHEDULER_PRIORITY_QUEUE=scrapy.pqueues.ScrapyPriorityQueue"]
+
+
+@pytest.fixture(scope="module")
+def scrapy_pythons(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The interpreters of the Scrapy releases the tests run on (built once per session)."""
+    base = clients_dir(tmp_path_factory)
+    found = {}
+    for release in ("2.19", "2.11"):
+        try:
+            found[release] = scrapy_python(base, release)
+        except ClientUnavailable as exc:
+            pytest.skip(f"NOT TESTED: Scrapy {release} cannot be installed here: {exc}")
+    return found
+
+
+async def _crawl(python: Path, project: Path, agent: FakeAgent, site: PagedSite, args: list[str]) -> Any:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CK_", "PYTHON"))}
+    env.update(agent.env(), START_URL=site.url)
+    with (agent.task_dir / "output.log").open("wb") as log:
+        return await trio.lowlevel.open_process(
+            [str(python), "-m", "scrapy", "crawl", "pages", "-s", f"CONCURRENT_REQUESTS={CONCURRENCY}", *args],
+            cwd=project, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+async def _checkpoint_kill_resume(python: Path, tmp_path: Path, args: list[str], *,
+                                  own_jobdir: bool = False) -> tuple[FakeAgent, FakeAgent, dict[str, Any]]:
+    project = write_pages_project(tmp_path / "project")
+    with PagedSite(PAGES, delay=0.25) as site:
+        first = FakeAgent(tmp_path / "attempt1")
+        crawl = await _crawl(python, project, first, site, args)
+        try:
+            await eventually(lambda: _count(first, PAGES // 4), TIMEOUT, "a quarter of the items")
+            number = first.request()
+
+            async def acked() -> Any:
+                return first.ack(number)
+
+            ack = await eventually(acked, 20, "the ack", interval=0.02)
+            fetched_at_ack = site.fetched()
+            assert "error" not in ack, ack
+            more = len(first.items_list()) + 30
+            await eventually(lambda: _count(first, more), TIMEOUT, "30 items more")
+        finally:
+            crawl.send_signal(signal.SIGKILL)
+            with trio.CancelScope(shield=True), trio.fail_after(30):
+                await crawl.wait()
+        fetched_in_interval = site.fetched() - fetched_at_ack
+        if own_jobdir:  # a new node: the project's working copy has no JOBDIR of its own
+            project = write_pages_project(tmp_path / "project-b")
+        second = FakeAgent(tmp_path / "attempt2", attempt=2)
+        second.resume_from(first, ack["snapshot"])
+        crawl = await _crawl(python, project, second, site, args)
+        with trio.fail_after(TIMEOUT):
+            assert await crawl.wait() == 0, (second.task_dir / "output.log").read_text()[-5000:]
+        twice = sum(1 for hits in site.hits.values() if hits > 1)
+    items = first.items_list(ack["itemsOffset"]) + second.items_list()
+    counts = Counter(item["url"] for item in items)
+    assert sorted(counts) == sorted(f"{site.url}/p/{n}" for n in range(PAGES)), "a page without its item"
+    assert [url for url, n in counts.items() if n > 1] == [], "items twice"
+    assert twice <= fetched_in_interval + CONCURRENCY, (twice, fetched_in_interval)
+    log = (second.task_dir / "output.log").read_text()
+    assert "crawlerkeeper: resuming from the checkpoint" in log, log[-3000:]
+    closed = [line for line in log.splitlines() if line.startswith("pages spider closed:")]
+    resumed = int(closed[-1].rsplit("resumed=", 1)[1])
+    assert resumed > 0, closed  # spider.state came back
+    return first, second, ack
+
+
+async def _count(agent: FakeAgent, n: int) -> bool:
+    return len(agent.items_list()) >= n
+
+
+async def test_a_killed_crawl_resumes_from_its_checkpoint_each_item_once(
+        scrapy_pythons: dict[str, Path], tmp_path: Path) -> None:
+    """Default JOBDIR ($CK_STATE_DIR/jobdir), Scrapy's default queues (LIFO, downloader-aware), 16 in flight."""
+    first, _second, ack = await _checkpoint_kill_resume(scrapy_pythons["2.19"], tmp_path, [])
+    log = (first.task_dir / "output.log").read_text()
+    said = [line for line in log.splitlines() if "crawlerkeeper: checkpoint 1:" in line]
+    assert said and f" {CONCURRENCY} in flight" in said[0], said or log[-3000:]
+    snapshot = first.snapshots / ack["snapshot"]
+    assert (snapshot / "jobdir" / "requests.seen").is_file() and (snapshot / "jobdir" / "spider.state").is_file()
+    assert json.loads((snapshot / "jobdir" / "requests.queue" / "active.json").read_text())
+    assert isinstance(ack["pauseMs"], float) and ack["itemsOffset"] > 0
+
+
+async def test_fifo_queues_and_depth_priority_resume(scrapy_pythons: dict[str, Path], tmp_path: Path) -> None:
+    await _checkpoint_kill_resume(scrapy_pythons["2.19"], tmp_path, FIFO)
+
+
+async def test_the_projects_own_jobdir_is_kept_and_put_back(scrapy_pythons: dict[str, Path], tmp_path: Path) -> None:
+    first, second, ack = await _checkpoint_kill_resume(
+        scrapy_pythons["2.19"], tmp_path, ["-s", "JOBDIR=crawls/pages-1"], own_jobdir=True)
+    assert (first.snapshots / ack["snapshot"] / "jobdir" / "requests.seen").is_file()
+    assert not (first.state / "jobdir").exists()  # the project's JOBDIR was used, not the default
+    assert "put back from the checkpoint" in (second.task_dir / "output.log").read_text()
+
+
+async def test_scrapy_2_11_resumes_too(scrapy_pythons: dict[str, Path], tmp_path: Path) -> None:
+    await _checkpoint_kill_resume(scrapy_pythons["2.11"], tmp_path, [])
