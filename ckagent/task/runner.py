@@ -75,6 +75,7 @@ from ckagent.node.state import AsyncStateStore, StateStoreError
 from ckagent.node.workmodes import PRIVATE_DIR_MODE
 from ckagent.task import diskshare
 from ckagent.task.admission import Admission, RunningTask
+from ckagent.task.attempts import retire_earlier_attempt, wait_earlier_delivery
 from ckagent.task.checkpoints import checkpointing, checkpoints_for
 from ckagent.task.commands import resolve_on_path
 from ckagent.task.deploy import Clearing, Deployer
@@ -139,7 +140,10 @@ class TaskRunner:
         try:
             started_wall = time.time()
             try:
+                await wait_earlier_delivery(self._outbox.deliveries, task)  # (ckagent.task.attempts)
+
                 def make_task_dir() -> None:  # in the outbox's hop, before the task's durable record
+                    retire_earlier_attempt(self._store.sync, task, task_dir)  # a retry on this node starts empty
                     # 0700 from the start (not the umask's 0755 until the next start's seal_work_dir): its
                     # items, stats and exit status are no other spider's to read.
                     task_dir.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
@@ -150,7 +154,7 @@ class TaskRunner:
                 # Logs, items and the result are the outbox's: they outlive this slot (see ckagent.delivery).
                 delivery = await self._outbox.open_task(task, task_dir, claimed_at=rt.claimed_at,
                                                         make_dir=make_task_dir)
-            except (OSError, sqlite3.Error, IdentityError) as exc:
+            except (OSError, sqlite3.Error, IdentityError, StateStoreError) as exc:
                 # A full disk or a broken work dir fails this task, never the agent.
                 await self._report_unprepared(rt, exc, started_wall)
                 return
