@@ -90,6 +90,8 @@ ACK_LOOK_INTERVAL = 1.0
 watch that cannot be set up, a file the spider replaced)."""
 ANSWER_SHARE = 0.9
 """The part of an interval a periodic request waits for its answer (and its items' acknowledgement)."""
+ITEMS_ACK_WAIT = 30.0
+"""Seconds a periodic checkpoint waits (at least) for the master to hold its items, once answered."""
 END_SHIP_TIMEOUT = 30.0
 """Seconds a task's end waits for a checkpoint still on its way (its result names the newest shipped)."""
 DEFAULT_STATE_BYTES = 4 << 30
@@ -220,7 +222,8 @@ class TaskCheckpoints:
         due = trio.current_time()
         while True:
             await trio.sleep_until(due)
-            await self.take(CheckpointReason.INTERVAL, timeout=self.interval * ANSWER_SHARE)
+            await self._take(CheckpointReason.INTERVAL, None, self.interval * ANSWER_SHARE,
+                             max(self.interval, ITEMS_ACK_WAIT))
             while due <= trio.current_time():  # the next slot of the interval's grid
                 due += self.interval
 
@@ -231,11 +234,17 @@ class TaskCheckpoints:
         answered and queued within ``timeout`` seconds (:meth:`shipped` waits for its upload); False:
         no answer, an error answer, a snapshot that is not one, or its items never acknowledged (each
         said in the task log). Never raises for the spider's or the master's trouble."""
+        return await self._take(reason, seconds_left, timeout, timeout)
+
+    async def _take(self, reason: CheckpointReason, seconds_left: float | None, answer_timeout: float,
+                    bound: float) -> bool:
+        """:meth:`take`, the answer awaited at most ``answer_timeout`` seconds, all of it ``bound``."""
         if self.unsupported:
             return False
         request_id, self._next_id = self._next_id, self._next_id + 1
         answered = False
-        with trio.move_on_after(timeout):
+        deadline = trio.current_time() + bound
+        with trio.move_on_after(answer_timeout) as answering, trio.move_on_at(deadline):
             try:
                 append_request(self.task_dir, request_line(request_id, reason.value, seconds_left))
             except OSError as exc:
@@ -244,13 +253,14 @@ class TaskCheckpoints:
             ack = await self._answer(request_id)
             answered = True
             self.answered += 1
+            answering.deadline = deadline  # answered: the rest of the time is its items'
             return await self._queue(ack, reason)
         if not answered and not self._silent_said:
             self._silent_said = True
             self._notice("the spider does not answer persist requests: a new attempt restarts it from scratch "
                          f"(resume: {self.task.resume.value})")
         elif answered:
-            self._notice(f"checkpoint {self.task.attempt}-{request_id}: not taken within {timeout:g} s "
+            self._notice(f"checkpoint {self.task.attempt}-{request_id}: not taken within {bound:g} s "
                          "(its items were not acknowledged by the master in time)")
         return False
 
@@ -355,12 +365,17 @@ class TaskCheckpoints:
         items = self.delivery.items if self.delivery is not None else None
         if items is None:
             return True
-        while items.acked < local:
-            if items.done:
-                return False
-            items.on_acked = self._acked_grew.set
-            await self._acked_grew.wait()
-            self._acked_grew = trio.Event()
+        hurried, items.hurry = items.hurry, True  # send what is read at once, not a fuller batch
+        try:
+            while items.acked < local:
+                if items.done:
+                    return False
+                items.on_acked = self._acked_grew.set
+                items.notify()  # read the items file now (not at the outbox's next look at it)
+                await self._acked_grew.wait()
+                self._acked_grew = trio.Event()
+        finally:
+            items.hurry = hurried
         return True
 
     async def _start_shipper(self) -> None:
