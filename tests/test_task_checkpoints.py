@@ -26,6 +26,7 @@ from harness import task_json
 
 from ckagent.master.client import MasterClient
 from ckagent.master.protocol import RegisterRequest, Task
+from ckagent.node.errors import DeployError
 from ckagent.task.checkpoints import CheckpointReason, TaskCheckpoints, checkpointing
 from ckagent.task.stop import TaskStop, Watchdog
 from ckagent.task.taskenv import make_resume_files
@@ -202,3 +203,26 @@ async def test_a_readopted_task_numbers_on_and_skips_the_answers_written_before(
         assert await again.take(CheckpointReason.INTERVAL, timeout=5)
     assert [r["id"] for r in _requests(task_dir)] == [1, 2, 3]
     assert again.taken is not None and again.taken.id == "1-3"
+
+
+@pytest.mark.parametrize("resume, words", [("restart-replace", "earlier items replaced (resume: restart-replace)"),
+                                           ("restart-keep", "earlier items kept (resume: restart-keep)")])
+async def test_an_attempt_without_a_checkpoint_says_it_restarts_from_scratch(
+    tmp_path: Path, resume: str, words: str
+) -> None:
+    said = Said()
+    await _checkpoints(tmp_path / "t1", said, attempt=2, resume=resume).prepare()
+    assert said == [f"attempt 2: no checkpoint; restarting from scratch, {words}"]
+    first = Said()
+    await _checkpoints(tmp_path / "t2", first).prepare()
+    assert first == []  # a first attempt says nothing of the kind
+
+
+async def test_a_checkpoint_that_cannot_be_restored_fails_the_deploy_saying_why(tmp_path: Path) -> None:
+    said = Said()
+    ref = {"id": "1-4", "attempt": 1, "itemSeq": 450, "logSeq": 30, "url": "/api/tasks/t1/checkpoints/1-4"}
+    cp = _checkpoints(tmp_path / "t1", said, attempt=2, checkpoint=ref)
+    with trio.fail_after(30), pytest.raises(DeployError, match=r"attempt 2: .*1-4") as raised:
+        await cp.prepare()  # the master answers 404: no such checkpoint
+    assert raised.value.error_code == "DEPLOY_FAILED"
+    assert said == []
