@@ -9,6 +9,7 @@
         ├── signals            SIGTERM → drain or migrate (ckagent.node.stopsignals), SIGINT → terminate,
         │                      SIGUSR2 → hand over (stop, leave running spiders to the next agent)
         ├── migration          waits for a migrate (ckagent.task.migrating): checkpoint, stop, MIGRATED
+        ├── memory watch       holds running tasks to their soft memory ceilings (ckagent.task.memwatch)
         ├── heartbeat loop     until STOPPED (each beat sends one NodeReport: the state as it is)
         ├── lifecycle records  the tasks' facts, one channel → metrics, the canonical task line
         ├── runtime scan, version watch (the upgrade the master may ask for)
@@ -92,7 +93,7 @@ from ckagent.port.snapshot import AgentHistory, agent_statistics, node_report
 from ckagent.port.status import AgentStatistics, AgentStatus, serve_status
 from ckagent.port.statuspage import StatusPage
 from ckagent.task.adoption import Adoption, admit_adopted, find_adoptable, run_adopted
-from ckagent.task.migrating import REAP_MARGIN, Migration
+from ckagent.task.migrating import REAP_MARGIN
 from ckagent.task.migration import migrate_node
 from ckagent.task.poller import Poller
 from ckagent.task.recovery import recover_lost_tasks
@@ -151,8 +152,6 @@ class Agent:
         self._hurry = False
         """A signal arrived while STOPPING: skip what is left, the last heartbeat included."""
         self.supervisor: Supervisor | None = None
-        self.migration: Migration | None = None
-        """The migrate of the running tasks (ckagent.task.migrating), waiting for :meth:`migrate`."""
         self.poller: Poller | None = None
         self.outbox: Outbox | None = None
         self.heartbeat: HeartbeatLoop | None = None
@@ -217,8 +216,7 @@ class Agent:
                             for rt, adoption in self._adopted:  # tasks an earlier agent left running
                                 work.start_soon(run_adopted, supervisor, rt, adoption, name=f"adopted {rt.task.id}")
                             await poller.run(work)  # until DRAINING; claims on the wire are settled
-                            assert self.migration is not None
-                            self.migration.claims_settled.set()
+                            supervisor.migration.claims_settled.set()  # (a migrate's last tasks are known)
                             self.drain()  # (when the poller ended by itself)
                             with self._drain_scope, trio.move_on_at(self._drain_deadline):
                                 await supervisor.wait_idle()
@@ -321,11 +319,11 @@ class Agent:
                          identities=identities, stall_timeout=s.task.stall_timeout, containment=containment,
                          egress=self.egress, max_stop_grace=s.task.max_stop_grace, checkpoint_interval=s.task.checkpoint_interval,
                          default_limits=Limits(s.task.memory_limit_bytes, s.task.pids_limit, s.task.cpus_limit),
-                         max_artifact_bytes=s.task.max_artifact_bytes, default_disk_bytes=s.task.disk_limit_bytes),
+                         max_artifact_bytes=s.task.max_artifact_bytes, default_disk_bytes=s.task.disk_limit_bytes,
+                         memory_soft_bytes=s.task.memory_soft_bytes, migrate_timeout=s.task.migrate_timeout),
             self.master, store, workspaces, deps, self.max_workers,
             outbox=outbox, lifecycle=self.lifecycle,
         )
-        self.migration = Migration(supervisor)
         outbox.on_disk_full = supervisor.stop_disk_full  # the task that fills the disk ends DISK_FULL
         outbox.busy_spiders = supervisor.busy_spiders  # (their Scrapy data stays: ckagent.code.scrapydata)
         self.heartbeat = HeartbeatLoop(self.master, HealthSampler(self.work_dir), s.heartbeat.interval,
@@ -344,7 +342,7 @@ class Agent:
         came first: the state says which)."""
         s = self.settings
         assert self.outbox is not None and self.supervisor is not None and self.heartbeat is not None
-        assert self.poller is not None and self.migration is not None
+        assert self.poller is not None
         log.info("ckagent %s starting: master %s, work_dir %s, max_workers %d",
                  __version__, s.server.url, self.work_dir, self.max_workers)
         self.capabilities.warn()
@@ -365,9 +363,10 @@ class Agent:
             self.drain, self.migrate, self.terminate, self.hand_over, self._hurry_now,
             fresh=lambda: self.state in (AgentState.STARTING, AgentState.RUNNING),
             stopping=lambda: self.state is AgentState.STOPPING,
-            migrating=lambda: self.migration is not None and self.migration.asked.is_set()),
+            migrating=lambda: self._migrating),
             self.work_dir, StopMode(s.agent.sigterm))
-        root.start_soon(self.migration.run)
+        root.start_soon(self.supervisor.migration.run)
+        root.start_soon(self.supervisor.memory_watch.run)
         await root.start(self.lifecycle.run)
         root.start_soon(partial(self.scan.run, self.heartbeat.after_first_beat, self.poller.forget_unrunnable))
         adoptions, refused = await find_adoptable(await store.pending_delivery())
@@ -433,8 +432,7 @@ class Agent:
             return
         log.info("terminating: stopping every running task")
         s = self.settings.task
-        migrating = self.migration is not None and self.migration.asked.is_set()  # (grace cut to the bound)
-        self._exit_deadline = trio.current_time() + s.flush_timeout + (REAP_MARGIN if migrating else (
+        self._exit_deadline = trio.current_time() + s.flush_timeout + (REAP_MARGIN if self._migrating else (
             self.supervisor.longest_stop_grace() if self.supervisor is not None else s.kill_grace))
         if self.state in (AgentState.STARTING, AgentState.RUNNING, AgentState.DRAINING):
             self.state = AgentState.TERMINATING
@@ -467,21 +465,23 @@ class Agent:
         self._work_scope.cancel()
 
     def migrate(self) -> None:
-        """→ DRAINING, migrating (``ckagent stop --migrate``; SIGTERM with ``agent.sigterm: migrate``):
-        stop claiming; every task is checkpointed, stopped and reported MIGRATED within
-        ``task.migrate_timeout`` (ckagent.task.migrating), then the usual flush. Idempotent; also
-        during a drain (its deadline is brought forward)."""
-        if self._exit_deadline != float("inf") or self.migration is None or self.migration.asked.is_set():
+        """→ DRAINING, migrating: stop claiming; every task checkpointed, stopped and reported MIGRATED within
+        ``task.migrate_timeout`` (ckagent.task.migrating), then the flush. Idempotent; also during a drain."""
+        if self._exit_deadline != float("inf") or self.supervisor is None or self._migrating:
             return
-        timeout = self.settings.task.migrate_timeout
-        self.migration.ask(timeout)
+        migration, timeout = self.supervisor.migration, self.settings.task.migrate_timeout
+        migration.ask(timeout)
         if self.state in (AgentState.RUNNING, AgentState.STARTING):
             self.state = AgentState.DRAINING
-        self._drain_deadline = min(self._drain_deadline, self.migration.deadline)
+        self._drain_deadline = min(self._drain_deadline, migration.deadline)
         self._drain_scope.deadline = self._drain_deadline  # (a drain already waiting waits no longer)
         self._startup_scope.cancel()
         if self.poller is not None:
             self.poller.stop(claim_timeout=min(self.settings.server.request_timeout, timeout / 4))
+
+    @property
+    def _migrating(self) -> bool:
+        return self.supervisor is not None and self.supervisor.migration.asked.is_set()
 
     def _hurry_now(self) -> None:
         self._hurry = True

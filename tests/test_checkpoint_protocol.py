@@ -4,6 +4,7 @@ fuzz of every new ``from_json`` — whatever bytes or JSON come, nothing but Pro
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from typing import Any
@@ -13,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckagent.delivery.pending import Pending
+from ckagent.master.endpoints import checkpoint_accepted, chunk_stored
 from ckagent.master.protocol import (
     CHUNK_BYTES,
     ERROR_CODES,
@@ -23,6 +25,7 @@ from ckagent.master.protocol import (
     CheckpointRef,
     ItemBatch,
     LogBatch,
+    PendingTasks,
     ProtocolError,
     ResumeMode,
     RetryPolicy,
@@ -293,3 +296,14 @@ def test_fuzz_bytes_decoded_as_a_master_would(raw: bytes) -> None:
         return
     for name in READERS:
         _read(name, value)
+
+
+@settings(max_examples=60, deadline=None)
+@given(value=JSON)
+def test_fuzz_the_checkpoint_answers_and_a_bad_tasks_attempt(value: Any) -> None:
+    for reader in (chunk_stored, checkpoint_accepted):
+        with contextlib.suppress(ProtocolError):
+            reader(value)
+    answer = PendingTasks.from_json({"tasks": [{"id": "t", "attempt": value}]})  # no spiderId: always bad
+    (bad,) = answer.bad_tasks
+    assert bad.attempt is None or (type(bad.attempt) is int and bad.attempt >= 1)

@@ -4,6 +4,7 @@ sweep (docs/protocol.md, "Attempts", "Causes and retries")."""
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -12,19 +13,28 @@ import httpx
 import pytest
 import trio
 from harness import (
+    SPIDER_FILES,
     Node,
     eventually,
+    heartbeat_of,
     make_spider,
+    make_zip,
     post_checkpoint,
     post_items,
     post_logs,
     register,
     ship_checkpoint,
     short_grace_master,
+    store_node,
+    store_spider,
+    store_task,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ckagent.devmaster.client import AdminApiError
-from ckagent.master.protocol import PendingTasks
+from ckagent.devmaster.store import Store
+from ckagent.master.protocol import CheckpointManifest, PendingTasks, TaskResult
 
 if TYPE_CHECKING:
     from conftest import DevMaster
@@ -97,7 +107,6 @@ async def test_the_poll_answer_carries_the_attempt_and_the_settings_of_spider_an
 
 
 async def _zip() -> bytes:
-    from harness import SPIDER_FILES, make_zip
     return make_zip(SPIDER_FILES)
 
 
@@ -151,6 +160,10 @@ async def test_a_disruption_resumes_from_the_checkpoint_and_the_old_attempt_is_s
         assert (wire["attempt"], wire["itemSeqStart"], wire["logSeqStart"]) == (2, 8, 5)
         assert wire["checkpoint"]["id"] == "1-1" and wire["checkpoint"]["itemSeq"] == 8
         assert wire["checkpoint"]["url"] == f"/api/tasks/{task_id}/checkpoints/1-1"
+        numbered_from_0 = await post_items(node, task_id, 0, items(0, 3), attempt=2)  # not a repeat: refused
+        assert numbered_from_0.status_code == 409 and "itemSeqStart" in numbered_from_0.json()["error"]
+        assert "expectedSeq" not in numbered_from_0.json()
+        assert (await post_logs(node, task_id, 4, ["e"], attempt=2)).status_code == 409
         assert (await post_items(node, task_id, 8, items(8, 12), attempt=2)).json() == {"acceptedSeq": 12}
         assert (await post_logs(node, task_id, 5, ["f"], attempt=2)).json() == {"acceptedSeq": 6}
         r = await node.result(task_id, "SUCCESS", attempt=2, itemCount=12)
@@ -265,6 +278,12 @@ async def test_a_lost_node_s_task_moves_on_and_the_node_is_told_when_it_returns(
             assert task_id in r.json()["cancelTaskIds"]
             late = await post_items(node_a, task_id, 5, items(5, 6))  # attempt absent: it ran an older one
             assert late.status_code == 409 and late.json()["supersededBy"] == 2
+            stats = await node_a.http.post(f"/api/tasks/{task_id}/stats", json={"seq": 9, "stats": {}},
+                                           headers=node_a.auth)
+            artifact = await node_a.http.put(f"/api/tasks/{task_id}/artifacts/a.txt", content=b"a", headers={
+                **node_a.auth, "X-Content-SHA256": "ca978112ca1bbdcafac231b39a23dc4da786eff8147c4e72b9807785afee48bb"})
+            for refused in (stats, artifact):
+                assert refused.status_code == 409 and refused.json()["supersededBy"] == 2, refused.text
             # node B resumes it from the checkpoint
             wire = await claimed(node_b, task_id, attempt=2)
             assert wire["checkpoint"]["id"] == "1-1" and wire["itemSeqStart"] == 3
@@ -296,3 +315,50 @@ async def test_the_task_page_shows_attempts_and_the_checkpoint(dev_master: DevMa
         wrong = await node.http.get(f"/tasks/{task_id}", auth=("admin", "wrong"))
         assert wrong.status_code == 401
         assert (await node.http.get("/tasks/nope", auth=("admin", dev_master.admin_token))).status_code == 404
+
+
+async def test_an_agent_that_names_no_attempt_claims_its_retried_task_again(dev_master: DevMaster, node: Node) -> None:
+    with trio.fail_after(10):
+        admin = dev_master.admin
+        task_id = await admin.create_task(await make_spider(admin), retry={"maxAttempts": 2, "backoffSeconds": 0,
+                                                                           "on": ["spider"]})
+        await claimed(node, task_id)
+        await post_items(node, task_id, 0, items(0, 2))
+        assert (await node.result(task_id, "FAILED", errorCode="EXIT_NONZERO", exitCode=1)).status_code == 200
+        late = await post_items(node, task_id, 2, items(2, 3))  # attempt 1's, not claimed again yet
+        assert late.status_code == 409 and late.json()["supersededBy"] == 2
+        await claimed(node, task_id)  # the claim names no attempt: the task as handed out (attempt 2)
+        assert (await post_items(node, task_id, 0, items(0, 1))).json() == {"acceptedSeq": 1}  # replaced: from 0
+        assert (await node.result(task_id, "SUCCESS")).status_code == 200
+        assert (await admin.get_task(task_id))["status"] == "SUCCESS"
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 7), max_size=6), st.data())
+def test_a_new_attempt_keeps_exactly_the_items_before_its_checkpoint(batches: list[int], data: st.DataObject) -> None:
+    """Items in batches of any sizes, a checkpoint at any position: the next attempt keeps exactly the items
+    before it (the chunk spanning it rewritten), and itemSeqStart says so."""
+    with tempfile.TemporaryDirectory() as folder:
+        store = Store(Path(folder) / "m.sqlite")
+        try:
+            node_id = store_node(store)
+            task_id = store_task(store, store_spider(store, "s"))
+            store.claim_pending(node_id, poll_id=1, limit=1, exclude_spider_ids=[], base_url="")
+            total = 0
+            for size in batches:
+                store.append_items(task_id, node_id, total, items(total, total + size), attempt=1)
+                total += size
+            keep = data.draw(st.integers(0, total))
+            store.record_checkpoint(task_id, node_id, CheckpointManifest.from_json(
+                {"id": "1-1", "attempt": 1, "createdAt": "t", "reason": "interval", "itemSeq": keep, "logSeq": 0,
+                 "sizeBytes": 0, "packedBytes": 0, "files": []}))
+            store.report_result(task_id, node_id, TaskResult.from_json(
+                {"status": "FAILED", "errorCode": "AGENT_LOST", "attempt": 1}), 1)
+            assert [i["n"] for i in store.task_items(task_id)] == list(range(keep))
+            [wire], _ = store.claim_pending(node_id, poll_id=2, limit=1, exclude_spider_ids=[], base_url="")
+            assert (wire["attempt"], wire["itemSeqStart"]) == (2, keep)
+            assert store.append_items(task_id, node_id, keep, items(keep, keep + 2), attempt=2) == keep + 2
+            assert [i["n"] for i in store.task_items(task_id)] == list(range(keep + 2))
+            assert store.heartbeat(node_id, heartbeat_of(running=[task_id])) == []
+        finally:
+            store.close()

@@ -32,6 +32,7 @@ from ckagent.port.metrics import AgentMetrics, LiveFigures
 SPEC = load_yaml(Path(endpoints.__file__).with_name("protocol").joinpath("openapi.yaml").read_text())
 HTTP_METHODS = {"get", "put", "post", "delete", "patch"}
 SAMPLE_IDS = {"node": "node-1", "task": "task-1", "spider": "spider-1", "file": "file-1", "version": "v1",
+              "sha": "ab" * 32, "checkpoint": "2-5",
               "path": "out/report.csv"}
 
 

@@ -31,7 +31,7 @@ SHOP = sorted(product["sku"] for product in expected_products())
 def test_the_recipe_names_every_bundled_example_once() -> None:
     named = [line.example for line in recipe()]
     bundled = sorted(p.name for p in EXAMPLES.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
-    assert sorted(named) == bundled and len(named) == 17
+    assert sorted(named) == bundled and len(named) == 19
     for line in recipe():
         words = line.words
         assert "--param" in words and words[words.index("--param") + 1] == "start_url=$URL"

@@ -163,6 +163,11 @@ class TaskJail(abc.ABC):
         """Sample the task's resource figures now (before :meth:`close`)."""
         return Figures()
 
+    def memory_now(self) -> tuple[int, str] | None:
+        """(bytes, what they are) of the task's memory now: the figure its soft memory ceiling is held
+        to (ckagent.task.memwatch); None when this level cannot tell. Blocking (small reads)."""
+        return None
+
     def close(self) -> None:
         """Remove the task's cgroups (they must be empty). Never raises."""
         return  # nothing to do by default
@@ -349,6 +354,21 @@ def read_int(path: Path) -> int | None:
         return int(text.split()[0])
     except (ValueError, IndexError):
         return None
+
+
+def rss_bytes(pids: list[int]) -> int:
+    """The resident set sizes of ``pids`` summed (/proc/<pid>/statm; a process gone meanwhile counts 0;
+    shared pages count in each process). Blocking (small reads)."""
+    total = 0
+    for pid in pids:
+        try:
+            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE_BYTES
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
 def read_keyed(path: Path) -> dict[str, int]:

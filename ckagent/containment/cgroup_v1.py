@@ -145,6 +145,15 @@ class V1Jail(TaskJail):
                       self.task_id, self._pids(), KILL_TIMEOUT)
         return len(killed)
 
+    def memory_now(self) -> tuple[int, str] | None:
+        """The memory cgroup's working set (usage less inactive file pages), else the v2 cgroup's."""
+        if "memory" in self.dirs:
+            usage = read_int(self.dirs["memory"] / "memory.usage_in_bytes")
+            if usage is not None:
+                inactive = read_keyed(self.dirs["memory"] / "memory.stat").get("total_inactive_file", 0)
+                return max(0, usage - inactive), "the cgroup's working set"
+        return self.unified.memory_now() if self.unified is not None else None
+
     def figures(self) -> Figures:
         figures = Figures()
         if self.unified is not None:

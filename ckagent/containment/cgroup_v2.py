@@ -118,6 +118,14 @@ class V2Cgroup:
         kill_pids(read_procs(procs), lambda: read_procs(procs), signal.SIGKILL)
         freeze.write_text("0")
 
+    def memory_now(self) -> tuple[int, str] | None:
+        """The cgroup's working set (memory.current less inactive file pages, as the kubelet counts it)."""
+        current = read_int(self.path / "memory.current")
+        if current is None:
+            return None
+        inactive = read_keyed(self.path / "memory.stat").get("inactive_file", 0)
+        return max(0, current - inactive), "the cgroup's working set"
+
     def figures(self) -> Figures:
         cpu = read_keyed(self.path / "cpu.stat")
         io_read = io_write = None
@@ -191,6 +199,9 @@ class V2Jail(TaskJail):
 
     def figures(self) -> Figures:
         return self.cgroup.figures()
+
+    def memory_now(self) -> tuple[int, str] | None:
+        return self.cgroup.memory_now()
 
     def close(self) -> None:
         self.cgroup.close()

@@ -36,6 +36,7 @@ from ckagent.containment.base import (
     TaskJail,
     is_zombie,
     make_preexec,
+    rss_bytes,
     set_child_subreaper,
     wait_pids_gone,
 )
@@ -297,6 +298,10 @@ class ProcessGroupJail(TaskJail):
 
     def populated(self) -> bool:
         return bool(self._find())
+
+    def memory_now(self) -> tuple[int, str]:
+        """The resident set sizes of the task's processes, summed (shared pages count in each)."""
+        return rss_bytes(self._find()), "its processes' RSS summed"
 
     async def wait_empty(self) -> None:
         """Return when a scan of /proc finds no process of the task (one thread hop per scan: one in

@@ -48,7 +48,12 @@ async def send_result(
         except MasterUnavailable as exc:  # MasterProtocolError too: an HTML page is not an acknowledgement
             await again(exc.retry_after)
         except MasterConflict as exc:
-            log.warning("task %s: master refused the final result %s (%s)", task_id, result.status, exc)
+            superseded = getattr(exc, "superseded_by", None)  # (wire's MasterConflict.superseded_by)
+            if superseded is not None:  # (a cancel of a node the master declared lost: it has moved on)
+                log.info("task %s: the master moved this task on to attempt %d: this attempt's result %s is "
+                         "not the task's and is dropped", task_id, superseded, result.status)
+            else:
+                log.warning("task %s: master refused the final result %s (%s)", task_id, result.status, exc)
             break
         except MasterRejected as exc:
             now = trio.current_time()

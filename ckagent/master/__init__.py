@@ -2,7 +2,7 @@
 
 - :mod:`.protocol` — the wire types (docs/protocol.md, ``protocol/openapi.yaml``);
 - :mod:`.endpoints` — the one table of the master's endpoints and a typed method per call (to add
-  an endpoint, start here);
+  an endpoint, start here); :mod:`.checkpointcalls` — the checkpoint calls (chunks, manifests);
 - :mod:`.client` — ``MasterClient``: the connection, auth, retries; :mod:`.wire` builds and sends
   a call's request, :mod:`.answers` classifies what came back into the exception tree of :mod:`.errors`;
 - :mod:`.ids` — ids from the master as data: what is accepted, how each becomes a name or a URL;

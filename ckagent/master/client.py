@@ -47,12 +47,12 @@ import stamina
 import trio
 
 from ckagent.master.answers import Answers, sent_at
+from ckagent.master.checkpointcalls import CheckpointCalls
 from ckagent.master.connectivity import Answered, Connectivity, Trouble
 from ckagent.master.endpoints import (
     LEAVING,
     REGISTER,
     Endpoint,
-    MasterCalls,
     Retry,
     Sink,
     any_json,
@@ -115,7 +115,7 @@ async def _run_out(response: httpx.Response, chunks: AsyncIterator[bytes]) -> No
         await chunks.aclose()
 
 
-class MasterClient(MasterCalls):
+class MasterClient(CheckpointCalls):
     """Talks to the master over one ``httpx.AsyncClient`` (pool larger than our concurrent users): calls
     are sent on its transport by :class:`ckagent.master.wire.Wire`, downloads through the client.
 

@@ -13,7 +13,7 @@ success. Kinds, and what makes one episode of them and what ends it:
 - ``rejected`` (another 4xx in the protocol's words): one episode per status, ended as ``protocol``;
 - ``partial`` (one endpoint class hangs or fails while the others get answers — only ``/batches``
   hangs mid-body, only downloads stall): one episode per class (the ``outage`` column of
-  the endpoint table, ckagent.master.endpoints: heartbeat, poll, task streams, artifacts, downloads),
+  the endpoint table, ckagent.master.endpoints: heartbeat, poll, task streams, artifacts, downloads, checkpoints),
   started by the second failure in a row of an endpoint whose failures other calls' successes make
   look stale, ended by a success of that class.
 

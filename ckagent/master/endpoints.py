@@ -19,7 +19,8 @@ they differ in what they mean, so in how a refusal is read. A test holds the tab
 routes. :class:`MasterCalls` is the typed face of the table, mixed into
 :class:`ckagent.master.client.MasterClient`: ``await master.heartbeat(beat) -> HeartbeatResponse``.
 
-**To add an endpoint**: a row here and its method on :class:`MasterCalls`; its types in
+**To add an endpoint**: a row here and its method on :class:`MasterCalls` (the checkpoint calls: on
+:class:`ckagent.master.checkpointcalls.CheckpointCalls`); its types in
 :mod:`ckagent.master.protocol`, its operation in ``openapi.yaml`` and ``docs/protocol.md``, its route in
 the reference master. Connectivity's classes, the metric labels and the fault proxy follow the table.
 
@@ -39,6 +40,7 @@ from typing import Any, Generic, Literal, TypeVar
 from ckagent.master.ids import url_path, url_segment
 from ckagent.master.protocol import (
     ArtifactRef,
+    CheckpointManifest,
     Heartbeat,
     HeartbeatResponse,
     PendingTasks,
@@ -54,13 +56,16 @@ from ckagent.master.protocol import (
 from ckagent.master.protocol._fields import req_object
 
 __all__ = [
-    "ENDPOINTS", "LEAVING", "TASK_DATA_ENDPOINTS", "Endpoint", "MasterCalls", "Retry", "any_json", "json_object",
-    "node_batch_results",
+    "ENDPOINTS", "LEAVING", "MAX_CHUNK_DOWNLOAD_BYTES", "TASK_DATA_ENDPOINTS", "Endpoint", "MasterCalls", "Retry",
+    "any_json", "checkpoint_accepted", "chunk_stored", "json_object", "node_batch_results",
 ]
 
 A = TypeVar("A")
 Scope = Literal["node", "task"]
 Sink = Callable[[bytes], Awaitable[None]]
+
+MAX_CHUNK_DOWNLOAD_BYTES = 2 << 20
+"""Most bytes a checkpoint chunk's download may have (gzip of at most CHUNK_BYTES, with room to spare)."""
 
 _PARAM = re.compile(r"\{([a-z_]+)(:path)?\}")
 
@@ -82,6 +87,21 @@ def node_batch_results(obj: Any) -> list[Any]:
     if not isinstance(results, list):
         raise ProtocolError("results", "expected an array")
     return results
+
+
+def chunk_stored(obj: Any) -> bool:
+    """The reader of a checkpoint chunk's answer: ``{"stored": true}``. Raises ProtocolError otherwise."""
+    if req_object(obj, "").get("stored") is not True:
+        raise ProtocolError("stored", "expected true")
+    return True
+
+
+def checkpoint_accepted(obj: Any) -> str:
+    """The reader of a checkpoint manifest's answer: ``{"checkpointId": id}`` → the id. Raises ProtocolError."""
+    value = req_object(obj, "").get("checkpointId")
+    if not isinstance(value, str) or not value:
+        raise ProtocolError("checkpointId", "expected the checkpoint's id")
+    return value
 
 
 @dataclass(frozen=True)
@@ -171,9 +191,23 @@ SPIDER_FILE: Endpoint[None] = Endpoint("spider_file", "GET", "/api/spider-files/
 DOWNLOAD: Endpoint[None] = Endpoint("download", "GET", "/api/packages/{spider}/{version}.zip", "task", "downloads", None)
 """A code package; the agent fetches the URL its task names (this template is the reference master's)."""
 
+CHECKPOINT_CHUNK_PUT: Endpoint[bool] = Endpoint(
+    "checkpoint_chunk_put", "PUT", "/api/tasks/{task}/checkpoint-chunks/{sha}", "task", "checkpoints", chunk_stored,
+    "ChunkStored")
+"""One chunk of a checkpoint (gzip bytes), stored by the sha256 of its uncompressed bytes (idempotent)."""
+CHECKPOINT_CHUNK_GET: Endpoint[None] = Endpoint(
+    "checkpoint_chunk_get", "GET", "/api/tasks/{task}/checkpoint-chunks/{sha}", "task", "checkpoints", None)
+CHECKPOINT_POST: Endpoint[str] = Endpoint(
+    "checkpoint_post", "POST", "/api/tasks/{task}/checkpoints", "task", "checkpoints", checkpoint_accepted,
+    "CheckpointAccepted")
+"""A checkpoint's manifest, after its chunks and after the items stream is acknowledged up to its itemSeq."""
+CHECKPOINT_GET: Endpoint[CheckpointManifest] = Endpoint(
+    "checkpoint_get", "GET", "/api/tasks/{task}/checkpoints/{checkpoint}", "task", "checkpoints",
+    CheckpointManifest.from_json, "CheckpointManifest")
+
 ENDPOINTS: dict[str, Endpoint[Any]] = {e.name: e for e in (
     REGISTER, HEARTBEAT, LEAVING, POLL, CLAIM, RELEASE, RESULT, LOGS, ITEMS, BATCHES, STATS, ARTIFACT, SPIDER_FILES,
-    SPIDER_FILE, DOWNLOAD)}
+    SPIDER_FILE, DOWNLOAD, CHECKPOINT_CHUNK_PUT, CHECKPOINT_CHUNK_GET, CHECKPOINT_POST, CHECKPOINT_GET)}
 """Every call the agent makes, by name."""
 TASK_DATA_ENDPOINTS = frozenset(e.name for e in ENDPOINTS.values() if e.holds_data)
 """The task streams: what a refusal of them holds back is the spider's data, kept on the node."""

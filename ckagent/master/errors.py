@@ -14,7 +14,8 @@ What the network answers is classified once, by :class:`ckagent.master.client.Ma
     │   │                        What it means is the caller's: a task stream's batch is kept and
     │   │                        retried (ckagent.delivery.shipper), a heartbeat is just missed
     │   └── MasterConflict       409 — a protocol conflict its caller handles (a claim lost, a
-    │                            result that disagrees, a sequence gap: ``.body['expectedSeq']``)
+    │                            result that disagrees, a sequence gap: ``.body['expectedSeq']``,
+    │                            an attempt superseded: ``.superseded_by``)
     └── RegistrationRefused      the master refused registration for good (4xx other than 401/429)
 
 :func:`retry_wait` is the one retry rule (stamina's hook): MasterUnavailable (so also
@@ -82,7 +83,19 @@ class MasterRejected(MasterError):
 
 
 class MasterConflict(MasterRejected):
-    """409: a claim lost, a final result that disagrees, or a sequence gap (``body['expectedSeq']``)."""
+    """409: a claim lost, a final result that disagrees, a sequence gap (``body['expectedSeq']``), an
+    attempt superseded (:attr:`superseded_by`), a checkpoint whose chunks or items the master lacks
+    (``body['missingChunks']``, ``body['storedItems']``)."""
+
+    @property
+    def superseded_by(self) -> int | None:
+        """The task's current attempt when the master answered that this batch, result or checkpoint is
+        of an older one (``{"error": …, "supersededBy": 3}``): the agent stops that attempt and sends
+        nothing more for it. None for any other conflict (or a value that is not an integer ≥ 1)."""
+        value = self.body.get("supersededBy") if isinstance(self.body, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+        return None
 
 
 class RegistrationRefused(MasterError):

@@ -69,11 +69,15 @@ class RunningTask:
         self.stop = TaskStop(self.task.id)
 
     def mark_superseded(self, attempt: int) -> None:
-        """The master moved the task on to ``attempt`` (the delivery's hook): :attr:`superseded` is set."""
+        """The master moved the task on to ``attempt`` (the delivery's hook): :attr:`superseded` is set and
+        this attempt's spider is stopped (SUPERSEDED: stop signal → grace → kill; no result is sent)."""
         if self.superseded_by is None:
             self.superseded_by = attempt
-            log.warning("task %s: superseded by attempt %d", self.task.id, attempt)
+            log.warning("task %s: superseded by attempt %d: stopping this attempt's spider; no result is sent "
+                        "(the master has moved on)", self.task.id, attempt)
             self.superseded.set()
+            self.stop.request(StopReason.SUPERSEDED, f"superseded: the master moved this task on to attempt "
+                              f"{attempt}; this attempt sends nothing more")
 
 
 class Admission:
@@ -91,6 +95,8 @@ class Admission:
         """The newest claiming poll id the poller has sent (None: none yet)."""
         self._spider_locks: dict[str, trio.Lock] = {}
         self._slot_freed = Broadcast()
+        self.admitted = Broadcast()
+        """Set at each :meth:`admit` (the soft memory watch sleeps on it while no task has a ceiling)."""
         self._stale_scopes: dict[trio.CancelScope, tuple[frozenset[str], float]] = {}  # see cancel_when_spider_free
         self.lifecycle = lifecycle or Lifecycle()
         """Where the runner says what happened to each task (ckagent.delivery.lifecycle records)."""
@@ -164,6 +170,7 @@ class Admission:
         """Record a claimed task as ours (call before spawning the task's runner)."""
         rt = RunningTask(task=task)
         self.running[task.id] = rt
+        self.admitted.set()
         self.lifecycle.emit(TaskAdmitted(task.id, task.spider_id, rt.claimed_at))
         return rt
 

@@ -18,8 +18,10 @@ no jail / agent bug   FAILED      AGENT_ERROR   what failed (errno text and path
 filled the disk       FAILED      DISK_FULL     what it held, its share, the free space and the floor
 ====================  ==========  ============  =================================
 
-The full table (with AGENT_LOST, BAD_TASK) is docs/protocol.md's "Outcomes". Everything here is pure
-logic on the Trio thread except :func:`output_tail` (one small blocking read).
+The full table (with AGENT_LOST, BAD_TASK) is docs/protocol.md's "Outcomes". Every final result also
+carries its attempt, its ``causeClass`` and ``retryable`` (:func:`cause_fields`; docs/protocol.md, "Causes
+and retries") and the newest checkpoint its attempt shipped. Everything here is pure logic on the Trio
+thread except :func:`output_tail` (one small blocking read).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from ckagent.containment.tails import TailBuffer, last_lines
 from ckagent.delivery import LogSink
 from ckagent.delivery.lines import mask_argv, secret_values
 from ckagent.delivery.spool import open_spool
-from ckagent.master.protocol import Task, TaskResult, utc_iso
+from ckagent.master.protocol import Task, TaskResult, cause_of, utc_iso
 from ckagent.node.errors import DeployError, DepsError, TaskError
 from ckagent.node.logs import Masker, escape_controls
 from ckagent.task.stop import StopReason, stopped_outcome
@@ -73,6 +75,11 @@ class TaskOutcome:
     exit_code: int | None = None
     figures: Figures | None = None
     egress_refused: list[Refusal] | None = None
+    checkpoint_id: str | None = None
+    """The newest checkpoint the attempt shipped, when the one who judged knows it (a migrate, the soft
+    memory ceiling); None: :func:`task_result` asks the task's checkpoints."""
+    disk_culprit: bool = True
+    """For DISK_FULL: the task itself filled the disk (class ``resource``); False: another did (``disruption``)."""
 
 
 def judge_exit(rt: RunningTask, outcome: ProcessOutcome, notice: Notice, stderr_tail: TailBuffer, sink: LogSink,
@@ -144,9 +151,25 @@ def oom_outcome(jail: TaskJail, figures: Figures, returncode: int | None, what: 
     return TaskOutcome("FAILED", "OOM_KILLED", message, returncode, figures=figures)
 
 
+def cause_fields(error_code: str | None, *, disk_culprit: bool = True) -> dict[str, Any]:
+    """TaskResult keyword arguments ``cause_class`` and ``retryable`` of a final result with ``error_code``
+    (None: a success), by :func:`ckagent.master.protocol.cause_of`."""
+    cause, retryable = cause_of(error_code, disk_culprit=disk_culprit)
+    return {"cause_class": cause, "retryable": retryable}
+
+
+def shipped_checkpoint(rt: RunningTask) -> str | None:
+    """The id of the newest checkpoint the task's attempt shipped (``rt.checkpoints.last``), or None
+    (none shipped, or a task without checkpoints)."""
+    last = getattr(getattr(rt, "checkpoints", None), "last", None)
+    value = getattr(last, "id", None)
+    return value if isinstance(value, str) and value else None
+
+
 def task_result(rt: RunningTask, outcome: TaskOutcome, started_wall: float) -> TaskResult:
     """The final result of a task that ends now: ``startedAt`` when the agent took it (``started_wall``,
-    epoch seconds), the phases apart (deployMs, installMs, runMs)."""
+    epoch seconds), the phases apart (deployMs, installMs, runMs); its attempt, cause class and
+    retryable (:func:`cause_fields`), and the newest checkpoint it shipped."""
     finished_wall = time.time()
     phases = rt.phase_seconds
 
@@ -168,6 +191,9 @@ def task_result(rt: RunningTask, outcome: TaskOutcome, started_wall: float) -> T
         **figure_fields(outcome.figures),
         egress_refused=[{"address": r.address, "port": r.port, "count": r.count}
                         for r in outcome.egress_refused] if outcome.egress_refused else None,
+        attempt=rt.task.attempt,
+        **cause_fields(outcome.error_code, disk_culprit=outcome.disk_culprit),
+        checkpoint_id=outcome.checkpoint_id or shipped_checkpoint(rt),
     )
 
 

@@ -79,6 +79,7 @@ from ckagent.master.protocol import (
     utc_now_iso,
 )
 from ckagent.node.intake import IntakeGate
+from ckagent.task.outcome import cause_fields
 from ckagent.task.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -345,7 +346,7 @@ class Poller:
             claimed = False
             with trio.CancelScope(deadline=self._claim_deadline) as scope:
                 self._claim_scopes.add(scope)
-                claimed = await self._claim(task.id)
+                claimed = await self._claim(task.id, task.attempt)
             self._claim_scopes.discard(scope)
             if scope.cancelled_caught:
                 reason = "claim cut off: the node is stopping"
@@ -366,8 +367,8 @@ class Poller:
                     await self._release(task.id, "claim cut off: the agent is terminating")
             sup.claiming.discard(task.id)
 
-    async def _claim(self, task_id: str) -> bool:
-        claim = TaskResult(status="RUNNING", started_at=utc_now_iso())
+    async def _claim(self, task_id: str, attempt: int) -> bool:
+        claim = TaskResult(status="RUNNING", started_at=utc_now_iso(), attempt=attempt)
         try:
             await self._master.claim(task_id, claim, retry=Retry(timeout=CLAIM_RETRY_TIMEOUT))
         except MasterConflict:
@@ -410,7 +411,8 @@ class Poller:
             log.error("task %s breaks the protocol: %s; reporting it FAILED/BAD_TASK", shown, bad.error)
         now = utc_now_iso()
         result = TaskResult(status="FAILED", error_code="BAD_TASK", error_message=str(bad.error),
-                            started_at=now, finished_at=now, duration_ms=0, item_count=0, log_lines=0)
+                            started_at=now, finished_at=now, duration_ms=0, item_count=0, log_lines=0,
+                            attempt=bad.attempt, **cause_fields("BAD_TASK"))
         try:
             await self._master.report_result(bad.task_id, result, retry=Retry(timeout=CLAIM_RETRY_TIMEOUT))
         except MasterError as exc:

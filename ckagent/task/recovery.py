@@ -16,6 +16,7 @@ import time
 from collections.abc import Collection, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import psutil
 import trio
@@ -26,6 +27,7 @@ from ckagent.delivery.lifecycle import Lifecycle, TaskLost
 from ckagent.delivery.spool import open_spool
 from ckagent.master.protocol import TaskResult, utc_iso, utc_now_iso
 from ckagent.node.state import AsyncStateStore, TaskRecord
+from ckagent.task.outcome import cause_fields
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,7 @@ async def recover_lost_tasks(store: AsyncStateStore,
                           + (f"; not re-adopted: {why}" if why else ""),
             started_at=utc_iso_from(record.claimed_at), finished_at=utc_now_iso(),
             duration_ms=int((now - record.claimed_at) * 1000),
+            attempt=recorded_attempt(record.task_json), **cause_fields("AGENT_LOST"),
         )
         await store.set_result(record.task_id, result.to_json())
         if lifecycle is not None:
@@ -80,6 +83,12 @@ async def recover_lost_tasks(store: AsyncStateStore,
         if stale:
             log.warning("removed %d stale task cgroup(s) of an earlier run", stale)
     return [record for record in await store.pending_delivery() if record.task_id not in keep]
+
+
+def recorded_attempt(task_json: dict[str, Any]) -> int | None:
+    """The ``attempt`` of a task as the state store recorded it (None: absent, or not an integer ≥ 1)."""
+    value = task_json.get("attempt") if isinstance(task_json, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
 
 
 def _append(path: Path, data: bytes) -> None:

@@ -49,6 +49,10 @@ class RunnerConfig:
     max_stop_grace: float = math.inf
     """The longest stop grace a task gets (``task.max_stop_grace``; its own ``stopGraceSeconds`` or its
     framework's default is cut to it: ckagent.task.stop.stop_grace)."""
+    memory_soft_bytes: int | None = None
+    """The soft memory ceiling of a task that names none (``task.memory_soft_bytes``; ckagent.task.memwatch)."""
+    migrate_timeout: float = 20.0
+    """Seconds a migrate, or a task over its soft memory ceiling, has to checkpoint and stop."""
 
     def identity_of(self, spider_id: str) -> RunAs | None:
         """The identity ``spider_id``'s processes run as (None: the agent's own). Blocking at the

@@ -22,6 +22,8 @@ from ckagent.master.client import MasterClient
 from ckagent.master.ids import safe_name
 from ckagent.node.state import AsyncStateStore
 from ckagent.task.admission import Admission, RunningTask
+from ckagent.task.memwatch import SoftMemoryWatch
+from ckagent.task.migrating import Migration
 from ckagent.task.outcome import Notice, TaskOutcome
 from ckagent.task.runconfig import RunnerConfig
 from ckagent.task.runner import TaskRunner
@@ -53,6 +55,10 @@ class Supervisor(Admission):
         self._store = store
         self._outbox = outbox
         self.runner = TaskRunner(config, master, store, workspaces, deps, self, outbox)
+        self.migration = Migration(self)
+        """A migrate of this node's tasks (ckagent.task.migrating): its ``run`` waits for ``ask``."""
+        self.memory_watch = SoftMemoryWatch(self, node_default=config.memory_soft_bytes, bound=config.migrate_timeout)
+        """The soft memory ceilings (ckagent.task.memwatch)."""
 
     @property
     def store(self) -> AsyncStateStore:

@@ -8,8 +8,18 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import trio
+
+
+def moved_on(task: dict[str, Any]) -> dict[str, Any]:
+    """The first attempt of a task (admin JSON) the master moved on from after a disruption: asserts the
+    task is PENDING again as attempt 2 (another node resumes it) and returns attempt 1's record."""
+    assert (task["status"], task.get("attempt")) == ("PENDING", 2), task
+    first = task["attempts"][0]
+    assert (first["causeClass"], first["counted"]) == ("disruption", False), first
+    return first
 
 
 async def ckagent_stop(config: Path, *, migrate: bool = False, extra: tuple[str, ...] = ()) -> tuple[int, str, float]:

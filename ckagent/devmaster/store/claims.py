@@ -272,8 +272,12 @@ class ClaimStore(Database):
         with self._tx() as db:
             row = task_row(db, task_id)
             status, owner = row["status"], row["node_id"]
+            # Without an attempt (an older agent), a claim or a BAD_TASK of a PENDING task is of the task as
+            # handed out now; only other reports of a node that ran an older attempt are that attempt's.
+            handed_out = result.status == "RUNNING" or (status == "PENDING" and result.error_code == "BAD_TASK")
             try:
-                check_attempt(db, row, node_id, attempt)
+                check_attempt(db, row, node_id, None if handed_out and attempt is None else attempt,
+                              infer=not handed_out)
             except ConflictError as exc:
                 if "supersededBy" in exc.extra and self._repeated(db, task_id, node_id, result, attempt):
                     return task_json(row)

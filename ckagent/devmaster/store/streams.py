@@ -153,16 +153,25 @@ class StreamStore(Database):
     ) -> int:
         """Store ``values[stored - seq:]`` as one chunk row, ``encode(tail)`` giving its other columns
         (name → value), or only count it and hand it to ``discard(task_id, tail)``. Returns the new
-        stored count; ConflictError for another node or a gap.
+        stored count; ConflictError for another node or a gap, and for a batch of a later attempt
+        (``attempt`` > 1 named) that starts before that attempt's seq start: those positions are the
+        earlier attempts' (no ``expectedSeq``: the sender numbers its stream wrongly, the stream ends).
         """
+        start_column = "log_seq_start" if counter == "stored_log_lines" else "item_seq_start"
         with self._tx() as db:
-            row = db.execute(f"SELECT id, attempt, node_id, {counter} FROM tasks WHERE id = ?", (task_id,)).fetchone()
+            row = db.execute(f"SELECT id, attempt, node_id, {counter}, {start_column} FROM tasks WHERE id = ?",
+                             (task_id,)).fetchone()
             if row is None:
                 raise NotFoundError(f"no task {task_id!r}")
             check_attempt(db, row, node_id, attempt)
             if row["node_id"] != node_id:
                 raise ConflictError(f"task {task_id!r} is not claimed by this node")
             stored = int(row[counter])
+            start = int(row[start_column] or 0)
+            if attempt is not None and attempt > 1 and seq < start:
+                raise ConflictError(f"attempt {attempt} of task {task_id} starts at {start} in this stream"
+                                    f" ({'logSeqStart' if start_column == 'log_seq_start' else 'itemSeqStart'}),"
+                                    f" not {seq}: what is before belongs to the earlier attempts")
             if seq > stored:
                 raise ConflictError(
                     f"gap: this batch starts at {seq} but only {stored} are stored", expectedSeq=stored

@@ -24,16 +24,18 @@ def ran_earlier(db: sqlite3.Connection, task_id: str, node_id: str, current: int
                       (task_id, node_id, current)).fetchone() is not None
 
 
-def check_attempt(db: sqlite3.Connection, row: sqlite3.Row, node_id: str, attempt: int | None) -> None:
+def check_attempt(db: sqlite3.Connection, row: sqlite3.Row, node_id: str, attempt: int | None, *,
+                  infer: bool = True) -> None:
     """Refuse what an older attempt of the task sends (ConflictError with ``supersededBy``).
 
     ``attempt`` None: the request does not say (an older agent, a chunk upload): superseded when the
-    node is not the task's claimant now but ran an earlier attempt of it. An attempt the task has not
-    reached is a ConflictError too. The caller still checks that the node is the claimant.
+    node is not the task's claimant now but ran an earlier attempt of it (unless ``infer`` is False: a
+    claim of the task as handed out). An attempt the task has not reached is a ConflictError too. The
+    caller still checks that the node is the claimant.
     """
     current, task_id = current_attempt(row), str(row["id"])
     if attempt is None:
-        if row["node_id"] != node_id and current > 1 and ran_earlier(db, task_id, node_id, current):
+        if infer and row["node_id"] != node_id and current > 1 and ran_earlier(db, task_id, node_id, current):
             raise superseded(task_id, current)
         return
     if attempt < current:

@@ -12,6 +12,7 @@ from ckagent.devmaster import stats as task_stats
 from ckagent.devmaster.errors import ConflictError, NotFoundError
 from ckagent.devmaster.store.attempts import attempts_of, cancel_pending_attempt, ensure_attempt
 from ckagent.devmaster.store.database import Database, dumps, loads, new_id, task_row
+from ckagent.devmaster.store.supersede import check_attempt
 from ckagent.master.protocol import FINAL_STATUSES, TaskStats, utc_now_iso
 
 
@@ -157,10 +158,12 @@ class TaskStore(Database):
     def save_stats(self, task_id: str, node_id: str, snapshot: TaskStats) -> bool:
         """Keep a live stats snapshot of a task claimed by ``node_id`` if it is the newest (True).
 
-        Raises NotFoundError (unknown task), ConflictError (another node's or an unclaimed task).
+        Raises NotFoundError (unknown task), ConflictError (another node's or an unclaimed task;
+        ``supersededBy`` when the node ran an older attempt of it).
         """
         with self._tx() as db:
             row = task_row(db, task_id)
+            check_attempt(db, row, node_id, None)
             if row["node_id"] != node_id:
                 raise ConflictError(f"task {task_id!r} is not claimed by this node")
             stored = task_stats.save(db, task_id, snapshot)
@@ -222,7 +225,9 @@ class TaskStore(Database):
         answer: dict[str, Any] = {"path": path, "sizeBytes": len(data), "sha256": sha256}
 
         def owned(db: sqlite3.Connection) -> None:
-            if task_row(db, task_id)["node_id"] != node_id:
+            row = task_row(db, task_id)
+            check_attempt(db, row, node_id, None)  # a node that ran an older attempt: supersededBy
+            if row["node_id"] != node_id:
                 raise ConflictError(f"task {task_id!r} is not claimed by this node")
 
         if len(data) > task_artifacts.INLINE_MAX_BYTES:

@@ -176,10 +176,8 @@ class CheckpointFile:
         size = _size(o, "size", path)
         raw = o.get("chunks")
         where = _name(path, "chunks")
-        if raw is None:
-            raw = []
         if not isinstance(raw, list):
-            raise ProtocolError(where, "expected an array of sha256 strings")
+            raise ProtocolError(where, "required: an array of sha256 strings (a dir's and an empty file's: [])")
         expected = chunk_count(size) if kind == "file" else 0
         if kind == "dir" and size:
             raise ProtocolError(_name(path, "size"), "a dir's size is 0")

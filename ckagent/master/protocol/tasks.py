@@ -297,6 +297,8 @@ class BadTask:
 
     task_id: str | None
     error: ProtocolError
+    attempt: int | None = None
+    """The task's ``attempt`` when it was readable (an integer ≥ 1), so its BAD_TASK result names it."""
 
 
 def _sendable(task_id: str) -> bool:
@@ -333,7 +335,10 @@ class PendingTasks:
             except ProtocolError as exc:
                 task_id = raw.get("id") if isinstance(raw, dict) else None
                 ok_id = isinstance(task_id, (str, int)) and not isinstance(task_id, bool) and _sendable(str(task_id))
-                bad.append(BadTask(task_id=str(task_id) if ok_id else None, error=exc))
+                attempt = raw.get("attempt") if isinstance(raw, dict) else None
+                ok_attempt = isinstance(attempt, int) and not isinstance(attempt, bool) and attempt >= 1
+                bad.append(BadTask(task_id=str(task_id) if ok_id else None, error=exc,
+                                   attempt=attempt if ok_attempt else None))
         return cls(tasks=tasks, cancel_task_ids=str_list(o, "cancelTaskIds", ids=True), bad_tasks=bad)
 
     def to_json(self) -> dict[str, Any]:
