@@ -1,7 +1,7 @@
 """``python -m bench [--quick] [--no-scrapyd] [--only NAME[,NAME]] [--out FILE]``: every benchmark, one report.
 
 Runs each benchmark module it knows that is present (dispatch, makespan, overhead, flood, items,
-manytasks, scrape, prepare, startup, adoption, containment, egress, outputs, proxy; each exposes ``run(quick) -> dict``), prints one summary table (target, met or
+manytasks, scrape, prepare, startup, adoption, containment, egress, outputs, proxy, checkpoint; each exposes ``run(quick) -> dict``), prints one summary table (target, met or
 not) followed by each module's own table, and writes the same Markdown — with the machine, Python,
 versions, commit and date — to ``bench/results/latest.md`` (``bench/results/quick.md`` with
 ``--quick``) or ``--out``. A module that fails is reported as failed; the others still run.
@@ -29,7 +29,7 @@ import psutil
 from bench._harness import REPO, markdown_table
 
 MODULES = ("dispatch", "makespan", "overhead", "flood", "items", "manytasks", "scrape", "prepare", "startup", "adoption",
-           "containment", "egress", "outputs", "proxy")
+           "containment", "egress", "outputs", "proxy", "checkpoint")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 

@@ -114,6 +114,8 @@ async def test_a_manifest_needs_its_chunks_and_its_items(node: Node, task_id: st
         r = await post_checkpoint(node, task_id, body)
         assert r.status_code == 200 and r.json() == {"checkpointId": "1-1"}
         assert (await post_checkpoint(node, task_id, body)).json() == {"checkpointId": "1-1"}  # a repeat
+        resent = {**body, "createdAt": "2026-12-05T18:00:09.000Z", "packedBytes": 7}  # rebuilt after a restart
+        assert (await post_checkpoint(node, task_id, resent)).json() == {"checkpointId": "1-1"}
         changed = {**body, "itemSeq": 1}
         assert (await post_checkpoint(node, task_id, changed)).status_code == 409  # the id, another manifest
         got = await node.http.get(f"/api/tasks/{task_id}/checkpoints/1-1", headers=node.auth)
@@ -179,3 +181,18 @@ def test_unpack_chunk_refuses_any_bytes_that_are_not_the_chunk(body: bytes) -> N
     except ChunkError:
         return
     assert size == len(data) and gzip.decompress(body) == data
+
+
+async def test_a_task_holds_a_bounded_amount_of_chunks(
+        node: Node, task_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckagent.devmaster.store import checkpoints
+
+    with trio.fail_after(10):
+        monkeypatch.setattr(checkpoints, "MAX_TASK_CHUNK_BYTES", 3000)
+        pieces = [os.urandom(1000) for _ in range(4)]
+        answers = [(await put_chunk(node, task_id, sha256_of(p), gz(p))).status_code for p in pieces]
+        assert answers == [200, 200, 413, 413]  # ~1020 gzip bytes each
+        # a manifest naming the first frees the other
+        r = await post_checkpoint(node, task_id, manifest_body("1-1", 1, 0, checkpoint_files({"a": pieces[0]})[0]))
+        assert r.status_code == 200
+        assert (await put_chunk(node, task_id, sha256_of(pieces[2]), gz(pieces[2]))).status_code == 200

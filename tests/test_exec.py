@@ -217,6 +217,7 @@ async def test_exec_takes_a_zip_and_applies_the_node_package_checks(tmp_path: Pa
         capture_output=True, text=True, timeout=120, check=False, env=env, cwd=tmp_path))
     assert done.returncode == 1, done.stderr[-2000:]
     assert "[ckagent exec] outcome: FAILED (EXIT_NONZERO)" in done.stderr, done.stderr[-2000:]
+    assert "[ckagent exec] attempt 1, cause: spider, retryable\n" in done.stderr  # (issue 38: its cause class)
     assert "something went wrong: demo failure" in done.stdout  # the spider's stderr, in the log
     # Zips the node refuses to deploy: exec's own master and agent, in this process (run_exec's
     # return value is the exit code exec_main exits with).

@@ -60,15 +60,15 @@ async def _crawl(python: Path, project: Path, agent: FakeAgent, site: PagedSite,
             cwd=project, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-async def _checkpoint_kill_resume(python: Path, tmp_path: Path, args: list[str], *,
-                                  own_jobdir: bool = False) -> tuple[FakeAgent, FakeAgent, dict[str, Any]]:
+async def _checkpoint_kill_resume(python: Path, tmp_path: Path, args: list[str], *, own_jobdir: bool = False,
+                                  event: str = "persistState") -> tuple[FakeAgent, FakeAgent, dict[str, Any]]:
     project = write_pages_project(tmp_path / "project")
     with PagedSite(PAGES, delay=0.25) as site:
         first = FakeAgent(tmp_path / "attempt1")
         crawl = await _crawl(python, project, first, site, args)
         try:
             await eventually(lambda: _count(first, PAGES // 4), TIMEOUT, "a quarter of the items")
-            number = first.request()
+            number = first.request(event, **({"secondsLeft": 18.5} if event == "migrating" else {}))
 
             async def acked() -> Any:
                 return first.ack(number)
@@ -121,8 +121,10 @@ async def test_a_killed_crawl_resumes_from_its_checkpoint_each_item_once(
     assert isinstance(ack["pauseMs"], float) and ack["itemsOffset"] > 0
 
 
-async def test_fifo_queues_and_depth_priority_resume(scrapy_pythons: dict[str, Path], tmp_path: Path) -> None:
-    await _checkpoint_kill_resume(scrapy_pythons["2.19"], tmp_path, FIFO)
+async def test_fifo_queues_and_depth_priority_resume_after_a_migrating_request(
+        scrapy_pythons: dict[str, Path], tmp_path: Path) -> None:
+    first, _second, _ack = await _checkpoint_kill_resume(scrapy_pythons["2.19"], tmp_path, FIFO, event="migrating")
+    assert "crawlerkeeper: migrating, 18.5 s left" in (first.task_dir / "output.log").read_text()
 
 
 async def test_the_projects_own_jobdir_is_kept_and_put_back(scrapy_pythons: dict[str, Path], tmp_path: Path) -> None:
@@ -135,3 +137,33 @@ async def test_the_projects_own_jobdir_is_kept_and_put_back(scrapy_pythons: dict
 
 async def test_scrapy_2_11_resumes_too(scrapy_pythons: dict[str, Path], tmp_path: Path) -> None:
     await _checkpoint_kill_resume(scrapy_pythons["2.11"], tmp_path, [])
+
+
+async def test_requests_seen_together_unknown_events_and_a_crawl_without_jobdir(
+        scrapy_pythons: dict[str, Path], tmp_path: Path) -> None:
+    """Three requests at once: an unknown event is answered as one, the older persist is superseded by the
+    newest; a project that turns JOBDIR off cannot be checkpointed, and says so in the ack and the log."""
+    project = write_pages_project(tmp_path / "project")
+    with PagedSite(PAGES, delay=0.25) as site:
+        agent = FakeAgent(tmp_path / "attempt1")
+        crawl = await _crawl(scrapy_pythons["2.19"], project, agent, site, ["-s", "JOBDIR="])
+        try:
+            await eventually(lambda: _count(agent, 5), TIMEOUT, "five items")
+            agent.control.write_text("".join(json.dumps(r) + "\n" for r in (
+                {"event": "bogus", "id": 1}, {"event": "persistState", "id": 2, "reason": "interval"},
+                {"event": "persistState", "id": 3, "reason": "interval"})))
+
+            async def acked() -> Any:
+                return agent.ack(3)
+
+            await eventually(acked, 20, "the ack of 3", interval=0.02)
+        finally:
+            crawl.send_signal(signal.SIGKILL)
+            with trio.CancelScope(shield=True), trio.fail_after(30):
+                await crawl.wait()
+    assert agent.ack(1) == {"id": 1, "error": "unknown event 'bogus'"}
+    assert agent.ack(2) == {"id": 2, "error": "superseded by request 3"}
+    assert "JOBDIR off" in agent.ack(3)["error"]  # type: ignore[index]
+    assert not (agent.snapshots / "3").exists()
+    log = (agent.task_dir / "output.log").read_text()
+    assert "the project turned JOBDIR off" in log and "checkpoint 3 failed" in log, log[-3000:]

@@ -7,7 +7,8 @@ read at the end, crawlee datasets): :class:`Follower` reads the master's item ch
 (:meth:`ckagent.devmaster.store.Store.item_chunks_from`), not one file of the task directory. Each
 item is written as the master stored its text — the bytes the spider (or Scrapy's own exporter)
 wrote, not encoded again: a Scrapy project's ``--items`` file holds the lines its own
-``-o items.jsonl`` would. Before the task, :func:`say_identity` says whom the spider will run as.
+``-o items.jsonl`` would. Before the task, :func:`say_identity` says whom the spider will run as; after
+it, :func:`attempt_lines` say its attempts, why each ended (the cause class) and its last checkpoint.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ import re
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import trio
 
 from ckagent.delivery.crawlstats import STATS_FILE, read_last_snapshot
 from ckagent.delivery.spool import open_spool
 from ckagent.node.identity import Identities, IdentityError, runs_as_text
+from ckagent.port.statusrows import attempt_text, cause_text, checkpoint_text
 
 READ_BYTES = 4 << 20
 """Bytes of the log read at a time."""
@@ -178,3 +180,24 @@ async def say_identity(identities: Identities | None, spider_id: str, err: TextI
     if notice is not None:
         err.write(f"[ckagent exec] note: {notice[1]}\n")
     err.flush()
+
+
+def attempt_lines(task: dict[str, Any]) -> list[str]:
+    """The summary lines of a task's attempts and checkpoint, from the exec's master's task JSON
+    (``attempts``: each one's status, errorCode, causeClass, retryable; ``checkpoint``: the newest):
+    ``attempt 1: FAILED (EXIT_NONZERO), cause spider, not retryable`` for each attempt that ended but
+    the last (the outcome line says that one's), then ``cause: …`` of the last and ``last checkpoint: 1-4,
+    12 s before the end, 5.1 MiB, items 0–449 (interval)`` — or nothing for a task of one attempt
+    that shipped no checkpoint and has no cause to say."""
+    lines = []
+    attempts = [a for a in task.get("attempts") or () if isinstance(a, dict)]
+    for a in attempts[:-1]:
+        code = f" ({a['errorCode']})" if a.get("errorCode") else ""
+        lines.append(f"[ckagent exec] attempt {a.get('attempt')}: {a.get('status')}{code}, cause {cause_text(a)}")
+    last = attempts[-1] if attempts else task
+    if cause_text(last) != "—":
+        lines.append(f"[ckagent exec] attempt {attempt_text(last.get('attempt'))}, cause: {cause_text(last)}")
+    checkpoint = task.get("checkpoint")
+    if isinstance(checkpoint, dict):
+        lines.append(f"[ckagent exec] last checkpoint: {checkpoint_text(checkpoint)}")
+    return lines

@@ -57,7 +57,7 @@ import trio
 
 from ckagent.cli.execview import Follower as _Follower
 from ckagent.cli.execview import Terminal as _Terminal
-from ckagent.cli.execview import say_identity
+from ckagent.cli.execview import attempt_lines, say_identity
 from ckagent.code import frameworks
 from ckagent.master.ids import task_dir
 
@@ -240,6 +240,7 @@ def _summary(task: dict[str, Any], stats: dict[str, Any] | None, items_path: Pat
     lines = [f"[ckagent exec] outcome: {outcome}"]
     if task.get("errorMessage"):
         lines.append(f"[ckagent exec] message: {task['errorMessage']}")
+    lines += attempt_lines(task)
     counts = f"{task.get('itemCount') or 0} items -> {items_path}, {task.get('logLines') or 0} log lines"
     figures = (stats or {}).get("stats") or {}
     for key in ("requests", "responses", "errors", "retries"):

@@ -1,7 +1,8 @@
 """The dev master's checkpoint routes (docs/protocol.md, "Checkpoints"; the store: store/checkpoints.py)::
 
     PUT  /api/tasks/{taskId}/checkpoint-chunks/{sha256}  body: gzip bytes → {"stored": true}
-         (422: not a gzip of ≤ CHUNK_BYTES bytes of that sha256; 413 over MAX_CHUNK_BODY_BYTES;
+         (422: not a gzip of ≤ CHUNK_BYTES bytes of that sha256; 413 over MAX_CHUNK_BODY_BYTES, or the task
+          would hold more than MAX_TASK_CHUNK_BYTES of chunks;
           409: the node does not run the task, supersededBy when it ran an older attempt)
     GET  /api/tasks/{taskId}/checkpoint-chunks/{sha256}  → the gzip bytes
     POST /api/tasks/{taskId}/checkpoints                 body: the manifest → {"checkpointId": id}

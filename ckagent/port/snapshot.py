@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ckagent.master.heartbeat import NodeReport
-from ckagent.port.status import AgentStatistics, runtime_versions, task_statistics
+from ckagent.port.status import AgentStatistics, runtime_versions
+from ckagent.port.taskstats import task_statistics
 
 if TYPE_CHECKING:
     from ckagent.code.runtimescan import RuntimeScan

@@ -8,7 +8,7 @@ path     answer
 /readyz  200 ``ready`` when registered and the last heartbeat was acknowledged within
          ``3 × heartbeat.interval`` seconds and the agent is RUNNING; else 503 with the reason
 /status  JSON: state, node id, uptime, containment, egress and identity levels, running tasks (id, spider, since, pid,
-         phase, live resource figures), the tasks re-adopted at start and those handed over at the stop,
+         phase, live resource figures, attempt, last checkpoint: ckagent.port.taskstats), the tasks re-adopted at start and those handed over at the stop,
          the last upgrade/rollback and failed versions (run.sh's records, ckagent.port.statusrunsh), the
          last full disk's culprit, outbox, versions
 /        the HTML status page, and /tasks/<id>/tail, /tasks/<id>/log.txt (see ckagent.port.statuspage)
@@ -41,19 +41,16 @@ from typing import TYPE_CHECKING, Any, cast
 import trio
 
 from ckagent import __version__
-from ckagent.containment.egress import describe_refusals
 from ckagent.master.protocol import utc_iso
 from ckagent.node.listen import bind_socket
 from ckagent.port.metrics import PHASES, AgentMetrics, LiveFigures, OutboxFigures
 from ckagent.port.statusrunsh import read_runsh_state, state_dir_from
+from ckagent.port.taskstats import TaskStatistics, checkpoint_json
 
 if TYPE_CHECKING:
     from hypercorn.typing import ASGIFramework
 
-    from ckagent.containment import TaskJail
-    from ckagent.containment.egress import Egress, TaskRules
     from ckagent.delivery import Outbox
-    from ckagent.task.supervisor import RunningTask
 
 log = logging.getLogger(__name__)
 
@@ -75,55 +72,6 @@ READY_HEARTBEATS = 3
 
 Body = tuple[int, str, bytes]
 """(HTTP status, content type, body)."""
-
-
-@dataclass(frozen=True)
-class TaskStatistics:
-    """One claimed, unfinished task as /status shows it. Times: epoch seconds (None: not yet)."""
-
-    id: str
-    spider_id: str
-    spider_name: str
-    framework: str
-    phase: str
-    claimed_at: float
-    started_at: float | None
-    pid: int | None
-    resources: tuple[tuple[str, Any], ...] = ()
-    """Live figures of the task's cgroup (cpuSeconds, memoryBytes, ...; empty at the process-group level)."""
-    sample_resources: Callable[[], tuple[tuple[str, Any], ...]] | None = None
-    """Reads :attr:`resources` now (cgroupfs reads, tens of µs a file): /status calls it, one task at a
-    time with a checkpoint between tasks; /metrics never does. None: :attr:`resources` as given."""
-    sample_egress: Callable[[], tuple[tuple[str, Any], ...]] | None = None
-    """Reads the task's refused connections now (``{"refused": [...], "summary": str}``; nft counters,
-    /status only). None: no kernel egress rules for the task."""
-
-
-def task_statistics(rt: RunningTask, egress: Egress | None) -> TaskStatistics:
-    """One claimed, unfinished task as /status shows it; its cgroup figures and refused connections
-    (``egress``: the node's egress level, None = none) are read when /status asks (``sample_*``)."""
-    task = rt.task
-    return TaskStatistics(
-        id=task.id, spider_id=task.spider_id, spider_name=task.spider_name, framework=task.framework,
-        phase=rt.phase, claimed_at=rt.claimed_at, started_at=rt.started_at, pid=rt.pid,
-        sample_resources=None if rt.jail is None else partial(_jail_figures, rt.jail),
-        sample_egress=None if rt.egress is None or egress is None else partial(_egress_refusals, egress, rt.egress))
-
-
-def _jail_figures(jail: TaskJail) -> tuple[tuple[str, Any], ...]:
-    """A task's live cgroup figures as /status shows them (cgroupfs reads)."""
-    return tuple(jail.figures().to_json().items())
-
-
-def _egress_refusals(egress: Egress, rules: TaskRules) -> tuple[tuple[str, Any], ...]:
-    """A task's refused connections so far as /status shows them (nft counters, ~0.5 ms), and at the
-    proxy level what became of its requests (``proxy``: outcome → count)."""
-    refused = egress.refusals(rules)
-    found: tuple[tuple[str, Any], ...] = (
-        ("refused", [{"address": r.address, "port": r.port, "count": r.count} for r in refused]),
-        ("summary", describe_refusals(refused)))
-    outcomes = egress.proxy_outcomes(rules)
-    return (*found, ("proxy", outcomes)) if egress.server is not None else found
 
 
 @dataclass(frozen=True)
@@ -432,6 +380,8 @@ class AgentStatus:
             "resources": figures,
             # Connections its network policy refused so far (kernel counters; None without them).
             "egress": refused,
+            "attempt": task.attempt,
+            "checkpoint": checkpoint_json(task.checkpoint),  # the newest the master holds; None: none yet
         } for task, figures, refused in zip(stats.tasks, resources, egress, strict=True)]
         return {
             "state": stats.state,

@@ -7,9 +7,11 @@ path                          answer
                               egress level, identity level (whom spiders run as, each stronger
                               level not had), the tasks re-adopted at start and handed over at the
                               stop, the last upgrade or rollback and the failed versions, slots,
-                              free disk and the last full disk's culprit), running tasks (phase, live stats, progress, resource
+                              free disk and the last full disk's culprit), running tasks (phase, attempt, last
+                              checkpoint: its age, size and items position, live stats, progress, resource
                               figures when the agent has them), the last lines of each running
-                              task's log (live), recent tasks with their outcome
+                              task's log (live), recent tasks with their outcome (attempt, cause class,
+                              the checkpoint it shipped last)
 ``/tasks/<id>/tail?from=N``   server-sent events: the task's log lines from byte N of output.log
                               on, as they are written (``event: end`` when the task is over)
 ``/tasks/<id>/log.txt``       the last TAIL_TXT_LINES lines of the task's log as plain text
@@ -48,7 +50,16 @@ from ckagent.delivery.outputs import read_artifact
 from ckagent.delivery.spool import open_spool, read_spool
 from ckagent.master.ids import task_dir as task_dir_of
 from ckagent.master.protocol import Task
-from ckagent.port.statusrows import backlog_text, identity_rows, level_row, node_history_rows, size_text
+from ckagent.port.statusrows import (
+    attempt_text,
+    backlog_text,
+    cause_text,
+    checkpoint_text,
+    identity_rows,
+    level_row,
+    node_history_rows,
+    size_text,
+)
 
 if TYPE_CHECKING:
     from ckagent.delivery import Outbox
@@ -307,6 +318,7 @@ class StatusPage:
             rows.append(
                 f"<tr><td><code>{_e(task.id)}</code></td><td>{_e(task.spider_name or task.spider_id)}</td>"
                 f"<td>{_e(task.framework)}</td><td>{_e(rt.phase)}</td><td>{_iso(rt.started_at or rt.claimed_at)}</td>"
+                f"<td class=n>{task.attempt}</td><td>{_e(checkpoint_text(record.get('checkpoint')))}</td>"
                 f"<td class=n>{counts['items']}</td><td class=n>{counts['requests']}</td><td>{_e(statuses)}</td>"
                 f"<td class=n>{counts['errors']}</td><td>{_e(progress_text)}</td>"
                 f"<td>{_e(resource_text(resources))}</td>"
@@ -332,6 +344,8 @@ class StatusPage:
             recent_rows.append(
                 f"<tr><td><code>{_e(record.task_id)}</code></td><td>{_e(name)}</td>"
                 f"<td class=\"o-{_e(str(result.get('status', '')).lower())}\">{_e(outcome)}</td>"
+                f"<td class=n>{attempt_text(result.get('attempt'))}</td><td>{_e(cause_text(result))}</td>"
+                f"<td>{_e(result.get('checkpointId') or '—')}</td>"
                 f"<td>{_e(reason or '—')}</td><td>{_e(message or '—')}</td><td>{_iso(record.finished_at)}</td>"
                 f"<td class=n>{'—' if not isinstance(duration, int) else f'{duration / 1000:.1f} s'}</td>"
                 f"<td class=n>{_e(result.get('itemCount', '—'))}</td><td class=n>{_e(result.get('logLines', '—'))}</td>"
@@ -364,7 +378,7 @@ class StatusPage:
         parts.append(f"<div data-live=running><h2>Running tasks ({len(rows)})</h2>")
         if rows:
             parts.append("<table><tr><th>task</th><th>spider</th><th>framework</th><th>phase</th><th>since</th>"
-                         "<th>items</th><th>requests</th><th>responses</th><th>errors</th><th>progress</th>"
+                         "<th>attempt</th><th>last checkpoint</th><th>items</th><th>requests</th><th>responses</th><th>errors</th><th>progress</th>"
                          "<th>resources</th><th></th></tr>" + "".join(rows) + "</table>")
         else:
             parts.append("<p>none</p>")
@@ -383,7 +397,8 @@ class StatusPage:
                          + "".join(_e(line) + "\n" for line in lines) + "</pre>")
         parts.append(f"<div data-live=recent><h2>Recent tasks ({len(recent_rows)})</h2>")
         if recent_rows:
-            parts.append("<table><tr><th>task</th><th>spider</th><th>outcome</th><th>finish reason</th>"
+            parts.append("<table><tr><th>task</th><th>spider</th><th>outcome</th><th>attempt</th><th>cause</th>"
+                         "<th>checkpoint</th><th>finish reason</th>"
                          "<th>message</th><th>finished (UTC)</th><th>duration</th><th>items</th><th>log lines</th>"
                          "<th>resources</th><th>result</th><th></th></tr>" + "".join(recent_rows) + "</table>")
         else:

@@ -1,5 +1,6 @@
 """The rows of the status page's node table (``ckagent.port.statuspage``), made from the /status JSON
-(``ckagent.port.status``): plain text (label, value) pairs that the page escapes. Every function takes
+(``ckagent.port.status``): plain text (label, value) pairs that the page escapes, and the cells of its task
+tables (a task's attempt, last checkpoint, the cause of a finished attempt). Every function takes
 whatever the JSON holds — a missing field or one of another type is shown as "—", "none" or
 "unknown", never an exception.
 """
@@ -120,3 +121,34 @@ def size_text(n: Any) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{value:.1f} GiB"  # pragma: no cover
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def checkpoint_text(checkpoint: Any) -> str:
+    """A task's last checkpoint (``/status``'s ``checkpoint``): ``1-4, 12 s ago, 5.1 MiB, items 0–449
+    (interval)``; ``none yet``."""
+    if not isinstance(checkpoint, dict):
+        return "none yet"
+    items = _count(checkpoint.get("itemSeq"))
+    held = "—" if items is None else ("no items" if items == 0 else f"items 0–{items - 1}")
+    reason = checkpoint.get("reason")
+    return (f"{checkpoint.get('id')}, {duration_text(checkpoint.get('ageSeconds'))} ago, "
+            f"{size_text(checkpoint.get('sizeBytes'))}, {held}" + (f" ({reason})" if isinstance(reason, str) else ""))
+
+
+def cause_text(result: Any) -> str:
+    """Why a finished attempt ended, as a retry policy reads it (a result's ``causeClass`` and
+    ``retryable``): ``disruption, retryable``, ``spider, not retryable``; ``—`` (a success, or none said)."""
+    if not isinstance(result, dict) or not isinstance(result.get("causeClass"), str):
+        return "—"
+    retryable = result.get("retryable")
+    said = "" if not isinstance(retryable, bool) else (", retryable" if retryable else ", not retryable")
+    return f"{result['causeClass']}{said}"
+
+
+def attempt_text(value: Any) -> str:
+    """An attempt number (``1`` when absent, as the protocol reads it)."""
+    return str(_count(value) or 1)

@@ -89,6 +89,9 @@ node without yarn or pnpm),
   from node A to node B and checks it (:class:`Handover`).
 - :func:`user_temp_dir` is a directory of this user's own in the machine's temp directory, kept across
   runs (:mod:`harness.tempdirs`): fixed names there are shared by every user of the machine.
+- :class:`CheckpointMaster` holds checkpoints' chunks and manifests in memory under the protocol's rules,
+  with faults per request, for ``httpx.MockTransport`` (:func:`checkpoint_client`); :func:`snapshot_tree`
+  writes a spider's snapshot dir (:mod:`harness.checkpointmaster`).
 - A spider's state (issue 38): :class:`TaskFiles` plays the agent's side of the control channel
   (:mod:`harness.spiderstate`; :func:`start_spider`, :func:`sdk_env`); :func:`serve_site` serves a site
   of N pages (and the demo shop) for the resumable examples, counting fetches (:mod:`harness.pagedsite`).
@@ -98,6 +101,7 @@ from __future__ import annotations
 
 from harness.agentports import *  # noqa: F403
 from harness.agentproc import *  # noqa: F403
+from harness.checkpointmaster import *  # noqa: F403
 from harness.checkpointnode import *  # noqa: F403
 from harness.core import *  # noqa: F403
 from harness.crawlsite import *  # noqa: F403

@@ -1,9 +1,11 @@
 """A real Scrapy crawl under a fake agent, for the tests of checkpoints and resume (issue 38).
 
 - :class:`PagedSite`: a site of ``pages`` pages on 127.0.0.1 (``/p/<n>`` links to ``/p/3n+1`` ..
-  ``/p/3n+3`` below ``pages``, and back to ``/p/0``), each answered after ``delay`` seconds (so
-  requests are in flight), counting the fetches of every page.
-- :func:`write_pages_project`: a Scrapy project whose spider ``pages`` yields one item per page and
+  ``/p/3n+3`` below ``pages``, and back to its parent but for the first pages, whose parent is the start
+  page), each answered after ``delay`` seconds (so requests are in flight), counting the fetches of
+  every page.
+- :func:`write_pages_project`: a Scrapy project whose spider ``pages`` (its start request ``dont_filter``,
+  as Scrapy's ``start_urls``) yields one item per page and
   counts the pages it parsed in ``spider.state`` (said at close: ``pages spider closed: state=N, resumed=M``).
 - :func:`scrapy_python`: a virtualenv with the given Scrapy (uv, from its cache) and the agent's
   ``.pth`` lines: the bundled SDK importable and the Scrapy hook attached, as in the agent's environments.
@@ -54,8 +56,8 @@ class PagedSite:
                 with site.lock:
                     site.hits[n] += 1
                 time.sleep(site.delay)
-                links = "".join(f'<a href="/p/{c}">{c}</a>' for c in (3 * n + 1, 3 * n + 2, 3 * n + 3, 0)
-                                if c < site.pages)
+                family = (3 * n + 1, 3 * n + 2, 3 * n + 3, (n - 1) // 3 if n > 3 else site.pages)
+                links = "".join(f'<a href="/p/{c}">{c}</a>' for c in family if c < site.pages)
                 body = f"<html><body><h1>page {n}</h1>{links}</body></html>".encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/html")
@@ -103,9 +105,12 @@ class Pages(scrapy.Spider):
             yield request
 
     def start_requests(self):
-        yield scrapy.Request(os.environ["START_URL"].rstrip("/") + "/p/0")
+        # As Scrapy's own start_urls: dont_filter (a resumed crawl must not fetch it again).
+        yield scrapy.Request(os.environ["START_URL"].rstrip("/") + "/p/0", dont_filter=True)
 
     def parse(self, response):
+        if not hasattr(self, "state"):  # (no JOBDIR: no SpiderState extension)
+            self.state = {}
         if not hasattr(self, "resumed"):
             self.resumed = self.state.get("pages", 0)
         self.state["pages"] = self.state.get("pages", 0) + 1
@@ -114,7 +119,8 @@ class Pages(scrapy.Spider):
             yield response.follow(href, callback=self.parse)
 
     def closed(self, reason):
-        print(f"pages spider closed: state={self.state.get('pages')}, resumed={getattr(self, 'resumed', 0)}",
+        print(f"pages spider closed: state={getattr(self, 'state', {}).get('pages')}, "
+              f"resumed={getattr(self, 'resumed', 0)}",
               flush=True)
 '''
 

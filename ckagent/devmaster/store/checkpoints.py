@@ -19,16 +19,19 @@ import zlib
 from collections.abc import Iterable
 from typing import Any
 
-from ckagent.devmaster.errors import ConflictError, NotFoundError
+from ckagent.devmaster.errors import ConflictError, NotFoundError, PayloadTooLargeError
 from ckagent.devmaster.store.database import Database, dumps, task_row
 from ckagent.devmaster.store.supersede import check_attempt, current_attempt
 from ckagent.master.protocol import ProtocolError, utc_now_iso
 from ckagent.master.protocol.checkpoints import CHUNK_BYTES, CheckpointManifest
 
-__all__ = ["MAX_CHUNK_BODY_BYTES", "CheckpointStore", "ChunkError", "check_sha", "prune_chunks", "unpack_chunk"]
+__all__ = ["MAX_CHUNK_BODY_BYTES", "MAX_TASK_CHUNK_BYTES", "CheckpointStore", "ChunkError", "check_sha", "prune_chunks", "unpack_chunk"]
 
 MAX_CHUNK_BODY_BYTES = 2 * 1024 * 1024
 """Largest gzip body of one chunk (bytes): level 1 of incompressible CHUNK_BYTES stays well below."""
+MAX_TASK_CHUNK_BYTES = 4 * 1024**3
+"""Most gzip bytes of checkpoint chunks one task may hold at a time (its newest checkpoint's and those
+uploaded for the next); an upload beyond is 413."""
 _SQL_BATCH = 500
 """Shas per ``IN (...)`` list (SQLite's variable limit)."""
 
@@ -92,6 +95,12 @@ def prune_chunks(db: sqlite3.Connection, task_id: str) -> int:
     return len(drop)
 
 
+def _identity(manifest: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes two posts of a manifest the same checkpoint: its attempt, positions and files (not its
+    createdAt, reason or packedBytes, which a resend rebuilt after an agent restart may state anew)."""
+    return (manifest.get("attempt"), manifest.get("itemSeq"), manifest.get("logSeq"), manifest.get("files"))
+
+
 def _running_here(db: sqlite3.Connection, row: sqlite3.Row, node_id: str, attempt: int | None) -> None:
     """Refuse a checkpoint request of another attempt (409 supersededBy) or of a node that does not run the
     task's current attempt (409)."""
@@ -106,10 +115,16 @@ class CheckpointStore(Database):
     def put_checkpoint_chunk(self, task_id: str, node_id: str, sha256: str, gz: bytes) -> None:
         """Store one chunk of a task ``node_id`` runs (idempotent). Checks the bytes first
         (:func:`unpack_chunk`: ChunkError → 422), then the task: NotFoundError, ConflictError (not running
-        here; ``supersededBy`` when the node ran an older attempt of it)."""
+        here; ``supersededBy`` when the node ran an older attempt of it), PayloadTooLargeError (the task
+        would hold more than MAX_TASK_CHUNK_BYTES)."""
         size = unpack_chunk(gz, sha256)
         with self._tx() as db:
             _running_here(db, task_row(db, task_id), node_id, None)
+            held = int(db.execute("SELECT COALESCE(SUM(length(data)), 0) FROM checkpoint_chunks WHERE task_id = ?",
+                                  (task_id,)).fetchone()[0])
+            if held + len(gz) > MAX_TASK_CHUNK_BYTES:
+                raise PayloadTooLargeError(f"task {task_id!r} holds {held} bytes of checkpoint chunks; at most"
+                                           f" {MAX_TASK_CHUNK_BYTES} (a task keeps its newest checkpoint's)")
             cursor = db.execute("INSERT OR IGNORE INTO checkpoint_chunks (task_id, sha256, size_bytes, data, stored_at)"
                                 " VALUES (?, ?, ?, ?, ?)", (task_id, sha256, size, gz, utc_now_iso()))
             if cursor.rowcount:
@@ -127,8 +142,8 @@ class CheckpointStore(Database):
         return self._read(read)
 
     def record_checkpoint(self, task_id: str, node_id: str, manifest: CheckpointManifest) -> str:
-        """Record a checkpoint of the task's current attempt; returns its id (a repeat of the same manifest:
-        the same answer).
+        """Record a checkpoint of the task's current attempt; returns its id (a repeat of the same checkpoint
+        — attempt, positions, files — the same answer).
 
         Raises NotFoundError; ConflictError with ``supersededBy`` (an older attempt), ``missingChunks``
         (chunks not stored: upload them, post again), ``storedItems`` (the master holds fewer items than
@@ -145,7 +160,7 @@ class CheckpointStore(Database):
             known = db.execute("SELECT manifest FROM task_checkpoints WHERE task_id = ? AND id = ?",
                                (task_id, manifest.id)).fetchone()
             if known is not None:
-                if known["manifest"] != text:
+                if _identity(json.loads(known["manifest"])) != _identity(body):
                     raise ConflictError(f"checkpoint {manifest.id!r} of task {task_id!r} was recorded with"
                                         " another manifest")
                 return manifest.id
