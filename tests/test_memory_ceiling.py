@@ -72,7 +72,8 @@ async def test_a_task_over_its_soft_ceiling_stops_memory_limit(dev_master, tmp_p
     assert message.startswith("over its soft memory ceiling: ") and "> 64 MiB (resources.memorySoftBytes)" in message
     figure = "its processes' RSS summed" if containment == "process-group" else "the cgroup's working set"
     assert figure in message, message
-    assert "the spider does not checkpoint here; its next attempt restarts from scratch" in message, message
+    # Every running task has checkpoints (ckagent.task.checkpoints): this spider never answers its request.
+    assert "the spider did not persist its state in time; its next attempt restarts from scratch" in message, message
     assert not any("holding" in line for line in task["log"]), "stopped before the leak reached its end"
 
 
