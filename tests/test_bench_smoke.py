@@ -72,3 +72,21 @@ def test_summary_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
     assert math.isnan(summary([])["p50"])
     twenty = summary([float(i) for i in range(1, 21)])
     assert twenty["p95"] == 19.0 and twenty["p50"] == 10.5
+
+
+def test_quick_checkpoint_benchmark_runs_and_writes_the_report(tmp_path: Path) -> None:
+    """The checkpoint cost (issue 38) in smoke mode: a synthetic JOBDIR packed, shipped to a real dev master
+    (twice: the incremental part), restored byte for byte."""
+    out = tmp_path / "report.md"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENT_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--no-scrapyd", "--only", "checkpoint", "--out", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    report = out.read_text()
+    assert "## checkpoint" in report and "FAILED" not in report, report
+    for row in ("| checkpoint 1: 10,000 seen, 1,000 pending (all new) |", "| checkpoint 2: +100 seen and pending",
+                "| restore of checkpoint 2 on another node |"):
+        assert row in report, report

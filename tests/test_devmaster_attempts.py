@@ -4,7 +4,9 @@ sweep (docs/protocol.md, "Attempts", "Causes and retries")."""
 
 from __future__ import annotations
 
+import sqlite3
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -333,7 +335,7 @@ async def test_an_agent_that_names_no_attempt_claims_its_retried_task_again(dev_
         assert (await admin.get_task(task_id))["status"] == "SUCCESS"
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(st.lists(st.integers(1, 7), max_size=6), st.data())
 def test_a_new_attempt_keeps_exactly_the_items_before_its_checkpoint(batches: list[int], data: st.DataObject) -> None:
     """Items in batches of any sizes, a checkpoint at any position: the next attempt keeps exactly the items
@@ -362,3 +364,40 @@ def test_a_new_attempt_keeps_exactly_the_items_before_its_checkpoint(batches: li
             assert store.heartbeat(node_id, heartbeat_of(running=[task_id])) == []
         finally:
             store.close()
+
+
+def test_a_task_whose_node_is_lost_25_times_in_a_row_is_final(tmp_path: Path) -> None:
+    store = Store(tmp_path / "m.sqlite")
+    try:
+        node_id = store_node(store)
+        task_id = store_task(store, store_spider(store, "s"))
+        for n in range(1, 26):
+            [wire], _ = store.claim_pending(node_id, poll_id=n, limit=1, exclude_spider_ids=[], base_url="")
+            assert wire["attempt"] == n
+            assert store.lose_nodes(600, now=time.time() + 599) == []  # within the grace: its own
+            assert store.lose_nodes(600, now=time.time() + 601) == [task_id]
+        task = store.get_task(task_id)
+        assert task["status"] == "FAILED" and task["errorCode"] == "NODE_LOST" and task["attempt"] == 25
+        assert all(a["counted"] is False for a in task["attempts"]) and "25" in task["attempts"][-1]["decision"]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("body", [b'{"seq":0,"attempt":1,"items":[{"a": 1}]}', b'{"seq": 0, "items": [{"a": 1}], "attempt": 1}',
+                                  b'{"seq":0,"items":[{"a": 1}]}'])
+async def test_an_items_batch_naming_its_attempt_is_kept_as_sent(
+        dev_master: DevMaster, node: Node, body: bytes) -> None:
+    """The agent's body forms with ``attempt`` keep the fast path: the items' JSON text stored as it came."""
+    with trio.fail_after(10):
+        task_id = await dev_master.admin.create_task(await make_spider(dev_master.admin))
+        await claimed(node, task_id)
+        r = await node.http.post(f"/api/tasks/{task_id}/items", content=body,
+                                 headers={**node.auth, "Content-Type": "application/json"})
+        assert r.json() == {"acceptedSeq": 1}
+        with sqlite3.connect(dev_master.db_path) as db:
+            [(data,)] = db.execute("SELECT data FROM task_item_chunks WHERE task_id = ?", (task_id,)).fetchall()
+        assert data == '[{"a": 1}]'
+        twice = b'{"seq":1,"attempt":1,"items":[{"b": 2}],"attempt":1}'
+        r = await node.http.post(f"/api/tasks/{task_id}/items", content=twice,
+                                 headers={**node.auth, "Content-Type": "application/json"})
+        assert r.json() == {"acceptedSeq": 2}  # decoded the slow way

@@ -16,19 +16,20 @@ import zlib
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import trio
 from harness import CheckpointMaster, checkpoint_client, snapshot_tree
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckagent.master.protocol.checkpoints import CHUNK_BYTES, CheckpointRef
 from ckagent.node.runas import RunAs
 from ckagent.resume.restore import RestoreError, RestoreLimits, gunzip_chunk, restore
 from ckagent.resume.ship import CheckpointShipper
-from ckagent.resume.snapshot import PackLimits
+from ckagent.resume.snapshot import PackLimits, pack
 
 pytestmark = pytest.mark.usefixtures("inline_threads")
 
@@ -240,3 +241,45 @@ def test_gunzip_gives_the_named_bytes_or_refuses(data: bytes, noise: bytes, cut:
         except ValueError:
             continue
         assert out == data  # only ever the named bytes
+
+
+_names = st.text(st.characters(blacklist_characters="/\0", blacklist_categories=["Cs"]), min_size=1, max_size=10
+                 ).filter(lambda n: n not in (".", ".."))
+_trees = st.recursive(st.tuples(st.binary(max_size=2000), st.sampled_from([0o600, 0o644, 0o755, 0o400])),
+                      lambda kids: st.dictionaries(_names, kids, max_size=4), max_leaves=10)
+
+
+def _plant(path: Path, tree: Any) -> None:
+    if isinstance(tree, tuple):
+        path.write_bytes(tree[0])
+        path.chmod(tree[1])
+        return
+    path.mkdir()
+    for name, kid in tree.items():
+        _plant(path / name, kid)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tree=st.dictionaries(_names, _trees, max_size=5))
+def test_any_packed_tree_is_restored_exactly(tmp_path: Path, tree: dict[str, Any]) -> None:
+    top = tmp_path / f"t-{os.urandom(6).hex()}"
+    top.mkdir()
+    _plant(top / "snap", tree)
+    packed = pack(top / "snap", set(), PackLimits(1 << 30))
+    master = CheckpointMaster()
+    master.chunks.update(packed.gz)
+    master.manifests[f"{TASK}/1-1"] = {
+        "id": "1-1", "attempt": 1, "createdAt": "2026-12-05T19:00:00.000Z", "reason": "interval", "itemSeq": 0,
+        "logSeq": 0, "sizeBytes": packed.size_bytes, "packedBytes": packed.packed_bytes,
+        "files": [f.to_json() for f in packed.files]}
+    (top / "node").mkdir()
+
+    async def restoring() -> None:
+        client = checkpoint_client(master)
+        try:
+            await restore(client, TASK, ref(), top / "node" / "state", LIMITS)
+        finally:
+            await client.aclose()
+
+    trio.run(restoring)
+    assert tree_of(top / "node" / "state") == tree_of(top / "snap")

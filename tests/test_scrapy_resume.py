@@ -68,13 +68,13 @@ async def _checkpoint_kill_resume(python: Path, tmp_path: Path, args: list[str],
         crawl = await _crawl(python, project, first, site, args)
         try:
             await eventually(lambda: _count(first, PAGES // 4), TIMEOUT, "a quarter of the items")
+            fetched_before = site.fetched()  # (the checkpoint comes after: its interval starts before it)
             number = first.request(event, **({"secondsLeft": 18.5} if event == "migrating" else {}))
 
             async def acked() -> Any:
                 return first.ack(number)
 
             ack = await eventually(acked, 20, "the ack", interval=0.02)
-            fetched_at_ack = site.fetched()
             assert "error" not in ack, ack
             more = len(first.items_list()) + 30
             await eventually(lambda: _count(first, more), TIMEOUT, "30 items more")
@@ -82,7 +82,7 @@ async def _checkpoint_kill_resume(python: Path, tmp_path: Path, args: list[str],
             crawl.send_signal(signal.SIGKILL)
             with trio.CancelScope(shield=True), trio.fail_after(30):
                 await crawl.wait()
-        fetched_in_interval = site.fetched() - fetched_at_ack
+        fetched_in_interval = site.fetched() - fetched_before
         if own_jobdir:  # a new node: the project's working copy has no JOBDIR of its own
             project = write_pages_project(tmp_path / "project-b")
         second = FakeAgent(tmp_path / "attempt2", attempt=2)
@@ -167,3 +167,84 @@ async def test_requests_seen_together_unknown_events_and_a_crawl_without_jobdir(
     assert not (agent.snapshots / "3").exists()
     log = (agent.task_dir / "output.log").read_text()
     assert "the project turned JOBDIR off" in log and "checkpoint 3 failed" in log, log[-3000:]
+
+
+_QUEUES = r"""
+import json, pickle, sys
+from pathlib import Path
+from scrapy import Request, Spider
+from scrapy.core.scheduler import Scheduler
+from scrapy.utils.test import get_crawler
+from crawlerkeeper_sdk._control import copy_tree
+from crawlerkeeper_sdk._scrapy_jobdir import jobdir_view, write_patches
+
+mode, base, disk_queue = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+
+
+class Shop(Spider):
+    name = "shop"
+
+
+def scheduler(jobdir):
+    crawler = get_crawler(Shop, {"JOBDIR": str(jobdir), "SCHEDULER_DISK_QUEUE": disk_queue, "LOG_ENABLED": False,
+                                 "SCHEDULER_PRIORITY_QUEUE": "scrapy.pqueues.ScrapyPriorityQueue"})
+    spider = Shop.from_crawler(crawler)
+    crawler.spider = spider
+    opened = Scheduler.from_crawler(crawler)
+    opened.open(spider)
+    return opened, spider
+
+
+def drain(opened):
+    urls = []
+    while (request := opened.next_request()) is not None:
+        urls.append(request.url)
+    return urls
+
+
+if mode == "live":
+    live, spider = scheduler(base / "live")
+    spider.state = {"pages": 7}
+    for i in range(300):
+        live.enqueue_request(Request(f"http://shop.test/{i}", priority=i % 3))
+    popped = [live.next_request().url for _ in range(120)]
+    view = jobdir_view(live, spider, str(base / "live"))
+    copy_tree(str(base / "live"), str(base / "copy"))
+    write_patches(view, base / "copy")
+    rest = drain(live)  # the live queues go on after the snapshot
+    live.enqueue_request(Request("http://shop.test/late"))
+    late = drain(live)
+    live.close("finished")
+    print(json.dumps({"popped": popped, "rest": rest, "late": late, "seen": view.seen, "pending": view.pending}))
+else:
+    copied, spider = scheduler(base / "copy")
+    state = pickle.loads((base / "copy" / "spider.state").read_bytes())
+    print(json.dumps({"rest": drain(copied), "state": state,
+                      "filtered": not copied.enqueue_request(Request("http://shop.test/5"))}))
+"""
+
+
+@pytest.mark.parametrize("release", ["2.19", "2.11"])
+@pytest.mark.parametrize("disk_queue", ["PickleLifoDiskQueue", "PickleFifoDiskQueue", "MarshalFifoDiskQueue",
+                                        "PickleFifoSQLiteQueue"])
+def test_a_copy_of_a_running_jobdir_resumes_what_was_left_and_the_live_queues_go_on(
+        scrapy_pythons: dict[str, Path], tmp_path: Path, release: str, disk_queue: str) -> None:
+    """The close-time files written into a copy (active.json, info.json, a LIFO header, spider.state) make it a
+    JOBDIR Scrapy resumes: exactly the requests left, in the order the live crawl pops them; the dupefilter's
+    fingerprints; spider.state. The live scheduler, never closed meanwhile, goes on as if nothing happened."""
+    if release == "2.11" and "SQLite" in disk_queue:
+        pytest.skip("Scrapy 2.11 has no SQLite disk queues")
+
+    def run(mode: str) -> dict[str, Any]:
+        done = subprocess.run([str(scrapy_pythons[release]), "-c", _QUEUES, mode, str(tmp_path),
+                               f"scrapy.squeues.{disk_queue}"], capture_output=True, text=True, timeout=120,
+                              check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.splitlines()[-1])  # type: ignore[no-any-return]
+
+    live = run("live")
+    assert (live["seen"], live["pending"], len(live["popped"])) == (300, 180, 120)
+    assert live["late"] == ["http://shop.test/late"]
+    copy = run("copy")
+    assert copy["rest"] == live["rest"] and len(copy["rest"]) == 180
+    assert copy["state"] == {"pages": 7} and copy["filtered"]

@@ -278,6 +278,11 @@ def test_a_new_process_answers_what_was_never_answered_and_nothing_twice(tmp_pat
     spiders.finish(first)
     task.request(2)  # asked while no process of the spider ran
     (task.snapshots / "2.tmp").mkdir()  # an answer that never finished
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("not the spider's")
+    (task.snapshots / "3").symlink_to(outside)  # a leftover in the way is replaced, never followed
+    (task.snapshots / "3.tmp").symlink_to(outside)
     second = spiders.start(QUIET, task.env())
     task.wait_ack(2, proc=second)
     task.request(3)
@@ -285,6 +290,8 @@ def test_a_new_process_answers_what_was_never_answered_and_nothing_twice(tmp_pat
     spiders.finish(second)
     assert [a["id"] for a in task.acks()] == [1, 2, 3]
     assert sorted(p.name for p in task.snapshots.iterdir()) == ["1", "2", "3"]
+    assert not (task.snapshots / "3").is_symlink() and (task.snapshots / "3" / "state.json").is_file()
+    assert [p.name for p in outside.iterdir()] == ["keep"]
 
 
 def test_one_process_answers_a_forked_child_takes_over_when_it_is_gone(tmp_path: Path, spiders: Spiders) -> None:

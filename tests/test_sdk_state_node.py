@@ -228,10 +228,17 @@ def test_a_new_process_answers_what_was_never_answered_and_nothing_twice(tmp_pat
     task.wait_ack(1, proc=first)
     spiders.finish(first)
     task.request(2)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("not the spider's")
+    (task.snapshots / "2").symlink_to(outside)  # a leftover in the way is replaced, never followed
+    (task.snapshots / "2.tmp").symlink_to(outside)
     second = start(spiders, task, QUIET)
     task.wait_ack(2, proc=second)
     spiders.finish(second)
     assert [a["id"] for a in task.acks()] == [1, 2]
+    assert not (task.snapshots / "2").is_symlink() and (task.snapshots / "2" / "state.json").is_file()
+    assert [p.name for p in outside.iterdir()] == ["keep"]
 
 
 def test_the_watcher_never_keeps_a_finished_spider_alive(tmp_path: Path) -> None:

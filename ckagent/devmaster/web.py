@@ -93,7 +93,8 @@ async def json_body(request: Request, max_bytes: int = MAX_NODE_BODY_BYTES) -> A
         raise BadRequestError(f"the body is not valid JSON: {exc}") from exc
 
 
-_ITEMS_PREFIX = re.compile(r'\{\s*"seq"\s*:\s*(0|[1-9][0-9]*)\s*,\s*"items"\s*:\s*(?=\[)')
+_ITEMS_PREFIX = re.compile(r'\{\s*"seq"\s*:\s*(0|[1-9][0-9]*)\s*,'
+                           r'(?:\s*"attempt"\s*:\s*([1-9][0-9]{0,15})\s*,)?\s*"items"\s*:\s*(?=\[)')
 _ITEMS_SUFFIX = re.compile(r'\s*(?:,\s*"attempt"\s*:\s*([1-9][0-9]{0,15})\s*)?\}\s*')
 _JSON_DECODER = json.JSONDecoder()
 
@@ -101,8 +102,8 @@ _JSON_DECODER = json.JSONDecoder()
 async def items_body(request: Request, max_bytes: int = MAX_NODE_BODY_BYTES) -> tuple[Any, str | None]:
     """An items batch body: (the decoded JSON, the items array's own JSON text or None).
 
-    The text comes with a body of exactly ``{"seq": N, "items": [...]}`` or ``{"seq": N, "items": [...],
-    "attempt": A}`` (the agent's forms), read
+    The text comes with a body of exactly ``{"seq": N, "items": [...]}``, ``{"seq": N, "attempt": A,
+    "items": [...]}`` (the agent's forms) or ``{"seq": N, "items": [...], "attempt": A}``, read
     with one decode that also says where the array ends: the store keeps that text as it came
     instead of encoding every item again (half the master's CPU per item, bench/items.py). Any
     other body is decoded as :func:`_json_body` does. Raises BadRequestError for a body that is
@@ -121,10 +122,11 @@ async def items_body(request: Request, max_bytes: int = MAX_NODE_BODY_BYTES) -> 
             pass
         else:
             tail = _ITEMS_SUFFIX.fullmatch(text, end)
-            if tail is not None:
+            if tail is not None and not (match.group(2) and tail.group(1)):  # "attempt" once at most
                 body = {"seq": int(match.group(1)), "items": items}
-                if tail.group(1) is not None:
-                    body["attempt"] = int(tail.group(1))
+                attempt = match.group(2) or tail.group(1)
+                if attempt is not None:
+                    body["attempt"] = int(attempt)
                 return body, text[match.end():end]
     if not raw.strip():
         return {}, None

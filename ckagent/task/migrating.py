@@ -84,6 +84,8 @@ async def checkpoint_then_stop(rt: RunningTask, *, reason: StopReason, checkpoin
                 words = f"{why}: checkpoint {shipped} shipped"
             elif took:
                 words = f"{why}: its checkpoint was not shipped in time; {_restart_words(rt)}"
+            elif getattr(checkpoints, "unsupported", False):  # (it never answered a persist request)
+                words = f"{why}: the spider does not persist its state; {_restart_words(rt)}"
             else:
                 words = f"{why}: the spider did not persist its state in time; {_restart_words(rt)}"
     except Exception as exc:  # a task's checkpoint trouble ends in its stop, never the caller's

@@ -6,7 +6,8 @@ fault-injecting proxy in faultproxy.py. Everything else a test file would otherw
 lives here, a module per concern — :mod:`harness.core` (the agent, in this process and as a
 process; packages; waiting), :mod:`harness.agentproc` (an agent process with the tests' timings),
 :mod:`harness.procs` (a task's processes, levels, spider building blocks), :mod:`harness.recording`,
-:mod:`harness.rawnode` (a node as raw HTTP, and in the dev master's store), :mod:`harness.fakes`
+:mod:`harness.rawnode` (a node as raw HTTP, and in the dev master's store), :mod:`harness.checkpointnode`
+(its attempts' batches, checkpoint chunks and manifests; a dev master with a short node-lost grace), :mod:`harness.fakes`
 (fake masters for the poller and the delivery), :mod:`harness.index` (a package index),
 :mod:`harness.npmregistry` (an npm registry), :mod:`harness.nodelocks` (yarn and pnpm lock files, a
 node without yarn or pnpm),

@@ -84,3 +84,22 @@ PERSISTING_SPIDER = textwrap.dedent("""
         time.sleep(0.2)
 """)
 """A python spider's main.py: an item a page every 0.2 s, its state in CK_STATE_DIR, acks persist requests."""
+
+
+SDK_COUNTER = textwrap.dedent("""
+    # A spider that persists its state with the Python SDK: a counter, an item per step (under the SDK's
+    # state lock, so a snapshot never holds an item without the count that made it, nor the reverse).
+    import time
+    import crawlerkeeper_sdk as ck
+    state = ck.load_state({"n": 0})
+    ck.on_persist(lambda: {"n": state["n"]})
+    ck.on_migrating(lambda seconds_left: print("migrating:", round(seconds_left, 1), "s left", flush=True))
+    print("resumed at", state["n"], flush=True)
+    print("started", flush=True)
+    while True:
+        with ck.state_lock():
+            state["n"] += 1
+            ck.save_item({"n": state["n"]})
+        time.sleep(0.05)
+""")
+"""A python spider's main.py that checkpoints through crawlerkeeper_sdk (on_persist, load_state)."""

@@ -98,7 +98,8 @@ def end_attempt(db: sqlite3.Connection, task_id: str, *, status: str, error_code
         (status, error_code, error_message, exit_code, cause_class, 1 if retryable else 0, checkpoint_id, finished_at,
          started_at, 1 if decision.counted else 0, decision.why, task_id, attempt))
     if decision.again:
-        start_next_attempt(db, task_id, delay_seconds=decision.delay_seconds, now=finished_at)
+        # the master's clock, not the node's finishedAt: a node's clock never moves a retry
+        start_next_attempt(db, task_id, delay_seconds=decision.delay_seconds, now=utc_now_iso())
     else:
         prune_chunks(db, task_id)  # final: its newest checkpoint stays, nothing else
     _log.info("task %s attempt %d ended %s: %s", task_id, attempt, error_code or status, decision.why)
@@ -185,16 +186,23 @@ class AttemptStore(Database):
         (a disruption: a new attempt at once, from the newest checkpoint, not counted). Returns the task
         ids. ``now``: epoch seconds (default the clock)."""
         moment = datetime.now(timezone.utc).timestamp() if now is None else now
-        lost: list[str] = []
-        with self._tx() as db:
+
+        def silent_ones(db: sqlite3.Connection) -> list[tuple[sqlite3.Row, float]]:
             rows = db.execute(
                 "SELECT t.id, t.node_id, t.claimed_at, n.last_heartbeat_at, n.registered_at, n.name FROM tasks t"
                 " LEFT JOIN nodes n ON n.id = t.node_id WHERE t.status = 'RUNNING'").fetchall()
+            found = []
             for r in rows:
                 alive = max(epoch(r["last_heartbeat_at"]), epoch(r["registered_at"]), epoch(r["claimed_at"]))
-                silent = moment - alive
-                if silent < lost_after_seconds:
-                    continue
+                if moment - alive >= lost_after_seconds:
+                    found.append((r, moment - alive))
+            return found
+
+        lost: list[str] = []
+        if not self._read(silent_ones):  # the common case: a read, no write transaction every tick
+            return lost
+        with self._tx() as db:
+            for r, silent in silent_ones(db):  # again, in the transaction: a heartbeat may have come since
                 message = (f"node {r['name'] or r['node_id']} lost: no heartbeat for {silent:.0f} s"
                            f" (the node-lost grace is {lost_after_seconds:g} s)")
                 end_attempt(db, r["id"], status="FAILED", error_code="NODE_LOST", error_message=message,
