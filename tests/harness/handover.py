@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 import trio
 
+from harness.core import eventually
 from harness.crawlsite import CrawlSite
 from harness.nodekill import KilledNode
 from harness.twonodes import Cluster
@@ -51,6 +52,7 @@ class Handover:
     node_a: str
     node_b: str
     left_at: float = 0.0
+    """When A left: the migrate command started, or the node died (its kill's first round)."""
     fetched_at_leave: int = 0
     final: dict[str, Any] = field(default_factory=dict)
     resumed_from: dict[str, Any] | None = None
@@ -127,24 +129,29 @@ class Handover:
         return out
 
 
-async def _newest_checkpoint_when_attempt_2(cluster: Cluster, task_id: str, bound: float) -> dict[str, Any] | None:
-    """The task's newest checkpoint as the master shows it once the second attempt exists (before B
-    can make one of its own: its first comes an interval after its start)."""
-    with trio.fail_after(bound):
-        while True:
-            view = await cluster.admin.get_task(task_id)
-            if len(view.get("attempts") or []) >= 2 or view.get("status") in ("SUCCESS", "FAILED", "CANCELLED"):
-                checkpoint: dict[str, Any] | None = view.get("checkpoint")
-                return checkpoint
-            await trio.sleep(0.05)
+async def _watch_checkpoints(cluster: Cluster, task_id: str, seen: dict[str, Any], *,
+                             task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Until the task's second attempt exists (or the task is final): keep in ``seen["checkpoint"]`` the
+    task's newest checkpoint of its first attempt as the master shows it, every 50 ms — the last one
+    seen is the one the second attempt resumes from."""
+    task_status.started()
+    while True:
+        view = await cluster.admin.get_task(task_id)
+        checkpoint = view.get("checkpoint")
+        if checkpoint is not None and checkpoint.get("attempt") == 1:
+            seen["checkpoint"] = checkpoint
+        if len(view.get("attempts") or []) >= 2 or view.get("status") in ("SUCCESS", "FAILED", "CANCELLED"):
+            return
+        await trio.sleep(0.05)
 
 
 async def hand_over(cluster: Cluster, site: CrawlSite, spider_id: str, how: str, *, holder: dict[str, Any],
-                    at: float = 0.4, bound: float = 180.0, **task: Any) -> Handover:
+                    at: float = 0.4, stored_first: int = 0, bound: float = 180.0, **task: Any) -> Handover:
     """Run the scenario (module docstring): ``how`` is "migrate" or "lost"; ``holder`` the create_task
     arguments (``spider`` = the spider id, default ``spider_id``; the rest as create_task's) of B's
-    holding task, which must fetch the site's ``/hold``; ``task`` those of the crawl. Every wait is
-    bounded (``bound`` seconds for the crawl to end). Returns the :class:`Handover`."""
+    holding task, which must fetch the site's ``/hold``; ``task`` those of the crawl. A leaves once
+    the site served ``at`` of its pages and the master holds ``stored_first`` items of the task. Every
+    wait is bounded (``bound`` seconds for the crawl to end). Returns the :class:`Handover`."""
     admin = cluster.admin
     holder = dict(holder)
     await cluster.b.start()
@@ -155,18 +162,28 @@ async def hand_over(cluster: Cluster, site: CrawlSite, spider_id: str, how: str,
     result = Handover(how, task_id, node_a, node_b)
     with trio.fail_after(bound):
         await site.reached(int(at * site.pages))
+
+    async def stored() -> bool:
+        return int((await admin.get_task(task_id)).get("storedItems") or 0) >= stored_first
+
+    await eventually(stored, bound, f"{stored_first} items of the crawl at the master")
     site.release()  # B's holding task ends: B has its slot again
     result.left_at, result.fetched_at_leave = time.time(), site.fetched()
     view = await admin.get_task(task_id)
     assert view.get("nodeId") == node_a, f"the crawl is not on node A at {at:.0%}: {view}"
-    if how == "migrate":
-        started = time.monotonic()
-        code, output, agent_exit = await cluster.a.migrate()
-        result.migrate_seconds = time.monotonic() - started
-        result.migrate_codes, result.migrate_output = (code, agent_exit), output
-    else:
-        result.killed = await cluster.a.lose()
-    result.resumed_from = await _newest_checkpoint_when_attempt_2(cluster, task_id, bound)
+    seen: dict[str, Any] = {}
+    with trio.fail_after(bound):
+        async with trio.open_nursery() as watching:  # (it ends when the watch does: attempt 2 exists)
+            await watching.start(_watch_checkpoints, cluster, task_id, seen)
+            if how == "migrate":
+                started = time.monotonic()
+                code, output, agent_exit = await cluster.a.migrate()
+                result.migrate_seconds = time.monotonic() - started
+                result.migrate_codes, result.migrate_output = (code, agent_exit), output
+            else:
+                result.killed = await cluster.a.lose()
+                result.left_at = result.killed.died_at  # (the kill's first round: the moment the node died)
+    result.resumed_from = seen.get("checkpoint")
     result.final = await admin.wait_task_final(task_id, bound)
     result.items = await admin.get_items(task_id)
     result.log = "\n".join(await admin.get_logs(task_id))

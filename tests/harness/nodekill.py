@@ -22,6 +22,7 @@ import contextlib
 import os
 import shutil
 import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +43,8 @@ class KilledNode:
 
     pids: set[int] = field(default_factory=set)
     cgroups: list[Path] = field(default_factory=list)
+    died_at: float = 0.0
+    """When (epoch seconds) the first round of kills was sent: the moment the node died."""
 
 
 def _parents() -> dict[int, int]:
@@ -171,6 +174,7 @@ async def kill_node(agent: trio.Process | None, work_dir: Path, *, delete: bool 
             for pid in pids:
                 _kill_proven(pid, agent_pid, work_dir, pids)  # (one the cgroup's kill got first is gone: no proof)
             killed.pids |= pids  # (all dead at the end, or the test fails below)
+            killed.died_at = killed.died_at or time.time()
             if agent is not None and agent.returncode is None:
                 with trio.move_on_after(2):
                     await agent.wait()

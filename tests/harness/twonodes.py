@@ -15,7 +15,7 @@ by the test (:meth:`CrawlNode.start`), then leaves by the roads the issue names:
 site's ``/hold`` page) until :meth:`harness.crawlsite.CrawlSite.release`: with one slot, the node
 claims nothing else until then — so the test decides which node a task starts on, and the other one
 (its environment already built by the holding task when it is of the same spider) takes the next
-attempt. :data:`RESUME_LEVELS` are the levels these tests run at: a cgroup level with the kernel's
+attempt. :data:`LEVEL_PAIRS` (:data:`RESUME_LEVELS` as pytest params) are the levels these tests run at: a cgroup level with the kernel's
 egress rules (nftables, as root) and the process-group level with the egress proxy.
 """
 
@@ -43,25 +43,24 @@ from harness.core import AgentProcess, eventually
 from harness.nodekill import KilledNode, kill_node
 from harness.procs import LEVELS_HERE
 
-__all__ = ["RESUME_LEVELS", "Cluster", "CrawlNode", "two_nodes"]
+__all__ = ["LEVEL_PAIRS", "RESUME_LEVELS", "Cluster", "CrawlNode", "two_nodes"]
 
 NODE_LOST_AFTER = 4.0
 """The test master's node-lost grace (seconds without a heartbeat; the agents beat every second)."""
 
 
-def _resume_levels() -> list[Any]:
+def _level_pairs() -> list[tuple[str, str]]:
     cgroup = next((level for level in LEVELS_HERE if level != "process-group"), None)
     kernel = os.geteuid() == 0 and shutil.which("nft") is not None
-    levels = []
-    if cgroup is not None:
-        levels.append(pytest.param((cgroup, "nftables" if kernel else "proxy"), id=cgroup))
-    levels.append(pytest.param(("process-group", "proxy"), id="process-group"))
-    return levels
+    pairs = [] if cgroup is None else [(cgroup, "nftables" if kernel else "proxy")]
+    return [*pairs, ("process-group", "proxy")]
 
 
-RESUME_LEVELS = _resume_levels()
-"""``(task.containment, task.egress)`` pairs, as pytest params: a cgroup level (with nftables when
-this process is root and has ``nft``) and the process-group level (with the egress proxy)."""
+LEVEL_PAIRS = _level_pairs()
+"""``(task.containment, task.egress)`` pairs these tests run at: a cgroup level (with nftables when this
+process is root and has ``nft``; the first pair) and the process-group level with the egress proxy (the last)."""
+RESUME_LEVELS = [pytest.param(pair, id=pair[0]) for pair in LEVEL_PAIRS]
+""":data:`LEVEL_PAIRS` as pytest params (id: the containment level)."""
 
 
 @dataclass
