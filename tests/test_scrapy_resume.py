@@ -139,6 +139,7 @@ async def test_the_projects_own_jobdir_is_kept_and_put_back(scrapy_pythons: dict
     assert (first.snapshots / ack["snapshot"] / "jobdir" / "requests.seen").is_file()
     assert not (first.state / "jobdir").exists()  # the project's JOBDIR was used, not the default
     assert "put back from the checkpoint" in (second.task_dir / "output.log").read_text()
+    assert not (second.state / "jobdir").exists()  # (not copied twice into the next snapshots)
 
 
 async def test_scrapy_2_11_resumes_too(scrapy_pythons: dict[str, Path], tmp_path: Path) -> None:

@@ -199,21 +199,24 @@ class CrawlerKeeperState:
     # -- start and resume ---------------------------------------------------------------------------
 
     def _restore_own_jobdir(self) -> None:
+        """The restored ``jobdir/`` goes to the project's JOBDIR when that is missing or empty; either way it
+        leaves the state dir (each snapshot copies the project's JOBDIR there)."""
         assert self.jobdir is not None
         restored = self.state_dir / JOBDIR_NAME
         target = Path(self.jobdir)
+        used = False
         with contextlib.suppress(OSError):
-            if any(target.iterdir()):
-                _log.info("crawlerkeeper: the project's JOBDIR %s is kept in every checkpoint", self.jobdir)
-                return
-        if not restored.is_dir():
+            used = any(target.iterdir())
+        if not used and restored.is_dir():
+            with contextlib.suppress(FileNotFoundError):
+                target.rmdir()
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(restored, target, symlinks=True)
+            _log.info("crawlerkeeper: the project's JOBDIR %s is put back from the checkpoint", self.jobdir)
+        else:
             _log.info("crawlerkeeper: the project's JOBDIR %s is kept in every checkpoint", self.jobdir)
-            return
-        with contextlib.suppress(FileNotFoundError):
-            target.rmdir()
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(restored, target, symlinks=True)
-        _log.info("crawlerkeeper: the project's JOBDIR %s is put back from the checkpoint", self.jobdir)
+        if restored.is_dir() and not restored.is_symlink():
+            shutil.rmtree(restored)
 
     def spider_opened(self, spider: Any) -> None:
         """Resume what the checkpoint kept in flight, start the control file's watch (never raises: a
@@ -386,6 +389,7 @@ class CrawlerKeeperState:
 
         def failed(failure: Any) -> None:
             self.finishing = False
+            shutil.rmtree(tmp, ignore_errors=True)
             self._failed(number, failure.value)
 
         self.finishing = True
@@ -458,6 +462,7 @@ class CrawlerKeeperState:
                     Path(tmp, OWN_DIR, "inflight.pickle").write_bytes(inflight)
                 except BaseException:
                     close_later(later)
+                    shutil.rmtree(tmp, ignore_errors=True)
                     raise
         pause_ms = round((time.perf_counter() - started) * 1000, 1)
         said = f"; {memory_only} request(s) only in memory (not serializable) are not kept" if memory_only else ""
