@@ -2,9 +2,10 @@
 the project (issue 38; crawlerkeeper_sdk._scrapy_state, the hook's ``state`` mode).
 
 The crawl runs under a fake agent (harness.scrapyresume: the ``CK_*`` files of one attempt) against a
-paginated site on 127.0.0.1 whose pages answer slowly enough that 16 requests are in flight at the
-checkpoint. The test asks for a checkpoint, lets the crawl go on, kills it with SIGKILL, makes the
-snapshot the next attempt's ``CK_STATE_DIR`` (what restore does) and runs the crawl again. What the
+paginated site on 127.0.0.1 whose pages answer slowly enough that about 16 requests are in flight at
+the checkpoint (downloading, or downloaded and not yet fully processed). The test asks for a
+checkpoint, lets the crawl go on, kills it with SIGKILL, makes the snapshot the next attempt's
+``CK_STATE_DIR`` (what restore does) and runs the crawl again. What the
 master would hold — the first attempt's items up to the ack's ``itemsOffset``, then the second
 attempt's — has every page's item exactly once; the pages fetched twice are at most those fetched
 after the checkpoint plus those in flight at it (one interval's worth).
@@ -95,7 +96,12 @@ async def _checkpoint_kill_resume(python: Path, tmp_path: Path, args: list[str],
     counts = Counter(item["url"] for item in items)
     assert sorted(counts) == sorted(f"{site.url}/p/{n}" for n in range(PAGES)), "a page without its item"
     assert [url for url, n in counts.items() if n > 1] == [], "items twice"
-    assert twice <= fetched_in_interval + CONCURRENCY, (twice, fetched_in_interval)
+    said = [line for line in (first.task_dir / "output.log").read_text().splitlines()
+            if f"crawlerkeeper: checkpoint {ack['id']}:" in line]
+    # In flight: downloading (CONCURRENT_REQUESTS at most) or downloaded and not yet fully processed.
+    in_flight = int(said[0].split(" pending, ", 1)[1].split(" in flight", 1)[0])
+    assert in_flight >= CONCURRENCY // 2, said  # (16 but between a response's end and the engine's next call)
+    assert twice <= fetched_in_interval + in_flight, (twice, fetched_in_interval, in_flight)
     log = (second.task_dir / "output.log").read_text()
     assert "crawlerkeeper: resuming from the checkpoint" in log, log[-3000:]
     closed = [line for line in log.splitlines() if line.startswith("pages spider closed:")]
@@ -110,11 +116,8 @@ async def _count(agent: FakeAgent, n: int) -> bool:
 
 async def test_a_killed_crawl_resumes_from_its_checkpoint_each_item_once(
         scrapy_pythons: dict[str, Path], tmp_path: Path) -> None:
-    """Default JOBDIR ($CK_STATE_DIR/jobdir), Scrapy's default queues (LIFO, downloader-aware), 16 in flight."""
+    """Default JOBDIR ($CK_STATE_DIR/jobdir), Scrapy's default queues (LIFO, downloader-aware), ~16 in flight."""
     first, _second, ack = await _checkpoint_kill_resume(scrapy_pythons["2.19"], tmp_path, [])
-    log = (first.task_dir / "output.log").read_text()
-    said = [line for line in log.splitlines() if "crawlerkeeper: checkpoint 1:" in line]
-    assert said and f" {CONCURRENCY} in flight" in said[0], said or log[-3000:]
     snapshot = first.snapshots / ack["snapshot"]
     assert (snapshot / "jobdir" / "requests.seen").is_file() and (snapshot / "jobdir" / "spider.state").is_file()
     assert json.loads((snapshot / "jobdir" / "requests.queue" / "active.json").read_text())

@@ -174,6 +174,31 @@ async def test_sigterm_migrates_with_agent_sigterm_migrate(dev_master, tmp_path:
     assert "SIGTERM (agent.sigterm: migrate): migrating" in agent.log_text()
 
 
+async def test_a_migrate_request_during_a_drain_migrates(dev_master, tmp_path: Path) -> None:
+    """A drain (SIGTERM) waiting for a long task, then `ckagent stop --migrate`: the task is migrated and
+    the agent leaves within the migrate's bound, not the drain's."""
+    admin = dev_master.admin
+    migrate = 4.0
+    agent = agent_process(tmp_path, dev_master.base_url, dev_master.registration_token, task__drain_timeout=120,
+                          task__migrate_timeout=migrate)
+    await agent.start()
+    async with agent:
+        await wait_registered(admin, agent)
+        task_id = await submit(admin, "long", {"main.py": WORKER})
+        await wait_for_log(admin, task_id, "started")
+        agent.signal(signal.SIGTERM)
+
+        async def draining() -> bool:
+            return await node_status(admin) == "DRAINING"
+        await eventually(draining, 10, "the node drains")
+        with trio.fail_after(migrate + 10 + 10 + SLACK):
+            code, said, seconds = await ckagent_stop(agent.config_path, migrate=True)
+        assert code == 0, said + agent.log_text()[-3000:]
+    assert seconds < migrate + SLACK, seconds
+    first = moved_on(await admin.get_task(task_id))
+    assert (first["status"], first["errorCode"]) == ("FAILED", "MIGRATED"), first
+
+
 async def test_no_agent_on_the_work_dir_is_said_with_exit_code_3(tmp_path: Path) -> None:
     config = tmp_path / "agent.yaml"
     config.write_text(f"task:\n  work_dir: {tmp_path / 'data'}\n")

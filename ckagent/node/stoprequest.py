@@ -67,8 +67,9 @@ def agent_pid(work_dir: Path) -> int:
     try:
         st = os.stat(lock)
     except FileNotFoundError:
-        raise NoAgent(f"no agent runs on {work_dir}: it has no {LOCK_FILE} (no agent ever ran there; "
-                      "is -c the config the agent was started with?)") from None
+        raise NoAgent(f"no agent runs on {work_dir}: it has no {LOCK_FILE} (no agent ever ran there; is -c "
+                      "the config the agent was started with? a relative task.work_dir is taken from the "
+                      "current directory, as the agent took it from its own)") from None
     except OSError as exc:
         raise StopError(f"cannot read {lock}: {exc.strerror or exc}; run as the agent's user or root") from exc
     holder = _lock_holder(st)
@@ -96,7 +97,7 @@ def agent_pid(work_dir: Path) -> int:
 
 def _lock_holder(st: os.stat_result) -> int | None:
     """The pid /proc/locks names as holding a flock on the file of ``st``; 0: none does; None: the
-    table cannot be read."""
+    table cannot be read, or names a holder this pid namespace cannot see."""
     try:
         text = Path("/proc/locks").read_text()
     except OSError:
@@ -114,8 +115,8 @@ def _lock_holder(st: os.stat_result) -> int | None:
             pid = int(fields[4])
         except ValueError:
             continue
-        if where == want and pid > 0:
-            return pid
+        if where == want:  # (pid 0: a holder in a pid namespace this one cannot see: the probe decides)
+            return pid if pid > 0 else None
     return 0
 
 

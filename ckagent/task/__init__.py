@@ -17,6 +17,9 @@
 - :mod:`.recovery`, :mod:`.adoption` — at start: tasks the previous agent left (lost, or carried on);
 - :mod:`.migration` — at start: the spiders' dirs and environments an older agent left, brought to the
   identity level in force (given to each spider's uid; environments rebuilt, not re-owned).
+- :mod:`.migrating` — a migrate (``ckagent stop --migrate``): every task checkpointed, stopped and
+  reported MIGRATED within ``task.migrate_timeout``; :mod:`.memwatch` — the soft memory ceiling
+  (checkpoint, then MEMORY_LIMIT).
 
 May import: every lower layer — :mod:`ckagent.node`, :mod:`ckagent.master`, :mod:`ckagent.containment`,
 :mod:`ckagent.code`, :mod:`ckagent.delivery`; never :mod:`ckagent.port` or the agent.

@@ -92,6 +92,8 @@ CLAIM_RETRY_TIMEOUT = 60.0
 RELEASE_TIMEOUT = 5.0
 """Seconds a release (a claim given back while stopping) may take; a release that does not get
 through is left to the master's reconciliation (docs/protocol.md, "Claims and releases")."""
+SUPERSEDING = "an older attempt of this task still runs here: it is stopped; claimed again once it has left"
+"""Why a newer attempt of a task whose older attempt runs here is given back (it is claimed again later)."""
 
 
 @dataclass(frozen=True)
@@ -217,9 +219,21 @@ class Poller:
         elif why is not None:
             self._leave(task, why)
             claims.start_soon(self._release, task.id, f"this node cannot run it: {why}")
+        elif self._older_attempt_here(task):
+            claims.start_soon(self._release, task.id, SUPERSEDING)
         elif task.id not in sup.running:  # (a task already ours: the answer repeats it)
             rt = sup.admit(task)
             work.start_soon(sup.run_task, rt, name=f"task {task.id}")
+
+    def _older_attempt_here(self, task: Task) -> bool:
+        """True when an older attempt of ``task`` still runs here (the master declared this node lost and
+        moved on while it was away): that attempt is superseded (its spider stopped, no result sent) and
+        the newer one is given back, to be claimed again once the older one has left."""
+        rt = self._supervisor.running.get(task.id)
+        if rt is None or task.attempt <= rt.task.attempt:
+            return False
+        rt.mark_superseded(task.attempt)
+        return True
 
     def _open_claim_poll(self) -> int:
         """The id of the claiming poll to send: the open one (its answer never settled), else a new
@@ -354,6 +368,8 @@ class Poller:
                 owed = False
             elif self._stopping:
                 reason = "claimed while the node started draining"
+            elif self._older_attempt_here(task):
+                reason = SUPERSEDING
             else:
                 rt = sup.admit(task)
                 owed = False

@@ -141,8 +141,12 @@ class CrawlerKeeperState:
                          "saved at checkpoints, this one (%s) restarts from scratch on a new attempt",
                          getattr(crawler.spidercls, "name", "?"))
             raise NotConfigured("another crawl of this process keeps the task's state")
+        try:
+            ext = cls(crawler, Path(os.environ["CK_STATE_DIR"]), default)
+        except Exception as exc:  # never stop the crawl from starting: it runs without checkpoints
+            _log.exception("crawlerkeeper: the crawl's state cannot be kept (%s): no checkpoints", exc)
+            raise NotConfigured(f"cannot keep the crawl's state: {exc}") from exc
         _claimed = True
-        ext = cls(crawler, Path(os.environ["CK_STATE_DIR"]), default)
         crawler.signals.connect(ext.spider_opened, signal=signals.spider_opened)
         crawler.signals.connect(ext.spider_closed, signal=signals.spider_closed)
         crawler.signals.connect(ext.request_scheduled, signal=signals.request_scheduled)
@@ -162,6 +166,11 @@ class CrawlerKeeperState:
         self.resumed_starts: Set[str] = set()
         self.start_file: Any = None
         self.loop: Any = None
+        if self.own_jobdir:
+            self._restore_own_jobdir()
+        elif not jobdir:
+            _log.warning("crawlerkeeper: the project turned JOBDIR off: this crawl's state cannot be saved, "
+                         "a new attempt starts from scratch")
         control, ack = os.environ.get("CK_CONTROL_FILE"), os.environ.get("CK_CONTROL_ACK_FILE")
         self.channel = _Channel(control, ack) if control and ack else None
         if self.channel is not None:
@@ -172,11 +181,6 @@ class CrawlerKeeperState:
                     _log.warning("crawlerkeeper: the SDK's state watcher started before the crawl: it answers "
                                  "the agent, with a copy of CK_STATE_DIR that Scrapy's JOBDIR may not resume from")
                     self.channel = None
-        if self.own_jobdir:
-            self._restore_own_jobdir()
-        elif not jobdir:
-            _log.warning("crawlerkeeper: the project turned JOBDIR off: this crawl's state cannot be saved, "
-                         "a new attempt starts from scratch")
 
     # -- start and resume ---------------------------------------------------------------------------
 
@@ -198,7 +202,18 @@ class CrawlerKeeperState:
         _log.info("crawlerkeeper: the project's JOBDIR %s is put back from the checkpoint", self.jobdir)
 
     def spider_opened(self, spider: Any) -> None:
-        """Resume what the checkpoint kept in flight, start the control file's watch."""
+        """Resume what the checkpoint kept in flight, start the control file's watch (never raises: a
+        failure is logged and the crawl goes on without checkpoints)."""
+        try:
+            self._open(spider)
+        except Exception:
+            _log.exception("crawlerkeeper: the crawl's state cannot be kept: no checkpoints")
+            with _state._start_lock:
+                if self.channel is not None and _state._watcher is self.channel:
+                    _state._watcher = None
+            self.channel = None
+
+    def _open(self, spider: Any) -> None:
         self.own.mkdir(parents=True, exist_ok=True)
         start_path = self.own / "start.seen"
         with contextlib.suppress(OSError), open(start_path, encoding="ascii") as f:
@@ -261,7 +276,10 @@ class CrawlerKeeperState:
         """A start request the checkpointed crawl had scheduled is not scheduled again (IgnoreRequest)."""
         if not request.meta.get("is_start_request"):
             return
-        fingerprint = self.crawler.request_fingerprinter.fingerprint(request).hex()
+        try:
+            fingerprint = self.crawler.request_fingerprinter.fingerprint(request).hex()
+        except Exception:  # (a fingerprinter of the project's that fails: the dupefilter says so itself)
+            return
         if fingerprint in self.resumed_starts:
             from scrapy.exceptions import IgnoreRequest
 
@@ -276,7 +294,10 @@ class CrawlerKeeperState:
         """Keep ``data`` (an item's line) until Scrapy finishes ``response``'s request; False: write it now."""
         request = getattr(response, "request", None)
         slot = getattr(self.crawler.engine, "_slot", None) or getattr(self.crawler.engine, "slot", None)
-        if request is None or slot is None or request not in slot.inprogress or request in self.done:
+        try:
+            if request is None or slot is None or request not in slot.inprogress or request in self.done:
+                return False
+        except (AttributeError, TypeError):  # (an engine of another shape: written at once)
             return False
         self.held.setdefault(request, []).append(data)
         return True
