@@ -317,7 +317,7 @@ class Agent:
         supervisor = self.supervisor = Supervisor(
             RunnerConfig(self.work_dir, s.task.execute_timeout, s.task.kill_grace, self._secrets, extra_env,
                          identities=identities, stall_timeout=s.task.stall_timeout, containment=containment,
-                         egress=self.egress, max_stop_grace=s.task.max_stop_grace,
+                         egress=self.egress, max_stop_grace=s.task.max_stop_grace, checkpoint_interval=s.task.checkpoint_interval,
                          default_limits=Limits(s.task.memory_limit_bytes, s.task.pids_limit, s.task.cpus_limit),
                          max_artifact_bytes=s.task.max_artifact_bytes, default_disk_bytes=s.task.disk_limit_bytes,
                          memory_soft_bytes=s.task.memory_soft_bytes, migrate_timeout=s.task.migrate_timeout),

@@ -150,7 +150,7 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
         "AGENT_DEPS_ENV_BUDGET_BYTES": "0", "AGENT_DEPS_PYTHON": "/usr/bin/python3",
         "AGENT_AUTO_UPGRADE": "on", "AGENT_PORTS_REGISTRY": "ports",
         "AGENT_TASK_UID_CLAIMS": "claims", "AGENT_SIGTERM": "Migrate", "AGENT_TASK_MIGRATE_TIMEOUT": "15",
-        "AGENT_TASK_MEMORY_SOFT_BYTES": "104857600",
+        "AGENT_TASK_MEMORY_SOFT_BYTES": "104857600", "AGENT_TASK_CHECKPOINT_INTERVAL": "30",
     }  # fmt: skip
     assert set(values) == {s.env for s in SETTINGS}
     s = load(None, values)
@@ -170,7 +170,8 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
                  "egress": "proxy",
                  "egress_deny": "metadata,private,192.0.2.7/32", "egress_allow": "10.0.0.5:3128,[fd12::1]:8080",
                  "private_tmp": "tmpdir", "private_tmp_shared": "/tmp/.X11-unix,/tmp/mysql.sock",
-                 "uid_claims": str(tmp_path / "claims"), "migrate_timeout": 15.0, "memory_soft_bytes": 104857600},
+                 "uid_claims": str(tmp_path / "claims"), "migrate_timeout": 15.0, "memory_soft_bytes": 104857600,
+                 "checkpoint_interval": 30.0},
         "logging": {"level": "ERROR", "file": str(tmp_path / "x.log"), "format": "json", "max_bytes": 2048,
                     "backup_count": 1},
         "deps": {"uv_index_url": "https://pypi.org/simple", "uv_fallback_index_url": "http://idx/simple",

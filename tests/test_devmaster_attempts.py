@@ -401,3 +401,27 @@ async def test_an_items_batch_naming_its_attempt_is_kept_as_sent(
         r = await node.http.post(f"/api/tasks/{task_id}/items", content=twice,
                                  headers={**node.auth, "Content-Type": "application/json"})
         assert r.json() == {"acceptedSeq": 2}  # decoded the slow way
+
+
+def test_a_claim_given_back_keeps_its_attempt_number(tmp_path: Path) -> None:
+    """A release (or reconciliation) gives the current attempt back: PENDING again at the same number (it
+    never ran), not a new attempt; a cancel asked meanwhile makes that attempt CANCELLED."""
+    store = Store(tmp_path / "m.sqlite")
+    try:
+        node_id = store_node(store)
+        task_id = store_task(store, store_spider(store, "s"))
+        store.claim_pending(node_id, poll_id=1, limit=1, exclude_spider_ids=[], base_url="")
+        store.report_result(task_id, node_id, TaskResult.from_json({"status": "FAILED", "errorCode": "MIGRATED"}), 1)
+        store.claim_pending(node_id, poll_id=2, limit=1, exclude_spider_ids=[], base_url="")
+        store.release_task(task_id, node_id, "draining")
+        task = store.get_task(task_id)
+        assert (task["status"], task["attempt"]) == ("PENDING", 2)
+        assert [(a["attempt"], a["status"], a["nodeId"]) for a in task["attempts"]] == [
+            (1, "FAILED", node_id), (2, "PENDING", None)]
+        store.claim_pending(node_id, poll_id=3, limit=1, exclude_spider_ids=[], base_url="")
+        store.cancel_task(task_id)  # RUNNING: asked; the node gives it back before it starts
+        store.release_task(task_id, node_id, "not started")
+        task = store.get_task(task_id)
+        assert task["status"] == "CANCELLED" and task["attempts"][1]["status"] == "CANCELLED"
+    finally:
+        store.close()

@@ -27,14 +27,14 @@ from ckagent.task.memwatch import SoftMemoryWatch
 MiB = 1024 * 1024
 
 LEAK = textwrap.dedent("""
-    # A bounded leak: 8 MiB more every 0.25 s (pages written, so resident) up to LEAK_BYTES, then it
+    # A bounded leak: 8 MiB more every 0.5 s (pages written, so resident) up to LEAK_BYTES, then it
     # holds them and waits — it never grows past that.
     import os, time
     print("started", flush=True)
     held, target = [], int(os.environ["LEAK_BYTES"])
     while len(held) * (8 << 20) < target:
         held.append(b"\\x01" * (8 << 20))
-        time.sleep(0.25)
+        time.sleep(0.5)  # 10 s to its end: the watch (every 2 s) and a persist request first fit before
     print("holding", len(held) * 8, "MiB", flush=True)
     time.sleep(600)
 """)

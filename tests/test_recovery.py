@@ -5,7 +5,8 @@ one cannot: its re-adoption handle is gone from the state store (as a lost or ol
 have it). The restarted agent must, before it polls: kill the orphaned process tree (group members
 and escaped, marked processes), ship the logs written up to the crash, and report the task
 FAILED/AGENT_LOST exactly once (counted at the master), saying why it was not re-adopted. The agent's own log file must not hold a
-secret (registration token, any API key the master issued).
+secret (registration token, any API key the master issued). AGENT_LOST is a disruption: the master gives
+the task a second attempt at once (docs/protocol.md, "Causes and retries"), which this spider ends at once.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from harness import (  # noqa: F401 -- no_strays: autouse fixture
 
 SPIDER = textwrap.dedent("""
     import os, subprocess, sys, time
+    if os.environ.get("CK_ATTEMPT", "1") != "1":
+        sys.exit(0)  # the master's second attempt after AGENT_LOST: done at once
     CHILD = ("import os, subprocess, sys, time; "
              "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
              "print('grandchild', g.pid, flush=True); "
@@ -92,8 +95,11 @@ async def test_kill_9_mid_task_then_restart_kills_orphans_and_reports_agent_lost
         assert 'ckagent_tasks_finished_total{error_code="AGENT_LOST",status="FAILED"} 1.0' in metrics
         agent.signal(signal.SIGTERM)
         assert await wait_exit(agent, 20) == 0
-    assert (task["status"], task["errorCode"]) == ("FAILED", "AGENT_LOST"), task
-    assert [status for status, _ in recording_master.finals(task_id)] == [200]
+    first = task["attempts"][0]
+    assert (first["status"], first["errorCode"], first["causeClass"]) == ("FAILED", "AGENT_LOST", "disruption"), task
+    assert task["status"] == "SUCCESS" and task["attempt"] == 2, task  # the disruption's new attempt
+    finals = recording_master.finals(task_id)
+    assert [(status, body.get("errorCode")) for status, body in finals] == [(200, "AGENT_LOST"), (200, None)]
     assert not [pid for pid in pids if alive(pid)]
     assert marked_pids(task_id) == []
     lines = await admin.get_logs(task_id)

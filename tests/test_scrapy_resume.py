@@ -119,7 +119,10 @@ async def test_a_killed_crawl_resumes_from_its_checkpoint_each_item_once(
     """Default JOBDIR ($CK_STATE_DIR/jobdir), Scrapy's default queues (LIFO, downloader-aware), ~16 in flight."""
     first, _second, ack = await _checkpoint_kill_resume(scrapy_pythons["2.19"], tmp_path, [])
     snapshot = first.snapshots / ack["snapshot"]
-    assert (snapshot / "jobdir" / "requests.seen").is_file() and (snapshot / "jobdir" / "spider.state").is_file()
+    assert (snapshot / "jobdir" / "spider.state").is_file()
+    # requests.seen (append-only) is copied after the reactor step up to its size at the step: a prefix.
+    seen = (snapshot / "jobdir" / "requests.seen").read_bytes()
+    assert seen and (first.state / "jobdir" / "requests.seen").read_bytes().startswith(seen)
     assert json.loads((snapshot / "jobdir" / "requests.queue" / "active.json").read_text())
     assert isinstance(ack["pauseMs"], float) and ack["itemsOffset"] > 0
 
@@ -136,6 +139,7 @@ async def test_the_projects_own_jobdir_is_kept_and_put_back(scrapy_pythons: dict
     assert (first.snapshots / ack["snapshot"] / "jobdir" / "requests.seen").is_file()
     assert not (first.state / "jobdir").exists()  # the project's JOBDIR was used, not the default
     assert "put back from the checkpoint" in (second.task_dir / "output.log").read_text()
+    assert not (second.state / "jobdir").exists()  # (not copied twice into the next snapshots)
 
 
 async def test_scrapy_2_11_resumes_too(scrapy_pythons: dict[str, Path], tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from harness import (
     missing_python,
     read_jsonl,
     sdk_env,
+    small_disk,
     start_spider,
 )
 
@@ -391,3 +392,18 @@ def test_outside_an_agent_state_lives_in_memory_and_nothing_watches(tmp_path: Pa
     said = json.loads(out)
     assert said["threads"] == 1  # no watcher
     assert not Path(said["dir"]).exists()  # removed at exit
+
+
+def test_a_snapshot_that_does_not_fit_fails_and_leaves_nothing_behind(tmp_path: Path, spiders: Spiders) -> None:
+    task = TaskFiles(tmp_path / "task")
+    with small_disk(task.snapshots, 1 << 20):
+        (task.state / "big.bin").write_bytes(b"x" * (3 << 20))
+        proc = spiders.start(QUIET, task.env())
+        task.request(1)
+        answer = task.wait_ack(1, proc=proc)
+        assert answer["id"] == 1 and "No space left" in answer["error"], answer
+        assert list(task.snapshots.iterdir()) == []  # no 1.tmp
+        (task.state / "big.bin").unlink()
+        task.request(2)
+        assert task.wait_ack(2, proc=proc)["snapshot"] == "2"
+        spiders.finish(proc)

@@ -12,7 +12,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import NODE_SDK, SPIDER_TIMEOUT, Spiders, TaskFiles, read_jsonl, sdk_env, start_spider
+from harness import (
+    NODE_SDK,
+    SPIDER_TIMEOUT,
+    Spiders,
+    TaskFiles,
+    read_jsonl,
+    sdk_env,
+    small_disk,
+    start_spider,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
@@ -280,3 +289,18 @@ def test_outside_an_agent_state_lives_in_memory_and_nothing_watches(tmp_path: Pa
     out, err = proc.communicate(timeout=SPIDER_TIMEOUT)
     assert proc.returncode == 0, err
     assert not Path(out.strip()).exists()  # removed at exit
+
+
+def test_a_snapshot_that_does_not_fit_fails_and_leaves_nothing_behind(tmp_path: Path, spiders: Spiders) -> None:
+    task = TaskFiles(tmp_path / "task")
+    with small_disk(task.snapshots, 1 << 20):
+        (task.state / "big.bin").write_bytes(b"x" * (3 << 20))
+        proc = start(spiders, task, QUIET)
+        task.request(1)
+        answer = task.wait_ack(1, proc=proc)
+        assert answer["id"] == 1 and "ENOSPC" in answer["error"], answer
+        assert list(task.snapshots.iterdir()) == []
+        (task.state / "big.bin").unlink()
+        task.request(2)
+        assert task.wait_ack(2, proc=proc)["snapshot"] == "2"
+        spiders.finish(proc)

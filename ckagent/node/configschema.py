@@ -115,6 +115,7 @@ class TaskSettings:
     ``uid_claims``: the host-wide directory of the uids agents handed out (ckagent.node.uidclaims).
     ``migrate_timeout``: seconds a migrate (``ckagent stop --migrate``) may take before the flush;
     ``memory_soft_bytes``: the soft memory ceiling of a task that names none (bytes; None = none).
+    ``checkpoint_interval``: seconds between a task's periodic checkpoints when it names none (0 = none).
     """
 
     poll_interval: float
@@ -147,6 +148,7 @@ class TaskSettings:
     uid_claims: Path = Path("/var/lib/ckagent/uids")
     migrate_timeout: float = 20.0
     memory_soft_bytes: int | None = None
+    checkpoint_interval: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -389,6 +391,11 @@ SETTINGS: tuple[Setting, ...] = (
             "is asked to checkpoint, then stopped FAILED (MEMORY_LIMIT, retryable), to resume on its next "
             "attempt. Unset = none. Any containment level (the cgroup's figure, else its processes' RSS).",
             v.integer(1)),
+    Setting("task", "checkpoint_interval", "AGENT_TASK_CHECKPOINT_INTERVAL", "seconds >= 0", 60.0,
+            "Seconds between a running task's periodic checkpoints (its spider asked to persist its state dir, "
+            "shipped with its items position) when the task names none (`checkpointIntervalSeconds`); "
+            "0 = none (checkpoints before a migrate or the soft memory ceiling are still taken).",
+            v.seconds(exclusive=False)),
     Setting("logging", "level", "AGENT_LOG_LEVEL", "DEBUG, INFO, WARNING, ERROR", "INFO",
             "Log level (case-insensitive).", v.choice(("DEBUG", "INFO", "WARNING", "ERROR"), upper=True)),
     Setting("logging", "file", "AGENT_LOG_FILE", "path", None,

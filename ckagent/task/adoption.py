@@ -55,6 +55,7 @@ from ckagent.node.errors import AGENT_ERROR, describe_fault
 from ckagent.node.procid import boot_id
 from ckagent.node.runas import RunAs, task_uid
 from ckagent.node.state import TaskRecord
+from ckagent.task.checkpoints import checkpoints_for
 from ckagent.task.stop import StopReason, stopped_outcome
 
 if TYPE_CHECKING:
@@ -193,6 +194,8 @@ async def run_adopted(supervisor: Supervisor, rt: RunningTask, adoption: Adoptio
             rt.jail = jail
             await _egress_again(supervisor, rt, jail, notice, handle.proxy_port)
             delivery.watch_item_files(Path(handle.work))  # its declared JSON Lines files stream on
+            # Its checkpoints go on (numbered after the previous agent's; an upload it left is finished).
+            await checkpoints_for(supervisor.config, supervisor.master, rt, record.task_dir, notice).adopt()
             timeout = 0.0 if handle.deadline_at is None else handle.deadline_at - handle.spawned_at
             try:
                 outcome = await supervisor.finish_run(rt, adoption.monitored, jail, sink, notice, timeout)

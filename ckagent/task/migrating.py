@@ -67,8 +67,8 @@ async def checkpoint_then_stop(rt: RunningTask, *, reason: StopReason, checkpoin
 
     shipped: str | None = None
     words = why
+    checkpoints = getattr(rt, "checkpoints", None)
     try:
-        checkpoints = getattr(rt, "checkpoints", None)
         wanted = checkpoint_reason(checkpoint)
         if rt.phase != "running" or rt.pid is None:
             words = f"{why}: before its spider started (no checkpoint: its next attempt starts afresh)"
@@ -83,18 +83,26 @@ async def checkpoint_then_stop(rt: RunningTask, *, reason: StopReason, checkpoin
             if shipped is not None:
                 words = f"{why}: checkpoint {shipped} shipped"
             elif took:
-                words = f"{why}: its checkpoint was not shipped in time; {_restart_words(rt)}"
+                words = f"{why}: its checkpoint was not shipped in time; {_next_words(rt, checkpoints)}"
             elif getattr(checkpoints, "unsupported", False):  # (it never answered a persist request)
                 words = f"{why}: the spider does not persist its state; {_restart_words(rt)}"
             else:
-                words = f"{why}: the spider did not persist its state in time; {_restart_words(rt)}"
+                words = f"{why}: the spider did not persist its state in time; {_next_words(rt, checkpoints)}"
     except Exception as exc:  # a task's checkpoint trouble ends in its stop, never the caller's
         log.exception("task %s: checkpoint for %s failed", rt.task.id, reason.name)
-        words = f"{why}: its checkpoint failed ({type(exc).__name__}: {exc}); {_restart_words(rt)}"
+        words = f"{why}: its checkpoint failed ({type(exc).__name__}: {exc}); {_next_words(rt, checkpoints)}"
     finally:
         if rt.stop.request(reason, words, grace=max(0.0, left())):
             log.info("task %s: %s", rt.task.id, words)
     return shipped
+
+
+def _next_words(rt: RunningTask, checkpoints: Any) -> str:
+    """How the next attempt starts when this stop's own checkpoint did not ship: from the newest one
+    shipped before (an interval's), else from scratch."""
+    last = getattr(checkpoints, "last", None)
+    earlier = getattr(last, "id", None)
+    return f"its next attempt resumes from checkpoint {earlier}" if earlier else _restart_words(rt)
 
 
 def _restart_words(rt: RunningTask) -> str:

@@ -43,6 +43,9 @@ class RunnerConfig:
     """The node's egress level and policy (None = no network policy)."""
     max_artifact_bytes: int = 100 * 1024**2
     """Most bytes of a task's artifacts shipped to the master (``task.max_artifact_bytes``); over it, kept."""
+    checkpoint_interval: float = 60.0
+    """Seconds between a task's periodic checkpoints when it names none (``task.checkpoint_interval``; 0 = none:
+    ckagent.task.checkpoints)."""
     max_stop_grace: float = math.inf
     """The longest stop grace a task gets (``task.max_stop_grace``; its own ``stopGraceSeconds`` or its
     framework's default is cut to it: ckagent.task.stop.stop_grace)."""

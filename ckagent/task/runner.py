@@ -75,6 +75,8 @@ from ckagent.node.state import AsyncStateStore, StateStoreError
 from ckagent.node.workmodes import PRIVATE_DIR_MODE
 from ckagent.task import diskshare
 from ckagent.task.admission import Admission, RunningTask
+from ckagent.task.attempts import retire_earlier_attempt, wait_earlier_delivery
+from ckagent.task.checkpoints import checkpointing, checkpoints_for
 from ckagent.task.commands import resolve_on_path
 from ckagent.task.deploy import Clearing, Deployer
 from ckagent.task.execlimits import check_exec_size
@@ -138,7 +140,10 @@ class TaskRunner:
         try:
             started_wall = time.time()
             try:
+                await wait_earlier_delivery(self._outbox.deliveries, task)  # (ckagent.task.attempts)
+
                 def make_task_dir() -> None:  # in the outbox's hop, before the task's durable record
+                    retire_earlier_attempt(self._store.sync, task, task_dir)  # a retry on this node starts empty
                     # 0700 from the start (not the umask's 0755 until the next start's seal_work_dir): its
                     # items, stats and exit status are no other spider's to read.
                     task_dir.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
@@ -149,7 +154,7 @@ class TaskRunner:
                 # Logs, items and the result are the outbox's: they outlive this slot (see ckagent.delivery).
                 delivery = await self._outbox.open_task(task, task_dir, claimed_at=rt.claimed_at,
                                                         make_dir=make_task_dir)
-            except (OSError, sqlite3.Error, IdentityError) as exc:
+            except (OSError, sqlite3.Error, IdentityError, StateStoreError) as exc:
                 # A full disk or a broken work dir fails this task, never the agent.
                 await self._report_unprepared(rt, exc, started_wall)
                 return
@@ -339,6 +344,8 @@ class TaskRunner:
         privacy = c.containment.privacy if c.containment is not None else None
         timeout = self.config.execute_timeout if task.timeout_seconds is None else task.timeout_seconds
         stall = self.config.stall_timeout if task.stall_timeout_seconds is None else task.stall_timeout_seconds
+        # Its state dir restored from the attempt's checkpoint, if any (DeployError); then its checkpoints run.
+        await checkpoints_for(c, self._master, rt, task_dir, notice).prepare()
         rt.phase = "running"
         rt.started_at = time.time()
         store = self._store.sync
@@ -429,11 +436,13 @@ class TaskRunner:
             activity.touch()  # the stall limit counts from the spawn (or the re-adoption)
         grace, _source = stop_grace(task.framework, task.stop_grace_seconds, c.kill_grace, c.max_stop_grace)
         watchdog = Watchdog(rt.stop, deadline_at=handle.deadline_at, timeout_seconds=timeout_seconds,
-                            stall_timeout=handle.stall_timeout, last_activity=activity.last if activity else None)
-        outcome = await supervise(
-            mon, jail=jail, sink=sink, grace=grace, stop=watchdog, why=rt.stop.describe,
-            notice=notice, stop_signal=task.stop_signal_number, leave_running=lambda: self._hand_over(rt),
-        )
+                            stall_timeout=handle.stall_timeout, last_activity=activity.last if activity else None,
+                            alarm=rt.checkpoints)  # its first checkpoint's time (ckagent.task.checkpoints)
+        async with checkpointing(rt.checkpoints):  # its persist requests while it runs (ckagent.task.checkpoints)
+            outcome = await supervise(
+                mon, jail=jail, sink=sink, grace=grace, stop=watchdog, why=rt.stop.describe,
+                notice=notice, stop_signal=task.stop_signal_number, leave_running=lambda: self._hand_over(rt),
+            )
         egress = self.config.egress if rt.egress is not None else None
 
         def end_reads() -> tuple[bytes, Figures, list[Refusal] | None, Callable[[], None] | None]:

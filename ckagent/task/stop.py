@@ -43,6 +43,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import trio
 
@@ -153,6 +154,16 @@ def stopped_outcome(stop: TaskStop) -> tuple[str, str, str]:
     return reason.status, reason.error_code, message
 
 
+class Alarm(Protocol):
+    """Something a :class:`Watchdog`'s wait wakes at ``due`` (Trio's clock; inf: never): ``fire()`` on the
+    loop, which must not block and moves ``due`` on."""
+
+    due: float
+
+    def fire(self) -> None:
+        """The alarm's time has come."""
+
+
 class Watchdog:
     """The runner's limits on a running task: what the process supervisor waits on instead of the bare stop.
 
@@ -160,11 +171,15 @@ class Watchdog:
     passed already (a task re-adopted late) stops it at once. ``timeout_seconds`` is that limit's
     length, for the words. ``stall_timeout`` seconds without a sign of life (``last_activity()``, in
     Trio's clock) stop it as STALLED (0: off). Both go through ``stop`` (:meth:`TaskStop.request`).
+    ``alarm``: woken at its ``due`` time (Trio's clock) by the same wait, it does its own work then
+    (``fire()``, which moves ``due`` on): the task's first checkpoint (ckagent.task.checkpoints) needs no
+    task of its own before it is due.
     """
 
     def __init__(self, stop: TaskStop, *, deadline_at: float | None, timeout_seconds: float,
-                 stall_timeout: float, last_activity: Callable[[], float] | None) -> None:
+                 stall_timeout: float, last_activity: Callable[[], float] | None, alarm: Alarm | None = None) -> None:
         self.stop = stop
+        self.alarm = alarm
         self.deadline = math.inf if deadline_at is None else trio.current_time() + (deadline_at - time.time())
         self.timeout_seconds = timeout_seconds
         self.stall_timeout = stall_timeout if last_activity is not None else 0.0
@@ -197,6 +212,10 @@ class Watchdog:
             self.stop.request(StopReason.TIMEOUT, f"timed out after {self.timeout_seconds:g} s")
             return math.inf
         wake = self.deadline
+        if self.alarm is not None:
+            if now >= self.alarm.due:
+                self.alarm.fire()
+            wake = min(wake, self.alarm.due)
         if self.stall_timeout > 0 and self.last_activity is not None:
             last = self.last_activity()
             if now >= last + self.stall_timeout:

@@ -50,6 +50,8 @@ class Supervisor(Admission):
     ) -> None:
         super().__init__(max_workers, lifecycle)
         self.config = config
+        self.master = master
+        """The master client (a re-adopted task's checkpoints: ckagent.task.adoption)."""
         self._store = store
         self._outbox = outbox
         self.runner = TaskRunner(config, master, store, workspaces, deps, self, outbox)

@@ -111,6 +111,7 @@ from harness.eggs import *  # noqa: F403
 from harness.environs import *  # noqa: F403
 from harness.examples import *  # noqa: F403
 from harness.fakes import *  # noqa: F403
+from harness.handack import *  # noqa: F403
 from harness.handover import *  # noqa: F403
 from harness.hostile import *  # noqa: F403
 from harness.hostilefiles import *  # noqa: F403

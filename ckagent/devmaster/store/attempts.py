@@ -98,8 +98,11 @@ def end_attempt(db: sqlite3.Connection, task_id: str, *, status: str, error_code
         (status, error_code, error_message, exit_code, cause_class, 1 if retryable else 0, checkpoint_id, finished_at,
          started_at, 1 if decision.counted else 0, decision.why, task_id, attempt))
     if decision.again:
-        # the master's clock, not the node's finishedAt: a node's clock never moves a retry
-        start_next_attempt(db, task_id, delay_seconds=decision.delay_seconds, now=utc_now_iso())
+        # the backoff counts from the attempt's end (the node's finishedAt), never from a time later than
+        # the master's clock: a node's clock ahead cannot hold a retry back
+        now = utc_now_iso()
+        ended = finished_at if 0 < epoch(finished_at) <= epoch(now) else now
+        start_next_attempt(db, task_id, delay_seconds=decision.delay_seconds, now=ended)
     else:
         prune_chunks(db, task_id)  # final: its newest checkpoint stays, nothing else
     _log.info("task %s attempt %d ended %s: %s", task_id, attempt, error_code or status, decision.why)

@@ -1,5 +1,7 @@
 """The dev master's claims: the queue of PENDING tasks, claims (by poll or by result), releases,
-reconciliation against a node's heartbeat, final results (docs/protocol.md, "Claims and releases").
+reconciliation against a node's heartbeat, final results (docs/protocol.md, "Claims and releases"). A
+final result ends the task's current attempt; the retry decision and the next attempt live in attempts.py,
+the refusal of an older attempt's reports (409 ``supersededBy``) in supersede.py.
 
 Each rule is one transaction, so the SQL reads as the contract.
 """

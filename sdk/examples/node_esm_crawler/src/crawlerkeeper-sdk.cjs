@@ -481,9 +481,14 @@ function takeSnapshot(stateDirPath, snapshotDir, name) {
   let skipped = 0;
   let isDir = false;
   try { isDir = fs.statSync(stateDirPath).isDirectory(); } catch (err) { /* missing: an empty snapshot */ }
-  if (isDir) skipped = copyTree(stateDirPath, temporary);
-  else fs.mkdirSync(temporary, { mode: 0o700 });
-  fs.renameSync(temporary, final);
+  try {
+    if (isDir) skipped = copyTree(stateDirPath, temporary);
+    else fs.mkdirSync(temporary, { mode: 0o700 });
+    fs.renameSync(temporary, final);
+  } catch (err) {
+    try { removePath(temporary); } catch (ignored) { /* the error that matters is err */ }
+    throw err; // a failed snapshot leaves nothing behind
+  }
   return skipped;
 }
 

@@ -342,17 +342,23 @@ def copy_tree(src_dir: str, dst_dir: str) -> int:
 def take_snapshot(state_dir: str, snapshot_dir: str, name: str) -> int:
     """Copy ``state_dir`` to ``snapshot_dir/name`` (through ``name.tmp`` and a rename); returns how many
     entries were skipped (see :func:`copy_tree`). A missing ``state_dir`` gives an empty snapshot; a
-    leftover ``name`` or ``name.tmp`` (an answer that never finished) is replaced. Raises OSError.
+    leftover ``name`` or ``name.tmp`` (an answer that never finished) is replaced; a copy that fails
+    removes its ``name.tmp``. Raises OSError.
     """
     os.makedirs(snapshot_dir, exist_ok=True)
     final = os.path.join(snapshot_dir, name)
     temporary = final + ".tmp"
     _remove(temporary)
     _remove(final)
-    if os.path.isdir(state_dir):
-        skipped = copy_tree(state_dir, temporary)
-    else:
-        os.mkdir(temporary, 0o700)
-        skipped = 0
-    os.rename(temporary, final)
+    try:
+        if os.path.isdir(state_dir):
+            skipped = copy_tree(state_dir, temporary)
+        else:
+            os.mkdir(temporary, 0o700)
+            skipped = 0
+        os.rename(temporary, final)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a failed snapshot leaves nothing behind
+            _remove(temporary)
+        raise
     return skipped

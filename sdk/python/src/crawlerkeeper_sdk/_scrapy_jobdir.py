@@ -18,15 +18,17 @@ else raises :class:`JobdirError` naming the class: the snapshot would not resume
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Set, Tuple
 
-__all__ = ["JobdirError", "JobdirView", "jobdir_view", "write_patches"]
+__all__ = ["JobdirError", "JobdirView", "close_later", "copy_later", "copy_tree_now_and_later", "jobdir_view",
+           "write_patches"]
 
 
 class JobdirError(Exception):
@@ -145,4 +147,65 @@ def write_patches(view: JobdirView, copy: Path) -> None:
         try:
             os.pwrite(fd, header, 0)
         finally:
+            os.close(fd)
+
+
+Later = List[Tuple[int, int, str]]
+"""Files copied after the reactor step: (an open descriptor, the size to copy, the target path)."""
+
+
+def copy_tree_now_and_later(source: str, target: str, later_paths: Set[str]) -> Tuple[int, Later]:
+    """Copy ``source`` into the new ``target`` as ``crawlerkeeper_sdk._control.copy_tree`` does (no link
+    followed, special files skipped: their count is returned), except the files of ``later_paths``
+    (absolute): those are append-only (the dupefilter's ``requests.seen``), so their bytes up to the size
+    they have now never change; they are opened and measured now, and :func:`copy_later` copies that
+    prefix later, outside the reactor step. Blocking; OSError as raised (descriptors opened are closed)."""
+    from crawlerkeeper_sdk import _control
+
+    later: Later = []
+    try:
+        os.mkdir(target, 0o700)
+        skipped = 0
+        stack = [(source, target)]
+        while stack:
+            src, dst = stack.pop()
+            with os.scandir(src) as listing:
+                entries = list(listing)
+            for entry in entries:
+                path = os.path.join(dst, entry.name)
+                if entry.is_dir(follow_symlinks=False):
+                    os.mkdir(path, 0o700)
+                    stack.append((entry.path, path))
+                elif os.path.abspath(entry.path) in later_paths and entry.is_file(follow_symlinks=False):
+                    fd = os.open(entry.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+                    later.append((fd, os.fstat(fd).st_size, path))
+                elif not (entry.is_file(follow_symlinks=False) and _control._copy_file(entry.path, path)):
+                    skipped += 1
+    except BaseException:
+        close_later(later)
+        raise
+    return skipped, later
+
+
+def copy_later(later: Later) -> None:
+    """Copy each (descriptor, size, target) of :func:`copy_tree_now_and_later`, then close the descriptors
+    (blocking: run in a thread). OSError as raised (every descriptor closed)."""
+    from crawlerkeeper_sdk import _control
+
+    try:
+        for fd, size, target in later:
+            out = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+            try:
+                _control._copy_bytes(fd, out, size)
+            finally:
+                os.close(out)
+    finally:
+        close_later(later)
+
+
+def close_later(later: Later) -> None:
+    """Close the descriptors of ``later`` (idempotent for a list emptied by it)."""
+    while later:
+        fd = later.pop()[0]
+        with contextlib.suppress(OSError):
             os.close(fd)

@@ -16,9 +16,13 @@ For request N, within one reactor step (so no request, response or item moves me
    engine slot's ``inprogress``, which spans the downloader and the scraper) are kept with Scrapy's
    ``Request.to_dict``; requests only in the memory queue (not serializable) are counted and said;
 3. holding the SDK's items lock: ``itemsOffset`` = the size of ``CK_ITEMS_FILE``; ``CK_STATE_DIR``
-   (and a project's own JOBDIR) is copied to ``CK_SNAPSHOT_DIR/N.tmp``, the close-time files are
-   written into the copy, which is renamed ``N``; the ack line goes to ``CK_CONTROL_ACK_FILE``
-   (``{"id", "itemsOffset", "snapshot", "pauseMs"}``, or ``{"id", "error"}``).
+   (and a project's own JOBDIR) is copied to ``CK_SNAPSHOT_DIR/N.tmp`` and the close-time files are
+   written into the copy — but for the append-only files (the dupefilter's ``requests.seen``, the
+   hook's ``start.seen``), which are opened and measured in the step and whose bytes up to that size
+   (they never change) are copied right after it, in a thread, so the pause does not grow with the
+   crawl's seen set. ``pauseMs`` is the step. Then ``N.tmp`` is renamed ``N`` and the ack line goes to
+   ``CK_CONTROL_ACK_FILE`` (``{"id", "itemsOffset", "snapshot", "pauseMs"}``, or ``{"id", "error"}``);
+   requests seen meanwhile wait for it.
 
 Exactly once: the items of a response still in flight are held back (:meth:`CrawlerKeeperState.hold`)
 and written when Scrapy finishes that response, so the items file never holds part of an in-flight
@@ -40,10 +44,17 @@ import shutil
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from crawlerkeeper_sdk import _control, _state
-from crawlerkeeper_sdk._scrapy_jobdir import JobdirError, jobdir_view, write_patches
+from crawlerkeeper_sdk._scrapy_jobdir import (
+    JobdirError,
+    close_later,
+    copy_later,
+    copy_tree_now_and_later,
+    jobdir_view,
+    write_patches,
+)
 
 __all__ = ["JOBDIR_NAME", "TICK_SECONDS", "CrawlerKeeperState", "default_jobdir"]
 
@@ -165,7 +176,10 @@ class CrawlerKeeperState:
         self.start_seen: Set[str] = set()
         self.resumed_starts: Set[str] = set()
         self.start_file: Any = None
+        self.start_path = str(self.own / "start.seen")
         self.loop: Any = None
+        self.waiting: List[Any] = []
+        self.finishing = False
         if self.own_jobdir:
             self._restore_own_jobdir()
         elif not jobdir:
@@ -185,21 +199,24 @@ class CrawlerKeeperState:
     # -- start and resume ---------------------------------------------------------------------------
 
     def _restore_own_jobdir(self) -> None:
+        """The restored ``jobdir/`` goes to the project's JOBDIR when that is missing or empty; either way it
+        leaves the state dir (each snapshot copies the project's JOBDIR there)."""
         assert self.jobdir is not None
         restored = self.state_dir / JOBDIR_NAME
         target = Path(self.jobdir)
+        used = False
         with contextlib.suppress(OSError):
-            if any(target.iterdir()):
-                _log.info("crawlerkeeper: the project's JOBDIR %s is kept in every checkpoint", self.jobdir)
-                return
-        if not restored.is_dir():
+            used = any(target.iterdir())
+        if not used and restored.is_dir():
+            with contextlib.suppress(FileNotFoundError):
+                target.rmdir()
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(restored, target, symlinks=True)
+            _log.info("crawlerkeeper: the project's JOBDIR %s is put back from the checkpoint", self.jobdir)
+        else:
             _log.info("crawlerkeeper: the project's JOBDIR %s is kept in every checkpoint", self.jobdir)
-            return
-        with contextlib.suppress(FileNotFoundError):
-            target.rmdir()
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(restored, target, symlinks=True)
-        _log.info("crawlerkeeper: the project's JOBDIR %s is put back from the checkpoint", self.jobdir)
+        if restored.is_dir() and not restored.is_symlink():
+            shutil.rmtree(restored)
 
     def spider_opened(self, spider: Any) -> None:
         """Resume what the checkpoint kept in flight, start the control file's watch (never raises: a
@@ -215,7 +232,7 @@ class CrawlerKeeperState:
 
     def _open(self, spider: Any) -> None:
         self.own.mkdir(parents=True, exist_ok=True)
-        start_path = self.own / "start.seen"
+        start_path = self.start_path
         with contextlib.suppress(OSError), open(start_path, encoding="ascii") as f:
             self.resumed_starts = {line.strip() for line in f if line.strip()}
         self.start_seen = set(self.resumed_starts)
@@ -325,7 +342,11 @@ class CrawlerKeeperState:
         """One look at the control file; answers new requests (the newest gets the snapshot)."""
         assert self.channel is not None
         try:
-            requests = self.channel.poll()
+            requests = self.waiting + self.channel.poll()
+            self.waiting = []
+            if self.finishing:  # the last snapshot is still being completed: these wait for it
+                self.waiting = requests
+                return
             known = [r for r in requests if r.event in _control.EVENTS]
             for request in requests:
                 if request.event not in _control.EVENTS:
@@ -351,15 +372,37 @@ class CrawlerKeeperState:
                 except Exception:
                     _log.exception("crawlerkeeper: a migrating callback failed")
         try:
-            record = self.persist(number)
+            record, later, tmp, final = self.persist(number)
         except Exception as exc:
-            _log.error("crawlerkeeper: checkpoint %d failed: %s: %s", number, type(exc).__name__, exc)
-            self.channel.answer({"id": number, "error": f"{type(exc).__name__}: {exc}"[:1000]})
+            self._failed(number, exc)
             return
-        self.channel.answer(record)
+        from twisted.internet import threads
 
-    def persist(self, number: int) -> Dict[str, Any]:
-        """Snapshot ``number`` (module docstring, steps 1–3) within this reactor step; returns the ack record.
+        def finish() -> None:  # in a thread: the append-only files' prefixes, then the rename
+            copy_later(later)
+            os.rename(tmp, final)
+
+        def done(_: Any) -> None:
+            self.finishing = False
+            if self.channel is not None:
+                self.channel.answer(record)
+
+        def failed(failure: Any) -> None:
+            self.finishing = False
+            shutil.rmtree(tmp, ignore_errors=True)
+            self._failed(number, failure.value)
+
+        self.finishing = True
+        threads.deferToThread(finish).addCallbacks(done, failed)
+
+    def _failed(self, number: int, exc: BaseException) -> None:
+        _log.error("crawlerkeeper: checkpoint %d failed: %s: %s", number, type(exc).__name__, exc)
+        if self.channel is not None:
+            self.channel.answer({"id": number, "error": f"{type(exc).__name__}: {exc}"[:1000]})
+
+    def persist(self, number: int) -> Tuple[Dict[str, Any], Any, str, str]:
+        """Snapshot ``number`` (module docstring, steps 1–3) within this reactor step: (the ack record, the
+        append-only files to copy after the step (``_scrapy_jobdir.copy_later``), ``N.tmp``, ``N``).
 
         Raises JobdirError (a state this hook cannot save), OSError (the copy failed; no snapshot ``N``).
         """
@@ -395,6 +438,9 @@ class CrawlerKeeperState:
                 shutil.rmtree(leftover)
         import crawlerkeeper_sdk
 
+        seen_file = getattr(getattr(scheduler, "df", None), "file", None)
+        append_only = {os.path.abspath(p) for p in (getattr(seen_file, "name", None), self.start_path) if p}
+        later: Any = []
         with _state._state_lock:
             for callback in list(_state._persist_callbacks):  # (a project's own, through the SDK)
                 value = callback()
@@ -402,16 +448,22 @@ class CrawlerKeeperState:
                     _state.persist_state(value)
             with crawlerkeeper_sdk._lock:
                 offset = _control.items_offset(os.environ.get("CK_ITEMS_FILE"))
-                skipped = _control.copy_tree(str(self.state_dir), tmp)
-                copy = Path(tmp, JOBDIR_NAME)
-                if self.own_jobdir:
-                    if copy.exists():
-                        shutil.rmtree(copy)
-                    skipped += _control.copy_tree(str(self.jobdir), str(copy))
-                write_patches(view, copy)
-                Path(tmp, OWN_DIR).mkdir(exist_ok=True)
-                Path(tmp, OWN_DIR, "inflight.pickle").write_bytes(inflight)
-                os.rename(tmp, final)
+                try:
+                    skipped, later = copy_tree_now_and_later(str(self.state_dir), tmp, append_only)
+                    copy = Path(tmp, JOBDIR_NAME)
+                    if self.own_jobdir:
+                        if copy.exists():
+                            shutil.rmtree(copy)
+                        more, later_too = copy_tree_now_and_later(str(self.jobdir), str(copy), append_only)
+                        skipped += more
+                        later += later_too
+                    write_patches(view, copy)
+                    Path(tmp, OWN_DIR).mkdir(exist_ok=True)
+                    Path(tmp, OWN_DIR, "inflight.pickle").write_bytes(inflight)
+                except BaseException:
+                    close_later(later)
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise
         pause_ms = round((time.perf_counter() - started) * 1000, 1)
         said = f"; {memory_only} request(s) only in memory (not serializable) are not kept" if memory_only else ""
         said += f"; {lost} request(s) in flight could not be serialized and are not kept" if lost else ""
@@ -420,4 +472,4 @@ class CrawlerKeeperState:
         record: Dict[str, Any] = {"id": number, "itemsOffset": offset, "snapshot": str(number), "pauseMs": pause_ms}
         if skipped:
             record["skipped"] = skipped
-        return record
+        return record, later, tmp, final
