@@ -64,15 +64,20 @@ async def test_an_sdk_crawl_survives_its_node(nursery: trio.Nursery, tmp_path: P
     print(f"figures [{level[0]}/{level[1]}] {example} {handover.figures()}")
     if how == "migrate":
         assert handover.migrate_codes == (0, 0), (handover.migrate_codes, handover.migrate_output)
-        assert (handover.resumed_from or {}).get("reason") == "migrate", (handover.resumed_from, handover.story())
+        # B resumes from a checkpoint taken once the migrate began (its reason "migrate", or "interval"
+        # when a periodic request came in the same instant: one snapshot answers both, named after the newer)
+        age = handover.checkpoint_age()
+        assert age is not None and age <= 0.05, f"{handover.figures()}\n{handover.story()}"
         bound = site.interval_worth(INTERVAL, 1)
         resumed = handover.resumed_after()
         assert resumed is not None and resumed < 15, handover.figures()  # "within seconds"
         assert "migrating: the agent stops this spider in" in handover.log, handover.log[-3000:]
     else:
         age = handover.checkpoint_age()
-        assert age is not None and age <= INTERVAL + SHIP_SLACK, handover.figures()
-        bound = site.interval_worth(age, 1)
+        # Fetched again: only what came after the checkpoint (its age when A died), and so at most one
+        # interval's worth (and the checkpoint's upload); the age itself grows with the machine's load.
+        assert age is not None and age > 0, handover.figures()
+        bound = min(site.interval_worth(age, 1), site.interval_worth(INTERVAL + SHIP_SLACK, 1))
     problems = handover.problems(site, twice_at_most=bound)
     assert not problems, "\n\n".join(problems) + "\n" + handover.figures() + "\n" + handover.story()
     assert "resuming from checkpoint" in handover.log, handover.log[-3000:]
