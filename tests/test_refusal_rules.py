@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ckagent.delivery import LogJournal, parse_journal
-from ckagent.delivery.shipper import refused_element
+from ckagent.delivery.flight import refused_element
 from ckagent.master.client import (
     RETRY_AFTER_MAX,
     MasterRejected,

@@ -255,3 +255,45 @@ def test_a_copy_of_a_running_jobdir_resumes_what_was_left_and_the_live_queues_go
     copy = run("copy")
     assert copy["rest"] == live["rest"] and len(copy["rest"]) == 180
     assert copy["state"] == {"pages": 7} and copy["filtered"]
+
+
+_PROXIES = r"""
+import json
+from scrapy import Request, Spider
+from scrapy.downloadermiddlewares.httpproxy import HttpProxyMiddleware
+from scrapy.utils.test import get_crawler
+from crawlerkeeper_sdk._scrapy_proxy import CrawlerKeeperProxyReset
+
+
+class Shop(Spider):
+    name = "shop"
+
+
+crawler = get_crawler(Shop)
+proxy, reset = HttpProxyMiddleware.from_crawler(crawler), CrawlerKeeperProxyReset()
+# Node A's proxy, written into the request by HttpProxyMiddleware there (in flight, retried, redirected).
+moved = Request("http://shop.test/1", meta={"proxy": "http://127.0.0.1:1", "_scheme_proxy": True,
+                                            "_auth_proxy": "http://127.0.0.1:1"},
+                headers={"Proxy-Authorization": "Basic b2xkOm9sZA=="})
+own = Request("http://shop.test/2", meta={"proxy": "http://own.proxy.test:3128"})  # the spider's own
+spider = Shop.from_crawler(crawler)
+for request in (moved, own):
+    reset.process_request(request, spider)
+    proxy.process_request(request, spider)
+print(json.dumps([[r.meta.get("proxy"), (r.headers.get("Proxy-Authorization") or b"").decode()] for r in (moved, own)]))
+"""
+
+
+@pytest.mark.parametrize("release", ["2.19", "2.11"])
+def test_a_request_does_not_carry_the_earlier_nodes_proxy(
+        scrapy_pythons: dict[str, Path], release: str) -> None:
+    """HttpProxyMiddleware wrote node A's per-task proxy into requests that reach node B (in flight at the
+    checkpoint, or retried/redirected into the queues); the hook's middleware makes it take node B's."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CK_", "PYTHON")) and "proxy" not in k.lower()}
+    env["HTTP_PROXY"] = "http://user:secret@127.0.0.1:2"
+    done = subprocess.run([str(scrapy_pythons[release]), "-c", _PROXIES], env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    moved, own = json.loads(done.stdout.splitlines()[-1])
+    assert moved == ["http://127.0.0.1:2", "Basic dXNlcjpzZWNyZXQ="]
+    assert own == ["http://own.proxy.test:3128", ""]

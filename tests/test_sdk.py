@@ -597,6 +597,7 @@ def test_sdk_builds_a_pure_python_wheel_with_only_the_sdk(tmp_path: Path) -> Non
         "crawlerkeeper_sdk/_control.py",
         "crawlerkeeper_sdk/_scrapy_hook.py",
         "crawlerkeeper_sdk/_scrapy_jobdir.py",
+        "crawlerkeeper_sdk/_scrapy_proxy.py",
         "crawlerkeeper_sdk/_scrapy_state.py",
         "crawlerkeeper_sdk/_state.py",
         "crawlerkeeper_sdk/_stats.py",

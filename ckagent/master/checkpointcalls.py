@@ -16,6 +16,8 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+import trio
+
 from ckagent.master.connectivity import Answered
 from ckagent.master.endpoints import (
     CHECKPOINT_CHUNK_GET,
@@ -93,6 +95,7 @@ class CheckpointCalls(MasterCalls):
 
         async def sink(chunk: bytes) -> None:
             nonlocal size
+            await trio.lowlevel.checkpoint()  # download() takes an async sink; this one only counts
             size += len(chunk)
             if size > MAX_CHUNK_DOWNLOAD_BYTES:
                 raise MasterProtocolError(

@@ -10,7 +10,9 @@ when Scrapy loads its defaults (``scrapy.settings.default_settings``), two exten
 - ``crawlerkeeper_sdk.scrapy.CrawlerKeeperStats`` (always): live crawl statistics;
 - ``crawlerkeeper_sdk._scrapy_state.CrawlerKeeperState`` (``CK_SCRAPY_HOOK`` names ``state``): the
   crawl checkpoints at the agent's requests and resumes; Scrapy's default ``JOBDIR`` becomes
-  ``$CK_STATE_DIR/jobdir`` (a project's own JOBDIR wins, as any setting over a default).
+  ``$CK_STATE_DIR/jobdir`` (a project's own JOBDIR wins, as any setting over a default), and the
+  downloader middleware ``crawlerkeeper_sdk._scrapy_proxy.CrawlerKeeperProxyReset`` keeps a request
+  from carrying an earlier node's proxy into a resumed attempt.
 
 Because it changes Scrapy's defaults, not the command line or the settings module, it works for
 ``scrapy crawl`` under any shell, ``python -m scrapy``, and scripts that build a ``CrawlerProcess``
@@ -25,6 +27,7 @@ import sys
 TARGET = "scrapy.settings.default_settings"
 EXTENSIONS = {"crawlerkeeper_sdk.scrapy.CrawlerKeeperItems": 0, "crawlerkeeper_sdk.scrapy.CrawlerKeeperStats": 900}
 STATE_EXTENSION = "crawlerkeeper_sdk._scrapy_state.CrawlerKeeperState"
+PROXY_RESET = "crawlerkeeper_sdk._scrapy_proxy.CrawlerKeeperProxyReset"
 
 
 def _patch(module):
@@ -35,6 +38,9 @@ def _patch(module):
         base.setdefault(STATE_EXTENSION, 950)
         if not getattr(module, "JOBDIR", None):
             module.JOBDIR = os.path.join(os.environ["CK_STATE_DIR"], "jobdir")
+        middlewares = dict(getattr(module, "DOWNLOADER_MIDDLEWARES_BASE", None) or {})
+        middlewares.setdefault(PROXY_RESET, 740)  # (crawlerkeeper_sdk._scrapy_proxy: before HttpProxyMiddleware)
+        module.DOWNLOADER_MIDDLEWARES_BASE = middlewares
     module.EXTENSIONS_BASE = base
 
 
