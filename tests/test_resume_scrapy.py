@@ -53,16 +53,7 @@ async def _scrapy_spider(cluster: Cluster, site: CrawlSite, tmp_path: Path) -> s
     return str(spider)
 
 
-PROXY_IN_FLIGHT = pytest.mark.xfail(
-    strict=True, reason="the Scrapy hook keeps the requests in flight with node A's egress proxy in their meta "
-    "(HttpProxyMiddleware ran on A): on B they fail (connection refused) and their items are missing "
-    "(/work/wt/notes/contract38.md, e2e 19:20)")
-"""The cases at the egress proxy level until the hook drops a proxy the environment set (remove then)."""
-
-
-@pytest.mark.parametrize("level", [pytest.param(param.values[0], id=param.id,
-                                                marks=[PROXY_IN_FLIGHT] if param.values[0][1] == "proxy" else [])
-                                   for param in RESUME_LEVELS])
+@pytest.mark.parametrize("level", RESUME_LEVELS)
 @pytest.mark.parametrize("how", ["migrate", "lost"])
 async def test_a_scrapy_crawl_survives_its_node(nursery: trio.Nursery, tmp_path: Path, level: tuple[str, str],
                                                 how: str) -> None:
