@@ -91,6 +91,12 @@ class Handover:
                 f" {cp.get('sizeBytes')} bytes, {cp.get('itemSeq')} items) {fmt(self.checkpoint_age())} s old;"
                 f" pages fetched {self.fetched}, twice {self.twice}")
 
+    def story(self) -> str:
+        """The task log's lines about attempts, checkpoints, migrating and stops: what to read first
+        when a scenario went wrong."""
+        words = ("attempt", "checkpoint", "migrat", "persist", "stop", "task FAILED", "resum", "superseded")
+        return "\n".join(line for line in self.log.splitlines() if any(w in line for w in words))[-6000:]
+
     def problems(self, site: CrawlSite, *, twice_at_most: int) -> list[str]:
         """Everything not as promised: SUCCESS, two attempts (the first ended MIGRATED / NODE_LOST, a
         disruption not counted, on A; the second SUCCESS on B, resumed from a checkpoint), every page's
