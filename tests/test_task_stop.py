@@ -32,7 +32,7 @@ from ckagent.containment.stopping import ProcessOutcome
 from ckagent.containment.tails import TailBuffer
 from ckagent.delivery.activity import Activity
 from ckagent.delivery.capture import LogSink
-from ckagent.master.protocol import TIMEOUT_MESSAGE, Task
+from ckagent.master.protocol import OUTCOME_STATUS, TIMEOUT_MESSAGE, Task
 from ckagent.node.errors import DepsError
 from ckagent.task.admission import Admission
 from ckagent.task.outcome import TaskOutcome, judge_exit
@@ -102,7 +102,9 @@ def test_each_reason_becomes_its_status_error_code_and_message(
 def test_every_reason_has_an_outcome_of_the_protocol() -> None:
     for reason in StopReason:
         assert (reason.status, reason.error_code) in {
-            ("CANCELLED", "CANCELLED"), ("FAILED", "TIMEOUT"), ("FAILED", "STALLED"), ("FAILED", "DISK_FULL")}
+            ("CANCELLED", "CANCELLED"), ("FAILED", "TIMEOUT"), ("FAILED", "STALLED"), ("FAILED", "DISK_FULL"),
+            ("FAILED", "MIGRATED"), ("FAILED", "MEMORY_LIMIT")}
+        assert OUTCOME_STATUS[reason.error_code] == reason.status  # (the protocol's outcome table)
 
 
 # ------------------------------------------------------------------------------ judging an ended spider
