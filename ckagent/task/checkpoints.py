@@ -384,7 +384,7 @@ class TaskCheckpoints:
             with contextlib.suppress(RuntimeError):  # it failed before it started (said by _ship)
                 await self._nursery.start(self._ship)
 
-    async def _ship(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def _ship(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:  # noqa: ASYNC128 - shipper.run calls started()
         """The shipper's run; a bug of it ends the task's checkpoints, never the task (logged)."""
         try:
             await self.shipper.run(task_status=task_status)
