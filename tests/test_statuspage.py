@@ -131,9 +131,11 @@ async def test_status_page_in_headless_chromium(dev_master: Any, nursery: trio.N
                 requests = ""
                 with trio.fail_after(30):  # noqa: ASYNC912 - the loop's body awaits
                     while requests != "12":
-                        requests = await script(client, session, "const row = document.querySelector("
-                                                "'[data-live=running] tr:nth-child(2)'); "
-                                                "return row ? row.children[6].textContent : ''")
+                        requests = await script(client, session, "const t = document.querySelector("
+                                                "'[data-live=running] table'); const row = t && t.rows[1]; "
+                                                "const col = t ? [...t.rows[0].cells].findIndex("
+                                                "c => c.textContent === 'requests') : -1; "
+                                                "return row && col >= 0 ? row.cells[col].textContent : ''")
                         await trio.sleep(0.3)
                 assert marker in await script(client, session, "return document.querySelector('pre.tail').textContent")
             stop.touch()
