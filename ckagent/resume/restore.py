@@ -32,11 +32,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import logging
 import os
 import stat
-import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +44,13 @@ import trio
 
 from ckagent.delivery.waiting import Backoff
 from ckagent.master.client import MasterClient, MasterProtocolError, MasterRejected, MasterUnavailable
-from ckagent.master.protocol.checkpoints import CHUNK_BYTES, CheckpointFile, CheckpointManifest, CheckpointRef
+from ckagent.master.protocol.checkpoints import (
+    CHUNK_BYTES,
+    CheckpointFile,
+    CheckpointManifest,
+    CheckpointRef,
+    unpack_chunk,
+)
 from ckagent.node import beneath
 from ckagent.node.runas import RunAs
 
@@ -77,23 +81,11 @@ class RestoreLimits:
 
 
 def gunzip_chunk(gz: bytes, sha: str, length: int) -> bytes:
-    """The raw bytes of a chunk from its gzip bytes: at most CHUNK_BYTES unpacked (a bomb stops there),
-    exactly ``length`` of them, one gzip member with nothing after it, sha256 ``sha``. Raises ValueError
-    saying which check failed."""
-    unpack = zlib.decompressobj(wbits=31)  # gzip only
-    try:
-        data = unpack.decompress(gz, CHUNK_BYTES + 1)
-    except zlib.error as exc:
-        raise ValueError(f"chunk {sha[:12]}… is not gzip ({exc})") from None
-    if len(data) > CHUNK_BYTES or unpack.unconsumed_tail:
-        raise ValueError(f"chunk {sha[:12]}… unpacks to more than {CHUNK_BYTES} bytes")
-    if not unpack.eof or unpack.unused_data:
-        raise ValueError(f"chunk {sha[:12]}… is not one whole gzip member")
-    if len(data) != length:
-        raise ValueError(f"chunk {sha[:12]}… holds {len(data)} bytes, its place in the file {length}")
-    if hashlib.sha256(data).hexdigest() != sha:
-        raise ValueError(f"chunk {sha[:12]}…: its bytes do not match its sha256")
-    return data
+    """The raw bytes of a chunk from its gzip bytes, checked as the master checks them
+    (:func:`ckagent.master.protocol.checkpoints.unpack_chunk`: one gzip member, at most CHUNK_BYTES
+    unpacked — a bomb stops there —, sha256 ``sha``) and exactly ``length`` of them. Raises ValueError
+    (ChunkError) saying which check failed."""
+    return unpack_chunk(gz, sha, length)
 
 
 @dataclass

@@ -12,10 +12,8 @@ name. A final task keeps its newest checkpoint (for a look or a new task) and no
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sqlite3
-import zlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -23,7 +21,8 @@ from ckagent.devmaster.errors import ConflictError, NotFoundError, PayloadTooLar
 from ckagent.devmaster.store.database import Database, dumps, task_row
 from ckagent.devmaster.store.supersede import check_attempt, current_attempt
 from ckagent.master.protocol import ProtocolError, utc_now_iso
-from ckagent.master.protocol.checkpoints import CHUNK_BYTES, CheckpointManifest
+from ckagent.master.protocol.checkpoints import CheckpointManifest, ChunkError
+from ckagent.master.protocol.checkpoints import unpack_chunk as _unpack_chunk
 
 __all__ = ["MAX_CHUNK_BODY_BYTES", "MAX_TASK_CHUNK_BYTES", "CheckpointStore", "ChunkError", "check_sha", "prune_chunks", "unpack_chunk"]
 
@@ -36,29 +35,10 @@ _SQL_BATCH = 500
 """Shas per ``IN (...)`` list (SQLite's variable limit)."""
 
 
-class ChunkError(ValueError):
-    """A chunk body that is not a gzip of at most CHUNK_BYTES bytes of its sha256 (422)."""
-
-
 def unpack_chunk(gz: bytes, sha256: str) -> int:
-    """Check one chunk: ``gz`` is one complete gzip member that unpacks to at most CHUNK_BYTES bytes whose
-    sha256 is ``sha256`` (lowercase hex). Returns the unpacked size. Raises ChunkError saying what is
-    wrong. Bounded: never holds more than CHUNK_BYTES + 1 unpacked bytes. Blocking (CPU): run in a thread."""
-    inflater = zlib.decompressobj(wbits=31)  # gzip only
-    try:
-        data = inflater.decompress(gz, CHUNK_BYTES + 1)
-    except zlib.error as exc:
-        raise ChunkError(f"the body is not gzip data: {exc}") from None
-    if len(data) > CHUNK_BYTES or inflater.unconsumed_tail:
-        raise ChunkError(f"the chunk unpacks to more than {CHUNK_BYTES} bytes (CHUNK_BYTES)")
-    if not inflater.eof:
-        raise ChunkError("the gzip data ends before its end (truncated)")
-    if inflater.unused_data:
-        raise ChunkError("bytes after the gzip member (one member per chunk)")
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != sha256:
-        raise ChunkError(f"the chunk unpacks to bytes of sha256 {digest}, not {sha256}")
-    return len(data)
+    """Check one chunk before it is stored (:func:`ckagent.master.protocol.checkpoints.unpack_chunk`, the
+    check the agent makes too) and return its unpacked size. Raises ChunkError (→ 422). Blocking (CPU)."""
+    return len(_unpack_chunk(gz, sha256))
 
 
 def _batches(values: list[str]) -> Iterable[list[str]]:

@@ -21,8 +21,10 @@ other than the sum of the files' sizes.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import re
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +44,7 @@ from ckagent.master.protocol.vocabulary import CAUSE_CLASSES, CauseClass
 
 __all__ = [
     "CHECKPOINT_REASONS", "CHUNK_BYTES", "FILE_TYPES", "MAX_FILES", "MAX_PATH_CHARS", "CheckpointFile",
-    "CheckpointManifest", "CheckpointRef", "RetryPolicy", "check_sha256", "chunk_count",
+    "CheckpointManifest", "CheckpointRef", "ChunkError", "RetryPolicy", "check_sha256", "chunk_count", "unpack_chunk",
 ]
 
 CHUNK_BYTES = 1 << 20
@@ -78,6 +80,37 @@ def check_sha256(value: Any, where: str) -> str:
 def chunk_count(size: int) -> int:
     """How many chunks a file of ``size`` bytes has: ``ceil(size / CHUNK_BYTES)``."""
     return -(-size // CHUNK_BYTES)
+
+
+class ChunkError(ValueError):
+    """A chunk's gzip bytes are not the chunk its sha256 names (:func:`unpack_chunk` says which check failed)."""
+
+
+def unpack_chunk(gz: bytes, sha256: str, length: int | None = None) -> bytes:
+    """The raw bytes of the chunk named ``sha256`` (lowercase hex) from its gzip bytes ``gz``: one complete
+    gzip member with nothing after it, unpacking to at most CHUNK_BYTES bytes of that sha256. The one check
+    both ends make (the master before it stores a chunk, the agent before it restores one). Raises
+    ChunkError saying which check failed. Bounded: never holds more than CHUNK_BYTES + 1 unpacked bytes (a
+    gzip bomb stops there). ``length``, when given, is how many bytes the chunk must hold (its place in its
+    file: the restoring agent knows it). Blocking (CPU, about 5 ms a chunk): run it in a thread."""
+    name = f"chunk {sha256[:12]}…"
+    inflater = zlib.decompressobj(wbits=31)  # gzip only
+    try:
+        data = inflater.decompress(gz, CHUNK_BYTES + 1)
+    except zlib.error as exc:
+        raise ChunkError(f"{name} is not gzip data ({exc})") from None
+    if len(data) > CHUNK_BYTES or inflater.unconsumed_tail:
+        raise ChunkError(f"{name} unpacks to more than {CHUNK_BYTES} bytes (CHUNK_BYTES)")
+    if not inflater.eof:
+        raise ChunkError(f"{name} is not one whole gzip member (truncated)")
+    if inflater.unused_data:
+        raise ChunkError(f"{name} is not one whole gzip member (bytes after the gzip member)")
+    if length is not None and len(data) != length:
+        raise ChunkError(f"{name} holds {len(data)} bytes, its place in the file {length}")
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != sha256:
+        raise ChunkError(f"{name}: its bytes do not match its sha256 (they are {digest})")
+    return data
 
 
 def _check_path(value: Any, where: str) -> str:
