@@ -387,7 +387,7 @@ def _remove_entry(parent: int, name: str) -> None:
             os.unlink(name, dir_fd=parent)
         return
     try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+        fd = _open_to_empty(parent, name, st)
     except OSError as exc:  # swapped for a link or a file meanwhile: remove that entry itself
         if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
             raise
@@ -400,6 +400,28 @@ def _remove_entry(parent: int, name: str) -> None:
         os.close(fd)
     with contextlib.suppress(FileNotFoundError):
         os.rmdir(name, dir_fd=parent)
+
+
+def _open_to_empty(parent: int, name: str, st: os.stat_result) -> int:
+    """The directory ``name`` opened to be emptied. One of our own uid that we may not read or write
+    (a spider running as the agent's own user made it 0555 or 0000) is given its owner's rwx first,
+    through a descriptor (no link followed): as root nothing needs it; as a plain user, without it the
+    removal stops at the first such directory. Raises OSError."""
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+    except PermissionError:
+        if st.st_uid != os.geteuid():
+            raise
+        pinned = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+        try:
+            os.chmod(f"/proc/self/fd/{pinned}", stat.S_IMODE(st.st_mode) | 0o700)
+        finally:
+            os.close(pinned)
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+    if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o300 != 0o300:
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, stat.S_IMODE(st.st_mode) | 0o700)
+    return fd
 
 
 def _empty(dirfd: int) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from pathlib import Path
 import trio
 
 from ckagent.containment.hierarchy import AGENT_LEAF, agent_group_name, own_dirs
+from ckagent.node import beneath
 
 __all__ = ["KilledNode", "kill_node", "node_cgroups", "node_pids"]
 
@@ -190,5 +190,7 @@ async def kill_node(agent: trio.Process | None, work_dir: Path, *, delete: bool 
             break
         await trio.sleep(0.05)
     if delete:
-        await trio.to_thread.run_sync(shutil.rmtree, work_dir, True)
+        # beneath.remove, not shutil.rmtree: as a plain user the work dir holds read-only folders of our own
+        # uid (the code cache, a spider's 0555 dirs) that only a removal which gives them back u+rwx empties
+        await trio.to_thread.run_sync(beneath.remove, work_dir.parent, work_dir.name)
     return killed
