@@ -99,6 +99,9 @@ node without yarn or pnpm),
 - A spider's state (issue 38): :class:`TaskFiles` plays the agent's side of the control channel
   (:mod:`harness.spiderstate`; :func:`start_spider`, :func:`sdk_env`); :func:`serve_site` serves a site
   of N pages (and the demo shop) for the resumable examples, counting fetches (:mod:`harness.pagedsite`).
+- A fleet on one machine (issue 39): :func:`harness.fleet.fleet` runs a reference master and many real
+  agents, queues short and long (resumable) tasks, stops half the fleet mid-run (migrated and lost) and
+  lists what broke "exactly once" (:mod:`harness.fleet`, imported from there: bench/fleet.py uses it too).
 """
 
 from __future__ import annotations
