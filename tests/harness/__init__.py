@@ -47,6 +47,9 @@ node without yarn or pnpm),
 - Behind the egress proxy (:mod:`harness.upstreams`): :class:`IdentityOrigin` (an origin that says who
   it is), :class:`RecordingProxy` (a team's HTTP proxy) and :class:`Socks5Server`, each recording what
   it received.
+- What an autoscaler reads (:mod:`harness.autoscale`): :func:`scrape_samples` (a /metrics parsed by
+  prometheus-client), :func:`keda_desired` (the manifests' KEDA query), :func:`serve_result_gate` (a dev
+  master holding final results until the test opens it), :data:`GO_SPIDER`.
 - An agent as a process: :func:`agent_process` (test timings), :func:`wait_registered`,
   :func:`wait_exit`, :func:`node_status`; :func:`wait_for_log` waits for a line in the master.
 - :func:`another_agent` holds an entry in a registry of agents' ports from a process of its own
@@ -96,12 +99,16 @@ node without yarn or pnpm),
 - A spider's state (issue 38): :class:`TaskFiles` plays the agent's side of the control channel
   (:mod:`harness.spiderstate`; :func:`start_spider`, :func:`sdk_env`); :func:`serve_site` serves a site
   of N pages (and the demo shop) for the resumable examples, counting fetches (:mod:`harness.pagedsite`).
+- A fleet on one machine (issue 39): :func:`harness.fleet.fleet` runs a reference master and many real
+  agents, queues short and long (resumable) tasks, stops half the fleet mid-run (migrated and lost) and
+  lists what broke "exactly once" (:mod:`harness.fleet`, imported from there: bench/fleet.py uses it too).
 """
 
 from __future__ import annotations
 
 from harness.agentports import *  # noqa: F403
 from harness.agentproc import *  # noqa: F403
+from harness.autoscale import *  # noqa: F403
 from harness.checkpointmaster import *  # noqa: F403
 from harness.checkpointnode import *  # noqa: F403
 from harness.core import *  # noqa: F403
