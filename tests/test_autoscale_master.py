@@ -6,7 +6,8 @@ on, read by prometheus-client's own parser from the real dev master on 127.0.0.1
   slots per pod, while tasks are created, claimed and finished — by raw nodes step by step, and by a real
   agent;
 - nodes by state (live, lost, left, draining, paused) and the slots of the live ones;
-- hostile spider names (quotes, backslashes, unicode, a newline written past the API) as label values;
+- hostile spider names (quotes, backslashes, unicode, a newline written past the API) as label values, and
+  any text a file may hold (hypothesis) back whole from both formats;
 - more spiders than :data:`MAX_SPIDER_SERIES`: folded into ``spider=""``, the sum still exact;
 - scrapes in parallel while the store writes; two masters in one process share nothing; a store that
   cannot be read answers 503;
