@@ -397,3 +397,18 @@ def test_systemd_unit_verifies_and_leaves_time_to_drain(tmp_path: Path) -> None:
     result = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0 and result.stderr.strip() == "" and result.stdout.strip() == "", (
         result.stdout + result.stderr)
+
+
+def test_the_docs_name_the_versions_and_overlays_validated() -> None:
+    """docs/deploy.md's Kubernetes section names every Kubernetes version the objects are validated for,
+    the kustomize release, and every kustomization."""
+    from harness.kustomize import KUSTOMIZE_VERSION
+
+    text = (REPO / "docs" / "deploy.md").read_text()
+    section = text[text.index("## Kubernetes"):text.index("## Packages and releases")]
+    validated = section[section.index("### What is validated"):]
+    minors = [v.rsplit(".", 1)[0] for v in KUBERNETES_VERSIONS]
+    assert f"**{', '.join(minors[:-1])} and {minors[-1]}**" in " ".join(validated.split())
+    assert f"kustomize {KUSTOMIZE_VERSION}" in validated
+    for variant in VARIANTS:
+        assert f"| `{variant if variant == 'base' else 'overlays/' + variant}` |" in section
