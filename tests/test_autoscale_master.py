@@ -6,7 +6,8 @@ on, read by prometheus-client's own parser from the real dev master on 127.0.0.1
   slots per pod, while tasks are created, claimed and finished — by raw nodes step by step, and by a real
   agent;
 - nodes by state (live, lost, left, draining, paused) and the slots of the live ones;
-- hostile spider names (quotes, backslashes, unicode, a newline written past the API) as label values;
+- hostile spider names (quotes, backslashes, unicode, a newline written past the API) as label values, and
+  any text a file may hold (hypothesis) back whole from both formats;
 - more spiders than :data:`MAX_SPIDER_SERIES`: folded into ``spider=""``, the sum still exact;
 - scrapes in parallel while the store writes; two masters in one process share nothing; a store that
   cannot be read answers 503;
@@ -46,12 +47,15 @@ from harness import (
     submit,
     wait_for_log,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import REGISTRY
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 
 from ckagent.code.frameworks import REGISTRY as FRAMEWORKS
 from ckagent.devmaster.app import Notifier, create_app
 from ckagent.devmaster.queuemetrics import FRAMEWORK_REQUIRES, MAX_SPIDER_SERIES, METRIC_NAMES, MasterMetrics
-from ckagent.devmaster.store import Store
+from ckagent.devmaster.store import QueueFigures, Store
 from ckagent.devmaster.store.queue import NODE_STATES
 from ckagent.master.protocol import FRAMEWORKS as WIRE_FRAMEWORKS
 
@@ -239,6 +243,23 @@ async def test_hostile_spider_names_are_escaped_label_values(dev_master: Any, ht
         assert spiders_of(samples) == {**dict.fromkeys(names, 1), "line\nbreak": 2, "tab\there": 2}
         assert sample_value(samples, "ckmaster_tasks_running") == 0  # the injected text stayed a label value
         assert 'spider="line\\nbreak"' in response.text and 'spider="say \\"hi\\""' in response.text
+
+
+@settings(max_examples=150, derandomize=True, database=None, deadline=None)
+@given(st.lists(st.text(st.characters(exclude_categories=["Cs"]), min_size=1, max_size=40), min_size=1,
+                max_size=8, unique=True))
+def test_any_spider_name_comes_back_whole_from_either_format(names: list[str]) -> None:
+    """Whatever a file holds as a spider name (control characters, NUL, line separators, quotes): the
+    exposition is parsed back to the same label values, in the text format and in OpenMetrics."""
+    metrics = MasterMetrics(None)  # type: ignore[arg-type]  # the rendering alone: no store read
+    figures = QueueFigures(pending=len(names), pending_by_spider=tuple((name, 1) for name in names))
+    text, _ = metrics.render(figures)
+    assert spiders_of(parse_samples(text.decode())) == dict.fromkeys(names, 1)
+    body, content_type = metrics.render(figures, "application/openmetrics-text; version=1.0.0")
+    assert content_type.startswith("application/openmetrics-text")
+    parsed = {s.labels["spider"]: s.value for f in openmetrics_families(body.decode()) for s in f.samples
+              if f.name == "ckmaster_tasks_pending"}
+    assert parsed == dict.fromkeys(names, 1)
 
 
 async def test_more_spiders_than_series_are_folded_into_one_and_the_sum_stays_exact(
