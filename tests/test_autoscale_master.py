@@ -280,7 +280,7 @@ async def test_scrapes_in_parallel_while_the_store_writes(dev_master: Any, http:
 
         async def write() -> None:
             nonlocal created, finished
-            for i in range(60):
+            for i in range(20):
                 task_id = await admin.create_task(spider_ids[i % 3])
                 created += 1
                 if i % 2:
@@ -305,11 +305,11 @@ async def test_scrapes_in_parallel_while_the_store_writes(dev_master: Any, http:
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(write)
-            for _ in range(8):
+            for _ in range(4):
                 nursery.start_soon(scrape)
         samples = await scrape_samples(http)
-    assert len(scrapes) >= 16
-    assert sample_sum(samples, "ckmaster_tasks_pending") == 30 and sample_value(samples, "ckmaster_tasks_running") == 0
+    assert len(scrapes) >= 20
+    assert sample_sum(samples, "ckmaster_tasks_pending") == 10 and sample_value(samples, "ckmaster_tasks_running") == 0
 
 
 async def test_two_masters_in_one_process_share_nothing(tmp_path: Path) -> None:
@@ -353,6 +353,7 @@ def test_the_requires_label_follows_the_frameworks_runtimes() -> None:
     assert {name: (f.runtime.tool,) for name, f in FRAMEWORKS.items()} == FRAMEWORK_REQUIRES
 
 
+@pytest.mark.slow  # 10,000 tasks made one by one: ~1.5 s alone, 5 s beside the suite
 def test_a_scrape_costs_the_same_statements_for_ten_and_ten_thousand_pending_tasks(tmp_path: Path) -> None:
     store = Store(tmp_path / "queue.sqlite")
     try:

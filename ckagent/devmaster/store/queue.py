@@ -106,10 +106,12 @@ class QueueStore(Database):
     def queue_figures(self, *, max_spiders: int = 500, now: float | None = None) -> QueueFigures:
         """The queue now (``now``: epoch seconds, default the clock): six or seven aggregate statements
         in one read transaction, whatever the number of tasks, spiders or nodes. Blocks (run it in a thread).
-        Raises sqlite3.Error (the store's file gone or broken)."""
+        Raises sqlite3.Error (the store's file gone or broken, the store closed)."""
         now = time.time() if now is None else now
         cutoff = utc_iso(datetime.fromtimestamp(now - NODE_LIVE_SECONDS, timezone.utc))
         with self._queue_lock:
+            if self._closed:
+                raise sqlite3.ProgrammingError(f"the store {self.db_path} is closed")
             if self._queue_conn is None:
                 conn = sqlite3.connect(str(self.db_path), check_same_thread=False, isolation_level=None, timeout=10)
                 conn.execute("PRAGMA query_only = 1")
