@@ -412,3 +412,22 @@ def test_the_docs_name_the_versions_and_overlays_validated() -> None:
     assert f"kustomize {KUSTOMIZE_VERSION}" in validated
     for variant in VARIANTS:
         assert f"| `{variant if variant == 'base' else 'overlays/' + variant}` |" in section
+
+
+def test_the_prestop_command_runs_with_the_pods_config(tmp_path: Path) -> None:
+    """The hook as written (the pyz's `stop --migrate -c CONFIG`; here the checkout's module) parses and
+    reads the ConfigMap's config: with no agent on its work dir it says so and exits 3 at once."""
+    import sys
+
+    objects = rendered("base")
+    (workload,) = workloads(objects)
+    hook = workload.container["lifecycle"]["preStop"]["exec"]["command"]
+    assert hook[:2] == PYZ
+    config = yaml.safe_load(config_text(objects, workload))
+    config["task"]["work_dir"] = str(tmp_path / "data")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    argv = [sys.executable, "-m", "ckagent", *hook[2:-1], str(tmp_path / "config.yaml")]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False,
+                            env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert f"no agent runs on {tmp_path / 'data'}" in result.stderr
