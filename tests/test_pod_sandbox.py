@@ -47,12 +47,14 @@ BOXES = [_variant(name) for name in VARIANTS]
 
 def expected_levels(variant: str) -> tuple[str, str, str]:
     """(containment, egress, identity) a variant's agent gets on this machine (docs/deploy.md, "What a pod
-    gets"): a plain or net_admin pod cannot write its cgroup, so no task cgroup and no kernel egress;
-    a privileged one is root with a writable cgroup: what root gets on a host."""
+    gets"): a plain or net_admin pod cannot write its cgroup, so no task cgroup and no kernel egress
+    (CAP_NET_ADMIN or not: nftables matches a task by its cgroup); net_admin's root (with SETUID, SETGID)
+    gives each spider a uid of its own; a privileged pod is root with a writable cgroup: what root gets
+    on a host."""
     if variant == "privileged":
         return ("cgroup-v1" if Path("/sys/fs/cgroup/memory").is_dir() else "cgroup-v2",
                 "nftables" if NFT else "proxy", "spider-uids")
-    return "process-group", "proxy", "agent-user"
+    return "process-group", "proxy", "spider-uids" if variant == "net_admin" else "agent-user"
 
 
 def _box(tmp_path: Path, pyz: Path, variant: str, **settings: object) -> PodBox:
@@ -70,7 +72,7 @@ async def test_config_check_in_a_pod_says_its_levels(tmp_path: Path, pyz: Path, 
     got = tuple(check.section(concern)[0].split()[1] for concern in ("containment", "egress", "identity"))
     print(f"figures [{variant}] levels {got}\n" + run.stdout)
     assert got == expected_levels(variant), run.stdout
-    uid = 0 if variant == "privileged" else (POD_UID if os.geteuid() == 0 else os.geteuid())
+    uid = (POD_UID if variant == "plain" else 0) if os.geteuid() == 0 else os.geteuid()
     assert f"uid {uid}" in run.stdout, run.stdout
     if variant != "privileged":
         assert "Read-only file system" in check.text("containment"), run.stdout
