@@ -7,7 +7,7 @@ lives here, a module per concern — :mod:`harness.core` (the agent, in this pro
 process; packages; waiting), :mod:`harness.agentproc` (an agent process with the tests' timings),
 :mod:`harness.procs` (a task's processes, levels, spider building blocks), :mod:`harness.recording`,
 :mod:`harness.rawnode` (a node as raw HTTP, and in the dev master's store), :mod:`harness.checkpointnode`
-(its attempts' batches, checkpoint chunks and manifests; a dev master with a short node-lost grace), :mod:`harness.fakes`
+(its attempts' batches, checkpoint chunks and manifests; a dev master with a short node-lost grace), :mod:`harness.names` (a dev master with a short name-liveness window; an agent process's status port), :mod:`harness.fakes`
 (fake masters for the poller and the delivery), :mod:`harness.index` (a package index),
 :mod:`harness.npmregistry` (an npm registry), :mod:`harness.nodelocks` (yarn and pnpm lock files, a
 node without yarn or pnpm),
@@ -133,6 +133,7 @@ from harness.kustomize import *  # noqa: F403
 from harness.levelcheck import *  # noqa: F403
 from harness.loopback import *  # noqa: F403
 from harness.manifests import *  # noqa: F403
+from harness.names import *  # noqa: F403
 from harness.nodekill import *  # noqa: F403
 from harness.nodelocks import *  # noqa: F403
 from harness.npmregistry import *  # noqa: F403
@@ -147,6 +148,7 @@ from harness.scrapyprojects import *  # noqa: F403
 from harness.scrapyresume import *  # noqa: F403
 from harness.smalldisk import *  # noqa: F403
 from harness.spiderstate import *  # noqa: F403
+from harness.supervised import *  # noqa: F403
 from harness.tempdirs import *  # noqa: F403
 from harness.tenantmatrix import *  # noqa: F403
 from harness.tenants import *  # noqa: F403
