@@ -225,7 +225,10 @@ async def test_sigterm_with_migrate_hands_every_crawl_over_within_30_s(nursery: 
                 await site.reached(site.pages // 4)
         left_at = time.time()
         prestop = await box.prestop()  # the preStop hook, inside the pod's namespaces
-        assert prestop.returncode == 0, prestop.stdout + prestop.stderr + box.log_text()[-3000:]
+        # Its exit code is 0, or SIGKILL when it had said "exited" but not yet exited itself as the agent's exit 0
+        # ended PID 1 and so the box (as a container's end kills its preStop exec): what it said counts.
+        said = prestop.stdout + prestop.stderr
+        assert prestop.returncode in (0, -signal.SIGKILL) and "exited after" in said, said + box.log_text()[-3000:]
         box.terminate()  # then the kubelet's SIGTERM to PID 1 (the agent is gone already: nothing to do)
         assert await wait_exit(box, 30) == 0, box.log_text()[-3000:]
         finals = [await admin.wait_task_final(t, AGENT_TIMEOUT) for t in tasks]
