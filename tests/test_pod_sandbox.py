@@ -223,6 +223,7 @@ async def test_sigterm_with_migrate_hands_every_crawl_over_within_30_s(nursery: 
         with trio.fail_after(120):
             for site in sites:
                 await site.reached(site.pages // 4)
+            await trio.lowlevel.checkpoint()
         left_at = time.time()
         prestop = await box.prestop()  # the preStop hook, inside the pod's namespaces
         # Its exit code is 0, or SIGKILL when it had said "exited" but not yet exited itself as the agent's exit 0
