@@ -21,7 +21,8 @@ fleet stopped while they and the long crawls run — a quarter by ``ckagent stop
 a quarter lost (the agent and every process of its tasks SIGKILLed, its work dir deleted:
 harness.nodekill) —; the long crawls released once none is left on a stopped node; every task final.
 :func:`problems` lists what broke "exactly once": a task not SUCCESS, a short task with other than one
-item or (before the stop) more than one attempt, a long crawl whose steps are not 0..n-1 each once.
+item or an earlier attempt that ended other than by a disruption (NODE_LOST, MIGRATED), a long crawl
+whose steps are not 0..n-1 each once.
 
 Cleanup: :func:`fleet` is an async context manager that, whatever happens, SIGKILLs every process of
 every node (harness.nodekill.kill_node: agents, monitors, spiders, cgroups) and the master's whole
@@ -146,8 +147,12 @@ class Figures:
     stopped_lost: list[str] = field(default_factory=list)
     migrate_codes: list[tuple[int, int]] = field(default_factory=list)
     attempts: dict[str, int] = field(default_factory=dict)
-    """{"short"/"long"/"stop-wave": number of tasks with more than one attempt}."""
+    """{"short"/"long"/"stop-wave": number of tasks with more than one attempt}. A short task queued before
+    the stop runs twice only when the master gave its node up while it ran (a late heartbeat: the
+    machine starved of CPU past ``node_lost_after``): :attr:`reruns` says why, :func:`problems` holds it."""
     long_steps: dict[str, int] = field(default_factory=dict)
+    reruns: dict[str, int] = field(default_factory=dict)
+    """How the earlier attempts of short tasks run twice ended ({errorCode: count}: disruptions only)."""
     long_on_stopped: dict[str, int] = field(default_factory=dict)
     """Long crawls running on each stopped node when it was stopped."""
     long_resumed: int = 0
@@ -580,6 +585,16 @@ async def problems(admin: AdminClient, tasks: dict[str, dict[str, Any]], short_i
              "stop-wave": sum(tasks[t].get("attempt", 1) > 1 for t in wave),
              "long": sum(tasks[t].get("attempt", 1) > 1 for t in long_ids)}
     figures.attempts = again
+    # A short task runs again only after a disruption the master decided (its node lost: silent past the
+    # grace — also a live node starved of CPU that long —, or migrated), never for another reason.
+    again_ids = [t for t in [*short_ids, *wave] if tasks[t].get("attempt", 1) > 1]
+    for task_id, view in zip(again_ids, await _bounded([lambda t=t: admin.get_task(t) for t in again_ids], 4),
+                             strict=True):
+        for attempt in (view.get("attempts") or [])[:-1]:
+            cause = str(attempt.get("errorCode"))
+            figures.reruns[cause] = figures.reruns.get(cause, 0) + 1
+            if cause not in ("NODE_LOST", "MIGRATED"):
+                found.append(f"short task {task_id}: an attempt ended {cause} ({attempt.get('errorMessage')})")
     stopped = set(figures.stopped_lost) | set(figures.stopped_migrate)
     views = await _bounded([lambda t=t: admin.get_task(t) for t in long_ids], 4)
     items = await _bounded([lambda t=t: admin.get_items(t) for t in long_ids], 4)
