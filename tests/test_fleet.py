@@ -18,7 +18,6 @@ from ckagent.devmaster.errors import ConflictError
 from ckagent.devmaster.store import NODE_LIVE_SECONDS, Store
 from ckagent.master.fleet import NODE_UID_FILE, VersionWatch, load_node_uid
 from ckagent.master.protocol import FEATURES, PROTOCOL_VERSION, Heartbeat, RegisterRequest, VersionPolicy
-from ckagent.node.errors import StartupError
 from ckagent.node.intake import IntakeGate
 
 
@@ -58,9 +57,11 @@ def test_a_second_live_agent_with_the_same_name_is_refused_not_given_the_key(tmp
         store.close()
 
 
-async def test_two_agents_with_one_name_the_second_is_refused_with_a_clear_message(
+async def test_two_agents_with_one_name_the_second_waits_with_a_clear_message(
     dev_master, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """The second agent with the name is refused (409) and waits for the name (issue 39: no exit 1),
+    saying why; the first keeps its key: no ping-pong."""
     first = agent_settings(tmp_path / "one", dev_master.base_url, dev_master.registration_token, AGENT_NAME="twin")
     second = agent_settings(tmp_path / "two", dev_master.base_url, dev_master.registration_token, AGENT_NAME="twin")
     async with trio.open_nursery() as nursery, running_agent(nursery, first) as agent:
@@ -68,10 +69,19 @@ async def test_two_agents_with_one_name_the_second_is_refused_with_a_clear_messa
             return agent.heartbeat.last_success is not None
 
         await eventually(beating)
-        with trio.fail_after(30), pytest.raises(StartupError) as refused:
-            await Agent(second).run()
-        assert refused.value.exit_code == 1
-        assert "belongs to another live agent" in str(refused.value) and "AGENT_NAME" in str(refused.value)
+        waiting = Agent(second)
+        with trio.fail_after(30):
+            async with trio.open_nursery() as inner:
+                inner.start_soon(waiting.run)
+
+                async def says_why() -> str | None:
+                    return waiting.master.connectivity.problem
+
+                problem = await eventually(says_why)
+                waiting.drain()  # a stop while it waits: it ends, exit 0, nothing sent
+        assert "waiting for the name twin" in problem and "belongs to another live agent" in problem
+        assert "AGENT_NAME" in problem
+        assert not waiting.master.registered
         [node] = await dev_master.admin.list_nodes()
         assert node["name"] == "twin"
         assert agent.master.registered  # the first keeps its key: no ping-pong

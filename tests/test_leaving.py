@@ -1,7 +1,7 @@
 """A graceful stop releases the node's name (issue 36, item 4): the ``leaving`` call, the reference
 master's side of it, the agent's (once, bounded, never re-registering), and the row of the issue's
 table — a replacement with a new work dir and the same name registers at once after a graceful stop,
-and is still refused after a ``kill -9``."""
+and still waits for the name after a ``kill -9`` (no exit 1 since issue 39)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,6 @@ from ckagent.devmaster.store import NODE_LIVE_SECONDS, Store
 from ckagent.master.client import MasterClient, RegistrationRefused
 from ckagent.master.fleet import FINAL_BEAT_TIMEOUT, LEAVE_TIMEOUT
 from ckagent.master.protocol import Heartbeat, NodeLeaving, RegisterRequest
-from ckagent.node.errors import StartupError
 
 
 def _request(name: str, uid: str | None) -> RegisterRequest:
@@ -350,34 +349,51 @@ async def test_a_replacement_with_a_new_work_dir_registers_at_once_after_a_grace
 
 
 @pytest.mark.slow
-async def test_a_replacement_after_a_kill_is_still_refused(dev_master: Any, tmp_path: Path) -> None:
+async def test_a_replacement_after_a_kill_still_waits_for_the_name(dev_master: Any, tmp_path: Path) -> None:
     """A crashed agent (kill -9) said nothing: its name stays guarded, the replacement with a new work
-    dir is refused (409, exit 1) as before — two live agents must not share a name."""
+    dir is refused (409) — two live agents must not share a name — and waits for the name (issue 39: no
+    exit 1), saying so once; a stop ends the wait (exit 0)."""
     admin = dev_master.admin
     async with await _start_replacement(tmp_path, dev_master, "first") as first:
         await wait_registered(admin, first)
         await first.kill()
+    [before] = await admin.list_nodes()
     async with await _start_replacement(tmp_path, dev_master, "second") as second:
-        assert await wait_exit(second, 30) == 1
+        await eventually(lambda: _true("waiting for the name proc-node" in second.log_text()), 30,
+                         "the replacement waits for the name")
         assert "belongs to another live agent" in second.log_text()
+        assert second.process is not None and second.process.returncode is None
+        second.signal(signal.SIGTERM)
+        assert await wait_exit(second, 30) == 0
+        assert second.log_text().count("waiting for the name proc-node") == 1
     [node] = await admin.list_nodes()
-    assert node["leftAt"] is None
+    assert node["leftAt"] is None and node["registeredAt"] == before["registeredAt"]  # still the first's
 
 
-async def test_a_refused_replacement_starts_once_the_first_agent_drained_and_left(dev_master: Any, nursery: trio.Nursery,
+async def test_a_waiting_replacement_starts_once_the_first_agent_drained_and_left(dev_master: Any, nursery: trio.Nursery,
                                                                      tmp_path: Path) -> None:
-    """While the first agent runs, a second with another work dir is refused; once the first drained
-    and left, the same second agent starts."""
+    """While the first agent runs, a second with another work dir waits for the name; once the first
+    drained and left, the same second agent starts."""
     first = agent_settings(tmp_path / "one", dev_master.base_url, dev_master.registration_token, AGENT_NAME="twin")
     second = agent_settings(tmp_path / "two", dev_master.base_url, dev_master.registration_token, AGENT_NAME="twin")
     with trio.fail_after(60):
         async with running_agent(nursery, first) as agent:
             await eventually(lambda: _true(agent.heartbeat is not None and agent.heartbeat.last_success))
-            with pytest.raises(StartupError, match="another live agent"):
-                await Agent(second).run()
+            replacement = Agent(second)
+            ended = trio.Event()
+
+            async def run_replacement() -> None:
+                await replacement.run()
+                ended.set()
+
+            nursery.start_soon(run_replacement)
+            await eventually(lambda: _true(replacement.master.connectivity.problem), 20, "the second one waiting")
+            assert "another live agent" in str(replacement.master.connectivity.problem)
             agent.drain()
-        async with running_agent(nursery, second) as replacement:
-            assert replacement.master.registered
+        await replacement.started.wait()
+        assert replacement.master.registered
+        replacement.terminate()
+        await ended.wait()
 
 
 @pytest.mark.slow
@@ -398,8 +414,10 @@ async def test_a_hand_over_with_a_running_task_keeps_the_name_for_the_next_agent
         [node] = await admin.list_nodes()
         assert node["leftAt"] is None
         async with await _start_replacement(tmp_path, dev_master, "stranger") as stranger:
-            assert await wait_exit(stranger, 30) == 1
-            assert "belongs to another live agent" in stranger.log_text()
+            await eventually(lambda: _true("belongs to another live agent" in stranger.log_text()), 30,
+                             "the stranger waits for the name")
+            stranger.signal(signal.SIGTERM)
+            assert await wait_exit(stranger, 30) == 0
         await agent.start()  # the same work dir: the same nodeUid
         task = await admin.wait_task_final(task_id, 30)
         assert (task["status"], task["exitCode"]) == ("SUCCESS", 0), task

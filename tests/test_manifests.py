@@ -1,7 +1,12 @@
 """Service manifests in config/: validated with real checkers (they cannot be run here).
 
-- Kubernetes: ``kubernetes-validate --strict`` against the bundled 1.30 schemas (from the dev
-  extras, else fetched by ``uv tool run``), plus the cross-file facts a schema cannot see.
+- Kubernetes: every kustomization of config/k8s (the base and each overlay) rendered by a real
+  kustomize (tests/harness/kustomize.py), every built-in object validated strictly against the
+  Kubernetes API schemas of each version the docs name (kubernetes-validate, offline), every custom
+  resource (KEDA's ScaledObject and ScaledJob, the prometheus-operator's ServiceMonitor) against its
+  published CRD (tests/data/crds), and the ScaledJob's Job against the Kubernetes schemas too; then the
+  facts a schema cannot see: the pod (PID 1, hooks, probes, the config it reads, the Secret), what
+  each overlay changes, the NetworkPolicy. The timings: tests/test_manifests_timings.py.
 - systemd: ``systemd-analyze verify`` on the unit (paths pointed at a temp dir), no warnings allowed.
 - Dockerfile: parsed here (instructions and their JSON-form arguments) and checked against the
   Deployment and the agent's settings.
@@ -13,148 +18,258 @@
 from __future__ import annotations
 
 import configparser
+import hashlib
 import ipaddress
 import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from harness.kustomize import kustomize_binary, kustomize_build
+from harness.manifests import (
+    CRDS,
+    K8S,
+    KUBERNETES_VERSIONS,
+    VARIANTS,
+    by_kind,
+    config_text,
+    crd,
+    custom_errors,
+    pod_settings,
+    rendered,
+    schema_errors,
+    variant_dir,
+    workloads,
+)
 
-from ckagent.code.frameworks import REGISTRY, SCRAPY_STOP_GRACE
 from ckagent.node.config import load_settings
-from ckagent.node.configschema import SETTINGS
 from ckagent.node.egress_policy import DEFAULT_DENY, GROUPS, parse_text
-from ckagent.task.stop import stop_grace
 
 REPO = Path(__file__).resolve().parent.parent
-K8S = REPO / "config" / "k8s"
 UNIT = REPO / "config" / "ckagent.service"
 DOCKERFILE = REPO / "config" / "Dockerfile"
-KUBERNETES_VERSION = "1.30.0"
-KUBERNETES_VALIDATE = "kubernetes-validate==1.37.0"
-# what the agent may take to stop with default settings: drain_timeout + the longest stop grace (a Scrapy
-# crawl's graceful close, task.max_stop_grace) + flush_timeout
-DEFAULT_STOP_SECONDS = 60 + 180 + 10
+CONFIG_PATH = "/etc/ckagent/node/config.yaml"
+PYZ = ["python", "/opt/ckagent/ckagent.pyz"]
+SUPERVISE = [*PYZ, "supervise", "-c", CONFIG_PATH]
+# what each kustomization renders, by kind
+KINDS = {
+    "base": {"ConfigMap", "Secret", "Deployment", "PodDisruptionBudget", "NetworkPolicy", "Service"},
+    "statefulset": {"ConfigMap", "Secret", "StatefulSet", "PodDisruptionBudget", "NetworkPolicy", "Service"},
+    "keda": {"ConfigMap", "Secret", "Deployment", "PodDisruptionBudget", "NetworkPolicy", "Service", "ScaledObject"},
+    "keda-job": {"ConfigMap", "Secret", "ScaledJob", "NetworkPolicy", "Service"},
+    "net-admin": {"ConfigMap", "Secret", "Deployment", "PodDisruptionBudget", "NetworkPolicy", "Service"},
+    "privileged": {"ConfigMap", "Secret", "Deployment", "PodDisruptionBudget", "NetworkPolicy", "Service"},
+    "monitoring": {"ServiceMonitor"},
+}
+CUSTOM = {"ScaledObject", "ScaledJob", "ServiceMonitor"}
 
 
-def _documents() -> dict[str, dict[str, Any]]:
-    docs: dict[str, dict[str, Any]] = {}
-    for path in sorted(K8S.glob("*.yaml")):
-        for doc in yaml.safe_load_all(path.read_text()):
-            if doc:
-                docs[doc["kind"]] = doc
-    return docs
+def test_every_kustomization_is_listed_and_renders_what_it_says() -> None:
+    on_disk = {"base"} | {p.parent.name for p in (K8S / "overlays").glob("*/kustomization.yaml")}
+    assert on_disk == set(VARIANTS) == set(KINDS)
+    assert not list(K8S.glob("*.yaml")), "the manifests live in base/ and overlays/"
+    for variant in VARIANTS:
+        objects = rendered(variant)
+        assert {o["kind"] for o in objects} == KINDS[variant], variant
+        assert len(objects) == len(KINDS[variant]), variant
+        for obj in objects:
+            assert "namespace" not in obj["metadata"], "the user's namespace, not ours"
+            assert obj["metadata"]["labels"]["app.kubernetes.io/name"] == "ckagent"
 
 
-def _stop_bound(config: dict[str, Any]) -> float:
-    task = config.get("task", {})
-    defaults = {s.key: s.default for s in SETTINGS if s.section == "task"}
-    grace = max(float(task.get(k, defaults[k])) for k in ("kill_grace", "max_stop_grace"))
-    return float(task.get("drain_timeout", defaults["drain_timeout"])) + grace + float(
-        task.get("flush_timeout", defaults["flush_timeout"]))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_object_passes_the_kubernetes_schemas_of_each_version(variant: str) -> None:
+    """Built-in kinds against the strict schemas of every version documented (an unknown or misplaced
+    field fails); the ScaledJob's jobTargetRef is a batch/v1 JobSpec, checked as a Job the same way."""
+    errors = []
+    for obj in rendered(variant):
+        if obj["kind"] in CUSTOM:
+            if obj["kind"] != "ScaledJob":
+                continue
+            obj = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": obj["metadata"]["name"]},
+                   "spec": obj["spec"]["jobTargetRef"]}
+        for version in KUBERNETES_VERSIONS:
+            error = schema_errors(obj, version)
+            if error:
+                errors.append(error)
+    assert not errors, "\n".join(errors)
 
 
-def test_termination_grace_follows_the_longest_stop_grace(tmp_path: Path) -> None:
-    """The pod's terminationGracePeriodSeconds covers a drain, the longest stop grace a task may get —
-    every framework's default (Scrapy's graceful close of a polite crawl) is within task.max_stop_grace —
-    and the flush, with the ConfigMap's settings as the agent loads them and with the defaults."""
-    docs = _documents()
-    pod = docs["Deployment"]["spec"]["template"]["spec"]
-    config_text = docs["ConfigMap"]["data"]["config.yaml"]
-    (tmp_path / "config.yaml").write_text(config_text)
-    loaded = load_settings(tmp_path / "config.yaml", env={}, require_token=False).task
-    defaults = load_settings(None, env={}, require_token=False).task
-    longest_default = max(f.stop_grace or 0.0 for f in REGISTRY.values())
-    assert longest_default == SCRAPY_STOP_GRACE <= defaults.max_stop_grace <= loaded.max_stop_grace
-    for s in (loaded, defaults):
-        longest = max(s.kill_grace, s.max_stop_grace)
-        assert stop_grace("scrapy", None, s.kill_grace, s.max_stop_grace)[0] <= longest
-        assert stop_grace("scrapy", 10_000.0, s.kill_grace, s.max_stop_grace)[0] <= longest
-        assert pod["terminationGracePeriodSeconds"] > s.drain_timeout + longest + s.flush_timeout
-    assert pod["terminationGracePeriodSeconds"] > DEFAULT_STOP_SECONDS
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if KINDS[v] & CUSTOM])
+def test_custom_resources_pass_their_published_crds(variant: str) -> None:
+    errors = [e for obj in rendered(variant) if obj["kind"] in CUSTOM for e in custom_errors(obj)]
+    assert not errors, "\n".join(errors)
 
 
-def test_prestop_migrates_within_the_grace_and_kubernetes_default(tmp_path: Path) -> None:
-    """preStop runs `ckagent stop --migrate` with the agent's own config (it finds the agent by that
-    config's work dir); the migrate's bound (migrate_timeout + flush_timeout + the stop command's 10 s
-    margin) fits terminationGracePeriodSeconds, and with the ConfigMap's and the default settings the
-    agent's own bound fits Kubernetes' default 30 s grace."""
-    from ckagent.cli.stopagent import MARGIN
-
-    docs = _documents()
-    pod = docs["Deployment"]["spec"]["template"]["spec"]
-    (container,) = pod["containers"]
-    command = container["lifecycle"]["preStop"]["exec"]["command"]
-    assert command[:2] == container["args"][:2] and command[2:4] == ["stop", "--migrate"]
-    assert command[4:] == container["args"][3:], "the hook names the config the agent runs with"
-    (tmp_path / "config.yaml").write_text(docs["ConfigMap"]["data"]["config.yaml"])
-    loaded = load_settings(tmp_path / "config.yaml", env={}, require_token=False).task
-    defaults = load_settings(None, env={}, require_token=False).task
-    for s in (loaded, defaults):
-        assert s.migrate_timeout + s.flush_timeout <= 30  # Kubernetes' default terminationGracePeriodSeconds
-        assert pod["terminationGracePeriodSeconds"] > s.migrate_timeout + s.flush_timeout + MARGIN
+def test_the_checkers_refuse_an_unknown_field() -> None:
+    """The validation is strict: a misspelt field fails, in a built-in kind and in a custom resource."""
+    deployment = by_kind(rendered("base"))["Deployment"]
+    deployment["spec"]["template"]["spec"]["terminationGracePeriod"] = 30
+    assert schema_errors(deployment, KUBERNETES_VERSIONS[0]) is not None
+    scaled = by_kind(rendered("keda"))["ScaledObject"]
+    scaled["spec"]["cooldownPeriods"] = 300
+    assert any("cooldownPeriods" in e for e in custom_errors(scaled))
+    job = by_kind(rendered("keda-job"))["ScaledJob"]
+    job["spec"]["jobTargetRef"]["template"]["spec"]["containers"][0]["livenesProbe"] = {}
+    assert custom_errors(job)
+    monitor = by_kind(rendered("monitoring"))["ServiceMonitor"]
+    monitor["spec"]["endpoints"][0]["intervall"] = "30s"
+    assert custom_errors(monitor)
 
 
-def test_kubernetes_manifests_pass_the_schema_checker() -> None:
-    try:
-        import kubernetes_validate  # noqa: F401
+def test_the_crds_are_the_published_files_named_in_their_readme() -> None:
+    readme = (CRDS / "README.md").read_text()
+    rows = re.findall(r"^\| `([^`]+)` \|.*\| `([0-9a-f]{40})`.*\| `([0-9a-f]{64})` \|$", readme, re.M)
+    assert {name for name, _, _ in rows} == {p.name for p in CRDS.iterdir() if p.name.endswith((".yaml", ".gz"))}
+    for name, _, digest in rows:
+        data = (CRDS / name).read_bytes()
+        if name.endswith(".gz"):
+            import gzip
 
-        command = [sys.executable, "-m", "kubernetes_validate"]
-    except ImportError:
-        command = [str(Path(sys.executable).parent / "uv"), "tool", "run", "--quiet", "--from", KUBERNETES_VALIDATE,
-                   "kubernetes-validate"]
-    files = sorted(str(p) for p in K8S.glob("*.yaml"))
-    assert len(files) == 4
-    result = subprocess.run([*command, "--strict", "-k", KUBERNETES_VERSION, *files], capture_output=True,
-                            text=True, timeout=300, check=False)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("passed") == 4, result.stdout
+            data = gzip.decompress(data)
+        assert hashlib.sha256(data).hexdigest() == digest, name
+    assert (CRDS / "LICENSE.keda").read_text().lstrip().startswith("Apache License")
+    assert (CRDS / "LICENSE.prometheus-operator").read_text().startswith("Apache License")
+    for api_version, kind in [("keda.sh/v1alpha1", "ScaledObject"), ("keda.sh/v1alpha1", "ScaledJob"),
+                              ("monitoring.coreos.com/v1", "ServiceMonitor")]:
+        assert crd(api_version, kind)["spec"]["names"]["kind"] == kind
 
 
-def test_deployment_drains_probes_the_status_port_and_takes_secrets_and_cpu_from_the_cluster(
-    tmp_path: Path,
-) -> None:
-    docs = _documents()
-    deployment, secret, configmap = docs["Deployment"], docs["Secret"], docs["ConfigMap"]
-    pod = deployment["spec"]["template"]["spec"]
-    (container,) = pod["containers"]
-    config_text = configmap["data"]["config.yaml"]
-    config = yaml.safe_load(config_text)
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "monitoring"])
+def test_monitoring_is_an_addon_that_composes_with_every_variant(variant: str, tmp_path: Path) -> None:
+    """overlays/monitoring holds only the ServiceMonitor: a kustomization listing a variant and it
+    builds (kustomize refuses the same object twice), and it scrapes the variant's status Service."""
+    rendered(variant)  # skips when there is no kustomize
+    shutil.copytree(K8S, tmp_path / "k8s")
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({"resources": [
+        f"k8s/{variant_dir(variant).relative_to(K8S).as_posix()}", "k8s/overlays/monitoring"]}))
+    objects = by_kind(kustomize_build(tmp_path, kustomize_binary()))
+    monitor, service = objects["ServiceMonitor"], objects["Service"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert endpoint["path"] == "/metrics"
+    assert service["spec"]["publishNotReadyAddresses"] is True, "a migrating pod is still scraped"
+    for workload in workloads(list(objects.values())):
+        assert service["spec"]["selector"].items() <= workload.labels.items()
+        (port,) = [p for p in workload.container["ports"] if p["name"] == endpoint["port"]]
+        settings = pod_settings(list(objects.values()), workload, tmp_path)
+        assert port["containerPort"] == settings.agent.port
 
-    # the config in the ConfigMap is valid for the agent (token comes from the Secret at run time)
-    (tmp_path / "config.yaml").write_text(config_text)
-    settings = load_settings(tmp_path / "config.yaml", env={}, require_token=False)
-    assert settings.agent.port == 9000
 
-    assert pod["terminationGracePeriodSeconds"] > _stop_bound(config) >= DEFAULT_STOP_SECONDS
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "monitoring"])
+def test_every_pod_runs_the_supervisor_migrates_on_stop_and_probes_both_ports(variant: str, tmp_path: Path) -> None:
+    objects = rendered(variant)
+    kinds = by_kind(objects)
+    (workload,) = workloads(objects)
+    container = workload.container
+    # PID 1 is the supervisor; the config it names is the ConfigMap's, mounted there
+    assert container["command"] == SUPERVISE
+    assert "args" not in container or container["args"][0] == "--", "the agent's own flags follow `--`"
+    settings = pod_settings(objects, workload, tmp_path)
+    assert settings.agent.port == 9000 and str(settings.agent.bind) == "0.0.0.0", "the kubelet probes the pod IP"
+    assert yaml.safe_load(config_text(objects, workload))["agent"]["sigterm"] == "migrate"
+    # preStop: the migrate, with the config the agent runs with (it finds the agent by its work dir)
+    assert container["lifecycle"]["preStop"]["exec"]["command"] == [*PYZ, "stop", "--migrate", "-c", CONFIG_PATH]
+    # liveness asks the supervisor (agent.port + 1), readiness the agent
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"status": settings.agent.port, "supervisor": settings.agent.port + 1}
+    assert "AGENT_LIVE_PORT" not in {e["name"] for e in container["env"]}, "the supervisor's default port"
+    assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "supervisor"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "status"}
+    assert "startupProbe" not in container
+    # the token from the Secret, never a value
     env = {e["name"]: e for e in container["env"]}
     ref = env["AGENT_REGISTRATION_TOKEN"]["valueFrom"]["secretKeyRef"]
-    assert ref["name"] == secret["metadata"]["name"] and ref["key"] in secret["stringData"]
+    assert ref["name"] == kinds["Secret"]["metadata"]["name"] and ref["key"] in kinds["Secret"]["stringData"]
     assert "value" not in env["AGENT_REGISTRATION_TOKEN"]
+    assert env["AGENT_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    # the CPU limit from the downward API, parsed by the agent as that many cores
     cpu = env["CPU_LIMIT_MILLICORES"]["valueFrom"]["resourceFieldRef"]
     assert cpu == {"containerName": container["name"], "resource": "limits.cpu", "divisor": "1m"}
     names = list(env)
     assert names.index("CPU_LIMIT_MILLICORES") < names.index("CONTAINER_CPU_LIMIT"), "$(VAR) needs the earlier var"
     assert env["CONTAINER_CPU_LIMIT"]["value"] == "$(CPU_LIMIT_MILLICORES)m"
-    # what the agent will receive for the limit in the manifest parses as that many cores
     millicores = int(float(container["resources"]["limits"]["cpu"]) * 1000)
     limit = load_settings(None, env={"CONTAINER_CPU_LIMIT": f"{millicores}m"}, require_token=False)
     assert limit.agent.container_cpu_limit_cores == millicores / 1000
-
-    (port,) = container["ports"]
-    assert port["containerPort"] == settings.agent.port
-    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": port["name"]}
-    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": port["name"]}
-    assert config["agent"]["bind"] == "0.0.0.0", "probes come from the kubelet, not from localhost"
+    # writable work dir, HOME and /tmp on a read-only root
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     assert mounts[str(settings.task.work_dir)] == "data"
-    assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert {"/tmp", "/var/lib/ckagent"} <= set(mounts), "HOME and /tmp stay writable for uv and spiders"
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert workload.pod["automountServiceAccountToken"] is False and workload.pod["enableServiceLinks"] is False
+
+
+def _base_pod() -> dict[str, Any]:
+    return dict(by_kind(rendered("base"))["Deployment"]["spec"]["template"])
+
+
+def test_the_statefulset_pod_is_the_deployments_but_for_its_name_and_volume() -> None:
+    kinds = by_kind(rendered("statefulset"))
+    sts, service = kinds["StatefulSet"], kinds["Service"]
+    template, base = sts["spec"]["template"], _base_pod()
+    (container,) = template["spec"]["containers"]
+    (base_container,) = base["spec"]["containers"]
+    env = container.pop("env")
+    assert env == [{"name": "AGENT_NAME_EXCLUSIVE", "value": "true"}, *base_container.pop("env")]
+    assert container == base_container
+    assert template["spec"].pop("securityContext") == {**base["spec"].pop("securityContext"),
+                                                       "fsGroupChangePolicy": "OnRootMismatch"}
+    volumes = template["spec"].pop("volumes")
+    assert volumes == [v for v in base["spec"].pop("volumes") if v["name"] != "data"]
+    assert template == base
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "data" and claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert sts["spec"]["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Retain", "whenScaled": "Retain"}
+    assert sts["spec"]["serviceName"] == service["metadata"]["name"] and service["spec"]["clusterIP"] == "None"
+    assert sts["spec"]["podManagementPolicy"] == "Parallel"
+
+
+def test_the_job_pod_is_the_deployments_running_one_task() -> None:
+    job = by_kind(rendered("keda-job"))["ScaledJob"]
+    target, base = job["spec"]["jobTargetRef"], _base_pod()
+    template = target["template"]
+    (container,) = template["spec"]["containers"]
+    assert container.pop("args") == ["--", "--max-tasks", "1", "--exit-when-idle", "60"]
+    assert template["spec"].pop("restartPolicy") == "Never", "the supervisor restarts the agent, not the kubelet"
+    assert template == base
+    assert target["backoffLimit"] == 0 and target["parallelism"] == target["completions"] == 1
+    trigger = job["spec"]["triggers"][0]
+    assert trigger["metadata"]["threshold"] == "1", "one Job per pending task"
+    assert job["spec"]["scalingStrategy"] == {"strategy": "accurate", "pendingPodConditions": ["Ready"]}
+
+
+def test_net_admin_and_privileged_change_only_who_the_pod_is() -> None:
+    base = _base_pod()
+    for variant in ("net-admin", "privileged"):
+        pod = by_kind(rendered(variant))["Deployment"]["spec"]["template"]
+        context = pod["spec"].pop("securityContext")
+        assert context["runAsUser"] == 0 and context["runAsNonRoot"] is False, "capabilities are root's only"
+        container = pod["spec"]["containers"][0]
+        security = container.pop("securityContext")
+        base_container = {k: v for k, v in base["spec"]["containers"][0].items() if k != "securityContext"}
+        assert container == base_container
+        assert {k: v for k, v in pod["spec"].items() if k != "containers"} == {
+            k: v for k, v in base["spec"].items() if k not in ("containers", "securityContext")}
+        assert security["readOnlyRootFilesystem"] is True
+        if variant == "net-admin":
+            assert "NET_ADMIN" in security["capabilities"]["add"] and security["capabilities"]["drop"] == ["ALL"]
+            assert security["allowPrivilegeEscalation"] is False and "privileged" not in security
+        else:
+            assert security == {"privileged": True, "readOnlyRootFilesystem": True}
+
+
+def test_the_configmap_passes_the_agents_loader(tmp_path: Path) -> None:
+    objects = rendered("base")
+    (workload,) = workloads(objects)
+    settings = pod_settings(objects, workload, tmp_path)
+    assert str(settings.task.work_dir) == "/var/lib/ckagent/data"
+    assert settings.agent.labels == {"pool": "k8s"}
 
 
 def _network_policy_allows(policy: dict[str, Any], address: str, port: int, protocol: str = "TCP") -> bool:
@@ -177,12 +292,11 @@ def _network_policy_allows(policy: dict[str, Any], address: str, port: int, prot
 
 
 def test_network_policy_denies_what_the_default_egress_policy_denies() -> None:
-    docs = _documents()
-    policy, deployment = docs["NetworkPolicy"], docs["Deployment"]
+    policy = by_kind(rendered("base"))["NetworkPolicy"]
     assert policy["apiVersion"] == "networking.k8s.io/v1"
-    assert policy["metadata"]["namespace"] == deployment["metadata"]["namespace"]
-    labels = deployment["spec"]["template"]["metadata"]["labels"]
-    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    for variant in VARIANTS:
+        for workload in workloads(rendered(variant)):
+            assert policy["spec"]["podSelector"]["matchLabels"].items() <= workload.labels.items(), variant
     assert policy["spec"]["policyTypes"] == ["Egress"], "egress only: the agent's port keeps its probes"
 
     # The denied networks are the default policy's groups, entry by entry (the `agent` group is a port:
@@ -196,7 +310,7 @@ def test_network_policy_denies_what_the_default_egress_policy_denies() -> None:
     for block in blocks:
         for entry in block["except"]:
             assert ipaddress.ip_network(entry).subnet_of(ipaddress.ip_network(block["cidr"]))
-    text = (K8S / "networkpolicy.yaml").read_text()
+    text = (K8S / "base" / "networkpolicy.yaml").read_text()
     assert "Not expressible here: the `agent` group" in text
 
     # What the cluster then lets through is what the agent's policy lets through, DNS included.
@@ -229,7 +343,7 @@ def _dockerfile() -> list[tuple[str, str]]:
     return instructions
 
 
-def test_dockerfile_runs_the_pyz_under_tini_as_the_deployments_user() -> None:
+def test_dockerfile_builds_the_pyz_and_runs_it_as_the_deployments_user() -> None:
     instructions = _dockerfile()
     known = {"FROM", "RUN", "COPY", "ENV", "USER", "WORKDIR", "VOLUME", "EXPOSE", "STOPSIGNAL", "HEALTHCHECK",
              "ENTRYPOINT", "CMD", "ARG", "LABEL"}
@@ -237,21 +351,26 @@ def test_dockerfile_runs_the_pyz_under_tini_as_the_deployments_user() -> None:
     froms = [args for keyword, args in instructions if keyword == "FROM"]
     assert len(froms) == 2 and froms[0].endswith(" AS build")
     last = {keyword: args for keyword, args in instructions}
-    assert json.loads(last["ENTRYPOINT"]) == ["/usr/bin/tini", "--"]
-    assert "tini" in next(a for k, a in instructions if k == "RUN" and "apt-get install" in a)
-    cmd = json.loads(last["CMD"])
-    deployment = _documents()["Deployment"]
+    deployment = by_kind(rendered("base"))["Deployment"]
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    assert cmd == container["args"]
-    assert any(k == "COPY" and a.startswith("--from=build /out/ckagent.pyz ") for k, a in instructions)
+    # The image runs the same pyz with the same config file as the pod's command (the pod writes its
+    # command out: it does not depend on the image's ENTRYPOINT).
+    image_command = json.loads(last["ENTRYPOINT"]) + json.loads(last.get("CMD", "[]"))
+    pyz = container["command"][1]
+    assert pyz in image_command and image_command[image_command.index(pyz) - 1] == container["command"][0]
+    assert image_command[image_command.index("-c") + 1] == CONFIG_PATH
+    assert any(k == "COPY" and a.startswith("--from=build /out/ckagent.pyz ") and a.endswith(pyz)
+               for k, a in instructions)
     assert any(k == "RUN" and "build/build_pyz.py" in a for k, a in instructions)
+    assert any(k == "COPY" and a.split()[-1] == CONFIG_PATH for k, a in instructions), "the image's own config"
     assert last["STOPSIGNAL"] == "SIGTERM"
     user = deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"]
     assert last["USER"] == f"{user}:{user}"
     env = dict(re.findall(r"(\w+)=(\S+)", " ".join(a for k, a in instructions if k == "ENV")))
     assert env["AGENT_BIND"] == "0.0.0.0" and env["SHIV_ROOT"].startswith("/opt/")
-    assert f"127.0.0.1:{env['AGENT_PORT']}/healthz" in last["HEALTHCHECK"]
-    assert last["EXPOSE"] == env["AGENT_PORT"]
+    assert f"127.0.0.1:{env['AGENT_PORT']}/healthz" in last["HEALTHCHECK"] or "/livez" in last["HEALTHCHECK"]
+    ports = {p["containerPort"] for p in container["ports"]}
+    assert int(env["AGENT_PORT"]) in ports and set(map(int, last["EXPOSE"].split())) <= ports
     # the extraction is made at build time (warm start, read-only root filesystem)
     assert any(k == "RUN" and "ckagent.pyz version" in a for k, a in instructions)
     for path in re.findall(r"^COPY (?!--from)(\S+)", DOCKERFILE.read_text(), re.M):
@@ -264,7 +383,7 @@ def test_systemd_unit_verifies_and_leaves_time_to_drain(tmp_path: Path) -> None:
     parser.read(UNIT)
     service = parser["Service"]
     assert service["KillMode"] == "process" and service["KillSignal"] == "SIGTERM"
-    assert float(service["TimeoutStopSec"]) > DEFAULT_STOP_SECONDS
+    assert float(service["TimeoutStopSec"]) > 60 + 180 + 10  # drain + the longest stop grace + flush
     assert service["ExecStart"].startswith("/opt/ckagent/run.sh start ")
     assert "--daemon" not in service["ExecStart"], "systemd supervises a foreground process"
     analyze = shutil.which("systemd-analyze")
@@ -278,3 +397,37 @@ def test_systemd_unit_verifies_and_leaves_time_to_drain(tmp_path: Path) -> None:
     result = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0 and result.stderr.strip() == "" and result.stdout.strip() == "", (
         result.stdout + result.stderr)
+
+
+def test_the_docs_name_the_versions_and_overlays_validated() -> None:
+    """docs/deploy.md's Kubernetes section names every Kubernetes version the objects are validated for,
+    the kustomize release, and every kustomization."""
+    from harness.kustomize import KUSTOMIZE_VERSION
+
+    text = (REPO / "docs" / "deploy.md").read_text()
+    section = text[text.index("## Kubernetes"):text.index("## Packages and releases")]
+    validated = section[section.index("### What is validated"):]
+    minors = [v.rsplit(".", 1)[0] for v in KUBERNETES_VERSIONS]
+    assert f"**{', '.join(minors[:-1])} and {minors[-1]}**" in " ".join(validated.split())
+    assert f"kustomize {KUSTOMIZE_VERSION}" in validated
+    for variant in VARIANTS:
+        assert f"| `{variant if variant == 'base' else 'overlays/' + variant}` |" in section
+
+
+def test_the_prestop_command_runs_with_the_pods_config(tmp_path: Path) -> None:
+    """The hook as written (the pyz's `stop --migrate -c CONFIG`; here the checkout's module) parses and
+    reads the ConfigMap's config: with no agent on its work dir it says so and exits 3 at once."""
+    import sys
+
+    objects = rendered("base")
+    (workload,) = workloads(objects)
+    hook = workload.container["lifecycle"]["preStop"]["exec"]["command"]
+    assert hook[:2] == PYZ
+    config = yaml.safe_load(config_text(objects, workload))
+    config["task"]["work_dir"] = str(tmp_path / "data")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    argv = [sys.executable, "-m", "ckagent", *hook[2:-1], str(tmp_path / "config.yaml")]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False,
+                            env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert f"no agent runs on {tmp_path / 'data'}" in result.stderr

@@ -87,6 +87,8 @@ class Outbox:
         self._store_full = False  # the last flush of positions met a full disk (logged once)
         self._looked = Broadcast()  # after each look of the disk loop
         self.deliveries: dict[str, TaskDelivery] = {}
+        self.idle_since: float | None = None
+        """``time.monotonic()`` when the last open delivery ended (None: none has ended yet)."""
         self._counter = SpoolCounter(store.sync)
         self.stats_observer: Callable[[str, str, dict[str, Any], bool], None] | None = None
         """Called with (task id, spider name, stats, final) for every newer stats snapshot (metrics)."""
@@ -313,6 +315,7 @@ class Outbox:
             self.deliveries.pop(delivery.task_id, None)
             self._delivered.set()
             if not self.deliveries:
+                self.idle_since = time.monotonic()
                 self._idle.set()
                 self._busy = trio.Event()
 

@@ -23,7 +23,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.typing import ASGIFramework
 
 from ckagent.devmaster.app import Notifier, create_app
-from ckagent.devmaster.store import Store
+from ckagent.devmaster.store import NODE_LIVE_SECONDS, Store
 from ckagent.devmaster.sweeper import NODE_LOST_AFTER_SECONDS, sweep
 
 __all__ = ["DevMasterConfig", "main", "serve", "serve_forever"]
@@ -59,6 +59,9 @@ class DevMasterConfig:
     node_lost_after: float = NODE_LOST_AFTER_SECONDS
     """Seconds without a heartbeat after which a node's RUNNING tasks end their attempt NODE_LOST and get a
     new one (default 600: the protocol's restart grace; ckagent.devmaster.sweeper)."""
+    node_live_after: float = NODE_LIVE_SECONDS
+    """Seconds after its last heartbeat a node that did not leave still holds its name against another
+    ``nodeUid`` (default 90; registration answers 409 meanwhile, docs/protocol.md "Register"); tests shorten it."""
 
     def __repr__(self) -> str:  # tokens are secrets
         return (
@@ -95,6 +98,7 @@ async def serve(
     """
     store = await trio.to_thread.run_sync(Store, config.db_path)
     store.discard_logs = config.discard_logs
+    store.node_live_seconds = config.node_live_after
     try:
         notifier = Notifier()
         app = create_app(
@@ -154,6 +158,7 @@ def serve_forever(
     public_url: str | None = None,
     discard_logs: bool = False,
     node_lost_after: float = NODE_LOST_AFTER_SECONDS,
+    node_live_after: float = NODE_LIVE_SECONDS,
 ) -> None:
     """Run the dev master in the foreground until SIGINT or SIGTERM, then return normally (exit 0).
 
@@ -169,6 +174,7 @@ def serve_forever(
         public_url=public_url,
         discard_logs=discard_logs,
         node_lost_after=node_lost_after,
+        node_live_after=node_live_after,
     )
 
     async def main_task() -> None:
@@ -216,9 +222,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node-lost-after", type=float, default=NODE_LOST_AFTER_SECONDS, metavar="SECONDS",
                         help="a node silent this long loses its running tasks to new attempts (default 600:"
                              " the protocol's restart grace)")
+    parser.add_argument("--node-live-after", type=float, default=NODE_LIVE_SECONDS, metavar="SECONDS",
+                        help="a node that did not leave holds its name against another nodeUid this long after its"
+                             " last heartbeat (default 90)")
     args = parser.parse_args(argv)
-    if not args.node_lost_after > 0:
-        parser.error("--node-lost-after: expected a number of seconds > 0")
+    for flag, value in (("--node-lost-after", args.node_lost_after), ("--node-live-after", args.node_live_after)):
+        if not value > 0:
+            parser.error(f"{flag}: expected a number of seconds > 0")
     if not args.registration_token or not args.admin_token:
         parser.error(
             "needs --registration-token/DEVMASTER_REGISTRATION_TOKEN and --admin-token/DEVMASTER_ADMIN_TOKEN"
@@ -233,5 +243,6 @@ def main(argv: list[str] | None = None) -> int:
         public_url=args.public_url,
         discard_logs=args.discard_logs,
         node_lost_after=args.node_lost_after,
+        node_live_after=args.node_live_after,
     )
     return 0

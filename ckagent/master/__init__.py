@@ -4,7 +4,8 @@
 - :mod:`.endpoints` — the one table of the master's endpoints and a typed method per call (to add
   an endpoint, start here); :mod:`.checkpointcalls` — the checkpoint calls (chunks, manifests);
 - :mod:`.client` — ``MasterClient``: the connection, auth, retries; :mod:`.wire` builds and sends
-  a call's request, :mod:`.answers` classifies what came back into the exception tree of :mod:`.errors`;
+  a call's request, :mod:`.answers` classifies what came back into the exception tree of :mod:`.errors`
+  (:mod:`.registration` a registration's answer: a 409 — the name held — is waited out);
 - :mod:`.ids` — ids from the master as data: what is accepted, how each becomes a name or a URL;
 - :mod:`.connectivity`, :mod:`.masterclock` — the master's health and clock as the agent sees them;
 - :mod:`.heartbeat` — the node's health and running set, every ``heartbeat.interval`` seconds;

@@ -6,7 +6,8 @@ the endpoint table (:mod:`ckagent.master.endpoints`, whose typed methods — ``h
 :mod:`ckagent.master.errors` (translated with ``raise … from exc``): transport error, timeout, 429,
 5xx → MasterUnavailable; a body that is not the protocol's answer for that call (the endpoint's
 reader refuses it) → MasterProtocolError; 409 → MasterConflict; another 4xx → MasterRejected; a
-refused registration → RegistrationRefused.
+registration's answers are classified by :mod:`ckagent.master.registration` (409: NameHeld, retried;
+another 4xx: RegistrationRefused).
 
 Nothing else leaves this module for an answer of the network: ``httpx`` errors, ``JSONDecodeError``
 and ProtocolError are all translated. Retrying is the caller's choice: ``retry=Retry(...)``
@@ -46,7 +47,7 @@ import httpx
 import stamina
 import trio
 
-from ckagent.master.answers import Answers, sent_at
+from ckagent.master.answers import Answers
 from ckagent.master.checkpointcalls import CheckpointCalls
 from ckagent.master.connectivity import Answered, Connectivity, Trouble
 from ckagent.master.endpoints import (
@@ -65,10 +66,10 @@ from ckagent.master.errors import (
     MasterProtocolError,
     MasterRejected,
     MasterUnavailable,
+    NameHeld,
     RegistrationRefused,
     RequestObserver,
     error_text,
-    in_protocol_words,
     json_or_none,
     parse_retry_after,
     redact,
@@ -76,11 +77,12 @@ from ckagent.master.errors import (
 )
 from ckagent.master.masterclock import MasterClock
 from ckagent.master.protocol import NodeLeaving, RegisterRequest, RegisterResponse
+from ckagent.master.registration import REGISTER_WAIT_MAX, registration_answer
 from ckagent.master.wire import SENT_ONCE_BYTES, URL_CACHE_SIZE, Wire
 
 __all__ = [
     "RETRY_AFTER_MAX", "SENT_ONCE_BYTES", "Answered", "Connectivity", "MasterClient", "MasterConflict", "MasterError",
-    "MasterProtocolError", "MasterRejected", "MasterUnavailable", "RegistrationRefused", "RequestObserver", "Retry",
+    "MasterProtocolError", "MasterRejected", "MasterUnavailable", "NameHeld", "RegistrationRefused", "RequestObserver", "Retry",
     "Trouble", "json_object", "parse_retry_after", "retry_wait",
 ]
 
@@ -186,10 +188,11 @@ class MasterClient(CheckpointCalls):
     async def register(self) -> RegisterResponse:
         """Register until the master answers; returns the node id and key (also kept here).
 
-        Transport errors, 401 (token not accepted, or not yet), 429, 5xx and an answer that is not
-        the protocol's (MasterProtocolError) are retried forever with backoff, each kind logged once
-        (see :class:`Connectivity`); any other 4xx raises RegistrationRefused with the master's reason. Cancellation
-        stops the retries.
+        Transport errors, 401 (token not accepted, or not yet), 409 (another live agent holds the name:
+        NameHeld), 429, 5xx and an answer that is not the protocol's (MasterProtocolError) are retried
+        forever with backoff (at most REGISTER_WAIT_MAX seconds apart), each kind logged once (see
+        :class:`Connectivity` and :mod:`ckagent.master.registration`); any other 4xx raises
+        RegistrationRefused with the master's reason. Cancellation stops the retries.
         """
         generation = self._key_generation
         if self._left:
@@ -198,7 +201,8 @@ class MasterClient(CheckpointCalls):
             if self._key_generation != generation and self.registered:
                 return RegisterResponse(node_id=self.node_id or "", api_key=self._api_key or "")
             async for attempt in stamina.retry_context(
-                on=retry_wait, attempts=None, timeout=None, wait_initial=0.5, wait_max=self.max_backoff_interval
+                on=retry_wait, attempts=None, timeout=None, wait_initial=0.5,
+                wait_max=min(self.max_backoff_interval, REGISTER_WAIT_MAX),
             ):
                 with attempt:
                     answer = await self._register_once()
@@ -212,27 +216,10 @@ class MasterClient(CheckpointCalls):
             return answer
 
     async def _register_once(self) -> RegisterResponse:
-        body = self._register_body().to_json()
-        response = await self._send(REGISTER.name, REGISTER.method, REGISTER.template, json=body,
+        request = self._register_body()
+        response = await self._send(REGISTER.name, REGISTER.method, REGISTER.template, json=request.to_json(),
                                     headers={"X-Registration-Token": self._token})
-        status = response.status_code
-        if status == 401:
-            self._answers.observe("register", "401", response)
-            self._answers.trouble("unauthorized", "register", ("unauthorized",), sent_at(response),
-                          "registration refused: 401, check AGENT_REGISTRATION_TOKEN (the master does not "
-                          "accept this node's registration token)")
-            raise MasterUnavailable("register: registration token not accepted (401)")
-        if 400 <= status < 500 and status != 429:
-            if not in_protocol_words(json_or_none(response)):
-                self._answers.not_protocol("register", response, 'an error without the protocol\'s {"error": …} body')
-            self._answers.observe("register", str(status), response)
-            reason = redact(error_text(response), self._secrets())
-            self.connectivity.succeeded("register", sent_at(response))
-            raise RegistrationRefused(
-                f"the master refused registration with {status}: {reason}; "
-                "check server.url and the agent section of the config"
-            )
-        return self._answers.answer("register", response, RegisterResponse.from_json)
+        return registration_answer(self._answers, response, request.name)
 
     async def leave(self, leaving: NodeLeaving) -> LeaveOutcome:
         """``POST /api/nodes/{node}/leaving`` once: this agent stops on purpose and leaves no task running,

@@ -72,8 +72,8 @@ class Answered:
 @dataclass(frozen=True)
 class Trouble:
     """One failed call, classified: ``kind`` is unreachable (transport error, timeout), unavailable
-    (429/5xx), protocol (a 2xx that is not the protocol), unauthorized (registration 401) or
-    rejected (other 4xx). ``text`` is the one-line cause; ``key`` identifies its episode."""
+    (429/5xx), protocol (a 2xx that is not the protocol), unauthorized (registration 401), name
+    (registration 409: another live agent holds the node's name) or rejected (other 4xx). ``text`` is the one-line cause; ``key`` identifies its episode."""
 
     kind: str
     endpoint: str
@@ -256,5 +256,7 @@ class Connectivity:
             log.info("master answers %s in the node protocol again %s", t.endpoint, attempts)
         elif t.kind == "unauthorized":
             log.info("registration token accepted %s", attempts)
+        elif t.kind == "name":
+            log.info("the node's name is this agent's now: registered %s", attempts)
         else:
             log.info("master accepts %s again %s", t.endpoint, attempts)

@@ -9,6 +9,8 @@ What the network answers is classified once, by :class:`ckagent.master.client.Ma
     │                            the types of ckagent.master.protocol); or a 4xx from the master's origin
     │                            without the protocol's ``{"error": …}`` body — a captive portal, a
     │                            misrouted proxy or ingress; retried like an unavailable master
+    │   └── NameHeld             a 409 to registration: another live agent (another nodeUid) holds
+    │                            the node's name; registration waits for it (backoff ≤ 30 s)
     ├── MasterRejected           any other 4xx (in the protocol's words): that request fails
     │   │                        (logged); a 401 was first answered by registering again, once.
     │   │                        What it means is the caller's: a task stream's batch is kept and
@@ -16,7 +18,7 @@ What the network answers is classified once, by :class:`ckagent.master.client.Ma
     │   └── MasterConflict       409 — a protocol conflict its caller handles (a claim lost, a
     │                            result that disagrees, a sequence gap: ``.body['expectedSeq']``,
     │                            an attempt superseded: ``.superseded_by``)
-    └── RegistrationRefused      the master refused registration for good (4xx other than 401/429)
+    └── RegistrationRefused      the master refused registration for good (4xx other than 401/409/429)
 
 :func:`retry_wait` is the one retry rule (stamina's hook): MasterUnavailable (so also
 MasterProtocolError) is retried, after the ``Retry-After`` a 429/503 asked for; nothing else is.
@@ -64,6 +66,17 @@ class MasterProtocolError(MasterUnavailable):
     def __init__(self, message: str, answered: Answered) -> None:
         super().__init__(message)
         self.answered = answered
+
+
+class NameHeld(MasterUnavailable):
+    """A 409 to registration (in the protocol's words): the node's name belongs to another live agent,
+    one that registered another ``nodeUid`` and still heartbeats (docs/protocol.md, "Register"). Not
+    fatal: registration retries it with backoff until the holder's heartbeats stop, it leaves, or (with
+    ``agent.name_exclusive``) the master hands the name over. ``name`` is the name asked for."""
+
+    def __init__(self, message: str, name: str) -> None:
+        super().__init__(message)
+        self.name = name
 
 
 class MasterRejected(MasterError):

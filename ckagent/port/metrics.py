@@ -30,6 +30,10 @@ Exported (see :data:`METRIC_NAMES`)::
     ckagent_registered, ckagent_master_up              0/1
     ckagent_heartbeat_age_seconds                      since the last acknowledged heartbeat (or the start)
     ckagent_max_workers, ckagent_free_slots            slots
+    ckagent_slots_capacity, ckagent_slots_busy            for an autoscaler: max_workers; claimed tasks not ended
+                                                       here (re-adopted ones too; not those only delivering)
+    ckagent_idle_seconds                               since the node last had a busy slot or an open delivery
+                                                       (0 while it has; since the start if never)
     ckagent_tasks_running{phase}                       claimed, unfinished tasks by phase
     ckagent_tasks_started_total                        tasks claimed and admitted
     ckagent_tasks_finished_total{status,error_code}    error_code "none" for a success
@@ -120,6 +124,7 @@ METRIC_NAMES = frozenset({
     "ckagent_master_request_duration_seconds", "ckagent_containment_level", "ckagent_task_cpu_seconds",
     "ckagent_task_memory_peak_bytes", "ckagent_egress_level", "ckagent_identity_level", "ckagent_egress_refused_total",
     "ckagent_egress_proxy_requests_total", "ckagent_egress_proxy_connections_total",
+    "ckagent_slots_capacity", "ckagent_slots_busy", "ckagent_idle_seconds",
 })  # fmt: skip
 """The agent's own metric names as they appear on /metrics (histograms add _bucket/_sum/_count)."""
 
@@ -147,6 +152,8 @@ class LiveFigures:
     heartbeat_age_seconds: float = 0.0
     max_workers: int = 0
     free_slots: int = 0
+    slots_busy: int = 0
+    idle_seconds: float = 0.0
     phases: Mapping[str, int] = field(default_factory=dict)
     code_download_bytes: int = 0
     outbox: OutboxFigures = field(default_factory=OutboxFigures)
@@ -182,6 +189,12 @@ class _LiveCollector(Collector):
                                 value=live.max_workers)
         yield GaugeMetricFamily("ckagent_free_slots", "Slots not taken by a claimed, unfinished task.",
                                 value=live.free_slots)
+        yield GaugeMetricFamily("ckagent_slots_capacity", "Task slots of this node (max_workers): what an "
+                                "autoscaler divides the queue by.", value=live.max_workers)
+        yield GaugeMetricFamily("ckagent_slots_busy", "Slots held by a claimed task not ended here (re-adopted "
+                                "ones included; a task only delivering its data holds none).", value=live.slots_busy)
+        yield GaugeMetricFamily("ckagent_idle_seconds", "Seconds since this node last had a busy slot or data "
+                                "to deliver (0 while it has; since the start if never).", value=live.idle_seconds)
         running = GaugeMetricFamily("ckagent_tasks_running", "Claimed, unfinished tasks by phase.",
                                     labels=["phase"])
         for phase in PHASES:

@@ -98,6 +98,8 @@ def agent_statistics(agent: StatusSource) -> AgentStatistics:
         heartbeat_interval=agent.settings.heartbeat.interval,
         max_workers=agent.max_workers,
         free_slots=supervisor.free_slots() if supervisor is not None else agent.max_workers,
+        slots_busy=len(supervisor.running) if supervisor is not None else 0,
+        idle_seconds=idle_seconds(agent),
         tasks=tuple(task_statistics(rt, agent.egress)
                     for rt in (supervisor.running.values() if supervisor is not None else ())),
         code_download_bytes=workspaces.downloaded_bytes if workspaces is not None else 0,
@@ -117,6 +119,21 @@ def agent_statistics(agent: StatusSource) -> AgentStatistics:
         disk_culprit=disk_culprit(agent.outbox),
         ephemeral=tuple(agent.ephemeral.to_json().items()) if agent.ephemeral is not None else None,
     )
+
+
+def idle_seconds(agent: StatusSource) -> float:
+    """Seconds since the node last had anything to do (``ckagent_idle_seconds``): 0 while a task is
+    claimed and not ended here (queued, deploying, installing, running, reporting; re-adopted ones
+    too: :attr:`Admission.running <ckagent.task.admission.Admission.running>`) or while a delivery is
+    open in the outbox (a task that ended but whose logs, items or result the master has not all
+    acknowledged yet, also one an earlier run left undelivered); otherwise since the later of the
+    last task leaving the running set and the last delivery ending, or since the agent started when
+    neither ever happened. Claims on the wire (not admitted yet) do not count."""
+    supervisor, outbox = agent.supervisor, agent.outbox
+    if (supervisor is not None and supervisor.running) or (outbox is not None and outbox.deliveries):
+        return 0.0
+    ends = [part.idle_since for part in (supervisor, outbox) if part is not None and part.idle_since is not None]
+    return max(0.0, time.monotonic() - max([agent.history.started_monotonic, *ends]))
 
 
 def disk_culprit(outbox: Outbox | None) -> tuple[tuple[str, Any], ...] | None:

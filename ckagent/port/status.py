@@ -7,7 +7,7 @@ path     answer
 /healthz 200 ``ok`` — served by the agent's own event loop, so a stuck loop fails it
 /readyz  200 ``ready`` when registered and the last heartbeat was acknowledged within
          ``3 × heartbeat.interval`` seconds and the agent is RUNNING; else 503 with the reason
-/status  JSON: state, node id, uptime, containment, egress and identity levels, running tasks (id, spider, since, pid,
+/status  JSON: state, node id, uptime, slots (total, busy, idle seconds), containment, egress and identity levels, running tasks (id, spider, since, pid,
          phase, live resource figures, attempt, last checkpoint: ckagent.port.taskstats), the tasks re-adopted at start and those handed over at the stop,
          the last upgrade/rollback and failed versions (run.sh's records, ckagent.port.statusrunsh), the
          last full disk's culprit, outbox, versions
@@ -92,6 +92,11 @@ class AgentStatistics:
     max_workers: int
     free_slots: int
     tasks: tuple[TaskStatistics, ...] = ()
+    slots_busy: int = 0
+    """Claimed tasks not ended here, re-adopted ones included (may exceed ``max_workers`` after a
+    restart with fewer workers than the adopted tasks)."""
+    idle_seconds: float = 0.0
+    """Seconds since the node last had a claimed task or an open delivery (ckagent.port.snapshot.idle_seconds)."""
     code_download_bytes: int = 0
     runtimes: tuple[tuple[str, Any], ...] = ()
     master_problem: str | None = None
@@ -340,6 +345,8 @@ class AgentStatus:
             heartbeat_age_seconds=self.heartbeat_age(stats),
             max_workers=stats.max_workers,
             free_slots=stats.free_slots,
+            slots_busy=stats.slots_busy,
+            idle_seconds=stats.idle_seconds,
             phases=phases,
             code_download_bytes=stats.code_download_bytes,
             outbox=outbox,
@@ -402,6 +409,10 @@ class AgentStatus:
             "warnings": list(stats.warnings),
             "maxWorkers": stats.max_workers,
             "freeSlots": stats.free_slots,
+            # the autoscaler's figures, as ckagent_slots_capacity / _slots_busy / _idle_seconds
+            "slotsCapacity": stats.max_workers,
+            "slotsBusy": stats.slots_busy,
+            "idleSeconds": round(stats.idle_seconds, 3),
             "runningTasks": sorted(tasks, key=lambda t: str(t["since"])),
             # at the start: what an earlier agent left running (re-adopted, or not: reported AGENT_LOST)
             "tasksAtStart": {

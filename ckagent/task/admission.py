@@ -6,7 +6,8 @@ serial; different spiders: parallel). The runner takes the spider lock first, th
 so a queued task never holds a slot. :attr:`Admission.running` holds every claimed, unfinished task
 (queued ones included): it is what the heartbeat reports, what the poller excludes
 (``excludeSpiderIds``) and what limits the next claim (:meth:`Admission.free_slots`). A task that
-leaves it (:meth:`Admission.task_left`) wakes whoever waits for a slot, for idleness or for a spider.
+leaves it (:meth:`Admission.task_left`) wakes whoever waits for a slot, for idleness or for a spider;
+:attr:`Admission.idle_since` says when the set last became empty (the idle clock, ckagent.port.snapshot).
 With ``agent.max_tasks`` (:attr:`Admission.budget`, ckagent.node.taskbudget) every admission but a
 re-adoption counts against the budget, and the free slots never exceed what is left of it.
 
@@ -96,6 +97,8 @@ class Admission:
         """Claiming polls (``pollId``) not settled yet (the poller's; the heartbeat reports them)."""
         self.last_claim_poll: int | None = None
         """The newest claiming poll id the poller has sent (None: none yet)."""
+        self.idle_since: float | None = None
+        """``time.monotonic()`` when the last claimed task left :attr:`running` (None: none has left yet)."""
         self._spider_locks: dict[str, trio.Lock] = {}
         self._slot_freed = Broadcast()
         self.admitted = Broadcast()
@@ -118,7 +121,8 @@ class Admission:
 
     def task_left(self, task_id: str) -> None:
         """A task is no longer ours to run: its slot is free."""
-        self.running.pop(task_id, None)
+        if self.running.pop(task_id, None) is not None and not self.running:
+            self.idle_since = time.monotonic()
         self._slot_freed.set()
         self.changed.set()
         if self._stale_scopes:

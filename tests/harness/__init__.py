@@ -7,7 +7,7 @@ lives here, a module per concern — :mod:`harness.core` (the agent, in this pro
 process; packages; waiting), :mod:`harness.agentproc` (an agent process with the tests' timings),
 :mod:`harness.procs` (a task's processes, levels, spider building blocks), :mod:`harness.recording`,
 :mod:`harness.rawnode` (a node as raw HTTP, and in the dev master's store), :mod:`harness.checkpointnode`
-(its attempts' batches, checkpoint chunks and manifests; a dev master with a short node-lost grace), :mod:`harness.fakes`
+(its attempts' batches, checkpoint chunks and manifests; a dev master with a short node-lost grace), :mod:`harness.names` (a dev master with a short name-liveness window; an agent process's status port), :mod:`harness.fakes`
 (fake masters for the poller and the delivery), :mod:`harness.index` (a package index),
 :mod:`harness.npmregistry` (an npm registry), :mod:`harness.nodelocks` (yarn and pnpm lock files, a
 node without yarn or pnpm),
@@ -47,6 +47,9 @@ node without yarn or pnpm),
 - Behind the egress proxy (:mod:`harness.upstreams`): :class:`IdentityOrigin` (an origin that says who
   it is), :class:`RecordingProxy` (a team's HTTP proxy) and :class:`Socks5Server`, each recording what
   it received.
+- What an autoscaler reads (:mod:`harness.autoscale`): :func:`scrape_samples` (a /metrics parsed by
+  prometheus-client), :func:`keda_desired` (the manifests' KEDA query), :func:`serve_result_gate` (a dev
+  master holding final results until the test opens it), :data:`GO_SPIDER`.
 - An agent as a process: :func:`agent_process` (test timings), :func:`wait_registered`,
   :func:`wait_exit`, :func:`node_status`; :func:`wait_for_log` waits for a line in the master.
 - :func:`another_agent` holds an entry in a registry of agents' ports from a process of its own
@@ -96,12 +99,21 @@ node without yarn or pnpm),
 - A spider's state (issue 38): :class:`TaskFiles` plays the agent's side of the control channel
   (:mod:`harness.spiderstate`; :func:`start_spider`, :func:`sdk_env`); :func:`serve_site` serves a site
   of N pages (and the demo shop) for the resumable examples, counting fetches (:mod:`harness.pagedsite`).
+- config/k8s as the cluster receives it (:mod:`harness.manifests`): :func:`rendered` gives a variant's
+  objects built by a real kustomize (:mod:`harness.kustomize`: the pinned release, fetched from the npm
+  registry into the user's cache, or a skip saying why), :func:`schema_errors` and :func:`custom_errors`
+  validate them offline (the Kubernetes schemas; the published CRDs of tests/data/crds),
+  :func:`pod_settings` loads the settings a pod's agent runs with.
+- A fleet on one machine (issue 39): :func:`harness.fleet.fleet` runs a reference master and many real
+  agents, queues short and long (resumable) tasks, stops half the fleet mid-run (migrated and lost) and
+  lists what broke "exactly once" (:mod:`harness.fleet`, imported from there: bench/fleet.py uses it too).
 """
 
 from __future__ import annotations
 
 from harness.agentports import *  # noqa: F403
 from harness.agentproc import *  # noqa: F403
+from harness.autoscale import *  # noqa: F403
 from harness.checkpointmaster import *  # noqa: F403
 from harness.checkpointnode import *  # noqa: F403
 from harness.core import *  # noqa: F403
@@ -117,8 +129,11 @@ from harness.hostile import *  # noqa: F403
 from harness.hostilefiles import *  # noqa: F403
 from harness.identities import *  # noqa: F403
 from harness.index import *  # noqa: F403
+from harness.kustomize import *  # noqa: F403
 from harness.levelcheck import *  # noqa: F403
 from harness.loopback import *  # noqa: F403
+from harness.manifests import *  # noqa: F403
+from harness.names import *  # noqa: F403
 from harness.nodekill import *  # noqa: F403
 from harness.nodelocks import *  # noqa: F403
 from harness.npmregistry import *  # noqa: F403
@@ -133,6 +148,7 @@ from harness.scrapyprojects import *  # noqa: F403
 from harness.scrapyresume import *  # noqa: F403
 from harness.smalldisk import *  # noqa: F403
 from harness.spiderstate import *  # noqa: F403
+from harness.supervised import *  # noqa: F403
 from harness.tempdirs import *  # noqa: F403
 from harness.tenantmatrix import *  # noqa: F403
 from harness.tenants import *  # noqa: F403

@@ -28,13 +28,16 @@ given to another nodeUid."""
 class NodeStore(Database):
     """Nodes and what they report (part of :class:`ckagent.devmaster.store.Store`)."""
 
+    node_live_seconds: float = NODE_LIVE_SECONDS
+    """Seconds after its last heartbeat a node that did not leave holds its name (DevMasterConfig.node_live_after)."""
+
     def register_node(self, req: RegisterRequest, *, at: float | None = None) -> tuple[str, str]:
         """Register (or re-register by name) a node. Returns ``(node_id, api_key)``.
 
         Re-registering the same name keeps the node id and issues a new key; the old key stops working.
         Only the key's sha256 is stored. One identity per name: when the request carries a ``nodeUid``
         and the name belongs to a node that registered another ``nodeUid`` and heartbeated within
-        NODE_LIVE_SECONDS (``at``: epoch seconds, default the clock) and has not left
+        :attr:`node_live_seconds` (``at``: epoch seconds, default the clock) and has not left
         (:meth:`leave_node`), ConflictError (409) — two live agents with one name would otherwise take
         each other's key on every re-registration. Agents that send no nodeUid keep the old rule. A
         registration clears the name's ``left_at``.
@@ -57,11 +60,11 @@ class NodeStore(Database):
                              (req.name,)).fetchone()
             if row is not None and req.node_uid:
                 other = (loads(row["info"]) or {}).get("nodeUid")
-                live = row["left_at"] is None and seconds_since(row["last_heartbeat_at"], at) < NODE_LIVE_SECONDS
+                live = row["left_at"] is None and seconds_since(row["last_heartbeat_at"], at) < self.node_live_seconds
                 if other and other != req.node_uid and live:
                     raise ConflictError(
                         f"node name {req.name!r} belongs to another live agent (another nodeUid, heartbeat "
-                        f"within {NODE_LIVE_SECONDS:g} s): give this agent its own agent.name (AGENT_NAME), "
+                        f"within {self.node_live_seconds:g} s): give this agent its own agent.name (AGENT_NAME), "
                         "or stop the other one and retry after its heartbeats stop")
             if row is None:
                 node_id = new_id()
