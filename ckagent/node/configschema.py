@@ -59,7 +59,8 @@ class AgentSettings:
     follow the master's desired agent version through run.sh (ckagent.master.fleet). ``ports_registry``:
     the directory of the host's registry of agents' ports (None = the host-wide one,
     :mod:`ckagent.node.agentports`). ``sigterm``: what SIGTERM asks of the agent, ``drain`` or
-    ``migrate`` (:class:`ckagent.node.stoprequest.StopMode`).
+    ``migrate`` (:class:`ckagent.node.stoprequest.StopMode`). ``name_exclusive``: at most one agent
+    runs under ``name`` (the orchestrator's word), so its registration takes the name over (ckagent.master.fleet).
     """
 
     name: str
@@ -73,6 +74,7 @@ class AgentSettings:
     auto_upgrade: bool
     ports_registry: Path | None
     sigterm: str = "drain"
+    name_exclusive: bool = False
 
     @property
     def container_cpu_limit_cores(self) -> float | None:
@@ -271,6 +273,10 @@ SETTINGS: tuple[Setting, ...] = (
             "migrate (checkpoint every running task and hand it to another node within "
             "task.migrate_timeout, as `ckagent stop --migrate` does). Kubernetes: migrate.",
             v.choice(("drain", "migrate"), upper=False)),
+    Setting("agent", "name_exclusive", "AGENT_NAME_EXCLUSIVE", "on/off", False,
+            "The orchestrator runs at most one agent with this agent.name (a StatefulSet's pod), so a new work "
+            "dir (a new nodeUid) takes the name over at once instead of waiting until the master counts the "
+            "earlier holder's heartbeats old; its running tasks resume elsewhere. Off: wait.", v.boolean),
     Setting("heartbeat", "interval", "AGENT_HEARTBEAT_INTERVAL", "seconds >= 1", 30.0,
             "Seconds between heartbeats.", v.seconds(minimum=1.0, exclusive=False)),
     Setting("task", "poll_interval", "AGENT_TASK_POLL_INTERVAL", "seconds >= 0.1", 10.0,
