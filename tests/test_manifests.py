@@ -397,3 +397,37 @@ def test_systemd_unit_verifies_and_leaves_time_to_drain(tmp_path: Path) -> None:
     result = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0 and result.stderr.strip() == "" and result.stdout.strip() == "", (
         result.stdout + result.stderr)
+
+
+def test_the_docs_name_the_versions_and_overlays_validated() -> None:
+    """docs/deploy.md's Kubernetes section names every Kubernetes version the objects are validated for,
+    the kustomize release, and every kustomization."""
+    from harness.kustomize import KUSTOMIZE_VERSION
+
+    text = (REPO / "docs" / "deploy.md").read_text()
+    section = text[text.index("## Kubernetes"):text.index("## Packages and releases")]
+    validated = section[section.index("### What is validated"):]
+    minors = [v.rsplit(".", 1)[0] for v in KUBERNETES_VERSIONS]
+    assert f"**{', '.join(minors[:-1])} and {minors[-1]}**" in " ".join(validated.split())
+    assert f"kustomize {KUSTOMIZE_VERSION}" in validated
+    for variant in VARIANTS:
+        assert f"| `{variant if variant == 'base' else 'overlays/' + variant}` |" in section
+
+
+def test_the_prestop_command_runs_with_the_pods_config(tmp_path: Path) -> None:
+    """The hook as written (the pyz's `stop --migrate -c CONFIG`; here the checkout's module) parses and
+    reads the ConfigMap's config: with no agent on its work dir it says so and exits 3 at once."""
+    import sys
+
+    objects = rendered("base")
+    (workload,) = workloads(objects)
+    hook = workload.container["lifecycle"]["preStop"]["exec"]["command"]
+    assert hook[:2] == PYZ
+    config = yaml.safe_load(config_text(objects, workload))
+    config["task"]["work_dir"] = str(tmp_path / "data")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    argv = [sys.executable, "-m", "ckagent", *hook[2:-1], str(tmp_path / "config.yaml")]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False,
+                            env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert f"no agent runs on {tmp_path / 'data'}" in result.stderr

@@ -9,6 +9,7 @@ Commands::
                                       this node gets and what would raise each, print "config OK: FILE"
     ckagent config show [-c FILE]     print the effective settings as YAML (secrets masked)
     ckagent version                   print the ckagent and Python versions
+    ckagent supervise [-c FILE] [-- ARGS]   a pod's PID 1: runs `run` as its child, keeps it up (ckagent.pod)
     ckagent dev-master ...            run the reference master (SQLite)
     ckagent demo [--work-dir DIR] [--keep] [-c FILE]   dev master + agent + example spiders, end to end, checked
     ckagent exec PATH [--spider NAME] [--param K=V ...] [--env K=V ...] [--args "..."] [--items FILE] [--artifacts DIR] ...
@@ -97,6 +98,8 @@ def _app() -> App:
     app.command(dev_master, name="dev-master")
     app.command(demo_command, name="demo")
     app.command(exec_command, name="exec")
+    from ckagent.cli.supervise import supervise_command
+    app.command(supervise_command, name="supervise")
     return app
 
 
@@ -437,6 +440,9 @@ def main(argv: list[str] | None = None) -> None:
     """
     defer_httpx_cli()  # (before anything imports httpx: rich, click and pygments stay out of the start)
     tokens = sys.argv[1:] if argv is None else argv
+    if tokens[:1] == ["supervise"]:  # (its own parser, ckagent.pod.command; ckagent/__main__.py comes here first)
+        from ckagent.cli.supervise import supervise_main
+        supervise_main(tokens[1:])
     plain, config = _plain_run(tokens)
     try:
         if plain:  # without cyclopts: see the comment above _app()

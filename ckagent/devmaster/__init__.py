@@ -2,13 +2,14 @@
 
     store/       the state and the protocol's stateful rules (claims, final results, seq numbers,
                  attempts, checkpoints), one module per concern (schema, database, nodes, spiders, tasks,
-                 claims, streams, supersede, attempts, checkpoints)
+                 claims, streams, supersede, attempts, checkpoints, queue)
     retrypolicy.py  the retry decision after an attempt's final result (pure)
     sweeper.py   the periodic work: nodes lost after ``--node-lost-after``, retries that come due
     app.py       the Starlette app: composition, pages, ``route_table`` (the (method, path) pairs by side)
     node_api.py  the node protocol's routes (long poll, claims, streams, artifact uploads, code)
     checkpoint_api.py  the node protocol's checkpoint routes (chunks, manifests)
     admin_api.py the admin API's routes and the checks of its payloads
+    queuemetrics.py  ``GET /metrics``: the queue for an autoscaler (pending, running, nodes, slots)
     taskpage.py  the page of one task (``/tasks/{id}``): its attempts and newest checkpoint
     web.py       what the routes share: request bodies, authentication, the long-poll notifier
     artifacts.py where a task's artifacts live (small ones in SQLite, large ones as synced files)

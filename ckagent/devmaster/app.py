@@ -29,6 +29,7 @@ Admin endpoints (``Authorization: Bearer <admin token>``)::
     GET /api/tasks/{id}/items, GET /api/tasks/{id}/artifacts, GET /api/tasks/{id}/artifacts/{path},
     POST /api/tasks/{id}/cancel, GET /api/nodes,
     GET /api/agent-versions, PUT /api/agent-versions {minAgentVersion, desiredAgentVersion} (null clears)
+    GET /metrics      the queue for an autoscaler (no auth; Prometheus text: ckagent.devmaster.queuemetrics)
     GET /tasks/{id}   a task's page (HTML: attempts, newest checkpoint; the admin token as a bearer token
                       or as the HTTP Basic password; ckagent.devmaster.taskpage)
 
@@ -53,7 +54,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from ckagent.devmaster import admin_api, checkpoint_api, demosite, node_api, taskpage
+from ckagent.devmaster import admin_api, checkpoint_api, demosite, node_api, queuemetrics, taskpage
 from ckagent.devmaster.errors import ApiError
 from ckagent.devmaster.node_api import MAX_BATCH_ELEMENTS
 from ckagent.devmaster.paths import SegmentPaths
@@ -117,6 +118,7 @@ def create_app(
     routes: list[BaseRoute] = [
         route("page", "/", index, "GET"),
         route("page", "/healthz", healthz, "GET"),
+        *queuemetrics.routes(store),
         *node_api.routes(api),
         *checkpoint_api.routes(api),
         *admin_api.routes(api),

@@ -16,6 +16,6 @@ Lowest layer of the agent. What lives here knows nothing of tasks' runs or of th
 - pure helpers: :mod:`.errors` (the agent's exception tree), :mod:`.versions`, :mod:`.noderange`.
 
 May import: the standard library, third-party packages, ``ckagent`` (its version) — nothing else of
-the agent. Layers, lowest first: node → master → containment → code → delivery → task → port →
-agent/cli (``tests/test_layers.py`` holds them).
+the agent. Layers, lowest first: node → pod → master → containment → code → delivery → task → port →
+agent/cli, with ``pod`` (the container's PID 1) above node (``tests/test_layers.py`` holds them).
 """

@@ -148,6 +148,7 @@ from harness.scrapyprojects import *  # noqa: F403
 from harness.scrapyresume import *  # noqa: F403
 from harness.smalldisk import *  # noqa: F403
 from harness.spiderstate import *  # noqa: F403
+from harness.supervised import *  # noqa: F403
 from harness.tempdirs import *  # noqa: F403
 from harness.tenantmatrix import *  # noqa: F403
 from harness.tenants import *  # noqa: F403

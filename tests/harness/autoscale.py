@@ -6,6 +6,8 @@ a blocking spider, and a dev master that holds the agents' final results until t
 - :func:`keda_desired` is what the manifests' KEDA ScaledObject computes from a master's scrape:
   ``ceil((sum(ckmaster_tasks_pending) + sum(ckmaster_tasks_running)) / slots_per_pod)``.
 - :data:`GO_SPIDER` prints ``ready`` and waits for ``<task dir>/go`` (at most a minute).
+- :func:`age_heartbeat` makes a node's last heartbeat ``seconds`` older, straight in the master's file
+  (a node that went silent, without waiting); :func:`fill_queue` puts pending tasks in a store fast.
 - :func:`serve_result_gate` serves the dev master app behind :class:`ResultGate`: every
   ``POST /api/tasks/{id}/result`` waits until :attr:`ResultGate.open` is set (a task that ended on the
   node and whose result is not acknowledged yet).
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import math
 import re
+import sqlite3
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -32,8 +35,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from ckagent.devmaster.app import Notifier, create_app
 from ckagent.devmaster.client import AdminClient
 from ckagent.devmaster.store import Store
+from ckagent.master.protocol import utc_iso
 
-__all__ = ["GO_SPIDER", "ResultGate", "Samples", "keda_desired", "parse_samples", "sample_sum", "sample_value",
+__all__ = ["GO_SPIDER", "ResultGate", "Samples", "age_heartbeat", "fill_queue", "keda_desired", "parse_samples", "sample_sum", "sample_value",
            "scrape_samples", "serve_result_gate"]
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -83,6 +87,25 @@ def keda_desired(samples: Samples, slots_per_pod: int) -> int:
     with the manifests' query ``sum(ckmaster_tasks_pending) + sum(ckmaster_tasks_running)``."""
     load = sample_sum(samples, "ckmaster_tasks_pending") + sample_sum(samples, "ckmaster_tasks_running")
     return math.ceil(load / slots_per_pod)
+
+
+def age_heartbeat(db_path: Path, node_id: str, seconds: float) -> None:
+    """Move the node's ``last_heartbeat_at`` (and its registration time) ``seconds`` into the past, in the
+    dev master's SQLite file (another connection: WAL lets it write beside the running master)."""
+    from datetime import datetime, timedelta
+
+    with sqlite3.connect(db_path, timeout=10) as db:
+        row = db.execute("SELECT last_heartbeat_at, registered_at FROM nodes WHERE id = ?", (node_id,)).fetchone()
+        assert row is not None, node_id
+        moved = [utc_iso(datetime.fromisoformat(v.replace("Z", "+00:00")) - timedelta(seconds=seconds))
+                 if v else None for v in row]
+        db.execute("UPDATE nodes SET last_heartbeat_at = ?, registered_at = ? WHERE id = ?", (*moved, node_id))
+
+
+def fill_queue(store: Store, spider_ids: list[str], count: int) -> list[str]:
+    """``count`` PENDING tasks, round robin over ``spider_ids`` (the store's own create_task); their ids."""
+    return [store.create_task(spider_ids[i % len(spider_ids)], args=[], env={}, params={}, timeout_seconds=None)
+            for i in range(count)]
 
 
 _RESULT = re.compile(r"^/api/tasks/[^/]+/result$")

@@ -15,6 +15,7 @@ validated offline, its pods and the agent settings they run with.
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import functools
 import gzip
@@ -51,21 +52,26 @@ def variant_dir(variant: str) -> Path:
 
 
 @functools.cache
-def _rendered(variant: str) -> tuple[dict[str, Any], ...] | str:
+def _rendered_all() -> dict[str, list[dict[str, Any]]] | str:
+    """Every variant rendered, side by side (a kustomize build of an overlay with patches spends most of
+    its second loading its schemas: one process per variant, at once); or why there is no kustomize."""
     try:
         binary = kustomize_binary()
     except KustomizeUnavailable as exc:
         return f"NOT RENDERED: {exc}"
-    return tuple(kustomize_build(variant_dir(variant), binary))
+    with concurrent.futures.ThreadPoolExecutor(len(VARIANTS)) as pool:
+        builds = {v: pool.submit(kustomize_build, variant_dir(v), binary) for v in VARIANTS}
+        return {v: build.result() for v, build in builds.items()}
 
 
 def rendered(variant: str) -> list[dict[str, Any]]:
     """A deep copy of the objects ``kustomize build`` gives for ``variant``; skips the calling test
-    with the reason when no kustomize can be had. Blocking (a download the first time, a process)."""
-    objects = _rendered(variant)
-    if isinstance(objects, str):
-        pytest.skip(objects)
-    return copy.deepcopy(list(objects))
+    with the reason when no kustomize can be had. Blocking (a download the first time, processes)."""
+    every = _rendered_all()
+    if isinstance(every, str):
+        pytest.skip(every)
+    objects = every[variant]
+    return copy.deepcopy(objects)
 
 
 def by_kind(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

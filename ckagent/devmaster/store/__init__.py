@@ -16,6 +16,8 @@ the SQL reads as the contract. One module per concern::
     attempts.py   a task's attempts: the next attempt (items cut back to its checkpoint), the retry
                   decision after a final result (ckagent.devmaster.retrypolicy), the node-lost sweep
     checkpoints.py checkpoint chunks and manifests; a task keeps what its newest checkpoint needs
+    queue.py      the queue's figures for /metrics (pending, running, nodes by state, slots), on a reader
+                  connection of its own
 
 The exceptions it raises are drawn in :mod:`ckagent.devmaster.errors`; code packages are read by
 :mod:`ckagent.devmaster.packages`. A payload that breaks the schema raises
@@ -29,16 +31,18 @@ from ckagent.devmaster.store.checkpoints import CheckpointStore
 from ckagent.devmaster.store.claims import CLAIM_GRACE_SECONDS, ClaimStore
 from ckagent.devmaster.store.database import CHECKPOINT_BYTES, WAL_LIMIT_BYTES
 from ckagent.devmaster.store.nodes import NODE_LIVE_SECONDS, NodeStore
+from ckagent.devmaster.store.queue import QueueFigures, QueueStore
 from ckagent.devmaster.store.schema import SCHEMA_VERSION
 from ckagent.devmaster.store.spiders import SpiderStore
 from ckagent.devmaster.store.streams import StreamStore
 from ckagent.devmaster.store.tasks import TaskStore
 
 __all__ = ["CHECKPOINT_BYTES", "CLAIM_GRACE_SECONDS", "NODE_LIVE_SECONDS", "SCHEMA_VERSION", "WAL_LIMIT_BYTES",
-           "Store"]
+           "QueueFigures", "Store"]
 
 
-class Store(NodeStore, SpiderStore, TaskStore, ClaimStore, StreamStore, AttemptStore, CheckpointStore):
+class Store(NodeStore, SpiderStore, TaskStore, ClaimStore, StreamStore, AttemptStore, CheckpointStore,
+            QueueStore):
     """The dev master's state in one SQLite file (WAL mode). Thread-safe; every method blocks.
 
     Open with ``Store(db_path)`` (creates the file and the schema), close with ``close()``.
