@@ -32,7 +32,6 @@ from harness import (
     store_spider,
     store_task,
     wait_exit,
-    wait_registered,
 )
 
 from ckagent.agent import Agent, AgentState
@@ -172,7 +171,7 @@ async def test_a_second_agent_with_the_name_waits_says_why_and_starts_once_the_f
     for the name; once the first drained and left, the same second agent registers and runs."""
     first = agent_settings(tmp_path / "one", dev_master.base_url, dev_master.registration_token, AGENT_NAME="twin")
     second = agent_settings(tmp_path / "two", dev_master.base_url, dev_master.registration_token, AGENT_NAME="twin")
-    with trio.fail_after(60):
+    with trio.fail_after(180):
         async with running_agent(nursery, first) as holder:
             await eventually(lambda: _true(holder.heartbeat is not None and holder.heartbeat.last_success))
             waiting = Agent(second)
@@ -194,7 +193,7 @@ async def test_a_second_agent_with_the_name_waits_says_why_and_starts_once_the_f
                     return ready.text
                 return None
 
-            text = await eventually(says_why, 20, "the second agent's /readyz says it waits for the name")
+            text = await eventually(says_why, 60, "the second agent's /readyz says it waits for the name")
             assert "belongs to another live agent" in text  # the master's reason
             assert not codes and waiting.state is AgentState.STARTING
             assert holder.master.registered and await holder.heartbeat.beat_once()  # the holder keeps its key
@@ -204,7 +203,7 @@ async def test_a_second_agent_with_the_name_waits_says_why_and_starts_once_the_f
         [node] = await dev_master.admin.list_nodes()
         assert node["leftAt"] is None
         waiting.terminate()
-        await eventually(lambda: _true(codes), 30, "the second agent's exit")
+        await eventually(lambda: _true(codes), 60, "the second agent's exit")
     assert codes == [0]
 
 
@@ -223,7 +222,7 @@ async def test_a_rescheduled_pod_after_a_kill_waits_for_the_name_then_registers_
     async with AgentProcess(tmp_path / "first", master.base_url, master.registration_token, **settings) as first, \
             AgentProcess(tmp_path / "second", master.base_url, master.registration_token, **settings) as second:
         await first.start()
-        await wait_registered(master.admin, first, "crawler-0")
+        await wait_beating(master.admin, first, "crawler-0")
         [before] = await master.admin.list_nodes()
         await second.start()
         port = await status_port(second)
@@ -232,7 +231,7 @@ async def test_a_rescheduled_pod_after_a_kill_waits_for_the_name_then_registers_
             code, text = await readyz(port)
             return text if code == 503 and "waiting for the name crawler-0: another agent holds it" in text else None
 
-        await eventually(waiting, 30, "the replacement's /readyz says it waits for the name")
+        await eventually(waiting, 120, "the replacement's /readyz says it waits for the name")
         await first.kill()
         killed = time.monotonic()
 
@@ -240,19 +239,19 @@ async def test_a_rescheduled_pod_after_a_kill_waits_for_the_name_then_registers_
             [node] = await master.admin.list_nodes()
             return bool(node["registeredAt"] != before["registeredAt"])
 
-        await eventually(registered_again, master.node_live_after + REGISTER_WAIT_MAX + 10, "the replacement's registration")
+        await eventually(registered_again, master.node_live_after + REGISTER_WAIT_MAX + 30, "the replacement's registration")
         took = time.monotonic() - killed
         print(f"figures: the replacement registered {took:.2f} s after the first agent's kill "
               f"(the master's window {master.node_live_after:g} s)")
-        assert took <= master.node_live_after + REGISTER_WAIT_MAX + 5, took
-        await wait_registered(master.admin, second, "crawler-0")
+        assert took <= master.node_live_after + REGISTER_WAIT_MAX + 15, took
+        await wait_beating(master.admin, second, "crawler-0")
         assert second.process is not None and second.process.returncode is None
         log = second.log_text()
         assert log.count("waiting for the name crawler-0") == 1, log
         assert "the node's name is this agent's now" in log
-        await eventually(lambda: _ready(port), 20, "the replacement ready")
+        await eventually(lambda: _ready(port), 60, "the replacement ready")
         second.signal(signal.SIGTERM)
-        assert await wait_exit(second, 30) == 0
+        assert await wait_exit(second, 60) == 0
 
 
 async def _ready(port: int) -> bool:
@@ -389,7 +388,7 @@ async def test_a_rescheduled_pod_with_name_exclusive_registers_at_once(dev_maste
     (tmp_path / "pod-b").mkdir()
     async with AgentProcess(tmp_path / "pod-a", dev_master.base_url, dev_master.registration_token, **POD) as first:
         await first.start()
-        await wait_registered(admin, first, "crawler-0")
+        await wait_beating(admin, first, "crawler-0")
         await first.kill()
     before = await _registered_at(admin)
     async with AgentProcess(tmp_path / "pod-b", dev_master.base_url, dev_master.registration_token, **POD) as second:
@@ -399,16 +398,16 @@ async def test_a_rescheduled_pod_with_name_exclusive_registers_at_once(dev_maste
         async def registered() -> bool:
             return await _registered_at(admin) != before
 
-        await eventually(registered, 30, "the replacement registered")
+        await eventually(registered, 120, "the replacement registered")
         took = time.monotonic() - started
-        await wait_registered(admin, second, "crawler-0")
+        await wait_beating(admin, second, "crawler-0")
         print(f"figures: the replacement registered {took:.2f} s after its start (the name's window: 90 s)")
-        assert took < 30, took  # an agent's start (imports, the state store, the status port): seconds
+        assert took < 60, took  # an agent's start (imports, the state store, the status port): seconds
         assert "waiting for the name" not in second.log_text()
         [node] = await admin.list_nodes()
         assert node["nameExclusive"] is True and len(node["displacedNodeUids"]) == 1
         second.signal(signal.SIGTERM)
-        assert await wait_exit(second, 30) == 0
+        assert await wait_exit(second, 60) == 0
 
 
 @pytest.mark.slow
@@ -436,7 +435,7 @@ async def test_a_partitioned_pod_loses_name_and_crawl_to_its_replacement_and_is_
     async with AgentProcess(tmp_path / "pod-a", master.base_url, master.registration_token, **pod) as first, \
             AgentProcess(tmp_path / "pod-b", master.base_url, master.registration_token, **pod) as second:
         await first.start()
-        await wait_registered(admin, first, "crawler-0")
+        await wait_beating(admin, first, "crawler-0")
         uid_a = (tmp_path / "pod-a" / "data" / "node_uid").read_text().strip()
         task_id = str(await admin.create_task(spider, checkpoint_interval_seconds=1.0))
 
@@ -454,7 +453,7 @@ async def test_a_partitioned_pod_loses_name_and_crawl_to_its_replacement_and_is_
             [node] = await admin.list_nodes()
             return bool(node["displacedNodeUids"] == [uid_a])
 
-        await eventually(taken_over, 30, "pod B took the name over")
+        await eventually(taken_over, 120, "pod B took the name over")
         took = time.monotonic() - started
         lost = (await admin.get_task(task_id))["attempts"][0]
         assert (lost["errorCode"], lost["causeClass"], lost["counted"]) == ("AGENT_LOST", "disruption", False), lost
@@ -476,11 +475,11 @@ async def test_a_partitioned_pod_loses_name_and_crawl_to_its_replacement_and_is_
             code, text = await readyz(port_a)
             return text if code == 503 and "waiting for the name crawler-0" in text else None
 
-        text = await eventually(told, 30, "pod A says it waits for the name")
+        text = await eventually(told, 120, "pod A says it waits for the name")
         assert "does not take a name back" in text, text
         [node] = await admin.list_nodes()
         beat = node["lastHeartbeatAt"]
-        await eventually(lambda: _beat_after(admin, beat), 10, "pod B still beating")
+        await eventually(lambda: _beat_after(admin, beat), 60, "pod B still beating")
         [node] = await admin.list_nodes()
         assert node["displacedNodeUids"] == [uid_a]  # pod B kept the name: no ping-pong
         assert "waiting for the name" not in second.log_text()
@@ -488,19 +487,21 @@ async def test_a_partitioned_pod_loses_name_and_crawl_to_its_replacement_and_is_
 
         second.signal(signal.SIGTERM)  # pod B drains and leaves: the name is free
         assert await wait_exit(second, 60) == 0
-        await eventually(lambda: _true("the node's name is this agent's now" in first.log_text()), 60,
+        await eventually(lambda: _true("the node's name is this agent's now" in first.log_text()), 120,
                          "pod A registered again")
+        await eventually(lambda: _true("the master moved this task on to attempt 2" in first.log_text()), 120,
+                         "pod A's stale result dropped")
 
         async def settled() -> bool:
             [node] = await admin.list_nodes()
             beat = node.get("lastHeartbeat") or {}
-            return not beat.get("runningTaskIds") and not beat.get("reportingTaskIds")
+            return beat.get("status") == "RUNNING" and not beat.get("runningTaskIds") \
+                and not beat.get("reportingTaskIds")
 
-        await eventually(settled, 60, "pod A's stale attempt settled")
+        await eventually(settled, 120, "pod A beating with its stale attempt settled")
         after = await admin.get_task(task_id)
         assert after["status"] == "SUCCESS" and len(after["attempts"]) == 2, after
         assert page_counts(await admin.get_items(task_id)) == counts  # nothing of the stale attempt
-        assert "the master moved this task on to attempt 2" in first.log_text()  # its result dropped
         first.signal(signal.SIGTERM)
         assert await wait_exit(first, 60) == 0
 
