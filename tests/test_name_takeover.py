@@ -31,6 +31,7 @@ from harness import (
     status_port,
     store_spider,
     store_task,
+    wait_beating,
     wait_exit,
 )
 
