@@ -18,12 +18,10 @@ from ckagent.cli.stopagent import MARGIN
 from ckagent.code.frameworks import REGISTRY, SCRAPY_STOP_GRACE
 from ckagent.node.config import load_settings
 from ckagent.node.resources import compute_max_workers
+from ckagent.pod.command import parse as parse_supervise
+from ckagent.pod.livez import PROBE_TIMEOUT
 from ckagent.task.stop import stop_grace
 
-# The supervisor's bounds (PLAN39's contract for `ckagent supervise`): /livez waits this long for the
-# agent's /healthz, and answers 200 for an agent (re)starting for less than the start timeout.
-SUPERVISOR_HEALTHZ_WAIT = 2.0
-SUPERVISOR_START_TIMEOUT = 120.0
 KUBERNETES_DEFAULT_GRACE = 30
 WORKLOAD_VARIANTS = [v for v in VARIANTS if v != "monitoring"]
 
@@ -40,13 +38,16 @@ def _settings(variant: str, tmp_path: Path) -> list[Any]:
     return [pod_settings(objects, workload, tmp_path), load_settings(None, env={}, require_token=False)]
 
 
+def _start_timeout(workload: Workload) -> float:
+    """The supervisor's --start-timeout in the pod (its default unless the command names one): /livez
+    answers 200 for an agent (re)starting for less than this."""
+    return parse_supervise([*workload.container["command"][3:], *workload.container.get("args", [])]).start_timeout
+
+
 def _agent_flags(workload: Workload) -> dict[str, str]:
     """The agent's flags after `supervise --` in the pod's args: ``{"--max-tasks": "1", ...}``."""
-    args = workload.container.get("args", [])
-    if not args:
-        return {}
-    assert args[0] == "--"
-    return dict(zip(args[1::2], args[2::2], strict=True))
+    args = parse_supervise([*workload.container["command"][3:], *workload.container.get("args", [])]).agent_args
+    return dict(zip(args[::2], args[1::2], strict=True))
 
 
 @pytest.mark.parametrize("variant", WORKLOAD_VARIANTS)
@@ -75,17 +76,17 @@ def test_the_grace_covers_the_migrate_and_a_drain(variant: str, tmp_path: Path) 
 def test_liveness_asks_the_supervisor_and_never_restarts_a_starting_agent(variant: str) -> None:
     """The kubelet restarts the container (and every crawl in it) after a run of failed liveness
     probes: initialDelaySeconds + periodSeconds × failureThreshold (35 s), less than the supervisor's
-    start timeout (120 s) during which an agent restarting in place does not answer. So liveness asks
+    start timeout (120 s) during which an agent restarting in place may not answer. So liveness asks
     the supervisor, which covers that window, never the agent's port; and its timeoutSeconds exceeds
-    the supervisor's own wait on the agent's /healthz (2 s), so a slow but alive agent is not a failed
-    probe. Readiness may ask the agent: a restarting agent is rightly not ready."""
+    the supervisor's own wait on the agent's /healthz (PROBE_TIMEOUT, 2 s), so a slow but alive agent is
+    not a failed probe. Readiness may ask the agent: a restarting agent is rightly not ready."""
     _, workload = _workload(variant)
     live, ready = workload.container["livenessProbe"], workload.container["readinessProbe"]
     window = live["initialDelaySeconds"] + live["periodSeconds"] * live["failureThreshold"]
-    assert window < SUPERVISOR_START_TIMEOUT
+    assert window < _start_timeout(workload) == 120
     assert live["httpGet"]["port"] == "supervisor" != ready["httpGet"]["port"]
-    assert live["timeoutSeconds"] > SUPERVISOR_HEALTHZ_WAIT
-    assert ready["timeoutSeconds"] > SUPERVISOR_HEALTHZ_WAIT
+    assert live["timeoutSeconds"] > PROBE_TIMEOUT
+    assert ready["timeoutSeconds"] > PROBE_TIMEOUT
     assert "startupProbe" not in workload.container, "the supervisor covers the agent's start"
 
 
@@ -162,5 +163,6 @@ def test_the_job_waits_two_long_polls_for_its_task_and_its_deadline_covers_one_t
         task = settings.task
         assert idle > 2 * task.long_poll_wait
         longest = max(task.kill_grace, task.max_stop_grace)
-        assert deadline > SUPERVISOR_START_TIMEOUT + idle + task.execute_timeout + longest + task.flush_timeout
-        assert deadline - (SUPERVISOR_START_TIMEOUT + idle + longest + task.flush_timeout) == 14_030
+        start = _start_timeout(workload)
+        assert deadline > start + idle + task.execute_timeout + longest + task.flush_timeout
+        assert deadline - (start + idle + longest + task.flush_timeout) == 14_030
