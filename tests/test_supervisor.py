@@ -94,7 +94,7 @@ async def test_kill_9_of_the_agent_restarts_it_in_place_and_its_crawls_complete_
         b = await submit(admin, "crawl-b", {"main.py": WAITER})
         for task_id in (a, b):
             await eventually(lambda t=task_id: _spool_has(node, t, "ready"), 60, f"{task_id} ready")
-        assert _rss_kib(pid1) < 24 * 1024, _rss_kib(pid1)  # (measured: ~17 MB; the agent's is ~100)
+        assert _rss_kib(pid1) < 24 * 1024, _rss_kib(pid1)  # (measured: 17 MB; the agent: 56 MB)
 
         os.kill(first, signal.SIGKILL)
         second = await node.new_agent(other_than=first)
@@ -186,6 +186,7 @@ async def test_livez_200_while_the_agent_restarts_and_503_for_a_wedged_one(dev_m
     assert "stopped by itself (exit code 0)" in node.log_text()
 
 
+@pytest.mark.slow
 async def test_an_agent_that_refuses_its_configuration_ends_the_supervisor_with_2(dev_master, tmp_path: Path) -> None:
     """Exit 2 of the agent (here: an unknown `run` argument) is not restarted: the supervisor exits 2;
     a configuration the supervisor cannot read exits 2 before anything starts."""

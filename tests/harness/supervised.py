@@ -82,13 +82,22 @@ class SupervisedNode:
             self.argv += ["--", *agent_args]
         self.process: trio.Process | None = None
 
-    async def start(self) -> None:
-        """Start ``unshare … supervise`` (does not wait for the agent)."""
+    def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("AGENT_")}
         env["AGENT_REGISTRATION_TOKEN"] = self.token
+        return env
+
+    async def start(self) -> None:
+        """Start ``unshare … supervise`` (does not wait for the agent)."""
         with self.log_path.open("ab") as log:
             self.process = await trio.lowlevel.open_process(
-                in_pid_namespace(self.argv), stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
+                in_pid_namespace(self.argv), stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=self._env())
+
+    def popen(self) -> subprocess.Popen[bytes]:
+        """Start the supervisor as a plain child of this process (no namespace: it is then the child
+        subreaper of what it starts), without Trio: for a module-scoped fixture. The caller stops it."""
+        with self.log_path.open("ab") as log:
+            return subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=self._env())
 
     async def pid1(self) -> int:
         """The supervisor's (outer) pid, once ``unshare`` has forked it."""
