@@ -321,7 +321,8 @@ async def test_scrapes_in_parallel_while_the_store_writes(dev_master: Any, http:
                     # one snapshot: by spider and by requirements count the same tasks
                     assert sample_sum(samples, "ckmaster_tasks_pending") == sample_sum(
                         samples, "ckmaster_tasks_pending_by_requirements")
-                    assert before - finished - 1 <= load <= after, (before, after, load)
+                    # (a task the writer's request has committed and it has not counted yet: + 1)
+                    assert before - finished - 1 <= load <= after + 1, (before, after, load)
                     scrapes.append(samples)
 
         async with trio.open_nursery() as nursery:
