@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 PYTHON_VERSIONS = ("3.10", "3.11", "3.12", "3.13")
 PLATFORM = "x86_64-manylinux_2_17"
 SHEBANG = "/usr/bin/env python3"
-ENTRY_POINT = "ckagent.cli:main"
+ENTRY_POINT = "ckagent.__main__:main"
 SHIV_VERSION = "1.0.8"  # the bootstrap code inside the pyz comes from shiv: pinned for reproducibility
 LOCK_MARKER = "# ckagent-dependencies-sha256: "
 # Files whose content legitimately differs between the per-version installs of one package: merged.

@@ -48,6 +48,7 @@ from harness.manifests import (
 
 from ckagent.node.config import load_settings
 from ckagent.node.egress_policy import DEFAULT_DENY, GROUPS, parse_text
+from ckagent.pod.command import parse as parse_supervise
 
 REPO = Path(__file__).resolve().parent.parent
 UNIT = REPO / "config" / "ckagent.service"
@@ -169,7 +170,9 @@ def test_every_pod_runs_the_supervisor_migrates_on_stop_and_probes_both_ports(va
     container = workload.container
     # PID 1 is the supervisor; the config it names is the ConfigMap's, mounted there
     assert container["command"] == SUPERVISE
-    assert "args" not in container or container["args"][0] == "--", "the agent's own flags follow `--`"
+    options = parse_supervise([*container["command"][3:], *container.get("args", [])])
+    assert options.config == CONFIG_PATH and options.live_port is None
+    assert options.agent_args == container.get("args", ["--"])[1:], "the agent's own flags follow `--`"
     settings = pod_settings(objects, workload, tmp_path)
     assert settings.agent.port == 9000 and str(settings.agent.bind) == "0.0.0.0", "the kubelet probes the pod IP"
     assert yaml.safe_load(config_text(objects, workload))["agent"]["sigterm"] == "migrate"
@@ -343,7 +346,7 @@ def _dockerfile() -> list[tuple[str, str]]:
     return instructions
 
 
-def test_dockerfile_builds_the_pyz_and_runs_it_as_the_deployments_user() -> None:
+def test_dockerfile_runs_the_supervisor_as_the_deployments_pid_1_and_user() -> None:
     instructions = _dockerfile()
     known = {"FROM", "RUN", "COPY", "ENV", "USER", "WORKDIR", "VOLUME", "EXPOSE", "STOPSIGNAL", "HEALTHCHECK",
              "ENTRYPOINT", "CMD", "ARG", "LABEL"}
@@ -353,12 +356,12 @@ def test_dockerfile_builds_the_pyz_and_runs_it_as_the_deployments_user() -> None
     last = {keyword: args for keyword, args in instructions}
     deployment = by_kind(rendered("base"))["Deployment"]
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    # The image runs the same pyz with the same config file as the pod's command (the pod writes its
-    # command out: it does not depend on the image's ENTRYPOINT).
-    image_command = json.loads(last["ENTRYPOINT"]) + json.loads(last.get("CMD", "[]"))
+    # The image's PID 1 is the pod's: the supervisor, with the config file the ConfigMap is mounted at
+    # (the pod writes its command out: it does not depend on the image's tag).
+    assert json.loads(last["ENTRYPOINT"]) == container["command"] == SUPERVISE
+    assert "CMD" not in last, "the agent's own arguments, if any, come after `--` (the Job's args)"
+    assert not any(k == "RUN" and "tini" in a for k, a in instructions), "the supervisor replaced tini"
     pyz = container["command"][1]
-    assert pyz in image_command and image_command[image_command.index(pyz) - 1] == container["command"][0]
-    assert image_command[image_command.index("-c") + 1] == CONFIG_PATH
     assert any(k == "COPY" and a.startswith("--from=build /out/ckagent.pyz ") and a.endswith(pyz)
                for k, a in instructions)
     assert any(k == "RUN" and "build/build_pyz.py" in a for k, a in instructions)
@@ -368,7 +371,7 @@ def test_dockerfile_builds_the_pyz_and_runs_it_as_the_deployments_user() -> None
     assert last["USER"] == f"{user}:{user}"
     env = dict(re.findall(r"(\w+)=(\S+)", " ".join(a for k, a in instructions if k == "ENV")))
     assert env["AGENT_BIND"] == "0.0.0.0" and env["SHIV_ROOT"].startswith("/opt/")
-    assert f"127.0.0.1:{env['AGENT_PORT']}/healthz" in last["HEALTHCHECK"] or "/livez" in last["HEALTHCHECK"]
+    assert f"127.0.0.1:{int(env['AGENT_PORT']) + 1}/livez" in last["HEALTHCHECK"], "the supervisor's /livez"
     ports = {p["containerPort"] for p in container["ports"]}
     assert int(env["AGENT_PORT"]) in ports and set(map(int, last["EXPOSE"].split())) <= ports
     # the extraction is made at build time (warm start, read-only root filesystem)
@@ -412,3 +415,22 @@ def test_the_docs_name_the_versions_and_overlays_validated() -> None:
     assert f"kustomize {KUSTOMIZE_VERSION}" in validated
     for variant in VARIANTS:
         assert f"| `{variant if variant == 'base' else 'overlays/' + variant}` |" in section
+
+
+def test_the_prestop_command_runs_with_the_pods_config(tmp_path: Path) -> None:
+    """The hook as written (the pyz's `stop --migrate -c CONFIG`; here the checkout's module) parses and
+    reads the ConfigMap's config: with no agent on its work dir it says so and exits 3 at once."""
+    import sys
+
+    objects = rendered("base")
+    (workload,) = workloads(objects)
+    hook = workload.container["lifecycle"]["preStop"]["exec"]["command"]
+    assert hook[:2] == PYZ
+    config = yaml.safe_load(config_text(objects, workload))
+    config["task"]["work_dir"] = str(tmp_path / "data")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    argv = [sys.executable, "-m", "ckagent", *hook[2:-1], str(tmp_path / "config.yaml")]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False,
+                            env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert f"no agent runs on {tmp_path / 'data'}" in result.stderr

@@ -11,19 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from harness.manifests import VARIANTS, Workload, by_kind, config_text, pod_settings, rendered, workloads
+from harness.manifests import VARIANTS, Workload, agent_args, by_kind, pod_settings, rendered, workloads
 
 from ckagent.cli.stopagent import MARGIN
 from ckagent.code.frameworks import REGISTRY, SCRAPY_STOP_GRACE
 from ckagent.node.config import load_settings
 from ckagent.node.resources import compute_max_workers
+from ckagent.pod.command import parse as parse_supervise
+from ckagent.pod.livez import PROBE_TIMEOUT
 from ckagent.task.stop import stop_grace
 
-# The supervisor's bounds (PLAN39's contract for `ckagent supervise`): /livez waits this long for the
-# agent's /healthz, and answers 200 for an agent (re)starting for less than the start timeout.
-SUPERVISOR_HEALTHZ_WAIT = 2.0
-SUPERVISOR_START_TIMEOUT = 120.0
 KUBERNETES_DEFAULT_GRACE = 30
 WORKLOAD_VARIANTS = [v for v in VARIANTS if v != "monitoring"]
 
@@ -40,13 +37,10 @@ def _settings(variant: str, tmp_path: Path) -> list[Any]:
     return [pod_settings(objects, workload, tmp_path), load_settings(None, env={}, require_token=False)]
 
 
-def _agent_flags(workload: Workload) -> dict[str, str]:
-    """The agent's flags after `supervise --` in the pod's args: ``{"--max-tasks": "1", ...}``."""
-    args = workload.container.get("args", [])
-    if not args:
-        return {}
-    assert args[0] == "--"
-    return dict(zip(args[1::2], args[2::2], strict=True))
+def _start_timeout(workload: Workload) -> float:
+    """The supervisor's --start-timeout in the pod (its default unless the command names one): /livez
+    answers 200 for an agent (re)starting for less than this."""
+    return parse_supervise([*workload.container["command"][3:], *workload.container.get("args", [])]).start_timeout
 
 
 @pytest.mark.parametrize("variant", WORKLOAD_VARIANTS)
@@ -75,17 +69,17 @@ def test_the_grace_covers_the_migrate_and_a_drain(variant: str, tmp_path: Path) 
 def test_liveness_asks_the_supervisor_and_never_restarts_a_starting_agent(variant: str) -> None:
     """The kubelet restarts the container (and every crawl in it) after a run of failed liveness
     probes: initialDelaySeconds + periodSeconds × failureThreshold (35 s), less than the supervisor's
-    start timeout (120 s) during which an agent restarting in place does not answer. So liveness asks
+    start timeout (120 s) during which an agent restarting in place may not answer. So liveness asks
     the supervisor, which covers that window, never the agent's port; and its timeoutSeconds exceeds
-    the supervisor's own wait on the agent's /healthz (2 s), so a slow but alive agent is not a failed
-    probe. Readiness may ask the agent: a restarting agent is rightly not ready."""
+    the supervisor's own wait on the agent's /healthz (PROBE_TIMEOUT, 2 s), so a slow but alive agent is
+    not a failed probe. Readiness may ask the agent: a restarting agent is rightly not ready."""
     _, workload = _workload(variant)
     live, ready = workload.container["livenessProbe"], workload.container["readinessProbe"]
     window = live["initialDelaySeconds"] + live["periodSeconds"] * live["failureThreshold"]
-    assert window < SUPERVISOR_START_TIMEOUT
+    assert window < _start_timeout(workload) == 120
     assert live["httpGet"]["port"] == "supervisor" != ready["httpGet"]["port"]
-    assert live["timeoutSeconds"] > SUPERVISOR_HEALTHZ_WAIT
-    assert ready["timeoutSeconds"] > SUPERVISOR_HEALTHZ_WAIT
+    assert live["timeoutSeconds"] > PROBE_TIMEOUT
+    assert ready["timeoutSeconds"] > PROBE_TIMEOUT
     assert "startupProbe" not in workload.container, "the supervisor covers the agent's start"
 
 
@@ -140,10 +134,8 @@ def test_keda_scales_on_the_slots_of_a_pod_and_scales_in_slower_than_a_migrate(t
     for s in _settings("keda", tmp_path):
         assert policy["periodSeconds"] > s.task.migrate_timeout + s.task.flush_timeout + MARGIN
     assert scaled["cooldownPeriod"] >= down["stabilizationWindowSeconds"] >= policy["periodSeconds"]
-    assert _agent_flags(workload) == {}
-    assert not {"AGENT_EXIT_WHEN_IDLE", "AGENT_MAX_TASKS"} & {e["name"] for e in workload.container["env"]}
-    agent = yaml.safe_load(config_text(objects, workload))["agent"]
-    assert not {"exit_when_idle", "max_tasks"} & set(agent)
+    assert settings.agent.exit_when_idle == 0 and settings.agent.max_tasks == 0
+    assert agent_args(workload) == []
 
 
 def test_the_job_waits_two_long_polls_for_its_task_and_its_deadline_covers_one_task(tmp_path: Path) -> None:
@@ -154,13 +146,14 @@ def test_the_job_waits_two_long_polls_for_its_task_and_its_deadline_covers_one_t
     flush — with the room the manifest's comment gives for a task naming a longer timeout."""
     objects, workload = _workload("keda-job")
     job = by_kind(objects)["ScaledJob"]["spec"]
-    flags = _agent_flags(workload)
-    assert flags["--max-tasks"] == "1"
-    idle = float(flags["--exit-when-idle"])
+    pod = pod_settings(objects, workload, tmp_path)
+    assert pod.agent.max_tasks == 1 and pod.agent.exit_when_idle == 60
+    idle = pod.agent.exit_when_idle
     deadline = job["jobTargetRef"]["activeDeadlineSeconds"]
     for settings in _settings("keda-job", tmp_path):
         task = settings.task
         assert idle > 2 * task.long_poll_wait
         longest = max(task.kill_grace, task.max_stop_grace)
-        assert deadline > SUPERVISOR_START_TIMEOUT + idle + task.execute_timeout + longest + task.flush_timeout
-        assert deadline - (SUPERVISOR_START_TIMEOUT + idle + longest + task.flush_timeout) == 14_030
+        start = _start_timeout(workload)
+        assert deadline > start + idle + task.execute_timeout + longest + task.flush_timeout
+        assert deadline - (start + idle + longest + task.flush_timeout) == 14_030

@@ -3,12 +3,13 @@
 Commands::
 
     ckagent [-c FILE]                 same as `ckagent run -c FILE`
-    ckagent run [-c FILE]             run the agent until SIGTERM/SIGINT
+    ckagent run [-c FILE] [--exit-when-idle S] [--max-tasks N]   run the agent until SIGTERM/SIGINT (or idle / N tasks done)
     ckagent stop [--migrate] -c FILE  stop the agent of that config's work dir (drain / migrate), wait (stopagent.py)
     ckagent config check [-c FILE]    validate the configuration, say which containment and egress levels
                                       this node gets and what would raise each, print "config OK: FILE"
     ckagent config show [-c FILE]     print the effective settings as YAML (secrets masked)
     ckagent version                   print the ckagent and Python versions
+    ckagent supervise [-c FILE] [-- ARGS]   a pod's PID 1: runs `run` as its child, keeps it up (ckagent.pod)
     ckagent dev-master ...            run the reference master (SQLite)
     ckagent demo [--work-dir DIR] [--keep] [-c FILE]   dev master + agent + example spiders, end to end, checked
     ckagent exec PATH [--spider NAME] [--param K=V ...] [--env K=V ...] [--args "..."] [--items FILE] [--artifacts DIR] ...
@@ -16,7 +17,8 @@ Commands::
 
 Exit codes (ckagent.node.errors, translated once in :func:`main`): 0 ok; 2 usage or configuration error
 (``ckagent: config error: <msg>`` on stderr); 1 the agent cannot run (``ckagent: cannot run: <msg>``,
-unless the agent's log already said it on stderr).
+unless the agent's log already said it on stderr); 3 (``run``) an ephemeral worker stopped with results
+undelivered (ckagent.node.ephemeral).
 """
 
 from __future__ import annotations
@@ -97,6 +99,8 @@ def _app() -> App:
     app.command(dev_master, name="dev-master")
     app.command(demo_command, name="demo")
     app.command(exec_command, name="exec")
+    from ckagent.cli.supervise import supervise_command
+    app.command(supervise_command, name="supervise")
     return app
 
 
@@ -122,17 +126,31 @@ def _config_default() -> int:
     return EXIT_USAGE
 
 
-def run(*, config: ConfigOption = None) -> int:
+def run(*, config: ConfigOption = None, exit_when_idle: str | None = None, max_tasks: str | None = None) -> int:
     """Run the agent: register, heartbeat, poll and run tasks until SIGTERM (drain) or SIGINT (stop).
 
     Needs a registration token (agent.registration_token or AGENT_REGISTRATION_TOKEN). A token or
     key in the environment is first moved out of it: the process re-executes itself (same pid)
     with the credentials in a memory file (ckagent.node.secretenv), so /proc/<pid>/environ never shows them.
+
+    Parameters
+    ----------
+    exit_when_idle
+        SECONDS (> 0): an ephemeral worker stops (a drain), leaves the master and exits 0 after this long with
+        no task claimed, running or undelivered (agent.exit_when_idle).
+    max_tasks
+        N (>= 1): claim at most N tasks in the agent's life, then stop once they are delivered and exit 0
+        (agent.max_tasks).
     """
+    from ckagent.cli.runflags import RunFlags
     from ckagent.node.secretenv import reexec_without_secrets
 
+    try:
+        flags = RunFlags.parse(exit_when_idle, max_tasks)
+    except ValueError as exc:
+        raise _UsageError(f"run: {exc}") from None
     reexec_without_secrets()
-    settings = _load(config, require_token=True)
+    settings = flags.apply(_load(config, require_token=True))
     with _httpx_without_its_cli():
         from ckagent.cli.runagent import run_agent
 
@@ -437,6 +455,9 @@ def main(argv: list[str] | None = None) -> None:
     """
     defer_httpx_cli()  # (before anything imports httpx: rich, click and pygments stay out of the start)
     tokens = sys.argv[1:] if argv is None else argv
+    if tokens[:1] == ["supervise"]:  # (its own parser, ckagent.pod.command; ckagent/__main__.py comes here first)
+        from ckagent.cli.supervise import supervise_main
+        supervise_main(tokens[1:])
     plain, config = _plain_run(tokens)
     try:
         if plain:  # without cyclopts: see the comment above _app()

@@ -50,6 +50,9 @@ node without yarn or pnpm),
 - What an autoscaler reads (:mod:`harness.autoscale`): :func:`scrape_samples` (a /metrics parsed by
   prometheus-client), :func:`keda_desired` (the manifests' KEDA query), :func:`serve_result_gate` (a dev
   master holding final results until the test opens it), :data:`GO_SPIDER`.
+- A pod's PID 1 (:mod:`harness.supervised`): :class:`SupervisedNode` runs ``ckagent supervise`` as PID 1 of
+  a pid namespace of its own (:func:`in_pid_namespace`: ``unshare``, root or a plain user) with a real
+  agent, and finds the agent's and PID 1's outer pids; :func:`process_table` reads /proc.
 - An agent as a process: :func:`agent_process` (test timings), :func:`wait_registered`,
   :func:`wait_exit`, :func:`node_status`; :func:`wait_for_log` waits for a line in the master.
 - :func:`another_agent` holds an entry in a registry of agents' ports from a process of its own
@@ -148,6 +151,7 @@ from harness.scrapyprojects import *  # noqa: F403
 from harness.scrapyresume import *  # noqa: F403
 from harness.smalldisk import *  # noqa: F403
 from harness.spiderstate import *  # noqa: F403
+from harness.supervised import *  # noqa: F403
 from harness.tempdirs import *  # noqa: F403
 from harness.tenantmatrix import *  # noqa: F403
 from harness.tenants import *  # noqa: F403

@@ -15,6 +15,7 @@ validated offline, its pods and the agent settings they run with.
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import functools
 import gzip
@@ -28,8 +29,20 @@ import yaml
 
 from harness.kustomize import KustomizeUnavailable, kustomize_binary, kustomize_build
 
-__all__ = ["CRDS", "K8S", "KUBERNETES_VERSIONS", "VARIANTS", "Workload", "by_kind", "custom_errors",
-           "pod_settings", "rendered", "schema_errors", "workloads"]
+__all__ = [
+    "CRDS",
+    "K8S",
+    "KUBERNETES_VERSIONS",
+    "VARIANTS",
+    "Workload",
+    "agent_args",
+    "by_kind",
+    "custom_errors",
+    "pod_settings",
+    "rendered",
+    "schema_errors",
+    "workloads",
+]
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "config" / "k8s"
@@ -51,21 +64,26 @@ def variant_dir(variant: str) -> Path:
 
 
 @functools.cache
-def _rendered(variant: str) -> tuple[dict[str, Any], ...] | str:
+def _rendered_all() -> dict[str, list[dict[str, Any]]] | str:
+    """Every variant rendered, side by side (a kustomize build of an overlay with patches spends most of
+    its second loading its schemas: one process per variant, at once); or why there is no kustomize."""
     try:
         binary = kustomize_binary()
     except KustomizeUnavailable as exc:
         return f"NOT RENDERED: {exc}"
-    return tuple(kustomize_build(variant_dir(variant), binary))
+    with concurrent.futures.ThreadPoolExecutor(len(VARIANTS)) as pool:
+        builds = {v: pool.submit(kustomize_build, variant_dir(v), binary) for v in VARIANTS}
+        return {v: build.result() for v, build in builds.items()}
 
 
 def rendered(variant: str) -> list[dict[str, Any]]:
     """A deep copy of the objects ``kustomize build`` gives for ``variant``; skips the calling test
-    with the reason when no kustomize can be had. Blocking (a download the first time, a process)."""
-    objects = _rendered(variant)
-    if isinstance(objects, str):
-        pytest.skip(objects)
-    return copy.deepcopy(list(objects))
+    with the reason when no kustomize can be had. Blocking (a download the first time, processes)."""
+    every = _rendered_all()
+    if isinstance(every, str):
+        pytest.skip(every)
+    objects = every[variant]
+    return copy.deepcopy(objects)
 
 
 def by_kind(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -179,14 +197,29 @@ def config_text(objects: list[dict[str, Any]], workload: Workload) -> str:
     raise AssertionError(f"{path} is on no volume of the pod")
 
 
+def agent_args(workload: Workload) -> list[str]:
+    """The arguments the pod's supervisor gives ``ckagent run`` (after its ``--``), parsed by the
+    supervisor's own parser from the container's command and args."""
+    from ckagent.pod.command import parse
+
+    return parse([*workload.container["command"][3:], *workload.container.get("args", [])]).agent_args
+
+
 def pod_settings(objects: list[dict[str, Any]], workload: Workload, tmp_path: Path) -> Any:
     """The agent's Settings in ``workload``'s pod: the ConfigMap's config.yaml (as the command names
     it) through ckagent's loader, with the container's plain ``AGENT_*`` env values over it (values
-    from the cluster — secrets, the pod's name and IP — left out)."""
+    from the cluster — secrets, the pod's name and IP — left out), and the `ckagent run` flags the
+    supervisor passes on (parsed by the CLI's own parser, laid over as `run` does)."""
+    from ckagent.cli import _app
+    from ckagent.cli.runflags import RunFlags
     from ckagent.node.config import load_settings
 
     path = tmp_path / f"{workload.kind}.config.yaml"
     path.write_text(config_text(objects, workload))
     env = {e["name"]: e["value"] for e in workload.container.get("env", [])
            if "value" in e and e["name"].startswith("AGENT_")}
-    return load_settings(path, env=env, require_token=False)
+    settings = load_settings(path, env=env, require_token=False)
+    command, bound, ignored = _app().parse_args(["run", *agent_args(workload)])
+    assert command.__name__ == "run" and not ignored, (command, ignored)
+    flags = RunFlags.parse(bound.arguments.get("exit_when_idle"), bound.arguments.get("max_tasks"))
+    return flags.apply(settings)

@@ -17,14 +17,15 @@ work dir) whose process is ``unshare`` making
   allowPrivilegeEscalation false = no_new_privs): as root the box's first process switches to
   :data:`POD_UID` (no passwd entry, as in an image) with ``setpriv``; as a plain user the box is a user
   namespace mapping that user to itself (``--map-current-user --keep-caps``: the capabilities it needs
-  for the mounts live only in that namespace) and every capability is dropped before PID 1 is exec'ed;
+  for the mounts live only in that namespace) and every capability (bounding and inheritable sets; the
+  ambient set follows) is dropped before PID 1 is exec'ed;
 - the **host's network namespace** (a pod has its own: here the agent and its tasks reach the reference
   master, the test's sites and PyPI over the host's loopback and network; the ``agent`` egress group's
   registry is the box's own /tmp, as in a pod).
 
-Variants (:data:`VARIANTS`), as the manifests' overlays: ``plain`` (config/k8s/deployment.yaml),
-``net_admin`` (the same with ``CAP_NET_ADMIN`` kept: ambient, inheritable, bounding) and
-``privileged`` (root in the box with every capability, the cgroup mounts writable). :func:`box_cannot`
+Variants (:data:`VARIANTS`), as the manifests: ``plain`` (config/k8s/base), ``net_admin``
+(overlays/net-admin: root in the box with only :data:`NET_ADMIN_CAPS`, the cgroup read-only) and
+``privileged`` (overlays/privileged: root with every capability, the cgroup mounts writable). :func:`box_cannot`
 says why this machine (or user) cannot make one.
 
 The agent's own files are the host's paths: the test reads the work dir, the log
@@ -56,8 +57,11 @@ __all__ = ["POD_UID", "VARIANTS", "BoxRun", "PodBox", "box_cannot", "box_process
 
 VARIANTS = ("plain", "net_admin", "privileged")
 POD_UID = 10001
-"""The uid (and gid) the box's agent runs as when this process is root: config/k8s/deployment.yaml's
+"""The uid (and gid) the plain box's agent runs as when this process is root: config/k8s/base's
 ``runAsUser``/``runAsGroup`` (no passwd entry, as in the image)."""
+NET_ADMIN_CAPS = ("net_admin", "setuid", "setgid", "chown", "fowner", "dac_override", "kill")
+"""The capabilities config/k8s/overlays/net-admin adds (to root: Kubernetes sets no ambient capabilities,
+so a capability added to a non-root container is of no use to it), every other one dropped."""
 SYSTEM_PYTHON = Path("/usr/bin/python3")
 """The image's interpreter (config/Dockerfile: the pyz on the system's Python)."""
 INIT = Path(__file__).with_name("podboxinit.py")
@@ -178,8 +182,8 @@ class PodBox(AgentProcess):
         self.variant = variant
         self.live_port = live_port
         self.root_host = os.geteuid() == 0
-        self.uid = (0 if variant == "privileged" else POD_UID) if self.root_host else os.geteuid()
-        self.gid = (0 if variant == "privileged" else POD_UID) if self.root_host else os.getegid()
+        self.uid = (POD_UID if variant == "plain" else 0) if self.root_host else os.geteuid()
+        self.gid = (POD_UID if variant == "plain" else 0) if self.root_host else os.getegid()
         self.bin = directory / "bin"
         self.home = directory / "home"
         self.tmp = directory / "tmp"
@@ -211,13 +215,15 @@ class PodBox(AgentProcess):
     # ------------------------------------------------------------------------------------ the commands
 
     def _drop(self) -> list[str]:
-        """The ``setpriv`` prefix that makes a command the box's user with the variant's capabilities."""
+        """The ``setpriv`` prefix that makes a command the box's user with the variant's capabilities: none
+        (plain: uid :data:`POD_UID` as root makes the box), :data:`NET_ADMIN_CAPS` for root (net_admin), all
+        (privileged: nothing to drop). No privilege escalation (no_new_privs) but for privileged."""
         if self.variant == "privileged":
             return []
-        caps = "-all,+net_admin" if self.variant == "net_admin" else "-all"
+        caps = "-all" + "".join(f",+{cap}" for cap in NET_ADMIN_CAPS) if self.variant == "net_admin" else "-all"
         ids = [f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups"] if self.root_host else []
-        return [_tool("setpriv") or "setpriv", *ids, f"--inh-caps={caps}", f"--ambient-caps={caps}",
-                f"--bounding-set={caps}", "--no-new-privs", "--"]
+        return [_tool("setpriv") or "setpriv", *ids, f"--inh-caps={caps}", f"--bounding-set={caps}",
+                "--no-new-privs", "--"]
 
     def pid1_argv(self) -> list[str]:
         """The image's entrypoint: ``python3 ckagent.pyz supervise -c CONFIG [--live-port N]``."""
