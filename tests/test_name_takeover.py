@@ -348,6 +348,14 @@ def test_the_name_moving_to_a_new_node_uid_ends_the_holders_running_attempts_age
         assert (first["status"], first["errorCode"], first["causeClass"], first["counted"]) == \
             ("FAILED", "AGENT_LOST", "disruption", False)
         assert A in first["errorMessage"] and B in first["errorMessage"]
+        # the same when the name moves after the window (no nameExclusive): B's claim of attempt 2, then C
+        [again], _ = store.claim_pending(node, poll_id=2, limit=1, exclude_spider_ids=[], base_url="")
+        assert again["attempt"] == 2
+        later = time.time() + store.node_live_seconds + 1
+        store.register_node(_request(C), at=later)
+        view = store.get_task(task)
+        assert (view["status"], view["attempt"]) == ("PENDING", 3), view
+        assert view["attempts"][1]["errorCode"] == "AGENT_LOST"
     finally:
         store.close()
 
