@@ -26,6 +26,7 @@ from harness import (
     heartbeat_of,
     page_counts,
     readyz,
+    register_body,
     running_agent,
     short_live_master,
     status_port,
@@ -518,3 +519,45 @@ async def test_a_partitioned_pod_loses_name_and_crawl_to_its_replacement_and_is_
 async def _beat_after(admin: Any, moment: str) -> bool:
     [node] = await admin.list_nodes()
     return bool(node["lastHeartbeatAt"] and node["lastHeartbeatAt"] > moment)
+
+
+async def test_an_agent_whose_name_was_taken_over_waits_and_still_stops_cleanly(
+    dev_master: Any, nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """The holder of an exclusive name, taken over by another nodeUid (a raw registration here): its next
+    heartbeat gets 401, its registration 409 — it waits (no exit, no taking back), /readyz says why, and a
+    drain still stops it at once with exit 0, sending nothing (no final beat, no leaving: not its name)."""
+    settings = agent_settings(tmp_path / "a", dev_master.base_url, dev_master.registration_token,
+                              AGENT_NAME="crawler-0", AGENT_NAME_EXCLUSIVE="on")
+    holder = Agent(settings)
+    codes: list[int] = []
+
+    async def run_holder() -> None:
+        codes.append(await holder.run())
+
+    with trio.fail_after(120):
+        nursery.start_soon(run_holder)
+        await holder.started.wait()
+        await eventually(lambda: _true(holder.heartbeat is not None and holder.heartbeat.last_success), 60)
+        body = {**register_body("crawler-0"), "nodeUid": C, "nameExclusive": True}
+        async with httpx.AsyncClient(base_url=dev_master.base_url, timeout=10) as http:
+            taken = await http.post("/api/nodes/register", json=body,
+                                    headers={"X-Registration-Token": dev_master.registration_token})
+        assert taken.status_code == 200, taken.text
+
+        async def waiting() -> str | None:
+            problem = holder.master.connectivity.problem
+            return problem if problem and "waiting for the name crawler-0" in problem else None
+
+        problem = await eventually(waiting, 60, "the earlier holder waits for its name")
+        assert "does not take a name back" in problem and not holder.master.registered
+        async with httpx.AsyncClient(timeout=5) as client:
+            ready = await client.get(f"http://127.0.0.1:{holder.status_port}/readyz")
+        assert ready.status_code == 503 and "waiting for the name crawler-0" in ready.text
+        [node] = await dev_master.admin.list_nodes()
+        assert node["displacedNodeUids"] == [holder.node_uid]  # the taker keeps the name
+        holder.drain()
+        await eventually(lambda: _true(codes), 60, "the earlier holder's exit")
+    assert codes == [0]
+    [node] = await dev_master.admin.list_nodes()
+    assert node["leftAt"] is None and node["displacedNodeUids"] == [holder.node_uid]
