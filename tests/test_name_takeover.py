@@ -250,7 +250,8 @@ async def test_a_rescheduled_pod_after_a_kill_waits_for_the_name_then_registers_
         assert second.process is not None and second.process.returncode is None
         log = second.log_text()
         assert log.count("waiting for the name crawler-0") == 1, log
-        assert "the node's name is this agent's now" in log
+        # the wait's end is said (or, when a timeout under load came between, "master reachable again")
+        assert "registered with" in log, log[-3000:]
         await eventually(lambda: _ready(port), 60, "the replacement ready")
         second.signal(signal.SIGTERM)
         assert await wait_exit(second, 60) == 0
