@@ -212,7 +212,14 @@ def _base_pod() -> dict[str, Any]:
     return dict(by_kind(rendered("base"))["Deployment"]["spec"]["template"])
 
 
-def test_the_statefulset_pod_is_the_deployments_but_for_its_name_and_volume() -> None:
+def test_the_statefulset_pod_is_the_deployments_but_for_its_name_and_volume(tmp_path: Path) -> None:
+    """A StatefulSet runs at most one pod under a name: only its agents say so (agent.name_exclusive,
+    so the master hands a rescheduled pod its name at once); a Deployment's or a Job's never do."""
+    for variant in VARIANTS:
+        objects = rendered(variant)
+        for workload in workloads(objects):
+            exclusive = pod_settings(objects, workload, tmp_path).agent.name_exclusive
+            assert exclusive is (workload.kind == "StatefulSet"), variant
     kinds = by_kind(rendered("statefulset"))
     sts, service = kinds["StatefulSet"], kinds["Service"]
     template, base = sts["spec"]["template"], _base_pod()
