@@ -280,8 +280,8 @@ class Agent:
             self.notices.set(*notice)
         if os.getpid() == 1:
             log.warning("running as PID 1 without an init: processes orphaned by spiders are not reaped "
-                        "(<defunct> entries pile up); run the container with `--init` or tini "
-                        "(see docs/operations.md)")
+                        "(<defunct> entries pile up) and a crash ends every crawl; start the container "
+                        "with `ckagent supervise` as PID 1 (docs/operations.md, \"PID 1 and zombies\")")
         # Registration uses the last scan (cached on disk): a fresh scan runs ~0.5-1 s of
         # subprocesses, so it goes on in the background and reaches the master with the heartbeats.
         await self.scan.load_cached(identities)  # (and whether spiders' Chromium can sandbox itself)

@@ -61,7 +61,8 @@ class AgentSettings:
     :mod:`ckagent.node.agentports`). ``sigterm``: what SIGTERM asks of the agent, ``drain`` or
     ``migrate`` (:class:`ckagent.node.stoprequest.StopMode`). An ephemeral worker
     (:mod:`ckagent.node.ephemeral`): ``exit_when_idle`` seconds idle before it stops (0 = never),
-    ``max_tasks`` tasks it claims in its life (0 = no limit).
+    ``max_tasks`` tasks it claims in its life (0 = no limit). ``name_exclusive``: at most one agent
+    runs under ``name`` (the orchestrator's word), so its registration takes the name over (ckagent.master.fleet).
     """
 
     name: str
@@ -77,6 +78,7 @@ class AgentSettings:
     sigterm: str = "drain"
     exit_when_idle: float = 0.0
     max_tasks: int = 0
+    name_exclusive: bool = False
 
     @property
     def container_cpu_limit_cores(self) -> float | None:
@@ -283,6 +285,10 @@ SETTINGS: tuple[Setting, ...] = (
             "An ephemeral worker (`ckagent run --max-tasks`): claim at most this many tasks in the agent's life "
             "(a restart after a crash goes on counting: work_dir/max-tasks.json), then stop once they are "
             "delivered, leave and exit 0; 0 = no limit.", v.integer(0)),
+    Setting("agent", "name_exclusive", "AGENT_NAME_EXCLUSIVE", "on/off", False,
+            "The orchestrator runs at most one agent with this agent.name (a StatefulSet's pod), so a new work "
+            "dir (a new nodeUid) takes the name over at once instead of waiting until the master counts the "
+            "earlier holder's heartbeats old; its running tasks resume elsewhere. Off: wait.", v.boolean),
     Setting("heartbeat", "interval", "AGENT_HEARTBEAT_INTERVAL", "seconds >= 1", 30.0,
             "Seconds between heartbeats.", v.seconds(minimum=1.0, exclusive=False)),
     Setting("task", "poll_interval", "AGENT_TASK_POLL_INTERVAL", "seconds >= 0.1", 10.0,
