@@ -262,7 +262,7 @@ class Agent:
             log.info("ckagent stopped")
         if failure is not None:
             raise failure
-        return await end_of_life(self.ephemeral, undelivered=self._undelivered,
+        return await end_of_life(self.ephemeral, self.work_dir, undelivered=self._undelivered,
                                  handed_over=self.supervisor is not None and self.supervisor.handing_over)
 
     async def _assemble(self, store: AsyncStateStore) -> tuple[Supervisor, Outbox, Poller]:

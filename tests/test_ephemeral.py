@@ -164,6 +164,39 @@ async def test_the_stop_reason_is_in_status(dev_master, tmp_path: Path) -> None:
     assert status["state"] == "STOPPED"
 
 
+async def test_tasks_arriving_as_the_idle_timer_fires_are_run_or_left_pending(dev_master, tmp_path: Path) -> None:
+    """Rounds of an in-process agent with `AGENT_EXIT_WHEN_IDLE=1` and a task submitted around the moment its
+    timer fires (0.7-1.3 s after its start, real time): every agent exits 0, and every task is either run to
+    SUCCESS (claimed as the timer fired: the agent went on, then stopped idle) or PENDING with no node — never
+    lost RUNNING for an agent that left, never run twice."""
+    admin = dev_master.admin
+    outcomes: list[str] = []
+    for round_ in range(6):
+        settings = agent_settings(tmp_path / f"node-{round_}" / "data", dev_master.base_url,
+                                  dev_master.registration_token, AGENT_EXIT_WHEN_IDLE="1",
+                                  AGENT_NAME=f"race-{round_}")
+        agent = Agent(settings)
+        codes: list[int] = []
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                async def run(agent: Agent = agent, codes: list[int] = codes) -> None:
+                    codes.append(await agent.run())
+
+                nursery.start_soon(run)
+                await agent.started.wait()
+                await trio.sleep(0.7 + 0.12 * round_)
+                task = await submit(admin, f"race-{round_}", QUICK)
+        assert codes == [0]
+        final = await admin.get_task(task)
+        if final["status"] == "PENDING":
+            assert final.get("nodeId") is None, final
+            await admin.cancel_task(task)  # (the next round's agent must not take it)
+        else:
+            assert (final["status"], final["attempt"]) == ("SUCCESS", 1), final
+        outcomes.append(final["status"])
+    assert set(outcomes) <= {"SUCCESS", "PENDING"}, outcomes
+
+
 @pytest.mark.parametrize(("argv", "said"), [
     (["--max-tasks", "0"], "--max-tasks '0': expected an integer >= 1"),
     (["--max-tasks", "-1"], "--max-tasks '-1': expected an integer >= 1"),

@@ -12,10 +12,11 @@ import trio
 from harness.ephemeral import FakeNode
 
 from ckagent.master.protocol import Task
-from ckagent.node.ephemeral import BUDGET_KEY, IDLE_KEY, EphemeralWatch
+from ckagent.node.ephemeral import BUDGET_KEY, EXIT_UNDELIVERED, IDLE_KEY, EphemeralWatch
 from ckagent.node.intake import IntakeGate
 from ckagent.node.taskbudget import BUDGET_FILE, TaskBudget
 from ckagent.task.admission import Admission
+from ckagent.task.lifespan import end_of_life
 
 
 async def test_an_idle_agent_stops_after_exactly_the_idle_seconds(autojump_clock: trio.abc.Clock) -> None:
@@ -154,3 +155,20 @@ def test_a_soft_cause_stops_polls_but_refuses_no_answer_in_hand() -> None:
     assert gate.reason is None and gate.refusal is None
     gate.close(IDLE_KEY, "now hard")  # closing again without soft makes the cause hard
     assert gate.refusal == "now hard"
+
+
+async def test_the_exit_code_and_the_end_of_the_life(tmp_path: Path) -> None:
+    """end_of_life: 3 after an ephemeral stop with results undelivered (the count kept for the next start);
+    a hand-over keeps the count; any other clean stop removes it — also an agent's without max_tasks, so a
+    count a crashed life left never carries over into a later one."""
+    node = FakeNode()
+    budget = TaskBudget.load(1, tmp_path)
+    budget.take("t1")
+    watch = EphemeralWatch(node.gate, node.activity(), node.stop, exit_when_idle=0, budget=budget)
+    await watch.run()
+    assert await end_of_life(watch, tmp_path, undelivered=1, handed_over=False) == EXIT_UNDELIVERED
+    assert (tmp_path / BUDGET_FILE).exists()
+    assert await end_of_life(None, tmp_path, undelivered=0, handed_over=True) == 0
+    assert (tmp_path / BUDGET_FILE).exists()
+    assert await end_of_life(None, tmp_path, undelivered=1, handed_over=False) == 0  # (not an ephemeral stop)
+    assert not (tmp_path / BUDGET_FILE).exists()

@@ -166,6 +166,7 @@ async def test_name_exclusive_is_sent_and_a_master_that_ignores_it_is_waited_out
 # ---------------------------------------------------------------------------- real agents, the real master
 
 
+@pytest.mark.slow
 async def test_a_second_agent_with_the_name_waits_says_why_and_starts_once_the_first_left(
     dev_master: Any, nursery: trio.Nursery, tmp_path: Path
 ) -> None:

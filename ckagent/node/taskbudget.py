@@ -8,8 +8,9 @@ over it, no fsync: a killed process loses nothing the kernel has, and a crashed 
 disk with it) at its admission, before its spider can start. The next agent on the work dir reads it
 back and goes on counting.
 
-A life ends with a deliberate stop (a drain, a terminate, an ephemeral exit that delivered everything):
-:meth:`TaskBudget.end_life` removes the file, so the next start counts from 0. A crash, ``kill -9``, the
+A life ends with a deliberate stop (a drain, a terminate, an ephemeral exit that delivered everything),
+also of an agent without ``max_tasks`` (a count a crashed life left must not carry over into a later
+one): :meth:`TaskBudget.end_life` removes the file (ckagent.task.lifespan), so the next start counts from 0. A crash, ``kill -9``, the
 OOM killer and a hand-over (SIGUSR2: the next agent re-adopts the running spiders) keep it.
 
 What counts: a claim the master answered (or a task a poll answer claimed for this node) that the node

@@ -8,6 +8,7 @@ ckagent.node.ephemeral's and ckagent.node.taskbudget's; this module only says wh
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import trio
 
@@ -16,7 +17,7 @@ from ckagent.node.config import Settings
 from ckagent.node.ephemeral import EXIT_UNDELIVERED, Activity, EphemeralWatch
 from ckagent.node.errors import EXIT_OK
 from ckagent.node.intake import IntakeGate
-from ckagent.node.taskbudget import TaskBudget
+from ckagent.node.taskbudget import BUDGET_FILE, TaskBudget
 from ckagent.task.poller import Poller
 from ckagent.task.supervisor import Supervisor
 
@@ -59,16 +60,16 @@ async def open_lifespan(settings: Settings, supervisor: Supervisor, poller: Poll
     return EphemeralWatch(gate, activity, lambda _reason: stop(), exit_when_idle=a.exit_when_idle, budget=budget)
 
 
-async def end_of_life(watch: EphemeralWatch | None, *, undelivered: int, handed_over: bool) -> int:
+async def end_of_life(watch: EphemeralWatch | None, work_dir: Path, *, undelivered: int, handed_over: bool) -> int:
     """The exit code of an agent that stopped (no start-up failure), and the end of its life's budget:
     :data:`EXIT_UNDELIVERED` after an ephemeral stop that left ``undelivered`` tasks' results or logs on disk
     (the budget file stays: the next start on the work dir delivers them and stops again), else 0 — and
-    unless the agent handed its tasks over (the next agent goes on with this life), the budget file is
-    removed: the next start counts from 0."""
-    if watch is None:
-        return EXIT_OK
-    if watch.reason is not None and undelivered:
+    unless the agent handed its tasks over (the next agent goes on with this life), the budget file of
+    ``work_dir`` is removed, also by an agent without ``agent.max_tasks`` (a count an earlier, crashed life
+    left must not carry over into a later one): the next start counts from 0."""
+    if watch is not None and watch.reason is not None and undelivered:
         return EXIT_UNDELIVERED
-    if watch.budget is not None and not handed_over:
-        await trio.to_thread.run_sync(watch.budget.end_life)
+    if not handed_over:
+        budget = watch.budget if watch is not None and watch.budget is not None else TaskBudget(1, work_dir / BUDGET_FILE, [])
+        await trio.to_thread.run_sync(budget.end_life)
     return EXIT_OK
