@@ -32,7 +32,16 @@ from harness import AgentProcess, CrawlSite, eventually, wait_exit, wait_registe
 from harness.checkpointnode import LostGraceMaster, short_grace_master
 from harness.handover import epoch_of, page_counts
 from harness.levelcheck import CheckRun
-from harness.podbox import POD_UID, VARIANTS, PodBox, box_cannot, box_processes, host_mounts, run_box
+from harness.podbox import (
+    POD_UID,
+    VARIANTS,
+    PodBox,
+    box_cannot,
+    box_processes,
+    host_leftovers,
+    host_mounts,
+    run_box,
+)
 from harness.podcrawls import crawl_problems, demo_problems, demo_tasks, resumable_spider
 from harness.pyz import free_port
 from harness.scrapyprojects import write_site_project
@@ -202,6 +211,12 @@ async def test_kill_9_of_the_agent_in_a_pod_loses_no_crawl(nursery: trio.Nursery
         final = await master.admin.wait_task_final(task_id, AGENT_TIMEOUT)
         items = await master.admin.get_items(task_id)
         assert box.pid1() == pid1, "PID 1 is not the one that was"
+        held = await trio.to_thread.run_sync(host_leftovers, box.work_dir)
+        assert bool(held) == (variant == "privileged"), held  # (the check below sees them: the table at least)
+        box.terminate()  # the pod ends as the kubelet ends it: its agent stops, and so does PID 1
+        assert await wait_exit(box, 60) == 0, box.log_text()[-3000:]
+    # nothing of the pod's agent is left on the host (a privileged one made cgroups and an nftables table there)
+    assert await trio.to_thread.run_sync(host_leftovers, box.work_dir) == []
     log = "\n".join(await master.admin.get_logs(task_id))
     print(f"figures kill -9 [{variant}]: agent {agent} → {restarted}, re-adopted after {back_after:.1f} s; {len(items)} items "
           f"of {site.pages}; pages fetched {site.fetched()}, twice {site.fetched_twice()}")

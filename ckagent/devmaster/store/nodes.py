@@ -138,8 +138,8 @@ class NodeStore(Database):
         must still be the node's current one — a registration since (the same agent's or another's,
         the name moved on) issued another, so a late leaving of an earlier holder changes nothing:
         UnauthorizedError (401). A ``leaving.node_uid`` other than the holder's: ConflictError (409),
-        nothing changes. Tasks the node still has RUNNING stay its own (the heartbeats of whoever
-        registers the name next reconcile them, docs/protocol.md "Claims and releases").
+        nothing changes. Tasks the node still has RUNNING stay its own (another nodeUid registering
+        the name ends their attempts AGENT_LOST: :meth:`register_node`).
         """
         with self._tx() as db:
             row = db.execute("SELECT info FROM nodes WHERE id = ? AND api_key_sha256 = ?",
