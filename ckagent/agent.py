@@ -13,6 +13,7 @@
         ├── heartbeat loop     until STOPPED (each beat sends one NodeReport: the state as it is)
         ├── lifecycle records  the tasks' facts, one channel → metrics, the canonical task line
         ├── runtime scan, version watch (the upgrade the master may ask for)
+        ├── ephemeral watch    agent.exit_when_idle / max_tasks: a drain when idle or done (ckagent.node.ephemeral)
         ├── outbox             every task's logs, items and result (delivery.Outbox): tasks hand
         │                      theirs over when their process ends (the slot frees at once); the
         │                      leftovers of an earlier run are resumed at start; retention cleanup
@@ -66,9 +67,8 @@ from ckagent.code.capabilities import Capabilities
 from ckagent.code.deps import Dependencies, IndexChooser, spider_base_env
 from ckagent.code.runtimescan import RuntimeScan
 from ckagent.code.workspace import Workspaces
-from ckagent.containment import Containment, ContainmentError, Limits, open_containment
-from ckagent.containment.egress import Egress, EgressError, PolicyError, open_egress, parse_text
-from ckagent.containment.hierarchy import agent_group_name
+from ckagent.containment import Containment, Limits
+from ckagent.containment.egress import Egress
 from ckagent.delivery import Outbox, OutboxConfig, cleanup_task_dirs
 from ckagent.delivery.lifecycle import CanonicalLine, Lifecycle
 from ckagent.master.client import MasterClient, RegistrationRefused
@@ -76,11 +76,11 @@ from ckagent.master.fleet import VersionWatch, final_beat, leave, load_node_uid,
 from ckagent.master.heartbeat import HeartbeatLoop, NodeReport
 from ckagent.master.masterclock import MasterClock
 from ckagent.master.protocol import HeartbeatResponse, RegisterRequest
-from ckagent.node.agentports import PortRegistry
-from ckagent.node.config import ConfigError, Settings
+from ckagent.node.config import Settings
+from ckagent.node.ephemeral import EphemeralWatch
 from ckagent.node.errors import StartupError
 from ckagent.node.hardening import freeze_startup_objects
-from ckagent.node.identity import Identities, IdentityError
+from ckagent.node.identity import Identities
 from ckagent.node.intake import DiskFloorWatch, IntakeGate
 from ckagent.node.listen import StatusPortError
 from ckagent.node.notices import Notices
@@ -93,11 +93,12 @@ from ckagent.port.snapshot import AgentHistory, agent_statistics, node_report
 from ckagent.port.status import AgentStatistics, AgentStatus, serve_status
 from ckagent.port.statuspage import StatusPage
 from ckagent.task.adoption import Adoption, admit_adopted, find_adoptable, run_adopted
+from ckagent.task.lifespan import end_of_life, open_lifespan
 from ckagent.task.migrating import REAP_MARGIN
 from ckagent.task.migration import migrate_node
+from ckagent.task.nodelevels import open_levels
 from ckagent.task.poller import Poller
 from ckagent.task.recovery import recover_lost_tasks
-from ckagent.task.runconfig import node_identities
 from ckagent.task.supervisor import RunnerConfig, RunningTask, Supervisor
 
 log = logging.getLogger(__name__)
@@ -151,6 +152,9 @@ class Agent:
         """trio time by which the agent stops waiting for tasks and the master (set by TERMINATING)."""
         self._hurry = False
         """A signal arrived while STOPPING: skip what is left, the last heartbeat included."""
+        self.ephemeral: EphemeralWatch | None = None
+        """agent.exit_when_idle / agent.max_tasks: the watch that stops an ephemeral worker (ckagent.task.lifespan)."""
+        self._undelivered = 0  # tasks whose results or logs the final flush left on disk
         self.supervisor: Supervisor | None = None
         self.poller: Poller | None = None
         self.outbox: Outbox | None = None
@@ -237,7 +241,8 @@ class Agent:
                         with self._flush_scope:
                             flushed = await outbox.flush_read(flush_until - trio.current_time())
                         log.info("handed over: %d task(s) left running for the next agent (%s)", self._handed, flushed)
-                    if not supervisor.handing_over and outbox.pending:
+                    self._undelivered = 0 if supervisor.handing_over else outbox.pending
+                    if self._undelivered:
                         log.warning("stopping with undelivered results or logs; they stay in %s for the "
                                     "next start", self.work_dir / "state.db")
                 root.cancel_scope.cancel()
@@ -257,30 +262,17 @@ class Agent:
             log.info("ckagent stopped")
         if failure is not None:
             raise failure
-        return 0
+        return await end_of_life(self.ephemeral, self.work_dir, undelivered=self._undelivered,
+                                 handed_over=self.supervisor is not None and self.supervisor.handing_over)
 
     async def _assemble(self, store: AsyncStateStore) -> tuple[Supervisor, Outbox, Poller]:
         """Build the agent's parts (no master traffic). Raises ConfigError for ``task.run_as_user``."""
         s = self.settings
-        try:  # whom spiders run as (the busy spiders: those with a claimed task, whose uids stay theirs)
-            identities = self.identities = await trio.to_thread.run_sync(
-                node_identities, s, store.sync, lambda: self.supervisor.running_spider_ids() if self.supervisor else [])
-        except IdentityError as exc:
-            raise ConfigError(str(exc)) from exc
-        try:
-            containment = self.containment = await trio.to_thread.run_sync(partial(  # (+ the tasks' private /tmp)
-                open_containment, s.task.containment, self.work_dir, node=s))
-        except ContainmentError as exc:
-            raise ConfigError(str(exc)) from exc
+        levels = await open_levels(s, store, lambda: self.supervisor.running_spider_ids() if self.supervisor else [])
+        identities = self.identities = levels.identities
+        containment = self.containment = levels.containment
+        self.egress = levels.egress
         self.metrics.containment_level(containment.level)
-        try:
-            policy = parse_text(s.task.egress_deny, s.task.egress_allow)
-            self.egress = await trio.to_thread.run_sync(partial(
-                open_egress, s.task.egress, containment, agent_group_name(self.work_dir), policy,
-                agent_port=s.agent.port or None, work_dir=self.work_dir,
-                registry=PortRegistry(s.agent.ports_registry, work_dir=self.work_dir)))
-        except (EgressError, PolicyError) as exc:
-            raise ConfigError(str(exc)) from exc
         self.metrics.egress_level(self.egress.level)
         self.metrics.egress_proxy = self.egress.server
         self.metrics.identity_level(identities.level)
@@ -288,8 +280,8 @@ class Agent:
             self.notices.set(*notice)
         if os.getpid() == 1:
             log.warning("running as PID 1 without an init: processes orphaned by spiders are not reaped "
-                        "(<defunct> entries pile up); run the container with `--init` or tini "
-                        "(see docs/operations.md)")
+                        "(<defunct> entries pile up) and a crash ends every crawl; start the container "
+                        "with `ckagent supervise` as PID 1 (docs/operations.md, \"PID 1 and zombies\")")
         # Registration uses the last scan (cached on disk): a fresh scan runs ~0.5-1 s of
         # subprocesses, so it goes on in the background and reaches the master with the heartbeats.
         await self.scan.load_cached(identities)  # (and whether spiders' Chromium can sandbox itself)
@@ -334,6 +326,7 @@ class Agent:
             reported=outbox.wait_delivered)
         self.disk_watch = DiskFloorWatch(self.intake, self.work_dir, s.task.min_free_disk_bytes,
                                          idle=(lambda: not outbox.deliveries, outbox.wait_busy))
+        self.ephemeral = await open_lifespan(s, supervisor, poller, outbox, self.intake, self.drain)
         return supervisor, outbox, poller
 
     async def _start(self, root: trio.Nursery, store: AsyncStateStore) -> StartupError | None:
@@ -400,6 +393,8 @@ class Agent:
         if s.task.min_free_disk_bytes:
             await self.disk_watch.check()  # before the first poll
             root.start_soon(self.disk_watch.run)
+        if self.ephemeral is not None:  # (idle from now on, or spent: a restart after the last task)
+            root.start_soon(self.ephemeral.run)
         self.started.set()
         return None
 

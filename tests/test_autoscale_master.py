@@ -165,7 +165,7 @@ async def test_a_real_agent_moves_the_query_and_the_slots(
     dev_master: Any, http: httpx.AsyncClient, nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     settings = agent_settings(tmp_path / "agent", dev_master.base_url, dev_master.registration_token)
-    with trio.fail_after(90):
+    with trio.fail_after(180):
         ids = [await submit(dev_master.admin, f"go-{i}", {"main.py": GO_SPIDER}) for i in range(3)]
         samples = await scrape_samples(http)
         assert sample_sum(samples, "ckmaster_tasks_pending") == 3 and keda_desired(samples, SLOTS_PER_POD) == 2
@@ -177,14 +177,14 @@ async def test_a_real_agent_moves_the_query_and_the_slots(
                         and sample_value(got, "ckmaster_slots_busy") == 2)
                 return got if done else None
 
-            samples = await eventually(two_running, 30, "two tasks running, two busy slots heartbeated")
+            samples = await eventually(two_running, 60, "two tasks running, two busy slots heartbeated")
             assert sample_sum(samples, "ckmaster_tasks_pending") == 1
             assert sample_value(samples, "ckmaster_slots_capacity") == 2
             assert nodes_of(samples) == {**dict.fromkeys(NODE_STATES, 0), "live": 1}
             assert keda_desired(samples, SLOTS_PER_POD) == 2  # a second pod for the third task
 
             for task_id in ids:  # each as it is claimed: the third runs once a slot is free
-                await wait_for_log(dev_master.admin, task_id, "ready", 30)
+                await wait_for_log(dev_master.admin, task_id, "ready", 60)
                 (agent.settings.task.work_dir / "tasks" / task_id / "go").touch()
                 await dev_master.admin.wait_task_final(task_id, 30)
 
@@ -321,7 +321,8 @@ async def test_scrapes_in_parallel_while_the_store_writes(dev_master: Any, http:
                     # one snapshot: by spider and by requirements count the same tasks
                     assert sample_sum(samples, "ckmaster_tasks_pending") == sample_sum(
                         samples, "ckmaster_tasks_pending_by_requirements")
-                    assert before - finished - 1 <= load <= after, (before, after, load)
+                    # (a task the writer's request has committed and it has not counted yet: + 1)
+                    assert before - finished - 1 <= load <= after + 1, (before, after, load)
                     scrapes.append(samples)
 
         async with trio.open_nursery() as nursery:

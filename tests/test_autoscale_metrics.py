@@ -65,7 +65,7 @@ async def test_a_running_task_holds_a_slot_and_stops_the_idle_clock(
     dev_master: Any, nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     settings = agent_settings(tmp_path / "agent", dev_master.base_url, dev_master.registration_token)
-    with trio.fail_after(90):
+    with trio.fail_after(180):
         async with running_agent(nursery, settings) as agent:
             assert agent.status_port
             async with port_client(agent.status_port) as client:
@@ -80,7 +80,7 @@ async def test_a_running_task_holds_a_slot_and_stops_the_idle_clock(
                     got = await figures(client)
                     return got if slots(got[0])[1] == 2 and got[1]["slotsBusy"] == 2 else None
 
-                samples, status = await eventually(both_busy, 30, "two busy slots")
+                samples, status = await eventually(both_busy, 60, "two busy slots")
                 assert slots(samples) == (2, 2, 0) and status["idleSeconds"] == 0
                 assert sample_value(samples, "ckagent_free_slots") == 0
 
@@ -117,19 +117,19 @@ async def test_a_task_whose_result_is_not_acknowledged_holds_no_slot_and_the_nod
 ) -> None:
     async with serve_result_gate(tmp_path) as master:
         settings = agent_settings(tmp_path / "agent", master.base_url, master.registration_token)
-        with trio.fail_after(90):
+        with trio.fail_after(180):
             async with running_agent(nursery, settings) as agent:
                 assert agent.status_port
                 async with port_client(agent.status_port) as client:
                     task_id = await submit(master.admin, "held", {"main.py": GO_SPIDER})
-                    await wait_for_log(master.admin, task_id, "ready", 30)
+                    await wait_for_log(master.admin, task_id, "ready", 60)
                     (task_dir(agent, task_id) / "go").touch()
 
                     async def delivering() -> tuple[Samples, dict[str, Any]] | None:
                         got = await figures(client)
                         return got if master.gate.held and slots(got[0])[1] == 0 else None
 
-                    samples, status = await eventually(delivering, 30, "the task ended, its result held")
+                    samples, status = await eventually(delivering, 60, "the task ended, its result held")
                     assert slots(samples) == (2, 0, 0) and sample_value(samples, "ckagent_free_slots") == 2
                     assert sample_value(samples, "ckagent_outbox_results") == 1
                     assert (status["slotsBusy"], status["idleSeconds"], status["freeSlots"]) == (0, 0, 2)
@@ -153,11 +153,11 @@ async def test_a_re_adopted_task_holds_a_slot(dev_master: Any, tmp_path: Path) -
     port = free_port()
     agent = agent_process(tmp_path, dev_master.base_url, dev_master.registration_token, agent__port=port)
     await agent.start()
-    with trio.fail_after(120):
+    with trio.fail_after(180):
         async with agent, port_client(port) as client:
             await wait_registered(dev_master.admin, agent)
             task_id = await submit(dev_master.admin, "adopted", {"main.py": GO_SPIDER})
-            await wait_for_log(dev_master.admin, task_id, "ready", 30)
+            await wait_for_log(dev_master.admin, task_id, "ready", 60)
             await agent.kill()
             await agent.start()
 
@@ -168,7 +168,7 @@ async def test_a_re_adopted_task_holds_a_slot(dev_master: Any, tmp_path: Path) -
                     return None
                 return got if got[1]["tasksAtStart"]["readopted"]["count"] == 1 else None
 
-            samples, status = await eventually(answering, 30, "the new agent's port, the task re-adopted")
+            samples, status = await eventually(answering, 60, "the new agent's port, the task re-adopted")
             assert slots(samples) == (2, 1, 0)
             assert (status["slotsBusy"], status["idleSeconds"]) == (1, 0)
             assert [t["id"] for t in status["runningTasks"]] == [task_id]

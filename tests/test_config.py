@@ -148,9 +148,10 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
         "AGENT_UV_INDEX_URL": "https://pypi.org/simple", "AGENT_UV_FALLBACK_INDEX_URL": "http://idx/simple",
         "AGENT_UV_CACHE_DIR": "cache", "AGENT_UV_SYNC_TIMEOUT": "9", "AGENT_UV_PATH": "/opt/uv",
         "AGENT_DEPS_ENV_BUDGET_BYTES": "0", "AGENT_DEPS_PYTHON": "/usr/bin/python3",
-        "AGENT_AUTO_UPGRADE": "on", "AGENT_PORTS_REGISTRY": "ports",
+        "AGENT_AUTO_UPGRADE": "on", "AGENT_PORTS_REGISTRY": "ports", "AGENT_NAME_EXCLUSIVE": "on",
         "AGENT_TASK_UID_CLAIMS": "claims", "AGENT_SIGTERM": "Migrate", "AGENT_TASK_MIGRATE_TIMEOUT": "15",
         "AGENT_TASK_MEMORY_SOFT_BYTES": "104857600", "AGENT_TASK_CHECKPOINT_INTERVAL": "30",
+        "AGENT_EXIT_WHEN_IDLE": "60", "AGENT_MAX_TASKS": "1",
     }  # fmt: skip
     assert set(values) == {s.env for s in SETTINGS}
     s = load(None, values)
@@ -159,7 +160,8 @@ def test_every_setting_has_a_working_env_var(tmp_path: Path) -> None:
                    "download_stall_timeout": 7.0, "max_backoff_interval": 8.0},
         "agent": {"name": "n1", "ip": "10.9.8.7", "port": 1, "bind": "0.0.0.0", "registration_token": "***",
                   "labels": {"a": "b"}, "max_workers": 3, "container_cpu_limit": "1500m", "auto_upgrade": True,
-                  "ports_registry": str(tmp_path / "ports"), "sigterm": "migrate"},
+                  "ports_registry": str(tmp_path / "ports"), "sigterm": "migrate",
+                  "exit_when_idle": 60.0, "max_tasks": 1, "name_exclusive": True},
         "heartbeat": {"interval": 7.0},
         "task": {"poll_interval": 4.0, "long_poll_wait": 0.0, "work_dir": "/srv/ck", "execute_timeout": 0.0,
                  "kill_grace": 1.0, "max_stop_grace": 240.0, "drain_timeout": 2.0, "flush_timeout": 3.0, "run_as_user": "crawler",

@@ -42,7 +42,6 @@ from harness.manifests import (
     pod_settings,
     rendered,
     schema_errors,
-    variant_dir,
     workloads,
 )
 
@@ -82,21 +81,28 @@ def test_every_kustomization_is_listed_and_renders_what_it_says() -> None:
             assert obj["metadata"]["labels"]["app.kubernetes.io/name"] == "ckagent"
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_every_object_passes_the_kubernetes_schemas_of_each_version(variant: str) -> None:
-    """Built-in kinds against the strict schemas of every version documented (an unknown or misplaced
-    field fails); the ScaledJob's jobTargetRef is a batch/v1 JobSpec, checked as a Job the same way."""
-    errors = []
-    for obj in rendered(variant):
-        if obj["kind"] in CUSTOM:
-            if obj["kind"] != "ScaledJob":
+def _built_in_objects() -> list[dict[str, Any]]:
+    """Every distinct built-in object of every variant (most are the same in several), the ScaledJob's
+    jobTargetRef as the batch/v1 Job (a JobSpec) KEDA makes of it."""
+    distinct: dict[str, dict[str, Any]] = {}
+    for variant in VARIANTS:
+        for obj in rendered(variant):
+            if obj["kind"] == "ScaledJob":
+                obj = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": obj["metadata"]["name"]},
+                       "spec": obj["spec"]["jobTargetRef"]}
+            elif obj["kind"] in CUSTOM:
                 continue
-            obj = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": obj["metadata"]["name"]},
-                   "spec": obj["spec"]["jobTargetRef"]}
-        for version in KUBERNETES_VERSIONS:
-            error = schema_errors(obj, version)
-            if error:
-                errors.append(error)
+            distinct.setdefault(json.dumps(obj, sort_keys=True), obj)
+    return list(distinct.values())
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_every_object_passes_the_kubernetes_schemas_of_each_version(version: str) -> None:
+    """Built-in kinds against the strict schemas of every version documented (an unknown or misplaced
+    field fails), the Jobs the ScaledJob makes included."""
+    objects = _built_in_objects()
+    assert {o["kind"] for o in objects} == {k for kinds in KINDS.values() for k in kinds} - CUSTOM | {"Job"}
+    errors = [error for obj in objects if (error := schema_errors(obj, version))]
     assert not errors, "\n".join(errors)
 
 
@@ -140,26 +146,33 @@ def test_the_crds_are_the_published_files_named_in_their_readme() -> None:
         assert crd(api_version, kind)["spec"]["names"]["kind"] == kind
 
 
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "monitoring"])
-def test_monitoring_is_an_addon_that_composes_with_every_variant(variant: str, tmp_path: Path) -> None:
-    """overlays/monitoring holds only the ServiceMonitor: a kustomization listing a variant and it
-    builds (kustomize refuses the same object twice), and it scrapes the variant's status Service."""
-    rendered(variant)  # skips when there is no kustomize
+def test_monitoring_is_an_addon_that_composes_with_every_variant(tmp_path: Path) -> None:
+    """overlays/monitoring holds only the ServiceMonitor (so a kustomization listing it beside any variant
+    builds: kustomize refuses the same object twice — built here with the StatefulSet, as the docs
+    show), and it scrapes each variant's status Service, which selects the variant's pods."""
+    rendered("base")  # skips when there is no kustomize
     shutil.copytree(K8S, tmp_path / "k8s")
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({"resources": [
-        f"k8s/{variant_dir(variant).relative_to(K8S).as_posix()}", "k8s/overlays/monitoring"]}))
-    objects = by_kind(kustomize_build(tmp_path, kustomize_binary()))
-    monitor, service = objects["ServiceMonitor"], objects["Service"]
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+        "k8s/overlays/statefulset", "k8s/overlays/monitoring"]}))
+    composed = kustomize_build(tmp_path, kustomize_binary())
+    assert {o["kind"] for o in composed} == KINDS["statefulset"] | KINDS["monitoring"]
+    (monitor,) = rendered("monitoring")
     (endpoint,) = monitor["spec"]["endpoints"]
-    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
     assert endpoint["path"] == "/metrics"
-    assert service["spec"]["publishNotReadyAddresses"] is True, "a migrating pod is still scraped"
-    for workload in workloads(list(objects.values())):
-        assert service["spec"]["selector"].items() <= workload.labels.items()
-        (port,) = [p for p in workload.container["ports"] if p["name"] == endpoint["port"]]
-        settings = pod_settings(list(objects.values()), workload, tmp_path)
-        assert port["containerPort"] == settings.agent.port
+    for variant in VARIANTS:
+        objects = rendered(variant)
+        services = [o for o in objects if o["kind"] == "Service"]
+        if variant == "monitoring":
+            assert not services
+            continue
+        (service,) = services
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+        assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+        assert service["spec"]["publishNotReadyAddresses"] is True, "a migrating pod is still scraped"
+        for workload in workloads(objects):
+            assert service["spec"]["selector"].items() <= workload.labels.items()
+            (port,) = [p for p in workload.container["ports"] if p["name"] == endpoint["port"]]
+            assert port["containerPort"] == pod_settings(objects, workload, tmp_path).agent.port
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "monitoring"])
@@ -212,7 +225,14 @@ def _base_pod() -> dict[str, Any]:
     return dict(by_kind(rendered("base"))["Deployment"]["spec"]["template"])
 
 
-def test_the_statefulset_pod_is_the_deployments_but_for_its_name_and_volume() -> None:
+def test_the_statefulset_pod_is_the_deployments_but_for_its_name_and_volume(tmp_path: Path) -> None:
+    """A StatefulSet runs at most one pod under a name: only its agents say so (agent.name_exclusive,
+    so the master hands a rescheduled pod its name at once); a Deployment's or a Job's never do."""
+    for variant in VARIANTS:
+        objects = rendered(variant)
+        for workload in workloads(objects):
+            exclusive = pod_settings(objects, workload, tmp_path).agent.name_exclusive
+            assert exclusive is (workload.kind == "StatefulSet"), variant
     kinds = by_kind(rendered("statefulset"))
     sts, service = kinds["StatefulSet"], kinds["Service"]
     template, base = sts["spec"]["template"], _base_pod()

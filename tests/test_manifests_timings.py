@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from harness.manifests import VARIANTS, Workload, by_kind, config_text, pod_settings, rendered, workloads
+from harness.manifests import VARIANTS, Workload, agent_args, by_kind, pod_settings, rendered, workloads
 
 from ckagent.cli.stopagent import MARGIN
 from ckagent.code.frameworks import REGISTRY, SCRAPY_STOP_GRACE
@@ -42,12 +41,6 @@ def _start_timeout(workload: Workload) -> float:
     """The supervisor's --start-timeout in the pod (its default unless the command names one): /livez
     answers 200 for an agent (re)starting for less than this."""
     return parse_supervise([*workload.container["command"][3:], *workload.container.get("args", [])]).start_timeout
-
-
-def _agent_flags(workload: Workload) -> dict[str, str]:
-    """The agent's flags after `supervise --` in the pod's args: ``{"--max-tasks": "1", ...}``."""
-    args = parse_supervise([*workload.container["command"][3:], *workload.container.get("args", [])]).agent_args
-    return dict(zip(args[::2], args[1::2], strict=True))
 
 
 @pytest.mark.parametrize("variant", WORKLOAD_VARIANTS)
@@ -141,10 +134,8 @@ def test_keda_scales_on_the_slots_of_a_pod_and_scales_in_slower_than_a_migrate(t
     for s in _settings("keda", tmp_path):
         assert policy["periodSeconds"] > s.task.migrate_timeout + s.task.flush_timeout + MARGIN
     assert scaled["cooldownPeriod"] >= down["stabilizationWindowSeconds"] >= policy["periodSeconds"]
-    assert _agent_flags(workload) == {}
-    assert not {"AGENT_EXIT_WHEN_IDLE", "AGENT_MAX_TASKS"} & {e["name"] for e in workload.container["env"]}
-    agent = yaml.safe_load(config_text(objects, workload))["agent"]
-    assert not {"exit_when_idle", "max_tasks"} & set(agent)
+    assert settings.agent.exit_when_idle == 0 and settings.agent.max_tasks == 0
+    assert agent_args(workload) == []
 
 
 def test_the_job_waits_two_long_polls_for_its_task_and_its_deadline_covers_one_task(tmp_path: Path) -> None:
@@ -155,9 +146,9 @@ def test_the_job_waits_two_long_polls_for_its_task_and_its_deadline_covers_one_t
     flush — with the room the manifest's comment gives for a task naming a longer timeout."""
     objects, workload = _workload("keda-job")
     job = by_kind(objects)["ScaledJob"]["spec"]
-    flags = _agent_flags(workload)
-    assert flags["--max-tasks"] == "1"
-    idle = float(flags["--exit-when-idle"])
+    pod = pod_settings(objects, workload, tmp_path)
+    assert pod.agent.max_tasks == 1 and pod.agent.exit_when_idle == 60
+    idle = pod.agent.exit_when_idle
     deadline = job["jobTargetRef"]["activeDeadlineSeconds"]
     for settings in _settings("keda-job", tmp_path):
         task = settings.task

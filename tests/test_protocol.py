@@ -177,6 +177,7 @@ def full_instances() -> dict[str, Any]:
             containment={"level": "cgroup-v2", "details": "cgroup v2 at /sys/fs/cgroup/x", "limits": ["memory"]},
             egress={"level": "nftables", "details": "nftables table inet ckagent_x", "policy": "deny metadata",
                     "deny": ["metadata"], "allow": []},
+            name_exclusive=True,
         ),
         "RegisterResponse": RegisterResponse(node_id="7", api_key="k-123",
                                              policy=VersionPolicy("0.1.0", "0.2.0"), features=["claim-in-poll", "node-batches"]),

@@ -143,8 +143,9 @@ async def _says(node: SupervisedNode, text: str) -> bool:
 @pytest.mark.slow
 async def test_livez_200_while_the_agent_restarts_and_503_for_a_wedged_one(dev_master, tmp_path: Path) -> None:
     """/livez: ok; 200 through a kill -9 and the restart; 503 for an agent stopped (SIGSTOP) after it
-    answered, and for a new one stopped before it answered once --start-timeout passed; then
-    `ckagent stop` (the preStop's drain): the agent exits 0, the supervisor too."""
+    answered, and for a new one stopped before it answered once --start-timeout passed; signals PID 1
+    does not handle leave it running; then `ckagent stop` (the preStop's drain): the agent exits 0, the
+    supervisor too."""
     node = SupervisedNode(tmp_path / "node", dev_master.base_url, dev_master.registration_token, start_timeout=20)
     await node.start()
     async with node:
@@ -179,6 +180,11 @@ async def test_livez_200_while_the_agent_restarts_and_503_for_a_wedged_one(dev_m
         assert "after its (re)start" in await eventually(wedged, 40, "/livez 503 after --start-timeout")
         os.kill(third, signal.SIGCONT)
         await eventually(ok, 20, "/livez ok again")
+        for signum in (signal.SIGQUIT, signal.SIGALRM, signal.SIGTRAP, signal.SIGVTALRM, signal.SIGXCPU):
+            await node.signal(signum)  # PID 1 never dies of a signal it did not handle (the kernel drops them)
+        await eventually(ok, 10, "/livez ok after the signals")
+        assert await node.agent_pid() == third
+        assert node.process is not None and node.process.returncode is None
         stop = await trio.run_process([sys.executable, "-m", "ckagent", "stop", "-c", str(node.config_path)],
                                       capture_stdout=True, capture_stderr=True, check=False)
         assert stop.returncode == 0, stop.stderr

@@ -3,7 +3,7 @@
 Commands::
 
     ckagent [-c FILE]                 same as `ckagent run -c FILE`
-    ckagent run [-c FILE]             run the agent until SIGTERM/SIGINT
+    ckagent run [-c FILE] [--exit-when-idle S] [--max-tasks N]   run the agent until SIGTERM/SIGINT (or idle / N tasks done)
     ckagent stop [--migrate] -c FILE  stop the agent of that config's work dir (drain / migrate), wait (stopagent.py)
     ckagent config check [-c FILE]    validate the configuration, say which containment and egress levels
                                       this node gets and what would raise each, print "config OK: FILE"
@@ -17,7 +17,8 @@ Commands::
 
 Exit codes (ckagent.node.errors, translated once in :func:`main`): 0 ok; 2 usage or configuration error
 (``ckagent: config error: <msg>`` on stderr); 1 the agent cannot run (``ckagent: cannot run: <msg>``,
-unless the agent's log already said it on stderr).
+unless the agent's log already said it on stderr); 3 (``run``) an ephemeral worker stopped with results
+undelivered (ckagent.node.ephemeral).
 """
 
 from __future__ import annotations
@@ -125,17 +126,31 @@ def _config_default() -> int:
     return EXIT_USAGE
 
 
-def run(*, config: ConfigOption = None) -> int:
+def run(*, config: ConfigOption = None, exit_when_idle: str | None = None, max_tasks: str | None = None) -> int:
     """Run the agent: register, heartbeat, poll and run tasks until SIGTERM (drain) or SIGINT (stop).
 
     Needs a registration token (agent.registration_token or AGENT_REGISTRATION_TOKEN). A token or
     key in the environment is first moved out of it: the process re-executes itself (same pid)
     with the credentials in a memory file (ckagent.node.secretenv), so /proc/<pid>/environ never shows them.
+
+    Parameters
+    ----------
+    exit_when_idle
+        SECONDS (> 0): an ephemeral worker stops (a drain), leaves the master and exits 0 after this long with
+        no task claimed, running or undelivered (agent.exit_when_idle).
+    max_tasks
+        N (>= 1): claim at most N tasks in the agent's life, then stop once they are delivered and exit 0
+        (agent.max_tasks).
     """
+    from ckagent.cli.runflags import RunFlags
     from ckagent.node.secretenv import reexec_without_secrets
 
+    try:
+        flags = RunFlags.parse(exit_when_idle, max_tasks)
+    except ValueError as exc:
+        raise _UsageError(f"run: {exc}") from None
     reexec_without_secrets()
-    settings = _load(config, require_token=True)
+    settings = flags.apply(_load(config, require_token=True))
     with _httpx_without_its_cli():
         from ckagent.cli.runagent import run_agent
 

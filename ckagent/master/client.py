@@ -219,7 +219,7 @@ class MasterClient(CheckpointCalls):
         request = self._register_body()
         response = await self._send(REGISTER.name, REGISTER.method, REGISTER.template, json=request.to_json(),
                                     headers={"X-Registration-Token": self._token})
-        return registration_answer(self._answers, response, request.name)
+        return registration_answer(self._answers, response, request.name, request.name_exclusive)
 
     async def leave(self, leaving: NodeLeaving) -> LeaveOutcome:
         """``POST /api/nodes/{node}/leaving`` once: this agent stops on purpose and leaves no task running,

@@ -2,7 +2,10 @@
 
 - **Identity**: ``<work_dir>/node_uid`` holds a random id created on the first start and sent at every
   registration (``nodeUid``). A master that sees a second live agent with the same name and another
-  id refuses it (409, the reference master does) instead of handing the node's key back and forth.
+  id refuses it (409, the reference master does) instead of handing the node's key back and forth; the
+  agent waits for the name (ckagent.master.registration). With ``agent.name_exclusive`` the registration
+  says ``nameExclusive``: the orchestrator runs at most one agent with this name, so the master hands the
+  name over at once (docs/protocol.md, "Register").
 - **Leaving**: an agent that stopped on purpose and left no task running tells the master so (:func:`leave`,
   at most LEAVE_TIMEOUT seconds), which frees its name for a replacement with another id at once.
 - **Versions**: the master may answer registration and heartbeats with ``minAgentVersion`` and
@@ -113,7 +116,7 @@ def register_request(agent: AgentSettings, *, port: int, max_workers: int, runti
         arch=platform.machine(), python=platform.python_version(), cpu_count=psutil.cpu_count() or 1,
         memory_total_bytes=psutil.virtual_memory().total, max_workers=max_workers, runtimes=runtimes,
         labels=dict(agent.labels), node_uid=node_uid, protocol_version=PROTOCOL_VERSION,
-        features=list(FEATURES), containment=containment, egress=egress)
+        features=list(FEATURES), containment=containment, egress=egress, name_exclusive=agent.name_exclusive)
 
 
 class VersionWatch:

@@ -34,8 +34,9 @@ REGISTER_WAIT_MAX = 30.0
 """Seconds, the longest pause between two registration attempts (server.max_backoff_interval, if lower)."""
 
 
-def registration_answer(answers: Answers, response: httpx.Response, name: str) -> RegisterResponse:
-    """Classify the master's ``response`` to the registration of the node ``name`` (module docstring):
+def registration_answer(answers: Answers, response: httpx.Response, name: str, exclusive: bool = False) -> RegisterResponse:
+    """Classify the master's ``response`` to the registration of the node ``name`` (``exclusive``: it said
+    ``nameExclusive``) (module docstring):
     returns the answer, or raises MasterUnavailable/NameHeld (retry), MasterProtocolError (retry) or
     RegistrationRefused (final). Every failure is recorded in the answers' connectivity (one log line
     per episode); no message quotes the token or a key."""
@@ -53,6 +54,9 @@ def registration_answer(answers: Answers, response: httpx.Response, name: str) -
         reason = redact(error_text(response), answers.secrets())
         if status == 409:
             text = f"waiting for the name {name}: another agent holds it (the master: {reason})"
+            if exclusive:
+                text += ("; agent.name_exclusive is on, yet the master did not hand the name over: a master that"
+                         " ignores nameExclusive, or one that took the name from this agent for another")
             answers.trouble("name", "register", ("name", name), sent_at(response), text)
             raise NameHeld(text, name)
         answers.connectivity.succeeded("register", sent_at(response))

@@ -10,6 +10,7 @@ Lowest layer of the agent. What lives here knows nothing of tasks' runs or of th
   :mod:`.hardening`, :mod:`.listen` (its listening socket), :mod:`.runas` (who spiders run as);
 - durable state: :mod:`.state` (SQLite state store), :mod:`.diskfull` (a full disk is a task's failure);
 - this machine: :mod:`.resources` (health figures), :mod:`.intake` (whether the node takes tasks),
+  :mod:`.ephemeral` and :mod:`.taskbudget` (an ephemeral worker: when it stops, the tasks its life claimed),
   :mod:`.notices` (operator notices), :mod:`.procid` (a process's proven identity: boot id, pid,
   start time, held by its pidfd — every signal, watch, oom_score_adj write and group kill of a process
   the agent did not just start goes through it);

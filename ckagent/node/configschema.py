@@ -59,7 +59,10 @@ class AgentSettings:
     follow the master's desired agent version through run.sh (ckagent.master.fleet). ``ports_registry``:
     the directory of the host's registry of agents' ports (None = the host-wide one,
     :mod:`ckagent.node.agentports`). ``sigterm``: what SIGTERM asks of the agent, ``drain`` or
-    ``migrate`` (:class:`ckagent.node.stoprequest.StopMode`).
+    ``migrate`` (:class:`ckagent.node.stoprequest.StopMode`). An ephemeral worker
+    (:mod:`ckagent.node.ephemeral`): ``exit_when_idle`` seconds idle before it stops (0 = never),
+    ``max_tasks`` tasks it claims in its life (0 = no limit). ``name_exclusive``: at most one agent
+    runs under ``name`` (the orchestrator's word), so its registration takes the name over (ckagent.master.fleet).
     """
 
     name: str
@@ -73,6 +76,9 @@ class AgentSettings:
     auto_upgrade: bool
     ports_registry: Path | None
     sigterm: str = "drain"
+    exit_when_idle: float = 0.0
+    max_tasks: int = 0
+    name_exclusive: bool = False
 
     @property
     def container_cpu_limit_cores(self) -> float | None:
@@ -271,6 +277,18 @@ SETTINGS: tuple[Setting, ...] = (
             "migrate (checkpoint every running task and hand it to another node within "
             "task.migrate_timeout, as `ckagent stop --migrate` does). Kubernetes: migrate.",
             v.choice(("drain", "migrate"), upper=False)),
+    Setting("agent", "exit_when_idle", "AGENT_EXIT_WHEN_IDLE", "seconds >= 0", 0.0,
+            "An ephemeral worker (`ckagent run --exit-when-idle`): after this long with no task claimed, running "
+            "or with results undelivered, stop as a drain does, leave the master (freeing the name) and exit 0; "
+            "0 = never. See docs/operations.md, Ephemeral workers.", v.seconds(exclusive=False)),
+    Setting("agent", "max_tasks", "AGENT_MAX_TASKS", "integer >= 0", 0,
+            "An ephemeral worker (`ckagent run --max-tasks`): claim at most this many tasks in the agent's life "
+            "(a restart after a crash goes on counting: work_dir/max-tasks.json), then stop once they are "
+            "delivered, leave and exit 0; 0 = no limit.", v.integer(0)),
+    Setting("agent", "name_exclusive", "AGENT_NAME_EXCLUSIVE", "on/off", False,
+            "The orchestrator runs at most one agent with this agent.name (a StatefulSet's pod), so a new work "
+            "dir (a new nodeUid) takes the name over at once instead of waiting until the master counts the "
+            "earlier holder's heartbeats old; its running tasks resume elsewhere. Off: wait.", v.boolean),
     Setting("heartbeat", "interval", "AGENT_HEARTBEAT_INTERVAL", "seconds >= 1", 30.0,
             "Seconds between heartbeats.", v.seconds(minimum=1.0, exclusive=False)),
     Setting("task", "poll_interval", "AGENT_TASK_POLL_INTERVAL", "seconds >= 0.1", 10.0,

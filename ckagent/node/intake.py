@@ -7,7 +7,9 @@ its own key, with a one-line reason, and opens it again when it is gone:
   (:class:`DiskFloorWatch`; the tasks already running go on: the one that filled the disk is
   stopped and its scratch removed, ckagent.delivery.diskwatch, so the gate opens by itself);
 - ``version``: the master requires a newer agent (registration's ``minAgentVersion``, see
-  ckagent.master.fleet).
+  ckagent.master.fleet);
+- ``max-tasks``, ``exit-when-idle``: an ephemeral worker is done (ckagent.node.ephemeral); the latter
+  *soft*: a poll answer already in hand is still settled (its tasks run), nothing is handed back.
 
 While the gate is closed the poller does not poll; heartbeats go on and carry the reason
 (``pausedReason``), and /readyz answers 503 with it. Reasons never hold secrets.
@@ -40,6 +42,7 @@ class IntakeGate:
 
     def __init__(self) -> None:
         self._closed: dict[str, str] = {}
+        self._soft: set[str] = set()
         self._opened = trio.Event()
         self._opened.set()
         self._closed_event = trio.Event()
@@ -50,9 +53,21 @@ class IntakeGate:
         """Why no tasks are taken now, or None."""
         return "; ".join(self._closed.values()) if self._closed else None
 
-    def close(self, key: str, reason: str) -> None:
-        """Close the gate for cause ``key`` (idempotent; a new ``reason`` replaces the old one)."""
+    @property
+    def refusal(self) -> str | None:
+        """The reasons of the causes that also refuse a poll answer already in hand (its claimed tasks are
+        given back): every cause but the soft ones. None when there is none."""
+        hard = [reason for key, reason in self._closed.items() if key not in self._soft]
+        return "; ".join(hard) if hard else None
+
+    def close(self, key: str, reason: str, *, soft: bool = False) -> None:
+        """Close the gate for cause ``key`` (idempotent; a new ``reason`` replaces the old one). ``soft``: no
+        new poll and a poll in flight is cut short, but an answer already in hand is settled as if open."""
         self._closed[key] = reason
+        if soft:
+            self._soft.add(key)
+        else:
+            self._soft.discard(key)
         if self._opened.is_set():
             self._opened = trio.Event()
         self._closed_event.set()
@@ -62,6 +77,7 @@ class IntakeGate:
     def open(self, key: str) -> None:
         """Withdraw cause ``key``; the gate opens when no cause is left (idempotent)."""
         self._closed.pop(key, None)
+        self._soft.discard(key)
         if not self._closed:
             self._opened.set()
             if self._closed_event.is_set():

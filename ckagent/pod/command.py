@@ -147,10 +147,11 @@ def read_node_facts(config: str | None) -> NodeFacts:
 
 def agent_prefix() -> list[str]:
     """The command that started this process up to its arguments (``python /opt/ckagent/ckagent.pyz``,
-    ``python -m ckagent``, ``python .venv/bin/ckagent``), with this interpreter: the agent's starts the same."""
+    ``python -m ckagent``, ``python .venv/bin/ckagent``), with this interpreter: the agent's starts the same.
+    Anything else (``python -c``, an embedding program): ``python -m ckagent``."""
     orig = list(getattr(sys, "orig_argv", None) or [])
     tail = len(sys.argv) - 1
-    if orig and 0 <= tail < len(orig) and orig[len(orig) - tail:] == sys.argv[1:]:
+    if orig and sys.argv[0] != "-c" and 0 <= tail < len(orig) and orig[len(orig) - tail:] == sys.argv[1:]:
         prefix = orig[:len(orig) - tail]
     else:
         prefix = [sys.executable, "-m", "ckagent"]

@@ -48,6 +48,8 @@ PROBE_TIMEOUT = 2.0
 """Seconds the agent's /healthz has to answer."""
 PROBE_REUSE = 1.0
 """Seconds a probe's result answers further /livez requests."""
+EXIT_GRACE = 0.25
+"""Seconds a failed probe waits for the agent's end to be known before it is judged."""
 UP_AFTER = 60.0
 """Seconds after which a running agent counts as up even if nobody asked it (also the backoff's reset)."""
 CONNECTION_TIMEOUT = 5.0
@@ -174,7 +176,7 @@ class Health:
         self._answer_waiting()
 
     def ask(self, reply: Reply) -> None:
-        """Call ``reply(status, reason)`` now or once the probe ends (≤ PROBE_TIMEOUT). Never raises."""
+        """Call ``reply(status, reason)`` now or once the probe ends (≤ PROBE_TIMEOUT + EXIT_GRACE). Never raises."""
         now = self.loop.now()
         if self.agent_since is None or self.stopping:
             reply(*self._judge(None))
@@ -186,9 +188,14 @@ class Health:
                 generation = self._generation
                 self.probe.start(lambda ok, reason: self._probed(generation, ok, reason))
 
-    def _probed(self, generation: int, ok: bool, reason: str) -> None:
+    def _probed(self, generation: int, ok: bool, reason: str, *, again: bool = False) -> None:
         if not ok:
             self.check()
+            if not again and generation == self._generation:
+                # A dying agent closes its sockets before it becomes a zombie (SIGCHLD): a refusal may
+                # come first. Judged once more after EXIT_GRACE, so it reads as a restart, not a wedge.
+                self.loop.call_later(EXIT_GRACE, lambda: self._probed(generation, ok, reason, again=True))
+                return
         if generation == self._generation:
             self._last = Answer(ok, reason, self.loop.now())
             if ok:

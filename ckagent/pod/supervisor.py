@@ -37,6 +37,7 @@ import logging
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -136,6 +137,7 @@ class Supervisor:
                 self.loop.run_once()
             except Exception:  # a bug here must not end PID 1 (and the pod's crawls with it)
                 log.exception("unexpected error (going on)")
+                time.sleep(0.1)  # (not a busy loop of the same error)
         return self.exit_code
 
     def _spawn(self) -> None:

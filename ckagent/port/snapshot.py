@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from ckagent.master.client import MasterClient
     from ckagent.master.heartbeat import HeartbeatLoop
     from ckagent.node.config import Settings
+    from ckagent.node.ephemeral import EphemeralWatch
     from ckagent.node.identity import Identities
     from ckagent.node.intake import IntakeGate
     from ckagent.node.notices import Notices
@@ -74,6 +75,7 @@ class StatusSource(Protocol):
     notices: Notices
     outbox: Outbox | None
     history: AgentHistory
+    ephemeral: EphemeralWatch | None
 
     @property
     def state(self) -> object:
@@ -115,6 +117,7 @@ def agent_statistics(agent: StatusSource) -> AgentStatistics:
         not_readopted=agent.history.not_readopted,
         handed_over_ids=agent.history.handed_over_ids,
         disk_culprit=disk_culprit(agent.outbox),
+        ephemeral=tuple(agent.ephemeral.to_json().items()) if agent.ephemeral is not None else None,
     )
 
 

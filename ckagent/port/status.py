@@ -123,6 +123,8 @@ class AgentStatistics:
     """(task id, why) of the tasks found running at the start that could not be re-adopted (reported
     AGENT_LOST)."""
     handed_over_ids: tuple[str, ...] = ()
+    ephemeral: tuple[tuple[str, Any], ...] | None = None
+    """An ephemeral worker's settings, tasks claimed and why it stopped (ckagent.node.ephemeral); None: not one."""
     """The running tasks this agent leaves to the next one (a hand-over, SIGUSR2); empty otherwise."""
     disk_culprit: tuple[tuple[str, Any], ...] | None = None
     """The last task blamed for a full disk (``taskId``, ``usedBytes``, ``at`` epoch seconds, ``reason``),
@@ -420,6 +422,7 @@ class AgentStatus:
             },
             # at a hand-over (SIGUSR2): the running tasks left to the next agent
             "handedOver": {"count": len(stats.handed_over_ids), "ids": list(stats.handed_over_ids[:IDS_SHOWN])},
+            "ephemeral": dict(stats.ephemeral) if stats.ephemeral is not None else None,
             "upgrades": changes,
             "diskCulprit": culprit,
             "outbox": {"logLines": outbox.log_lines, "items": outbox.items, "results": outbox.results,

@@ -15,6 +15,9 @@
 - :mod:`.commands` — what a task runs (its framework's default from ckagent.code.frameworks) and the
   check that the package can run it;
 - :mod:`.recovery`, :mod:`.adoption` — at start: tasks the previous agent left (lost, or carried on);
+- :mod:`.nodelevels` — at start: the node's identity, containment and egress levels opened;
+- :mod:`.lifespan` — an ephemeral worker's watch (ckagent.node.ephemeral) wired to the supervisor,
+  poller and outbox, and the exit code its life ends with;
 - :mod:`.migration` — at start: the spiders' dirs and environments an older agent left, brought to the
   identity level in force (given to each spider's uid; environments rebuilt, not re-owned).
 - :mod:`.migrating` — a migrate (``ckagent stop --migrate``): every task checkpointed, stopped and

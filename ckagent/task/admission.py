@@ -8,6 +8,8 @@ so a queued task never holds a slot. :attr:`Admission.running` holds every claim
 (``excludeSpiderIds``) and what limits the next claim (:meth:`Admission.free_slots`). A task that
 leaves it (:meth:`Admission.task_left`) wakes whoever waits for a slot, for idleness or for a spider;
 :attr:`Admission.idle_since` says when the set last became empty (the idle clock, ckagent.port.snapshot).
+With ``agent.max_tasks`` (:attr:`Admission.budget`, ckagent.node.taskbudget) every admission but a
+re-adoption counts against the budget, and the free slots never exceed what is left of it.
 
 Everything here runs on the Trio thread and never blocks.
 """
@@ -29,6 +31,7 @@ from ckagent.delivery.lifecycle import Lifecycle, TaskAdmitted
 from ckagent.master.protocol import Task
 from ckagent.node.broadcast import Broadcast
 from ckagent.node.runas import RunAs
+from ckagent.node.taskbudget import TaskBudget
 from ckagent.task.stop import StopReason, TaskStop
 
 log = logging.getLogger(__name__)
@@ -103,6 +106,10 @@ class Admission:
         self._stale_scopes: dict[trio.CancelScope, tuple[frozenset[str], float]] = {}  # see cancel_when_spider_free
         self.lifecycle = lifecycle or Lifecycle()
         """Where the runner says what happened to each task (ckagent.delivery.lifecycle records)."""
+        self.budget: TaskBudget | None = None
+        """agent.max_tasks: the tasks this life may still claim (None: no limit)."""
+        self.changed = Broadcast()
+        """Set whenever a claim starts or ends, or a task is admitted or leaves (the ephemeral watch)."""
         self.handing_over = False
         """Set when the agent stops and leaves its running spiders to the next agent (not drain, not
         terminate): a cancelled task whose spider runs is then left alone, its state kept for re-adoption."""
@@ -117,12 +124,28 @@ class Admission:
         if self.running.pop(task_id, None) is not None and not self.running:
             self.idle_since = time.monotonic()
         self._slot_freed.set()
+        self.changed.set()
         if self._stale_scopes:
             self._cancel_stale()
 
     def free_slots(self) -> int:
-        """Slots not taken by a claimed, unfinished task (queued ones count: we must not over-claim)."""
-        return max(0, self.max_workers - len(self.running))
+        """Slots not taken by a claimed, unfinished task (queued ones count: we must not over-claim), at
+        most what is left of the budget (:meth:`claim_room`)."""
+        return max(0, min(self.max_workers - len(self.running), self.claim_room()))
+
+    def claim_room(self) -> int:
+        """Tasks the budget still allows beyond the claims on the wire (a large number without one)."""
+        return self.max_workers if self.budget is None else max(0, self.budget.left - len(self.claiming))
+
+    def claim_started(self, task_id: str) -> None:
+        """The poller's claim of ``task_id`` goes on the wire."""
+        self.claiming.add(task_id)
+        self.changed.set()
+
+    def claim_ended(self, task_id: str) -> None:
+        """The claim of ``task_id`` is settled (admitted, given back, or refused)."""
+        self.claiming.discard(task_id)
+        self.changed.set()
 
     def running_spider_ids(self) -> list[str]:
         """Spiders with a claimed, unfinished task here: the poller excludes them."""
@@ -170,11 +193,15 @@ class Admission:
                 else:
                     scope.cancel()
 
-    def admit(self, task: Task) -> RunningTask:
-        """Record a claimed task as ours (call before spawning the task's runner)."""
+    def admit(self, task: Task, *, adopted: bool = False) -> RunningTask:
+        """Record a claimed task as ours (call before spawning the task's runner); counted against the
+        budget (on disk before this returns) unless ``adopted`` (an earlier agent's, counted when claimed)."""
         rt = RunningTask(task=task)
+        if self.budget is not None and not adopted:
+            self.budget.take(task.id)
         self.running[task.id] = rt
         self.admitted.set()
+        self.changed.set()
         self.lifecycle.emit(TaskAdmitted(task.id, task.spider_id, rt.claimed_at))
         return rt
 

@@ -266,7 +266,7 @@ async def _egress_again(supervisor: Supervisor, rt: RunningTask, jail: TaskJail,
 def admit_adopted(supervisor: Supervisor, adoption: Adoption) -> RunningTask:
     """Record an adopted task as running here (before the first poll: its slot is taken), and its
     dependency environment as in use (environment collection never removes it under the spider)."""
-    rt = supervisor.admit(adoption.task)
+    rt = supervisor.admit(adoption.task, adopted=True)  # (agent.max_tasks counted it when it was claimed)
     if adoption.handle.env_dir and adoption.release_env is None:
         adoption.release_env = supervisor.adopt_environment(Path(adoption.handle.env_dir))
     rt.claimed_at = adoption.record.claimed_at

@@ -78,6 +78,7 @@ from ckagent.master.protocol import (
     TaskResult,
     utc_now_iso,
 )
+from ckagent.node.broadcast import Broadcast
 from ckagent.node.intake import IntakeGate
 from ckagent.task.outcome import cause_fields
 from ckagent.task.supervisor import Supervisor
@@ -144,6 +145,9 @@ class Poller:
         self._claim_deadline = math.inf
         self._claim_scopes: set[trio.CancelScope] = set()
         self._poll_id: int | None = None  # the open claiming poll (sent, its answer not settled)
+        self.polling = False
+        """A poll is on the wire, or its answer is being settled (claims on the wire, admissions)."""
+        self._rested = Broadcast()
         self._answered_poll: int | None = None  # the claiming poll the last answer came for
 
     def stop(self, *, claim_timeout: float | None = None) -> None:
@@ -173,13 +177,15 @@ class Poller:
                     answer = await self._next_answer()
                 self._idle_scope = None
                 if answer is None:
+                    self._settled()
                     continue  # stopped (the loop ends), or a spider the poll excluded has finished
                 self._supervisor.master_cancelled(answer.pending.cancel_task_ids)
                 for bad in answer.pending.bad_tasks:
                     work.start_soon(self._report_bad_task, bad)
                 # Claims go out together; each task starts as soon as its own claim is answered. A stop
                 # does not cut them off (see the module docstring). Tasks the answer claimed start now.
-                closed = self._gate.reason if self._gate is not None else None
+                closed = self._gate.refusal if self._gate is not None else None
+                room = self._supervisor.claim_room()  # (agent.max_tasks: what is left of the budget)
                 async with trio.open_nursery() as claims:
                     for task in answer.pending.tasks:
                         if closed is not None:  # the gate closed while the answer was on its way
@@ -187,6 +193,12 @@ class Poller:
                                 claims.start_soon(self._release, task.id, f"not run here: {closed}")
                             continue
                         why = self._cannot_run(task) if self._cannot_run is not None else None
+                        if why is None and task.id not in self._supervisor.running:
+                            if room <= 0:  # a master that hands out more than the poll asked for
+                                if task.claimed:
+                                    claims.start_soon(self._release, task.id, "max-tasks: this node claims no more")
+                                continue
+                            room -= 1
                         if task.claimed:
                             self._settle_claimed(task, why, claims, work)
                         elif why is not None:
@@ -195,6 +207,7 @@ class Poller:
                             claims.start_soon(self._claim_and_start, task, work)
                 if answer.poll_id is not None:
                     self._close_claim_poll(answer.poll_id)
+                self._settled()
                 if self._stopping:
                     return
                 held = answer.held_seconds >= self.long_poll_wait / 2
@@ -209,6 +222,20 @@ class Poller:
         finally:
             if self._poll_id is not None:  # cut off unanswered: the master's reconciliation takes it back
                 self._close_claim_poll(self._poll_id)
+            self._settled()
+
+    def _settled(self) -> None:
+        """No poll on the wire and no answer being settled any more."""
+        if self.polling:
+            self.polling = False
+            self._rested.set()
+
+    async def wait_settled(self) -> None:
+        """Return once no poll is on the wire and no answer is being settled (at once when none is). Called
+        with the intake gate closed, it returns once the poll in flight is cut short or its answer's tasks
+        are admitted or given back. Cancellation: as usual."""
+        while self.polling:
+            await self._rested.wait()
 
     def _settle_claimed(self, task: Task, why: str | None, claims: trio.Nursery, work: trio.Nursery) -> None:
         """A task the poll answer claimed for this node: admit and start it, or give it back (in
@@ -260,12 +287,15 @@ class Poller:
                 await self._gate.wait_open()
             await self._supervisor.wait_for_free_slot()
             started = trio.current_time()
+            self.polling = True
             try:
                 pending = await self._poll_until_stale()
             except MasterRejected as exc:  # logged once per episode by the master client
+                self._settled()
                 log.debug("polling for tasks failed: %s; retrying in %g s", exc, self.poll_interval)
             else:
                 if pending is None:
+                    self._settled()
                     return None
                 return _Answer(pending, trio.current_time() - started, self._answered_poll)
             await trio.sleep(self.poll_interval)
@@ -354,7 +384,7 @@ class Poller:
         """Claim ``task``; start it when the claim succeeds, give it back when the poller stopped
         meanwhile or the claim was cut off (see the module docstring)."""
         sup = self._supervisor
-        sup.claiming.add(task.id)
+        sup.claim_started(task.id)
         owed = True  # the master may count the task as ours, and it is neither admitted nor given back
         try:
             claimed = False
@@ -381,7 +411,7 @@ class Poller:
             if owed:  # cancelled from outside (the agent's hard stop) before the task was settled
                 with trio.CancelScope(shield=True):
                     await self._release(task.id, "claim cut off: the agent is terminating")
-            sup.claiming.discard(task.id)
+            sup.claim_ended(task.id)
 
     async def _claim(self, task_id: str, attempt: int) -> bool:
         claim = TaskResult(status="RUNNING", started_at=utc_now_iso(), attempt=attempt)

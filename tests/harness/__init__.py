@@ -110,6 +110,11 @@ node without yarn or pnpm),
 - A fleet on one machine (issue 39): :func:`harness.fleet.fleet` runs a reference master and many real
   agents, queues short and long (resumable) tasks, stops half the fleet mid-run (migrated and lost) and
   lists what broke "exactly once" (:mod:`harness.fleet`, imported from there: bench/fleet.py uses it too).
+- A pod without a cluster (issue 39): :class:`harness.podbox.PodBox` starts the agent as a pod does — its
+  own PID and mount namespaces (harness/podboxinit.py shapes them), a non-root uid without capabilities,
+  a read-only root and cgroup but for its volumes, PID 1 ``ckagent supervise`` — in the manifests'
+  variants, runs commands in it as a preStop hook does (:meth:`PodBox.exec_in`); :mod:`harness.podcrawls`
+  queues the demo's job and resumable crawls for it and checks them (imported from those modules).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -121,13 +121,13 @@ class AgentProcess:
         self.config_path.write_text(yaml.safe_dump(config))
         self.process: trio.Process | None = None
 
-    async def start(self, extra_env: dict[str, str] | None = None) -> None:
-        """Launch the agent process (does not wait for registration)."""
+    async def start(self, extra_env: dict[str, str] | None = None, args: Sequence[str] = ()) -> None:
+        """Launch the agent process (does not wait for registration); ``args`` follow ``run -c FILE``."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("AGENT_")}
         env.update(extra_env or {})
         with self.log_path.open("ab") as log:
             self.process = await trio.lowlevel.open_process(
-                [sys.executable, "-m", "ckagent", "run", "-c", str(self.config_path)],
+                [sys.executable, "-m", "ckagent", "run", "-c", str(self.config_path), *args],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
             )
 

@@ -29,8 +29,20 @@ import yaml
 
 from harness.kustomize import KustomizeUnavailable, kustomize_binary, kustomize_build
 
-__all__ = ["CRDS", "K8S", "KUBERNETES_VERSIONS", "VARIANTS", "Workload", "by_kind", "custom_errors",
-           "pod_settings", "rendered", "schema_errors", "workloads"]
+__all__ = [
+    "CRDS",
+    "K8S",
+    "KUBERNETES_VERSIONS",
+    "VARIANTS",
+    "Workload",
+    "agent_args",
+    "by_kind",
+    "custom_errors",
+    "pod_settings",
+    "rendered",
+    "schema_errors",
+    "workloads",
+]
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "config" / "k8s"
@@ -185,14 +197,29 @@ def config_text(objects: list[dict[str, Any]], workload: Workload) -> str:
     raise AssertionError(f"{path} is on no volume of the pod")
 
 
+def agent_args(workload: Workload) -> list[str]:
+    """The arguments the pod's supervisor gives ``ckagent run`` (after its ``--``), parsed by the
+    supervisor's own parser from the container's command and args."""
+    from ckagent.pod.command import parse
+
+    return parse([*workload.container["command"][3:], *workload.container.get("args", [])]).agent_args
+
+
 def pod_settings(objects: list[dict[str, Any]], workload: Workload, tmp_path: Path) -> Any:
     """The agent's Settings in ``workload``'s pod: the ConfigMap's config.yaml (as the command names
     it) through ckagent's loader, with the container's plain ``AGENT_*`` env values over it (values
-    from the cluster — secrets, the pod's name and IP — left out)."""
+    from the cluster — secrets, the pod's name and IP — left out), and the `ckagent run` flags the
+    supervisor passes on (parsed by the CLI's own parser, laid over as `run` does)."""
+    from ckagent.cli import _app
+    from ckagent.cli.runflags import RunFlags
     from ckagent.node.config import load_settings
 
     path = tmp_path / f"{workload.kind}.config.yaml"
     path.write_text(config_text(objects, workload))
     env = {e["name"]: e["value"] for e in workload.container.get("env", [])
            if "value" in e and e["name"].startswith("AGENT_")}
-    return load_settings(path, env=env, require_token=False)
+    settings = load_settings(path, env=env, require_token=False)
+    command, bound, ignored = _app().parse_args(["run", *agent_args(workload)])
+    assert command.__name__ == "run" and not ignored, (command, ignored)
+    flags = RunFlags.parse(bound.arguments.get("exit_when_idle"), bound.arguments.get("max_tasks"))
+    return flags.apply(settings)

@@ -22,7 +22,7 @@ from ckagent.devmaster.client import AdminClient
 from ckagent.devmaster.server import DevMasterConfig, serve
 from harness.core import AgentProcess
 
-__all__ = ["ShortLiveMaster", "readyz", "short_live_master", "status_port"]
+__all__ = ["ShortLiveMaster", "readyz", "short_live_master", "status_port", "wait_beating"]
 
 
 @dataclass
@@ -59,7 +59,20 @@ async def short_live_master(nursery: trio.Nursery, tmp_path: Path, node_live_aft
 _LISTENING = re.compile(r"status server on http://[^:/\s]+:(\d+)")
 
 
-async def status_port(agent: AgentProcess, bound: float = 20.0) -> int:
+async def wait_beating(admin: AdminClient, agent: AgentProcess, name: str, bound: float = 120.0) -> None:
+    """Wait until the node ``name`` registered and beat (≤ ``bound`` s: an agent's start on a machine
+    under the whole suite's load takes tens of seconds); fails when ``agent`` exited meanwhile."""
+    with trio.fail_after(bound):
+        while True:
+            assert agent.process is not None
+            if agent.process.returncode is not None:
+                raise AssertionError(f"agent exited with {agent.process.returncode}:\n{agent.log_text()[-3000:]}")
+            if [n for n in await admin.list_nodes() if n["name"] == name and n.get("lastHeartbeat")]:
+                return
+            await trio.sleep(0.1)
+
+
+async def status_port(agent: AgentProcess, bound: float = 120.0) -> int:
     """The status port the agent process logged it listens on (the newest such line; ≤ ``bound`` s)."""
     with trio.fail_after(bound):
         while True:

@@ -50,10 +50,13 @@ from typing import Any
 import trio
 import yaml
 
+from ckagent.containment.egress.nft import NftError, open_nft
+from ckagent.containment.egress.table import table_name
+from ckagent.containment.hierarchy import agent_group_name, own_dirs
 from harness.core import AgentProcess
 from harness.demo import demo_environ
 
-__all__ = ["POD_UID", "VARIANTS", "BoxRun", "PodBox", "box_cannot", "box_processes", "host_mounts", "run_box"]
+__all__ = ["POD_UID", "VARIANTS", "BoxRun", "PodBox", "box_cannot", "box_processes", "host_leftovers", "host_mounts", "run_box"]
 
 VARIANTS = ("plain", "net_admin", "privileged")
 POD_UID = 10001
@@ -151,6 +154,22 @@ def ns_pid(pid: int) -> int | None:
     except OSError:
         pass
     return None
+
+
+def host_leftovers(work_dir: Path) -> list[str]:
+    """What an agent with ``work_dir`` holds on the host outside a box's namespaces: its cgroup group
+    (``ckagent-<hash>``) in each hierarchy of this process's cgroups (a box's are the same: the cgroup mounts
+    are the host's) and its nftables table (``inet ckagent_<hash>``, in the host's network namespace the
+    box shares). [] = nothing. Blocking."""
+    group = agent_group_name(work_dir)
+    found = [str(d / group) for d in own_dirs().values() if (d / group).is_dir()]
+    try:
+        tables = open_nft().run_json("list tables").get("nftables", [])
+    except NftError:
+        tables = []
+    found += [f"nft table inet {t['table']['name']}" for t in tables
+              if "table" in t and t["table"].get("name") == table_name(group)]
+    return found
 
 
 @dataclass

@@ -11,6 +11,7 @@ process of the namespace is one: orphans are re-parented to PID 1).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -26,7 +27,7 @@ from harness.core import AgentProcess
 from harness.nodekill import kill_node
 from harness.pyz import free_port
 
-__all__ = ["SupervisedNode", "in_pid_namespace", "process_table"]
+__all__ = ["SupervisedNode", "bare_supervisor", "in_pid_namespace", "process_table"]
 
 
 def in_pid_namespace(argv: list[str]) -> list[str]:
@@ -174,3 +175,27 @@ class SupervisedNode:
                     self.process.send_signal(signal.SIGKILL)
                 await self.process.wait()
             await kill_node(None, self.work_dir, delete=False)
+
+
+_BARE = """
+import json, logging, os, sys
+from ckagent.pod.livez import Health, Probe
+from ckagent.pod.loop import Loop
+from ckagent.pod.supervisor import AgentCommand, Backoff, Supervisor, set_child_subreaper
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+options = json.loads(sys.argv[1])
+set_child_subreaper()
+loop = Loop()
+health = Health(loop, Probe(loop, ("127.0.0.1", 9)), 5.0)
+backoff = Backoff(first=options["backoff"], cap=options["backoff"] * 4)
+command = AgentCommand(options["agent"], dict(os.environ))
+sys.exit(Supervisor(loop, command, health, backoff=backoff, children_timeout=options["children_timeout"]).run())
+"""
+
+
+def bare_supervisor(agent: list[str], *, backoff: float = 0.05, children_timeout: float = 1.0) -> list[str]:
+    """A command line running ckagent.pod.supervisor.Supervisor (the real one, its rules and reaping; a
+    child subreaper, not PID 1) over ``agent`` instead of ``ckagent run``, with a short backoff and
+    children timeout: the exit-code rules in a second, with a shell script as the agent."""
+    options = {"agent": agent, "backoff": backoff, "children_timeout": children_timeout}
+    return [sys.executable, "-c", _BARE, json.dumps(options)]

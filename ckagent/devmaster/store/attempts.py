@@ -180,6 +180,22 @@ def attempts_of(db: sqlite3.Connection, task_id: str) -> dict[str, Any]:
             "checkpoint": None if newest is None else checkpoint_json(newest)}
 
 
+def lose_node_attempts(db: sqlite3.Connection, node_id: str, message: str) -> list[str]:
+    """In the caller's transaction: every RUNNING task of ``node_id`` ends its attempt FAILED AGENT_LOST
+    (``message``; a disruption: a new attempt at once, from the newest checkpoint, not counted) — its
+    agent is gone for good (another nodeUid registered the node's name). Returns the task ids."""
+    now = utc_now_iso()
+    lost = [str(r["id"]) for r in db.execute("SELECT id FROM tasks WHERE node_id = ? AND status = 'RUNNING' ORDER BY n",
+                                             (node_id,)).fetchall()]
+    for task_id in lost:
+        end_attempt(db, task_id, status="FAILED", error_code="AGENT_LOST", error_message=message, exit_code=None,
+                    cause_class="disruption", retryable=True, checkpoint_id=None, finished_at=now)
+        if task_row(db, task_id)["status"] == "RUNNING":  # final: no new attempt (a cancel asked, 25 in a row)
+            db.execute("UPDATE tasks SET status = 'FAILED', error_code = 'AGENT_LOST', error_message = ?,"
+                       " finished_at = ? WHERE id = ?", (message, now, task_id))
+    return lost
+
+
 class AttemptStore(Database):
     """Attempts: the node-lost sweep and the retry clock (part of :class:`ckagent.devmaster.store.Store`)."""
 

@@ -3,11 +3,13 @@ version policy."""
 
 from __future__ import annotations
 
+import logging
 import secrets
 import sqlite3
 from typing import Any
 
 from ckagent.devmaster.errors import BadRequestError, ConflictError, UnauthorizedError
+from ckagent.devmaster.store.attempts import lose_node_attempts
 from ckagent.devmaster.store.claims import cancel_ids_of
 from ckagent.devmaster.store.database import Database, dumps, hash_key, loads, new_id, seconds_since
 from ckagent.master.protocol import (
@@ -20,9 +22,14 @@ from ckagent.master.protocol import (
 )
 from ckagent.node.versions import InvalidVersion, Version
 
+_log = logging.getLogger(__name__)
+
 NODE_LIVE_SECONDS = 90.0
 """A node that heartbeated this recently (seconds) and has not said it is leaving is live: its name is not
 given to another nodeUid."""
+DISPLACED_KEPT = 32
+"""How many nodeUids a name remembers it moved away from (the newest): they take it back by no exclusive
+registration while the holder is live."""
 
 
 class NodeStore(Database):
@@ -35,12 +42,29 @@ class NodeStore(Database):
         """Register (or re-register by name) a node. Returns ``(node_id, api_key)``.
 
         Re-registering the same name keeps the node id and issues a new key; the old key stops working.
-        Only the key's sha256 is stored. One identity per name: when the request carries a ``nodeUid``
-        and the name belongs to a node that registered another ``nodeUid`` and heartbeated within
-        :attr:`node_live_seconds` (``at``: epoch seconds, default the clock) and has not left
-        (:meth:`leave_node`), ConflictError (409) — two live agents with one name would otherwise take
-        each other's key on every re-registration. Agents that send no nodeUid keep the old rule. A
-        registration clears the name's ``left_at``.
+        Only the key's sha256 is stored. One identity per name (docs/protocol.md, "Register"), when the
+        request carries a ``nodeUid`` and the name's holder registered another one:
+
+        - the holder is **live** — heartbeated within :attr:`node_live_seconds` (``at``: epoch seconds,
+          default the clock) and has not left (:meth:`leave_node`): ConflictError (409), two live agents
+          with one name would otherwise take each other's key on every re-registration — unless the
+          request says ``nameExclusive`` (the orchestrator runs at most one agent with this name): then
+          the name is **taken over** at once;
+        - **no taking back**: whenever the name moves to another nodeUid (taken over, or its holder not
+          live or left), the earlier holder's nodeUid is remembered as displaced, and a displaced
+          nodeUid's exclusive registration is refused (409) while the holder is live — of two exclusive
+          agents with one name (a misconfiguration, or a partitioned pod that comes back), the newer
+          keeps the name and the other waits, instead of each taking it from the other at every 401.
+          Each move displaces one more nodeUid, so live agents settle after at most one takeover each.
+          A displaced nodeUid gets the name again as anyone does, once the holder is not live (then it
+          is no longer displaced); the newest DISPLACED_KEPT are remembered;
+        - whenever the name moves to the new nodeUid (taken over, or the holder is not live or left), the
+          holder's RUNNING tasks end their attempt FAILED AGENT_LOST at once (a disruption: a new attempt
+          from the newest checkpoint, not counted): the new agent has another work dir and cannot re-adopt
+          them, and the earlier one's key is gone (its late reports get 401, then 409 ``supersededBy``).
+
+        Agents that send no nodeUid keep the old rule (re-registration by name). A registration clears
+        the name's ``left_at``.
         """
         api_key = secrets.token_urlsafe(32)
         now = utc_now_iso()
@@ -56,16 +80,18 @@ class NodeStore(Database):
             now,
         )
         with self._tx() as db:
-            row = db.execute("SELECT id, info, last_heartbeat_at, left_at FROM nodes WHERE name = ?",
+            row = db.execute("SELECT id, info, last_heartbeat_at, left_at, displaced_uids FROM nodes WHERE name = ?",
                              (req.name,)).fetchone()
-            if row is not None and req.node_uid:
-                other = (loads(row["info"]) or {}).get("nodeUid")
+            displaced: list[str] = [] if row is None else [u for u in loads(row["displaced_uids"]) or [] if u]
+            other = None if row is None else (loads(row["info"]) or {}).get("nodeUid")
+            moved = False
+            if row is not None and req.node_uid and other and other != req.node_uid:
                 live = row["left_at"] is None and seconds_since(row["last_heartbeat_at"], at) < self.node_live_seconds
-                if other and other != req.node_uid and live:
-                    raise ConflictError(
-                        f"node name {req.name!r} belongs to another live agent (another nodeUid, heartbeat "
-                        f"within {self.node_live_seconds:g} s): give this agent its own agent.name (AGENT_NAME), "
-                        "or stop the other one and retry after its heartbeats stop")
+                if live:
+                    self._check_takeover(req, displaced)
+                displaced = [*(u for u in displaced if u != other), other][-DISPLACED_KEPT:]
+                moved = True
+            displaced = [u for u in displaced if u != req.node_uid]
             if row is None:
                 node_id = new_id()
                 db.execute(
@@ -77,10 +103,32 @@ class NodeStore(Database):
                 node_id = row["id"]
                 db.execute(
                     "UPDATE nodes SET api_key_sha256 = ?, ip = ?, port = ?, version = ?, max_workers = ?,"
-                    " labels = ?, runtimes = ?, info = ?, registered_at = ?, left_at = NULL WHERE id = ?",
-                    (*values, node_id),
+                    " labels = ?, runtimes = ?, info = ?, registered_at = ?, left_at = NULL, displaced_uids = ?"
+                    " WHERE id = ?",
+                    (*values, dumps(displaced) if displaced else None, node_id),
                 )
+            if moved:
+                lost = lose_node_attempts(db, node_id, f"node {req.name}'s name was registered by another agent"
+                                          f" (nodeUid {req.node_uid}{', nameExclusive' if req.name_exclusive else ''}):"
+                                          f" the agent that ran this attempt (nodeUid {other}) is gone")
+                if lost:
+                    _log.warning("node %s: its name moved to nodeUid %s; the earlier agent's %d running task(s) end"
+                                 " their attempt AGENT_LOST: %s", req.name, req.node_uid, len(lost), ", ".join(lost))
         return node_id, api_key
+
+    def _check_takeover(self, req: RegisterRequest, displaced: list[str]) -> None:
+        """Raise ConflictError (409) unless ``req`` may take the name from its live holder (register_node)."""
+        if not req.name_exclusive:
+            raise ConflictError(
+                f"node name {req.name!r} belongs to another live agent (another nodeUid, heartbeat "
+                f"within {self.node_live_seconds:g} s): give this agent its own agent.name (AGENT_NAME), "
+                "or stop the other one and retry after its heartbeats stop")
+        if req.node_uid in displaced:
+            raise ConflictError(
+                f"node name {req.name!r} was taken from this agent (nodeUid {req.node_uid}) by another agent's "
+                "exclusive registration, and that agent is live: an exclusive agent does not take a name back "
+                "(two would take it from each other for ever); waiting until the other one's heartbeats stop "
+                "or it leaves. agent.name_exclusive promises one agent per name: check the orchestrator")
 
     def leave_node(self, node_id: str, api_key: str, leaving: NodeLeaving) -> None:
         """The node's agent stopped on purpose (``POST /api/nodes/{id}/leaving``): release its name, so
@@ -90,8 +138,8 @@ class NodeStore(Database):
         must still be the node's current one — a registration since (the same agent's or another's,
         the name moved on) issued another, so a late leaving of an earlier holder changes nothing:
         UnauthorizedError (401). A ``leaving.node_uid`` other than the holder's: ConflictError (409),
-        nothing changes. Tasks the node still has RUNNING stay its own (the heartbeats of whoever
-        registers the name next reconcile them, docs/protocol.md "Claims and releases").
+        nothing changes. Tasks the node still has RUNNING stay its own (another nodeUid registering
+        the name ends their attempts AGENT_LOST: :meth:`register_node`).
         """
         with self._tx() as db:
             row = db.execute("SELECT info FROM nodes WHERE id = ? AND api_key_sha256 = ?",
@@ -198,6 +246,8 @@ class NodeStore(Database):
                 "lastHeartbeatAt": r["last_heartbeat_at"],
                 "lastHeartbeat": loads(r["last_heartbeat"]),
                 "leftAt": r["left_at"],
+                "nameExclusive": bool(loads(r["info"]).get("nameExclusive")),
+                "displacedNodeUids": loads(r["displaced_uids"]) or [],
                 "pausedReason": (loads(r["last_heartbeat"]) or {}).get("pausedReason"),
             }
             for r in rows

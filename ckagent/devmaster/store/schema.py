@@ -180,8 +180,10 @@ ADDED_COLUMNS: dict[str, tuple[str, ...]] = {
     # outputs: JSON {items: [glob], artifacts: [glob]} (a spider's default, copied into its tasks).
     # egress: JSON {deny: [str], allow: [str]} (a spider's default network policy; a task's own or the copy).
     # left_at: when the node's agent said it was leaving (POST .../leaving; ISO time), null while it holds its
-    # name; a registration clears it.
-    "nodes": ("left_at",),
+    # name; a registration clears it. displaced_uids: JSON list of the nodeUids the name moved away from
+    # (to another nodeUid), oldest first, at most DISPLACED_KEPT: they do not take it back by an exclusive
+    # registration (nameExclusive) while the holder is live (store/nodes.py).
+    "nodes": ("left_at", "displaced_uids"),
     # retry: JSON {maxAttempts, backoffSeconds, factor, on, exitCodes}; resume: restart-replace|restart-keep
     # (a spider's default, a task's own or the copy); not_before: a retried task is not handed out before
     # this ISO time.

@@ -12,6 +12,7 @@ from typing import Any
 from ckagent.master.protocol._fields import (
     ProtocolError,
     drop_none,
+    opt_bool,
     opt_int,
     opt_object,
     opt_str,
@@ -53,6 +54,10 @@ class RegisterRequest:
     """The node's containment level: ``{"level", "details", "limits"}`` (docs/operations.md)."""
     egress: dict[str, Any] = field(default_factory=dict)
     """The node's egress level and policy: ``{"level", "details", "policy", "deny", "allow"}``."""
+    name_exclusive: bool = False
+    """``nameExclusive``: the orchestrator runs at most one agent with this name (a StatefulSet's pod
+    identity; ``agent.name_exclusive``), so a new ``nodeUid`` takes the name over from a live holder at
+    once (docs/protocol.md, "Register"). Sent only when true."""
 
     @classmethod
     def from_json(cls, obj: Any) -> RegisterRequest:
@@ -76,6 +81,7 @@ class RegisterRequest:
             features=str_list(o, "features"),
             containment=opt_object(o, "containment") or {},
             egress=opt_object(o, "egress") or {},
+            name_exclusive=opt_bool(o, "nameExclusive") or False,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -96,7 +102,7 @@ class RegisterRequest:
             "runtimes": self.runtimes,
             "labels": self.labels,
             **drop_none({"nodeUid": self.node_uid, "protocolVersion": self.protocol_version,
-                          "features": list(self.features) or None}),
+                          "features": list(self.features) or None, "nameExclusive": self.name_exclusive or None}),
         }
 
 
