@@ -6,7 +6,7 @@ The scenario is tests/harness/fleet.py's (the suite runs it small in tests/test_
 (``sh -c`` appending one item: the cheapest task there is, so what is measured is the platform) with
 64 long resumable ones spread among them (the SDK's state API, a checkpoint every 2 s). Measured over
 the short phase, from the master's own timestamps: tasks/s (first short task created → the last one
-finished), created → started p50/p99 (all 2,000 are queued at once: this is the queue's wait, not a
+finished), created → started p50/p99 (all 2,000 are queued as fast as the admin API takes them: this is the queue's wait, not a
 dispatch latency; claimed → started beside it), tasks per node (max/min); CPU seconds of the master,
 the agents and their spiders (reaped descendants), and the master's share of them; a py-spy profile
 of the master (when the bench venv has py-spy: ``python -m bench.proxy`` installs it). Then 200 more
@@ -405,7 +405,7 @@ def report(scenario: Scenario, figures: Figures, profile: Profile | None,
                   f"queued in {figures.submit_span:.1f} s"],
         ["master tasks/s (first created → last finished)", f"{figures.tasks_per_second:.1f} "
                                                            f"({figures.short_tasks:,} in {figures.short_span:.1f} s)"],
-        ["created → started p50 / p99 / max (queue wait: all queued at once)",
+        ["created → started p50 / p99 / max (the queue's wait: queued as fast as the admin API takes them)",
          f"{_s(figures.created_to_started['p50'])} / {_s(figures.created_to_started['p99'])} / "
          f"{_s(figures.created_to_started['max'])}"],
         ["claimed → started p50 / p99", f"{_ms(figures.claimed_to_started['p50'])} / "
@@ -439,7 +439,7 @@ def report(scenario: Scenario, figures: Figures, profile: Profile | None,
                        if p.figures.phase_wall else "–",
                        "/".join(map(str, p.figures.spread)), "yes" if not p.figures.problems else "NO"]
                       for p in points]
-        table += "\nSaturation sweep (short tasks only, all queued at once):\n\n" + markdown_table(
+        table += "\nSaturation sweep (short tasks only, queued as fast as the admin API takes them):\n\n" + markdown_table(
             ["agents", "tasks", "tasks/s", "created → started p99", "master CPU ms/task", "master % of a core",
              "master share of fleet CPU", "machine busy", "max/min per node", "exactly once"], sweep_rows)
     if loads:
