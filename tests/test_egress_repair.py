@@ -20,17 +20,25 @@ import time
 from functools import partial
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
-from harness import (
+from harness import (  # noqa: F401 -- no_strays: autouse fixture
+    LEVEL,
+    RecordingMaster,
     connect_from,
     containment_at,
     delete_table,
     egress_kernel_missing,
     eventually,
     loopback_listener,
+    no_strays,
+    running_agent,
+    settings_for,
+    submit,
     table_text,
     tables_deleted,
+    wait_for_log,
 )
 
 from ckagent.containment import ContainmentLevel, Limits, available_levels
@@ -137,7 +145,7 @@ async def test_an_attach_racing_a_deletion_repairs_the_table_and_succeeds(tmp_pa
                 assert first is not None and await trio.to_thread.run_sync(delete_table, name)
                 second = await trio.to_thread.run_sync(egress.attach, jails[1], "t1")  # repairs, then adds
                 assert second is not None and egress.keeper.repairs == 1
-                failures: list[BaseException] = []
+                failures: list[Exception] = []
                 attached = []
                 go = threading.Barrier(3)
 
@@ -146,7 +154,7 @@ async def test_an_attach_racing_a_deletion_repairs_the_table_and_succeeds(tmp_pa
                     for i in indices:
                         try:
                             attached.append(egress.attach(jails[i], f"t{i}"))
-                        except BaseException as exc:
+                        except Exception as exc:
                             failures.append(exc)
 
                 def delete() -> None:
@@ -224,3 +232,55 @@ async def test_a_table_that_cannot_be_made_again_stops_the_tasks_and_closes_the_
             later.close()
             egress.close()
 
+
+
+WAITS_THEN_CONNECTS = """
+import os, socket, time
+port = int(os.environ["TARGET_PORT"])
+go = os.path.join(os.environ["CK_TASK_DIR"], "go")
+print("ready", flush=True)
+for _ in range(600):  # bounded: at most a minute
+    if os.path.exists(go):
+        break
+    time.sleep(0.1)
+try:
+    socket.create_connection(("127.0.0.2", port), timeout=5).close()
+    print("connected", flush=True)
+except ConnectionRefusedError:
+    print("refused", flush=True)
+"""
+
+
+async def test_the_agent_makes_its_table_again_and_keeps_taking_tasks(
+    recording_master: RecordingMaster, nursery: trio.Nursery, tmp_path: Path,
+) -> None:
+    """The agent end to end: its table deleted while a task runs, the task's later connection is
+    refused all the same, ``ckagent_egress_repairs_total`` says so, and the next task succeeds."""
+    LEVEL["current"] = V2_LEVELS[0]
+    admin = recording_master.admin
+    name = table_name(agent_group_name(tmp_path / "agent"))
+    with tables_deleted(name), loopback_listener("127.0.0.2") as port:
+        settings = settings_for(tmp_path, recording_master, AGENT_TASK_EGRESS="nftables", AGENT_TASK_EGRESS_DENY=DENY)
+        async with running_agent(nursery, settings) as agent:
+            running = await submit(admin, "repaired", {"main.py": WAITS_THEN_CONNECTS}, env={"TARGET_PORT": str(port)})
+            await wait_for_log(admin, running, "ready", 60)
+            assert await trio.to_thread.run_sync(delete_table, name)
+
+            async def repairs() -> str:
+                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{agent.status_port}") as client:
+                    metrics = (await client.get("/metrics")).text
+                return "ckagent_egress_repairs_total 1.0" in metrics and metrics
+
+            await eventually(repairs, 10, "the repair counted", interval=0.05)
+            (tmp_path / "agent" / "tasks" / running / "go").write_text("")
+            with trio.fail_after(60):
+                first = await admin.wait_task_final(running, 60)
+            after = await submit(admin, "after", {"main.py": WAITS_THEN_CONNECTS.replace("for _ in range(600)",
+                                                                                       "for _ in range(0)")},
+                                 env={"TARGET_PORT": str(port)})
+            with trio.fail_after(60):
+                second = await admin.wait_task_final(after, 60)
+        first_lines, second_lines = await admin.get_logs(running), await admin.get_logs(after)
+    assert first["status"] == "SUCCESS" and "refused" in first_lines and "connected" not in first_lines, first_lines
+    assert first["egressRefused"] == [{"address": "127.0.0.2", "port": port, "count": 1}], first
+    assert second["status"] == "SUCCESS" and "refused" in second_lines, (second, second_lines)
