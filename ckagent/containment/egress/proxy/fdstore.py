@@ -85,7 +85,7 @@ def check_listener(fd: int, port: int) -> socket.socket:
     sock = socket.socket(fileno=fd)  # (ENOTSOCK for anything but a socket)
     try:
         if sock.family != socket.AF_INET or sock.type != socket.SOCK_STREAM:
-            raise ValueError(f"a socket of family {sock.family!r}, type {sock.type!r}")
+            raise ValueError(f"a socket of family {sock.family.name}, type {sock.type.name}")
         if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
             raise ValueError("a TCP socket that does not listen")
         bound = sock.getsockname()
