@@ -1,7 +1,8 @@
 """``python -m bench [--quick] [--no-scrapyd] [--only NAME[,NAME]] [--out FILE]``: every benchmark, one report.
 
 Runs each benchmark module it knows that is present (dispatch, makespan, overhead, flood, items,
-manytasks, scrape, prepare, startup, adoption, containment, egress, outputs, proxy, checkpoint; each exposes ``run(quick) -> dict``), prints one summary table (target, met or
+manytasks, scrape, prepare, startup, adoption, containment, egress, outputs, proxy, checkpoint, fleet; each exposes ``run(quick) -> dict``;
+``--agents N`` goes to those whose ``run`` takes ``agents``: the fleet's), prints one summary table (target, met or
 not) followed by each module's own table, and writes the same Markdown — with the machine, Python,
 versions, commit and date — to ``bench/results/latest.md`` (``bench/results/quick.md`` with
 ``--quick``) or ``--out``. A module that fails is reported as failed; the others still run.
@@ -29,7 +30,7 @@ import psutil
 from bench._harness import REPO, markdown_table
 
 MODULES = ("dispatch", "makespan", "overhead", "flood", "items", "manytasks", "scrape", "prepare", "startup", "adoption",
-           "containment", "egress", "outputs", "proxy", "checkpoint")
+           "containment", "egress", "outputs", "proxy", "checkpoint", "fleet")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-scrapyd", action="store_true", help="skip Scrapyd and Scrapy (no package downloads)")
     parser.add_argument("--only", default="", help="comma-separated module names (default: all present)")
     parser.add_argument("--out", type=Path, default=None, help="Markdown report path")
+    parser.add_argument("--agents", type=int, default=16, help="agents of the fleet benchmark (16..32)")
     args = parser.parse_args(argv)
     scrapyd = not args.no_scrapyd
     wanted = [m for m in (args.only.split(",") if args.only else MODULES) if m]
@@ -122,7 +124,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"== {name} …", file=sys.stderr, flush=True)
         started = time.monotonic()
-        kwargs = {"scrapyd": scrapyd} if "scrapyd" in inspect.signature(module.run).parameters else {}
+        parameters = inspect.signature(module.run).parameters
+        kwargs: dict[str, Any] = {"scrapyd": scrapyd} if "scrapyd" in parameters else {}
+        if "agents" in parameters:
+            kwargs["agents"] = args.agents
         try:
             result = module.run(args.quick, **kwargs)
         except Exception:

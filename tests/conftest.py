@@ -77,9 +77,10 @@ def _remove_tables_under(root: Path) -> list[str]:
     one). Only where this process may change nftables."""
     if os.geteuid() != 0:
         return []
-    from ckagent.containment.egress.table import remove_orphans
+    from ckagent.containment.egress.owners import remove_orphans
 
-    return remove_orphans(lambda work_dir: work_dir.startswith(str(root) + os.sep))
+    # (also the tables of agents a test ran in a mount namespace of its own: the pod box's)
+    return remove_orphans(lambda work_dir: work_dir.startswith(str(root) + os.sep), all_namespaces=True)
 
 
 @pytest.fixture(autouse=True)

@@ -21,7 +21,8 @@ fleet stopped while they and the long crawls run — a quarter by ``ckagent stop
 a quarter lost (the agent and every process of its tasks SIGKILLed, its work dir deleted:
 harness.nodekill) —; the long crawls released once none is left on a stopped node; every task final.
 :func:`problems` lists what broke "exactly once": a task not SUCCESS, a short task with other than one
-item or (before the stop) more than one attempt, a long crawl whose steps are not 0..n-1 each once.
+item or an earlier attempt that ended other than by a disruption (NODE_LOST, MIGRATED), a long crawl
+whose steps are not 0..n-1 each once.
 
 Cleanup: :func:`fleet` is an async context manager that, whatever happens, SIGKILLs every process of
 every node (harness.nodekill.kill_node: agents, monitors, spiders, cgroups) and the master's whole
@@ -39,12 +40,13 @@ import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager, suppress
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 import trio
 
@@ -53,7 +55,8 @@ from harness.core import AgentProcess
 from harness.identities import spider_reachable
 from harness.nodekill import kill_node
 
-__all__ = ["LONG_SPIDER", "SHORT_COMMAND", "Figures", "Fleet", "Scenario", "fleet", "percentile", "problems"]
+__all__ = ["LONG_SPIDER", "SHORT_COMMAND", "Figures", "Fleet", "Profiler", "Scenario", "fleet", "percentile",
+           "problems"]
 
 SHORT_COMMAND = ["sh", "-c", 'printf \'{"task":"%s"}\\n\' "$CK_TASK_ID" >>"$CK_ITEMS_FILE"']
 """A short task: one item naming its task, no interpreter started."""
@@ -87,6 +90,9 @@ print(f"done: {state['next']} steps", flush=True)
 
 FINAL = ("SUCCESS", "FAILED", "CANCELLED")
 
+Profiler = Callable[[int], AbstractAsyncContextManager[object]]
+"""A profiler of the master's process (its pid), entered around the short phase (:meth:`Fleet.run`)."""
+
 
 @dataclass(frozen=True)
 class Scenario:
@@ -104,6 +110,8 @@ class Scenario:
     step_seconds: float = 0.5
     min_steps: int = 10
     checkpoint_interval: float = 2.0
+    heartbeat_interval: float = 1.0
+    """The agents' heartbeat interval (their default is 30 s; a lost node is noticed after node_lost_after)."""
     node_lost_after: float = 4.0
     memory_limit_bytes: int = 256 * 2**20
     """Each task's memory bound (enforced at the cgroup levels)."""
@@ -139,8 +147,12 @@ class Figures:
     stopped_lost: list[str] = field(default_factory=list)
     migrate_codes: list[tuple[int, int]] = field(default_factory=list)
     attempts: dict[str, int] = field(default_factory=dict)
-    """{"short"/"long"/"stop-wave": number of tasks with more than one attempt}."""
+    """{"short"/"long"/"stop-wave": number of tasks with more than one attempt}. A short task queued before
+    the stop runs twice only when the master gave its node up while it ran (a late heartbeat: the
+    machine starved of CPU past ``node_lost_after``): :attr:`reruns` says why, :func:`problems` holds it."""
     long_steps: dict[str, int] = field(default_factory=dict)
+    reruns: dict[str, int] = field(default_factory=dict)
+    """How the earlier attempts of short tasks run twice ended ({errorCode: count}: disruptions only)."""
     long_on_stopped: dict[str, int] = field(default_factory=dict)
     """Long crawls running on each stopped node when it was stopped."""
     long_resumed: int = 0
@@ -174,6 +186,17 @@ def percentile(values: Sequence[float], q: float) -> float:
         return math.nan
     ordered = sorted(values)
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def admin_client(base_url: str, admin_token: str) -> AdminClient:
+    """An AdminClient whose idle connections expire after 1 s: hypercorn closes a connection idle for 5 s,
+    and a request sent on one at that moment fails with "connection reset" (the fleet's admin client
+    idles while half the fleet stops)."""
+    admin = AdminClient(base_url, admin_token)
+    original = admin._http
+    admin._http = httpx.AsyncClient(base_url=original.base_url, headers=original.headers, timeout=original.timeout,
+                                    limits=httpx.Limits(keepalive_expiry=1.0))
+    return admin
 
 
 async def _list(admin: AdminClient, **query: Any) -> list[dict[str, Any]]:
@@ -293,7 +316,7 @@ class Fleet:
         """Start the master and every agent; return once every node registered and beat (bounded)."""
         s = self.scenario
         base_url = await self.master.start()
-        self.admin = AdminClient(base_url, self.master.admin_token)
+        self.admin = admin_client(base_url, self.master.admin_token)
         for i in range(s.agents):
             name = f"fleet-{i:02d}"
             directory = self.directory / name
@@ -301,6 +324,7 @@ class Fleet:
             agent = AgentProcess(directory, base_url, self.master.registration_token, agent__name=name,
                                  agent__max_workers=s.max_workers, task__long_poll_wait=s.long_poll_wait,
                                  task__memory_limit_bytes=s.memory_limit_bytes,
+                                 heartbeat__interval=s.heartbeat_interval,
                                  deps__uv_index_url="http://127.0.0.1:9/simple")
             self.nodes.append(FleetNode(name, agent))
         for node in self.nodes:
@@ -426,22 +450,13 @@ class Fleet:
                 await self.admin.aclose()
             await self.master.close()
 
-    async def run(self) -> Figures:
-        """The scenario of the module docstring; returns its figures (:func:`problems` lists what broke)."""
+    async def run(self, profile: Profiler | None = None) -> Figures:
+        """The scenario of the module docstring; returns its figures (:func:`problems` lists what broke).
+        ``profile(master_pid)``, when given, is entered around the short phase (a profiler of the master)."""
         s = self.scenario
         figures = Figures(agents=s.agents, short_tasks=s.short_tasks, cpus=psutil.cpu_count() or 1)
         await self.spiders()
-        machine0, master0, (agents0, spiders0) = _busy(), self.master.cpu_seconds(), self.agents_cpu()
-        began = time.monotonic()
-        short_ids, long_ids = await self.submit(s.short_tasks, s.long_tasks)
-        figures.submit_span = time.monotonic() - began
-        tasks = await self.wait_final(short_ids, 60 + s.short_tasks, "the short tasks")
-        figures.phase_wall = time.monotonic() - began
-        figures.machine_cpu = _busy() - machine0
-        figures.master_cpu = self.master.cpu_seconds() - master0
-        agents1, spiders1 = self.agents_cpu()
-        figures.agents_cpu, figures.spiders_cpu = agents1 - agents0, spiders1 - spiders0
-        self._short_figures(figures, [tasks[t] for t in short_ids])
+        short_ids, long_ids = await self.short_phase(figures, s.short_tasks, s.long_tasks, profile)
         await self._wait_checkpointed(long_ids)
         wave, _ = await self.submit(s.short_during_stop)
         await self._stop_half(figures, long_ids)
@@ -451,6 +466,28 @@ class Fleet:
         figures.stop_to_done = time.monotonic() - stopped_at
         figures.problems = await problems(self.require_admin(), tasks, short_ids, long_ids, wave, figures)
         return figures
+
+    async def short_phase(self, figures: Figures, short: int, long: int,
+                          profile: Profiler | None = None) -> tuple[list[str], list[str]]:
+        """Queue ``short`` short tasks and ``long`` long ones (spread among them), wait until every short
+        one is final and fill ``figures`` with what the phase measured; (short ids, long ids)."""
+        async with AsyncExitStack() as stack:
+            if profile is not None:
+                assert self.master.process is not None
+                await stack.enter_async_context(profile(self.master.process.pid))
+            machine0, master0, (agents0, spiders0) = _busy(), self.master.cpu_seconds(), self.agents_cpu()
+            began = time.monotonic()
+            short_ids, long_ids = await self.submit(short, long)
+            figures.submit_span = time.monotonic() - began
+            tasks = await self.wait_final(short_ids, 60 + short, "the short tasks")
+            figures.phase_wall = time.monotonic() - began
+            figures.machine_cpu = _busy() - machine0
+            figures.master_cpu = self.master.cpu_seconds() - master0
+            agents1, spiders1 = self.agents_cpu()
+            figures.agents_cpu, figures.spiders_cpu = agents1 - agents0, spiders1 - spiders0
+        figures.short_tasks = short
+        self._short_figures(figures, [tasks[t] for t in short_ids])
+        return short_ids, long_ids
 
     def _short_figures(self, figures: Figures, short: list[dict[str, Any]]) -> None:
         created = [_epoch(t["createdAt"]) for t in short]
@@ -548,6 +585,16 @@ async def problems(admin: AdminClient, tasks: dict[str, dict[str, Any]], short_i
              "stop-wave": sum(tasks[t].get("attempt", 1) > 1 for t in wave),
              "long": sum(tasks[t].get("attempt", 1) > 1 for t in long_ids)}
     figures.attempts = again
+    # A short task runs again only after a disruption the master decided (its node lost: silent past the
+    # grace — also a live node starved of CPU that long —, or migrated), never for another reason.
+    again_ids = [t for t in [*short_ids, *wave] if tasks[t].get("attempt", 1) > 1]
+    for task_id, view in zip(again_ids, await _bounded([lambda t=t: admin.get_task(t) for t in again_ids], 4),
+                             strict=True):
+        for attempt in (view.get("attempts") or [])[:-1]:
+            cause = str(attempt.get("errorCode"))
+            figures.reruns[cause] = figures.reruns.get(cause, 0) + 1
+            if cause not in ("NODE_LOST", "MIGRATED"):
+                found.append(f"short task {task_id}: an attempt ended {cause} ({attempt.get('errorMessage')})")
     stopped = set(figures.stopped_lost) | set(figures.stopped_migrate)
     views = await _bounded([lambda t=t: admin.get_task(t) for t in long_ids], 4)
     items = await _bounded([lambda t=t: admin.get_items(t) for t in long_ids], 4)

@@ -50,8 +50,8 @@ from typing import Any
 import trio
 import yaml
 
-from ckagent.containment.egress.nft import NftError, open_nft
-from ckagent.containment.egress.table import table_name
+from ckagent.containment.egress.netlink import Netlink, NetlinkError
+from ckagent.containment.egress.owners import table_owner
 from ckagent.containment.hierarchy import agent_group_name, own_dirs
 from harness.core import AgentProcess
 from harness.demo import demo_environ
@@ -164,11 +164,16 @@ def host_leftovers(work_dir: Path) -> list[str]:
     group = agent_group_name(work_dir)
     found = [str(d / group) for d in own_dirs().values() if (d / group).is_dir()]
     try:
-        tables = open_nft().run_json("list tables").get("nftables", [])
-    except NftError:
-        tables = []
-    found += [f"nft table inet {t['table']['name']}" for t in tables
-              if "table" in t and t["table"].get("name") == table_name(group)]
+        netlink = Netlink()
+    except NetlinkError:
+        return found  # (no rights to nftables: there is none of ours either)
+    try:
+        tables = netlink.tables()
+    finally:
+        netlink.close()
+    # the box's agent names its table after its own mount namespace: found by the work dir its comment names
+    found += [f"nft table inet {name}" for name, comment in tables
+              if (owner := table_owner(comment)) is not None and owner[1] == str(work_dir)]
     return found
 
 

@@ -51,6 +51,7 @@ from ckagent.containment.egress.kernel import (
     v2_depth,
 )
 from ckagent.containment.egress.nft import Nft, NftError
+from ckagent.containment.egress.owners import legacy_table_name, remove_legacy, remove_orphans, table_name
 from ckagent.containment.egress.proxy import (
     Dialer,
     FdStore,
@@ -60,15 +61,7 @@ from ckagent.containment.egress.proxy import (
     routes_from_env,
     system_resolve,
 )
-from ckagent.containment.egress.table import (
-    NFT_CGROUP_ROOT,
-    AgentPorts,
-    EgressTable,
-    Refusal,
-    TaskRules,
-    remove_orphans,
-    table_name,
-)
+from ckagent.containment.egress.table import NFT_CGROUP_ROOT, AgentPorts, EgressTable, Refusal, TaskRules
 from ckagent.containment.filewatch import DIRECTORY_CHANGES, FileWatch
 from ckagent.node.agentports import PortRegistry
 from ckagent.node.egress_policy import (
@@ -475,6 +468,9 @@ def _open_nftables(group: Path | None, where: str, group_name: str, policy: Egre
     table = EgressTable(backend, table_name(group_name), depth, "" if work_dir is None else str(work_dir))
     for orphan in remove_orphans(keep=table.name):
         log.info("egress: removed the table inet %s: its agent's work dir no longer exists", orphan)
+    if work_dir is not None and remove_legacy(group_name, str(work_dir)):
+        log.info("egress: removed the table inet %s an older agent made for this work dir",
+                 legacy_table_name(group_name))
     create_table(table)
     egress = Egress(EgressLevel.NFTABLES, f"nftables table inet {table.name} ({backend.kind}), task cgroups at "
                     f"level {depth} below {group}", policy, table=table, v2_root=point,

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from ckagent.containment.egress.errors import EgressError
 from ckagent.containment.egress.nft import Nft, NftError, open_nft
-from ckagent.containment.egress.table import NFT_CGROUP_ROOT, TABLE_PREFIX, EgressTable
+from ckagent.containment.egress.owners import TABLE_PREFIX
+from ckagent.containment.egress.table import NFT_CGROUP_ROOT, EgressTable
 from ckagent.node.levels import Blocker, EgressLevel, Judged
 
 log = logging.getLogger(__name__)

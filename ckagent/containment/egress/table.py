@@ -2,7 +2,8 @@
 
 Layout (family ``inet``, IPv4 and IPv6 alike; ``<P>`` = 12 hex of a policy's hash)::
 
-    table inet ckagent_<work-dir hash>                this agent's only table (never another's)
+    table inet ckagent_<hash>                         this agent's only table (never another's): the
+                                                      hash of its work dir and its mount namespace
         map tasks { type cgroupsv2 : verdict }        task cgroup → jump p_<P>   (one per task)
         chain output  hook output, priority filter:   socket cgroupv2 level <L> vmap @tasks
         set agent_ports { type inet_service }   the ports of every agent on this host (its own
@@ -30,28 +31,26 @@ reset (the spider sees "connection refused" at once), everything else with ICMP 
 
 A task's elements are keyed by its cgroup's id, taken when it is added: they can be removed after
 its cgroup is gone (nft alone names a cgroup by its path, and cannot once the directory is gone).
-The table's comment names the agent's work dir (``ckagent work_dir=<path>``): a starting agent
-deletes the tables of work dirs that no longer exist (:func:`remove_orphans`), tests those of
-their temporary directories.
+The table's name and comment (its mount namespace and work dir), and which tables a starting agent
+deletes: :mod:`.owners`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import ipaddress
 import logging
-import os
 import struct
 import threading
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ckagent.containment.egress.netlink import Netlink, NetlinkError, cgroup_key
 from ckagent.containment.egress.nft import Nft, NftError
+from ckagent.containment.egress.owners import owner_comment
 from ckagent.node.agentports import PortRegistry
 from ckagent.node.egress_policy import EgressPolicy, Network, embedding_networks
 
@@ -68,15 +67,7 @@ AGENT_PORTS_SET = "agent_ports"
 NETLINK_PORTS_BATCH = 256
 """At most this many agent-port changes go over netlink in one batch; more (a flood of planted
 registry entries) are written whole through nft."""
-TABLE_PREFIX = "ckagent_"
-OWNER_COMMENT = "ckagent work_dir="
-"""The table comment's start; the agent's work dir follows."""
 MAX_COMMENT_CHARS = 120
-
-
-def table_name(group_name: str) -> str:
-    """``ckagent_<hash>`` from the containment's agent group name (``ckagent-<hash>``)."""
-    return group_name.replace("-", "_")
 
 
 def policy_key(policy: EgressPolicy, agent_port: int | None, resolvers: tuple[tuple[str, int], ...]) -> str:
@@ -154,7 +145,7 @@ class EgressTable:
         """Start clean: delete this agent's stale table (a crashed run's) and create it afresh."""
         self.delete()
         cg = f"socket cgroupv2 level {self.level}"
-        comment = OWNER_COMMENT + self.owner
+        comment = owner_comment(self.owner)
         shown = f" {{ comment {quote(comment)}; }}" if self.owner and len(comment) <= MAX_COMMENT_CHARS and \
             not any(c in comment for c in '"\\\n\r\0') else ""
         sets = "".join(
@@ -428,36 +419,6 @@ def _delete_table(nft: Nft, name: str) -> bool:
             return False
         raise
     return True
-
-
-def owned_tables(netlink: Netlink) -> dict[str, str | None]:
-    """The ``inet ckagent_*`` tables on the host → the work dir their comment names (None: no such
-    comment, e.g. an older agent's). One netlink dump. Raises NetlinkError."""
-    return {name: comment[len(OWNER_COMMENT):] if comment.startswith(OWNER_COMMENT) else None
-            for name, comment in netlink.tables() if name.startswith(TABLE_PREFIX)}
-
-
-def remove_orphans(orphaned: Callable[[str], bool] = lambda work_dir: not os.path.exists(work_dir),
-                   keep: str = "") -> list[str]:
-    """Delete the ckagent tables whose comment names a work dir ``orphaned`` says is gone (by
-    default: it does not exist; no agent can run there, no task of one is left), except ``keep``.
-    Returns the deleted names; [] when netlink cannot be used (no rights). Never raises."""
-    removed: list[str] = []
-    try:
-        netlink = Netlink()
-    except NetlinkError:
-        return removed
-    try:
-        for name, work_dir in owned_tables(netlink).items():
-            if name != keep and work_dir is not None and orphaned(work_dir):
-                with contextlib.suppress(NetlinkError):  # (gone meanwhile)
-                    netlink.delete_table(name)
-                    removed.append(name)
-    except NetlinkError as exc:
-        log.debug("egress: cannot list the tables (%s)", exc)
-    finally:
-        netlink.close()
-    return removed
 
 
 def _refusal_of_key(set_name: str, key: bytes, packets: int, cgroup: bytes) -> Refusal | None:
