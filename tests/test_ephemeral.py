@@ -14,9 +14,19 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
-from harness import agent_process, agent_settings, submit, wait_exit, wait_for_log, wait_registered
+from harness import (
+    agent_process,
+    agent_settings,
+    eventually,
+    running_agent,
+    submit,
+    wait_exit,
+    wait_for_log,
+    wait_registered,
+)
 
 from ckagent.agent import Agent
 from ckagent.node.ephemeral import EXIT_UNDELIVERED
@@ -62,6 +72,32 @@ async def test_max_tasks_1_claims_one_of_three_delivers_it_and_exits_0(dev_maste
     assert "given back" not in log, log[-3000:]
     assert await _left(admin)
     assert not (agent.directory / "data" / BUDGET_FILE).exists()  # the life ended: the next start counts from 0
+
+
+async def test_a_spent_budget_pauses_intake_but_the_busy_node_stays_ready(dev_master, tmp_path: Path) -> None:
+    """`--max-tasks 1` with its task running: the intake is closed (the master sees `pausedReason`, a second
+    task stays PENDING) but /readyz answers 200 — KEDA's ScaledJob (accurate, pendingPodConditions Ready)
+    counts a Job whose pod is not Ready as one still waiting for a task, so a not-ready busy one-task pod
+    would hold back a new Job per task queued (a new user found it)."""
+    admin = dev_master.admin
+    settings = agent_settings(tmp_path / "node", dev_master.base_url, dev_master.registration_token,
+                              AGENT_MAX_TASKS="1")
+    first = await submit(admin, "busy", LONG, env={"WORK_SECONDS": "30"})
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery, running_agent(nursery, settings) as agent:
+            await wait_for_log(admin, first, "started", timeout=60)
+            second = await submit(admin, "queued", QUICK)
+
+            async def paused_at_master() -> bool:
+                return any("max-tasks" in (n.get("pausedReason") or "") for n in await admin.list_nodes())
+
+            await eventually(paused_at_master, timeout=30)
+            async with httpx.AsyncClient(timeout=5) as client:
+                ready = await client.get(f"http://127.0.0.1:{agent.status_port}/readyz")
+            assert ready.status_code == 200 and ready.text == "ready\n", ready.text
+            assert agent.intake.reason is not None and "max-tasks: 1 of 1" in agent.intake.reason
+            assert (await admin.get_task(second))["status"] == "PENDING"
+            await admin.cancel_task(first)  # (then the agent's exit terminates what is left)
 
 
 async def test_a_restart_after_kill_9_does_not_reset_max_tasks(dev_master, tmp_path: Path) -> None:

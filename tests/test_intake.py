@@ -128,3 +128,19 @@ async def test_a_node_below_its_disk_floor_takes_no_task_says_why_and_resumes(de
 
                 await eventually(ready_again)
                 await eventually(resumed_at_master)
+
+
+def test_a_busy_cause_closes_the_gate_but_leaves_the_node_ready() -> None:
+    """``busy`` (a spent --max-tasks budget): no poll, the heartbeat's reason says so, but not a reason for
+    /readyz; another cause still is."""
+    gate = IntakeGate()
+    gate.close("max-tasks", "max-tasks: 1 of 1 claimed", busy=True)
+    assert gate.reason == "max-tasks: 1 of 1 claimed" and gate.refusal == gate.reason
+    assert gate.unready_reason is None
+    gate.close("disk", "disk low")
+    assert gate.unready_reason == "disk low"
+    gate.open("disk")
+    gate.close("max-tasks", "max-tasks: again")  # closed again without busy: unready
+    assert gate.unready_reason == "max-tasks: again"
+    gate.open("max-tasks")
+    assert gate.reason is None and gate.unready_reason is None

@@ -99,7 +99,8 @@ class EphemeralWatch:
         if not self._gate.is_closed(BUDGET_KEY):
             log.info("max-tasks: %s task(s) claimed: claiming no more; the agent stops once they are done",
                      self.budget.describe())
-            self._gate.close(BUDGET_KEY, f"max-tasks: {self.budget.describe()} claimed; stopping once they are done")
+            self._gate.close(BUDGET_KEY, f"max-tasks: {self.budget.describe()} claimed; stopping once they are done",
+                             busy=True)
         return True
 
     def _finish(self, reason: str) -> None:

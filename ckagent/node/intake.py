@@ -10,9 +10,14 @@ its own key, with a one-line reason, and opens it again when it is gone:
   ckagent.master.fleet);
 - ``max-tasks``, ``exit-when-idle``: an ephemeral worker is done (ckagent.node.ephemeral); the latter
   *soft*: a poll answer already in hand is still settled (its tasks run), nothing is handed back.
+  ``max-tasks`` is *busy*: the node works on what it claimed, so it stays ready (below).
 
 While the gate is closed the poller does not poll; heartbeats go on and carry the reason
-(``pausedReason``), and /readyz answers 503 with it. Reasons never hold secrets.
+(``pausedReason``), and /readyz answers 503 with it — but for a *busy* cause (``max-tasks``): a
+one-task Job's pod that claimed its task is doing its work, and KEDA's ScaledJob (``scalingStrategy:
+accurate`` with ``pendingPodConditions: [Ready]``) counts a Job whose pod is not Ready as one still
+waiting for a task, so a not-ready busy pod would hold back a new Job for every task queued.
+Reasons never hold secrets.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class IntakeGate:
     def __init__(self) -> None:
         self._closed: dict[str, str] = {}
         self._soft: set[str] = set()
+        self._busy: set[str] = set()
         self._opened = trio.Event()
         self._opened.set()
         self._closed_event = trio.Event()
@@ -54,20 +60,32 @@ class IntakeGate:
         return "; ".join(self._closed.values()) if self._closed else None
 
     @property
+    def unready_reason(self) -> str | None:
+        """The reasons of the causes that make the node not ready (/readyz): every cause but the busy
+        ones. None when there is none."""
+        unready = [reason for key, reason in self._closed.items() if key not in self._busy]
+        return "; ".join(unready) if unready else None
+
+    @property
     def refusal(self) -> str | None:
         """The reasons of the causes that also refuse a poll answer already in hand (its claimed tasks are
         given back): every cause but the soft ones. None when there is none."""
         hard = [reason for key, reason in self._closed.items() if key not in self._soft]
         return "; ".join(hard) if hard else None
 
-    def close(self, key: str, reason: str, *, soft: bool = False) -> None:
+    def close(self, key: str, reason: str, *, soft: bool = False, busy: bool = False) -> None:
         """Close the gate for cause ``key`` (idempotent; a new ``reason`` replaces the old one). ``soft``: no
-        new poll and a poll in flight is cut short, but an answer already in hand is settled as if open."""
+        new poll and a poll in flight is cut short, but an answer already in hand is settled as if open.
+        ``busy``: the node takes nothing more but is working, not unwell: it stays ready (/readyz)."""
         self._closed[key] = reason
         if soft:
             self._soft.add(key)
         else:
             self._soft.discard(key)
+        if busy:
+            self._busy.add(key)
+        else:
+            self._busy.discard(key)
         if self._opened.is_set():
             self._opened = trio.Event()
         self._closed_event.set()
@@ -78,6 +96,7 @@ class IntakeGate:
         """Withdraw cause ``key``; the gate opens when no cause is left (idempotent)."""
         self._closed.pop(key, None)
         self._soft.discard(key)
+        self._busy.discard(key)
         if not self._closed:
             self._opened.set()
             if self._closed_event.is_set():

@@ -106,7 +106,7 @@ def agent_statistics(agent: StatusSource) -> AgentStatistics:
         runtimes=tuple(runtime_versions(agent.scan.runtimes).items()),
         master_problem=connectivity.problem,
         master_problem_age=connectivity.problem_age(),
-        intake_reason=agent.intake.reason,
+        intake_reason=agent.intake.unready_reason,
         containment=tuple(agent.containment.to_json().items()) if agent.containment is not None else None,
         egress=tuple(agent.egress.to_json().items()) if agent.egress is not None else None,
         identity=tuple(agent.identities.to_json().items()) if agent.identities is not None else None,

@@ -104,7 +104,8 @@ class AgentStatistics:
     master_problem_age: float = 0.0
     """Seconds that problem has lasted."""
     intake_reason: str | None = None
-    """Why the node takes no tasks for a reason of its own (ckagent.node.intake), None when it takes them."""
+    """Why the node takes no tasks for a reason that makes it not ready (ckagent.node.intake: its busy
+    causes, e.g. a spent ``--max-tasks`` budget, left out), None when there is none."""
     containment: tuple[tuple[str, Any], ...] | None = None
     """The containment level in force (``Containment.to_json()`` items), None before it is opened."""
     egress: tuple[tuple[str, Any], ...] | None = None
