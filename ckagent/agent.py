@@ -92,7 +92,7 @@ from ckagent.port.metrics import AgentMetrics
 from ckagent.port.snapshot import AgentHistory, agent_statistics, node_report
 from ckagent.port.status import AgentStatistics, AgentStatus, serve_status
 from ckagent.port.statuspage import StatusPage
-from ckagent.task.adoption import Adoption, admit_adopted, find_adoptable, run_adopted
+from ckagent.task.adoption import Adoption, admit_adopted, find_adoptable, release_listeners, run_adopted
 from ckagent.task.lifespan import end_of_life, open_lifespan
 from ckagent.task.migrating import REAP_MARGIN
 from ckagent.task.migration import migrate_node
@@ -385,6 +385,7 @@ class Agent:
         for record in leftovers:
             await self.outbox.resume(record)
         self._adopted = [(admit_adopted(self.supervisor, adoption), adoption) for adoption in adoptions]
+        release_listeners(self.supervisor, [a.handle.proxy_port for a in adoptions], keep=True)  # no task's
         if adoptions:
             log.info("re-adopted %d task(s) an earlier agent left: %s", len(adoptions), ", ".join(sorted(adopted)))
         if self.state is AgentState.STARTING:  # (a drain may have come meanwhile)
