@@ -87,7 +87,7 @@ from ckagent.node.notices import Notices
 from ckagent.node.resources import HealthSampler, compute_max_workers
 from ckagent.node.state import AsyncStateStore, StateStore, StateStoreError
 from ckagent.node.stoprequest import StopMode, remove_request
-from ckagent.node.stopsignals import HAND_OVER_SIGNAL, StopActions, receive_stop_signals
+from ckagent.node.stopsignals import HAND_OVER_SIGNAL, StopActions, receive_stop_signals, stop_at_start
 from ckagent.port.metrics import AgentMetrics
 from ckagent.port.snapshot import AgentHistory, agent_statistics, node_report
 from ckagent.port.status import AgentStatistics, AgentStatus, serve_status
@@ -333,7 +333,7 @@ class Agent:
         """STARTING → RUNNING: status server, signals, recovery, registration, outbox, heartbeat, each
         started in ``root``. Returns the StartupError that stops the agent (None: it runs, or a stop
         came first: the state says which)."""
-        s = self.settings
+        s, pending_stop = self.settings, stop_at_start()  # (a stop the pod's supervisor got meanwhile)
         assert self.outbox is not None and self.supervisor is not None and self.heartbeat is not None
         assert self.poller is not None
         log.info("ckagent %s starting: master %s, work_dir %s, max_workers %d",
@@ -397,6 +397,8 @@ class Agent:
         if self.ephemeral is not None:  # (idle from now on, or spent: a restart after the last task)
             root.start_soon(self.ephemeral.run)
         self.started.set()
+        if pending_stop is not None:  # (the crawls are adopted: the signal receiver acts on it now)
+            os.kill(os.getpid(), pending_stop)
         return None
 
     def statistics(self) -> AgentStatistics:
