@@ -87,12 +87,12 @@ from ckagent.node.notices import Notices
 from ckagent.node.resources import HealthSampler, compute_max_workers
 from ckagent.node.state import AsyncStateStore, StateStore, StateStoreError
 from ckagent.node.stoprequest import StopMode, remove_request
-from ckagent.node.stopsignals import HAND_OVER_SIGNAL, StopActions, receive_stop_signals
+from ckagent.node.stopsignals import HAND_OVER_SIGNAL, StopActions, receive_stop_signals, stop_at_start
 from ckagent.port.metrics import AgentMetrics
 from ckagent.port.snapshot import AgentHistory, agent_statistics, node_report
 from ckagent.port.status import AgentStatistics, AgentStatus, serve_status
 from ckagent.port.statuspage import StatusPage
-from ckagent.task.adoption import Adoption, admit_adopted, find_adoptable, run_adopted
+from ckagent.task.adoption import Adoption, admit_adopted, find_adoptable, release_listeners, run_adopted
 from ckagent.task.lifespan import end_of_life, open_lifespan
 from ckagent.task.migrating import REAP_MARGIN
 from ckagent.task.migration import migrate_node
@@ -334,7 +334,7 @@ class Agent:
         """STARTING → RUNNING: status server, signals, recovery, registration, outbox, heartbeat, each
         started in ``root``. Returns the StartupError that stops the agent (None: it runs, or a stop
         came first: the state says which)."""
-        s = self.settings
+        s, pending_stop = self.settings, stop_at_start()  # (a stop the pod's supervisor got meanwhile)
         assert self.outbox is not None and self.supervisor is not None and self.heartbeat is not None
         assert self.poller is not None
         log.info("ckagent %s starting: master %s, work_dir %s, max_workers %d",
@@ -386,6 +386,7 @@ class Agent:
         for record in leftovers:
             await self.outbox.resume(record)
         self._adopted = [(admit_adopted(self.supervisor, adoption), adoption) for adoption in adoptions]
+        release_listeners(self.supervisor, [a.handle.proxy_port for a in adoptions], keep=True)  # no task's
         if adoptions:
             log.info("re-adopted %d task(s) an earlier agent left: %s", len(adoptions), ", ".join(sorted(adopted)))
         if self.state is AgentState.STARTING:  # (a drain may have come meanwhile)
@@ -397,6 +398,8 @@ class Agent:
         if self.ephemeral is not None:  # (idle from now on, or spent: a restart after the last task)
             root.start_soon(self.ephemeral.run)
         self.started.set()
+        if pending_stop is not None:  # (the crawls are adopted: the signal receiver acts on it now)
+            os.kill(os.getpid(), pending_stop)
         return None
 
     def statistics(self) -> AgentStatistics:

@@ -12,6 +12,8 @@ being asked, starts it again in the same container, where it re-adopts the runni
 - :mod:`.supervisor`: the agent's life — spawn, signal forwarding, orphan reaping (``waitpid(-1)``),
   restart with backoff, exit codes (:class:`~.supervisor.Supervisor`, its module docstring has the rules);
 - :mod:`.livez`: ``GET /livez`` (h11), and the probe of the agent's ``/healthz`` it answers from;
+- :mod:`.fdstore`: the descriptor store (systemd's ``FDSTORE=1`` model) that keeps the tasks' proxy
+  listeners open across the agent's restarts, and the agent's start with them from fd 3;
 - :mod:`.loop`: a one-thread selector loop with timers and the signals' wake-up descriptor.
 
 It must stay small (measured: 17 MB resident of which 10 MB its own, no wake-up at idle): no Trio, httpx, prometheus or YAML.

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from ckagent.node.hardening import protect_agent_memory
-from ckagent.node.secretenv import reexec_without_secrets, secrets_fd
+from ckagent.node.secretenv import FD_ENV, reexec_without_secrets, secrets_fd
+from ckagent.pod.fdstore import DescriptorStore
 from ckagent.pod.livez import Health, LiveServer, Probe
 from ckagent.pod.loop import Loop
 from ckagent.pod.supervisor import AgentCommand, Supervisor, set_child_subreaper
@@ -236,7 +237,8 @@ def supervise(options: Options) -> int:
              os.getpid(), shown, int(sock.getsockname()[1]), agent_port)
     argv = [*agent_prefix(), "run", *(["-c", options.config] if options.config else []), *options.agent_args]
     fd = secrets_fd()
-    return Supervisor(loop, AgentCommand(argv, env, () if fd is None else (fd,)), health).run()
+    command = AgentCommand(argv, env, fd_vars=() if fd is None else ((FD_ENV, fd),))
+    return Supervisor(loop, command, health, fdstore=DescriptorStore(loop)).run()
 
 
 def main(argv: Sequence[str]) -> NoReturn:

@@ -228,6 +228,7 @@ async def run_adopted(supervisor: Supervisor, rt: RunningTask, adoption: Adoptio
                         await trio.to_thread.run_sync(detach)
                     jail.close()
                 await trio.to_thread.run_sync(remove_tree, Path(handle.work))
+                release_listeners(supervisor, [handle.proxy_port], keep=False)  # (one never opened again)
             elif rt.delivery is not None and rt.delivery.sink is not None:
                 rt.delivery.sink.close()
             adoption.monitored.close()  # (handed over: the next agent proves it anew)
@@ -261,6 +262,19 @@ async def _egress_again(supervisor: Supervisor, rt: RunningTask, jail: TaskJail,
         return
     notice(f"egress ({egress.level}): {egress.effective(rt.task.egress).describe()}")
     egress.chain(rt.egress, {**spider_base_env(), **supervisor.config.extra_env, **rt.task.env}, notice)
+
+
+def release_listeners(supervisor: Supervisor, ports: list[int], *, keep: bool) -> None:
+    """At the proxy level under a descriptor store (ckagent.containment.egress.proxy.fdstore): close the
+    inherited listeners of ``ports`` not taken (``keep=False``), or every inherited listener but those
+    of ``ports`` (``keep=True``: the adopted tasks' ports, after the adoption). Never raises."""
+    egress = supervisor.config.egress
+    server = egress.server if egress is not None else None
+    if server is not None:
+        if keep:
+            server.fdstore.release_unclaimed(ports)
+        else:
+            server.fdstore.release(ports)
 
 
 def admit_adopted(supervisor: Supervisor, adoption: Adoption) -> RunningTask:

@@ -151,6 +151,7 @@ from harness.nodelocks import *  # noqa: F403
 from harness.npmregistry import *  # noqa: F403
 from harness.pagedsite import *  # noqa: F403
 from harness.procs import *  # noqa: F403
+from harness.proxyclients import *  # noqa: F403
 from harness.pythons import *  # noqa: F403
 from harness.pyz import *  # noqa: F403
 from harness.rawnode import *  # noqa: F403

@@ -54,6 +54,7 @@ from ckagent.containment.egress.nft import Nft, NftError
 from ckagent.containment.egress.owners import legacy_table_name, remove_legacy, remove_orphans, table_name
 from ckagent.containment.egress.proxy import (
     Dialer,
+    FdStore,
     ProxyServer,
     Resolve,
     TaskProxy,
@@ -95,7 +96,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
 _T = TypeVar("_T")
 
 def describe_refusals(refused: list[Refusal]) -> str:
@@ -133,8 +133,8 @@ class Egress(AgentPorts):
         self.registry = registry
         self.keeper = TableKeeper(table, self.agent_ports) if table is not None else None
         """At ``nftables``: the table made again when someone else deletes it (:mod:`.repair`)."""
-        self.server: ProxyServer | None = ProxyServer() if level.uses_proxy else None
-        """At the ``proxy`` level: the forward proxy (:mod:`.proxy`), served by :meth:`serve`."""
+        self.server = ProxyServer(fdstore=FdStore.from_environ()) if level.uses_proxy else None
+        """At ``proxy``: the forward proxy (:mod:`.proxy`, its listeners kept in a store: :mod:`.proxy.fdstore`)."""
         self._proxied: dict[str, TaskProxy] = {}
         """At the ``proxy`` level: the rules' chain (the task's proxy user name) → its side of the proxy."""
         self._key = _proxy_key(work_dir) if level.uses_proxy else b""

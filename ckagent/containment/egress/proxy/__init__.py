@@ -27,6 +27,7 @@ Use (``ckagent.containment.egress.Egress`` does this for the agent)::
 from __future__ import annotations
 
 from ckagent.containment.egress.proxy.errors import ProxyError
+from ckagent.containment.egress.proxy.fdstore import FdStore
 from ckagent.containment.egress.proxy.limits import Limits
 from ckagent.containment.egress.proxy.routes import PROXY_VARIABLES, Routes, routes_from_env
 from ckagent.containment.egress.proxy.server import ProxyServer
@@ -36,6 +37,7 @@ from ckagent.containment.egress.proxy.upstream import Dialer, Resolve, system_re
 __all__ = [
     "PROXY_VARIABLES",
     "Dialer",
+    "FdStore",
     "Limits",
     "ProxyError",
     "ProxyServer",

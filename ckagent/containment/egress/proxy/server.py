@@ -22,6 +22,7 @@ from typing import Any
 import trio
 
 from ckagent.containment.egress.proxy.exchange import serve_client
+from ckagent.containment.egress.proxy.fdstore import FdStore
 from ckagent.containment.egress.proxy.limits import Limits
 from ckagent.containment.egress.proxy.peer import peer_uid
 from ckagent.containment.egress.proxy.taskproxy import TaskProxy
@@ -67,12 +68,15 @@ _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 
 
 class ProxyServer:
-    """The agent's forward proxy (see the package docstring). ``limits`` its timeouts and sizes.
+    """The agent's forward proxy (see the package docstring). ``limits`` its timeouts and sizes;
+    ``fdstore`` where the listeners outlive the agent (ckagent.containment.egress.proxy.fdstore; default:
+    none).
 
     :meth:`open` and :meth:`close` run on the Trio thread once :meth:`run` has started."""
 
-    def __init__(self, limits: Limits | None = None) -> None:
+    def __init__(self, limits: Limits | None = None, fdstore: FdStore | None = None) -> None:
         self.limits = limits or Limits()
+        self.fdstore = fdstore or FdStore()
         self.budget = connection_budget()
         """Client connections of every task together the proxy serves at once (one more: 503): what the
         process's open-files limit leaves, a connection costing up to :data:`FDS_PER_CONNECTION`."""
@@ -118,20 +122,25 @@ class ProxyServer:
 
     def open(self, task: TaskProxy, port: int = 0) -> int:
         """Listen for ``task`` on 127.0.0.1:``port`` (0: one the OS picks) and serve it; returns the
-        port (also set in ``task.port``). Raises OSError when the port cannot be had, RuntimeError
-        when the server does not run."""
+        port (also set in ``task.port``). The listener of ``port`` inherited from the descriptor store
+        is taken when there is one (a re-adopted task: the connects that waited in its backlog while no
+        agent ran are served now), and each listener opened is stored. Raises OSError when the port
+        cannot be had, RuntimeError when the server does not run."""
         if self._nursery is None:
             raise RuntimeError("the egress proxy is not running")
         self.close(task.task_id)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(("127.0.0.1", port))
-            sock.listen(128)
-        except OSError:
-            sock.close()
-            raise
+        sock = self.fdstore.take(port)
+        if sock is None:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(("127.0.0.1", port))
+                sock.listen(128)
+            except OSError:
+                sock.close()
+                raise
         task.port = sock.getsockname()[1]
+        self.fdstore.store(task.port, sock)
         task.totals = self.outcomes
         listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
         scope = trio.CancelScope()
@@ -146,6 +155,11 @@ class ProxyServer:
         task = self.tasks.pop(task_id, None)
         if found is not None:
             scope, listener = found
+            if self.fdstore.active:  # (its copy in the store must stop listening now, too)
+                with contextlib.suppress(OSError):
+                    listener.socket.shutdown(socket.SHUT_RDWR)
+                if task is not None:
+                    self.fdstore.remove(task.port)
             listener.socket.close()
             scope.cancel()
         if task is not None:
