@@ -96,7 +96,7 @@ from ckagent.task.adoption import Adoption, admit_adopted, find_adoptable, relea
 from ckagent.task.lifespan import end_of_life, open_lifespan
 from ckagent.task.migrating import REAP_MARGIN
 from ckagent.task.migration import migrate_node
-from ckagent.task.nodelevels import open_levels
+from ckagent.task.nodelevels import EgressLost, open_levels
 from ckagent.task.poller import Poller
 from ckagent.task.recovery import recover_lost_tasks
 from ckagent.task.supervisor import RunnerConfig, RunningTask, Supervisor
@@ -275,6 +275,7 @@ class Agent:
         self.metrics.containment_level(containment.level)
         self.metrics.egress_level(self.egress.level)
         self.metrics.egress_proxy = self.egress.server
+        self.metrics.egress_table = self.egress.keeper
         self.metrics.identity_level(identities.level)
         if (notice := identities.notice()) is not None:  # spiders as root or as the agent's uid: said once
             self.notices.set(*notice)
@@ -350,7 +351,7 @@ class Agent:
         egress = self.egress
         if egress is not None:
             await trio.to_thread.run_sync(egress.listening, self.status_port)  # (agent.port 0: the one picked)
-            await root.start(egress.serve)  # (the proxy level's forward proxy; nothing at the others)
+            await root.start(partial(egress.serve, lost=EgressLost(self.supervisor, self.intake)))  # (proxy; table)
         await trio.to_thread.run_sync(remove_request, self.work_dir)  # (a stale `ckagent stop` request)
         root.start_soon(receive_stop_signals, StopActions(
             self.drain, self.migrate, self.terminate, self.hand_over, self._hurry_now,
