@@ -87,7 +87,7 @@ from ckagent.node.notices import Notices
 from ckagent.node.resources import HealthSampler, compute_max_workers
 from ckagent.node.state import AsyncStateStore, StateStore, StateStoreError
 from ckagent.node.stoprequest import StopMode, remove_request
-from ckagent.node.stopsignals import HAND_OVER_SIGNAL, StopActions, receive_stop_signals
+from ckagent.node.stopsignals import HAND_OVER_SIGNAL, StopActions, receive_stop_signals, stop_at_start
 from ckagent.port.metrics import AgentMetrics
 from ckagent.port.snapshot import AgentHistory, agent_statistics, node_report
 from ckagent.port.status import AgentStatistics, AgentStatus, serve_status
@@ -96,7 +96,7 @@ from ckagent.task.adoption import Adoption, admit_adopted, find_adoptable, relea
 from ckagent.task.lifespan import end_of_life, open_lifespan
 from ckagent.task.migrating import REAP_MARGIN
 from ckagent.task.migration import migrate_node
-from ckagent.task.nodelevels import open_levels
+from ckagent.task.nodelevels import EgressLost, open_levels
 from ckagent.task.poller import Poller
 from ckagent.task.recovery import recover_lost_tasks
 from ckagent.task.supervisor import RunnerConfig, RunningTask, Supervisor
@@ -275,6 +275,7 @@ class Agent:
         self.metrics.containment_level(containment.level)
         self.metrics.egress_level(self.egress.level)
         self.metrics.egress_proxy = self.egress.server
+        self.metrics.egress_table = self.egress.keeper
         self.metrics.identity_level(identities.level)
         if (notice := identities.notice()) is not None:  # spiders as root or as the agent's uid: said once
             self.notices.set(*notice)
@@ -333,7 +334,7 @@ class Agent:
         """STARTING → RUNNING: status server, signals, recovery, registration, outbox, heartbeat, each
         started in ``root``. Returns the StartupError that stops the agent (None: it runs, or a stop
         came first: the state says which)."""
-        s = self.settings
+        s, pending_stop = self.settings, stop_at_start()  # (a stop the pod's supervisor got meanwhile)
         assert self.outbox is not None and self.supervisor is not None and self.heartbeat is not None
         assert self.poller is not None
         log.info("ckagent %s starting: master %s, work_dir %s, max_workers %d",
@@ -350,7 +351,7 @@ class Agent:
         egress = self.egress
         if egress is not None:
             await trio.to_thread.run_sync(egress.listening, self.status_port)  # (agent.port 0: the one picked)
-            await root.start(egress.serve)  # (the proxy level's forward proxy; nothing at the others)
+            await root.start(partial(egress.serve, lost=EgressLost(self.supervisor, self.intake)))  # (proxy; table)
         await trio.to_thread.run_sync(remove_request, self.work_dir)  # (a stale `ckagent stop` request)
         root.start_soon(receive_stop_signals, StopActions(
             self.drain, self.migrate, self.terminate, self.hand_over, self._hurry_now,
@@ -397,6 +398,8 @@ class Agent:
         if self.ephemeral is not None:  # (idle from now on, or spent: a restart after the last task)
             root.start_soon(self.ephemeral.run)
         self.started.set()
+        if pending_stop is not None:  # (the crawls are adopted: the signal receiver acts on it now)
+            os.kill(os.getpid(), pending_stop)
         return None
 
     def statistics(self) -> AgentStatistics:

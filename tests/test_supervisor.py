@@ -131,6 +131,45 @@ async def test_kill_9_of_the_agent_restarts_it_in_place_and_its_crawls_complete_
     assert "ended unasked" in node.log_text() and "handed its crawls over" in node.log_text()
 
 
+@pytest.mark.slow
+async def test_sigterm_between_two_agents_stops_the_crawls_as_asked_not_with_the_pod(dev_master, tmp_path: Path) -> None:
+    """SIGTERM to PID 1 while a killed agent's restart is pending and its crawl runs on: PID 1 does not
+    exit (that would end the crawl with the pod, its task RUNNING at the master until the node-lost grace)
+    but starts the next agent at once, which re-adopts the crawl and then acts on the SIGTERM itself (a
+    drain here: the crawl finishes, once); the supervisor exits with the agent's 0 (a new user found it)."""
+    admin = dev_master.admin
+    node = SupervisedNode(tmp_path / "node", dev_master.base_url, dev_master.registration_token)
+    await node.start()
+    async with node:
+        first = await node.new_agent()
+        task_id = await submit(admin, "crawl", {"main.py": WAITER})
+        await eventually(lambda: _spool_has(node, task_id, "ready"), 60, "ready")
+        os.kill(first, signal.SIGKILL)
+        await eventually(lambda: _says(node, "ended unasked"), 10, "the restart pending")
+        await node.signal(signal.SIGTERM)  # within the 1 s backoff
+        second = await node.new_agent(other_than=first)
+        await eventually(lambda: _says(node, "crawls are still running: starting the agent now"), 10)
+        await wait_for_log(admin, task_id, "re-adopted after an agent restart", 60)
+        await eventually(lambda: _spool_has(node, task_id, "ready"), 10)
+        assert await node.agent_pid() == second
+        (_task_dir(node, task_id) / "go").touch()
+        assert await node.wait(90) == 0, node.log_text()[-3000:]
+    task = await admin.get_task(task_id)
+    assert (task["status"], len(task["attempts"])) == ("SUCCESS", 1), task
+    assert len(await admin.get_items(task_id)) == 1
+    assert "draining" in node.log_text(), node.log_text()[-3000:]
+
+
+def test_the_supervisor_and_the_agent_name_one_stop_at_start_variable() -> None:
+    from ckagent.node.stopsignals import STOP_AT_START_ENV, stop_at_start
+    from ckagent.pod.supervisor import STOP_AT_START_ENV as SUPERVISOR_ENV
+
+    assert SUPERVISOR_ENV == STOP_AT_START_ENV
+    environ = {STOP_AT_START_ENV: "SIGTERM", "PATH": "/bin"}
+    assert stop_at_start(environ) == signal.SIGTERM and environ == {"PATH": "/bin"}  # taken out: no spider sees it
+    assert stop_at_start({STOP_AT_START_ENV: "SIGKILL"}) is None and stop_at_start({}) is None
+
+
 async def _two_notes(admin, task_id: str) -> bool:  # type: ignore[no-untyped-def]
     lines = await admin.get_logs(task_id)
     return sum("re-adopted after an agent restart" in line for line in lines) == 2
@@ -201,7 +240,7 @@ async def test_an_agent_that_refuses_its_configuration_ends_the_supervisor_with_
     await node.start()
     async with node:
         assert await node.wait(30) == 2
-    assert "refused its configuration (exit code 2)" in node.log_text()
+    assert "refused its configuration or its arguments (exit code 2)" in node.log_text()
     assert node.log_text().count("agent started") == 1
     bad = tmp_path / "bad.yaml"
     bad.write_text("agent: [\n")

@@ -9,11 +9,18 @@
     SIGINT    terminate
     SIGUSR2   hand over (HAND_OVER_SIGNAL: stop, leave the running spiders to the next agent)
     any, while STOPPING (the final flush): skip what is left of it and exit now
+
+A stop that came while no agent ran: the pod's supervisor (ckagent.pod) got SIGTERM or SIGINT between a
+crashed agent and the next one while crawls were still running, so it starts the next agent at once with
+``CKAGENT_STOP_AT_START`` naming the signal; that agent re-adopts the crawls, then sends the signal to
+itself (:func:`stop_at_start`): the crawls are migrated or drained as the signal asks, not left to the
+pod's end.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +35,22 @@ log = logging.getLogger(__name__)
 HAND_OVER_SIGNAL = signal.SIGUSR2
 """Stop the agent and leave its running tasks to the next agent, which re-adopts them (``run.sh
 upgrade``/``restart``). SIGTERM still drains, SIGINT terminates (docs/operations.md)."""
+
+
+STOP_AT_START_ENV = "CKAGENT_STOP_AT_START"
+"""Set by the pod's supervisor: ``SIGTERM`` or ``SIGINT``, the stop to act on once the agent runs."""
+
+
+def stop_at_start(environ: dict[str, str] | os._Environ[str] = os.environ) -> signal.Signals | None:
+    """The stop a supervisor handed to this agent (module docstring), taken out of ``environ`` so no
+    spider inherits it; None without one or for another value (logged). Never raises."""
+    value = environ.pop(STOP_AT_START_ENV, None)
+    if value is None:
+        return None
+    if value in ("SIGTERM", "SIGINT"):
+        return signal.Signals[value]
+    log.warning("ignoring %s=%r (SIGTERM or SIGINT expected)", STOP_AT_START_ENV, value[:40])
+    return None
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,10 @@ SIGTERM, SIGINT, SIGHUP or SIGUSR1 while the agent runs    forwards it; when the
 SIGUSR2 (hand over) while the agent runs                   forwards it; the agent exits leaving its
                                                            crawls running, the next agent starts at
                                                            once and re-adopts them (an in-place restart)
-SIGTERM or SIGINT while no agent runs (a restart pending)  exits 0 (HUP, USR1, USR2: logged, ignored)
+SIGTERM or SIGINT while no agent runs (a restart pending)  crawls still running (children left): starts
+                                                           the agent at once, told to act on the signal
+                                                           once it re-adopted them (migrate or drain);
+                                                           none: exits 0 (HUP, USR1, USR2: ignored)
 the agent exits 0 unasked (``ckagent stop``: drain or      exits 0: the pod or Job ends
 migrate; ``--exit-when-idle``; ``--max-tasks``)
 the agent exits 2 (its configuration)                      exits 2 (a restart would fail the same way)
@@ -43,6 +46,9 @@ from dataclasses import dataclass, field
 from ckagent.pod.fdstore import STORE_ENV, DescriptorStore, Spawned, spawn
 from ckagent.pod.livez import UP_AFTER, Health
 from ckagent.pod.loop import Loop, Timer
+
+STOP_AT_START_ENV = "CKAGENT_STOP_AT_START"
+"""The agent's variable for a stop to act on once it runs (ckagent.node.stopsignals.STOP_AT_START_ENV)."""
 
 log = logging.getLogger("ckagent.pod")
 
@@ -147,7 +153,7 @@ class Supervisor:
             self.fdstore.close()
         return self.exit_code
 
-    def _spawn(self) -> None:
+    def _spawn(self, extra_env: dict[str, str] | None = None) -> None:
         self._restart = None
         self._stop_signal, self._handing_over = None, False
         env, fds = dict(self.command.env), list[int]()
@@ -156,7 +162,8 @@ class Supervisor:
             env = {k: v for k, v in env.items() if k not in STORE_ENV}
             env.update(more)
         try:
-            self.agent = spawn(self.command.argv, env, fds, self.command.pass_fds, dict(self.command.fd_vars))
+            self.agent = spawn(self.command.argv, {**env, **(extra_env or {})}, fds, self.command.pass_fds,
+                               dict(self.command.fd_vars))
         except (OSError, ValueError) as exc:
             log.error("cannot start the agent (%s): %s", self.command.argv[0], getattr(exc, "strerror", None) or exc)
             self._finish(1)
@@ -181,7 +188,15 @@ class Supervisor:
                 self.exit_code = self._finishing
             return
         if self.agent is None:
-            if signum in (signal.SIGTERM, signal.SIGINT):
+            if signum in (signal.SIGTERM, signal.SIGINT) and self._restart is not None and _children():
+                # crawls outlived the dead agent: the next one starts now, re-adopts them and then acts on
+                # the stop itself (ckagent.node.stopsignals.stop_at_start) — exiting would end them with the pod
+                log.info("%s while no agent runs and crawls are still running: starting the agent now to "
+                         "stop them as asked", name)
+                self._restart.cancel()
+                self._spawn({STOP_AT_START_ENV: name})
+                self._stop_signal = signum
+            elif signum in (signal.SIGTERM, signal.SIGINT):
                 log.info("%s while no agent runs: exiting", name)
                 self._finish(0)
             else:
@@ -224,8 +239,9 @@ class Supervisor:
             log.info("the agent (pid %d) stopped after %s: %s", pid, _name(self._stop_signal), how)
             self._finish(128 - code if code < 0 else code)
         elif code == EXIT_USAGE:
-            log.error("the agent (pid %d) refused its configuration (exit code 2): not restarting; "
-                      "fix the configuration (its log says what), then restart the pod", pid)
+            log.error("the agent (pid %d) refused its configuration or its arguments (exit code 2): not "
+                      "restarting; fix what its log names (the config file, an AGENT_* variable or a flag "
+                      "after `--`), then restart the pod", pid)
             self._finish(EXIT_USAGE)
         elif self._handing_over:
             log.info("the agent (pid %d) handed its crawls over (%s): starting the next one now", pid, how)

@@ -52,6 +52,8 @@ Exported (see :data:`METRIC_NAMES`)::
                                                        error (transport), protocol_error (an answer not in
                                                        the protocol's words) or the HTTP status
     ckagent_master_request_duration_seconds{endpoint}  histogram (a long poll includes its hold time)
+    ckagent_egress_repairs_total                       times the nftables table was deleted by someone else and
+                                                       made again with the tasks' rules (ckagent.containment.egress.repair)
     process_*                                          the process collector's series (cpu, memory, fds, start time)
 """
 
@@ -96,6 +98,7 @@ from ckagent.port.exposition import SLICE_SECONDS, Constant, LatencyByEndpoint, 
 
 if TYPE_CHECKING:
     from ckagent.containment.egress.proxy import ProxyServer
+    from ckagent.containment.egress.repair import TableKeeper
     from ckagent.delivery import Outbox
 
 log = logging.getLogger(__name__)
@@ -124,7 +127,7 @@ METRIC_NAMES = frozenset({
     "ckagent_master_request_duration_seconds", "ckagent_containment_level", "ckagent_task_cpu_seconds",
     "ckagent_task_memory_peak_bytes", "ckagent_egress_level", "ckagent_identity_level", "ckagent_egress_refused_total",
     "ckagent_egress_proxy_requests_total", "ckagent_egress_proxy_connections_total",
-    "ckagent_slots_capacity", "ckagent_slots_busy", "ckagent_idle_seconds",
+    "ckagent_slots_capacity", "ckagent_slots_busy", "ckagent_idle_seconds", "ckagent_egress_repairs_total",
 })  # fmt: skip
 """The agent's own metric names as they appear on /metrics (histograms add _bucket/_sum/_count)."""
 
@@ -215,6 +218,9 @@ class _LiveCollector(Collector):
         yield requests
         yield CounterMetricFamily("ckagent_egress_proxy_connections", "Client connections the egress proxy "
                                   "accepted.", value=proxy.connections if proxy is not None else 0)
+        keeper = m.egress_table  # (the nftables level only)
+        yield CounterMetricFamily("ckagent_egress_repairs", "Times the egress table was deleted by someone else "
+                                  "and made again with the tasks' rules.", value=keeper.repairs if keeper else 0)
         out = live.outbox
         yield GaugeMetricFamily("ckagent_outbox_log_lines",
                                 "Task log lines written and not yet acknowledged by the master.", value=out.log_lines)
@@ -301,6 +307,8 @@ class AgentMetrics:
                                       "proxy's at the proxy level).", registry=r)
         self.egress_proxy: ProxyServer | None = None
         """At the proxy egress level: the forward proxy, whose counts are read at each scrape."""
+        self.egress_table: TableKeeper | None = None
+        """At the nftables egress level: the table's keeper, whose repairs are read at each scrape."""
         self.task_cpu = Histogram(
             "ckagent_task_cpu_seconds", "CPU seconds (user + system) of finished tasks, installers included "
             "(cgroup levels).", buckets=TASK_CPU_BUCKETS, registry=r,

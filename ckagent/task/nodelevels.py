@@ -1,6 +1,7 @@
 """The node's levels, opened once at the agent's start: whom spiders run as (ckagent.node.identity), how
 tasks are contained (ckagent.containment) and how their egress is enforced (ckagent.containment.egress).
-A level named in the settings that this node cannot have is a configuration error (exit 2)."""
+A level named in the settings that this node cannot have is a configuration error (exit 2). While it runs:
+what the node does when its egress table is gone for good (:class:`EgressLost`)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,14 @@ from ckagent.containment.hierarchy import agent_group_name
 from ckagent.node.agentports import PortRegistry
 from ckagent.node.config import ConfigError, Settings
 from ckagent.node.identity import Identities, IdentityError
+from ckagent.node.intake import IntakeGate
 from ckagent.node.state import AsyncStateStore
+from ckagent.task.admission import Admission
 from ckagent.task.runconfig import node_identities
+from ckagent.task.stop import StopReason
+
+EGRESS_INTAKE_KEY = "egress"
+"""The intake gate's key while the egress table cannot be made (ckagent.node.intake)."""
 
 
 @dataclass(frozen=True)
@@ -54,3 +61,26 @@ async def open_levels(settings: Settings, store: AsyncStateStore, busy: Callable
         containment.close()
         raise ConfigError(str(exc)) from exc
     return NodeLevels(identities, containment, egress)
+
+
+class EgressLost:
+    """The agent's side of :class:`ckagent.containment.egress.repair.LostRules`: tasks whose rules are gone
+    for good are stopped (EGRESS_LOST: they must not crawl without their network policy), and while the
+    table cannot be made the node takes no tasks (intake key ``egress``; /readyz and the heartbeats say
+    why). On the Trio thread."""
+
+    def __init__(self, admission: Admission, gate: IntakeGate) -> None:
+        self._admission, self._gate = admission, gate
+
+    def stop(self, task_ids: list[str], why: str) -> None:
+        """Stop each of ``task_ids`` running here for EGRESS_LOST, saying ``why``."""
+        for task_id in task_ids:
+            self._admission.cancel(task_id, StopReason.EGRESS_LOST,
+                                   f"egress: {why}; the task is stopped (it must not run without its network policy)")
+
+    def intake(self, why: str | None) -> None:
+        """Close the intake (``why``) or open it again (None)."""
+        if why is None:
+            self._gate.open(EGRESS_INTAKE_KEY)
+        else:
+            self._gate.close(EGRESS_INTAKE_KEY, f"egress: {why}: taking no tasks until it can be made again")

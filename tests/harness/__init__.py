@@ -77,6 +77,9 @@ node without yarn or pnpm),
   interpreter every uid runs: :func:`spider_python`); :func:`process_ids` reads who a process runs as,
   :func:`runs_as` whom a task log says its spider ran as (:func:`assert_default_identity`: the level
   a test agent gets, :data:`DEFAULT_IDENTITY`), :func:`id_files` writes passwd/group files naming chosen ids.
+- Tasks at the ``nftables`` egress level (:mod:`harness.egresskernel`): :func:`egress_kernel_missing` (why
+  not here), :func:`containment_at`, :func:`loopback_listener`, :func:`connect_from` (a child in a task's
+  jail), :func:`table_text`, :func:`delete_table` and :func:`tables_deleted` (the test's agent's own table).
 - :func:`bounded` runs a call that must not block (the agent reading a spider's FIFO) in a thread and
   fails the test when it does (:mod:`harness.hostilefiles`).
 - :func:`loopback_listeners` / :func:`hold_port`: a test's server on 127.0.0.x holds its port number on
@@ -128,6 +131,7 @@ from harness.core import *  # noqa: F403
 from harness.crawlsite import *  # noqa: F403
 from harness.demo import *  # noqa: F403
 from harness.eggs import *  # noqa: F403
+from harness.egresskernel import *  # noqa: F403
 from harness.environs import *  # noqa: F403
 from harness.examples import *  # noqa: F403
 from harness.fakes import *  # noqa: F403

@@ -61,7 +61,8 @@ from ckagent.containment.egress.proxy import (
     routes_from_env,
     system_resolve,
 )
-from ckagent.containment.egress.table import NFT_CGROUP_ROOT, AgentPorts, EgressTable, Refusal, TaskRules
+from ckagent.containment.egress.repair import LostRules, TableKeeper
+from ckagent.containment.egress.table import AgentPorts, EgressTable, Refusal, TaskRules
 from ckagent.containment.filewatch import DIRECTORY_CHANGES, FileWatch
 from ckagent.node.agentports import PortRegistry
 from ckagent.node.egress_policy import (
@@ -130,6 +131,8 @@ class Egress(AgentPorts):
         self.passed_over: tuple[Unavailable, ...] = ()
         self.table, self.v2_root, self.agent_port, self.resolvers = table, v2_root, agent_port, resolvers
         self.registry = registry
+        self.keeper = TableKeeper(table, self.agent_ports) if table is not None else None
+        """At ``nftables``: the table made again when someone else deletes it (:mod:`.repair`)."""
         self.server = ProxyServer(fdstore=FdStore.from_environ()) if level.uses_proxy else None
         """At ``proxy``: the forward proxy (:mod:`.proxy`, its listeners kept in a store: :mod:`.proxy.fdstore`)."""
         self._proxied: dict[str, TaskProxy] = {}
@@ -139,15 +142,19 @@ class Egress(AgentPorts):
         """At the ``proxy`` level: how names are resolved for the tasks attached from now on (tests
         put a fixed table here)."""
 
-    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """Run the level's service until cancelled: at ``proxy`` the forward proxy (startable:
-        ``started()`` once tasks can be attached); at ``nftables`` :meth:`watch_agent_ports`; at
-        ``off`` it returns at once."""
-        if self.server is None:
+    async def serve(self, *, lost: LostRules | None = None, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the level's service until cancelled (startable: ``started()`` once tasks can be attached):
+        at ``proxy`` the forward proxy; at ``nftables`` :meth:`watch_agent_ports` and the table's keeper
+        (:mod:`.repair`: the table made again when deleted; ``lost`` told when it cannot be); at ``off``
+        it returns at once."""
+        if self.server is not None:
+            await self.server.run(task_status=task_status)
+            return
+        async with trio.open_nursery() as nursery:
+            if self.keeper is not None:
+                await nursery.start(self.keeper.watch, lost)
             task_status.started()
             await self.watch_agent_ports()
-            return
-        await self.server.run(task_status=task_status)
 
     async def watch_agent_ports(self) -> None:
         """Keep the table's set of agent ports up to date while tasks run: the registry's directories
@@ -195,18 +202,14 @@ class Egress(AgentPorts):
                 with contextlib.suppress(ValueError):
                     self.registry.register([task.port])
             return TaskRules(task_id, "", user, policy)
-        if self.table is None:
+        if self.keeper is None:
             return None
         if jail is None:
             raise EgressError("egress: the nftables level needs the task's jail")
-        path = jail.v2_path()
-        if path is None:
-            raise EgressError(f"egress: the task's jail ({jail.level}) has no cgroup in the v2 tree to filter")
-        policy = self.effective(task_policy)
         self.refresh_agent_ports()  # (agents that came or went since the last task)
-        try:
-            return self.table.add(task_id, str(path.relative_to(NFT_CGROUP_ROOT)), policy, self.agent_port,
-                                  self.resolvers, pin=task_policy is None)  # (the node's: most tasks')
+        try:  # (pinned: the node's policy chain, most tasks')
+            return self.keeper.attach(jail, task_id, self.effective(task_policy), self.agent_port, self.resolvers,
+                                      pin=task_policy is None)
         except (NftError, ValueError) as exc:
             raise EgressError(f"egress: cannot add the rules of task {task_id}: {exc}") from exc
 
@@ -251,12 +254,8 @@ class Egress(AgentPorts):
                 _on_trio_thread(self.server.close, task.task_id)
             if self.registry is not None:
                 self.registry.unregister([task.port])
-        if rules is None or self.table is None:
-            return
-        try:
-            self.table.remove(rules, refused or [])
-        except NftError as exc:  # pragma: no cover - remove() logs and swallows nft's refusals
-            log.warning("egress: cannot remove the rules of task %s: %s", rules.task_id, exc)
+        if rules is not None and self.keeper is not None:
+            self.keeper.remove(rules, refused or [])  # (never raises: nft's refusals are logged)
 
     def chain(self, rules: TaskRules | None, env: Mapping[str, str],
               notice: Callable[[str], None] | None = None) -> None:
@@ -309,10 +308,10 @@ class Egress(AgentPorts):
         self.leave()
         if handed:
             log.info("egress: the table stays for the %d task(s) left running", handed)
-        elif self.table is not None:
+        elif self.keeper is not None:
             with contextlib.suppress(NftError):
-                self.table.close()
-            self.table = None
+                self.keeper.close()
+            self.table = self.keeper = None
 
 
 def _on_trio_thread(fn: Callable[..., _T], *args: Any) -> _T:

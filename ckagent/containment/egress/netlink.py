@@ -35,11 +35,18 @@ NFNL_SUBSYS_NFTABLES = 10
 NFNL_MSG_BATCH_BEGIN, NFNL_MSG_BATCH_END = 16, 17
 NFT_MSG_NEWTABLE, NFT_MSG_GETTABLE, NFT_MSG_DELTABLE = 0, 1, 2
 NFT_MSG_NEWSETELEM, NFT_MSG_GETSETELEM, NFT_MSG_DELSETELEM = 12, 13, 14
+NFT_MSG_DESTROYTABLE = 26
+NFNLGRP_NFTABLES = 7
+"""The multicast group of nf_tables' change events (what ``nft monitor`` reads)."""
+SOL_NETLINK, NETLINK_ADD_MEMBERSHIP = 270, 1
+SO_RCVBUFFORCE = 33  # (Linux; not in Python's socket module)
+EVENTS_RECEIVE_BYTES = 4 << 20
+"""The receive buffer asked for the events socket (a flush of a large ruleset is a burst of events)."""
 NLMSG_ERROR, NLMSG_DONE = 2, 3
 NLM_F_REQUEST, NLM_F_MULTI, NLM_F_ACK, NLM_F_DUMP, NLM_F_CREATE = 0x1, 0x2, 0x4, 0x300, 0x400
 NLA_F_NESTED = 0x8000
 NFPROTO_INET = 1
-NFTA_TABLE_NAME, NFTA_TABLE_USERDATA = 1, 6
+NFTA_TABLE_NAME, NFTA_TABLE_HANDLE, NFTA_TABLE_USERDATA = 1, 4, 6
 NFTNL_UDATA_TABLE_COMMENT = 0
 NFTA_SET_ELEM_LIST_TABLE, NFTA_SET_ELEM_LIST_SET, NFTA_SET_ELEM_LIST_ELEMENTS = 1, 2, 3
 NFTA_LIST_ELEM = 1
@@ -162,6 +169,23 @@ class Netlink:
                           _comment(parts.get(NFTA_TABLE_USERDATA, b""))))
         return found
 
+    def table_handle(self, name: str) -> int | None:
+        """The handle of the ``inet`` table ``name`` (the kernel numbers each table it makes: one made
+        again has another), None when there is no such table. Raises NetlinkError."""
+        with self._lock:
+            seq, message = self._message((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETTABLE, NLM_F_REQUEST,
+                                         _attr(NFTA_TABLE_NAME, _name(name)))
+            self._send(message)
+            try:
+                for kind, body in self._replies(seq, until_done=False):
+                    if kind == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWTABLE:
+                        return _handle(body[4:])
+            except NetlinkError as exc:
+                if exc.errno == errno_.ENOENT:
+                    return None
+                raise
+        raise NetlinkError(errno_.EPROTO, "netlink: no answer for the table")  # pragma: no cover
+
     def delete_table(self, name: str) -> None:
         """Delete the ``inet`` table ``name`` with everything in it. Raises NetlinkError (ENOENT: none)."""
         self._batch([(NFT_MSG_DELTABLE, 0, _attr(NFTA_TABLE_NAME, _name(name)))])
@@ -232,6 +256,62 @@ class Netlink:
     def close(self) -> None:
         """Close the socket (idempotent)."""
         self._sock.close()
+
+
+class TableEvents:
+    """The deletions of ``inet`` tables on this host as the kernel announces them (the nf_tables
+    multicast group, as ``nft monitor`` reads it). Non-blocking: wait until :attr:`sock` is readable,
+    then :meth:`deleted`. Raises NetlinkError when the socket cannot be opened or subscribed."""
+
+    def __init__(self) -> None:
+        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK,
+                             NETLINK_NETFILTER)
+        try:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, EVENTS_RECEIVE_BYTES)
+            except OSError:  # (no CAP_NET_ADMIN for a forced size: the system's default)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, EVENTS_RECEIVE_BYTES)
+            sock.bind((0, 0))
+            sock.setsockopt(SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, NFNLGRP_NFTABLES)
+        except OSError as exc:
+            sock.close()
+            raise NetlinkError(exc.errno or errno_.EPROTO, f"netlink: cannot follow nftables' events: {exc}") from exc
+        self.sock = sock
+
+    def deleted(self, name: str) -> list[int | None]:
+        """The handles of the ``inet`` tables ``name`` deleted since the last call (None: a deletion that
+        did not say its handle); [] when nothing arrived. Never blocks. Raises NetlinkError (ENOBUFS: the
+        kernel dropped events, the buffer was full: what was missed is unknown)."""
+        found: list[int | None] = []
+        wanted = (NFT_MSG_DELTABLE, NFT_MSG_DESTROYTABLE)
+        while True:
+            try:
+                data = self.sock.recv(RECEIVE_BYTES)
+            except BlockingIOError:
+                return found
+            except OSError as exc:
+                raise NetlinkError(exc.errno or errno_.EPROTO, f"netlink: nftables' events were lost: {exc}") from exc
+            offset = 0
+            while offset + _HEADER.size <= len(data):
+                length, kind, _flags, _seq, _pid = _HEADER.unpack_from(data, offset)
+                if length < _HEADER.size:
+                    break
+                body = data[offset + _HEADER.size:offset + length]
+                offset += (length + 3) & ~3
+                if kind >> 8 == NFNL_SUBSYS_NFTABLES and kind & 0xFF in wanted and body[:1] == bytes([NFPROTO_INET]):
+                    parts = dict(_attrs(body[4:]))
+                    if parts.get(NFTA_TABLE_NAME, b"").rstrip(b"\0") == name.encode():
+                        found.append(_handle(body[4:]))
+
+    def close(self) -> None:
+        """Close the socket (idempotent)."""
+        self.sock.close()
+
+
+def _handle(body: bytes) -> int | None:
+    """The NFTA_TABLE_HANDLE of a table message's attributes (None without one)."""
+    value = dict(_attrs(body)).get(NFTA_TABLE_HANDLE, b"")
+    return int(struct.unpack(">Q", value)[0]) if len(value) == 8 else None
 
 
 def _comment(udata: bytes) -> str:
