@@ -352,3 +352,46 @@ async def test_kill_9_of_the_agent_refuses_no_connect_of_a_proxied_spider(dev_ma
 
 async def _more(site: object, count: int) -> bool:
     return sum(site.page_fetches().values()) >= count  # type: ignore[attr-defined]
+
+
+NOTIFYING_CHILD = textwrap.dedent("""
+    import os, socket, sys
+    from ckagent.containment.egress.proxy.fdstore import FdStore
+    store = FdStore.from_environ()
+    assert store.active and sorted(store.listeners) == [int(sys.argv[1])], store.listeners
+    assert "NOTIFY_SOCKET" in os.environ and "LISTEN_FDS" not in os.environ
+    sock = store.take(int(sys.argv[1]))
+    store.store(int(sys.argv[1]), sock)
+    store.remove(int(sys.argv[1]))
+""")
+
+
+@pytest.mark.parametrize("abstract", [False, True])
+def test_under_systemd_the_notify_socket_is_the_store(tmp_path: Path, abstract: bool) -> None:
+    """Without the supervisor's pair, ``NOTIFY_SOCKET`` (a path, or ``@name``) gets sd_notify's messages:
+    the listener inherited from fd 3 (no ``LISTEN_PID`` here: accepted absent; systemd's, the agent's pid,
+    is accepted too: the parsing tests) is taken,
+    stored again with ``FDSTORE=1`` + ``FDNAME=ckproxy-<port>`` and one descriptor, then removed."""
+    manager = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    name = f"@ckagent-test-{os.getpid()}-{time.monotonic_ns()}" if abstract else str(tmp_path / "notify")
+    manager.bind("\0" + name[1:] if abstract else name)
+    manager.settimeout(20)
+    good = _listener()
+    port = good.getsockname()[1]
+    env = {**os.environ, "NOTIFY_SOCKET": name, "LISTEN_FDS": "1", "LISTEN_FDNAMES": f"ckproxy-{port}",
+           "PYTHONPATH": str(Path(__file__).parents[1])}
+    env.pop("CKAGENT_FDSTORE_FD", None)
+    child = spawn([sys.executable, "-c", NOTIFYING_CHILD, str(port)], env, [good.fileno()])
+    _, status = os.waitpid(child.pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    data, ancillary, _flags, _addr = manager.recvmsg(256, socket.CMSG_SPACE(4 * 4))
+    assert data == f"FDSTORE=1\nFDNAME=ckproxy-{port}\n".encode()
+    fds = [fd for level, kind, raw in ancillary if kind == socket.SCM_RIGHTS
+           for fd in array.array("i", raw[:len(raw) - len(raw) % 4])]
+    assert len(fds) == 1
+    with socket.socket(fileno=fds[0]) as stored:
+        assert stored.getsockname() == ("127.0.0.1", port)
+    data, ancillary, _flags, _addr = manager.recvmsg(256, socket.CMSG_SPACE(4 * 4))
+    assert data == f"FDSTOREREMOVE=1\nFDNAME=ckproxy-{port}\n".encode() and not ancillary
+    good.close()
+    manager.close()

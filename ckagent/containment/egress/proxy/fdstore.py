@@ -8,7 +8,10 @@ model (sd_notify(3) ``FDSTORE=1`` / ``FDNAME=`` / ``FDSTOREREMOVE=1``; sd_listen
 
 - the supervisor starts each agent with an end of a socket pair (:data:`STORE_FD_ENV`: its number) and
   the listeners stored so far from fd 3 on (``LISTEN_FDS``, ``LISTEN_FDNAMES``; no ``LISTEN_PID``:
-  ``subprocess`` cannot know the pid before the exec, so it is accepted absent);
+  the pid is not known before the exec, so it is accepted absent); without that pair, systemd's
+  ``NOTIFY_SOCKET`` is the store (config/ckagent.service: ``NotifyAccess=main``,
+  ``FileDescriptorStoreMax=``): systemd keeps the descriptors across a ``Restart=`` after a crash and
+  hands them back the same way (with ``LISTEN_PID``);
 - :meth:`FdStore.from_environ` takes the inherited listeners named ``ckproxy-<port>`` (each checked: a
   listening TCP socket of AF_INET bound to 127.0.0.1:<port>; anything else is closed and logged), makes
   every one of them and the pair's end non-inheritable, and removes the variables from the environment;
@@ -119,7 +122,7 @@ class FdStore:
         ``os.environ``) :data:`STORE_FD_ENV` and ``LISTEN_*`` out of it. Inherited descriptors that
         are not a valid ``ckproxy-<port>`` listener are closed and logged. Never raises."""
         env = os.environ if environ is None else environ
-        channel = _channel(env.pop(STORE_FD_ENV, ""))
+        channel = _channel(env.pop(STORE_FD_ENV, "")) or _notify_channel(env.get("NOTIFY_SOCKET", ""))
         if channel is None:  # (not under a store: whatever else was inherited is not ours to judge)
             return cls()
         announced = parse_listen_fds(env, os.getpid())
@@ -201,6 +204,23 @@ class FdStore:
             log.warning("egress proxy: the descriptor store did not take %r: %s", text.replace("\n", " ").strip(), exc)
             return False
         return True
+
+
+def _notify_channel(address: str) -> socket.socket | None:
+    """systemd's notification socket (``NOTIFY_SOCKET``: a path, or ``@name`` in the abstract namespace)
+    as a connected datagram socket (non-inheritable), or None: not set, another kind of address, or it
+    cannot be reached (logged). The unit must say ``NotifyAccess=main`` and ``FileDescriptorStoreMax=``
+    (config/ckagent.service), else systemd ignores the messages and nothing is kept."""
+    if not address.startswith(("/", "@")) or len(address) > 107:
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        sock.connect("\0" + address[1:] if address.startswith("@") else address)
+    except OSError as exc:
+        sock.close()
+        log.warning("egress proxy: NOTIFY_SOCKET %r cannot be reached (%s): no descriptor store", address, exc)
+        return None
+    return sock
 
 
 def _channel(text: str) -> socket.socket | None:
