@@ -2,7 +2,7 @@
 no agent can come back for.
 
 An agent's table is ``inet ckagent_<10 hex>``: the hash of its work dir's group name and of its mount
-namespace; its comment is ``ckagent mntns=<inode> work_dir=<path>`` (an older agent's:
+namespace; its comment is ``ckagent@<inode, hex> work_dir=<path>`` (an older agent's:
 ``ckagent work_dir=<path>``, named after the work dir alone: :func:`legacy_table_name`). A starting
 agent deletes the tables of work dirs that no longer exist in *its* mount namespace
 (:func:`remove_orphans`) and its own work dir's legacy table (:func:`remove_legacy`). Agents in other
@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 TABLE_PREFIX = "ckagent_"
 OWNER_COMMENT = "ckagent work_dir="
 """The comment of a table made by an agent before tables named their mount namespace (legacy)."""
-MNTNS_COMMENT = "ckagent mntns="
-"""The comment of a table: ``ckagent mntns=<inode> work_dir=<path>``."""
+MNTNS_COMMENT = "ckagent@"
+"""The comment of a table: ``ckagent@<mount namespace inode, hex> work_dir=<path>`` (compact: a comment
+holds at most 127 bytes, and a work dir that does not fit leaves the table without one)."""
 
 
 def mount_namespace() -> int:
@@ -57,8 +58,8 @@ def legacy_table_name(group_name: str) -> str:
 
 
 def owner_comment(work_dir: str) -> str:
-    """The comment of this agent's table for ``work_dir``: ``ckagent mntns=<inode> work_dir=<path>``."""
-    return f"{MNTNS_COMMENT}{mount_namespace()} work_dir={work_dir}"
+    """The comment of this agent's table for ``work_dir``: ``ckagent@<inode, hex> work_dir=<path>``."""
+    return f"{MNTNS_COMMENT}{mount_namespace():x} work_dir={work_dir}"
 
 
 def table_owner(comment: str) -> tuple[int | None, str] | None:
@@ -68,8 +69,8 @@ def table_owner(comment: str) -> tuple[int | None, str] | None:
         return None, comment[len(OWNER_COMMENT):]
     if comment.startswith(MNTNS_COMMENT):
         ns, sep, work_dir = comment[len(MNTNS_COMMENT):].partition(" work_dir=")
-        if sep and ns.isdigit() and work_dir:
-            return int(ns), work_dir
+        if sep and work_dir and 0 < len(ns) <= 16 and all(c in "0123456789abcdef" for c in ns):
+            return int(ns, 16), work_dir
     return None
 
 
