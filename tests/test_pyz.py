@@ -47,7 +47,7 @@ def test_pyz_is_reproducible_compressed_and_holds_only_what_it_needs(
         infos = archive.infolist()
         names = {info.filename for info in infos}
         environment = json.loads(archive.read("environment.json"))
-    assert environment["entry_point"] == "ckagent.cli:main"
+    assert environment["entry_point"] == "ckagent.__main__:main"  # (supervise is dispatched before ckagent.cli)
     assert all(info.compress_type == zipfile.ZIP_DEFLATED for info in infos)
     assert {info.date_time for info in infos} == {infos[0].date_time}, "one fixed timestamp"
     assert "site-packages/ckagent/_sdk/crawlerkeeper_sdk/__init__.py" in names
