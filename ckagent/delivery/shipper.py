@@ -5,6 +5,7 @@ See the package docstring (ckagent.delivery) for the whole design.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -409,8 +410,9 @@ class StreamShipper(AnswerJudge):
         answer = Answer("ok", self.local(value or 0)) if error is None else self._judge(error, seq, count)
         if answer is None or answer.kind == "retry":
             if self._nursery is not None:  # None: the stream was closed meanwhile (the agent stops)
-                self._nursery.start_soon(self._fly, flight, seq, count, body, True,
-                                         answer.retry_after if answer is not None else None)
+                with contextlib.suppress(RuntimeError):  # its nursery is closing: the data stays for the next start
+                    self._nursery.start_soon(self._fly, flight, seq, count, body, True,
+                                             answer.retry_after if answer is not None else None)
             return
         self.refusing_since = None
         flight.answer = answer
