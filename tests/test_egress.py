@@ -17,10 +17,8 @@ and fall back to the ``proxy`` level, which is what those tests assert.
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -39,7 +37,11 @@ from harness import (  # noqa: F401 -- no_strays: autouse fixture
     RecordingMaster,
     agent_process,
     another_agent,
+    connect_from,
+    containment_at,
+    egress_kernel_missing,
     eventually,
+    loopback_listener,
     no_strays,
     running_agent,
     settings_for,
@@ -51,12 +53,9 @@ from harness import (  # noqa: F401 -- no_strays: autouse fixture
 )
 
 from ckagent.containment import (
-    Containment,
     ContainmentLevel,
     Limits,
-    TaskJail,
     available_levels,
-    open_containment,
 )
 from ckagent.containment.egress import EgressError, EgressLevel, describe_refusals, open_egress, parse_text
 from ckagent.containment.egress.nft import BinaryNft, LibNft, NftError, open_nft
@@ -72,18 +71,7 @@ LEVELS_HERE = [level.value for level in available_levels(Path(tempfile.gettempdi
 V2_LEVELS = [lvl for lvl in LEVELS_HERE if ContainmentLevel(lvl).has_cgroup]
 
 
-def _kernel_can() -> str | None:
-    """Why nftables egress cannot be tested here (None = it can)."""
-    if os.geteuid() != 0:
-        return "needs root (CAP_NET_ADMIN)"
-    if shutil.which("nft") is None:
-        return "the nft program is not installed (apt-get install nftables)"
-    if not Path("/sys/fs/cgroup/unified").is_dir() and not Path("/sys/fs/cgroup/cgroup.controllers").exists():
-        return "no cgroup v2 tree"
-    return None
-
-
-needs_kernel = pytest.mark.skipif(_kernel_can() is not None, reason=str(_kernel_can()))
+needs_kernel = pytest.mark.skipif(egress_kernel_missing() is not None, reason=str(egress_kernel_missing()))
 
 
 def _list_table(name: str) -> dict[str, Any] | None:
@@ -105,46 +93,6 @@ def tables() -> Iterator[list[str]]:
     finally:
         for name in made:
             subprocess.run(["nft", "delete", "table", "inet", name], capture_output=True, check=False)
-
-
-@contextlib.contextmanager
-def listener(address: str) -> Iterator[int]:
-    """A listening TCP socket on a loopback ``address`` (IPv4 or IPv6); yields its port."""
-    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as sock:
-        sock.bind((address, 0))
-        sock.listen(16)
-        yield sock.getsockname()[1]
-
-
-# A child that leaves its session, runs with an empty environment and ignores proxy variables,
-# then connects straight to the address it is given: exit 0 connected, 7 refused.
-ESCAPER = """
-import os, socket, sys
-os.setsid()
-for name in list(os.environ):
-    del os.environ[name]
-try:
-    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5).close()
-except ConnectionRefusedError:
-    sys.exit(7)
-sys.exit(0)
-"""
-
-
-def _connect_from(jail: TaskJail, address: str, port: int) -> int:
-    """Run ESCAPER inside ``jail`` (it joins before exec, like every task process); its exit code."""
-    env = {"PATH": os.environ.get("PATH", ""), "HTTP_PROXY": "http://127.0.0.1:9", "ALL_PROXY": "http://127.0.0.1:9"}
-    argv, options = jail.spawn([sys.executable, "-I", "-S", "-c", ESCAPER, address, str(port)], env)
-    return subprocess.run(argv, env={}, timeout=30, check=False, **options).returncode
-
-
-@contextlib.contextmanager
-def containment_at(level: str, work_dir: Path, *, use_unified: bool = True) -> Iterator[Containment]:
-    containment = open_containment(level, work_dir, use_unified=use_unified)
-    try:
-        yield containment
-    finally:
-        containment.close()
 
 
 # ------------------------------------------------------------------------------ the policy (pure logic)
@@ -212,7 +160,7 @@ def test_a_task_is_refused_while_the_agent_and_another_task_connect(
     tmp_path: Path, tables: list[str], level: str
 ) -> None:
     policy = parse_text("metadata,link-local,agent,127.0.0.2", "")
-    with containment_at(level, tmp_path) as containment, listener("127.0.0.2") as port:
+    with containment_at(level, tmp_path) as containment, loopback_listener("127.0.0.2") as port:
         egress = open_egress("nftables", containment, agent_group_name(tmp_path), policy, agent_port=9)
         tables.append(table_name(agent_group_name(tmp_path)))
         denied = containment.jail("denied", Limits())
@@ -221,15 +169,15 @@ def test_a_task_is_refused_while_the_agent_and_another_task_connect(
             rules = egress.attach(denied, "denied")
             # The other task's own policy allows 127.0.0.2 (the allow entry beats the node's denial).
             other_rules = egress.attach(other, "other", from_wire({"allow": ["127.0.0.2"]}, "egress"))
-            assert _connect_from(denied, "127.0.0.2", port) == 7
-            assert _connect_from(denied, "127.0.0.2", port) == 7
-            assert _connect_from(other, "127.0.0.2", port) == 0
+            assert connect_from(denied, "127.0.0.2", port) == 7
+            assert connect_from(denied, "127.0.0.2", port) == 7
+            assert connect_from(other, "127.0.0.2", port) == 0
             socket.create_connection(("127.0.0.2", port), timeout=5).close()  # the agent itself
             assert egress.refusals(rules) == [Refusal("127.0.0.2", port, 2)]
             assert egress.refusals(other_rules) == []
             egress.detach(rules, egress.refusals(rules))
             egress.detach(other_rules)
-            assert _connect_from(denied, "127.0.0.2", port) == 0  # the rules went with the task
+            assert connect_from(denied, "127.0.0.2", port) == 0  # the rules went with the task
             table = _list_table(egress.table.name if egress.table else "")
             assert table is not None
             leftovers = [o for o in table["nftables"] if "chain" in o and o["chain"]["name"].startswith(("p_", "e_"))]
@@ -289,8 +237,8 @@ def test_the_rules_read_back_deny_metadata_link_local_private_and_the_agent_port
 @needs_kernel
 def test_the_agent_port_and_loopback_groups_match_a_local_socket(tmp_path: Path, tables: list[str]) -> None:
     """The same rule shapes as for the metadata addresses, matched for real on loopback."""
-    with containment_at(V2_LEVELS[0], tmp_path) as containment, listener("127.0.0.1") as agent_port, \
-            listener("127.0.0.3") as other_port:
+    with containment_at(V2_LEVELS[0], tmp_path) as containment, loopback_listener("127.0.0.1") as agent_port, \
+            loopback_listener("127.0.0.3") as other_port:
         egress = open_egress("nftables", containment, agent_group_name(tmp_path), parse_text("agent", ""),
                              agent_port=agent_port)
         tables.append(table_name(agent_group_name(tmp_path)))
@@ -299,9 +247,9 @@ def test_the_agent_port_and_loopback_groups_match_a_local_socket(tmp_path: Path,
         try:
             egress.attach(jail, "ports")
             egress.attach(loop_jail, "loop", from_wire({"deny": ["loopback"]}, "egress"))
-            assert _connect_from(jail, "127.0.0.1", agent_port) == 7  # the agent's own port
-            assert _connect_from(jail, "127.0.0.3", other_port) == 0  # another local port
-            assert _connect_from(loop_jail, "127.0.0.3", other_port) == 7  # the whole loopback range
+            assert connect_from(jail, "127.0.0.1", agent_port) == 7  # the agent's own port
+            assert connect_from(jail, "127.0.0.3", other_port) == 0  # another local port
+            assert connect_from(loop_jail, "127.0.0.3", other_port) == 7  # the whole loopback range
         finally:
             jail.close()
             loop_jail.close()
@@ -319,9 +267,9 @@ def test_this_host_in_every_form_and_every_agents_port_are_refused_by_the_kernel
     forgotten when the next task is added."""
     directory = tmp_path / "ports"
     registry = PortRegistry(directory, liveness_interval=0)
-    with containment_at(V2_LEVELS[0], tmp_path) as containment, listener("127.0.0.1") as own, \
-            listener("127.0.0.1") as plain, listener("::1") as plain6, listener("127.0.0.2") as denied, \
-            listener("127.0.0.3") as theirs, listener("127.0.0.3") as free:
+    with containment_at(V2_LEVELS[0], tmp_path) as containment, loopback_listener("127.0.0.1") as own, \
+            loopback_listener("127.0.0.1") as plain, loopback_listener("::1") as plain6, loopback_listener("127.0.0.2") as denied, \
+            loopback_listener("127.0.0.3") as theirs, loopback_listener("127.0.0.3") as free:
         registry.register([own])
         egress = open_egress("nftables", containment, agent_group_name(tmp_path), parse_text("agent", ""),
                              agent_port=own, registry=registry)
@@ -334,15 +282,15 @@ def test_this_host_in_every_form_and_every_agents_port_are_refused_by_the_kernel
                 addr = egress.attach(jails["addr"], "addr", from_wire({"deny": ["127.0.0.2"]}, "egress"))
                 assert egress.table is not None and egress.table.agent_ports == {own, theirs}
                 for address in ("127.0.0.1", "0.0.0.0", "::ffff:127.0.0.1", "::ffff:0.0.0.0"):
-                    assert _connect_from(jails["agent"], address, own) == 7, address  # this agent's port
-                assert _connect_from(jails["agent"], "127.0.0.3", theirs) == 7  # the other agent's
-                assert _connect_from(jails["agent"], "::ffff:127.0.0.3", theirs) == 7
-                assert _connect_from(jails["agent"], "127.0.0.3", free) == 0  # not an agent's port
-                assert _connect_from(jails["agent"], "0.0.0.0", plain) == 0 and _connect_from(jails["agent"], "::", plain6) == 0
-                assert _connect_from(jails["loop"], "0.0.0.0", plain) == 7 and _connect_from(jails["loop"], "::", plain6) == 7
-                assert _connect_from(jails["loop"], "::ffff:127.0.0.3", free) == 7
-                assert _connect_from(jails["addr"], "::ffff:127.0.0.2", denied) == 7
-                assert _connect_from(jails["addr"], "127.0.0.3", free) == 0
+                    assert connect_from(jails["agent"], address, own) == 7, address  # this agent's port
+                assert connect_from(jails["agent"], "127.0.0.3", theirs) == 7  # the other agent's
+                assert connect_from(jails["agent"], "::ffff:127.0.0.3", theirs) == 7
+                assert connect_from(jails["agent"], "127.0.0.3", free) == 0  # not an agent's port
+                assert connect_from(jails["agent"], "0.0.0.0", plain) == 0 and connect_from(jails["agent"], "::", plain6) == 0
+                assert connect_from(jails["loop"], "0.0.0.0", plain) == 7 and connect_from(jails["loop"], "::", plain6) == 7
+                assert connect_from(jails["loop"], "::ffff:127.0.0.3", free) == 7
+                assert connect_from(jails["addr"], "::ffff:127.0.0.2", denied) == 7
+                assert connect_from(jails["addr"], "127.0.0.3", free) == 0
                 assert egress.refusals(addr) == [Refusal("127.0.0.2", denied, 1)]  # IPv4 packets
                 refused = egress.refusals(rules)
                 assert {(r.address, r.port) for r in refused} == {("127.0.0.1", own), ("127.0.0.3", theirs)}, refused
@@ -351,8 +299,8 @@ def test_this_host_in_every_form_and_every_agents_port_are_refused_by_the_kernel
                 other.wait()
                 later = egress.attach(jails["later"], "later")  # the set is brought up to date
                 assert egress.table.agent_ports == {own}
-                assert _connect_from(jails["later"], "127.0.0.3", theirs) == 0
-                assert _connect_from(jails["later"], "0.0.0.0", own) == 7
+                assert connect_from(jails["later"], "127.0.0.3", theirs) == 0
+                assert connect_from(jails["later"], "0.0.0.0", own) == 7
             for r in (rules, loop, addr, later):
                 egress.detach(r)
         finally:
@@ -367,7 +315,7 @@ async def test_an_agent_that_starts_while_a_task_runs_is_refused_to_it_at_once(t
     """The nftables level's service watches the registry: another agent's port joins the set when
     its entry appears (no new task needed) and leaves it when its entry goes."""
     directory = tmp_path / "ports"
-    with containment_at(V2_LEVELS[0], tmp_path) as containment, listener("127.0.0.3") as theirs:
+    with containment_at(V2_LEVELS[0], tmp_path) as containment, loopback_listener("127.0.0.3") as theirs:
         egress = open_egress("nftables", containment, agent_group_name(tmp_path), parse_text("agent", ""),
                              registry=PortRegistry(directory))
         tables.append(table_name(agent_group_name(tmp_path)))
@@ -376,7 +324,7 @@ async def test_an_agent_that_starts_while_a_task_runs_is_refused_to_it_at_once(t
         assert egress.table is not None
         try:
             rules = egress.attach(jail, "running")
-            assert await trio.to_thread.run_sync(_connect_from, jail, "127.0.0.3", theirs) == 0
+            assert await trio.to_thread.run_sync(connect_from, jail, "127.0.0.3", theirs) == 0
             async with trio.open_nursery() as service:
                 await service.start(egress.serve)
                 table = egress.table
@@ -389,9 +337,9 @@ async def test_an_agent_that_starts_while_a_task_runs_is_refused_to_it_at_once(t
 
                 with another_agent(directory, [theirs]):
                     await eventually(refused, 10, "the other agent's port in the set", interval=0.01)
-                    assert await trio.to_thread.run_sync(_connect_from, jail, "127.0.0.3", theirs) == 7
+                    assert await trio.to_thread.run_sync(connect_from, jail, "127.0.0.3", theirs) == 7
                 await eventually(reachable, 10, "the port gone with the entry", interval=0.01)
-                assert await trio.to_thread.run_sync(_connect_from, jail, "127.0.0.3", theirs) == 0
+                assert await trio.to_thread.run_sync(connect_from, jail, "127.0.0.3", theirs) == 0
                 service.cancel_scope.cancel()
             egress.detach(rules)
         finally:
@@ -428,7 +376,7 @@ def test_a_tasks_elements_go_over_netlink_read_back_like_nft_and_go_after_its_cg
     table): the kernel holds the same element nft would write, the refusals read the same as nft's
     JSON listing, and the elements are removed by the cgroup's id even after its directory is gone."""
     policy = parse_text("metadata,127.0.0.2", "")
-    with containment_at(V2_LEVELS[0], tmp_path) as containment, listener("127.0.0.2") as port:
+    with containment_at(V2_LEVELS[0], tmp_path) as containment, loopback_listener("127.0.0.2") as port:
         egress = open_egress("nftables", containment, agent_group_name(tmp_path), policy, work_dir=tmp_path)
         name = table_name(agent_group_name(tmp_path))
         tables.append(name)
@@ -441,9 +389,9 @@ def test_a_tasks_elements_go_over_netlink_read_back_like_nft_and_go_after_its_cg
             listed = subprocess.run(["nft", "list", "map", "inet", name, "tasks"], capture_output=True, text=True,
                                     check=True).stdout
             assert f'"{rules.cgroup}" : jump {rules.chain}' in listed, listed
-            assert _connect_from(fast, "127.0.0.2", port) == 7
-            assert _connect_from(fast, "127.0.0.2", port) == 7
-            assert _connect_from(first, "127.0.0.2", port) == 7
+            assert connect_from(fast, "127.0.0.2", port) == 7
+            assert connect_from(fast, "127.0.0.2", port) == 7
+            assert connect_from(first, "127.0.0.2", port) == 7
             refused = egress.refusals(rules)
             assert refused == [Refusal("127.0.0.2", port, 2)]
             elements, egress.table.elements = egress.table.elements, None
@@ -501,14 +449,14 @@ def test_the_nft_program_is_the_fallback_of_the_library(tmp_path: Path, tables: 
     assert open_nft().kind == "libnftables"
     with pytest.raises(NftError, match="cannot be loaded"):
         LibNft("libnftables-missing.so.9")
-    with containment_at(V2_LEVELS[0], tmp_path) as containment, listener("127.0.0.2") as port:
+    with containment_at(V2_LEVELS[0], tmp_path) as containment, loopback_listener("127.0.0.2") as port:
         egress = open_egress("nftables", containment, agent_group_name(tmp_path), parse_text("127.0.0.2", ""),
                              nft=BinaryNft())
         tables.append(table_name(agent_group_name(tmp_path)))
         jail = containment.jail("binary", Limits())
         try:
             rules = egress.attach(jail, "binary")
-            assert _connect_from(jail, "127.0.0.2", port) == 7
+            assert connect_from(jail, "127.0.0.2", port) == 7
             assert egress.refusals(rules) == [Refusal("127.0.0.2", port, 1)]
             egress.detach(rules)
         finally:
@@ -577,7 +525,7 @@ async def test_the_agent_refuses_reports_and_shows_a_tasks_connections(
               "    except ConnectionRefusedError:\n"
               "        print('refused', flush=True)\n"
               "time.sleep(30)\n")
-    with listener("127.0.0.2") as port:
+    with loopback_listener("127.0.0.2") as port:
         settings = settings_for(tmp_path, recording_master, AGENT_TASK_EGRESS="nftables",
                                 AGENT_TASK_EGRESS_DENY="metadata,link-local,agent,127.0.0.2")
         async with running_agent(nursery, settings) as agent:
@@ -638,7 +586,7 @@ async def test_a_spiders_egress_from_the_reference_master_reaches_the_agent(
     LEVEL["current"] = level
     tables.append(table_name(agent_group_name(tmp_path / "agent")))
     admin = recording_master.admin
-    with listener("127.0.0.2") as port2, listener("127.0.0.3") as port3:
+    with loopback_listener("127.0.0.2") as port2, loopback_listener("127.0.0.3") as port3:
         targets = [f"127.0.0.2:{port2}", f"127.0.0.3:{port3}"]
         settings = settings_for(tmp_path, recording_master, AGENT_TASK_EGRESS="nftables",
                                 AGENT_TASK_EGRESS_DENY="metadata,link-local,agent,127.0.0.3")
@@ -781,7 +729,7 @@ async def test_a_task_handed_over_to_the_next_agent_stays_under_its_policy(
     admin = recording_master.admin
     table = table_name(agent_group_name(tmp_path / "node" / "data"))
     tables.append(table)
-    with listener("127.0.0.2") as port:
+    with loopback_listener("127.0.0.2") as port:
         agent = agent_process(tmp_path, recording_master.base_url, recording_master.registration_token,
                               task__containment=level, task__egress="nftables",
                               task__egress_deny="metadata,link-local,agent,127.0.0.2")

@@ -33,9 +33,9 @@ def egress_kernel_missing() -> str | None:
 
 
 @contextlib.contextmanager
-def containment_at(level: str, work_dir: Path) -> Iterator[Containment]:
-    """The containment ``level`` for ``work_dir``, closed at the end."""
-    containment = open_containment(level, work_dir)
+def containment_at(level: str, work_dir: Path, *, use_unified: bool = True) -> Iterator[Containment]:
+    """The containment ``level`` for ``work_dir`` (``use_unified=False``: a pure v1 one), closed at the end."""
+    containment = open_containment(level, work_dir, use_unified=use_unified)
     try:
         yield containment
     finally:
@@ -44,8 +44,8 @@ def containment_at(level: str, work_dir: Path) -> Iterator[Containment]:
 
 @contextlib.contextmanager
 def loopback_listener(address: str) -> Iterator[int]:
-    """A listening TCP socket on the loopback ``address``; yields its port."""
-    with socket.socket() as sock:
+    """A listening TCP socket on a loopback ``address`` (IPv4 or IPv6); yields its port."""
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as sock:
         sock.bind((address, 0))
         sock.listen(16)
         yield sock.getsockname()[1]
